@@ -1,0 +1,258 @@
+"""attention: causal GQA attention of new query tokens over a paged K/V cache.
+
+One kernel serves training, chunked prefill and decode. Its input is a flat batch of query
+tokens ``q[T, Hq, D]`` grouped by sequence (``cu_seqlens_q``), each sequence's total length
+``seq_lens`` (cached context + its new tokens; the new tokens are the last ones) and a block
+table mapping each sequence's positions to cache slots: position ``p`` of sequence ``s`` lives
+in slot ``block_table[s, p // page_size] * page_size + p % page_size`` of the caches
+``[slots, Hkv, D]``. Training is the same call with an empty context: its packed K/V *are* the
+cache, read through a trivial block table with ``page_size = 1`` (`attention_packed`).
+
+Invariance contract (DESIGN.md rule 2): for every query row, the keys are reduced in blocks of
+`BLOCK_N` aligned to absolute positions 0, BLOCK_N, 2*BLOCK_N, ... with an fp32 online softmax,
+by one compiled kernel configuration (`BLOCK_M`, `BLOCK_N`, `NUM_WARPS`, `NUM_STAGES` fixed;
+`page_size` is a runtime argument that Triton does not specialize on), so a query's output is
+the same whether it is computed packed, in prefill chunks of any size, or as a decode step. A
+tile may run past a row's last key; those blocks are fully masked and leave the row's state
+bitwise unchanged (p = 0, alpha = exp2(0) = 1). No split-KV. The reference does the same on CPU
+with `exact_math`. The backward (`attention_backward.py`) is correct, not invariant.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from . import exact_math
+from ._triton import require_triton, tl, triton
+from .backend import select
+
+BLOCK_M = 64  # query rows (token, head) per program
+BLOCK_N = 64  # keys per block: the absolute-position alignment of the KV reduction
+NUM_WARPS = 4
+NUM_STAGES = 2
+HEAD_DIMS = (64, 128)
+REFERENCE_BLOCK_N = 16  # the reference's own fixed key block
+
+
+@dataclass
+class PagedLayout:
+    """Where each query token's keys live. All tensors int32 on the queries' device.
+
+    Attributes:
+        cu_seqlens_q: ``[S+1]`` offsets of each sequence's query tokens in the flat batch.
+        seq_lens: ``[S]`` total keys per sequence (cached context + new query tokens).
+        block_table: ``[S, max_pages]`` page ids of each sequence.
+        page_size: positions per page.
+        max_seqlen_q: the largest query count of any sequence (host int; sizes the grid).
+    """
+
+    cu_seqlens_q: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    page_size: int
+    max_seqlen_q: int
+
+
+def packed_layout(cu_seqlens: torch.Tensor, max_seqlen: int) -> PagedLayout:
+    """The trivial layout of packed training sequences: token ``cu_seqlens[s] + p`` is position
+    ``p`` of sequence ``s``, as a block table with ``page_size = 1``."""
+    cu = cu_seqlens.to(torch.int32)
+    seq_lens = cu[1:] - cu[:-1]
+    table = cu[:-1, None] + torch.arange(max(max_seqlen, 1), device=cu.device, dtype=torch.int32)[None, :]
+    return PagedLayout(cu, seq_lens.contiguous(), table.contiguous(), 1, max_seqlen)
+
+
+@triton.jit(do_not_specialize=["page_size", "stride_bt"])
+def _attention_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
+    cu_seqlens_q_ptr, seq_lens_ptr, block_table_ptr,
+    page_size, scale_log2,
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_bt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    seq = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    if tile * BLOCK_M >= q_len * GROUP:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context = seq_len - q_len
+
+    # Row r of the tile is query token (tile*BLOCK_M + r) // GROUP, head (tile*BLOCK_M + r) % GROUP
+    # of this KV head's group: the group's heads share each K/V block load.
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    q_idx = rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = q_idx < q_len
+    q_pos = context + q_idx
+    token = (q_start + q_idx).to(tl.int64)
+    d = tl.arange(0, HEAD_DIM)
+    dv = tl.arange(0, HEAD_DIM_V)
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, HEAD_DIM_V), tl.float32)
+    last_q = tl.minimum(q_len - 1, (tile * BLOCK_M + BLOCK_M - 1) // GROUP)
+    n_keys = context + last_q + 1
+    table_row = block_table_ptr + seq.to(tl.int64) * stride_bt
+    for start in range(0, n_keys, BLOCK_N):
+        k_pos = start + tl.arange(0, BLOCK_N)
+        k_ok = k_pos < n_keys
+        page = tl.load(table_row + k_pos // page_size, mask=k_ok, other=0)
+        slot = page.to(tl.int64) * page_size + k_pos % page_size
+        k = tl.load(k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=k_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale_log2
+        s = tl.where((k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + dv[None, :], mask=k_ok[:, None], other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(o_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+    # log2-sum-exp2 of the scaled scores, for the backward
+    tl.store(lse_ptr + token * (GROUP * tl.num_programs(2)) + head, m_i + tl.log2(l_i), mask=row_ok)
+
+
+def _attention_triton(q, k_cache, v_cache, layout: PagedLayout, scale: float):
+    require_triton("attention")
+    n_tokens, n_heads, head_dim = q.shape
+    n_kv_heads, head_dim_v = k_cache.shape[-2], v_cache.shape[-1]
+    out = torch.empty((n_tokens, n_heads, head_dim_v), device=q.device, dtype=q.dtype)
+    lse = torch.empty((n_tokens, n_heads), device=q.device, dtype=torch.float32)
+    n_seqs = layout.seq_lens.shape[0]
+    if n_tokens == 0 or n_seqs == 0:
+        return out, lse
+    group = n_heads // n_kv_heads
+    k = k_cache.reshape(-1, n_kv_heads, head_dim)
+    v = v_cache.reshape(-1, n_kv_heads, head_dim_v)
+    grid = (triton.cdiv(layout.max_seqlen_q * group, BLOCK_M), n_seqs, n_kv_heads)
+    _attention_fwd_kernel[grid](
+        q, k, v, out, lse, layout.cu_seqlens_q, layout.seq_lens, layout.block_table,
+        layout.page_size, scale * math.log2(math.e),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), layout.block_table.stride(0),
+        GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    return out, lse
+
+
+def attention_reference(q, k_cache, v_cache, layout: PagedLayout, scale: float) -> torch.Tensor:
+    """CPU reference with the kernel's structure: per query, keys in absolute-aligned blocks of
+    `REFERENCE_BLOCK_N`, fp32 online softmax with `exact_math` exp and per-output reductions."""
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    n_tokens, n_heads, head_dim = q.shape
+    n_kv_heads, head_dim_v = k_cache.shape[-2], v_cache.shape[-1]
+    group = n_heads // n_kv_heads
+    k_flat = k_cache.reshape(-1, n_kv_heads, head_dim)
+    v_flat = v_cache.reshape(-1, n_kv_heads, head_dim_v)
+    out = torch.empty((n_tokens, n_heads, head_dim_v), dtype=q.dtype)
+    cu = layout.cu_seqlens_q.tolist()
+    for s, seq_len in enumerate(layout.seq_lens.tolist()):
+        q_s = q[cu[s]:cu[s + 1]].to(compute).reshape(-1, n_kv_heads, group, 1, head_dim)
+        n_q = q_s.shape[0]
+        if n_q == 0:
+            continue
+        q_pos = torch.arange(seq_len - n_q, seq_len)[:, None, None, None]
+        n_blocks = -(-seq_len // REFERENCE_BLOCK_N)
+        k_pos = torch.arange(n_blocks * REFERENCE_BLOCK_N)
+        pages = layout.block_table[s].long()[(k_pos // layout.page_size).clamp(max=layout.block_table.shape[1] - 1)]
+        slots = torch.where(k_pos < seq_len, pages * layout.page_size + k_pos % layout.page_size, 0)
+        keys = k_flat[slots].to(compute).masked_fill((k_pos >= seq_len)[:, None, None], 0)
+        values = v_flat[slots].to(compute).masked_fill((k_pos >= seq_len)[:, None, None], 0)
+        m = torch.full((n_q, n_kv_heads, group), float("-inf"), dtype=compute)
+        l = torch.zeros((n_q, n_kv_heads, group), dtype=compute)
+        acc = torch.zeros((n_q, n_kv_heads, group, head_dim_v), dtype=compute)
+        for b in range(n_blocks):
+            blk = slice(b * REFERENCE_BLOCK_N, (b + 1) * REFERENCE_BLOCK_N)
+            kb = keys[blk].permute(1, 0, 2)[None, :, None]  # [1, Hkv, 1, B, D]
+            scores = exact_math.dot(q_s, kb) * scale  # [n_q, Hkv, G, B]
+            visible = (k_pos[blk][None, None, None, :] <= q_pos) & (k_pos[blk] < seq_len)
+            scores = scores.masked_fill(~visible, float("-inf"))
+            m_new = torch.maximum(m, exact_math.row_max(scores))
+            alpha = exact_math.exp(m - m_new)
+            p = exact_math.exp(scores - m_new[..., None])
+            l = l * alpha + exact_math.row_sum(p)
+            vb = values[blk].permute(1, 2, 0)[None, :, None]  # [1, Hkv, 1, Dv, B]
+            acc = acc * alpha[..., None] + exact_math.dot(p[..., None, :], vb)
+            m = m_new
+        out[cu[s]:cu[s + 1]] = (acc / l[..., None]).reshape(n_q, n_heads, head_dim_v).to(q.dtype)
+    return out
+
+
+def _check(q, k_cache, v_cache, layout):
+    if q.dim() != 3:
+        raise ValueError(f"attention: q must be [tokens, heads, head_dim], got {tuple(q.shape)}")
+    if q.shape[1] % k_cache.shape[-2]:
+        raise ValueError(f"attention: {q.shape[1]} query heads are not a multiple of {k_cache.shape[-2]} KV heads")
+    if k_cache.shape[-1] != q.shape[-1]:
+        raise ValueError(f"attention: key head_dim {k_cache.shape[-1]} != query head_dim {q.shape[-1]}")
+    if layout.page_size < 1:
+        raise ValueError(f"attention: page_size must be >= 1, got {layout.page_size}")
+
+
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: PagedLayout,
+              scale: float | None = None, return_lse: bool = False):
+    """Causal attention of `q` (``[T, Hq, D]``) over the cache (``[..., Hkv, D]`` flattened to
+    slots) described by `layout`. Returns ``[T, Hq, Dv]`` in q's dtype (and with `return_lse`
+    the ``[T, Hq]`` fp32 log2-sum-exp2 of the scaled scores; triton backend only).
+
+    Not differentiable: training goes through `attention_packed`.
+    """
+    _check(q, k_cache, v_cache, layout)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if select("attention", q, head_dim=q.shape[-1], head_dims=HEAD_DIMS) == "triton":
+        out, lse = _attention_triton(q, k_cache, v_cache, layout, scale)
+        return (out, lse) if return_lse else out
+    if return_lse:
+        raise ValueError("attention: return_lse is only available on the triton backend")
+    return attention_reference(q, k_cache, v_cache, layout, scale)
+
+
+class _PackedAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, scale):
+        layout = packed_layout(cu_seqlens, max_seqlen)
+        backend = select("attention", q, head_dim=q.shape[-1], head_dims=HEAD_DIMS)
+        if backend == "triton":
+            out, lse = _attention_triton(q, k, v, layout, scale)
+        else:
+            out, lse = attention_reference(q, k, v, layout, scale), None
+        ctx.save_for_backward(q, k, v, out, lse if lse is not None else out, cu_seqlens)
+        ctx.backend, ctx.max_seqlen, ctx.scale = backend, max_seqlen, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        from .attention_backward import attention_backward_reference, attention_backward_triton
+
+        q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+        if ctx.backend == "triton":
+            dq, dk, dv = attention_backward_triton(grad_out.contiguous(), q, k, v, out, lse, cu_seqlens,
+                                                   ctx.max_seqlen, ctx.scale)
+        else:
+            dq, dk, dv = attention_backward_reference(grad_out, q, k, v, cu_seqlens, ctx.scale)
+        return dq, dk, dv, None, None, None
+
+
+def attention_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                     max_seqlen: int, scale: float | None = None) -> torch.Tensor:
+    """Causal attention within each of the packed sequences ``cu_seqlens`` (``[S+1]``).
+
+    q ``[T, Hq, D]``, k ``[T, Hkv, D]``, v ``[T, Hkv, Dv]``. The forward is the paged kernel
+    over a trivial block table, so it is bitwise the prefill/decode result; differentiable.
+    """
+    _check(q, k, v, PagedLayout(cu_seqlens, cu_seqlens, cu_seqlens, 1, max_seqlen))
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return _PackedAttentionFunction.apply(q, k, v, cu_seqlens, max_seqlen, scale)

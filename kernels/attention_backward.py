@@ -1,0 +1,164 @@
+"""Backward of packed causal GQA attention (training), recompute style.
+
+Needs no invariance (DESIGN.md rule 8), only correctness and speed. The Triton version is the
+FlashAttention-2 scheme: ``delta = rowsum(dO * O)``; one kernel per key block accumulates dK and
+dV over the query blocks (and over the query heads of its KV group, so no atomics); one kernel
+per query tile accumulates dQ over the key blocks. Probabilities are recomputed from the
+forward's log2-sum-exp2. The reference is autograd through `attention_math`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._triton import require_triton, tl, triton
+
+DKDV_BLOCK_M, DKDV_BLOCK_N = 32, 64
+DQ_BLOCK_M, DQ_BLOCK_N = 64, 32
+NUM_WARPS = 4
+
+
+def attention_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """Plain-torch causal attention within each packed sequence (the test oracle), in q's dtype
+    math (run it on float64 inputs for a float64 oracle). Differentiable."""
+    group = q.shape[1] // k.shape[1]
+    outs = []
+    bounds = cu_seqlens.tolist()
+    for start, stop in zip(bounds[:-1], bounds[1:]):
+        qs = q[start:stop].transpose(0, 1)
+        ks = k[start:stop].repeat_interleave(group, dim=1).transpose(0, 1)
+        vs = v[start:stop].repeat_interleave(group, dim=1).transpose(0, 1)
+        scores = (qs @ ks.transpose(1, 2)) * scale
+        causal = torch.ones(stop - start, stop - start, dtype=torch.bool, device=q.device).tril()
+        probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+        outs.append((probs @ vs).transpose(0, 1))
+    return torch.cat(outs) if outs else q.new_empty((0, q.shape[1], v.shape[-1]))
+
+
+def attention_backward_reference(grad_out, q, k, v, cu_seqlens, scale):
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    with torch.enable_grad():
+        qc, kc, vc = (t.detach().to(compute).requires_grad_() for t in (q, k, v))
+        out = attention_math(qc, kc, vc, cu_seqlens, scale)
+        dq, dk, dv = torch.autograd.grad(out, (qc, kc, vc), grad_out.to(compute))
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+@triton.jit
+def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, cu_ptr, scale, scale_log2,
+                 n_heads, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    start_n = tl.program_id(0) * BLOCK_N
+    seq = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    seq_start = tl.load(cu_ptr + seq)
+    seq_len = tl.load(cu_ptr + seq + 1) - seq_start
+    if start_n >= seq_len:
+        return
+    k_pos = start_n + tl.arange(0, BLOCK_N)
+    k_ok = k_pos < seq_len
+    k_tok = (seq_start + k_pos).to(tl.int64)
+    d = tl.arange(0, HEAD_DIM)
+    dv_idx = tl.arange(0, HEAD_DIM_V)
+    k = tl.load(k_ptr + k_tok[:, None] * stride_kt + kv_head * stride_kh + d[None, :], mask=k_ok[:, None], other=0.0)
+    v = tl.load(v_ptr + k_tok[:, None] * stride_vt + kv_head * stride_vh + dv_idx[None, :], mask=k_ok[:, None], other=0.0)
+    dk = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
+    dv = tl.zeros((BLOCK_N, HEAD_DIM_V), tl.float32)
+    for g in range(GROUP):
+        head = kv_head * GROUP + g
+        for start_m in range((start_n // BLOCK_M) * BLOCK_M, seq_len, BLOCK_M):
+            q_pos = start_m + tl.arange(0, BLOCK_M)
+            q_ok = q_pos < seq_len
+            q_tok = (seq_start + q_pos).to(tl.int64)
+            q = tl.load(q_ptr + q_tok[:, None] * stride_qt + head * stride_qh + d[None, :], mask=q_ok[:, None], other=0.0)
+            do = tl.load(do_ptr + q_tok[:, None] * stride_dot + head * stride_doh + dv_idx[None, :],
+                         mask=q_ok[:, None], other=0.0)
+            lse = tl.load(lse_ptr + q_tok * n_heads + head, mask=q_ok, other=0.0)
+            delta = tl.load(delta_ptr + q_tok * n_heads + head, mask=q_ok, other=0.0)
+            s = tl.dot(q, tl.trans(k)) * scale_log2
+            visible = (k_pos[None, :] <= q_pos[:, None]) & q_ok[:, None] & k_ok[None, :]
+            p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)
+            dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv)
+            dp = tl.dot(do, tl.trans(v))
+            ds = p * (dp - delta[:, None])
+            dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk)
+    dk = dk * scale
+    tl.store(dk_ptr + k_tok[:, None] * stride_kt + kv_head * stride_kh + d[None, :], dk.to(dk_ptr.dtype.element_ty),
+             mask=k_ok[:, None])
+    tl.store(dv_ptr + k_tok[:, None] * stride_vt + kv_head * stride_vh + dv_idx[None, :],
+             dv.to(dv_ptr.dtype.element_ty), mask=k_ok[:, None])
+
+
+@triton.jit
+def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_ptr, scale, scale_log2,
+               n_heads, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+               GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    tile = tl.program_id(0)
+    seq = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    seq_start = tl.load(cu_ptr + seq)
+    seq_len = tl.load(cu_ptr + seq + 1) - seq_start
+    if tile * BLOCK_M >= seq_len * GROUP:
+        return
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    q_pos = rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    q_ok = q_pos < seq_len
+    q_tok = (seq_start + q_pos).to(tl.int64)
+    d = tl.arange(0, HEAD_DIM)
+    dv_idx = tl.arange(0, HEAD_DIM_V)
+    q = tl.load(q_ptr + q_tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=q_ok[:, None], other=0.0)
+    do = tl.load(do_ptr + q_tok[:, None] * stride_dot + head[:, None] * stride_doh + dv_idx[None, :],
+                 mask=q_ok[:, None], other=0.0)
+    lse = tl.load(lse_ptr + q_tok * n_heads + head, mask=q_ok, other=0.0)
+    delta = tl.load(delta_ptr + q_tok * n_heads + head, mask=q_ok, other=0.0)
+    dq = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+    n_keys = tl.minimum(seq_len, (tile * BLOCK_M + BLOCK_M - 1) // GROUP + 1)
+    for start_n in range(0, n_keys, BLOCK_N):
+        k_pos = start_n + tl.arange(0, BLOCK_N)
+        k_ok = k_pos < n_keys
+        k_tok = (seq_start + k_pos).to(tl.int64)
+        k = tl.load(k_ptr + k_tok[:, None] * stride_kt + kv_head * stride_kh + d[None, :], mask=k_ok[:, None], other=0.0)
+        v = tl.load(v_ptr + k_tok[:, None] * stride_vt + kv_head * stride_vh + dv_idx[None, :],
+                    mask=k_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale_log2
+        visible = (k_pos[None, :] <= q_pos[:, None]) & q_ok[:, None] & k_ok[None, :]
+        p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq)
+    dq = dq * scale
+    tl.store(dq_ptr + q_tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], dq.to(dq_ptr.dtype.element_ty),
+             mask=q_ok[:, None])
+
+
+def attention_backward_triton(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, scale):
+    """Gradients (dq, dk, dv) of packed causal attention; `lse` is the forward's log2-sum-exp2."""
+    require_triton("attention backward")
+    n_tokens, n_heads, head_dim = q.shape
+    n_kv_heads, head_dim_v = k.shape[1], v.shape[2]
+    group = n_heads // n_kv_heads
+    q, k, v, grad_out = q.contiguous(), k.contiguous(), v.contiguous(), grad_out.contiguous()
+    delta = (grad_out.float() * out.float()).sum(-1)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    n_seqs = cu_seqlens.shape[0] - 1
+    if n_tokens == 0:
+        return dq, dk, dv
+    cu = cu_seqlens.to(torch.int32)
+    scale_log2 = scale * math.log2(math.e)
+    args = (n_heads, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            grad_out.stride(0), grad_out.stride(1))
+    _dkdv_kernel[(triton.cdiv(max_seqlen, DKDV_BLOCK_N), n_seqs, n_kv_heads)](
+        q, k, v, grad_out, lse, delta, dk, dv, cu, scale, scale_log2, *args,
+        GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_M=DKDV_BLOCK_M, BLOCK_N=DKDV_BLOCK_N,
+        num_warps=NUM_WARPS, num_stages=1)
+    _dq_kernel[(triton.cdiv(max_seqlen * group, DQ_BLOCK_M), n_seqs, n_kv_heads)](
+        q, k, v, grad_out, lse, delta, dq, cu, scale, scale_log2, *args,
+        GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_M=DQ_BLOCK_M, BLOCK_N=DQ_BLOCK_N,
+        num_warps=NUM_WARPS, num_stages=1)
+    return dq, dk, dv

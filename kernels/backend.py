@@ -1,0 +1,109 @@
+"""Backend selection for the aligned ops.
+
+Every op in `vexact_models.kernels` has two implementations behind one call site:
+
+- ``triton``: GPU kernels (CUDA tensors). Also runs on CPU under Triton's interpreter
+  (``TRITON_INTERPRET=1``), which the tests use to check kernel *logic*; the interpreter tiles
+  through BLAS, so its results are not row-invariant and prove nothing about invariance.
+- ``reference``: plain torch on CPU, written so that it obeys the invariance rules by
+  construction (see `exact_math`).
+
+The default is ``triton`` for CUDA tensors and ``reference`` for CPU tensors. Override it with
+`set_backend` / `use_backend`, or the environment variable ``VEXACT_BACKEND``
+(``reference``, ``triton`` or ``auto``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterable, Iterator
+
+import torch
+
+BACKENDS = ("reference", "triton")
+_ENV_VAR = "VEXACT_BACKEND"
+_override: str | None = None
+
+
+class UnsupportedError(ValueError):
+    """Raised when a backend is asked for a device, dtype or shape it does not support."""
+
+
+def _check_name(name: str | None, source: str) -> str | None:
+    if name is None or name == "auto":
+        return None
+    if name not in BACKENDS:
+        raise ValueError(f"{source}={name!r} is not a backend; choose one of {BACKENDS + ('auto',)}")
+    return name
+
+
+def set_backend(name: str | None) -> None:
+    """Force a backend for every op (``"reference"``, ``"triton"``), or ``None``/``"auto"`` to
+    choose by device."""
+    global _override
+    _override = _check_name(name, "backend")
+
+
+@contextlib.contextmanager
+def use_backend(name: str | None) -> Iterator[None]:
+    """Context manager form of `set_backend`; restores the previous choice on exit."""
+    global _override
+    previous = _override
+    set_backend(name)
+    try:
+        yield
+    finally:
+        _override = previous
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run under the CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def current_backend(device: torch.device) -> str:
+    """The backend an op on `device` will use."""
+    name = _override or _check_name(os.environ.get(_ENV_VAR), _ENV_VAR)
+    if name is not None:
+        return name
+    return "triton" if device.type == "cuda" else "reference"
+
+
+def select(
+    op: str,
+    tensor: torch.Tensor,
+    *,
+    dtypes: Iterable[torch.dtype] = (torch.bfloat16, torch.float16, torch.float32),
+    head_dim: int | None = None,
+    head_dims: Iterable[int] = (),
+) -> str:
+    """Pick the backend for `op` on `tensor` and check that it supports the input.
+
+    `dtypes` are what the Triton kernel takes; the reference also takes float64 (the tests
+    compare against float64). Raises `UnsupportedError` naming the op, backend and the
+    offending device/dtype/head dim.
+    """
+    name = current_backend(tensor.device)
+    dtypes = tuple(dtypes) if name == "triton" else tuple(dtypes) + (torch.float64,)
+    if tensor.dtype not in dtypes:
+        raise UnsupportedError(
+            f"{op}: backend {name!r} does not support dtype {tensor.dtype}; supported: {dtypes}"
+        )
+    if name == "triton":
+        if tensor.device.type != "cuda" and not interpreting():
+            raise UnsupportedError(
+                f"{op}: backend 'triton' needs a CUDA tensor, got device {tensor.device} "
+                "(use the 'reference' backend on CPU, or TRITON_INTERPRET=1 to test kernel logic)"
+            )
+        head_dims = tuple(head_dims)
+        if head_dim is not None and head_dims and head_dim not in head_dims:
+            raise UnsupportedError(
+                f"{op}: backend 'triton' does not support head_dim={head_dim}; supported: {head_dims}"
+            )
+    elif tensor.device.type != "cpu":
+        raise UnsupportedError(
+            f"{op}: backend 'reference' runs on CPU only, got device {tensor.device} "
+            "(its invariance is proven for torch's CPU kernels)"
+        )
+    return name

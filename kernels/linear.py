@@ -1,0 +1,184 @@
+"""linear: y = x @ W.T (+ b), batch-invariant.
+
+Invariance contract: row i of the output is a function of row i of `x`, `W` and `b` only, never
+of how many rows share the launch. The Triton kernel accumulates K sequentially into one fp32
+accumulator (``acc = tl.dot(x, w, acc)`` over K tiles), with one BLOCK_K (`BLOCK_K`) and wgmma
+tile shapes (BLOCK_M >= 64) for every M, and no split-K or stream-K. Tile M/N sizes are picked
+from M by `pick_config`; conformance/kernel_invariance.py proves on the GPU that every config
+gives the same rows (DESIGN.md rule 1). The reference computes each output as a per-output
+reduction (`exact_math.dot`), which is row-invariant on CPU where BLAS GEMM is not.
+
+The backward (grad_x = g @ W, grad_W = g.T @ x) uses torch.matmul: it must be correct and fast,
+not invariant (rule 8).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import exact_math
+from ._triton import require_triton, tl, triton
+from .backend import select
+
+BLOCK_K = 64  # the one K tile for every M and every config
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    group_m: int = 8
+
+
+def pick_config(m: int, n: int, k: int, dtype: torch.dtype) -> LinearConfig:
+    """Tile shape for an (m, n, k) problem; depends on shapes and dtype only."""
+    if dtype == torch.float32:  # ieee fp32 dot: registers and shared memory are the limit
+        return LinearConfig(64, 64, 4, 3)
+    if m <= 64:  # decode: weight-bandwidth bound, want many programs along N
+        return LinearConfig(64, 32 if n <= 16384 else 64, 4, 6)
+    if m <= 256:
+        return LinearConfig(64, 128, 4, 4)
+    return LinearConfig(128, 256, 8, 3)
+
+
+@triton.jit
+def _linear_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr,
+    M, N, K,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
+    HAS_BIAS: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # Grouped ordering of output tiles so that consecutive programs share W tiles in L2.
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    group_size = GROUP_M * num_pid_n
+    first_m = (pid // group_size) * GROUP_M
+    group_m = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group_size) % group_m
+    pid_n = (pid % group_size) // group_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # Out-of-range rows/cols read a valid row (mod M / mod N) and are never stored.
+    rows = offs_m % M
+    cols = offs_n % N
+    x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk
+    w_ptrs = w_ptr + cols[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        a = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+        b = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+def _linear_triton(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   out_dtype: torch.dtype, config: LinearConfig | None = None) -> torch.Tensor:
+    require_triton("linear")
+    m, k = x2d.shape
+    n = weight.shape[0]
+    out = torch.empty((m, n), device=x2d.device, dtype=out_dtype)
+    if m == 0:
+        return out
+    cfg = config or pick_config(m, n, k, x2d.dtype)
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    _linear_kernel[grid](
+        x2d, weight, bias if bias is not None else x2d, out,
+        m, n, k,
+        x2d.stride(0), x2d.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
+        HAS_BIAS=bias is not None,
+        INPUT_PRECISION="ieee" if x2d.dtype == torch.float32 else "tf32",
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=BLOCK_K, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def linear_reference(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     out_dtype: torch.dtype) -> torch.Tensor:
+    """Each output element is its own reduction over K (row-invariant on CPU)."""
+    compute = torch.float64 if x2d.dtype == torch.float64 else torch.float32
+    xw = x2d.to(compute)
+    w = weight.to(compute)
+    m, k = xw.shape
+    n = w.shape[0]
+    out = torch.empty((m, n), dtype=compute)
+    rows_per_chunk = max(1, (1 << 23) // max(1, n * k))  # bound the [rows, N, K] product
+    for start in range(0, m, rows_per_chunk):
+        chunk = xw[start:start + rows_per_chunk]
+        out[start:start + chunk.shape[0]] = exact_math.dot(chunk[:, None, :], w[None, :, :])
+    if bias is not None:
+        out += bias.to(compute)
+    return out.to(out_dtype)
+
+
+def _linear_forward(x2d, weight, bias, out_dtype):
+    backend = select("linear", x2d)
+    if weight.dtype != x2d.dtype:
+        raise ValueError(f"linear: weight dtype {weight.dtype} must equal input dtype {x2d.dtype}")
+    if backend == "triton":
+        return _linear_triton(x2d, weight, bias, out_dtype)
+    return linear_reference(x2d, weight, bias, out_dtype)
+
+
+class _LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2d, weight, bias, out_dtype):
+        ctx.save_for_backward(x2d, weight)
+        ctx.has_bias = bias is not None
+        return _linear_forward(x2d, weight, bias, out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x2d, weight = ctx.saved_tensors
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad_out.to(weight.dtype) @ weight
+        if ctx.needs_input_grad[1]:
+            grad_w = grad_out.t().to(x2d.dtype) @ x2d
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad_out.sum(0).to(weight.dtype)
+        return grad_x, grad_w, grad_b, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` over the last dim of `x`, with rows independent of the batch.
+
+    Args:
+        x: ``[..., K]`` activations.
+        weight: ``[N, K]`` (the layout of ``nn.Linear.weight``), same dtype as `x`.
+        bias: optional ``[N]``.
+        out_dtype: output dtype (default: ``x.dtype``); float32 keeps the fp32 accumulator, as
+            the LM head does for logits.
+    Returns:
+        ``[..., N]`` tensor of `out_dtype`. Differentiable in `x`, `weight` and `bias`.
+    """
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"linear: x has {x.shape[-1]} features but weight expects {weight.shape[1]}")
+    out_dtype = out_dtype or x.dtype
+    x2d = x.reshape(-1, x.shape[-1])
+    if x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    needs_grad = torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
+    if needs_grad:
+        out = _LinearFunction.apply(x2d, weight, bias, out_dtype)
+    else:
+        out = _linear_forward(x2d, weight, bias, out_dtype)
+    return out.reshape(*x.shape[:-1], weight.shape[0])

@@ -1,0 +1,114 @@
+"""rotary: NeoX-style rotary position embedding from one fp32 cos/sin table.
+
+``out[..., :D/2] = x1 * cos - x2 * sin`` and ``out[..., D/2:] = x2 * cos + x1 * sin`` with
+``x1, x2`` the two halves of the last dim, computed in fp32 and rounded once to x's dtype.
+
+Invariance contract: element-wise; cos/sin come from one fp32 table ``[max_positions, D/2]``
+indexed by each token's absolute position (DESIGN.md rule 5), built once per model by
+`rope_table` on CPU so that every process and device reads the same values. The backward is
+the rotation by -theta (the same kernel with the sin sign flipped).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._triton import next_power_of_2, require_triton, tl, triton
+from .backend import select
+
+
+def rope_table(inv_freq: torch.Tensor, max_positions: int, scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables ``[max_positions, D/2]`` (fp32, CPU) for inverse frequencies ``[D/2]``.
+
+    ``scaling`` multiplies both tables (YaRN's attention factor; 1.0 for default RoPE). The
+    angle is ``position * inv_freq`` in fp32, as HF computes it.
+    """
+    positions = torch.arange(max_positions, dtype=torch.float32)
+    freqs = positions[:, None] * inv_freq.detach().to("cpu", torch.float32)[None, :]
+    return (freqs.cos() * scaling).contiguous(), (freqs.sin() * scaling).contiguous()
+
+
+@triton.jit
+def _rotary_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, out_ptr, n_heads,
+                   stride_xt, stride_xh, stride_ot, stride_oh, stride_table,
+                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, SIGN: tl.constexpr):
+    token = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    dmask = d < HALF
+    cos = tl.load(cos_ptr + pos * stride_table + d, mask=dmask, other=0.0)
+    sin = tl.load(sin_ptr + pos * stride_table + d, mask=dmask, other=0.0) * SIGN
+    mask = (heads[:, None] < n_heads) & dmask[None, :]
+    base = x_ptr + token.to(tl.int64) * stride_xt + heads[:, None] * stride_xh + d[None, :]
+    x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
+    o1 = x1 * cos[None, :] - x2 * sin[None, :]
+    o2 = x2 * cos[None, :] + x1 * sin[None, :]
+    out = out_ptr + token.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + d[None, :]
+    tl.store(out, o1.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out + HALF, o2.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rotary_triton(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   sign: float) -> torch.Tensor:
+    require_triton("rotary")
+    n_tokens, n_heads, head_dim = x.shape
+    out = torch.empty((n_tokens, n_heads, head_dim), device=x.device, dtype=x.dtype)
+    if n_tokens == 0:
+        return out
+    half = head_dim // 2
+    block_d = next_power_of_2(half)
+    block_h = max(1, min(next_power_of_2(n_heads), 4096 // block_d))
+    grid = (n_tokens, triton.cdiv(n_heads, block_h))
+    _rotary_kernel[grid](x, positions, cos, sin, out, n_heads, x.stride(0), x.stride(1),
+                         out.stride(0), out.stride(1), cos.stride(0),
+                         HALF=half, BLOCK_H=block_h, BLOCK_D=block_d, SIGN=sign, num_warps=4)
+    return out
+
+
+def rotary_reference(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     sign: float = 1.0) -> torch.Tensor:
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    half = x.shape[-1] // 2
+    c = cos[positions.long()].to(compute)[:, None, :]
+    s = sin[positions.long()].to(compute)[:, None, :] * sign
+    x1, x2 = x[..., :half].to(compute), x[..., half:].to(compute)
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+
+
+def _rotary_forward(x, positions, cos, sin, sign):
+    if select("rotary", x) == "triton":
+        return _rotary_triton(x, positions, cos, sin, sign)
+    return rotary_reference(x, positions, cos, sin, sign)
+
+
+class _RotaryFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, positions, cos, sin):
+        ctx.save_for_backward(positions, cos, sin)
+        return _rotary_forward(x, positions, cos, sin, 1.0)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        positions, cos, sin = ctx.saved_tensors
+        return _rotary_forward(grad_out.contiguous(), positions, cos, sin, -1.0), None, None, None
+
+
+def apply_rotary(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x` (``[tokens, heads, head_dim]``) by the angles of `positions` (``[tokens]``).
+
+    `cos`/`sin` are the ``[max_positions, head_dim/2]`` fp32 tables from `rope_table`, on x's
+    device. Positions are not range-checked here (that would sync the GPU on every layer):
+    callers validate them once per forward. Returns a new tensor of x's dtype; differentiable
+    in `x`.
+    """
+    if x.dim() != 3 or x.shape[-1] % 2:
+        raise ValueError(f"apply_rotary: x must be [tokens, heads, even head_dim], got {tuple(x.shape)}")
+    if cos.shape[-1] * 2 != x.shape[-1]:
+        raise ValueError(f"apply_rotary: table has {cos.shape[-1]} frequencies, head_dim {x.shape[-1]} needs {x.shape[-1] // 2}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _RotaryFunction.apply(x, positions, cos, sin)
+    return _rotary_forward(x, positions, cos, sin, 1.0)

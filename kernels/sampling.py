@@ -1,0 +1,150 @@
+"""sample_tokens: Gumbel-max sampling with a counter-based RNG, one row per request.
+
+For row i: ``argmax_j (logits[i, j] / T_i + g(seed_i, step_i, j))`` over the tokens with
+``logits[i, j] >= threshold_i``, where ``g = -log(-log(u))`` and ``u`` comes from Philox4x32-10
+keyed by the request's seed with counter (j, step). Temperature 0 means greedy (argmax of the
+logits, lowest index on ties). The threshold carries top-k/top-p filtering (`runtime.sampler`).
+
+Invariance contract (DESIGN.md rule 7): the token depends only on (logits row, seed, step,
+temperature, threshold): no shared generator and no cross-row state, so the same request
+samples the same token whatever else is in the batch. The logprob the sampler reports is not
+computed here but by `gather_logprobs`, the kernel training calls.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import exact_math
+from ._triton import require_triton, tl, triton
+from .backend import select
+
+_BLOCK_V = 2048
+_PHILOX_ROUND_A = 0xD2511F53
+_PHILOX_ROUND_B = 0xCD9E8D57
+_PHILOX_KEY_A = 0x9E3779B9
+_PHILOX_KEY_B = 0xBB67AE85
+_MASK32 = 0xFFFFFFFF
+
+
+@triton.jit
+def _philox_uniform(col, step_lo, step_hi, key0, key1):
+    """Uniform (0, 1) floats for counters (col, step_lo, step_hi, 0) under key (key0, key1)."""
+    c0 = col.to(tl.uint32)
+    c1 = (col * 0).to(tl.uint32) + step_lo
+    c2 = (col * 0).to(tl.uint32) + step_hi
+    c3 = (col * 0).to(tl.uint32)
+    k0 = key0
+    k1 = key1
+    for _ in tl.static_range(10):
+        prev0 = c0
+        prev2 = c2
+        c0 = tl.umulhi(prev2, 0xCD9E8D57) ^ c1 ^ k0
+        c2 = tl.umulhi(prev0, 0xD2511F53) ^ c3 ^ k1
+        c1 = prev2 * 0xCD9E8D57
+        c3 = prev0 * 0xD2511F53
+        k0 = k0 + 0x9E3779B9
+        k1 = k1 + 0xBB67AE85
+    # top 24 bits, centred in their interval: never 0 or 1
+    return (c0 >> 8).to(tl.float32) * (1.0 / 16777216.0) + (0.5 / 16777216.0)
+
+
+@triton.jit
+def _sample_kernel(logits_ptr, temp_ptr, seed_ptr, step_ptr, threshold_ptr, out_ptr, V, stride,
+                   BLOCK_V: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    temperature = tl.load(temp_ptr + row)
+    threshold = tl.load(threshold_ptr + row)
+    seed = tl.load(seed_ptr + row)
+    step = tl.load(step_ptr + row)
+    key0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+    key1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    step_lo = (step & 0xFFFFFFFF).to(tl.uint32)
+    step_hi = ((step >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    greedy = temperature == 0.0
+    inv_t = tl.where(greedy, 1.0, temperature)
+    cols = tl.arange(0, BLOCK_V)
+    best = tl.full((), float("-inf"), tl.float32)
+    best_idx = tl.full((), 0, tl.int32)
+    for start in range(0, V, BLOCK_V):
+        col = start + cols
+        x = tl.load(logits_ptr + row * stride + col, mask=col < V, other=float("-inf")).to(tl.float32)
+        noise = -tl.log(-tl.log(_philox_uniform(col, step_lo, step_hi, key0, key1)))
+        score = tl.where(greedy, x, x / inv_t + noise)
+        score = tl.where((x >= threshold) & (col < V), score, float("-inf"))
+        block_best = tl.max(score, axis=0)
+        block_idx = start + tl.argmax(score, axis=0)
+        take = block_best > best
+        best_idx = tl.where(take, block_idx, best_idx)
+        best = tl.where(take, block_best, best)
+    tl.store(out_ptr + row, best_idx)
+
+
+def _mulhi_lo(a: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(high, low) 32-bit words of a * b for uint32 values held in int64 (no int64 overflow)."""
+    a_hi, a_lo = a >> 16, a & 0xFFFF
+    t_lo = a_lo * b
+    t_hi = a_hi * b
+    high = (t_hi + (t_lo >> 16)) >> 16
+    low = (((t_hi & 0xFFFF) << 16) + t_lo) & _MASK32
+    return high & _MASK32, low
+
+
+def philox_uniform_reference(cols: torch.Tensor, step: int, seed: int) -> torch.Tensor:
+    """The kernel's uniforms in plain torch (int64 arithmetic on uint32 words), float32."""
+    c0 = cols.to(torch.int64) & _MASK32
+    c1 = torch.full_like(c0, step & _MASK32)
+    c2 = torch.full_like(c0, (step >> 32) & _MASK32)
+    c3 = torch.zeros_like(c0)
+    k0, k1 = seed & _MASK32, (seed >> 32) & _MASK32
+    for _ in range(10):
+        hi_b, lo_b = _mulhi_lo(c2, _PHILOX_ROUND_B)
+        hi_a, lo_a = _mulhi_lo(c0, _PHILOX_ROUND_A)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0, k1 = (k0 + _PHILOX_KEY_A) & _MASK32, (k1 + _PHILOX_KEY_B) & _MASK32
+    return (c0 >> 8).to(torch.float32) * (1.0 / 16777216.0) + (0.5 / 16777216.0)
+
+
+def sample_tokens_reference(logits, temperatures, seeds, steps, thresholds) -> torch.Tensor:
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    cols = torch.arange(logits.shape[1])
+    for i in range(logits.shape[0]):
+        x = logits[i].float()
+        t = float(temperatures[i])
+        if t == 0.0:
+            score = x.clone()
+        else:
+            u = philox_uniform_reference(cols, int(steps[i]), int(seeds[i]))
+            score = x / t - exact_math.log(-exact_math.log(u))
+        score[x < thresholds[i]] = float("-inf")
+        out[i] = int(torch.argmax(score))  # first index of the maximum
+    return out
+
+
+def sample_tokens(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
+                  thresholds: torch.Tensor | None = None) -> torch.Tensor:
+    """Sample one token per row of ``[rows, vocab]`` logits.
+
+    Args:
+        logits: ``[rows, vocab]`` (fp32 from the LM head).
+        temperatures: ``[rows]`` fp32, 0 = greedy.
+        seeds: ``[rows]`` int64 request seeds.
+        steps: ``[rows]`` int64 counters (the index of the token being generated).
+        thresholds: ``[rows]`` fp32 lowest admissible logit (top-k/top-p); None = no filter.
+    Returns: ``[rows]`` int64 token ids.
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"sample_tokens: logits must be [rows, vocab], got {tuple(logits.shape)}")
+    rows = logits.shape[0]
+    if thresholds is None:
+        thresholds = torch.full((rows,), float("-inf"), device=logits.device)
+    if select("sample_tokens", logits) == "reference":
+        return sample_tokens_reference(logits, temperatures, seeds, steps, thresholds)
+    require_triton("sample_tokens")
+    out = torch.empty(rows, device=logits.device, dtype=torch.int64)
+    if rows:
+        logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+        _sample_kernel[(rows,)](logits, temperatures.float().contiguous(), seeds.to(torch.int64).contiguous(),
+                                steps.to(torch.int64).contiguous(), thresholds.float().contiguous(), out,
+                                logits.shape[1], logits.stride(0), BLOCK_V=_BLOCK_V, num_warps=8)
+    return out

@@ -1,0 +1,77 @@
+"""silu_and_mul: silu(gate) * up, the SwiGLU activation of the MLP.
+
+Computed in fp32 as ``gate / (1 + exp(-gate)) * up`` and rounded once to the input dtype.
+
+Invariance contract: element-wise, the same expression for every element (DESIGN.md rule 5).
+On CPU, torch's own silu is *not* position-independent (SLEEF body vs scalar tail), so the
+reference uses `exact_math.sigmoid`. The backward is the analytic formula in fp32 torch ops.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import exact_math
+from ._triton import require_triton, tl, triton
+from .backend import select
+
+_BLOCK = 1024
+
+
+@triton.jit
+def _silu_and_mul_kernel(gate_ptr, up_ptr, out_ptr, n_elements, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_elements
+    g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = g / (1.0 + tl.exp(-g)) * u
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _silu_and_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    require_triton("silu_and_mul")
+    out = torch.empty_like(gate)
+    n = gate.numel()
+    if n:
+        _silu_and_mul_kernel[(triton.cdiv(n, _BLOCK),)](gate, up, out, n, BLOCK=_BLOCK, num_warps=4)
+    return out
+
+
+def silu_and_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    compute = torch.float64 if gate.dtype == torch.float64 else torch.float32
+    g, u = gate.to(compute), up.to(compute)
+    return (g * exact_math.sigmoid(g).to(compute) * u).to(gate.dtype)
+
+
+def _silu_and_mul_forward(gate, up):
+    if select("silu_and_mul", gate) == "triton":
+        return _silu_and_mul_triton(gate, up)
+    return silu_and_mul_reference(gate, up)
+
+
+class _SiluAndMulFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return _silu_and_mul_forward(gate, up)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        gate, up = ctx.saved_tensors
+        compute = torch.float64 if gate.dtype == torch.float64 else torch.float32
+        g, u, go = gate.to(compute), up.to(compute), grad_out.to(compute)
+        sig = torch.sigmoid(g)
+        silu = g * sig
+        grad_gate = go * u * sig * (1.0 + g * (1.0 - sig))
+        return grad_gate.to(gate.dtype), (go * silu).to(up.dtype)
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for two tensors of the same shape and dtype; differentiable."""
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"silu_and_mul: gate {tuple(gate.shape)}/{gate.dtype} and up "
+                         f"{tuple(up.shape)}/{up.dtype} must match")
+    gate, up = gate.contiguous(), up.contiguous()
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+        return _SiluAndMulFunction.apply(gate, up)
+    return _silu_and_mul_forward(gate, up)

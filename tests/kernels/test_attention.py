@@ -1,0 +1,125 @@
+import random
+
+import pytest
+import torch
+
+from vexact_models.kernels import PagedLayout, attention, attention_packed, kv_cache_write, packed_layout
+from vexact_models.kernels.attention_backward import attention_math
+
+from ..conftest import rel_err
+
+
+def _packed(lens, hq=4, hkv=2, d=16, dtype=torch.float32):
+    t = sum(lens)
+    q, k, v = (torch.randn(t, h, d).to(dtype) for h in (hq, hkv, hkv))
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
+    return q, k, v, cu
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("groups", [(4, 4), (4, 2), (8, 1)])
+def test_packed_attention_matches_float64(dtype, groups):
+    q, k, v, cu = _packed([5, 17, 1, 40], *groups, dtype=dtype)
+    out = attention_packed(q, k, v, cu, 40)
+    ref = attention_math(q.double(), k.double(), v.double(), cu, 16 ** -0.5)
+    assert out.dtype == dtype
+    assert rel_err(out, ref) < {torch.float64: 1e-13, torch.float32: 1e-6, torch.bfloat16: 1e-2}[dtype]
+
+
+def test_attention_backward_matches_autograd():
+    q, k, v, cu = _packed([3, 9, 12], 4, 2, 8, dtype=torch.float64)
+    q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+    g = torch.randn_like(q)
+    got = torch.autograd.grad(attention_packed(q, k, v, cu, 12), (q, k, v), g)
+    want = torch.autograd.grad(attention_math(q, k, v, cu, 8 ** -0.5), (q, k, v), g)
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, atol=1e-12)
+
+
+def _paged_cache(n_pages, page_size, hkv, d, dtype):
+    # NaN-filled: any read of an unwritten slot would poison the output
+    return (torch.full((n_pages, page_size, hkv, d), float("nan"), dtype=dtype) for _ in range(2))
+
+
+def _run_paged(q, k, v, lens, chunk, page_size=4, shuffle=True, decode_after=None):
+    """Feed each sequence's tokens through the paged path in chunks of `chunk` tokens (decode
+    when chunk == 1), with a shuffled block table; return the outputs in packed order."""
+    hkv, d = k.shape[1], k.shape[2]
+    pages_per_seq = [-(-n // page_size) for n in lens]
+    page_ids = list(range(sum(pages_per_seq)))
+    if shuffle:
+        random.Random(0).shuffle(page_ids)
+    table = torch.zeros(len(lens), max(pages_per_seq), dtype=torch.int32)
+    it = iter(page_ids)
+    for s, n in enumerate(pages_per_seq):
+        for p in range(n):
+            table[s, p] = next(it)
+    k_cache, v_cache = _paged_cache(sum(pages_per_seq), page_size, hkv, d, q.dtype)
+    starts = [0] + list(torch.tensor(lens).cumsum(0).tolist())
+    out = torch.empty_like(q)
+    done = [0] * len(lens)
+    while any(done[s] < lens[s] for s in range(len(lens))):
+        # one step: every unfinished sequence contributes its next chunk (mixed batch)
+        sel, qs, cu, seq_lens, slots = [], [], [0], [], []
+        for s in range(len(lens)):
+            if done[s] >= lens[s]:
+                continue
+            n = min(chunk, lens[s] - done[s])
+            idx = list(range(starts[s] + done[s], starts[s] + done[s] + n))
+            sel += idx
+            cu.append(cu[-1] + n)
+            seq_lens.append(done[s] + n)
+            slots += [int(table[s, p // page_size]) * page_size + p % page_size for p in range(done[s], done[s] + n)]
+            done[s] += n
+        idx = torch.tensor(sel)
+        kv_cache_write(k[idx], v[idx], k_cache, v_cache, torch.tensor(slots))
+        rows = [s for s in range(len(lens)) if any(starts[s] <= i < starts[s + 1] for i in sel)]
+        layout = PagedLayout(torch.tensor(cu, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32),
+                             table[rows].contiguous(), page_size, max(b - a for a, b in zip(cu, cu[1:])))
+        out[idx] = attention(q[idx], k_cache, v_cache, layout)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_identical_packed_chunked_and_decode(dtype):
+    lens = [1, 7, 23, 40]
+    q, k, v, cu = _packed(lens, 4, 2, 16, dtype=dtype)
+    packed = attention_packed(q, k, v, cu, max(lens))
+    for chunk in (1, 3, 16):
+        assert torch.equal(_run_paged(q, k, v, lens, chunk), packed), f"chunk={chunk}"
+    # each sequence alone, packed, equals the batch
+    for s in range(len(lens)):
+        sl = slice(int(cu[s]), int(cu[s + 1]))
+        alone = attention_packed(q[sl], k[sl], v[sl], torch.tensor([0, lens[s]], dtype=torch.int32), lens[s])
+        assert torch.equal(alone, packed[sl])
+
+
+def test_attention_page_size_does_not_matter():
+    lens = [9, 30]
+    q, k, v, cu = _packed(lens)
+    ref = _run_paged(q, k, v, lens, 5, page_size=1)
+    for ps in (2, 8, 64):
+        assert torch.equal(_run_paged(q, k, v, lens, 5, page_size=ps), ref)
+
+
+def test_packed_layout_is_a_trivial_block_table():
+    layout = packed_layout(torch.tensor([0, 3, 5], dtype=torch.int32), 3)
+    assert layout.page_size == 1 and layout.seq_lens.tolist() == [3, 2]
+    assert layout.block_table.tolist() == [[0, 1, 2], [3, 4, 5]]
+
+
+def test_attention_errors():
+    q = torch.randn(4, 3, 16)
+    k = torch.randn(4, 2, 16)
+    with pytest.raises(ValueError, match="3 query heads are not a multiple of 2 KV heads"):
+        attention_packed(q, k, k, torch.tensor([0, 4], dtype=torch.int32), 4)
+
+
+def test_kv_cache_write_scatters_and_skips():
+    k, v = torch.randn(3, 2, 4), torch.randn(3, 2, 8)
+    kc, vc = torch.zeros(2, 4, 2, 4), torch.zeros(2, 4, 2, 8)
+    kv_cache_write(k, v, kc, vc, torch.tensor([5, -1, 0]))
+    assert torch.equal(kc.view(-1, 2, 4)[5], k[0]) and torch.equal(vc.view(-1, 2, 8)[0], v[2])
+    assert kc.view(-1, 2, 4)[[1, 2, 3, 4, 6, 7]].abs().sum() == 0
+    with pytest.raises(ValueError, match="dtypes"):
+        kv_cache_write(k.double(), v, kc, vc, torch.tensor([0, 1, 2]))
