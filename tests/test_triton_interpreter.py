@@ -11,7 +11,7 @@ triton = pytest.importorskip("triton")
 def test_triton_kernels_under_cpu_interpreter():
     """Every Triton kernel's logic against its reference, under TRITON_INTERPRET=1."""
     env = dict(os.environ, TRITON_INTERPRET="1", VEXACT_BACKEND="triton")
-    check = Path(__file__).parent / "interpret" / "check_triton_kernels.py"
+    check = Path(__file__).parent / "triton_checks" / "check_triton_kernels.py"
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(check)],
                           env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]

@@ -1,0 +1,191 @@
+"""Each aligned kernel beside its stock counterpart, measured in the same run (CUDA only).
+
+Peers: cuBLAS via ``torch.matmul``, torch SDPA with the flash backend, ``torch.nn.functional.
+rms_norm``, ``torch.log_softmax``, ``silu(g) * u``. The HBM reference is a device-to-device copy
+measured here (bytes read + written). Times are medians of ``triton.testing.do_bench``.
+
+Targets (DESIGN/issue 2, benchmark figures, not timed tests): linear >= 0.8x cuBLAS TFLOP/s at
+M >= 4096 and >= 60% of HBM bandwidth at M <= 64; attention prefill >= 0.6x SDPA flash; decode
+attention >= 50% of HBM bandwidth.
+
+Usage: python benchmarks/kernels.py [--only linear|attention|rows] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+
+def bench(fn, warmup=25, rep=100) -> float:
+    """Median milliseconds."""
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in GB/s (bytes read + written)."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src))
+    return 2 * src.numel() / ms / 1e6
+
+
+def table(title: str, header: list[str], rows: list[list]) -> None:
+    print(f"\n## {title}")
+    widths = [max(len(str(h)), *(len(f"{r[i]}") for r in rows)) for i, h in enumerate(header)]
+    print("  ".join(str(h).rjust(w) for h, w in zip(header, widths)))
+    for r in rows:
+        print("  ".join(f"{c}".rjust(w) for c, w in zip(r, widths)))
+
+
+def bench_linear(hbm: float, quick: bool) -> None:
+    from vexact_models.kernels import linear
+
+    shapes = [("0.6b gate/up", 1024, 3072), ("8b q/o", 4096, 4096), ("8b gate/up", 4096, 12288),
+              ("8b down", 12288, 4096), ("0.6b lm_head", 1024, 151936)]
+    ms = [1, 16, 64, 256, 1024, 4096, 8192] if not quick else [1, 64, 4096]
+    rows = []
+    for name, k, n in shapes:
+        w = (torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16()
+        for m in ms:
+            x = torch.randn(m, k, device="cuda").bfloat16()
+            t_ours = bench(lambda: linear(x, w))
+            t_cublas = bench(lambda: torch.matmul(x, w.t()))
+            flops = 2 * m * n * k
+            nbytes = 2 * (m * k + n * k + m * n)
+            rows.append([name, m, k, n, f"{t_ours * 1e3:.1f}", f"{t_cublas * 1e3:.1f}",
+                         f"{flops / t_ours / 1e9:.0f}", f"{flops / t_cublas / 1e9:.0f}", f"{t_cublas / t_ours:.2f}",
+                         f"{nbytes / t_ours / 1e6:.0f}", f"{100 * nbytes / t_ours / 1e6 / hbm:.0f}%"])
+    table("linear (bf16) vs cuBLAS", ["shape", "M", "K", "N", "ours us", "cuBLAS us", "ours TFLOP/s",
+                                       "cuBLAS TFLOP/s", "ratio", "ours GB/s", "% HBM"], rows)
+
+
+def bench_attention(hbm: float, quick: bool) -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from vexact_models.kernels import PagedLayout, attention, attention_packed
+
+    rows = []
+    for hq, hkv, d in ((16, 8, 128), (32, 8, 128)):
+        for batch, seqlen in ((16, 1024), (4, 4096), (1, 8192)):
+            t = batch * seqlen
+            q = torch.randn(t, hq, d, device="cuda").bfloat16()
+            k = torch.randn(t, hkv, d, device="cuda").bfloat16()
+            v = torch.randn(t, hkv, d, device="cuda").bfloat16()
+            cu = torch.arange(0, t + 1, seqlen, dtype=torch.int32, device="cuda")
+            t_ours = bench(lambda: attention_packed(q, k, v, cu, seqlen))
+            qs = q.view(batch, seqlen, hq, d).transpose(1, 2)
+            ks = k.view(batch, seqlen, hkv, d).transpose(1, 2)
+            vs = v.view(batch, seqlen, hkv, d).transpose(1, 2)
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                kr, vr = ks.repeat_interleave(hq // hkv, 1), vs.repeat_interleave(hq // hkv, 1)
+                t_sdpa = bench(lambda: torch.nn.functional.scaled_dot_product_attention(qs, kr, vr, is_causal=True))
+            flops = 2 * 2 * batch * hq * seqlen * seqlen * d / 2
+            rows.append([f"{hq}/{hkv}x{d}", batch, seqlen, f"{t_ours * 1e3:.0f}", f"{t_sdpa * 1e3:.0f}",
+                         f"{flops / t_ours / 1e9:.0f}", f"{flops / t_sdpa / 1e9:.0f}", f"{t_sdpa / t_ours:.2f}"])
+            # backward
+            qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+            out = attention_packed(qg, kg, vg, cu, seqlen)
+            go = torch.randn_like(out)
+            t_bwd = bench(lambda: torch.autograd.grad(out, (qg, kg, vg), go, retain_graph=True))
+            qsg, krg, vrg = (x.detach().clone().requires_grad_() for x in (qs, kr, vr))
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                o2 = torch.nn.functional.scaled_dot_product_attention(qsg, krg, vrg, is_causal=True)
+                go2 = torch.randn_like(o2)
+                t_bwd_sdpa = bench(lambda: torch.autograd.grad(o2, (qsg, krg, vrg), go2, retain_graph=True))
+            rows.append([f"  backward", batch, seqlen, f"{t_bwd * 1e3:.0f}", f"{t_bwd_sdpa * 1e3:.0f}",
+                         f"{2.5 * flops / t_bwd / 1e9:.0f}", f"{2.5 * flops / t_bwd_sdpa / 1e9:.0f}",
+                         f"{t_bwd_sdpa / t_bwd:.2f}"])
+            if quick:
+                break
+    table("attention prefill/training (causal, packed) vs SDPA flash", ["heads", "batch", "seqlen", "ours us",
+          "SDPA us", "ours TFLOP/s", "SDPA TFLOP/s", "ratio"], rows)
+
+    rows = []
+    for hq, hkv, d in ((16, 8, 128), (32, 8, 128)):
+        for batch, ctx in ((64, 1024), (128, 2048), (256, 1024), (32, 8192)):
+            page = 16
+            pages = batch * (ctx // page)
+            k_cache = torch.randn(pages, page, hkv, d, device="cuda").bfloat16()
+            v_cache = torch.randn_like(k_cache)
+            table_ = torch.randperm(pages, device="cuda", dtype=torch.int32).view(batch, ctx // page)
+            layout = PagedLayout(torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
+                                 torch.full((batch,), ctx, dtype=torch.int32, device="cuda"), table_, page, 1)
+            q = torch.randn(batch, hq, d, device="cuda").bfloat16()
+            t_ours = bench(lambda: attention(q, k_cache, v_cache, layout))
+            kc = k_cache.view(batch, ctx, hkv, d).transpose(1, 2).repeat_interleave(hq // hkv, 1)
+            vc = v_cache.view(batch, ctx, hkv, d).transpose(1, 2).repeat_interleave(hq // hkv, 1)
+            qs = q.view(batch, 1, hq, d).transpose(1, 2)
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                t_sdpa = bench(lambda: torch.nn.functional.scaled_dot_product_attention(qs, kc, vc))
+            kv_bytes = 2 * batch * ctx * hkv * d * 2
+            rows.append([f"{hq}/{hkv}x{d}", batch, ctx, f"{t_ours * 1e3:.0f}", f"{t_sdpa * 1e3:.0f}",
+                         f"{kv_bytes / t_ours / 1e6:.0f}", f"{100 * kv_bytes / t_ours / 1e6 / hbm:.0f}%",
+                         f"{t_sdpa / t_ours:.2f}"])
+            if quick:
+                break
+    table("decode attention (paged, page 16) vs SDPA flash on contiguous KV (KV bytes / time)",
+          ["heads", "batch", "context", "ours us", "SDPA us", "ours GB/s", "% HBM", "ratio"], rows)
+
+
+def bench_rows(hbm: float, quick: bool) -> None:
+    from vexact_models.kernels import gather_logprobs, log_softmax, rms_norm, silu_and_mul
+
+    rows = []
+    for m, n in ((4096, 1024), (4096, 4096), (65536, 128)):
+        x = torch.randn(m, n, device="cuda").bfloat16()
+        w = torch.rand(n, device="cuda").bfloat16()
+        t_ours = bench(lambda: rms_norm(x, w, 1e-6))
+        t_torch = bench(lambda: torch.nn.functional.rms_norm(x, (n,), w, 1e-6))
+        nbytes = 2 * 2 * m * n
+        rows.append(["rms_norm", f"{m}x{n}", f"{t_ours * 1e3:.1f}", f"{t_torch * 1e3:.1f}",
+                     f"{nbytes / t_ours / 1e6:.0f}", f"{100 * nbytes / t_ours / 1e6 / hbm:.0f}%", f"{t_torch / t_ours:.2f}"])
+    for m in (64, 256, 1024):
+        x = torch.randn(m, 151936, device="cuda")
+        t_ours = bench(lambda: log_softmax(x, 1.0))
+        t_torch = bench(lambda: torch.log_softmax(x, -1))
+        nbytes = 2 * 4 * x.numel()
+        rows.append(["log_softmax", f"{m}x151936", f"{t_ours * 1e3:.1f}", f"{t_torch * 1e3:.1f}",
+                     f"{nbytes / t_ours / 1e6:.0f}", f"{100 * nbytes / t_ours / 1e6 / hbm:.0f}%", f"{t_torch / t_ours:.2f}"])
+        tgt = torch.randint(0, 151936, (m,), device="cuda")
+        t_g = bench(lambda: gather_logprobs(x, tgt, 1.0))
+        t_tg = bench(lambda: torch.log_softmax(x, -1).gather(1, tgt[:, None]))
+        rows.append(["gather_logprobs", f"{m}x151936", f"{t_g * 1e3:.1f}", f"{t_tg * 1e3:.1f}",
+                     f"{4 * x.numel() / t_g / 1e6:.0f}", f"{100 * 4 * x.numel() / t_g / 1e6 / hbm:.0f}%", f"{t_tg / t_g:.2f}"])
+    for m, n in ((4096, 3072), (4096, 12288)):
+        g, u = torch.randn(m, n, device="cuda").bfloat16(), torch.randn(m, n, device="cuda").bfloat16()
+        t_ours = bench(lambda: silu_and_mul(g, u))
+        t_torch = bench(lambda: torch.nn.functional.silu(g) * u)
+        nbytes = 3 * 2 * m * n
+        rows.append(["silu_and_mul", f"{m}x{n}", f"{t_ours * 1e3:.1f}", f"{t_torch * 1e3:.1f}",
+                     f"{nbytes / t_ours / 1e6:.0f}", f"{100 * nbytes / t_ours / 1e6 / hbm:.0f}%", f"{t_torch / t_ours:.2f}"])
+    table("row and element-wise kernels vs torch", ["op", "shape", "ours us", "torch us", "ours GB/s", "% HBM",
+                                                   "ratio"], rows)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", choices=["linear", "attention", "rows"])
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    hbm = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; measured copy bandwidth {hbm:.0f} GB/s")
+    if args.only in (None, "linear"):
+        bench_linear(hbm, args.quick)
+    if args.only in (None, "attention"):
+        bench_attention(hbm, args.quick)
+    if args.only in (None, "rows"):
+        bench_rows(hbm, args.quick)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

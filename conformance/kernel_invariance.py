@@ -1,0 +1,265 @@
+"""Bitwise batch-invariance proof of the Triton kernels on a GPU (DESIGN.md section 4).
+
+Every check compares results computed under different batch compositions with ``torch.equal``
+and allows zero mismatches:
+
+- linear: every row of an M-row launch equals that row computed alone (M=1), for M in `M_SWEEP`
+  at the (K, N) of every Qwen3-0.6B / Qwen3-8B / Qwen3-30B-A3B layer including the LM heads,
+  plus rows in permuted positions, plus every tile config of the table forced on a few Ms.
+- attention: each query's output is the same packed (training), in chunked prefill (several
+  chunk sizes, random per-step chunks, mixed batches), and as decode steps over a paged cache
+  with shuffled pages, for sequences up to 8192 tokens, at the Qwen3 head layouts.
+- rms_norm, log_softmax, gather_logprobs, token_logprobs, silu_and_mul, rotary: rows alone vs
+  in batches; gather vs the full row; token_logprobs vs the sampler path.
+
+Usage: ``python -m vexact_models.conformance.kernel_invariance [--quick]`` (needs CUDA); prints
+a table and exits non-zero on any mismatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+M_SWEEP = [1, 2, 3, 4, 5, 7, 8, 13, 16, 31, 32, 63, 64, 100, 127, 128, 255, 256, 511, 512, 1000, 1024, 2048,
+           4096, 8192]
+
+# (model, layer, K, N) of every distinct linear in the three Qwen3 shapes.
+LINEAR_SHAPES = [
+    ("qwen3-0.6b", "q_proj", 1024, 2048), ("qwen3-0.6b", "k/v_proj", 1024, 1024),
+    ("qwen3-0.6b", "o_proj", 2048, 1024), ("qwen3-0.6b", "gate/up_proj", 1024, 3072),
+    ("qwen3-0.6b", "down_proj", 3072, 1024), ("qwen3-0.6b", "lm_head", 1024, 151936),
+    ("qwen3-8b", "q/o_proj", 4096, 4096), ("qwen3-8b", "k/v_proj", 4096, 1024),
+    ("qwen3-8b", "gate/up_proj", 4096, 12288), ("qwen3-8b", "down_proj", 12288, 4096),
+    ("qwen3-8b", "lm_head", 4096, 151936),
+    ("qwen3-30b-a3b", "q_proj", 2048, 4096), ("qwen3-30b-a3b", "k/v_proj", 2048, 512),
+    ("qwen3-30b-a3b", "o_proj", 4096, 2048), ("qwen3-30b-a3b", "router", 2048, 128),
+    ("qwen3-30b-a3b", "expert gate/up", 2048, 768), ("qwen3-30b-a3b", "expert down", 768, 2048),
+    ("qwen3-30b-a3b", "lm_head", 2048, 151936),
+]
+
+# (name, q heads, kv heads, head dim)
+ATTENTION_SHAPES = [("qwen3-0.6b", 16, 8, 128), ("qwen3-8b", 32, 8, 128), ("qwen3-30b-a3b", 32, 4, 128),
+                    ("gqa-d64", 8, 2, 64)]
+
+
+@dataclass
+class Result:
+    name: str
+    cases: int = 0
+    elements: int = 0
+    mismatches: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def compare(self, got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+        self.cases += 1
+        self.elements += want.numel()
+        if got.shape != want.shape or not torch.equal(got, want):
+            bad = int((got != want).sum()) if got.shape == want.shape else want.numel()
+            self.mismatches += bad
+            self.notes.append(f"{what}: {bad} elements differ")
+
+
+def check_linear(result: Result, k: int, n: int, m_values: list[int], out_dtype: torch.dtype) -> None:
+    from vexact_models.kernels import linear
+
+    m_max = max(m_values)
+    x = torch.randn(m_max, k, device="cuda").bfloat16()
+    w = (torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16()
+    single = torch.empty(m_max, n, device="cuda", dtype=out_dtype)
+    for i in range(m_max):
+        single[i:i + 1] = linear(x[i:i + 1], w, out_dtype=out_dtype)
+    for m in m_values:
+        result.compare(linear(x[:m], w, out_dtype=out_dtype), single[:m], f"K={k} N={n} M={m}")
+    perm = torch.randperm(m_max, device="cuda")
+    result.compare(linear(x[perm], w, out_dtype=out_dtype), single[perm], f"K={k} N={n} permuted M={m_max}")
+
+
+def check_linear_configs(result: Result, k: int, n: int) -> None:
+    """Every config of the tile table gives the same rows (so the M -> config map may change)."""
+    from vexact_models.kernels.linear import LinearConfig, _linear_triton
+
+    configs = [LinearConfig(64, 32, 4, 6), LinearConfig(64, 64, 4, 6), LinearConfig(64, 128, 4, 4),
+               LinearConfig(128, 128, 8, 3), LinearConfig(128, 256, 8, 3), LinearConfig(64, 256, 4, 3)]
+    x = torch.randn(300, k, device="cuda").bfloat16()
+    w = (torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16()
+    want = _linear_triton(x, w, None, torch.bfloat16, configs[0])
+    for cfg in configs[1:]:
+        for m in (1, 77, 300):
+            result.compare(_linear_triton(x[:m], w, None, torch.bfloat16, cfg), want[:m], f"K={k} N={n} {cfg} M={m}")
+
+
+def _paged_run(q, k, v, lens, steps, page_size, gen):
+    """Feed sequences through the paged path; `steps(remaining)` yields per-sequence chunk sizes
+    for one launch (0 = not in this launch). Returns outputs in packed order."""
+    from vexact_models.kernels import PagedLayout, attention, kv_cache_write
+
+    device = q.device
+    hkv, d = k.shape[1], k.shape[2]
+    pages = [-(-n // page_size) for n in lens]
+    ids = list(range(sum(pages)))
+    gen.shuffle(ids)
+    table = torch.zeros(len(lens), max(pages), dtype=torch.int32)
+    it = iter(ids)
+    for s, n in enumerate(pages):
+        for p in range(n):
+            table[s, p] = next(it)
+    table = table.to(device)
+    table_host = table.cpu()
+    k_cache = torch.full((sum(pages), page_size, hkv, d), float("nan"), device=device, dtype=k.dtype)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    out = torch.empty_like(q)
+    done = [0] * len(lens)
+    while any(done[s] < lens[s] for s in range(len(lens))):
+        chunks = steps([lens[s] - done[s] for s in range(len(lens))])
+        idx, cu, seq_lens, rows, slots = [], [0], [], [], []
+        for s, c in enumerate(chunks):
+            if c <= 0:
+                continue
+            idx += range(starts[s] + done[s], starts[s] + done[s] + c)
+            slots += [int(table_host[s, p // page_size]) * page_size + p % page_size for p in range(done[s], done[s] + c)]
+            cu.append(cu[-1] + c)
+            seq_lens.append(done[s] + c)
+            rows.append(s)
+            done[s] += c
+        idx_t = torch.tensor(idx, device=device)
+        kv_cache_write(k[idx_t], v[idx_t], k_cache, v_cache, torch.tensor(slots, device=device))
+        layout = PagedLayout(torch.tensor(cu, dtype=torch.int32, device=device),
+                             torch.tensor(seq_lens, dtype=torch.int32, device=device),
+                             table[rows].contiguous(), page_size, max(b - a for a, b in zip(cu, cu[1:])))
+        out[idx_t] = attention(q[idx_t], k_cache, v_cache, layout)
+    return out
+
+
+def check_attention(result: Result, hq: int, hkv: int, d: int, lens: list[int], quick: bool) -> None:
+    from vexact_models.kernels import attention_packed
+
+    gen = random.Random(hq * 1000 + d)
+    t = sum(lens)
+    q = torch.randn(t, hq, d, device="cuda").bfloat16()
+    k = torch.randn(t, hkv, d, device="cuda").bfloat16()
+    v = torch.randn(t, hkv, d, device="cuda").bfloat16()
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
+    packed = attention_packed(q, k, v, cu, max(lens))
+    tag = f"Hq={hq} Hkv={hkv} D={d} lens={lens}"
+    # each sequence packed alone, and the sequences packed in reverse order
+    for s in range(len(lens)):
+        sl = slice(int(cu[s]), int(cu[s + 1]))
+        alone = attention_packed(q[sl], k[sl], v[sl], torch.tensor([0, lens[s]], dtype=torch.int32, device="cuda"), lens[s])
+        result.compare(alone, packed[sl], f"{tag} seq {s} packed alone")
+
+    def fixed(c):
+        return lambda rem: [min(c, r) for r in rem]
+
+    def random_chunks(rem):
+        return [min(r, gen.choice([0, 1, 1, 2, 5, 16, 37, 64, 200, 1000])) for r in rem]
+
+    def prefill_then_decode(rem):  # prefill all but the last 48 tokens in one chunk, then decode
+        return [r - 48 if r > 48 else min(r, 1) for r in rem]
+
+    schedules = [("chunk 128", fixed(128), 16), ("random chunks", random_chunks, 16),
+                 ("prefill+decode", prefill_then_decode, 256)]
+    if not quick:
+        schedules += [("chunk 16", fixed(16), 256), ("chunk 1000", fixed(1000), 16)]
+    for name, schedule, page_size in schedules:
+        got = _paged_run(q, k, v, lens, schedule, page_size, gen)
+        result.compare(got, packed, f"{tag} {name} page {page_size}")
+
+
+def check_rows(results: dict[str, Result], quick: bool) -> None:
+    from vexact_models.kernels import (apply_rotary, gather_logprobs, linear, log_softmax, rms_norm, rope_table,
+                                       silu_and_mul, token_logprobs)
+
+    ms = [m for m in M_SWEEP if m <= (1024 if quick else 8192)]
+    m_max = max(ms)
+    for n in (128, 1024, 4096):
+        x = torch.randn(m_max, n, device="cuda").bfloat16()
+        w = (torch.rand(n, device="cuda") + 0.5).bfloat16()
+        single = torch.cat([rms_norm(x[i:i + 1], w, 1e-6) for i in range(m_max)])
+        for m in ms:
+            results["rms_norm"].compare(rms_norm(x[:m], w, 1e-6), single[:m], f"N={n} M={m}")
+    vocab = 151936
+    logits = torch.randn(min(m_max, 2048), vocab, device="cuda") * 4
+    temps = torch.rand(logits.shape[0], device="cuda") + 0.5
+    targets = torch.randint(0, vocab, (logits.shape[0],), device="cuda")
+    single_lp = torch.cat([gather_logprobs(logits[i:i + 1], targets[i:i + 1], temps[i:i + 1])
+                           for i in range(logits.shape[0])])
+    single_row = log_softmax(logits[:1], temps[:1])
+    for m in [m for m in ms if m <= logits.shape[0]]:
+        results["log_softmax"].compare(gather_logprobs(logits[:m], targets[:m], temps[:m]), single_lp[:m], f"gather M={m}")
+        full = log_softmax(logits[:m], temps[:m])
+        results["log_softmax"].compare(full[:1], single_row, f"row 0 of M={m}")
+        results["log_softmax"].compare(full[torch.arange(m, device="cuda"), targets[:m]], single_lp[:m],
+                                       f"full row gathered M={m}")
+    for hidden in (1024, 2048, 4096):
+        h = torch.randn(512, hidden, device="cuda").bfloat16()
+        w = (torch.randn(vocab, hidden, device="cuda") / hidden ** 0.5).bfloat16()
+        t = torch.randint(0, vocab, (512,), device="cuda")
+        sampler = torch.cat([gather_logprobs(linear(h[i:i + 1], w, out_dtype=torch.float32), t[i:i + 1], 0.7)
+                             for i in range(512)])
+        for chunk in (1, 100, 512):
+            results["token_logprobs"].compare(token_logprobs(h, w, t, 0.7, chunk_tokens=chunk), sampler,
+                                              f"hidden={hidden} chunk={chunk} vs sampler path")
+    g = torch.randn(m_max, 3072, device="cuda").bfloat16()
+    u = torch.randn(m_max, 3072, device="cuda").bfloat16()
+    full = silu_and_mul(g, u)
+    for m in ms:
+        results["elementwise"].compare(silu_and_mul(g[m - 1:m], u[m - 1:m]), full[m - 1:m], f"silu_and_mul row {m - 1}")
+    cos, sin = (t.cuda() for t in rope_table(1.0 / (1e6 ** (torch.arange(0, 128, 2) / 128)), 40960))
+    xq = torch.randn(m_max, 16, 128, device="cuda").bfloat16()
+    pos = torch.randint(0, 40960, (m_max,), device="cuda")
+    full = apply_rotary(xq, pos, cos, sin)
+    for m in ms:
+        results["elementwise"].compare(apply_rotary(xq[m - 1:m], pos[m - 1:m], cos, sin), full[m - 1:m],
+                                       f"rotary row {m - 1}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer shapes and M up to 1024 (a smoke run)")
+    parser.add_argument("--only", choices=["linear", "attention", "rows"], help="run one group of checks")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("kernel_invariance: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    names = ["linear", "linear configs", "attention", "rms_norm", "log_softmax", "token_logprobs", "elementwise"]
+    results = {n: Result(n) for n in names}
+    t0 = time.time()
+    if args.only in (None, "linear"):
+        shapes = LINEAR_SHAPES[::3] if args.quick else LINEAR_SHAPES
+        ms = [m for m in M_SWEEP if m <= (1024 if args.quick else 8192)]
+        for model, layer, k, n in shapes:
+            check_linear(results["linear"], k, n, ms, torch.float32 if layer == "lm_head" else torch.bfloat16)
+        for k, n in ((1024, 3072), (4096, 1024)):
+            check_linear_configs(results["linear configs"], k, n)
+    if args.only in (None, "attention"):
+        lens = [1, 37, 300, 2048] if args.quick else [1, 37, 300, 2048, 8192]
+        for _, hq, hkv, d in ATTENTION_SHAPES:
+            check_attention(results["attention"], hq, hkv, d, lens, args.quick)
+    if args.only in (None, "rows"):
+        check_rows(results, args.quick)
+    torch.cuda.synchronize()
+    print(f"\nkernel invariance on {torch.cuda.get_device_name()} (torch {torch.__version__}), {time.time() - t0:.0f}s")
+    print(f"{'check':<16}{'cases':>8}{'elements':>16}{'mismatches':>12}")
+    failed = False
+    for r in results.values():
+        if r.cases:
+            print(f"{r.name:<16}{r.cases:>8}{r.elements:>16,}{r.mismatches:>12}")
+            failed |= r.mismatches > 0
+            for note in r.notes[:10]:
+                print(f"    {note}")
+    print("RESULT:", "FAIL" if failed else "PASS (zero mismatches)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

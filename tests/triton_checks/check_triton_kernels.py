@@ -1,0 +1,160 @@
+"""Triton kernels vs the CPU reference, on small shapes.
+
+Two ways to run it:
+- on CPU under Triton's interpreter (TRITON_INTERPRET=1 VEXACT_BACKEND=triton), which
+  tests/test_triton_interpreter.py does in CI: checks kernel *logic* (indexing, masking, paging,
+  GQA mapping, RNG bits);
+- on a GPU: ``python -m pytest tests/triton_checks/check_triton_kernels.py``.
+Results are compared with tolerances (the two backends round differently); bitwise invariance
+is proven on the GPU by conformance/kernel_invariance.py.
+"""
+
+import os
+
+import pytest
+import torch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if not (INTERPRET and os.environ.get("VEXACT_BACKEND") == "triton") and not torch.cuda.is_available():
+    pytest.skip("needs a GPU, or TRITON_INTERPRET=1 VEXACT_BACKEND=triton", allow_module_level=True)
+DEVICE = "cpu" if INTERPRET else "cuda"
+
+import numpy as np
+import triton.language as tl
+from triton.runtime import interpreter as _interpreter
+
+
+def _patch_interpreter_bf16_dot():
+    """triton 3.6's interpreter keeps bf16 as uint16 and matmuls the raw bit patterns in
+    tl.dot; convert bf16 operands to fp32 first (the GPU compiler is not affected)."""
+    builder = _interpreter.InterpreterBuilder
+    original = builder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        def widen(x):
+            if x.dtype.scalar == tl.bfloat16:
+                data = _interpreter._convert_float(x.data, tl.bfloat16, tl.float32, None).view(np.float32)
+                return _interpreter.TensorHandle(data, tl.float32)
+            return x
+        return original(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    builder.create_dot = create_dot
+
+
+_patch_interpreter_bf16_dot()
+
+from vexact_models.kernels import (PagedLayout, apply_rotary, attention, attention_packed, gather_logprobs,
+                                   kv_cache_write, linear, log_softmax, rms_norm, rope_table, sample_tokens,
+                                   silu_and_mul, use_backend)
+from vexact_models.kernels.attention_backward import attention_math
+
+
+def close(a, b, tol):
+    a, b = a.double(), b.double()
+    err = float((a - b).norm() / b.norm().clamp_min(1e-30))
+    assert err < tol, err
+
+
+def _cpu(x):
+    return x.detach().cpu() if isinstance(x, torch.Tensor) else x
+
+
+def ref(fn, *args, **kwargs):
+    """fn on the reference backend, with tensor arguments moved to CPU; result on DEVICE."""
+    with use_backend("reference"):
+        out = fn(*[_cpu(a) for a in args], **{k: _cpu(v) for k, v in kwargs.items()})
+    return out.to(DEVICE)
+
+
+def rand(*shape, kind="n"):
+    return (torch.randn if kind == "n" else torch.rand)(*shape).to(DEVICE)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 40, 70), (65, 33, 129), (300, 20, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear(m, n, k, dtype):
+    x, w, b = rand(m, k).to(dtype), rand(n, k).to(dtype), rand(n).to(dtype)
+    close(linear(x, w, b), ref(linear, x, w, b), 1e-2 if dtype == torch.bfloat16 else 1e-5)
+    close(linear(x, w, out_dtype=torch.float32), ref(linear, x, w, out_dtype=torch.float32), 1e-5)
+
+
+def test_rms_norm_rotary_silu():
+    x, w = rand(7, 3, 40), rand(40, kind="u")
+    close(rms_norm(x, w, 1e-6), ref(rms_norm, x, w, 1e-6), 1e-5)
+    cos, sin = (t.to(DEVICE) for t in rope_table(1.0 / (1e4 ** (torch.arange(0, 20) / 20)), 64))
+    pos = torch.randint(0, 64, (7,), device=DEVICE)
+    close(apply_rotary(x, pos, cos, sin), ref(apply_rotary, x, pos, cos, sin), 1e-6)
+    g, u = rand(5, 1000), rand(5, 1000)
+    close(silu_and_mul(g, u), ref(silu_and_mul, g, u), 1e-6)
+
+
+def test_log_softmax_and_gather():
+    x = rand(4, 5000) * 3
+    t = torch.randint(0, 5000, (4,), device=DEVICE)
+    temps = torch.tensor([1.0, 0.5, 2.0, 0.9], device=DEVICE)
+    full = log_softmax(x, temps)
+    close(full, ref(log_softmax, x, temps), 1e-6)
+    lp, lse = gather_logprobs(x, t, temps, return_lse=True)
+    assert torch.equal(lp, full[torch.arange(4, device=DEVICE), t])
+    close(lse, torch.logsumexp(x.double() / temps.double()[:, None], -1), 1e-6)
+
+
+def test_kv_cache_write():
+    k, v = rand(5, 2, 8), rand(5, 2, 4)
+    kc, vc = torch.zeros(3, 4, 2, 8, device=DEVICE), torch.zeros(3, 4, 2, 4, device=DEVICE)
+    slots = torch.tensor([11, -1, 0, 4, 7], device=DEVICE)
+    kv_cache_write(k, v, kc, vc, slots)
+    kr, vr = torch.zeros(3, 4, 2, 8), torch.zeros(3, 4, 2, 4)
+    with use_backend("reference"):
+        kv_cache_write(k.cpu(), v.cpu(), kr, vr, slots.cpu())
+    assert torch.equal(kc.cpu(), kr) and torch.equal(vc.cpu(), vr)
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 64), (2, 2, 128), (8, 1, 64)])
+def test_attention_packed_and_paged(hq, hkv, d):
+    lens = [1, 20, 70]
+    t = sum(lens)
+    q, k, v = rand(t, hq, d), rand(t, hkv, d), rand(t, hkv, d)
+    cu = torch.tensor([0, 1, 21, 91], dtype=torch.int32, device=DEVICE)
+    packed = attention_packed(q, k, v, cu, 70)
+    close(packed, attention_math(q.double(), k.double(), v.double(), cu, d ** -0.5), 1e-5 if INTERPRET else 1e-3)
+    # last 5 tokens of each sequence as a chunk over a paged cache (page 16, shuffled pages)
+    page_size, pages = 16, [[3], [0, 5], [1, 6, 2, 7, 4]]
+    table = torch.tensor([p + [0] * (5 - len(p)) for p in pages], dtype=torch.int32, device=DEVICE)
+    kc, vc = torch.zeros(8, page_size, hkv, d, device=DEVICE), torch.zeros(8, page_size, hkv, d, device=DEVICE)
+    slots = torch.tensor([int(table[s, p // page_size]) * page_size + p % page_size
+                          for s, n in enumerate(lens) for p in range(n)], device=DEVICE)
+    kv_cache_write(k, v, kc, vc, slots)
+    chunk = [min(5, n) for n in lens]
+    idx = torch.cat([torch.arange(int(cu[s + 1]) - chunk[s], int(cu[s + 1])) for s in range(3)]).to(DEVICE)
+    layout = PagedLayout(torch.tensor([0, 1, 6, 11], dtype=torch.int32, device=DEVICE),
+                         torch.tensor(lens, dtype=torch.int32, device=DEVICE), table, page_size, 5)
+    paged = attention(q[idx], kc, vc, layout)
+    if INTERPRET:
+        close(paged, packed[idx], 1e-5)
+    else:  # one compiled kernel on the GPU: bitwise
+        assert torch.equal(paged, packed[idx])
+
+
+def test_attention_backward():
+    lens = [3, 40, 90]
+    t = sum(lens)
+    q, k, v = (rand(t, h, 64).bfloat16().requires_grad_() for h in (4, 2, 2))
+    cu = torch.tensor([0, 3, 43, 133], dtype=torch.int32, device=DEVICE)
+    g = rand(t, 4, 64).bfloat16()
+    got = torch.autograd.grad(attention_packed(q, k, v, cu, 90), (q, k, v), g)
+    qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
+    want = torch.autograd.grad(attention_math(qd, kd, vd, cu, 0.125), (qd, kd, vd), g.double())
+    for a, b in zip(got, want):
+        close(a, b, 2e-2)
+
+
+def test_sampling_matches_reference():
+    logits = rand(16, 3000) * 2
+    temps = torch.tensor([0.0, 0.5, 1.0, 1.5] * 4, device=DEVICE)
+    seeds = (torch.arange(16) * 1_000_003 + (1 << 40)).to(DEVICE)
+    steps = (torch.arange(16) * 7).to(DEVICE)
+    thr = torch.where(torch.arange(16) % 3 == 0, torch.tensor(1.0), torch.tensor(float("-inf"))).to(DEVICE)
+    got = sample_tokens(logits, temps, seeds, steps, thr)
+    want = ref(sample_tokens, logits, temps, seeds, steps, thr)
+    assert torch.equal(got, want)
