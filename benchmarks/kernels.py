@@ -64,6 +64,50 @@ def bench_linear(hbm: float, quick: bool) -> None:
                                        "cuBLAS TFLOP/s", "ratio", "ours GB/s", "% HBM"], rows)
 
 
+LARGE_M_CANDIDATES = [
+    (128, 256, 8, 3, False, False), (128, 256, 8, 4, False, False), (128, 128, 8, 4, False, False),
+    (128, 256, 8, 3, True, False), (128, 256, 8, 4, True, False), (128, 128, 4, 4, True, False),
+    (128, 128, 8, 5, True, False), (128, 256, 8, 3, True, True), (128, 128, 8, 4, True, True),
+]
+SMALL_M_CANDIDATES = [
+    (64, 16, 4, 4, False, False), (64, 16, 4, 8, False, False), (64, 32, 4, 6, False, False),
+    (64, 32, 4, 8, False, False), (64, 64, 4, 6, False, False),
+    (64, 16, 4, 6, True, False), (64, 32, 4, 6, True, False), (64, 32, 4, 8, True, False),
+    (64, 64, 4, 6, True, False), (64, 128, 4, 4, True, False),
+]
+
+
+def sweep_linear(hbm: float) -> None:
+    """Time every candidate tile config at decode and large-M shapes (to choose pick_config)."""
+    from vexact_models.kernels.linear import LinearConfig, _linear_triton
+
+    shapes = [("0.6b gate/up", 1024, 3072), ("8b q/o", 4096, 4096), ("8b k/v", 4096, 1024),
+              ("8b gate/up", 4096, 12288), ("8b down", 12288, 4096), ("0.6b lm_head", 1024, 151936)]
+    rows = []
+    for name, k, n in shapes:
+        w = (torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16()
+        for m, cands in ((1, SMALL_M_CANDIDATES), (16, SMALL_M_CANDIDATES), (64, SMALL_M_CANDIDATES),
+                         (4096, LARGE_M_CANDIDATES), (8192, LARGE_M_CANDIDATES)):
+            x = torch.randn(m, k, device="cuda").bfloat16()
+            t_cublas = bench(lambda: torch.matmul(x, w.t()))
+            best = None
+            for bm, bn, warps, stages, tma, persistent in cands:
+                cfg = LinearConfig(bm, bn, warps, stages, tma=tma, persistent=persistent)
+                try:
+                    t = bench(lambda: _linear_triton(x, w, None, torch.bfloat16, cfg), warmup=10, rep=40)
+                except Exception as exc:  # a config that does not compile (shared memory) is skipped
+                    print(f"  skip {cfg}: {type(exc).__name__}")
+                    continue
+                if best is None or t < best[0]:
+                    best = (t, cfg)
+                nbytes = 2 * (m * k + n * k + m * n)
+                rows.append([name, m, f"{bm}x{bn} w{warps} s{stages}{' tma' if tma else ''}{' pers' if persistent else ''}",
+                             f"{t * 1e3:.1f}", f"{t_cublas * 1e3:.1f}", f"{t_cublas / t:.2f}",
+                             f"{2 * m * n * k / t / 1e9:.0f}", f"{100 * nbytes / t / 1e6 / hbm:.0f}%"])
+            print(f"best {name} M={m}: {best[1]} {best[0] * 1e3:.1f}us (cuBLAS {t_cublas * 1e3:.1f}us)")
+    table("linear config sweep", ["shape", "M", "config", "us", "cuBLAS us", "ratio", "TFLOP/s", "% HBM"], rows)
+
+
 def bench_attention(hbm: float, quick: bool) -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -171,6 +215,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", choices=["linear", "attention", "rows"])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--sweep-linear", action="store_true", help="time every linear tile config candidate")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
@@ -178,6 +223,9 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     hbm = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; measured copy bandwidth {hbm:.0f} GB/s")
+    if args.sweep_linear:
+        sweep_linear(hbm)
+        return 0
     if args.only in (None, "linear"):
         bench_linear(hbm, args.quick)
     if args.only in (None, "attention"):

@@ -84,8 +84,10 @@ def check_linear_configs(result: Result, k: int, n: int) -> None:
     """Every config of the tile table gives the same rows (so the M -> config map may change)."""
     from vexact_models.kernels.linear import LinearConfig, _linear_triton
 
-    configs = [LinearConfig(64, 32, 4, 6), LinearConfig(64, 64, 4, 6), LinearConfig(64, 128, 4, 4),
-               LinearConfig(128, 128, 8, 3), LinearConfig(128, 256, 8, 3), LinearConfig(64, 256, 4, 3)]
+    configs = [LinearConfig(64, 32, 4, 6), LinearConfig(64, 16, 4, 8), LinearConfig(64, 64, 4, 6),
+               LinearConfig(64, 128, 4, 4), LinearConfig(128, 128, 8, 3), LinearConfig(128, 256, 8, 3),
+               LinearConfig(64, 32, 4, 6, tma=True), LinearConfig(128, 256, 8, 3, tma=True),
+               LinearConfig(128, 128, 4, 4, tma=True), LinearConfig(128, 256, 8, 3, tma=True, persistent=True)]
     x = torch.randn(300, k, device="cuda").bfloat16()
     w = (torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16()
     want = _linear_triton(x, w, None, torch.bfloat16, configs[0])
@@ -130,6 +132,8 @@ def _paged_run(q, k, v, lens, steps, page_size, gen):
             seq_lens.append(done[s] + c)
             rows.append(s)
             done[s] += c
+        if not idx:  # a random schedule may pick no tokens for a step
+            continue
         idx_t = torch.tensor(idx, device=device)
         kv_cache_write(k[idx_t], v[idx_t], k_cache, v_cache, torch.tensor(slots, device=device))
         layout = PagedLayout(torch.tensor(cu, dtype=torch.int32, device=device),
@@ -239,12 +243,14 @@ def main(argv: list[str] | None = None) -> int:
         ms = [m for m in M_SWEEP if m <= (1024 if args.quick else 8192)]
         for model, layer, k, n in shapes:
             check_linear(results["linear"], k, n, ms, torch.float32 if layer == "lm_head" else torch.bfloat16)
+            print(f"linear {model} {layer} K={k} N={n}: {results['linear'].mismatches} mismatches so far", flush=True)
         for k, n in ((1024, 3072), (4096, 1024)):
             check_linear_configs(results["linear configs"], k, n)
     if args.only in (None, "attention"):
         lens = [1, 37, 300, 2048] if args.quick else [1, 37, 300, 2048, 8192]
-        for _, hq, hkv, d in ATTENTION_SHAPES:
+        for name, hq, hkv, d in ATTENTION_SHAPES:
             check_attention(results["attention"], hq, hkv, d, lens, args.quick)
+            print(f"attention {name}: {results['attention'].mismatches} mismatches so far", flush=True)
     if args.only in (None, "rows"):
         check_rows(results, args.quick)
     torch.cuda.synchronize()

@@ -32,6 +32,8 @@ class LinearConfig:
     num_warps: int
     num_stages: int
     group_m: int = 8
+    tma: bool = False  # operands through TMA tensor descriptors (Hopper) instead of pointer loads
+    persistent: bool = False  # with tma: one program per SM looping over output tiles
 
 
 def pick_config(m: int, n: int, k: int, dtype: torch.dtype) -> LinearConfig:
@@ -46,6 +48,21 @@ def pick_config(m: int, n: int, k: int, dtype: torch.dtype) -> LinearConfig:
 
 
 @triton.jit
+def _tile_coords(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Grouped ordering of output tiles so that consecutive programs share W tiles in L2."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    group_size = GROUP_M * num_pid_n
+    first_m = (tile // group_size) * GROUP_M
+    group_m = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % group_size) % group_m
+    pid_n = (tile % group_size) // group_m
+    return pid_m, pid_n
+
+
+# M is not specialized: Triton would otherwise compile a separate kernel for M == 1 (and for M
+# divisible by 16), and every row must come from the same code whatever the batch.
+@triton.jit(do_not_specialize=["M"])
 def _linear_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr,
     M, N, K,
@@ -54,15 +71,7 @@ def _linear_kernel(
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    # Grouped ordering of output tiles so that consecutive programs share W tiles in L2.
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    group_size = GROUP_M * num_pid_n
-    first_m = (pid // group_size) * GROUP_M
-    group_m = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group_size) % group_m
-    pid_n = (pid % group_size) // group_m
+    pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -87,6 +96,63 @@ def _linear_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
+@triton.jit(do_not_specialize=["M", "num_programs"])
+def _linear_tma_kernel(x_desc, w_desc, out_desc, b_ptr, M, N, K,
+                       num_programs, HAS_BIAS: tl.constexpr, PERSISTENT: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    # TMA zero-fills out-of-bounds rows/cols/K on load and clips them on store: no masks.
+    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    step = num_programs if PERSISTENT else num_tiles
+    for tile in range(tl.program_id(0), num_tiles, step):
+        pid_m, pid_n = _tile_coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            a = x_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
+            b = w_desc.load([pid_n * BLOCK_N, k * BLOCK_K])
+            acc = tl.dot(a, b.T, acc)
+        if HAS_BIAS:
+            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(out_desc.dtype))
+
+
+def _tma_ok(x2d: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """TMA needs 16-byte aligned bases and row strides (and is Hopper+ only)."""
+    if x2d.device.type != "cuda" or torch.cuda.get_device_capability(x2d.device)[0] < 9:
+        return False
+    n = weight.shape[0]
+    return all(t.data_ptr() % 16 == 0 for t in (x2d, weight)) and \
+        (x2d.stride(0) * x2d.element_size()) % 16 == 0 and (weight.stride(0) * weight.element_size()) % 16 == 0 \
+        and (n * torch.empty((), dtype=out_dtype).element_size()) % 16 == 0
+
+
+def _linear_triton_tma(x2d, weight, bias, out, cfg: LinearConfig) -> None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    m, k = x2d.shape
+    n = weight.shape[0]
+    x_desc = TensorDescriptor.from_tensor(x2d, [cfg.block_m, BLOCK_K])
+    w_desc = TensorDescriptor.from_tensor(weight, [cfg.block_n, BLOCK_K])
+    out_desc = TensorDescriptor.from_tensor(out, [cfg.block_m, cfg.block_n])
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    programs = min(tiles, _num_sms(x2d.device)) if cfg.persistent else tiles
+    _linear_tma_kernel[(programs,)](
+        x_desc, w_desc, out_desc, bias if bias is not None else x2d, m, n, k, programs,
+        HAS_BIAS=bias is not None, PERSISTENT=cfg.persistent,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=BLOCK_K, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
 def _linear_triton(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    out_dtype: torch.dtype, config: LinearConfig | None = None) -> torch.Tensor:
     require_triton("linear")
@@ -96,6 +162,9 @@ def _linear_triton(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if m == 0:
         return out
     cfg = config or pick_config(m, n, k, x2d.dtype)
+    if cfg.tma and _tma_ok(x2d, weight, out_dtype):
+        _linear_triton_tma(x2d, weight, bias, out, cfg)
+        return out
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     _linear_kernel[grid](
         x2d, weight, bias if bias is not None else x2d, out,
