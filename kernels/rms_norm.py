@@ -21,8 +21,8 @@ from .backend import select
 def _tile(n: int) -> tuple[int, int, int]:
     """(BLOCK_N, ROWS per program, num_warps): a function of the row length only."""
     block_n = next_power_of_2(n)
-    rows = max(1, min(16, 2048 // block_n))
-    num_warps = 4 if block_n * rows <= 4096 else 8
+    rows = max(1, min(64, 8192 // block_n))  # short rows (per-head q/k norm): many per program
+    num_warps = 4 if block_n * rows <= 2048 else 8
     return block_n, rows, num_warps
 
 
