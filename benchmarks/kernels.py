@@ -65,15 +65,17 @@ def bench_linear(hbm: float, quick: bool) -> None:
 
 
 LARGE_M_CANDIDATES = [
-    (128, 256, 8, 3, False, False), (128, 256, 8, 4, False, False), (128, 128, 8, 4, False, False),
-    (128, 256, 8, 3, True, False), (128, 256, 8, 4, True, False), (128, 128, 4, 4, True, False),
-    (128, 128, 8, 5, True, False), (128, 256, 8, 3, True, True), (128, 128, 8, 4, True, True),
+    (128, 256, 8, 3, True, False), (128, 256, 8, 3, True, True), (128, 128, 8, 4, True, False),
+    (128, 128, 4, 4, True, False), (128, 128, 8, 5, True, True), (128, 256, 8, 3, False, False),
 ]
 SMALL_M_CANDIDATES = [
-    (64, 16, 4, 4, False, False), (64, 16, 4, 8, False, False), (64, 32, 4, 6, False, False),
-    (64, 32, 4, 8, False, False), (64, 64, 4, 6, False, False),
-    (64, 16, 4, 6, True, False), (64, 32, 4, 6, True, False), (64, 32, 4, 8, True, False),
-    (64, 64, 4, 6, True, False), (64, 128, 4, 4, True, False),
+    (64, 16, 4, 8, False, False), (64, 32, 4, 8, False, False), (64, 64, 4, 6, False, False),
+    (64, 128, 4, 4, False, False), (64, 32, 4, 8, True, False), (64, 128, 4, 4, True, False),
+]
+MID_M_CANDIDATES = [
+    (64, 64, 4, 6, False, False), (64, 128, 4, 4, False, False), (128, 64, 4, 4, False, False),
+    (64, 64, 4, 6, True, False), (64, 128, 4, 4, True, False), (128, 128, 8, 4, True, False),
+    (128, 256, 8, 3, True, False),
 ]
 
 
@@ -86,8 +88,9 @@ def sweep_linear(hbm: float) -> None:
     rows = []
     for name, k, n in shapes:
         w = (torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16()
-        for m, cands in ((1, SMALL_M_CANDIDATES), (16, SMALL_M_CANDIDATES), (64, SMALL_M_CANDIDATES),
-                         (4096, LARGE_M_CANDIDATES), (8192, LARGE_M_CANDIDATES)):
+        for m, cands in ((1, SMALL_M_CANDIDATES), (8, SMALL_M_CANDIDATES), (32, SMALL_M_CANDIDATES),
+                         (64, SMALL_M_CANDIDATES), (128, MID_M_CANDIDATES), (256, MID_M_CANDIDATES),
+                         (1024, LARGE_M_CANDIDATES), (4096, LARGE_M_CANDIDATES[:5])):
             x = torch.randn(m, k, device="cuda").bfloat16()
             t_cublas = bench(lambda: torch.matmul(x, w.t()))
             best = None
