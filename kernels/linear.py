@@ -37,14 +37,19 @@ class LinearConfig:
 
 
 def pick_config(m: int, n: int, k: int, dtype: torch.dtype) -> LinearConfig:
-    """Tile shape for an (m, n, k) problem; depends on shapes and dtype only."""
+    """Tile shape for an (m, n, k) problem; depends on shapes and dtype only.
+
+    Chosen from `benchmarks/kernels.py --sweep-linear` on an H100 (docs/gpu-results.md). Every
+    config gives bitwise the same rows (conformance/kernel_invariance.py, "linear configs").
+    """
     if dtype == torch.float32:  # ieee fp32 dot: registers and shared memory are the limit
         return LinearConfig(64, 64, 4, 3)
-    if m <= 64:  # decode: weight-bandwidth bound, want many programs along N
-        return LinearConfig(64, 32 if n <= 16384 else 64, 4, 6)
+    if m <= 64:  # decode: weight-bandwidth bound; narrow N tiles give enough programs
+        block_n = 16 if n <= 1024 else 32 if n <= 8192 else 64
+        return LinearConfig(64, block_n, 4, 8 if block_n <= 32 else 6)
     if m <= 256:
-        return LinearConfig(64, 128, 4, 4)
-    return LinearConfig(128, 256, 8, 3)
+        return LinearConfig(64, 64, 4, 6)
+    return LinearConfig(128, 256, 8, 3, tma=True, persistent=True)
 
 
 @triton.jit
