@@ -87,7 +87,8 @@ def check_linear_configs(result: Result, k: int, n: int) -> None:
     configs = [LinearConfig(64, 32, 4, 6), LinearConfig(64, 16, 4, 8), LinearConfig(64, 64, 4, 6),
                LinearConfig(64, 128, 4, 4), LinearConfig(128, 128, 8, 3), LinearConfig(128, 256, 8, 3),
                LinearConfig(64, 32, 4, 6, tma=True), LinearConfig(128, 256, 8, 3, tma=True),
-               LinearConfig(128, 128, 4, 4, tma=True), LinearConfig(128, 256, 8, 3, tma=True, persistent=True)]
+               LinearConfig(128, 128, 4, 4, tma=True), LinearConfig(128, 256, 8, 3, tma=True, persistent=True),
+               LinearConfig(64, 128, 4, 4, tma=True), LinearConfig(128, 128, 8, 4, tma=True, persistent=True)]
     x = torch.randn(300, k, device="cuda").bfloat16()
     w = (torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16()
     want = _linear_triton(x, w, None, torch.bfloat16, configs[0])

@@ -36,8 +36,8 @@ class LinearConfig:
     persistent: bool = False  # with tma: one program per SM looping over output tiles
 
 
-def pick_config(m: int, n: int, k: int, dtype: torch.dtype) -> LinearConfig:
-    """Tile shape for an (m, n, k) problem; depends on shapes and dtype only.
+def pick_config(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dtype | None = None) -> LinearConfig:
+    """Tile shape for an (m, n, k) problem; depends on shapes and dtypes only.
 
     Chosen from `benchmarks/kernels.py --sweep-linear` on an H100 (docs/gpu-results.md). Every
     config gives bitwise the same rows (conformance/kernel_invariance.py, "linear configs").
@@ -47,8 +47,15 @@ def pick_config(m: int, n: int, k: int, dtype: torch.dtype) -> LinearConfig:
     if m <= 64:  # decode: weight-bandwidth bound; narrow N tiles give enough programs
         block_n = 16 if n <= 1024 else 32 if n <= 8192 else 64
         return LinearConfig(64, block_n, 4, 8 if block_n <= 32 else 6)
+    wide_out = out_dtype == torch.float32  # an fp32 output tile takes twice the shared memory
     if m <= 256:
-        return LinearConfig(64, 64, 4, 6)
+        if n <= 8192:
+            return LinearConfig(64, 64, 4, 6)
+        if m <= 128 or wide_out:
+            return LinearConfig(64, 128, 4, 4, tma=True)
+        return LinearConfig(128, 256, 8, 3, tma=True)
+    if wide_out:
+        return LinearConfig(128, 128, 8, 4, tma=True, persistent=True)
     return LinearConfig(128, 256, 8, 3, tma=True, persistent=True)
 
 
@@ -167,7 +174,7 @@ def _linear_triton(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     out = torch.empty((m, n), device=x2d.device, dtype=out_dtype)
     if m == 0:
         return out
-    cfg = config or pick_config(m, n, k, x2d.dtype)
+    cfg = config or pick_config(m, n, k, x2d.dtype, out_dtype)
     if cfg.tma and _tma_ok(x2d, weight, out_dtype):
         _linear_triton_tma(x2d, weight, bias, out, cfg)
         return out
