@@ -121,6 +121,39 @@ def sample_tokens_reference(logits, temperatures, seeds, steps, thresholds) -> t
     return out
 
 
+def filter_thresholds(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.Tensor,
+                      top_p: torch.Tensor) -> torch.Tensor:
+    """Per-row lowest admissible logit for top-k then top-p filtering (``[rows]`` fp32).
+
+    top-k keeps the k largest logits (ties at the k-th value are kept); top-p then keeps the
+    smallest set of those, by decreasing probability under ``softmax(logits / T)``, whose mass
+    reaches ``top_p``. ``top_k <= 0`` and ``top_p >= 1`` disable each filter; greedy rows
+    (T = 0) are not filtered. Row-wise ops only (sort, cumsum, the invariant `log_softmax`), so a
+    row's threshold does not depend on the batch.
+    """
+    from .log_softmax import log_softmax
+
+    rows, vocab = logits.shape
+    thresholds = torch.full((rows,), float("-inf"), device=logits.device)
+    active = (temperatures > 0) & ((top_k > 0) | (top_p < 1))
+    if not bool(active.any()):
+        return thresholds
+    idx = active.nonzero().squeeze(1)
+    x = logits[idx].float()
+    k = torch.where(top_k[idx] > 0, top_k[idx].clamp(max=vocab), torch.full_like(top_k[idx], vocab)).long()
+    sorted_x, _ = torch.sort(x, dim=1, descending=True)
+    kth = sorted_x.gather(1, (k - 1)[:, None])[:, 0]
+    x = torch.where(x >= kth[:, None], x, torch.tensor(float("-inf"), device=x.device))
+    logp = log_softmax(x, temperatures[idx])
+    exp = exact_math.exp if logp.device.type == "cpu" else torch.exp  # CPU torch.exp is not position-invariant
+    probs_sorted, order = torch.sort(exp(logp), dim=1, descending=True)
+    before = torch.cumsum(probs_sorted, dim=1) - probs_sorted  # mass strictly before each token
+    n_keep = (before < top_p[idx, None].float()).sum(1).clamp(min=1)
+    last = order.gather(1, (n_keep - 1)[:, None])[:, 0]
+    thresholds[idx] = torch.maximum(kth, x.gather(1, last[:, None])[:, 0])
+    return thresholds
+
+
 def sample_tokens(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
                   thresholds: torch.Tensor | None = None) -> torch.Tensor:
     """Sample one token per row of ``[rows, vocab]`` logits.

@@ -1,1 +1,13 @@
-"""runtime"""
+"""The paged-KV decoding runtime: LLM -> Scheduler -> BlockManager -> ModelRunner -> Sampler."""
+
+from .block_manager import BlockManager
+from .llm import LLM
+from .model_runner import ModelRunner
+from .outputs import CompletionOutput, RequestOutput
+from .sampler import Sampler
+from .sampling_params import SamplingParams
+from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from .sequence import Sequence, SequenceStatus
+
+__all__ = ["BlockManager", "CompletionOutput", "LLM", "ModelRunner", "RequestOutput", "Sampler", "SamplingParams",
+           "ScheduledSeq", "Scheduler", "SchedulerOutput", "Sequence", "SequenceStatus"]

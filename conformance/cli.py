@@ -1,0 +1,121 @@
+"""vexact-conformance: run the conformance suite and print one row per architecture x backend.
+
+Examples:
+    vexact-conformance                                    # every architecture, tiny configs, CPU
+    vexact-conformance --arch qwen3 --device cuda --dtype bfloat16 --config qwen3-0.6b --pool 64 --max-tokens 256
+    python -m vexact_models.conformance --config path/to/config.json --layers 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from vexact_models.registry import Architecture, architectures, get
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+PARITY_TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-10, torch.bfloat16: 3e-2, torch.float16: 1e-2}
+
+
+def published_config(name_or_path: str) -> dict:
+    """A config dict from a bundled published config name (``qwen3-0.6b``) or a JSON path."""
+    path = Path(name_or_path)
+    if not path.exists():
+        path = CONFIG_DIR / f"{name_or_path}.json"
+    if not path.exists():
+        known = sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
+        raise ValueError(f"--config {name_or_path!r}: no such file, and not one of the bundled configs {known}")
+    return json.loads(path.read_text())
+
+
+def build_model(arch: Architecture, config, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    """A random-weight training-variant model, initialised directly on `device` in `dtype`."""
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = arch.causal_lm_class(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval()
+
+
+def make_config(arch: Architecture, config_name: str | None, layers: int | None, max_positions: int | None):
+    if config_name is None or config_name == "tiny":
+        overrides = {"num_hidden_layers": layers} if layers else {}
+        return arch.tiny_config(**overrides)
+    fields = published_config(config_name)
+    if fields.get("model_type") not in arch.model_types:
+        raise ValueError(f"--config {config_name}: model_type {fields.get('model_type')!r} is not {arch.name}")
+    fields = {k: v for k, v in fields.items() if k not in ("architectures", "torch_dtype")}
+    if layers:
+        fields["num_hidden_layers"] = layers
+    if max_positions:
+        fields["max_position_embeddings"] = max_positions
+    return arch.config_class(**fields)
+
+
+def print_table(reports) -> None:
+    header = ["architecture", "backend", "device", "dtype", "tokens checked", "mismatches", "max |diff|",
+              "reproducible", "HF parity (rel)"]
+    rows = [[r.arch, r.backend, r.device, r.dtype, f"{r.tokens:,}", str(r.mismatches), f"{r.max_abs_diff:.3g}",
+             f"{r.reproducibility_checked - r.reproducibility_mismatches}/{r.reproducibility_checked}",
+             "-" if r.hf_parity is None else f"{r.hf_parity:.2e}"] for r in reports]
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+    print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
+    for row in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="vexact-conformance", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", action="append", help="architecture name (repeatable; default: all registered)")
+    parser.add_argument("--backend", choices=["reference", "triton"], help="kernel backend (default: by device)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--config", help="'tiny' (default), a bundled config name (e.g. qwen3-0.6b) or a config.json path")
+    parser.add_argument("--layers", type=int, help="override num_hidden_layers")
+    parser.add_argument("--max-positions", type=int, help="override max_position_embeddings")
+    parser.add_argument("--pool", type=int, default=64, help="requests in the pool (the largest batch); default 64")
+    parser.add_argument("--max-tokens", type=int, default=24, help="largest max_tokens of a request; default 24")
+    parser.add_argument("--prompt-len", type=int, default=40, help="longest prompt; default 40")
+    parser.add_argument("--no-hf-parity", action="store_true", help="skip the comparison with stock transformers")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    for name, value in (("--pool", args.pool), ("--max-tokens", args.max_tokens), ("--prompt-len", args.prompt_len)):
+        if value < 1:
+            parser.error(f"{name}={value} must be >= 1")
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    from vexact_models.kernels import use_backend
+
+    from .suite import run_conformance
+
+    archs = [get(a) for a in args.arch] if args.arch else architectures()
+    reports, failed = [], False
+    with use_backend(args.backend):
+        for arch in archs:
+            config = make_config(arch, args.config, args.layers, args.max_positions)
+            print(f"{arch.name}: building {args.config or 'tiny'} model ({config.num_hidden_layers} layers) "
+                  f"on {device} in {args.dtype}", flush=True)
+            model = build_model(arch, config, device, dtype, args.seed)
+            report = run_conformance(arch, model, device=device, pool_size=args.pool, max_tokens=args.max_tokens,
+                                     prompt_len=args.prompt_len, hf_parity=not args.no_hf_parity, seed=args.seed)
+            reports.append(report)
+            parity_bad = report.hf_parity is not None and report.hf_parity > PARITY_TOLERANCE[dtype]
+            failed |= not report.ok or parity_bad
+            del model
+    print()
+    print_table(reports)
+    print("RESULT:", "FAIL" if failed else "PASS")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

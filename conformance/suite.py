@@ -1,0 +1,217 @@
+"""The conformance suite (DESIGN.md section 7): rollout logprobs == training logprobs, bitwise.
+
+For one architecture, backend and model: roll out a fixed pool of requests (greedy, sampled,
+top-k, top-p, min_tokens, stop tokens; each with its own seed) under adversarial engine
+settings (batch sizes 1, 7, 64; chunked-prefill budgets 16 and 128 and no chunking; a KV cache
+so small that sequences are preempted; n = 4), then recompute every sampled token's logprob
+with the training variant, packed in shuffled order and padded (left and right), and require
+``torch.equal``. A request must also produce identical tokens and logprobs in every scenario
+it appears in. HF parity compares the training variant's logits with stock transformers on the
+same weights.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from vexact_models.registry import Architecture
+from vexact_models.runtime import LLM, SamplingParams
+
+
+@dataclass
+class ScenarioResult:
+    name: str
+    sequences: int
+    tokens: int
+    mismatches: int
+    max_abs_diff: float
+    seconds: float
+
+
+@dataclass
+class Report:
+    arch: str
+    backend: str
+    device: str
+    dtype: str
+    scenarios: list[ScenarioResult] = field(default_factory=list)
+    reproducibility_mismatches: int = 0
+    reproducibility_checked: int = 0
+    hf_parity: float | None = None  # max |ours - hf| / max |hf| over the logits
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.tokens for s in self.scenarios)
+
+    @property
+    def mismatches(self) -> int:
+        return sum(s.mismatches for s in self.scenarios) + self.reproducibility_mismatches
+
+    @property
+    def max_abs_diff(self) -> float:
+        return max((s.max_abs_diff for s in self.scenarios), default=0.0)
+
+    @property
+    def ok(self) -> bool:
+        return self.mismatches == 0 and self.tokens > 0
+
+
+def request_pool(vocab: int, n: int, max_tokens: int, prompt_len: int, seed: int = 0, stop_ids=()) -> list:
+    """`n` (prompt ids, SamplingParams) pairs covering every sampling mode, deterministic."""
+    rng = random.Random(seed)
+    pool = []
+    for i in range(n):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, prompt_len))]
+        mode = i % 6
+        common = dict(max_tokens=rng.randint(1, max_tokens), seed=1000 + i)
+        if mode == 0:
+            params = SamplingParams(temperature=0.0, **common)
+        elif mode == 1:
+            params = SamplingParams(temperature=1.0, **common)
+        elif mode == 2:
+            params = SamplingParams(temperature=0.7, top_k=20, **common)
+        elif mode == 3:
+            params = SamplingParams(temperature=1.3, top_p=0.9, **common)
+        elif mode == 4:
+            params = SamplingParams(temperature=0.9, top_k=50, top_p=0.8, min_tokens=min(3, common["max_tokens"]),
+                                    stop_token_ids=list(stop_ids), **common)
+        else:
+            params = SamplingParams(temperature=1.0, ignore_eos=True, stop_token_ids=list(stop_ids), **common)
+        pool.append((prompt, params))
+    return pool
+
+
+def _recompute(model, samples, temperatures, device, padding: str, rng: random.Random) -> list[torch.Tensor]:
+    """Training-variant logprobs of each sample's output tokens, packed (shuffled) or padded."""
+    order = list(range(len(samples)))
+    rng.shuffle(order)
+    seqs = [samples[i][0] + samples[i][1] for i in order]
+    temps = torch.tensor([temperatures[i] for i in order], dtype=torch.float32)
+    if padding == "packed":
+        ids = torch.tensor([t for s in seqs for t in s], device=device)
+        cu = torch.tensor([0] + list(torch.tensor([len(s) for s in seqs]).cumsum(0)), dtype=torch.int32)
+        flat = model.token_logprobs(ids, cu_seqlens=cu.to(device), temperature=temps.to(device))
+        per_seq = list(torch.split(flat.cpu(), [len(s) for s in seqs]))
+    else:
+        width = max(len(s) for s in seqs)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        mask = torch.zeros(len(seqs), width, dtype=torch.long)
+        for r, s in enumerate(seqs):
+            sl = slice(width - len(s), width) if padding == "left" else slice(0, len(s))
+            ids[r, sl], mask[r, sl] = torch.tensor(s), 1
+        lp = model.token_logprobs(ids.to(device), attention_mask=mask.to(device), temperature=temps.to(device)).cpu()
+        per_seq = [lp[r, width - len(s):] if padding == "left" else lp[r, :len(s)] for r, s in enumerate(seqs)]
+    out = [None] * len(samples)
+    for pos, i in enumerate(order):
+        prompt_len = len(samples[i][0])
+        out[i] = per_seq[pos][prompt_len:]
+    return out
+
+
+def _scenarios(pool_size: int) -> list[dict]:
+    small = min(7, pool_size)
+    return [
+        dict(name="batch 1", requests=min(6, pool_size), batch=1, engine={}),
+        dict(name="batch 7, chunk 16", requests=small, batch=small, engine=dict(max_num_batched_tokens=16)),
+        dict(name=f"batch {pool_size}, chunk 128", requests=pool_size, batch=pool_size,
+             engine=dict(max_num_batched_tokens=128)),
+        dict(name=f"batch {pool_size}, no chunking", requests=pool_size, batch=pool_size,
+             engine=dict(enable_chunked_prefill=False, max_num_batched_tokens=4096)),
+        dict(name=f"batch {pool_size}, preemption", requests=pool_size, batch=pool_size,
+             engine=dict(max_num_batched_tokens=64, preempt=True)),
+        dict(name="batch 7, n=4", requests=small, batch=small, engine=dict(max_num_batched_tokens=32), n=4),
+    ]
+
+
+def run_conformance(arch: Architecture, model, *, device: torch.device, pool_size: int = 64, max_tokens: int = 24,
+                    prompt_len: int = 40, hf_parity: bool = True, seed: int = 0, log=print) -> Report:
+    """Run every scenario for `model` (a training-variant instance on `device`)."""
+    from vexact_models.kernels import current_backend
+
+    dtype = next(model.parameters()).dtype
+    report = Report(arch.name, current_backend(device), str(device), str(dtype).replace("torch.", ""))
+    vocab = model.config.vocab_size
+    pool = request_pool(vocab, pool_size, max_tokens, prompt_len, seed, stop_ids=(vocab - 1, vocab - 2))
+    rng = random.Random(seed)
+    seen: dict[tuple[int, int, int], tuple[list[int], list[float]]] = {}
+    max_model_len = min(int(model.config.max_position_embeddings), prompt_len + max_tokens + 1)
+    for sc in _scenarios(pool_size):
+        t0 = time.time()
+        engine = dict(sc["engine"])
+        block_size = 4
+        if engine.pop("preempt", False):  # room for only a few sequences: forces preemption
+            longest = max(len(p) + sp.max_tokens for p, sp in pool)
+            engine["kv_cache_bytes"] = _cache_bytes(model, block_size, dtype, 3 * (-(-longest // block_size)))
+        engine.setdefault("max_model_len", max_model_len)
+        if engine.get("enable_chunked_prefill") is False:
+            engine["max_num_batched_tokens"] = max(engine["max_num_batched_tokens"], max_model_len)
+        llm = LLM(model, device=device, block_size=block_size, max_num_seqs=64, **engine)
+        requests = pool[:sc["requests"]]
+        n = sc.get("n", 1)
+        if n > 1:
+            from dataclasses import replace
+
+            requests = [(p, replace(sp, n=n)) for p, sp in requests]
+        outputs = []
+        for start in range(0, len(requests), sc["batch"]):
+            chunk = requests[start:start + sc["batch"]]
+            outputs += llm.generate([p for p, _ in chunk], [sp for _, sp in chunk], use_tqdm=False)
+        preempted = llm.num_preemptions
+        samples, reported, temps = [], [], []
+        for (prompt, sp), out in zip(requests, outputs):
+            for comp in out.outputs:
+                samples.append((prompt, comp.token_ids))
+                reported.append(torch.tensor(comp.logprobs, dtype=torch.float32))
+                temps.append(sp.temperature if sp.temperature > 0 else 1.0)
+                key = (id(prompt), n, comp.index)
+                if key in seen:
+                    report.reproducibility_checked += 1
+                    if seen[key] != (comp.token_ids, comp.logprobs):
+                        report.reproducibility_mismatches += 1
+                        log(f"  reproducibility: request {out.request_id} sample {comp.index} differs in {sc['name']}")
+                else:
+                    seen[key] = (comp.token_ids, comp.logprobs)
+        mismatches, max_diff, tokens = 0, 0.0, 0
+        with torch.no_grad():
+            for padding in ("packed", "right", "left"):
+                recomputed = _recompute(model, samples, temps, device, padding, rng)
+                for got, want in zip(recomputed, reported):
+                    tokens += want.numel()
+                    if not torch.equal(got, want):
+                        mismatches += int((got != want).sum())
+                        max_diff = max(max_diff, float((got - want).abs().max()))
+        result = ScenarioResult(sc["name"] + (f" ({preempted} preemptions)" if preempted else ""), len(samples),
+                                tokens, mismatches, max_diff, time.time() - t0)
+        report.scenarios.append(result)
+        log(f"  {result.name}: {result.sequences} sequences, {tokens} token logprobs checked, "
+            f"{mismatches} mismatches ({result.seconds:.1f}s)")
+    if hf_parity:
+        report.hf_parity = hf_parity_error(arch, model, device)
+    return report
+
+
+def _cache_bytes(model, block_size: int, dtype: torch.dtype, blocks: int) -> int:
+    from vexact_models.runtime.model_runner import kv_bytes_per_block
+
+    return blocks * kv_bytes_per_block(model.kv_cache_spec(), block_size, dtype)
+
+
+@torch.no_grad()
+def hf_parity_error(arch: Architecture, model, device: torch.device, batch: int = 3, length: int = 48) -> float:
+    """max |logits_ours - logits_hf| / max |logits_hf| on the same weights and random input."""
+    hf = arch.hf_class()(model.config)
+    missing, unexpected = hf.load_state_dict(model.state_dict(), strict=False)
+    if [k for k in missing if k != "lm_head.weight"] or unexpected:
+        raise RuntimeError(f"HF parity: state dicts differ: missing {missing}, unexpected {unexpected}")
+    hf = hf.to(device=device, dtype=next(model.parameters()).dtype).eval()
+    if model.config.tie_word_embeddings:
+        hf.tie_weights()
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (batch, length), generator=gen).to(device)
+    ours = model(ids).logits.float()
+    ref = hf(ids).logits.float()
+    return float((ours - ref).abs().max() / ref.abs().max())

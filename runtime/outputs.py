@@ -1,0 +1,30 @@
+"""What `LLM.generate` returns, shaped like vLLM's outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of one prompt.
+
+    ``logprobs[i]`` is ``log_softmax(logits / T)[token_ids[i]]`` over the full vocabulary at the
+    request's temperature (1.0 for greedy), before top-k/top-p/min_tokens filtering: the number
+    the training forward recomputes bitwise with ``token_logprobs``.
+    """
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None  # "stop", "length" or "error"
+    text: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)

@@ -1,0 +1,142 @@
+"""Per-request sampling parameters, validated once at construction.
+
+The runtime trusts these values everywhere else (scheduler, sampler, runner), so every field is
+checked here and a bad value fails loudly with a message that names the field, the value and
+the limit, instead of surfacing later as a shape error or a silent clamp inside a kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+__all__ = ["SamplingParams", "MAX_SEED"]
+
+#: Seeds live in [0, MAX_SEED): they must fit a signed 64-bit integer so they can be handed to
+#: a counter-based RNG (Philox) as a tensor without wrapping.
+MAX_SEED = 2**63
+
+
+def _is_int(value: object) -> bool:
+    # bool is a subclass of int, but True/False as a token count or seed is almost always a bug.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _require_int(name: str, value: object) -> int:
+    if not _is_int(value):
+        raise ValueError(
+            f"SamplingParams.{name}={value!r} must be an int, got {type(value).__name__}"
+        )
+    return value  # type: ignore[return-value]
+
+
+def _require_float(name: str, value: object) -> float:
+    # Ints are accepted for convenience (temperature=1) and stored as float so downstream code
+    # sees one type; NaN/inf are rejected because every comparison with them is meaningless.
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(
+            f"SamplingParams.{name}={value!r} must be a float, got {type(value).__name__}"
+        )
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"SamplingParams.{name}={value!r} must be a finite number")
+    return value
+
+
+def _require_at_least(name: str, value: object, minimum: int) -> int:
+    value = _require_int(name, value)
+    if value < minimum:
+        raise ValueError(f"SamplingParams.{name}={value} is below the minimum {minimum}")
+    return value
+
+
+@dataclass
+class SamplingParams:
+    """How to sample the continuation(s) of one prompt.
+
+    Attributes:
+        n: samples per prompt, >= 1. Each sample is its own sequence with its own seed.
+        temperature: >= 0; 0 means greedy (argmax).
+        top_p: nucleus mass in (0, 1]; 1 disables it.
+        top_k: -1 disables it, else the number of candidates kept, >= 1.
+        min_tokens: >= 0. Stop tokens and EOS are banned while fewer than this many tokens
+            have been generated, and a stop token only finishes a sequence once at least
+            ``min_tokens`` outputs precede it.
+        max_tokens: >= 1, upper bound on generated tokens (the stop token included).
+        stop_token_ids: extra token ids that finish a sequence (each >= 0).
+        ignore_eos: when True the model's EOS token does not finish a sequence.
+        seed: None lets the engine derive one; else an int in [0, 2**63). The sampled token
+            depends only on (logits row, seed, token index), which is what makes rollouts
+            reproducible under any batching.
+
+    ``__post_init__`` validates every field and raises ``ValueError`` naming the field, the bad
+    value and the limit. Because ``dataclasses.replace`` re-runs ``__post_init__``, copies are
+    validated too, and ``stop_token_ids`` is copied into a fresh list so that a copy never
+    aliases the original's list.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_tokens: int = 0
+    max_tokens: int = 16
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        self.n = _require_at_least("n", self.n, 1)
+        self._validate_sampling()
+        self._validate_lengths()
+        self._validate_stops()
+        if self.seed is not None:
+            seed = _require_int("seed", self.seed)
+            if not 0 <= seed < MAX_SEED:
+                raise ValueError(f"SamplingParams.seed={seed} is outside [0, 2**63)")
+
+    def _validate_sampling(self) -> None:
+        self.temperature = _require_float("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(
+                f"SamplingParams.temperature={self.temperature} is below the minimum 0 "
+                "(0 = greedy)"
+            )
+        self.top_p = _require_float("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p={self.top_p} is outside (0, 1]")
+        top_k = _require_int("top_k", self.top_k)
+        if top_k != -1 and top_k < 1:
+            raise ValueError(f"SamplingParams.top_k={top_k} must be -1 (off) or >= 1")
+
+    def _validate_lengths(self) -> None:
+        min_tokens = _require_at_least("min_tokens", self.min_tokens, 0)
+        max_tokens = _require_at_least("max_tokens", self.max_tokens, 1)
+        if min_tokens > max_tokens:
+            raise ValueError(
+                f"SamplingParams.min_tokens={min_tokens} exceeds max_tokens={max_tokens}"
+            )
+
+    def _validate_stops(self) -> None:
+        ids = self.stop_token_ids
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(
+                f"SamplingParams.stop_token_ids={ids!r} must be a list of ints, "
+                f"got {type(ids).__name__}"
+            )
+        for i, token in enumerate(ids):
+            if not _is_int(token):
+                raise ValueError(
+                    f"SamplingParams.stop_token_ids[{i}]={token!r} must be an int, "
+                    f"got {type(token).__name__}"
+                )
+            if token < 0:
+                raise ValueError(
+                    f"SamplingParams.stop_token_ids[{i}]={token} is below the minimum 0"
+                )
+        self.stop_token_ids = list(ids)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(
+                f"SamplingParams.ignore_eos={self.ignore_eos!r} must be a bool, "
+                f"got {type(self.ignore_eos).__name__}"
+            )

@@ -1,0 +1,307 @@
+"""Continuous-batching scheduler (vLLM v1 style): a token budget per step, chunked prefill,
+decode and prefill mixed in one step, preemption by recompute when KV pages run out.
+
+Every decision is a pure function of the scheduler's state (arrival order, token counts, free
+pages), never of timing, so a workload always yields the same steps. The numbers do not depend
+on the schedule anyway (batch-invariant kernels, sampling keyed by seed and token index);
+determinism keeps runs replayable. Drive loop: while ``has_unfinished()``: ``schedule()``,
+report ``errored``, run the model on ``scheduled`` and sample, then ``postprocess()``.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass
+
+from .block_manager import BlockManager
+from .sequence import Sequence, SequenceStatus
+
+__all__ = ["ScheduledSeq", "SchedulerOutput", "Scheduler"]
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's share of a step."""
+
+    seq: Sequence
+    #: Tokens ``seq.token_ids[seq.num_computed_tokens : seq.num_computed_tokens + num_new_tokens]``
+    #: run through the model this step (their K/V go to the cache).
+    num_new_tokens: int
+    #: True when this chunk ends at ``seq.num_tokens``: the step samples seq's next token from
+    #: the logits of the chunk's last position. False for a non-final prefill chunk.
+    samples: bool
+
+
+@dataclass
+class SchedulerOutput:
+    """What one ``schedule()`` call decided."""
+
+    scheduled: list[ScheduledSeq]
+    #: Sequences preempted by recompute during this call (their pages are freed; they wait again).
+    preempted: list[Sequence]
+    #: Sequences that can never fit, finished with finish_reason "error" since the last call.
+    errored: list[Sequence]
+
+    @property
+    def num_tokens(self) -> int:
+        """Total new tokens run this step."""
+        return sum(item.num_new_tokens for item in self.scheduled)
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"Scheduler {name}={value!r} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"Scheduler {name}={value} is below the minimum {minimum}")
+    return value
+
+
+class Scheduler:
+    """Decides, step by step, which tokens of which sequences run through the model.
+
+    Args:
+        block_manager: owns the KV pages.
+        max_num_seqs: most sequences running at once (so also per step), >= 1.
+        max_num_batched_tokens: token budget of one step, >= 1.
+        max_model_len: most tokens (prompt + output) a sequence may reach, >= 1.
+        eos_token_id: the model's EOS token, or None when it has none.
+        chunked_prefill: when False a sequence is only scheduled if all its uncomputed tokens
+            fit in the step's remaining budget; this requires
+            ``max_num_batched_tokens >= max_model_len``, otherwise a long prompt (or a long
+            sequence re-prefilling after a preemption) could never be scheduled.
+    """
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_id: int | None,
+        chunked_prefill: bool = True,
+    ) -> None:
+        if not isinstance(block_manager, BlockManager):
+            raise ValueError(
+                f"Scheduler block_manager must be a BlockManager, got {type(block_manager).__name__}"
+            )
+        self.block_manager = block_manager
+        self.max_num_seqs = _check_int("max_num_seqs", max_num_seqs, 1)
+        self.max_num_batched_tokens = _check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
+        self.max_model_len = _check_int("max_model_len", max_model_len, 1)
+        if eos_token_id is not None:
+            _check_int("eos_token_id", eos_token_id, 0)
+        self.eos_token_id = eos_token_id
+        if not isinstance(chunked_prefill, bool):
+            raise ValueError(f"Scheduler chunked_prefill={chunked_prefill!r} must be a bool")
+        if not chunked_prefill and max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"Scheduler max_num_batched_tokens={max_num_batched_tokens} is below the minimum "
+                f"max_model_len={max_model_len} required when chunked_prefill is False"
+            )
+        self.chunked_prefill = chunked_prefill
+        self._waiting: deque[Sequence] = deque()
+        self._running: list[Sequence] = []  # kept sorted by arrival
+        self._errored: list[Sequence] = []  # finished at add(), reported by the next schedule()
+        self._next_arrival = 0
+        # A step's scheduled tokens are only marked computed by postprocess(); scheduling again
+        # before that would run the same tokens twice.
+        self._awaiting_postprocess = False
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence (FIFO). One that can never fit is finished right away with
+        finish_reason "error" and reported in the next ``schedule()``'s ``errored``."""
+        if seq.arrival != -1:
+            raise ValueError(f"Scheduler.add: {seq!r} was already added to a scheduler")
+        if seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens or seq.block_table:
+            raise ValueError(f"Scheduler.add: {seq!r} is not a fresh WAITING sequence")
+        seq.arrival = self._next_arrival
+        self._next_arrival += 1
+        error = self._never_fits(seq)
+        if error is not None:
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = "error"
+            seq.error = error
+            self._errored.append(seq)
+            return
+        self._waiting.append(seq)
+
+    def _never_fits(self, seq: Sequence) -> str | None:
+        """Why ``seq`` can never complete, or None. Checked once: its needs never grow."""
+        who = f"request {seq.request_id} (sample {seq.sample_index})"
+        if seq.num_prompt_tokens >= self.max_model_len:
+            return (
+                f"{who}: prompt of {seq.num_prompt_tokens} tokens leaves no room for output "
+                f"within max_model_len={self.max_model_len}"
+            )
+        # Upper bound on the positions it will ever hold; a sequence alone in the cache can
+        # always make progress, which is what guarantees that preemption terminates.
+        positions = min(seq.num_prompt_tokens + seq.params.max_tokens, self.max_model_len)
+        needed = self.block_manager.blocks_for(positions)
+        if needed > self.block_manager.num_blocks:
+            return (
+                f"{who} needs {needed} KV cache blocks for {positions} positions but the cache "
+                f"has only {self.block_manager.num_blocks} blocks in total "
+                f"(block_size={self.block_manager.block_size})"
+            )
+        return None
+
+    def has_unfinished(self) -> bool:
+        """True while there is anything left to schedule or to report (errored sequences not
+        yet returned by ``schedule()`` count, so a drive loop never drops their errors)."""
+        return bool(self._waiting or self._running or self._errored)
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work: running sequences first (arrival order), then waiting ones
+        (FIFO) while the token budget and ``max_num_seqs`` allow."""
+        if self._awaiting_postprocess:
+            raise RuntimeError("Scheduler.schedule() called before postprocess() of the last step")
+        errored, self._errored = self._errored, []
+        scheduled: list[ScheduledSeq] = []
+        preempted: list[Sequence] = []
+        budget = self._schedule_running(self.max_num_batched_tokens, scheduled, preempted)
+        # After a preemption the cache is full: admitting now would only take pages that the
+        # running sequences need next step (and could re-admit the victim at once).
+        if not preempted:
+            self._schedule_waiting(budget, scheduled)
+        self._awaiting_postprocess = bool(scheduled)
+        return SchedulerOutput(scheduled=scheduled, preempted=preempted, errored=errored)
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """New tokens for ``seq`` within ``budget``; 0 when it cannot be scheduled now."""
+        uncomputed = seq.num_uncomputed_tokens
+        if uncomputed <= budget:
+            return uncomputed
+        return budget if self.chunked_prefill else 0
+
+    def _item(self, seq: Sequence, num_new: int) -> ScheduledSeq:
+        samples = seq.num_computed_tokens + num_new == seq.num_tokens
+        return ScheduledSeq(seq=seq, num_new_tokens=num_new, samples=samples)
+
+    def _schedule_running(
+        self, budget: int, scheduled: list[ScheduledSeq], preempted: list[Sequence]
+    ) -> int:
+        """Schedule running sequences in arrival order; returns the budget left."""
+        i = 0
+        while i < len(self._running) and budget > 0 and len(scheduled) < self.max_num_seqs:
+            seq = self._running[i]
+            num_new = self._chunk(seq, budget)
+            if num_new == 0:
+                i += 1  # only without chunking: a smaller sequence behind it may still fit
+                continue
+            if not self._reserve(seq, seq.num_computed_tokens + num_new, preempted):
+                break  # seq had to preempt itself: nothing after it is running any more
+            scheduled.append(self._item(seq, num_new))
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _reserve(self, seq: Sequence, num_tokens: int, preempted: list[Sequence]) -> bool:
+        """Make ``seq``'s pages cover ``num_tokens`` positions, preempting the latest-arrived
+        running sequences as needed. Returns False if ``seq`` itself had to be preempted.
+
+        The victim is always at or after ``seq`` in the running list (which is sorted by
+        arrival), so sequences already scheduled this step are never preempted.
+        """
+        while not self.block_manager.can_allocate(seq, num_tokens):
+            victim = self._running[-1]
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                return False
+        self.block_manager.allocate(seq, num_tokens)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Preempt by recompute: drop the K/V, keep the tokens, wait at the front of the queue
+        (it arrived before everything queued behind it, so FIFO order is kept)."""
+        self._running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self._waiting.appendleft(seq)
+
+    def _schedule_waiting(self, budget: int, scheduled: list[ScheduledSeq]) -> None:
+        """Admit waiting sequences strictly in FIFO order: stop at the first one that does not
+        fit (budget, ``max_num_seqs`` or pages) instead of skipping ahead."""
+        while self._waiting and budget > 0 and len(self._running) < self.max_num_seqs:
+            seq = self._waiting[0]
+            num_new = self._chunk(seq, budget)
+            if num_new == 0:
+                break
+            num_tokens = seq.num_computed_tokens + num_new
+            if not self.block_manager.can_allocate(seq, num_tokens):
+                break
+            self.block_manager.allocate(seq, num_tokens)
+            self._waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            # Keep running sorted by arrival. (Running is always the earliest-arrived unfinished
+            # sequences, so this is an append in practice; bisect keeps it true by construction.)
+            arrivals = [s.arrival for s in self._running]
+            self._running.insert(bisect.bisect(arrivals, seq.arrival), seq)
+            scheduled.append(self._item(seq, num_new))
+            budget -= num_new
+
+    def postprocess(
+        self,
+        scheduled: list[ScheduledSeq],
+        tokens: list[int | None],
+        logprobs: list[float | None],
+    ) -> list[Sequence]:
+        """Apply one step's results. ``tokens[i]``/``logprobs[i]`` are the token sampled for
+        ``scheduled[i]`` and its logprob (ignored, may be None, where ``samples`` is False).
+        Returns the sequences that finished in this step; their pages are freed."""
+        if len(tokens) != len(scheduled) or len(logprobs) != len(scheduled):
+            raise ValueError(
+                f"postprocess: {len(scheduled)} scheduled sequences but {len(tokens)} tokens "
+                f"and {len(logprobs)} logprobs"
+            )
+        # Validate everything before mutating anything, so a bad call leaves no half-applied step.
+        for i, item in enumerate(scheduled):
+            if item.seq.status is not SequenceStatus.RUNNING:
+                raise RuntimeError(f"postprocess: {item.seq!r} is not running")
+            if item.samples and (tokens[i] is None or logprobs[i] is None):
+                raise ValueError(f"postprocess: scheduled[{i}] samples but got no token/logprob")
+        self._awaiting_postprocess = False
+        finished: list[Sequence] = []
+        for item, token, logprob in zip(scheduled, tokens, logprobs):
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            if not item.samples:
+                continue
+            seq.append_token(token, logprob)  # type: ignore[arg-type]
+            reason = self._finish_reason(seq)
+            if reason is not None:
+                self._finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _finish_reason(self, seq: Sequence) -> str | None:
+        """Whether the token just appended ends ``seq``. A stop token wins over a length limit
+        reached at the same token (the model chose to stop)."""
+        params = seq.params
+        token = seq.last_token
+        # Stop tokens/EOS count only once min_tokens outputs precede them: the sampler bans
+        # them while num_output_tokens < min_tokens (counted before the new token).
+        if seq.num_output_tokens - 1 >= params.min_tokens:
+            if token in params.stop_token_ids:
+                return "stop"
+            if token == self.eos_token_id and not params.ignore_eos:
+                return "stop"
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self._running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

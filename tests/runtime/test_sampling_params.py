@@ -1,0 +1,66 @@
+"""SamplingParams: every field is validated with a message naming the field, value and limit."""
+
+import dataclasses
+
+import pytest
+
+from vexact_models.runtime.sampling_params import SamplingParams
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"n": 0}, "SamplingParams.n=0 is below the minimum 1"),
+        ({"n": True}, "SamplingParams.n=True must be an int, got bool"),
+        ({"n": 2.0}, "SamplingParams.n=2.0 must be an int, got float"),
+        ({"temperature": -0.5}, "SamplingParams.temperature=-0.5 is below the minimum 0"),
+        ({"temperature": float("nan")}, "SamplingParams.temperature=nan must be a finite number"),
+        ({"temperature": "1"}, "SamplingParams.temperature='1' must be a float, got str"),
+        ({"temperature": False}, "SamplingParams.temperature=False must be a float, got bool"),
+        ({"top_p": 1.5}, "SamplingParams.top_p=1.5 is outside (0, 1]"),
+        ({"top_p": 0.0}, "SamplingParams.top_p=0.0 is outside (0, 1]"),
+        ({"top_p": float("inf")}, "SamplingParams.top_p=inf must be a finite number"),
+        ({"top_k": 0}, "SamplingParams.top_k=0 must be -1 (off) or >= 1"),
+        ({"top_k": -2}, "SamplingParams.top_k=-2 must be -1 (off) or >= 1"),
+        ({"top_k": 1.0}, "SamplingParams.top_k=1.0 must be an int, got float"),
+        ({"min_tokens": -1}, "SamplingParams.min_tokens=-1 is below the minimum 0"),
+        ({"max_tokens": 0}, "SamplingParams.max_tokens=0 is below the minimum 1"),
+        ({"max_tokens": True}, "SamplingParams.max_tokens=True must be an int, got bool"),
+        ({"min_tokens": 5, "max_tokens": 3}, "SamplingParams.min_tokens=5 exceeds max_tokens=3"),
+        ({"stop_token_ids": [1, -1]}, "SamplingParams.stop_token_ids[1]=-1 is below the minimum 0"),
+        ({"stop_token_ids": [1, False]}, "SamplingParams.stop_token_ids[1]=False must be an int"),
+        ({"stop_token_ids": 5}, "SamplingParams.stop_token_ids=5 must be a list of ints"),
+        ({"ignore_eos": 1}, "SamplingParams.ignore_eos=1 must be a bool, got int"),
+        ({"seed": -1}, "SamplingParams.seed=-1 is outside [0, 2**63)"),
+        ({"seed": 2**63}, f"SamplingParams.seed={2**63} is outside [0, 2**63)"),
+        ({"seed": True}, "SamplingParams.seed=True must be an int, got bool"),
+    ],
+)
+def test_invalid_values_name_field_value_and_limit(kwargs, message):
+    with pytest.raises(ValueError) as info:
+        SamplingParams(**kwargs)
+    assert message in str(info.value)
+
+
+def test_defaults_and_boundary_values_are_accepted():
+    p = SamplingParams()
+    assert (p.n, p.temperature, p.top_p, p.top_k) == (1, 1.0, 1.0, -1)
+    assert (p.min_tokens, p.max_tokens, p.stop_token_ids, p.ignore_eos, p.seed) == (
+        0, 16, [], False, None,
+    )
+    edge = SamplingParams(
+        temperature=0, top_p=1e-9, top_k=1, min_tokens=4, max_tokens=4,
+        stop_token_ids=(0, 3), seed=2**63 - 1,
+    )
+    assert edge.temperature == 0.0 and isinstance(edge.temperature, float)
+    assert edge.stop_token_ids == [0, 3] and isinstance(edge.stop_token_ids, list)
+
+
+def test_replace_copies_and_revalidates():
+    base = SamplingParams(stop_token_ids=[7], seed=3)
+    copy = dataclasses.replace(base, temperature=0.5)
+    assert copy.temperature == 0.5 and copy.seed == 3 and copy.stop_token_ids == [7]
+    copy.stop_token_ids.append(9)  # a copy never aliases the original's list
+    assert base.stop_token_ids == [7]
+    with pytest.raises(ValueError, match="top_p=2"):
+        dataclasses.replace(base, top_p=2.0)

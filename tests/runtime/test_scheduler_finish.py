@@ -1,0 +1,68 @@
+"""Scheduler.postprocess finishing rules: stop ids, EOS, ignore_eos, min/max tokens,
+max_model_len; finished sequences free their pages."""
+
+import pytest
+
+from vexact_models.runtime.block_manager import BlockManager
+from vexact_models.runtime.sampling_params import SamplingParams
+from vexact_models.runtime.scheduler import Scheduler
+from vexact_models.runtime.sequence import Sequence, SequenceStatus
+
+EOS = 2
+
+
+def run_scripted(script, prompt_len=3, max_model_len=64, eos=EOS, **params):
+    """Feed ``script``'s tokens one per sampling step; returns the finished sequence."""
+    bm = BlockManager(32, 4)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=16,
+                      max_model_len=max_model_len, eos_token_id=eos)
+    seq = Sequence(0, 0, [9] * prompt_len, SamplingParams(**params), seed=0)
+    sched.add(seq)
+    feed = iter(script)
+    finished = []
+    while sched.has_unfinished():
+        out = sched.schedule()
+        (item,) = out.scheduled
+        token = next(feed) if item.samples else None
+        finished += sched.postprocess(out.scheduled, [token], [-0.5 if item.samples else None])
+    assert finished == [seq] and seq.status is SequenceStatus.FINISHED
+    assert seq.block_table == [] and bm.num_free_blocks == bm.num_blocks
+    assert len(seq.output_logprobs) == seq.num_output_tokens
+    return seq
+
+
+@pytest.mark.parametrize(
+    "script, params, outputs, reason",
+    [
+        ([5, EOS, 6], {}, [5, EOS], "stop"),
+        ([EOS], {}, [EOS], "stop"),
+        ([5, EOS, 6], {"ignore_eos": True, "max_tokens": 3}, [5, EOS, 6], "length"),
+        ([5, 7, 6], {"stop_token_ids": [7]}, [5, 7], "stop"),
+        ([5, 7, 6], {"stop_token_ids": [7], "ignore_eos": True}, [5, 7], "stop"),
+        ([5, 6, 8, 4], {"max_tokens": 3}, [5, 6, 8], "length"),
+        ([5, EOS], {"max_tokens": 2}, [5, EOS], "stop"),  # stop wins at the last token
+        # min_tokens=2: a stop token needs 2 outputs before it to count
+        ([EOS, 7, EOS], {"min_tokens": 2, "stop_token_ids": [7]}, [EOS, 7, EOS], "stop"),
+        ([5, EOS, 6, 1], {"min_tokens": 2, "max_tokens": 4}, [5, EOS, 6, 1], "length"),
+        ([5, 6, 7], {"min_tokens": 2, "stop_token_ids": [7]}, [5, 6, 7], "stop"),
+    ],
+)
+def test_finish_rules(script, params, outputs, reason):
+    seq = run_scripted(script, **params)
+    assert seq.output_token_ids == outputs and seq.finish_reason == reason
+
+
+def test_no_eos_token_means_only_stop_ids_and_lengths_finish():
+    seq = run_scripted([EOS, EOS, EOS], eos=None, max_tokens=3)
+    assert seq.output_token_ids == [EOS] * 3 and seq.finish_reason == "length"
+
+
+def test_max_model_len_caps_the_total_length():
+    seq = run_scripted([5] * 20, prompt_len=5, max_model_len=8, max_tokens=100)
+    assert seq.num_tokens == 8 and seq.num_output_tokens == 3 and seq.finish_reason == "length"
+
+
+def test_prefill_chunks_do_not_sample():
+    # 40 prompt tokens, budget 16: chunks 16, 16, 8; only the third samples.
+    seq = run_scripted([5, 6], prompt_len=40, max_tokens=2)
+    assert seq.output_token_ids == [5, 6] and seq.output_logprobs == [-0.5, -0.5]

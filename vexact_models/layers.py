@@ -1,0 +1,186 @@
+"""Building blocks shared by every architecture: the norm module, RoPE tables, the two
+attention layouts of the one forward (packed for training, paged for inference) and the
+conversion of HF-style inputs (padded or packed) to the flat token batch.
+
+The one-forward contract (DESIGN.md section 3): a model's layers see a flat batch
+``input_ids[T]``, ``positions[T]`` and an attention context. Training passes a
+`PackedContext` (sequences back to back, causal within each); the runtime passes a
+`PagedContext` (new tokens appended to a cached context in a paged KV cache). Both end in the
+same attention kernel, so every token's hidden state is bitwise the same on both sides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from vexact_models.kernels import (PagedLayout, attention, attention_packed, kv_cache_write, rms_norm,
+                                   rope_table)
+
+
+class RMSNorm(nn.Module):
+    """HF-compatible RMSNorm (``weight``, ``variance_epsilon``) backed by `kernels.rms_norm`.
+
+    Architectures subclass it under their HF name (e.g. ``Qwen3RMSNorm``) so that HF's weight
+    initialisation recognises it.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.variance_epsilon)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+class RopeTables:
+    """One fp32 cos/sin table per model, indexed by absolute position (DESIGN.md rule 5).
+
+    Built once on CPU from the config (HF's RoPE init functions, so YaRN & co. come for free)
+    and copied to each device on first use; never a module buffer, so meta-device loading,
+    ``state_dict`` and dtype casts cannot touch it.
+    """
+
+    def __init__(self, config, head_dim: int) -> None:
+        self.config = config
+        self.head_dim = head_dim
+        self.max_positions = int(config.max_position_embeddings)
+        self._cpu: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._by_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _build(self) -> tuple[torch.Tensor, torch.Tensor]:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        params = getattr(self.config, "rope_parameters", None) or {}
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "default":
+            base = float(params.get("rope_theta", getattr(self.config, "rope_theta", 10000.0)))
+            inv_freq = 1.0 / (base ** (torch.arange(0, self.head_dim, 2, dtype=torch.float, device="cpu") / self.head_dim))
+            scaling = 1.0
+        else:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](self.config, "cpu")
+        return rope_table(inv_freq, self.max_positions, float(scaling))
+
+    def get(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if device not in self._by_device:
+            if self._cpu is None:
+                self._cpu = self._build()
+            self._by_device[device] = tuple(t.to(device) for t in self._cpu)
+        return self._by_device[device]
+
+
+class PackedContext:
+    """Training layout: sequences packed back to back (``cu_seqlens``), causal within each."""
+
+    def __init__(self, cu_seqlens: torch.Tensor, max_seqlen: int) -> None:
+        self.cu_seqlens = cu_seqlens.to(torch.int32)
+        self.max_seqlen = int(max_seqlen)
+
+    def attend(self, layer_idx: int, q, k, v, scale: float) -> torch.Tensor:
+        return attention_packed(q, k, v, self.cu_seqlens, self.max_seqlen, scale)
+
+
+@dataclass
+class PagedContext:
+    """Inference layout: each sequence's new tokens append to its cached context.
+
+    ``kv_caches[layer]`` is ``(k_cache, v_cache)`` of shape ``[pages, page_size, Hkv, D]``;
+    ``slot_mapping[T]`` says where each new token's K/V go.
+    """
+
+    layout: PagedLayout
+    slot_mapping: torch.Tensor
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+
+    def attend(self, layer_idx: int, q, k, v, scale: float) -> torch.Tensor:
+        k_cache, v_cache = self.kv_caches[layer_idx]
+        kv_cache_write(k, v, k_cache, v_cache, self.slot_mapping)
+        return attention(q, k_cache, v_cache, self.layout, scale)
+
+
+@dataclass
+class FlatBatch:
+    """HF-style input flattened to the one forward's token batch.
+
+    ``index`` maps each flat token back to its place in the flattened ``input_ids``;
+    ``cu_seqlens`` delimits the sequences.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    index: torch.Tensor
+    shape: torch.Size
+
+
+def flatten_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                   position_ids: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None) -> FlatBatch:
+    """Turn padded or packed HF input into sequences packed back to back.
+
+    - ``attention_mask`` (``[B, L]``, 1 = token): each row's tokens form one sequence (left or
+      right padding); positions count from the row's first token unless ``position_ids`` say
+      otherwise.
+    - ``cu_seqlens``: ``input_ids`` (``[T]`` or ``[1, T]``) already packed.
+    - ``position_ids`` without a mask: a new sequence starts at every row and wherever the
+      positions restart at 0 (HF's packed-sequence convention).
+    - neither: each row is one sequence at positions 0..L-1.
+    """
+    shape = input_ids.shape
+    ids = input_ids.reshape(-1)
+    device = ids.device
+    if input_ids.dim() not in (1, 2):
+        raise ValueError(f"input_ids must be [batch, seq] or [tokens], got shape {tuple(shape)}")
+    rows, length = (1, ids.shape[0]) if input_ids.dim() == 1 else shape
+    if attention_mask is not None:
+        if cu_seqlens is not None:
+            raise ValueError("pass either attention_mask (padded input) or cu_seqlens (packed input), not both")
+        if attention_mask.shape != shape:
+            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(shape)}")
+        mask = attention_mask.reshape(rows, length).bool()
+        index = mask.reshape(-1).nonzero().squeeze(1)
+        lens = mask.sum(1)
+        keep = lens > 0
+        positions = (position_ids.reshape(-1)[index] if position_ids is not None
+                     else (mask.cumsum(1) - 1).reshape(-1)[index])
+        lens = lens[keep]
+    else:
+        index = torch.arange(ids.shape[0], device=device)
+        if cu_seqlens is not None:
+            cu = cu_seqlens.to(device=device, dtype=torch.int64)
+            if int(cu[-1]) != ids.shape[0] or int(cu[0]) != 0:
+                raise ValueError(f"cu_seqlens must run from 0 to the {ids.shape[0]} tokens, got {cu.tolist()}")
+            lens = cu[1:] - cu[:-1]
+        else:
+            starts = torch.zeros(rows, length, dtype=torch.bool, device=device)
+            starts[:, 0] = True
+            if position_ids is not None:
+                starts |= position_ids.reshape(rows, length) == 0
+            start_idx = starts.reshape(-1).nonzero().squeeze(1)
+            lens = torch.diff(torch.cat([start_idx, torch.tensor([ids.shape[0]], device=device)]))
+        seq_of = torch.repeat_interleave(torch.arange(lens.shape[0], device=device), lens)
+        first = torch.cumsum(lens, 0) - lens
+        positions = (position_ids.reshape(-1) if position_ids is not None
+                     else torch.arange(ids.shape[0], device=device) - first[seq_of])
+    cu = torch.zeros(lens.shape[0] + 1, dtype=torch.int32, device=device)
+    cu[1:] = torch.cumsum(lens, 0)
+    max_seqlen = int(lens.max()) if lens.numel() else 0
+    return FlatBatch(ids[index], positions.to(torch.int64), cu, max_seqlen, index, shape)
+
+
+def check_tokens(input_ids: torch.Tensor, positions: torch.Tensor, vocab_size: int, max_positions: int) -> None:
+    """Clear errors for token ids or positions the model cannot take (one host sync)."""
+    if input_ids.numel() == 0:
+        return
+    lo, hi = int(input_ids.min()), int(input_ids.max())
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"input_ids contains token id {bad}, outside the vocabulary [0, {vocab_size})")
+    if int(positions.max()) >= max_positions or int(positions.min()) < 0:
+        raise ValueError(f"position {int(positions.max())} is outside [0, max_position_embeddings={max_positions})")

@@ -1,0 +1,149 @@
+"""Qwen3 with one forward for training and rollouts.
+
+Same module tree, parameter names and shapes as HF's ``modeling_qwen3`` (so ``from_pretrained``
+/ ``save_pretrained`` and ``state_dict`` round-trip with stock checkpoints), computed only with
+`vexact_models.kernels` ops. `Qwen3Model.forward_flat` is the single forward; the training
+variant (`Qwen3ForCausalLM`) drives it with a packed layout, the inference variant
+(`Qwen3ForCausalLMInference`) with a paged KV cache.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel, Qwen3Config
+from transformers.modeling_outputs import BaseModelOutputWithPast
+
+from vexact_models.kernels import apply_rotary, linear, silu_and_mul
+from vexact_models.layers import PackedContext, RMSNorm, RopeTables, check_tokens, flatten_inputs
+
+from ..causal_lm import CausalLMMixin, InferenceModel
+
+
+class Qwen3RMSNorm(RMSNorm):
+    pass
+
+
+class Qwen3Attention(nn.Module):
+    def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.scaling = self.head_dim ** -0.5
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                context) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        q = linear(hidden, self.q_proj.weight, self.q_proj.bias).view(tokens, self.num_heads, self.head_dim)
+        k = linear(hidden, self.k_proj.weight, self.k_proj.bias).view(tokens, self.num_kv_heads, self.head_dim)
+        v = linear(hidden, self.v_proj.weight, self.v_proj.bias).view(tokens, self.num_kv_heads, self.head_dim)
+        cos, sin = rope
+        q = apply_rotary(self.q_norm(q), positions, cos, sin)
+        k = apply_rotary(self.k_norm(k), positions, cos, sin)
+        out = context.attend(self.layer_idx, q, k, v, self.scaling)
+        return linear(out.reshape(tokens, -1), self.o_proj.weight, self.o_proj.bias)
+
+
+class Qwen3MLP(nn.Module):
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"Qwen3MLP: hidden_act={config.hidden_act!r} is not supported (only 'silu')")
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        act = silu_and_mul(linear(x, self.gate_proj.weight), linear(x, self.up_proj.weight))
+        return linear(act, self.down_proj.weight)
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Qwen3Attention(config, layer_idx)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden, positions, rope, context) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, rope, context)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Qwen3PreTrainedModel(PreTrainedModel):
+    config_class = Qwen3Config
+    config: Qwen3Config
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["Qwen3DecoderLayer"]
+
+
+class Qwen3Model(Qwen3PreTrainedModel):
+    """The decoder stack (HF's ``Qwen3Model``): embeddings, layers, final norm."""
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__(config)
+        if getattr(config, "use_sliding_window", False):
+            raise ValueError("Qwen3Model: use_sliding_window=True is not supported")
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.rope = RopeTables(config, head_dim)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def forward_flat(self, input_ids: torch.Tensor, positions: torch.Tensor, context) -> torch.Tensor:
+        """The one forward: ``[T]`` tokens at ``[T]`` positions -> ``[T, hidden]`` final hidden."""
+        rope = self.rope.get(input_ids.device)
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                hidden = torch.utils.checkpoint.checkpoint(layer, hidden, positions, rope, context, use_reentrant=False)
+            else:
+                hidden = layer(hidden, positions, rope, context)
+        return self.norm(hidden)
+
+    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.LongTensor | None = None, cu_seqlens: torch.Tensor | None = None,
+                **kwargs) -> BaseModelOutputWithPast:
+        """HF-compatible forward on padded (``attention_mask``) or packed (``position_ids``
+        restarting at 0, or ``cu_seqlens``) input; returns ``last_hidden_state`` in the input's
+        shape (zeros at padding)."""
+        if input_ids is None:
+            raise ValueError("Qwen3Model.forward needs input_ids (inputs_embeds is not supported)")
+        flat = flatten_inputs(input_ids, attention_mask, position_ids, cu_seqlens)
+        check_tokens(flat.input_ids, flat.positions, self.config.vocab_size, self.rope.max_positions)
+        hidden = self.forward_flat(flat.input_ids, flat.positions, PackedContext(flat.cu_seqlens, flat.max_seqlen))
+        out = hidden.new_zeros(flat.shape.numel(), hidden.shape[-1]).index_copy(0, flat.index, hidden)
+        return BaseModelOutputWithPast(last_hidden_state=out.view(*flat.shape, -1))
+
+
+class Qwen3ForCausalLM(CausalLMMixin, Qwen3PreTrainedModel):
+    """Training variant: a drop-in for HF ``Qwen3ForCausalLM`` (forward, loss, backward,
+    ``from_pretrained``/``save_pretrained``) plus `token_logprobs` (see `CausalLMMixin`)."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__(config)
+        self.model = Qwen3Model(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+
+class Qwen3ForCausalLMInference(InferenceModel):
+    """Inference variant: the same modules (shared storage) driven by the paged runtime."""
+
+    training_class = Qwen3ForCausalLM

@@ -1,0 +1,79 @@
+"""The architecture registry: what `patch()` installs and the conformance suite checks.
+
+Each architecture registers itself (see ``vexact_models/qwen3/__init__.py``); the conformance
+suite iterates over `architectures()`, so a new architecture is checked without editing it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+_BUILTIN = ("vexact_models.qwen3",)
+_REGISTRY: dict[str, "Architecture"] = {}
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One supported architecture.
+
+    Attributes:
+        name: short name (``"qwen3"``).
+        model_types: HF ``config.model_type`` values it serves.
+        config_class: HF config class.
+        causal_lm_class: our training variant (returned by ``AutoModelForCausalLM`` after patch()).
+        base_model_class: our base model (returned by ``AutoModel``).
+        inference_class: our inference variant.
+        tiny_config: builds a tiny random-weight config for CPU tests (kwargs override fields).
+        hf_causal_lm_class: dotted path of the stock transformers class, for HF parity.
+        published_configs: file names under ``shared/configs`` with the real shapes.
+    """
+
+    name: str
+    model_types: tuple[str, ...]
+    config_class: type
+    causal_lm_class: type
+    base_model_class: type
+    inference_class: type
+    tiny_config: Callable[..., object]
+    hf_causal_lm_class: str
+    published_configs: tuple[str, ...] = field(default_factory=tuple)
+
+    def hf_class(self) -> type:
+        module, _, name = self.hf_causal_lm_class.rpartition(".")
+        return getattr(importlib.import_module(module), name)
+
+
+def register(arch: Architecture) -> Architecture:
+    """Add (or replace) an architecture; returns it."""
+    _REGISTRY[arch.name] = arch
+    return arch
+
+
+def _load_builtin() -> None:
+    for module in _BUILTIN:
+        importlib.import_module(module)
+
+
+def architectures() -> list[Architecture]:
+    """All registered architectures (built-in ones are imported on first call)."""
+    _load_builtin()
+    return list(_REGISTRY.values())
+
+
+def get(name: str) -> Architecture:
+    """The architecture called `name`, or a ValueError listing the known names."""
+    _load_builtin()
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown architecture {name!r}; registered: {sorted(_REGISTRY)}")
+    return _REGISTRY[name]
+
+
+def for_model_type(model_type: str) -> Architecture | None:
+    """The architecture serving HF ``model_type``, if any."""
+    _load_builtin()
+    for arch in _REGISTRY.values():
+        if model_type in arch.model_types:
+            return arch
+    return None
