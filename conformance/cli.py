@@ -61,9 +61,9 @@ def make_config(arch: Architecture, config_name: str | None, layers: int | None,
 
 
 def print_table(reports) -> None:
-    header = ["architecture", "backend", "device", "dtype", "tokens checked", "mismatches", "max |diff|",
+    header = ["architecture", "backend", "device", "dtype", "generated", "logprobs checked", "mismatches", "max |diff|",
               "reproducible", "HF parity (rel)"]
-    rows = [[r.arch, r.backend, r.device, r.dtype, f"{r.tokens:,}", str(r.mismatches), f"{r.max_abs_diff:.3g}",
+    rows = [[r.arch, r.backend, r.device, r.dtype, f"{r.generated:,}", f"{r.tokens:,}", str(r.mismatches), f"{r.max_abs_diff:.3g}",
              f"{r.reproducibility_checked - r.reproducibility_mismatches}/{r.reproducibility_checked}",
              "-" if r.hf_parity is None else f"{r.hf_parity:.2e}"] for r in reports]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]

@@ -26,7 +26,8 @@ from vexact_models.runtime import LLM, SamplingParams
 class ScenarioResult:
     name: str
     sequences: int
-    tokens: int
+    generated: int  # tokens sampled by the rollouts
+    tokens: int  # token logprobs compared (each generated token, once per recompute layout)
     mismatches: int
     max_abs_diff: float
     seconds: float
@@ -46,6 +47,10 @@ class Report:
     @property
     def tokens(self) -> int:
         return sum(s.tokens for s in self.scenarios)
+
+    @property
+    def generated(self) -> int:
+        return sum(s.generated for s in self.scenarios)
 
     @property
     def mismatches(self) -> int:
@@ -184,11 +189,15 @@ def run_conformance(arch: Architecture, model, *, device: torch.device, pool_siz
                     if not torch.equal(got, want):
                         mismatches += int((got != want).sum())
                         max_diff = max(max_diff, float((got - want).abs().max()))
+        generated = sum(len(tokens_) for _, tokens_ in samples)
         result = ScenarioResult(sc["name"] + (f" ({preempted} preemptions)" if preempted else ""), len(samples),
-                                tokens, mismatches, max_diff, time.time() - t0)
+                                generated, tokens, mismatches, max_diff, time.time() - t0)
         report.scenarios.append(result)
-        log(f"  {result.name}: {result.sequences} sequences, {tokens} token logprobs checked, "
-            f"{mismatches} mismatches ({result.seconds:.1f}s)")
+        log(f"  {result.name}: {result.sequences} sequences, {generated} tokens generated, {tokens} token "
+            f"logprobs checked, {mismatches} mismatches ({result.seconds:.1f}s)")
+        del llm
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     if hf_parity:
         report.hf_parity = hf_parity_error(arch, model, device)
     return report

@@ -17,7 +17,30 @@ from vexact_models.kernels import linear, token_logprobs
 from vexact_models.layers import FlatBatch, PackedContext, PagedContext, check_tokens, flatten_inputs
 
 
-class CausalLMMixin:
+class StrictLoadingMixin:
+    """Mixed into our ``PreTrainedModel`` classes (before ``PreTrainedModel``)."""
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """HF ``from_pretrained``, but a checkpoint with a missing or mis-shaped tensor is an
+        error naming the tensor (HF would initialise a missing one randomly with a warning, and
+        reports a mis-shaped one only in its log)."""
+        want_info = kwargs.pop("output_loading_info", False)
+        ignore_mismatched = kwargs.pop("ignore_mismatched_sizes", False)
+        model, info = super().from_pretrained(*args, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs)
+        missing = sorted(info.get("missing_keys") or [])
+        if missing:
+            raise ValueError(f"{cls.__name__}.from_pretrained: the checkpoint is missing tensor(s) {missing}")
+        mismatched = sorted(info.get("mismatched_keys") or [])
+        if mismatched and not ignore_mismatched:
+            detail = ", ".join(f"{name} has shape {tuple(got)} but the model expects {tuple(want)}"
+                               for name, got, want in mismatched)
+            raise ValueError(f"{cls.__name__}.from_pretrained: checkpoint tensor(s) with the wrong shape: {detail}")
+        return (model, info) if want_info else model
+
+
+
+class CausalLMMixin(StrictLoadingMixin):
     """Mixed into each architecture's ``XForCausalLM`` (before ``PreTrainedModel``)."""
 
     def _forward_hidden(self, input_ids, attention_mask, position_ids, cu_seqlens) -> tuple[torch.Tensor, FlatBatch]:
@@ -84,26 +107,6 @@ class CausalLMMixin:
         cfg = self.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         return cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, head_dim
-
-    @classmethod
-    def from_pretrained(cls, *args, **kwargs):
-        """HF ``from_pretrained``, but a checkpoint with a missing or mis-shaped tensor is an
-        error naming the tensor (HF would only warn and initialise it randomly)."""
-        want_info = kwargs.pop("output_loading_info", False)
-        try:
-            model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
-        except RuntimeError as exc:
-            if "size mismatch" in str(exc) or "shape" in str(exc):
-                raise ValueError(f"{cls.__name__}.from_pretrained: checkpoint tensor has the wrong shape: {exc}") from exc
-            raise
-        missing = sorted(info.get("missing_keys") or [])
-        mismatched = info.get("mismatched_keys") or []
-        if missing:
-            raise ValueError(f"{cls.__name__}.from_pretrained: checkpoint is missing tensor(s) {missing}")
-        if mismatched:
-            raise ValueError(f"{cls.__name__}.from_pretrained: checkpoint tensor(s) with the wrong shape: {mismatched}")
-        return (model, info) if want_info else model
-
 
 class InferenceModel(nn.Module):
     """Inference variant: drives a training-variant model's modules with the paged runtime.

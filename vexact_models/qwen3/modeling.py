@@ -17,7 +17,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 from vexact_models.kernels import apply_rotary, linear, silu_and_mul
 from vexact_models.layers import PackedContext, RMSNorm, RopeTables, check_tokens, flatten_inputs
 
-from ..causal_lm import CausalLMMixin, InferenceModel
+from ..causal_lm import CausalLMMixin, InferenceModel, StrictLoadingMixin
 
 
 class Qwen3RMSNorm(RMSNorm):
@@ -88,7 +88,7 @@ class Qwen3PreTrainedModel(PreTrainedModel):
     _no_split_modules = ["Qwen3DecoderLayer"]
 
 
-class Qwen3Model(Qwen3PreTrainedModel):
+class Qwen3Model(StrictLoadingMixin, Qwen3PreTrainedModel):
     """The decoder stack (HF's ``Qwen3Model``): embeddings, layers, final norm."""
 
     def __init__(self, config: Qwen3Config) -> None:

@@ -1,0 +1,51 @@
+import pytest
+import torch
+from transformers import AutoModel, AutoModelForCausalLM, LlamaConfig
+from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
+
+import vexact_models
+from vexact_models.qwen3 import Qwen3ForCausalLM, Qwen3Model, tiny_config
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    torch.manual_seed(0)
+    HFQwen3ForCausalLM(tiny_config()).save_pretrained(tmp_path)
+    return tmp_path
+
+
+@pytest.fixture(autouse=True)
+def _restore():
+    yield
+    vexact_models.unpatch()
+
+
+def test_patch_routes_auto_classes_and_unpatch_restores(checkpoint):
+    assert type(AutoModelForCausalLM.from_pretrained(checkpoint)) is HFQwen3ForCausalLM
+    vexact_models.patch()
+    vexact_models.patch()  # idempotent
+    assert vexact_models.is_patched()
+    assert type(AutoModelForCausalLM.from_pretrained(checkpoint)) is Qwen3ForCausalLM
+    assert type(AutoModel.from_pretrained(checkpoint)) is Qwen3Model
+    assert type(AutoModelForCausalLM.from_config(tiny_config())) is Qwen3ForCausalLM
+    vexact_models.unpatch()
+    vexact_models.unpatch()  # idempotent
+    assert not vexact_models.is_patched()
+    assert type(AutoModelForCausalLM.from_pretrained(checkpoint)) is HFQwen3ForCausalLM
+
+
+def test_unsupported_model_types_stay_stock():
+    vexact_models.patch()
+    cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1)
+    assert type(AutoModelForCausalLM.from_config(cfg)).__module__.startswith("transformers.models.llama")
+
+
+def test_registry_lists_qwen3():
+    names = [a.name for a in vexact_models.architectures()]
+    assert "qwen3" in names
+    from vexact_models.registry import for_model_type, get
+
+    assert for_model_type("qwen3").causal_lm_class is Qwen3ForCausalLM and for_model_type("llama") is None
+    with pytest.raises(ValueError, match="unknown architecture 'nope'"):
+        get("nope")
