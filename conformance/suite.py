@@ -129,6 +129,8 @@ def _scenarios(pool_size: int) -> list[dict]:
         dict(name=f"batch {pool_size}, preemption", requests=pool_size, batch=pool_size,
              engine=dict(max_num_batched_tokens=64, preempt=True)),
         dict(name="batch 7, n=4", requests=small, batch=small, engine=dict(max_num_batched_tokens=32), n=4),
+        dict(name=f"batch {pool_size}, CUDA graphs off", requests=pool_size, batch=pool_size,
+             engine=dict(max_num_batched_tokens=256, enforce_eager=True), cuda_only=True),
     ]
 
 
@@ -145,6 +147,8 @@ def run_conformance(arch: Architecture, model, *, device: torch.device, pool_siz
     seen: dict[tuple[int, int, int], tuple[list[int], list[float]]] = {}
     max_model_len = min(int(model.config.max_position_embeddings), prompt_len + max_tokens + 1)
     for sc in _scenarios(pool_size):
+        if sc.get("cuda_only") and device.type != "cuda":
+            continue
         t0 = time.time()
         engine = dict(sc["engine"])
         block_size = 4
@@ -154,7 +158,7 @@ def run_conformance(arch: Architecture, model, *, device: torch.device, pool_siz
         engine.setdefault("max_model_len", max_model_len)
         if engine.get("enable_chunked_prefill") is False:
             engine["max_num_batched_tokens"] = max(engine["max_num_batched_tokens"], max_model_len)
-        llm = LLM(model, device=device, block_size=block_size, max_num_seqs=64, **engine)
+        llm = LLM(model, device=device, block_size=block_size, max_num_seqs=max(64, pool_size), **engine)
         requests = pool[:sc["requests"]]
         n = sc.get("n", 1)
         if n > 1:

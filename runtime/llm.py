@@ -9,6 +9,7 @@ Each step: `Scheduler.schedule` -> `ModelRunner.execute` -> `Sampler` -> `Schedu
 
 from __future__ import annotations
 
+import operator
 import os
 from collections.abc import Iterable, Sequence as Seq
 
@@ -47,17 +48,25 @@ class LLM:
         kv_cache_bytes: KV cache size in bytes (required on CPU unless the default 256 MiB fits).
         seed: base seed for requests that give none.
         enable_chunked_prefill: split long prompts over steps.
+        enforce_eager: never use CUDA graphs (by default decode steps of up to ``max_num_seqs``
+            sequences replay captured graphs on CUDA; results are bitwise the same either way).
     """
 
     def __init__(self, model, *, dtype: str | torch.dtype = "auto", device: str | torch.device | None = None,
                  block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  max_model_len: int | None = None, gpu_memory_utilization: float = 0.9,
-                 kv_cache_bytes: int | None = None, seed: int = 0, enable_chunked_prefill: bool = True) -> None:
+                 kv_cache_bytes: int | None = None, seed: int = 0, enable_chunked_prefill: bool = True,
+                 enforce_eager: bool = False) -> None:
         from vexact_models.registry import for_model_type
 
-        self.device = torch.device(device) if device is not None else torch.device(
-            "cuda" if torch.cuda.is_available() else "cpu")
+        if device is not None:
+            self.device = torch.device(device)
+        elif isinstance(model, torch.nn.Module):  # a model instance: run where it lives
+            self.device = next(model.parameters()).device
+        else:
+            self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.tokenizer = None
+        self._generation_config = None  # generation_config.json of a checkpoint folder
         if isinstance(model, (str, os.PathLike)):
             training = self._load(str(model), dtype)
         else:
@@ -77,7 +86,9 @@ class LLM:
         self.block_manager = BlockManager(num_blocks, block_size)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, self.max_model_len,
                                    eos, chunked_prefill=enable_chunked_prefill)
-        self.runner = ModelRunner(self.model, num_blocks, block_size, self.device, self.dtype)
+        self.runner = ModelRunner(self.model, num_blocks, block_size, self.device, self.dtype,
+                                  cuda_graph_batch=0 if enforce_eager else max_num_seqs,
+                                  max_model_len=self.max_model_len)
         self.sampler = Sampler(eos)
         self.seed = seed
         self._next_request = 0
@@ -104,6 +115,12 @@ class LLM:
             from transformers import AutoTokenizer
 
             self.tokenizer = AutoTokenizer.from_pretrained(path)
+        if os.path.exists(os.path.join(path, "generation_config.json")):
+            # our training classes do not load it (they are not GenerationMixins), yet it holds the
+            # checkpoint's EOS list (Qwen3: <|im_end|> and <|endoftext|>)
+            from transformers import GenerationConfig
+
+            self._generation_config = GenerationConfig.from_pretrained(path)
         return model
 
     def _check_len(self, max_model_len: int | None) -> int:
@@ -129,7 +146,7 @@ class LLM:
         return int(blocks)
 
     def _eos_ids(self) -> list[int]:
-        gen = getattr(self.model.causal_lm, "generation_config", None)
+        gen = getattr(self.model.causal_lm, "generation_config", None) or self._generation_config
         eos = getattr(gen, "eos_token_id", None) if gen is not None else None
         if eos is None:
             eos = getattr(self.config, "eos_token_id", None)
@@ -140,8 +157,14 @@ class LLM:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("LLM.generate: text prompts need a tokenizer in the checkpoint folder; pass token ids")
-            return self.tokenizer(prompt)["input_ids"]
-        ids = [int(t) for t in prompt]
+            # tokenized text gets the same checks as token ids (empty, out of vocabulary, too long)
+            prompt = self.tokenizer(prompt)["input_ids"]
+        try:  # operator.index: ints (and integer tensors/numpy ints) only, never 3.7 -> 3 or True
+            ids = [operator.index(t) if not isinstance(t, bool) else None for t in prompt]
+        except TypeError:
+            ids = [None]
+        if None in ids:
+            raise ValueError("LLM.generate: prompt token ids must be integers")
         vocab = self.config.vocab_size
         if not ids:
             raise ValueError("LLM.generate: prompt is empty (it needs at least one token)")
@@ -166,11 +189,17 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate completions for `prompts` (token-id lists, or strings with a tokenizer).
 
-        `sampling_params` is one `SamplingParams` for all prompts or one per prompt. Returns one
+        `sampling_params` is one `SamplingParams` for all prompts or one per prompt. A request's
+        tokens depend only on its prompt, its parameters and its seed (``params.seed``, or one
+        derived from the engine's ``seed`` and the request's index when None); with ``n > 1``,
+        sample i uses a seed derived from (seed, i), so sample 0 of an n=4 request differs from
+        the n=1 completion with the same seed. Returns one
         `RequestOutput` per prompt, in order, each with ``params.n`` completions carrying token
         ids, per-token logprobs and the finish reason. Bad input raises ValueError before any
         work starts.
         """
+        if hasattr(prompts, "tolist") and not isinstance(prompts, list):  # a tensor or numpy array of ids
+            prompts = prompts.tolist()
         if isinstance(prompts, str) or (isinstance(prompts, Seq) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -180,15 +209,31 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"LLM.generate: {len(params)} sampling_params for {len(prompts)} prompts")
         token_ids = [self._token_ids(p) for p in prompts]  # validate everything before scheduling
+        if not self.runner.kv_caches:
+            raise RuntimeError("LLM.generate: the engine is asleep (sleep() released the KV cache); "
+                               "call wake_up() first")
         requests = []
-        for ids, p in zip(token_ids, params):
-            seqs = self._make_sequences(self._next_request, ids, p)
-            self._next_request += 1
-            requests.append(seqs)
-            for seq in seqs:
-                self.scheduler.add(seq)
-        self._run(sum(len(r) for r in requests), use_tqdm)
+        try:
+            for ids, p in zip(token_ids, params):
+                seqs = self._make_sequences(self._next_request, ids, p)
+                self._next_request += 1
+                requests.append(seqs)
+                for seq in seqs:
+                    self.scheduler.add(seq)
+            self._run(sum(len(r) for r in requests), use_tqdm)
+        except BaseException:
+            self._abort()  # drop this call's requests so that the engine stays usable
+            raise
         return [self._output(prompt, ids, seqs) for prompt, ids, seqs in zip(prompts, token_ids, requests)]
+
+    def _abort(self) -> None:
+        """Forget every queued or running request (after a failed step or an interrupt): fresh
+        scheduler and page bookkeeping, same settings. Only the failed call's requests can be in
+        flight, since generate() runs its requests to completion."""
+        s = self.scheduler
+        self.block_manager = BlockManager(self.block_manager.num_blocks, self.block_manager.block_size)
+        self.scheduler = Scheduler(self.block_manager, s.max_num_seqs, s.max_num_batched_tokens, s.max_model_len,
+                                   s.eos_token_id, chunked_prefill=s.chunked_prefill)
 
     def _run(self, total: int, use_tqdm: bool) -> None:
         bar = tqdm(total=total, desc="generate", unit="seq", disable=not use_tqdm)
@@ -212,7 +257,8 @@ class LLM:
     def _output(self, prompt, ids: list[int], seqs: list[Sequence]) -> RequestOutput:
         completions = []
         for seq in seqs:
-            text = self.tokenizer.decode(seq.output_token_ids) if self.tokenizer is not None else None
+            text = (self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+                    if self.tokenizer is not None else None)
             completions.append(CompletionOutput(seq.sample_index, list(seq.output_token_ids),
                                                 list(seq.output_logprobs), seq.finish_reason, text, seq.error))
         return RequestOutput(seqs[0].request_id, prompt if isinstance(prompt, str) else None, ids, completions)
@@ -224,7 +270,9 @@ class LLM:
 
         Unknown names or wrong shapes raise ValueError before anything is written.
         """
-        params = dict(self.model.causal_lm.named_parameters())
+        # remove_duplicate=False: tied weights answer to every name (a tied model's state_dict()
+        # lists lm_head.weight, which named_parameters() would drop as a duplicate)
+        params = dict(self.model.causal_lm.named_parameters(remove_duplicate=False))
         items = list(weights.items() if isinstance(weights, dict) else weights)
         for name, tensor in items:
             if name not in params:
@@ -236,7 +284,9 @@ class LLM:
             params[name].copy_(tensor)
 
     def sleep(self) -> None:
-        """Release the KV cache memory (e.g. while the trainer runs); `wake_up` restores it."""
+        """Release the KV cache memory (e.g. while the trainer runs); `wake_up` restores it.
+
+        Weights are kept. Until `wake_up`, `generate` raises RuntimeError (queuing nothing)."""
         if self.scheduler.has_unfinished():
             raise RuntimeError("LLM.sleep: requests are still running")
         self.runner.free_cache()

@@ -12,6 +12,7 @@ import torch
 from vexact_models.kernels import PagedLayout
 from vexact_models.layers import PagedContext
 
+from .cuda_graphs import DecodeGraphs
 from .scheduler import ScheduledSeq
 
 
@@ -24,13 +25,18 @@ def kv_bytes_per_block(spec: tuple[int, int, int, int], block_size: int, dtype: 
 class ModelRunner:
     """Runs `InferenceModel` steps over a paged KV cache of ``num_blocks`` pages."""
 
-    def __init__(self, model, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, model, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
+                 cuda_graph_batch: int = 0, max_model_len: int = 0) -> None:
+        """`cuda_graph_batch` > 0 captures decode steps of up to that many sequences (CUDA only)."""
         self.model = model
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
+        self.cuda_graph_batch = cuda_graph_batch if device.type == "cuda" else 0
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.graphs: DecodeGraphs | None = None
         self.allocate_cache()
 
     def allocate_cache(self) -> None:
@@ -39,8 +45,12 @@ class ModelRunner:
         self.kv_caches = [(torch.empty(*shape, head_dim_k, device=self.device, dtype=self.dtype),
                            torch.empty(*shape, head_dim_v, device=self.device, dtype=self.dtype))
                           for _ in range(layers)]
+        if self.cuda_graph_batch:
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, self.max_blocks_per_seq,
+                                       self.cuda_graph_batch, self.device)
 
     def free_cache(self) -> None:
+        self.graphs = None  # the graphs hold the cache's addresses
         self.kv_caches = []
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -81,5 +91,20 @@ class ModelRunner:
         """Run the step; return fp32 logits ``[num sampling sequences, vocab]`` in scheduled order."""
         if not self.kv_caches:
             raise RuntimeError("ModelRunner: the KV cache is released (call wake_up())")
+        if self.graphs is not None and len(scheduled) <= self.graphs.max_batch and \
+                all(item.num_new_tokens == 1 and item.samples for item in scheduled):
+            return self._replay_decode(scheduled)
         ids, positions, context, rows = self._prepare(scheduled)
         return self.model(ids, positions, context, rows)
+
+    def _replay_decode(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+        bs = self.block_size
+        ids, positions, slots, tables = [], [], [], []
+        for item in scheduled:
+            seq = item.seq
+            p = seq.num_computed_tokens
+            ids.append(seq.token_ids[p])
+            positions.append(p)
+            slots.append(seq.block_table[p // bs] * bs + p % bs)
+            tables.append(seq.block_table)
+        return self.graphs.run(ids, positions, slots, tables)

@@ -35,7 +35,10 @@ def demo(args: argparse.Namespace) -> int:
         print(f"wrote a random {config.model_type} checkpoint to {path}: "
               f"{', '.join(sorted(p.name for p in path.iterdir()))}")
         vexact_models.patch()
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+        finally:
+            vexact_models.unpatch()
         print(f"AutoModelForCausalLM.from_pretrained -> {type(model).__module__}.{type(model).__name__} "
               f"on {device} ({dtype})")
         report = run_conformance(arch, model, device=device, pool_size=args.pool, max_tokens=args.max_tokens,
