@@ -152,9 +152,9 @@ def run_conformance(arch: Architecture, model, *, device: torch.device, pool_siz
         t0 = time.time()
         engine = dict(sc["engine"])
         block_size = 4
-        if engine.pop("preempt", False):  # room for only a few sequences: forces preemption
-            longest = max(len(p) + sp.max_tokens for p, sp in pool)
-            engine["kv_cache_bytes"] = _cache_bytes(model, block_size, dtype, 3 * (-(-longest // block_size)))
+        if engine.pop("preempt", False):  # room for a quarter of the pool's sequences: forces preemption
+            need = [-(-(len(p) + sp.max_tokens) // block_size) for p, sp in pool]
+            engine["kv_cache_bytes"] = _cache_bytes(model, block_size, dtype, max(3 * max(need), sum(need) // 4))
         engine.setdefault("max_model_len", max_model_len)
         if engine.get("enable_chunked_prefill") is False:
             engine["max_num_batched_tokens"] = max(engine["max_num_batched_tokens"], max_model_len)
