@@ -5,6 +5,6 @@
 `kernel_invariance` is the GPU proof of the kernels' batch invariance.
 """
 
-from .suite import Report, ScenarioResult, hf_parity_error, request_pool, run_conformance
+from .suite import Parity, Report, ScenarioResult, hf_parity, request_pool, run_conformance
 
-__all__ = ["Report", "ScenarioResult", "hf_parity_error", "request_pool", "run_conformance"]
+__all__ = ["Parity", "Report", "ScenarioResult", "hf_parity", "request_pool", "run_conformance"]
