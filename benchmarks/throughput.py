@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
-    parser.add_argument("--hf-batch", type=int, default=256, help="requests per HF generate call")
+    parser.add_argument("--hf-batch", type=int, default=64, help="requests per HF generate call (sorted by output length)")
     parser.add_argument("--skip-hf", action="store_true")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
