@@ -227,16 +227,51 @@ def check_rows(results: dict[str, Result], quick: bool) -> None:
                                        f"rotary row {m - 1}")
 
 
+def check_moe(results: dict[str, Result], quick: bool) -> None:
+    """Qwen3-30B-A3B MoE shapes: each token's output computed alone equals its row in batches
+    of 64 ... 16384 tokens, with a skewed router so experts receive 0, 1 or thousands of rows."""
+    from vexact_models.kernels.moe import fused_moe
+    from vexact_models.kernels.moe_routing import softmax_topk
+
+    hidden, experts, inter, top_k = 2048, 128, 768, 8
+    gate_up = (torch.randn(experts, 2 * inter, hidden, device="cuda") / hidden ** 0.5).bfloat16()
+    down = (torch.randn(experts, hidden, inter, device="cuda") / inter ** 0.5).bfloat16()
+    n_max = 4096 if quick else 16384
+    x = torch.randn(n_max, hidden, device="cuda").bfloat16()
+    logits = torch.randn(n_max, experts, device="cuda")
+    logits[:, 0] += 4.0  # expert 0: nearly every token
+    logits[:, 100:] -= 20.0  # experts 100..127: (almost) never
+    logits[7, 127] += 40.0  # expert 127: one token
+    weights, ids = softmax_topk(logits, top_k, True)
+    rows = torch.tensor([0, 7, 1, 63, 500, n_max - 1], device="cuda")
+    single = torch.cat([fused_moe(x[i:i + 1], gate_up, down, weights[i:i + 1], ids[i:i + 1]) for i in rows.tolist()])
+    counts = torch.bincount(ids.reshape(-1), minlength=experts)
+    print(f"moe: expert rows at {n_max} tokens: max {int(counts.max())}, experts with 0 rows "
+          f"{int((counts == 0).sum())}, with 1 row {int((counts == 1).sum())}", flush=True)
+    for n in (64, 512, 4096, 16384):
+        if n > n_max:
+            continue
+        full = fused_moe(x[:n], gate_up, down, weights[:n], ids[:n])
+        keep = rows < n
+        results["moe"].compare(full[rows[keep]], single[keep], f"fused_moe rows in a batch of {n}")
+        perm = torch.randperm(n, device="cuda")
+        results["moe"].compare(fused_moe(x[perm], gate_up, down, weights[perm], ids[perm])[torch.argsort(perm)], full,
+                               f"fused_moe batch of {n} permuted")
+    w1, i1 = softmax_topk(logits[:1], top_k, True)
+    results["moe"].compare(w1, weights[:1], "routing weights row 0 alone")
+    results["moe"].compare(i1, ids[:1], "routing ids row 0 alone")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer shapes and M up to 1024 (a smoke run)")
-    parser.add_argument("--only", choices=["linear", "attention", "rows"], help="run one group of checks")
+    parser.add_argument("--only", choices=["linear", "attention", "rows", "moe"], help="run one group of checks")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("kernel_invariance: needs a CUDA GPU", file=sys.stderr)
         return 2
     torch.manual_seed(0)
-    names = ["linear", "linear configs", "attention", "rms_norm", "log_softmax", "token_logprobs", "elementwise"]
+    names = ["linear", "linear configs", "attention", "rms_norm", "log_softmax", "token_logprobs", "elementwise", "moe"]
     results = {n: Result(n) for n in names}
     t0 = time.time()
     if args.only in (None, "linear"):
@@ -254,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"attention {name}: {results['attention'].mismatches} mismatches so far", flush=True)
     if args.only in (None, "rows"):
         check_rows(results, args.quick)
+    if args.only in (None, "moe"):
+        check_moe(results, args.quick)
     torch.cuda.synchronize()
     print(f"\nkernel invariance on {torch.cuda.get_device_name()} (torch {torch.__version__}), {time.time() - t0:.0f}s")
     print(f"{'check':<16}{'cases':>8}{'elements':>16}{'mismatches':>12}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from vexact_models.kernels import linear, token_logprobs
 from vexact_models.layers import FlatBatch, PackedContext, PagedContext, check_tokens, flatten_inputs
@@ -40,16 +40,56 @@ class StrictLoadingMixin:
 
 
 
+class DecoderModelMixin(StrictLoadingMixin):
+    """The decoder stack's one forward, for base models with ``embed_tokens``, ``layers``,
+    ``norm`` and ``rope`` (a `RopeTables`). Layers are called as
+    ``layer(hidden, positions, rope, context, **layer_kwargs)``."""
+
+    def forward_flat(self, input_ids: torch.Tensor, positions: torch.Tensor, context, **layer_kwargs) -> torch.Tensor:
+        """The one forward: ``[T]`` tokens at ``[T]`` positions -> ``[T, hidden]`` final hidden."""
+        rope = self.rope.get(input_ids.device)
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                hidden = torch.utils.checkpoint.checkpoint(layer, hidden, positions, rope, context, use_reentrant=False,
+                                                           **layer_kwargs)
+            else:
+                hidden = layer(hidden, positions, rope, context, **layer_kwargs)
+        return self.norm(hidden)
+
+    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.LongTensor | None = None, cu_seqlens: torch.Tensor | None = None,
+                **kwargs) -> BaseModelOutputWithPast:
+        """HF-compatible forward on padded (``attention_mask``) or packed (``position_ids``
+        restarting at 0, or ``cu_seqlens``) input; returns ``last_hidden_state`` in the input's
+        shape (zeros at padding)."""
+        if input_ids is None:
+            raise ValueError(f"{type(self).__name__}.forward needs input_ids (inputs_embeds is not supported)")
+        flat = flatten_inputs(input_ids, attention_mask, position_ids, cu_seqlens)
+        check_tokens(flat.input_ids, flat.positions, self.config.vocab_size, self.rope.max_positions)
+        hidden = self.forward_flat(flat.input_ids, flat.positions, PackedContext(flat.cu_seqlens, flat.max_seqlen))
+        out = hidden.new_zeros(flat.shape.numel(), hidden.shape[-1]).index_copy(0, flat.index, hidden)
+        return BaseModelOutputWithPast(last_hidden_state=out.view(*flat.shape, -1))
+
+
 class CausalLMMixin(StrictLoadingMixin):
     """Mixed into each architecture's ``XForCausalLM`` (before ``PreTrainedModel``)."""
 
-    def _forward_hidden(self, input_ids, attention_mask, position_ids, cu_seqlens) -> tuple[torch.Tensor, FlatBatch]:
+    def _forward_hidden(self, input_ids, attention_mask, position_ids, cu_seqlens,
+                        **forward_kwargs) -> tuple[torch.Tensor, FlatBatch]:
         if input_ids is None:
             raise ValueError(f"{type(self).__name__}.forward needs input_ids (inputs_embeds is not supported)")
         flat = flatten_inputs(input_ids, attention_mask, position_ids, cu_seqlens)
         check_tokens(flat.input_ids, flat.positions, self.config.vocab_size, self.model.rope.max_positions)
         context = PackedContext(flat.cu_seqlens, flat.max_seqlen)
-        return self.model.forward_flat(flat.input_ids, flat.positions, context), flat
+        return self.model.forward_flat(flat.input_ids, flat.positions, context, **forward_kwargs), flat
+
+    def _padded_logits(self, hidden: torch.Tensor, flat: FlatBatch, logits_to_keep: int) -> torch.Tensor:
+        """fp32 logits in the input's shape (zeros at padding)."""
+        logits_flat = linear(hidden, self.lm_head.weight, out_dtype=torch.float32)
+        logits = logits_flat.new_zeros(flat.shape.numel(), logits_flat.shape[-1]).index_copy(0, flat.index, logits_flat)
+        logits = logits.view(*flat.shape, -1)
+        return logits[..., -logits_to_keep:, :] if logits_to_keep else logits
 
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.LongTensor | None = None, labels: torch.LongTensor | None = None,
@@ -62,13 +102,10 @@ class CausalLMMixin(StrictLoadingMixin):
         with ``labels``, HF's shifted cross-entropy ``loss``. ``past_key_values``/``use_cache``
         are ignored: rollouts use `vexact_models.LLM`.
         """
-        kwargs.pop("use_cache", None), kwargs.pop("past_key_values", None), kwargs.pop("return_dict", None)
+        for unused in ("use_cache", "past_key_values", "return_dict"):
+            kwargs.pop(unused, None)
         hidden, flat = self._forward_hidden(input_ids, attention_mask, position_ids, cu_seqlens)
-        logits_flat = linear(hidden, self.lm_head.weight, out_dtype=torch.float32)
-        logits = logits_flat.new_zeros(flat.shape.numel(), logits_flat.shape[-1]).index_copy(0, flat.index, logits_flat)
-        logits = logits.view(*flat.shape, -1)
-        if logits_to_keep:
-            logits = logits[..., -logits_to_keep:, :]
+        logits = self._padded_logits(hidden, flat, logits_to_keep)
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)

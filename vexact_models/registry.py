@@ -10,7 +10,7 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-_BUILTIN = ("vexact_models.qwen3",)
+_BUILTIN = ("vexact_models.qwen3", "vexact_models.qwen3_moe")
 _REGISTRY: dict[str, "Architecture"] = {}
 
 

@@ -63,7 +63,7 @@ def ref(fn, *args, **kwargs):
     """fn on the reference backend, with tensor arguments moved to CPU; result on DEVICE."""
     with use_backend("reference"):
         out = fn(*[_cpu(a) for a in args], **{k: _cpu(v) for k, v in kwargs.items()})
-    return out.to(DEVICE)
+    return tuple(o.to(DEVICE) for o in out) if isinstance(out, tuple) else out.to(DEVICE)
 
 
 def rand(*shape, kind="n"):
@@ -158,3 +158,47 @@ def test_sampling_matches_reference():
     got = sample_tokens(logits, temps, seeds, steps, thr)
     want = ref(sample_tokens, logits, temps, seeds, steps, thr)
     assert torch.equal(got, want)
+
+
+def test_moe_routing():
+    from vexact_models.kernels.moe_routing import softmax_topk
+
+    logits = rand(40, 128)
+    for norm in (True, False):
+        w, ids = softmax_topk(logits, 8, norm)
+        w_ref, ids_ref = ref(softmax_topk, logits, 8, norm)
+        assert torch.equal(ids, ids_ref)
+        close(w, w_ref, 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_forward(dtype):
+    from vexact_models.kernels.moe import fused_moe
+    from vexact_models.kernels.moe_routing import softmax_topk
+
+    experts, hidden, inter, tokens = 8, 64, 96, 70
+    x = rand(tokens, hidden).to(dtype)
+    gate_up = (rand(experts, 2 * inter, hidden) / 8).to(dtype)
+    down = (rand(experts, hidden, inter) / 10).to(dtype)
+    logits = rand(tokens, experts)
+    logits[:60, 2] += 10  # expert 2 gets most rows, some experts none
+    w, ids = softmax_topk(logits, 2, True)
+    close(fused_moe(x, gate_up, down, w, ids), ref(fused_moe, x, gate_up, down, w, ids),
+          2e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_fused_moe_backward():
+    from vexact_models.kernels.moe import fused_moe, moe_math
+
+    experts, hidden, inter, tokens = 4, 64, 64, 50
+    x = rand(tokens, hidden).bfloat16().requires_grad_()
+    gate_up = (rand(experts, 2 * inter, hidden) / 8).bfloat16().requires_grad_()
+    down = (rand(experts, hidden, inter) / 8).bfloat16().requires_grad_()
+    w = rand(tokens, 2, kind="u").requires_grad_()
+    ids = torch.randint(0, experts, (tokens, 2), device=DEVICE)
+    g = rand(tokens, hidden).bfloat16()
+    got = torch.autograd.grad(fused_moe(x, gate_up, down, w, ids), (x, gate_up, down, w), g)
+    leaves = [t.detach().double().requires_grad_() for t in (x, gate_up, down, w)]
+    want = torch.autograd.grad(moe_math(*leaves, ids), leaves, g.double())
+    for a, b in zip(got, want):
+        close(a, b, 3e-2)

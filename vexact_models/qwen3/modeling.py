@@ -12,12 +12,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers import PreTrainedModel, Qwen3Config
-from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from vexact_models.kernels import apply_rotary, linear, silu_and_mul
-from vexact_models.layers import PackedContext, RMSNorm, RopeTables, check_tokens, flatten_inputs
+from vexact_models.layers import RMSNorm, RopeTables
 
-from ..causal_lm import CausalLMMixin, InferenceModel, StrictLoadingMixin
+from ..causal_lm import CausalLMMixin, DecoderModelMixin, InferenceModel
 
 
 class Qwen3RMSNorm(RMSNorm):
@@ -75,7 +74,7 @@ class Qwen3DecoderLayer(nn.Module):
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, hidden, positions, rope, context) -> torch.Tensor:
+    def forward(self, hidden, positions, rope, context, **_) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, rope, context)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
@@ -88,7 +87,7 @@ class Qwen3PreTrainedModel(PreTrainedModel):
     _no_split_modules = ["Qwen3DecoderLayer"]
 
 
-class Qwen3Model(StrictLoadingMixin, Qwen3PreTrainedModel):
+class Qwen3Model(DecoderModelMixin, Qwen3PreTrainedModel):
     """The decoder stack (HF's ``Qwen3Model``): embeddings, layers, final norm."""
 
     def __init__(self, config: Qwen3Config) -> None:
@@ -102,31 +101,6 @@ class Qwen3Model(StrictLoadingMixin, Qwen3PreTrainedModel):
         self.rope = RopeTables(config, head_dim)
         self.gradient_checkpointing = False
         self.post_init()
-
-    def forward_flat(self, input_ids: torch.Tensor, positions: torch.Tensor, context) -> torch.Tensor:
-        """The one forward: ``[T]`` tokens at ``[T]`` positions -> ``[T, hidden]`` final hidden."""
-        rope = self.rope.get(input_ids.device)
-        hidden = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                hidden = torch.utils.checkpoint.checkpoint(layer, hidden, positions, rope, context, use_reentrant=False)
-            else:
-                hidden = layer(hidden, positions, rope, context)
-        return self.norm(hidden)
-
-    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.LongTensor | None = None, cu_seqlens: torch.Tensor | None = None,
-                **kwargs) -> BaseModelOutputWithPast:
-        """HF-compatible forward on padded (``attention_mask``) or packed (``position_ids``
-        restarting at 0, or ``cu_seqlens``) input; returns ``last_hidden_state`` in the input's
-        shape (zeros at padding)."""
-        if input_ids is None:
-            raise ValueError("Qwen3Model.forward needs input_ids (inputs_embeds is not supported)")
-        flat = flatten_inputs(input_ids, attention_mask, position_ids, cu_seqlens)
-        check_tokens(flat.input_ids, flat.positions, self.config.vocab_size, self.rope.max_positions)
-        hidden = self.forward_flat(flat.input_ids, flat.positions, PackedContext(flat.cu_seqlens, flat.max_seqlen))
-        out = hidden.new_zeros(flat.shape.numel(), hidden.shape[-1]).index_copy(0, flat.index, hidden)
-        return BaseModelOutputWithPast(last_hidden_state=out.view(*flat.shape, -1))
 
 
 class Qwen3ForCausalLM(CausalLMMixin, Qwen3PreTrainedModel):

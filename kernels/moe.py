@@ -1,0 +1,290 @@
+"""fused_moe: the routed experts of a MoE block, batch-invariant, with a backward.
+
+``out[t] = sum_r w[t, r] * down[e] @ (silu(gate[e] @ x[t]) * (up[e] @ x[t]))`` with
+``e = ids[t, r]``, the sum over ranks r = 0..k-1 in that order, in fp32, then one cast
+(DESIGN.md rule 4). Expert weights are HF's fused 3-D tensors: ``gate_up_proj [E, 2I, H]``
+(gate rows first) and ``down_proj [E, H, I]``.
+
+How: `moe_align` sorts the (token, rank) pairs by expert (stable: by pair index within an
+expert) and pads each expert's segment to `BLOCK_M` rows, into a buffer whose size is a
+static bound (no host sync: CUDA-graph safe). One grouped GEMM computes gate and up for a tile
+of one expert's rows and applies SiLU-and-mul in its epilogue (each product rounded to the
+input dtype first, as the dense path does); a second grouped GEMM applies ``down``; a combine
+kernel sums each token's k rows in rank order.
+
+Invariance contract: a pair's row is computed by one kernel configuration (fixed BLOCK_M/N/K,
+warps, stages) with K accumulated sequentially in fp32 (rule 1), whatever number of rows its
+expert received (0, 1 or thousands) and wherever the row sits in its tile; the combine order is
+the rank order (rule 4). The reference does the same per expert with `linear_reference`.
+Backward (rule 8): grouped GEMMs for the input gradients, a grouped reduction kernel for the
+weight gradients (`moe_backward.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._triton import next_power_of_2, require_triton, tl, triton
+from .backend import select
+from .linear import linear_reference
+from .silu_and_mul import silu_and_mul_reference
+
+BLOCK_M = 64
+BLOCK_N = 64
+BLOCK_K = 64
+NUM_WARPS = 4
+NUM_STAGES = 3
+
+
+@dataclass
+class MoeLayout:
+    """The pairs (token t, rank r) = pair ``t * k + r`` grouped by expert, padded per expert.
+
+    Attributes:
+        sorted_pairs: ``[P]`` pair index at each padded position (``num_pairs`` = padding).
+        pair_pos: ``[num_pairs]`` padded position of each pair.
+        block_expert: ``[P / BLOCK_M]`` expert of each row block (-1: unused block).
+        expert_offsets: ``[E + 1]`` start of each expert's padded segment.
+        num_pairs: ``T * k``.
+    """
+
+    sorted_pairs: torch.Tensor
+    pair_pos: torch.Tensor
+    block_expert: torch.Tensor
+    expert_offsets: torch.Tensor
+    num_pairs: int
+
+
+def moe_align(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M) -> MoeLayout:
+    """Group the pairs of ``ids [T, k]`` by expert with device ops only (no host sync)."""
+    flat = ids.reshape(-1)
+    n = flat.numel()
+    device = flat.device
+    counts = torch.bincount(flat, minlength=num_experts)[:num_experts]
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    starts = ends - padded
+    order = torch.sort(flat, stable=True).indices
+    sorted_expert = flat[order]
+    unpadded_start = torch.cumsum(counts, 0) - counts
+    pos = starts[sorted_expert] + torch.arange(n, device=device) - unpadded_start[sorted_expert]
+    size = -(-(n + num_experts * (block_m - 1)) // block_m) * block_m
+    sorted_pairs = torch.full((size,), n, dtype=torch.int64, device=device)
+    sorted_pairs[pos] = order
+    pair_pos = torch.empty(n, dtype=torch.int64, device=device)
+    pair_pos[order] = pos
+    block_start = torch.arange(size // block_m, device=device) * block_m
+    block_expert = torch.searchsorted(ends, block_start, right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    offsets = torch.cat([starts, ends[-1:]])
+    return MoeLayout(sorted_pairs, pair_pos, block_expert, offsets, n)
+
+
+@triton.jit
+def _moe_gate_up_kernel(x_ptr, w_ptr, act_ptr, preact_ptr, sorted_pairs_ptr, block_expert_ptr,
+                        num_pairs, H, I, stride_xt, stride_we, stride_wn, stride_wk, stride_act, stride_pre,
+                        TOP_K: tl.constexpr, SAVE_PREACT: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pairs_ptr + offs_m)
+    valid = pairs < num_pairs
+    token = (pairs // TOP_K).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < I
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :]
+    wg_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    wu_ptrs = wg_ptrs + I * stride_wn
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k in range(0, tl.cdiv(H, BLOCK_K)):
+        k_ok = offs_k < H - k * BLOCK_K
+        a = tl.load(x_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        bg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        bu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc_g = tl.dot(a, bg, acc_g)
+        acc_u = tl.dot(a, bu, acc_u)
+        x_ptrs += BLOCK_K
+        wg_ptrs += BLOCK_K * stride_wk
+        wu_ptrs += BLOCK_K * stride_wk
+    dtype = act_ptr.dtype.element_ty
+    g = acc_g.to(dtype)
+    u = acc_u.to(dtype)
+    gf = g.to(tl.float32)
+    act = gf / (1.0 + tl.exp(-gf)) * u.to(tl.float32)
+    rows = offs_m.to(tl.int64)[:, None]
+    tl.store(act_ptr + rows * stride_act + offs_n[None, :], act.to(dtype), mask=n_ok[None, :])
+    if SAVE_PREACT:
+        tl.store(preact_ptr + rows * stride_pre + offs_n[None, :], g, mask=n_ok[None, :])
+        tl.store(preact_ptr + rows * stride_pre + I + offs_n[None, :], u, mask=n_ok[None, :])
+
+
+@triton.jit
+def _moe_grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, block_expert_ptr, N, K, stride_am, stride_we, stride_wn,
+                             stride_wk, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr):
+    """out[rows] = a[rows] @ W[e]^T for each block of permuted rows (W[e] element (n, k) via strides)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        return
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
+    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_ok = offs_k < K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wk
+    tl.store(out_ptr + rows[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=n_ok[None, :])
+
+
+@triton.jit
+def _moe_combine_kernel(y_ptr, weights_ptr, pair_pos_ptr, out_ptr, H, stride_y, stride_out,
+                        TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = offs < H
+    acc = tl.zeros((BLOCK_H,), tl.float32)
+    for r in tl.static_range(TOP_K):  # rank order, fp32
+        pos = tl.load(pair_pos_ptr + token * TOP_K + r)
+        w = tl.load(weights_ptr + token * TOP_K + r)
+        acc += w * tl.load(y_ptr + pos * stride_y + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * stride_out + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def grouped_gemm(a: torch.Tensor, w: torch.Tensor, layout: MoeLayout, n: int, k: int, stride_n: int,
+                 stride_k: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """``out[p] = a[p] @ W[e(p)]^T`` over the padded permuted rows (W element (n, k) by strides)."""
+    out = torch.empty(a.shape[0], n, device=a.device, dtype=out_dtype)
+    grid = (a.shape[0] // BLOCK_M, triton.cdiv(n, BLOCK_N))
+    _moe_grouped_gemm_kernel[grid](a, w, out, layout.block_expert, n, k, a.stride(0), w.stride(0), stride_n,
+                                   stride_k, out.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                                   num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    return out
+
+
+def combine(y: torch.Tensor, weights: torch.Tensor, layout: MoeLayout, tokens: int, out_dtype: torch.dtype):
+    """``out[t] = sum_r weights[t, r] * y[pair_pos[t*k + r]]`` in rank order, fp32."""
+    hidden = y.shape[1]
+    out = torch.empty(tokens, hidden, device=y.device, dtype=out_dtype)
+    if tokens:
+        block_h = min(1024, next_power_of_2(hidden))
+        _moe_combine_kernel[(tokens, triton.cdiv(hidden, block_h))](
+            y, weights.float().contiguous(), layout.pair_pos, out, hidden, y.stride(0), out.stride(0),
+            TOP_K=weights.shape[1], BLOCK_H=block_h, num_warps=4)
+    return out
+
+
+def _forward_triton(x, gate_up, down, weights, ids, save_preact: bool):
+    require_triton("fused_moe")
+    tokens, hidden = x.shape
+    experts, inter = down.shape[0], down.shape[2]
+    layout = moe_align(ids, experts)
+    rows = layout.sorted_pairs.shape[0]
+    act = torch.empty(rows, inter, device=x.device, dtype=x.dtype)
+    preact = torch.empty(rows, 2 * inter, device=x.device, dtype=x.dtype) if save_preact else act
+    _moe_gate_up_kernel[(rows // BLOCK_M, triton.cdiv(inter, BLOCK_N))](
+        x, gate_up, act, preact, layout.sorted_pairs, layout.block_expert, layout.num_pairs, hidden, inter,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), act.stride(0), preact.stride(0),
+        TOP_K=ids.shape[1], SAVE_PREACT=save_preact, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    y = grouped_gemm(act, down, layout, hidden, inter, down.stride(1), down.stride(2), x.dtype)
+    out = combine(y, weights, layout, tokens, x.dtype)
+    return out, (layout, act, preact, y)
+
+
+def fused_moe_reference(x, gate_up, down, weights, ids) -> torch.Tensor:
+    """Per expert, `linear_reference` rows (row-invariant on CPU); ranks combined in order."""
+    tokens, top_k = ids.shape
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    inter = down.shape[2]
+    y = torch.zeros(tokens, top_k, x.shape[1], dtype=x.dtype)
+    for expert in torch.unique(ids).tolist():
+        t, r = (ids == expert).nonzero(as_tuple=True)
+        gu = linear_reference(x[t], gate_up[expert], None, x.dtype)
+        act = silu_and_mul_reference(gu[:, :inter], gu[:, inter:])
+        y[t, r] = linear_reference(act, down[expert], None, x.dtype)
+    out = torch.zeros(tokens, x.shape[1], dtype=compute)
+    w = weights.to(compute)
+    for r in range(top_k):
+        out = out + w[:, r:r + 1] * y[:, r].to(compute)
+    return out.to(x.dtype)
+
+
+def moe_math(x, gate_up, down, weights, ids) -> torch.Tensor:
+    """Plain-torch, differentiable MoE (the test oracle and the reference backward)."""
+    inter = down.shape[2]
+    out = torch.zeros(x.shape, dtype=torch.promote_types(x.dtype, weights.dtype), device=x.device)
+    for expert in torch.unique(ids).tolist():
+        t, r = (ids == expert).nonzero(as_tuple=True)
+        gu = x[t] @ gate_up[expert].t()
+        act = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+        out = out.index_add(0, t, (act @ down[expert].t()) * weights[t, r][:, None])
+    return out.to(x.dtype)
+
+
+class _FusedMoeFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, gate_up, down, weights, ids, backend):
+        ctx.backend = backend
+        if backend == "reference":
+            ctx.save_for_backward(x, gate_up, down, weights, ids)
+            return fused_moe_reference(x, gate_up, down, weights, ids)
+        out, (layout, act, preact, y) = _forward_triton(x, gate_up, down, weights, ids, save_preact=True)
+        ctx.save_for_backward(x, gate_up, down, weights, ids, act, preact, y)
+        ctx.layout = layout
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        from .moe_backward import fused_moe_backward_reference, fused_moe_backward_triton
+
+        if ctx.backend == "reference":
+            grads = fused_moe_backward_reference(grad_out, *ctx.saved_tensors)
+        else:
+            grads = fused_moe_backward_triton(grad_out.contiguous(), ctx.layout, *ctx.saved_tensors)
+        return (*grads, None, None)
+
+
+def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """Routed-expert output ``[T, H]`` for ``x [T, H]`` (see the module docstring).
+
+    Args:
+        gate_up_proj: ``[E, 2I, H]``; down_proj: ``[E, H, I]`` (x's dtype).
+        topk_weights: ``[T, k]`` (fp32, rank order); topk_ids: ``[T, k]`` int.
+    Differentiable in x, both weight tensors and topk_weights.
+    """
+    if x.dim() != 2 or gate_up_proj.shape[2] != x.shape[1] or down_proj.shape[1] != x.shape[1] \
+            or gate_up_proj.shape[1] != 2 * down_proj.shape[2] or gate_up_proj.shape[0] != down_proj.shape[0]:
+        raise ValueError(f"fused_moe: shapes x {tuple(x.shape)}, gate_up_proj {tuple(gate_up_proj.shape)}, "
+                         f"down_proj {tuple(down_proj.shape)} do not fit [T,H], [E,2I,H], [E,H,I]")
+    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"fused_moe: topk_ids {tuple(topk_ids.shape)} and topk_weights "
+                         f"{tuple(topk_weights.shape)} must both be [{x.shape[0]}, k]")
+    backend = select("fused_moe", x)
+    x = x.contiguous()
+    ids = topk_ids.to(torch.int64)
+    needs_grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (x, gate_up_proj, down_proj, topk_weights))
+    if needs_grad:
+        return _FusedMoeFunction.apply(x, gate_up_proj, down_proj, topk_weights, ids, backend)
+    if backend == "reference":
+        return fused_moe_reference(x, gate_up_proj, down_proj, topk_weights, ids)
+    return _forward_triton(x, gate_up_proj, down_proj, topk_weights, ids, save_preact=False)[0]

@@ -1,0 +1,91 @@
+"""Backward of `fused_moe` (correct and fast; no invariance needed, DESIGN.md rule 8).
+
+With ``y_p`` the down-projection output of pair p = (t, r) and ``w = topk_weights``:
+``dy_p = w[t, r] * dout[t]``, ``dw[t, r] = <dout[t], y_p>``; ``d_act = dy @ down[e]``; SiLU-and-mul
+backward gives ``d_gate_up``; ``dx_p = d_gate_up_p @ gate_up[e]`` summed over the token's ranks.
+The input gradients reuse the grouped GEMM with transposed weight strides; the weight
+gradients ``d_down[e] = sum_p dy_p^T act_p`` and ``d_gate_up[e] = sum_p d_gate_up_p^T x_t`` come
+from `_moe_weight_grad_kernel`, one program per (expert, N tile, K tile) reducing over that
+expert's rows. The reference is autograd through `moe_math`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._triton import tl, triton
+from .moe import BLOCK_M, MoeLayout, combine, grouped_gemm, moe_math
+
+WG_BLOCK_N = 64
+WG_BLOCK_K = 64
+
+
+@triton.jit
+def _moe_weight_grad_kernel(g_ptr, a_ptr, dw_ptr, offsets_ptr, sorted_pairs_ptr, num_pairs, N, K,
+                            stride_g, stride_a, stride_dwe, stride_dwn,
+                            GATHER: tl.constexpr, TOP_K: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    expert = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)
+    start = tl.load(offsets_ptr + expert)
+    end = tl.load(offsets_ptr + expert + 1)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    for row0 in range(start, end, BLOCK_M):
+        rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+        g = tl.load(g_ptr + rows[:, None] * stride_g + offs_n[None, :], mask=offs_n[None, :] < N, other=0.0)
+        if GATHER:  # rows of x, through the pair -> token map; padding rows are zero
+            pairs = tl.load(sorted_pairs_ptr + rows)
+            a_rows = (pairs // TOP_K).to(tl.int64)
+            a_mask = (pairs < num_pairs)[:, None] & (offs_k[None, :] < K)
+        else:
+            a_rows = rows
+            a_mask = offs_k[None, :] < K
+        a = tl.load(a_ptr + a_rows[:, None] * stride_a + offs_k[None, :], mask=a_mask, other=0.0)
+        acc = tl.dot(tl.trans(g), a, acc)
+    mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
+    tl.store(dw_ptr + expert * stride_dwe + offs_n[:, None] * stride_dwn + offs_k[None, :],
+             acc.to(dw_ptr.dtype.element_ty), mask=mask)
+
+
+def _weight_grad(g: torch.Tensor, a: torch.Tensor, layout: MoeLayout, experts: int, gather: bool, top_k: int,
+                 out: torch.Tensor) -> torch.Tensor:
+    n, k = g.shape[1], a.shape[1]
+    grid = (experts, triton.cdiv(n, WG_BLOCK_N), triton.cdiv(k, WG_BLOCK_K))
+    _moe_weight_grad_kernel[grid](g, a, out, layout.expert_offsets, layout.sorted_pairs, layout.num_pairs, n, k,
+                                  g.stride(0), a.stride(0), out.stride(0), out.stride(1), GATHER=gather,
+                                  TOP_K=top_k, BLOCK_M=BLOCK_M, BLOCK_N=WG_BLOCK_N, BLOCK_K=WG_BLOCK_K,
+                                  num_warps=4, num_stages=2)
+    return out
+
+
+def fused_moe_backward_triton(grad_out, layout: MoeLayout, x, gate_up, down, weights, ids, act, preact, y):
+    tokens, hidden = x.shape
+    top_k = ids.shape[1]
+    experts, inter = down.shape[0], down.shape[2]
+    rows = layout.sorted_pairs.shape[0]
+    pair_y = y[layout.pair_pos].view(tokens, top_k, hidden).float()
+    grad_weights = (grad_out.float()[:, None, :] * pair_y).sum(-1)
+    dy = torch.zeros(rows, hidden, device=x.device, dtype=x.dtype)
+    dy[layout.pair_pos] = (weights.float()[:, :, None] * grad_out.float()[:, None, :]).reshape(-1, hidden).to(x.dtype)
+    # d_act[p, i] = sum_h dy[p, h] down[e, h, i]: W element (n=i, k=h)
+    d_act = grouped_gemm(dy, down, layout, inter, hidden, down.stride(2), down.stride(1), torch.float32)
+    g, u = preact[:, :inter].float(), preact[:, inter:].float()
+    sig = torch.sigmoid(g)
+    d_gate_up = torch.cat([d_act * u * sig * (1.0 + g * (1.0 - sig)), d_act * g * sig], dim=1).to(x.dtype)
+    # dx_p[h] = sum_j d_gate_up[p, j] gate_up[e, j, h]: W element (n=h, k=j)
+    dx_pairs = grouped_gemm(d_gate_up, gate_up, layout, hidden, 2 * inter, gate_up.stride(2), gate_up.stride(1),
+                            torch.float32)
+    grad_x = combine(dx_pairs, torch.ones_like(weights, dtype=torch.float32), layout, tokens, x.dtype)
+    grad_down = _weight_grad(dy, act, layout, experts, False, top_k, torch.empty_like(down))
+    grad_gate_up = _weight_grad(d_gate_up, x, layout, experts, True, top_k, torch.empty_like(gate_up))
+    return grad_x, grad_gate_up, grad_down, grad_weights.to(weights.dtype)
+
+
+def fused_moe_backward_reference(grad_out, x, gate_up, down, weights, ids):
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    with torch.enable_grad():
+        leaves = [t.detach().to(compute).requires_grad_() for t in (x, gate_up, down, weights)]
+        out = moe_math(*leaves, ids)
+        grads = torch.autograd.grad(out, leaves, grad_out.to(compute))
+    return tuple(g.to(t.dtype) for g, t in zip(grads, (x, gate_up, down, weights)))

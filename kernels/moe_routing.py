@@ -1,0 +1,109 @@
+"""moe_routing: softmax top-k expert selection (Qwen3-MoE / Mixtral style).
+
+``probs = softmax(router_logits)`` in fp32, the ``top_k`` largest (ties: lowest expert index,
+then in decreasing order), renormalised to sum 1 when ``norm_topk_prob``. Returns fp32
+weights ``[T, k]`` and int64 expert ids ``[T, k]``, rank 0 first.
+
+Invariance contract: per token (DESIGN.md rules 3, 4): one program per row with a block over
+the experts fixed by their count; selection by repeated argmax. The reference uses
+`exact_math.softmax` and the same selection rule. The backward (through the weights to the
+router logits) is analytic, in fp32 torch ops.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import exact_math
+from ._triton import next_power_of_2, require_triton, tl, triton
+from .backend import select
+
+
+@triton.jit
+def _softmax_topk_kernel(logits_ptr, weights_ptr, ids_ptr, probs_ptr, E, stride, TOP_K: tl.constexpr,
+                         NORM: tl.constexpr, BLOCK_E: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_E)
+    x = tl.load(logits_ptr + row * stride + cols, mask=cols < E, other=float("-inf")).to(tl.float32)
+    e = tl.exp(x - tl.max(x, axis=0))
+    probs = e / tl.sum(e, axis=0)
+    tl.store(probs_ptr + row * E + cols, probs, mask=cols < E)
+    remaining = tl.where(cols < E, probs, -1.0)
+    total = 0.0
+    for r in tl.static_range(TOP_K):
+        best = tl.max(remaining, axis=0)
+        idx = tl.argmax(remaining, axis=0)  # lowest index among equal maxima
+        tl.store(ids_ptr + row * TOP_K + r, idx.to(tl.int64))
+        tl.store(weights_ptr + row * TOP_K + r, best)
+        total += best
+        remaining = tl.where(cols == idx, -1.0, remaining)
+    if NORM:
+        offs = tl.arange(0, TOP_K)
+        w = tl.load(weights_ptr + row * TOP_K + offs)
+        tl.store(weights_ptr + row * TOP_K + offs, w / total)
+
+
+def softmax_topk_reference(logits: torch.Tensor, top_k: int, norm: bool):
+    probs = exact_math.softmax(logits)
+    remaining = probs.clone()
+    weights = torch.empty(logits.shape[0], top_k, dtype=probs.dtype)
+    ids = torch.empty(logits.shape[0], top_k, dtype=torch.int64)
+    total = torch.zeros(logits.shape[0], dtype=probs.dtype)
+    for r in range(top_k):
+        best, idx = remaining.max(dim=1)  # CPU max returns the first index of the maximum
+        weights[:, r], ids[:, r] = best, idx
+        total = total + best  # sequential over ranks
+        remaining.scatter_(1, idx[:, None], -1.0)
+    if norm:
+        weights = weights / total[:, None]
+    return weights, ids, probs
+
+
+class _RoutingFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, top_k, norm):
+        weights, ids, probs = _route(logits, top_k, norm)
+        ctx.save_for_backward(probs, weights, ids)
+        ctx.norm = norm
+        ctx.mark_non_differentiable(ids)
+        return weights, ids
+
+    @staticmethod
+    def backward(ctx, grad_weights, _grad_ids):
+        probs, weights, ids = ctx.saved_tensors
+        g = grad_weights.to(probs.dtype)
+        if ctx.norm:  # w_j = s_j / S: dL/ds_j = (g_j - sum_i g_i w_i) / S
+            selected = probs.gather(1, ids)
+            g = (g - (g * weights).sum(1, keepdim=True)) / selected.sum(1, keepdim=True)
+        grad_probs = torch.zeros_like(probs).scatter_(1, ids, g)
+        grad_logits = probs * (grad_probs - (grad_probs * probs).sum(1, keepdim=True))
+        return grad_logits, None, None
+
+
+def _route(logits: torch.Tensor, top_k: int, norm: bool):
+    if select("moe_routing", logits) == "reference":
+        return softmax_topk_reference(logits, top_k, norm)
+    require_triton("moe_routing")
+    rows, experts = logits.shape
+    weights = torch.empty(rows, top_k, device=logits.device, dtype=torch.float32)
+    ids = torch.empty(rows, top_k, device=logits.device, dtype=torch.int64)
+    probs = torch.empty(rows, experts, device=logits.device, dtype=torch.float32)
+    if rows:
+        _softmax_topk_kernel[(rows,)](logits, weights, ids, probs, experts, logits.stride(0), TOP_K=top_k,
+                                      NORM=norm, BLOCK_E=next_power_of_2(experts), num_warps=4)
+    return weights, ids, probs
+
+
+def softmax_topk(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights fp32 ``[T, k]``, expert ids int64 ``[T, k]``) from router logits ``[T, E]``.
+
+    Differentiable in the logits through the weights.
+    """
+    if router_logits.dim() != 2 or not 1 <= top_k <= router_logits.shape[1]:
+        raise ValueError(f"softmax_topk: need [tokens, experts] logits and 1 <= top_k <= experts; got shape "
+                         f"{tuple(router_logits.shape)} and top_k={top_k}")
+    logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return _RoutingFunction.apply(logits, top_k, norm_topk_prob)
+    weights, ids, _ = _route(logits, top_k, norm_topk_prob)
+    return weights, ids

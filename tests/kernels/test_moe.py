@@ -1,0 +1,115 @@
+import pytest
+import torch
+
+from vexact_models.kernels.moe import fused_moe, moe_align, moe_math
+from vexact_models.kernels.moe_routing import softmax_topk
+
+from ..conftest import rel_err
+
+
+def _weights(experts=8, hidden=32, inter=16, dtype=torch.float32):
+    gate_up = (torch.randn(experts, 2 * inter, hidden) / hidden ** 0.5).to(dtype)
+    down = (torch.randn(experts, hidden, inter) / inter ** 0.5).to(dtype)
+    return gate_up, down
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_softmax_topk_matches_float64(norm):
+    logits = torch.randn(50, 16)
+    w, ids = softmax_topk(logits, 4, norm)
+    probs = torch.softmax(logits.double(), -1)
+    top, top_ids = probs.topk(4, dim=-1)
+    if norm:
+        top = top / top.sum(-1, keepdim=True)
+    assert torch.equal(ids, top_ids) and torch.allclose(w.double(), top, atol=1e-6)
+
+
+def test_softmax_topk_ties_take_lowest_index_and_rows_are_invariant():
+    logits = torch.zeros(3, 8)
+    logits[:, 5] = 1.0
+    _, ids = softmax_topk(logits, 3, True)
+    assert ids.tolist() == [[5, 0, 1]] * 3
+    x = torch.randn(64, 128)
+    w, ids = softmax_topk(x, 8, True)
+    for i in (0, 17, 63):
+        wi, idi = softmax_topk(x[i:i + 1], 8, True)
+        assert torch.equal(wi[0], w[i]) and torch.equal(idi[0], ids[i])
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_softmax_topk_backward(norm):
+    logits = torch.randn(7, 10, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(7, 3, dtype=torch.float64)
+    w, ids = softmax_topk(logits, 3, norm)
+    (got,) = torch.autograd.grad(w, logits, g)
+    ref = torch.softmax(logits, -1).gather(1, ids)
+    if norm:
+        ref = ref / ref.sum(-1, keepdim=True)
+    (want,) = torch.autograd.grad(ref, logits, g)
+    assert torch.allclose(got, want, atol=1e-12)
+
+
+def test_softmax_topk_rejects_bad_k():
+    with pytest.raises(ValueError, match="top_k=9"):
+        softmax_topk(torch.randn(2, 8), 9, True)
+
+
+def test_moe_align_groups_pairs_by_expert():
+    ids = torch.tensor([[3, 1], [1, 0], [3, 3 - 2]])  # expert 1 gets three pairs
+    layout = moe_align(ids, 4, block_m=4)
+    pairs = layout.sorted_pairs
+    assert layout.num_pairs == 6 and pairs.shape[0] % 4 == 0
+    for p in range(6):
+        assert pairs[layout.pair_pos[p]] == p
+    flat = ids.reshape(-1)
+    for b, expert in enumerate(layout.block_expert.tolist()):
+        block = pairs[b * 4:(b + 1) * 4]
+        real = block[block < 6]
+        if expert < 0:
+            assert real.numel() == 0
+        else:
+            assert torch.all(flat[real] == expert) and torch.equal(real, real.sort().values)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_fused_moe_matches_plain_torch(dtype):
+    x = torch.randn(20, 32).to(dtype)
+    gate_up, down = _weights(dtype=dtype)
+    w, ids = softmax_topk(torch.randn(20, 8), 3, True)
+    out = fused_moe(x, gate_up, down, w, ids)
+    ref = moe_math(x.double(), gate_up.double(), down.double(), w.double(), ids)
+    assert out.dtype == dtype
+    assert rel_err(out, ref) < {torch.float64: 1e-13, torch.float32: 1e-6, torch.bfloat16: 2e-2}[dtype]
+
+
+def test_fused_moe_tokens_invariant_to_batch_and_expert_load():
+    """A token's output is bitwise the same alone or in batches where its experts see 1 or 100s of rows."""
+    x = torch.randn(300, 32)
+    gate_up, down = _weights()
+    logits = torch.randn(300, 8)
+    logits[:250, 0] += 10  # expert 0 takes most tokens; others get few or none
+    w, ids = softmax_topk(logits, 2, True)
+    full = fused_moe(x, gate_up, down, w, ids)
+    for i in (0, 7, 260, 299):
+        assert torch.equal(fused_moe(x[i:i + 1], gate_up, down, w[i:i + 1], ids[i:i + 1])[0], full[i])
+    assert torch.equal(fused_moe(x[250:], gate_up, down, w[250:], ids[250:]), full[250:])
+
+
+def test_fused_moe_backward_matches_autograd():
+    x = torch.randn(9, 16, dtype=torch.float64, requires_grad=True)
+    gate_up, down = (t.double().requires_grad_() for t in _weights(experts=4, hidden=16, inter=8))
+    w = torch.rand(9, 2, dtype=torch.float64, requires_grad=True)
+    ids = torch.randint(0, 4, (9, 2))
+    g = torch.randn(9, 16, dtype=torch.float64)
+    got = torch.autograd.grad(fused_moe(x, gate_up, down, w, ids), (x, gate_up, down, w), g)
+    want = torch.autograd.grad(moe_math(x, gate_up, down, w, ids), (x, gate_up, down, w), g)
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, atol=1e-10)
+
+
+def test_fused_moe_shape_errors():
+    gate_up, down = _weights()
+    with pytest.raises(ValueError, match="do not fit"):
+        fused_moe(torch.randn(2, 31), gate_up, down, torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.long))
+    with pytest.raises(ValueError, match="must both be"):
+        fused_moe(torch.randn(2, 32), gate_up, down, torch.ones(2, 2), torch.zeros(2, 1, dtype=torch.long))

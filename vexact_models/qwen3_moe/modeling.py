@@ -1,0 +1,164 @@
+"""Qwen3-MoE with one forward for training and rollouts.
+
+HF's ``modeling_qwen3_moe`` module tree and parameter names (experts as fused 3-D tensors
+``mlp.experts.gate_up_proj [E, 2I, H]`` / ``mlp.experts.down_proj [E, H, I]``, router
+``mlp.gate.weight [E, H]``); attention is Qwen3's. The routed experts run through
+`kernels.fused_moe` (batch-invariant), the router through `kernels.softmax_topk`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel, Qwen3MoeConfig
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+from vexact_models.kernels import linear
+from vexact_models.kernels.moe import fused_moe
+from vexact_models.kernels.moe_routing import softmax_topk
+from vexact_models.layers import RMSNorm, RopeTables
+
+from ..causal_lm import CausalLMMixin, DecoderModelMixin, InferenceModel
+from ..qwen3.modeling import Qwen3Attention, Qwen3MLP
+
+
+class Qwen3MoeRMSNorm(RMSNorm):
+    pass
+
+
+class Qwen3MoeExperts(nn.Module):
+    """The routed experts as HF stores them: fused 3-D weight tensors."""
+
+    def __init__(self, config: Qwen3MoeConfig) -> None:
+        super().__init__()
+        self.num_experts = config.num_experts
+        inter, hidden = config.moe_intermediate_size, config.hidden_size
+        self.gate_up_proj = nn.Parameter(torch.empty(config.num_experts, 2 * inter, hidden))
+        self.down_proj = nn.Parameter(torch.empty(config.num_experts, hidden, inter))
+
+    def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        return fused_moe(hidden, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+
+
+class Qwen3MoeTopKRouter(nn.Module):
+    """Router: logits in the model dtype (as HF), fp32 softmax, top-k, optional renormalisation."""
+
+    def __init__(self, config: Qwen3MoeConfig) -> None:
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size))
+
+    def forward(self, hidden: torch.Tensor):
+        logits = linear(hidden, self.weight)
+        weights, ids = softmax_topk(logits, self.top_k, self.norm_topk_prob)
+        return logits, weights, ids
+
+
+class Qwen3MoeSparseMoeBlock(nn.Module):
+    def __init__(self, config: Qwen3MoeConfig) -> None:
+        super().__init__()
+        self.experts = Qwen3MoeExperts(config)
+        self.gate = Qwen3MoeTopKRouter(config)
+
+    def forward(self, hidden: torch.Tensor, router_logits: list | None = None) -> torch.Tensor:
+        logits, weights, ids = self.gate(hidden)
+        if router_logits is not None:
+            router_logits.append(logits)
+        return self.experts(hidden, ids, weights)
+
+
+class Qwen3MoeDecoderLayer(nn.Module):
+    def __init__(self, config: Qwen3MoeConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Qwen3Attention(config, layer_idx)
+        sparse = layer_idx not in config.mlp_only_layers and config.num_experts > 0 \
+            and (layer_idx + 1) % config.decoder_sparse_step == 0
+        self.mlp = Qwen3MoeSparseMoeBlock(config) if sparse else Qwen3MLP(config)
+        self.input_layernorm = Qwen3MoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3MoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden, positions, rope, context, router_logits: list | None = None) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, rope, context)
+        normed = self.post_attention_layernorm(hidden)
+        if isinstance(self.mlp, Qwen3MoeSparseMoeBlock):
+            return hidden + self.mlp(normed, router_logits)
+        return hidden + self.mlp(normed)
+
+
+class Qwen3MoePreTrainedModel(PreTrainedModel):
+    config_class = Qwen3MoeConfig
+    config: Qwen3MoeConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["Qwen3MoeDecoderLayer"]
+
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        std = self.config.initializer_range
+        if isinstance(module, Qwen3MoeExperts):
+            nn.init.normal_(module.gate_up_proj, 0.0, std)
+            nn.init.normal_(module.down_proj, 0.0, std)
+        elif isinstance(module, Qwen3MoeTopKRouter):
+            nn.init.normal_(module.weight, 0.0, std)
+
+
+class Qwen3MoeModel(DecoderModelMixin, Qwen3MoePreTrainedModel):
+    """The decoder stack (HF's ``Qwen3MoeModel``)."""
+
+    def __init__(self, config: Qwen3MoeConfig) -> None:
+        super().__init__(config)
+        if getattr(config, "use_sliding_window", False):
+            raise ValueError("Qwen3MoeModel: use_sliding_window=True is not supported")
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.layers = nn.ModuleList(Qwen3MoeDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = Qwen3MoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.rope = RopeTables(config, head_dim)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+
+class Qwen3MoeForCausalLM(CausalLMMixin, Qwen3MoePreTrainedModel):
+    """Training variant: a drop-in for HF ``Qwen3MoeForCausalLM`` plus `token_logprobs`.
+
+    With ``output_router_logits`` the output carries each MoE layer's router logits over the
+    non-padding tokens and HF's load-balancing ``aux_loss`` (added to ``loss`` times
+    ``router_aux_loss_coef`` when ``labels`` are given).
+    """
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: Qwen3MoeConfig) -> None:
+        super().__init__(config)
+        self.model = Qwen3MoeModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, cu_seqlens=None,
+                logits_to_keep: int = 0, output_router_logits: bool | None = None, **kwargs) -> MoeCausalLMOutputWithPast:
+        for unused in ("use_cache", "past_key_values", "return_dict"):
+            kwargs.pop(unused, None)
+        collect = self.config.output_router_logits if output_router_logits is None else output_router_logits
+        router = [] if collect else None
+        hidden, flat = self._forward_hidden(input_ids, attention_mask, position_ids, cu_seqlens, router_logits=router)
+        logits = self._padded_logits(hidden, flat, logits_to_keep)
+        loss = aux_loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        if collect:
+            # router logits exist for the real tokens only, so no attention mask is needed
+            aux_loss = load_balancing_loss_func(tuple(router), self.config.num_experts,
+                                                self.config.num_experts_per_tok, None)
+            if loss is not None:
+                loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
+        return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits,
+                                         router_logits=tuple(router) if collect else None)
+
+
+class Qwen3MoeForCausalLMInference(InferenceModel):
+    """Inference variant: the same modules (shared storage) driven by the paged runtime."""
+
+    training_class = Qwen3MoeForCausalLM
