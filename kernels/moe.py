@@ -12,10 +12,11 @@ of one expert's rows and applies SiLU-and-mul in its epilogue (each product roun
 input dtype first, as the dense path does); a second grouped GEMM applies ``down``; a combine
 kernel sums each token's k rows in rank order.
 
-Invariance contract: a pair's row is computed by one kernel configuration (fixed BLOCK_M/N/K,
-warps, stages) with K accumulated sequentially in fp32 (rule 1), whatever number of rows its
-expert received (0, 1 or thousands) and wherever the row sits in its tile; the combine order is
-the rank order (rule 4). The reference does the same per expert with `linear_reference`.
+Invariance contract: a pair's row is computed with K accumulated sequentially in fp32 in
+BLOCK_K steps (rule 1) by a tile config chosen from the batch shape only (`pick_config`; the
+configs give bitwise the same rows, proven on the GPU), whatever number of rows its expert
+received (0, 1 or thousands) and wherever the row sits in its tile; the combine order is the
+rank order (rule 4). The reference does the same per expert with `linear_reference`.
 Backward (rule 8): grouped GEMMs for the input gradients, a grouped reduction kernel for the
 weight gradients (`moe_backward.py`).
 """
@@ -31,11 +32,26 @@ from .backend import select
 from .linear import linear_reference
 from .silu_and_mul import silu_and_mul_reference
 
-BLOCK_M = 64
-BLOCK_N = 64
-BLOCK_K = 64
-NUM_WARPS = 4
-NUM_STAGES = 3
+BLOCK_K = 64  # one K tile for every config
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+SMALL = MoeConfig(64, 64, 4, 3)
+LARGE = MoeConfig(128, 128, 8, 3)
+BLOCK_M = SMALL.block_m  # the reference layout's block
+
+
+def pick_config(tokens: int, top_k: int, experts: int) -> MoeConfig:
+    """Tiles by the average rows per expert (a host-side shape, no sync). Both configs give
+    bitwise the same rows (conformance/kernel_invariance.py, "moe": one token vs 16384)."""
+    return LARGE if tokens * top_k >= 256 * experts else SMALL
 
 
 @dataclass
@@ -48,6 +64,7 @@ class MoeLayout:
         block_expert: ``[P / BLOCK_M]`` expert of each row block (-1: unused block).
         expert_offsets: ``[E + 1]`` start of each expert's padded segment.
         num_pairs: ``T * k``.
+        config: the tile config the layout was padded for.
     """
 
     sorted_pairs: torch.Tensor
@@ -55,6 +72,7 @@ class MoeLayout:
     block_expert: torch.Tensor
     expert_offsets: torch.Tensor
     num_pairs: int
+    config: "MoeConfig | None" = None
 
 
 def moe_align(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M) -> MoeLayout:
@@ -62,7 +80,8 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M) -> Mo
     flat = ids.reshape(-1)
     n = flat.numel()
     device = flat.device
-    counts = torch.bincount(flat, minlength=num_experts)[:num_experts]
+    # scatter_add, not bincount: bincount syncs with the host to size its output (no CUDA graphs)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)
     starts = ends - padded
@@ -85,7 +104,7 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M) -> Mo
 @triton.jit
 def _moe_gate_up_kernel(x_ptr, w_ptr, act_ptr, preact_ptr, sorted_pairs_ptr, block_expert_ptr,
                         num_pairs, H, I, stride_xt, stride_we, stride_wn, stride_wk, stride_act, stride_pre,
-                        TOP_K: tl.constexpr, SAVE_PREACT: tl.constexpr,
+                        TOP_K: tl.constexpr, SAVE_PREACT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -109,8 +128,8 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, act_ptr, preact_ptr, sorted_pairs_ptr, blo
         a = tl.load(x_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
         bg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         bu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc_g = tl.dot(a, bg, acc_g)
-        acc_u = tl.dot(a, bu, acc_u)
+        acc_g = tl.dot(a, bg, acc_g, input_precision=INPUT_PRECISION)
+        acc_u = tl.dot(a, bu, acc_u, input_precision=INPUT_PRECISION)
         x_ptrs += BLOCK_K
         wg_ptrs += BLOCK_K * stride_wk
         wu_ptrs += BLOCK_K * stride_wk
@@ -128,8 +147,8 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, act_ptr, preact_ptr, sorted_pairs_ptr, blo
 
 @triton.jit
 def _moe_grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, block_expert_ptr, N, K, stride_am, stride_we, stride_wn,
-                             stride_wk, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr):
+                             stride_wk, stride_om, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[rows] = a[rows] @ W[e]^T for each block of permuted rows (W[e] element (n, k) via strides)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -147,7 +166,7 @@ def _moe_grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, block_expert_ptr, N, K, stri
         k_ok = offs_k < K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
         b = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
     tl.store(out_ptr + rows[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -169,14 +188,19 @@ def _moe_combine_kernel(y_ptr, weights_ptr, pair_pos_ptr, out_ptr, H, stride_y, 
 
 
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, layout: MoeLayout, n: int, k: int, stride_n: int,
-                 stride_k: int, out_dtype: torch.dtype) -> torch.Tensor:
+                 stride_k: int, out_dtype: torch.dtype, cfg: MoeConfig) -> torch.Tensor:
     """``out[p] = a[p] @ W[e(p)]^T`` over the padded permuted rows (W element (n, k) by strides)."""
     out = torch.empty(a.shape[0], n, device=a.device, dtype=out_dtype)
-    grid = (a.shape[0] // BLOCK_M, triton.cdiv(n, BLOCK_N))
+    grid = (a.shape[0] // cfg.block_m, triton.cdiv(n, cfg.block_n))
     _moe_grouped_gemm_kernel[grid](a, w, out, layout.block_expert, n, k, a.stride(0), w.stride(0), stride_n,
-                                   stride_k, out.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                                   num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+                                   stride_k, out.stride(0), INPUT_PRECISION=_precision(a.dtype),
+                                   BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=BLOCK_K,
+                                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # fp32 stays fp32 (no TF32 rounding)
 
 
 def combine(y: torch.Tensor, weights: torch.Tensor, layout: MoeLayout, tokens: int, out_dtype: torch.dtype):
@@ -195,16 +219,18 @@ def _forward_triton(x, gate_up, down, weights, ids, save_preact: bool):
     require_triton("fused_moe")
     tokens, hidden = x.shape
     experts, inter = down.shape[0], down.shape[2]
-    layout = moe_align(ids, experts)
+    cfg = pick_config(tokens, ids.shape[1], experts)
+    layout = moe_align(ids, experts, cfg.block_m)
+    layout.config = cfg
     rows = layout.sorted_pairs.shape[0]
     act = torch.empty(rows, inter, device=x.device, dtype=x.dtype)
     preact = torch.empty(rows, 2 * inter, device=x.device, dtype=x.dtype) if save_preact else act
-    _moe_gate_up_kernel[(rows // BLOCK_M, triton.cdiv(inter, BLOCK_N))](
+    _moe_gate_up_kernel[(rows // cfg.block_m, triton.cdiv(inter, cfg.block_n))](
         x, gate_up, act, preact, layout.sorted_pairs, layout.block_expert, layout.num_pairs, hidden, inter,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), act.stride(0), preact.stride(0),
-        TOP_K=ids.shape[1], SAVE_PREACT=save_preact, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
-    y = grouped_gemm(act, down, layout, hidden, inter, down.stride(1), down.stride(2), x.dtype)
+        TOP_K=ids.shape[1], SAVE_PREACT=save_preact, INPUT_PRECISION=_precision(x.dtype), BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=BLOCK_K, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    y = grouped_gemm(act, down, layout, hidden, inter, down.stride(1), down.stride(2), x.dtype, cfg)
     out = combine(y, weights, layout, tokens, x.dtype)
     return out, (layout, act, preact, y)
 

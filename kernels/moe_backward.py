@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ._triton import tl, triton
-from .moe import BLOCK_M, MoeLayout, combine, grouped_gemm, moe_math
+from .moe import MoeLayout, combine, grouped_gemm, moe_math
 
 WG_BLOCK_N = 64
 WG_BLOCK_K = 64
@@ -54,7 +54,7 @@ def _weight_grad(g: torch.Tensor, a: torch.Tensor, layout: MoeLayout, experts: i
     grid = (experts, triton.cdiv(n, WG_BLOCK_N), triton.cdiv(k, WG_BLOCK_K))
     _moe_weight_grad_kernel[grid](g, a, out, layout.expert_offsets, layout.sorted_pairs, layout.num_pairs, n, k,
                                   g.stride(0), a.stride(0), out.stride(0), out.stride(1), GATHER=gather,
-                                  TOP_K=top_k, BLOCK_M=BLOCK_M, BLOCK_N=WG_BLOCK_N, BLOCK_K=WG_BLOCK_K,
+                                  TOP_K=top_k, BLOCK_M=layout.config.block_m, BLOCK_N=WG_BLOCK_N, BLOCK_K=WG_BLOCK_K,
                                   num_warps=4, num_stages=2)
     return out
 
@@ -69,13 +69,14 @@ def fused_moe_backward_triton(grad_out, layout: MoeLayout, x, gate_up, down, wei
     dy = torch.zeros(rows, hidden, device=x.device, dtype=x.dtype)
     dy[layout.pair_pos] = (weights.float()[:, :, None] * grad_out.float()[:, None, :]).reshape(-1, hidden).to(x.dtype)
     # d_act[p, i] = sum_h dy[p, h] down[e, h, i]: W element (n=i, k=h)
-    d_act = grouped_gemm(dy, down, layout, inter, hidden, down.stride(2), down.stride(1), torch.float32)
+    cfg = layout.config
+    d_act = grouped_gemm(dy, down, layout, inter, hidden, down.stride(2), down.stride(1), torch.float32, cfg)
     g, u = preact[:, :inter].float(), preact[:, inter:].float()
     sig = torch.sigmoid(g)
     d_gate_up = torch.cat([d_act * u * sig * (1.0 + g * (1.0 - sig)), d_act * g * sig], dim=1).to(x.dtype)
     # dx_p[h] = sum_j d_gate_up[p, j] gate_up[e, j, h]: W element (n=h, k=j)
     dx_pairs = grouped_gemm(d_gate_up, gate_up, layout, hidden, 2 * inter, gate_up.stride(2), gate_up.stride(1),
-                            torch.float32)
+                            torch.float32, cfg)
     grad_x = combine(dx_pairs, torch.ones_like(weights, dtype=torch.float32), layout, tokens, x.dtype)
     grad_down = _weight_grad(dy, act, layout, experts, False, top_k, torch.empty_like(down))
     grad_gate_up = _weight_grad(d_gate_up, x, layout, experts, True, top_k, torch.empty_like(gate_up))
