@@ -7,7 +7,7 @@ random weights, uniformly random routing, bf16; 1, 64, 512, 4096 and 16384 token
 - dense: a [T*k, 2048] x [2048, 3*768]-FLOP-equivalent cuBLAS GEMM pair (same FLOPs as the experts).
 Targets (issue 4): forward >= 5x the loop at 4096 tokens; >= 50% of the dense cuBLAS TFLOP/s at 16384.
 
-Usage: python benchmarks/moe.py
+Usage: python benchmarks/moe.py [--sweep]   (--sweep: time each MoE kernel's tile configs at 16384 tokens)
 """
 
 from __future__ import annotations
@@ -34,10 +34,50 @@ def loop_moe(x, gate_up, down, weights, ids):
     return out
 
 
+def sweep() -> None:
+    """Each grouped kernel alone at 16384 tokens under candidate tile configs."""
+    from vexact_models.kernels.moe import MoeConfig, _moe_gate_up_kernel, grouped_gemm, moe_align
+    import triton
+
+    hidden, experts, inter, top_k, tokens = 2048, 128, 768, 8, 16384
+    gate_up = (torch.randn(experts, 2 * inter, hidden, device="cuda") / hidden ** 0.5).bfloat16()
+    down = (torch.randn(experts, hidden, inter, device="cuda") / inter ** 0.5).bfloat16()
+    x = torch.randn(tokens, hidden, device="cuda").bfloat16()
+    ids = torch.softmax(torch.randn(tokens, experts, device="cuda"), -1).topk(top_k, -1).indices
+    for bm, bn, warps, stages in ((128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 4, 4), (128, 256, 8, 3),
+                                  (64, 128, 4, 4), (128, 128, 4, 3)):
+        cfg = MoeConfig(bm, bn, warps, stages)
+        layout = moe_align(ids, experts, bm)
+        rows = layout.sorted_pairs.shape[0]
+        act = torch.empty(rows, inter, device="cuda", dtype=torch.bfloat16)
+
+        def gate_up_kernel():
+            _moe_gate_up_kernel[(rows // bm, triton.cdiv(inter, bn))](
+                x, gate_up, act, act, layout.sorted_pairs, layout.block_expert, layout.num_pairs, hidden, inter,
+                x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), act.stride(0), act.stride(0),
+                TOP_K=top_k, SAVE_PREACT=False, INPUT_PRECISION="tf32", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64,
+                num_warps=warps, num_stages=stages)
+
+        line = f"BM={bm} BN={bn} warps={warps} stages={stages}:"
+        for name, fn, flops in (
+                ("gate_up", gate_up_kernel, 2 * tokens * top_k * hidden * 2 * inter),
+                ("down", lambda: grouped_gemm(act, down, layout, hidden, inter, down.stride(1), down.stride(2),
+                                              torch.bfloat16, cfg), 2 * tokens * top_k * hidden * inter)):
+            try:
+                t = bench(fn)
+                line += f"  {name} {t * 1e3:.0f} us {flops / t / 1e9:.0f} TFLOP/s"
+            except Exception as exc:  # out of shared memory / registers
+                line += f"  {name} {type(exc).__name__}"
+        print(line, flush=True)
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("benchmarks/moe.py needs a CUDA GPU", file=sys.stderr)
         return 2
+    if "--sweep" in sys.argv[1:]:
+        sweep()
+        return 0
     from vexact_models.kernels.moe import fused_moe
 
     torch.manual_seed(0)
