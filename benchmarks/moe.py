@@ -46,7 +46,7 @@ def sweep() -> None:
     ids = torch.softmax(torch.randn(tokens, experts, device="cuda"), -1).topk(top_k, -1).indices
     for bm, bn, warps, stages in ((128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 4, 4), (128, 256, 8, 3),
                                   (64, 128, 4, 4), (128, 128, 4, 3)):
-        cfg = MoeConfig(bm, bn, warps, stages)
+        cfg = MoeConfig(bm, bn, warps, stages, bn, warps, stages)
         layout = moe_align(ids, experts, bm)
         rows = layout.sorted_pairs.shape[0]
         act = torch.empty(rows, inter, device="cuda", dtype=torch.bfloat16)

@@ -37,14 +37,22 @@ BLOCK_K = 64  # one K tile for every config
 
 @dataclass(frozen=True)
 class MoeConfig:
+    """Tiles of the gate/up kernel (block_n, num_warps, num_stages) and of the down kernel
+    (down_*); both share block_m, the expert segment padding."""
+
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    down_block_n: int
+    down_num_warps: int
+    down_num_stages: int
 
 
-SMALL = MoeConfig(64, 64, 4, 3)
-LARGE = MoeConfig(128, 128, 8, 3)
+# From `benchmarks/moe.py --sweep` on an H100 at 16384 tokens (docs/gpu-results.md): down has a
+# short K (the expert intermediate size), so it wants a wide N tile.
+SMALL = MoeConfig(64, 64, 4, 3, 64, 4, 3)
+LARGE = MoeConfig(128, 128, 8, 4, 256, 8, 3)
 BLOCK_M = SMALL.block_m  # the reference layout's block
 
 
@@ -188,14 +196,17 @@ def _moe_combine_kernel(y_ptr, weights_ptr, pair_pos_ptr, out_ptr, H, stride_y, 
 
 
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, layout: MoeLayout, n: int, k: int, stride_n: int,
-                 stride_k: int, out_dtype: torch.dtype, cfg: MoeConfig) -> torch.Tensor:
-    """``out[p] = a[p] @ W[e(p)]^T`` over the padded permuted rows (W element (n, k) by strides)."""
+                 stride_k: int, out_dtype: torch.dtype, cfg: MoeConfig, down_tiles: bool = False) -> torch.Tensor:
+    """``out[p] = a[p] @ W[e(p)]^T`` over the padded permuted rows (W element (n, k) by strides),
+    with the down kernel's tiles (`down_tiles`) or the gate/up kernel's."""
     out = torch.empty(a.shape[0], n, device=a.device, dtype=out_dtype)
-    grid = (a.shape[0] // cfg.block_m, triton.cdiv(n, cfg.block_n))
+    block_n, warps, stages = ((cfg.down_block_n, cfg.down_num_warps, cfg.down_num_stages) if down_tiles
+                              else (cfg.block_n, cfg.num_warps, cfg.num_stages))
+    grid = (a.shape[0] // cfg.block_m, triton.cdiv(n, block_n))
     _moe_grouped_gemm_kernel[grid](a, w, out, layout.block_expert, n, k, a.stride(0), w.stride(0), stride_n,
                                    stride_k, out.stride(0), INPUT_PRECISION=_precision(a.dtype),
-                                   BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=BLOCK_K,
-                                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                                   BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
+                                   num_warps=warps, num_stages=stages)
     return out
 
 
@@ -230,7 +241,7 @@ def _forward_triton(x, gate_up, down, weights, ids, save_preact: bool):
         x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), act.stride(0), preact.stride(0),
         TOP_K=ids.shape[1], SAVE_PREACT=save_preact, INPUT_PRECISION=_precision(x.dtype), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=BLOCK_K, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    y = grouped_gemm(act, down, layout, hidden, inter, down.stride(1), down.stride(2), x.dtype, cfg)
+    y = grouped_gemm(act, down, layout, hidden, inter, down.stride(1), down.stride(2), x.dtype, cfg, down_tiles=True)
     out = combine(y, weights, layout, tokens, x.dtype)
     return out, (layout, act, preact, y)
 
