@@ -14,7 +14,7 @@ from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from vexact_models.kernels import linear, token_logprobs
-from vexact_models.layers import FlatBatch, PackedContext, PagedContext, check_tokens, flatten_inputs
+from vexact_models.layers import FlatBatch, PackedContext, PagedContext, RopeTables, check_tokens, flatten_inputs
 
 
 class StrictLoadingMixin:
@@ -44,6 +44,16 @@ class DecoderModelMixin(StrictLoadingMixin):
     """The decoder stack's one forward, for base models with ``embed_tokens``, ``layers``,
     ``norm`` and ``rope`` (a `RopeTables`). Layers are called as
     ``layer(hidden, positions, rope, context, **layer_kwargs)``."""
+
+    def init_decoder_stack(self, config, layer_class, norm_class, head_dim: int) -> None:
+        """Build HF's ``embed_tokens``, ``layers``, ``norm`` and the RoPE tables from `config`."""
+        if getattr(config, "use_sliding_window", False):
+            raise ValueError(f"{type(self).__name__}: use_sliding_window=True is not supported")
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.layers = nn.ModuleList(layer_class(config, i) for i in range(config.num_hidden_layers))
+        self.norm = norm_class(config.hidden_size, eps=config.rms_norm_eps)
+        self.rope = RopeTables(config, head_dim)
+        self.gradient_checkpointing = False
 
     def forward_flat(self, input_ids: torch.Tensor, positions: torch.Tensor, context, **layer_kwargs) -> torch.Tensor:
         """The one forward: ``[T]`` tokens at ``[T]`` positions -> ``[T, hidden]`` final hidden."""

@@ -14,7 +14,7 @@ from torch import nn
 from transformers import PreTrainedModel, Qwen3Config
 
 from vexact_models.kernels import apply_rotary, linear, silu_and_mul
-from vexact_models.layers import RMSNorm, RopeTables
+from vexact_models.layers import RMSNorm
 
 from ..causal_lm import CausalLMMixin, DecoderModelMixin, InferenceModel
 
@@ -92,14 +92,8 @@ class Qwen3Model(DecoderModelMixin, Qwen3PreTrainedModel):
 
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__(config)
-        if getattr(config, "use_sliding_window", False):
-            raise ValueError("Qwen3Model: use_sliding_window=True is not supported")
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.rope = RopeTables(config, head_dim)
-        self.gradient_checkpointing = False
+        self.init_decoder_stack(config, Qwen3DecoderLayer, Qwen3RMSNorm, head_dim)
         self.post_init()
 
 

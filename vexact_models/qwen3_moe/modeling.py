@@ -17,7 +17,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss
 from vexact_models.kernels import linear
 from vexact_models.kernels.moe import fused_moe
 from vexact_models.kernels.moe_routing import softmax_topk
-from vexact_models.layers import RMSNorm, RopeTables
+from vexact_models.layers import RMSNorm
 
 from ..causal_lm import CausalLMMixin, DecoderModelMixin, InferenceModel
 from ..qwen3.modeling import Qwen3Attention, Qwen3MLP
@@ -109,14 +109,8 @@ class Qwen3MoeModel(DecoderModelMixin, Qwen3MoePreTrainedModel):
 
     def __init__(self, config: Qwen3MoeConfig) -> None:
         super().__init__(config)
-        if getattr(config, "use_sliding_window", False):
-            raise ValueError("Qwen3MoeModel: use_sliding_window=True is not supported")
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
-        self.layers = nn.ModuleList(Qwen3MoeDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = Qwen3MoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.rope = RopeTables(config, head_dim)
-        self.gradient_checkpointing = False
+        self.init_decoder_stack(config, Qwen3MoeDecoderLayer, Qwen3MoeRMSNorm, head_dim)
         self.post_init()
 
 
