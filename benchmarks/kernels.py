@@ -18,50 +18,7 @@ import sys
 
 import torch
 
-
-def bench(fn, warmup=25, rep=100) -> float:
-    """Median milliseconds."""
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy bandwidth in GB/s (bytes read + written)."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = bench(lambda: dst.copy_(src))
-    return 2 * src.numel() / ms / 1e6
-
-
-def table(title: str, header: list[str], rows: list[list]) -> None:
-    print(f"\n## {title}")
-    widths = [max(len(str(h)), *(len(f"{r[i]}") for r in rows)) for i, h in enumerate(header)]
-    print("  ".join(str(h).rjust(w) for h, w in zip(header, widths)))
-    for r in rows:
-        print("  ".join(f"{c}".rjust(w) for c, w in zip(r, widths)))
-
-
-def bench_linear(hbm: float, quick: bool) -> None:
-    from vexact_models.kernels import linear
-
-    shapes = [("0.6b gate/up", 1024, 3072), ("8b q/o", 4096, 4096), ("8b gate/up", 4096, 12288),
-              ("8b down", 12288, 4096), ("0.6b lm_head", 1024, 151936)]
-    ms = [1, 16, 64, 256, 1024, 4096, 8192] if not quick else [1, 64, 4096]
-    rows = []
-    for name, k, n in shapes:
-        w = (torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16()
-        for m in ms:
-            x = torch.randn(m, k, device="cuda").bfloat16()
-            t_ours = bench(lambda: linear(x, w))
-            t_cublas = bench(lambda: torch.matmul(x, w.t()))
-            flops = 2 * m * n * k
-            nbytes = 2 * (m * k + n * k + m * n)
-            rows.append([name, m, k, n, f"{t_ours * 1e3:.1f}", f"{t_cublas * 1e3:.1f}",
-                         f"{flops / t_ours / 1e9:.0f}", f"{flops / t_cublas / 1e9:.0f}", f"{t_cublas / t_ours:.2f}",
-                         f"{nbytes / t_ours / 1e6:.0f}", f"{100 * nbytes / t_ours / 1e6 / hbm:.0f}%"])
-    table("linear (bf16) vs cuBLAS", ["shape", "M", "K", "N", "ours us", "cuBLAS us", "ours TFLOP/s",
-                                       "cuBLAS TFLOP/s", "ratio", "ours GB/s", "% HBM"], rows)
+from bench_utils import bench, copy_bandwidth, table
 
 
 LARGE_M_CANDIDATES = [

@@ -16,11 +16,7 @@ import sys
 
 import torch
 
-
-def bench(fn) -> float:
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+from bench_utils import bench
 
 
 def loop_moe(x, gate_up, down, weights, ids):

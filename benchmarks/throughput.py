@@ -4,12 +4,18 @@ Workload: 256 requests, prompt lengths uniform in [100, 1024], output lengths un
 [100, 1024], random token ids, ignore_eos, fixed seed. Model: random weights at a published
 shape (default Qwen3-0.6B), bf16, CUDA.
 
-- vexact: `LLM.generate` (aligned kernels, paged KV, continuous batching, chunked prefill).
+- aligned: `LLM.generate` (aligned kernels, paged KV, continuous batching, chunked prefill,
+  CUDA graphs for decode).
+- fast: the same runtime on the non-aligned fast path (`LLM(aligned=False)`: cuBLAS GEMMs,
+  torch norms): what alignment costs.
 - HF: ``model.generate`` of the stock transformers class on the same weights (sdpa), all
   requests in one left-padded batch (or ``--hf-batch`` per batch) with ``max_new_tokens`` the
   batch's longest output; only each request's own output length counts as useful tokens.
 
-Usage: python benchmarks/throughput.py [--config qwen3-0.6b] [--requests 256] [--skip-hf]
+Then decode step time at batch 128 and 256 (contexts ~512-640 tokens) beside the HBM roofline:
+bytes of weights and KV read per step over the measured copy bandwidth.
+
+Usage: python benchmarks/throughput.py [--config qwen3-0.6b] [--requests 256] [--engines aligned,fast,hf]
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ import time
 
 import torch
 
+from bench_utils import copy_bandwidth
+
 
 def workload(n: int, vocab: int, seed: int, lo: int = 100, hi: int = 1024):
     rng = random.Random(seed)
@@ -29,11 +37,11 @@ def workload(n: int, vocab: int, seed: int, lo: int = 100, hi: int = 1024):
     return prompts, outputs
 
 
-def run_vexact(model, prompts, outputs, args) -> tuple[float, int]:
+def run_vexact(model, prompts, outputs, args, aligned: bool = True) -> tuple[float, int]:
     from vexact_models.runtime import LLM, SamplingParams
 
     llm = LLM(model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=2100, gpu_memory_utilization=args.gpu_memory_utilization)
+              max_model_len=2100, gpu_memory_utilization=args.gpu_memory_utilization, aligned=aligned)
     params = [SamplingParams(temperature=0.6, max_tokens=n, ignore_eos=True, seed=i) for i, n in enumerate(outputs)]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up: compile kernels
     torch.cuda.synchronize()
@@ -43,7 +51,8 @@ def run_vexact(model, prompts, outputs, args) -> tuple[float, int]:
     seconds = time.perf_counter() - t0
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     assert produced == sum(outputs), (produced, sum(outputs))
-    print(f"vexact: {llm.runner.num_blocks} KV blocks, {llm.num_preemptions} preemptions")
+    print(f"vexact ({'aligned' if aligned else 'fast path'}): {llm.runner.num_blocks} KV blocks, "
+          f"{llm.num_preemptions} preemptions")
     del llm
     torch.cuda.empty_cache()
     return seconds, produced
@@ -77,6 +86,34 @@ def run_hf(arch, model, prompts, outputs, batch: int) -> tuple[float, int]:
     return seconds, sum(outputs)
 
 
+def decode_roofline(model, vocab: int, batch: int, hbm: float, aligned: bool, context: int = 512,
+                    new_tokens: int = 128) -> tuple[float, float]:
+    """(median decode step seconds at `batch` sequences, roofline seconds) for contexts
+    `context` .. `context + new_tokens`."""
+    import random
+
+    from vexact_models.runtime import LLM, SamplingParams
+
+    rng = random.Random(1)
+    llm = LLM(model, max_num_seqs=batch, max_num_batched_tokens=8192, max_model_len=context + new_tokens + 1,
+              gpu_memory_utilization=0.85, aligned=aligned)
+    prompts = [[rng.randrange(vocab) for _ in range(context)] for _ in range(batch)]
+    params = SamplingParams(temperature=0.6, max_tokens=new_tokens, ignore_eos=True, seed=0)
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    llm.step_times = []
+    llm.generate(prompts, params, use_tqdm=False)
+    steps = sorted(t for n, decode, t in llm.step_times if decode and n == batch)
+    del llm
+    torch.cuda.empty_cache()
+    layers, kv_heads, dk, dv = model.kv_cache_spec()
+    itemsize = next(model.parameters()).element_size()
+    weights = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n) * itemsize
+    if model.config.tie_word_embeddings:  # the LM head reads the (tied) embedding matrix
+        weights += model.lm_head.weight.numel() * itemsize
+    kv = batch * (context + new_tokens // 2) * layers * kv_heads * (dk + dv) * itemsize
+    return steps[len(steps) // 2], (weights + kv) / (hbm * 1e9)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="qwen3-0.6b", help="bundled config name or config.json path")
@@ -87,7 +124,10 @@ def main(argv=None) -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--hf-batch", type=int, default=64, help="requests per HF generate call (sorted by output length)")
-    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--engines", default="aligned,fast,hf",
+                        help="comma-separated subset of aligned, fast, hf (default: all)")
+    parser.add_argument("--skip-hf", action="store_true", help="same as leaving hf out of --engines")
+    parser.add_argument("--no-roofline", action="store_true", help="skip the decode step / roofline table")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/throughput.py needs a CUDA GPU", file=sys.stderr)
@@ -102,19 +142,37 @@ def main(argv=None) -> int:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {args.config} "
           f"({config_fields.num_hidden_layers} layers), {args.requests} requests, "
           f"{sum(map(len, prompts))} prompt tokens, {sum(outputs)} output tokens")
+    engines = [e for e in args.engines.split(",") if e and not (e == "hf" and args.skip_hf)]
     rows = []
-    seconds, produced = run_vexact(model, prompts, outputs, args)
-    rows.append(("vexact (aligned)", seconds, produced))
-    print(f"vexact: {produced} output tokens in {seconds:.1f}s = {produced / seconds:,.0f} tok/s", flush=True)
-    if not args.skip_hf:
-        seconds, produced = run_hf(arch, model, prompts, outputs, args.hf_batch)
-        rows.append((f"HF generate (batch {args.hf_batch})", seconds, produced))
-    print(f"\n{'engine':<26}{'seconds':>10}{'output tokens':>15}{'output tok/s':>14}{'vs HF':>8}")
-    hf_rate = rows[-1][2] / rows[-1][1] if len(rows) > 1 else None
+    for engine in engines:
+        if engine in ("aligned", "fast"):
+            seconds, produced = run_vexact(model, prompts, outputs, args, aligned=engine == "aligned")
+            name = "vexact aligned" if engine == "aligned" else "vexact fast path (cuBLAS)"
+        elif engine == "hf":
+            seconds, produced = run_hf(arch, model, prompts, outputs, args.hf_batch)
+            name = f"HF generate (batch {args.hf_batch})"
+        else:
+            parser.error(f"--engines: unknown engine {engine!r}")
+        rows.append((name, seconds, produced))
+        print(f"{name}: {produced} output tokens in {seconds:.1f}s = {produced / seconds:,.0f} tok/s", flush=True)
+    rates = {name: produced / seconds for name, seconds, produced in rows}
+    hf_rate = next((r for n, r in rates.items() if n.startswith("HF")), None)
+    fast_rate = rates.get("vexact fast path (cuBLAS)")
+    print(f"\n{'engine':<28}{'seconds':>9}{'output tokens':>15}{'output tok/s':>14}{'vs HF':>8}{'vs fast':>9}")
     for name, seconds, produced in rows:
         rate = produced / seconds
-        ratio = f"{rate / hf_rate:.1f}x" if hf_rate else "-"
-        print(f"{name:<26}{seconds:>10.1f}{produced:>15,}{rate:>14,.0f}{ratio:>8}")
+        vs_hf = f"{rate / hf_rate:.1f}x" if hf_rate else "-"
+        vs_fast = f"{rate / fast_rate:.2f}" if fast_rate else "-"
+        print(f"{name:<28}{seconds:>9.1f}{produced:>15,}{rate:>14,.0f}{vs_hf:>8}{vs_fast:>9}")
+    if not args.no_roofline:
+        hbm = copy_bandwidth()
+        print(f"\ndecode steps (context 512-640) vs the HBM roofline (copy bandwidth {hbm:.0f} GB/s)")
+        print(f"{'engine':<10}{'batch':>7}{'step ms':>10}{'roofline ms':>13}{'% of roofline':>15}")
+        for aligned in (True, False) if "fast" in engines else (True,):
+            for batch in (128, 256):
+                step, roof = decode_roofline(model, config_fields.vocab_size, batch, hbm, aligned)
+                print(f"{'aligned' if aligned else 'fast':<10}{batch:>7}{step * 1e3:>10.2f}{roof * 1e3:>13.2f}"
+                      f"{100 * roof / step:>14.0f}%", flush=True)
     return 0
 
 

@@ -7,6 +7,9 @@ Every op in `vexact_models.kernels` has two implementations behind one call site
   through BLAS, so its results are not row-invariant and prove nothing about invariance.
 - ``reference``: plain torch on CPU, written so that it obeys the invariance rules by
   construction (see `exact_math`).
+- ``fast``: the *non-aligned* fast path (CUDA): stock kernels where they exist (cuBLAS for
+  ``linear``, torch for the norms and the activation), Triton elsewhere. Not batch-invariant:
+  it exists to measure what alignment costs (``LLM(..., aligned=False)``).
 
 The default is ``triton`` for CUDA tensors and ``reference`` for CPU tensors. Override it with
 `set_backend` / `use_backend`, or the environment variable ``VEXACT_BACKEND``
@@ -21,7 +24,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-BACKENDS = ("reference", "triton")
+BACKENDS = ("reference", "triton", "fast")
 _ENV_VAR = "VEXACT_BACKEND"
 _override: str | None = None
 
@@ -77,14 +80,22 @@ def select(
     dtypes: Iterable[torch.dtype] = (torch.bfloat16, torch.float16, torch.float32),
     head_dim: int | None = None,
     head_dims: Iterable[int] = (),
+    fast: bool = False,
 ) -> str:
     """Pick the backend for `op` on `tensor` and check that it supports the input.
 
     `dtypes` are what the Triton kernel takes; the reference also takes float64 (the tests
-    compare against float64). Raises `UnsupportedError` naming the op, backend and the
+    compare against float64). Ops with a stock implementation pass ``fast=True`` and handle
+    ``"fast"``; for the others the fast path is their Triton kernel. Raises `UnsupportedError` naming the op, backend and the
     offending device/dtype/head dim.
     """
     name = current_backend(tensor.device)
+    if name == "fast":
+        if tensor.device.type != "cuda":
+            raise UnsupportedError(f"{op}: backend 'fast' needs a CUDA tensor, got device {tensor.device}")
+        if fast:
+            return name
+        name = "triton"
     dtypes = tuple(dtypes) if name == "triton" else tuple(dtypes) + (torch.float64,)
     if tensor.dtype not in dtypes:
         raise UnsupportedError(

@@ -44,7 +44,10 @@ def silu_and_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor
 
 
 def _silu_and_mul_forward(gate, up):
-    if select("silu_and_mul", gate) == "triton":
+    backend = select("silu_and_mul", gate, fast=True)
+    if backend == "fast":
+        return torch.nn.functional.silu(gate) * up
+    if backend == "triton":
         return _silu_and_mul_triton(gate, up)
     return silu_and_mul_reference(gate, up)
 
