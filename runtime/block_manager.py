@@ -1,16 +1,44 @@
-"""Paged KV cache bookkeeping: fixed-size pages, a free list and per-sequence block tables.
+"""Paged KV cache bookkeeping: fixed-size pages, a free list, per-sequence block tables, and
+prefix sharing of full pages between sequences (the n samples of one prompt, or requests with
+a common prefix).
 
-Only ids are managed here; the K/V tensors live in the model runner. Pages are exclusively
-owned by one sequence for now (sharing prompt pages between the n samples of a request comes
-later). Which physical page a sequence gets never changes its numbers (attention reads K/V
-through the block table, in blocks aligned to absolute positions), but allocation is still
-deterministic, so a rerun of the same workload touches the same pages, which keeps debugging
-and replay simple.
+Only ids are managed here; the K/V tensors live in the model runner. Which physical page a
+sequence gets never changes its numbers (attention reads K/V through the block table, in blocks
+aligned to absolute positions), but allocation is still deterministic, so a rerun of the same
+workload touches the same pages, which keeps debugging and replay simple.
+
+Prefix sharing
+--------------
+A *full* page of a sequence (``block_size`` tokens) whose K/V are written gets a content key,
+chained over the previous page's key and the page's token ids, so the key stands for the whole
+prefix up to the page's end. ``cache_full_blocks`` publishes such pages; ``allocate`` hands a
+sequence a published page instead of a fresh one when the key (and, as a collision guard, the
+stored parent key and token ids) match, adds a reference to it and advances
+``seq.num_computed_tokens`` past it, so the scheduler never recomputes it. Only the leading
+pages of a sequence can be taken that way (its block table must end exactly at its computed
+prefix), and never the page holding the sequence's last token: at least that token is always
+computed by the sequence itself, since the step that samples needs its logits. The last,
+partial page of a prompt is therefore never shared either; every sample recomputes those few
+tokens. Both are bitwise identical to computing everything: the shared K/V are exactly the
+bf16/fp32 values the sequence would have written (same tokens, same positions, row-invariant
+kernels), and attention reads them in the same absolute-position-aligned blocks.
+
+Pages are reference counted. A page whose count drops to 0 goes back to the free list but keeps
+its key, so a later identical prefix (for instance a preempted sequence coming back) can still
+revive it; its key is dropped only when the page is handed out fresh to someone else. The free
+list is FIFO and a sequence's pages are returned last page first, so the cache loses prefixes
+from their tail (the least shareable part) first.
+
+When a page may be published is the caller's contract; the Scheduler's rule is in
+``Scheduler._publish``. The K/V cache contents must stay valid for as long as keys live:
+``reset_prefix_cache`` forgets every key (the LLM calls it whenever weights may have changed).
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import Counter, OrderedDict
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -18,15 +46,31 @@ if TYPE_CHECKING:
 
 __all__ = ["BlockManager"]
 
+# Parent key of a sequence's first page.
+_ROOT_KEY = b""
+
+
+def chain_key(parent: bytes, tokens: tuple[int, ...]) -> bytes:
+    """Content key of a full page: a 128-bit BLAKE2b digest over its parent page's key and its
+    token ids, so equal keys mean equal prefixes (up to a 2**-64-ish birthday bound; the
+    BlockManager still compares parent key and tokens before sharing)."""
+    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+
 
 class BlockManager:
-    """Fixed-size KV pages, a free list, per-sequence block tables.
+    """Fixed-size KV pages, a free list, per-sequence block tables, shared full prefix pages.
 
     A sequence's ``block_table`` lists the pages that hold its positions:
     position ``p`` is slot ``p % block_size`` of page ``block_table[p // block_size]``.
+
+    Args:
+        num_blocks: pages in the cache, >= 1.
+        block_size: positions per page, >= 1.
+        enable_prefix_sharing: when False no page is ever published or shared: every page is
+            owned by exactly one sequence (the behaviour before prefix sharing).
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_sharing: bool = True) -> None:
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(
@@ -34,17 +78,40 @@ class BlockManager:
                 )
             if value < 1:
                 raise ValueError(f"BlockManager {name}={value} is below the minimum 1")
+        if not isinstance(enable_prefix_sharing, bool):
+            raise ValueError(
+                f"BlockManager enable_prefix_sharing={enable_prefix_sharing!r} must be a bool"
+            )
         self.num_blocks = num_blocks
         self.block_size = block_size
-        # FIFO free list: pages are handed out lowest id first and returned to the back, so
-        # the allocation order is a pure function of the sequence of allocate/free calls.
-        self._free: deque[int] = deque(range(num_blocks))
-        # Guards exclusive ownership: catches double frees and tables edited behind our back.
-        self._in_use = [False] * num_blocks
+        self.enable_prefix_sharing = enable_prefix_sharing
+        # FIFO free list (insertion ordered; an OrderedDict so that a cached page can be revived
+        # from the middle in O(1)): pages are handed out from the front, returned to the back,
+        # so the allocation order is a pure function of the sequence of calls.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # References per page: sequences whose block table lists it. 0 <=> on the free list.
+        self._ref = [0] * num_blocks
+        # Published pages: key, and (parent key, token ids) as the collision guard.
+        self._key: list[bytes | None] = [None] * num_blocks
+        self._content: list[tuple[bytes, tuple[int, ...]] | None] = [None] * num_blocks
+        # key -> the page that serves it (the first one published under that key).
+        self._cached: dict[bytes, int] = {}
+        #: Pages taken from the prefix cache instead of being computed (a running total).
+        self.num_shared_hits = 0
 
     @property
     def num_free_blocks(self) -> int:
+        """Pages with no reference (cached ones included: they are reclaimed on demand)."""
         return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Published pages that can be shared right now (in use or free)."""
+        return len(self._cached)
+
+    def ref_count(self, block: int) -> int:
+        """How many block tables list ``block``."""
+        return self._ref[block]
 
     def blocks_for(self, num_tokens: int) -> int:
         """Pages needed to hold positions [0, num_tokens): ceil(num_tokens / block_size)."""
@@ -52,42 +119,145 @@ class BlockManager:
             raise ValueError(f"num_tokens={num_tokens} is below the minimum 0")
         return -(-num_tokens // self.block_size)
 
-    def _missing_blocks(self, seq: Sequence, num_tokens: int) -> int:
-        return max(0, self.blocks_for(num_tokens) - len(seq.block_table))
+    # -- prefix lookup ---------------------------------------------------------------------
+    def _page_tokens(self, seq: Sequence, index: int) -> tuple[int, ...]:
+        bs = self.block_size
+        return tuple(seq.token_ids[index * bs : (index + 1) * bs])
+
+    def _hits(self, seq: Sequence, num_tokens: int) -> list[int]:
+        """Published pages that ``allocate(seq, num_tokens)`` takes for the next entries of
+        ``seq.block_table``: leading full pages of ``seq``'s tokens within [0, num_tokens),
+        never the one holding its last token, looked up in order until the first miss."""
+        if not self.enable_prefix_sharing or not self._cached:
+            return []
+        bs = self.block_size
+        table = seq.block_table
+        start = len(table)
+        # The table must end exactly at the computed prefix (no page allocated but unwritten),
+        # so that the next page is the next thing to compute.
+        if seq.num_computed_tokens != start * bs:
+            return []
+        stop = min((seq.num_tokens - 1) // bs, num_tokens // bs)
+        if start >= stop:
+            return []
+        parent = self._key[table[-1]] if table else _ROOT_KEY
+        if parent is None:  # the last page of the table was never published
+            return []
+        hits = []
+        for index in range(start, stop):
+            tokens = self._page_tokens(seq, index)
+            key = chain_key(parent, tokens)
+            block = self._cached.get(key)
+            if block is None or self._content[block] != (parent, tokens):
+                break
+            hits.append(block)
+            parent = key
+        return hits
+
+    def num_cached_tokens(self, seq: Sequence) -> int:
+        """Tokens of ``seq`` past ``seq.num_computed_tokens`` that the next ``allocate`` call
+        covering them will mark computed by sharing published pages (a multiple of
+        ``block_size``; 0 when sharing is off). The scheduler plans a step's chunk after them."""
+        return len(self._hits(seq, seq.num_tokens)) * self.block_size
+
+    # -- allocation ------------------------------------------------------------------------
+    def _needs(self, seq: Sequence, num_tokens: int) -> tuple[list[int], int, int]:
+        """(hits, fresh pages, free-list pages consumed) for covering [0, num_tokens)."""
+        hits = self._hits(seq, num_tokens)
+        fresh = max(0, self.blocks_for(num_tokens) - len(seq.block_table) - len(hits))
+        revived = sum(1 for block in hits if self._ref[block] == 0)
+        return hits, fresh, fresh + revived
 
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether the free pages suffice to cover positions [0, num_tokens) of ``seq``,
-        counting the pages it already owns."""
-        return self._missing_blocks(seq, num_tokens) <= len(self._free)
+        counting the pages it already owns and the shared pages it would take."""
+        return self._needs(seq, num_tokens)[2] <= len(self._free)
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Grow ``seq.block_table`` until it covers positions [0, num_tokens).
 
-        Raises RuntimeError, leaving everything unchanged, when there are not enough free
-        pages: a half-grown table would leak pages on the caller's error path.
+        With prefix sharing on, the leading full pages that are already published are shared
+        (a reference more each) instead of fresh, and ``seq.num_computed_tokens`` advances past
+        them (see ``num_cached_tokens``). Raises RuntimeError, leaving everything unchanged,
+        when there are not enough free pages: a half-grown table would leak pages on the
+        caller's error path.
         """
-        missing = self._missing_blocks(seq, num_tokens)
-        if missing > len(self._free):
+        hits, fresh, needed = self._needs(seq, num_tokens)
+        if needed > len(self._free):
             raise RuntimeError(
-                f"BlockManager: sequence {seq.seq_id} needs {missing} more blocks to cover "
+                f"BlockManager: sequence {seq.seq_id} needs {needed} more blocks to cover "
                 f"{num_tokens} tokens but only {len(self._free)} of {self.num_blocks} are free"
             )
-        for _ in range(missing):
-            block = self._free.popleft()
-            self._in_use[block] = True
+        for block in hits:
+            if self._ref[block] == 0:
+                del self._free[block]  # revive a cached page: its K/V are still in place
+            self._ref[block] += 1
+            seq.block_table.append(block)
+        seq.num_computed_tokens += len(hits) * self.block_size
+        self.num_shared_hits += len(hits)
+        for _ in range(fresh):
+            block, _ = self._free.popitem(last=False)
+            self._forget(block)  # its old contents are about to be overwritten
+            self._ref[block] = 1
             seq.block_table.append(block)
 
+    def _forget(self, block: int) -> None:
+        key = self._key[block]
+        if key is None:
+            return
+        if self._cached.get(key) == block:
+            del self._cached[key]
+        self._key[block] = None
+        self._content[block] = None
+
+    def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Publish the full pages of ``seq`` within positions [0, num_tokens) for sharing.
+
+        The caller promises that their K/V are in the cache before any sequence that could
+        take them reads them (see ``Scheduler._publish`` for the scheduler's rule). Pages
+        published before are skipped; a page whose key is already served by another page is
+        keyed (so the chain continues) but the first page keeps serving it.
+        """
+        if not self.enable_prefix_sharing:
+            return
+        table = seq.block_table
+        full = min(min(num_tokens, seq.num_tokens) // self.block_size, len(table))
+        # Published pages are always a leading run of the table (shared pages come first,
+        # then pages are published in order as they fill up): walk back to its end.
+        index = full
+        while index > 0 and self._key[table[index - 1]] is None:
+            index -= 1
+        parent = self._key[table[index - 1]] if index else _ROOT_KEY
+        for index in range(index, full):
+            block = table[index]
+            tokens = self._page_tokens(seq, index)
+            key = chain_key(parent, tokens)  # type: ignore[arg-type]
+            self._key[block] = key
+            self._content[block] = (parent, tokens)  # type: ignore[assignment]
+            self._cached.setdefault(key, block)
+            parent = key
+
     def free(self, seq: Sequence) -> None:
-        """Return all of ``seq``'s pages to the free list and clear its block table."""
-        for block in seq.block_table:
-            if not self._in_use[block]:
+        """Drop ``seq``'s references and clear its block table. Pages left with no reference
+        go to the back of the free list, last page first, and stay published until reused."""
+        for block, count in Counter(seq.block_table).items():
+            if self._ref[block] < count:
                 raise RuntimeError(
                     f"BlockManager: block {block} of sequence {seq.seq_id} is already free"
                 )
-        for block in seq.block_table:
-            self._in_use[block] = False
-            self._free.append(block)
+        for block in reversed(seq.block_table):
+            self._ref[block] -= 1
+            if self._ref[block] == 0:
+                self._free[block] = None
         seq.block_table.clear()
+
+    def reset_prefix_cache(self) -> None:
+        """Unpublish every page, so nothing computed so far is shared again (call it when the
+        cached K/V may be stale: new weights, a re-allocated cache). Pages keep their owners."""
+        for block in range(self.num_blocks):
+            self._key[block] = None
+            self._content[block] = None
+        self._cached.clear()
 
     def slot(self, seq: Sequence, position: int) -> int:
         """Flat cache slot of ``position`` of ``seq``: page * block_size + offset in page."""

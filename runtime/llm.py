@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import operator
 import os
+import time
 from collections.abc import Iterable, Sequence as Seq
 
 import torch
 from tqdm.auto import tqdm
+
+from vexact_models.kernels import use_backend
 
 from .block_manager import BlockManager
 from .model_runner import ModelRunner, kv_bytes_per_block
@@ -50,13 +53,20 @@ class LLM:
         enable_chunked_prefill: split long prompts over steps.
         enforce_eager: never use CUDA graphs (by default decode steps of up to ``max_num_seqs``
             sequences replay captured graphs on CUDA; results are bitwise the same either way).
+        enable_prefix_sharing: share the KV pages of common full-page prefixes between the
+            sequences of one ``generate`` call (the n samples of a prompt, prompts with a common
+            start) instead of computing them again; results are bitwise the same either way.
+        aligned: False runs the non-aligned fast path (cuBLAS GEMMs, torch norms; CUDA only):
+            faster, but its logprobs no longer equal the training forward's. For measuring
+            what alignment costs.
     """
 
     def __init__(self, model, *, dtype: str | torch.dtype = "auto", device: str | torch.device | None = None,
                  block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  max_model_len: int | None = None, gpu_memory_utilization: float = 0.9,
                  kv_cache_bytes: int | None = None, seed: int = 0, enable_chunked_prefill: bool = True,
-                 enforce_eager: bool = False) -> None:
+                 enforce_eager: bool = False, aligned: bool = True,
+                 enable_prefix_sharing: bool = True) -> None:
         from vexact_models.registry import for_model_type
 
         if device is not None:
@@ -83,12 +93,17 @@ class LLM:
         num_blocks = self._num_blocks(block_size, gpu_memory_utilization, kv_cache_bytes)
         self.eos_token_ids = self._eos_ids()
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
-        self.block_manager = BlockManager(num_blocks, block_size)
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_sharing=enable_prefix_sharing)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, self.max_model_len,
                                    eos, chunked_prefill=enable_chunked_prefill)
-        self.runner = ModelRunner(self.model, num_blocks, block_size, self.device, self.dtype,
-                                  cuda_graph_batch=0 if enforce_eager else max_num_seqs,
-                                  max_model_len=self.max_model_len)
+        if not aligned and self.device.type != "cuda":
+            raise ValueError("LLM: aligned=False (the cuBLAS fast path) needs a CUDA device")
+        self.backend = None if aligned else "fast"
+        self.step_times: list[tuple[int, bool, float]] | None = None  # (sequences, decode-only, seconds)
+        with use_backend(self.backend):  # CUDA graphs capture the chosen kernels
+            self.runner = ModelRunner(self.model, num_blocks, block_size, self.device, self.dtype,
+                                      cuda_graph_batch=0 if enforce_eager else max_num_seqs,
+                                      max_model_len=self.max_model_len)
         self.sampler = Sampler(eos)
         self.seed = seed
         self._next_request = 0
@@ -212,6 +227,10 @@ class LLM:
         if not self.runner.kv_caches:
             raise RuntimeError("LLM.generate: the engine is asleep (sleep() released the KV cache); "
                                "call wake_up() first")
+        # Shared pages live within one call: between calls the weights may have changed
+        # (update_weights, or in place through storage shared with a training model) and
+        # sleep()/wake_up() hands back an uninitialised cache, so cached K/V may be stale.
+        self.block_manager.reset_prefix_cache()
         requests = []
         try:
             for ids, p in zip(token_ids, params):
@@ -231,14 +250,20 @@ class LLM:
         scheduler and page bookkeeping, same settings. Only the failed call's requests can be in
         flight, since generate() runs its requests to completion."""
         s = self.scheduler
-        self.block_manager = BlockManager(self.block_manager.num_blocks, self.block_manager.block_size)
+        bm = self.block_manager
+        self.block_manager = BlockManager(bm.num_blocks, bm.block_size, enable_prefix_sharing=bm.enable_prefix_sharing)
         self.scheduler = Scheduler(self.block_manager, s.max_num_seqs, s.max_num_batched_tokens, s.max_model_len,
                                    s.eos_token_id, chunked_prefill=s.chunked_prefill)
 
     def _run(self, total: int, use_tqdm: bool) -> None:
         bar = tqdm(total=total, desc="generate", unit="seq", disable=not use_tqdm)
+        with use_backend(self.backend):
+            self._loop(bar)
+
+    def _loop(self, bar) -> None:
         try:
             while self.scheduler.has_unfinished():
+                started = time.perf_counter()
                 step = self.scheduler.schedule()
                 self.num_preemptions += len(step.preempted)
                 bar.update(len(step.errored))
@@ -251,6 +276,9 @@ class LLM:
                 full_t = [next(it_t) if item.samples else None for item in step.scheduled]
                 full_l = [next(it_l) if item.samples else None for item in step.scheduled]
                 bar.update(len(self.scheduler.postprocess(step.scheduled, full_t, full_l)))
+                if self.step_times is not None:  # the sampler's host sync ended the step
+                    decode = all(item.num_new_tokens == 1 for item in step.scheduled)
+                    self.step_times.append((len(step.scheduled), decode, time.perf_counter() - started))
         finally:
             bar.close()
 

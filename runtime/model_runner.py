@@ -3,6 +3,12 @@
 Each step's flat batch is the scheduled sequences' new tokens back to back; the metadata
 (positions, query offsets, total lengths, block tables, slots) is built on the host in one
 pass and moved to the device in one copy.
+
+A step is always ONE forward over all its scheduled sequences (eager, or one decode graph
+replay), and every layer writes all the step's new K/V before its attention reads the cache.
+Prefix sharing relies on this: a sequence may read pages that another sequence of the same step
+writes (see ``Scheduler._publish``). Splitting a step into several forwards would need the
+scheduler to publish pages only after their step (in ``postprocess``).
 """
 
 from __future__ import annotations

@@ -6,6 +6,11 @@ pages), never of timing, so a workload always yields the same steps. The numbers
 on the schedule anyway (batch-invariant kernels, sampling keyed by seed and token index);
 determinism keeps runs replayable. Drive loop: while ``has_unfinished()``: ``schedule()``,
 report ``errored``, run the model on ``scheduled`` and sample, then ``postprocess()``.
+
+With prefix sharing on in the BlockManager, a sequence's leading full pages that another
+sequence has already computed (or computes earlier in the same step, see ``_publish``) are
+shared instead of recomputed: its ``num_computed_tokens`` jumps past them when its pages are
+allocated, and the step's chunk (and the token budget) covers only what is left.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ class ScheduledSeq:
 
     seq: Sequence
     #: Tokens ``seq.token_ids[seq.num_computed_tokens : seq.num_computed_tokens + num_new_tokens]``
-    #: run through the model this step (their K/V go to the cache).
+    #: run through the model this step (their K/V go to the cache). ``num_computed_tokens`` is
+    #: read after ``schedule()``: it already counts the pages shared at this step's allocation.
     num_new_tokens: int
     #: True when this chunk ends at ``seq.num_tokens``: the step samples seq's next token from
     #: the logits of the chunk's last position. False for a non-final prefill chunk.
@@ -70,6 +76,8 @@ class Scheduler:
             fit in the step's remaining budget; this requires
             ``max_num_batched_tokens >= max_model_len``, otherwise a long prompt (or a long
             sequence re-prefilling after a preemption) could never be scheduled.
+
+    Prefix sharing is switched on and off in the BlockManager (``enable_prefix_sharing``).
     """
 
     def __init__(
@@ -107,6 +115,11 @@ class Scheduler:
         # A step's scheduled tokens are only marked computed by postprocess(); scheduling again
         # before that would run the same tokens twice.
         self._awaiting_postprocess = False
+
+    @property
+    def enable_prefix_sharing(self) -> bool:
+        """Whether full pages are shared between sequences (the BlockManager's setting)."""
+        return self.block_manager.enable_prefix_sharing
 
     @property
     def num_waiting(self) -> int:
@@ -175,12 +188,43 @@ class Scheduler:
         self._awaiting_postprocess = bool(scheduled)
         return SchedulerOutput(scheduled=scheduled, preempted=preempted, errored=errored)
 
-    def _chunk(self, seq: Sequence, budget: int) -> int:
-        """New tokens for ``seq`` within ``budget``; 0 when it cannot be scheduled now."""
-        uncomputed = seq.num_uncomputed_tokens
+    def _chunk(self, seq: Sequence, budget: int) -> tuple[int, int]:
+        """(tokens ``seq`` gets from shared pages, new tokens within ``budget``) for this step;
+        new tokens are 0 when it cannot be scheduled now. Shared tokens cost no budget."""
+        shared = self.block_manager.num_cached_tokens(seq)
+        uncomputed = seq.num_uncomputed_tokens - shared  # >= 1: the last token is never shared
         if uncomputed <= budget:
-            return uncomputed
-        return budget if self.chunked_prefill else 0
+            return shared, uncomputed
+        return shared, (budget if self.chunked_prefill else 0)
+
+    def _allocate(self, seq: Sequence, shared: int, num_new: int) -> None:
+        """Allocate ``seq``'s pages for this step (sharing ``shared`` tokens' worth of pages)."""
+        computed = seq.num_computed_tokens
+        self.block_manager.allocate(seq, computed + shared + num_new)
+        if seq.num_computed_tokens != computed + shared:  # num_cached_tokens and allocate disagree
+            raise RuntimeError(
+                f"Scheduler: {seq!r} was to share {shared} tokens but shares "
+                f"{seq.num_computed_tokens - computed}"
+            )
+
+    def _publish(self, item: ScheduledSeq) -> None:
+        """Offer the pages that ``item`` completes for sharing, right when it is scheduled.
+
+        The rule: a full page becomes shareable in the step whose chunk writes its last K/V,
+        already for sequences scheduled after it in that same step. That is safe because
+        (1) the model runner runs a step as one forward in which every layer first writes all
+        the step's new K/V into the cache (``PagedContext.attend``: ``kv_cache_write``, then
+        attention), so a reader scheduled in the same step sees the writer's K/V exactly as
+        it sees its own; (2) a sequence scheduled in a step is never preempted or finished
+        within that ``schedule()`` call (victims come after it in arrival order and admission
+        stops after a preemption), so its pages stay referenced until written; (3) a failed
+        step leaves the cache suspect and the LLM then discards the BlockManager (``_abort``).
+        A runner that split one step into several forwards would break (1) and must instead
+        publish in ``postprocess`` (the previous-step rule). This rule is what lets the n
+        samples of a prompt, which are admitted together, share its pages at once.
+        """
+        seq = item.seq
+        self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + item.num_new_tokens)
 
     def _item(self, seq: Sequence, num_new: int) -> ScheduledSeq:
         samples = seq.num_computed_tokens + num_new == seq.num_tokens
@@ -193,36 +237,41 @@ class Scheduler:
         i = 0
         while i < len(self._running) and budget > 0 and len(scheduled) < self.max_num_seqs:
             seq = self._running[i]
-            num_new = self._chunk(seq, budget)
+            shared, num_new = self._chunk(seq, budget)
             if num_new == 0:
                 i += 1  # only without chunking: a smaller sequence behind it may still fit
                 continue
-            if not self._reserve(seq, seq.num_computed_tokens + num_new, preempted):
+            if not self._reserve(seq, shared, num_new, preempted):
                 break  # seq had to preempt itself: nothing after it is running any more
             scheduled.append(self._item(seq, num_new))
+            self._publish(scheduled[-1])
             budget -= num_new
             i += 1
         return budget
 
-    def _reserve(self, seq: Sequence, num_tokens: int, preempted: list[Sequence]) -> bool:
-        """Make ``seq``'s pages cover ``num_tokens`` positions, preempting the latest-arrived
-        running sequences as needed. Returns False if ``seq`` itself had to be preempted.
+    def _reserve(self, seq: Sequence, shared: int, num_new: int, preempted: list[Sequence]) -> bool:
+        """Make ``seq``'s pages cover this step's chunk (after ``shared`` tokens of shared
+        pages), preempting the latest-arrived running sequences as needed. Returns False if
+        ``seq`` itself had to be preempted.
 
         The victim is always at or after ``seq`` in the running list (which is sorted by
-        arrival), so sequences already scheduled this step are never preempted.
+        arrival), so sequences already scheduled this step are never preempted. Preempting
+        only drops references: published pages stay published, so ``shared`` still holds.
         """
+        num_tokens = seq.num_computed_tokens + shared + num_new
         while not self.block_manager.can_allocate(seq, num_tokens):
             victim = self._running[-1]
             self._preempt(victim)
             preempted.append(victim)
             if victim is seq:
                 return False
-        self.block_manager.allocate(seq, num_tokens)
+        self._allocate(seq, shared, num_new)
         return True
 
     def _preempt(self, seq: Sequence) -> None:
         """Preempt by recompute: drop the K/V, keep the tokens, wait at the front of the queue
-        (it arrived before everything queued behind it, so FIFO order is kept)."""
+        (it arrived before everything queued behind it, so FIFO order is kept). Its published
+        pages stay cached until reused, so on re-admission it shares back what is left."""
         self._running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
@@ -234,13 +283,12 @@ class Scheduler:
         fit (budget, ``max_num_seqs`` or pages) instead of skipping ahead."""
         while self._waiting and budget > 0 and len(self._running) < self.max_num_seqs:
             seq = self._waiting[0]
-            num_new = self._chunk(seq, budget)
+            shared, num_new = self._chunk(seq, budget)
             if num_new == 0:
                 break
-            num_tokens = seq.num_computed_tokens + num_new
-            if not self.block_manager.can_allocate(seq, num_tokens):
+            if not self.block_manager.can_allocate(seq, seq.num_computed_tokens + shared + num_new):
                 break
-            self.block_manager.allocate(seq, num_tokens)
+            self._allocate(seq, shared, num_new)
             self._waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             # Keep running sorted by arrival. (Running is always the earliest-arrived unfinished
@@ -248,6 +296,7 @@ class Scheduler:
             arrivals = [s.arrival for s in self._running]
             self._running.insert(bisect.bisect(arrivals, seq.arrival), seq)
             scheduled.append(self._item(seq, num_new))
+            self._publish(scheduled[-1])
             budget -= num_new
 
     def postprocess(

@@ -52,7 +52,16 @@ def check_step(sched: Scheduler, out) -> None:
         assert seq.block_table == [] and seq not in [i.seq for i in out.scheduled]
     for item in out.scheduled:
         owned += item.seq.block_table
-    assert len(owned) == len(set(owned))  # pages are exclusively owned
+        assert len(item.seq.block_table) == len(set(item.seq.block_table))
+    # a page listed by several sequences is a shared one: counted once per holder, and every
+    # holder has computed it already, except possibly the one that writes it this step
+    for block in set(owned):
+        holders = [i for i in out.scheduled if block in i.seq.block_table]
+        assert bm.ref_count(block) >= len(holders)
+        if len(holders) > 1:
+            ends = [i.seq.block_table.index(block) * bm.block_size + bm.block_size for i in holders]
+            writing = [i for i, end in zip(holders, ends) if end > i.seq.num_computed_tokens]
+            assert len(writing) <= 1
 
 
 def drive(sched: Scheduler, seqs, max_steps=1000):
@@ -145,9 +154,10 @@ def test_no_chunking_when_disabled():
 
 def test_waiting_queue_does_not_skip_ahead_when_blocks_are_short():
     sched = make_scheduler(num_blocks=4, block_size=4, budget=100)
+    # distinct prompts: b must not share a's pages (prefix sharing would make it fit)
     a = Sequence(0, 0, [1] * 8, SamplingParams(max_tokens=4), 0)  # 2 blocks now
-    b = Sequence(1, 0, [1] * 12, SamplingParams(max_tokens=1), 1)  # 3 blocks now
-    c = Sequence(2, 0, [1] * 2, SamplingParams(max_tokens=1), 2)  # 1 block would fit
+    b = Sequence(1, 0, [2] * 12, SamplingParams(max_tokens=1), 1)  # 3 blocks now
+    c = Sequence(2, 0, [3] * 2, SamplingParams(max_tokens=1), 2)  # 1 block would fit
     for seq in (a, b, c):
         sched.add(seq)
     out = sched.schedule()
