@@ -17,7 +17,6 @@ def copy_bandwidth() -> float:
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     ms = bench(lambda: dst.copy_(src))
-    del src, dst
     return 2 * (1 << 30) / ms / 1e6
 
 

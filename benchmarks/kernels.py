@@ -21,6 +21,28 @@ import torch
 from bench_utils import bench, copy_bandwidth, table
 
 
+def bench_linear(hbm: float, quick: bool) -> None:
+    from vexact_models.kernels import linear
+
+    shapes = [("0.6b gate/up", 1024, 3072), ("8b q/o", 4096, 4096), ("8b gate/up", 4096, 12288),
+              ("8b down", 12288, 4096), ("0.6b lm_head", 1024, 151936)]
+    ms = [1, 16, 64, 256, 1024, 4096, 8192] if not quick else [1, 64, 4096]
+    rows = []
+    for name, k, n in shapes:
+        w = (torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16()
+        for m in ms:
+            x = torch.randn(m, k, device="cuda").bfloat16()
+            t_ours = bench(lambda: linear(x, w))
+            t_cublas = bench(lambda: torch.matmul(x, w.t()))
+            flops = 2 * m * n * k
+            nbytes = 2 * (m * k + n * k + m * n)
+            rows.append([name, m, k, n, f"{t_ours * 1e3:.1f}", f"{t_cublas * 1e3:.1f}",
+                         f"{flops / t_ours / 1e9:.0f}", f"{flops / t_cublas / 1e9:.0f}", f"{t_cublas / t_ours:.2f}",
+                         f"{nbytes / t_ours / 1e6:.0f}", f"{100 * nbytes / t_ours / 1e6 / hbm:.0f}%"])
+    table("linear (bf16) vs cuBLAS", ["shape", "M", "K", "N", "ours us", "cuBLAS us", "ours TFLOP/s",
+                                       "cuBLAS TFLOP/s", "ratio", "ours GB/s", "% HBM"], rows)
+
+
 LARGE_M_CANDIDATES = [
     (128, 256, 8, 3, True, False), (128, 256, 8, 3, True, True), (128, 128, 8, 4, True, False),
     (128, 128, 4, 4, True, False), (128, 128, 8, 5, True, True), (128, 256, 8, 3, False, False),
@@ -101,7 +123,7 @@ def bench_attention(hbm: float, quick: bool) -> None:
                 o2 = torch.nn.functional.scaled_dot_product_attention(qsg, krg, vrg, is_causal=True)
                 go2 = torch.randn_like(o2)
                 t_bwd_sdpa = bench(lambda: torch.autograd.grad(o2, (qsg, krg, vrg), go2, retain_graph=True))
-            rows.append([f"  backward", batch, seqlen, f"{t_bwd * 1e3:.0f}", f"{t_bwd_sdpa * 1e3:.0f}",
+            rows.append(["  backward", batch, seqlen, f"{t_bwd * 1e3:.0f}", f"{t_bwd_sdpa * 1e3:.0f}",
                          f"{2.5 * flops / t_bwd / 1e9:.0f}", f"{2.5 * flops / t_bwd_sdpa / 1e9:.0f}",
                          f"{t_bwd_sdpa / t_bwd:.2f}"])
             if quick:

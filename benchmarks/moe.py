@@ -67,11 +67,16 @@ def sweep() -> None:
         print(line, flush=True)
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sweep", action="store_true", help="time each MoE kernel's tile configs at 16384 tokens")
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/moe.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    if "--sweep" in sys.argv[1:]:
+    if args.sweep:
         sweep()
         return 0
     from vexact_models.kernels.moe import fused_moe

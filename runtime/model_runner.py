@@ -77,7 +77,7 @@ class ModelRunner:
             tables.append(table + [0] * (max_blocks - len(table)))
             if item.samples:
                 logits_rows.append(cu[-1] - 1)
-        n_tok, n_seq = len(ids), len(scheduled)
+        n_seq = len(scheduled)
         # one host buffer, one (pinned, asynchronous) copy to the device
         flat = [ids, positions, slots, logits_rows, cu, seq_lens, [x for t in tables for x in t]]
         host = torch.tensor([x for part in flat for x in part], dtype=torch.int64)

@@ -60,7 +60,7 @@ def _run_paged(q, k, v, lens, chunk, page_size=4, shuffle=True, decode_after=Non
     done = [0] * len(lens)
     while any(done[s] < lens[s] for s in range(len(lens))):
         # one step: every unfinished sequence contributes its next chunk (mixed batch)
-        sel, qs, cu, seq_lens, slots = [], [], [0], [], []
+        sel, cu, seq_lens, slots = [], [0], [], []
         for s in range(len(lens)):
             if done[s] >= lens[s]:
                 continue

@@ -1,0 +1,45 @@
+"""Helpers shared by the engine tests (tests/runtime/test_llm*.py)."""
+
+import random
+
+import torch
+
+from vexact_models.runtime import LLM
+from vexact_models.runtime.model_runner import kv_bytes_per_block
+
+BS = 4
+
+
+def cache_bytes(model, blocks: int, block_size: int = BS) -> int:
+    return blocks * kv_bytes_per_block(model.kv_cache_spec(), block_size, next(model.parameters()).dtype)
+
+
+def make_llm(model, **kwargs) -> LLM:
+    kwargs.setdefault("block_size", BS)
+    kwargs.setdefault("kv_cache_bytes", cache_bytes(model, 256, kwargs["block_size"]))
+    kwargs.setdefault("max_num_batched_tokens", 64)
+    kwargs.setdefault("max_num_seqs", 16)
+    kwargs.setdefault("device", "cpu")  # CPU tests, even on a machine with a GPU
+    return LLM(model, **kwargs)
+
+
+def gen(llm, prompts, params, **kwargs):
+    return llm.generate(prompts, params, use_tqdm=False, **kwargs)
+
+
+def result(out) -> list[tuple[list[int], list[float], str]]:
+    """(token ids, logprobs, finish reason) of every completion of one RequestOutput."""
+    return [(c.token_ids, c.logprobs, c.finish_reason) for c in out.outputs]
+
+
+def prompts_for(n: int, seed: int, lo: int = 3, hi: int = 12) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(2, 512) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def training_logprobs(model, prompt, tokens, temperature) -> torch.Tensor:
+    with torch.no_grad():
+        lp = model.token_logprobs(torch.tensor([prompt + tokens]), temperature=temperature if temperature > 0 else 1.0)
+    return lp[0, len(prompt):]
+
+
