@@ -33,15 +33,10 @@ def published_config(name_or_path: str) -> dict:
 
 def build_model(arch: Architecture, config, device: torch.device, dtype: torch.dtype, seed: int = 0):
     """A random-weight training-variant model, initialised directly on `device` in `dtype`."""
+    from .suite import construct
+
     torch.manual_seed(seed)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = arch.causal_lm_class(config)
-    finally:
-        torch.set_default_dtype(previous)
-    return model.eval()
+    return construct(arch.causal_lm_class, config, device, dtype).eval()
 
 
 def make_config(arch: Architecture, config_name: str | None, layers: int | None, max_positions: int | None):

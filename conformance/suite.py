@@ -247,15 +247,21 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
-@torch.no_grad()
-def _hf_logits(arch: Architecture, model, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def construct(cls, config, device: torch.device, dtype: torch.dtype):
+    """``cls(config)`` initialised directly on `device` in `dtype` (an 8B model initialised on
+    CPU takes minutes)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(ids.device):  # built in place: an 8B model initialised on CPU takes minutes
-            hf = arch.hf_class()(model.config)
+        with torch.device(device):
+            return cls(config)
     finally:
         torch.set_default_dtype(previous)
+
+
+@torch.no_grad()
+def _hf_logits(arch: Architecture, model, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    hf = construct(arch.hf_class(), model.config, ids.device, dtype)
     missing, unexpected = hf.load_state_dict(model.state_dict(), strict=False)
     if [k for k in missing if k != "lm_head.weight"] or unexpected:
         raise RuntimeError(f"HF parity: state dicts differ: missing {missing}, unexpected {unexpected}")

@@ -136,9 +136,7 @@ def filter_thresholds(logits: torch.Tensor, temperatures: torch.Tensor, top_k: t
     rows, vocab = logits.shape
     thresholds = torch.full((rows,), float("-inf"), device=logits.device)
     active = (temperatures > 0) & ((top_k > 0) | (top_p < 1))
-    if not bool(active.any()):
-        return thresholds
-    idx = active.nonzero().squeeze(1)
+    idx = active.nonzero().squeeze(1)  # empty when no row filters: the ops below are then no-ops
     x = logits[idx].float()
     k = torch.where(top_k[idx] > 0, top_k[idx].clamp(max=vocab), torch.full_like(top_k[idx], vocab)).long()
     sorted_x, _ = torch.sort(x, dim=1, descending=True)

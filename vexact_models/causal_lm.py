@@ -14,7 +14,8 @@ from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from vexact_models.kernels import linear, token_logprobs
-from vexact_models.layers import FlatBatch, PackedContext, PagedContext, RopeTables, check_tokens, flatten_inputs
+from vexact_models.layers import (FlatBatch, PackedContext, PagedContext, RopeTables, check_tokens, flatten_inputs,
+                                  head_dim_of)
 
 
 class StrictLoadingMixin:
@@ -45,14 +46,14 @@ class DecoderModelMixin(StrictLoadingMixin):
     ``norm`` and ``rope`` (a `RopeTables`). Layers are called as
     ``layer(hidden, positions, rope, context, **layer_kwargs)``."""
 
-    def init_decoder_stack(self, config, layer_class, norm_class, head_dim: int) -> None:
+    def init_decoder_stack(self, config, layer_class, norm_class) -> None:
         """Build HF's ``embed_tokens``, ``layers``, ``norm`` and the RoPE tables from `config`."""
         if getattr(config, "use_sliding_window", False):
             raise ValueError(f"{type(self).__name__}: use_sliding_window=True is not supported")
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         self.layers = nn.ModuleList(layer_class(config, i) for i in range(config.num_hidden_layers))
         self.norm = norm_class(config.hidden_size, eps=config.rms_norm_eps)
-        self.rope = RopeTables(config, head_dim)
+        self.rope = RopeTables(config, head_dim_of(config))
         self.gradient_checkpointing = False
 
     def forward_flat(self, input_ids: torch.Tensor, positions: torch.Tensor, context, **layer_kwargs) -> torch.Tensor:
@@ -152,7 +153,7 @@ class CausalLMMixin(StrictLoadingMixin):
     def kv_cache_spec(self) -> tuple[int, int, int, int]:
         """(layers, KV heads, key head dim, value head dim) of this model's paged KV cache."""
         cfg = self.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        head_dim = head_dim_of(cfg)
         return cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, head_dim
 
 class InferenceModel(nn.Module):

@@ -20,6 +20,11 @@ from vexact_models.kernels import (PagedLayout, attention, attention_packed, kv_
                                    rope_table)
 
 
+def head_dim_of(config) -> int:
+    """HF's rule: ``config.head_dim`` when set, else ``hidden_size // num_attention_heads``."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 class RMSNorm(nn.Module):
     """HF-compatible RMSNorm (``weight``, ``variance_epsilon``) backed by `kernels.rms_norm`.
 

@@ -14,7 +14,7 @@ from torch import nn
 from transformers import PreTrainedModel, Qwen3Config
 
 from vexact_models.kernels import apply_rotary, linear, silu_and_mul
-from vexact_models.layers import RMSNorm
+from vexact_models.layers import RMSNorm, head_dim_of
 
 from ..causal_lm import CausalLMMixin, DecoderModelMixin, InferenceModel
 
@@ -27,7 +27,7 @@ class Qwen3Attention(nn.Module):
     def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.head_dim = head_dim_of(config)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.scaling = self.head_dim ** -0.5
@@ -92,8 +92,7 @@ class Qwen3Model(DecoderModelMixin, Qwen3PreTrainedModel):
 
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__(config)
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.init_decoder_stack(config, Qwen3DecoderLayer, Qwen3RMSNorm, head_dim)
+        self.init_decoder_stack(config, Qwen3DecoderLayer, Qwen3RMSNorm)
         self.post_init()
 
 

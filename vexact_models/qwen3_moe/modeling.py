@@ -109,8 +109,7 @@ class Qwen3MoeModel(DecoderModelMixin, Qwen3MoePreTrainedModel):
 
     def __init__(self, config: Qwen3MoeConfig) -> None:
         super().__init__(config)
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.init_decoder_stack(config, Qwen3MoeDecoderLayer, Qwen3MoeRMSNorm, head_dim)
+        self.init_decoder_stack(config, Qwen3MoeDecoderLayer, Qwen3MoeRMSNorm)
         self.post_init()
 
 
