@@ -10,7 +10,7 @@ cache, read through a trivial block table with ``page_size = 1`` (`attention_pac
 
 Invariance contract (DESIGN.md rule 2): for every query row, the keys are reduced in blocks of
 `BLOCK_N` aligned to absolute positions 0, BLOCK_N, 2*BLOCK_N, ... with an fp32 online softmax,
-by one compiled kernel configuration (`BLOCK_M`, `BLOCK_N`, `NUM_WARPS`, `NUM_STAGES` fixed;
+by one compiled kernel configuration per head dim (`BLOCK_M`, `BLOCK_N`, `NUM_STAGES` fixed;
 `page_size` is a runtime argument that Triton does not specialize on), so a query's output is
 the same whether it is computed packed, in prefill chunks of any size, or as a decode step. A
 tile may run past a row's last key; those blocks are fully masked and leave the row's state
@@ -26,14 +26,22 @@ from dataclasses import dataclass
 import torch
 
 from . import exact_math
-from ._triton import require_triton, tl, triton
+from ._triton import next_power_of_2, require_triton, tl, triton
 from .backend import select
 
 BLOCK_M = 64  # query rows (token, head) per program
 BLOCK_N = 64  # keys per block: the absolute-position alignment of the KV reduction
-NUM_WARPS = 4
 NUM_STAGES = 2
-HEAD_DIMS = (64, 128)
+# Query/key head dims (the value head dim is one of these too). 192 is MLA's 128 nope + 64 rope
+# dims: the kernel pads a head dim to the next power of two with masked (zero) lanes, which add
+# exact zeros to every dot product.
+HEAD_DIMS = (64, 128, 192)
+VALUE_HEAD_DIMS = (64, 128)
+
+
+def num_warps_for(head_dim: int) -> int:
+    """Warps per program: a model property (its head dim), so one model always runs one config."""
+    return 8 if head_dim > 128 else 4
 REFERENCE_BLOCK_N = 16  # the reference's own fixed key block
 
 
@@ -72,7 +80,7 @@ def _attention_fwd_kernel(
     page_size, scale_log2,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     tile = tl.program_id(0)
     seq = tl.program_id(1)
@@ -92,10 +100,11 @@ def _attention_fwd_kernel(
     row_ok = q_idx < q_len
     q_pos = context + q_idx
     token = (q_start + q_idx).to(tl.int64)
-    d = tl.arange(0, HEAD_DIM)
+    d = tl.arange(0, BLOCK_D)  # HEAD_DIM padded to a power of two; the pad lanes load zeros
+    d_ok = d < HEAD_DIM
     dv = tl.arange(0, HEAD_DIM_V)
     q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None], other=0.0)
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -108,7 +117,8 @@ def _attention_fwd_kernel(
         k_ok = k_pos < n_keys
         page = tl.load(table_row + k_pos // page_size, mask=k_ok, other=0)
         slot = page.to(tl.int64) * page_size + k_pos % page_size
-        k = tl.load(k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=k_ok[:, None], other=0.0)
+        k = tl.load(k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
+                    mask=k_ok[:, None] & d_ok[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k)) * scale_log2
         s = tl.where((k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -143,8 +153,8 @@ def _attention_triton(q, k_cache, v_cache, layout: PagedLayout, scale: float):
         layout.page_size, scale * math.log2(math.e),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), layout.block_table.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=next_power_of_2(head_dim),
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=num_warps_for(head_dim), num_stages=NUM_STAGES)
     return out, lse
 
 
@@ -202,6 +212,13 @@ def _check(q, k_cache, v_cache, layout):
         raise ValueError(f"attention: page_size must be >= 1, got {layout.page_size}")
 
 
+def _backend(q: torch.Tensor, v: torch.Tensor) -> str:
+    backend = select("attention", q, head_dim=q.shape[-1], head_dims=HEAD_DIMS)
+    if backend == "triton":  # the value head dim has its own (power of two) list
+        select("attention", q, head_dim=v.shape[-1], head_dims=VALUE_HEAD_DIMS)
+    return backend
+
+
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: PagedLayout,
               scale: float | None = None, return_lse: bool = False):
     """Causal attention of `q` (``[T, Hq, D]``) over the cache (``[..., Hkv, D]`` flattened to
@@ -212,7 +229,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lay
     """
     _check(q, k_cache, v_cache, layout)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if select("attention", q, head_dim=q.shape[-1], head_dims=HEAD_DIMS) == "triton":
+    if _backend(q, v_cache) == "triton":
         out, lse = _attention_triton(q, k_cache, v_cache, layout, scale)
         return (out, lse) if return_lse else out
     if return_lse:
@@ -224,7 +241,7 @@ class _PackedAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens, max_seqlen, scale):
         layout = packed_layout(cu_seqlens, max_seqlen)
-        backend = select("attention", q, head_dim=q.shape[-1], head_dims=HEAD_DIMS)
+        backend = _backend(q, v)
         if backend == "triton":
             out, lse = _attention_triton(q, k, v, layout, scale)
         else:

@@ -13,11 +13,10 @@ import math
 
 import torch
 
-from ._triton import require_triton, tl, triton
+from ._triton import next_power_of_2, require_triton, tl, triton
 
 DKDV_BLOCK_M, DKDV_BLOCK_N = 32, 64
 DQ_BLOCK_M, DQ_BLOCK_N = 64, 32
-NUM_WARPS = 4
 
 
 def attention_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -50,7 +49,7 @@ def attention_backward_reference(grad_out, q, k, v, cu_seqlens, scale):
 @triton.jit
 def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, cu_ptr, scale, scale_log2,
                  n_heads, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N
     seq = tl.program_id(1)
@@ -62,11 +61,13 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr
     k_pos = start_n + tl.arange(0, BLOCK_N)
     k_ok = k_pos < seq_len
     k_tok = (seq_start + k_pos).to(tl.int64)
-    d = tl.arange(0, HEAD_DIM)
+    d = tl.arange(0, BLOCK_D)  # HEAD_DIM padded to a power of two (masked lanes)
+    d_ok = d < HEAD_DIM
     dv_idx = tl.arange(0, HEAD_DIM_V)
-    k = tl.load(k_ptr + k_tok[:, None] * stride_kt + kv_head * stride_kh + d[None, :], mask=k_ok[:, None], other=0.0)
+    k = tl.load(k_ptr + k_tok[:, None] * stride_kt + kv_head * stride_kh + d[None, :],
+                mask=k_ok[:, None] & d_ok[None, :], other=0.0)
     v = tl.load(v_ptr + k_tok[:, None] * stride_vt + kv_head * stride_vh + dv_idx[None, :], mask=k_ok[:, None], other=0.0)
-    dk = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
+    dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N, HEAD_DIM_V), tl.float32)
     for g in range(GROUP):
         head = kv_head * GROUP + g
@@ -74,7 +75,8 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr
             q_pos = start_m + tl.arange(0, BLOCK_M)
             q_ok = q_pos < seq_len
             q_tok = (seq_start + q_pos).to(tl.int64)
-            q = tl.load(q_ptr + q_tok[:, None] * stride_qt + head * stride_qh + d[None, :], mask=q_ok[:, None], other=0.0)
+            q = tl.load(q_ptr + q_tok[:, None] * stride_qt + head * stride_qh + d[None, :],
+                        mask=q_ok[:, None] & d_ok[None, :], other=0.0)
             do = tl.load(do_ptr + q_tok[:, None] * stride_dot + head * stride_doh + dv_idx[None, :],
                          mask=q_ok[:, None], other=0.0)
             lse = tl.load(lse_ptr + q_tok * n_heads + head, mask=q_ok, other=0.0)
@@ -88,7 +90,7 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr
             dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk)
     dk = dk * scale
     tl.store(dk_ptr + k_tok[:, None] * stride_kt + kv_head * stride_kh + d[None, :], dk.to(dk_ptr.dtype.element_ty),
-             mask=k_ok[:, None])
+             mask=k_ok[:, None] & d_ok[None, :])
     tl.store(dv_ptr + k_tok[:, None] * stride_vt + kv_head * stride_vh + dv_idx[None, :],
              dv.to(dv_ptr.dtype.element_ty), mask=k_ok[:, None])
 
@@ -96,7 +98,7 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr
 @triton.jit
 def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_ptr, scale, scale_log2,
                n_heads, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-               GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+               GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     tile = tl.program_id(0)
     seq = tl.program_id(1)
@@ -110,20 +112,23 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_ptr, 
     head = kv_head * GROUP + rows % GROUP
     q_ok = q_pos < seq_len
     q_tok = (seq_start + q_pos).to(tl.int64)
-    d = tl.arange(0, HEAD_DIM)
+    d = tl.arange(0, BLOCK_D)  # HEAD_DIM padded to a power of two (masked lanes)
+    d_ok = d < HEAD_DIM
     dv_idx = tl.arange(0, HEAD_DIM_V)
-    q = tl.load(q_ptr + q_tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=q_ok[:, None], other=0.0)
+    q = tl.load(q_ptr + q_tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=q_ok[:, None] & d_ok[None, :], other=0.0)
     do = tl.load(do_ptr + q_tok[:, None] * stride_dot + head[:, None] * stride_doh + dv_idx[None, :],
                  mask=q_ok[:, None], other=0.0)
     lse = tl.load(lse_ptr + q_tok * n_heads + head, mask=q_ok, other=0.0)
     delta = tl.load(delta_ptr + q_tok * n_heads + head, mask=q_ok, other=0.0)
-    dq = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+    dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     n_keys = tl.minimum(seq_len, (tile * BLOCK_M + BLOCK_M - 1) // GROUP + 1)
     for start_n in range(0, n_keys, BLOCK_N):
         k_pos = start_n + tl.arange(0, BLOCK_N)
         k_ok = k_pos < n_keys
         k_tok = (seq_start + k_pos).to(tl.int64)
-        k = tl.load(k_ptr + k_tok[:, None] * stride_kt + kv_head * stride_kh + d[None, :], mask=k_ok[:, None], other=0.0)
+        k = tl.load(k_ptr + k_tok[:, None] * stride_kt + kv_head * stride_kh + d[None, :],
+                    mask=k_ok[:, None] & d_ok[None, :], other=0.0)
         v = tl.load(v_ptr + k_tok[:, None] * stride_vt + kv_head * stride_vh + dv_idx[None, :],
                     mask=k_ok[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k)) * scale_log2
@@ -134,7 +139,7 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_ptr, 
         dq = tl.dot(ds.to(k.dtype), k, dq)
     dq = dq * scale
     tl.store(dq_ptr + q_tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], dq.to(dq_ptr.dtype.element_ty),
-             mask=q_ok[:, None])
+             mask=q_ok[:, None] & d_ok[None, :])
 
 
 def attention_backward_triton(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, scale):
@@ -151,14 +156,15 @@ def attention_backward_triton(grad_out, q, k, v, out, lse, cu_seqlens, max_seqle
         return dq, dk, dv
     cu = cu_seqlens.to(torch.int32)
     scale_log2 = scale * math.log2(math.e)
+    block_d, num_warps = next_power_of_2(head_dim), 8 if head_dim > 128 else 4
     args = (n_heads, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             grad_out.stride(0), grad_out.stride(1))
     _dkdv_kernel[(triton.cdiv(max_seqlen, DKDV_BLOCK_N), n_seqs, n_kv_heads)](
         q, k, v, grad_out, lse, delta, dk, dv, cu, scale, scale_log2, *args,
-        GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_M=DKDV_BLOCK_M, BLOCK_N=DKDV_BLOCK_N,
-        num_warps=NUM_WARPS, num_stages=1)
+        GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_M=DKDV_BLOCK_M, BLOCK_N=DKDV_BLOCK_N,
+        num_warps=num_warps, num_stages=1)
     _dq_kernel[(triton.cdiv(max_seqlen * group, DQ_BLOCK_M), n_seqs, n_kv_heads)](
         q, k, v, grad_out, lse, delta, dq, cu, scale, scale_log2, *args,
-        GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_M=DQ_BLOCK_M, BLOCK_N=DQ_BLOCK_N,
-        num_warps=NUM_WARPS, num_stages=1)
+        GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_M=DQ_BLOCK_M, BLOCK_N=DQ_BLOCK_N,
+        num_warps=num_warps, num_stages=1)
     return dq, dk, dv

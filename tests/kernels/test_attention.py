@@ -9,36 +9,40 @@ from vexact_models.kernels.attention_backward import attention_math
 from ..conftest import rel_err
 
 
-def _packed(lens, hq=4, hkv=2, d=16, dtype=torch.float32):
+def _packed(lens, hq=4, hkv=2, d=16, dtype=torch.float32, dv=None):
+    """Random packed q/k ([T, H, d]) and v ([T, Hkv, dv]; dv = d unless given, as in MLA)."""
     t = sum(lens)
-    q, k, v = (torch.randn(t, h, d).to(dtype) for h in (hq, hkv, hkv))
+    q, k = (torch.randn(t, h, d).to(dtype) for h in (hq, hkv))
+    v = torch.randn(t, hkv, dv or d).to(dtype)
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
     return q, k, v, cu
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("groups", [(4, 4), (4, 2), (8, 1)])
-def test_packed_attention_matches_float64(dtype, groups):
-    q, k, v, cu = _packed([5, 17, 1, 40], *groups, dtype=dtype)
-    out = attention_packed(q, k, v, cu, 40)
-    ref = attention_math(q.double(), k.double(), v.double(), cu, 16 ** -0.5)
-    assert out.dtype == dtype
+@pytest.mark.parametrize("dv", [16, 8], ids=["dv=d", "dv<d"])
+def test_packed_attention_matches_float64(dtype, groups, dv):
+    q, k, v, cu = _packed([5, 17, 1, 40], *groups, dtype=dtype, dv=dv)
+    out = attention_packed(q, k, v, cu, 40, 0.3)
+    ref = attention_math(q.double(), k.double(), v.double(), cu, 0.3)
+    assert out.dtype == dtype and out.shape == (q.shape[0], q.shape[1], dv)
     assert rel_err(out, ref) < {torch.float64: 1e-13, torch.float32: 1e-6, torch.bfloat16: 1e-2}[dtype]
 
 
-def test_attention_backward_matches_autograd():
-    q, k, v, cu = _packed([3, 9, 12], 4, 2, 8, dtype=torch.float64)
+@pytest.mark.parametrize("dv", [8, 4])
+def test_attention_backward_matches_autograd(dv):
+    q, k, v, cu = _packed([3, 9, 12], 4, 2, 8, dtype=torch.float64, dv=dv)
     q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
-    g = torch.randn_like(q)
+    g = torch.randn(q.shape[0], q.shape[1], dv, dtype=q.dtype)
     got = torch.autograd.grad(attention_packed(q, k, v, cu, 12), (q, k, v), g)
     want = torch.autograd.grad(attention_math(q, k, v, cu, 8 ** -0.5), (q, k, v), g)
     for a, b in zip(got, want):
         assert torch.allclose(a, b, atol=1e-12)
 
 
-def _paged_cache(n_pages, page_size, hkv, d, dtype):
+def _paged_cache(n_pages, page_size, hkv, d, dv, dtype):
     # NaN-filled: any read of an unwritten slot would poison the output
-    return (torch.full((n_pages, page_size, hkv, d), float("nan"), dtype=dtype) for _ in range(2))
+    return (torch.full((n_pages, page_size, hkv, width), float("nan"), dtype=dtype) for width in (d, dv))
 
 
 def _run_paged(q, k, v, lens, chunk, page_size=4, shuffle=True, decode_after=None):
@@ -54,9 +58,9 @@ def _run_paged(q, k, v, lens, chunk, page_size=4, shuffle=True, decode_after=Non
     for s, n in enumerate(pages_per_seq):
         for p in range(n):
             table[s, p] = next(it)
-    k_cache, v_cache = _paged_cache(sum(pages_per_seq), page_size, hkv, d, q.dtype)
+    k_cache, v_cache = _paged_cache(sum(pages_per_seq), page_size, hkv, d, v.shape[2], q.dtype)
     starts = [0] + list(torch.tensor(lens).cumsum(0).tolist())
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
     done = [0] * len(lens)
     while any(done[s] < lens[s] for s in range(len(lens))):
         # one step: every unfinished sequence contributes its next chunk (mixed batch)
@@ -81,9 +85,10 @@ def _run_paged(q, k, v, lens, chunk, page_size=4, shuffle=True, decode_after=Non
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_attention_identical_packed_chunked_and_decode(dtype):
+@pytest.mark.parametrize("d,dv", [(16, 16), (24, 16)], ids=["gqa", "mla-dims"])
+def test_attention_identical_packed_chunked_and_decode(dtype, d, dv):
     lens = [1, 7, 23, 40]
-    q, k, v, cu = _packed(lens, 4, 2, 16, dtype=dtype)
+    q, k, v, cu = _packed(lens, 4, 2, d, dtype=dtype, dv=dv)
     packed = attention_packed(q, k, v, cu, max(lens))
     for chunk in (1, 3, 16):
         assert torch.equal(_run_paged(q, k, v, lens, chunk), packed), f"chunk={chunk}"

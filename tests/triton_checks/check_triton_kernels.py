@@ -110,18 +110,18 @@ def test_kv_cache_write():
     assert torch.equal(kc.cpu(), kr) and torch.equal(vc.cpu(), vr)
 
 
-@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 64), (2, 2, 128), (8, 1, 64)])
-def test_attention_packed_and_paged(hq, hkv, d):
+@pytest.mark.parametrize("hq,hkv,d,dv", [(4, 2, 64, 64), (2, 2, 128, 128), (8, 1, 64, 64), (3, 3, 192, 128)])
+def test_attention_packed_and_paged(hq, hkv, d, dv):
     lens = [1, 20, 70]
     t = sum(lens)
-    q, k, v = rand(t, hq, d), rand(t, hkv, d), rand(t, hkv, d)
+    q, k, v = rand(t, hq, d), rand(t, hkv, d), rand(t, hkv, dv)
     cu = torch.tensor([0, 1, 21, 91], dtype=torch.int32, device=DEVICE)
     packed = attention_packed(q, k, v, cu, 70)
     close(packed, attention_math(q.double(), k.double(), v.double(), cu, d ** -0.5), 1e-5 if INTERPRET else 1e-3)
     # last 5 tokens of each sequence as a chunk over a paged cache (page 16, shuffled pages)
     page_size, pages = 16, [[3], [0, 5], [1, 6, 2, 7, 4]]
     table = torch.tensor([p + [0] * (5 - len(p)) for p in pages], dtype=torch.int32, device=DEVICE)
-    kc, vc = torch.zeros(8, page_size, hkv, d, device=DEVICE), torch.zeros(8, page_size, hkv, d, device=DEVICE)
+    kc, vc = torch.zeros(8, page_size, hkv, d, device=DEVICE), torch.zeros(8, page_size, hkv, dv, device=DEVICE)
     slots = torch.tensor([int(table[s, p // page_size]) * page_size + p % page_size
                           for s, n in enumerate(lens) for p in range(n)], device=DEVICE)
     kv_cache_write(k, v, kc, vc, slots)
@@ -136,13 +136,14 @@ def test_attention_packed_and_paged(hq, hkv, d):
         assert torch.equal(paged, packed[idx])
 
 
-def test_attention_backward():
+@pytest.mark.parametrize("d,dv", [(64, 64), (192, 128)])
+def test_attention_backward(d, dv):
     lens = [3, 40, 90]
     t = sum(lens)
-    q, k, v = (rand(t, h, 64).bfloat16().requires_grad_() for h in (4, 2, 2))
+    q, k, v = (rand(t, h, width).bfloat16().requires_grad_() for h, width in ((4, d), (2, d), (2, dv)))
     cu = torch.tensor([0, 3, 43, 133], dtype=torch.int32, device=DEVICE)
-    g = rand(t, 4, 64).bfloat16()
-    got = torch.autograd.grad(attention_packed(q, k, v, cu, 90), (q, k, v), g)
+    g = rand(t, 4, dv).bfloat16()
+    got = torch.autograd.grad(attention_packed(q, k, v, cu, 90, 0.125), (q, k, v), g)
     qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
     want = torch.autograd.grad(attention_math(qd, kd, vd, cu, 0.125), (qd, kd, vd), g.double())
     for a, b in zip(got, want):
@@ -160,13 +161,14 @@ def test_sampling_matches_reference():
     assert torch.equal(got, want)
 
 
-def test_moe_routing():
+@pytest.mark.parametrize("top_k", [8, 6])
+def test_moe_routing(top_k):
     from vexact_models.kernels.moe_routing import softmax_topk
 
     logits = rand(40, 128)
     for norm in (True, False):
-        w, ids = softmax_topk(logits, 8, norm)
-        w_ref, ids_ref = ref(softmax_topk, logits, 8, norm)
+        w, ids = softmax_topk(logits, top_k, norm)
+        w_ref, ids_ref = ref(softmax_topk, logits, top_k, norm)
         assert torch.equal(ids, ids_ref)
         close(w, w_ref, 1e-6)
 
