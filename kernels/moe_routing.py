@@ -21,7 +21,7 @@ from .backend import select
 
 @triton.jit
 def _softmax_topk_kernel(logits_ptr, weights_ptr, ids_ptr, probs_ptr, E, stride, TOP_K: tl.constexpr,
-                         NORM: tl.constexpr, BLOCK_E: tl.constexpr):
+                         NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_E)
     x = tl.load(logits_ptr + row * stride + cols, mask=cols < E, other=float("-inf")).to(tl.float32)
@@ -29,18 +29,22 @@ def _softmax_topk_kernel(logits_ptr, weights_ptr, ids_ptr, probs_ptr, E, stride,
     probs = e / tl.sum(e, axis=0)
     tl.store(probs_ptr + row * E + cols, probs, mask=cols < E)
     remaining = tl.where(cols < E, probs, -1.0)
+    # the k picks stay in registers (BLOCK_K lanes, any k) and are stored once
+    ranks = tl.arange(0, BLOCK_K)
+    weights = tl.zeros([BLOCK_K], dtype=tl.float32)
+    ids = tl.zeros([BLOCK_K], dtype=tl.int64)
     total = 0.0
     for r in tl.static_range(TOP_K):
         best = tl.max(remaining, axis=0)
         idx = tl.argmax(remaining, axis=0)  # lowest index among equal maxima
-        tl.store(ids_ptr + row * TOP_K + r, idx.to(tl.int64))
-        tl.store(weights_ptr + row * TOP_K + r, best)
+        weights = tl.where(ranks == r, best, weights)
+        ids = tl.where(ranks == r, idx.to(tl.int64), ids)
         total += best
         remaining = tl.where(cols == idx, -1.0, remaining)
     if NORM:
-        offs = tl.arange(0, TOP_K)
-        w = tl.load(weights_ptr + row * TOP_K + offs)
-        tl.store(weights_ptr + row * TOP_K + offs, w / total)
+        weights = weights / total
+    tl.store(ids_ptr + row * TOP_K + ranks, ids, mask=ranks < TOP_K)
+    tl.store(weights_ptr + row * TOP_K + ranks, weights, mask=ranks < TOP_K)
 
 
 def softmax_topk_reference(logits: torch.Tensor, top_k: int, norm: bool):
@@ -90,7 +94,8 @@ def _route(logits: torch.Tensor, top_k: int, norm: bool):
     probs = torch.empty(rows, experts, device=logits.device, dtype=torch.float32)
     if rows:
         _softmax_topk_kernel[(rows,)](logits, weights, ids, probs, experts, logits.stride(0), TOP_K=top_k,
-                                      NORM=norm, BLOCK_E=next_power_of_2(experts), num_warps=4)
+                                      NORM=norm, BLOCK_E=next_power_of_2(experts), BLOCK_K=next_power_of_2(top_k),
+                                      num_warps=4)
     return weights, ids, probs
 
 
