@@ -3,6 +3,8 @@
 Examples:
     vexact-conformance                                    # every architecture, tiny configs, CPU
     vexact-conformance --arch qwen3 --device cuda --dtype bfloat16 --config qwen3-0.6b --pool 64 --max-tokens 256
+    vexact-conformance --arch deepseek_v3 --config deepseek-v3 --layers 2 --set first_k_dense_replace=1 \
+        --set n_routed_experts=64 --device cuda --dtype bfloat16
     python -m vexact_models.conformance --config path/to/config.json --layers 4
 """
 
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from vexact_models.registry import Architecture, architectures, get
+from vexact_models.registry import Architecture, architectures, for_model_type, get
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 
@@ -36,28 +38,61 @@ def build_model(arch: Architecture, config, device: torch.device, dtype: torch.d
     from .suite import construct
 
     torch.manual_seed(seed)
-    return construct(arch.causal_lm_class, config, device, dtype).eval()
+    model = construct(arch.causal_lm_class, config, device, dtype).eval()
+    if arch.init_for_conformance is not None:
+        with torch.no_grad():
+            arch.init_for_conformance(model, seed)
+    return model
 
 
-def make_config(arch: Architecture, config_name: str | None, layers: int | None, max_positions: int | None):
-    if config_name is None or config_name == "tiny":
-        overrides = {"num_hidden_layers": layers} if layers else {}
-        return arch.tiny_config(**overrides)
-    fields = published_config(config_name)
-    if fields.get("model_type") not in arch.model_types:
-        raise ValueError(f"--config {config_name}: model_type {fields.get('model_type')!r} is not {arch.name}")
-    fields = {k: v for k, v in fields.items() if k not in ("architectures", "torch_dtype")}
+def parse_overrides(items: list[str] | None) -> dict:
+    """``["n_routed_experts=64", "q_lora_rank=null"]`` -> config fields (values parsed as JSON,
+    else kept as strings)."""
+    overrides = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value
+    return overrides
+
+
+def make_config(arch: Architecture, config_name: str | None, layers: int | None, max_positions: int | None,
+                overrides: dict | None = None):
+    """The config to build: `arch`'s tiny one, or a published one (checked to be `arch`'s
+    model_type), with ``num_hidden_layers`` / ``max_position_embeddings`` / any other fields
+    overridden."""
+    fields = dict(overrides or {})
     if layers:
         fields["num_hidden_layers"] = layers
+    if config_name is None or config_name == "tiny":
+        return arch.tiny_config(**fields)
+    published = published_config(config_name)
+    if published.get("model_type") not in arch.model_types:
+        raise ValueError(f"--config {config_name}: model_type {published.get('model_type')!r} is not {arch.name}")
+    published = {k: v for k, v in published.items() if k not in ("architectures", "torch_dtype")}
     if max_positions:
         fields["max_position_embeddings"] = max_positions
-    return arch.config_class(**fields)
+    return arch.config_class(**{**published, **fields})
+
+
+def architecture_of(config_name: str) -> Architecture:
+    """The registered architecture serving a published config's model_type."""
+    model_type = published_config(config_name).get("model_type")
+    arch = for_model_type(model_type)
+    if arch is None:
+        raise ValueError(f"--config {config_name}: no registered architecture serves model_type {model_type!r}")
+    return arch
 
 
 def print_table(reports) -> None:
     header = ["architecture", "backend", "device", "dtype", "generated", "logprobs checked", "mismatches", "max |diff|",
               "reproducible", "HF parity (rel)"]
-    rows = [[r.arch, r.backend, r.device, r.dtype, f"{r.generated:,}", f"{r.tokens:,}", str(r.mismatches), f"{r.max_abs_diff:.3g}",
+    rows = [[r.arch, r.backend, r.device, r.dtype, f"{r.generated:,}", f"{r.tokens:,}", str(r.mismatches),
+             f"{r.max_abs_diff:.3g}",
              f"{r.reproducibility_checked - r.reproducibility_mismatches}/{r.reproducibility_checked}",
              "-" if r.hf_parity is None else str(r.hf_parity)] for r in reports]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
@@ -76,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", help="'tiny' (default), a bundled config name (e.g. qwen3-0.6b) or a config.json path")
     parser.add_argument("--layers", type=int, help="override num_hidden_layers")
     parser.add_argument("--max-positions", type=int, help="override max_position_embeddings")
+    parser.add_argument("--set", action="append", metavar="KEY=VALUE",
+                        help="override a config field (JSON value; repeatable), e.g. --set n_routed_experts=64")
     parser.add_argument("--pool", type=int, default=64, help="requests in the pool (the largest batch); default 64")
     parser.add_argument("--max-tokens", type=int, default=24, help="largest max_tokens of a request; default 24")
     parser.add_argument("--prompt-len", type=int, default=40, help="longest prompt; default 40")
@@ -96,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     reports, failed = [], False
     with use_backend(args.backend):
         for arch in archs:
-            config = make_config(arch, args.config, args.layers, args.max_positions)
+            config = make_config(arch, args.config, args.layers, args.max_positions, parse_overrides(args.set))
             print(f"{arch.name}: building {args.config or 'tiny'} model ({config.num_hidden_layers} layers) "
                   f"on {device} in {args.dtype}", flush=True)
             model = build_model(arch, config, device, dtype, args.seed)

@@ -67,7 +67,8 @@ def test_token_logprobs_bitwise_across_packing_and_padding(pair):
     with torch.no_grad():
         alone = [ours.token_logprobs(s[None])[0] for s in seqs]
         packed = ours.token_logprobs(torch.cat(seqs), cu_seqlens=torch.tensor([0, 5, 22, 23, 53]))
-        restart = ours.token_logprobs(torch.cat(seqs)[None], position_ids=torch.cat([torch.arange(len(s)) for s in seqs])[None])[0]
+        restart_positions = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+        restart = ours.token_logprobs(torch.cat(seqs)[None], position_ids=restart_positions)[0]
         width = 30
         ids = torch.zeros(4, width, dtype=torch.long)
         right, left = torch.zeros(4, width, dtype=torch.long), torch.zeros(4, width, dtype=torch.long)
