@@ -132,12 +132,14 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("benchmarks/throughput.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    from vexact_models.conformance.cli import build_model, make_config
-    from vexact_models.registry import architectures
+    from vexact_models.conformance.cli import architecture_of, build_model, make_config
+    from vexact_models.runtime.model_runner import kv_bytes_per_block
 
-    config_fields = make_config(architectures()[0], args.config, args.layers, None)
-    arch = [a for a in architectures() if config_fields.model_type in a.model_types][0]
+    arch = architecture_of(args.config)
+    config_fields = make_config(arch, args.config, args.layers, None)
     model = build_model(arch, config_fields, torch.device("cuda"), torch.bfloat16, args.seed)
+    print(f"KV cache: {kv_bytes_per_block(model.kv_cache_spec(), 1, torch.bfloat16):,} bytes per token "
+          f"(layers, KV heads, key dim, value dim = {model.kv_cache_spec()})")
     prompts, outputs = workload(args.requests, config_fields.vocab_size, args.seed)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {args.config} "
           f"({config_fields.num_hidden_layers} layers), {args.requests} requests, "

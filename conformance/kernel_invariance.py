@@ -43,9 +43,13 @@ LINEAR_SHAPES = [
     ("qwen3-30b-a3b", "lm_head", 2048, 151936),
 ]
 
-# (name, q heads, kv heads, head dim)
-ATTENTION_SHAPES = [("qwen3-0.6b", 16, 8, 128), ("qwen3-8b", 32, 8, 128), ("qwen3-30b-a3b", 32, 4, 128),
-                    ("gqa-d64", 8, 2, 64)]
+# (name, q heads, kv heads, query/key head dim, value head dim)
+ATTENTION_SHAPES = [("qwen3-0.6b", 16, 8, 128, 128), ("qwen3-8b", 32, 8, 128, 128), ("qwen3-30b-a3b", 32, 4, 128, 128),
+                    ("gqa-d64", 8, 2, 64, 64), ("moonlight MLA", 16, 16, 192, 128),
+                    ("deepseek-v3 MLA", 128, 128, 192, 128)]
+# (name, hidden, experts, expert intermediate, top-k, router): DeepSeek-V3 with 64 of its 256 experts
+MOE_SHAPES = [("qwen3-30b-a3b", 2048, 128, 768, 8, "softmax"), ("moonlight", 2048, 64, 1408, 6, "sigmoid 1 group"),
+              ("deepseek-v3", 7168, 64, 2048, 8, "sigmoid 8 groups")]
 
 
 @dataclass
@@ -115,11 +119,11 @@ def _paged_run(q, k, v, lens, steps, page_size, gen):
     table = table.to(device)
     table_host = table.cpu()
     k_cache = torch.full((sum(pages), page_size, hkv, d), float("nan"), device=device, dtype=k.dtype)
-    v_cache = torch.full_like(k_cache, float("nan"))
+    v_cache = torch.full((sum(pages), page_size, hkv, v.shape[2]), float("nan"), device=device, dtype=v.dtype)
     starts = [0]
     for n in lens:
         starts.append(starts[-1] + n)
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
     done = [0] * len(lens)
     while any(done[s] < lens[s] for s in range(len(lens))):
         chunks = steps([lens[s] - done[s] for s in range(len(lens))])
@@ -144,17 +148,17 @@ def _paged_run(q, k, v, lens, steps, page_size, gen):
     return out
 
 
-def check_attention(result: Result, hq: int, hkv: int, d: int, lens: list[int], quick: bool) -> None:
+def check_attention(result: Result, hq: int, hkv: int, d: int, dv: int, lens: list[int], quick: bool) -> None:
     from vexact_models.kernels import attention_packed
 
     gen = random.Random(hq * 1000 + d)
     t = sum(lens)
     q = torch.randn(t, hq, d, device="cuda").bfloat16()
     k = torch.randn(t, hkv, d, device="cuda").bfloat16()
-    v = torch.randn(t, hkv, d, device="cuda").bfloat16()
+    v = torch.randn(t, hkv, dv, device="cuda").bfloat16()
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
     packed = attention_packed(q, k, v, cu, max(lens))
-    tag = f"Hq={hq} Hkv={hkv} D={d} lens={lens}"
+    tag = f"Hq={hq} Hkv={hkv} D={d} Dv={dv} lens={lens}"
     # each sequence packed alone, and the sequences packed in reverse order
     for s in range(len(lens)):
         sl = slice(int(cu[s]), int(cu[s + 1]))
@@ -227,39 +231,53 @@ def check_rows(results: dict[str, Result], quick: bool) -> None:
                                        f"rotary row {m - 1}")
 
 
-def check_moe(results: dict[str, Result], quick: bool) -> None:
-    """Qwen3-30B-A3B MoE shapes: each token's output computed alone equals its row in batches
-    of 64 ... 16384 tokens, with a skewed router so experts receive 0, 1 or thousands of rows."""
-    from vexact_models.kernels.moe import fused_moe
+def _route(logits: torch.Tensor, top_k: int, router: str):
+    from vexact_models.kernels.grouped_topk import sigmoid_grouped_topk
     from vexact_models.kernels.moe_routing import softmax_topk
 
-    hidden, experts, inter, top_k = 2048, 128, 768, 8
-    gate_up = (torch.randn(experts, 2 * inter, hidden, device="cuda") / hidden ** 0.5).bfloat16()
-    down = (torch.randn(experts, hidden, inter, device="cuda") / inter ** 0.5).bfloat16()
-    n_max = 4096 if quick else 16384
-    x = torch.randn(n_max, hidden, device="cuda").bfloat16()
-    logits = torch.randn(n_max, experts, device="cuda")
-    logits[:, 0] += 4.0  # expert 0: nearly every token
-    logits[:, 100:] -= 20.0  # experts 100..127: (almost) never
-    logits[7, 127] += 40.0  # expert 127: one token
-    weights, ids = softmax_topk(logits, top_k, True)
-    rows = torch.tensor([0, 7, 1, 63, 500, n_max - 1], device="cuda")
-    single = torch.cat([fused_moe(x[i:i + 1], gate_up, down, weights[i:i + 1], ids[i:i + 1]) for i in rows.tolist()])
-    counts = torch.bincount(ids.reshape(-1), minlength=experts)
-    print(f"moe: expert rows at {n_max} tokens: max {int(counts.max())}, experts with 0 rows "
-          f"{int((counts == 0).sum())}, with 1 row {int((counts == 1).sum())}", flush=True)
-    for n in (64, 512, 4096, 16384):
-        if n > n_max:
-            continue
-        full = fused_moe(x[:n], gate_up, down, weights[:n], ids[:n])
-        keep = rows < n
-        results["moe"].compare(full[rows[keep]], single[keep], f"fused_moe rows in a batch of {n}")
-        perm = torch.randperm(n, device="cuda")
-        results["moe"].compare(fused_moe(x[perm], gate_up, down, weights[perm], ids[perm])[torch.argsort(perm)], full,
-                               f"fused_moe batch of {n} permuted")
-    w1, i1 = softmax_topk(logits[:1], top_k, True)
-    results["moe"].compare(w1, weights[:1], "routing weights row 0 alone")
-    results["moe"].compare(i1, ids[:1], "routing ids row 0 alone")
+    if router == "softmax":
+        return softmax_topk(logits, top_k, True)
+    n_group = int(router.split()[1])
+    bias = torch.linspace(-0.05, 0.05, logits.shape[1], device=logits.device)
+    return sigmoid_grouped_topk(logits, bias, top_k, n_group, max(1, n_group // 2), True, 2.5)
+
+
+def check_moe(results: dict[str, Result], quick: bool) -> None:
+    """MoE shapes: each token's output computed alone equals its row in batches of 64 ... 16384
+    tokens, with a skewed router so experts receive 0, 1 or thousands of rows; routing rows
+    alone equal their rows in the batch."""
+    from vexact_models.kernels.moe import fused_moe
+
+    for name, hidden, experts, inter, top_k, router in MOE_SHAPES:
+        gate_up = (torch.randn(experts, 2 * inter, hidden, device="cuda") / hidden ** 0.5).bfloat16()
+        down = (torch.randn(experts, hidden, inter, device="cuda") / inter ** 0.5).bfloat16()
+        n_max = 4096 if quick else 16384
+        x = torch.randn(n_max, hidden, device="cuda").bfloat16()
+        logits = torch.randn(n_max, experts, device="cuda")
+        logits[:, 0] += 4.0  # expert 0: nearly every token
+        logits[:, experts - experts // 8:] -= 20.0  # the last eighth: (almost) never
+        logits[7, experts - 1] += 40.0  # the last expert: one token
+        weights, ids = _route(logits, top_k, router)
+        rows = torch.tensor([0, 7, 1, 63, 500, n_max - 1], device="cuda")
+        single = torch.cat([fused_moe(x[i:i + 1], gate_up, down, weights[i:i + 1], ids[i:i + 1]) for i in rows.tolist()])
+        counts = torch.bincount(ids.reshape(-1), minlength=experts)
+        print(f"moe {name}: expert rows at {n_max} tokens: max {int(counts.max())}, experts with 0 rows "
+              f"{int((counts == 0).sum())}, with 1 row {int((counts == 1).sum())}", flush=True)
+        for n in (64, 512, 4096, 16384):
+            if n > n_max:
+                continue
+            full = fused_moe(x[:n], gate_up, down, weights[:n], ids[:n])
+            keep = rows < n
+            results["moe"].compare(full[rows[keep]], single[keep], f"{name} fused_moe rows in a batch of {n}")
+            perm = torch.randperm(n, device="cuda")
+            results["moe"].compare(fused_moe(x[perm], gate_up, down, weights[perm], ids[perm])[torch.argsort(perm)],
+                                   full, f"{name} fused_moe batch of {n} permuted")
+        for i in rows.tolist():
+            w1, i1 = _route(logits[i:i + 1], top_k, router)
+            results["moe"].compare(w1, weights[i:i + 1], f"{name} {router} routing weights row {i} alone")
+            results["moe"].compare(i1, ids[i:i + 1], f"{name} {router} routing ids row {i} alone")
+        del gate_up, down, x
+        torch.cuda.empty_cache()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -284,8 +302,8 @@ def main(argv: list[str] | None = None) -> int:
             check_linear_configs(results["linear configs"], k, n)
     if args.only in (None, "attention"):
         lens = [1, 37, 300, 2048] if args.quick else [1, 37, 300, 2048, 8192]
-        for name, hq, hkv, d in ATTENTION_SHAPES:
-            check_attention(results["attention"], hq, hkv, d, lens, args.quick)
+        for name, hq, hkv, d, dv in ATTENTION_SHAPES:
+            check_attention(results["attention"], hq, hkv, d, dv, lens, args.quick)
             print(f"attention {name}: {results['attention'].mismatches} mismatches so far", flush=True)
     if args.only in (None, "rows"):
         check_rows(results, args.quick)

@@ -46,14 +46,15 @@ class DecoderModelMixin(StrictLoadingMixin):
     ``norm`` and ``rope`` (a `RopeTables`). Layers are called as
     ``layer(hidden, positions, rope, context, **layer_kwargs)``."""
 
-    def init_decoder_stack(self, config, layer_class, norm_class) -> None:
-        """Build HF's ``embed_tokens``, ``layers``, ``norm`` and the RoPE tables from `config`."""
+    def init_decoder_stack(self, config, layer_class, norm_class, rope_dim: int | None = None) -> None:
+        """Build HF's ``embed_tokens``, ``layers``, ``norm`` and the RoPE tables from `config`
+        (over `rope_dim` dims; default the head dim)."""
         if getattr(config, "use_sliding_window", False):
             raise ValueError(f"{type(self).__name__}: use_sliding_window=True is not supported")
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         self.layers = nn.ModuleList(layer_class(config, i) for i in range(config.num_hidden_layers))
         self.norm = norm_class(config.hidden_size, eps=config.rms_norm_eps)
-        self.rope = RopeTables(config, head_dim_of(config))
+        self.rope = RopeTables(config, rope_dim or head_dim_of(config))
         self.gradient_checkpointing = False
 
     def forward_flat(self, input_ids: torch.Tensor, positions: torch.Tensor, context, **layer_kwargs) -> torch.Tensor:

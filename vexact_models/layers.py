@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from vexact_models.kernels import (PagedLayout, attention, attention_packed, kv_cache_write, rms_norm,
-                                   rope_table)
+from vexact_models.kernels import (PagedLayout, attention, attention_packed, kv_cache_write, linear, rms_norm,
+                                   rope_table, silu_and_mul)
+from vexact_models.kernels.moe import fused_moe
 
 
 def head_dim_of(config) -> int:
@@ -42,6 +43,37 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+class GatedMLP(nn.Module):
+    """HF's SiLU-gated MLP (``gate_proj``, ``up_proj``, ``down_proj``, no bias):
+    ``down(silu(gate(x)) * up(x))`` with `kernels.linear` and `kernels.silu_and_mul`."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu") -> None:
+        super().__init__()
+        if hidden_act != "silu":
+            raise ValueError(f"{type(self).__name__}: hidden_act={hidden_act!r} is not supported (only 'silu')")
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        act = silu_and_mul(linear(x, self.gate_proj.weight), linear(x, self.up_proj.weight))
+        return linear(act, self.down_proj.weight)
+
+
+class FusedExperts(nn.Module):
+    """Routed experts as HF stores them: fused 3-D tensors ``gate_up_proj [E, 2I, H]`` and
+    ``down_proj [E, H, I]``, run through `kernels.moe.fused_moe` (batch-invariant)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        return fused_moe(hidden, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
 
 
 class RopeTables:

@@ -10,7 +10,7 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-_BUILTIN = ("vexact_models.qwen3", "vexact_models.qwen3_moe")
+_BUILTIN = ("vexact_models.qwen3", "vexact_models.qwen3_moe", "vexact_models.deepseek_v3", "vexact_models.moonlight")
 _REGISTRY: dict[str, "Architecture"] = {}
 
 
@@ -28,6 +28,9 @@ class Architecture:
         tiny_config: builds a tiny random-weight config for CPU tests (kwargs override fields).
         hf_causal_lm_class: dotted path of the stock transformers class, for HF parity.
         published_configs: file names under ``shared/configs`` with the real shapes.
+        init_for_conformance: ``fn(model, seed)`` giving random values to what random init leaves
+            constant and the forward depends on (e.g. DeepSeek's expert-selection bias), so that
+            conformance exercises it; None when there is nothing to do.
     """
 
     name: str
@@ -39,6 +42,7 @@ class Architecture:
     tiny_config: Callable[..., object]
     hf_causal_lm_class: str
     published_configs: tuple[str, ...] = field(default_factory=tuple)
+    init_for_conformance: Callable[..., None] | None = None
 
     def hf_class(self) -> type:
         module, _, name = self.hf_causal_lm_class.rpartition(".")

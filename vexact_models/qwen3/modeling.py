@@ -13,8 +13,8 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel, Qwen3Config
 
-from vexact_models.kernels import apply_rotary, linear, silu_and_mul
-from vexact_models.layers import RMSNorm, head_dim_of
+from vexact_models.kernels import apply_rotary, linear
+from vexact_models.layers import GatedMLP, RMSNorm, head_dim_of
 
 from ..causal_lm import CausalLMMixin, DecoderModelMixin, InferenceModel
 
@@ -52,18 +52,9 @@ class Qwen3Attention(nn.Module):
         return linear(out.reshape(tokens, -1), self.o_proj.weight, self.o_proj.bias)
 
 
-class Qwen3MLP(nn.Module):
+class Qwen3MLP(GatedMLP):
     def __init__(self, config: Qwen3Config) -> None:
-        super().__init__()
-        if config.hidden_act != "silu":
-            raise ValueError(f"Qwen3MLP: hidden_act={config.hidden_act!r} is not supported (only 'silu')")
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        act = silu_and_mul(linear(x, self.gate_proj.weight), linear(x, self.up_proj.weight))
-        return linear(act, self.down_proj.weight)
+        super().__init__(config.hidden_size, config.intermediate_size, config.hidden_act)
 
 
 class Qwen3DecoderLayer(nn.Module):

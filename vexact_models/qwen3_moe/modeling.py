@@ -15,9 +15,8 @@ from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 from vexact_models.kernels import linear
-from vexact_models.kernels.moe import fused_moe
 from vexact_models.kernels.moe_routing import softmax_topk
-from vexact_models.layers import RMSNorm
+from vexact_models.layers import FusedExperts, RMSNorm
 
 from ..causal_lm import CausalLMMixin, DecoderModelMixin, InferenceModel
 from ..qwen3.modeling import Qwen3Attention, Qwen3MLP
@@ -27,18 +26,11 @@ class Qwen3MoeRMSNorm(RMSNorm):
     pass
 
 
-class Qwen3MoeExperts(nn.Module):
+class Qwen3MoeExperts(FusedExperts):
     """The routed experts as HF stores them: fused 3-D weight tensors."""
 
     def __init__(self, config: Qwen3MoeConfig) -> None:
-        super().__init__()
-        self.num_experts = config.num_experts
-        inter, hidden = config.moe_intermediate_size, config.hidden_size
-        self.gate_up_proj = nn.Parameter(torch.empty(config.num_experts, 2 * inter, hidden))
-        self.down_proj = nn.Parameter(torch.empty(config.num_experts, hidden, inter))
-
-    def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        return fused_moe(hidden, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+        super().__init__(config.num_experts, config.hidden_size, config.moe_intermediate_size)
 
 
 class Qwen3MoeTopKRouter(nn.Module):

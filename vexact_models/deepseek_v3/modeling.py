@@ -1,0 +1,261 @@
+"""DeepSeek-V3 (MLA attention, DeepSeekMoE) with one forward for training and rollouts.
+
+HF's ``modeling_deepseek_v3`` module tree and parameter names, so stock checkpoints load and
+save as they are (Moonlight-16B-A3B ships the same ``model_type``). Everything runs through
+`vexact_models.kernels`:
+
+- Multi-head latent attention: ``q_proj`` (or the q-LoRA ``q_a_proj`` -> ``q_a_layernorm`` ->
+  ``q_b_proj``), ``kv_a_proj_with_mqa`` -> latent (``kv_a_layernorm``, ``kv_b_proj``) + one
+  shared RoPE key. The query/key head dim (nope + rope, 192) differs from the value head dim
+  (128); the attention kernel takes both. The KV cache holds the *expanded* per-head K and V
+  that training attends over (DESIGN.md rule 6), not the latent (see ``kv_cache_spec``).
+- RoPE on the rope dims only, from one fp32 table (YaRN for DeepSeek-V3); DeepSeek's
+  interleaved rope layout (``rope_interleave``) is de-interleaved first, which is HF's math.
+  With YaRN, the softmax scale carries ``mscale**2`` as in HF.
+- DeepSeekMoE: sigmoid scores, ``e_score_correction_bias`` for selection only, group-limited
+  top-k (`kernels.grouped_topk`), ``routed_scaling_factor``, shared experts added to the routed
+  output, the first ``first_k_dense_replace`` layers dense.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from transformers import DeepseekV3Config, PreTrainedModel
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+
+from vexact_models.kernels import apply_rotary, linear
+from vexact_models.kernels.grouped_topk import sigmoid_grouped_topk
+from vexact_models.layers import FusedExperts, GatedMLP, RMSNorm
+
+from ..causal_lm import CausalLMMixin, DecoderModelMixin, InferenceModel
+
+
+class DeepseekV3RMSNorm(RMSNorm):
+    pass
+
+
+def rope_parameters(config) -> dict:
+    """The config's RoPE parameters (``rope_parameters``, or the older ``rope_scaling``)."""
+    return dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+
+
+def mla_softmax_scale(config) -> float:
+    """``qk_head_dim ** -0.5``, times YaRN's ``mscale(factor, mscale_all_dim) ** 2`` when the
+    RoPE is scaled (DeepSeek-V3's long-context attention temperature, as HF computes it)."""
+    scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    params = rope_parameters(config)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    mscale_all_dim = params.get("mscale_all_dim", 0)
+    if rope_type != "default" and mscale_all_dim:
+        factor = float(params["factor"])
+        mscale = 1.0 if factor <= 1 else 0.1 * mscale_all_dim * math.log(factor) + 1.0
+        scale = scale * mscale * mscale
+    return scale
+
+
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's interleaved rope pairs ``(x0, x1), (x2, x3), ...`` -> ``[x0, x2, ..., x1, x3, ...]``,
+    the NeoX halves `apply_rotary` rotates (a copy; HF's interleaved rotation is this plus
+    rotate-half)."""
+    return x.unflatten(-1, (x.shape[-1] // 2, 2)).transpose(-1, -2).flatten(-2)
+
+
+class DeepseekV3Attention(nn.Module):
+    """Multi-head latent attention over expanded per-head K (nope + rope) and V."""
+
+    def __init__(self, config: DeepseekV3Config, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        if config.num_key_value_heads != config.num_attention_heads:
+            raise ValueError(f"DeepseekV3Attention: num_key_value_heads={config.num_key_value_heads} must equal "
+                             f"num_attention_heads={config.num_attention_heads} (MLA expands K/V per head)")
+        self.q_lora_rank = config.q_lora_rank
+        self.kv_lora_rank = config.kv_lora_rank
+        self.nope_dim, self.rope_dim, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.qk_head_dim = self.nope_dim + self.rope_dim
+        self.interleaved = bool(getattr(config, "rope_interleave", True))
+        self.scaling = mla_softmax_scale(config)
+        bias, hidden = config.attention_bias, config.hidden_size
+        if self.q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden, self.num_heads * self.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden, self.q_lora_rank, bias=bias)
+            self.q_a_layernorm = DeepseekV3RMSNorm(self.q_lora_rank)
+            self.q_b_proj = nn.Linear(self.q_lora_rank, self.num_heads * self.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_lora_rank + self.rope_dim, bias=bias)
+        self.kv_a_layernorm = DeepseekV3RMSNorm(self.kv_lora_rank)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.v_dim, hidden, bias=bias)
+
+    def _query(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.q_lora_rank is None:
+            q = linear(hidden, self.q_proj.weight)
+        else:
+            q_latent = self.q_a_layernorm(linear(hidden, self.q_a_proj.weight, self.q_a_proj.bias))
+            q = linear(q_latent, self.q_b_proj.weight)
+        return q.view(hidden.shape[0], self.num_heads, self.qk_head_dim)
+
+    def _rotate(self, x: torch.Tensor, positions: torch.Tensor, rope) -> torch.Tensor:
+        cos, sin = rope
+        return apply_rotary(deinterleave(x) if self.interleaved else x, positions, cos, sin)
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                context) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        q = self._query(hidden)
+        compressed = linear(hidden, self.kv_a_proj_with_mqa.weight, self.kv_a_proj_with_mqa.bias)
+        latent, k_rot = compressed.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = linear(self.kv_a_layernorm(latent.contiguous()), self.kv_b_proj.weight)
+        k_nope, v = kv.view(tokens, self.num_heads, self.nope_dim + self.v_dim).split([self.nope_dim, self.v_dim], -1)
+        q_rot = self._rotate(q[..., self.nope_dim:], positions, rope)
+        k_rot = self._rotate(k_rot.reshape(tokens, 1, self.rope_dim), positions, rope)
+        # every head's key shares the one rotated rope key (MQA-style); the cache stores it per head
+        q = torch.cat([q[..., :self.nope_dim], q_rot], dim=-1)
+        k = torch.cat([k_nope, k_rot.expand(tokens, self.num_heads, self.rope_dim)], dim=-1)
+        out = context.attend(self.layer_idx, q, k, v.contiguous(), self.scaling)
+        return linear(out.reshape(tokens, -1), self.o_proj.weight, self.o_proj.bias)
+
+
+class DeepseekV3MLP(GatedMLP):
+    def __init__(self, config: DeepseekV3Config, intermediate_size: int | None = None) -> None:
+        super().__init__(config.hidden_size, intermediate_size or config.intermediate_size, config.hidden_act)
+
+
+class DeepseekV3Experts(FusedExperts):
+    """The routed experts as HF stores them: fused 3-D weight tensors."""
+
+    def __init__(self, config: DeepseekV3Config) -> None:
+        super().__init__(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size)
+
+
+class DeepseekV3TopkRouter(nn.Module):
+    """Router: fp32 logits (as HF), sigmoid scores, bias-corrected group-limited top-k."""
+
+    def __init__(self, config: DeepseekV3Config) -> None:
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.n_group, self.topk_group = config.n_group, config.topk_group
+        self.norm_topk_prob = config.norm_topk_prob
+        self.routed_scaling_factor = config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.zeros(config.n_routed_experts, config.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(config.n_routed_experts))
+
+    def forward(self, hidden: torch.Tensor):
+        logits = linear(hidden.float(), self.weight.float())
+        weights, ids = sigmoid_grouped_topk(logits, self.e_score_correction_bias.float(), self.top_k, self.n_group,
+                                            self.topk_group, self.norm_topk_prob, self.routed_scaling_factor)
+        return logits, weights, ids
+
+
+class DeepseekV3MoE(nn.Module):
+    """Routed experts plus the always-on shared experts (one MLP of ``n_shared_experts`` width)."""
+
+    def __init__(self, config: DeepseekV3Config) -> None:
+        super().__init__()
+        self.experts = DeepseekV3Experts(config)
+        self.gate = DeepseekV3TopkRouter(config)
+        self.shared_experts = DeepseekV3MLP(config, config.moe_intermediate_size * config.n_shared_experts)
+
+    def forward(self, hidden: torch.Tensor, router_logits: list | None = None) -> torch.Tensor:
+        logits, weights, ids = self.gate(hidden)
+        if router_logits is not None:
+            router_logits.append(logits)
+        return self.experts(hidden, ids, weights) + self.shared_experts(hidden)
+
+
+class DeepseekV3DecoderLayer(nn.Module):
+    def __init__(self, config: DeepseekV3Config, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = DeepseekV3Attention(config, layer_idx)
+        self.mlp = DeepseekV3MoE(config) if layer_idx >= config.first_k_dense_replace else DeepseekV3MLP(config)
+        self.input_layernorm = DeepseekV3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = DeepseekV3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden, positions, rope, context, router_logits: list | None = None) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, rope, context)
+        normed = self.post_attention_layernorm(hidden)
+        if isinstance(self.mlp, DeepseekV3MoE):
+            return hidden + self.mlp(normed, router_logits)
+        return hidden + self.mlp(normed)
+
+
+class DeepseekV3PreTrainedModel(PreTrainedModel):
+    config_class = DeepseekV3Config
+    config: DeepseekV3Config
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["DeepseekV3DecoderLayer"]
+    _keep_in_fp32_modules_strict = ["e_score_correction_bias"]
+    # DeepSeek-V3's multi-token-prediction layer (layer 61) is not part of the causal LM
+    _keys_to_ignore_on_load_unexpected = [r"model\.layers\.61.*"]
+
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        std = self.config.initializer_range
+        if isinstance(module, DeepseekV3Experts):
+            nn.init.normal_(module.gate_up_proj, 0.0, std)
+            nn.init.normal_(module.down_proj, 0.0, std)
+        elif isinstance(module, DeepseekV3TopkRouter):
+            nn.init.normal_(module.weight, 0.0, std)
+            nn.init.zeros_(module.e_score_correction_bias)
+
+
+class DeepseekV3Model(DecoderModelMixin, DeepseekV3PreTrainedModel):
+    """The decoder stack (HF's ``DeepseekV3Model``); RoPE tables span the rope dims only."""
+
+    def __init__(self, config: DeepseekV3Config) -> None:
+        super().__init__(config)
+        self.init_decoder_stack(config, DeepseekV3DecoderLayer, DeepseekV3RMSNorm, rope_dim=config.qk_rope_head_dim)
+        self.post_init()
+
+
+class DeepseekV3ForCausalLM(CausalLMMixin, DeepseekV3PreTrainedModel):
+    """Training variant: a drop-in for HF ``DeepseekV3ForCausalLM`` plus `token_logprobs`.
+
+    With ``output_router_logits`` the output carries each MoE layer's fp32 router logits over
+    the non-padding tokens (DeepSeek-V3 balances experts through ``e_score_correction_bias``,
+    not an auxiliary loss, so there is no ``aux_loss``).
+    """
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: DeepseekV3Config) -> None:
+        super().__init__(config)
+        self.model = DeepseekV3Model(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, cu_seqlens=None,
+                logits_to_keep: int = 0, output_router_logits: bool | None = None, **kwargs) -> MoeCausalLMOutputWithPast:
+        for unused in ("use_cache", "past_key_values", "return_dict"):
+            kwargs.pop(unused, None)
+        collect = self.config.output_router_logits if output_router_logits is None else output_router_logits
+        router = [] if collect else None
+        hidden, flat = self._forward_hidden(input_ids, attention_mask, position_ids, cu_seqlens, router_logits=router)
+        logits = self._padded_logits(hidden, flat, logits_to_keep)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return MoeCausalLMOutputWithPast(loss=loss, logits=logits, router_logits=tuple(router) if collect else None)
+
+    def kv_cache_spec(self) -> tuple[int, int, int, int]:
+        """(layers, heads, 192-ish key dim, value dim): the expanded per-head K (nope + rope) and V.
+
+        Per token and layer that is ``heads * (qk_nope + qk_rope + v) * dtype bytes``: 80 KiB for
+        DeepSeek-V3 in bf16 (4.8 MiB over 61 layers) and 10 KiB for Moonlight (270 KiB over 27
+        layers), against ``(kv_lora_rank + qk_rope) * 2`` = 1,152 bytes for a latent cache.
+        """
+        cfg = self.config
+        return (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim,
+                cfg.v_head_dim)
+
+
+class DeepseekV3ForCausalLMInference(InferenceModel):
+    """Inference variant: the same modules (shared storage) driven by the paged runtime."""
+
+    training_class = DeepseekV3ForCausalLM
