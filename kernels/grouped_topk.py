@@ -39,6 +39,8 @@ def _grouped_topk_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, sel_ptr, st
     # [BLOCK_G, BLOCK_GS] tile of expert indices; padding cells alias the next group's: mask with `valid`
     expert = g[:, None] * group_size + j[None, :]
     x = tl.load(logits_ptr + row * stride + expert, mask=valid, other=0.0).to(tl.float32)
+    # a NaN row (a CUDA-graph padding row attends over nothing) must still pick in-range experts
+    x = tl.where(x == x, x, float("-inf"))
     s = 1.0 / (1.0 + tl.exp(-x))
     bias = tl.load(bias_ptr + expert, mask=valid, other=0.0).to(tl.float32)
     choice = tl.where(valid, s + bias, float("-inf"))
@@ -94,8 +96,9 @@ def _pick(values: torch.Tensor, k: int) -> torch.Tensor:
 
 def sigmoid_grouped_topk_reference(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int,
                                    topk_group: int, norm: bool, scale: float):
-    """CPU reference: (weights, ids, picked sigmoid scores), each ``[T, k]``."""
-    scores = exact_math.sigmoid(logits)
+    """CPU reference: (weights, ids, picked sigmoid scores), each ``[T, k]``. NaN logits count
+    as -inf (score 0), as in the kernel."""
+    scores = exact_math.sigmoid(logits.masked_fill(logits.isnan(), float("-inf")))
     choice = scores + bias.to(scores.dtype)
     rows, experts = choice.shape
     grouped = choice.view(rows, n_group, experts // n_group)

@@ -114,3 +114,18 @@ def test_rejects_bad_arguments(shape, bias, args, match):
     top_k, n_group, topk_group = args
     with pytest.raises(ValueError, match=match):
         sigmoid_grouped_topk(torch.randn(shape), torch.zeros(bias), top_k, n_group, topk_group, True, 1.0)
+
+
+@pytest.mark.parametrize("case", [DEEPSEEK_V3, MOONLIGHT], ids=["dsv3", "moonlight"])
+def test_nan_row_picks_in_range_experts_and_leaves_others_alone(case):
+    """A CUDA-graph padding row attends over nothing and its logits are NaN: the router must
+    still return valid expert ids (the MoE kernels index with them)."""
+    experts, top_k, n_group, topk_group, norm, scale = case
+    logits, bias = torch.randn(5, experts), torch.randn(experts) * 0.05
+    nan = logits.clone()
+    nan[2] = float("nan")
+    w, ids = sigmoid_grouped_topk(nan, bias, top_k, n_group, topk_group, norm, scale)
+    assert int(ids.min()) >= 0 and int(ids.max()) < experts and len(set(ids[2].tolist())) == top_k
+    w_ok, ids_ok = sigmoid_grouped_topk(logits, bias, top_k, n_group, topk_group, norm, scale)
+    keep = torch.tensor([0, 1, 3, 4])
+    assert torch.equal(ids[keep], ids_ok[keep]) and torch.equal(w[keep], w_ok[keep])

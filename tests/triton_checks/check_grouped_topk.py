@@ -60,3 +60,15 @@ def test_grouped_topk_backward():
     picked = torch.sigmoid(x).gather(1, ids.cpu())
     (want,) = torch.autograd.grad(2.5 * picked / picked.sum(1, keepdim=True), x, g.cpu().double())
     close(got, want, 1e-5)
+
+
+def test_grouped_topk_nan_row_stays_in_range():
+    """CUDA-graph padding rows have NaN logits: ids must stay valid, like the reference's."""
+    logits = _separated_logits(4, 64)
+    logits[1] = float("nan")
+    bias = rand(64) * 0.05
+    w, ids = sigmoid_grouped_topk(logits, bias, 6, 8, 4, True, 2.5)
+    w_ref, ids_ref = ref(sigmoid_grouped_topk, logits, bias, 6, 8, 4, True, 2.5)
+    assert int(ids.min()) >= 0 and int(ids.max()) < 64
+    assert torch.equal(ids, ids_ref)
+    close(w, w_ref, 1e-6)
