@@ -10,7 +10,7 @@ cache, read through a trivial block table with ``page_size = 1`` (`attention_pac
 
 Invariance contract (DESIGN.md rule 2): for every query row, the keys are reduced in blocks of
 `BLOCK_N` aligned to absolute positions 0, BLOCK_N, 2*BLOCK_N, ... with an fp32 online softmax,
-by one compiled kernel configuration per head dim (`BLOCK_M`, `BLOCK_N`, `NUM_STAGES` fixed;
+by one compiled kernel configuration per head dim and dtype (`BLOCK_M`, `BLOCK_N` fixed;
 `page_size` is a runtime argument that Triton does not specialize on), so a query's output is
 the same whether it is computed packed, in prefill chunks of any size, or as a decode step. A
 tile may run past a row's last key; those blocks are fully masked and leave the row's state
@@ -39,9 +39,12 @@ HEAD_DIMS = (64, 128, 192)
 VALUE_HEAD_DIMS = (64, 128)
 
 
-def num_warps_for(head_dim: int) -> int:
-    """Warps per program: a model property (its head dim), so one model always runs one config."""
-    return 8 if head_dim > 128 else 4
+def launch_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(warps, pipeline stages) per program. Both depend only on the model (its head dim and
+    dtype), so one model always runs one compiled configuration: a padded 256-wide fp32 K tile
+    does not fit two stages in shared memory."""
+    wide = head_dim > 128
+    return (8 if wide else 4), (1 if wide and dtype == torch.float32 else NUM_STAGES)
 REFERENCE_BLOCK_N = 16  # the reference's own fixed key block
 
 
@@ -148,13 +151,14 @@ def _attention_triton(q, k_cache, v_cache, layout: PagedLayout, scale: float):
     k = k_cache.reshape(-1, n_kv_heads, head_dim)
     v = v_cache.reshape(-1, n_kv_heads, head_dim_v)
     grid = (triton.cdiv(layout.max_seqlen_q * group, BLOCK_M), n_seqs, n_kv_heads)
+    num_warps, num_stages = launch_config(head_dim, q.dtype)
     _attention_fwd_kernel[grid](
         q, k, v, out, lse, layout.cu_seqlens_q, layout.seq_lens, layout.block_table,
         layout.page_size, scale * math.log2(math.e),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), layout.block_table.stride(0),
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=next_power_of_2(head_dim),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=num_warps_for(head_dim), num_stages=NUM_STAGES)
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=num_warps, num_stages=num_stages)
     return out, lse
 
 

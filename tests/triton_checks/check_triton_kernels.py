@@ -136,13 +136,13 @@ def test_attention_packed_and_paged(hq, hkv, d, dv):
         assert torch.equal(paged, packed[idx])
 
 
-@pytest.mark.parametrize("d,dv", [(64, 64), (192, 128)])
-def test_attention_backward(d, dv):
+@pytest.mark.parametrize("d,dv,dtype", [(64, 64, torch.bfloat16), (192, 128, torch.bfloat16), (192, 128, torch.float32)])
+def test_attention_backward(d, dv, dtype):
     lens = [3, 40, 90]
     t = sum(lens)
-    q, k, v = (rand(t, h, width).bfloat16().requires_grad_() for h, width in ((4, d), (2, d), (2, dv)))
+    q, k, v = (rand(t, h, width).to(dtype).requires_grad_() for h, width in ((4, d), (2, d), (2, dv)))
     cu = torch.tensor([0, 3, 43, 133], dtype=torch.int32, device=DEVICE)
-    g = rand(t, 4, dv).bfloat16()
+    g = rand(t, 4, dv).to(dtype)
     got = torch.autograd.grad(attention_packed(q, k, v, cu, 90, 0.125), (q, k, v), g)
     qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
     want = torch.autograd.grad(attention_math(qd, kd, vd, cu, 0.125), (qd, kd, vd), g.double())

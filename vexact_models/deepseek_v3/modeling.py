@@ -234,7 +234,9 @@ class DeepseekV3ForCausalLM(CausalLMMixin, DeepseekV3PreTrainedModel):
                 logits_to_keep: int = 0, output_router_logits: bool | None = None, **kwargs) -> MoeCausalLMOutputWithPast:
         for unused in ("use_cache", "past_key_values", "return_dict"):
             kwargs.pop(unused, None)
-        collect = self.config.output_router_logits if output_router_logits is None else output_router_logits
+        if output_router_logits is None:  # a config field only in newer transformers
+            output_router_logits = getattr(self.config, "output_router_logits", False)
+        collect = output_router_logits
         router = [] if collect else None
         hidden, flat = self._forward_hidden(input_ids, attention_mask, position_ids, cu_seqlens, router_logits=router)
         logits = self._padded_logits(hidden, flat, logits_to_keep)
