@@ -163,3 +163,16 @@ def test_kv_cache_holds_expanded_keys_and_values(tmp_path):
 def test_rejects_grouped_kv_heads():
     with pytest.raises(ValueError, match="num_key_value_heads=2 must equal num_attention_heads=4"):
         DeepseekV3ForCausalLM(deepseek_v3.tiny_config(num_key_value_heads=2))
+
+
+def test_patched_auto_class_loads_ours(checkpoint):
+    import vexact_models
+    from transformers import AutoModelForCausalLM
+
+    vexact_models.patch()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    finally:
+        vexact_models.unpatch()
+    assert type(model) is DeepseekV3ForCausalLM
+    assert type(AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)) is HFDeepseekV3ForCausalLM
