@@ -7,6 +7,9 @@ sequence gets never changes its numbers (attention reads K/V through the block t
 aligned to absolute positions), but allocation is still deterministic, so a rerun of the same
 workload touches the same pages, which keeps debugging and replay simple.
 
+Every block table is mirrored, as a row of one array, in ``BlockManager.tables`` (see
+``block_tables``): the model runner gathers a step's tables from there in one vectorised op.
+
 Prefix sharing
 --------------
 A *full* page of a sequence (``block_size`` tokens) whose K/V are written gets a content key,
@@ -40,6 +43,8 @@ import hashlib
 from array import array
 from collections import Counter, OrderedDict
 from typing import TYPE_CHECKING
+
+from .block_tables import BlockTables
 
 if TYPE_CHECKING:
     from .sequence import Sequence
@@ -98,6 +103,8 @@ class BlockManager:
         self._cached: dict[bytes, int] = {}
         #: Pages taken from the prefix cache instead of being computed (a running total).
         self.num_shared_hits = 0
+        #: Every allocated sequence's block table as a row of one array, for the model runner.
+        self.tables = BlockTables()
 
     @property
     def num_free_blocks(self) -> int:
@@ -188,6 +195,7 @@ class BlockManager:
                 f"BlockManager: sequence {seq.seq_id} needs {needed} more blocks to cover "
                 f"{num_tokens} tokens but only {len(self._free)} of {self.num_blocks} are free"
             )
+        start = len(seq.block_table)
         for block in hits:
             if self._ref[block] == 0:
                 del self._free[block]  # revive a cached page: its K/V are still in place
@@ -196,10 +204,25 @@ class BlockManager:
         seq.num_computed_tokens += len(hits) * self.block_size
         self.num_shared_hits += len(hits)
         for _ in range(fresh):
-            block, _ = self._free.popitem(last=False)
-            self._forget(block)  # its old contents are about to be overwritten
-            self._ref[block] = 1
-            seq.block_table.append(block)
+            seq.block_table.append(self._pop_fresh())
+        self.tables.extend(seq.seq_id, start, seq.block_table[start:])
+
+    def append_block(self, seq: Sequence) -> None:
+        """One fresh page at the end of ``seq.block_table``: what ``allocate`` does for a decode
+        step that enters a new page (nothing can be shared there), minus its general
+        bookkeeping, for the scheduler's hot path. Raises RuntimeError when no page is free."""
+        if not self._free:
+            raise RuntimeError(f"BlockManager: sequence {seq.seq_id} needs a block but none of "
+                               f"{self.num_blocks} is free")
+        seq.block_table.append(self._pop_fresh())
+        self.tables.extend(seq.seq_id, len(seq.block_table) - 1, seq.block_table[-1:])
+
+    def _pop_fresh(self) -> int:
+        """Take the page at the front of the free list for a new owner."""
+        block, _ = self._free.popitem(last=False)
+        self._forget(block)  # its old contents are about to be overwritten
+        self._ref[block] = 1
+        return block
 
     def _forget(self, block: int) -> None:
         key = self._key[block]
@@ -221,10 +244,13 @@ class BlockManager:
         if not self.enable_prefix_sharing:
             return
         table = seq.block_table
-        full = min(min(num_tokens, seq.num_tokens) // self.block_size, len(table))
+        bs = self.block_size
+        full = min(num_tokens, len(seq.token_ids), len(table) * bs) // bs
+        if full <= 0 or self._key[table[full - 1]] is not None:
+            return  # nothing new to publish (most decode steps): the cheap exit first
         # Published pages are always a leading run of the table (shared pages come first,
         # then pages are published in order as they fill up): walk back to its end.
-        index = full
+        index = full - 1
         while index > 0 and self._key[table[index - 1]] is None:
             index -= 1
         parent = self._key[table[index - 1]] if index else _ROOT_KEY
@@ -250,6 +276,7 @@ class BlockManager:
             if self._ref[block] == 0:
                 self._free[block] = None
         seq.block_table.clear()
+        self.tables.release(seq.seq_id)
 
     def reset_prefix_cache(self) -> None:
         """Unpublish every page, so nothing computed so far is shared again (call it when the

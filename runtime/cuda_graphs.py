@@ -11,12 +11,68 @@ logprob (conformance checks it).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from vexact_models.kernels import PagedLayout
 from vexact_models.layers import PagedContext
 
+from .staging import Layout
+from .step_inputs import StepInputs
+
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+class DecodeInputs:
+    """The graphs' static input buffers, all views of ONE device byte buffer, and a host
+    staging twin of that buffer, so a step's inputs reach every buffer in one copy.
+
+    Buffers (``max_batch`` rows): ids, positions, slots (int64), cu_seqlens (int32,
+    ``max_batch + 1``), seq_lens (int32), block_table (int32, ``[max_batch, max_blocks]``).
+    Works on any device (on CPU the "copy" is a memcpy), which keeps the host side testable.
+    """
+
+    def __init__(self, max_batch: int, max_blocks: int, device: torch.device) -> None:
+        n = max_batch
+        self.max_batch, self.max_blocks = n, max_blocks
+        i64, i32 = np.dtype(np.int64), np.dtype(np.int32)
+        self.layout = Layout([(i64, (n,)), (i64, (n,)), (i64, (n,)), (i32, (n + 1,)), (i32, (n,)),
+                              (i32, (n, max_blocks))])
+        cuda = device.type == "cuda"
+        self.host = self.layout.allocate(torch.device("cpu"), pin=cuda)
+        self.host.zero_()
+        self.staged = self.layout.host_views(self.host)  # numpy views, in the buffers' order
+        slots = self.staged[2]
+        slots[:] = -1  # no KV write
+        self.buffer = self.layout.allocate(device)
+        self.buffer.copy_(self.host)
+        self.ids, self.positions, self.slots, self.cu_seqlens, self.seq_lens, self.block_table = \
+            self.layout.views(self.buffer)
+        # The staging buffer is reused: before refilling it, wait for the last copy to have read
+        # it (in practice the sampler's sync of the last step already did).
+        self._copied = torch.cuda.Event() if cuda else None
+
+    def fill(self, inputs: StepInputs, bucket: int) -> None:
+        """Write a decode step's inputs into the first ``bucket`` rows: its n sequences, then
+        harmless padding (token 0, position 0, slot -1, query count 0, length 0). Only the
+        table columns this batch uses are refreshed: the kernel never reads a row past its
+        sequence's last page, so stale entries further right are never seen."""
+        n, b = len(inputs.ids), bucket
+        if not n <= b <= self.max_batch:
+            raise ValueError(f"DecodeInputs: {n} sequences do not fit bucket {b} of max {self.max_batch}")
+        if self._copied is not None:
+            self._copied.synchronize()
+        ids, positions, slots, cu, seq_lens, table = self.staged
+        ids[:n], ids[n:b] = inputs.ids, 0
+        positions[:n], positions[n:b] = inputs.positions, 0
+        slots[:n], slots[n:b] = inputs.slots, -1
+        cu[:n + 1], cu[n + 1:b + 1] = inputs.cu_seqlens, n
+        seq_lens[:n], seq_lens[n:b] = inputs.seq_lens, 0
+        table[:n, :inputs.block_table.shape[1]] = inputs.block_table
+        end = self.layout.offsets[5] + n * self.max_blocks * 4  # through the table's row n - 1
+        self.buffer[:end].copy_(self.host[:end], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
 
 
 class DecodeGraphs:
@@ -27,21 +83,16 @@ class DecodeGraphs:
         self.buckets = sorted({b for b in buckets if b < max_batch} | {max_batch})
         self.max_batch = max_batch
         self.max_blocks = max_blocks_per_seq
-        n = max_batch
-        self.ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slots = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self.cu_seqlens = torch.zeros(n + 1, dtype=torch.int32, device=device)
-        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
-        self.block_table = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.rows = torch.arange(n, dtype=torch.int64, device=device)
+        self.inputs = DecodeInputs(max_batch, max_blocks_per_seq, device)
+        x = self.inputs
+        self.rows = torch.arange(max_batch, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         pool = None
         for b in reversed(self.buckets):  # largest first: the smaller graphs reuse its memory pool
-            context = PagedContext(PagedLayout(self.cu_seqlens[:b + 1], self.seq_lens[:b], self.block_table[:b],
-                                               block_size, 1), self.slots[:b], kv_caches)
-            args = (self.ids[:b], self.positions[:b], context, self.rows[:b])
+            context = PagedContext(PagedLayout(x.cu_seqlens[:b + 1], x.seq_lens[:b], x.block_table[:b],
+                                               block_size, 1), x.slots[:b], kv_caches)
+            args = (x.ids[:b], x.positions[:b], context, self.rows[:b])
             model(*args)  # warm-up: compiles the kernels outside the capture
             torch.cuda.synchronize(device)
             graph = torch.cuda.CUDAGraph()
@@ -57,24 +108,10 @@ class DecodeGraphs:
                 return b
         return None
 
-    def run(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]]) -> torch.Tensor:
-        """Replay the decode step for these sequences; fp32 logits ``[len(ids), vocab]``."""
-        b, n = self.bucket(len(ids)), len(ids)
-        pad = b - n
-        # Only the table columns this batch uses are refreshed: the kernel never reads a row
-        # past its sequence's last page, so stale entries further right are never seen.
-        width = max(len(t) for t in tables)
-        flat_tables = [x for t in tables for x in t + [0] * (width - len(t))]
-        host = torch.tensor(ids + [0] * pad + positions + [0] * pad + slots + [-1] * pad
-                            + list(range(n + 1)) + [n] * pad + [p + 1 for p in positions] + [0] * pad
-                            + flat_tables, dtype=torch.int64)
-        dev = host.pin_memory().to(self.ids.device, non_blocking=True)
-        parts = torch.split(dev, [b, b, b, b + 1, b, n * width])
-        self.ids[:b].copy_(parts[0])
-        self.positions[:b].copy_(parts[1])
-        self.slots[:b].copy_(parts[2])
-        self.cu_seqlens[:b + 1].copy_(parts[3])
-        self.seq_lens[:b].copy_(parts[4])
-        self.block_table[:n, :width].copy_(parts[5].view(n, width))
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        """Replay the decode step for a decode-only batch; fp32 logits ``[n, vocab]``."""
+        n = len(inputs.ids)
+        b = self.bucket(n)
+        self.inputs.fill(inputs, b)
         self.graphs[b].replay()
         return self.logits[b][:n]

@@ -104,6 +104,7 @@ class LLM:
             self.runner = ModelRunner(self.model, num_blocks, block_size, self.device, self.dtype,
                                       cuda_graph_batch=0 if enforce_eager else max_num_seqs,
                                       max_model_len=self.max_model_len)
+        self.runner.block_tables = self.block_manager.tables
         self.sampler = Sampler(eos)
         self.seed = seed
         self._next_request = 0
@@ -254,6 +255,7 @@ class LLM:
         self.block_manager = BlockManager(bm.num_blocks, bm.block_size, enable_prefix_sharing=bm.enable_prefix_sharing)
         self.scheduler = Scheduler(self.block_manager, s.max_num_seqs, s.max_num_batched_tokens, s.max_model_len,
                                    s.eos_token_id, chunked_prefill=s.chunked_prefill)
+        self.runner.block_tables = self.block_manager.tables
 
     def _run(self, total: int, use_tqdm: bool) -> None:
         bar = tqdm(total=total, desc="generate", unit="seq", disable=not use_tqdm)
@@ -272,10 +274,11 @@ class LLM:
                 logits = self.runner.execute(step.scheduled)
                 sampling = [item.seq for item in step.scheduled if item.samples]
                 tokens, logprobs = self.sampler(logits, sampling)
-                it_t, it_l = iter(tokens), iter(logprobs)
-                full_t = [next(it_t) if item.samples else None for item in step.scheduled]
-                full_l = [next(it_l) if item.samples else None for item in step.scheduled]
-                bar.update(len(self.scheduler.postprocess(step.scheduled, full_t, full_l)))
+                if len(sampling) < len(step.scheduled):  # None for the non-final prefill chunks
+                    it_t, it_l = iter(tokens), iter(logprobs)
+                    tokens = [next(it_t) if item.samples else None for item in step.scheduled]
+                    logprobs = [next(it_l) if item.samples else None for item in step.scheduled]
+                bar.update(len(self.scheduler.postprocess(step.scheduled, tokens, logprobs)))
                 if self.step_times is not None:  # the sampler's host sync ended the step
                     decode = all(item.num_new_tokens == 1 for item in step.scheduled)
                     self.step_times.append((len(step.scheduled), decode, time.perf_counter() - started))

@@ -1,8 +1,9 @@
 """ModelRunner: owns the paged KV cache and runs one scheduled step of the inference variant.
 
 Each step's flat batch is the scheduled sequences' new tokens back to back; the metadata
-(positions, query offsets, total lengths, block tables, slots) is built on the host in one
-pass and moved to the device in one copy.
+(positions, query offsets, total lengths, block tables, slots) is built on the host with
+vectorised ops (`step_inputs`) and moved to the device in one pinned copy: packed into one
+buffer for the eager forward, or straight into the decode graphs' static buffers.
 
 A step is always ONE forward over all its scheduled sequences (eager, or one decode graph
 replay), and every layer writes all the step's new K/V before its attention reads the cache.
@@ -18,8 +19,11 @@ import torch
 from vexact_models.kernels import PagedLayout
 from vexact_models.layers import PagedContext
 
+from .block_tables import BlockTables
 from .cuda_graphs import DecodeGraphs
 from .scheduler import ScheduledSeq
+from .staging import to_device
+from .step_inputs import StepInputs, build_step_inputs
 
 
 def kv_bytes_per_block(spec: tuple[int, int, int, int], block_size: int, dtype: torch.dtype) -> int:
@@ -43,6 +47,9 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs: DecodeGraphs | None = None
+        #: The BlockManager's mirror of the block tables (the LLM sets it); without it the
+        #: tables are read from the sequences' lists, which is slower and gives the same values.
+        self.block_tables: BlockTables | None = None
         self.allocate_cache()
 
     def allocate_cache(self) -> None:
@@ -62,55 +69,22 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     def _prepare(self, scheduled: list[ScheduledSeq]):
-        ids, positions, slots, cu, seq_lens, logits_rows = [], [], [], [0], [], []
-        bs = self.block_size
-        max_blocks = max(len(s.seq.block_table) for s in scheduled)
-        tables = []
-        for item in scheduled:
-            seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
-            ids.extend(seq.token_ids[start:start + n])
-            positions.extend(range(start, start + n))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            cu.append(cu[-1] + n)
-            seq_lens.append(start + n)
-            tables.append(table + [0] * (max_blocks - len(table)))
-            if item.samples:
-                logits_rows.append(cu[-1] - 1)
-        n_seq = len(scheduled)
-        # one host buffer, one (pinned, asynchronous) copy to the device
-        flat = [ids, positions, slots, logits_rows, cu, seq_lens, [x for t in tables for x in t]]
-        host = torch.tensor([x for part in flat for x in part], dtype=torch.int64)
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        dev = host.to(self.device, non_blocking=True)
-        sizes = [len(part) for part in flat]
-        parts = list(torch.split(dev, sizes))
-        ids_t, pos_t, slot_t, rows_t = parts[0], parts[1], parts[2], parts[3]
-        cu_t, lens_t = parts[4].to(torch.int32), parts[5].to(torch.int32)
-        table_t = parts[6].to(torch.int32).view(n_seq, max_blocks)
-        max_q = max(item.num_new_tokens for item in scheduled)
-        layout = PagedLayout(cu_t, lens_t, table_t, bs, max_q)
-        return ids_t, pos_t, PagedContext(layout, slot_t, self.kv_caches), rows_t
+        """The eager forward's arguments (ids, positions, context, logits rows) on the device."""
+        return self._to_device(build_step_inputs(scheduled, self.block_size, self.block_tables))
+
+    def _to_device(self, inputs: StepInputs):
+        ids, positions, slots, rows, cu, lens, table = to_device(
+            [inputs.ids, inputs.positions, inputs.slots, inputs.logits_rows, inputs.cu_seqlens,
+             inputs.seq_lens, inputs.block_table], self.device)
+        layout = PagedLayout(cu, lens, table, self.block_size, inputs.max_seqlen_q)
+        return ids, positions, PagedContext(layout, slots, self.kv_caches), rows
 
     def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         """Run the step; return fp32 logits ``[num sampling sequences, vocab]`` in scheduled order."""
         if not self.kv_caches:
             raise RuntimeError("ModelRunner: the KV cache is released (call wake_up())")
-        if self.graphs is not None and len(scheduled) <= self.graphs.max_batch and \
-                all(item.num_new_tokens == 1 and item.samples for item in scheduled):
-            return self._replay_decode(scheduled)
-        ids, positions, context, rows = self._prepare(scheduled)
+        inputs = build_step_inputs(scheduled, self.block_size, self.block_tables)
+        if self.graphs is not None and len(scheduled) <= self.graphs.max_batch and inputs.decode_only:
+            return self.graphs.run(inputs)
+        ids, positions, context, rows = self._to_device(inputs)
         return self.model(ids, positions, context, rows)
-
-    def _replay_decode(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
-        bs = self.block_size
-        ids, positions, slots, tables = [], [], [], []
-        for item in scheduled:
-            seq = item.seq
-            p = seq.num_computed_tokens
-            ids.append(seq.token_ids[p])
-            positions.append(p)
-            slots.append(seq.block_table[p // bs] * bs + p % bs)
-            tables.append(seq.block_table)
-        return self.graphs.run(ids, positions, slots, tables)

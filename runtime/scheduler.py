@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import islice
 
 from .block_manager import BlockManager
 from .sequence import Sequence, SequenceStatus
@@ -234,9 +236,16 @@ class Scheduler:
         self, budget: int, scheduled: list[ScheduledSeq], preempted: list[Sequence]
     ) -> int:
         """Schedule running sequences in arrival order; returns the budget left."""
+        running = self._running
         i = 0
-        while i < len(self._running) and budget > 0 and len(scheduled) < self.max_num_seqs:
-            seq = self._running[i]
+        while i < len(running) and budget > 0 and len(scheduled) < self.max_num_seqs:
+            limit = min(len(running) - i, budget, self.max_num_seqs - len(scheduled))
+            decodes = self._schedule_decodes(islice(running, i, i + limit), scheduled)
+            if decodes:
+                i += decodes
+                budget -= decodes
+                continue
+            seq = running[i]
             shared, num_new = self._chunk(seq, budget)
             if num_new == 0:
                 i += 1  # only without chunking: a smaller sequence behind it may still fit
@@ -248,6 +257,30 @@ class Scheduler:
             budget -= num_new
             i += 1
         return budget
+
+    def _schedule_decodes(self, seqs: Iterable[Sequence], scheduled: list[ScheduledSeq]) -> int:
+        """The hot path: schedule the leading decodes of ``seqs`` (one token left each) up to the
+        first other sequence or the first that would need a page when none is free; returns
+        how many. Exactly what the general path decides for them, at a fraction of the cost: a
+        decode chunk shares nothing (the page holding a sequence's last token never is shared),
+        so it costs one token of budget and needs at most one fresh page."""
+        bm = self.block_manager
+        bs = bm.block_size
+        count = 0
+        for seq in seqs:
+            computed = seq.num_computed_tokens
+            if len(seq.token_ids) != computed + 1:
+                break
+            covered = len(seq.block_table) * bs
+            if covered == computed and bm.num_free_blocks:
+                bm.append_block(seq)  # = allocate(seq, computed + 1) here
+                covered += bs
+            if covered <= computed:
+                break  # needs a page that only a preemption can free: the general path's case
+            scheduled.append(ScheduledSeq(seq, 1, True))
+            bm.cache_full_blocks(seq, computed + 1)  # what _publish does
+            count += 1
+        return count
 
     def _reserve(self, seq: Sequence, shared: int, num_new: int, preempted: list[Sequence]) -> bool:
         """Make ``seq``'s pages cover this step's chunk (after ``shared`` tokens of shared
@@ -293,8 +326,11 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             # Keep running sorted by arrival. (Running is always the earliest-arrived unfinished
             # sequences, so this is an append in practice; bisect keeps it true by construction.)
-            arrivals = [s.arrival for s in self._running]
-            self._running.insert(bisect.bisect(arrivals, seq.arrival), seq)
+            if self._running and self._running[-1].arrival > seq.arrival:
+                arrivals = [s.arrival for s in self._running]
+                self._running.insert(bisect.bisect(arrivals, seq.arrival), seq)
+            else:
+                self._running.append(seq)
             scheduled.append(self._item(seq, num_new))
             self._publish(scheduled[-1])
             budget -= num_new
@@ -313,39 +349,55 @@ class Scheduler:
                 f"postprocess: {len(scheduled)} scheduled sequences but {len(tokens)} tokens "
                 f"and {len(logprobs)} logprobs"
             )
-        # Validate everything before mutating anything, so a bad call leaves no half-applied step.
-        for i, item in enumerate(scheduled):
-            if item.seq.status is not SequenceStatus.RUNNING:
-                raise RuntimeError(f"postprocess: {item.seq!r} is not running")
-            if item.samples and (tokens[i] is None or logprobs[i] is None):
-                raise ValueError(f"postprocess: scheduled[{i}] samples but got no token/logprob")
+        self._validate_results(scheduled, tokens, logprobs)
         self._awaiting_postprocess = False
         finished: list[Sequence] = []
+        finish_reason = self._finish_reason
         for item, token, logprob in zip(scheduled, tokens, logprobs):
             seq = item.seq
             seq.num_computed_tokens += item.num_new_tokens
             if not item.samples:
                 continue
-            seq.append_token(token, logprob)  # type: ignore[arg-type]
-            reason = self._finish_reason(seq)
+            # Sequence.append_token, minus its status check: every sequence was checked RUNNING.
+            seq.token_ids.append(token)  # type: ignore[arg-type]
+            seq.output_logprobs.append(logprob)  # type: ignore[arg-type]
+            reason = finish_reason(seq, token)
             if reason is not None:
                 self._finish(seq, reason)
                 finished.append(seq)
         return finished
 
-    def _finish_reason(self, seq: Sequence) -> str | None:
-        """Whether the token just appended ends ``seq``. A stop token wins over a length limit
+    @staticmethod
+    def _validate_results(scheduled: list[ScheduledSeq], tokens: list[int | None],
+                          logprobs: list[float | None]) -> None:
+        """Check a step's results before anything is mutated, so a bad call leaves no
+        half-applied step. A decode step has no None at all: then only the statuses need a look."""
+        running = SequenceStatus.RUNNING
+        if None not in tokens and None not in logprobs:
+            for item in scheduled:
+                if item.seq.status is not running:
+                    raise RuntimeError(f"postprocess: {item.seq!r} is not running")
+            return
+        for i, (item, token, logprob) in enumerate(zip(scheduled, tokens, logprobs)):
+            if item.seq.status is not running:
+                raise RuntimeError(f"postprocess: {item.seq!r} is not running")
+            if item.samples and (token is None or logprob is None):
+                raise ValueError(f"postprocess: scheduled[{i}] samples but got no token/logprob")
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        """Whether ``token``, just appended, ends ``seq``. A stop token wins over a length limit
         reached at the same token (the model chose to stop)."""
         params = seq.params
-        token = seq.last_token
+        num_tokens = len(seq.token_ids)  # called per sequence per step: no property calls
+        num_output = num_tokens - seq.num_prompt_tokens
         # Stop tokens/EOS count only once min_tokens outputs precede them: the sampler bans
         # them while num_output_tokens < min_tokens (counted before the new token).
-        if seq.num_output_tokens - 1 >= params.min_tokens:
+        if num_output - 1 >= params.min_tokens:
             if token in params.stop_token_ids:
                 return "stop"
             if token == self.eos_token_id and not params.ignore_eos:
                 return "stop"
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if num_output >= params.max_tokens or num_tokens >= self.max_model_len:
             return "length"
         return None
 

@@ -160,6 +160,29 @@ def test_empty_batch():
     assert Sampler(EOS)(torch.zeros(0, VOCAB), []) == ([], [])
 
 
+def test_parameters_reused_for_the_same_sequences_give_what_a_fresh_sampler_gives():
+    """The sampler keeps the last list's per-row parameters (params and seeds are fixed per
+    sequence) and re-reads only the token index: still exactly a fresh sampler's answer, also
+    when called again without a new token, and when the list changes."""
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=5),
+              SamplingParams(temperature=1.0, min_tokens=3, stop_token_ids=[STOP]),
+              SamplingParams(temperature=1e-60, top_p=0.5), SamplingParams(temperature=1.3, min_tokens=1)]
+    seqs = [make_seq(p, seed=50 + i, request_id=i) for i, p in enumerate(params)]
+    reused = Sampler(EOS)
+    for step in range(8):
+        logits = crafted_logits(len(seqs), {EOS: 4.0, STOP: 4.0}, seed=step) * 2
+        kept = reused._rows
+        got = reused(logits, list(seqs))  # a new list object with the same sequences
+        assert got == Sampler(EOS)(logits, seqs), step
+        if kept is not None and kept.seqs == seqs:
+            assert reused._rows is kept
+        if step % 3 != 1:  # some steps sample without appending: the index must be re-read
+            for seq, token, logprob in zip(seqs, *got):
+                seq.append_token(token, logprob)
+        if step == 4:
+            seqs = seqs[1:]
+
+
 # -- filter_thresholds ----------------------------------------------------------------------------
 
 def thresholds(logits, temps, top_k, top_p):

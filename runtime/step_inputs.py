@@ -1,0 +1,91 @@
+"""One step's model inputs, built on the host with vectorised numpy ops.
+
+The flat batch is the scheduled sequences' new tokens back to back. Per sequence only a few
+scalars are read in Python (computed count, chunk length, whether it samples, its block-table
+row; the token ids themselves, which are one per sequence in decode); positions, slots, query
+offsets and lengths follow from those by array arithmetic, and the block tables are one gather
+from the BlockManager's ``BlockTables`` mirror instead of per-page list work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from .block_tables import BlockTables
+    from .scheduler import ScheduledSeq
+    from .sequence import Sequence
+
+__all__ = ["StepInputs", "build_step_inputs"]
+
+
+@dataclass
+class StepInputs:
+    """A step's flat batch of T tokens from S sequences, R of which sample."""
+
+    ids: np.ndarray  #: int64 [T] token ids
+    positions: np.ndarray  #: int64 [T] position of each token in its sequence
+    slots: np.ndarray  #: int64 [T] flat KV cache slot (page * block_size + offset) of each token
+    logits_rows: np.ndarray  #: int64 [R] flat index of each sampling sequence's last token
+    cu_seqlens: np.ndarray  #: int32 [S + 1] offsets of each sequence's tokens
+    seq_lens: np.ndarray  #: int32 [S] cached + new tokens of each sequence
+    block_table: np.ndarray  #: int32 [S, W] pages, zero padded to the longest table W
+    max_seqlen_q: int  #: the most new tokens of one sequence
+
+    @property
+    def decode_only(self) -> bool:
+        """Every sequence runs one token and samples (the shape the decode graphs capture)."""
+        return len(self.ids) == len(self.seq_lens) == len(self.logits_rows)
+
+
+def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int,
+                      tables: BlockTables | None = None) -> StepInputs:
+    """The inputs of running ``scheduled`` (its chunks start at each ``num_computed_tokens``).
+
+    ``tables`` is the BlockManager's mirror of the block tables; without it they are read from
+    the ``block_table`` lists (slower, same values). Raises IndexError when a chunk runs past
+    its sequence's pages."""
+    n = len(scheduled)
+    seqs = [item.seq for item in scheduled]
+    starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, n)
+    counts = np.fromiter((item.num_new_tokens for item in scheduled), np.int64, n)
+    samples = np.fromiter((item.samples for item in scheduled), np.bool_, n)
+    ends = starts + counts
+    cu = np.zeros(n + 1, np.int64)
+    np.cumsum(counts, out=cu[1:])
+    total = int(cu[-1])
+    if total == n:  # decode: one token per sequence, so no per-token index arithmetic
+        ids = np.fromiter((s.token_ids[s.num_computed_tokens] for s in seqs), np.int64, n)
+        owner, positions = np.arange(n), starts
+    else:
+        chunks = (s.token_ids[a:b] for s, a, b in zip(seqs, starts.tolist(), ends.tolist()))
+        ids = np.fromiter(chain.from_iterable(chunks), np.int64, total)
+        owner = np.repeat(np.arange(n), counts)  # the sequence of each flat token
+        positions = np.arange(total) - (cu[:-1] - starts)[owner]
+    table, lengths = _block_tables(seqs, tables)
+    over = ends > lengths.astype(np.int64) * block_size
+    if over.any():
+        bad = int(np.argmax(over))
+        raise IndexError(f"build_step_inputs: {seqs[bad]!r} runs to position {int(ends[bad]) - 1}, past its "
+                         f"{int(lengths[bad])} blocks of {block_size}")
+    slots = table[owner, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    return StepInputs(ids=ids, positions=positions, slots=slots, logits_rows=cu[1:][samples] - 1,
+                      cu_seqlens=cu.astype(np.int32), seq_lens=ends.astype(np.int32), block_table=table,
+                      max_seqlen_q=int(counts.max()))
+
+
+def _block_tables(seqs: list[Sequence], tables: BlockTables | None) -> tuple[np.ndarray, np.ndarray]:
+    """(``[S, W]`` int32 block tables zero padded to the longest W, ``[S]`` table lengths)."""
+    if tables is None:
+        lengths = np.fromiter((len(s.block_table) for s in seqs), np.int32, len(seqs))
+        table = np.zeros((len(seqs), int(lengths.max())), np.int32)
+        for i, seq in enumerate(seqs):
+            table[i, :len(seq.block_table)] = seq.block_table
+        return table, lengths
+    rows = tables.rows(seqs)
+    lengths = tables.lengths[rows]
+    return tables.gather(rows, int(lengths.max())), lengths

@@ -1,0 +1,141 @@
+"""A step's model inputs: build_step_inputs against a plain per-token reference, the one-copy
+staging (Layout, to_device), the decode graphs' input buffers (DecodeInputs) and the runner."""
+
+import numpy as np
+import pytest
+import torch
+
+from vexact_models.runtime.block_manager import BlockManager
+from vexact_models.runtime.cuda_graphs import DecodeInputs
+from vexact_models.runtime.model_runner import ModelRunner
+from vexact_models.runtime.sampling_params import SamplingParams
+from vexact_models.runtime.scheduler import ScheduledSeq
+from vexact_models.runtime.sequence import Sequence
+from vexact_models.runtime.staging import Layout, to_device
+from vexact_models.runtime.step_inputs import build_step_inputs
+
+from .workload_support import make_scheduler, random_workload, run_steps
+
+
+def reference_inputs(scheduled, bs):
+    """The inputs token by token, as the runner used to build them."""
+    ids, positions, slots, cu, seq_lens, rows = [], [], [], [0], [], []
+    width = max(len(item.seq.block_table) for item in scheduled)
+    tables = []
+    for item in scheduled:
+        seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
+        ids += seq.token_ids[start:start + n]
+        positions += range(start, start + n)
+        slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
+        cu.append(cu[-1] + n)
+        seq_lens.append(start + n)
+        tables.append(seq.block_table + [0] * (width - len(seq.block_table)))
+        if item.samples:
+            rows.append(cu[-1] - 1)
+    return dict(ids=ids, positions=positions, slots=slots, logits_rows=rows, cu_seqlens=cu, seq_lens=seq_lens,
+                block_table=tables, max_seqlen_q=max(item.num_new_tokens for item in scheduled))
+
+
+DTYPES = dict(ids=np.int64, positions=np.int64, slots=np.int64, logits_rows=np.int64, cu_seqlens=np.int32,
+              seq_lens=np.int32, block_table=np.int32)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_inputs_equal_the_per_token_reference(seed):
+    config, requests = random_workload(seed)
+    sched, _ = make_scheduler(config, requests)
+    bs = config["block_size"]
+    for out in run_steps(sched):
+        if not out.scheduled:
+            continue
+        expected = reference_inputs(out.scheduled, bs)
+        for tables in (sched.block_manager.tables, None):  # the mirror, and the lists
+            inputs = build_step_inputs(out.scheduled, bs, tables)
+            assert inputs.max_seqlen_q == expected["max_seqlen_q"]
+            for name, dtype in DTYPES.items():
+                array = getattr(inputs, name)
+                assert array.dtype == dtype and array.tolist() == expected[name], name
+        decode = all(item.num_new_tokens == 1 and item.samples for item in out.scheduled)
+        assert inputs.decode_only == decode
+
+
+def test_a_chunk_past_its_pages_is_refused():
+    bm = BlockManager(4, 4)
+    seq = Sequence(0, 0, list(range(10, 19)), SamplingParams(), 0)
+    bm.allocate(seq, 4)  # one page: positions [0, 4)
+    for tables in (bm.tables, None):
+        build_step_inputs([ScheduledSeq(seq, 4, False)], 4, tables)
+        with pytest.raises(IndexError, match="runs to position 5, past its 1 blocks of 4"):
+            build_step_inputs([ScheduledSeq(seq, 6, False)], 4, tables)
+
+
+def test_layout_and_to_device_round_trip():
+    arrays = [np.arange(3, dtype=np.int64), np.array([1.5, -2.0], np.float32), np.arange(6, dtype=np.int32).reshape(2, 3),
+              np.zeros(0, np.int64), np.array([0.25], np.float64)]
+    layout = Layout([(a.dtype, a.shape) for a in arrays])
+    assert all(offset % 16 == 0 for offset in layout.offsets) and layout.nbytes % 16 == 0
+    out = to_device(arrays, torch.device("cpu"))
+    assert len({t.untyped_storage().data_ptr() for t in out}) == 1  # one buffer: one copy on a GPU
+    for array, tensor in zip(arrays, out):
+        assert tensor.numpy().dtype == array.dtype and tensor.shape == array.shape
+        assert np.array_equal(tensor.numpy(), array)
+
+
+def decode_step():
+    config, requests = random_workload(3)
+    sched, _ = make_scheduler(config, requests)
+    for out in run_steps(sched):
+        if out.scheduled and all(item.num_new_tokens == 1 and item.samples for item in out.scheduled):
+            return build_step_inputs(out.scheduled, config["block_size"], sched.block_manager.tables), config
+    raise AssertionError("no decode step")
+
+
+def test_decode_inputs_fill_real_rows_then_padding():
+    inputs, config = decode_step()
+    n = len(inputs.ids)
+    b = n + 2
+    buffers = DecodeInputs(b + 1, -(-config["max_model_len"] // config["block_size"]), torch.device("cpu"))
+    assert len({t.untyped_storage().data_ptr() for t in (buffers.ids, buffers.block_table)}) == 1
+    buffers.fill(inputs, b)
+    assert buffers.ids[:b].tolist() == inputs.ids.tolist() + [0, 0]
+    assert buffers.positions[:b].tolist() == inputs.positions.tolist() + [0, 0]
+    assert buffers.slots[:b].tolist() == inputs.slots.tolist() + [-1, -1]
+    assert buffers.cu_seqlens[:b + 1].tolist() == list(range(n + 1)) + [n, n]
+    assert buffers.seq_lens[:b].tolist() == inputs.seq_lens.tolist() + [0, 0]
+    width = inputs.block_table.shape[1]
+    assert buffers.block_table[:n, :width].tolist() == inputs.block_table.tolist()
+    assert buffers.ids.dtype == torch.int64 and buffers.cu_seqlens.dtype == torch.int32
+    with pytest.raises(ValueError, match="do not fit"):
+        buffers.fill(inputs, n - 1)
+
+
+class RecordingModel:
+    def __init__(self):
+        self.calls = []
+
+    def kv_cache_spec(self):
+        return 1, 1, 2, 2
+
+    def __call__(self, ids, positions, context, rows):
+        layout = context.layout
+        self.calls.append([t.clone() for t in (ids, positions, context.slot_mapping, rows, layout.cu_seqlens_q,
+                                                layout.seq_lens, layout.block_table)] + [layout.max_seqlen_q])
+        return torch.zeros(rows.shape[0], 8)
+
+
+def test_runner_passes_the_same_inputs_with_or_without_the_mirror():
+    config, requests = random_workload(5)
+    sched, _ = make_scheduler(config, requests)
+    models = [RecordingModel(), RecordingModel()]
+    runners = [ModelRunner(m, 4, config["block_size"], torch.device("cpu"), torch.float32,
+                           max_model_len=config["max_model_len"]) for m in models]
+    runners[0].block_tables = sched.block_manager.tables
+    for out in run_steps(sched):
+        if out.scheduled:
+            for runner in runners:
+                runner.execute(out.scheduled)
+    assert len(models[0].calls) == len(models[1].calls) > 0
+    for a, b in zip(models[0].calls, models[1].calls):
+        assert a[-1] == b[-1]
+        for x, y in zip(a[:-1], b[:-1]):
+            assert x.dtype == y.dtype and torch.equal(x, y)
