@@ -184,7 +184,7 @@ def check_attention(result: Result, hq: int, hkv: int, d: int, dv: int, lens: li
 
 
 def check_rows(results: dict[str, Result], quick: bool) -> None:
-    from vexact_models.kernels import (apply_rotary, gather_logprobs, linear, log_softmax, rms_norm, rope_table,
+    from vexact_models.kernels import (add_rms_norm, apply_rotary, gather_logprobs, linear, log_softmax, rms_norm, rope_table,
                                        silu_and_mul, token_logprobs)
 
     ms = [m for m in M_SWEEP if m <= (1024 if quick else 8192)]
@@ -193,8 +193,12 @@ def check_rows(results: dict[str, Result], quick: bool) -> None:
         x = torch.randn(m_max, n, device="cuda").bfloat16()
         w = (torch.rand(n, device="cuda") + 0.5).bfloat16()
         single = torch.cat([rms_norm(x[i:i + 1], w, 1e-6) for i in range(m_max)])
+        r = torch.randn(m_max, n, device="cuda").bfloat16()
+        fused = torch.cat([add_rms_norm(x[i:i + 1], r[i:i + 1], w, 1e-6)[0] for i in range(m_max)])
         for m in ms:
             results["rms_norm"].compare(rms_norm(x[:m], w, 1e-6), single[:m], f"N={n} M={m}")
+            results["rms_norm"].compare(add_rms_norm(x[:m], r[:m], w, 1e-6)[0], fused[:m], f"add+norm N={n} M={m}")
+        results["rms_norm"].compare(fused, rms_norm(x + r, w, 1e-6), f"add+norm == add, then norm N={n}")
     vocab = 151936
     logits = torch.randn(min(m_max, 2048), vocab, device="cuda") * 4
     temps = torch.rand(logits.shape[0], device="cuda") + 0.5

@@ -1,4 +1,5 @@
-"""rms_norm: y = weight * (x * rsqrt(mean(x**2) + eps)) over the last dim, batch-invariant.
+"""rms_norm: y = weight * (x * rsqrt(mean(x**2) + eps)) over the last dim, batch-invariant;
+add_rms_norm: the same after a residual add (``x + residual``), fused into the one row kernel.
 
 Numerics follow HF's Qwen3RMSNorm: statistics in fp32, the normalized row cast to the input
 dtype, then multiplied by the weight and rounded to the input dtype again. Works for hidden
@@ -27,32 +28,41 @@ def _tile(n: int) -> tuple[int, int, int]:
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, N, stride_x, stride_out, eps,
-                     BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, n_rows, N, stride_x, stride_res, stride_out, stride_sum,
+                     eps, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < N)
-    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=mask, other=0.0)
+    rows64 = rows[:, None].to(tl.int64)
+    x = tl.load(x_ptr + rows64 * stride_x + cols[None, :], mask=mask, other=0.0)
+    if HAS_RESIDUAL:  # the residual add, rounded to x's dtype as a separate torch add would be
+        r = tl.load(res_ptr + rows64 * stride_res + cols[None, :], mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(sum_ptr + rows64 * stride_sum + cols[None, :], x, mask=mask)
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=1) / N
     rstd = 1.0 / tl.sqrt(var + eps)
     normed = (xf * rstd[:, None]).to(x.dtype)
     w = tl.load(w_ptr + cols, mask=cols < N, other=0.0)
     y = normed.to(tl.float32) * w.to(tl.float32)
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + rows64 * stride_out + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _rms_norm_triton(x2d: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _rms_norm_triton(x2d: torch.Tensor, weight: torch.Tensor, eps: float,
+                     res2d: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normed, x2d + res2d) with a residual, else (normed, x2d)."""
     require_triton("rms_norm")
     n_rows, n = x2d.shape
     out = torch.empty_like(x2d)
+    summed = x2d if res2d is None else torch.empty_like(x2d)
     if n_rows == 0:
-        return out
+        return out, summed
     block_n, rows, num_warps = _tile(n)
+    res = x2d if res2d is None else res2d
     _rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
-        x2d, weight, out, n_rows, n, x2d.stride(0), out.stride(0), eps,
-        BLOCK_N=block_n, ROWS=rows, num_warps=num_warps)
-    return out
+        x2d, res, weight, out, summed, n_rows, n, x2d.stride(0), res.stride(0), out.stride(0), summed.stride(0), eps,
+        BLOCK_N=block_n, ROWS=rows, HAS_RESIDUAL=res2d is not None, num_warps=num_warps)
+    return out, summed
 
 
 def rms_norm_reference(x2d: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -64,13 +74,32 @@ def rms_norm_reference(x2d: torch.Tensor, weight: torch.Tensor, eps: float) -> t
     return (normed.to(compute) * weight.to(compute)).to(x2d.dtype)
 
 
-def _rms_norm_forward(x2d, weight, eps):
+def _add(x2d: torch.Tensor, res2d: torch.Tensor) -> torch.Tensor:
+    """x + residual in fp32 (fp64), rounded once to x's dtype: what torch's add does for bf16."""
+    compute = torch.float64 if x2d.dtype == torch.float64 else torch.float32
+    return (x2d.to(compute) + res2d.to(compute)).to(x2d.dtype)
+
+
+def _rms_norm_forward(x2d, weight, eps, res2d=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normed, summed): summed = x2d + res2d (or x2d itself without a residual)."""
     backend = select("rms_norm", x2d, fast=True)
-    if backend == "fast":  # torch's own (not promised row-invariant)
-        return torch.nn.functional.rms_norm(x2d, (x2d.shape[-1],), weight, eps)
     if backend == "triton":
-        return _rms_norm_triton(x2d, weight, eps)
-    return rms_norm_reference(x2d, weight, eps)
+        return _rms_norm_triton(x2d, weight, eps, res2d)
+    summed = x2d if res2d is None else _add(x2d, res2d)
+    if backend == "fast":  # torch's own (not promised row-invariant)
+        return torch.nn.functional.rms_norm(summed, (summed.shape[-1],), weight, eps), summed
+    return rms_norm_reference(summed, weight, eps), summed
+
+
+def _rms_norm_backward(x2d: torch.Tensor, weight: torch.Tensor, eps: float, grad_out: torch.Tensor):
+    """(grad_x in the compute dtype, grad_weight) of ``rms_norm(x2d)``: the analytic formula."""
+    compute = torch.float64 if x2d.dtype == torch.float64 else torch.float32
+    xf, g, w = x2d.to(compute), grad_out.to(compute), weight.to(compute)
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    x_hat = xf * rstd
+    gw = g * w
+    grad_x = rstd * (gw - x_hat * (gw * x_hat).mean(-1, keepdim=True))
+    return grad_x, (g * x_hat).sum(0).to(weight.dtype)
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -78,19 +107,35 @@ class _RMSNormFunction(torch.autograd.Function):
     def forward(ctx, x2d, weight, eps):
         ctx.save_for_backward(x2d, weight)
         ctx.eps = eps
-        return _rms_norm_forward(x2d, weight, eps)
+        return _rms_norm_forward(x2d, weight, eps)[0]
 
     @staticmethod
     def backward(ctx, grad_out):
         x2d, weight = ctx.saved_tensors
-        compute = torch.float64 if x2d.dtype == torch.float64 else torch.float32
-        xf, g, w = x2d.to(compute), grad_out.to(compute), weight.to(compute)
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps)
-        x_hat = xf * rstd
-        gw = g * w
-        grad_x = rstd * (gw - x_hat * (gw * x_hat).mean(-1, keepdim=True))
-        grad_w = (g * x_hat).sum(0)
-        return grad_x.to(x2d.dtype), grad_w.to(weight.dtype), None
+        grad_x, grad_w = _rms_norm_backward(x2d, weight, ctx.eps, grad_out)
+        return grad_x.to(x2d.dtype), grad_w, None
+
+
+class _AddRMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2d, res2d, weight, eps):
+        normed, summed = _rms_norm_forward(x2d, weight, eps, res2d)
+        ctx.save_for_backward(summed, weight)
+        ctx.eps, ctx.dtypes = eps, (x2d.dtype, res2d.dtype)
+        return normed, summed
+
+    @staticmethod
+    def backward(ctx, grad_normed, grad_summed):
+        summed, weight = ctx.saved_tensors
+        grad_s, grad_w = _rms_norm_backward(summed, weight, ctx.eps, grad_normed)
+        if grad_summed is not None:  # the sum also continues as the residual stream
+            grad_s = grad_s + grad_summed.to(grad_s.dtype)
+        return grad_s.to(ctx.dtypes[0]), grad_s.to(ctx.dtypes[1]), grad_w, None
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    x2d = x.reshape(-1, x.shape[-1])
+    return x2d if x2d.stride(-1) == 1 else x2d.contiguous()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -100,11 +145,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """
     if weight.shape != (x.shape[-1],):
         raise ValueError(f"rms_norm: weight shape {tuple(weight.shape)} must be ({x.shape[-1]},)")
-    x2d = x.reshape(-1, x.shape[-1])
-    if x2d.stride(-1) != 1:
-        x2d = x2d.contiguous()
+    x2d = _rows(x)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         out = _RMSNormFunction.apply(x2d, weight, eps)
     else:
-        out = _rms_norm_forward(x2d, weight, eps)
+        out = _rms_norm_forward(x2d, weight, eps)[0]
     return out.reshape(x.shape)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``summed = x + residual`` (rounded to x's dtype, as ``x + residual`` would be) and
+    ``rms_norm(summed, weight, eps)``, in one kernel: the pre-norm transformer's residual add
+    and the next norm, without a separate add kernel and its round trip through memory.
+
+    Returns ``(normed, summed)``, bitwise what the two separate ops give (the same row kernel).
+    Differentiable in `x`, `residual` and `weight`.
+    """
+    if weight.shape != (x.shape[-1],):
+        raise ValueError(f"add_rms_norm: weight shape {tuple(weight.shape)} must be ({x.shape[-1]},)")
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(f"add_rms_norm: residual {tuple(residual.shape)} {residual.dtype} must match x "
+                         f"{tuple(x.shape)} {x.dtype}")
+    x2d, res2d = _rows(x), _rows(residual)
+    if torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad or weight.requires_grad):
+        normed, summed = _AddRMSNormFunction.apply(x2d, res2d, weight, eps)
+    else:
+        normed, summed = _rms_norm_forward(x2d, weight, eps, res2d)
+    return normed.reshape(x.shape), summed.reshape(x.shape)

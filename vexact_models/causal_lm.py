@@ -44,7 +44,9 @@ class StrictLoadingMixin:
 class DecoderModelMixin(StrictLoadingMixin):
     """The decoder stack's one forward, for base models with ``embed_tokens``, ``layers``,
     ``norm`` and ``rope`` (a `RopeTables`). Layers are called as
-    ``layer(hidden, positions, rope, context, **layer_kwargs)``."""
+    ``layer(hidden, residual, positions, rope, context, **layer_kwargs) -> (hidden, residual)``:
+    `hidden` is the previous sublayer's output not yet added to the residual stream `residual`
+    (None before the first layer), so each residual add is fused into the norm after it."""
 
     def init_decoder_stack(self, config, layer_class, norm_class, rope_dim: int | None = None) -> None:
         """Build HF's ``embed_tokens``, ``layers``, ``norm`` and the RoPE tables from `config`
@@ -60,14 +62,14 @@ class DecoderModelMixin(StrictLoadingMixin):
     def forward_flat(self, input_ids: torch.Tensor, positions: torch.Tensor, context, **layer_kwargs) -> torch.Tensor:
         """The one forward: ``[T]`` tokens at ``[T]`` positions -> ``[T, hidden]`` final hidden."""
         rope = self.rope.get(input_ids.device)
-        hidden = self.embed_tokens(input_ids)
+        hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                hidden = torch.utils.checkpoint.checkpoint(layer, hidden, positions, rope, context, use_reentrant=False,
-                                                           **layer_kwargs)
+                hidden, residual = torch.utils.checkpoint.checkpoint(layer, hidden, residual, positions, rope, context,
+                                                                     use_reentrant=False, **layer_kwargs)
             else:
-                hidden = layer(hidden, positions, rope, context, **layer_kwargs)
-        return self.norm(hidden)
+                hidden, residual = layer(hidden, residual, positions, rope, context, **layer_kwargs)
+        return self.norm(hidden, residual)[0]
 
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.LongTensor | None = None, cu_seqlens: torch.Tensor | None = None,

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from vexact_models.kernels import (PagedLayout, attention, attention_packed, kv_cache_write, linear, rms_norm,
-                                   rope_table, silu_and_mul)
+from vexact_models.kernels import (PagedLayout, add_rms_norm, attention, attention_packed, kv_cache_write, linear,
+                                   rms_norm, rope_table, silu_and_mul)
 from vexact_models.kernels.moe import fused_moe
 
 
@@ -38,11 +38,23 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.variance_epsilon)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """``norm(x)``; with `residual`, ``(norm(x + residual), x + residual)`` in one kernel
+        (`kernels.add_rms_norm`): the decoder layers carry the residual stream this way."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.variance_epsilon)
+        return add_rms_norm(x, residual, self.weight, self.variance_epsilon)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+def add_and_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm(x + residual), x + residual)``, one kernel; before the first layer (`residual`
+    None) `x` itself starts the residual stream."""
+    if residual is None:
+        return norm(x), x
+    return norm(x, residual)
 
 
 class GatedMLP(nn.Module):

@@ -8,7 +8,7 @@ import torch
 
 from vexact_models.conformance.cli import build_model, main, make_config
 from vexact_models.conformance.suite import run_conformance
-from vexact_models.registry import architectures
+from vexact_models.registry import architectures, get
 
 
 @pytest.mark.parametrize("arch", architectures(), ids=lambda a: a.name)
@@ -34,7 +34,7 @@ def test_suite_detects_a_batch_dependent_kernel(monkeypatch):
         return (out if bias is None else out + bias.float()).to(out_dtype)
 
     monkeypatch.setattr(linear_module, "linear_reference", blas_linear)
-    arch = architectures()[0]
+    arch = get("qwen3")
     config = arch.tiny_config(hidden_size=256, intermediate_size=512, num_attention_heads=4, head_dim=64)
     model = build_model(arch, config, torch.device("cpu"), torch.float32)
     report = run_conformance(arch, model, device=torch.device("cpu"), pool_size=16, max_tokens=8, check_parity=False)

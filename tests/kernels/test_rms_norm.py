@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from vexact_models.kernels import rms_norm
+from vexact_models.kernels import add_rms_norm, rms_norm
 
 from ..conftest import rel_err
 
@@ -53,3 +53,37 @@ def test_rms_norm_backward_matches_autograd():
 def test_rms_norm_weight_shape_error():
     with pytest.raises(ValueError, match=r"weight shape \(8,\) must be \(16,\)"):
         rms_norm(torch.randn(2, 16), torch.ones(8), 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_is_the_add_then_the_norm_bitwise(dtype):
+    x, r = torch.randn(9, 4, 48).to(dtype), torch.randn(9, 4, 48).to(dtype)
+    w = (torch.rand(48) + 0.5).to(dtype)
+    normed, summed = add_rms_norm(x, r, w, 1e-6)
+    assert torch.equal(summed, x + r)
+    assert torch.equal(normed, rms_norm(x + r, w, 1e-6))
+    single = torch.cat([add_rms_norm(x[i:i + 1], r[i:i + 1], w, 1e-6)[0] for i in range(9)])
+    assert torch.equal(single, normed)
+
+
+def test_add_rms_norm_backward_matches_autograd():
+    x, r = (torch.randn(5, 32, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    w = torch.rand(32, dtype=torch.float64, requires_grad=True)
+    g_normed, g_summed = torch.randn(5, 32, dtype=torch.float64), torch.randn(5, 32, dtype=torch.float64)
+    normed, summed = add_rms_norm(x, r, w, 1e-5)
+    got = torch.autograd.grad((normed * g_normed).sum() + (summed * g_summed).sum(), (x, r, w))
+    s = x + r
+    want = torch.autograd.grad((_ref(s, w, 1e-5) * g_normed).sum() + (s * g_summed).sum(), (x, r, w))
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-12)
+    # only the normed output used (the final norm): the sum gets no gradient of its own
+    (gx,) = torch.autograd.grad(add_rms_norm(x, r, w, 1e-5)[0].sum(), (x,))
+    (want_x,) = torch.autograd.grad(_ref(x + r, w, 1e-5).sum(), (x,))
+    assert torch.allclose(gx, want_x, rtol=1e-10, atol=1e-12)
+
+
+def test_add_rms_norm_errors():
+    with pytest.raises(ValueError, match=r"residual \(2, 8\) torch.float32 must match x \(2, 16\)"):
+        add_rms_norm(torch.randn(2, 16), torch.randn(2, 8), torch.ones(16), 1e-6)
+    with pytest.raises(ValueError, match=r"weight shape \(8,\) must be \(16,\)"):
+        add_rms_norm(torch.randn(2, 16), torch.randn(2, 16), torch.ones(8), 1e-6)

@@ -43,7 +43,7 @@ def _patch_interpreter_bf16_dot():
 
 _patch_interpreter_bf16_dot()
 
-from vexact_models.kernels import (PagedLayout, apply_rotary, attention, attention_packed, gather_logprobs,
+from vexact_models.kernels import (PagedLayout, add_rms_norm, apply_rotary, attention, attention_packed, gather_logprobs,
                                    kv_cache_write, linear, log_softmax, rms_norm, rope_table, sample_tokens,
                                    silu_and_mul, use_backend)
 from vexact_models.kernels.attention_backward import attention_math
@@ -81,6 +81,16 @@ def test_linear(m, n, k, dtype):
 def test_rms_norm_rotary_silu():
     x, w = rand(7, 3, 40), rand(40, kind="u")
     close(rms_norm(x, w, 1e-6), ref(rms_norm, x, w, 1e-6), 1e-5)
+    r = rand(7, 3, 40)
+    for got, want in zip(add_rms_norm(x, r, w, 1e-6), ref(add_rms_norm, x, r, w, 1e-6)):
+        close(got, want, 1e-5)
+    xb, rb = x.bfloat16(), r.bfloat16()
+    normed, summed = add_rms_norm(xb, rb, w.bfloat16(), 1e-6)
+    if INTERPRET:  # the interpreter's own fp32 -> bf16 conversion is not torch's rounding
+        close(summed, xb + rb, 1e-2)
+    else:  # on the GPU the fused add rounds exactly like torch's bf16 add, and the norm follows
+        assert torch.equal(summed, xb + rb)
+        assert torch.equal(normed, rms_norm(xb + rb, w.bfloat16(), 1e-6))
     cos, sin = (t.to(DEVICE) for t in rope_table(1.0 / (1e4 ** (torch.arange(0, 20) / 20)), 64))
     pos = torch.randint(0, 64, (7,), device=DEVICE)
     close(apply_rotary(x, pos, cos, sin), ref(apply_rotary, x, pos, cos, sin), 1e-6)

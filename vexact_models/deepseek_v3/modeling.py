@@ -28,7 +28,7 @@ from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
 from vexact_models.kernels import apply_rotary, linear
 from vexact_models.kernels.grouped_topk import sigmoid_grouped_topk
-from vexact_models.layers import FusedExperts, GatedMLP, RMSNorm
+from vexact_models.layers import FusedExperts, GatedMLP, RMSNorm, add_and_norm
 
 from ..causal_lm import CausalLMMixin, DecoderModelMixin, InferenceModel
 
@@ -175,12 +175,14 @@ class DeepseekV3DecoderLayer(nn.Module):
         self.input_layernorm = DeepseekV3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = DeepseekV3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, hidden, positions, rope, context, router_logits: list | None = None) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, rope, context)
-        normed = self.post_attention_layernorm(hidden)
+    def forward(self, hidden, residual, positions, rope, context,
+                router_logits: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MLP output, residual stream before it): see `DecoderModelMixin`."""
+        normed, residual = add_and_norm(self.input_layernorm, hidden, residual)
+        normed, residual = self.post_attention_layernorm(self.self_attn(normed, positions, rope, context), residual)
         if isinstance(self.mlp, DeepseekV3MoE):
-            return hidden + self.mlp(normed, router_logits)
-        return hidden + self.mlp(normed)
+            return self.mlp(normed, router_logits), residual
+        return self.mlp(normed), residual
 
 
 class DeepseekV3PreTrainedModel(PreTrainedModel):

@@ -14,7 +14,7 @@ from torch import nn
 from transformers import PreTrainedModel, Qwen3Config
 
 from vexact_models.kernels import apply_rotary, linear
-from vexact_models.layers import GatedMLP, RMSNorm, head_dim_of
+from vexact_models.layers import GatedMLP, RMSNorm, add_and_norm, head_dim_of
 
 from ..causal_lm import CausalLMMixin, DecoderModelMixin, InferenceModel
 
@@ -65,9 +65,11 @@ class Qwen3DecoderLayer(nn.Module):
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, hidden, positions, rope, context, **_) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, rope, context)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden, residual, positions, rope, context, **_) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MLP output, residual stream before it): see `DecoderModelMixin`."""
+        normed, residual = add_and_norm(self.input_layernorm, hidden, residual)
+        normed, residual = self.post_attention_layernorm(self.self_attn(normed, positions, rope, context), residual)
+        return self.mlp(normed), residual
 
 
 class Qwen3PreTrainedModel(PreTrainedModel):

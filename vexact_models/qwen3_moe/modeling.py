@@ -16,7 +16,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss
 
 from vexact_models.kernels import linear
 from vexact_models.kernels.moe_routing import softmax_topk
-from vexact_models.layers import FusedExperts, RMSNorm
+from vexact_models.layers import FusedExperts, RMSNorm, add_and_norm
 
 from ..causal_lm import CausalLMMixin, DecoderModelMixin, InferenceModel
 from ..qwen3.modeling import Qwen3Attention, Qwen3MLP
@@ -71,12 +71,14 @@ class Qwen3MoeDecoderLayer(nn.Module):
         self.input_layernorm = Qwen3MoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3MoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, hidden, positions, rope, context, router_logits: list | None = None) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, rope, context)
-        normed = self.post_attention_layernorm(hidden)
+    def forward(self, hidden, residual, positions, rope, context,
+                router_logits: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MLP output, residual stream before it): see `DecoderModelMixin`."""
+        normed, residual = add_and_norm(self.input_layernorm, hidden, residual)
+        normed, residual = self.post_attention_layernorm(self.self_attn(normed, positions, rope, context), residual)
         if isinstance(self.mlp, Qwen3MoeSparseMoeBlock):
-            return hidden + self.mlp(normed, router_logits)
-        return hidden + self.mlp(normed)
+            return self.mlp(normed, router_logits), residual
+        return self.mlp(normed), residual
 
 
 class Qwen3MoePreTrainedModel(PreTrainedModel):
