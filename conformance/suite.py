@@ -4,10 +4,10 @@ For one architecture, backend and model: roll out a fixed pool of requests (gree
 top-k, top-p, min_tokens, stop tokens; each with its own seed) under adversarial engine
 settings (batch sizes 1, 7, 64; chunked-prefill budgets 16 and 128 and no chunking; a KV cache
 so small that sequences are preempted; n = 4), then recompute every sampled token's logprob
-with the training variant, packed in shuffled order and padded (left and right), and require
-``torch.equal``. A request must also produce identical tokens and logprobs in every scenario
-it appears in. HF parity compares the training variant's logits with stock transformers on the
-same weights.
+with the training variant, packed in shuffled order and padded (left and right), and packed
+once more with autograd on, as a training step runs it, and require ``torch.equal``. A request
+must also produce identical tokens and logprobs in every scenario it appears in. HF parity
+compares the training variant's logits with stock transformers on the same weights.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import torch
 
 from vexact_models.registry import Architecture
 from vexact_models.runtime import LLM, SamplingParams
+
+GRAD_SAMPLES = 8  # samples recomputed with autograd on, per scenario
 
 
 @dataclass
@@ -187,14 +189,18 @@ def run_conformance(arch: Architecture, model, *, device: torch.device, pool_siz
                 else:
                     seen[key] = (comp.token_ids, comp.logprobs)
         mismatches, max_diff, tokens = 0, 0.0, 0
-        with torch.no_grad():
-            for padding in ("packed", "right", "left"):
-                recomputed = _recompute(model, samples, temps, device, padding, rng)
-                for got, want in zip(recomputed, reported):
-                    tokens += want.numel()
-                    if not torch.equal(got, want):
-                        mismatches += int((got != want).sum())
-                        max_diff = max(max_diff, float((got - want).abs().max()))
+        # the last layout runs as a training step does, autograd on (separate q/k/v and gate/up
+        # GEMMs, the differentiable kernels), over a few samples to bound activation memory
+        for padding, grad in (("packed", False), ("right", False), ("left", False), ("packed", True)):
+            count = min(len(samples), GRAD_SAMPLES) if grad else len(samples)
+            with torch.set_grad_enabled(grad):
+                recomputed = _recompute(model, samples[:count], temps[:count], device, padding, rng)
+            for got, want in zip(recomputed, reported[:count]):
+                got = got.detach()
+                tokens += want.numel()
+                if not torch.equal(got, want):
+                    mismatches += int((got != want).sum())
+                    max_diff = max(max_diff, float((got - want).abs().max()))
         generated = sum(len(tokens_) for _, tokens_ in samples)
         result = ScenarioResult(sc["name"] + (f" ({preempted} preemptions)" if preempted else ""), len(samples),
                                 generated, tokens, mismatches, max_diff, time.time() - t0)

@@ -28,13 +28,16 @@ def _tile(n: int) -> tuple[int, int, int]:
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, n_rows, N, stride_x, stride_res, stride_out, stride_sum,
-                     eps, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, n_rows, N, heads, stride_x, stride_xh, stride_res,
+                     stride_out, stride_sum, eps, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+                     HAS_RESIDUAL: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < N)
     rows64 = rows[:, None].to(tl.int64)
-    x = tl.load(x_ptr + rows64 * stride_x + cols[None, :], mask=mask, other=0.0)
+    # row r of x is (token r // heads, head r % heads): per-head norms read a strided [T, H, D] view
+    x_row = (rows64 // heads) * stride_x + (rows64 % heads) * stride_xh
+    x = tl.load(x_ptr + x_row + cols[None, :], mask=mask, other=0.0)
     if HAS_RESIDUAL:  # the residual add, rounded to x's dtype as a separate torch add would be
         r = tl.load(res_ptr + rows64 * stride_res + cols[None, :], mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
@@ -50,18 +53,22 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, n_rows, N, stride_
 
 def _rms_norm_triton(x2d: torch.Tensor, weight: torch.Tensor, eps: float,
                      res2d: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(normed, x2d + res2d) with a residual, else (normed, x2d)."""
+    """(normed, x2d + res2d) with a residual, else (normed, x2d). `x2d` may also be a
+    ``[T, H, D]`` view with unit last stride (rows = its T*H (token, head) pairs; no residual);
+    the output is then contiguous ``[T*H, D]``."""
     require_triton("rms_norm")
-    n_rows, n = x2d.shape
-    out = torch.empty_like(x2d)
+    n = x2d.shape[-1]
+    n_rows = x2d.numel() // n if n else 0
+    heads, stride_h = (x2d.shape[1], x2d.stride(1)) if x2d.dim() == 3 else (1, 0)
+    out = torch.empty(n_rows, n, device=x2d.device, dtype=x2d.dtype)
     summed = x2d if res2d is None else torch.empty_like(x2d)
     if n_rows == 0:
         return out, summed
     block_n, rows, num_warps = _tile(n)
-    res = x2d if res2d is None else res2d
+    res = out if res2d is None else res2d
     _rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
-        x2d, res, weight, out, summed, n_rows, n, x2d.stride(0), res.stride(0), out.stride(0), summed.stride(0), eps,
-        BLOCK_N=block_n, ROWS=rows, HAS_RESIDUAL=res2d is not None, num_warps=num_warps)
+        x2d, res, weight, out, summed, n_rows, n, heads, x2d.stride(0), stride_h, res.stride(0), out.stride(0),
+        summed.stride(0), eps, BLOCK_N=block_n, ROWS=rows, HAS_RESIDUAL=res2d is not None, num_warps=num_warps)
     return out, summed
 
 
@@ -145,11 +152,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """
     if weight.shape != (x.shape[-1],):
         raise ValueError(f"rms_norm: weight shape {tuple(weight.shape)} must be ({x.shape[-1]},)")
-    x2d = _rows(x)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        out = _RMSNormFunction.apply(x2d, weight, eps)
+        out = _RMSNormFunction.apply(_rows(x), weight, eps)
+    elif x.dim() == 3 and x.stride(-1) == 1 and select("rms_norm", x, fast=True) == "triton":
+        out = _rms_norm_triton(x, weight, eps)[0]  # per-head rows of a strided view: no copy first
     else:
-        out = _rms_norm_forward(x2d, weight, eps)[0]
+        out = _rms_norm_forward(_rows(x), weight, eps)[0]
     return out.reshape(x.shape)
 
 

@@ -19,22 +19,28 @@ _BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(gate_ptr, up_ptr, out_ptr, n_elements, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n_elements
-    g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+def _silu_and_mul_kernel(gate_ptr, up_ptr, out_ptr, n_cols, stride_g, stride_u, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    g = tl.load(gate_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
     y = g / (1.0 + tl.exp(-g)) * u
-    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _silu_and_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """`gate`/`up`: rows with unit column stride (e.g. the two halves of one fused gate/up
+    GEMM's output, ``[T, I]`` views with row stride 2I); the output is contiguous."""
     require_triton("silu_and_mul")
-    out = torch.empty_like(gate)
-    n = gate.numel()
-    if n:
-        _silu_and_mul_kernel[(triton.cdiv(n, _BLOCK),)](gate, up, out, n, BLOCK=_BLOCK, num_warps=4)
-    return out
+    shape = gate.shape
+    gate, up = gate.reshape(-1, shape[-1]), up.reshape(-1, shape[-1])  # views for the callers' inputs
+    rows, cols = gate.shape
+    out = torch.empty(rows, cols, device=gate.device, dtype=gate.dtype)
+    if gate.numel():
+        _silu_and_mul_kernel[(rows, triton.cdiv(cols, _BLOCK))](gate, up, out, cols, gate.stride(0), up.stride(0),
+                                                                 BLOCK=_BLOCK, num_warps=4)
+    return out.reshape(shape)
 
 
 def silu_and_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -74,7 +80,11 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError(f"silu_and_mul: gate {tuple(gate.shape)}/{gate.dtype} and up "
                          f"{tuple(up.shape)}/{up.dtype} must match")
-    gate, up = gate.contiguous(), up.contiguous()
+    shape = gate.shape
     if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
-        return _SiluAndMulFunction.apply(gate, up)
-    return _silu_and_mul_forward(gate, up)
+        return _SiluAndMulFunction.apply(gate.contiguous(), up.contiguous())
+    # rows with unit column stride need no copy (the kernel takes a row stride)
+    gate2d, up2d = (t.reshape(-1, shape[-1]) if shape else t.reshape(1, 1) for t in (gate, up))
+    if gate2d.stride(-1) != 1 or up2d.stride(-1) != 1:
+        gate2d, up2d = gate2d.contiguous(), up2d.contiguous()
+    return _silu_and_mul_forward(gate2d, up2d).reshape(shape)

@@ -67,6 +67,7 @@ class LLM:
                  kv_cache_bytes: int | None = None, seed: int = 0, enable_chunked_prefill: bool = True,
                  enforce_eager: bool = False, aligned: bool = True,
                  enable_prefix_sharing: bool = True) -> None:
+        from vexact_models.layers import fuse_projections
         from vexact_models.registry import for_model_type
 
         if device is not None:
@@ -85,6 +86,8 @@ class LLM:
         if arch is None:
             raise ValueError(f"LLM: model_type {training.config.model_type!r} is not supported")
         self.model = arch.inference_class(training)
+        # one GEMM for q/k/v and for gate/up in rollouts; the training model shares the storage
+        fuse_projections(training)
         self.config = training.config
         self.dtype = next(training.parameters()).dtype
         self.max_model_len = self._check_len(max_model_len)

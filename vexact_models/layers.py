@@ -49,6 +49,68 @@ class RMSNorm(nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
 
 
+def fuse_linears(linears: list[nn.Linear]) -> bool:
+    """Put the weights of bias-free `linears` (same input width, dtype, device) in consecutive
+    rows of one buffer, so that `grouped_linear` runs them as one GEMM. The parameters stay
+    what they were (same objects, names, values; ``.data`` becomes a view of the buffer), so
+    checkpoints, optimizers and the training forward are unaffected. Returns whether fused."""
+    weights = [lin.weight for lin in linears]
+    first = weights[0]
+    if any(lin.bias is not None for lin in linears) or any(
+            w.dim() != 2 or w.shape[1] != first.shape[1] or w.dtype != first.dtype or w.device != first.device
+            or w.device.type == "meta" for w in weights):
+        return False
+    if _fused_weight(weights) is not None:
+        return True
+    with torch.no_grad():
+        buffer = torch.cat([w.detach() for w in weights])
+        row = 0
+        for w in weights:
+            w.data = buffer[row:row + w.shape[0]]
+            row += w.shape[0]
+    return True
+
+
+def _fused_weight(weights: list[torch.Tensor]) -> torch.Tensor | None:
+    """The ``[sum N, K]`` view spanning `weights` when they are consecutive rows of one storage."""
+    first = weights[0]
+    k, size = first.shape[1], first.element_size()
+    address, storage = first.data_ptr(), first.untyped_storage().data_ptr()
+    for w in weights:  # same storage, not just adjacent allocations
+        if not w.is_contiguous() or w.shape[1] != k or w.dtype != first.dtype or w.data_ptr() != address \
+                or w.untyped_storage().data_ptr() != storage:
+            return None
+        address += w.numel() * size
+    rows = sum(w.shape[0] for w in weights)
+    return first.detach().as_strided((rows, k), (k, 1))
+
+
+def grouped_linear(x: torch.Tensor, linears: list[nn.Linear]) -> list[torch.Tensor]:
+    """Each of `linears` applied to `x`. When their weights are fused (`fuse_linears`) and no
+    gradient is needed, one GEMM computes all of them: bitwise the same numbers, because
+    `kernels.linear` computes every output element the same way whatever N or the tile
+    (conformance/kernel_invariance.py checks tile configs against each other). Training
+    (gradients on) runs the separate GEMMs. The outputs may be column slices of one tensor."""
+    weights = [lin.weight for lin in linears]
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights))
+    if not needs_grad and all(lin.bias is None for lin in linears):
+        fused = _fused_weight(weights)
+        if fused is not None:
+            return list(linear(x, fused).split([w.shape[0] for w in weights], dim=-1))
+    return [linear(x, lin.weight, lin.bias) for lin in linears]
+
+
+def fuse_projections(model: nn.Module) -> int:
+    """Fuse every projection group of `model` that reads one input (q/k/v, gate/up; modules
+    that define ``projection_groups()``) for one-GEMM inference. Returns the groups fused."""
+    fused = 0
+    for module in model.modules():
+        groups = getattr(module, "projection_groups", None)
+        if callable(groups):
+            fused += sum(fuse_linears(group) for group in groups())
+    return fused
+
+
 def add_and_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(norm(x + residual), x + residual)``, one kernel; before the first layer (`residual`
     None) `x` itself starts the residual stream."""
@@ -69,9 +131,12 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
+    def projection_groups(self) -> list[list[nn.Linear]]:
+        return [[self.gate_proj, self.up_proj]]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        act = silu_and_mul(linear(x, self.gate_proj.weight), linear(x, self.up_proj.weight))
-        return linear(act, self.down_proj.weight)
+        gate, up = grouped_linear(x, [self.gate_proj, self.up_proj])
+        return linear(silu_and_mul(gate, up), self.down_proj.weight)
 
 
 class FusedExperts(nn.Module):

@@ -34,3 +34,11 @@ def test_silu_and_mul_backward():
 def test_silu_and_mul_shape_error():
     with pytest.raises(ValueError, match="must match"):
         silu_and_mul(torch.randn(2, 3), torch.randn(2, 4))
+
+
+def test_silu_and_mul_takes_row_strided_halves():
+    """The two halves of one fused gate/up GEMM's output, without copies first."""
+    fused = torch.randn(7, 2 * 48)
+    gate, up = fused.split(48, dim=-1)
+    assert gate.stride(0) == 96
+    assert torch.equal(silu_and_mul(gate, up), silu_and_mul(gate.contiguous(), up.contiguous()))

@@ -81,6 +81,11 @@ def test_linear(m, n, k, dtype):
 def test_rms_norm_rotary_silu():
     x, w = rand(7, 3, 40), rand(40, kind="u")
     close(rms_norm(x, w, 1e-6), ref(rms_norm, x, w, 1e-6), 1e-5)
+    wide = rand(7, 5, 40)[:, 1:4]  # per-head rows of a strided view (q from a fused q/k/v GEMM)
+    close(rms_norm(wide, w, 1e-6), ref(rms_norm, wide.contiguous(), w, 1e-6), 1e-5)
+    gu = rand(6, 2 * 300)
+    close(silu_and_mul(gu[:, :300], gu[:, 300:]), ref(silu_and_mul, gu[:, :300].contiguous(), gu[:, 300:].contiguous()),
+          1e-6)
     r = rand(7, 3, 40)
     for got, want in zip(add_rms_norm(x, r, w, 1e-6), ref(add_rms_norm, x, r, w, 1e-6)):
         close(got, want, 1e-5)

@@ -14,7 +14,7 @@ from torch import nn
 from transformers import PreTrainedModel, Qwen3Config
 
 from vexact_models.kernels import apply_rotary, linear
-from vexact_models.layers import GatedMLP, RMSNorm, add_and_norm, head_dim_of
+from vexact_models.layers import GatedMLP, RMSNorm, add_and_norm, grouped_linear, head_dim_of
 
 from ..causal_lm import CausalLMMixin, DecoderModelMixin, InferenceModel
 
@@ -39,12 +39,16 @@ class Qwen3Attention(nn.Module):
         self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
+    def projection_groups(self) -> list[list[nn.Linear]]:
+        return [[self.q_proj, self.k_proj, self.v_proj]]
+
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 context) -> torch.Tensor:
         tokens = hidden.shape[0]
-        q = linear(hidden, self.q_proj.weight, self.q_proj.bias).view(tokens, self.num_heads, self.head_dim)
-        k = linear(hidden, self.k_proj.weight, self.k_proj.bias).view(tokens, self.num_kv_heads, self.head_dim)
-        v = linear(hidden, self.v_proj.weight, self.v_proj.bias).view(tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = grouped_linear(hidden, [self.q_proj, self.k_proj, self.v_proj])
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
         cos, sin = rope
         q = apply_rotary(self.q_norm(q), positions, cos, sin)
         k = apply_rotary(self.k_norm(k), positions, cos, sin)

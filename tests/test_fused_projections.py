@@ -1,0 +1,87 @@
+"""Projection fusion: q/k/v and gate/up weights moved into one buffer run as one GEMM in
+rollouts, with bitwise the numbers of the separate GEMMs the training step runs."""
+
+import pytest
+import torch
+
+from vexact_models.layers import fuse_linears, fuse_projections, grouped_linear
+from vexact_models.qwen3 import Qwen3ForCausalLM, tiny_config
+
+
+@pytest.fixture
+def model():
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(tiny_config(initializer_range=0.3)).eval()
+
+
+def _storage(t):
+    return t.untyped_storage().data_ptr()
+
+
+def test_fusion_keeps_parameters_and_values(model):
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    params = dict(model.named_parameters())
+    assert fuse_projections(model) == 2 * model.config.num_hidden_layers
+    assert dict(model.named_parameters()) == params  # the same Parameter objects
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert _storage(attn.q_proj.weight) == _storage(attn.k_proj.weight) == _storage(attn.v_proj.weight)
+    assert _storage(mlp.gate_proj.weight) == _storage(mlp.up_proj.weight)
+    assert fuse_projections(model) == 2 * model.config.num_hidden_layers  # idempotent
+
+
+def test_fused_forward_equals_separate_and_autograd_forward_bitwise(model):
+    ids = torch.randint(0, 512, (2, 17))
+    with torch.no_grad():
+        separate = model(ids).logits
+    fuse_projections(model)
+    with torch.no_grad():
+        fused = model(ids).logits
+    with_grad = model(ids).logits  # autograd on: the separate GEMMs
+    assert torch.equal(fused, separate) and torch.equal(with_grad.detach(), separate)
+
+
+def test_grouped_linear_uses_one_gemm_only_when_fused(model, monkeypatch):
+    import vexact_models.layers as layers
+
+    calls = []
+    real = layers.linear
+    monkeypatch.setattr(layers, "linear", lambda x, w, *a, **k: calls.append(w.shape) or real(x, w, *a, **k))
+    attn = model.model.layers[0].self_attn
+    group = [attn.q_proj, attn.k_proj, attn.v_proj]
+    x = torch.randn(3, model.config.hidden_size)
+    with torch.no_grad():
+        want = grouped_linear(x, group)
+        assert len(calls) == 3
+        fuse_linears(group)
+        calls.clear()
+        got = grouped_linear(x, group)
+    assert len(calls) == 1 and calls[0][0] == sum(lin.weight.shape[0] for lin in group)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_in_place_updates_reach_the_fused_gemm(model):
+    """An optimizer step writes the parameters in place: the fused buffer sees it."""
+    fuse_projections(model)
+    ids = torch.randint(0, 512, (1, 9))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+        fused = model(ids).logits
+    assert torch.equal(fused, model(ids).logits.detach())  # vs the separate GEMMs (autograd on)
+
+
+def test_fused_model_saves_and_loads(model, tmp_path):
+    fuse_projections(model)
+    model.save_pretrained(tmp_path)
+    again = Qwen3ForCausalLM.from_pretrained(tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), model.state_dict().values()))
+
+
+def test_fuse_linears_refuses_what_one_gemm_cannot_do():
+    a, b = torch.nn.Linear(8, 4, bias=True), torch.nn.Linear(8, 4, bias=True)
+    assert not fuse_linears([a, b])
+    c, d = torch.nn.Linear(8, 4, bias=False), torch.nn.Linear(6, 4, bias=False)
+    assert not fuse_linears([c, d])
+    e = torch.nn.Linear(8, 4, bias=False).double()
+    assert not fuse_linears([c, e])
