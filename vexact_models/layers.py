@@ -119,6 +119,23 @@ def add_and_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None) 
     return norm(x, residual)
 
 
+class PreNormDecoderLayer(nn.Module):
+    """A pre-norm decoder layer (``self_attn``, ``mlp``, ``input_layernorm``,
+    ``post_attention_layernorm``, set by each architecture's subclass), called as
+    ``layer(hidden, residual, positions, rope, context, router_logits=None) -> (mlp output,
+    residual stream before it)``: each residual add is fused into the norm after it (see
+    `DecoderModelMixin`). An MLP with ``routes = True`` (an MoE block) also gets the list that
+    collects router logits."""
+
+    def forward(self, hidden, residual, positions, rope, context,
+                router_logits: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        normed, residual = add_and_norm(self.input_layernorm, hidden, residual)
+        normed, residual = self.post_attention_layernorm(self.self_attn(normed, positions, rope, context), residual)
+        if getattr(self.mlp, "routes", False):
+            return self.mlp(normed, router_logits), residual
+        return self.mlp(normed), residual
+
+
 class GatedMLP(nn.Module):
     """HF's SiLU-gated MLP (``gate_proj``, ``up_proj``, ``down_proj``, no bias):
     ``down(silu(gate(x)) * up(x))`` with `kernels.linear` and `kernels.silu_and_mul`."""

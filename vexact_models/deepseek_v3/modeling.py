@@ -28,7 +28,7 @@ from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
 from vexact_models.kernels import apply_rotary, linear
 from vexact_models.kernels.grouped_topk import sigmoid_grouped_topk
-from vexact_models.layers import FusedExperts, GatedMLP, RMSNorm, add_and_norm
+from vexact_models.layers import FusedExperts, GatedMLP, PreNormDecoderLayer, RMSNorm
 
 from ..causal_lm import CausalLMMixin, DecoderModelMixin, InferenceModel
 
@@ -154,6 +154,8 @@ class DeepseekV3TopkRouter(nn.Module):
 class DeepseekV3MoE(nn.Module):
     """Routed experts plus the always-on shared experts (one MLP of ``n_shared_experts`` width)."""
 
+    routes = True  # takes the router-logits list (see PreNormDecoderLayer)
+
     def __init__(self, config: DeepseekV3Config) -> None:
         super().__init__()
         self.experts = DeepseekV3Experts(config)
@@ -167,22 +169,13 @@ class DeepseekV3MoE(nn.Module):
         return self.experts(hidden, ids, weights) + self.shared_experts(hidden)
 
 
-class DeepseekV3DecoderLayer(nn.Module):
+class DeepseekV3DecoderLayer(PreNormDecoderLayer):
     def __init__(self, config: DeepseekV3Config, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = DeepseekV3Attention(config, layer_idx)
         self.mlp = DeepseekV3MoE(config) if layer_idx >= config.first_k_dense_replace else DeepseekV3MLP(config)
         self.input_layernorm = DeepseekV3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = DeepseekV3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def forward(self, hidden, residual, positions, rope, context,
-                router_logits: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(MLP output, residual stream before it): see `DecoderModelMixin`."""
-        normed, residual = add_and_norm(self.input_layernorm, hidden, residual)
-        normed, residual = self.post_attention_layernorm(self.self_attn(normed, positions, rope, context), residual)
-        if isinstance(self.mlp, DeepseekV3MoE):
-            return self.mlp(normed, router_logits), residual
-        return self.mlp(normed), residual
 
 
 class DeepseekV3PreTrainedModel(PreTrainedModel):

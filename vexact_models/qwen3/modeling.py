@@ -14,7 +14,7 @@ from torch import nn
 from transformers import PreTrainedModel, Qwen3Config
 
 from vexact_models.kernels import apply_rotary, linear
-from vexact_models.layers import GatedMLP, RMSNorm, add_and_norm, grouped_linear, head_dim_of
+from vexact_models.layers import GatedMLP, PreNormDecoderLayer, RMSNorm, grouped_linear, head_dim_of
 
 from ..causal_lm import CausalLMMixin, DecoderModelMixin, InferenceModel
 
@@ -61,19 +61,13 @@ class Qwen3MLP(GatedMLP):
         super().__init__(config.hidden_size, config.intermediate_size, config.hidden_act)
 
 
-class Qwen3DecoderLayer(nn.Module):
+class Qwen3DecoderLayer(PreNormDecoderLayer):
     def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = Qwen3Attention(config, layer_idx)
         self.mlp = Qwen3MLP(config)
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def forward(self, hidden, residual, positions, rope, context, **_) -> tuple[torch.Tensor, torch.Tensor]:
-        """(MLP output, residual stream before it): see `DecoderModelMixin`."""
-        normed, residual = add_and_norm(self.input_layernorm, hidden, residual)
-        normed, residual = self.post_attention_layernorm(self.self_attn(normed, positions, rope, context), residual)
-        return self.mlp(normed), residual
 
 
 class Qwen3PreTrainedModel(PreTrainedModel):

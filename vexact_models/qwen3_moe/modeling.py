@@ -16,7 +16,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss
 
 from vexact_models.kernels import linear
 from vexact_models.kernels.moe_routing import softmax_topk
-from vexact_models.layers import FusedExperts, RMSNorm, add_and_norm
+from vexact_models.layers import FusedExperts, PreNormDecoderLayer, RMSNorm
 
 from ..causal_lm import CausalLMMixin, DecoderModelMixin, InferenceModel
 from ..qwen3.modeling import Qwen3Attention, Qwen3MLP
@@ -49,6 +49,8 @@ class Qwen3MoeTopKRouter(nn.Module):
 
 
 class Qwen3MoeSparseMoeBlock(nn.Module):
+    routes = True  # takes the router-logits list (see PreNormDecoderLayer)
+
     def __init__(self, config: Qwen3MoeConfig) -> None:
         super().__init__()
         self.experts = Qwen3MoeExperts(config)
@@ -61,7 +63,7 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         return self.experts(hidden, ids, weights)
 
 
-class Qwen3MoeDecoderLayer(nn.Module):
+class Qwen3MoeDecoderLayer(PreNormDecoderLayer):
     def __init__(self, config: Qwen3MoeConfig, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = Qwen3Attention(config, layer_idx)
@@ -70,15 +72,6 @@ class Qwen3MoeDecoderLayer(nn.Module):
         self.mlp = Qwen3MoeSparseMoeBlock(config) if sparse else Qwen3MLP(config)
         self.input_layernorm = Qwen3MoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3MoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def forward(self, hidden, residual, positions, rope, context,
-                router_logits: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(MLP output, residual stream before it): see `DecoderModelMixin`."""
-        normed, residual = add_and_norm(self.input_layernorm, hidden, residual)
-        normed, residual = self.post_attention_layernorm(self.self_attn(normed, positions, rope, context), residual)
-        if isinstance(self.mlp, Qwen3MoeSparseMoeBlock):
-            return self.mlp(normed, router_logits), residual
-        return self.mlp(normed), residual
 
 
 class Qwen3MoePreTrainedModel(PreTrainedModel):
