@@ -39,7 +39,11 @@ class LLM:
 
     Args:
         model: checkpoint folder, or a training-variant model instance (the engine then shares
-            its parameter storage: no copy, updates are seen by the next step).
+            its parameter storage: no copy, updates are seen by the next step). The engine puts
+            each q/k/v and gate/up weight group in one buffer (`layers.fuse_projections`): the
+            parameters stay the same objects and values, now views, and rollouts run one GEMM
+            per group; an in-place optimizer step reaches it. Replacing a parameter's ``.data``
+            afterwards (e.g. ``model.to``) just falls back to separate GEMMs.
         dtype: parameter/activation dtype when loading a folder ("auto": the checkpoint's).
         device: defaults to CUDA when available, else CPU.
         block_size: positions per KV page.
