@@ -85,3 +85,25 @@ def test_fuse_linears_refuses_what_one_gemm_cannot_do():
     assert not fuse_linears([c, d])
     e = torch.nn.Linear(8, 4, bias=False).double()
     assert not fuse_linears([c, e])
+
+
+@pytest.mark.parametrize("shape", ["deepseek_v3", "moonlight"])
+def test_mla_query_and_latent_projections_fuse_bitwise(shape):
+    """MLA: q_proj (Moonlight) or q_a_proj (q-LoRA) with kv_a_proj_with_mqa, one GEMM."""
+    from vexact_models.registry import get
+
+    arch = get(shape)
+    torch.manual_seed(0)
+    model = arch.causal_lm_class(arch.tiny_config(initializer_range=0.3)).eval()
+    ids = torch.randint(0, 512, (2, 13))
+    with torch.no_grad():
+        separate = model(ids).logits
+    layers = model.config.num_hidden_layers
+    # per layer: the MLA pair; a gated MLP in the dense layer and the shared experts elsewhere
+    assert fuse_projections(model) == 2 * layers
+    attn = model.model.layers[0].self_attn
+    first = attn.q_proj if attn.q_lora_rank is None else attn.q_a_proj
+    assert _storage(first.weight) == _storage(attn.kv_a_proj_with_mqa.weight)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, separate)
+    assert torch.equal(model(ids).logits.detach(), separate)

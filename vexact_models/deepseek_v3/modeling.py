@@ -28,7 +28,7 @@ from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
 from vexact_models.kernels import apply_rotary, linear
 from vexact_models.kernels.grouped_topk import sigmoid_grouped_topk
-from vexact_models.layers import FusedExperts, GatedMLP, PreNormDecoderLayer, RMSNorm
+from vexact_models.layers import FusedExperts, GatedMLP, PreNormDecoderLayer, RMSNorm, grouped_linear
 
 from ..causal_lm import CausalLMMixin, DecoderModelMixin, InferenceModel
 
@@ -91,13 +91,15 @@ class DeepseekV3Attention(nn.Module):
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, hidden, bias=bias)
 
-    def _query(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.q_lora_rank is None:
-            q = linear(hidden, self.q_proj.weight)
-        else:
-            q_latent = self.q_a_layernorm(linear(hidden, self.q_a_proj.weight, self.q_a_proj.bias))
-            q = linear(q_latent, self.q_b_proj.weight)
-        return q.view(hidden.shape[0], self.num_heads, self.qk_head_dim)
+    def projection_groups(self) -> list[list[nn.Linear]]:
+        """The query's first projection and ``kv_a_proj_with_mqa`` both read the hidden state."""
+        return [[self.q_proj if self.q_lora_rank is None else self.q_a_proj, self.kv_a_proj_with_mqa]]
+
+    def _query(self, q: torch.Tensor) -> torch.Tensor:
+        """``[T, heads, qk_head_dim]`` from the first projection's output (q itself, or the q-LoRA latent)."""
+        if self.q_lora_rank is not None:
+            q = linear(self.q_a_layernorm(q), self.q_b_proj.weight)
+        return q.view(q.shape[0], self.num_heads, self.qk_head_dim)
 
     def _rotate(self, x: torch.Tensor, positions: torch.Tensor, rope) -> torch.Tensor:
         cos, sin = rope
@@ -106,8 +108,8 @@ class DeepseekV3Attention(nn.Module):
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 context) -> torch.Tensor:
         tokens = hidden.shape[0]
-        q = self._query(hidden)
-        compressed = linear(hidden, self.kv_a_proj_with_mqa.weight, self.kv_a_proj_with_mqa.bias)
+        q, compressed = grouped_linear(hidden, self.projection_groups()[0])
+        q = self._query(q)
         latent, k_rot = compressed.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         kv = linear(self.kv_a_layernorm(latent.contiguous()), self.kv_b_proj.weight)
         k_nope, v = kv.view(tokens, self.num_heads, self.nope_dim + self.v_dim).split([self.nope_dim, self.v_dim], -1)
