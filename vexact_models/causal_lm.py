@@ -41,6 +41,17 @@ class StrictLoadingMixin:
 
 
 
+class InitHookMixin:
+    """Mixed into a ``PreTrainedModel`` before it: HF's weight init, then ``module.init_random(std)``
+    for the modules that define it (fused experts, routers), with the config's initializer_range."""
+
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        init_random = getattr(module, "init_random", None)
+        if callable(init_random):
+            init_random(self.config.initializer_range)
+
+
 class DecoderModelMixin(StrictLoadingMixin):
     """The decoder stack's one forward, for base models with ``embed_tokens``, ``layers``,
     ``norm`` and ``rope`` (a `RopeTables`). Layers are called as
@@ -116,14 +127,30 @@ class CausalLMMixin(StrictLoadingMixin):
         with ``labels``, HF's shifted cross-entropy ``loss``. ``past_key_values``/``use_cache``
         are ignored: rollouts use `vexact_models.LLM`.
         """
+        logits, loss = self._logits_and_loss(input_ids, attention_mask, position_ids, labels, cu_seqlens,
+                                             logits_to_keep, **kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    def _logits_and_loss(self, input_ids, attention_mask, position_ids, labels, cu_seqlens, logits_to_keep: int,
+                         router_logits: list | None = None, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The body of every ``forward``: padded fp32 logits and, with ``labels``, HF's loss.
+        MoE models pass a list that collects each MoE layer's router logits."""
         for unused in ("use_cache", "past_key_values", "return_dict"):
             kwargs.pop(unused, None)
-        hidden, flat = self._forward_hidden(input_ids, attention_mask, position_ids, cu_seqlens)
+        layer_kwargs = {} if router_logits is None else {"router_logits": router_logits}
+        hidden, flat = self._forward_hidden(input_ids, attention_mask, position_ids, cu_seqlens, **layer_kwargs)
         logits = self._padded_logits(hidden, flat, logits_to_keep)
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits)
+        return logits, loss
+
+    def _router_logits_list(self, output_router_logits: bool | None) -> list | None:
+        """A list to collect router logits in when asked (argument, else the config's
+        ``output_router_logits``, a field only newer transformers versions have), else None."""
+        if output_router_logits is None:
+            output_router_logits = getattr(self.config, "output_router_logits", False)
+        return [] if output_router_logits else None
 
     def token_logprobs(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
                        position_ids: torch.LongTensor | None = None, cu_seqlens: torch.Tensor | None = None,

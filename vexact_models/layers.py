@@ -166,6 +166,11 @@ class FusedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
+    def init_random(self, std: float) -> None:
+        """HF's init for the fused expert tensors (called by `InitHookMixin`)."""
+        nn.init.normal_(self.gate_up_proj, 0.0, std)
+        nn.init.normal_(self.down_proj, 0.0, std)
+
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         return fused_moe(hidden, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
 

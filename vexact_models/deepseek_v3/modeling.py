@@ -30,7 +30,7 @@ from vexact_models.kernels import apply_rotary, linear
 from vexact_models.kernels.grouped_topk import sigmoid_grouped_topk
 from vexact_models.layers import FusedExperts, GatedMLP, PreNormDecoderLayer, RMSNorm, grouped_linear
 
-from ..causal_lm import CausalLMMixin, DecoderModelMixin, InferenceModel
+from ..causal_lm import CausalLMMixin, DecoderModelMixin, InferenceModel, InitHookMixin
 
 
 class DeepseekV3RMSNorm(RMSNorm):
@@ -146,6 +146,10 @@ class DeepseekV3TopkRouter(nn.Module):
         self.weight = nn.Parameter(torch.zeros(config.n_routed_experts, config.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(config.n_routed_experts))
 
+    def init_random(self, std: float) -> None:
+        nn.init.normal_(self.weight, 0.0, std)
+        nn.init.zeros_(self.e_score_correction_bias)
+
     def forward(self, hidden: torch.Tensor):
         logits = linear(hidden.float(), self.weight.float())
         weights, ids = sigmoid_grouped_topk(logits, self.e_score_correction_bias.float(), self.top_k, self.n_group,
@@ -180,7 +184,7 @@ class DeepseekV3DecoderLayer(PreNormDecoderLayer):
         self.post_attention_layernorm = DeepseekV3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
-class DeepseekV3PreTrainedModel(PreTrainedModel):
+class DeepseekV3PreTrainedModel(InitHookMixin, PreTrainedModel):
     config_class = DeepseekV3Config
     config: DeepseekV3Config
     base_model_prefix = "model"
@@ -189,16 +193,6 @@ class DeepseekV3PreTrainedModel(PreTrainedModel):
     _keep_in_fp32_modules_strict = ["e_score_correction_bias"]
     # DeepSeek-V3's multi-token-prediction layer (layer 61) is not part of the causal LM
     _keys_to_ignore_on_load_unexpected = [r"model\.layers\.61.*"]
-
-    def _init_weights(self, module: nn.Module) -> None:
-        super()._init_weights(module)
-        std = self.config.initializer_range
-        if isinstance(module, DeepseekV3Experts):
-            nn.init.normal_(module.gate_up_proj, 0.0, std)
-            nn.init.normal_(module.down_proj, 0.0, std)
-        elif isinstance(module, DeepseekV3TopkRouter):
-            nn.init.normal_(module.weight, 0.0, std)
-            nn.init.zeros_(module.e_score_correction_bias)
 
 
 class DeepseekV3Model(DecoderModelMixin, DeepseekV3PreTrainedModel):
@@ -229,18 +223,11 @@ class DeepseekV3ForCausalLM(CausalLMMixin, DeepseekV3PreTrainedModel):
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, cu_seqlens=None,
                 logits_to_keep: int = 0, output_router_logits: bool | None = None, **kwargs) -> MoeCausalLMOutputWithPast:
-        for unused in ("use_cache", "past_key_values", "return_dict"):
-            kwargs.pop(unused, None)
-        if output_router_logits is None:  # a config field only in newer transformers
-            output_router_logits = getattr(self.config, "output_router_logits", False)
-        collect = output_router_logits
-        router = [] if collect else None
-        hidden, flat = self._forward_hidden(input_ids, attention_mask, position_ids, cu_seqlens, router_logits=router)
-        logits = self._padded_logits(hidden, flat, logits_to_keep)
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return MoeCausalLMOutputWithPast(loss=loss, logits=logits, router_logits=tuple(router) if collect else None)
+        router = self._router_logits_list(output_router_logits)
+        logits, loss = self._logits_and_loss(input_ids, attention_mask, position_ids, labels, cu_seqlens,
+                                             logits_to_keep, router_logits=router, **kwargs)
+        return MoeCausalLMOutputWithPast(loss=loss, logits=logits,
+                                         router_logits=None if router is None else tuple(router))
 
     def kv_cache_spec(self) -> tuple[int, int, int, int]:
         """(layers, heads, 192-ish key dim, value dim): the expanded per-head K (nope + rope) and V.

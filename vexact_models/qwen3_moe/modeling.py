@@ -18,7 +18,7 @@ from vexact_models.kernels import linear
 from vexact_models.kernels.moe_routing import softmax_topk
 from vexact_models.layers import FusedExperts, PreNormDecoderLayer, RMSNorm
 
-from ..causal_lm import CausalLMMixin, DecoderModelMixin, InferenceModel
+from ..causal_lm import CausalLMMixin, DecoderModelMixin, InferenceModel, InitHookMixin
 from ..qwen3.modeling import Qwen3Attention, Qwen3MLP
 
 
@@ -41,6 +41,9 @@ class Qwen3MoeTopKRouter(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
         self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size))
+
+    def init_random(self, std: float) -> None:
+        nn.init.normal_(self.weight, 0.0, std)
 
     def forward(self, hidden: torch.Tensor):
         logits = linear(hidden, self.weight)
@@ -74,21 +77,12 @@ class Qwen3MoeDecoderLayer(PreNormDecoderLayer):
         self.post_attention_layernorm = Qwen3MoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
-class Qwen3MoePreTrainedModel(PreTrainedModel):
+class Qwen3MoePreTrainedModel(InitHookMixin, PreTrainedModel):
     config_class = Qwen3MoeConfig
     config: Qwen3MoeConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["Qwen3MoeDecoderLayer"]
-
-    def _init_weights(self, module: nn.Module) -> None:
-        super()._init_weights(module)
-        std = self.config.initializer_range
-        if isinstance(module, Qwen3MoeExperts):
-            nn.init.normal_(module.gate_up_proj, 0.0, std)
-            nn.init.normal_(module.down_proj, 0.0, std)
-        elif isinstance(module, Qwen3MoeTopKRouter):
-            nn.init.normal_(module.weight, 0.0, std)
 
 
 class Qwen3MoeModel(DecoderModelMixin, Qwen3MoePreTrainedModel):
@@ -119,23 +113,18 @@ class Qwen3MoeForCausalLM(CausalLMMixin, Qwen3MoePreTrainedModel):
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, cu_seqlens=None,
                 logits_to_keep: int = 0, output_router_logits: bool | None = None, **kwargs) -> MoeCausalLMOutputWithPast:
-        for unused in ("use_cache", "past_key_values", "return_dict"):
-            kwargs.pop(unused, None)
-        collect = self.config.output_router_logits if output_router_logits is None else output_router_logits
-        router = [] if collect else None
-        hidden, flat = self._forward_hidden(input_ids, attention_mask, position_ids, cu_seqlens, router_logits=router)
-        logits = self._padded_logits(hidden, flat, logits_to_keep)
-        loss = aux_loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        if collect:
+        router = self._router_logits_list(output_router_logits)
+        logits, loss = self._logits_and_loss(input_ids, attention_mask, position_ids, labels, cu_seqlens,
+                                             logits_to_keep, router_logits=router, **kwargs)
+        aux_loss = None
+        if router is not None:
             # router logits exist for the real tokens only, so no attention mask is needed
             aux_loss = load_balancing_loss_func(tuple(router), self.config.num_experts,
                                                 self.config.num_experts_per_tok, None)
             if loss is not None:
                 loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
         return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits,
-                                         router_logits=tuple(router) if collect else None)
+                                         router_logits=None if router is None else tuple(router))
 
 
 class Qwen3MoeForCausalLMInference(InferenceModel):
