@@ -4,7 +4,7 @@ Peers: cuBLAS via ``torch.matmul``, torch SDPA with the flash backend, ``torch.n
 rms_norm``, ``torch.log_softmax``, ``silu(g) * u``. The HBM reference is a device-to-device copy
 measured here (bytes read + written). Times are medians of ``triton.testing.do_bench``.
 
-Targets (DESIGN/issue 2, benchmark figures, not timed tests): linear >= 0.8x cuBLAS TFLOP/s at
+Targets (issue 2, benchmark figures, not timed tests): linear >= 0.8x cuBLAS TFLOP/s at
 M >= 4096 and >= 60% of HBM bandwidth at M <= 64; attention prefill >= 0.6x SDPA flash; decode
 attention >= 50% of HBM bandwidth.
 

@@ -1,4 +1,4 @@
-"""Bitwise batch-invariance proof of the Triton kernels on a GPU (DESIGN.md section 4).
+"""Bitwise batch-invariance proof of the Triton kernels on a GPU (docs/design.md section 4).
 
 Every check compares results computed under different batch compositions with ``torch.equal``
 and allows zero mismatches:

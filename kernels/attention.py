@@ -8,7 +8,7 @@ in slot ``block_table[s, p // page_size] * page_size + p % page_size`` of the ca
 ``[slots, Hkv, D]``. Training is the same call with an empty context: its packed K/V *are* the
 cache, read through a trivial block table with ``page_size = 1`` (`attention_packed`).
 
-Invariance contract (DESIGN.md rule 2): for every query row, the keys are reduced in blocks of
+Invariance contract (docs/design.md rule 2): for every query row, the keys are reduced in blocks of
 `BLOCK_N` aligned to absolute positions 0, BLOCK_N, 2*BLOCK_N, ... with an fp32 online softmax,
 by one compiled kernel configuration per head dim and dtype (`BLOCK_M`, `BLOCK_N` fixed;
 `page_size` is a runtime argument that Triton does not specialize on), so a query's output is

@@ -1,6 +1,6 @@
 """Backward of packed causal GQA attention (training), recompute style.
 
-Needs no invariance (DESIGN.md rule 8), only correctness and speed. The Triton version is the
+Needs no invariance (docs/design.md rule 8), only correctness and speed. The Triton version is the
 FlashAttention-2 scheme: ``delta = rowsum(dO * O)``; one kernel per key block accumulates dK and
 dV over the query blocks (and over the query heads of its KV group, so no atomics); one kernel
 per query tile accumulates dQ over the key blocks. Probabilities are recomputed from the

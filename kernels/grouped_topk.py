@@ -9,7 +9,7 @@ experts are picked. Weights are the picked *scores*, divided by their sum + 1e-2
 logits. Returns fp32 weights ``[T, k]`` and int64 expert ids ``[T, k]``, rank 0 (the highest
 ``choice``) first; ties, for groups and for experts, go to the lowest index.
 
-Invariance contract: per token (DESIGN.md rules 3, 4): one program per row over an
+Invariance contract: per token (docs/design.md rules 3, 4): one program per row over an
 ``[n_group, group size]`` tile, padded to powers of two fixed by the model; element-wise
 sigmoid; selection by repeated max with the lowest index among ties; the picked scores are
 summed sequentially over ranks. Nothing depends on the number of rows. The reference uses

@@ -1,7 +1,7 @@
 """kv_cache_write: scatter new K/V rows into the paged caches by slot.
 
 ``k_cache.view(-1, Hkv, D)[slot_mapping[t]] = k[t]`` (and the same for V); a slot of -1 skips
-the token. The caches then hold exactly the bf16 K/V tensors the training pass uses (DESIGN.md
+the token. The caches then hold exactly the bf16 K/V tensors the training pass uses (docs/design.md
 rule 6): this is a copy, no arithmetic.
 """
 

@@ -5,7 +5,7 @@ of how many rows share the launch. The Triton kernel accumulates K sequentially 
 accumulator (``acc = tl.dot(x, w, acc)`` over K tiles), with one BLOCK_K (`BLOCK_K`) and wgmma
 tile shapes (BLOCK_M >= 64) for every M, and no split-K or stream-K. Tile M/N sizes are picked
 from M by `pick_config`; conformance/kernel_invariance.py proves on the GPU that every config
-gives the same rows (DESIGN.md rule 1). The reference computes each output as a per-output
+gives the same rows (docs/design.md rule 1). The reference computes each output as a per-output
 reduction (`exact_math.dot`), which is row-invariant on CPU where BLAS GEMM is not.
 
 The backward (grad_x = g @ W, grad_W = g.T @ x) uses torch.matmul: it must be correct and fast,

@@ -3,7 +3,7 @@
 ``log_softmax(logits / T)`` in fp32, where T is a per-row temperature. `gather_logprobs` returns
 ``log_softmax(logits / T)[row, target]`` without writing the row: it is the op that both the
 sampler (the logprob reported for a sampled token) and training (`token_logprobs`) call, which
-is what makes those two numbers bitwise equal (DESIGN.md rule 7).
+is what makes those two numbers bitwise equal (docs/design.md rule 7).
 
 Invariance contract: one program per row; the row is scanned in fixed blocks of `BLOCK_V`
 columns with a per-lane running max/sum, combined in one fixed order at the end (rule 3). The

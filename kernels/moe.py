@@ -2,7 +2,7 @@
 
 ``out[t] = sum_r w[t, r] * down[e] @ (silu(gate[e] @ x[t]) * (up[e] @ x[t]))`` with
 ``e = ids[t, r]``, the sum over ranks r = 0..k-1 in that order, in fp32, then one cast
-(DESIGN.md rule 4). Expert weights are HF's fused 3-D tensors: ``gate_up_proj [E, 2I, H]``
+(docs/design.md rule 4). Expert weights are HF's fused 3-D tensors: ``gate_up_proj [E, 2I, H]``
 (gate rows first) and ``down_proj [E, H, I]``.
 
 How: `moe_align` sorts the (token, rank) pairs by expert (stable: by pair index within an

@@ -1,4 +1,4 @@
-"""Backward of `fused_moe` (correct and fast; no invariance needed, DESIGN.md rule 8).
+"""Backward of `fused_moe` (correct and fast; no invariance needed, docs/design.md rule 8).
 
 With ``y_p`` the down-projection output of pair p = (t, r) and ``w = topk_weights``:
 ``dy_p = w[t, r] * dout[t]``, ``dw[t, r] = <dout[t], y_p>``; ``d_act = dy @ down[e]``; SiLU-and-mul

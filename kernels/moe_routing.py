@@ -4,7 +4,7 @@
 then in decreasing order), renormalised to sum 1 when ``norm_topk_prob``. Returns fp32
 weights ``[T, k]`` and int64 expert ids ``[T, k]``, rank 0 first.
 
-Invariance contract: per token (DESIGN.md rules 3, 4): one program per row with a block over
+Invariance contract: per token (docs/design.md rules 3, 4): one program per row with a block over
 the experts fixed by their count; selection by repeated argmax. The reference uses
 `exact_math.softmax` and the same selection rule. The backward (through the weights to the
 router logits) is analytic, in fp32 torch ops.

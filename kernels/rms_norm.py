@@ -6,7 +6,7 @@ dtype, then multiplied by the weight and rounded to the input dtype again. Works
 rows ``[..., hidden]`` and per-head q/k norm ``[..., heads, head_dim]`` alike (rows are rows).
 
 Invariance contract: each row is reduced by one program with a tile shape fixed by the row
-length alone (`_tile`), never by the number of rows (DESIGN.md rule 3). The reference reduces
+length alone (`_tile`), never by the number of rows (docs/design.md rule 3). The reference reduces
 with `exact_math.row_sum`. The backward is the analytic formula in fp32 torch ops (rule 8).
 """
 

@@ -4,7 +4,7 @@
 ``x1, x2`` the two halves of the last dim, computed in fp32 and rounded once to x's dtype.
 
 Invariance contract: element-wise; cos/sin come from one fp32 table ``[max_positions, D/2]``
-indexed by each token's absolute position (DESIGN.md rule 5), built once per model by
+indexed by each token's absolute position (docs/design.md rule 5), built once per model by
 `rope_table` on CPU so that every process and device reads the same values. The backward is
 the rotation by -theta (the same kernel with the sin sign flipped).
 """

@@ -5,7 +5,7 @@ For row i: ``argmax_j (logits[i, j] / T_i + g(seed_i, step_i, j))`` over the tok
 keyed by the request's seed with counter (j, step). Temperature 0 means greedy (argmax of the
 logits, lowest index on ties). The threshold carries top-k/top-p filtering (`runtime.sampler`).
 
-Invariance contract (DESIGN.md rule 7): the token depends only on (logits row, seed, step,
+Invariance contract (docs/design.md rule 7): the token depends only on (logits row, seed, step,
 temperature, threshold): no shared generator and no cross-row state, so the same request
 samples the same token whatever else is in the batch. The logprob the sampler reports is not
 computed here but by `gather_logprobs`, the kernel training calls.

@@ -2,7 +2,7 @@
 
 Computed in fp32 as ``gate / (1 + exp(-gate)) * up`` and rounded once to the input dtype.
 
-Invariance contract: element-wise, the same expression for every element (DESIGN.md rule 5).
+Invariance contract: element-wise, the same expression for every element (docs/design.md rule 5).
 On CPU, torch's own silu is *not* position-independent (SLEEF body vs scalar tail), so the
 reference uses `exact_math.sigmoid`. The backward is the analytic formula in fp32 torch ops.
 """

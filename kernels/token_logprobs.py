@@ -5,7 +5,7 @@ chunks of tokens so that training never holds ``[tokens, vocab]`` fp32 logits at
 
 Invariance contract: the logits rows come from `linear` (row-invariant) with an fp32 output and
 the log-probabilities from `gather_logprobs`, the same two calls the sampler makes for a
-sampled token, so a rollout's reported logprob equals the training logprob bitwise (DESIGN.md
+sampled token, so a rollout's reported logprob equals the training logprob bitwise (docs/design.md
 rule 7) whatever the chunk size or batch. The backward recomputes each chunk's logits and uses
 ``d logp / d logits = (onehot - softmax) / T`` with torch matmuls (rule 8).
 """

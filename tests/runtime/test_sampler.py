@@ -1,6 +1,6 @@
 """Sampler (runtime/sampler.py) and filter_thresholds (kernels/sampling.py), on crafted logits.
 
-The sampler's contract (DESIGN.md rule 7): the token depends only on (logits row, seed, token
+The sampler's contract (docs/design.md rule 7): the token depends only on (logits row, seed, token
 index) after min_tokens/top-k/top-p filtering, and the reported logprob is
 ``gather_logprobs(logits, token, T)`` on the UNFILTERED logits (T = 1 for greedy).
 """
