@@ -6,6 +6,8 @@ from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
 import vexact_models
 from vexact_models.qwen3 import Qwen3ForCausalLM, Qwen3Model, tiny_config
 
+pytestmark = pytest.mark.compat  # also run on older transformers releases (.ci/run)
+
 
 @pytest.fixture
 def checkpoint(tmp_path):

@@ -31,6 +31,11 @@ class Architecture:
         init_for_conformance: ``fn(model, seed)`` giving random values to what random init leaves
             constant and the forward depends on (e.g. DeepSeek's expert-selection bias), so that
             conformance exercises it; None when there is nothing to do.
+        sequence_classification_class: our reward-model / critic head, returned by
+            ``AutoModelForSequenceClassification`` after patch() (None: HF's head, over our base
+            model, which it builds through ``AutoModel``).
+        token_classification_class: our per-token head, returned by
+            ``AutoModelForTokenClassification`` after patch() (None: as above).
     """
 
     name: str
@@ -43,6 +48,8 @@ class Architecture:
     hf_causal_lm_class: str
     published_configs: tuple[str, ...] = field(default_factory=tuple)
     init_for_conformance: Callable[..., None] | None = None
+    sequence_classification_class: type | None = None
+    token_classification_class: type | None = None
 
     def hf_class(self) -> type:
         module, _, name = self.hf_causal_lm_class.rpartition(".")

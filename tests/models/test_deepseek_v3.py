@@ -13,6 +13,8 @@ from vexact_models.deepseek_v3 import (DeepseekV3ForCausalLM, DeepseekV3ForCausa
                                        randomize_router_bias)
 from vexact_models.runtime.model_runner import kv_bytes_per_block
 
+pytestmark = pytest.mark.compat  # also run on older transformers releases (.ci/run)
+
 SHAPES = {"deepseek_v3": deepseek_v3.tiny_config, "moonlight": moonlight.tiny_config}
 
 

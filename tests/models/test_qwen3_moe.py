@@ -7,6 +7,8 @@ from transformers import Qwen3MoeForCausalLM as HFQwen3MoeForCausalLM
 
 from vexact_models.qwen3_moe import Qwen3MoeForCausalLM, Qwen3MoeForCausalLMInference, tiny_config
 
+pytestmark = pytest.mark.compat  # also run on older transformers releases (.ci/run)
+
 
 def rel(a, b):
     return float((a - b).abs().max() / b.abs().max())
