@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import torch
+import transformers
 
 from vexact_models.registry import Architecture, architectures, for_model_type, get
 
@@ -34,11 +35,26 @@ def published_config(name_or_path: str) -> dict:
 
 
 def build_model(arch: Architecture, config, device: torch.device, dtype: torch.dtype, seed: int = 0):
-    """A random-weight training-variant model, initialised directly on `device` in `dtype`."""
+    """A random-weight training-variant model, built as users build it (`vexact_models.patch()`,
+    then ``AutoModelForCausalLM.from_config``) directly on `device` in `dtype`. Leaves the Auto
+    classes patched only if they were before."""
+    from transformers import AutoModelForCausalLM
+
+    from vexact_models import is_patched, patch, unpatch
+
     from .suite import construct
 
-    torch.manual_seed(seed)
-    model = construct(arch.causal_lm_class, config, device, dtype).eval()
+    was_patched = is_patched()
+    patch()
+    try:
+        torch.manual_seed(seed)
+        model = construct(lambda c: AutoModelForCausalLM.from_config(c, dtype=dtype), config, device, dtype).eval()
+    finally:
+        if not was_patched:
+            unpatch()
+    if type(model) is not arch.causal_lm_class:
+        raise RuntimeError(f"vexact_models.patch() did not route model_type {config.model_type!r}: "
+                           f"AutoModelForCausalLM.from_config returned {type(model).__module__}.{type(model).__name__}")
     if arch.init_for_conformance is not None:
         with torch.no_grad():
             arch.init_for_conformance(model, seed)
@@ -118,8 +134,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=40, help="longest prompt; default 40")
     parser.add_argument("--no-hf-parity", action="store_true", help="skip the comparison with stock transformers")
     parser.add_argument("--parity-only", action="store_true", help="only the comparison with stock transformers")
+    parser.add_argument("--lora", type=int, default=0, metavar="RANK",
+                        help="wrap the model with random PEFT LoRA adapters of this rank on every linear layer "
+                             "(and the MoE experts) and check rollouts with adapters; skips HF parity")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
+                        help="fraction of the GPU the engines' KV caches may fill (default 0.9); lower it when the "
+                             "autograd recompute needs room (e.g. --lora at 8B)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if not 0 < args.gpu_memory_utilization <= 1:
+        parser.error(f"--gpu-memory-utilization={args.gpu_memory_utilization} must be in (0, 1]")
+    if args.lora < 0:
+        parser.error(f"--lora={args.lora} must be >= 0")
     for name, value in (("--pool", args.pool), ("--max-tokens", args.max_tokens), ("--prompt-len", args.prompt_len)):
         if value < 1:
             parser.error(f"{name}={value} must be >= 1")
@@ -127,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype)
     from vexact_models.kernels import use_backend
 
-    from .suite import run_conformance
+    from .suite import add_random_lora, run_conformance
 
     archs = [get(a) for a in args.arch] if args.arch else architectures()
     reports, failed = [], False
@@ -137,9 +163,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{arch.name}: building {args.config or 'tiny'} model ({config.num_hidden_layers} layers) "
                   f"on {device} in {args.dtype}", flush=True)
             model = build_model(arch, config, device, dtype, args.seed)
+            print(f"  patch() + AutoModelForCausalLM.from_config -> {type(model).__module__}.{type(model).__name__}"
+                  f" (transformers {transformers.__version__})", flush=True)
+            if args.lora:
+                model = add_random_lora(model, args.lora, args.seed)
             report = run_conformance(arch, model, device=device, pool_size=args.pool, max_tokens=args.max_tokens,
-                                     prompt_len=args.prompt_len, check_parity=not args.no_hf_parity, seed=args.seed,
-                                     scenarios=not args.parity_only)
+                                     prompt_len=args.prompt_len, check_parity=not (args.no_hf_parity or args.lora),
+                                     seed=args.seed, scenarios=not args.parity_only,
+                                     gpu_memory_utilization=args.gpu_memory_utilization)
             reports.append(report)
             failed |= not report.ok
             del model

@@ -1,4 +1,4 @@
-"""The conformance suite (DESIGN.md section 7): rollout logprobs == training logprobs, bitwise.
+"""The conformance suite (docs/design.md section 7): rollout logprobs == training logprobs, bitwise.
 
 For one architecture, backend and model: roll out a fixed pool of requests (greedy, sampled,
 top-k, top-p, min_tokens, stop tokens; each with its own seed) under adversarial engine
@@ -12,6 +12,7 @@ compares the training variant's logits with stock transformers on the same weigh
 
 from __future__ import annotations
 
+import gc
 import random
 import time
 from dataclasses import dataclass, field
@@ -139,8 +140,10 @@ def _scenarios(pool_size: int) -> list[dict]:
 
 def run_conformance(arch: Architecture, model, *, device: torch.device, pool_size: int = 64, max_tokens: int = 24,
                     prompt_len: int = 40, check_parity: bool = True, seed: int = 0, log=print,
-                    scenarios: bool = True) -> Report:
-    """Run every scenario for `model` (a training-variant instance on `device`)."""
+                    scenarios: bool = True, gpu_memory_utilization: float = 0.9) -> Report:
+    """Run every scenario for `model` (a training-variant instance on `device`). The engines'
+    KV caches take `gpu_memory_utilization` of a GPU; the recompute with autograd on needs what
+    is left (LoRA adapters' fp32 activations need more)."""
     from vexact_models.kernels import current_backend
 
     dtype = next(model.parameters()).dtype
@@ -160,6 +163,8 @@ def run_conformance(arch: Architecture, model, *, device: torch.device, pool_siz
             need = [-(-(len(p) + sp.max_tokens) // block_size) for p, sp in pool]
             engine["kv_cache_bytes"] = _cache_bytes(model, block_size, dtype, max(3 * max(need), sum(need) // 4))
         engine.setdefault("max_model_len", max_model_len)
+        if "kv_cache_bytes" not in engine:
+            engine["gpu_memory_utilization"] = gpu_memory_utilization
         if engine.get("enable_chunked_prefill") is False:
             engine["max_num_batched_tokens"] = max(engine["max_num_batched_tokens"], max_model_len)
         llm = LLM(model, device=device, block_size=block_size, max_num_seqs=max(64, pool_size), **engine)
@@ -209,10 +214,28 @@ def run_conformance(arch: Architecture, model, *, device: torch.device, pool_siz
             f"logprobs checked, {mismatches} mismatches ({result.seconds:.1f}s)")
         del llm
         if device.type == "cuda":
+            gc.collect()  # the engine's CUDA graphs and cache may sit in reference cycles
             torch.cuda.empty_cache()
     if check_parity:
         report.hf_parity = hf_parity(arch, model, device)
     return report
+
+
+def add_random_lora(model, rank: int, seed: int = 0):
+    """`model` under real PEFT LoRA adapters of `rank` on every linear layer (PEFT's
+    ``all-linear``, which on MoE models also targets the fused experts), with random A and B so
+    that the adapters change every output. Returns the ``PeftModel``."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", lora_dropout=0.0,
+                        init_lora_weights=False)
+    peft_model = get_peft_model(model, config)
+    with torch.no_grad():  # PEFT's random init is uniform at nn.Linear's scale; shrink B to a fine-tuned size
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.mul_(0.1)
+    return peft_model
 
 
 def _cache_bytes(model, block_size: int, dtype: torch.dtype, blocks: int) -> int:

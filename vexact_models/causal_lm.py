@@ -13,19 +13,28 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
+from vexact_models.adapters import forbid_adapters
+from vexact_models.distributed import fsdp_forward_method
 from vexact_models.kernels import linear, token_logprobs
 from vexact_models.layers import (FlatBatch, PackedContext, PagedContext, RopeTables, check_tokens, flatten_inputs,
                                   head_dim_of)
+from vexact_models.patches.compat import HFCompatMixin
 
 
-class StrictLoadingMixin:
-    """Mixed into our ``PreTrainedModel`` classes (before ``PreTrainedModel``)."""
+class StrictLoadingMixin(HFCompatMixin):
+    """Mixed into our ``PreTrainedModel`` classes (before ``PreTrainedModel``); every model class
+    has it, so it also brings `HFCompatMixin` (any ``attn_implementation`` /
+    ``experts_implementation`` HF accepts loads)."""
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
         """HF ``from_pretrained``, but a checkpoint with a missing or mis-shaped tensor is an
         error naming the tensor (HF would initialise a missing one randomly with a warning, and
         reports a mis-shaped one only in its log)."""
+        from vexact_models.patches.checkpoints import check_expert_tensors
+
+        # a per-expert tensor missing or mis-shaped: transformers' own error names only the fused tensor
+        check_expert_tensors(cls, args, kwargs)
         want_info = kwargs.pop("output_loading_info", False)
         ignore_mismatched = kwargs.pop("ignore_mismatched_sizes", False)
         model, info = super().from_pretrained(*args, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs)
@@ -52,6 +61,13 @@ class InitHookMixin:
             init_random(self.config.initializer_range)
 
 
+def hf_flag(value: bool | None, config, name: str, default: bool) -> bool:
+    """An HF output switch: the argument when given, else the config's field, else `default`."""
+    if value is not None:
+        return bool(value)
+    return bool(getattr(config, name, default))
+
+
 class DecoderModelMixin(StrictLoadingMixin):
     """The decoder stack's one forward, for base models with ``embed_tokens``, ``layers``,
     ``norm`` and ``rope`` (a `RopeTables`). Layers are called as
@@ -70,80 +86,132 @@ class DecoderModelMixin(StrictLoadingMixin):
         self.rope = RopeTables(config, rope_dim or head_dim_of(config))
         self.gradient_checkpointing = False
 
-    def forward_flat(self, input_ids: torch.Tensor, positions: torch.Tensor, context, **layer_kwargs) -> torch.Tensor:
-        """The one forward: ``[T]`` tokens at ``[T]`` positions -> ``[T, hidden]`` final hidden."""
-        rope = self.rope.get(input_ids.device)
-        hidden, residual = self.embed_tokens(input_ids), None
+    def forward_flat(self, input_ids: torch.Tensor, positions: torch.Tensor, context,
+                     inputs_embeds: torch.Tensor | None = None, hidden_states: list | None = None,
+                     **layer_kwargs) -> torch.Tensor:
+        """The one forward: ``[T]`` tokens (or their ``[T, hidden]`` embeddings) at ``[T]``
+        positions -> ``[T, hidden]`` final hidden. Given a `hidden_states` list, it collects HF's
+        ``output_hidden_states``: the embeddings, each layer's output (the residual stream) and,
+        in place of the last layer's, the final normed output."""
+        forbid_adapters(self.embed_tokens, "embed_tokens", "train it fully with modules_to_save=['embed_tokens']")
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        rope = self.rope.get(hidden.device)
+        residual = None
+        if hidden_states is not None:
+            hidden_states.append(hidden)
         for layer in self.layers:
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
                 hidden, residual = torch.utils.checkpoint.checkpoint(layer, hidden, residual, positions, rope, context,
                                                                      use_reentrant=False, **layer_kwargs)
             else:
                 hidden, residual = layer(hidden, residual, positions, rope, context, **layer_kwargs)
-        return self.norm(hidden, residual)[0]
+            if hidden_states is not None:
+                hidden_states.append(hidden + residual)
+        out = self.norm(hidden, residual)[0]
+        if hidden_states is not None:
+            hidden_states[-1] = out
+        return out
+
+    def forward_hf_inputs(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None,
+                          position_ids: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+                          inputs_embeds: torch.Tensor | None = None, output_hidden_states: bool = False,
+                          **layer_kwargs) -> tuple[torch.Tensor, FlatBatch, list[torch.Tensor] | None]:
+        """HF-style padded or packed input (ids or embeddings, see `flatten_inputs`) through the
+        one forward: ``(final hidden [T, hidden], the flat batch, per-layer hidden states [T,
+        hidden] or None)``. Embeddings give the same numbers as the ids they embed."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError(f"{type(self).__name__}.forward: pass exactly one of input_ids and inputs_embeds")
+        if inputs_embeds is not None:
+            if inputs_embeds.dim() not in (2, 3) or inputs_embeds.shape[-1] != self.config.hidden_size:
+                raise ValueError(f"inputs_embeds must be [batch, seq, {self.config.hidden_size}] or [tokens, "
+                                 f"{self.config.hidden_size}], got shape {tuple(inputs_embeds.shape)}")
+            # the batch layout comes from a stand-in of the ids' shape; the rows come from the embeddings
+            stand_in = torch.zeros(inputs_embeds.shape[:-1], dtype=torch.long, device=inputs_embeds.device)
+            flat = flatten_inputs(stand_in, attention_mask, position_ids, cu_seqlens)
+            embeds = inputs_embeds.reshape(-1, inputs_embeds.shape[-1])[flat.index]
+        else:
+            flat = flatten_inputs(input_ids, attention_mask, position_ids, cu_seqlens)
+            embeds = None
+        self.rope.ensure(check_tokens(flat.input_ids if embeds is None else None, flat.positions,
+                                     self.config.vocab_size))
+        states = [] if output_hidden_states else None
+        context = PackedContext(flat.cu_seqlens, flat.max_seqlen)
+        hidden = self.forward_flat(flat.input_ids, flat.positions, context, inputs_embeds=embeds, hidden_states=states,
+                                   **layer_kwargs)
+        return hidden, flat, states
 
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.LongTensor | None = None, cu_seqlens: torch.Tensor | None = None,
-                **kwargs) -> BaseModelOutputWithPast:
+                inputs_embeds: torch.Tensor | None = None, output_hidden_states: bool | None = None,
+                return_dict: bool | None = None, **kwargs) -> BaseModelOutputWithPast | tuple:
         """HF-compatible forward on padded (``attention_mask``) or packed (``position_ids``
-        restarting at 0, or ``cu_seqlens``) input; returns ``last_hidden_state`` in the input's
-        shape (zeros at padding)."""
-        if input_ids is None:
-            raise ValueError(f"{type(self).__name__}.forward needs input_ids (inputs_embeds is not supported)")
-        flat = flatten_inputs(input_ids, attention_mask, position_ids, cu_seqlens)
-        check_tokens(flat.input_ids, flat.positions, self.config.vocab_size, self.rope.max_positions)
-        hidden = self.forward_flat(flat.input_ids, flat.positions, PackedContext(flat.cu_seqlens, flat.max_seqlen))
-        out = hidden.new_zeros(flat.shape.numel(), hidden.shape[-1]).index_copy(0, flat.index, hidden)
-        return BaseModelOutputWithPast(last_hidden_state=out.view(*flat.shape, -1))
+        restarting at 0, or ``cu_seqlens``) input ids or ``inputs_embeds``; returns
+        ``last_hidden_state`` in the input's shape (zeros at padding) and, with
+        ``output_hidden_states``, HF's tuple of per-layer hidden states. ``past_key_values`` and
+        ``use_cache`` are ignored (rollouts use `vexact_models.LLM`)."""
+        hidden, flat, states = self.forward_hf_inputs(
+            input_ids, attention_mask, position_ids, cu_seqlens, inputs_embeds,
+            hf_flag(output_hidden_states, self.config, "output_hidden_states", False))
+        out = BaseModelOutputWithPast(last_hidden_state=flat.to_padded(hidden),
+                                      hidden_states=None if states is None else tuple(map(flat.to_padded, states)))
+        return out if hf_flag(return_dict, self.config, "return_dict", True) else out.to_tuple()
 
 
 class CausalLMMixin(StrictLoadingMixin):
-    """Mixed into each architecture's ``XForCausalLM`` (before ``PreTrainedModel``)."""
+    """Mixed into each architecture's ``XForCausalLM`` (before ``PreTrainedModel``; the class
+    also lists HF's ``GenerationMixin`` after it, as HF's own causal LMs do)."""
 
-    def _forward_hidden(self, input_ids, attention_mask, position_ids, cu_seqlens,
-                        **forward_kwargs) -> tuple[torch.Tensor, FlatBatch]:
-        if input_ids is None:
-            raise ValueError(f"{type(self).__name__}.forward needs input_ids (inputs_embeds is not supported)")
-        flat = flatten_inputs(input_ids, attention_mask, position_ids, cu_seqlens)
-        check_tokens(flat.input_ids, flat.positions, self.config.vocab_size, self.model.rope.max_positions)
-        context = PackedContext(flat.cu_seqlens, flat.max_seqlen)
-        return self.model.forward_flat(flat.input_ids, flat.positions, context, **forward_kwargs), flat
+    def lm_head_weight(self) -> torch.Tensor:
+        """The LM head's weight, which the logit and logprob kernels read directly (a PEFT
+        ``modules_to_save`` copy when one is active; LoRA on the head is an error)."""
+        forbid_adapters(self.lm_head, "lm_head",
+                        "train it fully with modules_to_save=['lm_head'], or merge the adapter")
+        return self.lm_head.weight
 
     def _padded_logits(self, hidden: torch.Tensor, flat: FlatBatch, logits_to_keep: int) -> torch.Tensor:
         """fp32 logits in the input's shape (zeros at padding)."""
-        logits_flat = linear(hidden, self.lm_head.weight, out_dtype=torch.float32)
-        logits = logits_flat.new_zeros(flat.shape.numel(), logits_flat.shape[-1]).index_copy(0, flat.index, logits_flat)
-        logits = logits.view(*flat.shape, -1)
+        logits = flat.to_padded(linear(hidden, self.lm_head_weight(), out_dtype=torch.float32))
         return logits[..., -logits_to_keep:, :] if logits_to_keep else logits
 
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.LongTensor | None = None, labels: torch.LongTensor | None = None,
-                cu_seqlens: torch.Tensor | None = None, logits_to_keep: int = 0, **kwargs) -> CausalLMOutputWithPast:
+                cu_seqlens: torch.Tensor | None = None, logits_to_keep: int = 0,
+                **kwargs) -> CausalLMOutputWithPast | tuple:
         """HF-compatible forward.
 
         Input is padded (``attention_mask``, left or right padding; positions count from each
         row's first token) or packed (``position_ids`` restarting at 0 per sequence, or
-        ``cu_seqlens``). Returns fp32 ``logits`` in the input's shape (zeros at padding) and,
-        with ``labels``, HF's shifted cross-entropy ``loss``. ``past_key_values``/``use_cache``
-        are ignored: rollouts use `vexact_models.LLM`.
+        ``cu_seqlens``), as token ids or ``inputs_embeds``. Returns fp32 ``logits`` in the
+        input's shape (zeros at padding), with ``labels`` HF's shifted cross-entropy ``loss``,
+        with ``output_hidden_states`` HF's per-layer hidden states; a tuple when
+        ``return_dict=False``. ``past_key_values``/``use_cache`` are ignored: rollouts use
+        `vexact_models.LLM`.
         """
-        logits, loss = self._logits_and_loss(input_ids, attention_mask, position_ids, labels, cu_seqlens,
-                                             logits_to_keep, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits)
+        out = self._causal_lm_output(CausalLMOutputWithPast, input_ids, attention_mask, position_ids, labels,
+                                     cu_seqlens, logits_to_keep, **kwargs)
+        return self._as_requested(out, kwargs.get("return_dict"))
 
-    def _logits_and_loss(self, input_ids, attention_mask, position_ids, labels, cu_seqlens, logits_to_keep: int,
-                         router_logits: list | None = None, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The body of every ``forward``: padded fp32 logits and, with ``labels``, HF's loss.
-        MoE models pass a list that collects each MoE layer's router logits."""
-        for unused in ("use_cache", "past_key_values", "return_dict"):
+    def _as_requested(self, out, return_dict: bool | None):
+        return out if hf_flag(return_dict, self.config, "return_dict", True) else out.to_tuple()
+
+    def _causal_lm_output(self, output_class, input_ids, attention_mask, position_ids, labels, cu_seqlens,
+                          logits_to_keep: int, router_logits: list | None = None, inputs_embeds=None,
+                          output_hidden_states: bool | None = None, **kwargs):
+        """The body of every ``forward``: `output_class` with padded fp32 logits, with ``labels``
+        HF's loss, and the hidden states when asked. MoE models pass a list that collects each
+        MoE layer's router logits."""
+        for unused in ("use_cache", "past_key_values", "return_dict", "cache_position"):
             kwargs.pop(unused, None)
         layer_kwargs = {} if router_logits is None else {"router_logits": router_logits}
-        hidden, flat = self._forward_hidden(input_ids, attention_mask, position_ids, cu_seqlens, **layer_kwargs)
+        hidden, flat, states = self.model.forward_hf_inputs(
+            input_ids, attention_mask, position_ids, cu_seqlens, inputs_embeds,
+            hf_flag(output_hidden_states, self.config, "output_hidden_states", False), **layer_kwargs)
         logits = self._padded_logits(hidden, flat, logits_to_keep)
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return logits, loss
+        return output_class(loss=loss, logits=logits,
+                            hidden_states=None if states is None else tuple(map(flat.to_padded, states)))
 
     def _router_logits_list(self, output_router_logits: bool | None) -> list | None:
         """A list to collect router logits in when asked (argument, else the config's
@@ -152,6 +220,15 @@ class CausalLMMixin(StrictLoadingMixin):
             output_router_logits = getattr(self.config, "output_router_logits", False)
         return [] if output_router_logits else None
 
+    def generate(self, *args, **kwargs):
+        """HF's ``GenerationMixin.generate`` (every decoding option HF has), run without a KV
+        cache: each step recomputes the sequences through the training forward, so greedy output
+        equals `vexact_models.LLM` greedy output token for token. Quadratic in the output length:
+        roll out with `vexact_models.LLM`, which shares this model's weights."""
+        kwargs["use_cache"] = False
+        return super().generate(*args, **kwargs)
+
+    @fsdp_forward_method  # on an FSDP2 root, runs the root's all-gather hooks (plain fully_shard recipe)
     def token_logprobs(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
                        position_ids: torch.LongTensor | None = None, cu_seqlens: torch.Tensor | None = None,
                        temperature: float | torch.Tensor = 1.0, chunk_tokens: int | None = None) -> torch.Tensor:
@@ -163,7 +240,7 @@ class CausalLMMixin(StrictLoadingMixin):
         get 0. ``temperature`` is a float or a ``[num_sequences]`` tensor. Differentiable;
         never holds ``[tokens, vocab]`` fp32 logits (chunks of ``chunk_tokens``).
         """
-        hidden, flat = self._forward_hidden(input_ids, attention_mask, position_ids, cu_seqlens)
+        hidden, flat, _ = self.model.forward_hf_inputs(input_ids, attention_mask, position_ids, cu_seqlens)
         n_tokens = hidden.shape[0]
         cu = flat.cu_seqlens.long()
         has_next = torch.ones(n_tokens, dtype=torch.bool, device=hidden.device)
@@ -176,15 +253,15 @@ class CausalLMMixin(StrictLoadingMixin):
                                  f"sequence), got {tuple(temperature.shape)}")
             seq_of = torch.repeat_interleave(torch.arange(n_seqs, device=hidden.device), cu[1:] - cu[:-1])
             temperature = temperature.to(hidden.device, torch.float32)[seq_of[src]]
-        lp = token_logprobs(hidden[src], self.lm_head.weight, flat.input_ids[src + 1], temperature, chunk_tokens)
-        out_flat = lp.new_zeros(n_tokens).index_copy(0, src + 1, lp)
-        return out_flat.new_zeros(flat.shape.numel()).index_copy(0, flat.index, out_flat).view(flat.shape)
+        lp = token_logprobs(hidden[src], self.lm_head_weight(), flat.input_ids[src + 1], temperature, chunk_tokens)
+        return flat.to_padded(lp.new_zeros(n_tokens).index_copy(0, src + 1, lp))
 
     def kv_cache_spec(self) -> tuple[int, int, int, int]:
         """(layers, KV heads, key head dim, value head dim) of this model's paged KV cache."""
         cfg = self.config
         head_dim = head_dim_of(cfg)
         return cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, head_dim
+
 
 class InferenceModel(nn.Module):
     """Inference variant: drives a training-variant model's modules with the paged runtime.
@@ -195,6 +272,9 @@ class InferenceModel(nn.Module):
 
     def __init__(self, causal_lm: nn.Module) -> None:
         super().__init__()
+        if isinstance(causal_lm, nn.Module) and type(causal_lm).__name__.startswith("PeftModel"):
+            # the runtime drives our model under PEFT's wrapper: its LoRA layers are in there
+            causal_lm = causal_lm.get_base_model()
         self.causal_lm = causal_lm
 
     @property
@@ -210,7 +290,7 @@ class InferenceModel(nn.Module):
         """Run new tokens through the paged cache; return fp32 logits ``[n, vocab]`` for the
         flat rows ``logits_indices`` (the last token of each sequence that samples)."""
         hidden = self.causal_lm.model.forward_flat(input_ids, positions, context)
-        return linear(hidden[logits_indices], self.causal_lm.lm_head.weight, out_dtype=torch.float32)
+        return linear(hidden[logits_indices], self.causal_lm.lm_head_weight(), out_dtype=torch.float32)
 
     @classmethod
     def from_pretrained(cls, path, **kwargs) -> "InferenceModel":

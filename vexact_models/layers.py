@@ -2,7 +2,7 @@
 attention layouts of the one forward (packed for training, paged for inference) and the
 conversion of HF-style inputs (padded or packed) to the flat token batch.
 
-The one-forward contract (DESIGN.md section 3): a model's layers see a flat batch
+The one-forward contract (docs/design.md section 3): a model's layers see a flat batch
 ``input_ids[T]``, ``positions[T]`` and an attention context. Training passes a
 `PackedContext` (sequences back to back, causal within each); the runtime passes a
 `PagedContext` (new tokens appended to a cached context in a paged KV cache). Both end in the
@@ -20,10 +20,29 @@ from vexact_models.kernels import (PagedLayout, add_rms_norm, attention, attenti
                                    rms_norm, rope_table, silu_and_mul)
 from vexact_models.kernels.moe import fused_moe
 
+from .adapters import add_adapters, apply_linear, base_layer
+
 
 def head_dim_of(config) -> int:
-    """HF's rule: ``config.head_dim`` when set, else ``hidden_size // num_attention_heads``."""
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    """HF's rule: ``config.head_dim`` when set, else ``hidden_size // num_attention_heads``.
+
+    Raises ValueError for a head_dim that is not a positive even int (RoPE rotates pairs of
+    dims; HF's own ``head_dim or hidden // heads`` would silently turn 0 into hidden/heads) and,
+    without head_dim, for hidden_size not a multiple of num_attention_heads (HF would floor it).
+    """
+    owner = type(config).__name__
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim is None:
+        hidden, heads = config.hidden_size, config.num_attention_heads
+        if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
+            raise ValueError(f"{owner}: num_attention_heads={heads!r} must be an int >= 1")
+        if hidden % heads:
+            raise ValueError(f"{owner}: without head_dim, hidden_size={hidden} must be a multiple of "
+                             f"num_attention_heads={heads}")
+        head_dim = hidden // heads
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2:
+        raise ValueError(f"{owner}: head_dim={head_dim!r} must be an even int >= 2 (RoPE rotates pairs of dims)")
+    return head_dim
 
 
 class RMSNorm(nn.Module):
@@ -49,14 +68,16 @@ class RMSNorm(nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
 
 
-def fuse_linears(linears: list[nn.Linear]) -> bool:
-    """Put the weights of bias-free `linears` (same input width, dtype, device) in consecutive
-    rows of one buffer, so that `grouped_linear` runs them as one GEMM. The parameters stay
-    what they were (same objects, names, values; ``.data`` becomes a view of the buffer), so
-    checkpoints, optimizers and the training forward are unaffected. Returns whether fused."""
-    weights = [lin.weight for lin in linears]
+def fuse_linears(linears: list[nn.Module]) -> bool:
+    """Put the weights of bias-free `linears` (same input width, dtype, device; PEFT-wrapped ones
+    count by their base layer) in consecutive rows of one buffer, so that `grouped_linear` runs
+    them as one GEMM. The parameters stay what they were (same objects, names, values; ``.data``
+    becomes a view of the buffer), so checkpoints, optimizers and the training forward are
+    unaffected. Returns whether fused."""
+    bases = [base_layer(lin) for lin in linears]
+    weights = [lin.weight for lin in bases]
     first = weights[0]
-    if any(lin.bias is not None for lin in linears) or any(
+    if any(lin.bias is not None for lin in bases) or any(
             w.dim() != 2 or w.shape[1] != first.shape[1] or w.dtype != first.dtype or w.device != first.device
             or w.device.type == "meta" for w in weights):
         return False
@@ -85,19 +106,24 @@ def _fused_weight(weights: list[torch.Tensor]) -> torch.Tensor | None:
     return first.detach().as_strided((rows, k), (k, 1))
 
 
-def grouped_linear(x: torch.Tensor, linears: list[nn.Linear]) -> list[torch.Tensor]:
-    """Each of `linears` applied to `x`. When their weights are fused (`fuse_linears`) and no
-    gradient is needed, one GEMM computes all of them: bitwise the same numbers, because
-    `kernels.linear` computes every output element the same way whatever N or the tile
-    (conformance/kernel_invariance.py checks tile configs against each other). Training
-    (gradients on) runs the separate GEMMs. The outputs may be column slices of one tensor."""
-    weights = [lin.weight for lin in linears]
+def grouped_linear(x: torch.Tensor, linears: list[nn.Module]) -> list[torch.Tensor]:
+    """Each of `linears` applied to `x` (PEFT LoRA adapters included, see `adapters`). When
+    their base weights are fused (`fuse_linears`) and no gradient flows into them, one GEMM
+    computes all base outputs: bitwise the same numbers, because `kernels.linear` computes
+    every output element the same way whatever N or the tile (conformance/kernel_invariance.py
+    checks tile configs against each other). Otherwise the separate GEMMs run. Adapter updates
+    are added per module either way. The outputs may be column slices of one tensor."""
+    bases = [base_layer(lin) for lin in linears]
+    weights = [lin.weight for lin in bases]
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights))
-    if not needs_grad and all(lin.bias is None for lin in linears):
+    fused = None
+    if not needs_grad and all(lin.bias is None for lin in bases):
         fused = _fused_weight(weights)
-        if fused is not None:
-            return list(linear(x, fused).split([w.shape[0] for w in weights], dim=-1))
-    return [linear(x, lin.weight, lin.bias) for lin in linears]
+    if fused is not None:
+        outs = list(linear(x, fused).split([w.shape[0] for w in weights], dim=-1))
+    else:
+        outs = [linear(x, lin.weight, lin.bias) for lin in bases]
+    return [add_adapters(out, x, lin) for out, lin in zip(outs, linears)]
 
 
 def fuse_projections(model: nn.Module) -> int:
@@ -153,7 +179,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = grouped_linear(x, [self.gate_proj, self.up_proj])
-        return linear(silu_and_mul(gate, up), self.down_proj.weight)
+        return apply_linear(silu_and_mul(gate, up), self.down_proj)
 
 
 class FusedExperts(nn.Module):
@@ -176,11 +202,14 @@ class FusedExperts(nn.Module):
 
 
 class RopeTables:
-    """One fp32 cos/sin table per model, indexed by absolute position (DESIGN.md rule 5).
+    """One fp32 cos/sin table per model, indexed by absolute position (docs/design.md rule 5).
 
-    Built once on CPU from the config (HF's RoPE init functions, so YaRN & co. come for free)
-    and copied to each device on first use; never a module buffer, so meta-device loading,
-    ``state_dict`` and dtype casts cannot touch it.
+    Built on CPU from the config (HF's RoPE init functions, so YaRN & co. come for free) and
+    copied to each device on first use; never a module buffer, so meta-device loading,
+    ``state_dict`` and dtype casts cannot touch it. It covers ``max_position_embeddings`` and
+    grows on demand (`ensure`) for longer inputs, as HF's rotary embedding accepts them: a row
+    depends only on its position, so growing never changes an existing row. Tables replaced by
+    growth stay referenced, since captured CUDA graphs may still read them.
     """
 
     def __init__(self, config, head_dim: int) -> None:
@@ -189,6 +218,7 @@ class RopeTables:
         self.max_positions = int(config.max_position_embeddings)
         self._cpu: tuple[torch.Tensor, torch.Tensor] | None = None
         self._by_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._retired: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def _build(self) -> tuple[torch.Tensor, torch.Tensor]:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -202,6 +232,15 @@ class RopeTables:
         else:
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](self.config, "cpu")
         return rope_table(inv_freq, self.max_positions, float(scaling))
+
+    def ensure(self, positions: int) -> None:
+        """Make the tables cover positions ``[0, positions)`` (doubling past the configured length)."""
+        if positions <= self.max_positions:
+            return
+        while self.max_positions < positions:
+            self.max_positions *= 2
+        self._retired.extend(self._by_device.values())
+        self._cpu, self._by_device = None, {}
 
     def get(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if device not in self._by_device:
@@ -255,6 +294,29 @@ class FlatBatch:
     index: torch.Tensor
     shape: torch.Size
 
+    def to_padded(self, rows: torch.Tensor) -> torch.Tensor:
+        """Per-token ``rows [T, ...]`` back in the input's shape ``[*shape, ...]``, zeros at padding."""
+        out = rows.new_zeros(self.shape.numel(), *rows.shape[1:]).index_copy(0, self.index, rows)
+        return out.view(*self.shape, *rows.shape[1:])
+
+
+def _packed_lengths(cu_seqlens, num_tokens: int, device: torch.device) -> torch.Tensor:
+    """Sequence lengths from ``cu_seqlens``: a 1-D integer tensor (or list) running from 0 to
+    `num_tokens`, never decreasing (equal neighbours: an empty sequence). One host sync."""
+    cu = torch.as_tensor(cu_seqlens)
+    if cu.dim() != 1 or cu.shape[0] < 2 or cu.dtype.is_floating_point or cu.dtype.is_complex or cu.dtype == torch.bool:
+        raise ValueError(f"cu_seqlens must be a 1-D integer tensor of at least 2 offsets, got dtype {cu.dtype} "
+                         f"and shape {tuple(cu.shape)}")
+    offsets = cu.tolist()
+    if offsets[0] != 0 or offsets[-1] != num_tokens:
+        raise ValueError(f"cu_seqlens must run from 0 to the {num_tokens} tokens, got {offsets}")
+    for i in range(1, len(offsets)):
+        if offsets[i] < offsets[i - 1]:
+            raise ValueError(f"cu_seqlens must be non-decreasing: cu_seqlens[{i}]={offsets[i]} is below "
+                             f"cu_seqlens[{i - 1}]={offsets[i - 1]}")
+    cu = cu.to(device=device, dtype=torch.int64)
+    return cu[1:] - cu[:-1]
+
 
 def flatten_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                    position_ids: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None) -> FlatBatch:
@@ -289,10 +351,7 @@ def flatten_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
     else:
         index = torch.arange(ids.shape[0], device=device)
         if cu_seqlens is not None:
-            cu = cu_seqlens.to(device=device, dtype=torch.int64)
-            if int(cu[-1]) != ids.shape[0] or int(cu[0]) != 0:
-                raise ValueError(f"cu_seqlens must run from 0 to the {ids.shape[0]} tokens, got {cu.tolist()}")
-            lens = cu[1:] - cu[:-1]
+            lens = _packed_lengths(cu_seqlens, ids.shape[0], device)
         else:
             starts = torch.zeros(rows, length, dtype=torch.bool, device=device)
             starts[:, 0] = True
@@ -310,13 +369,18 @@ def flatten_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
     return FlatBatch(ids[index], positions.to(torch.int64), cu, max_seqlen, index, shape)
 
 
-def check_tokens(input_ids: torch.Tensor, positions: torch.Tensor, vocab_size: int, max_positions: int) -> None:
-    """Clear errors for token ids or positions the model cannot take (one host sync)."""
-    if input_ids.numel() == 0:
-        return
-    lo, hi = int(input_ids.min()), int(input_ids.max())
-    if lo < 0 or hi >= vocab_size:
-        bad = lo if lo < 0 else hi
+def check_tokens(input_ids: torch.Tensor | None, positions: torch.Tensor, vocab_size: int) -> int:
+    """Clear errors for token ids or positions the model cannot take (one host sync); returns
+    the number of positions the RoPE tables must cover (the largest position + 1)."""
+    if positions.numel() == 0:
+        return 0
+    bounds = [positions.min(), positions.max()]
+    if input_ids is not None:
+        bounds += [input_ids.min(), input_ids.max()]
+    lo_pos, hi_pos, *ids = torch.stack(bounds).tolist()  # one host sync
+    if ids and (ids[0] < 0 or ids[1] >= vocab_size):
+        bad = ids[0] if ids[0] < 0 else ids[1]
         raise ValueError(f"input_ids contains token id {bad}, outside the vocabulary [0, {vocab_size})")
-    if int(positions.max()) >= max_positions or int(positions.min()) < 0:
-        raise ValueError(f"position {int(positions.max())} is outside [0, max_position_embeddings={max_positions})")
+    if lo_pos < 0:
+        raise ValueError(f"position_ids contains {lo_pos}; positions must be >= 0")
+    return hi_pos + 1

@@ -69,3 +69,21 @@ def test_low_precision_parity_is_judged_against_hf_own_error():
     parity = hf_parity(arch, model, torch.device("cpu"))
     assert parity.ours_vs_fp32 is not None and parity.hf_vs_fp32 > 0
     assert parity.ok(), str(parity)
+
+
+def test_build_model_goes_through_patch_and_restores_the_auto_classes():
+    import vexact_models
+
+    arch = get("qwen3")
+    assert not vexact_models.is_patched()
+    model = build_model(arch, arch.tiny_config(), torch.device("cpu"), torch.float32)
+    assert type(model) is arch.causal_lm_class and not vexact_models.is_patched()
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
+def test_cli_checks_rollouts_with_lora_adapters(name, capsys):
+    assert main(["--arch", name, "--lora", "4", "--pool", "8", "--max-tokens", "6", "--prompt-len", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "RESULT: PASS" in out
+    with pytest.raises(SystemExit):
+        main(["--lora", "-1"])

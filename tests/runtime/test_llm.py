@@ -299,8 +299,7 @@ def test_stop_token_stops_greedy_output_there(model):
 def test_model_eos_stops_unless_ignored(model):
     prompt, tokens, k = first_new_token_step(model)
     m = copy.deepcopy(model)
-    assert getattr(m, "generation_config", None) is None  # so the engine reads config.eos_token_id
-    m.config.eos_token_id = tokens[k]
+    m.generation_config.eos_token_id = tokens[k]  # where HF generation reads EOS; the engine does too
     llm = make_llm(m)
     assert llm.eos_token_ids == [tokens[k]]
     [out] = gen(llm, [prompt], SamplingParams(temperature=0.0, max_tokens=8))
@@ -308,7 +307,7 @@ def test_model_eos_stops_unless_ignored(model):
     [out] = gen(llm, [prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     assert out.outputs[0].token_ids == tokens and out.outputs[0].finish_reason == "length"
     # several EOS ids: the later ones stop too
-    m.config.eos_token_id = [3, tokens[k]]
+    m.generation_config.eos_token_id = [3, tokens[k]]
     llm = make_llm(m)
     [out] = gen(llm, [prompt], SamplingParams(temperature=0.0, max_tokens=8))
     assert out.outputs[0].token_ids == tokens[:k + 1] and out.outputs[0].finish_reason == "stop"

@@ -6,8 +6,9 @@ from transformers import DeepseekV3Config
 from vexact_models.patches.checkpoints import enable_checkpoint_conversions
 
 from ..registry import Architecture, register
-from .modeling import (DeepseekV3ForCausalLM, DeepseekV3ForCausalLMInference, DeepseekV3Model,
-                       DeepseekV3PreTrainedModel, mla_softmax_scale)
+from .modeling import (DeepseekV3ForCausalLM, DeepseekV3ForCausalLMInference, DeepseekV3ForSequenceClassification,
+                       DeepseekV3ForTokenClassification, DeepseekV3Model, DeepseekV3PreTrainedModel,
+                       mla_softmax_scale)
 
 
 def tiny_config(**overrides) -> DeepseekV3Config:
@@ -46,6 +47,8 @@ ARCHITECTURE = register(Architecture(
     config_class=DeepseekV3Config,
     causal_lm_class=DeepseekV3ForCausalLM,
     base_model_class=DeepseekV3Model,
+    sequence_classification_class=DeepseekV3ForSequenceClassification,
+    token_classification_class=DeepseekV3ForTokenClassification,
     inference_class=DeepseekV3ForCausalLMInference,
     tiny_config=tiny_config,
     hf_causal_lm_class="transformers.DeepseekV3ForCausalLM",

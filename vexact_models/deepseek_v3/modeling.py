@@ -8,7 +8,7 @@ save as they are (Moonlight-16B-A3B ships the same ``model_type``). Everything r
   ``q_b_proj``), ``kv_a_proj_with_mqa`` -> latent (``kv_a_layernorm``, ``kv_b_proj``) + one
   shared RoPE key. The query/key head dim (nope + rope, 192) differs from the value head dim
   (128); the attention kernel takes both. The KV cache holds the *expanded* per-head K and V
-  that training attends over (DESIGN.md rule 6), not the latent (see ``kv_cache_spec``).
+  that training attends over (docs/design.md rule 6), not the latent (see ``kv_cache_spec``).
 - RoPE on the rope dims only, from one fp32 table (YaRN for DeepSeek-V3); DeepSeek's
   interleaved rope layout (``rope_interleave``) is de-interleaved first, which is HF's math.
   With YaRN, the softmax scale carries ``mscale**2`` as in HF.
@@ -23,14 +23,16 @@ import math
 
 import torch
 from torch import nn
-from transformers import DeepseekV3Config, PreTrainedModel
+from transformers import DeepseekV3Config, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
+from vexact_models.adapters import apply_linear
 from vexact_models.kernels import apply_rotary, linear
 from vexact_models.kernels.grouped_topk import sigmoid_grouped_topk
 from vexact_models.layers import FusedExperts, GatedMLP, PreNormDecoderLayer, RMSNorm, grouped_linear
 
 from ..causal_lm import CausalLMMixin, DecoderModelMixin, InferenceModel, InitHookMixin
+from ..heads import SequenceClassificationMixin, TokenClassificationMixin
 
 
 class DeepseekV3RMSNorm(RMSNorm):
@@ -98,7 +100,7 @@ class DeepseekV3Attention(nn.Module):
     def _query(self, q: torch.Tensor) -> torch.Tensor:
         """``[T, heads, qk_head_dim]`` from the first projection's output (q itself, or the q-LoRA latent)."""
         if self.q_lora_rank is not None:
-            q = linear(self.q_a_layernorm(q), self.q_b_proj.weight)
+            q = apply_linear(self.q_a_layernorm(q), self.q_b_proj)
         return q.view(q.shape[0], self.num_heads, self.qk_head_dim)
 
     def _rotate(self, x: torch.Tensor, positions: torch.Tensor, rope) -> torch.Tensor:
@@ -111,7 +113,7 @@ class DeepseekV3Attention(nn.Module):
         q, compressed = grouped_linear(hidden, self.projection_groups()[0])
         q = self._query(q)
         latent, k_rot = compressed.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kv = linear(self.kv_a_layernorm(latent.contiguous()), self.kv_b_proj.weight)
+        kv = apply_linear(self.kv_a_layernorm(latent.contiguous()), self.kv_b_proj)
         k_nope, v = kv.view(tokens, self.num_heads, self.nope_dim + self.v_dim).split([self.nope_dim, self.v_dim], -1)
         q_rot = self._rotate(q[..., self.nope_dim:], positions, rope)
         k_rot = self._rotate(k_rot.reshape(tokens, 1, self.rope_dim), positions, rope)
@@ -119,7 +121,7 @@ class DeepseekV3Attention(nn.Module):
         q = torch.cat([q[..., :self.nope_dim], q_rot], dim=-1)
         k = torch.cat([k_nope, k_rot.expand(tokens, self.num_heads, self.rope_dim)], dim=-1)
         out = context.attend(self.layer_idx, q, k, v.contiguous(), self.scaling)
-        return linear(out.reshape(tokens, -1), self.o_proj.weight, self.o_proj.bias)
+        return apply_linear(out.reshape(tokens, -1), self.o_proj)
 
 
 class DeepseekV3MLP(GatedMLP):
@@ -204,7 +206,7 @@ class DeepseekV3Model(DecoderModelMixin, DeepseekV3PreTrainedModel):
         self.post_init()
 
 
-class DeepseekV3ForCausalLM(CausalLMMixin, DeepseekV3PreTrainedModel):
+class DeepseekV3ForCausalLM(CausalLMMixin, DeepseekV3PreTrainedModel, GenerationMixin):
     """Training variant: a drop-in for HF ``DeepseekV3ForCausalLM`` plus `token_logprobs`.
 
     With ``output_router_logits`` the output carries each MoE layer's fp32 router logits over
@@ -224,10 +226,10 @@ class DeepseekV3ForCausalLM(CausalLMMixin, DeepseekV3PreTrainedModel):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, cu_seqlens=None,
                 logits_to_keep: int = 0, output_router_logits: bool | None = None, **kwargs) -> MoeCausalLMOutputWithPast:
         router = self._router_logits_list(output_router_logits)
-        logits, loss = self._logits_and_loss(input_ids, attention_mask, position_ids, labels, cu_seqlens,
-                                             logits_to_keep, router_logits=router, **kwargs)
-        return MoeCausalLMOutputWithPast(loss=loss, logits=logits,
-                                         router_logits=None if router is None else tuple(router))
+        out = self._causal_lm_output(MoeCausalLMOutputWithPast, input_ids, attention_mask, position_ids, labels,
+                                     cu_seqlens, logits_to_keep, router_logits=router, **kwargs)
+        out.router_logits = None if router is None else tuple(router)
+        return self._as_requested(out, kwargs.get("return_dict"))
 
     def kv_cache_spec(self) -> tuple[int, int, int, int]:
         """(layers, heads, 192-ish key dim, value dim): the expanded per-head K (nope + rope) and V.
@@ -245,3 +247,15 @@ class DeepseekV3ForCausalLMInference(InferenceModel):
     """Inference variant: the same modules (shared storage) driven by the paged runtime."""
 
     training_class = DeepseekV3ForCausalLM
+
+
+class DeepseekV3ForSequenceClassification(SequenceClassificationMixin, DeepseekV3PreTrainedModel):
+    """Reward model head: HF's ``DeepseekV3ForSequenceClassification`` over our `DeepseekV3Model`."""
+
+    base_model_class = DeepseekV3Model
+
+
+class DeepseekV3ForTokenClassification(TokenClassificationMixin, DeepseekV3PreTrainedModel):
+    """Per-token head (PPO critics' values): HF's ``DeepseekV3ForTokenClassification`` over our `DeepseekV3Model`."""
+
+    base_model_class = DeepseekV3Model

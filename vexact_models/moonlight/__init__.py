@@ -6,7 +6,9 @@ Registered separately so that conformance checks this shape too."""
 from transformers import DeepseekV3Config
 
 from ..deepseek_v3 import randomize_router_bias
-from ..deepseek_v3.modeling import DeepseekV3ForCausalLM, DeepseekV3ForCausalLMInference, DeepseekV3Model
+from ..deepseek_v3.modeling import (DeepseekV3ForCausalLM, DeepseekV3ForCausalLMInference,
+                                    DeepseekV3ForSequenceClassification, DeepseekV3ForTokenClassification,
+                                    DeepseekV3Model)
 from ..registry import Architecture, register
 
 
@@ -30,6 +32,8 @@ ARCHITECTURE = register(Architecture(
     config_class=DeepseekV3Config,
     causal_lm_class=DeepseekV3ForCausalLM,
     base_model_class=DeepseekV3Model,
+    sequence_classification_class=DeepseekV3ForSequenceClassification,
+    token_classification_class=DeepseekV3ForTokenClassification,
     inference_class=DeepseekV3ForCausalLMInference,
     tiny_config=tiny_config,
     hf_causal_lm_class="transformers.DeepseekV3ForCausalLM",

@@ -3,8 +3,8 @@
 from transformers import Qwen3Config
 
 from ..registry import Architecture, register
-from .modeling import (Qwen3ForCausalLM, Qwen3ForCausalLMInference, Qwen3Model, Qwen3PreTrainedModel,
-                       Qwen3RMSNorm)
+from .modeling import (Qwen3ForCausalLM, Qwen3ForCausalLMInference, Qwen3ForSequenceClassification,
+                       Qwen3ForTokenClassification, Qwen3Model, Qwen3PreTrainedModel, Qwen3RMSNorm)
 
 
 def tiny_config(**overrides) -> Qwen3Config:
@@ -23,6 +23,8 @@ ARCHITECTURE = register(Architecture(
     config_class=Qwen3Config,
     causal_lm_class=Qwen3ForCausalLM,
     base_model_class=Qwen3Model,
+    sequence_classification_class=Qwen3ForSequenceClassification,
+    token_classification_class=Qwen3ForTokenClassification,
     inference_class=Qwen3ForCausalLMInference,
     tiny_config=tiny_config,
     hf_causal_lm_class="transformers.Qwen3ForCausalLM",

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel, Qwen3Config
+from transformers import GenerationMixin, PreTrainedModel, Qwen3Config
 
-from vexact_models.kernels import apply_rotary, linear
+from vexact_models.adapters import apply_linear
+from vexact_models.kernels import apply_rotary
 from vexact_models.layers import GatedMLP, PreNormDecoderLayer, RMSNorm, grouped_linear, head_dim_of
 
 from ..causal_lm import CausalLMMixin, DecoderModelMixin, InferenceModel
+from ..heads import SequenceClassificationMixin, TokenClassificationMixin
 
 
 class Qwen3RMSNorm(RMSNorm):
@@ -53,7 +55,7 @@ class Qwen3Attention(nn.Module):
         q = apply_rotary(self.q_norm(q), positions, cos, sin)
         k = apply_rotary(self.k_norm(k), positions, cos, sin)
         out = context.attend(self.layer_idx, q, k, v, self.scaling)
-        return linear(out.reshape(tokens, -1), self.o_proj.weight, self.o_proj.bias)
+        return apply_linear(out.reshape(tokens, -1), self.o_proj)
 
 
 class Qwen3MLP(GatedMLP):
@@ -87,7 +89,7 @@ class Qwen3Model(DecoderModelMixin, Qwen3PreTrainedModel):
         self.post_init()
 
 
-class Qwen3ForCausalLM(CausalLMMixin, Qwen3PreTrainedModel):
+class Qwen3ForCausalLM(CausalLMMixin, Qwen3PreTrainedModel, GenerationMixin):
     """Training variant: a drop-in for HF ``Qwen3ForCausalLM`` (forward, loss, backward,
     ``from_pretrained``/``save_pretrained``) plus `token_logprobs` (see `CausalLMMixin`)."""
 
@@ -105,3 +107,15 @@ class Qwen3ForCausalLMInference(InferenceModel):
     """Inference variant: the same modules (shared storage) driven by the paged runtime."""
 
     training_class = Qwen3ForCausalLM
+
+
+class Qwen3ForSequenceClassification(SequenceClassificationMixin, Qwen3PreTrainedModel):
+    """Reward model head: HF's ``Qwen3ForSequenceClassification`` over our `Qwen3Model`."""
+
+    base_model_class = Qwen3Model
+
+
+class Qwen3ForTokenClassification(TokenClassificationMixin, Qwen3PreTrainedModel):
+    """Per-token head (PPO critics' values): HF's ``Qwen3ForTokenClassification`` over our `Qwen3Model`."""
+
+    base_model_class = Qwen3Model

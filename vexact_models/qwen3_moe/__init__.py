@@ -5,8 +5,8 @@ from transformers import Qwen3MoeConfig
 from vexact_models.patches.checkpoints import enable_checkpoint_conversions
 
 from ..registry import Architecture, register
-from .modeling import (Qwen3MoeForCausalLM, Qwen3MoeForCausalLMInference, Qwen3MoeModel, Qwen3MoePreTrainedModel,
-                       Qwen3MoeSparseMoeBlock)
+from .modeling import (Qwen3MoeForCausalLM, Qwen3MoeForCausalLMInference, Qwen3MoeForSequenceClassification,
+                       Qwen3MoeForTokenClassification, Qwen3MoeModel, Qwen3MoePreTrainedModel, Qwen3MoeSparseMoeBlock)
 
 
 def tiny_config(**overrides) -> Qwen3MoeConfig:
@@ -29,6 +29,8 @@ ARCHITECTURE = register(Architecture(
     config_class=Qwen3MoeConfig,
     causal_lm_class=Qwen3MoeForCausalLM,
     base_model_class=Qwen3MoeModel,
+    sequence_classification_class=Qwen3MoeForSequenceClassification,
+    token_classification_class=Qwen3MoeForTokenClassification,
     inference_class=Qwen3MoeForCausalLMInference,
     tiny_config=tiny_config,
     hf_causal_lm_class="transformers.Qwen3MoeForCausalLM",

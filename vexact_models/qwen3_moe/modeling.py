@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel, Qwen3MoeConfig
+from transformers import GenerationMixin, PreTrainedModel, Qwen3MoeConfig
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 from vexact_models.kernels import linear
 from vexact_models.kernels.moe_routing import softmax_topk
 from vexact_models.layers import FusedExperts, PreNormDecoderLayer, RMSNorm
+from vexact_models.patches.compat import qwen3_moe_router_output
 
 from ..causal_lm import CausalLMMixin, DecoderModelMixin, InferenceModel, InitHookMixin
+from ..heads import SequenceClassificationMixin, TokenClassificationMixin
 from ..qwen3.modeling import Qwen3Attention, Qwen3MLP
 
 
@@ -62,7 +64,7 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
     def forward(self, hidden: torch.Tensor, router_logits: list | None = None) -> torch.Tensor:
         logits, weights, ids = self.gate(hidden)
         if router_logits is not None:
-            router_logits.append(logits)
+            router_logits.append(qwen3_moe_router_output(logits))  # stock's router_logits on this transformers
         return self.experts(hidden, ids, weights)
 
 
@@ -94,7 +96,7 @@ class Qwen3MoeModel(DecoderModelMixin, Qwen3MoePreTrainedModel):
         self.post_init()
 
 
-class Qwen3MoeForCausalLM(CausalLMMixin, Qwen3MoePreTrainedModel):
+class Qwen3MoeForCausalLM(CausalLMMixin, Qwen3MoePreTrainedModel, GenerationMixin):
     """Training variant: a drop-in for HF ``Qwen3MoeForCausalLM`` plus `token_logprobs`.
 
     With ``output_router_logits`` the output carries each MoE layer's router logits over the
@@ -114,20 +116,31 @@ class Qwen3MoeForCausalLM(CausalLMMixin, Qwen3MoePreTrainedModel):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, cu_seqlens=None,
                 logits_to_keep: int = 0, output_router_logits: bool | None = None, **kwargs) -> MoeCausalLMOutputWithPast:
         router = self._router_logits_list(output_router_logits)
-        logits, loss = self._logits_and_loss(input_ids, attention_mask, position_ids, labels, cu_seqlens,
-                                             logits_to_keep, router_logits=router, **kwargs)
-        aux_loss = None
+        out = self._causal_lm_output(MoeCausalLMOutputWithPast, input_ids, attention_mask, position_ids, labels,
+                                     cu_seqlens, logits_to_keep, router_logits=router, **kwargs)
         if router is not None:
             # router logits exist for the real tokens only, so no attention mask is needed
-            aux_loss = load_balancing_loss_func(tuple(router), self.config.num_experts,
-                                                self.config.num_experts_per_tok, None)
-            if loss is not None:
-                loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
-        return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits,
-                                         router_logits=None if router is None else tuple(router))
+            out.router_logits = tuple(router)
+            out.aux_loss = load_balancing_loss_func(out.router_logits, self.config.num_experts,
+                                                    self.config.num_experts_per_tok, None)
+            if out.loss is not None:
+                out.loss = out.loss + self.config.router_aux_loss_coef * out.aux_loss.to(out.loss.device)
+        return self._as_requested(out, kwargs.get("return_dict"))
 
 
 class Qwen3MoeForCausalLMInference(InferenceModel):
     """Inference variant: the same modules (shared storage) driven by the paged runtime."""
 
     training_class = Qwen3MoeForCausalLM
+
+
+class Qwen3MoeForSequenceClassification(SequenceClassificationMixin, Qwen3MoePreTrainedModel):
+    """Reward model head: HF's ``Qwen3MoeForSequenceClassification`` over our `Qwen3MoeModel`."""
+
+    base_model_class = Qwen3MoeModel
+
+
+class Qwen3MoeForTokenClassification(TokenClassificationMixin, Qwen3MoePreTrainedModel):
+    """Per-token head (PPO critics' values): HF's ``Qwen3MoeForTokenClassification`` over our `Qwen3MoeModel`."""
+
+    base_model_class = Qwen3MoeModel

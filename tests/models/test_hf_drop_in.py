@@ -1,0 +1,169 @@
+"""What a training stack expects of an HF causal LM, for every registered architecture: hidden
+states, tuple outputs, inputs_embeds, positions past max_position_embeddings, generate(),
+generation_config, reward/critic heads (issue 10, items 4-7)."""
+
+import importlib
+
+import pytest
+import torch
+from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification,
+                          GenerationConfig)
+
+import vexact_models
+from vexact_models.registry import architectures
+from vexact_models.runtime import LLM
+
+from ..runtime.llm_support import gen, make_llm
+
+ARCHS = {arch.name: arch for arch in architectures()}
+pytestmark = pytest.mark.compat
+
+
+def rel(a, b):
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def stock_class(arch, head: str = "ForCausalLM"):
+    module, _, name = arch.hf_causal_lm_class.rpartition(".")
+    return getattr(importlib.import_module(module), name.replace("ForCausalLM", head))
+
+
+def stock_model(arch, head: str = "ForCausalLM", **overrides):
+    torch.manual_seed(0)
+    model = stock_class(arch, head)(arch.tiny_config(**overrides)).eval()
+    if arch.init_for_conformance is not None:
+        arch.init_for_conformance(model, 0)
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHS))
+def pair(request, tmp_path_factory):
+    """(architecture, stock HF model, our model loaded from the stock checkpoint, its path)."""
+    arch = ARCHS[request.param]
+    path = tmp_path_factory.mktemp(arch.name)
+    hf = stock_model(arch)
+    hf.save_pretrained(path)
+    ours = arch.causal_lm_class.from_pretrained(path, dtype=torch.float32).eval()
+    return arch, hf, ours, path
+
+
+def left_padded(batch: int = 3, length: int = 19):
+    ids = torch.randint(2, 512, (batch, length))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    mask[2, :11] = 0
+    return ids, mask
+
+
+def test_hidden_states_match_stock(pair):
+    _, hf, ours, _ = pair
+    ids, mask = left_padded()
+    with torch.no_grad():
+        a = ours(ids, attention_mask=mask, output_hidden_states=True).hidden_states
+        b = hf(ids, attention_mask=mask, output_hidden_states=True).hidden_states
+    assert len(a) == len(b) == ours.config.num_hidden_layers + 1
+    keep = mask.bool()
+    for mine, stock in zip(a, b):
+        assert rel(mine[keep], stock[keep]) <= 1e-5
+    base = ours.model(ids, attention_mask=mask, output_hidden_states=True)
+    assert torch.equal(base.hidden_states[-1], base.last_hidden_state)
+    assert ours(ids).hidden_states is None
+
+
+def test_return_dict_false_gives_a_tuple(pair):
+    _, _, ours, _ = pair
+    ids = torch.randint(0, 512, (2, 9))
+    with torch.no_grad():
+        full = ours(ids, labels=ids)
+        out = ours(ids, labels=ids, return_dict=False)
+        base = ours.model(ids, return_dict=False)
+    assert isinstance(out, tuple) and torch.equal(out[0], full.loss) and torch.equal(out[1], full.logits)
+    assert isinstance(base, tuple) and torch.equal(base[0], ours.model(ids).last_hidden_state)
+
+
+def test_inputs_embeds_give_the_same_numbers_as_ids(pair):
+    _, _, ours, _ = pair
+    ids, mask = left_padded()
+    with torch.no_grad():
+        embeds = ours.get_input_embeddings()(ids)
+        assert torch.equal(ours(inputs_embeds=embeds, attention_mask=mask).logits,
+                           ours(ids, attention_mask=mask).logits)
+        assert torch.equal(ours.model(inputs_embeds=embeds).last_hidden_state, ours.model(ids).last_hidden_state)
+    with pytest.raises(ValueError, match="exactly one of input_ids and inputs_embeds"):
+        ours(ids, inputs_embeds=embeds)
+    with pytest.raises(ValueError, match="inputs_embeds must be"):
+        ours(inputs_embeds=embeds[..., :7])
+
+
+def test_positions_past_max_position_embeddings_match_stock():
+    for arch in ARCHS.values():
+        hf = stock_model(arch, max_position_embeddings=32)
+        ours = arch.causal_lm_class(hf.config).eval()
+        ours.load_state_dict(hf.state_dict())
+        ids = torch.randint(0, 512, (1, 80))
+        with torch.no_grad():
+            short = ours(ids[:, :30]).logits
+            long = ours(ids).logits
+            assert rel(long, hf(ids).logits) <= 1e-5, arch.name
+        assert torch.equal(long[:, :30], short)  # growing the tables left the first rows as they were
+        assert ours.model.rope.max_positions >= 80
+
+
+def test_generate_greedy_equals_llm_greedy_and_stock(pair):
+    arch, hf, ours, _ = pair
+    from vexact_models.runtime import SamplingParams
+
+    prompts = [[5, 9, 33, 2, 17], [44, 3, 8]]
+    ids = torch.tensor([prompts[0], [0, 0] + prompts[1]])
+    mask = torch.tensor([[1] * 5, [0, 0, 1, 1, 1]])
+    out = ours.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=None,
+                        pad_token_id=0)
+    assert out.shape == (2, 13) and torch.equal(out[:, :5], ids)
+    engine = gen(make_llm(ours), prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    for row, request in zip(out, engine):
+        assert row[5:].tolist() == request.outputs[0].token_ids
+    stock = hf.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(out, stock), arch.name
+    sampled = ours.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=True, temperature=0.8, top_k=20,
+                            top_p=0.9, pad_token_id=0)
+    assert sampled.shape[0] == 2 and torch.equal(sampled[:, :5], ids)
+
+
+def test_generation_config_eos_reaches_llm(pair):
+    arch, _, _, path = pair
+    GenerationConfig(eos_token_id=[3, 7], bos_token_id=0).save_pretrained(path)
+    vexact_models.patch()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    finally:
+        vexact_models.unpatch()
+    assert type(model) is arch.causal_lm_class and model.generation_config.eos_token_id == [3, 7]
+    assert make_llm(model).eos_token_ids == [3, 7]
+    assert LLM(path, device="cpu", kv_cache_bytes=1 << 22).eos_token_ids == [3, 7]
+
+
+@pytest.mark.parametrize("head, auto", [("ForSequenceClassification", AutoModelForSequenceClassification),
+                                        ("ForTokenClassification", AutoModelForTokenClassification)])
+@pytest.mark.parametrize("name", sorted(ARCHS))
+def test_reward_and_critic_heads_load_stock_checkpoints(name, head, auto, tmp_path):
+    arch = ARCHS[name]
+    hf = stock_model(arch, head, num_labels=1, pad_token_id=0)
+    hf.save_pretrained(tmp_path)
+    vexact_models.patch()
+    try:
+        ours = auto.from_pretrained(tmp_path, dtype=torch.float32).eval()
+        from_config = auto.from_config(hf.config)
+    finally:
+        vexact_models.unpatch()
+    assert type(ours).__module__.startswith("vexact_models") and type(from_config) is type(ours)
+    assert type(ours.model) is arch.base_model_class
+    ids, mask = left_padded()
+    ids = ids.masked_fill(mask == 0, 0)
+    with torch.no_grad():
+        a, b = ours(ids, attention_mask=mask).logits, hf(ids, attention_mask=mask).logits
+    if head == "ForTokenClassification":
+        a, b = a[mask.bool()], b[mask.bool()]
+    assert a.shape == b.shape and rel(a, b) <= 1e-5
+    loss = ours(ids, attention_mask=mask, labels=torch.zeros(3, dtype=torch.float32) if head.startswith(
+        "ForSeq") else torch.zeros(3, 19, dtype=torch.long)).loss
+    assert torch.isfinite(loss)
