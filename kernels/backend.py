@@ -12,8 +12,10 @@ Every op in `vexact_models.kernels` has two implementations behind one call site
   it exists to measure what alignment costs (``LLM(..., aligned=False)``).
 
 The default is ``triton`` for CUDA tensors and ``reference`` for CPU tensors. Override it with
-`set_backend` / `use_backend`, or the environment variable ``VEXACT_BACKEND``
-(``reference``, ``triton`` or ``auto``).
+`set_backend` / `use_backend` (these win over the environment), or the environment variable
+``VEXACT_BACKEND`` (``reference``, ``triton``, ``fast`` or ``auto``). The rollout engine runs
+the same choice as the training forward: ``LLM`` reads it at each ``generate``
+(``LLM.backend``), except that ``LLM(aligned=False)`` always runs ``fast``.
 """
 
 from __future__ import annotations

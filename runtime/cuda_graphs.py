@@ -101,6 +101,14 @@ class DecodeGraphs:
             pool = graph.pool()
             self.graphs[b] = graph
 
+    def release(self) -> None:
+        """Free the graphs and their memory pool (the outputs live in it: dropped first). The
+        caller empties the allocator's cache to hand the pool back to the device."""
+        self.logits.clear()
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+
     def bucket(self, batch: int) -> int | None:
         """The smallest captured batch size >= `batch`, or None when too large."""
         for b in self.buckets:

@@ -12,20 +12,24 @@ from __future__ import annotations
 import operator
 import os
 import time
-from collections.abc import Iterable, Sequence as Seq
+import weakref
+from collections.abc import Iterable, Mapping, Sequence as Seq
 
 import torch
 from tqdm.auto import tqdm
 
-from vexact_models.kernels import use_backend
+from vexact_models.kernels import current_backend, use_backend
 
 from .block_manager import BlockManager
+from .llm_args import (architecture_of, check_engine_args, check_max_model_len, check_model_argument,
+                       check_model_placement, resolve_device, resolve_dtype)
 from .model_runner import ModelRunner, kv_bytes_per_block
 from .outputs import CompletionOutput, RequestOutput
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
+from .weights import ReleasedWeights, copy_weights, named_targets
 
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads derived seeds
 
@@ -36,6 +40,10 @@ def _derive_seed(base: int, index: int) -> int:
 
 class LLM:
     """A paged-KV rollout engine over a vexact-models architecture.
+
+    A bad argument (or a model that is not a vexact-models causal LM, e.g. a stock transformers
+    one loaded without `vexact_models.patch()`) raises ValueError naming it, its value and the
+    limit, before the engine changes anything.
 
     Args:
         model: checkpoint folder, or a training-variant model instance (the engine then shares
@@ -62,7 +70,13 @@ class LLM:
             start) instead of computing them again; results are bitwise the same either way.
         aligned: False runs the non-aligned fast path (cuBLAS GEMMs, torch norms; CUDA only):
             faster, but its logprobs no longer equal the training forward's. For measuring
-            what alignment costs.
+            what alignment costs. True (the default) runs the backend the user chose
+            (`vexact_models.kernels.set_backend`, ``use_backend``, ``VEXACT_BACKEND``), else
+            the device's default, read at each `generate` (see `backend`).
+        owns_weights: whether `sleep` may take the weights off the device (levels 1 and 2).
+            Default: True for a checkpoint folder, False for a model instance (a trainer's
+            weights are never released); pass True for an instance only the engine uses (e.g.
+            a full copy beside an FSDP-sharded trainer).
     """
 
     def __init__(self, model, *, dtype: str | torch.dtype = "auto", device: str | torch.device | None = None,
@@ -70,47 +84,50 @@ class LLM:
                  max_model_len: int | None = None, gpu_memory_utilization: float = 0.9,
                  kv_cache_bytes: int | None = None, seed: int = 0, enable_chunked_prefill: bool = True,
                  enforce_eager: bool = False, aligned: bool = True,
-                 enable_prefix_sharing: bool = True) -> None:
+                 enable_prefix_sharing: bool = True, owns_weights: bool | None = None) -> None:
         from vexact_models.layers import fuse_projections
-        from vexact_models.registry import for_model_type
 
-        if device is not None:
-            self.device = torch.device(device)
-        elif isinstance(model, torch.nn.Module):  # a model instance: run where it lives
-            self.device = next(model.parameters()).device
-        else:
-            self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        # Every check first: fusing the projections below is the only change made to a model passed in.
+        check_model_argument(model)
+        check_engine_args(block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                          max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+                          kv_cache_bytes=kv_cache_bytes, seed=seed,
+                          flags=dict(enable_chunked_prefill=enable_chunked_prefill, enforce_eager=enforce_eager,
+                                     aligned=aligned, enable_prefix_sharing=enable_prefix_sharing))
+        load_dtype = resolve_dtype(dtype)
+        from_folder = isinstance(model, (str, os.PathLike))
+        if not from_folder:
+            architecture_of(model)
+            check_model_placement(model, resolve_device(device), load_dtype)
+        self.device = self._pick_device(model, resolve_device(device))
+        if not aligned and self.device.type != "cuda":
+            raise ValueError(f"LLM: aligned=False (the cuBLAS fast path) needs a CUDA device, got {self.device}")
+        self.aligned = aligned
         self.tokenizer = None
         self._generation_config = None  # generation_config.json of a checkpoint folder
-        if isinstance(model, (str, os.PathLike)):
-            training = self._load(str(model), dtype)
-        else:
-            training = model
-        arch = for_model_type(training.config.model_type)
-        if arch is None:
-            raise ValueError(f"LLM: model_type {training.config.model_type!r} is not supported")
+        training = self._load(str(model), dtype) if from_folder else model
+        arch = architecture_of(training)
+        self._init_weight_state(from_folder if owns_weights is None else owns_weights)
         self.model = arch.inference_class(training)
-        # one GEMM for q/k/v and for gate/up in rollouts; the training model shares the storage
-        fuse_projections(training)
         self.config = training.config
         self.dtype = next(training.parameters()).dtype
-        self.max_model_len = self._check_len(max_model_len)
-        if not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(f"LLM: gpu_memory_utilization={gpu_memory_utilization} is outside (0, 1]")
+        self.max_model_len = check_max_model_len(max_model_len, self.config)
         num_blocks = self._num_blocks(block_size, gpu_memory_utilization, kv_cache_bytes)
         self.eos_token_ids = self._eos_ids()
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_sharing=enable_prefix_sharing)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, self.max_model_len,
                                    eos, chunked_prefill=enable_chunked_prefill)
-        if not aligned and self.device.type != "cuda":
-            raise ValueError("LLM: aligned=False (the cuBLAS fast path) needs a CUDA device")
-        self.backend = None if aligned else "fast"
+        # one GEMM for q/k/v and for gate/up in rollouts; the training model shares the storage
+        # (before the runner: its CUDA graphs capture the fused GEMMs)
+        fuse_projections(training)
         self.step_times: list[tuple[int, bool, float]] | None = None  # (sequences, decode-only, seconds)
-        with use_backend(self.backend):  # CUDA graphs capture the chosen kernels
+        backend = self.backend
+        with use_backend(backend):  # CUDA graphs capture the engine's kernels
             self.runner = ModelRunner(self.model, num_blocks, block_size, self.device, self.dtype,
                                       cuda_graph_batch=0 if enforce_eager else max_num_seqs,
                                       max_model_len=self.max_model_len)
+        self._remember_graphs(backend)
         self.runner.block_tables = self.block_manager.tables
         self.sampler = Sampler(eos)
         self.seed = seed
@@ -118,6 +135,40 @@ class LLM:
         self.num_preemptions = 0  # sequences preempted (by recompute) so far
 
     # -- construction helpers -------------------------------------------------------------
+    @staticmethod
+    def _pick_device(model, device: torch.device | None) -> torch.device:
+        if device is not None:
+            return device
+        if isinstance(model, torch.nn.Module):  # a model instance: run where it lives
+            return next(model.parameters()).device
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    @property
+    def backend(self) -> str:
+        """The kernel backend the engine runs now: ``"fast"`` when built with ``aligned=False``,
+        else the user's choice (`vexact_models.kernels.set_backend` / ``use_backend`` /
+        ``VEXACT_BACKEND``) or the device's default, read at each `generate` as the training
+        forward reads it, so that both sides run the same kernels."""
+        return "fast" if not self.aligned else current_backend(self.device)
+
+    def _remember_graphs(self, backend: str) -> None:
+        """Note which backend the runner's decode graphs (if any) were captured under."""
+        graphs = self.runner.graphs
+        self._graphs_key = (None if graphs is None else weakref.ref(graphs), backend)
+
+    def _graphs_follow(self, backend: str) -> None:
+        """Decode graphs replay the kernels they captured: when the backend (or the graphs, e.g.
+        recaptured by `wake_up`) changed since they were noted, capture them again under
+        `backend`. The KV cache is reallocated with them; no pages are shared across calls."""
+        graphs = self.runner.graphs
+        ref, captured = self._graphs_key
+        if graphs is None or (ref is not None and ref() is graphs and captured == backend):
+            return
+        self.runner.free_cache()
+        with use_backend(backend):
+            self.runner.allocate_cache()
+        self._remember_graphs(backend)
+
     def _load(self, path: str, dtype):
         from transformers import AutoConfig
 
@@ -145,14 +196,6 @@ class LLM:
 
             self._generation_config = GenerationConfig.from_pretrained(path)
         return model
-
-    def _check_len(self, max_model_len: int | None) -> int:
-        limit = int(self.config.max_position_embeddings)
-        if max_model_len is None:
-            return limit
-        if not 1 <= max_model_len <= limit:
-            raise ValueError(f"LLM: max_model_len={max_model_len} is outside [1, max_position_embeddings={limit}]")
-        return int(max_model_len)
 
     def _num_blocks(self, block_size: int, utilization: float, kv_cache_bytes: int | None) -> int:
         per_block = kv_bytes_per_block(self.model.kv_cache_spec(), block_size, self.dtype)
@@ -232,9 +275,7 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"LLM.generate: {len(params)} sampling_params for {len(prompts)} prompts")
         token_ids = [self._token_ids(p) for p in prompts]  # validate everything before scheduling
-        if not self.runner.kv_caches:
-            raise RuntimeError("LLM.generate: the engine is asleep (sleep() released the KV cache); "
-                               "call wake_up() first")
+        self._check_awake("LLM.generate")
         # Shared pages live within one call: between calls the weights may have changed
         # (update_weights, or in place through storage shared with a training model) and
         # sleep()/wake_up() hands back an uninitialised cache, so cached K/V may be stale.
@@ -265,8 +306,10 @@ class LLM:
         self.runner.block_tables = self.block_manager.tables
 
     def _run(self, total: int, use_tqdm: bool) -> None:
-        bar = tqdm(total=total, desc="generate", unit="seq", disable=not use_tqdm)
-        with use_backend(self.backend):
+        backend = self.backend  # the user's choice now (set_backend / use_backend / VEXACT_BACKEND)
+        with use_backend(backend):
+            self._graphs_follow(backend)
+            bar = tqdm(total=total, desc="generate", unit="seq", disable=not use_tqdm)
             self._loop(bar)
 
     def _loop(self, bar) -> None:
@@ -302,34 +345,92 @@ class LLM:
         return RequestOutput(seqs[0].request_id, prompt if isinstance(prompt, str) else None, ids, completions)
 
     # -- weights and memory ---------------------------------------------------------------
+    def _init_weight_state(self, owns_weights: bool) -> None:
+        if not isinstance(owns_weights, bool):
+            raise ValueError(f"LLM: owns_weights={owns_weights!r} must be a bool or None")
+        self.owns_weights = owns_weights
+        self._released: ReleasedWeights | None = None  # the weights while sleep() holds them
+        self._unwritten: dict[int, torch.nn.Parameter] = {}  # uninitialised after a level-2 wake_up
+
+    def _check_awake(self, caller: str) -> None:
+        if self._released is not None or not self.runner.kv_caches:
+            raise RuntimeError(f"{caller}: the engine is asleep (sleep() released the KV cache"
+                               f"{' and the weights' if self._released is not None else ''}); call wake_up() first")
+        if self._unwritten:
+            names = [n for n, p in self.model.causal_lm.named_parameters() if id(p) in self._unwritten]
+            raise RuntimeError(f"{caller}: after sleep(level=2) the weights are uninitialised until update_weights "
+                               f"writes them; {len(names)} not written yet, e.g. {names[:3]}")
+
     @torch.no_grad()
-    def update_weights(self, weights: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
+    def update_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy named tensors (HF checkpoint names) into the engine's parameters, in place.
 
-        Unknown names or wrong shapes raise ValueError before anything is written.
+        `weights` is a dict (any mapping, e.g. a ``state_dict()``) or an iterable of ``(name,
+        tensor)`` pairs, e.g. `vexact_models.distributed.stream_full_weights` (consumed lazily,
+        never materialised). Tied weights answer to each of their names. Tensors may live on any
+        device and have any floating dtype (cast on copy); a DTensor is gathered whole with
+        ``full_tensor()`` (a collective: every rank must pass the same names in the same order).
+
+        A mapping is checked whole first: an unknown name, a wrong shape or a non-tensor raises
+        ValueError before anything is written. An iterator is checked pair by pair right before
+        each copy: a bad pair raises ValueError having written every pair before it and none
+        after it, so the engine then holds new and old weights mixed; send the full set again
+        (the check is cheap next to the copy, and a stream cannot be rewound to check first).
+        While the weights are released by `sleep` it raises RuntimeError; after
+        ``sleep(level=2)`` + `wake_up` it must write every parameter before `generate` runs.
+        Returns the number of tensors copied.
         """
-        # remove_duplicate=False: tied weights answer to every name (a tied model's state_dict()
-        # lists lm_head.weight, which named_parameters() would drop as a duplicate)
-        params = dict(self.model.causal_lm.named_parameters(remove_duplicate=False))
-        items = list(weights.items() if isinstance(weights, dict) else weights)
-        for name, tensor in items:
-            if name not in params:
-                raise ValueError(f"LLM.update_weights: unknown parameter {name!r}")
-            if params[name].shape != tensor.shape:
-                raise ValueError(f"LLM.update_weights: {name} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(params[name].shape)}")
-        for name, tensor in items:
-            params[name].copy_(tensor)
+        if self._released is not None:
+            raise RuntimeError("LLM.update_weights: the weights are released by sleep(); call wake_up() (or "
+                               "wake_up(tags=['weights'])) first")
+        return copy_weights(named_targets(self.model.causal_lm), weights,
+                            written=lambda p: self._unwritten.pop(id(p), None))
 
-    def sleep(self) -> None:
-        """Release the KV cache memory (e.g. while the trainer runs); `wake_up` restores it.
+    def sleep(self, level: int = 1) -> None:
+        """Release device memory while the trainer runs, in the style of vLLM's sleep levels.
 
-        Weights are kept. Until `wake_up`, `generate` raises RuntimeError (queuing nothing)."""
+        Every level frees the KV cache and the CUDA graphs (with their memory pools). When the
+        engine owns its weights (`owns_weights`: loaded from a folder, or said so), level 1
+        also moves them to host memory and `wake_up` brings them back; level 2 discards them,
+        and after `wake_up` they must be written by `update_weights` (e.g. the trainer's
+        `stream_full_weights`) before the next `generate`. Level 0 frees only the KV cache and
+        graphs. Weights shared with a trainer are never touched. Sleeping again goes only
+        deeper (level 2 after level 1 drops the host copy; anything else already done is a
+        no-op). Until `wake_up`, `generate` raises RuntimeError (queuing nothing).
+        """
+        if isinstance(level, bool) or level not in (0, 1, 2):
+            raise ValueError(f"LLM.sleep: level={level!r} must be 0, 1 or 2")
         if self.scheduler.has_unfinished():
             raise RuntimeError("LLM.sleep: requests are still running")
         self.runner.free_cache()
+        if not self.owns_weights or level == 0:
+            return
+        if self._released is None:
+            self._released = ReleasedWeights(self.model.causal_lm.parameters(), keep_copy=level == 1)
+            self._unwritten = {}
+        elif level == 2:
+            self._released.drop_copy()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
-    def wake_up(self) -> None:
-        """Re-allocate the KV cache released by `sleep`."""
-        if not self.runner.kv_caches:
-            self.runner.allocate_cache()
+    def wake_up(self, tags: Seq[str] | None = None) -> None:
+        """Undo `sleep`: ``tags`` picks what to restore, ``"weights"`` and/or ``"kv_cache"``
+        (default both, weights first). Waking the weights alone first lets ``update_weights``
+        fill them before the KV cache takes its memory (as in vLLM); the KV cache (and the CUDA
+        graphs, which read the weights' addresses) needs the weights awake. Restoring what is
+        not asleep is a no-op."""
+        tags = ("weights", "kv_cache") if tags is None else tuple(tags)
+        unknown = sorted(set(tags) - {"weights", "kv_cache"})
+        if unknown:
+            raise ValueError(f"LLM.wake_up: unknown tags {unknown}; use 'weights' and/or 'kv_cache'")
+        if "kv_cache" in tags and "weights" not in tags and self._released is not None:
+            raise RuntimeError("LLM.wake_up: the weights are asleep; wake them first (tags=['weights']), the "
+                               "KV cache's CUDA graphs read their addresses")
+        if "weights" in tags and self._released is not None:
+            self._unwritten = {id(p): p for p in self._released.restore()}
+            self._released = None
+        if "kv_cache" in tags and not self.runner.kv_caches:
+            backend = self.backend
+            with use_backend(backend):  # the CUDA graphs capture the engine's kernels
+                self.runner.allocate_cache()
+            self._remember_graphs(backend)  # so that the next generate does not capture them again

@@ -63,7 +63,11 @@ class ModelRunner:
                                        self.cuda_graph_batch, self.device)
 
     def free_cache(self) -> None:
-        self.graphs = None  # the graphs hold the cache's addresses
+        """Release the KV cache and the decode graphs (which hold its and the weights'
+        addresses, and a memory pool); `allocate_cache` captures them again."""
+        if self.graphs is not None:
+            self.graphs.release()
+        self.graphs = None
         self.kv_caches = []
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

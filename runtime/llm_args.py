@@ -1,0 +1,140 @@
+"""Checks of `LLM`'s constructor arguments and model, run before the engine changes anything.
+
+Every bad value raises ValueError naming the argument, the value and the limit. The engine
+calls these first: the only in-place change it makes to a model it is handed (fusing the q/k/v
+and gate/up weights into one buffer each) comes after every check has passed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from .sampling_params import MAX_SEED
+
+#: Floating dtypes the kernels take (the reference backend also takes float64).
+_DTYPE_NAMES = ("bfloat16", "float16", "float32", "float64")
+
+
+def check_int(name: str, value: object, minimum: int, maximum: int | None = None) -> int:
+    """`value` as an int in ``[minimum, maximum)`` (no upper limit when `maximum` is None)."""
+    if isinstance(value, bool) or not isinstance(value, int):  # True as a size is a bug, not 1
+        raise ValueError(f"LLM: {name}={value!r} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"LLM: {name}={value} is below the minimum {minimum}")
+    if maximum is not None and value >= maximum:
+        raise ValueError(f"LLM: {name}={value} must be below {maximum}")
+    return value
+
+
+def check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"LLM: {name}={value!r} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def resolve_dtype(dtype: object) -> torch.dtype | None:
+    """``"auto"`` -> None (the checkpoint's or the model's own dtype), else a floating
+    ``torch.dtype`` from a dtype or its name (``"bfloat16"``)."""
+    if dtype == "auto":
+        return None
+    if isinstance(dtype, str) and dtype in _DTYPE_NAMES:
+        return getattr(torch, dtype)
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        return dtype
+    raise ValueError(f"LLM: dtype={dtype!r} is not a floating dtype; use 'auto', a torch.dtype or one of "
+                     f"{_DTYPE_NAMES}")
+
+
+def resolve_device(device: object) -> torch.device | None:
+    """`device` as a ``torch.device`` (None stays None), or ValueError for what is not one."""
+    if device is None:
+        return None
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"LLM: device={device!r} is not a torch device ({e})") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"LLM: device={device!r} but CUDA is not available here")
+    return resolved
+
+
+def check_engine_args(*, block_size: object, max_num_seqs: object, max_num_batched_tokens: object,
+                      max_model_len: object, gpu_memory_utilization: object, kv_cache_bytes: object, seed: object,
+                      flags: dict[str, object]) -> None:
+    """The scalar arguments (`flags`: the boolean switches by name). `max_model_len`'s upper
+    limit needs the model's config: `check_max_model_len`."""
+    check_int("block_size", block_size, 1)
+    check_int("max_num_seqs", max_num_seqs, 1)
+    check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
+    if max_model_len is not None:
+        check_int("max_model_len", max_model_len, 1)
+    if isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, (int, float)) \
+            or not math.isfinite(gpu_memory_utilization) or not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"LLM: gpu_memory_utilization={gpu_memory_utilization!r} is outside (0, 1]")
+    if kv_cache_bytes is not None:
+        check_int("kv_cache_bytes", kv_cache_bytes, 1)
+    check_int("seed", seed, 0, MAX_SEED)
+    for name, value in flags.items():
+        check_bool(name, value)
+
+
+def check_max_model_len(max_model_len: int | None, config) -> int:
+    """`max_model_len` within ``[1, max_position_embeddings]``; None -> that limit."""
+    limit = int(config.max_position_embeddings)
+    if max_model_len is None:
+        return limit
+    if not 1 <= max_model_len <= limit:
+        raise ValueError(f"LLM: max_model_len={max_model_len} is outside [1, max_position_embeddings={limit}]")
+    return int(max_model_len)
+
+
+def check_model_argument(model: object) -> None:
+    """`model` is a checkpoint folder (str or ``os.PathLike``) or a ``torch.nn.Module``."""
+    if not isinstance(model, (str, os.PathLike, torch.nn.Module)):
+        raise ValueError(f"LLM: model must be a checkpoint folder (str or os.PathLike) or a vexact-models causal LM "
+                         f"(e.g. from AutoModelForCausalLM after vexact_models.patch()), got a {type(model).__name__}")
+
+
+def architecture_of(model: torch.nn.Module):
+    """The registered `Architecture` whose training class `model` is; ValueError otherwise,
+    saying what to do (stock transformers model: ``vexact_models.patch()`` before loading)."""
+    from vexact_models.registry import architectures, for_model_type
+
+    if type(model).__module__.startswith("peft.") and hasattr(model, "get_base_model"):
+        return architecture_of(model.get_base_model())  # a PeftModel over ours: the engine runs its adapters
+    kind = f"{type(model).__module__}.{type(model).__qualname__}"
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if not isinstance(model_type, str):
+        raise ValueError(f"LLM: model is a {kind} without an HF config (model.config.model_type); pass a "
+                         "vexact-models causal LM or a checkpoint folder")
+    arch = for_model_type(model_type)
+    if arch is None:
+        served = sorted(t for a in architectures() for t in a.model_types)
+        raise ValueError(f"LLM: model_type {model_type!r} is not supported; supported: {served}")
+    if isinstance(model, arch.causal_lm_class):
+        return arch
+    ours = f"{arch.causal_lm_class.__module__.rsplit('.', 1)[0]}.{arch.causal_lm_class.__name__}"
+    if isinstance(model, arch.base_model_class):
+        raise ValueError(f"LLM: model is the base model {kind} (no lm_head); pass the causal LM {ours} "
+                         "(AutoModelForCausalLM)")
+    if type(model).__module__.startswith("transformers."):
+        raise ValueError(f"LLM: model is transformers' stock {kind}, not vexact-models' {ours}: call "
+                         "vexact_models.patch() before loading it with AutoModelForCausalLM, or load it with "
+                         f"{ours}.from_pretrained(path)")
+    raise ValueError(f"LLM: model is a {kind}; model_type {model_type!r} needs {ours}")
+
+
+def check_model_placement(model: torch.nn.Module, device: torch.device | None, dtype: torch.dtype | None) -> None:
+    """A model instance runs where it lives, in its own dtype: a different explicit `device` or
+    `dtype` would be silently ignored (or fail at the first step), so it is an error."""
+    param = next(model.parameters())
+    if device is not None and (param.device.type != device.type
+                               or (device.index is not None and param.device.index not in (None, device.index))):
+        raise ValueError(f"LLM: device={str(device)!r} but the model's parameters are on {param.device}; move the "
+                         "model first (model.to(device)) or leave device=None")
+    if dtype is not None and dtype != param.dtype:
+        raise ValueError(f"LLM: dtype={dtype} but the model's parameters are {param.dtype}; dtype applies when "
+                         "loading a checkpoint folder (cast the model first, or leave dtype='auto')")

@@ -1,0 +1,64 @@
+"""Config and input values HF code would take silently or fail on obscurely: `head_dim_of`
+(head_dim 0 used to become hidden/heads) and packed ``cu_seqlens`` (decreasing offsets used to
+fail inside ``repeat_interleave``)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import vexact_models.qwen3 as qwen3
+from vexact_models.layers import flatten_inputs, head_dim_of
+
+
+@pytest.mark.parametrize("head_dim, words", [
+    (0, ["head_dim=0", "even int >= 2"]),
+    (-16, ["head_dim=-16", "even int >= 2"]),
+    (15, ["head_dim=15", "even int >= 2"]),
+])
+def test_bad_head_dim_is_rejected_by_the_model(head_dim, words):
+    config = qwen3.tiny_config()
+    config.head_dim = head_dim  # set after construction: newer configs validate some of these themselves
+    with pytest.raises(ValueError) as info:
+        qwen3.Qwen3ForCausalLM(config)
+    for word in ["Qwen3Config"] + words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+def test_head_dim_from_hidden_size_must_divide():
+    # plain namespaces: newer transformers configs refuse head_dim=None or a float on assignment
+    config = SimpleNamespace(hidden_size=64, num_attention_heads=4, head_dim=None)
+    assert head_dim_of(config) == 16
+    with pytest.raises(ValueError, match="head_dim=16.0 must be an even int"):
+        head_dim_of(SimpleNamespace(hidden_size=64, num_attention_heads=4, head_dim=16.0))
+    with pytest.raises(ValueError, match="hidden_size=66 must be a multiple of num_attention_heads=4"):
+        head_dim_of(SimpleNamespace(hidden_size=66, num_attention_heads=4))
+    with pytest.raises(ValueError, match="num_attention_heads=0 must be an int >= 1"):
+        head_dim_of(SimpleNamespace(hidden_size=64, num_attention_heads=0))
+
+
+@pytest.mark.parametrize("cu, words", [
+    ([0, 5, 3, 10], ["non-decreasing", "cu_seqlens[2]=3 is below cu_seqlens[1]=5"]),
+    ([0, 12, 10], ["non-decreasing", "cu_seqlens[2]=10 is below cu_seqlens[1]=12"]),
+    ([0, 4, 9], ["from 0 to the 10 tokens", "[0, 4, 9]"]),
+    ([1, 4, 10], ["from 0 to the 10 tokens"]),
+    ([10], ["at least 2 offsets"]),
+    (torch.tensor([0.0, 4.0, 10.0]), ["integer", "torch.float32"]),
+    (torch.tensor([[0, 4, 10]]), ["1-D", "(1, 3)"]),
+])
+def test_bad_cu_seqlens_name_the_offsets(cu, words):
+    ids = torch.arange(10)
+    with pytest.raises(ValueError) as info:
+        flatten_inputs(ids, cu_seqlens=cu if isinstance(cu, torch.Tensor) else torch.tensor(cu))
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+def test_empty_packed_sequences_are_allowed_and_change_nothing():
+    torch.manual_seed(0)
+    model = qwen3.Qwen3ForCausalLM(qwen3.tiny_config(initializer_range=0.5)).eval()
+    ids = torch.randint(2, 512, (10,))
+    with torch.no_grad():
+        plain = model.token_logprobs(ids, cu_seqlens=torch.tensor([0, 4, 10]))
+        with_empty = model.token_logprobs(ids, cu_seqlens=torch.tensor([0, 0, 4, 4, 10, 10], dtype=torch.int32))
+    assert torch.equal(plain, with_empty)
