@@ -1,0 +1,69 @@
+"""vexact_models.distributed without a process group: argument checks (raised before anything
+changes) and weight streaming from an unsharded model."""
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+
+import vexact_models.qwen3 as qwen3
+from vexact_models.distributed import checkpoint_name, shard, stream_full_weights
+
+
+@pytest.fixture
+def model():
+    return qwen3.Qwen3ForCausalLM(qwen3.tiny_config())
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"mp_policy": MixedPrecisionPolicy(), "param_dtype": torch.bfloat16}, ["mp_policy", "param_dtype", "not both"]),
+    ({"param_dtype": torch.int32}, ["param_dtype=torch.int32", "floating-point"]),
+    ({"reduce_dtype": "fp32"}, ["reduce_dtype='fp32'"]),
+    ({"mp_policy": "bf16"}, ["mp_policy='bf16'", "MixedPrecisionPolicy"]),
+    ({"offload": "yes"}, ["offload='yes'", "bool"]),
+    ({"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.bfloat16)},
+     ["output_dtype=torch.bfloat16", "leave it None"]),
+])
+def test_shard_rejects_bad_arguments_before_changing_anything(model, kwargs, words):
+    with pytest.raises(ValueError) as info:
+        shard(model, activation_checkpointing=True, **kwargs)
+    assert all(w in str(info.value) for w in words), str(info.value)
+    assert not isinstance(model, FSDPModule) and not model.model.gradient_checkpointing
+
+
+def test_shard_needs_decoder_layers():
+    with pytest.raises(ValueError, match="Linear has no decoder layers"):
+        shard(nn.Linear(2, 2))
+
+
+def test_shard_without_a_process_group_says_how_to_start_one(model):
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        shard(model, activation_checkpointing=True)
+    assert not isinstance(model, FSDPModule) and not model.model.gradient_checkpointing
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"bucket_bytes": 0}, ["bucket_bytes=0", ">= 1"]),
+    ({"bucket_bytes": 1.5}, ["bucket_bytes=1.5"]),
+    ({"dtype": "bf16"}, ["dtype='bf16'"]),
+])
+def test_stream_full_weights_rejects_bad_arguments(model, kwargs, words):
+    with pytest.raises(ValueError) as info:
+        stream_full_weights(model, **kwargs)
+    assert all(w in str(info.value) for w in words), str(info.value)
+
+
+def test_stream_full_weights_of_an_unsharded_model_is_its_parameters(model):
+    got = list(stream_full_weights(model, dtype=torch.bfloat16))
+    want = list(model.named_parameters())
+    assert [n for n, _ in got] == [n for n, _ in want]
+    assert "lm_head.weight" not in dict(got)  # tied: once, under the embedding's name
+    assert all(g.dtype == torch.bfloat16 and torch.equal(g, w.detach().to(torch.bfloat16))
+               for (_, g), (_, w) in zip(got, want))
+
+
+def test_checkpoint_name_strips_wrapper_prefixes():
+    assert checkpoint_name("model.layers.0._checkpoint_wrapped_module.mlp.up_proj.weight") == \
+        "model.layers.0.mlp.up_proj.weight"
+    assert checkpoint_name("_orig_mod.model.norm.weight") == "model.norm.weight"
