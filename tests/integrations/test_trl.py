@@ -1,0 +1,136 @@
+"""TRL integration: trl's own GRPOTrainer (VexactGRPOTrainer) trains our model with rollouts from
+vexact_models.LLM, and TRL's own mismatch metrics read exactly 0 / 1; with the integration's
+logprobs switched off they do not."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+pytest.importorskip("datasets")
+
+from trl import GRPOConfig  # noqa: E402
+
+from vexact_models.integrations.trl import VexactGRPOTrainer  # noqa: E402
+
+DIFF_MAX = "sampling/sampling_logp_difference/max"
+DIFF_MEAN = "sampling/sampling_logp_difference/mean"
+IS_MIN, IS_MEAN, IS_MAX = (f"sampling/importance_sampling_ratio/{k}" for k in ("min", "mean", "max"))
+
+
+@pytest.fixture(scope="module")
+def example():
+    """examples/trl_grpo.py as a module (its toy task, tokenizer and trainer factory)."""
+    path = Path(__file__).resolve().parents[2] / "examples" / "trl_grpo.py"
+    spec = importlib.util.spec_from_file_location("trl_grpo_example", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_trl_metrics_zero_with_integration_nonzero_without(example, tmp_path):
+    args = example.parse_args(["--steps", "3", "--out", str(tmp_path / "exact")])
+    exact = example.run(args)
+    assert [h["step"] for h in exact] == [1, 2, 3]
+    for h in exact:  # TRL's own metrics, logged every step
+        assert h[DIFF_MAX] == 0.0 and h[DIFF_MEAN] == 0.0, h
+        assert h[IS_MIN] == 1.0 and h[IS_MEAN] == 1.0 and h[IS_MAX] == 1.0, h
+        assert h["clip_ratio/region_mean"] == 0.0 and h["entropy"] > 0
+    off = example.run(example.parse_args(["--steps", "3", "--mode", "trl-logprobs", "--out", str(tmp_path / "off")]))
+    assert len(off) == 3
+    assert all(h[DIFF_MAX] > 0 for h in off), [h[DIFF_MAX] for h in off]
+    assert all(h[DIFF_MAX] < 1e-4 for h in off)  # fp32 rounding differences, not a bug
+    # same seeds, same rollout engine: the first step samples the same completions either way
+    assert off[0]["reward"] == exact[0]["reward"]
+
+
+def _trainer(example, arch_name: str, tmp_path, **config_overrides):
+    """A VexactGRPOTrainer on a tiny random checkpoint of `arch_name`, loaded from its path."""
+    from vexact_models.registry import get
+
+    arch = get(arch_name)
+    config = arch.tiny_config(vocab_size=16, **config_overrides)
+    torch.manual_seed(0)
+    arch.causal_lm_class(config).save_pretrained(tmp_path / "ckpt")
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, max_completion_length=5,
+                      max_steps=2, logging_steps=1, save_strategy="no", learning_rate=1e-2, report_to=[], use_cpu=True,
+                      bf16=False, gradient_checkpointing=False, disable_tqdm=True)
+    return VexactGRPOTrainer(str(tmp_path / "ckpt"), reward_funcs=example.repeat_last_token, args=args,
+                             processing_class=example.toy_tokenizer(config), llm_kwargs={"kv_cache_bytes": 16 << 20},
+                             train_dataset=example.toy_dataset(example.parse_args(["--steps", "1"]), 16))
+
+
+def _trl_layout(prompt_ids, completion_ids, rollout_lps):
+    """TRL's padded batch: left-padded prompts, right-padded completions; the rollout logprobs
+    and the completion mask in the completion's columns."""
+    width_p, width_c = max(map(len, prompt_ids)), max(map(len, completion_ids))
+    ids = torch.zeros(len(prompt_ids), width_p + width_c, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    expected = torch.zeros(len(prompt_ids), width_c)
+    cmask = torch.zeros(len(prompt_ids), width_c, dtype=torch.bool)
+    for r, (p, c, lp) in enumerate(zip(prompt_ids, completion_ids, rollout_lps)):
+        ids[r, width_p - len(p):width_p], mask[r, width_p - len(p):width_p] = torch.tensor(p), 1
+        ids[r, width_p:width_p + len(c)], mask[r, width_p:width_p + len(c)] = torch.tensor(c), 1
+        expected[r, :len(c)], cmask[r, :len(c)] = torch.tensor(lp), True
+    return ids, mask, expected, cmask
+
+
+@pytest.mark.parametrize("arch_name", ["qwen3", "qwen3_moe"])
+def test_trainer_logprobs_equal_rollout_logprobs_bitwise(example, arch_name, tmp_path):
+    """TRL's `_get_per_token_logps_and_entropies` (its padded layout) on a rollout of the
+    trainer's generation backend gives the rollout's logprobs bitwise; for Qwen3-MoE also the
+    model's own load-balancing loss, which TRL adds by default."""
+    trainer = _trainer(example, arch_name, tmp_path)
+    model = trainer.model
+    assert type(model).__module__.startswith("vexact_models.")  # a path string loads our class, not the stock one
+    gen = trainer.vllm_generation
+    assert gen.shares_weights and gen.llm.model.causal_lm is model
+    gen.sync_weights()  # shared storage: nothing to copy
+    prompts = [[3, 4, 5], [9, 2, 2, 7, 11], [6]] * 2
+    prompt_ids, completion_ids, nested, _ = gen.generate(prompts, num_generations=2)
+    _, _, rollout_lps = gen.last_rollout
+    assert [[x[0] for x in seq] for seq in nested] == rollout_lps
+    ids, mask, expected, cmask = _trl_layout(prompt_ids, completion_ids, rollout_lps)
+    aux = arch_name == "qwen3_moe"
+    assert trainer.aux_loss_enabled == aux
+    with torch.no_grad():
+        logps, entropies, aux_loss = trainer._get_per_token_logps_and_entropies(
+            model, ids, mask, expected.shape[1], compute_entropy=True, compute_aux_loss=aux)
+    assert torch.equal(logps[cmask], expected[cmask])
+    assert torch.equal(logps[~cmask], torch.zeros_like(logps[~cmask]))
+    assert entropies.shape == logps.shape and bool((entropies[cmask] > 0).all())
+    assert torch.equal(model.token_logprobs(ids, mask)[:, -expected.shape[1]:][cmask], expected[cmask])
+    if aux:
+        reference = model(input_ids=ids, attention_mask=mask, output_router_logits=True).aux_loss
+        assert torch.equal(aux_loss, reference)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer.train()  # two optimizer steps (the MoE one with its load-balancing loss) keep TRL's metrics at 0 / 1
+    logs = [h for h in trainer.state.log_history if DIFF_MAX in h]
+    assert len(logs) == 2 and all(h[DIFF_MAX] == 0.0 and h[IS_MIN] == h[IS_MAX] == 1.0 for h in logs), logs
+    assert ("aux_loss" in logs[0]) == aux
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())  # it did train
+
+
+def test_bad_settings_are_refused_before_building(example, tmp_path):
+    from transformers import Qwen3ForCausalLM
+
+    import vexact_models.qwen3 as qwen3
+
+    config = qwen3.tiny_config(vocab_size=16)
+    ours = qwen3.Qwen3ForCausalLM(config)
+    common = dict(reward_funcs=example.repeat_last_token, processing_class=example.toy_tokenizer(config))
+    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, report_to=[],
+                use_cpu=True, bf16=False)
+    with pytest.raises(ValueError, match=r"min_p=0\.1"):
+        VexactGRPOTrainer(ours, args=GRPOConfig(**base, min_p=0.1), **common)
+    with pytest.raises(ValueError, match="use_vllm=True"):
+        VexactGRPOTrainer(ours, args=GRPOConfig(**base, use_vllm=True), **common)
+    with pytest.raises(ValueError, match="repetition_penalty=1.2"):
+        VexactGRPOTrainer(ours, args=GRPOConfig(**base, repetition_penalty=1.2), **common)
+    with pytest.raises(ValueError, match="transformers.models.qwen3.modeling_qwen3.Qwen3ForCausalLM"):
+        VexactGRPOTrainer(Qwen3ForCausalLM(config), args=GRPOConfig(**base), **common)
+    assert "forward" not in vars(ours)  # refused before anything was patched onto the model

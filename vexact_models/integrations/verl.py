@@ -1,0 +1,412 @@
+"""verl integration: a rollout backend (``rollout.name=vexact``) and the actor's logprob hook.
+
+Importing this module registers everything (`install`), which is what verl's external-module
+mechanisms do in each of its processes::
+
+    export VERL_USE_EXTERNAL_MODULES=vexact_models.integrations.verl   # or model.external_lib=...
+    python -m verl.trainer.main_ppo ... actor_rollout_ref.rollout.name=vexact \\
+        actor_rollout_ref.model.use_fused_kernels=True actor_rollout_ref.rollout.calculate_log_probs=True
+
+Then verl loads our training classes (`vexact_models.patch`), rolls out with our paged engine
+(`VexactRollout` in each worker, reached through `VexactServer` / `VexactReplica`) and computes
+the actor's logprobs with `token_logprobs`' kernel, so ``training/rollout_probs_diff_max`` is 0.
+See ``docs/verl.md``.
+
+- `VexactRollout` (verl's ``BaseRollout``): owns one `vexact_models.runtime.LLM` per rank
+  (tensor/data/pipeline parallel size 1); ``resume(tags)`` / ``release()`` wake / sleep it,
+  ``update_weights`` streams the trainer's full tensors into it (MoE experts re-fused).
+- `VexactServer`: the replica's server; its async ``generate(prompt_ids, sampling_params,
+  request_id, ...)`` returns verl's ``TokenOutput`` with ``log_probs``. Concurrent requests are
+  batched into one engine call (batch-invariant kernels: batching changes no token).
+- The actor hook: our causal LMs' ``forward`` honours verl's fused-kernel contract
+  (``temperature=``, ``shift_labels=`` -> ``log_probs``, ``entropy``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterable
+
+import torch
+from verl.models.transformers import monkey_patch as verl_monkey_patch
+from verl.utils.config import omega_conf_to_dataclass
+from verl.workers.rollout import base as verl_rollout_base
+from verl.workers.rollout.base import BaseRollout
+from verl.workers.rollout.replica import RolloutReplica, RolloutReplicaRegistry, TokenOutput
+
+import vexact_models
+from vexact_models.integrations._verl_support import (OPTIONS_KEY, OWN_OPTIONS, ExpertRefuser, check_parallel,
+                                                      copy_buffers, engine_options, max_model_len_of, refuse_experts,
+                                                      request_seed)
+from vexact_models.integrations._verl_support import sampling_params as to_sampling_params
+from vexact_models.integrations._verl_support import verl_forward as _verl_forward
+from vexact_models.runtime import LLM
+
+__all__ = ["ROLLOUT_NAME", "VexactReplica", "VexactRollout", "VexactServer", "install", "uninstall"]
+
+#: ``actor_rollout_ref.rollout.name`` of this backend
+ROLLOUT_NAME = "vexact"
+_ADAPTERS: dict[int, "VexactRollout"] = {}  # replica rank -> the engine living in this process
+
+
+class VexactRollout(BaseRollout):
+    """verl's rollout contract over one `LLM` in this process (the trainer's rank, or a
+    checkpoint-engine worker). The engine is built on first use from ``model_config.local_path``
+    (its own full copy of the weights, which the trainer's ``update_weights`` refreshes), or over
+    `model` when given (sharing its weights: a single-process loop or a test).
+
+    Args:
+        config: verl's ``RolloutConfig`` (``dtype``, ``max_num_seqs``, ``max_num_batched_tokens``,
+            ``max_model_len``, ``gpu_memory_utilization``, ``enforce_eager``, ``seed``,
+            ``enable_chunked_prefill``, ``enable_prefix_caching``, ``free_cache_engine`` are
+            honoured; ``engine_kwargs.vexact`` adds `LLM` arguments, ``sleep_level`` (what
+            `release` frees: 0 KV cache, 1 also weights to host, 2 also drops them; default 2, as
+            every wake-up is followed by ``update_weights``) and ``batch_window_ms``).
+        model_config: verl's ``HFModelConfig``.
+        device_mesh: unused (one engine per rank).
+        replica_rank: this engine's replica; default the process's ``RANK``.
+        model: a training-variant model to roll out from instead of loading the checkpoint.
+    """
+
+    def __init__(self, config, model_config, device_mesh=None, replica_rank: int = -1, *, model=None,
+                 **kwargs) -> None:
+        super().__init__(config, model_config, device_mesh)
+        check_parallel(self.config)
+        opts = engine_options(self.config)
+        self.sleep_level = int(opts.pop("sleep_level", OWN_OPTIONS["sleep_level"]))
+        if self.sleep_level not in (0, 1, 2):
+            raise ValueError(f"rollout.engine_kwargs.{OPTIONS_KEY}.sleep_level={self.sleep_level} must be 0, 1 or 2")
+        opts.pop("batch_window_ms", None)  # the server's option
+        self.replica_rank = int(os.environ.get("RANK", 0)) if replica_rank < 0 else int(replica_rank)
+        self.is_leader_rank = True  # asked by verl's checkpoint-engine worker
+        self.global_steps: int | None = None
+        self._model = model
+        self._llm_kwargs = opts
+        self._llm: LLM | None = None
+        _ADAPTERS[self.replica_rank] = self
+
+    @property
+    def llm(self) -> LLM:
+        """The engine (built on first use)."""
+        if self._llm is None:
+            cfg = self.config
+            kwargs = dict(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                          max_model_len=max_model_len_of(cfg), gpu_memory_utilization=cfg.gpu_memory_utilization,
+                          enforce_eager=cfg.enforce_eager, enable_chunked_prefill=cfg.enable_chunked_prefill,
+                          enable_prefix_sharing=cfg.enable_prefix_caching,
+                          seed=request_seed(cfg.seed, self.replica_rank, "engine"))  # replicas sample apart
+            if self._model is None:
+                kwargs["dtype"] = cfg.dtype
+            kwargs.update(self._llm_kwargs)
+            source = self._model if self._model is not None else self.model_config.local_path
+            self._llm = LLM(source, **kwargs)
+        return self._llm
+
+    # -- verl's BaseRollout ----------------------------------------------------------------
+    async def resume(self, tags: list[str]) -> None:
+        """Wake the engine's ``"weights"`` and/or ``"kv_cache"`` (when ``free_cache_engine``)."""
+        if self.config.free_cache_engine:
+            self.wake_up(tags)
+
+    async def release(self) -> None:
+        """Free the engine's device memory per ``sleep_level`` (when ``free_cache_engine``)."""
+        if self.config.free_cache_engine:
+            self.sleep()
+
+    async def update_weights(self, weights, wire_format: str = "named_tensors", global_steps: int | None = None,
+                             peft_config=None, **kwargs) -> None:
+        """Copy the trainer's full tensors into the engine, consuming `weights` (a sync or async
+        stream of ``(name, tensor)``, verl's per-expert MoE names included) lazily, never
+        holding a second copy of the model."""
+        if wire_format != "named_tensors":
+            raise ValueError(f"update_weights: wire_format={wire_format!r} is not supported (only 'named_tensors'); "
+                             "use checkpoint_engine.backend=naive or nccl")
+        if peft_config is not None:
+            raise ValueError("update_weights: LoRA adapters are not streamed separately; set "
+                             "actor_rollout_ref.model.lora.merge=True")
+        llm = self.llm
+        model = llm.model.causal_lm
+        shapes = {n: p.shape for n, p in model.named_parameters()}
+        buffers = dict(model.named_buffers())
+        # no_grad around synchronous stretches only: across an await it would leak to other coroutines
+        if hasattr(weights, "__aiter__"):  # a checkpoint engine's receiver
+            refuser = ExpertRefuser(shapes)
+            async for name, tensor in weights:
+                with torch.no_grad():
+                    ready = list(copy_buffers(refuser.push(name, tensor), buffers))
+                    if ready:
+                        llm.update_weights(ready)
+            refuser.close()
+        else:
+            with torch.no_grad():
+                llm.update_weights(copy_buffers(refuse_experts(weights, shapes), buffers))
+        if global_steps is not None:
+            self.global_steps = global_steps
+
+    # -- what the server calls (synchronous: it runs them in a thread or on the worker actor) --
+    def sleep(self, level: int | None = None) -> None:
+        """Free device memory (`sleep_level` unless given; see `LLM.sleep`)."""
+        if self._llm is not None:
+            self._llm.sleep(level=self.sleep_level if level is None else level)
+
+    def wake_up(self, tags: Iterable[str] | None = None) -> None:
+        """Restore what `sleep` freed (``tags``: ``"weights"`` and/or ``"kv_cache"``)."""
+        self.llm.wake_up(tags=None if tags is None else list(tags))
+
+    def set_global_steps(self, global_steps: int) -> None:
+        self.global_steps = global_steps
+
+    def generate_batch(self, requests: list[tuple[list[int], object, bool]]) -> list[TokenOutput | Exception]:
+        """One engine call for ``(prompt ids, SamplingParams, want logprobs)`` requests; a
+        request the engine failed comes back as its exception, the others as ``TokenOutput``. A
+        request the engine rejects (e.g. a token id outside the vocabulary) fails alone: the
+        batch is then run request by request (same results: the kernels are batch-invariant)."""
+        try:
+            outs = self.llm.generate([r[0] for r in requests], [r[1] for r in requests], use_tqdm=False)
+        except ValueError as error:
+            if len(requests) == 1:
+                return [error]
+            return [result for request in requests for result in self.generate_batch([request])]
+        results: list[TokenOutput | Exception] = []
+        for out, (_, _, want_logprobs) in zip(outs, requests):
+            c = out.outputs[0]
+            if c.finish_reason == "error":
+                results.append(RuntimeError(f"vexact engine: {c.error}"))
+                continue
+            results.append(TokenOutput(token_ids=list(c.token_ids), log_probs=list(c.logprobs) if want_logprobs else None,
+                                       stop_reason="completed", num_preempted=None,
+                                       extra_fields={"global_steps": self.global_steps}))
+        return results
+
+
+def _on_worker(actor, replica_rank: int, method: str, args: tuple):
+    """Run on the Ray actor hosting replica `replica_rank`'s `VexactRollout` (via ``__ray_call__``)."""
+    adapter = _ADAPTERS.get(replica_rank)
+    if adapter is None:
+        raise RuntimeError(f"no VexactRollout for replica {replica_rank} in this process "
+                           f"(is actor_rollout_ref.rollout.name={ROLLOUT_NAME!r} and this module imported there?)")
+    return getattr(adapter, method)(*args)
+
+
+class VexactServer:
+    """A replica's server: what verl's ``LLMServerClient`` and ``RolloutReplica`` call.
+
+    It reaches its `VexactRollout` in this process (`rollout`) or on the Ray actor hosting it
+    (``workers[0]``). Requests arriving within ``batch_window_ms`` of each other (and those
+    queued while a batch runs) go to the engine as one ``generate`` call."""
+
+    def __init__(self, config, workers: list | None = None, replica_rank: int = 0, *,
+                 rollout: VexactRollout | None = None, **kwargs) -> None:
+        self.config = omega_conf_to_dataclass(config)
+        if rollout is None and not workers:
+            raise ValueError("VexactServer: pass rollout= (in-process engine) or workers= (the Ray actor hosting it)")
+        self.replica_rank = int(replica_rank)
+        self._local = rollout
+        self._worker = None if rollout is not None else workers[0]
+        window = float(engine_options(self.config).get("batch_window_ms", OWN_OPTIONS["batch_window_ms"]))
+        if not window >= 0:
+            raise ValueError(f"rollout.engine_kwargs.{OPTIONS_KEY}.batch_window_ms={window} must be >= 0")
+        self.batch_window_s = window / 1000
+        self.max_model_len = max_model_len_of(self.config)
+        self._queue: list = []
+        self._runner: asyncio.Task | None = None
+        self._loop = None  # the event loop the primitives below belong to (made there, on first use)
+        self._lock: asyncio.Lock | None = None  # one engine call at a time
+        self._open: asyncio.Event | None = None  # admission gate (closed by abort_all_requests)
+        self._reject = False
+
+    def _loop_state(self) -> tuple[asyncio.Lock, asyncio.Event]:
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:  # a Ray actor has one loop; in-process callers may use several
+            self._loop, self._lock, self._open = loop, asyncio.Lock(), asyncio.Event()
+            self._open.set()
+        return self._lock, self._open
+
+    async def _call(self, method: str, *args):
+        lock, _ = self._loop_state()
+        async with lock:
+            if self._local is not None:
+                return await asyncio.to_thread(getattr(self._local, method), *args)
+            return await self._worker.__ray_call__.remote(_on_worker, self.replica_rank, method, args)
+
+    async def generate(self, prompt_ids: list[int], sampling_params: dict, request_id: str, image_data=None,
+                       video_data=None, audio_data=None, mm_processor_kwargs=None, priority: int = 0,
+                       **kwargs) -> TokenOutput:
+        """Token-in, token-out generation of one request; ``log_probs`` when
+        ``sampling_params['logprobs']`` asks (verl: ``rollout.calculate_log_probs``)."""
+        if image_data or video_data or audio_data or mm_processor_kwargs:  # verl sends None or [] for text
+            raise ValueError("VexactServer.generate: multimodal input is not supported")
+        if kwargs:
+            raise ValueError(f"VexactServer.generate: unsupported argument(s) {sorted(kwargs)}")
+        ids = [int(t) for t in (prompt_ids.tolist() if hasattr(prompt_ids, "tolist") else prompt_ids)]
+        seed = request_seed(self.config.seed, self.replica_rank, request_id) if self.config.full_determinism else None
+        params, want_logprobs = to_sampling_params(sampling_params, len(ids), self.config,
+                                                   max_model_len=self.max_model_len, seed=seed)
+        _, gate = self._loop_state()
+        if self._reject and not gate.is_set():
+            return TokenOutput(token_ids=[], log_probs=None, stop_reason="aborted")
+        future = asyncio.get_running_loop().create_future()
+        self._queue.append(((ids, params, want_logprobs), future))
+        if self._runner is None:
+            self._runner = asyncio.create_task(self._run_queue())
+        return await future
+
+    async def _run_queue(self) -> None:
+        _, gate = self._loop_state()
+        try:
+            while self._queue:
+                await asyncio.sleep(self.batch_window_s)  # let concurrent requests join this batch
+                await gate.wait()
+                batch, self._queue = self._queue, []
+                try:
+                    results = await self._call("generate_batch", [request for request, _ in batch])
+                except Exception as error:  # the whole call failed: every caller hears why
+                    results = [error] * len(batch)
+                for (_, future), result in zip(batch, results):
+                    if future.done():
+                        continue
+                    if isinstance(result, Exception):
+                        future.set_exception(result)
+                    else:
+                        future.set_result(result)
+        finally:
+            self._runner = None
+
+    # -- engine control (verl's RolloutReplica and checkpoint manager call these) ------------
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self._call("wake_up", tags)
+
+    async def sleep(self) -> None:
+        await self._call("sleep")
+
+    async def release_kv_cache(self) -> None:
+        await self._call("sleep", 0)
+
+    async def resume_kv_cache(self) -> None:
+        await self._call("wake_up", ["kv_cache"])
+
+    async def clear_kv_cache(self) -> None:
+        """Nothing to do: shared prefix pages never outlive one engine call."""
+
+    async def set_global_steps(self, global_steps: int) -> None:
+        await self._call("set_global_steps", global_steps)
+
+    async def wait_for_requests_to_drain(self) -> None:
+        lock, _ = self._loop_state()
+        async with lock:  # the running batch, if any, has finished
+            pass
+
+    async def abort_all_requests(self, reset_prefix_cache: bool = True, reject_request: bool = False) -> dict:
+        """Hold new batches until `resume_generation` (the running one completes: an engine call
+        is not interrupted); with `reject_request`, requests arriving meanwhile come back
+        ``stop_reason="aborted"``."""
+        _, gate = self._loop_state()
+        gate.clear()
+        self._reject = bool(reject_request)
+        aborted = []
+        if self._reject:  # queued requests that have not started: answer them now
+            aborted, self._queue = self._queue, []
+            for _, future in aborted:
+                if not future.done():
+                    future.set_result(TokenOutput(token_ids=[], log_probs=None, stop_reason="aborted"))
+        await self.wait_for_requests_to_drain()
+        return {"aborted_count": len(aborted), "request_ids": []}
+
+    async def resume_generation(self) -> None:
+        _, gate = self._loop_state()
+        self._reject = False
+        gate.set()
+
+    async def start_profile(self, **kwargs) -> None:
+        """Profiling is not wired up: a no-op."""
+
+    async def stop_profile(self) -> None:
+        """Profiling is not wired up: a no-op."""
+
+
+class VexactReplica(RolloutReplica):
+    """verl's replica for ``rollout.name=vexact``: one rank, one `VexactServer` (a Ray actor on
+    the node of the worker that hosts the replica's `VexactRollout`)."""
+
+    def __init__(self, replica_rank: int, config, model_config, gpus_per_node: int = 8, *args, **kwargs) -> None:
+        super().__init__(replica_rank, config, model_config, gpus_per_node, *args, **kwargs)
+        check_parallel(self.config)
+
+    async def launch_servers(self) -> None:
+        """Start the server actor for this replica's worker."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        if len(self.workers) != 1:
+            raise RuntimeError(f"VexactReplica {self.replica_rank}: expected 1 worker, got {len(self.workers)}")
+        worker = self.workers[0]
+        node_id = await worker.__ray_call__.remote(lambda actor: ray.get_runtime_context().get_node_id())
+        role = "reward_" if self.is_reward_model else "teacher_" if self.is_teacher_model else ""
+        name = f"{ROLLOUT_NAME}_server_{role}{self.replica_rank}{self.name_suffix}"
+        server = ray.remote(VexactServer).options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
+            name=name, max_concurrency=self.max_concurrency,
+        ).remote(config=self.config, workers=[worker], replica_rank=self.replica_rank)
+        self.servers = [server]
+        self._server_handle = server
+        self._server_address = f"{ROLLOUT_NAME}://{name}"  # no HTTP endpoint: token-in/token-out only
+
+
+# ----------------------------------------------------------------------------------------------
+# Registration
+# ----------------------------------------------------------------------------------------------
+
+_installed: dict[str, object] = {}
+
+
+def _guarded_patch_forward(original):
+    def patch_forward_with_backends(model, *args, **kwargs):
+        if getattr(type(model).forward, "_vexact_verl_original", None) is not None:
+            return None  # our forward already serves verl's fused-kernel path: keep it
+        return original(model, *args, **kwargs)
+
+    patch_forward_with_backends._vexact_verl_original = original
+    return patch_forward_with_backends
+
+
+def install() -> None:
+    """Register the backend and the hook with verl (idempotent; this module's import calls it):
+    ``rollout.name=vexact`` in verl's rollout and replica registries, `vexact_models.patch` (verl
+    loads our classes), our causal LMs' ``forward`` answering verl's fused-kernel call, and
+    verl's fused-kernel monkey patch leaving that forward alone."""
+    if _installed:
+        return
+    _installed["was_patched"] = vexact_models.is_patched()
+    vexact_models.patch()
+    verl_rollout_base._ROLLOUT_REGISTRY[(ROLLOUT_NAME, "async")] = f"{__name__}.VexactRollout"
+    RolloutReplicaRegistry.register(ROLLOUT_NAME, lambda: VexactReplica)
+    wrapped = []
+    for arch in vexact_models.architectures():
+        cls = arch.causal_lm_class
+        if getattr(cls.forward, "_vexact_verl_original", None) is None:
+            wrapped.append((cls, cls.__dict__.get("forward")))
+            cls.forward = _verl_forward(cls.forward)
+    _installed["forwards"] = wrapped
+    verl_monkey_patch.patch_forward_with_backends = _guarded_patch_forward(verl_monkey_patch.patch_forward_with_backends)
+
+
+def uninstall() -> None:
+    """Undo `install` exactly (for tests, or to compare with verl's stock path)."""
+    if not _installed:
+        return
+    verl_rollout_base._ROLLOUT_REGISTRY.pop((ROLLOUT_NAME, "async"), None)
+    RolloutReplicaRegistry._registry.pop(ROLLOUT_NAME, None)
+    for cls, own in reversed(_installed["forwards"]):
+        if own is None:
+            del cls.forward
+        else:
+            cls.forward = own
+    guarded = verl_monkey_patch.patch_forward_with_backends
+    verl_monkey_patch.patch_forward_with_backends = getattr(guarded, "_vexact_verl_original", guarded)
+    if not _installed["was_patched"]:
+        vexact_models.unpatch()
+    _installed.clear()
+
+
+install()
