@@ -104,7 +104,6 @@ class LLM:
             raise ValueError(f"LLM: aligned=False (the cuBLAS fast path) needs a CUDA device, got {self.device}")
         self.aligned = aligned
         self.tokenizer = None
-        self._generation_config = None  # generation_config.json of a checkpoint folder
         training = self._load(str(model), dtype) if from_folder else model
         arch = architecture_of(training)
         self._init_weight_state(from_folder if owns_weights is None else owns_weights)
@@ -189,12 +188,6 @@ class LLM:
             from transformers import AutoTokenizer
 
             self.tokenizer = AutoTokenizer.from_pretrained(path)
-        if os.path.exists(os.path.join(path, "generation_config.json")):
-            # our training classes do not load it (they are not GenerationMixins), yet it holds the
-            # checkpoint's EOS list (Qwen3: <|im_end|> and <|endoftext|>)
-            from transformers import GenerationConfig
-
-            self._generation_config = GenerationConfig.from_pretrained(path)
         return model
 
     def _num_blocks(self, block_size: int, utilization: float, kv_cache_bytes: int | None) -> int:
@@ -212,7 +205,9 @@ class LLM:
         return int(blocks)
 
     def _eos_ids(self) -> list[int]:
-        gen = getattr(self.model.causal_lm, "generation_config", None) or self._generation_config
+        """The checkpoint's EOS ids: its generation_config.json (which from_pretrained loads into
+        the model, e.g. Qwen3's <|im_end|> and <|endoftext|>), else config.eos_token_id."""
+        gen = getattr(self.model.causal_lm, "generation_config", None)
         eos = getattr(gen, "eos_token_id", None) if gen is not None else None
         if eos is None:
             eos = getattr(self.config, "eos_token_id", None)
