@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 8 examples/veomni_fsdp2.py --device cuda --dtype bfloat16
 
 VeOmni looks model classes up in ``veomni.models.loader.MODELING_REGISTRY`` (model_type ->
-``fn(architecture name) -> class``); `register_with_veomni` puts ours there. Then VeOmni's own
+``fn(architecture name) -> class``); `vexact_models.integrations.veomni.register` puts ours there. Then VeOmni's own
 ``build_foundation_model`` (meta-device init) and ``build_parallelize_model`` (its FSDP2: every
 ``_no_split_modules`` layer + root, weights loaded into the shards) build the training model,
 and its ``token_logprobs`` must equal an `LLM` rollout of the same checkpoint bitwise.
@@ -12,7 +12,7 @@ and its ``token_logprobs`` must equal an `LLM` rollout of the same checkpoint bi
 What the published package (veomni 0.1.12) needs to run here (docs/fsdp.md has the details):
 - ``import veomni`` works with transformers 5.10.4 but fails with newer releases (5.23 here):
   it is generated against 5.9 and imports six multimodal output classes that were removed since.
-  `_shim_transformers` aliases them before the import (a no-op where they exist); nothing of
+  `vexact_models.integrations.veomni.shim_transformers` aliases them before the import (a no-op where they exist); nothing of
   ours or of VeOmni's FSDP path uses them.
 - ``OpsImplementationConfig`` defaults to CUDA kernels (liger, triton): every op is set to
   "eager" on CPU. Our classes run their own aligned kernels whatever it says.
@@ -23,73 +23,13 @@ What the published package (veomni 0.1.12) needs to run here (docs/fsdp.md has t
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 import tempfile
 
 import torch
 import torch.distributed as dist
 
-_GONE_IN_NEW_TRANSFORMERS = [
-    ("qwen2_5_omni", "Qwen2_5OmniThinkerCausalLMOutputWithPast"), ("qwen2_5_vl", "Qwen2_5_VLCausalLMOutputWithPast"),
-    ("qwen2_vl", "Qwen2VLCausalLMOutputWithPast"), ("qwen3_omni_moe", "Qwen3OmniMoeThinkerCausalLMOutputWithPast"),
-    ("qwen3_vl", "Qwen3VLCausalLMOutputWithPast"), ("qwen3_vl_moe", "Qwen3VLMoeCausalLMOutputWithPast"),
-]
-
-
-def _shim_transformers() -> list[str]:
-    """Alias the output classes veomni 0.1.12 imports at module level and newer transformers no
-    longer have (used only by VeOmni's multimodal models). Returns what was aliased."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
-    aliased = []
-    for model, name in _GONE_IN_NEW_TRANSFORMERS:
-        module = importlib.import_module(f"transformers.models.{model}.modeling_{model}")
-        if not hasattr(module, name):
-            setattr(module, name, CausalLMOutputWithPast)
-            aliased.append(name)
-    return aliased
-
-
-# VeOmni reads checkpoints itself (into the FSDP shards) and fuses the hub's per-expert tensors
-# into [E, 2I, H] / [E, H, I] through a converter its own MoE classes carry: exactly our layout.
-_VEOMNI_CONVERTERS = {
-    "qwen3_moe": ("veomni.models.transformers.qwen3_moe.checkpoint_tensor_converter", "qwen3_moe"),
-    "deepseek_v3": ("veomni.models.transformers.deepseek_v3.checkpoint_tensor_converter", "deepseek_v3"),
-}
-
-
-def register_with_veomni() -> list[str]:
-    """Make VeOmni build our training variants for every model_type we serve (and read MoE
-    checkpoints with its expert-fusing converters)."""
-    from veomni.models.loader import MODELING_REGISTRY
-
-    from vexact_models.registry import architectures
-
-    names = []
-    for arch in architectures():
-        for model_type in arch.model_types:
-            if model_type in _VEOMNI_CONVERTERS:
-                module, stem = _VEOMNI_CONVERTERS[model_type]
-                converters = importlib.import_module(module)
-                cls = arch.causal_lm_class
-                cls._create_checkpoint_tensor_converter = staticmethod(
-                    getattr(converters, f"create_{stem}_checkpoint_tensor_converter"))
-                cls._convert_fqn_to_index_mapping = staticmethod(
-                    getattr(converters, f"convert_{stem}_fqn_to_index_mapping"))
-            # a local override: VeOmni ships its own qwen3 / qwen3_moe / deepseek_v3 entries
-            MODELING_REGISTRY[model_type] = lambda architecture, cls=arch.causal_lm_class: cls
-            names.append(model_type)
-    return names
-
-
-def eager_ops():
-    from veomni.arguments.arguments_types import OpsImplementationConfig
-
-    fields = ("moe", "cross_entropy_loss", "rms_norm", "swiglu_mlp", "rotary_pos_emb", "rotary_pos_emb_vision",
-              "load_balancing_loss", "rms_norm_gated", "causal_conv1d", "chunk_gated_delta_rule")
-    return OpsImplementationConfig(attn_implementation="eager", **{f"{f}_implementation": "eager" for f in fields})
-
+from vexact_models.integrations.veomni import eager_ops, register, shim_transformers
 
 def check(arch, path: str, args, rank: int) -> bool:
     from veomni.arguments.arguments_types import MixedPrecisionConfig
@@ -131,8 +71,10 @@ def main() -> int:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="bfloat16: VeOmni's mixed precision (fp32 master weights) against a bf16 engine")
     parser.add_argument("--tokens", type=int, default=8, help="tokens to roll out per rank")
+    parser.add_argument("--no-register", dest="register", action="store_false",
+                        help="leave VeOmni's registry alone (integration off: VeOmni builds its own classes)")
     args = parser.parse_args()
-    aliased = _shim_transformers()
+    aliased = shim_transformers()
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.device == "cuda":
@@ -144,7 +86,7 @@ def main() -> int:
     if rank == 0 and aliased:
         print(f"aliased for veomni's imports (gone from this transformers): {aliased}")
     init_parallel_state(dp_size=world, dp_shard_size=world, dp_mode="fsdp2", device_type=args.device)
-    registered = register_with_veomni()
+    registered = register() if args.register else []
     if rank == 0:
         print(f"registered with VeOmni's MODELING_REGISTRY: {registered}")
     ok = True
