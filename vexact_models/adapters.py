@@ -36,11 +36,15 @@ class LoraTerm:
 
 def is_adapter_layer(module: nn.Module) -> bool:
     """True for a PEFT tuner layer (it wraps a ``base_layer`` and knows its active adapters)."""
-    return hasattr(module, "base_layer") and hasattr(module, "active_adapters")
+    # a plain nn.Linear first: the common case, and nn.Module's hasattr fallback is slow on this
+    # path (every projection of every step)
+    return type(module) is not nn.Linear and hasattr(module, "base_layer") and hasattr(module, "active_adapters")
 
 
 def base_layer(module: nn.Module) -> nn.Module:
     """The module under any PEFT wrappers (the module itself when it is not wrapped)."""
+    if type(module) is nn.Linear:
+        return module
     while hasattr(module, "base_layer"):
         module = module.base_layer
     return module
