@@ -25,6 +25,7 @@ from verl.utils.debug.metrics import calculate_debug_metrics  # noqa: E402
 from verl.utils.model import compute_position_id_with_mask  # noqa: E402
 from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig, RolloutConfig  # noqa: E402
 from verl.workers.engine.fsdp.utils import unfuse_moe_params  # noqa: E402
+from verl.workers.rollout import base as verl_rollout_base  # noqa: E402
 from verl.workers.rollout.base import BaseRollout, get_rollout_class  # noqa: E402
 from verl.workers.rollout.replica import RolloutReplica, RolloutReplicaRegistry, TokenOutput  # noqa: E402
 from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding  # noqa: E402
@@ -99,7 +100,7 @@ def test_registered_with_verl(ckpt):
     assert type(AutoModelForCausalLM.from_pretrained(ckpt)) is arch.causal_lm_class  # verl loads ours
     vv.uninstall()
     try:
-        assert (vv.ROLLOUT_NAME, "async") not in vv.verl_rollout_base._ROLLOUT_REGISTRY
+        assert (vv.ROLLOUT_NAME, "async") not in verl_rollout_base._ROLLOUT_REGISTRY
         with pytest.raises(ValueError, match="Unknown rollout mode"):
             RolloutReplicaRegistry.get(vv.ROLLOUT_NAME)
         assert not hasattr(arch.causal_lm_class.forward, "_vexact_verl_original")

@@ -29,24 +29,19 @@ import os
 from collections.abc import Iterable
 
 import torch
-from verl.models.transformers import monkey_patch as verl_monkey_patch
 from verl.utils.config import omega_conf_to_dataclass
-from verl.workers.rollout import base as verl_rollout_base
 from verl.workers.rollout.base import BaseRollout
-from verl.workers.rollout.replica import RolloutReplica, RolloutReplicaRegistry, TokenOutput
+from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
-import vexact_models
 from vexact_models.integrations._verl_support import (OPTIONS_KEY, OWN_OPTIONS, ExpertRefuser, check_parallel,
                                                       copy_buffers, engine_options, max_model_len_of, refuse_experts,
                                                       request_seed)
 from vexact_models.integrations._verl_support import sampling_params as to_sampling_params
-from vexact_models.integrations._verl_support import verl_forward as _verl_forward
+from vexact_models.integrations._verl_registry import ROLLOUT_NAME, install, uninstall
 from vexact_models.runtime import LLM
 
 __all__ = ["ROLLOUT_NAME", "VexactReplica", "VexactRollout", "VexactServer", "install", "uninstall"]
 
-#: ``actor_rollout_ref.rollout.name`` of this backend
-ROLLOUT_NAME = "vexact"
 _ADAPTERS: dict[int, "VexactRollout"] = {}  # replica rank -> the engine living in this process
 
 
@@ -351,62 +346,6 @@ class VexactReplica(RolloutReplica):
         self.servers = [server]
         self._server_handle = server
         self._server_address = f"{ROLLOUT_NAME}://{name}"  # no HTTP endpoint: token-in/token-out only
-
-
-# ----------------------------------------------------------------------------------------------
-# Registration
-# ----------------------------------------------------------------------------------------------
-
-_installed: dict[str, object] = {}
-
-
-def _guarded_patch_forward(original):
-    def patch_forward_with_backends(model, *args, **kwargs):
-        if getattr(type(model).forward, "_vexact_verl_original", None) is not None:
-            return None  # our forward already serves verl's fused-kernel path: keep it
-        return original(model, *args, **kwargs)
-
-    patch_forward_with_backends._vexact_verl_original = original
-    return patch_forward_with_backends
-
-
-def install() -> None:
-    """Register the backend and the hook with verl (idempotent; this module's import calls it):
-    ``rollout.name=vexact`` in verl's rollout and replica registries, `vexact_models.patch` (verl
-    loads our classes), our causal LMs' ``forward`` answering verl's fused-kernel call, and
-    verl's fused-kernel monkey patch leaving that forward alone."""
-    if _installed:
-        return
-    _installed["was_patched"] = vexact_models.is_patched()
-    vexact_models.patch()
-    verl_rollout_base._ROLLOUT_REGISTRY[(ROLLOUT_NAME, "async")] = f"{__name__}.VexactRollout"
-    RolloutReplicaRegistry.register(ROLLOUT_NAME, lambda: VexactReplica)
-    wrapped = []
-    for arch in vexact_models.architectures():
-        cls = arch.causal_lm_class
-        if getattr(cls.forward, "_vexact_verl_original", None) is None:
-            wrapped.append((cls, cls.__dict__.get("forward")))
-            cls.forward = _verl_forward(cls.forward)
-    _installed["forwards"] = wrapped
-    verl_monkey_patch.patch_forward_with_backends = _guarded_patch_forward(verl_monkey_patch.patch_forward_with_backends)
-
-
-def uninstall() -> None:
-    """Undo `install` exactly (for tests, or to compare with verl's stock path)."""
-    if not _installed:
-        return
-    verl_rollout_base._ROLLOUT_REGISTRY.pop((ROLLOUT_NAME, "async"), None)
-    RolloutReplicaRegistry._registry.pop(ROLLOUT_NAME, None)
-    for cls, own in reversed(_installed["forwards"]):
-        if own is None:
-            del cls.forward
-        else:
-            cls.forward = own
-    guarded = verl_monkey_patch.patch_forward_with_backends
-    verl_monkey_patch.patch_forward_with_backends = getattr(guarded, "_vexact_verl_original", guarded)
-    if not _installed["was_patched"]:
-        vexact_models.unpatch()
-    _installed.clear()
 
 
 install()
