@@ -92,9 +92,9 @@ def test_mla_query_and_latent_projections_fuse_bitwise(shape):
     """MLA: q_proj (Moonlight) or q_a_proj (q-LoRA) with kv_a_proj_with_mqa, one GEMM."""
     from vexact_models.registry import get
 
-    arch = get(shape)
+    arch = get("deepseek_v3")
     torch.manual_seed(0)
-    model = arch.causal_lm_class(arch.tiny_config(initializer_range=0.3)).eval()
+    model = arch.causal_lm_class(arch.shape(shape).tiny_config(initializer_range=0.3)).eval()
     ids = torch.randint(0, 512, (2, 13))
     with torch.no_grad():
         separate = model(ids).logits

@@ -1,17 +1,47 @@
-"""The architecture registry: what `patch()` installs and the conformance suite checks.
+"""The architecture registry: what `patch()` installs, the suite checks and packaging ships.
 
-Each architecture registers itself (see ``vexact_models/qwen3/__init__.py``); the conformance
-suite iterates over `architectures()`, so a new architecture is checked without editing it.
+An architecture is a folder ``vexact_models/<name>/`` holding ``modeling.py`` and an
+``__init__.py`` that calls `register` (see ``vexact_models/qwen3/__init__.py``, the template
+``vexact new-architecture`` copies). Built-in folders are discovered, not listed: every
+sub-package with a ``modeling.py`` is imported on first use. Architectures living in other
+packages register through the ``vexact_models.architectures`` entry-point group (the value is a
+module that calls `register` on import). The conformance suite and the parametrised model tests
+iterate over `architectures()` and `shapes()`, so a new architecture is checked without editing them.
+
+Published shapes are data: one architecture serves one set of HF ``model_type`` values, and its
+named `Shape` s (e.g. DeepSeek-V3's ``moonlight``) are configs of it, not further architectures.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
+import pkgutil
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 
-_BUILTIN = ("vexact_models.qwen3", "vexact_models.qwen3_moe", "vexact_models.deepseek_v3", "vexact_models.moonlight")
 _REGISTRY: dict[str, "Architecture"] = {}
+_PACKAGE_DIR = Path(__file__).parent
+ENTRY_POINT_GROUP = "vexact_models.architectures"
+_loaded = False
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A named shape of an architecture.
+
+    Attributes:
+        name: short name (``"moonlight"``); unique within its architecture.
+        tiny_config: builds a tiny random-weight config of this shape for CPU tests (kwargs
+            override fields).
+        published_configs: file names under ``conformance/configs`` with the real sizes this
+            tiny shape stands for.
+    """
+
+    name: str
+    tiny_config: Callable[..., object]
+    published_configs: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -19,15 +49,14 @@ class Architecture:
     """One supported architecture.
 
     Attributes:
-        name: short name (``"qwen3"``).
-        model_types: HF ``config.model_type`` values it serves.
+        name: short name (``"qwen3"``), the folder's name.
+        model_types: HF ``config.model_type`` values it serves (no two architectures share one).
         config_class: HF config class.
         causal_lm_class: our training variant (returned by ``AutoModelForCausalLM`` after patch()).
         base_model_class: our base model (returned by ``AutoModel``).
         inference_class: our inference variant.
-        tiny_config: builds a tiny random-weight config for CPU tests (kwargs override fields).
+        shapes: its named shapes; the first is the default (`tiny_config`).
         hf_causal_lm_class: dotted path of the stock transformers class, for HF parity.
-        published_configs: file names under ``shared/configs`` with the real shapes.
         init_for_conformance: ``fn(model, seed)`` giving random values to what random init leaves
             constant and the forward depends on (e.g. DeepSeek's expert-selection bias), so that
             conformance exercises it; None when there is nothing to do.
@@ -36,6 +65,9 @@ class Architecture:
             model, which it builds through ``AutoModel``).
         token_classification_class: our per-token head, returned by
             ``AutoModelForTokenClassification`` after patch() (None: as above).
+        checkpoint_conversions: whether transformers' own checkpoint conversion for these model
+            types (e.g. hub MoE checkpoints storing one tensor per expert) must apply to our
+            classes too; `patch()` registers it and `unpatch()` removes it.
     """
 
     name: str
@@ -44,12 +76,35 @@ class Architecture:
     causal_lm_class: type
     base_model_class: type
     inference_class: type
-    tiny_config: Callable[..., object]
+    shapes: tuple[Shape, ...]
     hf_causal_lm_class: str
-    published_configs: tuple[str, ...] = field(default_factory=tuple)
     init_for_conformance: Callable[..., None] | None = None
     sequence_classification_class: type | None = None
     token_classification_class: type | None = None
+    checkpoint_conversions: bool = False
+
+    def __post_init__(self) -> None:
+        names = [s.name for s in self.shapes]
+        if not names:
+            raise ValueError(f"Architecture {self.name!r}: shapes is empty; give at least one Shape")
+        if len(set(names)) != len(names):
+            raise ValueError(f"Architecture {self.name!r}: shape names {names} are not unique")
+
+    def tiny_config(self, **overrides):
+        """The default shape's tiny config (`Shape.tiny_config`)."""
+        return self.shapes[0].tiny_config(**overrides)
+
+    @property
+    def published_configs(self) -> tuple[str, ...]:
+        """Every shape's published config file names."""
+        return tuple(name for shape in self.shapes for name in shape.published_configs)
+
+    def shape(self, name: str) -> Shape:
+        """The shape called `name`, or a ValueError listing this architecture's shapes."""
+        for shape in self.shapes:
+            if shape.name == name:
+                return shape
+        raise ValueError(f"architecture {self.name!r} has no shape {name!r}; its shapes: {[s.name for s in self.shapes]}")
 
     def hf_class(self) -> type:
         module, _, name = self.hf_causal_lm_class.rpartition(".")
@@ -57,33 +112,65 @@ class Architecture:
 
 
 def register(arch: Architecture) -> Architecture:
-    """Add (or replace) an architecture; returns it."""
+    """Add (or replace, by name) an architecture; returns it. Raises ValueError when another
+    architecture already serves one of its model types (lookups by ``model_type`` must be
+    unambiguous)."""
+    for other in _REGISTRY.values():
+        shared = set(other.model_types) & set(arch.model_types)
+        if other.name != arch.name and shared:
+            raise ValueError(f"register({arch.name!r}): model_type {sorted(shared)} is already served by "
+                             f"architecture {other.name!r}; add a Shape to {other.name!r} instead")
     _REGISTRY[arch.name] = arch
     return arch
 
 
-def _load_builtin() -> None:
-    for module in _BUILTIN:
-        importlib.import_module(module)
+def builtin_architecture_packages() -> list[str]:
+    """Dotted names of the built-in architecture folders: sub-packages of `vexact_models` with a
+    ``modeling.py``."""
+    return sorted(f"vexact_models.{info.name}" for info in pkgutil.iter_modules([str(_PACKAGE_DIR)])
+                  if info.ispkg and (_PACKAGE_DIR / info.name / "modeling.py").is_file())
+
+
+def _load() -> None:
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True  # set first: the imported modules call back into this registry
+    try:
+        for module in builtin_architecture_packages():
+            importlib.import_module(module)
+        for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            entry.load()
+    except BaseException:
+        _loaded = False  # a later call retries and raises the same error, never a partial registry
+        raise
 
 
 def architectures() -> list[Architecture]:
-    """All registered architectures (built-in ones are imported on first call)."""
-    _load_builtin()
+    """All registered architectures (built-in and entry-point ones are imported on first call)."""
+    _load()
     return list(_REGISTRY.values())
 
 
+def shapes() -> list[tuple[Architecture, Shape]]:
+    """Every (architecture, shape) pair, default shapes first within each architecture."""
+    return [(arch, shape) for arch in architectures() for shape in arch.shapes]
+
+
 def get(name: str) -> Architecture:
-    """The architecture called `name`, or a ValueError listing the known names."""
-    _load_builtin()
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown architecture {name!r}; registered: {sorted(_REGISTRY)}")
-    return _REGISTRY[name]
+    """The architecture called `name`, or a ValueError listing the known names (and, when `name`
+    is a shape, the architecture it belongs to)."""
+    _load()
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    owners = [arch.name for arch in _REGISTRY.values() if any(s.name == name for s in arch.shapes)]
+    hint = f"; {name!r} is a shape of {owners[0]!r}: get({owners[0]!r}).shape({name!r})" if owners else ""
+    raise ValueError(f"unknown architecture {name!r}; registered: {sorted(_REGISTRY)}{hint}")
 
 
 def for_model_type(model_type: str) -> Architecture | None:
     """The architecture serving HF ``model_type``, if any."""
-    _load_builtin()
+    _load()
     for arch in _REGISTRY.values():
         if model_type in arch.model_types:
             return arch

@@ -7,7 +7,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, DeepseekV3Config
 from transformers import DeepseekV3ForCausalLM as HFDeepseekV3ForCausalLM
 
-from vexact_models import deepseek_v3, moonlight
+from vexact_models import deepseek_v3
 from vexact_models.conformance.cli import CONFIG_DIR
 from vexact_models.deepseek_v3 import (DeepseekV3ForCausalLM, DeepseekV3ForCausalLMInference, mla_softmax_scale,
                                        randomize_router_bias)
@@ -15,7 +15,7 @@ from vexact_models.runtime.model_runner import kv_bytes_per_block
 
 pytestmark = pytest.mark.compat  # also run on older transformers releases (.ci/run)
 
-SHAPES = {"deepseek_v3": deepseek_v3.tiny_config, "moonlight": moonlight.tiny_config}
+SHAPES = {"deepseek_v3": deepseek_v3.tiny_config, "moonlight": deepseek_v3.moonlight_tiny_config}
 
 
 def rel(a, b):

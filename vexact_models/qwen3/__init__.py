@@ -2,7 +2,7 @@
 
 from transformers import Qwen3Config
 
-from ..registry import Architecture, register
+from ..registry import Architecture, Shape, register
 from .modeling import (Qwen3ForCausalLM, Qwen3ForCausalLMInference, Qwen3ForSequenceClassification,
                        Qwen3ForTokenClassification, Qwen3Model, Qwen3PreTrainedModel, Qwen3RMSNorm)
 
@@ -26,9 +26,8 @@ ARCHITECTURE = register(Architecture(
     sequence_classification_class=Qwen3ForSequenceClassification,
     token_classification_class=Qwen3ForTokenClassification,
     inference_class=Qwen3ForCausalLMInference,
-    tiny_config=tiny_config,
+    shapes=(Shape("qwen3", tiny_config, published_configs=("qwen3-0.6b.json", "qwen3-8b.json")),),
     hf_causal_lm_class="transformers.Qwen3ForCausalLM",
-    published_configs=("qwen3-0.6b.json", "qwen3-8b.json"),
 ))
 
 __all__ = ["ARCHITECTURE", "Qwen3ForCausalLM", "Qwen3ForCausalLMInference", "Qwen3Model", "Qwen3PreTrainedModel",

@@ -4,7 +4,7 @@ from transformers import Qwen3MoeConfig
 
 from vexact_models.patches.checkpoints import enable_checkpoint_conversions
 
-from ..registry import Architecture, register
+from ..registry import Architecture, Shape, register
 from .modeling import (Qwen3MoeForCausalLM, Qwen3MoeForCausalLMInference, Qwen3MoeForSequenceClassification,
                        Qwen3MoeForTokenClassification, Qwen3MoeModel, Qwen3MoePreTrainedModel, Qwen3MoeSparseMoeBlock)
 
@@ -32,9 +32,9 @@ ARCHITECTURE = register(Architecture(
     sequence_classification_class=Qwen3MoeForSequenceClassification,
     token_classification_class=Qwen3MoeForTokenClassification,
     inference_class=Qwen3MoeForCausalLMInference,
-    tiny_config=tiny_config,
+    shapes=(Shape("qwen3_moe", tiny_config, published_configs=("qwen3-30b-a3b.json",)),),
     hf_causal_lm_class="transformers.Qwen3MoeForCausalLM",
-    published_configs=("qwen3-30b-a3b.json",),
+    checkpoint_conversions=True,  # hub checkpoints store one tensor per expert
 ))
 
 __all__ = ["ARCHITECTURE", "Qwen3MoeForCausalLM", "Qwen3MoeForCausalLMInference", "Qwen3MoeModel",
