@@ -10,7 +10,7 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-@pytest.mark.parametrize("script", ["kernels.py", "moe.py", "throughput.py", "decode_profile.py"])
+@pytest.mark.parametrize("script", ["kernels.py", "moe.py", "throughput.py", "decode_profile.py", "training.py"])
 def test_benchmark_script_help_and_cpu_refusal(script):
     help_run = subprocess.run([sys.executable, script, "--help"], cwd=BENCHMARKS, capture_output=True, text=True,
                               timeout=120)

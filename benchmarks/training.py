@@ -1,0 +1,177 @@
+"""Training step speed: forward + backward of `token_logprobs` + a loss, beside stock HF (sdpa).
+
+What RL trains on: every step recomputes the logprobs of sampled sequences with autograd on and
+backpropagates a policy-gradient loss through them. For each published shape and sequence
+length, both sides get the same weights (random, bf16, CUDA) and the same batch of
+``--tokens`` tokens split into equal sequences of that length:
+
+- vexact: ``model.token_logprobs(ids, cu_seqlens=...)`` over the packed batch (the aligned
+  kernels; logits never materialised in fp32 for the whole batch), loss ``-mean(logprobs)``.
+- HF: the stock transformers class (``attn_implementation="sdpa"``) on a ``[B, L]`` batch,
+  ``log_softmax(logits.float())`` gathered at the next tokens (what TRL's
+  ``selective_log_softmax`` computes), the same loss.
+
+Activation checkpointing (``--checkpointing``) is the same on both sides: ``auto`` turns it on
+where the batch's activations would not fit otherwise (>= 16k tokens per sequence, or any
+model over 4B parameters). Reported: median step time over ``--steps`` timed steps after one
+warm-up, tokens/s, peak memory, and the ratio vexact / HF (> 1: vexact is faster).
+
+Usage:
+    python benchmarks/training.py                                   # 0.6B, 8B, 30B-A3B (24 layers), 1k-32k
+    python benchmarks/training.py --configs qwen3-8b --lengths 8192,32768 --steps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+
+import torch
+
+from bench_utils import table
+
+DEFAULT_CONFIGS = "qwen3-0.6b,qwen3-8b,qwen3-30b-a3b:24"
+DEFAULT_LENGTHS = "1024,4096,8192,16384,32768"
+
+
+def parse_configs(text: str) -> list[tuple[str, int | None]]:
+    """``"qwen3-8b,qwen3-30b-a3b:24"`` -> ``[("qwen3-8b", None), ("qwen3-30b-a3b", 24)]`` (name:layers)."""
+    out = []
+    for item in filter(None, text.split(",")):
+        name, _, layers = item.partition(":")
+        if layers and (not layers.isdigit() or int(layers) < 1):
+            raise ValueError(f"--configs {item!r}: the layer count after ':' must be a positive integer")
+        out.append((name, int(layers) if layers else None))
+    return out
+
+
+def batch_of(vocab: int, tokens: int, length: int, seed: int) -> torch.Tensor:
+    """``[tokens // length, length]`` random token ids (at least one sequence)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (max(1, tokens // length), length), generator=gen)
+
+
+def vexact_loss(model, ids: torch.Tensor) -> torch.Tensor:
+    rows, length = ids.shape
+    cu = torch.arange(0, rows + 1, device=ids.device, dtype=torch.int32) * length
+    # a sequence's first token has no logprob (0): average over the others, as HF's side does
+    return -model.token_logprobs(ids.reshape(-1), cu_seqlens=cu).sum() / (rows * (length - 1))
+
+
+def hf_loss(model, ids: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=ids, use_cache=False).logits[:, :-1]
+    logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return -logprobs.mean()
+
+
+def time_steps(model, loss_fn, ids: torch.Tensor, steps: int) -> tuple[float, float]:
+    """(median seconds per forward+backward step, peak GiB) after one warm-up step."""
+    times = []
+    torch.cuda.reset_peak_memory_stats()
+    for step in range(steps + 1):
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        loss_fn(model, ids).backward()
+        torch.cuda.synchronize()
+        if step:  # the first step compiles kernels and allocates
+            times.append(time.perf_counter() - start)
+    model.zero_grad(set_to_none=True)
+    return statistics.median(times), torch.cuda.max_memory_allocated() / 2**30
+
+
+def use_checkpointing(mode: str, length: int, params: int) -> bool:
+    if mode == "auto":
+        return length >= 16384 or params > 4e9
+    return mode == "on"
+
+
+def stock_twin(arch, model):
+    """The stock transformers class on `model`'s weights (sdpa), bf16, CUDA, train mode."""
+    hf = arch.hf_class()._from_config(model.config, attn_implementation="sdpa", dtype=torch.bfloat16)
+    hf.load_state_dict(model.state_dict(), strict=False)
+    if model.config.tie_word_embeddings:
+        hf.tie_weights()
+    return hf.to("cuda").train()
+
+
+def measure(name: str, layers: int | None, lengths: list[int], args) -> list[list]:
+    from vexact_models.conformance.cli import architecture_of, build_model, make_config
+
+    arch = architecture_of(name)
+    config = make_config(arch, name, layers, max(lengths))
+    ours = build_model(arch, config, torch.device("cuda"), torch.bfloat16, args.seed).train()
+    params = sum(p.numel() for p in ours.parameters())
+    rows = []
+    for side in ("hf", "vexact"):
+        model = stock_twin(arch, ours) if side == "hf" else ours
+        loss_fn = hf_loss if side == "hf" else vexact_loss
+        for length in lengths:
+            ckpt = use_checkpointing(args.checkpointing, length, params)
+            if ckpt:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_disable()
+            ids = batch_of(config.vocab_size, args.tokens, length, args.seed).cuda()
+            try:
+                seconds, peak = time_steps(model, loss_fn, ids, args.steps)
+            except torch.OutOfMemoryError:
+                seconds, peak = float("nan"), float("nan")
+            rows.append([side, length, ids.shape[0], ckpt, seconds, ids.numel() / seconds, peak])
+            print(f"{name} {side:>6} L={length:>6} x{ids.shape[0]:<3} checkpointing={ckpt!s:<5} "
+                  f"{seconds * 1e3:9.1f} ms  {ids.numel() / seconds:11,.0f} tok/s  peak {peak:6.1f} GiB", flush=True)
+            del ids
+            gc.collect()
+            torch.cuda.empty_cache()
+        if side == "hf":
+            del model
+            gc.collect()
+            torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", default=DEFAULT_CONFIGS,
+                        help=f"comma-separated bundled config names, each optionally NAME:LAYERS (default {DEFAULT_CONFIGS})")
+    parser.add_argument("--lengths", default=DEFAULT_LENGTHS, help=f"tokens per sequence (default {DEFAULT_LENGTHS})")
+    parser.add_argument("--tokens", type=int, default=32768,
+                        help="tokens per step, split into sequences of each length (default 32768)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per point after one warm-up (default 3)")
+    parser.add_argument("--checkpointing", choices=["auto", "on", "off"], default="auto",
+                        help="activation checkpointing on both sides (default auto: >= 16k tokens or > 4B parameters)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    try:
+        configs = parse_configs(args.configs)
+        lengths = [int(x) for x in args.lengths.split(",") if x]
+    except ValueError as err:
+        parser.error(str(err))
+    for name, value, low in (("--tokens", args.tokens, 1), ("--steps", args.steps, 1)):
+        if value < low:
+            parser.error(f"{name}={value} must be >= {low}")
+    if not lengths or min(lengths) < 2:
+        parser.error(f"--lengths={args.lengths!r}: every length must be >= 2")
+    if not torch.cuda.is_available():
+        print("benchmarks/training.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {args.tokens} tokens per step")
+    for name, layers in configs:
+        rows = measure(name, layers, lengths, args)
+        hf = {r[1]: r for r in rows if r[0] == "hf"}
+        out = []
+        for side, length, seqs, ckpt, seconds, rate, peak in (r for r in rows if r[0] == "vexact"):
+            base = hf[length]
+            out.append([length, seqs, "on" if ckpt else "off", f"{base[5]:,.0f}", f"{rate:,.0f}",
+                        f"{rate / base[5]:.2f}x", f"{base[6]:.1f}", f"{peak:.1f}"])
+        title = f"{name}{f' ({layers} layers)' if layers else ''}: forward+backward of token logprobs + loss"
+        table(title, ["tokens/seq", "seqs", "ckpt", "HF tok/s", "vexact tok/s", "vexact/HF", "HF GiB", "vexact GiB"],
+              out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
