@@ -1,10 +1,10 @@
-"""Projection fusion: q/k/v and gate/up weights moved into one buffer run as one GEMM in
-rollouts, with bitwise the numbers of the separate GEMMs the training step runs."""
+"""Projection fusion: q/k/v and gate/up weights (and biases) moved into one buffer run as one
+GEMM in rollouts, with bitwise the numbers of the separate GEMMs the training step runs."""
 
 import pytest
 import torch
 
-from vexact_models.layers import fuse_linears, fuse_projections, grouped_linear
+from vexact_models.projections import fuse_linears, fuse_projections, grouped_linear
 from vexact_models.qwen3 import Qwen3ForCausalLM, tiny_config
 
 
@@ -41,12 +41,23 @@ def test_fused_forward_equals_separate_and_autograd_forward_bitwise(model):
     assert torch.equal(fused, separate) and torch.equal(with_grad.detach(), separate)
 
 
-def test_grouped_linear_uses_one_gemm_only_when_fused(model, monkeypatch):
-    import vexact_models.layers as layers
+def _count_gemms(monkeypatch) -> list:
+    """Record (weight shape, bias shape or None) of every GEMM `grouped_linear` launches."""
+    import vexact_models.projections as projections
 
     calls = []
-    real = layers.linear
-    monkeypatch.setattr(layers, "linear", lambda x, w, *a, **k: calls.append(w.shape) or real(x, w, *a, **k))
+    real = projections.linear
+
+    def counted(x, w, b=None, *args, **kwargs):
+        calls.append((w.shape, None if b is None else b.shape))
+        return real(x, w, b, *args, **kwargs)
+
+    monkeypatch.setattr(projections, "linear", counted)
+    return calls
+
+
+def test_grouped_linear_uses_one_gemm_only_when_fused(model, monkeypatch):
+    calls = _count_gemms(monkeypatch)
     attn = model.model.layers[0].self_attn
     group = [attn.q_proj, attn.k_proj, attn.v_proj]
     x = torch.randn(3, model.config.hidden_size)
@@ -56,7 +67,7 @@ def test_grouped_linear_uses_one_gemm_only_when_fused(model, monkeypatch):
         fuse_linears(group)
         calls.clear()
         got = grouped_linear(x, group)
-    assert len(calls) == 1 and calls[0][0] == sum(lin.weight.shape[0] for lin in group)
+    assert len(calls) == 1 and calls[0][0][0] == sum(lin.weight.shape[0] for lin in group)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
@@ -78,13 +89,72 @@ def test_fused_model_saves_and_loads(model, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), model.state_dict().values()))
 
 
+def _biased_group(widths=(12, 4, 4), k=8):
+    """q/k/v-like linears with nonzero biases (nn.Linear's own init: uniform, never all zero)."""
+    torch.manual_seed(1)
+    return [torch.nn.Linear(k, n, bias=True) for n in widths]
+
+
+def test_biases_fuse_into_one_buffer_and_one_gemm_bitwise(monkeypatch):
+    group = _biased_group()
+    params = [(lin.weight, lin.bias) for lin in group]
+    values = [(lin.weight.clone(), lin.bias.clone()) for lin in group]
+    x = torch.randn(5, 8)
+    with torch.no_grad():
+        want = [torch.nn.functional.linear(x, w, b) for w, b in values]  # biases really count
+        separate = grouped_linear(x, group)
+        assert fuse_linears(group) and fuse_linears(group)  # idempotent
+        calls = _count_gemms(monkeypatch)
+        fused = grouped_linear(x, group)
+    assert calls == [(torch.Size([20, 8]), torch.Size([20]))]  # one GEMM, with the fused bias
+    assert [(lin.weight, lin.bias) for lin in group] == params  # the same Parameter objects
+    assert all(torch.equal(lin.weight, w) and torch.equal(lin.bias, b) for lin, (w, b) in zip(group, values))
+    assert _storage(group[0].bias) == _storage(group[1].bias) == _storage(group[2].bias) != _storage(group[0].weight)
+    assert all(torch.equal(f, s) for f, s in zip(fused, separate))
+    assert all(torch.allclose(f, w, atol=1e-6) for f, w in zip(fused, want))
+
+
+def test_a_replaced_bias_falls_back_to_separate_gemms(monkeypatch):
+    """Fused weights with a bias whose ``.data`` was replaced since: the separate GEMMs, new bias included."""
+    group = _biased_group()
+    fuse_linears(group)
+    with torch.no_grad():
+        group[1].bias.data = group[1].bias.detach() + 1.0
+        x = torch.randn(3, 8)
+        calls = _count_gemms(monkeypatch)
+        got = grouped_linear(x, group)
+    assert len(calls) == 3
+    assert torch.allclose(got[1], torch.nn.functional.linear(x, group[1].weight, group[1].bias), atol=1e-6)
+    assert fuse_linears(group)  # fusing again picks the new bias up
+    with torch.no_grad():
+        assert all(torch.equal(a, b) for a, b in zip(grouped_linear(x, group), got))
+
+
+def test_biased_fused_in_place_update_reaches_the_one_gemm():
+    group = _biased_group()
+    fuse_linears(group)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        for lin in group:
+            lin.bias.add_(0.5)  # an optimizer step writes in place
+        fused = grouped_linear(x, group)
+    separate = grouped_linear(x, group)  # autograd on: the separate GEMMs
+    assert all(torch.equal(f, s.detach()) for f, s in zip(fused, separate))
+
+
 def test_fuse_linears_refuses_what_one_gemm_cannot_do():
-    a, b = torch.nn.Linear(8, 4, bias=True), torch.nn.Linear(8, 4, bias=True)
-    assert not fuse_linears([a, b])
+    mixed = [torch.nn.Linear(8, 4, bias=True), torch.nn.Linear(8, 4, bias=False)]
+    assert not fuse_linears(mixed)  # a zero bias for the bias-free one would flip -0.0 to +0.0
+    assert not fuse_linears(mixed[::-1])
     c, d = torch.nn.Linear(8, 4, bias=False), torch.nn.Linear(6, 4, bias=False)
     assert not fuse_linears([c, d])
     e = torch.nn.Linear(8, 4, bias=False).double()
     assert not fuse_linears([c, e])
+    f, g = torch.nn.Linear(8, 4, bias=True), torch.nn.Linear(8, 4, bias=True)
+    g.bias.data = g.bias.data.double()
+    assert not fuse_linears([f, g])
+    for lin in (*mixed, c, d, e, f, g):  # refused groups are left as they were: separate storages
+        assert _storage(lin.weight) not in {_storage(o.weight) for o in (*mixed, c, d, e, f, g) if o is not lin}
 
 
 @pytest.mark.parametrize("shape", ["deepseek_v3", "moonlight"])

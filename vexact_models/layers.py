@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from vexact_models.kernels import (PagedLayout, add_rms_norm, attention, attention_packed, kv_cache_write, linear,
+from vexact_models.kernels import (PagedLayout, add_rms_norm, attention, attention_packed, fused_moe, kv_cache_write,
                                    rms_norm, rope_table, silu_and_mul)
-from vexact_models.kernels.moe import fused_moe
 
-from .adapters import add_adapters, apply_linear, base_layer
+from .adapters import apply_linear
+from .projections import _fused_weight, fuse_linears, fuse_projections, grouped_linear  # noqa: F401 (public here too)
 
 
 def head_dim_of(config) -> int:
@@ -68,75 +68,6 @@ class RMSNorm(nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
 
 
-def fuse_linears(linears: list[nn.Module]) -> bool:
-    """Put the weights of bias-free `linears` (same input width, dtype, device; PEFT-wrapped ones
-    count by their base layer) in consecutive rows of one buffer, so that `grouped_linear` runs
-    them as one GEMM. The parameters stay what they were (same objects, names, values; ``.data``
-    becomes a view of the buffer), so checkpoints, optimizers and the training forward are
-    unaffected. Returns whether fused."""
-    bases = [base_layer(lin) for lin in linears]
-    weights = [lin.weight for lin in bases]
-    first = weights[0]
-    if any(lin.bias is not None for lin in bases) or any(
-            w.dim() != 2 or w.shape[1] != first.shape[1] or w.dtype != first.dtype or w.device != first.device
-            or w.device.type == "meta" for w in weights):
-        return False
-    if _fused_weight(weights) is not None:
-        return True
-    with torch.no_grad():
-        buffer = torch.cat([w.detach() for w in weights])
-        row = 0
-        for w in weights:
-            w.data = buffer[row:row + w.shape[0]]
-            row += w.shape[0]
-    return True
-
-
-def _fused_weight(weights: list[torch.Tensor]) -> torch.Tensor | None:
-    """The ``[sum N, K]`` view spanning `weights` when they are consecutive rows of one storage."""
-    first = weights[0]
-    k, size = first.shape[1], first.element_size()
-    address, storage = first.data_ptr(), first.untyped_storage().data_ptr()
-    for w in weights:  # same storage, not just adjacent allocations
-        if not w.is_contiguous() or w.shape[1] != k or w.dtype != first.dtype or w.data_ptr() != address \
-                or w.untyped_storage().data_ptr() != storage:
-            return None
-        address += w.numel() * size
-    rows = sum(w.shape[0] for w in weights)
-    return first.detach().as_strided((rows, k), (k, 1))
-
-
-def grouped_linear(x: torch.Tensor, linears: list[nn.Module]) -> list[torch.Tensor]:
-    """Each of `linears` applied to `x` (PEFT LoRA adapters included, see `adapters`). When
-    their base weights are fused (`fuse_linears`) and no gradient flows into them, one GEMM
-    computes all base outputs: bitwise the same numbers, because `kernels.linear` computes
-    every output element the same way whatever N or the tile (conformance/kernel_invariance.py
-    checks tile configs against each other). Otherwise the separate GEMMs run. Adapter updates
-    are added per module either way. The outputs may be column slices of one tensor."""
-    bases = [base_layer(lin) for lin in linears]
-    weights = [lin.weight for lin in bases]
-    needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights))
-    fused = None
-    if not needs_grad and all(lin.bias is None for lin in bases):
-        fused = _fused_weight(weights)
-    if fused is not None:
-        outs = list(linear(x, fused).split([w.shape[0] for w in weights], dim=-1))
-    else:
-        outs = [linear(x, lin.weight, lin.bias) for lin in bases]
-    return [add_adapters(out, x, lin) for out, lin in zip(outs, linears)]
-
-
-def fuse_projections(model: nn.Module) -> int:
-    """Fuse every projection group of `model` that reads one input (q/k/v, gate/up; modules
-    that define ``projection_groups()``) for one-GEMM inference. Returns the groups fused."""
-    fused = 0
-    for module in model.modules():
-        groups = getattr(module, "projection_groups", None)
-        if callable(groups):
-            fused += sum(fuse_linears(group) for group in groups())
-    return fused
-
-
 def add_and_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(norm(x + residual), x + residual)``, one kernel; before the first layer (`residual`
     None) `x` itself starts the residual stream."""
@@ -163,16 +94,17 @@ class PreNormDecoderLayer(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """HF's SiLU-gated MLP (``gate_proj``, ``up_proj``, ``down_proj``, no bias):
-    ``down(silu(gate(x)) * up(x))`` with `kernels.linear` and `kernels.silu_and_mul`."""
+    """HF's SiLU-gated MLP (``gate_proj``, ``up_proj``, ``down_proj``; biased only with `bias`,
+    e.g. Llama's ``mlp_bias``): ``down(silu(gate(x)) * up(x))`` with `kernels.linear` and
+    `kernels.silu_and_mul`."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu") -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu", bias: bool = False) -> None:
         super().__init__()
         if hidden_act != "silu":
             raise ValueError(f"{type(self).__name__}: hidden_act={hidden_act!r} is not supported (only 'silu')")
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def projection_groups(self) -> list[list[nn.Linear]]:
         return [[self.gate_proj, self.up_proj]]
@@ -213,6 +145,11 @@ class RopeTables:
     """
 
     def __init__(self, config, head_dim: int) -> None:
+        rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+        if rope_type in ("dynamic", "longrope"):  # HF recomputes their frequencies from the batch's longest position
+            raise ValueError(f"{type(config).__name__}: rope_parameters rope_type={rope_type!r} is not supported: its "
+                             "frequencies depend on the batch's longest sequence, so no forward can be batch-invariant; "
+                             "the static types (default, linear, llama3, yarn, ...) are supported")
         self.config = config
         self.head_dim = head_dim
         self.max_positions = int(config.max_position_embeddings)
