@@ -60,7 +60,7 @@ MID_M_CANDIDATES = [
 
 def sweep_linear(hbm: float) -> None:
     """Time every candidate tile config at decode and large-M shapes (to choose pick_config)."""
-    from vexact_models.kernels.linear import LinearConfig, _linear_triton
+    from vexact_models.kernels.linear import LinearConfig, linear_triton
 
     shapes = [("0.6b gate/up", 1024, 3072), ("8b q/o", 4096, 4096), ("8b k/v", 4096, 1024),
               ("8b gate/up", 4096, 12288), ("8b down", 12288, 4096), ("0.6b lm_head", 1024, 151936)]
@@ -76,7 +76,7 @@ def sweep_linear(hbm: float) -> None:
             for bm, bn, warps, stages, tma, persistent in cands:
                 cfg = LinearConfig(bm, bn, warps, stages, tma=tma, persistent=persistent)
                 try:
-                    t = bench(lambda: _linear_triton(x, w, None, torch.bfloat16, cfg), warmup=10, rep=40)
+                    t = bench(lambda: linear_triton(x, w, None, torch.bfloat16, cfg), warmup=10, rep=40)
                 except Exception as exc:  # a config that does not compile (shared memory) is skipped
                     print(f"  skip {cfg}: {type(exc).__name__}")
                     continue

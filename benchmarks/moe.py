@@ -32,7 +32,7 @@ def loop_moe(x, gate_up, down, weights, ids):
 
 def sweep() -> None:
     """Each grouped kernel alone at 16384 tokens under candidate tile configs."""
-    from vexact_models.kernels.moe import MoeConfig, _moe_gate_up_kernel, grouped_gemm, moe_align
+    from vexact_models.kernels.moe import MoeConfig, grouped_gemm, moe_align, moe_gate_up_kernel
     import triton
 
     hidden, experts, inter, top_k, tokens = 2048, 128, 768, 8, 16384
@@ -48,7 +48,7 @@ def sweep() -> None:
         act = torch.empty(rows, inter, device="cuda", dtype=torch.bfloat16)
 
         def gate_up_kernel():
-            _moe_gate_up_kernel[(rows // bm, triton.cdiv(inter, bn))](
+            moe_gate_up_kernel[(rows // bm, triton.cdiv(inter, bn))](
                 x, gate_up, act, act, layout.sorted_pairs, layout.block_expert, layout.num_pairs, hidden, inter,
                 x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), act.stride(0), act.stride(0),
                 TOP_K=top_k, SAVE_PREACT=False, INPUT_PRECISION="tf32", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64,

@@ -166,8 +166,12 @@ def _num_sms(device: torch.device) -> int:
     return _SM_COUNT[index]
 
 
-def _linear_triton(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                   out_dtype: torch.dtype, config: LinearConfig | None = None) -> torch.Tensor:
+def linear_triton(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  out_dtype: torch.dtype, config: LinearConfig | None = None) -> torch.Tensor:
+    """The Triton GEMM ``x2d @ weight.T (+ bias)`` in `out_dtype`, forward only, with `config`
+    (default `pick_config`'s). Public for the GPU proofs and benchmarks that run every tile
+    config against each other (conformance/kernel_invariance.py, benchmarks/kernels.py); models
+    call `linear`."""
     require_triton("linear")
     m, k = x2d.shape
     n = weight.shape[0]
@@ -216,7 +220,7 @@ def _linear_forward(x2d, weight, bias, out_dtype):
     if backend == "fast":  # cuBLAS: kernels chosen by M, not batch-invariant
         return torch.nn.functional.linear(x2d, weight, bias).to(out_dtype)
     if backend == "triton":
-        return _linear_triton(x2d, weight, bias, out_dtype)
+        return linear_triton(x2d, weight, bias, out_dtype)
     return linear_reference(x2d, weight, bias, out_dtype)
 
 

@@ -110,10 +110,13 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M) -> Mo
 
 
 @triton.jit
-def _moe_gate_up_kernel(x_ptr, w_ptr, act_ptr, preact_ptr, sorted_pairs_ptr, block_expert_ptr,
-                        num_pairs, H, I, stride_xt, stride_we, stride_wn, stride_wk, stride_act, stride_pre,
-                        TOP_K: tl.constexpr, SAVE_PREACT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def moe_gate_up_kernel(x_ptr, w_ptr, act_ptr, preact_ptr, sorted_pairs_ptr, block_expert_ptr,
+                       num_pairs, H, I, stride_xt, stride_we, stride_wn, stride_wk, stride_act, stride_pre,
+                       TOP_K: tl.constexpr, SAVE_PREACT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Gate and up GEMMs of the expert-sorted rows (`moe_align`) with SiLU-and-mul in the
+    epilogue: ``act = silu(x @ Wg[e].T) * (x @ Wu[e].T)`` per block of rows of one expert
+    (rule 4). Public for benchmarks/moe.py, which times it alone; models call `fused_moe`."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
@@ -236,7 +239,7 @@ def _forward_triton(x, gate_up, down, weights, ids, save_preact: bool):
     rows = layout.sorted_pairs.shape[0]
     act = torch.empty(rows, inter, device=x.device, dtype=x.dtype)
     preact = torch.empty(rows, 2 * inter, device=x.device, dtype=x.dtype) if save_preact else act
-    _moe_gate_up_kernel[(rows // cfg.block_m, triton.cdiv(inter, cfg.block_n))](
+    moe_gate_up_kernel[(rows // cfg.block_m, triton.cdiv(inter, cfg.block_n))](
         x, gate_up, act, preact, layout.sorted_pairs, layout.block_expert, layout.num_pairs, hidden, inter,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), act.stride(0), preact.stride(0),
         TOP_K=ids.shape[1], SAVE_PREACT=save_preact, INPUT_PRECISION=_precision(x.dtype), BLOCK_M=cfg.block_m,

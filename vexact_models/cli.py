@@ -3,6 +3,9 @@
     vexact demo          build a small random Qwen3 checkpoint, patch transformers, roll out with the
                          paged runtime, recompute with the training variant, print the conformance table
     vexact conformance   the full conformance suite (same as ``vexact-conformance``)
+    vexact new-architecture NAME --from qwen3
+                         a new architecture folder copied from a registered one, with its test
+                         (docs/adding-an-architecture.md)
 """
 
 from __future__ import annotations
@@ -19,8 +22,7 @@ def demo(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM
 
     import vexact_models
-    from vexact_models.conformance.cli import print_table
-    from vexact_models.conformance.suite import run_conformance
+    from vexact_models.conformance.suite import print_table, run_conformance
     from vexact_models.registry import get
 
     arch = get("qwen3")
@@ -49,6 +51,56 @@ def demo(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+NEW_ARCHITECTURE_HELP = """Copy a registered architecture's folder into a new one, renamed: the classes the
+template defines (Qwen3Attention -> MistralAttention), its HF config class, the architecture
+name, model_types and the stock HF class used for parity; names imported from shared code stay.
+Writes vexact_models/NAME/ (discovered by the registry: no list to edit) and
+tests/models/test_NAME.py, or with --dest DIR an out-of-tree package DIR/NAME/ with
+DIR/tests/test_NAME.py that registers through the vexact_models.architectures entry point
+(the pyproject.toml lines are printed). Then prints the edits left to make (fields the new
+config class lacks or adds, prose naming the template), as docs/adding-an-architecture.md
+describes them.
+
+Refused, before anything is written: NAME not a lowercase identifier, NAME or the model type
+already served, the target folder or test existing (never overwritten), an unknown --from,
+a config or HF class transformers does not have.
+
+Example (Mistral is Llama's architecture with its own config class):
+    vexact new-architecture mistral --from llama
+    vexact new-architecture mistral --from llama --dest ../vexact-mistral      # a package of your own
+"""
+
+
+def new_architecture(args: argparse.Namespace) -> int:
+    from vexact_models import scaffold
+
+    try:
+        plan = scaffold.plan(args.name, args.template, class_prefix=args.class_prefix, model_type=args.model_type,
+                             config_class=args.config_class, hf_class=args.hf_class, dest=args.dest)
+        if not args.dry_run:
+            scaffold.write(plan)
+    except ValueError as error:
+        print(f"vexact new-architecture: error: {error}", file=sys.stderr)
+        return 2
+    print(scaffold.next_steps(plan, written=not args.dry_run))
+    return 0
+
+
+def _add_new_architecture_parser(sub) -> None:
+    p = sub.add_parser("new-architecture", help="copy a registered architecture into a new one (a scaffold with its test)",
+                       description=NEW_ARCHITECTURE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("name", metavar="NAME", help="the new architecture's name and folder (lowercase, e.g. mistral)")
+    p.add_argument("--from", dest="template", default="qwen3", metavar="ARCH",
+                   help="the registered architecture to copy (default qwen3; dense: qwen3, llama, qwen2)")
+    p.add_argument("--class-prefix", help="class-name prefix (default from NAME: my_model -> MyModel)")
+    p.add_argument("--model-type", help="the HF config.model_type it serves (default NAME)")
+    p.add_argument("--config-class", help="the transformers config class (default: transformers' class for the model type)")
+    p.add_argument("--hf-class", help="the stock transformers causal-LM class, for HF parity (default: transformers' "
+                                      "class for the model type)")
+    p.add_argument("--dest", metavar="DIR", help="write an out-of-tree package DIR/NAME (default: vexact_models/NAME)")
+    p.add_argument("--dry-run", action="store_true", help="check and print what would be written; write nothing")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vexact", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -60,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     p_demo.add_argument("--checkpoint", help="keep the generated checkpoint in this folder")
     p_demo.add_argument("--seed", type=int, default=0)
     sub.add_parser("conformance", help="the conformance suite (see vexact-conformance --help)", add_help=False)
+    _add_new_architecture_parser(sub)
     args, rest = parser.parse_known_args(argv)
     if args.command == "conformance":
         from vexact_models.conformance.cli import main as conformance_main
@@ -67,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         return conformance_main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "new-architecture":
+        return new_architecture(args)
     return demo(args)
 
 

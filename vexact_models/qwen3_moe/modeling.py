@@ -14,8 +14,7 @@ from transformers import GenerationMixin, PreTrainedModel, Qwen3MoeConfig
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
-from vexact_models.kernels import linear
-from vexact_models.kernels.moe_routing import softmax_topk
+from vexact_models.kernels import linear, softmax_topk
 from vexact_models.layers import FusedExperts, PreNormDecoderLayer, RMSNorm
 from vexact_models.patches.compat import qwen3_moe_router_output
 
