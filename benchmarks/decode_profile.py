@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("benchmarks/decode_profile.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    from vexact_models.conformance.cli import architecture_of, build_model, make_config
+    from vexact_models.conformance.models import architecture_of, build_model, make_config
 
     arch = architecture_of(args.config)
     config = make_config(arch, args.config, None, None)

@@ -90,7 +90,7 @@ def gib(n) -> str:
 
 
 def build(name: str, args, seed: int = 0):
-    from vexact_models.conformance.cli import architecture_of, build_model, make_config
+    from vexact_models.conformance.models import architecture_of, build_model, make_config
     from vexact_models.registry import get
 
     arch = get("qwen3") if name == "tiny" else architecture_of(name)

@@ -22,6 +22,8 @@ import torch
 from vexact_models.registry import Architecture
 from vexact_models.runtime import LLM, SamplingParams
 
+from .models import construct
+
 GRAD_SAMPLES = 8  # samples recomputed with autograd on, per scenario
 
 
@@ -38,6 +40,10 @@ class ScenarioResult:
 
 @dataclass
 class Report:
+    """One conformance run: an architecture at one shape, on one backend, device and dtype.
+    `shape` is the `Shape` the model was built at (the name of the file for a config.json that
+    no shape lists; None when the caller did not say)."""
+
     arch: str
     backend: str
     device: str
@@ -46,6 +52,7 @@ class Report:
     reproducibility_mismatches: int = 0
     reproducibility_checked: int = 0
     hf_parity: "Parity | None" = None
+    shape: str | None = None
 
     @property
     def tokens(self) -> int:
@@ -140,14 +147,15 @@ def _scenarios(pool_size: int) -> list[dict]:
 
 def run_conformance(arch: Architecture, model, *, device: torch.device, pool_size: int = 64, max_tokens: int = 24,
                     prompt_len: int = 40, check_parity: bool = True, seed: int = 0, log=print,
-                    scenarios: bool = True, gpu_memory_utilization: float = 0.9) -> Report:
-    """Run every scenario for `model` (a training-variant instance on `device`). The engines'
-    KV caches take `gpu_memory_utilization` of a GPU; the recompute with autograd on needs what
-    is left (LoRA adapters' fp32 activations need more)."""
+                    scenarios: bool = True, gpu_memory_utilization: float = 0.9, shape: str | None = None) -> Report:
+    """Run every scenario for `model` (a training-variant instance on `device`, built at `arch`'s
+    `shape`, which the report records). The engines' KV caches take `gpu_memory_utilization` of
+    a GPU; the recompute with autograd on needs what is left (LoRA adapters' fp32 activations
+    need more)."""
     from vexact_models.kernels import current_backend
 
     dtype = next(model.parameters()).dtype
-    report = Report(arch.name, current_backend(device), str(device), str(dtype).replace("torch.", ""))
+    report = Report(arch.name, current_backend(device), str(device), str(dtype).replace("torch.", ""), shape=shape)
     vocab = model.config.vocab_size
     pool = request_pool(vocab, pool_size, max_tokens, prompt_len, seed, stop_ids=(vocab - 1, vocab - 2))
     rng = random.Random(seed)
@@ -276,18 +284,6 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
-def construct(cls, config, device: torch.device, dtype: torch.dtype):
-    """``cls(config)`` initialised directly on `device` in `dtype` (an 8B model initialised on
-    CPU takes minutes)."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            return cls(config)
-    finally:
-        torch.set_default_dtype(previous)
-
-
 @torch.no_grad()
 def _hf_logits(arch: Architecture, model, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     hf = construct(arch.hf_class(), model.config, ids.device, dtype)
@@ -316,3 +312,21 @@ def hf_parity(arch: Architecture, model, device: torch.device, batch: int = 3, l
         return Parity(_rel(ours, same))
     reference = _hf_logits(arch, model, ids, torch.float32)
     return Parity(_rel(ours, same), _rel(ours, reference), _rel(same, reference))
+
+
+def format_table(reports: list[Report]) -> str:
+    """The conformance table: one row per report (architecture, shape, backend, device, dtype,
+    tokens generated and checked, mismatches, max |diff|, reproducibility, HF parity)."""
+    header = ["architecture", "shape", "backend", "device", "dtype", "generated", "logprobs checked", "mismatches",
+              "max |diff|", "reproducible", "HF parity (rel)"]
+    rows = [[r.arch, r.shape or "-", r.backend, r.device, r.dtype, f"{r.generated:,}", f"{r.tokens:,}",
+             str(r.mismatches), f"{r.max_abs_diff:.3g}",
+             f"{r.reproducibility_checked - r.reproducibility_mismatches}/{r.reproducibility_checked}",
+             "-" if r.hf_parity is None else str(r.hf_parity)] for r in reports]
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *rows])
+
+
+def print_table(reports: list[Report]) -> None:
+    """Print `format_table`."""
+    print(format_table(reports))

@@ -94,7 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def write_random_checkpoint(args: argparse.Namespace, path: Path) -> None:
     """A random-weight checkpoint of --config (stock HF layout, safetensors) in `path`."""
-    from vexact_models.conformance.cli import architecture_of, build_model, make_config
+    from vexact_models.conformance.models import architecture_of, build_model, make_config
     from vexact_models.registry import get
 
     if args.config == "tiny":

@@ -109,7 +109,7 @@ def repeat_last_token(completion_ids, last_token, **kwargs) -> list[float]:
 
 
 def write_checkpoint(args: argparse.Namespace, path: str) -> None:
-    from vexact_models.conformance.cli import build_model, make_config
+    from vexact_models.conformance.models import build_model, make_config
     from vexact_models.registry import get
 
     arch = get("qwen3")

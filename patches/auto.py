@@ -4,14 +4,17 @@ After `patch()`, for a checkpoint whose ``model_type`` we support, ``AutoModelFo
 (``from_pretrained`` / ``from_config``) returns our training variant, ``AutoModel`` our base
 model, and ``AutoModelForSequenceClassification`` / ``AutoModelForTokenClassification`` our
 heads where the architecture has them (otherwise HF's heads, which build their body through
-``AutoModel`` and so get our base model). Unsupported model types stay stock. `unpatch()`
-restores exactly what was there before. Idempotent both ways. Works on every transformers
-release from 5.2 on (see `patches.compat.route` for why the mapping is written directly).
+``AutoModel`` and so get our base model). Unsupported model types stay stock. For
+architectures with ``checkpoint_conversions``, transformers' own conversion of published layouts
+(per-expert hub MoE checkpoints) is registered for our classes too
+(`checkpoints.register_conversions`). `unpatch()` restores exactly what was there before, Auto
+mappings and conversion registry. Idempotent both ways. Works on every transformers release
+from 5.2 on (see `patches.compat.route` for why the mapping is written directly).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING,
                                                     MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING,
@@ -19,10 +22,13 @@ from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING,
 
 from vexact_models.registry import architectures
 
+from .checkpoints import conversion_model_types, register_conversions
 from .compat import route, routed_class, unroute
 
 # (id(mapping), config class) -> (mapping, what the mapping's registrations held before patch())
 _saved: dict[tuple[int, type], tuple[object, object]] = {}
+# what undoes patch()'s checkpoint-conversion registrations, in the order they were made
+_conversion_undos: list[Callable[[], None]] = []
 
 
 def _targets() -> Iterator[tuple[object, type, type]]:
@@ -37,7 +43,8 @@ def _targets() -> Iterator[tuple[object, type, type]]:
 
 
 def patch() -> None:
-    """Make the Auto classes return vexact-models classes for every registered architecture."""
+    """Make the Auto classes return vexact-models classes for every registered architecture, and
+    let transformers convert published checkpoint layouts for those with ``checkpoint_conversions``."""
     targets = list(_targets())
     for mapping, config_class, ours in targets:
         owner = getattr(ours, "config_class", config_class)
@@ -47,13 +54,18 @@ def patch() -> None:
     for mapping, config_class, ours in targets:
         previous = route(mapping, config_class, ours)
         _saved.setdefault((id(mapping), config_class), (mapping, previous))
+    # a second patch() finds its model types registered already and adds nothing to undo
+    _conversion_undos.append(register_conversions(conversion_model_types(architectures())))
 
 
 def unpatch() -> None:
-    """Restore the Auto classes to what they were before `patch()`."""
+    """Restore the Auto classes and transformers' checkpoint-conversion registry to what they were
+    before `patch()`."""
     for (_, config_class), (mapping, previous) in list(_saved.items()):
         unroute(mapping, config_class, previous)
     _saved.clear()
+    while _conversion_undos:
+        _conversion_undos.pop()()
 
 
 def is_patched() -> bool:

@@ -2,9 +2,14 @@
 
 transformers converts some published layouts at load time (e.g. Qwen3-MoE and DeepSeek-V3 hub
 checkpoints store one tensor per expert, ``mlp.experts.<e>.gate_proj.weight``..., which it fuses
-into ``mlp.experts.gate_up_proj [E, 2I, H]``) and reverses the conversion on save. It applies
-those conversions only to its own classes, or to model types registered by the user; so we
-register HF's own mapping for the model types we serve. Stock classes are unaffected.
+into ``mlp.experts.gate_up_proj [E, 2I, H]``) and reverses the conversion on save. From 5.13 it
+applies those conversions only to its own classes, or to model types registered by the user
+(`compat.register_conversion`); so HF's own mapping is registered for the model types of every
+architecture with ``checkpoint_conversions=True``: by `patch()` until `unpatch()` (which
+restores transformers' registry as it was), and by our classes' own ``from_pretrained`` /
+``save_pretrained`` for the duration of the call (`checkpoint_conversions`), so that loading a
+hub checkpoint through our classes directly works without `patch()` and changes nothing global.
+Stock classes are unaffected.
 
 When one expert's tensor is missing or mis-shaped, transformers' conversion fails with an error
 about the fused target (``mlp.experts.gate_up_proj``) and prints the per-expert detail only in
@@ -16,6 +21,10 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+
+from .compat import register_conversion
 
 #: One expert's tensor in the hub layout: ``<prefix>.experts.<e>.<proj>.weight``.
 _EXPERT_KEY = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
@@ -24,24 +33,36 @@ _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 _LIST_AT_MOST = 8
 
 
-def enable_checkpoint_conversions(model_type: str) -> bool:
-    """Apply transformers' own weight conversions for `model_type` to our classes too.
+def conversion_model_types(architectures: Iterable) -> list[str]:
+    """The model types of the `architectures` (registry entries) with ``checkpoint_conversions``."""
+    return [t for arch in architectures if arch.checkpoint_conversions for t in arch.model_types]
 
-    Returns False when this transformers version has no conversion registry (then only the
-    layout of its own modeling code loads). Idempotent.
-    """
+
+def register_conversions(model_types: Iterable[str]) -> Callable[[], None]:
+    """Register transformers' own checkpoint conversion for each of `model_types` for our classes
+    (`compat.register_conversion`); returns one function undoing all of it, in reverse order."""
+    undos = [undo for undo in map(register_conversion, model_types) if undo is not None]
+
+    def undo_all() -> None:
+        for undo in reversed(undos):
+            undo()
+
+    return undo_all
+
+
+@contextmanager
+def checkpoint_conversions(model_class: type) -> Iterator[None]:
+    """transformers' checkpoint conversions for `model_class`'s architecture, registered for the
+    duration of the block (a ``from_pretrained`` or ``save_pretrained`` of that class) and then
+    removed; nothing when the class's architecture needs none or they are registered already."""
+    from vexact_models.registry import for_model_type
+
+    arch = for_model_type(getattr(model_class.config_class, "model_type", ""))
+    undo = register_conversions(conversion_model_types([arch] if arch is not None else []))
     try:
-        from transformers.conversion_mapping import (USER_REGISTERED_MAPPINGS, get_checkpoint_conversion_mapping,
-                                                     register_checkpoint_conversion_mapping)
-    except ImportError:
-        return False
-    if model_type in USER_REGISTERED_MAPPINGS:
-        return True
-    mapping = get_checkpoint_conversion_mapping(model_type)
-    if mapping is None:
-        return False
-    register_checkpoint_conversion_mapping(model_type, mapping, overwrite=True)
-    return True
+        yield
+    finally:
+        undo()
 
 
 def expert_tensor_shapes(config) -> tuple[int, dict[str, tuple[int, int]]] | None:

@@ -7,12 +7,14 @@ needs `route`) and on the newest (see ``.ci/run``).
 - `route` / `routed_class` / `unroute`: the Auto-class mappings (``_LazyAutoMapping``).
 - `HFCompatMixin`: ``attn_implementation`` / ``experts_implementation`` for our models.
 - `qwen3_moe_router_output`: what Qwen3-MoE reports as ``router_logits``.
+- `register_conversion`: transformers' checkpoint conversions (hub layouts) for our classes.
 """
 
 from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Callable
 
 import torch
 import transformers
@@ -185,3 +187,37 @@ _QWEN3_MOE_ROUTER_RETURNS_PROBS = TRANSFORMERS_VERSION < Version("5.6.0")
 def qwen3_moe_router_output(logits: torch.Tensor) -> torch.Tensor:
     """What stock Qwen3-MoE reports as one layer's ``router_logits`` on this transformers."""
     return torch.softmax(logits, dim=-1, dtype=torch.float32) if _QWEN3_MOE_ROUTER_RETURNS_PROBS else logits
+
+
+# --- checkpoint conversions --------------------------------------------------------------------
+# transformers converts some published checkpoint layouts at load time and back on save (hub MoE
+# checkpoints store one tensor per expert; the models hold fused 3-D experts), through a table
+# keyed by model_type or class name (``transformers.conversion_mapping``). Up to 5.12.x it applies
+# the table to every class by its config's model_type, ours included. From 5.13 it skips classes
+# defined outside transformers ("custom code", which ours are) unless their model_type or class
+# name is in ``USER_REGISTERED_MAPPINGS``, which ``register_checkpoint_conversion_mapping`` fills.
+# So on 5.13+ our model types must be registered, and before there is nothing to do.
+
+def register_conversion(model_type: str) -> Callable[[], None] | None:
+    """Make transformers apply its own checkpoint conversion for `model_type` to classes defined
+    outside transformers too. Returns a function that undoes exactly this registration (the
+    table entry and ``USER_REGISTERED_MAPPINGS`` as they were), or None when nothing changed:
+    before 5.13 (the conversion applies anyway), when transformers has no conversion for
+    `model_type`, or when it is registered already (by `patch()`, an enclosing load or the user;
+    theirs stays)."""
+    from transformers import conversion_mapping as table
+
+    registered = getattr(table, "USER_REGISTERED_MAPPINGS", None)
+    if registered is None or model_type in registered:
+        return None
+    mapping = table.get_checkpoint_conversion_mapping(model_type)  # a copy; builds the table on first use
+    if mapping is None:
+        return None
+    previous = table._checkpoint_conversion_mapping_cache[model_type]
+    table.register_checkpoint_conversion_mapping(model_type, mapping, overwrite=True)
+
+    def undo() -> None:
+        registered.discard(model_type)
+        table._checkpoint_conversion_mapping_cache[model_type] = previous
+
+    return undo

@@ -1,6 +1,6 @@
 import pytest
 import torch
-from transformers import AutoModel, AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModel, AutoModelForCausalLM, GPT2Config
 from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
 
 import vexact_models
@@ -37,10 +37,12 @@ def test_patch_routes_auto_classes_and_unpatch_restores(checkpoint):
 
 
 def test_unsupported_model_types_stay_stock():
+    from vexact_models.registry import for_model_type
+
+    assert for_model_type("gpt2") is None
     vexact_models.patch()
-    cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1)
-    assert type(AutoModelForCausalLM.from_config(cfg)).__module__.startswith("transformers.models.llama")
+    cfg = GPT2Config(vocab_size=32, n_embd=16, n_layer=1, n_head=2, n_positions=32)
+    assert type(AutoModelForCausalLM.from_config(cfg)).__module__.startswith("transformers.models.gpt2")
 
 
 def test_registry_lists_qwen3():
@@ -48,6 +50,6 @@ def test_registry_lists_qwen3():
     assert "qwen3" in names
     from vexact_models.registry import for_model_type, get
 
-    assert for_model_type("qwen3").causal_lm_class is Qwen3ForCausalLM and for_model_type("llama") is None
+    assert for_model_type("qwen3").causal_lm_class is Qwen3ForCausalLM and for_model_type("gpt2") is None
     with pytest.raises(ValueError, match="unknown architecture 'nope'"):
         get("nope")

@@ -12,12 +12,15 @@ from transformers import (AutoModel, AutoModelForCausalLM, AutoModelForSequenceC
                           AutoModelForTokenClassification)
 
 import vexact_models
+from vexact_models.patches.checkpoints import expert_tensor_shapes
 from vexact_models.patches.compat import HFCompatMixin, valid_attn_implementations
-from vexact_models.registry import architectures
+
+from .models.model_support import ARCHS, SHAPES, shape_id
 
 pytestmark = pytest.mark.compat
 
-ARCHS = {arch.name: arch for arch in architectures()}
+#: the architectures with routed experts (they also take an experts_implementation)
+MOE = sorted(name for name, arch in ARCHS.items() if expert_tensor_shapes(arch.tiny_config()) is not None)
 # every kind of value HF accepts: its names, a hub kernel, and None (HF's default)
 ATTN_VALUES = ["eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention",
                "kernels-community/flash-attn", None]
@@ -51,12 +54,12 @@ def resolved_classes() -> dict:
     return out
 
 
-@pytest.mark.parametrize("name", sorted(ARCHS))
-def test_patch_routes_every_auto_class(name):
-    arch = ARCHS[name]
+@pytest.mark.parametrize("case", SHAPES, ids=shape_id)
+def test_patch_routes_every_auto_class(case):
+    arch, shape = case
     vexact_models.patch()
     for auto, field in AUTO_FIELDS:
-        model = auto.from_config(arch.tiny_config())
+        model = auto.from_config(shape.tiny_config())
         ours = getattr(arch, field)
         if ours is not None:
             assert type(model) is ours, (auto.__name__, transformers.__version__)
@@ -138,26 +141,26 @@ def test_attn_implementation_loads_and_gives_the_same_logits(attn, qwen3_checkpo
         assert torch.equal(model(ids).logits, logits)
 
 
-@pytest.mark.parametrize("name", sorted(ARCHS))
-def test_from_config_accepts_attn_and_experts_implementation_for_every_class(name):
-    """Every class of every architecture, through the Auto classes HF's trainers use. MoE
-    models also get an experts implementation (item 4: "does not support setting experts
-    implementation"). Where the head is HF's own (no head of ours registered), HF checks the
-    head's attention itself, so only values it accepts without flash-attn are passed."""
-    arch = ARCHS[name]
-    moe = arch.name != "qwen3"
+@pytest.mark.parametrize("case", SHAPES, ids=shape_id)
+def test_from_config_accepts_attn_and_experts_implementation_for_every_class(case):
+    """Every class of every architecture at every shape, through the Auto classes HF's trainers
+    use. MoE models also get an experts implementation (item 4: "does not support setting
+    experts implementation"). Where the head is HF's own (no head of ours registered), HF checks
+    the head's attention itself, so only values it accepts without flash-attn are passed."""
+    arch, shape = case
+    moe = arch.name in MOE
     vexact_models.patch()
     for auto, field in AUTO_FIELDS:
         ours = getattr(arch, field) is not None
         for attn, experts in (("flash_attention_2" if ours else "sdpa", "grouped_mm" if moe else None), (None, None)):
             kwargs = {k: v for k, v in (("attn_implementation", attn), ("experts_implementation", experts)) if v}
-            model = auto.from_config(arch.tiny_config(), **kwargs)
+            model = auto.from_config(shape.tiny_config(), **kwargs)
             for module in (model, getattr(model, "model", model)):
                 assert module.config._attn_implementation == (attn or "sdpa"), (auto.__name__, attn)
                 assert module.config._experts_implementation in ({experts} if experts else {"eager", "grouped_mm"})
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("name", MOE)
 def test_hf_heads_build_our_moe_body(name):
     """HF's own head classes (built directly, not through an Auto class) set HF's experts
     implementation on the config, then build their body through AutoModel: ours after patch()."""

@@ -1,26 +1,38 @@
-"""The conformance suite over every registered architecture (tiny configs, reference backend).
+"""The conformance suite over the registered (architecture, shape)s (tiny configs, reference
+backend), its CLI, and the library that builds its models (`vexact_models.conformance.models`).
 
-A new architecture that registers itself is picked up here with no edit.
+The full suite runs at every shape whose module tree differs (`DISTINCT_SHAPES`: DeepSeek-V3's
+q-LoRA and Moonlight's q_proj both, a tied head not), the CLI test at every shape. A new
+architecture or shape that registers itself is picked up here with no edit.
 """
+
+import json
 
 import pytest
 import torch
 
-from vexact_models.conformance.cli import build_model, main, make_config
-from vexact_models.conformance.suite import run_conformance
-from vexact_models.registry import architectures, get
+from vexact_models.conformance.cli import main
+from vexact_models.conformance.models import (architecture_of, build_model, bundled_configs, construct, make_config,
+                                              published_config, published_shape)
+from vexact_models.conformance.suite import format_table, run_conformance
+from vexact_models.registry import get
+
+from ..models.model_support import DISTINCT_SHAPES, SHAPES, shape_id
 
 
-@pytest.mark.parametrize("arch", architectures(), ids=lambda a: a.name)
-def test_rollout_logprobs_equal_training_logprobs_bitwise(arch):
-    model = build_model(arch, arch.tiny_config(), torch.device("cpu"), torch.float32)
-    report = run_conformance(arch, model, device=torch.device("cpu"), pool_size=64, max_tokens=20, prompt_len=40)
+@pytest.mark.parametrize("case", DISTINCT_SHAPES, ids=shape_id)
+def test_rollout_logprobs_equal_training_logprobs_bitwise(case):
+    arch, shape = case
+    model = build_model(arch, shape.tiny_config(), torch.device("cpu"), torch.float32)
+    report = run_conformance(arch, model, device=torch.device("cpu"), pool_size=64, max_tokens=20, prompt_len=40,
+                             shape=shape.name)
     names = " | ".join(s.name for s in report.scenarios)
     assert "preemptions" in names, "the preemption scenario must actually preempt"
     assert report.tokens > 5000
     assert report.mismatches == 0, [(s.name, s.mismatches, s.max_abs_diff) for s in report.scenarios]
     assert report.reproducibility_checked > 100 and report.reproducibility_mismatches == 0
     assert report.hf_parity is not None and report.hf_parity.vs_hf <= 1e-5 and report.ok
+    assert report.shape == shape.name and f" {shape.name} " in format_table([report]).splitlines()[1]
 
 
 def test_suite_detects_a_batch_dependent_kernel(monkeypatch):
@@ -41,30 +53,108 @@ def test_suite_detects_a_batch_dependent_kernel(monkeypatch):
     assert report.mismatches > 0
 
 
-def test_cli_prints_table(capsys):
-    assert main(["--pool", "8", "--max-tokens", "4", "--prompt-len", "8"]) == 0
+def table_rows(out: str) -> list[tuple[str, str]]:
+    """(architecture, shape) of each row of the printed table."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:2] == ["architecture", "shape"])
+    return [tuple(line.split()[:2]) for line in lines[start + 1:] if line and not line.startswith("RESULT")]
+
+
+def test_cli_prints_one_row_per_architecture_and_shape(capsys):
+    assert main(["--pool", "6", "--max-tokens", "4", "--prompt-len", "8"]) == 0
     out = capsys.readouterr().out
     assert "logprobs checked" in out and "RESULT: PASS" in out
+    assert table_rows(out) == [(arch.name, shape.name) for arch, shape in SHAPES]
 
 
-def test_cli_rejects_bad_arguments():
-    with pytest.raises(SystemExit):
-        main(["--pool", "0"])
+def test_cli_runs_one_shape(capsys):
+    assert main(["--arch", "deepseek_v3", "--shape", "moonlight", "--parity-only"]) == 0
+    out = capsys.readouterr().out
+    assert table_rows(out) == [("deepseek_v3", "moonlight")] and "RESULT: PASS" in out
+
+
+def test_cli_config_path_picks_the_architecture_from_its_model_type(capsys, tmp_path):
+    path = tmp_path / "my-moonlight.json"
+    get("deepseek_v3").shape("moonlight").tiny_config(num_hidden_layers=2).to_json_file(path)
+    assert published_shape(str(path)) == (get("deepseek_v3"), None)
+    assert main(["--config", str(path), "--parity-only"]) == 0
+    assert table_rows(capsys.readouterr().out) == [("deepseek_v3", "my-moonlight")]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--arch", "moonlight"], ["'moonlight' is a shape of architecture 'deepseek_v3'", "--arch deepseek_v3 --shape moonlight"]),
+    (["--arch", "nope"], ["--arch nope: unknown architecture", "qwen3"]),
+    (["--shape", "nope"], ["--shape nope: no such shape", "deepseek_v3/moonlight"]),
+    (["--arch", "qwen3", "--shape", "moonlight"], ["--shape moonlight: no such shape", "qwen3/qwen3"]),
+    (["--config", "moonlight-16b-a3b", "--arch", "qwen3"], ["config of architecture 'deepseek_v3'", "not --arch qwen3"]),
+    (["--config", "moonlight-16b-a3b", "--shape", "deepseek_v3"], ["sets the shape (moonlight)"]),
+    (["--config", "nope"], ["no such file, and not one of the bundled configs"]),
+    (["--pool", "0"], ["--pool=0 must be >= 1"]),
+    (["--lora", "-1"], ["--lora=-1 must be >= 0"]),
+])
+def test_cli_rejects_bad_arguments_before_building_anything(argv, words, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    for word in words:
+        assert word in err, (word, err)
+
+
+def test_every_bundled_config_belongs_to_one_shape():
+    """``--config NAME`` picks the architecture and shape: each bundled config is listed by
+    exactly one shape, of the architecture serving its model_type."""
+    listed = [(arch, shape, name) for arch, shape in SHAPES for name in shape.published_configs]
+    assert sorted(name for _, _, name in listed) == sorted(f"{n}.json" for n in bundled_configs())
+    for arch, shape, name in listed:
+        assert published_shape(name.removesuffix(".json")) == (arch, shape), name
+        assert architecture_of(name.removesuffix(".json")) is arch
+    assert published_shape("moonlight-16b-a3b") == (get("deepseek_v3"), get("deepseek_v3").shape("moonlight"))
+
+
+@pytest.mark.parametrize("case", SHAPES, ids=shape_id)
+def test_make_config(case):
+    arch, shape = case
+    tiny = make_config(arch, None, 1, None, {"vocab_size": 320}, shape=shape.name)
+    assert (tiny.num_hidden_layers, tiny.vocab_size) == (1, 320)
+    assert tiny.to_dict() == shape.tiny_config(num_hidden_layers=1, vocab_size=320).to_dict()
+    for name in shape.published_configs:
+        config = make_config(arch, name.removesuffix(".json"), 2, 4096)
+        assert config.num_hidden_layers == 2 and config.max_position_embeddings == 4096
+        assert config.model_type in arch.model_types
+        published = published_config(name.removesuffix(".json"))
+        assert config.hidden_size == published["hidden_size"] and config.vocab_size == published["vocab_size"]
+
+
+def test_make_config_errors_name_the_config():
+    qwen3 = get("qwen3")
     with pytest.raises(ValueError, match="no such file, and not one of the bundled configs"):
-        make_config(architectures()[0], "nope", None, None)
+        make_config(qwen3, "nope")
+    with pytest.raises(ValueError, match="model_type 'deepseek_v3' is not one of architecture 'qwen3'"):
+        make_config(qwen3, "moonlight-16b-a3b")
+    with pytest.raises(ValueError, match="architecture 'qwen3' has no shape 'moonlight'"):
+        make_config(qwen3, shape="moonlight")
 
 
-def test_published_configs_load():
-    arch = [a for a in architectures() if a.name == "qwen3"][0]
-    for name in arch.published_configs:
-        cfg = make_config(arch, name.removesuffix(".json"), 2, 4096)
-        assert cfg.num_hidden_layers == 2 and cfg.max_position_embeddings == 4096 and cfg.head_dim == 128
+def test_published_shape_needs_a_registered_model_type(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="no registered architecture serves model_type 'gpt2'"):
+        published_shape(str(path))
+
+
+def test_construct_builds_on_the_device_in_the_dtype_and_restores_the_default():
+    arch = get("qwen3")
+    model = construct(arch.causal_lm_class, arch.tiny_config(), torch.device("meta"), torch.bfloat16)
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert torch.get_default_dtype() == torch.float32
 
 
 def test_low_precision_parity_is_judged_against_hf_own_error():
     from vexact_models.conformance.suite import hf_parity
 
-    arch = [a for a in architectures() if a.name == "qwen3"][0]
+    arch = get("qwen3")
     model = build_model(arch, arch.tiny_config(), torch.device("cpu"), torch.bfloat16)
     parity = hf_parity(arch, model, torch.device("cpu"))
     assert parity.ours_vs_fp32 is not None and parity.hf_vs_fp32 > 0
@@ -85,5 +175,14 @@ def test_cli_checks_rollouts_with_lora_adapters(name, capsys):
     assert main(["--arch", name, "--lora", "4", "--pool", "8", "--max-tokens", "6", "--prompt-len", "8"]) == 0
     out = capsys.readouterr().out
     assert "RESULT: PASS" in out
-    with pytest.raises(SystemExit):
-        main(["--lora", "-1"])
+
+
+def test_parse_overrides_reads_json_values_and_refuses_malformed_items():
+    from vexact_models.conformance.models import parse_overrides
+
+    assert parse_overrides(["n_routed_experts=64", "q_lora_rank=null", "mla_kv_cache=latent", "x=[1, 2]"]) == {
+        "n_routed_experts": 64, "q_lora_rank": None, "mla_kv_cache": "latent", "x": [1, 2]}
+    assert parse_overrides(None) == {}
+    for bad in ("novalue", "=3"):
+        with pytest.raises(ValueError, match="expected KEY=VALUE"):
+            parse_overrides([bad])

@@ -9,9 +9,10 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from vexact_models.patches.checkpoints import expert_tensor_shapes
-from vexact_models.registry import get
+from vexact_models.registry import architectures, get
 
-ARCHS = ["qwen3_moe", "deepseek_v3"]
+#: the architectures whose hub checkpoints transformers converts (one tensor per expert)
+ARCHS = sorted(arch.name for arch in architectures() if arch.checkpoint_conversions)
 
 
 @pytest.fixture(scope="module", params=ARCHS)

@@ -1,8 +1,6 @@
-"""What a training stack expects of an HF causal LM, for every registered architecture: hidden
-states, tuple outputs, inputs_embeds, positions past max_position_embeddings, generate(),
-generation_config, reward/critic heads (issue 10, items 4-7)."""
-
-import importlib
+"""What a training stack expects of an HF causal LM, for every registered architecture at every
+shape: hidden states, tuple outputs, inputs_embeds, positions past max_position_embeddings,
+generate(), generation_config, reward/critic heads (issue 10, items 4-7)."""
 
 import pytest
 import torch
@@ -10,38 +8,20 @@ from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassificati
                           GenerationConfig)
 
 import vexact_models
-from vexact_models.registry import architectures
 from vexact_models.runtime import LLM
 
 from ..runtime.llm_support import gen, make_llm
+from .model_support import SHAPES, rel, shape_id, stock_model
 
-ARCHS = {arch.name: arch for arch in architectures()}
 pytestmark = pytest.mark.compat
 
 
-def rel(a, b):
-    return float((a - b).abs().max() / b.abs().max())
-
-
-def stock_class(arch, head: str = "ForCausalLM"):
-    module, _, name = arch.hf_causal_lm_class.rpartition(".")
-    return getattr(importlib.import_module(module), name.replace("ForCausalLM", head))
-
-
-def stock_model(arch, head: str = "ForCausalLM", **overrides):
-    torch.manual_seed(0)
-    model = stock_class(arch, head)(arch.tiny_config(**overrides)).eval()
-    if arch.init_for_conformance is not None:
-        arch.init_for_conformance(model, 0)
-    return model
-
-
-@pytest.fixture(scope="module", params=sorted(ARCHS))
+@pytest.fixture(scope="module", params=SHAPES, ids=shape_id)
 def pair(request, tmp_path_factory):
     """(architecture, stock HF model, our model loaded from the stock checkpoint, its path)."""
-    arch = ARCHS[request.param]
-    path = tmp_path_factory.mktemp(arch.name)
-    hf = stock_model(arch)
+    arch, shape = request.param
+    path = tmp_path_factory.mktemp(shape_id(request.param).replace(":", "-"))
+    hf = stock_model(arch, shape=shape)
     hf.save_pretrained(path)
     ours = arch.causal_lm_class.from_pretrained(path, dtype=torch.float32).eval()
     return arch, hf, ours, path
@@ -95,18 +75,20 @@ def test_inputs_embeds_give_the_same_numbers_as_ids(pair):
         ours(inputs_embeds=embeds[..., :7])
 
 
-def test_positions_past_max_position_embeddings_match_stock():
-    for arch in ARCHS.values():
-        hf = stock_model(arch, max_position_embeddings=32)
-        ours = arch.causal_lm_class(hf.config).eval()
-        ours.load_state_dict(hf.state_dict())
-        ids = torch.randint(0, 512, (1, 80))
-        with torch.no_grad():
-            short = ours(ids[:, :30]).logits
-            long = ours(ids).logits
-            assert rel(long, hf(ids).logits) <= 1e-5, arch.name
-        assert torch.equal(long[:, :30], short)  # growing the tables left the first rows as they were
-        assert ours.model.rope.max_positions >= 80
+@pytest.mark.parametrize("case", SHAPES, ids=shape_id)
+def test_positions_past_max_position_embeddings_match_stock(case):
+    """Every shape: the RoPE variants differ (default, YaRN, llama3 scaling)."""
+    arch, shape = case
+    hf = stock_model(arch, shape=shape, max_position_embeddings=32)
+    ours = arch.causal_lm_class(hf.config).eval()
+    ours.load_state_dict(hf.state_dict())
+    ids = torch.randint(0, 512, (1, 80))
+    with torch.no_grad():
+        short = ours(ids[:, :30]).logits
+        long = ours(ids).logits
+        assert rel(long, hf(ids).logits) <= 1e-5
+    assert torch.equal(long[:, :30], short)  # growing the tables left the first rows as they were
+    assert ours.model.rope.max_positions >= 80
 
 
 def test_generate_greedy_equals_llm_greedy_and_stock(pair):
@@ -144,10 +126,10 @@ def test_generation_config_eos_reaches_llm(pair):
 
 @pytest.mark.parametrize("head, auto", [("ForSequenceClassification", AutoModelForSequenceClassification),
                                         ("ForTokenClassification", AutoModelForTokenClassification)])
-@pytest.mark.parametrize("name", sorted(ARCHS))
-def test_reward_and_critic_heads_load_stock_checkpoints(name, head, auto, tmp_path):
-    arch = ARCHS[name]
-    hf = stock_model(arch, head, num_labels=1, pad_token_id=0)
+@pytest.mark.parametrize("case", SHAPES, ids=shape_id)
+def test_reward_and_critic_heads_load_stock_checkpoints(case, head, auto, tmp_path):
+    arch, shape = case
+    hf = stock_model(arch, head, shape=shape, num_labels=1, pad_token_id=0)
     hf.save_pretrained(tmp_path)
     vexact_models.patch()
     try:

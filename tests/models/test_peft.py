@@ -1,4 +1,5 @@
-"""PEFT LoRA on every architecture: adapters run (with the aligned kernels) in the training
+"""PEFT LoRA on every architecture at every shape (LoRA targets and the fused rollout
+projections differ, e.g. MLA with and without q-LoRA): adapters run (with the aligned kernels) in the training
 forward and in rollouts, bitwise alike; gradients reach every adapter; unsupported PEFT features
 are errors (issue 10, item 3). Real peft, real get_peft_model."""
 
@@ -6,13 +7,11 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from vexact_models.registry import architectures
 from vexact_models.runtime import SamplingParams
 
 from ..runtime.llm_support import gen, make_llm, prompts_for, training_logprobs
-from .test_hf_drop_in import rel, stock_model
+from .model_support import ARCHS, SHAPES, rel, shape_id, stock_model
 
-ARCHS = {arch.name: arch for arch in architectures()}
 pytestmark = pytest.mark.compat
 
 
@@ -23,19 +22,19 @@ def lora(**overrides) -> LoraConfig:
     return LoraConfig(**fields)
 
 
-def ours_and_stock(arch):
-    """Our model and the stock HF model with the same weights."""
-    hf = stock_model(arch)
-    ours = arch.causal_lm_class(arch.tiny_config()).eval()
+def ours_and_stock(arch, shape=None):
+    """Our model and the stock HF model with the same weights, at `shape` (default: the first)."""
+    hf = stock_model(arch, shape=shape)
+    ours = arch.causal_lm_class(hf.config).eval()
     ours.load_state_dict(hf.state_dict())
     return ours, hf
 
 
-@pytest.fixture(scope="module", params=sorted(ARCHS))
+@pytest.fixture(scope="module", params=SHAPES, ids=shape_id)
 def peft_pair(request):
     """(architecture, our model with LoRA on every linear layer, stock HF + the same LoRA, base logits)."""
-    arch = ARCHS[request.param]
-    ours, hf = ours_and_stock(arch)
+    arch, shape = request.param
+    ours, hf = ours_and_stock(arch, shape)
     ids = torch.randint(0, 512, (2, 11))
     with torch.no_grad():
         base_logits = ours(ids).logits

@@ -2,8 +2,6 @@
 
 from transformers import Qwen3MoeConfig
 
-from vexact_models.patches.checkpoints import enable_checkpoint_conversions
-
 from ..registry import Architecture, Shape, register
 from .modeling import (Qwen3MoeForCausalLM, Qwen3MoeForCausalLMInference, Qwen3MoeForSequenceClassification,
                        Qwen3MoeForTokenClassification, Qwen3MoeModel, Qwen3MoePreTrainedModel, Qwen3MoeSparseMoeBlock)
@@ -19,9 +17,6 @@ def tiny_config(**overrides) -> Qwen3MoeConfig:
     fields.update(overrides)
     return Qwen3MoeConfig(**fields)
 
-
-# hub checkpoints store one tensor per expert: load them like stock transformers does
-enable_checkpoint_conversions("qwen3_moe")
 
 ARCHITECTURE = register(Architecture(
     name="qwen3_moe",

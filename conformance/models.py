@@ -1,0 +1,139 @@
+"""Models to check: configs (tiny shapes and bundled published configs) and random-weight models
+built as users build them. Used by the conformance CLI, the benchmarks, the examples and the
+tests (``vexact_models.conformance.models``).
+
+A bundled published config (``conformance/configs/<name>.json``, e.g. ``moonlight-16b-a3b``)
+belongs to the architecture serving its ``model_type`` and to the `Shape` that lists it in
+``published_configs`` (`published_shape`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from vexact_models.registry import Architecture, Shape, architectures, for_model_type
+
+#: the bundled published configs (``<name>.json``; `published_config` takes ``<name>``)
+CONFIG_DIR = Path(__file__).parent / "configs"
+#: config.json fields that are not config arguments
+_NOT_FIELDS = ("architectures", "torch_dtype")
+
+
+def bundled_configs() -> list[str]:
+    """The names of the bundled published configs (``qwen3-0.6b``, ...)."""
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
+
+
+def _config_path(name_or_path: str) -> Path:
+    path = Path(name_or_path)
+    if not path.is_file():
+        path = CONFIG_DIR / f"{name_or_path}.json"
+    if not path.is_file():
+        raise ValueError(f"config {name_or_path!r}: no such file, and not one of the bundled configs {bundled_configs()}")
+    return path
+
+
+def parse_overrides(items: list[str] | None) -> dict:
+    """``["n_routed_experts=64", "q_lora_rank=null"]`` -> config fields (values parsed as JSON,
+    else kept as strings)."""
+    overrides = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value
+    return overrides
+
+
+def published_config(name_or_path: str) -> dict:
+    """A config dict from a bundled published config name (``qwen3-0.6b``) or a config.json path;
+    a ValueError listing the bundled names when it is neither."""
+    return json.loads(_config_path(name_or_path).read_text())
+
+
+def published_shape(name_or_path: str) -> tuple[Architecture, Shape | None]:
+    """The registered architecture serving a published config's ``model_type``, and the shape
+    whose ``published_configs`` lists it (None for a config.json that is not bundled, or that no
+    shape lists). A ValueError when no architecture serves the model_type."""
+    path = _config_path(name_or_path)
+    model_type = json.loads(path.read_text()).get("model_type")
+    arch = for_model_type(model_type)
+    if arch is None:
+        raise ValueError(f"config {name_or_path!r}: no registered architecture serves model_type {model_type!r}; "
+                         f"registered: {sorted(a.name for a in architectures())}")
+    bundled = path.resolve().parent == CONFIG_DIR.resolve()
+    shape = next((s for s in arch.shapes if bundled and path.name in s.published_configs), None)
+    return arch, shape
+
+
+def architecture_of(config_name: str) -> Architecture:
+    """The registered architecture serving a published config's ``model_type`` (`published_shape`)."""
+    return published_shape(config_name)[0]
+
+
+def make_config(arch: Architecture, config_name: str | None = None, layers: int | None = None,
+                max_positions: int | None = None, overrides: dict | None = None, shape: str | None = None):
+    """The config to build: the tiny config of `arch`'s `shape` (default: its first) when
+    `config_name` is None or ``"tiny"``, else a published one (a bundled name or a config.json
+    path, which must be of `arch`'s model_type), with ``num_hidden_layers`` (`layers`),
+    ``max_position_embeddings`` (`max_positions`, published configs only) and any other fields
+    (`overrides`) replaced."""
+    fields = dict(overrides or {})
+    if layers:
+        fields["num_hidden_layers"] = layers
+    if config_name is None or config_name == "tiny":
+        return (arch.shape(shape) if shape else arch.shapes[0]).tiny_config(**fields)
+    published = published_config(config_name)
+    if published.get("model_type") not in arch.model_types:
+        raise ValueError(f"config {config_name!r}: model_type {published.get('model_type')!r} is not one of "
+                         f"architecture {arch.name!r}'s {list(arch.model_types)}")
+    published = {k: v for k, v in published.items() if k not in _NOT_FIELDS}
+    if max_positions:
+        fields["max_position_embeddings"] = max_positions
+    return arch.config_class(**{**published, **fields})
+
+
+def construct(cls: Callable, config, device: torch.device, dtype: torch.dtype):
+    """``cls(config)`` initialised directly on `device` in `dtype` (an 8B model initialised on
+    CPU takes minutes). `cls` is a model class or any callable taking the config."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return cls(config)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_model(arch: Architecture, config, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    """A random-weight training-variant model of `arch` for `config`, built as users build it
+    (`vexact_models.patch()`, then ``AutoModelForCausalLM.from_config``) directly on `device` in
+    `dtype`, in eval mode, with ``arch.init_for_conformance`` applied. Leaves the Auto classes
+    patched only if they were before. A RuntimeError if patch() did not route the config to
+    `arch`'s class."""
+    from transformers import AutoModelForCausalLM
+
+    from vexact_models import is_patched, patch, unpatch
+
+    was_patched = is_patched()
+    patch()
+    try:
+        torch.manual_seed(seed)
+        model = construct(lambda c: AutoModelForCausalLM.from_config(c, dtype=dtype), config, device, dtype).eval()
+    finally:
+        if not was_patched:
+            unpatch()
+    if type(model) is not arch.causal_lm_class:
+        raise RuntimeError(f"vexact_models.patch() did not route model_type {config.model_type!r}: "
+                           f"AutoModelForCausalLM.from_config returned {type(model).__module__}.{type(model).__name__}")
+    if arch.init_for_conformance is not None:
+        with torch.no_grad():
+            arch.init_for_conformance(model, seed)
+    return model

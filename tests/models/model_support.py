@@ -1,0 +1,62 @@
+"""What the parametrised model tests share: every registered (architecture, shape) as a test case,
+and stock transformers models of a shape with the same random weights our models get."""
+
+import importlib
+
+import torch
+
+from vexact_models.registry import Architecture, Shape, architectures, shapes
+
+#: every registered (architecture, shape): tests whose code path a shape changes (MLA with or
+#: without q-LoRA, tied or untied heads) run over these
+SHAPES: list[tuple[Architecture, Shape]] = shapes()
+#: every registered architecture, at its default shape: tests no shape changes run over these
+ARCHS: dict[str, Architecture] = {arch.name: arch for arch in architectures()}
+
+
+def module_tree(arch: Architecture, shape: Shape) -> list[tuple[str, str]]:
+    """(name, class) of every module of `arch`'s training variant at `shape` (built on the meta
+    device: no memory, no init)."""
+    with torch.device("meta"):
+        model = arch.causal_lm_class(shape.tiny_config())
+    return [(name, type(module).__name__) for name, module in model.named_modules()]
+
+
+#: the default shapes, and the other shapes whose module tree differs from their architecture's
+#: default (MLA's q_proj instead of q-LoRA does; a tied head or another RoPE scaling does not):
+#: the costly tests (the full conformance suite) run over these, the others over `SHAPES`
+DISTINCT_SHAPES: list[tuple[Architecture, Shape]] = [
+    (arch, shape) for arch, shape in SHAPES
+    if shape is arch.shapes[0] or module_tree(arch, shape) != module_tree(arch, arch.shapes[0])]
+
+
+def shape_id(case: tuple[Architecture, Shape]) -> str:
+    """A test id: the shape's name, prefixed by the architecture's when they differ
+    (``qwen3``, ``deepseek_v3:moonlight``)."""
+    arch, shape = case
+    return shape.name if shape.name == arch.name else f"{arch.name}:{shape.name}"
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``max |a - b| / max |b|``: the HF-parity error measure (docs/design.md section 7)."""
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def stock_class(arch: Architecture, head: str = "ForCausalLM") -> type:
+    """The stock transformers class of `arch` with `head` (``ForCausalLM``, ``Model``,
+    ``ForSequenceClassification``...)."""
+    module, _, name = arch.hf_causal_lm_class.rpartition(".")
+    return getattr(importlib.import_module(module), name.replace("ForCausalLM", head))
+
+
+def stock_model(arch: Architecture, head: str = "ForCausalLM", shape: Shape | None = None, seed: int = 0,
+                **overrides) -> torch.nn.Module:
+    """A stock transformers model of `arch` at `shape` (default: its first) in eval mode, with
+    random weights (seeded) and the architecture's conformance init (e.g. DeepSeek's expert
+    selection bias) applied; `overrides` replace config fields."""
+    torch.manual_seed(seed)
+    model = stock_class(arch, head)((shape or arch.shapes[0]).tiny_config(**overrides)).eval()
+    if arch.init_for_conformance is not None:
+        with torch.no_grad():
+            arch.init_for_conformance(model, seed)
+    return model
