@@ -61,16 +61,14 @@ class Engine:
     """The runtime's pieces wired as ``LLM`` wires them, on CPU, with the stub model."""
 
     def __init__(self, batch: int, context_len: int, steps: int, block_size: int, vocab: int) -> None:
-        from vexact_models.runtime import BlockManager, ModelRunner, Sampler, Scheduler
+        from vexact_models.runtime import EngineConfig, Sampler
 
         max_len = context_len + steps + 64
-        blocks = batch * (-(-max_len // block_size)) + 16
-        self.block_manager = BlockManager(blocks, block_size)
-        self.scheduler = Scheduler(self.block_manager, batch, 8192, max_len, eos_token_id=1)
-        self.runner = ModelRunner(StubModel(vocab), blocks, block_size, torch.device("cpu"), torch.float32,
-                                  max_model_len=max_len)
-        self.runner.block_tables = self.block_manager.tables  # as LLM wires them
-        self.sampler = Sampler(1)
+        config = EngineConfig(num_blocks=batch * (-(-max_len // block_size)) + 16, block_size=block_size,
+                              max_num_seqs=batch, max_num_batched_tokens=8192, max_model_len=max_len, eos_token_id=1)
+        self.scheduler = config.make_scheduler()  # wired as LLM wires them
+        self.runner = config.make_runner(StubModel(vocab), torch.device("cpu"), torch.float32, self.scheduler)
+        self.sampler = Sampler(config.eos_token_id)
         self.graph_inputs = graph_input_builder(self.runner, batch)
 
     def add(self, batch: int, context_len: int, max_tokens: int, vocab: int, seed: int) -> None:

@@ -1,6 +1,7 @@
 """The paged-KV decoding runtime: LLM -> Scheduler -> BlockManager -> ModelRunner -> Sampler."""
 
 from .block_manager import BlockManager
+from .engine_config import EngineConfig
 from .llm import LLM
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, RequestOutput
@@ -9,5 +10,5 @@ from .sampling_params import SamplingParams
 from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from .sequence import Sequence, SequenceStatus
 
-__all__ = ["BlockManager", "CompletionOutput", "LLM", "ModelRunner", "RequestOutput", "Sampler", "SamplingParams",
-           "ScheduledSeq", "Scheduler", "SchedulerOutput", "Sequence", "SequenceStatus"]
+__all__ = ["BlockManager", "CompletionOutput", "EngineConfig", "LLM", "ModelRunner", "RequestOutput", "Sampler",
+           "SamplingParams", "ScheduledSeq", "Scheduler", "SchedulerOutput", "Sequence", "SequenceStatus"]

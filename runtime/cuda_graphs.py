@@ -7,6 +7,11 @@ write), token 0. The graph replays exactly the kernels (and tile configs, chosen
 the eager path would launch at batch B, and every kernel is row-invariant, so the real rows'
 logits are bitwise those of the eager path at any batch size: graphs on or off cannot change a
 logprob (conformance checks it).
+
+A pipeline stage after the first (`runtime.pipeline`) takes the previous stage's ``(hidden,
+residual)`` instead of token ids: its graphs read them from two more static buffers (rows past
+the batch keep earlier finite values, as harmless as the dummies), and a stage before the last
+returns its own ``(hidden, residual)`` rows instead of logits.
 """
 
 from __future__ import annotations
@@ -79,20 +84,27 @@ class DecodeGraphs:
     """Captured decode steps for batch sizes `buckets` (up to ``max_batch``)."""
 
     def __init__(self, model, kv_caches, block_size: int, max_blocks_per_seq: int, max_batch: int,
-                 device: torch.device, buckets=DEFAULT_BUCKETS) -> None:
+                 device: torch.device, buckets=DEFAULT_BUCKETS, carry: tuple[int, torch.dtype | None] = (0, None)) -> None:
+        """`carry`: ``(width, dtype)`` of the previous pipeline stage's hidden and residual rows
+        that `model` takes after the token inputs (width 0: it takes none)."""
         self.buckets = sorted({b for b in buckets if b < max_batch} | {max_batch})
         self.max_batch = max_batch
         self.max_blocks = max_blocks_per_seq
         self.inputs = DecodeInputs(max_batch, max_blocks_per_seq, device)
         x = self.inputs
         self.rows = torch.arange(max_batch, dtype=torch.int64, device=device)
+        width, dtype = carry
+        self.carry = (None if not width else
+                      tuple(torch.zeros(max_batch, width, dtype=dtype, device=device) for _ in range(2)))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.logits: dict[int, torch.Tensor | tuple[torch.Tensor, ...]] = {}
         pool = None
         for b in reversed(self.buckets):  # largest first: the smaller graphs reuse its memory pool
             context = PagedContext(PagedLayout(x.cu_seqlens[:b + 1], x.seq_lens[:b], x.block_table[:b],
                                                block_size, 1), x.slots[:b], kv_caches)
             args = (x.ids[:b], x.positions[:b], context, self.rows[:b])
+            if self.carry is not None:
+                args += tuple(t[:b] for t in self.carry)
             model(*args)  # warm-up: compiles the kernels outside the capture
             torch.cuda.synchronize(device)
             graph = torch.cuda.CUDAGraph()
@@ -116,10 +128,16 @@ class DecodeGraphs:
                 return b
         return None
 
-    def run(self, inputs: StepInputs) -> torch.Tensor:
-        """Replay the decode step for a decode-only batch; fp32 logits ``[n, vocab]``."""
+    def run(self, inputs: StepInputs, carry: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """Replay the decode step for a decode-only batch; fp32 logits ``[n, vocab]`` (a
+        pipeline stage before the last: its ``(hidden, residual)`` rows). `carry`: the previous
+        stage's ``(hidden, residual)`` rows when the graphs take them."""
         n = len(inputs.ids)
         b = self.bucket(n)
         self.inputs.fill(inputs, b)
+        if self.carry is not None:
+            for static, rows in zip(self.carry, carry):
+                static[:n].copy_(rows)
         self.graphs[b].replay()
-        return self.logits[b][:n]
+        out = self.logits[b]
+        return tuple(t[:n] for t in out) if isinstance(out, tuple) else out[:n]

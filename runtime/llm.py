@@ -21,14 +21,18 @@ from tqdm.auto import tqdm
 from vexact_models.kernels import current_backend, use_backend
 
 from .block_manager import BlockManager
+from .engine_config import EngineConfig
 from .llm_args import (architecture_of, check_engine_args, check_max_model_len, check_model_argument,
                        check_model_placement, resolve_device, resolve_dtype)
 from .llm_memory import EngineMemoryMixin
-from .model_runner import ModelRunner, kv_bytes_per_block
+from .llm_setup import EngineSetupMixin
 from .outputs import CompletionOutput, RequestOutput
-from .sampler import Sampler
+from .pipeline import PipelineStage, check_stage_model, join_pipeline
+from .pipeline_comm import PipelineComm
+from .pipeline_worker import Pipeline
+from .sampler import Sampler, spread_samples
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler
+from .scheduler import ScheduledSeq
 from .sequence import Sequence
 
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads derived seeds
@@ -38,7 +42,7 @@ def _derive_seed(base: int, index: int) -> int:
     return (base * 1_000_003 + (index + 1) * _SEED_STRIDE) % (1 << 63)
 
 
-class LLM(EngineMemoryMixin):
+class LLM(EngineSetupMixin, EngineMemoryMixin):
     """A paged-KV rollout engine over a vexact-models architecture.
 
     A bad argument (or a model that is not a vexact-models causal LM, e.g. a stock transformers
@@ -77,6 +81,15 @@ class LLM(EngineMemoryMixin):
             Default: True for a checkpoint folder, False for a model instance (a trainer's
             weights are never released); pass True for an instance only the engine uses (e.g.
             a full copy beside an FSDP-sharded trainer).
+        pipeline_parallel_size: stages of a pipeline-parallel engine, one process each (at most
+            the model's decoder layers). Every rank of an initialised process group of this
+            world size (e.g. under torchrun) constructs the engine with the same arguments and
+            calls `generate` with the same arguments; all ranks return the same outputs. Stage
+            s = rank s runs a contiguous range of decoder layers (`pipeline_stage`) and holds
+            their KV pages (``kv_cache_bytes`` / ``gpu_memory_utilization`` are per process); a
+            checkpoint folder loads only the stage's tensors. The logprobs equal a
+            single-process rollout's bitwise. ``update_weights``, ``sleep`` and ``wake_up`` are
+            called on every rank. docs/pipeline.md.
     """
 
     def __init__(self, model, *, dtype: str | torch.dtype = "auto", device: str | torch.device | None = None,
@@ -84,14 +97,15 @@ class LLM(EngineMemoryMixin):
                  max_model_len: int | None = None, gpu_memory_utilization: float = 0.9,
                  kv_cache_bytes: int | None = None, seed: int = 0, enable_chunked_prefill: bool = True,
                  enforce_eager: bool = False, aligned: bool = True,
-                 enable_prefix_sharing: bool = True, owns_weights: bool | None = None) -> None:
+                 enable_prefix_sharing: bool = True, owns_weights: bool | None = None,
+                 pipeline_parallel_size: int = 1) -> None:
         from vexact_models.layers import fuse_projections
 
         # Every check first: fusing the projections below is the only change made to a model passed in.
         check_model_argument(model)
         check_engine_args(block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                           max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-                          kv_cache_bytes=kv_cache_bytes, seed=seed,
+                          kv_cache_bytes=kv_cache_bytes, seed=seed, pipeline_parallel_size=pipeline_parallel_size,
                           flags=dict(enable_chunked_prefill=enable_chunked_prefill, enforce_eager=enforce_eager,
                                      aligned=aligned, enable_prefix_sharing=enable_prefix_sharing))
         load_dtype = resolve_dtype(dtype)
@@ -99,49 +113,58 @@ class LLM(EngineMemoryMixin):
         if not from_folder:
             architecture_of(model)
             check_model_placement(model, resolve_device(device), load_dtype)
-        self.device = self._pick_device(model, resolve_device(device))
+        stage = join_pipeline(pipeline_parallel_size, self._folder_config(str(model))[0] if from_folder else model.config)
+        if stage is not None and not from_folder:
+            check_stage_model(model, stage)
+        self.device = self._pick_device(model, resolve_device(device), stage)
         if not aligned and self.device.type != "cuda":
             raise ValueError(f"LLM: aligned=False (the cuBLAS fast path) needs a CUDA device, got {self.device}")
         self.aligned = aligned
         self.tokenizer = None
-        training = self._load(str(model), dtype) if from_folder else model
+        training = self._load(str(model), dtype, stage) if from_folder else model
         arch = architecture_of(training)
         self._init_weight_state(from_folder if owns_weights is None else owns_weights)
         self.model = arch.inference_class(training)
         self.config = training.config
         self.dtype = next(training.parameters()).dtype
+        self.pipeline = None if stage is None else Pipeline(stage, PipelineComm(
+            stage.index, stage.size, self.device, self.dtype, self.config.hidden_size))
         self.max_model_len = check_max_model_len(max_model_len, self.config)
-        num_blocks = self._num_blocks(block_size, gpu_memory_utilization, kv_cache_bytes)
         self.eos_token_ids = self._eos_ids()
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
-        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_sharing=enable_prefix_sharing)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, self.max_model_len,
-                                   eos, chunked_prefill=enable_chunked_prefill)
+        self.engine_config = EngineConfig(
+            num_blocks=self._num_blocks(block_size, gpu_memory_utilization, kv_cache_bytes), block_size=block_size,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
+            eos_token_id=eos, enable_chunked_prefill=enable_chunked_prefill, enable_prefix_sharing=enable_prefix_sharing,
+            cuda_graph_batch=0 if enforce_eager else max_num_seqs)
+        self.scheduler = self.engine_config.make_scheduler()
         # one GEMM for q/k/v and for gate/up in rollouts; the training model shares the storage
         # (before the runner: its CUDA graphs capture the fused GEMMs)
         fuse_projections(training)
         self.step_times: list[tuple[int, bool, float]] | None = None  # (sequences, decode-only, seconds)
         backend = self.backend
         with use_backend(backend):  # CUDA graphs capture the engine's kernels
-            self.runner = ModelRunner(self.model, num_blocks, block_size, self.device, self.dtype,
-                                      cuda_graph_batch=0 if enforce_eager else max_num_seqs,
-                                      max_model_len=self.max_model_len)
+            model_part, layers, carry_width = self._runner_model()
+            self.runner = self.engine_config.make_runner(model_part, self.device, self.dtype, self.scheduler, layers=layers,
+                                                         carry_width=carry_width)
         self._remember_graphs(backend)
-        self.runner.block_tables = self.block_manager.tables
         self.sampler = Sampler(eos)
         self.seed = seed
         self._next_request = 0
         self.num_preemptions = 0  # sequences preempted (by recompute) so far
 
-    # -- construction helpers -------------------------------------------------------------
-    @staticmethod
-    def _pick_device(model, device: torch.device | None) -> torch.device:
-        if device is not None:
-            return device
-        if isinstance(model, torch.nn.Module):  # a model instance: run where it lives
-            return next(model.parameters()).device
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    @property
+    def block_manager(self) -> BlockManager:
+        """The KV pages' bookkeeping (the scheduler's; with pipeline parallelism, the first stage's)."""
+        return self.scheduler.block_manager
 
+    @property
+    def pipeline_stage(self) -> PipelineStage | None:
+        """This process's pipeline stage (its index, the stage count, its decoder layers), or
+        None without pipeline parallelism."""
+        return None if self.pipeline is None else self.pipeline.stage
+
+    # -- construction helpers -------------------------------------------------------------
     @property
     def backend(self) -> str:
         """The kernel backend the engine runs now: ``"fast"`` when built with ``aligned=False``,
@@ -167,51 +190,6 @@ class LLM(EngineMemoryMixin):
         with use_backend(backend):
             self.runner.allocate_cache()
         self._remember_graphs(backend)
-
-    def _load(self, path: str, dtype):
-        from transformers import AutoConfig
-
-        from vexact_models.registry import for_model_type
-
-        config = AutoConfig.from_pretrained(path)
-        arch = for_model_type(config.model_type)
-        if arch is None:
-            raise ValueError(f"LLM: {path} has model_type {config.model_type!r}, which vexact-models does not support")
-        if dtype == "auto":
-            torch_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
-        else:
-            torch_dtype = dtype
-        if isinstance(torch_dtype, str):
-            torch_dtype = getattr(torch, torch_dtype)
-        model = arch.causal_lm_class.from_pretrained(path, dtype=torch_dtype).to(self.device).eval()
-        if any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
-            from transformers import AutoTokenizer
-
-            self.tokenizer = AutoTokenizer.from_pretrained(path)
-        return model
-
-    def _num_blocks(self, block_size: int, utilization: float, kv_cache_bytes: int | None) -> int:
-        per_block = kv_bytes_per_block(self.model.kv_cache_spec(), block_size, self.dtype)
-        if kv_cache_bytes is None:
-            if self.device.type == "cuda":
-                free, total = torch.cuda.mem_get_info(self.device)
-                kv_cache_bytes = int(free - (1 - utilization) * total)
-            else:
-                kv_cache_bytes = 256 << 20
-        blocks = kv_cache_bytes // per_block
-        if blocks < 1:
-            raise ValueError(f"LLM: the KV cache budget ({kv_cache_bytes} bytes) is smaller than one block "
-                             f"({per_block} bytes); raise kv_cache_bytes or gpu_memory_utilization")
-        return int(blocks)
-
-    def _eos_ids(self) -> list[int]:
-        """The checkpoint's EOS ids: its generation_config.json (which from_pretrained loads into
-        the model, e.g. Qwen3's <|im_end|> and <|endoftext|>), else config.eos_token_id."""
-        gen = getattr(self.model.causal_lm, "generation_config", None)
-        eos = getattr(gen, "eos_token_id", None) if gen is not None else None
-        if eos is None:
-            eos = getattr(self.config, "eos_token_id", None)
-        return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
 
     # -- requests -------------------------------------------------------------------------
     def _token_ids(self, prompt) -> list[int]:
@@ -271,6 +249,8 @@ class LLM(EngineMemoryMixin):
             raise ValueError(f"LLM.generate: {len(params)} sampling_params for {len(prompts)} prompts")
         token_ids = [self._token_ids(p) for p in prompts]  # validate everything before scheduling
         self._check_awake("LLM.generate")
+        if self.pipeline is not None and not self.pipeline.stage.is_first:
+            return self._serve_stage(len(prompts))
         # Shared pages live within one call: between calls the weights may have changed
         # (update_weights, or in place through storage shared with a training model) and
         # sleep()/wake_up() hands back an uninitialised cache, so cached K/V may be stale.
@@ -286,19 +266,28 @@ class LLM(EngineMemoryMixin):
             self._run(sum(len(r) for r in requests), use_tqdm)
         except BaseException:
             self._abort()  # drop this call's requests so that the engine stays usable
+            if self.pipeline is not None:
+                self.pipeline.abort()
             raise
-        return [self._output(prompt, ids, seqs) for prompt, ids, seqs in zip(prompts, token_ids, requests)]
+        outputs = [self._output(prompt, ids, seqs) for prompt, ids, seqs in zip(prompts, token_ids, requests)]
+        return outputs if self.pipeline is None else self.pipeline.finish(outputs)
+
+    def _serve_stage(self, num_requests: int) -> list[RequestOutput]:
+        """``generate`` on a pipeline stage after the first: run the first stage's steps
+        through this stage's layers; return the outputs the first stage shares at the end."""
+        self._next_request += num_requests  # request ids as on the first stage
+        backend = self.backend
+        with use_backend(backend):
+            self._graphs_follow(backend)
+            self.pipeline.serve(self)
+        return self.pipeline.finish()
 
     def _abort(self) -> None:
         """Forget every queued or running request (after a failed step or an interrupt): fresh
         scheduler and page bookkeeping, same settings. Only the failed call's requests can be in
         flight, since generate() runs its requests to completion."""
-        s = self.scheduler
-        bm = self.block_manager
-        self.block_manager = BlockManager(bm.num_blocks, bm.block_size, enable_prefix_sharing=bm.enable_prefix_sharing)
-        self.scheduler = Scheduler(self.block_manager, s.max_num_seqs, s.max_num_batched_tokens, s.max_model_len,
-                                   s.eos_token_id, chunked_prefill=s.chunked_prefill)
-        self.runner.block_tables = self.block_manager.tables
+        self.scheduler = self.engine_config.make_scheduler()
+        self.engine_config.connect(self.runner, self.scheduler)
 
     def _run(self, total: int, use_tqdm: bool) -> None:
         backend = self.backend  # the user's choice now (set_backend / use_backend / VEXACT_BACKEND)
@@ -316,19 +305,23 @@ class LLM(EngineMemoryMixin):
                 bar.update(len(step.errored))
                 if not step.scheduled:
                     continue
-                logits = self.runner.execute(step.scheduled)
-                sampling = [item.seq for item in step.scheduled if item.samples]
-                tokens, logprobs = self.sampler(logits, sampling)
-                if len(sampling) < len(step.scheduled):  # None for the non-final prefill chunks
-                    it_t, it_l = iter(tokens), iter(logprobs)
-                    tokens = [next(it_t) if item.samples else None for item in step.scheduled]
-                    logprobs = [next(it_l) if item.samples else None for item in step.scheduled]
+                tokens, logprobs = self._execute(step.scheduled)
                 bar.update(len(self.scheduler.postprocess(step.scheduled, tokens, logprobs)))
                 if self.step_times is not None:  # the sampler's host sync ended the step
                     decode = all(item.num_new_tokens == 1 for item in step.scheduled)
                     self.step_times.append((len(step.scheduled), decode, time.perf_counter() - started))
         finally:
             bar.close()
+
+    def _execute(self, scheduled: list[ScheduledSeq]) -> tuple[list[int | None], list[float | None]]:
+        """Run one scheduled step and sample: the token and logprob of each scheduled sequence
+        (None for a non-final prefill chunk), as `Scheduler.postprocess` takes them."""
+        if self.pipeline is not None:
+            return self.pipeline.execute_first(self, scheduled)
+        logits = self.runner.execute(scheduled)
+        sampling = [item.seq for item in scheduled if item.samples]
+        tokens, logprobs = self.sampler(logits, sampling)
+        return spread_samples(scheduled, tokens, logprobs)
 
     def _output(self, prompt, ids: list[int], seqs: list[Sequence]) -> RequestOutput:
         completions = []

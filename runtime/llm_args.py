@@ -63,10 +63,12 @@ def resolve_device(device: object) -> torch.device | None:
 
 def check_engine_args(*, block_size: object, max_num_seqs: object, max_num_batched_tokens: object,
                       max_model_len: object, gpu_memory_utilization: object, kv_cache_bytes: object, seed: object,
-                      flags: dict[str, object]) -> None:
-    """The scalar arguments (`flags`: the boolean switches by name). `max_model_len`'s upper
-    limit needs the model's config: `check_max_model_len`."""
+                      flags: dict[str, object], pipeline_parallel_size: object = 1) -> None:
+    """The scalar arguments (`flags`: the boolean switches by name). `max_model_len`'s and
+    `pipeline_parallel_size`'s upper limits need the model's config: `check_max_model_len`,
+    `runtime.pipeline.join_pipeline`."""
     check_int("block_size", block_size, 1)
+    check_int("pipeline_parallel_size", pipeline_parallel_size, 1)
     check_int("max_num_seqs", max_num_seqs, 1)
     check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
     if max_model_len is not None:
@@ -130,7 +132,11 @@ def architecture_of(model: torch.nn.Module):
 def check_model_placement(model: torch.nn.Module, device: torch.device | None, dtype: torch.dtype | None) -> None:
     """A model instance runs where it lives, in its own dtype: a different explicit `device` or
     `dtype` would be silently ignored (or fail at the first step), so it is an error."""
-    param = next(model.parameters())
+    # the first parameter off the meta device (a pipeline stage's model holds only its own)
+    param = next((p for p in model.parameters() if not p.is_meta), None)
+    if param is None:
+        raise ValueError(f"LLM: every parameter of the {type(model).__name__} is on the meta device; load or "
+                         "materialise its weights first")
     if device is not None and (param.device.type != device.type
                                or (device.index is not None and param.device.index not in (None, device.index))):
         raise ValueError(f"LLM: device={str(device)!r} but the model's parameters are on {param.device}; move the "

@@ -52,7 +52,10 @@ class EngineMemoryMixin:
         (the check is cheap next to the copy, and a stream cannot be rewound to check first).
         While the weights are released by `sleep` it raises RuntimeError; after
         ``sleep(level=2)`` + `wake_up` it must write every parameter before `generate` runs.
-        Returns the number of tensors copied.
+        With pipeline parallelism every stage is passed the whole set (every rank consumes the
+        whole stream, in step: e.g. `stream_full_weights` of an FSDP2 trainer on the same
+        ranks) and copies the tensors of its own layers, checking the others' names and shapes.
+        Returns the number of tensors copied (on this stage).
         """
         if self._released is not None:
             raise RuntimeError("LLM.update_weights: the weights are released by sleep(); call wake_up() (or "
@@ -80,7 +83,8 @@ class EngineMemoryMixin:
         if not self.owns_weights or level == 0:
             return
         if self._released is None:
-            self._released = ReleasedWeights(self.model.causal_lm.parameters(), keep_copy=level == 1)
+            held = (p for p in self.model.causal_lm.parameters() if not p.is_meta)  # not other stages' layers
+            self._released = ReleasedWeights(held, keep_copy=level == 1)
             self._unwritten = {}
         elif level == 2:
             self._released.drop_copy()

@@ -27,25 +27,40 @@ from .step_inputs import StepInputs, build_step_inputs
 
 
 def kv_bytes_per_block(spec: tuple[int, int, int, int], block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of K and V for one page across all layers."""
+    """Bytes of K and V for one page across all layers (K only when the spec's ``value_in_key``
+    says V is a view of K's first dims: MLA's latent cache, `deepseek_v3.latent_attention`)."""
     layers, kv_heads, head_dim_k, head_dim_v = spec
-    return layers * block_size * kv_heads * (head_dim_k + head_dim_v) * torch.empty((), dtype=dtype).element_size()
+    width = head_dim_k if getattr(spec, "value_in_key", False) else head_dim_k + head_dim_v
+    return layers * block_size * kv_heads * width * torch.empty((), dtype=dtype).element_size()
+
+
+def _kv_pair(shape: tuple, head_dim_k: int, head_dim_v: int, value_in_key: bool, device, dtype):
+    """One layer's (K, V) caches; with `value_in_key` V is a view of K, not a second copy."""
+    k = torch.empty(*shape, head_dim_k, device=device, dtype=dtype)
+    return (k, k[..., :head_dim_v]) if value_in_key else (k, torch.empty(*shape, head_dim_v, device=device, dtype=dtype))
 
 
 class ModelRunner:
     """Runs `InferenceModel` steps over a paged KV cache of ``num_blocks`` pages."""
 
     def __init__(self, model, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
-                 cuda_graph_batch: int = 0, max_model_len: int = 0) -> None:
-        """`cuda_graph_batch` > 0 captures decode steps of up to that many sequences (CUDA only)."""
+                 cuda_graph_batch: int = 0, max_model_len: int = 0, layers: range | None = None,
+                 carry_width: int = 0) -> None:
+        """`cuda_graph_batch` > 0 captures decode steps of up to that many sequences (CUDA only).
+
+        A pipeline stage (`runtime.pipeline`) holds KV pages for its `layers` only (default: all;
+        the others' entries in ``kv_caches`` are None) and, past the first stage, its model takes
+        the previous stage's ``(hidden, residual)``, rows of `carry_width` values (0: token ids)."""
         self.model = model
+        self.layers = layers
+        self.carry_width = carry_width
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
         self.cuda_graph_batch = cuda_graph_batch if device.type == "cuda" else 0
         self.max_blocks_per_seq = -(-max_model_len // block_size)
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor] | None] = []
         self.graphs: DecodeGraphs | None = None
         #: The BlockManager's mirror of the block tables (the LLM sets it); without it the
         #: tables are read from the sequences' lists, which is slower and gives the same values.
@@ -53,14 +68,16 @@ class ModelRunner:
         self.allocate_cache()
 
     def allocate_cache(self) -> None:
-        layers, kv_heads, head_dim_k, head_dim_v = self.model.kv_cache_spec()
+        spec = self.model.kv_cache_spec()
+        layers, kv_heads, head_dim_k, head_dim_v = spec
         shape = (self.num_blocks, self.block_size, kv_heads)
-        self.kv_caches = [(torch.empty(*shape, head_dim_k, device=self.device, dtype=self.dtype),
-                           torch.empty(*shape, head_dim_v, device=self.device, dtype=self.dtype))
-                          for _ in range(layers)]
+        held = range(layers) if self.layers is None else self.layers
+        value_in_key = getattr(spec, "value_in_key", False)
+        self.kv_caches = [_kv_pair(shape, head_dim_k, head_dim_v, value_in_key, self.device, self.dtype)
+                          if i in held else None for i in range(layers)]
         if self.cuda_graph_batch:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, self.max_blocks_per_seq,
-                                       self.cuda_graph_batch, self.device)
+                                       self.cuda_graph_batch, self.device, carry=(self.carry_width, self.dtype))
 
     def free_cache(self) -> None:
         """Release the KV cache and the decode graphs (which hold its and the weights'
@@ -85,10 +102,17 @@ class ModelRunner:
 
     def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         """Run the step; return fp32 logits ``[num sampling sequences, vocab]`` in scheduled order."""
+        return self.run(build_step_inputs(scheduled, self.block_size, self.block_tables))
+
+    def run(self, inputs: StepInputs, carry: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """Run a step given its inputs: the model's output (fp32 logits of the sampling rows; a
+        pipeline stage before the last returns its ``(hidden, residual)``). `carry` is the
+        previous stage's ``(hidden, residual)`` when the model takes them."""
         if not self.kv_caches:
             raise RuntimeError("ModelRunner: the KV cache is released (call wake_up())")
-        inputs = build_step_inputs(scheduled, self.block_size, self.block_tables)
-        if self.graphs is not None and len(scheduled) <= self.graphs.max_batch and inputs.decode_only:
-            return self.graphs.run(inputs)
+        if self.graphs is not None and len(inputs.seq_lens) <= self.graphs.max_batch and inputs.decode_only:
+            return self.graphs.run(inputs, carry)
         ids, positions, context, rows = self._to_device(inputs)
-        return self.model(ids, positions, context, rows)
+        if carry is None:
+            return self.model(ids, positions, context, rows)
+        return self.model(ids, positions, context, rows, *carry)

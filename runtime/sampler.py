@@ -8,6 +8,9 @@ sequence's seed and output index, after min_tokens/top-k/top-p filtering); the l
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
@@ -16,6 +19,9 @@ from vexact_models.kernels.sampling import filter_thresholds
 
 from .sequence import Sequence
 from .staging import to_device
+
+if TYPE_CHECKING:
+    from .scheduler import ScheduledSeq
 
 
 class Sampler:
@@ -34,6 +40,11 @@ class Sampler:
             banned.append(self.eos_token_id)
         return banned
 
+    def _bans(self, seqs: list[Sequence], step: np.ndarray, min_tokens: np.ndarray) -> list[tuple[int, int]]:
+        """(row, token) pairs that may not be sampled. Bans apply only to sequences still short
+        of min_tokens: found with one vector compare."""
+        return [(i, tok) for i in np.flatnonzero(step < min_tokens).tolist() for tok in self._banned(seqs[i])]
+
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
         if not seqs:
             return [], []
@@ -42,21 +53,91 @@ class Sampler:
             rows = self._rows = _RowParams(seqs, logits.device)
         else:
             rows.refresh()
-        sample_logits = logits
-        # Bans apply only to sequences still short of min_tokens: found with one vector compare.
-        banned = [(i, tok) for i in np.flatnonzero(rows.step < rows.min_tokens).tolist()
-                  for tok in self._banned(seqs[i])]
-        if banned:
-            ban_rows, ban_cols = zip(*banned)
-            sample_logits = logits.clone()
-            sample_logits[list(ban_rows), list(ban_cols)] = float("-inf")
-        thresholds = None
-        if rows.filters:
-            thresholds = filter_thresholds(sample_logits, rows.temps, rows.top_k, rows.top_p)
-        tokens = sample_tokens(sample_logits, rows.temps, rows.seeds, rows.steps, thresholds)
-        logprobs = gather_logprobs(logits, tokens, rows.logprob_temps)
-        both = torch.stack([tokens.double(), logprobs.double()]).cpu()  # the step's one host sync
-        return both[0].long().tolist(), both[1].float().tolist()
+        return sample(logits, rows.temps, rows.logprob_temps, rows.top_k, rows.top_p, rows.seeds, rows.steps,
+                      rows.filters, self._bans(seqs, rows.step, rows.min_tokens))
+
+    def host_rows(self, seqs: list[Sequence]) -> HostRows:
+        """What sampling `seqs` needs, as host arrays (a pipeline's first stage sends them to the
+        last, which samples with `sample_host_rows`): the same values `__call__` uses."""
+        host = _host_arrays(seqs)
+        bans = np.array(self._bans(seqs, host["step"], host["min_tokens"]), np.int64).reshape(-1, 2)
+        return HostRows(host["temps"], host["top_p"], host["top_k"], host["seeds"], host["step"], bans)
+
+
+@dataclass
+class HostRows:
+    """The sampling parameters of R rows on the host: what the sampler's kernels take."""
+
+    temps: np.ndarray  #: float32 [R] temperatures (0: greedy)
+    top_p: np.ndarray  #: float64 [R]
+    top_k: np.ndarray  #: int64 [R] (0: off)
+    seeds: np.ndarray  #: int64 [R]
+    steps: np.ndarray  #: int64 [R] index of the token each row generates (the RNG counter)
+    bans: np.ndarray  #: int64 [B, 2] (row, token) pairs that may not be sampled (min_tokens)
+
+    @property
+    def filters(self) -> bool:
+        """Whether any row needs top-k/top-p thresholds (greedy rows are never filtered)."""
+        return bool(((self.temps > 0) & ((self.top_k > 0) | (self.top_p < 1))).any())
+
+
+def sample_host_rows(logits: torch.Tensor, rows: HostRows) -> tuple[list[int], list[float]]:
+    """`Sampler.__call__` for rows given as `HostRows` (a pipeline's last stage): bitwise the
+    same tokens and logprobs."""
+    if not len(rows.temps):
+        return [], []
+    temps, logprob_temps, top_p, top_k, seeds, steps = to_device(
+        [rows.temps, np.where(rows.temps > 0, rows.temps, np.float32(1)), rows.top_p, rows.top_k, rows.seeds,
+         rows.steps], logits.device)
+    return sample(logits, temps, logprob_temps, top_k, top_p, seeds, steps, rows.filters,
+                  [tuple(pair) for pair in rows.bans.tolist()])
+
+
+def sample(logits: torch.Tensor, temps, logprob_temps, top_k, top_p, seeds, steps, filters: bool,
+           banned: list[tuple[int, int]]) -> tuple[list[int], list[float]]:
+    """The device side of sampling (rule 7): bans, top-k/top-p thresholds, Gumbel-max, and the
+    logprob of the unfiltered logits; one host sync."""
+    sample_logits = logits
+    if banned:
+        ban_rows, ban_cols = zip(*banned)
+        sample_logits = logits.clone()
+        sample_logits[list(ban_rows), list(ban_cols)] = float("-inf")
+    thresholds = None
+    if filters:
+        thresholds = filter_thresholds(sample_logits, temps, top_k, top_p)
+    tokens = sample_tokens(sample_logits, temps, seeds, steps, thresholds)
+    logprobs = gather_logprobs(logits, tokens, logprob_temps)
+    both = torch.stack([tokens.double(), logprobs.double()]).cpu()  # the step's one host sync
+    return both[0].long().tolist(), both[1].float().tolist()
+
+
+def spread_samples(scheduled: list[ScheduledSeq], tokens: list[int], logprobs: list[float]
+                   ) -> tuple[list[int | None], list[float | None]]:
+    """The sampling rows' results spread over a step's scheduled sequences, None for the
+    non-final prefill chunks (which sample nothing): what `Scheduler.postprocess` takes."""
+    if len(tokens) == len(scheduled):
+        return tokens, logprobs
+    it_t, it_l = iter(tokens), iter(logprobs)
+    return ([next(it_t) if item.samples else None for item in scheduled],
+            [next(it_l) if item.samples else None for item in scheduled])
+
+
+def _host_arrays(seqs: list[Sequence]) -> dict[str, np.ndarray]:
+    """The rows' sampling parameters on the host, one Python pass per field."""
+    n = len(seqs)
+    params = [s.params for s in seqs]
+    # fp32 as the kernels take it, rounded on the host exactly as .float() would on the device
+    return dict(temps=np.fromiter((p.temperature for p in params), np.float64, n).astype(np.float32),
+                top_p=np.fromiter((p.top_p for p in params), np.float64, n),
+                top_k=np.fromiter((p.top_k for p in params), np.int64, n),
+                min_tokens=np.fromiter((p.min_tokens for p in params), np.int64, n),
+                seeds=np.fromiter((s.seed for s in seqs), np.int64, n),
+                step=_steps(seqs))
+
+
+def _steps(seqs: list[Sequence]) -> np.ndarray:
+    """The index of the token each sequence generates next (its RNG counter)."""
+    return np.fromiter((len(s.token_ids) - s.num_prompt_tokens for s in seqs), np.int64, len(seqs))
 
 
 class _RowParams:
@@ -67,27 +148,19 @@ class _RowParams:
     of sequences is read once, one Python pass per field. Either way one pinned copy."""
 
     def __init__(self, seqs: list[Sequence], device: torch.device) -> None:
-        n = len(seqs)
         self.seqs, self.device = list(seqs), device
-        params = [s.params for s in seqs]
-        temperature = np.fromiter((p.temperature for p in params), np.float64, n)
-        top_p = np.fromiter((p.top_p for p in params), np.float64, n)
-        top_k = np.fromiter((p.top_k for p in params), np.int64, n)
-        self.min_tokens = np.fromiter((p.min_tokens for p in params), np.int64, n)
+        host = _host_arrays(seqs)
+        temps = host["temps"]
+        self.min_tokens = host["min_tokens"]
         #: whether any row needs top-k/top-p thresholds (greedy rows are never filtered)
-        self.filters = bool(((temperature > 0) & ((top_k > 0) | (top_p < 1))).any())
-        # fp32 as the kernels take it, rounded on the host exactly as .float() would on the device;
-        # the logprob is taken at T = 1 for greedy rows.
-        temps = temperature.astype(np.float32)
-        self.step = self._read_steps()
+        self.filters = bool(((temps > 0) & ((host["top_k"] > 0) | (host["top_p"] < 1))).any())
+        self.step = host["step"]
+        # the logprob is taken at T = 1 for greedy rows
         (self.temps, self.logprob_temps, self.top_p, self.top_k, self.seeds, self.steps) = to_device(
-            [temps, np.where(temps > 0, temps, np.float32(1)), top_p, top_k,
-             np.fromiter((s.seed for s in seqs), np.int64, n), self.step], device)
+            [temps, np.where(temps > 0, temps, np.float32(1)), host["top_p"], host["top_k"], host["seeds"],
+             self.step], device)
 
     def refresh(self) -> None:
         """Re-read and copy the RNG counters (the index of the token each sequence generates)."""
-        self.step = self._read_steps()
+        self.step = _steps(self.seqs)
         [self.steps] = to_device([self.step], self.device)
-
-    def _read_steps(self) -> np.ndarray:
-        return np.fromiter((len(s.token_ids) - s.num_prompt_tokens for s in self.seqs), np.int64, len(self.seqs))

@@ -52,7 +52,8 @@ def copy_weights(targets: dict[str, nn.Parameter],
     A mapping is checked whole first (unknown name, wrong shape, non-tensor: ValueError, nothing
     written). Anything else is iterated once, lazily: each pair is checked right before its copy,
     so a bad pair raises having written the pairs before it. `written(param)` is called after
-    each copy.
+    each copy. Targets on the meta device (the tensors of other pipeline stages) are checked
+    but not written, nor counted.
     """
     if isinstance(weights, Mapping):
         for name, tensor in weights.items():
@@ -67,7 +68,10 @@ def copy_weights(targets: dict[str, nn.Parameter],
         except (TypeError, ValueError):
             raise ValueError(f"LLM.update_weights: expected (name, tensor) pairs, got {type(pair).__name__}") from None
         target = _check(targets, name, tensor)
-        target.copy_(_local(tensor))
+        value = _local(tensor)  # a DTensor is gathered on every rank, in step, whoever keeps it
+        if target.is_meta:  # another pipeline stage's tensor: not held here
+            continue
+        target.copy_(value)
         count += 1
         if written is not None:
             written(target)

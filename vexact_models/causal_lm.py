@@ -30,14 +30,17 @@ class StrictLoadingMixin(HFCompatMixin):
     def from_pretrained(cls, *args, **kwargs):
         """HF ``from_pretrained``, but a checkpoint with a missing or mis-shaped tensor is an
         error naming the tensor (HF would initialise a missing one randomly with a warning, and
-        reports a mis-shaped one only in its log)."""
-        from vexact_models.patches.checkpoints import check_expert_tensors
+        reports a mis-shaped one only in its log). Published layouts transformers converts
+        (per-expert hub MoE checkpoints) load without `patch()` too (`checkpoint_conversions`)."""
+        from vexact_models.patches.checkpoints import check_expert_tensors, checkpoint_conversions
 
         # a per-expert tensor missing or mis-shaped: transformers' own error names only the fused tensor
         check_expert_tensors(cls, args, kwargs)
         want_info = kwargs.pop("output_loading_info", False)
         ignore_mismatched = kwargs.pop("ignore_mismatched_sizes", False)
-        model, info = super().from_pretrained(*args, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs)
+        with checkpoint_conversions(cls):
+            model, info = super().from_pretrained(*args, output_loading_info=True, ignore_mismatched_sizes=True,
+                                                  **kwargs)
         missing = sorted(info.get("missing_keys") or [])
         if missing:
             raise ValueError(f"{cls.__name__}.from_pretrained: the checkpoint is missing tensor(s) {missing}")
@@ -47,6 +50,14 @@ class StrictLoadingMixin(HFCompatMixin):
                                for name, got, want in mismatched)
             raise ValueError(f"{cls.__name__}.from_pretrained: checkpoint tensor(s) with the wrong shape: {detail}")
         return (model, info) if want_info else model
+
+    def save_pretrained(self, *args, **kwargs):
+        """HF ``save_pretrained``, writing the layout stock transformers writes (per-expert hub
+        layout for MoE models) with or without `patch()` (`checkpoint_conversions`)."""
+        from vexact_models.patches.checkpoints import checkpoint_conversions
+
+        with checkpoint_conversions(type(self)):
+            return super().save_pretrained(*args, **kwargs)
 
 
 
@@ -290,6 +301,27 @@ class InferenceModel(nn.Module):
         """Run new tokens through the paged cache; return fp32 logits ``[n, vocab]`` for the
         flat rows ``logits_indices`` (the last token of each sequence that samples)."""
         hidden = self.causal_lm.model.forward_flat(input_ids, positions, context)
+        return linear(hidden[logits_indices], self.causal_lm.lm_head_weight(), out_dtype=torch.float32)
+
+    @torch.no_grad()
+    def forward_stage(self, layers: range, first: bool, last: bool, input_ids: torch.Tensor, positions: torch.Tensor,
+                      context: PagedContext, logits_indices: torch.Tensor, hidden: torch.Tensor | None = None,
+                      residual: torch.Tensor | None = None):
+        """One pipeline stage's share of `forward` (`vexact_models.runtime.pipeline`): the
+        decoder `layers`, after the embeddings (`first`) or the previous stage's ``(hidden,
+        residual)``; then the final norm and the logits of `forward` (`last`), else ``(hidden,
+        residual)`` for the next stage. The same calls as ``forward_flat``, so all stages
+        together compute `forward`'s logits bitwise."""
+        base = self.causal_lm.model
+        if first:
+            forbid_adapters(base.embed_tokens, "embed_tokens", "train it fully with modules_to_save=['embed_tokens']")
+            hidden, residual = base.embed_tokens(input_ids), None
+        rope = base.rope.get(hidden.device)
+        for i in layers:
+            hidden, residual = base.layers[i](hidden, residual, positions, rope, context)
+        if not last:
+            return hidden, residual
+        hidden = base.norm(hidden, residual)[0]
         return linear(hidden[logits_indices], self.causal_lm.lm_head_weight(), out_dtype=torch.float32)
 
     @classmethod

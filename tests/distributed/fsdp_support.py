@@ -21,12 +21,12 @@ HERE = Path(__file__).resolve().parent
 
 # -- the data every rank and the single-process reference agree on -------------------------------
 
-def make_model(arch, seed: int = 0):
+def make_model(arch, seed: int = 0, **overrides):
     """A tiny fp32 model of `arch` with values that make logprobs non-trivial (the default init
     of 0.02 gives almost flat logits) and, where the architecture has one, a random
-    expert-selection bias (so the routing depends on it)."""
+    expert-selection bias (so the routing depends on it). `overrides`: config fields."""
     torch.manual_seed(seed)
-    model = arch.causal_lm_class(arch.tiny_config(initializer_range=0.3))
+    model = arch.causal_lm_class(arch.tiny_config(initializer_range=0.3, **overrides))
     if arch.init_for_conformance is not None:
         arch.init_for_conformance(model, seed)
     return model

@@ -89,11 +89,11 @@ def test_base_model_and_non_models_are_clear_errors():
         LLM(123, kv_cache_bytes=1 << 20)
     with pytest.raises(ValueError, match="Linear without an HF config"):
         LLM(torch.nn.Linear(2, 2), kv_cache_bytes=1 << 20)
-    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+    mistral = transformers.MistralForCausalLM(transformers.MistralConfig(  # an architecture we do not serve
         vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=1))
-    with pytest.raises(ValueError, match="model_type 'llama' is not supported; supported: .*'qwen3'"):
-        LLM(llama, kv_cache_bytes=1 << 20)
+    with pytest.raises(ValueError, match="model_type 'mistral' is not supported; supported: .*'qwen3'"):
+        LLM(mistral, kv_cache_bytes=1 << 20)
 
 
 # -- the backend the engine runs -----------------------------------------------------------------

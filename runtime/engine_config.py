@@ -1,0 +1,74 @@
+"""The engine's settings in one object, and the one place that wires its parts from them.
+
+`LLM` resolves its arguments (and the model's limits and memory) into an `EngineConfig`;
+`EngineConfig.make_scheduler` builds a `BlockManager` and the `Scheduler` over it (again after a
+failed step: `LLM._abort`), `EngineConfig.make_runner` the `ModelRunner` that reads that
+BlockManager's block tables. Benchmarks and the pipeline-parallel engine wire the same parts
+the same way through these two calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .block_manager import BlockManager
+from .model_runner import ModelRunner
+from .scheduler import Scheduler
+
+__all__ = ["EngineConfig"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Scheduling and KV-cache settings of one engine (the resolved `LLM` arguments).
+
+    Attributes:
+        num_blocks: KV pages in the cache (the same page ids on every pipeline stage).
+        block_size: positions per page.
+        max_num_seqs: sequences per step at most.
+        max_num_batched_tokens: tokens per step at most (the chunked-prefill budget).
+        max_model_len: prompt + output tokens of one sequence at most.
+        eos_token_id: the EOS id that ends sequences in the scheduler (None: none).
+        enable_chunked_prefill: split long prompts over steps.
+        enable_prefix_sharing: share the KV pages of common full-page prefixes.
+        cuda_graph_batch: decode steps of up to this many sequences replay CUDA graphs
+            (0: always eager, ``enforce_eager``; ignored off CUDA).
+    """
+
+    num_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    eos_token_id: int | None = None
+    enable_chunked_prefill: bool = True
+    enable_prefix_sharing: bool = True
+    cuda_graph_batch: int = 0
+
+    def make_scheduler(self) -> Scheduler:
+        """A fresh `BlockManager` (every page free, no shared prefix) and the `Scheduler` over it."""
+        block_manager = BlockManager(self.num_blocks, self.block_size, enable_prefix_sharing=self.enable_prefix_sharing)
+        return Scheduler(block_manager, self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
+                         self.eos_token_id, chunked_prefill=self.enable_chunked_prefill)
+
+    def make_runner(self, model, device: torch.device, dtype: torch.dtype, scheduler: Scheduler | None = None,
+                    layers: range | None = None, carry_width: int = 0) -> ModelRunner:
+        """The `ModelRunner` of `model` with this cache geometry (its KV cache allocated, and its
+        decode CUDA graphs captured when ``cuda_graph_batch`` > 0 on CUDA: call it under the
+        kernel backend the graphs should capture). A pipeline stage passes its decoder `layers`
+        (whose KV pages it holds; default all) and, past the first stage, the `carry_width` of
+        the hidden rows it takes from the previous stage. Connected to `scheduler` when given."""
+        runner = ModelRunner(model, self.num_blocks, self.block_size, device, dtype,
+                             cuda_graph_batch=self.cuda_graph_batch, max_model_len=self.max_model_len, layers=layers,
+                             carry_width=carry_width)
+        if scheduler is not None:
+            self.connect(runner, scheduler)
+        return runner
+
+    @staticmethod
+    def connect(runner: ModelRunner, scheduler: Scheduler) -> None:
+        """Let `runner` read the step's block tables from `scheduler`'s BlockManager mirror (one
+        vectorised gather per step instead of per-sequence lists)."""
+        runner.block_tables = scheduler.block_manager.tables

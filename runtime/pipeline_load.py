@@ -1,0 +1,176 @@
+"""Load one pipeline stage's share of a checkpoint folder, and nothing else.
+
+The model is built on the meta device (no memory); the stage's modules (`PipelineStage.owns`:
+its decoder layers, the embeddings on the first stage, the final norm and the LM head on the
+last) are then given storage on the stage's device and filled from the safetensors files
+(single file, or sharded with ``model.safetensors.index.json``), reading only the tensors
+they need (``safe_open`` maps the files; the headers say where each tensor is). Every other
+parameter stays on the meta device. The values and dtypes are those ``from_pretrained`` gives:
+the checkpoint's tensors cast to the load dtype, except what the class keeps in fp32
+(``_keep_in_fp32_modules_strict``, e.g. DeepSeek-V3's expert-selection bias), and MoE
+experts stored one tensor per expert (the hub layout) are fused into HF's 3-D tensors as
+transformers' own conversion does (``gate_up_proj[e] = cat(gate_proj, up_proj)``, gate first).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import torch
+from torch import nn
+
+from .pipeline import PipelineStage
+
+__all__ = ["empty_stage_model", "load_stage_model"]
+
+_FUSED_EXPERTS = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
+_LIST_AT_MOST = 8
+
+
+def checkpoint_files(folder: str) -> dict[str, str]:
+    """Tensor name -> the safetensors file holding it (from the index, else the single file's header)."""
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            return {name: os.path.join(folder, file) for name, file in json.load(f)["weight_map"].items()}
+    single = os.path.join(folder, "model.safetensors")
+    if not os.path.isfile(single):
+        raise ValueError(f"LLM: {folder} holds no safetensors checkpoint (model.safetensors or "
+                         "model.safetensors.index.json); pipeline stages load safetensors only")
+    from safetensors import safe_open
+
+    with safe_open(single, framework="pt") as handle:
+        return dict.fromkeys(handle.keys(), single)
+
+
+class _Reader:
+    """Reads single tensors out of a checkpoint's safetensors files, each file opened once."""
+
+    def __init__(self, files: dict[str, str]) -> None:
+        self.files = files
+        self.handles: dict[str, object] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def get(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        path = self.files[name]
+        if path not in self.handles:
+            self.handles[path] = safe_open(path, framework="pt")
+        return self.handles[path].get_tensor(name)
+
+
+def _keep_fp32(model: nn.Module, dtype: torch.dtype) -> list[str]:
+    """Name fragments transformers keeps in fp32 when loading in `dtype` (its ``_get_dtype_plan``)."""
+    keep = []
+    if dtype == torch.float16:
+        keep += list(getattr(model, "_keep_in_fp32_modules", None) or [])
+    if dtype in (torch.float16, torch.bfloat16):
+        keep += list(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
+    return keep
+
+
+def _materialize(model: nn.Module, stage: PipelineStage, device: torch.device, dtype: torch.dtype) -> dict:
+    """Give the stage's parameters and buffers storage on `device` (uninitialised), in their load
+    dtype; returns them by checkpoint name. Tied weights stay tied (one tensor)."""
+    keep = _keep_fp32(model, dtype)
+    # a tied LM head is the embedding matrix: the last stage holds it under both names
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    owned: dict[str, torch.Tensor] = {}
+    made: dict[int, torch.Tensor] = {}  # id(meta tensor) -> its new tensor: ties stay ties
+    for kind in ("parameters", "buffers"):
+        for name, tensor in getattr(model, f"named_{kind}")(remove_duplicate=False):
+            if not (stage.owns(name) or tied and stage.is_last and name == "model.embed_tokens.weight"):
+                continue
+            if id(tensor) not in made:
+                want = torch.float32 if any(k in name for k in keep) else tensor.dtype
+                new = torch.empty(tensor.shape, dtype=want, device=device)
+                made[id(tensor)] = nn.Parameter(new, requires_grad=tensor.requires_grad) if kind == "parameters" else new
+            module_name, _, leaf = name.rpartition(".")
+            module = model.get_submodule(module_name)
+            getattr(module, f"_{kind}")[leaf] = made[id(tensor)]
+            owned[name] = made[id(tensor)]
+    return owned
+
+
+def _fill(owned: dict[str, torch.Tensor], reader: _Reader, folder: str) -> None:
+    """Copy every owned tensor's value from the checkpoint (cast to its dtype); ValueError
+    naming every tensor the checkpoint lacks or holds in another shape."""
+    missing, wrong, done = [], [], set()
+    for name, target in owned.items():
+        if id(target) in done:
+            continue
+        sources = _sources(name, target, reader)
+        if sources is None:
+            missing.append(name)
+            continue
+        for rows, source in sources:
+            value = reader.get(source)
+            if tuple(value.shape) != tuple(target[rows].shape):
+                wrong.append(f"{source} has shape {tuple(value.shape)} but the model expects {tuple(target[rows].shape)}")
+                break
+            with torch.no_grad():
+                target[rows].copy_(value)
+        done.add(id(target))
+    for problems, what in ((missing, "is missing tensor(s)"), (wrong, "has tensor(s) that do not fit the config:")):
+        if problems:
+            more = f" and {len(problems) - _LIST_AT_MOST} more" if len(problems) > _LIST_AT_MOST else ""
+            raise ValueError(f"LLM: the checkpoint {folder} {what} {problems[:_LIST_AT_MOST]}{more}")
+
+
+def _sources(name: str, target: torch.Tensor, reader: _Reader) -> list[tuple[tuple, str]] | None:
+    """``[(index into target, checkpoint tensor name)]`` that fill `target`, or None when the
+    checkpoint lacks them: the tensor itself, the tied head's embedding, or one tensor per
+    expert (gate and up rows of ``gate_up_proj``, ``down_proj``)."""
+    whole = (slice(None),)
+    if name in reader:
+        return [(whole, name)]
+    if name == "lm_head.weight" and "model.embed_tokens.weight" in reader:
+        return [(whole, "model.embed_tokens.weight")]
+    if name == "model.embed_tokens.weight" and "lm_head.weight" in reader:
+        return [(whole, "lm_head.weight")]
+    match = _FUSED_EXPERTS.match(name)
+    if match is None:
+        return None
+    prefix, experts = match["prefix"], target.shape[0]
+    if match["kind"] == "down_proj":
+        parts = [((e,), f"{prefix}.{e}.down_proj.weight") for e in range(experts)]
+    else:
+        inter = target.shape[1] // 2
+        parts = [part for e in range(experts) for part in (((e, slice(0, inter)), f"{prefix}.{e}.gate_proj.weight"),
+                                                           ((e, slice(inter, None)), f"{prefix}.{e}.up_proj.weight"))]
+    return parts if all(source in reader for _, source in parts) else None
+
+
+def empty_stage_model(arch, config, dtype: torch.dtype, stage: PipelineStage | None, device: torch.device):
+    """The training-variant model of `arch` for `config` holding only `stage`'s tensors (all of
+    them when `stage` is None), on `device` in `dtype` (what the class keeps in fp32 in fp32),
+    uninitialised; the rest on the meta device. For an engine whose weights come from a trainer
+    (``LLM(model, pipeline_parallel_size=P, owns_weights=True)``, then ``update_weights``);
+    buffers (e.g. DeepSeek-V3's expert-selection bias) are not parameters: set them too."""
+    if stage is None:
+        layers = int(config.num_hidden_layers)
+        stage = PipelineStage(0, 1, range(layers), layers)
+    with torch.device("meta"):
+        model = arch.causal_lm_class._from_config(config, dtype=dtype)
+    _materialize(model, stage, device, dtype)
+    return model.eval()
+
+
+def load_stage_model(folder: str, arch, config, dtype: torch.dtype, stage: PipelineStage, device: torch.device):
+    """The training-variant model of `arch` for `config`, holding only `stage`'s tensors (on
+    `device`, loaded from the checkpoint in `folder` in `dtype`); the rest on the meta device.
+    Its ``generation_config`` is the folder's ``generation_config.json`` when there is one."""
+    with torch.device("meta"):
+        model = arch.causal_lm_class._from_config(config, dtype=dtype)
+    owned = _materialize(model, stage, device, dtype)
+    _fill(owned, _Reader(checkpoint_files(folder)), folder)
+    if os.path.isfile(os.path.join(folder, "generation_config.json")):
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(folder)
+    return model.eval()

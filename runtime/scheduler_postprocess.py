@@ -1,0 +1,95 @@
+"""The end of a scheduler step: `Scheduler.postprocess` applies the sampled tokens, decides
+which sequences finish (stop tokens, EOS, ``min_tokens``, ``max_tokens``, ``max_model_len``) and
+frees their pages.
+
+A mixin of `runtime.scheduler.Scheduler` (it uses the scheduler's ``_running`` list, its
+``block_manager``, ``eos_token_id`` and ``max_model_len``), kept apart so that each file holds
+one concept: deciding a step there, applying its results here.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from .scheduler import ScheduledSeq
+
+__all__ = ["PostprocessMixin"]
+
+
+class PostprocessMixin:
+    """Applying a step's results and the finishing rules, for `Scheduler`."""
+
+    def postprocess(
+        self,
+        scheduled: list[ScheduledSeq],
+        tokens: list[int | None],
+        logprobs: list[float | None],
+    ) -> list[Sequence]:
+        """Apply one step's results. ``tokens[i]``/``logprobs[i]`` are the token sampled for
+        ``scheduled[i]`` and its logprob (ignored, may be None, where ``samples`` is False).
+        Returns the sequences that finished in this step; their pages are freed."""
+        if len(tokens) != len(scheduled) or len(logprobs) != len(scheduled):
+            raise ValueError(
+                f"postprocess: {len(scheduled)} scheduled sequences but {len(tokens)} tokens "
+                f"and {len(logprobs)} logprobs"
+            )
+        self._validate_results(scheduled, tokens, logprobs)
+        self._awaiting_postprocess = False
+        finished: list[Sequence] = []
+        finish_reason = self._finish_reason
+        for item, token, logprob in zip(scheduled, tokens, logprobs):
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            if not item.samples:
+                continue
+            # Sequence.append_token, minus its status check: every sequence was checked RUNNING.
+            seq.token_ids.append(token)  # type: ignore[arg-type]
+            seq.output_logprobs.append(logprob)  # type: ignore[arg-type]
+            reason = finish_reason(seq, token)
+            if reason is not None:
+                self._finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    @staticmethod
+    def _validate_results(scheduled: list[ScheduledSeq], tokens: list[int | None],
+                          logprobs: list[float | None]) -> None:
+        """Check a step's results before anything is mutated, so a bad call leaves no
+        half-applied step. A decode step has no None at all: then only the statuses need a look."""
+        running = SequenceStatus.RUNNING
+        if None not in tokens and None not in logprobs:
+            for item in scheduled:
+                if item.seq.status is not running:
+                    raise RuntimeError(f"postprocess: {item.seq!r} is not running")
+            return
+        for i, (item, token, logprob) in enumerate(zip(scheduled, tokens, logprobs)):
+            if item.seq.status is not running:
+                raise RuntimeError(f"postprocess: {item.seq!r} is not running")
+            if item.samples and (token is None or logprob is None):
+                raise ValueError(f"postprocess: scheduled[{i}] samples but got no token/logprob")
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        """Whether ``token``, just appended, ends ``seq``. A stop token wins over a length limit
+        reached at the same token (the model chose to stop)."""
+        params = seq.params
+        num_tokens = len(seq.token_ids)  # called per sequence per step: no property calls
+        num_output = num_tokens - seq.num_prompt_tokens
+        # Stop tokens/EOS count only once min_tokens outputs precede them: the sampler bans
+        # them while num_output_tokens < min_tokens (counted before the new token).
+        if num_output - 1 >= params.min_tokens:
+            if token in params.stop_token_ids:
+                return "stop"
+            if token == self.eos_token_id and not params.ignore_eos:
+                return "stop"
+        if num_output >= params.max_tokens or num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self._running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

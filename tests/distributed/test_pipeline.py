@@ -1,0 +1,102 @@
+"""Pipeline-parallel rollout on CPU (gloo, torchrun): every architecture over 2 stages, and two
+over 3 stages (one decoder layer each, so the middle stage's path runs), rolled out from a
+sharded checkpoint folder == a single-process rollout == the training recompute, bitwise,
+tokens and logprobs, with preemption, chunked prefill, prefix sharing and n > 1; every rank
+returns the same outputs; each stage holds only its own layers' tensors and KV pages; and an
+FSDP2 trainer on the same ranks streams its weights into the stages after an optimizer step.
+
+Each world size is one torchrun launch (tests/distributed/pipeline_rollout_worker.py) whose
+ranks record their checks; the tests below assert on groups of them.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vexact_models.registry import architectures
+
+from .fsdp_support import failures, torchrun
+
+RUNS = {2: ("all", 0), 3: ("qwen3,deepseek_v3", 3)}  # world size -> (architectures, decoder layers; 0: tiny default)
+
+
+@pytest.fixture(scope="module", params=sorted(RUNS), ids=lambda w: f"stages{w}")
+def run(request, tmp_path_factory):
+    world = request.param
+    archs, layers = RUNS[world]
+    names = ",".join(a.name for a in architectures()) if archs == "all" else archs
+    out = tmp_path_factory.mktemp(f"pipeline{world}")
+    return world, names.split(","), torchrun("pipeline_rollout_worker.py", world, out, "--archs", names,
+                                            "--layers", str(layers), "--checks", "rollout,stream")
+
+
+def _assert_ok(results, prefix):
+    bad = failures(results, prefix)
+    assert not bad, "\n".join(bad[:20])
+
+
+def test_every_stage_ran_every_architecture(run):
+    world, names, results = run
+    assert sorted(results) == list(range(world))
+    for rank, checks in results.items():
+        crashed = {n: c["detail"] for n, c in checks.items() if n.startswith("crash/")}
+        assert not crashed, f"rank {rank}: {crashed}"
+        for name in names:
+            assert f"stream/{name}/equals_sharded_recompute" in checks, (rank, name)
+
+
+def test_each_stage_holds_only_its_layers_tensors_and_kv_pages(run):
+    world, names, results = run
+    _assert_ok(results, "stage/")
+    for rank, checks in results.items():
+        for name in names:
+            assert checks[f"stage/{name}/holds_only_its_tensors"]["ok"], (rank, name)
+
+
+def test_pipelined_rollout_equals_single_process_and_recompute_bitwise(run):
+    """Tokens and logprobs of every completion (greedy, sampled, top-k, top-p, min_tokens with
+    stop tokens, n = 3), with a roomy cache and with a tight one (preemption, chunked prefill)."""
+    world, names, results = run
+    _assert_ok(results, "rollout/")
+    for name in names:
+        for setting in ("roomy", "tight"):
+            for check in ("equals_single_process", "equals_recompute"):
+                assert results[0][f"rollout/{name}/{setting}/{check}"]["ok"]
+        assert results[0][f"rollout/{name}/tight/preempted"]["ok"]
+        assert results[0][f"rollout/{name}/roomy/shared_prefix_pages"]["ok"]
+
+
+def test_every_rank_returns_the_same_outputs(run):
+    world, names, results = run
+    for name in names:
+        for setting in ("roomy", "tight"):
+            key = f"rollout/{name}/{setting}/outputs"
+            outputs = {results[r][key]["detail"] for r in range(world)}
+            assert len(outputs) == 1, f"{key}: ranks differ"
+
+
+def test_weights_streamed_from_an_fsdp2_trainer_reach_each_stage(run):
+    """After an optimizer step, `stream_full_weights` (every rank the whole stream) gives each
+    stage its own layers' new values, and the next rollout == the sharded recompute."""
+    _assert_ok(run[2], "stream/")
+
+
+def test_pipeline_rollout_benchmark_runs_on_two_cpu_processes():
+    """benchmarks/pipeline_rollout.py --tiny: an FSDP2 trainer and a 2-stage engine on 2 gloo
+    ranks, two iterations of rollout -> sharded recompute (0 mismatches) -> step -> stream."""
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(root / "benchmarks" / "pipeline_rollout.py"), "--tiny"]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    assert "pipeline stages: 2 (stage 0 runs layers 0..0)" in run.stdout, run.stdout
+    rows = [line.split() for line in run.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert [r[0] for r in rows] == ["0", "1"] and all(r[2] == "0" and int(r[1]) >= 200 for r in rows), run.stdout
+    assert run.stdout.rstrip().endswith("OK")
+    bad = subprocess.run([sys.executable, str(root / "benchmarks" / "pipeline_rollout.py"), "--tiny", "--same-gpu"],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--same-gpu needs --trainer none" in bad.stderr
