@@ -15,7 +15,12 @@ shape (default Qwen3-0.6B), bf16, CUDA.
 Then decode step time at batch 128 and 256 (contexts ~512-640 tokens) beside the HBM roofline:
 bytes of weights and KV read per step over the measured copy bandwidth.
 
+MLA models (DeepSeek-V3, Moonlight) take ``--mla-kv-cache expanded,latent``: the vexact engines
+and the decode table run once per KV cache mode, on the same weights, in the same run
+(docs/mla-kv-cache.md). ``--set KEY=VALUE`` overrides config fields as in the conformance CLI.
+
 Usage: python benchmarks/throughput.py [--config qwen3-0.6b] [--requests 256] [--engines aligned,fast,hf]
+       python benchmarks/throughput.py --config moonlight-16b-a3b --mla-kv-cache expanded,latent --engines aligned
 """
 
 from __future__ import annotations
@@ -60,9 +65,10 @@ def run_vexact(model, prompts, outputs, args, aligned: bool = True) -> tuple[flo
 
 @torch.no_grad()
 def run_hf(arch, model, prompts, outputs, batch: int) -> tuple[float, int]:
-    hf = arch.hf_class()._from_config(model.config, attn_implementation="sdpa")  # stock's fast path
+    with torch.device("cuda"):  # built on the GPU in bf16: random init of an 8B model on the host takes minutes
+        hf = arch.hf_class()._from_config(model.config, attn_implementation="sdpa", dtype=torch.bfloat16)  # stock's fast path
     hf.load_state_dict(model.state_dict(), strict=False)
-    hf = hf.to(device="cuda", dtype=torch.bfloat16).eval()
+    hf = hf.eval()
     if model.config.tie_word_embeddings:
         hf.tie_weights()
     order = sorted(range(len(prompts)), key=lambda i: outputs[i])
@@ -105,12 +111,14 @@ def decode_roofline(model, vocab: int, batch: int, hbm: float, aligned: bool, co
     steps = sorted(t for n, decode, t in llm.step_times if decode and n == batch)
     del llm
     torch.cuda.empty_cache()
-    layers, kv_heads, dk, dv = model.kv_cache_spec()
-    itemsize = next(model.parameters()).element_size()
+    from vexact_models.runtime.model_runner import kv_bytes_per_block
+
+    param = next(model.parameters())
+    itemsize = param.element_size()
     weights = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n) * itemsize
     if model.config.tie_word_embeddings:  # the LM head reads the (tied) embedding matrix
         weights += model.lm_head.weight.numel() * itemsize
-    kv = batch * (context + new_tokens // 2) * layers * kv_heads * (dk + dv) * itemsize
+    kv = batch * (context + new_tokens // 2) * kv_bytes_per_block(model.kv_cache_spec(), 1, param.dtype)
     return steps[len(steps) // 2], (weights + kv) / (hbm * 1e9)
 
 
@@ -128,54 +136,88 @@ def main(argv=None) -> int:
                         help="comma-separated subset of aligned, fast, hf (default: all)")
     parser.add_argument("--skip-hf", action="store_true", help="same as leaving hf out of --engines")
     parser.add_argument("--no-roofline", action="store_true", help="skip the decode step / roofline table")
+    parser.add_argument("--set", action="append", metavar="KEY=VALUE",
+                        help="override a config field (JSON value; repeatable), e.g. --set n_routed_experts=8")
+    parser.add_argument("--mla-kv-cache", metavar="MODES",
+                        help="MLA models: comma-separated KV cache modes to run in turn (expanded, latent)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/throughput.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    from vexact_models.conformance.cli import architecture_of, build_model, make_config
-    from vexact_models.runtime.model_runner import kv_bytes_per_block
+    from vexact_models.conformance.models import parse_overrides
+    from vexact_models.conformance.models import architecture_of, build_model, make_config
 
     arch = architecture_of(args.config)
-    config_fields = make_config(arch, args.config, args.layers, None)
+    config_fields = make_config(arch, args.config, args.layers, None, parse_overrides(args.set))
     model = build_model(arch, config_fields, torch.device("cuda"), torch.bfloat16, args.seed)
-    print(f"KV cache: {kv_bytes_per_block(model.kv_cache_spec(), 1, torch.bfloat16):,} bytes per token "
-          f"(layers, KV heads, key dim, value dim = {model.kv_cache_spec()})")
+    modes = [m for m in (args.mla_kv_cache or "").split(",") if m] or [None]
+    if modes != [None] and not hasattr(model, "set_mla_kv_cache"):
+        parser.error(f"--mla-kv-cache: {args.config} is not an MLA model")
     prompts, outputs = workload(args.requests, config_fields.vocab_size, args.seed)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {args.config} "
           f"({config_fields.num_hidden_layers} layers), {args.requests} requests, "
           f"{sum(map(len, prompts))} prompt tokens, {sum(outputs)} output tokens")
     engines = [e for e in args.engines.split(",") if e and not (e == "hf" and args.skip_hf)]
-    rows = []
     for engine in engines:
-        if engine in ("aligned", "fast"):
-            seconds, produced = run_vexact(model, prompts, outputs, args, aligned=engine == "aligned")
-            name = "vexact aligned" if engine == "aligned" else "vexact fast path (cuBLAS)"
-        elif engine == "hf":
-            seconds, produced = run_hf(arch, model, prompts, outputs, args.hf_batch)
-            name = f"HF generate (batch {args.hf_batch})"
-        else:
+        if engine not in ("aligned", "fast", "hf"):
             parser.error(f"--engines: unknown engine {engine!r}")
-        rows.append((name, seconds, produced))
-        print(f"{name}: {produced} output tokens in {seconds:.1f}s = {produced / seconds:,.0f} tok/s", flush=True)
-    rates = {name: produced / seconds for name, seconds, produced in rows}
-    hf_rate = next((r for n, r in rates.items() if n.startswith("HF")), None)
-    fast_rate = rates.get("vexact fast path (cuBLAS)")
-    print(f"\n{'engine':<28}{'seconds':>9}{'output tokens':>15}{'output tok/s':>14}{'vs HF':>8}{'vs fast':>9}")
-    for name, seconds, produced in rows:
-        rate = produced / seconds
-        vs_hf = f"{rate / hf_rate:.1f}x" if hf_rate else "-"
-        vs_fast = f"{rate / fast_rate:.2f}" if fast_rate else "-"
-        print(f"{name:<28}{seconds:>9.1f}{produced:>15,}{rate:>14,.0f}{vs_hf:>8}{vs_fast:>9}")
+    rows = []
+    for mode in modes:
+        rows += run_engines(arch, model, prompts, outputs, args, [e for e in engines if e != "hf" or mode == modes[0]],
+                            mode)
+    print_rates(rows)
     if not args.no_roofline:
         hbm = copy_bandwidth()
         print(f"\ndecode steps (context 512-640) vs the HBM roofline (copy bandwidth {hbm:.0f} GB/s)")
-        print(f"{'engine':<10}{'batch':>7}{'step ms':>10}{'roofline ms':>13}{'% of roofline':>15}")
-        for aligned in (True, False) if "fast" in engines else (True,):
-            for batch in (128, 256):
-                step, roof = decode_roofline(model, config_fields.vocab_size, batch, hbm, aligned)
-                print(f"{'aligned' if aligned else 'fast':<10}{batch:>7}{step * 1e3:>10.2f}{roof * 1e3:>13.2f}"
-                      f"{100 * roof / step:>14.0f}%", flush=True)
+        print(f"{'engine':<22}{'batch':>7}{'step ms':>10}{'roofline ms':>13}{'% of roofline':>15}")
+        for mode in modes:
+            set_mode(model, mode)
+            for aligned in (True, False) if "fast" in engines else (True,):
+                for batch in (128, 256):
+                    step, roof = decode_roofline(model, config_fields.vocab_size, batch, hbm, aligned)
+                    name = ("aligned" if aligned else "fast") + (f" [{mode}]" if mode else "")
+                    print(f"{name:<22}{batch:>7}{step * 1e3:>10.2f}{roof * 1e3:>13.2f}{100 * roof / step:>14.0f}%",
+                          flush=True)
     return 0
+
+
+def set_mode(model, mode: str | None) -> None:
+    """Switch an MLA model's KV cache mode (None: leave the model as built) and print its cache size."""
+    from vexact_models.runtime.model_runner import kv_bytes_per_block
+
+    if mode is not None:
+        model.set_mla_kv_cache(mode)
+    print(f"KV cache{f' ({mode})' if mode else ''}: {kv_bytes_per_block(model.kv_cache_spec(), 1, torch.bfloat16):,} "
+          f"bytes per token (layers, KV heads, key dim, value dim = {tuple(model.kv_cache_spec())})", flush=True)
+
+
+def run_engines(arch, model, prompts, outputs, args, engines: list[str], mode: str | None) -> list[tuple]:
+    """Each engine's (name, mode, seconds, output tokens) on the workload, in the KV cache `mode`."""
+    set_mode(model, mode)
+    rows = []
+    for engine in engines:
+        if engine == "hf":
+            seconds, produced = run_hf(arch, model, prompts, outputs, args.hf_batch)
+            name, row_mode = f"HF generate (batch {args.hf_batch})", None
+        else:
+            seconds, produced = run_vexact(model, prompts, outputs, args, aligned=engine == "aligned")
+            name = "vexact aligned" if engine == "aligned" else "vexact fast path (cuBLAS)"
+            name, row_mode = name + (f" [{mode}]" if mode else ""), mode
+        rows.append((name, row_mode, seconds, produced))
+        print(f"{name}: {produced} output tokens in {seconds:.1f}s = {produced / seconds:,.0f} tok/s", flush=True)
+    return rows
+
+
+def print_rates(rows: list[tuple]) -> None:
+    """The throughput table: each row against HF and against the fast path of its own KV cache mode."""
+    hf_rate = next((p / s for n, _, s, p in rows if n.startswith("HF")), None)
+    fast = {m: p / s for n, m, s, p in rows if n.startswith("vexact fast path")}
+    print(f"\n{'engine':<40}{'seconds':>9}{'output tokens':>15}{'output tok/s':>14}{'vs HF':>8}{'vs fast':>9}")
+    for name, mode, seconds, produced in rows:
+        rate = produced / seconds
+        vs_hf = f"{rate / hf_rate:.1f}x" if hf_rate else "-"
+        vs_fast = f"{rate / fast[mode]:.2f}" if mode in fast and not name.startswith("HF") else "-"
+        print(f"{name:<40}{seconds:>9.1f}{produced:>15,}{rate:>14,.0f}{vs_hf:>8}{vs_fast:>9}")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ warm-up, tokens/s, peak memory, and the ratio vexact / HF (> 1: vexact is faster
 Usage:
     python benchmarks/training.py                                   # 0.6B, 8B, 30B-A3B (24 layers), 1k-32k
     python benchmarks/training.py --configs qwen3-8b --lengths 8192,32768 --steps 5
+    python benchmarks/training.py --configs moonlight-16b-a3b:4 --lengths 4096,16384 --set mla_kv_cache=latent
 """
 
 from __future__ import annotations
@@ -99,10 +100,11 @@ def stock_twin(arch, model):
 
 
 def measure(name: str, layers: int | None, lengths: list[int], args) -> list[list]:
-    from vexact_models.conformance.cli import architecture_of, build_model, make_config
+    from vexact_models.conformance.models import parse_overrides
+    from vexact_models.conformance.models import architecture_of, build_model, make_config
 
     arch = architecture_of(name)
-    config = make_config(arch, name, layers, max(lengths))
+    config = make_config(arch, name, layers, max(lengths), parse_overrides(args.set))
     ours = build_model(arch, config, torch.device("cuda"), torch.bfloat16, args.seed).train()
     params = sum(p.numel() for p in ours.parameters())
     rows = []
@@ -144,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpointing", choices=["auto", "on", "off"], default="auto",
                         help="activation checkpointing on both sides (default auto: >= 16k tokens or > 4B parameters)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--set", action="append", metavar="KEY=VALUE",
+                        help="override a config field of every model (JSON value; repeatable), e.g. "
+                             "--set mla_kv_cache=latent")
     args = parser.parse_args(argv)
     try:
         configs = parse_configs(args.configs)

@@ -11,6 +11,10 @@ and allows zero mismatches:
   with shuffled pages, for sequences up to 8192 tokens, at the Qwen3 head layouts.
 - rms_norm, log_softmax, gather_logprobs, token_logprobs, silu_and_mul, rotary: rows alone vs
   in batches; gather vs the full row; token_logprobs vs the sampler path.
+- latent MLA (``--only latent``): the latent attention kernel (one 576-dim key head, the value a
+  view of its first 512 dims, 16 and 128 query heads) as the attention check runs it, packed vs
+  chunked prefill vs decode over a latent paged cache, up to 8192 tokens; the absorption GEMMs
+  (`kernels.head_linear`, on strided views of kv_b_proj) row alone vs in batches of up to 8192.
 
 Usage: ``python -m vexact_models.conformance.kernel_invariance [--quick]`` (needs CUDA); prints
 a table and exits non-zero on any mismatch.
@@ -47,6 +51,8 @@ LINEAR_SHAPES = [
 ATTENTION_SHAPES = [("qwen3-0.6b", 16, 8, 128, 128), ("qwen3-8b", 32, 8, 128, 128), ("qwen3-30b-a3b", 32, 4, 128, 128),
                     ("gqa-d64", 8, 2, 64, 64), ("moonlight MLA", 16, 16, 192, 128),
                     ("deepseek-v3 MLA", 128, 128, 192, 128)]
+# (name, q heads, kv_lora_rank, rope dims, qk_nope, v_head_dim): MLA with kv_b_proj absorbed (latent KV cache)
+LATENT_SHAPES = [("moonlight latent MLA", 16, 512, 64, 128, 128), ("deepseek-v3 latent MLA", 128, 512, 64, 128, 128)]
 # (name, hidden, experts, expert intermediate, top-k, router): DeepSeek-V3 with 64 of its 256 experts
 MOE_SHAPES = [("qwen3-30b-a3b", 2048, 128, 768, 8, "softmax"), ("moonlight", 2048, 64, 1408, 6, "sigmoid 1 group"),
               ("deepseek-v3", 7168, 64, 2048, 8, "sigmoid 8 groups")]
@@ -86,7 +92,7 @@ def check_linear(result: Result, k: int, n: int, m_values: list[int], out_dtype:
 
 def check_linear_configs(result: Result, k: int, n: int) -> None:
     """Every config of the tile table gives the same rows (so the M -> config map may change)."""
-    from vexact_models.kernels.linear import LinearConfig, _linear_triton
+    from vexact_models.kernels.linear import LinearConfig, linear_triton
 
     configs = [LinearConfig(64, 32, 4, 6), LinearConfig(64, 16, 4, 8), LinearConfig(64, 64, 4, 6),
                LinearConfig(64, 128, 4, 4), LinearConfig(128, 128, 8, 3), LinearConfig(128, 256, 8, 3),
@@ -95,15 +101,16 @@ def check_linear_configs(result: Result, k: int, n: int) -> None:
                LinearConfig(64, 128, 4, 4, tma=True), LinearConfig(128, 128, 8, 4, tma=True, persistent=True)]
     x = torch.randn(300, k, device="cuda").bfloat16()
     w = (torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16()
-    want = _linear_triton(x, w, None, torch.bfloat16, configs[0])
+    want = linear_triton(x, w, None, torch.bfloat16, configs[0])
     for cfg in configs[1:]:
         for m in (1, 77, 300):
-            result.compare(_linear_triton(x[:m], w, None, torch.bfloat16, cfg), want[:m], f"K={k} N={n} {cfg} M={m}")
+            result.compare(linear_triton(x[:m], w, None, torch.bfloat16, cfg), want[:m], f"K={k} N={n} {cfg} M={m}")
 
 
-def _paged_run(q, k, v, lens, steps, page_size, gen):
+def _paged_run(q, k, v, lens, steps, page_size, gen, value_in_key: bool = False):
     """Feed sequences through the paged path; `steps(remaining)` yields per-sequence chunk sizes
-    for one launch (0 = not in this launch). Returns outputs in packed order."""
+    for one launch (0 = not in this launch). Returns outputs in packed order. With
+    `value_in_key` (latent MLA: v is k's first dims) the V cache is a view of the K cache."""
     from vexact_models.kernels import PagedLayout, attention, kv_cache_write
 
     device = q.device
@@ -119,7 +126,8 @@ def _paged_run(q, k, v, lens, steps, page_size, gen):
     table = table.to(device)
     table_host = table.cpu()
     k_cache = torch.full((sum(pages), page_size, hkv, d), float("nan"), device=device, dtype=k.dtype)
-    v_cache = torch.full((sum(pages), page_size, hkv, v.shape[2]), float("nan"), device=device, dtype=v.dtype)
+    v_cache = k_cache[..., :v.shape[2]] if value_in_key else \
+        torch.full((sum(pages), page_size, hkv, v.shape[2]), float("nan"), device=device, dtype=v.dtype)
     starts = [0]
     for n in lens:
         starts.append(starts[-1] + n)
@@ -181,6 +189,56 @@ def check_attention(result: Result, hq: int, hkv: int, d: int, dv: int, lens: li
     for name, schedule, page_size in schedules:
         got = _paged_run(q, k, v, lens, schedule, page_size, gen)
         result.compare(got, packed, f"{tag} {name} page {page_size}")
+
+
+def check_latent_attention(result: Result, hq: int, rank: int, rope: int, lens: list[int], quick: bool) -> None:
+    """The latent MLA kernel: each query's output packed (training), each sequence packed alone,
+    and over a latent paged cache (V a view of K) in chunked prefill / decode schedules."""
+    from vexact_models.kernels import attention_packed
+
+    gen = random.Random(hq * 1000 + rank)
+    t = sum(lens)
+    q = torch.randn(t, hq, rank + rope, device="cuda").bfloat16()
+    k = torch.randn(t, 1, rank + rope, device="cuda").bfloat16()
+    v = k[..., :rank]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
+    packed = attention_packed(q, k, v, cu, max(lens))  # the default scale, as _paged_run's attention() calls
+    tag = f"latent Hq={hq} D={rank}+{rope} Dv={rank} lens={lens}"
+    for s in range(len(lens)):
+        sl = slice(int(cu[s]), int(cu[s + 1]))
+        alone = attention_packed(q[sl], k[sl], k[sl][..., :rank], torch.tensor([0, lens[s]], dtype=torch.int32,
+                                                                                device="cuda"), lens[s])
+        result.compare(alone, packed[sl], f"{tag} seq {s} packed alone")
+
+    def random_chunks(rem):
+        return [min(r, gen.choice([0, 1, 1, 2, 5, 16, 37, 64, 200, 1000])) for r in rem]
+
+    schedules = [("chunk 128", lambda rem: [min(128, r) for r in rem], 16), ("random chunks", random_chunks, 16),
+                 ("prefill+decode", lambda rem: [r - 48 if r > 48 else min(r, 1) for r in rem], 64)]
+    if not quick:
+        schedules.append(("chunk 1000", lambda rem: [min(1000, r) for r in rem], 1))
+    for name, schedule, page_size in schedules:
+        got = _paged_run(q, k, v, lens, schedule, page_size, gen, value_in_key=True)
+        result.compare(got, packed, f"{tag} {name} page {page_size}")
+
+
+def check_head_linear(result: Result, heads: int, rank: int, nope: int, v_dim: int, quick: bool) -> None:
+    """The absorption GEMMs on strided views of a kv_b_proj weight: rows alone == rows in batches."""
+    from vexact_models.kernels import head_linear
+
+    weight = (torch.randn(heads, nope + v_dim, rank, device="cuda") / rank ** 0.5).bfloat16()
+    w_uk_t, w_uv = weight[:, :nope].transpose(1, 2), weight[:, nope:]
+    ms = [m for m in M_SWEEP if m <= (1024 if quick else 8192)]
+    m_max = max(ms)
+    q = torch.randn(m_max, heads, nope + 64, device="cuda").bfloat16()[:, :, :nope]  # a slice of the query
+    o = torch.randn(m_max, heads, rank, device="cuda").bfloat16()
+    rows = sorted({0, 1, 5, 63, 64, 127, m_max // 2, m_max - 1} | set(random.Random(heads).sample(range(m_max), 24)))
+    for what, x, w in (("W_uk (query -> latent)", q, w_uk_t), ("W_uv (latent -> value)", o, w_uv)):
+        single = torch.cat([head_linear(x[i:i + 1], w) for i in rows])
+        for m in ms:
+            keep = [j for j, i in enumerate(rows) if i < m]
+            got = head_linear(x[:m], w)[[i for i in rows if i < m]]
+            result.compare(got, single[keep], f"H={heads} {what} M={m}")
 
 
 def check_rows(results: dict[str, Result], quick: bool) -> None:
@@ -287,13 +345,15 @@ def check_moe(results: dict[str, Result], quick: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer shapes and M up to 1024 (a smoke run)")
-    parser.add_argument("--only", choices=["linear", "attention", "rows", "moe"], help="run one group of checks")
+    parser.add_argument("--only", choices=["linear", "attention", "latent", "rows", "moe"],
+                        help="run one group of checks (latent: MLA's latent attention and absorption GEMMs)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("kernel_invariance: needs a CUDA GPU", file=sys.stderr)
         return 2
     torch.manual_seed(0)
-    names = ["linear", "linear configs", "attention", "rms_norm", "log_softmax", "token_logprobs", "elementwise", "moe"]
+    names = ["linear", "linear configs", "attention", "latent attention", "head_linear", "rms_norm", "log_softmax",
+             "token_logprobs", "elementwise", "moe"]
     results = {n: Result(n) for n in names}
     t0 = time.time()
     if args.only in (None, "linear"):
@@ -309,6 +369,13 @@ def main(argv: list[str] | None = None) -> int:
         for name, hq, hkv, d, dv in ATTENTION_SHAPES:
             check_attention(results["attention"], hq, hkv, d, dv, lens, args.quick)
             print(f"attention {name}: {results['attention'].mismatches} mismatches so far", flush=True)
+    if args.only in (None, "latent"):
+        lens = [1, 37, 300, 2048] if args.quick else [1, 37, 300, 2048, 8192]
+        for name, hq, rank, rope, nope, v_dim in LATENT_SHAPES:
+            check_latent_attention(results["latent attention"], hq, rank, rope, lens, args.quick)
+            check_head_linear(results["head_linear"], hq, rank, nope, v_dim, args.quick)
+            print(f"{name}: {results['latent attention'].mismatches} attention and {results['head_linear'].mismatches} "
+                  "head_linear mismatches so far", flush=True)
     if args.only in (None, "rows"):
         check_rows(results, args.quick)
     if args.only in (None, "moe"):

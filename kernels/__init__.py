@@ -1,14 +1,20 @@
 """Aligned ops: batch-invariant kernels with a Triton (GPU) and a reference (CPU) backend.
 
 Each op lives in its own module with its Triton kernel, launcher, reference implementation,
-backward (where training needs one) and a docstring stating its invariance contract.
+backward (where training needs one) and a docstring stating its invariance contract. Model code
+imports ops from this package only, never from its modules (tests/kernels/test_public_names.py
+checks it); a name imported across files (benchmarks, GPU proofs) is public in its module.
 """
 
 from .attention import PagedLayout, attention, attention_packed, packed_layout
 from .backend import BACKENDS, UnsupportedError, current_backend, set_backend, use_backend
+from .grouped_topk import sigmoid_grouped_topk
+from .head_linear import head_linear
 from .kv_cache_write import kv_cache_write
 from .linear import linear
 from .log_softmax import gather_logprobs, log_softmax
+from .moe import fused_moe
+from .moe_routing import softmax_topk
 from .rms_norm import add_rms_norm, rms_norm
 from .rotary import apply_rotary, rope_table
 from .sampling import sample_tokens
@@ -17,6 +23,7 @@ from .token_logprobs import token_logprobs
 
 __all__ = [
     "BACKENDS", "PagedLayout", "UnsupportedError", "add_rms_norm", "apply_rotary", "attention", "attention_packed",
-    "current_backend", "gather_logprobs", "kv_cache_write", "linear", "log_softmax", "packed_layout",
-    "rms_norm", "rope_table", "sample_tokens", "set_backend", "silu_and_mul", "token_logprobs", "use_backend",
+    "current_backend", "fused_moe", "gather_logprobs", "head_linear", "kv_cache_write", "linear", "log_softmax", "packed_layout",
+    "rms_norm", "rope_table", "sample_tokens", "set_backend", "sigmoid_grouped_topk", "silu_and_mul", "softmax_topk",
+    "token_logprobs", "use_backend",
 ]

@@ -28,6 +28,7 @@ import torch
 from . import exact_math
 from ._triton import next_power_of_2, require_triton, tl, triton
 from .backend import select
+from .latent_attention import latent_attention_backward_triton, latent_attention_triton, value_in_key
 
 BLOCK_M = 64  # query rows (token, head) per program
 BLOCK_N = 64  # keys per block: the absolute-position alignment of the KV reduction
@@ -216,7 +217,9 @@ def _check(q, k_cache, v_cache, layout):
         raise ValueError(f"attention: page_size must be >= 1, got {layout.page_size}")
 
 
-def _backend(q: torch.Tensor, v: torch.Tensor) -> str:
+def _backend(q: torch.Tensor, v: torch.Tensor, k: torch.Tensor | None = None) -> str:
+    if k is not None and value_in_key(k, v):  # latent MLA: kernels/latent_attention.py pads any dims
+        return select("attention", q)
     backend = select("attention", q, head_dim=q.shape[-1], head_dims=HEAD_DIMS)
     if backend == "triton":  # the value head dim has its own (power of two) list
         select("attention", q, head_dim=v.shape[-1], head_dims=VALUE_HEAD_DIMS)
@@ -233,21 +236,28 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lay
     """
     _check(q, k_cache, v_cache, layout)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if _backend(q, v_cache) == "triton":
-        out, lse = _attention_triton(q, k_cache, v_cache, layout, scale)
+    if _backend(q, v_cache, k_cache) == "triton":
+        out, lse = _triton_forward(q, k_cache, v_cache, layout, scale)
         return (out, lse) if return_lse else out
     if return_lse:
         raise ValueError("attention: return_lse is only available on the triton backend")
     return attention_reference(q, k_cache, v_cache, layout, scale)
 
 
+def _triton_forward(q, k_cache, v_cache, layout: PagedLayout, scale: float):
+    """(out, lse) from the GQA kernel, or from the latent MLA kernel when V is a view of K."""
+    if value_in_key(k_cache, v_cache):
+        return latent_attention_triton(q, k_cache, v_cache.shape[-1], layout, scale)
+    return _attention_triton(q, k_cache, v_cache, layout, scale)
+
+
 class _PackedAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens, max_seqlen, scale):
         layout = packed_layout(cu_seqlens, max_seqlen)
-        backend = _backend(q, v)
+        backend = _backend(q, v, k)
         if backend == "triton":
-            out, lse = _attention_triton(q, k, v, layout, scale)
+            out, lse = _triton_forward(q, k, v, layout, scale)
         else:
             out, lse = attention_reference(q, k, v, layout, scale), None
         ctx.save_for_backward(q, k, v, out, lse if lse is not None else out, cu_seqlens)
@@ -259,6 +269,9 @@ class _PackedAttentionFunction(torch.autograd.Function):
         from .attention_backward import attention_backward_reference, attention_backward_triton
 
         q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+        if ctx.backend == "triton" and value_in_key(k, v):  # dV is folded into dK's latent dims
+            dq, dk = latent_attention_backward_triton(grad_out, q, k, out, lse, cu_seqlens, ctx.max_seqlen, ctx.scale)
+            return dq, dk, None, None, None, None
         if ctx.backend == "triton":
             dq, dk, dv = attention_backward_triton(grad_out.contiguous(), q, k, v, out, lse, cu_seqlens,
                                                    ctx.max_seqlen, ctx.scale)

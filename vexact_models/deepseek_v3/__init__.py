@@ -8,8 +8,6 @@ expert group, 64 experts top-6, 2 shared experts).
 import torch
 from transformers import DeepseekV3Config
 
-from vexact_models.patches.checkpoints import enable_checkpoint_conversions
-
 from ..registry import Architecture, Shape, register
 from .modeling import (DeepseekV3ForCausalLM, DeepseekV3ForCausalLMInference, DeepseekV3ForSequenceClassification,
                        DeepseekV3ForTokenClassification, DeepseekV3Model, DeepseekV3PreTrainedModel,
@@ -56,9 +54,6 @@ def randomize_router_bias(model: torch.nn.Module, seed: int = 0, std: float = 0.
         if name.endswith("e_score_correction_bias"):
             bias.copy_(torch.randn(bias.shape, generator=gen) * std)
 
-
-# hub checkpoints store one tensor per expert: load them like stock transformers does
-enable_checkpoint_conversions("deepseek_v3")
 
 ARCHITECTURE = register(Architecture(
     name="deepseek_v3",

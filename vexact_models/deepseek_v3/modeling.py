@@ -7,14 +7,17 @@ save as they are (Moonlight-16B-A3B ships the same ``model_type``). Everything r
 - Multi-head latent attention: ``q_proj`` (or the q-LoRA ``q_a_proj`` -> ``q_a_layernorm`` ->
   ``q_b_proj``), ``kv_a_proj_with_mqa`` -> latent (``kv_a_layernorm``, ``kv_b_proj``) + one
   shared RoPE key. The query/key head dim (nope + rope, 192) differs from the value head dim
-  (128); the attention kernel takes both. The KV cache holds the *expanded* per-head K and V
-  that training attends over (docs/design.md rule 6), not the latent (see ``kv_cache_spec``).
+  (128); the attention kernel takes both. ``config.mla_kv_cache`` picks what the KV cache holds
+  (docs/mla-kv-cache.md), always what training attends over (docs/design.md rule 6):
+  ``"expanded"`` (the default) the per-head K and V; ``"latent"`` the normalised latent plus the
+  rope key, with ``kv_b_proj`` absorbed on both paths (`latent_attention`).
 - RoPE on the rope dims only, from one fp32 table (YaRN for DeepSeek-V3); DeepSeek's
   interleaved rope layout (``rope_interleave``) is de-interleaved first, which is HF's math.
   With YaRN, the softmax scale carries ``mscale**2`` as in HF.
 - DeepSeekMoE: sigmoid scores, ``e_score_correction_bias`` for selection only, group-limited
   top-k (`kernels.grouped_topk`), ``routed_scaling_factor``, shared experts added to the routed
-  output, the first ``first_k_dense_replace`` layers dense.
+  output, the first ``first_k_dense_replace`` layers dense. The router's fp32 logits come from
+  `kernels.linear` over the weight as stored, accumulating in fp32 (no fp32 weight copy).
 """
 
 from __future__ import annotations
@@ -27,12 +30,12 @@ from transformers import DeepseekV3Config, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
 from vexact_models.adapters import apply_linear
-from vexact_models.kernels import apply_rotary, linear
-from vexact_models.kernels.grouped_topk import sigmoid_grouped_topk
+from vexact_models.kernels import apply_rotary, linear, sigmoid_grouped_topk
 from vexact_models.layers import FusedExperts, GatedMLP, PreNormDecoderLayer, RMSNorm, grouped_linear
 
 from ..causal_lm import CausalLMMixin, DecoderModelMixin, InferenceModel, InitHookMixin
 from ..heads import SequenceClassificationMixin, TokenClassificationMixin
+from .latent_attention import KVCacheSpec, check_mla_kv_cache, expanded_cache_check, latent_attention, mla_kv_cache_mode
 
 
 class DeepseekV3RMSNorm(RMSNorm):
@@ -66,10 +69,13 @@ def deinterleave(x: torch.Tensor) -> torch.Tensor:
 
 
 class DeepseekV3Attention(nn.Module):
-    """Multi-head latent attention over expanded per-head K (nope + rope) and V."""
+    """Multi-head latent attention over expanded per-head K (nope + rope) and V, or (``config.
+    mla_kv_cache == "latent"``) in absorbed form over the latent (`latent_attention`)."""
 
     def __init__(self, config: DeepseekV3Config, layer_idx: int) -> None:
         super().__init__()
+        mla_kv_cache_mode(config)  # a bad value fails at construction, naming it
+        self.config = config  # the mode is read at each forward: set_mla_kv_cache switches it
         self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
         if config.num_key_value_heads != config.num_attention_heads:
@@ -113,15 +119,25 @@ class DeepseekV3Attention(nn.Module):
         q, compressed = grouped_linear(hidden, self.projection_groups()[0])
         q = self._query(q)
         latent, k_rot = compressed.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kv = apply_linear(self.kv_a_layernorm(latent.contiguous()), self.kv_b_proj)
-        k_nope, v = kv.view(tokens, self.num_heads, self.nope_dim + self.v_dim).split([self.nope_dim, self.v_dim], -1)
+        c = self.kv_a_layernorm(latent.contiguous())
         q_rot = self._rotate(q[..., self.nope_dim:], positions, rope)
         k_rot = self._rotate(k_rot.reshape(tokens, 1, self.rope_dim), positions, rope)
-        # every head's key shares the one rotated rope key (MQA-style); the cache stores it per head
-        q = torch.cat([q[..., :self.nope_dim], q_rot], dim=-1)
-        k = torch.cat([k_nope, k_rot.expand(tokens, self.num_heads, self.rope_dim)], dim=-1)
-        out = context.attend(self.layer_idx, q, k, v.contiguous(), self.scaling)
+        if mla_kv_cache_mode(self.config) == "latent":
+            out = latent_attention(self, q[..., :self.nope_dim], q_rot, c, k_rot, context)
+        else:
+            out = self._expanded(q[..., :self.nope_dim], q_rot, c, k_rot, context)
         return apply_linear(out.reshape(tokens, -1), self.o_proj)
+
+    def _expanded(self, q_nope, q_rot, c, k_rot, context) -> torch.Tensor:
+        """Attention over the per-head K (nope + rope) and V that ``kv_b_proj`` expands from `c`."""
+        expanded_cache_check(context, self)
+        tokens = c.shape[0]
+        kv = apply_linear(c, self.kv_b_proj)
+        k_nope, v = kv.view(tokens, self.num_heads, self.nope_dim + self.v_dim).split([self.nope_dim, self.v_dim], -1)
+        # every head's key shares the one rotated rope key (MQA-style); the cache stores it per head
+        q = torch.cat([q_nope, q_rot], dim=-1)
+        k = torch.cat([k_nope, k_rot.expand(tokens, self.num_heads, self.rope_dim)], dim=-1)
+        return context.attend(self.layer_idx, q, k, v.contiguous(), self.scaling)
 
 
 class DeepseekV3MLP(GatedMLP):
@@ -153,7 +169,14 @@ class DeepseekV3TopkRouter(nn.Module):
         nn.init.zeros_(self.e_score_correction_bias)
 
     def forward(self, hidden: torch.Tensor):
-        logits = linear(hidden.float(), self.weight.float())
+        # fp32 logits straight from the stored weight: `linear` accumulates in fp32 and the
+        # products of bf16 values are exact, so no fp32 copy of the weight is made (or cached,
+        # which FSDP2's all-gathers and `.data` writes could leave stale) and none is cast per forward
+        weight = self.weight
+        if weight.dtype != hidden.dtype:  # e.g. a router kept in fp32: compute in the wider dtype, as HF does
+            wide = torch.promote_types(weight.dtype, hidden.dtype)
+            hidden, weight = hidden.to(wide), weight.to(wide)
+        logits = linear(hidden, weight, out_dtype=torch.float32)
         weights, ids = sigmoid_grouped_topk(logits, self.e_score_correction_bias.float(), self.top_k, self.n_group,
                                             self.topk_group, self.norm_topk_prob, self.routed_scaling_factor)
         return logits, weights, ids
@@ -196,6 +219,23 @@ class DeepseekV3PreTrainedModel(InitHookMixin, PreTrainedModel):
     # DeepSeek-V3's multi-token-prediction layer (layer 61) is not part of the causal LM
     _keys_to_ignore_on_load_unexpected = [r"model\.layers\.61.*"]
 
+    @classmethod
+    def from_pretrained(cls, *args, mla_kv_cache: str | None = None, **kwargs):
+        """HF ``from_pretrained``; ``mla_kv_cache="latent" | "expanded"`` overrides the
+        checkpoint config's MLA KV cache mode (docs/mla-kv-cache.md)."""
+        if mla_kv_cache is not None:
+            check_mla_kv_cache(mla_kv_cache)  # before anything is loaded
+        model = super().from_pretrained(*args, **kwargs)
+        if mla_kv_cache is not None:
+            (model[0] if isinstance(model, tuple) else model).set_mla_kv_cache(mla_kv_cache)
+        return model
+
+    def set_mla_kv_cache(self, mode: str) -> None:
+        """Switch the MLA KV cache mode (``"expanded"`` or ``"latent"``): a compute choice over
+        the same parameters, saved with the config. A rollout engine built before the switch
+        keeps a cache of the old layout and refuses to run (create a new ``LLM``)."""
+        self.config.mla_kv_cache = check_mla_kv_cache(mode)
+
 
 class DeepseekV3Model(DecoderModelMixin, DeepseekV3PreTrainedModel):
     """The decoder stack (HF's ``DeepseekV3Model``); RoPE tables span the rope dims only."""
@@ -231,16 +271,22 @@ class DeepseekV3ForCausalLM(CausalLMMixin, DeepseekV3PreTrainedModel, Generation
         out.router_logits = None if router is None else tuple(router)
         return self._as_requested(out, kwargs.get("return_dict"))
 
-    def kv_cache_spec(self) -> tuple[int, int, int, int]:
-        """(layers, heads, 192-ish key dim, value dim): the expanded per-head K (nope + rope) and V.
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """(layers, KV heads, key dim, value dim) of the mode's cache (``config.mla_kv_cache``).
 
-        Per token and layer that is ``heads * (qk_nope + qk_rope + v) * dtype bytes``: 80 KiB for
-        DeepSeek-V3 in bf16 (4.8 MiB over 61 layers) and 10 KiB for Moonlight (270 KiB over 27
-        layers), against ``(kv_lora_rank + qk_rope) * 2`` = 1,152 bytes for a latent cache.
+        ``"expanded"``: (layers, heads, qk_nope + qk_rope, v), the per-head K and V: ``heads *
+        (nope + rope + v) * dtype bytes`` per token and layer, 80 KiB for DeepSeek-V3 in bf16
+        (4.8 MiB over 61 layers) and 10 KiB for Moonlight (270 KiB over 27 layers).
+        ``"latent"``: (layers, 1, kv_lora_rank + qk_rope, kv_lora_rank) with ``value_in_key``
+        (the value is a view of the key's first dims): 576 * 2 = 1,152 bytes per token and layer
+        (70,272 over DeepSeek-V3's 61 layers, 31,104 over Moonlight's 27).
         """
         cfg = self.config
-        return (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim,
-                cfg.v_head_dim)
+        if mla_kv_cache_mode(cfg) == "latent":
+            return KVCacheSpec(cfg.num_hidden_layers, 1, cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.kv_lora_rank,
+                               value_in_key=True)
+        return KVCacheSpec(cfg.num_hidden_layers, cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim,
+                           cfg.v_head_dim)
 
 
 class DeepseekV3ForCausalLMInference(InferenceModel):

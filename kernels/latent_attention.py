@@ -1,0 +1,275 @@
+"""Latent MLA attention: MQA-style attention whose value is the first dims of its key.
+
+With ``kv_b_proj`` absorbed (docs/mla-kv-cache.md), DeepSeek-V3 attention attends every query
+head ``[T, H, L + R]`` (L = ``kv_lora_rank`` latent dims, R = rope dims; 512 + 64 at the real
+shapes) over one shared key head per token, the normalised latent ``c`` followed by the rotated
+rope key, and its value is that same ``c``: the key's first L dims. The KV cache therefore holds
+the key alone and the value is a view of it (`value_in_key`); `kernels.attention` and
+`kernels.attention_packed` route such calls here on the triton backend (the reference backend's
+`attention_reference` takes any dims and strides already).
+
+The forward kernel is `kernels.attention`'s with the key split into its latent and rope parts:
+``s = q_lat . k_lat + q_rope . k_rope`` (two dots accumulated in that order), and the loaded
+latent key tile is the value tile, so the cache is read once. Invariance contract (docs/design.md
+rule 2), as for `kernels.attention`: keys reduced in blocks of ``BLOCK_N`` aligned to absolute
+positions with an fp32 online softmax, one compiled configuration per (dims, dtype)
+(`launch_config`; ``page_size`` is not specialized), no split-KV; a query's output is the same
+packed (training), in chunked prefill or in decode. The backward is the FlashAttention-2 scheme
+with the value gradient folded into the key's latent dims: correct, not invariant (rule 8).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._triton import next_power_of_2, require_triton, tl, triton
+
+
+def value_in_key(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """True when `v` is a view of `k`'s leading dims (``v = k[..., :Dv]`` with ``Dv < D``): the
+    latent MLA layout, cache or packed training tensors."""
+    return (v.dim() == k.dim() and v.dtype == k.dtype and v.data_ptr() == k.data_ptr()
+            and v.shape[:-1] == k.shape[:-1] and v.shape[-1] < k.shape[-1]
+            and v.stride()[:-1] == k.stride()[:-1] and v.stride(-1) == k.stride(-1) == 1)
+
+
+def launch_config(dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps, stages) of the forward: one per dtype, never a function of the
+    batch. BLOCK_M rows are (token, head) pairs of one KV head; the fp32 accumulator is
+    ``BLOCK_M x L`` (64 x 512 at the real shapes, as FlashMLA's), so the tiles stay small."""
+    if dtype == torch.float32:
+        return 16, 16, 4, 1
+    return 64, 32, 8, 1
+
+
+DKDV_BLOCK_M, DKDV_BLOCK_N = 32, 32
+DQ_BLOCK_M, DQ_BLOCK_N = 32, 32
+
+
+@triton.jit(do_not_specialize=["page_size", "stride_bt"])
+def _latent_fwd_kernel(
+    q_ptr, kv_ptr, o_ptr, lse_ptr, cu_seqlens_q_ptr, seq_lens_ptr, block_table_ptr,
+    page_size, scale_log2,
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
+    GROUP: tl.constexpr, LAT: tl.constexpr, ROPE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    seq = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    if tile * BLOCK_M >= q_len * GROUP:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context = seq_len - q_len
+    # row r of the tile: query token (tile*BLOCK_M + r) // GROUP, head (tile*BLOCK_M + r) % GROUP
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    q_idx = rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = q_idx < q_len
+    q_pos = context + q_idx
+    token = (q_start + q_idx).to(tl.int64)
+    dl = tl.arange(0, BLOCK_L)  # latent dims, padded to a power of two (pad lanes load zeros)
+    dl_ok = dl < LAT
+    dr = tl.arange(0, BLOCK_R)  # rope dims, padded to a power of two >= 16 (tl.dot's minimum)
+    dr_ok = dr < ROPE
+    q_row = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
+    q_lat = tl.load(q_row + dl[None, :], mask=row_ok[:, None] & dl_ok[None, :], other=0.0)
+    q_rope = tl.load(q_row + LAT + dr[None, :], mask=row_ok[:, None] & dr_ok[None, :], other=0.0)
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_L), tl.float32)
+    last_q = tl.minimum(q_len - 1, (tile * BLOCK_M + BLOCK_M - 1) // GROUP)
+    n_keys = context + last_q + 1
+    table_row = block_table_ptr + seq.to(tl.int64) * stride_bt
+    for start in range(0, n_keys, BLOCK_N):
+        k_pos = start + tl.arange(0, BLOCK_N)
+        k_ok = k_pos < n_keys
+        page = tl.load(table_row + k_pos // page_size, mask=k_ok, other=0)
+        k_row = kv_ptr + (page.to(tl.int64) * page_size + k_pos % page_size)[:, None] * stride_ks + kv_head * stride_kh
+        k_lat = tl.load(k_row + dl[None, :], mask=k_ok[:, None] & dl_ok[None, :], other=0.0)
+        k_rope = tl.load(k_row + LAT + dr[None, :], mask=k_ok[:, None] & dr_ok[None, :], other=0.0)
+        s = tl.dot(q_lat, tl.trans(k_lat))
+        s = tl.dot(q_rope, tl.trans(k_rope), s) * scale_log2
+        s = tl.where((k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = tl.dot(p.to(k_lat.dtype), k_lat, acc * alpha[:, None])  # the value is the latent key
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(o_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dl[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & dl_ok[None, :])
+    tl.store(lse_ptr + token * (GROUP * tl.num_programs(2)) + head, m_i + tl.log2(l_i), mask=row_ok)
+
+
+def _dims(q: torch.Tensor, v_dim: int) -> dict:
+    rope = q.shape[-1] - v_dim
+    return dict(LAT=v_dim, ROPE=rope, BLOCK_L=next_power_of_2(max(v_dim, 16)), BLOCK_R=next_power_of_2(max(rope, 16)))
+
+
+def latent_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, v_dim: int, layout,
+                            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [T, Hq, v_dim], lse [T, Hq])`` of `q` ``[T, Hq, D]`` over the paged key cache
+    ``[..., Hkv, D]`` whose first `v_dim` dims are the value (`kernels.attention`'s contract)."""
+    require_triton("attention (latent MLA)")
+    n_tokens, n_heads, head_dim = q.shape
+    n_kv_heads = kv_cache.shape[-2]
+    out = torch.empty((n_tokens, n_heads, v_dim), device=q.device, dtype=q.dtype)
+    lse = torch.empty((n_tokens, n_heads), device=q.device, dtype=torch.float32)
+    n_seqs = layout.seq_lens.shape[0]
+    if n_tokens == 0 or n_seqs == 0:
+        return out, lse
+    group = n_heads // n_kv_heads
+    kv = kv_cache.reshape(-1, n_kv_heads, head_dim)
+    block_m, block_n, warps, stages = launch_config(q.dtype)
+    grid = (triton.cdiv(layout.max_seqlen_q * group, block_m), n_seqs, n_kv_heads)
+    _latent_fwd_kernel[grid](
+        q, kv, out, lse, layout.cu_seqlens_q, layout.seq_lens, layout.block_table,
+        layout.page_size, scale * math.log2(math.e),
+        q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), out.stride(0), out.stride(1),
+        layout.block_table.stride(0), GROUP=group, **_dims(q, v_dim), BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=warps, num_stages=stages)
+    return out, lse
+
+
+@triton.jit
+def _latent_scores(q_lat, q_rope, k_lat, k_rope, scale_log2):
+    """The forward's scaled scores, in the forward's order (latent dot, then rope dot)."""
+    s = tl.dot(q_lat, tl.trans(k_lat))
+    return tl.dot(q_rope, tl.trans(k_rope), s) * scale_log2
+
+
+@triton.jit
+def _latent_dkv_kernel(q_ptr, kv_ptr, do_ptr, lse_ptr, delta_ptr, dkv_ptr, cu_ptr, scale, scale_log2, n_heads,
+                       stride_qt, stride_qh, stride_kt, stride_kh, stride_dot, stride_doh,
+                       GROUP: tl.constexpr, LAT: tl.constexpr, ROPE: tl.constexpr, BLOCK_L: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One key block: dK = scale * dS^T Q over every query head of its group, plus dV = P^T dO
+    added into the latent dims (the value is the latent key)."""
+    start_n = tl.program_id(0) * BLOCK_N
+    seq = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    seq_start = tl.load(cu_ptr + seq)
+    seq_len = tl.load(cu_ptr + seq + 1) - seq_start
+    if start_n >= seq_len:
+        return
+    k_pos = start_n + tl.arange(0, BLOCK_N)
+    k_ok = k_pos < seq_len
+    k_tok = (seq_start + k_pos).to(tl.int64)
+    dl = tl.arange(0, BLOCK_L)
+    dl_ok = dl < LAT
+    dr = tl.arange(0, BLOCK_R)
+    dr_ok = dr < ROPE
+    k_row = kv_ptr + k_tok[:, None] * stride_kt + kv_head * stride_kh
+    k_lat = tl.load(k_row + dl[None, :], mask=k_ok[:, None] & dl_ok[None, :], other=0.0)
+    k_rope = tl.load(k_row + LAT + dr[None, :], mask=k_ok[:, None] & dr_ok[None, :], other=0.0)
+    dk_lat = tl.zeros((BLOCK_N, BLOCK_L), tl.float32)
+    dk_rope = tl.zeros((BLOCK_N, BLOCK_R), tl.float32)
+    for g in range(GROUP):
+        head = kv_head * GROUP + g
+        for start_m in range((start_n // BLOCK_M) * BLOCK_M, seq_len, BLOCK_M):
+            q_pos = start_m + tl.arange(0, BLOCK_M)
+            q_ok = q_pos < seq_len
+            q_tok = (seq_start + q_pos).to(tl.int64)
+            q_row = q_ptr + q_tok[:, None] * stride_qt + head * stride_qh
+            q_lat = tl.load(q_row + dl[None, :], mask=q_ok[:, None] & dl_ok[None, :], other=0.0)
+            q_rope = tl.load(q_row + LAT + dr[None, :], mask=q_ok[:, None] & dr_ok[None, :], other=0.0)
+            do = tl.load(do_ptr + q_tok[:, None] * stride_dot + head * stride_doh + dl[None, :],
+                         mask=q_ok[:, None] & dl_ok[None, :], other=0.0)
+            lse = tl.load(lse_ptr + q_tok * n_heads + head, mask=q_ok, other=0.0)
+            delta = tl.load(delta_ptr + q_tok * n_heads + head, mask=q_ok, other=0.0)
+            s = _latent_scores(q_lat, q_rope, k_lat, k_rope, scale_log2)
+            visible = (k_pos[None, :] <= q_pos[:, None]) & q_ok[:, None] & k_ok[None, :]
+            p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)
+            dk_lat = tl.dot(tl.trans(p.to(do.dtype)), do, dk_lat)  # dV, into the latent dims
+            dp = tl.dot(do, tl.trans(k_lat))
+            ds = (p * (dp - delta[:, None]) * scale).to(q_lat.dtype)
+            dk_lat = tl.dot(tl.trans(ds), q_lat, dk_lat)
+            dk_rope = tl.dot(tl.trans(ds), q_rope, dk_rope)
+    out_row = dkv_ptr + k_tok[:, None] * stride_kt + kv_head * stride_kh
+    tl.store(out_row + dl[None, :], dk_lat.to(dkv_ptr.dtype.element_ty), mask=k_ok[:, None] & dl_ok[None, :])
+    tl.store(out_row + LAT + dr[None, :], dk_rope.to(dkv_ptr.dtype.element_ty), mask=k_ok[:, None] & dr_ok[None, :])
+
+
+@triton.jit
+def _latent_dq_kernel(q_ptr, kv_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_ptr, scale, scale_log2, n_heads,
+                      stride_qt, stride_qh, stride_kt, stride_kh, stride_dot, stride_doh,
+                      GROUP: tl.constexpr, LAT: tl.constexpr, ROPE: tl.constexpr, BLOCK_L: tl.constexpr,
+                      BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    tile = tl.program_id(0)
+    seq = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    seq_start = tl.load(cu_ptr + seq)
+    seq_len = tl.load(cu_ptr + seq + 1) - seq_start
+    if tile * BLOCK_M >= seq_len * GROUP:
+        return
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    q_pos = rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    q_ok = q_pos < seq_len
+    q_tok = (seq_start + q_pos).to(tl.int64)
+    dl = tl.arange(0, BLOCK_L)
+    dl_ok = dl < LAT
+    dr = tl.arange(0, BLOCK_R)
+    dr_ok = dr < ROPE
+    q_row = q_ptr + q_tok[:, None] * stride_qt + head[:, None] * stride_qh
+    q_lat = tl.load(q_row + dl[None, :], mask=q_ok[:, None] & dl_ok[None, :], other=0.0)
+    q_rope = tl.load(q_row + LAT + dr[None, :], mask=q_ok[:, None] & dr_ok[None, :], other=0.0)
+    do = tl.load(do_ptr + q_tok[:, None] * stride_dot + head[:, None] * stride_doh + dl[None, :],
+                 mask=q_ok[:, None] & dl_ok[None, :], other=0.0)
+    lse = tl.load(lse_ptr + q_tok * n_heads + head, mask=q_ok, other=0.0)
+    delta = tl.load(delta_ptr + q_tok * n_heads + head, mask=q_ok, other=0.0)
+    dq_lat = tl.zeros((BLOCK_M, BLOCK_L), tl.float32)
+    dq_rope = tl.zeros((BLOCK_M, BLOCK_R), tl.float32)
+    n_keys = tl.minimum(seq_len, (tile * BLOCK_M + BLOCK_M - 1) // GROUP + 1)
+    for start_n in range(0, n_keys, BLOCK_N):
+        k_pos = start_n + tl.arange(0, BLOCK_N)
+        k_ok = k_pos < n_keys
+        k_row = kv_ptr + (seq_start + k_pos).to(tl.int64)[:, None] * stride_kt + kv_head * stride_kh
+        k_lat = tl.load(k_row + dl[None, :], mask=k_ok[:, None] & dl_ok[None, :], other=0.0)
+        k_rope = tl.load(k_row + LAT + dr[None, :], mask=k_ok[:, None] & dr_ok[None, :], other=0.0)
+        s = _latent_scores(q_lat, q_rope, k_lat, k_rope, scale_log2)
+        visible = (k_pos[None, :] <= q_pos[:, None]) & q_ok[:, None] & k_ok[None, :]
+        p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(k_lat))
+        ds = (p * (dp - delta[:, None])).to(k_lat.dtype)
+        dq_lat = tl.dot(ds, k_lat, dq_lat)
+        dq_rope = tl.dot(ds, k_rope, dq_rope)
+    dq_row = dq_ptr + q_tok[:, None] * stride_qt + head[:, None] * stride_qh
+    tl.store(dq_row + dl[None, :], (dq_lat * scale).to(dq_ptr.dtype.element_ty), mask=q_ok[:, None] & dl_ok[None, :])
+    tl.store(dq_row + LAT + dr[None, :], (dq_rope * scale).to(dq_ptr.dtype.element_ty),
+             mask=q_ok[:, None] & dr_ok[None, :])
+
+
+def latent_attention_backward_triton(grad_out: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor,
+                                     lse: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+                                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dq, dkv)`` of packed causal latent attention (the value gradient is already in dkv's
+    first ``out.shape[-1]`` dims); `lse` is the forward's log2-sum-exp2."""
+    require_triton("attention backward (latent MLA)")
+    n_tokens, n_heads, _ = q.shape
+    n_kv_heads = kv.shape[1]
+    group = n_heads // n_kv_heads
+    q, kv, grad_out = q.contiguous(), kv.contiguous(), grad_out.contiguous()
+    delta = (grad_out.float() * out.float()).sum(-1)
+    dq, dkv = torch.empty_like(q), torch.empty_like(kv)
+    if n_tokens == 0:
+        return dq, dkv
+    n_seqs = cu_seqlens.shape[0] - 1
+    cu = cu_seqlens.to(torch.int32)
+    args = (scale, scale * math.log2(math.e), n_heads, q.stride(0), q.stride(1), kv.stride(0), kv.stride(1),
+            grad_out.stride(0), grad_out.stride(1))
+    dims = _dims(q, out.shape[-1])
+    _latent_dkv_kernel[(triton.cdiv(max_seqlen, DKDV_BLOCK_N), n_seqs, n_kv_heads)](
+        q, kv, grad_out, lse, delta, dkv, cu, *args, GROUP=group, **dims, BLOCK_M=DKDV_BLOCK_M, BLOCK_N=DKDV_BLOCK_N,
+        num_warps=8, num_stages=1)
+    _latent_dq_kernel[(triton.cdiv(max_seqlen * group, DQ_BLOCK_M), n_seqs, n_kv_heads)](
+        q, kv, grad_out, lse, delta, dq, cu, *args, GROUP=group, **dims, BLOCK_M=DQ_BLOCK_M, BLOCK_N=DQ_BLOCK_N,
+        num_warps=8, num_stages=1)
+    return dq, dkv

@@ -1,0 +1,91 @@
+"""Latent MLA attention (the value is a view of the key's first dims) on the reference backend:
+the view is recognised, packed == chunked prefill == decode over a latent paged cache (bitwise),
+values and gradients against float64 autograd. The Triton kernel's logic is checked in
+tests/triton_checks/check_latent_attention.py, its invariance on the GPU by kernel_invariance.py."""
+
+import random
+
+import pytest
+import torch
+
+from vexact_models.kernels import PagedLayout, attention, attention_packed, kv_cache_write
+from vexact_models.kernels.attention_backward import attention_math
+from vexact_models.kernels.latent_attention import value_in_key
+
+from ..conftest import rel_err
+
+LAT, ROPE = 16, 8
+
+
+def _latent(lens, heads=4, dtype=torch.float32):
+    t = sum(lens)
+    q = torch.randn(t, heads, LAT + ROPE).to(dtype)
+    k = torch.randn(t, 1, LAT + ROPE).to(dtype)
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
+    return q, k, cu
+
+
+def test_value_in_key_recognises_only_a_leading_view():
+    k = torch.randn(5, 1, 24)
+    assert value_in_key(k, k[..., :16])
+    assert not value_in_key(k, k[..., 8:])  # not the leading dims
+    assert not value_in_key(k, k[..., :16].clone())  # a copy
+    assert not value_in_key(k, k)  # the whole key is not a value view
+    cache = torch.randn(3, 4, 1, 24)
+    assert value_in_key(cache, cache[..., :16])
+
+
+def _run_paged(q, k, lens, chunk, page_size=4):
+    """Chunks of `chunk` tokens per sequence and step over a shuffled latent paged cache (NaN
+    outside the written slots, V a view of K)."""
+    pages = [-(-n // page_size) for n in lens]
+    ids = list(range(sum(pages)))
+    random.Random(0).shuffle(ids)
+    table = torch.tensor([ids[sum(pages[:s]):sum(pages[:s + 1])] + [0] * (max(pages) - pages[s])
+                          for s in range(len(lens))], dtype=torch.int32)
+    k_cache = torch.full((sum(pages), page_size, 1, LAT + ROPE), float("nan"), dtype=q.dtype)
+    v_cache = k_cache[..., :LAT]
+    starts = [0] + list(torch.tensor(lens).cumsum(0).tolist())
+    out, done = q.new_empty(q.shape[0], q.shape[1], LAT), [0] * len(lens)
+    while any(d < n for d, n in zip(done, lens)):
+        rows = [s for s in range(len(lens)) if done[s] < lens[s]]
+        sel, cu, seq_lens, slots = [], [0], [], []
+        for s in rows:
+            n = min(chunk, lens[s] - done[s])
+            sel += range(starts[s] + done[s], starts[s] + done[s] + n)
+            slots += [int(table[s, p // page_size]) * page_size + p % page_size for p in range(done[s], done[s] + n)]
+            cu.append(cu[-1] + n)
+            done[s] += n
+            seq_lens.append(done[s])
+        idx = torch.tensor(sel)
+        kv_cache_write(k[idx], k[idx][..., :LAT], k_cache, v_cache, torch.tensor(slots))
+        layout = PagedLayout(torch.tensor(cu, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32),
+                             table[rows].contiguous(), page_size, max(b - a for a, b in zip(cu, cu[1:])))
+        out[idx] = attention(q[idx], k_cache, v_cache, layout, 0.3)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_latent_packed_equals_chunked_prefill_and_decode_bitwise(dtype):
+    lens = [1, 6, 19, 33]
+    q, k, cu = _latent(lens, dtype=dtype)
+    packed = attention_packed(q, k, k[..., :LAT], cu, max(lens), 0.3)
+    want = attention_math(q.double(), k.double(), k.double()[..., :LAT], cu, 0.3)
+    assert packed.shape == (q.shape[0], 4, LAT)
+    assert rel_err(packed, want) < (1e-6 if dtype == torch.float32 else 1e-2)
+    for chunk in (1, 5, 64):
+        assert torch.equal(_run_paged(q, k, lens, chunk), packed), f"chunk={chunk}"
+
+
+def test_latent_backward_matches_float64_autograd():
+    """Gradients reach the key through both its uses (the scores and, via the view, the value)."""
+    lens = [3, 11, 14]
+    q, k, cu = _latent(lens, dtype=torch.float64)
+    q.requires_grad_(), k.requires_grad_()
+    g = torch.randn(q.shape[0], 4, LAT, dtype=torch.float64)
+    got = torch.autograd.grad(attention_packed(q, k, k[..., :LAT], cu, 14), (q, k), g)
+    qd, kd = q.detach().clone().requires_grad_(), k.detach().clone().requires_grad_()
+    want = torch.autograd.grad(attention_math(qd, kd, kd[..., :LAT], cu, (LAT + ROPE) ** -0.5), (qd, kd), g)
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, atol=1e-12)
+    assert want[1][..., :LAT].abs().sum() > 0 and want[1][..., LAT:].abs().sum() > 0

@@ -1,0 +1,126 @@
+"""The latent MLA attention and head_linear Triton kernels vs the reference, on small shapes.
+
+Run like check_triton_kernels.py: under TRITON_INTERPRET=1 VEXACT_BACKEND=triton on CPU (kernel
+logic: the key split into latent + rope dims, the value read from the key, paging, the folded
+value gradient), or on a GPU, where paged == packed is also bitwise.
+"""
+
+import os
+
+import pytest
+import torch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if not (INTERPRET and os.environ.get("VEXACT_BACKEND") == "triton") and not torch.cuda.is_available():
+    pytest.skip("needs a GPU, or TRITON_INTERPRET=1 VEXACT_BACKEND=triton", allow_module_level=True)
+DEVICE = "cpu" if INTERPRET else "cuda"
+#: fp32 tolerance of the attention checks: on the GPU tl.dot rounds fp32 inputs to TF32, as
+#: kernels.attention does (check_triton_kernels.py accepts 2e-2 there); the interpreter is exact.
+FP32_TOL = 1e-5 if INTERPRET else 2e-2
+
+
+def _patch_interpreter_bf16_dot():
+    """As check_triton_kernels.py: triton 3.6's interpreter matmuls bf16's raw bit patterns in
+    tl.dot; widen bf16 operands to fp32 first (idempotent; the GPU compiler is not affected)."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder.create_dot, "_widens_bf16", False):
+        return
+    original = builder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        def widen(x):
+            if x.dtype.scalar == tl.bfloat16:
+                data = interpreter._convert_float(x.data, tl.bfloat16, tl.float32, None).view(np.float32)
+                return interpreter.TensorHandle(data, tl.float32)
+            return x
+        return original(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    create_dot._widens_bf16 = True
+    builder.create_dot = create_dot
+
+
+if INTERPRET:
+    _patch_interpreter_bf16_dot()
+
+from vexact_models.kernels import PagedLayout, attention, attention_packed, kv_cache_write, use_backend  # noqa: E402
+from vexact_models.kernels.attention_backward import attention_math  # noqa: E402
+from vexact_models.kernels.head_linear import head_linear  # noqa: E402
+from vexact_models.kernels.latent_attention import value_in_key  # noqa: E402
+
+
+def close(a, b, tol):
+    a, b = a.double().cpu(), b.double().cpu()
+    err = float((a - b).norm() / b.norm().clamp_min(1e-30))
+    assert err < tol, err
+
+
+def _latent(lens, heads, lat, rope, dtype):
+    t = sum(lens)
+    q = torch.randn(t, heads, lat + rope, device=DEVICE).to(dtype)
+    k = torch.randn(t, 1, lat + rope, device=DEVICE).to(dtype)
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    return q, k, cu
+
+
+@pytest.mark.parametrize("heads,lat,rope,dtype", [(4, 32, 16, torch.float32), (3, 16, 8, torch.float32),
+                                                 (4, 32, 16, torch.bfloat16)])
+def test_latent_attention_packed_and_paged(heads, lat, rope, dtype):
+    lens = [1, 20, 45]
+    q, k, cu = _latent(lens, heads, lat, rope, dtype)
+    v = k[..., :lat]
+    assert value_in_key(k, v)
+    packed = attention_packed(q, k, v, cu, 45, 0.2)
+    want = attention_math(q.double(), k.double(), v.double(), cu, 0.2)
+    close(packed, want, FP32_TOL if dtype == torch.float32 else 2e-2)
+    # the last 6 tokens of each sequence as a chunk over a paged latent cache (V a view of K)
+    page_size, pages = 8, [[2], [0, 5, 3], [1, 6, 4, 7, 8, 9]]
+    table = torch.tensor([p + [0] * (6 - len(p)) for p in pages], dtype=torch.int32, device=DEVICE)
+    k_cache = torch.full((10, page_size, 1, lat + rope), float("nan"), device=DEVICE, dtype=dtype)
+    v_cache = k_cache[..., :lat]
+    slots = torch.tensor([int(table[s, p // page_size]) * page_size + p % page_size
+                          for s, n in enumerate(lens) for p in range(n)], device=DEVICE)
+    kv_cache_write(k, v, k_cache, v_cache, slots)
+    chunk = [min(6, n) for n in lens]
+    idx = torch.cat([torch.arange(int(cu[s + 1]) - chunk[s], int(cu[s + 1])) for s in range(3)]).to(DEVICE)
+    layout = PagedLayout(torch.tensor([0, 1, 7, 13], dtype=torch.int32, device=DEVICE),
+                         torch.tensor(lens, dtype=torch.int32, device=DEVICE), table, page_size, 6)
+    paged = attention(q[idx], k_cache, v_cache, layout, 0.2)
+    if INTERPRET:
+        close(paged, packed[idx], 1e-5 if dtype == torch.float32 else 1e-2)
+    else:  # one compiled kernel on the GPU: bitwise
+        assert torch.equal(paged, packed[idx])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_latent_attention_backward(dtype):
+    lens = [3, 40]
+    lat, rope = 32, 16
+    q, k, cu = _latent(lens, 4, lat, rope, dtype)
+    q.requires_grad_(), k.requires_grad_()
+    g = torch.randn(q.shape[0], 4, lat, device=DEVICE).to(dtype)
+    got = torch.autograd.grad(attention_packed(q, k, k[..., :lat], cu, 40, 0.15), (q, k), g)
+    qd, kd = (x.detach().double().requires_grad_() for x in (q, k))
+    want = torch.autograd.grad(attention_math(qd, kd, kd[..., :lat], cu, 0.15), (qd, kd), g.double())
+    for a, b in zip(got, want):
+        close(a, b, FP32_TOL if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_linear(dtype):
+    """Both absorption GEMMs on strided views of one [H, nope + v, rank] weight, as the model runs them."""
+    base = torch.randn(3, 24 + 40, 48, device=DEVICE).to(dtype)
+    w_uk_t, w_uv = base[:, :24].transpose(1, 2), base[:, 24:]  # [3, 48, 24] (K strided), [3, 40, 48]
+    q = torch.randn(70, 3, 24 + 16, device=DEVICE).to(dtype)[:, :, :24]  # a strided slice of the query
+    o = torch.randn(70, 3, 48, device=DEVICE).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for x, w in ((q, w_uk_t), (o, w_uv)):
+        got = head_linear(x, w)
+        with use_backend("reference"):
+            want = head_linear(x.cpu(), w.cpu())
+        close(got, want, tol)
+        if not INTERPRET:  # rows alone == rows in the batch, bitwise
+            assert torch.equal(head_linear(x[5:6], w), got[5:6])
