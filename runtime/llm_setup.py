@@ -102,4 +102,10 @@ class EngineSetupMixin:
         eos = getattr(gen, "eos_token_id", None) if gen is not None else None
         if eos is None:
             eos = getattr(self.config, "eos_token_id", None)
-        return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        vocab = int(self.config.vocab_size)
+        bad = [i for i in ids if not 0 <= int(i) < vocab]
+        if bad:  # the sampler would index its stop-token mask out of range, mid-step
+            raise ValueError(f"LLM: eos_token_id {bad} (generation_config / config.eos_token_id) is outside the "
+                             f"vocabulary [0, {vocab}); fix the checkpoint's eos_token_id")
+        return ids

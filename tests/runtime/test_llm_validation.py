@@ -63,6 +63,18 @@ def test_bad_arguments_raise_before_the_model_changes(kwargs, words):
     assert storage(model) == before  # nothing fused, nothing moved
 
 
+@pytest.mark.parametrize("eos", [512, [1, 600], -1])
+def test_eos_outside_the_vocabulary_is_a_clear_error(eos):
+    """was an IndexError inside the sampler's first step"""
+    torch.manual_seed(0)
+    model = qwen3.Qwen3ForCausalLM(qwen3.tiny_config(initializer_range=0.5, eos_token_id=eos)).eval()
+    model.generation_config.eos_token_id = eos
+    before = storage(model)
+    with pytest.raises(ValueError, match=r"eos_token_id .* outside the vocabulary \[0, 512\)"):
+        make_llm(model)
+    assert storage(model) == before
+
+
 def test_a_good_engine_does_fuse_the_model():
     # the check above can fail: a successful construction moves the fused projections
     model = fresh_model()
