@@ -172,6 +172,9 @@ def main(argv=None) -> int:
     if accelerator.is_main_process:
         print(f"{arch.name} ({type(model).__name__}, {world} ranks): {total_tokens} tokens, {total_bad} mismatches "
               f"over {args.steps} steps")
+    # every rank done with its collectives before any rank tears the process group down (an
+    # unsynchronised teardown aborted one rank after a successful run once, on a loaded CI host)
+    dist.barrier()
     accelerator.end_training()
     return 1 if total_bad else 0
 
