@@ -34,6 +34,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from bench_utils import packed, recompute_mismatches
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -119,34 +121,9 @@ def rollout(llm, n: int, args, seed: int, max_tokens: int | None = None):
     return [(o.prompt_token_ids, o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
 
-def packed(seqs, device):
-    ids = torch.tensor([[t for s in seqs for t in s]], device=device)
-    pos = torch.tensor([[i for s in seqs for i in range(len(s))]], device=device)
-    return ids, pos
-
-
 def recompute(trainer, samples, args):
     """(tokens checked, mismatches, max |diff|) of the sharded recompute against the rollout."""
-    checked = bad = 0
-    worst = 0.0
-    batch, size = [], 0
-    for k, sample in enumerate(samples):
-        batch.append(sample)
-        size += len(sample[0]) + len(sample[1])
-        if size < args.recompute_tokens and k + 1 < len(samples):
-            continue
-        ids, pos = packed([p + c for p, c, _ in batch], args.device)
-        with torch.no_grad():
-            lp = trainer.token_logprobs(ids, position_ids=pos)[0].cpu()
-        start = 0
-        for p, c, want in batch:
-            got, want = lp[start + len(p):start + len(p) + len(c)], torch.tensor(want)
-            checked += len(c)
-            bad += int((got != want).sum())
-            worst = max(worst, float((got - want).abs().max()) if len(c) else 0.0)
-            start += len(p) + len(c)
-        batch, size = [], 0
-    return checked, bad, worst
+    return recompute_mismatches(trainer, samples, args.recompute_tokens, args.device)
 
 
 def timed(fn, device, repeat: int = 3) -> float:

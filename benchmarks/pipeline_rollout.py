@@ -39,6 +39,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from bench_utils import recompute_mismatches
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -189,29 +191,7 @@ def rollout(llm, args, seed: int):
 def recompute(trainer, samples, args) -> tuple[int, int, float]:
     """(tokens checked, mismatches, max |diff|): every rank recomputes every sample (the
     sharded forward is a collective: the same micro-batches everywhere)."""
-    device = next(trainer.parameters()).device
-    checked = bad = 0
-    worst = 0.0
-    batch, size = [], 0
-    for k, sample in enumerate(samples):
-        batch.append(sample)
-        size += len(sample[0]) + len(sample[1])
-        if size < args.recompute_tokens and k + 1 < len(samples):
-            continue
-        seqs = [p + c for p, c, _ in batch]
-        ids = torch.tensor([[t for s in seqs for t in s]], device=device)
-        pos = torch.tensor([[i for s in seqs for i in range(len(s))]], device=device)
-        with torch.no_grad():
-            lp = trainer.token_logprobs(ids, position_ids=pos)[0].cpu()
-        start = 0
-        for p, c, want in batch:
-            got, want = lp[start + len(p):start + len(p) + len(c)], torch.tensor(want)
-            checked += len(c)
-            bad += int((got != want).sum())
-            worst = max(worst, float((got - want).abs().max()) if len(c) else 0.0)
-            start += len(p) + len(c)
-        batch, size = [], 0
-    return checked, bad, worst
+    return recompute_mismatches(trainer, samples, args.recompute_tokens, next(trainer.parameters()).device)
 
 
 def checksums(trainer) -> list[float]:
