@@ -30,6 +30,7 @@ Usage (record the table in docs/gpu-results.md):
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import random
@@ -263,4 +264,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # free the engine's reference cycles (and the process-group handles the sharded model holds)
+    # now, not during interpreter shutdown, where gloo's worker threads can abort the process
+    gc.collect()
+    sys.exit(code)

@@ -27,6 +27,7 @@ input cast rounds the RoPE tables and whose output cast rounds the fp32 logprobs
 from __future__ import annotations
 
 import argparse
+import gc
 import copy
 import random
 import sys
@@ -180,4 +181,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # free the engine's reference cycles (and the process-group handles the sharded model holds)
+    # now, not during interpreter shutdown, where gloo's worker threads can abort the process
+    gc.collect()
+    sys.exit(code)
