@@ -20,6 +20,20 @@ def copy_bandwidth() -> float:
     return 2 * (1 << 30) / ms / 1e6
 
 
+def decode_bytes(model, batch: int, mean_context: int) -> int:
+    """Bytes one decode step must read at least: every weight but the input embedding (the tied
+    LM head reads the embedding matrix) plus `batch` sequences' KV cache at `mean_context` tokens.
+    MoE models count all experts (at batch >= 64 nearly every expert is routed to)."""
+    from vexact_models.runtime.model_runner import kv_bytes_per_block
+
+    param = next(model.parameters())
+    itemsize = param.element_size()
+    weights = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n) * itemsize
+    if model.config.tie_word_embeddings:
+        weights += model.lm_head.weight.numel() * itemsize
+    return weights + batch * mean_context * kv_bytes_per_block(model.kv_cache_spec(), 1, param.dtype)
+
+
 def table(title: str, header: list[str], rows: list[list]) -> None:
     print(f"\n## {title}")
     widths = [max(len(str(h)), *(len(f"{r[i]}") for r in rows)) for i, h in enumerate(header)]

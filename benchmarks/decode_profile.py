@@ -5,7 +5,13 @@ Runs `LLM.generate` at a published shape (random weights, bf16) with `--batch` s
 and prints the kernels' GPU time per decode step grouped by kernel name, their total and the
 step's wall time; the difference is host time and launch gaps the GPU waits through.
 
-Usage: python benchmarks/decode_profile.py [--config qwen3-0.6b] [--batch 128] [--context 512]
+The last line compares the step with the HBM roofline: the bytes a decode step must read (all
+weights but the input embedding, plus the batch's KV cache) over the measured copy bandwidth.
+
+Usage:
+    python benchmarks/decode_profile.py [--config qwen3-0.6b] [--batch 128] [--context 512]
+    python benchmarks/decode_profile.py --config deepseek-v3 --set n_routed_experts=8 --batch 16 \
+        --mla-kv-cache latent
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ import sys
 from collections import defaultdict
 
 import torch
+
+from bench_utils import copy_bandwidth, decode_bytes
 
 
 def _kernel_times(llm, prompts, max_tokens: int) -> dict[str, float]:
@@ -60,15 +68,23 @@ def main(argv=None) -> int:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=64, help="decode steps profiled")
     parser.add_argument("--top", type=int, default=15, help="kernel names to list")
+    parser.add_argument("--layers", type=int, help="override num_hidden_layers")
+    parser.add_argument("--set", action="append", metavar="KEY=VALUE",
+                        help="override a config field (JSON value; repeatable), e.g. --set n_routed_experts=8")
+    parser.add_argument("--mla-kv-cache", choices=("expanded", "latent"), help="MLA models: the KV cache mode")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/decode_profile.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    from vexact_models.conformance.models import architecture_of, build_model, make_config
+    from vexact_models.conformance.models import architecture_of, build_model, make_config, parse_overrides
 
     arch = architecture_of(args.config)
-    config = make_config(arch, args.config, None, None)
+    config = make_config(arch, args.config, args.layers, None, parse_overrides(args.set))
     model = build_model(arch, config, torch.device("cuda"), torch.bfloat16)
+    if args.mla_kv_cache:
+        if not hasattr(model, "set_mla_kv_cache"):
+            parser.error(f"--mla-kv-cache: {args.config} is not an MLA model")
+        model.set_mla_kv_cache(args.mla_kv_cache)
     step, kernels = profile_decode(model, config.vocab_size, args.batch, args.context, args.steps)
     busy = sum(kernels.values())
     print(f"{args.config}, batch {args.batch}, context {args.context}: median decode step {step * 1e3:.2f} ms wall, "
@@ -76,6 +92,10 @@ def main(argv=None) -> int:
     print(f"{'kernel':<62}{'ms/step':>9}{'share':>8}")
     for name, seconds in sorted(kernels.items(), key=lambda kv: -kv[1])[:args.top]:
         print(f"{name:<62}{seconds * 1e3:>9.3f}{100 * seconds / busy:>7.1f}%")
+    hbm = copy_bandwidth()
+    roof = decode_bytes(model, args.batch, args.context + args.steps // 2) / (hbm * 1e9)
+    print(f"HBM roofline {roof * 1e3:.2f} ms ({hbm:.0f} GB/s copy): the step is at {100 * roof / step:.0f}% of it, "
+          f"the kernels alone at {100 * roof / busy:.0f}%")
     return 0
 
 

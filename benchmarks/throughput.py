@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from bench_utils import copy_bandwidth
+from bench_utils import copy_bandwidth, decode_bytes
 
 
 def workload(n: int, vocab: int, seed: int, lo: int = 100, hi: int = 1024):
@@ -111,15 +111,7 @@ def decode_roofline(model, vocab: int, batch: int, hbm: float, aligned: bool, co
     steps = sorted(t for n, decode, t in llm.step_times if decode and n == batch)
     del llm
     torch.cuda.empty_cache()
-    from vexact_models.runtime.model_runner import kv_bytes_per_block
-
-    param = next(model.parameters())
-    itemsize = param.element_size()
-    weights = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n) * itemsize
-    if model.config.tie_word_embeddings:  # the LM head reads the (tied) embedding matrix
-        weights += model.lm_head.weight.numel() * itemsize
-    kv = batch * (context + new_tokens // 2) * kv_bytes_per_block(model.kv_cache_spec(), 1, param.dtype)
-    return steps[len(steps) // 2], (weights + kv) / (hbm * 1e9)
+    return steps[len(steps) // 2], decode_bytes(model, batch, context + new_tokens // 2) / (hbm * 1e9)
 
 
 def main(argv=None) -> int:
