@@ -8,7 +8,9 @@ and allows zero mismatches:
   plus rows in permuted positions, plus every tile config of the table forced on a few Ms.
 - attention: each query's output is the same packed (training), in chunked prefill (several
   chunk sizes, random per-step chunks, mixed batches), and as decode steps over a paged cache
-  with shuffled pages, for sequences up to 8192 tokens, at the Qwen3 head layouts.
+  with shuffled pages, for sequences up to 8192 tokens, at the Qwen3 head layouts; and every
+  launch-parameter candidate (rows per program >= 64, warps, stages) against the first
+  ("attention configs": decode and prefill launches pick different ones).
 - rms_norm, log_softmax, gather_logprobs, token_logprobs, silu_and_mul, rotary: rows alone vs
   in batches; gather vs the full row; token_logprobs vs the sampler path.
 - latent MLA (``--only latent``): the latent attention kernel (one 576-dim key head, the value a
@@ -105,6 +107,34 @@ def check_linear_configs(result: Result, k: int, n: int) -> None:
     for cfg in configs[1:]:
         for m in (1, 77, 300):
             result.compare(linear_triton(x[:m], w, None, torch.bfloat16, cfg), want[:m], f"K={k} N={n} {cfg} M={m}")
+
+
+def check_attention_configs(result: Result, hq: int, hkv: int, d: int, dv: int, latent: bool) -> None:
+    """Every launch-parameter candidate `pick_config` may choose (tensor-core tiles of >= 64 rows,
+    any warps/stages, latent value chunks) gives bitwise the output of the first (rule 2), on
+    packed sequences of uneven lengths."""
+    from vexact_models.kernels.attention import AttentionConfig, attention_triton, packed_layout
+    from vexact_models.kernels.latent_attention import LatentConfig, key_block, latent_attention_triton
+
+    lens = [1, 63, 64, 65, 700]
+    t = sum(lens)
+    q = torch.randn(t, hq, d, device="cuda").bfloat16()
+    k = torch.randn(t, hkv, d, device="cuda").bfloat16()
+    v = k[..., :dv] if latent else torch.randn(t, hkv, dv, device="cuda").bfloat16()
+    layout = packed_layout(torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda"),
+                           max(lens))
+    if latent:
+        blk = key_block(torch.bfloat16)
+        configs = [LatentConfig(64, blk, 8, 2), LatentConfig(64, blk, 4, 1), LatentConfig(64, blk, 8, 1, 2),
+                   LatentConfig(64, blk, 4, 2, 4), LatentConfig(128, blk, 8, 1)]
+        outs = [latent_attention_triton(q, k, dv, layout, d ** -0.5, cfg) for cfg in configs]
+    else:
+        configs = [AttentionConfig(64, 64, 4, 2), AttentionConfig(64, 64, 4, 1), AttentionConfig(64, 64, 8, 2),
+                   AttentionConfig(128, 64, 8, 2), AttentionConfig(128, 64, 4, 2), AttentionConfig(128, 64, 8, 3)]
+        outs = [attention_triton(q, k, v, layout, d ** -0.5, cfg) for cfg in configs]
+    for cfg, (out, lse) in zip(configs[1:], outs[1:]):
+        result.compare(out, outs[0][0], f"Hq={hq} Hkv={hkv} D={d} Dv={dv} {cfg} vs {configs[0]}")
+        result.compare(lse, outs[0][1], f"Hq={hq} Hkv={hkv} D={d} Dv={dv} {cfg} lse")
 
 
 def _paged_run(q, k, v, lens, steps, page_size, gen, value_in_key: bool = False):
@@ -352,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
         print("kernel_invariance: needs a CUDA GPU", file=sys.stderr)
         return 2
     torch.manual_seed(0)
-    names = ["linear", "linear configs", "attention", "latent attention", "head_linear", "rms_norm", "log_softmax",
+    names = ["linear", "linear configs", "attention", "attention configs", "latent attention", "head_linear", "rms_norm",
+             "log_softmax",
              "token_logprobs", "elementwise", "moe"]
     results = {n: Result(n) for n in names}
     t0 = time.time()
@@ -368,11 +399,13 @@ def main(argv: list[str] | None = None) -> int:
         lens = [1, 37, 300, 2048] if args.quick else [1, 37, 300, 2048, 8192]
         for name, hq, hkv, d, dv in ATTENTION_SHAPES:
             check_attention(results["attention"], hq, hkv, d, dv, lens, args.quick)
+            check_attention_configs(results["attention configs"], hq, hkv, d, dv, latent=False)
             print(f"attention {name}: {results['attention'].mismatches} mismatches so far", flush=True)
     if args.only in (None, "latent"):
         lens = [1, 37, 300, 2048] if args.quick else [1, 37, 300, 2048, 8192]
         for name, hq, rank, rope, nope, v_dim in LATENT_SHAPES:
             check_latent_attention(results["latent attention"], hq, rank, rope, lens, args.quick)
+            check_attention_configs(results["attention configs"], hq, 1, rank + rope, rank, latent=True)
             check_head_linear(results["head_linear"], hq, rank, nope, v_dim, args.quick)
             print(f"{name}: {results['latent attention'].mismatches} attention and {results['head_linear'].mismatches} "
                   "head_linear mismatches so far", flush=True)

@@ -10,9 +10,11 @@ cache, read through a trivial block table with ``page_size = 1`` (`attention_pac
 
 Invariance contract (docs/design.md rule 2): for every query row, the keys are reduced in blocks of
 `BLOCK_N` aligned to absolute positions 0, BLOCK_N, 2*BLOCK_N, ... with an fp32 online softmax,
-by one compiled kernel configuration per head dim and dtype (`BLOCK_M`, `BLOCK_N` fixed;
-`page_size` is a runtime argument that Triton does not specialize on), so a query's output is
-the same whether it is computed packed, in prefill chunks of any size, or as a decode step. A
+with `BLOCK_N` fixed (`page_size` is a runtime argument that Triton does not specialize on), so
+a query's output is the same whether it is computed packed, in prefill chunks of any size, or as
+a decode step. The rows per program, warps and stages follow the launch (`pick_config`: decode
+and prefill tiles differ) within tensor-core tiles of >= 64 rows, which the GPU sweep showed
+give every row bitwise the same arithmetic. A
 tile may run past a row's last key; those blocks are fully masked and leave the row's state
 bitwise unchanged (p = 0, alpha = exp2(0) = 1). No split-KV. The reference does the same on CPU
 with `exact_math`. The backward (`attention_backward.py`) is correct, not invariant.
@@ -30,7 +32,7 @@ from ._triton import next_power_of_2, require_triton, tl, triton
 from .backend import select
 from .latent_attention import latent_attention_backward_triton, latent_attention_triton, value_in_key
 
-BLOCK_M = 64  # query rows (token, head) per program
+BLOCK_M = 64  # query rows (token, head) per program in decode (prefill and training: 128, `pick_config`)
 BLOCK_N = 64  # keys per block: the absolute-position alignment of the KV reduction
 NUM_STAGES = 2
 # Query/key head dims (the value head dim is one of these too). 192 is MLA's 128 nope + 64 rope
@@ -40,12 +42,38 @@ HEAD_DIMS = (64, 128, 192)
 VALUE_HEAD_DIMS = (64, 128)
 
 
-def launch_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
-    """(warps, pipeline stages) per program. Both depend only on the model (its head dim and
-    dtype), so one model always runs one compiled configuration: a padded 256-wide fp32 K tile
-    does not fit two stages in shared memory."""
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Launch parameters of the forward. ``block_n`` is the key block, the absolute-position
+    alignment of the KV reduction (rule 2: always `BLOCK_N`; the field lets GPU sweeps try
+    others). Rows per program, warps and stages may follow the launch's shape (`pick_config`):
+    they move work between programs, not a row's arithmetic; `conformance/kernel_invariance.py`
+    ("attention configs") checks on the GPU that every candidate gives bitwise the same output."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def pick_config(head_dim: int, rows_per_seq: int, dtype: torch.dtype) -> AttentionConfig:
+    """The launch parameters for a head dim and dtype, for a launch whose longest sequence has
+    `rows_per_seq` (query token, head) rows. Chosen by `benchmarks/attention_configs.py` on the
+    H200 (docs/gpu-results.md). Every bf16 choice is a tensor-core (wgmma) tile of >= 64 rows:
+    the sweep found tiles of 16 or 32 rows (mma.sync on Hopper) faster in decode but not bitwise
+    equal to the 64/128-row tiles, so the rows per program may follow the launch only within
+    the >= 64 family. Decode-like launches (<= 64 rows) take 64-row tiles with 4 warps (and one
+    stage for the 256-wide padded tile of head dim 192); prefill and training take 128-row
+    tiles with 8 warps and two stages (2.1x faster at head dim 192, 1.04x at 128). fp32: a
+    padded 256-wide fp32 K tile does not fit two stages in shared memory."""
     wide = head_dim > 128
-    return (8 if wide else 4), (1 if wide and dtype == torch.float32 else NUM_STAGES)
+    if dtype == torch.float32:
+        return AttentionConfig(BLOCK_M, BLOCK_N, 8 if wide else 4, 1 if wide else NUM_STAGES)
+    if rows_per_seq <= BLOCK_M:
+        return AttentionConfig(BLOCK_M, BLOCK_N, 4, 1 if wide else NUM_STAGES)
+    return AttentionConfig(2 * BLOCK_M, BLOCK_N, 8, NUM_STAGES)
+
+
 REFERENCE_BLOCK_N = 16  # the reference's own fixed key block
 
 
@@ -139,7 +167,9 @@ def _attention_fwd_kernel(
     tl.store(lse_ptr + token * (GROUP * tl.num_programs(2)) + head, m_i + tl.log2(l_i), mask=row_ok)
 
 
-def _attention_triton(q, k_cache, v_cache, layout: PagedLayout, scale: float):
+def attention_triton(q, k_cache, v_cache, layout: PagedLayout, scale: float, config: AttentionConfig | None = None):
+    """(out, lse) of the GQA kernel with `config` (default `pick_config`'s). Public for the GPU
+    sweeps that compare launch parameters (benchmarks/attention_configs.py); models call `attention`."""
     require_triton("attention")
     n_tokens, n_heads, head_dim = q.shape
     n_kv_heads, head_dim_v = k_cache.shape[-2], v_cache.shape[-1]
@@ -151,15 +181,15 @@ def _attention_triton(q, k_cache, v_cache, layout: PagedLayout, scale: float):
     group = n_heads // n_kv_heads
     k = k_cache.reshape(-1, n_kv_heads, head_dim)
     v = v_cache.reshape(-1, n_kv_heads, head_dim_v)
-    grid = (triton.cdiv(layout.max_seqlen_q * group, BLOCK_M), n_seqs, n_kv_heads)
-    num_warps, num_stages = launch_config(head_dim, q.dtype)
+    cfg = config or pick_config(head_dim, layout.max_seqlen_q * group, q.dtype)
+    grid = (triton.cdiv(layout.max_seqlen_q * group, cfg.block_m), n_seqs, n_kv_heads)
     _attention_fwd_kernel[grid](
         q, k, v, out, lse, layout.cu_seqlens_q, layout.seq_lens, layout.block_table,
         layout.page_size, scale * math.log2(math.e),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), layout.block_table.stride(0),
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=next_power_of_2(head_dim),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=num_warps, num_stages=num_stages)
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out, lse
 
 
@@ -248,7 +278,7 @@ def _triton_forward(q, k_cache, v_cache, layout: PagedLayout, scale: float):
     """(out, lse) from the GQA kernel, or from the latent MLA kernel when V is a view of K."""
     if value_in_key(k_cache, v_cache):
         return latent_attention_triton(q, k_cache, v_cache.shape[-1], layout, scale)
-    return _attention_triton(q, k_cache, v_cache, layout, scale)
+    return attention_triton(q, k_cache, v_cache, layout, scale)
 
 
 class _PackedAttentionFunction(torch.autograd.Function):

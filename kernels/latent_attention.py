@@ -12,9 +12,13 @@ The forward kernel is `kernels.attention`'s with the key split into its latent a
 ``s = q_lat . k_lat + q_rope . k_rope`` (two dots accumulated in that order), and the loaded
 latent key tile is the value tile, so the cache is read once. Invariance contract (docs/design.md
 rule 2), as for `kernels.attention`: keys reduced in blocks of ``BLOCK_N`` aligned to absolute
-positions with an fp32 online softmax, one compiled configuration per (dims, dtype)
-(`launch_config`; ``page_size`` is not specialized), no split-KV; a query's output is the same
-packed (training), in chunked prefill or in decode. The backward is the FlashAttention-2 scheme
+positions with an fp32 online softmax, the key block fixed per dtype (`KEY_BLOCK`; ``page_size``
+is not specialized), no split-KV; `pick_config`'s other launch parameters (rows per program,
+warps, stages, value chunks) follow the launch's shape and do not change a row's arithmetic. A
+query's output is the same packed (training), in chunked prefill or in decode. When
+``value_chunks`` > 1 (decode: few query rows per sequence), the latent dims of the value are split
+over that many programs per sequence, each recomputing the same scores: more programs for the
+GPU, the cache read once per chunk (from L2 after the first). The backward is the FlashAttention-2 scheme
 with the value gradient folded into the key's latent dims: correct, not invariant (rule 8).
 """
 
@@ -23,6 +27,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from dataclasses import dataclass
 
 from ._triton import next_power_of_2, require_triton, tl, triton
 
@@ -35,17 +41,51 @@ def value_in_key(k: torch.Tensor, v: torch.Tensor) -> bool:
             and v.stride()[:-1] == k.stride()[:-1] and v.stride(-1) == k.stride(-1) == 1)
 
 
-def launch_config(dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, warps, stages) of the forward: one per dtype, never a function of the
-    batch. BLOCK_M rows are (token, head) pairs of one KV head; the fp32 accumulator is
-    ``BLOCK_M x L`` (64 x 512 at the real shapes, as FlashMLA's), so the tiles stay small."""
+KEY_BLOCK = {torch.float32: 16}  # keys per block by dtype (default below): fixes the KV reduction order
+DEFAULT_KEY_BLOCK = 64
+
+
+@dataclass(frozen=True)
+class LatentConfig:
+    """Launch parameters of the latent forward.
+
+    ``block_n`` is the key block, the absolute-position alignment of the KV reduction (rule 2):
+    one value per dtype (`KEY_BLOCK`), never a function of the batch; the field exists only so
+    that the GPU sweeps can try other values. The others may follow the launch's shape
+    (`pick_config`), as rule 1's tile shapes do, because they leave every output element's
+    floating-point sequence unchanged: ``block_m`` (query rows per program), warps and stages
+    move work between programs, and ``value_chunks`` > 1 splits the 512 value dims over that many
+    programs, each recomputing the same scores with the same dots (a value column's sum over a
+    key block is one dot whatever the N width of the tile). `conformance/kernel_invariance.py`
+    ("latent configs") checks on the GPU that every candidate gives bitwise the same output."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    value_chunks: int = 1
+
+
+def key_block(dtype: torch.dtype) -> int:
+    return KEY_BLOCK.get(dtype, DEFAULT_KEY_BLOCK)
+
+
+def pick_config(rows_per_seq: int, n_seqs: int, dtype: torch.dtype) -> LatentConfig:
+    """The launch parameters for a launch whose longest sequence has `rows_per_seq` (query
+    token, head) rows, over `n_seqs` sequences; depends on shapes and dtype only. Chosen by
+    `benchmarks/attention_configs.py` on the H200 (docs/gpu-results.md): 64-row tiles, 64-key
+    blocks, 8 warps, two stages were the fastest at every latent shape (training 1.4x, decode
+    1.4-1.5x the first-guess 64/32/8/1); smaller row tiles (16) decode faster but are not
+    bitwise equal to 64-row ones (rule 2), and value chunks did not pay at 64 rows."""
     if dtype == torch.float32:
-        return 16, 16, 4, 1
-    return 64, 32, 8, 1
+        return LatentConfig(16, key_block(dtype), 4, 1)
+    return LatentConfig(64, key_block(dtype), 8, 2)
 
 
-DKDV_BLOCK_M, DKDV_BLOCK_N = 32, 32
-DQ_BLOCK_M, DQ_BLOCK_N = 32, 32
+# Backward launch parameters (BLOCK_M, BLOCK_N, warps, stages): free to tune (rule 8); the
+# fastest of benchmarks/attention_configs.py's candidates on the H200 (1.3x each over 32/32/8/1).
+DKDV_CONFIG = (64, 32, 8, 2)
+DQ_CONFIG = (64, 64, 8, 1)
 
 
 @triton.jit(do_not_specialize=["page_size", "stride_bt"])
@@ -54,11 +94,12 @@ def _latent_fwd_kernel(
     page_size, scale_log2,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
     GROUP: tl.constexpr, LAT: tl.constexpr, ROPE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     tile = tl.program_id(0)
     seq = tl.program_id(1)
-    kv_head = tl.program_id(2)
+    kv_head = tl.program_id(2) // CHUNKS
+    chunk = tl.program_id(2) % CHUNKS
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
     if tile * BLOCK_M >= q_len * GROUP:
@@ -80,9 +121,11 @@ def _latent_fwd_kernel(
     q_lat = tl.load(q_row + dl[None, :], mask=row_ok[:, None] & dl_ok[None, :], other=0.0)
     q_rope = tl.load(q_row + LAT + dr[None, :], mask=row_ok[:, None] & dr_ok[None, :], other=0.0)
 
+    dv = chunk * BLOCK_V + tl.arange(0, BLOCK_V)  # this program's value dims
+    dv_ok = dv < LAT
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, BLOCK_L), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_V), tl.float32)
     last_q = tl.minimum(q_len - 1, (tile * BLOCK_M + BLOCK_M - 1) // GROUP)
     n_keys = context + last_q + 1
     table_row = block_table_ptr + seq.to(tl.int64) * stride_bt
@@ -100,12 +143,17 @@ def _latent_fwd_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = tl.dot(p.to(k_lat.dtype), k_lat, acc * alpha[:, None])  # the value is the latent key
+        if CHUNKS == 1:
+            v = k_lat  # the value is the latent key: the tile just loaded
+        else:  # this chunk's dims of the same rows (the score's load left them in L1/L2)
+            v = tl.load(k_row + dv[None, :], mask=k_ok[:, None] & dv_ok[None, :], other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
     out = acc / l_i[:, None]
-    tl.store(o_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dl[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & dl_ok[None, :])
-    tl.store(lse_ptr + token * (GROUP * tl.num_programs(2)) + head, m_i + tl.log2(l_i), mask=row_ok)
+    tl.store(o_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
+    if chunk == 0:
+        tl.store(lse_ptr + token * (GROUP * (tl.num_programs(2) // CHUNKS)) + head, m_i + tl.log2(l_i), mask=row_ok)
 
 
 def _dims(q: torch.Tensor, v_dim: int) -> dict:
@@ -113,10 +161,11 @@ def _dims(q: torch.Tensor, v_dim: int) -> dict:
     return dict(LAT=v_dim, ROPE=rope, BLOCK_L=next_power_of_2(max(v_dim, 16)), BLOCK_R=next_power_of_2(max(rope, 16)))
 
 
-def latent_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, v_dim: int, layout,
-                            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def latent_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, v_dim: int, layout, scale: float,
+                            config: LatentConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [T, Hq, v_dim], lse [T, Hq])`` of `q` ``[T, Hq, D]`` over the paged key cache
-    ``[..., Hkv, D]`` whose first `v_dim` dims are the value (`kernels.attention`'s contract)."""
+    ``[..., Hkv, D]`` whose first `v_dim` dims are the value (`kernels.attention`'s contract).
+    `config` (default `pick_config`'s) is for the GPU sweeps that compare launch parameters."""
     require_triton("attention (latent MLA)")
     n_tokens, n_heads, head_dim = q.shape
     n_kv_heads = kv_cache.shape[-2]
@@ -127,14 +176,18 @@ def latent_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, v_dim: int,
         return out, lse
     group = n_heads // n_kv_heads
     kv = kv_cache.reshape(-1, n_kv_heads, head_dim)
-    block_m, block_n, warps, stages = launch_config(q.dtype)
-    grid = (triton.cdiv(layout.max_seqlen_q * group, block_m), n_seqs, n_kv_heads)
+    cfg = config or pick_config(layout.max_seqlen_q * group, n_seqs, q.dtype)
+    dims = _dims(q, v_dim)
+    if dims["BLOCK_L"] % cfg.value_chunks:
+        raise ValueError(f"latent_attention_triton: value_chunks={cfg.value_chunks} must divide {dims['BLOCK_L']}")
+    grid = (triton.cdiv(layout.max_seqlen_q * group, cfg.block_m), n_seqs, n_kv_heads * cfg.value_chunks)
     _latent_fwd_kernel[grid](
         q, kv, out, lse, layout.cu_seqlens_q, layout.seq_lens, layout.block_table,
         layout.page_size, scale * math.log2(math.e),
         q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), out.stride(0), out.stride(1),
-        layout.block_table.stride(0), GROUP=group, **_dims(q, v_dim), BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=warps, num_stages=stages)
+        layout.block_table.stride(0), GROUP=group, **dims, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        CHUNKS=cfg.value_chunks, BLOCK_V=dims["BLOCK_L"] // cfg.value_chunks,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out, lse
 
 
@@ -249,9 +302,11 @@ def _latent_dq_kernel(q_ptr, kv_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_ptr,
 
 def latent_attention_backward_triton(grad_out: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor,
                                      lse: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-                                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                                     scale: float, dkdv_config: tuple[int, int, int, int] | None = None,
+                                     dq_config: tuple[int, int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dq, dkv)`` of packed causal latent attention (the value gradient is already in dkv's
-    first ``out.shape[-1]`` dims); `lse` is the forward's log2-sum-exp2."""
+    first ``out.shape[-1]`` dims); `lse` is the forward's log2-sum-exp2. The configs ((BLOCK_M,
+    BLOCK_N, warps, stages), default `DKDV_CONFIG` / `DQ_CONFIG`) are for the GPU sweeps."""
     require_triton("attention backward (latent MLA)")
     n_tokens, n_heads, _ = q.shape
     n_kv_heads = kv.shape[1]
@@ -266,10 +321,12 @@ def latent_attention_backward_triton(grad_out: torch.Tensor, q: torch.Tensor, kv
     args = (scale, scale * math.log2(math.e), n_heads, q.stride(0), q.stride(1), kv.stride(0), kv.stride(1),
             grad_out.stride(0), grad_out.stride(1))
     dims = _dims(q, out.shape[-1])
-    _latent_dkv_kernel[(triton.cdiv(max_seqlen, DKDV_BLOCK_N), n_seqs, n_kv_heads)](
-        q, kv, grad_out, lse, delta, dkv, cu, *args, GROUP=group, **dims, BLOCK_M=DKDV_BLOCK_M, BLOCK_N=DKDV_BLOCK_N,
-        num_warps=8, num_stages=1)
-    _latent_dq_kernel[(triton.cdiv(max_seqlen * group, DQ_BLOCK_M), n_seqs, n_kv_heads)](
-        q, kv, grad_out, lse, delta, dq, cu, *args, GROUP=group, **dims, BLOCK_M=DQ_BLOCK_M, BLOCK_N=DQ_BLOCK_N,
-        num_warps=8, num_stages=1)
+    bm, bn, warps, stages = dkdv_config or DKDV_CONFIG
+    _latent_dkv_kernel[(triton.cdiv(max_seqlen, bn), n_seqs, n_kv_heads)](
+        q, kv, grad_out, lse, delta, dkv, cu, *args, GROUP=group, **dims, BLOCK_M=bm, BLOCK_N=bn,
+        num_warps=warps, num_stages=stages)
+    bm, bn, warps, stages = dq_config or DQ_CONFIG
+    _latent_dq_kernel[(triton.cdiv(max_seqlen * group, bm), n_seqs, n_kv_heads)](
+        q, kv, grad_out, lse, delta, dq, cu, *args, GROUP=group, **dims, BLOCK_M=bm, BLOCK_N=bn,
+        num_warps=warps, num_stages=stages)
     return dq, dkv

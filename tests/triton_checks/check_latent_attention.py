@@ -49,7 +49,9 @@ if INTERPRET:
 from vexact_models.kernels import PagedLayout, attention, attention_packed, kv_cache_write, use_backend  # noqa: E402
 from vexact_models.kernels.attention_backward import attention_math  # noqa: E402
 from vexact_models.kernels.head_linear import head_linear  # noqa: E402
-from vexact_models.kernels.latent_attention import value_in_key  # noqa: E402
+from vexact_models.kernels.latent_attention import (  # noqa: E402
+    LatentConfig, key_block, latent_attention_backward_triton, latent_attention_triton, pick_config, value_in_key)
+from vexact_models.kernels.attention import packed_layout  # noqa: E402
 
 
 def close(a, b, tol):
@@ -93,6 +95,40 @@ def test_latent_attention_packed_and_paged(heads, lat, rope, dtype):
         close(paged, packed[idx], 1e-5 if dtype == torch.float32 else 1e-2)
     else:  # one compiled kernel on the GPU: bitwise
         assert torch.equal(paged, packed[idx])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_latent_launch_parameters_leave_the_output_unchanged(dtype):
+    """Rows per program, warps, stages and value chunks only move work between programs: every
+    candidate gives bitwise the output of `pick_config`'s (rule 2); a chunk count that does not
+    divide the value tile is refused."""
+    lens, heads, lat, rope = [1, 20, 37], 4, 32, 16
+    q, k, cu = _latent(lens, heads, lat, rope, dtype)
+    layout = packed_layout(cu, max(lens))
+    want, want_lse = latent_attention_triton(q, k, lat, layout, 0.2)
+    blk = key_block(dtype)
+    for cfg in (LatentConfig(16, blk, 4, 1, 2), LatentConfig(32, blk, 4, 2, 4), LatentConfig(64, blk, 8, 1, 1),
+                LatentConfig(16, blk, 4, 1, 1)):
+        out, lse = latent_attention_triton(q, k, lat, layout, 0.2, cfg)
+        assert torch.equal(out, want), cfg
+        assert torch.equal(lse, want_lse), cfg
+    with pytest.raises(ValueError, match="value_chunks=3"):
+        latent_attention_triton(q, k, lat, layout, 0.2, LatentConfig(16, blk, 4, 1, 3))
+    assert pick_config(1, 1, dtype).block_n == blk
+
+
+def test_latent_backward_configs_agree():
+    """The backward's launch parameters are free (rule 8): other tiles give the same gradients
+    up to rounding."""
+    lens, lat, rope = [3, 40], 32, 16
+    q, k, cu = _latent(lens, 4, lat, rope, torch.float32)
+    layout = packed_layout(cu, 40)
+    out, lse = latent_attention_triton(q, k, lat, layout, 0.15)
+    g = torch.randn_like(out)
+    want = latent_attention_backward_triton(g, q, k, out, lse, cu, 40, 0.15)
+    got = latent_attention_backward_triton(g, q, k, out, lse, cu, 40, 0.15, (16, 16, 4, 2), (16, 32, 4, 2))
+    for a, b in zip(got, want):
+        close(a, b, FP32_TOL)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,0 +1,191 @@
+"""Sweep the attention kernels' launch parameters at the shapes where RL spends its time.
+
+For each case (a decode step over a paged cache, or a packed training forward/backward) every
+candidate configuration is timed, and its output is compared bitwise with the first candidate
+of the same key block: rows per program, warps, stages and (latent) value chunks must leave every
+output element unchanged (docs/design.md rule 2), so "same bits" must read "yes" for all of them;
+the key block changes the reduction order, so each key block has its own reference. Backward
+candidates are timed only (rule 8: correct, not invariant). Prints one table per case and the
+fastest candidate; decode rows give the KV bytes read per second against the measured HBM copy
+bandwidth, training rows TFLOP/s beside torch SDPA (flash) where SDPA can run the shape.
+
+Usage:
+    python benchmarks/attention_configs.py                   # every case
+    python benchmarks/attention_configs.py --only latent     # latent MLA cases only (or: gqa)
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import random
+import sys
+
+import torch
+
+from bench_utils import bench, copy_bandwidth, table
+
+# (name, kind, heads, kv heads, qk dim, v dim, sequences, tokens per sequence)
+LATENT_CASES = [("moonlight latent decode", "decode", 16, 1, 576, 512, 256, 528),
+                ("deepseek-v3 latent decode", "decode", 128, 1, 576, 512, 16, 272),
+                ("moonlight latent train 8x4096", "train", 16, 1, 576, 512, 8, 4096),
+                ("deepseek-v3 latent train 2x4096", "train", 128, 1, 576, 512, 2, 4096)]
+GQA_CASES = [("moonlight expanded decode", "decode", 16, 16, 192, 128, 256, 528),
+             ("deepseek-v3 expanded decode", "decode", 128, 128, 192, 128, 16, 272),
+             ("moonlight expanded train 8x4096", "train", 16, 16, 192, 128, 8, 4096),
+             ("qwen3-8b decode", "decode", 32, 8, 128, 128, 128, 1024),
+             ("qwen3-0.6b decode", "decode", 16, 8, 128, 128, 256, 640),
+             ("qwen3-8b train 4x4096", "train", 32, 8, 128, 128, 4, 4096)]
+PAGE = 16
+
+
+def latent_candidates(kind: str):
+    from vexact_models.kernels.latent_attention import LatentConfig
+
+    rows = [(16, 4), (64, 4), (64, 8)] if kind == "decode" else [(64, 4), (64, 8), (128, 8)]
+    chunks = (1, 2, 4) if kind == "decode" else (1,)
+    for bn, (bm, warps), stages, ch in itertools.product((32, 64), rows, (1, 2), chunks):
+        yield LatentConfig(bm, bn, warps, stages, ch)
+
+
+def gqa_candidates(kind: str):
+    from vexact_models.kernels.attention import AttentionConfig
+
+    rows = [(16, 4), (32, 4), (64, 4), (64, 8)] if kind == "decode" else [(64, 4), (64, 8), (128, 8), (128, 4)]
+    for (bm, warps), stages in itertools.product(rows, (1, 2, 3)):
+        yield AttentionConfig(bm, 64, warps, stages)
+    for bn, (bm, warps) in itertools.product((32, 128), rows[::2]):  # other key blocks, for the record
+        yield AttentionConfig(bm, bn, warps, 2)
+
+
+def make_inputs(kind, heads, kv_heads, d, dv, seqs, length, latent: bool):
+    """(q, k_cache, v_cache, layout, bytes of KV read) for one case, bf16 on the GPU."""
+    from vexact_models.kernels import PagedLayout
+    from vexact_models.kernels.attention import packed_layout
+
+    q_len = 1 if kind == "decode" else length
+    q = torch.randn(seqs * q_len, heads, d, device="cuda").bfloat16()
+    if kind == "train":
+        k = torch.randn(seqs * length, kv_heads, d, device="cuda").bfloat16()
+        v = k[..., :dv] if latent else torch.randn(seqs * length, kv_heads, dv, device="cuda").bfloat16()
+        cu = torch.arange(seqs + 1, device="cuda", dtype=torch.int32) * length
+        return q, k, v, packed_layout(cu, length), 0
+    pages = -(-length // PAGE)
+    order = list(range(seqs * pages))
+    random.Random(0).shuffle(order)
+    table_ = torch.tensor(order, dtype=torch.int32, device="cuda").view(seqs, pages)
+    k = torch.randn(seqs * pages, PAGE, kv_heads, d, device="cuda").bfloat16()
+    v = k[..., :dv] if latent else torch.randn(seqs * pages, PAGE, kv_heads, dv, device="cuda").bfloat16()
+    layout = PagedLayout(torch.arange(seqs + 1, device="cuda", dtype=torch.int32),
+                         torch.full((seqs,), length, device="cuda", dtype=torch.int32), table_, PAGE, 1)
+    kv_bytes = seqs * length * kv_heads * (d + (0 if latent else dv)) * 2
+    return q, k, v, layout, kv_bytes
+
+
+def attention_flops(kind, heads, d, dv, seqs, length) -> float:
+    q_len = 1 if kind == "decode" else length
+    pairs = seqs * (q_len * length - (q_len * (q_len - 1)) // 2)  # causal (query, key) pairs
+    return 2.0 * heads * pairs * (d + dv)
+
+
+def sweep_case(case, latent: bool, hbm: float) -> list[list]:
+    from vexact_models.kernels.attention import attention_triton
+    from vexact_models.kernels.latent_attention import latent_attention_triton
+
+    name, kind, heads, kv_heads, d, dv, seqs, length = case
+    q, k, v, layout, kv_bytes = make_inputs(kind, heads, kv_heads, d, dv, seqs, length, latent)
+    scale = d ** -0.5
+    flops = attention_flops(kind, heads, d, dv, seqs, length)
+
+    def run(cfg):
+        if latent:
+            return latent_attention_triton(q, k, dv, layout, scale, cfg)[0]
+        return attention_triton(q, k, v, layout, scale, cfg)[0]
+
+    rows, refs, best = [], {}, None
+    for cfg in (latent_candidates if latent else gqa_candidates)(kind):
+        try:
+            out = run(cfg)
+            ms = bench(lambda: run(cfg), warmup=5, rep=20)
+        except Exception as exc:  # out of shared memory / registers: not a candidate
+            print(f"  {name}: skip {cfg} ({type(exc).__name__})", flush=True)
+            continue
+        ref = refs.setdefault(cfg.block_n, out)
+        same = "yes" if torch.equal(out, ref) else "NO"
+        rate = f"{kv_bytes / ms / 1e6 / hbm * 100:.0f}% HBM" if kind == "decode" else f"{flops / ms / 1e9:.0f} TFLOP/s"
+        rows.append([name, _label(cfg), f"{ms * 1e3:.1f}", rate, same])
+        if best is None or ms < best[0]:
+            best = (ms, cfg)
+    if kind == "train" and not latent:
+        rows.append([name, "torch SDPA flash", f"{_sdpa_ms(q, k, v, seqs, length) * 1e3:.1f}", "", "-"])
+    print(f"best {name}: {_label(best[1])} {best[0] * 1e3:.1f} us", flush=True)
+    return rows
+
+
+def _sdpa_ms(q, k, v, seqs, length) -> float:
+    def shaped(x):
+        return x.view(seqs, length, x.shape[1], x.shape[2]).transpose(1, 2)
+    qs, ks, vs = shaped(q), shaped(k), shaped(v)
+    return bench(lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True),
+                 warmup=5, rep=20)
+
+
+def _label(cfg) -> str:
+    chunks = getattr(cfg, "value_chunks", 1)
+    return f"m{cfg.block_m} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}" + (f" v{chunks}" if chunks > 1 else "")
+
+
+def sweep_latent_backward(case) -> list[list]:
+    """Time the latent backward's (BLOCK_M, BLOCK_N, warps, stages) candidates for dK/dV and dQ."""
+    from vexact_models.kernels.latent_attention import (DKDV_CONFIG, DQ_CONFIG, latent_attention_backward_triton,
+                                                        latent_attention_triton)
+
+    name, kind, heads, kv_heads, d, dv, seqs, length = case
+    q, k, _, layout, _ = make_inputs(kind, heads, kv_heads, d, dv, seqs, length, True)
+    out, lse = latent_attention_triton(q, k, dv, layout, d ** -0.5)
+    g = torch.randn_like(out)
+    cu = layout.cu_seqlens_q
+    flops = 2.5 * attention_flops(kind, heads, d, dv, seqs, length)  # the FA2 backward's ~2.5x the forward
+    cands = [(32, 32, 8, 1), (32, 64, 8, 1), (64, 32, 8, 1), (64, 64, 8, 1), (32, 32, 4, 2), (32, 32, 8, 2),
+             (64, 32, 8, 2), (16, 64, 4, 2), (128, 32, 8, 1), (64, 16, 4, 2)]
+    rows = []
+    for which in ("dkdv", "dq"):
+        for cfg in cands:
+            kw = {"dkdv_config": cfg, "dq_config": DQ_CONFIG} if which == "dkdv" else \
+                {"dkdv_config": DKDV_CONFIG, "dq_config": cfg}
+            try:
+                ms = bench(lambda: latent_attention_backward_triton(g, q, k, out, lse, cu, length, d ** -0.5, **kw),
+                           warmup=3, rep=10)
+            except Exception as exc:
+                print(f"  {name} backward: skip {which} {cfg} ({type(exc).__name__})", flush=True)
+                continue
+            rows.append([f"{name} backward", f"{which} {cfg}", f"{ms * 1e3:.1f}", f"{flops / ms / 1e9:.0f} TFLOP/s", "-"])
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", choices=["latent", "gqa"], help="one kernel's cases")
+    parser.add_argument("--cases", help="comma-separated substrings of case names to keep (e.g. 'decode')")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks/attention_configs.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    hbm = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; copy bandwidth {hbm:.0f} GB/s")
+    keep = [c for c in (args.cases or "").split(",") if c]
+    for latent, cases in ((True, LATENT_CASES), (False, GQA_CASES)):
+        if args.only and args.only != ("latent" if latent else "gqa"):
+            continue
+        for case in cases:
+            if keep and not any(c in case[0] for c in keep):
+                continue
+            rows = sweep_case(case, latent, hbm)
+            if latent and case[1] == "train":
+                rows += sweep_latent_backward(case)
+            table(case[0], ["case", "config", "us", "rate", "same bits"], rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
