@@ -126,7 +126,7 @@ def check_attention_configs(result: Result, hq: int, hkv: int, d: int, dv: int, 
     if latent:
         blk = key_block(torch.bfloat16)
         configs = [LatentConfig(64, blk, 8, 2), LatentConfig(64, blk, 4, 1), LatentConfig(64, blk, 8, 1, 2),
-                   LatentConfig(64, blk, 4, 2, 4), LatentConfig(128, blk, 8, 1)]
+                   LatentConfig(64, blk, 4, 1, 4), LatentConfig(128, blk, 8, 1)]
         outs = [latent_attention_triton(q, k, dv, layout, d ** -0.5, cfg) for cfg in configs]
     else:
         configs = [AttentionConfig(64, 64, 4, 2), AttentionConfig(64, 64, 4, 1), AttentionConfig(64, 64, 8, 2),
