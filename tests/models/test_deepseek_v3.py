@@ -84,11 +84,13 @@ def test_softmax_scale_matches_stock(tmp_path):
 
 
 def test_kv_cache_holds_expanded_keys_and_values(tmp_path):
-    """Per token: heads * (nope + rope + v) * 2 bytes per layer in bf16 (the expanded cache)."""
+    """Per token: heads * (nope + rope + v) * 2 bytes per layer in bf16 (the expanded cache, a
+    choice since the latent one became the default)."""
     for name, per_token in (("deepseek-v3", 61 * 128 * 320 * 2), ("moonlight-16b-a3b", 27 * 16 * 320 * 2)):
         config = _published(name, tmp_path)
+        fields = {**config.to_dict(), "num_hidden_layers": 1, "mla_kv_cache": "expanded"}
         with torch.device("meta"):
-            spec = DeepseekV3ForCausalLM(config.__class__(**{**config.to_dict(), "num_hidden_layers": 1})).kv_cache_spec()
+            spec = DeepseekV3ForCausalLM(config.__class__(**fields)).kv_cache_spec()
         spec = (config.num_hidden_layers, *spec[1:])
         assert spec[2:] == (192, 128)
         assert kv_bytes_per_block(spec, 1, torch.bfloat16) == per_token

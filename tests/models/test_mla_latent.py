@@ -38,10 +38,13 @@ def rel(a, b):
     return float((a - b).abs().max() / b.abs().max())
 
 
+@pytest.mark.parametrize("mode", ["latent", "expanded"])
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-def test_latent_rollout_logprobs_equal_training_logprobs_bitwise(shape):
+def test_rollout_logprobs_equal_training_logprobs_bitwise_in_each_mode(shape, mode):
+    """Both cache modes, set explicitly (the default is latent; the other architectures' tests
+    run the default)."""
     arch = get("deepseek_v3")
-    model = build_model(arch, SHAPES[shape](mla_kv_cache="latent"), torch.device("cpu"), torch.float32)
+    model = build_model(arch, SHAPES[shape](mla_kv_cache=mode), torch.device("cpu"), torch.float32)
     report = run_conformance(arch, model, device=torch.device("cpu"), pool_size=16, max_tokens=8, prompt_len=40,
                              log=lambda *_: None)
     assert "preemptions" in " | ".join(s.name for s in report.scenarios), "the preemption scenario must preempt"

@@ -28,7 +28,7 @@ from vexact_models.adapters import base_layer, lora_terms
 from vexact_models.kernels import head_linear, linear
 
 MLA_KV_CACHE_MODES = ("expanded", "latent")
-DEFAULT_MLA_KV_CACHE = "expanded"  # until the GPU measurement (issue 15) picks one
+DEFAULT_MLA_KV_CACHE = "latent"  # measured on the H200: docs/mla-kv-cache.md "Choosing a mode"
 
 
 def check_mla_kv_cache(mode: object, where: str = "mla_kv_cache") -> str:
