@@ -26,8 +26,12 @@ import torch
 from bench_utils import copy_bandwidth, decode_bytes
 
 
+LAUNCHES = "(kernel launches)"  # the pseudo-kernel under which _kernel_times counts launches
+
+
 def _kernel_times(llm, prompts, max_tokens: int) -> dict[str, float]:
-    """GPU seconds per kernel name over one `generate` of `max_tokens` new tokens per prompt."""
+    """GPU seconds per kernel name over one `generate` of `max_tokens` new tokens per prompt, and
+    the number of kernels run under `LAUNCHES`."""
     from torch.profiler import ProfilerActivity, profile
 
     from vexact_models.runtime import SamplingParams
@@ -39,6 +43,7 @@ def _kernel_times(llm, prompts, max_tokens: int) -> dict[str, float]:
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             kernels[event.name[:60]] += event.device_time_total * 1e-6
+            kernels[LAUNCHES] += 1
     return kernels
 
 
@@ -86,9 +91,11 @@ def main(argv=None) -> int:
             parser.error(f"--mla-kv-cache: {args.config} is not an MLA model")
         model.set_mla_kv_cache(args.mla_kv_cache)
     step, kernels = profile_decode(model, config.vocab_size, args.batch, args.context, args.steps)
+    launches = kernels.pop(LAUNCHES, 0.0)
     busy = sum(kernels.values())
     print(f"{args.config}, batch {args.batch}, context {args.context}: median decode step {step * 1e3:.2f} ms wall, "
-          f"{busy * 1e3:.2f} ms of GPU kernels ({100 * busy / step:.0f}% busy); the rest is host time and launch gaps")
+          f"{busy * 1e3:.2f} ms of GPU kernels ({100 * busy / step:.0f}% busy) in {launches:.0f} kernels; the rest is host "
+          "time and launch gaps")
     print(f"{'kernel':<62}{'ms/step':>9}{'share':>8}")
     for name, seconds in sorted(kernels.items(), key=lambda kv: -kv[1])[:args.top]:
         print(f"{name:<62}{seconds * 1e3:>9.3f}{100 * seconds / busy:>7.1f}%")

@@ -66,11 +66,14 @@ def sweep_linear(hbm: float) -> None:
     from vexact_models.kernels.linear import LinearConfig, linear_triton
 
     shapes = [("0.6b gate/up", 1024, 3072), ("8b q/o", 4096, 4096), ("8b k/v", 4096, 1024),
-              ("8b gate/up", 4096, 12288), ("8b down", 12288, 4096), ("0.6b lm_head", 1024, 151936)]
+              ("8b gate/up", 4096, 12288), ("8b down", 12288, 4096), ("0.6b lm_head", 1024, 151936),
+              # DeepSeek-V3's dense GEMMs, whose decode step (16 sequences) reads them at ~65% of HBM
+              ("dsv3 q_a", 7168, 1536), ("dsv3 q_b", 1536, 24576), ("dsv3 kv_a", 7168, 576),
+              ("dsv3 o_proj", 16384, 7168), ("dsv3 shared gate/up", 7168, 4096), ("dsv3 shared down", 2048, 7168)]
     rows = []
     for name, k, n in shapes:
         w = (torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16()
-        for m, cands in ((1, SMALL_M_CANDIDATES), (8, SMALL_M_CANDIDATES), (32, SMALL_M_CANDIDATES),
+        for m, cands in ((1, SMALL_M_CANDIDATES), (8, SMALL_M_CANDIDATES), (16, SMALL_M_CANDIDATES), (32, SMALL_M_CANDIDATES),
                          (64, SMALL_M_CANDIDATES), (128, MID_M_CANDIDATES), (256, MID_M_CANDIDATES),
                          (1024, LARGE_M_CANDIDATES), (4096, LARGE_M_CANDIDATES[:5])):
             x = torch.randn(m, k, device="cuda").bfloat16()
