@@ -147,7 +147,7 @@ def _scenarios(pool_size: int) -> list[dict]:
 
 def run_conformance(arch: Architecture, model, *, device: torch.device, pool_size: int = 64, max_tokens: int = 24,
                     prompt_len: int = 40, check_parity: bool = True, seed: int = 0, log=print,
-                    scenarios: bool = True, gpu_memory_utilization: float = 0.9, shape: str | None = None) -> Report:
+                    scenarios: bool = True, gpu_memory_utilization: float = 0.5, shape: str | None = None) -> Report:
     """Run every scenario for `model` (a training-variant instance on `device`, built at `arch`'s
     `shape`, which the report records). The engines' KV caches take `gpu_memory_utilization` of
     a GPU; the recompute with autograd on needs what is left (LoRA adapters' fp32 activations
