@@ -42,7 +42,7 @@ PAGE = 16
 def latent_candidates(kind: str):
     from vexact_models.kernels.latent_attention import LatentConfig
 
-    rows = [(16, 4), (64, 4), (64, 8)] if kind == "decode" else [(64, 4), (64, 8), (128, 8)]
+    rows = [(16, 4), (64, 4), (64, 8)] if kind == "decode" else [(64, 4), (64, 8), (128, 8), (16, 4)]
     chunks = (1, 2, 4) if kind == "decode" else (1,)
     for bn, (bm, warps), stages, ch in itertools.product((32, 64), rows, (1, 2), chunks):
         yield LatentConfig(bm, bn, warps, stages, ch)
@@ -51,7 +51,9 @@ def latent_candidates(kind: str):
 def gqa_candidates(kind: str):
     from vexact_models.kernels.attention import AttentionConfig
 
-    rows = [(16, 4), (32, 4), (64, 4), (64, 8)] if kind == "decode" else [(64, 4), (64, 8), (128, 8), (128, 4)]
+    # training also tries the 32-row (mma.sync) tiles: the family decode is fastest in, which a
+    # model could only use if its training forward ran it too (the families round differently)
+    rows = [(16, 4), (32, 4), (64, 4), (64, 8)] if kind == "decode" else [(64, 4), (64, 8), (128, 8), (128, 4), (32, 4)]
     for (bm, warps), stages in itertools.product(rows, (1, 2, 3)):
         yield AttentionConfig(bm, 64, warps, stages)
     for bn, (bm, warps) in itertools.product((32, 128), rows[::2]):  # other key blocks, for the record
