@@ -7,10 +7,14 @@ import types
 try:
     import triton
     import triton.language as tl
+    from triton.runtime.errors import OutOfResources
 
     HAS_TRITON = True
 except ImportError:  # CPU-only install: kernels are defined but never launched
     HAS_TRITON = False
+
+    class OutOfResources(Exception):  # never raised without triton
+        pass
 
     def _jit(fn=None, **_kwargs):
         return fn if fn is not None else (lambda f: f)
@@ -27,3 +31,27 @@ def require_triton(op: str) -> None:
 
 def next_power_of_2(n: int) -> int:
     return 1 << (max(int(n), 1) - 1).bit_length()
+
+
+_ONE_STAGE: set = set()  # launch keys whose tiles need one stage on this process's GPUs
+
+
+def launch_staged(kernel, grid, args: tuple, kwargs: dict, num_stages: int, key: tuple, fallback: bool = True) -> None:
+    """``kernel[grid](*args, **kwargs, num_stages=num_stages)``, or with one stage where the GPU's
+    shared memory cannot hold more: the attention tiles were tuned on Hopper (228 KB per SM); an
+    A100 has 164 KB, smaller GPUs about 100 KB. Pipeline stages overlap the next tile's loads with
+    this tile's math and leave each output element's arithmetic unchanged (docs/design.md rule 2;
+    the H200 sweep found 1, 2 and 3 stages bitwise equal), so the fallback costs speed, not bits.
+    `key` names the compiled configuration and device; a fallback is remembered for it, so later
+    launches (and CUDA graph captures) go straight to one stage. With ``fallback=False`` (a
+    sweep's explicit candidate) the launch runs as given or raises."""
+    if not fallback:
+        kernel[grid](*args, **kwargs, num_stages=num_stages)
+        return
+    if num_stages > 1 and key not in _ONE_STAGE:
+        try:
+            kernel[grid](*args, **kwargs, num_stages=num_stages)
+            return
+        except OutOfResources:
+            _ONE_STAGE.add(key)
+    kernel[grid](*args, **kwargs, num_stages=1)

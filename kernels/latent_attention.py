@@ -30,7 +30,7 @@ import torch
 
 from dataclasses import dataclass
 
-from ._triton import next_power_of_2, require_triton, tl, triton
+from ._triton import launch_staged, next_power_of_2, require_triton, tl, triton
 
 
 def value_in_key(k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -181,13 +181,17 @@ def latent_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, v_dim: int,
     if dims["BLOCK_L"] % cfg.value_chunks:
         raise ValueError(f"latent_attention_triton: value_chunks={cfg.value_chunks} must divide {dims['BLOCK_L']}")
     grid = (triton.cdiv(layout.max_seqlen_q * group, cfg.block_m), n_seqs, n_kv_heads * cfg.value_chunks)
-    _latent_fwd_kernel[grid](
-        q, kv, out, lse, layout.cu_seqlens_q, layout.seq_lens, layout.block_table,
-        layout.page_size, scale * math.log2(math.e),
-        q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), out.stride(0), out.stride(1),
-        layout.block_table.stride(0), GROUP=group, **dims, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        CHUNKS=cfg.value_chunks, BLOCK_V=dims["BLOCK_L"] // cfg.value_chunks,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    args = (q, kv, out, lse, layout.cu_seqlens_q, layout.seq_lens, layout.block_table,
+            layout.page_size, scale * math.log2(math.e),
+            q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), out.stride(0), out.stride(1),
+            layout.block_table.stride(0))
+    kwargs = dict(GROUP=group, **dims, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CHUNKS=cfg.value_chunks,
+                  BLOCK_V=dims["BLOCK_L"] // cfg.value_chunks, num_warps=cfg.num_warps)
+    if config is not None:  # a sweep's explicit candidate runs as given (or fails)
+        _latent_fwd_kernel[grid](*args, **kwargs, num_stages=cfg.num_stages)
+    else:  # Hopper's tiles need two stages' shared memory; smaller GPUs fall back to one
+        launch_staged(_latent_fwd_kernel, grid, args, kwargs, cfg.num_stages,
+                      ("latent", q.device, q.dtype, group, head_dim, v_dim, cfg))
     return out, lse
 
 
@@ -321,12 +325,15 @@ def latent_attention_backward_triton(grad_out: torch.Tensor, q: torch.Tensor, kv
     args = (scale, scale * math.log2(math.e), n_heads, q.stride(0), q.stride(1), kv.stride(0), kv.stride(1),
             grad_out.stride(0), grad_out.stride(1))
     dims = _dims(q, out.shape[-1])
+    key = (q.device, q.dtype, group, tuple(dims.values()))
     bm, bn, warps, stages = dkdv_config or DKDV_CONFIG
-    _latent_dkv_kernel[(triton.cdiv(max_seqlen, bn), n_seqs, n_kv_heads)](
-        q, kv, grad_out, lse, delta, dkv, cu, *args, GROUP=group, **dims, BLOCK_M=bm, BLOCK_N=bn,
-        num_warps=warps, num_stages=stages)
+    launch_staged(_latent_dkv_kernel, (triton.cdiv(max_seqlen, bn), n_seqs, n_kv_heads),
+                  (q, kv, grad_out, lse, delta, dkv, cu, *args),
+                  dict(GROUP=group, **dims, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps), stages,
+                  ("latent dkv", *key, bm, bn, warps, stages), fallback=dkdv_config is None)
     bm, bn, warps, stages = dq_config or DQ_CONFIG
-    _latent_dq_kernel[(triton.cdiv(max_seqlen * group, bm), n_seqs, n_kv_heads)](
-        q, kv, grad_out, lse, delta, dq, cu, *args, GROUP=group, **dims, BLOCK_M=bm, BLOCK_N=bn,
-        num_warps=warps, num_stages=stages)
+    launch_staged(_latent_dq_kernel, (triton.cdiv(max_seqlen * group, bm), n_seqs, n_kv_heads),
+                  (q, kv, grad_out, lse, delta, dq, cu, *args),
+                  dict(GROUP=group, **dims, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps), stages,
+                  ("latent dq", *key, bm, bn, warps, stages), fallback=dq_config is None)
     return dq, dkv
