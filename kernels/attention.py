@@ -189,11 +189,8 @@ def attention_triton(q, k_cache, v_cache, layout: PagedLayout, scale: float, con
             out.stride(0), out.stride(1), layout.block_table.stride(0))
     kwargs = dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=next_power_of_2(head_dim),
                   BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps)
-    if config is not None:  # a sweep's explicit candidate runs as given (or fails)
-        _attention_fwd_kernel[grid](*args, **kwargs, num_stages=cfg.num_stages)
-    else:
-        key = ("attention", q.device, q.dtype, group, head_dim, head_dim_v, cfg)
-        launch_staged(_attention_fwd_kernel, grid, args, kwargs, cfg.num_stages, key)
+    key = ("attention", q.device, q.dtype, group, head_dim, head_dim_v, cfg)
+    launch_staged(_attention_fwd_kernel, grid, args, kwargs, cfg.num_stages, key, fallback=config is None)
     return out, lse
 
 

@@ -12,7 +12,7 @@ The forward kernel is `kernels.attention`'s with the key split into its latent a
 ``s = q_lat . k_lat + q_rope . k_rope`` (two dots accumulated in that order), and the loaded
 latent key tile is the value tile, so the cache is read once. Invariance contract (docs/design.md
 rule 2), as for `kernels.attention`: keys reduced in blocks of ``BLOCK_N`` aligned to absolute
-positions with an fp32 online softmax, the key block fixed per dtype (`KEY_BLOCK`; ``page_size``
+positions with an fp32 online softmax, the key block fixed per dtype (`key_block`; ``page_size``
 is not specialized), no split-KV; `pick_config`'s other launch parameters (rows per program,
 warps, stages, value chunks) follow the launch's shape and do not change a row's arithmetic. A
 query's output is the same packed (training), in chunked prefill or in decode. When
@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from dataclasses import dataclass
+
+import torch
 
 from ._triton import launch_staged, next_power_of_2, require_triton, tl, triton
 
@@ -41,8 +41,6 @@ def value_in_key(k: torch.Tensor, v: torch.Tensor) -> bool:
             and v.stride()[:-1] == k.stride()[:-1] and v.stride(-1) == k.stride(-1) == 1)
 
 
-KEY_BLOCK = {torch.float32: 16}  # keys per block by dtype (default below): fixes the KV reduction order
-DEFAULT_KEY_BLOCK = 64
 
 
 @dataclass(frozen=True)
@@ -50,7 +48,7 @@ class LatentConfig:
     """Launch parameters of the latent forward.
 
     ``block_n`` is the key block, the absolute-position alignment of the KV reduction (rule 2):
-    one value per dtype (`KEY_BLOCK`), never a function of the batch; the field exists only so
+    one value per dtype (`key_block`), never a function of the batch; the field exists only so
     that the GPU sweeps can try other values. The others may follow the launch's shape
     (`pick_config`), as rule 1's tile shapes do, because they leave every output element's
     floating-point sequence unchanged: ``block_m`` (query rows per program), warps and stages
@@ -67,12 +65,12 @@ class LatentConfig:
 
 
 def key_block(dtype: torch.dtype) -> int:
-    return KEY_BLOCK.get(dtype, DEFAULT_KEY_BLOCK)
+    """Keys per block, the KV reduction order: one per dtype (fp32's tiles are smaller)."""
+    return 16 if dtype == torch.float32 else 64
 
 
-def pick_config(rows_per_seq: int, n_seqs: int, dtype: torch.dtype) -> LatentConfig:
-    """The launch parameters for a launch whose longest sequence has `rows_per_seq` (query
-    token, head) rows, over `n_seqs` sequences; depends on shapes and dtype only. Chosen by
+def pick_config(dtype: torch.dtype) -> LatentConfig:
+    """The launch parameters for `dtype`, the same for every launch shape. Chosen by
     `benchmarks/attention_configs.py` on the H200 (docs/gpu-results.md): 64-row tiles, 64-key
     blocks, 8 warps, two stages were the fastest at every latent shape (training 1.4x, decode
     1.4-1.5x the first-guess 64/32/8/1); smaller row tiles (16) decode faster but are not
@@ -176,7 +174,7 @@ def latent_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, v_dim: int,
         return out, lse
     group = n_heads // n_kv_heads
     kv = kv_cache.reshape(-1, n_kv_heads, head_dim)
-    cfg = config or pick_config(layout.max_seqlen_q * group, n_seqs, q.dtype)
+    cfg = config or pick_config(q.dtype)
     dims = _dims(q, v_dim)
     if dims["BLOCK_L"] % cfg.value_chunks:
         raise ValueError(f"latent_attention_triton: value_chunks={cfg.value_chunks} must divide {dims['BLOCK_L']}")
@@ -187,11 +185,10 @@ def latent_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, v_dim: int,
             layout.block_table.stride(0))
     kwargs = dict(GROUP=group, **dims, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CHUNKS=cfg.value_chunks,
                   BLOCK_V=dims["BLOCK_L"] // cfg.value_chunks, num_warps=cfg.num_warps)
-    if config is not None:  # a sweep's explicit candidate runs as given (or fails)
-        _latent_fwd_kernel[grid](*args, **kwargs, num_stages=cfg.num_stages)
-    else:  # Hopper's tiles need two stages' shared memory; smaller GPUs fall back to one
-        launch_staged(_latent_fwd_kernel, grid, args, kwargs, cfg.num_stages,
-                      ("latent", q.device, q.dtype, group, head_dim, v_dim, cfg))
+    # Hopper's tiles need two stages' shared memory; smaller GPUs fall back to one (a sweep's
+    # explicit candidate runs as given, or fails)
+    launch_staged(_latent_fwd_kernel, grid, args, kwargs, cfg.num_stages,
+                  ("latent", q.device, q.dtype, group, head_dim, v_dim, cfg), fallback=config is None)
     return out, lse
 
 
