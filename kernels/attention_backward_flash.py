@@ -50,6 +50,7 @@ benchmarks and tests). The reference backend (CPU) has one backward and ignores 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 from collections.abc import Iterator
@@ -121,9 +122,16 @@ def flash_backward_unavailable_reason(q: torch.Tensor, k: torch.Tensor, v: torch
         return f"head dim {d}: FlashAttention-2's backward needs a multiple of {HEAD_DIM_MULTIPLE} <= {MAX_HEAD_DIM}"
     if q.device.type != "cuda" or k.device != q.device or v.device != q.device:
         return f"devices q={q.device}, k={k.device}, v={v.device}: the flash backward needs CUDA tensors on one GPU"
+    return _gpu_unavailable_reason(q.device)
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_unavailable_reason(device: torch.device) -> str | None:
+    """The requirements that depend on the GPU and the torch build only: asked once per device
+    (every layer's backward checks availability)."""
     if torch.version.hip is not None:
         return "ROCm: its varlen flash backward expects another LSE layout"
-    capability = torch.cuda.get_device_capability(q.device)
+    capability = torch.cuda.get_device_capability(device)
     if capability < MIN_CAPABILITY:
         return f"GPU capability {capability}: FlashAttention-2 needs {MIN_CAPABILITY} or newer"
     built = getattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)()
