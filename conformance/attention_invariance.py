@@ -1,0 +1,164 @@
+"""The attention kernels' invariance checks of `kernel_invariance` (docs/design.md rule 2), on a
+GPU: each query's output packed (training), each sequence packed alone, and over a paged cache
+in chunked prefill / decode schedules; the latent MLA kernel likewise over a latent cache (V a
+view of K); and every launch-parameter candidate `pick_config` may choose against the first."""
+
+from __future__ import annotations
+
+import random
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .kernel_invariance import Result
+
+# (name, q heads, kv heads, query/key head dim, value head dim)
+ATTENTION_SHAPES = [("qwen3-0.6b", 16, 8, 128, 128), ("qwen3-8b", 32, 8, 128, 128), ("qwen3-30b-a3b", 32, 4, 128, 128),
+                    ("gqa-d64", 8, 2, 64, 64), ("moonlight MLA", 16, 16, 192, 128),
+                    ("deepseek-v3 MLA", 128, 128, 192, 128)]
+# (name, q heads, kv_lora_rank, rope dims, qk_nope, v_head_dim): MLA with kv_b_proj absorbed (latent KV cache)
+LATENT_SHAPES = [("moonlight latent MLA", 16, 512, 64, 128, 128), ("deepseek-v3 latent MLA", 128, 512, 64, 128, 128)]
+
+
+def check_attention_configs(result: Result, hq: int, hkv: int, d: int, dv: int, latent: bool) -> None:
+    """Every launch-parameter candidate `pick_config` may choose (tensor-core tiles of >= 64 rows,
+    any warps/stages, latent value chunks) gives bitwise the output of the first (rule 2), on
+    packed sequences of uneven lengths."""
+    from vexact_models.kernels.attention import AttentionConfig, attention_triton, packed_layout
+    from vexact_models.kernels.latent_attention import LatentConfig, key_block, latent_attention_triton
+
+    lens = [1, 63, 64, 65, 700]
+    t = sum(lens)
+    q = torch.randn(t, hq, d, device="cuda").bfloat16()
+    k = torch.randn(t, hkv, d, device="cuda").bfloat16()
+    v = k[..., :dv] if latent else torch.randn(t, hkv, dv, device="cuda").bfloat16()
+    layout = packed_layout(torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda"),
+                           max(lens))
+    if latent:
+        blk = key_block(torch.bfloat16)
+        configs = [LatentConfig(64, blk, 8, 2), LatentConfig(64, blk, 4, 1), LatentConfig(64, blk, 8, 1, 2),
+                   LatentConfig(64, blk, 4, 1, 4), LatentConfig(128, blk, 8, 1)]
+        outs = [latent_attention_triton(q, k, dv, layout, d ** -0.5, cfg) for cfg in configs]
+    else:
+        configs = [AttentionConfig(64, 64, 4, 2), AttentionConfig(64, 64, 4, 1), AttentionConfig(64, 64, 8, 2),
+                   AttentionConfig(128, 64, 8, 2), AttentionConfig(128, 64, 4, 2), AttentionConfig(128, 64, 8, 3)]
+        outs = [attention_triton(q, k, v, layout, d ** -0.5, cfg) for cfg in configs]
+    for cfg, (out, lse) in zip(configs[1:], outs[1:]):
+        result.compare(out, outs[0][0], f"Hq={hq} Hkv={hkv} D={d} Dv={dv} {cfg} vs {configs[0]}")
+        result.compare(lse, outs[0][1], f"Hq={hq} Hkv={hkv} D={d} Dv={dv} {cfg} lse")
+
+
+def _paged_run(q, k, v, lens, steps, page_size, gen, value_in_key: bool = False):
+    """Feed sequences through the paged path; `steps(remaining)` yields per-sequence chunk sizes
+    for one launch (0 = not in this launch). Returns outputs in packed order. With
+    `value_in_key` (latent MLA: v is k's first dims) the V cache is a view of the K cache."""
+    from vexact_models.kernels import PagedLayout, attention, kv_cache_write
+
+    device = q.device
+    hkv, d = k.shape[1], k.shape[2]
+    pages = [-(-n // page_size) for n in lens]
+    ids = list(range(sum(pages)))
+    gen.shuffle(ids)
+    table = torch.zeros(len(lens), max(pages), dtype=torch.int32)
+    it = iter(ids)
+    for s, n in enumerate(pages):
+        for p in range(n):
+            table[s, p] = next(it)
+    table = table.to(device)
+    table_host = table.cpu()
+    k_cache = torch.full((sum(pages), page_size, hkv, d), float("nan"), device=device, dtype=k.dtype)
+    v_cache = k_cache[..., :v.shape[2]] if value_in_key else \
+        torch.full((sum(pages), page_size, hkv, v.shape[2]), float("nan"), device=device, dtype=v.dtype)
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+    done = [0] * len(lens)
+    while any(done[s] < lens[s] for s in range(len(lens))):
+        chunks = steps([lens[s] - done[s] for s in range(len(lens))])
+        idx, cu, seq_lens, rows, slots = [], [0], [], [], []
+        for s, c in enumerate(chunks):
+            if c <= 0:
+                continue
+            idx += range(starts[s] + done[s], starts[s] + done[s] + c)
+            slots += [int(table_host[s, p // page_size]) * page_size + p % page_size for p in range(done[s], done[s] + c)]
+            cu.append(cu[-1] + c)
+            seq_lens.append(done[s] + c)
+            rows.append(s)
+            done[s] += c
+        if not idx:  # a random schedule may pick no tokens for a step
+            continue
+        idx_t = torch.tensor(idx, device=device)
+        kv_cache_write(k[idx_t], v[idx_t], k_cache, v_cache, torch.tensor(slots, device=device))
+        layout = PagedLayout(torch.tensor(cu, dtype=torch.int32, device=device),
+                             torch.tensor(seq_lens, dtype=torch.int32, device=device),
+                             table[rows].contiguous(), page_size, max(b - a for a, b in zip(cu, cu[1:])))
+        out[idx_t] = attention(q[idx_t], k_cache, v_cache, layout)
+    return out
+
+
+def check_attention(result: Result, hq: int, hkv: int, d: int, dv: int, lens: list[int], quick: bool) -> None:
+    from vexact_models.kernels import attention_packed
+
+    gen = random.Random(hq * 1000 + d)
+    t = sum(lens)
+    q = torch.randn(t, hq, d, device="cuda").bfloat16()
+    k = torch.randn(t, hkv, d, device="cuda").bfloat16()
+    v = torch.randn(t, hkv, dv, device="cuda").bfloat16()
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
+    packed = attention_packed(q, k, v, cu, max(lens))
+    tag = f"Hq={hq} Hkv={hkv} D={d} Dv={dv} lens={lens}"
+    # each sequence packed alone, and the sequences packed in reverse order
+    for s in range(len(lens)):
+        sl = slice(int(cu[s]), int(cu[s + 1]))
+        alone = attention_packed(q[sl], k[sl], v[sl], torch.tensor([0, lens[s]], dtype=torch.int32, device="cuda"), lens[s])
+        result.compare(alone, packed[sl], f"{tag} seq {s} packed alone")
+
+    def fixed(c):
+        return lambda rem: [min(c, r) for r in rem]
+
+    def random_chunks(rem):
+        return [min(r, gen.choice([0, 1, 1, 2, 5, 16, 37, 64, 200, 1000])) for r in rem]
+
+    def prefill_then_decode(rem):  # prefill all but the last 48 tokens in one chunk, then decode
+        return [r - 48 if r > 48 else min(r, 1) for r in rem]
+
+    schedules = [("chunk 128", fixed(128), 16), ("random chunks", random_chunks, 16),
+                 ("prefill+decode", prefill_then_decode, 256)]
+    if not quick:
+        schedules += [("chunk 16", fixed(16), 256), ("chunk 1000", fixed(1000), 16)]
+    for name, schedule, page_size in schedules:
+        got = _paged_run(q, k, v, lens, schedule, page_size, gen)
+        result.compare(got, packed, f"{tag} {name} page {page_size}")
+
+
+def check_latent_attention(result: Result, hq: int, rank: int, rope: int, lens: list[int], quick: bool) -> None:
+    """The latent MLA kernel: each query's output packed (training), each sequence packed alone,
+    and over a latent paged cache (V a view of K) in chunked prefill / decode schedules."""
+    from vexact_models.kernels import attention_packed
+
+    gen = random.Random(hq * 1000 + rank)
+    t = sum(lens)
+    q = torch.randn(t, hq, rank + rope, device="cuda").bfloat16()
+    k = torch.randn(t, 1, rank + rope, device="cuda").bfloat16()
+    v = k[..., :rank]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
+    packed = attention_packed(q, k, v, cu, max(lens))  # the default scale, as _paged_run's attention() calls
+    tag = f"latent Hq={hq} D={rank}+{rope} Dv={rank} lens={lens}"
+    for s in range(len(lens)):
+        sl = slice(int(cu[s]), int(cu[s + 1]))
+        alone = attention_packed(q[sl], k[sl], k[sl][..., :rank], torch.tensor([0, lens[s]], dtype=torch.int32,
+                                                                                device="cuda"), lens[s])
+        result.compare(alone, packed[sl], f"{tag} seq {s} packed alone")
+
+    def random_chunks(rem):
+        return [min(r, gen.choice([0, 1, 1, 2, 5, 16, 37, 64, 200, 1000])) for r in rem]
+
+    schedules = [("chunk 128", lambda rem: [min(128, r) for r in rem], 16), ("random chunks", random_chunks, 16),
+                 ("prefill+decode", lambda rem: [r - 48 if r > 48 else min(r, 1) for r in rem], 64)]
+    if not quick:
+        schedules.append(("chunk 1000", lambda rem: [min(1000, r) for r in rem], 1))
+    for name, schedule, page_size in schedules:
+        got = _paged_run(q, k, v, lens, schedule, page_size, gen, value_in_key=True)
+        result.compare(got, packed, f"{tag} {name} page {page_size}")
