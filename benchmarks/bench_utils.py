@@ -34,6 +34,18 @@ def decode_bytes(model, batch: int, mean_context: int) -> int:
     return weights + batch * mean_context * kv_bytes_per_block(model.kv_cache_spec(), 1, param.dtype)
 
 
+def decode_layout(batch: int, context: int, page: int):
+    """A decode step's `PagedLayout` on the GPU: `batch` sequences of one new token each over
+    `context` cached positions, their pages (``batch * ceil(context / page)``, numbered from 0)
+    shuffled over the cache as a running engine leaves them."""
+    from vexact_models.kernels import PagedLayout
+
+    pages = -(-context // page)
+    table_ = torch.randperm(batch * pages, device="cuda", dtype=torch.int32).view(batch, pages)
+    return PagedLayout(torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
+                       torch.full((batch,), context, dtype=torch.int32, device="cuda"), table_, page, 1)
+
+
 def table(title: str, header: list[str], rows: list[list]) -> None:
     print(f"\n## {title}")
     widths = [max(len(str(h)), *(len(f"{r[i]}") for r in rows)) for i, h in enumerate(header)]

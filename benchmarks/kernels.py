@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-from bench_utils import bench, copy_bandwidth, table
+from bench_utils import bench, copy_bandwidth, decode_layout, table
 
 
 def bench_linear(hbm: float, quick: bool) -> None:
@@ -99,7 +99,7 @@ def sweep_linear(hbm: float) -> None:
 def bench_attention(hbm: float, quick: bool) -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from vexact_models.kernels import PagedLayout, attention, attention_packed
+    from vexact_models.kernels import attention, attention_packed
     from vexact_models.kernels.attention_backward_flash import flash_backward_available, use_attention_backward
 
     rows = []
@@ -149,12 +149,9 @@ def bench_attention(hbm: float, quick: bool) -> None:
     for hq, hkv, d in ((16, 8, 128), (32, 8, 128)):
         for batch, ctx in ((64, 1024), (128, 2048), (256, 1024), (32, 8192)):
             page = 16
-            pages = batch * (ctx // page)
-            k_cache = torch.randn(pages, page, hkv, d, device="cuda").bfloat16()
+            k_cache = torch.randn(batch * (ctx // page), page, hkv, d, device="cuda").bfloat16()
             v_cache = torch.randn_like(k_cache)
-            table_ = torch.randperm(pages, device="cuda", dtype=torch.int32).view(batch, ctx // page)
-            layout = PagedLayout(torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
-                                 torch.full((batch,), ctx, dtype=torch.int32, device="cuda"), table_, page, 1)
+            layout = decode_layout(batch, ctx, page)
             q = torch.randn(batch, hq, d, device="cuda").bfloat16()
             t_ours = bench(lambda: attention(q, k_cache, v_cache, layout))
             kc = k_cache.view(batch, ctx, hkv, d).transpose(1, 2).repeat_interleave(hq // hkv, 1)
