@@ -2,7 +2,9 @@
 
 One process per GPU (torchrun); the trainer is sharded with FSDP2 over all of them, the engine
 runs ``LLM(model, pipeline_parallel_size=P)`` with P = the number of processes (P = 1: one GPU,
-no pipeline). The engine's stage model holds only its stage's layers (`empty_stage_model`) and
+no pipeline). ``--pipeline-size 1`` with several processes gives every rank its own whole engine
+instead (data-parallel rollout, as verl colocates them): each rank rolls out its share of the
+tokens from its own prompts and the sharded trainer recomputes every rank's samples. The engine's stage model holds only its stage's layers (`empty_stage_model`) and
 gets its weights from the trainer (`stream_full_weights` -> ``update_weights``). Per iteration:
 
 1. rollout of ``--tokens`` generated tokens (at least) on every stage -> rollout tok/s;
@@ -20,6 +22,7 @@ a machine with one GPU.
 
 Usage (record the table in docs/gpu-results.md):
     torchrun --nproc-per-node 2 benchmarks/pipeline_rollout.py --config qwen3-8b            # 2 GPUs
+    torchrun --nproc-per-node 2 benchmarks/pipeline_rollout.py --config qwen3-8b --pipeline-size 1  # 2 engines
     torchrun --nproc-per-node 8 benchmarks/pipeline_rollout.py --config qwen3-235b-a22b.json --tokens 20000
     python benchmarks/pipeline_rollout.py --config qwen3-8b                                 # P = 1, one GPU
     torchrun --nproc-per-node 2 benchmarks/pipeline_rollout.py --config qwen3-0.6b --trainer none \\
@@ -56,6 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-cache-gib", type=float, default=16.0, help="KV cache per process (GiB)")
     p.add_argument("--bucket-mib", type=float, default=512.0, help="stream_full_weights bucket (MiB)")
     p.add_argument("--lr", type=float, default=1e-2, help="SGD learning rate of the training step")
+    p.add_argument("--pipeline-size", type=int, default=0,
+                   help="stages of the engine: the number of processes (default, 0) or 1 (a whole engine per rank)")
     p.add_argument("--trainer", choices=("fsdp2", "none"), default="fsdp2")
     p.add_argument("--backend", choices=("nccl", "gloo"), default=None, help="default: nccl on CUDA, gloo on CPU")
     p.add_argument("--same-gpu", action="store_true", help="every process on GPU 0 (needs --backend gloo)")
@@ -68,6 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("tokens", "iterations", "prompt_len", "max_tokens", "max_num_seqs", "recompute_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.pipeline_size < 0:
+        p.error(f"--pipeline-size must be 0 (the number of processes) or >= 1, got {args.pipeline_size}")
     if args.kv_cache_gib <= 0 or args.bucket_mib <= 0:
         p.error("--kv-cache-gib and --bucket-mib must be > 0")
     args.device_type = "cpu" if args.tiny else "cuda"
@@ -88,6 +95,14 @@ def init(args) -> torch.device:
         dist.init_process_group(args.backend)
     else:  # plain python: one process, P = 1
         dist.init_process_group(args.backend, store=dist.HashStore(), rank=0, world_size=1)
+    world = dist.get_world_size()
+    args.pipeline_size = args.pipeline_size or world
+    if args.pipeline_size not in (1, world):
+        dist.destroy_process_group()
+        print(f"pipeline_rollout.py: --pipeline-size {args.pipeline_size} must be 1 or the number of processes "
+              f"({world})", file=sys.stderr)
+        sys.exit(2)
+    args.data_parallel = world if args.pipeline_size == 1 else 1  # whole engines, one per rank
     if args.device_type == "cpu":
         return torch.device("cpu")
     index = 0 if args.same_gpu else int(os.environ.get("LOCAL_RANK", 0))
@@ -144,7 +159,7 @@ def build_engine(arch, config, trainer, args, device):
     from vexact_models.runtime.pipeline import join_pipeline
     from vexact_models.runtime.pipeline_load import empty_stage_model
 
-    size = dist.get_world_size()
+    size = args.pipeline_size
     stage = join_pipeline(size, config)
     model = empty_stage_model(arch, config, args.dtype, stage, device)
     held = dict(model.named_buffers())
@@ -177,9 +192,13 @@ def sync(model) -> None:
 def rollout(llm, args, seed: int):
     from vexact_models.runtime import SamplingParams
 
-    rng = random.Random(seed)  # the same prompts on every rank: every stage runs the same generate
+    # pipeline: the same prompts on every rank (every stage runs the same generate); whole engines:
+    # each rank its own prompts and sampling seeds, and its share of the tokens
+    shard = dist.get_rank() if args.data_parallel > 1 else 0
+    seed += 100_000 * shard
+    rng = random.Random(seed)
     vocab = llm.config.vocab_size
-    n = math.ceil(args.tokens / args.max_tokens)
+    n = math.ceil(args.tokens / args.data_parallel / args.max_tokens)
     prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(n)]
     params = [SamplingParams(temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True, seed=seed + i)
               for i in range(n)]
@@ -190,9 +209,32 @@ def rollout(llm, args, seed: int):
 
 
 def recompute(trainer, samples, args) -> tuple[int, int, float]:
-    """(tokens checked, mismatches, max |diff|): every rank recomputes every sample (the
-    sharded forward is a collective: the same micro-batches everywhere)."""
-    return recompute_mismatches(trainer, samples, args.recompute_tokens, next(trainer.parameters()).device)
+    """(tokens checked, mismatches, max |diff|) over every rank's rollout. Pipeline: every rank
+    holds every sample and recomputes them all (the sharded forward is a collective: the same
+    micro-batches everywhere). Whole engines: each rank recomputes its own samples (the same
+    lengths on every rank, so the same number of micro-batches) and the counts are summed."""
+    checked, bad, worst = recompute_mismatches(trainer, samples, args.recompute_tokens,
+                                               next(trainer.parameters()).device)
+    if args.data_parallel == 1:
+        return checked, bad, worst
+    counts = torch.tensor([checked, bad], dtype=torch.float64)
+    top = torch.tensor([worst], dtype=torch.float64)
+    dist.all_reduce(counts, group=_host_group())
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=_host_group())
+    return int(counts[0]), int(counts[1]), float(top[0])
+
+
+def _host_group():
+    """A gloo group for host-side reductions (created once; None when the default group is gloo)."""
+    global _HOST_GROUP
+    if "gloo" in str(dist.get_backend()):
+        return None
+    if _HOST_GROUP is None:
+        _HOST_GROUP = dist.new_group(backend="gloo")
+    return _HOST_GROUP
+
+
+_HOST_GROUP = None
 
 
 def checksums(trainer) -> list[float]:
@@ -224,6 +266,11 @@ def train_step(trainer, samples, args) -> int:
 def iterate(llm, trainer, args, it: int) -> list:
     samples, seconds = rollout(llm, args, seed=1000 * (it + 1))
     generated = sum(len(c) for _, c, _ in samples)
+    if args.data_parallel > 1:  # every rank's tokens over the slowest rank's time
+        totals = torch.tensor([generated, seconds], dtype=torch.float64)
+        dist.all_reduce(totals[:1], group=_host_group())
+        dist.all_reduce(totals[1:], op=dist.ReduceOp.MAX, group=_host_group())
+        generated, seconds = int(totals[0]), float(totals[1])
     checked, bad, worst = recompute(trainer, samples, args)
     llm.sleep(level=2)  # the trainer runs with the engine's weights and KV cache released
     changed = train_step(trainer, samples, args)
@@ -254,7 +301,7 @@ def main(argv=None) -> int:
         layers = f"{stage.layers.start}..{stage.layers.stop - 1}" if stage else "all"
         print(f"\n{args.config} ({config.num_hidden_layers} layers), {args.dtype}, {dist.get_world_size()} process(es) "
               f"({args.backend}, {name}); trainer: {args.trainer}; pipeline stages: {stage.size if stage else 1} "
-              f"(stage 0 runs layers {layers}); first weight sync {first_sync:.3f} s")
+              f"(stage 0 runs layers {layers}); whole engines: {args.data_parallel}; first weight sync {first_sync:.3f} s")
         table("rollout -> sharded recompute -> step -> weights streamed into the stages",
               ["iteration", "tokens", "mismatches", "max |diff|", "rollout tok/s", "params stepped", "weight sync s",
                "stage 0 GB/s"], rows)

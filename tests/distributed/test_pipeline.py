@@ -100,3 +100,21 @@ def test_pipeline_rollout_benchmark_runs_on_two_cpu_processes():
     bad = subprocess.run([sys.executable, str(root / "benchmarks" / "pipeline_rollout.py"), "--tiny", "--same-gpu"],
                          env=env, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--same-gpu needs --trainer none" in bad.stderr
+
+
+def test_pipeline_rollout_benchmark_with_a_whole_engine_per_rank():
+    """--pipeline-size 1 on 2 gloo ranks: each rank rolls out with its own whole engine (its own
+    prompts), the FSDP2 trainer recomputes every rank's samples, counts summed over ranks; a
+    stage count that is neither 1 nor the world size exits 2 naming the flag."""
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(root / "benchmarks" / "pipeline_rollout.py"), "--tiny", "--pipeline-size"]
+    run = subprocess.run(cmd + ["1"], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    assert "pipeline stages: 1 (stage 0 runs layers all); whole engines: 2" in run.stdout, run.stdout
+    rows = [line.split() for line in run.stdout.splitlines() if line.strip()[:1].isdigit()]
+    # 200 tokens split over 2 ranks of 16-token requests: 7 requests each, 224 summed
+    assert [r[0] for r in rows] == ["0", "1"] and all(r[1] == "224" and r[2] == "0" for r in rows), run.stdout
+    bad = subprocess.run(cmd + ["3"], env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "--pipeline-size 3 must be 1 or the number of processes (2)" in bad.stderr

@@ -27,7 +27,7 @@ ARCHITECTURE = register(Architecture(
     sequence_classification_class=Qwen3MoeForSequenceClassification,
     token_classification_class=Qwen3MoeForTokenClassification,
     inference_class=Qwen3MoeForCausalLMInference,
-    shapes=(Shape("qwen3_moe", tiny_config, published_configs=("qwen3-30b-a3b.json",)),),
+    shapes=(Shape("qwen3_moe", tiny_config, published_configs=("qwen3-30b-a3b.json", "qwen3-235b-a22b.json")),),
     hf_causal_lm_class="transformers.Qwen3MoeForCausalLM",
     checkpoint_conversions=True,  # hub checkpoints store one tensor per expert
 ))
