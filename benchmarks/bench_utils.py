@@ -12,6 +12,43 @@ def bench(fn, warmup: int = 25, rep: int = 100) -> float:
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
+def bench_graph(fns, reps: int = 10, replays: int = 7) -> float:
+    """Median milliseconds per call of `fns` run back to back, `reps` times, inside one CUDA graph:
+    GPU time without host launch overhead, as in a decode step's graph (`bench`'s loop of host
+    launches measures the host instead for kernels of a few microseconds). Pass functions that
+    read different copies of their large operands (`rotating_copies`) so that they come from HBM,
+    not from the L2 cache the previous call filled."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up outside the capture
+        for fn in fns:
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            for fn in fns:
+                fn()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / (reps * len(fns)))
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
+def rotating_copies(tensor: torch.Tensor, max_copies: int = 16) -> list[torch.Tensor]:
+    """`tensor` and enough copies of it that cycling through them overflows the L2 cache three
+    times over (at least 2, at most `max_copies`)."""
+    l2 = torch.cuda.get_device_properties(tensor.device).L2_cache_size
+    count = min(max_copies, max(2, -(-3 * l2 // (tensor.numel() * tensor.element_size()))))
+    return [tensor] + [tensor.clone() for _ in range(count - 1)]
+
+
 def copy_bandwidth() -> float:
     """Device-to-device copy bandwidth in GB/s (bytes read + written): the HBM reference."""
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")

@@ -12,6 +12,7 @@ on our forward's out/lse), each forced with ``use_attention_backward``; training
 one where it applies (``VEXACT_ATTENTION_BACKWARD``, default auto).
 
 Usage: python benchmarks/kernels.py [--only linear|attention|rows] [--quick]
+       python benchmarks/kernels.py --sweep-linear [--sweep-shapes dsv3] [--sweep-m 16,256]
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import sys
 
 import torch
 
-from bench_utils import bench, copy_bandwidth, decode_layout, table
+from bench_utils import bench, bench_graph, copy_bandwidth, decode_layout, rotating_copies, table
 
 
 def bench_linear(hbm: float, quick: bool) -> None:
@@ -51,49 +52,84 @@ LARGE_M_CANDIDATES = [
     (128, 128, 4, 4, True, False), (128, 128, 8, 5, True, True), (128, 256, 8, 3, False, False),
 ]
 SMALL_M_CANDIDATES = [
-    (64, 16, 4, 8, False, False), (64, 32, 4, 8, False, False), (64, 64, 4, 6, False, False),
-    (64, 128, 4, 4, False, False), (64, 32, 4, 8, True, False), (64, 128, 4, 4, True, False),
+    (64, 16, 4, 8, False, False), (64, 16, 4, 12, False, False), (64, 32, 4, 8, False, False),
+    (64, 32, 4, 10, False, False), (64, 64, 4, 6, False, False), (64, 64, 8, 6, False, False),
+    (64, 128, 4, 4, False, False), (64, 16, 4, 8, True, False), (64, 32, 4, 8, True, False),
+    (64, 64, 4, 6, True, False), (64, 128, 4, 4, True, False),
 ]
 MID_M_CANDIDATES = [
     (64, 64, 4, 6, False, False), (64, 128, 4, 4, False, False), (128, 64, 4, 4, False, False),
     (64, 64, 4, 6, True, False), (64, 128, 4, 4, True, False), (128, 128, 8, 4, True, False),
-    (128, 256, 8, 3, True, False),
+    (128, 256, 8, 3, True, False), (64, 32, 4, 8, False, False), (128, 64, 8, 5, True, False),
+    (128, 128, 8, 4, False, False), (128, 128, 8, 4, True, True), (64, 128, 4, 4, True, True),
+    (128, 256, 8, 3, True, True), (64, 256, 8, 3, True, False),
 ]
+#: (name, K, N, row counts) of the swept weights: each model's GEMMs as its decode step runs them
+#: (q/k/v, gate/up and MLA's first projections fused into one weight each, as fuse_linears does)
+SWEEP_SHAPES = [("0.6b qkv", 1024, 4096, (128, 256)), ("0.6b o", 2048, 1024, (128, 256)),
+                ("0.6b gate_up", 1024, 6144, (128, 256)), ("0.6b down", 3072, 1024, (128, 256)),
+                ("0.6b lm_head", 1024, 151936, (128, 256)),
+                ("8b qkv", 4096, 6144, (128, 256)), ("8b o", 4096, 4096, (128, 256)),
+                ("8b gate_up", 4096, 24576, (128, 256)), ("8b down", 12288, 4096, (128, 256)),
+                ("8b lm_head", 4096, 151936, (128, 256)),
+                # DeepSeek-V3 (decode of 16 sequences): q_a + kv_a, q_b, o, shared and dense experts
+                ("dsv3 q_a+kv_a", 7168, 2112, (16,)), ("dsv3 q_b", 1536, 24576, (16,)),
+                ("dsv3 kv_b (expanded)", 512, 32768, (16,)), ("dsv3 o", 16384, 7168, (16,)),
+                ("dsv3 shared gate_up", 7168, 4096, (16,)), ("dsv3 shared down", 2048, 7168, (16,)),
+                ("dsv3 dense gate_up", 7168, 36864, (16,)), ("dsv3 dense down", 18432, 7168, (16,)),
+                ("dsv3 lm_head", 7168, 129280, (16,)),
+                # Moonlight (no q-LoRA, 16 heads of 192/128, 2 shared experts of 1408)
+                ("moonlight q+kv_a", 2048, 3648, (128, 256)), ("moonlight kv_b (expanded)", 512, 4096, (128, 256)),
+                ("moonlight o", 2048, 2048, (128, 256)), ("moonlight shared gate_up", 2048, 5632, (128, 256)),
+                ("moonlight shared down", 2816, 2048, (128, 256)), ("moonlight lm_head", 2048, 163840, (128, 256))]
 
 
-def sweep_linear(hbm: float) -> None:
-    """Time every candidate tile config at decode and large-M shapes (to choose pick_config)."""
-    from vexact_models.kernels.linear import LinearConfig, linear_triton
+def _candidates(m: int) -> list[tuple]:
+    if m <= 64:
+        return SMALL_M_CANDIDATES
+    return MID_M_CANDIDATES if m <= 256 else LARGE_M_CANDIDATES if m < 4096 else LARGE_M_CANDIDATES[:5]
 
-    shapes = [("0.6b gate/up", 1024, 3072), ("8b q/o", 4096, 4096), ("8b k/v", 4096, 1024),
-              ("8b gate/up", 4096, 12288), ("8b down", 12288, 4096), ("0.6b lm_head", 1024, 151936),
-              # DeepSeek-V3's dense GEMMs, whose decode step (16 sequences) reads them at ~65% of HBM
-              ("dsv3 q_a", 7168, 1536), ("dsv3 q_b", 1536, 24576), ("dsv3 kv_a", 7168, 576),
-              ("dsv3 o_proj", 16384, 7168), ("dsv3 shared gate/up", 7168, 4096), ("dsv3 shared down", 2048, 7168)]
-    rows = []
-    for name, k, n in shapes:
-        w = (torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16()
-        for m, cands in ((1, SMALL_M_CANDIDATES), (8, SMALL_M_CANDIDATES), (16, SMALL_M_CANDIDATES), (32, SMALL_M_CANDIDATES),
-                         (64, SMALL_M_CANDIDATES), (128, MID_M_CANDIDATES), (256, MID_M_CANDIDATES),
-                         (1024, LARGE_M_CANDIDATES), (4096, LARGE_M_CANDIDATES[:5])):
+
+def sweep_linear(hbm: float, shapes: str = "", ms: tuple[int, ...] | None = None) -> None:
+    """Time every candidate tile config (to choose pick_config) on the weights whose name contains
+    `shapes` (all when empty) at their decode row counts (or `ms`), inside CUDA graphs over
+    rotating weight copies (`bench_graph`): the GPU time of a decode step's launch, weights read
+    from HBM. "same bits" compares each candidate's output with that of the config pick_config
+    picks (marked *); they must be equal (rule 1)."""
+    from vexact_models.kernels.linear import LinearConfig, linear_triton, pick_config
+
+    rows, different = [], 0
+    for name, k, n, shape_ms in (s for s in SWEEP_SHAPES if shapes in s[0]):
+        weights = rotating_copies((torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16())
+        for m in ms or shape_ms:
             x = torch.randn(m, k, device="cuda").bfloat16()
-            t_cublas = bench(lambda: torch.matmul(x, w.t()))
+            t_cublas = bench_graph([lambda w=w: torch.matmul(x, w.t()) for w in weights])
+            picked = pick_config(m, n, k, torch.bfloat16)
+            want = linear_triton(x, weights[0], None, torch.bfloat16, picked)
+            cands = [(c.block_m, c.block_n, c.num_warps, c.num_stages, c.tma, c.persistent) for c in [picked]]
+            cands += [c for c in _candidates(m) if c != cands[0]]
             best = None
             for bm, bn, warps, stages, tma, persistent in cands:
                 cfg = LinearConfig(bm, bn, warps, stages, tma=tma, persistent=persistent)
                 try:
-                    t = bench(lambda: linear_triton(x, w, None, torch.bfloat16, cfg), warmup=10, rep=40)
+                    same = torch.equal(linear_triton(x, weights[0], None, torch.bfloat16, cfg), want)
+                    t = bench_graph([lambda w=w: linear_triton(x, w, None, torch.bfloat16, cfg) for w in weights])
                 except Exception as exc:  # a config that does not compile (shared memory) is skipped
                     print(f"  skip {cfg}: {type(exc).__name__}")
                     continue
+                different += not same
                 if best is None or t < best[0]:
                     best = (t, cfg)
                 nbytes = 2 * (m * k + n * k + m * n)
-                rows.append([name, m, f"{bm}x{bn} w{warps} s{stages}{' tma' if tma else ''}{' pers' if persistent else ''}",
-                             f"{t * 1e3:.1f}", f"{t_cublas * 1e3:.1f}", f"{t_cublas / t:.2f}",
-                             f"{2 * m * n * k / t / 1e9:.0f}", f"{100 * nbytes / t / 1e6 / hbm:.0f}%"])
-            print(f"best {name} M={m}: {best[1]} {best[0] * 1e3:.1f}us (cuBLAS {t_cublas * 1e3:.1f}us)")
-    table("linear config sweep", ["shape", "M", "config", "us", "cuBLAS us", "ratio", "TFLOP/s", "% HBM"], rows)
+                label = f"{bm}x{bn} w{warps} s{stages}{' tma' if tma else ''}{' pers' if persistent else ''}"
+                rows.append([name, m, label + (" *" if cfg == picked else ""), f"{t * 1e3:.1f}",
+                             f"{t_cublas * 1e3:.1f}", f"{t_cublas / t:.2f}", f"{2 * m * n * k / t / 1e9:.0f}",
+                             f"{100 * nbytes / t / 1e6 / hbm:.0f}%", "yes" if same else "NO"])
+            print(f"best {name} M={m}: {best[1]} {best[0] * 1e3:.1f}us (picked {picked}; cuBLAS {t_cublas * 1e3:.1f}us)")
+        del weights
+    table("linear config sweep (* = pick_config's choice; CUDA graphs, weights from HBM)",
+          ["shape", "M", "config", "us", "cuBLAS us", "ratio", "TFLOP/s", "% HBM", "same bits"], rows)
+    print(f"configs whose output differs from the picked one: {different}")
 
 
 def bench_attention(hbm: float, quick: bool) -> None:
@@ -209,7 +245,16 @@ def main(argv=None) -> int:
     parser.add_argument("--only", choices=["linear", "attention", "rows"])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--sweep-linear", action="store_true", help="time every linear tile config candidate")
+    parser.add_argument("--sweep-shapes", default="", help="with --sweep-linear: only weights whose name contains this")
+    parser.add_argument("--sweep-m", default="",
+                        help="with --sweep-linear: comma-separated row counts (default: each weight's decode batches)")
     args = parser.parse_args(argv)
+    try:
+        sweep_ms = tuple(int(m) for m in args.sweep_m.split(",")) if args.sweep_m else None
+    except ValueError:
+        parser.error(f"--sweep-m {args.sweep_m!r}: expected comma-separated integers, e.g. 16,256")
+    if sweep_ms and min(sweep_ms) < 1:
+        parser.error(f"--sweep-m {args.sweep_m!r}: row counts must be >= 1")
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -217,7 +262,7 @@ def main(argv=None) -> int:
     hbm = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; measured copy bandwidth {hbm:.0f} GB/s")
     if args.sweep_linear:
-        sweep_linear(hbm)
+        sweep_linear(hbm, args.sweep_shapes, sweep_ms)
         return 0
     if args.only in (None, "linear"):
         bench_linear(hbm, args.quick)
