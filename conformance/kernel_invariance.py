@@ -91,8 +91,25 @@ def check_linear(result: Result, k: int, n: int, m_values: list[int], out_dtype:
     result.compare(linear(x[perm], w, out_dtype=out_dtype), single[perm], f"K={k} N={n} permuted M={m_max}")
 
 
+def picked_linear_configs() -> list:
+    """Every distinct config `linear.pick_config` returns for bf16 inputs over a grid of the
+    bundled models' GEMM shapes and row counts on both sides of each threshold."""
+    from vexact_models.kernels.linear import pick_config
+
+    found = []
+    for m in (1, 16, 64, 65, 128, 129, 256, 257, 4096):
+        for n in (256, 576, 1024, 2048, 2112, 4096, 6144, 8192, 12288, 16384, 24576, 32768, 65537, 151936):
+            for k in (512, 1536, 2048, 4096, 7168):
+                for out in (torch.bfloat16, torch.float32):
+                    cfg = pick_config(m, n, k, torch.bfloat16, out)
+                    if cfg not in found:
+                        found.append(cfg)
+    return found
+
+
 def check_linear_configs(result: Result, k: int, n: int) -> None:
-    """Every config of the tile table gives the same rows (so the M -> config map may change)."""
+    """Every config of the tile table, and every one `pick_config` returns for bf16 inputs, gives
+    the same rows (so the M -> config map may change)."""
     from vexact_models.kernels.linear import LinearConfig, linear_triton
 
     configs = [LinearConfig(64, 32, 4, 6), LinearConfig(64, 16, 4, 8), LinearConfig(64, 64, 4, 6),
@@ -100,6 +117,7 @@ def check_linear_configs(result: Result, k: int, n: int) -> None:
                LinearConfig(64, 32, 4, 6, tma=True), LinearConfig(128, 256, 8, 3, tma=True),
                LinearConfig(128, 128, 4, 4, tma=True), LinearConfig(128, 256, 8, 3, tma=True, persistent=True),
                LinearConfig(64, 128, 4, 4, tma=True), LinearConfig(128, 128, 8, 4, tma=True, persistent=True)]
+    configs += [c for c in picked_linear_configs() if c not in configs]
     x = torch.randn(300, k, device="cuda").bfloat16()
     w = (torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16()
     want = linear_triton(x, w, None, torch.bfloat16, configs[0])

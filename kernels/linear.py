@@ -39,21 +39,33 @@ class LinearConfig:
 def pick_config(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dtype | None = None) -> LinearConfig:
     """Tile shape for an (m, n, k) problem; depends on shapes and dtypes only.
 
-    Chosen from `benchmarks/kernels.py --sweep-linear` on an H100 (docs/gpu-results.md). Every
+    Chosen from `benchmarks/kernels.py --sweep-linear` (H100 for large M; H200, CUDA graphs,
+    weights from HBM, for the decode shapes of every bundled model: docs/gpu-results.md). Every
     config gives bitwise the same rows (conformance/kernel_invariance.py, "linear configs").
     """
     if dtype == torch.float32:  # ieee fp32 dot: registers and shared memory are the limit
         return LinearConfig(64, 64, 4, 3)
+    wide_out = out_dtype == torch.float32  # an fp32 output tile takes twice the shared memory
     if m <= 64:  # decode: weight-bandwidth bound; narrow N tiles give enough programs
+        if k <= 2048 and 8192 < n <= 65536:  # short K, wide N (DeepSeek-V3's q_b, kv_b): enough programs anyway
+            return LinearConfig(64, 128, 4, 4)
         block_n = 16 if n <= 1024 else 32 if n <= 8192 else 64
         return LinearConfig(64, block_n, 4, 8 if block_n <= 32 else 6)
-    wide_out = out_dtype == torch.float32  # an fp32 output tile takes twice the shared memory
-    if m <= 256:
+    if n > 65536:  # LM heads: one persistent program per SM over wide tiles
+        return LinearConfig(128, 128, 8, 4, tma=True, persistent=True) if wide_out else \
+            LinearConfig(128, 256, 8, 3, tma=True, persistent=True)
+    if m <= 128:
         if n <= 8192:
             return LinearConfig(64, 64, 4, 6)
-        if m <= 128 or wide_out:
+        return LinearConfig(64, 128, 4, 4, tma=True)
+    if m <= 256:  # TMA loads win once 4 row tiles share each weight tile
+        if n <= 2048:
+            return LinearConfig(64, 64, 4, 6)
+        if n <= 4096:
+            return LinearConfig(64, 64, 4, 6, tma=True)
+        if n < 16384 or wide_out:
             return LinearConfig(64, 128, 4, 4, tma=True)
-        return LinearConfig(128, 256, 8, 3, tma=True)
+        return LinearConfig(128, 128, 8, 4, tma=True, persistent=True)
     if wide_out:
         return LinearConfig(128, 128, 8, 4, tma=True, persistent=True)
     return LinearConfig(128, 256, 8, 3, tma=True, persistent=True)

@@ -66,6 +66,20 @@ def test_configs_share_block_k_and_use_wgmma_tiles():
     assert BLOCK_K == 64
 
 
+def test_every_picked_config_is_in_the_gpu_invariance_check():
+    """The GPU check ("linear configs") covers every config pick_config can return, so a new
+    branch of the table cannot ship unproven; all of them use wgmma tiles (>= 64 rows)."""
+    from vexact_models.conformance.kernel_invariance import picked_linear_configs
+
+    picked = picked_linear_configs()
+    assert all(c.block_m >= 64 and c.num_warps % 4 == 0 for c in picked)
+    # the H200 decode branches: TMA from 129 rows, the LM head persistent, wide N with short K at M <= 64
+    assert pick_config(256, 4096, 4096, torch.bfloat16) in picked and pick_config(256, 4096, 4096, torch.bfloat16).tma
+    assert pick_config(128, 151936, 4096, torch.bfloat16).persistent
+    assert pick_config(16, 24576, 1536, torch.bfloat16).block_n == 128
+    assert pick_config(16, 24576, 7168, torch.bfloat16).block_n == 64
+
+
 def test_reference_chunks_rows_without_changing_them():
     x, w = torch.randn(300, 64), torch.randn(700, 64)  # forces several row chunks
     out = linear_reference(x, w, None, torch.float32)
