@@ -5,9 +5,9 @@
 (docs/design.md rule 4). Expert weights are HF's fused 3-D tensors: ``gate_up_proj [E, 2I, H]``
 (gate rows first) and ``down_proj [E, H, I]``.
 
-How: `moe_align` sorts the (token, rank) pairs by expert (stable: by pair index within an
-expert) and pads each expert's segment to `BLOCK_M` rows, into a buffer whose size is a
-static bound (no host sync: CUDA-graph safe). One grouped GEMM computes gate and up for a tile
+How: `moe_align` (moe_align.py) sorts the (token, rank) pairs by expert (stable: by pair
+index within an expert) and pads each expert's segment to `BLOCK_M` rows, into a buffer whose
+size is a static bound (no host sync: CUDA-graph safe). One grouped GEMM computes gate and up for a tile
 of one expert's rows and applies SiLU-and-mul in its epilogue (each product rounded to the
 input dtype first, as the dense path does); a second grouped GEMM applies ``down``; a combine
 kernel sums each token's k rows in rank order.
@@ -30,6 +30,7 @@ import torch
 from ._triton import next_power_of_2, require_triton, tl, triton
 from .backend import select
 from .linear import linear_reference
+from .moe_align import MoeLayout, moe_align
 from .silu_and_mul import silu_and_mul_reference
 
 BLOCK_K = 64  # one K tile for every config
@@ -60,53 +61,6 @@ def pick_config(tokens: int, top_k: int, experts: int) -> MoeConfig:
     """Tiles by the average rows per expert (a host-side shape, no sync). Both configs give
     bitwise the same rows (conformance/kernel_invariance.py, "moe": one token vs 16384)."""
     return LARGE if tokens * top_k >= 256 * experts else SMALL
-
-
-@dataclass
-class MoeLayout:
-    """The pairs (token t, rank r) = pair ``t * k + r`` grouped by expert, padded per expert.
-
-    Attributes:
-        sorted_pairs: ``[P]`` pair index at each padded position (``num_pairs`` = padding).
-        pair_pos: ``[num_pairs]`` padded position of each pair.
-        block_expert: ``[P / BLOCK_M]`` expert of each row block (-1: unused block).
-        expert_offsets: ``[E + 1]`` start of each expert's padded segment.
-        num_pairs: ``T * k``.
-        config: the tile config the layout was padded for.
-    """
-
-    sorted_pairs: torch.Tensor
-    pair_pos: torch.Tensor
-    block_expert: torch.Tensor
-    expert_offsets: torch.Tensor
-    num_pairs: int
-    config: "MoeConfig | None" = None
-
-
-def moe_align(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M) -> MoeLayout:
-    """Group the pairs of ``ids [T, k]`` by expert with device ops only (no host sync)."""
-    flat = ids.reshape(-1)
-    n = flat.numel()
-    device = flat.device
-    # scatter_add, not bincount: bincount syncs with the host to size its output (no CUDA graphs)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    ends = torch.cumsum(padded, 0)
-    starts = ends - padded
-    order = torch.sort(flat, stable=True).indices
-    sorted_expert = flat[order]
-    unpadded_start = torch.cumsum(counts, 0) - counts
-    pos = starts[sorted_expert] + torch.arange(n, device=device) - unpadded_start[sorted_expert]
-    size = -(-(n + num_experts * (block_m - 1)) // block_m) * block_m
-    sorted_pairs = torch.full((size,), n, dtype=torch.int64, device=device)
-    sorted_pairs[pos] = order
-    pair_pos = torch.empty(n, dtype=torch.int64, device=device)
-    pair_pos[order] = pos
-    block_start = torch.arange(size // block_m, device=device) * block_m
-    block_expert = torch.searchsorted(ends, block_start, right=True)
-    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
-    offsets = torch.cat([starts, ends[-1:]])
-    return MoeLayout(sorted_pairs, pair_pos, block_expert, offsets, n)
 
 
 @triton.jit

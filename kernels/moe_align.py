@@ -1,0 +1,159 @@
+"""moe_align: the (token, rank) pairs of a MoE batch grouped by expert, padded per expert.
+
+Pair ``p = t * k + r`` of ``ids [T, k]`` goes to expert ``ids[t, r]``. Each expert's pairs keep
+their order (a stable sort by expert) and its segment is padded to a multiple of ``block_m``
+rows, so that a grouped GEMM tile never spans two experts. The output buffer's size is a bound
+known from the shapes alone (no host sync: CUDA-graph safe).
+
+Two implementations give the same `MoeLayout`, element for element:
+
+- `moe_align_reference`: about twenty torch ops (scatter-add, cumsum, a stable sort, index
+  writes, searchsorted). Any batch size.
+- `_moe_align_kernel`: one Triton program for up to `MAX_TRITON_PAIRS` pairs, as in decode and
+  small prefill steps, where the launches of the torch version cost more than their work (about
+  25 of them in each MoE layer of every decode step). A histogram gives the counts, a bitonic
+  sort of ``expert * BLOCK_N + pair`` (unique keys: stable for free) the order; each padded row
+  then finds its expert (a search over the segment ends) and its pair with register gathers.
+
+The layout only says where each pair's row is computed; the rows' values do not depend on it
+(kernels/moe.py), so this file has no numerical contract, only the equality of the two layouts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._triton import next_power_of_2, require_triton, tl, triton
+from .backend import select
+
+#: the largest batch (``T * k`` pairs) the single-program kernel takes; larger ones use torch ops
+MAX_TRITON_PAIRS = 4096
+#: the most experts the kernel's histogram takes
+MAX_TRITON_EXPERTS = 1024
+
+
+@dataclass
+class MoeLayout:
+    """The pairs (token t, rank r) = pair ``t * k + r`` grouped by expert, padded per expert.
+
+    Attributes:
+        sorted_pairs: ``[P]`` pair index at each padded position (``num_pairs`` = padding).
+        pair_pos: ``[num_pairs]`` padded position of each pair.
+        block_expert: ``[P / BLOCK_M]`` expert of each row block (-1: unused block).
+        expert_offsets: ``[E + 1]`` start of each expert's padded segment.
+        num_pairs: ``T * k``.
+        config: the tile config the layout was padded for.
+    """
+
+    sorted_pairs: torch.Tensor
+    pair_pos: torch.Tensor
+    block_expert: torch.Tensor
+    expert_offsets: torch.Tensor
+    num_pairs: int
+    config: "object | None" = None
+
+
+def padded_size(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Rows of the padded buffer: enough for any split of `num_pairs` over `num_experts`."""
+    return -(-(num_pairs + num_experts * (block_m - 1)) // block_m) * block_m
+
+
+def moe_align_reference(ids: torch.Tensor, num_experts: int, block_m: int) -> MoeLayout:
+    """`moe_align` with torch ops only (no host sync), for any number of pairs."""
+    flat = ids.reshape(-1)
+    n = flat.numel()
+    device = flat.device
+    # scatter_add, not bincount: bincount syncs with the host to size its output (no CUDA graphs)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    starts = ends - padded
+    order = torch.sort(flat, stable=True).indices
+    sorted_expert = flat[order]
+    unpadded_start = torch.cumsum(counts, 0) - counts
+    pos = starts[sorted_expert] + torch.arange(n, device=device) - unpadded_start[sorted_expert]
+    size = padded_size(n, num_experts, block_m)
+    sorted_pairs = torch.full((size,), n, dtype=torch.int64, device=device)
+    sorted_pairs[pos] = order
+    pair_pos = torch.empty(n, dtype=torch.int64, device=device)
+    pair_pos[order] = pos
+    block_start = torch.arange(size // block_m, device=device) * block_m
+    block_expert = torch.searchsorted(ends, block_start, right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    offsets = torch.cat([starts, ends[-1:]])
+    return MoeLayout(sorted_pairs, pair_pos, block_expert, offsets, n)
+
+
+@triton.jit
+def _moe_align_kernel(ids_ptr, sorted_pairs_ptr, pair_pos_ptr, block_expert_ptr, offsets_ptr, n, num_blocks, E,
+                      BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    i = tl.arange(0, BLOCK_N)
+    valid = i < n
+    ids = tl.load(ids_ptr + i, mask=valid, other=0).to(tl.int32)
+    counts = tl.histogram(ids, BLOCK_E, mask=valid)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    starts = ends - padded
+    unpadded_start = tl.cumsum(counts, 0) - counts
+    e = tl.arange(0, BLOCK_E)
+    tl.store(offsets_ptr + e, starts.to(tl.int64), mask=e < E)
+    tl.store(offsets_ptr + E + e, tl.sum(padded, 0).to(tl.int64) + 0 * e, mask=e == 0)
+
+    # stable sort by expert: the keys (expert, pair) are unique; padding keys sort last
+    keys = tl.sort(tl.where(valid, ids * BLOCK_N + i, BLOCK_E * BLOCK_N + i))
+    expert = tl.minimum(keys // BLOCK_N, BLOCK_E - 1)
+    order = keys % BLOCK_N
+    pos = tl.gather(starts, expert, 0) + i - tl.gather(unpadded_start, expert, 0)
+    tl.store(pair_pos_ptr + order, pos.to(tl.int64), mask=valid)
+
+    # each padded row block: its expert (segments ending at or before it), then each row's pair
+    rows = tl.arange(0, BLOCK_M)
+    for c in range(0, tl.cdiv(num_blocks, CHUNK)):
+        block = c * CHUNK + tl.arange(0, CHUNK)
+        first_row = block * BLOCK_M
+        owner = tl.sum((ends[None, :] <= first_row[:, None]).to(tl.int32), 1)
+        in_use = owner < E
+        tl.store(block_expert_ptr + block, tl.where(in_use, owner, -1), mask=block < num_blocks)
+        owner = tl.minimum(owner, BLOCK_E - 1)
+        offset = first_row[:, None] + rows[None, :] - tl.gather(starts, owner, 0)[:, None]
+        filled = in_use[:, None] & (offset < tl.gather(counts, owner, 0)[:, None])
+        j = tl.where(filled, tl.gather(unpadded_start, owner, 0)[:, None] + offset, 0)
+        pair = tl.reshape(tl.gather(order, tl.reshape(j, [CHUNK * BLOCK_M]), 0), [CHUNK, BLOCK_M])
+        tl.store(sorted_pairs_ptr + first_row[:, None] + rows[None, :], tl.where(filled, pair, n).to(tl.int64),
+                 mask=(block < num_blocks)[:, None])
+
+
+def moe_align_triton(ids: torch.Tensor, num_experts: int, block_m: int) -> MoeLayout:
+    """`moe_align` in one Triton launch (one program); for up to `MAX_TRITON_PAIRS` pairs and
+    `MAX_TRITON_EXPERTS` experts (ValueError beyond)."""
+    require_triton("moe_align")
+    if not 0 < ids.numel() <= MAX_TRITON_PAIRS or num_experts > MAX_TRITON_EXPERTS:
+        raise ValueError(f"moe_align_triton: ids.numel()={ids.numel()} must be in 1..{MAX_TRITON_PAIRS} and "
+                         f"num_experts={num_experts} at most {MAX_TRITON_EXPERTS}")
+    flat = ids.reshape(-1)
+    n = flat.numel()
+    size = padded_size(n, num_experts, block_m)
+    device = flat.device
+    sorted_pairs = torch.empty(size, dtype=torch.int64, device=device)
+    pair_pos = torch.empty(n, dtype=torch.int64, device=device)
+    block_expert = torch.empty(size // block_m, dtype=torch.int32, device=device)
+    offsets = torch.empty(num_experts + 1, dtype=torch.int64, device=device)
+    block_n = max(16, next_power_of_2(n))
+    _moe_align_kernel[(1,)](flat, sorted_pairs, pair_pos, block_expert, offsets, n, size // block_m, num_experts,
+                            BLOCK_N=block_n, BLOCK_E=max(16, next_power_of_2(num_experts)), BLOCK_M=block_m,
+                            CHUNK=max(1, min(32, 2048 // block_m)), num_warps=4 if block_n <= 1024 else 8)
+    return MoeLayout(sorted_pairs, pair_pos, block_expert, offsets, n)
+
+
+def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> MoeLayout:
+    """Group the pairs of ``ids [T, k]`` (int64 expert ids) by expert, each expert's segment
+    padded to a multiple of `block_m` (a power of two), with device work only (no host sync).
+    One Triton launch for up to `MAX_TRITON_PAIRS` pairs on the Triton backend, torch ops
+    otherwise; both give the same layout."""
+    n = ids.numel()
+    if (0 < n <= MAX_TRITON_PAIRS and num_experts <= MAX_TRITON_EXPERTS
+            and select("moe_align", ids, dtypes=(torch.int64, torch.int32)) == "triton"):
+        return moe_align_triton(ids, num_experts, block_m)
+    return moe_align_reference(ids, num_experts, block_m)
