@@ -217,24 +217,20 @@ def recompute(trainer, samples, args) -> tuple[int, int, float]:
                                                next(trainer.parameters()).device)
     if args.data_parallel == 1:
         return checked, bad, worst
-    counts = torch.tensor([checked, bad], dtype=torch.float64)
-    top = torch.tensor([worst], dtype=torch.float64)
-    dist.all_reduce(counts, group=_host_group())
-    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=_host_group())
-    return int(counts[0]), int(counts[1]), float(top[0])
+    (checked, bad), (worst,) = over_ranks([checked, bad], [worst])
+    return int(checked), int(bad), worst
 
 
-def _host_group():
-    """A gloo group for host-side reductions (created once; None when the default group is gloo)."""
-    global _HOST_GROUP
-    if "gloo" in str(dist.get_backend()):
-        return None
-    if _HOST_GROUP is None:
-        _HOST_GROUP = dist.new_group(backend="gloo")
-    return _HOST_GROUP
-
-
-_HOST_GROUP = None
+def over_ranks(sums: list[float], maxima: list[float]) -> tuple[list[float], list[float]]:
+    """`sums` added and `maxima` maxed over every rank, on the default group (float64 tensors
+    where its backend takes them: this GPU for NCCL, host memory for gloo)."""
+    on_host = "gloo" in str(dist.get_backend())
+    device = torch.device("cpu") if on_host else torch.device("cuda", torch.cuda.current_device())
+    totals = torch.tensor(sums, dtype=torch.float64, device=device)
+    tops = torch.tensor(maxima, dtype=torch.float64, device=device)
+    dist.all_reduce(totals)
+    dist.all_reduce(tops, op=dist.ReduceOp.MAX)
+    return totals.tolist(), tops.tolist()
 
 
 def checksums(trainer) -> list[float]:
@@ -267,10 +263,7 @@ def iterate(llm, trainer, args, it: int) -> list:
     samples, seconds = rollout(llm, args, seed=1000 * (it + 1))
     generated = sum(len(c) for _, c, _ in samples)
     if args.data_parallel > 1:  # every rank's tokens over the slowest rank's time
-        totals = torch.tensor([generated, seconds], dtype=torch.float64)
-        dist.all_reduce(totals[:1], group=_host_group())
-        dist.all_reduce(totals[1:], op=dist.ReduceOp.MAX, group=_host_group())
-        generated, seconds = int(totals[0]), float(totals[1])
+        (generated,), (seconds,) = over_ranks([generated], [seconds])
     checked, bad, worst = recompute(trainer, samples, args)
     llm.sleep(level=2)  # the trainer runs with the engine's weights and KV cache released
     changed = train_step(trainer, samples, args)

@@ -99,7 +99,7 @@ def _moe_align_kernel(ids_ptr, sorted_pairs_ptr, pair_pos_ptr, block_expert_ptr,
     unpadded_start = tl.cumsum(counts, 0) - counts
     e = tl.arange(0, BLOCK_E)
     tl.store(offsets_ptr + e, starts.to(tl.int64), mask=e < E)
-    tl.store(offsets_ptr + E + e, tl.sum(padded, 0).to(tl.int64) + 0 * e, mask=e == 0)
+    tl.store(offsets_ptr + E, tl.sum(padded, 0).to(tl.int64))
 
     # stable sort by expert: the keys (expert, pair) are unique; padding keys sort last
     keys = tl.sort(tl.where(valid, ids * BLOCK_N + i, BLOCK_E * BLOCK_N + i))
