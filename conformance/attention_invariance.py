@@ -22,9 +22,9 @@ LATENT_SHAPES = [("moonlight latent MLA", 16, 512, 64, 128, 128), ("deepseek-v3 
 
 
 def check_attention_configs(result: Result, hq: int, hkv: int, d: int, dv: int, latent: bool) -> None:
-    """Every launch-parameter candidate `pick_config` may choose (tensor-core tiles of >= 64 rows,
-    any warps/stages, latent value chunks) gives bitwise the output of the first (rule 2), on
-    packed sequences of uneven lengths."""
+    """Every launch-parameter candidate `pick_config` may choose (tiles of 16 to 128 rows, mma.sync
+    or wgmma, any warps/stages, latent value chunks) gives bitwise the output of the first (rule
+    2), on packed sequences of uneven lengths."""
     from vexact_models.kernels.attention import AttentionConfig, attention_triton, packed_layout
     from vexact_models.kernels.latent_attention import LatentConfig, key_block, latent_attention_triton
 
@@ -38,11 +38,14 @@ def check_attention_configs(result: Result, hq: int, hkv: int, d: int, dv: int, 
     if latent:
         blk = key_block(torch.bfloat16)
         configs = [LatentConfig(64, blk, 8, 2), LatentConfig(64, blk, 4, 1), LatentConfig(64, blk, 8, 1, 2),
-                   LatentConfig(64, blk, 4, 1, 4), LatentConfig(128, blk, 8, 1)]
+                   LatentConfig(64, blk, 4, 1, 4), LatentConfig(128, blk, 8, 1), LatentConfig(16, blk, 4, 2),
+                   LatentConfig(16, blk, 8, 2), LatentConfig(32, blk, 4, 2), LatentConfig(16, blk, 4, 1, 2)]
         outs = [latent_attention_triton(q, k, dv, layout, d ** -0.5, cfg) for cfg in configs]
     else:
         configs = [AttentionConfig(64, 64, 4, 2), AttentionConfig(64, 64, 4, 1), AttentionConfig(64, 64, 8, 2),
-                   AttentionConfig(128, 64, 8, 2), AttentionConfig(128, 64, 4, 2), AttentionConfig(128, 64, 8, 3)]
+                   AttentionConfig(128, 64, 8, 2), AttentionConfig(128, 64, 4, 2), AttentionConfig(128, 64, 8, 3),
+                   AttentionConfig(16, 64, 4, 3), AttentionConfig(16, 64, 4, 2), AttentionConfig(16, 64, 2, 2),
+                   AttentionConfig(32, 64, 4, 2)]
         outs = [attention_triton(q, k, v, layout, d ** -0.5, cfg) for cfg in configs]
     for cfg, (out, lse) in zip(configs[1:], outs[1:]):
         result.compare(out, outs[0][0], f"Hq={hq} Hkv={hkv} D={d} Dv={dv} {cfg} vs {configs[0]}")

@@ -29,6 +29,23 @@ def require_triton(op: str) -> None:
         raise ImportError(f"{op}: backend 'triton' needs the triton package (pip install 'vexact-models[gpu]')")
 
 
+_SM_COUNT: dict[int, int] = {}
+
+
+def num_sms(device) -> int:
+    """Streaming multiprocessors of the CUDA `device` (cached per device index); 1 for other
+    devices (the interpreter on CPU)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
 def next_power_of_2(n: int) -> int:
     return 1 << (max(int(n), 1) - 1).bit_length()
 

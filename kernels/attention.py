@@ -12,11 +12,12 @@ Invariance contract (docs/design.md rule 2): for every query row, the keys are r
 `BLOCK_N` aligned to absolute positions 0, BLOCK_N, 2*BLOCK_N, ... with an fp32 online softmax,
 with `BLOCK_N` fixed (`page_size` is a runtime argument that Triton does not specialize on), so
 a query's output is the same whether it is computed packed, in prefill chunks of any size, or as
-a decode step. The rows per program, warps and stages follow the launch (`pick_config`: decode
-and prefill tiles differ) within tensor-core tiles of >= 64 rows, which the GPU sweep showed
-give every row bitwise the same arithmetic. A
-tile may run past a row's last key; those blocks are fully masked and leave the row's state
-bitwise unchanged (p = 0, alpha = exp2(0) = 1). No split-KV. The reference does the same on CPU
+a decode step. The rows per program, warps and stages follow the launch (`pick_config`: decode,
+prefill and training tiles differ): each row's softmax denominator is summed in one fixed order
+(`row_sum.row_sum_halves`), and the GPU sweep found every tile of 16 to 128 rows (mma.sync or
+wgmma), warp and stage count bitwise equal. A tile may run past a row's last key; those blocks
+are fully masked and leave the row's state bitwise unchanged (p = 0, alpha = exp2(0) = 1). No
+split-KV. The reference does the same on CPU
 with `exact_math`. The backward (`attention_backward.py`) is correct, not invariant.
 """
 
@@ -31,8 +32,10 @@ from . import exact_math
 from ._triton import launch_staged, next_power_of_2, require_triton, tl, triton
 from .backend import select
 from .latent_attention import latent_attention_backward_triton, latent_attention_triton, value_in_key
+from .row_sum import row_sum_halves, row_sum_levels
 
-BLOCK_M = 64  # query rows (token, head) per program in decode (prefill and training: 128, `pick_config`)
+BLOCK_M = 64  # query rows (token, head) per program of prefill chunks (decode: 16, training: 128; `pick_config`)
+DECODE_BLOCK_M = 16
 BLOCK_N = 64  # keys per block: the absolute-position alignment of the KV reduction
 NUM_STAGES = 2
 # Query/key head dims (the value head dim is one of these too). 192 is MLA's 128 nope + 64 rope
@@ -59,16 +62,19 @@ class AttentionConfig:
 def pick_config(head_dim: int, rows_per_seq: int, dtype: torch.dtype) -> AttentionConfig:
     """The launch parameters for a head dim and dtype, for a launch whose longest sequence has
     `rows_per_seq` (query token, head) rows. Chosen by `benchmarks/attention_configs.py` on the
-    H200 (docs/gpu-results.md). Every bf16 choice is a tensor-core (wgmma) tile of >= 64 rows:
-    the sweep found tiles of 16 or 32 rows (mma.sync on Hopper) faster in decode but not bitwise
-    equal to the 64/128-row tiles, so the rows per program may follow the launch only within
-    the >= 64 family. Decode-like launches (<= 64 rows) take 64-row tiles with 4 warps (and one
-    stage for the 256-wide padded tile of head dim 192); prefill and training take 128-row
-    tiles with 8 warps and two stages (2.1x faster at head dim 192, 1.04x at 128). fp32: a
-    padded 256-wide fp32 K tile does not fit two stages in shared memory."""
+    H200 (docs/gpu-results.md); every choice gives the same bits (the module docstring). Decode
+    (<= 16 rows per sequence: one token times a GQA group) takes 16-row tiles: 4 warps and three
+    stages at head dim <= 128 (1.5x the 64-row tiles, 94% of the copy bandwidth at Qwen3-8B's
+    shape), 2 warps and one stage at MLA's 192 (1.5x, 64-74%); prefill
+    chunks of <= 64 rows take 64-row tiles with 4 warps (one stage for the 256-wide padded tile
+    of head dim 192); training and longer prefill take 128-row tiles with 8 warps and two stages
+    (2.1x faster at head dim 192, 1.04x at 128). fp32: a padded 256-wide fp32 K tile does not
+    fit two stages in shared memory."""
     wide = head_dim > 128
     if dtype == torch.float32:
         return AttentionConfig(BLOCK_M, BLOCK_N, 8 if wide else 4, 1 if wide else NUM_STAGES)
+    if rows_per_seq <= DECODE_BLOCK_M:
+        return AttentionConfig(DECODE_BLOCK_M, BLOCK_N, 2, 1) if wide else AttentionConfig(DECODE_BLOCK_M, BLOCK_N, 4, 3)
     if rows_per_seq <= BLOCK_M:
         return AttentionConfig(BLOCK_M, BLOCK_N, 4, 1 if wide else NUM_STAGES)
     return AttentionConfig(2 * BLOCK_M, BLOCK_N, 8, NUM_STAGES)
@@ -112,7 +118,7 @@ def _attention_fwd_kernel(
     page_size, scale_log2,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUM_LEVELS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     seq = tl.program_id(1)
@@ -156,7 +162,7 @@ def _attention_fwd_kernel(
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        l_i = l_i * alpha + row_sum_halves(p, SUM_LEVELS)  # a fixed order for every tile shape
         v = tl.load(v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + dv[None, :], mask=k_ok[:, None], other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
@@ -188,7 +194,8 @@ def attention_triton(q, k_cache, v_cache, layout: PagedLayout, scale: float, con
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1), layout.block_table.stride(0))
     kwargs = dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=next_power_of_2(head_dim),
-                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps)
+                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SUM_LEVELS=row_sum_levels(cfg.block_n),
+                  num_warps=cfg.num_warps)
     key = ("attention", q.device, q.dtype, group, head_dim, head_dim_v, cfg)
     launch_staged(_attention_fwd_kernel, grid, args, kwargs, cfg.num_stages, key, fallback=config is None)
     return out, lse

@@ -12,10 +12,11 @@ The forward kernel is `kernels.attention`'s with the key split into its latent a
 ``s = q_lat . k_lat + q_rope . k_rope`` (two dots accumulated in that order), and the loaded
 latent key tile is the value tile, so the cache is read once. Invariance contract (docs/design.md
 rule 2), as for `kernels.attention`: keys reduced in blocks of ``BLOCK_N`` aligned to absolute
-positions with an fp32 online softmax, the key block fixed per dtype (`key_block`; ``page_size``
-is not specialized), no split-KV; `pick_config`'s other launch parameters (rows per program,
-warps, stages, value chunks) follow the launch's shape and do not change a row's arithmetic. A
-query's output is the same packed (training), in chunked prefill or in decode. When
+positions with an fp32 online softmax whose denominators are summed in one fixed order
+(`row_sum.row_sum_halves`), the key block fixed per dtype (`key_block`; ``page_size`` is not
+specialized), no split-KV; `pick_config`'s other launch parameters (rows per program, warps,
+stages, value chunks) follow the launch's shape and do not change a row's arithmetic. A query's
+output is the same packed (training), in chunked prefill or in decode. When
 ``value_chunks`` > 1 (decode: few query rows per sequence), the latent dims of the value are split
 over that many programs per sequence, each recomputing the same scores: more programs for the
 GPU, the cache read once per chunk (from L2 after the first). The backward is the FlashAttention-2 scheme
@@ -30,7 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ._triton import launch_staged, next_power_of_2, require_triton, tl, triton
+from ._triton import launch_staged, next_power_of_2, num_sms, require_triton, tl, triton
+from .row_sum import row_sum_halves, row_sum_levels
 
 
 def value_in_key(k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -69,14 +71,23 @@ def key_block(dtype: torch.dtype) -> int:
     return 16 if dtype == torch.float32 else 64
 
 
-def pick_config(dtype: torch.dtype) -> LatentConfig:
-    """The launch parameters for `dtype`, the same for every launch shape. Chosen by
-    `benchmarks/attention_configs.py` on the H200 (docs/gpu-results.md): 64-row tiles, 64-key
-    blocks, 8 warps, two stages were the fastest at every latent shape (training 1.4x, decode
-    1.4-1.5x the first-guess 64/32/8/1); smaller row tiles (16) decode faster but are not
-    bitwise equal to 64-row ones (rule 2), and value chunks did not pay at 64 rows."""
+DECODE_ROWS = 128  # launches with at most this many rows per sequence take 16-row tiles
+
+
+def pick_config(dtype: torch.dtype, rows_per_seq: int, n_seqs: int, sm_count: int) -> LatentConfig:
+    """The launch parameters for `dtype`, for a launch of `n_seqs` sequences whose longest has
+    `rows_per_seq` (query token, head) rows, on a GPU of `sm_count` SMs. Chosen by
+    `benchmarks/attention_configs.py` on the H200 (docs/gpu-results.md); every choice gives the
+    same bits (the module docstring). Decode and short chunks (<= `DECODE_ROWS` rows: 16 heads
+    of Moonlight, 128 of DeepSeek-V3, one token each) take 16-row tiles, 1.3-1.4x the 64-row
+    ones: 4 warps when there are more programs than SMs, else 8 (1.3x at 16 sequences of
+    DeepSeek-V3). Longer launches take 64-row tiles, 64-key blocks, 8 warps, two stages (1.4x
+    the first-guess 64/32/8/1 in training); value chunks did not pay."""
     if dtype == torch.float32:
         return LatentConfig(16, key_block(dtype), 4, 1)
+    if rows_per_seq <= DECODE_ROWS:
+        programs = n_seqs * -(-rows_per_seq // 16)
+        return LatentConfig(16, key_block(dtype), 4 if programs > sm_count else 8, 2)
     return LatentConfig(64, key_block(dtype), 8, 2)
 
 
@@ -93,6 +104,7 @@ def _latent_fwd_kernel(
     stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
     GROUP: tl.constexpr, LAT: tl.constexpr, ROPE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_V: tl.constexpr,
+    SUM_LEVELS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     seq = tl.program_id(1)
@@ -140,7 +152,7 @@ def _latent_fwd_kernel(
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        l_i = l_i * alpha + row_sum_halves(p, SUM_LEVELS)  # a fixed order for every tile shape
         if CHUNKS == 1:
             v = k_lat  # the value is the latent key: the tile just loaded
         else:  # this chunk's dims of the same rows (the score's load left them in L1/L2)
@@ -174,7 +186,7 @@ def latent_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, v_dim: int,
         return out, lse
     group = n_heads // n_kv_heads
     kv = kv_cache.reshape(-1, n_kv_heads, head_dim)
-    cfg = config or pick_config(q.dtype)
+    cfg = config or pick_config(q.dtype, layout.max_seqlen_q * group, n_seqs * n_kv_heads, num_sms(q.device))
     dims = _dims(q, v_dim)
     if dims["BLOCK_L"] % cfg.value_chunks:
         raise ValueError(f"latent_attention_triton: value_chunks={cfg.value_chunks} must divide {dims['BLOCK_L']}")
@@ -184,7 +196,8 @@ def latent_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, v_dim: int,
             q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), out.stride(0), out.stride(1),
             layout.block_table.stride(0))
     kwargs = dict(GROUP=group, **dims, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CHUNKS=cfg.value_chunks,
-                  BLOCK_V=dims["BLOCK_L"] // cfg.value_chunks, num_warps=cfg.num_warps)
+                  BLOCK_V=dims["BLOCK_L"] // cfg.value_chunks, SUM_LEVELS=row_sum_levels(cfg.block_n),
+                  num_warps=cfg.num_warps)
     # Hopper's tiles need two stages' shared memory; smaller GPUs fall back to one (a sweep's
     # explicit candidate runs as given, or fails)
     launch_staged(_latent_fwd_kernel, grid, args, kwargs, cfg.num_stages,

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from . import exact_math
-from ._triton import require_triton, tl, triton
+from ._triton import num_sms, require_triton, tl, triton
 from .backend import select
 
 BLOCK_K = 64  # the one K tile for every M and every config
@@ -160,22 +160,12 @@ def _linear_triton_tma(x2d, weight, bias, out, cfg: LinearConfig) -> None:
     w_desc = TensorDescriptor.from_tensor(weight, [cfg.block_n, BLOCK_K])
     out_desc = TensorDescriptor.from_tensor(out, [cfg.block_m, cfg.block_n])
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    programs = min(tiles, _num_sms(x2d.device)) if cfg.persistent else tiles
+    programs = min(tiles, num_sms(x2d.device)) if cfg.persistent else tiles
     _linear_tma_kernel[(programs,)](
         x_desc, w_desc, out_desc, bias if bias is not None else x2d, m, n, k, programs,
         HAS_BIAS=bias is not None, PERSISTENT=cfg.persistent,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=BLOCK_K, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-
-
-_SM_COUNT: dict[int, int] = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
 
 
 def linear_triton(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
