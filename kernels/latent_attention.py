@@ -71,12 +71,13 @@ def key_block(dtype: torch.dtype) -> int:
     return 16 if dtype == torch.float32 else 64
 
 
-DECODE_ROWS = 128  # launches with at most this many rows per sequence take 16-row tiles
+DECODE_ROWS = 128  # launches with at most this many rows per sequence take DECODE_BLOCK_M-row tiles
+DECODE_BLOCK_M = 16
 
 
 def pick_config(dtype: torch.dtype, rows_per_seq: int, n_seqs: int, sm_count: int) -> LatentConfig:
-    """The launch parameters for `dtype`, for a launch of `n_seqs` sequences whose longest has
-    `rows_per_seq` (query token, head) rows, on a GPU of `sm_count` SMs. Chosen by
+    """The launch parameters for `dtype`, for a launch of `n_seqs` (sequence, KV head) pairs
+    whose longest sequence has `rows_per_seq` (query token, head) rows, on a GPU of `sm_count` SMs. Chosen by
     `benchmarks/attention_configs.py` on the H200 (docs/gpu-results.md); every choice gives the
     same bits (the module docstring). Decode and short chunks (<= `DECODE_ROWS` rows: 16 heads
     of Moonlight, 128 of DeepSeek-V3, one token each) take 16-row tiles, 1.3-1.4x the 64-row
@@ -86,8 +87,8 @@ def pick_config(dtype: torch.dtype, rows_per_seq: int, n_seqs: int, sm_count: in
     if dtype == torch.float32:
         return LatentConfig(16, key_block(dtype), 4, 1)
     if rows_per_seq <= DECODE_ROWS:
-        programs = n_seqs * -(-rows_per_seq // 16)
-        return LatentConfig(16, key_block(dtype), 4 if programs > sm_count else 8, 2)
+        programs = n_seqs * -(-rows_per_seq // DECODE_BLOCK_M)
+        return LatentConfig(DECODE_BLOCK_M, key_block(dtype), 4 if programs > sm_count else 8, 2)
     return LatentConfig(64, key_block(dtype), 8, 2)
 
 
