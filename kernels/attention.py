@@ -65,11 +65,11 @@ def pick_config(head_dim: int, rows_per_seq: int, dtype: torch.dtype) -> Attenti
     H200 (docs/gpu-results.md); every choice gives the same bits (the module docstring). Decode
     (<= 16 rows per sequence: one token times a GQA group) takes 16-row tiles: 4 warps and three
     stages at head dim <= 128 (1.5x the 64-row tiles, 94% of the copy bandwidth at Qwen3-8B's
-    shape), 2 warps and one stage at MLA's 192 (1.5x, 64-74%); prefill
-    chunks of <= 64 rows take 64-row tiles with 4 warps (one stage for the 256-wide padded tile
-    of head dim 192); training and longer prefill take 128-row tiles with 8 warps and two stages
-    (2.1x faster at head dim 192, 1.04x at 128). fp32: a padded 256-wide fp32 K tile does not
-    fit two stages in shared memory."""
+    shape), 2 warps and one stage at MLA's 192 (1.5x, 64-74%); prefill chunks of <= 64 rows take
+    64-row tiles with 4 warps (one stage for the 256-wide padded tile of head dim 192); training
+    and longer prefill take 128-row tiles with 8 warps and two stages (2.1x faster at head dim
+    192, 1.04x at 128). fp32: a padded 256-wide fp32 K tile does not fit two stages in shared
+    memory."""
     wide = head_dim > 128
     if dtype == torch.float32:
         return AttentionConfig(BLOCK_M, BLOCK_N, 8 if wide else 4, 1 if wide else NUM_STAGES)
