@@ -1,9 +1,10 @@
 """Where a decode step's time goes: GPU kernels by name (torch profiler) beside the wall time.
 
 Runs `LLM.generate` at a published shape (random weights, bf16) with `--batch` sequences of
-`--context` prompt tokens, profiles `--steps` decode steps (CUDA graphs on, as in production),
-and prints the kernels' GPU time per decode step grouped by kernel name, their total and the
-step's wall time; the difference is host time and launch gaps the GPU waits through.
+`--context` prompt tokens and `--steps` new tokens each (CUDA graphs on, as in production), and
+prints for the steps that decode the whole batch (no prefill chunk in them) the kernels' GPU
+time per step grouped by kernel name, their total and the step's wall time (median, from a
+separate unprofiled run); the difference is host time and launch gaps the GPU waits through.
 
 The last line compares the step with the HBM roofline: the bytes a decode step must read (all
 weights but the input embedding, plus the batch's KV cache) over the measured copy bandwidth.
@@ -26,44 +27,74 @@ import torch
 from bench_utils import copy_bandwidth, decode_bytes
 
 
-LAUNCHES = "(kernel launches)"  # the pseudo-kernel under which _kernel_times counts launches
+LAUNCHES = "(kernel launches)"  # the pseudo-kernel under which profile_decode counts launches
+DECODE_STEP = "vexact decode step"  # the profiler range around each full-batch decode step
 
 
-def _kernel_times(llm, prompts, max_tokens: int) -> dict[str, float]:
-    """GPU seconds per kernel name over one `generate` of `max_tokens` new tokens per prompt, and
-    the number of kernels run under `LAUNCHES`."""
-    from torch.profiler import ProfilerActivity, profile
+def _mark_decode_steps(llm, batch: int) -> None:
+    """Run every full-batch decode step of `llm` (`batch` sequences, one new token each) under
+    a profiler range named `DECODE_STEP`, so that kernels can be attributed to those steps alone:
+    the prefill, steps that mix decode with prefill chunks and the batch's ragged end are left out
+    (the earlier version subtracted two runs, which let mixed steps' tiles into the figures)."""
+    from torch.profiler import record_function
 
-    from vexact_models.runtime import SamplingParams
+    execute = llm._execute
 
-    params = SamplingParams(temperature=0.6, max_tokens=max_tokens, ignore_eos=True, seed=0)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        llm.generate(prompts, params, use_tqdm=False)
+    def marked(scheduled):
+        if len(scheduled) == batch and all(item.num_new_tokens == 1 for item in scheduled):
+            with record_function(DECODE_STEP):
+                return execute(scheduled)
+        return execute(scheduled)
+
+    llm._execute = marked
+
+
+def _kernels_in_ranges(events, ranges: list[tuple[float, float]]) -> dict[str, float]:
+    """GPU seconds per kernel name over the kernels that start inside one of `ranges` (sorted
+    host-clock intervals; the step's host sync at its end keeps its kernels inside), and their
+    count under `LAUNCHES`."""
+    import bisect
+
+    starts = [r[0] for r in ranges]
     kernels: dict[str, float] = defaultdict(float)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
+    for event in events:
+        if event.device_type != torch.autograd.DeviceType.CUDA or event.name == DECODE_STEP:
+            continue  # (the range itself has a GPU-side annotation too)
+        at = bisect.bisect_right(starts, event.time_range.start) - 1
+        if at >= 0 and event.time_range.start <= ranges[at][1]:
             kernels[event.name[:60]] += event.device_time_total * 1e-6
             kernels[LAUNCHES] += 1
     return kernels
 
 
 def profile_decode(model, vocab: int, batch: int, context: int, steps: int):
-    """(median wall seconds of a decode step, {kernel name: GPU seconds per decode step}).
+    """(median wall seconds of a full-batch decode step, {kernel name: GPU seconds per such step},
+    number of steps profiled).
 
-    Two profiled runs that differ only in `steps` more decode steps: the difference of their
-    kernel times is what those decode steps cost (the prefill cancels out)."""
+    One unprofiled `generate` times the steps (the profiler slows the host); a second, profiled,
+    attributes kernels to its full-batch decode steps (`_mark_decode_steps`)."""
+    from torch.profiler import ProfilerActivity, profile
+
     from vexact_models.runtime import LLM, SamplingParams
 
     rng = random.Random(0)
     llm = LLM(model, max_num_seqs=batch, max_model_len=context + steps + 16, gpu_memory_utilization=0.85)
     prompts = [[rng.randrange(vocab) for _ in range(context)] for _ in range(batch)]
+    params = SamplingParams(temperature=0.6, max_tokens=steps, ignore_eos=True, seed=0)
     llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-    short = _kernel_times(llm, prompts, 4)
     llm.step_times = []
-    long = _kernel_times(llm, prompts, 4 + steps)
+    llm.generate(prompts, params, use_tqdm=False)
     decode = sorted(t for n, is_decode, t in llm.step_times if is_decode and n == batch)
-    per_step = {k: (long[k] - short.get(k, 0.0)) / steps for k in long}
-    return decode[len(decode) // 2], {k: v for k, v in per_step.items() if v > 0}
+    if not decode:
+        raise SystemExit(f"decode_profile: no decode step ran all {batch} sequences; raise --steps ({steps})")
+    _mark_decode_steps(llm, batch)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+    events = prof.events()
+    ranges = sorted((e.time_range.start, e.time_range.end) for e in events
+                    if e.name == DECODE_STEP and e.device_type == torch.autograd.DeviceType.CPU)
+    kernels = _kernels_in_ranges(events, ranges)
+    return decode[len(decode) // 2], {k: v / len(ranges) for k, v in kernels.items() if v > 0}, len(ranges)
 
 
 def main(argv=None) -> int:
@@ -71,7 +102,8 @@ def main(argv=None) -> int:
     parser.add_argument("--config", default="qwen3-0.6b", help="bundled config name or config.json path")
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--context", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=64, help="decode steps profiled")
+    parser.add_argument("--steps", type=int, default=64,
+                        help="new tokens per sequence; the full-batch decode steps among them are profiled")
     parser.add_argument("--top", type=int, default=15, help="kernel names to list")
     parser.add_argument("--layers", type=int, help="override num_hidden_layers")
     parser.add_argument("--set", action="append", metavar="KEY=VALUE",
@@ -90,12 +122,12 @@ def main(argv=None) -> int:
         if not hasattr(model, "set_mla_kv_cache"):
             parser.error(f"--mla-kv-cache: {args.config} is not an MLA model")
         model.set_mla_kv_cache(args.mla_kv_cache)
-    step, kernels = profile_decode(model, config.vocab_size, args.batch, args.context, args.steps)
+    step, kernels, profiled = profile_decode(model, config.vocab_size, args.batch, args.context, args.steps)
     launches = kernels.pop(LAUNCHES, 0.0)
     busy = sum(kernels.values())
     print(f"{args.config}, batch {args.batch}, context {args.context}: median decode step {step * 1e3:.2f} ms wall, "
-          f"{busy * 1e3:.2f} ms of GPU kernels ({100 * busy / step:.0f}% busy) in {launches:.0f} kernels; the rest is host "
-          "time and launch gaps")
+          f"{busy * 1e3:.2f} ms of GPU kernels ({100 * busy / step:.0f}% busy) in {launches:.0f} kernels (mean of "
+          f"{profiled} full-batch decode steps); the rest is host time and launch gaps")
     print(f"{'kernel':<62}{'ms/step':>9}{'share':>8}")
     for name, seconds in sorted(kernels.items(), key=lambda kv: -kv[1])[:args.top]:
         print(f"{name:<62}{seconds * 1e3:>9.3f}{100 * seconds / busy:>7.1f}%")
