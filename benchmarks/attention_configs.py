@@ -53,7 +53,7 @@ def gqa_candidates(kind: str):
     # every row count gives the same bits (the fixed-order row sum), so decode and training each
     # take their fastest
     rows = [(16, 2), (16, 4), (32, 4), (64, 4)] if kind == "decode" else [(64, 4), (64, 8), (128, 8), (128, 4), (32, 4)]
-    for (bm, warps), stages in itertools.product(rows, (1, 2, 3)):
+    for (bm, warps), stages in itertools.product(rows, (1, 2, 3) if kind == "decode" else (1, 2, 3, 4)):
         yield AttentionConfig(bm, 64, warps, stages)
     for bn, (bm, warps) in itertools.product((32, 128), rows[::2]):  # other key blocks, for the record
         yield AttentionConfig(bm, bn, warps, 2)
@@ -85,7 +85,7 @@ def attention_flops(kind, heads, d, dv, seqs, length) -> float:
 
 
 def sweep_case(case, latent: bool, hbm: float) -> list[list]:
-    from vexact_models.kernels.attention import attention_triton
+    from vexact_models.kernels.attention import attention_triton, kv_descriptors_fit
     from vexact_models.kernels.latent_attention import latent_attention_triton
 
     name, kind, heads, kv_heads, d, dv, seqs, length = case
@@ -93,10 +93,12 @@ def sweep_case(case, latent: bool, hbm: float) -> list[list]:
     scale = d ** -0.5
     flops = attention_flops(kind, heads, d, dv, seqs, length)
 
+    tma = kind == "train" and not latent and kv_descriptors_fit(k, v)  # as training reads packed K/V
+
     def run(cfg):
         if latent:
             return latent_attention_triton(q, k, dv, layout, scale, cfg)[0]
-        return attention_triton(q, k, v, layout, scale, cfg)[0]
+        return attention_triton(q, k, v, layout, scale, cfg, kv_descriptors=tma)[0]
 
     rows, refs, best = [], {}, None
     for cfg in (latent_candidates if latent else gqa_candidates)(kind):
@@ -110,7 +112,7 @@ def sweep_case(case, latent: bool, hbm: float) -> list[list]:
         ref = refs.setdefault(cfg.block_n, out)
         same = "yes" if torch.equal(out, ref) else "NO"
         rate = f"{kv_bytes / ms / 1e6 / hbm * 100:.0f}% HBM" if kind == "decode" else f"{flops / ms / 1e9:.0f} TFLOP/s"
-        rows.append([name, _label(cfg), f"{ms * 1e3:.1f}", rate, same])
+        rows.append([name, _label(cfg) + (" TMA K/V" if tma else ""), f"{ms * 1e3:.1f}", rate, same])
         if best is None or ms < best[0]:
             best = (ms, cfg)
     if kind == "train" and not latent:

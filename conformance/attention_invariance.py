@@ -25,7 +25,7 @@ def check_attention_configs(result: Result, hq: int, hkv: int, d: int, dv: int, 
     """Every launch-parameter candidate `pick_config` may choose (tiles of 16 to 128 rows, mma.sync
     or wgmma, any warps/stages, latent value chunks) gives bitwise the output of the first (rule
     2), on packed sequences of uneven lengths."""
-    from vexact_models.kernels.attention import AttentionConfig, attention_triton, packed_layout
+    from vexact_models.kernels.attention import AttentionConfig, attention_triton, kv_descriptors_fit, packed_layout
     from vexact_models.kernels.latent_attention import LatentConfig, key_block, latent_attention_triton
 
     lens = [1, 63, 64, 65, 700]
@@ -47,6 +47,11 @@ def check_attention_configs(result: Result, hq: int, hkv: int, d: int, dv: int, 
                    AttentionConfig(16, 64, 4, 3), AttentionConfig(16, 64, 4, 2), AttentionConfig(16, 64, 2, 2),
                    AttentionConfig(32, 64, 4, 2)]
         outs = [attention_triton(q, k, v, layout, d ** -0.5, cfg) for cfg in configs]
+        if kv_descriptors_fit(k, v):  # training's TMA loads of whole key blocks: the same bits again
+            tma = [AttentionConfig(128, 64, 4, 2), AttentionConfig(128, 64, 4, 3), AttentionConfig(128, 64, 8, 2),
+                   AttentionConfig(64, 64, 4, 3), AttentionConfig(64, 64, 4, 4)]
+            outs += [attention_triton(q, k, v, layout, d ** -0.5, cfg, kv_descriptors=True) for cfg in tma]
+            configs += [f"{cfg} with TMA K/V" for cfg in tma]
     for cfg, (out, lse) in zip(configs[1:], outs[1:]):
         result.compare(out, outs[0][0], f"Hq={hq} Hkv={hkv} D={d} Dv={dv} {cfg} vs {configs[0]}")
         result.compare(lse, outs[0][1], f"Hq={hq} Hkv={hkv} D={d} Dv={dv} {cfg} lse")

@@ -46,6 +46,14 @@ def num_sms(device) -> int:
     return _SM_COUNT[index]
 
 
+def has_tma(device) -> bool:
+    """Whether `device` is a CUDA GPU with TMA (tensor memory accelerator) loads: Hopper or newer."""
+    import torch
+
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def next_power_of_2(n: int) -> int:
     return 1 << (max(int(n), 1) - 1).bit_length()
 

@@ -17,8 +17,10 @@ prefill and training tiles differ): each row's softmax denominator is summed in 
 (`row_sum.row_sum_halves`), and the GPU sweep found every tile of 16 to 128 rows (mma.sync or
 wgmma), warp and stage count bitwise equal. A tile may run past a row's last key; those blocks
 are fully masked and leave the row's state bitwise unchanged (p = 0, alpha = exp2(0) = 1). No
-split-KV. The reference does the same on CPU
-with `exact_math`. The backward (`attention_backward.py`) is correct, not invariant.
+split-KV. Packed training K/V may arrive by TMA instead of pointer loads (`kv_descriptors`):
+the same values in the same tiles, so the same bits, and 1.4-1.6x faster on the H200. The
+reference does the same on CPU with `exact_math`. The backward (`attention_backward.py`) is
+correct, not invariant.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from . import exact_math
-from ._triton import launch_staged, next_power_of_2, require_triton, tl, triton
+from ._triton import has_tma, launch_staged, next_power_of_2, require_triton, tl, triton
 from .backend import select
 from .latent_attention import latent_attention_backward_triton, latent_attention_triton, value_in_key
 from .row_sum import row_sum_halves, row_sum_levels
@@ -67,9 +69,10 @@ def pick_config(head_dim: int, rows_per_seq: int, dtype: torch.dtype) -> Attenti
     stages at head dim <= 128 (1.5x the 64-row tiles, 94% of the copy bandwidth at Qwen3-8B's
     shape), 2 warps and one stage at MLA's 192 (1.5x, 64-74%); prefill chunks of <= 64 rows take
     64-row tiles with 4 warps (one stage for the 256-wide padded tile of head dim 192); training
-    and longer prefill take 128-row tiles with 8 warps and two stages (2.1x faster at head dim
-    192, 1.04x at 128). fp32: a padded 256-wide fp32 K tile does not fit two stages in shared
-    memory."""
+    and longer prefill take 128-row tiles with two stages, 4 warps at head dim <= 128 (1.2-1.3x
+    the 8-warp tile with pointer loads and with TMA; a 64-row, three-stage tile was up to 11%
+    faster with TMA at <= 8k tokens and 1.3x slower with pointer loads) and 8 at 192 (2.1x).
+    fp32: a padded 256-wide fp32 K tile does not fit two stages in shared memory."""
     wide = head_dim > 128
     if dtype == torch.float32:
         return AttentionConfig(BLOCK_M, BLOCK_N, 8 if wide else 4, 1 if wide else NUM_STAGES)
@@ -77,7 +80,7 @@ def pick_config(head_dim: int, rows_per_seq: int, dtype: torch.dtype) -> Attenti
         return AttentionConfig(DECODE_BLOCK_M, BLOCK_N, 2, 1) if wide else AttentionConfig(DECODE_BLOCK_M, BLOCK_N, 4, 3)
     if rows_per_seq <= BLOCK_M:
         return AttentionConfig(BLOCK_M, BLOCK_N, 4, 1 if wide else NUM_STAGES)
-    return AttentionConfig(2 * BLOCK_M, BLOCK_N, 8, NUM_STAGES)
+    return AttentionConfig(2 * BLOCK_M, BLOCK_N, 8 if wide else 4, NUM_STAGES)
 
 
 REFERENCE_BLOCK_N = 16  # the reference's own fixed key block
@@ -111,14 +114,29 @@ def packed_layout(cu_seqlens: torch.Tensor, max_seqlen: int) -> PagedLayout:
     return PagedLayout(cu, seq_lens.contiguous(), table.contiguous(), 1, max_seqlen)
 
 
+@triton.jit
+def _attend_block(q, k, v, k_pos, k_ok, q_pos, m_i, l_i, acc, scale_log2, SUM_LEVELS: tl.constexpr):
+    """One key block of the online softmax, the arithmetic every load path shares: scores,
+    causal mask, running max, denominators summed in a fixed order, rescaled output."""
+    s = tl.dot(q, tl.trans(k)) * scale_log2
+    s = tl.where((k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + row_sum_halves(p, SUM_LEVELS)  # a fixed order for every tile shape
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return m_new, l_i, acc
+
+
 @triton.jit(do_not_specialize=["page_size", "stride_bt"])
 def _attention_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, k_desc, v_desc,
     cu_seqlens_q_ptr, seq_lens_ptr, block_table_ptr,
     page_size, scale_log2,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUM_LEVELS: tl.constexpr,
+    KV_DESC: tl.constexpr,
 ):
     tile = tl.program_id(0)
     seq = tl.program_id(1)
@@ -149,23 +167,27 @@ def _attention_fwd_kernel(
     acc = tl.zeros((BLOCK_M, HEAD_DIM_V), tl.float32)
     last_q = tl.minimum(q_len - 1, (tile * BLOCK_M + BLOCK_M - 1) // GROUP)
     n_keys = context + last_q + 1
+    first = 0
+    if KV_DESC:
+        # Packed training K/V (sequence s's keys are rows cu_seqlens_q[s]...): every key block
+        # wholly below n_keys comes through TMA, straight into shared memory. Its rows are the
+        # ones the pointer loads below would read, so the arithmetic, and the bits, are the same.
+        first = n_keys // BLOCK_N * BLOCK_N
+        for start in range(0, first, BLOCK_N):
+            k_pos = start + tl.arange(0, BLOCK_N)
+            k = k_desc.load([q_start + start, kv_head * HEAD_DIM])
+            v = v_desc.load([q_start + start, kv_head * HEAD_DIM_V])
+            m_i, l_i, acc = _attend_block(q, k, v, k_pos, k_pos < n_keys, q_pos, m_i, l_i, acc, scale_log2, SUM_LEVELS)
     table_row = block_table_ptr + seq.to(tl.int64) * stride_bt
-    for start in range(0, n_keys, BLOCK_N):
+    for start in range(first, n_keys, BLOCK_N):  # paged: every block; KV_DESC: the partial last one
         k_pos = start + tl.arange(0, BLOCK_N)
         k_ok = k_pos < n_keys
         page = tl.load(table_row + k_pos // page_size, mask=k_ok, other=0)
         slot = page.to(tl.int64) * page_size + k_pos % page_size
         k = tl.load(k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
                     mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale_log2
-        s = tl.where((k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + row_sum_halves(p, SUM_LEVELS)  # a fixed order for every tile shape
         v = tl.load(v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + dv[None, :], mask=k_ok[:, None], other=0.0)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
+        m_i, l_i, acc = _attend_block(q, k, v, k_pos, k_ok, q_pos, m_i, l_i, acc, scale_log2, SUM_LEVELS)
     out = acc / l_i[:, None]
     tl.store(o_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :],
              out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -173,9 +195,32 @@ def _attention_fwd_kernel(
     tl.store(lse_ptr + token * (GROUP * tl.num_programs(2)) + head, m_i + tl.log2(l_i), mask=row_ok)
 
 
-def attention_triton(q, k_cache, v_cache, layout: PagedLayout, scale: float, config: AttentionConfig | None = None):
+def kv_descriptors_fit(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether packed training K ``[T, Hkv, D]`` and V ``[T, Hkv, Dv]`` can be read through TMA
+    tensor descriptors (`attention_triton`'s ``kv_descriptors``): a Hopper or newer GPU, head
+    dims that are powers of two (no padded lanes), heads side by side in each row and 16-byte
+    aligned bases and row strides."""
+    return has_tma(k.device) and all(
+        t.dim() == 3 and t.shape[-1] in VALUE_HEAD_DIMS and t.stride(-1) == 1 and t.stride(-2) == t.shape[-1]
+        and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (k, v))
+
+
+def _kv_descriptor(x: torch.Tensor, block_n: int):
+    """A TMA descriptor over ``x [T, H, D]`` seen as ``[T, H*D]``: one block is `block_n` rows of
+    one head."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(x, [x.shape[0], x.shape[1] * x.shape[2]], [x.stride(0), 1], [block_n, x.shape[2]])
+
+
+def attention_triton(q, k_cache, v_cache, layout: PagedLayout, scale: float, config: AttentionConfig | None = None,
+                     kv_descriptors: bool = False):
     """(out, lse) of the GQA kernel with `config` (default `pick_config`'s). Public for the GPU
-    sweeps that compare launch parameters (benchmarks/attention_configs.py); models call `attention`."""
+    sweeps that compare launch parameters (benchmarks/attention_configs.py); models call `attention`.
+
+    `kv_descriptors`: `k_cache`/`v_cache` are packed training tensors and `layout` is their
+    `packed_layout`; whole key blocks are then read through TMA descriptors (the same values,
+    so the same bits; check `kv_descriptors_fit` first on a GPU)."""
     require_triton("attention")
     n_tokens, n_heads, head_dim = q.shape
     n_kv_heads, head_dim_v = k_cache.shape[-2], v_cache.shape[-1]
@@ -188,15 +233,16 @@ def attention_triton(q, k_cache, v_cache, layout: PagedLayout, scale: float, con
     k = k_cache.reshape(-1, n_kv_heads, head_dim)
     v = v_cache.reshape(-1, n_kv_heads, head_dim_v)
     cfg = config or pick_config(head_dim, layout.max_seqlen_q * group, q.dtype)
+    descs = (_kv_descriptor(k, cfg.block_n), _kv_descriptor(v, cfg.block_n)) if kv_descriptors else (None, None)
     grid = (triton.cdiv(layout.max_seqlen_q * group, cfg.block_m), n_seqs, n_kv_heads)
-    args = (q, k, v, out, lse, layout.cu_seqlens_q, layout.seq_lens, layout.block_table,
+    args = (q, k, v, out, lse, *descs, layout.cu_seqlens_q, layout.seq_lens, layout.block_table,
             layout.page_size, scale * math.log2(math.e),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1), layout.block_table.stride(0))
     kwargs = dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=next_power_of_2(head_dim),
                   BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SUM_LEVELS=row_sum_levels(cfg.block_n),
-                  num_warps=cfg.num_warps)
-    key = ("attention", q.device, q.dtype, group, head_dim, head_dim_v, cfg)
+                  KV_DESC=kv_descriptors, num_warps=cfg.num_warps)
+    key = ("attention", q.device, q.dtype, group, head_dim, head_dim_v, cfg, kv_descriptors)
     launch_staged(_attention_fwd_kernel, grid, args, kwargs, cfg.num_stages, key, fallback=config is None)
     return out, lse
 
@@ -282,11 +328,13 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lay
     return attention_reference(q, k_cache, v_cache, layout, scale)
 
 
-def _triton_forward(q, k_cache, v_cache, layout: PagedLayout, scale: float):
-    """(out, lse) from the GQA kernel, or from the latent MLA kernel when V is a view of K."""
+def _triton_forward(q, k_cache, v_cache, layout: PagedLayout, scale: float, packed: bool = False):
+    """(out, lse) from the GQA kernel, or from the latent MLA kernel when V is a view of K.
+    `packed`: the K/V are packed training tensors (TMA loads where they fit)."""
     if value_in_key(k_cache, v_cache):
         return latent_attention_triton(q, k_cache, v_cache.shape[-1], layout, scale)
-    return attention_triton(q, k_cache, v_cache, layout, scale)
+    return attention_triton(q, k_cache, v_cache, layout, scale,
+                            kv_descriptors=packed and kv_descriptors_fit(k_cache, v_cache))
 
 
 class _PackedAttentionFunction(torch.autograd.Function):
@@ -295,7 +343,7 @@ class _PackedAttentionFunction(torch.autograd.Function):
         layout = packed_layout(cu_seqlens, max_seqlen)
         backend = _backend(q, v, k)
         if backend == "triton":
-            out, lse = _triton_forward(q, k, v, layout, scale)
+            out, lse = _triton_forward(q, k, v, layout, scale, packed=True)
         else:
             out, lse = attention_reference(q, k, v, layout, scale), None
         ctx.save_for_backward(q, k, v, out, lse if lse is not None else out, cu_seqlens)

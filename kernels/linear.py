@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from . import exact_math
-from ._triton import num_sms, require_triton, tl, triton
+from ._triton import has_tma, num_sms, require_triton, tl, triton
 from .backend import select
 
 BLOCK_K = 64  # the one K tile for every M and every config
@@ -143,7 +143,7 @@ def _linear_tma_kernel(x_desc, w_desc, out_desc, b_ptr, M, N, K,
 
 def _tma_ok(x2d: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> bool:
     """TMA needs 16-byte aligned bases and row strides (and is Hopper+ only)."""
-    if x2d.device.type != "cuda" or torch.cuda.get_device_capability(x2d.device)[0] < 9:
+    if not has_tma(x2d.device):
         return False
     n = weight.shape[0]
     return all(t.data_ptr() % 16 == 0 for t in (x2d, weight)) and \

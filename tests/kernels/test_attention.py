@@ -128,3 +128,25 @@ def test_kv_cache_write_scatters_and_skips():
     assert kc.view(-1, 2, 4)[[1, 2, 3, 4, 6, 7]].abs().sum() == 0
     with pytest.raises(ValueError, match="dtypes"):
         kv_cache_write(k.double(), v, kc, vc, torch.tensor([0, 1, 2]))
+
+
+def test_kv_descriptors_fit_layouts(monkeypatch):
+    """TMA loads need a Hopper GPU (never on CPU) and K/V whose heads lie side by side in rows
+    with 16-byte aligned starts and strides and power-of-two head dims (no padded lanes). A model's
+    fused projection split into K and V views fits; MLA's 192-wide keys do not. (The interpreter
+    check tests/triton_checks/check_triton_kernels.py compares the TMA path's bits with the
+    pointer loads'.)"""
+    import importlib
+
+    module = importlib.import_module("vexact_models.kernels.attention")
+    _, k, v, _ = _packed([4, 8], 4, 2, 64, dtype=torch.bfloat16)
+    assert not module.kv_descriptors_fit(k, v)  # CPU tensors
+    monkeypatch.setattr(module, "has_tma", lambda device: True)
+    assert module.kv_descriptors_fit(k, v)
+    kv = torch.randn(12, 2 * 2 * 128).bfloat16()  # [T, (K | V) heads x 128], split into views
+    assert module.kv_descriptors_fit(kv[:, :256].view(12, 2, 128), kv[:, 256:].view(12, 2, 128))
+    _, k192, v128, _ = _packed([4, 8], 4, 2, 192, dtype=torch.bfloat16, dv=128)
+    assert not module.kv_descriptors_fit(k192, v128)  # padded head dim
+    assert not module.kv_descriptors_fit(k.transpose(0, 1).contiguous().transpose(0, 1), v)  # heads not in rows
+    odd = torch.randn(12 * 2 * 64 + 1).bfloat16()[1:].view(12, 2, 64)  # base 2 bytes off alignment
+    assert not module.kv_descriptors_fit(odd, v)

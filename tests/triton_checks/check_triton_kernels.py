@@ -151,6 +151,25 @@ def test_attention_packed_and_paged(hq, hkv, d, dv):
         assert torch.equal(paged, packed[idx])
 
 
+@pytest.mark.parametrize("hq,hkv,d,dtype", [(4, 2, 64, torch.float32), (2, 2, 128, torch.bfloat16), (8, 1, 64, torch.bfloat16)])
+def test_attention_kv_descriptors_match_pointer_loads(hq, hkv, d, dtype):
+    """The packed training forward with whole key blocks through TMA descriptors gives bitwise
+    the pointer loads' output and lse, for every tile, on sequences that end mid-block. K and V
+    are views of one fused projection (as a model's qkv split leaves them)."""
+    from vexact_models.kernels.attention import AttentionConfig, attention_triton, packed_layout
+
+    lens = [1, 64, 130, 70]
+    t = sum(lens)
+    kv = rand(t, 2 * hkv * d).to(dtype)
+    k, v = kv[:, :hkv * d].view(t, hkv, d), kv[:, hkv * d:].view(t, hkv, d)
+    q = rand(t, hq, d).to(dtype)
+    layout = packed_layout(torch.tensor([0, 1, 65, 195, 265], dtype=torch.int32, device=DEVICE), max(lens))
+    for cfg in (AttentionConfig(64, 64, 4, 2), AttentionConfig(128, 64, 4, 2), AttentionConfig(16, 64, 4, 3)):
+        out, lse = attention_triton(q, k, v, layout, d ** -0.5, cfg)
+        out_tma, lse_tma = attention_triton(q, k, v, layout, d ** -0.5, cfg, kv_descriptors=True)
+        assert torch.equal(out_tma, out) and torch.equal(lse_tma, lse), cfg
+
+
 @pytest.mark.parametrize("d,dv,dtype", [(64, 64, torch.bfloat16), (192, 128, torch.bfloat16), (192, 128, torch.float32)])
 def test_attention_backward(d, dv, dtype):
     lens = [3, 40, 90]
