@@ -222,6 +222,9 @@ def attention_triton(q, k_cache, v_cache, layout: PagedLayout, scale: float, con
     `packed_layout`; whole key blocks are then read through TMA descriptors (the same values,
     so the same bits; check `kv_descriptors_fit` first on a GPU)."""
     require_triton("attention")
+    if kv_descriptors and layout.page_size != 1:
+        raise ValueError(f"attention_triton: kv_descriptors=True needs packed K/V (a packed_layout, page_size 1), "
+                         f"got page_size={layout.page_size}")
     n_tokens, n_heads, head_dim = q.shape
     n_kv_heads, head_dim_v = k_cache.shape[-2], v_cache.shape[-1]
     out = torch.empty((n_tokens, n_heads, head_dim_v), device=q.device, dtype=q.dtype)

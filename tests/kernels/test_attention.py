@@ -150,3 +150,14 @@ def test_kv_descriptors_fit_layouts(monkeypatch):
     assert not module.kv_descriptors_fit(k.transpose(0, 1).contiguous().transpose(0, 1), v)  # heads not in rows
     odd = torch.randn(12 * 2 * 64 + 1).bfloat16()[1:].view(12, 2, 64)  # base 2 bytes off alignment
     assert not module.kv_descriptors_fit(odd, v)
+
+
+def test_kv_descriptors_need_the_packed_layout():
+    """TMA loads read sequence s's keys at its query rows: a paged cache is refused up front."""
+    from vexact_models.kernels.attention import attention_triton
+
+    q, k, v, _ = _packed([4], 2, 2, 64, dtype=torch.bfloat16)
+    layout = PagedLayout(torch.tensor([0, 4], dtype=torch.int32), torch.tensor([4], dtype=torch.int32),
+                         torch.zeros(1, 1, dtype=torch.int32), 16, 4)
+    with pytest.raises(ValueError, match="kv_descriptors=True needs packed K/V.*page_size=16"):
+        attention_triton(q, k, v, layout, 0.1, kv_descriptors=True)
