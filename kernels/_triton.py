@@ -54,6 +54,12 @@ def has_tma(device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
+def tma_rows_aligned(*tensors) -> bool:
+    """Whether every tensor's base address and first-dim (row) stride are 16-byte aligned, as TMA
+    tensor descriptors over them need."""
+    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors)
+
+
 def next_power_of_2(n: int) -> int:
     return 1 << (max(int(n), 1) - 1).bit_length()
 

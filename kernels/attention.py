@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from . import exact_math
-from ._triton import has_tma, launch_staged, next_power_of_2, require_triton, tl, triton
+from ._triton import has_tma, launch_staged, next_power_of_2, require_triton, tl, tma_rows_aligned, triton
 from .backend import select
 from .latent_attention import latent_attention_backward_triton, latent_attention_triton, value_in_key
 from .row_sum import row_sum_halves, row_sum_levels
@@ -200,9 +200,9 @@ def kv_descriptors_fit(k: torch.Tensor, v: torch.Tensor) -> bool:
     tensor descriptors (`attention_triton`'s ``kv_descriptors``): a Hopper or newer GPU, head
     dims that are powers of two (no padded lanes), heads side by side in each row and 16-byte
     aligned bases and row strides."""
-    return has_tma(k.device) and all(
+    return has_tma(k.device) and tma_rows_aligned(k, v) and all(
         t.dim() == 3 and t.shape[-1] in VALUE_HEAD_DIMS and t.stride(-1) == 1 and t.stride(-2) == t.shape[-1]
-        and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (k, v))
+        for t in (k, v))
 
 
 def _kv_descriptor(x: torch.Tensor, block_n: int):

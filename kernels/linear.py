@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from . import exact_math
-from ._triton import has_tma, num_sms, require_triton, tl, triton
+from ._triton import has_tma, num_sms, require_triton, tl, tma_rows_aligned, triton
 from .backend import select
 
 BLOCK_K = 64  # the one K tile for every M and every config
@@ -146,9 +146,7 @@ def _tma_ok(x2d: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> 
     if not has_tma(x2d.device):
         return False
     n = weight.shape[0]
-    return all(t.data_ptr() % 16 == 0 for t in (x2d, weight)) and \
-        (x2d.stride(0) * x2d.element_size()) % 16 == 0 and (weight.stride(0) * weight.element_size()) % 16 == 0 \
-        and (n * torch.empty((), dtype=out_dtype).element_size()) % 16 == 0
+    return tma_rows_aligned(x2d, weight) and (n * torch.empty((), dtype=out_dtype).element_size()) % 16 == 0
 
 
 def _linear_triton_tma(x2d, weight, bias, out, cfg: LinearConfig) -> None:
