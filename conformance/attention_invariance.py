@@ -47,14 +47,15 @@ def check_attention_configs(result: Result, hq: int, hkv: int, d: int, dv: int, 
                    AttentionConfig(16, 64, 4, 3), AttentionConfig(16, 64, 4, 2), AttentionConfig(16, 64, 2, 2),
                    AttentionConfig(32, 64, 4, 2)]
         outs = [attention_triton(q, k, v, layout, d ** -0.5, cfg) for cfg in configs]
-        if kv_descriptors_fit(k, v):  # training's TMA loads of whole key blocks: the same bits again
-            tma = [AttentionConfig(128, 64, 4, 2), AttentionConfig(128, 64, 4, 3), AttentionConfig(128, 64, 8, 2),
-                   AttentionConfig(64, 64, 4, 3), AttentionConfig(64, 64, 4, 4)]
-            outs += [attention_triton(q, k, v, layout, d ** -0.5, cfg, kv_descriptors=True) for cfg in tma]
-            configs += [f"{cfg} with TMA K/V" for cfg in tma]
-    for cfg, (out, lse) in zip(configs[1:], outs[1:]):
-        result.compare(out, outs[0][0], f"Hq={hq} Hkv={hkv} D={d} Dv={dv} {cfg} vs {configs[0]}")
-        result.compare(lse, outs[0][1], f"Hq={hq} Hkv={hkv} D={d} Dv={dv} {cfg} lse")
+    labels = [str(cfg) for cfg in configs]
+    if not latent and kv_descriptors_fit(k, v):  # training's TMA loads of whole key blocks: the same bits again
+        tma = [AttentionConfig(128, 64, 4, 2), AttentionConfig(128, 64, 4, 3), AttentionConfig(128, 64, 8, 2),
+               AttentionConfig(64, 64, 4, 3), AttentionConfig(64, 64, 4, 4)]
+        outs += [attention_triton(q, k, v, layout, d ** -0.5, cfg, kv_descriptors=True) for cfg in tma]
+        labels += [f"{cfg} with TMA K/V" for cfg in tma]
+    for label, (out, lse) in zip(labels[1:], outs[1:]):
+        result.compare(out, outs[0][0], f"Hq={hq} Hkv={hkv} D={d} Dv={dv} {label} vs {labels[0]}")
+        result.compare(lse, outs[0][1], f"Hq={hq} Hkv={hkv} D={d} Dv={dv} {label} lse")
 
 
 def _paged_run(q, k, v, lens, steps, page_size, gen, value_in_key: bool = False):
