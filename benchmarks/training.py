@@ -20,15 +20,18 @@ Usage:
     python benchmarks/training.py                                   # 0.6B, 8B, 30B-A3B (24 layers), 1k-32k
     python benchmarks/training.py --configs qwen3-8b --lengths 8192,32768 --steps 5
     python benchmarks/training.py --configs moonlight-16b-a3b:4 --lengths 4096,16384 --set mla_kv_cache=latent
+    python benchmarks/training.py --configs qwen3-0.6b --lengths 8192 --profile 12   # + where the GPU time goes
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import re
 import statistics
 import sys
 import time
+from collections import defaultdict
 
 import torch
 
@@ -84,6 +87,60 @@ def time_steps(model, loss_fn, ids: torch.Tensor, steps: int) -> tuple[float, fl
     return statistics.median(times), torch.cuda.max_memory_allocated() / 2**30
 
 
+# Kernel name patterns -> the part of the step they belong to, first match wins (`--profile`).
+KERNEL_GROUPS = (
+    ("attention backward", r"flash_bwd|_dkdv_kernel|_dq_kernel|_latent_dkv|_latent_dq|dot_product_.*bwd|cudnn.*bprop|convert_dq"),
+    ("attention forward", r"_attention_fwd|_latent_fwd|flash_fwd|fmha|cudnn|pytorch_flash"),
+    ("GEMM (Triton linear)", r"_linear_kernel|_linear_tma_kernel|_head_linear"),
+    ("GEMM (cuBLAS)", r"gemm|nvjet|xmma|cutlass|cublas"),
+    ("MoE", r"moe|_softmax_topk|grouped_topk"),
+    ("softmax / log-softmax", r"softmax"),
+    ("norm, rotary, SiLU (Triton)", r"_rms_norm|_rotary|_silu_and_mul"),
+    ("reductions", r"reduce"),
+    ("copies, casts, elementwise", r"elementwise|copy|Memcpy|Memset|fill|index|scatter|gather|cat"),
+)
+
+
+def kernel_group(name: str) -> str:
+    """The `KERNEL_GROUPS` label of a CUDA kernel name ("other" when none matches)."""
+    for label, pattern in KERNEL_GROUPS:
+        if re.search(pattern, name, flags=re.IGNORECASE):
+            return label
+    return "other"
+
+
+def profile_step(model, loss_fn, ids: torch.Tensor) -> dict[str, float]:
+    """GPU seconds per kernel name of one forward+backward step (torch profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model.zero_grad(set_to_none=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        loss_fn(model, ids).backward()
+        torch.cuda.synchronize()
+    model.zero_grad(set_to_none=True)
+    kernels: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[event.name] += event.device_time_total * 1e-6
+    return dict(kernels)
+
+
+def print_profiles(title: str, profiles: dict[str, dict[str, float]], top: int) -> None:
+    """Each side's GPU time by `kernel_group`, side by side, then each side's `top` kernels."""
+    groups = {side: defaultdict(float) for side in profiles}
+    for side, kernels in profiles.items():
+        for name, seconds in kernels.items():
+            groups[side][kernel_group(name)] += seconds
+    labels = sorted({g for side in groups.values() for g in side}, key=lambda g: -max(s.get(g, 0) for s in groups.values()))
+    rows = [[label] + [f"{groups[side].get(label, 0.0) * 1e3:.2f}" for side in profiles] for label in labels]
+    rows.append(["total"] + [f"{sum(groups[side].values()) * 1e3:.2f}" for side in profiles])
+    table(f"{title}: GPU ms per step by kernel group", ["group"] + list(profiles), rows)
+    for side, kernels in profiles.items():
+        ranked = sorted(kernels.items(), key=lambda kv: -kv[1])[:top]
+        table(f"{title}, {side}: top {top} kernels", ["ms", "group", "kernel"],
+              [[f"{s * 1e3:.2f}", kernel_group(n), n[:90]] for n, s in ranked])
+
+
 def use_checkpointing(mode: str, length: int, params: int) -> bool:
     if mode == "auto":
         return length >= 16384 or params > 4e9
@@ -108,6 +165,7 @@ def measure(name: str, layers: int | None, lengths: list[int], args) -> list[lis
     ours = build_model(arch, config, torch.device("cuda"), torch.bfloat16, args.seed).train()
     params = sum(p.numel() for p in ours.parameters())
     rows = []
+    profiles: dict[int, dict[str, dict[str, float]]] = {}
     for side in ("hf", "vexact"):
         model = stock_twin(arch, ours) if side == "hf" else ours
         loss_fn = hf_loss if side == "hf" else vexact_loss
@@ -123,6 +181,8 @@ def measure(name: str, layers: int | None, lengths: list[int], args) -> list[lis
             except torch.OutOfMemoryError:
                 seconds, peak = float("nan"), float("nan")
             rows.append([side, length, ids.shape[0], ckpt, seconds, ids.numel() / seconds, peak])
+            if args.profile:
+                profiles.setdefault(length, {})[side] = profile_step(model, loss_fn, ids)
             print(f"{name} {side:>6} L={length:>6} x{ids.shape[0]:<3} checkpointing={ckpt!s:<5} "
                   f"{seconds * 1e3:9.1f} ms  {ids.numel() / seconds:11,.0f} tok/s  peak {peak:6.1f} GiB", flush=True)
             del ids
@@ -132,6 +192,8 @@ def measure(name: str, layers: int | None, lengths: list[int], args) -> list[lis
             del model
             gc.collect()
             torch.cuda.empty_cache()
+    for length, sides in profiles.items():
+        print_profiles(f"{name} L={length}", sides, args.profile)
     return rows
 
 
@@ -146,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpointing", choices=["auto", "on", "off"], default="auto",
                         help="activation checkpointing on both sides (default auto: >= 16k tokens or > 4B parameters)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="also profile one step per point and print GPU time by kernel group and the N "
+                             "largest kernels of each side (default 0: off)")
     parser.add_argument("--set", action="append", metavar="KEY=VALUE",
                         help="override a config field of every model (JSON value; repeatable), e.g. "
                              "--set mla_kv_cache=latent")
@@ -155,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         lengths = [int(x) for x in args.lengths.split(",") if x]
     except ValueError as err:
         parser.error(str(err))
-    for name, value, low in (("--tokens", args.tokens, 1), ("--steps", args.steps, 1)):
+    for name, value, low in (("--tokens", args.tokens, 1), ("--steps", args.steps, 1), ("--profile", args.profile, 0)):
         if value < low:
             parser.error(f"{name}={value} must be >= {low}")
     if not lengths or min(lengths) < 2:

@@ -38,3 +38,24 @@ def test_step_overhead_runs_on_cpu():
     bad = subprocess.run([sys.executable, script, "--batch", "0"], cwd=BENCHMARKS, capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2
+
+
+def test_training_profile_groups_kernels(monkeypatch, capsys):
+    """`training.py --profile`: kernel names land in the step part they belong to, and the
+    per-group table adds each side's kernels up."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import training
+
+    assert training.kernel_group("_attention_fwd_kernel") == "attention forward"
+    assert training.kernel_group("void flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<...>") == "attention backward"
+    assert training.kernel_group("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma") == "attention backward"
+    assert training.kernel_group("_linear_tma_kernel") == "GEMM (Triton linear)"
+    assert training.kernel_group("nvjet_hsh_256x128_64x4_2x1_v_bz_coopA_TNT") == "GEMM (cuBLAS)"
+    assert training.kernel_group("void at::native::vectorized_elementwise_kernel<4, ...>") == "copies, casts, elementwise"
+    assert training.kernel_group("something_new") == "other"
+    training.print_profiles("t", {"hf": {"nvjet_a": 0.002, "flash_fwd": 0.001},
+                                  "vexact": {"_linear_kernel": 0.0015, "_attention_fwd_kernel": 0.0005}}, top=1)
+    out = capsys.readouterr().out
+    total = next(line for line in out.splitlines() if line.strip().startswith("total")).split()
+    assert total == ["total", "3.00", "2.00"]
+    assert "top 1 kernels" in out and "_linear_kernel" in out and "_attention_fwd_kernel" not in out.split("vexact: top")[1]
