@@ -6,8 +6,10 @@ chunks of tokens so that training never holds ``[tokens, vocab]`` fp32 logits at
 Invariance contract: the logits rows come from `linear` (row-invariant) with an fp32 output and
 the log-probabilities from `gather_logprobs`, the same two calls the sampler makes for a
 sampled token, so a rollout's reported logprob equals the training logprob bitwise (docs/design.md
-rule 7) whatever the chunk size or batch. The backward recomputes each chunk's logits and uses
-``d logp / d logits = (onehot - softmax) / T`` with torch matmuls (rule 8).
+rule 7) whatever the chunk size or batch. The backward (rule 8: speed, not bits) recomputes each
+chunk's logits in fp32 with cuBLAS, turns them into ``d logp / d logits = (onehot - softmax) / T``
+in one pass (`logprob_grad`), and accumulates the weight gradient in fp32 inside the GEMM. Its
+chunks are larger than the forward's unless the caller bounds them (`backward_rows`).
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ import torch
 
 from .linear import linear
 from .log_softmax import gather_logprobs
+from .logprob_grad import logprob_grad
 
 DEFAULT_CHUNK_TOKENS = 512
+BACKWARD_LOGITS_BYTES = 1 << 31  # fp32 logits per backward chunk when chunk_tokens is not given
 
 
 def _chunk_rows(chunk_tokens: int | None) -> int:
@@ -28,9 +32,38 @@ def _chunk_rows(chunk_tokens: int | None) -> int:
     return chunk_tokens
 
 
+def backward_rows(chunk_tokens: int | None, forward_rows: int, vocab: int) -> int:
+    """Tokens per backward chunk: the caller's `chunk_tokens` when given (it bounds the memory),
+    else as many as keep the chunk's fp32 logits under `BACKWARD_LOGITS_BYTES` (at least the
+    forward's chunk). Fewer chunks mean fewer passes of the fp32 ``[vocab, hidden]`` weight
+    gradient accumulator, which at Qwen3-8B is 2.5 GB per pass."""
+    if chunk_tokens is not None:
+        return forward_rows
+    return max(forward_rows, BACKWARD_LOGITS_BYTES // (4 * max(vocab, 1)) // 256 * 256)
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b`` in `out_dtype` (cuBLAS writes fp32 from bf16 operands without a rounding step)."""
+    if a.dtype == out_dtype:
+        return a @ b
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=out_dtype)
+    return a.to(out_dtype) @ b.to(out_dtype)
+
+
+def _addmm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` with `acc` wider than `a` and `b` (one GEMM with beta = 1 on CUDA)."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif a.is_cuda:
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:
+        acc += a.to(acc.dtype) @ b.to(acc.dtype)
+
+
 class _TokenLogprobsFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temps, chunk):
+    def forward(ctx, hidden, weight, targets, temps, chunk, backward_chunk):
         out_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         logprobs = torch.empty(hidden.shape[0], device=hidden.device, dtype=out_dtype)
         lse = torch.empty_like(logprobs)
@@ -40,7 +73,7 @@ class _TokenLogprobsFunction(torch.autograd.Function):
             logprobs[start:stop], lse[start:stop] = gather_logprobs(
                 logits, targets[start:stop], temps[start:stop], return_lse=True)
         ctx.save_for_backward(hidden, weight, targets, temps, lse)
-        ctx.chunk = chunk
+        ctx.chunk = backward_chunk
         return logprobs
 
     @staticmethod
@@ -49,21 +82,21 @@ class _TokenLogprobsFunction(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=lse.dtype) \
             if ctx.needs_input_grad[1] else None
-        rows = torch.arange(min(ctx.chunk, hidden.shape[0]), device=hidden.device)
+        grad_logprobs = grad_logprobs.to(lse.dtype)
         for start in range(0, hidden.shape[0], ctx.chunk):
             stop = min(start + ctx.chunk, hidden.shape[0])
             h = hidden[start:stop]
-            t = temps[start:stop, None]
-            logits = torch.matmul(h, weight.t()).to(lse.dtype)
-            # d logp/d logits = (onehot - softmax(logits / T)) / T, scaled by the incoming grad.
-            grad_logits = -torch.exp(logits / t - lse[start:stop, None])
-            grad_logits[rows[: stop - start], targets[start:stop]] += 1.0
-            grad_logits *= grad_logprobs[start:stop, None] / t
+            # fp32 logits again (cuBLAS; rule 8: the backward need not match the forward's bits)
+            logits = _mm(h, weight.t(), lse.dtype)
+            grad_logits = logprob_grad(logits, lse[start:stop], targets[start:stop], temps[start:stop],
+                                       grad_logprobs[start:stop], out_dtype=weight.dtype)
+            del logits
             if grad_hidden is not None:
-                grad_hidden[start:stop] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
+                grad_hidden[start:stop] = (grad_logits @ weight).to(hidden.dtype)
             if grad_weight is not None:
-                grad_weight += grad_logits.t().to(hidden.dtype) @ h
-        return grad_hidden, (grad_weight.to(weight.dtype) if grad_weight is not None else None), None, None, None
+                _addmm_(grad_weight, grad_logits.t(), h.to(weight.dtype))
+        grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -75,8 +108,9 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
         weight: ``[vocab, hidden_size]`` LM head weight.
         targets: ``[tokens]`` token ids whose log-probabilities are wanted.
         temperature: positive float or ``[tokens]`` tensor (use 1.0 for greedy rollouts).
-        chunk_tokens: tokens per chunk (bounds the fp32 logits held at once); any value gives
-            bitwise the same result.
+        chunk_tokens: tokens per chunk (bounds the fp32 logits held at once, in the forward and
+            the backward); any value gives bitwise the same result. Default: 512 in the
+            forward, and in the backward as many as keep the chunk's fp32 logits under 2 GiB.
     Differentiable in `hidden` and `weight`.
     """
     if hidden.dim() != 2 or targets.shape != (hidden.shape[0],):
@@ -88,4 +122,6 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
         if temperature <= 0:
             raise ValueError(f"token_logprobs: temperature must be > 0 (use 1.0 for greedy), got {temperature}")
         temps = torch.full((hidden.shape[0],), float(temperature), device=hidden.device, dtype=torch.float32)
-    return _TokenLogprobsFunction.apply(hidden, weight, targets.long(), temps, _chunk_rows(chunk_tokens))
+    rows = _chunk_rows(chunk_tokens)
+    return _TokenLogprobsFunction.apply(hidden, weight, targets.long(), temps, rows,
+                                        backward_rows(chunk_tokens, rows, weight.shape[0]))

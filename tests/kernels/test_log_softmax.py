@@ -64,3 +64,20 @@ def test_token_logprobs_errors():
         token_logprobs(torch.randn(2, 4), torch.randn(5, 4), torch.zeros(2, dtype=torch.long), 0.0)
     with pytest.raises(ValueError, match="chunk_tokens must be >= 1"):
         token_logprobs(torch.randn(2, 4), torch.randn(5, 4), torch.zeros(2, dtype=torch.long), 1.0, chunk_tokens=0)
+
+
+def test_token_logprobs_backward_chunks():
+    """The backward takes bigger chunks than the forward unless the caller bounds them, and the
+    default-chunked gradient is the float64 autograd one."""
+    from vexact_models.kernels.token_logprobs import BACKWARD_LOGITS_BYTES, backward_rows
+
+    assert backward_rows(None, 512, 151_936) == BACKWARD_LOGITS_BYTES // (4 * 151_936) // 256 * 256 == 3328
+    assert backward_rows(None, 512, 10 ** 7) == 512  # never below the forward's chunk
+    assert backward_rows(64, 64, 151_936) == 64  # chunk_tokens bounds the backward too
+    h = torch.randn(700, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(30, 8, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, 30, (700,))
+    got = torch.autograd.grad(token_logprobs(h, w, t).sum(), (h, w))
+    want = torch.autograd.grad(torch.log_softmax(h @ w.T, -1)[torch.arange(700), t].sum(), (h, w))
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, rtol=1e-9, atol=1e-10)

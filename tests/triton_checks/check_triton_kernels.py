@@ -238,3 +238,17 @@ def test_fused_moe_backward():
     want = torch.autograd.grad(moe_math(*leaves, ids), leaves, g.double())
     for a, b in zip(got, want):
         close(a, b, 3e-2)
+
+
+def test_logprob_grad():
+    from vexact_models.kernels.logprob_grad import logprob_grad
+
+    x = rand(4, 2500) * 3  # more than one column block, a ragged last one
+    t = torch.tensor([0, 2499, 1024, 7], device=DEVICE)
+    temps = torch.tensor([1.0, 0.5, 2.0, 0.9], device=DEVICE)
+    grad = rand(4)
+    lse = torch.logsumexp(x / temps[:, None], -1)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        got = logprob_grad(x, lse, t, temps, grad, out_dtype=out_dtype)
+        assert got.dtype == out_dtype
+        close(got, ref(logprob_grad, x, lse, t, temps, grad, out_dtype), 1e-6 if out_dtype == torch.float32 else 1e-2)
