@@ -6,10 +6,11 @@ measured here (bytes read + written). Times are medians of ``triton.testing.do_b
 
 Targets (issue 2, benchmark figures, not timed tests): linear >= 0.8x cuBLAS TFLOP/s at
 M >= 4096 and >= 60% of HBM bandwidth at M <= 64; attention prefill >= 0.6x SDPA flash; decode
-attention >= 50% of HBM bandwidth. The attention backward has two rows per shape: our Triton
-kernel ("bwd triton") and the issue 14 candidate ("bwd flash": torch's FlashAttention-2 backward
-on our forward's out/lse), each forced with ``use_attention_backward``; training runs the flash
-one where it applies (``VEXACT_ATTENTION_BACKWARD``, default auto).
+attention >= 50% of HBM bandwidth. The attention backward has three rows per shape, each forced
+with ``use_attention_backward`` on our forward's out/lse: our Triton kernel ("bwd triton"),
+torch's FlashAttention-2 backward ("bwd flash") and cuDNN's ("bwd cudnn", n/a without the cuDNN
+frontend); training runs the first of cudnn, flash, triton that applies
+(``VEXACT_ATTENTION_BACKWARD``, default auto; kernels/attention_backward_choice.py).
 
 Usage: python benchmarks/kernels.py [--only linear|attention|rows] [--quick]
        python benchmarks/kernels.py --sweep-linear [--sweep-shapes dsv3] [--sweep-m 16,256]
@@ -135,12 +136,12 @@ def sweep_linear(hbm: float, shapes: str = "", ms: tuple[int, ...] | None = None
 def bench_attention(hbm: float, quick: bool) -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from vexact_models.kernels import attention, attention_packed
-    from vexact_models.kernels.attention_backward_flash import flash_backward_available, use_attention_backward
+    from vexact_models.kernels import UnsupportedError, attention, attention_packed
+    from vexact_models.kernels.attention_backward_choice import use_attention_backward
 
     rows = []
     for hq, hkv, d in ((16, 8, 128), (32, 8, 128)):
-        for batch, seqlen in ((16, 1024), (4, 4096), (1, 8192)):
+        for batch, seqlen in ((16, 1024), (4, 4096), (1, 8192), (1, 32768)):
             t = batch * seqlen
             q = torch.randn(t, hq, d, device="cuda").bfloat16()
             k = torch.randn(t, hkv, d, device="cuda").bfloat16()
@@ -156,8 +157,7 @@ def bench_attention(hbm: float, quick: bool) -> None:
             flops = 2 * 2 * batch * hq * seqlen * seqlen * d / 2
             rows.append([f"{hq}/{hkv}x{d}", batch, seqlen, f"{t_ours * 1e3:.0f}", f"{t_sdpa * 1e3:.0f}",
                          f"{flops / t_ours / 1e9:.0f}", f"{flops / t_sdpa / 1e9:.0f}", f"{t_sdpa / t_ours:.2f}"])
-            # backward: our Triton kernel, and the flash candidate (torch's FlashAttention-2 backward
-            # on our forward's out/lse, kernels/attention_backward_flash.py), each forced
+            # backward: each kernel forced on our forward's out/lse (kernels/attention_backward_choice.py)
             qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
             out = attention_packed(qg, kg, vg, cu, seqlen)
             go = torch.randn_like(out)
@@ -166,13 +166,14 @@ def bench_attention(hbm: float, quick: bool) -> None:
                 o2 = torch.nn.functional.scaled_dot_product_attention(qsg, krg, vrg, is_causal=True)
                 go2 = torch.randn_like(o2)
                 t_bwd_sdpa = bench(lambda: torch.autograd.grad(o2, (qsg, krg, vrg), go2, retain_graph=True))
-            for mode in ("triton", "flash"):
-                if mode == "flash" and not flash_backward_available(q, k, v):
+            for mode in ("triton", "flash", "cudnn"):
+                try:
+                    with use_attention_backward(mode):
+                        t_bwd = bench(lambda: torch.autograd.grad(out, (qg, kg, vg), go, retain_graph=True))
+                except UnsupportedError:
                     rows.append([f"  bwd {mode}", batch, seqlen, "n/a", f"{t_bwd_sdpa * 1e3:.0f}", "n/a",
                                  f"{2.5 * flops / t_bwd_sdpa / 1e9:.0f}", "n/a"])
                     continue
-                with use_attention_backward(mode):
-                    t_bwd = bench(lambda: torch.autograd.grad(out, (qg, kg, vg), go, retain_graph=True))
                 rows.append([f"  bwd {mode}", batch, seqlen, f"{t_bwd * 1e3:.0f}", f"{t_bwd_sdpa * 1e3:.0f}",
                              f"{2.5 * flops / t_bwd / 1e9:.0f}", f"{2.5 * flops / t_bwd_sdpa / 1e9:.0f}",
                              f"{t_bwd_sdpa / t_bwd:.2f}"])

@@ -356,19 +356,21 @@ class _PackedAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         from .attention_backward import attention_backward_reference, attention_backward_triton
-        from .attention_backward_flash import attention_backward_flash, use_flash_backward
+        from .attention_backward_choice import choose_attention_backward
+        from .attention_backward_cudnn import attention_backward_cudnn
+        from .attention_backward_flash import attention_backward_flash
 
         q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
-        if ctx.backend == "triton" and value_in_key(k, v):  # dV is folded into dK's latent dims
+        if ctx.backend != "triton":
+            return (*attention_backward_reference(grad_out, q, k, v, cu_seqlens, ctx.scale), None, None, None)
+        if value_in_key(k, v):  # latent MLA: dV is folded into dK's latent dims
             dq, dk = latent_attention_backward_triton(grad_out, q, k, out, lse, cu_seqlens, ctx.max_seqlen, ctx.scale)
             return dq, dk, None, None, None, None
-        if ctx.backend == "triton" and use_flash_backward(q, k, v):  # torch's FA2 kernel on our out/lse (rule 8)
-            dq, dk, dv = attention_backward_flash(grad_out, q, k, v, out, lse, cu_seqlens, ctx.max_seqlen, ctx.scale)
-        elif ctx.backend == "triton":
-            dq, dk, dv = attention_backward_triton(grad_out.contiguous(), q, k, v, out, lse, cu_seqlens,
-                                                   ctx.max_seqlen, ctx.scale)
-        else:
-            dq, dk, dv = attention_backward_reference(grad_out, q, k, v, cu_seqlens, ctx.scale)
+        # rule 8: any correct backward may run on our forward's out/lse (attention_backward_choice.py)
+        kernel = {"cudnn": attention_backward_cudnn, "flash": attention_backward_flash,
+                  "triton": attention_backward_triton}[choose_attention_backward(q, k, v, cu_seqlens, ctx.max_seqlen,
+                                                                                  ctx.scale)]
+        dq, dk, dv = kernel(grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, ctx.max_seqlen, ctx.scale)
         return dq, dk, dv, None, None, None
 
 

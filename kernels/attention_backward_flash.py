@@ -40,67 +40,23 @@ Run to run: FA2 accumulates dQ with atomics, so dQ (not dK/dV) may differ in its
 between two identical steps, where our Triton backward repeats bitwise; under
 ``torch.use_deterministic_algorithms(True)`` torch runs FA2's deterministic dQ variant.
 
-Selecting it: `_PackedAttentionFunction.backward` (`attention.py`) asks `use_flash_backward`.
-``VEXACT_ATTENTION_BACKWARD=auto|flash|triton`` (default ``auto``: flash where it applies, our
-Triton backward elsewhere); ``flash`` raises `UnsupportedError` naming the reason where it
-cannot run; `set_attention_backward` / `use_attention_backward` override the environment (for
-benchmarks and tests). The reference backend (CPU) has one backward and ignores the choice.
+Selecting it: `attention_backward_choice.py` (``VEXACT_ATTENTION_BACKWARD``; under ``auto`` it
+runs where cuDNN's backward does not apply, before our Triton backward).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
-import os
-from collections.abc import Iterator
 
 import torch
 
-from .backend import UnsupportedError
 
-ENV_VAR = "VEXACT_ATTENTION_BACKWARD"
-MODES = ("auto", "flash", "triton")
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256  # the largest head dim FA2's backward compiles
 HEAD_DIM_MULTIPLE = 8
 MIN_CAPABILITY = (8, 0)
 LN2 = math.log(2.0)
-_override: str | None = None
-
-
-def _check_mode(mode: str, source: str) -> str:
-    if mode not in MODES:
-        raise ValueError(f"{source}={mode!r} is not an attention backward; choose one of {MODES}")
-    return mode
-
-
-def backward_mode() -> str:
-    """The attention backward choice now: `set_attention_backward`'s if set, else the
-    environment variable ``VEXACT_ATTENTION_BACKWARD`` (``auto`` when unset). Read at every
-    backward call, so changing it between steps takes effect."""
-    if _override is not None:
-        return _override
-    return _check_mode(os.environ.get(ENV_VAR, "auto"), ENV_VAR)
-
-
-def set_attention_backward(mode: str | None) -> None:
-    """Force the packed attention backward: ``"flash"``, ``"triton"`` or ``"auto"``; ``None``
-    returns the choice to the environment variable."""
-    global _override
-    _override = None if mode is None else _check_mode(mode, "attention backward")
-
-
-@contextlib.contextmanager
-def use_attention_backward(mode: str | None) -> Iterator[None]:
-    """Context manager form of `set_attention_backward`; restores the previous choice on exit."""
-    global _override
-    previous = _override
-    set_attention_backward(mode)
-    try:
-        yield
-    finally:
-        _override = previous
 
 
 def _flash_op():
@@ -144,19 +100,6 @@ def flash_backward_available(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) 
     """True when `attention_backward_flash` can compute the gradients of packed attention over
     these q, k, v (see `flash_backward_unavailable_reason` for what it needs)."""
     return flash_backward_unavailable_reason(q, k, v) is None
-
-
-def use_flash_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """The choice `_PackedAttentionFunction.backward` makes for the triton backend: False under
-    ``triton``; under ``auto`` whether the flash backward applies; under ``flash`` True, or
-    `UnsupportedError` naming why it cannot run. Raises ValueError for a bad mode."""
-    mode = backward_mode()
-    if mode == "triton":
-        return False
-    reason = flash_backward_unavailable_reason(q, k, v)
-    if mode == "flash" and reason is not None:
-        raise UnsupportedError(f"{ENV_VAR}/use_attention_backward is 'flash' but the flash backward cannot run: {reason}")
-    return reason is None
 
 
 def _check_inputs(grad_out, q, k, v, out, lse_log2, cu_seqlens, max_seqlen) -> None:

@@ -1,17 +1,16 @@
-"""The flash attention backward candidate on CPU: when it applies, the switch that picks it, input
-checks, and that the CPU training path keeps matching float64 autograd whatever the switch says.
-The kernel itself runs only on a GPU: tests/triton_checks/check_attention_backward_flash.py."""
+"""The flash attention backward on CPU: when it applies, input checks, and that the CPU training
+path keeps matching float64 autograd whatever the switch says. The kernel itself runs only on a
+GPU: tests/triton_checks/check_attention_backward_flash.py."""
 
 import pytest
 import torch
 
-from vexact_models.kernels import UnsupportedError, attention_packed
+from vexact_models.kernels import attention_packed
 from vexact_models.kernels.attention_backward import attention_math
-from vexact_models.kernels.attention_backward_flash import (ENV_VAR, attention_backward_flash, backward_mode,
-                                                            flash_attention_backward_op, flash_backward_available,
-                                                            flash_backward_unavailable_reason, natural_lse,
-                                                            set_attention_backward, use_attention_backward,
-                                                            use_flash_backward)
+from vexact_models.kernels.attention_backward_choice import ENV_VAR, set_attention_backward, use_attention_backward
+from vexact_models.kernels.attention_backward_flash import (attention_backward_flash, flash_attention_backward_op,
+                                                            flash_backward_available, flash_backward_unavailable_reason,
+                                                            natural_lse)
 
 from ..conftest import rel_err
 
@@ -79,42 +78,6 @@ def test_not_available_for_latent_mla_or_mixed_dtypes():
     assert "dtype" in flash_backward_unavailable_reason(q, k, v.half())
 
 
-def test_switch_reads_environment_and_override(monkeypatch):
-    assert backward_mode() == "auto"
-    for mode in ("flash", "triton", "auto"):
-        monkeypatch.setenv(ENV_VAR, mode)
-        assert backward_mode() == mode
-    with use_attention_backward("triton"):  # the override wins over the environment
-        assert backward_mode() == "triton"
-        with use_attention_backward("flash"):
-            assert backward_mode() == "flash"
-        assert backward_mode() == "triton"
-    assert backward_mode() == "auto"
-
-
-def test_switch_bad_values_raise_naming_it(monkeypatch):
-    monkeypatch.setenv(ENV_VAR, "fast")
-    with pytest.raises(ValueError, match=rf"{ENV_VAR}='fast'.*'auto', 'flash', 'triton'"):
-        backward_mode()
-    q, k, v = _qkv()
-    with pytest.raises(ValueError, match=ENV_VAR):
-        use_flash_backward(q, k, v)
-    monkeypatch.delenv(ENV_VAR)
-    with use_attention_backward("triton"):
-        with pytest.raises(ValueError, match="attention backward='Flash'"):
-            set_attention_backward("Flash")
-        assert backward_mode() == "triton"  # the bad value changed nothing
-
-
-def test_choice_per_mode_on_cpu():
-    q, k, v = _qkv()
-    assert use_flash_backward(q, k, v) is False  # auto: not available on CPU
-    with use_attention_backward("triton"):
-        assert use_flash_backward(q, k, v) is False
-    with use_attention_backward("flash"), pytest.raises(UnsupportedError, match="'flash'.*CUDA"):
-        use_flash_backward(q, k, v)
-
-
 def test_attention_backward_flash_rejects_bad_input_before_launching():
     q, k, v = _qkv()
     out, g, lse, cu = torch.randn_like(q), torch.randn_like(q), torch.zeros(10, 4), torch.tensor([0, 3, 10])
@@ -128,7 +91,7 @@ def test_attention_backward_flash_rejects_bad_input_before_launching():
         attention_backward_flash(g, q, k, v, out, lse, cu, 7, 0.25)
 
 
-@pytest.mark.parametrize("mode", ["auto", "flash", "triton"])
+@pytest.mark.parametrize("mode", ["auto", "cudnn", "flash", "triton"])
 def test_cpu_path_matches_float64_autograd_under_every_mode(mode):
     """The reference backend has one backward: the switch leaves CPU training unchanged."""
     lens = [1, 6, 13]

@@ -21,8 +21,10 @@ from check_triton_kernels import DEVICE, INTERPRET, close
 
 from vexact_models.kernels import UnsupportedError, attention, attention_packed, packed_layout
 from vexact_models.kernels.attention_backward import attention_backward_triton, attention_math
+from vexact_models.kernels.attention_backward_choice import choose_attention_backward, use_attention_backward
+from vexact_models.kernels.attention_backward_cudnn import cudnn_backward_available
 from vexact_models.kernels.attention_backward_flash import (attention_backward_flash, flash_backward_available,
-                                                            natural_lse, use_attention_backward, use_flash_backward)
+                                                            natural_lse)
 
 BF16_TOL = 2e-2  # as check_triton_kernels.test_attention_backward
 
@@ -66,8 +68,9 @@ def test_forward_lse_converts_to_fa2_natural_lse():
 
 
 def test_every_mode_routes_to_triton_or_refuses_where_flash_cannot_run():
-    """Under the interpreter (CPU) and, on a GPU, for MLA's qk 192 / v 128: auto and triton run
-    the Triton backward (bitwise the direct call), flash refuses naming the reason."""
+    """Under the interpreter (CPU) and, on a GPU, for MLA's qk 192 / v 128: triton runs the Triton
+    backward (bitwise the direct call), and so does auto unless cuDNN takes the shape; flash
+    refuses naming the reason."""
     d, dv, dtype = (64, 64, torch.float32) if INTERPRET else (192, 128, torch.bfloat16)
     lens = [1, 7, 20]
     q, k, v, cu = _packed(lens, 4, 2, d, dtype, dv)
@@ -75,7 +78,8 @@ def test_every_mode_routes_to_triton_or_refuses_where_flash_cannot_run():
     g = torch.randn(q.shape[0], 4, dv, device=DEVICE).to(dtype)
     out, lse = attention(q, k, v, packed_layout(cu, 20), 0.125, return_lse=True)
     direct = attention_backward_triton(g, q, k, v, out, lse, cu, 20, 0.125)
-    for mode in ("auto", "triton"):
+    auto_runs_triton = choose_attention_backward(q, k, v, cu, 20, 0.125) == "triton"
+    for mode in ("auto", "triton") if auto_runs_triton else ("triton",):
         for a, b in zip(_grads(q, k, v, cu, 20, 0.125, g, mode), direct):
             assert torch.equal(a, b)
     for a, b in zip(direct, _float64(q, k, v, cu, 0.125, g)):
@@ -102,16 +106,21 @@ if not INTERPRET:  # defined only on a GPU, so that the interpreter run reports 
             close(t, w, BF16_TOL)
             close(f, t, BF16_TOL)
 
-    def test_autograd_picks_flash_by_default():
-        """auto runs the flash backward on a GPU: its dK/dV (deterministic in FA2; only dQ is
-        accumulated with atomics) equal the forced flash run's bitwise, and triton is the direct
-        Triton call bitwise."""
+    def test_autograd_picks_cudnn_then_flash_by_default():
+        """auto runs cuDNN's backward where the cuDNN frontend is installed, else the flash one;
+        under deterministic algorithms its gradients equal the forced kernel's bitwise, and
+        triton is the direct Triton call bitwise."""
         q, k, v, cu = _packed([1, 129, 300], 16, 8, 128, torch.bfloat16)
         g = torch.randn_like(q)
-        assert use_flash_backward(q, k, v)
-        auto, flash, triton_ = (_grads(q, k, v, cu, 300, 0.1, g, mode) for mode in ("auto", "flash", "triton"))
-        assert torch.equal(auto[1], flash[1]) and torch.equal(auto[2], flash[2])
-        close(auto[0], flash[0], 1e-2)
+        expected = "cudnn" if cudnn_backward_available(q, k, v) else "flash"
+        assert choose_attention_backward(q, k, v, cu, 300, 0.1) == expected
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        try:
+            auto, forced, triton_ = (_grads(q, k, v, cu, 300, 0.1, g, mode) for mode in ("auto", expected, "triton"))
+        finally:
+            torch.use_deterministic_algorithms(False)
+        for a, b in zip(auto, forced):
+            assert torch.equal(a, b)
         out, lse = attention(q, k, v, packed_layout(cu, 300), 0.1, return_lse=True)
         for a, b in zip(triton_, attention_backward_triton(g, q, k, v, out, lse, cu, 300, 0.1)):
             assert torch.equal(a, b)
