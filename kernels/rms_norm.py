@@ -7,7 +7,9 @@ rows ``[..., hidden]`` and per-head q/k norm ``[..., heads, head_dim]`` alike (r
 
 Invariance contract: each row is reduced by one program with a tile shape fixed by the row
 length alone (`_tile`), never by the number of rows (docs/design.md rule 3). The reference reduces
-with `exact_math.row_sum`. The backward is the analytic formula in fp32 torch ops (rule 8).
+with `exact_math.row_sum`. The backward (rule 8: correct and fast, no invariance) is the analytic
+formula in fp32: one Triton pass per row on CUDA (with the residual stream's gradient added in
+the same pass for add_rms_norm), the torch reference on CPU.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from . import exact_math
-from ._triton import next_power_of_2, require_triton, tl, triton
+from ._triton import next_power_of_2, num_sms, require_triton, tl, triton
 from .backend import select
 
 
@@ -98,15 +100,69 @@ def _rms_norm_forward(x2d, weight, eps, res2d=None) -> tuple[torch.Tensor, torch
     return rms_norm_reference(summed, weight, eps), summed
 
 
-def _rms_norm_backward(x2d: torch.Tensor, weight: torch.Tensor, eps: float, grad_out: torch.Tensor):
-    """(grad_x in the compute dtype, grad_weight) of ``rms_norm(x2d)``: the analytic formula."""
+@triton.jit
+def _rms_norm_bwd_kernel(x_ptr, g_ptr, w_ptr, extra_ptr, dx_ptr, dw_ptr, n_rows, N, stride_x, stride_g, stride_extra,
+                         stride_dx, eps, BLOCK_N: tl.constexpr, HAS_EXTRA: tl.constexpr):
+    """Rows pid, pid + programs, ...: dx of each (plus `extra`, the residual stream's own gradient)
+    and this program's partial sum of dW = sum over rows of g * x_hat."""
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    dw = tl.zeros((BLOCK_N,), tl.float32)
+    for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
+        r = tl.full((), 0, tl.int64) + row  # 64-bit offsets (a loop index is int32; a Python int when interpreted)
+        x = tl.load(x_ptr + r * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + r * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
+        x_hat = x * rstd
+        gw = g * w
+        dx = rstd * (gw - x_hat * (tl.sum(gw * x_hat, axis=0) / N))
+        if HAS_EXTRA:
+            dx += tl.load(extra_ptr + r * stride_extra + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dx_ptr + r * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        dw += g * x_hat
+    tl.store(dw_ptr + tl.program_id(0).to(tl.int64) * N + cols, dw, mask=mask)
+
+
+def _rms_norm_backward_triton(x2d, weight, eps, grad_out, extra=None):
+    require_triton("rms_norm")
+    n_rows, n = x2d.shape
+    grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
+    dx = torch.empty_like(x2d)
+    programs = max(1, min(n_rows, 4 * num_sms(x2d.device)))
+    partial = torch.empty(programs, n, device=x2d.device, dtype=torch.float32)
+    if n_rows:
+        block_n = next_power_of_2(n)
+        _rms_norm_bwd_kernel[(programs,)](
+            x2d, grad_out, weight, extra if extra is not None else grad_out, dx, partial, n_rows, n, x2d.stride(0),
+            grad_out.stride(0), extra.stride(0) if extra is not None else 0, dx.stride(0), eps, BLOCK_N=block_n,
+            HAS_EXTRA=extra is not None, num_warps=4 if block_n <= 1024 else 8)
+    else:
+        partial.zero_()
+    return dx, partial.sum(0).to(weight.dtype)
+
+
+def rms_norm_backward_reference(x2d: torch.Tensor, weight: torch.Tensor, eps: float, grad_out: torch.Tensor,
+                                extra: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad_x, grad_weight) of ``rms_norm(x2d)`` by the analytic formula in fp32 (fp64), plus
+    `extra` (the residual stream's gradient) added to grad_x before its rounding to x's dtype."""
     compute = torch.float64 if x2d.dtype == torch.float64 else torch.float32
     xf, g, w = x2d.to(compute), grad_out.to(compute), weight.to(compute)
     rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     x_hat = xf * rstd
     gw = g * w
     grad_x = rstd * (gw - x_hat * (gw * x_hat).mean(-1, keepdim=True))
-    return grad_x, (g * x_hat).sum(0).to(weight.dtype)
+    if extra is not None:
+        grad_x = grad_x + extra.to(compute)
+    return grad_x.to(x2d.dtype), (g * x_hat).sum(0).to(weight.dtype)
+
+
+def _rms_norm_backward(x2d, weight, eps, grad_out, extra=None):
+    """(grad_x in x's dtype, grad_weight): the Triton kernel on CUDA (one pass; rule 8), else
+    the reference formula."""
+    if select("rms_norm", x2d) == "triton":
+        return _rms_norm_backward_triton(x2d, weight, eps, grad_out, extra)
+    return rms_norm_backward_reference(x2d, weight, eps, grad_out, extra)
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -120,7 +176,7 @@ class _RMSNormFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         x2d, weight = ctx.saved_tensors
         grad_x, grad_w = _rms_norm_backward(x2d, weight, ctx.eps, grad_out)
-        return grad_x.to(x2d.dtype), grad_w, None
+        return grad_x, grad_w, None
 
 
 class _AddRMSNormFunction(torch.autograd.Function):
@@ -134,9 +190,8 @@ class _AddRMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_normed, grad_summed):
         summed, weight = ctx.saved_tensors
-        grad_s, grad_w = _rms_norm_backward(summed, weight, ctx.eps, grad_normed)
-        if grad_summed is not None:  # the sum also continues as the residual stream
-            grad_s = grad_s + grad_summed.to(grad_s.dtype)
+        # the sum also continues as the residual stream: its gradient joins before the rounding
+        grad_s, grad_w = _rms_norm_backward(summed, weight, ctx.eps, grad_normed, grad_summed)
         return grad_s.to(ctx.dtypes[0]), grad_s.to(ctx.dtypes[1]), grad_w, None
 
 

@@ -4,7 +4,8 @@ Computed in fp32 as ``gate / (1 + exp(-gate)) * up`` and rounded once to the inp
 
 Invariance contract: element-wise, the same expression for every element (docs/design.md rule 5).
 On CPU, torch's own silu is *not* position-independent (SLEEF body vs scalar tail), so the
-reference uses `exact_math.sigmoid`. The backward is the analytic formula in fp32 torch ops.
+reference uses `exact_math.sigmoid`. The backward is the analytic formula in fp32 (rule 8): one
+Triton pass on CUDA, torch ops on CPU.
 """
 
 from __future__ import annotations
@@ -58,6 +59,41 @@ def _silu_and_mul_forward(gate, up):
     return silu_and_mul_reference(gate, up)
 
 
+@triton.jit
+def _silu_and_mul_bwd_kernel(gate_ptr, up_ptr, grad_ptr, dgate_ptr, dup_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    go = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    sig = 1.0 / (1.0 + tl.exp(-g))
+    tl.store(dgate_ptr + offs, (go * u * sig * (1.0 + g * (1.0 - sig))).to(dgate_ptr.dtype.element_ty), mask=mask)
+    tl.store(dup_ptr + offs, (go * g * sig).to(dup_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul_backward_reference(gate: torch.Tensor, up: torch.Tensor,
+                                    grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d gate, d up) of ``silu(gate) * up``, the analytic formula in fp32 (fp64)."""
+    compute = torch.float64 if gate.dtype == torch.float64 else torch.float32
+    g, u, go = gate.to(compute), up.to(compute), grad_out.to(compute)
+    sig = torch.sigmoid(g)
+    grad_gate = go * u * sig * (1.0 + g * (1.0 - sig))
+    return grad_gate.to(gate.dtype), (go * g * sig).to(up.dtype)
+
+
+def _silu_and_mul_backward(gate, up, grad_out):
+    """Contiguous `gate`, `up`, `grad_out` of one shape: one Triton pass on CUDA (rule 8), else
+    the reference formula."""
+    if select("silu_and_mul", gate) != "triton":
+        return silu_and_mul_backward_reference(gate, up, grad_out)
+    require_triton("silu_and_mul")
+    dgate, dup = torch.empty_like(gate), torch.empty_like(up)
+    if gate.numel():
+        _silu_and_mul_bwd_kernel[(triton.cdiv(gate.numel(), _BLOCK),)](gate, up, grad_out, dgate, dup, gate.numel(),
+                                                                       BLOCK=_BLOCK, num_warps=4)
+    return dgate, dup
+
+
 class _SiluAndMulFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up):
@@ -67,12 +103,7 @@ class _SiluAndMulFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         gate, up = ctx.saved_tensors
-        compute = torch.float64 if gate.dtype == torch.float64 else torch.float32
-        g, u, go = gate.to(compute), up.to(compute), grad_out.to(compute)
-        sig = torch.sigmoid(g)
-        silu = g * sig
-        grad_gate = go * u * sig * (1.0 + g * (1.0 - sig))
-        return grad_gate.to(gate.dtype), (go * silu).to(up.dtype)
+        return _silu_and_mul_backward(gate, up, grad_out.contiguous())
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -252,3 +252,43 @@ def test_logprob_grad():
         got = logprob_grad(x, lse, t, temps, grad, out_dtype=out_dtype)
         assert got.dtype == out_dtype
         close(got, ref(logprob_grad, x, lse, t, temps, grad, out_dtype), 1e-6 if out_dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("rows,n", [(7, 32), (300, 1000)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_and_add_rms_norm_backward(rows, n, dtype):
+    """The one-pass backward kernel (rows spread over the programs, dW from per-program partial
+    sums) against float64 autograd, with and without the residual stream's own gradient."""
+    x, r = rand(rows, n).to(dtype).requires_grad_(), rand(rows, n).to(dtype).requires_grad_()
+    w = (rand(n, kind="u") + 0.5).to(dtype).requires_grad_()
+    g_normed, g_summed = rand(rows, n).to(dtype), rand(rows, n).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    got = torch.autograd.grad(rms_norm(x, w, 1e-6), (x, w), g_normed)
+    xd, rd, wd = (t.detach().double().requires_grad_() for t in (x, r, w))
+
+    def norm64(t):
+        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6) * wd
+
+    want = torch.autograd.grad(norm64(xd), (xd, wd), g_normed.double())
+    for a, b in zip(got, want):
+        assert a.dtype == dtype
+        close(a, b, tol)
+    normed, summed = add_rms_norm(x, r, w, 1e-6)
+    got = torch.autograd.grad((normed * g_normed).sum() + (summed * g_summed).sum(), (x, r, w))
+    s = xd + rd
+    want = torch.autograd.grad((norm64(s) * g_normed.double()).sum() + (s * g_summed.double()).sum(), (xd, rd, wd))
+    for a, b in zip(got, want):
+        close(a, b, tol)
+
+
+def test_silu_and_mul_backward():
+    from vexact_models.kernels.silu_and_mul import silu_and_mul_backward_reference
+
+    g, u, go = rand(5, 1000) * 3, rand(5, 1000), rand(5, 1000)
+    for dtype in (torch.float32, torch.bfloat16):
+        gate, up = g.to(dtype).requires_grad_(), u.to(dtype).requires_grad_()
+        got = torch.autograd.grad(silu_and_mul(gate, up), (gate, up), go.to(dtype))
+        want = ref(silu_and_mul_backward_reference, gate.detach().double(), up.detach().double(), go.double())
+        for a, b in zip(got, want):
+            assert a.dtype == dtype
+            close(a, b, 1e-6 if dtype == torch.float32 else 1e-2)
