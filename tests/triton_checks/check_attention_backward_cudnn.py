@@ -18,12 +18,13 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from check_attention_backward_flash import _float64, _grads
 from check_triton_kernels import DEVICE, INTERPRET, close
 
-from vexact_models.kernels import UnsupportedError, attention, attention_packed, packed_layout
+from vexact_models.kernels import UnsupportedError, attention, packed_layout
 from vexact_models.kernels import attention_backward_cudnn as cudnn_module
-from vexact_models.kernels.attention_backward import attention_backward_triton, attention_math
-from vexact_models.kernels.attention_backward_choice import choose_attention_backward, use_attention_backward
+from vexact_models.kernels.attention_backward import attention_backward_triton
+from vexact_models.kernels.attention_backward_choice import choose_attention_backward
 from vexact_models.kernels.attention_backward_cudnn import attention_backward_cudnn, cudnn_backward_unavailable_reason
 
 BF16_TOL = 2e-2  # as check_triton_kernels.test_attention_backward
@@ -38,17 +39,6 @@ def _packed(lens, hq, hkv, d, dtype, dv=None, fused_v=False):
         v = torch.randn(t, hkv, dv or d, device=DEVICE).to(dtype)
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
     return q, k, v, cu
-
-
-def _grads(q, k, v, cu, max_seqlen, scale, g, mode):
-    qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
-    with use_attention_backward(mode):
-        return torch.autograd.grad(attention_packed(qg, kg, vg, cu, max_seqlen, scale), (qg, kg, vg), g)
-
-
-def _float64(q, k, v, cu, scale, g):
-    qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
-    return torch.autograd.grad(attention_math(qd, kd, vd, cu, scale), (qd, kd, vd), g.double())
 
 
 def test_auto_runs_triton_and_forced_cudnn_refuses_where_cudnn_cannot_run():
