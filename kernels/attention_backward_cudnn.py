@@ -36,6 +36,7 @@ this module does under ``torch.use_deterministic_algorithms(True)``.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import OrderedDict
 
@@ -54,8 +55,10 @@ _graphs: OrderedDict = OrderedDict()
 _handles: dict[int, object] = {}
 
 
+@functools.lru_cache(maxsize=None)
 def _cudnn():
-    """The cuDNN frontend module, or None when it is not installed or cannot load cuDNN."""
+    """The cuDNN frontend module, or None when it is not installed or cannot load cuDNN (asked
+    once per process: every layer's backward checks availability)."""
     try:
         import cudnn
         cudnn.backend_version()
@@ -120,11 +123,16 @@ def _contiguous_rows(t: torch.Tensor) -> torch.Tensor:
     return t if _row_layout_ok(t) else t.contiguous()
 
 
+def _rows_stride(t: torch.Tensor) -> int:
+    """The row stride `_contiguous_rows(t)` will have, without copying `t`."""
+    return t.stride(0) if _row_layout_ok(t) else t.shape[1] * t.shape[2]
+
+
 def _graph_key(q, k, v, num_seqs, max_seqlen, scale) -> tuple:
     """What a graph is built for: the shape class (`graph_dims`), heads, head dims, the row
     strides of q, k, v as the graph reads them and of the contiguous out / dO, dtype, scale."""
     b, s, t = graph_dims(num_seqs, max_seqlen, q.shape[0])
-    strides = tuple(_contiguous_rows(x).stride(0) for x in (q, k, v)) + (q.shape[1] * v.shape[-1],)
+    strides = tuple(_rows_stride(x) for x in (q, k, v)) + (q.shape[1] * v.shape[-1],)
     return (q.device.index, q.dtype, b, s, t, q.shape[1], k.shape[1], q.shape[-1], v.shape[-1], strides,
             float(scale), torch.are_deterministic_algorithms_enabled())
 

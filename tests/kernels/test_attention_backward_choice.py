@@ -14,12 +14,7 @@ def _qkv(t=10, hq=4, hkv=2, d=16, dtype=torch.bfloat16):
     return torch.randn(t, hq, d).to(dtype), torch.randn(t, hkv, d).to(dtype), torch.randn(t, hkv, d).to(dtype)
 
 
-@pytest.fixture(autouse=True)
-def _clean_switch(monkeypatch):
-    monkeypatch.delenv(ENV_VAR, raising=False)
-    set_attention_backward(None)
-    yield
-    set_attention_backward(None)
+pytestmark = pytest.mark.usefixtures("clean_attention_backward")
 
 
 def test_switch_reads_environment_and_override(monkeypatch):

@@ -7,7 +7,7 @@ import torch
 
 from vexact_models.kernels import attention_packed
 from vexact_models.kernels.attention_backward import attention_math
-from vexact_models.kernels.attention_backward_choice import ENV_VAR, set_attention_backward, use_attention_backward
+from vexact_models.kernels.attention_backward_choice import use_attention_backward
 from vexact_models.kernels.attention_backward_flash import (attention_backward_flash, flash_attention_backward_op,
                                                             flash_backward_available, flash_backward_unavailable_reason,
                                                             natural_lse)
@@ -19,12 +19,7 @@ def _qkv(t=10, hq=4, hkv=2, d=16, dv=None, dtype=torch.bfloat16):
     return (torch.randn(t, hq, d).to(dtype), torch.randn(t, hkv, d).to(dtype), torch.randn(t, hkv, dv or d).to(dtype))
 
 
-@pytest.fixture(autouse=True)
-def _clean_switch(monkeypatch):
-    monkeypatch.delenv(ENV_VAR, raising=False)
-    set_attention_backward(None)
-    yield
-    set_attention_backward(None)
+pytestmark = pytest.mark.usefixtures("clean_attention_backward")
 
 
 def test_op_is_in_this_torch_build():
