@@ -30,6 +30,10 @@ on one GPU; heads side by side in each row with 16-byte aligned rows (a fused pr
 views qualify; others are copied); and that cuDNN supports the graph on this GPU
 (``check_support``, cached per shape class). Selection: `attention_backward_choice.py`.
 
+Not proven: that cuDNN reads nothing past the last sequence's final tile. The tensors are passed at
+their exact size (as torch's own nested cuDNN path passes them), and no run faulted, but a tile may
+cover up to 127 rows beyond the last token.
+
 Run to run: cuDNN accumulates dQ with atomics unless asked for its deterministic algorithm, which
 this module does under ``torch.use_deterministic_algorithms(True)``.
 """
@@ -250,7 +254,7 @@ def attention_backward_cudnn(grad_out: torch.Tensor, q: torch.Tensor, k: torch.T
 
 
 def _execute(graph, workspace_bytes, handles, offsets, grad_out, q, k, v, out, lse_log2, cu_seqlens):
-    b = graph_dims(cu_seqlens.numel() - 1, 1, 1)[0]
+    b = handles["seq_len_q"].get_dim()[0]  # the graph's batch (the sequence count rounded up)
     starts = cu_seqlens.to(device=q.device, dtype=torch.int64)
     if b > starts.numel() - 1:  # the rounded-up sequences are empty
         starts = torch.cat([starts, starts[-1:].expand(b + 1 - starts.numel())])
