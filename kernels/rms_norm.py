@@ -100,28 +100,38 @@ def _rms_norm_forward(x2d, weight, eps, res2d=None) -> tuple[torch.Tensor, torch
     return rms_norm_reference(summed, weight, eps), summed
 
 
+def _backward_tile(n: int) -> tuple[int, int, int]:
+    """(BLOCK_N, ROWS per loop step, num_warps) of the backward: short rows (per-head q/k norm,
+    128 wide) go 16 to a step, so a step moves 8 KiB of x and of g instead of 512 bytes."""
+    block_n = next_power_of_2(n)
+    rows = max(1, min(16, 2048 // block_n))
+    return block_n, rows, 4 if block_n * rows <= 2048 else 8
+
+
 @triton.jit
 def _rms_norm_bwd_kernel(x_ptr, g_ptr, w_ptr, extra_ptr, dx_ptr, dw_ptr, n_rows, N, stride_x, stride_g, stride_extra,
-                         stride_dx, eps, BLOCK_N: tl.constexpr, HAS_EXTRA: tl.constexpr):
-    """Rows pid, pid + programs, ...: dx of each (plus `extra`, the residual stream's own gradient)
-    and this program's partial sum of dW = sum over rows of g * x_hat."""
+                         stride_dx, eps, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_EXTRA: tl.constexpr):
+    """Row blocks pid, pid + programs, ... of `ROWS` rows each: dx of each row (plus `extra`, the
+    residual stream's own gradient) and this program's partial sum of dW = sum over rows of g * x_hat."""
     cols = tl.arange(0, BLOCK_N)
-    mask = cols < N
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    col_ok = cols < N
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     dw = tl.zeros((BLOCK_N,), tl.float32)
-    for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
-        r = tl.full((), 0, tl.int64) + row  # 64-bit offsets (a loop index is int32; a Python int when interpreted)
-        x = tl.load(x_ptr + r * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + r * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
-        x_hat = x * rstd
-        gw = g * w
-        dx = rstd * (gw - x_hat * (tl.sum(gw * x_hat, axis=0) / N))
+    for block in range(tl.program_id(0), tl.cdiv(n_rows, ROWS), tl.num_programs(0)):
+        # 64-bit offsets (a loop index is int32; a Python int when interpreted)
+        rows = (tl.full((), 0, tl.int64) + block) * ROWS + tl.arange(0, ROWS)
+        mask = (rows[:, None] < n_rows) & col_ok[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
+        x_hat = x * rstd[:, None]
+        gw = g * w[None, :]
+        dx = rstd[:, None] * (gw - x_hat * (tl.sum(gw * x_hat, axis=1) / N)[:, None])
         if HAS_EXTRA:
-            dx += tl.load(extra_ptr + r * stride_extra + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(dx_ptr + r * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-        dw += g * x_hat
-    tl.store(dw_ptr + tl.program_id(0).to(tl.int64) * N + cols, dw, mask=mask)
+            dx += tl.load(extra_ptr + rows[:, None] * stride_extra + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(dx_ptr + rows[:, None] * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        dw += tl.sum(g * x_hat, axis=0)
+    tl.store(dw_ptr + tl.program_id(0).to(tl.int64) * N + cols, dw, mask=col_ok)
 
 
 def _rms_norm_backward_triton(x2d, weight, eps, grad_out, extra=None):
@@ -129,14 +139,14 @@ def _rms_norm_backward_triton(x2d, weight, eps, grad_out, extra=None):
     n_rows, n = x2d.shape
     grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
     dx = torch.empty_like(x2d)
-    programs = max(1, min(n_rows, 4 * num_sms(x2d.device)))
+    block_n, rows, num_warps = _backward_tile(n)
+    programs = max(1, min(triton.cdiv(n_rows, rows), 4 * num_sms(x2d.device)))
     partial = torch.empty(programs, n, device=x2d.device, dtype=torch.float32)
     if n_rows:
-        block_n = next_power_of_2(n)
         _rms_norm_bwd_kernel[(programs,)](
             x2d, grad_out, weight, extra if extra is not None else grad_out, dx, partial, n_rows, n, x2d.stride(0),
             grad_out.stride(0), extra.stride(0) if extra is not None else 0, dx.stride(0), eps, BLOCK_N=block_n,
-            HAS_EXTRA=extra is not None, num_warps=4 if block_n <= 1024 else 8)
+            ROWS=rows, HAS_EXTRA=extra is not None, num_warps=num_warps)
     else:
         partial.zero_()
     return dx, partial.sum(0).to(weight.dtype)

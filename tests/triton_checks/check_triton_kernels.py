@@ -254,11 +254,12 @@ def test_logprob_grad():
         close(got, ref(logprob_grad, x, lse, t, temps, grad, out_dtype), 1e-6 if out_dtype == torch.float32 else 1e-2)
 
 
-@pytest.mark.parametrize("rows,n", [(7, 32), (300, 1000)])
+@pytest.mark.parametrize("rows,n", [(7, 32), (300, 128), (300, 1000)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_and_add_rms_norm_backward(rows, n, dtype):
-    """The one-pass backward kernel (rows spread over the programs, dW from per-program partial
-    sums) against float64 autograd, with and without the residual stream's own gradient."""
+    """The one-pass backward kernel (blocks of rows spread over the programs, a ragged last block,
+    dW from per-program partial sums) against float64 autograd, with and without the residual
+    stream's own gradient."""
     x, r = rand(rows, n).to(dtype).requires_grad_(), rand(rows, n).to(dtype).requires_grad_()
     w = (rand(n, kind="u") + 0.5).to(dtype).requires_grad_()
     g_normed, g_summed = rand(rows, n).to(dtype), rand(rows, n).to(dtype)
