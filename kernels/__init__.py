@@ -6,7 +6,8 @@ imports ops from this package only, never from its modules (tests/kernels/test_p
 checks it); a name imported across files (benchmarks, GPU proofs) is public in its module.
 """
 
-from .attention import PagedLayout, attention, attention_packed, packed_layout
+from .attention import PagedLayout, attention, packed_layout
+from .attention_packed import attention_packed, attention_saving_context
 from .backend import BACKENDS, UnsupportedError, current_backend, set_backend, use_backend
 from .grouped_topk import sigmoid_grouped_topk
 from .head_linear import head_linear
@@ -23,7 +24,7 @@ from .token_logprobs import token_logprobs
 
 __all__ = [
     "BACKENDS", "PagedLayout", "UnsupportedError", "add_rms_norm", "apply_rotary", "attention", "attention_packed",
-    "current_backend", "fused_moe", "gather_logprobs", "head_linear", "kv_cache_write", "linear", "log_softmax", "packed_layout",
-    "rms_norm", "rope_table", "sample_tokens", "set_backend", "sigmoid_grouped_topk", "silu_and_mul", "softmax_topk",
-    "token_logprobs", "use_backend",
+    "attention_saving_context", "current_backend", "fused_moe", "gather_logprobs", "head_linear", "kv_cache_write",
+    "linear", "log_softmax", "packed_layout", "rms_norm", "rope_table", "sample_tokens", "set_backend",
+    "sigmoid_grouped_topk", "silu_and_mul", "softmax_topk", "token_logprobs", "use_backend",
 ]

@@ -6,7 +6,7 @@ tokens ``q[T, Hq, D]`` grouped by sequence (``cu_seqlens_q``), each sequence's t
 table mapping each sequence's positions to cache slots: position ``p`` of sequence ``s`` lives
 in slot ``block_table[s, p // page_size] * page_size + p % page_size`` of the caches
 ``[slots, Hkv, D]``. Training is the same call with an empty context: its packed K/V *are* the
-cache, read through a trivial block table with ``page_size = 1`` (`attention_packed`).
+cache, read through a trivial block table with ``page_size = 1`` (`attention_packed.attention_packed`).
 
 Invariance contract (docs/design.md rule 2): for every query row, the keys are reduced in blocks of
 `BLOCK_N` aligned to absolute positions 0, BLOCK_N, 2*BLOCK_N, ... with an fp32 online softmax,
@@ -33,7 +33,7 @@ import torch
 from . import exact_math
 from ._triton import has_tma, launch_staged, next_power_of_2, require_triton, tl, tma_rows_aligned, triton
 from .backend import select
-from .latent_attention import latent_attention_backward_triton, latent_attention_triton, value_in_key
+from .latent_attention import latent_attention_triton, value_in_key
 from .row_sum import row_sum_halves, row_sum_levels
 
 BLOCK_M = 64  # query rows (token, head) per program of prefill chunks (decode: 16, training: 128; `pick_config`)
@@ -83,6 +83,14 @@ def pick_config(head_dim: int, rows_per_seq: int, dtype: torch.dtype) -> Attenti
     return AttentionConfig(2 * BLOCK_M, BLOCK_N, 8 if wide else 4, NUM_STAGES)
 
 
+def split_mask(config: AttentionConfig) -> bool:
+    """Whether the unmasked key blocks get a loop of their own (`_attention_fwd_kernel`): for
+    training and prefill tiles. Decode tiles keep one masked loop: on the H200 the second
+    pipelined loop cost decode steps over 1-2k-token contexts ~15% (ninth session); the bits are
+    the same either way (`_attend_block`)."""
+    return config.block_m > DECODE_BLOCK_M
+
+
 REFERENCE_BLOCK_N = 16  # the reference's own fixed key block
 
 
@@ -115,17 +123,36 @@ def packed_layout(cu_seqlens: torch.Tensor, max_seqlen: int) -> PagedLayout:
 
 
 @triton.jit
-def _attend_block(q, k, v, k_pos, k_ok, q_pos, m_i, l_i, acc, scale_log2, SUM_LEVELS: tl.constexpr):
-    """One key block of the online softmax, the arithmetic every load path shares: scores,
-    causal mask, running max, denominators summed in a fixed order, rescaled output."""
-    s = tl.dot(q, tl.trans(k)) * scale_log2
-    s = tl.where((k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+def _attend_block(q, k, v, k_pos, k_ok, q_pos, m_i, l_i, acc, scale_log2, SUM_LEVELS: tl.constexpr,
+                  MASKED: tl.constexpr):
+    """One key block of the online softmax, the arithmetic every load path shares: scores, the
+    causal mask (`MASKED`), running max, denominators summed in a fixed order, rescaled output.
+    The scale is applied inside the exponent's FMA and to the row max of the raw scores (rounding
+    is monotonic, so ``max(s) * c == max(s * c)`` for c > 0): a block gives the same bits with or
+    without the mask when nothing in it is masked, so the blocks below every row's diagonal skip it."""
+    s = tl.dot(q, tl.trans(k))
+    if MASKED:
+        s = tl.where((k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale_log2)
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    p = tl.exp2(tl.fma(s, scale_log2, -m_new[:, None]))
     l_i = l_i * alpha + row_sum_halves(p, SUM_LEVELS)  # a fixed order for every tile shape
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
     return m_new, l_i, acc
+
+
+@triton.jit
+def _paged_block(k_ptr, v_ptr, table_row, start, n_keys, page_size, kv_head, stride_ks, stride_kh, stride_vs, stride_vh,
+                 d, d_ok, dv, BLOCK_N: tl.constexpr):
+    """Key block `start` of a sequence through its block table: (k, v, positions, in range)."""
+    k_pos = start + tl.arange(0, BLOCK_N)
+    k_ok = k_pos < n_keys
+    page = tl.load(table_row + k_pos // page_size, mask=k_ok, other=0)
+    slot = page.to(tl.int64) * page_size + k_pos % page_size
+    k = tl.load(k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
+                mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+    v = tl.load(v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + dv[None, :], mask=k_ok[:, None], other=0.0)
+    return k, v, k_pos, k_ok
 
 
 @triton.jit(do_not_specialize=["page_size", "stride_bt"])
@@ -136,9 +163,11 @@ def _attention_fwd_kernel(
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUM_LEVELS: tl.constexpr,
-    KV_DESC: tl.constexpr,
+    KV_DESC: tl.constexpr, SPLIT_MASK: tl.constexpr,
 ):
-    tile = tl.program_id(0)
+    # the last tiles of a causal sequence have the most keys: launch them first, so that the
+    # light ones fill the end of the grid instead of a few heavy ones running alone
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
     seq = tl.program_id(1)
     kv_head = tl.program_id(2)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
@@ -167,27 +196,42 @@ def _attention_fwd_kernel(
     acc = tl.zeros((BLOCK_M, HEAD_DIM_V), tl.float32)
     last_q = tl.minimum(q_len - 1, (tile * BLOCK_M + BLOCK_M - 1) // GROUP)
     n_keys = context + last_q + 1
-    first = 0
+    # key blocks [0, unmasked) lie wholly at or below the tile's first query position: no row of
+    # the tile masks anything in them (SPLIT_MASK: a loop of their own; the same bits either way)
+    unmasked = 0
+    if SPLIT_MASK:
+        unmasked = (context + tile * BLOCK_M // GROUP + 1) // BLOCK_N * BLOCK_N
+    table_row = block_table_ptr + seq.to(tl.int64) * stride_bt
     if KV_DESC:
         # Packed training K/V (sequence s's keys are rows cu_seqlens_q[s]...): every key block
         # wholly below n_keys comes through TMA, straight into shared memory. Its rows are the
-        # ones the pointer loads below would read, so the arithmetic, and the bits, are the same.
+        # ones the pointer loads would read, so the arithmetic, and the bits, are the same.
         first = n_keys // BLOCK_N * BLOCK_N
-        for start in range(0, first, BLOCK_N):
+        if SPLIT_MASK:
+            for start in range(0, unmasked, BLOCK_N):
+                k_pos = start + tl.arange(0, BLOCK_N)
+                k = k_desc.load([q_start + start, kv_head * HEAD_DIM])
+                v = v_desc.load([q_start + start, kv_head * HEAD_DIM_V])
+                m_i, l_i, acc = _attend_block(q, k, v, k_pos, k_pos < n_keys, q_pos, m_i, l_i, acc, scale_log2,
+                                              SUM_LEVELS, False)
+        for start in range(unmasked, first, BLOCK_N):
             k_pos = start + tl.arange(0, BLOCK_N)
             k = k_desc.load([q_start + start, kv_head * HEAD_DIM])
             v = v_desc.load([q_start + start, kv_head * HEAD_DIM_V])
-            m_i, l_i, acc = _attend_block(q, k, v, k_pos, k_pos < n_keys, q_pos, m_i, l_i, acc, scale_log2, SUM_LEVELS)
-    table_row = block_table_ptr + seq.to(tl.int64) * stride_bt
-    for start in range(first, n_keys, BLOCK_N):  # paged: every block; KV_DESC: the partial last one
-        k_pos = start + tl.arange(0, BLOCK_N)
-        k_ok = k_pos < n_keys
-        page = tl.load(table_row + k_pos // page_size, mask=k_ok, other=0)
-        slot = page.to(tl.int64) * page_size + k_pos % page_size
-        k = tl.load(k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
-                    mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-        v = tl.load(v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + dv[None, :], mask=k_ok[:, None], other=0.0)
-        m_i, l_i, acc = _attend_block(q, k, v, k_pos, k_ok, q_pos, m_i, l_i, acc, scale_log2, SUM_LEVELS)
+            m_i, l_i, acc = _attend_block(q, k, v, k_pos, k_pos < n_keys, q_pos, m_i, l_i, acc, scale_log2, SUM_LEVELS,
+                                          True)
+    else:
+        if SPLIT_MASK:
+            for start in range(0, unmasked, BLOCK_N):
+                k, v, k_pos, k_ok = _paged_block(k_ptr, v_ptr, table_row, start, n_keys, page_size, kv_head,
+                                                 stride_ks, stride_kh, stride_vs, stride_vh, d, d_ok, dv, BLOCK_N)
+                m_i, l_i, acc = _attend_block(q, k, v, k_pos, k_ok, q_pos, m_i, l_i, acc, scale_log2, SUM_LEVELS,
+                                              False)
+        first = unmasked
+    for start in range(first, n_keys, BLOCK_N):  # the diagonal blocks (KV_DESC: only the partial last one)
+        k, v, k_pos, k_ok = _paged_block(k_ptr, v_ptr, table_row, start, n_keys, page_size, kv_head, stride_ks,
+                                         stride_kh, stride_vs, stride_vh, d, d_ok, dv, BLOCK_N)
+        m_i, l_i, acc = _attend_block(q, k, v, k_pos, k_ok, q_pos, m_i, l_i, acc, scale_log2, SUM_LEVELS, True)
     out = acc / l_i[:, None]
     tl.store(o_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :],
              out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -244,15 +288,17 @@ def attention_triton(q, k_cache, v_cache, layout: PagedLayout, scale: float, con
             out.stride(0), out.stride(1), layout.block_table.stride(0))
     kwargs = dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=next_power_of_2(head_dim),
                   BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SUM_LEVELS=row_sum_levels(cfg.block_n),
-                  KV_DESC=kv_descriptors, num_warps=cfg.num_warps)
+                  KV_DESC=kv_descriptors, SPLIT_MASK=split_mask(cfg), num_warps=cfg.num_warps)
     key = ("attention", q.device, q.dtype, group, head_dim, head_dim_v, cfg, kv_descriptors)
     launch_staged(_attention_fwd_kernel, grid, args, kwargs, cfg.num_stages, key, fallback=config is None)
     return out, lse
 
 
-def attention_reference(q, k_cache, v_cache, layout: PagedLayout, scale: float) -> torch.Tensor:
+def attention_reference(q, k_cache, v_cache, layout: PagedLayout, scale: float, return_lse: bool = False):
     """CPU reference with the kernel's structure: per query, keys in absolute-aligned blocks of
-    `REFERENCE_BLOCK_N`, fp32 online softmax with `exact_math` exp and per-output reductions."""
+    `REFERENCE_BLOCK_N`, fp32 online softmax with `exact_math` exp and per-output reductions.
+    With `return_lse` also the ``[T, Hq]`` fp32 log2-sum-exp2 of the scores scaled by
+    ``scale * log2(e)``, the kernel's LSE (equal in value, not bitwise)."""
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     n_tokens, n_heads, head_dim = q.shape
     n_kv_heads, head_dim_v = k_cache.shape[-2], v_cache.shape[-1]
@@ -260,6 +306,7 @@ def attention_reference(q, k_cache, v_cache, layout: PagedLayout, scale: float) 
     k_flat = k_cache.reshape(-1, n_kv_heads, head_dim)
     v_flat = v_cache.reshape(-1, n_kv_heads, head_dim_v)
     out = torch.empty((n_tokens, n_heads, head_dim_v), dtype=q.dtype)
+    lse = torch.empty((n_tokens, n_heads), dtype=torch.float32)
     cu = layout.cu_seqlens_q.tolist()
     for s, seq_len in enumerate(layout.seq_lens.tolist()):
         q_s = q[cu[s]:cu[s + 1]].to(compute).reshape(-1, n_kv_heads, group, 1, head_dim)
@@ -290,10 +337,12 @@ def attention_reference(q, k_cache, v_cache, layout: PagedLayout, scale: float) 
             acc = acc * alpha[..., None] + exact_math.dot(p[..., None, :], vb)
             m = m_new
         out[cu[s]:cu[s + 1]] = (acc / l[..., None]).reshape(n_q, n_heads, head_dim_v).to(q.dtype)
-    return out
+        lse[cu[s]:cu[s + 1]] = ((m + torch.log(l)) * math.log2(math.e)).reshape(n_q, n_heads).float()
+    return (out, lse) if return_lse else out
 
 
-def _check(q, k_cache, v_cache, layout):
+def check_attention_inputs(q, k_cache, v_cache, layout):
+    """ValueError naming the mismatch when q, the K/V (cache) and `layout` do not fit together."""
     if q.dim() != 3:
         raise ValueError(f"attention: q must be [tokens, heads, head_dim], got {tuple(q.shape)}")
     if q.shape[1] % k_cache.shape[-2]:
@@ -304,7 +353,8 @@ def _check(q, k_cache, v_cache, layout):
         raise ValueError(f"attention: page_size must be >= 1, got {layout.page_size}")
 
 
-def _backend(q: torch.Tensor, v: torch.Tensor, k: torch.Tensor | None = None) -> str:
+def attention_backend(q: torch.Tensor, v: torch.Tensor, k: torch.Tensor | None = None) -> str:
+    """The backend ("triton" or "reference") that runs attention on q, k and v (`backend.select`)."""
     if k is not None and value_in_key(k, v):  # latent MLA: kernels/latent_attention.py pads any dims
         return select("attention", q)
     backend = select("attention", q, head_dim=q.shape[-1], head_dims=HEAD_DIMS)
@@ -317,70 +367,22 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lay
               scale: float | None = None, return_lse: bool = False):
     """Causal attention of `q` (``[T, Hq, D]``) over the cache (``[..., Hkv, D]`` flattened to
     slots) described by `layout`. Returns ``[T, Hq, Dv]`` in q's dtype (and with `return_lse`
-    the ``[T, Hq]`` fp32 log2-sum-exp2 of the scaled scores; triton backend only).
+    the ``[T, Hq]`` fp32 log2-sum-exp2 of the scores scaled by ``scale * log2(e)``).
 
     Not differentiable: training goes through `attention_packed`.
     """
-    _check(q, k_cache, v_cache, layout)
+    check_attention_inputs(q, k_cache, v_cache, layout)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if _backend(q, v_cache, k_cache) == "triton":
-        out, lse = _triton_forward(q, k_cache, v_cache, layout, scale)
+    if attention_backend(q, v_cache, k_cache) == "triton":
+        out, lse = attention_forward_triton(q, k_cache, v_cache, layout, scale)
         return (out, lse) if return_lse else out
-    if return_lse:
-        raise ValueError("attention: return_lse is only available on the triton backend")
-    return attention_reference(q, k_cache, v_cache, layout, scale)
+    return attention_reference(q, k_cache, v_cache, layout, scale, return_lse)
 
 
-def _triton_forward(q, k_cache, v_cache, layout: PagedLayout, scale: float, packed: bool = False):
+def attention_forward_triton(q, k_cache, v_cache, layout: PagedLayout, scale: float, packed: bool = False):
     """(out, lse) from the GQA kernel, or from the latent MLA kernel when V is a view of K.
     `packed`: the K/V are packed training tensors (TMA loads where they fit)."""
     if value_in_key(k_cache, v_cache):
         return latent_attention_triton(q, k_cache, v_cache.shape[-1], layout, scale)
     return attention_triton(q, k_cache, v_cache, layout, scale,
                             kv_descriptors=packed and kv_descriptors_fit(k_cache, v_cache))
-
-
-class _PackedAttentionFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, scale):
-        layout = packed_layout(cu_seqlens, max_seqlen)
-        backend = _backend(q, v, k)
-        if backend == "triton":
-            out, lse = _triton_forward(q, k, v, layout, scale, packed=True)
-        else:
-            out, lse = attention_reference(q, k, v, layout, scale), None
-        ctx.save_for_backward(q, k, v, out, lse if lse is not None else out, cu_seqlens)
-        ctx.backend, ctx.max_seqlen, ctx.scale = backend, max_seqlen, scale
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        from .attention_backward import attention_backward_reference, attention_backward_triton
-        from .attention_backward_choice import choose_attention_backward
-        from .attention_backward_cudnn import attention_backward_cudnn
-        from .attention_backward_flash import attention_backward_flash
-
-        q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
-        if ctx.backend != "triton":
-            return (*attention_backward_reference(grad_out, q, k, v, cu_seqlens, ctx.scale), None, None, None)
-        if value_in_key(k, v):  # latent MLA: dV is folded into dK's latent dims
-            dq, dk = latent_attention_backward_triton(grad_out, q, k, out, lse, cu_seqlens, ctx.max_seqlen, ctx.scale)
-            return dq, dk, None, None, None, None
-        # rule 8: any correct backward may run on our forward's out/lse (attention_backward_choice.py)
-        kernel = {"cudnn": attention_backward_cudnn, "flash": attention_backward_flash,
-                  "triton": attention_backward_triton}[choose_attention_backward(q, k, v, cu_seqlens, ctx.max_seqlen,
-                                                                                  ctx.scale)]
-        dq, dk, dv = kernel(grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, ctx.max_seqlen, ctx.scale)
-        return dq, dk, dv, None, None, None
-
-
-def attention_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                     max_seqlen: int, scale: float | None = None) -> torch.Tensor:
-    """Causal attention within each of the packed sequences ``cu_seqlens`` (``[S+1]``).
-
-    q ``[T, Hq, D]``, k ``[T, Hkv, D]``, v ``[T, Hkv, Dv]``. The forward is the paged kernel
-    over a trivial block table, so it is bitwise the prefill/decode result; differentiable.
-    """
-    _check(q, k, v, PagedLayout(cu_seqlens, cu_seqlens, cu_seqlens, 1, max_seqlen))
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _PackedAttentionFunction.apply(q, k, v, cu_seqlens, max_seqlen, scale)

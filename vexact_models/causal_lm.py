@@ -9,13 +9,15 @@ log-probabilities with `gather_logprobs`, exactly as the sampler does.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from vexact_models.adapters import forbid_adapters
 from vexact_models.distributed import fsdp_forward_method
-from vexact_models.kernels import linear, token_logprobs
+from vexact_models.kernels import attention_saving_context, linear, token_logprobs
 from vexact_models.layers import (FlatBatch, PackedContext, PagedContext, RopeTables, check_tokens, flatten_inputs,
                                   head_dim_of)
 from vexact_models.patches.compat import HFCompatMixin
@@ -97,6 +99,14 @@ class DecoderModelMixin(StrictLoadingMixin):
         self.rope = RopeTables(config, rope_dim or head_dim_of(config))
         self.gradient_checkpointing = False
 
+    def checkpoint_context_fn(self) -> Callable:
+        """The ``context_fn`` of each layer's activation checkpoint: the one the caller passed to
+        ``gradient_checkpointing_enable(gradient_checkpointing_kwargs={"context_fn": ...})``, else
+        `kernels.attention_saving_context`, which keeps each layer's attention (out, lse) and
+        recomputes the rest (pass ``torch.utils.checkpoint.noop_context_fn`` for full recompute)."""
+        caller = getattr(getattr(self, "_gradient_checkpointing_func", None), "keywords", None) or {}
+        return caller.get("context_fn", attention_saving_context)
+
     def forward_flat(self, input_ids: torch.Tensor, positions: torch.Tensor, context,
                      inputs_embeds: torch.Tensor | None = None, hidden_states: list | None = None,
                      **layer_kwargs) -> torch.Tensor:
@@ -112,8 +122,9 @@ class DecoderModelMixin(StrictLoadingMixin):
             hidden_states.append(hidden)
         for layer in self.layers:
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                hidden, residual = torch.utils.checkpoint.checkpoint(layer, hidden, residual, positions, rope, context,
-                                                                     use_reentrant=False, **layer_kwargs)
+                hidden, residual = torch.utils.checkpoint.checkpoint(
+                    layer, hidden, residual, positions, rope, context, use_reentrant=False,
+                    context_fn=self.checkpoint_context_fn(), **layer_kwargs)
             else:
                 hidden, residual = layer(hidden, residual, positions, rope, context, **layer_kwargs)
             if hidden_states is not None:

@@ -161,3 +161,10 @@ def test_kv_descriptors_need_the_packed_layout():
                          torch.zeros(1, 1, dtype=torch.int32), 16, 4)
     with pytest.raises(ValueError, match="kv_descriptors=True needs packed K/V.*page_size=16"):
         attention_triton(q, k, v, layout, 0.1, kv_descriptors=True)
+
+
+def test_decode_tiles_keep_one_masked_loop_and_larger_tiles_split_it():
+    from vexact_models.kernels.attention import pick_config, split_mask
+
+    assert not split_mask(pick_config(128, 8, torch.bfloat16))  # a decode step of a GQA group
+    assert split_mask(pick_config(128, 64, torch.bfloat16)) and split_mask(pick_config(128, 4096, torch.bfloat16))

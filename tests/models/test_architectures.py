@@ -5,6 +5,7 @@ temperature, autograd and gradient checkpointing; checkpoints (stock layout in a
 loading); input errors; the inference variant. A new architecture is checked here without an
 edit; per-model files keep only what is specific to one model."""
 
+import importlib
 import re
 import shutil
 
@@ -160,6 +161,41 @@ def test_gradient_checkpointing_gives_same_grads(pair):
         ours.gradient_checkpointing_disable()
         ours.eval()
     assert torch.allclose(got, ref, atol=1e-6)
+
+
+def test_activation_checkpointing_keeps_attention_outputs(pair, monkeypatch):
+    """Under activation checkpointing each layer's attention forward runs once per step (its out
+    and LSE are kept, the rest of the layer is recomputed), twice with the caller's full-recompute
+    ``context_fn``, and every gradient is bitwise the one without checkpointing."""
+    packed = importlib.import_module("vexact_models.kernels.attention_packed")  # the package's name is the op
+    _, _, ours = pair
+    calls = []
+    reference = packed.attention_reference
+    monkeypatch.setattr(packed, "attention_reference", lambda *a, **k: calls.append(1) or reference(*a, **k))
+    ids = torch.randint(0, vocab(ours), (2, 9))
+    params = [p for p in ours.parameters() if p.requires_grad]
+
+    def grads_and_calls(**kwargs):
+        calls.clear()
+        if kwargs:
+            ours.gradient_checkpointing_enable(**kwargs)
+        try:
+            return torch.autograd.grad(-ours.token_logprobs(ids).sum(), params), len(calls)
+        finally:
+            ours.gradient_checkpointing_disable()
+
+    ours.train()
+    try:
+        want, plain = grads_and_calls()
+        kept, once = grads_and_calls(gradient_checkpointing_kwargs={"use_reentrant": False})
+        full, twice = grads_and_calls(
+            gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": torch.utils.checkpoint.noop_context_fn})
+    finally:
+        ours.eval()
+    layers = len(ours.model.layers)
+    assert (plain, once, twice) == (layers, layers, 2 * layers)
+    for got in (kept, full):
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 def test_save_pretrained_writes_stock_layout_that_both_load(pair, checkpoint, tmp_path):

@@ -1,0 +1,101 @@
+"""attention_packed: differentiable causal attention over packed training sequences, and the op
+that activation checkpointing keeps.
+
+The forward is `attention`'s kernel over a trivial block table (`packed_layout`), so training
+outputs are bitwise the prefill/decode ones (docs/design.md rule 2). It runs as the custom op
+``torch.ops.vexact.attention_packed_forward`` so that torch's selective activation checkpointing
+can name it: `attention_saving_context` keeps its ``(out, lse)`` through a checkpointed layer and
+lets everything else be recomputed. Under full recompute the attention forward runs twice per
+step; at 8k-32k tokens per sequence it is a fifth to a half of the forward time while its output
+is no larger than the layer's input (docs/design.md section 5). The backward is any correct kernel
+on that out/lse (rule 8, `attention_backward_choice.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import (PagedLayout, attention_backend, attention_forward_triton, attention_reference,
+                        check_attention_inputs, packed_layout)
+from .latent_attention import latent_attention_backward_triton, value_in_key
+
+
+def _attention_packed_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                              max_seqlen: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [T, Hq, Dv], lse [T, Hq] fp32)`` of causal attention within each packed sequence:
+    the forward of `attention_packed` as one dispatcher op (no autograd of its own)."""
+    layout = packed_layout(cu_seqlens, max_seqlen)
+    if attention_backend(q, v, k) == "triton":
+        return attention_forward_triton(q, k, v, layout, scale, packed=True)
+    return attention_reference(q, k, v, layout, scale, return_lse=True)
+
+
+def _attention_packed_forward_fake(q, k, v, cu_seqlens, max_seqlen, scale):
+    return q.new_empty((*q.shape[:2], v.shape[-1])), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+# The op is registered once, by this module under its package name. transformers probes for a
+# top-level package called ``kernels``, and with the repository root on sys.path that probe runs
+# this folder a second time as ``kernels``; registering again would point the op at that copy,
+# which has its own backend state (`backend.use_backend` would no longer reach it).
+if __name__ == "vexact_models.kernels.attention_packed":
+    attention_packed_forward = torch.library.custom_op("vexact::attention_packed_forward", mutates_args=())(
+        _attention_packed_forward)
+    attention_packed_forward.register_fake(_attention_packed_forward_fake)
+else:
+    from vexact_models.kernels.attention_packed import attention_packed_forward  # noqa: F401
+
+
+# Ops whose outputs `attention_saving_context` keeps through activation checkpointing.
+SAVED_BY_CHECKPOINTING = (torch.ops.vexact.attention_packed_forward.default,)
+
+
+def attention_saving_context():
+    """A ``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: each
+    `attention_packed` forward's ``(out, lse)`` is saved during the forward and handed back when
+    the backward recomputes the region, every other op is recomputed (torch's selective activation
+    checkpointing). Gradients are bitwise those of full recompute: the forward is deterministic."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(list(SAVED_BY_CHECKPOINTING))
+
+
+class _PackedAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, scale):
+        out, lse = torch.ops.vexact.attention_packed_forward(q, k, v, cu_seqlens, max_seqlen, scale)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
+        ctx.backend, ctx.max_seqlen, ctx.scale = attention_backend(q, v, k), max_seqlen, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        from .attention_backward import attention_backward_reference, attention_backward_triton
+        from .attention_backward_choice import choose_attention_backward
+        from .attention_backward_cudnn import attention_backward_cudnn
+        from .attention_backward_flash import attention_backward_flash
+
+        q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+        if ctx.backend != "triton":
+            return (*attention_backward_reference(grad_out, q, k, v, cu_seqlens, ctx.scale), None, None, None)
+        if value_in_key(k, v):  # latent MLA: dV is folded into dK's latent dims
+            dq, dk = latent_attention_backward_triton(grad_out, q, k, out, lse, cu_seqlens, ctx.max_seqlen, ctx.scale)
+            return dq, dk, None, None, None, None
+        # rule 8: any correct backward may run on our forward's out/lse (attention_backward_choice.py)
+        kernel = {"cudnn": attention_backward_cudnn, "flash": attention_backward_flash,
+                  "triton": attention_backward_triton}[choose_attention_backward(q, k, v, cu_seqlens, ctx.max_seqlen,
+                                                                                  ctx.scale)]
+        dq, dk, dv = kernel(grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, ctx.max_seqlen, ctx.scale)
+        return dq, dk, dv, None, None, None
+
+
+def attention_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                     max_seqlen: int, scale: float | None = None) -> torch.Tensor:
+    """Causal attention within each of the packed sequences ``cu_seqlens`` (``[S+1]``).
+
+    q ``[T, Hq, D]``, k ``[T, Hkv, D]``, v ``[T, Hkv, Dv]``. The forward is the paged kernel
+    over a trivial block table, so it is bitwise the prefill/decode result; differentiable.
+    """
+    check_attention_inputs(q, k, v, PagedLayout(cu_seqlens, cu_seqlens, cu_seqlens, 1, max_seqlen))
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return _PackedAttentionFunction.apply(q, k, v, cu_seqlens, max_seqlen, scale)
