@@ -23,6 +23,15 @@ def test_graph_dims_round_batches_into_shared_shape_classes():
         assert b >= n and s_max >= s and t <= tokens <= 1.125 * t + 64 and tokens % 64 == 0
 
 
+def test_equal_lengths_get_a_dense_graph_and_others_a_shape_class():
+    """tokens == sequences * max_seqlen means every sequence has max_seqlen tokens: an exact dense
+    graph; anything else the ragged shape class."""
+    q, k, v = _qkv(t=12)
+    assert cudnn_module._graph_key(q, k, v, 3, 4, 0.1)[2:6] == (True, 3, 4, 12)
+    assert cudnn_module._graph_key(q, k, v, 1, 12, 0.1)[2:6] == (True, 1, 12, 12)
+    assert cudnn_module._graph_key(q, k, v, 3, 5, 0.1)[2:6] == (False, *graph_dims(3, 5, 12))
+
+
 def test_not_installed_is_named(monkeypatch):
     monkeypatch.setattr(cudnn_module, "_cudnn", lambda: None)
     reason = cudnn_backward_unavailable_reason(*_qkv())

@@ -5,6 +5,7 @@ On a GPU with the cuDNN frontend installed (``pip install 'vexact-models[cudnn]'
 pytest -q tests/triton_checks/check_attention_backward_cudnn.py``): GQA 16/8 and 32/8 heads at
 D = 128, packed sequences of uneven lengths including 1, bf16 and fp16, q/k contiguous and v a
 view of a fused projection (as the models pass them), many sequences (the rounded-up batch),
+equal-length batches (the dense graph),
 shape classes sharing one graph, run-to-run repeatability under deterministic algorithms, and
 MLA's qk 192 / v 128 (cuDNN's gradients if it takes the shape, else auto's Triton fallback).
 Under TRITON_INTERPRET=1 VEXACT_BACKEND=triton (CPU) cuDNN cannot run: there the check is that
@@ -102,6 +103,20 @@ if not INTERPRET:  # defined only on a GPU, so that the interpreter run reports 
         assert cudnn_module.graph_dims(39, max(lens2), sum(lens2)) == cudnn_module.graph_dims(40, max(lens), sum(lens))
         _grads(q2, k2, v2, cu2, max(lens2), 0.1, torch.randn_like(q2), "cudnn")
         assert len(cudnn_module._graphs) == before + 1
+
+    @pytest.mark.parametrize("lens,max_seqlen,dense", [([512], 512, True), ([300] * 3, 300, True),
+                                                      ([300] * 3, 320, False)], ids=["one", "equal", "bound"])
+    def test_equal_lengths_take_a_dense_graph(lens, max_seqlen, dense):
+        """Sequences all of max_seqlen tokens are described densely (no ragged offsets, no
+        padding mask); the same lengths under a looser max_seqlen stay ragged. Both correct."""
+        q, k, v, cu = _packed(lens, 32, 8, 128, torch.bfloat16, fused_v=True)
+        g = torch.randn_like(q)
+        assert cudnn_module._graph_key(q, k, v, len(lens), max_seqlen, 0.1)[2] is dense
+        got = _grads(q, k, v, cu, max_seqlen, 0.1, g, "cudnn")
+        for a, w in zip(got, _float64(q, k, v, cu, 0.1, g)):
+            close(a, w, BF16_TOL)
+        entry = cudnn_module._graph(cudnn_module._graph_key(q, k, v, len(lens), max_seqlen, 0.1))
+        assert ("seq_len_q" not in entry[2]) is dense
 
     def test_mla_head_dims_take_cudnn_or_fall_back_to_triton():
         """MLA expanded (qk 192, v 128): whichever backward auto picks is correct; a forced cudnn
