@@ -7,7 +7,7 @@ outputs are bitwise the prefill/decode ones (docs/design.md rule 2). It runs as 
 can name it: `attention_saving_context` keeps its ``(out, lse)`` through a checkpointed layer and
 lets everything else be recomputed. Under full recompute the attention forward runs twice per
 step; at 8k-32k tokens per sequence it is a fifth to a half of the forward time while its output
-is no larger than the layer's input (docs/design.md section 5). The backward is any correct kernel
+is no larger than the layer's input (docs/design.md rule 8). The backward is any correct kernel
 on that out/lse (rule 8, `attention_backward_choice.py`).
 """
 
