@@ -4,8 +4,9 @@ One process per GPU (torchrun); the trainer is sharded with FSDP2 over all of th
 runs ``LLM(model, pipeline_parallel_size=P)`` with P = the number of processes (P = 1: one GPU,
 no pipeline). ``--pipeline-size 1`` with several processes gives every rank its own whole engine
 instead (data-parallel rollout, as verl colocates them): each rank rolls out its share of the
-tokens from its own prompts and the sharded trainer recomputes every rank's samples. The engine's stage model holds only its stage's layers (`empty_stage_model`) and
-gets its weights from the trainer (`stream_full_weights` -> ``update_weights``). Per iteration:
+tokens from its own prompts and the sharded trainer recomputes every rank's samples. The engine's
+stage model holds only its stage's layers (`empty_stage_model`) and gets its weights from the
+trainer (`stream_full_weights` -> ``update_weights``). Per iteration:
 
 1. rollout of ``--tokens`` generated tokens (at least) on every stage -> rollout tok/s;
 2. sharded recompute (``token_logprobs``) of every sampled token -> mismatches (want 0);

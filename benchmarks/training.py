@@ -16,8 +16,9 @@ Activation checkpointing (``--checkpointing``) is enabled the same way on both s
 fit otherwise (>= 16k tokens per sequence, or any model over 4B parameters). Each side then does
 what its model does: stock HF recomputes whole layers, ours keeps each layer's attention output
 and LSE and recomputes the rest (``kernels.attention_saving_context``; the table's "ckpt" reads
-"keep attn"); ``--full-recompute`` makes ours recompute whole layers too. Reported: median step time over ``--steps`` timed steps after one
-warm-up, tokens/s, peak memory, and the ratio vexact / HF (> 1: vexact is faster).
+"keep attn"); ``--full-recompute`` makes ours recompute whole layers too. Reported: median step
+time over ``--steps`` timed steps after one warm-up, tokens/s, peak memory, and the ratio
+vexact / HF (> 1: vexact is faster).
 
 Usage:
     python benchmarks/training.py                                   # 0.6B, 8B, 30B-A3B (24 layers), 1k-32k
