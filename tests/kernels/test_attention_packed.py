@@ -13,13 +13,9 @@ from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from vexact_models.kernels import attention, attention_packed, attention_saving_context, packed_layout
 
+from .test_attention import _packed
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _packed(lens, hq=4, hkv=2, d=16, dtype=torch.float64):
-    q, k, v = (torch.randn(sum(lens), h, d, dtype=dtype) for h in (hq, hkv, hkv))
-    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
-    return q, k, v, cu
 
 
 def _lse_float64(q, k, cu, scale):
@@ -59,7 +55,7 @@ def test_saving_context_runs_the_forward_once(monkeypatch, context_fn, runs):
     calls = []
     reference = packed.attention_reference
     monkeypatch.setattr(packed, "attention_reference", lambda *a, **kw: calls.append(1) or reference(*a, **kw))
-    q, k, v, cu = (t.requires_grad_() if t.is_floating_point() else t for t in _packed([9, 17]))
+    q, k, v, cu = (t.requires_grad_() if t.is_floating_point() else t for t in _packed([9, 17], dtype=torch.float64))
     want = torch.autograd.grad(_layer(q, k, v, cu), (q, k, v))
     calls.clear()
     got = torch.autograd.grad(checkpoint(_layer, q, k, v, cu, use_reentrant=False, context_fn=context_fn), (q, k, v))
