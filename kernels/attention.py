@@ -34,7 +34,7 @@ from . import exact_math
 from ._triton import has_tma, launch_staged, next_power_of_2, require_triton, tl, tma_rows_aligned, triton
 from .backend import select
 from .latent_attention import latent_attention_triton, value_in_key
-from .row_sum import row_sum_halves, row_sum_levels
+from .row_sum import lane_sums, row_sum_halves, row_sum_levels
 
 BLOCK_M = 64  # query rows (token, head) per program of prefill chunks (decode: 16, training: 128; `pick_config`)
 DECODE_BLOCK_M = 16
@@ -124,7 +124,7 @@ def packed_layout(cu_seqlens: torch.Tensor, max_seqlen: int) -> PagedLayout:
 
 @triton.jit
 def _attend_block(q, k, v, k_pos, k_ok, q_pos, m_i, l_i, acc, scale_log2, SUM_LEVELS: tl.constexpr,
-                  MASKED: tl.constexpr):
+                  LANE_SUMS: tl.constexpr, MASKED: tl.constexpr):
     """One key block of the online softmax, the arithmetic every load path shares: scores, the
     causal mask (`MASKED`), running max, denominators summed in a fixed order, rescaled output.
     The scale is applied inside the exponent's FMA and to the row max of the raw scores (rounding
@@ -136,7 +136,7 @@ def _attend_block(q, k, v, k_pos, k_ok, q_pos, m_i, l_i, acc, scale_log2, SUM_LE
     m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale_log2)
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(tl.fma(s, scale_log2, -m_new[:, None]))
-    l_i = l_i * alpha + row_sum_halves(p, SUM_LEVELS)  # a fixed order for every tile shape
+    l_i = l_i * alpha + row_sum_halves(p, SUM_LEVELS, LANE_SUMS)  # a fixed order for every tile shape
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
     return m_new, l_i, acc
 
@@ -163,7 +163,7 @@ def _attention_fwd_kernel(
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUM_LEVELS: tl.constexpr,
-    KV_DESC: tl.constexpr, SPLIT_MASK: tl.constexpr,
+    LANE_SUMS: tl.constexpr, KV_DESC: tl.constexpr, SPLIT_MASK: tl.constexpr,
 ):
     # the last tiles of a causal sequence have the most keys: launch them first, so that the
     # light ones fill the end of the grid instead of a few heavy ones running alone
@@ -213,25 +213,25 @@ def _attention_fwd_kernel(
                 k = k_desc.load([q_start + start, kv_head * HEAD_DIM])
                 v = v_desc.load([q_start + start, kv_head * HEAD_DIM_V])
                 m_i, l_i, acc = _attend_block(q, k, v, k_pos, k_pos < n_keys, q_pos, m_i, l_i, acc, scale_log2,
-                                              SUM_LEVELS, False)
+                                              SUM_LEVELS, LANE_SUMS, False)
         for start in range(unmasked, first, BLOCK_N):
             k_pos = start + tl.arange(0, BLOCK_N)
             k = k_desc.load([q_start + start, kv_head * HEAD_DIM])
             v = v_desc.load([q_start + start, kv_head * HEAD_DIM_V])
             m_i, l_i, acc = _attend_block(q, k, v, k_pos, k_pos < n_keys, q_pos, m_i, l_i, acc, scale_log2, SUM_LEVELS,
-                                          True)
+                                          LANE_SUMS, True)
     else:
         if SPLIT_MASK:
             for start in range(0, unmasked, BLOCK_N):
                 k, v, k_pos, k_ok = _paged_block(k_ptr, v_ptr, table_row, start, n_keys, page_size, kv_head,
                                                  stride_ks, stride_kh, stride_vs, stride_vh, d, d_ok, dv, BLOCK_N)
                 m_i, l_i, acc = _attend_block(q, k, v, k_pos, k_ok, q_pos, m_i, l_i, acc, scale_log2, SUM_LEVELS,
-                                              False)
+                                              LANE_SUMS, False)
         first = unmasked
     for start in range(first, n_keys, BLOCK_N):  # the diagonal blocks (KV_DESC: only the partial last one)
         k, v, k_pos, k_ok = _paged_block(k_ptr, v_ptr, table_row, start, n_keys, page_size, kv_head, stride_ks,
                                          stride_kh, stride_vs, stride_vh, d, d_ok, dv, BLOCK_N)
-        m_i, l_i, acc = _attend_block(q, k, v, k_pos, k_ok, q_pos, m_i, l_i, acc, scale_log2, SUM_LEVELS, True)
+        m_i, l_i, acc = _attend_block(q, k, v, k_pos, k_ok, q_pos, m_i, l_i, acc, scale_log2, SUM_LEVELS, LANE_SUMS, True)
     out = acc / l_i[:, None]
     tl.store(o_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :],
              out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -288,7 +288,8 @@ def attention_triton(q, k_cache, v_cache, layout: PagedLayout, scale: float, con
             out.stride(0), out.stride(1), layout.block_table.stride(0))
     kwargs = dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=next_power_of_2(head_dim),
                   BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SUM_LEVELS=row_sum_levels(cfg.block_n),
-                  KV_DESC=kv_descriptors, SPLIT_MASK=split_mask(cfg), num_warps=cfg.num_warps)
+                  LANE_SUMS=lane_sums(cfg.block_m, cfg.num_warps), KV_DESC=kv_descriptors, SPLIT_MASK=split_mask(cfg),
+                  num_warps=cfg.num_warps)
     key = ("attention", q.device, q.dtype, group, head_dim, head_dim_v, cfg, kv_descriptors)
     launch_staged(_attention_fwd_kernel, grid, args, kwargs, cfg.num_stages, key, fallback=config is None)
     return out, lse

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from ._triton import launch_staged, next_power_of_2, num_sms, require_triton, tl, triton
-from .row_sum import row_sum_halves, row_sum_levels
+from .row_sum import lane_sums, row_sum_halves, row_sum_levels
 
 
 def value_in_key(k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -105,7 +105,7 @@ def _latent_fwd_kernel(
     stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
     GROUP: tl.constexpr, LAT: tl.constexpr, ROPE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_V: tl.constexpr,
-    SUM_LEVELS: tl.constexpr,
+    SUM_LEVELS: tl.constexpr, LANE_SUMS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     seq = tl.program_id(1)
@@ -153,7 +153,7 @@ def _latent_fwd_kernel(
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + row_sum_halves(p, SUM_LEVELS)  # a fixed order for every tile shape
+        l_i = l_i * alpha + row_sum_halves(p, SUM_LEVELS, LANE_SUMS)  # a fixed order for every tile shape
         if CHUNKS == 1:
             v = k_lat  # the value is the latent key: the tile just loaded
         else:  # this chunk's dims of the same rows (the score's load left them in L1/L2)
@@ -198,7 +198,7 @@ def latent_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, v_dim: int,
             layout.block_table.stride(0))
     kwargs = dict(GROUP=group, **dims, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CHUNKS=cfg.value_chunks,
                   BLOCK_V=dims["BLOCK_L"] // cfg.value_chunks, SUM_LEVELS=row_sum_levels(cfg.block_n),
-                  num_warps=cfg.num_warps)
+                  LANE_SUMS=lane_sums(cfg.block_m, cfg.num_warps), num_warps=cfg.num_warps)
     # Hopper's tiles need two stages' shared memory; smaller GPUs fall back to one (a sweep's
     # explicit candidate runs as given, or fails)
     launch_staged(_latent_fwd_kernel, grid, args, kwargs, cfg.num_stages,

@@ -8,10 +8,18 @@ tiles (mma.sync on Hopper) summed its softmax denominators in a different order 
 order by logical position instead: for a row of width ``2**LEVELS`` it adds the second half
 onto the first, elementwise, and repeats, ``x[j] + x[j + W/2]`` for ``W = 2**LEVELS, ..., 2``.
 Elementwise adds round the same everywhere, so the sum is the same bits for every tile shape,
-warp count and stage count (docs/design.md rule 2). Its cost on the H200 (docs/gpu-results.md,
-sixth session): none in the 64-row latent tiles (faster than `tl.sum` there), ~16% of the
-128-row GQA training forward; an adder tree by pairs and a tensor-core dot with a ones tile
-were also exact across tiles, and slower.
+warp count and stage count (docs/design.md rule 2). An adder tree by pairs and a tensor-core dot
+with a ones tile were also exact across tiles, and slower (docs/gpu-results.md, sixth session).
+
+Each level can be written two ways, with the same single add per output element and so the same
+bits (`LANE_SUMS`): split the halves apart and add them, or ``tl.sum`` over a reshaped axis of
+two. The compiler lowers them differently. The split needs both halves in one thread, so where a
+half sits in another lane it moves the tile through shared memory (a stmatrix/load round trip per
+register, on the critical path between the score and value dots). The two-element sum is an
+in-thread add or one lane shuffle while a row lives in one warp, which is the case for the wgmma
+tiles (16 rows or more per warp, `lane_sums`); where the warps split a row's columns (the 16-row
+mma.sync decode tiles) it crosses warps through shared memory at every level and the split is
+faster (tenth session: GQA training forward 1-3% faster with sums, decode ~20% slower).
 
 `row_sum_reference` is the same order in torch; `row_sum_triton` runs the helper on a 2-D tensor
 (for the checks).
@@ -31,13 +39,23 @@ def row_sum_levels(width: int) -> int:
     return width.bit_length() - 1
 
 
+def lane_sums(block_m: int, num_warps: int) -> bool:
+    """`row_sum_halves`'s ``LANE_SUMS`` for a tile of `block_m` rows run by `num_warps` warps:
+    True when every row lives in one warp (the warps split the rows only, 16 or more each)."""
+    return block_m >= 16 * num_warps
+
+
 @triton.jit
-def row_sum_halves(x, LEVELS: tl.constexpr):
+def row_sum_halves(x, LEVELS: tl.constexpr, LANE_SUMS: tl.constexpr):
     """``[M]`` sums of the rows of ``x [M, 2**LEVELS]``, adding halves: ``x[:, :W/2] + x[:, W/2:]``
-    until one column is left."""
+    until one column is left. `LANE_SUMS` picks the lowering (the module docstring; `lane_sums`),
+    never the bits."""
     for _ in tl.static_range(LEVELS):
-        a, b = tl.split(tl.permute(tl.reshape(x, (x.shape[0], 2, x.shape[1] // 2)), (0, 2, 1)))
-        x = a + b
+        if LANE_SUMS:  # one add per element, as below: a sum of two is the same either way round
+            x = tl.sum(tl.reshape(x, (x.shape[0], 2, x.shape[1] // 2)), axis=1)
+        else:
+            a, b = tl.split(tl.permute(tl.reshape(x, (x.shape[0], 2, x.shape[1] // 2)), (0, 2, 1)))
+            x = a + b
     return tl.reshape(x, (x.shape[0],))
 
 
@@ -52,16 +70,18 @@ def row_sum_reference(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _row_sum_kernel(x_ptr, out_ptr, m, stride_m, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, LEVELS: tl.constexpr):
+def _row_sum_kernel(x_ptr, out_ptr, m, stride_m, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, LEVELS: tl.constexpr,
+                    LANE_SUMS: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, WIDTH)
     x = tl.load(x_ptr + rows[:, None] * stride_m + cols[None, :], mask=(rows < m)[:, None], other=0.0)
-    tl.store(out_ptr + rows, row_sum_halves(x, LEVELS), mask=rows < m)
+    tl.store(out_ptr + rows, row_sum_halves(x, LEVELS, LANE_SUMS), mask=rows < m)
 
 
-def row_sum_triton(x: torch.Tensor, block_m: int = 16, num_warps: int = 4) -> torch.Tensor:
+def row_sum_triton(x: torch.Tensor, block_m: int = 16, num_warps: int = 4, lane_sums: bool = False) -> torch.Tensor:
     """``[M]`` row sums of the fp32 ``x [M, W]`` (W a power of two, >= 2) by `row_sum_halves`, with
-    `block_m` rows per program and `num_warps` warps (which must not change the result)."""
+    `block_m` rows per program, `num_warps` warps and its ``LANE_SUMS`` lowering `lane_sums` (none
+    of which may change the result)."""
     require_triton("row_sum")
     if x.dim() != 2 or x.dtype != torch.float32:
         raise ValueError(f"row_sum_triton: x must be a 2-D float32 tensor, got {x.dim()}-D {x.dtype}")
@@ -72,5 +92,5 @@ def row_sum_triton(x: torch.Tensor, block_m: int = 16, num_warps: int = 4) -> to
     if x.shape[0]:
         grid = (triton.cdiv(x.shape[0], block_m),)
         _row_sum_kernel[grid](x, out, x.shape[0], x.stride(0), BLOCK_M=next_power_of_2(block_m), WIDTH=width,
-                              LEVELS=levels, num_warps=num_warps)
+                              LEVELS=levels, LANE_SUMS=lane_sums, num_warps=num_warps)
     return out

@@ -10,7 +10,7 @@ from vexact_models.kernels.attention import AttentionConfig
 from vexact_models.kernels.attention import pick_config as attention_pick_config
 from vexact_models.kernels.latent_attention import LatentConfig, key_block
 from vexact_models.kernels.latent_attention import pick_config as latent_pick_config
-from vexact_models.kernels.row_sum import row_sum_levels, row_sum_reference
+from vexact_models.kernels.row_sum import lane_sums, row_sum_levels, row_sum_reference
 
 
 def test_row_sum_reference_adds_halves_in_order():
@@ -37,6 +37,12 @@ def test_row_sum_levels_rejects_widths_that_are_not_powers_of_two(width):
 
 def test_row_sum_levels():
     assert [row_sum_levels(w) for w in (1, 2, 16, 64)] == [0, 1, 4, 6]
+
+
+def test_lane_sums_only_where_each_row_lives_in_one_warp():
+    # wgmma tiles: 16 rows or more per warp; decode's 16-row tiles and the 8-warp latent tile split rows
+    assert lane_sums(128, 4) and lane_sums(64, 4) and lane_sums(128, 8) and lane_sums(16, 1)
+    assert not lane_sums(16, 4) and not lane_sums(32, 4) and not lane_sums(64, 8)
 
 
 def test_gqa_decode_takes_16_row_tiles_and_training_128():

@@ -15,14 +15,15 @@ DEVICE = "cpu" if INTERPRET else "cuda"
 from vexact_models.kernels.row_sum import row_sum_reference, row_sum_triton  # noqa: E402
 
 
+@pytest.mark.parametrize("lane_sums", [False, True])
 @pytest.mark.parametrize("width", [2, 16, 64])
 @pytest.mark.parametrize("block_m, num_warps", [(16, 4), (64, 4), (128, 8), (16, 1)])
-def test_row_sum_halves_is_the_reference_order(width, block_m, num_warps):
+def test_row_sum_halves_is_the_reference_order(width, block_m, num_warps, lane_sums):
     g = torch.Generator().manual_seed(width)
     # magnitudes spread over many binades, so that another order rounds differently
     x = (torch.randn(77, width, generator=g) * torch.exp2(torch.randint(-20, 20, (77, width), generator=g).float()))
     x = x.to(DEVICE)
-    got = row_sum_triton(x, block_m, num_warps)
+    got = row_sum_triton(x, block_m, num_warps, lane_sums)
     assert torch.equal(got, row_sum_reference(x))
 
 
