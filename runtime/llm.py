@@ -4,14 +4,15 @@
     outs = llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=256, seed=0))
     outs[0].outputs[0].token_ids, outs[0].outputs[0].logprobs
 
-Each step: `Scheduler.schedule` -> `ModelRunner.execute` -> `Sampler` -> `Scheduler.postprocess`.
+Each step: `Scheduler.schedule` -> `ModelRunner.execute` -> `Sampler` -> `Scheduler.postprocess`
+(`llm_steps`: the loop, which with ``async_scheduling`` launches the next decode step before
+reading the current one's tokens back).
 """
 
 from __future__ import annotations
 
 import operator
 import os
-import time
 import weakref
 from collections.abc import Sequence as Seq
 
@@ -26,13 +27,13 @@ from .llm_args import (architecture_of, check_engine_args, check_max_model_len, 
                        check_model_placement, resolve_device, resolve_dtype)
 from .llm_memory import EngineMemoryMixin
 from .llm_setup import EngineSetupMixin
+from .llm_steps import EngineStepsMixin
 from .outputs import CompletionOutput, RequestOutput
 from .pipeline import PipelineStage, check_stage_model, join_pipeline
 from .pipeline_comm import PipelineComm
 from .pipeline_worker import Pipeline
-from .sampler import Sampler, spread_samples
+from .sampler import Sampler
 from .sampling_params import SamplingParams
-from .scheduler import ScheduledSeq
 from .sequence import Sequence
 
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads derived seeds
@@ -42,7 +43,7 @@ def _derive_seed(base: int, index: int) -> int:
     return (base * 1_000_003 + (index + 1) * _SEED_STRIDE) % (1 << 63)
 
 
-class LLM(EngineSetupMixin, EngineMemoryMixin):
+class LLM(EngineStepsMixin, EngineSetupMixin, EngineMemoryMixin):
     """A paged-KV rollout engine over a vexact-models architecture.
 
     A bad argument (or a model that is not a vexact-models causal LM, e.g. a stock transformers
@@ -69,6 +70,12 @@ class LLM(EngineSetupMixin, EngineMemoryMixin):
         enable_chunked_prefill: split long prompts over steps.
         enforce_eager: never use CUDA graphs (by default decode steps of up to ``max_num_seqs``
             sequences replay captured graphs on CUDA; results are bitwise the same either way).
+        async_scheduling: launch the next decode step before the current one's tokens reach
+            the host, its input tokens taken on the device, so that the device does not idle
+            while the host postprocesses and schedules (`runtime.llm_steps`). A sequence that
+            stops runs one step too many, whose result is dropped. Results are bitwise the same
+            either way; False runs one step at a time. Pipeline-parallel engines run one step
+            at a time regardless.
         enable_prefix_sharing: share the KV pages of common full-page prefixes between the
             sequences of one ``generate`` call (the n samples of a prompt, prompts with a common
             start) instead of computing them again; results are bitwise the same either way.
@@ -96,7 +103,7 @@ class LLM(EngineSetupMixin, EngineMemoryMixin):
                  block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  max_model_len: int | None = None, gpu_memory_utilization: float = 0.9,
                  kv_cache_bytes: int | None = None, seed: int = 0, enable_chunked_prefill: bool = True,
-                 enforce_eager: bool = False, aligned: bool = True,
+                 enforce_eager: bool = False, aligned: bool = True, async_scheduling: bool = True,
                  enable_prefix_sharing: bool = True, owns_weights: bool | None = None,
                  pipeline_parallel_size: int = 1) -> None:
         from vexact_models.layers import fuse_projections
@@ -107,7 +114,8 @@ class LLM(EngineSetupMixin, EngineMemoryMixin):
                           max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
                           kv_cache_bytes=kv_cache_bytes, seed=seed, pipeline_parallel_size=pipeline_parallel_size,
                           flags=dict(enable_chunked_prefill=enable_chunked_prefill, enforce_eager=enforce_eager,
-                                     aligned=aligned, enable_prefix_sharing=enable_prefix_sharing))
+                                     aligned=aligned, enable_prefix_sharing=enable_prefix_sharing,
+                                     async_scheduling=async_scheduling))
         load_dtype = resolve_dtype(dtype)
         from_folder = isinstance(model, (str, os.PathLike))
         if not from_folder:
@@ -120,6 +128,7 @@ class LLM(EngineSetupMixin, EngineMemoryMixin):
         if not aligned and self.device.type != "cuda":
             raise ValueError(f"LLM: aligned=False (the cuBLAS fast path) needs a CUDA device, got {self.device}")
         self.aligned = aligned
+        self.async_scheduling = async_scheduling
         self.tokenizer = None
         training = self._load(str(model), dtype, stage) if from_folder else model
         arch = architecture_of(training)
@@ -295,33 +304,6 @@ class LLM(EngineSetupMixin, EngineMemoryMixin):
             self._graphs_follow(backend)
             bar = tqdm(total=total, desc="generate", unit="seq", disable=not use_tqdm)
             self._loop(bar)
-
-    def _loop(self, bar) -> None:
-        try:
-            while self.scheduler.has_unfinished():
-                started = time.perf_counter()
-                step = self.scheduler.schedule()
-                self.num_preemptions += len(step.preempted)
-                bar.update(len(step.errored))
-                if not step.scheduled:
-                    continue
-                tokens, logprobs = self._execute(step.scheduled)
-                bar.update(len(self.scheduler.postprocess(step.scheduled, tokens, logprobs)))
-                if self.step_times is not None:  # the sampler's host sync ended the step
-                    decode = all(item.num_new_tokens == 1 for item in step.scheduled)
-                    self.step_times.append((len(step.scheduled), decode, time.perf_counter() - started))
-        finally:
-            bar.close()
-
-    def _execute(self, scheduled: list[ScheduledSeq]) -> tuple[list[int | None], list[float | None]]:
-        """Run one scheduled step and sample: the token and logprob of each scheduled sequence
-        (None for a non-final prefill chunk), as `Scheduler.postprocess` takes them."""
-        if self.pipeline is not None:
-            return self.pipeline.execute_first(self, scheduled)
-        logits = self.runner.execute(scheduled)
-        sampling = [item.seq for item in scheduled if item.samples]
-        tokens, logprobs = self.sampler(logits, sampling)
-        return spread_samples(scheduled, tokens, logprobs)
 
     def _output(self, prompt, ids: list[int], seqs: list[Sequence]) -> RequestOutput:
         completions = []

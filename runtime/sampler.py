@@ -32,9 +32,8 @@ class Sampler:
         self._rows: _RowParams | None = None  # the last call's, reused for the same sequences
 
     def _banned(self, seq: Sequence) -> list[int]:
-        """Tokens that may not be sampled yet: stop tokens and EOS before ``min_tokens``."""
-        if seq.num_output_tokens >= seq.params.min_tokens:
-            return []
+        """Tokens that may not be sampled yet by a sequence short of ``min_tokens``: its stop
+        tokens and EOS (`_bans` decides who is short, counting tokens in flight)."""
         banned = list(seq.params.stop_token_ids)
         if self.eos_token_id is not None and not seq.params.ignore_eos:
             banned.append(self.eos_token_id)
@@ -46,15 +45,22 @@ class Sampler:
         return [(i, tok) for i in np.flatnonzero(step < min_tokens).tolist() for tok in self._banned(seqs[i])]
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
+        """The token and logprob of each row of `logits` (one per sequence of `seqs`): one host sync."""
         if not seqs:
             return [], []
+        return self.launch(logits, seqs).result()
+
+    def launch(self, logits: torch.Tensor, seqs: list[Sequence], ahead: int = 0) -> SampledTokens:
+        """Start sampling one token per row of `logits` for `seqs`, without waiting for it. With
+        `ahead` = 1 each sequence's token still in flight (a ``schedule_ahead`` step) counts as
+        generated: the RNG counter and min_tokens see it."""
         rows = self._rows
         if rows is None or rows.device != logits.device or rows.seqs != seqs:  # identity per element
-            rows = self._rows = _RowParams(seqs, logits.device)
+            rows = self._rows = _RowParams(seqs, logits.device, ahead)
         else:
-            rows.refresh()
-        return sample(logits, rows.temps, rows.logprob_temps, rows.top_k, rows.top_p, rows.seeds, rows.steps,
-                      rows.filters, self._bans(seqs, rows.step, rows.min_tokens))
+            rows.refresh(ahead)
+        return launch_sample(logits, rows.temps, rows.logprob_temps, rows.top_k, rows.top_p, rows.seeds, rows.steps,
+                             rows.filters, self._bans(seqs, rows.step, rows.min_tokens))
 
     def host_rows(self, seqs: list[Sequence]) -> HostRows:
         """What sampling `seqs` needs, as host arrays (a pipeline's first stage sends them to the
@@ -93,10 +99,39 @@ def sample_host_rows(logits: torch.Tensor, rows: HostRows) -> tuple[list[int], l
                   [tuple(pair) for pair in rows.bans.tolist()])
 
 
+class SampledTokens:
+    """A step's sampled tokens and their logprobs: on the device at once (``tokens``, int64
+    ``[R]``, which the next step may take as its input ids), on the host after `result`."""
+
+    def __init__(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+        self.tokens = tokens
+        both = torch.stack([tokens.double(), logprobs.double()])
+        self._ready: torch.cuda.Event | None = None
+        if both.is_cuda:  # into pinned memory without waiting: the step's one host sync is result()
+            self._host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+            self._host.copy_(both, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host = both
+
+    def result(self) -> tuple[list[int], list[float]]:
+        """(tokens, logprobs) on the host, waiting for the device if needed."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._host[0].long().tolist(), self._host[1].float().tolist()
+
+
 def sample(logits: torch.Tensor, temps, logprob_temps, top_k, top_p, seeds, steps, filters: bool,
            banned: list[tuple[int, int]]) -> tuple[list[int], list[float]]:
     """The device side of sampling (rule 7): bans, top-k/top-p thresholds, Gumbel-max, and the
     logprob of the unfiltered logits; one host sync."""
+    return launch_sample(logits, temps, logprob_temps, top_k, top_p, seeds, steps, filters, banned).result()
+
+
+def launch_sample(logits: torch.Tensor, temps, logprob_temps, top_k, top_p, seeds, steps, filters: bool,
+                  banned: list[tuple[int, int]]) -> SampledTokens:
+    """`sample` without the host sync: the device work, and the results on their way to the host."""
     sample_logits = logits
     if banned:
         ban_rows, ban_cols = zip(*banned)
@@ -106,9 +141,7 @@ def sample(logits: torch.Tensor, temps, logprob_temps, top_k, top_p, seeds, step
     if filters:
         thresholds = filter_thresholds(sample_logits, temps, top_k, top_p)
     tokens = sample_tokens(sample_logits, temps, seeds, steps, thresholds)
-    logprobs = gather_logprobs(logits, tokens, logprob_temps)
-    both = torch.stack([tokens.double(), logprobs.double()]).cpu()  # the step's one host sync
-    return both[0].long().tolist(), both[1].float().tolist()
+    return SampledTokens(tokens, gather_logprobs(logits, tokens, logprob_temps))
 
 
 def spread_samples(scheduled: list[ScheduledSeq], tokens: list[int], logprobs: list[float]
@@ -122,8 +155,9 @@ def spread_samples(scheduled: list[ScheduledSeq], tokens: list[int], logprobs: l
             [next(it_l) if item.samples else None for item in scheduled])
 
 
-def _host_arrays(seqs: list[Sequence]) -> dict[str, np.ndarray]:
-    """The rows' sampling parameters on the host, one Python pass per field."""
+def _host_arrays(seqs: list[Sequence], ahead: int = 0) -> dict[str, np.ndarray]:
+    """The rows' sampling parameters on the host, one Python pass per field (`ahead`: tokens in
+    flight per sequence, `_steps`)."""
     n = len(seqs)
     params = [s.params for s in seqs]
     # fp32 as the kernels take it, rounded on the host exactly as .float() would on the device
@@ -132,12 +166,13 @@ def _host_arrays(seqs: list[Sequence]) -> dict[str, np.ndarray]:
                 top_k=np.fromiter((p.top_k for p in params), np.int64, n),
                 min_tokens=np.fromiter((p.min_tokens for p in params), np.int64, n),
                 seeds=np.fromiter((s.seed for s in seqs), np.int64, n),
-                step=_steps(seqs))
+                step=_steps(seqs, ahead))
 
 
-def _steps(seqs: list[Sequence]) -> np.ndarray:
-    """The index of the token each sequence generates next (its RNG counter)."""
-    return np.fromiter((len(s.token_ids) - s.num_prompt_tokens for s in seqs), np.int64, len(seqs))
+def _steps(seqs: list[Sequence], ahead: int = 0) -> np.ndarray:
+    """The index of the token each sequence generates next (its RNG counter), counting `ahead`
+    sampled tokens that are not in ``token_ids`` yet."""
+    return np.fromiter((len(s.token_ids) - s.num_prompt_tokens + ahead for s in seqs), np.int64, len(seqs))
 
 
 class _RowParams:
@@ -147,9 +182,9 @@ class _RowParams:
     sequences (most steps) only the RNG counters ``step`` are read again and copied; a new list
     of sequences is read once, one Python pass per field. Either way one pinned copy."""
 
-    def __init__(self, seqs: list[Sequence], device: torch.device) -> None:
+    def __init__(self, seqs: list[Sequence], device: torch.device, ahead: int = 0) -> None:
         self.seqs, self.device = list(seqs), device
-        host = _host_arrays(seqs)
+        host = _host_arrays(seqs, ahead)
         temps = host["temps"]
         self.min_tokens = host["min_tokens"]
         #: whether any row needs top-k/top-p thresholds (greedy rows are never filtered)
@@ -160,7 +195,8 @@ class _RowParams:
             [temps, np.where(temps > 0, temps, np.float32(1)), host["top_p"], host["top_k"], host["seeds"],
              self.step], device)
 
-    def refresh(self) -> None:
-        """Re-read and copy the RNG counters (the index of the token each sequence generates)."""
-        self.step = _steps(self.seqs)
+    def refresh(self, ahead: int = 0) -> None:
+        """Re-read and copy the RNG counters (the index of the token each sequence generates,
+        `ahead` tokens past its last known one)."""
+        self.step = _steps(self.seqs, ahead)
         [self.steps] = to_device([self.step], self.device)

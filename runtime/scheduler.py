@@ -6,7 +6,9 @@ pages), never of timing, so a workload always yields the same steps. The numbers
 on the schedule anyway (batch-invariant kernels, sampling keyed by seed and token index);
 determinism keeps runs replayable. Drive loop: while ``has_unfinished()``: ``schedule()``,
 report ``errored``, run the model on ``scheduled`` and sample, then ``postprocess()``
-(`scheduler_postprocess.py`: applying the results and the finishing rules).
+(`scheduler_postprocess.py`: applying the results and the finishing rules). An engine that
+overlaps its host work with the device may call ``schedule_ahead()`` between running a step and
+postprocessing it (`scheduler_ahead.py`: the next decode step, before the tokens are known).
 
 With prefix sharing on in the BlockManager, a sequence's leading full pages that another
 sequence has already computed (or computes earlier in the same step, see ``_publish``) are
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 from itertools import islice
 
 from .block_manager import BlockManager
+from .scheduler_ahead import LookaheadMixin
 from .scheduler_postprocess import PostprocessMixin
 from .sequence import Sequence, SequenceStatus
 
@@ -37,6 +40,8 @@ class ScheduledSeq:
     #: Tokens ``seq.token_ids[seq.num_computed_tokens : seq.num_computed_tokens + num_new_tokens]``
     #: run through the model this step (their K/V go to the cache). ``num_computed_tokens`` is
     #: read after ``schedule()``: it already counts the pages shared at this step's allocation.
+    #: (A ``schedule_ahead`` step runs one token at position ``len(seq.token_ids)``: the token
+    #: the step before it is still sampling.)
     num_new_tokens: int
     #: True when this chunk ends at ``seq.num_tokens``: the step samples seq's next token from
     #: the logits of the chunk's last position. False for a non-final prefill chunk.
@@ -67,7 +72,7 @@ def _check_int(name: str, value: object, minimum: int) -> int:
     return value
 
 
-class Scheduler(PostprocessMixin):
+class Scheduler(LookaheadMixin, PostprocessMixin):
     """Decides, step by step, which tokens of which sequences run through the model.
 
     Args:
@@ -116,9 +121,10 @@ class Scheduler(PostprocessMixin):
         self._running: list[Sequence] = []  # kept sorted by arrival
         self._errored: list[Sequence] = []  # finished at add(), reported by the next schedule()
         self._next_arrival = 0
-        # A step's scheduled tokens are only marked computed by postprocess(); scheduling again
-        # before that would run the same tokens twice.
-        self._awaiting_postprocess = False
+        # Steps scheduled and not postprocessed yet, oldest first, each with whether it came from
+        # schedule_ahead(). A step's tokens are only marked computed by postprocess(), so
+        # schedule() waits for an empty queue (it would run the same tokens twice).
+        self._in_flight: deque[tuple[list[ScheduledSeq], bool]] = deque()
 
     @property
     def enable_prefix_sharing(self) -> bool:
@@ -179,7 +185,7 @@ class Scheduler(PostprocessMixin):
     def schedule(self) -> SchedulerOutput:
         """Pick this step's work: running sequences first (arrival order), then waiting ones
         (FIFO) while the token budget and ``max_num_seqs`` allow."""
-        if self._awaiting_postprocess:
+        if self._in_flight:
             raise RuntimeError("Scheduler.schedule() called before postprocess() of the last step")
         errored, self._errored = self._errored, []
         scheduled: list[ScheduledSeq] = []
@@ -189,7 +195,8 @@ class Scheduler(PostprocessMixin):
         # running sequences need next step (and could re-admit the victim at once).
         if not preempted:
             self._schedule_waiting(budget, scheduled)
-        self._awaiting_postprocess = bool(scheduled)
+        if scheduled:
+            self._in_flight.append((scheduled, False))
         return SchedulerOutput(scheduled=scheduled, preempted=preempted, errored=errored)
 
     def _chunk(self, seq: Sequence, budget: int) -> tuple[int, int]:

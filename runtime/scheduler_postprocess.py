@@ -30,19 +30,36 @@ class PostprocessMixin:
     ) -> list[Sequence]:
         """Apply one step's results. ``tokens[i]``/``logprobs[i]`` are the token sampled for
         ``scheduled[i]`` and its logprob (ignored, may be None, where ``samples`` is False).
-        Returns the sequences that finished in this step; their pages are freed."""
+        Steps are postprocessed in the order they were scheduled. Returns the sequences that
+        finished in this step; their pages are freed.
+
+        A ``schedule_ahead`` step may hold sequences that stopped in the step before it: their
+        results are dropped. Its pages that filled up are published here, now that their
+        tokens are known (``_publish``'s rule, one step later: nobody is admitted in between)."""
         if len(tokens) != len(scheduled) or len(logprobs) != len(scheduled):
             raise ValueError(
                 f"postprocess: {len(scheduled)} scheduled sequences but {len(tokens)} tokens "
                 f"and {len(logprobs)} logprobs"
             )
+        ahead = False
+        if self._in_flight:
+            if self._in_flight[0][0] is not scheduled:
+                raise RuntimeError("postprocess: steps must be postprocessed in the order they were scheduled")
+            ahead = self._in_flight[0][1]
+        if ahead:
+            kept = [i for i, item in enumerate(scheduled) if item.seq.status is SequenceStatus.RUNNING]
+            scheduled = [scheduled[i] for i in kept]
+            tokens, logprobs = [tokens[i] for i in kept], [logprobs[i] for i in kept]
         self._validate_results(scheduled, tokens, logprobs)
-        self._awaiting_postprocess = False
+        if self._in_flight:
+            self._in_flight.popleft()
         finished: list[Sequence] = []
         finish_reason = self._finish_reason
         for item, token, logprob in zip(scheduled, tokens, logprobs):
             seq = item.seq
             seq.num_computed_tokens += item.num_new_tokens
+            if ahead:
+                self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens)
             if not item.samples:
                 continue
             # Sequence.append_token, minus its status check: every sequence was checked RUNNING.

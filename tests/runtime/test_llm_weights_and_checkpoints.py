@@ -100,15 +100,15 @@ def test_a_failing_step_does_not_wedge_the_engine(model, monkeypatch):
     llm = make_llm(model)
     before = run_w(llm)
     calls = []
-    real = llm.runner.execute
+    real = llm.runner.run
 
-    def flaky(scheduled):
-        calls.append(len(scheduled))
+    def flaky(inputs, *args, **kwargs):  # every step runs through run(), ordinary or scheduled ahead
+        calls.append(len(inputs.seq_lens))
         if len(calls) == 2:
             raise RuntimeError("injected failure")
-        return real(scheduled)
+        return real(inputs, *args, **kwargs)
 
-    monkeypatch.setattr(llm.runner, "execute", flaky)
+    monkeypatch.setattr(llm.runner, "run", flaky)
     with pytest.raises(RuntimeError, match="injected failure"):
         run_w(llm)
     assert not llm.scheduler.has_unfinished()

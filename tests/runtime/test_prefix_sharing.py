@@ -330,11 +330,12 @@ def run(llm, prompts, params):
     """Results, the peak number of pages in use over the run's steps, and the most pages that
     sharing saved in one step (pages listed by the running block tables minus pages in use)."""
     peak = saved = 0
-    schedule = llm.scheduler.schedule
+    sched = llm.scheduler
+    schedule, schedule_ahead = sched.schedule, sched.schedule_ahead
 
-    def tracked():
+    def tracked(pick=schedule):
         nonlocal peak, saved
-        out = schedule()
+        out = pick()
         bm = llm.block_manager
         in_use = bm.num_blocks - bm.num_free_blocks
         tables = [seq.block_table for seq in llm.scheduler._running]
@@ -345,11 +346,11 @@ def run(llm, prompts, params):
         saved = max(saved, sum(len(t) for t in tables) - in_use)
         return out
 
-    llm.scheduler.schedule = tracked
+    sched.schedule, sched.schedule_ahead = tracked, lambda: tracked(schedule_ahead)  # steps decided ahead too
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)
     finally:
-        del llm.scheduler.schedule
+        del sched.schedule, sched.schedule_ahead
     return [[(c.token_ids, c.logprobs, c.finish_reason) for c in o.outputs] for o in outs], peak, saved
 
 

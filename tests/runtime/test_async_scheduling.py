@@ -1,0 +1,240 @@
+"""Async scheduling: `Scheduler.schedule_ahead` (a decode step decided before the tokens of the
+step in flight are known), its inputs, the sampler's RNG counters one token ahead, and the
+engine loop that launches it (`runtime.llm_steps`): the same tokens, logprobs and finish
+reasons as one step at a time, in every engine setting."""
+
+import numpy as np
+import pytest
+import torch
+
+from vexact_models.runtime import SamplingParams
+from vexact_models.runtime.block_manager import BlockManager
+from vexact_models.runtime.sampler import Sampler
+from vexact_models.runtime.scheduler import Scheduler
+from vexact_models.runtime.sequence import Sequence, SequenceStatus
+from vexact_models.runtime.step_inputs import build_ahead_inputs, build_step_inputs
+
+from .llm_support import cache_bytes, gen, make_llm, prompts_for, result, training_logprobs
+
+EOS = 2
+
+
+def scheduler(num_blocks=64, block_size=4, max_num_seqs=4, budget=64, max_model_len=64):
+    bm = BlockManager(num_blocks, block_size)
+    return Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                     max_model_len=max_model_len, eos_token_id=EOS)
+
+
+def add(sched, prompt_len=3, **params):
+    seq = Sequence(len(sched._running) + sched.num_waiting, 0, [9] * prompt_len, SamplingParams(**params), seed=0)
+    sched.add(seq)
+    return seq
+
+
+def finish(sched, scheduled, token=5):
+    return sched.postprocess(scheduled, [token if i.samples else None for i in scheduled],
+                             [0.0 if i.samples else None for i in scheduled])
+
+
+# -- the scheduler -------------------------------------------------------------------------------
+
+def test_schedule_ahead_runs_the_tokens_in_flight_and_takes_their_pages():
+    sched = scheduler()
+    a, b = add(sched, prompt_len=3), add(sched, prompt_len=4)
+    step = sched.schedule().scheduled  # both prompts, both sample
+    ahead = sched.schedule_ahead()
+    assert [i.seq for i in ahead] == [a, b] and all(i.num_new_tokens == 1 and i.samples for i in ahead)
+    # b's token in flight is position 4, the first of a second page; a's (3) still fits its page
+    assert (len(a.block_table), len(b.block_table)) == (1, 2)
+    assert sched.schedule_ahead() is None  # two steps in flight already
+    with pytest.raises(RuntimeError, match="before postprocess"):
+        sched.schedule()
+    finish(sched, step, token=7)
+    assert (a.token_ids[-1], a.num_computed_tokens) == (7, 3)
+    finish(sched, ahead, token=8)
+    assert a.token_ids[-2:] == [7, 8] and a.num_computed_tokens == 4 and b.num_computed_tokens == 5
+    assert sched.schedule().scheduled  # nothing in flight: the ordinary path again
+
+
+def test_postprocess_takes_the_steps_in_order_and_leaves_no_half_applied_step():
+    sched = scheduler()
+    seq = add(sched)
+    step = sched.schedule().scheduled
+    ahead = sched.schedule_ahead()
+    with pytest.raises(RuntimeError, match="in the order they were scheduled"):
+        finish(sched, ahead)
+    assert seq.num_computed_tokens == 0 and seq.num_output_tokens == 0
+    finish(sched, step)
+    finish(sched, ahead)
+    assert seq.num_output_tokens == 2
+
+
+def test_a_sequence_that_stops_in_flight_has_its_ahead_row_dropped():
+    sched = scheduler()
+    a, b = add(sched), add(sched)
+    step = sched.schedule().scheduled
+    ahead = sched.schedule_ahead()
+    assert sched.postprocess(step, [EOS, 5], [0.0, 0.0]) == [a]  # a stops: its pages are freed
+    assert a.block_table == [] and a.status is SequenceStatus.FINISHED
+    assert sched.postprocess(ahead, [6, 7], [-1.0, -2.0]) == []
+    assert a.output_token_ids == [EOS] and b.output_token_ids == [5, 7] and b.output_logprobs == [0.0, -2.0]
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks - len(b.block_table)
+
+
+def test_schedule_ahead_leaves_out_sequences_that_reach_a_length_limit():
+    sched = scheduler(max_model_len=6)
+    short = add(sched, max_tokens=1)  # done with the token in flight
+    capped = add(sched, prompt_len=5)  # max_model_len: 5 + 1
+    going = add(sched, max_tokens=3)
+    step = sched.schedule().scheduled
+    ahead = sched.schedule_ahead()
+    assert [i.seq for i in ahead] == [going]
+    assert set(finish(sched, step)) == {short, capped}
+    finish(sched, ahead)
+    assert going.num_output_tokens == 2
+
+
+def test_schedule_ahead_declines_what_only_the_ordinary_path_decides():
+    assert scheduler().schedule_ahead() is None  # nothing in flight
+
+    sched = scheduler(budget=4)
+    add(sched, prompt_len=8)  # two chunks of 4: the first samples nothing
+    sched.schedule()
+    assert sched.schedule_ahead() is None
+
+    sched = scheduler()
+    add(sched), add(sched)
+    first = sched.schedule().scheduled
+    sched._in_flight[0] = (first[1:], False)  # as if the token budget had left the first one out
+    assert sched.schedule_ahead() is None
+
+    sched = scheduler(num_blocks=3)
+    add(sched, prompt_len=4), add(sched, prompt_len=4), add(sched, prompt_len=4)  # every page taken
+    sched.schedule()
+    assert sched.schedule_ahead() is None  # position 4 needs a page: a preemption decides who gets it
+
+    sched = scheduler()
+    add(sched)
+    sched.schedule()
+    add(sched, prompt_len=80)  # past max_model_len: finished with "error", reported by schedule()
+    assert sched.schedule_ahead() is None
+
+
+def test_schedule_ahead_waits_for_admissions_only_when_a_slot_can_free():
+    sched = scheduler(max_num_seqs=2)
+    add(sched), add(sched, max_tokens=1), add(sched)  # the third waits for a slot
+    sched.schedule()
+    assert sched.schedule_ahead() is None  # the second ends by length: the third gets its slot next step
+
+    sched = scheduler(max_num_seqs=2)
+    add(sched), add(sched), add(sched)
+    sched.schedule()
+    ahead = sched.schedule_ahead()  # no slot frees for sure (a stop token would delay the admission a step)
+    assert len(ahead) == 2 and sched.num_waiting == 1
+
+    sched = scheduler(max_num_seqs=3)
+    add(sched), add(sched)
+    sched.schedule()
+    add(sched)  # arrives while a step is in flight, with a slot free
+    assert sched.schedule_ahead() is None
+
+
+def test_steps_ahead_publish_their_full_pages_for_sharing():
+    sched = scheduler(block_size=4)
+    seq = add(sched, prompt_len=3, max_tokens=8)
+    step = sched.schedule().scheduled
+    ahead = sched.schedule_ahead()  # runs position 3: the page's last
+    finish(sched, step)
+    bm = sched.block_manager
+    assert bm.num_cached_blocks == 0
+    finish(sched, ahead)
+    assert bm.num_cached_blocks == 1  # tokens 0..3 known and their K/V written
+    assert seq.num_computed_tokens == 4
+
+
+# -- inputs and sampling -------------------------------------------------------------------------
+
+def test_ahead_inputs_are_the_ordinary_decode_inputs_but_the_ids():
+    sched = scheduler()
+    seqs = [add(sched, prompt_len=n) for n in (3, 4, 6)]
+    step = sched.schedule().scheduled
+    sched.schedule_ahead()
+    ahead = build_ahead_inputs(seqs, 4, sched.block_manager.tables)
+    finish(sched, step, token=11)
+    ordinary = build_step_inputs([type(step[0])(s, 1, True) for s in seqs], 4, sched.block_manager.tables)
+    assert ordinary.ids.tolist() == [11, 11, 11] and ahead.ids.tolist() == [0, 0, 0]
+    for name in ("positions", "slots", "logits_rows", "cu_seqlens", "seq_lens", "block_table"):
+        assert np.array_equal(getattr(ahead, name), getattr(ordinary, name)), name
+    assert ahead.max_seqlen_q == ordinary.max_seqlen_q == 1 and ahead.decode_only
+
+
+@pytest.mark.parametrize("params", [dict(temperature=1.0, seed=3), dict(temperature=0.7, top_k=5, seed=4),
+                                    dict(temperature=1.0, min_tokens=3, stop_token_ids=[1, 3], seed=5)])
+def test_sampling_ahead_counts_the_token_in_flight(params):
+    """The RNG counter and min_tokens bans of a step ahead are those of the same step run after
+    its token in flight is appended."""
+    logits = torch.randn(1, 16, generator=torch.Generator().manual_seed(0)) * 3
+    for outputs in range(4):
+        seq = Sequence(0, 0, [9, 9], SamplingParams(**params), seed=params["seed"])
+        seq.token_ids += [4] * outputs
+        ahead = Sampler(EOS).launch(logits, [seq], ahead=1).result()
+        seq.token_ids.append(4)  # the token in flight arrives
+        assert Sampler(EOS)(logits, [seq]) == ahead
+        if params.get("min_tokens") and outputs + 1 < 3:  # still banned one token ahead
+            banned = logits.clone()
+            banned[0, [1, 3, EOS]] = float("inf")
+            assert Sampler(EOS).launch(banned, [seq]).result()[0][0] not in (1, 3, EOS)
+
+
+# -- the engine ----------------------------------------------------------------------------------
+
+PARAMS = [SamplingParams(temperature=1.0, max_tokens=14, seed=1),  # may stop at EOS
+          SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
+          SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, stop_token_ids=[7, 11, 13], seed=2),
+          SamplingParams(temperature=1.2, top_k=20, max_tokens=11, min_tokens=6, stop_token_ids=[5, 8], seed=3),
+          SamplingParams(temperature=1.0, n=3, max_tokens=10, seed=4, ignore_eos=True)]
+
+
+def run_both(model, prompts, params, **engine):
+    """(results, steps scheduled ahead) with async scheduling on, then off."""
+    out = []
+    for on in (True, False):
+        llm = make_llm(model, async_scheduling=on, **engine)
+        picked, ahead = llm.scheduler.schedule_ahead, []
+        llm.scheduler.schedule_ahead = lambda: ahead.append(picked()) or ahead[-1]
+        results = [result(o) for o in gen(llm, prompts, params)]
+        assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+        out.append((results, sum(a is not None for a in ahead), llm.block_manager.num_shared_hits))
+    return out
+
+
+ENGINES = {"default": {}, "3 seqs": dict(max_num_seqs=3), "budget 5": dict(max_num_batched_tokens=5),
+           "preemption": dict(kv_cache_bytes=None, max_num_seqs=8), "no sharing": dict(enable_prefix_sharing=False)}
+
+
+@pytest.mark.parametrize("engine", ENGINES, ids=list(ENGINES))
+def test_async_scheduling_gives_the_same_rollouts(model, engine):
+    settings = dict(ENGINES[engine])
+    if engine == "preemption":
+        settings["kv_cache_bytes"] = cache_bytes(model, 12)
+    prompts = prompts_for(len(PARAMS), seed=11)
+    (on, ahead_on, shared_on), (off, ahead_off, shared_off) = run_both(model, prompts, PARAMS, **settings)
+    assert on == off and shared_on == shared_off
+    assert ahead_on > 0 and ahead_off == 0  # the integration ran (and only when on)
+    reasons = {reason for completions in on for _, _, reason in completions}
+    assert reasons == {"stop", "length"}  # stopped sequences ran a dropped row ahead
+    for prompt, sp, completions in zip(prompts, PARAMS, on):  # and training agrees, bitwise
+        for tokens, logprobs, _ in completions:
+            assert torch.equal(training_logprobs(model, prompt, tokens, sp.temperature), torch.tensor(logprobs))
+
+
+def test_pages_filled_by_steps_ahead_are_shared_with_a_later_prompt(model):
+    """One sequence at a time: b waits while a decodes ahead; b's prompt is a's prompt and first
+    outputs, whose pages a filled in steps scheduled ahead (published at their postprocess)."""
+    a_prompt = prompts_for(1, seed=5, lo=6, hi=6)[0]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    a_out = result(gen(make_llm(model), [a_prompt], greedy)[0])[0][0]
+    prompts = [a_prompt, a_prompt + a_out[:10]]  # 16 tokens: 3 full pages of a's
+    (on, ahead, shared_on), (off, _, shared_off) = run_both(model, prompts, greedy, max_num_seqs=1)
+    assert on == off and ahead > 0
+    assert shared_on == shared_off == 3
