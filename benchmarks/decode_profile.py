@@ -3,8 +3,10 @@
 Runs `LLM.generate` at a published shape (random weights, bf16) with `--batch` sequences of
 `--context` prompt tokens and `--steps` new tokens each (CUDA graphs on, as in production), and
 prints for the steps that decode the whole batch (no prefill chunk in them) the kernels' GPU
-time per step grouped by kernel name, their total and the step's wall time (median, from a
-separate unprofiled run); the difference is host time and launch gaps the GPU waits through.
+time per step grouped by kernel name, their total and the step's wall time (median, from
+separate unprofiled runs: with async scheduling, the engine's default, and one step at a time);
+the difference is host time and launch gaps the GPU waits through. The profiled run goes one
+step at a time, so that each step's kernels run inside its profiler range.
 
 The last line compares the step with the HBM roofline: the bytes a decode step must read (all
 weights but the input embedding, plus the batch's KV cache) over the measured copy bandwidth.
@@ -35,18 +37,33 @@ def _mark_decode_steps(llm, batch: int) -> None:
     """Run every full-batch decode step of `llm` (`batch` sequences, one new token each) under
     a profiler range named `DECODE_STEP`, so that kernels can be attributed to those steps alone:
     the prefill, steps that mix decode with prefill chunks and the batch's ragged end are left out
-    (the earlier version subtracted two runs, which let mixed steps' tiles into the figures)."""
+    (the earlier version subtracted two runs, which let mixed steps' tiles into the figures).
+    Turns async scheduling off: a step's tokens are waited for inside its range."""
     from torch.profiler import record_function
 
-    execute = llm._execute
+    launch = llm._launch
 
     def marked(scheduled):
         if len(scheduled) == batch and all(item.num_new_tokens == 1 for item in scheduled):
             with record_function(DECODE_STEP):
-                return execute(scheduled)
-        return execute(scheduled)
+                launched = launch(scheduled)
+                launched.results()  # the host sync: the step's kernels run inside the range
+                return launched
+        return launch(scheduled)
 
-    llm._execute = marked
+    llm.async_scheduling = False
+    llm._launch = marked
+
+
+def _median_decode_step(llm, prompts, params, batch: int, async_scheduling: bool) -> float:
+    """Median wall seconds between the completions of full-batch decode steps (unprofiled)."""
+    llm.async_scheduling = async_scheduling
+    llm.step_times = []
+    llm.generate(prompts, params, use_tqdm=False)
+    decode = sorted(t for n, is_decode, t in llm.step_times if is_decode and n == batch)
+    if not decode:
+        raise SystemExit(f"decode_profile: no decode step ran all {batch} sequences; raise --steps")
+    return decode[len(decode) // 2]
 
 
 def _kernels_in_ranges(events, ranges: list[tuple[float, float]]) -> dict[str, float]:
@@ -68,11 +85,11 @@ def _kernels_in_ranges(events, ranges: list[tuple[float, float]]) -> dict[str, f
 
 
 def profile_decode(model, vocab: int, batch: int, context: int, steps: int):
-    """(median wall seconds of a full-batch decode step, {kernel name: GPU seconds per such step},
-    number of steps profiled).
+    """(median wall seconds of a full-batch decode step with async scheduling and one step at a
+    time, {kernel name: GPU seconds per such step}, number of steps profiled).
 
-    One unprofiled `generate` times the steps (the profiler slows the host); a second, profiled,
-    attributes kernels to its full-batch decode steps (`_mark_decode_steps`)."""
+    Unprofiled `generate` calls time the steps (the profiler slows the host); a last one,
+    profiled, attributes kernels to its full-batch decode steps (`_mark_decode_steps`)."""
     from torch.profiler import ProfilerActivity, profile
 
     from vexact_models.runtime import LLM, SamplingParams
@@ -82,11 +99,7 @@ def profile_decode(model, vocab: int, batch: int, context: int, steps: int):
     prompts = [[rng.randrange(vocab) for _ in range(context)] for _ in range(batch)]
     params = SamplingParams(temperature=0.6, max_tokens=steps, ignore_eos=True, seed=0)
     llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-    llm.step_times = []
-    llm.generate(prompts, params, use_tqdm=False)
-    decode = sorted(t for n, is_decode, t in llm.step_times if is_decode and n == batch)
-    if not decode:
-        raise SystemExit(f"decode_profile: no decode step ran all {batch} sequences; raise --steps ({steps})")
+    walls = tuple(_median_decode_step(llm, prompts, params, batch, on) for on in (True, False))
     _mark_decode_steps(llm, batch)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         llm.generate(prompts, params, use_tqdm=False)
@@ -94,7 +107,7 @@ def profile_decode(model, vocab: int, batch: int, context: int, steps: int):
     ranges = sorted((e.time_range.start, e.time_range.end) for e in events
                     if e.name == DECODE_STEP and e.device_type == torch.autograd.DeviceType.CPU)
     kernels = _kernels_in_ranges(events, ranges)
-    return decode[len(decode) // 2], {k: v / len(ranges) for k, v in kernels.items() if v > 0}, len(ranges)
+    return walls, {k: v / len(ranges) for k, v in kernels.items() if v > 0}, len(ranges)
 
 
 def main(argv=None) -> int:
@@ -122,10 +135,12 @@ def main(argv=None) -> int:
         if not hasattr(model, "set_mla_kv_cache"):
             parser.error(f"--mla-kv-cache: {args.config} is not an MLA model")
         model.set_mla_kv_cache(args.mla_kv_cache)
-    step, kernels, profiled = profile_decode(model, config.vocab_size, args.batch, args.context, args.steps)
+    (step, one_at_a_time), kernels, profiled = profile_decode(model, config.vocab_size, args.batch, args.context,
+                                                              args.steps)
     launches = kernels.pop(LAUNCHES, 0.0)
     busy = sum(kernels.values())
-    print(f"{args.config}, batch {args.batch}, context {args.context}: median decode step {step * 1e3:.2f} ms wall, "
+    print(f"{args.config}, batch {args.batch}, context {args.context}: median decode step {step * 1e3:.2f} ms wall "
+          f"with async scheduling ({one_at_a_time * 1e3:.2f} ms one step at a time: {one_at_a_time / step:.2f}x), "
           f"{busy * 1e3:.2f} ms of GPU kernels ({100 * busy / step:.0f}% busy) in {launches:.0f} kernels (mean of "
           f"{profiled} full-batch decode steps); the rest is host time and launch gaps")
     print(f"{'kernel':<62}{'ms/step':>9}{'share':>8}")

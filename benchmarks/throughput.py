@@ -6,6 +6,8 @@ shape (default Qwen3-0.6B), bf16, CUDA.
 
 - aligned: `LLM.generate` (aligned kernels, paged KV, continuous batching, chunked prefill,
   CUDA graphs for decode).
+- aligned-sync: the aligned engine one step at a time (``async_scheduling=False``): what
+  launching each decode step before the last one's tokens are back brings.
 - fast: the same runtime on the non-aligned fast path (`LLM(aligned=False)`: cuBLAS GEMMs,
   torch norms): what alignment costs.
 - HF: ``model.generate`` of the stock transformers class on the same weights (sdpa), all
@@ -42,11 +44,12 @@ def workload(n: int, vocab: int, seed: int, lo: int = 100, hi: int = 1024):
     return prompts, outputs
 
 
-def run_vexact(model, prompts, outputs, args, aligned: bool = True) -> tuple[float, int]:
+def run_vexact(model, prompts, outputs, args, aligned: bool = True, async_scheduling: bool = True) -> tuple[float, int]:
     from vexact_models.runtime import LLM, SamplingParams
 
     llm = LLM(model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=2100, gpu_memory_utilization=args.gpu_memory_utilization, aligned=aligned)
+              max_model_len=2100, gpu_memory_utilization=args.gpu_memory_utilization, aligned=aligned,
+              async_scheduling=async_scheduling)
     params = [SamplingParams(temperature=0.6, max_tokens=n, ignore_eos=True, seed=i) for i, n in enumerate(outputs)]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up: compile kernels
     torch.cuda.synchronize()
@@ -56,7 +59,8 @@ def run_vexact(model, prompts, outputs, args, aligned: bool = True) -> tuple[flo
     seconds = time.perf_counter() - t0
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     assert produced == sum(outputs), (produced, sum(outputs))
-    print(f"vexact ({'aligned' if aligned else 'fast path'}): {llm.runner.num_blocks} KV blocks, "
+    print(f"vexact ({'aligned' if aligned else 'fast path'}{'' if async_scheduling else ', one step at a time'}): "
+          f"{llm.runner.num_blocks} KV blocks, "
           f"{llm.num_preemptions} preemptions")
     del llm
     torch.cuda.empty_cache()
@@ -125,7 +129,7 @@ def main(argv=None) -> int:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--hf-batch", type=int, default=64, help="requests per HF generate call (sorted by output length)")
     parser.add_argument("--engines", default="aligned,fast,hf",
-                        help="comma-separated subset of aligned, fast, hf (default: all)")
+                        help="comma-separated subset of aligned, aligned-sync, fast, hf (default: aligned,fast,hf)")
     parser.add_argument("--skip-hf", action="store_true", help="same as leaving hf out of --engines")
     parser.add_argument("--no-roofline", action="store_true", help="skip the decode step / roofline table")
     parser.add_argument("--set", action="append", metavar="KEY=VALUE",
@@ -151,7 +155,7 @@ def main(argv=None) -> int:
           f"{sum(map(len, prompts))} prompt tokens, {sum(outputs)} output tokens")
     engines = [e for e in args.engines.split(",") if e and not (e == "hf" and args.skip_hf)]
     for engine in engines:
-        if engine not in ("aligned", "fast", "hf"):
+        if engine not in ("aligned", "aligned-sync", "fast", "hf"):
             parser.error(f"--engines: unknown engine {engine!r}")
     rows = []
     for mode in modes:
@@ -192,8 +196,10 @@ def run_engines(arch, model, prompts, outputs, args, engines: list[str], mode: s
             seconds, produced = run_hf(arch, model, prompts, outputs, args.hf_batch)
             name, row_mode = f"HF generate (batch {args.hf_batch})", None
         else:
-            seconds, produced = run_vexact(model, prompts, outputs, args, aligned=engine == "aligned")
-            name = "vexact aligned" if engine == "aligned" else "vexact fast path (cuBLAS)"
+            seconds, produced = run_vexact(model, prompts, outputs, args, aligned=engine != "fast",
+                                           async_scheduling=engine != "aligned-sync")
+            name = {"aligned": "vexact aligned", "aligned-sync": "vexact aligned, one step at a time",
+                    "fast": "vexact fast path (cuBLAS)"}[engine]
             name, row_mode = name + (f" [{mode}]" if mode else ""), mode
         rows.append((name, row_mode, seconds, produced))
         print(f"{name}: {produced} output tokens in {seconds:.1f}s = {produced / seconds:,.0f} tok/s", flush=True)

@@ -3,7 +3,8 @@
 For one architecture, backend and model: roll out a fixed pool of requests (greedy, sampled,
 top-k, top-p, min_tokens, stop tokens; each with its own seed) under adversarial engine
 settings (batch sizes 1, 7, 64; chunked-prefill budgets 16 and 128 and no chunking; a KV cache
-so small that sequences are preempted; n = 4), then recompute every sampled token's logprob
+so small that sequences are preempted; n = 4; CUDA graphs off; one step at a time instead of
+async scheduling), then recompute every sampled token's logprob
 with the training variant, packed in shuffled order and padded (left and right), and packed
 once more with autograd on, as a training step runs it, and require ``torch.equal``. A request
 must also produce identical tokens and logprobs in every scenario it appears in. HF parity
@@ -142,6 +143,8 @@ def _scenarios(pool_size: int) -> list[dict]:
         dict(name="batch 7, n=4", requests=small, batch=small, engine=dict(max_num_batched_tokens=32), n=4),
         dict(name=f"batch {pool_size}, CUDA graphs off", requests=pool_size, batch=pool_size,
              engine=dict(max_num_batched_tokens=256, enforce_eager=True), cuda_only=True),
+        dict(name=f"batch {pool_size}, one step at a time", requests=pool_size, batch=pool_size,
+             engine=dict(max_num_batched_tokens=256, async_scheduling=False)),
     ]
 
 
