@@ -122,7 +122,7 @@ def sample_tokens_reference(logits, temperatures, seeds, steps, thresholds) -> t
 
 
 def filter_thresholds(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.Tensor,
-                      top_p: torch.Tensor) -> torch.Tensor:
+                      top_p: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
     """Per-row lowest admissible logit for top-k then top-p filtering (``[rows]`` fp32).
 
     top-k keeps the k largest logits (ties at the k-th value are kept); top-p then keeps the
@@ -130,13 +130,19 @@ def filter_thresholds(logits: torch.Tensor, temperatures: torch.Tensor, top_k: t
     reaches ``top_p``. ``top_k <= 0`` and ``top_p >= 1`` disable each filter; greedy rows
     (T = 0) are not filtered. Row-wise ops only (sort, cumsum, the invariant `log_softmax`), so a
     row's threshold does not depend on the batch.
+
+    `rows`: the indices (int64, on the logits' device) of the rows that filter, when the caller
+    knows them (the sampler does, from the host's parameters); otherwise they are found on the
+    device, which waits for it (``nonzero``). Rows outside `rows` get ``-inf`` (no filter).
     """
     from .log_softmax import log_softmax
 
-    rows, vocab = logits.shape
-    thresholds = torch.full((rows,), float("-inf"), device=logits.device)
-    active = (temperatures > 0) & ((top_k > 0) | (top_p < 1))
-    idx = active.nonzero().squeeze(1)  # empty when no row filters: the ops below are then no-ops
+    n_rows, vocab = logits.shape
+    thresholds = torch.full((n_rows,), float("-inf"), device=logits.device)
+    idx = rows
+    if idx is None:
+        active = (temperatures > 0) & ((top_k > 0) | (top_p < 1))
+        idx = active.nonzero().squeeze(1)  # empty when no row filters: the ops below are then no-ops
     x = logits[idx].float()
     k = torch.where(top_k[idx] > 0, top_k[idx].clamp(max=vocab), torch.full_like(top_k[idx], vocab)).long()
     sorted_x, _ = torch.sort(x, dim=1, descending=True)

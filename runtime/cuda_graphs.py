@@ -129,16 +129,17 @@ class DecodeGraphs:
         return None
 
     def run(self, inputs: StepInputs, carry: tuple[torch.Tensor, torch.Tensor] | None = None,
-            ids: torch.Tensor | None = None):
+            in_flight: torch.Tensor | None = None):
         """Replay the decode step for a decode-only batch; fp32 logits ``[n, vocab]`` (a
         pipeline stage before the last: its ``(hidden, residual)`` rows). `carry`: the previous
-        stage's ``(hidden, residual)`` rows when the graphs take them; `ids`: the token ids on
-        the device in place of ``inputs.ids`` (copied after the host inputs, in stream order)."""
+        stage's ``(hidden, residual)`` rows when the graphs take them; `in_flight`: device token
+        ids in place of the first ``len(in_flight)`` of ``inputs.ids`` (copied after the host
+        inputs, in stream order)."""
         n = len(inputs.ids)
         b = self.bucket(n)
         self.inputs.fill(inputs, b)
-        if ids is not None:
-            self.inputs.ids[:n].copy_(ids)
+        if in_flight is not None:
+            self.inputs.ids[:len(in_flight)].copy_(in_flight)
         if self.carry is not None:
             for static, rows in zip(self.carry, carry):
                 static[:n].copy_(rows)

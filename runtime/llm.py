@@ -70,12 +70,12 @@ class LLM(EngineStepsMixin, EngineSetupMixin, EngineMemoryMixin):
         enable_chunked_prefill: split long prompts over steps.
         enforce_eager: never use CUDA graphs (by default decode steps of up to ``max_num_seqs``
             sequences replay captured graphs on CUDA; results are bitwise the same either way).
-        async_scheduling: launch the next decode step before the current one's tokens reach
-            the host, its input tokens taken on the device, so that the device does not idle
-            while the host postprocesses and schedules (`runtime.llm_steps`). A sequence that
-            stops runs one step too many, whose result is dropped. Results are bitwise the same
-            either way; False runs one step at a time. Pipeline-parallel engines run one step
-            at a time regardless.
+        async_scheduling: launch the next step (decodes, and admissions into the slots free
+            now) before the current one's tokens reach the host, the decodes' input tokens taken
+            on the device, so that the device does not idle while the host postprocesses and
+            schedules (`runtime.llm_steps`). A sequence that stops runs one step too many, whose
+            result is dropped. Results are bitwise the same either way; False runs one step at a
+            time. Pipeline-parallel engines run one step at a time regardless.
         enable_prefix_sharing: share the KV pages of common full-page prefixes between the
             sequences of one ``generate`` call (the n samples of a prompt, prompts with a common
             start) instead of computing them again; results are bitwise the same either way.

@@ -1,13 +1,14 @@
 """The engine's step loop: schedule, run, sample, postprocess; with `async_scheduling`, one
-decode step ahead of the host.
+step ahead of the host.
 
 Without it each step ends in a host sync (the sampled tokens come back), and the device then
 idles while the host postprocesses, schedules and builds the next step: ~1 ms of a ~5 ms
-Qwen3-0.6B decode step on the H200 (docs/gpu-results.md). With it, once a decode step is
-launched the loop asks the scheduler for the following one (`Scheduler.schedule_ahead`) and
-launches it at once, its input tokens taken on the device from the step still running
-(`ModelRunner.execute_ahead`); only then does it wait for the first step's tokens and
-postprocess them. The device always has the next step queued while the host works.
+Qwen3-0.6B decode step on the H200 (docs/gpu-results.md). With it, once a step whose rows all
+sample is launched the loop asks the scheduler for the following one (`Scheduler.schedule_ahead`: the
+decodes, then admissions) and launches it at once, the decodes' input tokens taken on the device
+from the step still running (`ModelRunner.execute_ahead`); only then does it wait for the first
+step's tokens and postprocess them. The device always has the next step queued while the host
+works.
 
 Nothing numeric changes (rules 1 and 7; `runtime.scheduler_ahead`): a sequence that stops in a
 step also runs in the step launched ahead of it, and that row's result is dropped.
@@ -37,8 +38,6 @@ class LaunchedStep:
     scheduled: list[ScheduledSeq]
     #: the sampling rows' tokens (None: the step samples nothing, or ``done`` holds them)
     sampled: SampledTokens | None
-    #: whether `Scheduler.schedule_ahead` picked it
-    ahead: bool
     #: (tokens, logprobs) when known at launch (a pipeline's first stage returns them)
     done: tuple[list, list] | None = None
 
@@ -86,25 +85,27 @@ class EngineStepsMixin:
     def _launch(self, scheduled: list[ScheduledSeq]) -> LaunchedStep:
         """Run `scheduled` and start sampling, without waiting for the tokens."""
         if self.pipeline is not None:
-            return LaunchedStep(scheduled, None, False, self.pipeline.execute_first(self, scheduled))
+            return LaunchedStep(scheduled, None, self.pipeline.execute_first(self, scheduled))
         logits = self.runner.execute(scheduled)
         sampling = [item.seq for item in scheduled if item.samples]
-        return LaunchedStep(scheduled, self.sampler.launch(logits, sampling) if sampling else None, False)
+        return LaunchedStep(scheduled, self.sampler.launch(logits, sampling) if sampling else None)
 
     def _launch_ahead(self, launched: LaunchedStep) -> LaunchedStep | None:
-        """Launch the decode step after `launched` if the scheduler can pick it now; its input
+        """Launch the step after `launched` if the scheduler can pick it now: its decodes' input
         tokens are `launched`'s sampled tokens, gathered on the device."""
         items = self.scheduler.schedule_ahead()
         if items is None:
             return None
         tokens = launched.sampled.tokens  # schedule_ahead: every row of `launched` samples
         row_of = {id(item.seq): i for i, item in enumerate(launched.scheduled)}
-        rows = np.fromiter((row_of[id(item.seq)] for item in items), np.int64, len(items))
-        if len(rows) < len(tokens):  # some left out (length limits): gather the others' tokens
+        flying = [item for item in items if item.in_flight]  # the step's first items
+        rows = np.fromiter((row_of[id(item.seq)] for item in flying), np.int64, len(flying))
+        if not np.array_equal(rows, np.arange(len(tokens))):  # some left out: gather the others' tokens
             tokens = tokens.index_select(0, to_device([rows], tokens.device)[0])
-        seqs = [item.seq for item in items]
-        logits = self.runner.execute_ahead(seqs, tokens)
-        return LaunchedStep(items, self.sampler.launch(logits, seqs, ahead=1), True)
+        logits = self.runner.execute_ahead(items, tokens)
+        sampling = [item for item in items if item.samples]
+        ahead = np.fromiter((item.in_flight for item in sampling), np.int64, len(sampling))
+        return LaunchedStep(items, self.sampler.launch(logits, [item.seq for item in sampling], ahead))
 
     def _complete(self, launched: LaunchedStep, bar) -> None:
         """Wait for `launched`'s tokens and postprocess them."""
@@ -115,8 +116,3 @@ class EngineStepsMixin:
             decode = all(item.num_new_tokens == 1 for item in launched.scheduled)
             self.step_times.append((len(launched.scheduled), decode, now - self._last_completion))
         self._last_completion = time.perf_counter()
-
-    def _execute(self, scheduled: list[ScheduledSeq]) -> tuple[list[int | None], list[float | None]]:
-        """Run one scheduled step and sample, waiting for the tokens: each scheduled sequence's
-        token and logprob (None for a non-final prefill chunk)."""
-        return self._launch(scheduled).results()

@@ -23,7 +23,7 @@ from .block_tables import BlockTables
 from .cuda_graphs import DecodeGraphs
 from .scheduler import ScheduledSeq
 from .staging import to_device
-from .step_inputs import StepInputs, build_ahead_inputs, build_step_inputs
+from .step_inputs import StepInputs, build_step_inputs
 
 
 def kv_bytes_per_block(spec: tuple[int, int, int, int], block_size: int, dtype: torch.dtype) -> int:
@@ -104,24 +104,25 @@ class ModelRunner:
         """Run the step; return fp32 logits ``[num sampling sequences, vocab]`` in scheduled order."""
         return self.run(build_step_inputs(scheduled, self.block_size, self.block_tables))
 
-    def execute_ahead(self, seqs: list, ids: torch.Tensor) -> torch.Tensor:
-        """Run a ``Scheduler.schedule_ahead`` step over `seqs` whose input tokens `ids` (int64
-        ``[len(seqs)]``) are on the device, sampled by the step before and not yet on the host;
-        fp32 logits ``[len(seqs), vocab]``."""
-        return self.run(build_ahead_inputs(seqs, self.block_size, self.block_tables), ids=ids)
+    def execute_ahead(self, scheduled: list[ScheduledSeq], in_flight: torch.Tensor) -> torch.Tensor:
+        """Run a ``Scheduler.schedule_ahead`` step: its ``in_flight`` items (the first ones, one
+        token each) take their input ids from `in_flight` (int64, on the device: sampled by the
+        step before, not on the host yet); fp32 logits of the sampling rows, in order."""
+        return self.run(build_step_inputs(scheduled, self.block_size, self.block_tables), in_flight=in_flight)
 
     def run(self, inputs: StepInputs, carry: tuple[torch.Tensor, torch.Tensor] | None = None,
-            ids: torch.Tensor | None = None):
+            in_flight: torch.Tensor | None = None):
         """Run a step given its inputs: the model's output (fp32 logits of the sampling rows; a
         pipeline stage before the last returns its ``(hidden, residual)``). `carry` is the
-        previous stage's ``(hidden, residual)`` when the model takes them; `ids`, the token ids
-        on the device in place of ``inputs.ids``."""
+        previous stage's ``(hidden, residual)`` when the model takes them; `in_flight`, device
+        token ids that replace the first ``len(in_flight)`` of ``inputs.ids``."""
         if not self.kv_caches:
             raise RuntimeError("ModelRunner: the KV cache is released (call wake_up())")
         if self.graphs is not None and len(inputs.seq_lens) <= self.graphs.max_batch and inputs.decode_only:
-            return self.graphs.run(inputs, carry, ids)
-        host_ids, positions, context, rows = self._to_device(inputs)
-        ids = host_ids if ids is None else ids
+            return self.graphs.run(inputs, carry, in_flight)
+        ids, positions, context, rows = self._to_device(inputs)
+        if in_flight is not None:  # the staged ids are this step's own buffer: overwrite in place
+            ids[:len(in_flight)].copy_(in_flight)
         if carry is None:
             return self.model(ids, positions, context, rows)
         return self.model(ids, positions, context, rows, *carry)

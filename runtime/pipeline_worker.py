@@ -32,7 +32,7 @@ class Pipeline:
 
     def execute_first(self, llm, scheduled: list[ScheduledSeq]) -> tuple[list[int | None], list[float | None]]:
         """First stage: run one scheduled step through every stage; the token and logprob of
-        each scheduled sequence (None for a non-final prefill chunk), as ``LLM._execute``."""
+        each scheduled sequence (None for a non-final prefill chunk), as ``LaunchedStep.results``."""
         runner = llm.runner
         inputs = build_step_inputs(scheduled, runner.block_size, runner.block_tables)
         rows = llm.sampler.host_rows([item.seq for item in scheduled if item.samples])

@@ -50,17 +50,17 @@ class Sampler:
             return [], []
         return self.launch(logits, seqs).result()
 
-    def launch(self, logits: torch.Tensor, seqs: list[Sequence], ahead: int = 0) -> SampledTokens:
-        """Start sampling one token per row of `logits` for `seqs`, without waiting for it. With
-        `ahead` = 1 each sequence's token still in flight (a ``schedule_ahead`` step) counts as
-        generated: the RNG counter and min_tokens see it."""
+    def launch(self, logits: torch.Tensor, seqs: list[Sequence], ahead: int | np.ndarray = 0) -> SampledTokens:
+        """Start sampling one token per row of `logits` for `seqs`, without waiting for it.
+        `ahead` (per row, or one value for all): 1 where the sequence's last token is still in
+        flight (a ``schedule_ahead`` decode), which the RNG counter and min_tokens then count."""
         rows = self._rows
         if rows is None or rows.device != logits.device or rows.seqs != seqs:  # identity per element
             rows = self._rows = _RowParams(seqs, logits.device, ahead)
         else:
             rows.refresh(ahead)
         return launch_sample(logits, rows.temps, rows.logprob_temps, rows.top_k, rows.top_p, rows.seeds, rows.steps,
-                             rows.filters, self._bans(seqs, rows.step, rows.min_tokens))
+                             rows.filter_rows, self._bans(seqs, rows.step, rows.min_tokens))
 
     def host_rows(self, seqs: list[Sequence]) -> HostRows:
         """What sampling `seqs` needs, as host arrays (a pipeline's first stage sends them to the
@@ -82,9 +82,15 @@ class HostRows:
     bans: np.ndarray  #: int64 [B, 2] (row, token) pairs that may not be sampled (min_tokens)
 
     @property
-    def filters(self) -> bool:
-        """Whether any row needs top-k/top-p thresholds (greedy rows are never filtered)."""
-        return bool(((self.temps > 0) & ((self.top_k > 0) | (self.top_p < 1))).any())
+    def filter_rows(self) -> np.ndarray:
+        """The rows that need top-k/top-p thresholds (`filtering_rows`)."""
+        return filtering_rows(self.temps, self.top_k, self.top_p)
+
+
+def filtering_rows(temps: np.ndarray, top_k: np.ndarray, top_p: np.ndarray) -> np.ndarray:
+    """int64 indices of the rows that need top-k/top-p thresholds (greedy rows are never
+    filtered): known on the host, so the device never has to find them (a sync)."""
+    return np.flatnonzero((temps > 0) & ((top_k > 0) | (top_p < 1))).astype(np.int64)
 
 
 def sample_host_rows(logits: torch.Tensor, rows: HostRows) -> tuple[list[int], list[float]]:
@@ -92,10 +98,11 @@ def sample_host_rows(logits: torch.Tensor, rows: HostRows) -> tuple[list[int], l
     same tokens and logprobs."""
     if not len(rows.temps):
         return [], []
-    temps, logprob_temps, top_p, top_k, seeds, steps = to_device(
+    filter_rows = rows.filter_rows
+    temps, logprob_temps, top_p, top_k, seeds, steps, filter_dev = to_device(
         [rows.temps, np.where(rows.temps > 0, rows.temps, np.float32(1)), rows.top_p, rows.top_k, rows.seeds,
-         rows.steps], logits.device)
-    return sample(logits, temps, logprob_temps, top_k, top_p, seeds, steps, rows.filters,
+         rows.steps, filter_rows], logits.device)
+    return sample(logits, temps, logprob_temps, top_k, top_p, seeds, steps, filter_dev if len(filter_rows) else None,
                   [tuple(pair) for pair in rows.bans.tolist()])
 
 
@@ -122,24 +129,26 @@ class SampledTokens:
         return self._host[0].long().tolist(), self._host[1].float().tolist()
 
 
-def sample(logits: torch.Tensor, temps, logprob_temps, top_k, top_p, seeds, steps, filters: bool,
+def sample(logits: torch.Tensor, temps, logprob_temps, top_k, top_p, seeds, steps, filter_rows: torch.Tensor | None,
            banned: list[tuple[int, int]]) -> tuple[list[int], list[float]]:
-    """The device side of sampling (rule 7): bans, top-k/top-p thresholds, Gumbel-max, and the
-    logprob of the unfiltered logits; one host sync."""
-    return launch_sample(logits, temps, logprob_temps, top_k, top_p, seeds, steps, filters, banned).result()
+    """The device side of sampling (rule 7): bans, top-k/top-p thresholds (of `filter_rows`,
+    None: no row filters), Gumbel-max, and the logprob of the unfiltered logits; one host sync."""
+    return launch_sample(logits, temps, logprob_temps, top_k, top_p, seeds, steps, filter_rows, banned).result()
 
 
-def launch_sample(logits: torch.Tensor, temps, logprob_temps, top_k, top_p, seeds, steps, filters: bool,
-                  banned: list[tuple[int, int]]) -> SampledTokens:
-    """`sample` without the host sync: the device work, and the results on their way to the host."""
+def launch_sample(logits: torch.Tensor, temps, logprob_temps, top_k, top_p, seeds, steps,
+                  filter_rows: torch.Tensor | None, banned: list[tuple[int, int]]) -> SampledTokens:
+    """`sample` without the host sync: the device work, and the results on their way to the
+    host. Every index reaches the device through a pinned copy (a pageable one would wait for
+    the stream), so nothing here waits for the device."""
     sample_logits = logits
     if banned:
-        ban_rows, ban_cols = zip(*banned)
+        ban_rows, ban_cols = to_device([np.array(pairs, np.int64) for pairs in zip(*banned)], logits.device)
         sample_logits = logits.clone()
-        sample_logits[list(ban_rows), list(ban_cols)] = float("-inf")
+        sample_logits[ban_rows, ban_cols] = float("-inf")
     thresholds = None
-    if filters:
-        thresholds = filter_thresholds(sample_logits, temps, top_k, top_p)
+    if filter_rows is not None:
+        thresholds = filter_thresholds(sample_logits, temps, top_k, top_p, filter_rows)
     tokens = sample_tokens(sample_logits, temps, seeds, steps, thresholds)
     return SampledTokens(tokens, gather_logprobs(logits, tokens, logprob_temps))
 
@@ -155,7 +164,7 @@ def spread_samples(scheduled: list[ScheduledSeq], tokens: list[int], logprobs: l
             [next(it_l) if item.samples else None for item in scheduled])
 
 
-def _host_arrays(seqs: list[Sequence], ahead: int = 0) -> dict[str, np.ndarray]:
+def _host_arrays(seqs: list[Sequence], ahead: int | np.ndarray = 0) -> dict[str, np.ndarray]:
     """The rows' sampling parameters on the host, one Python pass per field (`ahead`: tokens in
     flight per sequence, `_steps`)."""
     n = len(seqs)
@@ -169,10 +178,10 @@ def _host_arrays(seqs: list[Sequence], ahead: int = 0) -> dict[str, np.ndarray]:
                 step=_steps(seqs, ahead))
 
 
-def _steps(seqs: list[Sequence], ahead: int = 0) -> np.ndarray:
+def _steps(seqs: list[Sequence], ahead: int | np.ndarray = 0) -> np.ndarray:
     """The index of the token each sequence generates next (its RNG counter), counting `ahead`
-    sampled tokens that are not in ``token_ids`` yet."""
-    return np.fromiter((len(s.token_ids) - s.num_prompt_tokens + ahead for s in seqs), np.int64, len(seqs))
+    (per sequence, or one value for all) sampled tokens that are not in ``token_ids`` yet."""
+    return np.fromiter((len(s.token_ids) - s.num_prompt_tokens for s in seqs), np.int64, len(seqs)) + ahead
 
 
 class _RowParams:
@@ -182,20 +191,21 @@ class _RowParams:
     sequences (most steps) only the RNG counters ``step`` are read again and copied; a new list
     of sequences is read once, one Python pass per field. Either way one pinned copy."""
 
-    def __init__(self, seqs: list[Sequence], device: torch.device, ahead: int = 0) -> None:
+    def __init__(self, seqs: list[Sequence], device: torch.device, ahead: int | np.ndarray = 0) -> None:
         self.seqs, self.device = list(seqs), device
         host = _host_arrays(seqs, ahead)
         temps = host["temps"]
         self.min_tokens = host["min_tokens"]
-        #: whether any row needs top-k/top-p thresholds (greedy rows are never filtered)
-        self.filters = bool(((temps > 0) & ((host["top_k"] > 0) | (host["top_p"] < 1))).any())
+        filter_rows = filtering_rows(temps, host["top_k"], host["top_p"])
         self.step = host["step"]
         # the logprob is taken at T = 1 for greedy rows
-        (self.temps, self.logprob_temps, self.top_p, self.top_k, self.seeds, self.steps) = to_device(
+        (self.temps, self.logprob_temps, self.top_p, self.top_k, self.seeds, self.steps, filter_dev) = to_device(
             [temps, np.where(temps > 0, temps, np.float32(1)), host["top_p"], host["top_k"], host["seeds"],
-             self.step], device)
+             self.step, filter_rows], device)
+        #: the rows that need top-k/top-p thresholds, on the device (None: no row does)
+        self.filter_rows = filter_dev if len(filter_rows) else None
 
-    def refresh(self, ahead: int = 0) -> None:
+    def refresh(self, ahead: int | np.ndarray = 0) -> None:
         """Re-read and copy the RNG counters (the index of the token each sequence generates,
         `ahead` tokens past its last known one)."""
         self.step = _steps(self.seqs, ahead)

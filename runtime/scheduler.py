@@ -40,12 +40,13 @@ class ScheduledSeq:
     #: Tokens ``seq.token_ids[seq.num_computed_tokens : seq.num_computed_tokens + num_new_tokens]``
     #: run through the model this step (their K/V go to the cache). ``num_computed_tokens`` is
     #: read after ``schedule()``: it already counts the pages shared at this step's allocation.
-    #: (A ``schedule_ahead`` step runs one token at position ``len(seq.token_ids)``: the token
-    #: the step before it is still sampling.)
     num_new_tokens: int
     #: True when this chunk ends at ``seq.num_tokens``: the step samples seq's next token from
     #: the logits of the chunk's last position. False for a non-final prefill chunk.
     samples: bool
+    #: A ``schedule_ahead`` decode: its one token is the one the step before is still sampling,
+    #: at position ``len(seq.token_ids)``, not in ``token_ids`` yet (its id comes on the device).
+    in_flight: bool = False
 
 
 @dataclass

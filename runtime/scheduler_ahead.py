@@ -1,26 +1,30 @@
-"""Scheduling one decode step ahead: `Scheduler.schedule_ahead` picks the next step while the
+"""Scheduling one step ahead: `Scheduler.schedule_ahead` picks the next step while the
 current one still runs, so that an engine can launch it before the current step's tokens
 reach the host (`runtime.llm_steps`), and the device never waits for the host's step work.
 
-The step it returns is the decode step the ordinary ``schedule()`` would pick after the step in
-flight, except for two things nobody can know yet:
-- the tokens: every sequence runs the token the step in flight is sampling for it, at position
-  ``len(seq.token_ids)``; the engine feeds it from the device (`ModelRunner.execute_ahead`);
+The step it returns is the step the ordinary ``schedule()`` would pick after the step in
+flight, except for what nobody can know yet:
+- the tokens: every running sequence decodes the token the step in flight is sampling for it,
+  at position ``len(seq.token_ids)`` (``ScheduledSeq.in_flight``; these items come first, one
+  token each, so they are the step's first flat tokens); the engine feeds them from the device
+  (`ModelRunner.execute_ahead`);
 - stop tokens and EOS: a sequence that stops in the step in flight still runs in the step
   ahead. Its result is dropped in ``postprocess`` (one wasted row), its K/V goes to a page it
   owned (the page holding its last position is never published, nor shared) and stream order
   puts that write before any later step's use of the page. Length limits are known: a
-  sequence that reaches ``max_tokens`` or ``max_model_len`` with the token in flight is left out.
+  sequence that reaches ``max_tokens`` or ``max_model_len`` with the token in flight is left out;
+- the slots and pages those sequences free: waiting sequences are admitted (their prompt chunks
+  join the step, as in ``schedule()``) into the slots and pages free now; the ones freed by
+  the step in flight serve an admission one step later.
 
 Batch invariance (rule 1) and sampling keyed by (seed, token index) (rule 7) make the numbers
 independent of which step a token runs in and with whom, so scheduling ahead changes no token
 and no logprob; the scheduler's decisions stay a pure function of its state.
 
-It declines (returns None) whenever the ordinary path could decide something else: the step in
-flight has a non-final prefill chunk, a running sequence is not in it, a waiting sequence could
-be admitted next step (a free slot among ``max_num_seqs``), a new page is needed and none is free
-(a preemption), or sequences errored at ``add`` wait to be reported. The engine then
-postprocesses and calls ``schedule()`` as usual.
+It declines (returns None) whenever the ordinary path would decide differently: the step in
+flight has a non-final prefill chunk, a running sequence is not in it, every one reaches a length
+limit, a decode needs a new page and none is free (a preemption), or sequences errored at
+``add`` wait to be reported. The engine then postprocesses and calls ``schedule()`` as usual.
 """
 
 from __future__ import annotations
@@ -39,9 +43,10 @@ class LookaheadMixin:
     """`Scheduler.schedule_ahead`, for `Scheduler` (its queues, limits and block manager)."""
 
     def schedule_ahead(self) -> list[ScheduledSeq] | None:
-        """The decode step after the one step in flight (scheduled, not postprocessed), or None
-        when it cannot be decided before that step's tokens are known (the module docstring).
-        Allocates the pages it needs; ``postprocess`` takes the steps in the order scheduled."""
+        """The step after the one step in flight (scheduled, not postprocessed): its running
+        sequences' decodes, then admissions; or None when it cannot be decided before that
+        step's tokens are known (the module docstring). Allocates the pages it needs;
+        ``postprocess`` takes the steps in the order scheduled."""
         from .scheduler import ScheduledSeq
 
         if len(self._in_flight) != 1 or self._errored:
@@ -53,8 +58,6 @@ class LookaheadMixin:
         if len(running) != len(self._running):
             return None  # someone running sits this step out (the token budget, max_num_seqs)
         ahead = [seq for seq in running if not self._ends_by_length(seq)]
-        if self._waiting and (len(ahead) < len(running) or len(running) < self.max_num_seqs):
-            return None  # a waiting sequence could be admitted next step
         if not ahead or len(ahead) > self.max_num_batched_tokens:
             return None
         bm = self.block_manager
@@ -64,7 +67,9 @@ class LookaheadMixin:
             return None  # a preemption: the ordinary path's decision
         for seq in entering:
             bm.append_block(seq)
-        items = [ScheduledSeq(seq, 1, True) for seq in ahead]
+        items = [ScheduledSeq(seq, 1, True, in_flight=True) for seq in ahead]
+        if self._waiting:  # slots free now (the ones freed by the step in flight count next step)
+            self._schedule_waiting(self.max_num_batched_tokens - len(items), items)
         self._in_flight.append((items, True))
         return items
 

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from .scheduler import ScheduledSeq
     from .sequence import Sequence
 
-__all__ = ["StepInputs", "build_ahead_inputs", "build_step_inputs"]
+__all__ = ["StepInputs", "build_step_inputs"]
 
 
 @dataclass
@@ -44,14 +44,17 @@ class StepInputs:
 
 def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int,
                       tables: BlockTables | None = None) -> StepInputs:
-    """The inputs of running ``scheduled`` (its chunks start at each ``num_computed_tokens``).
+    """The inputs of running ``scheduled`` (its chunks start at each ``num_computed_tokens``;
+    an ``in_flight`` item's one token at ``len(seq.token_ids)``, its id a 0 the runner replaces
+    on the device).
 
     ``tables`` is the BlockManager's mirror of the block tables; without it they are read from
     the ``block_table`` lists (slower, same values). Raises IndexError when a chunk runs past
     its sequence's pages."""
     n = len(scheduled)
     seqs = [item.seq for item in scheduled]
-    starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, n)
+    flying = [item.in_flight for item in scheduled]
+    starts = np.fromiter((len(s.token_ids) if f else s.num_computed_tokens for s, f in zip(seqs, flying)), np.int64, n)
     counts = np.fromiter((item.num_new_tokens for item in scheduled), np.int64, n)
     samples = np.fromiter((item.samples for item in scheduled), np.bool_, n)
     ends = starts + counts
@@ -59,42 +62,28 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int,
     np.cumsum(counts, out=cu[1:])
     total = int(cu[-1])
     if total == n:  # decode: one token per sequence, so no per-token index arithmetic
-        ids = np.fromiter((s.token_ids[s.num_computed_tokens] for s in seqs), np.int64, n)
+        ids = np.fromiter((0 if f else s.token_ids[s.num_computed_tokens] for s, f in zip(seqs, flying)), np.int64, n)
         owner, positions = np.arange(n), starts
     else:
-        chunks = (s.token_ids[a:b] for s, a, b in zip(seqs, starts.tolist(), ends.tolist()))
+        chunks = ((0,) if f else s.token_ids[a:b] for s, f, a, b in zip(seqs, flying, starts.tolist(), ends.tolist()))
         ids = np.fromiter(chain.from_iterable(chunks), np.int64, total)
         owner = np.repeat(np.arange(n), counts)  # the sequence of each flat token
         positions = np.arange(total) - (cu[:-1] - starts)[owner]
-    table, slots = _slots(seqs, tables, block_size, ends, owner, positions, "build_step_inputs")
+    table, slots = _slots(seqs, tables, block_size, ends, owner, positions)
     return StepInputs(ids=ids, positions=positions, slots=slots, logits_rows=cu[1:][samples] - 1,
                       cu_seqlens=cu.astype(np.int32), seq_lens=ends.astype(np.int32), block_table=table,
                       max_seqlen_q=int(counts.max()))
 
 
-def build_ahead_inputs(seqs: list[Sequence], block_size: int, tables: BlockTables | None = None) -> StepInputs:
-    """The inputs of a ``Scheduler.schedule_ahead`` step over `seqs`: each runs one token at
-    position ``len(seq.token_ids)``, the token the step before is still sampling. Its ids are
-    not known on the host: ``ids`` holds zeros, which the runner replaces on the device."""
-    n = len(seqs)
-    positions = np.fromiter((len(s.token_ids) for s in seqs), np.int64, n)
-    ends = positions + 1
-    table, slots = _slots(seqs, tables, block_size, ends, np.arange(n), positions, "build_ahead_inputs")
-    rows = np.arange(n + 1)
-    return StepInputs(ids=np.zeros(n, np.int64), positions=positions, slots=slots, logits_rows=rows[:n],
-                      cu_seqlens=rows.astype(np.int32), seq_lens=ends.astype(np.int32), block_table=table,
-                      max_seqlen_q=1)
-
-
 def _slots(seqs: list[Sequence], tables: BlockTables | None, block_size: int, ends: np.ndarray, owner: np.ndarray,
-           positions: np.ndarray, caller: str) -> tuple[np.ndarray, np.ndarray]:
+           positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(the step's block tables, each token's cache slot). Raises IndexError when a sequence's
     tokens run to `ends` past its pages."""
     table, lengths = _block_tables(seqs, tables)
     over = ends > lengths.astype(np.int64) * block_size
     if over.any():
         bad = int(np.argmax(over))
-        raise IndexError(f"{caller}: {seqs[bad]!r} runs to position {int(ends[bad]) - 1}, past its "
+        raise IndexError(f"build_step_inputs: {seqs[bad]!r} runs to position {int(ends[bad]) - 1}, past its "
                          f"{int(lengths[bad])} blocks of {block_size}")
     return table, table[owner, positions // block_size].astype(np.int64) * block_size + positions % block_size
 

@@ -7,12 +7,14 @@ import numpy as np
 import pytest
 import torch
 
+import vexact_models.qwen3 as qwen3
+from vexact_models.runtime import LLM
 from vexact_models.runtime import SamplingParams
 from vexact_models.runtime.block_manager import BlockManager
 from vexact_models.runtime.sampler import Sampler
 from vexact_models.runtime.scheduler import Scheduler
 from vexact_models.runtime.sequence import Sequence, SequenceStatus
-from vexact_models.runtime.step_inputs import build_ahead_inputs, build_step_inputs
+from vexact_models.runtime.step_inputs import build_step_inputs
 
 from .llm_support import cache_bytes, gen, make_llm, prompts_for, result, training_logprobs
 
@@ -43,7 +45,7 @@ def test_schedule_ahead_runs_the_tokens_in_flight_and_takes_their_pages():
     a, b = add(sched, prompt_len=3), add(sched, prompt_len=4)
     step = sched.schedule().scheduled  # both prompts, both sample
     ahead = sched.schedule_ahead()
-    assert [i.seq for i in ahead] == [a, b] and all(i.num_new_tokens == 1 and i.samples for i in ahead)
+    assert [i.seq for i in ahead] == [a, b] and all(i.num_new_tokens == 1 and i.samples and i.in_flight for i in ahead)
     # b's token in flight is position 4, the first of a second page; a's (3) still fits its page
     assert (len(a.block_table), len(b.block_table)) == (1, 2)
     assert sched.schedule_ahead() is None  # two steps in flight already
@@ -120,23 +122,23 @@ def test_schedule_ahead_declines_what_only_the_ordinary_path_decides():
     assert sched.schedule_ahead() is None
 
 
-def test_schedule_ahead_waits_for_admissions_only_when_a_slot_can_free():
-    sched = scheduler(max_num_seqs=2)
-    add(sched), add(sched, max_tokens=1), add(sched)  # the third waits for a slot
-    sched.schedule()
-    assert sched.schedule_ahead() is None  # the second ends by length: the third gets its slot next step
-
-    sched = scheduler(max_num_seqs=2)
-    add(sched), add(sched), add(sched)
-    sched.schedule()
-    ahead = sched.schedule_ahead()  # no slot frees for sure (a stop token would delay the admission a step)
-    assert len(ahead) == 2 and sched.num_waiting == 1
-
+def test_schedule_ahead_admits_into_the_slots_free_now():
     sched = scheduler(max_num_seqs=3)
-    add(sched), add(sched)
+    a, b = add(sched), add(sched)
+    step = sched.schedule().scheduled
+    c = add(sched, prompt_len=5)  # arrives while a step is in flight, with a slot free
+    ahead = sched.schedule_ahead()
+    assert [(i.seq, i.num_new_tokens, i.in_flight) for i in ahead] == [(a, 1, True), (b, 1, True), (c, 5, False)]
+    assert c.status is SequenceStatus.RUNNING and ahead[2].samples
+    finish(sched, step)
+    finish(sched, ahead)
+    assert c.num_output_tokens == 1 and a.num_output_tokens == 2
+
+    sched = scheduler(max_num_seqs=2)
+    a, b = add(sched), add(sched, max_tokens=1)
+    c = add(sched)  # waits: b's slot frees with the token in flight, which only postprocess makes known
     sched.schedule()
-    add(sched)  # arrives while a step is in flight, with a slot free
-    assert sched.schedule_ahead() is None
+    assert [i.seq for i in sched.schedule_ahead()] == [a] and sched.num_waiting == 1
 
 
 def test_steps_ahead_publish_their_full_pages_for_sharing():
@@ -158,8 +160,7 @@ def test_ahead_inputs_are_the_ordinary_decode_inputs_but_the_ids():
     sched = scheduler()
     seqs = [add(sched, prompt_len=n) for n in (3, 4, 6)]
     step = sched.schedule().scheduled
-    sched.schedule_ahead()
-    ahead = build_ahead_inputs(seqs, 4, sched.block_manager.tables)
+    ahead = build_step_inputs(sched.schedule_ahead(), 4, sched.block_manager.tables)
     finish(sched, step, token=11)
     ordinary = build_step_inputs([type(step[0])(s, 1, True) for s in seqs], 4, sched.block_manager.tables)
     assert ordinary.ids.tolist() == [11, 11, 11] and ahead.ids.tolist() == [0, 0, 0]
@@ -196,7 +197,8 @@ PARAMS = [SamplingParams(temperature=1.0, max_tokens=14, seed=1),  # may stop at
 
 
 def run_both(model, prompts, params, **engine):
-    """(results, steps scheduled ahead) with async scheduling on, then off."""
+    """(results, steps scheduled ahead, shared pages, admissions in steps ahead) with async
+    scheduling on, then off."""
     out = []
     for on in (True, False):
         llm = make_llm(model, async_scheduling=on, **engine)
@@ -204,11 +206,14 @@ def run_both(model, prompts, params, **engine):
         llm.scheduler.schedule_ahead = lambda: ahead.append(picked()) or ahead[-1]
         results = [result(o) for o in gen(llm, prompts, params)]
         assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
-        out.append((results, sum(a is not None for a in ahead), llm.block_manager.num_shared_hits))
+        steps = [a for a in ahead if a is not None]
+        admitted = sum(not item.in_flight for step in steps for item in step)
+        out.append((results, len(steps), llm.block_manager.num_shared_hits, admitted))
     return out
 
 
 ENGINES = {"default": {}, "3 seqs": dict(max_num_seqs=3), "budget 5": dict(max_num_batched_tokens=5),
+           "3 seqs, budget 5": dict(max_num_seqs=3, max_num_batched_tokens=5),
            "preemption": dict(kv_cache_bytes=None, max_num_seqs=8), "no sharing": dict(enable_prefix_sharing=False)}
 
 
@@ -218,9 +223,11 @@ def test_async_scheduling_gives_the_same_rollouts(model, engine):
     if engine == "preemption":
         settings["kv_cache_bytes"] = cache_bytes(model, 12)
     prompts = prompts_for(len(PARAMS), seed=11)
-    (on, ahead_on, shared_on), (off, ahead_off, shared_off) = run_both(model, prompts, PARAMS, **settings)
+    (on, ahead_on, shared_on, admitted), (off, ahead_off, shared_off, _) = run_both(model, prompts, PARAMS, **settings)
     assert on == off and shared_on == shared_off
     assert ahead_on > 0 and ahead_off == 0  # the integration ran (and only when on)
+    if engine.startswith("3 seqs"):
+        assert admitted > 0  # waiting sequences joined steps scheduled ahead
     reasons = {reason for completions in on for _, _, reason in completions}
     assert reasons == {"stop", "length"}  # stopped sequences ran a dropped row ahead
     for prompt, sp, completions in zip(prompts, PARAMS, on):  # and training agrees, bitwise
@@ -235,6 +242,50 @@ def test_pages_filled_by_steps_ahead_are_shared_with_a_later_prompt(model):
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     a_out = result(gen(make_llm(model), [a_prompt], greedy)[0])[0][0]
     prompts = [a_prompt, a_prompt + a_out[:10]]  # 16 tokens: 3 full pages of a's
-    (on, ahead, shared_on), (off, _, shared_off) = run_both(model, prompts, greedy, max_num_seqs=1)
+    (on, ahead, shared_on, _), (off, _, shared_off, _) = run_both(model, prompts, greedy, max_num_seqs=1)
     assert on == off and ahead > 0
     assert shared_on == shared_off == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (decode CUDA graphs)")
+def test_async_scheduling_with_cuda_graphs_gives_the_same_rollouts():
+    """On CUDA the steps ahead replay decode graphs (their ids copied in on the device) or run
+    eagerly with admissions; rollouts equal one step at a time and the training recompute, bitwise."""
+    torch.manual_seed(0)
+    config = qwen3.tiny_config(initializer_range=0.5, hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                               head_dim=64)  # a head dim the Triton attention takes
+    model = qwen3.Qwen3ForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    prompts, params = prompts_for(2 * len(PARAMS), seed=7), PARAMS * 2
+    runs = []
+    for on in (True, False):
+        llm = LLM(model, block_size=16, max_num_seqs=4, kv_cache_bytes=1 << 24, async_scheduling=on)
+        picked, ahead = llm.scheduler.schedule_ahead, []
+        llm.scheduler.schedule_ahead = lambda: ahead.append(picked()) or ahead[-1]
+        runs.append([result(o) for o in gen(llm, prompts, params)])
+        assert llm.runner.graphs is not None
+        steps = [a for a in ahead if a is not None]
+        assert (len(steps) > 0 and any(not i.in_flight for step in steps for i in step)) == on
+    assert runs[0] == runs[1]
+    for prompt, sp, completions in zip(prompts, params, runs[0]):
+        for tokens, logprobs, _ in completions:
+            with torch.no_grad():
+                lp = model.token_logprobs(torch.tensor([prompt + tokens], device="cuda"),
+                                          temperature=sp.temperature if sp.temperature > 0 else 1.0)
+            assert torch.equal(lp[0, len(prompt):].cpu(), torch.tensor(logprobs))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (a busy stream)")
+def test_launching_a_sample_does_not_wait_for_the_device():
+    """Bans (min_tokens), top-k/top-p rows and the results' copy all reach the device without a
+    sync: with the stream busy, `Sampler.launch` returns while the stream still runs."""
+    seqs = [Sequence(0, i, [9, 9], SamplingParams(temperature=1.0, top_p=0.9, top_k=8, min_tokens=4,
+                                                    stop_token_ids=[3], seed=i), seed=i) for i in range(4)]
+    logits = torch.randn(4, 64, device="cuda")
+    sampler = Sampler(EOS)
+    want = sampler.launch(logits, seqs).result()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of spinning on the current stream
+    sampled = sampler.launch(logits, seqs)
+    assert not torch.cuda.current_stream().query()  # the host did not wait for the sleep
+    assert sampled.result() == want

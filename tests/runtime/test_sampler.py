@@ -5,6 +5,7 @@ index) after min_tokens/top-k/top-p filtering, and the reported logprob is
 ``gather_logprobs(logits, token, T)`` on the UNFILTERED logits (T = 1 for greedy).
 """
 
+import numpy as np
 import pytest
 import torch
 
@@ -287,3 +288,14 @@ def test_thresholds_are_per_row_independent():
     perm = [8, 3, 0, 5, 1, 7, 2, 6, 4]
     shuffled = thresholds(logits[perm], [temps[i] for i in perm], [top_k[i] for i in perm], [top_p[i] for i in perm])
     assert torch.equal(shuffled, batch[perm])
+
+
+def test_filter_thresholds_with_the_filtering_rows_given_equal_those_found_on_the_device():
+    from vexact_models.runtime.sampler import filtering_rows
+
+    logits = crafted_logits(6, {}, seed=9)
+    temps, top_k, top_p = [1.0, 0.0, 0.7, 1.2, 0.9, 1.0], [0, 5, 3, 0, 0, 0], [0.9, 0.5, 1.0, 1.0, 0.8, 1.0]
+    rows = filtering_rows(np.array(temps, np.float32), np.array(top_k), np.array(top_p))
+    assert rows.tolist() == [0, 2, 4]  # greedy row 1 and unfiltered rows 3, 5 are left out
+    args = (logits, torch.tensor(temps, dtype=torch.float32), torch.tensor(top_k), torch.tensor(top_p, dtype=torch.float64))
+    assert torch.equal(filter_thresholds(*args, torch.from_numpy(rows)), filter_thresholds(*args))
