@@ -147,7 +147,7 @@ def filter_thresholds(logits: torch.Tensor, temperatures: torch.Tensor, top_k: t
     k = torch.where(top_k[idx] > 0, top_k[idx].clamp(max=vocab), torch.full_like(top_k[idx], vocab)).long()
     sorted_x, _ = torch.sort(x, dim=1, descending=True)
     kth = sorted_x.gather(1, (k - 1)[:, None])[:, 0]
-    x = torch.where(x >= kth[:, None], x, torch.tensor(float("-inf"), device=x.device))
+    x = torch.where(x >= kth[:, None], x, float("-inf"))  # a Python scalar: no host->device copy (a sync)
     logp = log_softmax(x, temperatures[idx])
     exp = exact_math.exp if logp.device.type == "cpu" else torch.exp  # CPU torch.exp is not position-invariant
     probs_sorted, order = torch.sort(exp(logp), dim=1, descending=True)

@@ -144,8 +144,8 @@ def launch_sample(logits: torch.Tensor, temps, logprob_temps, top_k, top_p, seed
     sample_logits = logits
     if banned:
         ban_rows, ban_cols = to_device([np.array(pairs, np.int64) for pairs in zip(*banned)], logits.device)
-        sample_logits = logits.clone()
-        sample_logits[ban_rows, ban_cols] = float("-inf")
+        sample_logits = logits.clone()  # (a Python scalar value would be copied to the device: a sync)
+        sample_logits.index_put_((ban_rows, ban_cols), torch.full((len(banned),), float("-inf"), device=logits.device))
     thresholds = None
     if filter_rows is not None:
         thresholds = filter_thresholds(sample_logits, temps, top_k, top_p, filter_rows)
