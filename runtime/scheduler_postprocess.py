@@ -35,7 +35,8 @@ class PostprocessMixin:
 
         A ``schedule_ahead`` step may hold sequences that stopped in the step before it: their
         results are dropped. Its pages that filled up are published here, now that their
-        tokens are known (``_publish``'s rule, one step later: nobody is admitted in between)."""
+        tokens are known and their K/V written: later than ``_publish``'s rule, so a sequence
+        admitted in between computes those tokens itself instead of sharing them (same numbers)."""
         if len(tokens) != len(scheduled) or len(logprobs) != len(scheduled):
             raise ValueError(
                 f"postprocess: {len(scheduled)} scheduled sequences but {len(tokens)} tokens "

@@ -69,23 +69,16 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int,
         ids = np.fromiter(chain.from_iterable(chunks), np.int64, total)
         owner = np.repeat(np.arange(n), counts)  # the sequence of each flat token
         positions = np.arange(total) - (cu[:-1] - starts)[owner]
-    table, slots = _slots(seqs, tables, block_size, ends, owner, positions)
-    return StepInputs(ids=ids, positions=positions, slots=slots, logits_rows=cu[1:][samples] - 1,
-                      cu_seqlens=cu.astype(np.int32), seq_lens=ends.astype(np.int32), block_table=table,
-                      max_seqlen_q=int(counts.max()))
-
-
-def _slots(seqs: list[Sequence], tables: BlockTables | None, block_size: int, ends: np.ndarray, owner: np.ndarray,
-           positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(the step's block tables, each token's cache slot). Raises IndexError when a sequence's
-    tokens run to `ends` past its pages."""
     table, lengths = _block_tables(seqs, tables)
     over = ends > lengths.astype(np.int64) * block_size
     if over.any():
         bad = int(np.argmax(over))
         raise IndexError(f"build_step_inputs: {seqs[bad]!r} runs to position {int(ends[bad]) - 1}, past its "
                          f"{int(lengths[bad])} blocks of {block_size}")
-    return table, table[owner, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    slots = table[owner, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    return StepInputs(ids=ids, positions=positions, slots=slots, logits_rows=cu[1:][samples] - 1,
+                      cu_seqlens=cu.astype(np.int32), seq_lens=ends.astype(np.int32), block_table=table,
+                      max_seqlen_q=int(counts.max()))
 
 
 def _block_tables(seqs: list[Sequence], tables: BlockTables | None) -> tuple[np.ndarray, np.ndarray]:
