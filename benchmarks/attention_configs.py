@@ -34,7 +34,9 @@ GQA_CASES = [("moonlight expanded decode", "decode", 16, 16, 192, 128, 256, 528)
              ("moonlight expanded train 8x4096", "train", 16, 16, 192, 128, 8, 4096),
              ("qwen3-8b decode", "decode", 32, 8, 128, 128, 128, 1024),
              ("qwen3-0.6b decode", "decode", 16, 8, 128, 128, 256, 640),
-             ("qwen3-8b train 4x4096", "train", 32, 8, 128, 128, 4, 4096)]
+             ("qwen3-8b train 4x4096", "train", 32, 8, 128, 128, 4, 4096),
+             ("qwen3-0.6b train 16x1024", "train", 16, 8, 128, 128, 16, 1024),
+             ("qwen3-8b train 16x1024", "train", 32, 8, 128, 128, 16, 1024)]
 PAGE = 16
 
 
