@@ -98,12 +98,21 @@ def sample_host_rows(logits: torch.Tensor, rows: HostRows) -> tuple[list[int], l
     same tokens and logprobs."""
     if not len(rows.temps):
         return [], []
-    filter_rows = rows.filter_rows
-    temps, logprob_temps, top_p, top_k, seeds, steps, filter_dev = to_device(
-        [rows.temps, np.where(rows.temps > 0, rows.temps, np.float32(1)), rows.top_p, rows.top_k, rows.seeds,
-         rows.steps, filter_rows], logits.device)
-    return sample(logits, temps, logprob_temps, top_k, top_p, seeds, steps, filter_dev if len(filter_rows) else None,
+    temps, logprob_temps, top_p, top_k, seeds, steps, filter_rows = _to_device(
+        rows.temps, rows.top_p, rows.top_k, rows.seeds, rows.steps, logits.device)
+    return sample(logits, temps, logprob_temps, top_k, top_p, seeds, steps, filter_rows,
                   [tuple(pair) for pair in rows.bans.tolist()])
+
+
+def _to_device(temps: np.ndarray, top_p: np.ndarray, top_k: np.ndarray, seeds: np.ndarray, steps: np.ndarray,
+               device: torch.device) -> tuple:
+    """The sampling kernels' arguments on `device` in one pinned copy: temperatures, the logprob
+    temperatures (1 for greedy rows), top-p, top-k, seeds, RNG counters and the rows that filter
+    (None when none does)."""
+    filter_rows = filtering_rows(temps, top_k, top_p)
+    *params, filter_dev = to_device([temps, np.where(temps > 0, temps, np.float32(1)), top_p, top_k, seeds, steps,
+                                     filter_rows], device)
+    return (*params, filter_dev if len(filter_rows) else None)
 
 
 class SampledTokens:
@@ -196,14 +205,10 @@ class _RowParams:
         host = _host_arrays(seqs, ahead)
         temps = host["temps"]
         self.min_tokens = host["min_tokens"]
-        filter_rows = filtering_rows(temps, host["top_k"], host["top_p"])
         self.step = host["step"]
-        # the logprob is taken at T = 1 for greedy rows
-        (self.temps, self.logprob_temps, self.top_p, self.top_k, self.seeds, self.steps, filter_dev) = to_device(
-            [temps, np.where(temps > 0, temps, np.float32(1)), host["top_p"], host["top_k"], host["seeds"],
-             self.step, filter_rows], device)
-        #: the rows that need top-k/top-p thresholds, on the device (None: no row does)
-        self.filter_rows = filter_dev if len(filter_rows) else None
+        # filter_rows: the rows that need top-k/top-p thresholds, on the device (None: no row does)
+        (self.temps, self.logprob_temps, self.top_p, self.top_k, self.seeds, self.steps, self.filter_rows) = _to_device(
+            temps, host["top_p"], host["top_k"], host["seeds"], self.step, device)
 
     def refresh(self, ahead: int | np.ndarray = 0) -> None:
         """Re-read and copy the RNG counters (the index of the token each sequence generates,
