@@ -9,11 +9,15 @@ Two implementations give the same `MoeLayout`, element for element:
 
 - `moe_align_reference`: about twenty torch ops (scatter-add, cumsum, a stable sort, index
   writes, searchsorted). Any batch size.
-- `_moe_align_kernel`: one Triton program for up to `MAX_TRITON_PAIRS` pairs, as in decode and
+- `_moe_align_kernel`: one Triton launch for up to `MAX_TRITON_PAIRS` pairs, as in decode and
   small prefill steps, where the launches of the torch version cost more than their work (about
-  25 of them in each MoE layer of every decode step). A histogram gives the counts, a bitonic
-  sort of ``expert * BLOCK_N + pair`` (unique keys: stable for free) the order; each padded row
-  then finds its expert (a search over the segment ends) and its pair with register gathers.
+  25 of them in each MoE layer of every decode step). Program p takes `PAIRS_PER_PROGRAM` pairs
+  and a share of the padded row blocks; each program recomputes the histogram and segment starts
+  of the whole batch (a few thousand ids), places its pairs (a pair's rank in its expert's
+  segment is the count of earlier pairs of that expert: the stable order, with no sort), and
+  writes its blocks' experts and padding rows. Pair rows and padding rows are disjoint, so the
+  programs never write the same element. (A single program with a bitonic sort took 21-23 us
+  per Moonlight decode layer on the H200; this launch takes ~10.)
 
 The layout only says where each pair's row is computed; the rows' values do not depend on it
 (kernels/moe.py), so this file has no numerical contract, only the equality of the two layouts.
@@ -32,6 +36,8 @@ from .backend import select
 MAX_TRITON_PAIRS = 4096
 #: the most experts the kernel's histogram takes
 MAX_TRITON_EXPERTS = 1024
+#: pairs each program of the kernel places (Moonlight decode, 1,536 pairs: 48 programs)
+PAIRS_PER_PROGRAM = 32
 
 
 @dataclass
@@ -88,45 +94,58 @@ def moe_align_reference(ids: torch.Tensor, num_experts: int, block_m: int) -> Mo
 
 @triton.jit
 def _moe_align_kernel(ids_ptr, sorted_pairs_ptr, pair_pos_ptr, block_expert_ptr, offsets_ptr, n, num_blocks, E,
-                      BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, PAIRS: tl.constexpr,
+                      KEYS: tl.constexpr, CHUNK: tl.constexpr):
+    """Program p: pairs ``p * PAIRS ...`` and its share of the padded row blocks. Every program
+    recomputes the histogram and segment starts of the whole batch (a few thousand ids)."""
+    pid = tl.program_id(0)
     i = tl.arange(0, BLOCK_N)
-    valid = i < n
-    ids = tl.load(ids_ptr + i, mask=valid, other=0).to(tl.int32)
-    counts = tl.histogram(ids, BLOCK_E, mask=valid)
+    ids = tl.load(ids_ptr + i, mask=i < n, other=0).to(tl.int32)
+    counts = tl.histogram(ids, BLOCK_E, mask=i < n)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, 0)
     starts = ends - padded
-    unpadded_start = tl.cumsum(counts, 0) - counts
-    e = tl.arange(0, BLOCK_E)
-    tl.store(offsets_ptr + e, starts.to(tl.int64), mask=e < E)
-    tl.store(offsets_ptr + E, tl.sum(padded, 0).to(tl.int64))
+    if pid == 0:
+        e = tl.arange(0, BLOCK_E)
+        tl.store(offsets_ptr + e, starts.to(tl.int64), mask=e < E)
+        tl.store(offsets_ptr + E, tl.sum(padded, 0).to(tl.int64))
 
-    # stable sort by expert: the keys (expert, pair) are unique; padding keys sort last
-    keys = tl.sort(tl.where(valid, ids * BLOCK_N + i, BLOCK_E * BLOCK_N + i))
-    expert = tl.minimum(keys // BLOCK_N, BLOCK_E - 1)
-    order = keys % BLOCK_N
-    pos = tl.gather(starts, expert, 0) + i - tl.gather(unpadded_start, expert, 0)
-    tl.store(pair_pos_ptr + order, pos.to(tl.int64), mask=valid)
+    # this program's pairs: a pair's place in its expert's segment is the number of earlier pairs
+    # of the same expert (a stable sort by expert, with no sort)
+    pair = pid * PAIRS + tl.arange(0, PAIRS)
+    pair_ok = pair < n
+    expert = tl.load(ids_ptr + pair, mask=pair_ok, other=0).to(tl.int32)
+    rank = tl.zeros((PAIRS,), tl.int32)
+    for c in range(0, tl.cdiv(tl.minimum(n, pid * PAIRS + PAIRS), KEYS)):
+        j = c * KEYS + tl.arange(0, KEYS)
+        other = tl.load(ids_ptr + j, mask=j < n, other=-1).to(tl.int32)
+        earlier = (other[None, :] == expert[:, None]) & (j[None, :] < pair[:, None])
+        rank += tl.sum(earlier.to(tl.int32), 1)
+    pos = tl.gather(starts, tl.minimum(expert, BLOCK_E - 1), 0) + rank
+    tl.store(pair_pos_ptr + pair, pos.to(tl.int64), mask=pair_ok)
+    tl.store(sorted_pairs_ptr + pos, pair.to(tl.int64), mask=pair_ok)
 
-    # each padded row block: its expert (segments ending at or before it), then each row's pair
+    # this program's row blocks: each block's expert (the segments ending at or before it), and
+    # the padding rows past its expert's pairs (the pairs' rows are written above)
+    per_program = tl.cdiv(num_blocks, tl.num_programs(0))
     rows = tl.arange(0, BLOCK_M)
-    for c in range(0, tl.cdiv(num_blocks, CHUNK)):
-        block = c * CHUNK + tl.arange(0, CHUNK)
+    for c in range(0, tl.cdiv(per_program, CHUNK)):
+        block = pid * per_program + c * CHUNK + tl.arange(0, CHUNK)
+        mine = (block < num_blocks) & (c * CHUNK + tl.arange(0, CHUNK) < per_program)
         first_row = block * BLOCK_M
         owner = tl.sum((ends[None, :] <= first_row[:, None]).to(tl.int32), 1)
         in_use = owner < E
-        tl.store(block_expert_ptr + block, tl.where(in_use, owner, -1), mask=block < num_blocks)
+        tl.store(block_expert_ptr + block, tl.where(in_use, owner, -1), mask=mine)
         owner = tl.minimum(owner, BLOCK_E - 1)
         offset = first_row[:, None] + rows[None, :] - tl.gather(starts, owner, 0)[:, None]
-        filled = in_use[:, None] & (offset < tl.gather(counts, owner, 0)[:, None])
-        j = tl.where(filled, tl.gather(unpadded_start, owner, 0)[:, None] + offset, 0)
-        pair = tl.reshape(tl.gather(order, tl.reshape(j, [CHUNK * BLOCK_M]), 0), [CHUNK, BLOCK_M])
-        tl.store(sorted_pairs_ptr + first_row[:, None] + rows[None, :], tl.where(filled, pair, n).to(tl.int64),
-                 mask=(block < num_blocks)[:, None])
+        padding = ~in_use[:, None] | (offset >= tl.gather(counts, owner, 0)[:, None])
+        tl.store(sorted_pairs_ptr + first_row[:, None] + rows[None, :], tl.full((CHUNK, BLOCK_M), 0, tl.int64) + n,
+                 mask=mine[:, None] & padding)
+
 
 
 def moe_align_triton(ids: torch.Tensor, num_experts: int, block_m: int) -> MoeLayout:
-    """`moe_align` in one Triton launch (one program); for up to `MAX_TRITON_PAIRS` pairs and
+    """`moe_align` in one Triton launch; for up to `MAX_TRITON_PAIRS` pairs and
     `MAX_TRITON_EXPERTS` experts (ValueError beyond)."""
     require_triton("moe_align")
     if not 0 < ids.numel() <= MAX_TRITON_PAIRS or num_experts > MAX_TRITON_EXPERTS:
@@ -140,10 +159,10 @@ def moe_align_triton(ids: torch.Tensor, num_experts: int, block_m: int) -> MoeLa
     pair_pos = torch.empty(n, dtype=torch.int64, device=device)
     block_expert = torch.empty(size // block_m, dtype=torch.int32, device=device)
     offsets = torch.empty(num_experts + 1, dtype=torch.int64, device=device)
-    block_n = max(16, next_power_of_2(n))
-    _moe_align_kernel[(1,)](flat, sorted_pairs, pair_pos, block_expert, offsets, n, size // block_m, num_experts,
-                            BLOCK_N=block_n, BLOCK_E=max(16, next_power_of_2(num_experts)), BLOCK_M=block_m,
-                            CHUNK=max(1, min(32, 2048 // block_m)), num_warps=4 if block_n <= 1024 else 8)
+    _moe_align_kernel[(triton.cdiv(n, PAIRS_PER_PROGRAM),)](
+        flat, sorted_pairs, pair_pos, block_expert, offsets, n, size // block_m, num_experts,
+        BLOCK_N=max(16, next_power_of_2(n)), BLOCK_E=max(16, next_power_of_2(num_experts)), BLOCK_M=block_m,
+        PAIRS=PAIRS_PER_PROGRAM, KEYS=256, CHUNK=max(1, min(32, 2048 // block_m)), num_warps=4)
     return MoeLayout(sorted_pairs, pair_pos, block_expert, offsets, n)
 
 

@@ -1,4 +1,4 @@
-"""moe_align's one-program Triton kernel vs its torch version: the same layout, element for
+"""moe_align's Triton kernel vs its torch version: the same layout, element for
 element (see check_triton_kernels for the two ways to run it)."""
 
 import sys
