@@ -12,6 +12,7 @@ bandwidth, training rows TFLOP/s beside torch SDPA (its default backend) where S
 Usage:
     python benchmarks/attention_configs.py                   # every case
     python benchmarks/attention_configs.py --only latent     # latent MLA cases only (or: gqa)
+    python benchmarks/attention_configs.py --only gqa --cases "train 16x1024" --configs "m128 n64 w4 s2,m64 n64 w4 s3"
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def attention_flops(kind, heads, d, dv, seqs, length) -> float:
     return 2.0 * heads * pairs * (d + dv)
 
 
-def sweep_case(case, latent: bool, hbm: float) -> list[list]:
+def sweep_case(case, latent: bool, hbm: float, keep_configs: tuple[str, ...] = ()) -> list[list]:
     from vexact_models.kernels.attention import attention_triton, kv_descriptors_fit
     from vexact_models.kernels.latent_attention import latent_attention_triton
 
@@ -104,6 +105,8 @@ def sweep_case(case, latent: bool, hbm: float) -> list[list]:
 
     rows, refs, best = [], {}, None
     for cfg in (latent_candidates if latent else gqa_candidates)(kind):
+        if keep_configs and not _label(cfg).startswith(keep_configs):
+            continue
         try:
             out = run(cfg)
             # decode kernels take tens of microseconds: time them in a CUDA graph, without the host
@@ -168,6 +171,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", choices=["latent", "gqa"], help="one kernel's cases")
     parser.add_argument("--cases", help="comma-separated substrings of case names to keep (e.g. 'decode')")
+    parser.add_argument("--configs", help="comma-separated prefixes of candidate labels to keep (e.g. 'm128 n64 w4 s2')")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/attention_configs.py needs a CUDA GPU", file=sys.stderr)
@@ -181,7 +185,7 @@ def main(argv=None) -> int:
         for case in cases:
             if keep and not any(c in case[0] for c in keep):
                 continue
-            rows = sweep_case(case, latent, hbm)
+            rows = sweep_case(case, latent, hbm, tuple(c for c in (args.configs or "").split(",") if c))
             if latent and case[1] == "train":
                 rows += sweep_latent_backward(case)
             table(case[0], ["case", "config", "us", "rate", "same bits"], rows)

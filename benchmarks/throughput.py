@@ -8,6 +8,10 @@ shape (default Qwen3-0.6B), bf16, CUDA.
   CUDA graphs for decode).
 - aligned-sync: the aligned engine one step at a time (``async_scheduling=False``): what
   launching each decode step before the last one's tokens are back brings.
+- aligned-no-attention: a bound, not an engine: the aligned engine with the attention kernels
+  replaced by zero outputs (the K/V are still written). The tokens are garbage, the lengths are
+  not (``ignore_eos``), so the run takes the same steps at the same batch sizes: what the run
+  costs without attention, i.e. what no attention kernel or KV cache mode can beat.
 - fast: the same runtime on the non-aligned fast path (`LLM(aligned=False)`: cuBLAS GEMMs,
   torch norms): what alignment costs.
 - HF: ``model.generate`` of the stock transformers class on the same weights (sdpa), all
@@ -28,6 +32,8 @@ Usage: python benchmarks/throughput.py [--config qwen3-0.6b] [--requests 256] [-
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import random
 import sys
 import time
@@ -42,6 +48,24 @@ def workload(n: int, vocab: int, seed: int, lo: int = 100, hi: int = 1024):
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
     outputs = [rng.randint(lo, hi) for _ in range(n)]
     return prompts, outputs
+
+
+@contextlib.contextmanager
+def attention_skipped():
+    """Within: every attention forward of the triton backend (GQA and latent MLA, paged or packed)
+    returns zeros of its output's shape and writes nothing else (the `aligned-no-attention` bound)."""
+    attention_module = importlib.import_module("vexact_models.kernels.attention")
+    real = attention_module.attention_forward_triton
+
+    def zeros(q, k_cache, v_cache, layout, scale, packed=False):
+        return (q.new_zeros(q.shape[0], q.shape[1], v_cache.shape[-1]),
+                torch.zeros(q.shape[:2], device=q.device, dtype=torch.float32))
+
+    attention_module.attention_forward_triton = zeros
+    try:
+        yield
+    finally:
+        attention_module.attention_forward_triton = real
 
 
 def run_vexact(model, prompts, outputs, args, aligned: bool = True, async_scheduling: bool = True) -> tuple[float, int]:
@@ -129,7 +153,8 @@ def main(argv=None) -> int:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--hf-batch", type=int, default=64, help="requests per HF generate call (sorted by output length)")
     parser.add_argument("--engines", default="aligned,fast,hf",
-                        help="comma-separated subset of aligned, aligned-sync, fast, hf (default: aligned,fast,hf)")
+                        help="comma-separated subset of aligned, aligned-sync, aligned-no-attention, fast, hf "
+                             "(default: aligned,fast,hf)")
     parser.add_argument("--skip-hf", action="store_true", help="same as leaving hf out of --engines")
     parser.add_argument("--no-roofline", action="store_true", help="skip the decode step / roofline table")
     parser.add_argument("--set", action="append", metavar="KEY=VALUE",
@@ -155,7 +180,7 @@ def main(argv=None) -> int:
           f"{sum(map(len, prompts))} prompt tokens, {sum(outputs)} output tokens")
     engines = [e for e in args.engines.split(",") if e and not (e == "hf" and args.skip_hf)]
     for engine in engines:
-        if engine not in ("aligned", "aligned-sync", "fast", "hf"):
+        if engine not in ("aligned", "aligned-sync", "aligned-no-attention", "fast", "hf"):
             parser.error(f"--engines: unknown engine {engine!r}")
     rows = []
     for mode in modes:
@@ -196,9 +221,11 @@ def run_engines(arch, model, prompts, outputs, args, engines: list[str], mode: s
             seconds, produced = run_hf(arch, model, prompts, outputs, args.hf_batch)
             name, row_mode = f"HF generate (batch {args.hf_batch})", None
         else:
-            seconds, produced = run_vexact(model, prompts, outputs, args, aligned=engine != "fast",
-                                           async_scheduling=engine != "aligned-sync")
+            with attention_skipped() if engine == "aligned-no-attention" else contextlib.nullcontext():
+                seconds, produced = run_vexact(model, prompts, outputs, args, aligned=engine != "fast",
+                                               async_scheduling=engine != "aligned-sync")
             name = {"aligned": "vexact aligned", "aligned-sync": "vexact aligned, one step at a time",
+                    "aligned-no-attention": "bound: aligned, no attention",
                     "fast": "vexact fast path (cuBLAS)"}[engine]
             name, row_mode = name + (f" [{mode}]" if mode else ""), mode
         rows.append((name, row_mode, seconds, produced))

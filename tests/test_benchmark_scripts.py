@@ -10,7 +10,8 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-@pytest.mark.parametrize("script", ["kernels.py", "moe.py", "throughput.py", "decode_profile.py", "training.py"])
+@pytest.mark.parametrize("script", ["kernels.py", "moe.py", "throughput.py", "decode_profile.py", "training.py",
+                                    "attention_configs.py"])
 def test_benchmark_script_help_and_cpu_refusal(script):
     help_run = subprocess.run([sys.executable, script, "--help"], cwd=BENCHMARKS, capture_output=True, text=True,
                               timeout=120)
@@ -59,3 +60,25 @@ def test_training_profile_groups_kernels(monkeypatch, capsys):
     total = next(line for line in out.splitlines() if line.strip().startswith("total")).split()
     assert total == ["total", "3.00", "2.00"]
     assert "top 1 kernels" in out and "_linear_kernel" in out and "_attention_fwd_kernel" not in out.split("vexact: top")[1]
+
+
+def test_throughput_attention_skipped_bound(monkeypatch):
+    """`throughput.py --engines aligned-no-attention`: inside `attention_skipped` the attention
+    forward returns zeros of the output's shape (value head dim, fp32 lse), and the real kernel
+    entry is back afterwards."""
+    import importlib
+
+    import torch
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import throughput
+
+    module = importlib.import_module("vexact_models.kernels.attention")
+    real = module.attention_forward_triton
+    q, k, v = torch.randn(5, 4, 24), torch.randn(5, 1, 24), torch.randn(5, 1, 16)
+    with throughput.attention_skipped():
+        assert module.attention_forward_triton is not real
+        out, lse = module.attention_forward_triton(q, k, v, None, 0.1)
+    assert module.attention_forward_triton is real
+    assert out.shape == (5, 4, 16) and out.dtype == q.dtype and not out.any()
+    assert lse.shape == (5, 4) and lse.dtype == torch.float32 and not lse.any()
