@@ -52,8 +52,9 @@ def workload(n: int, vocab: int, seed: int, lo: int = 100, hi: int = 1024):
 
 @contextlib.contextmanager
 def attention_skipped():
-    """Within: every attention forward of the triton backend (GQA and latent MLA, paged or packed)
-    returns zeros of its output's shape and writes nothing else (the `aligned-no-attention` bound)."""
+    """Within: every paged attention forward of the triton backend (GQA and latent MLA: the
+    engine's prefill and decode) returns zeros of its output's shape and writes nothing else (the
+    `aligned-no-attention` bound). The packed training path is not touched."""
     attention_module = importlib.import_module("vexact_models.kernels.attention")
     real = attention_module.attention_forward_triton
 
@@ -66,6 +67,12 @@ def attention_skipped():
         yield
     finally:
         attention_module.attention_forward_triton = real
+
+
+# --engines names and their table rows ("hf" is labelled with its batch)
+ENGINES = {"aligned": "vexact aligned", "aligned-sync": "vexact aligned, one step at a time",
+           "aligned-no-attention": "bound: aligned, no attention", "fast": "vexact fast path (cuBLAS)",
+           "hf": "HF generate"}
 
 
 def run_vexact(model, prompts, outputs, args, aligned: bool = True, async_scheduling: bool = True) -> tuple[float, int]:
@@ -153,8 +160,7 @@ def main(argv=None) -> int:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--hf-batch", type=int, default=64, help="requests per HF generate call (sorted by output length)")
     parser.add_argument("--engines", default="aligned,fast,hf",
-                        help="comma-separated subset of aligned, aligned-sync, aligned-no-attention, fast, hf "
-                             "(default: aligned,fast,hf)")
+                        help=f"comma-separated subset of {', '.join(ENGINES)} (default: aligned,fast,hf)")
     parser.add_argument("--skip-hf", action="store_true", help="same as leaving hf out of --engines")
     parser.add_argument("--no-roofline", action="store_true", help="skip the decode step / roofline table")
     parser.add_argument("--set", action="append", metavar="KEY=VALUE",
@@ -180,7 +186,7 @@ def main(argv=None) -> int:
           f"{sum(map(len, prompts))} prompt tokens, {sum(outputs)} output tokens")
     engines = [e for e in args.engines.split(",") if e and not (e == "hf" and args.skip_hf)]
     for engine in engines:
-        if engine not in ("aligned", "aligned-sync", "aligned-no-attention", "fast", "hf"):
+        if engine not in ENGINES:
             parser.error(f"--engines: unknown engine {engine!r}")
     rows = []
     for mode in modes:
@@ -219,15 +225,12 @@ def run_engines(arch, model, prompts, outputs, args, engines: list[str], mode: s
     for engine in engines:
         if engine == "hf":
             seconds, produced = run_hf(arch, model, prompts, outputs, args.hf_batch)
-            name, row_mode = f"HF generate (batch {args.hf_batch})", None
+            name, row_mode = f"{ENGINES['hf']} (batch {args.hf_batch})", None
         else:
             with attention_skipped() if engine == "aligned-no-attention" else contextlib.nullcontext():
                 seconds, produced = run_vexact(model, prompts, outputs, args, aligned=engine != "fast",
                                                async_scheduling=engine != "aligned-sync")
-            name = {"aligned": "vexact aligned", "aligned-sync": "vexact aligned, one step at a time",
-                    "aligned-no-attention": "bound: aligned, no attention",
-                    "fast": "vexact fast path (cuBLAS)"}[engine]
-            name, row_mode = name + (f" [{mode}]" if mode else ""), mode
+            name, row_mode = ENGINES[engine] + (f" [{mode}]" if mode else ""), mode
         rows.append((name, row_mode, seconds, produced))
         print(f"{name}: {produced} output tokens in {seconds:.1f}s = {produced / seconds:,.0f} tok/s", flush=True)
     return rows

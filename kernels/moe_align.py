@@ -143,7 +143,6 @@ def _moe_align_kernel(ids_ptr, sorted_pairs_ptr, pair_pos_ptr, block_expert_ptr,
                  mask=mine[:, None] & padding)
 
 
-
 def moe_align_triton(ids: torch.Tensor, num_experts: int, block_m: int) -> MoeLayout:
     """`moe_align` in one Triton launch; for up to `MAX_TRITON_PAIRS` pairs and
     `MAX_TRITON_EXPERTS` experts (ValueError beyond)."""
