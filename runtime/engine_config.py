@@ -35,6 +35,9 @@ class EngineConfig:
         enable_prefix_sharing: share the KV pages of common full-page prefixes.
         cuda_graph_batch: decode steps of up to this many sequences replay CUDA graphs
             (0: always eager, ``enforce_eager``; ignored off CUDA).
+        cuda_graph_tokens: steps with prompt chunks of up to this many tokens (and
+            ``cuda_graph_batch`` sequences) replay CUDA graphs too, captured on first use
+            (0: decode steps only; pipeline stages capture decode steps only).
     """
 
     num_blocks: int
@@ -46,6 +49,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_sharing: bool = True
     cuda_graph_batch: int = 0
+    cuda_graph_tokens: int = 0
 
     def make_scheduler(self) -> Scheduler:
         """A fresh `BlockManager` (every page free, no shared prefix) and the `Scheduler` over it."""
@@ -56,13 +60,13 @@ class EngineConfig:
     def make_runner(self, model, device: torch.device, dtype: torch.dtype, scheduler: Scheduler | None = None,
                     layers: range | None = None, carry_width: int = 0) -> ModelRunner:
         """The `ModelRunner` of `model` with this cache geometry (its KV cache allocated, and its
-        decode CUDA graphs captured when ``cuda_graph_batch`` > 0 on CUDA: call it under the
+        CUDA graphs captured when ``cuda_graph_batch`` > 0 on CUDA: call it under the
         kernel backend the graphs should capture). A pipeline stage passes its decoder `layers`
         (whose KV pages it holds; default all) and, past the first stage, the `carry_width` of
         the hidden rows it takes from the previous stage. Connected to `scheduler` when given."""
         runner = ModelRunner(model, self.num_blocks, self.block_size, device, dtype,
                              cuda_graph_batch=self.cuda_graph_batch, max_model_len=self.max_model_len, layers=layers,
-                             carry_width=carry_width)
+                             carry_width=carry_width, cuda_graph_tokens=self.cuda_graph_tokens)
         if scheduler is not None:
             self.connect(runner, scheduler)
         return runner

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from vexact_models.kernels import current_backend, use_backend
 
 from .block_manager import BlockManager
+from .cuda_graphs import DEFAULT_MAX_TOKENS
 from .engine_config import EngineConfig
 from .llm_args import (architecture_of, check_engine_args, check_max_model_len, check_model_argument,
                        check_model_placement, resolve_device, resolve_dtype)
@@ -68,8 +69,16 @@ class LLM(EngineStepsMixin, EngineSetupMixin, EngineMemoryMixin):
         kv_cache_bytes: KV cache size in bytes (required on CPU unless the default 256 MiB fits).
         seed: base seed for requests that give none.
         enable_chunked_prefill: split long prompts over steps.
-        enforce_eager: never use CUDA graphs (by default decode steps of up to ``max_num_seqs``
-            sequences replay captured graphs on CUDA; results are bitwise the same either way).
+        enforce_eager: never use CUDA graphs (by default, on CUDA, decode steps of up to
+            ``max_num_seqs`` sequences replay graphs captured at construction, and steps with
+            prompt chunks of up to ``cuda_graph_max_tokens`` tokens replay graphs captured on
+            first use of their shape bucket; results are bitwise the same either way).
+        cuda_graph_max_tokens: the most tokens of a step with prompt chunks that replays a CUDA
+            graph (default: 2,048, or ``max_num_batched_tokens`` if smaller; 0: decode steps
+            only). Each new bucket (`runtime.cuda_graphs`) costs a capture (about two eager
+            steps of host time) and its activations stay in the graphs' memory pool, outside the
+            KV budget; larger steps keep the GPU busy about as long as their eager launches take
+            the host. Pipeline-parallel engines capture decode steps only.
         async_scheduling: launch the next step (decodes, and admissions into the slots free
             now) before the current one's tokens reach the host, the decodes' input tokens taken
             on the device, so that the device does not idle while the host postprocesses and
@@ -105,7 +114,7 @@ class LLM(EngineStepsMixin, EngineSetupMixin, EngineMemoryMixin):
                  kv_cache_bytes: int | None = None, seed: int = 0, enable_chunked_prefill: bool = True,
                  enforce_eager: bool = False, aligned: bool = True, async_scheduling: bool = True,
                  enable_prefix_sharing: bool = True, owns_weights: bool | None = None,
-                 pipeline_parallel_size: int = 1) -> None:
+                 pipeline_parallel_size: int = 1, cuda_graph_max_tokens: int | None = None) -> None:
         from vexact_models.layers import fuse_projections
 
         # Every check first: fusing the projections below is the only change made to a model passed in.
@@ -113,6 +122,7 @@ class LLM(EngineStepsMixin, EngineSetupMixin, EngineMemoryMixin):
         check_engine_args(block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                           max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
                           kv_cache_bytes=kv_cache_bytes, seed=seed, pipeline_parallel_size=pipeline_parallel_size,
+                          cuda_graph_max_tokens=cuda_graph_max_tokens,
                           flags=dict(enable_chunked_prefill=enable_chunked_prefill, enforce_eager=enforce_eager,
                                      aligned=aligned, enable_prefix_sharing=enable_prefix_sharing,
                                      async_scheduling=async_scheduling))
@@ -145,7 +155,9 @@ class LLM(EngineStepsMixin, EngineSetupMixin, EngineMemoryMixin):
             num_blocks=self._num_blocks(block_size, gpu_memory_utilization, kv_cache_bytes), block_size=block_size,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
             eos_token_id=eos, enable_chunked_prefill=enable_chunked_prefill, enable_prefix_sharing=enable_prefix_sharing,
-            cuda_graph_batch=0 if enforce_eager else max_num_seqs)
+            cuda_graph_batch=0 if enforce_eager else max_num_seqs,
+            cuda_graph_tokens=(min(max_num_batched_tokens, DEFAULT_MAX_TOKENS) if cuda_graph_max_tokens is None
+                               else cuda_graph_max_tokens))
         self.scheduler = self.engine_config.make_scheduler()
         # one GEMM for q/k/v and for gate/up in rollouts; the training model shares the storage
         # (before the runner: its CUDA graphs capture the fused GEMMs)
@@ -183,12 +195,12 @@ class LLM(EngineStepsMixin, EngineSetupMixin, EngineMemoryMixin):
         return "fast" if not self.aligned else current_backend(self.device)
 
     def _remember_graphs(self, backend: str) -> None:
-        """Note which backend the runner's decode graphs (if any) were captured under."""
+        """Note which backend the runner's CUDA graphs (if any) were captured under."""
         graphs = self.runner.graphs
         self._graphs_key = (None if graphs is None else weakref.ref(graphs), backend)
 
     def _graphs_follow(self, backend: str) -> None:
-        """Decode graphs replay the kernels they captured: when the backend (or the graphs, e.g.
+        """CUDA graphs replay the kernels they captured: when the backend (or the graphs, e.g.
         recaptured by `wake_up`) changed since they were noted, capture them again under
         `backend`. The KV cache is reallocated with them; no pages are shared across calls."""
         graphs = self.runner.graphs

@@ -63,7 +63,8 @@ def resolve_device(device: object) -> torch.device | None:
 
 def check_engine_args(*, block_size: object, max_num_seqs: object, max_num_batched_tokens: object,
                       max_model_len: object, gpu_memory_utilization: object, kv_cache_bytes: object, seed: object,
-                      flags: dict[str, object], pipeline_parallel_size: object = 1) -> None:
+                      flags: dict[str, object], pipeline_parallel_size: object = 1,
+                      cuda_graph_max_tokens: object = None) -> None:
     """The scalar arguments (`flags`: the boolean switches by name). `max_model_len`'s and
     `pipeline_parallel_size`'s upper limits need the model's config: `check_max_model_len`,
     `runtime.pipeline.join_pipeline`."""
@@ -78,6 +79,8 @@ def check_engine_args(*, block_size: object, max_num_seqs: object, max_num_batch
         raise ValueError(f"LLM: gpu_memory_utilization={gpu_memory_utilization!r} is outside (0, 1]")
     if kv_cache_bytes is not None:
         check_int("kv_cache_bytes", kv_cache_bytes, 1)
+    if cuda_graph_max_tokens is not None:
+        check_int("cuda_graph_max_tokens", cuda_graph_max_tokens, 0)
     check_int("seed", seed, 0, MAX_SEED)
     for name, value in flags.items():
         check_bool(name, value)

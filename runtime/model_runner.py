@@ -3,10 +3,10 @@
 Each step's flat batch is the scheduled sequences' new tokens back to back; the metadata
 (positions, query offsets, total lengths, block tables, slots) is built on the host with
 vectorised ops (`step_inputs`) and moved to the device in one pinned copy: packed into one
-buffer for the eager forward, or straight into the decode graphs' static buffers.
+buffer for the eager forward, or straight into the step graphs' static buffers.
 
-A step is always ONE forward over all its scheduled sequences (eager, or one decode graph
-replay), and every layer writes all the step's new K/V before its attention reads the cache.
+A step is always ONE forward over all its scheduled sequences (eager, or one graph replay,
+`runtime.cuda_graphs`), and every layer writes all the step's new K/V before its attention reads the cache.
 Prefix sharing relies on this: a sequence may read pages that another sequence of the same step
 writes (see ``Scheduler._publish``). Splitting a step into several forwards would need the
 scheduler to publish pages only after their step (in ``postprocess``).
@@ -20,7 +20,7 @@ from vexact_models.kernels import PagedLayout
 from vexact_models.layers import PagedContext
 
 from .block_tables import BlockTables
-from .cuda_graphs import DecodeGraphs
+from .cuda_graphs import StepGraphs
 from .scheduler import ScheduledSeq
 from .staging import to_device
 from .step_inputs import StepInputs, build_step_inputs
@@ -45,8 +45,10 @@ class ModelRunner:
 
     def __init__(self, model, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
                  cuda_graph_batch: int = 0, max_model_len: int = 0, layers: range | None = None,
-                 carry_width: int = 0) -> None:
-        """`cuda_graph_batch` > 0 captures decode steps of up to that many sequences (CUDA only).
+                 carry_width: int = 0, cuda_graph_tokens: int = 0) -> None:
+        """`cuda_graph_batch` > 0 captures decode steps of up to that many sequences (CUDA only),
+        and with `cuda_graph_tokens` > 0 steps with prompt chunks of up to that many tokens and
+        `cuda_graph_batch` sequences on their first use (not for a pipeline stage).
 
         A pipeline stage (`runtime.pipeline`) holds KV pages for its `layers` only (default: all;
         the others' entries in ``kv_caches`` are None) and, past the first stage, its model takes
@@ -59,9 +61,10 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.cuda_graph_batch = cuda_graph_batch if device.type == "cuda" else 0
+        self.cuda_graph_tokens = cuda_graph_tokens if layers is None else 0
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor] | None] = []
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: StepGraphs | None = None
         #: The BlockManager's mirror of the block tables (the LLM sets it); without it the
         #: tables are read from the sequences' lists, which is slower and gives the same values.
         self.block_tables: BlockTables | None = None
@@ -76,11 +79,12 @@ class ModelRunner:
         self.kv_caches = [_kv_pair(shape, head_dim_k, head_dim_v, value_in_key, self.device, self.dtype)
                           if i in held else None for i in range(layers)]
         if self.cuda_graph_batch:
-            self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, self.max_blocks_per_seq,
-                                       self.cuda_graph_batch, self.device, carry=(self.carry_width, self.dtype))
+            self.graphs = StepGraphs(self.model, self.kv_caches, self.block_size, self.max_blocks_per_seq,
+                                     self.cuda_graph_batch, self.device, carry=(self.carry_width, self.dtype),
+                                     max_tokens=self.cuda_graph_tokens)
 
     def free_cache(self) -> None:
-        """Release the KV cache and the decode graphs (which hold its and the weights'
+        """Release the KV cache and the step graphs (which hold its and the weights'
         addresses, and a memory pool); `allocate_cache` captures them again."""
         if self.graphs is not None:
             self.graphs.release()
@@ -118,8 +122,9 @@ class ModelRunner:
         token ids that replace the first ``len(in_flight)`` of ``inputs.ids``."""
         if not self.kv_caches:
             raise RuntimeError("ModelRunner: the KV cache is released (call wake_up())")
-        if self.graphs is not None and len(inputs.seq_lens) <= self.graphs.max_batch and inputs.decode_only:
-            return self.graphs.run(inputs, carry, in_flight)
+        bucket = None if self.graphs is None else self.graphs.step_bucket(inputs)
+        if bucket is not None:
+            return self.graphs.run(inputs, bucket, carry, in_flight)
         ids, positions, context, rows = self._to_device(inputs)
         if in_flight is not None:  # the staged ids are this step's own buffer: overwrite in place
             ids[:len(in_flight)].copy_(in_flight)

@@ -37,6 +37,8 @@ def storage(model) -> dict[str, int]:
     (dict(max_num_seqs=0), ["max_num_seqs=0", "minimum 1"]),
     (dict(max_num_seqs=-2), ["max_num_seqs=-2", "minimum 1"]),
     (dict(max_num_batched_tokens=0), ["max_num_batched_tokens=0", "minimum 1"]),
+    (dict(cuda_graph_max_tokens=-1), ["cuda_graph_max_tokens=-1", "minimum 0"]),
+    (dict(cuda_graph_max_tokens=1.5), ["cuda_graph_max_tokens=1.5", "int"]),
     (dict(kv_cache_bytes=0), ["kv_cache_bytes=0", "minimum 1"]),
     (dict(kv_cache_bytes=-5), ["kv_cache_bytes=-5", "minimum 1"]),
     (dict(kv_cache_bytes=10), ["(10 bytes)", "one block", "kv_cache_bytes"]),
@@ -201,3 +203,15 @@ def test_decode_graphs_are_recaptured_when_the_backend_changes():
         assert llm.runner.graphs is not graphs  # captured again, under 'fast'
     assert run(llm) == first
     assert run(LLM(model, block_size=16, max_num_seqs=4, kv_cache_bytes=1 << 24, enforce_eager=True)) == first
+
+
+def test_cuda_graph_token_cap_defaults_to_the_budget_up_to_2048():
+    """Steps with prompt chunks replay graphs up to ``min(max_num_batched_tokens, 2048)`` tokens by
+    default; ``cuda_graph_max_tokens`` sets the cap (0: decode steps only). Off CUDA nothing is
+    captured."""
+    model = fresh_model()
+    assert make_llm(model).engine_config.cuda_graph_tokens == 64
+    assert make_llm(model, max_num_batched_tokens=4096).engine_config.cuda_graph_tokens == 2048
+    llm = make_llm(model, max_num_batched_tokens=4096, cuda_graph_max_tokens=3000)
+    assert llm.engine_config.cuda_graph_tokens == 3000 and llm.runner.graphs is None
+    assert make_llm(model, cuda_graph_max_tokens=0).engine_config.cuda_graph_tokens == 0

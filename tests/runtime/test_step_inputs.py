@@ -1,12 +1,13 @@
 """A step's model inputs: build_step_inputs against a plain per-token reference, the one-copy
-staging (Layout, to_device), the decode graphs' input buffers (DecodeInputs) and the runner."""
+staging (Layout, to_device), the step graphs' input buffers (GraphInputs) and buckets, and the runner."""
 
 import numpy as np
 import pytest
 import torch
 
 from vexact_models.runtime.block_manager import BlockManager
-from vexact_models.runtime.cuda_graphs import DecodeInputs
+from vexact_models.runtime.cuda_graphs import step_bucket, token_bucket
+from vexact_models.runtime.graph_inputs import GraphInputs
 from vexact_models.runtime.model_runner import ModelRunner
 from vexact_models.runtime.sampling_params import SamplingParams
 from vexact_models.runtime.scheduler import ScheduledSeq
@@ -81,32 +82,92 @@ def test_layout_and_to_device_round_trip():
         assert np.array_equal(tensor.numpy(), array)
 
 
-def decode_step():
-    config, requests = random_workload(3)
-    sched, _ = make_scheduler(config, requests)
-    for out in run_steps(sched):
-        if out.scheduled and all(item.num_new_tokens == 1 and item.samples for item in out.scheduled):
-            return build_step_inputs(out.scheduled, config["block_size"], sched.block_manager.tables), config
-    raise AssertionError("no decode step")
+def step_inputs(decode: bool):
+    """A decode step's inputs (every sequence one token, all sample), or a mixed one's (a
+    prompt chunk of several tokens beside other sequences)."""
+    for seed in range(40):
+        config, requests = random_workload(seed)
+        sched, _ = make_scheduler(config, requests)
+        for out in run_steps(sched):
+            items = out.scheduled
+            if not items:
+                continue
+            inputs = build_step_inputs(items, config["block_size"], sched.block_manager.tables)
+            if decode and inputs.decode_only and len(items) > 1:
+                return inputs, config
+            if not decode and len(items) > 1 and inputs.max_seqlen_q > 1 and not all(i.samples for i in items):
+                return inputs, config
+    raise AssertionError("no such step")
 
 
-def test_decode_inputs_fill_real_rows_then_padding():
-    inputs, config = decode_step()
+def test_graph_inputs_fill_a_decode_step_then_padding():
+    inputs, config = step_inputs(decode=True)
     n = len(inputs.ids)
     b = n + 2
-    buffers = DecodeInputs(b + 1, -(-config["max_model_len"] // config["block_size"]), torch.device("cpu"))
+    buffers = GraphInputs(b + 1, b + 1, -(-config["max_model_len"] // config["block_size"]), torch.device("cpu"))
     assert len({t.untyped_storage().data_ptr() for t in (buffers.ids, buffers.block_table)}) == 1
-    buffers.fill(inputs, b)
+    buffers.fill(inputs, b, b)
     assert buffers.ids[:b].tolist() == inputs.ids.tolist() + [0, 0]
     assert buffers.positions[:b].tolist() == inputs.positions.tolist() + [0, 0]
     assert buffers.slots[:b].tolist() == inputs.slots.tolist() + [-1, -1]
+    assert buffers.logits_rows[:b].tolist() == list(range(n)) + [0, 0]
     assert buffers.cu_seqlens[:b + 1].tolist() == list(range(n + 1)) + [n, n]
     assert buffers.seq_lens[:b].tolist() == inputs.seq_lens.tolist() + [0, 0]
     width = inputs.block_table.shape[1]
     assert buffers.block_table[:n, :width].tolist() == inputs.block_table.tolist()
     assert buffers.ids.dtype == torch.int64 and buffers.cu_seqlens.dtype == torch.int32
-    with pytest.raises(ValueError, match="do not fit"):
-        buffers.fill(inputs, n - 1)
+    with pytest.raises(ValueError, match="does not fit"):
+        buffers.fill(inputs, n - 1, n - 1)
+
+
+def test_graph_inputs_fill_a_mixed_step_then_padding():
+    """Tokens past the step belong to no sequence (cu_seqlens ends at T), padding sequences are
+    empty, and only the R sampling rows are real logits rows."""
+    inputs, config = step_inputs(decode=False)
+    t, s, r = len(inputs.ids), len(inputs.seq_lens), len(inputs.logits_rows)
+    assert r < s < t
+    tokens, seqs = t + 3, s + 1
+    buffers = GraphInputs(tokens, seqs, -(-config["max_model_len"] // config["block_size"]), torch.device("cpu"))
+    buffers.fill(inputs, tokens, seqs)
+    assert buffers.ids.tolist() == inputs.ids.tolist() + [0] * 3
+    assert buffers.positions.tolist() == inputs.positions.tolist() + [0] * 3
+    assert buffers.slots.tolist() == inputs.slots.tolist() + [-1] * 3
+    assert buffers.logits_rows.tolist() == inputs.logits_rows.tolist() + [0] * (seqs - r)
+    assert buffers.cu_seqlens.tolist() == inputs.cu_seqlens.tolist() + [t]
+    assert buffers.seq_lens.tolist() == inputs.seq_lens.tolist() + [0]
+    before = buffers.buffer.clone()
+    for bad in ((t - 1, seqs), (tokens, s - 1), (tokens + 1, seqs), (tokens, seqs + 1)):
+        with pytest.raises(ValueError, match="does not fit"):
+            buffers.fill(inputs, *bad)
+    assert torch.equal(buffers.buffer, before)  # nothing half-written
+    with pytest.raises(ValueError, match="max_tokens=3 is below max_batch=4"):
+        GraphInputs(3, 4, 2, torch.device("cpu"))
+
+
+def test_token_bucket_pads_at_most_a_quarter_past_512():
+    assert [token_bucket(n, 8192) for n in (1, 3, 17, 500, 512, 513, 640, 641, 1025, 1100, 5000, 8192)] == \
+        [1, 4, 24, 512, 512, 640, 640, 768, 1280, 1280, 5120, 8192]
+    assert token_bucket(700, 700) == 700 and token_bucket(600, 1000) == 640
+    for n in range(513, 9000, 37):
+        assert n <= token_bucket(n, 10 ** 6) <= 1.25 * n
+    for bad in (0, 9):
+        with pytest.raises(ValueError, match=f"tokens={bad} must be in"):
+            token_bucket(bad, 8)
+
+
+def test_step_bucket_of_decode_mixed_and_eager_steps():
+    decode, _ = step_inputs(decode=True)
+    mixed, _ = step_inputs(decode=False)
+    n, t, s, q = len(decode.ids), len(mixed.ids), len(mixed.seq_lens), mixed.max_seqlen_q
+    assert step_bucket(decode, [1, 2, 4, 8, 16], 64) == (token_bucket(n, 16),) * 2 + (1,)
+    assert step_bucket(decode, [1, 2, 4, 8, 16], 0) == (token_bucket(n, 16),) * 2 + (1,)  # decode needs no tokens cap
+    assert step_bucket(decode, [1], 64) is None  # more sequences than the largest batch bucket
+    batch = next(b for b in (1, 2, 4, 8, 16) if b >= s)
+    tokens = max(token_bucket(t, 1024), batch)
+    assert step_bucket(mixed, [1, 2, 4, 8, 16], 1024) == (tokens, batch, min(1 << (q - 1).bit_length(), tokens))
+    assert step_bucket(mixed, [1, 2, 4, 8, 16], t) == (t, batch, min(1 << (q - 1).bit_length(), t))
+    assert step_bucket(mixed, [1, 2, 4, 8, 16], t - 1) is None  # past the tokens cap: eager
+    assert step_bucket(mixed, [1, 2, 4, 8, 16], 0) is None  # mixed graphs off
 
 
 class RecordingModel:

@@ -1,0 +1,86 @@
+"""The static input buffers a captured step graph reads (`runtime.cuda_graphs`), and how a step's
+inputs fill them.
+
+A graph captured for a bucket of ``tokens`` flat tokens and ``seqs`` sequences reads the first
+rows of these buffers. A step of T <= tokens tokens, S <= seqs sequences and R <= S sampling
+rows fills its own rows, then padding that changes nothing the step reads back:
+
+- tokens T..tokens-1: id 0, position 0, slot -1 (no KV write). They belong to no sequence, so
+  no attention program writes their output rows; every other kernel works row by row, so
+  whatever those rows hold stays in them.
+- sequences S..seqs-1: no query tokens (``cu_seqlens`` = T) and no keys (length 0): their
+  attention programs exit at once.
+- logits rows R..seqs-1: row 0, computed and never read.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .staging import Layout
+from .step_inputs import StepInputs
+
+__all__ = ["GraphInputs"]
+
+
+class GraphInputs:
+    """Static step inputs for graphs of up to ``max_tokens`` tokens and ``max_batch`` sequences,
+    all views of ONE device byte buffer, and a host staging twin of that buffer, so a step's
+    inputs reach every buffer in one copy.
+
+    Buffers: ids, positions, slots (int64, ``max_tokens``), logits_rows (int64, ``max_batch``),
+    cu_seqlens (int32, ``max_batch + 1``), seq_lens (int32, ``max_batch``), block_table (int32,
+    ``[max_batch, max_blocks]``). Works on any device (on CPU the "copy" is a memcpy), which keeps
+    the host side testable.
+    """
+
+    def __init__(self, max_tokens: int, max_batch: int, max_blocks: int, device: torch.device) -> None:
+        if max_tokens < max_batch:
+            raise ValueError(f"GraphInputs: max_tokens={max_tokens} is below max_batch={max_batch} "
+                             f"(every sequence has a token)")
+        t, n = max_tokens, max_batch
+        self.max_tokens, self.max_batch, self.max_blocks = t, n, max_blocks
+        i64, i32 = np.dtype(np.int64), np.dtype(np.int32)
+        self.layout = Layout([(i64, (t,)), (i64, (t,)), (i64, (t,)), (i64, (n,)), (i32, (n + 1,)), (i32, (n,)),
+                              (i32, (n, max_blocks))])
+        cuda = device.type == "cuda"
+        self.host = self.layout.allocate(torch.device("cpu"), pin=cuda)
+        self.host.zero_()
+        self.staged = self.layout.host_views(self.host)  # numpy views, in the buffers' order
+        self.staged[2][:] = -1  # slots: no KV write
+        self.buffer = self.layout.allocate(device)
+        self.buffer.copy_(self.host)
+        (self.ids, self.positions, self.slots, self.logits_rows, self.cu_seqlens, self.seq_lens,
+         self.block_table) = self.layout.views(self.buffer)
+        # The staging buffer is reused: before refilling it, wait for the last copy to have read
+        # it (in practice the sampler's sync of an earlier step already did).
+        self._copied = torch.cuda.Event() if cuda else None
+
+    def fill(self, inputs: StepInputs, tokens: int, seqs: int) -> None:
+        """Write a step's inputs into the first `tokens` token rows and `seqs` sequence rows,
+        padded as the module docstring says. Only the table columns this step uses are
+        refreshed: the kernels never read a row past its sequence's last page, so stale entries
+        further right are never seen. Raises ValueError (writing nothing) when the step does
+        not fit the bucket or the buffers."""
+        t, s, r = len(inputs.ids), len(inputs.seq_lens), len(inputs.logits_rows)
+        width = inputs.block_table.shape[1]
+        if not (t <= tokens <= self.max_tokens and s <= seqs <= self.max_batch and r <= s
+                and width <= self.max_blocks):
+            raise ValueError(f"GraphInputs: a step of {t} tokens, {s} sequences ({r} sampling) and {width} table "
+                             f"columns does not fit bucket ({tokens} tokens, {seqs} sequences) of buffers "
+                             f"({self.max_tokens}, {self.max_batch}, {self.max_blocks} columns)")
+        if self._copied is not None:
+            self._copied.synchronize()
+        ids, positions, slots, rows, cu, seq_lens, table = self.staged
+        ids[:t], ids[t:tokens] = inputs.ids, 0
+        positions[:t], positions[t:tokens] = inputs.positions, 0
+        slots[:t], slots[t:tokens] = inputs.slots, -1
+        rows[:r], rows[r:seqs] = inputs.logits_rows, 0
+        cu[:s + 1], cu[s + 1:seqs + 1] = inputs.cu_seqlens, t
+        seq_lens[:s], seq_lens[s:seqs] = inputs.seq_lens, 0
+        table[:s, :width] = inputs.block_table
+        end = self.layout.offsets[6] + s * self.max_blocks * 4  # through the table's row s - 1
+        self.buffer[:end].copy_(self.host[:end], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()

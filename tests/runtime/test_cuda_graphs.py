@@ -1,0 +1,80 @@
+"""CUDA graphs of steps with prompt chunks (`runtime.cuda_graphs`): replayed, captured on first
+use, capped, and bitwise the eager steps and the training recompute. CUDA only; the host side
+(buffers, buckets) is tested on CPU in test_step_inputs.py."""
+
+import pytest
+import torch
+
+import vexact_models.qwen3 as qwen3
+import vexact_models.qwen3_moe as qwen3_moe
+from vexact_models.runtime import LLM, SamplingParams
+
+from .llm_support import gen, prompts_for, result
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)")]
+
+# sampled and greedy rows; several lengths, so sequences finish and free slots at different steps
+PARAMS = [SamplingParams(temperature=0.8, max_tokens=9, seed=3, ignore_eos=True),
+          SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+          SamplingParams(temperature=1.0, top_p=0.9, max_tokens=13, seed=4, ignore_eos=True)]
+
+
+def tiny_model(arch: str):
+    """A head dim the Triton attention takes (64), bf16 on the GPU."""
+    torch.manual_seed(0)
+    dims = dict(initializer_range=0.5, hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+    module = dict(qwen3=(qwen3, "Qwen3ForCausalLM"), qwen3_moe=(qwen3_moe, "Qwen3MoeForCausalLM"))[arch]
+    return getattr(module[0], module[1])(module[0].tiny_config(**dims)).to("cuda", torch.bfloat16).eval()
+
+
+def workload():
+    """More requests than slots (admissions beside decodes), and prompts longer than the token
+    budget (non-final chunks, whose rows do not sample)."""
+    prompts = prompts_for(9, seed=11, lo=3, hi=30) + prompts_for(2, seed=12, lo=70, hi=90)
+    return prompts, [PARAMS[i % len(PARAMS)] for i in range(len(prompts))]
+
+
+def run(model, **engine):
+    llm = LLM(model, block_size=16, max_num_seqs=4, max_num_batched_tokens=48, kv_cache_bytes=1 << 24, **engine)
+    prompts, params = workload()
+    return [result(o) for o in gen(llm, prompts, params)], llm
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_steps_with_prompt_chunks_replay_graphs_with_the_eager_bits(arch):
+    model = tiny_model(arch)
+    want, eager = run(model, enforce_eager=True)
+    assert eager.runner.graphs is None
+    got, llm = run(model)
+    graphs = llm.runner.graphs
+    assert graphs.num_mixed > 0 and graphs.mixed_replays > graphs.num_mixed  # captured once, replayed again
+    assert any(max_q > 1 for _, _, max_q in graphs.graphs)
+    assert got == want
+    decode_only, off = run(model, cuda_graph_max_tokens=0)
+    assert off.runner.graphs.num_mixed == off.runner.graphs.mixed_replays == 0
+    assert decode_only == want
+    captured, replays = graphs.num_mixed, graphs.mixed_replays
+    again = [result(o) for o in gen(llm, *workload())]  # the same steps: their buckets are captured now
+    assert again == want and graphs.num_mixed == captured and graphs.mixed_replays == 2 * replays
+    prompts, params = workload()
+    for prompt, sp, completions in zip(prompts, params, want):
+        for tokens, logprobs, _ in completions:
+            with torch.no_grad():
+                lp = model.token_logprobs(torch.tensor([prompt + tokens], device="cuda"),
+                                          temperature=sp.temperature if sp.temperature > 0 else 1.0)
+            assert torch.equal(lp[0, len(prompt):].cpu(), torch.tensor(logprobs))
+
+
+def test_mixed_buckets_past_the_cap_and_the_limit_run_eagerly(monkeypatch):
+    """Steps of more tokens than ``cuda_graph_max_tokens``, and new buckets once `MAX_MIXED_GRAPHS`
+    are captured, run eagerly, with the same results."""
+    import vexact_models.runtime.cuda_graphs as cuda_graphs
+
+    model = tiny_model("qwen3")
+    want, _ = run(model, enforce_eager=True)
+    got, capped = run(model, cuda_graph_max_tokens=16)
+    assert got == want
+    assert capped.runner.graphs.num_mixed > 0 and all(b[0] <= 16 for b in capped.runner.graphs.graphs)
+    monkeypatch.setattr(cuda_graphs, "MAX_MIXED_GRAPHS", 1)
+    got, limited = run(model)
+    assert got == want and limited.runner.graphs.num_mixed == 1 and limited.runner.graphs.mixed_replays >= 1
