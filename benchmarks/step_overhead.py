@@ -111,15 +111,15 @@ class Engine:
 
 def graph_input_builder(runner, batch: int):
     """The host side of a decode-graph replay (inputs built, staged, copied into the graph's
-    buffers) against CPU buffers: ``DecodeGraphs.run`` without the replay."""
-    from vexact_models.runtime.cuda_graphs import DecodeInputs
+    buffers) against CPU buffers: ``StepGraphs.run`` without the replay."""
+    from vexact_models.runtime.graph_inputs import GraphInputs
     from vexact_models.runtime.step_inputs import build_step_inputs
 
-    buffers = DecodeInputs(batch, runner.max_blocks_per_seq, torch.device("cpu"))
+    buffers = GraphInputs(batch, batch, runner.max_blocks_per_seq, torch.device("cpu"))
 
     def build(scheduled):
         inputs = build_step_inputs(scheduled, runner.block_size, runner.block_tables)
-        buffers.fill(inputs, batch)
+        buffers.fill(inputs, batch, batch)
 
     return build
 

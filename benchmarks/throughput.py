@@ -5,9 +5,13 @@ Workload: 256 requests, prompt lengths uniform in [100, 1024], output lengths un
 shape (default Qwen3-0.6B), bf16, CUDA.
 
 - aligned: `LLM.generate` (aligned kernels, paged KV, continuous batching, chunked prefill,
-  CUDA graphs for decode).
+  CUDA graphs for decode steps and steps with prompt chunks).
 - aligned-sync: the aligned engine one step at a time (``async_scheduling=False``): what
   launching each decode step before the last one's tokens are back brings.
+- aligned-eager: the aligned engine without CUDA graphs (``enforce_eager=True``): what
+  replaying steps brings.
+- aligned-decode-graphs: the aligned engine with graphs for decode steps only
+  (``cuda_graph_max_tokens=0``): what replaying the steps with prompt chunks brings.
 - aligned-no-attention: a bound, not an engine: the aligned engine with the attention kernels
   replaced by zero outputs (the K/V are still written). The tokens are garbage, the lengths are
   not (``ignore_eos``), so the run takes the same steps at the same batch sizes: what the run
@@ -24,6 +28,9 @@ bytes of weights and KV read per step over the measured copy bandwidth.
 MLA models (DeepSeek-V3, Moonlight) take ``--mla-kv-cache expanded,latent``: the vexact engines
 and the decode table run once per KV cache mode, on the same weights, in the same run
 (docs/mla-kv-cache.md). ``--set KEY=VALUE`` overrides config fields as in the conformance CLI.
+``--step-breakdown`` splits each vexact run's time into decode-only steps and steps with prompt
+tokens; ``--repeat N`` runs the workload N times per engine and counts the last (an RL loop's
+engine serves many, so the CUDA graphs of steps with prompt chunks are captured by then).
 
 Usage: python benchmarks/throughput.py [--config qwen3-0.6b] [--requests 256] [--engines aligned,fast,hf]
        python benchmarks/throughput.py --config moonlight-16b-a3b --mla-kv-cache expanded,latent --engines aligned
@@ -71,23 +78,35 @@ def attention_skipped():
 
 # --engines names and their table rows ("hf" is labelled with its batch)
 ENGINES = {"aligned": "vexact aligned", "aligned-sync": "vexact aligned, one step at a time",
+           "aligned-eager": "vexact aligned, no CUDA graphs",
+           "aligned-decode-graphs": "vexact aligned, decode graphs only",
            "aligned-no-attention": "bound: aligned, no attention", "fast": "vexact fast path (cuBLAS)",
            "hf": "HF generate"}
 
 
-def run_vexact(model, prompts, outputs, args, aligned: bool = True, async_scheduling: bool = True) -> tuple[float, int]:
+def run_vexact(model, prompts, outputs, args, aligned: bool = True, async_scheduling: bool = True,
+               enforce_eager: bool = False, mixed_graphs: bool = True) -> tuple[float, int]:
     from vexact_models.runtime import LLM, SamplingParams
 
     llm = LLM(model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=2100, gpu_memory_utilization=args.gpu_memory_utilization, aligned=aligned,
-              async_scheduling=async_scheduling)
+              async_scheduling=async_scheduling, enforce_eager=enforce_eager,
+              cuda_graph_max_tokens=None if mixed_graphs else 0)
     params = [SamplingParams(temperature=0.6, max_tokens=n, ignore_eos=True, seed=i) for i, n in enumerate(outputs)]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up: compile kernels
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
+    for run in range(args.repeat):  # the last run counts: an RL loop's engine serves many
+        torch.cuda.synchronize()
+        if args.step_breakdown:
+            llm.step_times = []
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        if args.repeat > 1:
+            print(f"  run {run + 1} of {args.repeat}: {seconds:.1f} s")
+        if llm.step_times is not None:
+            print(step_breakdown(llm.step_times))
+            print(graph_counts(llm.runner.graphs))
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     assert produced == sum(outputs), (produced, sum(outputs))
     print(f"vexact ({'aligned' if aligned else 'fast path'}{'' if async_scheduling else ', one step at a time'}): "
@@ -96,6 +115,27 @@ def run_vexact(model, prompts, outputs, args, aligned: bool = True, async_schedu
     del llm
     torch.cuda.empty_cache()
     return seconds, produced
+
+
+def step_breakdown(step_times: list[tuple[int, bool, float]]) -> str:
+    """Where a run's time went, from ``LLM.step_times`` (sequences, decode-only, seconds between
+    step completions): steps, seconds and median ms of the decode-only steps (the ones CUDA
+    graphs replay) and of the steps with prompt tokens."""
+    lines = []
+    for label, decode in (("decode-only steps", True), ("steps with prompt tokens", False)):
+        times = sorted(t for _, d, t in step_times if d == decode)
+        median = times[len(times) // 2] * 1e3 if times else 0.0
+        lines.append(f"  {label:<26}{len(times):>6} steps {sum(times):>8.2f} s  median {median:6.2f} ms")
+    return "\n".join(lines)
+
+
+def graph_counts(graphs) -> str:
+    """The mixed-step CUDA graphs of an engine's `StepGraphs` (None: eager): captured, their
+    capture time, replays."""
+    if graphs is None:
+        return "  no CUDA graphs"
+    return (f"  {graphs.num_mixed} CUDA graphs of steps with prompt tokens captured in "
+            f"{graphs.mixed_capture_seconds:.2f} s (all runs so far), {graphs.mixed_replays} replays")
 
 
 @torch.no_grad()
@@ -163,11 +203,19 @@ def main(argv=None) -> int:
                         help=f"comma-separated subset of {', '.join(ENGINES)} (default: aligned,fast,hf)")
     parser.add_argument("--skip-hf", action="store_true", help="same as leaving hf out of --engines")
     parser.add_argument("--no-roofline", action="store_true", help="skip the decode step / roofline table")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run the workload this many times on each vexact engine and count the last (steady "
+                             "state: CUDA graphs captured on first use are captured by then); default 1")
+    parser.add_argument("--step-breakdown", action="store_true",
+                        help="print each vexact run's step count, seconds and median step time, split into "
+                             "decode-only steps and steps with prompt tokens")
     parser.add_argument("--set", action="append", metavar="KEY=VALUE",
                         help="override a config field (JSON value; repeatable), e.g. --set n_routed_experts=8")
     parser.add_argument("--mla-kv-cache", metavar="MODES",
                         help="MLA models: comma-separated KV cache modes to run in turn (expanded, latent)")
     args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error(f"--repeat: {args.repeat} is below the minimum 1")
     if not torch.cuda.is_available():
         print("benchmarks/throughput.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -229,7 +277,9 @@ def run_engines(arch, model, prompts, outputs, args, engines: list[str], mode: s
         else:
             with attention_skipped() if engine == "aligned-no-attention" else contextlib.nullcontext():
                 seconds, produced = run_vexact(model, prompts, outputs, args, aligned=engine != "fast",
-                                               async_scheduling=engine != "aligned-sync")
+                                               async_scheduling=engine != "aligned-sync",
+                                               enforce_eager=engine == "aligned-eager",
+                                               mixed_graphs=engine != "aligned-decode-graphs")
             name, row_mode = ENGINES[engine] + (f" [{mode}]" if mode else ""), mode
         rows.append((name, row_mode, seconds, produced))
         print(f"{name}: {produced} output tokens in {seconds:.1f}s = {produced / seconds:,.0f} tok/s", flush=True)

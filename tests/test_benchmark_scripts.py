@@ -82,3 +82,35 @@ def test_throughput_attention_skipped_bound(monkeypatch):
     assert module.attention_forward_triton is real
     assert out.shape == (5, 4, 16) and out.dtype == q.dtype and not out.any()
     assert lse.shape == (5, 4) and lse.dtype == torch.float32 and not lse.any()
+
+
+def test_throughput_step_breakdown(monkeypatch):
+    """`throughput.py --step-breakdown`: decode-only and prompt steps are counted, summed and
+    their medians taken apart."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import throughput
+
+    times = [(64, True, 0.002), (64, True, 0.004), (64, False, 0.010), (64, True, 0.003), (3, False, 0.030),
+             (5, False, 0.020)]
+    decode, prompt = throughput.step_breakdown(times).splitlines()
+    assert decode.split() == ["decode-only", "steps", "3", "steps", "0.01", "s", "median", "3.00", "ms"]
+    assert prompt.split() == ["steps", "with", "prompt", "tokens", "3", "steps", "0.06", "s", "median", "20.00", "ms"]
+    assert throughput.step_breakdown([]).split()[2:5] == ["0", "steps", "0.00"]
+
+
+def test_throughput_graph_counts(monkeypatch):
+    """`throughput.py --step-breakdown`: an engine's mixed-step graphs are reported from the real
+    `StepGraphs` counters (an eager engine has none)."""
+    from types import SimpleNamespace
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import throughput
+
+    from vexact_models.runtime.cuda_graphs import StepGraphs
+
+    counters = SimpleNamespace(num_mixed=3, mixed_capture_seconds=0.456, mixed_replays=17)
+    assert {"num_mixed", "mixed_capture_seconds", "mixed_replays"} <= set(StepGraphs.__init__.__code__.co_names)
+    assert throughput.graph_counts(counters).split() == ["3", "CUDA", "graphs", "of", "steps", "with", "prompt", "tokens",
+                                                          "captured", "in", "0.46", "s", "(all", "runs", "so", "far),",
+                                                          "17", "replays"]
+    assert throughput.graph_counts(None).strip() == "no CUDA graphs"
