@@ -192,6 +192,7 @@ def run_conformance(arch: Architecture, model, *, device: torch.device, pool_siz
             chunk = requests[start:start + sc["batch"]]
             outputs += llm.generate([p for p, _ in chunk], [sp for _, sp in chunk], use_tqdm=False)
         preempted = llm.num_preemptions
+        replays = _mixed_replays(llm.runner.graphs)  # (no reference kept: `del llm` frees the cache)
         samples, reported, temps = [], [], []
         for (prompt, sp), out in zip(requests, outputs):
             for comp in out.outputs:
@@ -224,7 +225,7 @@ def run_conformance(arch: Architecture, model, *, device: torch.device, pool_siz
                                 generated, tokens, mismatches, max_diff, time.time() - t0)
         report.scenarios.append(result)
         log(f"  {result.name}: {result.sequences} sequences, {generated} tokens generated, {tokens} token "
-            f"logprobs checked, {mismatches} mismatches ({result.seconds:.1f}s)")
+            f"logprobs checked, {mismatches} mismatches{replays} ({result.seconds:.1f}s)")
         del llm
         if device.type == "cuda":
             gc.collect()  # the engine's CUDA graphs and cache may sit in reference cycles
@@ -232,6 +233,13 @@ def run_conformance(arch: Architecture, model, *, device: torch.device, pool_siz
     if check_parity:
         report.hf_parity = hf_parity(arch, model, device)
     return report
+
+
+def _mixed_replays(graphs) -> str:
+    """How many steps with prompt tokens an engine's CUDA graphs replayed (empty: eager)."""
+    if graphs is None:
+        return ""
+    return f", {graphs.mixed_replays} steps with prompt tokens replayed by {graphs.num_mixed} CUDA graphs"
 
 
 def add_random_lora(model, rank: int, seed: int = 0):
