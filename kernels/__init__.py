@@ -7,6 +7,8 @@ checks it); a name imported across files (benchmarks, GPU proofs) is public in i
 """
 
 from .attention import PagedLayout, attention, packed_layout
+from .attention_forward_choice import forward_mode as attention_forward_mode
+from .attention_forward_choice import set_attention_forward, use_attention_forward
 from .attention_packed import attention_packed, attention_saving_context
 from .backend import BACKENDS, UnsupportedError, current_backend, set_backend, use_backend
 from .grouped_topk import sigmoid_grouped_topk
@@ -23,8 +25,9 @@ from .silu_and_mul import silu_and_mul
 from .token_logprobs import token_logprobs
 
 __all__ = [
-    "BACKENDS", "PagedLayout", "UnsupportedError", "add_rms_norm", "apply_rotary", "attention", "attention_packed",
-    "attention_saving_context", "current_backend", "fused_moe", "gather_logprobs", "head_linear", "kv_cache_write",
-    "linear", "log_softmax", "packed_layout", "rms_norm", "rope_table", "sample_tokens", "set_backend",
-    "sigmoid_grouped_topk", "silu_and_mul", "softmax_topk", "token_logprobs", "use_backend",
+    "BACKENDS", "PagedLayout", "UnsupportedError", "add_rms_norm", "apply_rotary", "attention", "attention_forward_mode",
+    "attention_packed", "attention_saving_context", "current_backend", "fused_moe", "gather_logprobs", "head_linear",
+    "kv_cache_write", "linear", "log_softmax", "packed_layout", "rms_norm", "rope_table", "sample_tokens",
+    "set_attention_forward", "set_backend", "sigmoid_grouped_topk", "silu_and_mul", "softmax_topk", "token_logprobs",
+    "use_attention_forward", "use_backend",
 ]

@@ -32,6 +32,8 @@ import torch
 
 from . import exact_math
 from ._triton import has_tma, launch_staged, next_power_of_2, require_triton, tl, tma_rows_aligned, triton
+from .attention_fa4 import attention_fa4
+from .attention_forward_choice import choose_attention_forward
 from .backend import select
 from .latent_attention import latent_attention_triton, value_in_key
 from .row_sum import lane_sums, row_sum_halves, row_sum_levels
@@ -375,15 +377,20 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lay
     check_attention_inputs(q, k_cache, v_cache, layout)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if attention_backend(q, v_cache, k_cache) == "triton":
-        out, lse = attention_forward_triton(q, k_cache, v_cache, layout, scale)
+        out, lse = attention_forward_triton(q, k_cache, v_cache, layout, scale, need_lse=return_lse)
         return (out, lse) if return_lse else out
     return attention_reference(q, k_cache, v_cache, layout, scale, return_lse)
 
 
-def attention_forward_triton(q, k_cache, v_cache, layout: PagedLayout, scale: float, packed: bool = False):
-    """(out, lse) from the GQA kernel, or from the latent MLA kernel when V is a view of K.
-    `packed`: the K/V are packed training tensors (TMA loads where they fit)."""
+def attention_forward_triton(q, k_cache, v_cache, layout: PagedLayout, scale: float, packed: bool = False,
+                             need_lse: bool = True):
+    """(out, lse) from the GQA kernel, or from the latent MLA kernel when V is a view of K, or
+    from FlashAttention-4 when the forward switch says ``fa4`` (`attention_forward_choice`;
+    its lse is None unless `need_lse`). `packed`: the K/V are packed training tensors (TMA
+    loads where they fit)."""
     if value_in_key(k_cache, v_cache):
         return latent_attention_triton(q, k_cache, v_cache.shape[-1], layout, scale)
+    if choose_attention_forward(q, k_cache, v_cache) == "fa4":
+        return attention_fa4(q, k_cache, v_cache, layout, scale, packed=packed, return_lse=need_lse)
     return attention_triton(q, k_cache, v_cache, layout, scale,
                             kv_descriptors=packed and kv_descriptors_fit(k_cache, v_cache))

@@ -41,7 +41,7 @@ between two identical steps, where our Triton backward repeats bitwise; under
 ``torch.use_deterministic_algorithms(True)`` torch runs FA2's deterministic dQ variant.
 
 Selecting it: `attention_backward_choice.py` (``VEXACT_ATTENTION_BACKWARD``; under ``auto`` it
-runs where cuDNN's backward does not apply, before our Triton backward).
+runs where neither cuDNN's nor FlashAttention-4's backward applies, before our Triton backward).
 """
 
 from __future__ import annotations

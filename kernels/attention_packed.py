@@ -74,6 +74,7 @@ class _PackedAttentionFunction(torch.autograd.Function):
         from .attention_backward_choice import choose_attention_backward
         from .attention_backward_cudnn import attention_backward_cudnn
         from .attention_backward_flash import attention_backward_flash
+        from .attention_fa4 import attention_backward_fa4
 
         q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
         if ctx.backend != "triton":
@@ -82,7 +83,7 @@ class _PackedAttentionFunction(torch.autograd.Function):
             dq, dk = latent_attention_backward_triton(grad_out, q, k, out, lse, cu_seqlens, ctx.max_seqlen, ctx.scale)
             return dq, dk, None, None, None, None
         # rule 8: any correct backward may run on our forward's out/lse (attention_backward_choice.py)
-        kernel = {"cudnn": attention_backward_cudnn, "flash": attention_backward_flash,
+        kernel = {"cudnn": attention_backward_cudnn, "fa4": attention_backward_fa4, "flash": attention_backward_flash,
                   "triton": attention_backward_triton}[choose_attention_backward(q, k, v, cu_seqlens, ctx.max_seqlen,
                                                                                   ctx.scale)]
         dq, dk, dv = kernel(grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, ctx.max_seqlen, ctx.scale)

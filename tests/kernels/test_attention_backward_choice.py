@@ -32,7 +32,7 @@ def test_switch_reads_environment_and_override(monkeypatch):
 
 def test_switch_bad_values_raise_naming_it(monkeypatch):
     monkeypatch.setenv(ENV_VAR, "fast")
-    with pytest.raises(ValueError, match=rf"{ENV_VAR}='fast'.*'auto', 'cudnn', 'flash', 'triton'"):
+    with pytest.raises(ValueError, match=rf"{ENV_VAR}='fast'.*'auto', 'cudnn', 'fa4', 'flash', 'triton'"):
         backward_mode()
     q, k, v = _qkv()
     with pytest.raises(ValueError, match=ENV_VAR):
@@ -53,18 +53,23 @@ def test_choice_per_mode_on_cpu():
         choose_attention_backward(q, k, v)
     with use_attention_backward("cudnn"), pytest.raises(UnsupportedError, match="'cudnn' but the cudnn backward"):
         choose_attention_backward(q, k, v)
+    with use_attention_backward("fa4"), pytest.raises(UnsupportedError, match="'fa4' but the fa4 backward"):
+        choose_attention_backward(q, k, v)
 
 
-def test_auto_prefers_cudnn_then_flash(monkeypatch):
+def test_auto_prefers_cudnn_then_fa4_then_flash(monkeypatch):
     """The order under auto, with each candidate's availability stubbed (the availability checks
     themselves are tested in test_attention_backward_{cudnn,flash}.py)."""
     q, k, v = _qkv()
     monkeypatch.setattr(choice, "cudnn_backward_unavailable_reason", lambda *a: None)
+    monkeypatch.setattr(choice, "fa4_unavailable_reason", lambda *a: None)
     monkeypatch.setattr(choice, "flash_backward_unavailable_reason", lambda *a: None)
     assert choose_attention_backward(q, k, v) == "cudnn"
     with use_attention_backward("flash"):
         assert choose_attention_backward(q, k, v) == "flash"
     monkeypatch.setattr(choice, "cudnn_backward_unavailable_reason", lambda *a: "no cuDNN")
+    assert choose_attention_backward(q, k, v) == "fa4"
+    monkeypatch.setattr(choice, "fa4_unavailable_reason", lambda *a: "no FA4")
     assert choose_attention_backward(q, k, v) == "flash"
     with use_attention_backward("cudnn"), pytest.raises(UnsupportedError, match="no cuDNN"):
         choose_attention_backward(q, k, v)
