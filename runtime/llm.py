@@ -19,7 +19,7 @@ from collections.abc import Sequence as Seq
 import torch
 from tqdm.auto import tqdm
 
-from vexact_models.kernels import current_backend, use_backend
+from vexact_models.kernels import attention_forward_mode, current_backend, use_backend
 
 from .block_manager import BlockManager
 from .cuda_graphs import DEFAULT_MAX_TOKENS
@@ -195,17 +195,19 @@ class LLM(EngineStepsMixin, EngineSetupMixin, EngineMemoryMixin):
         return "fast" if not self.aligned else current_backend(self.device)
 
     def _remember_graphs(self, backend: str) -> None:
-        """Note which backend the runner's CUDA graphs (if any) were captured under."""
+        """Note which backend and attention forward (`vexact_models.kernels.use_attention_forward`)
+        the runner's CUDA graphs (if any) were captured under."""
         graphs = self.runner.graphs
-        self._graphs_key = (None if graphs is None else weakref.ref(graphs), backend)
+        self._graphs_key = (None if graphs is None else weakref.ref(graphs), (backend, attention_forward_mode()))
 
     def _graphs_follow(self, backend: str) -> None:
-        """CUDA graphs replay the kernels they captured: when the backend (or the graphs, e.g.
-        recaptured by `wake_up`) changed since they were noted, capture them again under
-        `backend`. The KV cache is reallocated with them; no pages are shared across calls."""
+        """CUDA graphs replay the kernels they captured: when the backend or the attention
+        forward (or the graphs, e.g. recaptured by `wake_up`) changed since they were noted,
+        capture them again under `backend`. The KV cache is reallocated with them; no pages are
+        shared across calls."""
         graphs = self.runner.graphs
         ref, captured = self._graphs_key
-        if graphs is None or (ref is not None and ref() is graphs and captured == backend):
+        if graphs is None or (ref is not None and ref() is graphs and captured == (backend, attention_forward_mode())):
             return
         self.runner.free_cache()
         with use_backend(backend):

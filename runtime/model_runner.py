@@ -35,9 +35,11 @@ def kv_bytes_per_block(spec: tuple[int, int, int, int], block_size: int, dtype: 
 
 
 def _kv_pair(shape: tuple, head_dim_k: int, head_dim_v: int, value_in_key: bool, device, dtype):
-    """One layer's (K, V) caches; with `value_in_key` V is a view of K, not a second copy."""
-    k = torch.empty(*shape, head_dim_k, device=device, dtype=dtype)
-    return (k, k[..., :head_dim_v]) if value_in_key else (k, torch.empty(*shape, head_dim_v, device=device, dtype=dtype))
+    """One layer's (K, V) caches; with `value_in_key` V is a view of K, not a second copy. Zeroed:
+    FlashAttention-4 (`use_attention_forward("fa4")`) loads whole pages of ``block_size`` 128 by
+    TMA and multiplies the masked rows' zero probabilities by their values, which must be finite."""
+    k = torch.zeros(*shape, head_dim_k, device=device, dtype=dtype)
+    return (k, k[..., :head_dim_v]) if value_in_key else (k, torch.zeros(*shape, head_dim_v, device=device, dtype=dtype))
 
 
 class ModelRunner:
