@@ -70,6 +70,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--shape", action="append",
                         help="shape name, e.g. moonlight (repeatable; default: every shape of the architectures)")
     parser.add_argument("--backend", choices=["reference", "triton"], help="kernel backend (default: by device)")
+    parser.add_argument("--attention-forward", choices=["triton", "fa4"],
+                        help="attention forward of the triton backend, for training and rollout alike: ours or "
+                             "FlashAttention-4 (the flash-attn-4 package, Hopper GPUs); default: "
+                             "VEXACT_ATTENTION_FORWARD, else triton")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--config", help="'tiny' (default: each shape's tiny config), a bundled config name (e.g. "
@@ -106,15 +110,19 @@ def main(argv: list[str] | None = None) -> int:
         if value < 1:
             parser.error(f"{name}={value} must be >= 1")
     device = torch.device(args.device)
+    if args.attention_forward == "fa4" and device.type != "cuda":
+        parser.error(f"--attention-forward fa4 needs --device cuda (got --device {args.device}): FA4 runs on Hopper GPUs")
     dtype = getattr(torch, args.dtype)
-    from vexact_models.kernels import use_backend
+    from vexact_models.kernels import attention_forward_mode, use_attention_forward, use_backend
 
     from .suite import add_random_lora, print_table, run_conformance
 
     rows = _rows(parser, args)
     overrides = parse_overrides(args.set)
     reports, failed = [], False
-    with use_backend(args.backend):
+    with use_backend(args.backend), use_attention_forward(args.attention_forward):
+        if device.type == "cuda":
+            print(f"attention forward: {attention_forward_mode()}", flush=True)
         for arch, shape, label in rows:
             config = make_config(arch, args.config, args.layers, args.max_positions, overrides,
                                  shape=shape.name if shape is not None and args.config in (None, "tiny") else None)

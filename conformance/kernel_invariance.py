@@ -17,6 +17,9 @@ and allows zero mismatches:
   view of its first 512 dims, 16 and 128 query heads) as the attention check runs it, packed vs
   chunked prefill vs decode over a latent paged cache, up to 8192 tokens; the absorption GEMMs
   (`kernels.head_linear`, on strided views of kv_b_proj) row alone vs in batches of up to 8192.
+- attention FA4 (``--only fa4``, the optional flash-attn-4 package on a Hopper GPU): the attention
+  check with FlashAttention-4 as the forward (`use_attention_forward("fa4")`), every shape
+  including the qk-192 / v-128 MLA ones.
 
 The attention checks live in `attention_invariance.py`.
 
@@ -249,14 +252,16 @@ def check_moe(results: dict[str, Result], quick: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer shapes and M up to 1024 (a smoke run)")
-    parser.add_argument("--only", choices=["linear", "attention", "latent", "rows", "moe"],
-                        help="run one group of checks (latent: MLA's latent attention and absorption GEMMs)")
+    parser.add_argument("--only", choices=["linear", "attention", "fa4", "latent", "rows", "moe"],
+                        help="run one group of checks (latent: MLA's latent attention and absorption GEMMs; fa4: "
+                             "the attention checks with FlashAttention-4 as the forward, not part of the default run)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("kernel_invariance: needs a CUDA GPU", file=sys.stderr)
         return 2
     torch.manual_seed(0)
-    names = ["linear", "linear configs", "attention", "attention configs", "latent attention", "head_linear", "rms_norm",
+    names = ["linear", "linear configs", "attention", "attention configs", "attention FA4", "latent attention",
+             "head_linear", "rms_norm",
              "log_softmax",
              "token_logprobs", "elementwise", "moe"]
     results = {n: Result(n) for n in names}
@@ -275,6 +280,14 @@ def main(argv: list[str] | None = None) -> int:
             check_attention(results["attention"], hq, hkv, d, dv, lens, args.quick)
             check_attention_configs(results["attention configs"], hq, hkv, d, dv, latent=False)
             print(f"attention {name}: {results['attention'].mismatches} mismatches so far", flush=True)
+    if args.only == "fa4":  # the optional flash-attn-4 package: training == prefill == decode under it too
+        from vexact_models.kernels import use_attention_forward
+
+        lens = [1, 37, 300, 2048] if args.quick else [1, 37, 300, 2048, 8192]
+        with use_attention_forward("fa4"):
+            for name, hq, hkv, d, dv in ATTENTION_SHAPES:
+                check_attention(results["attention FA4"], hq, hkv, d, dv, lens, args.quick)
+                print(f"attention FA4 {name}: {results['attention FA4'].mismatches} mismatches so far", flush=True)
     if args.only in (None, "latent"):
         lens = [1, 37, 300, 2048] if args.quick else [1, 37, 300, 2048, 8192]
         for name, hq, rank, rope, nope, v_dim in LATENT_SHAPES:

@@ -91,6 +91,8 @@ def test_cli_config_path_picks_the_architecture_from_its_model_type(capsys, tmp_
     (["--config", "nope"], ["no such file, and not one of the bundled configs"]),
     (["--pool", "0"], ["--pool=0 must be >= 1"]),
     (["--lora", "-1"], ["--lora=-1 must be >= 0"]),
+    (["--attention-forward", "fa4"], ["--attention-forward fa4 needs --device cuda (got --device cpu)"]),
+    (["--attention-forward", "flash"], ["invalid choice: 'flash'"]),
 ])
 def test_cli_rejects_bad_arguments_before_building_anything(argv, words, capsys):
     with pytest.raises(SystemExit) as info:
