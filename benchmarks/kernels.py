@@ -6,10 +6,11 @@ measured here (bytes read + written). Times are medians of ``triton.testing.do_b
 
 Targets (issue 2, benchmark figures, not timed tests): linear >= 0.8x cuBLAS TFLOP/s at
 M >= 4096 and >= 60% of HBM bandwidth at M <= 64; attention prefill >= 0.6x SDPA flash; decode
-attention >= 50% of HBM bandwidth. The attention backward has three rows per shape, each forced
+attention >= 50% of HBM bandwidth. The attention backward has four rows per shape, each forced
 with ``use_attention_backward`` on our forward's out/lse: our Triton kernel ("bwd triton"),
-torch's FlashAttention-2 backward ("bwd flash") and cuDNN's ("bwd cudnn", n/a without the cuDNN
-frontend); training runs the first of cudnn, flash, triton that applies
+torch's FlashAttention-2 backward ("bwd flash"), cuDNN's ("bwd cudnn", n/a without the cuDNN
+frontend) and FlashAttention-4's ("bwd fa4", n/a without flash-attn-4 or off Hopper); training
+runs the first of cudnn, fa4, flash, triton that applies
 (``VEXACT_ATTENTION_BACKWARD``, default auto; kernels/attention_backward_choice.py).
 
 Usage: python benchmarks/kernels.py [--only linear|attention|rows] [--quick]
@@ -166,7 +167,7 @@ def bench_attention(hbm: float, quick: bool) -> None:
                 o2 = torch.nn.functional.scaled_dot_product_attention(qsg, krg, vrg, is_causal=True)
                 go2 = torch.randn_like(o2)
                 t_bwd_sdpa = bench(lambda: torch.autograd.grad(o2, (qsg, krg, vrg), go2, retain_graph=True))
-            for mode in ("triton", "flash", "cudnn"):
+            for mode in ("triton", "flash", "cudnn", "fa4"):
                 try:
                     with use_attention_backward(mode):
                         t_bwd = bench(lambda: torch.autograd.grad(out, (qg, kg, vg), go, retain_graph=True))

@@ -12,6 +12,9 @@ shape (default Qwen3-0.6B), bf16, CUDA.
   replaying steps brings.
 - aligned-decode-graphs: the aligned engine with graphs for decode steps only
   (``cuda_graph_max_tokens=0``): what replaying the steps with prompt chunks brings.
+- aligned-fa4: the aligned engine with FlashAttention-4 as the attention forward
+  (`use_attention_forward("fa4")`, the optional flash-attn-4 package): what that switch costs or
+  brings a rollout (training then runs FA4 too).
 - aligned-no-attention: a bound, not an engine: the aligned engine with the attention kernels
   replaced by zero outputs (the K/V are still written). The tokens are garbage, the lengths are
   not (``ignore_eos``), so the run takes the same steps at the same batch sizes: what the run
@@ -80,6 +83,7 @@ def attention_skipped():
 ENGINES = {"aligned": "vexact aligned", "aligned-sync": "vexact aligned, one step at a time",
            "aligned-eager": "vexact aligned, no CUDA graphs",
            "aligned-decode-graphs": "vexact aligned, decode graphs only",
+           "aligned-fa4": "vexact aligned, FA4 attention",
            "aligned-no-attention": "bound: aligned, no attention", "fast": "vexact fast path (cuBLAS)",
            "hf": "HF generate"}
 
@@ -268,6 +272,8 @@ def set_mode(model, mode: str | None) -> None:
 
 def run_engines(arch, model, prompts, outputs, args, engines: list[str], mode: str | None) -> list[tuple]:
     """Each engine's (name, mode, seconds, output tokens) on the workload, in the KV cache `mode`."""
+    from vexact_models.kernels import use_attention_forward
+
     set_mode(model, mode)
     rows = []
     for engine in engines:
@@ -275,7 +281,8 @@ def run_engines(arch, model, prompts, outputs, args, engines: list[str], mode: s
             seconds, produced = run_hf(arch, model, prompts, outputs, args.hf_batch)
             name, row_mode = f"{ENGINES['hf']} (batch {args.hf_batch})", None
         else:
-            with attention_skipped() if engine == "aligned-no-attention" else contextlib.nullcontext():
+            with attention_skipped() if engine == "aligned-no-attention" else contextlib.nullcontext(), \
+                    use_attention_forward("fa4" if engine == "aligned-fa4" else None):
                 seconds, produced = run_vexact(model, prompts, outputs, args, aligned=engine != "fast",
                                                async_scheduling=engine != "aligned-sync",
                                                enforce_eager=engine == "aligned-eager",

@@ -11,7 +11,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 @pytest.mark.parametrize("script", ["kernels.py", "moe.py", "throughput.py", "decode_profile.py", "training.py",
-                                    "attention_configs.py"])
+                                    "attention_configs.py", "attention_fa4.py"])
 def test_benchmark_script_help_and_cpu_refusal(script):
     help_run = subprocess.run([sys.executable, script, "--help"], cwd=BENCHMARKS, capture_output=True, text=True,
                               timeout=120)
@@ -114,3 +114,43 @@ def test_throughput_graph_counts(monkeypatch):
                                                           "captured", "in", "0.46", "s", "(all", "runs", "so", "far),",
                                                           "17", "replays"]
     assert throughput.graph_counts(None).strip() == "no CUDA graphs"
+
+
+def test_fa4_alignment_check_counts_a_broken_path(monkeypatch):
+    """`attention_fa4.py`'s alignment rows (run here on our reference kernel, CPU): every path
+    agrees with the packed call, and a decode path that reads the wrong pages is caught."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import attention_fa4
+
+    torch.manual_seed(0)
+    rows = attention_fa4.alignment_rows("ours", attention_fa4.OurPaths(), [37, 20, 1], (4, 2), (64, 64), chunk=16,
+                                        page=8, dev="cpu")
+    assert [r[1] for r in rows] == ["each sequence alone", "chunked prefill (16-token chunks, page 8)",
+                                    "decode (one query per call, page 8)"]
+    assert all(r[2] == 58 * 4 * 64 and r[3] == 0 and r[4] == 0.0 for r in rows)
+
+    class WrongPages(attention_fa4.OurPaths):
+        def paged(self, q, k_cache, v_cache, cu_q, max_q, seen, table_):
+            return super().paged(q, k_cache, v_cache, cu_q, max_q, seen, table_.flip(1).contiguous())
+
+    torch.manual_seed(0)
+    broken = attention_fa4.alignment_rows("broken", WrongPages(), [37, 20, 1], (4, 2), (64, 64), chunk=16, page=8,
+                                          dev="cpu")
+    assert broken[0][3] == 0 and broken[1][3] > 0 and broken[2][3] > 0
+
+
+def test_fa4_paged_cache_holds_each_sequence_in_its_pages(monkeypatch):
+    import torch
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import attention_fa4
+    k, v = torch.randn(21, 2, 8), torch.randn(21, 2, 4)
+    k_cache, v_cache, table_ = attention_fa4.paged_cache(k, v, [5, 16], page=4)
+    assert k_cache.shape == (6, 4, 2, 8) and v_cache.shape == (6, 4, 2, 4) and table_.shape == (2, 4)
+    assert sorted(table_[0, :2].tolist() + table_[1].tolist()) == list(range(6))
+    for s, (start, n) in enumerate([(0, 5), (5, 16)]):
+        slots = (table_[s].long()[:, None] * 4 + torch.arange(4)).flatten()[:n]
+        assert torch.equal(k_cache.view(-1, 2, 8)[slots], k[start:start + n])
+        assert torch.equal(v_cache.view(-1, 2, 4)[slots], v[start:start + n])
