@@ -195,6 +195,25 @@ def test_sampling_matches_reference():
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("chunk_blocks", [1, 2, 8])
+def test_sampling_over_row_chunks_keeps_the_token(monkeypatch, chunk_blocks):
+    """A row split over programs of `chunk_blocks` blocks (3, 2 and 1 chunks of a 5,000-column
+    row) picks the reference token; greedy ties across chunks take the first column."""
+    from vexact_models.kernels import sampling
+
+    monkeypatch.setattr(sampling, "_CHUNK_BLOCKS", chunk_blocks)
+    logits = rand(12, 5000) * 2
+    logits[0, 100] = logits[0, 4500] = logits[0, 2100] = 50.0  # a tie over three chunks (chunk_blocks 1)
+    logits[1, 4999] = 50.0  # the last column, in a partial block
+    temps = torch.tensor([0.0, 0.0] + [0.7, 1.0, 0.0, 1.3] * 2 + [1.0, 0.5], device=DEVICE)
+    seeds = (torch.arange(12) * 999_983 + 17).to(DEVICE)
+    steps = (torch.arange(12) * 3 + 1).to(DEVICE)
+    thr = torch.where(torch.arange(12) % 4 == 3, torch.tensor(0.5), torch.tensor(float("-inf"))).to(DEVICE)
+    got = sample_tokens(logits, temps, seeds, steps, thr)
+    assert got[0] == 100 and got[1] == 4999
+    assert torch.equal(got, ref(sample_tokens, logits, temps, seeds, steps, thr))
+
+
 @pytest.mark.parametrize("top_k", [8, 6])
 def test_moe_routing(top_k):
     from vexact_models.kernels.moe_routing import softmax_topk
