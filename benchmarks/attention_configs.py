@@ -35,6 +35,12 @@ GQA_CASES = [("moonlight expanded decode", "decode", 16, 16, 192, 128, 256, 528)
              ("moonlight expanded train 8x4096", "train", 16, 16, 192, 128, 8, 4096),
              ("qwen3-8b decode", "decode", 32, 8, 128, 128, 128, 1024),
              ("qwen3-0.6b decode", "decode", 16, 8, 128, 128, 256, 640),
+             # the late steps of a reasoning rollout: few sequences, long contexts
+             ("qwen3-8b decode 32x8192", "decode", 32, 8, 128, 128, 32, 8192),
+             ("qwen3-8b decode 32x1024", "decode", 32, 8, 128, 128, 32, 1024),
+             ("qwen3-8b decode 64x4096", "decode", 32, 8, 128, 128, 64, 4096),
+             ("qwen3-8b decode 128x4096", "decode", 32, 8, 128, 128, 128, 4096),
+             ("qwen3-0.6b decode 32x8192", "decode", 16, 8, 128, 128, 32, 8192),
              ("qwen3-8b train 4x4096", "train", 32, 8, 128, 128, 4, 4096),
              ("qwen3-0.6b train 16x1024", "train", 16, 8, 128, 128, 16, 1024),
              ("qwen3-8b train 16x1024", "train", 32, 8, 128, 128, 16, 1024)]
@@ -56,7 +62,7 @@ def gqa_candidates(kind: str):
     # every row count gives the same bits (the fixed-order row sum), so decode and training each
     # take their fastest
     rows = [(16, 2), (16, 4), (32, 4), (64, 4)] if kind == "decode" else [(64, 4), (64, 8), (128, 8), (128, 4), (32, 4)]
-    for (bm, warps), stages in itertools.product(rows, (1, 2, 3) if kind == "decode" else (1, 2, 3, 4)):
+    for (bm, warps), stages in itertools.product(rows, (1, 2, 3, 4, 5) if kind == "decode" else (1, 2, 3, 4)):
         yield AttentionConfig(bm, 64, warps, stages)
     for bn, (bm, warps) in itertools.product((32, 128), rows[::2]):  # other key blocks, for the record
         yield AttentionConfig(bm, bn, warps, 2)

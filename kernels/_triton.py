@@ -32,6 +32,27 @@ def require_triton(op: str) -> None:
 _SM_COUNT: dict[int, int] = {}
 
 
+#: shared memory per block (opt-in) from which five pipeline stages of a decode tile fit: Hopper's
+#: 227 KB does, an A100's 163 KB does not (five 64-key K and V blocks of head dim 128: 160 KB)
+DEEP_PIPELINE_SHARED_MEMORY = 200 * 1024
+_DEEP: dict[int, bool] = {}
+
+
+def deep_pipeline(device) -> bool:
+    """Whether the CUDA `device` holds `DEEP_PIPELINE_SHARED_MEMORY` per block (cached per
+    device index); False for other devices and where torch does not report it."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _DEEP:
+        optin = getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", 0)
+        _DEEP[index] = optin >= DEEP_PIPELINE_SHARED_MEMORY
+    return _DEEP[index]
+
+
 def num_sms(device) -> int:
     """Streaming multiprocessors of the CUDA `device` (cached per device index); 1 for other
     devices (the interpreter on CPU)."""

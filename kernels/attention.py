@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from . import exact_math
-from ._triton import has_tma, launch_staged, next_power_of_2, require_triton, tl, tma_rows_aligned, triton
+from ._triton import (deep_pipeline, has_tma, launch_staged, next_power_of_2, num_sms, require_triton, tl,
+                      tma_rows_aligned, triton)
 from .attention_fa4 import attention_fa4
 from .attention_forward_choice import choose_attention_forward
 from .backend import select
@@ -63,7 +64,8 @@ class AttentionConfig:
     num_stages: int
 
 
-def pick_config(head_dim: int, rows_per_seq: int, dtype: torch.dtype) -> AttentionConfig:
+def pick_config(head_dim: int, rows_per_seq: int, dtype: torch.dtype, programs: int = 0,
+                sm_count: int = 0, deep_pipeline: bool = False) -> AttentionConfig:
     """The launch parameters for a head dim and dtype, for a launch whose longest sequence has
     `rows_per_seq` (query token, head) rows. Chosen by `benchmarks/attention_configs.py` on the
     H200 (docs/gpu-results.md); every choice gives the same bits (the module docstring). Decode
@@ -74,12 +76,20 @@ def pick_config(head_dim: int, rows_per_seq: int, dtype: torch.dtype) -> Attenti
     and longer prefill take 128-row tiles with two stages, 4 warps at head dim <= 128 (1.2-1.3x
     the 8-warp tile with pointer loads and with TMA; a 64-row, three-stage tile was up to 11%
     faster with TMA at <= 8k tokens and 1.3x slower with pointer loads) and 8 at 192 (2.1x).
-    fp32: a padded 256-wide fp32 K tile does not fit two stages in shared memory."""
+    A decode launch of at most two (sequence, KV head) `programs` per SM (of `sm_count`) takes five
+    stages where `deep_pipeline` says the GPU's shared memory holds them (Hopper): with that few
+    programs the loads must overlap within one, 1.13-1.16x at 32 sequences of Qwen3-8B over 1k-8k
+    tokens (thirteenth session), while more programs hide the latency among themselves and five
+    stages cost them 1.1-1.3x. fp32: a padded 256-wide fp32 K tile does not fit two stages in
+    shared memory."""
     wide = head_dim > 128
     if dtype == torch.float32:
         return AttentionConfig(BLOCK_M, BLOCK_N, 8 if wide else 4, 1 if wide else NUM_STAGES)
     if rows_per_seq <= DECODE_BLOCK_M:
-        return AttentionConfig(DECODE_BLOCK_M, BLOCK_N, 2, 1) if wide else AttentionConfig(DECODE_BLOCK_M, BLOCK_N, 4, 3)
+        if wide:
+            return AttentionConfig(DECODE_BLOCK_M, BLOCK_N, 2, 1)
+        few = deep_pipeline and 0 < programs <= 2 * sm_count
+        return AttentionConfig(DECODE_BLOCK_M, BLOCK_N, 4, 5 if few else 3)
     if rows_per_seq <= BLOCK_M:
         return AttentionConfig(BLOCK_M, BLOCK_N, 4, 1 if wide else NUM_STAGES)
     return AttentionConfig(2 * BLOCK_M, BLOCK_N, 8 if wide else 4, NUM_STAGES)
@@ -281,7 +291,9 @@ def attention_triton(q, k_cache, v_cache, layout: PagedLayout, scale: float, con
     group = n_heads // n_kv_heads
     k = k_cache.reshape(-1, n_kv_heads, head_dim)
     v = v_cache.reshape(-1, n_kv_heads, head_dim_v)
-    cfg = config or pick_config(head_dim, layout.max_seqlen_q * group, q.dtype)
+    rows = layout.max_seqlen_q * group
+    cfg = config or pick_config(head_dim, rows, q.dtype, n_seqs * n_kv_heads * triton.cdiv(rows, DECODE_BLOCK_M),
+                                num_sms(q.device), deep_pipeline(q.device))
     descs = (_kv_descriptor(k, cfg.block_n), _kv_descriptor(v, cfg.block_n)) if kv_descriptors else (None, None)
     grid = (triton.cdiv(layout.max_seqlen_q * group, cfg.block_m), n_seqs, n_kv_heads)
     args = (q, k, v, out, lse, *descs, layout.cu_seqlens_q, layout.seq_lens, layout.block_table,

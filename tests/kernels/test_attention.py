@@ -168,3 +168,23 @@ def test_decode_tiles_keep_one_masked_loop_and_larger_tiles_split_it():
 
     assert not split_mask(pick_config(128, 8, torch.bfloat16))  # a decode step of a GQA group
     assert split_mask(pick_config(128, 64, torch.bfloat16)) and split_mask(pick_config(128, 4096, torch.bfloat16))
+
+
+def test_decode_launches_of_few_programs_take_a_deeper_pipeline_where_it_fits():
+    """At most two (sequence, KV head) programs per SM: five stages on GPUs whose shared memory
+    holds them; more programs, other GPUs, head dim 192 and longer launches keep their tiles."""
+    from vexact_models.kernels.attention import AttentionConfig, pick_config
+
+    assert pick_config(128, 4, torch.bfloat16, 32 * 8, 132, True) == AttentionConfig(16, 64, 4, 5)
+    assert pick_config(128, 4, torch.bfloat16, 264, 132, True).num_stages == 5
+    assert pick_config(128, 4, torch.bfloat16, 265, 132, True) == AttentionConfig(16, 64, 4, 3)
+    assert pick_config(128, 4, torch.bfloat16, 32 * 8, 108, False) == AttentionConfig(16, 64, 4, 3)  # an A100
+    assert pick_config(128, 4, torch.bfloat16) == AttentionConfig(16, 64, 4, 3)  # nothing known: as before
+    assert pick_config(192, 16, torch.bfloat16, 16, 132, True) == AttentionConfig(16, 64, 2, 1)
+    assert pick_config(128, 64, torch.bfloat16, 8, 132, True).num_stages == 2
+
+
+def test_deep_pipeline_is_a_cuda_property():
+    from vexact_models.kernels._triton import deep_pipeline
+
+    assert deep_pipeline("cpu") is False
