@@ -1,0 +1,72 @@
+"""The attention forward's launch parameters (`attention.py`): the key block that fixes the
+reduction order (docs/design.md rule 2), and the tiles, warps and stages that follow a launch's
+shape without changing a bit."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BLOCK_M = 64  # query rows (token, head) per program of prefill chunks (decode: 16, training: 128; `pick_config`)
+DECODE_BLOCK_M = 16
+BLOCK_N = 64  # keys per block: the absolute-position alignment of the KV reduction
+NUM_STAGES = 2
+# Query/key head dims (the value head dim is one of these too). 192 is MLA's 128 nope + 64 rope
+# dims: the kernel pads a head dim to the next power of two with masked (zero) lanes, which add
+# exact zeros to every dot product.
+HEAD_DIMS = (64, 128, 192)
+VALUE_HEAD_DIMS = (64, 128)
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Launch parameters of the forward. ``block_n`` is the key block, the absolute-position
+    alignment of the KV reduction (rule 2: always `BLOCK_N`; the field lets GPU sweeps try
+    others). Rows per program, warps and stages may follow the launch's shape (`pick_config`):
+    they move work between programs, not a row's arithmetic; `conformance/kernel_invariance.py`
+    ("attention configs") checks on the GPU that every candidate gives bitwise the same output."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def pick_config(head_dim: int, rows_per_seq: int, dtype: torch.dtype, programs: int = 0,
+                sm_count: int = 0, deep_pipeline: bool = False) -> AttentionConfig:
+    """The launch parameters for a head dim and dtype, for a launch whose longest sequence has
+    `rows_per_seq` (query token, head) rows. Chosen by `benchmarks/attention_configs.py` on the
+    H200 (docs/gpu-results.md); every choice gives the same bits (the module docstring). Decode
+    (<= 16 rows per sequence: one token times a GQA group) takes 16-row tiles: 4 warps and three
+    stages at head dim <= 128 (1.5x the 64-row tiles, 94% of the copy bandwidth at Qwen3-8B's
+    shape), 2 warps and one stage at MLA's 192 (1.5x, 64-74%); prefill chunks of <= 64 rows take
+    64-row tiles with 4 warps (one stage for the 256-wide padded tile of head dim 192); training
+    and longer prefill take 128-row tiles with two stages, 4 warps at head dim <= 128 (1.2-1.3x
+    the 8-warp tile with pointer loads and with TMA; a 64-row, three-stage tile was up to 11%
+    faster with TMA at <= 8k tokens and 1.3x slower with pointer loads) and 8 at 192 (2.1x).
+    A decode launch of at most two (sequence, KV head) `programs` per SM (of `sm_count`) takes five
+    stages where `deep_pipeline` says the GPU's shared memory holds them (Hopper): with that few
+    programs the loads must overlap within one, 1.13-1.16x at 32 sequences of Qwen3-8B over 1k-8k
+    tokens (thirteenth session), while more programs hide the latency among themselves and five
+    stages cost them 1.1-1.3x. fp32: a padded 256-wide fp32 K tile does not fit two stages in
+    shared memory."""
+    wide = head_dim > 128
+    if dtype == torch.float32:
+        return AttentionConfig(BLOCK_M, BLOCK_N, 8 if wide else 4, 1 if wide else NUM_STAGES)
+    if rows_per_seq <= DECODE_BLOCK_M:
+        if wide:
+            return AttentionConfig(DECODE_BLOCK_M, BLOCK_N, 2, 1)
+        few = deep_pipeline and 0 < programs <= 2 * sm_count
+        return AttentionConfig(DECODE_BLOCK_M, BLOCK_N, 4, 5 if few else 3)
+    if rows_per_seq <= BLOCK_M:
+        return AttentionConfig(BLOCK_M, BLOCK_N, 4, 1 if wide else NUM_STAGES)
+    return AttentionConfig(2 * BLOCK_M, BLOCK_N, 8 if wide else 4, NUM_STAGES)
+
+
+def split_mask(config: AttentionConfig) -> bool:
+    """Whether the unmasked key blocks get a loop of their own (`_attention_fwd_kernel`): for
+    training and prefill tiles. Decode tiles keep one masked loop: on the H200 the second
+    pipelined loop cost decode steps over 1-2k-token contexts ~15% (ninth session); the bits are
+    the same either way (`_attend_block`)."""
+    return config.block_m > DECODE_BLOCK_M
