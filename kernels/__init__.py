@@ -20,6 +20,7 @@ from .moe import fused_moe
 from .moe_routing import softmax_topk
 from .rms_norm import add_rms_norm, rms_norm
 from .rotary import apply_rotary, rope_table
+from .rotary_cache_write import rotary_cache_write
 from .sampling import sample_tokens
 from .silu_and_mul import silu_and_mul
 from .token_logprobs import token_logprobs
@@ -27,7 +28,8 @@ from .token_logprobs import token_logprobs
 __all__ = [
     "BACKENDS", "PagedLayout", "UnsupportedError", "add_rms_norm", "apply_rotary", "attention", "attention_forward_mode",
     "attention_packed", "attention_saving_context", "current_backend", "fused_moe", "gather_logprobs", "head_linear",
-    "kv_cache_write", "linear", "log_softmax", "packed_layout", "rms_norm", "rope_table", "sample_tokens",
+    "kv_cache_write", "linear", "log_softmax", "packed_layout", "rms_norm", "rope_table", "rotary_cache_write",
+    "sample_tokens",
     "set_attention_forward", "set_backend", "sigmoid_grouped_topk", "silu_and_mul", "softmax_topk", "token_logprobs",
     "use_attention_forward", "use_backend",
 ]

@@ -6,7 +6,7 @@ dtype, then multiplied by the weight and rounded to the input dtype again. Works
 rows ``[..., hidden]`` and per-head q/k norm ``[..., heads, head_dim]`` alike (rows are rows).
 
 Invariance contract: each row is reduced by one program with a tile shape fixed by the row
-length alone (`_tile`), never by the number of rows (docs/design.md rule 3). The reference reduces
+length alone (`norm_tile`), never by the number of rows (docs/design.md rule 3). The reference reduces
 with `exact_math.row_sum`. The backward (rule 8: correct and fast, no invariance) is the analytic
 formula in fp32: one Triton pass per row on CUDA (with the residual stream's gradient added in
 the same pass for add_rms_norm), the torch reference on CPU.
@@ -21,12 +21,37 @@ from ._triton import next_power_of_2, num_sms, require_triton, tl, triton
 from .backend import select
 
 
-def _tile(n: int) -> tuple[int, int, int]:
-    """(BLOCK_N, ROWS per program, num_warps): a function of the row length only."""
+def norm_tile(n: int) -> tuple[int, int, int]:
+    """(BLOCK_N, ROWS per program, num_warps) of the forward: a function of the row length only."""
     block_n = next_power_of_2(n)
     rows = max(1, min(64, 8192 // block_n))  # short rows (per-head q/k norm): many per program
     num_warps = 4 if block_n * rows <= 2048 else 8
     return block_n, rows, num_warps
+
+
+@triton.jit
+def load_rows(x_ptr, rows, n_rows, cols, N, heads, stride_x, stride_xh):
+    """(tile ``[ROWS, BLOCK_N]`` of rows `rows`, its mask, the rows as int64 ``[ROWS, 1]``): row r
+    of x is (token r // heads, head r % heads), so that per-head norms read a strided ``[T, H, D]``
+    view. Shared with `rotary_cache_write`'s kernel: the same loads give the tile the same layout."""
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < N)
+    rows64 = rows[:, None].to(tl.int64)
+    x_row = (rows64 // heads) * stride_x + (rows64 % heads) * stride_xh
+    return tl.load(x_ptr + x_row + cols[None, :], mask=mask, other=0.0), mask, rows64
+
+
+@triton.jit
+def normalize_rows(x, w_ptr, cols, N, eps):
+    """The fp32 product ``weight * normalized row`` of each row of the tile ``x [ROWS, BLOCK_N]``
+    (in x's dtype; columns past `N` zero), before its rounding to the output dtype. Shared with
+    `rotary_cache_write`'s kernel, which must give these bits: the same code on the same tile
+    (`norm_tile`, `load_rows`) reduces each row in the same order."""
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=1) / N
+    rstd = 1.0 / tl.sqrt(var + eps)
+    normed = (xf * rstd[:, None]).to(x.dtype)
+    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0)
+    return normed.to(tl.float32) * w.to(tl.float32)
 
 
 @triton.jit
@@ -35,21 +60,12 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, n_rows, N, heads, 
                      HAS_RESIDUAL: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
-    mask = (rows[:, None] < n_rows) & (cols[None, :] < N)
-    rows64 = rows[:, None].to(tl.int64)
-    # row r of x is (token r // heads, head r % heads): per-head norms read a strided [T, H, D] view
-    x_row = (rows64 // heads) * stride_x + (rows64 % heads) * stride_xh
-    x = tl.load(x_ptr + x_row + cols[None, :], mask=mask, other=0.0)
+    x, mask, rows64 = load_rows(x_ptr, rows, n_rows, cols, N, heads, stride_x, stride_xh)
     if HAS_RESIDUAL:  # the residual add, rounded to x's dtype as a separate torch add would be
         r = tl.load(res_ptr + rows64 * stride_res + cols[None, :], mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
         tl.store(sum_ptr + rows64 * stride_sum + cols[None, :], x, mask=mask)
-    xf = x.to(tl.float32)
-    var = tl.sum(xf * xf, axis=1) / N
-    rstd = 1.0 / tl.sqrt(var + eps)
-    normed = (xf * rstd[:, None]).to(x.dtype)
-    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0)
-    y = normed.to(tl.float32) * w.to(tl.float32)
+    y = normalize_rows(x, w_ptr, cols, N, eps)
     tl.store(out_ptr + rows64 * stride_out + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -66,7 +82,7 @@ def _rms_norm_triton(x2d: torch.Tensor, weight: torch.Tensor, eps: float,
     summed = x2d if res2d is None else torch.empty_like(x2d)
     if n_rows == 0:
         return out, summed
-    block_n, rows, num_warps = _tile(n)
+    block_n, rows, num_warps = norm_tile(n)
     res = out if res2d is None else res2d
     _rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
         x2d, res, weight, out, summed, n_rows, n, heads, x2d.stride(0), stride_h, res.stride(0), out.stride(0),

@@ -2,6 +2,8 @@
 
 ``out[..., :D/2] = x1 * cos - x2 * sin`` and ``out[..., D/2:] = x2 * cos + x1 * sin`` with
 ``x1, x2`` the two halves of the last dim, computed in fp32 and rounded once to x's dtype.
+The Triton kernel writes each output as one fused multiply-add of a rounded product
+(`rotate_halves`): the form every kernel that rotates must share, bit for bit.
 
 Invariance contract: element-wise; cos/sin come from one fp32 table ``[max_positions, D/2]``
 indexed by each token's absolute position (docs/design.md rule 5), built once per model by
@@ -29,6 +31,14 @@ def rope_table(inv_freq: torch.Tensor, max_positions: int, scaling: float = 1.0)
 
 
 @triton.jit
+def rotate_halves(x1, x2, cos, sin):
+    """``(x1 cos - x2 sin, x2 cos + x1 sin)`` in fp32 with explicit fused multiply-adds, so that
+    no compiler choice of where to contract tells two kernels apart (`rotary_cache_write`'s
+    kernel calls this too, on tiles of another shape)."""
+    return tl.fma(x1, cos, -(x2 * sin)), tl.fma(x2, cos, x1 * sin)
+
+
+@triton.jit
 def _rotary_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, out_ptr, n_heads,
                    stride_xt, stride_xh, stride_ot, stride_oh, stride_table,
                    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, SIGN: tl.constexpr):
@@ -43,8 +53,7 @@ def _rotary_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, out_ptr, n_heads,
     base = x_ptr + token.to(tl.int64) * stride_xt + heads[:, None] * stride_xh + d[None, :]
     x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
-    o1 = x1 * cos[None, :] - x2 * sin[None, :]
-    o2 = x2 * cos[None, :] + x1 * sin[None, :]
+    o1, o2 = rotate_halves(x1, x2, cos[None, :], sin[None, :])
     out = out_ptr + token.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + d[None, :]
     tl.store(out, o1.to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(out + HALF, o2.to(out_ptr.dtype.element_ty), mask=mask)

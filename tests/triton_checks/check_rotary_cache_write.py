@@ -1,0 +1,57 @@
+"""`rotary_cache_write`'s kernel against the separate ops it replaces in rollouts (`rms_norm`,
+`apply_rotary`, `kv_cache_write`), bitwise: under TRITON_INTERPRET=1 on CPU (its logic) and on a
+GPU (where the norm's row sums must also follow the norm kernel's order)."""
+
+import os
+
+import pytest
+import torch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if not INTERPRET and not torch.cuda.is_available():
+    pytest.skip("needs a GPU, or TRITON_INTERPRET=1", allow_module_level=True)
+DEVICE = "cpu" if INTERPRET else "cuda"
+
+from vexact_models.kernels import rope_table, rotary_cache_write  # noqa: E402
+from vexact_models.kernels.rotary_cache_write import rotary_cache_write_reference  # noqa: E402
+
+DTYPES = [torch.float32] if INTERPRET else [torch.bfloat16, torch.float32]
+
+
+def _inputs(tokens, q_heads, kv_heads, head_dim, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    width = (q_heads + 2 * kv_heads) * head_dim
+    # one fused projection's output, split into views, as the rollout's q/k/v are
+    qkv = (torch.randn(tokens, width, generator=g) * 3).to(dtype).to(DEVICE)
+    q, k, v = qkv.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
+    q, k, v = (t.view(tokens, -1, head_dim) for t in (q, k, v))
+    positions = torch.randint(0, 4000, (tokens,), generator=g).to(DEVICE)
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    cos, sin = (t.to(DEVICE) for t in rope_table(inv_freq, 4096))
+    weights = [(1 + 0.1 * torch.randn(head_dim, generator=g)).to(dtype).to(DEVICE) for _ in range(2)]
+    slots = torch.randperm(3 * tokens, generator=g)[:tokens]
+    slots[::5] = -1  # padding tokens of a captured graph write nothing
+    return q, k, v, positions, cos, sin, weights, slots.to(DEVICE)
+
+
+def _caches(tokens, kv_heads, head_dim, dtype):
+    # [pages, page_size, kv_heads, head_dim], with a sentinel that unwritten rows must keep
+    return [torch.full((3 * tokens // 4 + 1, 4, kv_heads, head_dim), 7.0, dtype=dtype, device=DEVICE) for _ in range(2)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("tokens, q_heads, kv_heads, head_dim", [(1, 16, 8, 128), (7, 32, 8, 128), (70, 4, 2, 64),
+                                                                  (5, 8, 8, 32)])
+def test_rotary_cache_write_is_the_separate_ops(tokens, q_heads, kv_heads, head_dim, norm, dtype):
+    q, k, v, positions, cos, sin, weights, slots = _inputs(tokens, q_heads, kv_heads, head_dim, dtype, tokens + q_heads)
+    norm_weights = weights if norm else [None, None]
+    want_k, want_v = _caches(tokens, kv_heads, head_dim, dtype)
+    want_q = rotary_cache_write_reference(q, k, v, positions, cos, sin, want_k, want_v, slots, *norm_weights, 1e-6)
+    got_k, got_v = _caches(tokens, kv_heads, head_dim, dtype)
+    got_q = rotary_cache_write(q, k, v, positions, cos, sin, got_k, got_v, slots, *norm_weights, 1e-6)
+    assert torch.equal(got_q, want_q)
+    assert torch.equal(got_k, want_k)
+    assert torch.equal(got_v, want_v)
+    assert not torch.equal(got_q, q)  # the queries were rotated
+    assert (got_k == 7.0).any()  # rows of padding tokens and unused slots kept the sentinel
