@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from vexact_models.kernels import (PagedLayout, add_rms_norm, attention, attention_packed, fused_moe, kv_cache_write,
-                                   rms_norm, rope_table, silu_and_mul)
+from vexact_models.kernels import (PagedLayout, add_rms_norm, apply_rotary, attention, attention_packed, fused_moe,
+                                   kv_cache_write, rms_norm, rope_table, rotary_cache_write, silu_and_mul)
 
 from .adapters import apply_linear
 from .projections import _fused_weight, fuse_linears, fuse_projections, grouped_linear  # noqa: F401 (public here too)
@@ -187,6 +187,22 @@ class RopeTables:
         return self._by_device[device]
 
 
+def rotate_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+              q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[T, H, D]`` queries and keys after the optional per-head norms (Qwen3's q_norm/k_norm,
+    called as modules) and the rotary embedding at `positions`: the op sequence training runs."""
+    cos, sin = rope
+    if q_norm is not None:
+        q, k = q_norm(q), k_norm(k)
+    return apply_rotary(q, positions, cos, sin), apply_rotary(k, positions, cos, sin)
+
+
+def _plain_norm(norm: nn.Module) -> bool:
+    """Whether calling `norm` is `RMSNorm.forward` on its own weight: no override, no hooks."""
+    return (isinstance(norm, RMSNorm) and type(norm).forward is RMSNorm.forward
+            and not norm._forward_hooks and not norm._forward_pre_hooks)
+
+
 class PackedContext:
     """Training layout: sequences packed back to back (``cu_seqlens``), causal within each."""
 
@@ -196,6 +212,12 @@ class PackedContext:
 
     def attend(self, layer_idx: int, q, k, v, scale: float) -> torch.Tensor:
         return attention_packed(q, k, v, self.cu_seqlens, self.max_seqlen, scale)
+
+    def attend_rotary(self, layer_idx: int, q, k, v, positions, rope, scale: float,
+                      q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> torch.Tensor:
+        """`attend` after `rotate_qk`: the attention of the un-rotated projections."""
+        q, k = rotate_qk(q, k, positions, rope, q_norm, k_norm)
+        return self.attend(layer_idx, q, k, v, scale)
 
 
 @dataclass
@@ -213,6 +235,20 @@ class PagedContext:
     def attend(self, layer_idx: int, q, k, v, scale: float) -> torch.Tensor:
         k_cache, v_cache = self.kv_caches[layer_idx]
         kv_cache_write(k, v, k_cache, v_cache, self.slot_mapping)
+        return attention(q, k_cache, v_cache, self.layout, scale)
+
+    def attend_rotary(self, layer_idx: int, q, k, v, positions, rope, scale: float,
+                      q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> torch.Tensor:
+        """`PackedContext.attend_rotary`'s result, with the norms, rotations and cache write in
+        one kernel (`kernels.rotary_cache_write`, bitwise the separate ops) where the modules are
+        plain RMSNorms; otherwise the separate ops, module calls included."""
+        k_cache, v_cache = self.kv_caches[layer_idx]
+        if q_norm is not None and not (_plain_norm(q_norm) and _plain_norm(k_norm)):
+            q, k = rotate_qk(q, k, positions, rope, q_norm, k_norm)
+            return self.attend(layer_idx, q, k, v, scale)
+        cos, sin = rope
+        weights = (q_norm.weight, k_norm.weight, q_norm.variance_epsilon) if q_norm is not None else (None, None, 1e-6)
+        q = rotary_cache_write(q, k, v, positions, cos, sin, k_cache, v_cache, self.slot_mapping, *weights)
         return attention(q, k_cache, v_cache, self.layout, scale)
 
 

@@ -14,7 +14,6 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel, Qwen2Config
 
 from vexact_models.adapters import apply_linear
-from vexact_models.kernels import apply_rotary
 from vexact_models.layers import GatedMLP, PreNormDecoderLayer, RMSNorm, grouped_linear, head_dim_of
 
 from ..causal_lm import CausalLMMixin, DecoderModelMixin, InferenceModel
@@ -50,10 +49,7 @@ class Qwen2Attention(nn.Module):
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        cos, sin = rope
-        q = apply_rotary(q, positions, cos, sin)
-        k = apply_rotary(k, positions, cos, sin)
-        out = context.attend(self.layer_idx, q, k, v, self.scaling)
+        out = context.attend_rotary(self.layer_idx, q, k, v, positions, rope, self.scaling)
         return apply_linear(out.reshape(tokens, -1), self.o_proj)
 
 
