@@ -238,8 +238,44 @@ def bench_rows(hbm: float, quick: bool) -> None:
         nbytes = 3 * 2 * m * n
         rows.append(["silu_and_mul", f"{m}x{n}", f"{t_ours * 1e3:.1f}", f"{t_torch * 1e3:.1f}",
                      f"{nbytes / t_ours / 1e6:.0f}", f"{100 * nbytes / t_ours / 1e6 / hbm:.0f}%", f"{t_torch / t_ours:.2f}"])
-    table("row and element-wise kernels vs torch", ["op", "shape", "ours us", "torch us", "ours GB/s", "% HBM",
-                                                   "ratio"], rows)
+    rows += _rotary_rows(hbm)
+    table("row and element-wise kernels vs torch (rotary_cache_write: vs our separate ops)",
+          ["op", "shape", "ours us", "torch us", "ours GB/s", "% HBM", "ratio"], rows)
+
+
+def _rotary_rows(hbm: float) -> list[list]:
+    """apply_rotary beside torch's formula, and the rollout's fused q/k norm + rotary + KV cache
+    write beside the separate ops it replaces (the peer column), at Qwen3-8B heads (32/8, D=128),
+    timed inside CUDA graphs (`bench_graph`: these kernels take microseconds, the host launch more)."""
+    from vexact_models.kernels import apply_rotary, rope_table, rotary_cache_write
+    from vexact_models.kernels.rotary_cache_write import rotary_cache_write_reference
+
+    cos, sin = (t.cuda() for t in rope_table(1.0 / (1e6 ** (torch.arange(0, 128, 2) / 128)), 8192))
+    out = []
+    for tokens in (128, 256, 4096):
+        qkv = torch.randn(tokens, 48 * 128, device="cuda").bfloat16()
+        q, k, v = (t.view(tokens, -1, 128) for t in qkv.split([4096, 1024, 1024], dim=1))
+        pos = torch.randint(0, 8192, (tokens,), device="cuda")
+        caches = [torch.zeros(tokens, 1, 8, 128, device="cuda").bfloat16() for _ in range(2)]
+        slots = torch.randperm(tokens, device="cuda")
+        wq, wk = (torch.rand(128, device="cuda") + 0.5).bfloat16(), (torch.rand(128, device="cuda") + 0.5).bfloat16()
+        qc = q.contiguous()
+        c, s_ = cos[pos][:, None, :], sin[pos][:, None, :]
+
+        def torch_rotary():
+            x1, x2 = qc[..., :64].float(), qc[..., 64:].float()
+            return torch.cat([x1 * c - x2 * s_, x2 * c + x1 * s_], -1).bfloat16()
+
+        t_ours, t_torch = bench_graph([lambda: apply_rotary(qc, pos, cos, sin)]), bench_graph([torch_rotary])
+        nbytes = 2 * 2 * qc.numel()
+        out.append(["apply_rotary", f"{tokens}x32x128", f"{t_ours * 1e3:.1f}", f"{t_torch * 1e3:.1f}",
+                    f"{nbytes / t_ours / 1e6:.0f}", f"{100 * nbytes / t_ours / 1e6 / hbm:.0f}%", f"{t_torch / t_ours:.2f}"])
+        t_fused = bench_graph([lambda: rotary_cache_write(q, k, v, pos, cos, sin, *caches, slots, wq, wk)])
+        t_apart = bench_graph([lambda: rotary_cache_write_reference(q, k, v, pos, cos, sin, *caches, slots, wq, wk)])
+        nbytes = 2 * 2 * qkv.numel()
+        out.append(["rotary_cache_write", f"{tokens} tok 32/8x128", f"{t_fused * 1e3:.1f}", f"{t_apart * 1e3:.1f}",
+                    f"{nbytes / t_fused / 1e6:.0f}", f"{100 * nbytes / t_fused / 1e6 / hbm:.0f}%", f"{t_apart / t_fused:.2f}"])
+    return out
 
 
 def main(argv=None) -> int:

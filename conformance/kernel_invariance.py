@@ -11,7 +11,8 @@ and allows zero mismatches:
   with shuffled pages, for sequences up to 8192 tokens, at the Qwen3 head layouts; and every
   launch-parameter candidate (rows per program >= 64, warps, stages) against the first
   ("attention configs": decode and prefill launches pick different ones).
-- rms_norm, log_softmax, gather_logprobs, token_logprobs, silu_and_mul, rotary: rows alone vs
+- rms_norm, log_softmax, gather_logprobs, token_logprobs, silu_and_mul, rotary, rotary_cache_write
+  (also == the separate ops): rows alone vs
   in batches; gather vs the full row; token_logprobs vs the sampler path.
 - latent MLA (``--only latent``): the latent attention kernel (one 576-dim key head, the value a
   view of its first 512 dims, 16 and 128 query heads) as the attention check runs it, packed vs
@@ -198,6 +199,37 @@ def check_rows(results: dict[str, Result], quick: bool) -> None:
     for m in ms:
         results["elementwise"].compare(apply_rotary(xq[m - 1:m], pos[m - 1:m], cos, sin), full[m - 1:m],
                                        f"rotary row {m - 1}")
+    check_rotary_cache_write(results["rotary_cache_write"], ms)
+
+
+def check_rotary_cache_write(result: Result, ms: list[int]) -> None:
+    """The rollout's fused q/k norm + rotary + KV cache write (Qwen3-8B heads with the norms, then
+    without as for Llama): the rotated queries and the cache of M tokens at once equal those of
+    the separate ops training runs, and each token's equal the token's alone."""
+    from vexact_models.kernels import rope_table, rotary_cache_write
+    from vexact_models.kernels.rotary_cache_write import rotary_cache_write_reference
+
+    m_max, hq, hkv, d = max(ms), 32, 8, 128
+    cos, sin = (t.cuda() for t in rope_table(1.0 / (1e6 ** (torch.arange(0, d, 2) / d)), 40960))
+    qkv = torch.randn(m_max, (hq + 2 * hkv) * d, device="cuda").bfloat16() * 3
+    q, k, v = (t.view(m_max, -1, d) for t in qkv.split([hq * d, hkv * d, hkv * d], dim=1))
+    pos = torch.randint(0, 40960, (m_max,), device="cuda")
+    slots = torch.randperm(m_max, device="cuda")
+    for norms in ((torch.rand(d, device="cuda") + 0.5).bfloat16(), (torch.rand(d, device="cuda") + 0.5).bfloat16()), (None, None):
+        label = "with q/k norms" if norms[0] is not None else "no norms"
+        caches = [torch.zeros(m_max, 1, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+        full = rotary_cache_write(q, k, v, pos, cos, sin, caches[0], caches[1], slots, *norms)
+        want = rotary_cache_write_reference(q, k, v, pos, cos, sin, caches[2], caches[3], slots, *norms)
+        result.compare(full, want, f"{label}: queries == separate ops, M={m_max}")
+        result.compare(torch.cat(caches[:2]), torch.cat(caches[2:]), f"{label}: K/V cache == separate ops, M={m_max}")
+        for m in ms:
+            alone = [torch.zeros(m_max, 1, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+            row = rotary_cache_write(q[m - 1:m], k[m - 1:m], v[m - 1:m], pos[m - 1:m], cos, sin, *alone, slots[m - 1:m],
+                                     *norms)
+            result.compare(row, full[m - 1:m], f"{label}: token {m - 1} alone")
+            s = slots[m - 1]
+            result.compare(torch.cat([alone[0][s], alone[1][s]]), torch.cat([caches[0][s], caches[1][s]]),
+                           f"{label}: token {m - 1}'s cache rows alone")
 
 
 def _route(logits: torch.Tensor, top_k: int, router: str):
@@ -261,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     torch.manual_seed(0)
     names = ["linear", "linear configs", "attention", "attention configs", "attention FA4", "latent attention",
-             "head_linear", "rms_norm",
+             "head_linear", "rms_norm", "rotary_cache_write",
              "log_softmax",
              "token_logprobs", "elementwise", "moe"]
     results = {n: Result(n) for n in names}
