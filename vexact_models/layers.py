@@ -241,9 +241,10 @@ class PagedContext:
                       q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> torch.Tensor:
         """`PackedContext.attend_rotary`'s result, with the norms, rotations and cache write in
         one kernel (`kernels.rotary_cache_write`, bitwise the separate ops) where the modules are
-        plain RMSNorms; otherwise the separate ops, module calls included."""
+        plain RMSNorms of one epsilon; otherwise the separate ops, module calls included."""
         k_cache, v_cache = self.kv_caches[layer_idx]
-        if q_norm is not None and not (_plain_norm(q_norm) and _plain_norm(k_norm)):
+        if q_norm is not None and not (_plain_norm(q_norm) and _plain_norm(k_norm)
+                                       and q_norm.variance_epsilon == k_norm.variance_epsilon):
             q, k = rotate_qk(q, k, positions, rope, q_norm, k_norm)
             return self.attend(layer_idx, q, k, v, scale)
         cos, sin = rope

@@ -98,3 +98,13 @@ def test_paged_attend_rotary_equals_the_packed_path_and_calls_hooked_norms():
     with torch.no_grad():
         hooked = _paged_context(positions, caches).attend_rotary(0, q, k, v, positions, (cos, sin), 0.25, q_norm, k_norm)
     assert calls == ["q"] and torch.equal(hooked, paged)
+
+
+def test_paged_attend_rotary_keeps_each_norms_epsilon():
+    q, k, v, _, cos, sin, caches, _, _, _ = _inputs(seed=1)
+    q_norm, k_norm = RMSNorm(16, eps=1e-6), RMSNorm(16, eps=0.5)  # one kernel takes one epsilon
+    positions = torch.arange(6)
+    packed = PackedContext(torch.tensor([0, 6]), 6).attend_rotary(0, q, k, v, positions, (cos, sin), 0.25, q_norm, k_norm)
+    with torch.no_grad():
+        paged = _paged_context(positions, caches).attend_rotary(0, q, k, v, positions, (cos, sin), 0.25, q_norm, k_norm)
+    assert torch.allclose(paged, packed, rtol=1e-5, atol=1e-5)
