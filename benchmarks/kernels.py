@@ -2,7 +2,9 @@
 
 Peers: cuBLAS via ``torch.matmul``, torch SDPA with the flash backend, ``torch.nn.functional.
 rms_norm``, ``torch.log_softmax``, ``silu(g) * u``. The HBM reference is a device-to-device copy
-measured here (bytes read + written). Times are medians of ``triton.testing.do_bench``.
+measured here (bytes read + written). Times are medians of ``triton.testing.do_bench``, except
+the row and element-wise kernels': replays of CUDA graphs (`bench_graph`), since a host loop of
+launches measures the host for kernels of a few microseconds.
 
 Targets (issue 2, benchmark figures, not timed tests): linear >= 0.8x cuBLAS TFLOP/s at
 M >= 4096 and >= 60% of HBM bandwidth at M <= 64; attention prefill >= 0.6x SDPA flash; decode
@@ -214,27 +216,27 @@ def bench_rows(hbm: float, quick: bool) -> None:
     for m, n in ((4096, 1024), (4096, 4096), (65536, 128)):
         x = torch.randn(m, n, device="cuda").bfloat16()
         w = torch.rand(n, device="cuda").bfloat16()
-        t_ours = bench(lambda: rms_norm(x, w, 1e-6))
-        t_torch = bench(lambda: torch.nn.functional.rms_norm(x, (n,), w, 1e-6))
+        t_ours = bench_graph([lambda: rms_norm(x, w, 1e-6)])
+        t_torch = bench_graph([lambda: torch.nn.functional.rms_norm(x, (n,), w, 1e-6)])
         nbytes = 2 * 2 * m * n
         rows.append(["rms_norm", f"{m}x{n}", f"{t_ours * 1e3:.1f}", f"{t_torch * 1e3:.1f}",
                      f"{nbytes / t_ours / 1e6:.0f}", f"{100 * nbytes / t_ours / 1e6 / hbm:.0f}%", f"{t_torch / t_ours:.2f}"])
     for m in (64, 256, 1024):
         x = torch.randn(m, 151936, device="cuda")
-        t_ours = bench(lambda: log_softmax(x, 1.0))
-        t_torch = bench(lambda: torch.log_softmax(x, -1))
+        t_ours = bench_graph([lambda: log_softmax(x, 1.0)])
+        t_torch = bench_graph([lambda: torch.log_softmax(x, -1)])
         nbytes = 2 * 4 * x.numel()
         rows.append(["log_softmax", f"{m}x151936", f"{t_ours * 1e3:.1f}", f"{t_torch * 1e3:.1f}",
                      f"{nbytes / t_ours / 1e6:.0f}", f"{100 * nbytes / t_ours / 1e6 / hbm:.0f}%", f"{t_torch / t_ours:.2f}"])
         tgt = torch.randint(0, 151936, (m,), device="cuda")
-        t_g = bench(lambda: gather_logprobs(x, tgt, 1.0))
-        t_tg = bench(lambda: torch.log_softmax(x, -1).gather(1, tgt[:, None]))
+        t_g = bench_graph([lambda: gather_logprobs(x, tgt, 1.0)])
+        t_tg = bench_graph([lambda: torch.log_softmax(x, -1).gather(1, tgt[:, None])])
         rows.append(["gather_logprobs", f"{m}x151936", f"{t_g * 1e3:.1f}", f"{t_tg * 1e3:.1f}",
                      f"{4 * x.numel() / t_g / 1e6:.0f}", f"{100 * 4 * x.numel() / t_g / 1e6 / hbm:.0f}%", f"{t_tg / t_g:.2f}"])
     for m, n in ((4096, 3072), (4096, 12288)):
         g, u = torch.randn(m, n, device="cuda").bfloat16(), torch.randn(m, n, device="cuda").bfloat16()
-        t_ours = bench(lambda: silu_and_mul(g, u))
-        t_torch = bench(lambda: torch.nn.functional.silu(g) * u)
+        t_ours = bench_graph([lambda: silu_and_mul(g, u)])
+        t_torch = bench_graph([lambda: torch.nn.functional.silu(g) * u])
         nbytes = 3 * 2 * m * n
         rows.append(["silu_and_mul", f"{m}x{n}", f"{t_ours * 1e3:.1f}", f"{t_torch * 1e3:.1f}",
                      f"{nbytes / t_ours / 1e6:.0f}", f"{100 * nbytes / t_ours / 1e6 / hbm:.0f}%", f"{t_torch / t_ours:.2f}"])

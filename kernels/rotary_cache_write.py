@@ -80,6 +80,8 @@ def _rotary_cache_write_kernel(
     HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, NORM: tl.constexpr,
 ):
     kind = tl.program_id(1)  # 0: query heads, 1: key heads, 2: value heads
+    if tl.program_id(0) * ROWS >= n_tokens * tl.where(kind == 0, q_heads, kv_heads):
+        return  # the grid spans the query rows; the key and value kinds have fewer
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     if kind == 0:
         _rotate_rows_into(q_ptr, stride_qt, stride_qh, q_heads, n_tokens * q_heads, q_w_ptr, q_out_ptr, slot_ptr,
