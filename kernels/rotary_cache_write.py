@@ -64,8 +64,9 @@ def _rotate_rows_into(x_ptr, stride_t, stride_h, heads, n_rows, w_ptr, dest_ptr,
     cos = tl.load(cos_ptr + pos[:, None] * stride_table + d[None, :])
     sin = tl.load(sin_ptr + pos[:, None] * stride_table + d[None, :])
     at = src + src_row[:, None] + d[None, :]
-    x1 = tl.load(at, mask=ok[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)  # .cg: past L1, which
-    x2 = tl.load(at + half, mask=ok[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)  # saw no store
+    # ".cg": read from L2, where the stores above landed, never from a stale L1 line
+    x1 = tl.load(at, mask=ok[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
+    x2 = tl.load(at + half, mask=ok[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
     o1, o2 = rotate_halves(x1, x2, cos, sin)
     out = dest_ptr + dest_row[:, None] + d[None, :]
     tl.store(out, o1.to(dest_ptr.dtype.element_ty), mask=ok[:, None])
