@@ -28,6 +28,16 @@ def _kv_cache_write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     tl.store(v_cache_ptr + slot * stride_vc + ov, tl.load(v_ptr + token * stride_vt + ov, mask=ov < V_WIDTH), mask=ov < V_WIDTH)
 
 
+def check_cache_rows(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, op: str) -> None:
+    """A ValueError naming `op` unless `k`/`v` rows ``[T, Hkv, D]`` have the caches' last two dims
+    and dtypes (shared by the ops that write the cache)."""
+    if k.shape[1:] != k_cache.shape[-2:] or v.shape[1:] != v_cache.shape[-2:]:
+        raise ValueError(f"{op}: k {tuple(k.shape[1:])}/v {tuple(v.shape[1:])} do not match cache rows "
+                         f"{tuple(k_cache.shape[-2:])}/{tuple(v_cache.shape[-2:])}")
+    if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
+        raise ValueError(f"{op}: dtypes {k.dtype}/{v.dtype} must match the caches' {k_cache.dtype}/{v_cache.dtype}")
+
+
 def kv_cache_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
     """Write `k` ``[T, Hkv, D]`` and `v` ``[T, Hkv, Dv]`` into the caches (``[pages, page_size,
@@ -35,11 +45,7 @@ def kv_cache_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     (int, -1 = skip). In place; slots must be distinct."""
     if k.shape[0] != slot_mapping.shape[0] or v.shape[0] != slot_mapping.shape[0]:
         raise ValueError(f"kv_cache_write: {k.shape[0]} keys, {v.shape[0]} values, {slot_mapping.shape[0]} slots")
-    if k.shape[1:] != k_cache.shape[-2:] or v.shape[1:] != v_cache.shape[-2:]:
-        raise ValueError(f"kv_cache_write: k {tuple(k.shape[1:])}/v {tuple(v.shape[1:])} do not match cache rows "
-                         f"{tuple(k_cache.shape[-2:])}/{tuple(v_cache.shape[-2:])}")
-    if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
-        raise ValueError(f"kv_cache_write: dtypes {k.dtype}/{v.dtype} must match the caches' {k_cache.dtype}/{v_cache.dtype}")
+    check_cache_rows(k, v, k_cache, v_cache, "kv_cache_write")
     k_rows = k_cache.view(-1, k_cache.shape[-2] * k_cache.shape[-1])
     v_rows = v_cache.view(-1, v_cache.shape[-2] * v_cache.shape[-1])
     k2, v2 = k.reshape(k.shape[0], -1), v.reshape(v.shape[0], -1)

@@ -29,7 +29,7 @@ import torch
 
 from ._triton import next_power_of_2, require_triton, tl, triton
 from .backend import select
-from .kv_cache_write import kv_cache_write
+from .kv_cache_write import check_cache_rows, kv_cache_write
 from .rms_norm import load_rows, norm_tile, normalize_rows, rms_norm
 from .rotary import apply_rotary, rotate_halves
 
@@ -111,7 +111,7 @@ def _fusable(q, k, v, k_cache, v_cache, weights) -> bool:
     return (not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
             and select("rotary", q) == "triton" and select("rms_norm", q) == "triton"
             and head_dim >= 2 and head_dim == next_power_of_2(head_dim)
-            and k.shape[-1] == v.shape[-1] == head_dim and k_cache.dtype == q.dtype == v_cache.dtype
+            and k.shape[-1] == v.shape[-1] == head_dim and q.dtype == k_cache.dtype
             and all(t.stride(-1) == 1 for t in (q, k, v))
             and all(type(w) in (torch.Tensor, torch.nn.Parameter) for w in weights if w is not None))
 
@@ -129,9 +129,7 @@ def _check(q, k, v, positions, k_cache, v_cache, slot_mapping, q_weight, k_weigh
     if q_weight is not None and (q_weight.shape != (q.shape[-1],) or k_weight.shape != (k.shape[-1],)):
         raise ValueError(f"rotary_cache_write: norm weights {tuple(q_weight.shape)}/{tuple(k_weight.shape)} must be "
                          f"({q.shape[-1]},)/({k.shape[-1]},)")
-    if k.shape[1:] != k_cache.shape[-2:] or v.shape[1:] != v_cache.shape[-2:]:
-        raise ValueError(f"rotary_cache_write: k {tuple(k.shape[1:])}/v {tuple(v.shape[1:])} do not match cache rows "
-                         f"{tuple(k_cache.shape[-2:])}/{tuple(v_cache.shape[-2:])}")
+    check_cache_rows(k, v, k_cache, v_cache, "rotary_cache_write")
 
 
 def rotary_cache_write_reference(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping,
