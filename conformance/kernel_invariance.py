@@ -21,6 +21,9 @@ and allows zero mismatches:
 - attention FA4 (``--only fa4``, the optional flash-attn-4 package on a Hopper GPU): the attention
   check with FlashAttention-4 as the forward (`use_attention_forward("fa4")`), every shape
   including the qk-192 / v-128 MLA ones.
+- linear quack (``--only quack``, the optional quack-kernels package on a Hopper GPU): quack's GEMM
+  with every config `linear_quack.pick_config` returns, and quack's default, against our Triton
+  kernel's rows, at every Qwen3 (K, N), with and without a bias, fp32 logits for the LM heads.
 
 The attention checks live in `attention_invariance.py`.
 
@@ -128,6 +131,30 @@ def check_linear_configs(result: Result, k: int, n: int) -> None:
     for cfg in configs[1:]:
         for m in (1, 77, 300):
             result.compare(linear_triton(x[:m], w, None, torch.bfloat16, cfg), want[:m], f"K={k} N={n} {cfg} M={m}")
+
+
+def check_linear_quack(result: Result, k: int, n: int, out_dtype: torch.dtype, bias: bool) -> None:
+    """quack's GEMM (`kernels.linear_quack`) with every config its `pick_config` returns, and
+    quack's default, gives our Triton kernel's rows (so a rollout may run it while training runs
+    ours). Run by ``--only quack``: quack-kernels is optional."""
+    from vexact_models.kernels.linear import linear_triton
+    from vexact_models.kernels.linear_quack import QuackConfig, linear_quack, pick_config
+
+    configs = [QuackConfig(128, 192, True, 2, 1)]  # quack's SM90 default (forced mode, large M)
+    for m in (65, 128, 129, 256):
+        for nn_ in (1024, 4096, 6144, 16384, 151936):
+            for kk in (1024, 12288):
+                cfg = pick_config(m, nn_, kk)
+                if cfg is not None and cfg not in configs:
+                    configs.append(cfg)
+    x = torch.randn(1000, k, device="cuda").bfloat16()
+    w = (torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16()
+    b = torch.randn(n, device="cuda").bfloat16() if bias else None
+    want = linear_triton(x, w, b, out_dtype)
+    for cfg in configs:
+        for m in (1, 65, 128, 200, 256, 1000):
+            result.compare(linear_quack(x[:m], w, b, out_dtype, cfg), want[:m],
+                           f"K={k} N={n} bias={bias} out={out_dtype} {cfg} M={m}")
 
 
 def check_head_linear(result: Result, heads: int, rank: int, nope: int, v_dim: int, quick: bool) -> None:
@@ -284,15 +311,16 @@ def check_moe(results: dict[str, Result], quick: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer shapes and M up to 1024 (a smoke run)")
-    parser.add_argument("--only", choices=["linear", "attention", "fa4", "latent", "rows", "moe"],
+    parser.add_argument("--only", choices=["linear", "attention", "fa4", "quack", "latent", "rows", "moe"],
                         help="run one group of checks (latent: MLA's latent attention and absorption GEMMs; fa4: "
-                             "the attention checks with FlashAttention-4 as the forward, not part of the default run)")
+                             "the attention checks with FlashAttention-4 as the forward; quack: quack-kernels' GEMM "
+                             "against our linear; fa4 and quack are not part of the default run)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("kernel_invariance: needs a CUDA GPU", file=sys.stderr)
         return 2
     torch.manual_seed(0)
-    names = ["linear", "linear configs", "attention", "attention configs", "attention FA4", "latent attention",
+    names = ["linear", "linear configs", "linear quack", "attention", "attention configs", "attention FA4", "latent attention",
              "head_linear", "rms_norm", "rotary_cache_write",
              "log_softmax",
              "token_logprobs", "elementwise", "moe"]
@@ -306,6 +334,21 @@ def main(argv: list[str] | None = None) -> int:
             print(f"linear {model} {layer} K={k} N={n}: {results['linear'].mismatches} mismatches so far", flush=True)
         for k, n in ((1024, 3072), (4096, 1024)):
             check_linear_configs(results["linear configs"], k, n)
+    if args.only == "quack":  # the optional quack-kernels package: its rows are our kernel's
+        from vexact_models.kernels.linear_quack import quack_unavailable_reason
+
+        probe = torch.zeros(8, 8, device="cuda", dtype=torch.bfloat16)
+        reason = quack_unavailable_reason(probe, probe, None, torch.bfloat16)
+        if reason is not None:
+            print(f"kernel_invariance --only quack: {reason}", file=sys.stderr)
+            return 2
+        for model, layer, k, n in LINEAR_SHAPES[::3] if args.quick else LINEAR_SHAPES:
+            lm_head = layer == "lm_head"
+            check_linear_quack(results["linear quack"], k, n, torch.float32 if lm_head else torch.bfloat16, False)
+            if not lm_head:  # Qwen2's q/k/v carry a bias
+                check_linear_quack(results["linear quack"], k, n, torch.bfloat16, True)
+            print(f"linear quack {model} {layer} K={k} N={n}: {results['linear quack'].mismatches} mismatches so far",
+                  flush=True)
     if args.only in (None, "attention"):
         lens = [1, 37, 300, 2048] if args.quick else [1, 37, 300, 2048, 8192]
         for name, hq, hkv, d, dv in ATTENTION_SHAPES:

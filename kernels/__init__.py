@@ -15,6 +15,8 @@ from .grouped_topk import sigmoid_grouped_topk
 from .head_linear import head_linear
 from .kv_cache_write import kv_cache_write
 from .linear import linear
+from .linear_quack import linear_mode as linear_backend_mode
+from .linear_quack import set_linear_backend, use_linear_backend
 from .log_softmax import gather_logprobs, log_softmax
 from .moe import fused_moe
 from .moe_routing import softmax_topk
@@ -28,8 +30,8 @@ from .token_logprobs import token_logprobs
 __all__ = [
     "BACKENDS", "PagedLayout", "UnsupportedError", "add_rms_norm", "apply_rotary", "attention", "attention_forward_mode",
     "attention_packed", "attention_saving_context", "current_backend", "fused_moe", "gather_logprobs", "head_linear",
-    "kv_cache_write", "linear", "log_softmax", "packed_layout", "rms_norm", "rope_table", "rotary_cache_write",
-    "sample_tokens",
-    "set_attention_forward", "set_backend", "sigmoid_grouped_topk", "silu_and_mul", "softmax_topk", "token_logprobs",
-    "use_attention_forward", "use_backend",
+    "kv_cache_write", "linear", "linear_backend_mode", "log_softmax", "packed_layout", "rms_norm", "rope_table",
+    "rotary_cache_write", "sample_tokens", "set_attention_forward", "set_backend", "set_linear_backend",
+    "sigmoid_grouped_topk", "silu_and_mul", "softmax_topk", "token_logprobs", "use_attention_forward", "use_backend",
+    "use_linear_backend",
 ]

@@ -8,6 +8,9 @@ from M by `pick_config`; conformance/kernel_invariance.py proves on the GPU that
 gives the same rows (docs/design.md rule 1). The reference computes each output as a per-output
 reduction (`exact_math.dot`), which is row-invariant on CPU where BLAS GEMM is not.
 
+Decode batches may run quack's Hopper GEMM instead (`linear_quack`, ``VEXACT_LINEAR``): its rows
+are bitwise ours, checked on the GPU like the tile configs.
+
 The backward (grad_x = g @ W, grad_W = g.T @ x) uses torch.matmul: it must be correct and fast,
 not invariant (rule 8).
 """
@@ -18,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import exact_math
+from . import exact_math, linear_quack
 from ._triton import has_tma, num_sms, require_triton, tl, tma_rows_aligned, triton
 from .backend import select
 
@@ -220,6 +223,9 @@ def _linear_forward(x2d, weight, bias, out_dtype):
     if backend == "fast":  # cuBLAS: kernels chosen by M, not batch-invariant
         return torch.nn.functional.linear(x2d, weight, bias).to(out_dtype)
     if backend == "triton":
+        quack_config = linear_quack.choose(x2d, weight, bias, out_dtype)
+        if quack_config is not None:  # the same bits, faster at decode batches (linear_quack.py)
+            return linear_quack.linear_quack(x2d, weight, bias, out_dtype, quack_config)
         return linear_triton(x2d, weight, bias, out_dtype)
     return linear_reference(x2d, weight, bias, out_dtype)
 

@@ -1,0 +1,160 @@
+"""quack-kernels' Hopper GEMM (``quack.gemm_interface``) as a candidate linear backend (issue 14):
+is it faster than ours, and are its rows aligned with ours?
+
+A GEMM can serve training and the rollout engine only if a row's output never depends on how
+many rows share the launch (docs/design.md rule 1). Our Triton `linear` gives the same bits for
+every tile config and every M. This script asks, for each quack config (a fixed `GemmConfig`,
+no split-K, no autotuning, which would pick configs by M):
+
+- alignment: is every row of an M-row quack GEMM bitwise equal to the same row from our
+  `linear` (which is M-invariant), for M from 1 to 8,192? If so, quack could replace our kernel
+  wherever it is faster, on both paths;
+- speed: CUDA-graph time (weights from HBM, `bench_graph`) at the decode row counts and at
+  training row counts, beside our `linear` and cuBLAS (``torch.matmul``), on each model's fused
+  decode weights (`kernels.py`'s sweep shapes).
+
+quack is not a dependency: the script reports what it cannot import. Usage (CUDA, Hopper only):
+``cd benchmarks && python3 linear_quack.py [--shapes 8b] [--ms 128,256,8192] [--skip-speed]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from bench_utils import bench_graph, copy_bandwidth, rotating_copies, table
+
+#: (name, K, N) of the weights timed: each model's decode GEMMs as the engine fuses them
+SHAPES = [("0.6b qkv", 1024, 4096), ("0.6b o", 2048, 1024), ("0.6b gate_up", 1024, 6144),
+          ("0.6b down", 3072, 1024), ("8b qkv", 4096, 6144), ("8b o", 4096, 4096),
+          ("8b gate_up", 4096, 24576), ("8b down", 12288, 4096), ("8b lm_head", 4096, 151936)]
+ALIGN_MS = [1, 7, 64, 128, 129, 256, 1000, 4096, 8192]
+
+
+def quack_configs():
+    """(label, GemmConfig) candidates for SM90, or None (the import error printed)."""
+    try:
+        from quack.gemm_config import GemmConfig, default_config
+    except Exception as exc:  # noqa: BLE001 - any import failure means "not available here"
+        print(f"quack not importable: {type(exc).__name__}: {exc}")
+        return None
+    configs = [("default", default_config(torch.device("cuda")))]
+    for tile_m, tile_n, pingpong, cluster_m, cluster_n, swap in [
+            (128, 128, True, 1, 1, False), (128, 64, True, 1, 1, False), (64, 128, False, 1, 1, False),
+            (128, 128, False, 1, 2, False), (128, 192, True, 1, 2, False), (128, 128, True, 1, 1, True),
+            (128, 64, True, 1, 1, True), (256, 128, False, 2, 1, False)]:
+        label = (f"{tile_m}x{tile_n} {'pingpong' if pingpong else 'coop'} c{cluster_m}x{cluster_n}"
+                 f"{' swap_ab' if swap else ''}")
+        configs.append((label, GemmConfig(tile_m=tile_m, tile_n=tile_n, pingpong=pingpong, cluster_m=cluster_m,
+                                          cluster_n=cluster_n, swap_ab=swap, is_dynamic_persistent=False)))
+    return configs
+
+
+def quack_linear(x: torch.Tensor, weight: torch.Tensor, config) -> torch.Tensor:
+    """``x @ weight.T`` by quack's SM90 GEMM with the fixed `config` (no autotuning, no split-K)."""
+    from quack.gemm_interface import gemm_tuned
+
+    out = torch.empty(x.shape[0], weight.shape[0], device=x.device, dtype=x.dtype)
+    gemm_tuned.fn(x, weight.t(), out, config=config, split_k=1)
+    return out
+
+
+def alignment(configs, shapes) -> list[str]:
+    """Rows of quack GEMMs against our `linear` rows, bitwise; returns the labels that matched."""
+    from vexact_models.kernels import linear
+
+    rows, aligned = [], []
+    for label, cfg in configs:
+        bad_total, compared, error = 0, 0, ""
+        for name, k, n in shapes:
+            w = (torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16()
+            x = torch.randn(max(ALIGN_MS), k, device="cuda").bfloat16()
+            want = linear(x, w)
+            for m in ALIGN_MS:
+                try:
+                    got = quack_linear(x[:m], w, cfg)
+                except Exception as exc:  # noqa: BLE001 - a config that does not build is reported
+                    error = f"{type(exc).__name__}: {str(exc)[:80]}"
+                    break
+                bad_total += int((got != want[:m]).any(dim=1).sum())
+                compared += m
+            if error:
+                break
+        rows.append([label, compared, bad_total if not error else "-", error or ("yes" if bad_total == 0 else "NO")])
+        if not error and bad_total == 0:
+            aligned.append(label)
+    table("quack rows vs our linear rows (bitwise; rows that differ)", ["config", "rows", "rows differing", "aligned"],
+          rows)
+    return aligned
+
+
+def speed(configs, shapes, ms: list[int], hbm: float) -> None:
+    """CUDA-graph time per GEMM: ours (pick_config), cuBLAS, each quack config."""
+    from vexact_models.kernels import linear
+
+    rows = []
+    for name, k, n in shapes:
+        weights = rotating_copies((torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16())
+        for m in ms:
+            x = torch.randn(m, k, device="cuda").bfloat16()
+            nbytes = 2 * (m * k + n * k + m * n)
+            t_ours = bench_graph([lambda w=w: linear(x, w) for w in weights])
+            t_cublas = bench_graph([lambda w=w: torch.matmul(x, w.t()) for w in weights])
+            best = ("-", float("inf"))
+            for label, cfg in configs:
+                try:
+                    quack_linear(x, weights[0], cfg)  # compiles outside the graph
+                    t = bench_graph([lambda w=w: quack_linear(x, w, cfg) for w in weights])
+                except Exception:  # noqa: BLE001 - skipped configs are the ones alignment reported
+                    continue
+                if t < best[1]:
+                    best = (label, t)
+            rows.append([name, m, f"{t_ours * 1e3:.1f}", f"{t_cublas * 1e3:.1f}", best[0], f"{best[1] * 1e3:.1f}",
+                         f"{t_ours / best[1]:.2f}", f"{100 * nbytes / t_ours / 1e6 / hbm:.0f}%",
+                         f"{100 * nbytes / best[1] / 1e6 / hbm:.0f}%"])
+        del weights
+    table("linear: ours vs cuBLAS vs the fastest quack config (us, CUDA graphs, weights from HBM)",
+          ["weight", "M", "ours", "cuBLAS", "best quack config", "quack", "ours / quack", "ours % HBM",
+           "quack % HBM"], rows)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="", help="only the weights whose name contains this (default: all)")
+    parser.add_argument("--ms", default="128,256,8192", help="comma-separated row counts for the speed table")
+    parser.add_argument("--skip-speed", action="store_true", help="only the alignment table")
+    parser.add_argument("--all-configs", action="store_true",
+                        help="time every config, not only the aligned ones")
+    args = parser.parse_args(argv)
+    try:
+        ms = [int(m) for m in args.ms.split(",")]
+    except ValueError:
+        parser.error(f"--ms {args.ms!r}: expected comma-separated integers, e.g. 128,256")
+    if min(ms) < 1:
+        parser.error(f"--ms {args.ms!r}: row counts must be >= 1")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        print("benchmarks/linear_quack.py needs a Hopper (SM90) GPU", file=sys.stderr)
+        return 2
+    configs = quack_configs()
+    if configs is None:
+        return 1
+    shapes = [s for s in SHAPES if args.shapes in s[0]]
+    if not shapes:
+        parser.error(f"--shapes {args.shapes!r} matches none of {[s[0] for s in SHAPES]}")
+    torch.manual_seed(0)
+    hbm = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; measured copy bandwidth {hbm:.0f} GB/s")
+    aligned = alignment(configs, [s for s in shapes if "lm_head" not in s[0]])
+    if not args.skip_speed:
+        timed = configs if args.all_configs else [c for c in configs if c[0] in aligned]
+        if timed:
+            speed(timed, shapes, ms, hbm)
+        else:
+            print("no quack config is aligned with our linear; --all-configs times them anyway")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

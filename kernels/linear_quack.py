@@ -1,0 +1,170 @@
+"""linear_quack: quack-kernels' Hopper GEMM (the optional ``quack-kernels`` package) as a faster
+launch of `linear` for decode-sized batches, with `linear`'s bits.
+
+Why it can stand in for our Triton GEMM (docs/design.md rule 1). On SM90, quack's GEMM with a
+fixed `GemmConfig`, no split-K and no autotuning accumulates each output element over K the way
+our kernel does: sequentially in 64-wide K tiles of wgmma into one fp32 accumulator, then one
+rounding to the output dtype. On the H200 its rows were bitwise equal to our `linear` rows for
+nine tile/cluster/pingpong/swap-AB configs, M = 1 .. 8,192 and the Qwen3 decode weights
+(`benchmarks/linear_quack.py`; docs/gpu-results.md, fifteenth session), and ``kernel_invariance
+--only quack`` checks every config `pick_config` returns against our kernel on every bundled
+model's weights. So a rollout may run quack where it is faster while training runs our kernel,
+and the logprobs stay bitwise equal (the conformance suite checks that pair whole).
+
+Where it is faster: decode batches of 65-256 rows, where our kernel has few tiles per weight.
+On the H200 at 128 rows it takes 0.71-0.92x our time on the Qwen3 decode weights (CUDA graphs);
+from a few hundred rows on, our kernel is as fast. `pick_config` holds the measured table;
+shapes outside it run our kernel.
+
+The choice (`VEXACT_LINEAR=auto|triton|quack`, or `set_linear_backend`): ``auto`` (default) runs
+quack where `pick_config` has a config and quack can run, else ours; ``triton`` never runs quack;
+``quack`` runs it for every shape it can (the table's config, else quack's default) and raises
+`UnsupportedError` naming why when it cannot.
+"""
+
+from __future__ import annotations
+
+import functools
+from contextlib import AbstractContextManager
+from typing import NamedTuple
+
+import torch
+
+from .backend import UnsupportedError
+from .kernel_switch import KernelSwitch
+
+ENV_VAR = "VEXACT_LINEAR"
+MODES = ("auto", "triton", "quack")
+_switch = KernelSwitch(ENV_VAR, MODES, "auto", "linear backend")
+#: compute capability majors where quack's alignment with our kernel was checked
+VERIFIED_MAJORS = (9,)
+QUACK_DTYPES = (torch.bfloat16, torch.float16)
+#: rows per launch for which `pick_config` has measured configs (decode batches)
+AUTO_ROWS = (65, 256)
+
+
+class QuackConfig(NamedTuple):
+    """The `quack.gemm_config.GemmConfig` fields we set (the rest stay quack's defaults)."""
+    tile_m: int
+    tile_n: int
+    pingpong: bool
+    cluster_m: int = 1
+    cluster_n: int = 1
+    swap_ab: bool = False
+
+
+def pick_config(m: int, n: int, k: int) -> QuackConfig | None:
+    """The quack config for an (m, n, k) problem in ``auto`` mode, or None where our kernel is as
+    fast or the shape was not measured. From `benchmarks/linear_quack.py` on the H200 (CUDA
+    graphs, weights from HBM; docs/gpu-results.md, fifteenth session)."""
+    if not AUTO_ROWS[0] <= m <= AUTO_ROWS[1]:
+        return None
+    if m <= 128:
+        if n > 65536:  # LM heads
+            return QuackConfig(128, 128, False, 1, 2)
+        if n >= 16384:  # wide gate/up
+            return QuackConfig(128, 192, True, 1, 2)
+        if n <= 1024:  # narrow outputs: few tiles unless the weight is the M operand
+            return QuackConfig(128, 64, True, swap_ab=True)
+        return QuackConfig(128, 64, True)
+    if n > 65536 or k >= 8192:  # LM heads and long-K down projections: ours is as fast
+        return None
+    if n >= 16384:
+        return QuackConfig(128, 192, True, 2, 1)
+    if n >= 6144:
+        return QuackConfig(128, 128, False, 1, 2)
+    return QuackConfig(128, 64, True)
+
+
+def linear_mode() -> str:
+    """The linear backend choice now: `set_linear_backend`'s if set, else ``VEXACT_LINEAR``
+    (``auto`` when unset). Read at every call."""
+    return _switch.mode()
+
+
+def set_linear_backend(mode: str | None) -> None:
+    """Force the linear backend (``"auto"``, ``"triton"`` or ``"quack"``); None hands the choice
+    back to the environment variable."""
+    _switch.set(mode)
+
+
+def use_linear_backend(mode: str | None) -> AbstractContextManager[None]:
+    """Context manager form of `set_linear_backend`; restores the previous choice on exit."""
+    return _switch.use(mode)
+
+
+@functools.lru_cache(maxsize=None)
+def _quack():
+    """(``quack.gemm_interface.gemm_tuned``, ``GemmConfig``, ``default_config``) or the import
+    error's text."""
+    try:
+        from quack.gemm_config import GemmConfig, default_config
+        from quack.gemm_interface import gemm_tuned
+    except Exception as exc:  # noqa: BLE001 - a broken install is as unavailable as a missing one
+        return f"{type(exc).__name__}: {exc}"
+    return gemm_tuned, GemmConfig, default_config
+
+
+@functools.lru_cache(maxsize=None)
+def _device_unavailable_reason(device: torch.device) -> str | None:
+    major, minor = torch.cuda.get_device_capability(device)
+    if major not in VERIFIED_MAJORS:
+        return (f"GPU capability {major}.{minor}: quack's alignment with our linear is verified on "
+                f"capability {', '.join(f'{m}.x' for m in VERIFIED_MAJORS)} (Hopper) only")
+    return None
+
+
+def quack_unavailable_reason(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                             out_dtype: torch.dtype) -> str | None:
+    """Why quack cannot compute ``x2d @ weight.T (+ bias)`` in `out_dtype`, or None when it can.
+    Checked in a fixed order (package, dtypes, layout, device, GPU), so the first failing
+    requirement is named."""
+    quack = _quack()
+    if isinstance(quack, str):
+        return f"quack (pip install quack-kernels) cannot be imported: {quack}"
+    if x2d.dtype not in QUACK_DTYPES or out_dtype not in (x2d.dtype, torch.float32):
+        return f"dtypes x={x2d.dtype}, out={out_dtype}: quack needs x in {QUACK_DTYPES} and out x's dtype or fp32"
+    if bias is not None and bias.dtype != x2d.dtype:
+        return f"bias dtype {bias.dtype}: quack needs x's dtype {x2d.dtype}"
+    k, n = x2d.shape[1], weight.shape[0]
+    if k % 8 or n % 8 or x2d.stride(1) != 1 or weight.stride(1) != 1 or x2d.stride(0) % 8 or weight.stride(0) % 8:
+        return (f"layout K={k}, N={n}, strides x={x2d.stride()}, weight={weight.stride()}: quack needs K and N "
+                f"multiples of 8 and rows of 16-byte multiples with unit column stride")
+    if any(t.data_ptr() % 16 for t in (x2d, weight)):
+        return "x or weight is not 16-byte aligned: quack loads through TMA"
+    if x2d.device.type != "cuda" or weight.device != x2d.device:
+        return f"devices x={x2d.device}, weight={weight.device}: quack needs CUDA tensors on one GPU"
+    return _device_unavailable_reason(x2d.device)
+
+
+def choose(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           out_dtype: torch.dtype) -> QuackConfig | None:
+    """The quack config to run under `linear_mode`, or None for our kernel. Raises
+    `UnsupportedError` when ``quack`` is forced and cannot run."""
+    mode = linear_mode()
+    if mode == "triton":
+        return None
+    m, k = x2d.shape
+    n = weight.shape[0]
+    cfg = pick_config(m, n, k)
+    if mode == "auto":
+        return cfg if cfg is not None and quack_unavailable_reason(x2d, weight, bias, out_dtype) is None else None
+    reason = quack_unavailable_reason(x2d, weight, bias, out_dtype)
+    if reason is not None:
+        raise UnsupportedError(f"{ENV_VAR}=quack cannot run this linear: {reason}")
+    return cfg or QuackConfig(128, 192, True, 2, 1)  # quack's own SM90 default
+
+
+def linear_quack(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
+                 config: QuackConfig) -> torch.Tensor:
+    """``x2d @ weight.T (+ bias)`` in `out_dtype` by quack's SM90 GEMM with `config` (no split-K,
+    no autotuning), forward only. The caller checked `quack_unavailable_reason`."""
+    gemm_tuned, gemm_config, _ = _quack()
+    out = torch.empty((x2d.shape[0], weight.shape[0]), device=x2d.device, dtype=out_dtype)
+    if x2d.shape[0] == 0:
+        return out
+    cfg = gemm_config(tile_m=config.tile_m, tile_n=config.tile_n, pingpong=config.pingpong,
+                      cluster_m=config.cluster_m, cluster_n=config.cluster_n, swap_ab=config.swap_ab,
+                      is_dynamic_persistent=False)
+    gemm_tuned.fn(x2d, weight.t(), out, bias=bias, config=cfg, split_k=1)
+    return out
