@@ -67,6 +67,25 @@ def num_sms(device) -> int:
     return _SM_COUNT[index]
 
 
+_UNVERIFIED: dict[tuple, str | None] = {}
+
+
+def unverified_gpu_reason(device, majors: tuple[int, ...], what: str) -> str | None:
+    """Why `what` is not verified on the CUDA `device` (its compute capability major is not one
+    of `majors`), or None when it is; cached per device. Used by the optional kernels whose
+    alignment was checked on some GPU generations only."""
+    import torch
+
+    device = torch.device(device)
+    key = (device, majors, what)
+    if key not in _UNVERIFIED:
+        major, minor = torch.cuda.get_device_capability(device)
+        _UNVERIFIED[key] = None if major in majors else (
+            f"GPU capability {major}.{minor}: {what} is verified on capability "
+            f"{', '.join(f'{m}.x' for m in majors)} (Hopper) only")
+    return _UNVERIFIED[key]
+
+
 def has_tma(device) -> bool:
     """Whether `device` is a CUDA GPU with TMA (tensor memory accelerator) loads: Hopper or newer."""
     import torch

@@ -28,6 +28,7 @@ import math
 
 import torch
 
+from ._triton import unverified_gpu_reason
 from .backend import UnsupportedError
 
 LOG2E = math.log2(math.e)
@@ -49,15 +50,6 @@ def _fa4_interface():
     return interface
 
 
-@functools.lru_cache(maxsize=None)
-def _device_unavailable_reason(device: torch.device) -> str | None:
-    major, minor = torch.cuda.get_device_capability(device)
-    if major not in VERIFIED_MAJORS:
-        return (f"GPU capability {major}.{minor}: FA4's alignment is verified on capability "
-                f"{', '.join(f'{m}.x' for m in VERIFIED_MAJORS)} (Hopper) only")
-    return None
-
-
 def fa4_unavailable_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
     """Why FA4 cannot run attention of q ``[T, Hq, D]`` over k ``[..., Hkv, D]`` and v ``[...,
     Hkv, Dv]``, or None when it can. Checked in a fixed order (package, dtype, head dims,
@@ -72,7 +64,7 @@ def fa4_unavailable_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
         return f"head dims {d}/{dv}: FA4 needs multiples of {HEAD_DIM_MULTIPLE} up to {MAX_HEAD_DIM}"
     if q.device.type != "cuda" or k.device != q.device or v.device != q.device:
         return f"devices q={q.device}, k={k.device}, v={v.device}: FA4 needs CUDA tensors on one GPU"
-    return _device_unavailable_reason(q.device)
+    return unverified_gpu_reason(q.device, VERIFIED_MAJORS, "FA4's alignment")
 
 
 def _lse_ours(lse_fa4: torch.Tensor) -> torch.Tensor:

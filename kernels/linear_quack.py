@@ -30,6 +30,7 @@ from typing import NamedTuple
 
 import torch
 
+from ._triton import unverified_gpu_reason
 from .backend import UnsupportedError
 from .kernel_switch import KernelSwitch
 
@@ -95,23 +96,14 @@ def use_linear_backend(mode: str | None) -> AbstractContextManager[None]:
 
 @functools.lru_cache(maxsize=None)
 def _quack():
-    """(``quack.gemm_interface.gemm_tuned``, ``GemmConfig``, ``default_config``) or the import
+    """(``quack.gemm_interface.gemm_tuned``, ``quack.gemm_config.GemmConfig``) or the import
     error's text."""
     try:
-        from quack.gemm_config import GemmConfig, default_config
+        from quack.gemm_config import GemmConfig
         from quack.gemm_interface import gemm_tuned
     except Exception as exc:  # noqa: BLE001 - a broken install is as unavailable as a missing one
         return f"{type(exc).__name__}: {exc}"
-    return gemm_tuned, GemmConfig, default_config
-
-
-@functools.lru_cache(maxsize=None)
-def _device_unavailable_reason(device: torch.device) -> str | None:
-    major, minor = torch.cuda.get_device_capability(device)
-    if major not in VERIFIED_MAJORS:
-        return (f"GPU capability {major}.{minor}: quack's alignment with our linear is verified on "
-                f"capability {', '.join(f'{m}.x' for m in VERIFIED_MAJORS)} (Hopper) only")
-    return None
+    return gemm_tuned, GemmConfig
 
 
 def quack_unavailable_reason(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -134,7 +126,7 @@ def quack_unavailable_reason(x2d: torch.Tensor, weight: torch.Tensor, bias: torc
         return "x or weight is not 16-byte aligned: quack loads through TMA"
     if x2d.device.type != "cuda" or weight.device != x2d.device:
         return f"devices x={x2d.device}, weight={weight.device}: quack needs CUDA tensors on one GPU"
-    return _device_unavailable_reason(x2d.device)
+    return unverified_gpu_reason(x2d.device, VERIFIED_MAJORS, "quack's alignment with our linear")
 
 
 def choose(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -159,7 +151,7 @@ def linear_quack(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                  config: QuackConfig) -> torch.Tensor:
     """``x2d @ weight.T (+ bias)`` in `out_dtype` by quack's SM90 GEMM with `config` (no split-K,
     no autotuning), forward only. The caller checked `quack_unavailable_reason`."""
-    gemm_tuned, gemm_config, _ = _quack()
+    gemm_tuned, gemm_config = _quack()
     out = torch.empty((x2d.shape[0], weight.shape[0]), device=x2d.device, dtype=out_dtype)
     if x2d.shape[0] == 0:
         return out

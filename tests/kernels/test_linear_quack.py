@@ -50,7 +50,7 @@ def test_unavailable_reasons_name_the_first_failing_requirement(monkeypatch):
     x, w = torch.zeros(16, 64, dtype=torch.bfloat16), torch.zeros(32, 64, dtype=torch.bfloat16)
     monkeypatch.setattr(lq, "_quack", lambda: "ModuleNotFoundError: No module named 'quack'")
     assert "pip install quack-kernels" in lq.quack_unavailable_reason(x, w, None, torch.bfloat16)
-    monkeypatch.setattr(lq, "_quack", lambda: (None, None, None))  # importable: the next checks speak
+    monkeypatch.setattr(lq, "_quack", lambda: (None, None))  # importable: the next checks speak
     assert "dtypes x=torch.float32" in lq.quack_unavailable_reason(x.float(), w.float(), None, torch.float32)
     assert "bias dtype torch.float32" in lq.quack_unavailable_reason(x, w, torch.zeros(32), torch.bfloat16)
     assert "K=60" in lq.quack_unavailable_reason(x[:, :60], w[:, :60], None, torch.bfloat16)
@@ -182,3 +182,13 @@ def test_an_engine_rollout_through_quack_equals_the_training_recompute_through_o
         with torch.no_grad(), use_linear_backend("triton"):
             lp = model.token_logprobs(torch.tensor([prompt + tokens] * 3, device="cuda"), temperature=0.8)
         assert torch.equal(lp[0, len(prompt):].cpu(), torch.tensor(logprobs))
+
+
+def test_an_unverified_gpu_generation_is_named(monkeypatch):
+    from vexact_models.kernels._triton import unverified_gpu_reason
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert unverified_gpu_reason("cuda:7", (9,), "quack's alignment") == (
+        "GPU capability 8.0: quack's alignment is verified on capability 9.x (Hopper) only")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert unverified_gpu_reason("cuda:6", (9,), "quack's alignment") is None
