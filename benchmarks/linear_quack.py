@@ -4,7 +4,7 @@ is it faster than ours, and are its rows aligned with ours?
 A GEMM can serve training and the rollout engine only if a row's output never depends on how
 many rows share the launch (docs/design.md rule 1). Our Triton `linear` gives the same bits for
 every tile config and every M. This script asks, for each quack config (a fixed `GemmConfig`,
-no split-K, no autotuning, which would pick configs by M):
+no split-K, no autotuning, which would pick configs by M; `kernels.linear_quack` runs it):
 
 - alignment: is every row of an M-row quack GEMM bitwise equal to the same row from our
   `linear` (which is M-invariant), for M from 1 to 8,192? If so, quack could replace our kernel
@@ -34,44 +34,46 @@ ALIGN_MS = [1, 7, 64, 128, 129, 256, 1000, 4096, 8192]
 
 
 def quack_configs():
-    """(label, GemmConfig) candidates for SM90, or None (the import error printed)."""
-    try:
-        from quack.gemm_config import GemmConfig, default_config
-    except Exception as exc:  # noqa: BLE001 - any import failure means "not available here"
-        print(f"quack not importable: {type(exc).__name__}: {exc}")
+    """(label, `linear_quack.QuackConfig`) candidates for SM90, or None (why quack cannot run
+    printed)."""
+    from vexact_models.kernels.linear_quack import SM90_DEFAULT, QuackConfig, quack_unavailable_reason
+
+    probe = torch.zeros(8, 8, device="cuda", dtype=torch.bfloat16)
+    reason = quack_unavailable_reason(probe, probe, None, torch.bfloat16)
+    if reason is not None:
+        print(f"quack cannot run: {reason}")
         return None
-    configs = [("default", default_config(torch.device("cuda")))]
-    for tile_m, tile_n, pingpong, cluster_m, cluster_n, swap in [
-            (128, 128, True, 1, 1, False), (128, 64, True, 1, 1, False), (64, 128, False, 1, 1, False),
-            (128, 128, False, 1, 2, False), (128, 192, True, 1, 2, False), (128, 128, True, 1, 1, True),
-            (128, 64, True, 1, 1, True), (256, 128, False, 2, 1, False)]:
-        label = (f"{tile_m}x{tile_n} {'pingpong' if pingpong else 'coop'} c{cluster_m}x{cluster_n}"
-                 f"{' swap_ab' if swap else ''}")
-        configs.append((label, GemmConfig(tile_m=tile_m, tile_n=tile_n, pingpong=pingpong, cluster_m=cluster_m,
-                                          cluster_n=cluster_n, swap_ab=swap, is_dynamic_persistent=False)))
-    return configs
+    configs = [SM90_DEFAULT] + [QuackConfig(*c) for c in [
+        (128, 128, True), (128, 64, True), (64, 128, False), (128, 128, False, 1, 2), (128, 192, True, 1, 2),
+        (128, 128, True, 1, 1, True), (128, 64, True, 1, 1, True), (256, 128, False, 2, 1)]]
+    return [(("default " if c == SM90_DEFAULT else "") +
+             f"{c.tile_m}x{c.tile_n} {'pingpong' if c.pingpong else 'coop'} c{c.cluster_m}x{c.cluster_n}"
+             f"{' swap_ab' if c.swap_ab else ''}", c) for c in configs]
 
 
 def quack_linear(x: torch.Tensor, weight: torch.Tensor, config) -> torch.Tensor:
-    """``x @ weight.T`` by quack's SM90 GEMM with the fixed `config` (no autotuning, no split-K)."""
-    from quack.gemm_interface import gemm_tuned
+    """``x @ weight.T`` by quack's SM90 GEMM with `config` (`kernels.linear_quack`)."""
+    from vexact_models.kernels.linear_quack import linear_quack
 
-    out = torch.empty(x.shape[0], weight.shape[0], device=x.device, dtype=x.dtype)
-    gemm_tuned.fn(x, weight.t(), out, config=config, split_k=1)
-    return out
+    return linear_quack(x, weight, None, x.dtype, config)
+
+
+def ours(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Our Triton GEMM with its own config (`linear` itself may run quack: ``VEXACT_LINEAR=auto``)."""
+    from vexact_models.kernels.linear import linear_triton
+
+    return linear_triton(x, weight, None, x.dtype)
 
 
 def alignment(configs, shapes) -> list[str]:
     """Rows of quack GEMMs against our `linear` rows, bitwise; returns the labels that matched."""
-    from vexact_models.kernels import linear
-
     rows, aligned = [], []
     for label, cfg in configs:
         bad_total, compared, error = 0, 0, ""
         for name, k, n in shapes:
             w = (torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16()
             x = torch.randn(max(ALIGN_MS), k, device="cuda").bfloat16()
-            want = linear(x, w)
+            want = ours(x, w)
             for m in ALIGN_MS:
                 try:
                     got = quack_linear(x[:m], w, cfg)
@@ -92,15 +94,13 @@ def alignment(configs, shapes) -> list[str]:
 
 def speed(configs, shapes, ms: list[int], hbm: float) -> None:
     """CUDA-graph time per GEMM: ours (pick_config), cuBLAS, each quack config."""
-    from vexact_models.kernels import linear
-
     rows = []
     for name, k, n in shapes:
         weights = rotating_copies((torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16())
         for m in ms:
             x = torch.randn(m, k, device="cuda").bfloat16()
             nbytes = 2 * (m * k + n * k + m * n)
-            t_ours = bench_graph([lambda w=w: linear(x, w) for w in weights])
+            t_ours = bench_graph([lambda w=w: ours(x, w) for w in weights])
             t_cublas = bench_graph([lambda w=w: torch.matmul(x, w.t()) for w in weights])
             best = ("-", float("inf"))
             for label, cfg in configs:

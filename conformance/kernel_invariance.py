@@ -138,9 +138,9 @@ def check_linear_quack(result: Result, k: int, n: int, out_dtype: torch.dtype, b
     quack's default, gives our Triton kernel's rows (so a rollout may run it while training runs
     ours). Run by ``--only quack``: quack-kernels is optional."""
     from vexact_models.kernels.linear import linear_triton
-    from vexact_models.kernels.linear_quack import QuackConfig, linear_quack, pick_config
+    from vexact_models.kernels.linear_quack import SM90_DEFAULT, linear_quack, pick_config
 
-    configs = [QuackConfig(128, 192, True, 2, 1)]  # quack's SM90 default (forced mode, large M)
+    configs = [SM90_DEFAULT]  # forced mode's config where the table has none
     for m in (65, 128, 129, 256):
         for nn_ in (1024, 4096, 6144, 16384, 151936):
             for kk in (1024, 12288):

@@ -54,6 +54,11 @@ class QuackConfig(NamedTuple):
     swap_ab: bool = False
 
 
+#: quack's own SM90 default (`quack.gemm_config.default_config`): what forced mode runs where the
+#: table has no config
+SM90_DEFAULT = QuackConfig(128, 192, True, 2, 1)
+
+
 def pick_config(m: int, n: int, k: int) -> QuackConfig | None:
     """The quack config for an (m, n, k) problem in ``auto`` mode, or None where our kernel is as
     fast or the shape was not measured. From `benchmarks/linear_quack.py` on the H200 (CUDA
@@ -71,7 +76,7 @@ def pick_config(m: int, n: int, k: int) -> QuackConfig | None:
     if n > 65536 or k >= 8192:  # LM heads and long-K down projections: ours is as fast
         return None
     if n >= 16384:
-        return QuackConfig(128, 192, True, 2, 1)
+        return SM90_DEFAULT
     if n >= 6144:
         return QuackConfig(128, 128, False, 1, 2)
     return QuackConfig(128, 64, True)
@@ -144,7 +149,7 @@ def choose(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     reason = quack_unavailable_reason(x2d, weight, bias, out_dtype)
     if reason is not None:
         raise UnsupportedError(f"{ENV_VAR}=quack cannot run this linear: {reason}")
-    return cfg or QuackConfig(128, 192, True, 2, 1)  # quack's own SM90 default
+    return cfg or SM90_DEFAULT
 
 
 def linear_quack(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,

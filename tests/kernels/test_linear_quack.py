@@ -68,7 +68,7 @@ needs_quack = pytest.mark.skipif(_quack_missing() is not None, reason=f"quack: {
 
 
 def _table_configs() -> list:
-    configs = [lq.QuackConfig(128, 192, True, 2, 1)]
+    configs = [lq.SM90_DEFAULT]
     for m in (128, 256):
         for n, k in ((1024, 3072), (4096, 1024), (6144, 4096), (24576, 4096), (151936, 1024)):
             cfg = lq.pick_config(m, n, k)
