@@ -14,12 +14,15 @@ no split-K, no autotuning, which would pick configs by M; `kernels.linear_quack`
   decode weights (`kernels.py`'s sweep shapes).
 
 quack is not a dependency: the script reports what it cannot import. Usage (CUDA, Hopper only):
-``cd benchmarks && python3 linear_quack.py [--shapes 8b] [--ms 128,256,8192] [--skip-speed]``.
+``cd benchmarks && python3 linear_quack.py [--shapes "8b qkv,8b o"] [--ms 128,256,8192] [--configs
+64x64p:2x1,128x64ps] [--per-config] [--eager] [--skip-speed]``; ``--configs`` takes
+``TMxTN{p|c}[:CMxCN][s]`` specs (tile, pingpong or cooperative, cluster, swap-AB).
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 import torch
@@ -33,22 +36,44 @@ SHAPES = [("0.6b qkv", 1024, 4096), ("0.6b o", 2048, 1024), ("0.6b gate_up", 102
 ALIGN_MS = [1, 7, 64, 128, 129, 256, 1000, 4096, 8192]
 
 
-def quack_configs():
-    """(label, `linear_quack.QuackConfig`) candidates for SM90, or None (why quack cannot run
-    printed)."""
-    from vexact_models.kernels.linear_quack import SM90_DEFAULT, QuackConfig, quack_unavailable_reason
+#: the configs timed by default: quack's SM90 default and the nine of the fifteenth session's table
+DEFAULT_SPECS = "128x192p:2x1,128x128p,128x64p,64x128c,128x128c:1x2,128x192p:1x2,128x128ps,128x64ps,256x128c:2x1"
+CONFIG_SPEC = re.compile(r"^(\d+)x(\d+)([pc])(?::(\d+)x(\d+))?(s?)$")
+
+
+def parse_config(spec: str):
+    """A `linear_quack.QuackConfig` from ``TMxTN{p|c}[:CMxCN][s]``: tile M x N, pingpong or
+    cooperative, cluster (default 1x1), ``s`` for swap-AB. E.g. ``64x64p:2x1``, ``128x64ps``."""
+    from vexact_models.kernels.linear_quack import QuackConfig
+
+    match = CONFIG_SPEC.match(spec.strip())
+    if match is None:
+        raise ValueError(f"quack config {spec!r}: expected TMxTN{{p|c}}[:CMxCN][s], e.g. 64x64p:2x1 or 128x64ps")
+    tm, tn, kind, cm, cn, swap = match.groups()
+    return QuackConfig(int(tm), int(tn), kind == "p", int(cm or 1), int(cn or 1), swap == "s")
+
+
+def config_label(cfg) -> str:
+    """The spec `parse_config` reads back, ``(default)`` marking quack's own SM90 default."""
+    from vexact_models.kernels.linear_quack import SM90_DEFAULT
+
+    spec = (f"{cfg.tile_m}x{cfg.tile_n}{'p' if cfg.pingpong else 'c'}"
+            f"{f':{cfg.cluster_m}x{cfg.cluster_n}' if (cfg.cluster_m, cfg.cluster_n) != (1, 1) else ''}"
+            f"{'s' if cfg.swap_ab else ''}")
+    return spec + (" (default)" if cfg == SM90_DEFAULT else "")
+
+
+def quack_configs(configs):
+    """(label, config) for each `linear_quack.QuackConfig` of `configs`, or None (why quack cannot
+    run printed)."""
+    from vexact_models.kernels.linear_quack import quack_unavailable_reason
 
     probe = torch.zeros(8, 8, device="cuda", dtype=torch.bfloat16)
     reason = quack_unavailable_reason(probe, probe, None, torch.bfloat16)
     if reason is not None:
         print(f"quack cannot run: {reason}")
         return None
-    configs = [SM90_DEFAULT] + [QuackConfig(*c) for c in [
-        (128, 128, True), (128, 64, True), (64, 128, False), (128, 128, False, 1, 2), (128, 192, True, 1, 2),
-        (128, 128, True, 1, 1, True), (128, 64, True, 1, 1, True), (256, 128, False, 2, 1)]]
-    return [(("default " if c == SM90_DEFAULT else "") +
-             f"{c.tile_m}x{c.tile_n} {'pingpong' if c.pingpong else 'coop'} c{c.cluster_m}x{c.cluster_n}"
-             f"{' swap_ab' if c.swap_ab else ''}", c) for c in configs]
+    return [(config_label(c), c) for c in configs]
 
 
 def quack_linear(x: torch.Tensor, weight: torch.Tensor, config) -> torch.Tensor:
@@ -92,9 +117,13 @@ def alignment(configs, shapes) -> list[str]:
     return aligned
 
 
-def speed(configs, shapes, ms: list[int], hbm: float) -> None:
-    """CUDA-graph time per GEMM: ours (pick_config), cuBLAS, each quack config."""
-    rows = []
+def speed(configs, shapes, ms: list[int], hbm: float, per_config: bool = False) -> None:
+    """CUDA-graph time per GEMM: ours (pick_config), cuBLAS, the fastest quack config, and what
+    ``VEXACT_LINEAR=auto`` runs (`linear_quack.pick_config`'s config, else ours); with
+    `per_config`, also a table of every config's time."""
+    from vexact_models.kernels.linear_quack import pick_config
+
+    rows, every = [], []
     for name, k, n in shapes:
         weights = rotating_copies((torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16())
         for m in ms:
@@ -109,24 +138,68 @@ def speed(configs, shapes, ms: list[int], hbm: float) -> None:
                     t = bench_graph([lambda w=w: quack_linear(x, w, cfg) for w in weights])
                 except Exception:  # noqa: BLE001 - skipped configs are the ones alignment reported
                     continue
+                every.append([name, m, label, f"{t * 1e3:.1f}", f"{100 * nbytes / t / 1e6 / hbm:.0f}%",
+                              f"{t_ours / t:.2f}", f"{t_cublas / t:.2f}"])
                 if t < best[1]:
                     best = (label, t)
+            auto = pick_config(m, n, k)
+            t_auto = t_ours if auto is None else bench_graph([lambda w=w: quack_linear(x, w, auto) for w in weights])
             rows.append([name, m, f"{t_ours * 1e3:.1f}", f"{t_cublas * 1e3:.1f}", best[0], f"{best[1] * 1e3:.1f}",
-                         f"{t_ours / best[1]:.2f}", f"{100 * nbytes / t_ours / 1e6 / hbm:.0f}%",
-                         f"{100 * nbytes / best[1] / 1e6 / hbm:.0f}%"])
+                         "ours" if auto is None else config_label(auto), f"{t_auto * 1e3:.1f}",
+                         f"{t_ours / t_auto:.2f}", f"{100 * nbytes / t_auto / 1e6 / hbm:.0f}%"])
         del weights
-    table("linear: ours vs cuBLAS vs the fastest quack config (us, CUDA graphs, weights from HBM)",
-          ["weight", "M", "ours", "cuBLAS", "best quack config", "quack", "ours / quack", "ours % HBM",
-           "quack % HBM"], rows)
+    if per_config:
+        table("every quack config (us, CUDA graphs, weights from HBM)",
+              ["weight", "M", "config", "quack", "% HBM", "ours / quack", "cuBLAS / quack"], every)
+    table("linear: ours, cuBLAS, the fastest quack config and auto's choice (us, CUDA graphs, weights from HBM)",
+          ["weight", "M", "ours", "cuBLAS", "best quack config", "quack", "auto runs", "auto", "ours / auto",
+           "auto % HBM"], rows)
+
+
+def eager_call_time(shapes, m: int = 1, calls: int = 300) -> None:
+    """Wall time per eager `linear` call (no CUDA graph: the host launch shows) at `m` rows under
+    each ``VEXACT_LINEAR`` mode: why ``auto`` runs quack only while a CUDA graph captures (forced
+    ``quack`` shows what eager calls through it would cost)."""
+    import time
+
+    from vexact_models.kernels import linear, use_linear_backend
+
+    rows = []
+    for name, k, n in shapes:
+        x = torch.randn(m, k, device="cuda").bfloat16()
+        w = (torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16()
+        per_call = {}
+        for mode in ("triton", "auto", "quack"):
+            with use_linear_backend(mode):
+                for _ in range(10):  # compile and warm up
+                    linear(x, w)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    linear(x, w)
+                torch.cuda.synchronize()
+                per_call[mode] = (time.perf_counter() - t0) / calls
+        rows.append([name, m] + [f"{per_call[mode] * 1e6:.1f}" for mode in ("triton", "auto", "quack")] +
+                    [f"{per_call['triton'] / per_call['quack']:.2f}"])
+    table(f"eager linear calls, {calls} back to back (us per call, host launch included)",
+          ["weight", "M", "triton", "auto", "quack", "triton / quack"], rows)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", default="", help="only the weights whose name contains this (default: all)")
+    parser.add_argument("--shapes", default="",
+                        help="comma-separated: only the weights whose name contains one of these (default: all)")
     parser.add_argument("--ms", default="128,256,8192", help="comma-separated row counts for the speed table")
     parser.add_argument("--skip-speed", action="store_true", help="only the alignment table")
     parser.add_argument("--all-configs", action="store_true",
                         help="time every config, not only the aligned ones")
+    parser.add_argument("--configs", default=DEFAULT_SPECS,
+                        help="comma-separated quack configs TMxTN{p|c}[:CMxCN][s] (tile M x N, pingpong or "
+                             "cooperative, cluster, s = swap-AB); default: quack's default and the fifteenth "
+                             "session's nine")
+    parser.add_argument("--per-config", action="store_true", help="also print every config's time, not only the best")
+    parser.add_argument("--eager", action="store_true",
+                        help="also time eager one-row `linear` calls (host launch included) under each VEXACT_LINEAR mode")
     args = parser.parse_args(argv)
     try:
         ms = [int(m) for m in args.ms.split(",")]
@@ -134,13 +207,17 @@ def main(argv=None) -> int:
         parser.error(f"--ms {args.ms!r}: expected comma-separated integers, e.g. 128,256")
     if min(ms) < 1:
         parser.error(f"--ms {args.ms!r}: row counts must be >= 1")
+    try:
+        parsed = [parse_config(spec) for spec in args.configs.split(",")]
+    except ValueError as exc:
+        parser.error(f"--configs: {exc}")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         print("benchmarks/linear_quack.py needs a Hopper (SM90) GPU", file=sys.stderr)
         return 2
-    configs = quack_configs()
+    configs = quack_configs(parsed)
     if configs is None:
         return 1
-    shapes = [s for s in SHAPES if args.shapes in s[0]]
+    shapes = [s for s in SHAPES if any(part in s[0] for part in args.shapes.split(","))]
     if not shapes:
         parser.error(f"--shapes {args.shapes!r} matches none of {[s[0] for s in SHAPES]}")
     torch.manual_seed(0)
@@ -150,9 +227,11 @@ def main(argv=None) -> int:
     if not args.skip_speed:
         timed = configs if args.all_configs else [c for c in configs if c[0] in aligned]
         if timed:
-            speed(timed, shapes, ms, hbm)
+            speed(timed, shapes, ms, hbm, args.per_config)
         else:
             print("no quack config is aligned with our linear; --all-configs times them anyway")
+    if args.eager:
+        eager_call_time(shapes)
     return 0
 
 

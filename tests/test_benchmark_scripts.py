@@ -154,3 +154,23 @@ def test_fa4_paged_cache_holds_each_sequence_in_its_pages(monkeypatch):
         slots = (table_[s].long()[:, None] * 4 + torch.arange(4)).flatten()[:n]
         assert torch.equal(k_cache.view(-1, 2, 8)[slots], k[start:start + n])
         assert torch.equal(v_cache.view(-1, 2, 4)[slots], v[start:start + n])
+
+
+def test_linear_quack_config_specs_round_trip_and_bad_ones_are_refused(monkeypatch):
+    """`benchmarks/linear_quack.py --configs`: every default spec parses to the config its label
+    names; a bad spec is a usage error naming it, before any GPU check."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import linear_quack
+
+    from vexact_models.kernels.linear_quack import SM90_DEFAULT, QuackConfig
+
+    for spec in linear_quack.DEFAULT_SPECS.split(","):
+        assert linear_quack.config_label(linear_quack.parse_config(spec)).split()[0] == spec
+    assert linear_quack.parse_config("64x16ps") == QuackConfig(64, 16, True, swap_ab=True)
+    assert linear_quack.parse_config("128x128c:1x2") == QuackConfig(128, 128, False, 1, 2)
+    assert linear_quack.config_label(SM90_DEFAULT) == "128x192p:2x1 (default)"
+    with pytest.raises(ValueError, match="'64x64q'"):
+        linear_quack.parse_config("64x64q")
+    run = subprocess.run([sys.executable, "linear_quack.py", "--configs", "64x64p,12xp"], cwd=BENCHMARKS,
+                         capture_output=True, text=True, timeout=120, env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"})
+    assert run.returncode == 2 and "--configs" in run.stderr and "'12xp'" in run.stderr
