@@ -138,21 +138,15 @@ def check_linear_quack(result: Result, k: int, n: int, out_dtype: torch.dtype, b
     quack's default, gives our Triton kernel's rows (so a rollout may run it while training runs
     ours). Run by ``--only quack``: quack-kernels is optional."""
     from vexact_models.kernels.linear import linear_triton
-    from vexact_models.kernels.linear_quack import SM90_DEFAULT, linear_quack, pick_config
+    from vexact_models.kernels.linear_quack import linear_quack, table_configs
 
-    configs = [SM90_DEFAULT]  # forced mode's config where the table has none
-    for m in (65, 128, 129, 256):
-        for nn_ in (1024, 4096, 6144, 16384, 151936):
-            for kk in (1024, 12288):
-                cfg = pick_config(m, nn_, kk)
-                if cfg is not None and cfg not in configs:
-                    configs.append(cfg)
+    configs = table_configs()
     x = torch.randn(1000, k, device="cuda").bfloat16()
     w = (torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16()
     b = torch.randn(n, device="cuda").bfloat16() if bias else None
     want = linear_triton(x, w, b, out_dtype)
     for cfg in configs:
-        for m in (1, 65, 128, 200, 256, 1000):
+        for m in (1, 16, 33, 65, 128, 200, 256, 1000):
             result.compare(linear_quack(x[:m], w, b, out_dtype, cfg), want[:m],
                            f"K={k} N={n} bias={bias} out={out_dtype} {cfg} M={m}")
 

@@ -5,19 +5,24 @@ Why it can stand in for our Triton GEMM (docs/design.md rule 1). On SM90, quack'
 fixed `GemmConfig`, no split-K and no autotuning accumulates each output element over K the way
 our kernel does: sequentially in 64-wide K tiles of wgmma into one fp32 accumulator, then one
 rounding to the output dtype. On the H200 its rows were bitwise equal to our `linear` rows for
-nine tile/cluster/pingpong/swap-AB configs, M = 1 .. 8,192 and the Qwen3 decode weights
-(`benchmarks/linear_quack.py`; docs/gpu-results.md, fifteenth session), and ``kernel_invariance
+every one of 27 tile/cluster/pingpong/swap-AB configs tried, M = 1 .. 8,192 and the Qwen3
+decode weights (`benchmarks/linear_quack.py`; docs/gpu-results.md, fifteenth and sixteenth
+sessions), and ``kernel_invariance
 --only quack`` checks every config `pick_config` returns against our kernel on every bundled
 model's weights. So a rollout may run quack where it is faster while training runs our kernel,
 and the logprobs stay bitwise equal (the conformance suite checks that pair whole).
 
-Where it is faster: decode batches of 65-256 rows, where our kernel has few tiles per weight.
-On the H200 at 128 rows it takes 0.71-0.92x our time on the Qwen3 decode weights (CUDA graphs);
-from a few hundred rows on, our kernel is as fast. `pick_config` holds the measured table;
-shapes outside it run our kernel.
+Where it is faster: decode batches of 1-256 rows, where our kernel has few tiles per weight and
+quack's narrow tiles, swap-AB and clusters keep more SMs streaming the weight. On the H200 it
+takes 0.55-0.85x our time on the Qwen3 decode weights from 16 to 256 rows (CUDA graphs); from a
+few hundred rows on, our kernel is as fast. `pick_config` holds the measured table; shapes
+outside it run our kernel.
 
 The choice (`VEXACT_LINEAR=auto|triton|quack`, or `set_linear_backend`): ``auto`` (default) runs
-quack where `pick_config` has a config and quack can run, else ours; ``triton`` never runs quack;
+quack while a CUDA graph is being captured (the engine's decode and mixed steps, at the batch
+buckets the table was timed at), where `pick_config` has a config and quack can run, else ours:
+an eager call of these sizes is bound by its host launch, and `linear` through quack took ~9 us a
+call more than through ours (67.6 vs 58.4 us at one row, Qwen3-0.6B q/k/v; sixteenth session); ``triton`` never runs quack;
 ``quack`` runs it for every shape it can (the table's config, else quack's default) and raises
 `UnsupportedError` naming why when it cannot.
 """
@@ -41,7 +46,7 @@ _switch = KernelSwitch(ENV_VAR, MODES, "auto", "linear backend")
 VERIFIED_MAJORS = (9,)
 QUACK_DTYPES = (torch.bfloat16, torch.float16)
 #: rows per launch for which `pick_config` has measured configs (decode batches)
-AUTO_ROWS = (65, 256)
+AUTO_ROWS = (1, 256)
 
 
 class QuackConfig(NamedTuple):
@@ -62,24 +67,51 @@ SM90_DEFAULT = QuackConfig(128, 192, True, 2, 1)
 def pick_config(m: int, n: int, k: int) -> QuackConfig | None:
     """The quack config for an (m, n, k) problem in ``auto`` mode, or None where our kernel is as
     fast or the shape was not measured. From `benchmarks/linear_quack.py` on the H200 (CUDA
-    graphs, weights from HBM; docs/gpu-results.md, fifteenth session)."""
+    graphs, weights from HBM; docs/gpu-results.md, fifteenth and sixteenth sessions).
+
+    The idea behind the table: a decode GEMM reads its weight once, so it is as fast as the
+    number of SMs streaming the weight at once. Few rows leave few output tiles, so the tiles
+    get narrow (64 wide, the smallest wgmma M) and, up to 64 rows, the weight becomes the M
+    operand (swap-AB) with the rows as a 16-64 wide N; from 65 rows a 2x1 cluster multicasts each
+    weight tile to the two 64-row tiles that need it; 129-192 rows take one 192-row tile. The
+    table was timed at the engine's CUDA-graph batch buckets (`runtime.cuda_graphs`), the row
+    counts `auto` runs it at: quack is slow on partly filled M tiles (with 64x64 tiles the Qwen3-8B
+    o projection took 16.5 us at 80 rows, 11.7 at 128). ``k`` is not used: no choice depended on it."""
+    del k  # part of the signature: a measured shape may need it
     if not AUTO_ROWS[0] <= m <= AUTO_ROWS[1]:
         return None
+    if m <= 64:
+        if n > 65536:  # LM heads stream at ~95% of HBM either way
+            return None
+        rows = 16 if m <= 16 or n <= 1024 else (32 if m <= 32 else 64)
+        return QuackConfig(64, rows, True, swap_ab=True)
     if m <= 128:
-        if n > 65536:  # LM heads
+        if n > 65536:
             return QuackConfig(128, 128, False, 1, 2)
-        if n >= 16384:  # wide gate/up
-            return QuackConfig(128, 192, True, 1, 2)
-        if n <= 1024:  # narrow outputs: few tiles unless the weight is the M operand
-            return QuackConfig(128, 64, True, swap_ab=True)
-        return QuackConfig(128, 64, True)
-    if n > 65536 or k >= 8192:  # LM heads and long-K down projections: ours is as fast
+        if n <= 1024:
+            return QuackConfig(64, 32, True, swap_ab=True)
+        return QuackConfig(64, 192 if n >= 16384 else 96 if n >= 6144 else 64, True, 2, 1)
+    if n > 65536:  # LM heads: ours is as fast
         return None
+    if n <= 1024:
+        return QuackConfig(64, 64, True, swap_ab=True)
+    if m <= 192:  # one 192-row tile: quack is slow on a partly filled second M tile
+        return QuackConfig(192, 128 if n >= 16384 else 64, True)
     if n >= 16384:
         return SM90_DEFAULT
-    if n >= 6144:
-        return QuackConfig(128, 128, False, 1, 2)
-    return QuackConfig(128, 64, True)
+    return QuackConfig(64, 192, True, 2, 1) if n >= 6144 else QuackConfig(128, 64, True, 2, 1)
+
+
+def table_configs() -> list[QuackConfig]:
+    """Every config `pick_config` can return (each branch visited once), then quack's default (the
+    forced mode's config where the table has none): what the GPU proofs run."""
+    configs = []
+    for m in (1, 17, 33, 65, 129, 193):
+        for n in (1024, 4096, 6144, 24576, 151936):
+            cfg = pick_config(m, n, 4096)
+            if cfg is not None and cfg not in configs:
+                configs.append(cfg)
+    return configs + ([SM90_DEFAULT] if SM90_DEFAULT not in configs else [])
 
 
 def linear_mode() -> str:
@@ -141,9 +173,12 @@ def choose(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     mode = linear_mode()
     if mode == "triton":
         return None
+    if mode == "auto" and not (x2d.is_cuda and torch.cuda.is_current_stream_capturing()):
+        # eager: decode-sized calls are bound by their host launch, and this path (the checks below,
+        # quack's launch) took ~9 us a call more than ours; first, so eager calls skip the checks
+        return None
     m, k = x2d.shape
-    n = weight.shape[0]
-    cfg = pick_config(m, n, k)
+    cfg = pick_config(m, weight.shape[0], k)
     if mode == "auto":
         return cfg if cfg is not None and quack_unavailable_reason(x2d, weight, bias, out_dtype) is None else None
     reason = quack_unavailable_reason(x2d, weight, bias, out_dtype)

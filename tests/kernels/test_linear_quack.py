@@ -14,14 +14,34 @@ from vexact_models.kernels import linear_quack as lq
 
 
 def test_the_table_covers_decode_batches_only():
-    assert lq.pick_config(64, 4096, 1024) is None  # below AUTO_ROWS: our small-M tiles
-    assert lq.pick_config(257, 4096, 1024) is None  # training and prefill: ours is as fast
-    assert lq.pick_config(128, 4096, 4096) == lq.QuackConfig(128, 64, True)  # Qwen3-8B o
-    assert lq.pick_config(128, 24576, 4096) == lq.QuackConfig(128, 192, True, 1, 2)  # Qwen3-8B gate/up
+    assert lq.pick_config(0, 4096, 1024) is None and lq.pick_config(257, 4096, 1024) is None  # prefill, training
+    assert lq.pick_config(1, 4096, 4096) == lq.QuackConfig(64, 16, True, swap_ab=True)  # one sequence
+    assert lq.pick_config(16, 151936, 4096) is None  # LM head below 65 rows: ours is as fast
+    assert lq.pick_config(32, 4096, 4096) == lq.QuackConfig(64, 32, True, swap_ab=True)
+    assert lq.pick_config(64, 1024, 3072) == lq.QuackConfig(64, 16, True, swap_ab=True)  # 0.6B down: narrow N
+    assert lq.pick_config(64, 24576, 4096) == lq.QuackConfig(64, 64, True, swap_ab=True)
+    assert lq.pick_config(128, 4096, 4096) == lq.QuackConfig(64, 64, True, 2, 1)  # Qwen3-8B o
+    assert lq.pick_config(128, 6144, 4096) == lq.QuackConfig(64, 96, True, 2, 1)  # Qwen3-8B q/k/v
+    assert lq.pick_config(128, 24576, 4096) == lq.QuackConfig(64, 192, True, 2, 1)  # Qwen3-8B gate/up
     assert lq.pick_config(128, 151936, 4096) == lq.QuackConfig(128, 128, False, 1, 2)  # LM head
-    assert lq.pick_config(128, 1024, 3072).swap_ab  # Qwen3-0.6B down: narrow N
-    assert lq.pick_config(200, 151936, 4096) is None and lq.pick_config(256, 4096, 12288) is None
-    assert lq.pick_config(256, 6144, 4096) == lq.QuackConfig(128, 128, False, 1, 2)
+    assert lq.pick_config(128, 1024, 3072) == lq.QuackConfig(64, 32, True, swap_ab=True)
+    assert lq.pick_config(200, 151936, 4096) is None
+    assert lq.pick_config(160, 4096, 4096) == lq.QuackConfig(192, 64, True)  # one 192-row tile
+    assert lq.pick_config(192, 24576, 4096) == lq.QuackConfig(192, 128, True)
+    assert lq.pick_config(192, 1024, 3072) == lq.QuackConfig(64, 64, True, swap_ab=True)
+    assert lq.pick_config(224, 4096, 4096) == lq.QuackConfig(128, 64, True, 2, 1)
+    assert lq.pick_config(256, 4096, 12288) == lq.QuackConfig(128, 64, True, 2, 1)  # Qwen3-8B down
+    assert lq.pick_config(256, 6144, 4096) == lq.QuackConfig(64, 192, True, 2, 1)
+    assert lq.pick_config(256, 24576, 4096) == lq.SM90_DEFAULT
+
+
+def test_table_configs_lists_every_config_the_table_returns():
+    listed = lq.table_configs()
+    assert len(listed) == len(set(listed)) and listed[-1] == lq.SM90_DEFAULT
+    for m in range(1, 300):
+        for n in (8, 1024, 1032, 4096, 6144, 16384, 24576, 65536, 65544, 151936):
+            cfg = lq.pick_config(m, n, 4096)
+            assert cfg is None or cfg in listed, (m, n, cfg)
 
 
 def test_the_default_is_auto_and_the_environment_or_override_chooses(monkeypatch):
@@ -67,20 +87,10 @@ def _quack_missing() -> str | None:
 needs_quack = pytest.mark.skipif(_quack_missing() is not None, reason=f"quack: {_quack_missing()}")
 
 
-def _table_configs() -> list:
-    configs = [lq.SM90_DEFAULT]
-    for m in (128, 256):
-        for n, k in ((1024, 3072), (4096, 1024), (6144, 4096), (24576, 4096), (151936, 1024)):
-            cfg = lq.pick_config(m, n, k)
-            if cfg is not None and cfg not in configs:
-                configs.append(cfg)
-    return configs
-
-
 @pytest.mark.parametrize("k,n,bias,out_dtype", [(1024, 4096, False, torch.bfloat16), (3072, 1024, True, torch.bfloat16),
                                                 (4096, 6144, True, torch.bfloat16),
                                                 (1024, 151936, False, torch.float32)])
-@pytest.mark.parametrize("config", _table_configs(), ids=str)
+@pytest.mark.parametrize("config", lq.table_configs(), ids=str)
 @pytest.mark.gpu
 @needs_quack
 def test_quack_rows_are_our_linear_rows_bitwise(k, n, bias, out_dtype, config):
@@ -91,7 +101,7 @@ def test_quack_rows_are_our_linear_rows_bitwise(k, n, bias, out_dtype, config):
     w = (torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5).bfloat16()
     b = torch.randn(n, device="cuda", generator=gen).bfloat16() if bias else None
     want = linear_triton(x, w, b, out_dtype)
-    for m in (1, 65, 128, 256, 1000):
+    for m in (1, 16, 33, 65, 128, 256, 1000):
         assert torch.equal(lq.linear_quack(x[:m], w, b, out_dtype, config), want[:m]), m
 
 
@@ -104,18 +114,33 @@ def _kernel_names(fn) -> list[str]:
 
 @pytest.mark.gpu
 @needs_quack
-def test_auto_runs_quack_at_decode_batches_and_triton_does_not():
-    x = torch.randn(128, 1024, device="cuda").bfloat16()
-    w = torch.randn(4096, 1024, device="cuda").bfloat16()
+def test_auto_runs_quack_while_a_graph_captures_and_ours_eagerly(monkeypatch):
+    """``auto`` takes quack only inside CUDA-graph capture (an eager call is host-bound, and
+    quack's launch costs more); ``triton`` never does. The first quack call compiles inside the
+    capture (a shape no other test runs)."""
+    x = torch.randn(96, 1536, device="cuda").bfloat16()
+    w = torch.randn(2560, 1536, device="cuda").bfloat16()
+    calls = []
+    real = lq.linear_quack
+    monkeypatch.setattr(lq, "linear_quack", lambda *args: calls.append(args[0].shape[0]) or real(*args))
+
+    def captured(mode):
+        with use_linear_backend(mode):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = linear(x, w)
+            graph.replay()
+            return out.clone()
+
     with use_linear_backend("auto"):
-        auto_out = linear(x, w)
-        auto_kernels = _kernel_names(lambda: linear(x, w))
-    with use_linear_backend("triton"):
-        ours = linear(x, w)
-        ours_kernels = _kernel_names(lambda: linear(x, w))
-    assert torch.equal(auto_out, ours)
-    assert any("_linear" in name for name in ours_kernels)
-    assert auto_kernels and not any("_linear" in name for name in auto_kernels), auto_kernels
+        eager = linear(x, w)
+        eager_kernels = _kernel_names(lambda: linear(x, w))
+    assert not calls and any("_linear" in name for name in eager_kernels), eager_kernels
+    auto_out = captured("auto")
+    assert calls == [96]
+    calls.clear()
+    assert torch.equal(captured("triton"), auto_out) and not calls
+    assert torch.equal(eager, auto_out)
 
 
 @pytest.mark.gpu
