@@ -103,7 +103,8 @@ def request_pool(vocab: int, n: int, max_tokens: int, prompt_len: int, seed: int
 
 
 def _recompute(model, samples, temperatures, device, padding: str, rng: random.Random) -> list[torch.Tensor]:
-    """Training-variant logprobs of each sample's output tokens, packed (shuffled) or padded."""
+    """Training-variant logprobs of each sample's output tokens, packed (shuffled) or padded;
+    detached, so that a forward with autograd on keeps no graph (and no activations) alive."""
     order = list(range(len(samples)))
     rng.shuffle(order)
     seqs = [samples[i][0] + samples[i][1] for i in order]
@@ -112,7 +113,7 @@ def _recompute(model, samples, temperatures, device, padding: str, rng: random.R
         ids = torch.tensor([t for s in seqs for t in s], device=device)
         cu = torch.tensor([0] + list(torch.tensor([len(s) for s in seqs]).cumsum(0)), dtype=torch.int32)
         flat = model.token_logprobs(ids, cu_seqlens=cu.to(device), temperature=temps.to(device))
-        per_seq = list(torch.split(flat.cpu(), [len(s) for s in seqs]))
+        per_seq = list(torch.split(flat.detach().cpu(), [len(s) for s in seqs]))
     else:
         width = max(len(s) for s in seqs)
         ids = torch.zeros(len(seqs), width, dtype=torch.long)
@@ -120,7 +121,7 @@ def _recompute(model, samples, temperatures, device, padding: str, rng: random.R
         for r, s in enumerate(seqs):
             sl = slice(width - len(s), width) if padding == "left" else slice(0, len(s))
             ids[r, sl], mask[r, sl] = torch.tensor(s), 1
-        lp = model.token_logprobs(ids.to(device), attention_mask=mask.to(device), temperature=temps.to(device)).cpu()
+        lp = model.token_logprobs(ids.to(device), attention_mask=mask.to(device), temperature=temps.to(device)).detach().cpu()
         per_seq = [lp[r, width - len(s):] if padding == "left" else lp[r, :len(s)] for r, s in enumerate(seqs)]
     out = [None] * len(samples)
     for pos, i in enumerate(order):
@@ -215,7 +216,6 @@ def run_conformance(arch: Architecture, model, *, device: torch.device, pool_siz
             with torch.set_grad_enabled(grad):
                 recomputed = _recompute(model, samples[:count], temps[:count], device, padding, rng)
             for got, want in zip(recomputed, reported[:count]):
-                got = got.detach()
                 tokens += want.numel()
                 if not torch.equal(got, want):
                     mismatches += int((got != want).sum())

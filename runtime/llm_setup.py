@@ -83,6 +83,7 @@ class EngineSetupMixin:
             per_block = per_block // spec[0] * len(self.pipeline.stage.layers)
         if kv_cache_bytes is None:
             if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # memory the allocator holds unused is the budget's too
                 free, total = torch.cuda.mem_get_info(self.device)
                 kv_cache_bytes = int(free - (1 - utilization) * total)
             else:
