@@ -62,6 +62,10 @@ def pick_config(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dty
             return LinearConfig(64, 64, 4, 6)
         return LinearConfig(64, 128, 4, 4, tma=True)
     if m <= 256:  # TMA loads win once 4 row tiles share each weight tile
+        if m % 64 and n > 2048 and not wide_out:  # a partly filled row tile (the 160 and 224 buckets)
+            partial = _partial_row_tile_config(m, n, k)
+            if partial is not None:
+                return partial
         if n <= 2048:
             return LinearConfig(64, 64, 4, 6)
         if n <= 4096:
@@ -72,6 +76,20 @@ def pick_config(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dty
     if wide_out:
         return LinearConfig(128, 128, 8, 4, tma=True, persistent=True)
     return LinearConfig(128, 256, 8, 3, tma=True, persistent=True)
+
+
+def _partial_row_tile_config(m: int, n: int, k: int) -> LinearConfig | None:
+    """Pointer loads where a 129-255-row decode batch leaves its last 64-row tile part empty: with
+    TMA descriptors those launches took up to 1.3x longer (Qwen3-8B at 160 and 224 rows: down
+    68-80 -> 60-65 us, o 22-26 -> 22, gate/up 125 -> 96 at 160; `benchmarks/kernels.py
+    --sweep-linear --sweep-m 160,224`, docs/gpu-results.md, sixteenth session). None: the usual
+    choice (short-K weights, not measured or faster with TMA; wide weights at 193-255 rows, faster
+    with their persistent tiles)."""
+    if k < 4096:
+        return None
+    if n >= 16384:
+        return LinearConfig(128, 128, 8, 4) if m < 192 else None
+    return LinearConfig(64, 64, 4, 6) if n <= 4096 else None
 
 
 @triton.jit

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from vexact_models.kernels import linear
-from vexact_models.kernels.linear import linear_reference, pick_config, BLOCK_K
+from vexact_models.kernels.linear import BLOCK_K, LinearConfig, linear_reference, pick_config
 
 from ..conftest import rel_err
 
@@ -78,6 +78,14 @@ def test_every_picked_config_is_in_the_gpu_invariance_check():
     assert pick_config(128, 151936, 4096, torch.bfloat16).persistent
     assert pick_config(16, 24576, 1536, torch.bfloat16).block_n == 128
     assert pick_config(16, 24576, 7168, torch.bfloat16).block_n == 64
+    # a partly filled last row tile (the 160 and 224 graph buckets): pointer loads on long-K weights
+    for m in (160, 224):
+        assert not pick_config(m, 4096, 12288, torch.bfloat16).tma and pick_config(m, 4096, 12288, torch.bfloat16) in picked
+        assert pick_config(m, 4096, 1024, torch.bfloat16).tma  # short K keeps TMA
+    assert pick_config(160, 24576, 4096, torch.bfloat16) == LinearConfig(128, 128, 8, 4)
+    assert pick_config(160, 24576, 4096, torch.bfloat16) in picked
+    assert pick_config(224, 24576, 4096, torch.bfloat16).persistent
+    assert pick_config(192, 4096, 12288, torch.bfloat16).tma  # full row tiles: as before
 
 
 def test_reference_chunks_rows_without_changing_them():
