@@ -5,26 +5,28 @@ Why it can stand in for our Triton GEMM (docs/design.md rule 1). On SM90, quack'
 fixed `GemmConfig`, no split-K and no autotuning accumulates each output element over K the way
 our kernel does: sequentially in 64-wide K tiles of wgmma into one fp32 accumulator, then one
 rounding to the output dtype. On the H200 its rows were bitwise equal to our `linear` rows for
-every one of 27 tile/cluster/pingpong/swap-AB configs tried, M = 1 .. 8,192 and the Qwen3
-decode weights (`benchmarks/linear_quack.py`; docs/gpu-results.md, fifteenth and sixteenth
-sessions), and ``kernel_invariance
---only quack`` checks every config `pick_config` returns against our kernel on every bundled
-model's weights. So a rollout may run quack where it is faster while training runs our kernel,
-and the logprobs stay bitwise equal (the conformance suite checks that pair whole).
+every one of 27 tile/cluster/pingpong/swap-AB configs tried, M = 1 .. 8,192 and the Qwen3 decode
+weights (`benchmarks/linear_quack.py`; docs/gpu-results.md, fifteenth and sixteenth sessions),
+and ``kernel_invariance --only quack`` checks every config `pick_config` returns against our
+kernel on every bundled model's weights. So a rollout may run quack where it is faster while
+training runs our kernel, and the logprobs stay bitwise equal (the conformance suite checks that
+pair whole).
 
 Where it is faster: decode batches of 1-256 rows, where our kernel has few tiles per weight and
 quack's narrow tiles, swap-AB and clusters keep more SMs streaming the weight. On the H200 it
-takes 0.55-0.85x our time on the Qwen3 decode weights from 16 to 256 rows (CUDA graphs); from a
-few hundred rows on, our kernel is as fast. `pick_config` holds the measured table; shapes
-outside it run our kernel.
+takes 0.55-0.9x our time on the Qwen3 decode weights at the engine's batch buckets (CUDA graphs;
+3 of 40 Qwen3-8B cells are 2-5% slower); from a few hundred rows on, our kernel is as fast.
+`pick_config` holds the measured table; shapes outside it run our kernel.
 
-The choice (`VEXACT_LINEAR=auto|triton|quack`, or `set_linear_backend`): ``auto`` (default) runs
-quack while a CUDA graph is being captured (the engine's decode and mixed steps, at the batch
-buckets the table was timed at), where `pick_config` has a config and quack can run, else ours:
-an eager call of these sizes is bound by its host launch, and `linear` through quack took ~9 us a
-call more than through ours (67.6 vs 58.4 us at one row, Qwen3-0.6B q/k/v; sixteenth session); ``triton`` never runs quack;
-``quack`` runs it for every shape it can (the table's config, else quack's default) and raises
-`UnsupportedError` naming why when it cannot.
+The choice (`VEXACT_LINEAR=auto|triton|quack`, or `set_linear_backend`):
+- ``auto`` (default) runs quack while a CUDA graph is being captured (the engine's decode and
+  mixed steps, at the batch buckets the table was timed at), where `pick_config` has a config
+  and quack can run, else ours. An eager call of these sizes is bound by its host launch, and
+  `linear` through quack took ~9 us a call more than through ours (67.6 vs 58.4 us at one row,
+  Qwen3-0.6B q/k/v; sixteenth session);
+- ``triton`` never runs quack;
+- ``quack`` runs it for every shape it can (the table's config, else quack's default) and raises
+  `UnsupportedError` naming why when it cannot.
 """
 
 from __future__ import annotations
@@ -77,7 +79,6 @@ def pick_config(m: int, n: int, k: int) -> QuackConfig | None:
     table was timed at the engine's CUDA-graph batch buckets (`runtime.cuda_graphs`), the row
     counts `auto` runs it at: quack is slow on partly filled M tiles (with 64x64 tiles the Qwen3-8B
     o projection took 16.5 us at 80 rows, 11.7 at 128). ``k`` is not used: no choice depended on it."""
-    del k  # part of the signature: a measured shape may need it
     if not AUTO_ROWS[0] <= m <= AUTO_ROWS[1]:
         return None
     if m <= 64:
