@@ -36,39 +36,44 @@ def kv_bytes_per_block(spec: tuple[int, int, int, int], block_size: int, dtype: 
     return layers * block_size * kv_heads * width * torch.empty((), dtype=dtype).element_size()
 
 
-#: torch's CUDA caching allocator gives a large tensor a segment of a whole number of 2 MiB units
+#: torch's CUDA caching allocator gives a tensor of at least `CUDA_OWN_SEGMENT` bytes a segment of
+#: its own, a whole number of `CUDA_SEGMENT_UNIT` (smaller ones share 2 or 20 MiB segments)
 CUDA_SEGMENT_UNIT = 2 << 20
+CUDA_OWN_SEGMENT = 10 << 20
 
 
-def segment_padded_blocks(blocks: int, spec: tuple[int, int, int, int], block_size: int, dtype: torch.dtype) -> int:
-    """The fewest pages >= `blocks` that make every KV cache tensor (one K, one V per layer) a
-    whole number of 2 MiB allocator units: what `ModelRunner` allocates on CUDA, using `blocks`.
+def segment_bytes(nbytes: int) -> int:
+    """The bytes to allocate for a CUDA tensor of `nbytes` so that it fills its allocator segment:
+    `nbytes` rounded up to whole 2 MiB units from `CUDA_OWN_SEGMENT` on, else `nbytes`.
 
-    Why: the caching allocator rounds a large tensor's segment up to 2 MiB and lends the tail to
-    later small allocations. One that outlives the cache there (an autograd graph, a trainer's
-    optimizer state made while the engine is awake) pins the whole segment: when the cache is
-    freed (`LLM.sleep`, a finished engine) ``empty_cache`` cannot return it, and the device's
-    free memory reads tens of GB short (a second engine's budget came out negative at
-    Llama-3.1-8B; docs/gpu-results.md, sixteenth session). Spare pages fill the tail instead, so
-    there is nothing to lend; they take the memory the segment held anyway."""
-    _, kv_heads, head_dim_k, head_dim_v = spec
-    widths = [head_dim_k] if getattr(spec, "value_in_key", False) else [head_dim_k, head_dim_v]
+    Why (the KV cache, `ModelRunner`): the caching allocator rounds a large tensor's segment up
+    to 2 MiB and lends the tail to later small allocations. One that outlives the cache there (an
+    autograd graph, a trainer's optimizer state made while the engine is awake) pins the whole
+    segment: when the cache is freed (`LLM.sleep`, a finished engine) ``empty_cache`` cannot
+    return it, and the device's free memory reads tens of GB short (a second engine's budget came
+    out negative at Llama-3.1-8B; docs/gpu-results.md, sixteenth session). A tensor that holds
+    its tail leaves nothing to lend, and costs no memory the segment did not hold anyway."""
+    if nbytes < CUDA_OWN_SEGMENT:
+        return nbytes
+    return -(-nbytes // CUDA_SEGMENT_UNIT) * CUDA_SEGMENT_UNIT
+
+
+def _cache_zeros(shape: tuple, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Zeros of `shape`; on CUDA, a view of a buffer of `segment_bytes` (see there why)."""
+    if device.type != "cuda":
+        return torch.zeros(shape, device=device, dtype=dtype)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    unit = 1
-    for width in widths:
-        per_block = block_size * kv_heads * width * itemsize
-        unit = math.lcm(unit, CUDA_SEGMENT_UNIT // math.gcd(CUDA_SEGMENT_UNIT, per_block))
-    return -(-blocks // unit) * unit
+    numel = math.prod(shape)
+    buffer = torch.zeros(segment_bytes(numel * itemsize) // itemsize, device=device, dtype=dtype)
+    return buffer[:numel].view(shape)
 
 
-def _kv_pair(shape: tuple, head_dim_k: int, head_dim_v: int, value_in_key: bool, device, dtype, used: int):
-    """One layer's (K, V) caches, the first `used` pages of `shape`'s; with `value_in_key` V is a
-    view of K, not a second copy. Zeroed: FlashAttention-4 (`use_attention_forward("fa4")`) loads
-    whole pages of ``block_size`` 128 by TMA and multiplies the masked rows' zero probabilities by
-    their values, which must be finite."""
-    k = torch.zeros(*shape, head_dim_k, device=device, dtype=dtype)[:used]
-    return (k, k[..., :head_dim_v]) if value_in_key else \
-        (k, torch.zeros(*shape, head_dim_v, device=device, dtype=dtype)[:used])
+def _kv_pair(shape: tuple, head_dim_k: int, head_dim_v: int, value_in_key: bool, device, dtype):
+    """One layer's (K, V) caches; with `value_in_key` V is a view of K, not a second copy. Zeroed:
+    FlashAttention-4 (`use_attention_forward("fa4")`) loads whole pages of ``block_size`` 128 by
+    TMA and multiplies the masked rows' zero probabilities by their values, which must be finite."""
+    k = _cache_zeros((*shape, head_dim_k), device, dtype)
+    return (k, k[..., :head_dim_v]) if value_in_key else (k, _cache_zeros((*shape, head_dim_v), device, dtype))
 
 
 class ModelRunner:
@@ -104,14 +109,11 @@ class ModelRunner:
     def allocate_cache(self) -> None:
         spec = self.model.kv_cache_spec()
         layers, kv_heads, head_dim_k, head_dim_v = spec
-        pages = self.num_blocks
-        if self.device.type == "cuda":  # (the CPU allocator has no segments to pin)
-            pages = segment_padded_blocks(pages, spec, self.block_size, self.dtype)
-        shape = (pages, self.block_size, kv_heads)
+        shape = (self.num_blocks, self.block_size, kv_heads)
         held = range(layers) if self.layers is None else self.layers
         value_in_key = getattr(spec, "value_in_key", False)
-        self.kv_caches = [_kv_pair(shape, head_dim_k, head_dim_v, value_in_key, self.device, self.dtype,
-                                   self.num_blocks) if i in held else None for i in range(layers)]
+        self.kv_caches = [_kv_pair(shape, head_dim_k, head_dim_v, value_in_key, self.device, self.dtype)
+                          if i in held else None for i in range(layers)]
         if self.cuda_graph_batch:
             self.graphs = StepGraphs(self.model, self.kv_caches, self.block_size, self.max_blocks_per_seq,
                                      self.cuda_graph_batch, self.device, carry=(self.carry_width, self.dtype),

@@ -1,4 +1,4 @@
-"""The KV cache fills its allocator segments (`model_runner.segment_padded_blocks`), so that a
+"""The KV cache fills its allocator segments (`model_runner.segment_bytes`), so that a
 freed cache returns its memory to the device even when a tensor made while the engine was awake
 still lives (docs/gpu-results.md, sixteenth session: without it a second engine's budget came
 out negative)."""
@@ -9,31 +9,20 @@ import pytest
 import torch
 
 import vexact_models.qwen3 as qwen3
-from vexact_models.deepseek_v3.latent_attention import KVCacheSpec
 from vexact_models.runtime import LLM
 from vexact_models.runtime import model_runner
-from vexact_models.runtime.model_runner import CUDA_SEGMENT_UNIT, segment_padded_blocks
+from vexact_models.runtime.model_runner import CUDA_OWN_SEGMENT, CUDA_SEGMENT_UNIT, segment_bytes
 
 from .llm_support import cache_bytes, make_llm
 
 
-def test_padded_pages_make_every_cache_tensor_whole_segments():
-    bf16 = torch.bfloat16
-    # Qwen3-0.6B: 8 KV heads x 128, 4-token pages: 8 KiB a page per tensor, 256 pages a segment unit
-    assert segment_padded_blocks(1000, (28, 8, 128, 128), 4, bf16) == 1024
-    assert segment_padded_blocks(1024, (28, 8, 128, 128), 4, bf16) == 1024
-    assert segment_padded_blocks(1, (28, 8, 128, 128), 4, bf16) == 256
-    # expanded MLA: K 192 and V 128 wide (units of 256 and 128 pages)
-    assert segment_padded_blocks(300, (27, 16, 192, 128), 4, bf16) == 512
-    # latent MLA: one 576-wide tensor per layer (V is a view of K), 4,608 bytes a page
-    latent = KVCacheSpec(27, 1, 576, 512, value_in_key=True)
-    assert segment_padded_blocks(5000, latent, 4, bf16) == 8192
-    for spec, size in (((36, 8, 128, 128), 16), ((2, 3, 40, 24), 4), (latent, 4)):
-        for blocks in (1, 777, 123_457):
-            padded = segment_padded_blocks(blocks, spec, size, torch.float32)
-            assert padded >= blocks and padded - blocks < CUDA_SEGMENT_UNIT
-            widths = [spec[2]] if getattr(spec, "value_in_key", False) else [spec[2], spec[3]]
-            assert all(padded * size * spec[1] * w * 4 % CUDA_SEGMENT_UNIT == 0 for w in widths)
+def test_large_cache_tensors_are_allocated_to_whole_segments():
+    unit, own = CUDA_SEGMENT_UNIT, CUDA_OWN_SEGMENT
+    assert segment_bytes(own - 2) == own - 2  # shares a 20 MiB segment: nothing to fill
+    assert segment_bytes(own) == own and segment_bytes(own + 1) == own + unit
+    assert segment_bytes(17_850_000_000) == -(-17_850_000_000 // unit) * unit
+    for nbytes in (own, own + 4_608, 24 * 2**20 + 2**18, 10**11 + 7):
+        assert segment_bytes(nbytes) % unit == 0 and 0 <= segment_bytes(nbytes) - nbytes < unit
 
 
 def test_a_cpu_cache_is_not_padded(model):
@@ -67,8 +56,8 @@ def _cache_segments_kept(model, blocks: int) -> int:
 def test_a_freed_cache_returns_its_segments_though_tensors_made_meanwhile_live(monkeypatch):
     """A cache tensor of ~24.25 MiB would leave a 1.75 MiB tail in its 26 MiB segment; tensors of
     1.25 MiB made while the engine is awake land in such tails and keep the segments after the
-    engine is gone (checked here with the padding turned off). Padded, the cache's segments all
-    go back to the device."""
+    engine is gone (checked here with `segment_bytes` turned off). Holding its tail, the cache
+    returns all its segments to the device."""
     torch.manual_seed(0)  # a head dim the Triton attention takes (64)
     config = qwen3.tiny_config(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64)
     gpu_model = qwen3.Qwen3ForCausalLM(config).to("cuda", torch.bfloat16).eval()
@@ -78,5 +67,5 @@ def test_a_freed_cache_returns_its_segments_though_tensors_made_meanwhile_live(m
     assert CUDA_SEGMENT_UNIT - blocks * page % CUDA_SEGMENT_UNIT >= 5 * 2**18  # unpadded: a 1.25 MiB tail fits
     torch.cuda.empty_cache()
     assert _cache_segments_kept(gpu_model, blocks) == 0
-    monkeypatch.setattr(model_runner, "segment_padded_blocks", lambda blocks, *args: blocks)
+    monkeypatch.setattr(model_runner, "segment_bytes", lambda nbytes: nbytes)
     assert _cache_segments_kept(gpu_model, blocks) > 0  # the failure the padding prevents
