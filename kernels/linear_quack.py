@@ -167,6 +167,16 @@ def quack_unavailable_reason(x2d: torch.Tensor, weight: torch.Tensor, bias: torc
     return unverified_gpu_reason(x2d.device, VERIFIED_MAJORS, "quack's alignment with our linear")
 
 
+def device_unavailable_reason(device: torch.device | str = "cuda") -> str | None:
+    """Why quack cannot run a bf16 GEMM on `device` at all (package, CUDA, GPU generation), or
+    None: what the GPU tests, benchmarks and proofs ask before they start."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return f"device {device}: quack needs a CUDA GPU"
+    probe = torch.zeros(8, 8, device=device, dtype=torch.bfloat16)
+    return quack_unavailable_reason(probe, probe, None, torch.bfloat16)
+
+
 def choose(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            out_dtype: torch.dtype) -> QuackConfig | None:
     """The quack config to run under `linear_mode`, or None for our kernel. Raises

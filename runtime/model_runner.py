@@ -62,9 +62,8 @@ def _cache_zeros(shape: tuple, device: torch.device, dtype: torch.dtype) -> torc
     """Zeros of `shape`; on CUDA, a view of a buffer of `segment_bytes` (see there why)."""
     if device.type != "cuda":
         return torch.zeros(shape, device=device, dtype=dtype)
-    itemsize = torch.empty((), dtype=dtype).element_size()
     numel = math.prod(shape)
-    buffer = torch.zeros(segment_bytes(numel * itemsize) // itemsize, device=device, dtype=dtype)
+    buffer = torch.zeros(segment_bytes(numel * dtype.itemsize) // dtype.itemsize, device=device, dtype=dtype)
     return buffer[:numel].view(shape)
 
 

@@ -66,6 +66,12 @@ def test_cpu_tensors_run_ours_under_auto_and_a_forced_quack_says_why():
         lq.choose(x, w, None, torch.bfloat16)
 
 
+def test_a_device_without_cuda_is_named():
+    assert "needs a CUDA GPU" in lq.device_unavailable_reason("cpu")
+    if not torch.cuda.is_available():
+        assert "needs a CUDA GPU" in lq.device_unavailable_reason()
+
+
 def test_unavailable_reasons_name_the_first_failing_requirement(monkeypatch):
     x, w = torch.zeros(16, 64, dtype=torch.bfloat16), torch.zeros(32, 64, dtype=torch.bfloat16)
     monkeypatch.setattr(lq, "_quack", lambda: "ModuleNotFoundError: No module named 'quack'")
@@ -77,14 +83,8 @@ def test_unavailable_reasons_name_the_first_failing_requirement(monkeypatch):
     assert "devices x=cpu" in lq.quack_unavailable_reason(x, w, None, torch.bfloat16)
 
 
-def _quack_missing() -> str | None:
-    if not torch.cuda.is_available():
-        return "needs a CUDA GPU"
-    probe = torch.zeros(8, 8, device="cuda", dtype=torch.bfloat16)
-    return lq.quack_unavailable_reason(probe, probe, None, torch.bfloat16)
-
-
-needs_quack = pytest.mark.skipif(_quack_missing() is not None, reason=f"quack: {_quack_missing()}")
+_QUACK_MISSING = lq.device_unavailable_reason()
+needs_quack = pytest.mark.skipif(_QUACK_MISSING is not None, reason=f"quack: {_QUACK_MISSING}")
 
 
 @pytest.mark.parametrize("k,n,bias,out_dtype", [(1024, 4096, False, torch.bfloat16), (3072, 1024, True, torch.bfloat16),
