@@ -28,6 +28,7 @@ from bench_utils import bench, bench_graph, copy_bandwidth, decode_layout, table
 # (name, kind, heads, kv heads, qk dim, v dim, sequences, tokens per sequence)
 LATENT_CASES = [("moonlight latent decode", "decode", 16, 1, 576, 512, 256, 528),
                 ("deepseek-v3 latent decode", "decode", 128, 1, 576, 512, 16, 272),
+                ("moonlight latent decode 32x4096", "decode", 16, 1, 576, 512, 32, 4096),
                 ("moonlight latent train 8x4096", "train", 16, 1, 576, 512, 8, 4096),
                 ("deepseek-v3 latent train 2x4096", "train", 128, 1, 576, 512, 2, 4096)]
 GQA_CASES = [("moonlight expanded decode", "decode", 16, 16, 192, 128, 256, 528),
@@ -50,9 +51,11 @@ PAGE = 16
 def latent_candidates(kind: str):
     from vexact_models.kernels.latent_attention import LatentConfig
 
-    rows = [(16, 4), (16, 8), (32, 4), (64, 8)] if kind == "decode" else [(64, 4), (64, 8), (128, 8), (16, 4)]
+    rows = [(16, 4), (16, 8), (32, 4), (64, 8)] if kind == "decode" else [(64, 4), (64, 8), (128, 8), (16, 4), (32, 4)]
     chunks = (1, 2, 4) if kind == "decode" else (1,)
-    for bn, (bm, warps), stages, ch in itertools.product((32, 64), rows, (1, 2), chunks):
+    # the key tile is read through the block table: Triton double-buffers such indirect loads
+    # only from five stages on (one buffer below), hence the deep candidates
+    for bn, (bm, warps), stages, ch in itertools.product((32, 64), rows, (1, 2, 3, 5), chunks):
         yield LatentConfig(bm, bn, warps, stages, ch)
 
 
@@ -68,7 +71,7 @@ def gqa_candidates(kind: str):
         yield AttentionConfig(bm, bn, warps, 2)
 
 
-def make_inputs(kind, heads, kv_heads, d, dv, seqs, length, latent: bool):
+def make_inputs(kind, heads, kv_heads, d, dv, seqs, length, latent: bool, page: int = PAGE):
     """(q, k_cache, v_cache, layout, bytes of KV read) for one case, bf16 on the GPU."""
     from vexact_models.kernels.attention import packed_layout
 
@@ -79,10 +82,10 @@ def make_inputs(kind, heads, kv_heads, d, dv, seqs, length, latent: bool):
         v = k[..., :dv] if latent else torch.randn(seqs * length, kv_heads, dv, device="cuda").bfloat16()
         cu = torch.arange(seqs + 1, device="cuda", dtype=torch.int32) * length
         return q, k, v, packed_layout(cu, length), 0
-    pages = -(-length // PAGE)
-    k = torch.randn(seqs * pages, PAGE, kv_heads, d, device="cuda").bfloat16()
-    v = k[..., :dv] if latent else torch.randn(seqs * pages, PAGE, kv_heads, dv, device="cuda").bfloat16()
-    layout = decode_layout(seqs, length, PAGE)
+    pages = -(-length // page)
+    k = torch.randn(seqs * pages, page, kv_heads, d, device="cuda").bfloat16()
+    v = k[..., :dv] if latent else torch.randn(seqs * pages, page, kv_heads, dv, device="cuda").bfloat16()
+    layout = decode_layout(seqs, length, page)
     kv_bytes = seqs * length * kv_heads * (d + (0 if latent else dv)) * 2
     return q, k, v, layout, kv_bytes
 
@@ -93,42 +96,48 @@ def attention_flops(kind, heads, d, dv, seqs, length) -> float:
     return 2.0 * heads * pairs * (d + dv)
 
 
-def sweep_case(case, latent: bool, hbm: float, keep_configs: tuple[str, ...] = ()) -> list[list]:
+def sweep_case(case, latent: bool, hbm: float, keep_configs: tuple[str, ...] = (), page: int = PAGE) -> list[list]:
     from vexact_models.kernels.attention import attention_triton, kv_descriptors_fit
-    from vexact_models.kernels.latent_attention import latent_attention_triton
+    from vexact_models.kernels.latent_attention import latent_attention_triton, page_descriptors_fit
 
     name, kind, heads, kv_heads, d, dv, seqs, length = case
-    q, k, v, layout, kv_bytes = make_inputs(kind, heads, kv_heads, d, dv, seqs, length, latent)
+    q, k, v, layout, kv_bytes = make_inputs(kind, heads, kv_heads, d, dv, seqs, length, latent, page)
     scale = d ** -0.5
     flops = attention_flops(kind, heads, d, dv, seqs, length)
 
     tma = kind == "train" and not latent and kv_descriptors_fit(k, v)  # as training reads packed K/V
+    # latent decode over pages of whole key blocks: each candidate by pointer loads and by TMA
+    page_tma = latent and page_descriptors_fit(k.reshape(-1, kv_heads, d), layout.page_size, dv, heads * layout.max_seqlen_q)
 
-    def run(cfg):
+    def run(cfg, by_tma=False):
         if latent:
-            return latent_attention_triton(q, k, dv, layout, scale, cfg)[0]
+            return latent_attention_triton(q, k, dv, layout, scale, cfg, kv_descriptors=by_tma)[0]
         return attention_triton(q, k, v, layout, scale, cfg, kv_descriptors=tma)[0]
 
     rows, refs, best = [], {}, None
-    for cfg in (latent_candidates if latent else gqa_candidates)(kind):
+    candidates = (latent_candidates if latent else gqa_candidates)(kind)
+    for cfg, by_tma in ((c, t) for c in candidates for t in ((False, True) if page_tma else (False,))):
         if keep_configs and not _label(cfg).startswith(keep_configs):
             continue
+        if by_tma and (cfg.value_chunks != 1 or cfg.block_m != 16 or layout.page_size % cfg.block_n):
+            continue
         try:
-            out = run(cfg)
+            out = run(cfg, by_tma)
             # decode kernels take tens of microseconds: time them in a CUDA graph, without the host
-            ms = bench_graph([lambda: run(cfg)]) if kind == "decode" else bench(lambda: run(cfg), warmup=5, rep=20)
+            ms = (bench_graph([lambda: run(cfg, by_tma)]) if kind == "decode"
+                  else bench(lambda: run(cfg), warmup=5, rep=20))
         except Exception as exc:  # out of shared memory / registers: not a candidate
             print(f"  {name}: skip {cfg} ({type(exc).__name__})", flush=True)
             continue
         ref = refs.setdefault(cfg.block_n, out)
         same = "yes" if torch.equal(out, ref) else "NO"
         rate = f"{kv_bytes / ms / 1e6 / hbm * 100:.0f}% HBM" if kind == "decode" else f"{flops / ms / 1e9:.0f} TFLOP/s"
-        rows.append([name, _label(cfg) + (" TMA K/V" if tma else ""), f"{ms * 1e3:.1f}", rate, same])
+        rows.append([name, _label(cfg) + (" TMA K/V" if tma or by_tma else ""), f"{ms * 1e3:.1f}", rate, same])
         if best is None or ms < best[0]:
-            best = (ms, cfg)
+            best = (ms, cfg, by_tma)
     if kind == "train" and not latent:
         rows.append([name, "torch SDPA (default backend)", f"{_sdpa_ms(q, k, v, seqs, length) * 1e3:.1f}", "", "-"])
-    print(f"best {name}: {_label(best[1])} {best[0] * 1e3:.1f} us", flush=True)
+    print(f"best {name}: {_label(best[1])}{' TMA K/V' if best[2] else ''} {best[0] * 1e3:.1f} us", flush=True)
     return rows
 
 
@@ -178,7 +187,12 @@ def main(argv=None) -> int:
     parser.add_argument("--only", choices=["latent", "gqa"], help="one kernel's cases")
     parser.add_argument("--cases", help="comma-separated substrings of case names to keep (e.g. 'decode')")
     parser.add_argument("--configs", help="comma-separated prefixes of candidate labels to keep (e.g. 'm128 n64 w4 s2')")
+    parser.add_argument("--page-size", type=int, default=PAGE,
+                        help=f"positions per page of the decode caches (default {PAGE}; latent decode over pages "
+                             "of a multiple of 64 also times each candidate by TMA)")
     args = parser.parse_args(argv)
+    if args.page_size < 1:
+        parser.error(f"--page-size must be >= 1, got {args.page_size}")
     if not torch.cuda.is_available():
         print("benchmarks/attention_configs.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -191,7 +205,7 @@ def main(argv=None) -> int:
         for case in cases:
             if keep and not any(c in case[0] for c in keep):
                 continue
-            rows = sweep_case(case, latent, hbm, tuple(c for c in (args.configs or "").split(",") if c))
+            rows = sweep_case(case, latent, hbm, tuple(c for c in (args.configs or "").split(",") if c), args.page_size)
             if latent and case[1] == "train":
                 rows += sweep_latent_backward(case)
             table(case[0], ["case", "config", "us", "rate", "same bits"], rows)

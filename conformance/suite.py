@@ -4,7 +4,7 @@ For one architecture, backend and model: roll out a fixed pool of requests (gree
 top-k, top-p, min_tokens, stop tokens; each with its own seed) under adversarial engine
 settings (batch sizes 1, 7, 64; chunked-prefill budgets 16 and 128 and no chunking; a KV cache
 so small that sequences are preempted; n = 4; CUDA graphs off; one step at a time instead of
-async scheduling), then recompute every sampled token's logprob
+async scheduling; pages of 4 positions, and on CUDA the engine's default page size), then recompute every sampled token's logprob
 with the training variant, packed in shuffled order and padded (left and right), and packed
 once more with autograd on, as a training step runs it, and require ``torch.equal``. A request
 must also produce identical tokens and logprobs in every scenario it appears in. HF parity
@@ -146,6 +146,10 @@ def _scenarios(pool_size: int) -> list[dict]:
              engine=dict(max_num_batched_tokens=256, enforce_eager=True), cuda_only=True),
         dict(name=f"batch {pool_size}, one step at a time", requests=pool_size, batch=pool_size,
              engine=dict(max_num_batched_tokens=256, async_scheduling=False)),
+        # the engine's own page size (`default_block_size`: latent MLA caches take 64, whose whole
+        # key blocks decode by TMA on Hopper); the others take pages of 4 to cross page edges often
+        dict(name=f"batch {pool_size}, default page size", requests=pool_size, batch=pool_size,
+             engine=dict(max_num_batched_tokens=256, block_size=None), cuda_only=True),
     ]
 
 
@@ -170,7 +174,7 @@ def run_conformance(arch: Architecture, model, *, device: torch.device, pool_siz
             continue
         t0 = time.time()
         engine = dict(sc["engine"])
-        block_size = 4
+        block_size = engine.pop("block_size", 4)
         if engine.pop("preempt", False):  # room for a sixth of the pool's sequences: forces preemption
             # (a quarter, or three times the longest, preempted once or not at all with async
             # scheduling, whose admissions see the pages free now, not those the step in flight frees)

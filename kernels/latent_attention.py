@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._triton import launch_staged, next_power_of_2, num_sms, require_triton, tl, triton
+from ._triton import has_tma, launch_staged, next_power_of_2, num_sms, require_triton, tl, tma_rows_aligned, triton
 from .row_sum import lane_sums, row_sum_halves, row_sum_levels
 
 
@@ -75,21 +75,53 @@ DECODE_ROWS = 128  # launches with at most this many rows per sequence take DECO
 DECODE_BLOCK_M = 16
 
 
-def pick_config(dtype: torch.dtype, rows_per_seq: int, n_seqs: int, sm_count: int) -> LatentConfig:
+def pick_config(dtype: torch.dtype, rows_per_seq: int, n_seqs: int, sm_count: int,
+                kv_descriptors: bool = False) -> LatentConfig:
     """The launch parameters for `dtype`, for a launch of `n_seqs` (sequence, KV head) pairs
     whose longest sequence has `rows_per_seq` (query token, head) rows, on a GPU of `sm_count` SMs. Chosen by
     `benchmarks/attention_configs.py` on the H200 (docs/gpu-results.md); every choice gives the
     same bits (the module docstring). Decode and short chunks (<= `DECODE_ROWS` rows: 16 heads
     of Moonlight, 128 of DeepSeek-V3, one token each) take 16-row tiles, 1.3-1.4x the 64-row
     ones: 4 warps when there are more programs than SMs, else 8 (1.3x at 16 sequences of
-    DeepSeek-V3). Longer launches take 64-row tiles, 64-key blocks, 8 warps, two stages (1.4x
+    DeepSeek-V3); with `kv_descriptors` (whole key blocks by TMA, `page_descriptors_fit`) 8 warps
+    and three stages, whose two TMA buffers overlap a block's copy with the previous block's math
+    (1.2x at 256 Moonlight sequences of 528 tokens, 1.6x at 32 of 4,096; seventeenth session).
+    Longer launches take 64-row tiles, 64-key blocks, 8 warps, two stages (1.4x
     the first-guess 64/32/8/1 in training); value chunks did not pay."""
     if dtype == torch.float32:
         return LatentConfig(16, key_block(dtype), 4, 1)
     if rows_per_seq <= DECODE_ROWS:
+        if kv_descriptors:
+            return LatentConfig(DECODE_BLOCK_M, key_block(dtype), 8, 3)
         programs = n_seqs * -(-rows_per_seq // DECODE_BLOCK_M)
         return LatentConfig(DECODE_BLOCK_M, key_block(dtype), 4 if programs > sm_count else 8, 2)
     return LatentConfig(64, key_block(dtype), 8, 2)
+
+
+def page_descriptors_fit(kv: torch.Tensor, page_size: int, v_dim: int, rows_per_seq: int) -> bool:
+    """Whether a launch over the latent cache ``kv [slots, Hkv, D]`` may read its whole key blocks
+    through TMA tensor descriptors: a Hopper or newer GPU, a 16-bit cache, a decode launch (<=
+    `DECODE_ROWS` rows per sequence, the tiles whose shared memory holds two 64-key buffers),
+    pages of a multiple of the key block (a block then lies in one page: vLLM's FlashMLA asks for
+    pages of 64 too, and `LLM` takes 64 for latent caches), latent and rope dims that are powers
+    of two (no padded lanes) and 16-byte aligned rows with the heads side by side."""
+    dtype = kv.dtype
+    rope = kv.shape[-1] - v_dim
+    return (dtype in (torch.bfloat16, torch.float16) and rows_per_seq <= DECODE_ROWS and page_size % key_block(dtype) == 0
+            and v_dim >= 16 and rope >= 16 and v_dim & (v_dim - 1) == 0 and rope & (rope - 1) == 0
+            and kv.dim() == 3 and kv.stride(-1) == 1 and kv.stride(1) == kv.shape[-1]
+            and has_tma(kv.device) and tma_rows_aligned(kv))
+
+
+def _kv_descriptors(kv: torch.Tensor, v_dim: int, block_n: int) -> tuple:
+    """TMA descriptors over ``kv [slots, Hkv, D]`` seen as ``[slots, Hkv*D]``: one block is
+    `block_n` rows of a head's latent dims, the other of its rope dims."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    flat = kv.reshape(kv.shape[0], -1)
+    rope = kv.shape[-1] - v_dim
+    return tuple(TensorDescriptor(flat, list(flat.shape), [flat.stride(0), 1], [block_n, dims])
+                 for dims in (v_dim, rope))
 
 
 # Backward launch parameters (BLOCK_M, BLOCK_N, warps, stages): free to tune (rule 8); the
@@ -98,14 +130,30 @@ DKDV_CONFIG = (64, 32, 8, 2)
 DQ_CONFIG = (64, 64, 8, 1)
 
 
+@triton.jit
+def _latent_block(q_lat, q_rope, k_lat, k_rope, v, k_pos, k_ok, q_pos, m_i, l_i, acc, scale_log2,
+                  SUM_LEVELS: tl.constexpr, LANE_SUMS: tl.constexpr):
+    """One key block of the online softmax, whichever way its tiles were loaded: scores (latent
+    dot, then rope dot), the causal mask, running max, denominators in a fixed order, output."""
+    s = tl.dot(q_lat, tl.trans(k_lat))
+    s = tl.dot(q_rope, tl.trans(k_rope), s) * scale_log2
+    s = tl.where((k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + row_sum_halves(p, SUM_LEVELS, LANE_SUMS)  # a fixed order for every tile shape
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return m_new, l_i, acc
+
+
 @triton.jit(do_not_specialize=["page_size", "stride_bt"])
 def _latent_fwd_kernel(
-    q_ptr, kv_ptr, o_ptr, lse_ptr, cu_seqlens_q_ptr, seq_lens_ptr, block_table_ptr,
+    q_ptr, kv_ptr, lat_desc, rope_desc, o_ptr, lse_ptr, cu_seqlens_q_ptr, seq_lens_ptr, block_table_ptr,
     page_size, scale_log2,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
     GROUP: tl.constexpr, LAT: tl.constexpr, ROPE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_V: tl.constexpr,
-    SUM_LEVELS: tl.constexpr, LANE_SUMS: tl.constexpr,
+    SUM_LEVELS: tl.constexpr, LANE_SUMS: tl.constexpr, KV_DESC: tl.constexpr,
 ):
     tile = tl.program_id(0)
     seq = tl.program_id(1)
@@ -140,26 +188,36 @@ def _latent_fwd_kernel(
     last_q = tl.minimum(q_len - 1, (tile * BLOCK_M + BLOCK_M - 1) // GROUP)
     n_keys = context + last_q + 1
     table_row = block_table_ptr + seq.to(tl.int64) * stride_bt
-    for start in range(0, n_keys, BLOCK_N):
+    first = 0
+    if KV_DESC:
+        # Whole key blocks through TMA (pages hold whole blocks): the copies take no address
+        # arithmetic or registers, and the next block's first slot is read a block ahead, so the
+        # compiler double-buffers them (a copy whose address waits on a load in the same iteration
+        # gets one buffer). The same rows as the pointer loads below, so the same bits.
+        first = n_keys // BLOCK_N * BLOCK_N
+        col = kv_head * (LAT + ROPE)
+        slot = tl.load(table_row, mask=first > 0, other=0) * page_size
+        for start in range(0, first, BLOCK_N):
+            k_lat = lat_desc.load([slot, col])
+            k_rope = rope_desc.load([slot, col + LAT])
+            ahead = start + BLOCK_N
+            slot = tl.load(table_row + ahead // page_size, mask=ahead < first, other=0) * page_size + ahead % page_size
+            k_pos = start + tl.arange(0, BLOCK_N)
+            m_i, l_i, acc = _latent_block(q_lat, q_rope, k_lat, k_rope, k_lat, k_pos, k_pos < n_keys, q_pos, m_i, l_i,
+                                          acc, scale_log2, SUM_LEVELS, LANE_SUMS)
+    for start in range(first, n_keys, BLOCK_N):  # every block through the block table (KV_DESC: the partial last one)
         k_pos = start + tl.arange(0, BLOCK_N)
         k_ok = k_pos < n_keys
         page = tl.load(table_row + k_pos // page_size, mask=k_ok, other=0)
         k_row = kv_ptr + (page.to(tl.int64) * page_size + k_pos % page_size)[:, None] * stride_ks + kv_head * stride_kh
         k_lat = tl.load(k_row + dl[None, :], mask=k_ok[:, None] & dl_ok[None, :], other=0.0)
         k_rope = tl.load(k_row + LAT + dr[None, :], mask=k_ok[:, None] & dr_ok[None, :], other=0.0)
-        s = tl.dot(q_lat, tl.trans(k_lat))
-        s = tl.dot(q_rope, tl.trans(k_rope), s) * scale_log2
-        s = tl.where((k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + row_sum_halves(p, SUM_LEVELS, LANE_SUMS)  # a fixed order for every tile shape
         if CHUNKS == 1:
             v = k_lat  # the value is the latent key: the tile just loaded
         else:  # this chunk's dims of the same rows (the score's load left them in L1/L2)
             v = tl.load(k_row + dv[None, :], mask=k_ok[:, None] & dv_ok[None, :], other=0.0)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
+        m_i, l_i, acc = _latent_block(q_lat, q_rope, k_lat, k_rope, v, k_pos, k_ok, q_pos, m_i, l_i, acc, scale_log2,
+                                      SUM_LEVELS, LANE_SUMS)
     out = acc / l_i[:, None]
     tl.store(o_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :],
              out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
@@ -173,10 +231,13 @@ def _dims(q: torch.Tensor, v_dim: int) -> dict:
 
 
 def latent_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, v_dim: int, layout, scale: float,
-                            config: LatentConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                            config: LatentConfig | None = None,
+                            kv_descriptors: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [T, Hq, v_dim], lse [T, Hq])`` of `q` ``[T, Hq, D]`` over the paged key cache
     ``[..., Hkv, D]`` whose first `v_dim` dims are the value (`kernels.attention`'s contract).
-    `config` (default `pick_config`'s) is for the GPU sweeps that compare launch parameters."""
+    `config` (default `pick_config`'s) and `kv_descriptors` (whole key blocks by TMA; default:
+    where `page_descriptors_fit`) are for the GPU sweeps that compare launch parameters; neither
+    changes a bit."""
     require_triton("attention (latent MLA)")
     n_tokens, n_heads, head_dim = q.shape
     n_kv_heads = kv_cache.shape[-2]
@@ -187,22 +248,30 @@ def latent_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, v_dim: int,
         return out, lse
     group = n_heads // n_kv_heads
     kv = kv_cache.reshape(-1, n_kv_heads, head_dim)
-    cfg = config or pick_config(q.dtype, layout.max_seqlen_q * group, n_seqs * n_kv_heads, num_sms(q.device))
+    rows = layout.max_seqlen_q * group
+    if kv_descriptors is None:
+        kv_descriptors = config is None and page_descriptors_fit(kv, layout.page_size, v_dim, rows)
+    cfg = config or pick_config(q.dtype, rows, n_seqs * n_kv_heads, num_sms(q.device), kv_descriptors)
     dims = _dims(q, v_dim)
     if dims["BLOCK_L"] % cfg.value_chunks:
         raise ValueError(f"latent_attention_triton: value_chunks={cfg.value_chunks} must divide {dims['BLOCK_L']}")
-    grid = (triton.cdiv(layout.max_seqlen_q * group, cfg.block_m), n_seqs, n_kv_heads * cfg.value_chunks)
-    args = (q, kv, out, lse, layout.cu_seqlens_q, layout.seq_lens, layout.block_table,
+    if kv_descriptors and (layout.page_size % cfg.block_n or cfg.value_chunks != 1):
+        raise ValueError(f"latent_attention_triton: kv_descriptors=True needs pages of a multiple of block_n="
+                         f"{cfg.block_n} and value_chunks=1, got page_size={layout.page_size}, "
+                         f"value_chunks={cfg.value_chunks}")
+    descs = _kv_descriptors(kv, v_dim, cfg.block_n) if kv_descriptors else (None, None)
+    grid = (triton.cdiv(rows, cfg.block_m), n_seqs, n_kv_heads * cfg.value_chunks)
+    args = (q, kv, *descs, out, lse, layout.cu_seqlens_q, layout.seq_lens, layout.block_table,
             layout.page_size, scale * math.log2(math.e),
             q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), out.stride(0), out.stride(1),
             layout.block_table.stride(0))
     kwargs = dict(GROUP=group, **dims, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CHUNKS=cfg.value_chunks,
                   BLOCK_V=dims["BLOCK_L"] // cfg.value_chunks, SUM_LEVELS=row_sum_levels(cfg.block_n),
-                  LANE_SUMS=lane_sums(cfg.block_m, cfg.num_warps), num_warps=cfg.num_warps)
+                  LANE_SUMS=lane_sums(cfg.block_m, cfg.num_warps), KV_DESC=kv_descriptors, num_warps=cfg.num_warps)
     # Hopper's tiles need two stages' shared memory; smaller GPUs fall back to one (a sweep's
     # explicit candidate runs as given, or fails)
     launch_staged(_latent_fwd_kernel, grid, args, kwargs, cfg.num_stages,
-                  ("latent", q.device, q.dtype, group, head_dim, v_dim, cfg), fallback=config is None)
+                  ("latent", q.device, q.dtype, group, head_dim, v_dim, cfg, kv_descriptors), fallback=config is None)
     return out, lse
 
 

@@ -24,7 +24,7 @@ from vexact_models.kernels import attention_forward_mode, current_backend, use_b
 from .block_manager import BlockManager
 from .cuda_graphs import DEFAULT_MAX_TOKENS
 from .engine_config import EngineConfig
-from .llm_args import (architecture_of, check_engine_args, check_max_model_len, check_model_argument,
+from .llm_args import (architecture_of, check_engine_args, check_max_model_len, check_model_argument, default_block_size,
                        check_model_placement, resolve_device, resolve_dtype)
 from .llm_memory import EngineMemoryMixin
 from .llm_setup import EngineSetupMixin
@@ -60,7 +60,8 @@ class LLM(EngineStepsMixin, EngineSetupMixin, EngineMemoryMixin):
             afterwards (e.g. ``model.to``) just falls back to separate GEMMs.
         dtype: parameter/activation dtype when loading a folder ("auto": the checkpoint's).
         device: defaults to CUDA when available, else CPU.
-        block_size: positions per KV page.
+        block_size: positions per KV page (default `llm_args.default_block_size`: 64 for a latent
+            MLA cache, whose decode then reads whole key blocks by TMA, else 16).
         max_num_seqs: sequences per step at most.
         max_num_batched_tokens: tokens per step at most (the chunked-prefill budget).
         max_model_len: prompt + output length limit (default: the model's max positions).
@@ -109,7 +110,7 @@ class LLM(EngineStepsMixin, EngineSetupMixin, EngineMemoryMixin):
     """
 
     def __init__(self, model, *, dtype: str | torch.dtype = "auto", device: str | torch.device | None = None,
-                 block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
+                 block_size: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  max_model_len: int | None = None, gpu_memory_utilization: float = 0.9,
                  kv_cache_bytes: int | None = None, seed: int = 0, enable_chunked_prefill: bool = True,
                  enforce_eager: bool = False, aligned: bool = True, async_scheduling: bool = True,
@@ -150,6 +151,8 @@ class LLM(EngineStepsMixin, EngineSetupMixin, EngineMemoryMixin):
             stage.index, stage.size, self.device, self.dtype, self.config.hidden_size))
         self.max_model_len = check_max_model_len(max_model_len, self.config)
         self.eos_token_ids = self._eos_ids()
+        if block_size is None:
+            block_size = default_block_size(self.model.kv_cache_spec())
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
         self.engine_config = EngineConfig(
             num_blocks=self._num_blocks(block_size, gpu_memory_utilization, kv_cache_bytes), block_size=block_size,

@@ -61,6 +61,18 @@ def resolve_device(device: object) -> torch.device | None:
     return resolved
 
 
+DEFAULT_BLOCK_SIZE = 16
+LATENT_BLOCK_SIZE = 64  # a latent MLA page holds whole 64-key blocks: its decode reads them by TMA
+
+
+def default_block_size(kv_cache_spec) -> int:
+    """`LLM`'s page size when none is given: 64 positions for a latent MLA cache (the value a view
+    of the key, `KVCacheSpec.value_in_key`), whose decode kernel then reads whole key blocks by
+    TMA (`kernels/latent_attention.py`, 1.2-1.6x; vLLM's FlashMLA takes pages of 64 as well),
+    else 16. A page size never changes a bit (docs/design.md rule 2)."""
+    return LATENT_BLOCK_SIZE if getattr(kv_cache_spec, "value_in_key", False) else DEFAULT_BLOCK_SIZE
+
+
 def check_engine_args(*, block_size: object, max_num_seqs: object, max_num_batched_tokens: object,
                       max_model_len: object, gpu_memory_utilization: object, kv_cache_bytes: object, seed: object,
                       flags: dict[str, object], pipeline_parallel_size: object = 1,
@@ -68,7 +80,8 @@ def check_engine_args(*, block_size: object, max_num_seqs: object, max_num_batch
     """The scalar arguments (`flags`: the boolean switches by name). `max_model_len`'s and
     `pipeline_parallel_size`'s upper limits need the model's config: `check_max_model_len`,
     `runtime.pipeline.join_pipeline`."""
-    check_int("block_size", block_size, 1)
+    if block_size is not None:  # None: `default_block_size`
+        check_int("block_size", block_size, 1)
     check_int("pipeline_parallel_size", pipeline_parallel_size, 1)
     check_int("max_num_seqs", max_num_seqs, 1)
     check_int("max_num_batched_tokens", max_num_batched_tokens, 1)

@@ -62,3 +62,7 @@ def test_latent_decode_takes_16_row_tiles_with_warps_by_program_count():
     assert latent_pick_config(bf16, 128, 16, 132) == LatentConfig(16, blk, 8, 2)  # DeepSeek-V3: 8 tiles x 16
     assert latent_pick_config(bf16, 129, 1, 132) == LatentConfig(64, blk, 8, 2)  # prefill and training
     assert latent_pick_config(torch.float32, 16, 1, 132) == LatentConfig(16, key_block(torch.float32), 4, 1)
+    # whole key blocks by TMA: 8 warps, three stages (two TMA buffers), at any program count
+    for rows, seqs in ((16, 256), (16, 32), (128, 16)):
+        assert latent_pick_config(bf16, rows, seqs, 132, kv_descriptors=True) == LatentConfig(16, blk, 8, 3)
+    assert latent_pick_config(bf16, 129, 1, 132, kv_descriptors=True) == LatentConfig(64, blk, 8, 2)

@@ -166,6 +166,21 @@ def test_engine_allocates_the_latent_cache_with_v_a_view_of_k():
             assert torch.equal(model.token_logprobs(ids)[0, len(prompt):], torch.tensor(out.outputs[0].logprobs))
 
 
+def test_engine_pages_hold_64_positions_for_a_latent_cache_and_16_otherwise():
+    """`LLM`'s default page size: whole 64-key blocks per page for the latent cache (its decode
+    reads them by TMA on Hopper), 16 for the expanded one; an explicit size wins."""
+    from vexact_models.runtime.llm_args import default_block_size
+
+    model = _tiny_latent_model()
+    assert default_block_size(model.kv_cache_spec()) == 64
+    llm = LLM(model, device="cpu", kv_cache_bytes=1 << 20)
+    assert llm.engine_config.block_size == 64 and llm.runner.kv_caches[0][0].shape[1] == 64
+    model.set_mla_kv_cache("expanded")
+    assert default_block_size(model.kv_cache_spec()) == 16
+    assert LLM(model, device="cpu", kv_cache_bytes=1 << 20).engine_config.block_size == 16
+    assert LLM(model, device="cpu", kv_cache_bytes=1 << 20, block_size=8).engine_config.block_size == 8
+
+
 def test_engine_refuses_a_mode_switched_after_its_cache_was_allocated():
     model = _tiny_latent_model()
     model.set_mla_kv_cache("expanded")
