@@ -156,8 +156,8 @@ def _label(cfg) -> str:
 
 def sweep_latent_backward(case) -> list[list]:
     """Time the latent backward's (BLOCK_M, BLOCK_N, warps, stages) candidates for dK/dV and dQ."""
-    from vexact_models.kernels.latent_attention import (DKDV_CONFIG, DQ_CONFIG, latent_attention_backward_triton,
-                                                        latent_attention_triton)
+    from vexact_models.kernels.latent_attention import latent_attention_triton
+    from vexact_models.kernels.latent_attention_backward import DKDV_CONFIG, DQ_CONFIG, latent_attention_backward_triton
 
     name, kind, heads, kv_heads, d, dv, seqs, length = case
     q, k, _, layout, _ = make_inputs(kind, heads, kv_heads, d, dv, seqs, length, True)

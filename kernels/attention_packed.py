@@ -17,7 +17,8 @@ import torch
 
 from .attention import (PagedLayout, attention_backend, attention_forward_triton, attention_reference,
                         check_attention_inputs, packed_layout)
-from .latent_attention import latent_attention_backward_triton, value_in_key
+from .latent_attention import value_in_key
+from .latent_attention_backward import latent_attention_backward_triton
 
 
 def _attention_packed_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,

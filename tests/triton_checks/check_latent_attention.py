@@ -50,7 +50,8 @@ from vexact_models.kernels import PagedLayout, attention, attention_packed, kv_c
 from vexact_models.kernels.attention_backward import attention_math  # noqa: E402
 from vexact_models.kernels.head_linear import head_linear  # noqa: E402
 from vexact_models.kernels.latent_attention import (  # noqa: E402
-    LatentConfig, key_block, latent_attention_backward_triton, latent_attention_triton, pick_config, value_in_key)
+    LatentConfig, key_block, latent_attention_triton, pick_config, value_in_key)
+from vexact_models.kernels.latent_attention_backward import latent_attention_backward_triton  # noqa: E402
 from vexact_models.kernels.attention import packed_layout  # noqa: E402
 
 
