@@ -125,12 +125,19 @@ def _kv_descriptors(kv: torch.Tensor, v_dim: int, block_n: int) -> tuple:
 
 
 @triton.jit
+def latent_scores(q_lat, q_rope, k_lat, k_rope, scale_log2):
+    """Scaled scores in the one order the forward and the backward share: the latent dot, then
+    the rope dot accumulated onto it."""
+    s = tl.dot(q_lat, tl.trans(k_lat))
+    return tl.dot(q_rope, tl.trans(k_rope), s) * scale_log2
+
+
+@triton.jit
 def _latent_block(q_lat, q_rope, k_lat, k_rope, v, k_pos, k_ok, q_pos, m_i, l_i, acc, scale_log2,
                   SUM_LEVELS: tl.constexpr, LANE_SUMS: tl.constexpr):
     """One key block of the online softmax, whichever way its tiles were loaded: scores (latent
     dot, then rope dot), the causal mask, running max, denominators in a fixed order, output."""
-    s = tl.dot(q_lat, tl.trans(k_lat))
-    s = tl.dot(q_rope, tl.trans(k_rope), s) * scale_log2
+    s = latent_scores(q_lat, q_rope, k_lat, k_rope, scale_log2)
     s = tl.where((k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)

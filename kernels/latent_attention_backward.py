@@ -10,19 +10,12 @@ import math
 import torch
 
 from ._triton import launch_staged, require_triton, tl, triton
-from .latent_attention import latent_dims
+from .latent_attention import latent_dims, latent_scores
 
 # Launch parameters (BLOCK_M, BLOCK_N, warps, stages): free to tune (rule 8); the
 # fastest of benchmarks/attention_configs.py's candidates on the H200 (1.3x each over 32/32/8/1).
 DKDV_CONFIG = (64, 32, 8, 2)
 DQ_CONFIG = (64, 64, 8, 1)
-
-
-@triton.jit
-def _latent_scores(q_lat, q_rope, k_lat, k_rope, scale_log2):
-    """The forward's scaled scores, in the forward's order (latent dot, then rope dot)."""
-    s = tl.dot(q_lat, tl.trans(k_lat))
-    return tl.dot(q_rope, tl.trans(k_rope), s) * scale_log2
 
 
 @triton.jit
@@ -64,7 +57,7 @@ def _latent_dkv_kernel(q_ptr, kv_ptr, do_ptr, lse_ptr, delta_ptr, dkv_ptr, cu_pt
                          mask=q_ok[:, None] & dl_ok[None, :], other=0.0)
             lse = tl.load(lse_ptr + q_tok * n_heads + head, mask=q_ok, other=0.0)
             delta = tl.load(delta_ptr + q_tok * n_heads + head, mask=q_ok, other=0.0)
-            s = _latent_scores(q_lat, q_rope, k_lat, k_rope, scale_log2)
+            s = latent_scores(q_lat, q_rope, k_lat, k_rope, scale_log2)
             visible = (k_pos[None, :] <= q_pos[:, None]) & q_ok[:, None] & k_ok[None, :]
             p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)
             dk_lat = tl.dot(tl.trans(p.to(do.dtype)), do, dk_lat)  # dV, into the latent dims
@@ -114,7 +107,7 @@ def _latent_dq_kernel(q_ptr, kv_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_ptr,
         k_row = kv_ptr + (seq_start + k_pos).to(tl.int64)[:, None] * stride_kt + kv_head * stride_kh
         k_lat = tl.load(k_row + dl[None, :], mask=k_ok[:, None] & dl_ok[None, :], other=0.0)
         k_rope = tl.load(k_row + LAT + dr[None, :], mask=k_ok[:, None] & dr_ok[None, :], other=0.0)
-        s = _latent_scores(q_lat, q_rope, k_lat, k_rope, scale_log2)
+        s = latent_scores(q_lat, q_rope, k_lat, k_rope, scale_log2)
         visible = (k_pos[None, :] <= q_pos[:, None]) & q_ok[:, None] & k_ok[None, :]
         p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(k_lat))
