@@ -3,7 +3,7 @@
 Runs `LLM.generate` at a published shape (random weights, bf16) with `--batch` sequences of
 `--context` prompt tokens and `--steps` new tokens each (CUDA graphs on, as in production), and
 prints for the steps that decode the whole batch (no prefill chunk in them) the kernels' GPU
-time per step grouped by kernel name, their total and the step's wall time (median, from
+time and launches per step grouped by kernel name, their total and the step's wall time (median, from
 separate unprofiled runs: with async scheduling, the engine's default, and one step at a time);
 the difference is host time and launch gaps the GPU waits through. The profiled run goes one
 step at a time, so that each step's kernels run inside its profiler range.
@@ -66,27 +66,30 @@ def _median_decode_step(llm, prompts, params, batch: int, async_scheduling: bool
     return decode[len(decode) // 2]
 
 
-def _kernels_in_ranges(events, ranges: list[tuple[float, float]]) -> dict[str, float]:
-    """GPU seconds per kernel name over the kernels that start inside one of `ranges` (sorted
-    host-clock intervals; the step's host sync at its end keeps its kernels inside), and their
-    count under `LAUNCHES`."""
+def _kernels_in_ranges(events, ranges: list[tuple[float, float]]) -> tuple[dict[str, float], dict[str, int]]:
+    """GPU seconds and launch counts per kernel name over the kernels that start inside one of
+    `ranges` (sorted host-clock intervals; the step's host sync at its end keeps its kernels
+    inside); the seconds also hold the total count under `LAUNCHES`."""
     import bisect
 
     starts = [r[0] for r in ranges]
     kernels: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
     for event in events:
         if event.device_type != torch.autograd.DeviceType.CUDA or event.name == DECODE_STEP:
             continue  # (the range itself has a GPU-side annotation too)
         at = bisect.bisect_right(starts, event.time_range.start) - 1
         if at >= 0 and event.time_range.start <= ranges[at][1]:
             kernels[event.name[:60]] += event.device_time_total * 1e-6
+            counts[event.name[:60]] += 1
             kernels[LAUNCHES] += 1
-    return kernels
+    return kernels, counts
 
 
 def profile_decode(model, vocab: int, batch: int, context: int, steps: int):
     """(median wall seconds of a full-batch decode step with async scheduling and one step at a
-    time, {kernel name: GPU seconds per such step}, number of steps profiled).
+    time, {kernel name: GPU seconds per such step}, {kernel name: launches per such step}, number
+    of steps profiled).
 
     Unprofiled `generate` calls time the steps (the profiler slows the host); a last one,
     profiled, attributes kernels to its full-batch decode steps (`_mark_decode_steps`)."""
@@ -106,8 +109,9 @@ def profile_decode(model, vocab: int, batch: int, context: int, steps: int):
     events = prof.events()
     ranges = sorted((e.time_range.start, e.time_range.end) for e in events
                     if e.name == DECODE_STEP and e.device_type == torch.autograd.DeviceType.CPU)
-    kernels = _kernels_in_ranges(events, ranges)
-    return walls, {k: v / len(ranges) for k, v in kernels.items() if v > 0}, len(ranges)
+    kernels, counts = _kernels_in_ranges(events, ranges)
+    n = len(ranges)
+    return walls, {k: v / n for k, v in kernels.items() if v > 0}, {k: c / n for k, c in counts.items()}, n
 
 
 def main(argv=None) -> int:
@@ -135,7 +139,7 @@ def main(argv=None) -> int:
         if not hasattr(model, "set_mla_kv_cache"):
             parser.error(f"--mla-kv-cache: {args.config} is not an MLA model")
         model.set_mla_kv_cache(args.mla_kv_cache)
-    (step, one_at_a_time), kernels, profiled = profile_decode(model, config.vocab_size, args.batch, args.context,
+    (step, one_at_a_time), kernels, counts, profiled = profile_decode(model, config.vocab_size, args.batch, args.context,
                                                               args.steps)
     launches = kernels.pop(LAUNCHES, 0.0)
     busy = sum(kernels.values())
@@ -143,9 +147,9 @@ def main(argv=None) -> int:
           f"with async scheduling ({one_at_a_time * 1e3:.2f} ms one step at a time: {one_at_a_time / step:.2f}x), "
           f"{busy * 1e3:.2f} ms of GPU kernels ({100 * busy / step:.0f}% busy) in {launches:.0f} kernels (mean of "
           f"{profiled} full-batch decode steps); the rest is host time and launch gaps")
-    print(f"{'kernel':<62}{'ms/step':>9}{'share':>8}")
+    print(f"{'kernel':<62}{'ms/step':>9}{'share':>8}{'launches':>10}")
     for name, seconds in sorted(kernels.items(), key=lambda kv: -kv[1])[:args.top]:
-        print(f"{name:<62}{seconds * 1e3:>9.3f}{100 * seconds / busy:>7.1f}%")
+        print(f"{name:<62}{seconds * 1e3:>9.3f}{100 * seconds / busy:>7.1f}%{counts.get(name, 0):>10.1f}")
     hbm = copy_bandwidth()
     roof = decode_bytes(model, args.batch, args.context + args.steps // 2) / (hbm * 1e9)
     print(f"HBM roofline {roof * 1e3:.2f} ms ({hbm:.0f} GB/s copy): the step is at {100 * roof / step:.0f}% of it, "
