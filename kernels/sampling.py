@@ -2,7 +2,9 @@
 
 For row i: ``argmax_j (logits[i, j] / T_i + g(seed_i, step_i, j))`` over the tokens with
 ``logits[i, j] >= threshold_i``, where ``g = -log(-log(u))`` and ``u`` comes from Philox4x32-10
-keyed by the request's seed with counter (j, step). Temperature 0 means greedy (argmax of the
+keyed by the request's seed: column j takes output word ``j % 4`` of counter ``(j // 4, step)``,
+so one evaluation of the ten rounds serves four columns (the sampler is bound by that integer
+arithmetic: one word per counter made it ~4x slower). Temperature 0 means greedy (argmax of the
 logits, lowest index on ties). The threshold carries top-k/top-p filtering (`runtime.sampler`).
 
 Invariance contract (docs/design.md rule 7): the token depends only on (logits row, seed, step,
@@ -33,12 +35,13 @@ _MASK32 = 0xFFFFFFFF
 
 
 @triton.jit
-def _philox_uniform(col, step_lo, step_hi, key0, key1):
-    """Uniform (0, 1) floats for counters (col, step_lo, step_hi, 0) under key (key0, key1)."""
-    c0 = col.to(tl.uint32)
-    c1 = (col * 0).to(tl.uint32) + step_lo
-    c2 = (col * 0).to(tl.uint32) + step_hi
-    c3 = (col * 0).to(tl.uint32)
+def _philox4(ctr, step_lo, step_hi, key0, key1):
+    """The four 32-bit output words of Philox4x32-10 for counters (ctr, step_lo, step_hi, 0) under
+    key (key0, key1)."""
+    c0 = ctr.to(tl.uint32)
+    c1 = (ctr * 0).to(tl.uint32) + step_lo
+    c2 = (ctr * 0).to(tl.uint32) + step_hi
+    c3 = (ctr * 0).to(tl.uint32)
     k0 = key0
     k1 = key1
     for _ in tl.static_range(10):
@@ -50,8 +53,18 @@ def _philox_uniform(col, step_lo, step_hi, key0, key1):
         c3 = prev0 * 0xD2511F53
         k0 = k0 + 0x9E3779B9
         k1 = k1 + 0xBB67AE85
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _philox_uniform(start, step_lo, step_hi, key0, key1, BLOCK: tl.constexpr):
+    """Uniform (0, 1) floats for the `BLOCK` columns from `start` (a multiple of 4): column j is
+    word ``j % 4`` of counter ``j // 4``."""
+    w0, w1, w2, w3 = _philox4(start // 4 + tl.arange(0, BLOCK // 4), step_lo, step_hi, key0, key1)
+    # join(join(w0, w2), join(w1, w3))[n, i, k] is word 2i + k of counter n: row-major, the columns' order
+    words = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), (BLOCK,))
     # top 24 bits, centred in their interval: never 0 or 1
-    return (c0 >> 8).to(tl.float32) * (1.0 / 16777216.0) + (0.5 / 16777216.0)
+    return (words >> 8).to(tl.float32) * (1.0 / 16777216.0) + (0.5 / 16777216.0)
 
 
 @triton.jit
@@ -79,7 +92,7 @@ def _sample_kernel(logits_ptr, temp_ptr, seed_ptr, step_ptr, threshold_ptr, best
         start = first + block * BLOCK_V
         col = start + cols
         x = tl.load(logits_ptr + row * stride + col, mask=col < V, other=float("-inf")).to(tl.float32)
-        noise = -tl.log(-tl.log(_philox_uniform(col, step_lo, step_hi, key0, key1)))
+        noise = -tl.log(-tl.log(_philox_uniform(start, step_lo, step_hi, key0, key1, BLOCK_V)))
         score = tl.where(greedy, x, x / inv_t + noise)
         score = tl.where((x >= threshold) & (col < V), score, float("-inf"))
         block_best = tl.max(score, axis=0)
@@ -115,19 +128,28 @@ def _mulhi_lo(a: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
     return high & _MASK32, low
 
 
-def philox_uniform_reference(cols: torch.Tensor, step: int, seed: int) -> torch.Tensor:
-    """The kernel's uniforms in plain torch (int64 arithmetic on uint32 words), float32."""
-    c0 = cols.to(torch.int64) & _MASK32
-    c1 = torch.full_like(c0, step & _MASK32)
-    c2 = torch.full_like(c0, (step >> 32) & _MASK32)
-    c3 = torch.zeros_like(c0)
-    k0, k1 = seed & _MASK32, (seed >> 32) & _MASK32
+def philox4x32_reference(counters: torch.Tensor, counter_words: tuple[int, int, int],
+                         key: tuple[int, int]) -> torch.Tensor:
+    """``[4, n]`` output words (int64 holding uint32) of Philox4x32-10, in plain torch, for the
+    counters ``(counters[i], *counter_words)`` under the two key words `key`."""
+    c0 = counters.to(torch.int64) & _MASK32
+    c1, c2, c3 = (torch.full_like(c0, w & _MASK32) for w in counter_words)
+    k0, k1 = key[0] & _MASK32, key[1] & _MASK32
     for _ in range(10):
         hi_b, lo_b = _mulhi_lo(c2, _PHILOX_ROUND_B)
         hi_a, lo_a = _mulhi_lo(c0, _PHILOX_ROUND_A)
         c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
         k0, k1 = (k0 + _PHILOX_KEY_A) & _MASK32, (k1 + _PHILOX_KEY_B) & _MASK32
-    return (c0 >> 8).to(torch.float32) * (1.0 / 16777216.0) + (0.5 / 16777216.0)
+    return torch.stack([c0, c1, c2, c3])
+
+
+def philox_uniform_reference(cols: torch.Tensor, step: int, seed: int) -> torch.Tensor:
+    """The kernel's uniforms in plain torch, float32: column j is word ``j % 4`` of counter
+    ``(j // 4, step low word, step high word, 0)`` under the key ``(seed low, seed high)``."""
+    cols = cols.to(torch.int64)
+    words = philox4x32_reference(cols // 4, (step, step >> 32, 0), (seed, seed >> 32))
+    words = words.gather(0, (cols % 4)[None, :])[0]
+    return (words >> 8).to(torch.float32) * (1.0 / 16777216.0) + (0.5 / 16777216.0)
 
 
 def sample_tokens_reference(logits, temperatures, seeds, steps, thresholds) -> torch.Tensor:

@@ -1,13 +1,29 @@
+import pytest
 import torch
 
 from vexact_models.kernels import sample_tokens
-from vexact_models.kernels.sampling import philox_uniform_reference
+from vexact_models.kernels.sampling import philox4x32_reference, philox_uniform_reference
 
 
-def test_philox_matches_known_answer():
-    # Philox4x32-10 known-answer vector (Random123 kat_vectors): ctr=0, key=0 -> first word 0x6627e8d5
-    u = philox_uniform_reference(torch.tensor([0]), 0, 0)
-    assert float(u[0]) == ((0x6627E8D5 >> 8) + 0.5) / 16777216.0
+@pytest.mark.parametrize("counter, key, words", [
+    # Random123's kat_vectors for philox4x32 with 10 rounds: counter words, key words, output words
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+])
+def test_philox_matches_known_answers(counter, key, words):
+    out = philox4x32_reference(torch.tensor([counter[0]]), counter[1:], key)
+    assert [int(w) for w in out[:, 0]] == list(words)
+
+
+def test_each_column_takes_one_word_of_a_counter_shared_by_four():
+    cols = torch.arange(12)
+    words = philox4x32_reference(torch.arange(3), (5, 0, 0), (99, 0))  # [4, 3]: counters (n, step 5), key seed 99
+    u = philox_uniform_reference(cols, 5, 99)
+    want = ((words.t().reshape(-1) >> 8).to(torch.float32) + 0.5) / 16777216.0
+    assert torch.equal(u, want)
+    assert torch.equal(philox_uniform_reference(cols[5:9], 5, 99), u[5:9])  # a column's value is its own
 
 
 def test_uniforms_are_in_open_interval_and_uniform():
