@@ -1,7 +1,8 @@
 """The attention kernels' invariance checks of `kernel_invariance` (docs/design.md rule 2), on a
 GPU: each query's output packed (training), each sequence packed alone, and over a paged cache
 in chunked prefill / decode schedules; the latent MLA kernel likewise over a latent cache (V a
-view of K); and every launch-parameter candidate `pick_config` may choose against the first."""
+view of K); every launch-parameter candidate `pick_config` may choose against the first; and the
+rollout's fused latent prologue (`latent_cache_write`) against the separate ops training runs."""
 
 from __future__ import annotations
 
@@ -172,3 +173,39 @@ def check_latent_attention(result: Result, hq: int, rank: int, rope: int, lens: 
     for name, schedule, page_size in schedules:
         got = _paged_run(q, k, v, lens, schedule, page_size, gen, value_in_key=True)
         result.compare(got, packed, f"{tag} {name} page {page_size}")
+
+
+def check_latent_cache_write(result: Result, hq: int, rank: int, rope: int, nope: int, ms: list[int]) -> None:
+    """The rollout's fused latent prologue (`kernels.latent_cache_write`: the latent's norm, the
+    de-interleaved rope rotations, the query and key concatenations, the cache write): the queries
+    and the cache of M tokens at once equal those of the separate ops training runs, and each
+    token's equal the token's alone. The inputs are views of one projection's output, as in the
+    model (q_proj's rows, then kv_a_proj_with_mqa's)."""
+    from vexact_models.kernels import latent_cache_write, rope_table
+    from vexact_models.kernels.latent_cache_write import latent_cache_write_reference
+
+    m_max = max(ms)
+    cos, sin = (t.cuda() for t in rope_table(1.0 / (1e4 ** (torch.arange(0, rope, 2) / rope)), 40960))
+    proj = torch.randn(m_max, hq * (nope + rope) + rank + rope, device="cuda").bfloat16() * 3
+    q, kv = proj.split([hq * (nope + rope), rank + rope], dim=1)
+    q_pe = q.view(m_max, hq, nope + rope)[..., nope:]
+    q_latent = torch.randn(m_max, hq, rank, device="cuda").bfloat16()
+    weight = (torch.rand(rank, device="cuda") + 0.5).bfloat16()
+    pos = torch.randint(0, 40960, (m_max,), device="cuda")
+    slots = torch.randperm(m_max, device="cuda")
+    tag = f"Hq={hq} {rank}+{rope}"
+    for interleaved in (True, False):
+        label = f"{tag} {'interleaved' if interleaved else 'NeoX'} rope"
+        caches = [torch.zeros(m_max, 1, 1, rank + rope, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+        args = (pos, cos, sin, weight, 1e-6)
+        full = latent_cache_write(q_latent, q_pe, kv, *args, caches[0], slots, interleaved)
+        want = latent_cache_write_reference(q_latent, q_pe, kv, *args, caches[1], slots, interleaved)
+        result.compare(full, want, f"{label}: queries == separate ops, M={m_max}")
+        result.compare(caches[0], caches[1], f"{label}: cache == separate ops, M={m_max}")
+        for m in ms:
+            alone = torch.zeros(m_max, 1, 1, rank + rope, device="cuda", dtype=torch.bfloat16)
+            row = latent_cache_write(q_latent[m - 1:m], q_pe[m - 1:m], kv[m - 1:m], pos[m - 1:m], cos, sin, weight, 1e-6,
+                                     alone, slots[m - 1:m], interleaved)
+            result.compare(row, full[m - 1:m], f"{label}: token {m - 1} alone")
+            s = slots[m - 1]
+            result.compare(alone[s], caches[0][s], f"{label}: token {m - 1}'s cache row alone")

@@ -17,7 +17,9 @@ and allows zero mismatches:
 - latent MLA (``--only latent``): the latent attention kernel (one 576-dim key head, the value a
   view of its first 512 dims, 16 and 128 query heads) as the attention check runs it, packed vs
   chunked prefill vs decode over a latent paged cache, up to 8192 tokens; the absorption GEMMs
-  (`kernels.head_linear`, on strided views of kv_b_proj) row alone vs in batches of up to 8192.
+  (`kernels.head_linear`, on strided views of kv_b_proj) row alone vs in batches of up to 8192;
+  the rollout's fused latent prologue (`kernels.latent_cache_write`) == the separate ops, and
+  each token alone == in batches of up to 4096.
 - attention FA4 (``--only fa4``, the optional flash-attn-4 package on a Hopper GPU): the attention
   check with FlashAttention-4 as the forward (`use_attention_forward("fa4")`), every shape
   including the qk-192 / v-128 MLA ones.
@@ -42,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .attention_invariance import (ATTENTION_SHAPES, LATENT_SHAPES, check_attention, check_attention_configs,
-                                  check_latent_attention)
+                                  check_latent_attention, check_latent_cache_write)
 
 M_SWEEP = [1, 2, 3, 4, 5, 7, 8, 13, 16, 31, 32, 63, 64, 100, 127, 128, 255, 256, 511, 512, 1000, 1024, 2048,
            4096, 8192]
@@ -315,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     torch.manual_seed(0)
     names = ["linear", "linear configs", "linear quack", "attention", "attention configs", "attention FA4", "latent attention",
-             "head_linear", "rms_norm", "rotary_cache_write",
+             "head_linear", "latent_cache_write", "rms_norm", "rotary_cache_write",
              "log_softmax",
              "token_logprobs", "elementwise", "moe"]
     results = {n: Result(n) for n in names}
@@ -362,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
             check_latent_attention(results["latent attention"], hq, rank, rope, lens, args.quick)
             check_attention_configs(results["attention configs"], hq, 1, rank + rope, rank, latent=True)
             check_head_linear(results["head_linear"], hq, rank, nope, v_dim, args.quick)
+            check_latent_cache_write(results["latent_cache_write"], hq, rank, rope, nope,
+                                     [m for m in M_SWEEP if m <= (1024 if args.quick else 4096)])
             print(f"{name}: {results['latent attention'].mismatches} attention and {results['head_linear'].mismatches} "
                   "head_linear mismatches so far", flush=True)
     if args.only in (None, "rows"):

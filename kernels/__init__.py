@@ -14,6 +14,7 @@ from .backend import BACKENDS, UnsupportedError, current_backend, set_backend, u
 from .grouped_topk import sigmoid_grouped_topk
 from .head_linear import head_linear
 from .kv_cache_write import kv_cache_write
+from .latent_cache_write import latent_cache_write
 from .linear import linear
 from .linear_quack import linear_mode as linear_backend_mode
 from .linear_quack import set_linear_backend, use_linear_backend
@@ -21,17 +22,17 @@ from .log_softmax import gather_logprobs, log_softmax
 from .moe import fused_moe
 from .moe_routing import softmax_topk
 from .rms_norm import add_rms_norm, rms_norm
-from .rotary import apply_rotary, rope_table
+from .rotary import apply_rotary, deinterleave, rope_table
 from .rotary_cache_write import rotary_cache_write
 from .sampling import sample_tokens
 from .silu_and_mul import silu_and_mul
 from .token_logprobs import token_logprobs
 
 __all__ = [
-    "BACKENDS", "PagedLayout", "UnsupportedError", "add_rms_norm", "apply_rotary", "attention", "attention_forward_mode",
-    "attention_packed", "attention_saving_context", "current_backend", "fused_moe", "gather_logprobs", "head_linear",
-    "kv_cache_write", "linear", "linear_backend_mode", "log_softmax", "packed_layout", "rms_norm", "rope_table",
-    "rotary_cache_write", "sample_tokens", "set_attention_forward", "set_backend", "set_linear_backend",
-    "sigmoid_grouped_topk", "silu_and_mul", "softmax_topk", "token_logprobs", "use_attention_forward", "use_backend",
-    "use_linear_backend",
+    "BACKENDS", "PagedLayout", "UnsupportedError", "add_rms_norm", "apply_rotary", "attention",
+    "attention_forward_mode", "attention_packed", "attention_saving_context", "current_backend", "deinterleave",
+    "fused_moe", "gather_logprobs", "head_linear", "kv_cache_write", "latent_cache_write", "linear",
+    "linear_backend_mode", "log_softmax", "packed_layout", "rms_norm", "rope_table", "rotary_cache_write",
+    "sample_tokens", "set_attention_forward", "set_backend", "set_linear_backend", "sigmoid_grouped_topk",
+    "silu_and_mul", "softmax_topk", "token_logprobs", "use_attention_forward", "use_backend", "use_linear_backend",
 ]

@@ -30,6 +30,13 @@ def rope_table(inv_freq: torch.Tensor, max_positions: int, scaling: float = 1.0)
     return (freqs.cos() * scaling).contiguous(), (freqs.sin() * scaling).contiguous()
 
 
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's interleaved rope pairs ``(x0, x1), (x2, x3), ...`` -> ``[x0, x2, ..., x1, x3, ...]``,
+    the NeoX halves `apply_rotary` rotates (a copy; HF's interleaved rotation is this plus
+    rotate-half)."""
+    return x.unflatten(-1, (x.shape[-1] // 2, 2)).transpose(-1, -2).flatten(-2)
+
+
 @triton.jit
 def rotate_halves(x1, x2, cos, sin):
     """``(x1 cos - x2 sin, x2 cos + x1 sin)`` in fp32 with explicit fused multiply-adds, so that

@@ -197,7 +197,7 @@ def rotate_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rope: t
     return apply_rotary(q, positions, cos, sin), apply_rotary(k, positions, cos, sin)
 
 
-def _plain_norm(norm: nn.Module) -> bool:
+def plain_rms_norm(norm: nn.Module) -> bool:
     """Whether calling `norm` is `RMSNorm.forward` on its own weight: no override, no hooks."""
     return (isinstance(norm, RMSNorm) and type(norm).forward is RMSNorm.forward
             and not norm._forward_hooks and not norm._forward_pre_hooks)
@@ -235,6 +235,12 @@ class PagedContext:
     def attend(self, layer_idx: int, q, k, v, scale: float) -> torch.Tensor:
         k_cache, v_cache = self.kv_caches[layer_idx]
         kv_cache_write(k, v, k_cache, v_cache, self.slot_mapping)
+        return self.attend_cache(layer_idx, q, scale)
+
+    def attend_cache(self, layer_idx: int, q, scale: float) -> torch.Tensor:
+        """Attention of `q` over the layer's cache as it stands: for ops that wrote this step's
+        keys and values themselves (`kernels.latent_cache_write`)."""
+        k_cache, v_cache = self.kv_caches[layer_idx]
         return attention(q, k_cache, v_cache, self.layout, scale)
 
     def attend_rotary(self, layer_idx: int, q, k, v, positions, rope, scale: float,
@@ -243,14 +249,14 @@ class PagedContext:
         one kernel (`kernels.rotary_cache_write`, bitwise the separate ops) where the modules are
         plain RMSNorms of one epsilon; otherwise the separate ops, module calls included."""
         k_cache, v_cache = self.kv_caches[layer_idx]
-        if q_norm is not None and not (_plain_norm(q_norm) and _plain_norm(k_norm)
+        if q_norm is not None and not (plain_rms_norm(q_norm) and plain_rms_norm(k_norm)
                                        and q_norm.variance_epsilon == k_norm.variance_epsilon):
             q, k = rotate_qk(q, k, positions, rope, q_norm, k_norm)
             return self.attend(layer_idx, q, k, v, scale)
         cos, sin = rope
         weights = (q_norm.weight, k_norm.weight, q_norm.variance_epsilon) if q_norm is not None else (None, None, 1e-6)
         q = rotary_cache_write(q, k, v, positions, cos, sin, k_cache, v_cache, self.slot_mapping, *weights)
-        return attention(q, k_cache, v_cache, self.layout, scale)
+        return self.attend_cache(layer_idx, q, scale)
 
 
 @dataclass

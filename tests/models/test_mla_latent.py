@@ -13,7 +13,7 @@ from vexact_models import deepseek_v3
 from vexact_models.conformance import CONFIG_DIR, build_model
 from vexact_models.conformance.suite import run_conformance
 from vexact_models.deepseek_v3 import DeepseekV3ForCausalLM, randomize_router_bias
-from vexact_models.deepseek_v3.latent_attention import latent_attention
+from vexact_models.deepseek_v3.latent_attention import absorbed_attention
 from vexact_models.deepseek_v3.modeling import DeepseekV3Attention
 from vexact_models.kernels import linear
 from vexact_models.kernels.attention_backward import attention_math
@@ -98,7 +98,7 @@ def test_absorbed_attention_backward_matches_float64_autograd(dtype, tol):
     inputs = [torch.randn(t, heads, nope), torch.randn(t, heads, rope), torch.randn(t, rank), torch.randn(t, 1, rope)]
     inputs = [x.to(dtype).requires_grad_() for x in inputs]
     weight = attn.kv_b_proj.weight
-    out = latent_attention(attn, *inputs, PackedContext(cu, 13))
+    out = absorbed_attention(attn, *inputs, PackedContext(cu, 13))
     grad = torch.randn(out.shape, dtype=dtype)
     got = torch.autograd.grad(out, [*inputs, weight], grad)
 

@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from vexact_models.adapters import base_layer, lora_terms
-from vexact_models.kernels import head_linear, linear
+from vexact_models.kernels import head_linear, latent_cache_write, linear
+from vexact_models.layers import plain_rms_norm
 
 MLA_KV_CACHE_MODES = ("expanded", "latent")
 DEFAULT_MLA_KV_CACHE = "latent"  # measured on the H200: docs/mla-kv-cache.md "Choosing a mode"
@@ -101,8 +102,31 @@ def _check_cache(context, layer_idx: int, key_dim: int, value_in_key: bool) -> N
                          "before creating the LLM (or create a new one)")
 
 
-def latent_attention(attn: nn.Module, q_nope: torch.Tensor, q_rot: torch.Tensor, c: torch.Tensor, k_rot: torch.Tensor,
-                     context) -> torch.Tensor:
+def latent_attention(attn: nn.Module, q: torch.Tensor, compressed: torch.Tensor, positions: torch.Tensor,
+                     rope: tuple[torch.Tensor, torch.Tensor], context) -> torch.Tensor:
+    """Absorbed MLA for the queries ``q [T, H, nope + rope]`` and ``kv_a_proj_with_mqa``'s output
+    ``compressed [T, kv_lora_rank + rope]``: ``[T, H, v]`` (the per-head values before ``o_proj``).
+
+    Training (and any context without a cache) runs the ops one by one: the latent's norm and
+    the rope rotations (`attn.normed_and_rotated`), then `absorbed_attention`. A rollout's paged
+    context does the same in one launch that also writes the cache (`kernels.latent_cache_write`,
+    bitwise those ops) where ``kv_a_layernorm`` is a plain RMSNorm (no hooks, no override: those
+    run as module calls)."""
+    caches, norm = getattr(context, "kv_caches", None), attn.kv_a_layernorm
+    if caches is None or not plain_rms_norm(norm):
+        q_rot, c, k_rot = attn.normed_and_rotated(q, compressed, positions, rope)
+        return absorbed_attention(attn, q[..., :attn.nope_dim], q_rot, c, k_rot, context)
+    _check_cache(context, attn.layer_idx, attn.kv_lora_rank + attn.rope_dim, True)
+    w_uk_t, w_uv = absorbed_weights(attn)
+    cos, sin = rope
+    q = latent_cache_write(head_linear(q[..., :attn.nope_dim], w_uk_t), q[..., attn.nope_dim:], compressed, positions,
+                           cos, sin, norm.weight, norm.variance_epsilon, caches[attn.layer_idx][0], context.slot_mapping,
+                           attn.interleaved)
+    return head_linear(context.attend_cache(attn.layer_idx, q, attn.scaling), w_uv)
+
+
+def absorbed_attention(attn: nn.Module, q_nope: torch.Tensor, q_rot: torch.Tensor, c: torch.Tensor,
+                       k_rot: torch.Tensor, context) -> torch.Tensor:
     """Absorbed MLA for ``q_nope [T, H, nope]``, ``q_rot [T, H, rope]``, the normalised latent
     ``c [T, kv_lora_rank]`` and the rotated rope key ``k_rot [T, 1, rope]``: ``[T, H, v]`` (the
     per-head values before ``o_proj``)."""

@@ -30,7 +30,7 @@ from transformers import DeepseekV3Config, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
 from vexact_models.adapters import apply_linear
-from vexact_models.kernels import apply_rotary, linear, sigmoid_grouped_topk
+from vexact_models.kernels import apply_rotary, deinterleave, linear, sigmoid_grouped_topk
 from vexact_models.layers import FusedExperts, GatedMLP, PreNormDecoderLayer, RMSNorm, grouped_linear
 
 from ..causal_lm import CausalLMMixin, DecoderModelMixin, InferenceModel, InitHookMixin
@@ -59,13 +59,6 @@ def mla_softmax_scale(config) -> float:
         mscale = 1.0 if factor <= 1 else 0.1 * mscale_all_dim * math.log(factor) + 1.0
         scale = scale * mscale * mscale
     return scale
-
-
-def deinterleave(x: torch.Tensor) -> torch.Tensor:
-    """DeepSeek's interleaved rope pairs ``(x0, x1), (x2, x3), ...`` -> ``[x0, x2, ..., x1, x3, ...]``,
-    the NeoX halves `apply_rotary` rotates (a copy; HF's interleaved rotation is this plus
-    rotate-half)."""
-    return x.unflatten(-1, (x.shape[-1] // 2, 2)).transpose(-1, -2).flatten(-2)
 
 
 class DeepseekV3Attention(nn.Module):
@@ -115,22 +108,31 @@ class DeepseekV3Attention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 context) -> torch.Tensor:
-        tokens = hidden.shape[0]
         q, compressed = grouped_linear(hidden, self.projection_groups()[0])
         q = self._query(q)
-        latent, k_rot = compressed.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        if mla_kv_cache_mode(self.config) == "latent":
+            out = latent_attention(self, q, compressed, positions, rope, context)
+        else:
+            out = self._expanded(q, compressed, positions, rope, context)
+        return apply_linear(out.reshape(hidden.shape[0], -1), self.o_proj)
+
+    def normed_and_rotated(self, q: torch.Tensor, compressed: torch.Tensor, positions: torch.Tensor,
+                           rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(q_rot [T, H, rope], c [T, kv_lora_rank], k_rot [T, 1, rope])`` from the queries
+        ``[T, H, qk_head_dim]`` and ``kv_a_proj_with_mqa``'s output ``[T, kv_lora_rank + rope]``:
+        the rotated rope query, the normed latent and the rotated rope key."""
+        latent, k_pe = compressed.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         c = self.kv_a_layernorm(latent.contiguous())
         q_rot = self._rotate(q[..., self.nope_dim:], positions, rope)
-        k_rot = self._rotate(k_rot.reshape(tokens, 1, self.rope_dim), positions, rope)
-        if mla_kv_cache_mode(self.config) == "latent":
-            out = latent_attention(self, q[..., :self.nope_dim], q_rot, c, k_rot, context)
-        else:
-            out = self._expanded(q[..., :self.nope_dim], q_rot, c, k_rot, context)
-        return apply_linear(out.reshape(tokens, -1), self.o_proj)
+        k_rot = self._rotate(k_pe.reshape(compressed.shape[0], 1, self.rope_dim), positions, rope)
+        return q_rot, c, k_rot
 
-    def _expanded(self, q_nope, q_rot, c, k_rot, context) -> torch.Tensor:
-        """Attention over the per-head K (nope + rope) and V that ``kv_b_proj`` expands from `c`."""
+    def _expanded(self, q, compressed, positions, rope, context) -> torch.Tensor:
+        """Attention over the per-head K (nope + rope) and V that ``kv_b_proj`` expands from the
+        normed latent."""
         expanded_cache_check(context, self)
+        q_rot, c, k_rot = self.normed_and_rotated(q, compressed, positions, rope)
+        q_nope = q[..., :self.nope_dim]
         tokens = c.shape[0]
         kv = apply_linear(c, self.kv_b_proj)
         k_nope, v = kv.view(tokens, self.num_heads, self.nope_dim + self.v_dim).split([self.nope_dim, self.v_dim], -1)
