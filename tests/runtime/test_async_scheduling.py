@@ -192,7 +192,10 @@ def test_sampling_ahead_counts_the_token_in_flight(params):
 PARAMS = [SamplingParams(temperature=1.0, max_tokens=14, seed=1),  # may stop at EOS
           SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
           SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, stop_token_ids=[7, 11, 13], seed=2),
-          SamplingParams(temperature=1.2, top_k=20, max_tokens=11, min_tokens=6, stop_token_ids=[5, 8], seed=3),
+          # every odd token from 5 stops it: it stops soon after min_tokens whatever the seed's stream, so the
+          # workload always has a sequence that stops in a step (and runs in the step ahead, its row dropped)
+          SamplingParams(temperature=1.2, top_k=20, max_tokens=11, min_tokens=6, stop_token_ids=list(range(5, 512, 2)),
+                         seed=3),
           SamplingParams(temperature=1.0, n=3, max_tokens=10, seed=4, ignore_eos=True)]
 
 
@@ -224,7 +227,11 @@ def test_async_scheduling_gives_the_same_rollouts(model, engine):
         settings["kv_cache_bytes"] = cache_bytes(model, 12)
     prompts = prompts_for(len(PARAMS), seed=11)
     (on, ahead_on, shared_on, admitted), (off, ahead_off, shared_off, _) = run_both(model, prompts, PARAMS, **settings)
-    assert on == off and shared_on == shared_off
+    assert on == off
+    if engine != "preemption":
+        # with preemption the page pressure arrives a step apart (async frees a stopped sequence's pages
+        # one step later, docs/design.md), so which cached pages are revived may differ: the tokens may not
+        assert shared_on == shared_off
     assert ahead_on > 0 and ahead_off == 0  # the integration ran (and only when on)
     if engine.startswith("3 seqs"):
         assert admitted > 0  # waiting sequences joined steps scheduled ahead
