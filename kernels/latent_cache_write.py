@@ -30,29 +30,7 @@ from ._triton import next_power_of_2, require_triton, tl, triton
 from .backend import select
 from .kv_cache_write import kv_cache_write
 from .rms_norm import load_rows, norm_tile, normalize_rows, rms_norm
-from .rotary import apply_rotary, deinterleave, rotate_halves
-
-
-@triton.jit
-def _rotate_into(src_ptr, src_row, dest_ptr, dest_row, ok, pos, cos_ptr, sin_ptr, stride_table,
-                 HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """Rotate the rope rows at ``src_ptr + src_row`` (de-interleaving them first with
-    `INTERLEAVED`) into ``dest_ptr + dest_row`` in NeoX halves, rows `ok` only."""
-    d = tl.arange(0, HALF)
-    cos = tl.load(cos_ptr + pos[:, None] * stride_table + d[None, :])
-    sin = tl.load(sin_ptr + pos[:, None] * stride_table + d[None, :])
-    if INTERLEAVED:  # de-interleaved, the first half is the even dims and the second the odd ones
-        at1 = src_ptr + src_row[:, None] + 2 * d[None, :]
-        at2 = at1 + 1
-    else:
-        at1 = src_ptr + src_row[:, None] + d[None, :]
-        at2 = at1 + HALF
-    x1 = tl.load(at1, mask=ok[:, None], other=0.0).to(tl.float32)
-    x2 = tl.load(at2, mask=ok[:, None], other=0.0).to(tl.float32)
-    o1, o2 = rotate_halves(x1, x2, cos, sin)
-    out = dest_ptr + dest_row[:, None] + d[None, :]
-    tl.store(out, o1.to(dest_ptr.dtype.element_ty), mask=ok[:, None])
-    tl.store(out + HALF, o2.to(dest_ptr.dtype.element_ty), mask=ok[:, None])
+from .rotary import apply_rotary, deinterleave, rotate_rows_into
 
 
 @triton.jit
@@ -75,8 +53,8 @@ def _latent_cache_write_kernel(
         out_row = token * stride_ot + head * stride_oh
         tl.store(q_out_ptr + out_row[:, None] + cols[None, :], q_lat, mask=ok[:, None])
         pos = tl.load(pos_ptr + token, mask=ok, other=0).to(tl.int64)
-        _rotate_into(q_pe_ptr, token * stride_qpt + head * stride_qph, q_out_ptr + RANK, out_row, ok, pos, cos_ptr,
-                     sin_ptr, stride_table, ROPE // 2, INTERLEAVED)
+        rotate_rows_into(q_pe_ptr, token * stride_qpt + head * stride_qph, q_out_ptr + RANK, out_row, ok, pos, cos_ptr,
+                         sin_ptr, stride_table, ROPE // 2, INTERLEAVED, "")
     else:
         ok = rows < n_tokens
         token = rows.to(tl.int64)
@@ -90,8 +68,8 @@ def _latent_cache_write_kernel(
         tl.store(cache_ptr + dest_row[:, None] + cols[None, :], y.to(cache_ptr.dtype.element_ty),
                  mask=mask & ok[:, None])
         pos = tl.load(pos_ptr + token, mask=ok, other=0).to(tl.int64)
-        _rotate_into(kv_ptr + RANK, token * stride_kv, cache_ptr + RANK, dest_row, ok, pos, cos_ptr, sin_ptr,
-                     stride_table, ROPE // 2, INTERLEAVED)
+        rotate_rows_into(kv_ptr + RANK, token * stride_kv, cache_ptr + RANK, dest_row, ok, pos, cos_ptr, sin_ptr,
+                         stride_table, ROPE // 2, INTERLEAVED, "")
 
 
 def latent_cache_write_reference(q_latent: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor,

@@ -46,6 +46,31 @@ def rotate_halves(x1, x2, cos, sin):
 
 
 @triton.jit
+def rotate_rows_into(src_ptr, src_row, dest_ptr, dest_row, ok, pos, cos_ptr, sin_ptr, stride_table,
+                     HALF: tl.constexpr, INTERLEAVED: tl.constexpr, CACHE: tl.constexpr):
+    """Rotate the rows ``src_ptr + src_row`` (``[ROWS]`` offsets; rows `ok` only) at positions
+    `pos` into ``dest_ptr + dest_row`` as NeoX halves, with `rotate_halves`: the fused kernels'
+    shared rotation (`rotary_cache_write`, `latent_cache_write`). `INTERLEAVED` de-interleaves
+    DeepSeek's pairs on the way in (the first half is the even dims, the second the odd ones);
+    `CACHE` is the loads' cache modifier (".cg" to read rows this program just stored)."""
+    d = tl.arange(0, HALF)
+    cos = tl.load(cos_ptr + pos[:, None] * stride_table + d[None, :])
+    sin = tl.load(sin_ptr + pos[:, None] * stride_table + d[None, :])
+    if INTERLEAVED:
+        at1 = src_ptr + src_row[:, None] + 2 * d[None, :]
+        at2 = at1 + 1
+    else:
+        at1 = src_ptr + src_row[:, None] + d[None, :]
+        at2 = at1 + HALF
+    x1 = tl.load(at1, mask=ok[:, None], other=0.0, cache_modifier=CACHE).to(tl.float32)
+    x2 = tl.load(at2, mask=ok[:, None], other=0.0, cache_modifier=CACHE).to(tl.float32)
+    o1, o2 = rotate_halves(x1, x2, cos, sin)
+    out = dest_ptr + dest_row[:, None] + d[None, :]
+    tl.store(out, o1.to(dest_ptr.dtype.element_ty), mask=ok[:, None])
+    tl.store(out + HALF, o2.to(dest_ptr.dtype.element_ty), mask=ok[:, None])
+
+
+@triton.jit
 def _rotary_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, out_ptr, n_heads,
                    stride_xt, stride_xh, stride_ot, stride_oh, stride_table,
                    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, SIGN: tl.constexpr):

@@ -31,7 +31,7 @@ from ._triton import next_power_of_2, require_triton, tl, triton
 from .backend import select
 from .kv_cache_write import check_cache_rows, kv_cache_write
 from .rms_norm import load_rows, norm_tile, normalize_rows, rms_norm
-from .rotary import apply_rotary, rotate_halves
+from .rotary import apply_rotary, rotate_rows_into
 
 
 @triton.jit
@@ -59,18 +59,9 @@ def _rotate_rows_into(x_ptr, stride_t, stride_h, heads, n_rows, w_ptr, dest_ptr,
         tl.store(dest_ptr + dest_row[:, None] + cols[None, :], y.to(dest_ptr.dtype.element_ty), mask=mask & ok[:, None])
         tl.debug_barrier()  # the rotation below reads those rows back, in another layout
         src, src_row = dest_ptr, dest_row
-    d = tl.arange(0, half)
     pos = tl.load(pos_ptr + token, mask=ok, other=0).to(tl.int64)
-    cos = tl.load(cos_ptr + pos[:, None] * stride_table + d[None, :])
-    sin = tl.load(sin_ptr + pos[:, None] * stride_table + d[None, :])
-    at = src + src_row[:, None] + d[None, :]
     # ".cg": read from L2, where the stores above landed, never from a stale L1 line
-    x1 = tl.load(at, mask=ok[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
-    x2 = tl.load(at + half, mask=ok[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
-    o1, o2 = rotate_halves(x1, x2, cos, sin)
-    out = dest_ptr + dest_row[:, None] + d[None, :]
-    tl.store(out, o1.to(dest_ptr.dtype.element_ty), mask=ok[:, None])
-    tl.store(out + half, o2.to(dest_ptr.dtype.element_ty), mask=ok[:, None])
+    rotate_rows_into(src, src_row, dest_ptr, dest_row, ok, pos, cos_ptr, sin_ptr, stride_table, half, False, ".cg")
 
 
 @triton.jit
