@@ -18,34 +18,6 @@ DEVICE = "cpu" if INTERPRET else "cuda"
 #: kernels.attention does (check_triton_kernels.py accepts 2e-2 there); the interpreter is exact.
 FP32_TOL = 1e-5 if INTERPRET else 2e-2
 
-
-def _patch_interpreter_bf16_dot():
-    """As check_triton_kernels.py: triton 3.6's interpreter matmuls bf16's raw bit patterns in
-    tl.dot; widen bf16 operands to fp32 first (idempotent; the GPU compiler is not affected)."""
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    builder = interpreter.InterpreterBuilder
-    if getattr(builder.create_dot, "_widens_bf16", False):
-        return
-    original = builder.create_dot
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        def widen(x):
-            if x.dtype.scalar == tl.bfloat16:
-                data = interpreter._convert_float(x.data, tl.bfloat16, tl.float32, None).view(np.float32)
-                return interpreter.TensorHandle(data, tl.float32)
-            return x
-        return original(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
-
-    create_dot._widens_bf16 = True
-    builder.create_dot = create_dot
-
-
-if INTERPRET:
-    _patch_interpreter_bf16_dot()
-
 from vexact_models.kernels import PagedLayout, attention, attention_packed, kv_cache_write, use_backend  # noqa: E402
 from vexact_models.kernels.attention_backward import attention_math  # noqa: E402
 from vexact_models.kernels.head_linear import head_linear  # noqa: E402

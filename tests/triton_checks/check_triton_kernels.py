@@ -19,29 +19,7 @@ if not (INTERPRET and os.environ.get("VEXACT_BACKEND") == "triton") and not torc
     pytest.skip("needs a GPU, or TRITON_INTERPRET=1 VEXACT_BACKEND=triton", allow_module_level=True)
 DEVICE = "cpu" if INTERPRET else "cuda"
 
-import numpy as np
-import triton.language as tl
-from triton.runtime import interpreter as _interpreter
-
-
-def _patch_interpreter_bf16_dot():
-    """triton 3.6's interpreter keeps bf16 as uint16 and matmuls the raw bit patterns in
-    tl.dot; convert bf16 operands to fp32 first (the GPU compiler is not affected)."""
-    builder = _interpreter.InterpreterBuilder
-    original = builder.create_dot
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        def widen(x):
-            if x.dtype.scalar == tl.bfloat16:
-                data = _interpreter._convert_float(x.data, tl.bfloat16, tl.float32, None).view(np.float32)
-                return _interpreter.TensorHandle(data, tl.float32)
-            return x
-        return original(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
-
-    builder.create_dot = create_dot
-
-
-_patch_interpreter_bf16_dot()
+# (the interpreter's tl.dot is patched in conftest.py)
 
 from vexact_models.kernels import (PagedLayout, add_rms_norm, apply_rotary, attention, attention_packed, gather_logprobs,
                                    kv_cache_write, linear, log_softmax, rms_norm, rope_table, sample_tokens,
