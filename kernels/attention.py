@@ -18,8 +18,10 @@ prefill and training tiles differ): each row's softmax denominator is summed in 
 wgmma), warp and stage count bitwise equal. A tile may run past a row's last key; those blocks
 are fully masked and leave the row's state bitwise unchanged (p = 0, alpha = exp2(0) = 1). No
 split-KV. Packed training K/V may arrive by TMA instead of pointer loads (`kv_descriptors`):
-the same values in the same tiles, so the same bits, and 1.4-1.6x faster on the H200. The
-reference does the same on CPU with `exact_math`. The backward (`attention_backward.py`) is
+the same values in the same tiles, so the same bits, and 1.4-1.6x faster on the H200; so may the
+whole key blocks of a decode launch of few programs over pages of 64 (`page_descriptors`, one
+copy per block from its page: 1.16-1.20x at 32 sequences of 1k-8k tokens). The reference does the
+same on CPU with `exact_math`. The backward (`attention_backward.py`) is
 correct, not invariant.
 """
 
@@ -35,7 +37,8 @@ from ._triton import (deep_pipeline, has_tma, launch_staged, next_power_of_2, nu
                       tma_rows_aligned, triton)
 from .attention_fa4 import attention_fa4
 from .attention_forward_choice import choose_attention_forward
-from .attention_tiles import DECODE_BLOCK_M, HEAD_DIMS, VALUE_HEAD_DIMS, AttentionConfig, pick_config, split_mask
+from .attention_tiles import (BLOCK_N, DECODE_BLOCK_M, HEAD_DIMS, VALUE_HEAD_DIMS, AttentionConfig, few_decode_programs,
+                              pick_config, split_mask)
 from .backend import select
 from .latent_attention import latent_attention_triton, value_in_key
 from .row_sum import lane_sums, row_sum_halves, row_sum_levels
@@ -112,7 +115,7 @@ def _attention_fwd_kernel(
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUM_LEVELS: tl.constexpr,
-    LANE_SUMS: tl.constexpr, KV_DESC: tl.constexpr, SPLIT_MASK: tl.constexpr,
+    LANE_SUMS: tl.constexpr, KV_DESC: tl.constexpr, PAGE_DESC: tl.constexpr, SPLIT_MASK: tl.constexpr,
 ):
     # the last tiles of a causal sequence have the most keys: launch them first, so that the
     # light ones fill the end of the grid instead of a few heavy ones running alone
@@ -169,6 +172,21 @@ def _attention_fwd_kernel(
             v = v_desc.load([q_start + start, kv_head * HEAD_DIM_V])
             m_i, l_i, acc = _attend_block(q, k, v, k_pos, k_pos < n_keys, q_pos, m_i, l_i, acc, scale_log2, SUM_LEVELS,
                                           LANE_SUMS, True)
+    elif PAGE_DESC:
+        # Decode over pages of whole key blocks: each block wholly below n_keys is one TMA copy
+        # from its page, and the next block's slot is read a block ahead, so that the copies get
+        # two buffers (a copy whose address waits on a load of the same iteration gets one). The
+        # partial last block takes the pointer loads below, which never read an unwritten slot.
+        first = n_keys // BLOCK_N * BLOCK_N
+        slot = tl.load(table_row, mask=first > 0, other=0) * page_size
+        for start in range(0, first, BLOCK_N):
+            k = k_desc.load([slot, kv_head * HEAD_DIM])
+            v = v_desc.load([slot, kv_head * HEAD_DIM_V])
+            ahead = start + BLOCK_N
+            slot = tl.load(table_row + ahead // page_size, mask=ahead < first, other=0) * page_size + ahead % page_size
+            k_pos = start + tl.arange(0, BLOCK_N)
+            m_i, l_i, acc = _attend_block(q, k, v, k_pos, k_pos < n_keys, q_pos, m_i, l_i, acc, scale_log2, SUM_LEVELS,
+                                          LANE_SUMS, True)
     else:
         if SPLIT_MASK:
             for start in range(0, unmasked, BLOCK_N):
@@ -177,7 +195,7 @@ def _attention_fwd_kernel(
                 m_i, l_i, acc = _attend_block(q, k, v, k_pos, k_ok, q_pos, m_i, l_i, acc, scale_log2, SUM_LEVELS,
                                               LANE_SUMS, False)
         first = unmasked
-    for start in range(first, n_keys, BLOCK_N):  # the diagonal blocks (KV_DESC: only the partial last one)
+    for start in range(first, n_keys, BLOCK_N):  # the diagonal blocks (KV_DESC, PAGE_DESC: the partial last one)
         k, v, k_pos, k_ok = _paged_block(k_ptr, v_ptr, table_row, start, n_keys, page_size, kv_head, stride_ks,
                                          stride_kh, stride_vs, stride_vh, d, d_ok, dv, BLOCK_N)
         m_i, l_i, acc = _attend_block(q, k, v, k_pos, k_ok, q_pos, m_i, l_i, acc, scale_log2, SUM_LEVELS, LANE_SUMS, True)
@@ -198,6 +216,17 @@ def kv_descriptors_fit(k: torch.Tensor, v: torch.Tensor) -> bool:
         for t in (k, v))
 
 
+def page_descriptors_fit(k_cache: torch.Tensor, v_cache: torch.Tensor, page_size: int, rows_per_seq: int) -> bool:
+    """Whether a launch over the paged caches ``[slots, Hkv, D]`` may read its whole key blocks
+    through TMA tensor descriptors (`attention_triton`'s ``page_descriptors``): a decode launch
+    (<= `DECODE_BLOCK_M` (query token, head) rows per sequence), a 16-bit cache, pages of a
+    multiple of the key block `BLOCK_N` (a block then lies in one page) and what
+    `kv_descriptors_fit` asks of packed K/V (Hopper, power-of-two head dims, heads side by side
+    in 16-byte aligned rows)."""
+    return (rows_per_seq <= DECODE_BLOCK_M and page_size % BLOCK_N == 0 and k_cache.dtype in (torch.bfloat16, torch.float16)
+            and kv_descriptors_fit(k_cache, v_cache))
+
+
 def _kv_descriptor(x: torch.Tensor, block_n: int):
     """A TMA descriptor over ``x [T, H, D]`` seen as ``[T, H*D]``: one block is `block_n` rows of
     one head."""
@@ -207,13 +236,16 @@ def _kv_descriptor(x: torch.Tensor, block_n: int):
 
 
 def attention_triton(q, k_cache, v_cache, layout: PagedLayout, scale: float, config: AttentionConfig | None = None,
-                     kv_descriptors: bool = False):
+                     kv_descriptors: bool = False, page_descriptors: bool | None = None):
     """(out, lse) of the GQA kernel with `config` (default `pick_config`'s). Public for the GPU
     sweeps that compare launch parameters (benchmarks/attention_configs.py); models call `attention`.
 
     `kv_descriptors`: `k_cache`/`v_cache` are packed training tensors and `layout` is their
     `packed_layout`; whole key blocks are then read through TMA descriptors (the same values,
-    so the same bits; check `kv_descriptors_fit` first on a GPU)."""
+    so the same bits; check `kv_descriptors_fit` first on a GPU). `page_descriptors`: a decode
+    launch over paged caches reads its whole key blocks through TMA descriptors, page by page
+    (default: where `page_descriptors_fit` and the launch has few programs,
+    `few_decode_programs`; the same bits)."""
     require_triton("attention")
     if kv_descriptors and layout.page_size != 1:
         raise ValueError(f"attention_triton: kv_descriptors=True needs packed K/V (a packed_layout, page_size 1), "
@@ -229,9 +261,17 @@ def attention_triton(q, k_cache, v_cache, layout: PagedLayout, scale: float, con
     k = k_cache.reshape(-1, n_kv_heads, head_dim)
     v = v_cache.reshape(-1, n_kv_heads, head_dim_v)
     rows = layout.max_seqlen_q * group
-    cfg = config or pick_config(head_dim, rows, q.dtype, n_seqs * n_kv_heads * triton.cdiv(rows, DECODE_BLOCK_M),
-                                num_sms(q.device), deep_pipeline(q.device))
-    descs = (_kv_descriptor(k, cfg.block_n), _kv_descriptor(v, cfg.block_n)) if kv_descriptors else (None, None)
+    programs, sms, deep = n_seqs * n_kv_heads * triton.cdiv(rows, DECODE_BLOCK_M), num_sms(q.device), deep_pipeline(q.device)
+    if page_descriptors is None:  # where they pay: launches of few programs (`pick_config`)
+        page_descriptors = (not kv_descriptors and few_decode_programs(programs, sms, deep)
+                            and page_descriptors_fit(k, v, layout.page_size, rows))
+    cfg = config or pick_config(head_dim, rows, q.dtype, programs, sms, deep, page_descriptors)
+    if page_descriptors and (kv_descriptors or layout.page_size % cfg.block_n or split_mask(cfg)):
+        raise ValueError(f"attention_triton: page_descriptors=True needs paged decode tiles (not kv_descriptors, no "
+                         f"split mask) over pages of a multiple of block_n={cfg.block_n}, got "
+                         f"page_size={layout.page_size}, block_m={cfg.block_m}, kv_descriptors={kv_descriptors}")
+    descs = ((_kv_descriptor(k, cfg.block_n), _kv_descriptor(v, cfg.block_n)) if kv_descriptors or page_descriptors
+             else (None, None))
     grid = (triton.cdiv(layout.max_seqlen_q * group, cfg.block_m), n_seqs, n_kv_heads)
     args = (q, k, v, out, lse, *descs, layout.cu_seqlens_q, layout.seq_lens, layout.block_table,
             layout.page_size, scale * math.log2(math.e),
@@ -239,9 +279,9 @@ def attention_triton(q, k_cache, v_cache, layout: PagedLayout, scale: float, con
             out.stride(0), out.stride(1), layout.block_table.stride(0))
     kwargs = dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=next_power_of_2(head_dim),
                   BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SUM_LEVELS=row_sum_levels(cfg.block_n),
-                  LANE_SUMS=lane_sums(cfg.block_m, cfg.num_warps), KV_DESC=kv_descriptors, SPLIT_MASK=split_mask(cfg),
-                  num_warps=cfg.num_warps)
-    key = ("attention", q.device, q.dtype, group, head_dim, head_dim_v, cfg, kv_descriptors)
+                  LANE_SUMS=lane_sums(cfg.block_m, cfg.num_warps), KV_DESC=kv_descriptors, PAGE_DESC=page_descriptors,
+                  SPLIT_MASK=split_mask(cfg), num_warps=cfg.num_warps)
+    key = ("attention", q.device, q.dtype, group, head_dim, head_dim_v, cfg, kv_descriptors, page_descriptors)
     launch_staged(_attention_fwd_kernel, grid, args, kwargs, cfg.num_stages, key, fallback=config is None)
     return out, lse
 

@@ -34,7 +34,7 @@ class AttentionConfig:
 
 
 def pick_config(head_dim: int, rows_per_seq: int, dtype: torch.dtype, programs: int = 0,
-                sm_count: int = 0, deep_pipeline: bool = False) -> AttentionConfig:
+                sm_count: int = 0, deep_pipeline: bool = False, page_descriptors: bool = False) -> AttentionConfig:
     """The launch parameters for a head dim and dtype, for a launch whose longest sequence has
     `rows_per_seq` (query token, head) rows. Chosen by `benchmarks/attention_configs.py` on the
     H200 (docs/gpu-results.md); every choice gives the same bits (the module docstring). Decode
@@ -49,19 +49,30 @@ def pick_config(head_dim: int, rows_per_seq: int, dtype: torch.dtype, programs: 
     stages where `deep_pipeline` says the GPU's shared memory holds them (Hopper): with that few
     programs the loads must overlap within one, 1.13-1.16x at 32 sequences of Qwen3-8B over 1k-8k
     tokens (thirteenth session), while more programs hide the latency among themselves and five
-    stages cost them 1.1-1.3x. fp32: a padded 256-wide fp32 K tile does not fit two stages in
-    shared memory."""
+    stages cost them 1.1-1.3x. Where such a launch reads whole key blocks by TMA from pages of 64
+    (`page_descriptors`, `attention.page_descriptors_fit`), three stages give the copies two
+    buffers: 1.16-1.20x the five-stage pointer loads at 32 sequences of 1k-8k tokens (nineteenth
+    session); with many programs TMA pages lost (0.87-0.99x), so they keep pointer loads.
+    fp32: a padded 256-wide fp32 K tile does not fit two stages in shared memory."""
     wide = head_dim > 128
     if dtype == torch.float32:
         return AttentionConfig(BLOCK_M, BLOCK_N, 8 if wide else 4, 1 if wide else NUM_STAGES)
     if rows_per_seq <= DECODE_BLOCK_M:
         if wide:
             return AttentionConfig(DECODE_BLOCK_M, BLOCK_N, 2, 1)
-        few = deep_pipeline and 0 < programs <= 2 * sm_count
-        return AttentionConfig(DECODE_BLOCK_M, BLOCK_N, 4, 5 if few else 3)
+        if few_decode_programs(programs, sm_count, deep_pipeline):
+            return AttentionConfig(DECODE_BLOCK_M, BLOCK_N, 4, 3 if page_descriptors else 5)
+        return AttentionConfig(DECODE_BLOCK_M, BLOCK_N, 4, 3)
     if rows_per_seq <= BLOCK_M:
         return AttentionConfig(BLOCK_M, BLOCK_N, 4, 1 if wide else NUM_STAGES)
     return AttentionConfig(2 * BLOCK_M, BLOCK_N, 8 if wide else 4, NUM_STAGES)
+
+
+def few_decode_programs(programs: int, sm_count: int, deep_pipeline: bool) -> bool:
+    """Whether a decode launch of `programs` (sequence, KV head) tiles has at most two per SM of a
+    GPU whose shared memory holds a deep pipeline (Hopper): each program must then overlap its
+    own loads, which pointer loads do at five stages and TMA page copies at three (`pick_config`)."""
+    return deep_pipeline and 0 < programs <= 2 * sm_count
 
 
 def split_mask(config: AttentionConfig) -> bool:

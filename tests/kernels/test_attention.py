@@ -184,7 +184,77 @@ def test_decode_launches_of_few_programs_take_a_deeper_pipeline_where_it_fits():
     assert pick_config(128, 64, torch.bfloat16, 8, 132, True).num_stages == 2
 
 
+def test_decode_launches_of_few_programs_read_pages_by_tma_at_three_stages():
+    """TMA page copies overlap at three stages (two buffers), where pointer loads need five; a
+    launch of many programs keeps the pointer loads' three stages (TMA did not pay there)."""
+    from vexact_models.kernels.attention import AttentionConfig, few_decode_programs, pick_config
+
+    assert pick_config(128, 4, torch.bfloat16, 32 * 8, 132, True, True) == AttentionConfig(16, 64, 4, 3)
+    assert few_decode_programs(264, 132, True) and not few_decode_programs(265, 132, True)
+    assert not few_decode_programs(8, 132, False) and not few_decode_programs(0, 132, True)
+
+
 def test_deep_pipeline_is_a_cuda_property():
     from vexact_models.kernels._triton import deep_pipeline
 
     assert deep_pipeline("cpu") is False
+
+
+def test_page_descriptors_fit_decode_launches_over_pages_of_whole_blocks(monkeypatch):
+    """Whole key blocks come by TMA page by page only for decode tiles (<= 16 rows per sequence),
+    16-bit caches and pages of a multiple of the 64-key block, on top of `kv_descriptors_fit`."""
+    import importlib
+
+    module = importlib.import_module("vexact_models.kernels.attention")
+    monkeypatch.setattr(module, "has_tma", lambda device: True)
+    k, v = (torch.randn(256, 8, 128).bfloat16() for _ in range(2))
+    assert module.page_descriptors_fit(k, v, 64, 4) and module.page_descriptors_fit(k, v, 128, 16)
+    assert not module.page_descriptors_fit(k, v, 16, 4)  # a block spans four pages
+    assert not module.page_descriptors_fit(k, v, 64, 17)  # a prefill chunk's tile
+    assert not module.page_descriptors_fit(k.float(), v.float(), 64, 4)
+
+
+def test_page_descriptors_refuse_pages_that_split_a_block():
+    from vexact_models.kernels.attention import attention_triton
+
+    q, k, v, _ = _packed([4], 2, 2, 64, dtype=torch.bfloat16)
+    layout = PagedLayout(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([4], dtype=torch.int32),
+                         torch.zeros(1, 1, dtype=torch.int32), 16, 1)
+    with pytest.raises(ValueError, match="page_descriptors=True needs .*page_size=16"):
+        attention_triton(q[:1], k, v, layout, 0.1, page_descriptors=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9),
+                    reason="TMA loads need a Hopper or newer GPU")
+@pytest.mark.parametrize("hq,hkv", [(16, 8), (32, 8)])  # Qwen3-0.6B, Qwen3-8B
+def test_decode_by_page_tma_equals_pointer_loads_and_training_bitwise(hq, hkv):
+    """Decode over shuffled pages of 64 (NaN in every unwritten slot): whole key blocks by TMA
+    (the default for so few programs), the same launch by pointer loads, and the packed training
+    forward agree bitwise."""
+    from vexact_models.kernels.attention import attention_triton, page_descriptors_fit
+
+    d, page = 128, 64
+    lens = [1, 63, 64, 65, 200, 517]
+    gen = torch.Generator().manual_seed(hq)
+    t = sum(lens)
+    q, k, v = (torch.randn(t, h, d, generator=gen).bfloat16().cuda() for h in (hq, hkv, hkv))
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
+    packed = attention_packed(q, k, v, cu.cuda(), max(lens))
+    pages = [-(-n // page) for n in lens]
+    ids = torch.randperm(sum(pages), generator=gen).tolist()
+    table = torch.tensor([ids[sum(pages[:s]):sum(pages[:s + 1])] + [0] * (max(pages) - pages[s])
+                          for s in range(len(lens))], dtype=torch.int32)
+    kc, vc = (torch.full((sum(pages) * page, hkv, d), float("nan"), dtype=torch.bfloat16) for _ in range(2))
+    for s, n in enumerate(lens):
+        slots = [int(table[s, p // page]) * page + p % page for p in range(n)]
+        kc[slots], vc[slots] = k[int(cu[s]):int(cu[s + 1])].cpu(), v[int(cu[s]):int(cu[s + 1])].cpu()
+    kc, vc = kc.cuda(), vc.cuda()
+    layout = PagedLayout(torch.arange(len(lens) + 1, dtype=torch.int32).cuda(),
+                         torch.tensor(lens, dtype=torch.int32).cuda(), table.cuda(), page, 1)
+    last = (cu[1:] - 1).long().cuda()
+    assert page_descriptors_fit(kc, vc, page, hq // hkv)
+    by_tma, lse_tma = attention_triton(q[last], kc, vc, layout, d ** -0.5)
+    by_ptr, lse_ptr = attention_triton(q[last], kc, vc, layout, d ** -0.5, page_descriptors=False)
+    assert torch.equal(by_tma, by_ptr) and torch.equal(lse_tma, lse_ptr)
+    assert torch.equal(by_tma, packed[last]) and not by_tma.isnan().any()

@@ -148,6 +148,40 @@ def test_attention_kv_descriptors_match_pointer_loads(hq, hkv, d, dtype):
         assert torch.equal(out_tma, out) and torch.equal(lse_tma, lse), cfg
 
 
+@pytest.mark.parametrize("hq,hkv,q_len", [(16, 8, 1), (32, 8, 1), (8, 2, 2)])
+def test_attention_decode_load_paths_match(hq, hkv, q_len):
+    """Decode launches over shuffled pages of 64 (NaN in every unwritten slot) give bitwise the
+    same output and lse whether whole key blocks come by TMA page by page or by pointer loads;
+    sequences end before, at and after a block's end (`q_len` > 1: a short chunk, whose rows mask
+    within a block)."""
+    from vexact_models.kernels.attention import AttentionConfig, attention_reference, attention_triton
+
+    d, page = 128, 64
+    lens = [1, 63, 64, 65, 130, 200]
+    pages = [-(-n // page) for n in lens]
+    gen = torch.Generator().manual_seed(hq + q_len)
+    ids = torch.randperm(sum(pages), generator=gen).tolist()
+    table = torch.tensor([ids[sum(pages[:s]):sum(pages[:s + 1])] + [0] * (max(pages) - pages[s])
+                          for s in range(len(lens))], dtype=torch.int32)
+    caches = [torch.full((sum(pages) * page, hkv, d), float("nan"), dtype=torch.bfloat16) for _ in range(2)]
+    for s, n in enumerate(lens):
+        slots = [int(table[s, p // page]) * page + p % page for p in range(n)]
+        for cache in caches:
+            cache[slots] = torch.randn(n, hkv, d, generator=gen).bfloat16()
+    k, v = (c.to(DEVICE) for c in caches)
+    q_lens = [min(q_len, n) for n in lens]
+    q = torch.randn(sum(q_lens), hq, d, generator=gen).bfloat16().to(DEVICE)
+    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
+    layout = PagedLayout(cu.to(DEVICE), torch.tensor(lens, dtype=torch.int32).to(DEVICE), table.to(DEVICE), page, q_len)
+    for cfg in (AttentionConfig(16, 64, 4, 3), AttentionConfig(16, 64, 4, 5)):
+        out, lse = attention_triton(q, k, v, layout, d ** -0.5, cfg, page_descriptors=False)
+        by_tma, lse_tma = attention_triton(q, k, v, layout, d ** -0.5, cfg, page_descriptors=True)
+        assert not out.isnan().any() and torch.equal(by_tma, out) and torch.equal(lse_tma, lse), cfg
+    if INTERPRET:  # (on the GPU, tests/kernels/test_attention.py compares with the training forward bitwise)
+        ref = attention_reference(q.float(), k.float().nan_to_num(), v.float().nan_to_num(), layout, d ** -0.5)
+        close(out.float(), ref, 2e-2)
+
+
 @pytest.mark.parametrize("d,dv,dtype", [(64, 64, torch.bfloat16), (192, 128, torch.bfloat16), (192, 128, torch.float32)])
 def test_attention_backward(d, dv, dtype):
     lens = [3, 40, 90]
