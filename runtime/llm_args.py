@@ -12,6 +12,7 @@ import os
 
 import torch
 
+from ..kernels.attention_tiles import VALUE_HEAD_DIMS
 from .sampling_params import MAX_SEED
 
 #: Floating dtypes the kernels take (the reference backend also takes float64).
@@ -62,15 +63,20 @@ def resolve_device(device: object) -> torch.device | None:
 
 
 DEFAULT_BLOCK_SIZE = 16
-LATENT_BLOCK_SIZE = 64  # a latent MLA page holds whole 64-key blocks: its decode reads them by TMA
+TMA_BLOCK_SIZE = 64  # a page of whole 64-key blocks: decode reads each block by one TMA copy
 
 
 def default_block_size(kv_cache_spec) -> int:
-    """`LLM`'s page size when none is given: 64 positions for a latent MLA cache (the value a view
-    of the key, `KVCacheSpec.value_in_key`), whose decode kernel then reads whole key blocks by
-    TMA (`kernels/latent_attention.py`, 1.2-1.6x; vLLM's FlashMLA takes pages of 64 as well),
-    else 16. A page size never changes a bit (docs/design.md rule 2)."""
-    return LATENT_BLOCK_SIZE if getattr(kv_cache_spec, "value_in_key", False) else DEFAULT_BLOCK_SIZE
+    """`LLM`'s page size when none is given: 64 positions where the decode kernel reads whole
+    key blocks by TMA from pages of whole blocks (on Hopper): a latent MLA cache (the value a view
+    of the key, `KVCacheSpec.value_in_key`; `kernels/latent_attention.py`, 1.2-1.6x; vLLM's
+    FlashMLA takes pages of 64 as well) and GQA caches of head dims 64 or 128
+    (`kernels/attention.py: page_descriptors_fit`); else 16 (MLA's expanded 192-wide keys). A page
+    size never changes a bit (docs/design.md rule 2)."""
+    _, _, head_dim_k, head_dim_v = kv_cache_spec
+    by_tma = getattr(kv_cache_spec, "value_in_key", False) or (head_dim_k in VALUE_HEAD_DIMS
+                                                                and head_dim_v in VALUE_HEAD_DIMS)
+    return TMA_BLOCK_SIZE if by_tma else DEFAULT_BLOCK_SIZE
 
 
 def check_engine_args(*, block_size: object, max_num_seqs: object, max_num_batched_tokens: object,

@@ -321,3 +321,15 @@ def test_max_model_len_caps_the_output(model):
 
 # -- 11. update_weights and shared storage --------------------------------------------------------
 
+
+
+def test_default_page_size_holds_whole_key_blocks_where_decode_reads_them_by_tma():
+    """`LLM`'s default page size: 64 positions for GQA caches of head dim 64 or 128 (decode
+    launches of few programs read whole key blocks by TMA from such pages on Hopper) and for
+    latent MLA caches; 16 for other head dims (MLA's expanded 192-wide keys, tiny test models)."""
+    from vexact_models.deepseek_v3.latent_attention import KVCacheSpec
+    from vexact_models.runtime.llm_args import default_block_size
+
+    assert default_block_size((36, 8, 128, 128)) == 64 and default_block_size((2, 4, 64, 64)) == 64
+    assert default_block_size((27, 16, 192, 128)) == 16 and default_block_size((2, 2, 16, 16)) == 16
+    assert default_block_size(KVCacheSpec(27, 1, 576, 512, value_in_key=True)) == 64
