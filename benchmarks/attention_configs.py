@@ -36,6 +36,9 @@ GQA_CASES = [("moonlight expanded decode", "decode", 16, 16, 192, 128, 256, 528)
              ("moonlight expanded train 8x4096", "train", 16, 16, 192, 128, 8, 4096),
              ("qwen3-8b decode", "decode", 32, 8, 128, 128, 128, 1024),
              ("qwen3-0.6b decode", "decode", 16, 8, 128, 128, 256, 640),
+             # the decode steps of benchmarks/decode_profile.py (512-token prompts, 64 new tokens)
+             ("qwen3-8b decode 256x544", "decode", 32, 8, 128, 128, 256, 544),
+             ("qwen3-0.6b decode 128x544", "decode", 16, 8, 128, 128, 128, 544),
              # the late steps of a reasoning rollout: few sequences, long contexts
              ("qwen3-8b decode 32x8192", "decode", 32, 8, 128, 128, 32, 8192),
              ("qwen3-8b decode 32x1024", "decode", 32, 8, 128, 128, 32, 1024),
@@ -98,6 +101,7 @@ def attention_flops(kind, heads, d, dv, seqs, length) -> float:
 
 def sweep_case(case, latent: bool, hbm: float, keep_configs: tuple[str, ...] = (), page: int = PAGE) -> list[list]:
     from vexact_models.kernels.attention import attention_triton, kv_descriptors_fit
+    from vexact_models.kernels.attention import page_descriptors_fit as gqa_page_fit
     from vexact_models.kernels.latent_attention import latent_attention_triton, page_descriptors_fit
 
     name, kind, heads, kv_heads, d, dv, seqs, length = case
@@ -106,20 +110,24 @@ def sweep_case(case, latent: bool, hbm: float, keep_configs: tuple[str, ...] = (
     flops = attention_flops(kind, heads, d, dv, seqs, length)
 
     tma = kind == "train" and not latent and kv_descriptors_fit(k, v)  # as training reads packed K/V
-    # latent decode over pages of whole key blocks: each candidate by pointer loads and by TMA
-    page_tma = latent and page_descriptors_fit(k.reshape(-1, kv_heads, d), layout.page_size, dv, heads * layout.max_seqlen_q)
+    # decode over pages of whole key blocks: each candidate by pointer loads and by TMA
+    rows_per_seq = heads // kv_heads * layout.max_seqlen_q
+    flat_k = k.reshape(-1, kv_heads, d)
+    page_tma = kind == "decode" and (
+        page_descriptors_fit(flat_k, layout.page_size, dv, rows_per_seq) if latent
+        else gqa_page_fit(flat_k, v.reshape(-1, kv_heads, dv), layout.page_size, rows_per_seq))
 
     def run(cfg, by_tma=False):
         if latent:
             return latent_attention_triton(q, k, dv, layout, scale, cfg, kv_descriptors=by_tma)[0]
-        return attention_triton(q, k, v, layout, scale, cfg, kv_descriptors=tma)[0]
+        return attention_triton(q, k, v, layout, scale, cfg, kv_descriptors=tma, page_descriptors=by_tma)[0]
 
     rows, refs, best = [], {}, None
     candidates = (latent_candidates if latent else gqa_candidates)(kind)
     for cfg, by_tma in ((c, t) for c in candidates for t in ((False, True) if page_tma else (False,))):
         if keep_configs and not _label(cfg).startswith(keep_configs):
             continue
-        if by_tma and (cfg.value_chunks != 1 or cfg.block_m != 16 or layout.page_size % cfg.block_n):
+        if by_tma and (getattr(cfg, "value_chunks", 1) != 1 or cfg.block_m != 16 or layout.page_size % cfg.block_n):
             continue
         try:
             out = run(cfg, by_tma)

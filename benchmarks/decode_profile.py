@@ -86,19 +86,21 @@ def _kernels_in_ranges(events, ranges: list[tuple[float, float]]) -> tuple[dict[
     return kernels, counts
 
 
-def profile_decode(model, vocab: int, batch: int, context: int, steps: int):
+def profile_decode(model, vocab: int, batch: int, context: int, steps: int, block_size: int | None = None):
     """(median wall seconds of a full-batch decode step with async scheduling and one step at a
     time, {kernel name: GPU seconds per such step}, {kernel name: launches per such step}, number
     of steps profiled).
 
     Unprofiled `generate` calls time the steps (the profiler slows the host); a last one,
-    profiled, attributes kernels to its full-batch decode steps (`_mark_decode_steps`)."""
+    profiled, attributes kernels to its full-batch decode steps (`_mark_decode_steps`). `block_size`:
+    the engine's page size (None: `LLM`'s default)."""
     from torch.profiler import ProfilerActivity, profile
 
     from vexact_models.runtime import LLM, SamplingParams
 
     rng = random.Random(0)
-    llm = LLM(model, max_num_seqs=batch, max_model_len=context + steps + 16, gpu_memory_utilization=0.85)
+    llm = LLM(model, max_num_seqs=batch, max_model_len=context + steps + 16, gpu_memory_utilization=0.85,
+              block_size=block_size)
     prompts = [[rng.randrange(vocab) for _ in range(context)] for _ in range(batch)]
     params = SamplingParams(temperature=0.6, max_tokens=steps, ignore_eos=True, seed=0)
     llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
@@ -126,7 +128,10 @@ def main(argv=None) -> int:
     parser.add_argument("--set", action="append", metavar="KEY=VALUE",
                         help="override a config field (JSON value; repeatable), e.g. --set n_routed_experts=8")
     parser.add_argument("--mla-kv-cache", choices=("expanded", "latent"), help="MLA models: the KV cache mode")
+    parser.add_argument("--block-size", type=int, help="positions per KV page (default: LLM's own, `default_block_size`)")
     args = parser.parse_args(argv)
+    if args.block_size is not None and args.block_size < 1:
+        parser.error(f"--block-size must be >= 1, got {args.block_size}")
     if not torch.cuda.is_available():
         print("benchmarks/decode_profile.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -140,10 +145,11 @@ def main(argv=None) -> int:
             parser.error(f"--mla-kv-cache: {args.config} is not an MLA model")
         model.set_mla_kv_cache(args.mla_kv_cache)
     (step, one_at_a_time), kernels, counts, profiled = profile_decode(model, config.vocab_size, args.batch, args.context,
-                                                              args.steps)
+                                                                      args.steps, args.block_size)
     launches = kernels.pop(LAUNCHES, 0.0)
     busy = sum(kernels.values())
-    print(f"{args.config}, batch {args.batch}, context {args.context}: median decode step {step * 1e3:.2f} ms wall "
+    pages = f", pages of {args.block_size}" if args.block_size else ""
+    print(f"{args.config}, batch {args.batch}, context {args.context}{pages}: median decode step {step * 1e3:.2f} ms wall "
           f"with async scheduling ({one_at_a_time * 1e3:.2f} ms one step at a time: {one_at_a_time / step:.2f}x), "
           f"{busy * 1e3:.2f} ms of GPU kernels ({100 * busy / step:.0f}% busy) in {launches:.0f} kernels (mean of "
           f"{profiled} full-batch decode steps); the rest is host time and launch gaps")

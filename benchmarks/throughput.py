@@ -95,7 +95,7 @@ def run_vexact(model, prompts, outputs, args, aligned: bool = True, async_schedu
     llm = LLM(model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=2100, gpu_memory_utilization=args.gpu_memory_utilization, aligned=aligned,
               async_scheduling=async_scheduling, enforce_eager=enforce_eager,
-              cuda_graph_max_tokens=None if mixed_graphs else 0)
+              cuda_graph_max_tokens=None if mixed_graphs else 0, block_size=args.block_size)
     params = [SamplingParams(temperature=0.6, max_tokens=n, ignore_eos=True, seed=i) for i, n in enumerate(outputs)]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up: compile kernels
     for run in range(args.repeat):  # the last run counts: an RL loop's engine serves many
@@ -217,7 +217,11 @@ def main(argv=None) -> int:
                         help="override a config field (JSON value; repeatable), e.g. --set n_routed_experts=8")
     parser.add_argument("--mla-kv-cache", metavar="MODES",
                         help="MLA models: comma-separated KV cache modes to run in turn (expanded, latent)")
+    parser.add_argument("--block-size", type=int,
+                        help="positions per KV page of the vexact engines (default: LLM's own, `default_block_size`)")
     args = parser.parse_args(argv)
+    if args.block_size is not None and args.block_size < 1:
+        parser.error(f"--block-size must be >= 1, got {args.block_size}")
     if args.repeat < 1:
         parser.error(f"--repeat: {args.repeat} is below the minimum 1")
     if not torch.cuda.is_available():
