@@ -7,7 +7,7 @@ import pytest
 import torch
 
 # pytest's importlib mode does not put this folder on sys.path; importing the shared helpers
-# also applies their interpreter patch and their skip rule
+# also applies their skip rule (conftest.py patches the interpreter's tl.dot)
 sys.path.insert(0, str(Path(__file__).parent))
 from check_triton_kernels import DEVICE, close, rand, ref
 
