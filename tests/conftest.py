@@ -22,3 +22,26 @@ def clean_attention_backward(monkeypatch):
     set_attention_backward(None)
     yield
     set_attention_backward(None)
+
+
+def shuffled_pages(lens: list[int], page: int, gen: torch.Generator) -> torch.Tensor:
+    """``[S, max pages]`` int32 block table giving sequences of `lens` positions their pages of
+    `page` slots in a random order over the cache (as a running engine leaves them); rows are
+    padded with page 0."""
+    pages = [-(-n // page) for n in lens]
+    ids = torch.randperm(sum(pages), generator=gen).tolist()
+    return torch.tensor([ids[sum(pages[:s]):sum(pages[:s + 1])] + [0] * (max(pages) - pages[s])
+                         for s in range(len(lens))], dtype=torch.int32)
+
+
+def paged_cache(packed: torch.Tensor, lens: list[int], table: torch.Tensor, page: int) -> torch.Tensor:
+    """A CPU cache ``[slots, H, D]`` holding the packed rows ``packed [sum(lens), H, D]`` of each
+    sequence at the slots `table` maps them to, NaN in every other slot (a kernel that reads an
+    unwritten slot turns its output NaN)."""
+    cache = torch.full((int(table.max()) * page + page, *packed.shape[1:]), float("nan"), dtype=packed.dtype)
+    start = 0
+    for s, n in enumerate(lens):
+        slots = [int(table[s, p // page]) * page + p % page for p in range(n)]
+        cache[slots] = packed[start:start + n].cpu()
+        start += n
+    return cache

@@ -6,7 +6,7 @@ import torch
 from vexact_models.kernels import PagedLayout, attention, attention_packed, kv_cache_write, packed_layout
 from vexact_models.kernels.attention_backward import attention_math
 
-from ..conftest import rel_err
+from ..conftest import paged_cache, rel_err, shuffled_pages
 
 
 def _packed(lens, hq=4, hkv=2, d=16, dtype=torch.float32, dv=None):
@@ -241,15 +241,8 @@ def test_decode_by_page_tma_equals_pointer_loads_and_training_bitwise(hq, hkv):
     q, k, v = (torch.randn(t, h, d, generator=gen).bfloat16().cuda() for h in (hq, hkv, hkv))
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
     packed = attention_packed(q, k, v, cu.cuda(), max(lens))
-    pages = [-(-n // page) for n in lens]
-    ids = torch.randperm(sum(pages), generator=gen).tolist()
-    table = torch.tensor([ids[sum(pages[:s]):sum(pages[:s + 1])] + [0] * (max(pages) - pages[s])
-                          for s in range(len(lens))], dtype=torch.int32)
-    kc, vc = (torch.full((sum(pages) * page, hkv, d), float("nan"), dtype=torch.bfloat16) for _ in range(2))
-    for s, n in enumerate(lens):
-        slots = [int(table[s, p // page]) * page + p % page for p in range(n)]
-        kc[slots], vc[slots] = k[int(cu[s]):int(cu[s + 1])].cpu(), v[int(cu[s]):int(cu[s + 1])].cpu()
-    kc, vc = kc.cuda(), vc.cuda()
+    table = shuffled_pages(lens, page, gen)
+    kc, vc = (paged_cache(x, lens, table, page).cuda() for x in (k, v))
     layout = PagedLayout(torch.arange(len(lens) + 1, dtype=torch.int32).cuda(),
                          torch.tensor(lens, dtype=torch.int32).cuda(), table.cuda(), page, 1)
     last = (cu[1:] - 1).long().cuda()
@@ -258,3 +251,19 @@ def test_decode_by_page_tma_equals_pointer_loads_and_training_bitwise(hq, hkv):
     by_ptr, lse_ptr = attention_triton(q[last], kc, vc, layout, d ** -0.5, page_descriptors=False)
     assert torch.equal(by_tma, by_ptr) and torch.equal(lse_tma, lse_ptr)
     assert torch.equal(by_tma, packed[last]) and not by_tma.isnan().any()
+
+
+def test_shuffled_pages_and_paged_cache_hold_the_packed_sequences():
+    """The GPU tests' fixture (tests/conftest.py): attention over the shuffled pages equals the
+    packed forward at every sequence's last token, and unwritten slots hold NaN."""
+    lens, page = [1, 5, 9], 4
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, cu = _packed(lens, 4, 2, 16, dtype=torch.float32)
+    table = shuffled_pages(lens, page, gen)
+    assert sorted(table[0, :1].tolist() + table[1, :2].tolist() + table[2, :3].tolist()) == list(range(6))
+    kc, vc = (paged_cache(x, lens, table, page) for x in (k, v))
+    assert kc.shape == (24, 2, 16) and int(kc.isnan().any(-1).any(-1).sum()) == 24 - sum(lens)
+    last = (cu[1:] - 1).long()
+    layout = PagedLayout(torch.arange(len(lens) + 1, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
+                         table, page, 1)
+    assert torch.equal(attention(q[last], kc, vc, layout), attention_packed(q, k, v, cu, max(lens))[last])

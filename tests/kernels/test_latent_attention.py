@@ -13,7 +13,7 @@ from vexact_models.kernels.attention_backward import attention_math
 from vexact_models.kernels.latent_attention import (latent_attention_triton, page_descriptors_fit,
                                                     value_in_key)
 
-from ..conftest import rel_err
+from ..conftest import paged_cache, rel_err, shuffled_pages
 
 LAT, ROPE = 16, 8
 
@@ -116,15 +116,8 @@ def test_decode_by_tma_equals_pointer_loads_and_training_bitwise(heads):
     k = torch.randn(t, 1, lat + rope, generator=gen).bfloat16().cuda()
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
     packed = attention_packed(q, k, k[..., :lat], cu.cuda(), max(lens))
-    pages = [-(-n // page) for n in lens]
-    ids = torch.randperm(sum(pages), generator=gen).tolist()
-    table = torch.tensor([ids[sum(pages[:s]):sum(pages[:s + 1])] + [0] * (max(pages) - pages[s])
-                          for s in range(len(lens))], dtype=torch.int32)
-    cache = torch.full((sum(pages) * page, 1, lat + rope), float("nan"), dtype=torch.bfloat16)
-    for s, n in enumerate(lens):
-        slots = [int(table[s, p // page]) * page + p % page for p in range(n)]
-        cache[slots] = k[int(cu[s]):int(cu[s + 1])].cpu()
-    cache = cache.cuda()
+    table = shuffled_pages(lens, page, gen)
+    cache = paged_cache(k, lens, table, page).cuda()
     layout = PagedLayout(torch.arange(len(lens) + 1, dtype=torch.int32).cuda(), torch.tensor(lens, dtype=torch.int32).cuda(),
                          table.cuda(), page, 1)
     last = (cu[1:] - 1).long().cuda()
