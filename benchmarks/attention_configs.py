@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from bench_utils import bench, bench_graph, copy_bandwidth, decode_layout, table
+from bench_utils import bench, bench_graph, copy_bandwidth, decode_layout, positive_int, table
 
 # (name, kind, heads, kv heads, qk dim, v dim, sequences, tokens per sequence)
 LATENT_CASES = [("moonlight latent decode", "decode", 16, 1, 576, 512, 256, 528),
@@ -195,12 +195,10 @@ def main(argv=None) -> int:
     parser.add_argument("--only", choices=["latent", "gqa"], help="one kernel's cases")
     parser.add_argument("--cases", help="comma-separated substrings of case names to keep (e.g. 'decode')")
     parser.add_argument("--configs", help="comma-separated prefixes of candidate labels to keep (e.g. 'm128 n64 w4 s2')")
-    parser.add_argument("--page-size", type=int, default=PAGE,
+    parser.add_argument("--page-size", type=positive_int, default=PAGE,
                         help=f"positions per page of the decode caches (default {PAGE}; latent decode over pages "
                              "of a multiple of 64 also times each candidate by TMA)")
     args = parser.parse_args(argv)
-    if args.page_size < 1:
-        parser.error(f"--page-size must be >= 1, got {args.page_size}")
     if not torch.cuda.is_available():
         print("benchmarks/attention_configs.py needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
+
 import torch
+
+
+def positive_int(text: str) -> int:
+    """An argparse ``type`` for counts that must be >= 1 (page sizes): the parser then names the
+    option, the value and the limit."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def bench(fn, warmup: int = 25, rep: int = 100) -> float:

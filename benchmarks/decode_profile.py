@@ -26,7 +26,7 @@ from collections import defaultdict
 
 import torch
 
-from bench_utils import copy_bandwidth, decode_bytes
+from bench_utils import copy_bandwidth, decode_bytes, positive_int
 
 
 LAUNCHES = "(kernel launches)"  # the pseudo-kernel under which profile_decode counts launches
@@ -128,10 +128,9 @@ def main(argv=None) -> int:
     parser.add_argument("--set", action="append", metavar="KEY=VALUE",
                         help="override a config field (JSON value; repeatable), e.g. --set n_routed_experts=8")
     parser.add_argument("--mla-kv-cache", choices=("expanded", "latent"), help="MLA models: the KV cache mode")
-    parser.add_argument("--block-size", type=int, help="positions per KV page (default: LLM's own, `default_block_size`)")
+    parser.add_argument("--block-size", type=positive_int,
+                        help="positions per KV page (default: LLM's own, `default_block_size`)")
     args = parser.parse_args(argv)
-    if args.block_size is not None and args.block_size < 1:
-        parser.error(f"--block-size must be >= 1, got {args.block_size}")
     if not torch.cuda.is_available():
         print("benchmarks/decode_profile.py needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -50,7 +50,7 @@ import time
 
 import torch
 
-from bench_utils import copy_bandwidth, decode_bytes
+from bench_utils import copy_bandwidth, decode_bytes, positive_int
 
 
 def workload(n: int, vocab: int, seed: int, lo: int = 100, hi: int = 1024):
@@ -217,11 +217,9 @@ def main(argv=None) -> int:
                         help="override a config field (JSON value; repeatable), e.g. --set n_routed_experts=8")
     parser.add_argument("--mla-kv-cache", metavar="MODES",
                         help="MLA models: comma-separated KV cache modes to run in turn (expanded, latent)")
-    parser.add_argument("--block-size", type=int,
+    parser.add_argument("--block-size", type=positive_int,
                         help="positions per KV page of the vexact engines (default: LLM's own, `default_block_size`)")
     args = parser.parse_args(argv)
-    if args.block_size is not None and args.block_size < 1:
-        parser.error(f"--block-size must be >= 1, got {args.block_size}")
     if args.repeat < 1:
         parser.error(f"--repeat: {args.repeat} is below the minimum 1")
     if not torch.cuda.is_available():

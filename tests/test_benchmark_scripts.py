@@ -174,3 +174,13 @@ def test_linear_quack_config_specs_round_trip_and_bad_ones_are_refused(monkeypat
     run = subprocess.run([sys.executable, "linear_quack.py", "--configs", "64x64p,12xp"], cwd=BENCHMARKS,
                          capture_output=True, text=True, timeout=120, env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"})
     assert run.returncode == 2 and "--configs" in run.stderr and "'12xp'" in run.stderr
+
+
+@pytest.mark.parametrize("script,option", [("decode_profile.py", "--block-size"), ("throughput.py", "--block-size"),
+                                           ("attention_configs.py", "--page-size")])
+def test_page_size_options_refuse_values_below_one(script, option):
+    """`bench_utils.positive_int`: the parser names the option, the value and the limit, before
+    anything needs a GPU."""
+    run = subprocess.run([sys.executable, script, option, "0"], cwd=BENCHMARKS, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 2 and option in run.stderr and "must be >= 1, got 0" in run.stderr
