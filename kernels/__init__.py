@@ -11,6 +11,7 @@ from .attention_forward_choice import forward_mode as attention_forward_mode
 from .attention_forward_choice import set_attention_forward, use_attention_forward
 from .attention_packed import attention_packed, attention_saving_context
 from .backend import BACKENDS, UnsupportedError, current_backend, set_backend, use_backend
+from .dependent_launch import set_dependent_launch, use_dependent_launch
 from .grouped_topk import sigmoid_grouped_topk
 from .head_linear import head_linear
 from .kv_cache_write import kv_cache_write
@@ -33,6 +34,7 @@ __all__ = [
     "attention_forward_mode", "attention_packed", "attention_saving_context", "current_backend", "deinterleave",
     "fused_moe", "gather_logprobs", "head_linear", "kv_cache_write", "latent_cache_write", "linear",
     "linear_backend_mode", "log_softmax", "packed_layout", "rms_norm", "rope_table", "rotary_cache_write",
-    "sample_tokens", "set_attention_forward", "set_backend", "set_linear_backend", "sigmoid_grouped_topk",
-    "silu_and_mul", "softmax_topk", "token_logprobs", "use_attention_forward", "use_backend", "use_linear_backend",
+    "sample_tokens", "set_attention_forward", "set_backend", "set_dependent_launch", "set_linear_backend",
+    "sigmoid_grouped_topk", "silu_and_mul", "softmax_topk", "token_logprobs", "use_attention_forward", "use_backend",
+    "use_dependent_launch", "use_linear_backend",
 ]

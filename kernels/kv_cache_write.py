@@ -11,13 +11,15 @@ import torch
 
 from ._triton import next_power_of_2, require_triton, tl, triton
 from .backend import select
+from .dependent_launch import dependent_launch_kwargs, wait_for_inputs
 
 
 @triton.jit
 def _kv_cache_write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                            stride_kt, stride_vt, stride_kc, stride_vc,
                            K_WIDTH: tl.constexpr, V_WIDTH: tl.constexpr,
-                           BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+                           BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < 0:
@@ -58,7 +60,8 @@ def kv_cache_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
         _kv_cache_write_kernel[(k.shape[0],)](
             k2, v2, k_rows, v_rows, slot_mapping, k2.stride(0), v2.stride(0), k_rows.stride(0), v_rows.stride(0),
             K_WIDTH=k2.shape[1], V_WIDTH=v2.shape[1],
-            BLOCK_K=next_power_of_2(k2.shape[1]), BLOCK_V=next_power_of_2(v2.shape[1]), num_warps=4)
+            BLOCK_K=next_power_of_2(k2.shape[1]), BLOCK_V=next_power_of_2(v2.shape[1]), num_warps=4,
+            **dependent_launch_kwargs(k.device))
         return
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()

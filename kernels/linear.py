@@ -24,6 +24,7 @@ import torch
 from . import exact_math, linear_quack
 from ._triton import has_tma, num_sms, require_triton, tl, tma_rows_aligned, triton
 from .backend import select
+from .dependent_launch import dependent_launch_kwargs, wait_for_inputs
 
 BLOCK_K = 64  # the one K tile for every M and every config
 
@@ -115,7 +116,9 @@ def _linear_kernel(
     HAS_BIAS: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -145,7 +148,9 @@ def _linear_kernel(
 @triton.jit(do_not_specialize=["M", "num_programs"])
 def _linear_tma_kernel(x_desc, w_desc, out_desc, b_ptr, M, N, K,
                        num_programs, HAS_BIAS: tl.constexpr, PERSISTENT: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     # TMA zero-fills out-of-bounds rows/cols/K on load and clips them on store: no masks.
     num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     step = num_programs if PERSISTENT else num_tiles
@@ -184,7 +189,7 @@ def _linear_triton_tma(x2d, weight, bias, out, cfg: LinearConfig) -> None:
         x_desc, w_desc, out_desc, bias if bias is not None else x2d, m, n, k, programs,
         HAS_BIAS=bias is not None, PERSISTENT=cfg.persistent,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=BLOCK_K, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dependent_launch_kwargs(x2d.device))
 
 
 def linear_triton(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -211,7 +216,7 @@ def linear_triton(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         HAS_BIAS=bias is not None,
         INPUT_PRECISION="ieee" if x2d.dtype == torch.float32 else "tf32",
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=BLOCK_K, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dependent_launch_kwargs(x2d.device),
     )
     return out
 

@@ -19,6 +19,7 @@ import torch
 from . import exact_math
 from ._triton import require_triton, tl, triton
 from .backend import select
+from .dependent_launch import dependent_launch_kwargs, wait_for_inputs
 
 BLOCK_V = 2048
 _NUM_WARPS = 8
@@ -26,7 +27,9 @@ _NUM_WARPS = 8
 
 @triton.jit
 def _log_softmax_kernel(x_ptr, temp_ptr, target_ptr, out_ptr, logprob_ptr, lse_ptr, V, stride_x, stride_out,
-                        WRITE_ROW: tl.constexpr, GATHER: tl.constexpr, BLOCK_V: tl.constexpr):
+                        WRITE_ROW: tl.constexpr, GATHER: tl.constexpr, BLOCK_V: tl.constexpr,
+                        PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     temperature = tl.load(temp_ptr + row)
     x_row = x_ptr + row * stride_x
@@ -77,7 +80,8 @@ def _launch(logits, temps, targets, write_row):
         _log_softmax_kernel[(rows,)](
             logits, temps, targets if targets is not None else temps, out, logprobs, lse, vocab,
             logits.stride(0), out.stride(0) if write_row else 0,
-            WRITE_ROW=write_row, GATHER=targets is not None, BLOCK_V=BLOCK_V, num_warps=_NUM_WARPS)
+            WRITE_ROW=write_row, GATHER=targets is not None, BLOCK_V=BLOCK_V, num_warps=_NUM_WARPS,
+            **dependent_launch_kwargs(logits.device))
     return out, logprobs, lse
 
 

@@ -19,6 +19,7 @@ import torch
 from . import exact_math
 from ._triton import next_power_of_2, num_sms, require_triton, tl, triton
 from .backend import select
+from .dependent_launch import dependent_launch_kwargs, wait_for_inputs
 
 
 def norm_tile(n: int) -> tuple[int, int, int]:
@@ -57,7 +58,8 @@ def normalize_rows(x, w_ptr, cols, N, eps):
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, n_rows, N, heads, stride_x, stride_xh, stride_res,
                      stride_out, stride_sum, eps, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
-                     HAS_RESIDUAL: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
     x, mask, rows64 = load_rows(x_ptr, rows, n_rows, cols, N, heads, stride_x, stride_xh)
@@ -86,7 +88,8 @@ def _rms_norm_triton(x2d: torch.Tensor, weight: torch.Tensor, eps: float,
     res = out if res2d is None else res2d
     _rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
         x2d, res, weight, out, summed, n_rows, n, heads, x2d.stride(0), stride_h, res.stride(0), out.stride(0),
-        summed.stride(0), eps, BLOCK_N=block_n, ROWS=rows, HAS_RESIDUAL=res2d is not None, num_warps=num_warps)
+        summed.stride(0), eps, BLOCK_N=block_n, ROWS=rows, HAS_RESIDUAL=res2d is not None, num_warps=num_warps,
+        **dependent_launch_kwargs(x2d.device))
     return out, summed
 
 

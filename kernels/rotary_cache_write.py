@@ -29,6 +29,7 @@ import torch
 
 from ._triton import next_power_of_2, require_triton, tl, triton
 from .backend import select
+from .dependent_launch import dependent_launch_kwargs, wait_for_inputs
 from .kv_cache_write import check_cache_rows, kv_cache_write
 from .rms_norm import load_rows, norm_tile, normalize_rows, rms_norm
 from .rotary import apply_rotary, rotate_rows_into
@@ -69,8 +70,9 @@ def _rotary_cache_write_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, q_w_ptr, k_w_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     n_tokens, q_heads, kv_heads, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_kc, stride_vc, stride_table, eps, head_dim,
-    HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, NORM: tl.constexpr,
+    HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     kind = tl.program_id(1)  # 0: query heads, 1: key heads, 2: value heads
     if tl.program_id(0) * ROWS >= n_tokens * tl.where(kind == 0, q_heads, kv_heads):
         return  # the grid spans the query rows; the key and value kinds have fewer
@@ -170,5 +172,6 @@ def rotary_cache_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positi
         q, k, v, positions, cos, sin, q_weight if norm else cos, k_weight if norm else cos, q_out, k_rows, v_rows,
         slot_mapping, tokens, q_heads, kv_heads, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         v.stride(0), v.stride(1), q_out.stride(0), q_out.stride(1), k_rows.stride(0), v_rows.stride(0),
-        cos.stride(0), eps, head_dim, HEAD_DIM=head_dim, ROWS=rows, NORM=norm, num_warps=num_warps)
+        cos.stride(0), eps, head_dim, HEAD_DIM=head_dim, ROWS=rows, NORM=norm, num_warps=num_warps,
+        **dependent_launch_kwargs(q.device))
     return q_out

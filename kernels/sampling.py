@@ -20,6 +20,7 @@ import torch
 from . import exact_math
 from ._triton import next_power_of_2, require_triton, tl, triton
 from .backend import select
+from .dependent_launch import dependent_launch_kwargs, wait_for_inputs
 
 _BLOCK_V = 2048
 #: blocks of `_BLOCK_V` columns per program: a row is split over several programs (a 151,936-token
@@ -69,9 +70,10 @@ def _philox_uniform(start, step_lo, step_hi, key0, key1, BLOCK: tl.constexpr):
 
 @triton.jit
 def _sample_kernel(logits_ptr, temp_ptr, seed_ptr, step_ptr, threshold_ptr, best_ptr, best_idx_ptr, V, stride,
-                   n_chunks, BLOCK_V: tl.constexpr, CHUNK_BLOCKS: tl.constexpr):
+                   n_chunks, BLOCK_V: tl.constexpr, CHUNK_BLOCKS: tl.constexpr, PDL: tl.constexpr = False):
     """Program (row, chunk): the best score and its first column over ``CHUNK_BLOCKS`` blocks of
     the row, written to slot ``row * n_chunks + chunk``."""
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     temperature = tl.load(temp_ptr + row)
@@ -105,9 +107,10 @@ def _sample_kernel(logits_ptr, temp_ptr, seed_ptr, step_ptr, threshold_ptr, best
 
 
 @triton.jit
-def _sample_pick_kernel(best_ptr, best_idx_ptr, out_ptr, n_chunks, CHUNKS: tl.constexpr):
+def _sample_pick_kernel(best_ptr, best_idx_ptr, out_ptr, n_chunks, CHUNKS: tl.constexpr, PDL: tl.constexpr = False):
     """Per row: the column of the best chunk, the first chunk among equal bests (so the first
     column of the row's maximum, as one pass over the row would find it)."""
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, CHUNKS)
     ok = offs < n_chunks
@@ -235,6 +238,7 @@ def sample_tokens(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch
         _sample_kernel[(rows, n_chunks)](logits, temperatures.float().contiguous(), seeds.to(torch.int64).contiguous(),
                                          steps.to(torch.int64).contiguous(), thresholds.float().contiguous(), best,
                                          best_idx, vocab, logits.stride(0), n_chunks, BLOCK_V=_BLOCK_V,
-                                         CHUNK_BLOCKS=_CHUNK_BLOCKS, num_warps=4)
-        _sample_pick_kernel[(rows,)](best, best_idx, out, n_chunks, CHUNKS=next_power_of_2(n_chunks), num_warps=1)
+                                         CHUNK_BLOCKS=_CHUNK_BLOCKS, num_warps=4, **dependent_launch_kwargs(logits.device))
+        _sample_pick_kernel[(rows,)](best, best_idx, out, n_chunks, CHUNKS=next_power_of_2(n_chunks), num_warps=1,
+                                     **dependent_launch_kwargs(logits.device))
     return out

@@ -15,12 +15,15 @@ import torch
 from . import exact_math
 from ._triton import require_triton, tl, triton
 from .backend import select
+from .dependent_launch import dependent_launch_kwargs, wait_for_inputs
 
 _BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(gate_ptr, up_ptr, out_ptr, n_cols, stride_g, stride_u, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(gate_ptr, up_ptr, out_ptr, n_cols, stride_g, stride_u, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -40,7 +43,8 @@ def _silu_and_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, cols, device=gate.device, dtype=gate.dtype)
     if gate.numel():
         _silu_and_mul_kernel[(rows, triton.cdiv(cols, _BLOCK))](gate, up, out, cols, gate.stride(0), up.stride(0),
-                                                                 BLOCK=_BLOCK, num_warps=4)
+                                                                 BLOCK=_BLOCK, num_warps=4,
+                                                                 **dependent_launch_kwargs(gate.device))
     return out.reshape(shape)
 
 
