@@ -38,6 +38,8 @@ GQA_CASES = [("moonlight expanded decode", "decode", 16, 16, 192, 128, 256, 528)
              ("qwen3-0.6b decode", "decode", 16, 8, 128, 128, 256, 640),
              # the decode steps of benchmarks/decode_profile.py (512-token prompts, 64 new tokens)
              ("qwen3-8b decode 256x544", "decode", 32, 8, 128, 128, 256, 544),
+             ("qwen3-8b decode 128x544", "decode", 32, 8, 128, 128, 128, 544),
+             ("qwen3-0.6b decode 256x544", "decode", 16, 8, 128, 128, 256, 544),
              ("qwen3-0.6b decode 128x544", "decode", 16, 8, 128, 128, 128, 544),
              # the late steps of a reasoning rollout: few sequences, long contexts
              ("qwen3-8b decode 32x8192", "decode", 32, 8, 128, 128, 32, 8192),
@@ -70,6 +72,8 @@ def gqa_candidates(kind: str):
     rows = [(16, 2), (16, 4), (32, 4), (64, 4)] if kind == "decode" else [(64, 4), (64, 8), (128, 8), (128, 4), (32, 4)]
     for (bm, warps), stages in itertools.product(rows, (1, 2, 3, 4, 5) if kind == "decode" else (1, 2, 3, 4)):
         yield AttentionConfig(bm, 64, warps, stages)
+        if kind == "decode":  # the program order: a sequence's KV heads side by side
+            yield AttentionConfig(bm, 64, warps, stages, heads_fastest=True)
     for bn, (bm, warps) in itertools.product((32, 128), rows[::2]):  # other key blocks, for the record
         yield AttentionConfig(bm, bn, warps, 2)
 
@@ -159,7 +163,8 @@ def _sdpa_ms(q, k, v, seqs, length) -> float:
 
 def _label(cfg) -> str:
     chunks = getattr(cfg, "value_chunks", 1)
-    return f"m{cfg.block_m} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}" + (f" v{chunks}" if chunks > 1 else "")
+    return (f"m{cfg.block_m} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}" + (f" v{chunks}" if chunks > 1 else "")
+            + (" heads" if getattr(cfg, "heads_fastest", False) else ""))
 
 
 def sweep_latent_backward(case) -> list[list]:

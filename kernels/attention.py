@@ -40,6 +40,7 @@ from .attention_forward_choice import choose_attention_forward
 from .attention_tiles import (BLOCK_N, DECODE_BLOCK_M, HEAD_DIMS, VALUE_HEAD_DIMS, AttentionConfig, few_decode_programs,
                               pick_config, split_mask)
 from .backend import select
+from .dependent_launch import dependent_launch_kwargs, wait_for_inputs
 from .latent_attention import latent_attention_triton, value_in_key
 from .row_sum import lane_sums, row_sum_halves, row_sum_levels
 
@@ -116,12 +117,18 @@ def _attention_fwd_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUM_LEVELS: tl.constexpr,
     LANE_SUMS: tl.constexpr, KV_DESC: tl.constexpr, PAGE_DESC: tl.constexpr, SPLIT_MASK: tl.constexpr,
+    HEADS_FASTEST: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     # the last tiles of a causal sequence have the most keys: launch them first, so that the
     # light ones fill the end of the grid instead of a few heavy ones running alone
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
-    seq = tl.program_id(1)
-    kv_head = tl.program_id(2)
+    if HEADS_FASTEST:  # a sequence's KV heads side by side: they read neighbouring bytes of each cache row
+        kv_head = tl.program_id(1)
+        seq = tl.program_id(2)
+    else:
+        seq = tl.program_id(1)
+        kv_head = tl.program_id(2)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
     if tile * BLOCK_M >= q_len * GROUP:
@@ -203,7 +210,8 @@ def _attention_fwd_kernel(
     tl.store(o_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :],
              out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
     # log2-sum-exp2 of the scaled scores, for the backward
-    tl.store(lse_ptr + token * (GROUP * tl.num_programs(2)) + head, m_i + tl.log2(l_i), mask=row_ok)
+    kv_heads = tl.num_programs(1) if HEADS_FASTEST else tl.num_programs(2)
+    tl.store(lse_ptr + token * (GROUP * kv_heads) + head, m_i + tl.log2(l_i), mask=row_ok)
 
 
 def kv_descriptors_fit(k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -262,9 +270,9 @@ def attention_triton(q, k_cache, v_cache, layout: PagedLayout, scale: float, con
     v = v_cache.reshape(-1, n_kv_heads, head_dim_v)
     rows = layout.max_seqlen_q * group
     programs, sms, deep = n_seqs * n_kv_heads * triton.cdiv(rows, DECODE_BLOCK_M), num_sms(q.device), deep_pipeline(q.device)
+    few = few_decode_programs(programs, sms, deep)
     if page_descriptors is None:  # where they pay: launches of few programs (`pick_config`)
-        page_descriptors = (not kv_descriptors and few_decode_programs(programs, sms, deep)
-                            and page_descriptors_fit(k, v, layout.page_size, rows))
+        page_descriptors = not kv_descriptors and few and page_descriptors_fit(k, v, layout.page_size, rows)
     cfg = config or pick_config(head_dim, rows, q.dtype, programs, sms, deep, page_descriptors)
     if page_descriptors and (kv_descriptors or layout.page_size % cfg.block_n or split_mask(cfg)):
         raise ValueError(f"attention_triton: page_descriptors=True needs paged decode tiles (not kv_descriptors, no "
@@ -272,7 +280,8 @@ def attention_triton(q, k_cache, v_cache, layout: PagedLayout, scale: float, con
                          f"page_size={layout.page_size}, block_m={cfg.block_m}, kv_descriptors={kv_descriptors}")
     descs = ((_kv_descriptor(k, cfg.block_n), _kv_descriptor(v, cfg.block_n)) if kv_descriptors or page_descriptors
              else (None, None))
-    grid = (triton.cdiv(layout.max_seqlen_q * group, cfg.block_m), n_seqs, n_kv_heads)
+    grid = (triton.cdiv(layout.max_seqlen_q * group, cfg.block_m),
+            *((n_kv_heads, n_seqs) if cfg.heads_fastest else (n_seqs, n_kv_heads)))
     args = (q, k, v, out, lse, *descs, layout.cu_seqlens_q, layout.seq_lens, layout.block_table,
             layout.page_size, scale * math.log2(math.e),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -280,7 +289,10 @@ def attention_triton(q, k_cache, v_cache, layout: PagedLayout, scale: float, con
     kwargs = dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=next_power_of_2(head_dim),
                   BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SUM_LEVELS=row_sum_levels(cfg.block_n),
                   LANE_SUMS=lane_sums(cfg.block_m, cfg.num_warps), KV_DESC=kv_descriptors, PAGE_DESC=page_descriptors,
-                  SPLIT_MASK=split_mask(cfg), num_warps=cfg.num_warps)
+                  SPLIT_MASK=split_mask(cfg), HEADS_FASTEST=cfg.heads_fastest, num_warps=cfg.num_warps,
+                  # few programs: no PDL. Launched dependently, a 256-program decode at 8k tokens
+                  # took 1.27x as long (TMA, 242 -> 307 us), the step 1.09x (twentieth session)
+                  **(dependent_launch_kwargs(q.device) if not few else {"PDL": False}))
     key = ("attention", q.device, q.dtype, group, head_dim, head_dim_v, cfg, kv_descriptors, page_descriptors)
     launch_staged(_attention_fwd_kernel, grid, args, kwargs, cfg.num_stages, key, fallback=config is None)
     return out, lse

@@ -170,16 +170,28 @@ def test_decode_tiles_keep_one_masked_loop_and_larger_tiles_split_it():
     assert split_mask(pick_config(128, 64, torch.bfloat16)) and split_mask(pick_config(128, 4096, torch.bfloat16))
 
 
+def test_decode_programs_run_a_sequences_kv_heads_side_by_side():
+    """Decode tiles order programs heads first (neighbouring bytes of each cache row); prefill and
+    training tiles keep one KV head's sequences together."""
+    from vexact_models.kernels.attention import pick_config
+
+    assert pick_config(128, 8, torch.bfloat16, 128 * 8, 132, True).heads_fastest
+    assert pick_config(128, 4, torch.bfloat16, 32 * 8, 132, True, True).heads_fastest
+    assert not pick_config(128, 64, torch.bfloat16).heads_fastest
+    assert not pick_config(128, 4096, torch.bfloat16).heads_fastest
+    assert not pick_config(192, 16, torch.bfloat16).heads_fastest  # MLA's expanded decode: not measured
+
+
 def test_decode_launches_of_few_programs_take_a_deeper_pipeline_where_it_fits():
     """At most two (sequence, KV head) programs per SM: five stages on GPUs whose shared memory
     holds them; more programs, other GPUs, head dim 192 and longer launches keep their tiles."""
     from vexact_models.kernels.attention import AttentionConfig, pick_config
 
-    assert pick_config(128, 4, torch.bfloat16, 32 * 8, 132, True) == AttentionConfig(16, 64, 4, 5)
+    assert pick_config(128, 4, torch.bfloat16, 32 * 8, 132, True) == AttentionConfig(16, 64, 4, 5, True)
     assert pick_config(128, 4, torch.bfloat16, 264, 132, True).num_stages == 5
-    assert pick_config(128, 4, torch.bfloat16, 265, 132, True) == AttentionConfig(16, 64, 4, 3)
-    assert pick_config(128, 4, torch.bfloat16, 32 * 8, 108, False) == AttentionConfig(16, 64, 4, 3)  # an A100
-    assert pick_config(128, 4, torch.bfloat16) == AttentionConfig(16, 64, 4, 3)  # nothing known: as before
+    assert pick_config(128, 4, torch.bfloat16, 265, 132, True) == AttentionConfig(16, 64, 4, 3, True)
+    assert pick_config(128, 4, torch.bfloat16, 32 * 8, 108, False) == AttentionConfig(16, 64, 4, 3, True)  # an A100
+    assert pick_config(128, 4, torch.bfloat16) == AttentionConfig(16, 64, 4, 3, True)  # nothing known: as before
     assert pick_config(192, 16, torch.bfloat16, 16, 132, True) == AttentionConfig(16, 64, 2, 1)
     assert pick_config(128, 64, torch.bfloat16, 8, 132, True).num_stages == 2
 
@@ -189,7 +201,7 @@ def test_decode_launches_of_few_programs_read_pages_by_tma_at_three_stages():
     launch of many programs keeps the pointer loads' three stages (TMA did not pay there)."""
     from vexact_models.kernels.attention import AttentionConfig, few_decode_programs, pick_config
 
-    assert pick_config(128, 4, torch.bfloat16, 32 * 8, 132, True, True) == AttentionConfig(16, 64, 4, 3)
+    assert pick_config(128, 4, torch.bfloat16, 32 * 8, 132, True, True) == AttentionConfig(16, 64, 4, 3, True)
     assert few_decode_programs(264, 132, True) and not few_decode_programs(265, 132, True)
     assert not few_decode_programs(8, 132, False) and not few_decode_programs(0, 132, True)
 

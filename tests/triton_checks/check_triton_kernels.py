@@ -148,7 +148,8 @@ def test_attention_kv_descriptors_match_pointer_loads(hq, hkv, d, dtype):
 @pytest.mark.parametrize("hq,hkv,q_len", [(16, 8, 1), (32, 8, 1), (8, 2, 2)])
 def test_attention_decode_load_paths_match(hq, hkv, q_len):
     """Decode launches over shuffled pages of 64 (NaN in every unwritten slot) give bitwise the
-    same output and lse whether whole key blocks come by TMA page by page or by pointer loads;
+    same output and lse whether whole key blocks come by TMA page by page or by pointer loads,
+    whatever the stages and the program order;
     sequences end before, at and after a block's end (`q_len` > 1: a short chunk, whose rows mask
     within a block)."""
     from vexact_models.kernels.attention import AttentionConfig, attention_reference, attention_triton
@@ -170,10 +171,13 @@ def test_attention_decode_load_paths_match(hq, hkv, q_len):
     q = torch.randn(sum(q_lens), hq, d, generator=gen).bfloat16().to(DEVICE)
     cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
     layout = PagedLayout(cu.to(DEVICE), torch.tensor(lens, dtype=torch.int32).to(DEVICE), table.to(DEVICE), page, q_len)
-    for cfg in (AttentionConfig(16, 64, 4, 3), AttentionConfig(16, 64, 4, 5)):
+    first = None
+    for cfg in (AttentionConfig(16, 64, 4, 3), AttentionConfig(16, 64, 4, 5), AttentionConfig(16, 64, 4, 3, True)):
         out, lse = attention_triton(q, k, v, layout, d ** -0.5, cfg, page_descriptors=False)
         by_tma, lse_tma = attention_triton(q, k, v, layout, d ** -0.5, cfg, page_descriptors=True)
         assert not out.isnan().any() and torch.equal(by_tma, out) and torch.equal(lse_tma, lse), cfg
+        first = first or (out, lse)  # the program order (heads_fastest) moves no bit either
+        assert torch.equal(out, first[0]) and torch.equal(lse, first[1]), cfg
     if INTERPRET:  # (on the GPU, tests/kernels/test_attention.py compares with the training forward bitwise)
         ref = attention_reference(q.float(), k.float().nan_to_num(), v.float().nan_to_num(), layout, d ** -0.5)
         close(out.float(), ref, 2e-2)
