@@ -11,7 +11,7 @@ already launches this way; this module does it for ours.
 On the H200 (twentieth session, docs/gpu-results.md) the decode step of Qwen3-0.6B at 128
 sequences took 3.55 -> 3.32 ms with quack's GEMMs (whose launches already were dependent, so that
 only now do both sides of each boundary overlap), 5.91 -> 5.70 at 256; Qwen3-8B moved by -1% to
-+2%; without quack the steps moved by under 2%. Decode attention launches of few programs
++2%; without quack the steps moved by under 2% (Moonlight's MoE and MLA kernels: 1.01x). Decode attention launches of few programs
 (`attention_tiles.few_decode_programs`) stay ordinary launches: launched dependently they took
 1.27x as long.
 

@@ -24,6 +24,7 @@ import torch
 from . import exact_math
 from ._triton import next_power_of_2, require_triton, tl, triton
 from .backend import select
+from .dependent_launch import dependent_launch_kwargs, wait_for_inputs
 
 _EPS = 1e-20  # HF's denominator guard
 
@@ -31,7 +32,8 @@ _EPS = 1e-20  # HF's denominator guard
 @triton.jit
 def _grouped_topk_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, sel_ptr, stride, n_group, group_size,
                          scale, TOP_K: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr,
-                         BLOCK_G: tl.constexpr, BLOCK_GS: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_G: tl.constexpr, BLOCK_GS: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, BLOCK_G)
     j = tl.arange(0, BLOCK_GS)
@@ -149,7 +151,7 @@ def _route(logits, bias, top_k, n_group, topk_group, norm, scale):
                                       experts // n_group, float(scale), TOP_K=top_k, TOPK_GROUP=topk_group,
                                       NORM=norm, BLOCK_G=next_power_of_2(n_group),
                                       BLOCK_GS=next_power_of_2(experts // n_group),
-                                      BLOCK_K=next_power_of_2(top_k), num_warps=4)
+                                      BLOCK_K=next_power_of_2(top_k), num_warps=4, **dependent_launch_kwargs(logits.device))
     return weights, ids, sel
 
 

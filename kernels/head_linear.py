@@ -21,6 +21,7 @@ import torch
 from . import exact_math
 from ._triton import require_triton, tl, triton
 from .backend import select
+from .dependent_launch import dependent_launch_kwargs, wait_for_inputs
 
 BLOCK_K = 64  # the one K tile
 
@@ -37,7 +38,8 @@ def config(dtype: torch.dtype) -> tuple[int, int, int, int]:
 def _head_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K,
                         stride_xm, stride_xh, stride_xk, stride_wh, stride_wn, stride_wk, stride_om, stride_oh,
                         INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
+                        BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     head = tl.program_id(2).to(tl.int64)
@@ -73,7 +75,8 @@ def _head_linear_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         x, weight, out, m, n, k, x.stride(0), x.stride(1), x.stride(2),
         weight.stride(0), weight.stride(1), weight.stride(2), out.stride(0), out.stride(1),
         INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=warps, num_stages=stages)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=warps, num_stages=stages,
+        **dependent_launch_kwargs(x.device))
     return out
 
 

@@ -28,6 +28,7 @@ import torch
 
 from ._triton import next_power_of_2, require_triton, tl, triton
 from .backend import select
+from .dependent_launch import dependent_launch_kwargs, wait_for_inputs
 from .kv_cache_write import kv_cache_write
 from .rms_norm import load_rows, norm_tile, normalize_rows, rms_norm
 from .rotary import apply_rotary, deinterleave, rotate_rows_into
@@ -38,8 +39,9 @@ def _latent_cache_write_kernel(
     q_lat_ptr, q_pe_ptr, kv_ptr, w_ptr, pos_ptr, cos_ptr, sin_ptr, q_out_ptr, cache_ptr, slot_ptr,
     n_tokens, heads, stride_qlt, stride_qlh, stride_qpt, stride_qph, stride_kv, stride_ot, stride_oh, stride_cache,
     stride_table, eps, rank, one, zero,
-    RANK: tl.constexpr, ROPE: tl.constexpr, ROWS: tl.constexpr, INTERLEAVED: tl.constexpr,
+    RANK: tl.constexpr, ROPE: tl.constexpr, ROWS: tl.constexpr, INTERLEAVED: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     kind = tl.program_id(1)  # 0: query rows (token, head); 1: key rows (token)
     if tl.program_id(0) * ROWS >= n_tokens * tl.where(kind == 0, heads, 1):
         return  # the grid spans the query rows; the key kind has fewer
@@ -166,5 +168,5 @@ def latent_cache_write(q_latent: torch.Tensor, q_pe: torch.Tensor, kv: torch.Ten
         q_latent, q_pe, kv, norm_weight, positions, cos, sin, q_out, rows_view, slot_mapping,
         tokens, heads, q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0),
         q_out.stride(0), q_out.stride(1), rows_view.stride(0), cos.stride(0), eps, rank, 1, 0,
-        RANK=rank, ROPE=rope, ROWS=rows, INTERLEAVED=interleaved, num_warps=num_warps)
+        RANK=rank, ROPE=rope, ROWS=rows, INTERLEAVED=interleaved, num_warps=num_warps, **dependent_launch_kwargs(q_latent.device))
     return q_out

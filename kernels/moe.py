@@ -29,6 +29,7 @@ import torch
 
 from ._triton import next_power_of_2, require_triton, tl, triton
 from .backend import select
+from .dependent_launch import dependent_launch_kwargs, wait_for_inputs
 from .linear import linear_reference
 from .moe_align import MoeLayout, moe_align
 from .silu_and_mul import silu_and_mul_reference
@@ -67,10 +68,11 @@ def pick_config(tokens: int, top_k: int, experts: int) -> MoeConfig:
 def moe_gate_up_kernel(x_ptr, w_ptr, act_ptr, preact_ptr, sorted_pairs_ptr, block_expert_ptr,
                        num_pairs, H, I, stride_xt, stride_we, stride_wn, stride_wk, stride_act, stride_pre,
                        TOP_K: tl.constexpr, SAVE_PREACT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     """Gate and up GEMMs of the expert-sorted rows (`moe_align`) with SiLU-and-mul in the
     epilogue: ``act = silu(x @ Wg[e].T) * (x @ Wu[e].T)`` per block of rows of one expert
     (rule 4). Public for benchmarks/moe.py, which times it alone; models call `fused_moe`."""
+    wait_for_inputs(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
@@ -113,8 +115,9 @@ def moe_gate_up_kernel(x_ptr, w_ptr, act_ptr, preact_ptr, sorted_pairs_ptr, bloc
 @triton.jit
 def _moe_grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, block_expert_ptr, N, K, stride_am, stride_we, stride_wn,
                              stride_wk, stride_om, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     """out[rows] = a[rows] @ W[e]^T for each block of permuted rows (W[e] element (n, k) via strides)."""
+    wait_for_inputs(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
@@ -140,7 +143,8 @@ def _moe_grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, block_expert_ptr, N, K, stri
 
 @triton.jit
 def _moe_combine_kernel(y_ptr, weights_ptr, pair_pos_ptr, out_ptr, H, stride_y, stride_out,
-                        TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+                        TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = offs < H
@@ -163,7 +167,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, layout: MoeLayout, n: int, k:
     _moe_grouped_gemm_kernel[grid](a, w, out, layout.block_expert, n, k, a.stride(0), w.stride(0), stride_n,
                                    stride_k, out.stride(0), INPUT_PRECISION=_precision(a.dtype),
                                    BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
-                                   num_warps=warps, num_stages=stages)
+                                   num_warps=warps, num_stages=stages, **dependent_launch_kwargs(a.device))
     return out
 
 
@@ -179,7 +183,7 @@ def combine(y: torch.Tensor, weights: torch.Tensor, layout: MoeLayout, tokens: i
         block_h = min(1024, next_power_of_2(hidden))
         _moe_combine_kernel[(tokens, triton.cdiv(hidden, block_h))](
             y, weights.float().contiguous(), layout.pair_pos, out, hidden, y.stride(0), out.stride(0),
-            TOP_K=weights.shape[1], BLOCK_H=block_h, num_warps=4)
+            TOP_K=weights.shape[1], BLOCK_H=block_h, num_warps=4, **dependent_launch_kwargs(y.device))
     return out
 
 
@@ -197,7 +201,8 @@ def _forward_triton(x, gate_up, down, weights, ids, save_preact: bool):
         x, gate_up, act, preact, layout.sorted_pairs, layout.block_expert, layout.num_pairs, hidden, inter,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), act.stride(0), preact.stride(0),
         TOP_K=ids.shape[1], SAVE_PREACT=save_preact, INPUT_PRECISION=_precision(x.dtype), BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=BLOCK_K, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        BLOCK_N=cfg.block_n, BLOCK_K=BLOCK_K, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **dependent_launch_kwargs(x.device))
     y = grouped_gemm(act, down, layout, hidden, inter, down.stride(1), down.stride(2), x.dtype, cfg, down_tiles=True)
     out = combine(y, weights, layout, tokens, x.dtype)
     return out, (layout, act, preact, y)

@@ -31,6 +31,7 @@ import torch
 
 from ._triton import next_power_of_2, require_triton, tl, triton
 from .backend import select
+from .dependent_launch import dependent_launch_kwargs, wait_for_inputs
 
 #: the largest batch (``T * k`` pairs) the single-program kernel takes; larger ones use torch ops
 MAX_TRITON_PAIRS = 4096
@@ -95,9 +96,10 @@ def moe_align_reference(ids: torch.Tensor, num_experts: int, block_m: int) -> Mo
 @triton.jit
 def _moe_align_kernel(ids_ptr, sorted_pairs_ptr, pair_pos_ptr, block_expert_ptr, offsets_ptr, n, num_blocks, E,
                       BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, PAIRS: tl.constexpr,
-                      KEYS: tl.constexpr, CHUNK: tl.constexpr):
+                      KEYS: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
     """Program p: pairs ``p * PAIRS ...`` and its share of the padded row blocks. Every program
     recomputes the histogram and segment starts of the whole batch (a few thousand ids)."""
+    wait_for_inputs(PDL)
     pid = tl.program_id(0)
     i = tl.arange(0, BLOCK_N)
     ids = tl.load(ids_ptr + i, mask=i < n, other=0).to(tl.int32)
@@ -161,7 +163,8 @@ def moe_align_triton(ids: torch.Tensor, num_experts: int, block_m: int) -> MoeLa
     _moe_align_kernel[(triton.cdiv(n, PAIRS_PER_PROGRAM),)](
         flat, sorted_pairs, pair_pos, block_expert, offsets, n, size // block_m, num_experts,
         BLOCK_N=max(16, next_power_of_2(n)), BLOCK_E=max(16, next_power_of_2(num_experts)), BLOCK_M=block_m,
-        PAIRS=PAIRS_PER_PROGRAM, KEYS=256, CHUNK=max(1, min(32, 2048 // block_m)), num_warps=4)
+        PAIRS=PAIRS_PER_PROGRAM, KEYS=256, CHUNK=max(1, min(32, 2048 // block_m)), num_warps=4,
+        **dependent_launch_kwargs(flat.device))
     return MoeLayout(sorted_pairs, pair_pos, block_expert, offsets, n)
 
 

@@ -17,11 +17,13 @@ import torch
 from . import exact_math
 from ._triton import next_power_of_2, require_triton, tl, triton
 from .backend import select
+from .dependent_launch import dependent_launch_kwargs, wait_for_inputs
 
 
 @triton.jit
 def _softmax_topk_kernel(logits_ptr, weights_ptr, ids_ptr, probs_ptr, E, stride, TOP_K: tl.constexpr,
-                         NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                         NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_E)
     x = tl.load(logits_ptr + row * stride + cols, mask=cols < E, other=float("-inf")).to(tl.float32)
@@ -95,7 +97,7 @@ def _route(logits: torch.Tensor, top_k: int, norm: bool):
     if rows:
         _softmax_topk_kernel[(rows,)](logits, weights, ids, probs, experts, logits.stride(0), TOP_K=top_k,
                                       NORM=norm, BLOCK_E=next_power_of_2(experts), BLOCK_K=next_power_of_2(top_k),
-                                      num_warps=4)
+                                      num_warps=4, **dependent_launch_kwargs(logits.device))
     return weights, ids, probs
 
 

@@ -147,4 +147,6 @@ def test_every_dependent_launch_is_of_a_kernel_that_waits_first():
     assert not problems, problems
     assert {"_linear_kernel", "_linear_tma_kernel", "_attention_fwd_kernel", "_rms_norm_kernel",
             "_rotary_cache_write_kernel", "_silu_and_mul_kernel", "_sample_kernel", "_sample_pick_kernel",
-            "_log_softmax_kernel", "_kv_cache_write_kernel"} <= checked
+            "_log_softmax_kernel", "_kv_cache_write_kernel", "moe_gate_up_kernel", "_moe_grouped_gemm_kernel",
+            "_moe_combine_kernel", "_moe_align_kernel", "_grouped_topk_kernel", "_softmax_topk_kernel",
+            "_latent_cache_write_kernel", "_head_linear_kernel"} <= checked
