@@ -113,7 +113,7 @@ def _attention_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, k_desc, v_desc,
     cu_seqlens_q_ptr, seq_lens_ptr, block_table_ptr,
     page_size, scale_log2,
-    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_bt,
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_lt, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUM_LEVELS: tl.constexpr,
     LANE_SUMS: tl.constexpr, KV_DESC: tl.constexpr, PAGE_DESC: tl.constexpr, SPLIT_MASK: tl.constexpr,
@@ -210,8 +210,7 @@ def _attention_fwd_kernel(
     tl.store(o_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :],
              out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
     # log2-sum-exp2 of the scaled scores, for the backward
-    kv_heads = tl.num_programs(1) if HEADS_FASTEST else tl.num_programs(2)
-    tl.store(lse_ptr + token * (GROUP * kv_heads) + head, m_i + tl.log2(l_i), mask=row_ok)
+    tl.store(lse_ptr + token * stride_lt + head, m_i + tl.log2(l_i), mask=row_ok)
 
 
 def kv_descriptors_fit(k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -285,14 +284,14 @@ def attention_triton(q, k_cache, v_cache, layout: PagedLayout, scale: float, con
     args = (q, k, v, out, lse, *descs, layout.cu_seqlens_q, layout.seq_lens, layout.block_table,
             layout.page_size, scale * math.log2(math.e),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            out.stride(0), out.stride(1), layout.block_table.stride(0))
+            out.stride(0), out.stride(1), lse.stride(0), layout.block_table.stride(0))
     kwargs = dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=next_power_of_2(head_dim),
                   BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SUM_LEVELS=row_sum_levels(cfg.block_n),
                   LANE_SUMS=lane_sums(cfg.block_m, cfg.num_warps), KV_DESC=kv_descriptors, PAGE_DESC=page_descriptors,
                   SPLIT_MASK=split_mask(cfg), HEADS_FASTEST=cfg.heads_fastest, num_warps=cfg.num_warps,
                   # few programs: no PDL. Launched dependently, a 256-program decode at 8k tokens
                   # took 1.27x as long (TMA, 242 -> 307 us), the step 1.09x (twentieth session)
-                  **(dependent_launch_kwargs(q.device) if not few else {"PDL": False}))
+                  **dependent_launch_kwargs(q.device, allowed=not few))
     key = ("attention", q.device, q.dtype, group, head_dim, head_dim_v, cfg, kv_descriptors, page_descriptors)
     launch_staged(_attention_fwd_kernel, grid, args, kwargs, cfg.num_stages, key, fallback=config is None)
     return out, lse

@@ -31,7 +31,7 @@ from contextlib import AbstractContextManager
 
 import torch
 
-from ._triton import HAS_TRITON, tl, triton
+from ._triton import HAS_TRITON, has_tma, tl, triton
 from .kernel_switch import KernelSwitch
 
 if HAS_TRITON:
@@ -40,7 +40,6 @@ if HAS_TRITON:
 ENV_VAR = "VEXACT_PDL"
 MODES = ("auto", "off")
 _switch = KernelSwitch(ENV_VAR, MODES, "auto", "programmatic dependent launch mode")
-_CAPABLE: dict[int, bool] = {}
 
 
 def set_dependent_launch(mode: str | None) -> None:
@@ -53,24 +52,17 @@ def use_dependent_launch(mode: str | None) -> AbstractContextManager[None]:
     return _switch.use(mode)
 
 
-def _capable(device: torch.device) -> bool:
-    if device.type != "cuda":
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _CAPABLE:
-        _CAPABLE[index] = torch.cuda.get_device_capability(index)[0] >= 9
-    return _CAPABLE[index]
-
-
 def dependent_launch(device: torch.device | str) -> bool:
-    """Whether kernels launched now on `device` use PDL (see the module docstring)."""
-    return _switch.mode() != "off" and _capable(torch.device(device))
+    """Whether kernels launched now on `device` use PDL (see the module docstring): capability 9
+    is where both PDL and TMA arrive, hence `has_tma`."""
+    return _switch.mode() != "off" and has_tma(device)
 
 
-def dependent_launch_kwargs(device: torch.device | str) -> dict:
+def dependent_launch_kwargs(device: torch.device | str, allowed: bool = True) -> dict:
     """The keyword arguments a launch of a kernel with a ``PDL`` parameter takes on `device`:
-    ``PDL=True, launch_pdl=True`` where `dependent_launch` says so, else ``PDL=False``."""
-    if dependent_launch(device):
+    ``PDL=True, launch_pdl=True`` where `dependent_launch` says so and the caller `allowed` it for
+    this launch's shape, else ``PDL=False``."""
+    if allowed and dependent_launch(device):
         return {"PDL": True, "launch_pdl": True}
     return {"PDL": False}
 
