@@ -116,15 +116,18 @@ def alignment(configs, shapes) -> list[str]:
     return aligned
 
 
-def speed(configs, shapes, ms: list[int], hbm: float, per_config: bool = False) -> None:
+def speed(configs, shapes, ms: list[int], hbm: float, per_config: bool = False, warm_l2: bool = False) -> None:
     """CUDA-graph time per GEMM: ours (pick_config), cuBLAS, the fastest quack config, and what
     ``VEXACT_LINEAR=auto`` runs (`linear_quack.pick_config`'s config, else ours); with
-    `per_config`, also a table of every config's time."""
+    `per_config`, also a table of every config's time. `warm_l2`: one weight copy read again
+    and again (L2-resident where it fits) instead of rotating copies from HBM."""
     from vexact_models.kernels.linear_quack import pick_config
 
     rows, every = [], []
+    source = "weights warm in L2 where they fit" if warm_l2 else "weights from HBM"
     for name, k, n in shapes:
-        weights = rotating_copies((torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16())
+        weight = (torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16()
+        weights = [weight] if warm_l2 else rotating_copies(weight)
         for m in ms:
             x = torch.randn(m, k, device="cuda").bfloat16()
             nbytes = 2 * (m * k + n * k + m * n)
@@ -150,9 +153,9 @@ def speed(configs, shapes, ms: list[int], hbm: float, per_config: bool = False) 
                          f"{t_ours / t_auto:.2f}", f"{100 * nbytes / t_auto / 1e6 / hbm:.0f}%"])
         del weights
     if per_config:
-        table("every quack config (us, CUDA graphs, weights from HBM)",
+        table(f"every quack config (us, CUDA graphs, {source})",
               ["weight", "M", "config", "quack", "% HBM", "ours / quack", "cuBLAS / quack"], every)
-    table("linear: ours, cuBLAS, the fastest quack config and auto's choice (us, CUDA graphs, weights from HBM)",
+    table(f"linear: ours, cuBLAS, the fastest quack config and auto's choice (us, CUDA graphs, {source})",
           ["weight", "M", "ours", "cuBLAS", "best quack config", "quack", "auto runs", "auto", "ours / auto",
            "auto % HBM"], rows)
 
@@ -201,6 +204,9 @@ def main(argv=None) -> int:
     parser.add_argument("--per-config", action="store_true", help="also print every config's time, not only the best")
     parser.add_argument("--eager", action="store_true",
                         help="also time eager one-row `linear` calls (host launch included) under each VEXACT_LINEAR mode")
+    parser.add_argument("--warm-l2", action="store_true",
+                        help="time one weight copy read again and again (L2-resident where it fits: what a "
+                             "prefetch into L2 could gain) instead of rotating copies from HBM")
     args = parser.parse_args(argv)
     try:
         ms = [int(m) for m in args.ms.split(",")]
@@ -228,7 +234,7 @@ def main(argv=None) -> int:
     if not args.skip_speed:
         timed = configs if args.all_configs else [c for c in configs if c[0] in aligned]
         if timed:
-            speed(timed, shapes, ms, hbm, args.per_config)
+            speed(timed, shapes, ms, hbm, args.per_config, args.warm_l2)
         else:
             print("no quack config is aligned with our linear; --all-configs times them anyway")
     if args.eager:
