@@ -16,6 +16,18 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_ints(text: str) -> list[int]:
+    """An argparse ``type`` for comma-separated counts that must each be >= 1 (row counts, batch
+    sizes): the parser then names the option, the value and what it expected."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, e.g. 128,256, got {text!r}") from None
+    if min(values) < 1:
+        raise argparse.ArgumentTypeError(f"every value must be >= 1, got {text!r}")
+    return values
+
+
 def bench(fn, warmup: int = 25, rep: int = 100) -> float:
     """Median milliseconds of `fn` (CUDA events, via triton.testing.do_bench)."""
     import triton.testing

@@ -27,7 +27,7 @@ import sys
 
 import torch
 
-from bench_utils import bench_graph, copy_bandwidth, rotating_copies, table
+from bench_utils import bench_graph, copy_bandwidth, positive_ints, rotating_copies, table
 
 #: (name, K, N) of the weights timed: each model's decode GEMMs as the engine fuses them
 SHAPES = [("0.6b qkv", 1024, 4096), ("0.6b o", 2048, 1024), ("0.6b gate_up", 1024, 6144),
@@ -193,7 +193,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="",
                         help="comma-separated: only the weights whose name contains one of these (default: all)")
-    parser.add_argument("--ms", default="128,256,8192", help="comma-separated row counts for the speed table")
+    parser.add_argument("--ms", type=positive_ints, default="128,256,8192",
+                        help="comma-separated row counts for the speed table")
     parser.add_argument("--skip-speed", action="store_true", help="only the alignment table")
     parser.add_argument("--all-configs", action="store_true",
                         help="time every config, not only the aligned ones")
@@ -208,12 +209,7 @@ def main(argv=None) -> int:
                         help="time one weight copy read again and again (L2-resident where it fits: what a "
                              "prefetch into L2 could gain) instead of rotating copies from HBM")
     args = parser.parse_args(argv)
-    try:
-        ms = [int(m) for m in args.ms.split(",")]
-    except ValueError:
-        parser.error(f"--ms {args.ms!r}: expected comma-separated integers, e.g. 128,256")
-    if min(ms) < 1:
-        parser.error(f"--ms {args.ms!r}: row counts must be >= 1")
+    ms = args.ms
     try:
         parsed = [parse_config(spec) for spec in args.configs.split(",")]
     except ValueError as exc:

@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from bench_utils import bench_graph, positive_int, table
+from bench_utils import bench_graph, positive_int, positive_ints, table
 
 BLOCKS = (2048, 1024, 512, 256)
 
@@ -72,24 +72,19 @@ def measure(kind: str, rows: int, vocab: int, temperature: float) -> list[list]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", default="128,256", help="comma-separated batch sizes (default 128,256)")
+    parser.add_argument("--rows", type=positive_ints, default="128,256",
+                        help="comma-separated batch sizes (default 128,256)")
     parser.add_argument("--vocab", type=positive_int, default=151936, help="columns per row (default Qwen3's 151,936)")
     parser.add_argument("--temperature", type=float, default=0.6,
                         help="temperature of the sampled kinds (default 0.6, as decode_profile.py)")
     args = parser.parse_args(argv)
-    try:
-        rows = [int(r) for r in args.rows.split(",")]
-    except ValueError:
-        parser.error(f"--rows {args.rows!r}: expected comma-separated integers, e.g. 128,256")
-    if min(rows) < 1:
-        parser.error(f"--rows {args.rows!r}: batch sizes must be >= 1")
     if not args.temperature > 0:
         parser.error(f"--temperature={args.temperature} must be > 0 (the greedy kind covers 0)")
     if not torch.cuda.is_available():
         print("benchmarks/sampler.py needs a CUDA GPU", file=sys.stderr)
         return 2
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; vocab {args.vocab}, temperature {args.temperature}")
-    result = [row for kind in ("normal", "zipf", "greedy") for r in rows
+    result = [row for kind in ("normal", "zipf", "greedy") for r in args.rows
               for row in measure(kind, r, args.vocab, args.temperature)]
     table("sample_tokens per decode step (us, CUDA graphs); speedup over the kernel without the filter",
           ["logits", "rows", "sampler", "us", "speedup", "same tokens"], result)

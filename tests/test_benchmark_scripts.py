@@ -184,3 +184,13 @@ def test_page_size_options_refuse_values_below_one(script, option):
     run = subprocess.run([sys.executable, script, option, "0"], cwd=BENCHMARKS, capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 2 and option in run.stderr and "must be >= 1, got 0" in run.stderr
+
+
+@pytest.mark.parametrize("script,option", [("sampler.py", "--rows"), ("linear_quack.py", "--ms")])
+@pytest.mark.parametrize("value,words", [("128,x", "expected comma-separated integers"), ("64,0", "must be >= 1")])
+def test_count_list_options_refuse_bad_values(script, option, value, words):
+    """`bench_utils.positive_ints`: the parser names the option, the value and what it expected,
+    before anything needs a GPU."""
+    run = subprocess.run([sys.executable, script, option, value], cwd=BENCHMARKS, capture_output=True, text=True,
+                         timeout=120, env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"})
+    assert run.returncode == 2 and option in run.stderr and words in run.stderr and repr(value) in run.stderr
