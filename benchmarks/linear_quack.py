@@ -11,7 +11,8 @@ no split-K, no autotuning, which would pick configs by M; `kernels.linear_quack`
   wherever it is faster, on both paths;
 - speed: CUDA-graph time (weights from HBM, `bench_graph`) at the decode row counts and at
   training row counts, beside our `linear` and cuBLAS (``torch.matmul``), on each model's fused
-  decode weights (`kernels.py`'s sweep shapes).
+  decode weights (`kernels.py`'s sweep shapes). LM heads write fp32 logits as the engine's do
+  (cuBLAS's column writes bf16 there: a lower bound for it).
 
 quack is not a dependency: the script reports what it cannot import. Usage (CUDA, Hopper only):
 ``cd benchmarks && python3 linear_quack.py [--shapes "8b qkv,8b o"] [--ms 128,256,8192] [--configs
@@ -30,9 +31,13 @@ import torch
 from bench_utils import bench_graph, copy_bandwidth, positive_ints, rotating_copies, table
 
 #: (name, K, N) of the weights timed: each model's decode GEMMs as the engine fuses them
+#: (LM heads write fp32 logits, as the engine's do)
 SHAPES = [("0.6b qkv", 1024, 4096), ("0.6b o", 2048, 1024), ("0.6b gate_up", 1024, 6144),
-          ("0.6b down", 3072, 1024), ("8b qkv", 4096, 6144), ("8b o", 4096, 4096),
-          ("8b gate_up", 4096, 24576), ("8b down", 12288, 4096), ("8b lm_head", 4096, 151936)]
+          ("0.6b down", 3072, 1024), ("0.6b lm_head", 1024, 151936), ("8b qkv", 4096, 6144), ("8b o", 4096, 4096),
+          ("8b gate_up", 4096, 24576), ("8b down", 12288, 4096), ("8b lm_head", 4096, 151936),
+          ("30b-a3b qkv", 2048, 5120), ("30b-a3b o", 4096, 2048),
+          ("moonlight q+kv_a", 2048, 3648), ("moonlight o", 2048, 2048), ("moonlight shared gate_up", 2048, 5632),
+          ("moonlight shared down", 2816, 2048), ("moonlight lm_head", 2048, 163840)]
 ALIGN_MS = [1, 7, 64, 128, 129, 256, 1000, 4096, 8192]
 
 
@@ -75,18 +80,24 @@ def quack_configs(configs):
     return [(config_label(c), c) for c in configs]
 
 
-def quack_linear(x: torch.Tensor, weight: torch.Tensor, config) -> torch.Tensor:
-    """``x @ weight.T`` by quack's SM90 GEMM with `config` (`kernels.linear_quack`)."""
+def out_dtype(name: str, x: torch.Tensor) -> torch.dtype:
+    """The output dtype the engine asks of weight `name`: fp32 logits for LM heads, else `x`'s."""
+    return torch.float32 if "lm_head" in name else x.dtype
+
+
+def quack_linear(x: torch.Tensor, weight: torch.Tensor, config, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x @ weight.T`` in `dtype` (default `x`'s) by quack's SM90 GEMM with `config` (`kernels.linear_quack`)."""
     from vexact_models.kernels.linear_quack import linear_quack
 
-    return linear_quack(x, weight, None, x.dtype, config)
+    return linear_quack(x, weight, None, dtype or x.dtype, config)
 
 
-def ours(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Our Triton GEMM with its own config (`linear` itself may run quack: ``VEXACT_LINEAR=auto``)."""
+def ours(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Our Triton GEMM with its own config, in `dtype` (default `x`'s); `linear` itself may run
+    quack (``VEXACT_LINEAR=auto``), this does not."""
     from vexact_models.kernels.linear import linear_triton
 
-    return linear_triton(x, weight, None, x.dtype)
+    return linear_triton(x, weight, None, dtype or x.dtype)
 
 
 def alignment(configs, shapes) -> list[str]:
@@ -130,14 +141,15 @@ def speed(configs, shapes, ms: list[int], hbm: float, per_config: bool = False, 
         weights = [weight] if warm_l2 else rotating_copies(weight)
         for m in ms:
             x = torch.randn(m, k, device="cuda").bfloat16()
-            nbytes = 2 * (m * k + n * k + m * n)
-            t_ours = bench_graph([lambda w=w: ours(x, w) for w in weights])
+            dtype = out_dtype(name, x)
+            nbytes = 2 * (m * k + n * k) + dtype.itemsize * m * n
+            t_ours = bench_graph([lambda w=w: ours(x, w, dtype) for w in weights])
             t_cublas = bench_graph([lambda w=w: torch.matmul(x, w.t()) for w in weights])
             best, times = ("-", float("inf")), {}
             for label, cfg in configs:
                 try:
-                    quack_linear(x, weights[0], cfg)  # compiles outside the graph
-                    t = bench_graph([lambda w=w: quack_linear(x, w, cfg) for w in weights])
+                    quack_linear(x, weights[0], cfg, dtype)  # compiles outside the graph
+                    t = bench_graph([lambda w=w: quack_linear(x, w, cfg, dtype) for w in weights])
                 except Exception:  # noqa: BLE001 - skipped configs are the ones alignment reported
                     continue
                 times[cfg] = t
@@ -147,7 +159,7 @@ def speed(configs, shapes, ms: list[int], hbm: float, per_config: bool = False, 
                     best = (label, t)
             auto = pick_config(m, n, k)
             t_auto = t_ours if auto is None else times.get(auto) or \
-                bench_graph([lambda w=w: quack_linear(x, w, auto) for w in weights])
+                bench_graph([lambda w=w: quack_linear(x, w, auto, dtype) for w in weights])
             rows.append([name, m, f"{t_ours * 1e3:.1f}", f"{t_cublas * 1e3:.1f}", best[0], f"{best[1] * 1e3:.1f}",
                          "ours" if auto is None else config_label(auto), f"{t_auto * 1e3:.1f}",
                          f"{t_ours / t_auto:.2f}", f"{100 * nbytes / t_auto / 1e6 / hbm:.0f}%"])

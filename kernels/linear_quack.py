@@ -69,38 +69,47 @@ SM90_DEFAULT = QuackConfig(128, 192, True, 2, 1)
 def pick_config(m: int, n: int, k: int) -> QuackConfig | None:
     """The quack config for an (m, n, k) problem in ``auto`` mode, or None where our kernel is as
     fast or the shape was not measured. From `benchmarks/linear_quack.py` on the H200 (CUDA
-    graphs, weights from HBM; docs/gpu-results.md, fifteenth and sixteenth sessions).
+    graphs, weights from HBM, LM heads writing fp32 logits; docs/gpu-results.md, fifteenth,
+    sixteenth and twenty-second sessions).
 
     The idea behind the table: a decode GEMM reads its weight once, so it is as fast as the
     number of SMs streaming the weight at once. Few rows leave few output tiles, so the tiles
     get narrow (64 wide, the smallest wgmma M) and, up to 64 rows, the weight becomes the M
     operand (swap-AB) with the rows as a 16-64 wide N; from 65 rows a 2x1 cluster multicasts each
-    weight tile to the two 64-row tiles that need it; 129-192 rows take one 192-row tile. The
-    table was timed at the engine's CUDA-graph batch buckets (`runtime.cuda_graphs`), the row
-    counts `auto` runs it at: quack is slow on partly filled M tiles (with 64x64 tiles the Qwen3-8B
-    o projection took 16.5 us at 80 rows, 11.7 at 128). ``k`` is not used: no choice depended on it."""
+    weight tile to the two 64-row tiles that need it; 129-192 rows take one 192-row tile. LM
+    heads (N > 65,536) from 129 rows are bound by their arithmetic, not by the weight: one
+    192-row tile, then quack's default, 1.2-1.9x our kernel. The table was timed at the engine's
+    CUDA-graph batch buckets (`runtime.cuda_graphs`), the row counts `auto` runs it at: quack is
+    slow on partly filled M tiles (with 64x64 tiles the Qwen3-8B o projection took 16.5 us at 80
+    rows, 11.7 at 128; N = 2,048 weights at 129-160 rows are faster in our kernel). ``k`` is not
+    used: no choice depended on it."""
     if not AUTO_ROWS[0] <= m <= AUTO_ROWS[1]:
         return None
+    lm_head = n > 65536
     if m <= 64:
-        if n > 65536:  # LM heads stream at ~95% of HBM either way
+        if lm_head:  # LM heads stream at ~95% of HBM either way
             return None
         rows = 16 if m <= 16 or n <= 1024 else (32 if m <= 32 else 64)
         return QuackConfig(64, rows, True, swap_ab=True)
     if m <= 128:
-        if n > 65536:
-            return QuackConfig(128, 128, False, 1, 2)
+        if lm_head:
+            return QuackConfig(64, 192, True, 2, 1)
         if n <= 1024:
             return QuackConfig(64, 32, True, swap_ab=True)
-        return QuackConfig(64, 192 if n >= 16384 else 96 if n >= 6144 else 64, True, 2, 1)
-    if n > 65536:  # LM heads: ours is as fast
-        return None
+        return QuackConfig(64, 192 if n >= 16384 else 96 if n > 4096 else 64, True, 2, 1)
     if n <= 1024:
         return QuackConfig(64, 64, True, swap_ab=True)
     if m <= 192:  # one 192-row tile: quack is slow on a partly filled second M tile
+        if lm_head:
+            return QuackConfig(192, 128, True)
+        if n <= 2048:
+            return None if m <= 160 else QuackConfig(64, 64, True, swap_ab=True)
         return QuackConfig(192, 128 if n >= 16384 else 64, True)
     if n >= 16384:
         return SM90_DEFAULT
-    return QuackConfig(64, 192, True, 2, 1) if n >= 6144 else QuackConfig(128, 64, True, 2, 1)
+    if n <= 2048:
+        return QuackConfig(64, 64, True, 2, 1)
+    return QuackConfig(64, 192, True, 2, 1) if n > 4096 else QuackConfig(128, 64, True, 2, 1)
 
 
 def table_configs() -> list[QuackConfig]:

@@ -176,6 +176,21 @@ def test_linear_quack_config_specs_round_trip_and_bad_ones_are_refused(monkeypat
     assert run.returncode == 2 and "--configs" in run.stderr and "'12xp'" in run.stderr
 
 
+def test_linear_quack_times_lm_heads_with_fp32_logits(monkeypatch):
+    """`benchmarks/linear_quack.py`: LM heads are timed writing fp32 logits, as the engine's are;
+    every other weight in the input's dtype."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import linear_quack
+
+    x = torch.zeros(2, 4, dtype=torch.bfloat16)
+    heads = [name for name, _, n in linear_quack.SHAPES if n > 65536]
+    assert heads == ["0.6b lm_head", "8b lm_head", "moonlight lm_head"]
+    assert all(linear_quack.out_dtype(name, x) == torch.float32 for name in heads)
+    assert all(linear_quack.out_dtype(name, x) == torch.bfloat16 for name, _, n in linear_quack.SHAPES if n <= 65536)
+
+
 @pytest.mark.parametrize("script,option", [("decode_profile.py", "--block-size"), ("throughput.py", "--block-size"),
                                            ("attention_configs.py", "--page-size")])
 def test_page_size_options_refuse_values_below_one(script, option):
@@ -194,3 +209,4 @@ def test_count_list_options_refuse_bad_values(script, option, value, words):
     run = subprocess.run([sys.executable, script, option, value], cwd=BENCHMARKS, capture_output=True, text=True,
                          timeout=120, env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"})
     assert run.returncode == 2 and option in run.stderr and words in run.stderr and repr(value) in run.stderr
+

@@ -23,10 +23,17 @@ def test_the_table_covers_decode_batches_only():
     assert lq.pick_config(128, 4096, 4096) == lq.QuackConfig(64, 64, True, 2, 1)  # Qwen3-8B o
     assert lq.pick_config(128, 6144, 4096) == lq.QuackConfig(64, 96, True, 2, 1)  # Qwen3-8B q/k/v
     assert lq.pick_config(128, 24576, 4096) == lq.QuackConfig(64, 192, True, 2, 1)  # Qwen3-8B gate/up
-    assert lq.pick_config(128, 151936, 4096) == lq.QuackConfig(128, 128, False, 1, 2)  # LM head
+    assert lq.pick_config(128, 5632, 2048) == lq.QuackConfig(64, 96, True, 2, 1)  # Moonlight shared gate/up
+    assert lq.pick_config(128, 151936, 4096) == lq.QuackConfig(64, 192, True, 2, 1)  # LM head
     assert lq.pick_config(128, 1024, 3072) == lq.QuackConfig(64, 32, True, swap_ab=True)
-    assert lq.pick_config(200, 151936, 4096) is None
+    assert lq.pick_config(160, 151936, 1024) == lq.QuackConfig(192, 128, True)  # LM heads: compute-bound
+    assert lq.pick_config(200, 151936, 4096) == lq.SM90_DEFAULT
+    assert lq.pick_config(256, 163840, 2048) == lq.SM90_DEFAULT
     assert lq.pick_config(160, 4096, 4096) == lq.QuackConfig(192, 64, True)  # one 192-row tile
+    assert lq.pick_config(160, 2048, 2048) is None  # Moonlight o: ours is faster there
+    assert lq.pick_config(192, 2048, 2816) == lq.QuackConfig(64, 64, True, swap_ab=True)
+    assert lq.pick_config(256, 2048, 2048) == lq.QuackConfig(64, 64, True, 2, 1)
+    assert lq.pick_config(256, 5120, 2048) == lq.QuackConfig(64, 192, True, 2, 1)  # Qwen3-30B-A3B q/k/v
     assert lq.pick_config(192, 24576, 4096) == lq.QuackConfig(192, 128, True)
     assert lq.pick_config(192, 1024, 3072) == lq.QuackConfig(64, 64, True, swap_ab=True)
     assert lq.pick_config(224, 4096, 4096) == lq.QuackConfig(128, 64, True, 2, 1)
@@ -39,7 +46,7 @@ def test_table_configs_lists_every_config_the_table_returns():
     listed = lq.table_configs()
     assert len(listed) == len(set(listed)) and listed[-1] == lq.SM90_DEFAULT
     for m in range(1, 300):
-        for n in (8, 1024, 1032, 4096, 6144, 16384, 24576, 65536, 65544, 151936):
+        for n in (8, 1024, 1032, 2048, 3648, 4096, 5120, 6144, 16384, 24576, 65536, 65544, 151936):
             cfg = lq.pick_config(m, n, 4096)
             assert cfg is None or cfg in listed, (m, n, cfg)
 
