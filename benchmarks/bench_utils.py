@@ -94,6 +94,49 @@ def decode_bytes(model, batch: int, mean_context: int) -> int:
     return weights + batch * mean_context * kv_bytes_per_block(model.kv_cache_spec(), 1, param.dtype)
 
 
+def expected_routed(n_experts: int, top_k: int, rows: int) -> float:
+    """Experts that `rows` tokens reach in expectation when each token routes to `top_k` distinct
+    experts of `n_experts`, chosen uniformly (random router weights route about so)."""
+    return n_experts * (1.0 - (1.0 - top_k / n_experts) ** rows)
+
+
+def workload_decode_roofline(model, prompt_lens: list[int], outputs: list[int], max_seqs: int,
+                             hbm_gbs: float) -> tuple[float, float]:
+    """(weight seconds, KV seconds) that the decode steps of a rollout read at least, at `hbm_gbs`
+    GB/s: requests start in order, at most `max_seqs` at a time (no preemption); a request's
+    prompt step samples its first token, then each of its ``output - 1`` decode steps reads its
+    cache up to the new token. Every decode step reads the weights but the input embedding
+    (`decode_bytes`), routed experts only as many as its batch reaches (`expected_routed`), and
+    every running sequence's cache. Prompt steps are left out (bound by arithmetic), so this is
+    a floor for the decode part of the run."""
+    from vexact_models.layers import FusedExperts
+    from vexact_models.runtime.model_runner import kv_bytes_per_block
+
+    param = next(model.parameters())
+    kv_per_token = kv_bytes_per_block(model.kv_cache_spec(), 1, param.dtype)
+    moe = [(m.num_experts, sum(p.numel() for p in m.parameters()) * param.element_size())
+           for m in model.modules() if isinstance(m, FusedExperts)]
+    top_k = getattr(model.config, "num_experts_per_tok", 1)
+    dense = decode_bytes(model, 0, 0) - sum(nbytes for _, nbytes in moe)
+    waiting = list(zip(prompt_lens, outputs))[::-1]
+    running: list[list[int]] = []  # [context after this step's token, decode steps left]
+    weight_bytes = kv_bytes = 0.0
+    while waiting or running:
+        running = [r for r in running if r[1] > 0]
+        while waiting and len(running) < max_seqs:
+            prompt, output = waiting.pop()
+            if output > 1:
+                running.append([prompt + 1, output - 1])
+        if not running:
+            continue
+        weight_bytes += dense + sum(nbytes * expected_routed(n, top_k, len(running)) / n for n, nbytes in moe)
+        kv_bytes += sum(ctx for ctx, _ in running) * kv_per_token
+        for r in running:
+            r[0] += 1
+            r[1] -= 1
+    return weight_bytes / (hbm_gbs * 1e9), kv_bytes / (hbm_gbs * 1e9)
+
+
 def decode_layout(batch: int, context: int, page: int):
     """A decode step's `PagedLayout` on the GPU: `batch` sequences of one new token each over
     `context` cached positions, their pages (``batch * ceil(context / page)``, numbered from 0)

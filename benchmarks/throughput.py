@@ -25,6 +25,13 @@ shape (default Qwen3-0.6B), bf16, CUDA.
   requests in one left-padded batch (or ``--hf-batch`` per batch) with ``max_new_tokens`` the
   batch's longest output; only each request's own output length counts as useful tokens.
 
+After the table, the workload's floor per KV cache mode: what its decode steps must read at
+least (weights, routed experts as many as each step's batch reaches, every running sequence's
+cache) over the measured copy bandwidth, and each run's share of it. For MLA models the ratio of
+the two modes' floors is the throughput ratio they reach at equal efficiency: at 256 requests on
+an H200 every expanded cache fits and the weights dominate (1.90x for Moonlight); where the
+expanded cache limits the batch (``--requests 512 --max-num-seqs 512``) it is 2.56x.
+
 Then decode step time at batch 128 and 256 (contexts ~512-640 tokens) beside the HBM roofline:
 bytes of weights and KV read per step over the measured copy bandwidth.
 
@@ -50,7 +57,7 @@ import time
 
 import torch
 
-from bench_utils import copy_bandwidth, decode_bytes, positive_int
+from bench_utils import copy_bandwidth, decode_bytes, positive_int, workload_decode_roofline
 
 
 def workload(n: int, vocab: int, seed: int, lo: int = 100, hi: int = 1024):
@@ -247,8 +254,9 @@ def main(argv=None) -> int:
         rows += run_engines(arch, model, prompts, outputs, args, [e for e in engines if e != "hf" or mode == modes[0]],
                             mode)
     print_rates(rows)
+    hbm = copy_bandwidth()
+    print_workload_floor(model, modes, rows, [len(p) for p in prompts], outputs, args.max_num_seqs, hbm)
     if not args.no_roofline:
-        hbm = copy_bandwidth()
         print(f"\ndecode steps (context 512-640) vs the HBM roofline (copy bandwidth {hbm:.0f} GB/s)")
         print(f"{'engine':<22}{'batch':>7}{'step ms':>10}{'roofline ms':>13}{'% of roofline':>15}")
         for mode in modes:
@@ -262,14 +270,38 @@ def main(argv=None) -> int:
     return 0
 
 
-def set_mode(model, mode: str | None) -> None:
-    """Switch an MLA model's KV cache mode (None: leave the model as built) and print its cache size."""
+def print_workload_floor(model, modes: list, rows: list[tuple], prompt_lens: list[int], outputs: list[int],
+                         max_seqs: int, hbm: float) -> None:
+    """Per KV cache mode, what the workload's decode steps read at least over the copy bandwidth
+    (`workload_decode_roofline`), and each vexact run's seconds against it. With two MLA modes,
+    the ratio of their floors is the throughput ratio the two reach when both run at the same
+    share of their floor (issue 15's latent / expanded)."""
+    print(f"\nthe workload's decode steps at the copy bandwidth ({hbm:.0f} GB/s; prompt steps not counted): "
+          f"a floor for each run")
+    print(f"{'mode':<10}{'weights s':>11}{'KV s':>8}{'floor s':>9}   runs: seconds (floor share)")
+    floors = {}
+    for mode in modes:
+        set_mode(model, mode, quiet=True)
+        weights, kv = workload_decode_roofline(model, prompt_lens, outputs, max_seqs, hbm)
+        floors[mode] = weights + kv
+        runs = ", ".join(f"{name} {seconds:.1f} ({100 * floors[mode] / seconds:.0f}%)"
+                         for name, row_mode, seconds, _ in rows if row_mode == mode and not name.startswith("HF"))
+        print(f"{mode or '-':<10}{weights:>11.2f}{kv:>8.2f}{floors[mode]:>9.2f}   {runs}")
+    if set(floors) == {"expanded", "latent"}:
+        print(f"expanded / latent floor: {floors['expanded'] / floors['latent']:.2f}x (the latent / expanded throughput "
+              f"ratio where both runs reach the same share of their floor)")
+
+
+def set_mode(model, mode: str | None, quiet: bool = False) -> None:
+    """Switch an MLA model's KV cache mode (None: leave the model as built) and print its cache size
+    (unless `quiet`)."""
     from vexact_models.runtime.model_runner import kv_bytes_per_block
 
     if mode is not None:
         model.set_mla_kv_cache(mode)
-    print(f"KV cache{f' ({mode})' if mode else ''}: {kv_bytes_per_block(model.kv_cache_spec(), 1, torch.bfloat16):,} "
-          f"bytes per token (layers, KV heads, key dim, value dim = {tuple(model.kv_cache_spec())})", flush=True)
+    if not quiet:
+        print(f"KV cache{f' ({mode})' if mode else ''}: {kv_bytes_per_block(model.kv_cache_spec(), 1, torch.bfloat16):,} "
+              f"bytes per token (layers, KV heads, key dim, value dim = {tuple(model.kv_cache_spec())})", flush=True)
 
 
 def run_engines(arch, model, prompts, outputs, args, engines: list[str], mode: str | None) -> list[tuple]:

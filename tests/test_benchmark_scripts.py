@@ -210,3 +210,45 @@ def test_count_list_options_refuse_bad_values(script, option, value, words):
                          timeout=120, env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"})
     assert run.returncode == 2 and option in run.stderr and words in run.stderr and repr(value) in run.stderr
 
+
+def test_workload_decode_roofline_counts_each_decode_step_once(monkeypatch):
+    """`bench_utils.workload_decode_roofline` (throughput.py's floor per KV cache mode): a
+    request's ``output - 1`` decode steps each read the weights and its cache up to the new
+    token, at most `max_seqs` requests run at a time, and routed experts count only as many as
+    the step's batch reaches."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_utils
+
+    from vexact_models.conformance.models import build_model, make_config
+    from vexact_models.layers import FusedExperts
+    from vexact_models.registry import get
+    from vexact_models.runtime.model_runner import kv_bytes_per_block
+
+    assert bench_utils.expected_routed(8, 2, 1) == 2.0 and bench_utils.expected_routed(8, 8, 3) == 8.0
+    assert 7.9 < bench_utils.expected_routed(8, 2, 40) < 8.0
+    for arch_name in ("qwen3", "qwen3_moe"):
+        model = build_model(get(arch_name), make_config(get(arch_name)), torch.device("cpu"), torch.float32)
+        weights = bench_utils.decode_bytes(model, 0, 0)
+        per_token = kv_bytes_per_block(model.kv_cache_spec(), 1, torch.float32)
+        experts = [m for m in model.modules() if isinstance(m, FusedExperts)]
+        expert_bytes = sum(p.numel() * 4 for m in experts for p in m.parameters())
+        top_k = getattr(model.config, "num_experts_per_tok", 1)
+
+        def step_weights(batch):
+            if not experts:
+                return weights
+            n = experts[0].num_experts
+            return weights - expert_bytes + expert_bytes * bench_utils.expected_routed(n, top_k, batch) / n
+
+        # prompts of 3 and 5 tokens, 3 output tokens each: two decode steps each, at contexts 4, 5 and 6, 7
+        both = bench_utils.workload_decode_roofline(model, [3, 5], [3, 3], 2, 1e-9)
+        assert both == pytest.approx((2 * step_weights(2), (4 + 5 + 6 + 7) * per_token))
+        one_at_a_time = bench_utils.workload_decode_roofline(model, [3, 5], [3, 3], 1, 1e-9)
+        assert one_at_a_time == pytest.approx((4 * step_weights(1), (4 + 5 + 6 + 7) * per_token))
+        # a one-token output has no decode step; the other request then runs alone
+        assert bench_utils.workload_decode_roofline(model, [3, 5], [1, 2], 2, 1e-9) == \
+            pytest.approx((step_weights(1), 6 * per_token))
+        if experts:
+            assert step_weights(1) < step_weights(2) < weights
