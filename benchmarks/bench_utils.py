@@ -109,6 +109,8 @@ def workload_decode_roofline(model, prompt_lens: list[int], outputs: list[int], 
     (`decode_bytes`), routed experts only as many as its batch reaches (`expected_routed`), and
     every running sequence's cache. Prompt steps are left out (bound by arithmetic), so this is
     a floor for the decode part of the run."""
+    import heapq
+
     from vexact_models.layers import FusedExperts
     from vexact_models.runtime.model_runner import kv_bytes_per_block
 
@@ -118,23 +120,26 @@ def workload_decode_roofline(model, prompt_lens: list[int], outputs: list[int], 
            for m in model.modules() if isinstance(m, FusedExperts)]
     top_k = getattr(model.config, "num_experts_per_tok", 1)
     dense = decode_bytes(model, 0, 0) - sum(nbytes for _, nbytes in moe)
-    waiting = list(zip(prompt_lens, outputs))[::-1]
-    running: list[list[int]] = []  # [context after this step's token, decode steps left]
-    weight_bytes = kv_bytes = 0.0
-    while waiting or running:
-        running = [r for r in running if r[1] > 0]
-        while waiting and len(running) < max_seqs:
-            prompt, output = waiting.pop()
-            if output > 1:
-                running.append([prompt + 1, output - 1])
-        if not running:
+    # A request's caches read the same tokens whenever it runs: contexts prompt + 1 .. prompt + output - 1.
+    kv_tokens = sum((out - 1) * (prompt + 1) + (out - 1) * (out - 2) // 2
+                    for prompt, out in zip(prompt_lens, outputs) if out > 1)
+    # Only the batch of each step depends on the schedule: a request takes the first free slot.
+    ends: list[int] = []  # heap of the steps at which running requests free their slot
+    joins: dict[int, int] = {}  # step -> change in the running count
+    for out in outputs:
+        if out <= 1:
             continue
-        weight_bytes += dense + sum(nbytes * expected_routed(n, top_k, len(running)) / n for n, nbytes in moe)
-        kv_bytes += sum(ctx for ctx, _ in running) * kv_per_token
-        for r in running:
-            r[0] += 1
-            r[1] -= 1
-    return weight_bytes / (hbm_gbs * 1e9), kv_bytes / (hbm_gbs * 1e9)
+        start = heapq.heappop(ends) if len(ends) >= max_seqs else 0
+        heapq.heappush(ends, start + out - 1)
+        joins[start] = joins.get(start, 0) + 1
+        joins[start + out - 1] = joins.get(start + out - 1, 0) - 1
+    weight_bytes, batch, steps = 0.0, 0, sorted(joins)
+    for step, following in zip(steps, steps[1:]):
+        batch += joins[step]
+        if batch:
+            per_step = dense + sum(nbytes * expected_routed(n, top_k, batch) / n for n, nbytes in moe)
+            weight_bytes += (following - step) * per_step
+    return weight_bytes / (hbm_gbs * 1e9), kv_tokens * kv_per_token / (hbm_gbs * 1e9)
 
 
 def decode_layout(batch: int, context: int, page: int):
