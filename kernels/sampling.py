@@ -134,7 +134,7 @@ def _sample_kernel(logits_ptr, temp_ptr, seed_ptr, step_ptr, threshold_ptr, best
             reach = tl.where(greedy, x_top, x_top * (1.0 / inv_t) + _NOISE_MAX) + _margin(best)
             compute = reach > best
             u = tl.zeros((BLOCK_V,), tl.float32)  # greedy rows never read it: their score is x
-            if compute & (temperature != 0.0):
+            if compute & ~greedy:
                 u = _philox_uniform(start, step_lo, step_hi, key0, key1, BLOCK_V)
                 compute = _may_beat(x, u, ok, best, inv_t)
         else:
