@@ -7,7 +7,9 @@ random weights, uniformly random routing, bf16; 1, 64, 512, 4096 and 16384 token
 - dense: a [T*k, 2048] x [2048, 3*768]-FLOP-equivalent cuBLAS GEMM pair (same FLOPs as the experts).
 Targets (issue 4): forward >= 5x the loop at 4096 tokens; >= 50% of the dense cuBLAS TFLOP/s at 16384.
 
-Usage: python benchmarks/moe.py [--sweep]   (--sweep: time each MoE kernel's tile configs at 16384 tokens)
+Usage: python benchmarks/moe.py [--sweep | --decode 64,128,256]
+  --sweep: time each MoE kernel's tile configs at 16384 tokens;
+  --decode: the same at decode batches of the Moonlight and Qwen3-30B-A3B layers, in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import sys
 
 import torch
 
-from bench_utils import bench
+from bench_utils import bench, positive_ints, table
 
 
 def loop_moe(x, gate_up, down, weights, ids):
@@ -32,8 +34,7 @@ def loop_moe(x, gate_up, down, weights, ids):
 
 def sweep() -> None:
     """Each grouped kernel alone at 16384 tokens under candidate tile configs."""
-    from vexact_models.kernels.moe import MoeConfig, grouped_gemm, moe_align, moe_gate_up_kernel
-    import triton
+    from vexact_models.kernels.moe import MoeConfig, gate_up_act, grouped_gemm, moe_align
 
     hidden, experts, inter, top_k, tokens = 2048, 128, 768, 8, 16384
     gate_up = (torch.randn(experts, 2 * inter, hidden, device="cuda") / hidden ** 0.5).bfloat16()
@@ -44,19 +45,10 @@ def sweep() -> None:
                                   (64, 128, 4, 4), (128, 128, 4, 3)):
         cfg = MoeConfig(bm, bn, warps, stages, bn, warps, stages)
         layout = moe_align(ids, experts, bm)
-        rows = layout.sorted_pairs.shape[0]
-        act = torch.empty(rows, inter, device="cuda", dtype=torch.bfloat16)
-
-        def gate_up_kernel():
-            moe_gate_up_kernel[(rows // bm, triton.cdiv(inter, bn))](
-                x, gate_up, act, act, layout.sorted_pairs, layout.block_expert, layout.num_pairs, hidden, inter,
-                x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), act.stride(0), act.stride(0),
-                TOP_K=top_k, SAVE_PREACT=False, INPUT_PRECISION="tf32", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64,
-                num_warps=warps, num_stages=stages)
-
+        act = gate_up_act(x, gate_up, layout, top_k, cfg)[0]
         line = f"BM={bm} BN={bn} warps={warps} stages={stages}:"
         for name, fn, flops in (
-                ("gate_up", gate_up_kernel, 2 * tokens * top_k * hidden * 2 * inter),
+                ("gate_up", lambda: gate_up_act(x, gate_up, layout, top_k, cfg), 2 * tokens * top_k * hidden * 2 * inter),
                 ("down", lambda: grouped_gemm(act, down, layout, hidden, inter, down.stride(1), down.stride(2),
                                               torch.bfloat16, cfg), 2 * tokens * top_k * hidden * inter)):
             try:
@@ -67,17 +59,86 @@ def sweep() -> None:
         print(line, flush=True)
 
 
+#: (name, hidden, experts, expert intermediate, top-k) of the decode sweep's MoE layers
+DECODE_SHAPES = (("moonlight", 2048, 64, 1408, 6), ("30b-a3b", 2048, 128, 768, 8))
+#: (block_m, block_n, warps, stages) candidates of each kernel in the decode sweep
+DECODE_GATE_UP = ((64, 64, 4, 3), (64, 64, 4, 4), (64, 64, 4, 5), (64, 128, 4, 3), (64, 128, 4, 4), (64, 128, 8, 3),
+                  (64, 128, 8, 4), (64, 32, 4, 4), (32, 64, 4, 4), (32, 128, 4, 4), (16, 64, 4, 4), (16, 128, 4, 4))
+DECODE_DOWN = ((64, 64, 4, 3), (64, 64, 4, 4), (64, 64, 4, 5), (64, 128, 4, 3), (64, 128, 4, 4), (64, 128, 8, 3),
+               (64, 128, 8, 4), (64, 256, 8, 3), (64, 32, 4, 4), (32, 64, 4, 4), (32, 128, 4, 4), (16, 64, 4, 4),
+               (16, 128, 4, 4))
+
+
+def decode_sweep(token_counts: list[int]) -> None:
+    """Each grouped kernel alone at decode batches under candidate tiles, in CUDA graphs: microseconds,
+    GB/s of the expert weights the batch touches, and whether the rows equal the current config's
+    bit for bit (a config the model may take must)."""
+    for name, hidden, experts, inter, top_k in DECODE_SHAPES:
+        _decode_sweep_layer(name, hidden, experts, inter, top_k, token_counts)
+        torch.cuda.empty_cache()
+
+
+def _decode_sweep_layer(name: str, hidden: int, experts: int, inter: int, top_k: int, token_counts: list[int]) -> None:
+    from bench_utils import bench_graph
+    from vexact_models.kernels.moe import MoeConfig, gate_up_act, grouped_gemm, moe_align, pick_config
+
+    gate_up = (torch.randn(experts, 2 * inter, hidden, device="cuda") / hidden ** 0.5).bfloat16()
+    down = (torch.randn(experts, hidden, inter, device="cuda") / inter ** 0.5).bfloat16()
+    for tokens in token_counts:
+        x = torch.randn(tokens, hidden, device="cuda").bfloat16()
+        ids = torch.softmax(torch.randn(tokens, experts, device="cuda"), -1).topk(top_k, -1).indices
+        touched = int(torch.unique(ids).numel())
+        now = pick_config(tokens, top_k, experts)
+        ref_layout = moe_align(ids, experts, now.block_m)
+        ref_act = gate_up_act(x, gate_up, ref_layout, top_k, now)[0]
+        ref_y = grouped_gemm(ref_act, down, ref_layout, hidden, inter, down.stride(1), down.stride(2),
+                             torch.bfloat16, now, down_tiles=True)
+        rows = []
+        for kernel, candidates, nbytes in (("gate_up", DECODE_GATE_UP, 2 * inter * hidden * 2),
+                                          ("down", DECODE_DOWN, hidden * inter * 2)):
+            for bm, bn, warps, stages in candidates:
+                cfg = MoeConfig(bm, bn, warps, stages, bn, warps, stages)
+                layout = moe_align(ids, experts, bm)
+                pos = layout.pair_pos.long()
+                if kernel == "gate_up":
+                    fn = lambda: gate_up_act(x, gate_up, layout, top_k, cfg)  # noqa: E731
+                    rows_of, want = (lambda: fn()[0][pos]), ref_act
+                else:
+                    act = torch.zeros(layout.sorted_pairs.shape[0], inter, device="cuda", dtype=torch.bfloat16)
+                    act[pos] = ref_act[ref_layout.pair_pos.long()]
+                    fn = lambda: grouped_gemm(act, down, layout, hidden, inter, down.stride(1),  # noqa: E731
+                                              down.stride(2), torch.bfloat16, cfg)
+                    rows_of, want = (lambda: fn()[pos]), ref_y
+                try:
+                    same = torch.equal(rows_of(), want[ref_layout.pair_pos.long()])
+                    ms = bench_graph([fn])
+                except Exception as exc:  # out of shared memory / registers
+                    rows.append([kernel, f"{bm}x{bn} w{warps} s{stages}", type(exc).__name__, "", ""])
+                    continue
+                rows.append([kernel, f"{bm}x{bn} w{warps} s{stages}", f"{ms * 1e3:.1f}",
+                             f"{touched * nbytes / ms / 1e6:.0f}", "yes" if same else "NO"])
+        table(f"{name} MoE at {tokens} tokens ({touched} of {experts} experts touched; now "
+              f"{now.block_m}x{now.block_n} / down {now.block_m}x{now.down_block_n})",
+              ["kernel", "tiles", "us", "GB/s", "same bits"], rows)
+
+
 def main(argv=None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep", action="store_true", help="time each MoE kernel's tile configs at 16384 tokens")
+    parser.add_argument("--decode", type=positive_ints, metavar="TOKENS",
+                        help="time each MoE kernel's tile configs at these decode batches (e.g. 64,128,256) of the "
+                             "Moonlight and Qwen3-30B-A3B layers")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/moe.py needs a CUDA GPU", file=sys.stderr)
         return 2
     if args.sweep:
         sweep()
+        return 0
+    if args.decode:
+        decode_sweep(args.decode)
         return 0
     from vexact_models.kernels.moe import fused_moe
 

@@ -55,13 +55,24 @@ class MoeConfig:
 # short K (the expert intermediate size), so it wants a wide N tile.
 SMALL = MoeConfig(64, 64, 4, 3, 64, 4, 3)
 LARGE = MoeConfig(128, 128, 8, 4, 256, 8, 3)
+# Decode batches, where an expert gets a few rows (`benchmarks/moe.py --decode` on the H200,
+# twenty-third session): 32-row blocks let more down-projection programs share an SM, 1.06-1.13x
+# the 64-row tiles alone at 8-16 rows an expert; gate/up is as fast either way. In a decode step
+# Qwen3-30B-A3B at 256 sequences (16 rows an expert) went 22.63 -> 21.84 ms; Moonlight at 256
+# (24 rows) did not move, so it keeps the 64-row tiles there. (16-row blocks were faster alone
+# at 6-12 rows but lost at 24, where experts span two blocks that each read the weights.)
+DECODE = MoeConfig(32, 64, 4, 4, 64, 4, 4)
 BLOCK_M = SMALL.block_m  # the reference layout's block
 
 
 def pick_config(tokens: int, top_k: int, experts: int) -> MoeConfig:
-    """Tiles by the average rows per expert (a host-side shape, no sync). Both configs give
-    bitwise the same rows (conformance/kernel_invariance.py, "moe": one token vs 16384)."""
-    return LARGE if tokens * top_k >= 256 * experts else SMALL
+    """Tiles by the average rows per expert (a host-side shape, no sync). Every config gives
+    bitwise the same rows (conformance/kernel_invariance.py, "moe": one token vs 16384;
+    `benchmarks/moe.py --decode`'s "same bits")."""
+    pairs = tokens * top_k
+    if pairs <= 16 * experts:
+        return DECODE
+    return LARGE if pairs >= 256 * experts else SMALL
 
 
 @triton.jit
@@ -187,6 +198,26 @@ def combine(y: torch.Tensor, weights: torch.Tensor, layout: MoeLayout, tokens: i
     return out
 
 
+def gate_up_act(x: torch.Tensor, gate_up: torch.Tensor, layout: MoeLayout, top_k: int, cfg: MoeConfig,
+                save_preact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``act[p] = silu(x[t] @ Wg[e].T) * (x[t] @ Wu[e].T)`` over the padded permuted rows of
+    `layout` (pair p = t * top_k + r of expert e), by `moe_gate_up_kernel` with `cfg`'s tiles.
+    Returns (act, preact): preact holds the rounded gate and up products when `save_preact`
+    (the backward's input), else it is `act` itself."""
+    hidden = x.shape[1]
+    inter = gate_up.shape[1] // 2
+    rows = layout.sorted_pairs.shape[0]
+    act = torch.empty(rows, inter, device=x.device, dtype=x.dtype)
+    preact = torch.empty(rows, 2 * inter, device=x.device, dtype=x.dtype) if save_preact else act
+    moe_gate_up_kernel[(rows // cfg.block_m, triton.cdiv(inter, cfg.block_n))](
+        x, gate_up, act, preact, layout.sorted_pairs, layout.block_expert, layout.num_pairs, hidden, inter,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), act.stride(0), preact.stride(0),
+        TOP_K=top_k, SAVE_PREACT=save_preact, INPUT_PRECISION=_precision(x.dtype), BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=BLOCK_K, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **dependent_launch_kwargs(x.device))
+    return act, preact
+
+
 def _forward_triton(x, gate_up, down, weights, ids, save_preact: bool):
     require_triton("fused_moe")
     tokens, hidden = x.shape
@@ -194,15 +225,7 @@ def _forward_triton(x, gate_up, down, weights, ids, save_preact: bool):
     cfg = pick_config(tokens, ids.shape[1], experts)
     layout = moe_align(ids, experts, cfg.block_m)
     layout.config = cfg
-    rows = layout.sorted_pairs.shape[0]
-    act = torch.empty(rows, inter, device=x.device, dtype=x.dtype)
-    preact = torch.empty(rows, 2 * inter, device=x.device, dtype=x.dtype) if save_preact else act
-    moe_gate_up_kernel[(rows // cfg.block_m, triton.cdiv(inter, cfg.block_n))](
-        x, gate_up, act, preact, layout.sorted_pairs, layout.block_expert, layout.num_pairs, hidden, inter,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), act.stride(0), preact.stride(0),
-        TOP_K=ids.shape[1], SAVE_PREACT=save_preact, INPUT_PRECISION=_precision(x.dtype), BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=BLOCK_K, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **dependent_launch_kwargs(x.device))
+    act, preact = gate_up_act(x, gate_up, layout, ids.shape[1], cfg, save_preact)
     y = grouped_gemm(act, down, layout, hidden, inter, down.stride(1), down.stride(2), x.dtype, cfg, down_tiles=True)
     out = combine(y, weights, layout, tokens, x.dtype)
     return out, (layout, act, preact, y)

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from vexact_models.kernels.moe import fused_moe, moe_align, moe_math
+from vexact_models.kernels.moe import DECODE, LARGE, SMALL, fused_moe, moe_align, moe_math, pick_config
 from vexact_models.kernels.moe_routing import softmax_topk
 
 from ..conftest import rel_err
@@ -93,6 +93,15 @@ def test_fused_moe_tokens_invariant_to_batch_and_expert_load():
     for i in (0, 7, 260, 299):
         assert torch.equal(fused_moe(x[i:i + 1], gate_up, down, w[i:i + 1], ids[i:i + 1])[0], full[i])
     assert torch.equal(fused_moe(x[250:], gate_up, down, w[250:], ids[250:]), full[250:])
+
+
+def test_pick_config_takes_short_row_blocks_for_decode_batches():
+    """Up to 16 rows an expert (decode batches of the Qwen3-30B-A3B layer, 128 experts, top-8, up to
+    256 sequences) take 32-row blocks, as the H200 sweep chose; Moonlight's 256-sequence steps (64
+    experts, top-6: 24 rows an expert), prefill and training keep 64 or 128."""
+    assert [pick_config(t, 8, 128).block_m for t in (1, 128, 256, 257, 4096)] == [32, 32, 32, 64, 128]
+    assert [pick_config(t, 6, 64).block_m for t in (1, 170, 171, 256, 2731)] == [32, 32, 64, 64, 128]
+    assert pick_config(256, 8, 128) is DECODE and pick_config(512, 6, 64) is SMALL and pick_config(16384, 8, 128) is LARGE
 
 
 def test_fused_moe_backward_matches_autograd():

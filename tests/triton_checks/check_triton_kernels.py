@@ -209,16 +209,17 @@ def test_moe_routing(top_k):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_moe_forward(dtype):
+@pytest.mark.parametrize("tokens", [60, 300])  # the 32-row and the 64-row tiles (`pick_config`)
+def test_fused_moe_forward(dtype, tokens):
     from vexact_models.kernels.moe import fused_moe
     from vexact_models.kernels.moe_routing import softmax_topk
 
-    experts, hidden, inter, tokens = 8, 64, 96, 70
+    experts, hidden, inter = 8, 64, 96
     x = rand(tokens, hidden).to(dtype)
     gate_up = (rand(experts, 2 * inter, hidden) / 8).to(dtype)
     down = (rand(experts, hidden, inter) / 10).to(dtype)
     logits = rand(tokens, experts)
-    logits[:60, 2] += 10  # expert 2 gets most rows, some experts none
+    logits[:tokens * 6 // 7, 2] += 10  # expert 2 gets most rows, some experts none
     w, ids = softmax_topk(logits, 2, True)
     close(fused_moe(x, gate_up, down, w, ids), ref(fused_moe, x, gate_up, down, w, ids),
           2e-2 if dtype == torch.bfloat16 else 1e-5)
