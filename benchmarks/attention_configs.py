@@ -41,6 +41,9 @@ GQA_CASES = [("moonlight expanded decode", "decode", 16, 16, 192, 128, 256, 528)
              ("qwen3-8b decode 128x544", "decode", 32, 8, 128, 128, 128, 544),
              ("qwen3-0.6b decode 256x544", "decode", 16, 8, 128, 128, 256, 544),
              ("qwen3-0.6b decode 128x544", "decode", 16, 8, 128, 128, 128, 544),
+             # many-program launches: where TMA page copies might pay (twentieth session: 256 x 544)
+             ("qwen3-0.6b decode 512x544", "decode", 16, 8, 128, 128, 512, 544),
+             ("qwen3-8b decode 256x2048", "decode", 32, 8, 128, 128, 256, 2048),
              # the late steps of a reasoning rollout: few sequences, long contexts
              ("qwen3-8b decode 32x8192", "decode", 32, 8, 128, 128, 32, 8192),
              ("qwen3-8b decode 32x1024", "decode", 32, 8, 128, 128, 32, 1024),

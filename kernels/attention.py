@@ -19,8 +19,9 @@ wgmma), warp and stage count bitwise equal. A tile may run past a row's last key
 are fully masked and leave the row's state bitwise unchanged (p = 0, alpha = exp2(0) = 1). No
 split-KV. Packed training K/V may arrive by TMA instead of pointer loads (`kv_descriptors`):
 the same values in the same tiles, so the same bits, and 1.4-1.6x faster on the H200; so may the
-whole key blocks of a decode launch of few programs over pages of 64 (`page_descriptors`, one
-copy per block from its page: 1.16-1.20x at 32 sequences of 1k-8k tokens). The reference does the
+whole key blocks of a decode launch of few (or very many) programs over pages of 64
+(`page_descriptors`, one copy per block from its page: 1.16-1.20x at 32 sequences of 1k-8k
+tokens, 1.00-1.05x at 256-512 sequences). The reference does the
 same on CPU with `exact_math`. The backward (`attention_backward.py`) is
 correct, not invariant.
 """
@@ -38,7 +39,7 @@ from ._triton import (deep_pipeline, has_tma, launch_staged, next_power_of_2, nu
 from .attention_fa4 import attention_fa4
 from .attention_forward_choice import choose_attention_forward
 from .attention_tiles import (BLOCK_N, DECODE_BLOCK_M, HEAD_DIMS, VALUE_HEAD_DIMS, AttentionConfig, few_decode_programs,
-                              pick_config, split_mask)
+                              many_decode_programs, pick_config, split_mask)
 from .backend import select
 from .dependent_launch import dependent_launch_kwargs, wait_for_inputs
 from .latent_attention import latent_attention_triton, value_in_key
@@ -251,8 +252,8 @@ def attention_triton(q, k_cache, v_cache, layout: PagedLayout, scale: float, con
     `packed_layout`; whole key blocks are then read through TMA descriptors (the same values,
     so the same bits; check `kv_descriptors_fit` first on a GPU). `page_descriptors`: a decode
     launch over paged caches reads its whole key blocks through TMA descriptors, page by page
-    (default: where `page_descriptors_fit` and the launch has few programs,
-    `few_decode_programs`; the same bits)."""
+    (default: where `page_descriptors_fit` and the launch has few programs or very many,
+    `few_decode_programs`, `many_decode_programs`; the same bits)."""
     require_triton("attention")
     if kv_descriptors and layout.page_size != 1:
         raise ValueError(f"attention_triton: kv_descriptors=True needs packed K/V (a packed_layout, page_size 1), "
@@ -270,8 +271,9 @@ def attention_triton(q, k_cache, v_cache, layout: PagedLayout, scale: float, con
     rows = layout.max_seqlen_q * group
     programs, sms, deep = n_seqs * n_kv_heads * triton.cdiv(rows, DECODE_BLOCK_M), num_sms(q.device), deep_pipeline(q.device)
     few = few_decode_programs(programs, sms, deep)
-    if page_descriptors is None:  # where they pay: launches of few programs (`pick_config`)
-        page_descriptors = not kv_descriptors and few and page_descriptors_fit(k, v, layout.page_size, rows)
+    if page_descriptors is None:  # where they pay: launches of few or of very many programs (`pick_config`)
+        page_descriptors = (not kv_descriptors and (few or many_decode_programs(programs, sms, deep))
+                            and page_descriptors_fit(k, v, layout.page_size, rows))
     cfg = config or pick_config(head_dim, rows, q.dtype, programs, sms, deep, page_descriptors)
     if page_descriptors and (kv_descriptors or layout.page_size % cfg.block_n or split_mask(cfg)):
         raise ValueError(f"attention_triton: page_descriptors=True needs paged decode tiles (not kv_descriptors, no "

@@ -55,7 +55,8 @@ def pick_config(head_dim: int, rows_per_seq: int, dtype: torch.dtype, programs: 
     stages cost them 1.1-1.3x. Where such a launch reads whole key blocks by TMA from pages of 64
     (`page_descriptors`, `attention.page_descriptors_fit`), three stages give the copies two
     buffers: 1.16-1.20x the five-stage pointer loads at 32 sequences of 1k-8k tokens (nineteenth
-    session); with many programs TMA pages lost (0.87-0.99x), so they keep pointer loads. Decode
+    session); with 3-8 programs per SM TMA pages lost (0.87-0.99x), so they keep pointer loads,
+    while from 15 per SM on they win by a little (`many_decode_programs`, three stages). Decode
     programs run a sequence's KV heads side by side (``heads_fastest``), which read neighbouring
     bytes of each cache row: 0-2% faster at 128-256 sequences of 544 tokens and 32-128 of 4-8k
     (twentieth session), never slower beyond noise.
@@ -79,6 +80,14 @@ def few_decode_programs(programs: int, sm_count: int, deep_pipeline: bool) -> bo
     GPU whose shared memory holds a deep pipeline (Hopper): each program must then overlap its
     own loads, which pointer loads do at five stages and TMA page copies at three (`pick_config`)."""
     return deep_pipeline and 0 < programs <= 2 * sm_count
+
+
+def many_decode_programs(programs: int, sm_count: int, deep_pipeline: bool) -> bool:
+    """Whether a decode launch has at least 15 (sequence, KV head) tiles per SM of a Hopper-class
+    GPU: there TMA page copies beat pointer loads (H200, twenty-third session: 1.00-1.05x at 2,048
+    and 4,096 programs of 544 tokens, 1.02x at 2,048 of 2,048 tokens), where at 1,024 programs
+    (7.8 per SM) they lost 2-4%."""
+    return deep_pipeline and programs >= 15 * sm_count
 
 
 def split_mask(config: AttentionConfig) -> bool:

@@ -206,6 +206,31 @@ def test_decode_launches_of_few_programs_read_pages_by_tma_at_three_stages():
     assert not few_decode_programs(8, 132, False) and not few_decode_programs(0, 132, True)
 
 
+def test_decode_launches_of_very_many_programs_read_pages_by_tma(monkeypatch):
+    """From 15 (sequence, KV head) programs per SM on (Qwen3's 256 sequences of 8 KV heads), a
+    decode launch takes TMA page copies by default, below that (128 sequences) pointer loads."""
+    import importlib
+
+    from vexact_models.kernels.attention_tiles import many_decode_programs
+
+    assert many_decode_programs(1980, 132, True) and not many_decode_programs(1979, 132, True)
+    assert not many_decode_programs(4096, 132, False)
+    module = importlib.import_module("vexact_models.kernels.attention")
+    chosen = []
+    monkeypatch.setattr(module, "num_sms", lambda device: 132)
+    monkeypatch.setattr(module, "deep_pipeline", lambda device: True)
+    monkeypatch.setattr(module, "page_descriptors_fit", lambda k, v, page, rows: True)
+    monkeypatch.setattr(module, "_kv_descriptor", lambda x, block_n: None)
+    monkeypatch.setattr(module, "launch_staged", lambda fn, grid, args, kwargs, *a, **kw: chosen.append(kwargs["PAGE_DESC"]))
+    for seqs in (256, 128, 32):
+        q = torch.randn(seqs, 16, 128).bfloat16()
+        k = torch.randn(seqs, 64, 8, 128).bfloat16()
+        layout = PagedLayout(torch.arange(seqs + 1, dtype=torch.int32), torch.full((seqs,), 64, dtype=torch.int32),
+                             torch.arange(seqs, dtype=torch.int32)[:, None], 64, 1)
+        module.attention_triton(q, k, k, layout, 0.1)
+    assert chosen == [True, False, True]  # 2,048 programs; 1,024; 256 (few: two per SM or fewer)
+
+
 def test_deep_pipeline_is_a_cuda_property():
     from vexact_models.kernels._triton import deep_pipeline
 
