@@ -225,6 +225,35 @@ def test_fused_moe_forward(dtype, tokens):
           2e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
+def test_gate_up_act_and_down_rows_are_the_same_for_every_tile_config():
+    """`gate_up_act` gives silu(gate) * up per expert row, and each pair's gate/up and down rows are
+    bitwise the same under the decode (32-row), small and large tiles (`pick_config`'s choices)."""
+    from vexact_models.kernels.moe import DECODE, LARGE, SMALL, gate_up_act, grouped_gemm, moe_align
+    from vexact_models.kernels.moe_routing import softmax_topk
+
+    experts, hidden, inter, tokens, top_k = 8, 64, 96, 40, 2
+    x = rand(tokens, hidden).bfloat16()
+    gate_up = (rand(experts, 2 * inter, hidden) / 8).bfloat16()
+    down = (rand(experts, hidden, inter) / 10).bfloat16()
+    logits = rand(tokens, experts)
+    logits[:30, 3] += 10  # expert 3 gets most rows, some experts none
+    ids = softmax_topk(logits, top_k, True)[1]
+    rows = []
+    for cfg in (DECODE, SMALL, LARGE):
+        layout = moe_align(ids, experts, cfg.block_m)
+        act = gate_up_act(x, gate_up, layout, top_k, cfg)[0]
+        y = grouped_gemm(act, down, layout, hidden, inter, down.stride(1), down.stride(2), torch.bfloat16, cfg,
+                         down_tiles=True)
+        pos = layout.pair_pos.long()
+        rows.append((act[pos], y[pos]))
+    for act, y in rows[1:]:
+        assert torch.equal(act, rows[0][0]) and torch.equal(y, rows[0][1])
+    expert = ids.reshape(-1)
+    gu = torch.einsum("ph,pnh->pn", x.float().repeat_interleave(top_k, 0), gate_up.float()[expert])
+    want = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+    close(rows[0][0], want, 3e-2)
+
+
 def test_fused_moe_backward():
     from vexact_models.kernels.moe import fused_moe, moe_math
 
