@@ -90,6 +90,7 @@ def _decode_sweep_layer(name: str, hidden: int, experts: int, inter: int, top_k:
         touched = int(torch.unique(ids).numel())
         now = pick_config(tokens, top_k, experts)
         ref_layout = moe_align(ids, experts, now.block_m)
+        ref_pos = ref_layout.pair_pos.long()
         ref_act = gate_up_act(x, gate_up, ref_layout, top_k, now)[0]
         ref_y = grouped_gemm(ref_act, down, ref_layout, hidden, inter, down.stride(1), down.stride(2),
                              torch.bfloat16, now, down_tiles=True)
@@ -105,12 +106,12 @@ def _decode_sweep_layer(name: str, hidden: int, experts: int, inter: int, top_k:
                     rows_of, want = (lambda: fn()[0][pos]), ref_act
                 else:
                     act = torch.zeros(layout.sorted_pairs.shape[0], inter, device="cuda", dtype=torch.bfloat16)
-                    act[pos] = ref_act[ref_layout.pair_pos.long()]
+                    act[pos] = ref_act[ref_pos]
                     fn = lambda: grouped_gemm(act, down, layout, hidden, inter, down.stride(1),  # noqa: E731
                                               down.stride(2), torch.bfloat16, cfg)
                     rows_of, want = (lambda: fn()[pos]), ref_y
                 try:
-                    same = torch.equal(rows_of(), want[ref_layout.pair_pos.long()])
+                    same = torch.equal(rows_of(), want[ref_pos])
                     ms = bench_graph([fn])
                 except Exception as exc:  # out of shared memory / registers
                     rows.append([kernel, f"{bm}x{bn} w{warps} s{stages}", type(exc).__name__, "", ""])
