@@ -59,9 +59,11 @@ LARGE = MoeConfig(128, 128, 8, 4, 256, 8, 3)
 # twenty-third session): 32-row blocks let more down-projection programs share an SM, 1.06-1.13x
 # the 64-row tiles alone at 8-16 rows an expert; gate/up is as fast either way. In a decode step
 # Qwen3-30B-A3B at 256 sequences (16 rows an expert) went 22.63 -> 21.84 ms; Moonlight at 256
-# (24 rows) did not move, so it keeps the 64-row tiles there. (16-row blocks were faster alone
-# at 6-12 rows but lost at 24, where experts span two blocks that each read the weights.)
+# (24 rows) did not move, so it keeps the 64-row tiles there. 16-row blocks were faster alone
+# at 6-12 rows (down 1.07x, gate/up 1.02x) but lost at 24, where experts span two blocks that each
+# read the weights: they take the batches of at most 12 rows an expert (twenty-fourth session).
 DECODE = MoeConfig(32, 64, 4, 4, 64, 4, 4)
+FEW_ROWS = MoeConfig(16, 64, 4, 4, 64, 4, 4)
 BLOCK_M = SMALL.block_m  # the reference layout's block
 
 
@@ -70,6 +72,8 @@ def pick_config(tokens: int, top_k: int, experts: int) -> MoeConfig:
     bitwise the same rows (conformance/kernel_invariance.py, "moe": one token vs 16384;
     `benchmarks/moe.py --decode`'s "same bits")."""
     pairs = tokens * top_k
+    if pairs <= 12 * experts:
+        return FEW_ROWS
     if pairs <= 16 * experts:
         return DECODE
     return LARGE if pairs >= 256 * experts else SMALL

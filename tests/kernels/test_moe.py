@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from vexact_models.kernels.moe import DECODE, LARGE, SMALL, fused_moe, moe_align, moe_math, pick_config
+from vexact_models.kernels.moe import DECODE, FEW_ROWS, LARGE, SMALL, fused_moe, moe_align, moe_math, pick_config
 from vexact_models.kernels.moe_routing import softmax_topk
 
 from ..conftest import rel_err
@@ -96,12 +96,14 @@ def test_fused_moe_tokens_invariant_to_batch_and_expert_load():
 
 
 def test_pick_config_takes_short_row_blocks_for_decode_batches():
-    """Up to 16 rows an expert (decode batches of the Qwen3-30B-A3B layer, 128 experts, top-8, up to
-    256 sequences) take 32-row blocks, as the H200 sweep chose; Moonlight's 256-sequence steps (64
-    experts, top-6: 24 rows an expert), prefill and training keep 64 or 128."""
-    assert [pick_config(t, 8, 128).block_m for t in (1, 128, 256, 257, 4096)] == [32, 32, 32, 64, 128]
-    assert [pick_config(t, 6, 64).block_m for t in (1, 170, 171, 256, 2731)] == [32, 32, 64, 64, 128]
-    assert pick_config(256, 8, 128) is DECODE and pick_config(512, 6, 64) is SMALL and pick_config(16384, 8, 128) is LARGE
+    """Up to 12 rows an expert take 16-row blocks and up to 16 rows 32-row blocks (decode batches of
+    the Qwen3-30B-A3B layer, 128 experts, top-8: up to 192 / 256 sequences), as the H200 sweeps
+    chose; Moonlight's 256-sequence steps (64 experts, top-6: 24 rows an expert), prefill and
+    training keep 64 or 128."""
+    assert [pick_config(t, 8, 128).block_m for t in (1, 192, 193, 256, 257, 4096)] == [16, 16, 32, 32, 64, 128]
+    assert [pick_config(t, 6, 64).block_m for t in (1, 128, 129, 170, 171, 256, 2731)] == [16, 16, 32, 32, 64, 64, 128]
+    assert pick_config(128, 8, 128) is FEW_ROWS and pick_config(256, 8, 128) is DECODE
+    assert pick_config(512, 6, 64) is SMALL and pick_config(16384, 8, 128) is LARGE
 
 
 def test_fused_moe_backward_matches_autograd():
