@@ -5,11 +5,18 @@
 sampler (the logprob reported for a sampled token) and training (`token_logprobs`) call, which
 is what makes those two numbers bitwise equal (docs/design.md rule 7).
 
-Invariance contract: one program per row; the row is scanned in fixed blocks of `BLOCK_V`
-columns with a per-lane running max/sum, combined in one fixed order at the end (rule 3). The
-same kernel computes the full row and the gathered entry, with the same ``x / T - lse``
-expression, so ``log_softmax(x, T)[i, t] == gather_logprobs(x, t, T)[i]`` bitwise. The
-reference uses `exact_math` (its own exp/log and block reduction).
+Invariance contract: a row is cut into chunks of `CHUNK_COLUMNS` columns, one program each
+(`_lse_partial_kernel`). A chunk is scanned in blocks of `BLOCK_V` columns with a per-lane
+running max/sum (`_lse_update`), and its lanes are combined into one (max, sum) pair in a fixed
+order (`_combine`: the max, then `row_sum_halves`, whose order is the lanes' logical positions,
+not the register layout); a second launch combines the chunks' pairs the same way and gathers or
+writes the row (`_logprob_kernel`). The cut depends on the vocabulary size alone, so a row's bits
+do not depend on the batch (rule 3), and how a launch schedules the chunks (warps, the sums'
+lowering) does not change them either. One program per row had read a decode step's 128 rows of
+logits at a third of the copy bandwidth (twenty-fourth session). The same kernels compute the full
+row and the gathered entry, with the same ``x / T - lse`` expression, so
+``log_softmax(x, T)[i, t] == gather_logprobs(x, t, T)[i]`` bitwise. The reference uses `exact_math`
+(its own exp/log and block reduction).
 """
 
 from __future__ import annotations
@@ -17,39 +24,84 @@ from __future__ import annotations
 import torch
 
 from . import exact_math
-from ._triton import require_triton, tl, triton
+from ._triton import next_power_of_2, require_triton, tl, triton
 from .backend import select
 from .dependent_launch import dependent_launch_kwargs, wait_for_inputs
+from .row_sum import row_sum_halves, row_sum_levels
 
-BLOCK_V = 2048
-_NUM_WARPS = 8
+# From a sweep on the H200 (twenty-fourth session, docs/gpu-results.md): lanes of 512-2048, chunks
+# of 16,384 or 32,768 columns, 4 or 8 warps, one chunk or a whole row per program. Per chunk one
+# program of 4 warps is the fastest up to 1,024 rows (a decode step's 128 rows: 53 -> 28 us);
+# at 4,096 rows (training) it is 13% slower than one program per row.
+BLOCK_V = 1024  #: lanes of the running max/sum: the columns of one block of a chunk
+CHUNK_COLUMNS = 16 * BLOCK_V  #: columns of one program (a 151,936-token vocabulary: 10 chunks)
+_NUM_WARPS = 4
 
 
 @triton.jit
-def _log_softmax_kernel(x_ptr, temp_ptr, target_ptr, out_ptr, logprob_ptr, lse_ptr, V, stride_x, stride_out,
-                        WRITE_ROW: tl.constexpr, GATHER: tl.constexpr, BLOCK_V: tl.constexpr,
-                        PDL: tl.constexpr = False):
+def _lse_update(m_lane, s_lane, x):
+    """One block of a chunk into the per-lane running (max, sum of exp(x - max)) pairs."""
+    m_new = tl.maximum(m_lane, x)
+    alive = m_new != float("-inf")
+    s_lane = tl.where(alive, s_lane * tl.exp(m_lane - m_new) + tl.exp(x - m_new), 0.0)
+    return m_new, s_lane
+
+
+@triton.jit
+def _combine(m_part, s_part, LEVELS: tl.constexpr):
+    """(max, sum) of ``[2**LEVELS]`` (max, sum) pairs (a chunk's lanes, or a row's chunks padded
+    with max -inf), the sums added in `row_sum_halves`'s fixed order; pairs of max -inf add nothing."""
+    m = tl.max(m_part, axis=0)
+    terms = tl.where(m_part != float("-inf"), s_part * tl.exp(m_part - m), 0.0)
+    # (the lane-sum lowering: the same bits as the split one, 1.1-1.6x faster here)
+    s = row_sum_halves(tl.reshape(terms, (1, terms.shape[0])), LEVELS, True)
+    return m, tl.sum(s, axis=0)  # (a sum over one element: the value itself)
+
+
+@triton.jit
+def _lse_partial_kernel(x_ptr, temp_ptr, m_ptr, s_ptr, V, stride_x, n_chunks, BLOCK_V: tl.constexpr,
+                        CHUNK_BLOCKS: tl.constexpr, LEVELS: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (row, chunk): the chunk's (max, sum) pair of ``x / T``, at slot ``row * n_chunks + chunk``."""
     wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
     temperature = tl.load(temp_ptr + row)
     x_row = x_ptr + row * stride_x
     cols = tl.arange(0, BLOCK_V)
     m_lane = tl.full((BLOCK_V,), float("-inf"), tl.float32)
     s_lane = tl.zeros((BLOCK_V,), tl.float32)
-    for start in range(0, V, BLOCK_V):
-        x = tl.load(x_row + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32) / temperature
-        m_new = tl.maximum(m_lane, x)
-        alive = m_new != float("-inf")
-        s_lane = tl.where(alive, s_lane * tl.exp(m_lane - m_new) + tl.exp(x - m_new), 0.0)
-        m_lane = m_new
-    m = tl.max(m_lane, axis=0)
-    lse = m + tl.log(tl.sum(tl.where(m_lane != float("-inf"), s_lane * tl.exp(m_lane - m), 0.0), axis=0))
+    first = chunk * CHUNK_BLOCKS * BLOCK_V
+    for block in range(CHUNK_BLOCKS):
+        col = first + block * BLOCK_V + cols
+        x = tl.load(x_row + col, mask=col < V, other=float("-inf")).to(tl.float32)
+        m_lane, s_lane = _lse_update(m_lane, s_lane, x / temperature)
+    m, s = _combine(m_lane, s_lane, LEVELS)
+    tl.store(m_ptr + row * n_chunks + chunk, m)
+    tl.store(s_ptr + row * n_chunks + chunk, s)
+
+
+@triton.jit
+def _logprob_kernel(x_ptr, temp_ptr, target_ptr, m_ptr, s_ptr, out_ptr, logprob_ptr, lse_ptr, V, stride_x,
+                    stride_out, n_chunks, WRITE_ROW: tl.constexpr, GATHER: tl.constexpr, CHUNKS: tl.constexpr,
+                    CHUNK_LEVELS: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr = False):
+    """Per row: the logsumexp from the chunks' pairs, then ``x[target] / T - lse`` and/or the row."""
+    wait_for_inputs(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, CHUNKS)
+    ok = offs < n_chunks
+    m_chunk = tl.load(m_ptr + row * n_chunks + offs, mask=ok, other=float("-inf"))
+    s_chunk = tl.load(s_ptr + row * n_chunks + offs, mask=ok, other=0.0)
+    m, s = _combine(m_chunk, s_chunk, CHUNK_LEVELS)
+    lse = m + tl.log(s)
     tl.store(lse_ptr + row, lse)
+    temperature = tl.load(temp_ptr + row)
+    x_row = x_ptr + row * stride_x
     if GATHER:
         target = tl.load(target_ptr + row)
         x_t = tl.load(x_row + target).to(tl.float32) / temperature
         tl.store(logprob_ptr + row, x_t - lse)
     if WRITE_ROW:
+        cols = tl.arange(0, BLOCK_V)
         out_row = out_ptr + row * stride_out
         for start in range(0, V, BLOCK_V):
             mask = start + cols < V
@@ -77,11 +129,19 @@ def _launch(logits, temps, targets, write_row):
     logprobs = torch.empty(rows, device=logits.device, dtype=torch.float32) if targets is not None else lse
     out = torch.empty((rows, vocab), device=logits.device, dtype=torch.float32) if write_row else lse
     if rows:
-        _log_softmax_kernel[(rows,)](
-            logits, temps, targets if targets is not None else temps, out, logprobs, lse, vocab,
-            logits.stride(0), out.stride(0) if write_row else 0,
-            WRITE_ROW=write_row, GATHER=targets is not None, BLOCK_V=BLOCK_V, num_warps=_NUM_WARPS,
+        n_chunks = max(triton.cdiv(vocab, CHUNK_COLUMNS), 1)  # (an empty row: one chunk of nothing, lse -inf)
+        m_chunk = torch.empty(rows, n_chunks, device=logits.device, dtype=torch.float32)
+        s_chunk = torch.empty_like(m_chunk)
+        _lse_partial_kernel[(rows, n_chunks)](
+            logits, temps, m_chunk, s_chunk, vocab, logits.stride(0), n_chunks, BLOCK_V=BLOCK_V,
+            CHUNK_BLOCKS=CHUNK_COLUMNS // BLOCK_V, LEVELS=row_sum_levels(BLOCK_V), num_warps=_NUM_WARPS,
             **dependent_launch_kwargs(logits.device))
+        chunks = next_power_of_2(n_chunks)
+        _logprob_kernel[(rows,)](
+            logits, temps, targets if targets is not None else temps, m_chunk, s_chunk, out, logprobs, lse, vocab,
+            logits.stride(0), out.stride(0) if write_row else 0, n_chunks, WRITE_ROW=write_row,
+            GATHER=targets is not None, CHUNKS=chunks, CHUNK_LEVELS=row_sum_levels(chunks), BLOCK_V=BLOCK_V,
+            num_warps=_NUM_WARPS if write_row else 1, **dependent_launch_kwargs(logits.device))
     return out, logprobs, lse
 
 

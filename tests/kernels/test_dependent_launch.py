@@ -94,7 +94,8 @@ def test_a_graph_of_decode_kernels_launches_dependently_with_the_same_bits(rows,
         outputs[mode] = captured
         # every Triton kernel of the chain (quack's GEMMs, where they run, are not Triton's)
         assert {name for name, _ in launches} >= {"_rms_norm_kernel", "_linear_kernel", "_silu_and_mul_kernel",
-                                                  "_log_softmax_kernel", "_sample_kernel", "_sample_pick_kernel"}
+                                                  "_lse_partial_kernel", "_logprob_kernel", "_sample_kernel",
+                                                  "_sample_pick_kernel"}
         dependent = [(name, bool(k.metadata.launch_pdl), "griddepcontrol.wait" in k.asm["ptx"]) for name, k in launches]
         assert all(pdl == waits == (mode == "auto") for _, pdl, waits in dependent), (mode, dependent)
     assert all(torch.equal(a, b) for a, b in zip(outputs["off"], outputs["auto"]))
@@ -147,6 +148,6 @@ def test_every_dependent_launch_is_of_a_kernel_that_waits_first():
     assert not problems, problems
     assert {"_linear_kernel", "_linear_tma_kernel", "_attention_fwd_kernel", "_rms_norm_kernel",
             "_rotary_cache_write_kernel", "_silu_and_mul_kernel", "_sample_kernel", "_sample_pick_kernel",
-            "_log_softmax_kernel", "_kv_cache_write_kernel", "moe_gate_up_kernel", "_moe_grouped_gemm_kernel",
+            "_lse_partial_kernel", "_logprob_kernel", "_kv_cache_write_kernel", "moe_gate_up_kernel", "_moe_grouped_gemm_kernel",
             "_moe_combine_kernel", "_moe_align_kernel", "_grouped_topk_kernel", "_softmax_topk_kernel",
             "_latent_cache_write_kernel", "_head_linear_kernel"} <= checked

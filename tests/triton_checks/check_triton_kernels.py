@@ -91,6 +91,23 @@ def test_log_softmax_and_gather():
     close(lse, torch.logsumexp(x.double() / temps.double()[:, None], -1), 1e-6)
 
 
+def test_log_softmax_over_several_chunks_of_a_row():
+    """Rows of three chunks (the last one partial): the float64 values, the gather equal to the
+    full row, and a row alone equal to the row in the batch, bit for bit."""
+    from vexact_models.kernels.log_softmax import CHUNK_COLUMNS
+
+    vocab = 2 * CHUNK_COLUMNS + 999
+    x = rand(3, vocab) * 4
+    x[1, -1] = 30.0  # the largest logit in the partial last chunk
+    t = torch.tensor([5, vocab - 1, CHUNK_COLUMNS], device=DEVICE)
+    temps = torch.tensor([1.0, 0.7, 1.6], device=DEVICE)
+    full = log_softmax(x, temps)
+    close(full, torch.log_softmax(x.double() / temps.double()[:, None], -1), 1e-5)
+    lp = gather_logprobs(x, t, temps)
+    assert torch.equal(lp, full[torch.arange(3, device=DEVICE), t])
+    assert torch.equal(gather_logprobs(x[1:2], t[1:2], temps[1:2]), lp[1:2])
+
+
 def test_kv_cache_write():
     k, v = rand(5, 2, 8), rand(5, 2, 4)
     kc, vc = torch.zeros(3, 4, 2, 8, device=DEVICE), torch.zeros(3, 4, 2, 4, device=DEVICE)
@@ -209,7 +226,7 @@ def test_moe_routing(top_k):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens", [60, 300])  # the 32-row and the 64-row tiles (`pick_config`)
+@pytest.mark.parametrize("tokens", [40, 60, 300])  # the 16-, 32- and 64-row tiles (`pick_config`)
 def test_fused_moe_forward(dtype, tokens):
     from vexact_models.kernels.moe import fused_moe
     from vexact_models.kernels.moe_routing import softmax_topk
@@ -227,8 +244,9 @@ def test_fused_moe_forward(dtype, tokens):
 
 def test_gate_up_act_and_down_rows_are_the_same_for_every_tile_config():
     """`gate_up_act` gives silu(gate) * up per expert row, and each pair's gate/up and down rows are
-    bitwise the same under the decode (32-row), small and large tiles (`pick_config`'s choices)."""
-    from vexact_models.kernels.moe import DECODE, LARGE, SMALL, gate_up_act, grouped_gemm, moe_align
+    bitwise the same under the 16- and 32-row decode tiles and the small and large ones (`pick_config`'s
+    choices)."""
+    from vexact_models.kernels.moe import DECODE, FEW_ROWS, LARGE, SMALL, gate_up_act, grouped_gemm, moe_align
     from vexact_models.kernels.moe_routing import softmax_topk
 
     experts, hidden, inter, tokens, top_k = 8, 64, 96, 40, 2
@@ -239,7 +257,7 @@ def test_gate_up_act_and_down_rows_are_the_same_for_every_tile_config():
     logits[:30, 3] += 10  # expert 3 gets most rows, some experts none
     ids = softmax_topk(logits, top_k, True)[1]
     rows = []
-    for cfg in (DECODE, SMALL, LARGE):
+    for cfg in (FEW_ROWS, DECODE, SMALL, LARGE):
         layout = moe_align(ids, experts, cfg.block_m)
         act = gate_up_act(x, gate_up, layout, top_k, cfg)[0]
         y = grouped_gemm(act, down, layout, hidden, inter, down.stride(1), down.stride(2), torch.bfloat16, cfg,
