@@ -17,11 +17,13 @@ runs the first of cudnn, fa4, flash, triton that applies
 
 Usage: python benchmarks/kernels.py [--only linear|attention|rows] [--quick]
        python benchmarks/kernels.py --sweep-linear [--sweep-shapes dsv3] [--sweep-m 16,256]
+       python benchmarks/kernels.py --sweep-log-softmax
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 import torch
@@ -221,7 +223,7 @@ def bench_rows(hbm: float, quick: bool) -> None:
         nbytes = 2 * 2 * m * n
         rows.append(["rms_norm", f"{m}x{n}", f"{t_ours * 1e3:.1f}", f"{t_torch * 1e3:.1f}",
                      f"{nbytes / t_ours / 1e6:.0f}", f"{100 * nbytes / t_ours / 1e6 / hbm:.0f}%", f"{t_torch / t_ours:.2f}"])
-    for m in (64, 256, 1024):
+    for m in (64, 128, 256, 1024, 4096):  # decode steps' rows, then training's
         x = torch.randn(m, 151936, device="cuda")
         t_ours = bench_graph([lambda: log_softmax(x, 1.0)])
         t_torch = bench_graph([lambda: torch.log_softmax(x, -1)])
@@ -280,12 +282,46 @@ def _rotary_rows(hbm: float) -> list[list]:
     return out
 
 
+#: (lanes, columns per chunk, warps) candidates of `log_softmax`'s chunked grid; lanes and chunk set
+#: the bits (a chunk's (max, sum) pair), warps only the schedule
+LOG_SOFTMAX_CANDIDATES = ((512, 16384, 4), (512, 16384, 8), (1024, 16384, 4), (1024, 16384, 8),
+                          (1024, 32768, 4), (2048, 32768, 4), (2048, 32768, 8), (1024, 8192, 4))
+
+
+def sweep_log_softmax(hbm: float) -> None:
+    """`gather_logprobs` under each `LOG_SOFTMAX_CANDIDATES` entry (module constants swapped for the
+    call) at decode and training row counts, beside torch's log_softmax + gather: microseconds, GB/s
+    of the logits read, the time relative to the kept config, and whether the bits equal those of
+    the first candidate of the same lanes and chunk (they must: warps do not change them)."""
+    lsm = importlib.import_module("vexact_models.kernels.log_softmax")  # the module (the package exports the op)
+    kept = (lsm.BLOCK_V, lsm.CHUNK_COLUMNS, lsm._NUM_WARPS)
+    out = []
+    for m in (64, 128, 256, 1024, 4096):
+        copies = rotating_copies(torch.randn(m, 151936, device="cuda") * 3)
+        tgt = torch.randint(0, 151936, (m,), device="cuda")
+        t_torch = bench_graph([lambda c=c: torch.log_softmax(c, -1).gather(1, tgt[:, None]) for c in copies], reps=4)
+        first, times = {}, {}
+        for cand in (kept, *[c for c in LOG_SOFTMAX_CANDIDATES if c != kept]):
+            lsm.BLOCK_V, lsm.CHUNK_COLUMNS, lsm._NUM_WARPS = cand
+            times[cand] = bench_graph([lambda c=c: lsm.gather_logprobs(c, tgt, 1.0) for c in copies], reps=4)
+            bits = lsm.gather_logprobs(copies[0], tgt, 1.0)
+            same = torch.equal(bits, first.setdefault(cand[:2], bits))
+            out.append([m, f"{cand[0]} lanes x {cand[1]}, {cand[2]} warps" + (" (kept)" if cand == kept else ""),
+                        f"{times[cand] * 1e3:.1f}", f"{m * 151936 * 4 / times[cand] / 1e6:.0f}",
+                        f"{times[cand] / times[kept]:.2f}", f"{t_torch / times[cand]:.2f}", "yes" if same else "NO"])
+        lsm.BLOCK_V, lsm.CHUNK_COLUMNS, lsm._NUM_WARPS = kept
+    table(f"gather_logprobs candidates, rows x 151,936 fp32 logits (copy bandwidth {hbm:.0f} GB/s)",
+          ["rows", "chunked grid", "us", "GB/s", "time / kept", "torch / ours", "same bits"], out)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", choices=["linear", "attention", "rows"])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--sweep-linear", action="store_true", help="time every linear tile config candidate")
     parser.add_argument("--sweep-shapes", default="", help="with --sweep-linear: only weights whose name contains this")
+    parser.add_argument("--sweep-log-softmax", action="store_true",
+                        help="time gather_logprobs under each chunked-grid candidate (lanes, chunk, warps)")
     parser.add_argument("--sweep-m", default="",
                         help="with --sweep-linear: comma-separated row counts (default: each weight's decode batches)")
     args = parser.parse_args(argv)
@@ -303,6 +339,9 @@ def main(argv=None) -> int:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; measured copy bandwidth {hbm:.0f} GB/s")
     if args.sweep_linear:
         sweep_linear(hbm, args.sweep_shapes, sweep_ms)
+        return 0
+    if args.sweep_log_softmax:
+        sweep_log_softmax(hbm)
         return 0
     if args.only in (None, "linear"):
         bench_linear(hbm, args.quick)
