@@ -10,7 +10,7 @@ Invariance contract: a row is cut into chunks of `CHUNK_COLUMNS` columns, one pr
 running max/sum (`_lse_update`), and its lanes are combined into one (max, sum) pair in a fixed
 order (`_combine`: the max, then `row_sum_halves`, whose order is the lanes' logical positions,
 not the register layout); a second launch combines the chunks' pairs the same way and gathers or
-writes the row (`_logprob_kernel`). The cut depends on the vocabulary size alone, so a row's bits
+writes the row, a chunk per program (`_logprob_kernel`). The cut depends on the vocabulary size alone, so a row's bits
 do not depend on the batch (rule 3), and how a launch schedules the chunks (warps, the sums'
 lowering) does not change them either. One program per row had read a decode step's 128 rows of
 logits at a third of the copy bandwidth (twenty-fourth session). The same kernels compute the full
@@ -53,7 +53,7 @@ def _combine(m_part, s_part, LEVELS: tl.constexpr):
     with max -inf), the sums added in `row_sum_halves`'s fixed order; pairs of max -inf add nothing."""
     m = tl.max(m_part, axis=0)
     terms = tl.where(m_part != float("-inf"), s_part * tl.exp(m_part - m), 0.0)
-    # (the lane-sum lowering: the same bits as the split one, 1.1-1.6x faster here)
+    # (the lane-sum lowering: the same bits as the split one, 1.06-1.18x faster at 4 warps)
     s = row_sum_halves(tl.reshape(terms, (1, terms.shape[0])), LEVELS, True)
     return m, tl.sum(s, axis=0)  # (a sum over one element: the value itself)
 
@@ -83,30 +83,37 @@ def _lse_partial_kernel(x_ptr, temp_ptr, m_ptr, s_ptr, V, stride_x, n_chunks, BL
 @triton.jit
 def _logprob_kernel(x_ptr, temp_ptr, target_ptr, m_ptr, s_ptr, out_ptr, logprob_ptr, lse_ptr, V, stride_x,
                     stride_out, n_chunks, WRITE_ROW: tl.constexpr, GATHER: tl.constexpr, CHUNKS: tl.constexpr,
-                    CHUNK_LEVELS: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr = False):
-    """Per row: the logsumexp from the chunks' pairs, then ``x[target] / T - lse`` and/or the row."""
+                    CHUNK_LEVELS: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK_BLOCKS: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    """Program (row, part): the row's logsumexp from its chunks' pairs (each program the same
+    numbers); part 0 stores it and ``x[target] / T - lse``; with `WRITE_ROW` each part writes one
+    chunk of the row (the grid has a part per chunk), so a few rows still spread over the SMs."""
     wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
     offs = tl.arange(0, CHUNKS)
     ok = offs < n_chunks
     m_chunk = tl.load(m_ptr + row * n_chunks + offs, mask=ok, other=float("-inf"))
     s_chunk = tl.load(s_ptr + row * n_chunks + offs, mask=ok, other=0.0)
     m, s = _combine(m_chunk, s_chunk, CHUNK_LEVELS)
     lse = m + tl.log(s)
-    tl.store(lse_ptr + row, lse)
     temperature = tl.load(temp_ptr + row)
     x_row = x_ptr + row * stride_x
-    if GATHER:
-        target = tl.load(target_ptr + row)
-        x_t = tl.load(x_row + target).to(tl.float32) / temperature
-        tl.store(logprob_ptr + row, x_t - lse)
+    if part == 0:
+        tl.store(lse_ptr + row, lse)
+        if GATHER:
+            target = tl.load(target_ptr + row)
+            x_t = tl.load(x_row + target).to(tl.float32) / temperature
+            tl.store(logprob_ptr + row, x_t - lse)
     if WRITE_ROW:
         cols = tl.arange(0, BLOCK_V)
         out_row = out_ptr + row * stride_out
-        for start in range(0, V, BLOCK_V):
-            mask = start + cols < V
-            x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32) / temperature
-            tl.store(out_row + start + cols, x - lse, mask=mask)
+        first = part * CHUNK_BLOCKS * BLOCK_V
+        for block in range(CHUNK_BLOCKS):
+            col = first + block * BLOCK_V + cols
+            mask = col < V
+            x = tl.load(x_row + col, mask=mask, other=0.0).to(tl.float32) / temperature
+            tl.store(out_row + col, x - lse, mask=mask)
 
 
 def _temperatures(temperature: float | torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
@@ -137,11 +144,12 @@ def _launch(logits, temps, targets, write_row):
             CHUNK_BLOCKS=CHUNK_COLUMNS // BLOCK_V, LEVELS=row_sum_levels(BLOCK_V), num_warps=_NUM_WARPS,
             **dependent_launch_kwargs(logits.device))
         chunks = next_power_of_2(n_chunks)
-        _logprob_kernel[(rows,)](
+        _logprob_kernel[(rows, n_chunks if write_row else 1)](
             logits, temps, targets if targets is not None else temps, m_chunk, s_chunk, out, logprobs, lse, vocab,
             logits.stride(0), out.stride(0) if write_row else 0, n_chunks, WRITE_ROW=write_row,
             GATHER=targets is not None, CHUNKS=chunks, CHUNK_LEVELS=row_sum_levels(chunks), BLOCK_V=BLOCK_V,
-            num_warps=_NUM_WARPS if write_row else 1, **dependent_launch_kwargs(logits.device))
+            CHUNK_BLOCKS=CHUNK_COLUMNS // BLOCK_V, num_warps=_NUM_WARPS if write_row else 1,
+            **dependent_launch_kwargs(logits.device))
     return out, logprobs, lse
 
 
