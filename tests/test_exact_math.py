@@ -26,11 +26,17 @@ def test_elementwise_results_do_not_depend_on_position():
 
 
 def test_row_sum_is_independent_of_row_count():
-    # 151,936 columns: torch's own sum splits a lone row of this length across threads.
-    rows = torch.randn(5, 151_936)
-    together = exact_math.row_sum(rows)
-    for i in range(5):
-        assert torch.equal(exact_math.row_sum(rows[i:i + 1])[0], together[i])
+    # 151,936 columns: torch's own sum splits a lone row of this length across threads, so the
+    # test runs with two whatever the environment asks (.ci/run sets OMP_NUM_THREADS=1).
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        rows = torch.randn(5, 151_936)
+        together = exact_math.row_sum(rows)
+        for i in range(5):
+            assert torch.equal(exact_math.row_sum(rows[i:i + 1])[0], together[i])
+    finally:
+        torch.set_num_threads(before)
     assert abs(float(together[0]) - float(rows[0].double().sum())) < 1e-2
 
 
