@@ -6,7 +6,9 @@ prints for the steps that decode the whole batch (no prefill chunk in them) the 
 time and launches per step grouped by kernel name, their total and the step's wall time (median, from
 separate unprofiled runs: with async scheduling, the engine's default, and one step at a time);
 the difference is host time and launch gaps the GPU waits through. The profiled run goes one
-step at a time, so that each step's kernels run inside its profiler range.
+step at a time, so that each step's kernels run inside its profiler range. Its steps' median GPU
+span (first kernel start to last kernel end) is the device's own time per step: the async wall
+time above it is time the device waited for the host.
 
 The last line compares the step with the HBM roofline: the bytes a decode step must read (all
 weights but the input embedding, plus the batch's KV cache) over the measured copy bandwidth.
@@ -66,15 +68,19 @@ def _median_decode_step(llm, prompts, params, batch: int, async_scheduling: bool
     return decode[len(decode) // 2]
 
 
-def _kernels_in_ranges(events, ranges: list[tuple[float, float]]) -> tuple[dict[str, float], dict[str, int]]:
+def _kernels_in_ranges(events, ranges: list[tuple[float, float]]) -> tuple[dict[str, float], dict[str, int], float]:
     """GPU seconds and launch counts per kernel name over the kernels that start inside one of
     `ranges` (sorted host-clock intervals; the step's host sync at its end keeps its kernels
-    inside); the seconds also hold the total count under `LAUNCHES`."""
+    inside); the seconds also hold the total count under `LAUNCHES`. Last, the median span of a
+    range's GPU work, first start to last end (seconds): the step's device time without the
+    host's gaps between steps, since the host queues a step's few eager launches (the sampler)
+    long before its graph ends."""
     import bisect
 
     starts = [r[0] for r in ranges]
     kernels: dict[str, float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
+    spans: dict[int, list[float]] = {}
     for event in events:
         if event.device_type != torch.autograd.DeviceType.CUDA or event.name == DECODE_STEP:
             continue  # (the range itself has a GPU-side annotation too)
@@ -83,13 +89,16 @@ def _kernels_in_ranges(events, ranges: list[tuple[float, float]]) -> tuple[dict[
             kernels[event.name[:60]] += event.device_time_total * 1e-6
             counts[event.name[:60]] += 1
             kernels[LAUNCHES] += 1
-    return kernels, counts
+            span = spans.setdefault(at, [event.time_range.start, event.time_range.end])
+            span[0], span[1] = min(span[0], event.time_range.start), max(span[1], event.time_range.end)
+    widths = sorted(end - start for start, end in spans.values())
+    return kernels, counts, (widths[len(widths) // 2] * 1e-6 if widths else 0.0)
 
 
 def profile_decode(model, vocab: int, batch: int, context: int, steps: int, block_size: int | None = None):
     """(median wall seconds of a full-batch decode step with async scheduling and one step at a
     time, {kernel name: GPU seconds per such step}, {kernel name: launches per such step}, number
-    of steps profiled).
+    of steps profiled, median GPU span of a profiled step in seconds: `_kernels_in_ranges`).
 
     Unprofiled `generate` calls time the steps (the profiler slows the host); a last one,
     profiled, attributes kernels to its full-batch decode steps (`_mark_decode_steps`). `block_size`:
@@ -111,9 +120,9 @@ def profile_decode(model, vocab: int, batch: int, context: int, steps: int, bloc
     events = prof.events()
     ranges = sorted((e.time_range.start, e.time_range.end) for e in events
                     if e.name == DECODE_STEP and e.device_type == torch.autograd.DeviceType.CPU)
-    kernels, counts = _kernels_in_ranges(events, ranges)
+    kernels, counts, span = _kernels_in_ranges(events, ranges)
     n = len(ranges)
-    return walls, {k: v / n for k, v in kernels.items() if v > 0}, {k: c / n for k, c in counts.items()}, n
+    return walls, {k: v / n for k, v in kernels.items() if v > 0}, {k: c / n for k, c in counts.items()}, n, span
 
 
 def main(argv=None) -> int:
@@ -143,7 +152,7 @@ def main(argv=None) -> int:
         if not hasattr(model, "set_mla_kv_cache"):
             parser.error(f"--mla-kv-cache: {args.config} is not an MLA model")
         model.set_mla_kv_cache(args.mla_kv_cache)
-    (step, one_at_a_time), kernels, counts, profiled = profile_decode(model, config.vocab_size, args.batch, args.context,
+    (step, one_at_a_time), kernels, counts, profiled, span = profile_decode(model, config.vocab_size, args.batch, args.context,
                                                                       args.steps, args.block_size)
     launches = kernels.pop(LAUNCHES, 0.0)
     busy = sum(kernels.values())
@@ -152,13 +161,15 @@ def main(argv=None) -> int:
           f"with async scheduling ({one_at_a_time * 1e3:.2f} ms one step at a time: {one_at_a_time / step:.2f}x), "
           f"{busy * 1e3:.2f} ms of GPU kernels ({100 * busy / step:.0f}% busy) in {launches:.0f} kernels (mean of "
           f"{profiled} full-batch decode steps); the rest is host time and launch gaps")
+    print(f"GPU span of a profiled step (first kernel start to last kernel end, median): {span * 1e3:.2f} ms; "
+          f"the async step's wall time is {step / span:.2f}x that")
     print(f"{'kernel':<62}{'ms/step':>9}{'share':>8}{'launches':>10}")
     for name, seconds in sorted(kernels.items(), key=lambda kv: -kv[1])[:args.top]:
         print(f"{name:<62}{seconds * 1e3:>9.3f}{100 * seconds / busy:>7.1f}%{counts.get(name, 0):>10.1f}")
     hbm = copy_bandwidth()
     roof = decode_bytes(model, args.batch, args.context + args.steps // 2) / (hbm * 1e9)
     print(f"HBM roofline {roof * 1e3:.2f} ms ({hbm:.0f} GB/s copy): the step is at {100 * roof / step:.0f}% of it, "
-          f"the kernels alone at {100 * roof / busy:.0f}%")
+          f"the kernels alone at {100 * roof / busy:.0f}%, the GPU span at {100 * roof / span:.0f}%")
     return 0
 
 

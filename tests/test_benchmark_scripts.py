@@ -211,6 +211,34 @@ def test_count_list_options_refuse_bad_values(script, option, value, words):
     assert run.returncode == 2 and option in run.stderr and words in run.stderr and repr(value) in run.stderr
 
 
+def test_decode_profile_attributes_kernels_to_steps_and_spans_them(monkeypatch):
+    """`decode_profile._kernels_in_ranges`: kernels starting inside a step's range count for it
+    (others, the range's own GPU annotation and CPU events do not), and each step's span runs from
+    its first kernel's start to its last kernel's end (the median over steps is returned)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import decode_profile
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def event(name, start, end, device=cuda):
+        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end),
+                               device_time_total=end - start)
+
+    ranges = [(0.0, 100.0), (200.0, 300.0), (400.0, 500.0)]
+    events = [event("gemm", 10, 40), event("attn", 45, 140), event("gemm", 210, 230), event("attn", 235, 260),
+              event("gemm", 405, 410), event("attn", 420, 700), event("prefill", 150, 190),
+              event(decode_profile.DECODE_STEP, 0, 900), event("host", 0, 1000, device=cpu)]
+    kernels, counts, span = decode_profile._kernels_in_ranges(events, ranges)
+    assert counts == {"gemm": 3, "attn": 3} and kernels[decode_profile.LAUNCHES] == 6
+    assert kernels["gemm"] == (30 + 20 + 5) * 1e-6 and kernels["attn"] == (95 + 25 + 280) * 1e-6
+    assert span == 130 * 1e-6  # spans 130, 50 and 295 us
+    assert decode_profile._kernels_in_ranges([], ranges)[2] == 0.0
+
+
 def test_workload_decode_roofline_counts_each_decode_step_once(monkeypatch):
     """`bench_utils.workload_decode_roofline` (throughput.py's floor per KV cache mode): a
     request's ``output - 1`` decode steps each read the weights and its cache up to the new
