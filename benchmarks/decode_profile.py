@@ -13,8 +13,12 @@ time above it is time the device waited for the host.
 The last line compares the step with the HBM roofline: the bytes a decode step must read (all
 weights but the input embedding, plus the batch's KV cache) over the measured copy bandwidth.
 
+`--without OP,...` profiles the step with those small ops replaced by kernel-free stand-ins that
+return real values (`stand_ins.py`): an upper bound of what fusing them away could gain.
+
 Usage:
     python benchmarks/decode_profile.py [--config qwen3-0.6b] [--batch 128] [--context 512]
+    python benchmarks/decode_profile.py --config qwen3-8b --without silu_and_mul,rotary_cache_write
     python benchmarks/decode_profile.py --config deepseek-v3 --set n_routed_experts=8 --batch 16 \
         --mla-kv-cache latent
 """
@@ -28,6 +32,7 @@ from collections import defaultdict
 
 import torch
 
+import stand_ins
 from bench_utils import copy_bandwidth, decode_bytes, positive_int
 
 
@@ -125,35 +130,9 @@ def profile_decode(model, vocab: int, batch: int, context: int, steps: int, bloc
     return walls, {k: v / n for k, v in kernels.items() if v > 0}, {k: c / n for k, c in counts.items()}, n, span
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="qwen3-0.6b", help="bundled config name or config.json path")
-    parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--context", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=64,
-                        help="new tokens per sequence; the full-batch decode steps among them are profiled")
-    parser.add_argument("--top", type=int, default=15, help="kernel names to list")
-    parser.add_argument("--layers", type=int, help="override num_hidden_layers")
-    parser.add_argument("--set", action="append", metavar="KEY=VALUE",
-                        help="override a config field (JSON value; repeatable), e.g. --set n_routed_experts=8")
-    parser.add_argument("--mla-kv-cache", choices=("expanded", "latent"), help="MLA models: the KV cache mode")
-    parser.add_argument("--block-size", type=positive_int,
-                        help="positions per KV page (default: LLM's own, `default_block_size`)")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("benchmarks/decode_profile.py needs a CUDA GPU", file=sys.stderr)
-        return 2
-    from vexact_models.conformance.models import architecture_of, build_model, make_config, parse_overrides
-
-    arch = architecture_of(args.config)
-    config = make_config(arch, args.config, args.layers, None, parse_overrides(args.set))
-    model = build_model(arch, config, torch.device("cuda"), torch.bfloat16)
-    if args.mla_kv_cache:
-        if not hasattr(model, "set_mla_kv_cache"):
-            parser.error(f"--mla-kv-cache: {args.config} is not an MLA model")
-        model.set_mla_kv_cache(args.mla_kv_cache)
-    (step, one_at_a_time), kernels, counts, profiled, span = profile_decode(model, config.vocab_size, args.batch, args.context,
-                                                                      args.steps, args.block_size)
+def _report(args, model, walls, kernels, counts, profiled, span) -> None:
+    """Print `profile_decode`'s results: the step, the kernels by name, the roofline shares."""
+    step, one_at_a_time = walls
     launches = kernels.pop(LAUNCHES, 0.0)
     busy = sum(kernels.values())
     pages = f", pages of {args.block_size}" if args.block_size else ""
@@ -170,6 +149,47 @@ def main(argv=None) -> int:
     roof = decode_bytes(model, args.batch, args.context + args.steps // 2) / (hbm * 1e9)
     print(f"HBM roofline {roof * 1e3:.2f} ms ({hbm:.0f} GB/s copy): the step is at {100 * roof / step:.0f}% of it, "
           f"the kernels alone at {100 * roof / busy:.0f}%, the GPU span at {100 * roof / span:.0f}%")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="qwen3-0.6b", help="bundled config name or config.json path")
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=64,
+                        help="new tokens per sequence; the full-batch decode steps among them are profiled")
+    parser.add_argument("--top", type=int, default=15, help="kernel names to list")
+    parser.add_argument("--layers", type=int, help="override num_hidden_layers")
+    parser.add_argument("--set", action="append", metavar="KEY=VALUE",
+                        help="override a config field (JSON value; repeatable), e.g. --set n_routed_experts=8")
+    parser.add_argument("--mla-kv-cache", choices=("expanded", "latent"), help="MLA models: the KV cache mode")
+    parser.add_argument("--block-size", type=positive_int,
+                        help="positions per KV page (default: LLM's own, `default_block_size`)")
+    parser.add_argument("--without", default="", metavar="OP,...",
+                        help="replace these ops by kernel-free stand-ins with real values (wrong numbers, an upper "
+                             f"bound of a fusion's gain): a comma-separated subset of {', '.join(stand_ins.OPS)}")
+    args = parser.parse_args(argv)
+    try:
+        without = stand_ins.parse_ops(args.without)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if not torch.cuda.is_available():
+        print("benchmarks/decode_profile.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from vexact_models.conformance.models import architecture_of, build_model, make_config, parse_overrides
+
+    arch = architecture_of(args.config)
+    config = make_config(arch, args.config, args.layers, None, parse_overrides(args.set))
+    model = build_model(arch, config, torch.device("cuda"), torch.bfloat16)
+    if args.mla_kv_cache:
+        if not hasattr(model, "set_mla_kv_cache"):
+            parser.error(f"--mla-kv-cache: {args.config} is not an MLA model")
+        model.set_mla_kv_cache(args.mla_kv_cache)
+    with stand_ins.without(without):
+        results = profile_decode(model, config.vocab_size, args.batch, args.context, args.steps, args.block_size)
+    if without:
+        print(f"WITHOUT {', '.join(without)} (kernel-free stand-ins, wrong numbers): an upper bound of fusing them away")
+    _report(args, model, *results)
     return 0
 
 

@@ -239,6 +239,45 @@ def test_decode_profile_attributes_kernels_to_steps_and_spans_them(monkeypatch):
     assert decode_profile._kernels_in_ranges([], ranges)[2] == 0.0
 
 
+def test_decode_profile_stand_ins_launch_nothing_after_the_first_call_and_are_undone(monkeypatch):
+    """`stand_ins.without` (decode_profile's --without): inside it the layers call kernel-free
+    stand-ins that hand back the first call's real output (silu_and_mul, rotary_cache_write without
+    touching the model's caches) or the input (RMSNorm); on exit the real ops are back. A GatedMLP,
+    which looks its op up at call time, then gives one output for two inputs."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import stand_ins
+
+    from vexact_models import layers
+    from vexact_models.kernels import rope_table, rotary_cache_write, silu_and_mul
+
+    assert stand_ins.parse_ops("silu_and_mul,rms_norm") == ["silu_and_mul", "rms_norm"]
+    with pytest.raises(ValueError, match="--without: unknown op.*silu.*expected"):
+        stand_ins.parse_ops("silu,rms_norm")
+    gen = torch.Generator().manual_seed(0)
+    g1, u1, g2, u2 = (torch.randn(3, 8, generator=gen) for _ in range(4))
+    mlp = layers.GatedMLP(8, 8)
+    x1, x2 = torch.randn(3, 8, generator=gen), torch.randn(3, 8, generator=gen)
+    q, k, v = (torch.randn(2, h, 4, generator=gen) for h in (2, 1, 1))
+    cos, sin = rope_table(1.0 / 10000.0 ** (torch.arange(2) / 2), 16)
+    caches = [torch.zeros(4, 1, 4), torch.zeros(4, 1, 4)]
+    args = (q, k, v, torch.tensor([3, 5]), cos, sin, *caches, torch.tensor([0, 2]))
+    with torch.no_grad(), stand_ins.without(list(stand_ins.OPS)):
+        first = layers.silu_and_mul(g1, u1)
+        assert torch.equal(first, silu_and_mul(g1, u1)) and layers.silu_and_mul(g2, u2) is first
+        assert torch.equal(mlp(x1), mlp(x2))
+        rotated = layers.rotary_cache_write(*args)
+        assert torch.equal(rotated, rotary_cache_write(q, k, v, args[3], cos, sin, torch.zeros(2, 1, 4),
+                                                       torch.zeros(2, 1, 4), torch.tensor([0, 1])))
+        assert all(not c.any() for c in caches) and layers.rotary_cache_write(*args) is rotated
+        norm = layers.RMSNorm(8)
+        assert norm(x1) is x1 and norm(x1, x2) == (x1, x1)
+    with torch.no_grad():
+        assert layers.silu_and_mul is silu_and_mul and layers.rotary_cache_write is rotary_cache_write
+        assert not torch.equal(mlp(x1), mlp(x2)) and not torch.equal(layers.RMSNorm(8)(x1), x1)
+
+
 def test_workload_decode_roofline_counts_each_decode_step_once(monkeypatch):
     """`bench_utils.workload_decode_roofline` (throughput.py's floor per KV cache mode): a
     request's ``output - 1`` decode steps each read the weights and its cache up to the new
