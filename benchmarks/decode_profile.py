@@ -10,8 +10,10 @@ step at a time, so that each step's kernels run inside its profiler range. Its s
 span (first kernel start to last kernel end) is the device's own time per step: the async wall
 time above it is time the device waited for the host.
 
-The last line compares the step with the HBM roofline: the bytes a decode step must read (all
-weights but the input embedding, plus the batch's KV cache) over the measured copy bandwidth.
+It also prints the SM clock and power draw `nvidia-smi` sampled during the timed runs
+(`gpu_clocks.py`): whether the step ran at full clocks. The last line compares the step with the
+HBM roofline: the bytes a decode step must read (all weights but the input embedding, plus the
+batch's KV cache) over the measured copy bandwidth.
 
 `--without OP,...` profiles the step with those small ops replaced by kernel-free stand-ins that
 return real values (`stand_ins.py`): an upper bound of what fusing them away could gain.
@@ -29,11 +31,13 @@ import argparse
 import random
 import sys
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 
 import stand_ins
 from bench_utils import copy_bandwidth, decode_bytes, positive_int
+from gpu_clocks import GpuClocks
 
 
 LAUNCHES = "(kernel launches)"  # the pseudo-kernel under which profile_decode counts launches
@@ -100,10 +104,21 @@ def _kernels_in_ranges(events, ranges: list[tuple[float, float]]) -> tuple[dict[
     return kernels, counts, (widths[len(widths) // 2] * 1e-6 if widths else 0.0)
 
 
-def profile_decode(model, vocab: int, batch: int, context: int, steps: int, block_size: int | None = None):
-    """(median wall seconds of a full-batch decode step with async scheduling and one step at a
-    time, {kernel name: GPU seconds per such step}, {kernel name: launches per such step}, number
-    of steps profiled, median GPU span of a profiled step in seconds: `_kernels_in_ranges`).
+@dataclass
+class DecodeProfile:
+    """`profile_decode`'s results."""
+
+    walls: tuple[float, float]  # median wall seconds of a full-batch decode step: async, one at a time
+    kernels: dict[str, float]  # kernel name -> GPU seconds per such step (`LAUNCHES`: launches per step)
+    counts: dict[str, float]  # kernel name -> launches per such step
+    profiled: int  # full-batch decode steps profiled
+    span: float  # median GPU span of a profiled step, seconds (`_kernels_in_ranges`)
+    clocks: str  # the SM clock and power during the timed runs (`gpu_clocks.GpuClocks`)
+
+
+def profile_decode(model, vocab: int, batch: int, context: int, steps: int,
+                   block_size: int | None = None) -> DecodeProfile:
+    """Time and profile full-batch decode steps of `model` (`DecodeProfile`).
 
     Unprofiled `generate` calls time the steps (the profiler slows the host); a last one,
     profiled, attributes kernels to its full-batch decode steps (`_mark_decode_steps`). `block_size`:
@@ -118,7 +133,8 @@ def profile_decode(model, vocab: int, batch: int, context: int, steps: int, bloc
     prompts = [[rng.randrange(vocab) for _ in range(context)] for _ in range(batch)]
     params = SamplingParams(temperature=0.6, max_tokens=steps, ignore_eos=True, seed=0)
     llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-    walls = tuple(_median_decode_step(llm, prompts, params, batch, on) for on in (True, False))
+    with GpuClocks(torch.cuda.current_device()) as clocks:
+        walls = tuple(_median_decode_step(llm, prompts, params, batch, on) for on in (True, False))
     _mark_decode_steps(llm, batch)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         llm.generate(prompts, params, use_tqdm=False)
@@ -127,12 +143,14 @@ def profile_decode(model, vocab: int, batch: int, context: int, steps: int, bloc
                     if e.name == DECODE_STEP and e.device_type == torch.autograd.DeviceType.CPU)
     kernels, counts, span = _kernels_in_ranges(events, ranges)
     n = len(ranges)
-    return walls, {k: v / n for k, v in kernels.items() if v > 0}, {k: c / n for k, c in counts.items()}, n, span
+    return DecodeProfile(walls, {k: v / n for k, v in kernels.items() if v > 0}, {k: c / n for k, c in counts.items()},
+                         n, span, clocks.summary_line())
 
 
-def _report(args, model, walls, kernels, counts, profiled, span) -> None:
+def _report(args, model, result: DecodeProfile) -> None:
     """Print `profile_decode`'s results: the step, the kernels by name, the roofline shares."""
-    step, one_at_a_time = walls
+    (step, one_at_a_time), kernels, counts, profiled, span = (result.walls, dict(result.kernels), result.counts,
+                                                              result.profiled, result.span)
     launches = kernels.pop(LAUNCHES, 0.0)
     busy = sum(kernels.values())
     pages = f", pages of {args.block_size}" if args.block_size else ""
@@ -142,6 +160,7 @@ def _report(args, model, walls, kernels, counts, profiled, span) -> None:
           f"{profiled} full-batch decode steps); the rest is host time and launch gaps")
     print(f"GPU span of a profiled step (first kernel start to last kernel end, median): {span * 1e3:.2f} ms; "
           f"the async step's wall time is {step / span:.2f}x that")
+    print(result.clocks)
     print(f"{'kernel':<62}{'ms/step':>9}{'share':>8}{'launches':>10}")
     for name, seconds in sorted(kernels.items(), key=lambda kv: -kv[1])[:args.top]:
         print(f"{name:<62}{seconds * 1e3:>9.3f}{100 * seconds / busy:>7.1f}%{counts.get(name, 0):>10.1f}")
@@ -186,10 +205,10 @@ def main(argv=None) -> int:
             parser.error(f"--mla-kv-cache: {args.config} is not an MLA model")
         model.set_mla_kv_cache(args.mla_kv_cache)
     with stand_ins.without(without):
-        results = profile_decode(model, config.vocab_size, args.batch, args.context, args.steps, args.block_size)
+        result = profile_decode(model, config.vocab_size, args.batch, args.context, args.steps, args.block_size)
     if without:
         print(f"WITHOUT {', '.join(without)} (kernel-free stand-ins, wrong numbers): an upper bound of fusing them away")
-    _report(args, model, *results)
+    _report(args, model, result)
     return 0
 
 

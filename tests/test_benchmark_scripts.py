@@ -278,6 +278,40 @@ def test_decode_profile_stand_ins_launch_nothing_after_the_first_call_and_are_un
         assert not torch.equal(mlp(x1), mlp(x2)) and not torch.equal(layers.RMSNorm(8)(x1), x1)
 
 
+def test_gpu_clocks_parses_nvidia_smi_samples_and_survives_without_it(monkeypatch, tmp_path):
+    """`gpu_clocks` (decode_profile's clock line): the CSV samples' medians and extremes, lines
+    that are not four numbers skipped; a sampler process that prints until it is terminated; no
+    nvidia-smi at all gives no summary and says so, never an error."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import gpu_clocks
+
+    text = "1980, 1980, 500.5, 700.00\n[N/A], 1980, [N/A], 700.00\n1755, 1980, 690.0, 700.00\n1830, 1980, 650.0, 700.00\n"
+    summary = gpu_clocks.parse_samples(text)
+    assert (summary.samples, summary.sm_median, summary.sm_min, summary.sm_max_clock) == (3, 1830, 1755, 1980)
+    assert (summary.power_median, summary.power_max, summary.power_limit) == (650.0, 690.0, 700.0)
+    assert "SM clock median 1830 MHz (min 1755, the card's max 1980)" in summary.line()
+    assert gpu_clocks.parse_samples("No devices were found\n") is None
+    with pytest.raises(ValueError, match="interval_ms must be >= 1, got 0"):
+        gpu_clocks.GpuClocks(interval_ms=0)
+
+    with gpu_clocks.GpuClocks(command=str(tmp_path / "no-such-nvidia-smi")) as missing:
+        pass
+    assert missing.summary is None and "no samples" in missing.summary_line()
+
+    sampler, printed = tmp_path / "fake-smi", tmp_path / "printed"  # samples until terminated
+    sampler.write_text(f"#!{sys.executable}\nimport pathlib, sys, time\nassert '--query-gpu=clocks.sm,clocks.max.sm,"
+                       "power.draw,power.limit' in sys.argv\nwhile True:\n    print('1500, 1980, 400, 700', flush=True)\n"
+                       f"    pathlib.Path({str(printed)!r}).touch()\n    time.sleep(0.01)\n")
+    sampler.chmod(0o755)
+    with gpu_clocks.GpuClocks(command=str(sampler)) as clocks:
+        import time
+
+        deadline = time.monotonic() + 60
+        while not printed.exists() and time.monotonic() < deadline:  # (a busy machine starts it slowly)
+            time.sleep(0.05)
+    assert clocks.summary is not None and clocks.summary.samples >= 1 and clocks.summary.sm_median == 1500
+
+
 def test_workload_decode_roofline_counts_each_decode_step_once(monkeypatch):
     """`bench_utils.workload_decode_roofline` (throughput.py's floor per KV cache mode): a
     request's ``output - 1`` decode steps each read the weights and its cache up to the new
