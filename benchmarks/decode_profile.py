@@ -204,10 +204,12 @@ def main(argv=None) -> int:
         if not hasattr(model, "set_mla_kv_cache"):
             parser.error(f"--mla-kv-cache: {args.config} is not an MLA model")
         model.set_mla_kv_cache(args.mla_kv_cache)
-    with stand_ins.without(without):
+    with stand_ins.without(without) as calls:
         result = profile_decode(model, config.vocab_size, args.batch, args.context, args.steps, args.block_size)
     if without:
-        print(f"WITHOUT {', '.join(without)} (kernel-free stand-ins, wrong numbers): an upper bound of fusing them away")
+        called = ", ".join(f"{name} ({calls[name]} host calls{'' if calls[name] else ': this model never runs it'})"
+                           for name in without)
+        print(f"WITHOUT {called}: kernel-free stand-ins, wrong numbers; an upper bound of fusing them away")
     _report(args, model, result)
     return 0
 

@@ -24,6 +24,7 @@ would, so the stand-ins keep the values real.
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import Iterator
 
 import torch
@@ -31,12 +32,13 @@ import torch
 OPS = ("silu_and_mul", "rotary_cache_write", "rms_norm")
 
 
-def _kept(op):
+def _kept(op, name: str, calls: Counter):
     """`op` run once per (shapes, dtype, device) of its first argument; later calls of that key
-    return the first call's output (no launch)."""
+    return the first call's output (no launch). Counts its calls under `name` in `calls`."""
     outputs: dict[tuple, torch.Tensor] = {}
 
     def stand_in(first: torch.Tensor, *args, **kwargs):
+        calls[name] += 1
         key = (tuple(first.shape), first.dtype, first.device)
         if key not in outputs:
             outputs[key] = op(first, *args, **kwargs)
@@ -45,8 +47,14 @@ def _kept(op):
     return stand_in
 
 
-def _norm_input(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-    return x if residual is None else (x, x)
+def _norm_input(calls: Counter):
+    """An `RMSNorm.forward` that returns its input, counting its calls under ``rms_norm``."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        calls["rms_norm"] += 1
+        return x if residual is None else (x, x)
+
+    return forward
 
 
 def parse_ops(text: str) -> list[str]:
@@ -60,22 +68,25 @@ def parse_ops(text: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def without(names: list[str]) -> Iterator[None]:
+def without(names: list[str]) -> Iterator[Counter]:
     """Swap the named ops (`OPS`) of `vexact_models.layers` for their stand-ins inside the block;
     the originals come back on exit. Build and run the model inside it: the layers look the ops
-    up at call time, and the CUDA graphs keep whatever ran while they were captured."""
+    up at call time, and the CUDA graphs keep whatever ran while they were captured. Yields the
+    stand-ins' call counts by op name: an op a model never calls (MLA layers write their cache
+    with their own op) reads 0, and then bounds nothing."""
     from vexact_models import layers
 
     saved = {"silu_and_mul": layers.silu_and_mul, "rotary_cache_write": layers.rotary_cache_write,
              "rms_norm": layers.RMSNorm.forward}
+    calls = Counter({name: 0 for name in names})
     try:
         if "silu_and_mul" in names:
-            layers.silu_and_mul = _kept(saved["silu_and_mul"])
+            layers.silu_and_mul = _kept(saved["silu_and_mul"], "silu_and_mul", calls)
         if "rotary_cache_write" in names:
-            layers.rotary_cache_write = _kept(_rotate_only(saved["rotary_cache_write"]))
+            layers.rotary_cache_write = _kept(_rotate_only(saved["rotary_cache_write"]), "rotary_cache_write", calls)
         if "rms_norm" in names:
-            layers.RMSNorm.forward = _norm_input
-        yield
+            layers.RMSNorm.forward = _norm_input(calls)
+        yield calls
     finally:
         layers.silu_and_mul = saved["silu_and_mul"]
         layers.rotary_cache_write = saved["rotary_cache_write"]

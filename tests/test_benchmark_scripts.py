@@ -263,7 +263,7 @@ def test_decode_profile_stand_ins_launch_nothing_after_the_first_call_and_are_un
     cos, sin = rope_table(1.0 / 10000.0 ** (torch.arange(2) / 2), 16)
     caches = [torch.zeros(4, 1, 4), torch.zeros(4, 1, 4)]
     args = (q, k, v, torch.tensor([3, 5]), cos, sin, *caches, torch.tensor([0, 2]))
-    with torch.no_grad(), stand_ins.without(list(stand_ins.OPS)):
+    with torch.no_grad(), stand_ins.without(list(stand_ins.OPS)) as calls:
         first = layers.silu_and_mul(g1, u1)
         assert torch.equal(first, silu_and_mul(g1, u1)) and layers.silu_and_mul(g2, u2) is first
         assert torch.equal(mlp(x1), mlp(x2))
@@ -273,6 +273,10 @@ def test_decode_profile_stand_ins_launch_nothing_after_the_first_call_and_are_un
         assert all(not c.any() for c in caches) and layers.rotary_cache_write(*args) is rotated
         norm = layers.RMSNorm(8)
         assert norm(x1) is x1 and norm(x1, x2) == (x1, x1)
+    assert calls == {"silu_and_mul": 4, "rotary_cache_write": 2, "rms_norm": 2}
+    with stand_ins.without(["rotary_cache_write"]) as calls:
+        mlp(x1)  # runs no rotary op: the stand-in bounds nothing, and says so
+    assert calls == {"rotary_cache_write": 0}
     with torch.no_grad():
         assert layers.silu_and_mul is silu_and_mul and layers.rotary_cache_write is rotary_cache_write
         assert not torch.equal(mlp(x1), mlp(x2)) and not torch.equal(layers.RMSNorm(8)(x1), x1)
