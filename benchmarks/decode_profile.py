@@ -37,7 +37,7 @@ import torch
 
 import stand_ins
 from bench_utils import copy_bandwidth, decode_bytes, positive_int
-from gpu_clocks import GpuClocks
+from gpu_clocks import GpuClocks, nvidia_smi_id
 
 
 LAUNCHES = "(kernel launches)"  # the pseudo-kernel under which profile_decode counts launches
@@ -133,7 +133,7 @@ def profile_decode(model, vocab: int, batch: int, context: int, steps: int,
     prompts = [[rng.randrange(vocab) for _ in range(context)] for _ in range(batch)]
     params = SamplingParams(temperature=0.6, max_tokens=steps, ignore_eos=True, seed=0)
     llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-    with GpuClocks(torch.cuda.current_device()) as clocks:
+    with GpuClocks(nvidia_smi_id(torch.cuda.get_device_properties(torch.cuda.current_device()))) as clocks:
         walls = tuple(_median_decode_step(llm, prompts, params, batch, on) for on in (True, False))
     _mark_decode_steps(llm, batch)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

@@ -60,15 +60,23 @@ def parse_samples(text: str) -> ClockSummary | None:
                         max(limit))
 
 
-class GpuClocks:
-    """Context manager: `nvidia-smi` samples GPU `device_index` every `interval_ms` while the block
-    runs (`command` names the executable; tests pass a stand-in). Never raises for a missing or
-    failing `nvidia-smi`: `summary` is then None."""
+def nvidia_smi_id(properties) -> str:
+    """The `nvidia-smi --id` of a GPU from its `torch.cuda.get_device_properties`: ``GPU-<uuid>``,
+    which names the same card whatever ``CUDA_VISIBLE_DEVICES`` renumbers (a CUDA index would not;
+    torch prints the UUID without nvidia-smi's prefix)."""
+    uuid = str(properties.uuid)
+    return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
 
-    def __init__(self, device_index: int = 0, interval_ms: int = 50, command: str = "nvidia-smi") -> None:
+
+class GpuClocks:
+    """Context manager: `nvidia-smi` samples GPU `device` (an `nvidia_smi_id`, or nvidia-smi's own
+    index) every `interval_ms` while the block runs (`command` names the executable; tests pass a
+    stand-in). Never raises for a missing or failing `nvidia-smi`: `summary` is then None."""
+
+    def __init__(self, device: str | int = 0, interval_ms: int = 50, command: str = "nvidia-smi") -> None:
         if interval_ms < 1:
             raise ValueError(f"GpuClocks: interval_ms must be >= 1, got {interval_ms}")
-        self.args = [command, f"--id={device_index}", f"--query-gpu={','.join(FIELDS)}", "--format=csv,noheader,nounits",
+        self.args = [command, f"--id={device}", f"--query-gpu={','.join(FIELDS)}", "--format=csv,noheader,nounits",
                      f"-lms={interval_ms}"]
         self.summary: ClockSummary | None = None
         self._process: subprocess.Popen | None = None

@@ -286,6 +286,8 @@ def test_gpu_clocks_parses_nvidia_smi_samples_and_survives_without_it(monkeypatc
     """`gpu_clocks` (decode_profile's clock line): the CSV samples' medians and extremes, lines
     that are not four numbers skipped; a sampler process that prints until it is terminated; no
     nvidia-smi at all gives no summary and says so, never an error."""
+    from types import SimpleNamespace
+
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import gpu_clocks
 
@@ -295,6 +297,9 @@ def test_gpu_clocks_parses_nvidia_smi_samples_and_survives_without_it(monkeypatc
     assert (summary.power_median, summary.power_max, summary.power_limit) == (650.0, 690.0, 700.0)
     assert "SM clock median 1830 MHz (min 1755, the card's max 1980)" in summary.line()
     assert gpu_clocks.parse_samples("No devices were found\n") is None
+    uuid = "ffc79498-8ff3-c2dc-3b0d-fafd804516ae"  # as torch prints a device's uuid
+    assert gpu_clocks.nvidia_smi_id(SimpleNamespace(uuid=uuid)) == "GPU-" + uuid
+    assert gpu_clocks.nvidia_smi_id(SimpleNamespace(uuid="GPU-" + uuid)) == "GPU-" + uuid
     with pytest.raises(ValueError, match="interval_ms must be >= 1, got 0"):
         gpu_clocks.GpuClocks(interval_ms=0)
 
@@ -304,10 +309,11 @@ def test_gpu_clocks_parses_nvidia_smi_samples_and_survives_without_it(monkeypatc
 
     sampler, printed = tmp_path / "fake-smi", tmp_path / "printed"  # samples until terminated
     sampler.write_text(f"#!{sys.executable}\nimport pathlib, sys, time\nassert '--query-gpu=clocks.sm,clocks.max.sm,"
-                       "power.draw,power.limit' in sys.argv\nwhile True:\n    print('1500, 1980, 400, 700', flush=True)\n"
+                       "power.draw,power.limit' in sys.argv\n"
+                       f"assert '--id=GPU-{uuid}' in sys.argv\nwhile True:\n    print('1500, 1980, 400, 700', flush=True)\n"
                        f"    pathlib.Path({str(printed)!r}).touch()\n    time.sleep(0.01)\n")
     sampler.chmod(0o755)
-    with gpu_clocks.GpuClocks(command=str(sampler)) as clocks:
+    with gpu_clocks.GpuClocks("GPU-" + uuid, command=str(sampler)) as clocks:
         import time
 
         deadline = time.monotonic() + 60
