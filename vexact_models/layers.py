@@ -19,6 +19,8 @@ from torch import nn
 from vexact_models.kernels import (PagedLayout, add_rms_norm, apply_rotary, attention, attention_packed, fused_moe,
                                    kv_cache_write, rms_norm, rope_table, rotary_cache_write, silu_and_mul)
 
+from vexact_models.kernels.attention_rotary import attention_decode_rotary, decode_rotary_enabled, decode_rotary_taken
+
 from .adapters import apply_linear
 from .projections import _fused_weight, fuse_linears, fuse_projections, grouped_linear  # noqa: F401 (public here too)
 
@@ -255,6 +257,9 @@ class PagedContext:
             return self.attend(layer_idx, q, k, v, scale)
         cos, sin = rope
         weights = (q_norm.weight, k_norm.weight, q_norm.variance_epsilon) if q_norm is not None else (None, None, 1e-6)
+        if decode_rotary_enabled() and decode_rotary_taken(q, k, v, k_cache, v_cache, self.layout):
+            return attention_decode_rotary(q, k, v, positions, cos, sin, k_cache, v_cache, self.slot_mapping,
+                                           self.layout, scale, *weights)
         q = rotary_cache_write(q, k, v, positions, cos, sin, k_cache, v_cache, self.slot_mapping, *weights)
         return self.attend_cache(layer_idx, q, scale)
 
