@@ -92,15 +92,18 @@ def decode_rotary_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cach
 
 
 def decode_rotary_taken(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                        v_cache: torch.Tensor, layout: PagedLayout) -> bool:
+                        v_cache: torch.Tensor, layout: PagedLayout, q_weight: torch.Tensor | None = None,
+                        k_weight: torch.Tensor | None = None) -> bool:
     """Whether a step whose ops would run `rotary_cache_write` then `attention` may run the fused
-    launch instead: `decode_rotary_fits`, and both ops would run our Triton kernels (the triton
-    backend for rotary, the norm and attention, and the forward switch's ``triton``, not FA4)."""
+    launch instead: `decode_rotary_fits`, norm weights that are plain tensors (not sharded), and
+    both ops would run our Triton kernels (the triton backend for rotary, the norm and attention,
+    and the forward switch's ``triton``, not FA4)."""
     from .attention import attention_backend
     from .attention_forward_choice import choose_attention_forward
     from .backend import select
 
     return (decode_rotary_fits(q, k, v, k_cache, v_cache, layout)
+            and all(type(w) in (torch.Tensor, torch.nn.Parameter) for w in (q_weight, k_weight) if w is not None)
             and select("rotary", q) == select("rms_norm", q) == "triton" and attention_backend(q, v_cache, k_cache) == "triton"
             and choose_attention_forward(q, k_cache, v_cache) == "triton")
 

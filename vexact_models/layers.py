@@ -257,7 +257,7 @@ class PagedContext:
             return self.attend(layer_idx, q, k, v, scale)
         cos, sin = rope
         weights = (q_norm.weight, k_norm.weight, q_norm.variance_epsilon) if q_norm is not None else (None, None, 1e-6)
-        if decode_rotary_enabled() and decode_rotary_taken(q, k, v, k_cache, v_cache, self.layout):
+        if decode_rotary_enabled() and decode_rotary_taken(q, k, v, k_cache, v_cache, self.layout, *weights[:2]):
             return attention_decode_rotary(q, k, v, positions, cos, sin, k_cache, v_cache, self.slot_mapping,
                                            self.layout, scale, *weights)
         q = rotary_cache_write(q, k, v, positions, cos, sin, k_cache, v_cache, self.slot_mapping, *weights)
