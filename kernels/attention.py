@@ -22,7 +22,7 @@ the same values in the same tiles, so the same bits, and 1.4-1.6x faster on the 
 whole key blocks of a decode launch of few (or very many) programs over pages of 64
 (`page_descriptors`, one copy per block from its page: 1.16-1.20x at 32 sequences of 1k-8k
 tokens, 1.00-1.05x at 256-512 sequences). The reference does the
-same on CPU with `exact_math`. The backward (`attention_backward.py`) is
+same on CPU with `exact_math` (`attention_reference.py`). The backward (`attention_backward.py`) is
 correct, not invariant.
 """
 
@@ -33,11 +33,11 @@ from dataclasses import dataclass
 
 import torch
 
-from . import exact_math
 from ._triton import (deep_pipeline, has_tma, launch_staged, next_power_of_2, num_sms, require_triton, tl,
                       tma_rows_aligned, triton)
 from .attention_fa4 import attention_fa4
 from .attention_forward_choice import choose_attention_forward
+from .attention_reference import REFERENCE_BLOCK_N, attention_reference  # noqa: F401 (public here too)
 from .attention_tiles import (BLOCK_N, DECODE_BLOCK_M, HEAD_DIMS, VALUE_HEAD_DIMS, AttentionConfig, few_decode_programs,
                               many_decode_programs, pick_config, split_mask)
 from .backend import select
@@ -46,7 +46,6 @@ from .latent_attention import latent_attention_triton, value_in_key
 from .rotary_cache_write import rotate_group_into_cache
 from .row_sum import lane_sums, row_sum_halves, row_sum_levels
 
-REFERENCE_BLOCK_N = 16  # the reference's own fixed key block
 
 
 @dataclass
@@ -315,53 +314,6 @@ def attention_triton(q, k_cache, v_cache, layout: PagedLayout, scale: float, con
            rotary is not None)
     launch_staged(_attention_fwd_kernel, grid, args, kwargs, cfg.num_stages, key, fallback=config is None)
     return out, lse
-
-
-def attention_reference(q, k_cache, v_cache, layout: PagedLayout, scale: float, return_lse: bool = False):
-    """CPU reference with the kernel's structure: per query, keys in absolute-aligned blocks of
-    `REFERENCE_BLOCK_N`, fp32 online softmax with `exact_math` exp and per-output reductions.
-    With `return_lse` also the ``[T, Hq]`` fp32 log2-sum-exp2 of the scores scaled by
-    ``scale * log2(e)``, the kernel's LSE (equal in value, not bitwise)."""
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    n_tokens, n_heads, head_dim = q.shape
-    n_kv_heads, head_dim_v = k_cache.shape[-2], v_cache.shape[-1]
-    group = n_heads // n_kv_heads
-    k_flat = k_cache.reshape(-1, n_kv_heads, head_dim)
-    v_flat = v_cache.reshape(-1, n_kv_heads, head_dim_v)
-    out = torch.empty((n_tokens, n_heads, head_dim_v), dtype=q.dtype)
-    lse = torch.empty((n_tokens, n_heads), dtype=torch.float32)
-    cu = layout.cu_seqlens_q.tolist()
-    for s, seq_len in enumerate(layout.seq_lens.tolist()):
-        q_s = q[cu[s]:cu[s + 1]].to(compute).reshape(-1, n_kv_heads, group, 1, head_dim)
-        n_q = q_s.shape[0]
-        if n_q == 0:
-            continue
-        q_pos = torch.arange(seq_len - n_q, seq_len)[:, None, None, None]
-        n_blocks = -(-seq_len // REFERENCE_BLOCK_N)
-        k_pos = torch.arange(n_blocks * REFERENCE_BLOCK_N)
-        pages = layout.block_table[s].long()[(k_pos // layout.page_size).clamp(max=layout.block_table.shape[1] - 1)]
-        slots = torch.where(k_pos < seq_len, pages * layout.page_size + k_pos % layout.page_size, 0)
-        keys = k_flat[slots].to(compute).masked_fill((k_pos >= seq_len)[:, None, None], 0)
-        values = v_flat[slots].to(compute).masked_fill((k_pos >= seq_len)[:, None, None], 0)
-        m = torch.full((n_q, n_kv_heads, group), float("-inf"), dtype=compute)
-        l = torch.zeros((n_q, n_kv_heads, group), dtype=compute)
-        acc = torch.zeros((n_q, n_kv_heads, group, head_dim_v), dtype=compute)
-        for b in range(n_blocks):
-            blk = slice(b * REFERENCE_BLOCK_N, (b + 1) * REFERENCE_BLOCK_N)
-            kb = keys[blk].permute(1, 0, 2)[None, :, None]  # [1, Hkv, 1, B, D]
-            scores = exact_math.dot(q_s, kb) * scale  # [n_q, Hkv, G, B]
-            visible = (k_pos[blk][None, None, None, :] <= q_pos) & (k_pos[blk] < seq_len)
-            scores = scores.masked_fill(~visible, float("-inf"))
-            m_new = torch.maximum(m, exact_math.row_max(scores))
-            alpha = exact_math.exp(m - m_new)
-            p = exact_math.exp(scores - m_new[..., None])
-            l = l * alpha + exact_math.row_sum(p)
-            vb = values[blk].permute(1, 2, 0)[None, :, None]  # [1, Hkv, 1, Dv, B]
-            acc = acc * alpha[..., None] + exact_math.dot(p[..., None, :], vb)
-            m = m_new
-        out[cu[s]:cu[s + 1]] = (acc / l[..., None]).reshape(n_q, n_heads, head_dim_v).to(q.dtype)
-        lse[cu[s]:cu[s + 1]] = ((m + torch.log(l)) * math.log2(math.e)).reshape(n_q, n_heads).float()
-    return (out, lse) if return_lse else out
 
 
 def check_attention_inputs(q, k_cache, v_cache, layout):
