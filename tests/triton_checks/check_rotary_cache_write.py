@@ -115,17 +115,18 @@ def test_paged_context_takes_the_fused_decode_launch_only_when_switched_on(monke
     q, k, v, _, cos, sin, weights, _ = _inputs(seqs, q_heads, kv_heads, head_dim, torch.float32, 11)
     norms = []
     for w in weights:
-        norm = layers.RMSNorm(head_dim)
+        norm = layers.RMSNorm(head_dim).to(DEVICE)
         norm.weight.data = w.clone()
         norms.append(norm)
     lens = [5, 64, 33]
     table = torch.tensor([[2], [0], [1]], dtype=torch.int32)
-    positions = torch.tensor([n - 1 for n in lens])
-    slots = torch.tensor([int(table[s, (n - 1) // page]) * page + (n - 1) % page for s, n in enumerate(lens)])
-    layout = PagedLayout(torch.arange(seqs + 1, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32), table, page, 1)
+    positions = torch.tensor([n - 1 for n in lens]).to(DEVICE)
+    slots = torch.tensor([int(table[s, (n - 1) // page]) * page + (n - 1) % page for s, n in enumerate(lens)]).to(DEVICE)
+    layout = PagedLayout(torch.arange(seqs + 1, dtype=torch.int32).to(DEVICE),
+                         torch.tensor(lens, dtype=torch.int32).to(DEVICE), table.to(DEVICE), page, 1)
     outputs = {}
     for run in ("two ops", mode):
-        caches = [torch.full((3, page, kv_heads, head_dim), 0.5) for _ in range(2)]
+        caches = [torch.full((3, page, kv_heads, head_dim), 0.5, device=DEVICE) for _ in range(2)]
         context = layers.PagedContext(layout, slots, [tuple(caches)])
         calls = []
         original = layers.rotary_cache_write
