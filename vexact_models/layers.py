@@ -16,10 +16,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from vexact_models.kernels import (PagedLayout, add_rms_norm, apply_rotary, attention, attention_packed, fused_moe,
+from vexact_models.kernels import (PagedLayout, add_rms_norm, apply_rotary, attention, attention_decode_rotary,
+                                   attention_packed, decode_rotary_enabled, decode_rotary_taken, fused_moe,
                                    kv_cache_write, rms_norm, rope_table, rotary_cache_write, silu_and_mul)
-
-from vexact_models.kernels.attention_rotary import attention_decode_rotary, decode_rotary_enabled, decode_rotary_taken
 
 from .adapters import apply_linear
 from .projections import _fused_weight, fuse_linears, fuse_projections, grouped_linear  # noqa: F401 (public here too)
