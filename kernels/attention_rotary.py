@@ -18,7 +18,8 @@ only (one query token per sequence), pointer loads only (a key the program has j
 not come back through TMA's asynchronous proxy).
 
 Status: built on the CPU (the interpreter checks the bits against the two launches); not yet run
-on a GPU, so nothing calls it unless ``VEXACT_DECODE_ROTARY=on`` (`use_decode_rotary`).
+on a GPU, so nothing calls it unless ``VEXACT_DECODE_ROTARY=on`` (`use_decode_rotary`; the layers
+ask `decode_rotary_taken`).
 """
 
 from __future__ import annotations
@@ -39,11 +40,6 @@ _switch = KernelSwitch(ENV_VAR, MODES, "off", "fused decode rotary + attention")
 def use_decode_rotary(mode: str | None) -> AbstractContextManager[None]:
     """``"on"`` / ``"off"`` for a ``with`` block (None: ``VEXACT_DECODE_ROTARY`` decides)."""
     return _switch.use(mode)
-
-
-def decode_rotary_enabled() -> bool:
-    """Whether `attention_decode_rotary` may be used (``VEXACT_DECODE_ROTARY``, default off)."""
-    return _switch.mode() == "on"
 
 
 @dataclass
@@ -94,15 +90,16 @@ def decode_rotary_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cach
 def decode_rotary_taken(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, layout: PagedLayout, q_weight: torch.Tensor | None = None,
                         k_weight: torch.Tensor | None = None) -> bool:
-    """Whether a step whose ops would run `rotary_cache_write` then `attention` may run the fused
-    launch instead: `decode_rotary_fits`, norm weights that are plain tensors (not sharded), and
-    both ops would run our Triton kernels (the triton backend for rotary, the norm and attention,
-    and the forward switch's ``triton``, not FA4)."""
+    """Whether a step whose ops would run `rotary_cache_write` then `attention` runs the fused
+    launch instead: switched on (``VEXACT_DECODE_ROTARY``, default off), `decode_rotary_fits`,
+    norm weights that are plain tensors (not sharded), and both ops would run our Triton kernels
+    (the triton backend for rotary, the norm and attention, and the forward switch's ``triton``,
+    not FA4)."""
     from .attention import attention_backend
     from .attention_forward_choice import choose_attention_forward
     from .backend import select
 
-    return (decode_rotary_fits(q, k, v, k_cache, v_cache, layout)
+    return (_switch.mode() == "on" and decode_rotary_fits(q, k, v, k_cache, v_cache, layout)
             and all(type(w) in (torch.Tensor, torch.nn.Parameter) for w in (q_weight, k_weight) if w is not None)
             and select("rotary", q) == select("rms_norm", q) == "triton" and attention_backend(q, v_cache, k_cache) == "triton"
             and choose_attention_forward(q, k_cache, v_cache) == "triton")

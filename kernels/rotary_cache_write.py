@@ -66,6 +66,21 @@ def _rotate_rows_into(x_ptr, stride_t, stride_h, heads, n_rows, w_ptr, dest_ptr,
 
 
 @triton.jit
+def _copy_rows_into_cache(v_ptr, stride_vt, stride_vh, heads, n_rows, rows, v_cache_ptr, slot_ptr, stride_vc,
+                          HEAD_DIM: tl.constexpr):
+    """Rows `rows` (< `n_rows`) of the ``[T, heads, HEAD_DIM]`` view at `v_ptr`, copied as they are
+    to row ``slot_ptr[token]`` of the V cache (skipped where it is -1)."""
+    cols = tl.arange(0, HEAD_DIM)
+    ok = rows < n_rows
+    rows64 = rows.to(tl.int64)
+    token, head = rows64 // heads, rows64 % heads
+    v = tl.load(v_ptr + (token * stride_vt + head * stride_vh)[:, None] + cols[None, :], mask=ok[:, None])
+    slot = tl.load(slot_ptr + token, mask=ok, other=-1).to(tl.int64)
+    dest = v_cache_ptr + (slot * stride_vc + head * HEAD_DIM)[:, None] + cols[None, :]
+    tl.store(dest, v, mask=(ok & (slot >= 0))[:, None])
+
+
+@triton.jit
 def rotate_group_into_cache(qkv_ptr, stride_qkv, q_heads, kv_heads, token, kv_head, pos_ptr, cos_ptr, sin_ptr,
                             stride_table, q_w_ptr, k_w_ptr, eps, head_dim, q_out_ptr, stride_ot, stride_oh, k_cache_ptr,
                             v_cache_ptr, stride_kc, stride_vc, slot_ptr, GROUP: tl.constexpr, ROWS: tl.constexpr,
@@ -87,10 +102,8 @@ def rotate_group_into_cache(qkv_ptr, stride_qkv, q_heads, kv_heads, token, kv_he
     _rotate_rows_into(k_ptr, stride_qkv, HEAD_DIM, kv_heads, first_k + 1, k_w_ptr, k_cache_ptr, slot_ptr, stride_kc,
                       HEAD_DIM, pos_ptr, cos_ptr, sin_ptr, stride_table, eps, head_dim, first_k + lanes, True, NORM,
                       HEAD_DIM)
-    cols = tl.arange(0, HEAD_DIM)
-    slot = tl.load(slot_ptr + token).to(tl.int64)
-    v = tl.load(k_ptr + kv_heads * HEAD_DIM + token * stride_qkv + kv_head * HEAD_DIM + cols)
-    tl.store(v_cache_ptr + slot * stride_vc + kv_head * HEAD_DIM + cols, v, mask=(cols >= 0) & (slot >= 0))
+    _copy_rows_into_cache(k_ptr + kv_heads * HEAD_DIM, stride_qkv, HEAD_DIM, kv_heads, first_k + 1, first_k + lanes,
+                          v_cache_ptr, slot_ptr, stride_vc, HEAD_DIM)
     tl.debug_barrier()
 
 
@@ -115,14 +128,8 @@ def _rotary_cache_write_kernel(
                           stride_kc, HEAD_DIM, pos_ptr, cos_ptr, sin_ptr, stride_table, eps, head_dim, rows,
                           True, NORM, HEAD_DIM)
     else:  # values: copied as they are
-        cols = tl.arange(0, HEAD_DIM)
-        ok = rows < n_tokens * kv_heads
-        rows64 = rows.to(tl.int64)
-        token, head = rows64 // kv_heads, rows64 % kv_heads
-        v = tl.load(v_ptr + (token * stride_vt + head * stride_vh)[:, None] + cols[None, :], mask=ok[:, None])
-        slot = tl.load(slot_ptr + token, mask=ok, other=-1).to(tl.int64)
-        dest = v_cache_ptr + (slot * stride_vc + head * HEAD_DIM)[:, None] + cols[None, :]
-        tl.store(dest, v, mask=(ok & (slot >= 0))[:, None])
+        _copy_rows_into_cache(v_ptr, stride_vt, stride_vh, kv_heads, n_tokens * kv_heads, rows, v_cache_ptr, slot_ptr,
+                              stride_vc, HEAD_DIM)
 
 
 def _fusable(q, k, v, k_cache, v_cache, weights) -> bool:
