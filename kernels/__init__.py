@@ -8,7 +8,6 @@ checks it); a name imported across files (benchmarks, GPU proofs) is public in i
 
 from .attention import PagedLayout, attention, packed_layout
 from .attention_forward_choice import forward_mode as attention_forward_mode
-from .attention_rotary import attention_decode_rotary, decode_rotary_taken, use_decode_rotary
 from .attention_forward_choice import set_attention_forward, use_attention_forward
 from .attention_packed import attention_packed, attention_saving_context
 from .backend import BACKENDS, UnsupportedError, current_backend, set_backend, use_backend
@@ -32,11 +31,10 @@ from .token_logprobs import token_logprobs
 
 __all__ = [
     "BACKENDS", "PagedLayout", "UnsupportedError", "add_rms_norm", "apply_rotary", "attention",
-    "attention_decode_rotary", "attention_forward_mode", "attention_packed", "attention_saving_context",
-    "current_backend", "decode_rotary_taken", "deinterleave", "fused_moe", "gather_logprobs",
-    "head_linear", "kv_cache_write", "latent_cache_write", "linear", "linear_backend_mode", "log_softmax",
-    "packed_layout", "rms_norm", "rope_table", "rotary_cache_write", "sample_tokens", "set_attention_forward",
-    "set_backend", "set_dependent_launch", "set_linear_backend", "sigmoid_grouped_topk", "silu_and_mul",
-    "softmax_topk", "token_logprobs", "use_attention_forward", "use_backend", "use_decode_rotary",
+    "attention_forward_mode", "attention_packed", "attention_saving_context", "current_backend", "deinterleave",
+    "fused_moe", "gather_logprobs", "head_linear", "kv_cache_write", "latent_cache_write", "linear",
+    "linear_backend_mode", "log_softmax", "packed_layout", "rms_norm", "rope_table", "rotary_cache_write",
+    "sample_tokens", "set_attention_forward", "set_backend", "set_dependent_launch", "set_linear_backend",
+    "sigmoid_grouped_topk", "silu_and_mul", "softmax_topk", "token_logprobs", "use_attention_forward", "use_backend",
     "use_dependent_launch", "use_linear_backend",
 ]

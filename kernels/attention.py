@@ -43,9 +43,7 @@ from .attention_tiles import (BLOCK_N, DECODE_BLOCK_M, HEAD_DIMS, VALUE_HEAD_DIM
 from .backend import select
 from .dependent_launch import dependent_launch_kwargs, wait_for_inputs
 from .latent_attention import latent_attention_triton, value_in_key
-from .rotary_cache_write import rotate_group_into_cache
 from .row_sum import lane_sums, row_sum_halves, row_sum_levels
-
 
 
 @dataclass
@@ -115,12 +113,10 @@ def _attention_fwd_kernel(
     cu_seqlens_q_ptr, seq_lens_ptr, block_table_ptr,
     page_size, scale_log2,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_lt, stride_bt,
-    qkv_ptr, stride_qkv, pos_ptr, cos_ptr, sin_ptr, stride_table, q_w_ptr, k_w_ptr, slot_ptr, eps,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUM_LEVELS: tl.constexpr,
     LANE_SUMS: tl.constexpr, KV_DESC: tl.constexpr, PAGE_DESC: tl.constexpr, SPLIT_MASK: tl.constexpr,
-    HEADS_FASTEST: tl.constexpr = False, PDL: tl.constexpr = False, ROTARY: tl.constexpr = False,
-    ROTARY_NORM: tl.constexpr = False,
+    HEADS_FASTEST: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     # the last tiles of a causal sequence have the most keys: launch them first, so that the
@@ -138,14 +134,6 @@ def _attention_fwd_kernel(
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     context = seq_len - q_len
-    if ROTARY:  # a decode launch that first does rotary_cache_write's work for its own rows (`DecodeRotary`)
-        if HEADS_FASTEST:
-            kv_heads = tl.num_programs(1)
-        else:
-            kv_heads = tl.num_programs(2)
-        rotate_group_into_cache(qkv_ptr, stride_qkv, GROUP * kv_heads, kv_heads, q_start, kv_head, pos_ptr, cos_ptr,
-                                sin_ptr, stride_table, q_w_ptr, k_w_ptr, eps, HEAD_DIM, q_ptr, stride_qt, stride_qh,
-                                k_ptr, v_ptr, stride_ks, stride_vs, slot_ptr, GROUP, BLOCK_M, ROTARY_NORM, HEAD_DIM)
 
     # Row r of the tile is query token (tile*BLOCK_M + r) // GROUP, head (tile*BLOCK_M + r) % GROUP
     # of this KV head's group: the group's heads share each K/V block load.
@@ -254,7 +242,7 @@ def _kv_descriptor(x: torch.Tensor, block_n: int):
 
 
 def attention_triton(q, k_cache, v_cache, layout: PagedLayout, scale: float, config: AttentionConfig | None = None,
-                     kv_descriptors: bool = False, page_descriptors: bool | None = None, rotary=None):
+                     kv_descriptors: bool = False, page_descriptors: bool | None = None):
     """(out, lse) of the GQA kernel with `config` (default `pick_config`'s). Public for the GPU
     sweeps that compare launch parameters (benchmarks/attention_configs.py); models call `attention`.
 
@@ -263,9 +251,7 @@ def attention_triton(q, k_cache, v_cache, layout: PagedLayout, scale: float, con
     so the same bits; check `kv_descriptors_fit` first on a GPU). `page_descriptors`: a decode
     launch over paged caches reads its whole key blocks through TMA descriptors, page by page
     (default: where `page_descriptors_fit` and the launch has few programs or very many,
-    `few_decode_programs`, `many_decode_programs`; the same bits). `rotary`: a decode launch's
-    `attention_rotary.DecodeRotary`, whose work each program does first for its own rows (`q`
-    is then the rotated queries' output buffer; pointer loads only)."""
+    `few_decode_programs`, `many_decode_programs`; the same bits)."""
     require_triton("attention")
     if kv_descriptors and layout.page_size != 1:
         raise ValueError(f"attention_triton: kv_descriptors=True needs packed K/V (a packed_layout, page_size 1), "
@@ -283,8 +269,6 @@ def attention_triton(q, k_cache, v_cache, layout: PagedLayout, scale: float, con
     rows = layout.max_seqlen_q * group
     programs, sms, deep = n_seqs * n_kv_heads * triton.cdiv(rows, DECODE_BLOCK_M), num_sms(q.device), deep_pipeline(q.device)
     few = few_decode_programs(programs, sms, deep)
-    if rotary is not None:  # the program's own new key must not reach it through TMA's async proxy
-        page_descriptors = False
     if page_descriptors is None:  # where they pay: launches of few or of very many programs (`pick_config`)
         page_descriptors = (not kv_descriptors and (few or many_decode_programs(programs, sms, deep))
                             and page_descriptors_fit(k, v, layout.page_size, rows))
@@ -300,18 +284,15 @@ def attention_triton(q, k_cache, v_cache, layout: PagedLayout, scale: float, con
     args = (q, k, v, out, lse, *descs, layout.cu_seqlens_q, layout.seq_lens, layout.block_table,
             layout.page_size, scale * math.log2(math.e),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            out.stride(0), out.stride(1), lse.stride(0), layout.block_table.stride(0),
-            *(rotary.kernel_args() if rotary is not None else (None, 0, None, None, None, 0, None, None, None, 0.0)))
+            out.stride(0), out.stride(1), lse.stride(0), layout.block_table.stride(0))
     kwargs = dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=next_power_of_2(head_dim),
                   BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SUM_LEVELS=row_sum_levels(cfg.block_n),
                   LANE_SUMS=lane_sums(cfg.block_m, cfg.num_warps), KV_DESC=kv_descriptors, PAGE_DESC=page_descriptors,
                   SPLIT_MASK=split_mask(cfg), HEADS_FASTEST=cfg.heads_fastest, num_warps=cfg.num_warps,
-                  ROTARY=rotary is not None, ROTARY_NORM=rotary is not None and rotary.q_weight is not None,
                   # few programs: no PDL. Launched dependently, a 256-program decode at 8k tokens
                   # took 1.27x as long (TMA, 242 -> 307 us), the step 1.09x (twentieth session)
                   **dependent_launch_kwargs(q.device, allowed=not few))
-    key = ("attention", q.device, q.dtype, group, head_dim, head_dim_v, cfg, kv_descriptors, page_descriptors,
-           rotary is not None)
+    key = ("attention", q.device, q.dtype, group, head_dim, head_dim_v, cfg, kv_descriptors, page_descriptors)
     launch_staged(_attention_fwd_kernel, grid, args, kwargs, cfg.num_stages, key, fallback=config is None)
     return out, lse
 

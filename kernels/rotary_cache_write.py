@@ -66,48 +66,6 @@ def _rotate_rows_into(x_ptr, stride_t, stride_h, heads, n_rows, w_ptr, dest_ptr,
 
 
 @triton.jit
-def _copy_rows_into_cache(v_ptr, stride_vt, stride_vh, heads, n_rows, rows, v_cache_ptr, slot_ptr, stride_vc,
-                          HEAD_DIM: tl.constexpr):
-    """Rows `rows` (< `n_rows`) of the ``[T, heads, HEAD_DIM]`` view at `v_ptr`, copied as they are
-    to row ``slot_ptr[token]`` of the V cache (skipped where it is -1)."""
-    cols = tl.arange(0, HEAD_DIM)
-    ok = rows < n_rows
-    rows64 = rows.to(tl.int64)
-    token, head = rows64 // heads, rows64 % heads
-    v = tl.load(v_ptr + (token * stride_vt + head * stride_vh)[:, None] + cols[None, :], mask=ok[:, None])
-    slot = tl.load(slot_ptr + token, mask=ok, other=-1).to(tl.int64)
-    dest = v_cache_ptr + (slot * stride_vc + head * HEAD_DIM)[:, None] + cols[None, :]
-    tl.store(dest, v, mask=(ok & (slot >= 0))[:, None])
-
-
-@triton.jit
-def rotate_group_into_cache(qkv_ptr, stride_qkv, q_heads, kv_heads, token, kv_head, pos_ptr, cos_ptr, sin_ptr,
-                            stride_table, q_w_ptr, k_w_ptr, eps, head_dim, q_out_ptr, stride_ot, stride_oh, k_cache_ptr,
-                            v_cache_ptr, stride_kc, stride_vc, slot_ptr, GROUP: tl.constexpr, ROWS: tl.constexpr,
-                            NORM: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """One decode program's share of this op, for the attention kernel's fused decode
-    (`attention.attention_triton` with ``rotary``): token `token`'s `GROUP` query heads of KV
-    head `kv_head`, normed (`NORM`) and rotated into `q_out_ptr`, its key head into the K cache
-    and its value head into the V cache at ``slot_ptr[token]``, from one fused projection row
-    ``qkv_ptr + token * stride_qkv`` (query heads, then key heads, then value heads). The same
-    `_rotate_rows_into` as the kernel below, on a `ROWS`-row tile whose rows past the group are
-    masked; ends with a barrier, so that the program's loads after it see every store."""
-    lanes = tl.arange(0, ROWS)
-    first_q = token * q_heads + kv_head * GROUP
-    _rotate_rows_into(qkv_ptr, stride_qkv, HEAD_DIM, q_heads, first_q + GROUP, q_w_ptr, q_out_ptr, slot_ptr, stride_ot,
-                      stride_oh, pos_ptr, cos_ptr, sin_ptr, stride_table, eps, head_dim, first_q + lanes, False, NORM,
-                      HEAD_DIM)
-    k_ptr = qkv_ptr + q_heads * HEAD_DIM
-    first_k = token * kv_heads + kv_head
-    _rotate_rows_into(k_ptr, stride_qkv, HEAD_DIM, kv_heads, first_k + 1, k_w_ptr, k_cache_ptr, slot_ptr, stride_kc,
-                      HEAD_DIM, pos_ptr, cos_ptr, sin_ptr, stride_table, eps, head_dim, first_k + lanes, True, NORM,
-                      HEAD_DIM)
-    _copy_rows_into_cache(k_ptr + kv_heads * HEAD_DIM, stride_qkv, HEAD_DIM, kv_heads, first_k + 1, first_k + lanes,
-                          v_cache_ptr, slot_ptr, stride_vc, HEAD_DIM)
-    tl.debug_barrier()
-
-
-@triton.jit
 def _rotary_cache_write_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, q_w_ptr, k_w_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     n_tokens, q_heads, kv_heads, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -128,8 +86,14 @@ def _rotary_cache_write_kernel(
                           stride_kc, HEAD_DIM, pos_ptr, cos_ptr, sin_ptr, stride_table, eps, head_dim, rows,
                           True, NORM, HEAD_DIM)
     else:  # values: copied as they are
-        _copy_rows_into_cache(v_ptr, stride_vt, stride_vh, kv_heads, n_tokens * kv_heads, rows, v_cache_ptr, slot_ptr,
-                              stride_vc, HEAD_DIM)
+        cols = tl.arange(0, HEAD_DIM)
+        ok = rows < n_tokens * kv_heads
+        rows64 = rows.to(tl.int64)
+        token, head = rows64 // kv_heads, rows64 % kv_heads
+        v = tl.load(v_ptr + (token * stride_vt + head * stride_vh)[:, None] + cols[None, :], mask=ok[:, None])
+        slot = tl.load(slot_ptr + token, mask=ok, other=-1).to(tl.int64)
+        dest = v_cache_ptr + (slot * stride_vc + head * HEAD_DIM)[:, None] + cols[None, :]
+        tl.store(dest, v, mask=(ok & (slot >= 0))[:, None])
 
 
 def _fusable(q, k, v, k_cache, v_cache, weights) -> bool:

@@ -16,8 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from vexact_models.kernels import (PagedLayout, add_rms_norm, apply_rotary, attention, attention_decode_rotary,
-                                   attention_packed, decode_rotary_taken, fused_moe,
+from vexact_models.kernels import (PagedLayout, add_rms_norm, apply_rotary, attention, attention_packed, fused_moe,
                                    kv_cache_write, rms_norm, rope_table, rotary_cache_write, silu_and_mul)
 
 from .adapters import apply_linear
@@ -256,9 +255,6 @@ class PagedContext:
             return self.attend(layer_idx, q, k, v, scale)
         cos, sin = rope
         weights = (q_norm.weight, k_norm.weight, q_norm.variance_epsilon) if q_norm is not None else (None, None, 1e-6)
-        if decode_rotary_taken(q, k, v, k_cache, v_cache, self.layout, *weights[:2]):
-            return attention_decode_rotary(q, k, v, positions, cos, sin, k_cache, v_cache, self.slot_mapping,
-                                           self.layout, scale, *weights)
         q = rotary_cache_write(q, k, v, positions, cos, sin, k_cache, v_cache, self.slot_mapping, *weights)
         return self.attend_cache(layer_idx, q, scale)
 
