@@ -14,6 +14,10 @@ It also prints the SM clock and power draw `nvidia-smi` sampled during the timed
 (`gpu_clocks.py`): whether the step ran at full clocks. The last line compares the step with the
 HBM roofline: the bytes a decode step must read (all weights but the input embedding, plus the
 batch's KV cache) over the measured copy bandwidth.
+Then the GEMM peers (`weight_gemms.py`, dense models): the step's GEMMs alone, run by cuBLAS
+(``torch.mm``) and by ours under sampled clocks, and the roofline with the GEMMs at those times:
+at batch 128-256 the GEMMs' tensor-core work can hold the card at its power limit, below the
+clocks a lone copy runs at, and small models' GEMMs are too small to fill the card.
 
 `--without OP,...` profiles the step with those small ops replaced by kernel-free stand-ins that
 return real values (`stand_ins.py`): an upper bound of what fusing them away could gain.
@@ -38,6 +42,8 @@ import torch
 import stand_ins
 from bench_utils import copy_bandwidth, decode_bytes, positive_int
 from gpu_clocks import GpuClocks, nvidia_smi_id
+from weight_gemms import cublas_gemm, step_gemm_weights, time_weight_gemms
+from vexact_models.kernels import linear
 
 
 LAUNCHES = "(kernel launches)"  # the pseudo-kernel under which profile_decode counts launches
@@ -165,9 +171,34 @@ def _report(args, model, result: DecodeProfile) -> None:
     for name, seconds in sorted(kernels.items(), key=lambda kv: -kv[1])[:args.top]:
         print(f"{name:<62}{seconds * 1e3:>9.3f}{100 * seconds / busy:>7.1f}%{counts.get(name, 0):>10.1f}")
     hbm = copy_bandwidth()
-    roof = decode_bytes(model, args.batch, args.context + args.steps // 2) / (hbm * 1e9)
+    step_bytes = decode_bytes(model, args.batch, args.context + args.steps // 2)
+    roof = step_bytes / (hbm * 1e9)
     print(f"HBM roofline {roof * 1e3:.2f} ms ({hbm:.0f} GB/s copy): the step is at {100 * roof / step:.0f}% of it, "
           f"the kernels alone at {100 * roof / busy:.0f}%, the GPU span at {100 * roof / span:.0f}%")
+    _report_gemm_peer(model, args.batch, step, step_bytes, hbm)
+
+
+def _report_gemm_peer(model, batch: int, step: float, step_bytes: int, hbm: float, seconds: float = 3.0) -> None:
+    """Print the GEMM peers (`weight_gemms`, each timed for `seconds`): the step's GEMMs alone at
+    `batch` rows, by cuBLAS and by our `kernels.linear`, with their clocks; then the roofline with
+    the GEMMs at each one's time and every other byte (the KV cache, norm weights) at copy
+    bandwidth `hbm` GB/s: what the card reaches at this batch when the GEMMs' power draw lowers
+    its clocks, or their size leaves SMs idle."""
+    try:
+        weights = step_gemm_weights(model)
+    except ValueError as exc:
+        print(f"GEMM peers: none ({exc})")
+        return
+    rest = (step_bytes - sum(w.numel() * w.element_size() for w in weights)) / (hbm * 1e9)
+    bounds = []
+    for name, gemm in (("cuBLAS (torch.mm)", cublas_gemm), ("ours (kernels.linear)", linear)):
+        peer = time_weight_gemms(weights, batch, seconds, gemm)
+        bounds.append(peer.seconds + rest)
+        print(f"The step's {len(weights)} GEMMs alone, {name}, {batch} rows, {peer.weight_bytes / 1e9:.2f} GB of "
+              f"weights: {peer.seconds * 1e3:.2f} ms, {peer.bandwidth_gbs:.0f} GB/s ({100 * peer.bandwidth_gbs / hbm:.0f}% "
+              f"of copy); {peer.clocks}")
+    print(f"Roofline with the GEMMs at those times (the rest at copy bandwidth): cuBLAS's {bounds[0] * 1e3:.2f} ms, "
+          f"ours {bounds[1] * 1e3:.2f} ms: the step is at {100 * bounds[0] / step:.0f}% / {100 * bounds[1] / step:.0f}%")
 
 
 def main(argv=None) -> int:

@@ -1,6 +1,7 @@
 """The benchmark scripts need a GPU to measure; on CPU they must still import, explain
 themselves (--help) and refuse cleanly."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -363,3 +364,82 @@ def test_workload_decode_roofline_counts_each_decode_step_once(monkeypatch):
             pytest.approx((step_weights(1), 6 * per_token))
         if experts:
             assert step_weights(1) < step_weights(2) < weights
+
+
+def test_weight_gemms_are_the_steps_gemms_and_time_on_cpu(monkeypatch):
+    """`weight_gemms` (decode_profile's cuBLAS peer): the weights are one matrix per GEMM a rollout
+    step runs (q/k/v and gate/up as one once fused, every other linear, the LM head), the same
+    storage as the model's parameters; a MoE model is refused by name; the CPU timing runs every
+    GEMM and counts the weights' bytes; bad arguments name the argument, the value and the limit."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import weight_gemms
+
+    from vexact_models.projections import fuse_projections
+    from vexact_models.qwen3 import Qwen3ForCausalLM, tiny_config
+    from vexact_models.qwen3_moe import Qwen3MoeForCausalLM
+    from vexact_models.qwen3_moe import tiny_config as tiny_moe_config
+
+    model = Qwen3ForCausalLM(tiny_config())
+    layers, hidden = model.config.num_hidden_layers, model.config.hidden_size
+    separate = weight_gemms.step_gemm_weights(model)
+    assert len(separate) == 7 * layers + 1  # q, k, v, o, gate, up, down; the LM head
+    fuse_projections(model)
+    fused = weight_gemms.step_gemm_weights(model)
+    assert len(fused) == 4 * layers + 1
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    qkv = fused[0]
+    assert qkv.shape == (attn.q_proj.out_features + 2 * attn.k_proj.out_features, hidden)
+    assert qkv.data_ptr() == attn.q_proj.weight.data_ptr() and torch.equal(qkv[-attn.v_proj.out_features:],
+                                                                          attn.v_proj.weight)
+    assert fused[1].data_ptr() == attn.o_proj.weight.data_ptr()
+    assert fused[2].shape[0] == 2 * mlp.gate_proj.out_features
+    assert fused[-1].data_ptr() == model.lm_head.weight.data_ptr()
+    assert sum(w.numel() for w in fused) == sum(w.numel() for w in separate)
+
+    with pytest.raises(ValueError, match="Qwen3MoeForCausalLM has routed-expert weights .*dense models only"):
+        weight_gemms.step_gemm_weights(Qwen3MoeForCausalLM(tiny_moe_config()))
+
+    calls = []
+    real_mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda x, w: calls.append((x.shape, w.shape)) or real_mm(x, w))
+    peer = weight_gemms.time_weight_gemms(fused, batch=3, seconds=0.01)
+    assert peer.seconds > 0 and peer.weight_bytes == sum(w.numel() * w.element_size() for w in fused)
+    assert peer.bandwidth_gbs == peer.weight_bytes / peer.seconds / 1e9 and "no clock samples" in peer.clocks
+    assert calls[:len(fused)] == [((3, w.shape[1]), (w.shape[1], w.shape[0])) for w in fused]
+    calls_before = len(calls)
+    from vexact_models.kernels import linear
+
+    ours = weight_gemms.time_weight_gemms(fused[:2], batch=2, seconds=0.01, gemm=linear)
+    assert ours.seconds > 0 and len(calls) == calls_before  # the given GEMM ran, not torch.mm
+    for kwargs, words in [(dict(batch=0), "batch must be >= 1, got 0"), (dict(batch=2, seconds=0), "seconds must be > 0"),
+                          (dict(batch=2, weights=[]), "weights is empty")]:
+        with pytest.raises(ValueError, match=words):
+            weight_gemms.time_weight_gemms(**{"weights": fused, **kwargs})
+
+
+def test_decode_profile_reports_both_gemm_peers_and_refuses_moe(monkeypatch, capsys):
+    """`decode_profile._report_gemm_peer`: one line per GEMM (cuBLAS, ours) with the weights'
+    bytes, then the two rooflines, each the GEMMs' time plus the rest of the step's bytes at copy
+    bandwidth; a MoE model gets one line saying why there is no peer."""
+    from torch import nn
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import decode_profile
+
+    from vexact_models.qwen3 import Qwen3ForCausalLM, tiny_config
+    from vexact_models.qwen3_moe import Qwen3MoeForCausalLM
+    from vexact_models.qwen3_moe import tiny_config as tiny_moe_config
+
+    model = Qwen3ForCausalLM(tiny_config())
+    weight_bytes = sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, nn.Linear))
+    decode_profile._report_gemm_peer(model, 2, step=1.0, step_bytes=weight_bytes + 10 ** 9, hbm=1.0, seconds=0.01)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(",")[1].strip() for line in lines[:2]] == ["cuBLAS (torch.mm)", "ours (kernels.linear)"]
+    assert all(f"{weight_bytes / 1e9:.2f} GB of weights" in line for line in lines[:2])
+    # the rest, 1e9 bytes at 1 GB/s, is a second: both rooflines add the GEMMs' time to it
+    cublas_ms, ours_ms = (float(x) for x in re.findall(r"(\d+\.\d+) ms", lines[2]))
+    assert lines[2].startswith("Roofline with the GEMMs at those times") and min(cublas_ms, ours_ms) > 1000
+    decode_profile._report_gemm_peer(Qwen3MoeForCausalLM(tiny_moe_config()), 2, 1.0, 1, 1.0, seconds=0.01)
+    assert capsys.readouterr().out.startswith("GEMM peers: none (step_gemm_weights: Qwen3MoeForCausalLM has routed")

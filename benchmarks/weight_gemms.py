@@ -1,0 +1,140 @@
+"""A decode step's GEMMs run by cuBLAS alone, under the card's sustained clocks: the peer that says
+how fast the step's weight reads can go on this card at this batch.
+
+The HBM roofline (`bench_utils.decode_bytes` over the copy bandwidth) assumes that the weights
+stream at the bandwidth of a lone copy kernel. At batch 128-256 a step's GEMMs do tensor-core
+work too, and on an H200 at Qwen3-8B shape they draw the card to its power limit: its SM clock
+falls from 1980 to about 1500 MHz (twenty-sixth session). `time_weight_gemms` times
+``torch.mm`` (cuBLAS, not batch-invariant, the speed peer) over the same weight matrices as the
+step, one after another inside one CUDA graph, replayed for seconds so that the clocks settle
+where a long rollout's would, with `gpu_clocks.GpuClocks` sampling them.
+
+Usage (decode_profile.py prints it beside the step):
+    weights = step_gemm_weights(model)
+    peer = time_weight_gemms(weights, batch=128)
+    print(peer.seconds, peer.clocks)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from gpu_clocks import GpuClocks, nvidia_smi_id
+from vexact_models.layers import _fused_weight
+
+
+def step_gemm_weights(model: nn.Module) -> list[torch.Tensor]:
+    """The ``[N, K]`` weight of every GEMM a decode step of `model` runs, in module order: each
+    projection group (``projection_groups()``: q/k/v, gate/up) as one matrix where
+    `fuse_projections` fused it (the runtime does when an engine is built), its members otherwise,
+    and every other `nn.Linear` (o, down, the LM head, a router). Raises ValueError for a model
+    with 3-D (routed expert) weights, whose GEMMs depend on the routing."""
+    experts = [name for name, p in model.named_parameters() if p.dim() == 3]
+    if experts:
+        raise ValueError(f"step_gemm_weights: {type(model).__name__} has routed-expert weights ({experts[0]}, "
+                         f"{len(experts)} in all); the peer covers dense models only")
+    grouped: set[int] = set()
+    weights = []
+    for module in model.modules():
+        groups = getattr(module, "projection_groups", None)
+        for group in (groups() if callable(groups) else []):
+            members = [lin.weight for lin in group]
+            fused = _fused_weight(members)
+            weights += [fused] if fused is not None else [w.detach() for w in members]
+            grouped.update(id(lin) for lin in group)
+        if isinstance(module, nn.Linear) and id(module) not in grouped:
+            weights.append(module.weight.detach())
+    return weights
+
+
+@dataclass
+class GemmPeer:
+    """`time_weight_gemms`'s result: seconds for one pass over the weights (median of the
+    replays), the bytes they hold and the clocks sampled meanwhile (a `GpuClocks` line)."""
+
+    seconds: float
+    weight_bytes: int
+    clocks: str
+
+    @property
+    def bandwidth_gbs(self) -> float:
+        """The weights' bytes over the pass's time, GB/s."""
+        return self.weight_bytes / self.seconds / 1e9
+
+
+def cublas_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` by ``torch.mm`` (cuBLAS on a GPU): the peer's GEMM."""
+    return torch.mm(x, weight.t())
+
+
+def time_weight_gemms(weights: list[torch.Tensor], batch: int, seconds: float = 3.0,
+                      gemm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cublas_gemm) -> GemmPeer:
+    """Time ``gemm(x, w)`` (default `cublas_gemm`; `kernels.linear` for ours) for every ``w`` of
+    `weights` (a random ``x`` of `batch` rows per input width, in the weights' dtype), one pass
+    after another for about `seconds`. On CUDA the pass is one CUDA graph (no host launch gaps)
+    replayed after a one-second warm-up, the clocks sampled over the timed replays; on CPU (the
+    tests) a plain loop, with no clock samples."""
+    if batch < 1:
+        raise ValueError(f"time_weight_gemms: batch must be >= 1, got {batch}")
+    if not weights:
+        raise ValueError("time_weight_gemms: weights is empty")
+    if seconds <= 0:
+        raise ValueError(f"time_weight_gemms: seconds must be > 0, got {seconds}")
+    first = weights[0]
+    inputs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype, device=w.device) for w in weights}
+    weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+
+    def one_pass() -> None:
+        for w in weights:
+            gemm(inputs[w.shape[1]], w)
+
+    if first.device.type != "cuda":
+        return GemmPeer(_median_wall(one_pass, seconds), weight_bytes, "no GPU: no clock samples")
+    graph = _capture(one_pass)
+    _replay_for(graph, 1.0)  # clocks and power settle
+    with GpuClocks(nvidia_smi_id(torch.cuda.get_device_properties(first.device))) as clocks:
+        times = _replay_for(graph, seconds)
+    return GemmPeer(sorted(times)[len(times) // 2], weight_bytes, clocks.summary_line())
+
+
+def _median_wall(fn, seconds: float) -> float:
+    """Median wall seconds of `fn` called repeatedly for about `seconds` (at least 3 calls)."""
+    times: list[float] = []
+    end = time.perf_counter() + seconds
+    while len(times) < 3 or time.perf_counter() < end:
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def _capture(fn) -> torch.cuda.CUDAGraph:
+    """`fn` captured in a CUDA graph, after a warm-up call on a side stream (cuBLAS's workspace)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def _replay_for(graph: torch.cuda.CUDAGraph, seconds: float) -> list[float]:
+    """Seconds of each replay of `graph`, replayed back to back for about `seconds`."""
+    times: list[float] = []
+    end = time.perf_counter() + seconds
+    while len(times) < 3 or time.perf_counter() < end:
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) * 1e-3)
+    return times
