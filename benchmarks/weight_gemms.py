@@ -1,18 +1,21 @@
-"""A decode step's GEMMs run by cuBLAS alone, under the card's sustained clocks: the peer that says
-how fast the step's weight reads can go on this card at this batch.
+"""A decode step's GEMMs alone, by cuBLAS and by ours, under the card's sustained clocks: the
+peers that say how fast the step's weight reads can go on this card at this batch.
 
 The HBM roofline (`bench_utils.decode_bytes` over the copy bandwidth) assumes that the weights
 stream at the bandwidth of a lone copy kernel. At batch 128-256 a step's GEMMs do tensor-core
 work too, and on an H200 at Qwen3-8B shape they draw the card to its power limit: its SM clock
-falls from 1980 to about 1500 MHz (twenty-sixth session). `time_weight_gemms` times
-``torch.mm`` (cuBLAS, not batch-invariant, the speed peer) over the same weight matrices as the
+falls from 1980 to about 1500 MHz; at Qwen3-0.6B shape they are too small to fill the card
+(twenty-sixth session). `time_weight_gemms` times a GEMM (``torch.mm``, cuBLAS, not
+batch-invariant, the speed peer; or our `kernels.linear`) over the same weight matrices as the
 step, one after another inside one CUDA graph, replayed for seconds so that the clocks settle
-where a long rollout's would, with `gpu_clocks.GpuClocks` sampling them.
+where a long rollout's would, with `gpu_clocks.GpuClocks` sampling them. Every GEMM writes bf16
+(the step's LM head writes fp32 logits: 4 bytes more per vocabulary entry and row).
 
-Usage (decode_profile.py prints it beside the step):
+Usage (decode_profile.py prints both beside the step):
     weights = step_gemm_weights(model)
-    peer = time_weight_gemms(weights, batch=128)
-    print(peer.seconds, peer.clocks)
+    peer = time_weight_gemms(weights, batch=128)                 # cuBLAS
+    ours = time_weight_gemms(weights, batch=128, gemm=linear)    # vexact_models.kernels.linear
+    print(peer.seconds, ours.seconds, peer.clocks)
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ def step_gemm_weights(model: nn.Module) -> list[torch.Tensor]:
     """The ``[N, K]`` weight of every GEMM a decode step of `model` runs, in module order: each
     projection group (``projection_groups()``: q/k/v, gate/up) as one matrix where
     `fuse_projections` fused it (the runtime does when an engine is built), its members otherwise,
-    and every other `nn.Linear` (o, down, the LM head, a router). Raises ValueError for a model
+    and every other `nn.Linear` (o, down, the LM head). Raises ValueError for a model
     with 3-D (routed expert) weights, whose GEMMs depend on the routing."""
     experts = [name for name, p in model.named_parameters() if p.dim() == 3]
     if experts:
