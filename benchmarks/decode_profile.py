@@ -9,6 +9,10 @@ the difference is host time and launch gaps the GPU waits through. The profiled 
 step at a time, so that each step's kernels run inside its profiler range. Its steps' median GPU
 span (first kernel start to last kernel end) is the device's own time per step: the async wall
 time above it is time the device waited for the host.
+Kernels launched dependently (PDL) start before their predecessor ends and wait inside, so
+their measured times overlap: the kernels' total can exceed the span ("busy" over 100%), and a
+kernel's time is not what removing it would save, either way (`--without` measures that: at
+Qwen3-8B batch 128 the rotary stand-in saved about twice its kernels' time).
 
 It also prints the SM clock and power draw `nvidia-smi` sampled during the timed runs
 (`gpu_clocks.py`): whether the step ran at full clocks. The last line compares the step with the
