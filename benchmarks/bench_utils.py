@@ -35,15 +35,12 @@ def bench(fn, warmup: int = 25, rep: int = 100) -> float:
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
-def bench_graph(fns, reps: int = 10, replays: int = 7) -> float:
-    """Median milliseconds per call of `fns` run back to back, `reps` times, inside one CUDA graph:
-    GPU time without host launch overhead, as in a decode step's graph (`bench`'s loop of host
-    launches measures the host instead for kernels of a few microseconds). Pass functions that
-    read different copies of their large operands (`rotating_copies`) so that they come from HBM,
-    not from the L2 cache the previous call filled."""
+def capture_graph(fns, reps: int = 1) -> torch.cuda.CUDAGraph:
+    """`fns` run back to back, `reps` times, captured in one CUDA graph, after one warm-up call of
+    each on a side stream (Triton compiles, cuBLAS sets up its workspace, outside the capture)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile and warm up outside the capture
+    with torch.cuda.stream(side):
         for fn in fns:
             fn()
     torch.cuda.current_stream().wait_stream(side)
@@ -52,6 +49,16 @@ def bench_graph(fns, reps: int = 10, replays: int = 7) -> float:
         for _ in range(reps):
             for fn in fns:
                 fn()
+    return graph
+
+
+def bench_graph(fns, reps: int = 10, replays: int = 7) -> float:
+    """Median milliseconds per call of `fns` run back to back, `reps` times, inside one CUDA graph:
+    GPU time without host launch overhead, as in a decode step's graph (`bench`'s loop of host
+    launches measures the host instead for kernels of a few microseconds). Pass functions that
+    read different copies of their large operands (`rotating_copies`) so that they come from HBM,
+    not from the L2 cache the previous call filled."""
+    graph = capture_graph(fns, reps)
     times = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -46,7 +46,7 @@ import torch
 import stand_ins
 from bench_utils import copy_bandwidth, decode_bytes, positive_int
 from gpu_clocks import GpuClocks, nvidia_smi_id
-from weight_gemms import cublas_gemm, step_gemm_weights, time_weight_gemms
+from weight_gemms import cublas_gemm, step_gemm_weights, time_weight_gemms, weight_bytes
 from vexact_models.kernels import linear
 
 
@@ -193,7 +193,7 @@ def _report_gemm_peer(model, batch: int, step: float, step_bytes: int, hbm: floa
     except ValueError as exc:
         print(f"GEMM peers: none ({exc})")
         return
-    rest = (step_bytes - sum(w.numel() * w.element_size() for w in weights)) / (hbm * 1e9)
+    rest = (step_bytes - weight_bytes(weights)) / (hbm * 1e9)
     bounds = []
     for name, gemm in (("cuBLAS (torch.mm)", cublas_gemm), ("ours (kernels.linear)", linear)):
         peer = time_weight_gemms(weights, batch, seconds, gemm)

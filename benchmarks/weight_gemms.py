@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from bench_utils import capture_graph
 from gpu_clocks import GpuClocks, nvidia_smi_id
 from vexact_models.layers import _fused_weight
 
@@ -90,54 +91,56 @@ def time_weight_gemms(weights: list[torch.Tensor], batch: int, seconds: float = 
         raise ValueError(f"time_weight_gemms: seconds must be > 0, got {seconds}")
     first = weights[0]
     inputs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype, device=w.device) for w in weights}
-    weight_bytes = sum(w.numel() * w.element_size() for w in weights)
 
     def one_pass() -> None:
         for w in weights:
             gemm(inputs[w.shape[1]], w)
 
     if first.device.type != "cuda":
-        return GemmPeer(_median_wall(one_pass, seconds), weight_bytes, "no GPU: no clock samples")
-    graph = _capture(one_pass)
-    _replay_for(graph, 1.0)  # clocks and power settle
+        return GemmPeer(_median_seconds(_wall_seconds(one_pass), seconds), weight_bytes(weights),
+                        "no GPU: no clock samples")
+    replay = _replay_seconds(capture_graph([one_pass]))
+    _median_seconds(replay, 1.0)  # clocks and power settle
     with GpuClocks(nvidia_smi_id(torch.cuda.get_device_properties(first.device))) as clocks:
-        times = _replay_for(graph, seconds)
-    return GemmPeer(sorted(times)[len(times) // 2], weight_bytes, clocks.summary_line())
+        median = _median_seconds(replay, seconds)
+    return GemmPeer(median, weight_bytes(weights), clocks.summary_line())
 
 
-def _median_wall(fn, seconds: float) -> float:
-    """Median wall seconds of `fn` called repeatedly for about `seconds` (at least 3 calls)."""
+def weight_bytes(weights: list[torch.Tensor]) -> int:
+    """The bytes `weights` hold."""
+    return sum(w.numel() * w.element_size() for w in weights)
+
+
+def _median_seconds(run: Callable[[], float], seconds: float) -> float:
+    """Median of `run`'s results (seconds each), called back to back for about `seconds` (at
+    least 3 calls)."""
     times: list[float] = []
     end = time.perf_counter() + seconds
     while len(times) < 3 or time.perf_counter() < end:
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
+        times.append(run())
     return sorted(times)[len(times) // 2]
 
 
-def _capture(fn) -> torch.cuda.CUDAGraph:
-    """`fn` captured in a CUDA graph, after a warm-up call on a side stream (cuBLAS's workspace)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+def _wall_seconds(fn: Callable[[], None]) -> Callable[[], float]:
+    """`fn` timed by the host clock (CPU work)."""
+
+    def run() -> float:
+        start = time.perf_counter()
         fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
+        return time.perf_counter() - start
+
+    return run
 
 
-def _replay_for(graph: torch.cuda.CUDAGraph, seconds: float) -> list[float]:
-    """Seconds of each replay of `graph`, replayed back to back for about `seconds`."""
-    times: list[float] = []
-    end = time.perf_counter() + seconds
-    while len(times) < 3 or time.perf_counter() < end:
+def _replay_seconds(graph: torch.cuda.CUDAGraph) -> Callable[[], float]:
+    """One replay of `graph` timed by CUDA events."""
+
+    def run() -> float:
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()
         stop.record()
         stop.synchronize()
-        times.append(start.elapsed_time(stop) * 1e-3)
-    return times
+        return start.elapsed_time(stop) * 1e-3
+
+    return run
