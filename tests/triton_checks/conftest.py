@@ -4,12 +4,17 @@ triton 3.6's interpreter computes ``tl.dot`` with numpy's matmul: it multiplies 
 patterns (it keeps bf16 as uint16), and BLAS rounds an output element differently for different
 tile shapes (an AMD EPYC's OpenBLAS changed fp32 rows when only the tile's N changed), which the
 checks that compare launch configurations bitwise cannot tell from a kernel bug. The dot below
-widens bf16 to fp32 and accumulates each output element over k in order, one rounded product and
-one rounded sum per step: the element's arithmetic depends on its own row and column alone, as
-rule 1 asks of the GPU kernels. The GPU compiler is not affected; on a GPU nothing is patched.
+widens bf16 to fp32 and, like Hopper's MMA, adds to the accumulator once per 16 values of k:
+each step's products are summed in k order (one rounded product and one rounded sum each) and
+that sum is added to the accumulator. An element's arithmetic then depends on its own row and
+column alone, as rule 1 asks of the GPU kernels, and not on how wide a K tile is (the GPU's
+chain of 16-wide MMA steps gives a 128-wide tile the bits of two 64-wide ones; the MoE decode
+tiles rely on it). The GPU compiler is not affected; on a GPU nothing is patched.
 """
 
 import os
+
+MMA_K = 16  # k values per MMA step: the accumulator is updated once per step
 
 
 def _patch_interpreter_dot() -> None:
@@ -30,10 +35,14 @@ def _patch_interpreter_dot() -> None:
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         acc = d.data.dtype
         a_data, b_data = operand(a, acc), operand(b, acc)
-        out = np.zeros(a_data.shape[:-1] + b_data.shape[-1:], dtype=acc)
-        for k in range(a_data.shape[-1]):
-            out += a_data[..., :, k:k + 1] * b_data[..., k:k + 1, :]
-        return interpreter.TensorHandle(out + d.data, d.dtype.scalar)
+        out = d.data.astype(acc, copy=True)
+        depth = a_data.shape[-1]
+        for start in range(0, depth, MMA_K):
+            step = np.zeros_like(out)
+            for k in range(start, min(start + MMA_K, depth)):
+                step += a_data[..., :, k:k + 1] * b_data[..., k:k + 1, :]
+            out += step
+        return interpreter.TensorHandle(out, d.dtype.scalar)
 
     create_dot._in_k_order = True
     builder.create_dot = create_dot
