@@ -41,12 +41,15 @@ def sweep() -> None:
     down = (torch.randn(experts, hidden, inter, device="cuda") / inter ** 0.5).bfloat16()
     x = torch.randn(tokens, hidden, device="cuda").bfloat16()
     ids = torch.softmax(torch.randn(tokens, experts, device="cuda"), -1).topk(top_k, -1).indices
-    for bm, bn, warps, stages in ((128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 4, 4), (128, 256, 8, 3),
-                                  (64, 128, 4, 4), (128, 128, 4, 3)):
-        cfg = MoeConfig(bm, bn, warps, stages, bn, warps, stages)
+    for bm, bn, warps, stages, bk in ((128, 128, 8, 3, 64), (128, 128, 8, 4, 64), (128, 64, 4, 4, 64),
+                                      (128, 256, 8, 3, 64), (64, 128, 4, 4, 64), (128, 128, 4, 3, 64),
+                                      (128, 128, 8, 2, 128), (128, 128, 8, 3, 128), (128, 64, 4, 3, 128),
+                                      (64, 128, 4, 3, 128), (128, 256, 8, 2, 128)):
+        cfg = MoeConfig(bm, bn, warps, stages, bn, warps, stages, bk, bk)
         layout = moe_align(ids, experts, bm)
-        act = gate_up_act(x, gate_up, layout, top_k, cfg)[0]
-        line = f"BM={bm} BN={bn} warps={warps} stages={stages}:"
+        line = f"BM={bm} BN={bn} BK={bk} warps={warps} stages={stages}:"
+        # down's input: any gate/up config's rows (they are the same); this one's may not fit
+        act = gate_up_act(x, gate_up, layout, top_k, MoeConfig(bm, 64, 4, 2, 64, 4, 2))[0]
         for name, fn, flops in (
                 ("gate_up", lambda: gate_up_act(x, gate_up, layout, top_k, cfg), 2 * tokens * top_k * hidden * 2 * inter),
                 ("down", lambda: grouped_gemm(act, down, layout, hidden, inter, down.stride(1), down.stride(2),
@@ -61,12 +64,16 @@ def sweep() -> None:
 
 #: (name, hidden, experts, expert intermediate, top-k) of the decode sweep's MoE layers
 DECODE_SHAPES = (("moonlight", 2048, 64, 1408, 6), ("30b-a3b", 2048, 128, 768, 8))
-#: (block_m, block_n, warps, stages) candidates of each kernel in the decode sweep
-DECODE_GATE_UP = ((64, 64, 4, 3), (64, 64, 4, 4), (64, 64, 4, 5), (64, 128, 4, 3), (64, 128, 4, 4), (64, 128, 8, 3),
-                  (64, 128, 8, 4), (64, 32, 4, 4), (32, 64, 4, 4), (32, 128, 4, 4), (16, 64, 4, 4), (16, 128, 4, 4))
-DECODE_DOWN = ((64, 64, 4, 3), (64, 64, 4, 4), (64, 64, 4, 5), (64, 128, 4, 3), (64, 128, 4, 4), (64, 128, 8, 3),
-               (64, 128, 8, 4), (64, 256, 8, 3), (64, 32, 4, 4), (32, 64, 4, 4), (32, 128, 4, 4), (16, 64, 4, 4),
-               (16, 128, 4, 4))
+#: (block_m, block_n, warps, stages, block_k) candidates of each kernel in the decode sweep
+DECODE_GATE_UP = ((64, 64, 4, 3, 64), (64, 64, 4, 4, 64), (64, 128, 4, 4, 64), (64, 128, 8, 4, 64),
+                  (32, 64, 4, 4, 64), (16, 64, 4, 4, 64), (16, 128, 4, 4, 64),
+                  (64, 64, 4, 3, 128), (64, 64, 4, 2, 128), (32, 64, 4, 3, 128), (16, 64, 4, 3, 128),
+                  (16, 64, 4, 4, 128), (16, 128, 4, 3, 128), (64, 64, 8, 3, 128))
+DECODE_DOWN = ((64, 64, 4, 3, 64), (64, 128, 4, 3, 64), (64, 128, 8, 3, 64), (32, 64, 4, 4, 64), (16, 64, 4, 4, 64),
+               (16, 128, 4, 4, 64),
+               (64, 64, 4, 3, 128), (64, 64, 4, 2, 128), (64, 64, 4, 4, 128), (64, 128, 4, 3, 128), (64, 128, 8, 3, 128),
+               (32, 64, 4, 3, 128), (32, 64, 4, 4, 128), (32, 128, 4, 3, 128), (16, 64, 4, 3, 128),
+               (16, 64, 4, 4, 128), (16, 128, 4, 3, 128), (64, 64, 8, 3, 128))
 
 
 def decode_sweep(token_counts: list[int]) -> None:
@@ -97,8 +104,10 @@ def _decode_sweep_layer(name: str, hidden: int, experts: int, inter: int, top_k:
         rows = []
         for kernel, candidates, nbytes in (("gate_up", DECODE_GATE_UP, 2 * inter * hidden * 2),
                                           ("down", DECODE_DOWN, hidden * inter * 2)):
-            for bm, bn, warps, stages in candidates:
-                cfg = MoeConfig(bm, bn, warps, stages, bn, warps, stages)
+            for bm, bn, warps, stages, bk in candidates:
+                if inter % bk or hidden % bk:  # a masked K tail could turn a -0.0 sum into +0.0
+                    continue
+                cfg = MoeConfig(bm, bn, warps, stages, bn, warps, stages, bk, bk)
                 layout = moe_align(ids, experts, bm)
                 pos = layout.pair_pos.long()
                 if kernel == "gate_up":
@@ -114,9 +123,9 @@ def _decode_sweep_layer(name: str, hidden: int, experts: int, inter: int, top_k:
                     same = torch.equal(rows_of(), want[ref_pos])
                     ms = bench_graph([fn])
                 except Exception as exc:  # out of shared memory / registers
-                    rows.append([kernel, f"{bm}x{bn} w{warps} s{stages}", type(exc).__name__, "", ""])
+                    rows.append([kernel, f"{bm}x{bn}x{bk} w{warps} s{stages}", type(exc).__name__, "", ""])
                     continue
-                rows.append([kernel, f"{bm}x{bn} w{warps} s{stages}", f"{ms * 1e3:.1f}",
+                rows.append([kernel, f"{bm}x{bn}x{bk} w{warps} s{stages}", f"{ms * 1e3:.1f}",
                              f"{touched * nbytes / ms / 1e6:.0f}", "yes" if same else "NO"])
         table(f"{name} MoE at {tokens} tokens ({touched} of {experts} experts touched; now "
               f"{now.block_m}x{now.block_n} / down {now.block_m}x{now.down_block_n})",

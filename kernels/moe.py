@@ -13,10 +13,10 @@ input dtype first, as the dense path does); a second grouped GEMM applies ``down
 kernel sums each token's k rows in rank order.
 
 Invariance contract: a pair's row is computed with K accumulated sequentially in fp32 in
-BLOCK_K steps (rule 1) by a tile config chosen from the batch shape only (`pick_config`; the
-configs give bitwise the same rows, proven on the GPU), whatever number of rows its expert
-received (0, 1 or thousands) and wherever the row sits in its tile; the combine order is the
-rank order (rule 4). The reference does the same per expert with `linear_reference`.
+16-wide MMA steps over K tiles of 64 or 128 (rule 1; `k_tile`) by a tile config chosen from the
+batch shape only (`pick_config`; the configs give bitwise the same rows, proven on the GPU),
+whatever number of rows its expert received (0, 1 or thousands) and wherever the row sits in
+its tile; the combine order is the rank order (rule 4). The reference does the same per expert with `linear_reference`.
 Backward (rule 8): grouped GEMMs for the input gradients, a grouped reduction kernel for the
 weight gradients (`moe_backward.py`).
 """
@@ -34,13 +34,16 @@ from .linear import linear_reference
 from .moe_align import MoeLayout, moe_align
 from .silu_and_mul import silu_and_mul_reference
 
-BLOCK_K = 64  # one K tile for every config
+BLOCK_K = 64  # the K tile of every config unless it names another
 
 
 @dataclass(frozen=True)
 class MoeConfig:
-    """Tiles of the gate/up kernel (block_n, num_warps, num_stages) and of the down kernel
-    (down_*); both share block_m, the expert segment padding."""
+    """Tiles of the gate/up kernel (block_n, num_warps, num_stages, block_k) and of the down
+    kernel (down_*); both share block_m, the expert segment padding. The K tile leaves a row's
+    bits alone like the others: a dot over a K tile is a chain of 16-wide MMA steps into one fp32
+    accumulator, so 64- and 128-wide tiles add the same products in the same order (checked on
+    the GPU by `benchmarks/moe.py --decode`'s "same bits" and ``kernel_invariance --only moe``)."""
 
     block_m: int
     block_n: int
@@ -49,6 +52,15 @@ class MoeConfig:
     down_block_n: int
     down_num_warps: int
     down_num_stages: int
+    block_k: int = BLOCK_K
+    down_block_k: int = BLOCK_K
+
+
+def k_tile(block_k: int, k: int) -> int:
+    """The K tile a launch runs: `block_k` where it divides `k`, else `BLOCK_K`. A wider tile over
+    a ragged K would add extra masked zero products, and +0.0 added to a sum of exactly -0.0 turns
+    it into +0.0, a bit the 64-wide tiles of training do not flip."""
+    return block_k if k % block_k == 0 else BLOCK_K
 
 
 # From `benchmarks/moe.py --sweep` on an H100 at 16384 tokens (docs/gpu-results.md): down has a
@@ -62,8 +74,12 @@ LARGE = MoeConfig(128, 128, 8, 4, 256, 8, 3)
 # (24 rows) did not move, so it keeps the 64-row tiles there. 16-row blocks were faster alone
 # at 6-12 rows (down 1.07x, gate/up 1.02x) but lost at 24, where experts span two blocks that each
 # read the weights: they take the batches of at most 12 rows an expert (twenty-fourth session).
-DECODE = MoeConfig(32, 64, 4, 4, 64, 4, 4)
-FEW_ROWS = MoeConfig(16, 64, 4, 4, 64, 4, 4)
+# Both take 128-wide K tiles (twenty-seventh session): fewer, larger loads per program, alone
+# 1.02-1.07x on gate/up and 1.04-1.06x on down; decode steps of Qwen3-30B-A3B 1.03-1.04x at 128
+# and 256 sequences, Moonlight 1.03x at 128. Moonlight's 24 rows an expert gained nothing in its
+# step with them, so it keeps the 64-row tiles.
+DECODE = MoeConfig(32, 64, 4, 3, 64, 4, 4, block_k=128, down_block_k=128)
+FEW_ROWS = MoeConfig(16, 64, 4, 3, 128, 4, 3, block_k=128, down_block_k=128)
 BLOCK_M = SMALL.block_m  # the reference layout's block
 
 
@@ -176,12 +192,13 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, layout: MoeLayout, n: int, k:
     """``out[p] = a[p] @ W[e(p)]^T`` over the padded permuted rows (W element (n, k) by strides),
     with the down kernel's tiles (`down_tiles`) or the gate/up kernel's."""
     out = torch.empty(a.shape[0], n, device=a.device, dtype=out_dtype)
-    block_n, warps, stages = ((cfg.down_block_n, cfg.down_num_warps, cfg.down_num_stages) if down_tiles
-                              else (cfg.block_n, cfg.num_warps, cfg.num_stages))
+    block_n, block_k, warps, stages = (
+        (cfg.down_block_n, k_tile(cfg.down_block_k, k), cfg.down_num_warps, cfg.down_num_stages) if down_tiles
+        else (cfg.block_n, k_tile(cfg.block_k, k), cfg.num_warps, cfg.num_stages))
     grid = (a.shape[0] // cfg.block_m, triton.cdiv(n, block_n))
     _moe_grouped_gemm_kernel[grid](a, w, out, layout.block_expert, n, k, a.stride(0), w.stride(0), stride_n,
                                    stride_k, out.stride(0), INPUT_PRECISION=_precision(a.dtype),
-                                   BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
+                                   BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                                    num_warps=warps, num_stages=stages, **dependent_launch_kwargs(a.device))
     return out
 
@@ -217,7 +234,7 @@ def gate_up_act(x: torch.Tensor, gate_up: torch.Tensor, layout: MoeLayout, top_k
         x, gate_up, act, preact, layout.sorted_pairs, layout.block_expert, layout.num_pairs, hidden, inter,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), act.stride(0), preact.stride(0),
         TOP_K=top_k, SAVE_PREACT=save_preact, INPUT_PRECISION=_precision(x.dtype), BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=BLOCK_K, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_N=cfg.block_n, BLOCK_K=k_tile(cfg.block_k, hidden), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **dependent_launch_kwargs(x.device))
     return act, preact
 

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from vexact_models.kernels.moe import DECODE, FEW_ROWS, LARGE, SMALL, fused_moe, moe_align, moe_math, pick_config
+from vexact_models.kernels.moe import (DECODE, FEW_ROWS, LARGE, SMALL, fused_moe, k_tile, moe_align, moe_math,
+                                       pick_config)
 from vexact_models.kernels.moe_routing import softmax_topk
 
 from ..conftest import rel_err
@@ -104,6 +105,18 @@ def test_pick_config_takes_short_row_blocks_for_decode_batches():
     assert [pick_config(t, 6, 64).block_m for t in (1, 128, 129, 170, 171, 256, 2731)] == [16, 16, 32, 32, 64, 64, 128]
     assert pick_config(128, 8, 128) is FEW_ROWS and pick_config(256, 8, 128) is DECODE
     assert pick_config(512, 6, 64) is SMALL and pick_config(16384, 8, 128) is LARGE
+    # decode tiles read 128-wide K tiles (twenty-seventh session); prefill and training keep 64
+    assert {(c.block_k, c.down_block_k) for c in (FEW_ROWS, DECODE)} == {(128, 128)}
+    assert {(c.block_k, c.down_block_k) for c in (SMALL, LARGE)} == {(64, 64)}
+
+
+def test_k_tile_falls_back_to_64_where_128_does_not_divide_k():
+    """A 128-wide tile runs only where it divides K (Moonlight's 1,408, Qwen3-30B-A3B's 768 and
+    both hidden sizes of 2,048): over a ragged K it would add masked zero products that the
+    64-wide tiles do not, and +0.0 turns a sum of -0.0 into +0.0."""
+    assert [k_tile(128, k) for k in (2048, 1408, 768, 128)] == [128] * 4
+    assert [k_tile(128, k) for k in (96, 192, 1344, 64)] == [64] * 4
+    assert [k_tile(64, k) for k in (96, 2048)] == [64, 64]
 
 
 def test_fused_moe_backward_matches_autograd():

@@ -242,14 +242,16 @@ def test_fused_moe_forward(dtype, tokens):
           2e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
-def test_gate_up_act_and_down_rows_are_the_same_for_every_tile_config():
+@pytest.mark.parametrize("hidden, inter", [(64, 96), (128, 256)])
+def test_gate_up_act_and_down_rows_are_the_same_for_every_tile_config(hidden, inter):
     """`gate_up_act` gives silu(gate) * up per expert row, and each pair's gate/up and down rows are
     bitwise the same under the 16- and 32-row decode tiles and the small and large ones (`pick_config`'s
-    choices)."""
+    choices): with the decode tiles' 128-wide K tiles where 128 divides K (the second shape), and
+    with the 64-wide fallback where it does not (the first)."""
     from vexact_models.kernels.moe import DECODE, FEW_ROWS, LARGE, SMALL, gate_up_act, grouped_gemm, moe_align
     from vexact_models.kernels.moe_routing import softmax_topk
 
-    experts, hidden, inter, tokens, top_k = 8, 64, 96, 40, 2
+    experts, tokens, top_k = 8, 40, 2
     x = rand(tokens, hidden).bfloat16()
     gate_up = (rand(experts, 2 * inter, hidden) / 8).bfloat16()
     down = (rand(experts, hidden, inter) / 10).bfloat16()
