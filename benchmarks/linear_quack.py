@@ -172,6 +172,43 @@ def speed(configs, shapes, ms: list[int], hbm: float, per_config: bool = False, 
            "auto % HBM"], rows)
 
 
+def sustained(configs, shapes, ms: list[int], hbm: float, seconds: float) -> None:
+    """Each config's time per GEMM when the GEMM runs back to back for `seconds` (CUDA graphs
+    over rotating weight copies, `weight_gemms.time_weight_gemms`), with the SM clock and power
+    sampled meanwhile. `speed` times bursts, at the card's full clock; a decode step at Qwen3-8B
+    shape holds the card at its power limit (twenty-sixth session), where a config that draws
+    less power per byte keeps a higher clock. ``auto`` is `linear_quack.pick_config`'s config;
+    a config outside `table_configs` is marked unproven (``kernel_invariance --only quack`` has
+    not checked its bits)."""
+    from vexact_models.kernels.linear_quack import pick_config, table_configs
+    from weight_gemms import time_weight_gemms
+
+    proven, rows = table_configs(), []
+    for name, k, n in shapes:
+        weights = rotating_copies((torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16())
+        for m in ms:
+            dtype = out_dtype(name, weights[0])
+            auto = pick_config(m, n, k)
+            candidates = ([("auto " + config_label(auto), auto)] if auto is not None else []) + \
+                [(label, cfg) for label, cfg in configs if cfg != auto]
+            for label, cfg in candidates:
+                try:
+                    peer = time_weight_gemms(weights, m, seconds,
+                                             gemm=lambda x, w, cfg=cfg: quack_linear(x, w, cfg, dtype))
+                except Exception as exc:  # noqa: BLE001 - a config quack refuses for this shape
+                    rows.append([name, m, label, type(exc).__name__, "", "", "", ""])
+                    continue
+                per_gemm = peer.seconds / len(weights)
+                clocks = peer.clock_summary
+                rows.append([name, m, label, f"{per_gemm * 1e6:.1f}", f"{100 * peer.bandwidth_gbs / hbm:.0f}%",
+                             f"{clocks.sm_median:.0f}" if clocks else "-", f"{clocks.power_median:.0f}" if clocks else "-",
+                             "yes" if cfg in proven else "unproven"])
+        del weights
+    table(f"quack configs run back to back for {seconds:g} s (us per GEMM, weights from HBM, % of the copy "
+          "bandwidth, median SM clock MHz and power W)",
+          ["weight", "M", "config", "us", "% copy", "MHz", "W", "bits proven"], rows)
+
+
 def eager_call_time(shapes, m: int = 1, calls: int = 300) -> None:
     """Wall time per eager `linear` call (no CUDA graph: the host launch shows) at `m` rows under
     each ``VEXACT_LINEAR`` mode: why ``auto`` runs quack only while a CUDA graph captures (forced
@@ -220,8 +257,14 @@ def main(argv=None) -> int:
     parser.add_argument("--warm-l2", action="store_true",
                         help="time one weight copy read again and again (L2-resident where it fits: what a "
                              "prefetch into L2 could gain) instead of rotating copies from HBM")
+    parser.add_argument("--sustained", type=float, metavar="SECONDS", default=0.0,
+                        help="instead of the alignment and speed tables: each config (and auto's) run back to "
+                             "back for SECONDS per weight and row count, with the SM clock and power "
+                             "(a power-limited card's speed)")
     args = parser.parse_args(argv)
     ms = args.ms
+    if args.sustained < 0:
+        parser.error(f"--sustained: SECONDS must be >= 0, got {args.sustained}")
     try:
         parsed = [parse_config(spec) for spec in args.configs.split(",")]
     except ValueError as exc:
@@ -238,6 +281,9 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     hbm = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; measured copy bandwidth {hbm:.0f} GB/s")
+    if args.sustained:
+        sustained(configs, shapes, ms, hbm, args.sustained)
+        return 0
     aligned = alignment(configs, [s for s in shapes if "lm_head" not in s[0]])
     if not args.skip_speed:
         timed = configs if args.all_configs else [c for c in configs if c[0] in aligned]

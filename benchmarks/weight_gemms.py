@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from bench_utils import capture_graph
-from gpu_clocks import GpuClocks, nvidia_smi_id
+from gpu_clocks import ClockSummary, GpuClocks, nvidia_smi_id
 from vexact_models.layers import _fused_weight
 
 
@@ -59,11 +59,13 @@ def step_gemm_weights(model: nn.Module) -> list[torch.Tensor]:
 @dataclass
 class GemmPeer:
     """`time_weight_gemms`'s result: seconds for one pass over the weights (median of the
-    replays), the bytes they hold and the clocks sampled meanwhile (a `GpuClocks` line)."""
+    replays), the bytes they hold and the clocks sampled meanwhile (a `GpuClocks` line, and its
+    numbers where there were samples)."""
 
     seconds: float
     weight_bytes: int
     clocks: str
+    clock_summary: ClockSummary | None = None
 
     @property
     def bandwidth_gbs(self) -> float:
@@ -103,7 +105,7 @@ def time_weight_gemms(weights: list[torch.Tensor], batch: int, seconds: float = 
     _median_seconds(replay, 1.0)  # clocks and power settle
     with GpuClocks(nvidia_smi_id(torch.cuda.get_device_properties(first.device))) as clocks:
         median = _median_seconds(replay, seconds)
-    return GemmPeer(median, weight_bytes(weights), clocks.summary_line())
+    return GemmPeer(median, weight_bytes(weights), clocks.summary_line(), clocks.summary)
 
 
 def weight_bytes(weights: list[torch.Tensor]) -> int:

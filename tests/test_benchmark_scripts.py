@@ -174,6 +174,9 @@ def test_linear_quack_config_specs_round_trip_and_bad_ones_are_refused(monkeypat
     run = subprocess.run([sys.executable, "linear_quack.py", "--configs", "64x64p,12xp"], cwd=BENCHMARKS,
                          capture_output=True, text=True, timeout=120, env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"})
     assert run.returncode == 2 and "--configs" in run.stderr and "'12xp'" in run.stderr
+    run = subprocess.run([sys.executable, "linear_quack.py", "--sustained", "-1"], cwd=BENCHMARKS,
+                         capture_output=True, text=True, timeout=120, env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"})
+    assert run.returncode == 2 and "--sustained: SECONDS must be >= 0, got -1.0" in run.stderr
 
 
 def test_linear_quack_times_lm_heads_with_fp32_logits(monkeypatch):

@@ -162,6 +162,7 @@ def test_weight_gemms_are_the_steps_gemms_and_time_on_cpu(monkeypatch):
     peer = weight_gemms.time_weight_gemms(fused, batch=3, seconds=0.01)
     assert peer.seconds > 0 and peer.weight_bytes == sum(w.numel() * w.element_size() for w in fused)
     assert peer.bandwidth_gbs == peer.weight_bytes / peer.seconds / 1e9 and "no clock samples" in peer.clocks
+    assert peer.clock_summary is None  # the numbers behind the line: none without samples
     assert calls[:len(fused)] == [((3, w.shape[1]), (w.shape[1], w.shape[0])) for w in fused]
     calls_before = len(calls)
     from vexact_models.kernels import linear
