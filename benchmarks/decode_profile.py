@@ -25,10 +25,14 @@ clocks a lone copy runs at, and small models' GEMMs are too small to fill the ca
 
 `--without OP,...` profiles the step with those small ops replaced by kernel-free stand-ins that
 return real values (`stand_ins.py`): an upper bound of what fusing them away could gain.
+`--prompt-steps` profiles the steps with prompt tokens instead (the prefill chunks of the
+`--batch` prompts, beside the decode rows that share their steps), with their new tokens per step
+and tokens/s; they are bound by arithmetic, so no roofline or GEMM peer is printed.
 
 Usage:
     python benchmarks/decode_profile.py [--config qwen3-0.6b] [--batch 128] [--context 512]
     python benchmarks/decode_profile.py --config qwen3-8b --without silu_and_mul,rotary_cache_write
+    python benchmarks/decode_profile.py --config moonlight-16b-a3b --batch 32 --context 1024 --steps 4 --prompt-steps
     python benchmarks/decode_profile.py --config deepseek-v3 --set n_routed_experts=8 --batch 16 \
         --mla-kv-cache latent
 """
@@ -51,21 +55,32 @@ from vexact_models.kernels import linear
 
 
 LAUNCHES = "(kernel launches)"  # the pseudo-kernel under which profile_decode counts launches
-DECODE_STEP = "vexact decode step"  # the profiler range around each full-batch decode step
+DECODE_STEP = "vexact decode step"  # the profiler range around each profiled step
 
 
-def _mark_decode_steps(llm, batch: int) -> None:
-    """Run every full-batch decode step of `llm` (`batch` sequences, one new token each) under
-    a profiler range named `DECODE_STEP`, so that kernels can be attributed to those steps alone:
-    the prefill, steps that mix decode with prefill chunks and the batch's ragged end are left out
-    (the earlier version subtracted two runs, which let mixed steps' tiles into the figures).
-    Turns async scheduling off: a step's tokens are waited for inside its range."""
+def is_profiled_step(scheduled, batch: int, prompt_steps: bool = False) -> bool:
+    """Whether a step of `scheduled` items is one the profile attributes kernels to: a decode
+    step of all `batch` sequences, one new token each; with `prompt_steps`, instead a step with
+    prompt tokens (a prefill chunk, beside whatever decode rows share the step)."""
+    if prompt_steps:
+        return any(item.num_new_tokens > 1 for item in scheduled)
+    return len(scheduled) == batch and all(item.num_new_tokens == 1 for item in scheduled)
+
+
+def _mark_steps(llm, batch: int, prompt_steps: bool = False) -> list[int]:
+    """Run every step of `llm` that `is_profiled_step` picks under a profiler range named
+    `DECODE_STEP`, so that kernels can be attributed to those steps alone (for decode: the
+    prefill, steps that mix decode with prefill chunks and the batch's ragged end are left out).
+    Turns async scheduling off: a step's tokens are waited for inside its range. Returns the list
+    that the marked steps' new-token counts are appended to as they run."""
     from torch.profiler import record_function
 
     launch = llm._launch
+    tokens: list[int] = []
 
     def marked(scheduled):
-        if len(scheduled) == batch and all(item.num_new_tokens == 1 for item in scheduled):
+        if is_profiled_step(scheduled, batch, prompt_steps):
+            tokens.append(sum(item.num_new_tokens for item in scheduled))
             with record_function(DECODE_STEP):
                 launched = launch(scheduled)
                 launched.results()  # the host sync: the step's kernels run inside the range
@@ -74,17 +89,21 @@ def _mark_decode_steps(llm, batch: int) -> None:
 
     llm.async_scheduling = False
     llm._launch = marked
+    return tokens
 
 
-def _median_decode_step(llm, prompts, params, batch: int, async_scheduling: bool) -> float:
-    """Median wall seconds between the completions of full-batch decode steps (unprofiled)."""
+def _median_step(llm, prompts, params, batch: int, async_scheduling: bool, prompt_steps: bool = False) -> float:
+    """Median wall seconds between the completions of the steps `is_profiled_step` picks
+    (unprofiled)."""
     llm.async_scheduling = async_scheduling
     llm.step_times = []
     llm.generate(prompts, params, use_tqdm=False)
-    decode = sorted(t for n, is_decode, t in llm.step_times if is_decode and n == batch)
-    if not decode:
-        raise SystemExit(f"decode_profile: no decode step ran all {batch} sequences; raise --steps")
-    return decode[len(decode) // 2]
+    picked = sorted(t for n, is_decode, t in llm.step_times
+                    if (not is_decode if prompt_steps else is_decode and n == batch))
+    if not picked:
+        raise SystemExit("decode_profile: no step with prompt tokens ran" if prompt_steps else
+                         f"decode_profile: no decode step ran all {batch} sequences; raise --steps")
+    return picked[len(picked) // 2]
 
 
 def _kernels_in_ranges(events, ranges: list[tuple[float, float]]) -> tuple[dict[str, float], dict[str, int], float]:
@@ -114,6 +133,32 @@ def _kernels_in_ranges(events, ranges: list[tuple[float, float]]) -> tuple[dict[
     return kernels, counts, (widths[len(widths) // 2] * 1e-6 if widths else 0.0)
 
 
+def _idle_before(events, ranges: list[tuple[float, float]]) -> dict[str, float]:
+    """GPU idle time inside `ranges` (as `_kernels_in_ranges` attributes kernels), summed by the
+    name of the kernel that ends each idle stretch: a gap between the end of everything that
+    started earlier in the range and the next kernel's start is time the GPU waited, for the
+    host's launch of that kernel or for a sync before it. Seconds over all ranges."""
+    import bisect
+
+    starts = [r[0] for r in ranges]
+    per_range: dict[int, list[tuple[float, float, str]]] = defaultdict(list)
+    for event in events:
+        if event.device_type != torch.autograd.DeviceType.CUDA or event.name == DECODE_STEP:
+            continue
+        at = bisect.bisect_right(starts, event.time_range.start) - 1
+        if at >= 0 and event.time_range.start <= ranges[at][1]:
+            per_range[at].append((event.time_range.start, event.time_range.end, event.name[:60]))
+    idle: dict[str, float] = defaultdict(float)
+    for kernels in per_range.values():
+        kernels.sort()
+        busy_until = kernels[0][1]
+        for start, end, name in kernels[1:]:
+            if start > busy_until:
+                idle[name] += (start - busy_until) * 1e-6
+            busy_until = max(busy_until, end)
+    return dict(idle)
+
+
 @dataclass
 class DecodeProfile:
     """`profile_decode`'s results."""
@@ -121,17 +166,20 @@ class DecodeProfile:
     walls: tuple[float, float]  # median wall seconds of a full-batch decode step: async, one at a time
     kernels: dict[str, float]  # kernel name -> GPU seconds per such step (`LAUNCHES`: launches per step)
     counts: dict[str, float]  # kernel name -> launches per such step
-    profiled: int  # full-batch decode steps profiled
+    profiled: int  # steps profiled
     span: float  # median GPU span of a profiled step, seconds (`_kernels_in_ranges`)
     clocks: str  # the SM clock and power during the timed runs (`gpu_clocks.GpuClocks`)
+    tokens: float = 0.0  # mean new tokens a profiled step computes
+    idle: dict[str, float] | None = None  # kernel name -> GPU idle seconds per step before it (`_idle_before`)
 
 
 def profile_decode(model, vocab: int, batch: int, context: int, steps: int,
-                   block_size: int | None = None) -> DecodeProfile:
-    """Time and profile full-batch decode steps of `model` (`DecodeProfile`).
+                   block_size: int | None = None, prompt_steps: bool = False) -> DecodeProfile:
+    """Time and profile full-batch decode steps of `model` (`DecodeProfile`); with
+    `prompt_steps`, the steps with prompt tokens instead.
 
     Unprofiled `generate` calls time the steps (the profiler slows the host); a last one,
-    profiled, attributes kernels to its full-batch decode steps (`_mark_decode_steps`). `block_size`:
+    profiled, attributes kernels to the steps `is_profiled_step` picks (`_mark_steps`). `block_size`:
     the engine's page size (None: `LLM`'s default)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -144,8 +192,8 @@ def profile_decode(model, vocab: int, batch: int, context: int, steps: int,
     params = SamplingParams(temperature=0.6, max_tokens=steps, ignore_eos=True, seed=0)
     llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     with GpuClocks(nvidia_smi_id(torch.cuda.get_device_properties(torch.cuda.current_device()))) as clocks:
-        walls = tuple(_median_decode_step(llm, prompts, params, batch, on) for on in (True, False))
-    _mark_decode_steps(llm, batch)
+        walls = tuple(_median_step(llm, prompts, params, batch, on, prompt_steps) for on in (True, False))
+    tokens = _mark_steps(llm, batch, prompt_steps)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         llm.generate(prompts, params, use_tqdm=False)
     events = prof.events()
@@ -154,7 +202,8 @@ def profile_decode(model, vocab: int, batch: int, context: int, steps: int,
     kernels, counts, span = _kernels_in_ranges(events, ranges)
     n = len(ranges)
     return DecodeProfile(walls, {k: v / n for k, v in kernels.items() if v > 0}, {k: c / n for k, c in counts.items()},
-                         n, span, clocks.summary_line())
+                         n, span, clocks.summary_line(), sum(tokens) / max(len(tokens), 1),
+                         {k: v / n for k, v in _idle_before(events, ranges).items()})
 
 
 def _report(args, model, result: DecodeProfile) -> None:
@@ -164,16 +213,25 @@ def _report(args, model, result: DecodeProfile) -> None:
     launches = kernels.pop(LAUNCHES, 0.0)
     busy = sum(kernels.values())
     pages = f", pages of {args.block_size}" if args.block_size else ""
-    print(f"{args.config}, batch {args.batch}, context {args.context}{pages}: median decode step {step * 1e3:.2f} ms wall "
+    kind, steps = (("step with prompt tokens", f"steps with prompt tokens, {result.tokens:.0f} new tokens each: "
+                    f"{result.tokens / step:.0f} tokens/s") if args.prompt_steps
+                   else ("decode step", "full-batch decode steps"))
+    print(f"{args.config}, batch {args.batch}, context {args.context}{pages}: median {kind} {step * 1e3:.2f} ms wall "
           f"with async scheduling ({one_at_a_time * 1e3:.2f} ms one step at a time: {one_at_a_time / step:.2f}x), "
           f"{busy * 1e3:.2f} ms of GPU kernels ({100 * busy / step:.0f}% busy) in {launches:.0f} kernels (mean of "
-          f"{profiled} full-batch decode steps); the rest is host time and launch gaps")
+          f"{profiled} {steps}); the rest is host time and launch gaps")
     print(f"GPU span of a profiled step (first kernel start to last kernel end, median): {span * 1e3:.2f} ms; "
           f"the async step's wall time is {step / span:.2f}x that")
     print(result.clocks)
     print(f"{'kernel':<62}{'ms/step':>9}{'share':>8}{'launches':>10}")
     for name, seconds in sorted(kernels.items(), key=lambda kv: -kv[1])[:args.top]:
         print(f"{name:<62}{seconds * 1e3:>9.3f}{100 * seconds / busy:>7.1f}%{counts.get(name, 0):>10.1f}")
+    idle = result.idle or {}
+    worst = sorted(idle.items(), key=lambda kv: -kv[1])[:4]
+    print(f"GPU idle inside a profiled step: {sum(idle.values()) * 1e3:.2f} ms; the longest before: "
+          + (", ".join(f"{name.strip()} ({seconds * 1e3:.2f} ms)" for name, seconds in worst) or "none"))
+    if args.prompt_steps:  # bound by their arithmetic: the decode step's byte roofline does not apply
+        return
     hbm = copy_bandwidth()
     step_bytes = decode_bytes(model, args.batch, args.context + args.steps // 2)
     roof = step_bytes / (hbm * 1e9)
@@ -222,6 +280,9 @@ def main(argv=None) -> int:
     parser.add_argument("--without", default="", metavar="OP,...",
                         help="replace these ops by kernel-free stand-ins with real values (wrong numbers, an upper "
                              f"bound of a fusion's gain): a comma-separated subset of {', '.join(stand_ins.OPS)}")
+    parser.add_argument("--prompt-steps", action="store_true",
+                        help="profile the steps with prompt tokens (prefill chunks of the --batch prompts of "
+                             "--context tokens) instead of the full-batch decode steps; no roofline or GEMM peers")
     args = parser.parse_args(argv)
     try:
         without = stand_ins.parse_ops(args.without)
@@ -240,7 +301,8 @@ def main(argv=None) -> int:
             parser.error(f"--mla-kv-cache: {args.config} is not an MLA model")
         model.set_mla_kv_cache(args.mla_kv_cache)
     with stand_ins.without(without) as calls:
-        result = profile_decode(model, config.vocab_size, args.batch, args.context, args.steps, args.block_size)
+        result = profile_decode(model, config.vocab_size, args.batch, args.context, args.steps, args.block_size,
+                                args.prompt_steps)
     if without:
         called = ", ".join(f"{name} ({calls[name]} host calls{'' if calls[name] else ': this model never runs it'})"
                            for name in without)

@@ -36,6 +36,13 @@ def test_decode_profile_attributes_kernels_to_steps_and_spans_them(monkeypatch):
     assert kernels["gemm"] == (30 + 20 + 5) * 1e-6 and kernels["attn"] == (95 + 25 + 280) * 1e-6
     assert span == 130 * 1e-6  # spans 130, 50 and 295 us
     assert decode_profile._kernels_in_ranges([], ranges)[2] == 0.0
+    # idle stretches inside the steps, by the kernel after them: 40 -> 45 before attn, 230 -> 235
+    # before attn, 410 -> 420 before attn; an overlapping kernel (norm inside attn) is no gap,
+    # and the prefill between the ranges counts for none
+    overlapping = events + [event("norm", 430, 440), event("sampler", 710, 712)]
+    idle = decode_profile._idle_before(overlapping, ranges)
+    assert idle == {"attn": pytest.approx((5 + 5 + 10) * 1e-6)}
+    assert decode_profile._idle_before([], ranges) == {}
 
 
 def test_decode_profile_stand_ins_launch_nothing_after_the_first_call_and_are_undone(monkeypatch):
@@ -199,3 +206,37 @@ def test_decode_profile_reports_both_gemm_peers_and_refuses_moe(monkeypatch, cap
     assert lines[2].startswith("Roofline with the GEMMs at those times") and min(cublas_ms, ours_ms) > 1000
     decode_profile._report_gemm_peer(Qwen3MoeForCausalLM(tiny_moe_config()), 2, 1.0, 1, 1.0, seconds=0.01)
     assert capsys.readouterr().out.startswith("GEMM peers: none (step_gemm_weights: Qwen3MoeForCausalLM has routed")
+
+
+def test_profiled_steps_are_the_full_batch_decode_steps_or_the_prompt_steps(monkeypatch):
+    """`decode_profile._mark_steps` on a real engine (tiny Qwen3, CPU): by default it marks exactly
+    the decode steps of the whole batch; with `prompt_steps`, exactly the steps with prompt
+    tokens, whose new tokens add up to the prompts' (and the decode rows sharing them);
+    `_median_step` times the same kinds of steps."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import decode_profile
+
+    from vexact_models import qwen3
+    from vexact_models.runtime import LLM, SamplingParams
+
+    torch.manual_seed(0)
+    model = qwen3.Qwen3ForCausalLM(qwen3.tiny_config()).eval()
+    prompts = [[5 + i + j for j in range(20)] for i in range(3)]  # 60 prompt tokens, chunks of <= 24
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    for prompt_steps in (False, True):
+        llm = LLM(model, device="cpu", block_size=4, max_num_seqs=3, max_num_batched_tokens=24,
+                  kv_cache_bytes=1 << 22)
+        seen = []
+        launch = llm._launch
+        llm._launch = lambda scheduled: seen.append([item.num_new_tokens for item in scheduled]) or launch(scheduled)
+        tokens = decode_profile._mark_steps(llm, 3, prompt_steps)
+        llm.generate(prompts, params, use_tqdm=False)
+        want = [sum(s) for s in seen if (max(s) > 1 if prompt_steps else s == [1, 1, 1])]
+        assert tokens == want and want
+        if prompt_steps:
+            assert sum(tokens) >= 60 and all(n <= 24 for n in tokens)
+        assert not llm.async_scheduling
+        assert decode_profile._median_step(llm, prompts, params, 3, False, prompt_steps) > 0
+    assert decode_profile.is_profiled_step([], 3) is False and decode_profile.is_profiled_step([], 3, True) is False
