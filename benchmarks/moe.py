@@ -32,31 +32,44 @@ def loop_moe(x, gate_up, down, weights, ids):
     return out
 
 
+#: (block_m, block_n, warps, stages, block_k, TMA descriptors) candidates of `sweep`
+SWEEP = ((128, 128, 8, 3, 64, False), (128, 128, 8, 4, 64, False), (128, 64, 4, 4, 64, False),
+         (128, 256, 8, 3, 64, False), (64, 128, 4, 4, 64, False), (128, 128, 8, 2, 128, False),
+         (128, 128, 8, 3, 64, True), (128, 128, 8, 4, 64, True), (128, 64, 4, 4, 64, True), (128, 256, 8, 3, 64, True),
+         (64, 128, 4, 4, 64, True), (128, 128, 4, 4, 64, True), (128, 256, 8, 4, 64, True))
+
+
 def sweep() -> None:
-    """Each grouped kernel alone at 16384 tokens under candidate tile configs."""
-    from vexact_models.kernels.moe import MoeConfig, gate_up_act, grouped_gemm, moe_align
+    """Each grouped kernel alone at 16384 tokens under candidate tile configs, and whether its rows
+    equal `LARGE`'s (what the model runs there) bit for bit."""
+    from vexact_models.kernels.moe import LARGE, MoeConfig, gate_up_act, grouped_gemm, moe_align
 
     hidden, experts, inter, top_k, tokens = 2048, 128, 768, 8, 16384
     gate_up = (torch.randn(experts, 2 * inter, hidden, device="cuda") / hidden ** 0.5).bfloat16()
     down = (torch.randn(experts, hidden, inter, device="cuda") / inter ** 0.5).bfloat16()
     x = torch.randn(tokens, hidden, device="cuda").bfloat16()
     ids = torch.softmax(torch.randn(tokens, experts, device="cuda"), -1).topk(top_k, -1).indices
-    for bm, bn, warps, stages, bk in ((128, 128, 8, 3, 64), (128, 128, 8, 4, 64), (128, 64, 4, 4, 64),
-                                      (128, 256, 8, 3, 64), (64, 128, 4, 4, 64), (128, 128, 4, 3, 64),
-                                      (128, 128, 8, 2, 128), (128, 128, 8, 3, 128), (128, 64, 4, 3, 128),
-                                      (64, 128, 4, 3, 128), (128, 256, 8, 2, 128)):
-        cfg = MoeConfig(bm, bn, warps, stages, bn, warps, stages, bk, bk)
+    ref_layout = moe_align(ids, experts, LARGE.block_m)
+    ref_pos = ref_layout.pair_pos.long()
+    ref_act = gate_up_act(x, gate_up, ref_layout, top_k, LARGE)[0]
+    ref_y = grouped_gemm(ref_act, down, ref_layout, hidden, inter, down.stride(1), down.stride(2), torch.bfloat16,
+                         LARGE, down_tiles=True)[ref_pos]
+    for bm, bn, warps, stages, bk, tma in SWEEP:
+        cfg = MoeConfig(bm, bn, warps, stages, bn, warps, stages, bk, bk, tma)
         layout = moe_align(ids, experts, bm)
-        line = f"BM={bm} BN={bn} BK={bk} warps={warps} stages={stages}:"
-        # down's input: any gate/up config's rows (they are the same); this one's may not fit
-        act = gate_up_act(x, gate_up, layout, top_k, MoeConfig(bm, 64, 4, 2, 64, 4, 2))[0]
-        for name, fn, flops in (
-                ("gate_up", lambda: gate_up_act(x, gate_up, layout, top_k, cfg), 2 * tokens * top_k * hidden * 2 * inter),
+        pos = layout.pair_pos.long()
+        act = torch.zeros(layout.sorted_pairs.shape[0], inter, device="cuda", dtype=torch.bfloat16)
+        act[pos] = ref_act[ref_pos]  # down's input: the reference rows, placed as this layout places them
+        line = f"BM={bm} BN={bn} BK={bk} warps={warps} stages={stages}{' TMA' if tma else ''}:"
+        for name, fn, want, flops in (
+                ("gate_up", lambda: gate_up_act(x, gate_up, layout, top_k, cfg)[0], ref_act[ref_pos],
+                 2 * tokens * top_k * hidden * 2 * inter),
                 ("down", lambda: grouped_gemm(act, down, layout, hidden, inter, down.stride(1), down.stride(2),
-                                              torch.bfloat16, cfg), 2 * tokens * top_k * hidden * inter)):
+                                              torch.bfloat16, cfg), ref_y, 2 * tokens * top_k * hidden * inter)):
             try:
+                same = torch.equal(fn()[pos], want)
                 t = bench(fn)
-                line += f"  {name} {t * 1e3:.0f} us {flops / t / 1e9:.0f} TFLOP/s"
+                line += f"  {name} {t * 1e3:.0f} us {flops / t / 1e9:.0f} TFLOP/s {'same bits' if same else 'BITS DIFFER'}"
             except Exception as exc:  # out of shared memory / registers
                 line += f"  {name} {type(exc).__name__}"
         print(line, flush=True)
@@ -64,16 +77,18 @@ def sweep() -> None:
 
 #: (name, hidden, experts, expert intermediate, top-k) of the decode sweep's MoE layers
 DECODE_SHAPES = (("moonlight", 2048, 64, 1408, 6), ("30b-a3b", 2048, 128, 768, 8))
-#: (block_m, block_n, warps, stages, block_k) candidates of each kernel in the decode sweep
+#: (block_m, block_n, warps, stages, block_k[, TMA descriptors]) candidates of each kernel in the decode sweep
 DECODE_GATE_UP = ((64, 64, 4, 3, 64), (64, 64, 4, 4, 64), (64, 128, 4, 4, 64), (64, 128, 8, 4, 64),
                   (32, 64, 4, 4, 64), (16, 64, 4, 4, 64), (16, 128, 4, 4, 64),
                   (64, 64, 4, 3, 128), (64, 64, 4, 2, 128), (32, 64, 4, 3, 128), (16, 64, 4, 3, 128),
-                  (16, 64, 4, 4, 128), (16, 128, 4, 3, 128), (64, 64, 8, 3, 128))
+                  (16, 64, 4, 4, 128), (16, 128, 4, 3, 128), (64, 64, 8, 3, 128),
+                  (16, 64, 4, 3, 128, True), (32, 64, 4, 3, 128, True), (64, 64, 4, 3, 64, True))
 DECODE_DOWN = ((64, 64, 4, 3, 64), (64, 128, 4, 3, 64), (64, 128, 8, 3, 64), (32, 64, 4, 4, 64), (16, 64, 4, 4, 64),
                (16, 128, 4, 4, 64),
                (64, 64, 4, 3, 128), (64, 64, 4, 2, 128), (64, 64, 4, 4, 128), (64, 128, 4, 3, 128), (64, 128, 8, 3, 128),
                (32, 64, 4, 3, 128), (32, 64, 4, 4, 128), (32, 128, 4, 3, 128), (16, 64, 4, 3, 128),
-               (16, 64, 4, 4, 128), (16, 128, 4, 3, 128), (64, 64, 8, 3, 128))
+               (16, 64, 4, 4, 128), (16, 128, 4, 3, 128), (64, 64, 8, 3, 128),
+               (16, 128, 4, 3, 128, True), (32, 64, 4, 4, 128, True), (64, 64, 4, 3, 64, True))
 
 
 def decode_sweep(token_counts: list[int]) -> None:
@@ -104,10 +119,11 @@ def _decode_sweep_layer(name: str, hidden: int, experts: int, inter: int, top_k:
         rows = []
         for kernel, candidates, nbytes in (("gate_up", DECODE_GATE_UP, 2 * inter * hidden * 2),
                                           ("down", DECODE_DOWN, hidden * inter * 2)):
-            for bm, bn, warps, stages, bk in candidates:
+            for bm, bn, warps, stages, bk, *tma in candidates:
                 if inter % bk or hidden % bk:  # a masked K tail could turn a -0.0 sum into +0.0
                     continue
-                cfg = MoeConfig(bm, bn, warps, stages, bn, warps, stages, bk, bk)
+                cfg = MoeConfig(bm, bn, warps, stages, bn, warps, stages, bk, bk, bool(tma))
+                tiles = f"{bm}x{bn}x{bk}{' TMA' if tma else ''} w{warps} s{stages}"
                 layout = moe_align(ids, experts, bm)
                 pos = layout.pair_pos.long()
                 if kernel == "gate_up":
@@ -123,9 +139,9 @@ def _decode_sweep_layer(name: str, hidden: int, experts: int, inter: int, top_k:
                     same = torch.equal(rows_of(), want[ref_pos])
                     ms = bench_graph([fn])
                 except Exception as exc:  # out of shared memory / registers
-                    rows.append([kernel, f"{bm}x{bn}x{bk} w{warps} s{stages}", type(exc).__name__, "", ""])
+                    rows.append([kernel, tiles, type(exc).__name__, "", ""])
                     continue
-                rows.append([kernel, f"{bm}x{bn}x{bk} w{warps} s{stages}", f"{ms * 1e3:.1f}",
+                rows.append([kernel, tiles, f"{ms * 1e3:.1f}",
                              f"{touched * nbytes / ms / 1e6:.0f}", "yes" if same else "NO"])
         table(f"{name} MoE at {tokens} tokens ({touched} of {experts} experts touched; now "
               f"{now.block_m}x{now.block_n} / down {now.block_m}x{now.down_block_n})",

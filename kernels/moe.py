@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._triton import next_power_of_2, require_triton, tl, triton
+from ._triton import has_tma, next_power_of_2, require_triton, tl, tma_rows_aligned, triton
 from .backend import select
 from .dependent_launch import dependent_launch_kwargs, wait_for_inputs
 from .linear import linear_reference
@@ -54,6 +54,7 @@ class MoeConfig:
     down_num_stages: int
     block_k: int = BLOCK_K
     down_block_k: int = BLOCK_K
+    tma: bool = False  # expert weights (and down's rows) through TMA tensor descriptors (Hopper)
 
 
 def k_tile(block_k: int, k: int) -> int:
@@ -64,9 +65,11 @@ def k_tile(block_k: int, k: int) -> int:
 
 
 # From `benchmarks/moe.py --sweep` on an H100 at 16384 tokens (docs/gpu-results.md): down has a
-# short K (the expert intermediate size), so it wants a wide N tile.
+# short K (the expert intermediate size), so it wants a wide N tile. On the H200 (twenty-seventh
+# session) TMA descriptors for the weights (and down's rows) took LARGE's gate/up 1883 -> 1811 us
+# and down 987 -> 899 us (with 4 stages), the same bits; at decode sizes they gained <= 1%.
 SMALL = MoeConfig(64, 64, 4, 3, 64, 4, 3)
-LARGE = MoeConfig(128, 128, 8, 4, 256, 8, 3)
+LARGE = MoeConfig(128, 128, 8, 4, 256, 8, 4, tma=True)
 # Decode batches, where an expert gets a few rows (`benchmarks/moe.py --decode` on the H200,
 # twenty-third session): 32-row blocks let more down-projection programs share an SM, 1.06-1.13x
 # the 64-row tiles alone at 8-16 rows an expert; gate/up is as fast either way. In a decode step
@@ -96,10 +99,11 @@ def pick_config(tokens: int, top_k: int, experts: int) -> MoeConfig:
 
 
 @triton.jit
-def moe_gate_up_kernel(x_ptr, w_ptr, act_ptr, preact_ptr, sorted_pairs_ptr, block_expert_ptr,
+def moe_gate_up_kernel(x_ptr, w_ptr, w_desc, act_ptr, preact_ptr, sorted_pairs_ptr, block_expert_ptr,
                        num_pairs, H, I, stride_xt, stride_we, stride_wn, stride_wk, stride_act, stride_pre,
                        TOP_K: tl.constexpr, SAVE_PREACT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_DESC: tl.constexpr,
+                       PDL: tl.constexpr = False):
     """Gate and up GEMMs of the expert-sorted rows (`moe_align`) with SiLU-and-mul in the
     epilogue: ``act = silu(x @ Wg[e].T) * (x @ Wu[e].T)`` per block of rows of one expert
     (rule 4). Public for benchmarks/moe.py, which times it alone; models call `fused_moe`."""
@@ -121,11 +125,16 @@ def moe_gate_up_kernel(x_ptr, w_ptr, act_ptr, preact_ptr, sorted_pairs_ptr, bloc
     wu_ptrs = wg_ptrs + I * stride_wn
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    w_row = expert.to(tl.int32) * 2 * I + pid_n * BLOCK_N  # W_DESC: the gate tile's first row in [E * 2I, H]
     for k in range(0, tl.cdiv(H, BLOCK_K)):
         k_ok = offs_k < H - k * BLOCK_K
         a = tl.load(x_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-        bg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        bu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if W_DESC:  # the same tiles (zero past H; columns past I read the next rows, never stored)
+            bg = w_desc.load([w_row, k * BLOCK_K]).T
+            bu = w_desc.load([w_row + I, k * BLOCK_K]).T
+        else:
+            bg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            bu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc_g = tl.dot(a, bg, acc_g, input_precision=INPUT_PRECISION)
         acc_u = tl.dot(a, bu, acc_u, input_precision=INPUT_PRECISION)
         x_ptrs += BLOCK_K
@@ -144,10 +153,12 @@ def moe_gate_up_kernel(x_ptr, w_ptr, act_ptr, preact_ptr, sorted_pairs_ptr, bloc
 
 
 @triton.jit
-def _moe_grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, block_expert_ptr, N, K, stride_am, stride_we, stride_wn,
-                             stride_wk, stride_om, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
-    """out[rows] = a[rows] @ W[e]^T for each block of permuted rows (W[e] element (n, k) via strides)."""
+def _moe_grouped_gemm_kernel(a_ptr, w_ptr, a_desc, w_desc, out_ptr, block_expert_ptr, N, K, stride_am, stride_we,
+                             stride_wn, stride_wk, stride_om, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DESCS: tl.constexpr,
+                             PDL: tl.constexpr = False):
+    """out[rows] = a[rows] @ W[e]^T for each block of permuted rows (W[e] element (n, k) via strides;
+    with `DESCS`, the rows and ``W`` as ``[E * N, K]`` through TMA descriptors)."""
     wait_for_inputs(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -161,10 +172,15 @@ def _moe_grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, block_expert_ptr, N, K, stri
     a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    w_row = expert.to(tl.int32) * N + pid_n * BLOCK_N  # DESCS: the tile's first row in [E * N, K]
     for k in range(0, tl.cdiv(K, BLOCK_K)):
-        k_ok = offs_k < K - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-        b = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if DESCS:  # the same tiles (zero past K; columns past N read the next rows, never stored)
+            a = a_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
+            b = w_desc.load([w_row, k * BLOCK_K]).T
+        else:
+            k_ok = offs_k < K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
@@ -196,11 +212,36 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, layout: MoeLayout, n: int, k:
         (cfg.down_block_n, k_tile(cfg.down_block_k, k), cfg.down_num_warps, cfg.down_num_stages) if down_tiles
         else (cfg.block_n, k_tile(cfg.block_k, k), cfg.num_warps, cfg.num_stages))
     grid = (a.shape[0] // cfg.block_m, triton.cdiv(n, block_n))
-    _moe_grouped_gemm_kernel[grid](a, w, out, layout.block_expert, n, k, a.stride(0), w.stride(0), stride_n,
-                                   stride_k, out.stride(0), INPUT_PRECISION=_precision(a.dtype),
-                                   BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+    descs = cfg.tma and weights_by_tma(w, n, k, stride_n, stride_k) and tma_rows_aligned(a) and a.stride(1) == 1
+    a_desc = _descriptor(a, cfg.block_m, block_k) if descs else None
+    w_desc = _descriptor(w.view(-1, k), block_n, block_k) if descs else None
+    _moe_grouped_gemm_kernel[grid](a, w, a_desc, w_desc, out, layout.block_expert, n, k, a.stride(0), w.stride(0),
+                                   stride_n, stride_k, out.stride(0), INPUT_PRECISION=_precision(a.dtype),
+                                   BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=block_k, DESCS=descs,
                                    num_warps=warps, num_stages=stages, **dependent_launch_kwargs(a.device))
     return out
+
+
+def _descriptor(t: torch.Tensor, block_rows: int, block_cols: int):
+    """A TMA descriptor over the 2-D `t` loading `block_rows` x `block_cols` tiles."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(t, [block_rows, block_cols])
+
+
+def weights_by_tma(w: torch.Tensor, n: int, k: int, stride_n: int, stride_k: int) -> bool:
+    """Whether expert weights `w` ``[E, ...]`` whose element (n, k) of expert e lies at strides
+    (``w.stride(0)``, `stride_n`, `stride_k`) can be read through one TMA descriptor over
+    ``[E * n, k]``: a Hopper GPU and `tma_weight_layout`."""
+    return has_tma(w.device) and tma_weight_layout(w, n, k, stride_n, stride_k)
+
+
+def tma_weight_layout(w: torch.Tensor, n: int, k: int, stride_n: int, stride_k: int) -> bool:
+    """The layout half of `weights_by_tma`: a 16-bit dtype, rows of `k` contiguous elements one
+    after the other (``[E, n, k]`` contiguous; the backward's transposed reads are not) and
+    16-byte aligned."""
+    return (w.dtype in (torch.bfloat16, torch.float16) and stride_k == 1 and stride_n == k
+            and w.stride(0) == n * k and tma_rows_aligned(w) and (k * w.element_size()) % 16 == 0)
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -230,11 +271,14 @@ def gate_up_act(x: torch.Tensor, gate_up: torch.Tensor, layout: MoeLayout, top_k
     rows = layout.sorted_pairs.shape[0]
     act = torch.empty(rows, inter, device=x.device, dtype=x.dtype)
     preact = torch.empty(rows, 2 * inter, device=x.device, dtype=x.dtype) if save_preact else act
+    block_k = k_tile(cfg.block_k, hidden)
+    desc = cfg.tma and weights_by_tma(gate_up, 2 * inter, hidden, gate_up.stride(1), gate_up.stride(2))
+    w_desc = _descriptor(gate_up.view(-1, hidden), cfg.block_n, block_k) if desc else None
     moe_gate_up_kernel[(rows // cfg.block_m, triton.cdiv(inter, cfg.block_n))](
-        x, gate_up, act, preact, layout.sorted_pairs, layout.block_expert, layout.num_pairs, hidden, inter,
+        x, gate_up, w_desc, act, preact, layout.sorted_pairs, layout.block_expert, layout.num_pairs, hidden, inter,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), act.stride(0), preact.stride(0),
         TOP_K=top_k, SAVE_PREACT=save_preact, INPUT_PRECISION=_precision(x.dtype), BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=k_tile(cfg.block_k, hidden), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_N=cfg.block_n, BLOCK_K=block_k, W_DESC=desc, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **dependent_launch_kwargs(x.device))
     return act, preact
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from vexact_models.kernels.moe import (DECODE, FEW_ROWS, LARGE, SMALL, fused_moe, k_tile, moe_align, moe_math,
-                                       pick_config)
+                                       pick_config, tma_weight_layout, weights_by_tma)
 from vexact_models.kernels.moe_routing import softmax_topk
 
 from ..conftest import rel_err
@@ -108,6 +108,23 @@ def test_pick_config_takes_short_row_blocks_for_decode_batches():
     # decode tiles read 128-wide K tiles (twenty-seventh session); prefill and training keep 64
     assert {(c.block_k, c.down_block_k) for c in (FEW_ROWS, DECODE)} == {(128, 128)}
     assert {(c.block_k, c.down_block_k) for c in (SMALL, LARGE)} == {(64, 64)}
+    # TMA descriptors where they won (prefill and training batches, twenty-seventh session)
+    assert [c.tma for c in (FEW_ROWS, DECODE, SMALL, LARGE)] == [False, False, False, True]
+
+
+def test_expert_weights_take_tma_descriptors_only_in_their_contiguous_layout():
+    """`tma_weight_layout`: HF's fused ``[E, N, K]`` bf16 experts read as ``[E * N, K]`` rows (the
+    forward's gate/up and down); the backward's transposed reads, fp32, ragged rows (K * 2 bytes
+    not a multiple of 16) and strided slices do not. `weights_by_tma` adds the GPU: never on CPU."""
+    gate_up = torch.zeros(4, 48, 32, dtype=torch.bfloat16)
+    assert tma_weight_layout(gate_up, 48, 32, gate_up.stride(1), gate_up.stride(2))
+    assert not tma_weight_layout(gate_up, 32, 48, gate_up.stride(2), gate_up.stride(1))  # transposed (backward)
+    assert not tma_weight_layout(gate_up.float(), 48, 32, 32, 1)
+    ragged = torch.zeros(4, 48, 36, dtype=torch.bfloat16)
+    assert not tma_weight_layout(ragged, 48, 36, 36, 1)
+    half = gate_up[:, :24]  # every other expert's rows: a stride of 48 rows per expert
+    assert not tma_weight_layout(half, 24, 32, half.stride(1), half.stride(2))
+    assert not weights_by_tma(gate_up, 48, 32, 32, 1)  # CPU
 
 
 def test_k_tile_falls_back_to_64_where_128_does_not_divide_k():
