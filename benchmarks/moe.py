@@ -8,7 +8,8 @@ random weights, uniformly random routing, bf16; 1, 64, 512, 4096 and 16384 token
 Targets (issue 4): forward >= 5x the loop at 4096 tokens; >= 50% of the dense cuBLAS TFLOP/s at 16384.
 
 Usage: python benchmarks/moe.py [--sweep | --decode 64,128,256]
-  --sweep: time each MoE kernel's tile configs at 16384 tokens;
+  --sweep: time each MoE kernel's tile configs (tiles, K tile, TMA descriptors) at 16384 tokens,
+           with whether their rows equal the config the model runs there bit for bit;
   --decode: the same at decode batches of the Moonlight and Qwen3-30B-A3B layers, in CUDA graphs.
 """
 
