@@ -106,51 +106,49 @@ def _median_step(llm, prompts, params, batch: int, async_scheduling: bool, promp
     return picked[len(picked) // 2]
 
 
-def _kernels_in_ranges(events, ranges: list[tuple[float, float]]) -> tuple[dict[str, float], dict[str, int], float]:
-    """GPU seconds and launch counts per kernel name over the kernels that start inside one of
-    `ranges` (sorted host-clock intervals; the step's host sync at its end keeps its kernels
-    inside); the seconds also hold the total count under `LAUNCHES`. Last, the median span of a
-    range's GPU work, first start to last end (seconds): the step's device time without the
-    host's gaps between steps, since the host queues a step's few eager launches (the sampler)
-    long before its graph ends."""
+def _kernel_events_by_range(events, ranges: list[tuple[float, float]]) -> dict[int, list]:
+    """The GPU kernel events that start inside one of `ranges` (sorted host-clock intervals; the
+    step's host sync at its end keeps its kernels inside), by the index of their range."""
     import bisect
 
     starts = [r[0] for r in ranges]
-    kernels: dict[str, float] = defaultdict(float)
-    counts: dict[str, int] = defaultdict(int)
-    spans: dict[int, list[float]] = {}
+    by_range: dict[int, list] = defaultdict(list)
     for event in events:
         if event.device_type != torch.autograd.DeviceType.CUDA or event.name == DECODE_STEP:
             continue  # (the range itself has a GPU-side annotation too)
         at = bisect.bisect_right(starts, event.time_range.start) - 1
         if at >= 0 and event.time_range.start <= ranges[at][1]:
+            by_range[at].append(event)
+    return by_range
+
+
+def _kernels_in_ranges(events, ranges: list[tuple[float, float]]) -> tuple[dict[str, float], dict[str, int], float]:
+    """GPU seconds and launch counts per kernel name over the kernels that start inside one of
+    `ranges` (`_kernel_events_by_range`); the seconds also hold the total count under `LAUNCHES`.
+    Last, the median span of a range's GPU work, first start to last end (seconds): the step's
+    device time without the host's gaps between steps, since the host queues a step's few eager
+    launches (the sampler) long before its graph ends."""
+    kernels: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    widths = []
+    for range_events in _kernel_events_by_range(events, ranges).values():
+        for event in range_events:
             kernels[event.name[:60]] += event.device_time_total * 1e-6
             counts[event.name[:60]] += 1
             kernels[LAUNCHES] += 1
-            span = spans.setdefault(at, [event.time_range.start, event.time_range.end])
-            span[0], span[1] = min(span[0], event.time_range.start), max(span[1], event.time_range.end)
-    widths = sorted(end - start for start, end in spans.values())
+        widths.append(max(e.time_range.end for e in range_events) - min(e.time_range.start for e in range_events))
+    widths.sort()
     return kernels, counts, (widths[len(widths) // 2] * 1e-6 if widths else 0.0)
 
 
 def _idle_before(events, ranges: list[tuple[float, float]]) -> dict[str, float]:
-    """GPU idle time inside `ranges` (as `_kernels_in_ranges` attributes kernels), summed by the
+    """GPU idle time inside `ranges` (the kernels of `_kernel_events_by_range`), summed by the
     name of the kernel that ends each idle stretch: a gap between the end of everything that
     started earlier in the range and the next kernel's start is time the GPU waited, for the
     host's launch of that kernel or for a sync before it. Seconds over all ranges."""
-    import bisect
-
-    starts = [r[0] for r in ranges]
-    per_range: dict[int, list[tuple[float, float, str]]] = defaultdict(list)
-    for event in events:
-        if event.device_type != torch.autograd.DeviceType.CUDA or event.name == DECODE_STEP:
-            continue
-        at = bisect.bisect_right(starts, event.time_range.start) - 1
-        if at >= 0 and event.time_range.start <= ranges[at][1]:
-            per_range[at].append((event.time_range.start, event.time_range.end, event.name[:60]))
     idle: dict[str, float] = defaultdict(float)
-    for kernels in per_range.values():
-        kernels.sort()
+    for range_events in _kernel_events_by_range(events, ranges).values():
+        kernels = sorted((e.time_range.start, e.time_range.end, e.name[:60]) for e in range_events)
         busy_until = kernels[0][1]
         for start, end, name in kernels[1:]:
             if start > busy_until:
