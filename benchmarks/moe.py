@@ -40,6 +40,27 @@ SWEEP = ((128, 128, 8, 3, 64, False), (128, 128, 8, 4, 64, False), (128, 64, 4, 
          (64, 128, 4, 4, 64, True), (128, 128, 4, 4, 64, True), (128, 256, 8, 4, 64, True))
 
 
+def _reference_rows(x, gate_up, down, ids, top_k: int, cfg):
+    """Each (token, rank) pair's gate/up and down rows under `cfg`, in pair order: what a
+    candidate config's rows must equal bit for bit."""
+    from vexact_models.kernels.moe import gate_up_act, grouped_gemm, moe_align
+
+    layout = moe_align(ids, down.shape[0], cfg.block_m)
+    pos = layout.pair_pos.long()
+    act = gate_up_act(x, gate_up, layout, top_k, cfg)[0]
+    y = grouped_gemm(act, down, layout, down.shape[1], down.shape[2], down.stride(1), down.stride(2), x.dtype, cfg,
+                     down_tiles=True)
+    return act[pos], y[pos]
+
+
+def _placed(rows: torch.Tensor, layout) -> torch.Tensor:
+    """Pair-ordered `rows` placed where `layout` puts each pair (padding rows zero): a down-kernel
+    input for that layout."""
+    out = torch.zeros(layout.sorted_pairs.shape[0], rows.shape[1], device=rows.device, dtype=rows.dtype)
+    out[layout.pair_pos.long()] = rows
+    return out
+
+
 def sweep() -> None:
     """Each grouped kernel alone at 16384 tokens under candidate tile configs, and whether its rows
     equal `LARGE`'s (what the model runs there) bit for bit."""
@@ -50,20 +71,15 @@ def sweep() -> None:
     down = (torch.randn(experts, hidden, inter, device="cuda") / inter ** 0.5).bfloat16()
     x = torch.randn(tokens, hidden, device="cuda").bfloat16()
     ids = torch.softmax(torch.randn(tokens, experts, device="cuda"), -1).topk(top_k, -1).indices
-    ref_layout = moe_align(ids, experts, LARGE.block_m)
-    ref_pos = ref_layout.pair_pos.long()
-    ref_act = gate_up_act(x, gate_up, ref_layout, top_k, LARGE)[0]
-    ref_y = grouped_gemm(ref_act, down, ref_layout, hidden, inter, down.stride(1), down.stride(2), torch.bfloat16,
-                         LARGE, down_tiles=True)[ref_pos]
+    ref_act, ref_y = _reference_rows(x, gate_up, down, ids, top_k, LARGE)
     for bm, bn, warps, stages, bk, tma in SWEEP:
         cfg = MoeConfig(bm, bn, warps, stages, bn, warps, stages, bk, bk, tma)
         layout = moe_align(ids, experts, bm)
         pos = layout.pair_pos.long()
-        act = torch.zeros(layout.sorted_pairs.shape[0], inter, device="cuda", dtype=torch.bfloat16)
-        act[pos] = ref_act[ref_pos]  # down's input: the reference rows, placed as this layout places them
+        act = _placed(ref_act, layout)  # down's input: the reference rows
         line = f"BM={bm} BN={bn} BK={bk} warps={warps} stages={stages}{' TMA' if tma else ''}:"
         for name, fn, want, flops in (
-                ("gate_up", lambda: gate_up_act(x, gate_up, layout, top_k, cfg)[0], ref_act[ref_pos],
+                ("gate_up", lambda: gate_up_act(x, gate_up, layout, top_k, cfg)[0], ref_act,
                  2 * tokens * top_k * hidden * 2 * inter),
                 ("down", lambda: grouped_gemm(act, down, layout, hidden, inter, down.stride(1), down.stride(2),
                                               torch.bfloat16, cfg), ref_y, 2 * tokens * top_k * hidden * inter)):
@@ -112,11 +128,7 @@ def _decode_sweep_layer(name: str, hidden: int, experts: int, inter: int, top_k:
         ids = torch.softmax(torch.randn(tokens, experts, device="cuda"), -1).topk(top_k, -1).indices
         touched = int(torch.unique(ids).numel())
         now = pick_config(tokens, top_k, experts)
-        ref_layout = moe_align(ids, experts, now.block_m)
-        ref_pos = ref_layout.pair_pos.long()
-        ref_act = gate_up_act(x, gate_up, ref_layout, top_k, now)[0]
-        ref_y = grouped_gemm(ref_act, down, ref_layout, hidden, inter, down.stride(1), down.stride(2),
-                             torch.bfloat16, now, down_tiles=True)
+        ref_act, ref_y = _reference_rows(x, gate_up, down, ids, top_k, now)
         rows = []
         for kernel, candidates, nbytes in (("gate_up", DECODE_GATE_UP, 2 * inter * hidden * 2),
                                           ("down", DECODE_DOWN, hidden * inter * 2)):
@@ -131,13 +143,12 @@ def _decode_sweep_layer(name: str, hidden: int, experts: int, inter: int, top_k:
                     fn = lambda: gate_up_act(x, gate_up, layout, top_k, cfg)  # noqa: E731
                     rows_of, want = (lambda: fn()[0][pos]), ref_act
                 else:
-                    act = torch.zeros(layout.sorted_pairs.shape[0], inter, device="cuda", dtype=torch.bfloat16)
-                    act[pos] = ref_act[ref_pos]
+                    act = _placed(ref_act, layout)
                     fn = lambda: grouped_gemm(act, down, layout, hidden, inter, down.stride(1),  # noqa: E731
                                               down.stride(2), torch.bfloat16, cfg)
                     rows_of, want = (lambda: fn()[pos]), ref_y
                 try:
-                    same = torch.equal(rows_of(), want[ref_pos])
+                    same = torch.equal(rows_of(), want)
                     ms = bench_graph([fn])
                 except Exception as exc:  # out of shared memory / registers
                     rows.append([kernel, tiles, type(exc).__name__, "", ""])
