@@ -149,15 +149,17 @@ def _latent_block(q_lat, q_rope, k_lat, k_rope, v, k_pos, k_ok, q_pos, m_i, l_i,
 
 @triton.jit(do_not_specialize=["page_size", "stride_bt"])
 def _latent_fwd_kernel(
-    q_ptr, kv_ptr, lat_desc, rope_desc, o_ptr, lse_ptr, cu_seqlens_q_ptr, seq_lens_ptr, block_table_ptr,
+    q_ptr, kv_ptr, lat_desc, rope_desc, o_ptr, lse_ptr, cu_seqlens_q_ptr, seq_lens_ptr, block_table_ptr, seq_order_ptr,
     page_size, scale_log2,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
     GROUP: tl.constexpr, LAT: tl.constexpr, ROPE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_V: tl.constexpr,
-    SUM_LEVELS: tl.constexpr, LANE_SUMS: tl.constexpr, KV_DESC: tl.constexpr,
+    SUM_LEVELS: tl.constexpr, LANE_SUMS: tl.constexpr, KV_DESC: tl.constexpr, ORDERED: tl.constexpr,
 ):
     tile = tl.program_id(0)
     seq = tl.program_id(1)
+    if ORDERED:  # PagedLayout.seq_order: which sequence this program's slot of the grid runs
+        seq = tl.load(seq_order_ptr + seq)
     kv_head = tl.program_id(2) // CHUNKS
     chunk = tl.program_id(2) % CHUNKS
     q_start = tl.load(cu_seqlens_q_ptr + seq)
@@ -264,13 +266,14 @@ def latent_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, v_dim: int,
                          f"value_chunks={cfg.value_chunks}")
     descs = _kv_descriptors(kv, v_dim, cfg.block_n) if kv_descriptors else (None, None)
     grid = (triton.cdiv(rows, cfg.block_m), n_seqs, n_kv_heads * cfg.value_chunks)
-    args = (q, kv, *descs, out, lse, layout.cu_seqlens_q, layout.seq_lens, layout.block_table,
+    args = (q, kv, *descs, out, lse, layout.cu_seqlens_q, layout.seq_lens, layout.block_table, layout.seq_order,
             layout.page_size, scale * math.log2(math.e),
             q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), out.stride(0), out.stride(1),
             layout.block_table.stride(0))
     kwargs = dict(GROUP=group, **dims, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CHUNKS=cfg.value_chunks,
                   BLOCK_V=dims["BLOCK_L"] // cfg.value_chunks, SUM_LEVELS=row_sum_levels(cfg.block_n),
-                  LANE_SUMS=lane_sums(cfg.block_m, cfg.num_warps), KV_DESC=kv_descriptors, num_warps=cfg.num_warps)
+                  LANE_SUMS=lane_sums(cfg.block_m, cfg.num_warps), KV_DESC=kv_descriptors,
+                  ORDERED=layout.seq_order is not None, num_warps=cfg.num_warps)
     # Hopper's tiles need two stages' shared memory; smaller GPUs fall back to one (a sweep's
     # explicit candidate runs as given, or fails)
     launch_staged(_latent_fwd_kernel, grid, args, kwargs, cfg.num_stages,

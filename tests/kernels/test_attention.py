@@ -1,3 +1,4 @@
+import dataclasses
 import random
 
 import pytest
@@ -118,6 +119,10 @@ def test_attention_errors():
     k = torch.randn(4, 2, 16)
     with pytest.raises(ValueError, match="3 query heads are not a multiple of 2 KV heads"):
         attention_packed(q, k, k, torch.tensor([0, 4], dtype=torch.int32), 4)
+    layout = packed_layout(torch.tensor([0, 1, 4], dtype=torch.int32), 3)
+    for bad in (torch.tensor([1, 0]), torch.tensor([0], dtype=torch.int32)):  # int64; one of two sequences
+        with pytest.raises(ValueError, match=r"layout.seq_order must be int32 \(2,\) on cpu like seq_lens, got "):
+            attention(q[:, :2], k, k, dataclasses.replace(layout, seq_order=bad))
 
 
 def test_kv_cache_write_scatters_and_skips():
@@ -288,6 +293,11 @@ def test_decode_by_page_tma_equals_pointer_loads_and_training_bitwise(hq, hkv):
     by_ptr, lse_ptr = attention_triton(q[last], kc, vc, layout, d ** -0.5, page_descriptors=False)
     assert torch.equal(by_tma, by_ptr) and torch.equal(lse_tma, lse_ptr)
     assert torch.equal(by_tma, packed[last]) and not by_tma.isnan().any()
+    # programs taking the sequences longest first (the engine's PagedLayout.seq_order): the same bits
+    ordered = dataclasses.replace(layout, seq_order=torch.tensor(lens).argsort(descending=True).int().cuda())
+    for tma in (True, False):
+        out, lse = attention_triton(q[last], kc, vc, ordered, d ** -0.5, page_descriptors=tma)
+        assert torch.equal(out, by_tma) and torch.equal(lse, lse_tma), tma
 
 
 def test_shuffled_pages_and_paged_cache_hold_the_packed_sequences():

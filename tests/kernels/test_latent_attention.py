@@ -3,6 +3,7 @@ the view is recognised, packed == chunked prefill == decode over a latent paged 
 values and gradients against float64 autograd. The Triton kernel's logic is checked in
 tests/triton_checks/check_latent_attention.py, its invariance on the GPU by kernel_invariance.py."""
 
+import dataclasses
 import random
 
 import pytest
@@ -130,6 +131,11 @@ def test_decode_by_tma_equals_pointer_loads_and_training_bitwise(heads):
     assert torch.equal(by_tma, by_ptr) and torch.equal(lse_tma, lse_ptr)
     assert torch.equal(by_tma, packed[last])
     assert not by_tma.isnan().any()
+    # programs taking the sequences longest first (the engine's PagedLayout.seq_order): the same bits
+    ordered = dataclasses.replace(layout, seq_order=torch.tensor(lens).argsort(descending=True).int().cuda())
+    for tma in (True, False):
+        out, lse = latent_attention_triton(q[last], cache, lat, ordered, scale, kv_descriptors=tma)
+        assert torch.equal(out, by_tma) and torch.equal(lse, lse_tma), tma
     with pytest.raises(ValueError, match="kv_descriptors=True needs pages of a multiple of block_n=64"):
         latent_attention_triton(q[last], cache, lat, PagedLayout(layout.cu_seqlens_q, layout.seq_lens, table.cuda(), 32, 1),
                                 scale, kv_descriptors=True)

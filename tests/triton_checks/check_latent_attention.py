@@ -5,6 +5,7 @@ logic: the key split into latent + rope dims, the value read from the key, pagin
 value gradient), or on a GPU, where paged == packed is also bitwise.
 """
 
+import dataclasses
 import os
 
 import pytest
@@ -65,6 +66,10 @@ def test_latent_attention_packed_and_paged(heads, lat, rope, dtype):
                          torch.tensor(lens, dtype=torch.int32, device=DEVICE), table, page_size, 6)
     paged = attention(q[idx], k_cache, v_cache, layout, 0.2)
     assert torch.equal(paged, packed[idx])  # one kernel, other tiles: bitwise (rule 2)
+    # the order programs take the sequences (PagedLayout.seq_order, the engine's longest first) moves no bit
+    for order in ([2, 1, 0], [1, 2, 0]):
+        ordered = dataclasses.replace(layout, seq_order=torch.tensor(order, dtype=torch.int32, device=DEVICE))
+        assert torch.equal(attention(q[idx], k_cache, v_cache, ordered, 0.2), paged), order
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

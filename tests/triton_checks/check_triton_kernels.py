@@ -9,6 +9,7 @@ Results are compared with tolerances (the two backends round differently); bitwi
 is proven on the GPU by conformance/kernel_invariance.py.
 """
 
+import dataclasses
 import os
 
 import pytest
@@ -194,6 +195,12 @@ def test_attention_decode_load_paths_match(hq, hkv, q_len):
         assert not out.isnan().any() and torch.equal(by_tma, out) and torch.equal(lse_tma, lse), cfg
         first = first or (out, lse)  # the program order (heads_fastest) moves no bit either
         assert torch.equal(out, first[0]) and torch.equal(lse, first[1]), cfg
+    # nor does the order programs take the sequences (PagedLayout.seq_order, the engine's longest first)
+    for order in ([5, 4, 3, 2, 1, 0], [2, 0, 5, 1, 4, 3]):
+        ordered = dataclasses.replace(layout, seq_order=torch.tensor(order, dtype=torch.int32, device=DEVICE))
+        for tma in (False, True):
+            out, lse = attention_triton(q, k, v, ordered, d ** -0.5, AttentionConfig(16, 64, 4, 3), page_descriptors=tma)
+            assert torch.equal(out, first[0]) and torch.equal(lse, first[1]), (order, tma)
     if INTERPRET:  # (on the GPU, tests/kernels/test_attention.py compares with the training forward bitwise)
         ref = attention_reference(q.float(), k.float().nan_to_num(), v.float().nan_to_num(), layout, d ** -0.5)
         close(out.float(), ref, 2e-2)
