@@ -125,7 +125,8 @@ class StepGraphs:
 
     def _args(self, bucket: tuple[int, int, int], x: GraphInputs, carry: bool) -> tuple:
         tokens, seqs, max_q = bucket
-        layout = PagedLayout(x.cu_seqlens[:seqs + 1], x.seq_lens[:seqs], x.block_table[:seqs], self.block_size, max_q)
+        layout = PagedLayout(x.cu_seqlens[:seqs + 1], x.seq_lens[:seqs], x.block_table[:seqs], self.block_size, max_q,
+                             x.seq_order[:seqs])
         args = (x.ids[:tokens], x.positions[:tokens], PagedContext(layout, x.slots[:tokens], self.kv_caches),
                 x.logits_rows[:seqs])
         return args + tuple(t[:tokens] for t in self.carry) if carry else args

@@ -9,7 +9,7 @@ rows fills its own rows, then padding that changes nothing the step reads back:
   no attention program writes their output rows; every other kernel works row by row, so
   whatever those rows hold stays in them.
 - sequences S..seqs-1: no query tokens (``cu_seqlens`` = T) and no keys (length 0): their
-  attention programs exit at once.
+  attention programs exit at once; they take the last places of ``seq_order``.
 - logits rows R..seqs-1: row 0, computed and never read.
 """
 
@@ -30,9 +30,9 @@ class GraphInputs:
     inputs reach every buffer in one copy.
 
     Buffers: ids, positions, slots (int64, ``max_tokens``), logits_rows (int64, ``max_batch``),
-    cu_seqlens (int32, ``max_batch + 1``), seq_lens (int32, ``max_batch``), block_table (int32,
-    ``[max_batch, max_blocks]``). Works on any device (on CPU the "copy" is a memcpy), which keeps
-    the host side testable.
+    cu_seqlens (int32, ``max_batch + 1``), seq_lens and seq_order (int32, ``max_batch``),
+    block_table (int32, ``[max_batch, max_blocks]``; last, so that a step copies only its rows).
+    Works on any device (on CPU the "copy" is a memcpy), which keeps the host side testable.
     """
 
     def __init__(self, max_tokens: int, max_batch: int, max_blocks: int, device: torch.device) -> None:
@@ -43,7 +43,7 @@ class GraphInputs:
         self.max_tokens, self.max_batch, self.max_blocks = t, n, max_blocks
         i64, i32 = np.dtype(np.int64), np.dtype(np.int32)
         self.layout = Layout([(i64, (t,)), (i64, (t,)), (i64, (t,)), (i64, (n,)), (i32, (n + 1,)), (i32, (n,)),
-                              (i32, (n, max_blocks))])
+                              (i32, (n,)), (i32, (n, max_blocks))])
         cuda = device.type == "cuda"
         self.host = self.layout.allocate(torch.device("cpu"), pin=cuda)
         self.host.zero_()
@@ -52,7 +52,7 @@ class GraphInputs:
         self.buffer = self.layout.allocate(device)
         self.buffer.copy_(self.host)
         (self.ids, self.positions, self.slots, self.logits_rows, self.cu_seqlens, self.seq_lens,
-         self.block_table) = self.layout.views(self.buffer)
+         self.seq_order, self.block_table) = self.layout.views(self.buffer)
         # The staging buffer is reused: before refilling it, wait for the last copy to have read
         # it (in practice the sampler's sync of an earlier step already did).
         self._copied = torch.cuda.Event() if cuda else None
@@ -72,15 +72,16 @@ class GraphInputs:
                              f"({self.max_tokens}, {self.max_batch}, {self.max_blocks} columns)")
         if self._copied is not None:
             self._copied.synchronize()
-        ids, positions, slots, rows, cu, seq_lens, table = self.staged
+        ids, positions, slots, rows, cu, seq_lens, order, table = self.staged
         ids[:t], ids[t:tokens] = inputs.ids, 0
         positions[:t], positions[t:tokens] = inputs.positions, 0
         slots[:t], slots[t:tokens] = inputs.slots, -1
         rows[:r], rows[r:seqs] = inputs.logits_rows, 0
         cu[:s + 1], cu[s + 1:seqs + 1] = inputs.cu_seqlens, t
         seq_lens[:s], seq_lens[s:seqs] = inputs.seq_lens, 0
+        order[:s], order[s:seqs] = inputs.seq_order, np.arange(s, seqs)
         table[:s, :width] = inputs.block_table
-        end = self.layout.offsets[6] + s * self.max_blocks * 4  # through the table's row s - 1
+        end = self.layout.offsets[7] + s * self.max_blocks * 4  # through the table's row s - 1
         self.buffer[:end].copy_(self.host[:end], non_blocking=True)
         if self._copied is not None:
             self._copied.record()

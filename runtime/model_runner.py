@@ -133,10 +133,10 @@ class ModelRunner:
         return self._to_device(build_step_inputs(scheduled, self.block_size, self.block_tables))
 
     def _to_device(self, inputs: StepInputs):
-        ids, positions, slots, rows, cu, lens, table = to_device(
+        ids, positions, slots, rows, cu, lens, table, order = to_device(
             [inputs.ids, inputs.positions, inputs.slots, inputs.logits_rows, inputs.cu_seqlens,
-             inputs.seq_lens, inputs.block_table], self.device)
-        layout = PagedLayout(cu, lens, table, self.block_size, inputs.max_seqlen_q)
+             inputs.seq_lens, inputs.block_table, inputs.seq_order], self.device)
+        layout = PagedLayout(cu, lens, table, self.block_size, inputs.max_seqlen_q, order)
         return ids, positions, PagedContext(layout, slots, self.kv_caches), rows
 
     def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:

@@ -38,13 +38,13 @@ _I64, _I32, _F64, _F32 = (np.dtype(t) for t in (np.int64, np.int32, np.float64, 
 def _plan_layout(tokens: int, seqs: int, rows: int, width: int, bans: int) -> Layout:
     """Where each array of a step's plan sits in its byte buffer (`_plan_arrays`' order)."""
     return Layout([(_I64, (tokens,)), (_I64, (tokens,)), (_I64, (tokens,)), (_I64, (rows,)), (_I32, (seqs + 1,)),
-                   (_I32, (seqs,)), (_I32, (seqs, width)), (_F32, (rows,)), (_F64, (rows,)), (_I64, (rows,)),
+                   (_I32, (seqs,)), (_I32, (seqs,)), (_I32, (seqs, width)), (_F32, (rows,)), (_F64, (rows,)), (_I64, (rows,)),
                    (_I64, (rows,)), (_I64, (rows,)), (_I64, (bans, 2))])
 
 
 def _plan_arrays(inputs: StepInputs, rows: HostRows) -> list[np.ndarray]:
     return [inputs.ids, inputs.positions, inputs.slots, inputs.logits_rows, inputs.cu_seqlens, inputs.seq_lens,
-            inputs.block_table, rows.temps, rows.top_p, rows.top_k, rows.seeds, rows.steps, rows.bans]
+            inputs.seq_order, inputs.block_table, rows.temps, rows.top_p, rows.top_k, rows.seeds, rows.steps, rows.bans]
 
 
 class PipelineComm:
@@ -85,10 +85,10 @@ class PipelineComm:
         layout = _plan_layout(tokens, seqs, num_rows, width, bans)
         buffer = layout.allocate(torch.device("cpu"))
         self._broadcast(buffer)
-        ids, positions, slots, logits_rows, cu, lens, table, temps, top_p, top_k, seeds, steps, banned = \
+        ids, positions, slots, logits_rows, cu, lens, order, table, temps, top_p, top_k, seeds, steps, banned = \
             layout.host_views(buffer)
         inputs = StepInputs(ids=ids, positions=positions, slots=slots, logits_rows=logits_rows, cu_seqlens=cu,
-                            seq_lens=lens, block_table=table, max_seqlen_q=max_q)
+                            seq_lens=lens, block_table=table, seq_order=order, max_seqlen_q=max_q)
         return kind, inputs, HostRows(temps, top_p, top_k, seeds, steps, banned)
 
     def _broadcast(self, tensor: torch.Tensor) -> None:

@@ -13,7 +13,7 @@ from vexact_models.runtime.sampling_params import SamplingParams
 from vexact_models.runtime.scheduler import ScheduledSeq
 from vexact_models.runtime.sequence import Sequence
 from vexact_models.runtime.staging import Layout, to_device
-from vexact_models.runtime.step_inputs import build_step_inputs
+from vexact_models.runtime.step_inputs import ATTENTION_ORDER, attention_order, build_step_inputs
 
 from .workload_support import make_scheduler, random_workload, run_steps
 
@@ -33,12 +33,15 @@ def reference_inputs(scheduled, bs):
         tables.append(seq.block_table + [0] * (width - len(seq.block_table)))
         if item.samples:
             rows.append(cu[-1] - 1)
+    # attention programs take the sequences by decreasing new tokens x keys, ties in scheduled order
+    work = [item.num_new_tokens * n for item, n in zip(scheduled, seq_lens)]
+    order = sorted(range(len(scheduled)), key=lambda s: (-work[s], s))
     return dict(ids=ids, positions=positions, slots=slots, logits_rows=rows, cu_seqlens=cu, seq_lens=seq_lens,
-                block_table=tables, max_seqlen_q=max(item.num_new_tokens for item in scheduled))
+                block_table=tables, seq_order=order, max_seqlen_q=max(item.num_new_tokens for item in scheduled))
 
 
 DTYPES = dict(ids=np.int64, positions=np.int64, slots=np.int64, logits_rows=np.int64, cu_seqlens=np.int32,
-              seq_lens=np.int32, block_table=np.int32)
+              seq_lens=np.int32, block_table=np.int32, seq_order=np.int32)
 
 
 @pytest.mark.parametrize("seed", range(30))
@@ -58,6 +61,18 @@ def test_inputs_equal_the_per_token_reference(seed):
                 assert array.dtype == dtype and array.tolist() == expected[name], name
         decode = all(item.num_new_tokens == 1 and item.samples for item in out.scheduled)
         assert inputs.decode_only == decode
+
+
+def test_attention_order_takes_the_most_work_first_and_arrival_keeps_the_schedule():
+    new_tokens = np.array([1, 1, 1, 1, 8, 1])
+    seq_lens = np.array([30, 90, 30, 200, 20, 90])
+    order = attention_order(new_tokens, seq_lens)
+    assert order.dtype == np.int32 and order.tolist() == [3, 4, 1, 5, 0, 2]  # 200, 160, 90, 90, 30, 30
+    with ATTENTION_ORDER.use("arrival"):
+        assert attention_order(new_tokens, seq_lens).tolist() == list(range(6))
+    assert attention_order(np.zeros(0, np.int64), np.zeros(0, np.int32)).tolist() == []
+    with pytest.raises(ValueError, match="'fastest' is not an attention program order"):
+        ATTENTION_ORDER.set("fastest")
 
 
 def test_a_chunk_past_its_pages_is_refused():
@@ -113,6 +128,8 @@ def test_graph_inputs_fill_a_decode_step_then_padding():
     assert buffers.logits_rows[:b].tolist() == list(range(n)) + [0, 0]
     assert buffers.cu_seqlens[:b + 1].tolist() == list(range(n + 1)) + [n, n]
     assert buffers.seq_lens[:b].tolist() == inputs.seq_lens.tolist() + [0, 0]
+    assert sorted(inputs.seq_order.tolist()) == list(range(n))
+    assert buffers.seq_order[:b].tolist() == inputs.seq_order.tolist() + [n, n + 1]  # empty padding: last
     width = inputs.block_table.shape[1]
     assert buffers.block_table[:n, :width].tolist() == inputs.block_table.tolist()
     assert buffers.ids.dtype == torch.int64 and buffers.cu_seqlens.dtype == torch.int32
@@ -135,6 +152,7 @@ def test_graph_inputs_fill_a_mixed_step_then_padding():
     assert buffers.logits_rows.tolist() == inputs.logits_rows.tolist() + [0] * (seqs - r)
     assert buffers.cu_seqlens.tolist() == inputs.cu_seqlens.tolist() + [t]
     assert buffers.seq_lens.tolist() == inputs.seq_lens.tolist() + [0]
+    assert buffers.seq_order.tolist() == inputs.seq_order.tolist() + [s]
     before = buffers.buffer.clone()
     for bad in ((t - 1, seqs), (tokens, s - 1), (tokens + 1, seqs), (tokens, seqs + 1)):
         with pytest.raises(ValueError, match="does not fit"):
@@ -180,7 +198,8 @@ class RecordingModel:
     def __call__(self, ids, positions, context, rows):
         layout = context.layout
         self.calls.append([t.clone() for t in (ids, positions, context.slot_mapping, rows, layout.cu_seqlens_q,
-                                                layout.seq_lens, layout.block_table)] + [layout.max_seqlen_q])
+                                                layout.seq_lens, layout.block_table, layout.seq_order)]
+                          + [layout.max_seqlen_q])
         return torch.zeros(rows.shape[0], 8)
 
 
@@ -200,3 +219,9 @@ def test_runner_passes_the_same_inputs_with_or_without_the_mirror():
         assert a[-1] == b[-1]
         for x, y in zip(a[:-1], b[:-1]):
             assert x.dtype == y.dtype and torch.equal(x, y)
+    # the attention programs' order reaches the kernels' layout: longest context first
+    orders = [call[7] for call in models[0].calls]
+    for call, order in zip(models[0].calls, orders):
+        work = (call[4][1:] - call[4][:-1]) * call[5]
+        assert order.dtype == torch.int32 and torch.equal(work[order.long()], work.sort(descending=True).values)
+    assert any(not torch.equal(order, torch.arange(len(order), dtype=torch.int32)) for order in orders)
