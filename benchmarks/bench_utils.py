@@ -149,16 +149,22 @@ def workload_decode_roofline(model, prompt_lens: list[int], outputs: list[int], 
     return weight_bytes / (hbm_gbs * 1e9), kv_tokens * kv_per_token / (hbm_gbs * 1e9)
 
 
-def decode_layout(batch: int, context: int, page: int):
+def decode_layout(batch: int, context: int | list[int], page: int):
     """A decode step's `PagedLayout` on the GPU: `batch` sequences of one new token each over
-    `context` cached positions, their pages (``batch * ceil(context / page)``, numbered from 0)
-    shuffled over the cache as a running engine leaves them."""
+    `context` cached positions (one count for all, or one per sequence), their pages (``ceil(context
+    / page)`` each, numbered from 0) shuffled over the cache as a running engine leaves them."""
     from vexact_models.kernels import PagedLayout
 
-    pages = -(-context // page)
-    table_ = torch.randperm(batch * pages, device="cuda", dtype=torch.int32).view(batch, pages)
+    lens = [context] * batch if isinstance(context, int) else list(context)
+    if len(lens) != batch:
+        raise ValueError(f"decode_layout: {len(lens)} context lengths for batch={batch}")
+    pages = [-(-n // page) for n in lens]
+    ids = torch.randperm(sum(pages), dtype=torch.int32)
+    table_ = torch.zeros(batch, max(pages), dtype=torch.int32)
+    for s, chunk in enumerate(ids.split(pages)):
+        table_[s, :len(chunk)] = chunk
     return PagedLayout(torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
-                       torch.full((batch,), context, dtype=torch.int32, device="cuda"), table_, page, 1)
+                       torch.tensor(lens, dtype=torch.int32, device="cuda"), table_.cuda(), page, 1)
 
 
 def table(title: str, header: list[str], rows: list[list]) -> None:
