@@ -73,6 +73,7 @@ def key_block(dtype: torch.dtype) -> int:
 
 DECODE_ROWS = 128  # launches with at most this many rows per sequence take DECODE_BLOCK_M-row tiles
 DECODE_BLOCK_M = 16
+FEW_VALUE_CHUNKS = 4  # value chunks of a TMA decode launch with at most sm_count / 4 programs
 
 
 def pick_config(dtype: torch.dtype, rows_per_seq: int, n_seqs: int, sm_count: int,
@@ -86,14 +87,20 @@ def pick_config(dtype: torch.dtype, rows_per_seq: int, n_seqs: int, sm_count: in
     DeepSeek-V3); with `kv_descriptors` (whole key blocks by TMA, `page_descriptors_fit`) 8 warps
     and three stages, whose two TMA buffers overlap a block's copy with the previous block's math
     (1.2x at 256 Moonlight sequences of 528 tokens, 1.6x at 32 of 4,096; seventeenth session).
+    A TMA launch of at most ``sm_count / 4`` programs (a rollout's tail: the last few sequences)
+    splits the value dims over `FEW_VALUE_CHUNKS` programs of 4 warps, each with its own TMA copy
+    of its slice: 1.36-1.51x at 8-32 Moonlight sequences of 1.5k-8k tokens (0.69x at 64, where the
+    one-chunk launch already fills the GPU; twenty-eighth session).
     Longer launches take 64-row tiles, 64-key blocks, 8 warps, two stages (1.4x
     the first-guess 64/32/8/1 in training); value chunks did not pay."""
     if dtype == torch.float32:
         return LatentConfig(16, key_block(dtype), 4, 1)
     if rows_per_seq <= DECODE_ROWS:
-        if kv_descriptors:
-            return LatentConfig(DECODE_BLOCK_M, key_block(dtype), 8, 3)
         programs = n_seqs * -(-rows_per_seq // DECODE_BLOCK_M)
+        if kv_descriptors:
+            if programs * FEW_VALUE_CHUNKS <= sm_count:
+                return LatentConfig(DECODE_BLOCK_M, key_block(dtype), 4, 3, FEW_VALUE_CHUNKS)
+            return LatentConfig(DECODE_BLOCK_M, key_block(dtype), 8, 3)
         return LatentConfig(DECODE_BLOCK_M, key_block(dtype), 4 if programs > sm_count else 8, 2)
     return LatentConfig(64, key_block(dtype), 8, 2)
 
@@ -113,15 +120,17 @@ def page_descriptors_fit(kv: torch.Tensor, page_size: int, v_dim: int, rows_per_
             and has_tma(kv.device) and tma_rows_aligned(kv))
 
 
-def _kv_descriptors(kv: torch.Tensor, v_dim: int, block_n: int) -> tuple:
-    """TMA descriptors over ``kv [slots, Hkv, D]`` seen as ``[slots, Hkv*D]``: one block is
-    `block_n` rows of a head's latent dims, the other of its rope dims."""
+def _kv_descriptors(kv: torch.Tensor, v_dim: int, block_n: int, value_chunks: int = 1) -> tuple:
+    """TMA descriptors over ``kv [slots, Hkv, D]`` seen as ``[slots, Hkv*D]``: blocks of
+    `block_n` rows of a head's latent dims, of its rope dims, and (`value_chunks` > 1) of one value
+    chunk's dims, else None (the value is the latent block itself)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     flat = kv.reshape(kv.shape[0], -1)
     rope = kv.shape[-1] - v_dim
-    return tuple(TensorDescriptor(flat, list(flat.shape), [flat.stride(0), 1], [block_n, dims])
-                 for dims in (v_dim, rope))
+    dims = (v_dim, rope) + ((v_dim // value_chunks,) if value_chunks > 1 else ())
+    descs = tuple(TensorDescriptor(flat, list(flat.shape), [flat.stride(0), 1], [block_n, d]) for d in dims)
+    return descs if value_chunks > 1 else descs + (None,)
 
 
 @triton.jit
@@ -149,7 +158,7 @@ def _latent_block(q_lat, q_rope, k_lat, k_rope, v, k_pos, k_ok, q_pos, m_i, l_i,
 
 @triton.jit(do_not_specialize=["page_size", "stride_bt"])
 def _latent_fwd_kernel(
-    q_ptr, kv_ptr, lat_desc, rope_desc, o_ptr, lse_ptr, cu_seqlens_q_ptr, seq_lens_ptr, block_table_ptr, seq_order_ptr,
+    q_ptr, kv_ptr, lat_desc, rope_desc, v_desc, o_ptr, lse_ptr, cu_seqlens_q_ptr, seq_lens_ptr, block_table_ptr, seq_order_ptr,
     page_size, scale_log2,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
     GROUP: tl.constexpr, LAT: tl.constexpr, ROPE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -203,10 +212,14 @@ def _latent_fwd_kernel(
         for start in range(0, first, BLOCK_N):
             k_lat = lat_desc.load([slot, col])
             k_rope = rope_desc.load([slot, col + LAT])
+            if CHUNKS == 1:
+                v = k_lat
+            else:  # this chunk's dims of the same rows (the latent copy just read them into L2)
+                v = v_desc.load([slot, col + chunk * BLOCK_V])
             ahead = start + BLOCK_N
             slot = tl.load(table_row + ahead // page_size, mask=ahead < first, other=0) * page_size + ahead % page_size
             k_pos = start + tl.arange(0, BLOCK_N)
-            m_i, l_i, acc = _latent_block(q_lat, q_rope, k_lat, k_rope, k_lat, k_pos, k_pos < n_keys, q_pos, m_i, l_i,
+            m_i, l_i, acc = _latent_block(q_lat, q_rope, k_lat, k_rope, v, k_pos, k_pos < n_keys, q_pos, m_i, l_i,
                                           acc, scale_log2, SUM_LEVELS, LANE_SUMS)
     for start in range(first, n_keys, BLOCK_N):  # every block through the block table (KV_DESC: the partial last one)
         k_pos = start + tl.arange(0, BLOCK_N)
@@ -260,11 +273,10 @@ def latent_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, v_dim: int,
     dims = latent_dims(q, v_dim)
     if dims["BLOCK_L"] % cfg.value_chunks:
         raise ValueError(f"latent_attention_triton: value_chunks={cfg.value_chunks} must divide {dims['BLOCK_L']}")
-    if kv_descriptors and (layout.page_size % cfg.block_n or cfg.value_chunks != 1):
+    if kv_descriptors and layout.page_size % cfg.block_n:
         raise ValueError(f"latent_attention_triton: kv_descriptors=True needs pages of a multiple of block_n="
-                         f"{cfg.block_n} and value_chunks=1, got page_size={layout.page_size}, "
-                         f"value_chunks={cfg.value_chunks}")
-    descs = _kv_descriptors(kv, v_dim, cfg.block_n) if kv_descriptors else (None, None)
+                         f"{cfg.block_n}, got page_size={layout.page_size}")
+    descs = _kv_descriptors(kv, v_dim, cfg.block_n, cfg.value_chunks) if kv_descriptors else (None, None, None)
     grid = (triton.cdiv(rows, cfg.block_m), n_seqs, n_kv_heads * cfg.value_chunks)
     args = (q, kv, *descs, out, lse, layout.cu_seqlens_q, layout.seq_lens, layout.block_table, layout.seq_order,
             layout.page_size, scale * math.log2(math.e),

@@ -11,7 +11,7 @@ import torch
 
 from vexact_models.kernels import PagedLayout, attention, attention_packed, kv_cache_write
 from vexact_models.kernels.attention_backward import attention_math
-from vexact_models.kernels.latent_attention import (latent_attention_triton, page_descriptors_fit,
+from vexact_models.kernels.latent_attention import (LatentConfig, latent_attention_triton, page_descriptors_fit,
                                                     value_in_key)
 
 from ..conftest import paged_cache, rel_err, shuffled_pages
@@ -131,6 +131,11 @@ def test_decode_by_tma_equals_pointer_loads_and_training_bitwise(heads):
     assert torch.equal(by_tma, by_ptr) and torch.equal(lse_tma, lse_ptr)
     assert torch.equal(by_tma, packed[last])
     assert not by_tma.isnan().any()
+    # value chunks (each program one slice of the value dims, read by its own TMA copy): the same bits
+    for chunks, warps, stages in ((2, 8, 2), (4, 8, 3), (4, 4, 3)):
+        cfg = LatentConfig(16, 64, warps, stages, chunks)
+        out, lse = latent_attention_triton(q[last], cache, lat, layout, scale, cfg, kv_descriptors=True)
+        assert torch.equal(out, by_tma) and torch.equal(lse, lse_tma), cfg
     # programs taking the sequences longest first (the engine's PagedLayout.seq_order): the same bits
     ordered = dataclasses.replace(layout, seq_order=torch.tensor(lens).argsort(descending=True).int().cuda())
     for tma in (True, False):
@@ -139,3 +144,20 @@ def test_decode_by_tma_equals_pointer_loads_and_training_bitwise(heads):
     with pytest.raises(ValueError, match="kv_descriptors=True needs pages of a multiple of block_n=64"):
         latent_attention_triton(q[last], cache, lat, PagedLayout(layout.cu_seqlens_q, layout.seq_lens, table.cuda(), 32, 1),
                                 scale, kv_descriptors=True)
+
+
+def test_pick_config_splits_the_value_of_few_tma_decode_programs():
+    """Decode launches read by TMA take 8 warps; with at most a quarter as many programs as SMs
+    (a rollout's last sequences) they split the value dims over four 4-warp programs each, which
+    the GPU test above proves bitwise equal. Pointer loads and training tiles keep one chunk."""
+    from vexact_models.kernels.latent_attention import FEW_VALUE_CHUNKS, pick_config
+
+    bf16 = torch.bfloat16
+    assert FEW_VALUE_CHUNKS == 4
+    assert pick_config(bf16, 16, 33, 132, kv_descriptors=True) == LatentConfig(16, 64, 4, 3, 4)  # 33 x 4 <= 132
+    assert pick_config(bf16, 16, 34, 132, kv_descriptors=True) == LatentConfig(16, 64, 8, 3)
+    assert pick_config(bf16, 128, 4, 132, kv_descriptors=True) == LatentConfig(16, 64, 4, 3, 4)  # 8 tiles each
+    assert pick_config(bf16, 128, 5, 132, kv_descriptors=True) == LatentConfig(16, 64, 8, 3)
+    assert pick_config(bf16, 16, 8, 132).value_chunks == 1  # pointer loads: chunks lost there
+    assert pick_config(bf16, 4096, 8, 132, kv_descriptors=True).value_chunks == 1
+    assert pick_config(torch.float32, 16, 8, 132, kv_descriptors=True).value_chunks == 1
