@@ -29,6 +29,12 @@ from bench_utils import bench, bench_graph, copy_bandwidth, decode_layout, posit
 LATENT_CASES = [("moonlight latent decode", "decode", 16, 1, 576, 512, 256, 528),
                 ("deepseek-v3 latent decode", "decode", 128, 1, 576, 512, 16, 272),
                 ("moonlight latent decode 32x4096", "decode", 16, 1, 576, 512, 32, 4096),
+                # a rollout's tail: the longest sequences left, one program each (value chunks: more)
+                ("moonlight latent decode 8x8192", "decode", 16, 1, 576, 512, 8, 8192),
+                ("moonlight latent decode 16x1536", "decode", 16, 1, 576, 512, 16, 1536),
+                ("moonlight latent decode 32x1536", "decode", 16, 1, 576, 512, 32, 1536),
+                ("moonlight latent decode 64x1536", "decode", 16, 1, 576, 512, 64, 1536),
+                ("moonlight latent decode 128x1024", "decode", 16, 1, 576, 512, 128, 1024),
                 ("moonlight latent train 8x4096", "train", 16, 1, 576, 512, 8, 4096),
                 ("deepseek-v3 latent train 2x4096", "train", 128, 1, 576, 512, 2, 4096)]
 GQA_CASES = [("moonlight expanded decode", "decode", 16, 16, 192, 128, 256, 528),
@@ -60,7 +66,7 @@ def latent_candidates(kind: str):
     from vexact_models.kernels.latent_attention import LatentConfig
 
     rows = [(16, 4), (16, 8), (32, 4), (64, 8)] if kind == "decode" else [(64, 4), (64, 8), (128, 8), (16, 4), (32, 4)]
-    chunks = (1, 2, 4) if kind == "decode" else (1,)
+    chunks = (1, 2, 4, 8) if kind == "decode" else (1,)
     # the key tile is read through the block table: Triton double-buffers such indirect loads
     # only from five stages on (one buffer below), hence the deep candidates
     for bn, (bm, warps), stages, ch in itertools.product((32, 64), rows, (1, 2, 3, 5), chunks):
@@ -134,7 +140,7 @@ def sweep_case(case, latent: bool, hbm: float, keep_configs: tuple[str, ...] = (
     for cfg, by_tma in ((c, t) for c in candidates for t in ((False, True) if page_tma else (False,))):
         if keep_configs and not _label(cfg).startswith(keep_configs):
             continue
-        if by_tma and (getattr(cfg, "value_chunks", 1) != 1 or cfg.block_m != 16 or layout.page_size % cfg.block_n):
+        if by_tma and (cfg.block_m != 16 or layout.page_size % cfg.block_n):
             continue
         try:
             out = run(cfg, by_tma)
