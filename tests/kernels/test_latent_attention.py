@@ -145,19 +145,3 @@ def test_decode_by_tma_equals_pointer_loads_and_training_bitwise(heads):
         latent_attention_triton(q[last], cache, lat, PagedLayout(layout.cu_seqlens_q, layout.seq_lens, table.cuda(), 32, 1),
                                 scale, kv_descriptors=True)
 
-
-def test_pick_config_splits_the_value_of_few_tma_decode_programs():
-    """Decode launches read by TMA take 8 warps; with at most a quarter as many programs as SMs
-    (a rollout's last sequences) they split the value dims over four 4-warp programs each, which
-    the GPU test above proves bitwise equal. Pointer loads and training tiles keep one chunk."""
-    from vexact_models.kernels.latent_attention import FEW_VALUE_CHUNKS, pick_config
-
-    bf16 = torch.bfloat16
-    assert FEW_VALUE_CHUNKS == 4
-    assert pick_config(bf16, 16, 33, 132, kv_descriptors=True) == LatentConfig(16, 64, 4, 3, 4)  # 33 x 4 <= 132
-    assert pick_config(bf16, 16, 34, 132, kv_descriptors=True) == LatentConfig(16, 64, 8, 3)
-    assert pick_config(bf16, 128, 4, 132, kv_descriptors=True) == LatentConfig(16, 64, 4, 3, 4)  # 8 tiles each
-    assert pick_config(bf16, 128, 5, 132, kv_descriptors=True) == LatentConfig(16, 64, 8, 3)
-    assert pick_config(bf16, 16, 8, 132).value_chunks == 1  # pointer loads: chunks lost there
-    assert pick_config(bf16, 4096, 8, 132, kv_descriptors=True).value_chunks == 1
-    assert pick_config(torch.float32, 16, 8, 132, kv_descriptors=True).value_chunks == 1

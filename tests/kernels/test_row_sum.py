@@ -62,7 +62,12 @@ def test_latent_decode_takes_16_row_tiles_with_warps_by_program_count():
     assert latent_pick_config(bf16, 128, 16, 132) == LatentConfig(16, blk, 8, 2)  # DeepSeek-V3: 8 tiles x 16
     assert latent_pick_config(bf16, 129, 1, 132) == LatentConfig(64, blk, 8, 2)  # prefill and training
     assert latent_pick_config(torch.float32, 16, 1, 132) == LatentConfig(16, key_block(torch.float32), 4, 1)
-    # whole key blocks by TMA: 8 warps, three stages (two TMA buffers), at any program count
-    for rows, seqs in ((16, 256), (16, 32), (128, 16)):
+    # whole key blocks by TMA: 8 warps, three stages (two TMA buffers); with at most a quarter as
+    # many programs as SMs (a rollout's last sequences) the value dims split over four 4-warp
+    # programs each (tests/kernels/test_latent_attention.py proves them bitwise on a GPU)
+    for rows, seqs in ((16, 256), (16, 34), (128, 16), (128, 5)):
         assert latent_pick_config(bf16, rows, seqs, 132, kv_descriptors=True) == LatentConfig(16, blk, 8, 3)
+    for rows, seqs in ((16, 33), (16, 1), (128, 4)):  # 33 x 4 <= 132; DeepSeek-V3: 8 tiles a sequence
+        assert latent_pick_config(bf16, rows, seqs, 132, kv_descriptors=True) == LatentConfig(16, blk, 4, 3, 4)
+    assert latent_pick_config(torch.float32, 16, 8, 132, kv_descriptors=True).value_chunks == 1
     assert latent_pick_config(bf16, 129, 1, 132, kv_descriptors=True) == LatentConfig(64, blk, 8, 2)
