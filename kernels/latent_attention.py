@@ -127,10 +127,12 @@ def _kv_descriptors(kv: torch.Tensor, v_dim: int, block_n: int, value_chunks: in
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     flat = kv.reshape(kv.shape[0], -1)
-    rope = kv.shape[-1] - v_dim
-    dims = (v_dim, rope) + ((v_dim // value_chunks,) if value_chunks > 1 else ())
-    descs = tuple(TensorDescriptor(flat, list(flat.shape), [flat.stride(0), 1], [block_n, d]) for d in dims)
-    return descs if value_chunks > 1 else descs + (None,)
+
+    def blocks_of(dims: int):
+        return TensorDescriptor(flat, list(flat.shape), [flat.stride(0), 1], [block_n, dims])
+
+    value = blocks_of(v_dim // value_chunks) if value_chunks > 1 else None
+    return blocks_of(v_dim), blocks_of(kv.shape[-1] - v_dim), value
 
 
 @triton.jit
