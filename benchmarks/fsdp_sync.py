@@ -302,4 +302,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from vexact_models.distributed import exit_rank
+
+    exit_rank(main())  # not sys.exit: interpreter teardown with gloo threads alive can abort a rank

@@ -34,7 +34,6 @@ Usage (record the table in docs/gpu-results.md):
 from __future__ import annotations
 
 import argparse
-import gc
 import math
 import os
 import random
@@ -305,8 +304,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    # free the engine's reference cycles (and the process-group handles the sharded model holds)
-    # now, not during interpreter shutdown, where gloo's worker threads can abort the process
-    gc.collect()
-    sys.exit(code)
+    from vexact_models.distributed import exit_rank
+
+    exit_rank(main())  # not sys.exit: interpreter teardown with gloo threads alive can abort a rank

@@ -23,7 +23,6 @@ What the published package (veomni 0.1.12) needs to run here (docs/fsdp.md has t
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 
 import torch
@@ -100,4 +99,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from vexact_models.distributed import exit_rank
+
+    exit_rank(main())  # not sys.exit: interpreter teardown with gloo threads alive can abort a rank

@@ -28,14 +28,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
+import sys
 from collections.abc import Iterator
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["FORWARD_METHODS", "checkpoint_name", "fsdp_forward_method", "register_forward_methods", "shard",
-           "stream_full_weights"]
+__all__ = ["FORWARD_METHODS", "checkpoint_name", "exit_rank", "fsdp_forward_method", "register_forward_methods",
+           "shard", "stream_full_weights"]
 
 #: Methods other than ``forward`` that run the model and so must run FSDP's forward hooks.
 FORWARD_METHODS = ("token_logprobs",)
@@ -318,3 +321,25 @@ def _stream(model, bucket_bytes, dtype, device) -> Iterator[tuple[str, torch.Ten
         del params, bucket, param
         while gathered:  # hand each tensor over and forget it: the caller decides its lifetime
             yield gathered.pop(0)
+
+
+def exit_rank(code: int) -> NoReturn:
+    """End this process (one rank of a ``torchrun`` job) with exit status `code`, skipping the
+    interpreter's teardown.
+
+    Call it last, once every rank is done with its collectives: it destroys the process groups
+    if they are still up, flushes stdout and stderr, and leaves with ``os._exit``.
+
+    Why not ``sys.exit``: after FSDP2 the gloo process group outlives ``destroy_process_group``.
+    DTensor's sharding cache (a torch global) keeps the device mesh, and the mesh keeps the group,
+    so its worker threads run on into interpreter finalization. There they can abort a rank
+    ("terminate called without an active exception", SIGABRT) after a run that succeeded. This
+    happened in CI on a loaded host. With no teardown, the rank exits with its own status.
+    """
+    if not isinstance(code, int) or isinstance(code, bool) or not 0 <= code <= 255:
+        raise ValueError(f"exit_rank: code must be an int exit status in 0..255, got {code!r}")
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fsdp_support import (Results, equal_lists, make_model, make_sequences, packed, padded,  # noqa: E402
                           per_sequence, splits)
 
-from vexact_models.distributed import shard, stream_full_weights  # noqa: E402
+from vexact_models.distributed import exit_rank, shard, stream_full_weights  # noqa: E402
 from vexact_models.registry import architectures  # noqa: E402
 
 
@@ -212,3 +212,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_rank(0)  # not a plain return: interpreter teardown with gloo threads alive can abort a rank

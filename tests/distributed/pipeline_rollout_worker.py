@@ -31,6 +31,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fsdp_support import Results, make_model  # noqa: E402
 
+from vexact_models.distributed import exit_rank  # noqa: E402
 from vexact_models.registry import get  # noqa: E402
 from vexact_models.runtime import LLM, SamplingParams  # noqa: E402
 from vexact_models.runtime.model_runner import kv_bytes_per_block  # noqa: E402
@@ -182,3 +183,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_rank(0)  # not a plain return: interpreter teardown with gloo threads alive can abort a rank

@@ -1,5 +1,9 @@
 """vexact_models.distributed without a process group: argument checks (raised before anything
-changes) and weight streaming from an unsharded model."""
+changes) and weight streaming from an unsharded model; `exit_rank` in a one-rank gloo process."""
+
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -7,7 +11,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 import vexact_models.qwen3 as qwen3
-from vexact_models.distributed import checkpoint_name, shard, stream_full_weights
+from vexact_models.distributed import checkpoint_name, exit_rank, shard, stream_full_weights
 
 
 @pytest.fixture
@@ -67,3 +71,34 @@ def test_checkpoint_name_strips_wrapper_prefixes():
     assert checkpoint_name("model.layers.0._checkpoint_wrapped_module.mlp.up_proj.weight") == \
         "model.layers.0.mlp.up_proj.weight"
     assert checkpoint_name("_orig_mod.model.norm.weight") == "model.norm.weight"
+
+
+@pytest.mark.parametrize("code", [256, -1, True, "0", None])
+def test_exit_rank_refuses_a_code_that_is_not_an_exit_status(code):
+    with pytest.raises(ValueError) as info:
+        exit_rank(code)
+    assert f"got {code!r}" in str(info.value) and "0..255" in str(info.value)
+
+
+RANK_THAT_EXITS = textwrap.dedent("""
+    import atexit, sys
+    import torch, torch.distributed as dist
+    import vexact_models.qwen3 as qwen3
+    from vexact_models.distributed import exit_rank, shard
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    model = qwen3.Qwen3ForCausalLM(qwen3.tiny_config())
+    shard(model)
+    model.token_logprobs(torch.tensor([[1, 2, 3]]))
+    atexit.register(lambda: print("teardown ran"))
+    print("rank done", end="")  # no newline, no flush: exit_rank must flush it
+    exit_rank(3)
+""")
+
+
+def test_exit_rank_flushes_and_exits_with_the_code_without_teardown():
+    """After FSDP2 on gloo (whose group outlives destroy_process_group), the rank ends with its
+    own status and its output, and the interpreter's teardown (atexit) does not run."""
+    run = subprocess.run([sys.executable, "-c", RANK_THAT_EXITS], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 3, run.stderr[-3000:]
+    assert run.stdout == "rank done", run.stdout
