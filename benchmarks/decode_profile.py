@@ -62,9 +62,14 @@ def is_profiled_step(scheduled, batch: int, prompt_steps: bool = False) -> bool:
     """Whether a step of `scheduled` items is one the profile attributes kernels to: a decode
     step of all `batch` sequences, one new token each; with `prompt_steps`, instead a step with
     prompt tokens (a prefill chunk, beside whatever decode rows share the step)."""
-    if prompt_steps:
-        return any(item.num_new_tokens > 1 for item in scheduled)
-    return len(scheduled) == batch and all(item.num_new_tokens == 1 for item in scheduled)
+    decode_only = all(item.num_new_tokens == 1 for item in scheduled)
+    return _picked(len(scheduled), decode_only, batch, prompt_steps)
+
+
+def _picked(sequences: int, decode_only: bool, batch: int, prompt_steps: bool) -> bool:
+    """`is_profiled_step` on a step's summary, as ``LLM.step_times`` records it (an empty step
+    is decode-only and has no sequences, so neither kind picks it)."""
+    return (not decode_only) if prompt_steps else (decode_only and sequences == batch and sequences > 0)
 
 
 def _mark_steps(llm, batch: int, prompt_steps: bool = False) -> list[int]:
@@ -98,8 +103,7 @@ def _median_step(llm, prompts, params, batch: int, async_scheduling: bool, promp
     llm.async_scheduling = async_scheduling
     llm.step_times = []
     llm.generate(prompts, params, use_tqdm=False)
-    picked = sorted(t for n, is_decode, t in llm.step_times
-                    if (not is_decode if prompt_steps else is_decode and n == batch))
+    picked = sorted(t for n, decode_only, t in llm.step_times if _picked(n, decode_only, batch, prompt_steps))
     if not picked:
         raise SystemExit("decode_profile: no step with prompt tokens ran" if prompt_steps else
                          f"decode_profile: no decode step ran all {batch} sequences; raise --steps")

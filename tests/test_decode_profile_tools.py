@@ -232,9 +232,12 @@ def test_profiled_steps_are_the_full_batch_decode_steps_or_the_prompt_steps(monk
         launch = llm._launch
         llm._launch = lambda scheduled: seen.append([item.num_new_tokens for item in scheduled]) or launch(scheduled)
         tokens = decode_profile._mark_steps(llm, 3, prompt_steps)
+        llm.step_times = []
         llm.generate(prompts, params, use_tqdm=False)
         want = [sum(s) for s in seen if (max(s) > 1 if prompt_steps else s == [1, 1, 1])]
         assert tokens == want and want
+        # the timed run (_median_step) picks the same steps from the steps' summaries
+        assert sum(decode_profile._picked(n, d, 3, prompt_steps) for n, d, _ in llm.step_times) == len(want)
         if prompt_steps:
             assert sum(tokens) >= 60 and all(n <= 24 for n in tokens)
         assert not llm.async_scheduling
