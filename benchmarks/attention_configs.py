@@ -71,6 +71,9 @@ def latent_candidates(kind: str):
     # only from five stages on (one buffer below), hence the deep candidates
     for bn, (bm, warps), stages, ch in itertools.product((32, 64), rows, (1, 2, 3, 5), chunks):
         yield LatentConfig(bm, bn, warps, stages, ch)
+    if kind == "decode":  # keys as the dots' rows (wgmma), through TMA only; three stages do not fit
+        for warps, stages, ch in itertools.product((4, 8), (1, 2), (1, 2, 4)):
+            yield LatentConfig(16, 64, warps, stages, ch, key_major=True)
 
 
 def gqa_candidates(kind: str):
@@ -142,6 +145,8 @@ def sweep_case(case, latent: bool, hbm: float, keep_configs: tuple[str, ...] = (
             continue
         if by_tma and (cfg.block_m != 16 or layout.page_size % cfg.block_n):
             continue
+        if getattr(cfg, "key_major", False) and not by_tma:
+            continue
         try:
             out = run(cfg, by_tma)
             # decode kernels take tens of microseconds: time them in a CUDA graph, without the host
@@ -173,6 +178,7 @@ def _sdpa_ms(q, k, v, seqs, length) -> float:
 def _label(cfg) -> str:
     chunks = getattr(cfg, "value_chunks", 1)
     return (f"m{cfg.block_m} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}" + (f" v{chunks}" if chunks > 1 else "")
+            + (" key-major" if getattr(cfg, "key_major", False) else "")
             + (" heads" if getattr(cfg, "heads_fastest", False) else ""))
 
 

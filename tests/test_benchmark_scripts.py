@@ -255,3 +255,36 @@ def test_workload_decode_roofline_counts_each_decode_step_once(monkeypatch):
             pytest.approx((step_weights(1), 6 * per_token))
         if experts:
             assert step_weights(1) < step_weights(2) < weights
+
+
+def test_kernel_resources_compiles_for_hopper_on_cpu():
+    """benchmarks/kernel_resources.py compiles the latent decode candidates for sm_90 without a
+    GPU: row-major launches become mma.sync, key-major ones wgmma, each with ptxas's counts."""
+    script = "kernel_resources.py"
+    help_run = subprocess.run([sys.executable, script, "--help"], cwd=BENCHMARKS, capture_output=True, text=True,
+                              timeout=120)
+    assert help_run.returncode == 0 and "--shape" in help_run.stdout
+    run = subprocess.run([sys.executable, script, "--shape", "tiny"], cwd=BENCHMARKS, capture_output=True, text=True,
+                         timeout=300, env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin", "PYTHONWARNINGS": "ignore"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [line.split() for line in run.stdout.splitlines() if line.strip().startswith("m16")]
+    assert len(rows) == 5, run.stdout
+    for row in rows:
+        major, dots = row[-6], row[-5]
+        assert dots.startswith("wgmma" if major == "key" else "mma.sync"), row
+        assert 0 < int(row[-4]) <= 255 and int(row[-3]) >= 0 and int(row[-1]) >= 1, row
+    bad = subprocess.run([sys.executable, script, "--shape", "llama"], cwd=BENCHMARKS, capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "--shape" in bad.stderr
+
+
+def test_kernel_resources_programs_per_sm():
+    sys.path.insert(0, str(BENCHMARKS))
+    from sm90_compile import KernelResources
+
+    # 255 registers x 256 threads fit once in 64K registers; 164 KB of shared memory once in 227
+    assert KernelResources("k", 255, 0, 164 * 1024, 8, 0, 136).programs_per_sm() == 1
+    assert KernelResources("k", 85, 0, 25 * 1024, 4, 28, 0).programs_per_sm() == 6  # registers: 65536 // (85 * 128)
+    assert KernelResources("k", 32, 0, 100 * 1024, 4, 0, 0).programs_per_sm() == 2  # shared memory
+    assert KernelResources("k", 32, 0, 0, 4, 3, 2).mma == "wgmma+mma.sync"
+    assert KernelResources("k", 32, 0, 0, 4, 0, 0).mma == "none"

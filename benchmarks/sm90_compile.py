@@ -1,0 +1,125 @@
+"""Compile Triton kernels for Hopper (sm_90) on a machine without a GPU, and read their resources.
+
+`compile_only()` swaps Triton's active driver for one that reports an sm_90 target and turns every
+kernel launch into a compile: the launchers of `vexact_models.kernels` run as they would on an
+H100/H200 (their specialisation, their constexprs, their TMA descriptors), on CPU tensors, and
+nothing runs. `resources(kernel)` then runs the wheel's own ``ptxas -v`` on the kernel's PTX:
+registers per thread, spill bytes, shared memory and which MMA instructions the dots became.
+
+Why: a decode kernel's speed on Hopper hangs on these numbers (a 16-row latent tile's query
+operand in every warp's registers took 255 registers and spilled, one program per SM;
+docs/gpu-results.md, twenty-eighth session), and a GPU session is short. They can be read here
+first, and only the candidates worth it timed there. Registers and spills are ptxas's for sm_90a,
+as the GPU's own compile gets them (the driver's count can differ by a few registers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import subprocess
+import tempfile
+from collections.abc import Iterator
+
+import torch
+
+
+class _Sm90CompileOnly:
+    """Triton's driver interface, as much of it as a compile needs: an sm_90 target, device 0."""
+
+    def __init__(self) -> None:
+        self.compiled: list = []
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device=None) -> int:
+        return 0
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def is_active(self) -> bool:
+        return True
+
+
+@contextlib.contextmanager
+def compile_only() -> Iterator[list]:
+    """Inside the block, a Triton launch compiles for sm_90 and returns without running; the list
+    it yields receives each compiled kernel, in launch order. Triton's driver and launch path are
+    restored on exit. (Kernels compiled here stay in their JIT cache under device 0: run this in a
+    process that launches nothing on a real GPU.)"""
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    fake = _Sm90CompileOnly()
+    launch = JITFunction.run
+
+    def compile_instead(self, *args, grid, warmup, **kwargs):
+        kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
+        fake.compiled.append(kernel)
+        return kernel
+
+    previous = driver._active  # None until something asked for it: left lazy again on exit
+    driver.set_active(fake)
+    JITFunction.run = compile_instead
+    try:
+        yield fake.compiled
+    finally:
+        JITFunction.run = launch
+        driver.set_active(previous)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelResources:
+    """What one compiled kernel asks of an SM."""
+
+    name: str
+    registers: int  # per thread
+    spill_bytes: int  # spill stores + loads, per thread
+    shared_bytes: int
+    num_warps: int
+    wgmma: int  # wgmma.mma_async instructions in the PTX
+    mma_sync: int  # mma.sync instructions
+
+    def programs_per_sm(self, registers_per_sm: int = 65536, shared_per_sm: int = 227 * 1024) -> int:
+        """Resident programs an SM can hold, by registers and by shared memory (Hopper's limits)."""
+        by_regs = registers_per_sm // (self.registers * 32 * self.num_warps)
+        by_smem = shared_per_sm // self.shared_bytes if self.shared_bytes else by_regs
+        return min(by_regs, by_smem)
+
+    @property
+    def mma(self) -> str:
+        """The dots' instructions: "wgmma", "mma.sync", both or none."""
+        kinds = [k for k, n in (("wgmma", self.wgmma), ("mma.sync", self.mma_sync)) if n]
+        return "+".join(kinds) or "none"
+
+
+def resources(kernel) -> KernelResources:
+    """`kernel` (one of `compile_only`'s) through ``ptxas -v -arch=sm_90a``."""
+    import triton
+
+    ptx = kernel.asm["ptx"]
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "kernel.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        run = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(tmp, "kernel.cubin")],
+                             capture_output=True, text=True)
+    if run.returncode:
+        raise RuntimeError(f"ptxas failed on {kernel.name}: {run.stderr[-2000:]}")
+    registers = re.search(r"Used (\d+) registers", run.stderr)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", run.stderr)
+    if registers is None or spills is None:
+        raise RuntimeError(f"ptxas -v printed no register or spill counts for {kernel.name}: {run.stderr[-2000:]}")
+    return KernelResources(kernel.name, int(registers.group(1)), int(spills.group(1)) + int(spills.group(2)),
+                           kernel.metadata.shared, kernel.metadata.num_warps, ptx.count("wgmma.mma_async"),
+                           ptx.count("mma.sync"))
