@@ -102,7 +102,8 @@ def test_latent_launch_parameters_leave_the_output_unchanged(dtype):
 def test_key_major_decode_is_the_row_major_bits():
     """Decode through TMA with keys as the dots' rows (`LatentConfig.key_major`) gives bitwise the
     row-major launch's output and lse: whole key blocks, a partial last block (its rows past the
-    keys NaN, as a fresh cache is here), one key, value chunks, GQA-style head groups. A
+    keys NaN, as a fresh cache is here), one key, value chunks, GQA-style head groups, prefill
+    chunks of several tokens. A
     key-major launch without TMA is refused."""
     lat, rope, heads, page = 64, 16, 4, 64  # 64 latent dims: 16 a chunk at 4 chunks, tl.dot's minimum
     lens = [1, 64, 70, 130]
@@ -123,6 +124,15 @@ def test_key_major_decode_is_the_row_major_bits():
                 LatentConfig(16, 64, 4, 2, 2, True)):
         out, lse = latent_attention_triton(q, k_cache, lat, layout, 0.2, cfg, kv_descriptors=True)
         assert torch.equal(out, want) and torch.equal(lse, want_lse), cfg
+    # a prefill chunk's rows (3 and 5 new tokens: 12 and 20 rows, one and two 16-row tiles), causal within the chunk
+    q_chunk = torch.randn(8, heads, lat + rope, generator=g).bfloat16().to(DEVICE)
+    chunked = PagedLayout(torch.tensor([0, 3, 8], dtype=torch.int32, device=DEVICE),
+                          torch.tensor([70, 130], dtype=torch.int32, device=DEVICE), table[2:], page, 5)
+    want, want_lse = latent_attention_triton(q_chunk, k_cache, lat, chunked, 0.2, LatentConfig(16, 64, 8, 3),
+                                             kv_descriptors=True)
+    out, lse = latent_attention_triton(q_chunk, k_cache, lat, chunked, 0.2, LatentConfig(16, 64, 8, 2, 1, True),
+                                       kv_descriptors=True)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
     with pytest.raises(ValueError, match="key_major=True .* needs kv_descriptors=True, got kv_descriptors=False"):
         latent_attention_triton(q, k_cache, lat, layout, 0.2, LatentConfig(16, 64, 8, 2, 1, True), kv_descriptors=False)
 
