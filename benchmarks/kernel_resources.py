@@ -1,16 +1,18 @@
-"""Registers, spills and shared memory of the latent MLA decode kernel's launch candidates on
+"""Registers, spills and shared memory of the decode attention kernels' launch candidates on
 Hopper, read without a GPU: each candidate is compiled for sm_90 through the real launcher
 (`sm90_compile.compile_only`) and measured by the Triton wheel's ``ptxas -v``.
 
 A decode launch reads the cache at the speed its programs can keep copies in flight, and a
-program whose registers spill, or that holds an SM alone, keeps fewer. The row-major 16-row
-tiles (mma.sync) hold the 16 x 576 query operand in every warp's registers; the key-major ones
-(`LatentConfig.key_major`, wgmma) read both operands from shared memory. Timings and bitwise
-checks are the GPU's: `attention_configs.py`, `conformance/kernel_invariance.py --only latent`.
+program whose registers spill, or that holds an SM alone, keeps fewer. The latent MLA kernel's
+row-major 16-row tiles (mma.sync) hold the 16 x 576 query operand in every warp's registers; the
+key-major ones (`LatentConfig.key_major`, wgmma) read both operands from shared memory. The GQA
+kernel's decode tiles (`--kernel gqa`) are listed with pointer loads and with TMA pages. Timings
+and bitwise checks are the GPU's: `attention_configs.py`, `conformance/kernel_invariance.py`.
 
 Usage:
     python benchmarks/kernel_resources.py                   # Moonlight's latent decode shape
     python benchmarks/kernel_resources.py --shape deepseek-v3
+    python benchmarks/kernel_resources.py --kernel gqa --shape qwen3-8b
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ import torch
 from bench_utils import table
 from sm90_compile import compile_only, resources
 
-# name: (query heads per KV head, latent dims, rope dims)
-SHAPES = {"moonlight": (16, 512, 64), "deepseek-v3": (128, 512, 64), "tiny": (4, 64, 16)}
+# latent: (query heads, latent dims, rope dims); gqa: (query heads, KV heads, head dim)
+SHAPES = {"latent": {"moonlight": (16, 512, 64), "deepseek-v3": (128, 512, 64), "tiny": (4, 64, 16)},
+          "gqa": {"qwen3-0.6b": (16, 8, 128), "qwen3-8b": (32, 8, 128), "tiny": (4, 2, 64)}}
 
 
 def candidates():
@@ -35,13 +38,15 @@ def candidates():
             LatentConfig(16, 64, 4, 2, 1, True), LatentConfig(16, 64, 4, 2, 4, True)]
 
 
-def decode_inputs(heads: int, lat: int, rope: int, seqs: int = 4, context: int = 528, page: int = 64):
+def decode_inputs(heads: int, lat: int, rope: int, seqs: int = 4, context: int = 528, page: int = 64,
+                  kv_heads: int = 1):
     """CPU stand-ins of a decode launch's tensors (zeros: nothing runs) with the engine's layout:
-    pages of 64, one query token a sequence, the longest-first order buffer."""
+    pages of 64, one query token a sequence, the longest-first order buffer; `lat` + `rope` dims
+    a head (a GQA head: `lat` dims, no rope)."""
     from vexact_models.kernels import PagedLayout
 
     pages = -(-context // page)
-    kv = torch.zeros(seqs * pages * page, 1, lat + rope, dtype=torch.bfloat16)
+    kv = torch.zeros(seqs * pages * page, kv_heads, lat + rope, dtype=torch.bfloat16)
     q = torch.zeros(seqs, heads, lat + rope, dtype=torch.bfloat16)
     table_ = torch.arange(seqs * pages, dtype=torch.int32).view(seqs, pages)
     layout = PagedLayout(torch.arange(seqs + 1, dtype=torch.int32), torch.full((seqs,), context, dtype=torch.int32),
@@ -49,37 +54,61 @@ def decode_inputs(heads: int, lat: int, rope: int, seqs: int = 4, context: int =
     return q, kv, layout
 
 
-def measure(shape: str) -> list[list]:
-    """One row per candidate: its resources compiled for sm_90 at `shape`."""
+def _row(label: str, loads: str, res) -> list:
+    return [label, loads, res.mma, res.registers, res.spill_bytes, f"{res.shared_bytes / 1024:.0f}",
+            res.programs_per_sm()]
+
+
+def measure_latent(shape: str) -> list[list]:
+    """One row per latent candidate: its resources compiled for sm_90 at `shape`."""
     from vexact_models.kernels.latent_attention import latent_attention_triton
 
-    heads, lat, rope = SHAPES[shape]
+    heads, lat, rope = SHAPES["latent"][shape]
     q, kv, layout = decode_inputs(heads, lat, rope)
     rows = []
     with compile_only() as compiled:
         for cfg in candidates():
             latent_attention_triton(q, kv, lat, layout, lat ** -0.5, cfg, kv_descriptors=True)
-            res = resources(compiled[-1])
             label = (f"m{cfg.block_m} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
                      + (f" v{cfg.value_chunks}" if cfg.value_chunks > 1 else ""))
-            rows.append([label, "key" if cfg.key_major else "row", res.mma, res.registers, res.spill_bytes,
-                         f"{res.shared_bytes / 1024:.0f}", res.programs_per_sm()])
+            rows.append(_row(label, "TMA, " + ("key-major" if cfg.key_major else "row-major"), resources(compiled[-1])))
+    return rows
+
+
+def measure_gqa(shape: str) -> list[list]:
+    """The GQA decode tiles `pick_config` takes (three stages; five for launches of few programs
+    with pointer loads), each with pointer loads and with TMA pages where it may use them."""
+    from vexact_models.kernels.attention import AttentionConfig, attention_triton
+
+    heads, kv_heads, dim = SHAPES["gqa"][shape]
+    q, k, layout = decode_inputs(heads, dim, 0, kv_heads=kv_heads)
+    rows = []
+    with compile_only() as compiled:
+        for stages, tma in ((3, False), (3, True), (5, False)):
+            cfg = AttentionConfig(16, 64, 4, stages, heads_fastest=True)
+            attention_triton(q, k, k, layout, dim ** -0.5, cfg, page_descriptors=tma)
+            rows.append(_row(f"m16 n64 w4 s{stages} heads", "TMA pages" if tma else "pointers", resources(compiled[-1])))
     return rows
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", choices=sorted(SHAPES), default="moonlight",
-                   help="the latent attention shape: query heads, 512 latent + 64 rope dims (tiny: 4, 64 + 16)")
+    p.add_argument("--kernel", choices=sorted(SHAPES), default="latent",
+                   help="latent: the latent MLA attention's decode launches; gqa: the GQA attention's")
+    p.add_argument("--shape", help="latent: moonlight (default), deepseek-v3 or tiny; gqa: qwen3-0.6b, "
+                                   "qwen3-8b (default) or tiny")
     args = p.parse_args(argv)
+    shape = args.shape or {"latent": "moonlight", "gqa": "qwen3-8b"}[args.kernel]
+    if shape not in SHAPES[args.kernel]:
+        p.error(f"--shape {shape!r} is not a {args.kernel} shape; choose one of {sorted(SHAPES[args.kernel])}")
     try:
         import triton  # noqa: F401
     except ImportError:
         print("kernel_resources.py needs triton (pip install triton==3.6.0); no GPU is needed", file=sys.stderr)
         return 2
-    heads, lat, rope = SHAPES[args.shape]
-    table(f"latent decode launches, {args.shape} ({heads} heads, {lat} + {rope} dims), compiled for sm_90",
-          ["config", "major", "dots", "registers", "spill bytes", "shared KB", "programs/SM"], measure(args.shape))
+    rows = (measure_latent if args.kernel == "latent" else measure_gqa)(shape)
+    table(f"{args.kernel} decode launches, {shape} {SHAPES[args.kernel][shape]}, compiled for sm_90",
+          ["config", "loads", "dots", "registers", "spill bytes", "shared KB", "programs/SM"], rows)
     return 0
 
 
