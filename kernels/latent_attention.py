@@ -109,7 +109,7 @@ def pick_config(dtype: torch.dtype, rows_per_seq: int, n_seqs: int, sm_count: in
     if rows_per_seq <= DECODE_ROWS:
         programs = n_seqs * -(-rows_per_seq // DECODE_BLOCK_M)
         if kv_descriptors:
-            # key-major: two stages (three 74 KB key buffers exceed the 228 KB of an SM); offline
+            # key-major: two stages (three 74 KB key buffers exceed an SM's 227 KB); offline
             # sm_90 compiles (benchmarks/kernel_resources.py): 179 registers at 8 warps, 136 at 4
             # with value chunks, no spills, where row-major takes 255 and spills
             key_major = LATENT_DECODE.mode() == "key-major"

@@ -61,8 +61,8 @@ def row_sum_halves(x, LEVELS: tl.constexpr, LANE_SUMS: tl.constexpr):
 
 @triton.jit
 def col_sum_halves(x, LEVELS: tl.constexpr):
-    """``[N]`` sums of the columns of ``x [2**LEVELS, N]`` in `row_sum_halves`'s order (the top half
-    of the rows added onto the bottom's, elementwise, until one row is left): the same bits as
+    """``[N]`` sums of the columns of ``x [2**LEVELS, N]`` in `row_sum_halves`'s order (the second
+    half of the rows added to the first, elementwise, until one row is left): the same bits as
     `row_sum_halves` of the transposed tile, for kernels whose tiles hold keys as rows
     (`latent_attention`'s key-major decode). One lowering only: split and add."""
     for _ in tl.static_range(LEVELS):
