@@ -180,7 +180,8 @@ def _latent_block_key_major(q_lat, q_rope, k_lat, k_rope, v, k_pos, k_ok, q_pos,
     """`_latent_block` transposed: the scores ``[BLOCK_N, BLOCK_M]`` (keys as rows) and the output
     ``acc [BLOCK_V, BLOCK_M]``. Every element is the same products summed in the same order (a
     dot's operands swapped; the denominators by `col_sum_halves`, `row_sum_halves`'s order), so
-    the same bits. Why: with 16 query rows the row-major dots are mma.sync tiles whose query operand
+    the same bits (swapped operands did not move a bit in quack's swap-AB GEMMs, docs/design.md
+    rule 1). Why: with 16 query rows the row-major dots are mma.sync tiles whose query operand
     (16 x 576) sits in every warp's registers (255 registers, spills, one program per SM); keys as
     rows make them wgmma tiles of 64 rows with both operands in shared memory."""
     s = latent_scores(k_lat, k_rope, q_lat, q_rope, scale_log2)  # k_lat . q_lat^T, then the rope dot onto it
