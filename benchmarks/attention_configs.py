@@ -74,6 +74,9 @@ def latent_candidates(kind: str):
     if kind == "decode":  # keys as the dots' rows (wgmma), through TMA only; three stages do not fit
         for warps, stages, ch in itertools.product((4, 8), (1, 2), (1, 2, 4)):
             yield LatentConfig(16, 64, warps, stages, ch, key_major=True)
+        # 32 query rows a program: half the programs (and cache reads) for DeepSeek-V3's 128 heads
+        for stages, ch in itertools.product((1, 2), (1, 2)):
+            yield LatentConfig(32, 64, 8, stages, ch, key_major=True)
 
 
 def gqa_candidates(kind: str):
@@ -143,7 +146,7 @@ def sweep_case(case, latent: bool, hbm: float, keep_configs: tuple[str, ...] = (
     for cfg, by_tma in ((c, t) for c in candidates for t in ((False, True) if page_tma else (False,))):
         if keep_configs and not _label(cfg).startswith(keep_configs):
             continue
-        if by_tma and (cfg.block_m != 16 or layout.page_size % cfg.block_n):
+        if by_tma and ((cfg.block_m != 16 and not getattr(cfg, "key_major", False)) or layout.page_size % cfg.block_n):
             continue
         if getattr(cfg, "key_major", False) and not by_tma:
             continue

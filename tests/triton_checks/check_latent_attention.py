@@ -121,7 +121,7 @@ def test_key_major_decode_is_the_row_major_bits():
                                              kv_descriptors=True)
     assert not want.isnan().any()
     for cfg in (LatentConfig(16, 64, 8, 2, 1, True), LatentConfig(16, 64, 4, 2, 4, True),
-                LatentConfig(16, 64, 4, 2, 2, True)):
+                LatentConfig(16, 64, 4, 2, 2, True), LatentConfig(32, 64, 8, 2, 1, True)):
         out, lse = latent_attention_triton(q, k_cache, lat, layout, 0.2, cfg, kv_descriptors=True)
         assert torch.equal(out, want) and torch.equal(lse, want_lse), cfg
     # a prefill chunk's rows (3 and 5 new tokens: 12 and 20 rows, one and two 16-row tiles), causal within the chunk
