@@ -149,10 +149,11 @@ def workload_decode_roofline(model, prompt_lens: list[int], outputs: list[int], 
     return weight_bytes / (hbm_gbs * 1e9), kv_tokens * kv_per_token / (hbm_gbs * 1e9)
 
 
-def decode_layout(batch: int, context: int | list[int], page: int):
-    """A decode step's `PagedLayout` on the GPU: `batch` sequences of one new token each over
-    `context` cached positions (one count for all, or one per sequence), their pages (``ceil(context
-    / page)`` each, numbered from 0) shuffled over the cache as a running engine leaves them."""
+def decode_layout(batch: int, context: int | list[int], page: int, device="cuda"):
+    """A decode step's `PagedLayout` on `device` (the GPU by default): `batch` sequences of one new
+    token each over `context` cached positions (one count for all, or one per sequence), their
+    pages (``ceil(context / page)`` each, numbered from 0) shuffled over the cache as a running
+    engine leaves them."""
     from vexact_models.kernels import PagedLayout
 
     lens = [context] * batch if isinstance(context, int) else list(context)
@@ -163,8 +164,8 @@ def decode_layout(batch: int, context: int | list[int], page: int):
     table_ = torch.zeros(batch, max(pages), dtype=torch.int32)
     for s, chunk in enumerate(ids.split(pages)):
         table_[s, :len(chunk)] = chunk
-    return PagedLayout(torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
-                       torch.tensor(lens, dtype=torch.int32, device="cuda"), table_.cuda(), page, 1)
+    return PagedLayout(torch.arange(batch + 1, dtype=torch.int32, device=device),
+                       torch.tensor(lens, dtype=torch.int32, device=device), table_.to(device), page, 1)
 
 
 def table(title: str, header: list[str], rows: list[list]) -> None:

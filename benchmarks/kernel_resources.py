@@ -18,11 +18,12 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 import torch
 
-from bench_utils import table
+from bench_utils import decode_layout, table
 from sm90_compile import compile_only, resources
 
 # latent: (query heads, latent dims, rope dims); gqa: (query heads, KV heads, head dim)
@@ -43,14 +44,10 @@ def decode_inputs(heads: int, lat: int, rope: int, seqs: int = 4, context: int =
     """CPU stand-ins of a decode launch's tensors (zeros: nothing runs) with the engine's layout:
     pages of 64, one query token a sequence, the longest-first order buffer; `lat` + `rope` dims
     a head (a GQA head: `lat` dims, no rope)."""
-    from vexact_models.kernels import PagedLayout
-
-    pages = -(-context // page)
-    kv = torch.zeros(seqs * pages * page, kv_heads, lat + rope, dtype=torch.bfloat16)
+    layout = decode_layout(seqs, context, page, device="cpu")
+    layout = dataclasses.replace(layout, seq_order=torch.arange(seqs, dtype=torch.int32))
+    kv = torch.zeros(int(layout.block_table.max()) + 1, page, kv_heads, lat + rope, dtype=torch.bfloat16)
     q = torch.zeros(seqs, heads, lat + rope, dtype=torch.bfloat16)
-    table_ = torch.arange(seqs * pages, dtype=torch.int32).view(seqs, pages)
-    layout = PagedLayout(torch.arange(seqs + 1, dtype=torch.int32), torch.full((seqs,), context, dtype=torch.int32),
-                         table_, page, 1, seq_order=torch.arange(seqs, dtype=torch.int32))
     return q, kv, layout
 
 

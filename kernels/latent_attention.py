@@ -195,6 +195,21 @@ def _latent_block_key_major(q_lat, q_rope, k_lat, k_rope, v, k_pos, k_ok, q_pos,
 
 
 @triton.jit
+def _tma_key_block(lat_desc, rope_desc, v_desc, slot, col, chunk, LAT: tl.constexpr, CHUNKS: tl.constexpr,
+                   BLOCK_V: tl.constexpr):
+    """The key block at cache row `slot` through TMA: its latent and rope tiles, and the value
+    (the latent tile itself, or with value chunks this program's chunk of the same rows, which
+    the latent copy just read into L2)."""
+    k_lat = lat_desc.load([slot, col])
+    k_rope = rope_desc.load([slot, col + LAT])
+    if CHUNKS == 1:
+        v = k_lat
+    else:
+        v = v_desc.load([slot, col + chunk * BLOCK_V])
+    return k_lat, k_rope, v
+
+
+@triton.jit
 def _latent_last_block_key_major(q_lat, q_rope, lat_desc, rope_desc, v_desc, table_row, first, n_keys, page_size, col,
                                  chunk, q_pos, m_i, l_i, acc, scale_log2, LAT: tl.constexpr, BLOCK_N: tl.constexpr,
                                  CHUNKS: tl.constexpr, BLOCK_V: tl.constexpr, SUM_LEVELS: tl.constexpr):
@@ -205,12 +220,7 @@ def _latent_last_block_key_major(q_lat, q_rope, lat_desc, rope_desc, v_desc, tab
     does, since a masked score's 0 times NaN would not vanish from the value dot."""
     if first < n_keys:
         slot = tl.load(table_row + first // page_size) * page_size + first % page_size
-        k_lat = lat_desc.load([slot, col])
-        k_rope = rope_desc.load([slot, col + LAT])
-        if CHUNKS == 1:
-            v = k_lat
-        else:
-            v = v_desc.load([slot, col + chunk * BLOCK_V])
+        k_lat, k_rope, v = _tma_key_block(lat_desc, rope_desc, v_desc, slot, col, chunk, LAT, CHUNKS, BLOCK_V)
         k_pos = first + tl.arange(0, BLOCK_N)
         k_ok = k_pos < n_keys
         v = tl.where(k_ok[:, None], v, 0.0)
@@ -277,12 +287,7 @@ def _latent_fwd_kernel(
         col = kv_head * (LAT + ROPE)
         slot = tl.load(table_row, mask=first > 0, other=0) * page_size
         for start in range(0, first, BLOCK_N):
-            k_lat = lat_desc.load([slot, col])
-            k_rope = rope_desc.load([slot, col + LAT])
-            if CHUNKS == 1:
-                v = k_lat
-            else:  # this chunk's dims of the same rows (the latent copy just read them into L2)
-                v = v_desc.load([slot, col + chunk * BLOCK_V])
+            k_lat, k_rope, v = _tma_key_block(lat_desc, rope_desc, v_desc, slot, col, chunk, LAT, CHUNKS, BLOCK_V)
             ahead = start + BLOCK_N
             slot = tl.load(table_row + ahead // page_size, mask=ahead < first, other=0) * page_size + ahead % page_size
             k_pos = start + tl.arange(0, BLOCK_N)
