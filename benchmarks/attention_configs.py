@@ -71,12 +71,6 @@ def latent_candidates(kind: str):
     # only from five stages on (one buffer below), hence the deep candidates
     for bn, (bm, warps), stages, ch in itertools.product((32, 64), rows, (1, 2, 3, 5), chunks):
         yield LatentConfig(bm, bn, warps, stages, ch)
-    if kind == "decode":  # keys as the dots' rows (wgmma), through TMA only; three stages do not fit
-        for warps, stages, ch in itertools.product((4, 8), (1, 2), (1, 2, 4)):
-            yield LatentConfig(16, 64, warps, stages, ch, key_major=True)
-        # 32 query rows a program: half the programs (and cache reads) for DeepSeek-V3's 128 heads
-        for stages, ch in itertools.product((1, 2), (1, 2)):
-            yield LatentConfig(32, 64, 8, stages, ch, key_major=True)
 
 
 def gqa_candidates(kind: str):
@@ -146,9 +140,7 @@ def sweep_case(case, latent: bool, hbm: float, keep_configs: tuple[str, ...] = (
     for cfg, by_tma in ((c, t) for c in candidates for t in ((False, True) if page_tma else (False,))):
         if keep_configs and not _label(cfg).startswith(keep_configs):
             continue
-        if by_tma and ((cfg.block_m != 16 and not getattr(cfg, "key_major", False)) or layout.page_size % cfg.block_n):
-            continue
-        if getattr(cfg, "key_major", False) and not by_tma:
+        if by_tma and (cfg.block_m != 16 or layout.page_size % cfg.block_n):
             continue
         try:
             out = run(cfg, by_tma)
@@ -181,7 +173,6 @@ def _sdpa_ms(q, k, v, seqs, length) -> float:
 def _label(cfg) -> str:
     chunks = getattr(cfg, "value_chunks", 1)
     return (f"m{cfg.block_m} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}" + (f" v{chunks}" if chunks > 1 else "")
-            + (" key-major" if getattr(cfg, "key_major", False) else "")
             + (" heads" if getattr(cfg, "heads_fastest", False) else ""))
 
 

@@ -2,12 +2,13 @@
 Hopper, read without a GPU: each candidate is compiled for sm_90 through the real launcher
 (`sm90_compile.compile_only`) and measured by the Triton wheel's ``ptxas -v``.
 
-A decode launch reads the cache at the speed its programs can keep copies in flight, and a
-program whose registers spill, or that holds an SM alone, keeps fewer. The latent MLA kernel's
-row-major 16-row tiles (mma.sync) hold the 16 x 576 query operand in every warp's registers; the
-key-major ones (`LatentConfig.key_major`, wgmma) read both operands from shared memory. The GQA
-kernel's decode tiles (`--kernel gqa`) are listed with pointer loads and with TMA pages. Timings
-and bitwise checks are the GPU's: `attention_configs.py`, `conformance/kernel_invariance.py`.
+A decode launch reads the cache at the speed its programs can keep copies in flight, and a program
+whose registers spill, or that holds an SM alone, keeps fewer. The latent MLA kernel's 16-row decode
+tiles (mma.sync) hold the 16 x 576 query operand in every warp's registers (a key-major variant,
+wgmma with both operands in shared memory, was built, measured and removed in the thirtieth session:
+docs/gpu-results.md). The GQA kernel's decode tiles (`--kernel gqa`) are listed with pointer loads
+and with TMA pages. Timings and bitwise checks are the GPU's: `attention_configs.py`,
+`conformance/kernel_invariance.py`.
 
 Usage:
     python benchmarks/kernel_resources.py                   # Moonlight's latent decode shape
@@ -32,11 +33,12 @@ SHAPES = {"latent": {"moonlight": (16, 512, 64), "deepseek-v3": (128, 512, 64), 
 
 
 def candidates():
-    """Row-major launches `pick_config` takes today beside the key-major ones (TMA decode)."""
+    """The TMA decode launches `pick_config` takes (one value chunk; four for few programs) and
+    their two-stage variants."""
     from vexact_models.kernels.latent_attention import LatentConfig
 
-    return [LatentConfig(16, 64, 8, 3), LatentConfig(16, 64, 4, 3, 4), LatentConfig(16, 64, 8, 2, 1, True),
-            LatentConfig(16, 64, 4, 2, 1, True), LatentConfig(16, 64, 4, 2, 4, True)]
+    return [LatentConfig(16, 64, 8, 3), LatentConfig(16, 64, 4, 3, 4), LatentConfig(16, 64, 8, 2),
+            LatentConfig(16, 64, 4, 2, 4)]
 
 
 def decode_inputs(heads: int, lat: int, rope: int, seqs: int = 4, context: int = 528, page: int = 64,
@@ -68,7 +70,7 @@ def measure_latent(shape: str) -> list[list]:
             latent_attention_triton(q, kv, lat, layout, lat ** -0.5, cfg, kv_descriptors=True)
             label = (f"m{cfg.block_m} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
                      + (f" v{cfg.value_chunks}" if cfg.value_chunks > 1 else ""))
-            rows.append(_row(label, "TMA, " + ("key-major" if cfg.key_major else "row-major"), resources(compiled[-1])))
+            rows.append(_row(label, "TMA", resources(compiled[-1])))
     return rows
 
 

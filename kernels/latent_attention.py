@@ -32,8 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from ._triton import has_tma, launch_staged, next_power_of_2, num_sms, require_triton, tl, tma_rows_aligned, triton
-from .kernel_switch import KernelSwitch
-from .row_sum import col_sum_halves, lane_sums, row_sum_halves, row_sum_levels
+from .row_sum import lane_sums, row_sum_halves, row_sum_levels
 
 
 def value_in_key(k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -57,29 +56,20 @@ class LatentConfig:
     floating-point sequence unchanged: ``block_m`` (query rows per program), warps and stages
     move work between programs, and ``value_chunks`` > 1 splits the 512 value dims over that many
     programs, each recomputing the same scores with the same dots (a value column's sum over a
-    key block is one dot whatever the N width of the tile). ``key_major`` (decode through TMA
-    only) computes the block with keys as the dots' rows (`_latent_block_key_major`): each element
-    is the same products summed in the same order, so the bits must not move either.
-    `conformance/kernel_invariance.py` ("latent configs") checks on the GPU that every candidate
-    gives bitwise the same output."""
+    key block is one dot whatever the N width of the tile). `conformance/kernel_invariance.py`
+    ("latent configs") checks on the GPU that every candidate gives bitwise the same output."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
     value_chunks: int = 1
-    key_major: bool = False
 
 
 def key_block(dtype: torch.dtype) -> int:
     """Keys per block, the KV reduction order: one per dtype (fp32's tiles are smaller)."""
     return 16 if dtype == torch.float32 else 64
 
-
-#: The layout of TMA decode launches' dots: "row-major" (query rows; mma.sync at 16 rows) or
-#: "key-major" (keys as rows; wgmma, operands in shared memory). The same bits either way; the
-#: default stays row-major until the key-major launch is measured on a GPU (docs/gpu-results.md).
-LATENT_DECODE = KernelSwitch("VEXACT_LATENT_DECODE", ("row-major", "key-major"), "row-major", "latent decode layout")
 
 DECODE_ROWS = 128  # launches with at most this many rows per sequence take DECODE_BLOCK_M-row tiles
 DECODE_BLOCK_M = 16
@@ -100,8 +90,7 @@ def pick_config(dtype: torch.dtype, rows_per_seq: int, n_seqs: int, sm_count: in
     A TMA launch of at most ``sm_count / 4`` programs (a rollout's tail: the last few sequences)
     splits the value dims over `FEW_VALUE_CHUNKS` programs of 4 warps, each with its own TMA copy
     of its slice: 1.36-1.51x at 8-32 Moonlight sequences of 1.5k-8k tokens (0.69x at 64, where the
-    one-chunk launch already fills the GPU; twenty-eighth session). `LATENT_DECODE` picks the TMA
-    launches' layout (row- or key-major, two stages for key-major).
+    one-chunk launch already fills the GPU; twenty-eighth session).
     Longer launches take 64-row tiles, 64-key blocks, 8 warps, two stages (1.4x
     the first-guess 64/32/8/1 in training); value chunks did not pay."""
     if dtype == torch.float32:
@@ -109,14 +98,9 @@ def pick_config(dtype: torch.dtype, rows_per_seq: int, n_seqs: int, sm_count: in
     if rows_per_seq <= DECODE_ROWS:
         programs = n_seqs * -(-rows_per_seq // DECODE_BLOCK_M)
         if kv_descriptors:
-            # key-major: two stages (three 74 KB key buffers exceed an SM's 227 KB); offline
-            # sm_90 compiles (benchmarks/kernel_resources.py): 179 registers at 8 warps, 136 at 4
-            # with value chunks, no spills, where row-major takes 255 and spills
-            key_major = LATENT_DECODE.mode() == "key-major"
-            stages = 2 if key_major else 3
             if programs * FEW_VALUE_CHUNKS <= sm_count:
-                return LatentConfig(DECODE_BLOCK_M, key_block(dtype), 4, stages, FEW_VALUE_CHUNKS, key_major)
-            return LatentConfig(DECODE_BLOCK_M, key_block(dtype), 8, stages, 1, key_major)
+                return LatentConfig(DECODE_BLOCK_M, key_block(dtype), 4, 3, FEW_VALUE_CHUNKS)
+            return LatentConfig(DECODE_BLOCK_M, key_block(dtype), 8, 3)
         return LatentConfig(DECODE_BLOCK_M, key_block(dtype), 4 if programs > sm_count else 8, 2)
     return LatentConfig(64, key_block(dtype), 8, 2)
 
@@ -174,61 +158,6 @@ def _latent_block(q_lat, q_rope, k_lat, k_rope, v, k_pos, k_ok, q_pos, m_i, l_i,
     return m_new, l_i, acc
 
 
-@triton.jit
-def _latent_block_key_major(q_lat, q_rope, k_lat, k_rope, v, k_pos, k_ok, q_pos, m_i, l_i, acc, scale_log2,
-                            SUM_LEVELS: tl.constexpr):
-    """`_latent_block` transposed: the scores ``[BLOCK_N, BLOCK_M]`` (keys as rows) and the output
-    ``acc [BLOCK_V, BLOCK_M]``. Every element is the same products summed in the same order (a
-    dot's operands swapped; the denominators by `col_sum_halves`, `row_sum_halves`'s order), so
-    the same bits (swapped operands did not move a bit in quack's swap-AB GEMMs, docs/design.md
-    rule 1). Why: with 16 query rows the row-major dots are mma.sync tiles whose query operand
-    (16 x 576) sits in every warp's registers (255 registers, spills, one program per SM); keys as
-    rows make them wgmma tiles of 64 rows with both operands in shared memory."""
-    s = latent_scores(k_lat, k_rope, q_lat, q_rope, scale_log2)  # k_lat . q_lat^T, then the rope dot onto it
-    s = tl.where((k_pos[:, None] <= q_pos[None, :]) & k_ok[:, None], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=0))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[None, :])
-    l_i = l_i * alpha + col_sum_halves(p, SUM_LEVELS)
-    acc = tl.dot(tl.trans(v), p.to(v.dtype), acc * alpha[None, :])
-    return m_new, l_i, acc
-
-
-@triton.jit
-def _tma_key_block(lat_desc, rope_desc, v_desc, slot, col, chunk, LAT: tl.constexpr, CHUNKS: tl.constexpr,
-                   BLOCK_V: tl.constexpr):
-    """The key block at cache row `slot` through TMA: its latent and rope tiles, and the value
-    (the latent tile itself, or with value chunks this program's chunk of the same rows, which
-    the latent copy just read into L2)."""
-    k_lat = lat_desc.load([slot, col])
-    k_rope = rope_desc.load([slot, col + LAT])
-    if CHUNKS == 1:
-        v = k_lat
-    else:
-        v = v_desc.load([slot, col + chunk * BLOCK_V])
-    return k_lat, k_rope, v
-
-
-@triton.jit
-def _latent_last_block_key_major(q_lat, q_rope, lat_desc, rope_desc, v_desc, table_row, first, n_keys, page_size, col,
-                                 chunk, q_pos, m_i, l_i, acc, scale_log2, LAT: tl.constexpr, BLOCK_N: tl.constexpr,
-                                 CHUNKS: tl.constexpr, BLOCK_V: tl.constexpr, SUM_LEVELS: tl.constexpr):
-    """The partial last key block (keys ``first`` to ``n_keys - 1``, if any) of a key-major program,
-    through TMA like the whole blocks: a pointer load of the 64 x 576 tile would take 4 warps'
-    registers. Its rows past the keys hold whatever the page held (NaN in a fresh test cache):
-    their scores are masked, and the value rows are zeroed, as the pointer loads' ``other=0``
-    does, since a masked score's 0 times NaN would not vanish from the value dot."""
-    if first < n_keys:
-        slot = tl.load(table_row + first // page_size) * page_size + first % page_size
-        k_lat, k_rope, v = _tma_key_block(lat_desc, rope_desc, v_desc, slot, col, chunk, LAT, CHUNKS, BLOCK_V)
-        k_pos = first + tl.arange(0, BLOCK_N)
-        k_ok = k_pos < n_keys
-        v = tl.where(k_ok[:, None], v, 0.0)
-        m_i, l_i, acc = _latent_block_key_major(q_lat, q_rope, k_lat, k_rope, v, k_pos, k_ok, q_pos, m_i, l_i, acc,
-                                                scale_log2, SUM_LEVELS)
-    return m_i, l_i, acc
-
-
 @triton.jit(do_not_specialize=["page_size", "stride_bt"])
 def _latent_fwd_kernel(
     q_ptr, kv_ptr, lat_desc, rope_desc, v_desc, o_ptr, lse_ptr, cu_seqlens_q_ptr, seq_lens_ptr, block_table_ptr, seq_order_ptr,
@@ -237,7 +166,6 @@ def _latent_fwd_kernel(
     GROUP: tl.constexpr, LAT: tl.constexpr, ROPE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_V: tl.constexpr,
     SUM_LEVELS: tl.constexpr, LANE_SUMS: tl.constexpr, KV_DESC: tl.constexpr, ORDERED: tl.constexpr,
-    KEY_MAJOR: tl.constexpr,
 ):
     tile = tl.program_id(0)
     seq = tl.program_id(1)
@@ -270,10 +198,7 @@ def _latent_fwd_kernel(
     dv_ok = dv < LAT
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
-    if KEY_MAJOR:
-        acc = tl.zeros((BLOCK_V, BLOCK_M), tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_V), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_V), tl.float32)
     last_q = tl.minimum(q_len - 1, (tile * BLOCK_M + BLOCK_M - 1) // GROUP)
     n_keys = context + last_q + 1
     table_row = block_table_ptr + seq.to(tl.int64) * stride_bt
@@ -287,42 +212,33 @@ def _latent_fwd_kernel(
         col = kv_head * (LAT + ROPE)
         slot = tl.load(table_row, mask=first > 0, other=0) * page_size
         for start in range(0, first, BLOCK_N):
-            k_lat, k_rope, v = _tma_key_block(lat_desc, rope_desc, v_desc, slot, col, chunk, LAT, CHUNKS, BLOCK_V)
+            k_lat = lat_desc.load([slot, col])
+            k_rope = rope_desc.load([slot, col + LAT])
+            if CHUNKS == 1:
+                v = k_lat
+            else:  # this chunk's dims of the same rows (the latent copy just read them into L2)
+                v = v_desc.load([slot, col + chunk * BLOCK_V])
             ahead = start + BLOCK_N
             slot = tl.load(table_row + ahead // page_size, mask=ahead < first, other=0) * page_size + ahead % page_size
             k_pos = start + tl.arange(0, BLOCK_N)
-            if KEY_MAJOR:
-                m_i, l_i, acc = _latent_block_key_major(q_lat, q_rope, k_lat, k_rope, v, k_pos, k_pos < n_keys, q_pos,
-                                                        m_i, l_i, acc, scale_log2, SUM_LEVELS)
-            else:
-                m_i, l_i, acc = _latent_block(q_lat, q_rope, k_lat, k_rope, v, k_pos, k_pos < n_keys, q_pos, m_i, l_i,
-                                              acc, scale_log2, SUM_LEVELS, LANE_SUMS)
-    if KEY_MAJOR:
-        m_i, l_i, acc = _latent_last_block_key_major(
-            q_lat, q_rope, lat_desc, rope_desc, v_desc, table_row, first, n_keys, page_size, col, chunk, q_pos, m_i, l_i,
-            acc, scale_log2, LAT, BLOCK_N, CHUNKS, BLOCK_V, SUM_LEVELS)
-    else:
-        for start in range(first, n_keys, BLOCK_N):  # every block through the block table (KV_DESC: the partial last one)
-            k_pos = start + tl.arange(0, BLOCK_N)
-            k_ok = k_pos < n_keys
-            page = tl.load(table_row + k_pos // page_size, mask=k_ok, other=0)
-            k_row = kv_ptr + (page.to(tl.int64) * page_size + k_pos % page_size)[:, None] * stride_ks + kv_head * stride_kh
-            k_lat = tl.load(k_row + dl[None, :], mask=k_ok[:, None] & dl_ok[None, :], other=0.0)
-            k_rope = tl.load(k_row + LAT + dr[None, :], mask=k_ok[:, None] & dr_ok[None, :], other=0.0)
-            if CHUNKS == 1:
-                v = k_lat  # the value is the latent key: the tile just loaded
-            else:  # this chunk's dims of the same rows (the score's load left them in L1/L2)
-                v = tl.load(k_row + dv[None, :], mask=k_ok[:, None] & dv_ok[None, :], other=0.0)
-            m_i, l_i, acc = _latent_block(q_lat, q_rope, k_lat, k_rope, v, k_pos, k_ok, q_pos, m_i, l_i, acc, scale_log2,
-                                          SUM_LEVELS, LANE_SUMS)
-    if KEY_MAJOR:
-        out = acc / l_i[None, :]
-        tl.store(o_ptr + token[None, :] * stride_ot + head[None, :] * stride_oh + dv[:, None],
-                 out.to(o_ptr.dtype.element_ty), mask=row_ok[None, :] & dv_ok[:, None])
-    else:
-        out = acc / l_i[:, None]
-        tl.store(o_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :],
-                 out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
+            m_i, l_i, acc = _latent_block(q_lat, q_rope, k_lat, k_rope, v, k_pos, k_pos < n_keys, q_pos, m_i, l_i,
+                                          acc, scale_log2, SUM_LEVELS, LANE_SUMS)
+    for start in range(first, n_keys, BLOCK_N):  # every block through the block table (KV_DESC: the partial last one)
+        k_pos = start + tl.arange(0, BLOCK_N)
+        k_ok = k_pos < n_keys
+        page = tl.load(table_row + k_pos // page_size, mask=k_ok, other=0)
+        k_row = kv_ptr + (page.to(tl.int64) * page_size + k_pos % page_size)[:, None] * stride_ks + kv_head * stride_kh
+        k_lat = tl.load(k_row + dl[None, :], mask=k_ok[:, None] & dl_ok[None, :], other=0.0)
+        k_rope = tl.load(k_row + LAT + dr[None, :], mask=k_ok[:, None] & dr_ok[None, :], other=0.0)
+        if CHUNKS == 1:
+            v = k_lat  # the value is the latent key: the tile just loaded
+        else:  # this chunk's dims of the same rows (the score's load left them in L1/L2)
+            v = tl.load(k_row + dv[None, :], mask=k_ok[:, None] & dv_ok[None, :], other=0.0)
+        m_i, l_i, acc = _latent_block(q_lat, q_rope, k_lat, k_rope, v, k_pos, k_ok, q_pos, m_i, l_i, acc, scale_log2,
+                                      SUM_LEVELS, LANE_SUMS)
+    out = acc / l_i[:, None]
+    tl.store(o_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
     if chunk == 0:
         tl.store(lse_ptr + token * (GROUP * (tl.num_programs(2) // CHUNKS)) + head, m_i + tl.log2(l_i), mask=row_ok)
 
@@ -359,9 +275,6 @@ def latent_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, v_dim: int,
     dims = latent_dims(q, v_dim)
     if dims["BLOCK_L"] % cfg.value_chunks:
         raise ValueError(f"latent_attention_triton: value_chunks={cfg.value_chunks} must divide {dims['BLOCK_L']}")
-    if cfg.key_major and not kv_descriptors:
-        raise ValueError(f"latent_attention_triton: key_major=True reads its keys through TMA and needs "
-                         f"kv_descriptors=True, got kv_descriptors={kv_descriptors}")
     if kv_descriptors and layout.page_size % cfg.block_n:
         raise ValueError(f"latent_attention_triton: kv_descriptors=True needs pages of a multiple of block_n="
                          f"{cfg.block_n}, got page_size={layout.page_size}")
@@ -374,7 +287,7 @@ def latent_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, v_dim: int,
     kwargs = dict(GROUP=group, **dims, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CHUNKS=cfg.value_chunks,
                   BLOCK_V=dims["BLOCK_L"] // cfg.value_chunks, SUM_LEVELS=row_sum_levels(cfg.block_n),
                   LANE_SUMS=lane_sums(cfg.block_m, cfg.num_warps), KV_DESC=kv_descriptors,
-                  ORDERED=layout.seq_order is not None, KEY_MAJOR=cfg.key_major, num_warps=cfg.num_warps)
+                  ORDERED=layout.seq_order is not None, num_warps=cfg.num_warps)
     # Hopper's tiles need two stages' shared memory; smaller GPUs fall back to one (a sweep's
     # explicit candidate runs as given, or fails)
     launch_staged(_latent_fwd_kernel, grid, args, kwargs, cfg.num_stages,

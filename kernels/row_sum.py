@@ -59,18 +59,6 @@ def row_sum_halves(x, LEVELS: tl.constexpr, LANE_SUMS: tl.constexpr):
     return tl.reshape(x, (x.shape[0],))
 
 
-@triton.jit
-def col_sum_halves(x, LEVELS: tl.constexpr):
-    """``[N]`` sums of the columns of ``x [2**LEVELS, N]`` in `row_sum_halves`'s order (the second
-    half of the rows added to the first, elementwise, until one row is left): the same bits as
-    `row_sum_halves` of the transposed tile, for kernels whose tiles hold keys as rows
-    (`latent_attention`'s key-major decode). One lowering only: split and add."""
-    for _ in tl.static_range(LEVELS):
-        a, b = tl.split(tl.permute(tl.reshape(x, (2, x.shape[0] // 2, x.shape[1])), (1, 2, 0)))
-        x = a + b
-    return tl.reshape(x, (x.shape[1],))
-
-
 def row_sum_reference(x: torch.Tensor) -> torch.Tensor:
     """`row_sum_halves`'s order in torch: rows of ``x [M, W]`` (W a power of two), halves added
     elementwise in ``x``'s dtype."""
@@ -83,24 +71,17 @@ def row_sum_reference(x: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _row_sum_kernel(x_ptr, out_ptr, m, stride_m, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, LEVELS: tl.constexpr,
-                    LANE_SUMS: tl.constexpr, BY_COLUMNS: tl.constexpr):
+                    LANE_SUMS: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, WIDTH)
-    if BY_COLUMNS:  # the tile loaded transposed, [WIDTH, BLOCK_M], and summed down its columns
-        x = tl.load(x_ptr + rows[None, :] * stride_m + cols[:, None], mask=(rows < m)[None, :], other=0.0)
-        total = col_sum_halves(x, LEVELS)
-    else:
-        x = tl.load(x_ptr + rows[:, None] * stride_m + cols[None, :], mask=(rows < m)[:, None], other=0.0)
-        total = row_sum_halves(x, LEVELS, LANE_SUMS)
-    tl.store(out_ptr + rows, total, mask=rows < m)
+    x = tl.load(x_ptr + rows[:, None] * stride_m + cols[None, :], mask=(rows < m)[:, None], other=0.0)
+    tl.store(out_ptr + rows, row_sum_halves(x, LEVELS, LANE_SUMS), mask=rows < m)
 
 
-def row_sum_triton(x: torch.Tensor, block_m: int = 16, num_warps: int = 4, lane_sums: bool = False,
-                   by_columns: bool = False) -> torch.Tensor:
+def row_sum_triton(x: torch.Tensor, block_m: int = 16, num_warps: int = 4, lane_sums: bool = False) -> torch.Tensor:
     """``[M]`` row sums of the fp32 ``x [M, W]`` (W a power of two, >= 2) by `row_sum_halves`, with
     `block_m` rows per program, `num_warps` warps and its ``LANE_SUMS`` lowering `lane_sums` (none
-    of which may change the result); with `by_columns`, by `col_sum_halves` on the transposed tile
-    (which must not change it either)."""
+    of which may change the result)."""
     require_triton("row_sum")
     if x.dim() != 2 or x.dtype != torch.float32:
         raise ValueError(f"row_sum_triton: x must be a 2-D float32 tensor, got {x.dim()}-D {x.dtype}")
@@ -111,5 +92,5 @@ def row_sum_triton(x: torch.Tensor, block_m: int = 16, num_warps: int = 4, lane_
     if x.shape[0]:
         grid = (triton.cdiv(x.shape[0], block_m),)
         _row_sum_kernel[grid](x, out, x.shape[0], x.stride(0), BLOCK_M=next_power_of_2(block_m), WIDTH=width,
-                              LEVELS=levels, LANE_SUMS=lane_sums, BY_COLUMNS=by_columns, num_warps=num_warps)
+                              LEVELS=levels, LANE_SUMS=lane_sums, num_warps=num_warps)
     return out

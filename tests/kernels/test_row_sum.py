@@ -8,7 +8,7 @@ import torch
 
 from vexact_models.kernels.attention import AttentionConfig
 from vexact_models.kernels.attention import pick_config as attention_pick_config
-from vexact_models.kernels.latent_attention import LATENT_DECODE, LatentConfig, key_block
+from vexact_models.kernels.latent_attention import LatentConfig, key_block
 from vexact_models.kernels.latent_attention import pick_config as latent_pick_config
 from vexact_models.kernels.row_sum import lane_sums, row_sum_levels, row_sum_reference
 
@@ -71,9 +71,3 @@ def test_latent_decode_takes_16_row_tiles_with_warps_by_program_count():
         assert latent_pick_config(bf16, rows, seqs, 132, kv_descriptors=True) == LatentConfig(16, blk, 4, 3, 4)
     assert latent_pick_config(torch.float32, 16, 8, 132, kv_descriptors=True).value_chunks == 1
     assert latent_pick_config(bf16, 129, 1, 132, kv_descriptors=True) == LatentConfig(64, blk, 8, 2)
-    # VEXACT_LATENT_DECODE=key-major: the TMA launches only, two stages
-    with LATENT_DECODE.use("key-major"):
-        assert latent_pick_config(bf16, 16, 256, 132, kv_descriptors=True) == LatentConfig(16, blk, 8, 2, 1, True)
-        assert latent_pick_config(bf16, 16, 33, 132, kv_descriptors=True) == LatentConfig(16, blk, 4, 2, 4, True)
-        assert latent_pick_config(bf16, 16, 256, 132) == LatentConfig(16, blk, 4, 2)
-        assert latent_pick_config(bf16, 129, 1, 132, kv_descriptors=True) == LatentConfig(64, blk, 8, 2)

@@ -99,44 +99,6 @@ def test_latent_launch_parameters_leave_the_output_unchanged(dtype):
     assert pick_config(dtype, 1, 1, 132).block_n == pick_config(dtype, 4096, 1, 132).block_n == blk
 
 
-def test_key_major_decode_is_the_row_major_bits():
-    """Decode through TMA with keys as the dots' rows (`LatentConfig.key_major`) gives bitwise the
-    row-major launch's output and lse: whole key blocks, a partial last block (its rows past the
-    keys NaN, as a fresh cache is here), one key, value chunks, GQA-style head groups, prefill
-    chunks of several tokens. A
-    key-major launch without TMA is refused."""
-    lat, rope, heads, page = 64, 16, 4, 64  # 64 latent dims: 16 a chunk at 4 chunks, tl.dot's minimum
-    lens = [1, 64, 70, 130]
-    pages = [[2], [6], [0, 3], [1, 4, 5]]
-    g = torch.Generator().manual_seed(3)
-    table = torch.tensor([p + [0] * (3 - len(p)) for p in pages], dtype=torch.int32, device=DEVICE)
-    k_cache = torch.full((7, page, 1, lat + rope), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-    for s, n in enumerate(lens):
-        rows = torch.tensor([int(table[s, p // page]) * page + p % page for p in range(n)], device=DEVICE)
-        k_cache.view(-1, 1, lat + rope)[rows] = torch.randn(n, 1, lat + rope, generator=g).bfloat16().to(DEVICE)
-    q = torch.randn(4, heads, lat + rope, generator=g).bfloat16().to(DEVICE)
-    layout = PagedLayout(torch.arange(5, dtype=torch.int32, device=DEVICE),
-                         torch.tensor(lens, dtype=torch.int32, device=DEVICE), table, page, 1)
-    want, want_lse = latent_attention_triton(q, k_cache, lat, layout, 0.2, LatentConfig(16, 64, 8, 3),
-                                             kv_descriptors=True)
-    assert not want.isnan().any()
-    for cfg in (LatentConfig(16, 64, 8, 2, 1, True), LatentConfig(16, 64, 4, 2, 4, True),
-                LatentConfig(16, 64, 4, 2, 2, True), LatentConfig(32, 64, 8, 2, 1, True)):
-        out, lse = latent_attention_triton(q, k_cache, lat, layout, 0.2, cfg, kv_descriptors=True)
-        assert torch.equal(out, want) and torch.equal(lse, want_lse), cfg
-    # a prefill chunk's rows (3 and 5 new tokens: 12 and 20 rows, one and two 16-row tiles), causal within the chunk
-    q_chunk = torch.randn(8, heads, lat + rope, generator=g).bfloat16().to(DEVICE)
-    chunked = PagedLayout(torch.tensor([0, 3, 8], dtype=torch.int32, device=DEVICE),
-                          torch.tensor([70, 130], dtype=torch.int32, device=DEVICE), table[2:], page, 5)
-    want, want_lse = latent_attention_triton(q_chunk, k_cache, lat, chunked, 0.2, LatentConfig(16, 64, 8, 3),
-                                             kv_descriptors=True)
-    out, lse = latent_attention_triton(q_chunk, k_cache, lat, chunked, 0.2, LatentConfig(16, 64, 8, 2, 1, True),
-                                       kv_descriptors=True)
-    assert torch.equal(out, want) and torch.equal(lse, want_lse)
-    with pytest.raises(ValueError, match="key_major=True .* needs kv_descriptors=True, got kv_descriptors=False"):
-        latent_attention_triton(q, k_cache, lat, layout, 0.2, LatentConfig(16, 64, 8, 2, 1, True), kv_descriptors=False)
-
-
 def test_latent_backward_configs_agree():
     """The backward's launch parameters are free (rule 8): other tiles give the same gradients
     up to rounding."""

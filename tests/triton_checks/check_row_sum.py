@@ -27,16 +27,6 @@ def test_row_sum_halves_is_the_reference_order(width, block_m, num_warps, lane_s
     assert torch.equal(got, row_sum_reference(x))
 
 
-@pytest.mark.parametrize("width", [2, 16, 64])
-@pytest.mark.parametrize("block_m, num_warps", [(16, 4), (64, 4), (16, 8)])
-def test_col_sum_halves_of_the_transposed_tile_is_the_same_order(width, block_m, num_warps):
-    """Key-major tiles (keys as rows) sum their columns in `row_sum_halves`'s order."""
-    g = torch.Generator().manual_seed(width + 1)
-    x = (torch.randn(77, width, generator=g) * torch.exp2(torch.randint(-20, 20, (77, width), generator=g).float()))
-    x = x.to(DEVICE)
-    assert torch.equal(row_sum_triton(x, block_m, num_warps, by_columns=True), row_sum_reference(x))
-
-
 def test_row_sum_triton_errors():
     with pytest.raises(ValueError, match="2-D float32"):
         row_sum_triton(torch.zeros(4, 8, dtype=torch.float64, device=DEVICE))
