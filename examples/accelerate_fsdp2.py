@@ -55,6 +55,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("steps", "prompts", "max_tokens", "kv_cache_mib"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    # checked before any model is built: a plain `python examples/accelerate_fsdp2.py` ends with
+    # usage, not with accelerate's traceback (accelerate sets up FSDP only on 2+ processes)
+    from vexact_models.distributed import LAUNCHER_WORLD_SIZE_VARS, launcher_world_size
+
+    world = launcher_world_size()
+    if world is None or world < 2:
+        parser.error(f"needs 2 or more processes (FSDP2 shards over ranks), got world size {world or 'unset'} "
+                     f"({'/'.join(LAUNCHER_WORLD_SIZE_VARS)}): launch with `torchrun --nproc-per-node 2 "
+                     f"examples/accelerate_fsdp2.py` (CPU) or `accelerate launch --num_processes N ...` (GPUs)")
     return args
 
 

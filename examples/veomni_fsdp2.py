@@ -28,6 +28,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 
+from vexact_models.distributed import launcher_world_size
 from vexact_models.integrations.veomni import eager_ops, register, shim_transformers
 
 def check(arch, path: str, args, rank: int) -> bool:
@@ -73,6 +74,9 @@ def main() -> int:
     parser.add_argument("--no-register", dest="register", action="store_false",
                         help="leave VeOmni's registry alone (integration off: VeOmni builds its own classes)")
     args = parser.parse_args()
+    if launcher_world_size() is None:  # init_process_group would fail on the missing rendezvous
+        parser.error("needs torchrun (no launcher's WORLD_SIZE set): launch with "
+                     "`torchrun --nproc-per-node 2 examples/veomni_fsdp2.py`")
     aliased = shim_transformers()
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["FORWARD_METHODS", "checkpoint_name", "exit_rank", "fsdp_forward_method", "register_forward_methods",
+__all__ = ["FORWARD_METHODS", "LAUNCHER_WORLD_SIZE_VARS", "checkpoint_name", "exit_rank", "fsdp_forward_method",
+           "launcher_world_size", "register_forward_methods",
            "shard", "stream_full_weights"]
 
 #: Methods other than ``forward`` that run the model and so must run FSDP's forward hooks.
@@ -321,6 +322,26 @@ def _stream(model, bucket_bytes, dtype, device) -> Iterator[tuple[str, torch.Ten
         del params, bucket, param
         while gathered:  # hand each tensor over and forget it: the caller decides its lifetime
             yield gathered.pop(0)
+
+
+#: Where launchers put the job's process count: torchrun (and ``accelerate launch``), then the MPI
+#: launchers accelerate also reads, in accelerate's order.
+LAUNCHER_WORLD_SIZE_VARS = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def launcher_world_size() -> int | None:
+    """The number of processes the launcher of this job started (``torchrun``, ``accelerate
+    launch``, mpirun), read from `LAUNCHER_WORLD_SIZE_VARS`; ``None`` when no launcher started this
+    process (a plain ``python script.py``). Lets a script that needs ranks refuse with usage before
+    it builds anything, instead of failing in ``init_process_group``. Raises ValueError naming the
+    variable when its value is not a positive integer."""
+    for name in LAUNCHER_WORLD_SIZE_VARS:
+        if name in os.environ:
+            value = os.environ[name]
+            if not value.strip().isdigit() or int(value) < 1:
+                raise ValueError(f"launcher_world_size: {name}={value!r} must be a positive integer")
+            return int(value)
+    return None
 
 
 def exit_rank(code: int) -> NoReturn:

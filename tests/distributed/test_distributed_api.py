@@ -11,7 +11,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 import vexact_models.qwen3 as qwen3
-from vexact_models.distributed import checkpoint_name, exit_rank, shard, stream_full_weights
+from vexact_models.distributed import (LAUNCHER_WORLD_SIZE_VARS, checkpoint_name, exit_rank, launcher_world_size, shard,
+                                       stream_full_weights)
 
 
 @pytest.fixture
@@ -78,6 +79,20 @@ def test_exit_rank_refuses_a_code_that_is_not_an_exit_status(code):
     with pytest.raises(ValueError) as info:
         exit_rank(code)
     assert f"got {code!r}" in str(info.value) and "0..255" in str(info.value)
+
+
+def test_launcher_world_size_reads_torchrun_then_mpi(monkeypatch):
+    for name in LAUNCHER_WORLD_SIZE_VARS:
+        monkeypatch.delenv(name, raising=False)
+    assert launcher_world_size() is None  # a plain `python script.py`
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
+    assert launcher_world_size() == 4
+    monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun's wins, as in accelerate
+    assert launcher_world_size() == 2
+    for bad in ("0", "two", ""):
+        monkeypatch.setenv("WORLD_SIZE", bad)
+        with pytest.raises(ValueError, match=f"WORLD_SIZE={bad!r} must be a positive integer"):
+            launcher_world_size()
 
 
 RANK_THAT_EXITS = textwrap.dedent("""

@@ -29,6 +29,14 @@ def test_accelerate_fsdp2_example_help_and_bad_flags():
     assert help_run.returncode == 0 and "--activation-checkpointing" in help_run.stdout
     bad = subprocess.run([sys.executable, script, "--steps", "0"], env=ENV, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--steps must be >= 1" in bad.stderr
+    # without torchrun (one process): usage and exit 2, before any model is built
+    alone = subprocess.run([sys.executable, script], env={k: v for k, v in ENV.items() if not k.endswith("_SIZE")},
+                           capture_output=True, text=True, timeout=60)
+    assert alone.returncode == 2 and "needs 2 or more processes" in alone.stderr and "world size unset" in alone.stderr
+    assert "Traceback" not in alone.stderr, alone.stderr
+    one = subprocess.run([sys.executable, script], env=dict(ENV, WORLD_SIZE="1"), capture_output=True, text=True,
+                         timeout=60)
+    assert one.returncode == 2 and "got world size 1" in one.stderr, one.stderr
 
 
 def test_fsdp_sync_benchmark_tiny_on_cpu():

@@ -31,6 +31,12 @@ def test_veomni_sharded_logprobs_equal_the_rollout_for_every_architecture():
     assert done.stdout.count("sharded logprobs == rollout: True") == 2 * len(architectures())
 
 
+def test_the_example_without_torchrun_exits_with_usage():
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_SIZE")}
+    done = subprocess.run([sys.executable, str(EXAMPLE)], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 2 and "needs torchrun" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
 def test_without_the_registration_veomni_builds_its_own_classes():
     done = run_example("--no-register")
     assert done.returncode != 0
