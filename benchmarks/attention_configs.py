@@ -25,9 +25,10 @@ import torch
 
 from bench_utils import bench, bench_graph, copy_bandwidth, decode_layout, positive_int, table
 
-# (name, kind, heads, kv heads, qk dim, v dim, sequences, tokens per sequence)
-LATENT_CASES = [("moonlight latent decode", "decode", 16, 1, 576, 512, 256, 528),
-                ("deepseek-v3 latent decode", "decode", 128, 1, 576, 512, 16, 272),
+# (name, kind, heads, kv heads, qk dim, v dim, sequences, tokens per sequence); every name ends in
+# "<sequences>x<tokens>" and none is a substring of another, so `--cases` can pick any one case by name
+LATENT_CASES = [("moonlight latent decode 256x528", "decode", 16, 1, 576, 512, 256, 528),
+                ("deepseek-v3 latent decode 16x272", "decode", 128, 1, 576, 512, 16, 272),
                 ("moonlight latent decode 32x4096", "decode", 16, 1, 576, 512, 32, 4096),
                 # a rollout's tail: the longest sequences left, one program each (value chunks: more)
                 ("moonlight latent decode 8x8192", "decode", 16, 1, 576, 512, 8, 8192),
@@ -37,11 +38,11 @@ LATENT_CASES = [("moonlight latent decode", "decode", 16, 1, 576, 512, 256, 528)
                 ("moonlight latent decode 128x1024", "decode", 16, 1, 576, 512, 128, 1024),
                 ("moonlight latent train 8x4096", "train", 16, 1, 576, 512, 8, 4096),
                 ("deepseek-v3 latent train 2x4096", "train", 128, 1, 576, 512, 2, 4096)]
-GQA_CASES = [("moonlight expanded decode", "decode", 16, 16, 192, 128, 256, 528),
-             ("deepseek-v3 expanded decode", "decode", 128, 128, 192, 128, 16, 272),
+GQA_CASES = [("moonlight expanded decode 256x528", "decode", 16, 16, 192, 128, 256, 528),
+             ("deepseek-v3 expanded decode 16x272", "decode", 128, 128, 192, 128, 16, 272),
              ("moonlight expanded train 8x4096", "train", 16, 16, 192, 128, 8, 4096),
-             ("qwen3-8b decode", "decode", 32, 8, 128, 128, 128, 1024),
-             ("qwen3-0.6b decode", "decode", 16, 8, 128, 128, 256, 640),
+             ("qwen3-8b decode 128x1024", "decode", 32, 8, 128, 128, 128, 1024),
+             ("qwen3-0.6b decode 256x640", "decode", 16, 8, 128, 128, 256, 640),
              # the decode steps of benchmarks/decode_profile.py (512-token prompts, 64 new tokens)
              ("qwen3-8b decode 256x544", "decode", 32, 8, 128, 128, 256, 544),
              ("qwen3-8b decode 128x544", "decode", 32, 8, 128, 128, 128, 544),

@@ -290,3 +290,16 @@ def test_kernel_resources_programs_per_sm():
     assert KernelResources("k", 32, 0, 100 * 1024, 4, 0, 0).programs_per_sm() == 2  # shared memory
     assert KernelResources("k", 32, 0, 0, 4, 3, 2).mma == "wgmma+mma.sync"
     assert KernelResources("k", 32, 0, 0, 4, 0, 0).mma == "none"
+
+
+def test_attention_config_cases_are_named_by_their_shape(monkeypatch):
+    """Every attention_configs.py case ends in "<sequences>x<tokens>", its own shape, and no name
+    is a substring of another, so that `--cases` (substrings) can pick any one case by its name."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import attention_configs
+
+    for cases in (attention_configs.LATENT_CASES, attention_configs.GQA_CASES):
+        names = [case[0] for case in cases]
+        for name, _, _, _, _, _, seqs, tokens in cases:
+            assert name.endswith(f" {seqs}x{tokens}"), name
+            assert [other for other in names if name in other] == [name], name
