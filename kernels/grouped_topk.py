@@ -184,8 +184,9 @@ def sigmoid_grouped_topk(router_logits: torch.Tensor, e_score_correction_bias: t
     """
     _validate(router_logits, e_score_correction_bias, top_k, n_group, topk_group)
     logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
-    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    bias = e_score_correction_bias.detach().to(device=logits.device, dtype=dtype).contiguous()
+    # the bias in its own dtype: the kernel widens it to fp32 as it loads it, the reference to the
+    # scores' dtype, so a bf16 bias (a model cast whole) costs no cast launch per layer
+    bias = e_score_correction_bias.detach().to(device=logits.device).contiguous()
     args = (top_k, n_group, topk_group, bool(norm_topk_prob), float(routed_scaling_factor))
     if torch.is_grad_enabled() and logits.requires_grad:
         return _GroupedTopkFunction.apply(logits, bias, *args)

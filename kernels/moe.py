@@ -189,8 +189,8 @@ def _moe_grouped_gemm_kernel(a_ptr, w_ptr, a_desc, w_desc, out_ptr, block_expert
 
 
 @triton.jit
-def _moe_combine_kernel(y_ptr, weights_ptr, pair_pos_ptr, out_ptr, H, stride_y, stride_out,
-                        TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
+def _moe_combine_kernel(y_ptr, weights_ptr, pair_pos_ptr, add_ptr, out_ptr, H, stride_y, stride_add, stride_out,
+                        TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr = False):
     wait_for_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -200,7 +200,11 @@ def _moe_combine_kernel(y_ptr, weights_ptr, pair_pos_ptr, out_ptr, H, stride_y, 
         pos = tl.load(pair_pos_ptr + token * TOP_K + r)
         w = tl.load(weights_ptr + token * TOP_K + r)
         acc += w * tl.load(y_ptr + pos * stride_y + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + token * stride_out + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    out = acc.to(out_ptr.dtype.element_ty)
+    if ADD:  # torch's `out + add` in the output dtype: both widened to fp32, added once, rounded
+        add = tl.load(add_ptr + token * stride_add + offs, mask=mask, other=0.0)
+        out = (out.to(tl.float32) + add.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + token * stride_out + offs, out, mask=mask)
 
 
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, layout: MoeLayout, n: int, k: int, stride_n: int,
@@ -248,15 +252,19 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # fp32 stays fp32 (no TF32 rounding)
 
 
-def combine(y: torch.Tensor, weights: torch.Tensor, layout: MoeLayout, tokens: int, out_dtype: torch.dtype):
-    """``out[t] = sum_r weights[t, r] * y[pair_pos[t*k + r]]`` in rank order, fp32."""
+def combine(y: torch.Tensor, weights: torch.Tensor, layout: MoeLayout, tokens: int, out_dtype: torch.dtype,
+            add: torch.Tensor | None = None):
+    """``out[t] = sum_r weights[t, r] * y[pair_pos[t*k + r]]`` in rank order, fp32, rounded to
+    `out_dtype`; then, with `add` (``[tokens, H]``, `out_dtype`), ``out + add`` rounded as torch
+    rounds it (the shared experts' output: one launch fewer per MoE layer)."""
     hidden = y.shape[1]
     out = torch.empty(tokens, hidden, device=y.device, dtype=out_dtype)
     if tokens:
         block_h = min(1024, next_power_of_2(hidden))
         _moe_combine_kernel[(tokens, triton.cdiv(hidden, block_h))](
-            y, weights.float().contiguous(), layout.pair_pos, out, hidden, y.stride(0), out.stride(0),
-            TOP_K=weights.shape[1], BLOCK_H=block_h, num_warps=4, **dependent_launch_kwargs(y.device))
+            y, weights.float().contiguous(), layout.pair_pos, out if add is None else add, out, hidden, y.stride(0),
+            0 if add is None else add.stride(0), out.stride(0), TOP_K=weights.shape[1], BLOCK_H=block_h,
+            ADD=add is not None, num_warps=4, **dependent_launch_kwargs(y.device))
     return out
 
 
@@ -283,7 +291,7 @@ def gate_up_act(x: torch.Tensor, gate_up: torch.Tensor, layout: MoeLayout, top_k
     return act, preact
 
 
-def _forward_triton(x, gate_up, down, weights, ids, save_preact: bool):
+def _forward_triton(x, gate_up, down, weights, ids, save_preact: bool, add: torch.Tensor | None = None):
     require_triton("fused_moe")
     tokens, hidden = x.shape
     experts, inter = down.shape[0], down.shape[2]
@@ -292,7 +300,7 @@ def _forward_triton(x, gate_up, down, weights, ids, save_preact: bool):
     layout.config = cfg
     act, preact = gate_up_act(x, gate_up, layout, ids.shape[1], cfg, save_preact)
     y = grouped_gemm(act, down, layout, hidden, inter, down.stride(1), down.stride(2), x.dtype, cfg, down_tiles=True)
-    out = combine(y, weights, layout, tokens, x.dtype)
+    out = combine(y, weights, layout, tokens, x.dtype, add)
     return out, (layout, act, preact, y)
 
 
@@ -350,13 +358,16 @@ class _FusedMoeFunction(torch.autograd.Function):
 
 
 def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
-    """Routed-expert output ``[T, H]`` for ``x [T, H]`` (see the module docstring).
+              topk_ids: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+    """Routed-expert output ``[T, H]`` for ``x [T, H]`` (see the module docstring), plus `add`.
 
     Args:
         gate_up_proj: ``[E, 2I, H]``; down_proj: ``[E, H, I]`` (x's dtype).
         topk_weights: ``[T, k]`` (fp32, rank order); topk_ids: ``[T, k]`` int.
-    Differentiable in x, both weight tensors and topk_weights.
+        add: optional ``[T, H]`` in x's dtype (DeepSeek's shared experts): the result is then
+            bitwise ``fused_moe(...) + add``; without gradients the Triton path adds it inside
+            its combine kernel, a launch fewer.
+    Differentiable in x, both weight tensors, topk_weights and add.
     """
     if x.dim() != 2 or gate_up_proj.shape[2] != x.shape[1] or down_proj.shape[1] != x.shape[1] \
             or gate_up_proj.shape[1] != 2 * down_proj.shape[2] or gate_up_proj.shape[0] != down_proj.shape[0]:
@@ -370,8 +381,14 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
     ids = topk_ids.to(torch.int64)
     needs_grad = torch.is_grad_enabled() and any(
         t.requires_grad for t in (x, gate_up_proj, down_proj, topk_weights))
-    if needs_grad:
-        return _FusedMoeFunction.apply(x, gate_up_proj, down_proj, topk_weights, ids, backend)
+    if add is not None and (add.shape != x.shape or add.dtype != x.dtype or add.device != x.device):
+        raise ValueError(f"fused_moe: add must be [{x.shape[0]}, {x.shape[1]}] {x.dtype} on {x.device} like x; "
+                         f"got {tuple(add.shape)} {add.dtype} on {add.device}")
+    if needs_grad or (add is not None and add.requires_grad and torch.is_grad_enabled()):
+        out = _FusedMoeFunction.apply(x, gate_up_proj, down_proj, topk_weights, ids, backend)
+        return out if add is None else out + add
     if backend == "reference":
-        return fused_moe_reference(x, gate_up_proj, down_proj, topk_weights, ids)
-    return _forward_triton(x, gate_up_proj, down_proj, topk_weights, ids, save_preact=False)[0]
+        out = fused_moe_reference(x, gate_up_proj, down_proj, topk_weights, ids)
+        return out if add is None else out + add
+    add = None if add is None else add.contiguous()
+    return _forward_triton(x, gate_up_proj, down_proj, topk_weights, ids, save_preact=False, add=add)[0]

@@ -129,8 +129,11 @@ class FusedExperts(nn.Module):
         nn.init.normal_(self.gate_up_proj, 0.0, std)
         nn.init.normal_(self.down_proj, 0.0, std)
 
-    def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        return fused_moe(hidden, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+    def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                add: torch.Tensor | None = None) -> torch.Tensor:
+        """The routed experts' output, plus `add` when given (bitwise ``experts(...) + add``; see
+        `fused_moe`)."""
+        return fused_moe(hidden, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, add)
 
 
 class RopeTables:

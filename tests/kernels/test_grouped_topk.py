@@ -53,6 +53,13 @@ def test_bias_changes_selection_like_hf(case):
     assert not torch.equal(biased.sort(1).values, unbiased.sort(1).values)
 
 
+def test_a_bf16_bias_is_its_fp32_value():
+    logits, bias = torch.randn(40, 32), (torch.randn(32) * 0.3).bfloat16()
+    got = sigmoid_grouped_topk(logits, bias, *DEEPSEEK_V3[1:])
+    want = sigmoid_grouped_topk(logits, bias.float(), *DEEPSEEK_V3[1:])
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_groups_of_one_and_ties_take_lowest_index():
     w, ids = sigmoid_grouped_topk(torch.zeros(2, 8), torch.zeros(8), 3, 4, 2, False, 1.0)
     assert ids.tolist() == [[0, 1, 2]] * 2 and torch.equal(w, torch.full((2, 3), 0.5))

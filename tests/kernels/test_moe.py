@@ -148,9 +148,27 @@ def test_fused_moe_backward_matches_autograd():
         assert torch.allclose(a, b, atol=1e-10)
 
 
+def test_fused_moe_add_is_the_plain_sum_with_and_without_gradients():
+    """`add` (DeepSeek's shared experts) gives bitwise ``fused_moe(...) + add`` on the reference
+    path, and its gradient is the output's."""
+    x = torch.randn(20, 32).bfloat16()
+    gate_up, down = _weights(dtype=torch.bfloat16)
+    w, ids = softmax_topk(torch.randn(20, 8), 3, True)
+    add = (torch.randn(20, 32) * 100).bfloat16()
+    assert torch.equal(fused_moe(x, gate_up, down, w, ids, add=add), fused_moe(x, gate_up, down, w, ids) + add)
+    add = add.requires_grad_()
+    out = fused_moe(x, gate_up, down, w, ids, add=add)
+    assert torch.equal(out, fused_moe(x, gate_up, down, w, ids) + add)
+    g = torch.randn(20, 32).bfloat16()
+    assert torch.equal(torch.autograd.grad(out, add, g)[0], g)
+
+
 def test_fused_moe_shape_errors():
     gate_up, down = _weights()
     with pytest.raises(ValueError, match="do not fit"):
         fused_moe(torch.randn(2, 31), gate_up, down, torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.long))
     with pytest.raises(ValueError, match="must both be"):
         fused_moe(torch.randn(2, 32), gate_up, down, torch.ones(2, 2), torch.zeros(2, 1, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"add must be \[2, 32\] torch.float32 on cpu like x; got \(2, 31\)"):
+        fused_moe(torch.randn(2, 32), gate_up, down, torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.long),
+                  add=torch.zeros(2, 31))

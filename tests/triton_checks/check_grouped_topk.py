@@ -39,6 +39,16 @@ def test_grouped_topk(experts, top_k, n_group, topk_group, norm, scale):
     close(w, w_ref, 1e-6)
 
 
+def test_grouped_topk_takes_a_bf16_bias_as_its_fp32_value():
+    """A model cast whole to bf16 holds a bf16 bias; the kernel widens it as it loads it (no cast
+    launch per layer): bitwise the result of the bias cast to fp32 first."""
+    logits = _separated_logits(37, 64)
+    bias = (rand(64) * 0.05).bfloat16()
+    got = sigmoid_grouped_topk(logits, bias, 6, 8, 4, True, 2.5)
+    want = sigmoid_grouped_topk(logits, bias.float(), 6, 8, 4, True, 2.5)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_grouped_topk_ties_and_strided_input():
     logits = torch.zeros(3, 16, device=DEVICE)  # all equal: lowest groups, then lowest experts
     w, ids = sigmoid_grouped_topk(logits, torch.zeros(16, device=DEVICE), 5, 4, 2, False, 1.0)

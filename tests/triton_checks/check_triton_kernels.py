@@ -249,6 +249,47 @@ def test_fused_moe_forward(dtype, tokens):
           2e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_adds_inside_its_combine_kernel_bitwise(dtype):
+    """`fused_moe(..., add=a)` (the shared experts' output added in the combine kernel, no
+    gradients) is bitwise the routed output plus `a` as torch adds it, for values whose sum rounds
+    (large and small magnitudes, opposite signs) and a strided `a`."""
+    from vexact_models.kernels.moe import fused_moe
+    from vexact_models.kernels.moe_routing import softmax_topk
+
+    experts, hidden, inter, tokens = 8, 64, 96, 37
+    x = rand(tokens, hidden).to(dtype)
+    gate_up = (rand(experts, 2 * inter, hidden) / 8).to(dtype)
+    down = (rand(experts, hidden, inter) / 10).to(dtype)
+    w, ids = softmax_topk(rand(tokens, experts), 2, True)
+    wide = rand(tokens, 2 * hidden) * torch.logspace(-3, 3, 2 * hidden, device=DEVICE)
+    add = wide.to(dtype)[:, ::2]  # every other column: a row stride of 2 * hidden
+    plain = fused_moe(x, gate_up, down, w, ids)
+    got = fused_moe(x, gate_up, down, w, ids, add=add)
+    want = plain + add
+    if INTERPRET and dtype == torch.bfloat16:
+        # Triton 3.6's interpreter rounds fp32 -> bf16 toward zero (the GPU: to nearest even), so
+        # here the one fp32 add is checked with that rounding; the GPU run checks torch's
+        sums = (plain.float() + add.float()).view(torch.int32)
+        want = (sums & -65536).view(torch.float32).bfloat16()
+    assert torch.equal(got, want)
+    assert dtype == torch.float32 or not torch.equal(got.float(), plain.float() + add.float())  # sums did round
+
+
+def test_interpreter_rounds_bf16_toward_zero_as_the_moe_check_assumes():
+    """The premise of the bf16 branch above, pinned: if a Triton release makes the interpreter
+    round to nearest, this fails and the branch can go."""
+    if not INTERPRET:
+        pytest.skip("about the interpreter")
+    from vexact_models.kernels.moe import combine, moe_align
+
+    layout = moe_align(torch.zeros(1, 1, dtype=torch.int64), 1, 16)  # one token, one expert
+    y = torch.zeros(16, 1)
+    y[layout.pair_pos.long()] = 1.0 + 3 * 2 ** -9  # 3/4 of a bf16 ulp above 1: toward zero 1, nearest 1 + 2**-7
+    out = combine(y, torch.ones(1, 1), layout, 1, torch.bfloat16)
+    assert out.item() == 1.0 and y.max().bfloat16().item() == 1.0 + 2 ** -7
+
+
 @pytest.mark.parametrize("hidden, inter", [(64, 96), (128, 256)])
 def test_gate_up_act_and_down_rows_are_the_same_for_every_tile_config(hidden, inter):
     """`gate_up_act` gives silu(gate) * up per expert row, and each pair's gate/up and down rows are
