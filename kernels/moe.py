@@ -379,16 +379,14 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
     backend = select("fused_moe", x)
     x = x.contiguous()
     ids = topk_ids.to(torch.int64)
-    needs_grad = torch.is_grad_enabled() and any(
-        t.requires_grad for t in (x, gate_up_proj, down_proj, topk_weights))
     if add is not None and (add.shape != x.shape or add.dtype != x.dtype or add.device != x.device):
         raise ValueError(f"fused_moe: add must be [{x.shape[0]}, {x.shape[1]}] {x.dtype} on {x.device} like x; "
                          f"got {tuple(add.shape)} {add.dtype} on {add.device}")
-    if needs_grad or (add is not None and add.requires_grad and torch.is_grad_enabled()):
-        out = _FusedMoeFunction.apply(x, gate_up_proj, down_proj, topk_weights, ids, backend)
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, gate_up_proj, down_proj, topk_weights, add))
+    if needs_grad or backend == "reference":  # the plain add after the routed output
+        out = (_FusedMoeFunction.apply(x, gate_up_proj, down_proj, topk_weights, ids, backend) if needs_grad
+               else fused_moe_reference(x, gate_up_proj, down_proj, topk_weights, ids))
         return out if add is None else out + add
-    if backend == "reference":
-        out = fused_moe_reference(x, gate_up_proj, down_proj, topk_weights, ids)
-        return out if add is None else out + add
-    add = None if add is None else add.contiguous()
+    add = None if add is None else add.contiguous()  # the combine kernel reads rows of unit stride
     return _forward_triton(x, gate_up_proj, down_proj, topk_weights, ids, save_preact=False, add=add)[0]

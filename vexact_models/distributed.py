@@ -38,8 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = ["FORWARD_METHODS", "LAUNCHER_WORLD_SIZE_VARS", "checkpoint_name", "exit_rank", "fsdp_forward_method",
-           "launcher_world_size", "register_forward_methods",
-           "shard", "stream_full_weights"]
+           "launcher_world_size", "register_forward_methods", "shard", "stream_full_weights"]
 
 #: Methods other than ``forward`` that run the model and so must run FSDP's forward hooks.
 FORWARD_METHODS = ("token_logprobs",)

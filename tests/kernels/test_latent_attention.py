@@ -144,4 +144,3 @@ def test_decode_by_tma_equals_pointer_loads_and_training_bitwise(heads):
     with pytest.raises(ValueError, match="kv_descriptors=True needs pages of a multiple of block_n=64"):
         latent_attention_triton(q[last], cache, lat, PagedLayout(layout.cu_seqlens_q, layout.seq_lens, table.cuda(), 32, 1),
                                 scale, kv_descriptors=True)
-
