@@ -40,7 +40,6 @@ from vexact_models.kernels import PagedLayout
 from vexact_models.layers import PagedContext
 
 from .graph_inputs import GraphInputs
-from .split_decode import DECODE_SPLIT, MIN_SPLIT_BATCH, split_decode_forward
 from .step_inputs import StepInputs
 
 __all__ = ["DEFAULT_BUCKETS", "DEFAULT_MAX_TOKENS", "MAX_MIXED_GRAPHS", "StepGraphs", "step_bucket", "token_bucket"]
@@ -121,8 +120,6 @@ class StepGraphs:
         self.mixed_replays = 0  # steps replayed by them
         self.mixed_capture_seconds = 0.0  # host time their warm-ups and captures took
         self._pool = None
-        self._side_stream: torch.cuda.Stream | None = None  # the second half's, when decode steps split
-        self.split_buckets: list[tuple[int, int, int]] = []  # buckets captured as two halves
         for b in reversed(self.buckets):  # largest first: the smaller graphs reuse its memory pool
             self._capture((b, b, 1), self.inputs, carry=self.carry is not None)
 
@@ -138,15 +135,14 @@ class StepGraphs:
         """Warm up (compiles the kernels outside the capture), then capture `bucket` on `x`'s
         buffers; with `shared_out` the graph copies its logits into ``mixed_logits``."""
         args = self._args(bucket, x, carry)
-        forward = self._forward(bucket, carry)
-        out = forward(*args)
+        out = self.model(*args)
         if shared_out and self.mixed_logits is None:
             self.mixed_logits = torch.empty(self.max_batch, out.shape[1], dtype=out.dtype, device=self.device)
         del out
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            out = forward(*args)
+            out = self.model(*args)
             if shared_out:
                 self.mixed_logits[:bucket[1]].copy_(out)
         if shared_out:
@@ -154,18 +150,6 @@ class StepGraphs:
             out = self.mixed_logits
         self._pool = graph.pool()
         self.graphs[bucket] = (graph, x, out)
-
-    def _forward(self, bucket: tuple[int, int, int], carry: bool):
-        """The step's forward: the model's, or for a decode bucket of at least `MIN_SPLIT_BATCH`
-        sequences under ``VEXACT_DECODE_SPLIT``, two halves on two streams (`split_decode`)."""
-        mode = DECODE_SPLIT.mode()
-        tokens, seqs, max_q = bucket
-        if mode == "off" or carry or max_q != 1 or tokens != seqs or seqs < MIN_SPLIT_BATCH:
-            return self.model
-        if self._side_stream is None:
-            self._side_stream = torch.cuda.Stream(self.device)
-        self.split_buckets.append(bucket)
-        return lambda *args: split_decode_forward(self.model, *args, self._side_stream, mode)
 
     def release(self) -> None:
         """Free the graphs and their memory pool (the outputs live in it: dropped first). The

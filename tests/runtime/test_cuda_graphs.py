@@ -78,21 +78,3 @@ def test_mixed_buckets_past_the_cap_and_the_limit_run_eagerly(monkeypatch):
     monkeypatch.setattr(cuda_graphs, "MAX_MIXED_GRAPHS", 1)
     got, limited = run(model)
     assert got == want and limited.runner.graphs.num_mixed == 1 and limited.runner.graphs.mixed_replays >= 1
-
-
-@pytest.mark.parametrize("mode", ["free", "alternate"])
-def test_decode_steps_split_in_two_streams_keep_the_bits(monkeypatch, mode):
-    """``VEXACT_DECODE_SPLIT``: decode graphs captured as two halves on two streams
-    (`runtime.split_decode`) give the eager steps' tokens and logprobs."""
-    import vexact_models.runtime.cuda_graphs as cuda_graphs
-    from vexact_models.runtime.split_decode import DECODE_SPLIT
-
-    monkeypatch.setattr(cuda_graphs, "MIN_SPLIT_BATCH", 2)  # this test's batches are small
-    model = tiny_model("qwen3")
-    want, _ = run(model, enforce_eager=True)
-    with DECODE_SPLIT.use(mode):
-        got, llm = run(model)
-    assert llm.runner.graphs.split_buckets and got == want
-    with DECODE_SPLIT.use("off"):
-        _, unsplit = run(model)
-    assert not unsplit.runner.graphs.split_buckets
