@@ -157,9 +157,30 @@ def sweep_case(case, latent: bool, hbm: float, keep_configs: tuple[str, ...] = (
         rows.append([name, _label(cfg) + (" TMA K/V" if tma or by_tma else ""), f"{ms * 1e3:.1f}", rate, same])
         if best is None or ms < best[0]:
             best = (ms, cfg, by_tma)
+    if latent and kind == "decode":
+        rows += _gluon_row(name, q, k, dv, layout, scale, refs.get(64), kv_bytes, hbm)
     if kind == "train" and not latent:
         rows.append([name, "torch SDPA (default backend)", f"{_sdpa_ms(q, k, v, seqs, length) * 1e3:.1f}", "", "-"])
     print(f"best {name}: {_label(best[1])}{' TMA K/V' if best[2] else ''} {best[0] * 1e3:.1f} us", flush=True)
+    return rows
+
+
+def _gluon_row(name, q, k, dv, layout, scale, ref, kv_bytes, hbm) -> list[list]:
+    """The Gluon latent decode launch (`kernels.latent_decode_gluon`), where it fits, as more
+    candidate rows (1, 2, 4 and 8 value chunks): time and whether the bits equal the Triton launches'."""
+    from vexact_models.kernels import latent_decode_gluon
+
+    kv = k.reshape(-1, 1, k.shape[-1])
+    if not latent_decode_gluon.fits(q, kv, dv, layout):
+        return []
+    rows = []
+    for chunks in (1, 2, 4, 8):
+        run = lambda: latent_decode_gluon.latent_decode_gluon(q, kv, dv, layout, scale, chunks)[0]  # noqa: E731
+        ms = bench_graph([run])
+        same = "yes" if ref is not None and torch.equal(run(), ref) else "NO"
+        print(f"gluon v{chunks} {name}: {ms * 1e3:.1f} us", flush=True)
+        rows.append([name, f"gluon (warpgroup MMAs, key-major) v{chunks} TMA K/V", f"{ms * 1e3:.1f}",
+                     f"{kv_bytes / ms / 1e6 / hbm * 100:.0f}% HBM", same])
     return rows
 
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from ._triton import has_tma, launch_staged, next_power_of_2, num_sms, require_triton, tl, tma_rows_aligned, triton
+from . import latent_decode_gluon
 from .row_sum import lane_sums, row_sum_halves, row_sum_levels
 
 
@@ -268,6 +269,10 @@ def latent_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, v_dim: int,
         return out, lse
     group = n_heads // n_kv_heads
     kv = kv_cache.reshape(-1, n_kv_heads, head_dim)
+    if (config is None and kv_descriptors is None and latent_decode_gluon.LATENT_DECODE.mode() == "gluon"
+            and latent_decode_gluon.fits(q, kv, v_dim, layout)):
+        chunks = latent_decode_gluon.value_chunks(n_seqs, num_sms(q.device))
+        return latent_decode_gluon.latent_decode_gluon(q, kv, v_dim, layout, scale, chunks)
     rows = layout.max_seqlen_q * group
     if kv_descriptors is None:
         kv_descriptors = config is None and page_descriptors_fit(kv, layout.page_size, v_dim, rows)

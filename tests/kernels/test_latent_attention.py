@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from vexact_models.kernels import PagedLayout, attention, attention_packed, kv_cache_write
+from vexact_models.kernels import PagedLayout, attention, attention_packed, kv_cache_write, latent_decode_gluon
 from vexact_models.kernels.attention_backward import attention_math
 from vexact_models.kernels.latent_attention import (LatentConfig, latent_attention_triton, page_descriptors_fit,
                                                     value_in_key)
@@ -97,6 +97,18 @@ def test_page_descriptors_fit_only_hopper_decode_over_whole_block_pages():
     """TMA needs a Hopper GPU: never on CPU; the other conditions hold here, so only the device says no."""
     k = torch.zeros(8, 64, 1, 576, dtype=torch.bfloat16).reshape(-1, 1, 576)
     assert not page_descriptors_fit(k, 64, 512, 16)
+    layout = PagedLayout(torch.arange(3, dtype=torch.int32), torch.tensor([5, 9], dtype=torch.int32),
+                         torch.zeros(2, 1, dtype=torch.int32), 64, 1)
+    assert not latent_decode_gluon.fits(torch.zeros(2, 16, 576, dtype=torch.bfloat16), k, 512, layout)
+    with pytest.raises(ValueError, match="does not fit the kernel"):
+        latent_decode_gluon.latent_decode_gluon(torch.zeros(2, 16, 576, dtype=torch.bfloat16), k, 512, layout, 0.1)
+    with pytest.raises(ValueError, match="value_chunks=3 must be 1, 2, 4 or 8"):
+        latent_decode_gluon.latent_decode_gluon(torch.zeros(2, 16, 576, dtype=torch.bfloat16), k, 512, layout, 0.1, 3)
+
+
+def test_gluon_decode_takes_value_chunks_only_for_a_rollouts_last_few_sequences():
+    assert [latent_decode_gluon.value_chunks(n, 132) for n in (1, 33, 34, 256)] == [4, 4, 1, 1]
+    assert latent_decode_gluon.LATENT_DECODE.default == "gluon"
 
 
 needs_tma = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9),
@@ -126,7 +138,7 @@ def test_decode_by_tma_equals_pointer_loads_and_training_bitwise(heads):
     assert not page_descriptors_fit(cache, 16, lat, heads) and not page_descriptors_fit(cache.float(), page, lat, heads)
     assert not page_descriptors_fit(cache, page, lat, 129)
     scale = (lat + rope) ** -0.5
-    by_tma, lse_tma = latent_attention_triton(q[last], cache, lat, layout, scale)  # auto: TMA here
+    by_tma, lse_tma = latent_attention_triton(q[last], cache, lat, layout, scale, kv_descriptors=True)
     by_ptr, lse_ptr = latent_attention_triton(q[last], cache, lat, layout, scale, kv_descriptors=False)
     assert torch.equal(by_tma, by_ptr) and torch.equal(lse_tma, lse_ptr)
     assert torch.equal(by_tma, packed[last])
@@ -141,6 +153,18 @@ def test_decode_by_tma_equals_pointer_loads_and_training_bitwise(heads):
     for tma in (True, False):
         out, lse = latent_attention_triton(q[last], cache, lat, ordered, scale, kv_descriptors=tma)
         assert torch.equal(out, by_tma) and torch.equal(lse, lse_tma), tma
+    # the Gluon launch (warpgroup MMAs, key-major; Moonlight's 16 heads): the same bits
+    fits = latent_decode_gluon.fits(q[last], cache.reshape(-1, 1, lat + rope), lat, layout)
+    assert fits == (heads <= 64)
+    if fits:
+        for lay, chunks in ((layout, 1), (ordered, 1), (layout, 2), (ordered, 4), (layout, 8)):
+            out, lse = latent_decode_gluon.latent_decode_gluon(q[last], cache.reshape(-1, 1, lat + rope), lat, lay,
+                                                               scale, chunks)
+            assert torch.equal(out, by_tma) and torch.equal(lse, lse_tma), chunks
+    for mode in ("gluon", "triton"):  # the default routes a launch that fits to the Gluon kernel
+        with latent_decode_gluon.LATENT_DECODE.use(mode):
+            out, lse = latent_attention_triton(q[last], cache, lat, layout, scale)
+        assert torch.equal(out, by_tma) and torch.equal(lse, lse_tma), mode
     with pytest.raises(ValueError, match="kv_descriptors=True needs pages of a multiple of block_n=64"):
         latent_attention_triton(q[last], cache, lat, PagedLayout(layout.cu_seqlens_q, layout.seq_lens, table.cuda(), 32, 1),
                                 scale, kv_descriptors=True)

@@ -1,0 +1,249 @@
+"""Latent MLA decode attention in Gluon (Hopper): both dots on warpgroup MMAs with every operand
+in shared memory, the keys streamed by TMA through a ring of stages.
+
+Why: the Triton decode launch (`latent_attention._latent_fwd_kernel`, 16-row tiles on mma.sync)
+holds the 16 x 576 query operand in every warp's registers, spills, and reads the latent cache
+at ~51% of the copy bandwidth at Moonlight's shape (docs/gpu-results.md, thirtieth session).
+Here a program runs one sequence's query heads (Moonlight: 16) with one warpgroup, key-major:
+
+- ``S^T [keys, heads] = K [keys, 576] . Q^T`` (the latent dot, then the rope dot accumulated onto
+  it), A = the key block and B = the query, both read by the MMA from shared memory;
+- the online softmax of `latent_attention._latent_block`, column by column (a head per column);
+- ``O^T [512, heads] += V^T . P^T``, A = the same key block's latent dims (the value) and B = the
+  probabilities, stored to shared memory.
+
+Same bits as the Triton kernels (docs/design.md rule 2): every output element is the same
+sequence of fp32 operations. Each dot is one chain of 16-wide K steps in the same order (keys
+0..63 for the value dot, dims 0..575 for the scores); transposing a product swaps which operand
+is A, not the products or their order. The denominators are summed by halves over the keys
+(`key_sum_halves`, `row_sum.row_sum_halves`'s order), and the masks, maxima, exponents, rescaling,
+division and lse are written as in `_latent_block`. A decode launch only: one query token per
+sequence, a power-of-two head count of 8-64, the 512 + 64 dims, bf16/fp16, pages of a multiple
+of 64 and TMA-able tensors (`fits`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._triton import HAS_TRITON, has_tma, tma_rows_aligned
+from .kernel_switch import KernelSwitch
+from .row_sum import row_sum_levels
+
+try:  # Gluon ships in the Triton wheel from 3.5 on; without it the Triton launch decodes
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                   warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    HAS_GLUON = HAS_TRITON
+except ImportError:  # pragma: no cover - older Triton
+    HAS_GLUON = False
+
+__all__ = ["LATENT_DECODE", "fits", "latent_decode_gluon"]
+
+#: ``VEXACT_LATENT_DECODE``: ``gluon`` (the default: this kernel, where it `fits`) or ``triton`` (the
+#: Triton launch everywhere, as before the thirty-first session)
+LATENT_DECODE = KernelSwitch("VEXACT_LATENT_DECODE", ("gluon", "triton"), "gluon", "latent decode kernel")
+FEW_VALUE_CHUNKS = 4  # value chunks of a launch of at most sm_count / 4 sequences (`value_chunks`)
+BLOCK_N = 64  # keys per block: `latent_attention.key_block` for 16-bit dtypes (the reduction order)
+STAGES = 2  # key blocks in shared memory: 2 x 72 KB, with the query and probabilities, fits an SM's 227 KB
+
+
+def value_chunks(n_seqs: int, sm_count: int) -> int:
+    """Programs per sequence for a launch of `n_seqs` sequences on `sm_count` SMs: one program
+    each while they fill the GPU, `FEW_VALUE_CHUNKS` (each one slice of the value dims) for a
+    rollout's last few sequences, as the Triton launch does (`latent_attention.pick_config`)."""
+    return FEW_VALUE_CHUNKS if 0 < n_seqs * FEW_VALUE_CHUNKS <= sm_count else 1
+
+
+def fits(q: torch.Tensor, kv: torch.Tensor, v_dim: int, layout) -> bool:
+    """Whether this kernel takes a launch: a Hopper GPU with Gluon, a 16-bit decode launch (one
+    query token per sequence), one KV head, 512 latent + 64 rope dims, 8-64 heads (a power of two),
+    pages of a multiple of `BLOCK_N` and 16-byte aligned rows that TMA can read."""
+    if not (HAS_GLUON and q.is_cuda and has_tma(q.device)):
+        return False
+    heads = q.shape[1]
+    return (layout.max_seqlen_q == 1 and q.dtype in (torch.bfloat16, torch.float16) and kv.dtype == q.dtype
+            and kv.dim() == 3 and kv.shape[1] == 1 and v_dim == 512 and q.shape[-1] == kv.shape[-1] == 576
+            and 8 <= heads <= 64 and heads & (heads - 1) == 0 and layout.page_size % BLOCK_N == 0
+            and q.stride(-1) == 1 and q.stride(1) == q.shape[-1] and q.stride(0) == heads * q.shape[-1]
+            and kv.stride(-1) == 1 and kv.stride(0) == kv.shape[-1] and tma_rows_aligned(q, kv))
+
+
+if HAS_GLUON:
+    @gluon.jit
+    def key_sum_halves(x, LEVELS: gl.constexpr):
+        """``[H]`` sums over the keys (axis 0) of ``x [2**LEVELS, H]`` in `row_sum.row_sum_halves`'s
+        order: the second half added onto the first, elementwise, until one key is left."""
+        for _ in gl.static_range(LEVELS - 1):
+            x = gl.sum(gl.reshape(x, (2, x.shape[0] // 2, x.shape[1])), axis=0)
+        return gl.sum(x, axis=0)
+
+    @gluon.jit
+    def _load_block(lat_desc, rope_desc, table_row, block, page_size, bar, k_lat, k_rope, pred,
+                    BLOCK_N: gl.constexpr, LAT: gl.constexpr):
+        """Issue the TMA copies of key block `block` (its latent and rope dims) into one stage."""
+        start = block * BLOCK_N
+        slot = gl.load(table_row + start // page_size, mask=pred, other=0) * page_size + start % page_size
+        mbarrier.expect(bar, lat_desc.block_type.nbytes + rope_desc.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(lat_desc, [slot, 0], bar, k_lat, pred=pred)
+        tma.async_copy_global_to_shared(rope_desc, [slot, LAT], bar, k_rope, pred=pred)
+
+    @gluon.jit
+    def _fill_partial_block(kv_ptr, stride_ks, table_row, block, page_size, n_keys, k_lat, k_rope,
+                            LAT: gl.constexpr, ROPE: gl.constexpr, BLOCK_N: gl.constexpr, num_warps: gl.constexpr):
+        """The last, partial key block by pointer loads, zeros past the sequence's last key (whose
+        slots may hold anything: they were never written), stored into one stage for the MMAs.
+        The rows before it are the ones TMA would copy, so the same bits as the Triton launch,
+        whose pointer loads read this block the same way."""
+        ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        k_pos = block * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld))
+        ok = k_pos < n_keys
+        page = gl.load(table_row + k_pos // page_size, mask=ok, other=0)
+        rows = kv_ptr + (page.to(gl.int64) * page_size + k_pos % page_size)[:, None] * stride_ks
+        cols = gl.arange(0, ROPE, layout=gl.SliceLayout(0, ld))  # 64-wide column chunks, the rope dims' width
+        for c in gl.static_range(LAT // ROPE):
+            k_lat.slice(c * ROPE, ROPE, dim=1).store(gl.load(rows + c * ROPE + cols[None, :], mask=ok[:, None],
+                                                             other=0.0))
+        k_rope.store(gl.load(rows + LAT + cols[None, :], mask=ok[:, None], other=0.0))
+
+    @gluon.jit
+    def _latent_decode_kernel(q_lat_desc, q_rope_desc, lat_desc, rope_desc, kv_ptr, stride_ks, o_ptr, lse_ptr,
+                              cu_seqlens_q_ptr, seq_lens_ptr, block_table_ptr, seq_order_ptr,
+                              page_size, scale_log2, stride_ot, stride_oh, stride_bt,
+                              GROUP: gl.constexpr, LAT: gl.constexpr, ROPE: gl.constexpr, BLOCK_N: gl.constexpr,
+                              STAGES: gl.constexpr, SUM_LEVELS: gl.constexpr, ORDERED: gl.constexpr,
+                              CHUNKS: gl.constexpr, num_warps: gl.constexpr):
+        seq = gl.program_id(0)
+        chunk = gl.program_id(1)  # this program's slice of the value dims (CHUNKS > 1: few sequences)
+        DV: gl.constexpr = LAT // CHUNKS
+        if ORDERED:  # PagedLayout.seq_order: which sequence this program's slot of the grid runs
+            seq = gl.load(seq_order_ptr + seq)
+        q_start = gl.load(cu_seqlens_q_ptr + seq)
+        q_len = gl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+        if q_len == 0:  # a padding sequence of a CUDA graph bucket
+            return
+        n_keys = gl.load(seq_lens_ptr + seq)  # one query token: it sees every key, its own last
+        n_blocks = gl.cdiv(n_keys, BLOCK_N)
+        whole = n_keys // BLOCK_N  # blocks that TMA copies; a partial last one takes pointer loads
+        table_row = block_table_ptr + seq.to(gl.int64) * stride_bt
+
+        # scores S^T [keys, heads] and output O^T [dims, heads]: warpgroup MMA accumulators
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                      instr_shape=[16, GROUP, 16])
+        # the softmax's layout: a head's keys in two lanes of one warp, the heads across lanes
+        cols: gl.constexpr = gl.BlockedLayout([BLOCK_N // 2, 1], [2, 16], [1, num_warps], [0, 1])
+        heads_c: gl.constexpr = gl.SliceLayout(0, cols)
+
+        k_lat = gl.allocate_shared_memory(lat_desc.dtype, [STAGES, BLOCK_N, LAT], lat_desc.layout)
+        k_rope = gl.allocate_shared_memory(rope_desc.dtype, [STAGES, BLOCK_N, ROPE], rope_desc.layout)
+        q_lat = gl.allocate_shared_memory(q_lat_desc.dtype, [GROUP, LAT], q_lat_desc.layout)
+        q_rope = gl.allocate_shared_memory(q_rope_desc.dtype, [GROUP, ROPE], q_rope_desc.layout)
+        p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([GROUP, BLOCK_N], q_lat_desc.dtype)
+        p_smem = gl.allocate_shared_memory(q_lat_desc.dtype, [GROUP, BLOCK_N], p_layout)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for st in gl.static_range(STAGES):
+            mbarrier.init(bars.index(st), count=1)
+        mbarrier.init(q_bar, count=1)
+
+        row = q_start * GROUP  # the token's first head in q viewed as [tokens * heads, 576]
+        mbarrier.expect(q_bar, q_lat_desc.block_type.nbytes + q_rope_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_lat_desc, [row, 0], q_bar, q_lat)
+        tma.async_copy_global_to_shared(q_rope_desc, [row, LAT], q_bar, q_rope)
+        for st in gl.static_range(STAGES):
+            _load_block(lat_desc, rope_desc, table_row, st, page_size, bars.index(st), k_lat.index(st),
+                        k_rope.index(st), st < whole, BLOCK_N, LAT)
+        mbarrier.wait(q_bar, phase=0)
+
+        m_i = gl.full([GROUP], float("-inf"), gl.float32, layout=heads_c)
+        l_i = gl.zeros([GROUP], gl.float32, layout=heads_c)
+        acc = gl.zeros([DV, GROUP], gl.float32, layout=mma)
+        for i in range(n_blocks):
+            stage = i % STAGES
+            lat = k_lat.index(stage)
+            if i < whole:
+                mbarrier.wait(bars.index(stage), phase=(i // STAGES) & 1)
+            else:  # the last block, partial (its stage's barrier is not used again)
+                _fill_partial_block(kv_ptr, stride_ks, table_row, i, page_size, n_keys, lat, k_rope.index(stage),
+                                    LAT, ROPE, BLOCK_N, num_warps)
+                fence_async_shared()
+                gl.thread_barrier()
+            s = warpgroup_mma(lat, q_lat.permute((1, 0)), gl.zeros([BLOCK_N, GROUP], gl.float32, layout=mma),
+                              is_async=True)
+            s = warpgroup_mma(k_rope.index(stage), q_rope.permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+            s = gl.convert_layout(s, cols) * scale_log2
+            k_pos = i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, cols))
+            s = gl.where((k_pos < n_keys)[:, None], s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, axis=0))
+            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(s - m_new[None, :])
+            l_i = l_i * alpha + gl.convert_layout(key_sum_halves(p, SUM_LEVELS), heads_c)  # one fixed order
+            m_i = m_new
+            p_smem.store(gl.permute(p.to(p_smem.dtype), (1, 0)))
+            fence_async_shared()
+            gl.thread_barrier()
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, mma))[None, :]
+            if CHUNKS == 1:
+                acc = warpgroup_mma(lat.permute((1, 0)), p_smem.permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            else:  # shared memory slices take constant offsets: one branch per chunk (each waits)
+                for c in gl.static_range(CHUNKS):
+                    if chunk == c:
+                        acc = warpgroup_mma(lat.slice(c * DV, DV, dim=1).permute((1, 0)), p_smem.permute((1, 0)),
+                                            acc)
+            gl.thread_barrier()  # every warp's MMA has read this stage before a copy overwrites it
+            _load_block(lat_desc, rope_desc, table_row, i + STAGES, page_size, bars.index(stage), lat,
+                        k_rope.index(stage), i + STAGES < whole, BLOCK_N, LAT)
+
+        for st in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(st))
+        mbarrier.invalidate(q_bar)
+        out = acc / gl.convert_layout(l_i, gl.SliceLayout(0, mma))[None, :]
+        dims = chunk * DV + gl.arange(0, DV, layout=gl.SliceLayout(1, mma))
+        heads = gl.arange(0, GROUP, layout=gl.SliceLayout(0, mma))
+        token = q_start.to(gl.int64)
+        gl.store(o_ptr + token * stride_ot + heads[None, :] * stride_oh + dims[:, None], out.to(o_ptr.dtype.element_ty))
+        if chunk == 0:
+            heads_l = gl.arange(0, GROUP, layout=heads_c)
+            gl.store(lse_ptr + token * GROUP + heads_l, m_i + gl.log2(l_i))
+
+
+def _descriptor(x: torch.Tensor, block: list[int]):
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16)
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), block, layout)
+
+
+def latent_decode_gluon(q: torch.Tensor, kv: torch.Tensor, v_dim: int, layout, scale: float,
+                        value_chunks: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [T, H, v_dim], lse [T, H])`` of a decode launch (`fits`): the Triton latent kernel's
+    results, bitwise (the module docstring). `kv` is the cache as ``[slots, 1, 576]``.
+    `value_chunks` (1, 2, 4 or 8) programs per sequence each compute the same scores and one
+    slice of the value dims: more programs when there are few sequences, the same bits."""
+    if value_chunks not in (1, 2, 4, 8):
+        raise ValueError(f"latent_decode_gluon: value_chunks={value_chunks} must be 1, 2, 4 or 8")
+    if not fits(q, kv, v_dim, layout):
+        raise ValueError(f"latent_decode_gluon: this launch does not fit the kernel (q {tuple(q.shape)} {q.dtype}, "
+                         f"kv {tuple(kv.shape)}, v_dim={v_dim}, max_seqlen_q={layout.max_seqlen_q}, "
+                         f"page_size={layout.page_size}); see fits()")
+    n_tokens, heads, dim = q.shape
+    out = torch.empty((n_tokens, heads, v_dim), device=q.device, dtype=q.dtype)
+    lse = torch.empty((n_tokens, heads), device=q.device, dtype=torch.float32)
+    n_seqs = layout.seq_lens.shape[0]
+    if n_tokens == 0 or n_seqs == 0:
+        return out, lse
+    rope = dim - v_dim
+    q_rows, kv_rows = q.reshape(n_tokens * heads, dim), kv.reshape(kv.shape[0], dim)
+    _latent_decode_kernel[(n_seqs, value_chunks)](
+        _descriptor(q_rows, [heads, v_dim]), _descriptor(q_rows, [heads, rope]),
+        _descriptor(kv_rows, [BLOCK_N, v_dim]), _descriptor(kv_rows, [BLOCK_N, rope]), kv_rows, kv_rows.stride(0),
+        out, lse,
+        layout.cu_seqlens_q, layout.seq_lens, layout.block_table, layout.seq_order,
+        layout.page_size, scale * math.log2(math.e), out.stride(0), out.stride(1), layout.block_table.stride(0),
+        GROUP=heads, LAT=v_dim, ROPE=rope, BLOCK_N=BLOCK_N, STAGES=STAGES, SUM_LEVELS=row_sum_levels(BLOCK_N),
+        ORDERED=layout.seq_order is not None, CHUNKS=value_chunks, num_warps=4)
+    return out, lse
