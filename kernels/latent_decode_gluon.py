@@ -111,12 +111,34 @@ if HAS_GLUON:
         k_rope.store(gl.load(rows + LAT + cols[None, :], mask=ok[:, None], other=0.0))
 
     @gluon.jit
+    def _block_ready(bars, k_lat, k_rope, block, whole, n_blocks, kv_ptr, stride_ks, table_row, page_size, n_keys,
+                     STAGES: gl.constexpr, LAT: gl.constexpr, ROPE: gl.constexpr, BLOCK_N: gl.constexpr,
+                     num_warps: gl.constexpr):
+        """Wait until key block `block` is in its stage: its TMA copies, or (the partial last block)
+        its pointer loads, done here. Nothing past the last block."""
+        stage = block % STAGES
+        if block < whole:
+            mbarrier.wait(bars.index(stage), phase=(block // STAGES) & 1)
+        elif block < n_blocks:  # its stage's barrier is not used again
+            _fill_partial_block(kv_ptr, stride_ks, table_row, block, page_size, n_keys, k_lat.index(stage),
+                                k_rope.index(stage), LAT, ROPE, BLOCK_N, num_warps)
+            fence_async_shared()
+            gl.thread_barrier()
+
+    @gluon.jit
+    def _issue_scores(k_lat, k_rope, q_lat, q_rope, layout: gl.constexpr, BLOCK_N: gl.constexpr, GROUP: gl.constexpr):
+        """``S^T = K . Q^T``, asynchronously: the latent dot, then the rope dot accumulated onto it."""
+        s = warpgroup_mma(k_lat, q_lat.permute((1, 0)), gl.zeros([BLOCK_N, GROUP], gl.float32, layout=layout),
+                          is_async=True)
+        return warpgroup_mma(k_rope, q_rope.permute((1, 0)), s, is_async=True)
+
+    @gluon.jit
     def _latent_decode_kernel(q_lat_desc, q_rope_desc, lat_desc, rope_desc, kv_ptr, stride_ks, o_ptr, lse_ptr,
                               cu_seqlens_q_ptr, seq_lens_ptr, block_table_ptr, seq_order_ptr,
                               page_size, scale_log2, stride_ot, stride_oh, stride_bt,
                               GROUP: gl.constexpr, LAT: gl.constexpr, ROPE: gl.constexpr, BLOCK_N: gl.constexpr,
                               STAGES: gl.constexpr, SUM_LEVELS: gl.constexpr, ORDERED: gl.constexpr,
-                              CHUNKS: gl.constexpr, num_warps: gl.constexpr):
+                              CHUNKS: gl.constexpr, SCORES_AHEAD: gl.constexpr, num_warps: gl.constexpr):
         seq = gl.program_id(0)
         chunk = gl.program_id(1)  # this program's slice of the value dims (CHUNKS > 1: few sequences)
         DV: gl.constexpr = LAT // CHUNKS
@@ -162,20 +184,20 @@ if HAS_GLUON:
         m_i = gl.full([GROUP], float("-inf"), gl.float32, layout=heads_c)
         l_i = gl.zeros([GROUP], gl.float32, layout=heads_c)
         acc = gl.zeros([DV, GROUP], gl.float32, layout=mma)
+        if SCORES_AHEAD:  # block i+1's scores are issued behind block i's value dot
+            _block_ready(bars, k_lat, k_rope, 0, whole, n_blocks, kv_ptr, stride_ks, table_row, page_size, n_keys,
+                         STAGES, LAT, ROPE, BLOCK_N, num_warps)
+            s_next = _issue_scores(k_lat.index(0), k_rope.index(0), q_lat, q_rope, mma, BLOCK_N, GROUP)
         for i in range(n_blocks):
             stage = i % STAGES
             lat = k_lat.index(stage)
-            if i < whole:
-                mbarrier.wait(bars.index(stage), phase=(i // STAGES) & 1)
-            else:  # the last block, partial (its stage's barrier is not used again)
-                _fill_partial_block(kv_ptr, stride_ks, table_row, i, page_size, n_keys, lat, k_rope.index(stage),
-                                    LAT, ROPE, BLOCK_N, num_warps)
-                fence_async_shared()
-                gl.thread_barrier()
-            s = warpgroup_mma(lat, q_lat.permute((1, 0)), gl.zeros([BLOCK_N, GROUP], gl.float32, layout=mma),
-                              is_async=True)
-            s = warpgroup_mma(k_rope.index(stage), q_rope.permute((1, 0)), s, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+            if SCORES_AHEAD:
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, ))
+            else:
+                _block_ready(bars, k_lat, k_rope, i, whole, n_blocks, kv_ptr, stride_ks, table_row, page_size,
+                             n_keys, STAGES, LAT, ROPE, BLOCK_N, num_warps)
+                s = _issue_scores(lat, k_rope.index(stage), q_lat, q_rope, mma, BLOCK_N, GROUP)
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
             s = gl.convert_layout(s, cols) * scale_log2
             k_pos = i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, cols))
             s = gl.where((k_pos < n_keys)[:, None], s, float("-inf"))
@@ -190,16 +212,30 @@ if HAS_GLUON:
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, mma))[None, :]
             if CHUNKS == 1:
                 acc = warpgroup_mma(lat.permute((1, 0)), p_smem.permute((1, 0)), acc, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                if SCORES_AHEAD:
+                    _block_ready(bars, k_lat, k_rope, i + 1, whole, n_blocks, kv_ptr, stride_ks, table_row,
+                                 page_size, n_keys, STAGES, LAT, ROPE, BLOCK_N, num_warps)
+                    nxt = (i + 1) % STAGES  # past the last block: a stale stage, never used
+                    s_next = _issue_scores(k_lat.index(nxt), k_rope.index(nxt), q_lat, q_rope, mma, BLOCK_N, GROUP)
+                    acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc, ))  # the value dot; not the scores
+                else:
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             else:  # shared memory slices take constant offsets: one branch per chunk (each waits)
                 for c in gl.static_range(CHUNKS):
                     if chunk == c:
                         acc = warpgroup_mma(lat.slice(c * DV, DV, dim=1).permute((1, 0)), p_smem.permute((1, 0)),
                                             acc)
+                if SCORES_AHEAD:
+                    _block_ready(bars, k_lat, k_rope, i + 1, whole, n_blocks, kv_ptr, stride_ks, table_row,
+                                 page_size, n_keys, STAGES, LAT, ROPE, BLOCK_N, num_warps)
+                    nxt = (i + 1) % STAGES
+                    s_next = _issue_scores(k_lat.index(nxt), k_rope.index(nxt), q_lat, q_rope, mma, BLOCK_N, GROUP)
             gl.thread_barrier()  # every warp's MMA has read this stage before a copy overwrites it
             _load_block(lat_desc, rope_desc, table_row, i + STAGES, page_size, bars.index(stage), lat,
                         k_rope.index(stage), i + STAGES < whole, BLOCK_N, LAT)
 
+        if SCORES_AHEAD:  # the scores issued past the last block
+            s_next = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, ))
         for st in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(st))
         mbarrier.invalidate(q_bar)
@@ -219,7 +255,7 @@ def _descriptor(x: torch.Tensor, block: list[int]):
 
 
 def latent_decode_gluon(q: torch.Tensor, kv: torch.Tensor, v_dim: int, layout, scale: float,
-                        value_chunks: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                        value_chunks: int = 1, scores_ahead: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [T, H, v_dim], lse [T, H])`` of a decode launch (`fits`): the Triton latent kernel's
     results, bitwise (the module docstring). `kv` is the cache as ``[slots, 1, 576]``.
     `value_chunks` (1, 2, 4 or 8) programs per sequence each compute the same scores and one
@@ -245,5 +281,5 @@ def latent_decode_gluon(q: torch.Tensor, kv: torch.Tensor, v_dim: int, layout, s
         layout.cu_seqlens_q, layout.seq_lens, layout.block_table, layout.seq_order,
         layout.page_size, scale * math.log2(math.e), out.stride(0), out.stride(1), layout.block_table.stride(0),
         GROUP=heads, LAT=v_dim, ROPE=rope, BLOCK_N=BLOCK_N, STAGES=STAGES, SUM_LEVELS=row_sum_levels(BLOCK_N),
-        ORDERED=layout.seq_order is not None, CHUNKS=value_chunks, num_warps=4)
+        ORDERED=layout.seq_order is not None, CHUNKS=value_chunks, SCORES_AHEAD=scores_ahead, num_warps=4)
     return out, lse

@@ -157,10 +157,11 @@ def test_decode_by_tma_equals_pointer_loads_and_training_bitwise(heads):
     fits = latent_decode_gluon.fits(q[last], cache.reshape(-1, 1, lat + rope), lat, layout)
     assert fits == (heads <= 64)
     if fits:
-        for lay, chunks in ((layout, 1), (ordered, 1), (layout, 2), (ordered, 4), (layout, 8)):
+        for lay, chunks, ahead in ((layout, 1, False), (ordered, 1, False), (layout, 2, False), (ordered, 4, False),
+                                   (layout, 8, False), (layout, 1, True), (ordered, 4, True)):
             out, lse = latent_decode_gluon.latent_decode_gluon(q[last], cache.reshape(-1, 1, lat + rope), lat, lay,
-                                                               scale, chunks)
-            assert torch.equal(out, by_tma) and torch.equal(lse, lse_tma), chunks
+                                                               scale, chunks, ahead)
+            assert torch.equal(out, by_tma) and torch.equal(lse, lse_tma), (chunks, ahead)
     for mode in ("gluon", "triton"):  # the default routes a launch that fits to the Gluon kernel
         with latent_decode_gluon.LATENT_DECODE.use(mode):
             out, lse = latent_attention_triton(q[last], cache, lat, layout, scale)
