@@ -167,19 +167,19 @@ def sweep_case(case, latent: bool, hbm: float, keep_configs: tuple[str, ...] = (
 
 def _gluon_row(name, q, k, dv, layout, scale, ref, kv_bytes, hbm) -> list[list]:
     """The Gluon latent decode launch (`kernels.latent_decode_gluon`), where it fits, as more
-    candidate rows (1, 2, 4 and 8 value chunks; scores issued a block ahead): time and whether the
-    bits equal the Triton launches'."""
+    candidate rows (1, 2, 4 and 8 value chunks): time and whether the bits equal the Triton
+    launches'."""
     from vexact_models.kernels import latent_decode_gluon
 
     kv = k.reshape(-1, 1, k.shape[-1])
     if not latent_decode_gluon.fits(q, kv, dv, layout):
         return []
     rows = []
-    for chunks, ahead in ((1, False), (2, False), (4, False), (8, False), (1, True), (4, True)):
-        run = lambda: latent_decode_gluon.latent_decode_gluon(q, kv, dv, layout, scale, chunks, ahead)[0]  # noqa: E731
+    for chunks in (1, 2, 4, 8):
+        run = lambda: latent_decode_gluon.latent_decode_gluon(q, kv, dv, layout, scale, chunks)[0]  # noqa: E731
         ms = bench_graph([run])
         same = "yes" if ref is not None and torch.equal(run(), ref) else "NO"
-        label = f"gluon (warpgroup MMAs, key-major) v{chunks}{' scores ahead' if ahead else ''} TMA K/V"
+        label = f"gluon (warpgroup MMAs, key-major) v{chunks} TMA K/V"
         print(f"{label} {name}: {ms * 1e3:.1f} us", flush=True)
         rows.append([name, label, f"{ms * 1e3:.1f}", f"{kv_bytes / ms / 1e6 / hbm * 100:.0f}% HBM", same])
     return rows

@@ -4,9 +4,10 @@ Hopper, read without a GPU: each candidate is compiled for sm_90 through the rea
 
 A decode launch reads the cache at the speed its programs can keep copies in flight, and a program
 whose registers spill, or that holds an SM alone, keeps fewer. The latent MLA kernel's 16-row decode
-tiles (mma.sync) hold the 16 x 576 query operand in every warp's registers (a key-major variant,
-wgmma with both operands in shared memory, was built, measured and removed in the thirtieth session:
-docs/gpu-results.md). The GQA kernel's decode tiles (`--kernel gqa`) are listed with pointer loads
+tiles (mma.sync) hold the 16 x 576 query operand in every warp's registers and spill (a key-major
+Triton variant was built, measured and removed in the thirtieth session: docs/gpu-results.md); the
+Gluon launch (`kernels.latent_decode_gluon`, the default decode where it fits) runs warpgroup MMAs
+with both operands in shared memory and is listed after them. The GQA kernel's decode tiles (`--kernel gqa`) are listed with pointer loads
 and with TMA pages. Timings and bitwise checks are the GPU's: `attention_configs.py`,
 `conformance/kernel_invariance.py`.
 
@@ -71,6 +72,24 @@ def measure_latent(shape: str) -> list[list]:
             label = (f"m{cfg.block_m} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
                      + (f" v{cfg.value_chunks}" if cfg.value_chunks > 1 else ""))
             rows.append(_row(label, "TMA", resources(compiled[-1])))
+    return rows + measure_gluon(q, kv, lat, layout)
+
+
+def measure_gluon(q, kv, lat: int, layout) -> list[list]:
+    """The Gluon decode launch (`kernels.latent_decode_gluon`, warpgroup MMAs), one and four value
+    chunks, where the shape fits it (Moonlight's; not DeepSeek-V3's 128 heads or the tiny shape)."""
+    from vexact_models.kernels import latent_decode_gluon as gluon
+
+    flat = kv.reshape(-1, 1, kv.shape[-1])
+    if not gluon.shape_fits(q, flat, lat, layout):
+        return []
+    rows = []
+    with compile_only() as compiled:
+        for chunks in (1, 4):
+            out = torch.empty(*q.shape[:2], lat, dtype=q.dtype)
+            gluon.launch(q, flat, lat, layout, lat ** -0.5, chunks, out, torch.empty(q.shape[:2]))
+            rows.append(_row(f"gluon w4 s{gluon.STAGES}" + (f" v{chunks}" if chunks > 1 else ""), "TMA",
+                             resources(compiled[-1])))
     return rows
 
 

@@ -42,29 +42,36 @@ try:  # Gluon ships in the Triton wheel from 3.5 on; without it the Triton launc
 except ImportError:  # pragma: no cover - older Triton
     HAS_GLUON = False
 
-__all__ = ["LATENT_DECODE", "fits", "latent_decode_gluon"]
+__all__ = ["LATENT_DECODE", "fits", "latent_decode_gluon", "launch", "shape_fits", "value_chunks"]
 
 #: ``VEXACT_LATENT_DECODE``: ``gluon`` (the default: this kernel, where it `fits`) or ``triton`` (the
 #: Triton launch everywhere, as before the thirty-first session)
 LATENT_DECODE = KernelSwitch("VEXACT_LATENT_DECODE", ("gluon", "triton"), "gluon", "latent decode kernel")
-FEW_VALUE_CHUNKS = 4  # value chunks of a launch of at most sm_count / 4 sequences (`value_chunks`)
+MAX_VALUE_CHUNKS = 4  # the most programs per sequence (`value_chunks`)
 BLOCK_N = 64  # keys per block: `latent_attention.key_block` for 16-bit dtypes (the reduction order)
 STAGES = 2  # key blocks in shared memory: 2 x 72 KB, with the query and probabilities, fits an SM's 227 KB
 
 
 def value_chunks(n_seqs: int, sm_count: int) -> int:
-    """Programs per sequence for a launch of `n_seqs` sequences on `sm_count` SMs: one program
-    each while they fill the GPU, `FEW_VALUE_CHUNKS` (each one slice of the value dims) for a
-    rollout's last few sequences, as the Triton launch does (`latent_attention.pick_config`)."""
-    return FEW_VALUE_CHUNKS if 0 < n_seqs * FEW_VALUE_CHUNKS <= sm_count else 1
+    """Programs per sequence for a launch of `n_seqs` sequences on `sm_count` SMs: as many value
+    chunks (each program one slice of the value dims, the same scores) as keep every program on
+    an SM of its own, up to `MAX_VALUE_CHUNKS`. H200, us per launch: 64 x 1,536 tokens 48.7 -> 46.2
+    with 2, 32 x 4,096 116.8 -> 104.2 with 4 (8: 202); at 128 sequences 2 chunks took 1.8x."""
+    chunks = MAX_VALUE_CHUNKS
+    while chunks > 1 and n_seqs * chunks > sm_count:
+        chunks //= 2
+    return chunks
 
 
 def fits(q: torch.Tensor, kv: torch.Tensor, v_dim: int, layout) -> bool:
-    """Whether this kernel takes a launch: a Hopper GPU with Gluon, a 16-bit decode launch (one
-    query token per sequence), one KV head, 512 latent + 64 rope dims, 8-64 heads (a power of two),
+    """Whether this kernel takes a launch: a Hopper GPU with Gluon and a launch `shape_fits`."""
+    return HAS_GLUON and q.is_cuda and has_tma(q.device) and shape_fits(q, kv, v_dim, layout)
+
+
+def shape_fits(q: torch.Tensor, kv: torch.Tensor, v_dim: int, layout) -> bool:
+    """Whether the tensors suit the kernel, whatever the device: a 16-bit decode launch (one query
+    token per sequence), one KV head, 512 latent + 64 rope dims, 8-64 heads (a power of two),
     pages of a multiple of `BLOCK_N` and 16-byte aligned rows that TMA can read."""
-    if not (HAS_GLUON and q.is_cuda and has_tma(q.device)):
-        return False
     heads = q.shape[1]
     return (layout.max_seqlen_q == 1 and q.dtype in (torch.bfloat16, torch.float16) and kv.dtype == q.dtype
             and kv.dim() == 3 and kv.shape[1] == 1 and v_dim == 512 and q.shape[-1] == kv.shape[-1] == 576
@@ -133,12 +140,51 @@ if HAS_GLUON:
         return warpgroup_mma(k_rope, q_rope.permute((1, 0)), s, is_async=True)
 
     @gluon.jit
+    def _online_softmax(s, block, n_keys, m_i, l_i, scale_log2, cols: gl.constexpr, BLOCK_N: gl.constexpr,
+                        SUM_LEVELS: gl.constexpr):
+        """`latent_attention._latent_block`'s softmax step on the scores ``S^T [keys, heads]`` of key
+        block `block`, a head per column: ``(p, m_new, l_new, alpha)``, the same operations in the
+        same order (scale, mask, running max, exponents, denominators by halves)."""
+        s = gl.convert_layout(s, cols) * scale_log2
+        k_pos = block * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, cols))
+        s = gl.where((k_pos < n_keys)[:, None], s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=0))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s - m_new[None, :])
+        l_i = l_i * alpha + gl.convert_layout(key_sum_halves(p, SUM_LEVELS), gl.SliceLayout(0, cols))
+        return p, m_new, l_i, alpha
+
+    @gluon.jit
+    def _value_dot(lat, p_smem, acc, chunk, CHUNKS: gl.constexpr, DV: gl.constexpr):
+        """``O^T += V^T . P^T`` over this program's `DV` value dims (the stage's latent columns),
+        waited for."""
+        if CHUNKS == 1:
+            acc = warpgroup_mma(lat.permute((1, 0)), p_smem.permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        else:  # shared memory slices take constant offsets: one branch per chunk
+            for c in gl.static_range(CHUNKS):
+                if chunk == c:
+                    acc = warpgroup_mma(lat.slice(c * DV, DV, dim=1).permute((1, 0)), p_smem.permute((1, 0)), acc)
+        return acc
+
+    @gluon.jit
+    def _store_outputs(acc, m_i, l_i, o_ptr, lse_ptr, token, chunk, stride_ot, stride_oh, mma: gl.constexpr,
+                       GROUP: gl.constexpr, DV: gl.constexpr):
+        """``out = O / l`` (this program's value dims) and, from the first chunk, ``lse = m + log2(l)``."""
+        out = acc / gl.convert_layout(l_i, gl.SliceLayout(0, mma))[None, :]
+        dims = chunk * DV + gl.arange(0, DV, layout=gl.SliceLayout(1, mma))
+        heads = gl.arange(0, GROUP, layout=gl.SliceLayout(0, mma))
+        gl.store(o_ptr + token * stride_ot + heads[None, :] * stride_oh + dims[:, None], out.to(o_ptr.dtype.element_ty))
+        if chunk == 0:
+            gl.store(lse_ptr + token * GROUP + gl.arange(0, GROUP, layout=l_i.type.layout), m_i + gl.log2(l_i))
+
+    @gluon.jit
     def _latent_decode_kernel(q_lat_desc, q_rope_desc, lat_desc, rope_desc, kv_ptr, stride_ks, o_ptr, lse_ptr,
                               cu_seqlens_q_ptr, seq_lens_ptr, block_table_ptr, seq_order_ptr,
                               page_size, scale_log2, stride_ot, stride_oh, stride_bt,
                               GROUP: gl.constexpr, LAT: gl.constexpr, ROPE: gl.constexpr, BLOCK_N: gl.constexpr,
                               STAGES: gl.constexpr, SUM_LEVELS: gl.constexpr, ORDERED: gl.constexpr,
-                              CHUNKS: gl.constexpr, SCORES_AHEAD: gl.constexpr, num_warps: gl.constexpr):
+                              CHUNKS: gl.constexpr, num_warps: gl.constexpr):
         seq = gl.program_id(0)
         chunk = gl.program_id(1)  # this program's slice of the value dims (CHUNKS > 1: few sequences)
         DV: gl.constexpr = LAT // CHUNKS
@@ -184,69 +230,28 @@ if HAS_GLUON:
         m_i = gl.full([GROUP], float("-inf"), gl.float32, layout=heads_c)
         l_i = gl.zeros([GROUP], gl.float32, layout=heads_c)
         acc = gl.zeros([DV, GROUP], gl.float32, layout=mma)
-        if SCORES_AHEAD:  # block i+1's scores are issued behind block i's value dot
-            _block_ready(bars, k_lat, k_rope, 0, whole, n_blocks, kv_ptr, stride_ks, table_row, page_size, n_keys,
-                         STAGES, LAT, ROPE, BLOCK_N, num_warps)
-            s_next = _issue_scores(k_lat.index(0), k_rope.index(0), q_lat, q_rope, mma, BLOCK_N, GROUP)
         for i in range(n_blocks):
             stage = i % STAGES
             lat = k_lat.index(stage)
-            if SCORES_AHEAD:
-                s = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, ))
-            else:
-                _block_ready(bars, k_lat, k_rope, i, whole, n_blocks, kv_ptr, stride_ks, table_row, page_size,
-                             n_keys, STAGES, LAT, ROPE, BLOCK_N, num_warps)
-                s = _issue_scores(lat, k_rope.index(stage), q_lat, q_rope, mma, BLOCK_N, GROUP)
-                s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-            s = gl.convert_layout(s, cols) * scale_log2
-            k_pos = i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, cols))
-            s = gl.where((k_pos < n_keys)[:, None], s, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, axis=0))
-            alpha = gl.exp2(m_i - m_new)
-            p = gl.exp2(s - m_new[None, :])
-            l_i = l_i * alpha + gl.convert_layout(key_sum_halves(p, SUM_LEVELS), heads_c)  # one fixed order
-            m_i = m_new
+            _block_ready(bars, k_lat, k_rope, i, whole, n_blocks, kv_ptr, stride_ks, table_row, page_size, n_keys,
+                         STAGES, LAT, ROPE, BLOCK_N, num_warps)
+            s = _issue_scores(lat, k_rope.index(stage), q_lat, q_rope, mma, BLOCK_N, GROUP)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+            p, m_i, l_i, alpha = _online_softmax(s, i, n_keys, m_i, l_i, scale_log2, cols, BLOCK_N, SUM_LEVELS)
             p_smem.store(gl.permute(p.to(p_smem.dtype), (1, 0)))
             fence_async_shared()
             gl.thread_barrier()
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, mma))[None, :]
-            if CHUNKS == 1:
-                acc = warpgroup_mma(lat.permute((1, 0)), p_smem.permute((1, 0)), acc, is_async=True)
-                if SCORES_AHEAD:
-                    _block_ready(bars, k_lat, k_rope, i + 1, whole, n_blocks, kv_ptr, stride_ks, table_row,
-                                 page_size, n_keys, STAGES, LAT, ROPE, BLOCK_N, num_warps)
-                    nxt = (i + 1) % STAGES  # past the last block: a stale stage, never used
-                    s_next = _issue_scores(k_lat.index(nxt), k_rope.index(nxt), q_lat, q_rope, mma, BLOCK_N, GROUP)
-                    acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc, ))  # the value dot; not the scores
-                else:
-                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            else:  # shared memory slices take constant offsets: one branch per chunk (each waits)
-                for c in gl.static_range(CHUNKS):
-                    if chunk == c:
-                        acc = warpgroup_mma(lat.slice(c * DV, DV, dim=1).permute((1, 0)), p_smem.permute((1, 0)),
-                                            acc)
-                if SCORES_AHEAD:
-                    _block_ready(bars, k_lat, k_rope, i + 1, whole, n_blocks, kv_ptr, stride_ks, table_row,
-                                 page_size, n_keys, STAGES, LAT, ROPE, BLOCK_N, num_warps)
-                    nxt = (i + 1) % STAGES
-                    s_next = _issue_scores(k_lat.index(nxt), k_rope.index(nxt), q_lat, q_rope, mma, BLOCK_N, GROUP)
+            acc = _value_dot(lat, p_smem, acc, chunk, CHUNKS, DV)
             gl.thread_barrier()  # every warp's MMA has read this stage before a copy overwrites it
             _load_block(lat_desc, rope_desc, table_row, i + STAGES, page_size, bars.index(stage), lat,
                         k_rope.index(stage), i + STAGES < whole, BLOCK_N, LAT)
 
-        if SCORES_AHEAD:  # the scores issued past the last block
-            s_next = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, ))
         for st in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(st))
         mbarrier.invalidate(q_bar)
-        out = acc / gl.convert_layout(l_i, gl.SliceLayout(0, mma))[None, :]
-        dims = chunk * DV + gl.arange(0, DV, layout=gl.SliceLayout(1, mma))
-        heads = gl.arange(0, GROUP, layout=gl.SliceLayout(0, mma))
-        token = q_start.to(gl.int64)
-        gl.store(o_ptr + token * stride_ot + heads[None, :] * stride_oh + dims[:, None], out.to(o_ptr.dtype.element_ty))
-        if chunk == 0:
-            heads_l = gl.arange(0, GROUP, layout=heads_c)
-            gl.store(lse_ptr + token * GROUP + heads_l, m_i + gl.log2(l_i))
+        _store_outputs(acc, m_i, l_i, o_ptr, lse_ptr, q_start.to(gl.int64), chunk, stride_ot, stride_oh, mma,
+                       GROUP, DV)
 
 
 def _descriptor(x: torch.Tensor, block: list[int]):
@@ -255,7 +260,7 @@ def _descriptor(x: torch.Tensor, block: list[int]):
 
 
 def latent_decode_gluon(q: torch.Tensor, kv: torch.Tensor, v_dim: int, layout, scale: float,
-                        value_chunks: int = 1, scores_ahead: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                        value_chunks: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [T, H, v_dim], lse [T, H])`` of a decode launch (`fits`): the Triton latent kernel's
     results, bitwise (the module docstring). `kv` is the cache as ``[slots, 1, 576]``.
     `value_chunks` (1, 2, 4 or 8) programs per sequence each compute the same scores and one
@@ -266,20 +271,25 @@ def latent_decode_gluon(q: torch.Tensor, kv: torch.Tensor, v_dim: int, layout, s
         raise ValueError(f"latent_decode_gluon: this launch does not fit the kernel (q {tuple(q.shape)} {q.dtype}, "
                          f"kv {tuple(kv.shape)}, v_dim={v_dim}, max_seqlen_q={layout.max_seqlen_q}, "
                          f"page_size={layout.page_size}); see fits()")
-    n_tokens, heads, dim = q.shape
+    n_tokens, heads, _ = q.shape
     out = torch.empty((n_tokens, heads, v_dim), device=q.device, dtype=q.dtype)
     lse = torch.empty((n_tokens, heads), device=q.device, dtype=torch.float32)
-    n_seqs = layout.seq_lens.shape[0]
-    if n_tokens == 0 or n_seqs == 0:
-        return out, lse
+    if n_tokens and layout.seq_lens.shape[0]:
+        launch(q, kv, v_dim, layout, scale, value_chunks, out, lse)
+    return out, lse
+
+
+def launch(q: torch.Tensor, kv: torch.Tensor, v_dim: int, layout, scale: float, value_chunks: int,
+           out: torch.Tensor, lse: torch.Tensor) -> None:
+    """The kernel launch itself, into `out` and `lse`, for inputs that `shape_fits` (unchecked:
+    `latent_decode_gluon` checks; `benchmarks/kernel_resources.py` compiles it for sm_90 on CPU)."""
+    n_tokens, heads, dim = q.shape
     rope = dim - v_dim
     q_rows, kv_rows = q.reshape(n_tokens * heads, dim), kv.reshape(kv.shape[0], dim)
-    _latent_decode_kernel[(n_seqs, value_chunks)](
+    _latent_decode_kernel[(layout.seq_lens.shape[0], value_chunks)](
         _descriptor(q_rows, [heads, v_dim]), _descriptor(q_rows, [heads, rope]),
         _descriptor(kv_rows, [BLOCK_N, v_dim]), _descriptor(kv_rows, [BLOCK_N, rope]), kv_rows, kv_rows.stride(0),
-        out, lse,
-        layout.cu_seqlens_q, layout.seq_lens, layout.block_table, layout.seq_order,
+        out, lse, layout.cu_seqlens_q, layout.seq_lens, layout.block_table, layout.seq_order,
         layout.page_size, scale * math.log2(math.e), out.stride(0), out.stride(1), layout.block_table.stride(0),
         GROUP=heads, LAT=v_dim, ROPE=rope, BLOCK_N=BLOCK_N, STAGES=STAGES, SUM_LEVELS=row_sum_levels(BLOCK_N),
-        ORDERED=layout.seq_order is not None, CHUNKS=value_chunks, SCORES_AHEAD=scores_ahead, num_warps=4)
-    return out, lse
+        ORDERED=layout.seq_order is not None, CHUNKS=value_chunks, num_warps=4)

@@ -280,6 +280,21 @@ def test_kernel_resources_compiles_for_hopper_on_cpu():
     assert bad.returncode == 2 and "--shape 'moonlight' is not a gqa shape" in bad.stderr
 
 
+def test_kernel_resources_lists_the_gluon_latent_decode_at_moonlights_shape(monkeypatch):
+    """The Gluon latent decode launch compiles for sm_90 on the CPU at Moonlight's decode shape:
+    warpgroup MMAs, no spills, one and four value chunks; shapes it does not take list nothing."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import kernel_resources
+
+    q, kv, layout = kernel_resources.decode_inputs(16, 512, 64)
+    rows = kernel_resources.measure_gluon(q, kv, 512, layout)
+    assert [row[0] for row in rows] == ["gluon w4 s2", "gluon w4 s2 v4"]
+    for label, loads, mma, registers, spills, shared_kb, per_sm in rows:
+        assert mma == "wgmma" and spills == 0 and 0 < registers <= 255 and per_sm == 1, label
+    deepseek = kernel_resources.decode_inputs(128, 512, 64)  # 128 heads: the Triton launch's
+    assert kernel_resources.measure_gluon(deepseek[0], deepseek[1], 512, deepseek[2]) == []
+
+
 def test_kernel_resources_programs_per_sm():
     sys.path.insert(0, str(BENCHMARKS))
     from sm90_compile import KernelResources

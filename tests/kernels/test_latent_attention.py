@@ -107,7 +107,7 @@ def test_page_descriptors_fit_only_hopper_decode_over_whole_block_pages():
 
 
 def test_gluon_decode_takes_value_chunks_only_for_a_rollouts_last_few_sequences():
-    assert [latent_decode_gluon.value_chunks(n, 132) for n in (1, 33, 34, 256)] == [4, 4, 1, 1]
+    assert [latent_decode_gluon.value_chunks(n, 132) for n in (1, 33, 34, 66, 67, 256)] == [4, 4, 2, 2, 1, 1]
     assert latent_decode_gluon.LATENT_DECODE.default == "gluon"
 
 
@@ -157,11 +157,10 @@ def test_decode_by_tma_equals_pointer_loads_and_training_bitwise(heads):
     fits = latent_decode_gluon.fits(q[last], cache.reshape(-1, 1, lat + rope), lat, layout)
     assert fits == (heads <= 64)
     if fits:
-        for lay, chunks, ahead in ((layout, 1, False), (ordered, 1, False), (layout, 2, False), (ordered, 4, False),
-                                   (layout, 8, False), (layout, 1, True), (ordered, 4, True)):
+        for lay, chunks in ((layout, 1), (ordered, 1), (layout, 2), (ordered, 4), (layout, 8)):
             out, lse = latent_decode_gluon.latent_decode_gluon(q[last], cache.reshape(-1, 1, lat + rope), lat, lay,
-                                                               scale, chunks, ahead)
-            assert torch.equal(out, by_tma) and torch.equal(lse, lse_tma), (chunks, ahead)
+                                                               scale, chunks)
+            assert torch.equal(out, by_tma) and torch.equal(lse, lse_tma), chunks
     for mode in ("gluon", "triton"):  # the default routes a launch that fits to the Gluon kernel
         with latent_decode_gluon.LATENT_DECODE.use(mode):
             out, lse = latent_attention_triton(q[last], cache, lat, layout, scale)
