@@ -19,7 +19,14 @@ is A, not the products or their order. The denominators are summed by halves ove
 (`key_sum_halves`, `row_sum.row_sum_halves`'s order), and the masks, maxima, exponents, rescaling,
 division and lse are written as in `_latent_block`. A decode launch only: one query token per
 sequence, a power-of-two head count of 8-64, the 512 + 64 dims, bf16/fp16, pages of a multiple
-of 64 and TMA-able tensors (`fits`).
+of 64 and TMA-able tensors (`fits`); few sequences split the value dims over 2 or 4 programs each
+(`value_chunks`), as the Triton launch does. On the H200: 1.2-1.5x the Triton launch (Moonlight,
+128 sequences of 1,024 tokens: 85% of the copy bandwidth), the Moonlight rollout 1.02x
+(docs/gpu-results.md, thirty-first session).
+
+Gluon is experimental and its API moves between Triton releases, and the bits above were
+checked on one: the kernel runs only under the Triton versions in `GLUON_VERIFIED`; elsewhere the
+Triton launch decodes (`supported_triton`).
 """
 
 from __future__ import annotations
@@ -32,17 +39,28 @@ from ._triton import HAS_TRITON, has_tma, tma_rows_aligned
 from .kernel_switch import KernelSwitch
 from .row_sum import row_sum_levels
 
+#: Triton releases whose Gluon this kernel was checked under, bitwise, on the GPU
+GLUON_VERIFIED = ("3.6.",)
+
+
+def supported_triton(version: str) -> bool:
+    """Whether Triton `version` is one this kernel was checked under (`GLUON_VERIFIED`)."""
+    return version.startswith(GLUON_VERIFIED)
+
+
 try:  # Gluon ships in the Triton wheel from 3.5 on; without it the Triton launch decodes
+    import triton
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                    warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    HAS_GLUON = HAS_TRITON
+    HAS_GLUON = HAS_TRITON and supported_triton(triton.__version__)
 except ImportError:  # pragma: no cover - older Triton
     HAS_GLUON = False
 
-__all__ = ["LATENT_DECODE", "fits", "latent_decode_gluon", "launch", "shape_fits", "value_chunks"]
+__all__ = ["GLUON_VERIFIED", "LATENT_DECODE", "fits", "latent_decode_gluon", "launch", "shape_fits", "supported_triton",
+           "value_chunks"]
 
 #: ``VEXACT_LATENT_DECODE``: ``gluon`` (the default: this kernel, where it `fits`) or ``triton`` (the
 #: Triton launch everywhere, as before the thirty-first session)

@@ -111,6 +111,13 @@ def test_gluon_decode_takes_value_chunks_only_for_a_rollouts_last_few_sequences(
     assert latent_decode_gluon.LATENT_DECODE.default == "gluon"
 
 
+def test_gluon_decode_runs_only_under_the_triton_it_was_checked_with():
+    assert latent_decode_gluon.supported_triton("3.6.0") and latent_decode_gluon.supported_triton("3.6.1")
+    assert not latent_decode_gluon.supported_triton("3.7.0") and not latent_decode_gluon.supported_triton("3.5.1")
+    triton = pytest.importorskip("triton")
+    assert latent_decode_gluon.HAS_GLUON == latent_decode_gluon.supported_triton(triton.__version__)
+
+
 needs_tma = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9),
                                reason="TMA loads need a Hopper or newer GPU")
 
