@@ -8,6 +8,8 @@ the key block changes the reduction order, so each key block has its own referen
 candidates are timed only (rule 8: correct, not invariant). Prints one table per case and the
 fastest candidate; decode rows give the KV bytes read per second against the measured HBM copy
 bandwidth, training rows TFLOP/s beside torch SDPA (its default backend) where SDPA can run the shape.
+Latent decode cases that the Gluon kernel takes (`kernels.latent_decode_gluon`, Hopper) add its
+rows, at 1, 2, 4 and 8 value chunks, compared with the Triton launches' bits.
 
 Usage:
     python benchmarks/attention_configs.py                   # every case

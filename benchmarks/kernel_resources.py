@@ -7,9 +7,9 @@ whose registers spill, or that holds an SM alone, keeps fewer. The latent MLA ke
 tiles (mma.sync) hold the 16 x 576 query operand in every warp's registers and spill (a key-major
 Triton variant was built, measured and removed in the thirtieth session: docs/gpu-results.md); the
 Gluon launch (`kernels.latent_decode_gluon`, the default decode where it fits) runs warpgroup MMAs
-with both operands in shared memory and is listed after them. The GQA kernel's decode tiles (`--kernel gqa`) are listed with pointer loads
-and with TMA pages. Timings and bitwise checks are the GPU's: `attention_configs.py`,
-`conformance/kernel_invariance.py`.
+with both operands in shared memory and is listed after them. The GQA kernel's decode tiles
+(`--kernel gqa`) are listed with pointer loads and with TMA pages. Timings and bitwise checks
+are the GPU's: `attention_configs.py`, `conformance/kernel_invariance.py`.
 
 Usage:
     python benchmarks/kernel_resources.py                   # Moonlight's latent decode shape
