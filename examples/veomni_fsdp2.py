@@ -31,6 +31,7 @@ import torch.distributed as dist
 from vexact_models.distributed import launcher_world_size
 from vexact_models.integrations.veomni import eager_ops, register, shim_transformers
 
+
 def check(arch, path: str, args, rank: int) -> bool:
     from veomni.arguments.arguments_types import MixedPrecisionConfig
     from veomni.distributed.torch_parallelize import build_parallelize_model
