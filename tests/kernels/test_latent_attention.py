@@ -124,7 +124,7 @@ needs_tma = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get
 
 @needs_tma
 @pytest.mark.parametrize("heads", [16, 128])  # Moonlight, DeepSeek-V3
-def test_decode_by_tma_equals_pointer_loads_and_training_bitwise(heads):
+def test_decode_by_tma_equals_pointer_loads_and_training_bitwise(heads, monkeypatch):
     """Decode over shuffled pages of 64 (NaN in every unwritten slot): whole key blocks by TMA,
     the same launch by pointer loads, and the packed training forward agree bitwise; pages of 16,
     fp32 caches and prefill-sized launches keep the pointer loads."""
@@ -162,16 +162,20 @@ def test_decode_by_tma_equals_pointer_loads_and_training_bitwise(heads):
         assert torch.equal(out, by_tma) and torch.equal(lse, lse_tma), tma
     # the Gluon launch (warpgroup MMAs, key-major; Moonlight's 16 heads): the same bits
     fits = latent_decode_gluon.fits(q[last], cache.reshape(-1, 1, lat + rope), lat, layout)
-    assert fits == (heads <= 64)
+    assert fits == (heads <= 64 and latent_decode_gluon.HAS_GLUON)
     if fits:
         for lay, chunks in ((layout, 1), (ordered, 1), (layout, 2), (ordered, 4), (layout, 8)):
             out, lse = latent_decode_gluon.latent_decode_gluon(q[last], cache.reshape(-1, 1, lat + rope), lat, lay,
                                                                scale, chunks)
             assert torch.equal(out, by_tma) and torch.equal(lse, lse_tma), chunks
+    calls, gluon = [], latent_decode_gluon.latent_decode_gluon
+    monkeypatch.setattr(latent_decode_gluon, "latent_decode_gluon", lambda *a: calls.append(a[-1]) or gluon(*a))
     for mode in ("gluon", "triton"):  # the default routes a launch that fits to the Gluon kernel
         with latent_decode_gluon.LATENT_DECODE.use(mode):
             out, lse = latent_attention_triton(q[last], cache, lat, layout, scale)
         assert torch.equal(out, by_tma) and torch.equal(lse, lse_tma), mode
+    assert calls == ([latent_decode_gluon.value_chunks(len(lens), torch.cuda.get_device_properties(0).multi_processor_count)]
+                     if fits else [])  # the Gluon launch ran once, under "gluon", with the value chunks it picks
     with pytest.raises(ValueError, match="kv_descriptors=True needs pages of a multiple of block_n=64"):
         latent_attention_triton(q[last], cache, lat, PagedLayout(layout.cu_seqlens_q, layout.seq_lens, table.cuda(), 32, 1),
                                 scale, kv_descriptors=True)
