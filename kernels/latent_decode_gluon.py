@@ -18,8 +18,8 @@ sequence of fp32 operations. Each dot is one chain of 16-wide K steps in the sam
 is A, not the products or their order. The denominators are summed by halves over the keys
 (`key_sum_halves`, `row_sum.row_sum_halves`'s order), and the masks, maxima, exponents, rescaling,
 division and lse are written as in `_latent_block`. A decode launch only: one query token per
-sequence, a power-of-two head count of 8-64, the 512 + 64 dims, bf16/fp16, pages of a multiple
-of 64 and TMA-able tensors (`fits`); few sequences split the value dims over 2 or 4 programs each
+sequence, 16 heads (`HEADS`), the 512 + 64 dims, bf16/fp16, pages of a multiple of 64 and
+TMA-able tensors (`fits`); few sequences split the value dims over 2 or 4 programs each
 (`value_chunks`), as the Triton launch does. On the H200: 1.2-1.5x the Triton launch (Moonlight,
 128 sequences of 1,024 tokens: 85% of the copy bandwidth), the Moonlight rollout 1.02x
 (docs/gpu-results.md, thirty-first session).
@@ -67,6 +67,10 @@ __all__ = ["GLUON_VERIFIED", "LATENT_DECODE", "fits", "latent_decode_gluon", "la
 LATENT_DECODE = KernelSwitch("VEXACT_LATENT_DECODE", ("gluon", "triton"), "gluon", "latent decode kernel")
 MAX_VALUE_CHUNKS = 4  # the most programs per sequence (`value_chunks`)
 BLOCK_N = 64  # keys per block: `latent_attention.key_block` for 16-bit dtypes (the reduction order)
+#: query heads a program runs: Moonlight's 16, the one count checked on the GPU. (Other counts need
+#: their own check: 64 heads' O^T tile alone would take 256 registers a thread; DeepSeek-V3's 128
+#: could run as 8 programs of 16 heads each.)
+HEADS = 16
 STAGES = 2  # key blocks in shared memory: 2 x 72 KB, with the query and probabilities, fits an SM's 227 KB
 
 
@@ -88,12 +92,13 @@ def fits(q: torch.Tensor, kv: torch.Tensor, v_dim: int, layout) -> bool:
 
 def shape_fits(q: torch.Tensor, kv: torch.Tensor, v_dim: int, layout) -> bool:
     """Whether the tensors suit the kernel, whatever the device: a 16-bit decode launch (one query
-    token per sequence), one KV head, 512 latent + 64 rope dims, 8-64 heads (a power of two),
-    pages of a multiple of `BLOCK_N` and 16-byte aligned rows that TMA can read."""
+    token per sequence), one KV head, 512 latent + 64 rope dims, `HEADS` query heads (the shape
+    checked on the GPU, Moonlight's), pages of a multiple of `BLOCK_N` and 16-byte aligned rows
+    that TMA can read."""
     heads = q.shape[1]
     return (layout.max_seqlen_q == 1 and q.dtype in (torch.bfloat16, torch.float16) and kv.dtype == q.dtype
             and kv.dim() == 3 and kv.shape[1] == 1 and v_dim == 512 and q.shape[-1] == kv.shape[-1] == 576
-            and 8 <= heads <= 64 and heads & (heads - 1) == 0 and layout.page_size % BLOCK_N == 0
+            and heads == HEADS and layout.page_size % BLOCK_N == 0
             and q.stride(-1) == 1 and q.stride(1) == q.shape[-1] and q.stride(0) == heads * q.shape[-1]
             and kv.stride(-1) == 1 and kv.stride(0) == kv.shape[-1] and tma_rows_aligned(q, kv))
 

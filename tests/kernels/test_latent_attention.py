@@ -162,7 +162,7 @@ def test_decode_by_tma_equals_pointer_loads_and_training_bitwise(heads, monkeypa
         assert torch.equal(out, by_tma) and torch.equal(lse, lse_tma), tma
     # the Gluon launch (warpgroup MMAs, key-major; Moonlight's 16 heads): the same bits
     fits = latent_decode_gluon.fits(q[last], cache.reshape(-1, 1, lat + rope), lat, layout)
-    assert fits == (heads <= 64 and latent_decode_gluon.HAS_GLUON)
+    assert fits == (heads == latent_decode_gluon.HEADS and latent_decode_gluon.HAS_GLUON)
     if fits:
         for lay, chunks in ((layout, 1), (ordered, 1), (layout, 2), (ordered, 4), (layout, 8)):
             out, lse = latent_decode_gluon.latent_decode_gluon(q[last], cache.reshape(-1, 1, lat + rope), lat, lay,
