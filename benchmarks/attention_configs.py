@@ -160,14 +160,14 @@ def sweep_case(case, latent: bool, hbm: float, keep_configs: tuple[str, ...] = (
         if best is None or ms < best[0]:
             best = (ms, cfg, by_tma)
     if latent and kind == "decode":
-        rows += _gluon_row(name, q, k, dv, layout, scale, refs.get(64), kv_bytes, hbm)
+        rows += _gluon_rows(name, q, k, dv, layout, scale, refs.get(64), kv_bytes, hbm)
     if kind == "train" and not latent:
         rows.append([name, "torch SDPA (default backend)", f"{_sdpa_ms(q, k, v, seqs, length) * 1e3:.1f}", "", "-"])
     print(f"best {name}: {_label(best[1])}{' TMA K/V' if best[2] else ''} {best[0] * 1e3:.1f} us", flush=True)
     return rows
 
 
-def _gluon_row(name, q, k, dv, layout, scale, ref, kv_bytes, hbm) -> list[list]:
+def _gluon_rows(name, q, k, dv, layout, scale, ref, kv_bytes, hbm) -> list[list]:
     """The Gluon latent decode launch (`kernels.latent_decode_gluon`), where it fits, as more
     candidate rows (1, 2, 4 and 8 value chunks): time and whether the bits equal the Triton
     launches'."""

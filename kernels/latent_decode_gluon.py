@@ -66,7 +66,6 @@ __all__ = ["GLUON_VERIFIED", "LATENT_DECODE", "fits", "latent_decode_gluon", "la
 #: Triton launch everywhere, as before the thirty-first session)
 LATENT_DECODE = KernelSwitch("VEXACT_LATENT_DECODE", ("gluon", "triton"), "gluon", "latent decode kernel")
 MAX_VALUE_CHUNKS = 4  # the most programs per sequence (`value_chunks`)
-BLOCK_N = 64  # keys per block: `latent_attention.key_block` for 16-bit dtypes (the reduction order)
 #: query heads a program runs: Moonlight's 16, the one count checked on the GPU. (Other counts need
 #: their own check: 64 heads' O^T tile alone would take 256 registers a thread; DeepSeek-V3's 128
 #: could run as 8 programs of 16 heads each.)
@@ -93,12 +92,14 @@ def fits(q: torch.Tensor, kv: torch.Tensor, v_dim: int, layout) -> bool:
 def shape_fits(q: torch.Tensor, kv: torch.Tensor, v_dim: int, layout) -> bool:
     """Whether the tensors suit the kernel, whatever the device: a 16-bit decode launch (one query
     token per sequence), one KV head, 512 latent + 64 rope dims, `HEADS` query heads (the shape
-    checked on the GPU, Moonlight's), pages of a multiple of `BLOCK_N` and 16-byte aligned rows
-    that TMA can read."""
+    checked on the GPU, Moonlight's), pages of a multiple of the key block and 16-byte aligned
+    rows that TMA can read."""
+    from .latent_attention import key_block  # the reduction order's key block (that module imports this one)
+
     heads = q.shape[1]
     return (layout.max_seqlen_q == 1 and q.dtype in (torch.bfloat16, torch.float16) and kv.dtype == q.dtype
             and kv.dim() == 3 and kv.shape[1] == 1 and v_dim == 512 and q.shape[-1] == kv.shape[-1] == 576
-            and heads == HEADS and layout.page_size % BLOCK_N == 0
+            and heads == HEADS and layout.page_size % key_block(q.dtype) == 0
             and q.stride(-1) == 1 and q.stride(1) == q.shape[-1] and q.stride(0) == heads * q.shape[-1]
             and kv.stride(-1) == 1 and kv.stride(0) == kv.shape[-1] and tma_rows_aligned(q, kv))
 
@@ -306,13 +307,15 @@ def launch(q: torch.Tensor, kv: torch.Tensor, v_dim: int, layout, scale: float, 
            out: torch.Tensor, lse: torch.Tensor) -> None:
     """The kernel launch itself, into `out` and `lse`, for inputs that `shape_fits` (unchecked:
     `latent_decode_gluon` checks; `benchmarks/kernel_resources.py` compiles it for sm_90 on CPU)."""
+    from .latent_attention import key_block  # the key block of every latent launch (rule 2)
+
     n_tokens, heads, dim = q.shape
-    rope = dim - v_dim
+    rope, block_n = dim - v_dim, key_block(q.dtype)
     q_rows, kv_rows = q.reshape(n_tokens * heads, dim), kv.reshape(kv.shape[0], dim)
     _latent_decode_kernel[(layout.seq_lens.shape[0], value_chunks)](
         _descriptor(q_rows, [heads, v_dim]), _descriptor(q_rows, [heads, rope]),
-        _descriptor(kv_rows, [BLOCK_N, v_dim]), _descriptor(kv_rows, [BLOCK_N, rope]), kv_rows, kv_rows.stride(0),
+        _descriptor(kv_rows, [block_n, v_dim]), _descriptor(kv_rows, [block_n, rope]), kv_rows, kv_rows.stride(0),
         out, lse, layout.cu_seqlens_q, layout.seq_lens, layout.block_table, layout.seq_order,
         layout.page_size, scale * math.log2(math.e), out.stride(0), out.stride(1), layout.block_table.stride(0),
-        GROUP=heads, LAT=v_dim, ROPE=rope, BLOCK_N=BLOCK_N, STAGES=STAGES, SUM_LEVELS=row_sum_levels(BLOCK_N),
+        GROUP=heads, LAT=v_dim, ROPE=rope, BLOCK_N=block_n, STAGES=STAGES, SUM_LEVELS=row_sum_levels(block_n),
         ORDERED=layout.seq_order is not None, CHUNKS=value_chunks, num_warps=4)
