@@ -14,6 +14,7 @@ from .backend import BACKENDS, UnsupportedError, current_backend, set_backend, u
 from .dependent_launch import set_dependent_launch, use_dependent_launch
 from .grouped_topk import sigmoid_grouped_topk
 from .head_linear import head_linear
+from .kernel_switch import KernelSwitch
 from .kv_cache_write import kv_cache_write
 from .latent_cache_write import latent_cache_write
 from .linear import linear
@@ -30,7 +31,7 @@ from .silu_and_mul import silu_and_mul
 from .token_logprobs import token_logprobs
 
 __all__ = [
-    "BACKENDS", "PagedLayout", "UnsupportedError", "add_rms_norm", "apply_rotary", "attention",
+    "BACKENDS", "KernelSwitch", "PagedLayout", "UnsupportedError", "add_rms_norm", "apply_rotary", "attention",
     "attention_forward_mode", "attention_packed", "attention_saving_context", "current_backend", "deinterleave",
     "fused_moe", "gather_logprobs", "head_linear", "kv_cache_write", "latent_cache_write", "linear",
     "linear_backend_mode", "log_softmax", "packed_layout", "rms_norm", "rope_table", "rotary_cache_write",

@@ -291,7 +291,8 @@ def gate_up_act(x: torch.Tensor, gate_up: torch.Tensor, layout: MoeLayout, top_k
     return act, preact
 
 
-def _forward_triton(x, gate_up, down, weights, ids, save_preact: bool, add: torch.Tensor | None = None):
+def _forward_triton(x, gate_up, down, weights, ids, save_preact: bool, add: torch.Tensor | None = None,
+                    add_ready: torch.cuda.Event | None = None):
     require_triton("fused_moe")
     tokens, hidden = x.shape
     experts, inter = down.shape[0], down.shape[2]
@@ -300,6 +301,8 @@ def _forward_triton(x, gate_up, down, weights, ids, save_preact: bool, add: torc
     layout.config = cfg
     act, preact = gate_up_act(x, gate_up, layout, ids.shape[1], cfg, save_preact)
     y = grouped_gemm(act, down, layout, hidden, inter, down.stride(1), down.stride(2), x.dtype, cfg, down_tiles=True)
+    if add_ready is not None:  # `add` comes from another stream: the combine is its first reader
+        torch.cuda.current_stream(x.device).wait_event(add_ready)
     out = combine(y, weights, layout, tokens, x.dtype, add)
     return out, (layout, act, preact, y)
 
@@ -358,7 +361,8 @@ class _FusedMoeFunction(torch.autograd.Function):
 
 
 def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, add: torch.Tensor | None = None,
+              add_ready: torch.cuda.Event | None = None) -> torch.Tensor:
     """Routed-expert output ``[T, H]`` for ``x [T, H]`` (see the module docstring), plus `add`.
 
     Args:
@@ -367,6 +371,10 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
         add: optional ``[T, H]`` in x's dtype (DeepSeek's shared experts): the result is then
             bitwise ``fused_moe(...) + add``; without gradients the Triton path adds it inside
             its combine kernel, a launch fewer.
+        add_ready: an event recorded after `add` was computed on another stream
+            (`vexact_models.side_stream.beside`: the shared experts beside the routed ones); the
+            current stream waits for it just before `add` is first read, so everything before
+            that runs beside `add`'s computation.
     Differentiable in x, both weight tensors, topk_weights and add.
     """
     if x.dim() != 2 or gate_up_proj.shape[2] != x.shape[1] or down_proj.shape[1] != x.shape[1] \
@@ -382,11 +390,21 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
     if add is not None and (add.shape != x.shape or add.dtype != x.dtype or add.device != x.device):
         raise ValueError(f"fused_moe: add must be [{x.shape[0]}, {x.shape[1]}] {x.dtype} on {x.device} like x; "
                          f"got {tuple(add.shape)} {add.dtype} on {add.device}")
+    if add_ready is not None and add is None:
+        raise ValueError("fused_moe: add_ready was given without add; it says when add is ready to read")
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, gate_up_proj, down_proj, topk_weights, add))
     if needs_grad or backend == "reference":  # the plain add after the routed output
         out = (_FusedMoeFunction.apply(x, gate_up_proj, down_proj, topk_weights, ids, backend) if needs_grad
                else fused_moe_reference(x, gate_up_proj, down_proj, topk_weights, ids))
-        return out if add is None else out + add
+        if add is None:
+            return out
+        if add_ready is not None:
+            torch.cuda.current_stream(x.device).wait_event(add_ready)
+        return out + add
+    if add_ready is not None and not add.is_contiguous():  # the copy below reads `add`
+        torch.cuda.current_stream(x.device).wait_event(add_ready)
+        add_ready = None
     add = None if add is None else add.contiguous()  # the combine kernel reads rows of unit stride
-    return _forward_triton(x, gate_up_proj, down_proj, topk_weights, ids, save_preact=False, add=add)[0]
+    return _forward_triton(x, gate_up_proj, down_proj, topk_weights, ids, save_preact=False, add=add,
+                           add_ready=add_ready)[0]

@@ -130,10 +130,10 @@ class FusedExperts(nn.Module):
         nn.init.normal_(self.down_proj, 0.0, std)
 
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                add: torch.Tensor | None = None) -> torch.Tensor:
+                add: torch.Tensor | None = None, add_ready: torch.cuda.Event | None = None) -> torch.Tensor:
         """The routed experts' output, plus `add` when given (bitwise ``experts(...) + add``; see
-        `fused_moe`)."""
-        return fused_moe(hidden, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, add)
+        `fused_moe`), read only once `add_ready` (if given: `add` computed on a side stream) fired."""
+        return fused_moe(hidden, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, add, add_ready)
 
 
 class RopeTables:
