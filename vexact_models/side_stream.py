@@ -3,8 +3,8 @@ a side stream while its router and routed experts run on the current one.
 
 Why: at decode batches the routed experts' grouped GEMMs are bound by reading every expert's
 weights, while the shared experts are small dense GEMMs bound by their own latency; one after the
-other they add their times. Side by side, in a CUDA graph as in eager steps, the shared experts'
-programs fill the routed kernels' gaps. H200, Moonlight-16B-A3B, one MoE layer
+other they add their times. Side by side in a CUDA graph, the shared experts' programs fill the
+routed kernels' gaps. H200, Moonlight-16B-A3B, one MoE layer
 (docs/gpu-results.md, thirty-second session): 348.8 -> 323.3 us at 256 tokens, 211 -> 189 us at
 16, 2,525 -> 2,512 us at 8,192; DeepSeek-V3 3,247 -> 3,214 us at 256.
 
@@ -15,8 +15,18 @@ stream waits for that event before the forward returns, so nothing it frees is s
 and the next fork waits for everything the layer's stream has issued, so the side stream never
 writes a block the layer's stream still reads.
 
-Only where no autograd graph is recorded (rollouts, logprob recomputes under ``no_grad``): a
-training forward keeps the shared experts in line, where their backward expects them.
+Only inside CUDA-graph captures (the engine's decode steps and captured mixed steps) where no
+autograd graph is recorded. Eager calls keep the shared experts in line. With the side stream in
+eager calls too, the engine's eager prompt steps of 7,300 tokens ran 1.11x slower (H200, one MoE
+model, thirty-second session):
+- 51-57 ms of a step's GPU time sat idle instead of 3;
+- the slowdown stayed even when eager calls of more than 1,024 tokens, those steps among them,
+  kept the shared experts in line;
+- with the side stream in captures only, the steps took 111.2 ms against 111.4 in line.
+The likely cause: the blocks of the side stream's eager allocations stay cached for that stream
+alone, so the layer's stream, short of memory beside a full KV cache, frees and allocates anew. A
+capture takes its memory from the graph's private pool, once.
+A training forward keeps the shared experts in line too, where their backward expects them.
 ``VEXACT_SHARED_EXPERTS=inline`` keeps them in line everywhere (to compare; the same bits).
 """
 
@@ -51,10 +61,12 @@ def _records_autograd(module: nn.Module, x: torch.Tensor) -> bool:
 def beside(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
     """``(module(x), ready)``: `module` run on the side stream of `x`'s device, started where the
     current stream is now, and the event its consumer must wait for (`torch.cuda.Stream.wait_event`)
-    before reading the result. Where that cannot help or must not happen (a CPU tensor, an autograd
-    graph being recorded, ``VEXACT_SHARED_EXPERTS=inline``) `module` runs here and `ready` is None."""
+    before reading the result, while a CUDA graph is being captured. Elsewhere (a CPU tensor, an
+    eager call, an autograd graph being recorded, ``VEXACT_SHARED_EXPERTS=inline``) `module` runs
+    here and `ready` is None."""
     # the mode first: a bad value is an error on any device
-    if SHARED_EXPERTS.mode() == "inline" or not x.is_cuda or _records_autograd(module, x):
+    if (SHARED_EXPERTS.mode() == "inline" or not x.is_cuda or not torch.cuda.is_current_stream_capturing()
+            or _records_autograd(module, x)):
         return module(x), None
     side = side_stream(x.device)
     side.wait_stream(torch.cuda.current_stream(x.device))

@@ -1,7 +1,8 @@
 """The DeepSeek-V3 / Moonlight shared experts on a side stream beside the routed experts
 (`vexact_models.side_stream`): where they run, and that their output and the layer's stay bitwise
-the in-line ones, eager and in a CUDA graph. The stream checks need a GPU (docs/gpu-results.md,
-thirty-second session); the CPU tests cover the fallbacks and the errors."""
+the in-line ones. Only a CUDA-graph capture puts them beside (eager calls stay in line). The stream
+checks need a GPU (docs/gpu-results.md, thirty-second session); the CPU tests cover the fallbacks
+and the errors."""
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import vexact_models.deepseek_v3 as deepseek_v3
 from vexact_models.conformance.models import construct
 from vexact_models.deepseek_v3.modeling import DeepseekV3MoE
 from vexact_models.kernels import fused_moe
-from vexact_models.side_stream import SHARED_EXPERTS, beside, side_stream
+from vexact_models.side_stream import SHARED_EXPERTS, _records_autograd, beside, side_stream
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (streams)")
 
@@ -58,41 +59,38 @@ def test_fused_moe_rejects_add_ready_without_add():
 @needs_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [4, 64])
-def test_shared_experts_run_on_the_side_stream_with_the_in_line_bits(tokens):
+def test_shared_experts_run_on_the_side_stream_in_a_graph_with_the_in_line_bits(tokens):
     layer = moe_layer("cuda", torch.bfloat16)
     seen = streams_of_shared_experts(layer)
     x = torch.randn(tokens, 256, device="cuda").bfloat16()
-    main = torch.cuda.current_stream()
     with torch.no_grad():
         with SHARED_EXPERTS.use("inline"):
             want = layer(x)
-        assert seen.pop() == main
-        got = layer(x)  # the default: beside the routed experts
-        assert seen.pop() == side_stream(x.device) != main
-        assert torch.equal(got, want)
+        assert seen.pop() == torch.cuda.current_stream()
+        assert torch.equal(layer(x), want)  # eager calls stay in line, whatever the mode
+        assert seen.pop() == torch.cuda.current_stream()
 
-        graph, static = torch.cuda.CUDAGraph(), torch.empty_like(x)
-        static.copy_(x)
-        layer(static)  # warm-up outside the capture (compiles)
-        torch.cuda.synchronize()
-        with torch.cuda.graph(graph):
-            captured = layer(static)
-        seen.clear()
-        for _ in range(3):
-            captured.zero_()
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(captured, want)
-    assert seen == []  # replays launch no Python
+        for mode, beside_it in (("side", True), ("inline", False)):
+            graph, static = torch.cuda.CUDAGraph(), x.clone()
+            with SHARED_EXPERTS.use(mode):
+                with torch.cuda.graph(graph):
+                    capturing = torch.cuda.current_stream()
+                    captured = layer(static)
+            assert (seen.pop() == side_stream(x.device) != capturing) if beside_it else seen.pop() == capturing
+            for _ in range(3):
+                captured.zero_()
+                graph.replay()
+                torch.cuda.synchronize()
+                assert torch.equal(captured, want)
+    assert seen == []  # replays run no Python
 
 
-@needs_cuda
-@pytest.mark.gpu
 def test_shared_experts_stay_in_line_while_autograd_records():
-    layer = moe_layer("cuda", torch.bfloat16)
-    seen = streams_of_shared_experts(layer)
-    x = torch.randn(8, 256, device="cuda").bfloat16()
-    out = layer(x)  # the parameters require grad: a training forward
-    assert seen == [torch.cuda.current_stream()]
-    out.float().sum().backward()
-    assert layer.shared_experts.down_proj.weight.grad is not None
+    """The rule `beside` applies before it forks (it forks only in a capture, on CUDA)."""
+    layer = moe_layer("cpu", torch.float32)
+    x = torch.randn(3, 256)
+    assert _records_autograd(layer.shared_experts, x)  # the parameters require grad: a training forward
+    assert _records_autograd(layer.shared_experts, x.requires_grad_()) and not _records_autograd(
+        layer.shared_experts.requires_grad_(False), x.detach())
+    with torch.no_grad():
+        assert not _records_autograd(layer.shared_experts.requires_grad_(True), x)

@@ -197,8 +197,9 @@ class DeepseekV3MoE(nn.Module):
         self.shared_experts = DeepseekV3MLP(config, config.moe_intermediate_size * config.n_shared_experts)
 
     def forward(self, hidden: torch.Tensor, router_logits: list | None = None) -> torch.Tensor:
-        # without autograd the shared experts run on a side stream beside the router and the
-        # routed experts (`side_stream.beside`: the same bits, ~7% of a decode layer's time)
+        # in CUDA-graph captures without autograd the shared experts run on a side stream beside
+        # the router and the routed experts (`side_stream.beside`: the same bits, ~7% of a decode
+        # layer's time)
         shared, shared_ready = beside(self.shared_experts, hidden)
         logits, weights, ids = self.gate(hidden)
         if router_logits is not None:
