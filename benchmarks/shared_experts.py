@@ -1,6 +1,6 @@
 """A DeepSeek-V3 / Moonlight MoE layer with its shared experts in line (one stream) and on the side
-stream beside the router and routed experts (`vexact_models.side_stream`, the default without
-autograd), at decode and prefill token counts.
+stream beside the router and routed experts (`vexact_models.side_stream`, the default in CUDA-graph
+captures without autograd), at decode and prefill token counts.
 
 Each row times `--layers` distinct random layers back to back in a CUDA graph (so the experts'
 weights come from HBM, as in a decode step) in both placements, and the routed experts alone and
