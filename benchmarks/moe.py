@@ -64,7 +64,8 @@ def _placed(rows: torch.Tensor, layout) -> torch.Tensor:
 def sweep() -> None:
     """Each grouped kernel alone at 16384 tokens under candidate tile configs, and whether its rows
     equal `LARGE`'s (what the model runs there) bit for bit."""
-    from vexact_models.kernels.moe import LARGE, MoeConfig, gate_up_act, grouped_gemm, moe_align
+    from vexact_models.kernels.moe import gate_up_act, grouped_gemm, moe_align
+    from vexact_models.kernels.moe_config import LARGE, MoeConfig
 
     hidden, experts, inter, top_k, tokens = 2048, 128, 768, 8, 16384
     gate_up = (torch.randn(experts, 2 * inter, hidden, device="cuda") / hidden ** 0.5).bfloat16()
@@ -119,7 +120,8 @@ def decode_sweep(token_counts: list[int]) -> None:
 
 def _decode_sweep_layer(name: str, hidden: int, experts: int, inter: int, top_k: int, token_counts: list[int]) -> None:
     from bench_utils import bench_graph
-    from vexact_models.kernels.moe import MoeConfig, gate_up_act, grouped_gemm, moe_align, pick_config
+    from vexact_models.kernels.moe import gate_up_act, grouped_gemm, moe_align
+    from vexact_models.kernels.moe_config import MoeConfig, pick_config
 
     gate_up = (torch.randn(experts, 2 * inter, hidden, device="cuda") / hidden ** 0.5).bfloat16()
     down = (torch.randn(experts, hidden, inter, device="cuda") / inter ** 0.5).bfloat16()

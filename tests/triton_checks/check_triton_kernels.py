@@ -296,7 +296,8 @@ def test_gate_up_act_and_down_rows_are_the_same_for_every_tile_config(hidden, in
     bitwise the same under the 16- and 32-row decode tiles and the small and large ones (`pick_config`'s
     choices): with the decode tiles' 128-wide K tiles where 128 divides K (the second shape), and
     with the 64-wide fallback where it does not (the first)."""
-    from vexact_models.kernels.moe import DECODE, FEW_ROWS, LARGE, SMALL, gate_up_act, grouped_gemm, moe_align
+    from vexact_models.kernels.moe import gate_up_act, grouped_gemm, moe_align
+    from vexact_models.kernels.moe_config import DECODE, FEW_ROWS, LARGE, SMALL
     from vexact_models.kernels.moe_routing import softmax_topk
 
     experts, tokens, top_k = 8, 40, 2
