@@ -308,8 +308,8 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
             its combine kernel, a launch fewer.
         add_ready: an event recorded after `add` was computed on another stream
             (`vexact_models.side_stream.beside`: the shared experts beside the routed ones); the
-            current stream waits for it just before `add` is first read, so everything before
-            that runs beside `add`'s computation.
+            current stream waits for it before `add` is first read: in the Triton path just
+            before the combine, so the routed experts run beside `add`'s computation.
     Differentiable in x, both weight tensors, topk_weights and add.
     """
     if x.dim() != 2 or gate_up_proj.shape[2] != x.shape[1] or down_proj.shape[1] != x.shape[1] \
@@ -329,17 +329,16 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
         raise ValueError("fused_moe: add_ready was given without add; it says when add is ready to read")
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, gate_up_proj, down_proj, topk_weights, add))
-    if needs_grad or backend == "reference":  # the plain add after the routed output
-        out = (_FusedMoeFunction.apply(x, gate_up_proj, down_proj, topk_weights, ids, backend) if needs_grad
-               else fused_moe_reference(x, gate_up_proj, down_proj, topk_weights, ids))
-        if add is None:
-            return out
-        if add_ready is not None:
-            torch.cuda.current_stream(x.device).wait_event(add_ready)
-        return out + add
-    if add_ready is not None and not add.is_contiguous():  # the copy below reads `add`
+    plain_add = needs_grad or backend == "reference"  # the plain add after the routed output
+    if add_ready is not None and (plain_add or not add.is_contiguous()):
+        # `add` is read before the combine (its add, or its copy below): wait for it now; `beside`
+        # forks only where neither happens, so no overlap is lost in practice
         torch.cuda.current_stream(x.device).wait_event(add_ready)
         add_ready = None
+    if plain_add:
+        out = (_FusedMoeFunction.apply(x, gate_up_proj, down_proj, topk_weights, ids, backend) if needs_grad
+               else fused_moe_reference(x, gate_up_proj, down_proj, topk_weights, ids))
+        return out if add is None else out + add
     add = None if add is None else add.contiguous()  # the combine kernel reads rows of unit stride
     return _forward_triton(x, gate_up_proj, down_proj, topk_weights, ids, save_preact=False, add=add,
                            add_ready=add_ready)[0]
