@@ -357,7 +357,7 @@ def attention_forward_triton(q, k_cache, v_cache, layout: PagedLayout, scale: fl
     its lse is None unless `need_lse`). `packed`: the K/V are packed training tensors (TMA
     loads where they fit)."""
     if value_in_key(k_cache, v_cache):
-        return latent_attention_triton(q, k_cache, v_cache.shape[-1], layout, scale)
+        return latent_attention_triton(q, k_cache, v_cache.shape[-1], layout, scale, packed=packed)
     if choose_attention_forward(q, k_cache, v_cache) == "fa4":
         return attention_fa4(q, k_cache, v_cache, layout, scale, packed=packed, return_lse=need_lse)
     return attention_triton(q, k_cache, v_cache, layout, scale,

@@ -21,8 +21,9 @@ output is the same packed (training), in chunked prefill or in decode. When
 over that many programs per sequence, each recomputing the same scores: more programs for the
 GPU, the cache read once per chunk (from L2 after the first). On Hopper, a decode launch that
 `latent_decode_gluon.fits` (Moonlight's 16 heads) runs the Gluon kernel there instead, by default
-(``VEXACT_LATENT_DECODE``): the same bits, 1.2-1.5x faster. The backward is in
-`latent_attention_backward.py`.
+(``VEXACT_LATENT_DECODE``): the same bits, 1.2-1.5x faster; launches of more query rows (prefill,
+packed training) run `latent_prefill_gluon` there (``VEXACT_LATENT_PREFILL``), the same bits,
+1.4-1.6x faster. The backward is in `latent_attention_backward.py`.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import latent_decode_gluon
+from . import latent_decode_gluon, latent_prefill_gluon
 from ._triton import has_tma, launch_staged, next_power_of_2, num_sms, require_triton, tl, tma_rows_aligned, triton
 from .row_sum import lane_sums, row_sum_halves, row_sum_levels
 
@@ -254,13 +255,17 @@ def latent_dims(q: torch.Tensor, v_dim: int) -> dict:
 
 
 def latent_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, v_dim: int, layout, scale: float,
-                            config: LatentConfig | None = None,
-                            kv_descriptors: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                            config: LatentConfig | None = None, kv_descriptors: bool | None = None,
+                            packed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [T, Hq, v_dim], lse [T, Hq])`` of `q` ``[T, Hq, D]`` over the paged key cache
     ``[..., Hkv, D]`` whose first `v_dim` dims are the value (`kernels.attention`'s contract).
     `config` (default `pick_config`'s) and `kv_descriptors` (whole key blocks by TMA; default:
     where `page_descriptors_fit`) are for the GPU sweeps that compare launch parameters; neither
-    changes a bit."""
+    changes a bit. `packed`: the keys are packed training tensors (`packed_layout`), whose
+    sequences' keys are consecutive rows. Without `config` or `kv_descriptors`, a launch that a
+    Gluon kernel fits runs there (same bits): `latent_decode_gluon` for one query token a sequence,
+    `latent_prefill_gluon` for more than `DECODE_ROWS` rows (short chunks keep the 16-row decode
+    tiles)."""
     require_triton("attention (latent MLA)")
     n_tokens, n_heads, head_dim = q.shape
     n_kv_heads = kv_cache.shape[-2]
@@ -271,10 +276,13 @@ def latent_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, v_dim: int,
         return out, lse
     group = n_heads // n_kv_heads
     kv = kv_cache.reshape(-1, n_kv_heads, head_dim)
-    if (config is None and kv_descriptors is None and latent_decode_gluon.LATENT_DECODE.mode() == "gluon"
-            and latent_decode_gluon.fits(q, kv, v_dim, layout)):
-        chunks = latent_decode_gluon.value_chunks(n_seqs, num_sms(q.device))
-        return latent_decode_gluon.latent_decode_gluon(q, kv, v_dim, layout, scale, chunks)
+    if config is None and kv_descriptors is None:
+        if latent_decode_gluon.LATENT_DECODE.mode() == "gluon" and latent_decode_gluon.fits(q, kv, v_dim, layout):
+            chunks = latent_decode_gluon.value_chunks(n_seqs, num_sms(q.device))
+            return latent_decode_gluon.latent_decode_gluon(q, kv, v_dim, layout, scale, chunks)
+        if (layout.max_seqlen_q * group > DECODE_ROWS and latent_prefill_gluon.LATENT_PREFILL.mode() == "gluon"
+                and latent_prefill_gluon.fits(q, kv, v_dim, layout, contiguous=packed)):
+            return latent_prefill_gluon.latent_prefill_gluon(q, kv, v_dim, layout, scale, contiguous=packed)
     rows = layout.max_seqlen_q * group
     if kv_descriptors is None:
         kv_descriptors = config is None and page_descriptors_fit(kv, layout.page_size, v_dim, rows)

@@ -1,0 +1,125 @@
+"""Latent MLA prefill and training attention: the Triton launch against the Gluon kernel
+(`kernels.latent_prefill_gluon`) at Moonlight's shape (16 heads, 512 latent + 64 rope dims).
+
+Cases: a rollout's prompt step (prompts of 32-1,024 tokens until ~7,300 tokens, pages of 64, as
+the engine's prompt steps), a chunked prefill (4 sequences, 3,072 tokens of context, chunks of
+1,024) and packed training (8 x 4,096; 2 x 16,384). Each row times one launch (`bench`, median of
+CUDA events) and gives TFLOP/s (2 x heads x (576 + 512) per visible query-key pair), the speed-up
+over the Triton launch, and whether its output and lse equal the Triton launch's bitwise (they
+must: docs/design.md rule 2).
+
+Usage:
+    python benchmarks/latent_prefill.py
+    python benchmarks/latent_prefill.py --cases training --candidates 32x4x2,64x8x1
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+
+import torch
+
+from bench_utils import bench, table
+
+HEADS, LAT, ROPE, PAGE = 16, 512, 64, 64
+
+
+def _candidate(text: str) -> tuple[int, int, int]:
+    try:
+        rows, warps, stages = (int(v) for v in text.split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a candidate is ROWSxWARPSxSTAGES, e.g. 32x4x2, got {text!r}") from None
+    return rows, warps, stages
+
+
+def cases() -> dict[str, tuple[list[int], list[int]]]:
+    """name -> (new query tokens, sequence lengths) a sequence."""
+    rng = random.Random(0)
+    prompts = []
+    while sum(prompts) < 7300:
+        prompts.append(rng.randint(32, 1024))
+    return {"prompt step": (prompts, prompts), "chunked 4 x 1,024 after 3,072": ([1024] * 4, [4096] * 4),
+            "training 8 x 4,096": ([4096] * 8, [4096] * 8), "training 2 x 16,384": ([16384] * 2, [16384] * 2)}
+
+
+def inputs(q_lens: list[int], seq_lens: list[int], packed: bool):
+    """Random bf16 queries and keys, and the layout: pages of 64 shuffled over a cache, or the
+    packed training layout (keys in consecutive rows, every key a query)."""
+    from vexact_models.kernels import PagedLayout
+    from vexact_models.kernels.attention import packed_layout
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(sum(q_lens), HEADS, LAT + ROPE, generator=gen).bfloat16().cuda()
+    if packed:
+        cu = torch.tensor([0] + list(torch.tensor(seq_lens).cumsum(0)), dtype=torch.int32).cuda()
+        return q, torch.randn(sum(seq_lens), 1, LAT + ROPE, generator=gen).bfloat16().cuda(), packed_layout(cu, max(seq_lens))
+    pages = [-(-n // PAGE) for n in seq_lens]
+    ids = torch.randperm(sum(pages), generator=gen, dtype=torch.int32)
+    table_ = torch.zeros(len(seq_lens), max(pages), dtype=torch.int32)
+    for s, chunk in enumerate(ids.split(pages)):
+        table_[s, :len(chunk)] = chunk
+    kv = torch.randn(sum(pages) * PAGE, 1, LAT + ROPE, generator=gen).bfloat16().cuda()
+    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32).cuda()
+    layout = PagedLayout(cu, torch.tensor(seq_lens, dtype=torch.int32).cuda(), table_.cuda(), PAGE, max(q_lens))
+    return q, kv, layout
+
+
+def flops(q_lens: list[int], seq_lens: list[int]) -> float:
+    pairs = sum(sum(range(n - q + 1, n + 1)) for q, n in zip(q_lens, seq_lens))  # keys visible to each query
+    return 2.0 * HEADS * (LAT + ROPE + LAT) * pairs
+
+
+def run_case(name: str, q_lens: list[int], seq_lens: list[int], candidates: list[tuple[int, int, int]]) -> list[list]:
+    """Rows of one case: the Triton launch, then each Gluon candidate."""
+    from vexact_models.kernels import latent_prefill_gluon as gluon
+    from vexact_models.kernels.latent_attention import latent_attention_triton
+
+    packed = name.startswith("training")
+    q, kv, layout = inputs(q_lens, seq_lens, packed)
+    scale = (LAT + ROPE) ** -0.5
+    with gluon.LATENT_PREFILL.use("triton"):
+        want, want_lse = latent_attention_triton(q, kv, LAT, layout, scale, packed=packed)
+        ms = bench(lambda: latent_attention_triton(q, kv, LAT, layout, scale, packed=packed))
+    work = flops(q_lens, seq_lens)
+    rows = [[name, "triton", f"{ms * 1e3:.1f}", f"{work / ms / 1e9:.0f}", "1.00x", "-"]]
+    for cand in candidates:
+        out, lse = torch.empty_like(want), torch.empty_like(want_lse)
+        gluon.launch(q, kv, LAT, layout, scale, out, lse, *cand)
+        same = torch.equal(out, want) and torch.equal(lse, want_lse)
+        t = bench(lambda: gluon.launch(q, kv, LAT, layout, scale, out, lse, *cand))
+        label = "gluon {}x{}x{}".format(*cand) + (" (default)" if cand == (gluon.ROWS, gluon.WARPS, gluon.STAGES) else "")
+        rows.append([name, label, f"{t * 1e3:.1f}", f"{work / t / 1e9:.0f}", f"{ms / t:.2f}x", "yes" if same else "NO"])
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", default="", help="comma-separated substrings of case names to keep "
+                        "(e.g. 'training'); default: every case")
+    parser.add_argument("--candidates", default="32x4x2,32x8x2,64x8x1", type=lambda s: [_candidate(c) for c in s.split(",")],
+                        help="Gluon launches to time, ROWSxWARPSxSTAGES (query rows a program, warps, key stages); "
+                             "default: %(default)s")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("latent_prefill.py needs a CUDA GPU (Hopper for the Gluon kernel)", file=sys.stderr)
+        return 2
+    from vexact_models.kernels import latent_decode_gluon
+
+    if not latent_decode_gluon.HAS_GLUON or torch.cuda.get_device_capability()[0] < 9:
+        print("latent_prefill.py: the Gluon kernel needs a Hopper GPU and a verified Triton "
+              f"({latent_decode_gluon.GLUON_VERIFIED})", file=sys.stderr)
+        return 2
+    keep = [c for c in args.cases.split(",") if c]
+    rows = []
+    for name, (q_lens, seq_lens) in cases().items():
+        if not keep or any(k in name for k in keep):
+            rows += run_case(name, q_lens, seq_lens, args.candidates)
+    table(f"latent MLA prefill/training attention, {torch.cuda.get_device_name()} (us a launch)",
+          ["case", "kernel", "us", "TFLOP/s", "vs triton", "same bits"], rows)
+    return 0 if all(r[-1] != "NO" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
