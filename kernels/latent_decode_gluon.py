@@ -31,6 +31,7 @@ Triton launch decodes (`supported_triton`).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -278,9 +279,15 @@ if HAS_GLUON:
                        GROUP, DV)
 
 
+@functools.lru_cache(maxsize=None)
+def _shared_layout(block: tuple[int, ...], dtype: torch.dtype):
+    """The swizzled shared-memory layout of a TMA block: built once per (block, dtype), since an
+    eager prefill launch (a prompt step's 27) pays its construction on the host each time."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+
+
 def _descriptor(x: torch.Tensor, block: list[int]):
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16)
-    return TensorDescriptor(x, list(x.shape), list(x.stride()), block, layout)
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), block, _shared_layout(tuple(block), x.dtype))
 
 
 def latent_decode_gluon(q: torch.Tensor, kv: torch.Tensor, v_dim: int, layout, scale: float,
