@@ -7,7 +7,9 @@ whose registers spill, or that holds an SM alone, keeps fewer. The latent MLA ke
 tiles (mma.sync) hold the 16 x 576 query operand in every warp's registers and spill (a key-major
 Triton variant was built, measured and removed in the thirtieth session: docs/gpu-results.md); the
 Gluon launch (`kernels.latent_decode_gluon`, the default decode where it fits) runs warpgroup MMAs
-with both operands in shared memory and is listed after them. The GQA kernel's decode tiles
+with both operands in shared memory and is listed after them, then the prefill/training launches
+(64-row tiles): the Triton kernel's (255 registers, spills) and the Gluon prefill kernel's
+(`kernels.latent_prefill_gluon`) candidates, rows x warps x key stages. The GQA kernel's decode tiles
 (`--kernel gqa`) are listed with pointer loads and with TMA pages. Timings and bitwise checks
 are the GPU's: `attention_configs.py`, `conformance/kernel_invariance.py`.
 
@@ -72,7 +74,42 @@ def measure_latent(shape: str) -> list[list]:
             label = (f"m{cfg.block_m} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
                      + (f" v{cfg.value_chunks}" if cfg.value_chunks > 1 else ""))
             rows.append(_row(label, "TMA", resources(compiled[-1])))
-    return rows + measure_gluon(q, kv, lat, layout)
+    return rows + measure_gluon(q, kv, lat, layout) + measure_prefill(heads, lat, rope)
+
+
+PREFILL_CANDIDATES = ((64, 8, 1), (64, 8, 2), (32, 4, 2))  # (rows, warps, stages); the first is the default
+
+
+def prefill_inputs(heads: int, lat: int, rope: int, seqs: int = 2, length: int = 1024, page: int = 64):
+    """CPU stand-ins of a prefill launch (zeros: nothing runs): `seqs` whole prompts of `length`
+    tokens over pages of `page`, each sequence's pages in order."""
+    from vexact_models.kernels import PagedLayout
+
+    pages = -(-length // page)
+    layout = PagedLayout(torch.arange(seqs + 1, dtype=torch.int32) * length, torch.full((seqs,), length, dtype=torch.int32),
+                         torch.arange(seqs * pages, dtype=torch.int32).reshape(seqs, pages), page, length)
+    kv = torch.zeros(seqs * pages * page, 1, lat + rope, dtype=torch.bfloat16)
+    return torch.zeros(seqs * length, heads, lat + rope, dtype=torch.bfloat16), kv, layout
+
+
+def measure_prefill(heads: int, lat: int, rope: int, candidates=PREFILL_CANDIDATES, triton_tile: bool = True) -> list[list]:
+    """The prefill/training launches at a 2 x 1,024-token prompt step: the Triton kernel's 64-row
+    tile (`triton_tile`) and the Gluon prefill `candidates` where the shape fits that kernel."""
+    from vexact_models.kernels import latent_prefill_gluon as gluon
+    from vexact_models.kernels.latent_attention import LatentConfig, latent_attention_triton
+
+    q, kv, layout = prefill_inputs(heads, lat, rope)
+    rows = []
+    with compile_only() as compiled:
+        if triton_tile:
+            latent_attention_triton(q, kv, lat, layout, lat ** -0.5, LatentConfig(64, 64, 8, 2), kv_descriptors=False)
+            rows.append(_row("prefill m64 n64 w8 s2", "pointers", resources(compiled[-1])))
+        if gluon.shape_fits(q, kv, lat, layout) and gluon.decode.HAS_GLUON:
+            out, lse = torch.empty(*q.shape[:2], lat, dtype=q.dtype), torch.empty(q.shape[:2])
+            for cand in candidates:
+                gluon.launch(q, kv, lat, layout, lat ** -0.5, out, lse, *cand)
+                rows.append(_row("gluon prefill r{} w{} s{}".format(*cand), "TMA", resources(compiled[-1])))
+    return rows
 
 
 def measure_gluon(q, kv, lat: int, layout) -> list[list]:
@@ -125,7 +162,7 @@ def main(argv=None) -> int:
         print("kernel_resources.py needs triton (pip install triton==3.6.0); no GPU is needed", file=sys.stderr)
         return 2
     rows = (measure_latent if args.kernel == "latent" else measure_gqa)(shape)
-    table(f"{args.kernel} decode launches, {shape} {SHAPES[args.kernel][shape]}, compiled for sm_90",
+    table(f"{args.kernel} attention launches, {shape} {SHAPES[args.kernel][shape]}, compiled for sm_90",
           ["config", "loads", "dots", "registers", "spill bytes", "shared KB", "programs/SM"], rows)
     return 0
 

@@ -296,6 +296,21 @@ def test_kernel_resources_lists_the_gluon_latent_decode_at_moonlights_shape(monk
     assert kernel_resources.measure_gluon(deepseek[0], deepseek[1], 512, deepseek[2]) == []
 
 
+def test_kernel_resources_lists_the_gluon_latent_prefill_at_moonlights_shape(monkeypatch):
+    """The Gluon prefill launch compiles for sm_90 on the CPU at Moonlight's shape: the default (64
+    rows, 8 warps, one stage) without spills, one program an SM; two stages ask for more shared
+    memory than an SM has (no program fits), which is why the default takes one."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import kernel_resources
+
+    rows = kernel_resources.measure_prefill(16, 512, 64, candidates=((64, 8, 1), (64, 8, 2)), triton_tile=False)
+    assert [row[0] for row in rows] == ["gluon prefill r64 w8 s1", "gluon prefill r64 w8 s2"]
+    (_, _, mma, registers, spills, shared_kb, per_sm), two_stages = rows
+    assert mma == "wgmma" and spills == 0 and 0 < registers <= 255 and per_sm == 1 and int(shared_kb) <= 227
+    assert two_stages[-1] == 0 and int(two_stages[-2]) > 227
+    assert kernel_resources.measure_prefill(128, 512, 64, triton_tile=False) == []  # 128 heads: the Triton launch's
+
+
 def test_kernel_resources_programs_per_sm():
     sys.path.insert(0, str(BENCHMARKS))
     from sm90_compile import KernelResources
