@@ -1,12 +1,14 @@
 """Latent MLA prefill and training attention: the Triton launch against the Gluon kernel
-(`kernels.latent_prefill_gluon`) at Moonlight's shape (16 heads, 512 latent + 64 rope dims).
+(`kernels.latent_prefill_gluon`) at Moonlight's shape (16 heads, 512 latent + 64 rope dims) and
+DeepSeek-V3's (128 heads).
 
 Cases: a rollout's prompt step (prompts of 32-1,024 tokens until ~7,300 tokens, pages of 64, as
 the engine's prompt steps), a chunked prefill (4 sequences, 3,072 tokens of context, chunks of
-1,024) and packed training (8 x 4,096; 2 x 16,384). Each row times one launch (`bench`, median of
-CUDA events) and gives TFLOP/s (2 x heads x (576 + 512) per visible query-key pair), the speed-up
-over the Triton launch, and whether its output and lse equal the Triton launch's bitwise (they
-must: docs/design.md rule 2).
+1,024), packed training (8 x 4,096; 2 x 16,384), and at DeepSeek-V3's head count a prompt step of
+4 x 1,024 and training 2 x 4,096. Each row times one launch (`bench`, median of CUDA events) and
+gives TFLOP/s (2 x heads x (576 + 512) per visible query-key pair), the speed-up over the Triton
+launch, and whether its output and lse equal the Triton launch's bitwise (they must:
+docs/design.md rule 2).
 
 Usage:
     python benchmarks/latent_prefill.py
@@ -23,7 +25,7 @@ import torch
 
 from bench_utils import bench, table
 
-HEADS, LAT, ROPE, PAGE = 16, 512, 64, 64
+LAT, ROPE, PAGE = 512, 64, 64
 
 
 def _candidate(text: str) -> tuple[int, int, int]:
@@ -34,24 +36,26 @@ def _candidate(text: str) -> tuple[int, int, int]:
     return rows, warps, stages
 
 
-def cases() -> dict[str, tuple[list[int], list[int]]]:
-    """name -> (new query tokens, sequence lengths) a sequence."""
+def cases() -> dict[str, tuple[int, list[int], list[int]]]:
+    """name -> (query heads, new query tokens a sequence, sequence lengths)."""
     rng = random.Random(0)
     prompts = []
     while sum(prompts) < 7300:
         prompts.append(rng.randint(32, 1024))
-    return {"prompt step": (prompts, prompts), "chunked 4 x 1,024 after 3,072": ([1024] * 4, [4096] * 4),
-            "training 8 x 4,096": ([4096] * 8, [4096] * 8), "training 2 x 16,384": ([16384] * 2, [16384] * 2)}
+    return {"prompt step": (16, prompts, prompts), "chunked 4 x 1,024 after 3,072": (16, [1024] * 4, [4096] * 4),
+            "training 8 x 4,096": (16, [4096] * 8, [4096] * 8), "training 2 x 16,384": (16, [16384] * 2, [16384] * 2),
+            "deepseek-v3 prompt step 4 x 1,024": (128, [1024] * 4, [1024] * 4),
+            "deepseek-v3 training 2 x 4,096": (128, [4096] * 2, [4096] * 2)}
 
 
-def inputs(q_lens: list[int], seq_lens: list[int], packed: bool):
+def inputs(heads: int, q_lens: list[int], seq_lens: list[int], packed: bool):
     """Random bf16 queries and keys, and the layout: pages of 64 shuffled over a cache, or the
     packed training layout (keys in consecutive rows, every key a query)."""
     from vexact_models.kernels import PagedLayout
     from vexact_models.kernels.attention import packed_layout
 
     gen = torch.Generator().manual_seed(0)
-    q = torch.randn(sum(q_lens), HEADS, LAT + ROPE, generator=gen).bfloat16().cuda()
+    q = torch.randn(sum(q_lens), heads, LAT + ROPE, generator=gen).bfloat16().cuda()
     if packed:
         cu = torch.tensor([0] + list(torch.tensor(seq_lens).cumsum(0)), dtype=torch.int32).cuda()
         return q, torch.randn(sum(seq_lens), 1, LAT + ROPE, generator=gen).bfloat16().cuda(), packed_layout(cu, max(seq_lens))
@@ -66,23 +70,24 @@ def inputs(q_lens: list[int], seq_lens: list[int], packed: bool):
     return q, kv, layout
 
 
-def flops(q_lens: list[int], seq_lens: list[int]) -> float:
+def flops(heads: int, q_lens: list[int], seq_lens: list[int]) -> float:
     pairs = sum(sum(range(n - q + 1, n + 1)) for q, n in zip(q_lens, seq_lens))  # keys visible to each query
-    return 2.0 * HEADS * (LAT + ROPE + LAT) * pairs
+    return 2.0 * heads * (LAT + ROPE + LAT) * pairs
 
 
-def run_case(name: str, q_lens: list[int], seq_lens: list[int], candidates: list[tuple[int, int, int]]) -> list[list]:
+def run_case(name: str, heads: int, q_lens: list[int], seq_lens: list[int],
+             candidates: list[tuple[int, int, int]]) -> list[list]:
     """Rows of one case: the Triton launch, then each Gluon candidate."""
     from vexact_models.kernels import latent_prefill_gluon as gluon
     from vexact_models.kernels.latent_attention import latent_attention_triton
 
-    packed = name.startswith("training")
-    q, kv, layout = inputs(q_lens, seq_lens, packed)
+    packed = "training" in name
+    q, kv, layout = inputs(heads, q_lens, seq_lens, packed)
     scale = (LAT + ROPE) ** -0.5
     with gluon.LATENT_PREFILL.use("triton"):
         want, want_lse = latent_attention_triton(q, kv, LAT, layout, scale, packed=packed)
         ms = bench(lambda: latent_attention_triton(q, kv, LAT, layout, scale, packed=packed))
-    work = flops(q_lens, seq_lens)
+    work = flops(heads, q_lens, seq_lens)
     rows = [[name, "triton", f"{ms * 1e3:.1f}", f"{work / ms / 1e9:.0f}", "1.00x", "-"]]
     for cand in candidates:
         out, lse = torch.empty_like(want), torch.empty_like(want_lse)
@@ -98,7 +103,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default="", help="comma-separated substrings of case names to keep "
                         "(e.g. 'training'); default: every case")
-    parser.add_argument("--candidates", default="32x4x2,32x8x2,64x8x1", type=lambda s: [_candidate(c) for c in s.split(",")],
+    parser.add_argument("--candidates", default="64x8x1,32x4x2", type=lambda s: [_candidate(c) for c in s.split(",")],
                         help="Gluon launches to time, ROWSxWARPSxSTAGES (query rows a program, warps, key stages); "
                              "default: %(default)s")
     args = parser.parse_args(argv)
@@ -113,10 +118,10 @@ def main(argv=None) -> int:
         return 2
     keep = [c for c in args.cases.split(",") if c]
     rows = []
-    for name, (q_lens, seq_lens) in cases().items():
+    for name, (heads, q_lens, seq_lens) in cases().items():
         if not keep or any(k in name for k in keep):
-            rows += run_case(name, q_lens, seq_lens, args.candidates)
-    table(f"latent MLA prefill/training attention, {torch.cuda.get_device_name()} (us a launch)",
+            rows += run_case(name, heads, q_lens, seq_lens, args.candidates)
+    table(f"latent MLA prefill/training attention (512 + 64 dims), {torch.cuda.get_device_name()} (us a launch)",
           ["case", "kernel", "us", "TFLOP/s", "vs triton", "same bits"], rows)
     return 0 if all(r[-1] != "NO" for r in rows) else 1
 

@@ -4,9 +4,9 @@ and TMA key ring (`latent_decode_gluon`), for causal launches of many query toke
 Why: the Triton launch's 64-row training/prefill tiles (`latent_attention._latent_fwd_kernel`,
 8 warps, two stages) hold the 64 x 512 fp32 output across 255 registers a thread, spill, and run
 the Moonlight prompt step's latent attention at ~150 TFLOP/s (docs/gpu-results.md, thirty-second
-session), a fifth of the step. Here a program runs 64 query rows of one sequence (4 tokens x 16
-heads: every head of a token reads the same latent key) with two warpgroups, key-major as in
-the decode kernel:
+session), a fifth of the step. Here a program runs 64 query rows of one sequence ((token, head)
+pairs: 4 tokens of Moonlight's 16 heads, half a token of DeepSeek-V3's 128; every head reads the
+same latent key) with two warpgroups, key-major as in the decode kernel:
 
 - ``S^T [keys, rows] = K . Q^T``: the warpgroups split the rows, 32 each, so a row's softmax never
   leaves its warpgroup;
@@ -19,7 +19,7 @@ gives: each output element is the same chain of 16-wide MMA K steps and the same
 operations in the same order; the rows a warpgroup holds do not change any of them. The causal
 mask is the Triton kernel's ``k_pos <= q_pos``; key blocks are aligned to absolute positions.
 
-Where it runs (`fits`): Hopper with Gluon (the Triton versions of `latent_decode_gluon`), 16 heads,
+Where it runs (`fits`): Hopper with Gluon (the Triton versions of `latent_decode_gluon`), `HEADS`,
 512 + 64 dims, 16-bit tensors that TMA can read, and either a paged cache whose pages hold whole
 64-key blocks (chunked prefill) or the packed training tensors (``contiguous``: a sequence's keys
 are consecutive rows). ``VEXACT_LATENT_PREFILL=triton`` keeps the Triton launch. On the H200
@@ -38,7 +38,11 @@ from ._triton import has_tma, tma_rows_aligned
 from .kernel_switch import KernelSwitch
 from .row_sum import row_sum_levels
 
-__all__ = ["LATENT_PREFILL", "ROWS", "fits", "latent_prefill_gluon", "launch", "shape_fits"]
+__all__ = ["HEADS", "LATENT_PREFILL", "ROWS", "fits", "latent_prefill_gluon", "launch", "shape_fits"]
+
+#: query head counts the kernel takes: a program's 64 rows are (token, head) pairs whatever the count,
+#: and the two checked on the GPU are Moonlight's 16 and DeepSeek-V3's 128
+HEADS = (16, 32, 64, 128)
 
 #: ``VEXACT_LATENT_PREFILL``: ``gluon`` (the default: this kernel, where it `fits`) or ``triton``
 LATENT_PREFILL = KernelSwitch("VEXACT_LATENT_PREFILL", ("gluon", "triton"), "gluon", "latent prefill kernel")
@@ -63,7 +67,7 @@ def fits(q: torch.Tensor, kv: torch.Tensor, v_dim: int, layout, contiguous: bool
 
 def shape_fits(q: torch.Tensor, kv: torch.Tensor, v_dim: int, layout, contiguous: bool = False) -> bool:
     """Whether the tensors suit the kernel, whatever the device: 16-bit, one KV head of 512 latent +
-    64 rope dims, `latent_decode_gluon.HEADS` query heads, more than one query token in the longest
+    64 rope dims, a query head count in `HEADS`, more than one query token in the longest
     sequence (one token is the decode kernel's), 16-byte aligned rows that TMA can read, and key
     blocks that TMA can copy whole: pages of a multiple of the key block, or (`contiguous`, the
     packed training layout) each sequence's keys in consecutive rows."""
@@ -73,7 +77,7 @@ def shape_fits(q: torch.Tensor, kv: torch.Tensor, v_dim: int, layout, contiguous
     pages_ok = layout.page_size % key_block(q.dtype) == 0 or (contiguous and layout.page_size == 1)
     return (layout.max_seqlen_q > 1 and q.dtype in (torch.bfloat16, torch.float16) and kv.dtype == q.dtype
             and kv.dim() == 3 and kv.shape[1] == 1 and v_dim == 512 and q.shape[-1] == kv.shape[-1] == 576
-            and heads == decode.HEADS and pages_ok
+            and heads in HEADS and pages_ok
             and q.stride(-1) == 1 and q.stride(1) == q.shape[-1] and q.stride(0) == heads * q.shape[-1]
             and kv.stride(-1) == 1 and kv.stride(0) == kv.shape[-1] and tma_rows_aligned(q, kv))
 
@@ -124,7 +128,8 @@ if decode.HAS_GLUON:
         if tile < 0:
             return
         context = gl.load(seq_lens_ptr + seq) - q_len
-        n_keys = context + gl.minimum(q_len, (tile + 1) * (ROWS // GROUP))  # through the tile's last token
+        # through the tile's last token (a tile holds 4 tokens of 16 heads, half a token of 128)
+        n_keys = context + gl.minimum(q_len - 1, (tile * ROWS + ROWS - 1) // GROUP) + 1
         n_blocks = gl.cdiv(n_keys, BLOCK_N)
         whole = n_keys // BLOCK_N  # blocks that TMA copies; a partial last one takes pointer loads
         table_row = block_table_ptr + seq.to(gl.int64) * stride_bt

@@ -30,7 +30,8 @@ def test_shape_fits_prefill_of_moonlights_shape_over_whole_block_pages_or_packed
     assert not latent_prefill_gluon.shape_fits(q, kv, LAT, dataclasses.replace(paged, page_size=16))
     assert not latent_prefill_gluon.shape_fits(q, kv, LAT, dataclasses.replace(paged, max_seqlen_q=1))  # decode
     assert not latent_prefill_gluon.shape_fits(q.float(), kv.float(), LAT, paged)
-    assert not latent_prefill_gluon.shape_fits(q[:, :8], kv, LAT, paged)  # 8 heads: not the checked shape
+    assert not latent_prefill_gluon.shape_fits(q[:, :8], kv, LAT, paged)  # 8 heads: not a count it takes
+    assert latent_prefill_gluon.shape_fits(torch.zeros(10, 128, LAT + ROPE, dtype=torch.bfloat16), kv, LAT, paged)
     assert not latent_prefill_gluon.shape_fits(q[..., :320], kv[..., :320], 256, paged)
     packed = packed_layout(torch.tensor([0, 6, 10], dtype=torch.int32), 6)
     assert latent_prefill_gluon.shape_fits(q, kv[:10], LAT, packed, contiguous=True)
@@ -60,15 +61,16 @@ def _gluon_calls(monkeypatch) -> list:
 
 
 @needs_gluon
-def test_chunked_prefill_equals_the_triton_launch_and_training_bitwise(monkeypatch):
+@pytest.mark.parametrize("heads", [16, 128])  # Moonlight (4 tokens a tile), DeepSeek-V3 (half a token)
+def test_chunked_prefill_equals_the_triton_launch_and_training_bitwise(heads, monkeypatch):
     """Two prefill chunks a sequence over shuffled pages of 64 (NaN in every unwritten slot): the
     second attends to the first as context. Lengths cover partial tiles (tokens not a multiple of
     4), partial key blocks and a sequence of one token beside long ones; the Gluon launch, every
     candidate, longest-first order, the Triton launch and the packed training forward agree."""
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(heads)
     lens, page = [1, 3, 63, 64, 65, 200, 517, 1100], 64
     t = sum(lens)
-    q = torch.randn(t, HEADS, LAT + ROPE, generator=gen).bfloat16().cuda()
+    q = torch.randn(t, heads, LAT + ROPE, generator=gen).bfloat16().cuda()
     k = torch.randn(t, 1, LAT + ROPE, generator=gen).bfloat16().cuda()
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
     with latent_prefill_gluon.LATENT_PREFILL.use("triton"):
@@ -81,7 +83,7 @@ def test_chunked_prefill_equals_the_triton_launch_and_training_bitwise(monkeypat
         second = [n - f for n, f in zip(lens, first)]
         rows = torch.cat([torch.arange(c + f, c + n) for c, f, n in zip(cu[:-1].tolist(), first, lens)]).cuda()
         layout = _layout(second, lens, table, page, "cuda")
-        triton_cfg = pick_config(q.dtype, layout.max_seqlen_q * HEADS, len(lens), 132)
+        triton_cfg = pick_config(q.dtype, layout.max_seqlen_q * heads, len(lens), 132)
         want, want_lse = latent_attention_triton(q[rows], cache, LAT, layout, scale, triton_cfg)
         assert torch.equal(want, trained[rows]) and not want.isnan().any()
         out, lse = latent_attention_triton(q[rows], cache, LAT, layout, scale)  # the default: Gluon
