@@ -71,6 +71,7 @@ def inputs(heads: int, q_lens: list[int], seq_lens: list[int], packed: bool):
 
 
 def flops(heads: int, q_lens: list[int], seq_lens: list[int]) -> float:
+    """Causal latent attention's FLOPs: 2 x heads x (576 + 512) for each query-key pair a query sees."""
     pairs = sum(sum(range(n - q + 1, n + 1)) for q, n in zip(q_lens, seq_lens))  # keys visible to each query
     return 2.0 * heads * (LAT + ROPE + LAT) * pairs
 
