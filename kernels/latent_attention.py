@@ -276,14 +276,14 @@ def latent_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, v_dim: int,
         return out, lse
     group = n_heads // n_kv_heads
     kv = kv_cache.reshape(-1, n_kv_heads, head_dim)
+    rows = layout.max_seqlen_q * group
     if config is None and kv_descriptors is None:
         if latent_decode_gluon.LATENT_DECODE.mode() == "gluon" and latent_decode_gluon.fits(q, kv, v_dim, layout):
             chunks = latent_decode_gluon.value_chunks(n_seqs, num_sms(q.device))
             return latent_decode_gluon.latent_decode_gluon(q, kv, v_dim, layout, scale, chunks)
-        if (layout.max_seqlen_q * group > DECODE_ROWS and latent_prefill_gluon.LATENT_PREFILL.mode() == "gluon"
+        if (rows > DECODE_ROWS and latent_prefill_gluon.LATENT_PREFILL.mode() == "gluon"
                 and latent_prefill_gluon.fits(q, kv, v_dim, layout, contiguous=packed)):
             return latent_prefill_gluon.latent_prefill_gluon(q, kv, v_dim, layout, scale, contiguous=packed)
-    rows = layout.max_seqlen_q * group
     if kv_descriptors is None:
         kv_descriptors = config is None and page_descriptors_fit(kv, layout.page_size, v_dim, rows)
     cfg = config or pick_config(q.dtype, rows, n_seqs * n_kv_heads, num_sms(q.device), kv_descriptors)

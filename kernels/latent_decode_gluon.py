@@ -158,6 +158,30 @@ if HAS_GLUON:
             gl.thread_barrier()
 
     @gluon.jit
+    def _load_query_and_first_blocks(q_lat_desc, q_rope_desc, lat_desc, rope_desc, row, q_bar, q_lat, q_rope, bars,
+                                     k_lat, k_rope, table_row, page_size, whole, STAGES: gl.constexpr,
+                                     BLOCK_N: gl.constexpr, LAT: gl.constexpr):
+        """The prologue both Gluon latent kernels share: the barriers set up, the query rows from
+        `row` of q (viewed as ``[tokens * heads, 576]``) copied in, the first `STAGES` key blocks'
+        copies issued, and the query waited for."""
+        for st in gl.static_range(STAGES):
+            mbarrier.init(bars.index(st), count=1)
+        mbarrier.init(q_bar, count=1)
+        mbarrier.expect(q_bar, q_lat_desc.block_type.nbytes + q_rope_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_lat_desc, [row, 0], q_bar, q_lat)
+        tma.async_copy_global_to_shared(q_rope_desc, [row, LAT], q_bar, q_rope)
+        for st in gl.static_range(STAGES):
+            _load_block(lat_desc, rope_desc, table_row, st, page_size, bars.index(st), k_lat.index(st),
+                        k_rope.index(st), st < whole, BLOCK_N, LAT)
+        mbarrier.wait(q_bar, phase=0)
+
+    @gluon.jit
+    def _release_barriers(bars, q_bar, STAGES: gl.constexpr):
+        for st in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(st))
+        mbarrier.invalidate(q_bar)
+
+    @gluon.jit
     def _issue_scores(k_lat, k_rope, q_lat, q_rope, layout: gl.constexpr, BLOCK_N: gl.constexpr, GROUP: gl.constexpr):
         """``S^T = K . Q^T``, asynchronously: the latent dot, then the rope dot accumulated onto it."""
         s = warpgroup_mma(k_lat, q_lat.permute((1, 0)), gl.zeros([BLOCK_N, GROUP], gl.float32, layout=layout),
@@ -239,18 +263,9 @@ if HAS_GLUON:
         p_smem = gl.allocate_shared_memory(q_lat_desc.dtype, [GROUP, BLOCK_N], p_layout)
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        for st in gl.static_range(STAGES):
-            mbarrier.init(bars.index(st), count=1)
-        mbarrier.init(q_bar, count=1)
-
-        row = q_start * GROUP  # the token's first head in q viewed as [tokens * heads, 576]
-        mbarrier.expect(q_bar, q_lat_desc.block_type.nbytes + q_rope_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_lat_desc, [row, 0], q_bar, q_lat)
-        tma.async_copy_global_to_shared(q_rope_desc, [row, LAT], q_bar, q_rope)
-        for st in gl.static_range(STAGES):
-            _load_block(lat_desc, rope_desc, table_row, st, page_size, bars.index(st), k_lat.index(st),
-                        k_rope.index(st), st < whole, BLOCK_N, LAT)
-        mbarrier.wait(q_bar, phase=0)
+        # the query: the token's heads, from row q_start * GROUP of q
+        _load_query_and_first_blocks(q_lat_desc, q_rope_desc, lat_desc, rope_desc, q_start * GROUP, q_bar, q_lat,
+                                     q_rope, bars, k_lat, k_rope, table_row, page_size, whole, STAGES, BLOCK_N, LAT)
 
         m_i = gl.full([GROUP], float("-inf"), gl.float32, layout=heads_c)
         l_i = gl.zeros([GROUP], gl.float32, layout=heads_c)
@@ -272,9 +287,7 @@ if HAS_GLUON:
             _load_block(lat_desc, rope_desc, table_row, i + STAGES, page_size, bars.index(stage), lat,
                         k_rope.index(stage), i + STAGES < whole, BLOCK_N, LAT)
 
-        for st in gl.static_range(STAGES):
-            mbarrier.invalidate(bars.index(st))
-        mbarrier.invalidate(q_bar)
+        _release_barriers(bars, q_bar, STAGES)
         _store_outputs(acc, m_i, l_i, o_ptr, lse_ptr, q_start.to(gl.int64), chunk, stride_ot, stride_oh, mma,
                        GROUP, DV)
 

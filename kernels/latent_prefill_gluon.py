@@ -56,7 +56,7 @@ STAGES = 1
 if decode.HAS_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma_wait
 
 
 def fits(q: torch.Tensor, kv: torch.Tensor, v_dim: int, layout, contiguous: bool = False) -> bool:
@@ -151,19 +151,10 @@ if decode.HAS_GLUON:
         p_smem = gl.allocate_shared_memory(q_lat_desc.dtype, [ROWS, BLOCK_N], p_layout)
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        for st in gl.static_range(STAGES):
-            mbarrier.init(bars.index(st), count=1)
-        mbarrier.init(q_bar, count=1)
-
-        # q viewed as [tokens * heads, 576]: the tile's rows (past the tensor's end TMA reads zeros)
-        row = q_start * GROUP + tile * ROWS
-        mbarrier.expect(q_bar, q_lat_desc.block_type.nbytes + q_rope_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_lat_desc, [row, 0], q_bar, q_lat)
-        tma.async_copy_global_to_shared(q_rope_desc, [row, LAT], q_bar, q_rope)
-        for st in gl.static_range(STAGES):
-            decode._load_block(lat_desc, rope_desc, table_row, st, page_size, bars.index(st), k_lat.index(st),
-                               k_rope.index(st), st < whole, BLOCK_N, LAT)
-        mbarrier.wait(q_bar, phase=0)
+        # the query: the tile's rows of q (past the tensor's end TMA reads zeros)
+        decode._load_query_and_first_blocks(q_lat_desc, q_rope_desc, lat_desc, rope_desc, q_start * GROUP + tile * ROWS,
+                                            q_bar, q_lat, q_rope, bars, k_lat, k_rope, table_row, page_size, whole,
+                                            STAGES, BLOCK_N, LAT)
 
         q_pos = context + (tile * ROWS + gl.arange(0, ROWS, layout=rows_c)) // GROUP
         m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=rows_c)
@@ -187,9 +178,7 @@ if decode.HAS_GLUON:
             decode._load_block(lat_desc, rope_desc, table_row, i + STAGES, page_size, bars.index(stage), lat,
                                k_rope.index(stage), i + STAGES < whole, BLOCK_N, LAT)
 
-        for st in gl.static_range(STAGES):
-            mbarrier.invalidate(bars.index(st))
-        mbarrier.invalidate(q_bar)
+        decode._release_barriers(bars, q_bar, STAGES)
         _store_rows(acc, m_i, l_i, o_ptr, lse_ptr, q_start, q_len, tile, stride_ot, stride_oh, o_mma, GROUP, ROWS,
                     LAT)
 
