@@ -269,11 +269,9 @@ def latent_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, v_dim: int,
     require_triton("attention (latent MLA)")
     n_tokens, n_heads, head_dim = q.shape
     n_kv_heads = kv_cache.shape[-2]
-    out = torch.empty((n_tokens, n_heads, v_dim), device=q.device, dtype=q.dtype)
-    lse = torch.empty((n_tokens, n_heads), device=q.device, dtype=torch.float32)
     n_seqs = layout.seq_lens.shape[0]
     if n_tokens == 0 or n_seqs == 0:
-        return out, lse
+        return q.new_empty((n_tokens, n_heads, v_dim)), q.new_empty((n_tokens, n_heads), dtype=torch.float32)
     group = n_heads // n_kv_heads
     kv = kv_cache.reshape(-1, n_kv_heads, head_dim)
     rows = layout.max_seqlen_q * group
@@ -284,6 +282,8 @@ def latent_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, v_dim: int,
         if (rows > DECODE_ROWS and latent_prefill_gluon.LATENT_PREFILL.mode() == "gluon"
                 and latent_prefill_gluon.fits(q, kv, v_dim, layout, contiguous=packed)):
             return latent_prefill_gluon.latent_prefill_gluon(q, kv, v_dim, layout, scale, contiguous=packed)
+    out = torch.empty((n_tokens, n_heads, v_dim), device=q.device, dtype=q.dtype)  # the Gluon kernels allocate their own
+    lse = torch.empty((n_tokens, n_heads), device=q.device, dtype=torch.float32)
     if kv_descriptors is None:
         kv_descriptors = config is None and page_descriptors_fit(kv, layout.page_size, v_dim, rows)
     cfg = config or pick_config(q.dtype, rows, n_seqs * n_kv_heads, num_sms(q.device), kv_descriptors)
