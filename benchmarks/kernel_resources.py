@@ -10,7 +10,9 @@ Gluon launch (`kernels.latent_decode_gluon`, the default decode where it fits) r
 with both operands in shared memory and is listed after them, then the prefill/training launches
 (64-row tiles): the Triton kernel's (255 registers, spills) and the Gluon prefill kernel's
 (`kernels.latent_prefill_gluon`) candidates, rows x warps x key stages. The GQA kernel's decode tiles
-(`--kernel gqa`) are listed with pointer loads and with TMA pages. Timings and bitwise checks
+(`--kernel gqa`) are listed with pointer loads and with TMA pages, then a prompt step's launch:
+the Triton kernel's 128-row tile and the Gluon prefill kernel's (`kernels.attention_gluon`)
+candidates. Timings and bitwise checks
 are the GPU's: `attention_configs.py`, `conformance/kernel_invariance.py`.
 
 Usage:
@@ -143,6 +145,30 @@ def measure_gqa(shape: str) -> list[list]:
             cfg = AttentionConfig(16, 64, 4, stages, heads_fastest=True)
             attention_triton(q, k, k, layout, dim ** -0.5, cfg, page_descriptors=tma)
             rows.append(_row(f"m16 n64 w4 s{stages} heads", "TMA pages" if tma else "pointers", resources(compiled[-1])))
+    return rows + measure_gqa_prefill(heads, kv_heads, dim)
+
+
+GQA_PREFILL_CANDIDATES = ((64, 4, 3), (64, 4, 2), (128, 8, 3))  # (rows, warps, stages); the first is the default
+
+
+def measure_gqa_prefill(heads: int, kv_heads: int, dim: int, candidates=GQA_PREFILL_CANDIDATES) -> list[list]:
+    """A prompt step's launch (2 x 1,024 tokens over pages of 64): the Triton kernel's 128-row
+    tile (pointer loads) and the Gluon prefill candidates (`kernels.attention_gluon`) where the
+    shape fits that kernel (head dim 128)."""
+    from vexact_models.kernels import attention_gluon as gluon
+    from vexact_models.kernels.attention import AttentionConfig, attention_triton
+
+    q, _, layout = prefill_inputs(heads, dim, 0)
+    k = torch.zeros(q.shape[0], kv_heads, dim, dtype=q.dtype)
+    rows = []
+    with compile_only() as compiled:
+        attention_triton(q, k, k, layout, dim ** -0.5, AttentionConfig(128, 64, 4, 2))
+        rows.append(_row("prefill m128 n64 w4 s2", "pointers", resources(compiled[-1])))
+        if gluon.shape_fits(q, k, k, layout) and gluon.gluon_base.HAS_GLUON:
+            out, lse = torch.empty_like(q), torch.empty(q.shape[:2])
+            for cand in candidates:
+                gluon.launch(q, k, k, layout, dim ** -0.5, out, lse, *cand)
+                rows.append(_row("gluon prefill r{} w{} s{}".format(*cand), "TMA pages", resources(compiled[-1])))
     return rows
 
 

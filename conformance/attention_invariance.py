@@ -135,8 +135,9 @@ def check_attention(result: Result, hq: int, hkv: int, d: int, dv: int, lens: li
     def prefill_then_decode(rem):  # prefill all but the last 48 tokens in one chunk, then decode
         return [r - 48 if r > 48 else min(r, 1) for r in rem]
 
+    # pages of 64 (the engine's on Hopper): prompt chunks there run the Gluon prefill kernel
     schedules = [("chunk 128", fixed(128), 16), ("random chunks", random_chunks, 16),
-                 ("prefill+decode", prefill_then_decode, 256)]
+                 ("random chunks", random_chunks, 64), ("prefill+decode", prefill_then_decode, 256)]
     if not quick:
         schedules += [("chunk 16", fixed(16), 256), ("chunk 1000", fixed(1000), 16)]
     for name, schedule, page_size in schedules:

@@ -35,6 +35,7 @@ import torch
 
 from ._triton import (deep_pipeline, has_tma, launch_staged, next_power_of_2, num_sms, require_triton, tl,
                       tma_rows_aligned, triton)
+from . import attention_gluon
 from .attention_fa4 import attention_fa4
 from .attention_forward_choice import choose_attention_forward
 from .attention_reference import REFERENCE_BLOCK_N, attention_reference  # noqa: F401 (public here too)
@@ -260,21 +261,27 @@ def attention_triton(q, k_cache, v_cache, layout: PagedLayout, scale: float, con
     so the same bits; check `kv_descriptors_fit` first on a GPU). `page_descriptors`: a decode
     launch over paged caches reads its whole key blocks through TMA descriptors, page by page
     (default: where `page_descriptors_fit` and the launch has few programs or very many,
-    `few_decode_programs`, `many_decode_programs`; the same bits)."""
+    `few_decode_programs`, `many_decode_programs`; the same bits). Without a `config` or
+    descriptors, a paged prompt launch that `attention_gluon.fits` runs the Gluon kernel instead
+    (``VEXACT_ATTENTION_PREFILL``; the same bits)."""
     require_triton("attention")
     if kv_descriptors and layout.page_size != 1:
         raise ValueError(f"attention_triton: kv_descriptors=True needs packed K/V (a packed_layout, page_size 1), "
                          f"got page_size={layout.page_size}")
     n_tokens, n_heads, head_dim = q.shape
     n_kv_heads, head_dim_v = k_cache.shape[-2], v_cache.shape[-1]
+    k = k_cache.reshape(-1, n_kv_heads, head_dim)
+    v = v_cache.reshape(-1, n_kv_heads, head_dim_v)
+    # a paged prompt launch runs the Gluon kernel (1.4-1.5x); packed training keeps this one's TMA loop
+    if (config is None and not page_descriptors and not kv_descriptors
+            and attention_gluon.ATTENTION_PREFILL.mode() == "gluon" and attention_gluon.fits(q, k, v, layout)):
+        return attention_gluon.attention_prefill_gluon(q, k, v, layout, scale)
     out = torch.empty((n_tokens, n_heads, head_dim_v), device=q.device, dtype=q.dtype)
     lse = torch.empty((n_tokens, n_heads), device=q.device, dtype=torch.float32)
     n_seqs = layout.seq_lens.shape[0]
     if n_tokens == 0 or n_seqs == 0:
         return out, lse
     group = n_heads // n_kv_heads
-    k = k_cache.reshape(-1, n_kv_heads, head_dim)
-    v = v_cache.reshape(-1, n_kv_heads, head_dim_v)
     rows = layout.max_seqlen_q * group
     programs, sms, deep = n_seqs * n_kv_heads * triton.cdiv(rows, DECODE_BLOCK_M), num_sms(q.device), deep_pipeline(q.device)
     few = few_decode_programs(programs, sms, deep)

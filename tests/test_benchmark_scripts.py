@@ -12,7 +12,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 @pytest.mark.parametrize("script", ["kernels.py", "moe.py", "throughput.py", "decode_profile.py", "training.py",
                                     "attention_configs.py", "attention_fa4.py", "sampler.py", "attention_order.py",
-                                    "shared_experts.py", "latent_prefill.py"])
+                                    "shared_experts.py", "latent_prefill.py", "attention_prefill.py"])
 def test_benchmark_script_help_and_cpu_refusal(script):
     help_run = subprocess.run([sys.executable, script, "--help"], cwd=BENCHMARKS, capture_output=True, text=True,
                               timeout=120)
@@ -309,6 +309,20 @@ def test_kernel_resources_lists_the_gluon_latent_prefill_at_moonlights_shape(mon
     assert mma == "wgmma" and spills == 0 and 0 < registers <= 255 and per_sm == 1 and int(shared_kb) <= 227
     assert two_stages[-1] == 0 and int(two_stages[-2]) > 227
     assert kernel_resources.measure_prefill(8, 512, 64, triton_tile=False) == []  # 8 heads: not in HEADS
+
+
+def test_kernel_resources_lists_the_gluon_gqa_prefill_at_qwen3_8bs_shape(monkeypatch):
+    """The GQA prefill launches compile for sm_90 on the CPU at Qwen3-8B's shape: the Triton 128-row
+    tile (wgmma), then the Gluon default (64 rows, 4 warps, 3 stages) without spills, two programs
+    an SM; head dim 64 lists the Triton tile alone (the Gluon kernel takes 128)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import kernel_resources
+
+    rows = kernel_resources.measure_gqa_prefill(32, 8, 128, candidates=((64, 4, 3),))
+    assert [row[0] for row in rows] == ["prefill m128 n64 w4 s2", "gluon prefill r64 w4 s3"]
+    (_, _, mma, registers, spills, shared_kb, per_sm) = rows[1]
+    assert mma == "wgmma" and spills == 0 and 0 < registers <= 255 and per_sm == 2 and int(shared_kb) <= 113
+    assert [row[0] for row in kernel_resources.measure_gqa_prefill(4, 2, 64)] == ["prefill m128 n64 w4 s2"]
 
 
 def test_kernel_resources_programs_per_sm():
