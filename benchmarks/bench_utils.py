@@ -28,6 +28,34 @@ def positive_ints(text: str) -> list[int]:
     return values
 
 
+def gluon_candidates(text: str) -> list[tuple[int, int, int]]:
+    """An argparse ``type`` for comma-separated Gluon launches ``ROWSxWARPSxSTAGES`` (query rows a
+    program, warps, stages), each count >= 1: the parser then names the option and the value."""
+    launches = []
+    for item in text.split(","):
+        try:
+            rows, warps, stages = (int(v) for v in item.split("x"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"a candidate is ROWSxWARPSxSTAGES, e.g. 64x4x3, got {item!r}") from None
+        if min(rows, warps, stages) < 1:
+            raise argparse.ArgumentTypeError(f"every count of a candidate must be >= 1, got {item!r}")
+        launches.append((rows, warps, stages))
+    return launches
+
+
+def gluon_unavailable(script: str) -> str | None:
+    """Why `script` cannot time a Gluon kernel on this machine (no CUDA GPU, not Hopper, a Triton
+    whose Gluon the kernels were not checked under), or None."""
+    if not torch.cuda.is_available():
+        return f"{script} needs a CUDA GPU (Hopper for the Gluon kernel)"
+    from vexact_models.kernels import latent_decode_gluon
+
+    if not latent_decode_gluon.HAS_GLUON or torch.cuda.get_device_capability()[0] < 9:
+        return (f"{script}: the Gluon kernel needs a Hopper GPU and a verified Triton "
+                f"({latent_decode_gluon.GLUON_VERIFIED})")
+    return None
+
+
 def bench(fn, warmup: int = 25, rep: int = 100) -> float:
     """Median milliseconds of `fn` (CUDA events, via triton.testing.do_bench)."""
     import triton.testing
@@ -159,13 +187,21 @@ def decode_layout(batch: int, context: int | list[int], page: int, device="cuda"
     lens = [context] * batch if isinstance(context, int) else list(context)
     if len(lens) != batch:
         raise ValueError(f"decode_layout: {len(lens)} context lengths for batch={batch}")
+    return PagedLayout(torch.arange(batch + 1, dtype=torch.int32, device=device),
+                       torch.tensor(lens, dtype=torch.int32, device=device), shuffled_block_table(lens, page).to(device),
+                       page, 1)
+
+
+def shuffled_block_table(lens: list[int], page: int, gen: torch.Generator | None = None) -> torch.Tensor:
+    """``[S, max pages]`` int32 CPU block table giving sequences of `lens` positions their
+    ``ceil(len / page)`` pages, numbered 0 .. total - 1 and shuffled over the cache (`gen`'s
+    permutation) as a running engine leaves them; rows padded with page 0."""
     pages = [-(-n // page) for n in lens]
-    ids = torch.randperm(sum(pages), dtype=torch.int32)
-    table_ = torch.zeros(batch, max(pages), dtype=torch.int32)
+    ids = torch.randperm(sum(pages), generator=gen, dtype=torch.int32)
+    table_ = torch.zeros(len(lens), max(pages), dtype=torch.int32)
     for s, chunk in enumerate(ids.split(pages)):
         table_[s, :len(chunk)] = chunk
-    return PagedLayout(torch.arange(batch + 1, dtype=torch.int32, device=device),
-                       torch.tensor(lens, dtype=torch.int32, device=device), table_.to(device), page, 1)
+    return table_
 
 
 def table(title: str, header: list[str], rows: list[list]) -> None:

@@ -23,17 +23,9 @@ import sys
 
 import torch
 
-from bench_utils import bench, table
+from bench_utils import bench, gluon_candidates, gluon_unavailable, shuffled_block_table, table
 
 LAT, ROPE, PAGE = 512, 64, 64
-
-
-def _candidate(text: str) -> tuple[int, int, int]:
-    try:
-        rows, warps, stages = (int(v) for v in text.split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a candidate is ROWSxWARPSxSTAGES, e.g. 32x4x2, got {text!r}") from None
-    return rows, warps, stages
 
 
 def cases() -> dict[str, tuple[int, list[int], list[int]]]:
@@ -60,10 +52,7 @@ def inputs(heads: int, q_lens: list[int], seq_lens: list[int], packed: bool):
         cu = torch.tensor([0] + list(torch.tensor(seq_lens).cumsum(0)), dtype=torch.int32).cuda()
         return q, torch.randn(sum(seq_lens), 1, LAT + ROPE, generator=gen).bfloat16().cuda(), packed_layout(cu, max(seq_lens))
     pages = [-(-n // PAGE) for n in seq_lens]
-    ids = torch.randperm(sum(pages), generator=gen, dtype=torch.int32)
-    table_ = torch.zeros(len(seq_lens), max(pages), dtype=torch.int32)
-    for s, chunk in enumerate(ids.split(pages)):
-        table_[s, :len(chunk)] = chunk
+    table_ = shuffled_block_table(seq_lens, PAGE, gen)
     kv = torch.randn(sum(pages) * PAGE, 1, LAT + ROPE, generator=gen).bfloat16().cuda()
     cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32).cuda()
     layout = PagedLayout(cu, torch.tensor(seq_lens, dtype=torch.int32).cuda(), table_.cuda(), PAGE, max(q_lens))
@@ -104,18 +93,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default="", help="comma-separated substrings of case names to keep "
                         "(e.g. 'training'); default: every case")
-    parser.add_argument("--candidates", default="64x8x1,32x4x2", type=lambda s: [_candidate(c) for c in s.split(",")],
+    parser.add_argument("--candidates", default="64x8x1,32x4x2", type=gluon_candidates,
                         help="Gluon launches to time, ROWSxWARPSxSTAGES (query rows a program, warps, key stages); "
                              "default: %(default)s")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("latent_prefill.py needs a CUDA GPU (Hopper for the Gluon kernel)", file=sys.stderr)
-        return 2
-    from vexact_models.kernels import latent_decode_gluon
-
-    if not latent_decode_gluon.HAS_GLUON or torch.cuda.get_device_capability()[0] < 9:
-        print("latent_prefill.py: the Gluon kernel needs a Hopper GPU and a verified Triton "
-              f"({latent_decode_gluon.GLUON_VERIFIED})", file=sys.stderr)
+    why = gluon_unavailable("latent_prefill.py")
+    if why:
+        print(why, file=sys.stderr)
         return 2
     keep = [c for c in args.cases.split(",") if c]
     rows = []

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -213,6 +214,32 @@ def test_count_list_options_refuse_bad_values(script, option, value, words):
     run = subprocess.run([sys.executable, script, option, value], cwd=BENCHMARKS, capture_output=True, text=True,
                          timeout=120, env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"})
     assert run.returncode == 2 and option in run.stderr and words in run.stderr and repr(value) in run.stderr
+
+
+@pytest.mark.parametrize("script", ["latent_prefill.py", "attention_prefill.py"])
+@pytest.mark.parametrize("value,words", [("64x4", "a candidate is ROWSxWARPSxSTAGES"),
+                                         ("64x4x3,64x0x3", "must be >= 1, got '64x0x3'")])
+def test_gluon_candidate_options_refuse_bad_values(script, value, words):
+    """`bench_utils.gluon_candidates`: the parser names the option and the bad candidate before
+    anything needs a GPU."""
+    run = subprocess.run([sys.executable, script, "--candidates", value], cwd=BENCHMARKS, capture_output=True,
+                         text=True, timeout=120, env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"})
+    assert run.returncode == 2 and "--candidates" in run.stderr and words in run.stderr
+
+
+def test_shuffled_block_table_gives_each_sequence_its_own_pages(monkeypatch):
+    """`bench_utils.shuffled_block_table`: ceil(len / page) pages a sequence, every page of the
+    cache used once, rows padded with page 0, the same table from the same generator seed."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_utils
+
+    lens = [1, 64, 65, 300]
+    table = bench_utils.shuffled_block_table(lens, 64, torch.Generator().manual_seed(3))
+    assert table.dtype == torch.int32 and table.shape == (4, 5)
+    used = [table[s, :-(-n // 64)].tolist() for s, n in enumerate(lens)]
+    assert sorted(p for row in used for p in row) == list(range(1 + 1 + 2 + 5))
+    assert table[0, 1:].eq(0).all() and table[2, 2:].eq(0).all()
+    assert torch.equal(table, bench_utils.shuffled_block_table(lens, 64, torch.Generator().manual_seed(3)))
 
 
 def test_workload_decode_roofline_counts_each_decode_step_once(monkeypatch):
