@@ -48,11 +48,11 @@ def gluon_unavailable(script: str) -> str | None:
     whose Gluon the kernels were not checked under), or None."""
     if not torch.cuda.is_available():
         return f"{script} needs a CUDA GPU (Hopper for the Gluon kernel)"
-    from vexact_models.kernels import latent_decode_gluon
+    from vexact_models.kernels import gluon_support
 
-    if not latent_decode_gluon.HAS_GLUON or torch.cuda.get_device_capability()[0] < 9:
+    if not gluon_support.HAS_GLUON or torch.cuda.get_device_capability()[0] < 9:
         return (f"{script}: the Gluon kernel needs a Hopper GPU and a verified Triton "
-                f"({latent_decode_gluon.GLUON_VERIFIED})")
+                f"({gluon_support.GLUON_VERIFIED})")
     return None
 
 

@@ -106,7 +106,7 @@ def measure_prefill(heads: int, lat: int, rope: int, candidates=PREFILL_CANDIDAT
         if triton_tile:
             latent_attention_triton(q, kv, lat, layout, lat ** -0.5, LatentConfig(64, 64, 8, 2), kv_descriptors=False)
             rows.append(_row("prefill m64 n64 w8 s2", "pointers", resources(compiled[-1])))
-        if gluon.shape_fits(q, kv, lat, layout) and gluon.decode.HAS_GLUON:
+        if gluon.shape_fits(q, kv, lat, layout) and gluon.HAS_GLUON:
             out, lse = torch.empty(*q.shape[:2], lat, dtype=q.dtype), torch.empty(q.shape[:2])
             for cand in candidates:
                 gluon.launch(q, kv, lat, layout, lat ** -0.5, out, lse, *cand)
@@ -164,7 +164,7 @@ def measure_gqa_prefill(heads: int, kv_heads: int, dim: int, candidates=GQA_PREF
     with compile_only() as compiled:
         attention_triton(q, k, k, layout, dim ** -0.5, AttentionConfig(128, 64, 4, 2))
         rows.append(_row("prefill m128 n64 w4 s2", "pointers", resources(compiled[-1])))
-        if gluon.shape_fits(q, k, k, layout) and gluon.gluon_base.HAS_GLUON:
+        if gluon.shape_fits(q, k, k, layout) and gluon.HAS_GLUON:
             out, lse = torch.empty_like(q), torch.empty(q.shape[:2])
             for cand in candidates:
                 gluon.launch(q, k, k, layout, dim ** -0.5, out, lse, *cand)

@@ -31,7 +31,7 @@ Key blocks of 64 are aligned to absolute positions and masked as the Triton kern
 by pointer loads with zeros past the last key, as there.
 
 Where it runs (`fits`, and `attention.attention_triton` routes it): Hopper with a verified Gluon
-(`latent_decode_gluon.GLUON_VERIFIED`), head dim 128 for keys and values, 16-bit tensors,
+(`gluon_support.GLUON_VERIFIED`), head dim 128 for keys and values, 16-bit tensors,
 launches of more than `attention_tiles.BLOCK_M` (token, head) rows a sequence (prompt chunks;
 decode keeps the Triton launch), over pages of a multiple of 64 keys (the engine's on Hopper).
 ``VEXACT_ATTENTION_PREFILL=triton`` keeps the Triton launch.
@@ -43,9 +43,9 @@ import math
 
 import torch
 
-from . import latent_decode_gluon as gluon_base
 from ._triton import has_tma, tma_rows_aligned
 from .attention_tiles import BLOCK_M, BLOCK_N
+from .gluon_support import HAS_GLUON, tma_descriptor
 from .kernel_switch import KernelSwitch
 from .row_sum import row_sum_levels
 
@@ -62,7 +62,7 @@ ROWS = 64
 WARPS = 4
 STAGES = 3  # K/V blocks in flight: 3 x 32 KB (two lost 3-8%, four or five gained nothing)
 
-if gluon_base.HAS_GLUON:
+if HAS_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
@@ -72,7 +72,7 @@ if gluon_base.HAS_GLUON:
 def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, contiguous: bool = False) -> bool:
     """Whether this kernel takes a launch: a Hopper GPU with a verified Gluon and a launch that
     `shape_fits`."""
-    return gluon_base.HAS_GLUON and q.is_cuda and has_tma(q.device) and shape_fits(q, k, v, layout, contiguous)
+    return HAS_GLUON and q.is_cuda and has_tma(q.device) and shape_fits(q, k, v, layout, contiguous)
 
 
 def shape_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, contiguous: bool = False) -> bool:
@@ -92,7 +92,7 @@ def shape_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, contig
             and tma_rows_aligned(k, v))
 
 
-if gluon_base.HAS_GLUON:
+if HAS_GLUON:
     @gluon.jit
     def _row_sum_halves(x, LEVELS: gl.constexpr):
         """``[M]`` row sums of ``x [M, 2**LEVELS]`` in `row_sum.row_sum_halves`' order (the second
@@ -313,7 +313,7 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, scale: flo
     group = heads // kv_heads
     tiles = -(-layout.max_seqlen_q * group // rows)
     _gqa_prefill_kernel[(tiles, layout.seq_lens.shape[0], kv_heads)](
-        q, gluon_base._descriptor(k_rows, [BLOCK_N, dim]), gluon_base._descriptor(v_rows, [BLOCK_N, dim]),
+        q, tma_descriptor(k_rows, [BLOCK_N, dim]), tma_descriptor(v_rows, [BLOCK_N, dim]),
         k_rows, v_rows, out, lse, layout.cu_seqlens_q, layout.seq_lens, layout.block_table, layout.seq_order,
         layout.page_size, scale * math.log2(math.e), q.stride(0), q.stride(1), k_rows.stride(0), v_rows.stride(0),
         out.stride(0), out.stride(1), lse.stride(0), layout.block_table.stride(0),

@@ -25,40 +25,26 @@ TMA-able tensors (`fits`); few sequences split the value dims over 2 or 4 progra
 (docs/gpu-results.md, thirty-first session).
 
 Gluon is experimental and its API moves between Triton releases, and the bits above were
-checked on one: the kernel runs only under the Triton versions in `GLUON_VERIFIED`; elsewhere the
-Triton launch decodes (`supported_triton`).
+checked on one: the kernel runs only under the Triton versions in `gluon_support.GLUON_VERIFIED`;
+elsewhere the Triton launch decodes.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
-from ._triton import HAS_TRITON, has_tma, tma_rows_aligned
+from ._triton import has_tma, tma_rows_aligned
+from .gluon_support import GLUON_VERIFIED, HAS_GLUON, supported_triton, tma_descriptor
 from .kernel_switch import KernelSwitch
 from .row_sum import row_sum_levels
 
-#: Triton releases whose Gluon this kernel was checked under, bitwise, on the GPU
-GLUON_VERIFIED = ("3.6.",)
-
-
-def supported_triton(version: str) -> bool:
-    """Whether Triton `version` is one this kernel was checked under (`GLUON_VERIFIED`)."""
-    return version.startswith(GLUON_VERIFIED)
-
-
-try:  # Gluon ships in the Triton wheel from 3.5 on; without it the Triton launch decodes
-    import triton
+if HAS_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                    warpgroup_mma_wait)
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    HAS_GLUON = HAS_TRITON and supported_triton(triton.__version__)
-except ImportError:  # pragma: no cover - older Triton
-    HAS_GLUON = False
 
 __all__ = ["GLUON_VERIFIED", "LATENT_DECODE", "fits", "latent_decode_gluon", "launch", "shape_fits", "supported_triton",
            "value_chunks"]
@@ -292,17 +278,6 @@ if HAS_GLUON:
                        GROUP, DV)
 
 
-@functools.lru_cache(maxsize=None)
-def _shared_layout(block: tuple[int, ...], dtype: torch.dtype):
-    """The swizzled shared-memory layout of a TMA block: built once per (block, dtype), since an
-    eager prefill launch (a prompt step's 27) pays its construction on the host each time."""
-    return gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
-
-
-def _descriptor(x: torch.Tensor, block: list[int]):
-    return TensorDescriptor(x, list(x.shape), list(x.stride()), block, _shared_layout(tuple(block), x.dtype))
-
-
 def latent_decode_gluon(q: torch.Tensor, kv: torch.Tensor, v_dim: int, layout, scale: float,
                         value_chunks: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [T, H, v_dim], lse [T, H])`` of a decode launch (`fits`): the Triton latent kernel's
@@ -333,8 +308,9 @@ def launch(q: torch.Tensor, kv: torch.Tensor, v_dim: int, layout, scale: float, 
     rope, block_n = dim - v_dim, key_block(q.dtype)
     q_rows, kv_rows = q.reshape(n_tokens * heads, dim), kv.reshape(kv.shape[0], dim)
     _latent_decode_kernel[(layout.seq_lens.shape[0], value_chunks)](
-        _descriptor(q_rows, [heads, v_dim]), _descriptor(q_rows, [heads, rope]),
-        _descriptor(kv_rows, [block_n, v_dim]), _descriptor(kv_rows, [block_n, rope]), kv_rows, kv_rows.stride(0),
+        tma_descriptor(q_rows, [heads, v_dim]), tma_descriptor(q_rows, [heads, rope]),
+        tma_descriptor(kv_rows, [block_n, v_dim]), tma_descriptor(kv_rows, [block_n, rope]), kv_rows,
+        kv_rows.stride(0),
         out, lse, layout.cu_seqlens_q, layout.seq_lens, layout.block_table, layout.seq_order,
         layout.page_size, scale * math.log2(math.e), out.stride(0), out.stride(1), layout.block_table.stride(0),
         GROUP=heads, LAT=v_dim, ROPE=rope, BLOCK_N=block_n, STAGES=STAGES, SUM_LEVELS=row_sum_levels(block_n),

@@ -19,7 +19,7 @@ gives: each output element is the same chain of 16-wide MMA K steps and the same
 operations in the same order; the rows a warpgroup holds do not change any of them. The causal
 mask is the Triton kernel's ``k_pos <= q_pos``; key blocks are aligned to absolute positions.
 
-Where it runs (`fits`): Hopper with Gluon (the Triton versions of `latent_decode_gluon`), `HEADS`,
+Where it runs (`fits`): Hopper with Gluon (`gluon_support.GLUON_VERIFIED`), `HEADS`,
 512 + 64 dims, 16-bit tensors that TMA can read, and either a paged cache whose pages hold whole
 64-key blocks (chunked prefill) or the packed training tensors (``contiguous``: a sequence's keys
 are consecutive rows). ``VEXACT_LATENT_PREFILL=triton`` keeps the Triton launch. On the H200
@@ -35,6 +35,7 @@ import torch
 
 from . import latent_decode_gluon as decode
 from ._triton import has_tma, tma_rows_aligned
+from .gluon_support import HAS_GLUON, tma_descriptor
 from .kernel_switch import KernelSwitch
 from .row_sum import row_sum_levels
 
@@ -53,7 +54,7 @@ WARPS = 8  # two warpgroups: the rows split for the scores, the value dims for t
 #: the SM's 227. (32 rows with two stages fit, 192 KB, but ran 1.1-1.2x slower on the H200.)
 STAGES = 1
 
-if decode.HAS_GLUON:
+if HAS_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma_wait
@@ -62,7 +63,7 @@ if decode.HAS_GLUON:
 def fits(q: torch.Tensor, kv: torch.Tensor, v_dim: int, layout, contiguous: bool = False) -> bool:
     """Whether this kernel takes a launch: a Hopper GPU with a verified Gluon and a launch that
     `shape_fits`."""
-    return decode.HAS_GLUON and q.is_cuda and has_tma(q.device) and shape_fits(q, kv, v_dim, layout, contiguous)
+    return HAS_GLUON and q.is_cuda and has_tma(q.device) and shape_fits(q, kv, v_dim, layout, contiguous)
 
 
 def shape_fits(q: torch.Tensor, kv: torch.Tensor, v_dim: int, layout, contiguous: bool = False) -> bool:
@@ -82,7 +83,7 @@ def shape_fits(q: torch.Tensor, kv: torch.Tensor, v_dim: int, layout, contiguous
             and kv.stride(-1) == 1 and kv.stride(0) == kv.shape[-1] and tma_rows_aligned(q, kv))
 
 
-if decode.HAS_GLUON:
+if HAS_GLUON:
     @gluon.jit
     def _causal_softmax(s, block, q_pos, n_keys, m_i, l_i, scale_log2, cols: gl.constexpr, BLOCK_N: gl.constexpr,
                         SUM_LEVELS: gl.constexpr):
@@ -211,8 +212,8 @@ def launch(q: torch.Tensor, kv: torch.Tensor, v_dim: int, layout, scale: float, 
     q_rows, kv_rows = q.reshape(n_tokens * heads, dim), kv.reshape(kv.shape[0], dim)
     tiles = -(-layout.max_seqlen_q * heads // rows)
     _latent_prefill_kernel[(tiles, layout.seq_lens.shape[0])](
-        decode._descriptor(q_rows, [rows, v_dim]), decode._descriptor(q_rows, [rows, rope]),
-        decode._descriptor(kv_rows, [block_n, v_dim]), decode._descriptor(kv_rows, [block_n, rope]), kv_rows,
+        tma_descriptor(q_rows, [rows, v_dim]), tma_descriptor(q_rows, [rows, rope]),
+        tma_descriptor(kv_rows, [block_n, v_dim]), tma_descriptor(kv_rows, [block_n, rope]), kv_rows,
         kv_rows.stride(0), out, lse, layout.cu_seqlens_q, layout.seq_lens, layout.block_table, layout.seq_order,
         layout.page_size, scale * math.log2(math.e), out.stride(0), out.stride(1), layout.block_table.stride(0),
         GROUP=heads, ROWS=rows, LAT=v_dim, ROPE=rope, BLOCK_N=block_n, STAGES=stages,

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from vexact_models.kernels import PagedLayout, attention_gluon, attention_packed, latent_decode_gluon
+from vexact_models.kernels import PagedLayout, attention_gluon, attention_packed, gluon_support
 from vexact_models.kernels.attention import attention_triton, packed_layout
 from vexact_models.kernels.attention_tiles import BLOCK_M
 
@@ -59,7 +59,7 @@ def test_a_launch_of_short_chunks_keeps_the_triton_tiles():
 
 
 needs_gluon = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
-                                      and latent_decode_gluon.HAS_GLUON),
+                                      and gluon_support.HAS_GLUON),
                                  reason="the Gluon kernel needs a Hopper GPU and a verified Triton")
 CANDIDATES = ((64, 4, 3), (64, 4, 2), (128, 8, 3))  # (rows, warps, stages): every one must give the same bits
 SHAPES = [(16, 8), (32, 8), (28, 4), (32, 4)]  # Qwen3-0.6B, Qwen3-8B / Llama-3.1-8B, Qwen2.5-7B, Qwen3-30B-A3B

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from vexact_models.kernels import PagedLayout, attention_packed, latent_decode_gluon, latent_prefill_gluon
+from vexact_models.kernels import PagedLayout, attention_packed, gluon_support, latent_prefill_gluon
 from vexact_models.kernels.attention import packed_layout
 from vexact_models.kernels.latent_attention import latent_attention_triton, pick_config
 
@@ -49,7 +49,7 @@ def test_prefill_switch_defaults_to_gluon_and_names_a_bad_value(monkeypatch):
 
 
 needs_gluon = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
-                                      and latent_decode_gluon.HAS_GLUON),
+                                      and gluon_support.HAS_GLUON),
                                  reason="the Gluon kernel needs a Hopper GPU and a verified Triton")
 CANDIDATES = ((32, 4, 2), (32, 8, 2), (64, 8, 1))  # (rows, warps, stages): every one must give the same bits
 

@@ -1,0 +1,48 @@
+"""What the Gluon kernels (`latent_decode_gluon`, `latent_prefill_gluon`, `attention_gluon`) share:
+whether Gluon is here in a Triton release they were checked under, and their TMA descriptors.
+
+Gluon (``triton.experimental.gluon``, in the Triton wheel from 3.5 on) is experimental: its API
+and lowering move between releases, and each kernel's bits were checked against the Triton
+launches on the GPU under one. So the kernels run only under the releases in `GLUON_VERIFIED`
+(`HAS_GLUON`); elsewhere every launch keeps its Triton kernel, with the same bits.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ._triton import HAS_TRITON
+
+__all__ = ["GLUON_VERIFIED", "HAS_GLUON", "supported_triton", "tma_descriptor"]
+
+#: Triton releases whose Gluon the kernels were checked under, bitwise, on the GPU
+GLUON_VERIFIED = ("3.6.",)
+
+
+def supported_triton(version: str) -> bool:
+    """Whether Triton `version` is one the Gluon kernels were checked under (`GLUON_VERIFIED`)."""
+    return version.startswith(GLUON_VERIFIED)
+
+
+try:
+    import triton
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    HAS_GLUON = HAS_TRITON and supported_triton(triton.__version__)
+except ImportError:  # pragma: no cover - older Triton
+    HAS_GLUON = False
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_layout(block: tuple[int, ...], dtype: torch.dtype):
+    """The swizzled shared-memory layout of a TMA block: built once per (block, dtype), since an
+    eager prefill launch (a prompt step's 27-36) pays its construction on the host each time."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+
+
+def tma_descriptor(x: torch.Tensor, block: list[int]):
+    """A Gluon TMA descriptor over the 16-bit tensor `x` (its shape and strides) copying `block`
+    at a time into the swizzled shared layout the warpgroup MMAs read."""
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), block, _shared_layout(tuple(block), x.dtype))
