@@ -45,7 +45,7 @@ import torch
 
 from ._triton import has_tma, tma_rows_aligned
 from .attention_tiles import BLOCK_M, BLOCK_N
-from .gluon_support import HAS_GLUON, tma_descriptor
+from .gluon_support import HAS_GLUON, block_slot, tma_descriptor
 from .kernel_switch import KernelSwitch
 from .row_sum import row_sum_levels
 
@@ -102,12 +102,6 @@ if HAS_GLUON:
         for _ in gl.static_range(LEVELS):
             x = gl.sum(gl.reshape(x, (x.shape[0], 2, x.shape[1] // 2)), axis=1)
         return gl.convert_layout(gl.reshape(x, (x.shape[0], )), rows, assert_trivial=True)
-
-    @gluon.jit
-    def _block_slot(table_row, block, page_size, pred, BLOCK_N: gl.constexpr):
-        """The cache slot of key block `block`'s first key (its page's, through the block table)."""
-        start = block * BLOCK_N
-        return gl.load(table_row + start // page_size, mask=pred, other=0) * page_size + start % page_size
 
     @gluon.jit
     def _load_kv(k_desc, v_desc, slot, block, kv_col, bars, k_smem, v_smem, pred, STAGES: gl.constexpr):
@@ -241,7 +235,7 @@ if HAS_GLUON:
         for st in gl.static_range(2 * STAGES):
             mbarrier.init(bars.index(st), count=1)
         for st in gl.static_range(STAGES):
-            _load_kv(k_desc, v_desc, _block_slot(table_row, st, page_size, st < whole, BLOCK_N), st, kv_col, bars,
+            _load_kv(k_desc, v_desc, block_slot(table_row, st, page_size, st < whole, BLOCK_N), st, kv_col, bars,
                      k_smem, v_smem, st < whole, STAGES)
         q = _load_query(q_ptr, q_start, q_len, tile, kv_head, stride_qt, stride_qh,
                         gl.DotOperandLayout(operand_index=0, parent=s_mma, k_width=2), GROUP, ROWS, D, num_warps)
@@ -261,9 +255,9 @@ if HAS_GLUON:
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_mma))[:, None]
         p = gl.convert_layout(p.to(k_desc.dtype), p_op)
         for i in range(1, n_blocks):
-            # the block this step's end refills its stage with: its slot read now, off the critical path
+            # the block this step's end refills its stage with: its slot read now, off the copy's path
             refill = i - 1 + STAGES
-            refill_slot = _block_slot(table_row, refill, page_size, refill < whole, BLOCK_N)
+            refill_slot = block_slot(table_row, refill, page_size, refill < whole, BLOCK_N)
             _kv_ready(bars, k_smem, v_smem, i, whole, k_ptr, v_ptr, stride_ks, stride_vs, kv_col, table_row,
                       page_size, n_keys, STAGES, D, BLOCK_N, num_warps)
             s = warpgroup_mma(q, k_smem.index(i % STAGES).permute((1, 0)), zeros_s, is_async=True)

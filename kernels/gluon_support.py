@@ -15,7 +15,7 @@ import torch
 
 from ._triton import HAS_TRITON
 
-__all__ = ["GLUON_VERIFIED", "HAS_GLUON", "supported_triton", "tma_descriptor"]
+__all__ = ["GLUON_VERIFIED", "HAS_GLUON", "block_slot", "supported_triton", "tma_descriptor"]
 
 #: Triton releases whose Gluon the kernels were checked under, bitwise, on the GPU
 GLUON_VERIFIED = ("3.6.",)
@@ -28,11 +28,21 @@ def supported_triton(version: str) -> bool:
 
 try:
     import triton
+    from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     HAS_GLUON = HAS_TRITON and supported_triton(triton.__version__)
 except ImportError:  # pragma: no cover - older Triton
     HAS_GLUON = False
+
+if HAS_GLUON:
+    @gluon.jit
+    def block_slot(table_row, block, page_size, pred, BLOCK_N: gl.constexpr):
+        """The cache slot of key block `block`'s first key, through the sequence's block table row
+        (0 where `pred` is false). The kernels read it a step before the block's TMA copy is
+        issued: read at the copy, its latency sat between a stage's release and its refill."""
+        start = block * BLOCK_N
+        return gl.load(table_row + start // page_size, mask=pred, other=0) * page_size + start % page_size
 
 
 @functools.lru_cache(maxsize=None)

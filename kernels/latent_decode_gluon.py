@@ -36,7 +36,7 @@ import math
 import torch
 
 from ._triton import has_tma, tma_rows_aligned
-from .gluon_support import GLUON_VERIFIED, HAS_GLUON, supported_triton, tma_descriptor
+from .gluon_support import GLUON_VERIFIED, HAS_GLUON, block_slot, supported_triton, tma_descriptor
 from .kernel_switch import KernelSwitch
 from .row_sum import row_sum_levels
 
@@ -101,11 +101,9 @@ if HAS_GLUON:
         return gl.sum(x, axis=0)
 
     @gluon.jit
-    def _load_block(lat_desc, rope_desc, table_row, block, page_size, bar, k_lat, k_rope, pred,
-                    BLOCK_N: gl.constexpr, LAT: gl.constexpr):
-        """Issue the TMA copies of key block `block` (its latent and rope dims) into one stage."""
-        start = block * BLOCK_N
-        slot = gl.load(table_row + start // page_size, mask=pred, other=0) * page_size + start % page_size
+    def _load_block(lat_desc, rope_desc, slot, bar, k_lat, k_rope, pred, LAT: gl.constexpr):
+        """Issue the TMA copies of a key block (its latent and rope dims, from cache slot `slot` on)
+        into one stage."""
         mbarrier.expect(bar, lat_desc.block_type.nbytes + rope_desc.block_type.nbytes, pred=pred)
         tma.async_copy_global_to_shared(lat_desc, [slot, 0], bar, k_lat, pred=pred)
         tma.async_copy_global_to_shared(rope_desc, [slot, LAT], bar, k_rope, pred=pred)
@@ -157,8 +155,8 @@ if HAS_GLUON:
         tma.async_copy_global_to_shared(q_lat_desc, [row, 0], q_bar, q_lat)
         tma.async_copy_global_to_shared(q_rope_desc, [row, LAT], q_bar, q_rope)
         for st in gl.static_range(STAGES):
-            _load_block(lat_desc, rope_desc, table_row, st, page_size, bars.index(st), k_lat.index(st),
-                        k_rope.index(st), st < whole, BLOCK_N, LAT)
+            _load_block(lat_desc, rope_desc, block_slot(table_row, st, page_size, st < whole, BLOCK_N), bars.index(st),
+                        k_lat.index(st), k_rope.index(st), st < whole, LAT)
         mbarrier.wait(q_bar, phase=0)
 
     @gluon.jit
@@ -259,6 +257,7 @@ if HAS_GLUON:
         for i in range(n_blocks):
             stage = i % STAGES
             lat = k_lat.index(stage)
+            refill_slot = block_slot(table_row, i + STAGES, page_size, i + STAGES < whole, BLOCK_N)
             _block_ready(bars, k_lat, k_rope, i, whole, n_blocks, kv_ptr, stride_ks, table_row, page_size, n_keys,
                          STAGES, LAT, ROPE, BLOCK_N, num_warps)
             s = _issue_scores(lat, k_rope.index(stage), q_lat, q_rope, mma, BLOCK_N, GROUP)
@@ -270,8 +269,8 @@ if HAS_GLUON:
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, mma))[None, :]
             acc = _value_dot(lat, p_smem, acc, chunk, CHUNKS, DV)
             gl.thread_barrier()  # every warp's MMA has read this stage before a copy overwrites it
-            _load_block(lat_desc, rope_desc, table_row, i + STAGES, page_size, bars.index(stage), lat,
-                        k_rope.index(stage), i + STAGES < whole, BLOCK_N, LAT)
+            _load_block(lat_desc, rope_desc, refill_slot, bars.index(stage), lat, k_rope.index(stage),
+                        i + STAGES < whole, LAT)
 
         _release_barriers(bars, q_bar, STAGES)
         _store_outputs(acc, m_i, l_i, o_ptr, lse_ptr, q_start.to(gl.int64), chunk, stride_ot, stride_oh, mma,

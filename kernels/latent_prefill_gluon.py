@@ -35,7 +35,7 @@ import torch
 
 from . import latent_decode_gluon as decode
 from ._triton import has_tma, tma_rows_aligned
-from .gluon_support import HAS_GLUON, tma_descriptor
+from .gluon_support import HAS_GLUON, block_slot, tma_descriptor
 from .kernel_switch import KernelSwitch
 from .row_sum import row_sum_levels
 
@@ -164,6 +164,7 @@ if HAS_GLUON:
         for i in range(n_blocks):
             stage = i % STAGES
             lat = k_lat.index(stage)
+            refill_slot = block_slot(table_row, i + STAGES, page_size, i + STAGES < whole, BLOCK_N)
             decode._block_ready(bars, k_lat, k_rope, i, whole, n_blocks, kv_ptr, stride_ks, table_row, page_size,
                                 n_keys, STAGES, LAT, ROPE, BLOCK_N, num_warps)
             s = decode._issue_scores(lat, k_rope.index(stage), q_lat, q_rope, s_mma, BLOCK_N, ROWS)
@@ -176,8 +177,8 @@ if HAS_GLUON:
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, o_mma))[None, :]
             acc = decode._value_dot(lat, p_smem, acc, 0, 1, LAT)
             gl.thread_barrier()  # every warp's MMA has read this stage before a copy overwrites it
-            decode._load_block(lat_desc, rope_desc, table_row, i + STAGES, page_size, bars.index(stage), lat,
-                               k_rope.index(stage), i + STAGES < whole, BLOCK_N, LAT)
+            decode._load_block(lat_desc, rope_desc, refill_slot, bars.index(stage), lat, k_rope.index(stage),
+                               i + STAGES < whole, LAT)
 
         decode._release_barriers(bars, q_bar, STAGES)
         _store_rows(acc, m_i, l_i, o_ptr, lse_ptr, q_start, q_len, tile, stride_ot, stride_oh, o_mma, GROUP, ROWS,
