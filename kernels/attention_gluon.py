@@ -84,11 +84,12 @@ def shape_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, contig
     each sequence's keys in consecutive rows."""
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         return False
+    if layout.max_seqlen_q * (q.shape[1] // k.shape[1]) <= BLOCK_M:  # decode and short chunks: the Triton tiles
+        return False
     pages_ok = layout.page_size % BLOCK_N == 0 or (contiguous and layout.page_size == 1)
     dims_ok = q.shape[-1] == k.shape[-1] == v.shape[-1] == HEAD_DIM and k.shape[1] == v.shape[1]
-    heads_side_by_side = all(t.stride(-1) == 1 and t.stride(-2) == HEAD_DIM for t in (q, k, v))
-    return (dims_ok and q.dtype in (torch.bfloat16, torch.float16) and k.dtype == v.dtype == q.dtype
-            and heads_side_by_side and layout.max_seqlen_q * (q.shape[1] // k.shape[1]) > BLOCK_M and pages_ok
+    return (dims_ok and pages_ok and q.dtype in (torch.bfloat16, torch.float16) and k.dtype == v.dtype == q.dtype
+            and all(t.stride(-1) == 1 and t.stride(-2) == HEAD_DIM for t in (q, k, v))  # heads side by side
             and tma_rows_aligned(k, v))
 
 
