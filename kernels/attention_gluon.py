@@ -45,7 +45,7 @@ import torch
 
 from ._triton import has_tma, tma_rows_aligned
 from .attention_tiles import BLOCK_M, BLOCK_N
-from .gluon_support import HAS_GLUON, block_slot, tma_descriptor
+from .gluon_support import HAS_GLUON, tma_descriptor
 from .kernel_switch import KernelSwitch
 from .row_sum import row_sum_levels
 
@@ -67,6 +67,7 @@ if HAS_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                    warpgroup_mma_wait)
+    from .gluon_support import block_slot  # defined only where Gluon is
 
 
 def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, contiguous: bool = False) -> bool:

@@ -36,7 +36,7 @@ import math
 import torch
 
 from ._triton import has_tma, tma_rows_aligned
-from .gluon_support import GLUON_VERIFIED, HAS_GLUON, block_slot, supported_triton, tma_descriptor
+from .gluon_support import GLUON_VERIFIED, HAS_GLUON, supported_triton, tma_descriptor
 from .kernel_switch import KernelSwitch
 from .row_sum import row_sum_levels
 
@@ -45,6 +45,7 @@ if HAS_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                    warpgroup_mma_wait)
+    from .gluon_support import block_slot  # defined only where Gluon is
 
 __all__ = ["GLUON_VERIFIED", "LATENT_DECODE", "fits", "latent_decode_gluon", "launch", "shape_fits", "supported_triton",
            "value_chunks"]

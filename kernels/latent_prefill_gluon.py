@@ -35,7 +35,7 @@ import torch
 
 from . import latent_decode_gluon as decode
 from ._triton import has_tma, tma_rows_aligned
-from .gluon_support import HAS_GLUON, block_slot, tma_descriptor
+from .gluon_support import HAS_GLUON, tma_descriptor
 from .kernel_switch import KernelSwitch
 from .row_sum import row_sum_levels
 
@@ -58,6 +58,7 @@ if HAS_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma_wait
+    from .gluon_support import block_slot  # defined only where Gluon is
 
 
 def fits(q: torch.Tensor, kv: torch.Tensor, v_dim: int, layout, contiguous: bool = False) -> bool:
