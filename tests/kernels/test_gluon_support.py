@@ -1,6 +1,9 @@
 """`kernels.gluon_support`: the Triton-version gate every Gluon kernel reads, and the TMA
 descriptors they take (built on the CPU: a descriptor is host data until a launch)."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -30,3 +33,15 @@ def test_tma_descriptor_covers_the_tensor_and_copies_swizzled_blocks(dtype):
     assert desc.layout.swizzle_byte_width == 128 and desc.layout.element_bitwidth == 16
     assert gluon_support.tma_descriptor(fused[:, 0], [64, 128]).layout is desc.layout
     assert gluon_support.tma_descriptor(v, [16, 64]).layout is not desc.layout
+
+
+def test_the_kernels_import_without_triton():
+    """Where triton is missing (the compat venvs, a CPU install) the package and the Gluon kernels'
+    modules still import, with the gate closed: nothing Gluon-only may sit outside their Gluon
+    blocks."""
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "from vexact_models.kernels import attention_gluon, gluon_support, latent_decode_gluon, latent_prefill_gluon\n"
+            "assert not gluon_support.HAS_GLUON and not attention_gluon.HAS_GLUON\n"
+            "assert not hasattr(gluon_support, 'block_slot')\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
