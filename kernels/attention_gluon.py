@@ -16,8 +16,8 @@ tokens. Here, for key block ``i``:
 On the H200 (`benchmarks/attention_prefill.py`, docs/gpu-results.md, thirty-fourth session):
 1.39x the Triton launch on a Qwen3-8B prompt step and 1.45-1.48x on chunked prefill. On packed
 training K/V, which the Triton launch reads by TMA (430-510 TFLOP/s), this kernel ran at
-0.85-1.0x of it, so training keeps the Triton launch; `launch` still takes that layout
-(``contiguous``) for the comparison.
+0.83-1.03x of it (below 1.0x in all but one case), so training keeps the Triton launch; `launch`
+still takes that layout (``contiguous``) for the comparison.
 
 Same bits as the Triton kernel (docs/design.md rule 2): a row's output is the same sequence of
 fp32 operations. Each dot is one chain of 16-wide K steps in the same order (head dims 0..127 for
