@@ -15,7 +15,8 @@ import torch
 
 from ._triton import HAS_TRITON
 
-__all__ = ["GLUON_VERIFIED", "HAS_GLUON", "block_slot", "supported_triton", "tma_descriptor"]
+__all__ = ["GLUON_VERIFIED", "HAS_GLUON", "block_slot", "prefill_tile", "supported_triton", "tile_keys",
+           "tma_descriptor"]
 
 #: Triton releases whose Gluon the kernels were checked under, bitwise, on the GPU
 GLUON_VERIFIED = ("3.6.",)
@@ -43,6 +44,28 @@ if HAS_GLUON:
         issued: read at the copy, its latency sat between a stage's release and its refill."""
         start = block * BLOCK_N
         return gl.load(table_row + start // page_size, mask=pred, other=0) * page_size + start % page_size
+
+    @gluon.jit
+    def prefill_tile(cu_seqlens_q_ptr, seq_order_ptr, ORDERED: gl.constexpr, GROUP: gl.constexpr,
+                     ROWS: gl.constexpr):
+        """``(seq, q_start, q_len, tile)`` of a prefill program, whose grid runs a sequence's
+        `ROWS`-row tiles of (token, head) rows along axis 0, the last (longest) first, and the
+        sequences along axis 1 (in `PagedLayout.seq_order` where `ORDERED`). ``tile < 0``: the
+        program has no tile of its sequence."""
+        seq = gl.program_id(1)
+        if ORDERED:
+            seq = gl.load(seq_order_ptr + seq)
+        q_start = gl.load(cu_seqlens_q_ptr + seq)
+        q_len = gl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+        return seq, q_start, q_len, gl.cdiv(q_len * GROUP, ROWS) - 1 - gl.program_id(0)
+
+    @gluon.jit
+    def tile_keys(seq_lens_ptr, seq, q_len, tile, GROUP: gl.constexpr, ROWS: gl.constexpr):
+        """``(context, n_keys)`` of a prefill tile: the sequence's cached positions before its new
+        tokens, and the keys through the tile's last token (a tile may hold several tokens' heads or
+        part of one token's)."""
+        context = gl.load(seq_lens_ptr + seq) - q_len
+        return context, context + gl.minimum(q_len - 1, (tile * ROWS + ROWS - 1) // GROUP) + 1
 
 
 @functools.lru_cache(maxsize=None)

@@ -58,7 +58,7 @@ if HAS_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma_wait
-    from .gluon_support import block_slot  # defined only where Gluon is
+    from .gluon_support import block_slot, prefill_tile, tile_keys  # defined only where Gluon is
 
 
 def fits(q: torch.Tensor, kv: torch.Tensor, v_dim: int, layout, contiguous: bool = False) -> bool:
@@ -121,17 +121,11 @@ if HAS_GLUON:
                                GROUP: gl.constexpr, ROWS: gl.constexpr, LAT: gl.constexpr, ROPE: gl.constexpr,
                                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SUM_LEVELS: gl.constexpr,
                                ORDERED: gl.constexpr, num_warps: gl.constexpr):
-        seq = gl.program_id(1)
-        if ORDERED:  # PagedLayout.seq_order: which sequence this program's slot of the grid runs
-            seq = gl.load(seq_order_ptr + seq)
-        q_start = gl.load(cu_seqlens_q_ptr + seq)
-        q_len = gl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-        tile = gl.cdiv(q_len * GROUP, ROWS) - 1 - gl.program_id(0)  # a sequence's last (longest) tiles first
+        seq, q_start, q_len, tile = prefill_tile(cu_seqlens_q_ptr, seq_order_ptr, ORDERED, GROUP, ROWS)
         if tile < 0:
             return
-        context = gl.load(seq_lens_ptr + seq) - q_len
-        # through the tile's last token (a tile holds 4 tokens of 16 heads, half a token of 128)
-        n_keys = context + gl.minimum(q_len - 1, (tile * ROWS + ROWS - 1) // GROUP) + 1
+        # a tile holds 4 tokens of 16 heads, half a token of 128
+        context, n_keys = tile_keys(seq_lens_ptr, seq, q_len, tile, GROUP, ROWS)
         n_blocks = gl.cdiv(n_keys, BLOCK_N)
         whole = n_keys // BLOCK_N  # blocks that TMA copies; a partial last one takes pointer loads
         table_row = block_table_ptr + seq.to(gl.int64) * stride_bt
