@@ -24,7 +24,7 @@ import sys
 
 import torch
 
-from bench_utils import bench, gluon_candidates, gluon_unavailable, shuffled_block_table, table
+from bench_utils import bench, causal_pairs, gluon_candidates, gluon_unavailable, prompt_layout, table
 
 D, PAGE = 128, 64
 SHAPES = {"0.6b": (16, 8), "8b": (32, 8), "30b-a3b": (32, 4)}
@@ -49,28 +49,17 @@ def cases() -> dict[str, tuple[str, list[int], list[int]]]:
 def inputs(shape: str, q_lens: list[int], seq_lens: list[int], packed: bool):
     """Random bf16 q, k, v and the layout: pages of 64 shuffled over a cache, or the packed
     training layout (keys in consecutive rows, every key a query)."""
-    from vexact_models.kernels import PagedLayout
-    from vexact_models.kernels.attention import packed_layout
-
     heads, kv_heads = SHAPES[shape]
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(sum(q_lens), heads, D, generator=gen).bfloat16().cuda()
-    if packed:
-        cu = torch.tensor([0] + list(torch.tensor(seq_lens).cumsum(0)), dtype=torch.int32).cuda()
-        k, v = (torch.randn(sum(seq_lens), kv_heads, D, generator=gen).bfloat16().cuda() for _ in range(2))
-        return q, k, v, packed_layout(cu, max(seq_lens))
-    pages = [-(-n // PAGE) for n in seq_lens]
-    table_ = shuffled_block_table(seq_lens, PAGE, gen)
-    k, v = (torch.randn(sum(pages) * PAGE, kv_heads, D, generator=gen).bfloat16().cuda() for _ in range(2))
-    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32).cuda()
-    layout = PagedLayout(cu, torch.tensor(seq_lens, dtype=torch.int32).cuda(), table_.cuda(), PAGE, max(q_lens))
+    layout, slots = prompt_layout(q_lens, seq_lens, PAGE, gen, packed)
+    k, v = (torch.randn(slots, kv_heads, D, generator=gen).bfloat16().cuda() for _ in range(2))
     return q, k, v, layout
 
 
 def flops(heads: int, q_lens: list[int], seq_lens: list[int]) -> float:
     """Causal attention's FLOPs: 4 x heads x 128 for each query-key pair a query sees."""
-    pairs = sum(sum(range(n - q + 1, n + 1)) for q, n in zip(q_lens, seq_lens))  # keys visible to each query
-    return 4.0 * heads * D * pairs
+    return 4.0 * heads * D * causal_pairs(q_lens, seq_lens)
 
 
 def sdpa_ms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int) -> float:

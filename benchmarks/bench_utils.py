@@ -192,6 +192,33 @@ def decode_layout(batch: int, context: int | list[int], page: int, device="cuda"
                        page, 1)
 
 
+def prompt_layout(q_lens: list[int], seq_lens: list[int], page: int, gen: torch.Generator | None = None,
+                  packed: bool = False, device="cuda"):
+    """``(layout, slots)`` of a prefill launch on `device`: sequences of `seq_lens` keys whose last
+    `q_lens` are new query tokens, over `shuffled_block_table` pages of `page` slots (`gen`'s
+    shuffle), or (`packed`) the training layout of consecutive rows where every key is a query
+    (`q_lens` must equal `seq_lens`). `slots`: the rows a K/V tensor needs."""
+    from vexact_models.kernels import PagedLayout
+    from vexact_models.kernels.attention import packed_layout
+
+    if packed:
+        if list(q_lens) != list(seq_lens):
+            raise ValueError(f"prompt_layout: packed=True needs q_lens == seq_lens, got {q_lens} and {seq_lens}")
+        cu = torch.tensor([0] + list(torch.tensor(seq_lens).cumsum(0)), dtype=torch.int32, device=device)
+        return packed_layout(cu, max(seq_lens)), sum(seq_lens)
+    table_ = shuffled_block_table(seq_lens, page, gen)
+    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=device)
+    layout = PagedLayout(cu, torch.tensor(seq_lens, dtype=torch.int32, device=device), table_.to(device), page,
+                         max(q_lens))
+    return layout, sum(-(-n // page) for n in seq_lens) * page
+
+
+def causal_pairs(q_lens: list[int], seq_lens: list[int]) -> int:
+    """Query-key pairs a causal launch computes: each of a sequence's last `q_lens` tokens sees
+    every key up to its own position (the FLOP count of attention, per head and dim)."""
+    return sum(sum(range(n - q + 1, n + 1)) for q, n in zip(q_lens, seq_lens))
+
+
 def shuffled_block_table(lens: list[int], page: int, gen: torch.Generator | None = None) -> torch.Tensor:
     """``[S, max pages]`` int32 CPU block table giving sequences of `lens` positions their
     ``ceil(len / page)`` pages, numbered 0 .. total - 1 and shuffled over the cache (`gen`'s

@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from bench_utils import bench, gluon_candidates, gluon_unavailable, shuffled_block_table, table
+from bench_utils import bench, causal_pairs, gluon_candidates, gluon_unavailable, prompt_layout, table
 
 LAT, ROPE, PAGE = 512, 64, 64
 
@@ -43,26 +43,15 @@ def cases() -> dict[str, tuple[int, list[int], list[int]]]:
 def inputs(heads: int, q_lens: list[int], seq_lens: list[int], packed: bool):
     """Random bf16 queries and keys, and the layout: pages of 64 shuffled over a cache, or the
     packed training layout (keys in consecutive rows, every key a query)."""
-    from vexact_models.kernels import PagedLayout
-    from vexact_models.kernels.attention import packed_layout
-
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(sum(q_lens), heads, LAT + ROPE, generator=gen).bfloat16().cuda()
-    if packed:
-        cu = torch.tensor([0] + list(torch.tensor(seq_lens).cumsum(0)), dtype=torch.int32).cuda()
-        return q, torch.randn(sum(seq_lens), 1, LAT + ROPE, generator=gen).bfloat16().cuda(), packed_layout(cu, max(seq_lens))
-    pages = [-(-n // PAGE) for n in seq_lens]
-    table_ = shuffled_block_table(seq_lens, PAGE, gen)
-    kv = torch.randn(sum(pages) * PAGE, 1, LAT + ROPE, generator=gen).bfloat16().cuda()
-    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32).cuda()
-    layout = PagedLayout(cu, torch.tensor(seq_lens, dtype=torch.int32).cuda(), table_.cuda(), PAGE, max(q_lens))
-    return q, kv, layout
+    layout, slots = prompt_layout(q_lens, seq_lens, PAGE, gen, packed)
+    return q, torch.randn(slots, 1, LAT + ROPE, generator=gen).bfloat16().cuda(), layout
 
 
 def flops(heads: int, q_lens: list[int], seq_lens: list[int]) -> float:
     """Causal latent attention's FLOPs: 2 x heads x (576 + 512) for each query-key pair a query sees."""
-    pairs = sum(sum(range(n - q + 1, n + 1)) for q, n in zip(q_lens, seq_lens))  # keys visible to each query
-    return 2.0 * heads * (LAT + ROPE + LAT) * pairs
+    return 2.0 * heads * (LAT + ROPE + LAT) * causal_pairs(q_lens, seq_lens)
 
 
 def run_case(name: str, heads: int, q_lens: list[int], seq_lens: list[int],

@@ -242,6 +242,24 @@ def test_shuffled_block_table_gives_each_sequence_its_own_pages(monkeypatch):
     assert torch.equal(table, bench_utils.shuffled_block_table(lens, 64, torch.Generator().manual_seed(3)))
 
 
+def test_prompt_layout_and_causal_pairs(monkeypatch):
+    """`bench_utils.prompt_layout`: paged prompts after context over shuffled pages (slots for every
+    page), or the packed training layout, which needs every key to be a query;
+    `bench_utils.causal_pairs`: the query-key pairs a causal launch computes."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_utils
+
+    layout, slots = bench_utils.prompt_layout([3, 100], [70, 100], 64, torch.Generator().manual_seed(0), device="cpu")
+    assert layout.cu_seqlens_q.tolist() == [0, 3, 103] and layout.seq_lens.tolist() == [70, 100]
+    assert layout.page_size == 64 and layout.max_seqlen_q == 100 and slots == 4 * 64
+    assert sorted(layout.block_table.flatten().tolist()) == [0, 1, 2, 3]
+    packed, rows = bench_utils.prompt_layout([5, 7], [5, 7], 64, packed=True, device="cpu")
+    assert packed.cu_seqlens_q.tolist() == [0, 5, 12] and packed.page_size == 1 and rows == 12
+    with pytest.raises(ValueError, match="packed=True needs q_lens == seq_lens"):
+        bench_utils.prompt_layout([3], [70], 64, packed=True, device="cpu")
+    assert bench_utils.causal_pairs([1, 3], [4, 3]) == 4 + (1 + 2 + 3)
+
+
 def test_workload_decode_roofline_counts_each_decode_step_once(monkeypatch):
     """`bench_utils.workload_decode_roofline` (throughput.py's floor per KV cache mode): a
     request's ``output - 1`` decode steps each read the weights and its cache up to the new
