@@ -172,9 +172,11 @@ def _attention_fwd_kernel(
     table_row = block_table_ptr + seq.to(tl.int64) * stride_bt
     if KV_DESC:
         # Packed training K/V (sequence s's keys are rows cu_seqlens_q[s]...): every key block
-        # wholly below n_keys comes through TMA, straight into shared memory. Its rows are the
-        # ones the pointer loads would read, so the arithmetic, and the bits, are the same.
-        first = n_keys // BLOCK_N * BLOCK_N
+        # wholly inside the sequence comes through TMA, straight into shared memory, also the
+        # tile's last block where it runs past n_keys into later tokens' keys: those are finite
+        # and masked (p = 0 exactly, as for the pointer loads' zeros), so the arithmetic, and the
+        # bits, are the same. Only the sequence's own partial last block takes pointer loads.
+        first = tl.minimum(tl.cdiv(n_keys, BLOCK_N), seq_len // BLOCK_N) * BLOCK_N
         if SPLIT_MASK:
             for start in range(0, unmasked, BLOCK_N):
                 k_pos = start + tl.arange(0, BLOCK_N)
