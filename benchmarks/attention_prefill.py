@@ -1,6 +1,7 @@
 """GQA prefill and training attention (head dim 128): the Triton launch against the Gluon kernel
-(`kernels.attention_gluon`) and torch SDPA's flash backend, at the Qwen3-0.6B (16 query / 8 KV
-heads), Qwen3-8B (32 / 8) and Qwen3-30B-A3B (32 / 4) shapes.
+(`kernels.attention_gluon`: 128 rows a program on two consumer warpgroups and a producer warp,
+persistent) in candidate stage counts and register splits, and torch SDPA's flash backend, at the
+Qwen3-0.6B (16 query / 8 KV heads), Qwen3-8B (32 / 8) and Qwen3-30B-A3B (32 / 4) shapes.
 
 Cases: packed training at 1,024-32,768 tokens a sequence (issue 14's lengths), a rollout's prompt
 step (prompts of 32-1,024 tokens until ~8,000 tokens, pages of 64, as the engine's prompt steps)
@@ -13,12 +14,13 @@ must: docs/design.md rule 2).
 
 Usage:
     python benchmarks/attention_prefill.py
-    python benchmarks/attention_prefill.py --cases "8b prompt" --candidates 64x4x3,128x8x3
+    python benchmarks/attention_prefill.py --cases "8b prompt" --candidates 4x232x40,5x224x56
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import sys
 
@@ -75,7 +77,8 @@ def sdpa_ms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int) -> fl
 
 def run_case(name: str, shape: str, q_lens: list[int], seq_lens: list[int],
              candidates: list[tuple[int, int, int]]) -> list[list]:
-    """Rows of one case: the Triton launch, then each Gluon candidate."""
+    """Rows of one case: the Triton launch, then each Gluon candidate (stages, consumer and
+    producer registers)."""
     from vexact_models.kernels import attention_gluon
     from vexact_models.kernels.attention import attention_triton
 
@@ -93,13 +96,14 @@ def run_case(name: str, shape: str, q_lens: list[int], seq_lens: list[int],
         return [name, label, f"{t * 1e3:.1f}", f"{work / t / 1e9:.0f}", f"{ms / t:.2f}x", vs_peer, same]
 
     rows = [row("triton", ms, "-")]
+    default = (attention_gluon.STAGES, attention_gluon.CONSUMER_REGS, attention_gluon.PRODUCER_REGS)
     for cand in candidates:
         out, lse = torch.empty_like(want), torch.empty_like(want_lse)
         attention_gluon.launch(q, k, v, layout, scale, out, lse, *cand)
         same = torch.equal(out, want) and torch.equal(lse, want_lse)
         t = bench(lambda: attention_gluon.launch(q, k, v, layout, scale, out, lse, *cand))
-        default = cand == (attention_gluon.ROWS, attention_gluon.WARPS, attention_gluon.STAGES)
-        rows.append(row("gluon {}x{}x{}".format(*cand) + (" (default)" if default else ""), t, "yes" if same else "NO"))
+        label = "gluon {}x{}x{}".format(*cand) + (" (default)" if cand == default else "")
+        rows.append(row(label, t, "yes" if same else "NO"))
     if peer:
         rows.append(row("SDPA flash", peer, "-"))
     return rows
@@ -109,9 +113,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default="", help="comma-separated substrings of case names to keep "
                         "(e.g. '8b training'); default: every case")
-    parser.add_argument("--candidates", default="64x4x3,64x4x2", type=gluon_candidates,
-                        help="Gluon launches to time, ROWSxWARPSxSTAGES (query rows a program, warps, K/V stages); "
-                             "default: %(default)s")
+    parser.add_argument("--candidates", default="4x232x40,5x224x56",
+                        type=functools.partial(gluon_candidates, form="STAGESxCONSUMER_REGSxPRODUCER_REGS",
+                                               example="4x232x40"),
+                        help="Gluon launches to time, STAGESxCONSUMER_REGSxPRODUCER_REGS (K/V stages, registers "
+                             "a thread of each consumer warpgroup and of the producer; 2 x 128 x consumer + 128 x "
+                             "producer must fit 65,536); default: %(default)s")
     args = parser.parse_args(argv)
     why = gluon_unavailable("attention_prefill.py")
     if why:

@@ -28,18 +28,19 @@ def positive_ints(text: str) -> list[int]:
     return values
 
 
-def gluon_candidates(text: str) -> list[tuple[int, int, int]]:
-    """An argparse ``type`` for comma-separated Gluon launches ``ROWSxWARPSxSTAGES`` (query rows a
-    program, warps, stages), each count >= 1: the parser then names the option and the value."""
+def gluon_candidates(text: str, form: str = "ROWSxWARPSxSTAGES", example: str = "64x4x3") -> list[tuple[int, ...]]:
+    """An argparse ``type`` for comma-separated Gluon launches of three counts each, `form` (by
+    default query rows a program, warps, stages), each >= 1: the parser then names the option
+    and the value. Bind `form` and `example` with `functools.partial` for another launch's counts."""
     launches = []
     for item in text.split(","):
         try:
-            rows, warps, stages = (int(v) for v in item.split("x"))
+            a, b, c = (int(v) for v in item.split("x"))
         except ValueError:
-            raise argparse.ArgumentTypeError(f"a candidate is ROWSxWARPSxSTAGES, e.g. 64x4x3, got {item!r}") from None
-        if min(rows, warps, stages) < 1:
+            raise argparse.ArgumentTypeError(f"a candidate is {form}, e.g. {example}, got {item!r}") from None
+        if min(a, b, c) < 1:
             raise argparse.ArgumentTypeError(f"every count of a candidate must be >= 1, got {item!r}")
-        launches.append((rows, warps, stages))
+        launches.append((a, b, c))
     return launches
 
 

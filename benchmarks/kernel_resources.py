@@ -11,8 +11,8 @@ with both operands in shared memory and is listed after them, then the prefill/t
 (64-row tiles): the Triton kernel's (255 registers, spills) and the Gluon prefill kernel's
 (`kernels.latent_prefill_gluon`) candidates, rows x warps x key stages. The GQA kernel's decode tiles
 (`--kernel gqa`) are listed with pointer loads and with TMA pages, then a prompt step's launch:
-the Triton kernel's 128-row tile and the Gluon prefill kernel's (`kernels.attention_gluon`)
-candidates. Timings and bitwise checks
+the Triton kernel's 128-row tile and the Gluon prefill/training kernel's (`kernels.attention_gluon`)
+candidates, stages x consumer x producer registers. Timings and bitwise checks
 are the GPU's: `attention_configs.py`, `conformance/kernel_invariance.py`.
 
 Usage:
@@ -148,13 +148,15 @@ def measure_gqa(shape: str) -> list[list]:
     return rows + measure_gqa_prefill(heads, kv_heads, dim)
 
 
-GQA_PREFILL_CANDIDATES = ((64, 4, 3), (64, 4, 2), (128, 8, 3))  # (rows, warps, stages); the first is the default
+#: (stages, consumer registers, producer registers) of the Gluon kernel; the first is the default.
+#: 24 producer registers (FlashAttention-3's) spill the last block's zeroing
+GQA_PREFILL_CANDIDATES = ((4, 232, 40), (5, 224, 56), (4, 240, 24))
 
 
 def measure_gqa_prefill(heads: int, kv_heads: int, dim: int, candidates=GQA_PREFILL_CANDIDATES) -> list[list]:
     """A prompt step's launch (2 x 1,024 tokens over pages of 64): the Triton kernel's 128-row
-    tile (pointer loads) and the Gluon prefill candidates (`kernels.attention_gluon`) where the
-    shape fits that kernel (head dim 128)."""
+    tile (pointer loads) and the Gluon kernel's candidates (`kernels.attention_gluon`: 12 warps,
+    one program an SM) where the shape fits that kernel (head dim 128)."""
     from vexact_models.kernels import attention_gluon as gluon
     from vexact_models.kernels.attention import AttentionConfig, attention_triton
 
@@ -168,7 +170,7 @@ def measure_gqa_prefill(heads: int, kv_heads: int, dim: int, candidates=GQA_PREF
             out, lse = torch.empty_like(q), torch.empty(q.shape[:2])
             for cand in candidates:
                 gluon.launch(q, k, k, layout, dim ** -0.5, out, lse, *cand)
-                rows.append(_row("gluon prefill r{} w{} s{}".format(*cand), "TMA pages", resources(compiled[-1])))
+                rows.append(_row("gluon prefill s{} c{} p{}".format(*cand), "TMA pages", resources(compiled[-1])))
     return rows
 
 

@@ -21,7 +21,8 @@ split-KV. Packed training K/V may arrive by TMA instead of pointer loads (`kv_de
 the same values in the same tiles, so the same bits, and 1.4-1.6x faster on the H200; so may the
 whole key blocks of a decode launch of few (or very many) programs over pages of 64
 (`page_descriptors`, one copy per block from its page: 1.16-1.20x at 32 sequences of 1k-8k
-tokens, 1.00-1.05x at 256-512 sequences). The reference does the
+tokens, 1.00-1.05x at 256-512 sequences). On Hopper, training and prompt launches of head dim 128
+run `attention_gluon`'s warp-specialised kernel instead, with the same bits. The reference does the
 same on CPU with `exact_math` (`attention_reference.py`). The backward (`attention_backward.py`) is
 correct, not invariant.
 """
@@ -263,9 +264,9 @@ def attention_triton(q, k_cache, v_cache, layout: PagedLayout, scale: float, con
     so the same bits; check `kv_descriptors_fit` first on a GPU). `page_descriptors`: a decode
     launch over paged caches reads its whole key blocks through TMA descriptors, page by page
     (default: where `page_descriptors_fit` and the launch has few programs or very many,
-    `few_decode_programs`, `many_decode_programs`; the same bits). Without a `config` or
-    descriptors, a paged prompt launch that `attention_gluon.fits` runs the Gluon kernel instead
-    (``VEXACT_ATTENTION_PREFILL``; the same bits)."""
+    `few_decode_programs`, `many_decode_programs`; the same bits). Without a `config` or page
+    descriptors, a prompt or packed training launch that `attention_gluon.fits` runs the Gluon
+    kernel instead (``VEXACT_ATTENTION_PREFILL``; the same bits)."""
     require_triton("attention")
     if kv_descriptors and layout.page_size != 1:
         raise ValueError(f"attention_triton: kv_descriptors=True needs packed K/V (a packed_layout, page_size 1), "
@@ -274,10 +275,10 @@ def attention_triton(q, k_cache, v_cache, layout: PagedLayout, scale: float, con
     n_kv_heads, head_dim_v = k_cache.shape[-2], v_cache.shape[-1]
     k = k_cache.reshape(-1, n_kv_heads, head_dim)
     v = v_cache.reshape(-1, n_kv_heads, head_dim_v)
-    # a paged prompt launch runs the Gluon kernel (1.4-1.5x); packed training keeps this one's TMA loop
-    if (config is None and not page_descriptors and not kv_descriptors
-            and attention_gluon.ATTENTION_PREFILL.mode() == "gluon" and attention_gluon.fits(q, k, v, layout)):
-        return attention_gluon.attention_prefill_gluon(q, k, v, layout, scale)
+    # a prompt or training launch runs the Gluon kernel (1.5x on prompt steps, 1.04-1.3x in training)
+    if (config is None and not page_descriptors and attention_gluon.ATTENTION_PREFILL.mode() == "gluon"
+            and attention_gluon.fits(q, k, v, layout, contiguous=kv_descriptors)):
+        return attention_gluon.attention_prefill_gluon(q, k, v, layout, scale, contiguous=kv_descriptors)
     out = torch.empty((n_tokens, n_heads, head_dim_v), device=q.device, dtype=q.dtype)
     lse = torch.empty((n_tokens, n_heads), device=q.device, dtype=torch.float32)
     n_seqs = layout.seq_lens.shape[0]

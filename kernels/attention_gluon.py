@@ -1,23 +1,30 @@
-"""GQA attention for chunked prefill in Gluon (Hopper): 64 query rows a program on one warpgroup,
-K/V blocks by TMA from whole-block pages through a ring of stages, and the softmax of one key
-block overlapping the tensor cores' work on the previous block's values (FlashAttention-3's
-intra-warpgroup pipelining).
+"""GQA attention forward for prefill and training in Gluon (Hopper): 128 query rows a program on
+two consumer warpgroups of 64 rows each, fed K/V blocks by a producer warp through a ring of
+shared-memory stages that both read (FlashAttention-3's producer/consumer warp specialisation),
+one program an SM taking tiles from a queue (persistent).
 
-Why: the Triton launch reads a prompt step's paged K/V by pointer loads (its TMA path takes
-packed training K/V and decode pages only) and runs scores, softmax and value dot of a block one
-after another: ~180 TFLOP/s on a Qwen3-8B prompt step, ~285 on chunked prefill after 3,072
-tokens. Here, for key block ``i``:
+Why: our Triton launch (128 rows on one warpgroup, two programs an SM) reached 1.22-1.31x SDPA
+flash on packed training at 16 x 1,024 tokens, where issue 14 asks 1.3x, and read paged prompt
+K/V by pointer loads (~180 TFLOP/s on a Qwen3-8B prompt step). What this kernel does instead:
 
-- ``S_i = Q . K_i^T`` is issued (asynchronous wgmma; the query in registers, loaded once), then
-  ``O += P_{i-1} . V_{i-1}`` (P in registers, V from shared memory);
-- once ``S_i`` lands, its softmax runs while the value dot of block ``i - 1`` is still on the
-  tensor cores; then ``O`` is rescaled for block ``i``.
+- A block's softmax overlaps the tensor cores' work: each consumer issues block ``i``'s scores,
+  then block ``i - 1``'s value dot, and runs block ``i``'s softmax while that dot runs
+  (FlashAttention-3's intra-warpgroup pipelining); the query stays in registers.
+- Nothing holds the two consumers in step: a stage is refilled once each has *arrived* on its
+  "empty" barrier after the value dot that read it, and they wait only on the copies. (Two
+  warpgroups of one program that met at a CTA barrier before every refill ran 1.1-1.3x slower
+  than one, thirty-fourth session.)
+- The producer warp issues every TMA copy, whole 64-key blocks from their pages or packed rows.
+- Tiles come from a global counter (`gluon_support.claim_tile`) in a non-persistent grid's order
+  (a sequence's last, heaviest, tiles first; one KV head's tiles together, its keys hot in L2): the
+  next tile's first blocks are copied while the consumers finish the last one, and programs that
+  finish early take more. A fixed snake-order share per program lost 1-6%, and one program a
+  tile 10-15% at 1k and on prompt steps (docs/gpu-results.md, thirty-fifth session).
 
-On the H200 (`benchmarks/attention_prefill.py`, docs/gpu-results.md, thirty-fourth session):
-1.39x the Triton launch on a Qwen3-8B prompt step and 1.45-1.48x on chunked prefill. On packed
-training K/V, which the Triton launch reads by TMA (430-510 TFLOP/s), this kernel ran at
-0.83-1.03x of it (below 1.0x in all but one case), so training keeps the Triton launch; `launch`
-still takes that layout (``contiguous``) for the comparison.
+On the H200 (`benchmarks/attention_prefill.py`, thirty-fifth session, the default launch against
+the Triton one in the same process): packed training 1.05-1.08x at 1k tokens a sequence (1.30-1.31x
+SDPA flash), 1.06-1.14x at 4k, 1.10-1.28x at 8k, 1.04-1.05x at 32k; a Qwen3-8B prompt step 1.51x,
+chunked prefill 1.75x.
 
 Same bits as the Triton kernel (docs/design.md rule 2): a row's output is the same sequence of
 fp32 operations. Each dot is one chain of 16-wide K steps in the same order (head dims 0..127 for
@@ -27,14 +34,17 @@ operand sits in registers, and the running max, exponents (one FMA with the scal
 rescaling ``acc * alpha`` before the next block's dot are `_attend_block`'s, in its order; moving
 the value dot of a block past the next block's scores changes when it runs, not what it adds.
 Key blocks of 64 are aligned to absolute positions and masked as the Triton kernel masks them
-(``k_pos <= q_pos`` and within the launch's keys); whole blocks come by TMA, a partial last block
-by pointer loads with zeros past the last key, as there.
+(``k_pos <= q_pos`` and within the launch's keys). A block past a consumer's last key but inside
+the sequence holds later tokens' written, finite keys, which the mask zeroes in ``P`` exactly. The
+sequence's partial last block is copied whole too, but its slots past the sequence's last key may
+hold anything (NaN in an unwritten page): the producer waits for that copy itself and zeroes those
+rows before it signals the consumers, the zeros the Triton kernel's pointer loads read there.
 
-Where it runs (`fits`, and `attention.attention_triton` routes it): Hopper with a verified Gluon
-(`gluon_support.GLUON_VERIFIED`), head dim 128 for keys and values, 16-bit tensors,
-launches of more than `attention_tiles.BLOCK_M` (token, head) rows a sequence (prompt chunks;
-decode keeps the Triton launch), over pages of a multiple of 64 keys (the engine's on Hopper).
-``VEXACT_ATTENTION_PREFILL=triton`` keeps the Triton launch.
+Where it runs (`fits`; `attention.attention_triton` routes it): Hopper with a verified Gluon
+(`gluon_support.GLUON_VERIFIED`), head dim 128 for keys and values, 16-bit tensors, launches of
+more than `attention_tiles.BLOCK_M` (token, head) rows a sequence (prompt chunks and training;
+decode keeps the Triton launch), over pages of a multiple of 64 keys (the engine's on Hopper) or
+packed training K/V. ``VEXACT_ATTENTION_PREFILL=triton`` keeps the Triton launch.
 """
 
 from __future__ import annotations
@@ -43,31 +53,34 @@ import math
 
 import torch
 
-from ._triton import has_tma, tma_rows_aligned
+from ._triton import has_tma, num_sms, tma_rows_aligned
 from .attention_tiles import BLOCK_M, BLOCK_N
 from .gluon_support import HAS_GLUON, tma_descriptor
 from .kernel_switch import KernelSwitch
 from .row_sum import row_sum_levels
 
-__all__ = ["ATTENTION_PREFILL", "HEAD_DIM", "ROWS", "attention_prefill_gluon", "fits", "launch", "shape_fits"]
+__all__ = ["ATTENTION_PREFILL", "CONSUMER_REGS", "HEAD_DIM", "PRODUCER_REGS", "ROWS", "STAGES",
+           "attention_prefill_gluon", "fits", "launch", "shape_fits"]
 
 #: ``VEXACT_ATTENTION_PREFILL``: ``gluon`` (the default: this kernel, where it `fits`) or ``triton``
-ATTENTION_PREFILL = KernelSwitch("VEXACT_ATTENTION_PREFILL", ("gluon", "triton"), "gluon", "GQA prefill kernel")
+ATTENTION_PREFILL = KernelSwitch("VEXACT_ATTENTION_PREFILL", ("gluon", "triton"), "gluon",
+                                 "GQA prefill and training forward kernel")
 HEAD_DIM = 128  # the one head dim (keys and values) of every GQA model we ship: Qwen3, Qwen2.5, Llama-3.1
-#: (token, head) query rows a program, one warpgroup's MMA M. Two programs share an SM (227
-#: registers, 104 KB of shared memory each) and run independently: 128 rows on two warpgroups of
-#: one program, which must meet at a barrier every block before a stage is refilled, ran 1.1-1.3x
-#: slower on the H200 (docs/gpu-results.md, thirty-fourth session)
-ROWS = 64
-WARPS = 4
-STAGES = 3  # K/V blocks in flight: 3 x 32 KB (two lost 3-8%, four or five gained nothing)
+ROWS = 128  # (token, head) query rows a program: two consumer warpgroups of 64 (one warpgroup MMA's M each)
+STAGES = 4  # K/V blocks in flight, 32 KB each
+#: registers a thread: each consumer warpgroup's, and the producer's (its one warp is rounded up to
+#: a warpgroup). 12 warps share the SM's 65,536: 2 x 128 x 232 + 128 x 40, no spills (24 for the
+#: producer, as FlashAttention-3 gives its, spills the last block's zeroing)
+CONSUMER_REGS = 232
+PRODUCER_REGS = 40
 
 if HAS_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                    warpgroup_mma_wait)
-    from .gluon_support import block_slot, prefill_tile, tile_keys  # defined only where Gluon is
+
+    from .gluon_support import block_slot, claim_tile, receive_tile, sequence_tile, tile_keys  # Gluon-only
 
 
 def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, contiguous: bool = False) -> bool:
@@ -104,52 +117,6 @@ if HAS_GLUON:
         for _ in gl.static_range(LEVELS):
             x = gl.sum(gl.reshape(x, (x.shape[0], 2, x.shape[1] // 2)), axis=1)
         return gl.convert_layout(gl.reshape(x, (x.shape[0], )), rows, assert_trivial=True)
-
-    @gluon.jit
-    def _load_kv(k_desc, v_desc, slot, block, kv_col, bars, k_smem, v_smem, pred, STAGES: gl.constexpr):
-        """Issue the TMA copies of key block `block` (from cache slot `slot` on) into its stage: the
-        keys signal barrier ``stage``, the values (needed one step later) barrier ``STAGES + stage``."""
-        stage = block % STAGES
-        mbarrier.expect(bars.index(stage), k_desc.block_type.nbytes, pred=pred)
-        tma.async_copy_global_to_shared(k_desc, [slot, kv_col], bars.index(stage), k_smem.index(stage), pred=pred)
-        mbarrier.expect(bars.index(STAGES + stage), v_desc.block_type.nbytes, pred=pred)
-        tma.async_copy_global_to_shared(v_desc, [slot, kv_col], bars.index(STAGES + stage), v_smem.index(stage),
-                                        pred=pred)
-
-    @gluon.jit
-    def _fill_partial_block(k_ptr, v_ptr, stride_ks, stride_vs, kv_col, table_row, block, page_size, n_keys, k_smem,
-                            v_smem, D: gl.constexpr, BLOCK_N: gl.constexpr, num_warps: gl.constexpr):
-        """The partial last key block by pointer loads, zeros past the launch's last key (whose
-        slots may hold anything), into one stage: what the Triton kernel's pointer loads read."""
-        ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-        k_pos = block * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld))
-        ok = k_pos < n_keys
-        page = gl.load(table_row + k_pos // page_size, mask=ok, other=0)
-        slot = (page.to(gl.int64) * page_size + k_pos % page_size)[:, None]
-        cols = kv_col + gl.arange(0, D, layout=gl.SliceLayout(0, ld))[None, :]
-        k_smem.store(gl.load(k_ptr + slot * stride_ks + cols, mask=ok[:, None], other=0.0))
-        v_smem.store(gl.load(v_ptr + slot * stride_vs + cols, mask=ok[:, None], other=0.0))
-
-    @gluon.jit
-    def _kv_ready(bars, k_smem, v_smem, block, whole, k_ptr, v_ptr, stride_ks, stride_vs, kv_col, table_row,
-                  page_size, n_keys, STAGES: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
-                  num_warps: gl.constexpr):
-        """Wait until key block `block`'s keys are in its stage: their TMA copy, or (the partial last
-        block) the pointer loads of its keys and values, done here."""
-        stage = block % STAGES
-        if block < whole:
-            mbarrier.wait(bars.index(stage), phase=(block // STAGES) & 1)
-        else:
-            _fill_partial_block(k_ptr, v_ptr, stride_ks, stride_vs, kv_col, table_row, block, page_size, n_keys,
-                                k_smem.index(stage), v_smem.index(stage), D, BLOCK_N, num_warps)
-            fence_async_shared()
-            gl.thread_barrier()
-
-    @gluon.jit
-    def _values_ready(bars, block, whole, STAGES: gl.constexpr):
-        """Wait for key block `block`'s values (a partial last block's came with its keys)."""
-        if block < whole:
-            mbarrier.wait(bars.index(STAGES + block % STAGES), phase=(block // STAGES) & 1)
 
     @gluon.jit
     def _softmax_step(s, block, unmasked, q_pos, n_keys, m_i, l_i, scale_log2, BLOCK_N: gl.constexpr,
@@ -200,81 +167,214 @@ if HAS_GLUON:
                  mask=rows_l < q_len * GROUP)
 
     @gluon.jit
-    def _gqa_prefill_kernel(q_ptr, k_desc, v_desc, k_ptr, v_ptr, o_ptr, lse_ptr,
-                            cu_seqlens_q_ptr, seq_lens_ptr, block_table_ptr, seq_order_ptr,
-                            page_size, scale_log2, stride_qt, stride_qh, stride_ks, stride_vs, stride_ot, stride_oh,
-                            stride_lt, stride_bt, GROUP: gl.constexpr, D: gl.constexpr, ROWS: gl.constexpr,
-                            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SUM_LEVELS: gl.constexpr,
-                            ORDERED: gl.constexpr, num_warps: gl.constexpr):
-        kv_head = gl.program_id(2)
-        seq, q_start, q_len, tile = prefill_tile(cu_seqlens_q_ptr, seq_order_ptr, ORDERED, GROUP, ROWS)
-        if tile < 0:
-            return
-        context, n_keys = tile_keys(seq_lens_ptr, seq, q_len, tile, GROUP, ROWS)
-        n_blocks = gl.cdiv(n_keys, BLOCK_N)
-        whole = n_keys // BLOCK_N  # blocks that TMA copies; a partial last one takes pointer loads
-        # blocks below `unmasked` lie wholly at or below the tile's first query position: nothing to mask
-        unmasked = (context + tile * ROWS // GROUP + 1) // BLOCK_N
-        table_row = block_table_ptr + seq.to(gl.int64) * stride_bt
-        kv_col = kv_head * D
+    def _zero_tail(smem, valid, D: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Zero rows ``valid..BLOCK_N-1`` of one stage's block (8 rows at a time: the swizzle's period)."""
+        ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [1, 1], [1, 0])
+        for r0 in gl.static_range(0, BLOCK_N, 8):
+            if r0 + 8 > valid:
+                part = smem.slice(r0, 8, dim=0)
+                rows = r0 + gl.arange(0, 8, layout=gl.SliceLayout(1, ld))
+                x = part.load(ld)
+                part.store(gl.where((rows < valid)[:, None], x, gl.zeros_like(x)))
 
-        s_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+    @gluon.jit
+    def _grid_tile(t, tiles_x, n_seqs, cu_seqlens_q_ptr, seq_lens_ptr, seq_order_ptr, ORDERED: gl.constexpr,
+                   GROUP: gl.constexpr):
+        """Tile `t` of the launch, in a non-persistent grid's order: a sequence's 128-row tiles last
+        (heaviest) first, then the sequences, then the KV heads (one head's keys stay hot in L2
+        while its tiles run). ``(seq, kv_head, q_start, q_len, tile, context, n_blocks)``;
+        ``tile < 0``: the sequence has no tile there; `n_blocks`: key blocks through the tile's last row."""
+        seq, q_start, q_len, tile = sequence_tile(t % tiles_x, t // tiles_x % n_seqs, cu_seqlens_q_ptr, seq_order_ptr,
+                                                  ORDERED, GROUP, 128)
+        context, n_keys = tile_keys(seq_lens_ptr, seq, q_len, tile, GROUP, 128)
+        return seq, t // (tiles_x * n_seqs), q_start, q_len, tile, context, gl.cdiv(n_keys, 64)
+
+    @gluon.jit
+    def _copy_block(k_desc, v_desc, k_smem, v_smem, ready, landed, landed_phase, slot, kv_col, stage, tail,
+                    STAGES: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr):
+        """One key block into `stage` by TMA. `tail` > 0: the sequence's partial last block, with
+        `tail` keys of the sequence: copied, waited for here, and zeroed past them before the
+        consumers are signalled (its other slots may hold anything)."""
+        if tail == 0:
+            mbarrier.expect(ready.index(stage), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [slot, kv_col], ready.index(stage), k_smem.index(stage))
+            mbarrier.expect(ready.index(STAGES + stage), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [slot, kv_col], ready.index(STAGES + stage), v_smem.index(stage))
+        else:
+            mbarrier.expect(landed, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [slot, kv_col], landed, k_smem.index(stage))
+            tma.async_copy_global_to_shared(v_desc, [slot, kv_col], landed, v_smem.index(stage))
+            mbarrier.wait(landed, landed_phase)
+            _zero_tail(k_smem.index(stage), tail, D, BLOCK_N)
+            _zero_tail(v_smem.index(stage), tail, D, BLOCK_N)
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(ready.index(stage), count=1)
+            mbarrier.arrive(ready.index(STAGES + stage), count=1)
+
+    @gluon.jit
+    def _producer(k_desc, v_desc, k_smem, v_smem, ready, empty, landed, tile_ids, tile_full, tile_free, counter_ptr,
+                  n_tiles, tiles_x, n_seqs, cu_seqlens_q_ptr, seq_lens_ptr, seq_order_ptr, block_table_ptr,
+                  stride_bt, page_size, ORDERED: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
+                  D: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Copy each of the program's tiles' key blocks into the ring of stages, each stage once both
+        consumers released the block it held."""
+        it = 0  # blocks copied so far: the ring's position
+        tails = 0  # partial last blocks copied so far: the `landed` barrier's phase
+        turn = 0
+        t = claim_tile(turn, counter_ptr, tile_ids, tile_full, tile_free)
+        while t < n_tiles:
+            seq, kv_head, q_start, q_len, tile, context, n_blocks = _grid_tile(
+                t, tiles_x, n_seqs, cu_seqlens_q_ptr, seq_lens_ptr, seq_order_ptr, ORDERED, GROUP)
+            if tile >= 0:
+                seq_len = context + q_len
+                table_row = block_table_ptr + seq.to(gl.int64) * stride_bt
+                for j in range(n_blocks):
+                    stage = it % STAGES
+                    slot = block_slot(table_row, j, page_size, True, BLOCK_N)
+                    tail = 0
+                    if (j + 1) * BLOCK_N > seq_len:
+                        tail = seq_len - j * BLOCK_N
+                    mbarrier.wait(empty.index(stage), ((it // STAGES) & 1) ^ 1)  # both consumers done with it
+                    _copy_block(k_desc, v_desc, k_smem, v_smem, ready, landed, tails & 1, slot, kv_head * D, stage,
+                                tail, STAGES, D, BLOCK_N)
+                    if tail > 0:
+                        tails += 1
+                    it += 1
+            turn += 1
+            t = claim_tile(turn, counter_ptr, tile_ids, tile_full, tile_free)
+
+    @gluon.jit
+    def _attend_rows(q_ptr, o_ptr, lse_ptr, k_smem, v_smem, ready, empty, it, seq_lens_ptr, seq, q_start, q_len,
+                     context, sub, kv_head, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
+                     GROUP: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                     SUM_LEVELS: gl.constexpr):
+        """64-row tile `sub` of a sequence on one consumer warpgroup, its blocks at ring position `it`
+        on: the block loop of the module docstring, each stage released after the value dot that
+        read it. Returns the blocks it read."""
+        HALF: gl.constexpr = 64
+        s_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_N, 16])
-        o_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                        instr_shape=[16, D, 16])
+        o_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
         p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_mma, k_width=2)
         rows_s: gl.constexpr = gl.SliceLayout(1, s_mma)
+        _, n_keys = tile_keys(seq_lens_ptr, seq, q_len, sub, GROUP, HALF)
+        n_blocks = gl.cdiv(n_keys, BLOCK_N)
+        unmasked = (context + sub * HALF // GROUP + 1) // BLOCK_N
+        q = _load_query(q_ptr, q_start, q_len, sub, kv_head, stride_qt, stride_qh,
+                        gl.DotOperandLayout(operand_index=0, parent=s_mma, k_width=2), GROUP, HALF, D, 4)
+        q_pos = context + (sub * HALF + gl.arange(0, HALF, layout=rows_s)) // GROUP
+        m_i = gl.full([HALF], float("-inf"), gl.float32, layout=rows_s)
+        l_i = gl.zeros([HALF], gl.float32, layout=rows_s)
+        acc = gl.zeros([HALF, D], gl.float32, layout=o_mma)
+        zeros_s = gl.zeros([HALF, BLOCK_N], gl.float32, layout=s_mma)
 
-        k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, D], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, D], v_desc.layout)
-        bars = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())  # keys, values
-        for st in gl.static_range(2 * STAGES):
-            mbarrier.init(bars.index(st), count=1)
-        for st in gl.static_range(STAGES):
-            _load_kv(k_desc, v_desc, block_slot(table_row, st, page_size, st < whole, BLOCK_N), st, kv_col, bars,
-                     k_smem, v_smem, st < whole, STAGES)
-        q = _load_query(q_ptr, q_start, q_len, tile, kv_head, stride_qt, stride_qh,
-                        gl.DotOperandLayout(operand_index=0, parent=s_mma, k_width=2), GROUP, ROWS, D, num_warps)
-
-        q_pos = context + (tile * ROWS + gl.arange(0, ROWS, layout=rows_s)) // GROUP
-        m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=rows_s)
-        l_i = gl.zeros([ROWS], gl.float32, layout=rows_s)
-        acc = gl.zeros([ROWS, D], gl.float32, layout=o_mma)
-        zeros_s = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_mma)
-
-        # block 0: scores and softmax; its value dot is issued with block 1's scores
-        _kv_ready(bars, k_smem, v_smem, 0, whole, k_ptr, v_ptr, stride_ks, stride_vs, kv_col, table_row, page_size,
-                  n_keys, STAGES, D, BLOCK_N, num_warps)
-        s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), zeros_s, is_async=True)
+        mbarrier.wait(ready.index(it % STAGES), (it // STAGES) & 1)
+        s = warpgroup_mma(q, k_smem.index(it % STAGES).permute((1, 0)), zeros_s, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
         p, m_i, l_i, alpha = _softmax_step(s, 0, unmasked, q_pos, n_keys, m_i, l_i, scale_log2, BLOCK_N, SUM_LEVELS)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_mma))[:, None]
-        p = gl.convert_layout(p.to(k_desc.dtype), p_op)
+        p = gl.convert_layout(p.to(k_smem.dtype), p_op)
         for i in range(1, n_blocks):
-            # the block this step's end refills its stage with: its slot read now, off the copy's path
-            refill = i - 1 + STAGES
-            refill_slot = block_slot(table_row, refill, page_size, refill < whole, BLOCK_N)
-            _kv_ready(bars, k_smem, v_smem, i, whole, k_ptr, v_ptr, stride_ks, stride_vs, kv_col, table_row,
-                      page_size, n_keys, STAGES, D, BLOCK_N, num_warps)
-            s = warpgroup_mma(q, k_smem.index(i % STAGES).permute((1, 0)), zeros_s, is_async=True)
-            _values_ready(bars, i - 1, whole, STAGES)
-            acc = warpgroup_mma(p, v_smem.index((i - 1) % STAGES), acc, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # block i's scores; block i-1's value dot runs on
+            cur = (it + i) % STAGES
+            mbarrier.wait(ready.index(cur), ((it + i) // STAGES) & 1)
+            s = warpgroup_mma(q, k_smem.index(cur).permute((1, 0)), zeros_s, is_async=True)
+            prev = (it + i - 1) % STAGES
+            mbarrier.wait(ready.index(STAGES + prev), ((it + i - 1) // STAGES) & 1)
+            acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # block i's scores; i-1's value dot runs on
             p_next, m_i, l_i, alpha = _softmax_step(s, i, unmasked, q_pos, n_keys, m_i, l_i, scale_log2, BLOCK_N,
                                                     SUM_LEVELS)
             acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p))
+            mbarrier.arrive(empty.index(prev), count=1)  # block i-1's stage: read by both of its dots
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_mma))[:, None]
-            p = gl.convert_layout(p_next.to(k_desc.dtype), p_op)
-            gl.thread_barrier()  # every warp's value dot has read block i-1's stage: refill it
-            _load_kv(k_desc, v_desc, refill_slot, refill, kv_col, bars, k_smem, v_smem, refill < whole, STAGES)
-        _values_ready(bars, n_blocks - 1, whole, STAGES)
-        acc = warpgroup_mma(p, v_smem.index((n_blocks - 1) % STAGES), acc, is_async=True)
+            p = gl.convert_layout(p_next.to(k_smem.dtype), p_op)
+        last = (it + n_blocks - 1) % STAGES
+        mbarrier.wait(ready.index(STAGES + last), ((it + n_blocks - 1) // STAGES) & 1)
+        acc = warpgroup_mma(p, v_smem.index(last), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(empty.index(last), count=1)
+        _store_rows(acc, m_i, l_i, o_ptr, lse_ptr, q_start, q_len, sub, kv_head, stride_ot, stride_oh, stride_lt,
+                    o_mma, GROUP, HALF, D)
+        return n_blocks
+
+    @gluon.jit
+    def _consumer(q_ptr, o_ptr, lse_ptr, k_smem, v_smem, ready, empty, tile_ids, tile_full, tile_free, n_tiles,
+                  tiles_x, n_seqs, cu_seqlens_q_ptr, seq_lens_ptr, seq_order_ptr, scale_log2, stride_qt,
+                  stride_qh, stride_ot, stride_oh, stride_lt, WG: gl.constexpr, ORDERED: gl.constexpr,
+                  GROUP: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  SUM_LEVELS: gl.constexpr):
+        """Consumer warpgroup `WG`: rows ``64 * WG ..`` of each of the program's 128-row tiles. After
+        its own blocks it releases the tile's further ones (the other consumer's: a last tile's
+        upper half may hold no row of the sequence and reads none) as each lands: waiting for the
+        copy keeps its arrivals in the order of the stage's uses."""
+        it = 0  # the ring's position, as the producer's
+        turn = 0
+        t = receive_tile(turn, tile_ids, tile_full, tile_free, 4)
+        while t < n_tiles:
+            seq, kv_head, q_start, q_len, tile, context, n_blocks = _grid_tile(
+                t, tiles_x, n_seqs, cu_seqlens_q_ptr, seq_lens_ptr, seq_order_ptr, ORDERED, GROUP)
+            if tile >= 0:
+                mine = 0
+                if (tile * 2 + WG) * 64 < q_len * GROUP:
+                    mine = _attend_rows(q_ptr, o_ptr, lse_ptr, k_smem, v_smem, ready, empty, it, seq_lens_ptr, seq,
+                                        q_start, q_len, context, tile * 2 + WG, kv_head, scale_log2, stride_qt,
+                                        stride_qh, stride_ot, stride_oh, stride_lt, GROUP, D, BLOCK_N, STAGES,
+                                        SUM_LEVELS)
+                for j in range(mine, n_blocks):
+                    mbarrier.wait(ready.index((it + j) % STAGES), ((it + j) // STAGES) & 1)
+                    mbarrier.arrive(empty.index((it + j) % STAGES), count=1)
+                it += n_blocks
+            turn += 1
+            t = receive_tile(turn, tile_ids, tile_full, tile_free, 4)
+
+    @gluon.jit
+    def _gqa_attention_ws_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
+                                 block_table_ptr, seq_order_ptr, counter_ptr, page_size, scale_log2, stride_qt,
+                                 stride_qh, stride_ot, stride_oh, stride_lt, stride_bt, n_tiles, tiles_x, n_seqs,
+                                 GROUP: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                                 SUM_LEVELS: gl.constexpr, ORDERED: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                                 PRODUCER_REGS: gl.constexpr):
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, D], v_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())  # keys, values
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        landed = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        tile_ids = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        tile_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        tile_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for st in gl.static_range(2 * STAGES):
+            mbarrier.init(ready.index(st), count=1)
+        for st in gl.static_range(STAGES):
+            mbarrier.init(empty.index(st), count=2)  # one arrival from each consumer
+        mbarrier.init(landed.index(0), count=1)
+        for st in gl.static_range(2):
+            mbarrier.init(tile_full.index(st), count=1)
+            mbarrier.init(tile_free.index(st), count=2)
+
+        # (tuple literals: a partition's constexprs do not survive tuple concatenation)
+        gl.warp_specialize([
+            (_consumer, (q_ptr, o_ptr, lse_ptr, k_smem, v_smem, ready, empty, tile_ids, tile_full, tile_free, n_tiles,
+                         tiles_x, n_seqs, cu_seqlens_q_ptr, seq_lens_ptr, seq_order_ptr, scale_log2,
+                         stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, 0, ORDERED, GROUP, D, BLOCK_N, STAGES,
+                         SUM_LEVELS)),
+            (_consumer, (q_ptr, o_ptr, lse_ptr, k_smem, v_smem, ready, empty, tile_ids, tile_full, tile_free, n_tiles,
+                         tiles_x, n_seqs, cu_seqlens_q_ptr, seq_lens_ptr, seq_order_ptr, scale_log2,
+                         stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, 1, ORDERED, GROUP, D, BLOCK_N, STAGES,
+                         SUM_LEVELS)),
+            (_producer, (k_desc, v_desc, k_smem, v_smem, ready, empty, landed.index(0), tile_ids, tile_full, tile_free,
+                         counter_ptr, n_tiles, tiles_x, n_seqs, cu_seqlens_q_ptr, seq_lens_ptr,
+                         seq_order_ptr, block_table_ptr, stride_bt, page_size, ORDERED, GROUP, STAGES, D, BLOCK_N)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
         for st in gl.static_range(2 * STAGES):
-            mbarrier.invalidate(bars.index(st))
-        _store_rows(acc, m_i, l_i, o_ptr, lse_ptr, q_start, q_len, tile, kv_head, stride_ot, stride_oh, stride_lt,
-                    o_mma, GROUP, ROWS, D)
+            mbarrier.invalidate(ready.index(st))
+        for st in gl.static_range(STAGES):
+            mbarrier.invalidate(empty.index(st))
+        mbarrier.invalidate(landed.index(0))
+        for st in gl.static_range(2):
+            mbarrier.invalidate(tile_full.index(st))
+            mbarrier.invalidate(tile_free.index(st))
 
 
 def attention_prefill_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, scale: float,
@@ -294,18 +394,28 @@ def attention_prefill_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
 
 
 def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, scale: float, out: torch.Tensor,
-           lse: torch.Tensor, rows: int = ROWS, warps: int = WARPS, stages: int = STAGES) -> None:
-    """The kernel launch itself, into `out` and `lse`, for inputs that `shape_fits` (unchecked:
-    `attention_prefill_gluon` checks; `benchmarks/kernel_resources.py` compiles it for sm_90 on CPU)."""
+           lse: torch.Tensor, stages: int = STAGES, consumer_regs: int = CONSUMER_REGS,
+           producer_regs: int = PRODUCER_REGS) -> None:
+    """The kernel launch, into `out` and `lse`, for a causal launch that `attention_gluon.shape_fits`
+    (unchecked): `k`, `v` the paged caches or the packed training K/V as ``[slots, Hkv, 128]``.
+    One program an SM (persistent), each taking tiles from a global counter until none is left;
+    `benchmarks/attention_prefill.py` times other `stages` and register splits."""
     n_tokens, heads, dim = q.shape
     kv_heads = k.shape[1]
     k_rows, v_rows = k.reshape(k.shape[0], kv_heads * dim), v.reshape(v.shape[0], kv_heads * dim)
     group = heads // kv_heads
-    tiles = -(-layout.max_seqlen_q * group // rows)
-    _gqa_prefill_kernel[(tiles, layout.seq_lens.shape[0], kv_heads)](
-        q, tma_descriptor(k_rows, [BLOCK_N, dim]), tma_descriptor(v_rows, [BLOCK_N, dim]),
-        k_rows, v_rows, out, lse, layout.cu_seqlens_q, layout.seq_lens, layout.block_table, layout.seq_order,
-        layout.page_size, scale * math.log2(math.e), q.stride(0), q.stride(1), k_rows.stride(0), v_rows.stride(0),
-        out.stride(0), out.stride(1), lse.stride(0), layout.block_table.stride(0),
-        GROUP=group, D=dim, ROWS=rows, BLOCK_N=BLOCK_N, STAGES=stages, SUM_LEVELS=row_sum_levels(BLOCK_N),
-        ORDERED=layout.seq_order is not None, num_warps=warps)
+    n_seqs = layout.seq_lens.shape[0]
+    tiles_x = -(-layout.max_seqlen_q * group // ROWS)
+    n_tiles = tiles_x * n_seqs * kv_heads
+    ordered = layout.seq_order is not None
+    order = layout.seq_order if ordered else layout.cu_seqlens_q  # unread (ORDERED false); a partition takes no None
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device)
+    # the default partition's registers: what the launch's 12 warps have left beside the workers'
+    max_regs = (consumer_regs * 2 + producer_regs) // 3 // 8 * 8
+    _gqa_attention_ws_kernel[(min(n_tiles, num_sms(q.device)), )](
+        q, tma_descriptor(k_rows, [BLOCK_N, dim]), tma_descriptor(v_rows, [BLOCK_N, dim]), out, lse,
+        layout.cu_seqlens_q, layout.seq_lens, layout.block_table, order, counter, layout.page_size,
+        scale * math.log2(math.e), q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0),
+        layout.block_table.stride(0), n_tiles, tiles_x, n_seqs, GROUP=group, D=dim, BLOCK_N=BLOCK_N,
+        STAGES=stages, SUM_LEVELS=row_sum_levels(BLOCK_N), ORDERED=ordered,
+        CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, num_warps=4, maxnreg=max_regs)

@@ -1,5 +1,7 @@
 """What the Gluon kernels (`latent_decode_gluon`, `latent_prefill_gluon`, `attention_gluon`) share:
-whether Gluon is here in a Triton release they were checked under, and their TMA descriptors.
+whether Gluon is here in a Triton release they were checked under, their TMA descriptors, how a
+prefill program finds its tile, and (`claim_tile`, `receive_tile`) the tile queue of a persistent
+warp-specialised one.
 
 Gluon (``triton.experimental.gluon``, in the Triton wheel from 3.5 on) is experimental: its API
 and lowering move between releases, and each kernel's bits were checked against the Triton
@@ -15,8 +17,8 @@ import torch
 
 from ._triton import HAS_TRITON
 
-__all__ = ["GLUON_VERIFIED", "HAS_GLUON", "block_slot", "prefill_tile", "supported_triton", "tile_keys",
-           "tma_descriptor"]
+__all__ = ["GLUON_VERIFIED", "HAS_GLUON", "block_slot", "claim_tile", "prefill_tile", "receive_tile", "sequence_tile",
+           "supported_triton", "tile_keys", "tma_descriptor"]
 
 #: Triton releases whose Gluon the kernels were checked under, bitwise, on the GPU
 GLUON_VERIFIED = ("3.6.",)
@@ -31,6 +33,7 @@ try:
     import triton
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     HAS_GLUON = HAS_TRITON and supported_triton(triton.__version__)
 except ImportError:  # pragma: no cover - older Triton
@@ -52,12 +55,19 @@ if HAS_GLUON:
         `ROWS`-row tiles of (token, head) rows along axis 0, the last (longest) first, and the
         sequences along axis 1 (in `PagedLayout.seq_order` where `ORDERED`). ``tile < 0``: the
         program has no tile of its sequence."""
-        seq = gl.program_id(1)
+        return sequence_tile(gl.program_id(0), gl.program_id(1), cu_seqlens_q_ptr, seq_order_ptr, ORDERED, GROUP, ROWS)
+
+    @gluon.jit
+    def sequence_tile(x, y, cu_seqlens_q_ptr, seq_order_ptr, ORDERED: gl.constexpr, GROUP: gl.constexpr,
+                      ROWS: gl.constexpr):
+        """`prefill_tile` of grid position ``(x, y)``: a persistent kernel's programs walk the grid
+        themselves."""
+        seq = y
         if ORDERED:
             seq = gl.load(seq_order_ptr + seq)
         q_start = gl.load(cu_seqlens_q_ptr + seq)
         q_len = gl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-        return seq, q_start, q_len, gl.cdiv(q_len * GROUP, ROWS) - 1 - gl.program_id(0)
+        return seq, q_start, q_len, gl.cdiv(q_len * GROUP, ROWS) - 1 - x
 
     @gluon.jit
     def tile_keys(seq_lens_ptr, seq, q_len, tile, GROUP: gl.constexpr, ROWS: gl.constexpr):
@@ -66,6 +76,30 @@ if HAS_GLUON:
         part of one token's)."""
         context = gl.load(seq_lens_ptr + seq) - q_len
         return context, context + gl.minimum(q_len - 1, (tile * ROWS + ROWS - 1) // GROUP) + 1
+
+
+    @gluon.jit
+    def claim_tile(turn, counter_ptr, tile_ids, tile_full, tile_free):
+        """A persistent warp-specialised program's next tile, claimed by its one-warp producer: the
+        launch's next unclaimed tile (a global counter: programs that finish early take more, so the
+        heavy causal tiles spread by themselves), handed to the consumer partitions through a
+        two-slot ring in shared memory (`tile_ids`; `tile_full` signals a slot, `tile_free`, one
+        arrival per consumer, frees it). A tile past the launch's last ends the program."""
+        t = gl.atomic_add(counter_ptr, 1)
+        slot = turn % 2
+        mbarrier.wait(tile_free.index(slot), ((turn // 2) & 1) ^ 1)
+        tile_ids.index(slot).store(gl.full([1], t, gl.int32, layout=gl.BlockedLayout([1], [32], [1], [0])))
+        mbarrier.arrive(tile_full.index(slot), count=1)
+        return t
+
+    @gluon.jit
+    def receive_tile(turn, tile_ids, tile_full, tile_free, WARPS: gl.constexpr):
+        """The tile `claim_tile` handed over on `turn`, read by a consumer partition of `WARPS` warps."""
+        slot = turn % 2
+        mbarrier.wait(tile_full.index(slot), (turn // 2) & 1)
+        t = gl.max(tile_ids.index(slot).load(gl.BlockedLayout([1], [32], [WARPS], [0])), axis=0)
+        mbarrier.arrive(tile_free.index(slot), count=1)
+        return t
 
 
 @functools.lru_cache(maxsize=None)

@@ -216,15 +216,16 @@ def test_count_list_options_refuse_bad_values(script, option, value, words):
     assert run.returncode == 2 and option in run.stderr and words in run.stderr and repr(value) in run.stderr
 
 
-@pytest.mark.parametrize("script", ["latent_prefill.py", "attention_prefill.py"])
-@pytest.mark.parametrize("value,words", [("64x4", "a candidate is ROWSxWARPSxSTAGES"),
+@pytest.mark.parametrize("script,form", [("latent_prefill.py", "ROWSxWARPSxSTAGES"),
+                                         ("attention_prefill.py", "STAGESxCONSUMER_REGSxPRODUCER_REGS")])
+@pytest.mark.parametrize("value,words", [("64x4", "a candidate is {}"),
                                          ("64x4x3,64x0x3", "must be >= 1, got '64x0x3'")])
-def test_gluon_candidate_options_refuse_bad_values(script, value, words):
+def test_gluon_candidate_options_refuse_bad_values(script, form, value, words):
     """`bench_utils.gluon_candidates`: the parser names the option and the bad candidate before
     anything needs a GPU."""
     run = subprocess.run([sys.executable, script, "--candidates", value], cwd=BENCHMARKS, capture_output=True,
                          text=True, timeout=120, env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"})
-    assert run.returncode == 2 and "--candidates" in run.stderr and words in run.stderr
+    assert run.returncode == 2 and "--candidates" in run.stderr and words.format(form) in run.stderr
 
 
 def test_shuffled_block_table_gives_each_sequence_its_own_pages(monkeypatch):
@@ -358,15 +359,16 @@ def test_kernel_resources_lists_the_gluon_latent_prefill_at_moonlights_shape(mon
 
 def test_kernel_resources_lists_the_gluon_gqa_prefill_at_qwen3_8bs_shape(monkeypatch):
     """The GQA prefill launches compile for sm_90 on the CPU at Qwen3-8B's shape: the Triton 128-row
-    tile (wgmma), then the Gluon default (64 rows, 4 warps, 3 stages) without spills, two programs
-    an SM; head dim 64 lists the Triton tile alone (the Gluon kernel takes 128)."""
+    tile (wgmma), then the Gluon default (4 stages, 232 consumer and 40 producer registers) without
+    spills, one 12-warp program an SM; head dim 64 lists the Triton tile alone (the Gluon kernel
+    takes 128)."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import kernel_resources
 
-    rows = kernel_resources.measure_gqa_prefill(32, 8, 128, candidates=((64, 4, 3),))
-    assert [row[0] for row in rows] == ["prefill m128 n64 w4 s2", "gluon prefill r64 w4 s3"]
+    rows = kernel_resources.measure_gqa_prefill(32, 8, 128, candidates=((4, 232, 40),))
+    assert [row[0] for row in rows] == ["prefill m128 n64 w4 s2", "gluon prefill s4 c232 p40"]
     (_, _, mma, registers, spills, shared_kb, per_sm) = rows[1]
-    assert mma == "wgmma" and spills == 0 and 0 < registers <= 255 and per_sm == 2 and int(shared_kb) <= 113
+    assert mma == "wgmma" and spills == 0 and 0 < registers <= 168 and per_sm == 1 and 128 <= int(shared_kb) <= 227
     assert [row[0] for row in kernel_resources.measure_gqa_prefill(4, 2, 64)] == ["prefill m128 n64 w4 s2"]
 
 

@@ -1,6 +1,6 @@
-"""The Gluon GQA prefill kernel (`kernels.attention_gluon`): where it takes a launch (CPU), and on a
-Hopper GPU the Triton launch's bits for chunked prefill over shuffled pages, the decode steps
-after them and packed training, whichever rows, warps and stages a program runs."""
+"""The Gluon GQA prefill and training kernel (`kernels.attention_gluon`): where it takes a launch
+(CPU), and on a Hopper GPU the Triton launch's bits for chunked prefill over shuffled pages, the
+decode steps after them and packed training, whichever stages and register split a program runs."""
 
 import dataclasses
 
@@ -61,7 +61,9 @@ def test_a_launch_of_short_chunks_keeps_the_triton_tiles():
 needs_gluon = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
                                       and gluon_support.HAS_GLUON),
                                  reason="the Gluon kernel needs a Hopper GPU and a verified Triton")
-CANDIDATES = ((64, 4, 3), (64, 4, 2), (128, 8, 3))  # (rows, warps, stages): every one must give the same bits
+#: (stages, consumer registers, producer registers): every one must give the same bits
+CANDIDATES = ((attention_gluon.STAGES, attention_gluon.CONSUMER_REGS, attention_gluon.PRODUCER_REGS), (2, 232, 40),
+              (5, 224, 56))
 SHAPES = [(16, 8), (32, 8), (28, 4), (32, 4)]  # Qwen3-0.6B, Qwen3-8B / Llama-3.1-8B, Qwen2.5-7B, Qwen3-30B-A3B
 
 
@@ -80,25 +82,28 @@ def _qkv(lens, heads, kv_heads, gen, dtype=torch.bfloat16):
 
 @needs_gluon
 @pytest.mark.parametrize("heads,kv_heads", SHAPES)
-def test_gluon_launches_over_packed_training_rows_give_the_training_forwards_bits(heads, kv_heads, monkeypatch):
-    """Over packed training K/V (keys in consecutive rows) every candidate launch gives the output
-    and lse of the Triton launch, with TMA and with pointer loads; the training forward itself
-    keeps the Triton launch (its TMA loop was faster on the H200)."""
+def test_the_training_forward_runs_the_gluon_kernel_with_the_triton_launchs_bits(heads, kv_heads, monkeypatch):
+    """Over packed training K/V (keys in consecutive rows; sequences shorter than a tile, and of
+    lengths off the 64-key blocks, whose last block the kernel copies whole and zeroes past the
+    sequence) the training forward runs the Gluon kernel and gives the Triton launch's output and
+    lse, with TMA and with pointer loads; so does every candidate launch."""
     gen = torch.Generator().manual_seed(heads * 100 + kv_heads)
     lens = [1, 63, 64, 65, 200, 1000, 2049]
     q, k, v = _qkv(lens, heads, kv_heads, gen)
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32).cuda()
     layout, scale = packed_layout(cu, max(lens)), D ** -0.5
-    calls = _gluon_calls(monkeypatch)
-    want = attention_packed(q, k, v, cu, max(lens))
-    tma, tma_lse = attention_triton(q, k, v, layout, scale, kv_descriptors=True)
-    pointers, pointers_lse = attention_triton(q, k, v, layout, scale)
+    with attention_gluon.ATTENTION_PREFILL.use("triton"):
+        want = attention_packed(q, k, v, cu, max(lens))
+        tma, tma_lse = attention_triton(q, k, v, layout, scale, kv_descriptors=True)
+        pointers, pointers_lse = attention_triton(q, k, v, layout, scale)
     assert torch.equal(tma, want) and torch.equal(pointers, want) and torch.equal(pointers_lse, tma_lse)
-    assert not calls  # training: the Triton launch
-    out, lse = attention_gluon.attention_prefill_gluon(q, k, v, layout, scale, contiguous=True)
-    assert torch.equal(out, want) and torch.equal(lse, tma_lse)
+    calls = _gluon_calls(monkeypatch)
+    assert torch.equal(attention_packed(q, k, v, cu, max(lens)), want)
+    assert len(calls) == 1  # training: the Gluon kernel
+    out, lse = attention_triton(q, k, v, layout, scale, kv_descriptors=True)
+    assert torch.equal(out, want) and torch.equal(lse, tma_lse) and len(calls) == 2
     for cand in CANDIDATES:
-        out, lse = torch.empty(q.shape, dtype=q.dtype, device="cuda"), torch.empty(q.shape[:2], device="cuda")
+        out, lse = torch.full(q.shape, float("nan"), dtype=q.dtype, device="cuda"), torch.empty(q.shape[:2], device="cuda")
         attention_gluon.launch(q, k, v, layout, scale, out, lse, *cand)
         assert torch.equal(out, want) and torch.equal(lse, tma_lse), cand
 
@@ -131,8 +136,8 @@ def test_chunked_prefill_and_decode_equal_training_bitwise(heads, kv_heads, monk
         ordered = dataclasses.replace(layout, seq_order=torch.tensor(lens).argsort(descending=True).int().cuda())
         for cand in CANDIDATES:
             for lay in (layout, ordered):
-                out, lse = torch.empty_like(want), torch.empty_like(want_lse)
-                attention_gluon.launch(q[rows].contiguous(), k_cache, v_cache, lay, scale, out, lse, *cand)
+                out, lse = torch.full_like(want, float("nan")), torch.empty_like(want_lse)
+                attention_gluon.launch(q[rows], k_cache, v_cache, lay, scale, out, lse, *cand)
                 assert torch.equal(out, want) and torch.equal(lse, want_lse), cand
     assert len(calls) == 2  # the default launch went to the Gluon kernel, once a chunk
     last = (cu[1:] - 1).cuda()  # each sequence's last token as a decode step over the cache
