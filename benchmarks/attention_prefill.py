@@ -96,7 +96,7 @@ def run_case(name: str, shape: str, q_lens: list[int], seq_lens: list[int],
         return [name, label, f"{t * 1e3:.1f}", f"{work / t / 1e9:.0f}", f"{ms / t:.2f}x", vs_peer, same]
 
     rows = [row("triton", ms, "-")]
-    default = (attention_gluon.STAGES, attention_gluon.CONSUMER_REGS, attention_gluon.PRODUCER_REGS)
+    default = attention_gluon.launch_config(layout.max_seqlen_q)
     for cand in candidates:
         out, lse = torch.empty_like(want), torch.empty_like(want_lse)
         attention_gluon.launch(q, k, v, layout, scale, out, lse, *cand)

@@ -148,9 +148,10 @@ def measure_gqa(shape: str) -> list[list]:
     return rows + measure_gqa_prefill(heads, kv_heads, dim)
 
 
-#: (stages, consumer registers, producer registers) of the Gluon kernel; the first is the default.
-#: 24 producer registers (FlashAttention-3's) spill the last block's zeroing
-GQA_PREFILL_CANDIDATES = ((4, 232, 40), (5, 224, 56), (4, 240, 24))
+#: (stages, consumer registers, producer registers) of the Gluon kernel: its launch configs up to
+#: 8k tokens and beyond (`attention_gluon.launch_config`), then 24 producer registers
+#: (FlashAttention-3's), which spill the last block's zeroing
+GQA_PREFILL_CANDIDATES = ((5, 224, 56), (4, 232, 40), (4, 240, 24))
 
 
 def measure_gqa_prefill(heads: int, kv_heads: int, dim: int, candidates=GQA_PREFILL_CANDIDATES) -> list[list]:

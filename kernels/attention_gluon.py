@@ -21,10 +21,10 @@ K/V by pointer loads (~180 TFLOP/s on a Qwen3-8B prompt step). What this kernel 
   finish early take more. A fixed snake-order share per program lost 1-6%, and one program a
   tile 10-15% at 1k and on prompt steps (docs/gpu-results.md, thirty-fifth session).
 
-On the H200 (`benchmarks/attention_prefill.py`, thirty-fifth session, the default launch against
-the Triton one in the same process): packed training 1.05-1.08x at 1k tokens a sequence (1.30-1.31x
-SDPA flash), 1.06-1.14x at 4k, 1.10-1.28x at 8k, 1.04-1.05x at 32k; a Qwen3-8B prompt step 1.51x,
-chunked prefill 1.75x.
+On the H200 (`benchmarks/attention_prefill.py`, thirty-fifth session, `launch_config`'s two launches
+against the Triton one in the same process): packed training 1.08-1.10x at 1k tokens a sequence
+(1.33-1.34x SDPA flash), 1.07-1.17x at 4k, 1.12-1.29x at 8k, 1.04-1.05x at 32k (1.54-1.56x SDPA
+flash); a Qwen3-8B prompt step 1.54x, chunked prefill 1.80x.
 
 Same bits as the Triton kernel (docs/design.md rule 2): a row's output is the same sequence of
 fp32 operations. Each dot is one chain of 16-wide K steps in the same order (head dims 0..127 for
@@ -59,20 +59,24 @@ from .gluon_support import HAS_GLUON, tma_descriptor
 from .kernel_switch import KernelSwitch
 from .row_sum import row_sum_levels
 
-__all__ = ["ATTENTION_PREFILL", "CONSUMER_REGS", "HEAD_DIM", "PRODUCER_REGS", "ROWS", "STAGES",
-           "attention_prefill_gluon", "fits", "launch", "shape_fits"]
+__all__ = ["ATTENTION_PREFILL", "HEAD_DIM", "LONG_CONFIG", "LONG_TOKENS", "ROWS", "SHORT_CONFIG",
+           "attention_prefill_gluon", "fits", "launch", "launch_config", "shape_fits"]
 
 #: ``VEXACT_ATTENTION_PREFILL``: ``gluon`` (the default: this kernel, where it `fits`) or ``triton``
 ATTENTION_PREFILL = KernelSwitch("VEXACT_ATTENTION_PREFILL", ("gluon", "triton"), "gluon",
                                  "GQA prefill and training forward kernel")
 HEAD_DIM = 128  # the one head dim (keys and values) of every GQA model we ship: Qwen3, Qwen2.5, Llama-3.1
 ROWS = 128  # (token, head) query rows a program: two consumer warpgroups of 64 (one warpgroup MMA's M each)
-STAGES = 4  # K/V blocks in flight, 32 KB each
-#: registers a thread: each consumer warpgroup's, and the producer's (its one warp is rounded up to
-#: a warpgroup). 12 warps share the SM's 65,536: 2 x 128 x 232 + 128 x 40, no spills (24 for the
-#: producer, as FlashAttention-3 gives its, spills the last block's zeroing)
-CONSUMER_REGS = 232
-PRODUCER_REGS = 40
+#: A launch's (K/V stages of 32 KB, registers a thread of each consumer warpgroup, of the
+#: producer; its one warp is rounded up to a warpgroup): 12 warps share the SM's 65,536 registers,
+#: 2 x 128 x consumer + 128 x producer, none spilling (24 for the producer, as FlashAttention-3
+#: gives its, spills the last block's zeroing). By the launch's longest sequence (`launch_config`):
+#: five stages were as fast or faster than four at 1k-8k tokens in every H200 call, and at 1k the
+#: one above 1.3x SDPA flash (1.34x against 1.30x); at 32k (one sequence) four held 1.00-1.04x
+#: the Triton launch where five fell to 0.90-0.94x in two of three calls (thirty-fifth session)
+SHORT_CONFIG = (5, 224, 56)
+LONG_CONFIG = (4, 232, 40)
+LONG_TOKENS = 8192  # longest sequence up to which a launch takes SHORT_CONFIG (16k was not measured)
 
 if HAS_GLUON:
     from triton.experimental import gluon
@@ -81,6 +85,13 @@ if HAS_GLUON:
                                                                    warpgroup_mma_wait)
 
     from .gluon_support import block_slot, claim_tile, receive_tile, sequence_tile, tile_keys  # Gluon-only
+
+
+def launch_config(max_seqlen_q: int) -> tuple[int, int, int]:
+    """``(stages, consumer_regs, producer_regs)`` of a launch whose longest sequence has
+    `max_seqlen_q` query tokens: `SHORT_CONFIG` up to `LONG_TOKENS`, else `LONG_CONFIG` (the same
+    bits either way: the stages and registers change when a block is copied, not what is added)."""
+    return SHORT_CONFIG if max_seqlen_q <= LONG_TOKENS else LONG_CONFIG
 
 
 def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, contiguous: bool = False) -> bool:
@@ -394,12 +405,15 @@ def attention_prefill_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
 
 
 def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, scale: float, out: torch.Tensor,
-           lse: torch.Tensor, stages: int = STAGES, consumer_regs: int = CONSUMER_REGS,
-           producer_regs: int = PRODUCER_REGS) -> None:
+           lse: torch.Tensor, stages: int | None = None, consumer_regs: int | None = None,
+           producer_regs: int | None = None) -> None:
     """The kernel launch, into `out` and `lse`, for a causal launch that `attention_gluon.shape_fits`
     (unchecked): `k`, `v` the paged caches or the packed training K/V as ``[slots, Hkv, 128]``.
     One program an SM (persistent), each taking tiles from a global counter until none is left;
-    `benchmarks/attention_prefill.py` times other `stages` and register splits."""
+    `stages` and the register split default to `launch_config`'s (`benchmarks/attention_prefill.py`
+    times others)."""
+    if stages is None:
+        stages, consumer_regs, producer_regs = launch_config(layout.max_seqlen_q)
     n_tokens, heads, dim = q.shape
     kv_heads = k.shape[1]
     k_rows, v_rows = k.reshape(k.shape[0], kv_heads * dim), v.reshape(v.shape[0], kv_heads * dim)

@@ -359,9 +359,9 @@ def test_kernel_resources_lists_the_gluon_latent_prefill_at_moonlights_shape(mon
 
 def test_kernel_resources_lists_the_gluon_gqa_prefill_at_qwen3_8bs_shape(monkeypatch):
     """The GQA prefill launches compile for sm_90 on the CPU at Qwen3-8B's shape: the Triton 128-row
-    tile (wgmma), then the Gluon default (4 stages, 232 consumer and 40 producer registers) without
-    spills, one 12-warp program an SM; head dim 64 lists the Triton tile alone (the Gluon kernel
-    takes 128)."""
+    tile (wgmma), then the Gluon kernel's long-sequence launch (4 stages, 232 consumer and 40 producer
+    registers) without spills, one 12-warp program an SM; head dim 64 lists the Triton tile alone
+    (the Gluon kernel takes 128)."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import kernel_resources
 

@@ -50,6 +50,13 @@ def test_prefill_switch_defaults_to_gluon_and_names_a_bad_value(monkeypatch):
         attention_gluon.ATTENTION_PREFILL.mode()
 
 
+def test_launch_config_takes_five_stages_up_to_8k_tokens_and_four_beyond():
+    assert attention_gluon.launch_config(1) == attention_gluon.launch_config(8192) == (5, 224, 56)
+    assert attention_gluon.launch_config(8193) == attention_gluon.launch_config(32768) == (4, 232, 40)
+    for stages, consumer, producer in (attention_gluon.SHORT_CONFIG, attention_gluon.LONG_CONFIG):
+        assert 2 * 128 * consumer + 128 * producer <= 65536 and stages * 32 <= 227  # registers; K/V stages in KB
+
+
 def test_a_launch_of_short_chunks_keeps_the_triton_tiles():
     """At most `BLOCK_M` rows a sequence (a decode step, a short chunk) is not this kernel's launch."""
     q = torch.zeros(16, 32, D, dtype=torch.bfloat16)
@@ -62,8 +69,7 @@ needs_gluon = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.g
                                       and gluon_support.HAS_GLUON),
                                  reason="the Gluon kernel needs a Hopper GPU and a verified Triton")
 #: (stages, consumer registers, producer registers): every one must give the same bits
-CANDIDATES = ((attention_gluon.STAGES, attention_gluon.CONSUMER_REGS, attention_gluon.PRODUCER_REGS), (2, 232, 40),
-              (5, 224, 56))
+CANDIDATES = (attention_gluon.SHORT_CONFIG, attention_gluon.LONG_CONFIG, (2, 232, 40))
 SHAPES = [(16, 8), (32, 8), (28, 4), (32, 4)]  # Qwen3-0.6B, Qwen3-8B / Llama-3.1-8B, Qwen2.5-7B, Qwen3-30B-A3B
 
 
