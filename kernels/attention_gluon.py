@@ -190,7 +190,7 @@ if HAS_GLUON:
 
     @gluon.jit
     def _grid_tile(t, tiles_x, n_seqs, cu_seqlens_q_ptr, seq_lens_ptr, seq_order_ptr, ORDERED: gl.constexpr,
-                   GROUP: gl.constexpr):
+                   GROUP: gl.constexpr, BLOCK_N: gl.constexpr):
         """Tile `t` of the launch, in a non-persistent grid's order: a sequence's 128-row tiles last
         (heaviest) first, then the sequences, then the KV heads (one head's keys stay hot in L2
         while its tiles run). ``(seq, kv_head, q_start, q_len, tile, context, n_blocks)``;
@@ -198,7 +198,7 @@ if HAS_GLUON:
         seq, q_start, q_len, tile = sequence_tile(t % tiles_x, t // tiles_x % n_seqs, cu_seqlens_q_ptr, seq_order_ptr,
                                                   ORDERED, GROUP, 128)
         context, n_keys = tile_keys(seq_lens_ptr, seq, q_len, tile, GROUP, 128)
-        return seq, t // (tiles_x * n_seqs), q_start, q_len, tile, context, gl.cdiv(n_keys, 64)
+        return seq, t // (tiles_x * n_seqs), q_start, q_len, tile, context, gl.cdiv(n_keys, BLOCK_N)
 
     @gluon.jit
     def _copy_block(k_desc, v_desc, k_smem, v_smem, ready, landed, landed_phase, slot, kv_col, stage, tail,
@@ -236,7 +236,7 @@ if HAS_GLUON:
         t = claim_tile(turn, counter_ptr, tile_ids, tile_full, tile_free)
         while t < n_tiles:
             seq, kv_head, q_start, q_len, tile, context, n_blocks = _grid_tile(
-                t, tiles_x, n_seqs, cu_seqlens_q_ptr, seq_lens_ptr, seq_order_ptr, ORDERED, GROUP)
+                t, tiles_x, n_seqs, cu_seqlens_q_ptr, seq_lens_ptr, seq_order_ptr, ORDERED, GROUP, BLOCK_N)
             if tile >= 0:
                 seq_len = context + q_len
                 table_row = block_table_ptr + seq.to(gl.int64) * stride_bt
@@ -324,7 +324,7 @@ if HAS_GLUON:
         t = receive_tile(turn, tile_ids, tile_full, tile_free, 4)
         while t < n_tiles:
             seq, kv_head, q_start, q_len, tile, context, n_blocks = _grid_tile(
-                t, tiles_x, n_seqs, cu_seqlens_q_ptr, seq_lens_ptr, seq_order_ptr, ORDERED, GROUP)
+                t, tiles_x, n_seqs, cu_seqlens_q_ptr, seq_lens_ptr, seq_order_ptr, ORDERED, GROUP, BLOCK_N)
             if tile >= 0:
                 mine = 0
                 if (tile * 2 + WG) * 64 < q_len * GROUP:
@@ -407,13 +407,15 @@ def attention_prefill_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
 def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, scale: float, out: torch.Tensor,
            lse: torch.Tensor, stages: int | None = None, consumer_regs: int | None = None,
            producer_regs: int | None = None) -> None:
-    """The kernel launch, into `out` and `lse`, for a causal launch that `attention_gluon.shape_fits`
-    (unchecked): `k`, `v` the paged caches or the packed training K/V as ``[slots, Hkv, 128]``.
-    One program an SM (persistent), each taking tiles from a global counter until none is left;
-    `stages` and the register split default to `launch_config`'s (`benchmarks/attention_prefill.py`
+    """The kernel launch, into `out` and `lse`, for a causal launch that `shape_fits` (unchecked:
+    `attention_prefill_gluon` checks; `benchmarks/kernel_resources.py` compiles it for sm_90 on
+    CPU): `k`, `v` the paged caches or the packed training K/V as ``[slots, Hkv, 128]``. One
+    program an SM (persistent), each taking tiles from a global counter until none is left;
+    `stages` and the registers default (each) to `launch_config`'s (`benchmarks/attention_prefill.py`
     times others)."""
-    if stages is None:
-        stages, consumer_regs, producer_regs = launch_config(layout.max_seqlen_q)
+    default = launch_config(layout.max_seqlen_q)
+    stages, consumer_regs, producer_regs = (given if given is not None else d for given, d in
+                                            zip((stages, consumer_regs, producer_regs), default))
     n_tokens, heads, dim = q.shape
     kv_heads = k.shape[1]
     k_rows, v_rows = k.reshape(k.shape[0], kv_heads * dim), v.reshape(v.shape[0], kv_heads * dim)
