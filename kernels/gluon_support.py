@@ -17,8 +17,8 @@ import torch
 
 from ._triton import HAS_TRITON
 
-__all__ = ["GLUON_VERIFIED", "HAS_GLUON", "block_slot", "claim_tile", "prefill_tile", "receive_tile", "sequence_tile",
-           "supported_triton", "tile_keys", "tma_descriptor"]
+__all__ = ["GLUON_VERIFIED", "HAS_GLUON", "block_slot", "claim_tile", "grid_tile", "prefill_tile", "receive_tile",
+           "sequence_tile", "supported_triton", "tile_keys", "tma_descriptor"]
 
 #: Triton releases whose Gluon the kernels were checked under, bitwise, on the GPU
 GLUON_VERIFIED = ("3.6.",)
@@ -77,6 +77,18 @@ if HAS_GLUON:
         context = gl.load(seq_lens_ptr + seq) - q_len
         return context, context + gl.minimum(q_len - 1, (tile * ROWS + ROWS - 1) // GROUP) + 1
 
+    @gluon.jit
+    def grid_tile(t, tiles_x, n_seqs, cu_seqlens_q_ptr, seq_lens_ptr, seq_order_ptr, ORDERED: gl.constexpr,
+                  GROUP: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Tile `t` of a persistent prefill launch, in a non-persistent grid's order: a sequence's
+        `ROWS`-row tiles last (heaviest) first, then the sequences, then the KV heads (one head's
+        keys stay hot in L2 while its tiles run). ``(seq, kv_head, q_start, q_len, tile, context,
+        n_blocks)``; ``tile < 0``: the sequence has no tile there; `n_blocks`: key blocks of
+        `BLOCK_N` through the tile's last row."""
+        seq, q_start, q_len, tile = sequence_tile(t % tiles_x, t // tiles_x % n_seqs, cu_seqlens_q_ptr, seq_order_ptr,
+                                                  ORDERED, GROUP, ROWS)
+        context, n_keys = tile_keys(seq_lens_ptr, seq, q_len, tile, GROUP, ROWS)
+        return seq, t // (tiles_x * n_seqs), q_start, q_len, tile, context, gl.cdiv(n_keys, BLOCK_N)
 
     @gluon.jit
     def claim_tile(turn, counter_ptr, tile_ids, tile_full, tile_free):
