@@ -25,7 +25,7 @@ import sys
 
 import torch
 
-from bench_utils import bench, bench_graph, copy_bandwidth, decode_layout, positive_int, table
+from bench_utils import bench, bench_graph, case_selected, copy_bandwidth, decode_layout, positive_int, table
 
 # (name, kind, heads, kv heads, qk dim, v dim, sequences, tokens per sequence); every name ends in
 # "<sequences>x<tokens>" and none is a substring of another, so `--cases` can pick any one case by name
@@ -243,12 +243,11 @@ def main(argv=None) -> int:
         return 2
     hbm = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; copy bandwidth {hbm:.0f} GB/s")
-    keep = [c for c in (args.cases or "").split(",") if c]
     for latent, cases in ((True, LATENT_CASES), (False, GQA_CASES)):
         if args.only and args.only != ("latent" if latent else "gqa"):
             continue
         for case in cases:
-            if keep and not any(c in case[0] for c in keep):
+            if not case_selected(case[0], args.cases):
                 continue
             rows = sweep_case(case, latent, hbm, tuple(c for c in (args.configs or "").split(",") if c), args.page_size)
             if latent and case[1] == "train":

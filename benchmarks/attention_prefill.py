@@ -26,7 +26,7 @@ import sys
 
 import torch
 
-from bench_utils import bench, causal_pairs, gluon_candidates, gluon_unavailable, prompt_layout, table
+from bench_utils import bench, case_selected, causal_pairs, gluon_candidates, gluon_unavailable, prompt_layout, table
 
 D, PAGE = 128, 64
 SHAPES = {"0.6b": (16, 8), "8b": (32, 8), "30b-a3b": (32, 4)}
@@ -124,10 +124,9 @@ def main(argv=None) -> int:
     if why:
         print(why, file=sys.stderr)
         return 2
-    keep = [c for c in args.cases.split(",") if c]
     rows = []
     for name, (shape, q_lens, seq_lens) in cases().items():
-        if not keep or any(k in name for k in keep):
+        if case_selected(name, args.cases):
             rows += run_case(name, shape, q_lens, seq_lens, args.candidates)
     table(f"GQA prefill/training attention (head dim 128), {torch.cuda.get_device_name()} (us a launch)",
           ["case", "kernel", "us", "TFLOP/s", "vs triton", "vs SDPA flash", "same bits"], rows)

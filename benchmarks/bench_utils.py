@@ -44,6 +44,13 @@ def gluon_candidates(text: str, form: str = "ROWSxWARPSxSTAGES", example: str = 
     return launches
 
 
+def case_selected(name: str, spec: str | None) -> bool:
+    """Whether a `--cases` option keeps the case `name`: `spec` is comma-separated substrings of
+    case names, and an empty (or None) `spec` keeps every case."""
+    keep = [c for c in (spec or "").split(",") if c]
+    return not keep or any(k in name for k in keep)
+
+
 def gluon_unavailable(script: str) -> str | None:
     """Why `script` cannot time a Gluon kernel on this machine (no CUDA GPU, not Hopper, a Triton
     whose Gluon the kernels were not checked under), or None."""

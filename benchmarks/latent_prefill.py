@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from bench_utils import bench, causal_pairs, gluon_candidates, gluon_unavailable, prompt_layout, table
+from bench_utils import bench, case_selected, causal_pairs, gluon_candidates, gluon_unavailable, prompt_layout, table
 
 LAT, ROPE, PAGE = 512, 64, 64
 
@@ -90,10 +90,9 @@ def main(argv=None) -> int:
     if why:
         print(why, file=sys.stderr)
         return 2
-    keep = [c for c in args.cases.split(",") if c]
     rows = []
     for name, (heads, q_lens, seq_lens) in cases().items():
-        if not keep or any(k in name for k in keep):
+        if case_selected(name, args.cases):
             rows += run_case(name, heads, q_lens, seq_lens, args.candidates)
     table(f"latent MLA prefill/training attention (512 + 64 dims), {torch.cuda.get_device_name()} (us a launch)",
           ["case", "kernel", "us", "TFLOP/s", "vs triton", "same bits"], rows)

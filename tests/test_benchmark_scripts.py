@@ -228,6 +228,17 @@ def test_gluon_candidate_options_refuse_bad_values(script, form, value, words):
     assert run.returncode == 2 and "--candidates" in run.stderr and words.format(form) in run.stderr
 
 
+def test_case_selected_keeps_cases_naming_any_substring_and_every_case_without_one(monkeypatch):
+    """`bench_utils.case_selected`: the `--cases` filter the prefill and config benchmarks share."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_utils
+
+    assert bench_utils.case_selected("8b training 16 x 1,024", None)
+    assert bench_utils.case_selected("8b training 16 x 1,024", "")
+    assert bench_utils.case_selected("8b training 16 x 1,024", "prompt,8b training")
+    assert not bench_utils.case_selected("8b prompt step", "training,30b")
+
+
 def test_shuffled_block_table_gives_each_sequence_its_own_pages(monkeypatch):
     """`bench_utils.shuffled_block_table`: ceil(len / page) pages a sequence, every page of the
     cache used once, rows padded with page 0, the same table from the same generator seed."""
