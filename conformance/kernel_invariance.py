@@ -29,8 +29,9 @@ and allows zero mismatches:
 
 The attention checks live in `attention_invariance.py`.
 
-Usage: ``python -m vexact_models.conformance.kernel_invariance [--quick]`` (needs CUDA); prints
-a table and exits non-zero on any mismatch.
+Usage: ``python -m vexact_models.conformance.kernel_invariance [--quick] [--only GROUP] [--shapes NAMES]``
+(needs CUDA); prints a table and exits non-zero on any mismatch. The attention part alone takes
+about 70 s a shape on the H200; ``--shapes`` splits it across calls.
 """
 
 from __future__ import annotations
@@ -304,6 +305,25 @@ def check_moe(results: dict[str, Result], quick: bool) -> None:
         torch.cuda.empty_cache()
 
 
+def attention_shape_names() -> list[str]:
+    """The names of the attention and latent attention shapes the sweep checks, in its order."""
+    return [s[0] for s in ATTENTION_SHAPES + LATENT_SHAPES]
+
+
+def selected_shapes(text: str | None) -> set[str]:
+    """The shape names of ``--shapes`` (comma-separated; None: every shape). Raises ValueError
+    naming an unknown name and the known ones."""
+    known = attention_shape_names()
+    if text is None:
+        return set(known)
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise ValueError(f"--shapes: {text!r} names {', '.join(map(repr, unknown)) or 'no shape'}; "
+                         f"the shapes are {', '.join(known)}")
+    return set(names)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer shapes and M up to 1024 (a smoke run)")
@@ -311,7 +331,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="run one group of checks (latent: MLA's latent attention and absorption GEMMs; fa4: "
                              "the attention checks with FlashAttention-4 as the forward; quack: quack-kernels' GEMM "
                              "against our linear; fa4 and quack are not part of the default run)")
+    parser.add_argument("--shapes", type=str, default=None,
+                        help="comma-separated names of the attention and latent shapes to check (default: all of "
+                             f"them: {', '.join(attention_shape_names())}); lets a long sweep run in parts")
     args = parser.parse_args(argv)
+    try:
+        shape_names = selected_shapes(args.shapes)
+    except ValueError as e:
+        parser.error(str(e))
     if not torch.cuda.is_available():
         print("kernel_invariance: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -346,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
     if args.only in (None, "attention"):
         lens = [1, 37, 300, 2048] if args.quick else [1, 37, 300, 2048, 8192]
-        for name, hq, hkv, d, dv in ATTENTION_SHAPES:
+        for name, hq, hkv, d, dv in (s for s in ATTENTION_SHAPES if s[0] in shape_names):
             check_attention(results["attention"], hq, hkv, d, dv, lens, args.quick)
             check_attention_configs(results["attention configs"], hq, hkv, d, dv, latent=False)
             print(f"attention {name}: {results['attention'].mismatches} mismatches so far", flush=True)
@@ -355,12 +382,12 @@ def main(argv: list[str] | None = None) -> int:
 
         lens = [1, 37, 300, 2048] if args.quick else [1, 37, 300, 2048, 8192]
         with use_attention_forward("fa4"):
-            for name, hq, hkv, d, dv in ATTENTION_SHAPES:
+            for name, hq, hkv, d, dv in (s for s in ATTENTION_SHAPES if s[0] in shape_names):
                 check_attention(results["attention FA4"], hq, hkv, d, dv, lens, args.quick)
                 print(f"attention FA4 {name}: {results['attention FA4'].mismatches} mismatches so far", flush=True)
     if args.only in (None, "latent"):
         lens = [1, 37, 300, 2048] if args.quick else [1, 37, 300, 2048, 8192]
-        for name, hq, rank, rope, nope, v_dim in LATENT_SHAPES:
+        for name, hq, rank, rope, nope, v_dim in (s for s in LATENT_SHAPES if s[0] in shape_names):
             check_latent_attention(results["latent attention"], hq, rank, rope, lens, args.quick)
             check_attention_configs(results["attention configs"], hq, 1, rank + rope, rank, latent=True)
             check_head_linear(results["head_linear"], hq, rank, nope, v_dim, args.quick)
