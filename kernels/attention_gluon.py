@@ -180,7 +180,10 @@ if HAS_GLUON:
             turn += 1
             t = claim_tile(turn, counter_ptr, tile_ids, tile_full, tile_free)
 
-    @gluon.jit
+    # The batch's shape changes from launch to launch. Specialized on (== 1, multiples of 16), every
+    # new combination of these five compiled the whole kernel again: mid-rollout and mid-training
+    # stalls, and most of the invariance sweep's time. Index arithmetic only: no bit depends on it.
+    @gluon.jit(do_not_specialize=["page_size", "stride_bt", "n_tiles", "tiles_x", "n_seqs"])
     def _gqa_attention_ws_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
                                  block_table_ptr, seq_order_ptr, counter_ptr, page_size, scale_log2, stride_qt,
                                  stride_qh, stride_ot, stride_oh, stride_lt, stride_bt, n_tiles, tiles_x, n_seqs,

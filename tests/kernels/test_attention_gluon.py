@@ -150,3 +150,25 @@ def test_chunked_prefill_and_decode_equal_training_bitwise(heads, kv_heads, monk
     step = _layout([1] * len(lens), lens, table, page, "cuda")
     assert torch.equal(attention_triton(q[last], k_cache, v_cache, step, scale)[0], trained[last])
     assert len(calls) == 2  # decode keeps the Triton launch
+
+
+def compiled_variants(kernel) -> int:
+    """How many variants of a Triton/Gluon `kernel` are compiled for the current CUDA device."""
+    return len(kernel.device_caches[torch.cuda.current_device()][0])
+
+
+@needs_gluon
+def test_one_compile_serves_every_batch_shape():
+    """Training batches and prompt steps change the sequence count, the longest sequence (the tile
+    count) and the block table's width from launch to launch; none of them compiles the kernel
+    again (a variant of this kernel takes seconds to build; they are runtime arguments)."""
+    gen = torch.Generator().manual_seed(7)
+    kernel, seen = attention_gluon._gqa_attention_ws_kernel, None
+    # one sequence; 3 of odd lengths; 16 of one block (one tile each); 2; 3 long ones
+    for lens in ([100], [65, 300, 17], [64] * 16, [1000, 33], [2049] * 3):
+        q, k, v = _qkv(lens, 16, 8, gen)
+        cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32).cuda()
+        out, lse = torch.empty(q.shape, dtype=q.dtype, device="cuda"), torch.empty(q.shape[:2], device="cuda")
+        attention_gluon.launch(q, k, v, packed_layout(cu, max(lens)), D ** -0.5, out, lse, *attention_gluon.SHORT_CONFIG)
+        seen = compiled_variants(kernel) if seen is None else seen
+    assert compiled_variants(kernel) == seen
