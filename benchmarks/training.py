@@ -152,12 +152,19 @@ def use_checkpointing(mode: str, length: int, params: int) -> bool:
 
 
 def stock_twin(arch, model):
-    """The stock transformers class on `model`'s weights (sdpa), bf16, CUDA, train mode."""
-    hf = arch.hf_class()._from_config(model.config, attn_implementation="sdpa", dtype=torch.bfloat16)
+    """The stock transformers class on `model`'s weights (sdpa), in train mode, built directly on
+    `model`'s device in its dtype. It was built on the CPU and moved: an 8B model's random
+    initialisation there takes minutes (`construct`), and the Qwen3-8B points did not finish
+    within a 330 s device call (thirty-sixth session)."""
+    from vexact_models.conformance.models import construct
+
+    weight = next(model.parameters())
+    hf = construct(lambda config: arch.hf_class()._from_config(config, attn_implementation="sdpa", dtype=weight.dtype),
+                   model.config, weight.device, weight.dtype)
     hf.load_state_dict(model.state_dict(), strict=False)
     if model.config.tie_word_embeddings:
         hf.tie_weights()
-    return hf.to("cuda").train()
+    return hf.train()
 
 
 def measure(name: str, layers: int | None, lengths: list[int], args) -> list[list]:
