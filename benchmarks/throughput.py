@@ -57,7 +57,7 @@ import time
 
 import torch
 
-from bench_utils import copy_bandwidth, decode_bytes, positive_int, workload_decode_roofline
+from bench_utils import copy_bandwidth, decode_bytes, positive_int, stock_twin, workload_decode_roofline
 
 
 def workload(n: int, vocab: int, seed: int, lo: int = 100, hi: int = 1024):
@@ -151,12 +151,7 @@ def graph_counts(graphs) -> str:
 
 @torch.no_grad()
 def run_hf(arch, model, prompts, outputs, batch: int) -> tuple[float, int]:
-    with torch.device("cuda"):  # built on the GPU in bf16: random init of an 8B model on the host takes minutes
-        hf = arch.hf_class()._from_config(model.config, attn_implementation="sdpa", dtype=torch.bfloat16)  # stock's fast path
-    hf.load_state_dict(model.state_dict(), strict=False)
-    hf = hf.eval()
-    if model.config.tie_word_embeddings:
-        hf.tie_weights()
+    hf = stock_twin(arch, model).eval()
     order = sorted(range(len(prompts)), key=lambda i: outputs[i])
     torch.cuda.synchronize()
     t0 = time.perf_counter()

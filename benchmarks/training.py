@@ -39,7 +39,7 @@ from collections import defaultdict
 
 import torch
 
-from bench_utils import table
+from bench_utils import stock_twin, table
 
 DEFAULT_CONFIGS = "qwen3-0.6b,qwen3-8b,qwen3-30b-a3b:24"
 DEFAULT_LENGTHS = "1024,4096,8192,16384,32768"
@@ -151,22 +151,6 @@ def use_checkpointing(mode: str, length: int, params: int) -> bool:
     return mode == "on"
 
 
-def stock_twin(arch, model):
-    """The stock transformers class on `model`'s weights (sdpa), in train mode, built directly on
-    `model`'s device in its dtype. It was built on the CPU and moved: an 8B model's random
-    initialisation there takes minutes (`construct`), and the Qwen3-8B points did not finish
-    within a 330 s device call (thirty-sixth session)."""
-    from vexact_models.conformance.models import construct
-
-    weight = next(model.parameters())
-    hf = construct(lambda config: arch.hf_class()._from_config(config, attn_implementation="sdpa", dtype=weight.dtype),
-                   model.config, weight.device, weight.dtype)
-    hf.load_state_dict(model.state_dict(), strict=False)
-    if model.config.tie_word_embeddings:
-        hf.tie_weights()
-    return hf.train()
-
-
 def measure(name: str, layers: int | None, lengths: list[int], args) -> list[list]:
     from vexact_models.conformance.models import parse_overrides
     from vexact_models.conformance.models import architecture_of, build_model, make_config
@@ -178,7 +162,7 @@ def measure(name: str, layers: int | None, lengths: list[int], args) -> list[lis
     rows = []
     profiles: dict[int, dict[str, dict[str, float]]] = {}
     for side in ("hf", "vexact"):
-        model = stock_twin(arch, ours) if side == "hf" else ours
+        model = stock_twin(arch, ours).train() if side == "hf" else ours
         loss_fn = hf_loss if side == "hf" else vexact_loss
         for length in lengths:
             ckpt = use_checkpointing(args.checkpointing, length, params)

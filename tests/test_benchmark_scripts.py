@@ -64,30 +64,30 @@ def test_training_profile_groups_kernels(monkeypatch, capsys):
     assert "top 1 kernels" in out and "_linear_kernel" in out and "_attention_fwd_kernel" not in out.split("vexact: top")[1]
 
 
-def test_training_stock_twin_is_the_hf_class_on_our_weights_device_and_dtype(monkeypatch):
-    """`training.stock_twin`: the stock transformers class holding our weights, in train mode,
-    built where our model lives and in its dtype, never initialised on the CPU and moved (our
+def test_stock_twin_is_the_hf_class_on_our_weights_device_and_dtype(monkeypatch):
+    """`bench_utils.stock_twin` (training.py's and throughput.py's peer): the stock transformers
+    class holding our weights, built where our model lives and in its dtype, never initialised on the CPU and moved (our
     model on the meta device here: a twin built on the CPU could not take its weights)."""
     import torch
 
     from vexact_models.conformance.models import architecture_of, build_model, make_config
 
     monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import training
+    import bench_utils
 
     arch = architecture_of("qwen3-0.6b")
     config = make_config(arch, "qwen3-0.6b", 1, 64, {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
                                                      "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256})
     ours = build_model(arch, config, torch.device("cpu"), torch.bfloat16)
-    twin = training.stock_twin(arch, ours)
-    assert type(twin) is arch.hf_class() and twin.training
+    twin = bench_utils.stock_twin(arch, ours)
+    assert type(twin) is arch.hf_class()
     theirs = twin.state_dict()
     assert all(torch.equal(theirs[name], value) for name, value in ours.state_dict().items() if name in theirs)
     assert all(p.dtype == torch.bfloat16 for p in twin.parameters())
     meta = build_model(arch, config, torch.device("meta"), torch.bfloat16)
     built_on = []
     monkeypatch.setattr(torch.nn.Linear, "reset_parameters", lambda self: built_on.append(self.weight.device.type))
-    assert all(p.is_meta for p in training.stock_twin(arch, meta).parameters())
+    assert all(p.is_meta for p in bench_utils.stock_twin(arch, meta).parameters())
     assert built_on and set(built_on) == {"meta"}
 
 
