@@ -31,7 +31,7 @@ The attention checks live in `attention_invariance.py`.
 
 Usage: ``python -m vexact_models.conformance.kernel_invariance [--quick] [--only GROUP] [--shapes NAMES]``
 (needs CUDA); prints a table and exits non-zero on any mismatch. The attention part alone takes
-about 70 s a shape on the H200; ``--shapes`` splits it across calls.
+15-40 s a shape on the H200 (``--quick``); ``--shapes`` splits it across calls.
 """
 
 from __future__ import annotations
