@@ -44,8 +44,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .attention_invariance import (ATTENTION_SHAPES, LATENT_SHAPES, check_attention, check_attention_configs,
-                                  check_latent_attention, check_latent_cache_write)
+from .attention_invariance import (LATENT_SHAPES, attention_shape_names, check_attention_configs,
+                                  check_latent_attention, check_latent_cache_write, run_attention, selected_shapes)
 
 M_SWEEP = [1, 2, 3, 4, 5, 7, 8, 13, 16, 31, 32, 63, 64, 100, 127, 128, 255, 256, 511, 512, 1000, 1024, 2048,
            4096, 8192]
@@ -305,25 +305,6 @@ def check_moe(results: dict[str, Result], quick: bool) -> None:
         torch.cuda.empty_cache()
 
 
-def attention_shape_names() -> list[str]:
-    """The names of the attention and latent attention shapes the sweep checks, in its order."""
-    return [s[0] for s in ATTENTION_SHAPES + LATENT_SHAPES]
-
-
-def selected_shapes(text: str | None) -> set[str]:
-    """The shape names of ``--shapes`` (comma-separated; None: every shape). Raises ValueError
-    naming an unknown name and the known ones."""
-    known = attention_shape_names()
-    if text is None:
-        return set(known)
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in known]
-    if unknown or not names:
-        raise ValueError(f"--shapes: {text!r} names {', '.join(map(repr, unknown)) or 'no shape'}; "
-                         f"the shapes are {', '.join(known)}")
-    return set(names)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer shapes and M up to 1024 (a smoke run)")
@@ -350,13 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {n: Result(n) for n in names}
     t0 = time.time()
     if args.only in (None, "linear"):
-        shapes = LINEAR_SHAPES[::3] if args.quick else LINEAR_SHAPES
-        ms = [m for m in M_SWEEP if m <= (1024 if args.quick else 8192)]
-        for model, layer, k, n in shapes:
-            check_linear(results["linear"], k, n, ms, torch.float32 if layer == "lm_head" else torch.bfloat16)
-            print(f"linear {model} {layer} K={k} N={n}: {results['linear'].mismatches} mismatches so far", flush=True)
-        for k, n in ((1024, 3072), (4096, 1024)):
-            check_linear_configs(results["linear configs"], k, n)
+        run_linear(results, args.quick)
     if args.only == "quack":  # the optional quack-kernels package: its rows are our kernel's
         from vexact_models.kernels.linear_quack import device_unavailable_reason
 
@@ -364,43 +339,62 @@ def main(argv: list[str] | None = None) -> int:
         if reason is not None:
             print(f"kernel_invariance --only quack: {reason}", file=sys.stderr)
             return 2
-        for model, layer, k, n in LINEAR_SHAPES[::3] if args.quick else LINEAR_SHAPES:
-            lm_head = layer == "lm_head"
-            check_linear_quack(results["linear quack"], k, n, torch.float32 if lm_head else torch.bfloat16, False)
-            if not lm_head:  # Qwen2's q/k/v carry a bias
-                check_linear_quack(results["linear quack"], k, n, torch.bfloat16, True)
-            print(f"linear quack {model} {layer} K={k} N={n}: {results['linear quack'].mismatches} mismatches so far",
-                  flush=True)
+        run_linear_quack(results, args.quick)
     if args.only in (None, "attention"):
-        lens = [1, 37, 300, 2048] if args.quick else [1, 37, 300, 2048, 8192]
-        for name, hq, hkv, d, dv in (s for s in ATTENTION_SHAPES if s[0] in shape_names):
-            check_attention(results["attention"], hq, hkv, d, dv, lens, args.quick)
-            check_attention_configs(results["attention configs"], hq, hkv, d, dv, latent=False)
-            print(f"attention {name}: {results['attention'].mismatches} mismatches so far", flush=True)
+        run_attention(results["attention"], results["attention configs"], shape_names, args.quick)
     if args.only == "fa4":  # the optional flash-attn-4 package: training == prefill == decode under it too
         from vexact_models.kernels import use_attention_forward
 
-        lens = [1, 37, 300, 2048] if args.quick else [1, 37, 300, 2048, 8192]
         with use_attention_forward("fa4"):
-            for name, hq, hkv, d, dv in (s for s in ATTENTION_SHAPES if s[0] in shape_names):
-                check_attention(results["attention FA4"], hq, hkv, d, dv, lens, args.quick)
-                print(f"attention FA4 {name}: {results['attention FA4'].mismatches} mismatches so far", flush=True)
+            run_attention(results["attention FA4"], None, shape_names, args.quick)
     if args.only in (None, "latent"):
-        lens = [1, 37, 300, 2048] if args.quick else [1, 37, 300, 2048, 8192]
-        for name, hq, rank, rope, nope, v_dim in (s for s in LATENT_SHAPES if s[0] in shape_names):
-            check_latent_attention(results["latent attention"], hq, rank, rope, lens, args.quick)
-            check_attention_configs(results["attention configs"], hq, 1, rank + rope, rank, latent=True)
-            check_head_linear(results["head_linear"], hq, rank, nope, v_dim, args.quick)
-            check_latent_cache_write(results["latent_cache_write"], hq, rank, rope, nope,
-                                     [m for m in M_SWEEP if m <= (1024 if args.quick else 4096)])
-            print(f"{name}: {results['latent attention'].mismatches} attention and {results['head_linear'].mismatches} "
-                  "head_linear mismatches so far", flush=True)
+        run_latent(results, shape_names, args.quick)
     if args.only in (None, "rows"):
         check_rows(results, args.quick)
     if args.only in (None, "moe"):
         check_moe(results, args.quick)
     torch.cuda.synchronize()
     print(f"\nkernel invariance on {torch.cuda.get_device_name()} (torch {torch.__version__}), {time.time() - t0:.0f}s")
+    return 1 if print_results(results) else 0
+
+
+def run_linear(results: dict[str, Result], quick: bool) -> None:
+    """Every linear shape's rows alone against in batches, then the tile configs forced."""
+    ms = [m for m in M_SWEEP if m <= (1024 if quick else 8192)]
+    for model, layer, k, n in LINEAR_SHAPES[::3] if quick else LINEAR_SHAPES:
+        check_linear(results["linear"], k, n, ms, torch.float32 if layer == "lm_head" else torch.bfloat16)
+        print(f"linear {model} {layer} K={k} N={n}: {results['linear'].mismatches} mismatches so far", flush=True)
+    for k, n in ((1024, 3072), (4096, 1024)):
+        check_linear_configs(results["linear configs"], k, n)
+
+
+def run_linear_quack(results: dict[str, Result], quick: bool) -> None:
+    """quack's GEMM against our linear's rows at every linear shape (with a bias where Qwen2 has one)."""
+    for model, layer, k, n in LINEAR_SHAPES[::3] if quick else LINEAR_SHAPES:
+        lm_head = layer == "lm_head"
+        check_linear_quack(results["linear quack"], k, n, torch.float32 if lm_head else torch.bfloat16, False)
+        if not lm_head:  # Qwen2's q/k/v carry a bias
+            check_linear_quack(results["linear quack"], k, n, torch.bfloat16, True)
+        print(f"linear quack {model} {layer} K={k} N={n}: {results['linear quack'].mismatches} mismatches so far",
+              flush=True)
+
+
+def run_latent(results: dict[str, Result], shape_names: set[str], quick: bool) -> None:
+    """The latent MLA attention, its launch configs, the absorption GEMMs and the fused prologue at
+    each latent shape named in `shape_names`."""
+    lens = [1, 37, 300, 2048] if quick else [1, 37, 300, 2048, 8192]
+    for name, hq, rank, rope, nope, v_dim in (s for s in LATENT_SHAPES if s[0] in shape_names):
+        check_latent_attention(results["latent attention"], hq, rank, rope, lens, quick)
+        check_attention_configs(results["attention configs"], hq, 1, rank + rope, rank, latent=True)
+        check_head_linear(results["head_linear"], hq, rank, nope, v_dim, quick)
+        check_latent_cache_write(results["latent_cache_write"], hq, rank, rope, nope,
+                                 [m for m in M_SWEEP if m <= (1024 if quick else 4096)])
+        print(f"{name}: {results['latent attention'].mismatches} attention and {results['head_linear'].mismatches} "
+              "head_linear mismatches so far", flush=True)
+
+
+def print_results(results: dict[str, Result]) -> bool:
+    """The table of every check that ran, its first notes, and the verdict; whether any failed."""
     print(f"{'check':<16}{'cases':>8}{'elements':>16}{'mismatches':>12}")
     failed = False
     for r in results.values():
@@ -410,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
             for note in r.notes[:10]:
                 print(f"    {note}")
     print("RESULT:", "FAIL" if failed else "PASS (zero mismatches)")
-    return 1 if failed else 0
+    return failed
 
 
 if __name__ == "__main__":
