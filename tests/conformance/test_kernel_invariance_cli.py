@@ -70,3 +70,15 @@ def test_cli_checks_only_the_named_latent_shapes(recorded_checks):
 def test_cli_without_shapes_checks_every_attention_shape(recorded_checks):
     assert main(["--only", "attention", "--quick"]) == 0
     assert [c[1:] for c in recorded_checks if c[0] == "check_attention"] == [(s[1], s[2]) for s in ATTENTION_SHAPES]
+
+
+def test_cli_checks_every_third_linear_shape_when_quick(recorded_checks, monkeypatch):
+    from vexact_models.conformance import linear_invariance
+
+    calls = []
+    monkeypatch.setattr(linear_invariance, "check_linear", lambda result, k, n, ms, dtype: calls.append((k, n, max(ms))))
+    monkeypatch.setattr(linear_invariance, "check_linear_configs", lambda result, k, n: calls.append((k, n, "configs")))
+    assert main(["--only", "linear", "--quick"]) == 0
+    assert calls == [(k, n, 1024) for _, _, k, n in linear_invariance.LINEAR_SHAPES[::3]] + \
+        [(1024, 3072, "configs"), (4096, 1024, "configs")]
+    assert not recorded_checks  # no attention check
