@@ -212,7 +212,7 @@ if HAS_GLUON:
         if chunk == 0:
             gl.store(lse_ptr + token * GROUP + gl.arange(0, GROUP, layout=l_i.type.layout), m_i + gl.log2(l_i))
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=["page_size", "stride_bt"])  # as the Triton launch: one compile for every batch
     def _latent_decode_kernel(q_lat_desc, q_rope_desc, lat_desc, rope_desc, kv_ptr, stride_ks, o_ptr, lse_ptr,
                               cu_seqlens_q_ptr, seq_lens_ptr, block_table_ptr, seq_order_ptr,
                               page_size, scale_log2, stride_ot, stride_oh, stride_bt,

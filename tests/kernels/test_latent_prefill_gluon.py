@@ -117,3 +117,21 @@ def test_packed_training_forward_takes_the_gluon_kernel_with_the_triton_bits(len
     calls = _gluon_calls(monkeypatch)
     got = attention_packed(q, k, k[..., :LAT], cu, max(lens))
     assert len(calls) == 1 and torch.equal(got, want)
+
+
+@needs_gluon
+def test_one_compile_serves_every_batch_shape():
+    """The sequence count, the longest sequence and the block table's width change from training
+    batch to training batch; none of them compiles the kernel again (runtime arguments)."""
+    from .test_attention_gluon import compiled_variants
+
+    gen = torch.Generator().manual_seed(3)
+    kernel, seen = latent_prefill_gluon._latent_prefill_kernel, None
+    for lens in ([100], [65, 300, 17], [64] * 16, [1000, 33]):
+        t = sum(lens)
+        q = torch.randn(t, HEADS, LAT + ROPE, generator=gen).bfloat16().cuda()
+        k = torch.randn(t, 1, LAT + ROPE, generator=gen).bfloat16().cuda()
+        cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32).cuda()
+        latent_prefill_gluon.latent_prefill_gluon(q, k, LAT, packed_layout(cu, max(lens)), 0.1, contiguous=True)
+        seen = compiled_variants(kernel) if seen is None else seen
+    assert compiled_variants(kernel) == seen
