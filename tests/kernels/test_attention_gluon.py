@@ -7,25 +7,19 @@ import dataclasses
 import pytest
 import torch
 
-from vexact_models.kernels import PagedLayout, attention_gluon, attention_packed, gluon_support
+from vexact_models.kernels import attention_gluon, attention_packed, gluon_support
 from vexact_models.kernels.attention import attention_triton, packed_layout
 from vexact_models.kernels.attention_tiles import BLOCK_M
 
-from ..conftest import paged_cache, shuffled_pages
+from ..conftest import paged_cache, paged_layout, shuffled_pages
 
 D = attention_gluon.HEAD_DIM
-
-
-def _layout(q_lens, seq_lens, table, page, device="cpu"):
-    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
-    return PagedLayout(cu.to(device), torch.tensor(seq_lens, dtype=torch.int32, device=device), table.to(device), page,
-                       max(q_lens))
 
 
 def test_shape_fits_training_and_prompt_launches_of_head_dim_128_over_whole_block_pages_or_packed_rows():
     q = torch.zeros(100, 32, D, dtype=torch.bfloat16)
     k = torch.zeros(256, 8, D, dtype=torch.bfloat16)
-    paged = _layout([40, 60], [70, 60], torch.zeros(2, 2, dtype=torch.int32), 64)  # 60 tokens x 4 heads > 64 rows
+    paged = paged_layout([40, 60], [70, 60], torch.zeros(2, 2, dtype=torch.int32), 64)  # 60 tokens x 4 heads > 64 rows
     assert attention_gluon.shape_fits(q, k, k, paged)
     assert not attention_gluon.shape_fits(q, k, k, dataclasses.replace(paged, page_size=16))
     assert not attention_gluon.shape_fits(q, k, k, dataclasses.replace(paged, max_seqlen_q=16))  # 64 rows: a short chunk
@@ -61,7 +55,7 @@ def test_a_launch_of_short_chunks_keeps_the_triton_tiles():
     """At most `BLOCK_M` rows a sequence (a decode step, a short chunk) is not this kernel's launch."""
     q = torch.zeros(16, 32, D, dtype=torch.bfloat16)
     k = torch.zeros(64, 8, D, dtype=torch.bfloat16)
-    layout = _layout([16], [64], torch.zeros(1, 1, dtype=torch.int32), 64)
+    layout = paged_layout([16], [64], torch.zeros(1, 1, dtype=torch.int32), 64)
     assert 16 * 4 == BLOCK_M and not attention_gluon.shape_fits(q, k, k, layout)
 
 
@@ -133,7 +127,7 @@ def test_chunked_prefill_and_decode_equal_training_bitwise(heads, kv_heads, monk
     for first in ([0] * len(lens), [n // 3 for n in lens]):  # one chunk; then after a first third as context
         second = [n - f for n, f in zip(lens, first)]
         rows = torch.cat([torch.arange(c + f, c + n) for c, f, n in zip(cu[:-1].tolist(), first, lens)]).cuda()
-        layout = _layout(second, lens, table, page, "cuda")
+        layout = paged_layout(second, lens, table, page, "cuda")
         with attention_gluon.ATTENTION_PREFILL.use("triton"):
             want, want_lse = attention_triton(q[rows], k_cache, v_cache, layout, scale)
         assert torch.equal(want, trained[rows]) and not want.isnan().any()
@@ -147,7 +141,7 @@ def test_chunked_prefill_and_decode_equal_training_bitwise(heads, kv_heads, monk
                 assert torch.equal(out, want) and torch.equal(lse, want_lse), cand
     assert len(calls) == 2  # the default launch went to the Gluon kernel, once a chunk
     last = (cu[1:] - 1).cuda()  # each sequence's last token as a decode step over the cache
-    step = _layout([1] * len(lens), lens, table, page, "cuda")
+    step = paged_layout([1] * len(lens), lens, table, page, "cuda")
     assert torch.equal(attention_triton(q[last], k_cache, v_cache, step, scale)[0], trained[last])
     assert len(calls) == 2  # decode keeps the Triton launch
 

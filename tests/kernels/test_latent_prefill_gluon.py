@@ -7,25 +7,19 @@ import dataclasses
 import pytest
 import torch
 
-from vexact_models.kernels import PagedLayout, attention_packed, gluon_support, latent_prefill_gluon
+from vexact_models.kernels import attention_packed, gluon_support, latent_prefill_gluon
 from vexact_models.kernels.attention import packed_layout
 from vexact_models.kernels.latent_attention import latent_attention_triton, pick_config
 
-from ..conftest import paged_cache, shuffled_pages
+from ..conftest import paged_cache, paged_layout, shuffled_pages
 
 LAT, ROPE, HEADS = 512, 64, 16
-
-
-def _layout(q_lens, seq_lens, table, page, device="cpu"):
-    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
-    return PagedLayout(cu.to(device), torch.tensor(seq_lens, dtype=torch.int32, device=device), table.to(device), page,
-                       max(q_lens))
 
 
 def test_shape_fits_prefill_of_moonlights_shape_over_whole_block_pages_or_packed_rows():
     q = torch.zeros(10, HEADS, LAT + ROPE, dtype=torch.bfloat16)
     kv = torch.zeros(128, 1, LAT + ROPE, dtype=torch.bfloat16)
-    paged = _layout([6, 4], [70, 4], torch.zeros(2, 2, dtype=torch.int32), 64)
+    paged = paged_layout([6, 4], [70, 4], torch.zeros(2, 2, dtype=torch.int32), 64)
     assert latent_prefill_gluon.shape_fits(q, kv, LAT, paged)
     assert not latent_prefill_gluon.shape_fits(q, kv, LAT, dataclasses.replace(paged, page_size=16))
     assert not latent_prefill_gluon.shape_fits(q, kv, LAT, dataclasses.replace(paged, max_seqlen_q=1))  # decode
@@ -82,7 +76,7 @@ def test_chunked_prefill_equals_the_triton_launch_and_training_bitwise(heads, mo
     for first in ([0] * len(lens), [n // 3 for n in lens]):  # one chunk; then after a first third as context
         second = [n - f for n, f in zip(lens, first)]
         rows = torch.cat([torch.arange(c + f, c + n) for c, f, n in zip(cu[:-1].tolist(), first, lens)]).cuda()
-        layout = _layout(second, lens, table, page, "cuda")
+        layout = paged_layout(second, lens, table, page, "cuda")
         triton_cfg = pick_config(q.dtype, layout.max_seqlen_q * heads, len(lens), 132)
         want, want_lse = latent_attention_triton(q[rows], cache, LAT, layout, scale, triton_cfg)
         assert torch.equal(want, trained[rows]) and not want.isnan().any()
