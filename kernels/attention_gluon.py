@@ -149,7 +149,7 @@ if HAS_GLUON:
             mbarrier.arrive(ready.index(STAGES + stage), count=1)
 
     @gluon.jit
-    def _producer(k_desc, v_desc, k_smem, v_smem, ready, empty, landed, tile_ids, tile_full, tile_free, counter_ptr,
+    def producer(k_desc, v_desc, k_smem, v_smem, ready, empty, landed, tile_ids, tile_full, tile_free, counter_ptr,
                   n_tiles, tiles_x, n_seqs, cu_seqlens_q_ptr, seq_lens_ptr, seq_order_ptr, block_table_ptr,
                   stride_bt, page_size, ORDERED: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
                   D: gl.constexpr, BLOCK_N: gl.constexpr):
@@ -218,7 +218,7 @@ if HAS_GLUON:
                          tiles_x, n_seqs, cu_seqlens_q_ptr, seq_lens_ptr, seq_order_ptr, scale_log2,
                          stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, 1, ORDERED, GROUP, D, BLOCK_N, STAGES,
                          SUM_LEVELS)),
-            (_producer, (k_desc, v_desc, k_smem, v_smem, ready, empty, landed.index(0), tile_ids, tile_full, tile_free,
+            (producer, (k_desc, v_desc, k_smem, v_smem, ready, empty, landed.index(0), tile_ids, tile_full, tile_free,
                          counter_ptr, n_tiles, tiles_x, n_seqs, cu_seqlens_q_ptr, seq_lens_ptr,
                          seq_order_ptr, block_table_ptr, stride_bt, page_size, ORDERED, GROUP, STAGES, D, BLOCK_N)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
