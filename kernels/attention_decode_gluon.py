@@ -39,12 +39,15 @@ from .attention_tiles import BLOCK_N
 from .gluon_support import HAS_GLUON, tma_descriptor
 from .row_sum import row_sum_levels
 
-__all__ = ["HEAD_DIM", "MAX_GROUP", "STAGES", "attention_decode_gluon", "fits", "launch", "shape_fits"]
+__all__ = ["CONFIGS", "HEAD_DIM", "MAX_GROUP", "attention_decode_gluon", "fits", "launch", "shape_fits"]
 
 HEAD_DIM = 128
 MAX_GROUP = 8  # query heads per KV head the kernel takes: its N of 8 (Qwen3 2-8, Llama 4, Qwen2.5-7B 7)
-STAGES = 4  # K/V stages of 32 KB in the ring
-CONSUMER_REGS, PRODUCER_REGS = 160, 40
+#: (K/V stages of 32 KB, programs an SM, registers a thread of each consumer warpgroup, of the
+#: producer): one program an SM with a deep ring (no spills, sm_90 on the CPU), or two with three
+#: stages each: two programs' 24 warps fit the register file at 80 registers a thread, where the
+#: first consumer (the default partition) spills 12 bytes whatever the split. Neither was timed yet.
+CONFIGS = ((4, 1, 160, 40), (3, 2, 96, 48))
 
 if HAS_GLUON:
     from triton.experimental import gluon
@@ -222,10 +225,10 @@ if HAS_GLUON:
             mbarrier.invalidate(tile_free.index(st))
 
 
-def attention_decode_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout,
-                           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_decode_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, scale: float,
+                           config: tuple[int, int, int, int] = CONFIGS[0]) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [T, Hq, 128], lse [T, Hq])`` of a decode launch that `fits` (`k`, `v` the paged caches
-    as ``[slots, Hkv, 128]``)."""
+    as ``[slots, Hkv, 128]``), by `config` (`launch`)."""
     if not fits(q, k, v, layout):
         raise ValueError(f"attention_decode_gluon: this launch does not fit the kernel (q {tuple(q.shape)} {q.dtype}, "
                          f"k {tuple(k.shape)}, max_seqlen_q={layout.max_seqlen_q}, page_size={layout.page_size}); "
@@ -233,15 +236,17 @@ def attention_decode_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, la
     out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     lse = torch.empty(q.shape[:2], device=q.device, dtype=torch.float32)
     if q.shape[0] and layout.seq_lens.shape[0]:
-        launch(q, k, v, layout, scale, out, lse)
+        launch(q, k, v, layout, scale, out, lse, config)
     return out, lse
 
 
 def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, scale: float, out: torch.Tensor,
-           lse: torch.Tensor, stages: int = STAGES) -> None:
-    """The kernel launch into `out` and `lse`, for a launch that `shape_fits` (unchecked): one
-    program an SM, (sequence, KV head) tiles from a global counter, one KV head's sequences after
-    another (`gluon_support.grid_tile`'s order)."""
+           lse: torch.Tensor, config: tuple[int, int, int, int] = CONFIGS[0]) -> None:
+    """The kernel launch into `out` and `lse`, for a launch that `shape_fits` (unchecked): `config`
+    (one of `CONFIGS`: stages, programs an SM, consumer and producer registers) programs an SM,
+    (sequence, KV head) tiles from a global counter, one KV head's sequences after another
+    (`gluon_support.grid_tile`'s order)."""
+    stages, per_sm, consumer_regs, producer_regs = config
     heads, dim = q.shape[1], q.shape[2]
     kv_heads = k.shape[-2]
     k_rows, v_rows = k.reshape(-1, kv_heads * dim), v.reshape(-1, kv_heads * dim)
@@ -250,11 +255,11 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, scale: flo
     ordered = layout.seq_order is not None
     order = layout.seq_order if ordered else layout.cu_seqlens_q  # unread (ORDERED false); a partition takes no None
     counter = torch.zeros(1, dtype=torch.int32, device=q.device)
-    max_regs = (CONSUMER_REGS * 2 + PRODUCER_REGS) // 3 // 8 * 8
-    _gqa_decode_ws_kernel[(min(n_tiles, num_sms(q.device)), )](
+    max_regs = (consumer_regs * 2 + producer_regs) // 3 // 8 * 8
+    _gqa_decode_ws_kernel[(min(n_tiles, per_sm * num_sms(q.device)), )](
         q, tma_descriptor(k_rows, [BLOCK_N, dim]), tma_descriptor(v_rows, [BLOCK_N, dim]), out, lse,
         layout.cu_seqlens_q, layout.seq_lens, layout.block_table, order, counter, layout.page_size,
         scale * math.log2(math.e), q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0),
         layout.block_table.stride(0), n_tiles, n_seqs, GROUP=heads // kv_heads, R=MAX_GROUP, D=dim, BLOCK_N=BLOCK_N,
-        STAGES=stages, SUM_LEVELS=row_sum_levels(BLOCK_N), ORDERED=ordered, CONSUMER_REGS=CONSUMER_REGS,
-        PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=max_regs)
+        STAGES=stages, SUM_LEVELS=row_sum_levels(BLOCK_N), ORDERED=ordered, CONSUMER_REGS=consumer_regs,
+        PRODUCER_REGS=producer_regs, num_warps=4, maxnreg=max_regs)

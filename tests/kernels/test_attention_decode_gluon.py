@@ -38,6 +38,12 @@ def test_shape_fits_decode_launches_of_head_dim_128_and_groups_up_to_8_over_whol
         attention_decode_gluon.attention_decode_gluon(q, k, k, step, 0.1)
 
 
+def test_every_config_fits_the_registers_and_shared_memory_of_its_programs_an_sm():
+    for stages, per_sm, consumer, producer in attention_decode_gluon.CONFIGS:
+        assert per_sm * (2 * consumer + producer) // 3 // 8 * 8 * 384 <= 65536  # 12 warps a program, maxnreg
+        assert per_sm * (stages * 32 + 7) <= 227  # K/V stages, queries, P and barriers, KB
+
+
 needs_gluon = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
                                       and gluon_support.HAS_GLUON),
                                  reason="the Gluon kernel needs a Hopper GPU and a verified Triton")
@@ -63,6 +69,7 @@ def test_decode_equals_the_triton_launch_bitwise(heads, kv_heads):
     want, want_lse = attention_triton(q, k_cache, v_cache, step, scale)
     assert not want.isnan().any()
     ordered = dataclasses.replace(step, seq_order=torch.tensor(lens + [0]).argsort(descending=True).int().cuda())
-    for lay in (step, ordered):
-        out, lse = attention_decode_gluon.attention_decode_gluon(q, k_cache, v_cache, lay, scale)
-        assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    for config in attention_decode_gluon.CONFIGS:
+        for lay in (step, ordered):
+            out, lse = attention_decode_gluon.attention_decode_gluon(q, k_cache, v_cache, lay, scale, config)
+            assert torch.equal(out, want) and torch.equal(lse, want_lse), config
