@@ -1,7 +1,8 @@
 """GQA decode attention in Gluon (Hopper): persistent and warp-specialised, key-major dots.
 
 WORK IN PROGRESS (thirty-sixth session): compiled for sm_90 on the CPU only, never run on a GPU.
-Neither its bits nor its speed are known; `attention_triton` does not route to it.
+Neither its bits nor its speed are known; `attention_triton` routes decode launches to it only
+under ``VEXACT_ATTENTION_DECODE=gluon``.
 
 Why: the Triton decode launch (16-row tiles, two programs an SM) reads the cache at 85-87% of the
 copy bandwidth at 128 sequences of ~544 tokens and 92% at 256 (twenty-third and twenty-fifth
@@ -37,10 +38,14 @@ import torch
 from ._triton import has_tma, num_sms, tma_rows_aligned
 from .attention_tiles import BLOCK_N
 from .gluon_support import HAS_GLUON, tma_descriptor
+from .kernel_switch import KernelSwitch
 from .row_sum import row_sum_levels
 
-__all__ = ["CONFIGS", "HEAD_DIM", "MAX_GROUP", "attention_decode_gluon", "fits", "launch", "shape_fits"]
+__all__ = ["ATTENTION_DECODE", "CONFIGS", "HEAD_DIM", "MAX_GROUP", "attention_decode_gluon", "fits", "launch", "shape_fits"]
 
+#: ``VEXACT_ATTENTION_DECODE``: ``triton`` (the default until this kernel's bits and speed are
+#: measured) or ``gluon`` (this kernel for every decode launch it `fits`)
+ATTENTION_DECODE = KernelSwitch("VEXACT_ATTENTION_DECODE", ("triton", "gluon"), "triton", "GQA decode kernel")
 HEAD_DIM = 128
 MAX_GROUP = 8  # query heads per KV head the kernel takes: its N of 8 (Qwen3 2-8, Llama 4, Qwen2.5-7B 7)
 #: (K/V stages of 32 KB, programs an SM, registers a thread of each consumer warpgroup, of the

@@ -44,6 +44,13 @@ def test_every_config_fits_the_registers_and_shared_memory_of_its_programs_an_sm
         assert per_sm * (stages * 32 + 7) <= 227  # K/V stages, queries, P and barriers, KB
 
 
+def test_decode_switch_defaults_to_triton_and_names_a_bad_value(monkeypatch):
+    assert attention_decode_gluon.ATTENTION_DECODE.default == "triton"  # until measured on a GPU
+    monkeypatch.setenv("VEXACT_ATTENTION_DECODE", "cuda")
+    with pytest.raises(ValueError, match="VEXACT_ATTENTION_DECODE='cuda'.*'triton', 'gluon'"):
+        attention_decode_gluon.ATTENTION_DECODE.mode()
+
+
 needs_gluon = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
                                       and gluon_support.HAS_GLUON),
                                  reason="the Gluon kernel needs a Hopper GPU and a verified Triton")
@@ -51,7 +58,7 @@ needs_gluon = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.g
 
 @needs_gluon
 @pytest.mark.parametrize("heads,kv_heads", [(16, 8), (32, 8), (28, 4), (32, 4)])
-def test_decode_equals_the_triton_launch_bitwise(heads, kv_heads):
+def test_decode_equals_the_triton_launch_bitwise(heads, kv_heads, monkeypatch):
     """Decode steps over shuffled pages of 64 (NaN in every unwritten slot), sequences of 1-1,100
     keys (partial last blocks, a block exactly full), a padding sequence with no query token, in
     arrival and longest-first order: the Triton decode launch's output and lse, bitwise."""
@@ -69,6 +76,11 @@ def test_decode_equals_the_triton_launch_bitwise(heads, kv_heads):
     want, want_lse = attention_triton(q, k_cache, v_cache, step, scale)
     assert not want.isnan().any()
     ordered = dataclasses.replace(step, seq_order=torch.tensor(lens + [0]).argsort(descending=True).int().cuda())
+    calls, run = [], attention_decode_gluon.attention_decode_gluon
+    monkeypatch.setattr(attention_decode_gluon, "attention_decode_gluon", lambda *a, **kw: calls.append(a) or run(*a, **kw))
+    with attention_decode_gluon.ATTENTION_DECODE.use("gluon"):  # the routed launch
+        out, lse = attention_triton(q, k_cache, v_cache, step, scale)
+    assert len(calls) == 1 and torch.equal(out, want) and torch.equal(lse, want_lse)
     for config in attention_decode_gluon.CONFIGS:
         for lay in (step, ordered):
             out, lse = attention_decode_gluon.attention_decode_gluon(q, k_cache, v_cache, lay, scale, config)
