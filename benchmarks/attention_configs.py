@@ -202,7 +202,8 @@ def _gqa_gluon_rows(name, q, k, v, layout, scale, ref, kv_bytes, hbm) -> list[li
         run = lambda: attention_decode_gluon.attention_decode_gluon(q, k, v, layout, scale, config)[0]  # noqa: E731
         ms = bench_graph([run])
         same = "yes" if ref is not None and torch.equal(run(), ref) else "NO"
-        label = "gluon decode s{} x{} c{} p{} (persistent, warp-specialised, key-major) TMA K/V".format(*config)
+        label = "gluon decode s{} x{} c{} p{}{} (persistent, warp-specialised, key-major) TMA K/V".format(
+            *config[:4], " ahead" if config[4] else "")
         print(f"{label} {name}: {ms * 1e3:.1f} us", flush=True)
         rows.append([name, label, f"{ms * 1e3:.1f}", f"{kv_bytes / ms / 1e6 / hbm * 100:.0f}% HBM", same])
     return rows

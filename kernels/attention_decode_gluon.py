@@ -49,10 +49,12 @@ ATTENTION_DECODE = KernelSwitch("VEXACT_ATTENTION_DECODE", ("triton", "gluon"), 
 HEAD_DIM = 128
 MAX_GROUP = 8  # query heads per KV head the kernel takes: its N of 8 (Qwen3 2-8, Llama 4, Qwen2.5-7B 7)
 #: (K/V stages of 32 KB, programs an SM, registers a thread of each consumer warpgroup, of the
-#: producer): one program an SM with a deep ring (no spills, sm_90 on the CPU), or two with three
-#: stages each: two programs' 24 warps fit the register file at 80 registers a thread, where the
-#: first consumer (the default partition) spills 12 bytes whatever the split. Neither was timed yet.
-CONFIGS = ((4, 1, 160, 40), (3, 2, 96, 48))
+#: producer, scores a block ahead), each with its blocks one after another or pipelined
+#: (`_attend_tile_ahead`). One program an SM with a deep ring: 192 / 48 registers (the default
+#: partition's 144), no spills on sm_90 (compiled on the CPU; at 120 the pipelined first consumer
+#: spilled). Two programs an SM with three stages each: their 24 warps fit the register file at
+#: 80 a thread, where the first consumer spills 12-24 bytes whatever the split. None was timed yet.
+CONFIGS = ((4, 1, 192, 48, False), (4, 1, 192, 48, True), (3, 2, 96, 48, False), (3, 2, 96, 48, True))
 
 if HAS_GLUON:
     from triton.experimental import gluon
@@ -128,18 +130,98 @@ if HAS_GLUON:
             gl.store(lse_ptr + token * stride_lt + kv_head * GROUP + heads_l, m_i + gl.log2(l_i), mask=heads_l < GROUP)
 
     @gluon.jit
+    def _issue_scores(k_stage, q_smem, mma: gl.constexpr, BLOCK_N: gl.constexpr, R: gl.constexpr):
+        """``S^T = K . Q^T`` of one key block, issued asynchronously."""
+        return warpgroup_mma(k_stage, q_smem.permute((1, 0)), gl.zeros([BLOCK_N, R], gl.float32, layout=mma),
+                             is_async=True)
+
+    @gluon.jit
+    def _issue_value_dot(v_stage, p_smem, acc, HALF_IX: gl.constexpr, HALF: gl.constexpr):
+        """``O^T += V^T . P^T`` over value dims ``HALF * HALF_IX ..`` of one block, issued asynchronously."""
+        return warpgroup_mma(v_stage.slice(HALF_IX * HALF, HALF, dim=1).permute((1, 0)), p_smem.permute((1, 0)), acc,
+                             is_async=True)
+
+    @gluon.jit
+    def _stage_probabilities(p, p_smem):
+        """``P^T`` into shared memory for the value dot's B operand, visible to the MMA of every warp."""
+        p_smem.store(gl.permute(p.to(p_smem.dtype), (1, 0)))
+        fence_async_shared()
+        gl.thread_barrier()
+
+    @gluon.jit
+    def _attend_tile(k_smem, v_smem, q_smem, p_smem, ready, empty, it, n_blocks, n_keys, scale_log2,
+                     HALF_IX: gl.constexpr, mma: gl.constexpr, cols: gl.constexpr, R: gl.constexpr, D: gl.constexpr,
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SUM_LEVELS: gl.constexpr):
+        """A tile's blocks from ring position `it` on, one after another: scores, softmax, value dot,
+        each stage released after its value dot. ``(O^T half, m, l)``."""
+        m_i = gl.full([R], float("-inf"), gl.float32, layout=gl.SliceLayout(0, cols))
+        l_i = gl.zeros([R], gl.float32, layout=gl.SliceLayout(0, cols))
+        acc = gl.zeros([D // 2, R], gl.float32, layout=mma)
+        for i in range(n_blocks):
+            stage = (it + i) % STAGES
+            phase = ((it + i) // STAGES) & 1
+            mbarrier.wait(ready.index(stage), phase)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(_issue_scores(k_smem.index(stage), q_smem, mma, BLOCK_N,
+                                                                          R), ))
+            p, m_i, l_i, alpha = _softmax_columns(s, i, n_keys, m_i, l_i, scale_log2, cols, BLOCK_N, SUM_LEVELS)
+            _stage_probabilities(p, p_smem)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, mma))[None, :]
+            mbarrier.wait(ready.index(STAGES + stage), phase)
+            acc = _issue_value_dot(v_smem.index(stage), p_smem, acc, HALF_IX, D // 2)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            mbarrier.arrive(empty.index(stage), count=1)
+        return acc, m_i, l_i
+
+    @gluon.jit
+    def _attend_tile_ahead(k_smem, v_smem, q_smem, p_smem, ready, empty, it, n_blocks, n_keys, scale_log2,
+                           HALF_IX: gl.constexpr, mma: gl.constexpr, cols: gl.constexpr, R: gl.constexpr,
+                           D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SUM_LEVELS: gl.constexpr):
+        """`_attend_tile` with block ``i``'s scores issued before block ``i - 1``'s value dot and its
+        softmax run while that dot is on the tensor cores (the prefill consumer's pipelining): the
+        same operations on every element in the same order, ``O`` rescaled for block ``i`` after
+        block ``i - 1``'s dot as `_attend_block` does before block ``i``'s."""
+        m_i = gl.full([R], float("-inf"), gl.float32, layout=gl.SliceLayout(0, cols))
+        l_i = gl.zeros([R], gl.float32, layout=gl.SliceLayout(0, cols))
+        acc = gl.zeros([D // 2, R], gl.float32, layout=mma)
+        mbarrier.wait(ready.index(it % STAGES), (it // STAGES) & 1)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(_issue_scores(k_smem.index(it % STAGES), q_smem, mma, BLOCK_N,
+                                                                      R), ))
+        p, m_i, l_i, alpha = _softmax_columns(s, 0, n_keys, m_i, l_i, scale_log2, cols, BLOCK_N, SUM_LEVELS)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, mma))[None, :]
+        _stage_probabilities(p, p_smem)
+        for i in range(1, n_blocks):
+            cur = (it + i) % STAGES
+            prev = (it + i - 1) % STAGES
+            mbarrier.wait(ready.index(cur), ((it + i) // STAGES) & 1)
+            s = _issue_scores(k_smem.index(cur), q_smem, mma, BLOCK_N, R)
+            mbarrier.wait(ready.index(STAGES + prev), ((it + i - 1) // STAGES) & 1)
+            acc = _issue_value_dot(v_smem.index(prev), p_smem, acc, HALF_IX, D // 2)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # block i's scores; i-1's value dot runs on
+            p, m_i, l_i, alpha = _softmax_columns(s, i, n_keys, m_i, l_i, scale_log2, cols, BLOCK_N, SUM_LEVELS)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            mbarrier.arrive(empty.index(prev), count=1)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, mma))[None, :]
+            _stage_probabilities(p, p_smem)  # block i-1's value dot has read the last P
+        last = (it + n_blocks - 1) % STAGES
+        mbarrier.wait(ready.index(STAGES + last), ((it + n_blocks - 1) // STAGES) & 1)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(_issue_value_dot(v_smem.index(last), p_smem, acc, HALF_IX,
+                                                                            D // 2), ))
+        mbarrier.arrive(empty.index(last), count=1)
+        return acc, m_i, l_i
+
+    @gluon.jit
     def _decode_consumer(q_ptr, o_ptr, lse_ptr, k_smem, v_smem, q_smem, p_smem, ready, empty, tile_ids, tile_full,
                          tile_free, n_tiles, n_seqs, cu_seqlens_q_ptr, seq_lens_ptr, seq_order_ptr, scale_log2,
                          stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, HALF_IX: gl.constexpr,
                          ORDERED: gl.constexpr, GROUP: gl.constexpr, R: gl.constexpr, D: gl.constexpr,
-                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SUM_LEVELS: gl.constexpr):
+                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SUM_LEVELS: gl.constexpr,
+                         AHEAD: gl.constexpr):
         """Consumer warpgroup `HALF_IX`: every tile's scores and softmax, and value dims
         ``64 * HALF_IX ..`` of its output, releasing each stage after its value dot."""
         HALF: gl.constexpr = D // 2
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, R, 16])
         # the softmax's layout: a head's keys in 16 lanes of one warp, two heads a warp
         cols: gl.constexpr = gl.BlockedLayout([BLOCK_N // 16, 1], [16, 2], [1, 4], [0, 1])
-        heads_c: gl.constexpr = gl.SliceLayout(0, cols)
         it = 0
         turn = 0
         t = receive_tile(turn, tile_ids, tile_full, tile_free, 4)
@@ -150,27 +232,13 @@ if HAS_GLUON:
                 token = q_start.to(gl.int64)
                 n_keys = context + 1
                 _store_query(q_ptr, q_smem, token, kv_head, stride_qt, stride_qh, GROUP, R, D)
-                m_i = gl.full([R], float("-inf"), gl.float32, layout=heads_c)
-                l_i = gl.zeros([R], gl.float32, layout=heads_c)
-                acc = gl.zeros([HALF, R], gl.float32, layout=mma)
-                for i in range(n_blocks):
-                    stage = (it + i) % STAGES
-                    phase = ((it + i) // STAGES) & 1
-                    mbarrier.wait(ready.index(stage), phase)
-                    s = warpgroup_mma(k_smem.index(stage), q_smem.permute((1, 0)),
-                                      gl.zeros([BLOCK_N, R], gl.float32, layout=mma), is_async=True)
-                    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-                    p, m_i, l_i, alpha = _softmax_columns(s, i, n_keys, m_i, l_i, scale_log2, cols, BLOCK_N,
-                                                          SUM_LEVELS)
-                    p_smem.store(gl.permute(p.to(p_smem.dtype), (1, 0)))
-                    fence_async_shared()
-                    gl.thread_barrier()
-                    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, mma))[None, :]
-                    mbarrier.wait(ready.index(STAGES + stage), phase)
-                    acc = warpgroup_mma(v_smem.index(stage).slice(HALF_IX * HALF, HALF, dim=1).permute((1, 0)),
-                                        p_smem.permute((1, 0)), acc, is_async=True)
-                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-                    mbarrier.arrive(empty.index(stage), count=1)
+                if AHEAD:
+                    acc, m_i, l_i = _attend_tile_ahead(k_smem, v_smem, q_smem, p_smem, ready, empty, it, n_blocks,
+                                                       n_keys, scale_log2, HALF_IX, mma, cols, R, D, BLOCK_N, STAGES,
+                                                       SUM_LEVELS)
+                else:
+                    acc, m_i, l_i = _attend_tile(k_smem, v_smem, q_smem, p_smem, ready, empty, it, n_blocks, n_keys,
+                                                 scale_log2, HALF_IX, mma, cols, R, D, BLOCK_N, STAGES, SUM_LEVELS)
                 _store_half(acc, m_i, l_i, o_ptr, lse_ptr, token, kv_head, stride_ot, stride_oh, stride_lt, HALF_IX,
                             mma, GROUP, R, HALF)
                 it += n_blocks
@@ -182,7 +250,8 @@ if HAS_GLUON:
                               seq_order_ptr, counter_ptr, page_size, scale_log2, stride_qt, stride_qh, stride_ot,
                               stride_oh, stride_lt, stride_bt, n_tiles, n_seqs, GROUP: gl.constexpr, R: gl.constexpr,
                               D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SUM_LEVELS: gl.constexpr,
-                              ORDERED: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                              ORDERED: gl.constexpr, AHEAD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                              PRODUCER_REGS: gl.constexpr):
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, D], k_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, D], v_desc.layout)
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([R, D], k_desc.dtype)
@@ -210,11 +279,11 @@ if HAS_GLUON:
             (_decode_consumer, (q_ptr, o_ptr, lse_ptr, k_smem, v_smem, q0, p0, ready, empty, tile_ids, tile_full,
                                 tile_free, n_tiles, n_seqs, cu_seqlens_q_ptr, seq_lens_ptr, seq_order_ptr, scale_log2,
                                 stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, 0, ORDERED, GROUP, R, D, BLOCK_N,
-                                STAGES, SUM_LEVELS)),
+                                STAGES, SUM_LEVELS, AHEAD)),
             (_decode_consumer, (q_ptr, o_ptr, lse_ptr, k_smem, v_smem, q1, p1, ready, empty, tile_ids, tile_full,
                                 tile_free, n_tiles, n_seqs, cu_seqlens_q_ptr, seq_lens_ptr, seq_order_ptr, scale_log2,
                                 stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, 1, ORDERED, GROUP, R, D, BLOCK_N,
-                                STAGES, SUM_LEVELS)),
+                                STAGES, SUM_LEVELS, AHEAD)),
             (producer, (k_desc, v_desc, k_smem, v_smem, ready, empty, landed.index(0), tile_ids, tile_full, tile_free,
                         counter_ptr, n_tiles, 1, n_seqs, cu_seqlens_q_ptr, seq_lens_ptr, seq_order_ptr,
                         block_table_ptr, stride_bt, page_size, ORDERED, GROUP, STAGES, D, BLOCK_N)),
@@ -231,7 +300,7 @@ if HAS_GLUON:
 
 
 def attention_decode_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, scale: float,
-                           config: tuple[int, int, int, int] = CONFIGS[0]) -> tuple[torch.Tensor, torch.Tensor]:
+                           config: tuple[int, int, int, int, bool] = CONFIGS[0]) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [T, Hq, 128], lse [T, Hq])`` of a decode launch that `fits` (`k`, `v` the paged caches
     as ``[slots, Hkv, 128]``), by `config` (`launch`)."""
     if not fits(q, k, v, layout):
@@ -246,12 +315,12 @@ def attention_decode_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, la
 
 
 def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, scale: float, out: torch.Tensor,
-           lse: torch.Tensor, config: tuple[int, int, int, int] = CONFIGS[0]) -> None:
+           lse: torch.Tensor, config: tuple[int, int, int, int, bool] = CONFIGS[0]) -> None:
     """The kernel launch into `out` and `lse`, for a launch that `shape_fits` (unchecked): `config`
-    (one of `CONFIGS`: stages, programs an SM, consumer and producer registers) programs an SM,
+    (one of `CONFIGS`: stages, programs an SM, consumer and producer registers, scores ahead),
     (sequence, KV head) tiles from a global counter, one KV head's sequences after another
     (`gluon_support.grid_tile`'s order)."""
-    stages, per_sm, consumer_regs, producer_regs = config
+    stages, per_sm, consumer_regs, producer_regs, ahead = config
     heads, dim = q.shape[1], q.shape[2]
     kv_heads = k.shape[-2]
     k_rows, v_rows = k.reshape(-1, kv_heads * dim), v.reshape(-1, kv_heads * dim)
@@ -266,5 +335,5 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, scale: flo
         layout.cu_seqlens_q, layout.seq_lens, layout.block_table, order, counter, layout.page_size,
         scale * math.log2(math.e), q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0),
         layout.block_table.stride(0), n_tiles, n_seqs, GROUP=heads // kv_heads, R=MAX_GROUP, D=dim, BLOCK_N=BLOCK_N,
-        STAGES=stages, SUM_LEVELS=row_sum_levels(BLOCK_N), ORDERED=ordered, CONSUMER_REGS=consumer_regs,
+        STAGES=stages, SUM_LEVELS=row_sum_levels(BLOCK_N), ORDERED=ordered, AHEAD=ahead, CONSUMER_REGS=consumer_regs,
         PRODUCER_REGS=producer_regs, num_warps=4, maxnreg=max_regs)
