@@ -62,7 +62,7 @@ if HAS_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                    warpgroup_mma_wait)
 
-    from .attention_gluon import producer
+    from .attention_gluon import producer, release_ring_barriers, ring_barriers
     from .gluon_support import grid_tile, receive_tile
     from .latent_decode_gluon import key_sum_halves
 
@@ -260,20 +260,7 @@ if HAS_GLUON:
         q1 = gl.allocate_shared_memory(k_desc.dtype, [R, D], q_layout)
         p0 = gl.allocate_shared_memory(k_desc.dtype, [R, BLOCK_N], p_layout)
         p1 = gl.allocate_shared_memory(k_desc.dtype, [R, BLOCK_N], p_layout)
-        ready = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())  # keys, values
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        landed = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-        tile_ids = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-        tile_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        tile_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for st in gl.static_range(2 * STAGES):
-            mbarrier.init(ready.index(st), count=1)
-        for st in gl.static_range(STAGES):
-            mbarrier.init(empty.index(st), count=2)  # one arrival from each consumer
-        mbarrier.init(landed.index(0), count=1)
-        for st in gl.static_range(2):
-            mbarrier.init(tile_full.index(st), count=1)
-            mbarrier.init(tile_free.index(st), count=2)
+        ready, empty, landed, tile_ids, tile_full, tile_free = ring_barriers(STAGES)
 
         gl.warp_specialize([
             (_decode_consumer, (q_ptr, o_ptr, lse_ptr, k_smem, v_smem, q0, p0, ready, empty, tile_ids, tile_full,
@@ -289,14 +276,7 @@ if HAS_GLUON:
                         block_table_ptr, stride_bt, page_size, ORDERED, GROUP, STAGES, D, BLOCK_N)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
-        for st in gl.static_range(2 * STAGES):
-            mbarrier.invalidate(ready.index(st))
-        for st in gl.static_range(STAGES):
-            mbarrier.invalidate(empty.index(st))
-        mbarrier.invalidate(landed.index(0))
-        for st in gl.static_range(2):
-            mbarrier.invalidate(tile_full.index(st))
-            mbarrier.invalidate(tile_free.index(st))
+        release_ring_barriers(ready, empty, landed, tile_full, tile_free, STAGES)
 
 
 def attention_decode_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, scale: float,

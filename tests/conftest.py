@@ -45,3 +45,13 @@ def paged_cache(packed: torch.Tensor, lens: list[int], table: torch.Tensor, page
         cache[slots] = packed[start:start + n].cpu()
         start += n
     return cache
+
+
+def paged_layout(q_lens: list[int], seq_lens: list[int], table: torch.Tensor, page: int, device="cpu"):
+    """The `PagedLayout` of sequences with `q_lens` new tokens each and `seq_lens` keys in all,
+    over the block table `table` of pages of `page` slots, on `device`."""
+    from vexact_models.kernels import PagedLayout
+
+    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
+    return PagedLayout(cu.to(device), torch.tensor(seq_lens, dtype=torch.int32, device=device), table.to(device), page,
+                       max(q_lens))

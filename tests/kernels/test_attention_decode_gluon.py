@@ -8,24 +8,18 @@ import dataclasses
 import pytest
 import torch
 
-from vexact_models.kernels import PagedLayout, attention_decode_gluon, gluon_support
+from vexact_models.kernels import attention_decode_gluon, gluon_support
 from vexact_models.kernels.attention import attention_triton
 
-from ..conftest import paged_cache, shuffled_pages
+from ..conftest import paged_cache, paged_layout, shuffled_pages
 
 D = attention_decode_gluon.HEAD_DIM
-
-
-def _layout(q_lens, seq_lens, table, page, device="cpu"):
-    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
-    return PagedLayout(cu.to(device), torch.tensor(seq_lens, dtype=torch.int32, device=device), table.to(device), page,
-                       max(q_lens))
 
 
 def test_shape_fits_decode_launches_of_head_dim_128_and_groups_up_to_8_over_whole_block_pages():
     q = torch.zeros(3, 32, D, dtype=torch.bfloat16)
     k = torch.zeros(256, 8, D, dtype=torch.bfloat16)
-    step = _layout([1, 1, 1], [70, 5, 600], torch.zeros(3, 10, dtype=torch.int32), 64)
+    step = paged_layout([1, 1, 1], [70, 5, 600], torch.zeros(3, 10, dtype=torch.int32), 64)
     assert attention_decode_gluon.shape_fits(q, k, k, step)
     assert not attention_decode_gluon.shape_fits(q, k, k, dataclasses.replace(step, page_size=16))
     assert not attention_decode_gluon.shape_fits(q, k, k, dataclasses.replace(step, max_seqlen_q=2))  # a chunk
@@ -71,7 +65,7 @@ def test_decode_equals_the_triton_launch_bitwise(heads, kv_heads, monkeypatch):
     k_cache = paged_cache(k, lens, table[:-1], page).cuda()
     v_cache = paged_cache(v, lens, table[:-1], page).cuda()
     q = torch.randn(len(lens), heads, D, generator=gen).bfloat16().cuda()
-    step = _layout([1] * len(lens) + [0], lens + [0], table, page, "cuda")
+    step = paged_layout([1] * len(lens) + [0], lens + [0], table, page, "cuda")
     scale = D ** -0.5
     want, want_lse = attention_triton(q, k_cache, v_cache, step, scale)
     assert not want.isnan().any()
