@@ -4,11 +4,11 @@ WORK IN PROGRESS (thirty-sixth session): compiled for sm_90 on the CPU only, nev
 Neither its bits nor its speed are known; `attention_triton` routes decode launches to it only
 under ``VEXACT_ATTENTION_DECODE=gluon``.
 
-Why: the Triton decode launch (16-row tiles, two programs an SM) reads the cache at 85-87% of the
-copy bandwidth at 128 sequences of ~544 tokens and 92% at 256 (twenty-third and twenty-fifth
-sessions): each (sequence, KV head) program loads its query, block table and first blocks before
-its first dot, and nothing hides that latency but the other program on the SM. At long contexts
-the same launch reads at the copy bandwidth, so the loss is per program. Here one program an SM
+Why: the Triton decode launch (16-row tiles, up to four programs an SM) reads the cache at 85-87%
+of the copy bandwidth at 128 sequences of ~544 tokens and 92% at 256 (twenty-third and
+twenty-fifth sessions): each (sequence, KV head) program loads its query, block table and first
+blocks before its first dot, and only the other programs on the SM hide that latency. At long
+contexts the same launch reads at the copy bandwidth, so the loss is per program. Here one program an SM
 takes (sequence, KV head) tiles from a global counter and a producer warp copies every tile's K/V
 blocks into a ring of stages, the next tile's first blocks while the consumers finish the last
 (`attention_gluon`'s producer, tile queue and barriers, reused as they are).
