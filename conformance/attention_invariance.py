@@ -210,3 +210,33 @@ def check_latent_cache_write(result: Result, hq: int, rank: int, rope: int, nope
             result.compare(row, full[m - 1:m], f"{label}: token {m - 1} alone")
             s = slots[m - 1]
             result.compare(alone[s], caches[0][s], f"{label}: token {m - 1}'s cache row alone")
+
+
+def attention_shape_names() -> list[str]:
+    """The names of the attention and latent attention shapes the sweep checks, in its order."""
+    return [s[0] for s in ATTENTION_SHAPES + LATENT_SHAPES]
+
+
+def selected_shapes(text: str | None) -> set[str]:
+    """The shape names of ``--shapes`` (comma-separated; None: every shape). Raises ValueError
+    naming an unknown name and the known ones."""
+    known = attention_shape_names()
+    if text is None:
+        return set(known)
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise ValueError(f"--shapes: {text!r} names {', '.join(map(repr, unknown)) or 'no shape'}; "
+                         f"the shapes are {', '.join(known)}")
+    return set(names)
+
+
+def run_attention(result: Result, configs: Result | None, shape_names: set[str], quick: bool) -> None:
+    """The attention check (and, given `configs`, the launch-config sweep) at each attention shape
+    named in `shape_names`, under whichever attention forward is in use."""
+    lens = [1, 37, 300, 2048] if quick else [1, 37, 300, 2048, 8192]
+    for name, hq, hkv, d, dv in (s for s in ATTENTION_SHAPES if s[0] in shape_names):
+        check_attention(result, hq, hkv, d, dv, lens, quick)
+        if configs is not None:
+            check_attention_configs(configs, hq, hkv, d, dv, latent=False)
+        print(f"{result.name} {name}: {result.mismatches} mismatches so far", flush=True)

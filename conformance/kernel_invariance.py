@@ -27,7 +27,7 @@ and allows zero mismatches:
   with every config `linear_quack.pick_config` returns, and quack's default, against our Triton
   kernel's rows, at every Qwen3 (K, N), with and without a bias, fp32 logits for the LM heads.
 
-The attention checks live in `attention_invariance.py`.
+The attention checks live in `attention_invariance.py`, the linear ones in `linear_invariance.py`.
 
 Usage: ``python -m vexact_models.conformance.kernel_invariance [--quick] [--only GROUP] [--shapes NAMES]``
 (needs CUDA); prints a table and exits non-zero on any mismatch. The attention part alone takes
@@ -44,25 +44,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .attention_invariance import (ATTENTION_SHAPES, LATENT_SHAPES, check_attention, check_attention_configs,
-                                  check_latent_attention, check_latent_cache_write)
-
-M_SWEEP = [1, 2, 3, 4, 5, 7, 8, 13, 16, 31, 32, 63, 64, 100, 127, 128, 255, 256, 511, 512, 1000, 1024, 2048,
-           4096, 8192]
-
-# (model, layer, K, N) of every distinct linear in the three Qwen3 shapes.
-LINEAR_SHAPES = [
-    ("qwen3-0.6b", "q_proj", 1024, 2048), ("qwen3-0.6b", "k/v_proj", 1024, 1024),
-    ("qwen3-0.6b", "o_proj", 2048, 1024), ("qwen3-0.6b", "gate/up_proj", 1024, 3072),
-    ("qwen3-0.6b", "down_proj", 3072, 1024), ("qwen3-0.6b", "lm_head", 1024, 151936),
-    ("qwen3-8b", "q/o_proj", 4096, 4096), ("qwen3-8b", "k/v_proj", 4096, 1024),
-    ("qwen3-8b", "gate/up_proj", 4096, 12288), ("qwen3-8b", "down_proj", 12288, 4096),
-    ("qwen3-8b", "lm_head", 4096, 151936),
-    ("qwen3-30b-a3b", "q_proj", 2048, 4096), ("qwen3-30b-a3b", "k/v_proj", 2048, 512),
-    ("qwen3-30b-a3b", "o_proj", 4096, 2048), ("qwen3-30b-a3b", "router", 2048, 128),
-    ("qwen3-30b-a3b", "expert gate/up", 2048, 768), ("qwen3-30b-a3b", "expert down", 768, 2048),
-    ("qwen3-30b-a3b", "lm_head", 2048, 151936),
-]
+from .attention_invariance import (LATENT_SHAPES, attention_shape_names, check_attention_configs,
+                                  check_latent_attention, check_latent_cache_write, run_attention, selected_shapes)
+from .linear_invariance import M_SWEEP, run_linear, run_linear_quack
 
 # (name, hidden, experts, expert intermediate, top-k, router): DeepSeek-V3 with 64 of its 256 experts
 MOE_SHAPES = [("qwen3-30b-a3b", 2048, 128, 768, 8, "softmax"), ("moonlight", 2048, 64, 1408, 6, "sigmoid 1 group"),
@@ -84,74 +68,6 @@ class Result:
             bad = int((got != want).sum()) if got.shape == want.shape else want.numel()
             self.mismatches += bad
             self.notes.append(f"{what}: {bad} elements differ")
-
-
-def check_linear(result: Result, k: int, n: int, m_values: list[int], out_dtype: torch.dtype) -> None:
-    from vexact_models.kernels import linear
-
-    m_max = max(m_values)
-    x = torch.randn(m_max, k, device="cuda").bfloat16()
-    w = (torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16()
-    single = torch.empty(m_max, n, device="cuda", dtype=out_dtype)
-    for i in range(m_max):
-        single[i:i + 1] = linear(x[i:i + 1], w, out_dtype=out_dtype)
-    for m in m_values:
-        result.compare(linear(x[:m], w, out_dtype=out_dtype), single[:m], f"K={k} N={n} M={m}")
-    perm = torch.randperm(m_max, device="cuda")
-    result.compare(linear(x[perm], w, out_dtype=out_dtype), single[perm], f"K={k} N={n} permuted M={m_max}")
-
-
-def picked_linear_configs() -> list:
-    """Every distinct config `linear.pick_config` returns for bf16 inputs over a grid of the
-    bundled models' GEMM shapes and row counts on both sides of each threshold."""
-    from vexact_models.kernels.linear import pick_config
-
-    found = []
-    for m in (1, 16, 64, 65, 128, 129, 256, 257, 4096):
-        for n in (256, 576, 1024, 2048, 2112, 4096, 6144, 8192, 12288, 16384, 24576, 32768, 65537, 151936):
-            for k in (512, 1536, 2048, 4096, 7168):
-                for out in (torch.bfloat16, torch.float32):
-                    cfg = pick_config(m, n, k, torch.bfloat16, out)
-                    if cfg not in found:
-                        found.append(cfg)
-    return found
-
-
-def check_linear_configs(result: Result, k: int, n: int) -> None:
-    """Every config of the tile table, and every one `pick_config` returns for bf16 inputs, gives
-    the same rows (so the M -> config map may change)."""
-    from vexact_models.kernels.linear import LinearConfig, linear_triton
-
-    configs = [LinearConfig(64, 32, 4, 6), LinearConfig(64, 16, 4, 8), LinearConfig(64, 64, 4, 6),
-               LinearConfig(64, 128, 4, 4), LinearConfig(128, 128, 8, 3), LinearConfig(128, 256, 8, 3),
-               LinearConfig(64, 32, 4, 6, tma=True), LinearConfig(128, 256, 8, 3, tma=True),
-               LinearConfig(128, 128, 4, 4, tma=True), LinearConfig(128, 256, 8, 3, tma=True, persistent=True),
-               LinearConfig(64, 128, 4, 4, tma=True), LinearConfig(128, 128, 8, 4, tma=True, persistent=True)]
-    configs += [c for c in picked_linear_configs() if c not in configs]
-    x = torch.randn(300, k, device="cuda").bfloat16()
-    w = (torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16()
-    want = linear_triton(x, w, None, torch.bfloat16, configs[0])
-    for cfg in configs[1:]:
-        for m in (1, 77, 300):
-            result.compare(linear_triton(x[:m], w, None, torch.bfloat16, cfg), want[:m], f"K={k} N={n} {cfg} M={m}")
-
-
-def check_linear_quack(result: Result, k: int, n: int, out_dtype: torch.dtype, bias: bool) -> None:
-    """quack's GEMM (`kernels.linear_quack`) with every config its `pick_config` returns, and
-    quack's default, gives our Triton kernel's rows (so a rollout may run it while training runs
-    ours). Run by ``--only quack``: quack-kernels is optional."""
-    from vexact_models.kernels.linear import linear_triton
-    from vexact_models.kernels.linear_quack import linear_quack, table_configs
-
-    configs = table_configs()
-    x = torch.randn(1000, k, device="cuda").bfloat16()
-    w = (torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16()
-    b = torch.randn(n, device="cuda").bfloat16() if bias else None
-    want = linear_triton(x, w, b, out_dtype)
-    for cfg in configs:
-        for m in (1, 16, 33, 65, 128, 200, 256, 1000):
-            result.compare(linear_quack(x[:m], w, b, out_dtype, cfg), want[:m],
-                           f"K={k} N={n} bias={bias} out={out_dtype} {cfg} M={m}")
 
 
 def check_head_linear(result: Result, heads: int, rank: int, nope: int, v_dim: int, quick: bool) -> None:
@@ -305,25 +221,6 @@ def check_moe(results: dict[str, Result], quick: bool) -> None:
         torch.cuda.empty_cache()
 
 
-def attention_shape_names() -> list[str]:
-    """The names of the attention and latent attention shapes the sweep checks, in its order."""
-    return [s[0] for s in ATTENTION_SHAPES + LATENT_SHAPES]
-
-
-def selected_shapes(text: str | None) -> set[str]:
-    """The shape names of ``--shapes`` (comma-separated; None: every shape). Raises ValueError
-    naming an unknown name and the known ones."""
-    known = attention_shape_names()
-    if text is None:
-        return set(known)
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in known]
-    if unknown or not names:
-        raise ValueError(f"--shapes: {text!r} names {', '.join(map(repr, unknown)) or 'no shape'}; "
-                         f"the shapes are {', '.join(known)}")
-    return set(names)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer shapes and M up to 1024 (a smoke run)")
@@ -350,13 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {n: Result(n) for n in names}
     t0 = time.time()
     if args.only in (None, "linear"):
-        shapes = LINEAR_SHAPES[::3] if args.quick else LINEAR_SHAPES
-        ms = [m for m in M_SWEEP if m <= (1024 if args.quick else 8192)]
-        for model, layer, k, n in shapes:
-            check_linear(results["linear"], k, n, ms, torch.float32 if layer == "lm_head" else torch.bfloat16)
-            print(f"linear {model} {layer} K={k} N={n}: {results['linear'].mismatches} mismatches so far", flush=True)
-        for k, n in ((1024, 3072), (4096, 1024)):
-            check_linear_configs(results["linear configs"], k, n)
+        run_linear(results, args.quick)
     if args.only == "quack":  # the optional quack-kernels package: its rows are our kernel's
         from vexact_models.kernels.linear_quack import device_unavailable_reason
 
@@ -364,43 +255,41 @@ def main(argv: list[str] | None = None) -> int:
         if reason is not None:
             print(f"kernel_invariance --only quack: {reason}", file=sys.stderr)
             return 2
-        for model, layer, k, n in LINEAR_SHAPES[::3] if args.quick else LINEAR_SHAPES:
-            lm_head = layer == "lm_head"
-            check_linear_quack(results["linear quack"], k, n, torch.float32 if lm_head else torch.bfloat16, False)
-            if not lm_head:  # Qwen2's q/k/v carry a bias
-                check_linear_quack(results["linear quack"], k, n, torch.bfloat16, True)
-            print(f"linear quack {model} {layer} K={k} N={n}: {results['linear quack'].mismatches} mismatches so far",
-                  flush=True)
+        run_linear_quack(results, args.quick)
     if args.only in (None, "attention"):
-        lens = [1, 37, 300, 2048] if args.quick else [1, 37, 300, 2048, 8192]
-        for name, hq, hkv, d, dv in (s for s in ATTENTION_SHAPES if s[0] in shape_names):
-            check_attention(results["attention"], hq, hkv, d, dv, lens, args.quick)
-            check_attention_configs(results["attention configs"], hq, hkv, d, dv, latent=False)
-            print(f"attention {name}: {results['attention'].mismatches} mismatches so far", flush=True)
+        run_attention(results["attention"], results["attention configs"], shape_names, args.quick)
     if args.only == "fa4":  # the optional flash-attn-4 package: training == prefill == decode under it too
         from vexact_models.kernels import use_attention_forward
 
-        lens = [1, 37, 300, 2048] if args.quick else [1, 37, 300, 2048, 8192]
         with use_attention_forward("fa4"):
-            for name, hq, hkv, d, dv in (s for s in ATTENTION_SHAPES if s[0] in shape_names):
-                check_attention(results["attention FA4"], hq, hkv, d, dv, lens, args.quick)
-                print(f"attention FA4 {name}: {results['attention FA4'].mismatches} mismatches so far", flush=True)
+            run_attention(results["attention FA4"], None, shape_names, args.quick)
     if args.only in (None, "latent"):
-        lens = [1, 37, 300, 2048] if args.quick else [1, 37, 300, 2048, 8192]
-        for name, hq, rank, rope, nope, v_dim in (s for s in LATENT_SHAPES if s[0] in shape_names):
-            check_latent_attention(results["latent attention"], hq, rank, rope, lens, args.quick)
-            check_attention_configs(results["attention configs"], hq, 1, rank + rope, rank, latent=True)
-            check_head_linear(results["head_linear"], hq, rank, nope, v_dim, args.quick)
-            check_latent_cache_write(results["latent_cache_write"], hq, rank, rope, nope,
-                                     [m for m in M_SWEEP if m <= (1024 if args.quick else 4096)])
-            print(f"{name}: {results['latent attention'].mismatches} attention and {results['head_linear'].mismatches} "
-                  "head_linear mismatches so far", flush=True)
+        run_latent(results, shape_names, args.quick)
     if args.only in (None, "rows"):
         check_rows(results, args.quick)
     if args.only in (None, "moe"):
         check_moe(results, args.quick)
     torch.cuda.synchronize()
     print(f"\nkernel invariance on {torch.cuda.get_device_name()} (torch {torch.__version__}), {time.time() - t0:.0f}s")
+    return 1 if print_results(results) else 0
+
+
+def run_latent(results: dict[str, Result], shape_names: set[str], quick: bool) -> None:
+    """The latent MLA attention, its launch configs, the absorption GEMMs and the fused prologue at
+    each latent shape named in `shape_names`."""
+    lens = [1, 37, 300, 2048] if quick else [1, 37, 300, 2048, 8192]
+    for name, hq, rank, rope, nope, v_dim in (s for s in LATENT_SHAPES if s[0] in shape_names):
+        check_latent_attention(results["latent attention"], hq, rank, rope, lens, quick)
+        check_attention_configs(results["attention configs"], hq, 1, rank + rope, rank, latent=True)
+        check_head_linear(results["head_linear"], hq, rank, nope, v_dim, quick)
+        check_latent_cache_write(results["latent_cache_write"], hq, rank, rope, nope,
+                                 [m for m in M_SWEEP if m <= (1024 if quick else 4096)])
+        print(f"{name}: {results['latent attention'].mismatches} attention and {results['head_linear'].mismatches} "
+              "head_linear mismatches so far", flush=True)
+
+
+def print_results(results: dict[str, Result]) -> bool:
+    """The table of every check that ran, its first notes, and the verdict; whether any failed."""
     print(f"{'check':<16}{'cases':>8}{'elements':>16}{'mismatches':>12}")
     failed = False
     for r in results.values():
@@ -410,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
             for note in r.notes[:10]:
                 print(f"    {note}")
     print("RESULT:", "FAIL" if failed else "PASS (zero mismatches)")
-    return 1 if failed else 0
+    return failed
 
 
 if __name__ == "__main__":

@@ -1,9 +1,14 @@
-"""The kernel invariance CLI's shape selection (the sweep itself needs a GPU: docs/gpu-results.md)."""
+"""The kernel invariance CLI's shape selection and dispatch (the checks themselves need a GPU:
+docs/gpu-results.md)."""
 
 import pytest
 
-from vexact_models.conformance.attention_invariance import ATTENTION_SHAPES, LATENT_SHAPES
-from vexact_models.conformance.kernel_invariance import attention_shape_names, main, selected_shapes
+import torch
+
+from vexact_models.conformance import attention_invariance, kernel_invariance
+from vexact_models.conformance.attention_invariance import (ATTENTION_SHAPES, LATENT_SHAPES, attention_shape_names,
+                                                            selected_shapes)
+from vexact_models.conformance.kernel_invariance import main
 
 
 def test_shape_names_list_every_attention_and_latent_shape_in_order():
@@ -29,3 +34,51 @@ def test_cli_refuses_an_unknown_shape_before_touching_the_gpu(capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "'qwen3-9b'" in err and "qwen3-30b-a3b" in err
+
+
+@pytest.fixture
+def recorded_checks(monkeypatch):
+    """main() on the CPU with every attention and latent check replaced by a recorder of its shape
+    (the CUDA calls around them made harmless): which checks a command line runs, and on what."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "no GPU")
+    for module, name in ((attention_invariance, "check_attention"), (attention_invariance, "check_attention_configs"),
+                         (kernel_invariance, "check_latent_attention"), (kernel_invariance, "check_attention_configs"),
+                         (kernel_invariance, "check_head_linear"), (kernel_invariance, "check_latent_cache_write")):
+        monkeypatch.setattr(module, name, lambda result, heads, *args, _name=name, **kwargs:
+                            calls.append((_name, heads, args[0])))
+    return calls
+
+
+def test_cli_checks_only_the_named_attention_shapes(recorded_checks, capsys):
+    assert main(["--only", "attention", "--quick", "--shapes", "qwen3-8b,gqa-d64"]) == 0
+    assert recorded_checks == [("check_attention", 32, 8), ("check_attention_configs", 32, 8),
+                               ("check_attention", 8, 2), ("check_attention_configs", 8, 2)]
+    out = capsys.readouterr().out
+    assert "attention qwen3-8b: 0 mismatches so far" in out and "qwen3-0.6b" not in out
+
+
+def test_cli_checks_only_the_named_latent_shapes(recorded_checks):
+    assert main(["--only", "latent", "--quick", "--shapes", "deepseek-v3 latent MLA,qwen3-8b"]) == 0
+    assert {name for name, _, _ in recorded_checks} == {"check_latent_attention", "check_attention_configs",
+                                                      "check_head_linear", "check_latent_cache_write"}
+    assert {heads for _, heads, _ in recorded_checks} == {128}  # DeepSeek-V3's heads only
+
+
+def test_cli_without_shapes_checks_every_attention_shape(recorded_checks):
+    assert main(["--only", "attention", "--quick"]) == 0
+    assert [c[1:] for c in recorded_checks if c[0] == "check_attention"] == [(s[1], s[2]) for s in ATTENTION_SHAPES]
+
+
+def test_cli_checks_every_third_linear_shape_when_quick(recorded_checks, monkeypatch):
+    from vexact_models.conformance import linear_invariance
+
+    calls = []
+    monkeypatch.setattr(linear_invariance, "check_linear", lambda result, k, n, ms, dtype: calls.append((k, n, max(ms))))
+    monkeypatch.setattr(linear_invariance, "check_linear_configs", lambda result, k, n: calls.append((k, n, "configs")))
+    assert main(["--only", "linear", "--quick"]) == 0
+    assert calls == [(k, n, 1024) for _, _, k, n in linear_invariance.LINEAR_SHAPES[::3]] + \
+        [(1024, 3072, "configs"), (4096, 1024, "configs")]
+    assert not recorded_checks  # no attention check

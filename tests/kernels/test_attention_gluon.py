@@ -161,7 +161,7 @@ def compiled_variants(kernel) -> int:
 def test_one_compile_serves_every_batch_shape():
     """Training batches and prompt steps change the sequence count, the longest sequence (the tile
     count) and the block table's width from launch to launch; none of them compiles the kernel
-    again (a variant of this kernel takes seconds to build; they are runtime arguments)."""
+    again (they are runtime arguments, never specialized on)."""
     gen = torch.Generator().manual_seed(7)
     kernel, seen = attention_gluon._gqa_attention_ws_kernel, None
     # one sequence; 3 of odd lengths; 16 of one block (one tile each); 2; 3 long ones

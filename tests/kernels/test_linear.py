@@ -69,7 +69,7 @@ def test_configs_share_block_k_and_use_wgmma_tiles():
 def test_every_picked_config_is_in_the_gpu_invariance_check():
     """The GPU check ("linear configs") covers every config pick_config can return, so a new
     branch of the table cannot ship unproven; all of them use wgmma tiles (>= 64 rows)."""
-    from vexact_models.conformance.kernel_invariance import picked_linear_configs
+    from vexact_models.conformance.linear_invariance import picked_linear_configs
 
     picked = picked_linear_configs()
     assert all(c.block_m >= 64 and c.num_warps % 4 == 0 for c in picked)

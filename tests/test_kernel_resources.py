@@ -1,0 +1,109 @@
+"""benchmarks/kernel_resources.py and sm90_compile.py: the attention kernels' launch candidates
+compiled for Hopper (sm_90) on the CPU, with ptxas's registers, spills and shared memory."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def test_kernel_resources_compiles_for_hopper_on_cpu():
+    """benchmarks/kernel_resources.py compiles the decode attention candidates for sm_90 without a
+    GPU: the 16-row latent and GQA decode tiles become mma.sync, each with ptxas's counts; a shape
+    of another kernel exits 2 naming the flag."""
+    script = "kernel_resources.py"
+    env = {"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin", "PYTHONWARNINGS": "ignore"}
+    help_run = subprocess.run([sys.executable, script, "--help"], cwd=BENCHMARKS, capture_output=True, text=True,
+                              timeout=120)
+    assert help_run.returncode == 0 and "--shape" in help_run.stdout and "--kernel" in help_run.stdout
+    for kernel, count in (("latent", 4), ("gqa", 3)):
+        run = subprocess.run([sys.executable, script, "--kernel", kernel, "--shape", "tiny"], cwd=BENCHMARKS,
+                             capture_output=True, text=True, timeout=300, env=env)
+        assert run.returncode == 0, run.stderr[-3000:]
+        rows = [line.split() for line in run.stdout.splitlines() if line.strip().startswith("m16")]
+        assert len(rows) == count, run.stdout
+        for row in rows:
+            assert row[-5].startswith("mma.sync"), row
+            assert 0 < int(row[-4]) <= 255 and int(row[-3]) >= 0 and int(row[-1]) >= 1, row
+    bad = subprocess.run([sys.executable, script, "--kernel", "gqa", "--shape", "moonlight"], cwd=BENCHMARKS,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--shape 'moonlight' is not a gqa shape" in bad.stderr
+
+
+def test_kernel_resources_lists_the_gluon_latent_decode_at_moonlights_shape(monkeypatch):
+    """The Gluon latent decode launch compiles for sm_90 on the CPU at Moonlight's decode shape:
+    warpgroup MMAs, no spills, one and four value chunks; shapes it does not take list nothing."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import kernel_resources
+
+    q, kv, layout = kernel_resources.decode_inputs(16, 512, 64)
+    rows = kernel_resources.measure_gluon(q, kv, 512, layout)
+    assert [row[0] for row in rows] == ["gluon w4 s2", "gluon w4 s2 v4"]
+    for label, loads, mma, registers, spills, shared_kb, per_sm in rows:
+        assert mma == "wgmma" and spills == 0 and 0 < registers <= 255 and per_sm == 1, label
+    deepseek = kernel_resources.decode_inputs(128, 512, 64)  # 128 heads: the Triton launch's
+    assert kernel_resources.measure_gluon(deepseek[0], deepseek[1], 512, deepseek[2]) == []
+
+
+def test_kernel_resources_lists_the_gluon_latent_prefill_at_moonlights_shape(monkeypatch):
+    """The Gluon prefill launch compiles for sm_90 on the CPU at Moonlight's shape: the default (64
+    rows, 8 warps, one stage) without spills, one program an SM; two stages ask for more shared
+    memory than an SM has (no program fits), which is why the default takes one."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import kernel_resources
+
+    rows = kernel_resources.measure_prefill(16, 512, 64, candidates=((64, 8, 1), (64, 8, 2)), triton_tile=False)
+    assert [row[0] for row in rows] == ["gluon prefill r64 w8 s1", "gluon prefill r64 w8 s2"]
+    (_, _, mma, registers, spills, shared_kb, per_sm), two_stages = rows
+    assert mma == "wgmma" and spills == 0 and 0 < registers <= 255 and per_sm == 1 and int(shared_kb) <= 227
+    assert two_stages[-1] == 0 and int(two_stages[-2]) > 227
+    assert kernel_resources.measure_prefill(8, 512, 64, triton_tile=False) == []  # 8 heads: not in HEADS
+
+
+def test_kernel_resources_lists_the_gluon_gqa_decode_at_qwen3_0_6bs_shape(monkeypatch):
+    """The Gluon GQA decode kernel (work in progress) compiles for sm_90 on the CPU at Qwen3-0.6B's
+    shape: one 12-warp program an SM without spills, or two at 80 registers; head dim 64 lists
+    nothing (the kernel takes 128)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import kernel_resources
+    from sm90_compile import compile_only
+
+    from vexact_models.kernels.attention_decode_gluon import CONFIGS
+
+    q, k, layout = kernel_resources.decode_inputs(16, 128, 0, kv_heads=8)
+    with compile_only() as compiled:
+        rows = kernel_resources.measure_gqa_decode_gluon(q, k, layout, compiled, configs=(CONFIGS[0], CONFIGS[2]))
+        tiny = kernel_resources.decode_inputs(4, 64, 0, kv_heads=2)
+        assert kernel_resources.measure_gqa_decode_gluon(*tiny, compiled) == []
+    assert [row[0] for row in rows] == ["gluon decode s4 x1 c192 p48", "gluon decode s3 x2 c96 p48"]
+    (_, _, mma, registers, spills, _, per_sm) = rows[0]
+    assert mma == "wgmma" and spills == 0 and registers == 144 and per_sm == 1
+    assert rows[1][3] == 80 and rows[1][-1] == 2
+
+
+def test_kernel_resources_lists_the_gluon_gqa_prefill_at_qwen3_8bs_shape(monkeypatch):
+    """The GQA prefill launches compile for sm_90 on the CPU at Qwen3-8B's shape: the Triton 128-row
+    tile (wgmma), then the Gluon kernel's long-sequence launch (4 stages, 232 consumer and 40 producer
+    registers) without spills, one 12-warp program an SM; head dim 64 lists the Triton tile alone
+    (the Gluon kernel takes 128)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import kernel_resources
+
+    rows = kernel_resources.measure_gqa_prefill(32, 8, 128, candidates=((4, 232, 40),))
+    assert [row[0] for row in rows] == ["prefill m128 n64 w4 s2", "gluon prefill s4 c232 p40"]
+    (_, _, mma, registers, spills, shared_kb, per_sm) = rows[1]
+    assert mma == "wgmma" and spills == 0 and 0 < registers <= 168 and per_sm == 1 and 128 <= int(shared_kb) <= 227
+    assert [row[0] for row in kernel_resources.measure_gqa_prefill(4, 2, 64)] == ["prefill m128 n64 w4 s2"]
+
+
+def test_kernel_resources_programs_per_sm():
+    sys.path.insert(0, str(BENCHMARKS))
+    from sm90_compile import KernelResources
+
+    # 255 registers x 256 threads fit once in 64K registers; 164 KB of shared memory once in 227
+    assert KernelResources("k", 255, 0, 164 * 1024, 8, 0, 136).programs_per_sm() == 1
+    assert KernelResources("k", 85, 0, 25 * 1024, 4, 28, 0).programs_per_sm() == 6  # registers: 65536 // (85 * 128)
+    assert KernelResources("k", 32, 0, 100 * 1024, 4, 0, 0).programs_per_sm() == 2  # shared memory
+    assert KernelResources("k", 32, 0, 0, 4, 3, 2).mma == "wgmma+mma.sync"
+    assert KernelResources("k", 32, 0, 0, 4, 0, 0).mma == "none"
