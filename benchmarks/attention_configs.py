@@ -195,6 +195,8 @@ def _gqa_gluon_rows(name, q, k, v, layout, scale, ref, kv_bytes, hbm) -> list[li
     equal the Triton launches'."""
     from vexact_models.kernels import attention_decode_gluon
 
+    # the kernel takes the caches as attention_triton hands them on: slots x heads x dims
+    k, v = k.reshape(-1, *k.shape[-2:]), v.reshape(-1, *v.shape[-2:])
     if not attention_decode_gluon.fits(q, k, v, layout):
         return []
     rows = []
