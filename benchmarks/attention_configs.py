@@ -161,8 +161,6 @@ def sweep_case(case, latent: bool, hbm: float, keep_configs: tuple[str, ...] = (
             best = (ms, cfg, by_tma)
     if latent and kind == "decode":
         rows += _gluon_rows(name, q, k, dv, layout, scale, refs.get(64), kv_bytes, hbm)
-    if not latent and kind == "decode":
-        rows += _gqa_gluon_rows(name, q, k, v, layout, scale, refs.get(64), kv_bytes, hbm)
     if kind == "train" and not latent:
         rows.append([name, "torch SDPA (default backend)", f"{_sdpa_ms(q, k, v, seqs, length) * 1e3:.1f}", "", "-"])
     print(f"best {name}: {_label(best[1])}{' TMA K/V' if best[2] else ''} {best[0] * 1e3:.1f} us", flush=True)
@@ -184,28 +182,6 @@ def _gluon_rows(name, q, k, dv, layout, scale, ref, kv_bytes, hbm) -> list[list]
         ms = bench_graph([run])
         same = "yes" if ref is not None and torch.equal(run(), ref) else "NO"
         label = f"gluon (warpgroup MMAs, key-major) v{chunks} TMA K/V"
-        print(f"{label} {name}: {ms * 1e3:.1f} us", flush=True)
-        rows.append([name, label, f"{ms * 1e3:.1f}", f"{kv_bytes / ms / 1e6 / hbm * 100:.0f}% HBM", same])
-    return rows
-
-
-def _gqa_gluon_rows(name, q, k, v, layout, scale, ref, kv_bytes, hbm) -> list[list]:
-    """The Gluon GQA decode launch (`kernels.attention_decode_gluon`, work in progress), where it
-    fits (pages of 64: ``--page-size 64``), as one more candidate row: time and whether the bits
-    equal the Triton launches'."""
-    from vexact_models.kernels import attention_decode_gluon
-
-    # the kernel takes the caches as attention_triton hands them on: slots x heads x dims
-    k, v = k.reshape(-1, *k.shape[-2:]), v.reshape(-1, *v.shape[-2:])
-    if not attention_decode_gluon.fits(q, k, v, layout):
-        return []
-    rows = []
-    for config in attention_decode_gluon.CONFIGS:
-        run = lambda: attention_decode_gluon.attention_decode_gluon(q, k, v, layout, scale, config)[0]  # noqa: E731
-        ms = bench_graph([run])
-        same = "yes" if ref is not None and torch.equal(run(), ref) else "NO"
-        label = "gluon decode s{} x{} c{} p{}{} (persistent, warp-specialised, key-major) TMA K/V".format(
-            *config[:4], " ahead" if config[4] else "")
         print(f"{label} {name}: {ms * 1e3:.1f} us", flush=True)
         rows.append([name, label, f"{ms * 1e3:.1f}", f"{kv_bytes / ms / 1e6 / hbm * 100:.0f}% HBM", same])
     return rows

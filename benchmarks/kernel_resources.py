@@ -145,25 +145,7 @@ def measure_gqa(shape: str) -> list[list]:
             cfg = AttentionConfig(16, 64, 4, stages, heads_fastest=True)
             attention_triton(q, k, k, layout, dim ** -0.5, cfg, page_descriptors=tma)
             rows.append(_row(f"m16 n64 w4 s{stages} heads", "TMA pages" if tma else "pointers", resources(compiled[-1])))
-        rows += measure_gqa_decode_gluon(q, k, layout, compiled)
     return rows + measure_gqa_prefill(heads, kv_heads, dim)
-
-
-def measure_gqa_decode_gluon(q, k, layout, compiled: list, configs=None) -> list[list]:
-    """The Gluon GQA decode kernel's `configs` (default its `CONFIGS`; `kernels.attention_decode_gluon`,
-    work in progress) where the shape fits it, inside the caller's `compile_only` block (`compiled`)."""
-    from vexact_models.kernels import attention_decode_gluon as gluon
-
-    k = k.reshape(-1, k.shape[-2], k.shape[-1])  # the paged cache as attention_triton hands it over
-    if not (gluon.HAS_GLUON and gluon.shape_fits(q, k, k, layout)):
-        return []
-    out, lse = torch.empty_like(q), torch.empty(q.shape[:2])
-    rows = []
-    for cfg in configs or gluon.CONFIGS:
-        gluon.launch(q, k, k, layout, q.shape[-1] ** -0.5, out, lse, cfg)
-        rows.append(_row("gluon decode s{} x{} c{} p{}{}".format(*cfg[:4], " ahead" if cfg[4] else ""), "TMA pages",
-                         resources(compiled[-1])))
-    return rows
 
 
 #: (stages, consumer registers, producer registers) of the Gluon kernel: its launch configs up to

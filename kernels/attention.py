@@ -36,7 +36,7 @@ import torch
 
 from ._triton import (deep_pipeline, has_tma, launch_staged, next_power_of_2, num_sms, require_triton, tl,
                       tma_rows_aligned, triton)
-from . import attention_decode_gluon, attention_gluon
+from . import attention_gluon
 from .attention_fa4 import attention_fa4
 from .attention_forward_choice import choose_attention_forward
 from .attention_reference import REFERENCE_BLOCK_N, attention_reference  # noqa: F401 (public here too)
@@ -279,10 +279,6 @@ def attention_triton(q, k_cache, v_cache, layout: PagedLayout, scale: float, con
     if (config is None and not page_descriptors and attention_gluon.ATTENTION_PREFILL.mode() == "gluon"
             and attention_gluon.fits(q, k, v, layout, contiguous=kv_descriptors)):
         return attention_gluon.attention_prefill_gluon(q, k, v, layout, scale, contiguous=kv_descriptors)
-    # a decode launch: the Gluon decode kernel where asked for (work in progress, not the default)
-    if (config is None and page_descriptors is None and not kv_descriptors
-            and attention_decode_gluon.ATTENTION_DECODE.mode() == "gluon" and attention_decode_gluon.fits(q, k, v, layout)):
-        return attention_decode_gluon.attention_decode_gluon(q, k, v, layout, scale)
     out = torch.empty((n_tokens, n_heads, head_dim_v), device=q.device, dtype=q.dtype)
     lse = torch.empty((n_tokens, n_heads), device=q.device, dtype=torch.float32)
     n_seqs = layout.seq_lens.shape[0]

@@ -149,42 +149,7 @@ if HAS_GLUON:
             mbarrier.arrive(ready.index(STAGES + stage), count=1)
 
     @gluon.jit
-    def ring_barriers(STAGES: gl.constexpr):
-        """The barriers of a warp-specialised kernel whose producer warp feeds two consumer
-        warpgroups through `STAGES` K/V stages, allocated and initialised: ``(ready, empty, landed,
-        tile_ids, tile_full, tile_free)``. `ready`: a stage's keys (first `STAGES`) and values
-        copied; `empty`: both consumers done with a stage; `landed`: the partial last block's copy,
-        which the producer waits for itself; the tile queue's two-slot ring (`claim_tile`)."""
-        ready = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())  # keys, values
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        landed = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-        tile_ids = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-        tile_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        tile_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for st in gl.static_range(2 * STAGES):
-            mbarrier.init(ready.index(st), count=1)
-        for st in gl.static_range(STAGES):
-            mbarrier.init(empty.index(st), count=2)  # one arrival from each consumer
-        mbarrier.init(landed.index(0), count=1)
-        for st in gl.static_range(2):
-            mbarrier.init(tile_full.index(st), count=1)
-            mbarrier.init(tile_free.index(st), count=2)
-        return ready, empty, landed, tile_ids, tile_full, tile_free
-
-    @gluon.jit
-    def release_ring_barriers(ready, empty, landed, tile_full, tile_free, STAGES: gl.constexpr):
-        """Invalidate `ring_barriers`' barriers once every partition is done."""
-        for st in gl.static_range(2 * STAGES):
-            mbarrier.invalidate(ready.index(st))
-        for st in gl.static_range(STAGES):
-            mbarrier.invalidate(empty.index(st))
-        mbarrier.invalidate(landed.index(0))
-        for st in gl.static_range(2):
-            mbarrier.invalidate(tile_full.index(st))
-            mbarrier.invalidate(tile_free.index(st))
-
-    @gluon.jit
-    def producer(k_desc, v_desc, k_smem, v_smem, ready, empty, landed, tile_ids, tile_full, tile_free, counter_ptr,
+    def _producer(k_desc, v_desc, k_smem, v_smem, ready, empty, landed, tile_ids, tile_full, tile_free, counter_ptr,
                   n_tiles, tiles_x, n_seqs, cu_seqlens_q_ptr, seq_lens_ptr, seq_order_ptr, block_table_ptr,
                   stride_bt, page_size, ORDERED: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
                   D: gl.constexpr, BLOCK_N: gl.constexpr):
@@ -228,7 +193,20 @@ if HAS_GLUON:
                                  PRODUCER_REGS: gl.constexpr):
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, D], k_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, D], v_desc.layout)
-        ready, empty, landed, tile_ids, tile_full, tile_free = ring_barriers(STAGES)
+        ready = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())  # keys, values
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        landed = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        tile_ids = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        tile_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        tile_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for st in gl.static_range(2 * STAGES):
+            mbarrier.init(ready.index(st), count=1)
+        for st in gl.static_range(STAGES):
+            mbarrier.init(empty.index(st), count=2)  # one arrival from each consumer
+        mbarrier.init(landed.index(0), count=1)
+        for st in gl.static_range(2):
+            mbarrier.init(tile_full.index(st), count=1)
+            mbarrier.init(tile_free.index(st), count=2)
 
         # (tuple literals: a partition's constexprs do not survive tuple concatenation)
         gl.warp_specialize([
@@ -240,12 +218,19 @@ if HAS_GLUON:
                          tiles_x, n_seqs, cu_seqlens_q_ptr, seq_lens_ptr, seq_order_ptr, scale_log2,
                          stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, 1, ORDERED, GROUP, D, BLOCK_N, STAGES,
                          SUM_LEVELS)),
-            (producer, (k_desc, v_desc, k_smem, v_smem, ready, empty, landed.index(0), tile_ids, tile_full, tile_free,
+            (_producer, (k_desc, v_desc, k_smem, v_smem, ready, empty, landed.index(0), tile_ids, tile_full, tile_free,
                          counter_ptr, n_tiles, tiles_x, n_seqs, cu_seqlens_q_ptr, seq_lens_ptr,
                          seq_order_ptr, block_table_ptr, stride_bt, page_size, ORDERED, GROUP, STAGES, D, BLOCK_N)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
-        release_ring_barriers(ready, empty, landed, tile_full, tile_free, STAGES)
+        for st in gl.static_range(2 * STAGES):
+            mbarrier.invalidate(ready.index(st))
+        for st in gl.static_range(STAGES):
+            mbarrier.invalidate(empty.index(st))
+        mbarrier.invalidate(landed.index(0))
+        for st in gl.static_range(2):
+            mbarrier.invalidate(tile_full.index(st))
+            mbarrier.invalidate(tile_free.index(st))
 
 
 def attention_prefill_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, scale: float,

@@ -61,27 +61,6 @@ def test_kernel_resources_lists_the_gluon_latent_prefill_at_moonlights_shape(mon
     assert kernel_resources.measure_prefill(8, 512, 64, triton_tile=False) == []  # 8 heads: not in HEADS
 
 
-def test_kernel_resources_lists_the_gluon_gqa_decode_at_qwen3_0_6bs_shape(monkeypatch):
-    """The Gluon GQA decode kernel (work in progress) compiles for sm_90 on the CPU at Qwen3-0.6B's
-    shape: one 12-warp program an SM without spills, or two at 80 registers; head dim 64 lists
-    nothing (the kernel takes 128)."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import kernel_resources
-    from sm90_compile import compile_only
-
-    from vexact_models.kernels.attention_decode_gluon import CONFIGS
-
-    q, k, layout = kernel_resources.decode_inputs(16, 128, 0, kv_heads=8)
-    with compile_only() as compiled:
-        rows = kernel_resources.measure_gqa_decode_gluon(q, k, layout, compiled, configs=(CONFIGS[0], CONFIGS[2]))
-        tiny = kernel_resources.decode_inputs(4, 64, 0, kv_heads=2)
-        assert kernel_resources.measure_gqa_decode_gluon(*tiny, compiled) == []
-    assert [row[0] for row in rows] == ["gluon decode s4 x1 c192 p48", "gluon decode s3 x2 c96 p48"]
-    (_, _, mma, registers, spills, _, per_sm) = rows[0]
-    assert mma == "wgmma" and spills == 0 and registers == 144 and per_sm == 1
-    assert rows[1][3] == 80 and rows[1][-1] == 2
-
-
 def test_kernel_resources_lists_the_gluon_gqa_prefill_at_qwen3_8bs_shape(monkeypatch):
     """The GQA prefill launches compile for sm_90 on the CPU at Qwen3-8B's shape: the Triton 128-row
     tile (wgmma), then the Gluon kernel's long-sequence launch (4 stages, 232 consumer and 40 producer

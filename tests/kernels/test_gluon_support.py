@@ -40,8 +40,8 @@ def test_the_kernels_import_without_triton():
     modules still import, with the gate closed: nothing Gluon-only may sit outside their Gluon
     blocks."""
     code = ("import sys; sys.modules['triton'] = None\n"
-            "from vexact_models.kernels import (attention_decode_gluon, attention_gluon, attention_gluon_consumer,\n"
-            "                                   gluon_support, latent_decode_gluon, latent_prefill_gluon)\n"
+            "from vexact_models.kernels import (attention_gluon, attention_gluon_consumer, gluon_support,\n"
+            "                                   latent_decode_gluon, latent_prefill_gluon)\n"
             "assert not gluon_support.HAS_GLUON and not attention_gluon.HAS_GLUON\n"
             "assert not hasattr(gluon_support, 'block_slot')\n")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
