@@ -242,18 +242,12 @@ def shuffled_block_table(lens: list[int], page: int, gen: torch.Generator | None
 def stock_twin(arch, model):
     """The stock transformers class of `arch` (``attn_implementation="sdpa"``, the stock fast path)
     holding `model`'s weights: the peer that training.py and throughput.py time beside ours. It is
-    built directly on `model`'s device in its dtype (`conformance.models.construct`): an 8B model's
+    built directly on `model`'s device in its dtype (`conformance.models.hf_twin`): an 8B model's
     random initialisation on the CPU takes minutes, and the Qwen3-8B training points built that way
     did not finish within a 330 s device call (thirty-sixth session)."""
-    from vexact_models.conformance.models import construct
+    from vexact_models.conformance.models import hf_twin
 
-    weight = next(model.parameters())
-    hf = construct(lambda config: arch.hf_class()._from_config(config, attn_implementation="sdpa", dtype=weight.dtype),
-                   model.config, weight.device, weight.dtype)
-    hf.load_state_dict(model.state_dict(), strict=False)
-    if model.config.tie_word_embeddings:
-        hf.tie_weights()
-    return hf
+    return hf_twin(arch, model, attn_implementation="sdpa")
 
 
 def table(title: str, header: list[str], rows: list[list]) -> None:

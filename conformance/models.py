@@ -9,6 +9,7 @@ belongs to the architecture serving its ``model_type`` and to the `Shape` that l
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -110,6 +111,26 @@ def construct(cls: Callable, config, device: torch.device, dtype: torch.dtype):
             return cls(config)
     finally:
         torch.set_default_dtype(previous)
+
+
+def hf_twin(arch: Architecture, model, device: torch.device | None = None, dtype: torch.dtype | None = None,
+            attn_implementation: str | None = None):
+    """The stock transformers class of `arch` holding `model`'s weights, built directly on `device`
+    in `dtype` (default: where `model`'s weights are, in their dtype; `construct`), with
+    `attn_implementation` where given (else the class's default), tied as `model`'s config says.
+    Raises RuntimeError when the two state dicts differ (a tied LM head aside)."""
+    weight = next(model.parameters())
+    device, dtype = device or weight.device, dtype or weight.dtype
+    cls = arch.hf_class()
+    if attn_implementation is not None:
+        cls = functools.partial(cls._from_config, attn_implementation=attn_implementation, dtype=dtype)
+    hf = construct(cls, model.config, device, dtype)
+    missing, unexpected = hf.load_state_dict(model.state_dict(), strict=False)
+    if [k for k in missing if k != "lm_head.weight"] or unexpected:
+        raise RuntimeError(f"hf_twin: state dicts differ: missing {missing}, unexpected {unexpected}")
+    if model.config.tie_word_embeddings:
+        hf.tie_weights()
+    return hf
 
 
 def build_model(arch: Architecture, config, device: torch.device, dtype: torch.dtype, seed: int = 0):

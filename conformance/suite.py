@@ -23,7 +23,7 @@ import torch
 from vexact_models.registry import Architecture
 from vexact_models.runtime import LLM, SamplingParams
 
-from .models import construct
+from .models import hf_twin
 
 GRAD_SAMPLES = 8  # samples recomputed with autograd on, per scenario
 
@@ -303,13 +303,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @torch.no_grad()
 def _hf_logits(arch: Architecture, model, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    hf = construct(arch.hf_class(), model.config, ids.device, dtype)
-    missing, unexpected = hf.load_state_dict(model.state_dict(), strict=False)
-    if [k for k in missing if k != "lm_head.weight"] or unexpected:
-        raise RuntimeError(f"HF parity: state dicts differ: missing {missing}, unexpected {unexpected}")
-    hf = hf.eval()
-    if model.config.tie_word_embeddings:
-        hf.tie_weights()
+    hf = hf_twin(arch, model, ids.device, dtype).eval()
     logits = hf(ids).logits.float()
     del hf
     if ids.device.type == "cuda":

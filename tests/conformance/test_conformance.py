@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from vexact_models.conformance.cli import main
-from vexact_models.conformance.models import (architecture_of, build_model, bundled_configs, construct, make_config,
-                                              published_config, published_shape)
+from vexact_models.conformance.models import (architecture_of, build_model, bundled_configs, construct, hf_twin,
+                                              make_config, published_config, published_shape)
 from vexact_models.conformance.suite import format_table, run_conformance
 from vexact_models.registry import get
 
@@ -151,6 +151,19 @@ def test_construct_builds_on_the_device_in_the_dtype_and_restores_the_default():
     assert {p.device.type for p in model.parameters()} == {"meta"}
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert torch.get_default_dtype() == torch.float32
+
+
+def test_hf_twin_is_the_stock_class_on_our_weights_and_refuses_other_weights():
+    arch = get("qwen3")
+    model = build_model(arch, arch.tiny_config(), torch.device("cpu"), torch.float32)
+    twin = hf_twin(arch, model, dtype=torch.bfloat16, attn_implementation="eager")
+    assert type(twin) is arch.hf_class() and twin.config._attn_implementation == "eager"
+    assert {p.dtype for p in twin.parameters()} == {torch.bfloat16}
+    assert torch.equal(twin.model.embed_tokens.weight, model.model.embed_tokens.weight.bfloat16())
+    extra = dict(model.state_dict(), **{"model.extra.weight": torch.zeros(1)})
+    model.state_dict = lambda: extra
+    with pytest.raises(RuntimeError, match="hf_twin: state dicts differ.*model.extra.weight"):
+        hf_twin(arch, model)
 
 
 def test_low_precision_parity_is_judged_against_hf_own_error():
