@@ -231,12 +231,16 @@ def selected_shapes(text: str | None) -> set[str]:
     return set(names)
 
 
+def sequence_lengths(quick: bool) -> list[int]:
+    """The sequence lengths the attention and latent attention checks pack together."""
+    return [1, 37, 300, 2048] if quick else [1, 37, 300, 2048, 8192]
+
+
 def run_attention(result: Result, configs: Result | None, shape_names: set[str], quick: bool) -> None:
     """The attention check (and, given `configs`, the launch-config sweep) at each attention shape
     named in `shape_names`, under whichever attention forward is in use."""
-    lens = [1, 37, 300, 2048] if quick else [1, 37, 300, 2048, 8192]
     for name, hq, hkv, d, dv in (s for s in ATTENTION_SHAPES if s[0] in shape_names):
-        check_attention(result, hq, hkv, d, dv, lens, quick)
+        check_attention(result, hq, hkv, d, dv, sequence_lengths(quick), quick)
         if configs is not None:
             check_attention_configs(configs, hq, hkv, d, dv, latent=False)
         print(f"{result.name} {name}: {result.mismatches} mismatches so far", flush=True)

@@ -45,7 +45,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .attention_invariance import (LATENT_SHAPES, attention_shape_names, check_attention_configs,
-                                  check_latent_attention, check_latent_cache_write, run_attention, selected_shapes)
+                                  check_latent_attention, check_latent_cache_write, run_attention, selected_shapes,
+                                  sequence_lengths)
 from .linear_invariance import M_SWEEP, run_linear, run_linear_quack
 
 # (name, hidden, experts, expert intermediate, top-k, router): DeepSeek-V3 with 64 of its 256 experts
@@ -277,9 +278,8 @@ def main(argv: list[str] | None = None) -> int:
 def run_latent(results: dict[str, Result], shape_names: set[str], quick: bool) -> None:
     """The latent MLA attention, its launch configs, the absorption GEMMs and the fused prologue at
     each latent shape named in `shape_names`."""
-    lens = [1, 37, 300, 2048] if quick else [1, 37, 300, 2048, 8192]
     for name, hq, rank, rope, nope, v_dim in (s for s in LATENT_SHAPES if s[0] in shape_names):
-        check_latent_attention(results["latent attention"], hq, rank, rope, lens, quick)
+        check_latent_attention(results["latent attention"], hq, rank, rope, sequence_lengths(quick), quick)
         check_attention_configs(results["attention configs"], hq, 1, rank + rope, rank, latent=True)
         check_head_linear(results["head_linear"], hq, rank, nope, v_dim, quick)
         check_latent_cache_write(results["latent_cache_write"], hq, rank, rope, nope,
