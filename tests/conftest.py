@@ -55,3 +55,8 @@ def paged_layout(q_lens: list[int], seq_lens: list[int], table: torch.Tensor, pa
     cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
     return PagedLayout(cu.to(device), torch.tensor(seq_lens, dtype=torch.int32, device=device), table.to(device), page,
                        max(q_lens))
+
+
+def compiled_variants(kernel) -> int:
+    """How many variants of a Triton/Gluon `kernel` are compiled for the current CUDA device."""
+    return len(kernel.device_caches[torch.cuda.current_device()][0])

@@ -11,7 +11,7 @@ from vexact_models.kernels import attention_gluon, attention_packed, gluon_suppo
 from vexact_models.kernels.attention import attention_triton, packed_layout
 from vexact_models.kernels.attention_tiles import BLOCK_M
 
-from ..conftest import paged_cache, paged_layout, shuffled_pages
+from ..conftest import compiled_variants, paged_cache, paged_layout, shuffled_pages
 
 D = attention_gluon.HEAD_DIM
 
@@ -144,11 +144,6 @@ def test_chunked_prefill_and_decode_equal_training_bitwise(heads, kv_heads, monk
     step = paged_layout([1] * len(lens), lens, table, page, "cuda")
     assert torch.equal(attention_triton(q[last], k_cache, v_cache, step, scale)[0], trained[last])
     assert len(calls) == 2  # decode keeps the Triton launch
-
-
-def compiled_variants(kernel) -> int:
-    """How many variants of a Triton/Gluon `kernel` are compiled for the current CUDA device."""
-    return len(kernel.device_caches[torch.cuda.current_device()][0])
 
 
 @needs_gluon

@@ -11,7 +11,7 @@ from vexact_models.kernels import attention_packed, gluon_support, latent_prefil
 from vexact_models.kernels.attention import packed_layout
 from vexact_models.kernels.latent_attention import latent_attention_triton, pick_config
 
-from ..conftest import paged_cache, paged_layout, shuffled_pages
+from ..conftest import compiled_variants, paged_cache, paged_layout, shuffled_pages
 
 LAT, ROPE, HEADS = 512, 64, 16
 
@@ -117,8 +117,6 @@ def test_packed_training_forward_takes_the_gluon_kernel_with_the_triton_bits(len
 def test_one_compile_serves_every_batch_shape():
     """The sequence count, the longest sequence and the block table's width change from training
     batch to training batch; none of them compiles the kernel again (runtime arguments)."""
-    from .test_attention_gluon import compiled_variants
-
     gen = torch.Generator().manual_seed(3)
     kernel, seen = latent_prefill_gluon._latent_prefill_kernel, None
     for lens in ([100], [65, 300, 17], [64] * 16, [1000, 33]):
