@@ -108,6 +108,15 @@ def test_attention_page_size_does_not_matter():
         assert torch.equal(_run_paged(q, k, v, lens, 5, page_size=ps), ref)
 
 
+def test_page_shift_is_log2_of_power_of_two_page_sizes_only():
+    """The kernel finds a key's page by shift and mask only where the page size is 2 ** shift;
+    other sizes (24, 48) keep the division (tests/triton_checks: both give the packed bits)."""
+    from vexact_models.kernels.attention import page_shift
+
+    assert [page_shift(n) for n in (1, 2, 16, 64, 256, 1 << 20)] == [0, 1, 4, 6, 8, 20]
+    assert [page_shift(n) for n in (3, 24, 48, 96, 0)] == [None] * 5
+
+
 def test_packed_layout_is_a_trivial_block_table():
     layout = packed_layout(torch.tensor([0, 3, 5], dtype=torch.int32), 3)
     assert layout.page_size == 1 and layout.seq_lens.tolist() == [3, 2]
