@@ -114,8 +114,8 @@ def test_decode_over_power_of_two_pages_issues_fewer_instructions_a_key_block(mo
     """The GQA decode launch (Qwen3-0.6B's heads, 128 x 544, the engine's pointer-load config)
     compiled for sm_90: over pages of 64 a key's page and offset are a shift and a mask
     (`attention.page_shift`), over pages of 48 a division each; the shift's key-block loop is
-    at least a fifth shorter (801 -> 599 SASS instructions under Triton 3.6) with no more
-    registers."""
+    at least a fifth shorter with no more registers (under Triton 3.6, with 32-bit offsets: 511
+    SASS instructions against 719; 801 before either change)."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import kernel_resources
     from sm90_compile import compile_only, resources

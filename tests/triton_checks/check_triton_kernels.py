@@ -144,9 +144,14 @@ def test_attention_packed_and_paged(hq, hkv, d, dv):
 
 
 @pytest.mark.parametrize("page_size", [16, 24, 64])
-def test_attention_over_pages_of_any_size_equals_packed(page_size):
+@pytest.mark.parametrize("offsets_32", [True, False])
+def test_attention_over_pages_of_any_size_equals_packed(page_size, offsets_32, monkeypatch):
     """Chunks over shuffled pages of a power-of-two size (a key's page and offset by shift and
-    mask, `page_shift`) and of 24 slots (by division) give bitwise the packed forward's rows."""
+    mask, `page_shift`) and of 24 slots (by division), addressed in 32 or (as for caches past
+    2**31 elements, `offsets_fit_int32`) 64 bits, give bitwise the packed forward's rows."""
+    import importlib
+
+    attention_module = importlib.import_module("vexact_models.kernels.attention")  # the package's `attention` is the op
     hq, hkv, d = 4, 2, 64
     lens = [1, 20, 70]
     cu = torch.tensor([0, 1, 21, 91], dtype=torch.int32, device=DEVICE)
@@ -165,6 +170,7 @@ def test_attention_over_pages_of_any_size_equals_packed(page_size):
     idx = torch.cat([torch.arange(int(cu[s + 1]) - chunk[s], int(cu[s + 1])) for s in range(3)]).to(DEVICE)
     q_cu = torch.tensor([0] + list(torch.tensor(chunk).cumsum(0)), dtype=torch.int32, device=DEVICE)
     layout = PagedLayout(q_cu, torch.tensor(lens, dtype=torch.int32, device=DEVICE), table, page_size, max(chunk))
+    monkeypatch.setattr(attention_module, "offsets_fit_int32", lambda *tensors: offsets_32)
     assert torch.equal(attention(q[idx], kc, vc, layout), packed[idx]), page_size
 
 
