@@ -328,7 +328,7 @@ def attention_triton(q, k_cache, v_cache, layout: PagedLayout, scale: float, con
                          f"page_size={layout.page_size}, block_m={cfg.block_m}, kv_descriptors={kv_descriptors}")
     descs = ((_kv_descriptor(k, cfg.block_n), _kv_descriptor(v, cfg.block_n)) if kv_descriptors or page_descriptors
              else (None, None))
-    shift = page_shift(layout.page_size)
+    shift, offsets_32 = page_shift(layout.page_size), offsets_fit_int32(k, v)
     grid = (triton.cdiv(layout.max_seqlen_q * group, cfg.block_m),
             *((n_kv_heads, n_seqs) if cfg.heads_fastest else (n_seqs, n_kv_heads)))
     args = (q, k, v, out, lse, *descs, layout.cu_seqlens_q, layout.seq_lens, layout.block_table, layout.seq_order,
@@ -338,14 +338,14 @@ def attention_triton(q, k_cache, v_cache, layout: PagedLayout, scale: float, con
     kwargs = dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=next_power_of_2(head_dim),
                   BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SUM_LEVELS=row_sum_levels(cfg.block_n),
                   LANE_SUMS=lane_sums(cfg.block_m, cfg.num_warps), KV_DESC=kv_descriptors, PAGE_DESC=page_descriptors,
-                  SPLIT_MASK=split_mask(cfg), POW2_PAGES=shift is not None, OFFSETS_32=offsets_fit_int32(k, v),
+                  SPLIT_MASK=split_mask(cfg), POW2_PAGES=shift is not None, OFFSETS_32=offsets_32,
                   HEADS_FASTEST=cfg.heads_fastest,
                   ORDERED=layout.seq_order is not None, num_warps=cfg.num_warps,
                   # few programs: no PDL. Launched dependently, a 256-program decode at 8k tokens
                   # took 1.27x as long (TMA, 242 -> 307 us), the step 1.09x (twentieth session)
                   **dependent_launch_kwargs(q.device, allowed=not few))
     key = ("attention", q.device, q.dtype, group, head_dim, head_dim_v, cfg, kv_descriptors, page_descriptors,
-           shift is not None, offsets_fit_int32(k, v))
+           shift is not None, offsets_32)
     launch_staged(_attention_fwd_kernel, grid, args, kwargs, cfg.num_stages, key, fallback=config is None)
     return out, lse
 
