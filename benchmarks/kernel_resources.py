@@ -60,7 +60,7 @@ def decode_inputs(heads: int, lat: int, rope: int, seqs: int = 4, context: int =
 
 def _row(label: str, loads: str, res) -> list:
     return [label, loads, res.mma, res.registers, res.spill_bytes, f"{res.shared_bytes / 1024:.0f}",
-            res.programs_per_sm()]
+            res.programs_per_sm(), res.loop_instructions]
 
 
 def measure_latent(shape: str) -> list[list]:
@@ -192,7 +192,8 @@ def main(argv=None) -> int:
         return 2
     rows = (measure_latent if args.kernel == "latent" else measure_gqa)(shape)
     table(f"{args.kernel} attention launches, {shape} {SHAPES[args.kernel][shape]}, compiled for sm_90",
-          ["config", "loads", "dots", "registers", "spill bytes", "shared KB", "programs/SM"], rows)
+          ["config", "loads", "dots", "registers", "spill bytes", "shared KB", "programs/SM",
+           "loop SASS"], rows)
     return 0
 
 

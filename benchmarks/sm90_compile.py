@@ -4,7 +4,9 @@
 kernel launch into a compile: the launchers of `vexact_models.kernels` run as they would on an
 H100/H200 (their specialisation, their constexprs, their TMA descriptors), on CPU tensors, and
 nothing runs. `resources(kernel)` then runs the wheel's own ``ptxas -v`` on the kernel's PTX:
-registers per thread, spill bytes, shared memory and which MMA instructions the dots became.
+registers per thread, spill bytes, shared memory and which MMA instructions the dots became; and
+``nvdisasm`` on the cubin: the SASS instructions of its longest loop (`largest_loop`), for the
+GQA decode launch exactly the 801 a warp executed per key block under ncu on the H200.
 
 Why: a decode kernel's speed on Hopper hangs on these numbers (a 16-row latent tile's query
 operand in every warp's registers took 255 registers and spilled, one program per SM;
@@ -88,6 +90,7 @@ class KernelResources:
     num_warps: int
     wgmma: int  # wgmma.mma_async instructions in the PTX
     mma_sync: int  # mma.sync instructions
+    loop_instructions: int = 0  # SASS instructions in the longest loop (`largest_loop`)
 
     def programs_per_sm(self, registers_per_sm: int = 65536, shared_per_sm: int = 227 * 1024) -> int:
         """Resident programs an SM can hold, by registers and by shared memory (Hopper's limits)."""
@@ -103,23 +106,52 @@ class KernelResources:
 
 
 def resources(kernel) -> KernelResources:
-    """`kernel` (one of `compile_only`'s) through ``ptxas -v -arch=sm_90a``."""
+    """`kernel` (one of `compile_only`'s) through ``ptxas -v -arch=sm_90a``, its SASS through
+    ``nvdisasm`` (the wheel's own tools)."""
     import triton
 
     ptx = kernel.asm["ptx"]
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "kernel.ptx")
+        src, cubin = os.path.join(tmp, "kernel.ptx"), os.path.join(tmp, "kernel.cubin")
         with open(src, "w") as f:
             f.write(ptx)
-        run = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(tmp, "kernel.cubin")],
+        run = subprocess.run([os.path.join(tools, "ptxas"), "-arch=sm_90a", "-v", src, "-o", cubin],
                              capture_output=True, text=True)
-    if run.returncode:
-        raise RuntimeError(f"ptxas failed on {kernel.name}: {run.stderr[-2000:]}")
+        if run.returncode:
+            raise RuntimeError(f"ptxas failed on {kernel.name}: {run.stderr[-2000:]}")
+        sass = subprocess.run([os.path.join(tools, "nvdisasm"), "-c", cubin], capture_output=True, text=True,
+                              check=True).stdout
     registers = re.search(r"Used (\d+) registers", run.stderr)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", run.stderr)
     if registers is None or spills is None:
         raise RuntimeError(f"ptxas -v printed no register or spill counts for {kernel.name}: {run.stderr[-2000:]}")
     return KernelResources(kernel.name, int(registers.group(1)), int(spills.group(1)) + int(spills.group(2)),
                            kernel.metadata.shared, kernel.metadata.num_warps, ptx.count("wgmma.mma_async"),
-                           ptx.count("mma.sync"))
+                           ptx.count("mma.sync"), largest_loop(sass))
+
+
+def largest_loop(sass: str) -> int:
+    """SASS instructions in the longest loop of ``nvdisasm -c`` output (from a backward branch's
+    target to the branch): what a warp issues per iteration of a kernel's key-block loop. A
+    decode program's time at short contexts follows it (thirty-seventh session, ncu)."""
+    address = {}  # label -> address of the instruction after it
+    instructions = []  # (address, text)
+    label = None
+    for line in sass.splitlines():
+        found = re.match(r"\s*\.(L_x_\d+):", line)
+        if found:
+            label = found.group(1)
+            continue
+        found = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if found:
+            at = int(found.group(1), 16)
+            instructions.append((at, found.group(2)))
+            if label is not None:
+                address[label], label = at, None
+    longest = 0
+    for at, text in instructions:
+        branch = re.search(r"\bBRA\b.*?`?\(?\.(L_x_\d+)", text)
+        if branch and address.get(branch.group(1), at + 1) <= at:
+            longest = max(longest, sum(1 for a, _ in instructions if address[branch.group(1)] <= a <= at))
+    return longest

@@ -74,6 +74,19 @@ class PagedLayout:
     seq_order: torch.Tensor | None = None
 
 
+def page_shift(page_size: int) -> int | None:
+    """``log2(page_size)`` where the page size is a power of two, else None: the attention kernel
+    then finds a key's page and its offset in it with a shift and a mask instead of dividing."""
+    return page_size.bit_length() - 1 if page_size > 0 and page_size & (page_size - 1) == 0 else None
+
+
+def offsets_fit_int32(*tensors: torch.Tensor) -> bool:
+    """Whether every element of each tensor lies fewer than 2**31 elements past its first (its
+    strides and shape; views included): the attention kernel then addresses the K/V caches in 32
+    bits."""
+    return all(sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()) if n) < 2 ** 31 for t in tensors)
+
+
 def packed_layout(cu_seqlens: torch.Tensor, max_seqlen: int) -> PagedLayout:
     """The trivial layout of packed training sequences: token ``cu_seqlens[s] + p`` is position
     ``p`` of sequence ``s``, as a block table with ``page_size = 1``."""
@@ -103,29 +116,44 @@ def _attend_block(q, k, v, k_pos, k_ok, q_pos, m_i, l_i, acc, scale_log2, SUM_LE
 
 
 @triton.jit
-def _paged_block(k_ptr, v_ptr, table_row, start, n_keys, page_size, kv_head, stride_ks, stride_kh, stride_vs, stride_vh,
-                 d, d_ok, dv, BLOCK_N: tl.constexpr):
-    """Key block `start` of a sequence through its block table: (k, v, positions, in range)."""
+def _paged_block(k_ptr, v_ptr, table_row, start, n_keys, page_size, page_shift, kv_head, stride_ks, stride_kh,
+                 stride_vs, stride_vh, d, d_ok, dv, BLOCK_N: tl.constexpr, POW2_PAGES: tl.constexpr,
+                 OFFSETS_32: tl.constexpr):
+    """Key block `start` of a sequence through its block table: (k, v, positions, in range).
+
+    `POW2_PAGES`: the page size is ``2 ** page_shift``, so a key's page and offset in it are a
+    shift and a mask. Divided by the runtime page size, they were a quarter of a decode program's
+    instructions (thirty-seventh session). `OFFSETS_32`: every element of the caches lies within
+    2**31 elements of their starts, so the addresses are computed in 32 bits. Together: 801 -> 511
+    SASS instructions a key block and warp in the sm_90 decode loop. The same slots, so the same
+    bits."""
     k_pos = start + tl.arange(0, BLOCK_N)
     k_ok = k_pos < n_keys
-    page = tl.load(table_row + k_pos // page_size, mask=k_ok, other=0)
-    slot = page.to(tl.int64) * page_size + k_pos % page_size
+    if POW2_PAGES:
+        page = tl.load(table_row + (k_pos >> page_shift), mask=k_ok, other=0)
+        slot = page * page_size + (k_pos & (page_size - 1))
+    else:
+        page = tl.load(table_row + k_pos // page_size, mask=k_ok, other=0)
+        slot = page * page_size + k_pos % page_size
+    if not OFFSETS_32:  # a slot's index fits in 32 bits, its element offset may not
+        slot = slot.to(tl.int64)
     k = tl.load(k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
                 mask=k_ok[:, None] & d_ok[None, :], other=0.0)
     v = tl.load(v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + dv[None, :], mask=k_ok[:, None], other=0.0)
     return k, v, k_pos, k_ok
 
 
-@triton.jit(do_not_specialize=["page_size", "stride_bt"])
+@triton.jit(do_not_specialize=["page_size", "page_shift", "stride_bt"])
 def _attention_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, k_desc, v_desc,
     cu_seqlens_q_ptr, seq_lens_ptr, block_table_ptr, seq_order_ptr,
-    page_size, scale_log2,
+    page_size, page_shift, scale_log2,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_lt, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUM_LEVELS: tl.constexpr,
     LANE_SUMS: tl.constexpr, KV_DESC: tl.constexpr, PAGE_DESC: tl.constexpr, SPLIT_MASK: tl.constexpr,
-    HEADS_FASTEST: tl.constexpr = False, ORDERED: tl.constexpr = False, PDL: tl.constexpr = False,
+    POW2_PAGES: tl.constexpr = False, OFFSETS_32: tl.constexpr = False, HEADS_FASTEST: tl.constexpr = False,
+    ORDERED: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     # the last tiles of a causal sequence have the most keys: launch them first, so that the
@@ -209,14 +237,16 @@ def _attention_fwd_kernel(
     else:
         if SPLIT_MASK:
             for start in range(0, unmasked, BLOCK_N):
-                k, v, k_pos, k_ok = _paged_block(k_ptr, v_ptr, table_row, start, n_keys, page_size, kv_head,
-                                                 stride_ks, stride_kh, stride_vs, stride_vh, d, d_ok, dv, BLOCK_N)
+                k, v, k_pos, k_ok = _paged_block(k_ptr, v_ptr, table_row, start, n_keys, page_size, page_shift,
+                                                 kv_head, stride_ks, stride_kh, stride_vs, stride_vh, d, d_ok, dv,
+                                                 BLOCK_N, POW2_PAGES, OFFSETS_32)
                 m_i, l_i, acc = _attend_block(q, k, v, k_pos, k_ok, q_pos, m_i, l_i, acc, scale_log2, SUM_LEVELS,
                                               LANE_SUMS, False)
         first = unmasked
     for start in range(first, n_keys, BLOCK_N):  # the diagonal blocks (KV_DESC, PAGE_DESC: the partial last one)
-        k, v, k_pos, k_ok = _paged_block(k_ptr, v_ptr, table_row, start, n_keys, page_size, kv_head, stride_ks,
-                                         stride_kh, stride_vs, stride_vh, d, d_ok, dv, BLOCK_N)
+        k, v, k_pos, k_ok = _paged_block(k_ptr, v_ptr, table_row, start, n_keys, page_size, page_shift, kv_head,
+                                         stride_ks, stride_kh, stride_vs, stride_vh, d, d_ok, dv, BLOCK_N, POW2_PAGES,
+                                         OFFSETS_32)
         m_i, l_i, acc = _attend_block(q, k, v, k_pos, k_ok, q_pos, m_i, l_i, acc, scale_log2, SUM_LEVELS, LANE_SUMS, True)
     out = acc / l_i[:, None]
     tl.store(o_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :],
@@ -298,21 +328,24 @@ def attention_triton(q, k_cache, v_cache, layout: PagedLayout, scale: float, con
                          f"page_size={layout.page_size}, block_m={cfg.block_m}, kv_descriptors={kv_descriptors}")
     descs = ((_kv_descriptor(k, cfg.block_n), _kv_descriptor(v, cfg.block_n)) if kv_descriptors or page_descriptors
              else (None, None))
+    shift, offsets_32 = page_shift(layout.page_size), offsets_fit_int32(k, v)
     grid = (triton.cdiv(layout.max_seqlen_q * group, cfg.block_m),
             *((n_kv_heads, n_seqs) if cfg.heads_fastest else (n_seqs, n_kv_heads)))
     args = (q, k, v, out, lse, *descs, layout.cu_seqlens_q, layout.seq_lens, layout.block_table, layout.seq_order,
-            layout.page_size, scale * math.log2(math.e),
+            layout.page_size, shift or 0, scale * math.log2(math.e),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1), lse.stride(0), layout.block_table.stride(0))
     kwargs = dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=next_power_of_2(head_dim),
                   BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SUM_LEVELS=row_sum_levels(cfg.block_n),
                   LANE_SUMS=lane_sums(cfg.block_m, cfg.num_warps), KV_DESC=kv_descriptors, PAGE_DESC=page_descriptors,
-                  SPLIT_MASK=split_mask(cfg), HEADS_FASTEST=cfg.heads_fastest,
+                  SPLIT_MASK=split_mask(cfg), POW2_PAGES=shift is not None, OFFSETS_32=offsets_32,
+                  HEADS_FASTEST=cfg.heads_fastest,
                   ORDERED=layout.seq_order is not None, num_warps=cfg.num_warps,
                   # few programs: no PDL. Launched dependently, a 256-program decode at 8k tokens
                   # took 1.27x as long (TMA, 242 -> 307 us), the step 1.09x (twentieth session)
                   **dependent_launch_kwargs(q.device, allowed=not few))
-    key = ("attention", q.device, q.dtype, group, head_dim, head_dim_v, cfg, kv_descriptors, page_descriptors)
+    key = ("attention", q.device, q.dtype, group, head_dim, head_dim_v, cfg, kv_descriptors, page_descriptors,
+           shift is not None, offsets_32)
     launch_staged(_attention_fwd_kernel, grid, args, kwargs, cfg.num_stages, key, fallback=config is None)
     return out, lse
 

@@ -24,8 +24,8 @@ def test_kernel_resources_compiles_for_hopper_on_cpu():
         rows = [line.split() for line in run.stdout.splitlines() if line.strip().startswith("m16")]
         assert len(rows) == count, run.stdout
         for row in rows:
-            assert row[-5].startswith("mma.sync"), row
-            assert 0 < int(row[-4]) <= 255 and int(row[-3]) >= 0 and int(row[-1]) >= 1, row
+            assert row[-6].startswith("mma.sync"), row
+            assert 0 < int(row[-5]) <= 255 and int(row[-4]) >= 0 and int(row[-2]) >= 1 and int(row[-1]) > 0, row
     bad = subprocess.run([sys.executable, script, "--kernel", "gqa", "--shape", "moonlight"], cwd=BENCHMARKS,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--shape 'moonlight' is not a gqa shape" in bad.stderr
@@ -40,7 +40,7 @@ def test_kernel_resources_lists_the_gluon_latent_decode_at_moonlights_shape(monk
     q, kv, layout = kernel_resources.decode_inputs(16, 512, 64)
     rows = kernel_resources.measure_gluon(q, kv, 512, layout)
     assert [row[0] for row in rows] == ["gluon w4 s2", "gluon w4 s2 v4"]
-    for label, loads, mma, registers, spills, shared_kb, per_sm in rows:
+    for label, loads, mma, registers, spills, shared_kb, per_sm, _ in rows:
         assert mma == "wgmma" and spills == 0 and 0 < registers <= 255 and per_sm == 1, label
     deepseek = kernel_resources.decode_inputs(128, 512, 64)  # 128 heads: the Triton launch's
     assert kernel_resources.measure_gluon(deepseek[0], deepseek[1], 512, deepseek[2]) == []
@@ -55,9 +55,9 @@ def test_kernel_resources_lists_the_gluon_latent_prefill_at_moonlights_shape(mon
 
     rows = kernel_resources.measure_prefill(16, 512, 64, candidates=((64, 8, 1), (64, 8, 2)), triton_tile=False)
     assert [row[0] for row in rows] == ["gluon prefill r64 w8 s1", "gluon prefill r64 w8 s2"]
-    (_, _, mma, registers, spills, shared_kb, per_sm), two_stages = rows
+    (_, _, mma, registers, spills, shared_kb, per_sm, _), two_stages = rows
     assert mma == "wgmma" and spills == 0 and 0 < registers <= 255 and per_sm == 1 and int(shared_kb) <= 227
-    assert two_stages[-1] == 0 and int(two_stages[-2]) > 227
+    assert two_stages[-2] == 0 and int(two_stages[-3]) > 227
     assert kernel_resources.measure_prefill(8, 512, 64, triton_tile=False) == []  # 8 heads: not in HEADS
 
 
@@ -71,7 +71,7 @@ def test_kernel_resources_lists_the_gluon_gqa_prefill_at_qwen3_8bs_shape(monkeyp
 
     rows = kernel_resources.measure_gqa_prefill(32, 8, 128, candidates=((4, 232, 40),))
     assert [row[0] for row in rows] == ["prefill m128 n64 w4 s2", "gluon prefill s4 c232 p40"]
-    (_, _, mma, registers, spills, shared_kb, per_sm) = rows[1]
+    (_, _, mma, registers, spills, shared_kb, per_sm, _) = rows[1]
     assert mma == "wgmma" and spills == 0 and 0 < registers <= 168 and per_sm == 1 and 128 <= int(shared_kb) <= 227
     assert [row[0] for row in kernel_resources.measure_gqa_prefill(4, 2, 64)] == ["prefill m128 n64 w4 s2"]
 
@@ -86,3 +86,48 @@ def test_kernel_resources_programs_per_sm():
     assert KernelResources("k", 32, 0, 100 * 1024, 4, 0, 0).programs_per_sm() == 2  # shared memory
     assert KernelResources("k", 32, 0, 0, 4, 3, 2).mma == "wgmma+mma.sync"
     assert KernelResources("k", 32, 0, 0, 4, 0, 0).mma == "none"
+
+
+def test_largest_loop_counts_a_backward_branchs_body():
+    """`largest_loop` reads ``nvdisasm -c`` text: the instructions from a backward branch's target
+    to the branch, the longest such loop; forward branches are no loop."""
+    from sm90_compile import largest_loop
+
+    sass = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+    .L_x_0:
+        /*0010*/                   IADD3 R2, R2, 0x1, RZ ;
+        /*0020*/                   ISETP.GE.AND P0, PT, R2, 0x8, PT ;
+        /*0030*/              @!P0 BRA `(.L_x_0) ;
+        /*0040*/                   BRA `(.L_x_1) ;
+    .L_x_2:
+        /*0050*/                   NOP ;
+        /*0060*/                   BRA `(.L_x_2) ;
+    .L_x_1:
+        /*0070*/                   EXIT ;
+"""
+    assert largest_loop(sass) == 3
+    assert largest_loop("") == 0
+
+
+def test_decode_over_power_of_two_pages_issues_fewer_instructions_a_key_block(monkeypatch):
+    """The GQA decode launch (Qwen3-0.6B's heads, 128 x 544, the engine's pointer-load config)
+    compiled for sm_90: over pages of 64 a key's page and offset are a shift and a mask
+    (`attention.page_shift`), over pages of 48 a division each; the shift's key-block loop is
+    at least a fifth shorter with no more registers (under Triton 3.6, with 32-bit offsets: 511
+    SASS instructions against 719; 801 before either change)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import kernel_resources
+    from sm90_compile import compile_only, resources
+
+    from vexact_models.kernels.attention import AttentionConfig, attention_triton
+
+    measured = {}
+    with compile_only() as compiled:
+        for page in (64, 48):
+            q, kv, layout = kernel_resources.decode_inputs(16, 128, 0, seqs=128, context=544, page=page, kv_heads=8)
+            attention_triton(q, kv, kv, layout, 128 ** -0.5, AttentionConfig(16, 64, 4, 3, heads_fastest=True),
+                             page_descriptors=False)
+            measured[page] = resources(compiled[-1])
+    assert measured[64].loop_instructions <= 0.8 * measured[48].loop_instructions, measured
+    assert measured[64].registers <= measured[48].registers, measured

@@ -143,6 +143,37 @@ def test_attention_packed_and_paged(hq, hkv, d, dv):
     assert torch.equal(paged, packed[idx])  # one kernel, other tiles: bitwise (rule 2)
 
 
+@pytest.mark.parametrize("page_size", [16, 24, 64])
+@pytest.mark.parametrize("offsets_32", [True, False])
+def test_attention_over_pages_of_any_size_equals_packed(page_size, offsets_32, monkeypatch):
+    """Chunks over shuffled pages of a power-of-two size (a key's page and offset by shift and
+    mask, `page_shift`) and of 24 slots (by division), addressed in 32 or (as for caches past
+    2**31 elements, `offsets_fit_int32`) 64 bits, give bitwise the packed forward's rows."""
+    import importlib
+
+    attention_module = importlib.import_module("vexact_models.kernels.attention")  # the package's `attention` is the op
+    hq, hkv, d = 4, 2, 64
+    lens = [1, 20, 70]
+    cu = torch.tensor([0, 1, 21, 91], dtype=torch.int32, device=DEVICE)
+    q, k, v = rand(91, hq, d), rand(91, hkv, d), rand(91, hkv, d)
+    packed = attention_packed(q, k, v, cu, 70)
+    pages = [-(-n // page_size) for n in lens]
+    ids = torch.randperm(sum(pages), generator=torch.Generator().manual_seed(page_size)).tolist()
+    table = torch.tensor([ids[sum(pages[:s]):sum(pages[:s + 1])] + [0] * (max(pages) - pages[s]) for s in range(3)],
+                         dtype=torch.int32, device=DEVICE)
+    kc = torch.full((sum(pages), page_size, hkv, d), float("nan"), device=DEVICE)
+    vc = torch.full((sum(pages), page_size, hkv, d), float("nan"), device=DEVICE)
+    slots = torch.tensor([int(table[s, p // page_size]) * page_size + p % page_size
+                          for s, n in enumerate(lens) for p in range(n)], device=DEVICE)
+    kv_cache_write(k, v, kc, vc, slots)
+    chunk = [min(7, n) for n in lens]  # each sequence's last 7 tokens, after the rest as context
+    idx = torch.cat([torch.arange(int(cu[s + 1]) - chunk[s], int(cu[s + 1])) for s in range(3)]).to(DEVICE)
+    q_cu = torch.tensor([0] + list(torch.tensor(chunk).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    layout = PagedLayout(q_cu, torch.tensor(lens, dtype=torch.int32, device=DEVICE), table, page_size, max(chunk))
+    monkeypatch.setattr(attention_module, "offsets_fit_int32", lambda *tensors: offsets_32)
+    assert torch.equal(attention(q[idx], kc, vc, layout), packed[idx]), page_size
+
+
 @pytest.mark.parametrize("hq,hkv,d,dtype", [(4, 2, 64, torch.float32), (2, 2, 128, torch.bfloat16), (8, 1, 64, torch.bfloat16)])
 def test_attention_kv_descriptors_match_pointer_loads(hq, hkv, d, dtype):
     """The packed training forward with whole key blocks through TMA descriptors gives bitwise
