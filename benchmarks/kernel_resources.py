@@ -133,18 +133,20 @@ def measure_gluon(q, kv, lat: int, layout) -> list[list]:
 
 
 def measure_gqa(shape: str) -> list[list]:
-    """The GQA decode tiles `pick_config` takes (three stages; five for launches of few programs
-    with pointer loads), each with pointer loads and with TMA pages where it may use them."""
+    """The GQA decode tiles `pick_config` takes (two warps and three stages on Hopper; for launches
+    of few programs four warps, three stages with TMA pages or five with pointer loads), and the
+    four-warp three-stage tile they replaced, as a reference."""
     from vexact_models.kernels.attention import AttentionConfig, attention_triton
 
     heads, kv_heads, dim = SHAPES["gqa"][shape]
     q, k, layout = decode_inputs(heads, dim, 0, kv_heads=kv_heads)
     rows = []
     with compile_only() as compiled:
-        for stages, tma in ((3, False), (3, True), (5, False)):
-            cfg = AttentionConfig(16, 64, 4, stages, heads_fastest=True)
+        for warps, stages, tma in ((2, 3, False), (4, 3, False), (4, 3, True), (4, 5, False)):
+            cfg = AttentionConfig(16, 64, warps, stages, heads_fastest=True)
             attention_triton(q, k, k, layout, dim ** -0.5, cfg, page_descriptors=tma)
-            rows.append(_row(f"m16 n64 w4 s{stages} heads", "TMA pages" if tma else "pointers", resources(compiled[-1])))
+            rows.append(_row(f"m16 n64 w{warps} s{stages} heads", "TMA pages" if tma else "pointers",
+                             resources(compiled[-1])))
     return rows + measure_gqa_prefill(heads, kv_heads, dim)
 
 

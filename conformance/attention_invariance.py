@@ -47,6 +47,7 @@ def check_attention_configs(result: Result, hq: int, hkv: int, d: int, dv: int, 
                    AttentionConfig(128, 64, 8, 2), AttentionConfig(128, 64, 4, 2), AttentionConfig(128, 64, 8, 3),
                    AttentionConfig(16, 64, 4, 3), AttentionConfig(16, 64, 4, 5), AttentionConfig(16, 64, 4, 2),
                    AttentionConfig(16, 64, 2, 2), AttentionConfig(16, 64, 4, 3, heads_fastest=True),
+                   AttentionConfig(16, 64, 2, 3, heads_fastest=True),
                    AttentionConfig(32, 64, 4, 2), AttentionConfig(64, 64, 4, 2, heads_fastest=True)]
         outs = [attention_triton(q, k, v, layout, d ** -0.5, cfg) for cfg in configs]
     labels = [str(cfg) for cfg in configs]

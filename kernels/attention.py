@@ -41,7 +41,7 @@ from .attention_fa4 import attention_fa4
 from .attention_forward_choice import choose_attention_forward
 from .attention_reference import REFERENCE_BLOCK_N, attention_reference  # noqa: F401 (public here too)
 from .attention_tiles import (BLOCK_N, DECODE_BLOCK_M, HEAD_DIMS, VALUE_HEAD_DIMS, AttentionConfig, few_decode_programs,
-                              many_decode_programs, pick_config, split_mask)
+                              pick_config, split_mask)
 from .backend import select
 from .dependent_launch import dependent_launch_kwargs, wait_for_inputs
 from .latent_attention import latent_attention_triton, value_in_key
@@ -293,8 +293,8 @@ def attention_triton(q, k_cache, v_cache, layout: PagedLayout, scale: float, con
     `packed_layout`; whole key blocks are then read through TMA descriptors (the same values,
     so the same bits; check `kv_descriptors_fit` first on a GPU). `page_descriptors`: a decode
     launch over paged caches reads its whole key blocks through TMA descriptors, page by page
-    (default: where `page_descriptors_fit` and the launch has few programs or very many,
-    `few_decode_programs`, `many_decode_programs`; the same bits). Without a `config` or page
+    (default: where `page_descriptors_fit` and the launch has few programs, `few_decode_programs`;
+    the same bits). Without a `config` or page
     descriptors, a prompt or packed training launch that `attention_gluon.fits` runs the Gluon
     kernel instead (``VEXACT_ATTENTION_PREFILL``; the same bits)."""
     require_triton("attention")
@@ -318,9 +318,8 @@ def attention_triton(q, k_cache, v_cache, layout: PagedLayout, scale: float, con
     rows = layout.max_seqlen_q * group
     programs, sms, deep = n_seqs * n_kv_heads * triton.cdiv(rows, DECODE_BLOCK_M), num_sms(q.device), deep_pipeline(q.device)
     few = few_decode_programs(programs, sms, deep)
-    if page_descriptors is None:  # where they pay: launches of few or of very many programs (`pick_config`)
-        page_descriptors = (not kv_descriptors and (few or many_decode_programs(programs, sms, deep))
-                            and page_descriptors_fit(k, v, layout.page_size, rows))
+    if page_descriptors is None:  # where they pay: launches of few programs (`pick_config`)
+        page_descriptors = not kv_descriptors and few and page_descriptors_fit(k, v, layout.page_size, rows)
     cfg = config or pick_config(head_dim, rows, q.dtype, programs, sms, deep, page_descriptors)
     if page_descriptors and (kv_descriptors or layout.page_size % cfg.block_n or split_mask(cfg)):
         raise ValueError(f"attention_triton: page_descriptors=True needs paged decode tiles (not kv_descriptors, no "

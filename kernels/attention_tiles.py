@@ -41,22 +41,25 @@ def pick_config(head_dim: int, rows_per_seq: int, dtype: torch.dtype, programs: 
     """The launch parameters for a head dim and dtype, for a launch whose longest sequence has
     `rows_per_seq` (query token, head) rows. Chosen by `benchmarks/attention_configs.py` on the
     H200 (docs/gpu-results.md); every choice gives the same bits (the module docstring). Decode
-    (<= 16 rows per sequence: one token times a GQA group) takes 16-row tiles: 4 warps and three
-    stages at head dim <= 128 (1.5x the 64-row tiles, 94% of the copy bandwidth at Qwen3-8B's
-    shape), 2 warps and one stage at MLA's 192 (1.5x, 64-74%); prefill chunks of <= 64 rows take
+    (<= 16 rows per sequence: one token times a GQA group) takes 16-row tiles: three stages at
+    head dim <= 128 (1.5x the 64-row tiles), 2 warps on Hopper (rather than four since the paged
+    addressing became a shift and 32-bit offsets, 1.0-2.0% less attention time in decode steps of
+    Qwen3-0.6B and 8B at 128-256 sequences, thirty-eighth session), 2 warps and one stage at MLA's
+    192 (1.5x, 64-74%); prefill chunks of <= 64 rows take
     64-row tiles with 4 warps (one stage for the 256-wide padded tile of head dim 192); training
     and longer prefill take 128-row tiles with two stages, 4 warps at head dim <= 128 (1.2-1.3x
     the 8-warp tile with pointer loads and with TMA; a 64-row, three-stage tile was up to 11%
     faster with TMA at <= 8k tokens and 1.3x slower with pointer loads) and 8 at 192 (2.1x).
-    A decode launch of at most two (sequence, KV head) `programs` per SM (of `sm_count`) takes five
-    stages where `deep_pipeline` says the GPU's shared memory holds them (Hopper): with that few
-    programs the loads must overlap within one, 1.13-1.16x at 32 sequences of Qwen3-8B over 1k-8k
-    tokens (thirteenth session), while more programs hide the latency among themselves and five
-    stages cost them 1.1-1.3x. Where such a launch reads whole key blocks by TMA from pages of 64
-    (`page_descriptors`, `attention.page_descriptors_fit`), three stages give the copies two
-    buffers: 1.16-1.20x the five-stage pointer loads at 32 sequences of 1k-8k tokens (nineteenth
-    session); with 3-8 programs per SM TMA pages lost (0.87-0.99x), so they keep pointer loads,
-    while from 15 per SM on they win by a little (`many_decode_programs`, three stages). Decode
+    A decode launch of at most two (sequence, KV head) `programs` per SM (of `sm_count`) takes four
+    warps and five stages where `deep_pipeline` says the GPU's shared memory holds them (Hopper):
+    with that few programs the loads must overlap within one, 1.13-1.16x at 32 sequences of
+    Qwen3-8B over 1k-8k tokens (thirteenth session), while more programs hide the latency among
+    themselves and five stages cost them 1.1-1.3x. Where such a launch reads whole key blocks by
+    TMA from pages of 64 (`page_descriptors`, `attention.page_descriptors_fit`), three stages give
+    the copies two buffers: 1.16-1.20x the five-stage pointer loads at 32 sequences of 1k-8k tokens
+    (nineteenth session). Launches of more programs keep pointer loads: TMA pages lost at 3-8
+    programs per SM (0.87-0.99x) and, with the shift-and-mask addressing, at 15 (0.97x) and tied at
+    31 (thirty-eighth session). Decode
     programs run a sequence's KV heads side by side (``heads_fastest``), which read neighbouring
     bytes of each cache row: 0-2% faster at 128-256 sequences of 544 tokens and 32-128 of 4-8k
     (twentieth session), never slower beyond noise.
@@ -69,7 +72,8 @@ def pick_config(head_dim: int, rows_per_seq: int, dtype: torch.dtype, programs: 
             return AttentionConfig(DECODE_BLOCK_M, BLOCK_N, 2, 1)
         if few_decode_programs(programs, sm_count, deep_pipeline):
             return AttentionConfig(DECODE_BLOCK_M, BLOCK_N, 4, 3 if page_descriptors else 5, heads_fastest=True)
-        return AttentionConfig(DECODE_BLOCK_M, BLOCK_N, 4, 3, heads_fastest=True)
+        # two warps measured on the H200 only: other GPUs keep the four that were tuned on them
+        return AttentionConfig(DECODE_BLOCK_M, BLOCK_N, 2 if deep_pipeline else 4, 3, heads_fastest=True)
     if rows_per_seq <= BLOCK_M:
         return AttentionConfig(BLOCK_M, BLOCK_N, 4, 1 if wide else NUM_STAGES)
     return AttentionConfig(2 * BLOCK_M, BLOCK_N, 8 if wide else 4, NUM_STAGES)
@@ -80,14 +84,6 @@ def few_decode_programs(programs: int, sm_count: int, deep_pipeline: bool) -> bo
     GPU whose shared memory holds a deep pipeline (Hopper): each program must then overlap its
     own loads, which pointer loads do at five stages and TMA page copies at three (`pick_config`)."""
     return deep_pipeline and 0 < programs <= 2 * sm_count
-
-
-def many_decode_programs(programs: int, sm_count: int, deep_pipeline: bool) -> bool:
-    """Whether a decode launch has at least 15 (sequence, KV head) tiles per SM of a Hopper-class
-    GPU: there TMA page copies beat pointer loads (H200, twenty-third session: 1.00-1.05x at 2,048
-    and 4,096 programs of 544 tokens, 1.02x at 2,048 of 2,048 tokens), where at 1,024 programs
-    (7.8 per SM) they lost 2-4%."""
-    return deep_pipeline and programs >= 15 * sm_count
 
 
 def split_mask(config: AttentionConfig) -> bool:

@@ -48,6 +48,7 @@ def test_lane_sums_only_where_each_row_lives_in_one_warp():
 def test_gqa_decode_takes_16_row_tiles_and_training_128():
     bf16 = torch.bfloat16
     assert attention_pick_config(128, 4, bf16) == AttentionConfig(16, 64, 4, 3, heads_fastest=True)  # Qwen3-8B decode
+    assert attention_pick_config(128, 4, bf16, 128 * 8, 132, True) == AttentionConfig(16, 64, 2, 3, heads_fastest=True)
     assert attention_pick_config(192, 1, bf16) == AttentionConfig(16, 64, 2, 1)  # MLA expanded decode
     assert attention_pick_config(128, 40, bf16) == AttentionConfig(64, 64, 4, 2)
     assert attention_pick_config(128, 8192, bf16) == AttentionConfig(128, 64, 4, 2)  # training, D <= 128
