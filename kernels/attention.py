@@ -19,9 +19,9 @@ wgmma), warp and stage count bitwise equal. A tile may run past a row's last key
 are fully masked and leave the row's state bitwise unchanged (p = 0, alpha = exp2(0) = 1). No
 split-KV. Packed training K/V may arrive by TMA instead of pointer loads (`kv_descriptors`):
 the same values in the same tiles, so the same bits, and 1.4-1.6x faster on the H200; so may the
-whole key blocks of a decode launch of few (or very many) programs over pages of 64
-(`page_descriptors`, one copy per block from its page: 1.16-1.20x at 32 sequences of 1k-8k
-tokens, 1.00-1.05x at 256-512 sequences). On Hopper, training and prompt launches of head dim 128
+whole key blocks of a decode launch of few programs over pages of 64 (`page_descriptors`, one
+copy per block from its page: 1.16-1.20x at 32 sequences of 1k-8k tokens). The cache layout and
+its addressing helpers live in `paged_layout.py`. On Hopper, training and prompt launches of head dim 128
 run `attention_gluon`'s warp-specialised kernel instead, with the same bits. The reference does the
 same on CPU with `exact_math` (`attention_reference.py`). The backward (`attention_backward.py`) is
 correct, not invariant.
@@ -30,8 +30,6 @@ correct, not invariant.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import torch
 
 from ._triton import (deep_pipeline, has_tma, launch_staged, next_power_of_2, num_sms, require_triton, tl,
@@ -45,55 +43,8 @@ from .attention_tiles import (BLOCK_N, DECODE_BLOCK_M, HEAD_DIMS, VALUE_HEAD_DIM
 from .backend import select
 from .dependent_launch import dependent_launch_kwargs, wait_for_inputs
 from .latent_attention import latent_attention_triton, value_in_key
+from .paged_layout import PagedLayout, offsets_fit_int32, packed_layout, page_shift  # noqa: F401 (public here too)
 from .row_sum import lane_sums, row_sum_halves, row_sum_levels
-
-
-@dataclass
-class PagedLayout:
-    """Where each query token's keys live. All tensors int32 on the queries' device.
-
-    Attributes:
-        cu_seqlens_q: ``[S+1]`` offsets of each sequence's query tokens in the flat batch.
-        seq_lens: ``[S]`` total keys per sequence (cached context + new query tokens).
-        block_table: ``[S, max_pages]`` page ids of each sequence.
-        page_size: positions per page.
-        max_seqlen_q: the largest query count of any sequence (host int; sizes the grid).
-        seq_order: ``[S]`` a permutation of the sequences: the order the attention kernels' programs
-            take them (the engine's: most attention work first, `runtime.step_inputs`), or None
-            for 0..S-1. Each sequence's programs compute the same rows whichever programs they
-            are, so the order changes the schedule, never a bit; longest first keeps a few long
-            sequences from running alone at the end of a decode launch (1.2-1.4x at 128-256
-            sequences of mixed lengths, twenty-eighth session).
-    """
-
-    cu_seqlens_q: torch.Tensor
-    seq_lens: torch.Tensor
-    block_table: torch.Tensor
-    page_size: int
-    max_seqlen_q: int
-    seq_order: torch.Tensor | None = None
-
-
-def page_shift(page_size: int) -> int | None:
-    """``log2(page_size)`` where the page size is a power of two, else None: the attention kernel
-    then finds a key's page and its offset in it with a shift and a mask instead of dividing."""
-    return page_size.bit_length() - 1 if page_size > 0 and page_size & (page_size - 1) == 0 else None
-
-
-def offsets_fit_int32(*tensors: torch.Tensor) -> bool:
-    """Whether every element of each tensor lies fewer than 2**31 elements past its first (its
-    strides and shape; views included): the attention kernel then addresses the K/V caches in 32
-    bits."""
-    return all(sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()) if n) < 2 ** 31 for t in tensors)
-
-
-def packed_layout(cu_seqlens: torch.Tensor, max_seqlen: int) -> PagedLayout:
-    """The trivial layout of packed training sequences: token ``cu_seqlens[s] + p`` is position
-    ``p`` of sequence ``s``, as a block table with ``page_size = 1``."""
-    cu = cu_seqlens.to(torch.int32)
-    seq_lens = cu[1:] - cu[:-1]
-    table = cu[:-1, None] + torch.arange(max(max_seqlen, 1), device=cu.device, dtype=torch.int32)[None, :]
-    return PagedLayout(cu, seq_lens.contiguous(), table.contiguous(), 1, max_seqlen)
 
 
 @triton.jit

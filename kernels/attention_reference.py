@@ -8,14 +8,11 @@ CPU as the kernel is on the GPU (docs/design.md rule 2), equal to it in value, n
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 
 from . import exact_math
-
-if TYPE_CHECKING:
-    from .attention import PagedLayout
+from .paged_layout import PagedLayout
 
 REFERENCE_BLOCK_N = 16  # the reference's own fixed key block
 
