@@ -133,7 +133,7 @@ def test_kv_descriptors_fit_layouts(monkeypatch):
     """TMA loads need a Hopper GPU (never on CPU) and K/V whose heads lie side by side in rows
     with 16-byte aligned starts and strides and power-of-two head dims (no padded lanes). A model's
     fused projection split into K and V views fits; MLA's 192-wide keys do not. (The interpreter
-    check tests/triton_checks/check_triton_kernels.py compares the TMA path's bits with the
+    check tests/triton_checks/check_attention.py compares the TMA path's bits with the
     pointer loads'.)"""
     import importlib
 

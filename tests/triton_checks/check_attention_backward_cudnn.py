@@ -28,7 +28,7 @@ from vexact_models.kernels.attention_backward import attention_backward_triton
 from vexact_models.kernels.attention_backward_choice import choose_attention_backward
 from vexact_models.kernels.attention_backward_cudnn import attention_backward_cudnn, cudnn_backward_unavailable_reason
 
-BF16_TOL = 2e-2  # as check_triton_kernels.test_attention_backward
+BF16_TOL = 2e-2  # as check_attention.test_attention_backward
 
 
 def _packed(lens, hq, hkv, d, dtype, dv=None, fused_v=False):

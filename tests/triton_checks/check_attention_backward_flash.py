@@ -26,7 +26,7 @@ from vexact_models.kernels.attention_backward_cudnn import cudnn_backward_availa
 from vexact_models.kernels.attention_backward_flash import (attention_backward_flash, flash_backward_available,
                                                             natural_lse)
 
-BF16_TOL = 2e-2  # as check_triton_kernels.test_attention_backward
+BF16_TOL = 2e-2  # as check_attention.test_attention_backward
 
 
 def _packed(lens, hq, hkv, d, dtype, dv=None):

@@ -9,7 +9,6 @@ Results are compared with tolerances (the two backends round differently); bitwi
 is proven on the GPU by conformance/kernel_invariance.py.
 """
 
-import dataclasses
 import os
 
 import pytest
@@ -22,9 +21,8 @@ DEVICE = "cpu" if INTERPRET else "cuda"
 
 # (the interpreter's tl.dot is patched in conftest.py)
 
-from vexact_models.kernels import (PagedLayout, add_rms_norm, apply_rotary, attention, attention_packed, gather_logprobs,
+from vexact_models.kernels import (add_rms_norm, apply_rotary, gather_logprobs,
                                    kv_cache_write, linear, log_softmax, rms_norm, rope_table, silu_and_mul, use_backend)
-from vexact_models.kernels.attention_backward import attention_math
 
 
 def close(a, b, tol):
@@ -118,137 +116,6 @@ def test_kv_cache_write():
     with use_backend("reference"):
         kv_cache_write(k.cpu(), v.cpu(), kr, vr, slots.cpu())
     assert torch.equal(kc.cpu(), kr) and torch.equal(vc.cpu(), vr)
-
-
-@pytest.mark.parametrize("hq,hkv,d,dv", [(4, 2, 64, 64), (2, 2, 128, 128), (8, 1, 64, 64), (3, 3, 192, 128)])
-def test_attention_packed_and_paged(hq, hkv, d, dv):
-    lens = [1, 20, 70]
-    t = sum(lens)
-    q, k, v = rand(t, hq, d), rand(t, hkv, d), rand(t, hkv, dv)
-    cu = torch.tensor([0, 1, 21, 91], dtype=torch.int32, device=DEVICE)
-    packed = attention_packed(q, k, v, cu, 70)
-    close(packed, attention_math(q.double(), k.double(), v.double(), cu, d ** -0.5), 1e-5 if INTERPRET else 1e-3)
-    # last 5 tokens of each sequence as a chunk over a paged cache (page 16, shuffled pages)
-    page_size, pages = 16, [[3], [0, 5], [1, 6, 2, 7, 4]]
-    table = torch.tensor([p + [0] * (5 - len(p)) for p in pages], dtype=torch.int32, device=DEVICE)
-    kc, vc = torch.zeros(8, page_size, hkv, d, device=DEVICE), torch.zeros(8, page_size, hkv, dv, device=DEVICE)
-    slots = torch.tensor([int(table[s, p // page_size]) * page_size + p % page_size
-                          for s, n in enumerate(lens) for p in range(n)], device=DEVICE)
-    kv_cache_write(k, v, kc, vc, slots)
-    chunk = [min(5, n) for n in lens]
-    idx = torch.cat([torch.arange(int(cu[s + 1]) - chunk[s], int(cu[s + 1])) for s in range(3)]).to(DEVICE)
-    layout = PagedLayout(torch.tensor([0, 1, 6, 11], dtype=torch.int32, device=DEVICE),
-                         torch.tensor(lens, dtype=torch.int32, device=DEVICE), table, page_size, 5)
-    paged = attention(q[idx], kc, vc, layout)
-    assert torch.equal(paged, packed[idx])  # one kernel, other tiles: bitwise (rule 2)
-
-
-@pytest.mark.parametrize("page_size", [16, 24, 64])
-@pytest.mark.parametrize("offsets_32", [True, False])
-def test_attention_over_pages_of_any_size_equals_packed(page_size, offsets_32, monkeypatch):
-    """Chunks over shuffled pages of a power-of-two size (a key's page and offset by shift and
-    mask, `page_shift`) and of 24 slots (by division), addressed in 32 or (as for caches past
-    2**31 elements, `offsets_fit_int32`) 64 bits, give bitwise the packed forward's rows."""
-    import importlib
-
-    attention_module = importlib.import_module("vexact_models.kernels.attention")  # the package's `attention` is the op
-    hq, hkv, d = 4, 2, 64
-    lens = [1, 20, 70]
-    cu = torch.tensor([0, 1, 21, 91], dtype=torch.int32, device=DEVICE)
-    q, k, v = rand(91, hq, d), rand(91, hkv, d), rand(91, hkv, d)
-    packed = attention_packed(q, k, v, cu, 70)
-    pages = [-(-n // page_size) for n in lens]
-    ids = torch.randperm(sum(pages), generator=torch.Generator().manual_seed(page_size)).tolist()
-    table = torch.tensor([ids[sum(pages[:s]):sum(pages[:s + 1])] + [0] * (max(pages) - pages[s]) for s in range(3)],
-                         dtype=torch.int32, device=DEVICE)
-    kc = torch.full((sum(pages), page_size, hkv, d), float("nan"), device=DEVICE)
-    vc = torch.full((sum(pages), page_size, hkv, d), float("nan"), device=DEVICE)
-    slots = torch.tensor([int(table[s, p // page_size]) * page_size + p % page_size
-                          for s, n in enumerate(lens) for p in range(n)], device=DEVICE)
-    kv_cache_write(k, v, kc, vc, slots)
-    chunk = [min(7, n) for n in lens]  # each sequence's last 7 tokens, after the rest as context
-    idx = torch.cat([torch.arange(int(cu[s + 1]) - chunk[s], int(cu[s + 1])) for s in range(3)]).to(DEVICE)
-    q_cu = torch.tensor([0] + list(torch.tensor(chunk).cumsum(0)), dtype=torch.int32, device=DEVICE)
-    layout = PagedLayout(q_cu, torch.tensor(lens, dtype=torch.int32, device=DEVICE), table, page_size, max(chunk))
-    monkeypatch.setattr(attention_module, "offsets_fit_int32", lambda *tensors: offsets_32)
-    assert torch.equal(attention(q[idx], kc, vc, layout), packed[idx]), page_size
-
-
-@pytest.mark.parametrize("hq,hkv,d,dtype", [(4, 2, 64, torch.float32), (2, 2, 128, torch.bfloat16), (8, 1, 64, torch.bfloat16)])
-def test_attention_kv_descriptors_match_pointer_loads(hq, hkv, d, dtype):
-    """The packed training forward with whole key blocks through TMA descriptors gives bitwise
-    the pointer loads' output and lse, for every tile, on sequences that end mid-block. K and V
-    are views of one fused projection (as a model's qkv split leaves them)."""
-    from vexact_models.kernels.attention import AttentionConfig, attention_triton, packed_layout
-
-    lens = [1, 64, 130, 70]
-    t = sum(lens)
-    kv = rand(t, 2 * hkv * d).to(dtype)
-    k, v = kv[:, :hkv * d].view(t, hkv, d), kv[:, hkv * d:].view(t, hkv, d)
-    q = rand(t, hq, d).to(dtype)
-    layout = packed_layout(torch.tensor([0, 1, 65, 195, 265], dtype=torch.int32, device=DEVICE), max(lens))
-    for cfg in (AttentionConfig(64, 64, 4, 2), AttentionConfig(128, 64, 4, 2), AttentionConfig(16, 64, 4, 3)):
-        out, lse = attention_triton(q, k, v, layout, d ** -0.5, cfg)
-        out_tma, lse_tma = attention_triton(q, k, v, layout, d ** -0.5, cfg, kv_descriptors=True)
-        assert torch.equal(out_tma, out) and torch.equal(lse_tma, lse), cfg
-
-
-@pytest.mark.parametrize("hq,hkv,q_len", [(16, 8, 1), (32, 8, 1), (8, 2, 2)])
-def test_attention_decode_load_paths_match(hq, hkv, q_len):
-    """Decode launches over shuffled pages of 64 (NaN in every unwritten slot) give bitwise the
-    same output and lse whether whole key blocks come by TMA page by page or by pointer loads,
-    whatever the stages and the program order;
-    sequences end before, at and after a block's end (`q_len` > 1: a short chunk, whose rows mask
-    within a block)."""
-    from vexact_models.kernels.attention import AttentionConfig, attention_reference, attention_triton
-
-    d, page = 128, 64
-    lens = [1, 63, 64, 65, 130, 200]
-    pages = [-(-n // page) for n in lens]
-    gen = torch.Generator().manual_seed(hq + q_len)
-    ids = torch.randperm(sum(pages), generator=gen).tolist()
-    table = torch.tensor([ids[sum(pages[:s]):sum(pages[:s + 1])] + [0] * (max(pages) - pages[s])
-                          for s in range(len(lens))], dtype=torch.int32)
-    caches = [torch.full((sum(pages) * page, hkv, d), float("nan"), dtype=torch.bfloat16) for _ in range(2)]
-    for s, n in enumerate(lens):
-        slots = [int(table[s, p // page]) * page + p % page for p in range(n)]
-        for cache in caches:
-            cache[slots] = torch.randn(n, hkv, d, generator=gen).bfloat16()
-    k, v = (c.to(DEVICE) for c in caches)
-    q_lens = [min(q_len, n) for n in lens]
-    q = torch.randn(sum(q_lens), hq, d, generator=gen).bfloat16().to(DEVICE)
-    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
-    layout = PagedLayout(cu.to(DEVICE), torch.tensor(lens, dtype=torch.int32).to(DEVICE), table.to(DEVICE), page, q_len)
-    first = None
-    for cfg in (AttentionConfig(16, 64, 4, 3), AttentionConfig(16, 64, 4, 5), AttentionConfig(16, 64, 4, 3, True)):
-        out, lse = attention_triton(q, k, v, layout, d ** -0.5, cfg, page_descriptors=False)
-        by_tma, lse_tma = attention_triton(q, k, v, layout, d ** -0.5, cfg, page_descriptors=True)
-        assert not out.isnan().any() and torch.equal(by_tma, out) and torch.equal(lse_tma, lse), cfg
-        first = first or (out, lse)  # the program order (heads_fastest) moves no bit either
-        assert torch.equal(out, first[0]) and torch.equal(lse, first[1]), cfg
-    # nor does the order programs take the sequences (PagedLayout.seq_order, the engine's longest first)
-    for order in ([5, 4, 3, 2, 1, 0], [2, 0, 5, 1, 4, 3]):
-        ordered = dataclasses.replace(layout, seq_order=torch.tensor(order, dtype=torch.int32, device=DEVICE))
-        for tma in (False, True):
-            out, lse = attention_triton(q, k, v, ordered, d ** -0.5, AttentionConfig(16, 64, 4, 3), page_descriptors=tma)
-            assert torch.equal(out, first[0]) and torch.equal(lse, first[1]), (order, tma)
-    if INTERPRET:  # (on the GPU, tests/kernels/test_attention.py compares with the training forward bitwise)
-        ref = attention_reference(q.float(), k.float().nan_to_num(), v.float().nan_to_num(), layout, d ** -0.5)
-        close(out.float(), ref, 2e-2)
-
-
-@pytest.mark.parametrize("d,dv,dtype", [(64, 64, torch.bfloat16), (192, 128, torch.bfloat16), (192, 128, torch.float32)])
-def test_attention_backward(d, dv, dtype):
-    lens = [3, 40, 90]
-    t = sum(lens)
-    q, k, v = (rand(t, h, width).to(dtype).requires_grad_() for h, width in ((4, d), (2, d), (2, dv)))
-    cu = torch.tensor([0, 3, 43, 133], dtype=torch.int32, device=DEVICE)
-    g = rand(t, 4, dv).to(dtype)
-    got = torch.autograd.grad(attention_packed(q, k, v, cu, 90, 0.125), (q, k, v), g)
-    qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
-    want = torch.autograd.grad(attention_math(qd, kd, vd, cu, 0.125), (qd, kd, vd), g.double())
-    for a, b in zip(got, want):
-        close(a, b, 2e-2)
 
 
 @pytest.mark.parametrize("top_k", [8, 6])
