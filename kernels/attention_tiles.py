@@ -72,7 +72,8 @@ def pick_config(head_dim: int, rows_per_seq: int, dtype: torch.dtype, programs: 
             return AttentionConfig(DECODE_BLOCK_M, BLOCK_N, 2, 1)
         if few_decode_programs(programs, sm_count, deep_pipeline):
             return AttentionConfig(DECODE_BLOCK_M, BLOCK_N, 4, 3 if page_descriptors else 5, heads_fastest=True)
-        # two warps measured on the H200 only: other GPUs keep the four that were tuned on them
+        # two warps where the GPU has Hopper's shared memory (`deep_pipeline`; measured on the
+        # H200); smaller GPUs keep the four that were tuned on them
         return AttentionConfig(DECODE_BLOCK_M, BLOCK_N, 2 if deep_pipeline else 4, 3, heads_fastest=True)
     if rows_per_seq <= BLOCK_M:
         return AttentionConfig(BLOCK_M, BLOCK_N, 4, 1 if wide else NUM_STAGES)
