@@ -135,23 +135,22 @@ def largest_loop(sass: str) -> int:
     """SASS instructions in the longest loop of ``nvdisasm -c`` output (from a backward branch's
     target to the branch): what a warp issues per iteration of a kernel's key-block loop. A
     decode program's time at short contexts follows it (thirty-seventh session, ncu)."""
-    address = {}  # label -> address of the instruction after it
-    instructions = []  # (address, text)
+    start = {}  # label -> index of the instruction after it
+    instructions = []  # instruction texts, in address order
     label = None
     for line in sass.splitlines():
         found = re.match(r"\s*\.(L_x_\d+):", line)
         if found:
             label = found.group(1)
             continue
-        found = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        found = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?);", line)
         if found:
-            at = int(found.group(1), 16)
-            instructions.append((at, found.group(2)))
             if label is not None:
-                address[label], label = at, None
+                start[label], label = len(instructions), None
+            instructions.append(found.group(1))
     longest = 0
-    for at, text in instructions:
+    for at, text in enumerate(instructions):
         branch = re.search(r"\bBRA\b.*?`?\(?\.(L_x_\d+)", text)
-        if branch and address.get(branch.group(1), at + 1) <= at:
-            longest = max(longest, sum(1 for a, _ in instructions if address[branch.group(1)] <= a <= at))
+        if branch and start.get(branch.group(1), at + 1) <= at:  # a backward branch: its body is a loop
+            longest = max(longest, at - start[branch.group(1)] + 1)
     return longest

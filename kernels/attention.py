@@ -30,6 +30,7 @@ correct, not invariant.
 from __future__ import annotations
 
 import math
+
 import torch
 
 from ._triton import (deep_pipeline, has_tma, launch_staged, next_power_of_2, num_sms, require_triton, tl,
