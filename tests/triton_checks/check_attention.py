@@ -13,9 +13,9 @@ import torch
 # pytest's importlib mode does not put this folder on sys.path; importing the shared helpers
 # also applies their skip rule (conftest.py patches the interpreter's tl.dot)
 sys.path.insert(0, str(Path(__file__).parent))
-from check_triton_kernels import DEVICE, INTERPRET, close, rand
+from check_triton_kernels import DEVICE, INTERPRET, close, last_tokens, rand, write_pages
 
-from vexact_models.kernels import PagedLayout, attention, attention_packed, kv_cache_write
+from vexact_models.kernels import PagedLayout, attention, attention_packed
 from vexact_models.kernels.attention_backward import attention_math
 
 
@@ -31,13 +31,8 @@ def test_attention_packed_and_paged(hq, hkv, d, dv):
     page_size, pages = 16, [[3], [0, 5], [1, 6, 2, 7, 4]]
     table = torch.tensor([p + [0] * (5 - len(p)) for p in pages], dtype=torch.int32, device=DEVICE)
     kc, vc = torch.zeros(8, page_size, hkv, d, device=DEVICE), torch.zeros(8, page_size, hkv, dv, device=DEVICE)
-    slots = torch.tensor([int(table[s, p // page_size]) * page_size + p % page_size
-                          for s, n in enumerate(lens) for p in range(n)], device=DEVICE)
-    kv_cache_write(k, v, kc, vc, slots)
-    chunk = [min(5, n) for n in lens]
-    idx = torch.cat([torch.arange(int(cu[s + 1]) - chunk[s], int(cu[s + 1])) for s in range(3)]).to(DEVICE)
-    layout = PagedLayout(torch.tensor([0, 1, 6, 11], dtype=torch.int32, device=DEVICE),
-                         torch.tensor(lens, dtype=torch.int32, device=DEVICE), table, page_size, 5)
+    write_pages(k, v, kc, vc, table, lens)
+    idx, layout = last_tokens(lens, 5, table, page_size)
     paged = attention(q[idx], kc, vc, layout)
     assert torch.equal(paged, packed[idx])  # one kernel, other tiles: bitwise (rule 2)
 
@@ -62,13 +57,8 @@ def test_attention_over_pages_of_any_size_equals_packed(page_size, offsets_32, m
                          dtype=torch.int32, device=DEVICE)
     kc = torch.full((sum(pages), page_size, hkv, d), float("nan"), device=DEVICE)
     vc = torch.full((sum(pages), page_size, hkv, d), float("nan"), device=DEVICE)
-    slots = torch.tensor([int(table[s, p // page_size]) * page_size + p % page_size
-                          for s, n in enumerate(lens) for p in range(n)], device=DEVICE)
-    kv_cache_write(k, v, kc, vc, slots)
-    chunk = [min(7, n) for n in lens]  # each sequence's last 7 tokens, after the rest as context
-    idx = torch.cat([torch.arange(int(cu[s + 1]) - chunk[s], int(cu[s + 1])) for s in range(3)]).to(DEVICE)
-    q_cu = torch.tensor([0] + list(torch.tensor(chunk).cumsum(0)), dtype=torch.int32, device=DEVICE)
-    layout = PagedLayout(q_cu, torch.tensor(lens, dtype=torch.int32, device=DEVICE), table, page_size, max(chunk))
+    write_pages(k, v, kc, vc, table, lens)
+    idx, layout = last_tokens(lens, 7, table, page_size)  # each sequence's last 7 tokens, after the rest as context
     monkeypatch.setattr(attention_module, "offsets_fit_int32", lambda *tensors: offsets_32)
     assert torch.equal(attention(q[idx], kc, vc, layout), packed[idx]), page_size
 

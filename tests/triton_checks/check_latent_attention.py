@@ -7,6 +7,8 @@ value gradient), or on a GPU, where paged == packed is also bitwise.
 
 import dataclasses
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,13 +21,17 @@ DEVICE = "cpu" if INTERPRET else "cuda"
 #: kernels.attention does (check_triton_kernels.py accepts 2e-2 there); the interpreter is exact.
 FP32_TOL = 1e-5 if INTERPRET else 2e-2
 
-from vexact_models.kernels import PagedLayout, attention, attention_packed, kv_cache_write, use_backend  # noqa: E402
+from vexact_models.kernels import attention, attention_packed, use_backend  # noqa: E402
 from vexact_models.kernels.attention_backward import attention_math  # noqa: E402
 from vexact_models.kernels.head_linear import head_linear  # noqa: E402
 from vexact_models.kernels.latent_attention import (  # noqa: E402
     LatentConfig, key_block, latent_attention_triton, pick_config, value_in_key)
 from vexact_models.kernels.latent_attention_backward import latent_attention_backward_triton  # noqa: E402
 from vexact_models.kernels.attention import packed_layout  # noqa: E402
+
+# pytest's importlib mode does not put this folder on sys.path (check_triton_kernels.py's helpers)
+sys.path.insert(0, str(Path(__file__).parent))
+from check_triton_kernels import last_tokens, write_pages  # noqa: E402
 
 
 def close(a, b, tol):
@@ -57,13 +63,8 @@ def test_latent_attention_packed_and_paged(heads, lat, rope, dtype):
     table = torch.tensor([p + [0] * (6 - len(p)) for p in pages], dtype=torch.int32, device=DEVICE)
     k_cache = torch.full((10, page_size, 1, lat + rope), float("nan"), device=DEVICE, dtype=dtype)
     v_cache = k_cache[..., :lat]
-    slots = torch.tensor([int(table[s, p // page_size]) * page_size + p % page_size
-                          for s, n in enumerate(lens) for p in range(n)], device=DEVICE)
-    kv_cache_write(k, v, k_cache, v_cache, slots)
-    chunk = [min(6, n) for n in lens]
-    idx = torch.cat([torch.arange(int(cu[s + 1]) - chunk[s], int(cu[s + 1])) for s in range(3)]).to(DEVICE)
-    layout = PagedLayout(torch.tensor([0, 1, 7, 13], dtype=torch.int32, device=DEVICE),
-                         torch.tensor(lens, dtype=torch.int32, device=DEVICE), table, page_size, 6)
+    write_pages(k, v, k_cache, v_cache, table, lens)
+    idx, layout = last_tokens(lens, 6, table, page_size)
     paged = attention(q[idx], k_cache, v_cache, layout, 0.2)
     assert torch.equal(paged, packed[idx])  # one kernel, other tiles: bitwise (rule 2)
     # the order programs take the sequences (PagedLayout.seq_order, the engine's longest first) moves no bit

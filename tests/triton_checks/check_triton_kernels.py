@@ -21,8 +21,28 @@ DEVICE = "cpu" if INTERPRET else "cuda"
 
 # (the interpreter's tl.dot is patched in conftest.py)
 
-from vexact_models.kernels import (add_rms_norm, apply_rotary, gather_logprobs,
+from vexact_models.kernels import (PagedLayout, add_rms_norm, apply_rotary, gather_logprobs,
                                    kv_cache_write, linear, log_softmax, rms_norm, rope_table, silu_and_mul, use_backend)
+
+
+def write_pages(k, v, k_cache, v_cache, table, lens: list[int]) -> None:
+    """Packed `k`, `v` of sequences of `lens` tokens written into their pages of the caches
+    (``[pages, page_size, heads, dim]``) through the block `table`."""
+    page_size = k_cache.shape[1]
+    slots = torch.tensor([int(table[s, p // page_size]) * page_size + p % page_size
+                          for s, n in enumerate(lens) for p in range(n)], device=k.device)
+    kv_cache_write(k, v, k_cache, v_cache, slots)
+
+
+def last_tokens(lens: list[int], tokens: int, table, page_size: int):
+    """``(rows, layout)``: the packed rows of each sequence's last `tokens` tokens (all of a shorter
+    one), and their `PagedLayout` over `table` as a chunk after the rest as context."""
+    chunk = [min(tokens, n) for n in lens]
+    ends = torch.tensor(lens).cumsum(0).tolist()
+    rows = torch.cat([torch.arange(e - c, e) for e, c in zip(ends, chunk)]).to(table.device)
+    q_cu = torch.tensor([0] + list(torch.tensor(chunk).cumsum(0)), dtype=torch.int32, device=table.device)
+    return rows, PagedLayout(q_cu, torch.tensor(lens, dtype=torch.int32, device=table.device), table, page_size,
+                             max(chunk))
 
 
 def close(a, b, tol):
