@@ -29,7 +29,6 @@ from .rotary_cache_write import rotary_cache_write
 from .sampling import sample_tokens
 from .silu_and_mul import silu_and_mul
 from .token_logprobs import token_logprobs
-from .weight_prefetch import set_weight_prefetch, use_weight_prefetch
 
 __all__ = [
     "BACKENDS", "KernelSwitch", "PagedLayout", "UnsupportedError", "add_rms_norm", "apply_rotary", "attention",
@@ -37,6 +36,6 @@ __all__ = [
     "fused_moe", "gather_logprobs", "head_linear", "kv_cache_write", "latent_cache_write", "linear",
     "linear_backend_mode", "log_softmax", "packed_layout", "rms_norm", "rope_table", "rotary_cache_write",
     "sample_tokens", "set_attention_forward", "set_backend", "set_dependent_launch", "set_linear_backend",
-    "set_weight_prefetch", "sigmoid_grouped_topk", "silu_and_mul", "softmax_topk", "token_logprobs",
-    "use_attention_forward", "use_backend", "use_dependent_launch", "use_linear_backend", "use_weight_prefetch",
+    "sigmoid_grouped_topk", "silu_and_mul", "softmax_topk", "token_logprobs", "use_attention_forward", "use_backend",
+    "use_dependent_launch", "use_linear_backend",
 ]

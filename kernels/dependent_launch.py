@@ -17,8 +17,7 @@ only now do both sides of each boundary overlap), 5.91 -> 5.70 at 256; Qwen3-8B 
 
 The contract, for every kernel that takes ``PDL``: its first statement is `wait_for_inputs(PDL)`,
 before any load or store, so nothing it reads or overwrites can race the kernel before it (or,
-transitively, any earlier one: that kernel waited the same way). Only a block that asks L2 for
-weight rows (`weight_prefetch.py`: no load into the program, no store) may come before it. The arithmetic is untouched, so
+transitively, any earlier one: that kernel waited the same way). The arithmetic is untouched, so
 the bits are the same with PDL on or off (docs/design.md rule 1; the GPU tests run both).
 
 ``VEXACT_PDL`` (``auto`` | ``off``, read at every launch) or `use_dependent_launch` choose: ``auto``

@@ -25,7 +25,6 @@ from . import exact_math, linear_quack
 from ._triton import has_tma, num_sms, require_triton, tl, tma_rows_aligned, triton
 from .backend import select
 from .dependent_launch import dependent_launch_kwargs, wait_for_inputs
-from .weight_prefetch import prefetch_rows_to_l2, weight_prefetch
 
 BLOCK_K = 64  # the one K tile for every M and every config
 
@@ -117,12 +116,8 @@ def _linear_kernel(
     HAS_BIAS: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PDL: tl.constexpr = False, PREFETCH_W: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
-    if PREFETCH_W:  # the weights are no earlier kernel's output (weight_prefetch.py)
-        early_m, early_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        prefetch_rows_to_l2(w_ptr, stride_wn, K * w_ptr.dtype.element_ty.primitive_bitwidth // 8,
-                            early_n * BLOCK_N, N, early_m, tl.cdiv(M, BLOCK_M), BLOCK_N)
     wait_for_inputs(PDL)
     pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
@@ -151,14 +146,10 @@ def _linear_kernel(
 
 
 @triton.jit(do_not_specialize=["M", "num_programs"])
-def _linear_tma_kernel(x_desc, w_desc, out_desc, b_ptr, w_ptr, stride_wn, M, N, K,
+def _linear_tma_kernel(x_desc, w_desc, out_desc, b_ptr, M, N, K,
                        num_programs, HAS_BIAS: tl.constexpr, PERSISTENT: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                       PDL: tl.constexpr = False, PREFETCH_W: tl.constexpr = False):
-    if PREFETCH_W and not PERSISTENT:  # `w_ptr`: the weight's contiguous rows (weight_prefetch.py)
-        early_m, early_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        prefetch_rows_to_l2(w_ptr, stride_wn, K * w_ptr.dtype.element_ty.primitive_bitwidth // 8,
-                            early_n * BLOCK_N, N, early_m, tl.cdiv(M, BLOCK_M), BLOCK_N)
+                       PDL: tl.constexpr = False):
     wait_for_inputs(PDL)
     # TMA zero-fills out-of-bounds rows/cols/K on load and clips them on store: no masks.
     num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
@@ -195,11 +186,10 @@ def _linear_triton_tma(x2d, weight, bias, out, cfg: LinearConfig) -> None:
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     programs = min(tiles, num_sms(x2d.device)) if cfg.persistent else tiles
     _linear_tma_kernel[(programs,)](
-        x_desc, w_desc, out_desc, bias if bias is not None else x2d, weight, weight.stride(0), m, n, k, programs,
+        x_desc, w_desc, out_desc, bias if bias is not None else x2d, m, n, k, programs,
         HAS_BIAS=bias is not None, PERSISTENT=cfg.persistent,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=BLOCK_K, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dependent_launch_kwargs(x2d.device),
-        PREFETCH_W=not cfg.persistent and weight_prefetch(weight, m))
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dependent_launch_kwargs(x2d.device))
 
 
 def linear_triton(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -227,7 +217,6 @@ def linear_triton(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         INPUT_PRECISION="ieee" if x2d.dtype == torch.float32 else "tf32",
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=BLOCK_K, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dependent_launch_kwargs(x2d.device),
-        PREFETCH_W=weight_prefetch(weight, m),
     )
     return out
 

@@ -126,25 +126,11 @@ def _kernel_defs_and_dependent_launches(path):
     return defs, launches
 
 
-def _only_prefetches_weights(statement) -> bool:
-    """Whether `statement` is an ``if PREFETCH_W...:`` block that only computes tile coordinates
-    and asks L2 for weight rows (`weight_prefetch.py`): no load, no store, so it may precede the
-    wait."""
-    import ast
-
-    if not (isinstance(statement, ast.If) and "PREFETCH_W" in ast.unparse(statement.test) and not statement.orelse):
-        return False
-    calls = {node.func.id for node in ast.walk(statement) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
-    return "prefetch_rows_to_l2" in calls and calls <= {"prefetch_rows_to_l2", "_tile_coords"} and \
-        all(isinstance(s, (ast.Assign, ast.Expr)) for s in statement.body)
-
-
 def test_every_dependent_launch_is_of_a_kernel_that_waits_first():
     """Triton's CPU interpreter ignores keyword arguments a kernel does not declare, so a launch
     passing ``PDL`` to a kernel without it fails on the GPU only: each launch that passes
     `dependent_launch_kwargs` must be of a kernel of the same module that takes ``PDL`` and whose
-    first statement (after its docstring, and after a block that only prefetches weight rows into
-    L2) is ``wait_for_inputs(PDL)``."""
+    first statement (after its docstring) is ``wait_for_inputs(PDL)``."""
     import ast
     from pathlib import Path
 
@@ -155,8 +141,6 @@ def test_every_dependent_launch_is_of_a_kernel_that_waits_first():
         for name, line in launches:
             fn = defs.get(name)
             body = [s for s in (fn.body if fn else []) if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
-            if body and _only_prefetches_weights(body[0]):
-                body = body[1:]
             first = ast.unparse(body[0]) if body else ""
             if fn is None or "PDL" not in [a.arg for a in fn.args.args] or first != "wait_for_inputs(PDL)":
                 problems.append(f"{path.name}:{line}: {name} (first statement: {first!r})")
