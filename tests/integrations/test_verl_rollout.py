@@ -1,14 +1,14 @@
-"""verl integration (``vexact_models.integrations.verl``) against verl's own classes.
+"""verl integration (``vexact_models.integrations.verl``), the rollout side, against verl's own
+classes: registration, verl's rollout contract (generate / release / resume / update_weights /
+abort), bad input, and the replica under Ray.
 
 Runs where verl imports (``.ci/verl`` builds that venv: verl 0.9.1 pins transformers < 5.11);
-skipped elsewhere. verl's FSDP engine needs an accelerator platform: the tests give it a CPU one
-through verl's platform extension point (`set_platform`), and run the engine's own input
-preparation, forward and output unpacking on the unsharded module (FSDP wrapping itself needs a
-GPU; ``docs/verl.md`` says how to run the full trainer there).
+skipped elsewhere. The actor side is `test_verl_actor.py`.
 """
 
 import asyncio
-import socket
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,75 +16,22 @@ import torch
 vv = pytest.importorskip("vexact_models.integrations.verl", reason="verl (and ray) not importable here",
                          exc_type=ImportError)
 
-import torch.distributed as dist  # noqa: E402
+# pytest's importlib mode does not put this folder on sys.path; the shared helpers live beside
+sys.path.insert(0, str(Path(__file__).parent))
 from transformers import AutoModelForCausalLM  # noqa: E402
-from verl import DataProto  # noqa: E402
-from verl.trainer.config import CheckpointConfig  # noqa: E402
-from verl.utils import tensordict_utils as tu  # noqa: E402
-from verl.utils.debug.metrics import calculate_debug_metrics  # noqa: E402
-from verl.utils.model import compute_position_id_with_mask  # noqa: E402
-from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig, RolloutConfig  # noqa: E402
 from verl.workers.engine.fsdp.utils import unfuse_moe_params  # noqa: E402
 from verl.workers.rollout import base as verl_rollout_base  # noqa: E402
 from verl.workers.rollout.base import BaseRollout, get_rollout_class  # noqa: E402
 from verl.workers.rollout.replica import RolloutReplica, RolloutReplicaRegistry, TokenOutput  # noqa: E402
-from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding  # noqa: E402
+from verl_support import (MAX_TOKENS, PARAMS, PROMPTS, R, generate_all, make_rollout, model_config,  # noqa: E402
+                          recompute, rollout_config, save_tiny)
 
-import vexact_models  # noqa: E402
 from vexact_models.registry import get  # noqa: E402
-
-P, R, TEMP = 8, 8, 0.9  # prompt / response budget, sampling temperature (not 1: it must reach both sides)
-PROMPTS = [[3, 4, 5], [7, 8, 9, 10, 11], [12], [20, 21, 22, 23, 24, 25, 26, 27]]
-MAX_TOKENS = [2, 4, 6, 8]  # the last fills max_model_len = P + R exactly
-PARAMS = {"temperature": TEMP, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True}
-
-
-def _save(tmp_path_factory, name: str, **overrides) -> str:
-    arch = get(name)
-    torch.manual_seed(0)
-    path = str(tmp_path_factory.mktemp(name))
-    # initializer_range=0.5: peaked distributions, so sampled tokens depend on the weights
-    arch.causal_lm_class(arch.tiny_config(initializer_range=0.5, **overrides)).save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    return _save(tmp_path_factory, "qwen3")
-
-
-def rollout_config(**overrides) -> RolloutConfig:
-    engine = {"kv_cache_bytes": 1 << 20, "block_size": 4, "device": "cpu", "max_num_seqs": 8,
-              "max_num_batched_tokens": 16}  # small budgets: chunked prefill and several decode steps
-    engine.update(overrides.pop("engine", {}))
-    fields = dict(name=vv.ROLLOUT_NAME, tensor_model_parallel_size=1, prompt_length=P, response_length=R,
-                  dtype="float32", temperature=TEMP, ignore_eos=True, engine_kwargs={"vexact": engine})
-    fields.update(overrides)
-    return RolloutConfig(**fields)
-
-
-def make_rollout(path: str, **overrides) -> tuple[BaseRollout, "vv.VexactServer"]:
-    """verl's way: the class named by rollout.name from verl's registry, built with verl's configs."""
-    config = rollout_config(**overrides)
-    rollout = get_rollout_class(config.name, config.mode)(config=config, model_config=model_config(path),
-                                                          device_mesh=None, replica_rank=0)
-    return rollout, vv.VexactServer(config, rollout=rollout)
-
-
-def model_config(path: str, **kwargs) -> HFModelConfig:
-    return HFModelConfig(path=path, load_tokenizer=False, **kwargs)
-
-
-async def generate_all(server, prompts=PROMPTS, return_exceptions=False, **params) -> list:
-    """Every prompt at once, as verl's agent loops send them (one request each)."""
-    return await asyncio.gather(*[server.generate(p, {**PARAMS, "max_tokens": MAX_TOKENS[i], **params},
-                                                  request_id=f"req-{i}") for i, p in enumerate(prompts)],
-                                return_exceptions=return_exceptions)
-
-
-def recompute(model, prompt, tokens, temperature=TEMP) -> torch.Tensor:
-    with torch.no_grad():
-        return model.token_logprobs(torch.tensor([prompt + tokens]), temperature=temperature)[0, len(prompt):]
+    return save_tiny(tmp_path_factory, "qwen3")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -198,7 +145,7 @@ def test_abort_holds_requests_until_resume(ckpt):
 def test_update_weights_refuses_verls_per_expert_stream(tmp_path_factory, name, asynchronous):
     """verl streams MoE experts one tensor per expert (its unfuse_moe_params) and the trainer's
     buffers with its parameters (state_dict); the engine gets the experts fused, the buffers copied."""
-    path = _save(tmp_path_factory, name)
+    path = save_tiny(tmp_path_factory, name)
     rollout, _ = make_rollout(path)
     torch.manual_seed(1)
     trained = get(name).causal_lm_class(get(name).tiny_config(initializer_range=0.5)).eval()
@@ -238,167 +185,6 @@ def test_bad_input_is_a_value_error_naming_it(ckpt):
     assert isinstance(outs[0], TokenOutput) and isinstance(outs[2], TokenOutput)
     out = asyncio.run(server.generate(PROMPTS[3], {**PARAMS, "max_tokens": 100}, request_id="clamped"))
     assert len(out.token_ids) == 16 - len(PROMPTS[3])  # clamped to the room left in max_model_len
-
-
-# ----------------------------------------------------------------------------------------------
-# the actor side: verl's own log-prob computation and metric
-# ----------------------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def verl_cpu():
-    """verl's engine on CPU: a CPU platform through verl's platform extension point, and a
-    one-process gloo group (verl's engine all-reduces token counts)."""
-    from verl.plugin.platform import platform_manager
-    from verl.plugin.platform.platform_cuda import PlatformCUDA
-
-    class CPUPlatform(PlatformCUDA):
-        device_name = property(lambda self: "cpu")
-        device_module = property(lambda self: torch.cpu)
-
-        def is_available(self):
-            return True
-
-        def current_device(self):
-            return "cpu"
-
-        def synchronize(self, device_index=None):
-            pass
-
-        def empty_cache(self):
-            pass
-
-        def communication_backend_name(self):
-            return "gloo"
-
-    saved = platform_manager._current_platform
-    platform_manager.set_platform(CPUPlatform())
-    own_group = not dist.is_initialized()
-    if own_group:
-        with socket.socket() as s:  # a free port: other test runs may share the machine
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    if own_group:
-        dist.destroy_process_group()
-    platform_manager._current_platform = saved
-
-
-def verl_engine(path: str, fused: bool, remove_padding: bool = True):
-    """verl's FSDP actor engine, its module built by verl's own loader (AutoModelForCausalLM and
-    verl's monkey patches), left unsharded on CPU."""
-    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
-
-    # impl_backend="torch": verl's YAML default, under which verl replaces a model's forward with its own
-    # fused-linear one (for every class but ours, once installed)
-    mc = model_config(path, use_remove_padding=remove_padding, use_fused_kernels=fused,
-                      fused_kernel_options={"impl_backend": "torch"}, enable_gradient_checkpointing=False,
-                      override_config={"attn_implementation": "sdpa"})
-    engine = FSDPEngineWithLMHead(mc, FSDPEngineConfig(forward_only=True, use_torch_compile=False, model_dtype="fp32"),
-                                  FSDPOptimizerConfig(lr=1e-5), CheckpointConfig())
-    engine.module = engine._build_module()
-    engine._autocast_dtype = torch.float32  # FSDP's mixed precision is not set up without sharding
-    return engine
-
-
-def rollout_batch(outs: list) -> dict:
-    """verl's rollout batch layout (its agent loop's): left-padded prompts, right-padded responses."""
-    b = len(PROMPTS)
-    prompts, responses = torch.zeros(b, P, dtype=torch.long), torch.zeros(b, R, dtype=torch.long)
-    mask, rollout_lp = torch.zeros(b, P + R, dtype=torch.long), torch.zeros(b, R)
-    for i, (prompt, out) in enumerate(zip(PROMPTS, outs)):
-        n = len(out.token_ids)
-        prompts[i, P - len(prompt):] = torch.tensor(prompt)
-        responses[i, :n] = torch.tensor(out.token_ids)
-        mask[i, P - len(prompt):P + n] = 1
-        rollout_lp[i, :n] = torch.tensor(out.log_probs)
-    return {"prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
-            "attention_mask": mask, "position_ids": compute_position_id_with_mask(mask),
-            "response_mask": mask[:, P:], "rollout_log_probs": rollout_lp}
-
-
-def actor_old_log_probs(engine, tensors: dict, fused: bool, remove_padding: bool = True) -> torch.Tensor:
-    """verl's ``_compute_old_log_prob`` without the Ray hop: padding removed, the engine's
-    ``infer_batch`` in micro-batches of 2, the response slice taken back."""
-    td = left_right_2_no_padding(DataProto.from_dict(tensors=dict(tensors)).to_tensordict())
-    tu.assign_non_tensor(td, calculate_entropy=True, compute_loss=False, temperature=TEMP, use_fused_kernels=fused,
-                         use_remove_padding=remove_padding, use_dynamic_bsz=False, micro_batch_size_per_gpu=2)
-    return no_padding_2_padding(engine.infer_batch(td)["model_output"]["log_probs"], td).float()
-
-
-def diff_metrics(tensors: dict, old_log_probs: torch.Tensor) -> dict:
-    return calculate_debug_metrics(DataProto.from_dict(tensors={**tensors, "old_log_probs": old_log_probs}))
-
-
-@pytest.mark.parametrize("remove_padding", [True, False])
-def test_actor_logprobs_equal_rollout_and_verls_metric_is_zero(ckpt, verl_cpu, remove_padding):
-    _, server = make_rollout(ckpt)
-    tensors = rollout_batch(asyncio.run(generate_all(server)))
-    engine = verl_engine(ckpt, fused=True, remove_padding=remove_padding)
-    assert type(engine.module) is get("qwen3").causal_lm_class
-    old = actor_old_log_probs(engine, tensors, fused=True, remove_padding=remove_padding)
-    assert torch.equal(old * tensors["response_mask"], tensors["rollout_log_probs"])
-    metrics = diff_metrics(tensors, old)
-    assert metrics["training/rollout_probs_diff_valid"] == 1
-    assert metrics["training/rollout_probs_diff_max"] == 0.0
-
-
-@pytest.mark.parametrize("variant", ["stock transformers class", "our class, verl's fused path"])
-def test_verls_metric_is_nonzero_without_the_hook(ckpt, verl_cpu, variant):
-    """The same rollout scored by verl's stock paths, integration uninstalled: the stock
-    transformers class with verl's log-softmax, or our class (same kernels up to the hidden
-    states) with verl's own fused-linear forward, which verl installs over ours. Neither is 0:
-    the hook is what makes the metric 0."""
-    _, server = make_rollout(ckpt)
-    tensors = rollout_batch(asyncio.run(generate_all(server)))
-    ours = get("qwen3").causal_lm_class
-    fused = variant != "stock transformers class"
-    vv.uninstall()
-    own_forward = ours.__dict__.get("forward")
-    (vexact_models.patch if fused else vexact_models.unpatch)()
-    try:
-        engine = verl_engine(ckpt, fused=fused)
-        assert (type(engine.module) is ours) == fused
-        if fused:
-            assert ours.forward is not own_forward  # verl replaced it
-        old = actor_old_log_probs(engine, tensors, fused=fused)
-    finally:
-        if own_forward is not None:  # put back what verl replaced
-            ours.forward = own_forward
-        elif "forward" in ours.__dict__:
-            del ours.forward
-        vexact_models.unpatch()
-        vv.install()
-    metrics = diff_metrics(tensors, old)
-    assert metrics["training/rollout_probs_diff_valid"] == 1
-    assert metrics["training/rollout_probs_diff_max"] > 0.0
-    # the same model, only not bitwise: it agrees to float32 noise
-    assert torch.allclose(old * tensors["response_mask"], tensors["rollout_log_probs"], atol=1e-4)
-
-
-def test_hook_forward_is_differentiable_with_verls_layout(ckpt):
-    """verl's fused-kernel call (packed ids, positions restarting at 0, globally rolled labels):
-    ``log_probs[t]`` is the logprob of ``shift_labels[t]``, equal to `token_logprobs` one token on,
-    with gradients, and ``entropy`` is the distribution's entropy."""
-    model = get("qwen3").causal_lm_class.from_pretrained(ckpt)
-    seqs = [torch.tensor(s) for s in ([3, 4, 5, 6], [7, 8, 9], [10, 11, 12, 13, 14])]
-    ids = torch.cat(seqs)[None]
-    positions = torch.cat([torch.arange(len(s)) for s in seqs])[None]
-    out = model(input_ids=ids, position_ids=positions, temperature=TEMP, shift_labels=torch.roll(ids, -1, dims=1),
-                return_dict=True, use_cache=False)
-    (out.log_probs.sum() + out.entropy.sum()).backward()
-    assert model.model.embed_tokens.weight.grad.abs().sum() > 0
-    with torch.no_grad():
-        expected = model.token_logprobs(ids, position_ids=positions, temperature=TEMP)
-        logits = model(input_ids=ids, position_ids=positions).logits[0] / TEMP
-    last = torch.cumsum(torch.tensor([len(s) for s in seqs]), 0) - 1  # each sequence's last token
-    keep = torch.ones(ids.shape[1], dtype=torch.bool)
-    keep[last] = False
-    assert torch.equal(out.log_probs.detach()[0, :-1][keep[:-1]], expected[0, 1:][keep[:-1]])
-    entropy = -(logits.log_softmax(-1).exp() * logits.log_softmax(-1)).sum(-1)
-    assert torch.allclose(out.entropy.detach()[0], entropy, atol=1e-5)
-    plain = model(input_ids=ids, position_ids=positions)  # without temperature: the ordinary forward
-    assert plain.logits.shape == (1, ids.shape[1], model.config.vocab_size)
 
 
 # ----------------------------------------------------------------------------------------------
