@@ -173,57 +173,17 @@ def run_conformance(arch: Architecture, model, *, device: torch.device, pool_siz
         if sc.get("cuda_only") and device.type != "cuda":
             continue
         t0 = time.time()
-        engine = dict(sc["engine"])
-        block_size = engine.pop("block_size", 4)
-        if engine.pop("preempt", False):  # room for a sixth of the pool's sequences: forces preemption
-            # (a quarter, or three times the longest, preempted once or not at all with async
-            # scheduling, whose admissions see the pages free now, not those the step in flight frees)
-            need = [-(-(len(p) + sp.max_tokens) // block_size) for p, sp in pool]
-            engine["kv_cache_bytes"] = _cache_bytes(model, block_size, dtype, max(2 * max(need), sum(need) // 6))
-        engine.setdefault("max_model_len", max_model_len)
-        if "kv_cache_bytes" not in engine:
-            engine["gpu_memory_utilization"] = gpu_memory_utilization
-        if engine.get("enable_chunked_prefill") is False:
-            engine["max_num_batched_tokens"] = max(engine["max_num_batched_tokens"], max_model_len)
+        block_size, engine = _engine_options(sc, model, pool, dtype, max_model_len, gpu_memory_utilization)
         llm = LLM(model, device=device, block_size=block_size, max_num_seqs=max(64, pool_size), **engine)
-        requests = pool[:sc["requests"]]
-        n = sc.get("n", 1)
-        if n > 1:
-            from dataclasses import replace
-
-            requests = [(p, replace(sp, n=n)) for p, sp in requests]
+        requests = _scenario_requests(pool, sc)
         outputs = []
         for start in range(0, len(requests), sc["batch"]):
             chunk = requests[start:start + sc["batch"]]
             outputs += llm.generate([p for p, _ in chunk], [sp for _, sp in chunk], use_tqdm=False)
         preempted = llm.num_preemptions
         replays = _mixed_replays(llm.runner.graphs)  # (no reference kept: `del llm` frees the cache)
-        samples, reported, temps = [], [], []
-        for (prompt, sp), out in zip(requests, outputs):
-            for comp in out.outputs:
-                samples.append((prompt, comp.token_ids))
-                reported.append(torch.tensor(comp.logprobs, dtype=torch.float32))
-                temps.append(sp.temperature if sp.temperature > 0 else 1.0)
-                key = (id(prompt), n, comp.index)
-                if key in seen:
-                    report.reproducibility_checked += 1
-                    if seen[key] != (comp.token_ids, comp.logprobs):
-                        report.reproducibility_mismatches += 1
-                        log(f"  reproducibility: request {out.request_id} sample {comp.index} differs in {sc['name']}")
-                else:
-                    seen[key] = (comp.token_ids, comp.logprobs)
-        mismatches, max_diff, tokens = 0, 0.0, 0
-        # the last layout runs as a training step does, autograd on (separate q/k/v and gate/up
-        # GEMMs, the differentiable kernels), over a few samples to bound activation memory
-        for padding, grad in (("packed", False), ("right", False), ("left", False), ("packed", True)):
-            count = min(len(samples), GRAD_SAMPLES) if grad else len(samples)
-            with torch.set_grad_enabled(grad):
-                recomputed = _recompute(model, samples[:count], temps[:count], device, padding, rng)
-            for got, want in zip(recomputed, reported[:count]):
-                tokens += want.numel()
-                if not torch.equal(got, want):
-                    mismatches += int((got != want).sum())
-                    max_diff = max(max_diff, float((got - want).abs().max()))
+        samples, reported, temps = _collect_samples(requests, outputs, sc, seen, report, log)
+        mismatches, max_diff, tokens = _recompute_and_compare(model, samples, reported, temps, device, rng)
         generated = sum(len(tokens_) for _, tokens_ in samples)
         result = ScenarioResult(sc["name"] + (f" ({preempted} preemptions)" if preempted else ""), len(samples),
                                 generated, tokens, mismatches, max_diff, time.time() - t0)
@@ -237,6 +197,76 @@ def run_conformance(arch: Architecture, model, *, device: torch.device, pool_siz
     if check_parity:
         report.hf_parity = hf_parity(arch, model, device)
     return report
+
+
+def _engine_options(sc: dict, model, pool: list, dtype: torch.dtype, max_model_len: int,
+                    gpu_memory_utilization: float) -> tuple[int, dict]:
+    """(block size, the other `LLM` keyword arguments) of scenario `sc`."""
+    engine = dict(sc["engine"])
+    block_size = engine.pop("block_size", 4)
+    if engine.pop("preempt", False):  # room for a sixth of the pool's sequences: forces preemption
+        # (a quarter, or three times the longest, preempted once or not at all with async
+        # scheduling, whose admissions see the pages free now, not those the step in flight frees)
+        need = [-(-(len(p) + sp.max_tokens) // block_size) for p, sp in pool]
+        engine["kv_cache_bytes"] = _cache_bytes(model, block_size, dtype, max(2 * max(need), sum(need) // 6))
+    engine.setdefault("max_model_len", max_model_len)
+    if "kv_cache_bytes" not in engine:
+        engine["gpu_memory_utilization"] = gpu_memory_utilization
+    if engine.get("enable_chunked_prefill") is False:
+        engine["max_num_batched_tokens"] = max(engine["max_num_batched_tokens"], max_model_len)
+    return block_size, engine
+
+
+def _scenario_requests(pool: list, sc: dict) -> list:
+    """The first ``sc["requests"]`` (prompt, params) pairs of the pool, asking ``sc["n"]`` samples each."""
+    requests = pool[:sc["requests"]]
+    n = sc.get("n", 1)
+    if n > 1:
+        from dataclasses import replace
+
+        requests = [(p, replace(sp, n=n)) for p, sp in requests]
+    return requests
+
+
+def _collect_samples(requests: list, outputs: list, sc: dict, seen: dict, report: Report, log) -> tuple[list, list, list]:
+    """([(prompt, tokens)], [reported logprobs], [temperatures]) of every sample, and each sample
+    checked against what an earlier scenario produced for the same (prompt, n, index), counted in
+    `report` (`seen` holds those)."""
+    samples, reported, temps = [], [], []
+    n = sc.get("n", 1)
+    for (prompt, sp), out in zip(requests, outputs):
+        for comp in out.outputs:
+            samples.append((prompt, comp.token_ids))
+            reported.append(torch.tensor(comp.logprobs, dtype=torch.float32))
+            temps.append(sp.temperature if sp.temperature > 0 else 1.0)
+            key = (id(prompt), n, comp.index)
+            if key in seen:
+                report.reproducibility_checked += 1
+                if seen[key] != (comp.token_ids, comp.logprobs):
+                    report.reproducibility_mismatches += 1
+                    log(f"  reproducibility: request {out.request_id} sample {comp.index} differs in {sc['name']}")
+            else:
+                seen[key] = (comp.token_ids, comp.logprobs)
+    return samples, reported, temps
+
+
+def _recompute_and_compare(model, samples: list, reported: list, temps: list, device: torch.device,
+                           rng: random.Random) -> tuple[int, float, int]:
+    """(mismatching logprobs, their largest difference, logprobs checked) of the samples recomputed
+    by the training forward in every batch layout. The last layout runs as a training step does,
+    autograd on (separate q/k/v and gate/up GEMMs, the differentiable kernels), over a few samples
+    to bound activation memory."""
+    mismatches, max_diff, tokens = 0, 0.0, 0
+    for padding, grad in (("packed", False), ("right", False), ("left", False), ("packed", True)):
+        count = min(len(samples), GRAD_SAMPLES) if grad else len(samples)
+        with torch.set_grad_enabled(grad):
+            recomputed = _recompute(model, samples[:count], temps[:count], device, padding, rng)
+        for got, want in zip(recomputed, reported[:count]):
+            tokens += want.numel()
+            if not torch.equal(got, want):
+                mismatches += int((got != want).sum())
+                max_diff = max(max_diff, float((got - want).abs().max()))
+    return mismatches, max_diff, tokens
 
 
 def _mixed_replays(graphs) -> str:
