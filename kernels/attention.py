@@ -44,7 +44,7 @@ from .attention_tiles import (BLOCK_N, DECODE_BLOCK_M, HEAD_DIMS, VALUE_HEAD_DIM
 from .backend import select
 from .dependent_launch import dependent_launch_kwargs, wait_for_inputs
 from .latent_attention import latent_attention_triton, value_in_key
-from .paged_layout import PagedLayout, offsets_fit_int32, packed_layout, page_shift  # noqa: F401 (public here too)
+from .paged_layout import PagedLayout, offsets_fit_int32, packed_layout, page_shift, page_slots  # noqa: F401 (public here too)
 from .row_sum import lane_sums, row_sum_halves, row_sum_levels
 
 
@@ -73,22 +73,12 @@ def _paged_block(k_ptr, v_ptr, table_row, start, n_keys, page_size, page_shift, 
                  OFFSETS_32: tl.constexpr):
     """Key block `start` of a sequence through its block table: (k, v, positions, in range).
 
-    `POW2_PAGES`: the page size is ``2 ** page_shift``, so a key's page and offset in it are a
-    shift and a mask. Divided by the runtime page size, they were a quarter of a decode program's
-    instructions (thirty-seventh session). `OFFSETS_32`: every element of the caches lies within
-    2**31 elements of their starts, so the addresses are computed in 32 bits. Together: 801 -> 511
-    SASS instructions a key block and warp in the sm_90 decode loop. The same slots, so the same
-    bits."""
+    The slots come from `paged_layout.page_slots` (`POW2_PAGES`: shift and mask; `OFFSETS_32`:
+    32-bit addresses): 801 -> 511 SASS instructions a key block and warp in the sm_90 decode loop
+    (thirty-seventh, thirty-eighth sessions). The same slots, so the same bits."""
     k_pos = start + tl.arange(0, BLOCK_N)
     k_ok = k_pos < n_keys
-    if POW2_PAGES:
-        page = tl.load(table_row + (k_pos >> page_shift), mask=k_ok, other=0)
-        slot = page * page_size + (k_pos & (page_size - 1))
-    else:
-        page = tl.load(table_row + k_pos // page_size, mask=k_ok, other=0)
-        slot = page * page_size + k_pos % page_size
-    if not OFFSETS_32:  # a slot's index fits in 32 bits, its element offset may not
-        slot = slot.to(tl.int64)
+    slot = page_slots(table_row, k_pos, k_ok, page_size, page_shift, POW2_PAGES, OFFSETS_32)
     k = tl.load(k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
                 mask=k_ok[:, None] & d_ok[None, :], other=0.0)
     v = tl.load(v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + dv[None, :], mask=k_ok[:, None], other=0.0)

@@ -14,8 +14,10 @@ latent key tile is the value tile, so the cache is read once. Invariance contrac
 rule 2), as for `kernels.attention`: keys reduced in blocks of ``BLOCK_N`` aligned to absolute
 positions with an fp32 online softmax whose denominators are summed in one fixed order
 (`row_sum.row_sum_halves`), the key block fixed per dtype (`key_block`; ``page_size`` is not
-specialized), no split-KV; `pick_config`'s other launch parameters (rows per program, warps,
-stages, value chunks) follow the launch's shape and do not change a row's arithmetic. A query's
+specialized; the pointer loads find a key's slot by `paged_layout.page_slots`, shift and mask over
+pages of a power of two and 32-bit addresses where the cache allows), no split-KV; `pick_config`'s
+other launch parameters (rows per program, warps, stages, value chunks) follow the launch's shape
+and do not change a row's arithmetic. A query's
 output is the same packed (training), in chunked prefill or in decode. When
 ``value_chunks`` > 1 (decode: few query rows per sequence), the latent dims of the value are split
 over that many programs per sequence, each recomputing the same scores: more programs for the
@@ -37,6 +39,7 @@ import torch
 from . import latent_decode_gluon, latent_prefill_gluon
 from ._triton import has_tma, launch_staged, next_power_of_2, num_sms, require_triton, tl, tma_rows_aligned, triton
 from .row_sum import lane_sums, row_sum_halves, row_sum_levels
+from .paged_layout import offsets_fit_int32, page_shift, page_slots
 
 
 def value_in_key(k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -162,14 +165,15 @@ def _latent_block(q_lat, q_rope, k_lat, k_rope, v, k_pos, k_ok, q_pos, m_i, l_i,
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["page_size", "stride_bt"])
+@triton.jit(do_not_specialize=["page_size", "page_shift", "stride_bt"])
 def _latent_fwd_kernel(
     q_ptr, kv_ptr, lat_desc, rope_desc, v_desc, o_ptr, lse_ptr, cu_seqlens_q_ptr, seq_lens_ptr, block_table_ptr, seq_order_ptr,
-    page_size, scale_log2,
+    page_size, page_shift, scale_log2,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
     GROUP: tl.constexpr, LAT: tl.constexpr, ROPE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_V: tl.constexpr,
     SUM_LEVELS: tl.constexpr, LANE_SUMS: tl.constexpr, KV_DESC: tl.constexpr, ORDERED: tl.constexpr,
+    POW2_PAGES: tl.constexpr = False, OFFSETS_32: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     seq = tl.program_id(1)
@@ -230,8 +234,8 @@ def _latent_fwd_kernel(
     for start in range(first, n_keys, BLOCK_N):  # every block through the block table (KV_DESC: the partial last one)
         k_pos = start + tl.arange(0, BLOCK_N)
         k_ok = k_pos < n_keys
-        page = tl.load(table_row + k_pos // page_size, mask=k_ok, other=0)
-        k_row = kv_ptr + (page.to(tl.int64) * page_size + k_pos % page_size)[:, None] * stride_ks + kv_head * stride_kh
+        slots = page_slots(table_row, k_pos, k_ok, page_size, page_shift, POW2_PAGES, OFFSETS_32)
+        k_row = kv_ptr + slots[:, None] * stride_ks + kv_head * stride_kh
         k_lat = tl.load(k_row + dl[None, :], mask=k_ok[:, None] & dl_ok[None, :], other=0.0)
         k_rope = tl.load(k_row + LAT + dr[None, :], mask=k_ok[:, None] & dr_ok[None, :], other=0.0)
         if CHUNKS == 1:
@@ -295,16 +299,19 @@ def latent_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, v_dim: int,
                          f"{cfg.block_n}, got page_size={layout.page_size}")
     descs = _kv_descriptors(kv, v_dim, cfg.block_n, cfg.value_chunks) if kv_descriptors else (None, None, None)
     grid = (triton.cdiv(rows, cfg.block_m), n_seqs, n_kv_heads * cfg.value_chunks)
+    shift, offsets_32 = page_shift(layout.page_size), offsets_fit_int32(kv)
     args = (q, kv, *descs, out, lse, layout.cu_seqlens_q, layout.seq_lens, layout.block_table, layout.seq_order,
-            layout.page_size, scale * math.log2(math.e),
+            layout.page_size, shift or 0, scale * math.log2(math.e),
             q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), out.stride(0), out.stride(1),
             layout.block_table.stride(0))
     kwargs = dict(GROUP=group, **dims, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CHUNKS=cfg.value_chunks,
                   BLOCK_V=dims["BLOCK_L"] // cfg.value_chunks, SUM_LEVELS=row_sum_levels(cfg.block_n),
                   LANE_SUMS=lane_sums(cfg.block_m, cfg.num_warps), KV_DESC=kv_descriptors,
-                  ORDERED=layout.seq_order is not None, num_warps=cfg.num_warps)
+                  ORDERED=layout.seq_order is not None, POW2_PAGES=shift is not None, OFFSETS_32=offsets_32,
+                  num_warps=cfg.num_warps)
     # Hopper's tiles need two stages' shared memory; smaller GPUs fall back to one (a sweep's
     # explicit candidate runs as given, or fails)
     launch_staged(_latent_fwd_kernel, grid, args, kwargs, cfg.num_stages,
-                  ("latent", q.device, q.dtype, group, head_dim, v_dim, cfg, kv_descriptors), fallback=config is None)
+                  ("latent", q.device, q.dtype, group, head_dim, v_dim, cfg, kv_descriptors, shift is not None, offsets_32),
+                  fallback=config is None)
     return out, lse

@@ -4,14 +4,16 @@ table from its positions to cache slots; position ``p`` of sequence ``s`` lives 
 ``block_table[s, p // page_size] * page_size + p % page_size``. Training's packed K/V are the
 same layout with one position per page (`packed_layout`). `page_shift` and `offsets_fit_int32`
 decide, once a launch, how a kernel computes those slots and addresses: by shift and mask where
-the page size is a power of two, in 32 bits where the caches allow; addresses only, never a
-bit of the result (docs/design.md rule 2)."""
+the page size is a power of two, in 32 bits where the caches allow (`page_slots`, the Triton
+kernels' device function); addresses only, never a bit of the result (docs/design.md rule 2)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from ._triton import tl, triton
 
 
 @dataclass
@@ -60,3 +62,58 @@ def packed_layout(cu_seqlens: torch.Tensor, max_seqlen: int) -> PagedLayout:
     seq_lens = cu[1:] - cu[:-1]
     table = cu[:-1, None] + torch.arange(max(max_seqlen, 1), device=cu.device, dtype=torch.int32)[None, :]
     return PagedLayout(cu, seq_lens.contiguous(), table.contiguous(), 1, max_seqlen)
+
+
+@triton.jit
+def page_slots(table_row, k_pos, k_ok, page_size, page_shift, POW2_PAGES: tl.constexpr, OFFSETS_32: tl.constexpr):
+    """The cache slots of one sequence's key positions `k_pos` (those where `k_ok`; the others read
+    page 0) through its block-table row `table_row`. `POW2_PAGES`: the page size is
+    ``2 ** page_shift``, so a key's page and offset in it are a shift and a mask (divided by the
+    runtime page size they were a quarter of a GQA decode program's instructions, thirty-seventh
+    session). `OFFSETS_32`: every element of the caches lies within 2**31 elements of their
+    starts (`offsets_fit_int32`), so the slots stay 32-bit and so do the addresses computed from
+    them; else they widen to 64 bits (a slot always fits in 32, its element offset may not)."""
+    if POW2_PAGES:
+        page = tl.load(table_row + (k_pos >> page_shift), mask=k_ok, other=0)
+        slot = page * page_size + (k_pos & (page_size - 1))
+    else:
+        page = tl.load(table_row + k_pos // page_size, mask=k_ok, other=0)
+        slot = page * page_size + k_pos % page_size
+    if not OFFSETS_32:
+        slot = slot.to(tl.int64)
+    return slot
+
+
+def slots_reference(block_table: torch.Tensor, seq: int, positions: torch.Tensor, page_size: int) -> torch.Tensor:
+    """The cache slots of sequence `seq`'s key `positions`, by the layout's definition (int64)."""
+    positions = positions.to(torch.int64)
+    return block_table[seq].to(torch.int64)[positions // page_size] * page_size + positions % page_size
+
+
+@triton.jit
+def _page_slots_kernel(table_ptr, out_ptr, seq, n_keys, page_size, page_shift, stride_bt,
+                       BLOCK_N: tl.constexpr, POW2_PAGES: tl.constexpr, OFFSETS_32: tl.constexpr):
+    start = tl.program_id(0) * BLOCK_N
+    k_pos = start + tl.arange(0, BLOCK_N)
+    k_ok = k_pos < n_keys
+    slot = page_slots(table_ptr + seq * stride_bt, k_pos, k_ok, page_size, page_shift, POW2_PAGES, OFFSETS_32)
+    tl.store(out_ptr + k_pos, slot.to(tl.int64), mask=k_ok)
+
+
+def page_slots_triton(block_table: torch.Tensor, seq: int, n_keys: int, page_size: int,
+                      offsets_32: bool = True) -> torch.Tensor:
+    """`page_slots` for positions ``0 .. n_keys - 1`` of sequence `seq`, as a kernel computes them
+    (shift and mask where `page_size` is a power of two), into an int64 tensor: for the checks
+    against `slots_reference` (tests/triton_checks/check_paged_layout.py)."""
+    if block_table.dtype != torch.int32 or block_table.dim() != 2:
+        raise ValueError(f"page_slots_triton: block_table must be a 2-D int32 tensor, got {block_table.dtype} "
+                         f"with {block_table.dim()} dims")
+    if not 0 < n_keys <= block_table.shape[1] * page_size:
+        raise ValueError(f"page_slots_triton: n_keys={n_keys} must be in 1..{block_table.shape[1] * page_size} "
+                         f"(the table's {block_table.shape[1]} pages of {page_size})")
+    out = torch.empty(n_keys, dtype=torch.int64, device=block_table.device)
+    shift = page_shift(page_size)
+    _page_slots_kernel[(triton.cdiv(n_keys, 64),)](block_table, out, seq, n_keys, page_size, shift or 0,
+                                                   block_table.stride(0), BLOCK_N=64, POW2_PAGES=shift is not None,
+                                                   OFFSETS_32=offsets_32)
+    return out

@@ -48,9 +48,10 @@ def _latent(lens, heads, lat, rope, dtype):
     return q, k, cu
 
 
+@pytest.mark.parametrize("page_size", [8, 12])  # slots by shift and mask; by division
 @pytest.mark.parametrize("heads,lat,rope,dtype", [(4, 32, 16, torch.float32), (3, 16, 8, torch.float32),
                                                  (4, 32, 16, torch.bfloat16)])
-def test_latent_attention_packed_and_paged(heads, lat, rope, dtype):
+def test_latent_attention_packed_and_paged(heads, lat, rope, dtype, page_size):
     lens = [1, 20, 45]
     q, k, cu = _latent(lens, heads, lat, rope, dtype)
     v = k[..., :lat]
@@ -59,7 +60,9 @@ def test_latent_attention_packed_and_paged(heads, lat, rope, dtype):
     want = attention_math(q.double(), k.double(), v.double(), cu, 0.2)
     close(packed, want, FP32_TOL if dtype == torch.float32 else 2e-2)
     # the last 6 tokens of each sequence as a chunk over a paged latent cache (V a view of K)
-    page_size, pages = 8, [[2], [0, 5, 3], [1, 6, 4, 7, 8, 9]]
+    shuffled, pages = [2, 0, 5, 3, 1, 6, 4, 7, 8, 9], []
+    for n in lens:  # each sequence's pages, in shuffled order (pages of 8: [2], [0, 5, 3], [1, 6, 4, 7, 8, 9])
+        pages.append(shuffled[len(sum(pages, [])):][:-(-n // page_size)])
     table = torch.tensor([p + [0] * (6 - len(p)) for p in pages], dtype=torch.int32, device=DEVICE)
     k_cache = torch.full((10, page_size, 1, lat + rope), float("nan"), device=DEVICE, dtype=dtype)
     v_cache = k_cache[..., :lat]
