@@ -38,8 +38,8 @@ import torch
 
 from . import latent_decode_gluon, latent_prefill_gluon
 from ._triton import has_tma, launch_staged, next_power_of_2, num_sms, require_triton, tl, tma_rows_aligned, triton
-from .row_sum import lane_sums, row_sum_halves, row_sum_levels
 from .paged_layout import offsets_fit_int32, page_shift, page_slots
+from .row_sum import lane_sums, row_sum_halves, row_sum_levels
 
 
 def value_in_key(k: torch.Tensor, v: torch.Tensor) -> bool:

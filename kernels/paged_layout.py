@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._triton import tl, triton
+from ._triton import require_triton, tl, triton
 
 
 @dataclass
@@ -105,9 +105,12 @@ def page_slots_triton(block_table: torch.Tensor, seq: int, n_keys: int, page_siz
     """`page_slots` for positions ``0 .. n_keys - 1`` of sequence `seq`, as a kernel computes them
     (shift and mask where `page_size` is a power of two), into an int64 tensor: for the checks
     against `slots_reference` (tests/triton_checks/check_paged_layout.py)."""
+    require_triton("page_slots")
     if block_table.dtype != torch.int32 or block_table.dim() != 2:
         raise ValueError(f"page_slots_triton: block_table must be a 2-D int32 tensor, got {block_table.dtype} "
                          f"with {block_table.dim()} dims")
+    if not 0 <= seq < block_table.shape[0]:
+        raise ValueError(f"page_slots_triton: seq={seq} must be in 0..{block_table.shape[0] - 1} (the table's rows)")
     if not 0 < n_keys <= block_table.shape[1] * page_size:
         raise ValueError(f"page_slots_triton: n_keys={n_keys} must be in 1..{block_table.shape[1] * page_size} "
                          f"(the table's {block_table.shape[1]} pages of {page_size})")

@@ -34,3 +34,5 @@ def test_page_slots_triton_errors():
         page_slots_triton(table.long(), 0, 4, 16)
     with pytest.raises(ValueError, match=r"n_keys=65 must be in 1..64"):
         page_slots_triton(table, 0, 65, 16)
+    with pytest.raises(ValueError, match=r"seq=2 must be in 0..1"):
+        page_slots_triton(table, 2, 4, 16)
