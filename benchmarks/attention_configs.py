@@ -157,6 +157,8 @@ def sweep_case(case, latent: bool, hbm: float, keep_configs: tuple[str, ...] = (
         same = "yes" if torch.equal(out, ref) else "NO"
         rate = f"{kv_bytes / ms / 1e6 / hbm * 100:.0f}% HBM" if kind == "decode" else f"{flops / ms / 1e9:.0f} TFLOP/s"
         rows.append([name, _label(cfg) + (" TMA K/V" if tma or by_tma else ""), f"{ms * 1e3:.1f}", rate, same])
+        # each row as it is measured too: a run cut off by a time limit keeps what it timed
+        print(f"  {name}: {' '.join(rows[-1][1:])}", flush=True)
         if best is None or ms < best[0]:
             best = (ms, cfg, by_tma)
     if latent and kind == "decode":
