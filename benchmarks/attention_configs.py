@@ -235,7 +235,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", choices=["latent", "gqa"], help="one kernel's cases")
     parser.add_argument("--cases", help="comma-separated substrings of case names to keep (e.g. 'decode')")
-    parser.add_argument("--configs", help="comma-separated prefixes of candidate labels to keep (e.g. 'm128 n64 w4 s2')")
+    parser.add_argument("--configs", help="comma-separated prefixes of candidate labels to keep (e.g. 'm128 n64 w4 s2'); "
+                                          "the latent training cases' backward sweep, another family, is then skipped")
     parser.add_argument("--page-size", type=positive_int, default=PAGE,
                         help=f"positions per page of the decode caches (default {PAGE}; latent decode over pages "
                              "of a multiple of 64 also times each candidate by TMA)")
@@ -252,7 +253,7 @@ def main(argv=None) -> int:
             if not case_selected(case[0], args.cases):
                 continue
             rows = sweep_case(case, latent, hbm, tuple(c for c in (args.configs or "").split(",") if c), args.page_size)
-            if latent and case[1] == "train":
+            if latent and case[1] == "train" and not args.configs:
                 rows += sweep_latent_backward(case)
             table(case[0], ["case", "config", "us", "rate", "same bits"], rows)
     return 0
