@@ -6,6 +6,8 @@ import argparse
 
 import torch
 
+from vexact_models.kernels.paged_layout import shuffled_block_table
+
 
 def positive_int(text: str) -> int:
     """An argparse ``type`` for counts that must be >= 1 (page sizes): the parser then names the
@@ -225,18 +227,6 @@ def causal_pairs(q_lens: list[int], seq_lens: list[int]) -> int:
     """Query-key pairs a causal launch computes: each of a sequence's last `q_lens` tokens sees
     every key up to its own position (the FLOP count of attention, per head and dim)."""
     return sum(sum(range(n - q + 1, n + 1)) for q, n in zip(q_lens, seq_lens))
-
-
-def shuffled_block_table(lens: list[int], page: int, gen: torch.Generator | None = None) -> torch.Tensor:
-    """``[S, max pages]`` int32 CPU block table giving sequences of `lens` positions their
-    ``ceil(len / page)`` pages, numbered 0 .. total - 1 and shuffled over the cache (`gen`'s
-    permutation) as a running engine leaves them; rows padded with page 0."""
-    pages = [-(-n // page) for n in lens]
-    ids = torch.randperm(sum(pages), generator=gen, dtype=torch.int32)
-    table_ = torch.zeros(len(lens), max(pages), dtype=torch.int32)
-    for s, chunk in enumerate(ids.split(pages)):
-        table_[s, :len(chunk)] = chunk
-    return table_
 
 
 def stock_twin(arch, model):

@@ -84,6 +84,17 @@ def page_slots(table_row, k_pos, k_ok, page_size, page_shift, POW2_PAGES: tl.con
     return slot
 
 
+def shuffled_block_table(lens: list[int], page_size: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """``[S, max pages]`` int32 CPU block table giving sequences of `lens` positions their
+    ``ceil(len / page_size)`` pages, numbered 0 .. total - 1 and shuffled over the cache
+    (`generator`'s permutation) as a running engine leaves them; rows padded with page 0. For the
+    checks and benchmarks that read caches through a realistic table."""
+    pages = [-(-n // page_size) for n in lens]
+    ids = torch.randperm(sum(pages), generator=generator).tolist()
+    return torch.tensor([ids[sum(pages[:s]):sum(pages[:s + 1])] + [0] * (max(pages) - pages[s])
+                         for s in range(len(lens))], dtype=torch.int32)
+
+
 def slots_reference(block_table: torch.Tensor, seq: int, positions: torch.Tensor, page_size: int) -> torch.Tensor:
     """The cache slots of sequence `seq`'s key `positions`, by the layout's definition (int64)."""
     positions = positions.to(torch.int64)

@@ -1,6 +1,8 @@
 import pytest
 import torch
 
+from vexact_models.kernels.paged_layout import shuffled_block_table, slots_reference
+
 
 @pytest.fixture(autouse=True)
 def _seed():
@@ -24,14 +26,8 @@ def clean_attention_backward(monkeypatch):
     set_attention_backward(None)
 
 
-def shuffled_pages(lens: list[int], page: int, gen: torch.Generator) -> torch.Tensor:
-    """``[S, max pages]`` int32 block table giving sequences of `lens` positions their pages of
-    `page` slots in a random order over the cache (as a running engine leaves them); rows are
-    padded with page 0."""
-    pages = [-(-n // page) for n in lens]
-    ids = torch.randperm(sum(pages), generator=gen).tolist()
-    return torch.tensor([ids[sum(pages[:s]):sum(pages[:s + 1])] + [0] * (max(pages) - pages[s])
-                         for s in range(len(lens))], dtype=torch.int32)
+# sequences' pages in a random order over the cache, as a running engine leaves them
+shuffled_pages = shuffled_block_table
 
 
 def paged_cache(packed: torch.Tensor, lens: list[int], table: torch.Tensor, page: int) -> torch.Tensor:
@@ -41,8 +37,7 @@ def paged_cache(packed: torch.Tensor, lens: list[int], table: torch.Tensor, page
     cache = torch.full((int(table.max()) * page + page, *packed.shape[1:]), float("nan"), dtype=packed.dtype)
     start = 0
     for s, n in enumerate(lens):
-        slots = [int(table[s, p // page]) * page + p % page for p in range(n)]
-        cache[slots] = packed[start:start + n].cpu()
+        cache[slots_reference(table, s, torch.arange(n), page)] = packed[start:start + n].cpu()
         start += n
     return cache
 

@@ -266,21 +266,6 @@ def test_case_selected_keeps_cases_naming_any_substring_and_every_case_without_o
     assert not bench_utils.case_selected("8b prompt step", "training,30b")
 
 
-def test_shuffled_block_table_gives_each_sequence_its_own_pages(monkeypatch):
-    """`bench_utils.shuffled_block_table`: ceil(len / page) pages a sequence, every page of the
-    cache used once, rows padded with page 0, the same table from the same generator seed."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import bench_utils
-
-    lens = [1, 64, 65, 300]
-    table = bench_utils.shuffled_block_table(lens, 64, torch.Generator().manual_seed(3))
-    assert table.dtype == torch.int32 and table.shape == (4, 5)
-    used = [table[s, :-(-n // 64)].tolist() for s, n in enumerate(lens)]
-    assert sorted(p for row in used for p in row) == list(range(1 + 1 + 2 + 5))
-    assert table[0, 1:].eq(0).all() and table[2, 2:].eq(0).all()
-    assert torch.equal(table, bench_utils.shuffled_block_table(lens, 64, torch.Generator().manual_seed(3)))
-
-
 def test_prompt_layout_and_causal_pairs(monkeypatch):
     """`bench_utils.prompt_layout`: paged prompts after context over shuffled pages (slots for every
     page), or the packed training layout, which needs every key to be a query;

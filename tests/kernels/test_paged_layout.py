@@ -3,7 +3,7 @@ read it are checked in test_attention.py and tests/triton_checks."""
 
 import torch
 
-from vexact_models.kernels.paged_layout import offsets_fit_int32, packed_layout, page_shift
+from vexact_models.kernels.paged_layout import offsets_fit_int32, packed_layout, page_shift, shuffled_block_table
 
 
 def test_page_shift_is_log2_of_power_of_two_page_sizes_only():
@@ -28,3 +28,15 @@ def test_packed_layout_is_a_trivial_block_table():
     layout = packed_layout(torch.tensor([0, 3, 5], dtype=torch.int32), 3)
     assert layout.page_size == 1 and layout.seq_lens.tolist() == [3, 2]
     assert layout.block_table.tolist() == [[0, 1, 2], [3, 4, 5]]
+
+
+def test_shuffled_block_table_gives_each_sequence_its_own_pages():
+    """ceil(len / page) pages a sequence, every page of the cache used once, rows padded with page
+    0, the same table from the same generator seed (the checks' and benchmarks' tables)."""
+    lens = [1, 64, 65, 300]
+    table = shuffled_block_table(lens, 64, torch.Generator().manual_seed(3))
+    assert table.dtype == torch.int32 and table.shape == (4, 5)
+    used = [table[s, :-(-n // 64)].tolist() for s, n in enumerate(lens)]
+    assert sorted(p for row in used for p in row) == list(range(1 + 1 + 2 + 5))
+    assert table[0, 1:].eq(0).all() and table[2, 2:].eq(0).all()
+    assert torch.equal(table, shuffled_block_table(lens, 64, torch.Generator().manual_seed(3)))

@@ -17,6 +17,7 @@ from check_triton_kernels import DEVICE, INTERPRET, close, last_tokens, rand, wr
 
 from vexact_models.kernels import PagedLayout, attention, attention_packed
 from vexact_models.kernels.attention_backward import attention_math
+from vexact_models.kernels.paged_layout import shuffled_block_table, slots_reference
 
 
 @pytest.mark.parametrize("hq,hkv,d,dv", [(4, 2, 64, 64), (2, 2, 128, 128), (8, 1, 64, 64), (3, 3, 192, 128)])
@@ -51,12 +52,10 @@ def test_attention_over_pages_of_any_size_equals_packed(page_size, offsets_32, m
     cu = torch.tensor([0, 1, 21, 91], dtype=torch.int32, device=DEVICE)
     q, k, v = rand(91, hq, d), rand(91, hkv, d), rand(91, hkv, d)
     packed = attention_packed(q, k, v, cu, 70)
-    pages = [-(-n // page_size) for n in lens]
-    ids = torch.randperm(sum(pages), generator=torch.Generator().manual_seed(page_size)).tolist()
-    table = torch.tensor([ids[sum(pages[:s]):sum(pages[:s + 1])] + [0] * (max(pages) - pages[s]) for s in range(3)],
-                         dtype=torch.int32, device=DEVICE)
-    kc = torch.full((sum(pages), page_size, hkv, d), float("nan"), device=DEVICE)
-    vc = torch.full((sum(pages), page_size, hkv, d), float("nan"), device=DEVICE)
+    n_pages = sum(-(-n // page_size) for n in lens)
+    table = shuffled_block_table(lens, page_size, torch.Generator().manual_seed(page_size)).to(DEVICE)
+    kc = torch.full((n_pages, page_size, hkv, d), float("nan"), device=DEVICE)
+    vc = torch.full((n_pages, page_size, hkv, d), float("nan"), device=DEVICE)
     write_pages(k, v, kc, vc, table, lens)
     idx, layout = last_tokens(lens, 7, table, page_size)  # each sequence's last 7 tokens, after the rest as context
     monkeypatch.setattr(attention_module, "offsets_fit_int32", lambda *tensors: offsets_32)
@@ -93,14 +92,12 @@ def test_attention_decode_load_paths_match(hq, hkv, q_len):
 
     d, page = 128, 64
     lens = [1, 63, 64, 65, 130, 200]
-    pages = [-(-n // page) for n in lens]
     gen = torch.Generator().manual_seed(hq + q_len)
-    ids = torch.randperm(sum(pages), generator=gen).tolist()
-    table = torch.tensor([ids[sum(pages[:s]):sum(pages[:s + 1])] + [0] * (max(pages) - pages[s])
-                          for s in range(len(lens))], dtype=torch.int32)
-    caches = [torch.full((sum(pages) * page, hkv, d), float("nan"), dtype=torch.bfloat16) for _ in range(2)]
+    table = shuffled_block_table(lens, page, gen)
+    caches = [torch.full((sum(-(-n // page) for n in lens) * page, hkv, d), float("nan"), dtype=torch.bfloat16)
+              for _ in range(2)]
     for s, n in enumerate(lens):
-        slots = [int(table[s, p // page]) * page + p % page for p in range(n)]
+        slots = slots_reference(table, s, torch.arange(n), page)
         for cache in caches:
             cache[slots] = torch.randn(n, hkv, d, generator=gen).bfloat16()
     k, v = (c.to(DEVICE) for c in caches)

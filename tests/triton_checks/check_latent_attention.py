@@ -28,6 +28,7 @@ from vexact_models.kernels.latent_attention import (  # noqa: E402
     LatentConfig, key_block, latent_attention_triton, pick_config, value_in_key)
 from vexact_models.kernels.latent_attention_backward import latent_attention_backward_triton  # noqa: E402
 from vexact_models.kernels.attention import packed_layout  # noqa: E402
+from vexact_models.kernels.paged_layout import shuffled_block_table  # noqa: E402
 
 # pytest's importlib mode does not put this folder on sys.path (check_triton_kernels.py's helpers)
 sys.path.insert(0, str(Path(__file__).parent))
@@ -60,10 +61,7 @@ def test_latent_attention_packed_and_paged(heads, lat, rope, dtype, page_size):
     want = attention_math(q.double(), k.double(), v.double(), cu, 0.2)
     close(packed, want, FP32_TOL if dtype == torch.float32 else 2e-2)
     # the last 6 tokens of each sequence as a chunk over a paged latent cache (V a view of K)
-    shuffled, pages = [2, 0, 5, 3, 1, 6, 4, 7, 8, 9], []
-    for n in lens:  # each sequence's pages, in shuffled order (pages of 8: [2], [0, 5, 3], [1, 6, 4, 7, 8, 9])
-        pages.append(shuffled[len(sum(pages, [])):][:-(-n // page_size)])
-    table = torch.tensor([p + [0] * (6 - len(p)) for p in pages], dtype=torch.int32, device=DEVICE)
+    table = shuffled_block_table(lens, page_size, torch.Generator().manual_seed(page_size)).to(DEVICE)
     k_cache = torch.full((10, page_size, 1, lat + rope), float("nan"), device=DEVICE, dtype=dtype)
     v_cache = k_cache[..., :lat]
     write_pages(k, v, k_cache, v_cache, table, lens)

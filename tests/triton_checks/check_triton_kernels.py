@@ -23,15 +23,15 @@ DEVICE = "cpu" if INTERPRET else "cuda"
 
 from vexact_models.kernels import (PagedLayout, add_rms_norm, apply_rotary, gather_logprobs,
                                    kv_cache_write, linear, log_softmax, rms_norm, rope_table, silu_and_mul, use_backend)
+from vexact_models.kernels.paged_layout import slots_reference  # noqa: E402
 
 
 def write_pages(k, v, k_cache, v_cache, table, lens: list[int]) -> None:
     """Packed `k`, `v` of sequences of `lens` tokens written into their pages of the caches
     (``[pages, page_size, heads, dim]``) through the block `table`."""
     page_size = k_cache.shape[1]
-    slots = torch.tensor([int(table[s, p // page_size]) * page_size + p % page_size
-                          for s, n in enumerate(lens) for p in range(n)], device=k.device)
-    kv_cache_write(k, v, k_cache, v_cache, slots)
+    slots = torch.cat([slots_reference(table.cpu(), s, torch.arange(n), page_size) for s, n in enumerate(lens)])
+    kv_cache_write(k, v, k_cache, v_cache, slots.to(k.device))
 
 
 def last_tokens(lens: list[int], tokens: int, table, page_size: int):
