@@ -139,10 +139,29 @@ class _GroupedTopkFunction(torch.autograd.Function):
         return grad, None, None, None, None, None, None
 
 
+#: warps of a routing program: its tile is one token's experts (64 for Moonlight, 256 for
+#: DeepSeek-V3), and every pick is a chain of reductions; across warps each goes through shared
+#: memory and a barrier, within one warp through shuffles. The picks are exact (max, min, a sum of
+#: one nonzero score), so the warps change no bit. One warp: 1.5-1.8x four at 16-256 tokens of
+#: Moonlight and DeepSeek-V3 (`benchmarks/moe_routing.py`, docs/gpu-results.md, fortieth session).
+ROUTER_WARPS = 1
+
+
 def _route(logits, bias, top_k, n_group, topk_group, norm, scale):
     if select("grouped_topk", logits) == "reference":
         return sigmoid_grouped_topk_reference(logits, bias, top_k, n_group, topk_group, norm, scale)
+    return sigmoid_grouped_topk_triton(logits, bias, top_k, n_group, topk_group, norm, scale)
+
+
+def sigmoid_grouped_topk_triton(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
+                                norm: bool, scale: float, num_warps: int | None = None):
+    """(weights, ids, picked sigmoid scores), each ``[T, k]``, by the Triton kernel: one program
+    per token of `num_warps` warps (None: `ROUTER_WARPS`; every choice gives the same bits, which
+    `benchmarks/moe_routing.py` checks as it times them)."""
     require_triton("grouped_topk")
+    warps = ROUTER_WARPS if num_warps is None else num_warps
+    if warps not in (1, 2, 4, 8):
+        raise ValueError(f"sigmoid_grouped_topk_triton: num_warps={warps} must be 1, 2, 4 or 8")
     rows, experts = logits.shape
     weights, sel = (torch.empty(rows, top_k, device=logits.device, dtype=torch.float32) for _ in range(2))
     ids = torch.empty(rows, top_k, device=logits.device, dtype=torch.int64)
@@ -151,7 +170,8 @@ def _route(logits, bias, top_k, n_group, topk_group, norm, scale):
                                       experts // n_group, float(scale), TOP_K=top_k, TOPK_GROUP=topk_group,
                                       NORM=norm, BLOCK_G=next_power_of_2(n_group),
                                       BLOCK_GS=next_power_of_2(experts // n_group),
-                                      BLOCK_K=next_power_of_2(top_k), num_warps=4, **dependent_launch_kwargs(logits.device))
+                                      BLOCK_K=next_power_of_2(top_k), num_warps=warps,
+                                      **dependent_launch_kwargs(logits.device))
     return weights, ids, sel
 
 

@@ -17,7 +17,7 @@ Two implementations give the same `MoeLayout`, element for element:
   segment is the count of earlier pairs of that expert: the stable order, with no sort), and
   writes its blocks' experts and padding rows. Pair rows and padding rows are disjoint, so the
   programs never write the same element. (A single program with a bitonic sort took 21-23 us
-  per Moonlight decode layer on the H200; this launch takes ~10.)
+  per Moonlight decode layer on the H200; this launch takes ~8 at 256 tokens.)
 
 The layout only says where each pair's row is computed; the rows' values do not depend on it
 (kernels/moe.py), so this file has no numerical contract, only the equality of the two layouts.
@@ -37,8 +37,14 @@ from .dependent_launch import dependent_launch_kwargs, wait_for_inputs
 MAX_TRITON_PAIRS = 4096
 #: the most experts the kernel's histogram takes
 MAX_TRITON_EXPERTS = 1024
-#: pairs each program of the kernel places (Moonlight decode, 1,536 pairs: 48 programs)
-PAIRS_PER_PROGRAM = 32
+#: pairs each program of the kernel places (Moonlight decode, 1,536 pairs: 96 programs). A
+#: program's rank loop compares its pairs with every earlier pair, so fewer pairs per program
+#: shorten the launch's longest program: 16 took 0.65-0.75x the time of 32 at 64-256 tokens of
+#: Moonlight, DeepSeek-V3 and Qwen3-30B-A3B (`benchmarks/moe_routing.py`, fortieth session)
+PAIRS_PER_PROGRAM = 16
+#: warps of a program: 4 was the fastest or within 0.1 us of it in every case of that sweep (1, 2, 4,
+#: 8). Neither this nor `PAIRS_PER_PROGRAM` changes the layout.
+ALIGN_WARPS = 4
 
 
 @dataclass
@@ -145,13 +151,22 @@ def _moe_align_kernel(ids_ptr, sorted_pairs_ptr, pair_pos_ptr, block_expert_ptr,
                  mask=mine[:, None] & padding)
 
 
-def moe_align_triton(ids: torch.Tensor, num_experts: int, block_m: int) -> MoeLayout:
+def moe_align_triton(ids: torch.Tensor, num_experts: int, block_m: int, num_warps: int | None = None,
+                     pairs_per_program: int | None = None) -> MoeLayout:
     """`moe_align` in one Triton launch; for up to `MAX_TRITON_PAIRS` pairs and
-    `MAX_TRITON_EXPERTS` experts (ValueError beyond)."""
+    `MAX_TRITON_EXPERTS` experts (ValueError beyond). `num_warps` (1, 2, 4 or 8; None:
+    `ALIGN_WARPS`) and `pairs_per_program` (a power of two from 8 to 256; None:
+    `PAIRS_PER_PROGRAM`) shape the launch only: every choice gives the same layout."""
     require_triton("moe_align")
     if not 0 < ids.numel() <= MAX_TRITON_PAIRS or num_experts > MAX_TRITON_EXPERTS:
         raise ValueError(f"moe_align_triton: ids.numel()={ids.numel()} must be in 1..{MAX_TRITON_PAIRS} and "
                          f"num_experts={num_experts} at most {MAX_TRITON_EXPERTS}")
+    warps = ALIGN_WARPS if num_warps is None else num_warps
+    pairs = PAIRS_PER_PROGRAM if pairs_per_program is None else pairs_per_program
+    if warps not in (1, 2, 4, 8):
+        raise ValueError(f"moe_align_triton: num_warps={warps} must be 1, 2, 4 or 8")
+    if not 8 <= pairs <= 256 or pairs & (pairs - 1):
+        raise ValueError(f"moe_align_triton: pairs_per_program={pairs} must be a power of two from 8 to 256")
     flat = ids.reshape(-1)
     n = flat.numel()
     size = padded_size(n, num_experts, block_m)
@@ -160,10 +175,10 @@ def moe_align_triton(ids: torch.Tensor, num_experts: int, block_m: int) -> MoeLa
     pair_pos = torch.empty(n, dtype=torch.int64, device=device)
     block_expert = torch.empty(size // block_m, dtype=torch.int32, device=device)
     offsets = torch.empty(num_experts + 1, dtype=torch.int64, device=device)
-    _moe_align_kernel[(triton.cdiv(n, PAIRS_PER_PROGRAM),)](
+    _moe_align_kernel[(triton.cdiv(n, pairs),)](
         flat, sorted_pairs, pair_pos, block_expert, offsets, n, size // block_m, num_experts,
         BLOCK_N=max(16, next_power_of_2(n)), BLOCK_E=max(16, next_power_of_2(num_experts)), BLOCK_M=block_m,
-        PAIRS=PAIRS_PER_PROGRAM, KEYS=256, CHUNK=max(1, min(32, 2048 // block_m)), num_warps=4,
+        PAIRS=pairs, KEYS=256, CHUNK=max(1, min(32, 2048 // block_m)), num_warps=warps,
         **dependent_launch_kwargs(flat.device))
     return MoeLayout(sorted_pairs, pair_pos, block_expert, offsets, n)
 

@@ -86,10 +86,25 @@ class _RoutingFunction(torch.autograd.Function):
         return grad_logits, None, None
 
 
+#: warps of a routing program (one token's experts). Unlike `grouped_topk`'s picks, the softmax's
+#: sum follows the program's layout, so the warps are part of the bits: fixed here, never by batch.
+ROUTER_WARPS = 4
+
+
 def _route(logits: torch.Tensor, top_k: int, norm: bool):
     if select("moe_routing", logits) == "reference":
         return softmax_topk_reference(logits, top_k, norm)
+    return softmax_topk_triton(logits, top_k, norm)
+
+
+def softmax_topk_triton(logits: torch.Tensor, top_k: int, norm: bool, num_warps: int | None = None):
+    """(weights, ids, probs) by the Triton kernel, one program per token of `num_warps` warps
+    (None: `ROUTER_WARPS`, what the models run). Another warp count sums the softmax in another
+    order: for `benchmarks/moe_routing.py` to time, not for a model to mix with the default."""
     require_triton("moe_routing")
+    warps = ROUTER_WARPS if num_warps is None else num_warps
+    if warps not in (1, 2, 4, 8):
+        raise ValueError(f"softmax_topk_triton: num_warps={warps} must be 1, 2, 4 or 8")
     rows, experts = logits.shape
     weights = torch.empty(rows, top_k, device=logits.device, dtype=torch.float32)
     ids = torch.empty(rows, top_k, device=logits.device, dtype=torch.int64)
@@ -97,7 +112,7 @@ def _route(logits: torch.Tensor, top_k: int, norm: bool):
     if rows:
         _softmax_topk_kernel[(rows,)](logits, weights, ids, probs, experts, logits.stride(0), TOP_K=top_k,
                                       NORM=norm, BLOCK_E=next_power_of_2(experts), BLOCK_K=next_power_of_2(top_k),
-                                      num_warps=4, **dependent_launch_kwargs(logits.device))
+                                      num_warps=warps, **dependent_launch_kwargs(logits.device))
     return weights, ids, probs
 
 

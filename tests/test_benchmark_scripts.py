@@ -13,7 +13,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 @pytest.mark.parametrize("script", ["kernels.py", "moe.py", "throughput.py", "decode_profile.py", "training.py",
                                     "attention_configs.py", "attention_fa4.py", "sampler.py", "attention_order.py",
-                                    "shared_experts.py", "latent_prefill.py", "attention_prefill.py"])
+                                    "shared_experts.py", "latent_prefill.py", "attention_prefill.py", "moe_routing.py"])
 def test_benchmark_script_help_and_cpu_refusal(script):
     help_run = subprocess.run([sys.executable, script, "--help"], cwd=BENCHMARKS, capture_output=True, text=True,
                               timeout=120)
@@ -233,7 +233,8 @@ def test_page_size_options_refuse_values_below_one(script, option):
     assert run.returncode == 2 and option in run.stderr and "must be >= 1, got 0" in run.stderr
 
 
-@pytest.mark.parametrize("script,option", [("sampler.py", "--rows"), ("linear_quack.py", "--ms")])
+@pytest.mark.parametrize("script,option", [("sampler.py", "--rows"), ("linear_quack.py", "--ms"),
+                                           ("moe_routing.py", "--tokens")])
 @pytest.mark.parametrize("value,words", [("128,x", "expected comma-separated integers"), ("64,0", "must be >= 1")])
 def test_count_list_options_refuse_bad_values(script, option, value, words):
     """`bench_utils.positive_ints`: the parser names the option, the value and what it expected,
@@ -338,3 +339,28 @@ def test_attention_config_cases_are_named_by_their_shape(monkeypatch):
         for name, _, _, _, _, _, seqs, tokens in cases:
             assert name.endswith(f" {seqs}x{tokens}"), name
             assert [other for other in names if name in other] == [name], name
+
+
+def test_moe_routing_peers_pick_what_the_routers_pick(monkeypatch):
+    """benchmarks/moe_routing.py's torch peers (HF's router ops) compute the routing our kernels
+    do: the same experts (in any order) and the same weights, so the timing compares like with
+    like. Logits far apart, so float rounding cannot flip a pick."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import moe_routing
+
+    from vexact_models.kernels.grouped_topk import sigmoid_grouped_topk_reference
+    from vexact_models.kernels.moe_routing import softmax_topk_reference
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.rand(12, 64, generator=gen).argsort(1).float() / 64 * 6 - 3
+    bias = torch.rand(64, generator=gen) * 0.01
+    for n_group, topk_group in ((1, 1), (8, 4)):
+        w_peer, ids_peer = moe_routing.hf_grouped_topk(logits, bias, 6, n_group, topk_group, 2.5)
+        w_ref, ids_ref, _ = sigmoid_grouped_topk_reference(logits, bias, 6, n_group, topk_group, True, 2.5)
+        order_peer, order_ref = ids_peer.argsort(1), ids_ref.argsort(1)
+        assert torch.equal(ids_peer.gather(1, order_peer), ids_ref.gather(1, order_ref))
+        torch.testing.assert_close(w_peer.gather(1, order_peer), w_ref.gather(1, order_ref))
+    w_peer, ids_peer = moe_routing.hf_softmax_topk(logits, 8)
+    w_ref, ids_ref, _ = softmax_topk_reference(logits, 8, True)
+    assert torch.equal(ids_peer, ids_ref)
+    torch.testing.assert_close(w_peer, w_ref)

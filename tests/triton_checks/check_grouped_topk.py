@@ -11,7 +11,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from check_triton_kernels import DEVICE, close, rand, ref
 
-from vexact_models.kernels.grouped_topk import sigmoid_grouped_topk
+from vexact_models.kernels.grouped_topk import sigmoid_grouped_topk, sigmoid_grouped_topk_triton
 
 
 def _separated_logits(tokens, experts):
@@ -37,6 +37,20 @@ def test_grouped_topk(experts, top_k, n_group, topk_group, norm, scale):
     assert w.dtype == torch.float32 and ids.dtype == torch.int64 and w.shape == (37, top_k)
     assert torch.equal(ids, ids_ref)
     close(w, w_ref, 1e-6)
+
+
+@pytest.mark.parametrize("num_warps", [1, 2, 8])
+def test_grouped_topk_warps_change_no_bit(num_warps):
+    """The picks are max / min / a sum of one nonzero score, exact in any reduction order, so a
+    launch of any warp count (what `benchmarks/moe_routing.py` sweeps) returns the default's bits.
+    Plain random logits, near-ties included: every launch must still agree."""
+    for experts, top_k, n_group, topk_group in ((256, 8, 8, 4), (64, 6, 1, 1)):
+        logits, bias = rand(40, experts), rand(experts) * 0.05
+        args = (logits, bias, top_k, n_group, topk_group, True, 2.5)
+        for got, want in zip(sigmoid_grouped_topk_triton(*args, num_warps=num_warps), sigmoid_grouped_topk_triton(*args)):
+            assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="num_warps=3 must be 1, 2, 4 or 8"):
+        sigmoid_grouped_topk_triton(*args, num_warps=3)
 
 
 def test_grouped_topk_takes_a_bf16_bias_as_its_fp32_value():

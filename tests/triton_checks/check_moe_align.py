@@ -36,6 +36,25 @@ def test_kernel_layout_equals_the_torch_layout(tokens, top_k, experts, block_m):
     _same_layout(moe_align_triton(ids, experts, block_m), moe_align_reference(ids, experts, block_m))
 
 
+@pytest.mark.parametrize("num_warps,pairs", [(1, 8), (2, 64), (8, 256)])
+def test_launch_shape_leaves_the_layout_unchanged(num_warps, pairs):
+    """Warps and pairs per program (what `benchmarks/moe_routing.py` sweeps) change which program
+    places which pairs and blocks, never where they go: Moonlight and DeepSeek-V3 decode batches."""
+    gen = torch.Generator().manual_seed(pairs)
+    for tokens, top_k, experts in ((256, 6, 64), (100, 8, 256)):
+        ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]).to(DEVICE)
+        _same_layout(moe_align_triton(ids, experts, 64, num_warps=num_warps, pairs_per_program=pairs),
+                     moe_align_reference(ids, experts, 64))
+
+
+def test_launch_shape_arguments_are_checked():
+    ids = torch.zeros(4, 2, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="num_warps=3 must be 1, 2, 4 or 8"):
+        moe_align_triton(ids, 8, 64, num_warps=3)
+    with pytest.raises(ValueError, match="pairs_per_program=48 must be a power of two from 8 to 256"):
+        moe_align_triton(ids, 8, 64, pairs_per_program=48)
+
+
 def test_every_pair_in_one_expert_and_the_dispatch():
     """All pairs on the last expert (one segment at the end, every other empty); and `moe_align`
     takes the kernel up to MAX_TRITON_PAIRS pairs and the torch ops above it."""

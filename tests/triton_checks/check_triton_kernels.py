@@ -150,6 +150,22 @@ def test_moe_routing(top_k):
         close(w, w_ref, 1e-6)
 
 
+def test_moe_routing_launch_warps():
+    """`softmax_topk_triton` runs `ROUTER_WARPS` unless told (what the models run), picks the same
+    experts at any warp count, and names a warp count it cannot launch."""
+    from vexact_models.kernels.moe_routing import ROUTER_WARPS, softmax_topk, softmax_topk_triton
+
+    logits = rand(40, 128)
+    w, ids = softmax_topk(logits, 8, True)
+    for got, want in zip(softmax_topk_triton(logits, 8, True, num_warps=ROUTER_WARPS)[:2], (w, ids)):
+        assert torch.equal(got, want)
+    w1, ids1, _ = softmax_topk_triton(logits, 8, True, num_warps=1)
+    assert torch.equal(ids1, ids)
+    close(w1, w, 1e-6)
+    with pytest.raises(ValueError, match="num_warps=5 must be 1, 2, 4 or 8"):
+        softmax_topk_triton(logits, 8, True, num_warps=5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [40, 60, 300])  # the 16-, 32- and 64-row tiles (`pick_config`)
 def test_fused_moe_forward(dtype, tokens):
