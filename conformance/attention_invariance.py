@@ -66,19 +66,13 @@ def _paged_run(q, k, v, lens, steps, page_size, gen, value_in_key: bool = False)
     for one launch (0 = not in this launch). Returns outputs in packed order. With
     `value_in_key` (latent MLA: v is k's first dims) the V cache is a view of the K cache."""
     from vexact_models.kernels import PagedLayout, attention, kv_cache_write
+    from vexact_models.kernels.paged_layout import shuffled_block_table, slots_reference
 
     device = q.device
     hkv, d = k.shape[1], k.shape[2]
     pages = [-(-n // page_size) for n in lens]
-    ids = list(range(sum(pages)))
-    gen.shuffle(ids)
-    table = torch.zeros(len(lens), max(pages), dtype=torch.int32)
-    it = iter(ids)
-    for s, n in enumerate(pages):
-        for p in range(n):
-            table[s, p] = next(it)
-    table = table.to(device)
-    table_host = table.cpu()
+    table_host = shuffled_block_table(lens, page_size, torch.Generator().manual_seed(gen.randrange(2 ** 31)))
+    table = table_host.to(device)
     k_cache = torch.full((sum(pages), page_size, hkv, d), float("nan"), device=device, dtype=k.dtype)
     v_cache = k_cache[..., :v.shape[2]] if value_in_key else \
         torch.full((sum(pages), page_size, hkv, v.shape[2]), float("nan"), device=device, dtype=v.dtype)
@@ -94,7 +88,7 @@ def _paged_run(q, k, v, lens, steps, page_size, gen, value_in_key: bool = False)
             if c <= 0:
                 continue
             idx += range(starts[s] + done[s], starts[s] + done[s] + c)
-            slots += [int(table_host[s, p // page_size]) * page_size + p % page_size for p in range(done[s], done[s] + c)]
+            slots += slots_reference(table_host, s, torch.arange(done[s], done[s] + c), page_size).tolist()
             cu.append(cu[-1] + c)
             seq_lens.append(done[s] + c)
             rows.append(s)

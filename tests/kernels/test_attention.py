@@ -6,6 +6,7 @@ import torch
 
 from vexact_models.kernels import PagedLayout, attention, attention_packed, kv_cache_write, packed_layout
 from vexact_models.kernels.attention_backward import attention_math
+from vexact_models.kernels.paged_layout import slots_reference
 
 from ..conftest import paged_cache, rel_err, shuffled_pages
 
@@ -74,7 +75,7 @@ def _run_paged(q, k, v, lens, chunk, page_size=4, shuffle=True, decode_after=Non
             sel += idx
             cu.append(cu[-1] + n)
             seq_lens.append(done[s] + n)
-            slots += [int(table[s, p // page_size]) * page_size + p % page_size for p in range(done[s], done[s] + n)]
+            slots += slots_reference(table, s, torch.arange(done[s], done[s] + n), page_size).tolist()
             done[s] += n
         idx = torch.tensor(sel)
         kv_cache_write(k[idx], v[idx], k_cache, v_cache, torch.tensor(slots))

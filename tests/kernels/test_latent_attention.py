@@ -4,13 +4,13 @@ values and gradients against float64 autograd. The Triton kernel's logic is chec
 tests/triton_checks/check_latent_attention.py, its invariance on the GPU by kernel_invariance.py."""
 
 import dataclasses
-import random
 
 import pytest
 import torch
 
 from vexact_models.kernels import PagedLayout, attention, attention_packed, kv_cache_write, latent_decode_gluon
 from vexact_models.kernels.attention_backward import attention_math
+from vexact_models.kernels.paged_layout import slots_reference
 from vexact_models.kernels.latent_attention import (LatentConfig, latent_attention_triton, page_descriptors_fit,
                                                     value_in_key)
 
@@ -41,10 +41,7 @@ def _run_paged(q, k, lens, chunk, page_size=4):
     """Chunks of `chunk` tokens per sequence and step over a shuffled latent paged cache (NaN
     outside the written slots, V a view of K)."""
     pages = [-(-n // page_size) for n in lens]
-    ids = list(range(sum(pages)))
-    random.Random(0).shuffle(ids)
-    table = torch.tensor([ids[sum(pages[:s]):sum(pages[:s + 1])] + [0] * (max(pages) - pages[s])
-                          for s in range(len(lens))], dtype=torch.int32)
+    table = shuffled_pages(lens, page_size, torch.Generator().manual_seed(0))
     k_cache = torch.full((sum(pages), page_size, 1, LAT + ROPE), float("nan"), dtype=q.dtype)
     v_cache = k_cache[..., :LAT]
     starts = [0] + list(torch.tensor(lens).cumsum(0).tolist())
@@ -55,7 +52,7 @@ def _run_paged(q, k, lens, chunk, page_size=4):
         for s in rows:
             n = min(chunk, lens[s] - done[s])
             sel += range(starts[s] + done[s], starts[s] + done[s] + n)
-            slots += [int(table[s, p // page_size]) * page_size + p % page_size for p in range(done[s], done[s] + n)]
+            slots += slots_reference(table, s, torch.arange(done[s], done[s] + n), page_size).tolist()
             cu.append(cu[-1] + n)
             done[s] += n
             seq_lens.append(done[s])
