@@ -344,7 +344,8 @@ def test_attention_config_cases_are_named_by_their_shape(monkeypatch):
 def test_moe_routing_peers_pick_what_the_routers_pick(monkeypatch):
     """benchmarks/moe_routing.py's torch peers (HF's router ops) compute the routing our kernels
     do: the same experts (in any order) and the same weights, so the timing compares like with
-    like. Logits far apart, so float rounding cannot flip a pick."""
+    like. Logits far apart, so float rounding cannot flip a pick; a bias large enough to change
+    the picks, so a peer that dropped it would fail."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import moe_routing
 
@@ -353,7 +354,7 @@ def test_moe_routing_peers_pick_what_the_routers_pick(monkeypatch):
 
     gen = torch.Generator().manual_seed(0)
     logits = torch.rand(12, 64, generator=gen).argsort(1).float() / 64 * 6 - 3
-    bias = torch.rand(64, generator=gen) * 0.01
+    bias = torch.rand(64, generator=gen) * 0.5
     for n_group, topk_group in ((1, 1), (8, 4)):
         w_peer, ids_peer = moe_routing.hf_grouped_topk(logits, bias, 6, n_group, topk_group, 2.5)
         w_ref, ids_ref, _ = sigmoid_grouped_topk_reference(logits, bias, 6, n_group, topk_group, True, 2.5)

@@ -10,9 +10,9 @@ import torch
 
 from vexact_models.kernels import PagedLayout, attention, attention_packed, kv_cache_write, latent_decode_gluon
 from vexact_models.kernels.attention_backward import attention_math
-from vexact_models.kernels.paged_layout import slots_reference
 from vexact_models.kernels.latent_attention import (LatentConfig, latent_attention_triton, page_descriptors_fit,
                                                     value_in_key)
+from vexact_models.kernels.paged_layout import slots_reference
 
 from ..conftest import paged_cache, rel_err, shuffled_pages
 
