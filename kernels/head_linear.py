@@ -62,14 +62,25 @@ def _head_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K,
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n[None, :] < N))
 
 
-def _head_linear_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def head_linear_triton(x: torch.Tensor, weight: torch.Tensor,
+                       tile: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """`head_linear`'s forward by the Triton kernel (no autograd). `tile` is (BLOCK_M, BLOCK_N,
+    warps, stages), None: `config` (what the models run). Rule 1 says any tile gives the same bits
+    (each output is the same K loop in `BLOCK_K` steps); `benchmarks/head_linear.py` times tiles at
+    decode batches and checks that, so that a decode tile could be chosen by measurement."""
     require_triton("head_linear")
+    if tile is not None:
+        block_m, block_n, warps, stages = tile
+        powers_of_two = all(v >= 1 and (v & (v - 1)) == 0 for v in (block_m, block_n, warps))
+        if not powers_of_two or min(block_m, block_n) < 16 or warps > 8 or not 1 <= stages <= 6:
+            raise ValueError(f"head_linear_triton: tile={tile} must be (BLOCK_M, BLOCK_N, warps, stages) with "
+                             f"powers of two, BLOCK_M and BLOCK_N >= 16, warps <= 8 and 1 <= stages <= 6")
     m, heads, k = x.shape
     n = weight.shape[1]
     out = torch.empty((m, heads, n), device=x.device, dtype=x.dtype)
     if m == 0:
         return out
-    block_m, block_n, warps, stages = config(x.dtype)
+    block_m, block_n, warps, stages = config(x.dtype) if tile is None else tile
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), heads)
     _head_linear_kernel[grid](
         x, weight, out, m, n, k, x.stride(0), x.stride(1), x.stride(2),
@@ -99,7 +110,7 @@ def _forward(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if backend == "fast":  # cuBLAS batched GEMM over the heads: not batch-invariant
         return torch.bmm(x.transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1).contiguous()
     if backend == "triton":
-        return _head_linear_triton(x, weight)
+        return head_linear_triton(x, weight)
     return head_linear_reference(x, weight)
 
 

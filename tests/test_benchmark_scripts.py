@@ -13,7 +13,8 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 @pytest.mark.parametrize("script", ["kernels.py", "moe.py", "throughput.py", "decode_profile.py", "training.py",
                                     "attention_configs.py", "attention_fa4.py", "sampler.py", "attention_order.py",
-                                    "shared_experts.py", "latent_prefill.py", "attention_prefill.py", "moe_routing.py"])
+                                    "shared_experts.py", "latent_prefill.py", "attention_prefill.py", "moe_routing.py",
+                                    "head_linear.py"])
 def test_benchmark_script_help_and_cpu_refusal(script):
     help_run = subprocess.run([sys.executable, script, "--help"], cwd=BENCHMARKS, capture_output=True, text=True,
                               timeout=120)
@@ -365,3 +366,11 @@ def test_moe_routing_peers_pick_what_the_routers_pick(monkeypatch):
     w_ref, ids_ref, _ = softmax_topk_reference(logits, 8, True)
     assert torch.equal(ids_peer, ids_ref)
     torch.testing.assert_close(w_peer, w_ref)
+
+
+@pytest.mark.parametrize("value", ["64x64x4", "64x64x4x3,16xAx2x3", "0x64x4x3"])
+def test_head_linear_tiles_option_refuses_bad_values(value):
+    """`--tiles` names the bad candidate and the form it expected, before anything needs a GPU."""
+    run = subprocess.run([sys.executable, "head_linear.py", "--tiles", value], cwd=BENCHMARKS, capture_output=True,
+                         text=True, timeout=120, env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"})
+    assert run.returncode == 2 and "--tiles" in run.stderr and "must be BLOCK_MxBLOCK_NxWARPSxSTAGES" in run.stderr

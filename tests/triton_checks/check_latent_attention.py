@@ -143,3 +143,28 @@ def test_head_linear(dtype):
             want = head_linear(x.cpu(), w.cpu())
         close(got, want, tol)
         assert torch.equal(head_linear(x[5:6], w), got[5:6])  # rows alone == rows in the batch (rule 1)
+
+
+def test_head_linear_tiles_give_the_same_bits():
+    """Any (BLOCK_M, BLOCK_N, warps, stages) runs the same K loop per output (rule 1), so other
+    tiles give the default's bits: what `benchmarks/head_linear.py` checks on the GPU as it times
+    them, its sweep run here with a stand-in timer. Strided views as the model passes them."""
+    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+    import head_linear as bench
+
+    from vexact_models.kernels.head_linear import config, head_linear_triton
+
+    base = torch.randn(3, 24 + 40, 48, device=DEVICE).bfloat16()
+    w_uk_t, w_uv = base[:, :24].transpose(1, 2), base[:, 24:]
+    tiles = [config(torch.bfloat16), (16, 32, 2, 2), (32, 64, 4, 3), (16, 128, 4, 4)]
+    for x, w in ((torch.randn(37, 3, 24, device=DEVICE).bfloat16(), w_uk_t),
+                 (torch.randn(37, 3, 48, device=DEVICE).bfloat16(), w_uv)):
+        want = head_linear(x, w)
+        for tile in tiles:
+            assert torch.equal(head_linear_triton(x, w, tile), want), tile
+        rows = bench.sweep_rows(x, w, tiles, lambda fn: (fn(), 2.0)[1])
+        assert [r[0] for r in rows] == ["cuBLAS bmm (peer)", "64x64x4x3 (reference)", "16x32x2x2", "32x64x4x3",
+                                        "16x128x4x4"]
+        assert [r[3] for r in rows[1:]] == ["yes"] * 4 and rows[1][2] == "1.00x"
+    with pytest.raises(ValueError, match=r"tile=\(48, 64, 4, 3\) must be"):
+        head_linear_triton(x, w, (48, 64, 4, 3))
