@@ -104,6 +104,15 @@ def next_power_of_2(n: int) -> int:
     return 1 << (max(int(n), 1) - 1).bit_length()
 
 
+def launch_warps(op: str, num_warps: int | None, default: int) -> int:
+    """The warps of a launch whose caller may choose them (benchmarks sweeping launch shapes):
+    `default` when `num_warps` is None, else `num_warps` if Triton takes it (1, 2, 4 or 8)."""
+    warps = default if num_warps is None else num_warps
+    if warps not in (1, 2, 4, 8):
+        raise ValueError(f"{op}: num_warps={warps} must be 1, 2, 4 or 8")
+    return warps
+
+
 _ONE_STAGE: set = set()  # launch keys whose tiles need one stage on this process's GPUs
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from . import exact_math
-from ._triton import next_power_of_2, require_triton, tl, triton
+from ._triton import launch_warps, next_power_of_2, require_triton, tl, triton
 from .backend import select
 from .dependent_launch import dependent_launch_kwargs, wait_for_inputs
 
@@ -159,9 +159,7 @@ def sigmoid_grouped_topk_triton(logits: torch.Tensor, bias: torch.Tensor, top_k:
     per token of `num_warps` warps (None: `ROUTER_WARPS`; every choice gives the same bits, which
     `benchmarks/moe_routing.py` checks as it times them)."""
     require_triton("grouped_topk")
-    warps = ROUTER_WARPS if num_warps is None else num_warps
-    if warps not in (1, 2, 4, 8):
-        raise ValueError(f"sigmoid_grouped_topk_triton: num_warps={warps} must be 1, 2, 4 or 8")
+    warps = launch_warps("sigmoid_grouped_topk_triton", num_warps, ROUTER_WARPS)
     rows, experts = logits.shape
     weights, sel = (torch.empty(rows, top_k, device=logits.device, dtype=torch.float32) for _ in range(2))
     ids = torch.empty(rows, top_k, device=logits.device, dtype=torch.int64)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._triton import next_power_of_2, require_triton, tl, triton
+from ._triton import launch_warps, next_power_of_2, require_triton, tl, triton
 from .backend import select
 from .dependent_launch import dependent_launch_kwargs, wait_for_inputs
 
@@ -161,10 +161,8 @@ def moe_align_triton(ids: torch.Tensor, num_experts: int, block_m: int, num_warp
     if not 0 < ids.numel() <= MAX_TRITON_PAIRS or num_experts > MAX_TRITON_EXPERTS:
         raise ValueError(f"moe_align_triton: ids.numel()={ids.numel()} must be in 1..{MAX_TRITON_PAIRS} and "
                          f"num_experts={num_experts} at most {MAX_TRITON_EXPERTS}")
-    warps = ALIGN_WARPS if num_warps is None else num_warps
+    warps = launch_warps("moe_align_triton", num_warps, ALIGN_WARPS)
     pairs = PAIRS_PER_PROGRAM if pairs_per_program is None else pairs_per_program
-    if warps not in (1, 2, 4, 8):
-        raise ValueError(f"moe_align_triton: num_warps={warps} must be 1, 2, 4 or 8")
     if not 8 <= pairs <= 256 or pairs & (pairs - 1):
         raise ValueError(f"moe_align_triton: pairs_per_program={pairs} must be a power of two from 8 to 256")
     flat = ids.reshape(-1)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from . import exact_math
-from ._triton import next_power_of_2, require_triton, tl, triton
+from ._triton import launch_warps, next_power_of_2, require_triton, tl, triton
 from .backend import select
 from .dependent_launch import dependent_launch_kwargs, wait_for_inputs
 
@@ -102,9 +102,7 @@ def softmax_topk_triton(logits: torch.Tensor, top_k: int, norm: bool, num_warps:
     (None: `ROUTER_WARPS`, what the models run). Another warp count sums the softmax in another
     order: for `benchmarks/moe_routing.py` to time, not for a model to mix with the default."""
     require_triton("moe_routing")
-    warps = ROUTER_WARPS if num_warps is None else num_warps
-    if warps not in (1, 2, 4, 8):
-        raise ValueError(f"softmax_topk_triton: num_warps={warps} must be 1, 2, 4 or 8")
+    warps = launch_warps("softmax_topk_triton", num_warps, ROUTER_WARPS)
     rows, experts = logits.shape
     weights = torch.empty(rows, top_k, device=logits.device, dtype=torch.float32)
     ids = torch.empty(rows, top_k, device=logits.device, dtype=torch.int64)

@@ -172,3 +172,11 @@ def test_fused_moe_shape_errors():
     with pytest.raises(ValueError, match=r"add must be \[2, 32\] torch.float32 on cpu like x; got \(2, 31\)"):
         fused_moe(torch.randn(2, 32), gate_up, down, torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.long),
                   add=torch.zeros(2, 31))
+
+
+def test_launch_warps_takes_the_default_or_a_warp_count_triton_launches():
+    from vexact_models.kernels._triton import launch_warps
+
+    assert launch_warps("op", None, 4) == 4 and launch_warps("op", 1, 4) == 1
+    with pytest.raises(ValueError, match="op: num_warps=3 must be 1, 2, 4 or 8"):
+        launch_warps("op", 3, 4)
