@@ -90,9 +90,10 @@ def shuffled_block_table(lens: list[int], page_size: int, generator: torch.Gener
     (`generator`'s permutation) as a running engine leaves them; rows padded with page 0. For the
     checks and benchmarks that read caches through a realistic table."""
     pages = [-(-n // page_size) for n in lens]
-    ids = torch.randperm(sum(pages), generator=generator).tolist()
-    return torch.tensor([ids[sum(pages[:s]):sum(pages[:s + 1])] + [0] * (max(pages) - pages[s])
-                         for s in range(len(lens))], dtype=torch.int32)
+    table = torch.zeros(len(lens), max(pages), dtype=torch.int32)
+    for row, ids in zip(table, torch.randperm(sum(pages), generator=generator).split(pages)):
+        row[:len(ids)] = ids
+    return table
 
 
 def slots_reference(block_table: torch.Tensor, seq: int, positions: torch.Tensor, page_size: int) -> torch.Tensor:

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from vexact_models.kernels.paged_layout import shuffled_block_table, slots_reference
+from vexact_models.kernels.paged_layout import slots_reference
 
 
 @pytest.fixture(autouse=True)
@@ -24,10 +24,6 @@ def clean_attention_backward(monkeypatch):
     set_attention_backward(None)
     yield
     set_attention_backward(None)
-
-
-# sequences' pages in a random order over the cache, as a running engine leaves them
-shuffled_pages = shuffled_block_table
 
 
 def paged_cache(packed: torch.Tensor, lens: list[int], table: torch.Tensor, page: int) -> torch.Tensor:

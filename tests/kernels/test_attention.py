@@ -1,14 +1,13 @@
 import dataclasses
-import random
 
 import pytest
 import torch
 
 from vexact_models.kernels import PagedLayout, attention, attention_packed, kv_cache_write, packed_layout
 from vexact_models.kernels.attention_backward import attention_math
-from vexact_models.kernels.paged_layout import slots_reference
+from vexact_models.kernels.paged_layout import shuffled_block_table, slots_reference
 
-from ..conftest import paged_cache, rel_err, shuffled_pages
+from ..conftest import paged_cache, rel_err
 
 
 def _packed(lens, hq=4, hkv=2, d=16, dtype=torch.float32, dv=None):
@@ -47,19 +46,12 @@ def _paged_cache(n_pages, page_size, hkv, d, dv, dtype):
     return (torch.full((n_pages, page_size, hkv, width), float("nan"), dtype=dtype) for width in (d, dv))
 
 
-def _run_paged(q, k, v, lens, chunk, page_size=4, shuffle=True, decode_after=None):
+def _run_paged(q, k, v, lens, chunk, page_size=4, decode_after=None):
     """Feed each sequence's tokens through the paged path in chunks of `chunk` tokens (decode
     when chunk == 1), with a shuffled block table; return the outputs in packed order."""
     hkv, d = k.shape[1], k.shape[2]
     pages_per_seq = [-(-n // page_size) for n in lens]
-    page_ids = list(range(sum(pages_per_seq)))
-    if shuffle:
-        random.Random(0).shuffle(page_ids)
-    table = torch.zeros(len(lens), max(pages_per_seq), dtype=torch.int32)
-    it = iter(page_ids)
-    for s, n in enumerate(pages_per_seq):
-        for p in range(n):
-            table[s, p] = next(it)
+    table = shuffled_block_table(lens, page_size, torch.Generator().manual_seed(0))
     k_cache, v_cache = _paged_cache(sum(pages_per_seq), page_size, hkv, d, v.shape[2], q.dtype)
     starts = [0] + list(torch.tensor(lens).cumsum(0).tolist())
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
@@ -276,7 +268,7 @@ def test_decode_by_page_tma_equals_pointer_loads_and_training_bitwise(hq, hkv):
     q, k, v = (torch.randn(t, h, d, generator=gen).bfloat16().cuda() for h in (hq, hkv, hkv))
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
     packed = attention_packed(q, k, v, cu.cuda(), max(lens))
-    table = shuffled_pages(lens, page, gen)
+    table = shuffled_block_table(lens, page, gen)
     kc, vc = (paged_cache(x, lens, table, page).cuda() for x in (k, v))
     layout = PagedLayout(torch.arange(len(lens) + 1, dtype=torch.int32).cuda(),
                          torch.tensor(lens, dtype=torch.int32).cuda(), table.cuda(), page, 1)
@@ -299,7 +291,7 @@ def test_shuffled_pages_and_paged_cache_hold_the_packed_sequences():
     lens, page = [1, 5, 9], 4
     gen = torch.Generator().manual_seed(0)
     q, k, v, cu = _packed(lens, 4, 2, 16, dtype=torch.float32)
-    table = shuffled_pages(lens, page, gen)
+    table = shuffled_block_table(lens, page, gen)
     assert sorted(table[0, :1].tolist() + table[1, :2].tolist() + table[2, :3].tolist()) == list(range(6))
     kc, vc = (paged_cache(x, lens, table, page) for x in (k, v))
     assert kc.shape == (24, 2, 16) and int(kc.isnan().any(-1).any(-1).sum()) == 24 - sum(lens)

@@ -10,8 +10,9 @@ import torch
 from vexact_models.kernels import attention_gluon, attention_packed, gluon_support
 from vexact_models.kernels.attention import attention_triton, packed_layout
 from vexact_models.kernels.attention_tiles import BLOCK_M
+from vexact_models.kernels.paged_layout import shuffled_block_table
 
-from ..conftest import compiled_variants, paged_cache, paged_layout, shuffled_pages
+from ..conftest import compiled_variants, paged_cache, paged_layout
 
 D = attention_gluon.HEAD_DIM
 
@@ -120,7 +121,7 @@ def test_chunked_prefill_and_decode_equal_training_bitwise(heads, kv_heads, monk
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
     with attention_gluon.ATTENTION_PREFILL.use("triton"):
         trained = attention_packed(q, k, v, cu.cuda(), max(lens))
-    table = shuffled_pages(lens, page, gen)
+    table = shuffled_block_table(lens, page, gen)
     k_cache, v_cache = paged_cache(k, lens, table, page).cuda(), paged_cache(v, lens, table, page).cuda()
     scale = D ** -0.5
     calls = _gluon_calls(monkeypatch)

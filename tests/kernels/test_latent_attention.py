@@ -12,9 +12,9 @@ from vexact_models.kernels import PagedLayout, attention, attention_packed, kv_c
 from vexact_models.kernels.attention_backward import attention_math
 from vexact_models.kernels.latent_attention import (LatentConfig, latent_attention_triton, page_descriptors_fit,
                                                     value_in_key)
-from vexact_models.kernels.paged_layout import slots_reference
+from vexact_models.kernels.paged_layout import shuffled_block_table, slots_reference
 
-from ..conftest import paged_cache, rel_err, shuffled_pages
+from ..conftest import paged_cache, rel_err
 
 LAT, ROPE = 16, 8
 
@@ -41,7 +41,7 @@ def _run_paged(q, k, lens, chunk, page_size=4):
     """Chunks of `chunk` tokens per sequence and step over a shuffled latent paged cache (NaN
     outside the written slots, V a view of K)."""
     pages = [-(-n // page_size) for n in lens]
-    table = shuffled_pages(lens, page_size, torch.Generator().manual_seed(0))
+    table = shuffled_block_table(lens, page_size, torch.Generator().manual_seed(0))
     k_cache = torch.full((sum(pages), page_size, 1, LAT + ROPE), float("nan"), dtype=q.dtype)
     v_cache = k_cache[..., :LAT]
     starts = [0] + list(torch.tensor(lens).cumsum(0).tolist())
@@ -126,7 +126,7 @@ def test_decode_by_tma_equals_pointer_loads_and_training_bitwise(heads, monkeypa
     k = torch.randn(t, 1, lat + rope, generator=gen).bfloat16().cuda()
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
     packed = attention_packed(q, k, k[..., :lat], cu.cuda(), max(lens))
-    table = shuffled_pages(lens, page, gen)
+    table = shuffled_block_table(lens, page, gen)
     cache = paged_cache(k, lens, table, page).cuda()
     layout = PagedLayout(torch.arange(len(lens) + 1, dtype=torch.int32).cuda(), torch.tensor(lens, dtype=torch.int32).cuda(),
                          table.cuda(), page, 1)

@@ -10,8 +10,9 @@ import torch
 from vexact_models.kernels import attention_packed, gluon_support, latent_prefill_gluon
 from vexact_models.kernels.attention import packed_layout
 from vexact_models.kernels.latent_attention import latent_attention_triton, pick_config
+from vexact_models.kernels.paged_layout import shuffled_block_table
 
-from ..conftest import compiled_variants, paged_cache, paged_layout, shuffled_pages
+from ..conftest import compiled_variants, paged_cache, paged_layout
 
 LAT, ROPE, HEADS = 512, 64, 16
 
@@ -69,7 +70,7 @@ def test_chunked_prefill_equals_the_triton_launch_and_training_bitwise(heads, mo
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
     with latent_prefill_gluon.LATENT_PREFILL.use("triton"):
         trained = attention_packed(q, k, k[..., :LAT], cu.cuda(), max(lens))
-    table = shuffled_pages(lens, page, gen)
+    table = shuffled_block_table(lens, page, gen)
     cache = paged_cache(k, lens, table, page).cuda()
     scale = (LAT + ROPE) ** -0.5
     calls = _gluon_calls(monkeypatch)
