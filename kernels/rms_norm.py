@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from . import exact_math
-from ._triton import next_power_of_2, num_sms, require_triton, tl, triton
+from ._triton import launch_warps, next_power_of_2, num_sms, require_triton, tl, triton
 from .backend import select
 from .dependent_launch import dependent_launch_kwargs, wait_for_inputs
 
@@ -28,6 +28,20 @@ def norm_tile(n: int) -> tuple[int, int, int]:
     rows = max(1, min(64, 8192 // block_n))  # short rows (per-head q/k norm): many per program
     num_warps = 4 if block_n * rows <= 2048 else 8
     return block_n, rows, num_warps
+
+
+def norm_launch_tile(op: str, n: int, tile: tuple[int, int] | None) -> tuple[int, int, int]:
+    """(BLOCK_N, ROWS per program, num_warps) of a norm launch over rows of `n`: `norm_tile(n)`
+    when `tile` is None, else the caller's ``(rows, warps)`` (benchmarks sweeping launch shapes,
+    `benchmarks/row_kernels.py`), checked. A row's reduction order follows the tile's layout, so
+    a tile other than `norm_tile`'s is for measuring, not for models (docs/design.md rule 3)."""
+    block_n, rows, num_warps = norm_tile(n)
+    if tile is None:
+        return block_n, rows, num_warps
+    rows, warps = tile
+    if rows < 1 or rows > 64 or rows != next_power_of_2(rows):
+        raise ValueError(f"{op}: tile rows={rows} must be a power of two from 1 to 64")
+    return block_n, rows, launch_warps(op, warps, num_warps)
 
 
 @triton.jit
@@ -71,11 +85,12 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, n_rows, N, heads, 
     tl.store(out_ptr + rows64 * stride_out + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _rms_norm_triton(x2d: torch.Tensor, weight: torch.Tensor, eps: float,
-                     res2d: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(normed, x2d + res2d) with a residual, else (normed, x2d). `x2d` may also be a
-    ``[T, H, D]`` view with unit last stride (rows = its T*H (token, head) pairs; no residual);
-    the output is then contiguous ``[T*H, D]``."""
+def rms_norm_triton(x2d: torch.Tensor, weight: torch.Tensor, eps: float, res2d: torch.Tensor | None = None,
+                    tile: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normed, x2d + res2d) with a residual, else (normed, x2d), by the Triton row kernel. `x2d`
+    may also be a ``[T, H, D]`` view with unit last stride (rows = its T*H (token, head) pairs; no
+    residual); the output is then contiguous ``[T*H, D]``. `tile`: ``(rows per program, warps)``
+    in place of `norm_tile`'s (`norm_launch_tile`; launch-shape sweeps only)."""
     require_triton("rms_norm")
     n = x2d.shape[-1]
     n_rows = x2d.numel() // n if n else 0
@@ -84,7 +99,7 @@ def _rms_norm_triton(x2d: torch.Tensor, weight: torch.Tensor, eps: float,
     summed = x2d if res2d is None else torch.empty_like(x2d)
     if n_rows == 0:
         return out, summed
-    block_n, rows, num_warps = norm_tile(n)
+    block_n, rows, num_warps = norm_launch_tile("rms_norm", n, tile)
     res = out if res2d is None else res2d
     _rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
         x2d, res, weight, out, summed, n_rows, n, heads, x2d.stride(0), stride_h, res.stride(0), out.stride(0),
@@ -112,7 +127,7 @@ def _rms_norm_forward(x2d, weight, eps, res2d=None) -> tuple[torch.Tensor, torch
     """(normed, summed): summed = x2d + res2d (or x2d itself without a residual)."""
     backend = select("rms_norm", x2d, fast=True)
     if backend == "triton":
-        return _rms_norm_triton(x2d, weight, eps, res2d)
+        return rms_norm_triton(x2d, weight, eps, res2d)
     summed = x2d if res2d is None else _add(x2d, res2d)
     if backend == "fast":  # torch's own (not promised row-invariant)
         return torch.nn.functional.rms_norm(summed, (summed.shape[-1],), weight, eps), summed
@@ -239,7 +254,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         out = _RMSNormFunction.apply(_rows(x), weight, eps)
     elif x.dim() == 3 and x.stride(-1) == 1 and select("rms_norm", x, fast=True) == "triton":
-        out = _rms_norm_triton(x, weight, eps)[0]  # per-head rows of a strided view: no copy first
+        out = rms_norm_triton(x, weight, eps)[0]  # per-head rows of a strided view: no copy first
     else:
         out = _rms_norm_forward(_rows(x), weight, eps)[0]
     return out.reshape(x.shape)

@@ -31,7 +31,7 @@ from ._triton import next_power_of_2, require_triton, tl, triton
 from .backend import select
 from .dependent_launch import dependent_launch_kwargs, wait_for_inputs
 from .kv_cache_write import check_cache_rows, kv_cache_write
-from .rms_norm import load_rows, norm_tile, normalize_rows, rms_norm
+from .rms_norm import load_rows, norm_launch_tile, normalize_rows, rms_norm
 from .rotary import apply_rotary, rotate_rows_into
 
 
@@ -138,7 +138,8 @@ def rotary_cache_write_reference(q, k, v, positions, cos, sin, k_cache, v_cache,
 def rotary_cache_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                        cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        slot_mapping: torch.Tensor, q_weight: torch.Tensor | None = None,
-                       k_weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+                       k_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                       tile: tuple[int, int] | None = None) -> torch.Tensor:
     """Rotate the queries and write the rotated keys and the values into the KV cache.
 
     Args:
@@ -149,11 +150,14 @@ def rotary_cache_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positi
             each token's row (-1: not written), as in `kv_cache_write`.
         q_weight, k_weight: per-head RMSNorm weights ``[head_dim]`` applied before the rotation
             (Qwen3), or both None (Llama, Qwen2); `eps` their epsilon.
+        tile: ``(rows per program, warps)`` in place of the norm kernel's (`rms_norm.norm_launch_tile`;
+            launch-shape sweeps only: the normed rows then match ``rms_norm_triton`` at that tile).
     Returns:
         The rotated queries ``[tokens, heads, head_dim]`` in q's dtype; the caches are written in
         place. Bitwise what `rotary_cache_write_reference` gives.
     """
     _check(q, k, v, positions, k_cache, v_cache, slot_mapping, q_weight, k_weight)
+    norm_launch_tile("rotary_cache_write", q.shape[-1], tile)  # a bad tile is refused on every path
     if not _fusable(q, k, v, k_cache, v_cache, (q_weight, k_weight)):
         return rotary_cache_write_reference(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping,
                                             q_weight, k_weight, eps)
@@ -165,7 +169,8 @@ def rotary_cache_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positi
         return q_out
     k_rows = k_cache.view(-1, kv_heads * head_dim)
     v_rows = v_cache.view(-1, kv_heads * head_dim)
-    _, rows, num_warps = norm_tile(head_dim)  # the norm kernel's tile, rows and warps: its layout
+    # the norm kernel's tile, rows and warps: its layout
+    _, rows, num_warps = norm_launch_tile("rotary_cache_write", head_dim, tile)
     grid = (triton.cdiv(tokens * max(q_heads, kv_heads), rows), 3)
     norm = q_weight is not None
     _rotary_cache_write_kernel[grid](

@@ -13,11 +13,12 @@ from __future__ import annotations
 import torch
 
 from . import exact_math
-from ._triton import require_triton, tl, triton
+from ._triton import launch_warps, next_power_of_2, require_triton, tl, triton
 from .backend import select
 from .dependent_launch import dependent_launch_kwargs, wait_for_inputs
 
-_BLOCK = 1024
+_BLOCK = 1024  # columns per program of the forward (and elements of the backward)
+_WARPS = 4
 
 
 @triton.jit
@@ -33,18 +34,26 @@ def _silu_and_mul_kernel(gate_ptr, up_ptr, out_ptr, n_cols, stride_g, stride_u, 
     tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _silu_and_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """`gate`/`up`: rows with unit column stride (e.g. the two halves of one fused gate/up
-    GEMM's output, ``[T, I]`` views with row stride 2I); the output is contiguous."""
+def silu_and_mul_triton(gate: torch.Tensor, up: torch.Tensor, block: int | None = None,
+                        num_warps: int | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` by the Triton kernel. `gate`/`up`: rows with unit column stride (e.g.
+    the two halves of one fused gate/up GEMM's output, ``[T, I]`` views with row stride 2I); the
+    output is contiguous. `block` (columns per program, a power of two from 64 to 8192) and
+    `num_warps` replace the defaults (launch-shape sweeps): element-wise, so every launch shape
+    gives the same bits."""
+    block = _BLOCK if block is None else block
+    if block < 64 or block > 8192 or block != next_power_of_2(block):
+        raise ValueError(f"silu_and_mul: block={block} must be a power of two from 64 to 8192")
+    num_warps = launch_warps("silu_and_mul", num_warps, _WARPS)
     require_triton("silu_and_mul")
     shape = gate.shape
     gate, up = gate.reshape(-1, shape[-1]), up.reshape(-1, shape[-1])  # views for the callers' inputs
     rows, cols = gate.shape
     out = torch.empty(rows, cols, device=gate.device, dtype=gate.dtype)
     if gate.numel():
-        _silu_and_mul_kernel[(rows, triton.cdiv(cols, _BLOCK))](gate, up, out, cols, gate.stride(0), up.stride(0),
-                                                                 BLOCK=_BLOCK, num_warps=4,
-                                                                 **dependent_launch_kwargs(gate.device))
+        _silu_and_mul_kernel[(rows, triton.cdiv(cols, block))](gate, up, out, cols, gate.stride(0), up.stride(0),
+                                                                BLOCK=block, num_warps=num_warps,
+                                                                **dependent_launch_kwargs(gate.device))
     return out.reshape(shape)
 
 
@@ -59,7 +68,7 @@ def _silu_and_mul_forward(gate, up):
     if backend == "fast":
         return torch.nn.functional.silu(gate) * up
     if backend == "triton":
-        return _silu_and_mul_triton(gate, up)
+        return silu_and_mul_triton(gate, up)
     return silu_and_mul_reference(gate, up)
 
 

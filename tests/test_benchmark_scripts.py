@@ -14,7 +14,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 @pytest.mark.parametrize("script", ["kernels.py", "moe.py", "throughput.py", "decode_profile.py", "training.py",
                                     "attention_configs.py", "attention_fa4.py", "sampler.py", "attention_order.py",
                                     "shared_experts.py", "latent_prefill.py", "attention_prefill.py", "moe_routing.py",
-                                    "head_linear.py"])
+                                    "head_linear.py", "row_kernels.py"])
 def test_benchmark_script_help_and_cpu_refusal(script):
     help_run = subprocess.run([sys.executable, script, "--help"], cwd=BENCHMARKS, capture_output=True, text=True,
                               timeout=120)
@@ -235,7 +235,8 @@ def test_page_size_options_refuse_values_below_one(script, option):
 
 
 @pytest.mark.parametrize("script,option", [("sampler.py", "--rows"), ("linear_quack.py", "--ms"),
-                                           ("moe_routing.py", "--tokens")])
+                                           ("moe_routing.py", "--tokens"),
+                                           ("row_kernels.py", "--tokens")])
 @pytest.mark.parametrize("value,words", [("128,x", "expected comma-separated integers"), ("64,0", "must be >= 1")])
 def test_count_list_options_refuse_bad_values(script, option, value, words):
     """`bench_utils.positive_ints`: the parser names the option, the value and what it expected,
@@ -374,3 +375,26 @@ def test_head_linear_tiles_option_refuses_bad_values(value):
     run = subprocess.run([sys.executable, "head_linear.py", "--tiles", value], cwd=BENCHMARKS, capture_output=True,
                          text=True, timeout=120, env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"})
     assert run.returncode == 2 and "--tiles" in run.stderr and "must be BLOCK_MxBLOCK_NxWARPSxSTAGES" in run.stderr
+
+
+def test_row_kernels_peers_compute_what_the_kernels_compute(monkeypatch):
+    """benchmarks/row_kernels.py's torch peers (HF's norm and rotation) compute what the timed
+    kernels do, so the timing compares like with like; its tiles are the ones the norm takes."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import row_kernels
+
+    from vexact_models.kernels import apply_rotary, rms_norm, rope_table
+    from vexact_models.kernels.rms_norm import norm_tile
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 4, 128, generator=gen)
+    weight = 1 + 0.1 * torch.randn(128, generator=gen)
+    torch.testing.assert_close(row_kernels.hf_rms_norm(x, weight), rms_norm(x, weight, row_kernels.EPS))
+    positions = torch.tensor([0, 1, 5, 17, 300, 4000])
+    cos, sin = rope_table(1.0 / (1e6 ** (torch.arange(0, 128, 2).float() / 128)), 4096)
+    full_cos, full_sin = (torch.cat([t, t], dim=-1)[positions].unsqueeze(1) for t in (cos, sin))
+    torch.testing.assert_close(row_kernels.hf_rotate(x, full_cos, full_sin), apply_rotary(x, positions, cos, sin))
+    for n in (128, 1024, 4096):
+        tiles = row_kernels.norm_tiles(n)
+        assert norm_tile(n)[1:] in tiles
+        assert all(rows * n <= 16384 for rows, _ in tiles) and (min(64, 16384 // n), 8) in tiles

@@ -87,3 +87,19 @@ def test_add_rms_norm_errors():
         add_rms_norm(torch.randn(2, 16), torch.randn(2, 8), torch.ones(16), 1e-6)
     with pytest.raises(ValueError, match=r"weight shape \(8,\) must be \(16,\)"):
         add_rms_norm(torch.randn(2, 16), torch.randn(2, 16), torch.ones(8), 1e-6)
+
+
+def test_norm_launch_tile_is_norm_tile_by_default_and_checks_a_given_tile():
+    """The tile a sweep passes (`benchmarks/row_kernels.py`) keeps BLOCK_N and is checked, with
+    the op, the value and the limit in the message, before anything needs Triton or a GPU."""
+    from vexact_models.kernels.rms_norm import norm_launch_tile, norm_tile, rms_norm_triton
+
+    for n in (40, 128, 1024, 4096):
+        assert norm_launch_tile("rms_norm", n, None) == norm_tile(n)
+        assert norm_launch_tile("rms_norm", n, (2, 1)) == (norm_tile(n)[0], 2, 1)
+    with pytest.raises(ValueError, match="rms_norm: tile rows=128 must be a power of two from 1 to 64"):
+        norm_launch_tile("rms_norm", 128, (128, 4))
+    with pytest.raises(ValueError, match="rms_norm: tile rows=0 must be a power of two"):
+        rms_norm_triton(torch.randn(2, 8), torch.ones(8), 1e-6, tile=(0, 4))
+    with pytest.raises(ValueError, match="rms_norm: num_warps=5 must be 1, 2, 4 or 8"):
+        rms_norm_triton(torch.randn(2, 8), torch.ones(8), 1e-6, tile=(2, 5))

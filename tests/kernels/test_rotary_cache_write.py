@@ -63,6 +63,10 @@ def test_rotary_cache_write_errors():
         rotary_cache_write(q, k, v, positions, cos, sin, k_cache, v_cache, slots, wq[:8], wk)
     with pytest.raises(ValueError, match="do not match cache rows"):
         rotary_cache_write(q, k, v, positions, cos, sin, k_cache[..., :8], v_cache, slots)
+    with pytest.raises(ValueError, match="tile rows=3 must be a power of two from 1 to 64"):
+        rotary_cache_write(q, k, v, positions, cos, sin, k_cache, v_cache, slots, tile=(3, 4))
+    with pytest.raises(ValueError, match="rotary_cache_write: num_warps=16 must be 1, 2, 4 or 8"):
+        rotary_cache_write(q, k, v, positions, cos, sin, k_cache, v_cache, slots, tile=(4, 16))
     assert (k_cache == 7.0).all()  # nothing half-written
 
 

@@ -36,6 +36,17 @@ def test_silu_and_mul_shape_error():
         silu_and_mul(torch.randn(2, 3), torch.randn(2, 4))
 
 
+@pytest.mark.parametrize("block,warps,words", [(48, None, "block=48 must be a power of two from 64 to 8192"),
+                                               (16384, None, "block=16384 must be a power of two from 64 to 8192"),
+                                               (None, 3, "num_warps=3 must be 1, 2, 4 or 8")])
+def test_silu_and_mul_triton_refuses_bad_launch_shapes(block, warps, words):
+    """The launch shape a sweep passes is checked before anything needs Triton or a GPU."""
+    from vexact_models.kernels.silu_and_mul import silu_and_mul_triton
+
+    with pytest.raises(ValueError, match=f"silu_and_mul: {words}"):
+        silu_and_mul_triton(torch.randn(2, 64), torch.randn(2, 64), block, warps)
+
+
 def test_silu_and_mul_takes_row_strided_halves():
     """The two halves of one fused gate/up GEMM's output, without copies first."""
     fused = torch.randn(7, 2 * 48)

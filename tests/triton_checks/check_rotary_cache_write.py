@@ -55,3 +55,23 @@ def test_rotary_cache_write_is_the_separate_ops(tokens, q_heads, kv_heads, head_
     assert torch.equal(got_v, want_v)
     assert not torch.equal(got_q, q)  # the queries were rotated
     assert (got_k == 7.0).any()  # rows of padding tokens and unused slots kept the sentinel
+
+
+@pytest.mark.parametrize("tile", [(1, 1), (16, 4)] if INTERPRET else [(1, 1), (4, 2), (16, 4), (64, 8)])
+def test_rotary_cache_write_at_a_tile_is_the_separate_ops_at_that_tile(tile):
+    """`benchmarks/row_kernels.py` times the kernel at other tiles: its normed rows then follow
+    `rms_norm_triton` at the same tile, so the fused kernel still equals the separate ops."""
+    from vexact_models.kernels import apply_rotary, kv_cache_write
+    from vexact_models.kernels.rms_norm import rms_norm_triton
+
+    dtype = DTYPES[-1]
+    q, k, v, positions, cos, sin, (q_w, k_w), slots = _inputs(9, 16, 8, 128, dtype, 3)
+    want_k, want_v = _caches(9, 8, 128, dtype)
+    q_normed, k_normed = (rms_norm_triton(t, w, 1e-6, tile=tile)[0].view(t.shape) for t, w in ((q, q_w), (k, k_w)))
+    want_q = apply_rotary(q_normed, positions, cos, sin)
+    kv_cache_write(apply_rotary(k_normed, positions, cos, sin), v, want_k, want_v, slots)
+    got_k, got_v = _caches(9, 8, 128, dtype)
+    got_q = rotary_cache_write(q, k, v, positions, cos, sin, got_k, got_v, slots, q_w, k_w, 1e-6, tile=tile)
+    assert torch.equal(got_q, want_q)
+    assert torch.equal(got_k, want_k)
+    assert torch.equal(got_v, want_v)

@@ -99,6 +99,43 @@ def test_rms_norm_rotary_silu():
     close(silu_and_mul(g, u), ref(silu_and_mul, g, u), 1e-6)
 
 
+def test_row_kernel_launch_shapes():
+    """The launch shapes `benchmarks/row_kernels.py` sweeps: `silu_and_mul_triton` is element-wise,
+    so every block and warp count gives the default's bits; a norm tile gives the reference's
+    values (its bits follow the tile on a GPU: rule 3)."""
+    from vexact_models.kernels.rms_norm import rms_norm_triton
+    from vexact_models.kernels.silu_and_mul import silu_and_mul_triton
+
+    gu = rand(3, 2 * 700).bfloat16()
+    gate, up = gu[:, :700], gu[:, 700:]
+    want = silu_and_mul_triton(gate, up)
+    for block, warps in ((64, 1), (256, 2), (2048, 8)):
+        assert torch.equal(silu_and_mul_triton(gate, up, block, warps), want)
+    x, r, w = rand(5, 96), rand(5, 96), rand(96, kind="u")
+    for tile in ((1, 1), (2, 4), (4, 8)):
+        normed, summed = rms_norm_triton(x, w, 1e-6, r, tile=tile)
+        close(normed, ref(rms_norm, x + r, w, 1e-6), 1e-5)
+        close(summed, x + r, 1e-6)
+
+
+def test_row_kernels_benchmark_sweeps():
+    """`benchmarks/row_kernels.py`'s sweeps, with a stand-in timer: every candidate runs and is
+    compared with the current launch; the element-wise `silu_and_mul` gives its bits at each."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+    import row_kernels as bench
+
+    timer = lambda fn: (fn(), 2.0)[1]  # noqa: E731
+    rows = bench.norm_rows(96, 5, DEVICE, timer, tiles=[(64, 8), (1, 1)])
+    assert [r[1] for r in rows] == ["HF ops", "64 rows, 8 warps (now)", "1 rows, 1 warps"] and rows[1][4] == "yes"
+    rows = bench.rotary_rows(4, 2, 32, 5, DEVICE, timer, tiles=[(64, 4), (2, 1)])
+    assert [r[1] for r in rows] == ["HF ops", "64 rows, 4 warps (now)", "2 rows, 1 warps"] and rows[1][4] == "yes"
+    rows = bench.silu_rows(300, 3, DEVICE, timer, launches=[(1024, 4), (64, 1)])
+    assert [r[4] for r in rows[1:]] == ["yes", "yes"] and rows[1][3] == "1.00x"
+
+
 def test_log_softmax_and_gather():
     x = rand(4, 5000) * 3
     t = torch.randint(0, 5000, (4,), device=DEVICE)
