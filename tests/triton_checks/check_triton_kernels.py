@@ -128,10 +128,10 @@ def test_row_kernels_benchmark_sweeps():
     import row_kernels as bench
 
     timer = lambda fn: (fn(), 2.0)[1]  # noqa: E731
-    rows = bench.norm_rows(96, 5, DEVICE, timer, tiles=[(64, 8), (1, 1)])
-    assert [r[1] for r in rows] == ["HF ops", "64 rows, 8 warps (now)", "1 rows, 1 warps"] and rows[1][4] == "yes"
-    rows = bench.rotary_rows(4, 2, 32, 5, DEVICE, timer, tiles=[(64, 4), (2, 1)])
-    assert [r[1] for r in rows] == ["HF ops", "64 rows, 4 warps (now)", "2 rows, 1 warps"] and rows[1][4] == "yes"
+    rows = bench.norm_rows(96, 5, DEVICE, timer, tiles=[(8, 4), (1, 1)])
+    assert [r[1] for r in rows] == ["HF ops", "8 rows, 4 warps (now)", "1 rows, 1 warps"] and rows[1][4] == "yes"
+    rows = bench.rotary_rows(4, 2, 32, 5, DEVICE, timer, tiles=[(32, 4), (2, 1)])
+    assert [r[1] for r in rows] == ["HF ops", "32 rows, 4 warps (now)", "2 rows, 1 warps"] and rows[1][4] == "yes"
     rows = bench.silu_rows(300, 3, DEVICE, timer, launches=[(1024, 4), (64, 1)])
     assert [r[4] for r in rows[1:]] == ["yes", "yes"] and rows[1][3] == "1.00x"
 
