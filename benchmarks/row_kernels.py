@@ -142,12 +142,12 @@ def rotary_rows(q_heads: int, kv_heads: int, head_dim: int, tokens: int, device=
 def silu_rows(intermediate: int, tokens: int, device="cuda", timer=None, launches=None) -> list[list]:
     """`silu_and_mul` over the two halves of a fused gate/up output, per (columns, warps) launch
     (default: every `SILU_BLOCKS` x `WARPS` pair)."""
-    from vexact_models.kernels.silu_and_mul import _BLOCK, _WARPS, silu_and_mul_triton
+    from vexact_models.kernels.silu_and_mul import SILU_BLOCK, SILU_WARPS, silu_and_mul_triton
 
     gate_up = torch.randn(tokens, 2 * intermediate, device=device).bfloat16()
     gate, up = gate_up.split(intermediate, dim=1)
     candidates = launches or [(b, w) for b in SILU_BLOCKS for w in WARPS]
-    return _rows("silu_and_mul", lambda c: silu_and_mul_triton(gate, up, *c), candidates, (_BLOCK, _WARPS),
+    return _rows("silu_and_mul", lambda c: silu_and_mul_triton(gate, up, *c), candidates, (SILU_BLOCK, SILU_WARPS),
                  lambda: torch.nn.functional.silu(gate) * up, lambda c: f"{c[0]} columns, {c[1]} warps", timer)
 
 

@@ -17,8 +17,8 @@ from ._triton import launch_warps, next_power_of_2, require_triton, tl, triton
 from .backend import select
 from .dependent_launch import dependent_launch_kwargs, wait_for_inputs
 
-_BLOCK = 1024  # columns per program of the forward (and elements of the backward)
-_WARPS = 4
+SILU_BLOCK = 1024  # columns per program of the forward (and elements of the backward)
+SILU_WARPS = 4
 
 
 @triton.jit
@@ -41,10 +41,10 @@ def silu_and_mul_triton(gate: torch.Tensor, up: torch.Tensor, block: int | None 
     output is contiguous. `block` (columns per program, a power of two from 64 to 8192) and
     `num_warps` replace the defaults (launch-shape sweeps): element-wise, so every launch shape
     gives the same bits."""
-    block = _BLOCK if block is None else block
+    block = SILU_BLOCK if block is None else block
     if block < 64 or block > 8192 or block != next_power_of_2(block):
         raise ValueError(f"silu_and_mul: block={block} must be a power of two from 64 to 8192")
-    num_warps = launch_warps("silu_and_mul", num_warps, _WARPS)
+    num_warps = launch_warps("silu_and_mul", num_warps, SILU_WARPS)
     require_triton("silu_and_mul")
     shape = gate.shape
     gate, up = gate.reshape(-1, shape[-1]), up.reshape(-1, shape[-1])  # views for the callers' inputs
@@ -102,8 +102,8 @@ def _silu_and_mul_backward(gate, up, grad_out):
     require_triton("silu_and_mul")
     dgate, dup = torch.empty_like(gate), torch.empty_like(up)
     if gate.numel():
-        _silu_and_mul_bwd_kernel[(triton.cdiv(gate.numel(), _BLOCK),)](gate, up, grad_out, dgate, dup, gate.numel(),
-                                                                       BLOCK=_BLOCK, num_warps=4)
+        grid = (triton.cdiv(gate.numel(), SILU_BLOCK),)
+        _silu_and_mul_bwd_kernel[grid](gate, up, grad_out, dgate, dup, gate.numel(), BLOCK=SILU_BLOCK, num_warps=4)
     return dgate, dup
 
 
