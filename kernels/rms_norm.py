@@ -30,7 +30,9 @@ def norm_tile(n: int) -> tuple[int, int, int]:
     in `rotary_cache_write`, 4.2 -> 2.6 us; `benchmarks/row_kernels.py`, forty-first session; no
     slower at training's 8,192 rows). For bf16 every row keeps the lanes and warps it had on the
     earlier 8,192-element tiles (a 1,024-wide row: 128 lanes of 8 values over 4 warps), so `tl.sum`
-    adds it in the same order: the same bits (checked there, and by the invariance sweep)."""
+    adds it in the same order: the same bits (checked there and by the invariance sweep on the
+    H200; the compiled sm_90 layouts by tests/test_kernel_resources.py). fp32 rows of 1,024 now
+    take two passes of 4 warps instead of one of 8: other fp32 bits, on both paths alike."""
     block_n = next_power_of_2(n)
     rows = max(1, 1024 // block_n)  # short rows (per-head q/k norm): several per program
     num_warps = 4 if block_n * rows <= 1024 else 8

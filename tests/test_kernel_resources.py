@@ -1,9 +1,12 @@
 """benchmarks/kernel_resources.py and sm90_compile.py: the attention kernels' launch candidates
-compiled for Hopper (sm_90) on the CPU, with ptxas's registers, spills and shared memory."""
+compiled for Hopper (sm_90) on the CPU, with ptxas's registers, spills and shared memory; the
+norm's tile layout compiled the same way."""
 
 import subprocess
 import sys
 from pathlib import Path
+
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -131,3 +134,38 @@ def test_decode_over_power_of_two_pages_issues_fewer_instructions_a_key_block(mo
             measured[page] = resources(compiled[-1])
     assert measured[64].loop_instructions <= 0.8 * measured[48].loop_instructions, measured
     assert measured[64].registers <= measured[48].registers, measured
+
+
+def test_norm_tile_keeps_each_bf16_rows_lanes_and_warps(monkeypatch):
+    """`rms_norm.norm_tile` (about 1,024 elements a program since the forty-first session) lays a
+    bf16 row over the same per-thread values, lanes and warps as the 8,192-element tiles the H200's
+    conformance runs were made with, at every row width the models' norms have (q/k heads,
+    latent ranks, hidden sizes): the row axis of the compiled sm_90 layout is unchanged, so
+    `tl.sum` adds each row in the same order (rule 3). Only the number of rows a program holds
+    changes. (fp32 rows of 1,024 do change: 4 warps of 32 lanes of 4 values take two passes.)"""
+    import re
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from sm90_compile import compile_only
+
+    from vexact_models.kernels._triton import next_power_of_2
+    from vexact_models.kernels.rms_norm import norm_tile, rms_norm_triton
+
+    def row_axis(n, tile, dtype):
+        """(sizePerThread, threadsPerWarp, warpsPerCTA) along the columns of the 2-D tile layout."""
+        with compile_only() as kernels:
+            rms_norm_triton(torch.randn(4, n).to(dtype), torch.ones(n).to(dtype), 1e-6, tile=tile)
+        layouts = re.findall(r"sizePerThread = \[1, (\d+)\], threadsPerWarp = \[\d+, (\d+)\], "
+                             r"warpsPerCTA = \[(\d+), (\d+)\]", kernels[-1].asm["ttgir"])
+        assert layouts, kernels[-1].asm["ttgir"][:2000]
+        (size, lanes, row_warps, col_warps), = set(layouts)
+        return (int(size), int(lanes), int(col_warps)), int(row_warps)
+
+    for n in (128, 512, 1024, 1536, 2048, 4096, 7168):
+        block_n = next_power_of_2(n)
+        old_rows = max(1, min(64, 8192 // block_n))
+        old = (old_rows, 4 if block_n * old_rows <= 2048 else 8)
+        (old_axis, _), (new_axis, _) = (row_axis(n, t, torch.bfloat16) for t in (old, None))
+        assert old_axis == new_axis, (n, old_axis, new_axis)
+        assert norm_tile(n)[1] * norm_tile(n)[0] <= max(1024, block_n)
+    assert row_axis(1024, (8, 8), torch.float32)[0] != row_axis(1024, None, torch.float32)[0]
