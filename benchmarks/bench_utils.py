@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 
@@ -107,6 +108,17 @@ def bench_graph(fns, reps: int = 10, replays: int = 7) -> float:
         times.append(start.elapsed_time(end) / (reps * len(fns)))
     del graph
     return sorted(times)[len(times) // 2]
+
+
+def graph_us_or_none(fn) -> float | None:
+    """Microseconds of `fn` alone in a CUDA graph (`bench_graph`), or None where its launch does
+    not fit the GPU (a launch-shape sweep's candidate out of resources; the error is printed on
+    stderr)."""
+    try:
+        return bench_graph([fn]) * 1e3
+    except Exception as exc:  # out of resources for a launch shape
+        print(f"  skipped: {type(exc).__name__}: {str(exc)[:100]}", file=sys.stderr)
+        return None
 
 
 def rotating_copies(tensor: torch.Tensor, max_copies: int = 16) -> list[torch.Tensor]:

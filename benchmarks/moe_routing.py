@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-from bench_utils import bench_graph, positive_ints, table
+from bench_utils import bench_graph, graph_us_or_none, positive_ints, table
 
 #: (model, experts, top_k, n_group, topk_group, routed_scaling_factor); n_group None: softmax routing
 SHAPES = (("moonlight", 64, 6, 1, 1, 2.446), ("deepseek-v3", 256, 8, 8, 4, 2.5), ("qwen3-30b-a3b", 128, 8, None, None, 1.0))
@@ -48,15 +48,6 @@ def hf_softmax_topk(logits, top_k: int):
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, ids = probs.topk(top_k, dim=-1)
     return weights / weights.sum(-1, keepdim=True), ids
-
-
-def _time(fn) -> float:
-    """Microseconds of `fn` in a CUDA graph, or None where its launch does not fit the GPU."""
-    try:
-        return bench_graph([fn]) * 1e3
-    except Exception as exc:  # out of resources for a launch shape
-        print(f"  skipped: {type(exc).__name__}: {str(exc)[:100]}", file=sys.stderr)
-        return None
 
 
 def _row(kernel: str, candidate: str, us, peer_us: float, same: str) -> list:
@@ -90,7 +81,8 @@ def router_rows(experts: int, top_k: int, n_group, topk_group, scale: float, tok
     for warps in WARPS:
         got = run(warps)
         same = "yes" if all(torch.equal(a, b) for a, b in zip(got, want)) else "NO"
-        rows.append(_row(kernel, f"{warps} warps{' (now)' if warps == default else ''}", _time(lambda: run(warps)),
+        us = graph_us_or_none(lambda: run(warps))
+        rows.append(_row(kernel, f"{warps} warps{' (now)' if warps == default else ''}", us,
                          peer_us, same))
     return rows
 
@@ -112,7 +104,8 @@ def align_rows(experts: int, top_k: int, tokens: int) -> list[list]:
             got = moe_align_triton(ids, experts, block_m, num_warps=warps, pairs_per_program=pairs)
             same = "yes" if all(torch.equal(getattr(got, f), getattr(want, f)) for f in fields) else "NO"
             now = " (now)" if (warps, pairs) == (ALIGN_WARPS, PAIRS_PER_PROGRAM) else ""
-            us = _time(lambda: moe_align_triton(ids, experts, block_m, num_warps=warps, pairs_per_program=pairs))
+            us = graph_us_or_none(lambda: moe_align_triton(ids, experts, block_m, num_warps=warps,
+                                                           pairs_per_program=pairs))
             rows.append(_row("moe_align", f"{warps} warps, {pairs} pairs{now}", us, peer_us, same))
     return rows
 

@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from bench_utils import bench_graph, positive_ints, table
+from bench_utils import graph_us_or_none, positive_ints, table
 
 #: model -> (hidden, query heads, key/value heads, head dim, intermediate)
 SHAPES = {"qwen3-0.6b": (1024, 16, 8, 128, 3072), "qwen3-8b": (4096, 32, 8, 128, 12288)}
@@ -48,15 +48,6 @@ def hf_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     return x * cos + rotated * sin
 
 
-def _time(fn) -> float | None:
-    """Microseconds of `fn` in a CUDA graph, or None where its launch does not fit the GPU."""
-    try:
-        return bench_graph([fn]) * 1e3
-    except Exception as exc:  # out of resources for a launch shape
-        print(f"  skipped: {type(exc).__name__}: {str(exc)[:100]}", file=sys.stderr)
-        return None
-
-
 def _same(got, want) -> str:
     got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
     return "yes" if all(torch.equal(a, b) for a, b in zip(got, want)) else "NO"
@@ -66,7 +57,7 @@ def _rows(kernel: str, run, candidates, default, peer, label, timer=None, launch
     """Rows (kernel, launch, us, vs the peer, same bits) for each candidate: the bits of
     `run(candidate)`, the time of `launch(candidate)` (default `run`) by `timer` (default: in a
     CUDA graph; microseconds, None where a launch does not fit)."""
-    launch, timer = launch or run, timer or _time
+    launch, timer = launch or run, timer or graph_us_or_none
     peer_us = timer(peer)
     if peer_us is None:  # the torch ops always launch: a failure here is a real one
         raise RuntimeError(f"{kernel}: the torch peer did not run")

@@ -398,3 +398,15 @@ def test_row_kernels_peers_compute_what_the_kernels_compute(monkeypatch):
         tiles = row_kernels.norm_tiles(n)
         assert norm_tile(n)[1:] in tiles
         assert all(rows * n <= 16384 for rows, _ in tiles) and (min(64, 16384 // n), 8) in tiles
+
+
+def test_graph_us_or_none_names_a_launch_that_cannot_run(monkeypatch, capsys):
+    """`bench_utils.graph_us_or_none`, the sweeps' timer: a launch that cannot be captured and run
+    (here: no GPU at all) gives None and its error on stderr, so the sweep goes on to the next."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_utils
+
+    if torch.cuda.is_available():
+        pytest.skip("a CPU check: with a GPU the launch runs")
+    assert bench_utils.graph_us_or_none(lambda: None) is None
+    assert "  skipped: " in capsys.readouterr().err
