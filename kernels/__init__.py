@@ -19,6 +19,7 @@ from .kv_cache_write import kv_cache_write
 from .latent_cache_write import latent_cache_write
 from .linear import linear
 from .linear_quack import linear_mode as linear_backend_mode
+from .linear_silu_and_mul import linear_silu_and_mul
 from .linear_quack import set_linear_backend, use_linear_backend
 from .log_softmax import gather_logprobs, log_softmax
 from .moe import fused_moe
@@ -34,7 +35,7 @@ __all__ = [
     "BACKENDS", "KernelSwitch", "PagedLayout", "UnsupportedError", "add_rms_norm", "apply_rotary", "attention",
     "attention_forward_mode", "attention_packed", "attention_saving_context", "current_backend", "deinterleave",
     "fused_moe", "gather_logprobs", "head_linear", "kv_cache_write", "latent_cache_write", "linear",
-    "linear_backend_mode", "log_softmax", "packed_layout", "rms_norm", "rope_table", "rotary_cache_write",
+    "linear_backend_mode", "linear_silu_and_mul", "log_softmax", "packed_layout", "rms_norm", "rope_table", "rotary_cache_write",
     "sample_tokens", "set_attention_forward", "set_backend", "set_dependent_launch", "set_linear_backend",
     "sigmoid_grouped_topk", "silu_and_mul", "softmax_topk", "token_logprobs", "use_attention_forward", "use_backend",
     "use_dependent_launch", "use_linear_backend",

@@ -17,10 +17,12 @@ import torch
 from torch import nn
 
 from vexact_models.kernels import (PagedLayout, add_rms_norm, apply_rotary, attention, attention_packed, fused_moe,
-                                   kv_cache_write, rms_norm, rope_table, rotary_cache_write, silu_and_mul)
+                                   kv_cache_write, linear_silu_and_mul, rms_norm, rope_table, rotary_cache_write,
+                                   silu_and_mul)
 
 from .adapters import apply_linear
-from .projections import _fused_weight, fuse_linears, fuse_projections, grouped_linear  # noqa: F401 (public here too)
+from .projections import (_fused_weight, fuse_linears, fuse_projections, fused_bias_free_weight,  # noqa: F401
+                          grouped_linear)
 
 
 def head_dim_of(config) -> int:
@@ -110,6 +112,9 @@ class GatedMLP(nn.Module):
         return [[self.gate_proj, self.up_proj]]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = fused_bias_free_weight(x, [self.gate_proj, self.up_proj])
+        if fused is not None:  # one launch where it can (rollout decode steps), the same bits
+            return apply_linear(linear_silu_and_mul(x, fused), self.down_proj)
         gate, up = grouped_linear(x, [self.gate_proj, self.up_proj])
         return apply_linear(silu_and_mul(gate, up), self.down_proj)
 

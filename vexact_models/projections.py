@@ -15,7 +15,7 @@ from torch import nn
 
 from vexact_models.kernels import linear
 
-from .adapters import add_adapters, base_layer
+from .adapters import add_adapters, base_layer, lora_terms
 
 
 def fuse_linears(linears: list[nn.Module]) -> bool:
@@ -106,6 +106,20 @@ def grouped_linear(x: torch.Tensor, linears: list[nn.Module]) -> list[torch.Tens
     else:
         outs = [linear(x, lin.weight, lin.bias) for lin in bases]
     return [add_adapters(out, x, lin) for out, lin in zip(outs, linears)]
+
+
+def fused_bias_free_weight(x: torch.Tensor, linears: list[nn.Module]) -> torch.Tensor | None:
+    """The ``[sum N, K]`` view of `linears`' weights when `grouped_linear` would run them as one
+    GEMM and nothing is added to its output: fused by `fuse_linears`, no bias, no active PEFT
+    adapter, no gradient flowing into them. Else None. What an op that consumes the fused GEMM's
+    output inside its own launch (`kernels.linear_silu_and_mul`) needs."""
+    bases = [base_layer(lin) for lin in linears]
+    if any(lin.bias is not None for lin in bases) or any(lora_terms(lin) for lin in linears):
+        return None
+    weights = [lin.weight for lin in bases]
+    if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
+        return None
+    return _fused_view(weights)
 
 
 def fuse_projections(model: nn.Module) -> int:
