@@ -25,7 +25,9 @@ and allows zero mismatches:
   including the qk-192 / v-128 MLA ones.
 - linear quack (``--only quack``, the optional quack-kernels package on a Hopper GPU): quack's GEMM
   with every config `linear_quack.pick_config` returns, and quack's default, against our Triton
-  kernel's rows, at every Qwen3 (K, N), with and without a bias, fp32 logits for the LM heads.
+  kernel's rows, at every Qwen3 (K, N), with and without a bias, fp32 logits for the LM heads; and
+  the gated MLPs' gate/up GEMM with SwiGLU in quack's epilogue (`kernels.linear_silu_and_mul`'s
+  decode launch) against `linear` then `silu_and_mul`, every non-swapped table config.
 
 The attention checks live in `attention_invariance.py`, the linear ones in `linear_invariance.py`.
 
@@ -241,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         print("kernel_invariance: needs a CUDA GPU", file=sys.stderr)
         return 2
     torch.manual_seed(0)
-    names = ["linear", "linear configs", "linear quack", "attention", "attention configs", "attention FA4", "latent attention",
+    names = ["linear", "linear configs", "linear quack", "linear silu_and_mul quack",
+             "attention", "attention configs", "attention FA4", "latent attention",
              "head_linear", "latent_cache_write", "rms_norm", "rotary_cache_write",
              "log_softmax",
              "token_logprobs", "elementwise", "moe"]
@@ -290,11 +293,12 @@ def run_latent(results: dict[str, Result], shape_names: set[str], quick: bool) -
 
 def print_results(results: dict[str, Result]) -> bool:
     """The table of every check that ran, its first notes, and the verdict; whether any failed."""
-    print(f"{'check':<16}{'cases':>8}{'elements':>16}{'mismatches':>12}")
+    width = max([16] + [len(r.name) + 2 for r in results.values() if r.cases])
+    print(f"{'check':<{width}}{'cases':>8}{'elements':>16}{'mismatches':>12}")
     failed = False
     for r in results.values():
         if r.cases:
-            print(f"{r.name:<16}{r.cases:>8}{r.elements:>16,}{r.mismatches:>12}")
+            print(f"{r.name:<{width}}{r.cases:>8}{r.elements:>16,}{r.mismatches:>12}")
             failed |= r.mismatches > 0
             for note in r.notes[:10]:
                 print(f"    {note}")

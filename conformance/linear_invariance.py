@@ -98,6 +98,29 @@ def check_linear_quack(result: Result, k: int, n: int, out_dtype: torch.dtype, b
                            f"K={k} N={n} bias={bias} out={out_dtype} {cfg} M={m}")
 
 
+#: (model, K, I) of the gated MLPs whose fused [gate; up] weight a decode step may run through
+#: `linear_silu_and_mul` (Moonlight's two shared experts: I = 2 x 1,408)
+GATED_SHAPES = [("qwen3-0.6b", 1024, 3072), ("qwen3-8b", 4096, 12288), ("llama-3.1-8b", 4096, 14336),
+                ("qwen2.5-7b", 3584, 18944), ("moonlight shared experts", 2048, 2816)]
+
+
+def check_linear_silu_and_mul_quack(result: Result, k: int, inter: int) -> None:
+    """The fused gate/up GEMM with SwiGLU in quack's epilogue (`kernels.linear_silu_and_mul_quack`),
+    with every config of quack's table that does not swap A and B, gives our `linear` then
+    `silu_and_mul` bitwise. Run by ``--only quack``."""
+    from vexact_models.kernels.linear import linear_triton
+    from vexact_models.kernels.linear_quack import table_configs
+    from vexact_models.kernels.linear_silu_and_mul_quack import linear_silu_and_mul_quack
+    from vexact_models.kernels.silu_and_mul import silu_and_mul_triton
+
+    x = (torch.randn(1000, k, device="cuda") * 2).bfloat16()
+    w = (torch.randn(2 * inter, k, device="cuda") / k ** 0.5).bfloat16()
+    want = silu_and_mul_triton(*linear_triton(x, w, None, torch.bfloat16).split(inter, dim=1))
+    for cfg in [c for c in table_configs() if not c.swap_ab]:
+        for m in (1, 16, 65, 128, 200, 256, 1000):
+            result.compare(linear_silu_and_mul_quack(x[:m], w, cfg), want[:m], f"K={k} I={inter} {cfg} M={m}")
+
+
 def run_linear(results: dict[str, Result], quick: bool) -> None:
     """Every linear shape's rows alone against in batches, then the tile configs forced."""
     ms = [m for m in M_SWEEP if m <= (1024 if quick else 8192)]
@@ -109,7 +132,8 @@ def run_linear(results: dict[str, Result], quick: bool) -> None:
 
 
 def run_linear_quack(results: dict[str, Result], quick: bool) -> None:
-    """quack's GEMM against our linear's rows at every linear shape (with a bias where Qwen2 has one)."""
+    """quack's GEMM against our linear's rows at every linear shape (with a bias where Qwen2 has one),
+    then the gated MLPs' fused gate/up + SwiGLU launch against `linear` and `silu_and_mul`."""
     for model, layer, k, n in LINEAR_SHAPES[::3] if quick else LINEAR_SHAPES:
         lm_head = layer == "lm_head"
         check_linear_quack(results["linear quack"], k, n, torch.float32 if lm_head else torch.bfloat16, False)
@@ -117,3 +141,7 @@ def run_linear_quack(results: dict[str, Result], quick: bool) -> None:
             check_linear_quack(results["linear quack"], k, n, torch.bfloat16, True)
         print(f"linear quack {model} {layer} K={k} N={n}: {results['linear quack'].mismatches} mismatches so far",
               flush=True)
+    for model, k, inter in GATED_SHAPES[::2] if quick else GATED_SHAPES:
+        check_linear_silu_and_mul_quack(results["linear silu_and_mul quack"], k, inter)
+        print(f"linear silu_and_mul quack {model} K={k} I={inter}: "
+              f"{results['linear silu_and_mul quack'].mismatches} mismatches so far", flush=True)

@@ -14,7 +14,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 @pytest.mark.parametrize("script", ["kernels.py", "moe.py", "throughput.py", "decode_profile.py", "training.py",
                                     "attention_configs.py", "attention_fa4.py", "sampler.py", "attention_order.py",
                                     "shared_experts.py", "latent_prefill.py", "attention_prefill.py", "moe_routing.py",
-                                    "head_linear.py", "row_kernels.py"])
+                                    "head_linear.py", "row_kernels.py", "gate_up_silu.py"])
 def test_benchmark_script_help_and_cpu_refusal(script):
     help_run = subprocess.run([sys.executable, script, "--help"], cwd=BENCHMARKS, capture_output=True, text=True,
                               timeout=120)
@@ -236,7 +236,7 @@ def test_page_size_options_refuse_values_below_one(script, option):
 
 @pytest.mark.parametrize("script,option", [("sampler.py", "--rows"), ("linear_quack.py", "--ms"),
                                            ("moe_routing.py", "--tokens"),
-                                           ("row_kernels.py", "--tokens")])
+                                           ("row_kernels.py", "--tokens"), ("gate_up_silu.py", "--ms")])
 @pytest.mark.parametrize("value,words", [("128,x", "expected comma-separated integers"), ("64,0", "must be >= 1")])
 def test_count_list_options_refuse_bad_values(script, option, value, words):
     """`bench_utils.positive_ints`: the parser names the option, the value and what it expected,
@@ -410,3 +410,19 @@ def test_graph_us_or_none_names_a_launch_that_cannot_run(monkeypatch, capsys):
         pytest.skip("a CPU check: with a GPU the launch runs")
     assert bench_utils.graph_us_or_none(lambda: None) is None
     assert "  skipped: " in capsys.readouterr().err
+
+
+def test_gate_up_silu_refuses_swapped_configs_and_its_peer_is_the_mlp(monkeypatch):
+    """benchmarks/gate_up_silu.py: a swap-AB config is refused by the parser (quack's gated epilogue
+    has none), naming the option; its peer (HF's MLP ops on the fused weight) computes what
+    `linear_silu_and_mul` computes."""
+    run = subprocess.run([sys.executable, "gate_up_silu.py", "--configs", "64x96p:2x1,64x32ps"], cwd=BENCHMARKS,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "--configs '64x96p:2x1,64x32ps': swap-AB" in run.stderr
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import gate_up_silu
+
+    from vexact_models.kernels import linear_silu_and_mul
+
+    x, w = torch.randn(5, 32), torch.randn(48, 32) / 32 ** 0.5
+    torch.testing.assert_close(gate_up_silu.hf_ops(x, w), linear_silu_and_mul(x, w))
