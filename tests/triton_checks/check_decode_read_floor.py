@@ -1,0 +1,33 @@
+"""benchmarks/decode_read_floor.py's read kernel, under the interpreter: through the block table it
+reads every cached key and value of each (sequence, KV head) once, in the engine's cache layout and
+in the head-major page layout the script compares it with."""
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import decode_read_floor  # noqa: E402
+from bench_utils import decode_layout  # noqa: E402
+
+
+def test_read_kernel_sums_each_heads_keys_and_values_in_both_layouts():
+    kv_heads, head_dim, page = 2, 16, 64
+    layout = decode_layout(3, [5, 64, 130], page, device="cpu")
+    slots = (int(layout.block_table.max()) + 1) * page
+    k = torch.randn(slots, kv_heads, head_dim).bfloat16()
+    v = torch.randn_like(k)
+    want = torch.zeros(3, kv_heads)
+    for seq, n in enumerate(layout.seq_lens.tolist()):
+        rows = [int(layout.block_table[seq, pos // page]) * page + pos % page for pos in range(n)]
+        want[seq] = (k[rows].float() + v[rows].float()).sum(dim=(0, 2))
+    kernel = decode_read_floor._kernels()
+    got = decode_read_floor.read_all(kernel, k, v, layout, kv_heads, head_dim, head_major=False).view(3, kv_heads)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
+    # head-major pages: [page, kv_head, slot, dim]
+    k_hm = k.view(-1, page, kv_heads, head_dim).transpose(1, 2).contiguous()
+    v_hm = v.view(-1, page, kv_heads, head_dim).transpose(1, 2).contiguous()
+    got_hm = decode_read_floor.read_all(kernel, k_hm, v_hm, layout, kv_heads, head_dim, head_major=True)
+    torch.testing.assert_close(got_hm.view(3, kv_heads), want, rtol=1e-4, atol=1e-3)
