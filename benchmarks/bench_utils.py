@@ -121,6 +121,28 @@ def graph_us_or_none(fn) -> float | None:
         return None
 
 
+def _bit_patterns(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s elements as integers of their width: equal exactly where the bits are."""
+    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def bits_at_row_counts(run, want: torch.Tensor, ms: list[int]) -> tuple[int, int, int, str]:
+    """``run(m)`` (the first `m` rows of a launch) against ``want[:m]``, bitwise, for each row count
+    of `ms`: (rows compared, rows differing, elements differing, the error that stopped it or "").
+    A launch that does not build (a candidate config) is reported, not raised."""
+    rows, bad_rows, bad_elements = 0, 0, 0
+    for m in ms:
+        try:
+            got = run(m)
+        except Exception as exc:  # noqa: BLE001 - a config that does not build is reported
+            return rows, bad_rows, bad_elements, f"{type(exc).__name__}: {str(exc)[:100]}"
+        differ = _bit_patterns(got) != _bit_patterns(want[:m])  # -0.0 vs 0.0 and NaN payloads count
+        rows += m
+        bad_rows += int(differ.reshape(m, -1).any(dim=1).sum())
+        bad_elements += int(differ.sum())
+    return rows, bad_rows, bad_elements, ""
+
+
 def rotating_copies(tensor: torch.Tensor, max_copies: int = 16) -> list[torch.Tensor]:
     """`tensor` and enough copies of it that cycling through them overflows the L2 cache three
     times over (at least 2, at most `max_copies`)."""

@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from bench_utils import bench_graph, positive_ints, rotating_copies, table
+from bench_utils import bench_graph, bits_at_row_counts, positive_ints, rotating_copies, table
 from linear_quack import config_label, parse_config
 
 #: (name, K, I): the gated MLPs timed (the fused weight is [2I, K])
@@ -63,16 +63,9 @@ def bits_rows(configs, shapes) -> list[list]:
             weight = (torch.randn(2 * inter, k, device="cuda") / k ** 0.5).bfloat16()
             x = torch.randn(max(BITS_MS), k, device="cuda").bfloat16()
             want = reference_bits(x, weight)
-            compared, differing, error = 0, 0, ""
-            for m in BITS_MS:
-                try:
-                    got = linear_silu_and_mul_quack(x[:m], weight, cfg)
-                except Exception as exc:  # noqa: BLE001 - a config that does not build is reported
-                    error = f"{type(exc).__name__}: {str(exc)[:100]}"
-                    break
-                compared += got.numel()
-                differing += int((got.view(torch.int16) != want[:m].view(torch.int16)).sum())
-            rows.append([label, name, compared, "-" if error else differing,
+            rows_compared, _, differing, error = bits_at_row_counts(
+                lambda m: linear_silu_and_mul_quack(x[:m], weight, cfg), want, BITS_MS)
+            rows.append([label, name, rows_compared * inter, "-" if error else differing,
                          error or ("yes" if differing == 0 else "NO")])
     return rows
 

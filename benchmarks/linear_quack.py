@@ -28,7 +28,7 @@ import sys
 
 import torch
 
-from bench_utils import bench_graph, copy_bandwidth, positive_ints, rotating_copies, table
+from bench_utils import bench_graph, bits_at_row_counts, copy_bandwidth, positive_ints, rotating_copies, table
 
 #: (name, K, N) of the weights timed: each model's decode GEMMs as the engine fuses them
 #: (LM heads write fp32 logits, as the engine's do)
@@ -108,15 +108,10 @@ def alignment(configs, shapes) -> list[str]:
         for name, k, n in shapes:
             w = (torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16()
             x = torch.randn(max(ALIGN_MS), k, device="cuda").bfloat16()
-            want = ours(x, w)
-            for m in ALIGN_MS:
-                try:
-                    got = quack_linear(x[:m], w, cfg)
-                except Exception as exc:  # noqa: BLE001 - a config that does not build is reported
-                    error = f"{type(exc).__name__}: {str(exc)[:80]}"
-                    break
-                bad_total += int((got != want[:m]).any(dim=1).sum())
-                compared += m
+            rows_compared, rows_differing, _, error = bits_at_row_counts(
+                lambda m, x=x, w=w: quack_linear(x[:m], w, cfg), ours(x, w), ALIGN_MS)
+            compared += rows_compared
+            bad_total += rows_differing
             if error:
                 break
         rows.append([label, compared, bad_total if not error else "-", error or ("yes" if bad_total == 0 else "NO")])

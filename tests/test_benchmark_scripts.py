@@ -426,3 +426,24 @@ def test_gate_up_silu_refuses_swapped_configs_and_its_peer_is_the_mlp(monkeypatc
 
     x, w = torch.randn(5, 32), torch.randn(48, 32) / 32 ** 0.5
     torch.testing.assert_close(gate_up_silu.hf_ops(x, w), linear_silu_and_mul(x, w))
+
+
+def test_bits_at_row_counts_counts_differing_bits_and_reports_a_failing_launch(monkeypatch):
+    """`bench_utils.bits_at_row_counts`: rows and elements whose bits differ (a -0.0 for a 0.0
+    counts), over each row count; a launch that raises stops it and is reported, not raised."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from bench_utils import bits_at_row_counts
+
+    want = torch.zeros(6, 4, dtype=torch.bfloat16)
+    got = want.clone()
+    got[4, 1] = -0.0
+    got[5, :2] = 1.0
+    assert bits_at_row_counts(lambda m: got[:m], want, [1, 3]) == (4, 0, 0, "")
+    assert bits_at_row_counts(lambda m: got[:m], want, [5, 6]) == (11, 3, 4, "")  # (1 + 3 elements)
+
+    def fails(m):
+        if m > 2:
+            raise RuntimeError("out of shared memory")
+        return want[:m]
+
+    assert bits_at_row_counts(fails, want, [2, 4]) == (2, 0, 0, "RuntimeError: out of shared memory")
