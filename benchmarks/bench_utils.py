@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 import torch
@@ -314,3 +315,29 @@ def recompute_mismatches(trainer, samples, recompute_tokens: int, device) -> tup
             start += len(p) + len(c)
         batch, size = [], 0
     return checked, bad, worst
+
+
+#: a quack `GemmConfig` as a benchmark option: tile M x N, pingpong or cooperative, cluster, swap-AB
+CONFIG_SPEC = re.compile(r"^(\d+)x(\d+)([pc])(?::(\d+)x(\d+))?(s?)$")
+
+
+def parse_config(spec: str):
+    """A `linear_quack.QuackConfig` from ``TMxTN{p|c}[:CMxCN][s]``: tile M x N, pingpong or
+    cooperative, cluster (default 1x1), ``s`` for swap-AB. E.g. ``64x64p:2x1``, ``128x64ps``."""
+    from vexact_models.kernels.linear_quack import QuackConfig
+
+    match = CONFIG_SPEC.match(spec.strip())
+    if match is None:
+        raise ValueError(f"quack config {spec!r}: expected TMxTN{{p|c}}[:CMxCN][s], e.g. 64x64p:2x1 or 128x64ps")
+    tm, tn, kind, cm, cn, swap = match.groups()
+    return QuackConfig(int(tm), int(tn), kind == "p", int(cm or 1), int(cn or 1), swap == "s")
+
+
+def config_label(cfg) -> str:
+    """The spec `parse_config` reads back, ``(default)`` marking quack's own SM90 default."""
+    from vexact_models.kernels.linear_quack import SM90_DEFAULT
+
+    spec = (f"{cfg.tile_m}x{cfg.tile_n}{'p' if cfg.pingpong else 'c'}"
+            f"{f':{cfg.cluster_m}x{cfg.cluster_n}' if (cfg.cluster_m, cfg.cluster_n) != (1, 1) else ''}"
+            f"{'s' if cfg.swap_ab else ''}")
+    return spec + (" (default)" if cfg == SM90_DEFAULT else "")

@@ -20,8 +20,7 @@ import sys
 
 import torch
 
-from bench_utils import bench_graph, bits_at_row_counts, positive_ints, rotating_copies, table
-from linear_quack import config_label, parse_config
+from bench_utils import bench_graph, bits_at_row_counts, config_label, parse_config, positive_ints, rotating_copies, table
 
 #: (name, K, I): the gated MLPs timed (the fused weight is [2I, K])
 SHAPES = [("0.6b", 1024, 3072), ("8b", 4096, 12288), ("llama-3.1-8b", 4096, 14336)]

@@ -23,12 +23,12 @@ quack is not a dependency: the script reports what it cannot import. Usage (CUDA
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 
 import torch
 
-from bench_utils import bench_graph, bits_at_row_counts, copy_bandwidth, positive_ints, rotating_copies, table
+from bench_utils import (bench_graph, bits_at_row_counts, config_label, copy_bandwidth, parse_config,
+                         positive_ints, rotating_copies, table)
 
 #: (name, K, N) of the weights timed: each model's decode GEMMs as the engine fuses them
 #: (LM heads write fp32 logits, as the engine's do)
@@ -43,31 +43,6 @@ ALIGN_MS = [1, 7, 64, 128, 129, 256, 1000, 4096, 8192]
 
 #: the configs timed by default: quack's SM90 default and the nine of the fifteenth session's table
 DEFAULT_SPECS = "128x192p:2x1,128x128p,128x64p,64x128c,128x128c:1x2,128x192p:1x2,128x128ps,128x64ps,256x128c:2x1"
-CONFIG_SPEC = re.compile(r"^(\d+)x(\d+)([pc])(?::(\d+)x(\d+))?(s?)$")
-
-
-def parse_config(spec: str):
-    """A `linear_quack.QuackConfig` from ``TMxTN{p|c}[:CMxCN][s]``: tile M x N, pingpong or
-    cooperative, cluster (default 1x1), ``s`` for swap-AB. E.g. ``64x64p:2x1``, ``128x64ps``."""
-    from vexact_models.kernels.linear_quack import QuackConfig
-
-    match = CONFIG_SPEC.match(spec.strip())
-    if match is None:
-        raise ValueError(f"quack config {spec!r}: expected TMxTN{{p|c}}[:CMxCN][s], e.g. 64x64p:2x1 or 128x64ps")
-    tm, tn, kind, cm, cn, swap = match.groups()
-    return QuackConfig(int(tm), int(tn), kind == "p", int(cm or 1), int(cn or 1), swap == "s")
-
-
-def config_label(cfg) -> str:
-    """The spec `parse_config` reads back, ``(default)`` marking quack's own SM90 default."""
-    from vexact_models.kernels.linear_quack import SM90_DEFAULT
-
-    spec = (f"{cfg.tile_m}x{cfg.tile_n}{'p' if cfg.pingpong else 'c'}"
-            f"{f':{cfg.cluster_m}x{cfg.cluster_n}' if (cfg.cluster_m, cfg.cluster_n) != (1, 1) else ''}"
-            f"{'s' if cfg.swap_ab else ''}")
-    return spec + (" (default)" if cfg == SM90_DEFAULT else "")
-
-
 def quack_configs(configs):
     """(label, config) for each `linear_quack.QuackConfig` of `configs`, or None (why quack cannot
     run printed)."""
