@@ -83,10 +83,10 @@ def _epilogue():
     return vexact_silu_mul
 
 
-def unavailable_reason(x2d: torch.Tensor, weight: torch.Tensor) -> str | None:
-    """Why `linear_silu_and_mul_quack` cannot run on `x2d` (``[T, K]``) and the fused ``[2I, K]``
-    `weight`, or None when it can. Checked in a fixed order (dtype, halves, package, then
-    `linear_quack`'s own checks), so the first failing requirement is named."""
+def epilogue_unavailable_reason(x2d: torch.Tensor, weight: torch.Tensor) -> str | None:
+    """Why the epilogue itself cannot run (bf16, whole [gate; up] halves, quack's epilogue module),
+    or None: `unavailable_reason` without `linear_quack`'s checks of the GEMM, which `choose` has
+    from `linear_quack.choose` already."""
     if x2d.dtype != torch.bfloat16:
         return f"x dtype {x2d.dtype}: the fused epilogue rounds to bf16, so it takes bf16 only"
     if weight.shape[0] % 16:
@@ -94,7 +94,14 @@ def unavailable_reason(x2d: torch.Tensor, weight: torch.Tensor) -> str | None:
     epilogue = _epilogue()
     if isinstance(epilogue, str):
         return f"quack's epilogue module cannot be imported: {epilogue}"
-    return quack_unavailable_reason(x2d, weight, None, x2d.dtype)
+    return None
+
+
+def unavailable_reason(x2d: torch.Tensor, weight: torch.Tensor) -> str | None:
+    """Why `linear_silu_and_mul_quack` cannot run on `x2d` (``[T, K]``) and the fused ``[2I, K]``
+    `weight`, or None when it can. Checked in a fixed order (dtype, halves, package, then
+    `linear_quack`'s own checks), so the first failing requirement is named."""
+    return epilogue_unavailable_reason(x2d, weight) or quack_unavailable_reason(x2d, weight, None, x2d.dtype)
 
 
 def choose(x2d: torch.Tensor, weight: torch.Tensor) -> QuackConfig | None:
@@ -105,7 +112,8 @@ def choose(x2d: torch.Tensor, weight: torch.Tensor) -> QuackConfig | None:
     launch took 0.79-0.97x the two launches' time at 128-256 rows with the table's configs
     (`benchmarks/gate_up_silu.py`; docs/gpu-results.md, forty-second session)."""
     config = linear_quack.choose(x2d, weight, None, x2d.dtype)
-    if config is None or config.swap_ab or unavailable_reason(x2d, weight) is not None:
+    # a config means linear_quack found quack able to run this GEMM: only the epilogue's own needs remain
+    if config is None or config.swap_ab or epilogue_unavailable_reason(x2d, weight) is not None:
         return None
     return config
 

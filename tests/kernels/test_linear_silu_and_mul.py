@@ -71,7 +71,7 @@ def test_choose_takes_the_gemms_own_config_unless_it_swaps(monkeypatch):
     """The fused launch runs with the config `linear_quack` gives the gate/up GEMM, and not where
     that config swaps A and B (quack has no gated swap-AB epilogue) or the epilogue cannot run."""
     x, w = torch.zeros(128, 64, dtype=torch.bfloat16), torch.zeros(64, 64, dtype=torch.bfloat16)
-    monkeypatch.setattr(lsq, "unavailable_reason", lambda x2d, weight: None)
+    monkeypatch.setattr(lsq, "epilogue_unavailable_reason", lambda x2d, weight: None)
     for config in (lq.QuackConfig(64, 96, True, 2, 1), lq.SM90_DEFAULT):
         monkeypatch.setattr(lq, "choose", lambda *args, c=config: c)
         assert lsq.choose(x, w) == config
@@ -80,7 +80,7 @@ def test_choose_takes_the_gemms_own_config_unless_it_swaps(monkeypatch):
     monkeypatch.setattr(lq, "choose", lambda *args: None)
     assert lsq.choose(x, w) is None
     monkeypatch.setattr(lq, "choose", lambda *args: lq.SM90_DEFAULT)
-    monkeypatch.setattr(lsq, "unavailable_reason", lambda x2d, weight: "no quack")
+    monkeypatch.setattr(lsq, "epilogue_unavailable_reason", lambda x2d, weight: "no quack")
     assert lsq.choose(x, w) is None
 
 
