@@ -114,10 +114,11 @@ def fused_bias_free_weight(x: torch.Tensor, linears: list[nn.Module]) -> torch.T
     adapter, no gradient flowing into them. Else None. What an op that consumes the fused GEMM's
     output inside its own launch (`kernels.linear_silu_and_mul`) needs."""
     bases = [base_layer(lin) for lin in linears]
-    if any(lin.bias is not None for lin in bases) or any(lora_terms(lin) for lin in linears):
-        return None
     weights = [lin.weight for lin in bases]
+    # the gradient first: a training forward returns here, before the adapters are looked up
     if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
+        return None
+    if any(lin.bias is not None for lin in bases) or any(lora_terms(lin) for lin in linears):
         return None
     return _fused_view(weights)
 
