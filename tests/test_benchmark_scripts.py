@@ -65,33 +65,6 @@ def test_training_profile_groups_kernels(monkeypatch, capsys):
     assert "top 1 kernels" in out and "_linear_kernel" in out and "_attention_fwd_kernel" not in out.split("vexact: top")[1]
 
 
-def test_stock_twin_is_the_hf_class_on_our_weights_device_and_dtype(monkeypatch):
-    """`bench_utils.stock_twin` (training.py's and throughput.py's peer): the stock transformers
-    class holding our weights, built where our model lives and in its dtype, never initialised on the CPU and moved (our
-    model on the meta device here: a twin built on the CPU could not take its weights)."""
-    import torch
-
-    from vexact_models.conformance.models import architecture_of, build_model, make_config
-
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import bench_utils
-
-    arch = architecture_of("qwen3-0.6b")
-    config = make_config(arch, "qwen3-0.6b", 1, 64, {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
-                                                     "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256})
-    ours = build_model(arch, config, torch.device("cpu"), torch.bfloat16)
-    twin = bench_utils.stock_twin(arch, ours)
-    assert type(twin) is arch.hf_class()
-    theirs = twin.state_dict()
-    assert all(torch.equal(theirs[name], value) for name, value in ours.state_dict().items() if name in theirs)
-    assert all(p.dtype == torch.bfloat16 for p in twin.parameters())
-    meta = build_model(arch, config, torch.device("meta"), torch.bfloat16)
-    built_on = []
-    monkeypatch.setattr(torch.nn.Linear, "reset_parameters", lambda self: built_on.append(self.weight.device.type))
-    assert all(p.is_meta for p in bench_utils.stock_twin(arch, meta).parameters())
-    assert built_on and set(built_on) == {"meta"}
-
-
 def test_throughput_attention_skipped_bound(monkeypatch):
     """`throughput.py --engines aligned-no-attention`: inside `attention_skipped` the attention
     forward returns zeros of the output's shape (value head dim, fp32 lse), and the real kernel
@@ -258,78 +231,6 @@ def test_gluon_candidate_options_refuse_bad_values(script, form, value, words):
     assert run.returncode == 2 and "--candidates" in run.stderr and words.format(form) in run.stderr
 
 
-def test_case_selected_keeps_cases_naming_any_substring_and_every_case_without_one(monkeypatch):
-    """`bench_utils.case_selected`: the `--cases` filter the prefill and config benchmarks share."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import bench_utils
-
-    assert bench_utils.case_selected("8b training 16 x 1,024", None)
-    assert bench_utils.case_selected("8b training 16 x 1,024", "")
-    assert bench_utils.case_selected("8b training 16 x 1,024", "prompt,8b training")
-    assert not bench_utils.case_selected("8b prompt step", "training,30b")
-
-
-def test_prompt_layout_and_causal_pairs(monkeypatch):
-    """`bench_utils.prompt_layout`: paged prompts after context over shuffled pages (slots for every
-    page), or the packed training layout, which needs every key to be a query;
-    `bench_utils.causal_pairs`: the query-key pairs a causal launch computes."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import bench_utils
-
-    layout, slots = bench_utils.prompt_layout([3, 100], [70, 100], 64, torch.Generator().manual_seed(0), device="cpu")
-    assert layout.cu_seqlens_q.tolist() == [0, 3, 103] and layout.seq_lens.tolist() == [70, 100]
-    assert layout.page_size == 64 and layout.max_seqlen_q == 100 and slots == 4 * 64
-    assert sorted(layout.block_table.flatten().tolist()) == [0, 1, 2, 3]
-    packed, rows = bench_utils.prompt_layout([5, 7], [5, 7], 64, packed=True, device="cpu")
-    assert packed.cu_seqlens_q.tolist() == [0, 5, 12] and packed.page_size == 1 and rows == 12
-    with pytest.raises(ValueError, match="packed=True needs q_lens == seq_lens"):
-        bench_utils.prompt_layout([3], [70], 64, packed=True, device="cpu")
-    assert bench_utils.causal_pairs([1, 3], [4, 3]) == 4 + (1 + 2 + 3)
-
-
-def test_workload_decode_roofline_counts_each_decode_step_once(monkeypatch):
-    """`bench_utils.workload_decode_roofline` (throughput.py's floor per KV cache mode): a
-    request's ``output - 1`` decode steps each read the weights and its cache up to the new
-    token, at most `max_seqs` requests run at a time, and routed experts count only as many as
-    the step's batch reaches."""
-    import torch
-
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import bench_utils
-
-    from vexact_models.conformance.models import build_model, make_config
-    from vexact_models.layers import FusedExperts
-    from vexact_models.registry import get
-    from vexact_models.runtime.model_runner import kv_bytes_per_block
-
-    assert bench_utils.expected_routed(8, 2, 1) == 2.0 and bench_utils.expected_routed(8, 8, 3) == 8.0
-    assert 7.9 < bench_utils.expected_routed(8, 2, 40) < 8.0
-    for arch_name in ("qwen3", "qwen3_moe"):
-        model = build_model(get(arch_name), make_config(get(arch_name)), torch.device("cpu"), torch.float32)
-        weights = bench_utils.decode_bytes(model, 0, 0)
-        per_token = kv_bytes_per_block(model.kv_cache_spec(), 1, torch.float32)
-        experts = [m for m in model.modules() if isinstance(m, FusedExperts)]
-        expert_bytes = sum(p.numel() * 4 for m in experts for p in m.parameters())
-        top_k = getattr(model.config, "num_experts_per_tok", 1)
-
-        def step_weights(batch):
-            if not experts:
-                return weights
-            n = experts[0].num_experts
-            return weights - expert_bytes + expert_bytes * bench_utils.expected_routed(n, top_k, batch) / n
-
-        # prompts of 3 and 5 tokens, 3 output tokens each: two decode steps each, at contexts 4, 5 and 6, 7
-        both = bench_utils.workload_decode_roofline(model, [3, 5], [3, 3], 2, 1e-9)
-        assert both == pytest.approx((2 * step_weights(2), (4 + 5 + 6 + 7) * per_token))
-        one_at_a_time = bench_utils.workload_decode_roofline(model, [3, 5], [3, 3], 1, 1e-9)
-        assert one_at_a_time == pytest.approx((4 * step_weights(1), (4 + 5 + 6 + 7) * per_token))
-        # a one-token output has no decode step; the other request then runs alone
-        assert bench_utils.workload_decode_roofline(model, [3, 5], [1, 2], 2, 1e-9) == \
-            pytest.approx((step_weights(1), 6 * per_token))
-        if experts:
-            assert step_weights(1) < step_weights(2) < weights
-
-
 def test_attention_config_cases_are_named_by_their_shape(monkeypatch):
     """Every attention_configs.py case ends in "<sequences>x<tokens>", its own shape, and no name
     is a substring of another, so that `--cases` (substrings) can pick any one case by its name."""
@@ -400,18 +301,6 @@ def test_row_kernels_peers_compute_what_the_kernels_compute(monkeypatch):
         assert all(rows * n <= 16384 for rows, _ in tiles) and (min(64, 16384 // n), 8) in tiles
 
 
-def test_graph_us_or_none_names_a_launch_that_cannot_run(monkeypatch, capsys):
-    """`bench_utils.graph_us_or_none`, the sweeps' timer: a launch that cannot be captured and run
-    (here: no GPU at all) gives None and its error on stderr, so the sweep goes on to the next."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import bench_utils
-
-    if torch.cuda.is_available():
-        pytest.skip("a CPU check: with a GPU the launch runs")
-    assert bench_utils.graph_us_or_none(lambda: None) is None
-    assert "  skipped: " in capsys.readouterr().err
-
-
 def test_gate_up_silu_refuses_swapped_configs_and_its_peer_is_the_mlp(monkeypatch):
     """benchmarks/gate_up_silu.py: a swap-AB config is refused by the parser (quack's gated epilogue
     has none), naming the option; its peer (HF's MLP ops on the fused weight) computes what
@@ -428,22 +317,3 @@ def test_gate_up_silu_refuses_swapped_configs_and_its_peer_is_the_mlp(monkeypatc
     torch.testing.assert_close(gate_up_silu.hf_ops(x, w), linear_silu_and_mul(x, w))
 
 
-def test_bits_at_row_counts_counts_differing_bits_and_reports_a_failing_launch(monkeypatch):
-    """`bench_utils.bits_at_row_counts`: rows and elements whose bits differ (a -0.0 for a 0.0
-    counts), over each row count; a launch that raises stops it and is reported, not raised."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    from bench_utils import bits_at_row_counts
-
-    want = torch.zeros(6, 4, dtype=torch.bfloat16)
-    got = want.clone()
-    got[4, 1] = -0.0
-    got[5, :2] = 1.0
-    assert bits_at_row_counts(lambda m: got[:m], want, [1, 3]) == (4, 0, 0, "")
-    assert bits_at_row_counts(lambda m: got[:m], want, [5, 6]) == (11, 3, 4, "")  # (1 + 3 elements)
-
-    def fails(m):
-        if m > 2:
-            raise RuntimeError("out of shared memory")
-        return want[:m]
-
-    assert bits_at_row_counts(fails, want, [2, 4]) == (2, 0, 0, "RuntimeError: out of shared memory")
