@@ -8,6 +8,7 @@ import sys
 
 import torch
 
+from vexact_models.kernels import linear_quack
 from vexact_models.kernels.paged_layout import shuffled_block_table
 
 
@@ -77,10 +78,11 @@ def bench(fn, warmup: int = 25, rep: int = 100) -> float:
 
 def capture_graph(fns, reps: int = 1) -> torch.cuda.CUDAGraph:
     """`fns` run back to back, `reps` times, captured in one CUDA graph, after one warm-up call of
-    each on a side stream (Triton compiles, cuBLAS sets up its workspace, outside the capture)."""
+    each on a side stream (Triton and quack compile, cuBLAS sets up its workspace, outside the
+    capture: `linear_quack.as_in_capture`)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+    with torch.cuda.stream(side), linear_quack.as_in_capture():
         for fn in fns:
             fn()
     torch.cuda.current_stream().wait_stream(side)

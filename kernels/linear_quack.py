@@ -23,7 +23,8 @@ The choice (`VEXACT_LINEAR=auto|triton|quack`, or `set_linear_backend`):
   mixed steps, at the batch buckets the table was timed at), where `pick_config` has a config
   and quack can run, else ours. An eager call of these sizes is bound by its host launch, and
   `linear` through quack took ~9 us a call more than through ours (67.6 vs 58.4 us at one row,
-  Qwen3-0.6B q/k/v; sixteenth session);
+  Qwen3-0.6B q/k/v; sixteenth session). Inside `as_in_capture` eager calls choose as captured
+  ones do: the warm-up before a capture then compiles quack's kernels outside it;
 - ``triton`` never runs quack;
 - ``quack`` runs it for every shape it can (the table's config, else quack's default) and raises
   `UnsupportedError` naming why when it cannot.
@@ -31,8 +32,11 @@ The choice (`VEXACT_LINEAR=auto|triton|quack`, or `set_linear_backend`):
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
+from contextvars import ContextVar
 from typing import NamedTuple
 
 import torch
@@ -49,6 +53,8 @@ VERIFIED_MAJORS = (9,)
 QUACK_DTYPES = (torch.bfloat16, torch.float16)
 #: rows per launch for which `pick_config` has measured configs (decode batches)
 AUTO_ROWS = (1, 256)
+#: set by `as_in_capture`: eager calls choose as calls inside a CUDA-graph capture do
+_AS_IN_CAPTURE: ContextVar[bool] = ContextVar("vexact_linear_as_in_capture", default=False)
 
 
 class QuackConfig(NamedTuple):
@@ -141,6 +147,27 @@ def use_linear_backend(mode: str | None) -> AbstractContextManager[None]:
     return _switch.use(mode)
 
 
+@contextlib.contextmanager
+def as_in_capture() -> Iterator[None]:
+    """Inside this block ``auto`` chooses for eager calls what it chooses inside a CUDA-graph
+    capture (quack where `pick_config` has a config and quack can run).
+
+    For the eager warm-up run before a capture (`runtime.cuda_graphs`, `bench_utils.capture_graph`):
+    quack compiles a kernel on its first call in a process, and without this the first call came
+    inside the capture, the only place ``auto`` takes quack. The bits do not change (rule 1)."""
+    token = _AS_IN_CAPTURE.set(True)
+    try:
+        yield
+    finally:
+        _AS_IN_CAPTURE.reset(token)
+
+
+def _captured_choice(x2d: torch.Tensor) -> bool:
+    """Whether ``auto`` chooses for `x2d` as inside a capture: a CUDA tensor while the current
+    stream captures, or inside `as_in_capture`."""
+    return x2d.is_cuda and (_AS_IN_CAPTURE.get() or torch.cuda.is_current_stream_capturing())
+
+
 @functools.lru_cache(maxsize=None)
 def _quack():
     """(``quack.gemm_interface.gemm_tuned``, ``quack.gemm_config.GemmConfig``) or the import
@@ -193,7 +220,7 @@ def choose(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     mode = linear_mode()
     if mode == "triton":
         return None
-    if mode == "auto" and not (x2d.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if mode == "auto" and not _captured_choice(x2d):
         # eager: decode-sized calls are bound by their host launch, and this path (the checks below,
         # quack's launch) took ~9 us a call more than ours; first, so eager calls skip the checks
         return None

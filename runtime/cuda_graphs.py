@@ -36,7 +36,7 @@ import time
 
 import torch
 
-from vexact_models.kernels import PagedLayout
+from vexact_models.kernels import PagedLayout, linear_quack
 from vexact_models.layers import PagedContext
 
 from .graph_inputs import GraphInputs
@@ -132,10 +132,12 @@ class StepGraphs:
         return args + tuple(t[:tokens] for t in self.carry) if carry else args
 
     def _capture(self, bucket: tuple[int, int, int], x: GraphInputs, carry: bool = False, shared_out: bool = False):
-        """Warm up (compiles the kernels outside the capture), then capture `bucket` on `x`'s
-        buffers; with `shared_out` the graph copies its logits into ``mixed_logits``."""
+        """Warm up (compiles the kernels outside the capture: quack's too, `as_in_capture`), then
+        capture `bucket` on `x`'s buffers; with `shared_out` the graph copies its logits into
+        ``mixed_logits``."""
         args = self._args(bucket, x, carry)
-        out = self.model(*args)
+        with linear_quack.as_in_capture():
+            out = self.model(*args)
         if shared_out and self.mixed_logits is None:
             self.mixed_logits = torch.empty(self.max_batch, out.shape[1], dtype=out.dtype, device=self.device)
         del out

@@ -73,6 +73,22 @@ def test_cpu_tensors_run_ours_under_auto_and_a_forced_quack_says_why():
         lq.choose(x, w, None, torch.bfloat16)
 
 
+def test_as_in_capture_holds_for_its_block_only_and_cpu_tensors_still_run_ours():
+    x, w = torch.zeros(128, 64, dtype=torch.bfloat16), torch.zeros(256, 64, dtype=torch.bfloat16)
+    assert not lq._captured_choice(x)
+    with lq.as_in_capture():
+        assert lq._AS_IN_CAPTURE.get()
+        assert not lq._captured_choice(x)  # a CPU tensor: nothing to capture, ours runs
+        assert lq.choose(x, w, None, torch.bfloat16) is None
+        with lq.as_in_capture():
+            pass
+        assert lq._AS_IN_CAPTURE.get()  # a nested block leaves the outer one in force
+    assert not lq._AS_IN_CAPTURE.get()
+    with pytest.raises(RuntimeError, match="inside"), lq.as_in_capture():
+        raise RuntimeError("inside")
+    assert not lq._AS_IN_CAPTURE.get()
+
+
 def test_a_device_without_cuda_is_named():
     assert "needs a CUDA GPU" in lq.device_unavailable_reason("cpu")
     if not torch.cuda.is_available():
@@ -171,15 +187,22 @@ def test_quack_replays_in_a_cuda_graph():
 def test_an_engine_rollout_through_quack_equals_the_training_recompute_through_ours(monkeypatch):
     """Decode steps of 80 sequences run quack (auto); the training recompute of whole sequences
     runs our kernel. The logprobs are bitwise equal; under ``triton`` quack never runs, and the
-    logprobs are the same again."""
+    logprobs are the same again. Each graph's eager warm-up runs quack first (`as_in_capture`), so
+    that quack compiles outside the capture."""
     import vexact_models.qwen3 as qwen3
     from vexact_models.runtime import LLM, SamplingParams
 
     ran = []  # the shapes quack computed (a spy: the real function runs)
+    captured_first = set()  # (weight shape, config, dtype) whose first quack call came inside a capture
+    seen = set()
     real = lq.linear_quack
 
     def spy(x2d, weight, bias, out_dtype, config):
         ran.append((x2d.shape[0], weight.shape[0], x2d.shape[1]))
+        key = (tuple(weight.shape), config, out_dtype)
+        if key not in seen and torch.cuda.is_current_stream_capturing():
+            captured_first.add(key)
+        seen.add(key)
         return real(x2d, weight, bias, out_dtype, config)
 
     monkeypatch.setattr(lq, "linear_quack", spy)
@@ -208,6 +231,8 @@ def test_an_engine_rollout_through_quack_equals_the_training_recompute_through_o
 
     got = rollout("auto")
     assert any(m >= 65 for m, _, _ in ran), f"auto never ran quack at a decode batch: {sorted(asked, key=str)[:40]}"
+    # the graphs' eager warm-ups (`as_in_capture`) ran every quack kernel before its capture did
+    assert not captured_first, f"first quack calls inside a capture: {sorted(captured_first, key=str)[:5]}"
     ran.clear()
     assert rollout("triton") == got and not ran
     for prompt, (tokens, logprobs) in zip(prompts[:: 9], got[:: 9]):
