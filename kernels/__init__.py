@@ -19,8 +19,8 @@ from .kv_cache_write import kv_cache_write
 from .latent_cache_write import latent_cache_write
 from .linear import linear
 from .linear_quack import linear_mode as linear_backend_mode
-from .linear_silu_and_mul import linear_silu_and_mul
 from .linear_quack import set_linear_backend, use_linear_backend
+from .linear_silu_and_mul import linear_silu_and_mul
 from .log_softmax import gather_logprobs, log_softmax
 from .moe import fused_moe
 from .moe_routing import softmax_topk
