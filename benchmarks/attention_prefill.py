@@ -3,7 +3,7 @@
 persistent) in candidate stage counts and register splits, and torch SDPA's flash backend, at the
 Qwen3-0.6B (16 query / 8 KV heads), Qwen3-8B (32 / 8) and Qwen3-30B-A3B (32 / 4) shapes.
 
-Cases: packed training at 1,024-32,768 tokens a sequence (issue 14's lengths), a rollout's prompt
+Cases: packed training at 1,024-32,768 tokens a sequence (the training target's lengths, docs/design.md section 9), a rollout's prompt
 step (prompts of 32-1,024 tokens until ~8,000 tokens, pages of 64, as the engine's prompt steps)
 and a chunked prefill (4 sequences, 3,072 tokens of context, chunks of 1,024). Each row times one
 launch (`bench`, median of CUDA events) and gives TFLOP/s (4 x heads x 128 per visible
