@@ -146,7 +146,7 @@ def sustained(configs, shapes, ms: list[int], hbm: float, seconds: float) -> Non
     """Each config's time per GEMM when the GEMM runs back to back for `seconds` (CUDA graphs
     over rotating weight copies, `weight_gemms.time_weight_gemms`), with the SM clock and power
     sampled meanwhile. `speed` times bursts, at the card's full clock; a decode step at Qwen3-8B
-    shape holds the card at its power limit (`benchmarks/gpu_clocks.py`, H200, 2026-11-27), where a config that draws
+    shape holds the card at its power limit (H200, 2026-11-27), where a config that draws
     less power per byte keeps a higher clock. ``auto`` is `linear_quack.pick_config`'s config;
     a config outside `table_configs` is marked unproven (``kernel_invariance --only quack`` has
     not checked its bits)."""
