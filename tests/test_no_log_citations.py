@@ -98,15 +98,21 @@ def citations(text: str) -> list[tuple[int, str, str]]:
     and reported at the line where it starts."""
     lines = text.splitlines()
     found = []
+    carried = 0  # how far into this line a citation reported at the previous line reaches
     for i, line in enumerate(lines):
         head = re.sub(r"[\"']\s*$", "", line)  # a string literal continued on the next line
-        joined = head + " " + (_continuation(lines[i + 1]) if i + 1 < len(lines) else "")
-        taken: list[range] = []  # a citation two patterns match is reported once, by the first
+        rest = _continuation(lines[i + 1]) if i + 1 < len(lines) else ""
+        joined = head + " " + rest
+        # a citation two patterns match, or one already reported from the line above, counts once
+        taken: list[range] = [range(0, carried)]
+        carried = 0
         for kind, pattern in PATTERNS.items():
             for match in pattern.finditer(joined):
                 if match.start() < len(head) and not any(match.start() in span for span in taken):
                     taken.append(range(match.start(), match.end()))
                     found.append((i + 1, kind, match.group(0)))
+                    if match.end() > len(head) + 1:  # into the next line, past its indentation
+                        carried = max(carried, len(lines[i + 1]) - len(rest) + match.end() - len(head) - 1)
     return found
 
 
@@ -145,6 +151,9 @@ def test_the_patterns_catch_citations():
         assert kind in [k for _, k, _ in citations(sample)], (sample, citations(sample))
     broken = "# as measured in the thirty-second\n    # session, 3.06 ms\n"
     assert [(line, kind) for line, kind, _ in citations(broken)] == [(1, "session ordinal")]
+    listed = "# (fortieth and\n# forty-first sessions); the twelfth session\n"
+    assert [(line, found) for line, _, found in citations(listed)] == [
+        (1, "fortieth and forty-first sessions"), (2, "twelfth session")]
     strings = 'help=("the default and the fifteenth "\n          "session\'s nine")'
     assert [(line, kind) for line, kind, _ in citations(strings)] == [(1, "session ordinal")]
 
