@@ -50,7 +50,7 @@ GQA_CASES = [("moonlight expanded decode 256x528", "decode", 16, 16, 192, 128, 2
              ("qwen3-8b decode 128x544", "decode", 32, 8, 128, 128, 128, 544),
              ("qwen3-0.6b decode 256x544", "decode", 16, 8, 128, 128, 256, 544),
              ("qwen3-0.6b decode 128x544", "decode", 16, 8, 128, 128, 128, 544),
-             # many-program launches: where TMA page copies might pay (twentieth session: 256 x 544)
+             # many-program launches: where TMA page copies might pay (H200, 2026-11-26: 256 x 544)
              ("qwen3-0.6b decode 512x544", "decode", 16, 8, 128, 128, 512, 544),
              ("qwen3-8b decode 256x2048", "decode", 32, 8, 128, 128, 256, 2048),
              # the late steps of a reasoning rollout: few sequences, long contexts

@@ -1,5 +1,5 @@
 """FlashAttention-4 (`flash-attn-4`, ``flash_attn.cute``) as a candidate attention backend
-(issue 14): is it faster than ours, and can it be aligned?
+(docs/design.md rule 2 and section 9): is it faster than ours, and can it be aligned?
 
 A backend can serve the rollout engine and training only if one call pattern gives bitwise the
 same output rows whichever way a sequence reaches it (docs/design.md rule 2). This script runs,

@@ -3,11 +3,12 @@
 persistent) in candidate stage counts and register splits, and torch SDPA's flash backend, at the
 Qwen3-0.6B (16 query / 8 KV heads), Qwen3-8B (32 / 8) and Qwen3-30B-A3B (32 / 4) shapes.
 
-Cases: packed training at 1,024-32,768 tokens a sequence (issue 14's lengths), a rollout's prompt
-step (prompts of 32-1,024 tokens until ~8,000 tokens, pages of 64, as the engine's prompt steps)
-and a chunked prefill (4 sequences, 3,072 tokens of context, chunks of 1,024). Each row times one
-launch (`bench`, median of CUDA events) and gives TFLOP/s (4 x heads x 128 per visible
-query-key pair), the speed-up over the Triton launch, the speed-up over SDPA flash (training
+Cases: packed training at 1,024-32,768 tokens a sequence (the training target's lengths,
+docs/design.md section 9), a rollout's prompt step (prompts of 32-1,024 tokens until ~8,000 tokens,
+pages of 64, as the engine's prompt steps) and a chunked prefill (4 sequences, 3,072 tokens of
+context, chunks of 1,024). Each row times one launch (`bench`, median of CUDA events) and gives
+TFLOP/s (4 x heads x 128 per visible query-key pair), the speed-up over the Triton launch, the
+speed-up over SDPA flash (training
 cases: the same batch as ``[batch, heads, seqlen, 128]`` tensors, K/V repeated to the query
 heads, ``is_causal``), and whether its output and lse equal the Triton launch's bitwise (they
 must: docs/design.md rule 2).

@@ -271,7 +271,7 @@ def stock_twin(arch, model):
     holding `model`'s weights: the peer that training.py and throughput.py time beside ours. It is
     built directly on `model`'s device in its dtype (`conformance.models.hf_twin`): an 8B model's
     random initialisation on the CPU takes minutes, and the Qwen3-8B training points built that way
-    did not finish within a 330 s device call (thirty-sixth session)."""
+    did not finish within a 330 s device call (H200, 2026-11-28)."""
     from vexact_models.conformance.models import hf_twin
 
     return hf_twin(arch, model, attn_implementation="sdpa")

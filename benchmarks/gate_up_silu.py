@@ -1,6 +1,6 @@
 """The gated MLP's gate/up GEMM with SwiGLU in quack's epilogue (`kernels.linear_silu_and_mul_quack`)
 against the two launches the decode step runs today (quack's GEMM, then `silu_and_mul`), and
-HF's ops (cuBLAS ``x @ w.T``, ``F.silu(g) * u``) as the peer (issue 14).
+HF's ops (cuBLAS ``x @ w.T``, ``F.silu(g) * u``) as the peer (docs/design.md rule 5).
 
 For each model's fused ``[gate; up]`` weight, each row count and each quack config:
 - same bits: is every output element equal to ``silu_and_mul(*linear(x, w).split(I, 1))``, our

@@ -6,7 +6,7 @@ measured here (bytes read + written). Times are medians of ``triton.testing.do_b
 the row and element-wise kernels': replays of CUDA graphs (`bench_graph`), since a host loop of
 launches measures the host for kernels of a few microseconds.
 
-Targets (issue 2, benchmark figures, not timed tests): linear >= 0.8x cuBLAS TFLOP/s at
+Targets (benchmark figures, not timed tests): linear >= 0.8x cuBLAS TFLOP/s at
 M >= 4096 and >= 60% of HBM bandwidth at M <= 64; attention prefill >= 0.6x SDPA flash; decode
 attention >= 50% of HBM bandwidth. The attention backward has four rows per shape, each forced
 with ``use_attention_backward`` on our forward's out/lse: our Triton kernel ("bwd triton"),

@@ -1,4 +1,4 @@
-"""quack-kernels' Hopper GEMM (``quack.gemm_interface``) as a candidate linear backend (issue 14):
+"""quack-kernels' Hopper GEMM (``quack.gemm_interface``) as a candidate linear backend (docs/design.md rule 1):
 is it faster than ours, and are its rows aligned with ours?
 
 A GEMM can serve training and the rollout engine only if a row's output never depends on how
@@ -41,7 +41,7 @@ SHAPES = [("0.6b qkv", 1024, 4096), ("0.6b o", 2048, 1024), ("0.6b gate_up", 102
 ALIGN_MS = [1, 7, 64, 128, 129, 256, 1000, 4096, 8192]
 
 
-#: the configs timed by default: quack's SM90 default and the nine of the fifteenth session's table
+#: the configs timed by default: quack's SM90 default and the nine of the first H200 table (2026-11-24)
 DEFAULT_SPECS = "128x192p:2x1,128x128p,128x64p,64x128c,128x128c:1x2,128x192p:1x2,128x128ps,128x64ps,256x128c:2x1"
 def quack_configs(configs):
     """(label, config) for each `linear_quack.QuackConfig` of `configs`, or None (why quack cannot
@@ -146,7 +146,7 @@ def sustained(configs, shapes, ms: list[int], hbm: float, seconds: float) -> Non
     """Each config's time per GEMM when the GEMM runs back to back for `seconds` (CUDA graphs
     over rotating weight copies, `weight_gemms.time_weight_gemms`), with the SM clock and power
     sampled meanwhile. `speed` times bursts, at the card's full clock; a decode step at Qwen3-8B
-    shape holds the card at its power limit (twenty-sixth session), where a config that draws
+    shape holds the card at its power limit (H200, 2026-11-27), where a config that draws
     less power per byte keeps a higher clock. ``auto`` is `linear_quack.pick_config`'s config;
     a config outside `table_configs` is marked unproven (``kernel_invariance --only quack`` has
     not checked its bits)."""
@@ -219,8 +219,8 @@ def main(argv=None) -> int:
                         help="time every config, not only the aligned ones")
     parser.add_argument("--configs", default=DEFAULT_SPECS,
                         help="comma-separated quack configs TMxTN{p|c}[:CMxCN][s] (tile M x N, pingpong or "
-                             "cooperative, cluster, s = swap-AB); default: quack's default and the fifteenth "
-                             "session's nine")
+                             "cooperative, cluster, s = swap-AB); default: quack's default and the nine of the "
+                             "first H200 table, 2026-11-24")
     parser.add_argument("--per-config", action="store_true", help="also print every config's time, not only the best")
     parser.add_argument("--eager", action="store_true",
                         help="also time eager one-row `linear` calls (host launch included) under each VEXACT_LINEAR mode")

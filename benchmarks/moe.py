@@ -5,7 +5,7 @@ Shapes: Qwen3-30B-A3B's MoE layer (hidden 2048, 128 experts, top-8, expert inter
 random weights, uniformly random routing, bf16; 1, 64, 512, 4096 and 16384 tokens.
 - loop: HF's way: for each expert with tokens, gather, two matmuls, SiLU-and-mul, scale, index_add.
 - dense: a [T*k, 2048] x [2048, 3*768]-FLOP-equivalent cuBLAS GEMM pair (same FLOPs as the experts).
-Targets (issue 4): forward >= 5x the loop at 4096 tokens; >= 50% of the dense cuBLAS TFLOP/s at 16384.
+Targets: forward >= 5x the loop at 4096 tokens; >= 50% of the dense cuBLAS TFLOP/s at 16384.
 
 Usage: python benchmarks/moe.py [--sweep | --decode 64,128,256]
   --sweep: time each MoE kernel's tile configs (tiles, K tile, TMA descriptors) at 16384 tokens,

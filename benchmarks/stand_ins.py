@@ -10,7 +10,7 @@ engine's eager warm-up before each CUDA graph capture), kept and handed back eve
 op's input. A first, throwaway version returned uninitialised memory for `silu_and_mul`: Qwen3-8B's
 decode step at 128 sequences (quack's GEMMs, H200) took 0.45 ms less than with the op (8.31 ->
 7.86 ms), where this stand-in took 0.09 ms less on another machine (8.08 -> 7.99 ms;
-docs/gpu-results.md, twenty-fifth session). Whether the values or the machine made that
+a scratch driver around `decode_profile.py`, 2026-11-27). Whether the values or the machine made that
 difference was not measured; kernels whose speed follows their inputs' values (power, NaN paths)
 would, so the stand-ins keep the values real.
 

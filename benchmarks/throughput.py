@@ -270,7 +270,7 @@ def print_workload_floor(model, modes: list, rows: list[tuple], prompt_lens: lis
     """Per KV cache mode, what the workload's decode steps read at least over the copy bandwidth
     (`workload_decode_roofline`), and each vexact run's seconds against it. With two MLA modes,
     the ratio of their floors is the throughput ratio the two reach when both run at the same
-    share of their floor (issue 15's latent / expanded)."""
+    share of their floor (latent / expanded, docs/mla-kv-cache.md)."""
     print(f"\nthe workload's decode steps at the copy bandwidth ({hbm:.0f} GB/s; prompt steps not counted): "
           f"a floor for each run")
     print(f"{'mode':<10}{'weights s':>11}{'KV s':>8}{'floor s':>9}   runs: seconds (floor share)")

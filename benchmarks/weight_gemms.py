@@ -5,7 +5,7 @@ The HBM roofline (`bench_utils.decode_bytes` over the copy bandwidth) assumes th
 stream at the bandwidth of a lone copy kernel. At batch 128-256 a step's GEMMs do tensor-core
 work too, and on an H200 at Qwen3-8B shape they draw the card to its power limit: its SM clock
 falls from 1980 to about 1500 MHz; at Qwen3-0.6B shape they are too small to fill the card
-(twenty-sixth session). `time_weight_gemms` times a GEMM (``torch.mm``, cuBLAS, not
+(H200, 2026-11-27). `time_weight_gemms` times a GEMM (``torch.mm``, cuBLAS, not
 batch-invariant, the speed peer; or our `kernels.linear`) over the same weight matrices as the
 step, one after another inside one CUDA graph, replayed for seconds so that the clocks settle
 where a long rollout's would, with `gpu_clocks.GpuClocks` sampling them. Every GEMM writes bf16

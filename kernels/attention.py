@@ -75,7 +75,8 @@ def _paged_block(k_ptr, v_ptr, table_row, start, n_keys, page_size, page_shift, 
 
     The slots come from `paged_layout.page_slots` (`POW2_PAGES`: shift and mask; `OFFSETS_32`:
     32-bit addresses): 801 -> 511 SASS instructions a key block and warp in the sm_90 decode loop
-    (thirty-seventh, thirty-eighth sessions). The same slots, so the same bits."""
+    (`benchmarks/kernel_resources.py --kernel gqa --shape qwen3-0.6b`, 2026-11-28; checked by
+    tests/test_kernel_resources.py). The same slots, so the same bits."""
     k_pos = start + tl.arange(0, BLOCK_N)
     k_ok = k_pos < n_keys
     slot = page_slots(table_row, k_pos, k_ok, page_size, page_shift, POW2_PAGES, OFFSETS_32)
@@ -283,7 +284,7 @@ def attention_triton(q, k_cache, v_cache, layout: PagedLayout, scale: float, con
                   HEADS_FASTEST=cfg.heads_fastest,
                   ORDERED=layout.seq_order is not None, num_warps=cfg.num_warps,
                   # few programs: no PDL. Launched dependently, a 256-program decode at 8k tokens
-                  # took 1.27x as long (TMA, 242 -> 307 us), the step 1.09x (twentieth session)
+                  # took 1.27x as long (TMA, 242 -> 307 us), the step 1.09x (H200, 2026-11-26)
                   **dependent_launch_kwargs(q.device, allowed=not few))
     key = ("attention", q.device, q.dtype, group, head_dim, head_dim_v, cfg, kv_descriptors, page_descriptors,
            shift is not None, offsets_32)

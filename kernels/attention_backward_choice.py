@@ -2,8 +2,8 @@
 FlashAttention-2 or ours (Triton).
 
 The forward decides the bits (docs/design.md rule 2; `attention_forward_choice.py`); rule 8 lets
-the backward be any correct kernel, so training takes the fastest that applies (issue 14, H200
-figures in gpu-results.md):
+the backward be any correct kernel, so training takes the fastest that applies (the training
+step's target, docs/design.md section 9; H200 figures in docs/performance.md):
 
 - ``cudnn``: cuDNN's fused SDPA backward through the cuDNN frontend (`attention_backward_cudnn`),
   1.4-1.7x the FA2 backward at D = 128; needs the optional ``nvidia-cudnn-frontend`` package;
@@ -35,7 +35,7 @@ from .kernel_switch import KernelSwitch
 
 ENV_VAR = "VEXACT_ATTENTION_BACKWARD"
 MODES = ("auto", "cudnn", "fa4", "flash", "triton")
-#: the kernels ``auto`` tries, fastest first (the H200 figures in docs/gpu-results.md)
+#: the kernels ``auto`` tries, fastest first (the H200 figures in docs/performance.md)
 AUTO_ORDER = ("cudnn", "fa4", "flash")
 _switch = KernelSwitch(ENV_VAR, MODES, "auto", "attention backward")
 

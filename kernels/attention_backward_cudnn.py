@@ -1,15 +1,15 @@
-"""Backward of packed causal GQA attention on cuDNN's fused SDPA backward (issue 14).
+"""Backward of packed causal GQA attention on cuDNN's fused SDPA backward (docs/design.md rule 8).
 
 Why: speed. The backward needs no invariance (docs/design.md rule 8), only correctness, so it
 may be any correct kernel; the forward stays ours (rule 2). On the H200 cuDNN's backward runs
 packed causal attention at D = 128 in 0.58-0.69x the time of torch's FlashAttention-2 backward
-(`attention_backward_flash.py`), which is what SDPA's flash backend runs (docs/gpu-results.md,
-eighth session). It is also what stock HF's sdpa attention runs in training on Hopper.
+(`attention_backward_flash.py`), which is what SDPA's flash backend runs (`benchmarks/kernels.py
+--only attention`, H200, 2026-11-24). It is also what stock HF's sdpa attention runs in training on Hopper.
 
 How it is called: through the cuDNN frontend's graph API (the optional ``nvidia-cudnn-frontend``
 package, ``pip install 'vexact-models[cudnn]'``), not through torch's
 ``aten::_cudnn_attention_backward``: torch 2.11's varlen (nested) form of that op returned wrong
-gradients on our packed layout (log ``2026-11-24-s8-cudnn-bwd.log``). The graph describes the
+gradients on our packed layout (H200, torch 2.11, 2026-11-24). The graph describes the
 packed ``[T, H, D]`` tensors as ragged ``[B, H, S, D]`` ones: each of q, k, v, out, dO, the LSE
 and the gradients gets a ragged offset per sequence (``cu_seqlens * row stride``, in elements),
 ``seq_len_q = seq_len_kv`` the sequence lengths, a padding mask and a causal band
@@ -19,7 +19,7 @@ across heads): our forward's ``lse_log2 * ln 2``.
 
 A batch of equal-length sequences (a single one included) is described densely instead, as
 ``[B, H, S, D]`` with no ragged offsets or padding mask, the way stock HF's sdpa hands its ``[B, S]``
-batch to cuDNN (5-6% faster on the H200 at 1k-32k tokens per sequence, ninth session).
+batch to cuDNN (5-6% faster on the H200 at 1k-32k tokens per sequence, 2026-11-24).
 
 Ragged graphs are built once per shape class and cached: the sequence count is rounded up to a power
 of two (the extra sequences have length 0), the longest sequence to a power of two (at least 64),

@@ -1,4 +1,4 @@
-"""Backward of packed causal GQA attention on torch's FlashAttention-2 kernel (issue 14 candidate).
+"""Backward of packed causal GQA attention on torch's FlashAttention-2 kernel (a docs/design.md rule 8 candidate).
 
 Why: speed. The backward needs no invariance (docs/design.md rule 8), only correctness, so it
 may be any correct kernel. On the H200 our Triton backward (`attention_backward.py`) runs at

@@ -36,7 +36,7 @@ FA4_DTYPES = (torch.bfloat16, torch.float16)
 #: FA4's SM90 head dims: multiples of 8 up to 256 (key) and 256 (value)
 MAX_HEAD_DIM = 256
 HEAD_DIM_MULTIPLE = 8
-#: compute capability majors where FA4's alignment was checked (docs/gpu-results.md)
+#: compute capability majors where FA4's alignment was checked (`benchmarks/attention_fa4.py`, H200, 2026-11-24)
 VERIFIED_MAJORS = (9,)
 
 

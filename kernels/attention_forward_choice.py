@@ -8,7 +8,7 @@ again when it changes, and the conformance suite checks the pair whole. Modes:
 - ``fa4``: FlashAttention-4 (`attention_fa4.py`; the optional ``flash-attn-4`` package) for
   causal GQA/MHA attention in training, chunked prefill and decode. On the H200 its training
   forward is 1.1-1.5x ours, its paged decode 0.66-0.82x ours at batch 128-256 with short
-  contexts and ~1.2x at 32 x 8k (docs/gpu-results.md, thirteenth session): a choice for
+  contexts and ~1.2x at 32 x 8k (`benchmarks/attention_fa4.py`, 2026-11-24): a choice for
   training-heavy or long-context runs.
   The latent MLA layout (V a view of K) keeps our kernel in either mode.
 

@@ -4,7 +4,7 @@ shared-memory stages that both read (FlashAttention-3's producer/consumer warp s
 one program an SM taking tiles from a queue (persistent).
 
 Why: our Triton launch (128 rows on one warpgroup, two programs an SM) reached 1.22-1.31x SDPA
-flash on packed training at 16 x 1,024 tokens, where issue 14 asks 1.3x, and read paged prompt
+flash on packed training at 16 x 1,024 tokens, where the target asks 1.3x (docs/design.md section 9), and read paged prompt
 K/V by pointer loads (~180 TFLOP/s on a Qwen3-8B prompt step). What this kernel does instead:
 
 - A block's softmax overlaps the tensor cores' work: each consumer issues block ``i``'s scores,
@@ -13,15 +13,15 @@ K/V by pointer loads (~180 TFLOP/s on a Qwen3-8B prompt step). What this kernel 
 - Nothing holds the two consumers in step: a stage is refilled once each has *arrived* on its
   "empty" barrier after the value dot that read it, and they wait only on the copies. (Two
   warpgroups of one program that met at a CTA barrier before every refill ran 1.1-1.3x slower
-  than one, thirty-fourth session.)
+  than one, H200, 2026-11-28.)
 - The producer warp issues every TMA copy, whole 64-key blocks from their pages or packed rows.
 - Tiles come from a global counter (`gluon_support.claim_tile`) in a non-persistent grid's order
   (a sequence's last, heaviest, tiles first; one KV head's tiles together, its keys hot in L2): the
   next tile's first blocks are copied while the consumers finish the last one, and programs that
   finish early take more. A fixed snake-order share per program lost 1-6%, and one program a
-  tile 10-15% at 1k and on prompt steps (docs/gpu-results.md, thirty-fifth session).
+  tile 10-15% at 1k and on prompt steps (`benchmarks/attention_prefill.py`, H200, 2026-11-28).
 
-On the H200 (`benchmarks/attention_prefill.py`, thirty-fifth session, `launch_config`'s two launches
+On the H200 (`benchmarks/attention_prefill.py`, 2026-11-28, `launch_config`'s two launches
 against the Triton one in the same process): packed training 1.08-1.10x at 1k tokens a sequence
 (1.33-1.34x SDPA flash), 1.07-1.17x at 4k, 1.12-1.29x at 8k, 1.04-1.05x at 32k (1.54-1.56x SDPA
 flash); a Qwen3-8B prompt step 1.54x, chunked prefill 1.80x.
@@ -68,7 +68,7 @@ ROWS = 128  # (token, head) query rows a program: two consumer warpgroups of 64 
 #: gives its, spills the last block's zeroing). By the launch's longest sequence (`launch_config`):
 #: five stages were as fast or faster than four at 1k-8k tokens in every H200 call, and at 1k the
 #: one above 1.3x SDPA flash (1.34x against 1.30x); at 32k (one sequence) four held 1.00-1.04x
-#: the Triton launch where five fell to 0.90-0.94x in two of three calls (thirty-fifth session)
+#: the Triton launch where five fell to 0.90-0.94x in two of three calls (`benchmarks/attention_prefill.py`, 2026-11-28)
 SHORT_CONFIG = (5, 224, 56)
 LONG_CONFIG = (4, 232, 40)
 LONG_TOKENS = 8192  # longest sequence up to which a launch takes SHORT_CONFIG (16k was not measured)

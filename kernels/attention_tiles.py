@@ -40,11 +40,11 @@ def pick_config(head_dim: int, rows_per_seq: int, dtype: torch.dtype, programs: 
                 sm_count: int = 0, deep_pipeline: bool = False, page_descriptors: bool = False) -> AttentionConfig:
     """The launch parameters for a head dim and dtype, for a launch whose longest sequence has
     `rows_per_seq` (query token, head) rows. Chosen by `benchmarks/attention_configs.py` on the
-    H200 (docs/gpu-results.md); every choice gives the same bits (the module docstring). Decode
+    H200 (figures in docs/performance.md); every choice gives the same bits (the module docstring). Decode
     (<= 16 rows per sequence: one token times a GQA group) takes 16-row tiles: three stages at
     head dim <= 128 (1.5x the 64-row tiles), 2 warps on Hopper (rather than four since the paged
     addressing became a shift and 32-bit offsets, 1.0-2.0% less attention time in decode steps of
-    Qwen3-0.6B and 8B at 128-256 sequences, thirty-eighth session), 2 warps and one stage at MLA's
+    Qwen3-0.6B and 8B at 128-256 sequences, 2026-11-28), 2 warps and one stage at MLA's
     192 (1.5x, 64-74%); prefill chunks of <= 64 rows take
     64-row tiles with 4 warps (one stage for the 256-wide padded tile of head dim 192); training
     and longer prefill take 128-row tiles with two stages, 4 warps at head dim <= 128 (1.2-1.3x
@@ -53,16 +53,16 @@ def pick_config(head_dim: int, rows_per_seq: int, dtype: torch.dtype, programs: 
     A decode launch of at most two (sequence, KV head) `programs` per SM (of `sm_count`) takes four
     warps and five stages where `deep_pipeline` says the GPU's shared memory holds them (Hopper):
     with that few programs the loads must overlap within one, 1.13-1.16x at 32 sequences of
-    Qwen3-8B over 1k-8k tokens (thirteenth session), while more programs hide the latency among
+    Qwen3-8B over 1k-8k tokens (2026-11-24), while more programs hide the latency among
     themselves and five stages cost them 1.1-1.3x. Where such a launch reads whole key blocks by
     TMA from pages of 64 (`page_descriptors`, `attention.page_descriptors_fit`), three stages give
     the copies two buffers: 1.16-1.20x the five-stage pointer loads at 32 sequences of 1k-8k tokens
-    (nineteenth session). Launches of more programs keep pointer loads: TMA pages lost at 3-8
+    (2026-11-26). Launches of more programs keep pointer loads: TMA pages lost at 3-8
     programs per SM (0.87-0.99x) and, with the shift-and-mask addressing, at 15 (0.97x) and tied at
-    31 (thirty-eighth session). Decode
+    31 (2026-11-28). Decode
     programs run a sequence's KV heads side by side (``heads_fastest``), which read neighbouring
     bytes of each cache row: 0-2% faster at 128-256 sequences of 544 tokens and 32-128 of 4-8k
-    (twentieth session), never slower beyond noise.
+    (2026-11-26), never slower beyond noise.
     fp32: a padded 256-wide fp32 K tile does not fit two stages in shared memory."""
     wide = head_dim > 128
     if dtype == torch.float32:
@@ -90,6 +90,6 @@ def few_decode_programs(programs: int, sm_count: int, deep_pipeline: bool) -> bo
 def split_mask(config: AttentionConfig) -> bool:
     """Whether the unmasked key blocks get a loop of their own (`_attention_fwd_kernel`): for
     training and prefill tiles. Decode tiles keep one masked loop: on the H200 the second
-    pipelined loop cost decode steps over 1-2k-token contexts ~15% (ninth session); the bits are
+    pipelined loop cost decode steps over 1-2k-token contexts ~15% (2026-11-24); the bits are
     the same either way (`_attend_block`)."""
     return config.block_m > DECODE_BLOCK_M

@@ -8,7 +8,7 @@ program of the previous one has started, and each of them waits in ``griddepcont
 `gdc_wait`) for the previous kernel to complete and its writes to become visible. quack's SM90 GEMM
 already launches this way; this module does it for ours.
 
-On the H200 (twentieth session, docs/gpu-results.md) the decode step of Qwen3-0.6B at 128
+On the H200 (`benchmarks/decode_profile.py`, 2026-11-26) the decode step of Qwen3-0.6B at 128
 sequences took 3.55 -> 3.32 ms with quack's GEMMs (whose launches already were dependent, so that
 only now do both sides of each boundary overlap), 5.91 -> 5.70 at 256; Qwen3-8B moved by -1% to
 +2%; without quack the steps moved by under 2% (Moonlight's MoE and MLA kernels: 1.01x). Decode attention launches of few programs

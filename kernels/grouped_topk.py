@@ -143,7 +143,7 @@ class _GroupedTopkFunction(torch.autograd.Function):
 #: DeepSeek-V3), and every pick is a chain of reductions; across warps each goes through shared
 #: memory and a barrier, within one warp through shuffles. The picks are exact (max, min, a sum of
 #: one nonzero score), so the warps change no bit. One warp: 1.5-1.8x four at 16-256 tokens of
-#: Moonlight and DeepSeek-V3 (`benchmarks/moe_routing.py`, docs/gpu-results.md, fortieth session).
+#: Moonlight and DeepSeek-V3 (`benchmarks/moe_routing.py`, H200, 2026-11-28).
 ROUTER_WARPS = 1
 
 

@@ -87,17 +87,17 @@ def pick_config(dtype: torch.dtype, rows_per_seq: int, n_seqs: int, sm_count: in
                 kv_descriptors: bool = False) -> LatentConfig:
     """The launch parameters for `dtype`, for a launch of `n_seqs` (sequence, KV head) pairs
     whose longest sequence has `rows_per_seq` (query token, head) rows, on a GPU of `sm_count` SMs. Chosen by
-    `benchmarks/attention_configs.py` on the H200 (docs/gpu-results.md); every choice gives the
+    `benchmarks/attention_configs.py` on the H200 (figures in docs/performance.md); every choice gives the
     same bits (the module docstring). Decode and short chunks (<= `DECODE_ROWS` rows: 16 heads
     of Moonlight, 128 of DeepSeek-V3, one token each) take 16-row tiles, 1.3-1.4x the 64-row
     ones: 4 warps when there are more programs than SMs, else 8 (1.3x at 16 sequences of
     DeepSeek-V3); with `kv_descriptors` (whole key blocks by TMA, `page_descriptors_fit`) 8 warps
     and three stages, whose two TMA buffers overlap a block's copy with the previous block's math
-    (1.2x at 256 Moonlight sequences of 528 tokens, 1.6x at 32 of 4,096; seventeenth session).
+    (1.2x at 256 Moonlight sequences of 528 tokens, 1.6x at 32 of 4,096; H200, 2026-11-25).
     A TMA launch of at most ``sm_count / 4`` programs (a rollout's tail: the last few sequences)
     splits the value dims over `FEW_VALUE_CHUNKS` programs of 4 warps, each with its own TMA copy
     of its slice: 1.36-1.51x at 8-32 Moonlight sequences of 1.5k-8k tokens (0.69x at 64, where the
-    one-chunk launch already fills the GPU; twenty-eighth session).
+    one-chunk launch already fills the GPU; H200, 2026-11-27).
     Longer launches take 64-row tiles, 64-key blocks, 8 warps, two stages (1.4x
     the first-guess 64/32/8/1 in training); value chunks did not pay."""
     if dtype == torch.float32:

@@ -3,7 +3,8 @@ in shared memory, the keys streamed by TMA through a ring of stages.
 
 Why: the Triton decode launch (`latent_attention._latent_fwd_kernel`, 16-row tiles on mma.sync)
 holds the 16 x 576 query operand in every warp's registers, spills, and reads the latent cache
-at ~51% of the copy bandwidth at Moonlight's shape (docs/gpu-results.md, thirtieth session).
+at ~51% of the copy bandwidth at Moonlight's shape (`VEXACT_PDL=off benchmarks/decode_profile.py`, H200,
+2026-11-27).
 Here a program runs one sequence's query heads (Moonlight: 16) with one warpgroup, key-major:
 
 - ``S^T [keys, heads] = K [keys, 576] . Q^T`` (the latent dot, then the rope dot accumulated onto
@@ -22,7 +23,7 @@ sequence, 16 heads (`HEADS`), the 512 + 64 dims, bf16/fp16, pages of a multiple 
 TMA-able tensors (`fits`); few sequences split the value dims over 2 or 4 programs each
 (`value_chunks`), as the Triton launch does. On the H200: 1.2-1.5x the Triton launch (Moonlight,
 128 sequences of 1,024 tokens: 85% of the copy bandwidth), the Moonlight rollout 1.02x
-(docs/gpu-results.md, thirty-first session).
+(`benchmarks/attention_configs.py`, `benchmarks/throughput.py`, 2026-11-28).
 
 Gluon is experimental and its API moves between Triton releases, and the bits above were
 checked on one: the kernel runs only under the Triton versions in `gluon_support.GLUON_VERIFIED`;
@@ -51,7 +52,7 @@ __all__ = ["GLUON_VERIFIED", "LATENT_DECODE", "fits", "latent_decode_gluon", "la
            "value_chunks"]
 
 #: ``VEXACT_LATENT_DECODE``: ``gluon`` (the default: this kernel, where it `fits`) or ``triton`` (the
-#: Triton launch everywhere, as before the thirty-first session)
+#: Triton launch everywhere, the default until 2026-11-28)
 LATENT_DECODE = KernelSwitch("VEXACT_LATENT_DECODE", ("gluon", "triton"), "gluon", "latent decode kernel")
 MAX_VALUE_CHUNKS = 4  # the most programs per sequence (`value_chunks`)
 #: query heads a program runs: Moonlight's 16, the one count checked on the GPU. (Other counts need

@@ -3,8 +3,8 @@ and TMA key ring (`latent_decode_gluon`), for causal launches of many query toke
 
 Why: the Triton launch's 64-row training/prefill tiles (`latent_attention._latent_fwd_kernel`,
 8 warps, two stages) hold the 64 x 512 fp32 output across 255 registers a thread, spill, and run
-the Moonlight prompt step's latent attention at ~150 TFLOP/s (docs/gpu-results.md, thirty-second
-session), a fifth of the step. Here a program runs 64 query rows of one sequence ((token, head)
+the Moonlight prompt step's latent attention at ~150 TFLOP/s (`benchmarks/decode_profile.py
+--prompt-steps`, H200, 2026-11-28), a fifth of the step. Here a program runs 64 query rows of one sequence ((token, head)
 pairs: 4 tokens of Moonlight's 16 heads, half a token of DeepSeek-V3's 128; every head reads the
 same latent key) with two warpgroups, key-major as in the decode kernel:
 
@@ -24,7 +24,7 @@ Where it runs (`fits`): Hopper with Gluon (`gluon_support.GLUON_VERIFIED`), `HEA
 64-key blocks (chunked prefill) or the packed training tensors (``contiguous``: a sequence's keys
 are consecutive rows). ``VEXACT_LATENT_PREFILL=triton`` keeps the Triton launch. On the H200
 (`benchmarks/latent_prefill.py`): 1.44x the Triton launch on a rollout's prompt step, 1.49-1.60x on
-chunked prefill and packed training (333-346 TFLOP/s; docs/gpu-results.md, thirty-third session).
+chunked prefill and packed training (333-346 TFLOP/s; 2026-11-28).
 """
 
 from __future__ import annotations

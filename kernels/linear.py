@@ -44,7 +44,7 @@ def pick_config(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dty
     """Tile shape for an (m, n, k) problem; depends on shapes and dtypes only.
 
     Chosen from `benchmarks/kernels.py --sweep-linear` (H100 for large M; H200, CUDA graphs,
-    weights from HBM, for the decode shapes of every bundled model: docs/gpu-results.md). Every
+    weights from HBM, for the decode shapes of every bundled model: docs/performance.md). Every
     config gives bitwise the same rows (conformance/kernel_invariance.py, "linear configs").
     """
     if dtype == torch.float32:  # ieee fp32 dot: registers and shared memory are the limit
@@ -83,7 +83,7 @@ def _partial_row_tile_config(m: int, n: int, k: int) -> LinearConfig | None:
     """Pointer loads where a 129-255-row decode batch leaves its last 64-row tile part empty: with
     TMA descriptors those launches took up to 1.3x longer (Qwen3-8B at 160 and 224 rows: down
     68-80 -> 60-65 us, o 22-26 -> 22, gate/up 125 -> 96 at 160; `benchmarks/kernels.py
-    --sweep-linear --sweep-m 160,224`, docs/gpu-results.md, sixteenth session). None: the usual
+    --sweep-linear --sweep-m 160,224`, H200, 2026-11-25). None: the usual
     choice (short-K weights, not measured or faster with TMA; wide weights at 193-255 rows, faster
     with their persistent tiles)."""
     if k < 4096:

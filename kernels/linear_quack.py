@@ -6,7 +6,7 @@ fixed `GemmConfig`, no split-K and no autotuning accumulates each output element
 our kernel does: sequentially in 64-wide K tiles of wgmma into one fp32 accumulator, then one
 rounding to the output dtype. On the H200 its rows were bitwise equal to our `linear` rows for
 every one of 27 tile/cluster/pingpong/swap-AB configs tried, M = 1 .. 8,192 and the Qwen3 decode
-weights (`benchmarks/linear_quack.py`; docs/gpu-results.md, fifteenth and sixteenth sessions),
+weights (`benchmarks/linear_quack.py`, 2026-11-24 and 2026-11-25),
 and ``kernel_invariance --only quack`` checks every config `pick_config` returns against our
 kernel on every bundled model's weights. So a rollout may run quack where it is faster while
 training runs our kernel, and the logprobs stay bitwise equal (the conformance suite checks that
@@ -23,7 +23,7 @@ The choice (`VEXACT_LINEAR=auto|triton|quack`, or `set_linear_backend`):
   mixed steps, at the batch buckets the table was timed at), where `pick_config` has a config
   and quack can run, else ours. An eager call of these sizes is bound by its host launch, and
   `linear` through quack took ~9 us a call more than through ours (67.6 vs 58.4 us at one row,
-  Qwen3-0.6B q/k/v; sixteenth session). Inside `as_in_capture` eager calls choose as captured
+  Qwen3-0.6B q/k/v; H200, 2026-11-25). Inside `as_in_capture` eager calls choose as captured
   ones do: the warm-up before a capture then compiles quack's kernels outside it;
 - ``triton`` never runs quack;
 - ``quack`` runs it for every shape it can (the table's config, else quack's default) and raises
@@ -75,8 +75,8 @@ SM90_DEFAULT = QuackConfig(128, 192, True, 2, 1)
 def pick_config(m: int, n: int, k: int) -> QuackConfig | None:
     """The quack config for an (m, n, k) problem in ``auto`` mode, or None where our kernel is as
     fast or the shape was not measured. From `benchmarks/linear_quack.py` on the H200 (CUDA
-    graphs, weights from HBM, LM heads writing fp32 logits; docs/gpu-results.md, fifteenth,
-    sixteenth and twenty-second sessions).
+    graphs, weights from HBM, LM heads writing fp32 logits; 2026-11-24 to 2026-11-27; the figures
+    in docs/performance.md).
 
     The idea behind the table: a decode GEMM reads its weight once, so it is as fast as the
     number of SMs streaming the weight at once. Few rows leave few output tiles, so the tiles

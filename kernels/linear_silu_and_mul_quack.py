@@ -110,7 +110,7 @@ def choose(x2d: torch.Tensor, weight: torch.Tensor) -> QuackConfig | None:
     ``VEXACT_LINEAR`` mode: in ``auto`` only inside CUDA-graph capture), when it does not swap A
     and B (decode batches up to 64 rows) and the epilogue can run here. On the H200 the fused
     launch took 0.79-0.97x the two launches' time at 128-256 rows with the table's configs
-    (`benchmarks/gate_up_silu.py`; docs/gpu-results.md, forty-second session)."""
+    (`benchmarks/gate_up_silu.py`, 2026-11-29)."""
     config = linear_quack.choose(x2d, weight, None, x2d.dtype)
     # a config means linear_quack found quack able to run this GEMM: only the epilogue's own needs remain
     if config is None or config.swap_ab or epilogue_unavailable_reason(x2d, weight) is not None:

@@ -13,7 +13,7 @@ not the register layout); a second launch combines the chunks' pairs the same wa
 writes the row, a chunk per program (`_logprob_kernel`). The cut depends on the vocabulary size alone, so a row's bits
 do not depend on the batch (rule 3), and how a launch schedules the chunks (warps, the sums'
 lowering) does not change them either. One program per row had read a decode step's 128 rows of
-logits at a third of the copy bandwidth (twenty-fourth session). The same kernels compute the full
+logits at a third of the copy bandwidth (H200, 2026-11-27). The same kernels compute the full
 row and the gathered entry, with the same ``x / T - lse`` expression, so
 ``log_softmax(x, T)[i, t] == gather_logprobs(x, t, T)[i]`` bitwise. The reference uses `exact_math`
 (its own exp/log and block reduction).
@@ -29,7 +29,7 @@ from .backend import select
 from .dependent_launch import dependent_launch_kwargs, wait_for_inputs
 from .row_sum import row_sum_halves, row_sum_levels
 
-# From a sweep on the H200 (twenty-fourth session, docs/gpu-results.md): lanes of 512-2048, chunks
+# From a sweep on the H200 (`benchmarks/kernels.py --sweep-log-softmax`, 2026-11-27): lanes of 512-2048, chunks
 # of 16,384 or 32,768 columns, 4 or 8 warps, one chunk or a whole row per program. Per chunk one
 # program of 4 warps is the fastest up to 1,024 rows (a decode step's 128 rows: 53 -> 28 us);
 # at 4,096 rows (training) it is 13% slower than one program per row.

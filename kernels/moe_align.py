@@ -40,7 +40,7 @@ MAX_TRITON_EXPERTS = 1024
 #: pairs each program of the kernel places (Moonlight decode, 1,536 pairs: 96 programs). A
 #: program's rank loop compares its pairs with every earlier pair, so fewer pairs per program
 #: shorten the launch's longest program: 16 took 0.65-0.75x the time of 32 at 64-256 tokens of
-#: Moonlight, DeepSeek-V3 and Qwen3-30B-A3B (`benchmarks/moe_routing.py`, fortieth session)
+#: Moonlight, DeepSeek-V3 and Qwen3-30B-A3B (`benchmarks/moe_routing.py`, H200, 2026-11-28)
 PAIRS_PER_PROGRAM = 16
 #: warps of a program: 4 was the fastest or within 0.1 us of it in every case of that sweep (1, 2, 4,
 #: 8). Neither this nor `PAIRS_PER_PROGRAM` changes the layout.

@@ -39,20 +39,20 @@ def k_tile(block_k: int, k: int) -> int:
     return block_k if k % block_k == 0 else BLOCK_K
 
 
-# From `benchmarks/moe.py --sweep` on an H100 at 16384 tokens (docs/gpu-results.md): down has a
-# short K (the expert intermediate size), so it wants a wide N tile. On the H200 (twenty-seventh
-# session) TMA descriptors for the weights (and down's rows) took LARGE's gate/up 1883 -> 1811 us
+# From `benchmarks/moe.py --sweep` on an H100 at 16384 tokens (2026-11-22): down has a
+# short K (the expert intermediate size), so it wants a wide N tile. On the H200 (2026-11-27)
+# TMA descriptors for the weights (and down's rows) took LARGE's gate/up 1883 -> 1811 us
 # and down 987 -> 899 us (with 4 stages), the same bits; at decode sizes they gained <= 1%.
 SMALL = MoeConfig(64, 64, 4, 3, 64, 4, 3)
 LARGE = MoeConfig(128, 128, 8, 4, 256, 8, 4, tma=True)
 # Decode batches, where an expert gets a few rows (`benchmarks/moe.py --decode` on the H200,
-# twenty-third session): 32-row blocks let more down-projection programs share an SM, 1.06-1.13x
+# 2026-11-27): 32-row blocks let more down-projection programs share an SM, 1.06-1.13x
 # the 64-row tiles alone at 8-16 rows an expert; gate/up is as fast either way. In a decode step
 # Qwen3-30B-A3B at 256 sequences (16 rows an expert) went 22.63 -> 21.84 ms; Moonlight at 256
 # (24 rows) did not move, so it keeps the 64-row tiles there. 16-row blocks were faster alone
 # at 6-12 rows (down 1.07x, gate/up 1.02x) but lost at 24, where experts span two blocks that each
-# read the weights: they take the batches of at most 12 rows an expert (twenty-fourth session).
-# Both take 128-wide K tiles (twenty-seventh session): fewer, larger loads per program, alone
+# read the weights: they take the batches of at most 12 rows an expert (2026-11-27).
+# Both take 128-wide K tiles (2026-11-27): fewer, larger loads per program, alone
 # 1.02-1.07x on gate/up and 1.04-1.06x on down; decode steps of Qwen3-30B-A3B 1.03-1.04x at 128
 # and 256 sequences, Moonlight 1.03x at 128. Moonlight's 24 rows an expert gained nothing in its
 # step with them, so it keeps the 64-row tiles.

@@ -88,7 +88,7 @@ class _RoutingFunction(torch.autograd.Function):
 
 #: warps of a routing program (one token's experts). Unlike `grouped_topk`'s picks, the softmax's
 #: sum follows the program's layout, so the warps are part of the bits: fixed here, never by batch.
-#: One warp (4 until the forty-first session): 4.2 -> 2.6 us a launch at Qwen3-30B-A3B's 128-256
+#: One warp (4 until 2026-11-28): 4.2 -> 2.6 us a launch at Qwen3-30B-A3B's 128-256
 #: decode tokens (`benchmarks/moe_routing.py`), with `kernel_invariance --only moe` at 0
 #: mismatches and the MoE tests passing on the H200 under the new bits.
 ROUTER_WARPS = 1

@@ -31,7 +31,7 @@ class PagedLayout:
             for 0..S-1. Each sequence's programs compute the same rows whichever programs they
             are, so the order changes the schedule, never a bit; longest first keeps a few long
             sequences from running alone at the end of a decode launch (1.2-1.4x at 128-256
-            sequences of mixed lengths, twenty-eighth session).
+            sequences of mixed lengths; H200, 2026-11-27).
     """
 
     cu_seqlens_q: torch.Tensor
@@ -69,8 +69,8 @@ def page_slots(table_row, k_pos, k_ok, page_size, page_shift, POW2_PAGES: tl.con
     """The cache slots of one sequence's key positions `k_pos` (those where `k_ok`; the others read
     page 0) through its block-table row `table_row`. `POW2_PAGES`: the page size is
     ``2 ** page_shift``, so a key's page and offset in it are a shift and a mask (divided by the
-    runtime page size they were a quarter of a GQA decode program's instructions, thirty-seventh
-    session). `OFFSETS_32`: every element of the caches lies within 2**31 elements of their
+    runtime page size they were a quarter of a GQA decode program's instructions: ncu on the H200,
+    2026-11-28; tests/test_kernel_resources.py). `OFFSETS_32`: every element of the caches lies within 2**31 elements of their
     starts (`offsets_fit_int32`), so the slots stay 32-bit and so do the addresses computed from
     them; else they widen to 64 bits (a slot always fits in 32, its element offset may not)."""
     if POW2_PAGES:

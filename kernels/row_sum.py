@@ -9,7 +9,7 @@ order by logical position instead: for a row of width ``2**LEVELS`` it adds the 
 onto the first, elementwise, and repeats, ``x[j] + x[j + W/2]`` for ``W = 2**LEVELS, ..., 2``.
 Elementwise adds round the same everywhere, so the sum is the same bits for every tile shape,
 warp count and stage count (docs/design.md rule 2). An adder tree by pairs and a tensor-core dot
-with a ones tile were also exact across tiles, and slower (docs/gpu-results.md, sixth session).
+with a ones tile were also exact across tiles, and slower (H200, 2026-11-24).
 
 Each level can be written two ways, with the same single add per output element and so the same
 bits (`LANE_SUMS`): split the halves apart and add them, or ``tl.sum`` over a reshaped axis of
@@ -19,7 +19,7 @@ register, on the critical path between the score and value dots). The two-elemen
 in-thread add or one lane shuffle while a row lives in one warp, which is the case for the wgmma
 tiles (16 rows or more per warp, `lane_sums`); where the warps split a row's columns (the 16-row
 mma.sync decode tiles) it crosses warps through shared memory at every level and the split is
-faster (tenth session: GQA training forward 1-3% faster with sums, decode ~20% slower).
+faster (H200, 2026-11-24: GQA training forward 1-3% faster with sums, decode ~20% slower).
 
 `row_sum_reference` is the same order in torch; `row_sum_triton` runs the helper on a 2-D tensor
 (for the checks).

@@ -9,7 +9,7 @@ logits, lowest index on ties). The threshold carries top-k/top-p filtering (`run
 A block filter skips the exact scores (two correctly rounded logarithms per column) of blocks
 that cannot beat the running best, and the random numbers of greedy rows' blocks: the same
 tokens, 1.5-1.7x faster at 128-256 rows of 151,936 columns, 2.3-2.8x for greedy rows
-(`benchmarks/sampler.py`, twenty-first session).
+(`benchmarks/sampler.py`, H200, 2026-11-26).
 
 Invariance contract (docs/design.md rule 7): the token depends only on (logits row, seed, step,
 temperature, threshold): no shared generator and no cross-row state, so the same request

@@ -21,7 +21,8 @@ real rows' logits are bitwise those of the eager step: graphs on or off cannot c
   (sampled) before the next replay.
 
 Without graphs an eager step costs the host ~25 ms at Qwen3-0.6B (hundreds of Triton launches):
-~6x a decode step's GPU time (docs/gpu-results.md, twelfth session).
+~6x a decode step's GPU time (`benchmarks/throughput.py --engines aligned,aligned-eager --step-breakdown`,
+H200, 2026-11-24).
 
 A pipeline stage after the first (`runtime.pipeline`) takes the previous stage's ``(hidden,
 residual)`` instead of token ids: its decode graphs read them from two more static buffers
@@ -50,7 +51,7 @@ MAX_MIXED_GRAPHS = 48
 #: the engine's default token cap for mixed steps: larger steps keep the GPU busy for about as
 #: long as their eager launches take the host, so a graph costs a capture and gains little (on the
 #: H200, 8,192-token prompt steps gained nothing in steady state, and their captures cost a first
-#: generate 0.7-1.9 s; docs/gpu-results.md, twelfth session)
+#: generate 0.7-1.9 s; `benchmarks/throughput.py`, 2026-11-24)
 DEFAULT_MAX_TOKENS = 2048
 
 

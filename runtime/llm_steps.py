@@ -1,14 +1,14 @@
 """The engine's step loop: schedule, run, sample, postprocess; with `async_scheduling`, one
 step ahead of the host.
 
-Without it each step ends in a host sync (the sampled tokens come back), and the device then
-idles while the host postprocesses, schedules and builds the next step: ~1 ms of a ~5 ms
-Qwen3-0.6B decode step on the H200 (docs/gpu-results.md). With it, once a step whose rows all
-sample is launched the loop asks the scheduler for the following one (`Scheduler.schedule_ahead`: the
-decodes, then admissions) and launches it at once, the decodes' input tokens taken on the device
-from the step still running (`ModelRunner.execute_ahead`); only then does it wait for the first
-step's tokens and postprocess them. The device always has the next step queued while the host
-works.
+Without it each step ends in a host sync (the sampled tokens come back), and the device then idles
+while the host postprocesses, schedules and builds the next step: ~1 ms of a ~5 ms Qwen3-0.6B decode
+step on the H200 (`benchmarks/decode_profile.py`, 2026-11-24: 4.56 -> 4.09 ms a step at 128
+sequences). With it, once a step whose rows all sample is launched the loop asks the scheduler for
+the following one (`Scheduler.schedule_ahead`: the decodes, then admissions) and launches it at
+once, the decodes' input tokens taken on the device from the step still running
+(`ModelRunner.execute_ahead`); only then does it wait for the first step's tokens and postprocess
+them. The device always has the next step queued while the host works.
 
 Nothing numeric changes (rules 1 and 7; `runtime.scheduler_ahead`): a sequence that stops in a
 step also runs in the step launched ahead of it, and that row's result is dropped.

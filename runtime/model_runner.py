@@ -51,7 +51,7 @@ def segment_bytes(nbytes: int) -> int:
     autograd graph, a trainer's optimizer state made while the engine is awake) pins the whole
     segment: when the cache is freed (`LLM.sleep`, a finished engine) ``empty_cache`` cannot
     return it, and the device's free memory reads tens of GB short (a second engine's budget came
-    out negative at Llama-3.1-8B; docs/gpu-results.md, sixteenth session). A tensor that holds
+    out negative at Llama-3.1-8B on the H200, 2026-11-25; tests/runtime/test_kv_cache_memory.py). A tensor that holds
     its tail leaves nothing to lend, and costs no memory the segment did not hold anyway."""
     if nbytes < CUDA_OWN_SEGMENT:
         return nbytes

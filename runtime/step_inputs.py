@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 __all__ = ["ATTENTION_ORDER", "StepInputs", "attention_order", "build_step_inputs"]
 
 #: ``VEXACT_ATTENTION_ORDER``: ``longest`` (default; `attention_order`) or ``arrival`` (the
-#: scheduled order, as before the twenty-eighth session: for measuring what the order brings)
+#: scheduled order, the only one until 2026-11-27: for measuring what the order brings)
 ATTENTION_ORDER = KernelSwitch("VEXACT_ATTENTION_ORDER", ("longest", "arrival"), "longest",
                                "attention program order")
 
@@ -101,7 +101,7 @@ def attention_order(new_tokens: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
     decode step: the longest context first), ties in scheduled order; ``0..S-1`` under
     ``VEXACT_ATTENTION_ORDER=arrival``. Measured on the H200 at 256 decode sequences of 164-1,424
     tokens: latent MLA 1.30-1.38x, GQA at 128 sequences 1.12-1.21x, no change where every program
-    finds an SM at once (docs/gpu-results.md, twenty-eighth session)."""
+    finds an SM at once (`benchmarks/attention_order.py`, 2026-11-27)."""
     n = len(seq_lens)
     if ATTENTION_ORDER.mode() == "arrival":
         return np.arange(n, dtype=np.int32)

@@ -137,7 +137,7 @@ def test_decode_over_power_of_two_pages_issues_fewer_instructions_a_key_block(mo
 
 
 def test_norm_tile_keeps_each_bf16_rows_lanes_and_warps(monkeypatch):
-    """`rms_norm.norm_tile` (about 1,024 elements a program since the forty-first session) lays a
+    """`rms_norm.norm_tile` (about 1,024 elements a program since 2026-11-28) lays a
     bf16 row over the same per-thread values, lanes and warps as the 8,192-element tiles the H200's
     conformance runs were made with, at every row width the models' norms have (q/k heads,
     latent ranks, hidden sizes): the row axis of the compiled sm_90 layout is unchanged, so

@@ -1,7 +1,7 @@
 """Every architecture folder is registered, and packaged: a wheel built from this tree (setup.py's
 computed package list) holds every source file of every package, including a new architecture
-folder nobody listed anywhere (issue 13: "a test fails if an architecture is importable but
-unregistered or unpackaged")."""
+folder nobody listed anywhere: a test fails if an architecture is importable but unregistered
+or unpackaged (docs/design.md section 2)."""
 
 import re
 import shutil

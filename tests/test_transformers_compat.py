@@ -1,6 +1,6 @@
-"""patch() and attn_implementation on every supported transformers release (issue 10, items 1, 2
-and 4's routing). CI runs this file on the oldest supported release, 5.10.x, 5.17 and the newest
-(``.ci/run``, the ``compat`` marker)."""
+"""patch() and attn_implementation on every supported transformers release, with the
+classification Auto classes' routing (docs/design.md section 8, drop-in). CI runs this file on the
+oldest supported release, 5.10.x, 5.17 and the newest (``.ci/run``, the ``compat`` marker)."""
 
 import subprocess
 import sys

@@ -4,9 +4,9 @@ a side stream while its router and routed experts run on the current one.
 Why: at decode batches the routed experts' grouped GEMMs are bound by reading every expert's
 weights, while the shared experts are small dense GEMMs bound by their own latency; one after the
 other they add their times. Side by side in a CUDA graph, the shared experts' programs fill the
-routed kernels' gaps. H200, Moonlight-16B-A3B, one MoE layer
-(docs/gpu-results.md, thirty-second session): 348.8 -> 323.3 us at 256 tokens, 211 -> 189 us at
-16, 2,525 -> 2,512 us at 8,192; DeepSeek-V3 3,247 -> 3,214 us at 256.
+routed kernels' gaps. H200, Moonlight-16B-A3B, one MoE layer (eight in a CUDA graph, 2026-11-28;
+`benchmarks/shared_experts.py` times it): 348.8 -> 323.3 us at 256 tokens, 211 -> 189 us at 16,
+2,525 -> 2,512 us at 8,192; DeepSeek-V3 3,247 -> 3,214 us at 256.
 
 The bits cannot move: the same kernels read the same inputs; only when they run changes. The
 routed experts' combine, the one consumer of the shared output, waits for the side stream's event
@@ -18,7 +18,7 @@ writes a block the layer's stream still reads.
 Only inside CUDA-graph captures (the engine's decode steps and captured mixed steps) where no
 autograd graph is recorded. Eager calls keep the shared experts in line. With the side stream in
 eager calls too, the engine's eager prompt steps of 7,300 tokens ran 1.11x slower (H200, one MoE
-model, thirty-second session):
+model, `benchmarks/decode_profile.py --prompt-steps`, 2026-11-28):
 - 51-57 ms of a step's GPU time sat idle instead of 3;
 - the slowdown stayed even when eager calls of more than 1,024 tokens, those steps among them,
   kept the shared experts in line;

@@ -1,5 +1,5 @@
 """The kernel invariance CLI's shape selection and dispatch (the checks themselves need a GPU:
-docs/gpu-results.md)."""
+docs/design.md section 7)."""
 
 import pytest
 

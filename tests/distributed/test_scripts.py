@@ -1,4 +1,4 @@
-"""The scripts of issue 11 run on CPU: the accelerate FSDP2 example on 2 processes (gloo) and
+"""The FSDP2 scripts (docs/design.md section 8) run on CPU: the accelerate FSDP2 example on 2 processes (gloo) and
 benchmarks/fsdp_sync.py in its tiny CPU mode (world size 1)."""
 
 import os

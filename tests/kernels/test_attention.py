@@ -201,7 +201,7 @@ def test_decode_launches_of_few_programs_read_pages_by_tma_at_three_stages():
 def test_decode_launches_read_pages_by_tma_only_where_they_are_few(monkeypatch):
     """Only a launch of at most two (sequence, KV head) programs per SM takes TMA page copies by
     default (Qwen3's 32 sequences of 8 KV heads); 128 and 256 sequences keep pointer loads, whose
-    tiles are two warps on Hopper (thirty-eighth session: TMA pages 0.97x at 256 sequences)."""
+    tiles are two warps on Hopper (H200, 2026-11-28: TMA pages 0.97x at 256 sequences)."""
     import importlib
 
     module = importlib.import_module("vexact_models.kernels.attention")

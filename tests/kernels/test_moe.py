@@ -105,10 +105,10 @@ def test_pick_config_takes_short_row_blocks_for_decode_batches():
     assert [pick_config(t, 6, 64).block_m for t in (1, 128, 129, 170, 171, 256, 2731)] == [16, 16, 32, 32, 64, 64, 128]
     assert pick_config(128, 8, 128) is FEW_ROWS and pick_config(256, 8, 128) is DECODE
     assert pick_config(512, 6, 64) is SMALL and pick_config(16384, 8, 128) is LARGE
-    # decode tiles read 128-wide K tiles (twenty-seventh session); prefill and training keep 64
+    # decode tiles read 128-wide K tiles (`benchmarks/moe.py --decode`, H200, 2026-11-27); prefill and training keep 64
     assert {(c.block_k, c.down_block_k) for c in (FEW_ROWS, DECODE)} == {(128, 128)}
     assert {(c.block_k, c.down_block_k) for c in (SMALL, LARGE)} == {(64, 64)}
-    # TMA descriptors where they won (prefill and training batches, twenty-seventh session)
+    # TMA descriptors where they won (prefill and training batches, `benchmarks/moe.py --sweep`, H200, 2026-11-27)
     assert [c.tma for c in (FEW_ROWS, DECODE, SMALL, LARGE)] == [False, False, False, True]
 
 

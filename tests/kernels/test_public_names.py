@@ -1,5 +1,5 @@
 """Kernel names used across files are public, and model code imports ops from
-`vexact_models.kernels` only (issue 13): the model files do not depend on how the kernels package
+`vexact_models.kernels` only (docs/design.md section 2): the model files do not depend on how the kernels package
 is split into modules, and no file reaches into another's private names."""
 
 import ast

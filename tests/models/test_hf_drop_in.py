@@ -1,6 +1,6 @@
 """What a training stack expects of an HF causal LM, for every registered architecture at every
 shape: hidden states, tuple outputs, inputs_embeds, positions past max_position_embeddings,
-generate(), generation_config, reward/critic heads (issue 10, items 4-7)."""
+generate(), generation_config, reward/critic heads (docs/design.md section 8, drop-in)."""
 
 import pytest
 import torch

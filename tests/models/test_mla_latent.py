@@ -1,4 +1,4 @@
-"""DeepSeek-V3 / Moonlight with the latent MLA KV cache (``mla_kv_cache="latent"``, issue 15):
+"""DeepSeek-V3 / Moonlight with the latent MLA KV cache (``mla_kv_cache="latent"``, docs/design.md rule 6):
 conformance, HF parity, the absorbed attention's backward, the cache layout and size, the mode's
 persistence, and the router reading its live weight."""
 

@@ -1,7 +1,7 @@
 """PEFT LoRA on every architecture at every shape (LoRA targets and the fused rollout
 projections differ, e.g. MLA with and without q-LoRA): adapters run (with the aligned kernels) in the training
 forward and in rollouts, bitwise alike; gradients reach every adapter; unsupported PEFT features
-are errors (issue 10, item 3). Real peft, real get_peft_model."""
+are errors (docs/design.md section 8, drop-in). Real peft, real get_peft_model."""
 
 import pytest
 import torch

@@ -1,7 +1,8 @@
 """The DeepSeek-V3 / Moonlight shared experts on a side stream beside the routed experts
 (`vexact_models.side_stream`): where they run, and that their output and the layer's stay bitwise
 the in-line ones. Only a CUDA-graph capture puts them beside (eager calls stay in line). The stream
-checks need a GPU (docs/gpu-results.md, thirty-second session); the CPU tests cover the fallbacks
+checks need a GPU (`python -m pytest -q -m gpu` on it; H200 figures from `benchmarks/shared_experts.py` in
+docs/performance.md); the CPU tests cover the fallbacks
 and the errors."""
 
 import pytest

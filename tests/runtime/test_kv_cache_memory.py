@@ -1,7 +1,7 @@
 """The KV cache fills its allocator segments (`model_runner.segment_bytes`), so that a
 freed cache returns its memory to the device even when a tensor made while the engine was awake
-still lives (docs/gpu-results.md, sixteenth session: without it a second engine's budget came
-out negative)."""
+still lives (on the H200, 2026-11-25, without it a second engine's budget came out negative at
+Llama-3.1-8B)."""
 
 import gc
 

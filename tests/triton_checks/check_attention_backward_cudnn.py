@@ -1,4 +1,4 @@
-"""The cuDNN attention backward (`kernels/attention_backward_cudnn.py`, issue 14): cuDNN's fused
+"""The cuDNN attention backward (`kernels/attention_backward_cudnn.py`, docs/design.md rule 8): cuDNN's fused
 SDPA backward on our forward's out/lse vs our Triton backward vs float64 autograd.
 
 On a GPU with the cuDNN frontend installed (``pip install 'vexact-models[cudnn]'``; ``python -m

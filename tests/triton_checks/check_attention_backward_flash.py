@@ -1,4 +1,4 @@
-"""The flash attention backward candidate (`kernels/attention_backward_flash.py`, issue 14): torch's
+"""The flash attention backward candidate (`kernels/attention_backward_flash.py`, docs/design.md rule 8): torch's
 FlashAttention-2 backward on our forward's out/lse vs our Triton backward vs float64 autograd.
 
 On a GPU (``python -m pytest -q tests/triton_checks/check_attention_backward_flash.py``): GQA
