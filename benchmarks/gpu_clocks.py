@@ -3,9 +3,9 @@
 A decode step's roofline share assumes the copy bandwidth that a lone copy kernel reaches. If a
 whole step draws the card to its power limit, its clocks drop and that bandwidth may not be there
 to reach. `decode_profile.py` prints these samples beside the step time so that a measurement says
-whether it ran at full clocks. The twenty-fifth session's stand-ins hinted at it: steps fed other
+whether it ran at full clocks. The stand-ins (`stand_ins.py`) hinted at it: steps fed other
 activation values (uninitialised memory, queries neither normed nor rotated) ran faster than the
-launches they removed could explain (docs/gpu-results.md).
+launches they removed could explain.
 
 Usage:
     with GpuClocks() as clocks:

@@ -10,7 +10,7 @@ GQA decode launch exactly the 801 a warp executed per key block under ncu on the
 
 Why: a decode kernel's speed on Hopper hangs on these numbers (a 16-row latent tile's query
 operand in every warp's registers took 255 registers and spilled, one program per SM;
-docs/gpu-results.md, twenty-eighth session), and a GPU session is short. They can be read here
+measured with ncu on an H200), and GPU time is short. They can be read here
 first, and only the candidates worth it timed there. Registers and spills are ptxas's for sm_90a,
 as the GPU's own compile gets them (the driver's count can differ by a few registers).
 """

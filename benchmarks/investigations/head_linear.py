@@ -10,7 +10,7 @@ rule 1 (docs/design.md) says any tile gives the same bits, since each output is 
 output equals the current tile's bit for bit ("same bits" must read "yes" for a tile to be
 taken), with cuBLAS (`torch.bmm`, not batch-invariant) as the peer.
 
-Usage: python benchmarks/head_linear.py [--tokens 16,64,128,256] [--tiles 16x64x4x3,32x64x4x3]
+Usage: python benchmarks/investigations/head_linear.py [--tokens 16,64,128,256] [--tiles 16x64x4x3,32x64x4x3]
 """
 
 from __future__ import annotations
@@ -18,10 +18,14 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
-from bench_utils import positive_ints, table
+# bench_utils lives one folder up, in benchmarks/
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_utils import positive_ints, table  # noqa: E402
 
 #: (model, heads); both have 128 no-rope query dims, a 512-dim latent and 128 value dims
 SHAPES = (("moonlight", 16), ("deepseek-v3", 128))

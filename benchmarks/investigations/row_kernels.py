@@ -3,8 +3,8 @@ in CUDA graphs (CUDA only).
 
 Between its GEMMs a Qwen3 decode layer runs `add_rms_norm` twice, `rotary_cache_write` (q/k norms,
 rotation, cache write) and `silu_and_mul`: 113 launches a Qwen3-0.6B step, all on the step's
-critical path (1.5-4.4 us each before the tiles this script picked: gpu-results, fortieth and
-forty-first sessions). This times each kernel at the published shapes' decode batches (and the norm
+critical path (1.5-4.4 us each before the tiles this script picked; docs/performance.md,
+section 5). This times each kernel at the published shapes' decode batches (and the norm
 at a training batch, which shares its tile) under every rows-per-program / warps tile
 (`rms_norm.norm_launch_tile`) or columns-per-program / warps launch (`silu_and_mul_triton`), and
 says whether each output equals the current launch's bit for bit. `silu_and_mul` is element-wise:
@@ -13,17 +13,21 @@ every row must say "yes". A norm's row sum follows its tile's layout, so a tile 
 (docs/design.md rule 3). The peer is HF's ops: `Qwen3RMSNorm`'s formula, `rotate_half` and an
 `index_copy_` into the cache (vLLM's layout), `silu(gate) * up`.
 
-Usage: python benchmarks/row_kernels.py [--models qwen3-0.6b,qwen3-8b] [--tokens 128,256] [--norm-widths 512,2048]
+Usage: python benchmarks/investigations/row_kernels.py [--models qwen3-0.6b,qwen3-8b] [--tokens 128,256] [--norm-widths 512,2048]
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
-from bench_utils import graph_us_or_none, positive_ints, table
+# bench_utils lives one folder up, in benchmarks/
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_utils import graph_us_or_none, positive_ints, table  # noqa: E402
 
 #: model -> (hidden, query heads, key/value heads, head dim, intermediate)
 SHAPES = {"qwen3-0.6b": (1024, 16, 8, 128, 3072), "qwen3-8b": (4096, 32, 8, 128, 12288)}

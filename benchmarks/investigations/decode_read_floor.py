@@ -1,7 +1,7 @@
-"""How fast can a GQA decode step's attention read its KV cache? (issue 14)
+"""How fast can a GQA decode step's attention read its KV cache?
 
 The decode attention of a Qwen3 step reads every cached key and value once, and runs at ~90% of
-the copy bandwidth (docs/gpu-results.md, thirty-eighth and forty-second sessions). This script
+the copy bandwidth (docs/performance.md, section 5). This script
 times launches that do the same reads and (almost) nothing else, at a decode step's shape, beside
 the attention itself and torch's copy (the peer):
 
@@ -15,7 +15,7 @@ the attention itself and torch's copy (the peer):
 
 If the paged reads alone are no faster than the attention, the attention is at its access
 pattern's floor, and a faster decode needs another cache layout (the head-major row says by how
-much), not another kernel schedule. Usage (CUDA): ``cd benchmarks && python3 decode_read_floor.py
+much), not another kernel schedule. Usage (CUDA): ``cd benchmarks && python3 investigations/decode_read_floor.py
 [--batch 128,256] [--context 544] [--kv-heads 8] [--group 2] [--page-size 64]``.
 """
 
@@ -23,10 +23,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
-from bench_utils import bench_graph, decode_layout, positive_int, positive_ints, table
+# bench_utils lives one folder up, in benchmarks/
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_utils import bench_graph, decode_layout, positive_int, positive_ints, table  # noqa: E402
 
 
 def _kernels():
@@ -106,7 +110,7 @@ def main(argv=None) -> int:
     if args.page_size & (args.page_size - 1):
         parser.error(f"--page-size {args.page_size}: must be a power of two")
     if not torch.cuda.is_available():
-        print("benchmarks/decode_read_floor.py needs a CUDA GPU", file=sys.stderr)
+        print("benchmarks/investigations/decode_read_floor.py needs a CUDA GPU", file=sys.stderr)
         return 2
     torch.manual_seed(0)
     rows = [measure(b, args.context, args.kv_heads, args.group, args.head_dim, args.page_size) for b in args.batch]

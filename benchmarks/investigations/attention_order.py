@@ -10,8 +10,8 @@ attention launch per order in a CUDA graph (pages of 64, shuffled). "same bits" 
 sequence's output with the arrival order's: an order moves work between programs, never a bit.
 
 Usage:
-    python benchmarks/attention_order.py                      # every case, 128 and 256 sequences
-    python benchmarks/attention_order.py --only latent --batches 256 --steps 64,400
+    python benchmarks/investigations/attention_order.py                      # every case, 128 and 256 sequences
+    python benchmarks/investigations/attention_order.py --only latent --batches 256 --steps 64,400
 """
 
 from __future__ import annotations
@@ -20,11 +20,15 @@ import argparse
 import dataclasses
 import random
 import sys
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from bench_utils import bench_graph, copy_bandwidth, decode_layout, positive_ints, table
+# bench_utils lives one folder up, in benchmarks/
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_utils import bench_graph, copy_bandwidth, decode_layout, positive_ints, table  # noqa: E402
 
 # (name, query heads, KV heads, qk dim, v dim, latent: the value is the key's first dims)
 CASES = [("moonlight latent", 16, 1, 576, 512, True), ("qwen3-0.6b", 16, 8, 128, 128, False),
