@@ -16,7 +16,7 @@ fit one H200 side by side; every layer has the real shape):
    and every wake_up (levels 1 and 2 alternating; level 2 refilled from the sharded trainer)
    must be flat.
 
-Usage (one H200; each command well under 10 minutes; the current figures are in docs/performance.md, section 9):
+Usage (one H200; each command well under 10 minutes; current figures in docs/performance.md):
     python benchmarks/fsdp_sync.py --configs qwen3-8b                           # + memory + sleep
     python benchmarks/fsdp_sync.py --configs qwen3-30b-a3b --sleep-cycles 0     # 24 of 48 layers
     python benchmarks/fsdp_sync.py --configs qwen3-30b-a3b --layers qwen3-30b-a3b=48 --sleep-cycles 0

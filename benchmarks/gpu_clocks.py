@@ -3,7 +3,7 @@
 A decode step's roofline share assumes the copy bandwidth that a lone copy kernel reaches. If a
 whole step draws the card to its power limit, its clocks drop and that bandwidth may not be there
 to reach. `decode_profile.py` prints these samples beside the step time so that a measurement says
-whether it ran at full clocks. The stand-ins (`stand_ins.py`) hinted at it: steps fed other
+whether it ran at full clocks. `stand_ins.py`'s runs (H200, 2026-11-27) hinted at it: steps fed other
 activation values (uninitialised memory, queries neither normed nor rotated) ran faster than the
 launches they removed could explain.
 

@@ -5,7 +5,7 @@ Hopper, read without a GPU: each candidate is compiled for sm_90 through the rea
 A decode launch reads the cache at the speed its programs can keep copies in flight, and a program
 whose registers spill, or that holds an SM alone, keeps fewer. The latent MLA kernel's 16-row decode
 tiles (mma.sync) hold the 16 x 576 query operand in every warp's registers and spill (a key-major
-Triton variant was built, measured and removed: docs/design.md rule 2); the
+Triton variant was built, measured on the H200 and removed, 2026-11-27: docs/design.md rule 2); the
 Gluon launch (`kernels.latent_decode_gluon`, the default decode where it fits) runs warpgroup MMAs
 with both operands in shared memory and is listed after them, then the prefill/training launches
 (64-row tiles): the Triton kernel's (255 registers, spills) and the Gluon prefill kernel's

@@ -21,7 +21,7 @@ a full unsharded copy on every process (the reference for the recompute), so tha
 stages can share one GPU over gloo (``--backend gloo``), e.g. to run the stages' CUDA graphs on
 a machine with one GPU.
 
-Usage (the current figures are in docs/performance.md, section 9):
+Usage (current figures in docs/performance.md):
     torchrun --nproc-per-node 2 benchmarks/pipeline_rollout.py --config qwen3-8b            # 2 GPUs
     torchrun --nproc-per-node 2 benchmarks/pipeline_rollout.py --config qwen3-8b --pipeline-size 1  # 2 engines
     torchrun --nproc-per-node 8 benchmarks/pipeline_rollout.py --config qwen3-235b-a22b.json --tokens 20000

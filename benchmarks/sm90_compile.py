@@ -10,7 +10,7 @@ GQA decode launch exactly the 801 a warp executed per key block under ncu on the
 
 Why: a decode kernel's speed on Hopper hangs on these numbers (a 16-row latent tile's query
 operand in every warp's registers took 255 registers and spilled, one program per SM;
-measured with ncu on an H200), and GPU time is short. They can be read here
+ptxas and ncu on the H200, 2026-11-27), and GPU time is short. They can be read here
 first, and only the candidates worth it timed there. Registers and spills are ptxas's for sm_90a,
 as the GPU's own compile gets them (the driver's count can differ by a few registers).
 """
@@ -134,7 +134,7 @@ def resources(kernel) -> KernelResources:
 def largest_loop(sass: str) -> int:
     """SASS instructions in the longest loop of ``nvdisasm -c`` output (from a backward branch's
     target to the branch): what a warp issues per iteration of a kernel's key-block loop. A
-    decode program's time at short contexts follows it (thirty-seventh session, ncu)."""
+    decode program's time at short contexts follows it (ncu on the H200, 2026-11-28)."""
     start = {}  # label -> index of the instruction after it
     instructions = []  # instruction texts, in address order
     label = None

@@ -9,7 +9,8 @@ Every stand-in returns real values: the op's own output of its first call at tha
 engine's eager warm-up before each CUDA graph capture), kept and handed back ever after, or the
 op's input. A first, throwaway version returned uninitialised memory for `silu_and_mul`: Qwen3-8B's
 decode step at 128 sequences (quack's GEMMs, H200) took 0.45 ms less than with the op (8.31 ->
-7.86 ms), where this stand-in took 0.09 ms less on another machine (8.08 -> 7.99 ms). Whether the values or the machine made that
+7.86 ms), where this stand-in took 0.09 ms less on another machine (8.08 -> 7.99 ms;
+a scratch driver around `decode_profile.py`, 2026-11-27). Whether the values or the machine made that
 difference was not measured; kernels whose speed follows their inputs' values (power, NaN paths)
 would, so the stand-ins keep the values real.
 

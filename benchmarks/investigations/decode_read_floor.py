@@ -1,7 +1,7 @@
-"""How fast can a GQA decode step's attention read its KV cache?
+"""How fast can a GQA decode step's attention read its KV cache? (docs/design.md section 9)
 
 The decode attention of a Qwen3 step reads every cached key and value once, and runs at ~90% of
-the copy bandwidth (docs/performance.md, section 5). This script
+the copy bandwidth (H200, 2026-11-28 and 2026-11-29). This script
 times launches that do the same reads and (almost) nothing else, at a decode step's shape, beside
 the attention itself and torch's copy (the peer):
 

@@ -3,9 +3,9 @@ in CUDA graphs (CUDA only).
 
 Between its GEMMs a Qwen3 decode layer runs `add_rms_norm` twice, `rotary_cache_write` (q/k norms,
 rotation, cache write) and `silu_and_mul`: 113 launches a Qwen3-0.6B step, all on the step's
-critical path (1.5-4.4 us each before the tiles this script picked; docs/performance.md,
-section 5). This times each kernel at the published shapes' decode batches (and the norm
-at a training batch, which shares its tile) under every rows-per-program / warps tile
+critical path (1.5-4.4 us each before the tiles this script picked: H200, 2026-11-28). This times
+each kernel at the published shapes' decode batches (and the norm at a training batch, which shares
+its tile) under every rows-per-program / warps tile
 (`rms_norm.norm_launch_tile`) or columns-per-program / warps launch (`silu_and_mul_triton`), and
 says whether each output equals the current launch's bit for bit. `silu_and_mul` is element-wise:
 every row must say "yes". A norm's row sum follows its tile's layout, so a tile with other bits
