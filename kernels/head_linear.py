@@ -66,7 +66,7 @@ def head_linear_triton(x: torch.Tensor, weight: torch.Tensor,
                        tile: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """`head_linear`'s forward by the Triton kernel (no autograd). `tile` is (BLOCK_M, BLOCK_N,
     warps, stages), None: `config` (what the models run). Rule 1 says any tile gives the same bits
-    (each output is the same K loop in `BLOCK_K` steps); `benchmarks/head_linear.py` times tiles at
+    (each output is the same K loop in `BLOCK_K` steps); `benchmarks/investigations/head_linear.py` times tiles at
     decode batches and checks that, so that a decode tile could be chosen by measurement."""
     require_triton("head_linear")
     if tile is not None:

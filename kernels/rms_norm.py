@@ -27,7 +27,7 @@ def norm_tile(n: int) -> tuple[int, int, int]:
 
     About 1,024 elements a program: a decode batch's rows spread over many SMs (Qwen3-0.6B at 128
     rows: 1,024-wide hidden rows one a program, 2.6 -> 1.8 us; 128-wide q/k heads eight a program
-    in `rotary_cache_write`, 4.2 -> 2.6 us; `benchmarks/row_kernels.py`, H200, 2026-11-28; no
+    in `rotary_cache_write`, 4.2 -> 2.6 us; `benchmarks/investigations/row_kernels.py`, H200, 2026-11-28; no
     slower at training's 8,192 rows). For bf16 every row keeps the lanes and warps it had on the
     earlier 8,192-element tiles (a 1,024-wide row: 128 lanes of 8 values over 4 warps), so `tl.sum`
     adds it in the same order: the same bits (checked there and by the invariance sweep on the
@@ -42,7 +42,7 @@ def norm_tile(n: int) -> tuple[int, int, int]:
 def norm_launch_tile(op: str, n: int, tile: tuple[int, int] | None) -> tuple[int, int, int]:
     """(BLOCK_N, ROWS per program, num_warps) of a norm launch over rows of `n`: `norm_tile(n)`
     when `tile` is None, else the caller's ``(rows, warps)`` (benchmarks sweeping launch shapes,
-    `benchmarks/row_kernels.py`), checked. A row's reduction order follows the tile's layout, so
+    `benchmarks/investigations/row_kernels.py`), checked. A row's reduction order follows the tile's layout, so
     a tile other than `norm_tile`'s is for measuring, not for models (docs/design.md rule 3)."""
     block_n, rows, num_warps = norm_tile(n)
     if tile is None:

@@ -9,12 +9,16 @@ import pytest
 import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+#: finished investigations (benchmarks/investigations/README.md says what each answered)
+INVESTIGATIONS = BENCHMARKS / "investigations"
 
 
 @pytest.mark.parametrize("script", ["kernels.py", "moe.py", "throughput.py", "decode_profile.py", "training.py",
-                                    "attention_configs.py", "attention_fa4.py", "sampler.py", "attention_order.py",
-                                    "shared_experts.py", "latent_prefill.py", "attention_prefill.py", "moe_routing.py",
-                                    "head_linear.py", "row_kernels.py", "gate_up_silu.py", "decode_read_floor.py"])
+                                    "attention_configs.py", "attention_fa4.py", "sampler.py",
+                                    "investigations/attention_order.py", "shared_experts.py", "latent_prefill.py",
+                                    "attention_prefill.py", "moe_routing.py", "investigations/head_linear.py",
+                                    "investigations/row_kernels.py", "gate_up_silu.py",
+                                    "investigations/decode_read_floor.py"])
 def test_benchmark_script_help_and_cpu_refusal(script):
     help_run = subprocess.run([sys.executable, script, "--help"], cwd=BENCHMARKS, capture_output=True, text=True,
                               timeout=120)
@@ -209,7 +213,7 @@ def test_page_size_options_refuse_values_below_one(script, option):
 
 @pytest.mark.parametrize("script,option", [("sampler.py", "--rows"), ("linear_quack.py", "--ms"),
                                            ("moe_routing.py", "--tokens"),
-                                           ("row_kernels.py", "--tokens"), ("gate_up_silu.py", "--ms")])
+                                           ("investigations/row_kernels.py", "--tokens"), ("gate_up_silu.py", "--ms")])
 @pytest.mark.parametrize("value,words", [("128,x", "expected comma-separated integers"), ("64,0", "must be >= 1")])
 def test_count_list_options_refuse_bad_values(script, option, value, words):
     """`bench_utils.positive_ints`: the parser names the option, the value and what it expected,
@@ -273,15 +277,15 @@ def test_moe_routing_peers_pick_what_the_routers_pick(monkeypatch):
 @pytest.mark.parametrize("value", ["64x64x4", "64x64x4x3,16xAx2x3", "0x64x4x3"])
 def test_head_linear_tiles_option_refuses_bad_values(value):
     """`--tiles` names the bad candidate and the form it expected, before anything needs a GPU."""
-    run = subprocess.run([sys.executable, "head_linear.py", "--tiles", value], cwd=BENCHMARKS, capture_output=True,
+    run = subprocess.run([sys.executable, "investigations/head_linear.py", "--tiles", value], cwd=BENCHMARKS, capture_output=True,
                          text=True, timeout=120, env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"})
     assert run.returncode == 2 and "--tiles" in run.stderr and "must be BLOCK_MxBLOCK_NxWARPSxSTAGES" in run.stderr
 
 
 def test_row_kernels_peers_compute_what_the_kernels_compute(monkeypatch):
-    """benchmarks/row_kernels.py's torch peers (HF's norm and rotation) compute what the timed
-    kernels do, so the timing compares like with like; its tiles are the ones the norm takes."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    """benchmarks/investigations/row_kernels.py's torch peers (HF's norm and rotation) compute what
+    the timed kernels do, so the timing compares like with like; its tiles are the ones the norm takes."""
+    monkeypatch.syspath_prepend(str(INVESTIGATIONS))
     import row_kernels
 
     from vexact_models.kernels import apply_rotary, rms_norm, rope_table

@@ -90,7 +90,7 @@ def test_add_rms_norm_errors():
 
 
 def test_norm_launch_tile_is_norm_tile_by_default_and_checks_a_given_tile():
-    """The tile a sweep passes (`benchmarks/row_kernels.py`) keeps BLOCK_N and is checked, with
+    """The tile a sweep passes (`benchmarks/investigations/row_kernels.py`) keeps BLOCK_N and is checked, with
     the op, the value and the limit in the message, before anything needs Triton or a GPU."""
     from vexact_models.kernels.rms_norm import norm_launch_tile, norm_tile, rms_norm_triton
 

@@ -1,4 +1,4 @@
-"""benchmarks/decode_read_floor.py's read kernel, under the interpreter: through the block table it
+"""benchmarks/investigations/decode_read_floor.py's read kernel, under the interpreter: through the block table it
 reads every cached key and value of each (sequence, KV head) once, in the engine's cache layout and
 in the head-major page layout the script compares it with."""
 
@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "investigations"))
 
 import decode_read_floor  # noqa: E402
 from bench_utils import decode_layout  # noqa: E402

@@ -147,9 +147,9 @@ def test_head_linear(dtype):
 
 def test_head_linear_tiles_give_the_same_bits():
     """Any (BLOCK_M, BLOCK_N, warps, stages) runs the same K loop per output (rule 1), so other
-    tiles give the default's bits: what `benchmarks/head_linear.py` checks on the GPU as it times
-    them, its sweep run here with a stand-in timer. Strided views as the model passes them."""
-    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+    tiles give the default's bits: what `benchmarks/investigations/head_linear.py` checks on the GPU
+    as it times them, its sweep run here with a stand-in timer. Strided views as the model passes them."""
+    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks" / "investigations"))
     import head_linear as bench
 
     from vexact_models.kernels.head_linear import config, head_linear_triton

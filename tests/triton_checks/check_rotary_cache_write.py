@@ -59,7 +59,7 @@ def test_rotary_cache_write_is_the_separate_ops(tokens, q_heads, kv_heads, head_
 
 @pytest.mark.parametrize("tile", [(1, 1), (16, 4)] if INTERPRET else [(1, 1), (4, 2), (16, 4), (64, 8)])
 def test_rotary_cache_write_at_a_tile_is_the_separate_ops_at_that_tile(tile):
-    """`benchmarks/row_kernels.py` times the kernel at other tiles: its normed rows then follow
+    """`benchmarks/investigations/row_kernels.py` times the kernel at other tiles: its normed rows then follow
     `rms_norm_triton` at the same tile, so the fused kernel still equals the separate ops."""
     from vexact_models.kernels import apply_rotary, kv_cache_write
     from vexact_models.kernels.rms_norm import rms_norm_triton

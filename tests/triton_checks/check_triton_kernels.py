@@ -100,7 +100,7 @@ def test_rms_norm_rotary_silu():
 
 
 def test_row_kernel_launch_shapes():
-    """The launch shapes `benchmarks/row_kernels.py` sweeps: `silu_and_mul_triton` is element-wise,
+    """The launch shapes `benchmarks/investigations/row_kernels.py` sweeps: `silu_and_mul_triton` is element-wise,
     so every block and warp count gives the default's bits; a norm tile gives the reference's
     values (its bits follow the tile on a GPU: rule 3)."""
     from vexact_models.kernels.rms_norm import rms_norm_triton
@@ -119,12 +119,12 @@ def test_row_kernel_launch_shapes():
 
 
 def test_row_kernels_benchmark_sweeps():
-    """`benchmarks/row_kernels.py`'s sweeps, with a stand-in timer: every candidate runs and is
+    """`benchmarks/investigations/row_kernels.py`'s sweeps, with a stand-in timer: every candidate runs and is
     compared with the current launch; the element-wise `silu_and_mul` gives its bits at each."""
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks" / "investigations"))
     import row_kernels as bench
 
     timer = lambda fn: (fn(), 2.0)[1]  # noqa: E731
