@@ -76,6 +76,25 @@ def discover():
     return {arch.name: arch for arch in registry.architectures()}
 
 
+def load_generated_tests(path, module_name: str):
+    """The generated test module at `path`, imported."""
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_generated_checks(module, tmp_path) -> None:
+    """The generated module's checks but the conformance run, called as pytest would."""
+    module.test_registered_and_discovered()
+    for tie in (False, True):
+        (tmp_path / f"ckpt_{tie}").mkdir()
+        module.test_stock_checkpoint_loads_and_matches_hf_logits(tmp_path / f"ckpt_{tie}", tie)
+    module.test_config_as_published_builds_hf_model()
+    module.test_patch_routes_the_auto_classes()
+    assert not vexact_models.is_patched()
+
+
 def defined_names(text: str) -> set[str]:
     return {node.name for node in ast.walk(ast.parse(text)) if isinstance(node, (ast.ClassDef, ast.FunctionDef))}
 
@@ -121,16 +140,7 @@ def test_llama_scaffolded_as_mistral_is_registered_and_conforms(mistral):
 def test_the_generated_test_module_passes(mistral, tmp_path):
     """Its checks but the conformance run (the test above runs that), called as pytest would."""
     plan, _ = mistral
-    spec = importlib.util.spec_from_file_location("test_mistral_generated", plan.test_path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.test_registered_and_discovered()
-    for tie in (False, True):
-        (tmp_path / f"ckpt_{tie}").mkdir()
-        module.test_stock_checkpoint_loads_and_matches_hf_logits(tmp_path / f"ckpt_{tie}", tie)
-    module.test_config_as_published_builds_hf_model()
-    module.test_patch_routes_the_auto_classes()
-    assert not vexact_models.is_patched()
+    run_generated_checks(load_generated_tests(plan.test_path, "test_mistral_generated"), tmp_path)
 
 
 def test_generated_test_catches_a_field_the_config_class_lacks(tmp_path, isolated_registry, monkeypatch):
@@ -141,9 +151,7 @@ def test_generated_test_catches_a_field_the_config_class_lacks(tmp_path, isolate
     scaffold.write(plan)
     install_entry_point(tmp_path, "mistral")
     discover()
-    spec = importlib.util.spec_from_file_location("test_mistral_unedited", plan.test_path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_generated_tests(plan.test_path, "test_mistral_unedited")
     with pytest.raises(AttributeError, match="attention_bias"):
         module.test_config_as_published_builds_hf_model()
 
@@ -174,11 +182,7 @@ def scaffold_olmo2(dest, example: str):
     plan.files[modeling] = replace_classes(plan.files[modeling], example).replace("PreNormDecoderLayer, ", "")
     scaffold.write(plan)
     install_entry_point(dest, "olmo2")
-    arch = discover()["olmo2"]
-    spec = importlib.util.spec_from_file_location("test_olmo2_generated", plan.test_path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return plan, arch, module
+    return plan, discover()["olmo2"], load_generated_tests(plan.test_path, "test_olmo2_generated")
 
 
 def test_olmo2_from_llama_with_the_guides_worked_example(tmp_path, isolated_registry):
@@ -191,12 +195,7 @@ def test_olmo2_from_llama_with_the_guides_worked_example(tmp_path, isolated_regi
     steps = scaffold.next_steps(plan)
     assert "NOTICE: Olmo2Config has no field head_dim, mlp_bias" in steps and "no Olmo2ForTokenClassification" in steps
     assert not hasattr(arch.tiny_config(), "head_dim") and arch.hf_class() is transformers.Olmo2ForCausalLM
-    module.test_registered_and_discovered()
-    for tie in (False, True):
-        (tmp_path / f"ckpt_{tie}").mkdir()
-        module.test_stock_checkpoint_loads_and_matches_hf_logits(tmp_path / f"ckpt_{tie}", tie)
-    module.test_config_as_published_builds_hf_model()
-    module.test_patch_routes_the_auto_classes()
+    run_generated_checks(module, tmp_path)
     model = arch.causal_lm_class(arch.tiny_config()).eval()
     randomize_norms_and_biases(model)
     report = run_conformance(arch, model, device=torch.device("cpu"), pool_size=4, max_tokens=4, prompt_len=8,
