@@ -203,6 +203,27 @@ def test_olmo2_from_llama_with_the_guides_worked_example(tmp_path, isolated_regi
     assert report.tokens > 100 and report.mismatches == 0 and report.hf_parity.vs_hf <= 1e-5 and report.ok
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the Triton kernels at a real layer shape)")
+def test_olmo2_worked_example_conforms_on_gpu_at_an_olmo2_7b_layer_shape(tmp_path, isolated_registry):
+    """The guide's worked example with the GPU kernels, bf16, at OLMo2-7B's layer shape (hidden
+    4096, 32 heads of 128: the whole-projection q/k norms run over rows of 4096; 2 layers),
+    random norm weights: rollout logprobs equal training logprobs bitwise in every scenario, and
+    HF parity is within HF's own bf16 error."""
+    from vexact_models.conformance.models import build_model
+
+    _, arch, _ = scaffold_olmo2(tmp_path, guide_example())
+    config = arch.tiny_config(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32,
+                              num_hidden_layers=2, vocab_size=100352, max_position_embeddings=4096,
+                              rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+    model = build_model(arch, config, torch.device("cuda"), torch.bfloat16)
+    randomize_norms_and_biases(model)
+    report = run_conformance(arch, model, device=torch.device("cuda"), pool_size=64, max_tokens=48, prompt_len=64,
+                             log=lambda *_: None)
+    assert report.tokens > 2000 and report.mismatches == 0, [(s.name, s.mismatches) for s in report.scenarios]
+    assert report.reproducibility_mismatches == 0 and report.ok, str(report.hf_parity)
+
+
 def test_swapped_norms_fail_parity_with_random_norm_weights(tmp_path, isolated_registry, monkeypatch):
     """The post-norm layer with its two norms swapped: the generated parity test and the shared
     helper's stock model (random norm weights) see it; with HF's init (every norm weight 1) the
