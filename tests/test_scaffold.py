@@ -28,7 +28,7 @@ from vexact_models.conformance.suite import run_conformance
 from vexact_models.random_init import is_norm, randomize_norms_and_biases
 from vexact_models.scaffold_fields import drop_tiny_config_fields
 
-from .models.model_support import rel, stock_model
+from .models.model_support import rel, skip_unless_stock_has, stock_model
 
 GUIDE = Path(__file__).resolve().parents[1] / "docs" / "adding-an-architecture.md"
 #: the packages the tests below generate (removed from sys.modules afterwards)
@@ -195,6 +195,9 @@ def test_olmo2_from_llama_with_the_guides_worked_example(tmp_path, isolated_regi
     steps = scaffold.next_steps(plan)
     assert "NOTICE: Olmo2Config has no field head_dim, mlp_bias" in steps and "no Olmo2ForTokenClassification" in steps
     assert not hasattr(arch.tiny_config(), "head_dim") and arch.hf_class() is transformers.Olmo2ForCausalLM
+    with pytest.raises(pytest.skip.Exception, match="has no Olmo2ForTokenClassification for model_type 'olmo2'"):
+        skip_unless_stock_has(arch, "ForTokenClassification")  # the shared head tests skip it, saying why
+    skip_unless_stock_has(arch, "ForSequenceClassification")  # stock has that one: compared
     run_generated_checks(module, tmp_path)
     model = arch.causal_lm_class(arch.tiny_config()).eval()
     randomize_norms_and_biases(model)

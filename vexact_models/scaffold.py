@@ -5,8 +5,10 @@ fails); `write` puts them in place, the package folder last and in one rename, s
 leaves nothing half-written. The copy renames what the template defines (its classes,
 functions and module constants: ``Qwen3Attention`` -> ``MistralAttention``), the HF config
 class, the architecture's name, ``model_types`` and stock HF class, and leaves every name
-imported from shared code alone. What it cannot decide is listed by `next_steps`; the guide is
-docs/adding-an-architecture.md.
+imported from shared code alone. Config fields the new config class lacks are read with the
+template's default and dropped from the tiny configs (`scaffold_fields`). What it cannot decide
+is listed by `next_steps` (with a notice for each field dropped and each copied head class stock
+transformers lacks); the guide is docs/adding-an-architecture.md.
 
 In-tree (the default) the folder is ``vexact_models/<name>`` (discovered by the registry) and
 the test ``tests/models/test_<name>.py``; with ``dest`` it is ``<dest>/<name>`` plus
