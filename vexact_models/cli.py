@@ -58,8 +58,8 @@ Writes vexact_models/NAME/ (discovered by the registry: no list to edit) and
 tests/models/test_NAME.py, or with --dest DIR an out-of-tree package DIR/NAME/ with
 DIR/tests/test_NAME.py that registers through the vexact_models.architectures entry point
 (the pyproject.toml lines are printed). Then prints the edits left to make (fields the new
-config class lacks or adds, prose naming the template), as docs/adding-an-architecture.md
-describes them.
+config class lacks or adds, tiny-config fields it dropped, head classes stock transformers lacks,
+prose naming the template), as docs/adding-an-architecture.md describes them.
 
 Refused, before anything is written: NAME not a lowercase identifier, NAME or the model type
 already served, the target folder or test existing (never overwritten), an unknown --from,

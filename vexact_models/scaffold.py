@@ -5,8 +5,10 @@ fails); `write` puts them in place, the package folder last and in one rename, s
 leaves nothing half-written. The copy renames what the template defines (its classes,
 functions and module constants: ``Qwen3Attention`` -> ``MistralAttention``), the HF config
 class, the architecture's name, ``model_types`` and stock HF class, and leaves every name
-imported from shared code alone. What it cannot decide is listed by `next_steps`; the guide is
-docs/adding-an-architecture.md.
+imported from shared code alone. Config fields the new config class lacks are read with the
+template's default and dropped from the tiny configs (`scaffold_fields`). What it cannot decide
+is listed by `next_steps` (with a notice for each field dropped and each copied head class stock
+transformers lacks); the guide is docs/adding-an-architecture.md.
 
 In-tree (the default) the folder is ``vexact_models/<name>`` (discovered by the registry) and
 the test ``tests/models/test_<name>.py``; with ``dest`` it is ``<dest>/<name>`` plus
@@ -29,15 +31,16 @@ import tokenize
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import registry
+from . import registry, scaffold_fields
+from .scaffold_fields import line_offsets
 from .scaffold_template import render_test_module
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
 _REPO_TESTS = _PACKAGE_DIR.parent / "tests" / "models"
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 _PREFIX = re.compile(r"^[A-Z][A-Za-z0-9]*$")
-#: Config values a rewritten ``config.<field>`` may default to (written as Python literals).
-_LITERAL_TYPES = (bool, int, float, str, type(None))
+#: the heads a template may define beside its causal LM (HF class-name suffixes)
+_HEADS = ("ForSequenceClassification", "ForTokenClassification")
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,8 @@ class Scaffold:
     files: dict[Path, str] = field(default_factory=dict)
     defaulted_fields: dict[str, object] = field(default_factory=dict)  # config.<f> -> template default
     ignored_fields: list[str] = field(default_factory=list)  # the new config's fields neither template nor shared code has
+    dropped_fields: dict[str, str] = field(default_factory=dict)  # tiny-config field -> its value's source, removed
+    heads_without_stock: list[str] = field(default_factory=list)  # copied head classes transformers lacks for the type
     review_lines: list[str] = field(default_factory=list)  # prose that still names the template
 
 
@@ -156,14 +161,18 @@ def plan(name: str, template: str = "qwen3", *, class_prefix: str | None = None,
     template_dir = Path(sys.modules[source.causal_lm_class.__module__].__file__).parent
     sources = {path.name: path.read_text() for path in sorted(template_dir.glob("*.py"))}
     defined = _defined_names(sources.values(), old)
-    scaffold.defaulted_fields, scaffold.ignored_fields = _field_differences(source, new, sources.values())
+    new_config_class = _transformers_class("config", "--config-class", new.config_class, "PreTrainedConfig")
+    scaffold.defaulted_fields, scaffold.ignored_fields = scaffold_fields.field_differences(
+        source.config_class, new_config_class, sources.values())
+    scaffold.heads_without_stock = _heads_without_stock(new, defined)
     for file_name, text in sources.items():
         text = _rename(text, old, new, defined)
-        text = _default_missing_fields(text, scaffold.defaulted_fields)
+        text = scaffold_fields.default_missing_fields(text, scaffold.defaulted_fields)
         text = re.sub(r"^(\s*)from \.\.(\w)", r"\1from vexact_models.\2", text, flags=re.M)  # absolute: works out of tree
         text = re.sub(r"^(\s*)from \.\. import", r"\1from vexact_models import", text, flags=re.M)
         if file_name == "__init__.py":
             text = _rewrite_registration(text, old, new)
+            text, scaffold.dropped_fields = scaffold_fields.drop_tiny_config_fields(text, new_config_class)
         scaffold.files[folder / file_name] = text
         scaffold.review_lines += [f"{folder.name}/{file_name}:{i}: {line.strip()}" for i, line in
                                   enumerate(text.splitlines(), 1) if re.search(re.escape(old.name), line, re.I)
@@ -171,6 +180,16 @@ def plan(name: str, template: str = "qwen3", *, class_prefix: str | None = None,
     scaffold.files[test_path] = render_test_module(new, package, in_tree)
     _compile_all(scaffold)
     return scaffold
+
+
+def _heads_without_stock(new: Names, defined: set[str]) -> list[str]:
+    """The head classes the copy defines (``<prefix>ForTokenClassification``, ...) that stock
+    transformers has no class for at the new model type (OLMo2 has no token-classification head):
+    they work, but nothing stock checks them, and the shared head tests skip them."""
+    import transformers
+
+    heads = [new.hf_class.replace("ForCausalLM", head) for head in _HEADS if any(n.endswith(head) for n in defined)]
+    return [name for name in heads if not hasattr(transformers, name)]
 
 
 def _compile_all(scaffold: Scaffold) -> None:
@@ -214,19 +233,11 @@ def _renamed(name: str, old: Names, new: Names) -> str:
     return _word(_word(name, old.prefix, new.prefix, False), old.name, new.name, True)
 
 
-def _line_offsets(text: str) -> list[int]:
-    """Offset of each line's start (tokenize positions are (line, column))."""
-    offsets = [0]
-    for line in text.splitlines(keepends=True):
-        offsets.append(offsets[-1] + len(line))
-    return offsets
-
-
 def _rename(text: str, old: Names, new: Names, defined: set[str]) -> str:
     """Rename by token: identifiers the template defines and its config class; in strings and
     comments also the template's words. Other identifiers (shared helpers, attributes, module
     paths) stay as they are."""
-    offsets = _line_offsets(text)
+    offsets = line_offsets(text)
     edits = []
     prose = {tokenize.STRING, tokenize.COMMENT} | ({tokenize.FSTRING_MIDDLE} if hasattr(tokenize, "FSTRING_MIDDLE") else set())
     for tok in tokenize.generate_tokens(io.StringIO(text).readline):
@@ -242,70 +253,6 @@ def _rename(text: str, old: Names, new: Names, defined: set[str]) -> str:
     for start, end, replacement in reversed(edits):
         text = text[:start] + replacement + text[end:]
     return text
-
-
-def _field_differences(source: registry.Architecture, new: Names, texts) -> tuple[dict[str, object], list[str]]:
-    """(fields the template's code reads as ``config.<f>`` that the new config class lacks, with
-    the template config's default; fields the new config class has, the template's lacks and no
-    shared module mentions, e.g. Mistral's ``sliding_window`` from Llama: the copy ignores them)."""
-    import transformers
-
-    template_config = source.config_class()
-    new_config = getattr(transformers, new.config_class)()
-    read = {m for text in texts for m in re.findall(r"\bconfig\.([A-Za-z_]\w*)\b(?!\s*\()", text)}
-    missing = {f: getattr(template_config, f) for f in sorted(read)
-               if hasattr(template_config, f) and not hasattr(new_config, f)}
-    shared = "\n".join(path.read_text() for path in _PACKAGE_DIR.glob("*.py") if not path.name.startswith("scaffold"))
-    ignored = sorted(f for f in set(new_config.to_dict()) - set(template_config.to_dict())
-                     if not re.search(rf"\b{re.escape(f)}\b", shared))
-    return missing, ignored
-
-
-def _default_missing_fields(text: str, fields: dict[str, object]) -> str:
-    """``config.attention_bias`` -> ``getattr(config, "attention_bias", False)`` for the fields
-    the new config class lacks (a published config.json of that model type has no such field;
-    the template config's default is the feature switched off)."""
-    quotes = {}  # offset -> the quote of the string token around it (an f-string's expression must use the other)
-    offsets = _line_offsets(text)
-    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
-        if tok.type == tokenize.STRING:
-            start = offsets[tok.start[0] - 1] + tok.start[1]
-            quote = tok.string.lstrip("rRbBfFuU")[0]
-            quotes.update((i, quote) for i in range(start, offsets[tok.end[0] - 1] + tok.end[1]))
-
-    def replace(match: re.Match) -> str:
-        quote = "'" if quotes.get(match.start()) == '"' else '"'
-        return f"getattr(config, {quote}{match.group(1)}{quote}, {fields[match.group(1)]!r})"
-
-    names = [name for name, default in fields.items() if isinstance(default, _LITERAL_TYPES)]
-    if names:
-        text = re.sub(rf"\bconfig\.({'|'.join(map(re.escape, names))})\b(?!\s*=[^=])", replace, text)
-    return "".join(_wrap(line) for line in text.splitlines(keepends=True))
-
-
-def _wrap(line: str, width: int = 130) -> str:
-    """Break a line the rewrite made too long after its last comma that fits, inside brackets,
-    indenting the rest under the innermost open bracket (as the house style does)."""
-    if len(line.rstrip("\n")) <= width:
-        return line
-    opens: list[int] = []
-    best = None
-    quote = None
-    for i, ch in enumerate(line[:width]):
-        if quote:
-            quote = None if ch == quote else quote
-        elif ch in "'\"":
-            quote = ch
-        elif ch in "([{":
-            opens.append(i)
-        elif ch in ")]}" and opens:
-            opens.pop()
-        elif ch == "," and opens and line[i + 1:i + 2] == " ":
-            best = (i, opens[-1])
-    if best is None:
-        return line
-    cut, column = best
-    return line[:cut + 1] + "\n" + _wrap(" " * (column + 1) + line[cut + 2:], width)
 
 
 def _rewrite_registration(text: str, old: Names, new: Names) -> str:
@@ -379,9 +326,18 @@ def next_steps(scaffold: Scaffold, written: bool = True) -> str:
         steps.append(f"     {new.config_class} has fields that {old.config_class} and the shared code lack, which the copy "
                      f"ignores: {', '.join(scaffold.ignored_fields)}. Implement each, or raise ValueError for configs "
                      f"that use it.")
-    steps += [f"  2. __init__.py: tiny_config() fields for a {new.config_class}; Shapes; published_configs once you "
-              f"bundle a config.json under conformance/configs.",
-              f"  3. Run: python -m pytest -q {test}" + (" tests/conformance tests/models" if scaffold.in_tree else ""),
+    if scaffold.heads_without_stock:
+        steps.append(f"     transformers has no {', '.join(scaffold.heads_without_stock)}: the copy's head classes of those "
+                     f"names have no stock counterpart (the shared head tests skip them); keep them (e.g. PPO critics) or "
+                     f"remove them and their register() arguments.")
+    steps.append(f"  2. __init__.py: tiny_config() fields for a {new.config_class}; Shapes; published_configs once you "
+                 f"bundle a config.json under conformance/configs.")
+    if scaffold.dropped_fields:
+        steps.append(f"     NOTICE: {new.config_class} has no field {', '.join(scaffold.dropped_fields)}: removed from the "
+                     f"copied tiny configs ({', '.join(f'{k}={v}' for k, v in scaffold.dropped_fields.items())}); a "
+                     f"hub config.json of model_type {new.model_type!r} never sets them; HF's defaults apply"
+                     + (" (head_dim: hidden_size // num_attention_heads)." if "head_dim" in scaffold.dropped_fields else "."))
+    steps += [f"  3. Run: python -m pytest -q {test}" + (" tests/conformance tests/models" if scaffold.in_tree else ""),
               f"  4. GPU: vexact-conformance --arch {new.name} --device cuda --dtype bfloat16 --config <config.json>"]
     if scaffold.review_lines:
         steps.append(f"  Prose that still names {old.name!r} (review): " + "; ".join(scaffold.review_lines[:8])

@@ -2,7 +2,9 @@
 
 It holds what is specific to the new model: its registration, a stock checkpoint of its HF class
 loading and matching HF's logits (tied and untied head), a config as the hub ships it (only the
-config class's own fields) building the same model as HF, and patch() routing. In-tree, the
+config class's own fields) building the same model as HF, and patch() routing. Every model it
+compares has random norm weights and biases (`random_init.randomize_norms_and_biases`): with
+HF's init (norms 1, biases 0) a layer applying the wrong norm would still match. In-tree, the
 architecture-agnostic suites (tests/conformance, the parametrised model tests) pick the new
 architecture up by themselves; out of tree the module also runs the conformance suite.
 """
@@ -24,6 +26,7 @@ from transformers import AutoModel, AutoModelForCausalLM
 import vexact_models
 from vexact_models import registry
 from vexact_models.conformance.suite import hf_parity
+from vexact_models.random_init import randomize_norms_and_biases
 
 from {package} import ARCHITECTURE
 
@@ -39,10 +42,13 @@ def test_registered_and_discovered():
 
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 def test_stock_checkpoint_loads_and_matches_hf_logits(tmp_path, tie):
-    """A checkpoint written by stock transformers' {hf_class} loads strictly and gives its logits."""
+    """A checkpoint written by stock transformers' {hf_class}, every norm weight and bias random,
+    loads strictly and gives its logits."""
     config = ARCHITECTURE.tiny_config(tie_word_embeddings=tie)
     torch.manual_seed(0)
-    ARCHITECTURE.hf_class()(config).save_pretrained(tmp_path)
+    stock = ARCHITECTURE.hf_class()(config)
+    assert randomize_norms_and_biases(stock, seed=0) > 0
+    stock.save_pretrained(tmp_path)
     ours = ARCHITECTURE.causal_lm_class.from_pretrained(tmp_path, dtype=torch.float32).eval()
     hf = ARCHITECTURE.hf_class().from_pretrained(tmp_path, dtype=torch.float32).eval()
     assert list(ours.state_dict()) == list(hf.state_dict())
@@ -59,6 +65,7 @@ def test_config_as_published_builds_hf_model():
     fields = {{k: v for k, v in ARCHITECTURE.tiny_config().to_dict().items() if k in defaults}}
     torch.manual_seed(0)
     model = ARCHITECTURE.causal_lm_class(config_class(**fields)).eval()
+    randomize_norms_and_biases(model, seed=1)
     assert hf_parity(ARCHITECTURE, model, torch.device("cpu")).vs_hf <= 1e-5
 
 
@@ -83,6 +90,7 @@ def test_rollout_logprobs_equal_training_logprobs_bitwise(shape):
     config = ARCHITECTURE.shape(shape).tiny_config()
     torch.manual_seed(0)
     model = ARCHITECTURE.causal_lm_class(config).eval()
+    randomize_norms_and_biases(model, seed=0)
     if ARCHITECTURE.init_for_conformance is not None:
         with torch.no_grad():
             ARCHITECTURE.init_for_conformance(model, 0)

@@ -3,8 +3,11 @@ and stock transformers models of a shape with the same random weights our models
 
 import importlib
 
+import pytest
 import torch
+import transformers
 
+from vexact_models.random_init import randomize_norms_and_biases
 from vexact_models.registry import Architecture, Shape, architectures, shapes
 
 #: every registered (architecture, shape): tests whose code path a shape changes (MLA with or
@@ -42,20 +45,37 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
+def stock_class_name(arch: Architecture, head: str = "ForCausalLM") -> tuple[str, str]:
+    """(module, class name) of the stock transformers class of `arch` with `head`."""
+    module, _, name = arch.hf_causal_lm_class.rpartition(".")
+    return module, name.replace("ForCausalLM", head)
+
+
 def stock_class(arch: Architecture, head: str = "ForCausalLM") -> type:
     """The stock transformers class of `arch` with `head` (``ForCausalLM``, ``Model``,
     ``ForSequenceClassification``...)."""
-    module, _, name = arch.hf_causal_lm_class.rpartition(".")
-    return getattr(importlib.import_module(module), name.replace("ForCausalLM", head))
+    module, name = stock_class_name(arch, head)
+    return getattr(importlib.import_module(module), name)
+
+
+def skip_unless_stock_has(arch: Architecture, head: str) -> None:
+    """Skip the calling test, saying why, when stock transformers has no `head` class for
+    `arch`'s model type (OLMo2 has no ``ForTokenClassification``): there is nothing to compare with."""
+    module, name = stock_class_name(arch, head)
+    if not hasattr(importlib.import_module(module), name):
+        pytest.skip(f"stock transformers {transformers.__version__} has no {name} for model_type {arch.model_types[0]!r}")
 
 
 def stock_model(arch: Architecture, head: str = "ForCausalLM", shape: Shape | None = None, seed: int = 0,
                 **overrides) -> torch.nn.Module:
     """A stock transformers model of `arch` at `shape` (default: its first) in eval mode, with
-    random weights (seeded) and the architecture's conformance init (e.g. DeepSeek's expert
-    selection bias) applied; `overrides` replace config fields."""
+    random weights (seeded): every norm weight and bias random too (`randomize_norms_and_biases`:
+    HF's init leaves them at 1 and 0, where swapping two norms changes nothing), then the
+    architecture's conformance init (e.g. DeepSeek's expert selection bias); `overrides` replace
+    config fields."""
     torch.manual_seed(seed)
     model = stock_class(arch, head)((shape or arch.shapes[0]).tiny_config(**overrides)).eval()
+    randomize_norms_and_biases(model, seed)
     if arch.init_for_conformance is not None:
         with torch.no_grad():
             arch.init_for_conformance(model, seed)

@@ -11,7 +11,7 @@ import vexact_models
 from vexact_models.runtime import LLM
 
 from ..runtime.llm_support import gen, make_llm
-from .model_support import SHAPES, rel, shape_id, stock_model
+from .model_support import SHAPES, rel, shape_id, skip_unless_stock_has, stock_model
 
 pytestmark = pytest.mark.compat
 
@@ -129,6 +129,7 @@ def test_generation_config_eos_reaches_llm(pair):
 @pytest.mark.parametrize("case", SHAPES, ids=shape_id)
 def test_reward_and_critic_heads_load_stock_checkpoints(case, head, auto, tmp_path):
     arch, shape = case
+    skip_unless_stock_has(arch, head)
     hf = stock_model(arch, head, shape=shape, num_labels=1, pad_token_id=0)
     hf.save_pretrained(tmp_path)
     vexact_models.patch()
