@@ -5,8 +5,8 @@ ordinal of a GPU session or log entry ("the twenty-first session", "s42") nor an
 (``docs/gpu-results.md``, ``docs/gpu-logs/``) that left the tree: current figures live in
 ``docs/performance.md``.
 
-Every tracked source file is scanned (``git ls-files`` in a git checkout, else a walk of the tree).
-The markdown docs that another change rewrites are scanned once ``CHECK_DOCS`` is switched on.
+Every tracked source file and the reference docs are scanned (``git ls-files`` in a git checkout,
+else a walk of the tree).
 """
 
 import re
@@ -15,16 +15,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-#: switch on to scan the reference docs as well (`DOC_FILES`); off until their rewrite lands
-CHECK_DOCS = False
-#: the docs `CHECK_DOCS` adds: top-level README.md, every docs/*.md (not docs/ subfolders) and the
-#: benchmarks' READMEs
-DOC_FILES = ("README.md", "docs/*.md", "benchmarks/README.md", "benchmarks/*/README.md")
+#: the markdown scanned: the top-level README.md, every docs/*.md (not docs/ subfolders), the
+#: benchmarks' READMEs and the examples' README
+DOC_FILES = ("README.md", "docs/*.md", "benchmarks/README.md", "benchmarks/*/README.md", "examples/*.md")
 #: source files scanned always: by suffix, plus the extension-less CI scripts
 SOURCE_SUFFIXES = (".py", ".toml", ".sh", ".cfg", ".ini", ".yml", ".yaml", ".txt")
 SOURCE_FOLDERS_ANY_FILE = (".ci/",)
-#: markdown outside `DOC_FILES` (examples/README.md) is scanned always
-ALWAYS_MARKDOWN = ("examples/*.md",)
 #: this file states the patterns and samples of what they catch
 SELF = Path(__file__).resolve().relative_to(ROOT).as_posix()
 
@@ -73,14 +69,14 @@ def tracked_files() -> list[str]:
                       and not any(part.endswith(".egg-info") for part in p.relative_to(ROOT).parts))
 
 
-def scanned_files(files: list[str], check_docs: bool = CHECK_DOCS) -> list[str]:
-    """The files of `files` the scan reads: source files always, the reference docs under `check_docs`."""
+def scanned_files(files: list[str]) -> list[str]:
+    """The files of `files` the scan reads: source files and the reference docs (`DOC_FILES`)."""
     keep = []
     for path in files:
         if path == SELF:
             continue
         if path.endswith(".md"):
-            if _matches(path, ALWAYS_MARKDOWN) or (check_docs and _matches(path, DOC_FILES)):
+            if _matches(path, DOC_FILES):
                 keep.append(path)
         elif path.endswith(SOURCE_SUFFIXES) or path.startswith(SOURCE_FOLDERS_ANY_FILE):
             keep.append(path)
@@ -167,11 +163,10 @@ def test_the_patterns_leave_plain_english_alone():
         assert citations(sample) == [], (sample, citations(sample))
 
 
-def test_docs_are_scanned_only_when_switched_on():
+def test_sources_and_reference_docs_are_scanned_not_data_or_doc_subfolders():
     files = ["README.md", "docs/design.md", "docs/gpu-logs/a.md", "examples/README.md", "kernels/linear.py",
              ".ci/run", "benchmarks/README.md", "benchmarks/investigations/README.md", "tests/x.json", SELF]
-    assert scanned_files(files, check_docs=False) == ["examples/README.md", "kernels/linear.py", ".ci/run"]
-    assert scanned_files(files, check_docs=True) == ["README.md", "docs/design.md", "examples/README.md",
+    assert scanned_files(files) == ["README.md", "docs/design.md", "examples/README.md",
                                                      "kernels/linear.py", ".ci/run", "benchmarks/README.md",
                                                      "benchmarks/investigations/README.md"]
 
