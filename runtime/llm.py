@@ -15,11 +15,13 @@ import operator
 import os
 import weakref
 from collections.abc import Sequence as Seq
+from dataclasses import replace
 
 import torch
 from tqdm.auto import tqdm
 
 from vexact_models.kernels import attention_forward_mode, current_backend, use_backend
+from vexact_models.projections import fuse_projections
 
 from .block_manager import BlockManager
 from .cuda_graphs import DEFAULT_MAX_TOKENS
@@ -116,8 +118,6 @@ class LLM(EngineStepsMixin, EngineSetupMixin, EngineMemoryMixin):
                  enforce_eager: bool = False, aligned: bool = True, async_scheduling: bool = True,
                  enable_prefix_sharing: bool = True, owns_weights: bool | None = None,
                  pipeline_parallel_size: int = 1, cuda_graph_max_tokens: int | None = None) -> None:
-        from vexact_models.layers import fuse_projections
-
         # Every check first: fusing the projections below is the only change made to a model passed in.
         check_model_argument(model)
         check_engine_args(block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -243,8 +243,6 @@ class LLM(EngineStepsMixin, EngineSetupMixin, EngineMemoryMixin):
     def _make_sequences(self, request_id: int, ids: list[int], params: SamplingParams) -> list[Sequence]:
         extra_eos = self.eos_token_ids[1:]
         if extra_eos and not params.ignore_eos:
-            from dataclasses import replace
-
             params = replace(params, stop_token_ids=list(params.stop_token_ids) + extra_eos)
         base = params.seed if params.seed is not None else _derive_seed(self.seed, request_id)
         return [Sequence(request_id, i, ids, params, base if params.n == 1 else _derive_seed(base, i))

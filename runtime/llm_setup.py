@@ -11,6 +11,9 @@ from __future__ import annotations
 import os
 
 import torch
+from transformers import AutoConfig, AutoTokenizer
+
+from vexact_models.registry import for_model_type
 
 from .model_runner import kv_bytes_per_block
 from .pipeline import PipelineStage, StageModel
@@ -44,10 +47,6 @@ class EngineSetupMixin:
     @staticmethod
     def _folder_config(path: str):
         """A checkpoint folder's HF config and the registered architecture serving it."""
-        from transformers import AutoConfig
-
-        from vexact_models.registry import for_model_type
-
         config = AutoConfig.from_pretrained(path)
         arch = for_model_type(config.model_type)
         if arch is None:
@@ -69,8 +68,6 @@ class EngineSetupMixin:
         else:
             model = arch.causal_lm_class.from_pretrained(path, dtype=torch_dtype).to(self.device).eval()
         if any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
-            from transformers import AutoTokenizer
-
             self.tokenizer = AutoTokenizer.from_pretrained(path)
         return model
 

@@ -18,15 +18,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .sampler import SampledTokens, spread_samples
+from .scheduled import ScheduledSeq
 from .staging import to_device
-
-if TYPE_CHECKING:
-    from .scheduler import ScheduledSeq
 
 __all__ = ["EngineStepsMixin", "LaunchedStep"]
 

@@ -23,7 +23,7 @@ from vexact_models.layers import PagedContext
 
 from .block_tables import BlockTables
 from .cuda_graphs import StepGraphs
-from .scheduler import ScheduledSeq
+from .scheduled import ScheduledSeq
 from .staging import to_device
 from .step_inputs import StepInputs, build_step_inputs
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from .pipeline import PipelineStage
 from .pipeline_comm import ABORT, END, PipelineComm
 from .sampler import sample_host_rows, spread_samples
-from .scheduler import ScheduledSeq
+from .scheduled import ScheduledSeq
 from .step_inputs import build_step_inputs
 
 __all__ = ["Pipeline"]

@@ -9,7 +9,6 @@ sequence's seed and output index, after min_tokens/top-k/top-p filtering); the l
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -17,11 +16,9 @@ import torch
 from vexact_models.kernels import gather_logprobs, sample_tokens
 from vexact_models.kernels.sampling import filter_thresholds
 
+from .scheduled import ScheduledSeq
 from .sequence import Sequence
 from .staging import to_device
-
-if TYPE_CHECKING:
-    from .scheduler import ScheduledSeq
 
 
 class Sampler:
