@@ -26,6 +26,7 @@ from vexact_models.projections import fuse_projections
 from .block_manager import BlockManager
 from .cuda_graphs import DEFAULT_MAX_TOKENS
 from .engine_config import EngineConfig
+from .engine_lock import EngineLock, one_call_at_a_time
 from .llm_args import (architecture_of, check_engine_args, check_max_model_len, check_model_argument, default_block_size,
                        check_model_placement, resolve_device, resolve_dtype)
 from .llm_memory import EngineMemoryMixin
@@ -109,6 +110,16 @@ class LLM(EngineStepsMixin, EngineSetupMixin, EngineMemoryMixin):
             checkpoint folder loads only the stage's tensors. The logprobs equal a
             single-process rollout's bitwise. ``update_weights``, ``sleep`` and ``wake_up`` are
             called on every rank. docs/pipeline.md.
+
+    Threads: one call runs at a time (`runtime.engine_lock`). A ``generate``, ``update_weights``,
+    ``sleep`` or ``wake_up`` called while another thread's call is running waits for it to
+    return, then runs as it would alone: its outputs do not change. Requests that give no seed
+    take one derived from the engine's ``seed`` and their index over the engine's life, so the
+    order in which waiting threads get their turn decides those seeds; give ``params.seed`` to
+    make a call's outputs independent of other threads. A call made from inside a running call
+    on the same thread (a callback) raises RuntimeError instead of waiting for itself. The
+    kernel backend (`vexact_models.kernels.set_backend` / ``use_backend``) is a process-wide
+    setting, read by every kernel: change it only while no call is running.
     """
 
     def __init__(self, model, *, dtype: str | torch.dtype = "auto", device: str | torch.device | None = None,
@@ -118,6 +129,7 @@ class LLM(EngineStepsMixin, EngineSetupMixin, EngineMemoryMixin):
                  enforce_eager: bool = False, aligned: bool = True, async_scheduling: bool = True,
                  enable_prefix_sharing: bool = True, owns_weights: bool | None = None,
                  pipeline_parallel_size: int = 1, cuda_graph_max_tokens: int | None = None) -> None:
+        self._engine_lock = EngineLock()  # held by each public call (the class docstring: Threads)
         # Every check first: fusing the projections below is the only change made to a model passed in.
         check_model_argument(model)
         check_engine_args(block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -248,6 +260,7 @@ class LLM(EngineStepsMixin, EngineSetupMixin, EngineMemoryMixin):
         return [Sequence(request_id, i, ids, params, base if params.n == 1 else _derive_seed(base, i))
                 for i in range(params.n)]
 
+    @one_call_at_a_time
     def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate completions for `prompts` (token-id lists, or strings with a tokenizer).

@@ -128,6 +128,15 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    def zero_cache(self) -> None:
+        """Overwrite every K/V page with zeros, in place (the CUDA graphs keep their addresses):
+        after a step wrote non-finite K/V. A freed page's stale positions are read again by
+        kernels that load whole pages (`_kv_pair`), where a NaN times a zero probability is NaN."""
+        for pair in self.kv_caches:
+            if pair is not None:
+                for cache in {id(t.untyped_storage()): t for t in pair}.values():  # V may be a view of K
+                    cache.zero_()
+
     def _prepare(self, scheduled: list[ScheduledSeq]):
         """The eager forward's arguments (ids, positions, context, logits rows) on the device."""
         return self._to_device(build_step_inputs(scheduled, self.block_size, self.block_tables))
