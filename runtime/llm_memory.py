@@ -14,11 +14,21 @@ import torch
 from vexact_models.kernels import use_backend
 
 from .engine_lock import one_call_at_a_time
+from .model_runner import ModelRunner
+from .scheduler import Scheduler
 from .weights import ReleasedWeights, copy_weights, named_targets
 
 
 class EngineMemoryMixin:
-    """Weight updates and vLLM-style sleep levels for `LLM`."""
+    """Weight updates and vLLM-style sleep levels for `LLM`: public methods of the engine
+    itself, over its own model, runner and scheduler. Besides the attributes below (set by
+    ``LLM.__init__``) it uses the engine's ``backend`` and ``_remember_graphs``."""
+
+    model: torch.nn.Module  #: the inference model (its ``causal_lm`` holds the parameters)
+    runner: ModelRunner
+    scheduler: Scheduler
+    device: torch.device
+    owns_weights: bool  #: whether sleep may take the weights off the device
 
     def _init_weight_state(self, owns_weights: bool) -> None:
         if not isinstance(owns_weights, bool):

@@ -21,8 +21,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .sampler import SampledTokens, nonfinite_rows, spread_samples
+from .model_runner import ModelRunner
+from .pipeline_worker import Pipeline
+from .sampler import SampledTokens, Sampler, nonfinite_rows, spread_samples
 from .scheduled import ScheduledSeq
+from .scheduler import Scheduler
 from .staging import to_device
 
 __all__ = ["EngineStepsMixin", "LaunchedStep"]
@@ -48,10 +51,20 @@ class LaunchedStep:
 
 
 class EngineStepsMixin:
-    """`LLM`'s step loop (it uses the LLM's scheduler, runner, sampler and pipeline)."""
+    """`LLM`'s step loop. A part of the engine's class rather than an object of its own: it
+    drives the engine's own scheduler (which a failed call replaces, `LLM._abort`) and reads the
+    switches users set on the engine (``async_scheduling``, ``step_times``). What it uses of
+    `LLM`, all set by ``LLM.__init__``:"""
 
-    #: Overlap the host's step work with the device (the module docstring); set by `LLM`.
+    scheduler: Scheduler
+    runner: ModelRunner
+    sampler: Sampler
+    pipeline: Pipeline | None  #: None on a single process
+    #: Overlap the host's step work with the device (the module docstring).
     async_scheduling: bool = True
+    #: When a list, each completed step appends (sequences, decode-only, seconds since the last).
+    step_times: list[tuple[int, bool, float]] | None
+    num_preemptions: int  #: sequences preempted (by recompute) so far
 
     def _loop(self, bar) -> None:
         """Run steps until every scheduled sequence has finished (`generate`'s requests)."""
