@@ -134,7 +134,7 @@ class ModelRunner:
         kernels that load whole pages (`_kv_pair`), where a NaN times a zero probability is NaN."""
         for pair in self.kv_caches:
             if pair is not None:
-                for cache in {id(t.untyped_storage()): t for t in pair}.values():  # V may be a view of K
+                for cache in pair:  # (a V that is a view of K's first dims is zeroed twice)
                     cache.zero_()
 
     def _prepare(self, scheduled: list[ScheduledSeq]):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import vexact_models.qwen3 as qwen3
+from vexact_models.registry import get
 from vexact_models.runtime import SamplingParams
 from vexact_models.runtime.sampler import Sampler, flag_nonfinite_rows, nonfinite_rows
 from vexact_models.runtime.sequence import Sequence
@@ -154,6 +155,25 @@ def test_nonfinite_logits_raise_naming_the_requests_and_the_engine_stays_usable(
     assert all(torch.isfinite(kv).all() for pair in llm.runner.kv_caches for kv in pair)  # no NaN K/V left
     llm.update_weights(good)
     assert [result(o) for o in gen(llm, pa, sa)] == want  # as a lone call with the good weights
+
+
+def test_nonfinite_kv_is_zeroed_in_a_latent_cache_too():
+    """DeepSeek's latent cache: V is a view of K's first dims, and the rotary part after them
+    must be zeroed as well."""
+    arch = get("deepseek_v3")
+    torch.manual_seed(0)
+    model = arch.causal_lm_class(arch.tiny_config(initializer_range=0.3)).eval()
+    (pa, sa), _ = calls()
+    llm = make_llm(model)
+    assert llm.model.kv_cache_spec().value_in_key
+    want = [result(o) for o in gen(llm, pa, sa)]
+    bad, good = _poison(model, "model.layers.0.input_layernorm.weight", where=(0,))
+    llm.update_weights(bad)
+    with pytest.raises(RuntimeError, match=r"the logits of request 3 \(sample 0.* hold NaN or inf"):
+        gen(llm, pa, sa)
+    assert all(torch.isfinite(kv).all() for pair in llm.runner.kv_caches for kv in pair)
+    llm.update_weights(good)
+    assert [result(o) for o in gen(llm, pa, sa)] == want
 
 
 def test_nonfinite_logits_are_flagged_per_row_on_the_logprobs_the_step_copies_anyway():
