@@ -51,7 +51,7 @@ class Pipeline:
             kind, inputs, rows = comm.recv_plan()
             if kind == END:
                 return
-            if kind == ABORT:  # its K/V may be non-finite (`LLM._complete`): no later call may read it
+            if kind == ABORT:  # its K/V may be non-finite (`EngineStepsMixin._check_finite`)
                 runner.zero_cache()
                 raise RuntimeError(f"LLM.generate: the first pipeline stage failed between steps; stage "
                                    f"{self.stage.index} drops the call (see the first stage's error)")
