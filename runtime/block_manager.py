@@ -42,12 +42,8 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import Counter, OrderedDict
-from typing import TYPE_CHECKING
-
 from .block_tables import BlockTables
-
-if TYPE_CHECKING:
-    from .sequence import Sequence
+from .sequence import Sequence
 
 __all__ = ["BlockManager"]
 

@@ -10,12 +10,9 @@ gather: a decode step touches only the rows whose sequence got a new page.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-if TYPE_CHECKING:
-    from .sequence import Sequence
+from .sequence import Sequence
 
 __all__ = ["BlockTables"]
 

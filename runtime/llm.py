@@ -7,6 +7,15 @@
 Each step: `Scheduler.schedule` -> `ModelRunner.execute` -> `Sampler` -> `Scheduler.postprocess`
 (`llm_steps`: the loop, which with ``async_scheduling`` launches the next decode step before
 reading the current one's tokens back).
+
+Where the engine's parts live: this file holds construction and ``generate`` (requests in,
+outputs out); `llm_args` checks the constructor's arguments before anything changes;
+`llm_setup` holds the functions that pick the device, load a checkpoint folder and size the KV
+cache; `engine_lock` lets one call run at a time. Two parts are mixins of the one class rather
+than objects of their own, because they act on the engine's own state: `llm_steps`
+(`EngineStepsMixin`, the step loop over the engine's scheduler, which a failed call replaces,
+and the switches users set on the engine) and `llm_memory` (`EngineMemoryMixin`: the public
+``update_weights``, ``sleep`` and ``wake_up``).
 """
 
 from __future__ import annotations
@@ -15,19 +24,22 @@ import operator
 import os
 import weakref
 from collections.abc import Sequence as Seq
+from dataclasses import replace
 
 import torch
 from tqdm.auto import tqdm
 
 from vexact_models.kernels import attention_forward_mode, current_backend, use_backend
+from vexact_models.projections import fuse_projections
 
 from .block_manager import BlockManager
 from .cuda_graphs import DEFAULT_MAX_TOKENS
 from .engine_config import EngineConfig
+from .engine_lock import EngineLock, one_call_at_a_time
 from .llm_args import (architecture_of, check_engine_args, check_max_model_len, check_model_argument, default_block_size,
                        check_model_placement, resolve_device, resolve_dtype)
 from .llm_memory import EngineMemoryMixin
-from .llm_setup import EngineSetupMixin
+from .llm_setup import eos_token_ids, folder_config, kv_cache_blocks, load_folder, pick_device, runner_model
 from .llm_steps import EngineStepsMixin
 from .outputs import CompletionOutput, RequestOutput
 from .pipeline import PipelineStage, check_stage_model, join_pipeline
@@ -44,7 +56,7 @@ def _derive_seed(base: int, index: int) -> int:
     return (base * 1_000_003 + (index + 1) * _SEED_STRIDE) % (1 << 63)
 
 
-class LLM(EngineStepsMixin, EngineSetupMixin, EngineMemoryMixin):
+class LLM(EngineStepsMixin, EngineMemoryMixin):
     """A paged-KV rollout engine over a vexact-models architecture.
 
     A bad argument (or a model that is not a vexact-models causal LM, e.g. a stock transformers
@@ -107,6 +119,16 @@ class LLM(EngineStepsMixin, EngineSetupMixin, EngineMemoryMixin):
             checkpoint folder loads only the stage's tensors. The logprobs equal a
             single-process rollout's bitwise. ``update_weights``, ``sleep`` and ``wake_up`` are
             called on every rank. docs/pipeline.md.
+
+    Threads: one call runs at a time (`runtime.engine_lock`). A ``generate``, ``update_weights``,
+    ``sleep`` or ``wake_up`` called while another thread's call is running waits for it to
+    return, then runs as it would alone: its outputs do not change. Requests that give no seed
+    take one derived from the engine's ``seed`` and their index over the engine's life, so the
+    order in which waiting threads get their turn decides those seeds; give ``params.seed`` to
+    make a call's outputs independent of other threads. A call made from inside a running call
+    on the same thread (a callback) raises RuntimeError instead of waiting for itself. The
+    kernel backend (`vexact_models.kernels.set_backend` / ``use_backend``) is a process-wide
+    setting, read by every kernel: change it only while no call is running.
     """
 
     def __init__(self, model, *, dtype: str | torch.dtype = "auto", device: str | torch.device | None = None,
@@ -116,8 +138,7 @@ class LLM(EngineStepsMixin, EngineSetupMixin, EngineMemoryMixin):
                  enforce_eager: bool = False, aligned: bool = True, async_scheduling: bool = True,
                  enable_prefix_sharing: bool = True, owns_weights: bool | None = None,
                  pipeline_parallel_size: int = 1, cuda_graph_max_tokens: int | None = None) -> None:
-        from vexact_models.layers import fuse_projections
-
+        self._engine_lock = EngineLock()  # held by each public call (the class docstring: Threads)
         # Every check first: fusing the projections below is the only change made to a model passed in.
         check_model_argument(model)
         check_engine_args(block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -132,16 +153,15 @@ class LLM(EngineStepsMixin, EngineSetupMixin, EngineMemoryMixin):
         if not from_folder:
             architecture_of(model)
             check_model_placement(model, resolve_device(device), load_dtype)
-        stage = join_pipeline(pipeline_parallel_size, self._folder_config(str(model))[0] if from_folder else model.config)
+        stage = join_pipeline(pipeline_parallel_size, folder_config(str(model))[0] if from_folder else model.config)
         if stage is not None and not from_folder:
             check_stage_model(model, stage)
-        self.device = self._pick_device(model, resolve_device(device), stage)
+        self.device = pick_device(model, resolve_device(device), stage)
         if not aligned and self.device.type != "cuda":
             raise ValueError(f"LLM: aligned=False (the cuBLAS fast path) needs a CUDA device, got {self.device}")
         self.aligned = aligned
         self.async_scheduling = async_scheduling
-        self.tokenizer = None
-        training = self._load(str(model), dtype, stage) if from_folder else model
+        training, self.tokenizer = load_folder(str(model), dtype, stage, self.device) if from_folder else (model, None)
         arch = architecture_of(training)
         self._init_weight_state(from_folder if owns_weights is None else owns_weights)
         self.model = arch.inference_class(training)
@@ -150,12 +170,13 @@ class LLM(EngineStepsMixin, EngineSetupMixin, EngineMemoryMixin):
         self.pipeline = None if stage is None else Pipeline(stage, PipelineComm(
             stage.index, stage.size, self.device, self.dtype, self.config.hidden_size))
         self.max_model_len = check_max_model_len(max_model_len, self.config)
-        self.eos_token_ids = self._eos_ids()
+        self.eos_token_ids = eos_token_ids(self.model, self.config)
         if block_size is None:
             block_size = default_block_size(self.model.kv_cache_spec())
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
         self.engine_config = EngineConfig(
-            num_blocks=self._num_blocks(block_size, gpu_memory_utilization, kv_cache_bytes), block_size=block_size,
+            num_blocks=kv_cache_blocks(self.model, self.dtype, self.device, self.pipeline, block_size, gpu_memory_utilization,
+                                       kv_cache_bytes), block_size=block_size,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
             eos_token_id=eos, enable_chunked_prefill=enable_chunked_prefill, enable_prefix_sharing=enable_prefix_sharing,
             cuda_graph_batch=0 if enforce_eager else max_num_seqs,
@@ -168,7 +189,7 @@ class LLM(EngineStepsMixin, EngineSetupMixin, EngineMemoryMixin):
         self.step_times: list[tuple[int, bool, float]] | None = None  # (sequences, decode-only, seconds)
         backend = self.backend
         with use_backend(backend):  # CUDA graphs capture the engine's kernels
-            model_part, layers, carry_width = self._runner_model()
+            model_part, layers, carry_width = runner_model(self.model, self.pipeline, self.config.hidden_size)
             self.runner = self.engine_config.make_runner(model_part, self.device, self.dtype, self.scheduler, layers=layers,
                                                          carry_width=carry_width)
         self._remember_graphs(backend)
@@ -243,13 +264,12 @@ class LLM(EngineStepsMixin, EngineSetupMixin, EngineMemoryMixin):
     def _make_sequences(self, request_id: int, ids: list[int], params: SamplingParams) -> list[Sequence]:
         extra_eos = self.eos_token_ids[1:]
         if extra_eos and not params.ignore_eos:
-            from dataclasses import replace
-
             params = replace(params, stop_token_ids=list(params.stop_token_ids) + extra_eos)
         base = params.seed if params.seed is not None else _derive_seed(self.seed, request_id)
         return [Sequence(request_id, i, ids, params, base if params.n == 1 else _derive_seed(base, i))
                 for i in range(params.n)]
 
+    @one_call_at_a_time
     def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate completions for `prompts` (token-id lists, or strings with a tokenizer).
@@ -261,7 +281,10 @@ class LLM(EngineStepsMixin, EngineSetupMixin, EngineMemoryMixin):
         the n=1 completion with the same seed. Returns one
         `RequestOutput` per prompt, in order, each with ``params.n`` completions carrying token
         ids, per-token logprobs and the finish reason. Bad input raises ValueError before any
-        work starts.
+        work starts. Logits holding a NaN or an infinity (e.g. a NaN weight) raise RuntimeError
+        naming the requests; as after any failed or interrupted call, the call's requests are
+        dropped, their KV pages freed, and the engine serves the next call. While another
+        thread's call runs, this one waits for it (the class docstring: Threads).
         """
         if hasattr(prompts, "tolist") and not isinstance(prompts, list):  # a tensor or numpy array of ids
             prompts = prompts.tolist()

@@ -12,6 +12,8 @@ import os
 
 import torch
 
+from vexact_models.registry import architectures, for_model_type
+
 from ..kernels.attention_tiles import VALUE_HEAD_DIMS
 from .sampling_params import MAX_SEED
 
@@ -125,8 +127,6 @@ def check_model_argument(model: object) -> None:
 def architecture_of(model: torch.nn.Module):
     """The registered `Architecture` whose training class `model` is; ValueError otherwise,
     saying what to do (stock transformers model: ``vexact_models.patch()`` before loading)."""
-    from vexact_models.registry import architectures, for_model_type
-
     if type(model).__module__.startswith("peft.") and hasattr(model, "get_base_model"):
         return architecture_of(model.get_base_model())  # a PeftModel over ours: the engine runs its adapters
     kind = f"{type(model).__module__}.{type(model).__qualname__}"

@@ -13,11 +13,22 @@ import torch
 
 from vexact_models.kernels import use_backend
 
+from .engine_lock import one_call_at_a_time
+from .model_runner import ModelRunner
+from .scheduler import Scheduler
 from .weights import ReleasedWeights, copy_weights, named_targets
 
 
 class EngineMemoryMixin:
-    """Weight updates and vLLM-style sleep levels for `LLM`."""
+    """Weight updates and vLLM-style sleep levels for `LLM`: public methods of the engine
+    itself, over its own model, runner and scheduler. Besides the attributes below (set by
+    ``LLM.__init__``) it uses the engine's ``backend`` and ``_remember_graphs``."""
+
+    model: torch.nn.Module  #: the inference model (its ``causal_lm`` holds the parameters)
+    runner: ModelRunner
+    scheduler: Scheduler
+    device: torch.device
+    owns_weights: bool  #: whether sleep may take the weights off the device
 
     def _init_weight_state(self, owns_weights: bool) -> None:
         if not isinstance(owns_weights, bool):
@@ -35,6 +46,7 @@ class EngineMemoryMixin:
             raise RuntimeError(f"{caller}: after sleep(level=2) the weights are uninitialised until update_weights "
                                f"writes them; {len(names)} not written yet, e.g. {names[:3]}")
 
+    @one_call_at_a_time
     @torch.no_grad()
     def update_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy named tensors (HF checkpoint names) into the engine's parameters, in place.
@@ -63,6 +75,7 @@ class EngineMemoryMixin:
         return copy_weights(named_targets(self.model.causal_lm), weights,
                             written=lambda p: self._unwritten.pop(id(p), None))
 
+    @one_call_at_a_time
     def sleep(self, level: int = 1) -> None:
         """Release device memory while the trainer runs, in the style of vLLM's sleep levels.
 
@@ -91,6 +104,7 @@ class EngineMemoryMixin:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    @one_call_at_a_time
     def wake_up(self, tags: Seq[str] | None = None) -> None:
         """Undo `sleep`: ``tags`` picks what to restore, ``"weights"`` and/or ``"kv_cache"``
         (default both, weights first). Waking the weights alone first lets ``update_weights``

@@ -18,15 +18,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .sampler import SampledTokens, spread_samples
+from .model_runner import ModelRunner
+from .pipeline_worker import Pipeline
+from .sampler import SampledTokens, Sampler, nonfinite_rows, spread_samples
+from .scheduled import ScheduledSeq
+from .scheduler import Scheduler
 from .staging import to_device
-
-if TYPE_CHECKING:
-    from .scheduler import ScheduledSeq
 
 __all__ = ["EngineStepsMixin", "LaunchedStep"]
 
@@ -51,10 +51,20 @@ class LaunchedStep:
 
 
 class EngineStepsMixin:
-    """`LLM`'s step loop (it uses the LLM's scheduler, runner, sampler and pipeline)."""
+    """`LLM`'s step loop. A part of the engine's class rather than an object of its own: it
+    drives the engine's own scheduler (which a failed call replaces, `LLM._abort`) and reads the
+    switches users set on the engine (``async_scheduling``, ``step_times``). What it uses of
+    `LLM`, all set by ``LLM.__init__``:"""
 
-    #: Overlap the host's step work with the device (the module docstring); set by `LLM`.
+    scheduler: Scheduler
+    runner: ModelRunner
+    sampler: Sampler
+    pipeline: Pipeline | None  #: None on a single process
+    #: Overlap the host's step work with the device (the module docstring).
     async_scheduling: bool = True
+    #: When a list, each completed step appends (sequences, decode-only, seconds since the last).
+    step_times: list[tuple[int, bool, float]] | None
+    num_preemptions: int  #: sequences preempted (by recompute) so far
 
     def _loop(self, bar) -> None:
         """Run steps until every scheduled sequence has finished (`generate`'s requests)."""
@@ -108,11 +118,31 @@ class EngineStepsMixin:
         return LaunchedStep(items, self.sampler.launch(logits, [item.seq for item in sampling], ahead))
 
     def _complete(self, launched: LaunchedStep, bar) -> None:
-        """Wait for `launched`'s tokens and postprocess them."""
+        """Wait for `launched`'s tokens and postprocess them; RuntimeError when some sampled
+        row's logits were not finite (`_check_finite`)."""
         tokens, logprobs = launched.results()
+        self._check_finite(launched.scheduled, logprobs)
         bar.update(len(self.scheduler.postprocess(launched.scheduled, tokens, logprobs)))
         if self.step_times is not None:  # the interval between step completions: a step's cost
             now = time.perf_counter()
             decode = all(item.num_new_tokens == 1 for item in launched.scheduled)
             self.step_times.append((len(launched.scheduled), decode, now - self._last_completion))
         self._last_completion = time.perf_counter()
+
+    def _check_finite(self, scheduled: list[ScheduledSeq], logprobs: list[float | None]) -> None:
+        """Raise RuntimeError naming the requests whose logits in this step held a NaN or an
+        infinity (the sampler flags them as NaN logprobs: `sampler.flag_nonfinite_rows`; no sync
+        of its own), before their tokens are recorded. The KV cache is zeroed first, since the
+        step (and one launched ahead of it) may have written non-finite K/V into pages that later
+        calls reuse; ``generate`` then drops the call's requests and frees their pages
+        (`LLM._abort`), and the engine serves the next call as a fresh one would."""
+        bad = nonfinite_rows(logprobs)
+        if not bad:
+            return
+        self.runner.zero_cache()
+        names = ", ".join(f"request {scheduled[i].seq.request_id} (sample {scheduled[i].seq.sample_index}, "
+                          f"after {scheduled[i].seq.num_output_tokens} output tokens)" for i in bad[:8])
+        more = f" and {len(bad) - 8} more" if len(bad) > 8 else ""
+        raise RuntimeError(f"LLM.generate: the logits of {names}{more} hold NaN or inf (of the step's "
+                           f"{len(scheduled)} sequences); the weights or activations are not finite (e.g. a NaN written "
+                           "by update_weights). The call's requests are dropped; the engine stays usable")

@@ -23,7 +23,7 @@ from vexact_models.layers import PagedContext
 
 from .block_tables import BlockTables
 from .cuda_graphs import StepGraphs
-from .scheduler import ScheduledSeq
+from .scheduled import ScheduledSeq
 from .staging import to_device
 from .step_inputs import StepInputs, build_step_inputs
 
@@ -127,6 +127,15 @@ class ModelRunner:
         self.kv_caches = []
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def zero_cache(self) -> None:
+        """Overwrite every K/V page with zeros, in place (the CUDA graphs keep their addresses):
+        after a step wrote non-finite K/V. A freed page's stale positions are read again by
+        kernels that load whole pages (`_kv_pair`), where a NaN times a zero probability is NaN."""
+        for pair in self.kv_caches:
+            if pair is not None:
+                for cache in pair:  # (a V that is a view of K's first dims is zeroed twice)
+                    cache.zero_()
 
     def _prepare(self, scheduled: list[ScheduledSeq]):
         """The eager forward's arguments (ids, positions, context, logits rows) on the device."""

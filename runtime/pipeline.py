@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 __all__ = ["PipelineStage", "StageModel", "check_stage_model", "join_pipeline", "partition_layers"]
 
@@ -77,8 +78,6 @@ def join_pipeline(size: int, config) -> PipelineStage | None:
     if size > layers:
         raise ValueError(f"LLM: pipeline_parallel_size={size} is above the model's num_hidden_layers={layers} (each "
                          "stage needs at least one decoder layer)")
-    import torch.distributed as dist
-
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError(f"LLM: pipeline_parallel_size={size} needs torch.distributed initialised with {size} processes, "
                          "one per stage (e.g. torchrun --nproc-per-node "

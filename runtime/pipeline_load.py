@@ -19,7 +19,9 @@ import os
 import re
 
 import torch
+from safetensors import safe_open
 from torch import nn
+from transformers import GenerationConfig
 
 from .pipeline import PipelineStage
 
@@ -39,8 +41,6 @@ def checkpoint_files(folder: str) -> dict[str, str]:
     if not os.path.isfile(single):
         raise ValueError(f"LLM: {folder} holds no safetensors checkpoint (model.safetensors or "
                          "model.safetensors.index.json); pipeline stages load safetensors only")
-    from safetensors import safe_open
-
     with safe_open(single, framework="pt") as handle:
         return dict.fromkeys(handle.keys(), single)
 
@@ -56,8 +56,6 @@ class _Reader:
         return name in self.files
 
     def get(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
-
         path = self.files[name]
         if path not in self.handles:
             self.handles[path] = safe_open(path, framework="pt")
@@ -170,7 +168,5 @@ def load_stage_model(folder: str, arch, config, dtype: torch.dtype, stage: Pipel
     owned = _materialize(model, stage, device, dtype)
     _fill(owned, _Reader(checkpoint_files(folder)), folder)
     if os.path.isfile(os.path.join(folder, "generation_config.json")):
-        from transformers import GenerationConfig
-
         model.generation_config = GenerationConfig.from_pretrained(folder)
     return model.eval()

@@ -16,7 +16,7 @@ from __future__ import annotations
 from .pipeline import PipelineStage
 from .pipeline_comm import ABORT, END, PipelineComm
 from .sampler import sample_host_rows, spread_samples
-from .scheduler import ScheduledSeq
+from .scheduled import ScheduledSeq
 from .step_inputs import build_step_inputs
 
 __all__ = ["Pipeline"]
@@ -51,7 +51,8 @@ class Pipeline:
             kind, inputs, rows = comm.recv_plan()
             if kind == END:
                 return
-            if kind == ABORT:
+            if kind == ABORT:  # its K/V may be non-finite (`EngineStepsMixin._check_finite`)
+                runner.zero_cache()
                 raise RuntimeError(f"LLM.generate: the first pipeline stage failed between steps; stage "
                                    f"{self.stage.index} drops the call (see the first stage's error)")
             out = runner.run(inputs, comm.recv_carry(len(inputs.ids)))

@@ -4,12 +4,16 @@ The token comes from `kernels.sample_tokens` (Gumbel-max over a counter RNG keye
 sequence's seed and output index, after min_tokens/top-k/top-p filtering); the logprob is
 ``gather_logprobs(logits, token, T)`` on the *unfiltered* logits at the sequence's temperature
 (1.0 for greedy): the quantity training recomputes with ``token_logprobs``, by the same kernel.
+
+A row whose logits hold a NaN or an infinity (a NaN weight, an overflow) reports a NaN logprob,
+whatever the logprob kernel made of it: the finite check rides on the logprobs the step copies
+to the host anyway (no sync of its own), and the engine raises on it (`runtime.llm_steps`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -17,11 +21,9 @@ import torch
 from vexact_models.kernels import gather_logprobs, sample_tokens
 from vexact_models.kernels.sampling import filter_thresholds
 
+from .scheduled import ScheduledSeq
 from .sequence import Sequence
 from .staging import to_device
-
-if TYPE_CHECKING:
-    from .scheduler import ScheduledSeq
 
 
 class Sampler:
@@ -159,7 +161,26 @@ def launch_sample(logits: torch.Tensor, temps, logprob_temps, top_k, top_p, seed
     if filter_rows is not None:
         thresholds = filter_thresholds(sample_logits, temps, top_k, top_p, filter_rows)
     tokens = sample_tokens(sample_logits, temps, seeds, steps, thresholds)
-    return SampledTokens(tokens, gather_logprobs(logits, tokens, logprob_temps))
+    return SampledTokens(tokens, flag_nonfinite_rows(logits, gather_logprobs(logits, tokens, logprob_temps)))
+
+
+def flag_nonfinite_rows(logits: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+    """`logprobs` with NaN in the rows whose `logits` are not all finite; the others' bits are
+    unchanged. On the device, without a sync: the step's host copy of the logprobs carries the
+    flag (`nonfinite_rows`). The logprob kernel alone may not show it: its running max can skip a
+    NaN (Triton's ``maximum`` does not propagate it), and a sampled finite column still gets a
+    finite logprob beside a NaN one."""
+    finite = torch.isfinite(logits).all(dim=1)
+    return torch.where(finite, logprobs, float("nan"))  # a Python scalar: no host->device copy
+
+
+def nonfinite_rows(logprobs: list[float | None]) -> list[int]:
+    """The indices of the NaN or infinite logprobs in a step's host results (None: a row that
+    samples nothing): the rows `flag_nonfinite_rows` flagged. One sum in the common case."""
+    sampled = logprobs if None not in logprobs else [lp for lp in logprobs if lp is not None]
+    if math.isfinite(sum(sampled)):  # logprobs of finite logits are finite, and so is their sum
+        return []
+    return [i for i, lp in enumerate(logprobs) if lp is not None and not math.isfinite(lp)]
 
 
 def spread_samples(scheduled: list[ScheduledSeq], tokens: list[int], logprobs: list[float]

@@ -21,48 +21,15 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
 from itertools import islice
 
 from .block_manager import BlockManager
+from .scheduled import ScheduledSeq, SchedulerOutput
 from .scheduler_ahead import LookaheadMixin
 from .scheduler_postprocess import PostprocessMixin
 from .sequence import Sequence, SequenceStatus
 
 __all__ = ["ScheduledSeq", "SchedulerOutput", "Scheduler"]
-
-
-@dataclass
-class ScheduledSeq:
-    """One sequence's share of a step."""
-
-    seq: Sequence
-    #: Tokens ``seq.token_ids[seq.num_computed_tokens : seq.num_computed_tokens + num_new_tokens]``
-    #: run through the model this step (their K/V go to the cache). ``num_computed_tokens`` is
-    #: read after ``schedule()``: it already counts the pages shared at this step's allocation.
-    num_new_tokens: int
-    #: True when this chunk ends at ``seq.num_tokens``: the step samples seq's next token from
-    #: the logits of the chunk's last position. False for a non-final prefill chunk.
-    samples: bool
-    #: A ``schedule_ahead`` decode: its one token is the one the step before is still sampling,
-    #: at position ``len(seq.token_ids)``, not in ``token_ids`` yet (its id comes on the device).
-    in_flight: bool = False
-
-
-@dataclass
-class SchedulerOutput:
-    """What one ``schedule()`` call decided."""
-
-    scheduled: list[ScheduledSeq]
-    #: Sequences preempted by recompute during this call (their pages are freed; they wait again).
-    preempted: list[Sequence]
-    #: Sequences that can never fit, finished with finish_reason "error" since the last call.
-    errored: list[Sequence]
-
-    @property
-    def num_tokens(self) -> int:
-        """Total new tokens run this step."""
-        return sum(item.num_new_tokens for item in self.scheduled)
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:

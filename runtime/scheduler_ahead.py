@@ -29,12 +29,8 @@ limit, a decode needs a new page and none is free (a preemption), or sequences e
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from .scheduled import ScheduledSeq
 from .sequence import Sequence, SequenceStatus
-
-if TYPE_CHECKING:
-    from .scheduler import ScheduledSeq
 
 __all__ = ["LookaheadMixin"]
 
@@ -47,8 +43,6 @@ class LookaheadMixin:
         sequences' decodes, then admissions; or None when it cannot be decided before that
         step's tokens are known (the module docstring). Allocates the pages it needs;
         ``postprocess`` takes the steps in the order scheduled."""
-        from .scheduler import ScheduledSeq
-
         if len(self._in_flight) != 1 or self._errored:
             return None
         step, _ = self._in_flight[0]

@@ -9,12 +9,8 @@ one concept: deciding a step there, applying its results here.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from .scheduled import ScheduledSeq
 from .sequence import Sequence, SequenceStatus
-
-if TYPE_CHECKING:
-    from .scheduler import ScheduledSeq
 
 __all__ = ["PostprocessMixin"]
 

@@ -18,16 +18,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import chain
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from vexact_models.kernels.kernel_switch import KernelSwitch
 
-if TYPE_CHECKING:
-    from .block_tables import BlockTables
-    from .scheduler import ScheduledSeq
-    from .sequence import Sequence
+from .block_tables import BlockTables
+from .scheduled import ScheduledSeq
+from .sequence import Sequence
 
 __all__ = ["ATTENTION_ORDER", "StepInputs", "attention_order", "build_step_inputs"]
 

@@ -12,7 +12,10 @@ given (tiny configs):
 - stream (``--checks stream``): an FSDP2 trainer over the same ranks takes an optimizer step,
   its weights are streamed into the pipelined engine (`stream_full_weights`, every rank the
   whole stream, each stage keeping its own layers), and the next rollout equals the sharded
-  recompute of the updated model, bitwise.
+  recompute of the updated model, bitwise. Then a NaN written into the first stage's layer
+  (``update_weights``): every rank's ``generate`` fails (the first stage naming the requests,
+  whose logits the last stage flagged; the others dropping the call), the KV pages hold no
+  NaN, and with the weight restored the rollout is the one before.
 
 Ranks never assert (a failing rank would leave the others in a collective): each check is
 recorded in ``<out>/rank<r>.json``.
@@ -145,6 +148,28 @@ def run_stream(res, arch, folder, base, rank, world) -> None:
     res.record(f"stream/{arch.name}/rollout_changed", flat(outputs) != before, "the new weights moved the rollout")
     trainer.eval()
     res.record(f"stream/{arch.name}/equals_sharded_recompute", *recompute_matches(trainer, outputs, params))
+    run_nonfinite(res, arch, llm, full, outputs, prompts, params, rank)
+
+
+def run_nonfinite(res, arch, llm, weights, outputs, prompts, params, rank) -> None:
+    """A NaN in stage 0's first norm weight reaches every logit on the last stage: every rank's
+    generate raises, no NaN K/V is left, and the good weight gives `outputs` again."""
+    name = "model.layers.0.input_layernorm.weight"
+    bad = weights[name].clone()
+    bad[0] = float("nan")
+    llm.update_weights({name: bad})
+    try:
+        llm.generate(prompts, params, use_tqdm=False)
+        error = "no error"
+    except RuntimeError as exc:
+        error = str(exc)
+    expected = "hold NaN or inf" if rank == 0 else "the first pipeline stage failed"
+    res.record(f"nonfinite/{arch.name}/raises", expected in error, error[:300])
+    finite = all(torch.isfinite(kv).all() for pair in llm.runner.kv_caches if pair is not None for kv in pair)
+    res.record(f"nonfinite/{arch.name}/kv_cache_finite", finite, "every KV page finite after the failure")
+    llm.update_weights({name: weights[name]})
+    again = [f[1:] for f in flat(llm.generate(prompts, params, use_tqdm=False))]  # (new request ids)
+    res.record(f"nonfinite/{arch.name}/usable_after", again == [f[1:] for f in flat(outputs)], "the rollout before")
 
 
 def main() -> None:

@@ -84,6 +84,16 @@ def test_weights_streamed_from_an_fsdp2_trainer_reach_each_stage(run):
     _assert_ok(run[2], "stream/")
 
 
+def test_nonfinite_logits_fail_every_stage_and_the_engine_stays_usable(run):
+    """A NaN weight on the first stage: the last stage's logits are flagged, every rank's
+    generate raises (rank 0 naming the requests), and the restored weight rolls out as before."""
+    world, names, results = run
+    _assert_ok(results, "nonfinite/")
+    for rank, checks in results.items():
+        for name in names:
+            assert f"nonfinite/{name}/usable_after" in checks, (rank, name)
+
+
 def test_pipeline_rollout_benchmark_runs_on_two_cpu_processes():
     """benchmarks/pipeline_rollout.py --tiny: an FSDP2 trainer and a 2-stage engine on 2 gloo
     ranks, two iterations of rollout -> sharded recompute (0 mismatches) -> step -> stream."""
