@@ -31,14 +31,13 @@ alike. A Triton backward is not written yet: a performance gap, not a correctnes
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from . import gated_delta_reference as ref
-from ._triton import next_power_of_2, require_triton, triton
 from .backend import select
-from .gated_delta_triton import FOLD_WARPS, ROWS_WARPS, _fold_kernel, _rows_kernel
+from .gated_delta_launch import (FoldPlan, RowsPlan, Shapes, chunk_inputs, expand_heads, gather_chunks, launch_fold,
+                                 launch_rows, prepare_rows, state_dtype, training_plans)
 
 CHUNK = 64  # rows of a chunk (positions 0, 64, 128, ... start one); a power of two from 16
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -52,15 +51,7 @@ def _ints(name: str, values: Ints, count: int | None = None) -> list[int]:
     return out
 
 
-@dataclass(frozen=True)
-class _Shapes:
-    hk: int
-    hv: int
-    dk: int
-    dv: int
-
-
-def _check_rows(q: torch.Tensor | None, k, v, g, beta, chunk_size: int) -> _Shapes:
+def _check_rows(q: torch.Tensor | None, k, v, g, beta, chunk_size: int) -> Shapes:
     """Shapes and dtypes of the row tensors; raises ValueError naming the argument."""
     if chunk_size < 16 or chunk_size & (chunk_size - 1):
         raise ValueError(f"gated_delta_rule: chunk_size={chunk_size} must be a power of two >= 16")
@@ -80,10 +71,11 @@ def _check_rows(q: torch.Tensor | None, k, v, g, beta, chunk_size: int) -> _Shap
             raise ValueError(f"gated_delta_rule: {name} has dtype {x.dtype}, k has {k.dtype}; they must match")
     if not g.is_floating_point():
         raise ValueError(f"gated_delta_rule: g must be floating point, got {g.dtype}")
-    return _Shapes(hk, hv, dk, dv)
+    return Shapes(hk, hv, dk, dv)
 
 
-def _check_states(states: torch.Tensor, shapes: _Shapes, index: list[int], name: str) -> None:
+def _check_states(states: torch.Tensor, shapes: Shapes, index: list[int], name: str,
+                  dtype: torch.dtype | None = None) -> None:
     want = (shapes.hv, shapes.dk, shapes.dv)
     if states.dim() != 4 or tuple(states.shape[1:]) != want or not states.is_floating_point():
         raise ValueError(f"gated_delta_rule: {name} {tuple(states.shape)} must be float [states, {want[0]}, "
@@ -91,180 +83,9 @@ def _check_states(states: torch.Tensor, shapes: _Shapes, index: list[int], name:
     bad = [i for i in index if i < -1 or i >= states.shape[0]]
     if bad:
         raise ValueError(f"gated_delta_rule: state index {bad[0]} is outside -1..{states.shape[0] - 1} ({name})")
-
-
-def _state_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-# ---------------------------------------------------------------------------------------------
-# Launch plans: which rows, states and outputs each chunk (rows) or run of chunks (fold) uses.
-
-
-@dataclass(frozen=True)
-class _RowsPlan:
-    kv_start: list[int]  # token of the chunk's row 0 in k, v, g, beta
-    n_rows: list[int]  # rows present (<= C)
-    first_row: list[int]  # first row whose output is wanted
-    q_start: list[int]  # q row (and output row) of row ``first_row``
-    state_index: list[int]  # the boundary state (-1: zeros)
-
-
-@dataclass(frozen=True)
-class _FoldPlan:
-    start: list[int]  # token of the run's first row
-    length: list[int]  # rows of the run (a multiple of C but for the last chunk)
-    state_index: list[int]  # the state before the run (-1: zeros)
-    out_index: list[int]  # where the state after the run's first chunk goes; chunk c at + c
-
-
-def _training_plans(lengths: list[int], chunk: int) -> tuple[_FoldPlan, _RowsPlan, list[int], int]:
-    """Plans of a packed batch of sequences starting at position 0. States buffer: per sequence,
-    its initial state at ``base`` and the state after chunk ``c`` at ``base + 1 + c``; returns the
-    plans, the bases and the buffer's size."""
-    fold = _FoldPlan([], [], [], [])
-    rows = _RowsPlan([], [], [], [], [])
-    bases, start, base = [], 0, 0
-    for length in lengths:
-        chunks = -(-length // chunk)
-        bases.append(base)
-        fold.start.append(start), fold.length.append(length), fold.state_index.append(base)
-        fold.out_index.append(base + 1)
-        for c in range(chunks):
-            rows.kv_start.append(start + c * chunk), rows.n_rows.append(min(chunk, length - c * chunk))
-            rows.first_row.append(0), rows.q_start.append(start + c * chunk), rows.state_index.append(base + c)
-        start += length
-        base += chunks + 1
-    return fold, rows, bases, base
-
-
-# ---------------------------------------------------------------------------------------------
-# The two backends of the two launches.
-
-
-def _gather(x: torch.Tensor, start: list[int], first: list[int], n: list[int], chunk: int) -> torch.Tensor:
-    """``[N, C, ...]``: row ``r`` of chunk ``b`` is ``x[start_b + r - first_b]`` for ``first_b <= r
-    < n_b``, an exact zero otherwise."""
-    r = torch.arange(chunk)
-    s, f, m = (torch.tensor(a, dtype=torch.int64).unsqueeze(1) for a in (start, first, n))
-    present = (r >= f) & (r < m)
-    index = torch.where(present, s + r - f, 0).to(x.device)
-    rows = x[index.reshape(-1)].reshape(len(start), chunk, *x.shape[1:])
-    mask = present.to(x.device).reshape(len(start), chunk, *([1] * (x.dim() - 1)))
-    return torch.where(mask, rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
-
-
-def _heads(x: torch.Tensor, hv: int) -> torch.Tensor:
-    """``[N, C, H, d]`` -> ``[N, Hv, C, d]``, query/key head ``h // (Hv // H)`` for value head ``h``."""
-    group = hv // x.shape[2]
-    if group > 1:
-        x = x.repeat_interleave(group, dim=2)
-    return x.transpose(1, 2)
-
-
-def _chunk_inputs(start: list[int], n: list[int], k, v, g, beta, shapes: _Shapes, chunk: int, compute):
-    """The chunks' key-side tensors: k ``[N, Hv, C, dk]``, v ``[N, Hv, C, dv]``, g, beta
-    ``[N, Hv, C]``, in `compute` dtype, from rows ``start..start + n - 1``."""
-    zeros = [0] * len(start)
-    kk = _heads(_gather(k, start, zeros, n, chunk).to(compute), shapes.hv)
-    vv = _gather(v, start, zeros, n, chunk).to(compute).transpose(1, 2)
-    gg, bb = (_gather(x, start, zeros, n, chunk).to(compute).transpose(1, 2) for x in (g, beta))
-    return kk, vv, gg, bb
-
-
-def _rows_reference(q, k, v, g, beta, states, out, plan: _RowsPlan, shapes: _Shapes, chunk: int, scale: float,
-                    l2norm: bool) -> None:
-    compute = _state_dtype(k)
-    kk, vv, gg, bb = _chunk_inputs(plan.kv_start, plan.n_rows, k, v, g, beta, shapes, chunk, compute)
-    qq = _heads(_gather(q, plan.q_start, plan.first_row, plan.n_rows, chunk).to(compute), shapes.hv)
-    index = torch.tensor(plan.state_index)
-    s = torch.where((index >= 0).reshape(-1, 1, 1, 1), states[index.clamp(min=0)].to(compute),
-                    torch.zeros((), dtype=compute))
-    o, _ = ref.chunk_forward(qq, kk, vv, gg, bb, s, ref.EXACT, scale=scale, use_qk_l2norm=l2norm, fold=False)
-    o = o.transpose(1, 2)  # [N, C, Hv, dv]
-    for b, (first, n, q_start) in enumerate(zip(plan.first_row, plan.n_rows, plan.q_start)):
-        out[q_start:q_start + n - first] = o[b, first:n].to(out.dtype)
-
-
-def _fold_reference(k, v, g, beta, states_in, states_out, plan: _FoldPlan, shapes: _Shapes, chunk: int,
-                    l2norm: bool) -> None:
-    compute = _state_dtype(k)
-    index = torch.tensor(plan.state_index)
-    s = torch.where((index >= 0).reshape(-1, 1, 1, 1), states_in[index.clamp(min=0)].to(compute),
-                    torch.zeros((), dtype=compute))
-    chunks = [-(-n // chunk) for n in plan.length]
-    for c in range(max(chunks, default=0)):
-        live = [b for b, count in enumerate(chunks) if count > c]
-        start = [plan.start[b] + c * chunk for b in live]
-        n = [min(chunk, plan.length[b] - c * chunk) for b in live]
-        kk, vv, gg, bb = _chunk_inputs(start, n, k, v, g, beta, shapes, chunk, compute)
-        _, new = ref.chunk_forward(None, kk, vv, gg, bb, s[live], ref.EXACT, scale=1.0, use_qk_l2norm=l2norm)
-        s[live] = new
-        for j, b in enumerate(live):
-            states_out[plan.out_index[b] + c] = new[j].to(states_out.dtype)
-
-
-def _device_ints(values: list[int], device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
-
-
-def _value_block(dv: int) -> int:
-    return min(64, dv)
-
-
-def _check_triton_shapes(shapes: _Shapes) -> None:
-    for name, d in (("dk", shapes.dk), ("dv", shapes.dv)):
-        if d < 16 or d & (d - 1) or d > 256:
-            raise ValueError(f"gated_delta_rule: the Triton kernels take {name}={d} only as a power of two in 16..256")
-
-
-def _rows_triton(q, k, v, g, beta, states, out, plan: _RowsPlan, shapes: _Shapes, chunk: int, scale: float,
-                 l2norm: bool) -> None:
-    require_triton("gated_delta_rule")
-    _check_triton_shapes(shapes)
-    if not plan.kv_start:
-        return
-    dev = k.device
-    meta = [_device_ints(x, dev) for x in (plan.kv_start, plan.n_rows, plan.first_row, plan.q_start, plan.state_index)]
-    bv = _value_block(shapes.dv)
-    grid = (len(plan.kv_start), shapes.hv, shapes.dv // bv)
-    _rows_kernel[grid](q, k, v, g, beta, states, out, *meta,
-                       q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
-                       beta.stride(0), states.stride(0), states.stride(1), out.stride(0), out.stride(1), scale,
-                       GROUP=shapes.hv // shapes.hk, C=chunk, DK=shapes.dk, DV=shapes.dv, BV=bv,
-                       LOG_C=chunk.bit_length() - 1, LOG_DK=shapes.dk.bit_length() - 1, L2NORM=l2norm,
-                       num_warps=ROWS_WARPS)
-
-
-def _fold_triton(k, v, g, beta, states_in, states_out, plan: _FoldPlan, shapes: _Shapes, chunk: int,
-                 l2norm: bool) -> None:
-    require_triton("gated_delta_rule")
-    _check_triton_shapes(shapes)
-    if not plan.start:
-        return
-    dev = k.device
-    meta = [_device_ints(x, dev) for x in (plan.start, plan.length, plan.state_index, plan.out_index)]
-    bv = _value_block(shapes.dv)
-    grid = (len(plan.start), shapes.hv, shapes.dv // bv)
-    _fold_kernel[grid](k, v, g, beta, states_in, states_out, *meta,
-                       k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
-                       states_in.stride(0), states_in.stride(1), states_out.stride(0), states_out.stride(1),
-                       GROUP=shapes.hv // shapes.hk, C=chunk, DK=shapes.dk, DV=shapes.dv, BV=bv,
-                       LOG_C=chunk.bit_length() - 1, LOG_DK=shapes.dk.bit_length() - 1, L2NORM=l2norm,
-                       num_warps=FOLD_WARPS)
-
-
-def _rows(backend: str, *args) -> None:
-    (_rows_triton if backend == "triton" else _rows_reference)(*args)
-
-
-def _fold(backend: str, *args) -> None:
-    (_fold_triton if backend == "triton" else _fold_reference)(*args)
-
-
-def _prepare(x: torch.Tensor, backend: str) -> torch.Tensor:
-    """Unit stride along the last dim (the kernels take row and head strides) for Triton."""
-    return x if backend != "triton" or x.stride(-1) == 1 else x.contiguous()
+    if dtype is not None and states.dtype != dtype:
+        raise ValueError(f"gated_delta_rule: {name} has dtype {states.dtype}, must be {dtype} (float32; float64 "
+                         "beside float64 rows)")
 
 
 def _backend(k: torch.Tensor) -> str:
@@ -277,18 +98,18 @@ def _backend(k: torch.Tensor) -> str:
 
 def _training_forward(q, k, v, g, beta, initial_state, lengths: list[int], chunk: int, scale: float, l2norm: bool,
                       want_final: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    shapes = _Shapes(k.shape[1], v.shape[1], k.shape[2], v.shape[2])
-    fold, rows, bases, n_states = _training_plans(lengths, chunk)
+    shapes = Shapes(k.shape[1], v.shape[1], k.shape[2], v.shape[2])
+    fold, rows, bases, n_states = training_plans(lengths, chunk)
     if not want_final:  # the last chunk's fold feeds no row
-        fold = _FoldPlan(fold.start, [min(n, (-(-n // chunk) - 1) * chunk) for n in fold.length], fold.state_index,
+        fold = FoldPlan(fold.start, [min(n, (-(-n // chunk) - 1) * chunk) for n in fold.length], fold.state_index,
                          fold.out_index)
-    states = torch.zeros(n_states, shapes.hv, shapes.dk, shapes.dv, dtype=_state_dtype(k), device=k.device)
+    states = torch.zeros(n_states, shapes.hv, shapes.dk, shapes.dv, dtype=state_dtype(k), device=k.device)
     if initial_state is not None:
         states[bases] = initial_state.to(states.dtype)
-    q, k, v, g, beta = (_prepare(x, backend) for x in (q, k, v, g, beta))
-    _fold(backend, k, v, g, beta, states, states, fold, shapes, chunk, l2norm)
+    q, k, v, g, beta = (prepare_rows(x, backend) for x in (q, k, v, g, beta))
+    launch_fold(backend, k, v, g, beta, states, states, fold, shapes, chunk, l2norm)
     out = torch.empty(k.shape[0], shapes.hv, shapes.dv, dtype=q.dtype, device=q.device)
-    _rows(backend, q, k, v, g, beta, states, out, rows, shapes, chunk, scale, l2norm)
+    launch_rows(backend, q, k, v, g, beta, states, out, rows, shapes, chunk, scale, l2norm)
     if not want_final:
         return out, out.new_empty(0)
     last = [base + -(-n // chunk) for base, n in zip(bases, lengths)]
@@ -298,9 +119,9 @@ def _training_forward(q, k, v, g, beta, initial_state, lengths: list[int], chunk
 def _autograd_forward(q, k, v, g, beta, initial_state, lengths: list[int], chunk: int, scale: float, l2norm: bool):
     """`_training_forward`'s values recomputed differentiably (`gated_delta_reference.AUTOGRAD`):
     ``(o [T, Hv, dv], final states [B, Hv, dk, dv])`` in fp32 (fp64)."""
-    compute = _state_dtype(k)
+    compute = state_dtype(k)
     hv, dk, dv = v.shape[1], k.shape[2], v.shape[2]
-    shapes = _Shapes(k.shape[1], hv, dk, dv)
+    shapes = Shapes(k.shape[1], hv, dk, dv)
     offsets = [0]
     for n in lengths:
         offsets.append(offsets[-1] + n)
@@ -308,8 +129,8 @@ def _autograd_forward(q, k, v, g, beta, initial_state, lengths: list[int], chunk
     order = [(c, s) for c in range(max(chunks, default=0)) for s in range(len(lengths)) if chunks[s] > c]
     start = [offsets[s] + c * chunk for c, s in order]
     n_rows = [min(chunk, lengths[s] - c * chunk) for c, s in order]
-    kk, vv, gg, bb = _chunk_inputs(start, n_rows, k, v, g, beta, shapes, chunk, compute)
-    qq = _heads(_gather(q, start, [0] * len(start), n_rows, chunk).to(compute), hv)
+    kk, vv, gg, bb = chunk_inputs(start, n_rows, k, v, g, beta, shapes, chunk, compute)
+    qq = expand_heads(gather_chunks(q, start, [0] * len(start), n_rows, chunk).to(compute), hv)
     state = (initial_state.to(compute) if initial_state is not None
              else torch.zeros(len(lengths), hv, dk, dv, dtype=compute, device=k.device))
     outs, done = [], 0
@@ -378,7 +199,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         raise ValueError(f"gated_delta_rule: cu_seqlens={offsets} must run from 0 to the token count {k.shape[0]}, "
                          "never decreasing")
     lengths = [b - a for a, b in zip(offsets, offsets[1:])]
-    shapes = _Shapes(k.shape[1], v.shape[1], k.shape[2], v.shape[2])
+    shapes = Shapes(k.shape[1], v.shape[1], k.shape[2], v.shape[2])
     if initial_state is not None:
         _check_states(initial_state, shapes, [], "initial_state")
         if initial_state.shape[0] != len(lengths):
@@ -425,13 +246,13 @@ def gated_delta_chunk_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         q_start.append(q_start[-1] + rows - f)
     if q.shape[0] != q_start[-1]:
         raise ValueError(f"gated_delta_chunk_rows: q has {q.shape[0]} rows, the segments ask for {q_start[-1]}")
-    _check_states(states, shapes, index, "states")
+    _check_states(states, shapes, index, "states", state_dtype(k))
     backend = _backend(k)
     scale = shapes.dk ** -0.5 if scale is None else float(scale)
     out = torch.empty(q.shape[0], shapes.hv, shapes.dv, dtype=q.dtype, device=q.device)
-    plan = _RowsPlan(cu[:-1], n, first, q_start[:-1], index)
-    q, k, v, g, beta = (_prepare(x, backend) for x in (q, k, v, g, beta))
-    _rows(backend, q, k, v, g, beta, states, out, plan, shapes, chunk_size, scale, use_qk_l2norm)
+    plan = RowsPlan(cu[:-1], n, first, q_start[:-1], index)
+    q, k, v, g, beta = (prepare_rows(x, backend) for x in (q, k, v, g, beta))
+    launch_rows(backend, q, k, v, g, beta, states, out, plan, shapes, chunk_size, scale, use_qk_l2norm)
     return out
 
 
@@ -457,7 +278,7 @@ def gated_delta_fold(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: to
     for b, (s, n) in enumerate(zip(start, length)):
         if n < 0 or s < 0 or s + n > k.shape[0]:
             raise ValueError(f"gated_delta_fold: run {b} (starts={s}, lengths={n}) is outside k's {k.shape[0]} rows")
-    _check_states(states, shapes, index, "states")
+    _check_states(states, shapes, index, "states", state_dtype(k))
     if out is None:
         if out_index is not None:
             raise ValueError("gated_delta_fold: out_index needs out")
@@ -465,11 +286,11 @@ def gated_delta_fold(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: to
         where = [sum(chunks[:b]) for b in range(len(chunks))]
     else:
         where = _ints("out_index", [] if out_index is None else out_index, len(start))
-        _check_states(out, shapes, [], "out")
+        _check_states(out, shapes, [], "out", state_dtype(k))
         for b, (w, c) in enumerate(zip(where, chunks)):
             if w < 0 or w + c > out.shape[0]:
                 raise ValueError(f"gated_delta_fold: run {b} writes out[{w}:{w + c}], out has {out.shape[0]} states")
     backend = _backend(k)
-    k, v, g, beta = (_prepare(x, backend) for x in (k, v, g, beta))
-    _fold(backend, k, v, g, beta, states, out, _FoldPlan(start, length, index, where), shapes, chunk_size, use_qk_l2norm)
+    k, v, g, beta = (prepare_rows(x, backend) for x in (k, v, g, beta))
+    launch_fold(backend, k, v, g, beta, states, out, FoldPlan(start, length, index, where), shapes, chunk_size, use_qk_l2norm)
     return out

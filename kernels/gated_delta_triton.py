@@ -1,4 +1,4 @@
-"""The gated delta rule's Triton kernels: a chunk's rows (`_rows_kernel`) and the fold (`_fold_kernel`).
+"""The gated delta rule's Triton kernels: a chunk's rows (`rows_kernel`) and the fold (`fold_kernel`).
 
 Both compute a chunk as `gated_delta_reference.chunk_forward` does (its docstring lists the
 steps), at the fixed tile ``[C, ...]``, with every row past the chunk's present rows loaded as an
@@ -93,7 +93,7 @@ def _store_state(ptr, index, h, vb, s, stride_s, stride_sh, DK: tl.constexpr, DV
 
 
 @triton.jit
-def _rows_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, state_ptr, out_ptr,
+def rows_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, state_ptr, out_ptr,
                  kv_start_ptr, n_rows_ptr, first_row_ptr, q_start_ptr, state_index_ptr,
                  stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
                  stride_s, stride_sh, stride_ot, stride_oh, scale,
@@ -127,7 +127,7 @@ def _rows_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, state_ptr, out_ptr,
 
 
 @triton.jit
-def _fold_kernel(k_ptr, v_ptr, g_ptr, b_ptr, state_in_ptr, state_out_ptr,
+def fold_kernel(k_ptr, v_ptr, g_ptr, b_ptr, state_in_ptr, state_out_ptr,
                  start_ptr, length_ptr, state_index_ptr, out_index_ptr,
                  stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt, stride_si, stride_sih,
                  stride_so, stride_soh,
