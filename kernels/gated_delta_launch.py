@@ -107,10 +107,12 @@ def chunk_inputs(start: list[int], n: list[int], k, v, g, beta, shapes: Shapes, 
 
 def _rows_reference(q, k, v, g, beta, states, out, plan: RowsPlan, shapes: Shapes, chunk: int, scale: float,
                     l2norm: bool) -> None:
+    if not plan.kv_start:
+        return
     compute = state_dtype(k)
     kk, vv, gg, bb = chunk_inputs(plan.kv_start, plan.n_rows, k, v, g, beta, shapes, chunk, compute)
     qq = expand_heads(gather_chunks(q, plan.q_start, plan.first_row, plan.n_rows, chunk).to(compute), shapes.hv)
-    index = torch.tensor(plan.state_index)
+    index = torch.tensor(plan.state_index, dtype=torch.long)
     s = torch.where((index >= 0).reshape(-1, 1, 1, 1), states[index.clamp(min=0)].to(compute),
                     torch.zeros((), dtype=compute))
     o, _ = ref.chunk_forward(qq, kk, vv, gg, bb, s, ref.EXACT, scale=scale, use_qk_l2norm=l2norm, fold=False)
@@ -122,7 +124,7 @@ def _rows_reference(q, k, v, g, beta, states, out, plan: RowsPlan, shapes: Shape
 def _fold_reference(k, v, g, beta, states_in, states_out, plan: FoldPlan, shapes: Shapes, chunk: int,
                     l2norm: bool) -> None:
     compute = state_dtype(k)
-    index = torch.tensor(plan.state_index)
+    index = torch.tensor(plan.state_index, dtype=torch.long)
     s = torch.where((index >= 0).reshape(-1, 1, 1, 1), states_in[index.clamp(min=0)].to(compute),
                     torch.zeros((), dtype=compute))
     chunks = [-(-n // chunk) for n in plan.length]

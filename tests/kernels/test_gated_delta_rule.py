@@ -1,12 +1,19 @@
 """gated_delta_rule's CPU reference: parity with transformers' torch paths, the rollout's bits equal to
 training's, the fold, the backward, the errors; and (marked gpu) the Triton kernels at real shapes."""
 
+import inspect
+
 import pytest
 import torch
-from transformers.models.qwen3_next import modeling_qwen3_next as hf
+from transformers.models.qwen3_next import modeling_qwen3_next
 
 from vexact_models.kernels.gated_delta_rollout import GatedDeltaRollout
 from vexact_models.kernels.gated_delta_rule import gated_delta_chunk_rows, gated_delta_fold, gated_delta_rule
+
+
+class hf:  # noqa: N801  transformers' torch paths themselves, never the fla kernels its decorator prefers when installed
+    torch_chunk_gated_delta_rule = staticmethod(inspect.unwrap(modeling_qwen3_next.torch_chunk_gated_delta_rule))
+    torch_recurrent_gated_delta_rule = staticmethod(inspect.unwrap(modeling_qwen3_next.torch_recurrent_gated_delta_rule))
 
 
 def make_inputs(lengths, hk, hv, dk, dv, *, dtype=torch.float32, device="cpu", seed=0, initial=True):
@@ -122,6 +129,18 @@ def test_reference_rollout_equals_training_bitwise(hk, hv, initial):
     assert torch.equal(roll.states, folded[[e - 1 for e in ends]])
 
 
+def test_empty_sequences_and_batch():
+    (q, k, v, g, beta), state = make_inputs([5], 1, 1, 16, 16)
+    alone, alone_final = gated_delta_rule(q, k, v, g, beta, initial_state=state, output_final_state=True, chunk_size=16)
+    states = torch.cat([torch.ones_like(state), state, torch.ones_like(state)])
+    out, final = gated_delta_rule(q, k, v, g, beta, [0, 0, 5, 5], initial_state=states, output_final_state=True,
+                                  chunk_size=16)
+    assert torch.equal(out, alone) and torch.equal(final[1], alone_final[0])
+    assert torch.equal(final[0], states[0]) and torch.equal(final[2], states[2])  # no token: the initial state
+    out, final = gated_delta_rule(q[:0], k[:0], v[:0], g[:0], beta[:0], output_final_state=True, chunk_size=16)
+    assert out.shape == (0, 1, 16) and torch.equal(final, torch.zeros(1, 1, 16, 16))
+
+
 def test_fold_in_one_run_equals_chunk_by_chunk():
     (q, k, v, g, beta), state = make_inputs([64], 1, 2, 16, 16)
     whole = gated_delta_fold(k, v, g, beta, [0], [64], state, [0], chunk_size=16)
@@ -194,6 +213,8 @@ def test_errors_name_the_argument():
         gated_delta_chunk_rows(q, k[:16], v[:16], g[:16], beta[:16], [0, 16], [12], state, [0], chunk_size=16)
     with pytest.raises(ValueError, match="state index 3 is outside -1..0"):
         gated_delta_chunk_rows(q[:4], k[:4], v[:4], g[:4], beta[:4], [0, 4], [0], state, [3], chunk_size=16)
+    with pytest.raises(ValueError, match="states has dtype torch.float64, must be torch.float32"):
+        gated_delta_chunk_rows(q[:4], k[:4], v[:4], g[:4], beta[:4], [0, 4], [0], state.double(), [0], chunk_size=16)
     with pytest.raises(ValueError, match="run 0 \\(starts=10, lengths=16\\) is outside k's 20 rows"):
         gated_delta_fold(k, v, g, beta, [10], [16], state, [0], chunk_size=16)
     with pytest.raises(ValueError, match="run 0 writes out\\[1:3\\], out has 1 states"):
@@ -204,38 +225,74 @@ def test_errors_name_the_argument():
 
 # --- the Triton kernels on the GPU, at the published head shapes (docs/design.md section 6b) ------------
 
-GPU_SHAPES = {"qwen3.5-35b-a3b / qwen3-next": (16, 32, 128, 128)}
+QWEN35_HEADS = (16, 32, 128, 128)  # Qwen3.5-35B-A3B, Qwen3.5's default text config, Qwen3-Next-80B-A3B
+
+
+def hf_per_sequence(inputs, lengths, state, *, grad=False):
+    """transformers' chunked torch path on each sequence alone (fp32 matmuls, no TF32)."""
+    offsets, outs, finals = cu(lengths), [], []
+    for s in range(len(lengths)):
+        sl = slice(offsets[s], offsets[s + 1])
+        o, f = hf.torch_chunk_gated_delta_rule(*(x[sl][None] for x in inputs), initial_state=state[s:s + 1],
+                                               output_final_state=True, use_qk_l2norm_in_kernel=True)
+        outs.append(o[0]), finals.append(f[0])
+    return torch.cat(outs), torch.stack(finals)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_matches_transformers(dtype):
+    lengths = [300, 64, 129, 1]
+    inputs, state = make_inputs(lengths, *QWEN35_HEADS, dtype=dtype, device="cuda")
+    out, final = gated_delta_rule(*inputs, cu(lengths), initial_state=state, output_final_state=True)
+    want, want_final = hf_per_sequence(inputs, lengths, state)
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    assert out.dtype == dtype and final.dtype == torch.float32
+    assert (out.float() - want.float()).abs().max() <= tol * want.float().abs().max()
+    assert (final - want_final).abs().max() <= 1e-4 * want_final.abs().max()
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("initial", [False, True])
-def test_gpu_rollout_equals_training_bitwise_and_matches_reference(initial):
-    hk, hv, dk, dv = GPU_SHAPES["qwen3.5-35b-a3b / qwen3-next"]
-    lengths = [300, 64, 129, 77]
-    inputs, state = make_inputs(lengths, hk, hv, dk, dv, dtype=torch.bfloat16, device="cuda", initial=initial)
-    want, final = gated_delta_rule(*inputs, cu(lengths), initial_state=state, output_final_state=True)
+def test_gpu_rollout_equals_training_bitwise(initial):
+    lengths = [300, 64, 129, 77, 1]
+    inputs, state = make_inputs(lengths, *QWEN35_HEADS, dtype=torch.bfloat16, device="cuda", initial=initial)
+    want, _ = gated_delta_rule(*inputs, cu(lengths), initial_state=state)
     pieces = pieces_for(lengths, 64)
-    pieces = [p[:-40] + [sum(p[-40:])] if len(p) > 60 else p for p in pieces]  # keep the decode tail short
+    pieces = [p[:-40] + [sum(p[-40:])] if len(p) > 60 else p for p in pieces]  # a short decode tail, then a piece
     got, _ = rollout_outputs(inputs, lengths, pieces, chunk=64, initial=state, device="cuda")
     assert torch.equal(got, want)
-    cpu = [x.cpu() for x in inputs]
-    ref, ref_final = gated_delta_rule(*cpu, cu(lengths), initial_state=None if state is None else state.cpu(),
-                                      output_final_state=True)
-    assert (want.cpu().float() - ref.float()).abs().max() <= 2e-2 * ref.float().abs().max()
-    assert (final.cpu() - ref_final).abs().max() <= 1e-3 * ref_final.abs().max()
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_gpu_backward_matches_reference_backward():
+def test_gpu_invariance_checks():
+    """`kernel_invariance --only gdn --quick`'s checks: every row count and first row of a chunk, folds
+    and rollouts, at the published head shapes, zero mismatches."""
+    from vexact_models.conformance.gated_delta_invariance import run_gated_delta
+    from vexact_models.conformance.kernel_invariance import Result
+
+    results = {name: Result(name) for name in ("gated_delta rows", "gated_delta fold", "gated_delta rollout")}
+    run_gated_delta(results, quick=True)
+    assert all(r.cases for r in results.values())
+    assert not any(r.mismatches for r in results.values()), [r.notes for r in results.values()]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_backward_matches_autograd_of_transformers():
     lengths = [200, 57]
-    inputs, state = make_inputs(lengths, 2, 4, 128, 128, dtype=torch.float32, device="cuda")
+    inputs, state = make_inputs(lengths, 2, 4, 128, 128, device="cuda")
     grads = []
-    for device in ("cuda", "cpu"):
-        leaves = [x.to(device).clone().requires_grad_() for x in (*inputs, state)]
-        out, final = gated_delta_rule(*leaves[:5], cu(lengths), initial_state=leaves[5], output_final_state=True)
+    for run in ("ours", "transformers"):
+        leaves = [x.clone().requires_grad_() for x in (*inputs, state)]
+        if run == "ours":
+            out, final = gated_delta_rule(*leaves[:5], cu(lengths), initial_state=leaves[5], output_final_state=True)
+        else:
+            out, final = hf_per_sequence(leaves[:5], lengths, leaves[5])
         (out.square().sum() + final.sum()).backward()
-        grads.append([x.grad.cpu() for x in leaves])
-    for a, b in zip(*grads):
-        assert (a - b).abs().max() <= 1e-3 * b.abs().max()
+        grads.append([x.grad for x in leaves])
+    for name, a, b in zip(("q", "k", "v", "g", "beta", "initial_state"), *grads):
+        assert (a - b).abs().max() <= 1e-3 * b.abs().max(), name
