@@ -1,0 +1,125 @@
+"""Invariance of the gated-DeltaNet hybrids' own ops (Qwen3.5, Qwen3-Next), part of
+`kernel_invariance` (``--only hybrid``), and the rollout simulation its CPU tests share.
+
+- causal_conv1d: every token's output of a rollout, sequences cut into random pieces (prompt
+  chunks, single decode tokens) run in steps of varied batches with per-sequence conv states in
+  shuffled slots and padding sequences, equals the packed training forward bitwise; each sequence
+  alone equals it in the batch.
+- gated_rms_norm, sigmoid_gate, zero-centred rms_norm: rows alone == rows in batches (rules 3, 5).
+- partial rotary (rotary over the first quarter of head dim 256): rows alone == in batches.
+
+The attention at head dim 256 is in `attention_invariance` (its ``qwen3.5`` shapes).
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+
+def random_steps(lens: list[int], rng: random.Random, max_piece: int = 9) -> list[list[tuple[int, int]]]:
+    """A rollout's schedule of `lens`' sequences: steps of ``(sequence, tokens)`` pieces, each step
+    a random subset of the unfinished sequences in random order, each taking 1..`max_piece` tokens
+    (one, a decode step, half the time)."""
+    done = [0] * len(lens)
+    steps = []
+    while any(d < n for d, n in zip(done, lens)):
+        live = [s for s, (d, n) in enumerate(zip(done, lens)) if d < n]
+        rng.shuffle(live)
+        step = []
+        for s in live[:rng.randint(1, len(live))]:
+            take = min(lens[s] - done[s], 1 if rng.random() < 0.5 else rng.randint(1, max_piece))
+            step.append((s, take))
+            done[s] += take
+        steps.append(step)
+    return steps
+
+
+def conv_by_steps(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lens: list[int],
+                  steps: list[list[tuple[int, int]]], activation: str | None = "silu",
+                  padding: bool = True) -> torch.Tensor:
+    """`kernels.causal_conv1d` of the packed sequences `x` (``lens`` tokens each, back to back) run
+    as a rollout by `steps` (`random_steps`): each step one launch over its pieces, with a conv
+    state per sequence in a shuffled slot of a larger pool, a padding sequence (slot -1) and a
+    padding token when `padding`; the outputs in `x`'s packed order."""
+    from vexact_models.kernels import causal_conv1d
+
+    k = weight.shape[1]
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    slots = torch.randperm(2 * len(lens) + 1, generator=torch.Generator().manual_seed(len(lens)))[:len(lens)]
+    state = torch.full((2 * len(lens) + 1, k - 1, x.shape[1]), float("nan"), dtype=x.dtype, device=x.device)
+    done = [0] * len(lens)
+    out = torch.full_like(x, float("nan"))
+    for step in steps:
+        rows, cu, ctx, idx = [], [0], [], []
+        for s, n in step:
+            rows.append(torch.arange(starts[s] + done[s], starts[s] + done[s] + n))
+            cu.append(cu[-1] + n)
+            ctx.append(done[s])
+            idx.append(int(slots[s]))
+        if padding:  # an empty padding sequence and a token that belongs to no sequence
+            cu.append(cu[-1])
+            ctx.append(0)
+            idx.append(-1)
+        rows_t = torch.cat(rows).to(x.device)
+        chunk = torch.cat([x[rows_t], x[:1]]) if padding else x[rows_t]
+        as_i32 = dict(dtype=torch.int32, device=x.device)
+        y = causal_conv1d(chunk, weight, bias, torch.tensor(cu, **as_i32), max(n for _, n in step), activation,
+                          conv_state=state, state_indices=torch.tensor(idx, **as_i32),
+                          context_lens=torch.tensor(ctx, **as_i32))
+        out[rows_t] = y[:rows_t.numel()]
+        for s, n in step:
+            done[s] += n
+    return out
+
+
+def packed_cu(lens: list[int], device) -> torch.Tensor:
+    """int32 ``cu_seqlens`` of sequences of `lens` tokens back to back."""
+    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
+
+
+def check_causal_conv1d(result, quick: bool) -> None:
+    """Qwen3.5's convolution (8,192 channels: q, k and v of 16 key and 32 value heads of 128, kernel
+    4) in bf16: the packed training forward of sequences of 1 to 4,096 tokens against a rollout of
+    them in random pieces and steps (`conv_by_steps`), and each sequence alone, with and without a
+    bias; the state update bitwise its reference."""
+    from vexact_models.kernels import causal_conv1d, conv_state_update
+    from vexact_models.kernels.causal_conv1d import conv_state_update_reference
+
+    channels = 8192
+    lens = [1, 3, 64, 257, 1000] + ([] if quick else [4096, 2049])
+    x = torch.randn(sum(lens), channels, device="cuda").bfloat16()
+    w = (torch.randn(channels, 4, device="cuda") / 2).bfloat16()
+    b = torch.randn(channels, device="cuda").bfloat16()
+    cu = packed_cu(lens, "cuda")
+    for bias in (None, b):
+        label = "bias" if bias is not None else "no bias"
+        train = causal_conv1d(x, w, bias, cu, max(lens))
+        for seed in range(1 if quick else 3):
+            steps = random_steps(lens, random.Random(seed), max_piece=700)
+            result.compare(conv_by_steps(x, w, bias, lens, steps), train, f"causal_conv1d {label}: rollout {seed}")
+        start = 0
+        for n in lens:
+            alone = causal_conv1d(x[start:start + n], w, bias, packed_cu([n], "cuda"), n)
+            result.compare(alone, train[start:start + n], f"causal_conv1d {label}: a sequence of {n} alone")
+            start += n
+    state = torch.randn(9, 3, channels, device="cuda").bfloat16()
+    idx = torch.tensor([3, 0, -1, 8, 5], dtype=torch.int32, device="cuda")
+    ctx = torch.tensor([0, 1, 4, 2, 100], dtype=torch.int32, device="cuda")
+    step_cu = packed_cu([1, 2, 1, 700, 1], "cuda")
+    want = state.cpu()
+    conv_state_update_reference(x[:705].cpu(), step_cu.cpu(), want, idx.cpu(), ctx.cpu())
+    conv_state_update(x[:705], step_cu, state, idx, ctx)
+    result.compare(state.cpu(), want, "conv_state_update == its reference")
+
+
+HYBRID_CHECKS = ("causal_conv1d",)
+
+
+def run_hybrid(results: dict, quick: bool) -> None:
+    """Every check of this module into ``results[name]`` (`kernel_invariance.Result`s named by
+    `HYBRID_CHECKS`)."""
+    check_causal_conv1d(results["causal_conv1d"], quick)
