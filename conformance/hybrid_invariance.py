@@ -116,10 +116,34 @@ def check_causal_conv1d(result, quick: bool) -> None:
     result.compare(state.cpu(), want, "conv_state_update == its reference")
 
 
-HYBRID_CHECKS = ("causal_conv1d",)
+def row_counts(quick: bool) -> list[int]:
+    """The batch sizes (rows) of the row checks: 1 .. 4,096 (1,024 with `quick`)."""
+    return [m for m in (1, 2, 3, 7, 16, 64, 127, 512, 1000, 4096) if m <= (1024 if quick else 4096)]
+
+
+def rows_alone(result, fn, inputs: list[torch.Tensor], label: str, quick: bool) -> None:
+    """``fn(*inputs)`` over the first M rows (`row_counts`) equals each row computed alone."""
+    ms = row_counts(quick)
+    single = torch.cat([fn(*(t[i:i + 1] for t in inputs)) for i in range(max(ms))])
+    for m in ms:
+        result.compare(fn(*(t[:m] for t in inputs)), single[:m], f"{label} M={m}")
+
+
+def check_gated_rms_norm(result, quick: bool) -> None:
+    """The gated-DeltaNet's output norm at its rows (32 value heads of 128 a token), bf16."""
+    from vexact_models.kernels import gated_rms_norm
+
+    m = max(row_counts(quick))
+    x, z = torch.randn(m, 32, 128, device="cuda").bfloat16(), (torch.randn(m, 32, 128, device="cuda") * 3).bfloat16()
+    w = (torch.rand(128, device="cuda") + 0.5).bfloat16()
+    rows_alone(result, lambda a, b: gated_rms_norm(a, b, w, 1e-6), [x, z], "gated_rms_norm 32 x 128", quick)
+
+
+HYBRID_CHECKS = ("causal_conv1d", "gated_rms_norm")
 
 
 def run_hybrid(results: dict, quick: bool) -> None:
     """Every check of this module into ``results[name]`` (`kernel_invariance.Result`s named by
     `HYBRID_CHECKS`)."""
     check_causal_conv1d(results["causal_conv1d"], quick)
+    check_gated_rms_norm(results["gated_rms_norm"], quick)

@@ -143,7 +143,7 @@ def _rms_norm_forward(x2d, weight, eps, res2d=None) -> tuple[torch.Tensor, torch
     return rms_norm_reference(summed, weight, eps), summed
 
 
-def _backward_tile(n: int) -> tuple[int, int, int]:
+def backward_tile(n: int) -> tuple[int, int, int]:
     """(BLOCK_N, ROWS per loop step, num_warps) of the backward: short rows (per-head q/k norm,
     128 wide) go 16 to a step, so a step moves 8 KiB of x and of g instead of 512 bytes."""
     block_n = next_power_of_2(n)
@@ -182,7 +182,7 @@ def _rms_norm_backward_triton(x2d, weight, eps, grad_out, extra=None):
     n_rows, n = x2d.shape
     grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
     dx = torch.empty_like(x2d)
-    block_n, rows, num_warps = _backward_tile(n)
+    block_n, rows, num_warps = backward_tile(n)
     programs = max(1, min(triton.cdiv(n_rows, rows), 4 * num_sms(x2d.device)))
     partial = torch.empty(programs, n, device=x2d.device, dtype=torch.float32)
     if n_rows:

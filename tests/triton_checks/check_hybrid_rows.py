@@ -1,0 +1,38 @@
+"""The gated-DeltaNet hybrids' row and element-wise kernels (gated RMSNorm, the sigmoid gate,
+the zero-centred RMSNorm, partial rotary) against their references; see check_triton_kernels."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+# pytest's importlib mode does not put this folder on sys.path; importing the shared helpers
+# also applies their skip rule (conftest.py patches the interpreter's tl.dot)
+sys.path.insert(0, str(Path(__file__).parent))
+from check_triton_kernels import close, rand, ref  # noqa: E402
+
+from vexact_models.kernels import gated_rms_norm  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_rms_norm(dtype):
+    x, z, w = rand(9, 3, 128).to(dtype), (rand(9, 3, 128) * 3).to(dtype), (rand(128, kind="u") + 0.5).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    close(gated_rms_norm(x, z, w, 1e-6), ref(gated_rms_norm, x, z, w, 1e-6), tol)
+    wide = rand(9, 2 * 3 * 128).to(dtype)[:, 5:5 + 3 * 128].unflatten(1, (3, 128))  # row-strided views
+    close(gated_rms_norm(wide, z, w, 1e-6), ref(gated_rms_norm, wide.contiguous(), z, w, 1e-6), tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_rms_norm_backward(dtype):
+    x, z = rand(70, 128).to(dtype).requires_grad_(), (rand(70, 128) * 2).to(dtype).requires_grad_()
+    w = (rand(128, kind="u") + 0.5).to(dtype).requires_grad_()
+    g = rand(70, 128).to(dtype)
+    got = torch.autograd.grad(gated_rms_norm(x, z, w, 1e-6), (x, z, w), g)
+    xd, zd, wd = (t.detach().double().requires_grad_() for t in (x, z, w))
+    out = wd * xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * torch.nn.functional.silu(zd)
+    want = torch.autograd.grad(out, (xd, zd, wd), g.double())
+    for a, b in zip(got, want):
+        assert a.dtype == dtype
+        close(a, b, 1e-5 if dtype == torch.float32 else 2e-2)
