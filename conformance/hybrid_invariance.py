@@ -5,7 +5,8 @@
   chunks, single decode tokens) run in steps of varied batches with per-sequence conv states in
   shuffled slots and padding sequences, equals the packed training forward bitwise; each sequence
   alone equals it in the batch.
-- gated_rms_norm, sigmoid_gate, zero-centred rms_norm: rows alone == rows in batches (rules 3, 5).
+- gated_rms_norm, sigmoid_gate, zero-centred rms_norm (and add_rms_norm): rows alone == rows in
+  batches (rules 3, 5).
 - partial rotary (rotary over the first quarter of head dim 256): rows alone == in batches.
 
 The attention at head dim 256 is in `attention_invariance` (its ``qwen3.5`` shapes).
@@ -139,7 +140,26 @@ def check_gated_rms_norm(result, quick: bool) -> None:
     rows_alone(result, lambda a, b: gated_rms_norm(a, b, w, 1e-6), [x, z], "gated_rms_norm 32 x 128", quick)
 
 
-HYBRID_CHECKS = ("causal_conv1d", "gated_rms_norm")
+def check_zero_centred_rms_norm(result, quick: bool) -> None:
+    """Qwen3-Next's and Qwen3.5's ``(1 + weight)`` norm: hidden rows of 2,048 and 4,096 (with the
+    residual add) and per-head q/k rows of 256, bf16; add + norm == the add, then the norm."""
+    from vexact_models.kernels import add_rms_norm, rms_norm
+
+    m = max(row_counts(quick))
+    for n in (256, 2048, 4096):
+        x, r = torch.randn(m, n, device="cuda").bfloat16(), torch.randn(m, n, device="cuda").bfloat16()
+        w = (torch.randn(n, device="cuda") / 4).bfloat16()
+        rows_alone(result, lambda a: rms_norm(a, w, 1e-6, zero_centred=True), [x], f"rms_norm zero-centred N={n}", quick)
+        rows_alone(result, lambda a, b: add_rms_norm(a, b, w, 1e-6, zero_centred=True)[0], [x, r],
+                   f"add_rms_norm zero-centred N={n}", quick)
+        result.compare(add_rms_norm(x, r, w, 1e-6, zero_centred=True)[0], rms_norm(x + r, w, 1e-6, zero_centred=True),
+                       f"zero-centred add+norm == add, then norm N={n}")
+    heads = torch.randn(m, 20, 256, device="cuda").bfloat16()[:, 2:18]  # q heads of a fused projection: a view
+    w = (torch.randn(256, device="cuda") / 4).bfloat16()
+    rows_alone(result, lambda a: rms_norm(a, w, 1e-6, zero_centred=True), [heads], "q norm zero-centred 16 x 256", quick)
+
+
+HYBRID_CHECKS = ("causal_conv1d", "gated_rms_norm", "rms_norm zero-centred")
 
 
 def run_hybrid(results: dict, quick: bool) -> None:
@@ -147,3 +167,4 @@ def run_hybrid(results: dict, quick: bool) -> None:
     `HYBRID_CHECKS`)."""
     check_causal_conv1d(results["causal_conv1d"], quick)
     check_gated_rms_norm(results["gated_rms_norm"], quick)
+    check_zero_centred_rms_norm(results["rms_norm zero-centred"], quick)

@@ -36,3 +36,26 @@ def test_gated_rms_norm_backward(dtype):
     for a, b in zip(got, want):
         assert a.dtype == dtype
         close(a, b, 1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zero_centred_rms_norm(dtype):
+    from vexact_models.kernels import add_rms_norm, rms_norm
+
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    x, r, w = rand(7, 3, 256).to(dtype), rand(7, 3, 256).to(dtype), (rand(256) / 4).to(dtype)
+    close(rms_norm(x, w, 1e-6, zero_centred=True), ref(rms_norm, x, w, 1e-6, zero_centred=True), tol)
+    heads = rand(7, 5, 256).to(dtype)[:, 1:4]  # per-head rows of a strided view (the q/k norms)
+    close(rms_norm(heads, w, 1e-6, zero_centred=True), ref(rms_norm, heads.contiguous(), w, 1e-6, zero_centred=True), tol)
+    normed, summed = add_rms_norm(x, r, w, 1e-6, zero_centred=True)
+    close(normed, ref(rms_norm, x + r, w, 1e-6, zero_centred=True), tol)
+    if dtype == torch.bfloat16:  # the plain norm rounds the normalized row first: other bits
+        assert not torch.equal(rms_norm(x, w + 1, 1e-6), rms_norm(x, w, 1e-6, zero_centred=True))
+    xg, wg = rand(70, 256).to(dtype).requires_grad_(), (rand(256) / 4).to(dtype).requires_grad_()
+    g = rand(70, 256).to(dtype)
+    got = torch.autograd.grad(rms_norm(xg, wg, 1e-6, zero_centred=True), (xg, wg), g)
+    xd, wd = (t.detach().double().requires_grad_() for t in (xg, wg))
+    want = torch.autograd.grad(xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + wd), (xd, wd), g.double())
+    for a, b in zip(got, want):
+        assert a.dtype == dtype
+        close(a, b, 1e-5 if dtype == torch.float32 else 2e-2)
