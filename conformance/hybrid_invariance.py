@@ -159,7 +159,20 @@ def check_zero_centred_rms_norm(result, quick: bool) -> None:
     rows_alone(result, lambda a: rms_norm(a, w, 1e-6, zero_centred=True), [heads], "q norm zero-centred 16 x 256", quick)
 
 
-HYBRID_CHECKS = ("causal_conv1d", "gated_rms_norm", "rms_norm zero-centred")
+def check_sigmoid_gate(result, quick: bool) -> None:
+    """The gated attention's output gate (16 heads of 256, the gate a strided view of the q_proj
+    output) and the shared expert's (one gate value per 2,048-wide row), bf16."""
+    from vexact_models.kernels import sigmoid_gate
+
+    m = max(row_counts(quick))
+    q_proj = (torch.randn(m, 16, 512, device="cuda") * 3).bfloat16()
+    x = torch.randn(m, 16, 256, device="cuda").bfloat16()
+    rows_alone(result, sigmoid_gate, [x, q_proj[..., 256:]], "sigmoid_gate attention 16 x 256", quick)
+    h, g = torch.randn(m, 2048, device="cuda").bfloat16(), torch.randn(m, 1, device="cuda").bfloat16()
+    rows_alone(result, sigmoid_gate, [h, g], "sigmoid_gate shared expert 2048", quick)
+
+
+HYBRID_CHECKS = ("causal_conv1d", "gated_rms_norm", "rms_norm zero-centred", "sigmoid_gate")
 
 
 def run_hybrid(results: dict, quick: bool) -> None:
@@ -168,3 +181,4 @@ def run_hybrid(results: dict, quick: bool) -> None:
     check_causal_conv1d(results["causal_conv1d"], quick)
     check_gated_rms_norm(results["gated_rms_norm"], quick)
     check_zero_centred_rms_norm(results["rms_norm zero-centred"], quick)
+    check_sigmoid_gate(results["sigmoid_gate"], quick)

@@ -30,6 +30,7 @@ from .rms_norm import add_rms_norm, rms_norm
 from .rotary import apply_rotary, deinterleave, rope_table
 from .rotary_cache_write import rotary_cache_write
 from .sampling import sample_tokens
+from .sigmoid_gate import sigmoid_gate
 from .silu_and_mul import silu_and_mul
 from .token_logprobs import token_logprobs
 
@@ -40,6 +41,6 @@ __all__ = [
     "fused_moe", "gated_rms_norm", "gather_logprobs", "head_linear", "kv_cache_write", "latent_cache_write", "linear",
     "linear_backend_mode", "linear_silu_and_mul", "log_softmax", "packed_layout", "rms_norm", "rope_table", "rotary_cache_write",
     "sample_tokens", "set_attention_forward", "set_backend", "set_dependent_launch", "set_linear_backend",
-    "sigmoid_grouped_topk", "silu_and_mul", "softmax_topk", "token_logprobs", "use_attention_forward", "use_backend",
-    "use_dependent_launch", "use_linear_backend",
+    "sigmoid_gate", "sigmoid_grouped_topk", "silu_and_mul", "softmax_topk", "token_logprobs", "use_attention_forward",
+    "use_backend", "use_dependent_launch", "use_linear_backend",
 ]

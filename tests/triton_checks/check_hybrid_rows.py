@@ -59,3 +59,23 @@ def test_zero_centred_rms_norm(dtype):
     for a, b in zip(got, want):
         assert a.dtype == dtype
         close(a, b, 1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sigmoid_gate(dtype):
+    from vexact_models.kernels import sigmoid_gate
+    from vexact_models.kernels.sigmoid_gate import sigmoid_gate_backward
+
+    q_proj = (rand(9, 4, 2 * 256) * 3).to(dtype)  # per head: query, then gate (HF's gated q_proj)
+    x, gate = rand(9, 4, 256).to(dtype), q_proj[..., 256:]
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    close(sigmoid_gate(x, gate), ref(sigmoid_gate, x, gate.contiguous()), tol)
+    close(sigmoid_gate(x.reshape(9, -1), gate.reshape(9, -1)), ref(sigmoid_gate, x, gate.contiguous()).reshape(9, -1), tol)
+    h, g = rand(9, 2000).to(dtype), rand(9, 1).to(dtype)  # the shared expert's gate, two column blocks
+    close(sigmoid_gate(h, g), ref(sigmoid_gate, h, g), tol)
+    xg, gg = x.clone().requires_grad_(), gate.clone().requires_grad_()
+    dy = rand(9, 4, 256).to(dtype)
+    got = torch.autograd.grad(sigmoid_gate(xg, gg), (xg, gg), dy)
+    want = ref(sigmoid_gate_backward, x.double(), gate.double(), dy.double())
+    for a, b in zip(got, want):
+        close(a, b, tol)
