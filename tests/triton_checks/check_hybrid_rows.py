@@ -10,7 +10,7 @@ import torch
 # pytest's importlib mode does not put this folder on sys.path; importing the shared helpers
 # also applies their skip rule (conftest.py patches the interpreter's tl.dot)
 sys.path.insert(0, str(Path(__file__).parent))
-from check_triton_kernels import close, rand, ref  # noqa: E402
+from check_triton_kernels import DEVICE, close, rand, ref  # noqa: E402
 
 from vexact_models.kernels import gated_rms_norm  # noqa: E402
 
@@ -79,3 +79,21 @@ def test_sigmoid_gate(dtype):
     want = ref(sigmoid_gate_backward, x.double(), gate.double(), dy.double())
     for a, b in zip(got, want):
         close(a, b, tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_partial_rotary(dtype):
+    """Head dim 256, the first 64 dims rotated (Qwen3-Next, Qwen3.5), forward and backward."""
+    from vexact_models.kernels import apply_rotary, rope_table
+
+    cos, sin = (t.to(DEVICE) for t in rope_table(1.0 / (1e4 ** (torch.arange(0, 64, 2) / 64)), 500))
+    x, pos = rand(6, 3, 256).to(dtype), torch.randint(0, 500, (6,), device=DEVICE)
+    out = apply_rotary(x, pos, cos, sin)
+    close(out, ref(apply_rotary, x, pos, cos, sin), 1e-6 if dtype == torch.float32 else 1e-2)
+    assert torch.equal(out[..., 64:], x[..., 64:])
+    view = rand(6, 5, 256).to(dtype)[:, 1:4]  # heads of a fused projection: a strided view
+    close(apply_rotary(view, pos, cos, sin), ref(apply_rotary, view.contiguous(), pos, cos, sin),
+          1e-6 if dtype == torch.float32 else 1e-2)
+    xg, g = x.clone().requires_grad_(), rand(6, 3, 256).to(dtype)
+    (got,) = torch.autograd.grad(apply_rotary(xg, pos, cos, sin), (xg,), g)
+    close(got, ref(apply_rotary, g, pos, cos, -sin), 1e-6 if dtype == torch.float32 else 1e-2)
