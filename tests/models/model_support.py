@@ -1,8 +1,6 @@
 """What the parametrised model tests share: every registered (architecture, shape) as a test case,
 and stock transformers models of a shape with the same random weights our models get."""
 
-import importlib
-
 import torch
 
 from vexact_models.registry import Architecture, Shape, architectures, shapes
@@ -45,8 +43,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def stock_class(arch: Architecture, head: str = "ForCausalLM") -> type:
     """The stock transformers class of `arch` with `head` (``ForCausalLM``, ``Model``,
     ``ForSequenceClassification``...)."""
-    module, _, name = arch.hf_causal_lm_class.rpartition(".")
-    return getattr(importlib.import_module(module), name.replace("ForCausalLM", head))
+    return arch.hf_class(head)
 
 
 def stock_model(arch: Architecture, head: str = "ForCausalLM", shape: Shape | None = None, seed: int = 0,
@@ -60,3 +57,15 @@ def stock_model(arch: Architecture, head: str = "ForCausalLM", shape: Shape | No
         with torch.no_grad():
             arch.init_for_conformance(model, seed)
     return model
+
+
+def attention_layers(model: torch.nn.Module) -> list[int]:
+    """Indices of the decoder layers with (full) attention, ``self_attn``: every layer, except in
+    the gated-DeltaNet hybrids, whose ``linear_attention`` layers have a ``linear_attn``."""
+    base = getattr(model, "model", model)
+    return [i for i, layer in enumerate(base.layers) if hasattr(layer, "self_attn")]
+
+
+def attention_output_name(model: torch.nn.Module, nth: int = 0) -> str:
+    """The parameter name of the `nth` attention layer's output projection weight."""
+    return f"model.layers.{attention_layers(model)[nth]}.self_attn.o_proj.weight"
