@@ -47,15 +47,15 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def stock_class_name(arch: Architecture, head: str = "ForCausalLM") -> tuple[str, str]:
     """(module, class name) of the stock transformers class of `arch` with `head`."""
-    module, _, name = arch.hf_causal_lm_class.rpartition(".")
-    return module, name.replace("ForCausalLM", head)
+    path = dict(arch.hf_head_classes).get(head) or arch.hf_causal_lm_class.replace("ForCausalLM", head)
+    module, _, name = path.rpartition(".")
+    return module, name
 
 
 def stock_class(arch: Architecture, head: str = "ForCausalLM") -> type:
     """The stock transformers class of `arch` with `head` (``ForCausalLM``, ``Model``,
     ``ForSequenceClassification``...)."""
-    module, name = stock_class_name(arch, head)
-    return getattr(importlib.import_module(module), name)
+    return arch.hf_class(head)
 
 
 def skip_unless_stock_has(arch: Architecture, head: str) -> None:
@@ -80,3 +80,15 @@ def stock_model(arch: Architecture, head: str = "ForCausalLM", shape: Shape | No
         with torch.no_grad():
             arch.init_for_conformance(model, seed)
     return model
+
+
+def attention_layers(model: torch.nn.Module) -> list[int]:
+    """Indices of the decoder layers with (full) attention, ``self_attn``: every layer, except in
+    the gated-DeltaNet hybrids, whose ``linear_attention`` layers have a ``linear_attn``."""
+    base = getattr(model, "model", model)
+    return [i for i, layer in enumerate(base.layers) if hasattr(layer, "self_attn")]
+
+
+def attention_output_name(model: torch.nn.Module, nth: int = 0) -> str:
+    """The parameter name of the `nth` attention layer's output projection weight."""
+    return f"model.layers.{attention_layers(model)[nth]}.self_attn.o_proj.weight"

@@ -1,0 +1,158 @@
+"""The gated delta rule's Triton kernels: a chunk's rows (`rows_kernel`) and the fold (`fold_kernel`).
+
+Both compute a chunk as `gated_delta_reference.chunk_forward` does (its docstring lists the
+steps), at the fixed tile ``[C, ...]``, with every row past the chunk's present rows loaded as an
+exact zero (masked loads, `tl.where`). Nothing in them depends on the register layout the
+compiler picks: the sums are `row_sum.row_sum_halves` (fixed by logical position), a row of a
+tile is taken out with a one-hot `tl.sum` (one value plus exact zeros), and the products are
+`tl.dot` (a chain of MMA steps along K whatever the tile's layout, docs/design.md rule 2). So a
+row's bits depend on rows ``0..i`` of its chunk and on the boundary state alone
+(docs/design.md section 6b).
+
+The dots run with ``input_precision="tf32x3"`` (three TF32 products, about fp32's precision) on
+fp32 operands: the inputs are widened to fp32 on load, the state and every intermediate stay in
+fp32. Each program computes one block of ``BV`` value columns of one head of one chunk; ``T``
+and ``w`` (which depend on the keys, gates and betas only) are recomputed by each value block.
+"""
+
+from __future__ import annotations
+
+from ._triton import tl, triton
+from .row_sum import row_sum_halves
+
+ROWS_WARPS = 8
+FOLD_WARPS = 8
+
+
+@triton.jit
+def _load_rows(ptr, start, first, n, h, stride_t, stride_h, D: tl.constexpr, C: tl.constexpr):
+    """Rows ``first..n-1`` of a chunk (``[C, D]`` fp32, row ``r`` at token ``start + r - first``
+    of head ``h``); other rows exact zeros."""
+    rows = tl.arange(0, C)
+    cols = tl.arange(0, D)
+    present = (rows >= first) & (rows < n)
+    ptrs = ptr + (start + rows - first).to(tl.int64)[:, None] * stride_t + h * stride_h + cols[None, :]
+    return tl.load(ptrs, mask=present[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _load_gates(ptr, start, n, h, stride_t, C: tl.constexpr):
+    rows = tl.arange(0, C)
+    return tl.load(ptr + (start + rows).to(tl.int64) * stride_t + h, mask=rows < n, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _l2norm(x, L2NORM: tl.constexpr, LOG_D: tl.constexpr):
+    if L2NORM:
+        x = x / tl.sqrt_rn(row_sum_halves(x * x, LOG_D, False) + 1e-6)[:, None]
+    return x
+
+
+@triton.jit
+def _chunk_keys(k_ptr, g_ptr, b_ptr, start, n, h, hk, stride_kt, stride_kh, stride_gt, stride_bt,
+                C: tl.constexpr, DK: tl.constexpr, LOG_C: tl.constexpr, LOG_DK: tl.constexpr, L2NORM: tl.constexpr):
+    """What a chunk's keys, gates and betas give every value block: the normalised keys ``k``,
+    ``G`` (prefix sums of ``g``), ``decay[i, j] = exp(G_i - G_j)`` (``j <= i``, else 0),
+    ``T = (I + L)^-1`` and ``w = T (k beta exp(G))``."""
+    rows = tl.arange(0, C)
+    k = _l2norm(_load_rows(k_ptr, start, 0, n, hk, stride_kt, stride_kh, DK, C), L2NORM, LOG_DK)
+    g = _load_gates(g_ptr, start, n, h, stride_gt, C)
+    beta = _load_gates(b_ptr, start, n, h, stride_bt, C)
+    lower = rows[None, :] <= rows[:, None]
+    strict = rows[None, :] < rows[:, None]
+    cum = row_sum_halves(tl.where(lower, g[None, :], 0.0), LOG_C, False)
+    decay = tl.where(lower, tl.exp(tl.where(lower, cum[:, None] - cum[None, :], 0.0)), 0.0)
+    k_beta = k * beta[:, None]
+    lmat = tl.where(strict, tl.dot(k_beta, tl.trans(k), input_precision="tf32x3") * decay, 0.0)
+    # forward substitution on T^T (column i = row i of T): row i = e_i - L[i, :] T, rows < i only
+    eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
+    t_t = eye
+    for i in range(1, C):
+        l_i = tl.sum(tl.where(rows[:, None] == i, lmat, 0.0), axis=0)  # row i of L: one value per column
+        row = row_sum_halves(t_t * l_i[None, :], LOG_C, False)  # [m]: sum_j T[j, m] L[i, j]
+        t_t = tl.where(rows[None, :] == i, tl.where(rows[:, None] == i, 1.0, 0.0) - row[:, None], t_t)
+    t = tl.trans(t_t)
+    w = tl.dot(t, k_beta * tl.exp(cum)[:, None], input_precision="tf32x3")
+    return k, cum, beta, decay, t, w
+
+
+@triton.jit
+def _load_state(ptr, index, h, vb, stride_s, stride_sh, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
+    """``[DK, BV]`` columns ``vb * BV ..`` of state ``index`` (head `h`); zeros where ``index < 0``."""
+    rk = tl.arange(0, DK)
+    cv = vb * BV + tl.arange(0, BV)
+    ptrs = ptr + index.to(tl.int64) * stride_s + h * stride_sh + rk[:, None] * DV + cv[None, :]
+    return tl.load(ptrs, mask=(index >= 0) & (rk[:, None] < DK), other=0.0)
+
+
+@triton.jit
+def _store_state(ptr, index, h, vb, s, stride_s, stride_sh, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
+    rk = tl.arange(0, DK)
+    cv = vb * BV + tl.arange(0, BV)
+    tl.store(ptr + index.to(tl.int64) * stride_s + h * stride_sh + rk[:, None] * DV + cv[None, :], s)
+
+
+@triton.jit
+def rows_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, state_ptr, out_ptr,
+                 kv_start_ptr, n_rows_ptr, first_row_ptr, q_start_ptr, state_index_ptr,
+                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
+                 stride_s, stride_sh, stride_ot, stride_oh, scale,
+                 GROUP: tl.constexpr, C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+                 LOG_C: tl.constexpr, LOG_DK: tl.constexpr, L2NORM: tl.constexpr):
+    """Rows ``first..n-1`` of one chunk, one head, one value block: ``o`` from the boundary state
+    and the chunk's rows ``0..n-1``; written at ``out[q_start + r - first]``."""
+    chunk = tl.program_id(0)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
+    hk = h // GROUP
+    start = tl.load(kv_start_ptr + chunk)
+    n = tl.load(n_rows_ptr + chunk)
+    first = tl.load(first_row_ptr + chunk)
+    q_start = tl.load(q_start_ptr + chunk)
+    index = tl.load(state_index_ptr + chunk)
+    rows = tl.arange(0, C)
+    lower = rows[None, :] <= rows[:, None]
+    k, cum, beta, decay, t, w = _chunk_keys(k_ptr, g_ptr, b_ptr, start, n, h, hk, stride_kt, stride_kh, stride_gt,
+                                            stride_bt, C, DK, LOG_C, LOG_DK, L2NORM)
+    v = _load_rows(v_ptr + vb * BV, start, 0, n, h, stride_vt, stride_vh, BV, C)
+    s = _load_state(state_ptr, index, h, vb, stride_s, stride_sh, DK, DV, BV)
+    u = tl.dot(t, v * beta[:, None], input_precision="tf32x3")
+    v_new = u - tl.dot(w, s, input_precision="tf32x3")
+    q = _l2norm(_load_rows(q_ptr, q_start, first, n, hk, stride_qt, stride_qh, DK, C), L2NORM, LOG_DK) * scale
+    attn = tl.where(lower, tl.dot(q, tl.trans(k), input_precision="tf32x3") * decay, 0.0)
+    out = tl.dot(q * tl.exp(cum)[:, None], s, input_precision="tf32x3") + tl.dot(attn, v_new, input_precision="tf32x3")
+    cols = vb * BV + tl.arange(0, BV)
+    ptrs = out_ptr + (q_start + rows - first).to(tl.int64)[:, None] * stride_ot + h * stride_oh + cols[None, :]
+    tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=((rows >= first) & (rows < n))[:, None])
+
+
+@triton.jit
+def fold_kernel(k_ptr, v_ptr, g_ptr, b_ptr, state_in_ptr, state_out_ptr,
+                 start_ptr, length_ptr, state_index_ptr, out_index_ptr,
+                 stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt, stride_si, stride_sih,
+                 stride_so, stride_soh,
+                 GROUP: tl.constexpr, C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+                 LOG_C: tl.constexpr, LOG_DK: tl.constexpr, L2NORM: tl.constexpr):
+    """One run of consecutive chunks of one sequence (``length`` rows from token ``start``), one
+    head, one value block: from state ``state_index`` (zeros if < 0), the state after each chunk
+    goes to ``state_out[out_index + c]``. Every chunk is the same loop body, so a run folded in
+    one call and the same chunks folded one call each give the same bits."""
+    seq = tl.program_id(0)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
+    hk = h // GROUP
+    start = tl.load(start_ptr + seq)
+    length = tl.load(length_ptr + seq)
+    out_index = tl.load(out_index_ptr + seq)
+    s = _load_state(state_in_ptr, tl.load(state_index_ptr + seq), h, vb, stride_si, stride_sih, DK, DV, BV)
+    rows = tl.arange(0, C)
+    for c in range(0, tl.cdiv(length, C)):
+        n = tl.minimum(length - c * C, C)
+        k, cum, beta, decay, t, w = _chunk_keys(k_ptr, g_ptr, b_ptr, start + c * C, n, h, hk, stride_kt, stride_kh,
+                                                stride_gt, stride_bt, C, DK, LOG_C, LOG_DK, L2NORM)
+        v = _load_rows(v_ptr + vb * BV, start + c * C, 0, n, h, stride_vt, stride_vh, BV, C)
+        v_new = tl.dot(t, v * beta[:, None], input_precision="tf32x3") - tl.dot(w, s, input_precision="tf32x3")
+        last = tl.sum(tl.where(rows == C - 1, cum, 0.0), axis=0)  # G of the tile's last row (absent rows add g = 0)
+        k_decayed = k * tl.exp(last - cum)[:, None]
+        s = s * tl.exp(last) + tl.dot(tl.trans(k_decayed), v_new, input_precision="tf32x3")
+        _store_state(state_out_ptr, out_index + c, h, vb, s, stride_so, stride_soh, DK, DV, BV)

@@ -1,0 +1,100 @@
+"""The gated delta rule's Triton kernels (rows and fold) against the reference, and a rollout's rows bitwise
+the training forward's: under TRITON_INTERPRET=1 on CPU (the kernels' logic: which rows are zeros, which
+state each chunk reads) and on a GPU (docs/design.md section 6b)."""
+
+import os
+
+import pytest
+import torch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if not INTERPRET and not torch.cuda.is_available():
+    pytest.skip("needs a GPU, or TRITON_INTERPRET=1", allow_module_level=True)
+DEVICE = "cpu" if INTERPRET else "cuda"
+
+from vexact_models.kernels import use_backend  # noqa: E402
+from vexact_models.kernels.gated_delta_rollout import GatedDeltaRollout  # noqa: E402
+from vexact_models.kernels.gated_delta_rule import (  # noqa: E402
+    gated_delta_chunk_rows,
+    gated_delta_fold,
+    gated_delta_rule,
+)
+
+
+def _inputs(lengths, hk, hv, dk, dv, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    t = sum(lengths)
+    q, k = (torch.randn(t, hk, dk, generator=gen) for _ in range(2))
+    v = torch.randn(t, hv, dv, generator=gen)
+    g = -torch.rand(t, hv, generator=gen) * 0.6 - 0.01
+    beta = torch.rand(t, hv, generator=gen) * 0.9 + 0.05
+    state = torch.randn(len(lengths), hv, dk, dv, generator=gen) * 0.2
+    return [x.to(DEVICE) for x in (q, k, v, g, beta)], state.to(DEVICE)
+
+
+def _cu(lengths):
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return out
+
+
+@pytest.mark.parametrize("hk,hv,dv", [(2, 2, 16), (1, 2, 32)])
+def test_triton_matches_reference(hk, hv, dv):
+    lengths = [37, 16, 21]
+    inputs, state = _inputs(lengths, hk, hv, 16, dv)
+    with use_backend("triton"):
+        out, final = gated_delta_rule(*inputs, _cu(lengths), initial_state=state, output_final_state=True, chunk_size=16)
+    with use_backend("reference"):
+        ref, ref_final = gated_delta_rule(*(x.cpu() for x in inputs), _cu(lengths), initial_state=state.cpu(),
+                                          output_final_state=True, chunk_size=16)
+    assert (out.cpu() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    assert (final.cpu() - ref_final).abs().max() <= 1e-5 * ref_final.abs().max()
+
+
+def test_triton_rollout_equals_training_bitwise():
+    """Training (three sequences packed) against a rollout: prefill pieces cut on and off the
+    16-row chunk boundaries, then single tokens, all three sequences in every step's launches."""
+    lengths, chunk = [35, 22, 19], 16
+    inputs, state = _inputs(lengths, 1, 2, 16, 16)
+    pieces = [[5, 11, 17, 1, 1], [1, 20, 1], [9, 1, 1, 7, 1]]
+    with use_backend("triton"):
+        want, _ = gated_delta_rule(*inputs, _cu(lengths), initial_state=state, chunk_size=chunk)
+        roll = GatedDeltaRollout(3, (1, 2), (16, 16), chunk_size=chunk, device=DEVICE, initial_state=state)
+        offsets, done = _cu(lengths), [0, 0, 0]
+        got = torch.zeros_like(want)
+        for step in range(5):
+            slots = [s for s in (2, 0, 1) if step < len(pieces[s])]
+            counts = [pieces[s][step] for s in slots]
+            rows = torch.cat([torch.arange(offsets[s] + done[s], offsets[s] + done[s] + m) for s, m in zip(slots, counts)])
+            got[rows.to(DEVICE)] = roll.step(*(x[rows.to(DEVICE)] for x in inputs), slots, counts)
+            for s, m in zip(slots, counts):
+                done[s] += m
+    assert done == lengths
+    assert torch.equal(got, want)
+
+
+def test_triton_chunk_rows_at_every_row_count_and_fold_by_chunks():
+    inputs, state = _inputs([32], 1, 1, 16, 16)
+    q, k, v, g, beta = inputs
+    with use_backend("triton"):
+        want, _ = gated_delta_rule(*inputs, initial_state=state, chunk_size=16)
+        for n in (1, 2, 7, 15, 16):
+            got = gated_delta_chunk_rows(q[n - 1:n], k[:n], v[:n], g[:n], beta[:n], [0, n], [n - 1], state, [0],
+                                         chunk_size=16)
+            assert torch.equal(got, want[n - 1:n])
+        whole = gated_delta_fold(k, v, g, beta, [0], [32], state, [0], chunk_size=16)
+        pool = state.clone()
+        for c in range(2):
+            gated_delta_fold(k, v, g, beta, [16 * c], [16], pool, [0], out=pool, out_index=[0], chunk_size=16)
+            assert torch.equal(pool[0], whole[c])
+        second = gated_delta_chunk_rows(q[16:], k[16:], v[16:], g[16:], beta[16:], [0, 16], [0], whole, [0],
+                                        chunk_size=16)
+    assert torch.equal(second, want[16:])
+
+
+def test_triton_shape_errors():
+    inputs, state = _inputs([16], 1, 1, 16, 16)
+    q, k, v, g, beta = inputs
+    with use_backend("triton"), pytest.raises(ValueError, match="dk=24 only as a power of two in 16..256"):
+        gated_delta_rule(q.new_zeros(16, 1, 24), k.new_zeros(16, 1, 24), v, g, beta, chunk_size=16)
