@@ -36,11 +36,13 @@ from .block_manager import BlockManager
 from .cuda_graphs import DEFAULT_MAX_TOKENS
 from .engine_config import EngineConfig
 from .engine_lock import EngineLock, one_call_at_a_time
+from .model_runner import check_linear_state_support
 from .llm_args import (architecture_of, check_engine_args, check_max_model_len, check_model_argument, default_block_size,
                        check_model_placement, resolve_device, resolve_dtype)
 from .llm_memory import EngineMemoryMixin
 from .llm_setup import eos_token_ids, folder_config, kv_cache_blocks, load_folder, pick_device, runner_model
 from .llm_steps import EngineStepsMixin
+from .linear_state_cache import linear_state_spec
 from .outputs import CompletionOutput, RequestOutput
 from .pipeline import PipelineStage, check_stage_model, join_pipeline
 from .pipeline_comm import PipelineComm
@@ -166,6 +168,9 @@ class LLM(EngineStepsMixin, EngineMemoryMixin):
         arch = architecture_of(training)
         self._init_weight_state(from_folder if owns_weights is None else owns_weights)
         self.model = arch.inference_class(training)
+        linear = linear_state_spec(self.model)  # gated-DeltaNet layers: what their state cache cannot do yet, refused now
+        check_linear_state_support(linear, None if stage is None else stage.layers,
+                                   0 if enforce_eager or self.device.type != "cuda" else max_num_seqs, max_num_seqs)
         self.config = training.config
         self.dtype = next(training.parameters()).dtype
         self.pipeline = None if stage is None else Pipeline(stage, PipelineComm(
@@ -177,9 +182,11 @@ class LLM(EngineStepsMixin, EngineMemoryMixin):
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
         self.engine_config = EngineConfig(
             num_blocks=kv_cache_blocks(self.model, self.dtype, self.device, self.pipeline, block_size, gpu_memory_utilization,
-                                       kv_cache_bytes), block_size=block_size,
+                                       kv_cache_bytes, max_num_seqs), block_size=block_size,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
-            eos_token_id=eos, enable_chunked_prefill=enable_chunked_prefill, enable_prefix_sharing=enable_prefix_sharing,
+            eos_token_id=eos, enable_chunked_prefill=enable_chunked_prefill,
+            # a shared page would skip tokens a gated-DeltaNet state must see (runtime.linear_state_cache)
+            enable_prefix_sharing=enable_prefix_sharing and linear is None,
             cuda_graph_batch=0 if enforce_eager else max_num_seqs,
             cuda_graph_tokens=(min(max_num_batched_tokens, DEFAULT_MAX_TOKENS) if cuda_graph_max_tokens is None
                                else cuda_graph_max_tokens))

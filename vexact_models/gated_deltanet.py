@@ -3,10 +3,9 @@
 MoE with a gated shared expert, each computed only with `vexact_models.kernels` ops. The
 architecture folders subclass them under transformers' class names and module tree.
 
-The training forward runs every op the rollout will repeat (chunks at absolute positions, the
-same conv, gates and norms). The rollout engine's per-sequence GDN state cache is not built yet:
-a gated DeltaNet layer under the paged runtime's context is an error
-(`Architecture.rollout_unsupported` makes `LLM` refuse these models before it allocates).
+The training forward runs every op the rollout repeats (chunks at absolute positions, the same
+conv, gates and norms); a rollout step runs them from the engine's per-sequence GDN state cache
+(`runtime.linear_state_cache`), which the paged context carries.
 """
 
 from __future__ import annotations
@@ -20,11 +19,6 @@ from vexact_models.kernels import (causal_conv1d, gated_delta_gates, gated_delta
 from vexact_models.layers import (FusedExperts, GatedMLP, PackedContext, PreNormDecoderLayer, RMSNorm, grouped_linear,
                                   head_dim_of)
 from vexact_models.patches.compat import qwen3_moe_router_output
-
-#: what the rollout engine lacks for these models (`Architecture.rollout_unsupported`)
-GDN_ROLLOUT_MISSING = ("its gated DeltaNet (linear_attention) layers need the rollout engine's per-sequence GDN state "
-                       "cache (conv state, chunk-boundary state, in-chunk rows; docs/design.md section 6b), which is "
-                       "not built yet; training (forward, token_logprobs, gradients) works")
 
 
 def rotary_dim(config) -> int:
@@ -108,17 +102,29 @@ class GatedDeltaNet(nn.Module):
         raise NotImplementedError
 
     def forward(self, hidden: torch.Tensor, context) -> torch.Tensor:
-        if not isinstance(context, PackedContext):
-            raise NotImplementedError(f"{type(self).__name__} (layer {self.layer_idx}): {GDN_ROLLOUT_MISSING}")
+        """Training (`PackedContext`: every sequence from position 0) or a rollout step (a paged
+        context whose ``linear_states``, the engine's `runtime.linear_state_cache.LinearStep`,
+        holds each sequence's conv and delta-rule state): the same ops, bitwise alike per token."""
+        step = None if isinstance(context, PackedContext) else getattr(context, "linear_states", None)
+        if step is None and not isinstance(context, PackedContext):
+            raise NotImplementedError(f"{type(self).__name__} (layer {self.layer_idx}): a paged context without "
+                                      "linear_states (the engine's GDN state cache, docs/design.md section 6b)")
         tokens = hidden.shape[0]
         mixed, z, b, a = self.project(hidden)
-        conv = causal_conv1d(mixed, self.conv1d.weight[:, 0], self.conv1d.bias, context.cu_seqlens, context.max_seqlen,
-                             "silu")
+        weight = self.conv1d.weight[:, 0]
+        if step is None:
+            conv = causal_conv1d(mixed, weight, self.conv1d.bias, context.cu_seqlens, context.max_seqlen, "silu")
+        else:
+            conv = step.conv(self.layer_idx, mixed, weight, self.conv1d.bias, "silu")
         q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         g, beta = gated_delta_gates(a, b, self.A_log, self.dt_bias)
-        out, _ = gated_delta_rule(q.reshape(tokens, self.num_k_heads, self.head_k_dim),
-                                  k.reshape(tokens, self.num_k_heads, self.head_k_dim),
-                                  v.reshape(tokens, self.num_v_heads, self.head_v_dim), g, beta, context.cu_seqlens)
+        q = q.reshape(tokens, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(tokens, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(tokens, self.num_v_heads, self.head_v_dim)
+        if step is None:
+            out, _ = gated_delta_rule(q, k, v, g, beta, context.cu_seqlens)
+        else:
+            out = step.delta_rule(self.layer_idx, q, k, v, g, beta)
         out = self.norm(out, z)
         return apply_linear(out.reshape(tokens, self.value_dim), self.out_proj)
 

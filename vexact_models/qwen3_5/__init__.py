@@ -2,7 +2,7 @@
 
 from transformers import Qwen3_5TextConfig
 
-from ..gated_deltanet import GDN_ROLLOUT_MISSING, randomize_norms_and_gates
+from ..gated_deltanet import randomize_norms_and_gates
 from ..registry import Architecture, Shape, register
 from .modeling import (Qwen3_5ForCausalLM, Qwen3_5ForCausalLMInference, Qwen3_5ForSequenceClassification,
                        Qwen3_5ForTokenClassification, Qwen3_5PreTrainedModel, Qwen3_5TextModel)
@@ -38,7 +38,6 @@ ARCHITECTURE = register(Architecture(
     hf_head_classes=(("Model", "transformers.Qwen3_5TextModel"),
                      ("ForSequenceClassification", "transformers.Qwen3_5TextForSequenceClassification")),
     checkpoint_conversions=True,  # multimodal checkpoints: model.language_model.* (transformers' own renaming)
-    rollout_unsupported=GDN_ROLLOUT_MISSING,
 ))
 
 __all__ = ["ARCHITECTURE", "Qwen3_5ForCausalLM", "Qwen3_5ForCausalLMInference", "Qwen3_5PreTrainedModel",

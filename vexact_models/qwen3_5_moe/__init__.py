@@ -2,7 +2,7 @@
 
 from transformers import Qwen3_5MoeTextConfig
 
-from ..gated_deltanet import GDN_ROLLOUT_MISSING, randomize_norms_and_gates
+from ..gated_deltanet import randomize_norms_and_gates
 from ..registry import Architecture, Shape, register
 from .modeling import (Qwen3_5MoeForCausalLM, Qwen3_5MoeForCausalLMInference, Qwen3_5MoeForSequenceClassification,
                        Qwen3_5MoeForTokenClassification, Qwen3_5MoePreTrainedModel, Qwen3_5MoeSparseMoeBlock,
@@ -39,7 +39,6 @@ ARCHITECTURE = register(Architecture(
     init_for_conformance=randomize_norms_and_gates,
     hf_head_classes=(("Model", "transformers.Qwen3_5MoeTextModel"),),
     checkpoint_conversions=True,  # per-expert hub tensors; multimodal checkpoints' model.language_model.*
-    rollout_unsupported=GDN_ROLLOUT_MISSING,
 ))
 
 __all__ = ["ARCHITECTURE", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForCausalLMInference", "Qwen3_5MoePreTrainedModel",

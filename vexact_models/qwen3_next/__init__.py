@@ -2,7 +2,7 @@
 
 from transformers import Qwen3NextConfig
 
-from ..gated_deltanet import GDN_ROLLOUT_MISSING, randomize_norms_and_gates
+from ..gated_deltanet import randomize_norms_and_gates
 from ..registry import Architecture, Shape, register
 from .modeling import (Qwen3NextForCausalLM, Qwen3NextForCausalLMInference, Qwen3NextForSequenceClassification,
                        Qwen3NextForTokenClassification, Qwen3NextModel, Qwen3NextPreTrainedModel,
@@ -40,7 +40,6 @@ ARCHITECTURE = register(Architecture(
     hf_causal_lm_class="transformers.Qwen3NextForCausalLM",
     init_for_conformance=randomize_norms_and_gates,
     checkpoint_conversions=True,  # hub checkpoints store one tensor per expert
-    rollout_unsupported=GDN_ROLLOUT_MISSING,
 ))
 
 __all__ = ["ARCHITECTURE", "Qwen3NextForCausalLM", "Qwen3NextForCausalLMInference", "Qwen3NextModel",
