@@ -69,13 +69,13 @@ def linear_state_spec(model: torch.nn.Module) -> LinearStateSpec | None:
     layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
     if not layers:
         return None
-    shapes = {((m.num_k_heads, m.num_v_heads), (m.head_k_dim, m.head_v_dim), m.conv_dim, m.conv_kernel_size)
-              for m in layers}
+    shapes = {((m.num_k_heads, m.num_v_heads), (m.head_k_dim, m.head_v_dim), m.conv_dim, m.conv_kernel_size,
+               m.chunk_size) for m in layers}
     if len(shapes) != 1:
         raise ValueError(f"linear_state_spec: the gated DeltaNet layers differ in shape {sorted(shapes)}; one state "
                          "pool needs one shape")
-    heads, dims, channels, kernel = shapes.pop()
-    return LinearStateSpec(tuple(sorted(m.layer_idx for m in layers)), heads, dims, channels, kernel)
+    heads, dims, channels, kernel, chunk = shapes.pop()
+    return LinearStateSpec(tuple(sorted(m.layer_idx for m in layers)), heads, dims, channels, kernel, chunk)
 
 
 class LinearStateCache:
@@ -192,8 +192,10 @@ class LinearStep:
         kept = cache.rows[layer]
         laid = [self._lay_out(store, new) for store, new in zip(kept, (k, v, g, beta))]
         pool = cache.states[layer]
-        folded = (gated_delta_fold(*laid, self.fold[0], self.fold[1], pool, self.fold[2], use_qk_l2norm=use_qk_l2norm, chunk_size=c) if self.folds
-                  else None)
+        folded = None
+        if self.folds:
+            starts, lengths, index = self.fold
+            folded = gated_delta_fold(*laid, starts, lengths, pool, index, use_qk_l2norm=use_qk_l2norm, chunk_size=c)
         states = pool if self.pool_gather is None else torch.cat([pool.index_select(0, self.pool_gather), folded])
         out = gated_delta_chunk_rows(q, *laid, self.cu_rows, self.first, states, self.state_index, scale=scale,
                                      use_qk_l2norm=use_qk_l2norm, chunk_size=c)

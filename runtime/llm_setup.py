@@ -21,7 +21,8 @@ from .pipeline_worker import Pipeline
 from .pipeline_load import load_stage_model
 
 
-__all__ = ["cache_bytes_per_block", "eos_token_ids", "linear_state_bytes", "folder_config", "kv_cache_blocks", "load_folder", "pick_device", "runner_model"]
+__all__ = ["cache_budget_bytes", "cache_bytes_per_block", "eos_token_ids", "folder_config", "kv_cache_blocks",
+           "linear_state_bytes", "load_folder", "pick_device", "runner_model"]
 
 
 def pick_device(model, device: torch.device | None, stage: PipelineStage | None) -> torch.device:
@@ -94,6 +95,12 @@ def linear_state_bytes(model, dtype: torch.dtype, slots: int) -> int:
     `runtime.linear_state_cache`)."""
     linear = linear_state_spec(model)
     return 0 if linear is None else slots * linear.bytes_per_slot(dtype)
+
+
+def cache_budget_bytes(model, dtype: torch.dtype, block_size: int, blocks: int, state_slots: int) -> int:
+    """The ``kv_cache_bytes`` that give an engine over `model` (inference or training variant)
+    exactly `blocks` KV pages with ``max_num_seqs=state_slots`` (`kv_cache_blocks`'s inverse)."""
+    return blocks * cache_bytes_per_block(model, dtype, block_size) + linear_state_bytes(model, dtype, state_slots)
 
 
 def kv_cache_blocks(model, dtype: torch.dtype, device: torch.device, pipeline: Pipeline | None, block_size: int,

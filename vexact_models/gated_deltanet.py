@@ -18,6 +18,7 @@ from vexact_models.kernels import (causal_conv1d, gated_delta_gates, gated_delta
                                    sigmoid_gate, softmax_topk)
 from vexact_models.layers import (FusedExperts, GatedMLP, PackedContext, PreNormDecoderLayer, RMSNorm, grouped_linear,
                                   head_dim_of)
+from vexact_models.kernels.gated_delta_rule import CHUNK
 from vexact_models.patches.compat import qwen3_moe_router_output
 
 
@@ -83,6 +84,12 @@ class GatedDeltaNet(nn.Module):
         self.key_dim = self.head_k_dim * self.num_k_heads
         self.value_dim = self.head_v_dim * self.num_v_heads
         self.conv_kernel_size = config.linear_conv_kernel_dim
+        #: rows of a delta-rule chunk (docs/design.md section 6b): 64, or the config's
+        #: ``linear_chunk_size`` (a vexact-models field: tiny test configs take 16, so that short
+        #: sequences cross chunk boundaries and the CPU reference stays fast)
+        self.chunk_size = int(getattr(config, "linear_chunk_size", None) or CHUNK)
+        if self.chunk_size < 16 or self.chunk_size & (self.chunk_size - 1):
+            raise ValueError(f"{type(config).__name__}: linear_chunk_size={self.chunk_size} must be a power of two >= 16")
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, bias=False, kernel_size=self.conv_kernel_size,
                                 groups=self.conv_dim, padding=self.conv_kernel_size - 1)
@@ -122,7 +129,7 @@ class GatedDeltaNet(nn.Module):
         k = k.reshape(tokens, self.num_k_heads, self.head_k_dim)
         v = v.reshape(tokens, self.num_v_heads, self.head_v_dim)
         if step is None:
-            out, _ = gated_delta_rule(q, k, v, g, beta, context.cu_seqlens)
+            out, _ = gated_delta_rule(q, k, v, g, beta, context.cu_seqlens, chunk_size=self.chunk_size)
         else:
             out = step.delta_rule(self.layer_idx, q, k, v, g, beta)
         out = self.norm(out, z)

@@ -12,11 +12,13 @@ from .modeling import (Qwen3_5MoeForCausalLM, Qwen3_5MoeForCausalLMInference, Qw
 def tiny_config(**overrides) -> Qwen3_5MoeTextConfig:
     """A tiny Qwen3.5-MoE for CPU tests: 3 layers (gated DeltaNet, gated full attention, gated
     DeltaNet), each with 8 experts top-2 and a shared expert; hidden 64, attention heads 4/2 of
-    dim 32 (partial rotary 0.25), DeltaNet key heads 2 and value heads 4 of dim 16, vocab 512."""
+    dim 32 (partial rotary 0.25), DeltaNet key heads 2 and value heads 4 of dim 16,
+    delta-rule chunks of 16 (`linear_chunk_size`), vocab 512."""
     fields = dict(vocab_size=512, hidden_size=64, num_hidden_layers=3,
                   layer_types=["linear_attention", "full_attention", "linear_attention"],
                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_conv_kernel_dim=4,
-                  linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                  linear_chunk_size=16, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                  linear_num_value_heads=4,
                   num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
                   router_aux_loss_coef=0.001, max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False,
                   rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25},

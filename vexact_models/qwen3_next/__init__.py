@@ -13,11 +13,12 @@ def tiny_config(**overrides) -> Qwen3NextConfig:
     """A tiny Qwen3-Next for CPU tests: 3 layers (gated DeltaNet, gated full attention, gated
     DeltaNet; the middle one a dense MLP, the others 8 experts top-2 and a shared expert); hidden
     64, attention heads 4/2 of dim 32 (partial rotary 0.25), DeltaNet key heads 2 and value heads 4
-    of dim 16, vocab 512."""
+    of dim 16, delta-rule chunks of 16 (`linear_chunk_size`), vocab 512."""
     fields = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                   layer_types=["linear_attention", "full_attention", "linear_attention"], mlp_only_layers=[1],
                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_conv_kernel_dim=4,
-                  linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                  linear_chunk_size=16, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                  linear_num_value_heads=4,
                   num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, moe_intermediate_size=32,
                   shared_expert_intermediate_size=32, decoder_sparse_step=1, router_aux_loss_coef=0.001,
                   max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False,
