@@ -150,3 +150,18 @@ def test_engine_equals_training_across_chunk_boundaries(qwen3_5):
             tokens = out.outputs[0].token_ids
             want = qwen3_5.token_logprobs(torch.tensor([prompt + tokens]))[0, len(prompt):]
             assert torch.equal(torch.tensor(out.outputs[0].logprobs), want)
+
+
+def test_sleep_and_wake_up_reallocate_the_states(qwen3_5):
+    """sleep() releases the GDN states with the KV cache, wake_up() brings both back; the same
+    requests then give the same tokens and logprobs (and update_weights of the same weights)."""
+    llm = LLM(qwen3_5, device="cpu", block_size=4, max_num_seqs=4, kv_cache_bytes=1 << 22, max_num_batched_tokens=16)
+    prompts = [[5, 9, 11, 3] * 5, [7] * 18]
+    params = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, seed=2)
+    first = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params, use_tqdm=False)]
+    llm.sleep(0)
+    assert llm.runner.linear_states is None and not llm.runner.kv_caches
+    llm.wake_up()
+    llm.update_weights(qwen3_5.state_dict())
+    again = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert llm.runner.linear_states is not None and again == first
