@@ -65,8 +65,10 @@ class LinearStateSpec:
 
 def linear_state_spec(model: torch.nn.Module) -> LinearStateSpec | None:
     """The `LinearStateSpec` of an inference (or training) model's GDN layers, or None when it has
-    none. Raises ValueError when its GDN layers differ in shape (one pool serves them all)."""
-    layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
+    none (or is no module). Raises ValueError when its GDN layers differ in shape (one pool serves
+    them all)."""
+    modules = model.modules() if isinstance(model, torch.nn.Module) else ()
+    layers = [m for m in modules if isinstance(m, GatedDeltaNet)]
     if not layers:
         return None
     shapes = {((m.num_k_heads, m.num_v_heads), (m.head_k_dim, m.head_v_dim), m.conv_dim, m.conv_kernel_size,
