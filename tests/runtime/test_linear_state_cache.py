@@ -165,3 +165,25 @@ def test_sleep_and_wake_up_reallocate_the_states(qwen3_5):
     llm.update_weights(qwen3_5.state_dict())
     again = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params, use_tqdm=False)]
     assert llm.runner.linear_states is not None and again == first
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the Triton GDN kernels)")
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+def test_gpu_engine_equals_training_at_chunk_64(name):
+    """On the GPU (Triton kernels), bf16, the published chunk of 64: prompts of 100 and 300 tokens
+    in prefill pieces of 48 and decode across chunk boundaries; CUDA graphs are refused by name
+    before anything is allocated, enforce_eager runs."""
+    arch = get(name)
+    model = build_model(arch, arch.tiny_config(linear_chunk_size=None), torch.device("cuda"), torch.bfloat16)
+    with pytest.raises(ValueError, match="CUDA graphs are not supported .*enforce_eager=True"):
+        LLM(model, block_size=16, max_num_seqs=4, kv_cache_bytes=1 << 24)
+    llm = LLM(model, block_size=16, max_num_seqs=4, kv_cache_bytes=1 << 24, max_num_batched_tokens=48,
+              enforce_eager=True)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(2, 500, (n,), generator=gen).tolist() for n in (100, 300)]
+    outs = llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, seed=1), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        tokens = out.outputs[0].token_ids
+        want = model.token_logprobs(torch.tensor([prompt + tokens], device="cuda"))[0, len(prompt):].cpu()
+        assert torch.equal(torch.tensor(out.outputs[0].logprobs), want)
