@@ -27,6 +27,12 @@ GDN_ROLLOUT_MISSING = ("its gated DeltaNet (linear_attention) layers need the ro
                        "not built yet; training (forward, token_logprobs, gradients) works")
 
 
+def alternating_layer_types(layers: int) -> list[str]:
+    """``layer_types`` of the tiny test configs: gated DeltaNet, gated attention, ... (a layer
+    count given alone still makes a valid config)."""
+    return [("linear_attention", "full_attention")[i % 2] for i in range(layers)]
+
+
 def rotary_dim(config) -> int:
     """The rotated dims of each head: ``int(head_dim * partial_rotary_factor)`` (HF's rule; 0.25
     in Qwen3.5 and Qwen3-Next)."""
