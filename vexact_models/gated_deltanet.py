@@ -43,12 +43,13 @@ def rotary_dim(config) -> int:
 def randomize_norms_and_gates(model: nn.Module, seed: int) -> None:
     """``Architecture.init_for_conformance`` of the hybrids: random values for what HF's init
     leaves constant (zero-centred norm weights at 0, gated norm weights and ``dt_bias`` at 1), so
-    that parity and conformance exercise them. Called under ``torch.no_grad``."""
+    that parity and conformance exercise them. Works on stock transformers models too (by name)."""
     generator = torch.Generator().manual_seed(seed)
-    for name, param in model.named_parameters():
-        if name.endswith(("norm.weight", "dt_bias")):
-            noise = torch.randn(param.shape, generator=generator) * 0.3
-            param.copy_((param.detach().cpu().float() + noise).to(param.device, param.dtype))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("norm.weight", "dt_bias")):
+                noise = torch.randn(param.shape, generator=generator) * 0.3
+                param.copy_((param.detach().cpu().float() + noise).to(param.device, param.dtype))
 
 
 class ZeroCentredRMSNorm(RMSNorm):
