@@ -209,8 +209,28 @@ class GatedAttention(nn.Module):
 
 class HybridDecoderLayer(PreNormDecoderLayer):
     """A decoder layer whose token mixer is ``config.layer_types[layer_idx]``: a gated DeltaNet
-    (``linear_attn``) or gated full attention (``self_attn``). Subclasses build the modules;
-    `layer_kind` checks the type."""
+    (``linear_attn``, a ``deltanet_class``) or gated full attention (``self_attn``, an
+    ``attention_class``), then ``mlp`` (`make_mlp`) and the two ``norm_class`` norms, HF's module
+    tree. Subclasses set the classes under transformers' names."""
+
+    deltanet_class: type[GatedDeltaNet]
+    attention_class: type[GatedAttention]
+    norm_class: type[RMSNorm]
+
+    def __init__(self, config, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_type = self.layer_kind(config, layer_idx)
+        if self.layer_type == "linear_attention":
+            self.linear_attn = self.deltanet_class(config, layer_idx)
+        else:
+            self.self_attn = self.attention_class(config, layer_idx)
+        self.mlp = self.make_mlp(config, layer_idx)
+        self.input_layernorm = self.norm_class(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = self.norm_class(config.hidden_size, eps=config.rms_norm_eps)
+
+    def make_mlp(self, config, layer_idx: int) -> nn.Module:
+        """The layer's MLP (a SwiGLU MLP or an MoE block)."""
+        raise NotImplementedError
 
     @staticmethod
     def layer_kind(config, layer_idx: int) -> str:
