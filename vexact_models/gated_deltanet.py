@@ -22,6 +22,12 @@ from vexact_models.kernels.gated_delta_rule import CHUNK
 from vexact_models.patches.compat import qwen3_moe_router_output
 
 
+def alternating_layer_types(layers: int) -> list[str]:
+    """``layer_types`` of the tiny test configs: gated DeltaNet, gated attention, ... (a layer
+    count given alone still makes a valid config)."""
+    return [("linear_attention", "full_attention")[i % 2] for i in range(layers)]
+
+
 def rotary_dim(config) -> int:
     """The rotated dims of each head: ``int(head_dim * partial_rotary_factor)`` (HF's rule; 0.25
     in Qwen3.5 and Qwen3-Next)."""
@@ -32,12 +38,13 @@ def rotary_dim(config) -> int:
 def randomize_norms_and_gates(model: nn.Module, seed: int) -> None:
     """``Architecture.init_for_conformance`` of the hybrids: random values for what HF's init
     leaves constant (zero-centred norm weights at 0, gated norm weights and ``dt_bias`` at 1), so
-    that parity and conformance exercise them. Called under ``torch.no_grad``."""
+    that parity and conformance exercise them. Works on stock transformers models too (by name)."""
     generator = torch.Generator().manual_seed(seed)
-    for name, param in model.named_parameters():
-        if name.endswith(("norm.weight", "dt_bias")):
-            noise = torch.randn(param.shape, generator=generator) * 0.3
-            param.copy_((param.detach().cpu().float() + noise).to(param.device, param.dtype))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("norm.weight", "dt_bias")):
+                noise = torch.randn(param.shape, generator=generator) * 0.3
+                param.copy_((param.detach().cpu().float() + noise).to(param.device, param.dtype))
 
 
 class ZeroCentredRMSNorm(RMSNorm):
@@ -215,8 +222,28 @@ class GatedAttention(nn.Module):
 
 class HybridDecoderLayer(PreNormDecoderLayer):
     """A decoder layer whose token mixer is ``config.layer_types[layer_idx]``: a gated DeltaNet
-    (``linear_attn``) or gated full attention (``self_attn``). Subclasses build the modules;
-    `layer_kind` checks the type."""
+    (``linear_attn``, a ``deltanet_class``) or gated full attention (``self_attn``, an
+    ``attention_class``), then ``mlp`` (`make_mlp`) and the two ``norm_class`` norms, HF's module
+    tree. Subclasses set the classes under transformers' names."""
+
+    deltanet_class: type[GatedDeltaNet]
+    attention_class: type[GatedAttention]
+    norm_class: type[RMSNorm]
+
+    def __init__(self, config, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_type = self.layer_kind(config, layer_idx)
+        if self.layer_type == "linear_attention":
+            self.linear_attn = self.deltanet_class(config, layer_idx)
+        else:
+            self.self_attn = self.attention_class(config, layer_idx)
+        self.mlp = self.make_mlp(config, layer_idx)
+        self.input_layernorm = self.norm_class(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = self.norm_class(config.hidden_size, eps=config.rms_norm_eps)
+
+    def make_mlp(self, config, layer_idx: int) -> nn.Module:
+        """The layer's MLP (a SwiGLU MLP or an MoE block)."""
+        raise NotImplementedError
 
     @staticmethod
     def layer_kind(config, layer_idx: int) -> str:

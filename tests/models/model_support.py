@@ -92,3 +92,10 @@ def attention_layers(model: torch.nn.Module) -> list[int]:
 def attention_output_name(model: torch.nn.Module, nth: int = 0) -> str:
     """The parameter name of the `nth` attention layer's output projection weight."""
     return f"model.layers.{attention_layers(model)[nth]}.self_attn.o_proj.weight"
+
+
+def skip_without_rollout(arch: Architecture) -> None:
+    """Skip the calling test when the rollout engine cannot run `arch` yet, with the reason the
+    architecture gives (`Architecture.rollout_unsupported`: the one capability tests consult)."""
+    if not arch.rollout:
+        pytest.skip(f"{arch.name}: no rollout yet: {arch.rollout_unsupported}")

@@ -45,16 +45,10 @@ class Qwen3_5MLP(GatedMLP):
 
 
 class Qwen3_5DecoderLayer(HybridDecoderLayer):
-    def __init__(self, config: Qwen3_5TextConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.layer_type = self.layer_kind(config, layer_idx)
-        if self.layer_type == "linear_attention":
-            self.linear_attn = Qwen3_5GatedDeltaNet(config, layer_idx)
-        else:
-            self.self_attn = Qwen3_5Attention(config, layer_idx)
-        self.mlp = Qwen3_5MLP(config, config.intermediate_size)
-        self.input_layernorm = Qwen3_5RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = Qwen3_5RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+    deltanet_class, attention_class, norm_class = Qwen3_5GatedDeltaNet, Qwen3_5Attention, Qwen3_5RMSNorm
+
+    def make_mlp(self, config: Qwen3_5TextConfig, layer_idx: int) -> nn.Module:
+        return Qwen3_5MLP(config, config.intermediate_size)
 
 
 class Qwen3_5PreTrainedModel(TextOfMultimodalMixin, InitHookMixin, PreTrainedModel):

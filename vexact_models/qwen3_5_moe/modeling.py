@@ -42,16 +42,10 @@ class Qwen3_5MoeSparseMoeBlock(SharedExpertMoeBlock):
 
 
 class Qwen3_5MoeDecoderLayer(HybridDecoderLayer):
-    def __init__(self, config: Qwen3_5MoeTextConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.layer_type = self.layer_kind(config, layer_idx)
-        if self.layer_type == "linear_attention":
-            self.linear_attn = Qwen3_5MoeGatedDeltaNet(config, layer_idx)
-        else:
-            self.self_attn = Qwen3_5MoeAttention(config, layer_idx)
-        self.mlp = Qwen3_5MoeSparseMoeBlock(config)
-        self.input_layernorm = Qwen3_5MoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = Qwen3_5MoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+    deltanet_class, attention_class, norm_class = Qwen3_5MoeGatedDeltaNet, Qwen3_5MoeAttention, Qwen3_5MoeRMSNorm
+
+    def make_mlp(self, config: Qwen3_5MoeTextConfig, layer_idx: int) -> nn.Module:
+        return Qwen3_5MoeSparseMoeBlock(config)
 
 
 class Qwen3_5MoePreTrainedModel(TextOfMultimodalMixin, InitHookMixin, PreTrainedModel):

@@ -2,7 +2,7 @@
 
 from transformers import Qwen3NextConfig
 
-from ..gated_deltanet import randomize_norms_and_gates
+from ..gated_deltanet import alternating_layer_types, randomize_norms_and_gates
 from ..registry import Architecture, Shape, register
 from .modeling import (Qwen3NextForCausalLM, Qwen3NextForCausalLMInference, Qwen3NextForSequenceClassification,
                        Qwen3NextForTokenClassification, Qwen3NextModel, Qwen3NextPreTrainedModel,
@@ -13,18 +13,19 @@ def tiny_config(**overrides) -> Qwen3NextConfig:
     """A tiny Qwen3-Next for CPU tests: 3 layers (gated DeltaNet, gated full attention, gated
     DeltaNet; the middle one a dense MLP, the others 8 experts top-2 and a shared expert); hidden
     64, attention heads 4/2 of dim 32 (partial rotary 0.25), DeltaNet key heads 2 and value heads 4
-    of dim 16, delta-rule chunks of 16 (`linear_chunk_size`), vocab 512."""
+    of dim 16, delta-rule chunks of 16
+    (`linear_chunk_size`), vocab 512."""
     fields = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                  layer_types=["linear_attention", "full_attention", "linear_attention"], mlp_only_layers=[1],
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_conv_kernel_dim=4,
-                  linear_chunk_size=16, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
-                  linear_num_value_heads=4,
+ mlp_only_layers=[1],
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_conv_kernel_dim=4, linear_chunk_size=16,
+                  linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
                   num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, moe_intermediate_size=32,
                   shared_expert_intermediate_size=32, decoder_sparse_step=1, router_aux_loss_coef=0.001,
                   max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False,
                   rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25},
                   eos_token_id=1, bos_token_id=0, pad_token_id=None)
     fields.update(overrides)
+    fields.setdefault("layer_types", alternating_layer_types(fields["num_hidden_layers"]))
     return Qwen3NextConfig(**fields)
 
 

@@ -47,18 +47,12 @@ class Qwen3NextSparseMoeBlock(SharedExpertMoeBlock):
 
 
 class Qwen3NextDecoderLayer(HybridDecoderLayer):
-    def __init__(self, config: Qwen3NextConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.layer_type = self.layer_kind(config, layer_idx)
-        if self.layer_type == "linear_attention":
-            self.linear_attn = Qwen3NextGatedDeltaNet(config, layer_idx)
-        else:
-            self.self_attn = Qwen3NextAttention(config, layer_idx)
+    deltanet_class, attention_class, norm_class = Qwen3NextGatedDeltaNet, Qwen3NextAttention, Qwen3NextRMSNorm
+
+    def make_mlp(self, config: Qwen3NextConfig, layer_idx: int) -> nn.Module:
         sparse = layer_idx not in config.mlp_only_layers and config.num_experts > 0 \
             and (layer_idx + 1) % config.decoder_sparse_step == 0
-        self.mlp = Qwen3NextSparseMoeBlock(config) if sparse else Qwen3NextMLP(config)
-        self.input_layernorm = Qwen3NextRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = Qwen3NextRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        return Qwen3NextSparseMoeBlock(config) if sparse else Qwen3NextMLP(config)
 
 
 class Qwen3NextPreTrainedModel(InitHookMixin, PreTrainedModel):
