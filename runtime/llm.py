@@ -36,7 +36,6 @@ from .block_manager import BlockManager
 from .cuda_graphs import DEFAULT_MAX_TOKENS
 from .engine_config import EngineConfig
 from .engine_lock import EngineLock, one_call_at_a_time
-from .model_runner import check_linear_state_support
 from .llm_args import (architecture_of, check_engine_args, check_max_model_len, check_model_argument, default_block_size,
                        check_model_placement, resolve_device, resolve_dtype)
 from .llm_memory import EngineMemoryMixin
@@ -153,13 +152,18 @@ class LLM(EngineStepsMixin, EngineMemoryMixin):
         load_dtype = resolve_dtype(dtype)
         from_folder = isinstance(model, (str, os.PathLike))
         # an architecture the engine cannot run yet (Architecture.rollout_unsupported) is refused here, before any allocation
-        (self._folder_config(str(model))[1] if from_folder else architecture_of(model)).check_rollout()
+        target = self._folder_config(str(model))[1] if from_folder else architecture_of(model)
+        target.check_rollout()
+        if pipeline_parallel_size > 1:  # engine features it cannot use yet (Architecture.rollout_features_missing)
+            target.check_rollout_feature("pipeline_parallel", "use pipeline_parallel_size=1")
         if not from_folder:
             check_model_placement(model, resolve_device(device), load_dtype)
         stage = join_pipeline(pipeline_parallel_size, folder_config(str(model))[0] if from_folder else model.config)
         if stage is not None and not from_folder:
             check_stage_model(model, stage)
         self.device = pick_device(model, resolve_device(device), stage)
+        if self.device.type == "cuda" and not enforce_eager:
+            target.check_rollout_feature("cuda_graphs", "pass enforce_eager=True")
         if not aligned and self.device.type != "cuda":
             raise ValueError(f"LLM: aligned=False (the cuBLAS fast path) needs a CUDA device, got {self.device}")
         self.aligned = aligned
@@ -168,9 +172,7 @@ class LLM(EngineStepsMixin, EngineMemoryMixin):
         arch = architecture_of(training)
         self._init_weight_state(from_folder if owns_weights is None else owns_weights)
         self.model = arch.inference_class(training)
-        linear = linear_state_spec(self.model)  # gated-DeltaNet layers: what their state cache cannot do yet, refused now
-        check_linear_state_support(linear, None if stage is None else stage.layers,
-                                   0 if enforce_eager or self.device.type != "cuda" else max_num_seqs, max_num_seqs)
+        linear = linear_state_spec(self.model)  # gated-DeltaNet layers: their state cache (runtime.linear_state_cache)
         self.config = training.config
         self.dtype = next(training.parameters()).dtype
         self.pipeline = None if stage is None else Pipeline(stage, PipelineComm(

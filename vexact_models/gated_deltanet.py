@@ -22,6 +22,14 @@ from vexact_models.kernels.gated_delta_rule import CHUNK
 from vexact_models.patches.compat import qwen3_moe_router_output
 
 
+#: the engine features the hybrids' rollouts lack (`Architecture.rollout_features_missing`)
+GDN_ROLLOUT_FEATURES_MISSING = (
+    ("cuda_graphs", "the gated-DeltaNet state cache (runtime/linear_state_cache.py) plans each step on the host; "
+                    "its steps are not captured in CUDA graphs"),
+    ("pipeline_parallel", "a pipeline stage would hold its own layers' gated-DeltaNet states, which is not built"),
+)
+
+
 def alternating_layer_types(layers: int) -> list[str]:
     """``layer_types`` of the tiny test configs: gated DeltaNet, gated attention, ... (a layer
     count given alone still makes a valid config)."""

@@ -122,6 +122,19 @@ def test_spec_of_the_model_and_the_budget(qwen3_5):
         LLM(qwen3_5, device="cpu", block_size=4, max_num_seqs=6, kv_cache_bytes=budget - 40 * per_block)
 
 
+def test_architectures_declare_the_missing_features_and_llm_refuses_them(qwen3_5):
+    for name in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
+        arch = get(name)
+        assert arch.rollout and "host" in arch.rollout_feature_missing("cuda_graphs")
+        assert "stage" in arch.rollout_feature_missing("pipeline_parallel")
+    assert get("qwen3").rollout_feature_missing("cuda_graphs") is None
+    with pytest.raises(ValueError, match=r"feature='lora' is not one of \('cuda_graphs', 'pipeline_parallel'\)"):
+        get("qwen3").rollout_feature_missing("lora")
+    with pytest.raises(ValueError, match="pipeline_parallel is not supported for architecture 'qwen3_5' yet.*"
+                                         "pipeline_parallel_size=1"):
+        LLM(qwen3_5, device="cpu", kv_cache_bytes=1 << 22, pipeline_parallel_size=2)
+
+
 def test_unsupported_features_are_refused_by_name():
     check_linear_state_support(None, range(0, 2), 8, 0)  # no GDN layers: nothing to refuse
     with pytest.raises(ValueError, match=r"CUDA graphs are not supported .*layers \[0, 2\].*enforce_eager=True"):
@@ -176,7 +189,7 @@ def test_gpu_engine_equals_training_at_chunk_64(name):
     before anything is allocated, enforce_eager runs."""
     arch = get(name)
     model = build_model(arch, arch.tiny_config(linear_chunk_size=None), torch.device("cuda"), torch.bfloat16)
-    with pytest.raises(ValueError, match="CUDA graphs are not supported .*enforce_eager=True"):
+    with pytest.raises(ValueError, match=f"cuda_graphs is not supported for architecture '{name}' yet.*enforce_eager=True"):
         LLM(model, block_size=16, max_num_seqs=4, kv_cache_bytes=1 << 24)
     llm = LLM(model, block_size=16, max_num_seqs=4, kv_cache_bytes=1 << 24, max_num_batched_tokens=48,
               enforce_eager=True)

@@ -2,7 +2,7 @@
 
 from transformers import Qwen3_5TextConfig
 
-from ..gated_deltanet import alternating_layer_types, randomize_norms_and_gates
+from ..gated_deltanet import GDN_ROLLOUT_FEATURES_MISSING, alternating_layer_types, randomize_norms_and_gates
 from ..registry import Architecture, Shape, register
 from .modeling import (Qwen3_5ForCausalLM, Qwen3_5ForCausalLMInference, Qwen3_5ForSequenceClassification,
                        Qwen3_5ForTokenClassification, Qwen3_5PreTrainedModel, Qwen3_5TextModel)
@@ -39,6 +39,7 @@ ARCHITECTURE = register(Architecture(
     init_for_conformance=randomize_norms_and_gates,
     hf_head_classes=(("Model", "transformers.Qwen3_5TextModel"),
                      ("ForSequenceClassification", "transformers.Qwen3_5TextForSequenceClassification")),
+    rollout_features_missing=GDN_ROLLOUT_FEATURES_MISSING,
     checkpoint_conversions=True,  # multimodal checkpoints: model.language_model.* (transformers' own renaming)
 ))
 

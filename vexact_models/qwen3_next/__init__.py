@@ -2,7 +2,7 @@
 
 from transformers import Qwen3NextConfig
 
-from ..gated_deltanet import alternating_layer_types, randomize_norms_and_gates
+from ..gated_deltanet import GDN_ROLLOUT_FEATURES_MISSING, alternating_layer_types, randomize_norms_and_gates
 from ..registry import Architecture, Shape, register
 from .modeling import (Qwen3NextForCausalLM, Qwen3NextForCausalLMInference, Qwen3NextForSequenceClassification,
                        Qwen3NextForTokenClassification, Qwen3NextModel, Qwen3NextPreTrainedModel,
@@ -41,6 +41,7 @@ ARCHITECTURE = register(Architecture(
     shapes=(Shape("qwen3_next", tiny_config, published_configs=("qwen3-next-80b-a3b.json",)),),
     hf_causal_lm_class="transformers.Qwen3NextForCausalLM",
     init_for_conformance=randomize_norms_and_gates,
+    rollout_features_missing=GDN_ROLLOUT_FEATURES_MISSING,
     checkpoint_conversions=True,  # hub checkpoints store one tensor per expert
 ))
 
