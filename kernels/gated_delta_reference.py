@@ -8,9 +8,11 @@ rows ``0..i`` alone, computed at the fixed shape ``C`` in a fixed order:
    `row_sum.row_sum_halves`), ``q`` scaled by ``scale``;
 2. ``G_i = sum_{j <= i} g_j`` (a masked ``[C, C]`` tile summed by halves: a row's prefix sum
    reads nothing past it);
-3. ``L = strict_lower((k beta) k^T * exp(G_i - G_j))`` and ``T = (I + L)^-1`` by forward
-   substitution, one row at a time: row ``i`` of ``T`` is ``e_i - L[i, :] T``, which reads rows
-   ``< i`` of ``T`` and row ``i`` of ``L`` only (the WY / UT transform of the DeltaNet papers);
+3. ``L = strict_lower((k beta) k^T * exp(G_i - G_j))`` and ``T = (I + L)^-1`` by blocks of 16
+   rows: the diagonal blocks by forward substitution, then block rows by block products (the
+   WY / UT transform of the DeltaNet papers; fla's ``solve_tril`` order). ``T`` is lower
+   triangular with an upper part of exact zeros, and row ``i`` of every step reads rows ``<= i``,
+   later rows only through exact zero products;
 4. ``u = T (v beta)``, ``w = T (k beta exp(G))``, ``v_new = u - w S``;
 5. ``o = (q exp(G)) S + lower((q k^T) * exp(G_i - G_j)) v_new``;
 6. the fold: ``S' = S exp(G_last) + (k exp(G_last - G))^T v_new``.
@@ -37,6 +39,7 @@ from . import exact_math
 from .row_sum import row_sum_reference
 
 L2NORM_EPS = 1e-6  # transformers' and fla's l2norm epsilon
+SOLVE_BLOCK = 16  # rows of the solve's diagonal blocks
 
 
 @dataclass(frozen=True)
@@ -70,16 +73,31 @@ def _halves_prefix_sum(x: torch.Tensor) -> torch.Tensor:
     return row_sum_reference(tile.contiguous())
 
 
-def _substitution_solve(lower: torch.Tensor) -> torch.Tensor:
-    """``(I + L)^-1`` by forward substitution, row ``i`` = ``e_i - L[i, :] T`` over the whole
-    ``C``-wide row (``L[i, j] = 0`` for ``j >= i`` exactly), the product a per-output reduction."""
+def _block_solve(lower: torch.Tensor) -> torch.Tensor:
+    """``(I + L)^-1`` by blocks of `SOLVE_BLOCK` rows: the diagonal blocks' inverses ``D^-1`` by
+    forward substitution (row ``r`` of every block at once: ``e_r - L[r, :] D^-1``), then each block
+    row ``b`` after the first: ``T_b = T_b - D_b^-1 (L_b,<b T)``. Every product is a per-output
+    reduction over the whole ``C``-wide rows, zeros included (the Triton kernels' order)."""
     c = lower.shape[-1]
+    rows = torch.arange(c, device=lower.device)
+    blk = rows // SOLVE_BLOCK
+    same = blk[:, None] == blk[None, :]
     eye = torch.eye(c, dtype=lower.dtype, device=lower.device)
-    t = eye.expand(lower.shape).clone()
-    for i in range(1, c):
-        row = _exact_mm(lower[..., i:i + 1, :], t.transpose(-1, -2))  # [.., 1, C]: sum_j L[i, j] T[j, m]
-        t[..., i, :] = eye[i] - row[..., 0, :]
+    zero = torch.zeros((), dtype=lower.dtype, device=lower.device)
+    ldiag = torch.where(same, lower, zero)
+    dinv = eye.expand(lower.shape)
+    for r in range(1, min(SOLVE_BLOCK, c)):
+        sel = ((rows % SOLVE_BLOCK) == r)[:, None]
+        dinv = torch.where(sel, eye - _matmul(torch.where(sel, ldiag, zero), dinv), dinv)
+    t = dinv
+    for b in range(1, c // SOLVE_BLOCK):
+        lower_b = torch.where((blk == b)[:, None] & (blk[None, :] < b), lower, zero)
+        t = t - _matmul(dinv, _matmul(lower_b, t))
     return t
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return _exact_mm(a, b.transpose(-1, -2))
 
 
 def _torch_solve(lower: torch.Tensor) -> torch.Tensor:
@@ -88,7 +106,7 @@ def _torch_solve(lower: torch.Tensor) -> torch.Tensor:
 
 
 EXACT = ChunkOps(mm=_exact_mm, exp=exact_math.exp, row_sum=row_sum_reference, prefix_sum=_halves_prefix_sum,
-                 solve=_substitution_solve)
+                 solve=_block_solve)
 AUTOGRAD = ChunkOps(mm=lambda a, b: a @ b.transpose(-1, -2), exp=torch.exp, row_sum=lambda x: x.sum(-1),
                     prefix_sum=lambda x: x.cumsum(-1), solve=_torch_solve)
 

@@ -22,6 +22,7 @@ from .row_sum import row_sum_halves
 
 ROWS_WARPS = 8
 FOLD_WARPS = 8
+SOLVE_BLOCK: tl.constexpr = 16  # rows of the solve's diagonal blocks (gated_delta_reference.SOLVE_BLOCK)
 
 
 @triton.jit
@@ -64,14 +65,21 @@ def _chunk_keys(k_ptr, g_ptr, b_ptr, start, n, h, hk, stride_kt, stride_kh, stri
     decay = tl.where(lower, tl.exp(tl.where(lower, cum[:, None] - cum[None, :], 0.0)), 0.0)
     k_beta = k * beta[:, None]
     lmat = tl.where(strict, tl.dot(k_beta, tl.trans(k), input_precision="tf32x3") * decay, 0.0)
-    # forward substitution on T^T (column i = row i of T): row i = e_i - L[i, :] T, rows < i only
+    # T = (I + L)^-1 by 16-row blocks: the diagonal blocks' inverses by forward substitution (row r
+    # of every block at once), then block rows b = 1, 2, ...: T_b -= D_b^-1 (L_b,<b T)
+    blk = rows // SOLVE_BLOCK
+    same = blk[:, None] == blk[None, :]
     eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
-    t_t = eye
-    for i in range(1, C):
-        l_i = tl.sum(tl.where(rows[:, None] == i, lmat, 0.0), axis=0)  # row i of L: one value per column
-        row = row_sum_halves(t_t * l_i[None, :], LOG_C, False)  # [m]: sum_j T[j, m] L[i, j]
-        t_t = tl.where(rows[None, :] == i, tl.where(rows[:, None] == i, 1.0, 0.0) - row[:, None], t_t)
-    t = tl.trans(t_t)
+    ldiag = tl.where(same, lmat, 0.0)
+    dinv = eye
+    for r in range(1, SOLVE_BLOCK):
+        sel = (rows % SOLVE_BLOCK) == r
+        dinv = tl.where(sel[:, None], eye - tl.dot(tl.where(sel[:, None], ldiag, 0.0), dinv, input_precision="tf32x3"),
+                        dinv)
+    t = dinv
+    for b in range(1, C // SOLVE_BLOCK):
+        lower_b = tl.where((blk == b)[:, None] & (blk[None, :] < b), lmat, 0.0)
+        t = t - tl.dot(dinv, tl.dot(lower_b, t, input_precision="tf32x3"), input_precision="tf32x3")
     w = tl.dot(t, k_beta * tl.exp(cum)[:, None], input_precision="tf32x3")
     return k, cum, beta, decay, t, w
 

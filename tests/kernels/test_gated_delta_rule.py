@@ -71,12 +71,12 @@ def pieces_for(lengths, chunk):
     return out
 
 
-@pytest.mark.parametrize("hk,hv", [(2, 2), (1, 4)])
-def test_reference_matches_transformers(hk, hv):
-    lengths = [37, 16, 50]
+@pytest.mark.parametrize("hk,hv,chunk", [(2, 2, 16), (1, 4, 16), (1, 2, 64)])
+def test_reference_matches_transformers(hk, hv, chunk):
+    lengths = [37, 16, 150] if chunk == 64 else [37, 16, 50]
     (q, k, v, g, beta), state = make_inputs(lengths, hk, hv, 16, 32)
     out, final = gated_delta_rule(q, k, v, g, beta, cu(lengths), initial_state=state, output_final_state=True,
-                                  chunk_size=16)
+                                  chunk_size=chunk)
     assert out.dtype == torch.float32 and final.dtype == torch.float32
     offsets = cu(lengths)
     for s in range(len(lengths)):
@@ -110,11 +110,11 @@ def test_reference_bf16_inputs():
     assert (out.float() - want[0].float()).abs().max() <= 1e-2 * want.float().abs().max()
 
 
-@pytest.mark.parametrize("hk,hv,initial", [(2, 2, False), (1, 2, True)])
-def test_reference_rollout_equals_training_bitwise(hk, hv, initial):
+@pytest.mark.parametrize("hk,hv,initial,chunk", [(2, 2, False, 16), (1, 2, True, 16), (1, 1, True, 32)])
+def test_reference_rollout_equals_training_bitwise(hk, hv, initial, chunk):
     """Training (all sequences packed, whole chunks) against a rollout (prefill in pieces cut on and
     off chunk boundaries, then one token at a time, other sequences in the same launches)."""
-    lengths, chunk = [45, 35, 29], 16
+    lengths = [45, 35, 29] if chunk == 16 else [90, 70]
     inputs, state = make_inputs(lengths, hk, hv, 16, 16, initial=initial)
     want, _ = gated_delta_rule(*inputs, cu(lengths), initial_state=state, chunk_size=chunk)
     got, roll = rollout_outputs(inputs, lengths, pieces_for(lengths, chunk), chunk=chunk, initial=state)
@@ -126,6 +126,7 @@ def test_reference_rollout_equals_training_bitwise(hk, hv, initial):
                               state if state is not None else roll.states.new_zeros(roll.states.shape),
                               list(range(len(lengths))), chunk_size=chunk)
     ends = cu([n // chunk for n in lengths])[1:]
+    assert all(n >= chunk for n in lengths)
     assert torch.equal(roll.states, folded[[e - 1 for e in ends]])
 
 
