@@ -22,7 +22,7 @@ from .row_sum import row_sum_halves
 
 ROWS_WARPS = 8
 FOLD_WARPS = 8
-SOLVE_BLOCK: tl.constexpr = 16  # rows of the solve's diagonal blocks (gated_delta_reference.SOLVE_BLOCK)
+SOLVE_BLOCK = tl.constexpr(16)  # rows of the solve's diagonal blocks (gated_delta_reference.SOLVE_BLOCK)
 
 
 @triton.jit

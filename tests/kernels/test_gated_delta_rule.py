@@ -2,6 +2,7 @@
 training's, the fold, the backward, the errors; and (marked gpu) the Triton kernels at real shapes."""
 
 import inspect
+from pathlib import Path
 
 import pytest
 import torch
@@ -90,6 +91,23 @@ def test_reference_matches_transformers(hk, hv, chunk):
         assert (out[sl] - o_rec[0]).abs().max() <= 1e-5 * scale
         assert (out[sl] - o_chk[0]).abs().max() <= 1e-5 * scale
         assert (final[s] - f_rec[0]).abs().max() <= 1e-5 * f_rec.abs().max()
+
+
+def correlated_inputs(t, seed=1):
+    """Keys sharing a large common direction, almost no decay, betas near 1: where an unstable
+    solve (powers of L) loses every digit."""
+    gen = torch.Generator().manual_seed(seed)
+    common = torch.randn(1, 1, 16, generator=gen) * 3
+    q, k = torch.randn(t, 1, 16, generator=gen) + common, torch.randn(t, 1, 16, generator=gen) + common
+    v = torch.randn(t, 1, 16, generator=gen)
+    return q, k, v, torch.full((t, 1), -1e-4), torch.rand(t, 1, generator=gen) * 0.1 + 0.9
+
+
+def test_reference_is_accurate_with_correlated_keys():
+    inputs = correlated_inputs(128)
+    out, _ = gated_delta_rule(*inputs, chunk_size=64)
+    exact, _ = gated_delta_rule(*(x.double() for x in inputs), chunk_size=64)
+    assert (out.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
 
 
 def test_reference_without_l2norm_and_with_a_scale():
@@ -297,3 +315,21 @@ def test_gpu_backward_matches_autograd_of_transformers():
         grads.append([x.grad for x in leaves])
     for name, a, b in zip(("q", "k", "v", "g", "beta", "initial_state"), *grads):
         assert (a - b).abs().max() <= 1e-3 * b.abs().max(), name
+
+
+def test_triton_kernels_compile_for_hopper_on_cpu(monkeypatch):
+    """Both kernels compile for sm_90 without a GPU (the interpreter accepts code the compiler
+    refuses, e.g. a global that is not a `tl.constexpr`), at a tiny shape and chunk 64 (the
+    solve's block rows), their products on the tensor cores."""
+    pytest.importorskip("triton")
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from sm90_compile import compile_only, resources
+
+    from vexact_models.kernels.gated_delta_rule import training_forward
+
+    (q, k, v, g, beta), _ = make_inputs([70], 1, 1, 16, 16, dtype=torch.bfloat16, initial=False)
+    with compile_only() as compiled:
+        training_forward(q, k, v, g, beta, None, [70], 64, 0.25, True, True, "triton")
+    assert [kernel.name for kernel in compiled] == ["fold_kernel", "rows_kernel"]
+    for kernel in compiled:
+        assert resources(kernel).wgmma > 0, kernel.name

@@ -53,6 +53,21 @@ def test_triton_matches_reference(hk, hv, dv, chunk):
     assert (final.cpu() - ref_final).abs().max() <= 1e-5 * ref_final.abs().max()
 
 
+def test_triton_is_accurate_with_correlated_keys():
+    """Keys sharing a large common direction, almost no decay, betas near 1 (where an unstable solve
+    loses every digit) against the float64 reference."""
+    gen = torch.Generator().manual_seed(1)
+    common = torch.randn(1, 1, 16, generator=gen) * 3
+    q, k = torch.randn(128, 1, 16, generator=gen) + common, torch.randn(128, 1, 16, generator=gen) + common
+    inputs = [q, k, torch.randn(128, 1, 16, generator=gen), torch.full((128, 1), -1e-4),
+              torch.rand(128, 1, generator=gen) * 0.1 + 0.9]
+    with use_backend("triton"):
+        out, _ = gated_delta_rule(*(x.to(DEVICE) for x in inputs), chunk_size=64)
+    with use_backend("reference"):
+        exact, _ = gated_delta_rule(*(x.double() for x in inputs), chunk_size=64)
+    assert (out.cpu().double() - exact).abs().max() <= 1e-5 * exact.abs().max()
+
+
 @pytest.mark.parametrize("chunk", [16, 32])
 def test_triton_rollout_equals_training_bitwise(chunk):
     """Training (three sequences packed) against a rollout: prefill pieces cut on and off the
