@@ -85,6 +85,13 @@ def _chunk_keys(k_ptr, g_ptr, b_ptr, start, n, h, hk, stride_kt, stride_kh, stri
 
 
 @triton.jit
+def _new_values(v_ptr, start, n, h, vb, stride_vt, stride_vh, t, w, beta, s, C: tl.constexpr, BV: tl.constexpr):
+    """``v_new = T (v beta) - w S`` for value block `vb` (``[C, BV]``)."""
+    v = _load_rows(v_ptr + vb * BV, start, 0, n, h, stride_vt, stride_vh, BV, C)
+    return tl.dot(t, v * beta[:, None], input_precision="tf32x3") - tl.dot(w, s, input_precision="tf32x3")
+
+
+@triton.jit
 def _load_state(ptr, index, h, vb, stride_s, stride_sh, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
     """``[DK, BV]`` columns ``vb * BV ..`` of state ``index`` (head `h`); zeros where ``index < 0``."""
     rk = tl.arange(0, DK)
@@ -122,10 +129,8 @@ def rows_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, state_ptr, out_ptr,
     lower = rows[None, :] <= rows[:, None]
     k, cum, beta, decay, t, w = _chunk_keys(k_ptr, g_ptr, b_ptr, start, n, h, hk, stride_kt, stride_kh, stride_gt,
                                             stride_bt, C, DK, LOG_C, LOG_DK, L2NORM)
-    v = _load_rows(v_ptr + vb * BV, start, 0, n, h, stride_vt, stride_vh, BV, C)
     s = _load_state(state_ptr, index, h, vb, stride_s, stride_sh, DK, DV, BV)
-    u = tl.dot(t, v * beta[:, None], input_precision="tf32x3")
-    v_new = u - tl.dot(w, s, input_precision="tf32x3")
+    v_new = _new_values(v_ptr, start, n, h, vb, stride_vt, stride_vh, t, w, beta, s, C, BV)
     q = _l2norm(_load_rows(q_ptr, q_start, first, n, hk, stride_qt, stride_qh, DK, C), L2NORM, LOG_DK) * scale
     attn = tl.where(lower, tl.dot(q, tl.trans(k), input_precision="tf32x3") * decay, 0.0)
     out = tl.dot(q * tl.exp(cum)[:, None], s, input_precision="tf32x3") + tl.dot(attn, v_new, input_precision="tf32x3")
@@ -158,8 +163,7 @@ def fold_kernel(k_ptr, v_ptr, g_ptr, b_ptr, state_in_ptr, state_out_ptr,
         n = tl.minimum(length - c * C, C)
         k, cum, beta, decay, t, w = _chunk_keys(k_ptr, g_ptr, b_ptr, start + c * C, n, h, hk, stride_kt, stride_kh,
                                                 stride_gt, stride_bt, C, DK, LOG_C, LOG_DK, L2NORM)
-        v = _load_rows(v_ptr + vb * BV, start + c * C, 0, n, h, stride_vt, stride_vh, BV, C)
-        v_new = tl.dot(t, v * beta[:, None], input_precision="tf32x3") - tl.dot(w, s, input_precision="tf32x3")
+        v_new = _new_values(v_ptr, start + c * C, n, h, vb, stride_vt, stride_vh, t, w, beta, s, C, BV)
         last = tl.sum(tl.where(rows == C - 1, cum, 0.0), axis=0)  # G of the tile's last row (absent rows add g = 0)
         k_decayed = k * tl.exp(last - cum)[:, None]
         s = s * tl.exp(last) + tl.dot(tl.trans(k_decayed), v_new, input_precision="tf32x3")
