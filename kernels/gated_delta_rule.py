@@ -108,9 +108,9 @@ def training_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     if not want_final:  # the last chunk's fold feeds no row
         fold = FoldPlan(fold.start, [max(0, (-(-n // chunk) - 1) * chunk) for n in fold.length], fold.state_index,
                          fold.out_index)
-    states = torch.zeros(n_states, shapes.hv, shapes.dk, shapes.dv, dtype=state_dtype(k), device=k.device)
-    if initial_state is not None:
-        states[bases] = initial_state.to(states.dtype)
+    # each sequence's slot `base` holds its initial state; the folds write the others before any read
+    states = torch.empty(n_states, shapes.hv, shapes.dk, shapes.dv, dtype=state_dtype(k), device=k.device)
+    states[bases] = 0.0 if initial_state is None else initial_state.to(states.dtype)
     q, k, v, g, beta = (prepare_rows(x, backend) for x in (q, k, v, g, beta))
     launch_fold(backend, k, v, g, beta, states, states, fold, shapes, chunk, l2norm)
     out = torch.empty(k.shape[0], shapes.hv, shapes.dv, dtype=q.dtype, device=q.device)
