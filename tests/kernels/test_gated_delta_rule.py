@@ -160,6 +160,16 @@ def test_empty_sequences_and_batch():
     assert out.shape == (0, 1, 16) and torch.equal(final, torch.zeros(1, 1, 16, 16))
 
 
+def test_rollout_steps_with_a_slot_adding_nothing():
+    inputs, _ = make_inputs([30, 20], 1, 1, 16, 16, initial=False)
+    want, _ = gated_delta_rule(*inputs, [0, 30, 50], chunk_size=16)
+    roll, got = GatedDeltaRollout(2, (1, 1), (16, 16), chunk_size=16), torch.zeros_like(want)
+    for rows, slots, counts in (([*range(7), *range(30, 35)], [0, 1], [7, 5]), (list(range(7, 30)), [1, 0], [0, 23]),
+                                (list(range(35, 50)), [0, 1], [0, 15])):
+        got[rows] = roll.step(*(x[rows] for x in inputs), slots, counts)
+    assert torch.equal(got, want) and roll.positions == [30, 20]
+
+
 def test_fold_in_one_run_equals_chunk_by_chunk():
     (q, k, v, g, beta), state = make_inputs([64], 1, 2, 16, 16)
     whole = gated_delta_fold(k, v, g, beta, [0], [64], state, [0], chunk_size=16)
