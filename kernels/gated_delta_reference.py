@@ -75,29 +75,25 @@ def _halves_prefix_sum(x: torch.Tensor) -> torch.Tensor:
 
 def _block_solve(lower: torch.Tensor) -> torch.Tensor:
     """``(I + L)^-1`` by blocks of `SOLVE_BLOCK` rows: the diagonal blocks' inverses ``D^-1`` by
-    forward substitution (row ``r`` of every block at once: ``e_r - L[r, :] D^-1``), then each block
-    row ``b`` after the first: ``T_b = T_b - D_b^-1 (L_b,<b T)``. Every product is a per-output
-    reduction over the whole ``C``-wide rows, zeros included (the Triton kernels' order)."""
+    forward substitution (row ``r`` of a block: ``e_r - L[r, :] D^-1``, over the block's 16
+    columns), then each block row ``b`` after the first: ``T_b,<b = -D_b^-1 (L_b,<b T_<b,<b)``.
+    Each output is one reduction over its own row and column (the columns before the block, or the
+    block's 16 rows); a row past the last present one enters only as exact zero products."""
     c = lower.shape[-1]
-    rows = torch.arange(c, device=lower.device)
-    blk = rows // SOLVE_BLOCK
-    same = blk[:, None] == blk[None, :]
-    eye = torch.eye(c, dtype=lower.dtype, device=lower.device)
-    zero = torch.zeros((), dtype=lower.dtype, device=lower.device)
-    ldiag = torch.where(same, lower, zero)
-    dinv = eye.expand(lower.shape)
-    for r in range(1, min(SOLVE_BLOCK, c)):
-        sel = ((rows % SOLVE_BLOCK) == r)[:, None]
-        dinv = torch.where(sel, eye - _matmul(torch.where(sel, ldiag, zero), dinv), dinv)
-    t = dinv
-    for b in range(1, c // SOLVE_BLOCK):
-        lower_b = torch.where((blk == b)[:, None] & (blk[None, :] < b), lower, zero)
-        t = t - _matmul(dinv, _matmul(lower_b, t))
+    bs = min(SOLVE_BLOCK, c)
+    eye = torch.eye(bs, dtype=lower.dtype, device=lower.device)
+    diag = torch.stack([lower[..., b * bs:(b + 1) * bs, b * bs:(b + 1) * bs] for b in range(c // bs)], dim=-3)
+    dinv = eye.expand(diag.shape).clone()
+    for r in range(1, bs):
+        dinv[..., r, :] = eye[r] - _exact_mm(diag[..., r:r + 1, :], dinv.transpose(-1, -2))[..., 0, :]
+    t = torch.zeros_like(lower)
+    for b in range(c // bs):
+        rows, before = slice(b * bs, (b + 1) * bs), slice(0, b * bs)
+        t[..., rows, rows] = dinv[..., b, :, :]
+        if b:
+            x = _exact_mm(lower[..., rows, before], t[..., before, before].transpose(-1, -2))  # L_b,<b T_<b,<b
+            t[..., rows, before] = -_exact_mm(dinv[..., b, :, :], x.transpose(-1, -2))
     return t
-
-
-def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return _exact_mm(a, b.transpose(-1, -2))
 
 
 def _torch_solve(lower: torch.Tensor) -> torch.Tensor:
@@ -109,6 +105,18 @@ EXACT = ChunkOps(mm=_exact_mm, exp=exact_math.exp, row_sum=row_sum_reference, pr
                  solve=_block_solve)
 AUTOGRAD = ChunkOps(mm=lambda a, b: a @ b.transpose(-1, -2), exp=torch.exp, row_sum=lambda x: x.sum(-1),
                     prefix_sum=lambda x: x.cumsum(-1), solve=_torch_solve)
+
+
+def _pair_decay(cum: torch.Tensor, lower: torch.Tensor, ops: ChunkOps) -> torch.Tensor:
+    """``exp(G_i - G_j)`` where ``j <= i``, exact zeros above; the exponential of the lower triangle
+    only (an element's exponential does not depend on its neighbours, rule 5)."""
+    zero = torch.zeros((), dtype=cum.dtype, device=cum.device)
+    if ops is AUTOGRAD:
+        return torch.where(lower, ops.exp(torch.where(lower, cum.unsqueeze(-1) - cum.unsqueeze(-2), zero)), zero)
+    i, j = torch.tril_indices(*lower.shape, device=cum.device)
+    out = cum.new_zeros(*cum.shape, cum.shape[-1])
+    out[..., i, j] = ops.exp(cum[..., i] - cum[..., j])
+    return out
 
 
 def l2norm(x: torch.Tensor, ops: ChunkOps) -> torch.Tensor:
@@ -131,8 +139,7 @@ def chunk_forward(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, g: t
     cum = ops.prefix_sum(g)  # G [.., C]
     lower = _lower(c, k.device, strict=False)
     strict = _lower(c, k.device, strict=True)
-    diff = torch.where(lower, cum.unsqueeze(-1) - cum.unsqueeze(-2), zero)
-    decay = torch.where(lower, ops.exp(diff), zero)  # exp(G_i - G_j) for j <= i
+    decay = _pair_decay(cum, lower, ops)  # exp(G_i - G_j) for j <= i, else 0
     k_beta = k * beta.unsqueeze(-1)
     t = ops.solve(torch.where(strict, ops.mm(k_beta, k) * decay, zero))
     u = ops.mm(t, (v * beta.unsqueeze(-1)).transpose(-1, -2))
