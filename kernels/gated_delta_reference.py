@@ -4,8 +4,9 @@ One chunk of ``C`` rows (docs/design.md section 6b) is computed by `chunk_forwar
 boundary state and its raw rows, zero-padded to ``C``. Every quantity of row ``i`` is a function of
 rows ``0..i`` alone, computed at the fixed shape ``C`` in a fixed order:
 
-1. ``q, k`` l2-normalised (``x / sqrt(sum(x*x) + 1e-6)``, the sum by halves as
-   `row_sum.row_sum_halves`), ``q`` scaled by ``scale``;
+1. ``q, k`` l2-normalised (``x / sqrt(sum(x*x) + 1e-6)``; the Triton kernels sum by halves,
+   `row_sum.row_sum_halves`, the reference by `exact_math.row_sum`, which takes any width),
+   ``q`` scaled by ``scale``;
 2. ``G_i = sum_{j <= i} g_j`` (a masked ``[C, C]`` tile summed by halves: a row's prefix sum
    reads nothing past it);
 3. ``L = strict_lower((k beta) k^T * exp(G_i - G_j))`` and ``T = (I + L)^-1`` by blocks of 16
@@ -101,7 +102,7 @@ def _torch_solve(lower: torch.Tensor) -> torch.Tensor:
     return torch.linalg.solve_triangular(eye + lower, eye.expand(lower.shape), upper=False, unitriangular=True)
 
 
-EXACT = ChunkOps(mm=_exact_mm, exp=exact_math.exp, row_sum=row_sum_reference, prefix_sum=_halves_prefix_sum,
+EXACT = ChunkOps(mm=_exact_mm, exp=exact_math.exp, row_sum=exact_math.row_sum, prefix_sum=_halves_prefix_sum,
                  solve=_block_solve)
 AUTOGRAD = ChunkOps(mm=lambda a, b: a @ b.transpose(-1, -2), exp=torch.exp, row_sum=lambda x: x.sum(-1),
                     prefix_sum=lambda x: x.cumsum(-1), solve=_torch_solve)

@@ -119,6 +119,13 @@ def test_reference_without_l2norm_and_with_a_scale():
     assert (out - want[0]).abs().max() <= 1e-5 * want.abs().max()
 
 
+def test_reference_takes_any_head_dims():
+    (q, k, v, g, beta), _ = make_inputs([30], 1, 2, 24, 20, initial=False)
+    out, _ = gated_delta_rule(q, k, v, g, beta, chunk_size=16)
+    want, _ = hf.torch_recurrent_gated_delta_rule(*(x[None] for x in (q, k, v, g, beta)), use_qk_l2norm_in_kernel=True)
+    assert (out - want[0]).abs().max() <= 1e-5 * want.abs().max()
+
+
 def test_reference_bf16_inputs():
     (q, k, v, g, beta), state = make_inputs([40], 2, 4, 16, 16, dtype=torch.bfloat16)
     out, final = gated_delta_rule(q, k, v, g, beta, initial_state=state, output_final_state=True, chunk_size=16)
