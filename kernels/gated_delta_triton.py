@@ -11,8 +11,10 @@ row's bits depend on rows ``0..i`` of its chunk and on the boundary state alone
 
 The dots run with ``input_precision="tf32x3"`` (three TF32 products, about fp32's precision) on
 fp32 operands: the inputs are widened to fp32 on load, the state and every intermediate stay in
-fp32. Each program computes one block of ``BV`` value columns of one head of one chunk; ``T``
-and ``w`` (which depend on the keys, gates and betas only) are recomputed by each value block.
+fp32. A rows program computes one head of one chunk, its ``BV``-column value blocks one after
+another on one ``T`` and ``w`` (which depend on the keys, gates and betas only); a fold program
+one value block of one head of a run of chunks (the state of a block stays in registers across
+the chunks), so each fold program computes ``T`` and ``w`` again.
 """
 
 from __future__ import annotations
@@ -114,11 +116,11 @@ def rows_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, state_ptr, out_ptr,
                  stride_s, stride_sh, stride_ot, stride_oh, scale,
                  GROUP: tl.constexpr, C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
                  LOG_C: tl.constexpr, LOG_DK: tl.constexpr, L2NORM: tl.constexpr):
-    """Rows ``first..n-1`` of one chunk, one head, one value block: ``o`` from the boundary state
-    and the chunk's rows ``0..n-1``; written at ``out[q_start + r - first]``."""
+    """Rows ``first..n-1`` of one chunk, one head: ``o`` from the boundary state and the chunk's
+    rows ``0..n-1``, written at ``out[q_start + r - first]``; the value blocks of ``BV`` columns one
+    after another, on the keys' ``T`` and ``w`` computed once."""
     chunk = tl.program_id(0)
     h = tl.program_id(1)
-    vb = tl.program_id(2)
     hk = h // GROUP
     start = tl.load(kv_start_ptr + chunk)
     n = tl.load(n_rows_ptr + chunk)
@@ -129,14 +131,16 @@ def rows_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, state_ptr, out_ptr,
     lower = rows[None, :] <= rows[:, None]
     k, cum, beta, decay, t, w = _chunk_keys(k_ptr, g_ptr, b_ptr, start, n, h, hk, stride_kt, stride_kh, stride_gt,
                                             stride_bt, C, DK, LOG_C, LOG_DK, L2NORM)
-    s = _load_state(state_ptr, index, h, vb, stride_s, stride_sh, DK, DV, BV)
-    v_new = _new_values(v_ptr, start, n, h, vb, stride_vt, stride_vh, t, w, beta, s, C, BV)
     q = _l2norm(_load_rows(q_ptr, q_start, first, n, hk, stride_qt, stride_qh, DK, C), L2NORM, LOG_DK) * scale
     attn = tl.where(lower, tl.dot(q, tl.trans(k), input_precision="tf32x3") * decay, 0.0)
-    out = tl.dot(q * tl.exp(cum)[:, None], s, input_precision="tf32x3") + tl.dot(attn, v_new, input_precision="tf32x3")
-    cols = vb * BV + tl.arange(0, BV)
-    ptrs = out_ptr + (q_start + rows - first).to(tl.int64)[:, None] * stride_ot + h * stride_oh + cols[None, :]
-    tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=((rows >= first) & (rows < n))[:, None])
+    q_decayed = q * tl.exp(cum)[:, None]
+    out_rows = out_ptr + (q_start + rows - first).to(tl.int64)[:, None] * stride_ot + h * stride_oh
+    for vb in tl.static_range(DV // BV):
+        s = _load_state(state_ptr, index, h, vb, stride_s, stride_sh, DK, DV, BV)
+        v_new = _new_values(v_ptr, start, n, h, vb, stride_vt, stride_vh, t, w, beta, s, C, BV)
+        out = tl.dot(q_decayed, s, input_precision="tf32x3") + tl.dot(attn, v_new, input_precision="tf32x3")
+        tl.store(out_rows + (vb * BV + tl.arange(0, BV))[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=((rows >= first) & (rows < n))[:, None])
 
 
 @triton.jit

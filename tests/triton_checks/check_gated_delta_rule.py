@@ -39,7 +39,7 @@ def _cu(lengths):
     return out
 
 
-@pytest.mark.parametrize("hk,hv,dv,chunk", [(2, 2, 16, 16), (1, 2, 32, 16), (1, 1, 16, 64)])
+@pytest.mark.parametrize("hk,hv,dv,chunk", [(2, 2, 16, 16), (1, 2, 32, 16), (1, 1, 16, 64), (1, 2, 128, 16)])
 def test_triton_matches_reference(hk, hv, dv, chunk):
     lengths = [37, 16, 21] if chunk == 16 else [100, 30]
     inputs, state = _inputs(lengths, hk, hv, 16, dv)
