@@ -11,6 +11,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("needs a GPU, or TRITON_INTERPRET=1", allow_module_level=True)
 DEVICE = "cpu" if INTERPRET else "cuda"
+TOL = 1e-5 if INTERPRET else 1e-4  # the interpreter's dots are fp32, the GPU's tf32x3
 
 from vexact_models.kernels import use_backend  # noqa: E402
 from vexact_models.kernels.gated_delta_rollout import GatedDeltaRollout  # noqa: E402
@@ -49,8 +50,8 @@ def test_triton_matches_reference(hk, hv, dv, chunk):
     with use_backend("reference"):
         ref, ref_final = gated_delta_rule(*(x.cpu() for x in inputs), _cu(lengths), initial_state=state.cpu(),
                                           output_final_state=True, chunk_size=chunk)
-    assert (out.cpu() - ref).abs().max() <= 1e-5 * ref.abs().max()
-    assert (final.cpu() - ref_final).abs().max() <= 1e-5 * ref_final.abs().max()
+    assert (out.cpu() - ref).abs().max() <= TOL * ref.abs().max()
+    assert (final.cpu() - ref_final).abs().max() <= TOL * ref_final.abs().max()
 
 
 def test_triton_is_accurate_with_correlated_keys():
@@ -65,7 +66,7 @@ def test_triton_is_accurate_with_correlated_keys():
         out, _ = gated_delta_rule(*(x.to(DEVICE) for x in inputs), chunk_size=64)
     with use_backend("reference"):
         exact, _ = gated_delta_rule(*(x.double() for x in inputs), chunk_size=64)
-    assert (out.cpu().double() - exact).abs().max() <= 1e-5 * exact.abs().max()
+    assert (out.cpu().double() - exact).abs().max() <= TOL * exact.abs().max()
 
 
 @pytest.mark.parametrize("chunk", [16, 32])
