@@ -28,6 +28,9 @@ and allows zero mismatches:
   kernel's rows, at every Qwen3 (K, N), with and without a bias, fp32 logits for the LM heads; and
   the gated MLPs' gate/up GEMM with SwiGLU in quack's epilogue (`kernels.linear_silu_and_mul`'s
   decode launch) against `linear` then `silu_and_mul`, every non-swapped table config.
+- gated delta rule (``--only gdn``): a chunk's rows at every row count and first row == the whole
+  chunk's, folds one chunk a launch == one run, rollouts == the packed training forward
+  (`gated_delta_invariance.py`, docs/design.md section 6b).
 
 The attention checks live in `attention_invariance.py`, the linear ones in `linear_invariance.py`.
 
@@ -49,6 +52,7 @@ import torch
 from .attention_invariance import (LATENT_SHAPES, attention_shape_names, check_attention_configs,
                                   check_latent_attention, check_latent_cache_write, run_attention, selected_shapes,
                                   sequence_lengths)
+from .gated_delta_invariance import run_gated_delta
 from .linear_invariance import M_SWEEP, run_linear, run_linear_quack
 
 # (name, hidden, experts, expert intermediate, top-k, router): DeepSeek-V3 with 64 of its 256 experts
@@ -227,7 +231,7 @@ def check_moe(results: dict[str, Result], quick: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer shapes and M up to 1024 (a smoke run)")
-    parser.add_argument("--only", choices=["linear", "attention", "fa4", "quack", "latent", "rows", "moe"],
+    parser.add_argument("--only", choices=["linear", "attention", "fa4", "quack", "latent", "rows", "moe", "gdn"],
                         help="run one group of checks (latent: MLA's latent attention and absorption GEMMs; fa4: "
                              "the attention checks with FlashAttention-4 as the forward; quack: quack-kernels' GEMM "
                              "against our linear; fa4 and quack are not part of the default run)")
@@ -247,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
              "attention", "attention configs", "attention FA4", "latent attention",
              "head_linear", "latent_cache_write", "rms_norm", "rotary_cache_write",
              "log_softmax",
-             "token_logprobs", "elementwise", "moe"]
+             "token_logprobs", "elementwise", "moe", "gated_delta rows", "gated_delta fold", "gated_delta rollout"]
     results = {n: Result(n) for n in names}
     t0 = time.time()
     if args.only in (None, "linear"):
@@ -273,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
         check_rows(results, args.quick)
     if args.only in (None, "moe"):
         check_moe(results, args.quick)
+    if args.only in (None, "gdn"):
+        run_gated_delta(results, args.quick)
     torch.cuda.synchronize()
     print(f"\nkernel invariance on {torch.cuda.get_device_name()} (torch {torch.__version__}), {time.time() - t0:.0f}s")
     return 1 if print_results(results) else 0

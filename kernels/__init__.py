@@ -12,6 +12,8 @@ from .attention_forward_choice import set_attention_forward, use_attention_forwa
 from .attention_packed import attention_packed, attention_saving_context
 from .backend import BACKENDS, UnsupportedError, current_backend, set_backend, use_backend
 from .dependent_launch import set_dependent_launch, use_dependent_launch
+from .gated_delta_rollout import GatedDeltaRollout
+from .gated_delta_rule import gated_delta_chunk_rows, gated_delta_fold, gated_delta_rule
 from .grouped_topk import sigmoid_grouped_topk
 from .head_linear import head_linear
 from .kernel_switch import KernelSwitch
@@ -32,9 +34,11 @@ from .silu_and_mul import silu_and_mul
 from .token_logprobs import token_logprobs
 
 __all__ = [
-    "BACKENDS", "KernelSwitch", "PagedLayout", "UnsupportedError", "add_rms_norm", "apply_rotary", "attention",
+    "BACKENDS", "GatedDeltaRollout",
+    "KernelSwitch", "PagedLayout", "UnsupportedError", "add_rms_norm", "apply_rotary", "attention",
     "attention_forward_mode", "attention_packed", "attention_saving_context", "current_backend", "deinterleave",
-    "fused_moe", "gather_logprobs", "head_linear", "kv_cache_write", "latent_cache_write", "linear",
+    "fused_moe", "gated_delta_chunk_rows", "gated_delta_fold", "gated_delta_rule",
+    "gather_logprobs", "head_linear", "kv_cache_write", "latent_cache_write", "linear",
     "linear_backend_mode", "linear_silu_and_mul", "log_softmax", "packed_layout", "rms_norm", "rope_table", "rotary_cache_write",
     "sample_tokens", "set_attention_forward", "set_backend", "set_dependent_launch", "set_linear_backend",
     "sigmoid_grouped_topk", "silu_and_mul", "softmax_topk", "token_logprobs", "use_attention_forward", "use_backend",

@@ -1,0 +1,202 @@
+"""The gated delta rule's launches: the plans (which rows, states and outputs each chunk or run of
+chunks uses) and the two backends of the rows and fold launches (docs/design.md section 6b).
+
+`_rows_reference` / `_fold_reference` gather each chunk's rows into zero-padded ``[C, ...]``
+tensors and run `gated_delta_reference.chunk_forward` with its batch-invariant `EXACT`
+primitives; `_rows_triton` / `_fold_triton` launch `gated_delta_triton`'s kernels. A plan is
+built on the host from python ints; the Triton launchers copy it to the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import gated_delta_reference as ref
+from ._triton import require_triton
+from .gated_delta_triton import FOLD_WARPS, ROWS_WARPS, fold_kernel, rows_kernel
+
+@dataclass(frozen=True)
+class Shapes:
+    hk: int
+    hv: int
+    dk: int
+    dv: int
+
+
+
+def state_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch plans: which rows, states and outputs each chunk (rows) or run of chunks (fold) uses.
+
+
+@dataclass(frozen=True)
+class RowsPlan:
+    kv_start: list[int]  # token of the chunk's row 0 in k, v, g, beta
+    n_rows: list[int]  # rows present (<= C)
+    first_row: list[int]  # first row whose output is wanted
+    q_start: list[int]  # q row (and output row) of row ``first_row``
+    state_index: list[int]  # the boundary state (-1: zeros)
+
+
+@dataclass(frozen=True)
+class FoldPlan:
+    start: list[int]  # token of the run's first row
+    length: list[int]  # rows of the run (a multiple of C but for the last chunk)
+    state_index: list[int]  # the state before the run (-1: zeros)
+    out_index: list[int]  # where the state after the run's first chunk goes; chunk c at + c
+
+
+def training_plans(lengths: list[int], chunk: int) -> tuple[FoldPlan, RowsPlan, list[int], int]:
+    """Plans of a packed batch of sequences starting at position 0. States buffer: per sequence,
+    its initial state at ``base`` and the state after chunk ``c`` at ``base + 1 + c``; returns the
+    plans, the bases and the buffer's size."""
+    fold = FoldPlan([], [], [], [])
+    rows = RowsPlan([], [], [], [], [])
+    bases, start, base = [], 0, 0
+    for length in lengths:
+        chunks = -(-length // chunk)
+        bases.append(base)
+        fold.start.append(start), fold.length.append(length), fold.state_index.append(base)
+        fold.out_index.append(base + 1)
+        for c in range(chunks):
+            rows.kv_start.append(start + c * chunk), rows.n_rows.append(min(chunk, length - c * chunk))
+            rows.first_row.append(0), rows.q_start.append(start + c * chunk), rows.state_index.append(base + c)
+        start += length
+        base += chunks + 1
+    return fold, rows, bases, base
+
+
+# ---------------------------------------------------------------------------------------------
+# The two backends of the two launches.
+
+
+def gather_chunks(x: torch.Tensor, start: list[int], first: list[int], n: list[int], chunk: int) -> torch.Tensor:
+    """``[N, C, ...]``: row ``r`` of chunk ``b`` is ``x[start_b + r - first_b]`` for ``first_b <= r
+    < n_b``, an exact zero otherwise."""
+    r = torch.arange(chunk)
+    s, f, m = (torch.tensor(a, dtype=torch.int64).unsqueeze(1) for a in (start, first, n))
+    present = (r >= f) & (r < m)
+    index = torch.where(present, s + r - f, 0).to(x.device)
+    rows = x[index.reshape(-1)].reshape(len(start), chunk, *x.shape[1:])
+    mask = present.to(x.device).reshape(len(start), chunk, *([1] * (x.dim() - 1)))
+    return torch.where(mask, rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+
+
+def expand_heads(x: torch.Tensor, hv: int) -> torch.Tensor:
+    """``[N, C, H, d]`` -> ``[N, Hv, C, d]``, query/key head ``h // (Hv // H)`` for value head ``h``."""
+    group = hv // x.shape[2]
+    if group > 1:
+        x = x.repeat_interleave(group, dim=2)
+    return x.transpose(1, 2)
+
+
+def chunk_inputs(start: list[int], n: list[int], k, v, g, beta, shapes: Shapes, chunk: int, compute):
+    """The chunks' key-side tensors: k ``[N, Hv, C, dk]``, v ``[N, Hv, C, dv]``, g, beta
+    ``[N, Hv, C]``, in `compute` dtype, from rows ``start..start + n - 1``."""
+    zeros = [0] * len(start)
+    kk = expand_heads(gather_chunks(k, start, zeros, n, chunk).to(compute), shapes.hv)
+    vv = gather_chunks(v, start, zeros, n, chunk).to(compute).transpose(1, 2)
+    gg, bb = (gather_chunks(x, start, zeros, n, chunk).to(compute).transpose(1, 2) for x in (g, beta))
+    return kk, vv, gg, bb
+
+
+def _rows_reference(q, k, v, g, beta, states, out, plan: RowsPlan, shapes: Shapes, chunk: int, scale: float,
+                    l2norm: bool) -> None:
+    if not plan.kv_start:
+        return
+    compute = state_dtype(k)
+    kk, vv, gg, bb = chunk_inputs(plan.kv_start, plan.n_rows, k, v, g, beta, shapes, chunk, compute)
+    qq = expand_heads(gather_chunks(q, plan.q_start, plan.first_row, plan.n_rows, chunk).to(compute), shapes.hv)
+    index = torch.tensor(plan.state_index, dtype=torch.long)
+    s = torch.where((index >= 0).reshape(-1, 1, 1, 1), states[index.clamp(min=0)].to(compute),
+                    torch.zeros((), dtype=compute))
+    o, _ = ref.chunk_forward(qq, kk, vv, gg, bb, s, ref.EXACT, scale=scale, use_qk_l2norm=l2norm, fold=False)
+    o = o.transpose(1, 2)  # [N, C, Hv, dv]
+    for b, (first, n, q_start) in enumerate(zip(plan.first_row, plan.n_rows, plan.q_start)):
+        out[q_start:q_start + n - first] = o[b, first:n].to(out.dtype)
+
+
+def _fold_reference(k, v, g, beta, states_in, states_out, plan: FoldPlan, shapes: Shapes, chunk: int,
+                    l2norm: bool) -> None:
+    compute = state_dtype(k)
+    index = torch.tensor(plan.state_index, dtype=torch.long)
+    s = torch.where((index >= 0).reshape(-1, 1, 1, 1), states_in[index.clamp(min=0)].to(compute),
+                    torch.zeros((), dtype=compute))
+    chunks = [-(-n // chunk) for n in plan.length]
+    for c in range(max(chunks, default=0)):
+        live = [b for b, count in enumerate(chunks) if count > c]
+        start = [plan.start[b] + c * chunk for b in live]
+        n = [min(chunk, plan.length[b] - c * chunk) for b in live]
+        kk, vv, gg, bb = chunk_inputs(start, n, k, v, g, beta, shapes, chunk, compute)
+        _, new = ref.chunk_forward(None, kk, vv, gg, bb, s[live], ref.EXACT, scale=1.0, use_qk_l2norm=l2norm)
+        s[live] = new
+        for j, b in enumerate(live):
+            states_out[plan.out_index[b] + c] = new[j].to(states_out.dtype)
+
+
+def _device_ints(values: list[int], device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
+
+
+def _value_block(dv: int) -> int:
+    return min(64, dv)
+
+
+def _check_triton_shapes(shapes: Shapes) -> None:
+    for name, d in (("dk", shapes.dk), ("dv", shapes.dv)):
+        if d < 16 or d & (d - 1) or d > 256:
+            raise ValueError(f"gated_delta_rule: the Triton kernels take {name}={d} only as a power of two in 16..256")
+
+
+def _rows_triton(q, k, v, g, beta, states, out, plan: RowsPlan, shapes: Shapes, chunk: int, scale: float,
+                 l2norm: bool) -> None:
+    require_triton("gated_delta_rule")
+    _check_triton_shapes(shapes)
+    if not plan.kv_start:
+        return
+    dev = k.device
+    meta = [_device_ints(x, dev) for x in (plan.kv_start, plan.n_rows, plan.first_row, plan.q_start, plan.state_index)]
+    bv = _value_block(shapes.dv)
+    grid = (len(plan.kv_start), shapes.hv)
+    rows_kernel[grid](q, k, v, g, beta, states, out, *meta,
+                       q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
+                       beta.stride(0), states.stride(0), states.stride(1), out.stride(0), out.stride(1), scale,
+                       GROUP=shapes.hv // shapes.hk, C=chunk, DK=shapes.dk, DV=shapes.dv, BV=bv,
+                       LOG_C=chunk.bit_length() - 1, LOG_DK=shapes.dk.bit_length() - 1, L2NORM=l2norm,
+                       num_warps=ROWS_WARPS)
+
+
+def _fold_triton(k, v, g, beta, states_in, states_out, plan: FoldPlan, shapes: Shapes, chunk: int,
+                 l2norm: bool) -> None:
+    require_triton("gated_delta_rule")
+    _check_triton_shapes(shapes)
+    if not plan.start:
+        return
+    dev = k.device
+    meta = [_device_ints(x, dev) for x in (plan.start, plan.length, plan.state_index, plan.out_index)]
+    bv = _value_block(shapes.dv)
+    grid = (len(plan.start), shapes.hv, shapes.dv // bv)
+    fold_kernel[grid](k, v, g, beta, states_in, states_out, *meta,
+                       k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+                       states_in.stride(0), states_in.stride(1), states_out.stride(0), states_out.stride(1),
+                       GROUP=shapes.hv // shapes.hk, C=chunk, DK=shapes.dk, DV=shapes.dv, BV=bv,
+                       LOG_C=chunk.bit_length() - 1, LOG_DK=shapes.dk.bit_length() - 1, L2NORM=l2norm,
+                       num_warps=FOLD_WARPS)
+
+
+def launch_rows(backend: str, *args) -> None:
+    (_rows_triton if backend == "triton" else _rows_reference)(*args)
+
+
+def launch_fold(backend: str, *args) -> None:
+    (_fold_triton if backend == "triton" else _fold_reference)(*args)
+
+
+def prepare_rows(x: torch.Tensor, backend: str) -> torch.Tensor:
+    """Unit stride along the last dim (the kernels take row and head strides) for Triton."""
+    return x if backend != "triton" or x.stride(-1) == 1 else x.contiguous()

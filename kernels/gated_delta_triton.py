@@ -1,0 +1,174 @@
+"""The gated delta rule's Triton kernels: a chunk's rows (`rows_kernel`) and the fold (`fold_kernel`).
+
+Both compute a chunk as `gated_delta_reference.chunk_forward` does (its docstring lists the
+steps), at the fixed tile ``[C, ...]``, with every row past the chunk's present rows loaded as an
+exact zero (masked loads, `tl.where`). Nothing in them depends on the register layout the
+compiler picks: the sums are `row_sum.row_sum_halves` (fixed by logical position), a row of a
+tile is taken out with a one-hot `tl.sum` (one value plus exact zeros), and the products are
+`tl.dot` (a chain of MMA steps along K whatever the tile's layout, docs/design.md rule 2). So a
+row's bits depend on rows ``0..i`` of its chunk and on the boundary state alone
+(docs/design.md section 6b).
+
+The dots run with ``input_precision="tf32x3"`` (three TF32 products, about fp32's precision) on
+fp32 operands: the inputs are widened to fp32 on load, the state and every intermediate stay in
+fp32. A rows program computes one head of one chunk, its ``BV``-column value blocks one after
+another on one ``T`` and ``w`` (which depend on the keys, gates and betas only); a fold program
+one value block of one head of a run of chunks (the state of a block stays in registers across
+the chunks), so each fold program computes ``T`` and ``w`` again.
+"""
+
+from __future__ import annotations
+
+from ._triton import tl, triton
+from .row_sum import row_sum_halves
+
+ROWS_WARPS = 8
+FOLD_WARPS = 8
+SOLVE_BLOCK = tl.constexpr(16)  # rows of the solve's diagonal blocks (gated_delta_reference.SOLVE_BLOCK)
+
+
+@triton.jit
+def _load_rows(ptr, start, first, n, h, stride_t, stride_h, D: tl.constexpr, C: tl.constexpr):
+    """Rows ``first..n-1`` of a chunk (``[C, D]`` fp32, row ``r`` at token ``start + r - first``
+    of head ``h``); other rows exact zeros."""
+    rows = tl.arange(0, C)
+    cols = tl.arange(0, D)
+    present = (rows >= first) & (rows < n)
+    ptrs = ptr + (start + rows - first).to(tl.int64)[:, None] * stride_t + h * stride_h + cols[None, :]
+    return tl.load(ptrs, mask=present[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _load_gates(ptr, start, n, h, stride_t, C: tl.constexpr):
+    rows = tl.arange(0, C)
+    return tl.load(ptr + (start + rows).to(tl.int64) * stride_t + h, mask=rows < n, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _l2norm(x, L2NORM: tl.constexpr, LOG_D: tl.constexpr):
+    if L2NORM:
+        x = x / tl.sqrt_rn(row_sum_halves(x * x, LOG_D, False) + 1e-6)[:, None]
+    return x
+
+
+@triton.jit
+def _chunk_keys(k_ptr, g_ptr, b_ptr, start, n, h, hk, stride_kt, stride_kh, stride_gt, stride_bt,
+                C: tl.constexpr, DK: tl.constexpr, LOG_C: tl.constexpr, LOG_DK: tl.constexpr, L2NORM: tl.constexpr):
+    """What a chunk's keys, gates and betas give every value block: the normalised keys ``k``,
+    ``G`` (prefix sums of ``g``), ``decay[i, j] = exp(G_i - G_j)`` (``j <= i``, else 0),
+    ``T = (I + L)^-1`` and ``w = T (k beta exp(G))``."""
+    rows = tl.arange(0, C)
+    k = _l2norm(_load_rows(k_ptr, start, 0, n, hk, stride_kt, stride_kh, DK, C), L2NORM, LOG_DK)
+    g = _load_gates(g_ptr, start, n, h, stride_gt, C)
+    beta = _load_gates(b_ptr, start, n, h, stride_bt, C)
+    lower = rows[None, :] <= rows[:, None]
+    strict = rows[None, :] < rows[:, None]
+    cum = row_sum_halves(tl.where(lower, g[None, :], 0.0), LOG_C, False)
+    decay = tl.where(lower, tl.exp(tl.where(lower, cum[:, None] - cum[None, :], 0.0)), 0.0)
+    k_beta = k * beta[:, None]
+    lmat = tl.where(strict, tl.dot(k_beta, tl.trans(k), input_precision="tf32x3") * decay, 0.0)
+    # T = (I + L)^-1 by 16-row blocks: the diagonal blocks' inverses by forward substitution (row r
+    # of every block at once), then block rows b = 1, 2, ...: T_b -= D_b^-1 (L_b,<b T)
+    blk = rows // SOLVE_BLOCK
+    same = blk[:, None] == blk[None, :]
+    eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
+    ldiag = tl.where(same, lmat, 0.0)
+    dinv = eye
+    for r in range(1, SOLVE_BLOCK):
+        sel = (rows % SOLVE_BLOCK) == r
+        dinv = tl.where(sel[:, None], eye - tl.dot(tl.where(sel[:, None], ldiag, 0.0), dinv, input_precision="tf32x3"),
+                        dinv)
+    t = dinv
+    for b in range(1, C // SOLVE_BLOCK):
+        lower_b = tl.where((blk == b)[:, None] & (blk[None, :] < b), lmat, 0.0)
+        t = t - tl.dot(dinv, tl.dot(lower_b, t, input_precision="tf32x3"), input_precision="tf32x3")
+    w = tl.dot(t, k_beta * tl.exp(cum)[:, None], input_precision="tf32x3")
+    return k, cum, beta, decay, t, w
+
+
+@triton.jit
+def _new_values(v_ptr, start, n, h, vb, stride_vt, stride_vh, t, w, beta, s, C: tl.constexpr, BV: tl.constexpr):
+    """``v_new = T (v beta) - w S`` for value block `vb` (``[C, BV]``)."""
+    v = _load_rows(v_ptr + vb * BV, start, 0, n, h, stride_vt, stride_vh, BV, C)
+    return tl.dot(t, v * beta[:, None], input_precision="tf32x3") - tl.dot(w, s, input_precision="tf32x3")
+
+
+@triton.jit
+def _load_state(ptr, index, h, vb, stride_s, stride_sh, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
+    """``[DK, BV]`` columns ``vb * BV ..`` of state ``index`` (head `h`); zeros where ``index < 0``."""
+    rk = tl.arange(0, DK)
+    cv = vb * BV + tl.arange(0, BV)
+    ptrs = ptr + index.to(tl.int64) * stride_s + h * stride_sh + rk[:, None] * DV + cv[None, :]
+    return tl.load(ptrs, mask=(index >= 0) & (rk[:, None] < DK), other=0.0)
+
+
+@triton.jit
+def _store_state(ptr, index, h, vb, s, stride_s, stride_sh, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
+    rk = tl.arange(0, DK)
+    cv = vb * BV + tl.arange(0, BV)
+    tl.store(ptr + index.to(tl.int64) * stride_s + h * stride_sh + rk[:, None] * DV + cv[None, :], s)
+
+
+@triton.jit
+def rows_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, state_ptr, out_ptr,
+                 kv_start_ptr, n_rows_ptr, first_row_ptr, q_start_ptr, state_index_ptr,
+                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
+                 stride_s, stride_sh, stride_ot, stride_oh, scale,
+                 GROUP: tl.constexpr, C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+                 LOG_C: tl.constexpr, LOG_DK: tl.constexpr, L2NORM: tl.constexpr):
+    """Rows ``first..n-1`` of one chunk, one head: ``o`` from the boundary state and the chunk's
+    rows ``0..n-1``, written at ``out[q_start + r - first]``; the value blocks of ``BV`` columns one
+    after another, on the keys' ``T`` and ``w`` computed once."""
+    chunk = tl.program_id(0)
+    h = tl.program_id(1)
+    hk = h // GROUP
+    start = tl.load(kv_start_ptr + chunk)
+    n = tl.load(n_rows_ptr + chunk)
+    first = tl.load(first_row_ptr + chunk)
+    q_start = tl.load(q_start_ptr + chunk)
+    index = tl.load(state_index_ptr + chunk)
+    rows = tl.arange(0, C)
+    lower = rows[None, :] <= rows[:, None]
+    k, cum, beta, decay, t, w = _chunk_keys(k_ptr, g_ptr, b_ptr, start, n, h, hk, stride_kt, stride_kh, stride_gt,
+                                            stride_bt, C, DK, LOG_C, LOG_DK, L2NORM)
+    q = _l2norm(_load_rows(q_ptr, q_start, first, n, hk, stride_qt, stride_qh, DK, C), L2NORM, LOG_DK) * scale
+    attn = tl.where(lower, tl.dot(q, tl.trans(k), input_precision="tf32x3") * decay, 0.0)
+    q_decayed = q * tl.exp(cum)[:, None]
+    out_rows = out_ptr + (q_start + rows - first).to(tl.int64)[:, None] * stride_ot + h * stride_oh
+    for vb in tl.static_range(DV // BV):
+        s = _load_state(state_ptr, index, h, vb, stride_s, stride_sh, DK, DV, BV)
+        v_new = _new_values(v_ptr, start, n, h, vb, stride_vt, stride_vh, t, w, beta, s, C, BV)
+        out = tl.dot(q_decayed, s, input_precision="tf32x3") + tl.dot(attn, v_new, input_precision="tf32x3")
+        tl.store(out_rows + (vb * BV + tl.arange(0, BV))[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=((rows >= first) & (rows < n))[:, None])
+
+
+@triton.jit
+def fold_kernel(k_ptr, v_ptr, g_ptr, b_ptr, state_in_ptr, state_out_ptr,
+                 start_ptr, length_ptr, state_index_ptr, out_index_ptr,
+                 stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt, stride_si, stride_sih,
+                 stride_so, stride_soh,
+                 GROUP: tl.constexpr, C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+                 LOG_C: tl.constexpr, LOG_DK: tl.constexpr, L2NORM: tl.constexpr):
+    """One run of consecutive chunks of one sequence (``length`` rows from token ``start``), one
+    head, one value block: from state ``state_index`` (zeros if < 0), the state after each chunk
+    goes to ``state_out[out_index + c]``. Every chunk is the same loop body, so a run folded in
+    one call and the same chunks folded one call each give the same bits."""
+    seq = tl.program_id(0)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
+    hk = h // GROUP
+    start = tl.load(start_ptr + seq)
+    length = tl.load(length_ptr + seq)
+    out_index = tl.load(out_index_ptr + seq)
+    s = _load_state(state_in_ptr, tl.load(state_index_ptr + seq), h, vb, stride_si, stride_sih, DK, DV, BV)
+    rows = tl.arange(0, C)
+    for c in range(0, tl.cdiv(length, C)):
+        n = tl.minimum(length - c * C, C)
+        k, cum, beta, decay, t, w = _chunk_keys(k_ptr, g_ptr, b_ptr, start + c * C, n, h, hk, stride_kt, stride_kh,
+                                                stride_gt, stride_bt, C, DK, LOG_C, LOG_DK, L2NORM)
+        v_new = _new_values(v_ptr, start + c * C, n, h, vb, stride_vt, stride_vh, t, w, beta, s, C, BV)
+        last = tl.sum(tl.where(rows == C - 1, cum, 0.0), axis=0)  # G of the tile's last row (absent rows add g = 0)
+        k_decayed = k * tl.exp(last - cum)[:, None]
+        s = s * tl.exp(last) + tl.dot(tl.trans(k_decayed), v_new, input_precision="tf32x3")
+        _store_state(state_out_ptr, out_index + c, h, vb, s, stride_so, stride_soh, DK, DV, BV)
