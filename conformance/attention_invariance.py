@@ -51,9 +51,10 @@ def check_attention_configs(result: Result, hq: int, hkv: int, d: int, dv: int, 
                    AttentionConfig(16, 64, 2, 3, heads_fastest=True),
                    AttentionConfig(32, 64, 4, 2), AttentionConfig(64, 64, 4, 2, heads_fastest=True)]
         if d > 192:  # head dim 256: the tiles whose stages fit in shared memory
-            configs = [AttentionConfig(64, 64, 4, 2), AttentionConfig(64, 64, 4, 1), AttentionConfig(64, 64, 8, 2),
-                       AttentionConfig(128, 64, 8, 1), AttentionConfig(16, 64, 2, 1), AttentionConfig(16, 64, 4, 2),
-                       AttentionConfig(16, 64, 2, 2, heads_fastest=True), AttentionConfig(32, 64, 4, 2)]
+            configs = [AttentionConfig(64, 64, 8, 2), AttentionConfig(64, 64, 8, 3), AttentionConfig(64, 64, 4, 2),
+                       AttentionConfig(64, 64, 4, 1), AttentionConfig(128, 64, 8, 1), AttentionConfig(16, 64, 4, 2),
+                       AttentionConfig(16, 64, 4, 2, heads_fastest=True), AttentionConfig(16, 64, 2, 1),
+                       AttentionConfig(32, 64, 4, 2)]
         outs = [attention_triton(q, k, v, layout, d ** -0.5, cfg) for cfg in configs]
     labels = [str(cfg) for cfg in configs]
     if not latent and kv_descriptors_fit(k, v):  # training's TMA loads of whole key blocks: the same bits again

@@ -67,12 +67,18 @@ def pick_config(head_dim: int, rows_per_seq: int, dtype: torch.dtype, programs: 
     bytes of each cache row: 0-2% faster at 128-256 sequences of 544 tokens and 32-128 of 4-8k
     (twentieth session), never slower beyond noise.
     fp32: a padded 256-wide fp32 K tile does not fit two stages in shared memory. Head dim 256
-    (Qwen3.5, Qwen3-Next) keeps 64-row training and prefill tiles with two stages (a 128 x 256
-    fp32 accumulator would not stay in registers; Q, K and V of two stages: 160 KB) and the
-    192's decode tile."""
+    (Qwen3.5, Qwen3-Next; not timed yet) takes the tiles that compile for sm_90 without spills
+    (`benchmarks/sm90_compile.py`, `tests/test_kernel_resources.py`): 64-row training and prefill
+    tiles of 8 warps and two stages (233 registers, 161 KB; 4 warps spill, and a 128 x 256 fp32
+    accumulator does not stay in registers) and 16-row decode tiles of 4 warps and two stages
+    (159 registers; the 192's 2-warp tile spills ~1 KB)."""
     wide = head_dim > 128
     if dtype == torch.float32:
         return AttentionConfig(BLOCK_M, BLOCK_N, 8 if wide else 4, 1 if wide else NUM_STAGES)
+    if head_dim > 192:
+        if rows_per_seq <= DECODE_BLOCK_M:
+            return AttentionConfig(DECODE_BLOCK_M, BLOCK_N, 4, NUM_STAGES, heads_fastest=True)
+        return AttentionConfig(BLOCK_M, BLOCK_N, 8, NUM_STAGES)
     if rows_per_seq <= DECODE_BLOCK_M:
         if wide:
             return AttentionConfig(DECODE_BLOCK_M, BLOCK_N, 2, 1)
@@ -83,8 +89,6 @@ def pick_config(head_dim: int, rows_per_seq: int, dtype: torch.dtype, programs: 
         return AttentionConfig(DECODE_BLOCK_M, BLOCK_N, 2 if deep_pipeline else 4, 3, heads_fastest=True)
     if rows_per_seq <= BLOCK_M:
         return AttentionConfig(BLOCK_M, BLOCK_N, 4, 1 if wide else NUM_STAGES)
-    if head_dim > 192:
-        return AttentionConfig(BLOCK_M, BLOCK_N, 4, NUM_STAGES)
     return AttentionConfig(2 * BLOCK_M, BLOCK_N, 8 if wide else 4, NUM_STAGES)
 
 

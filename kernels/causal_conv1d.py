@@ -54,14 +54,13 @@ def conv_tile(max_seqlen: int, channels: int) -> tuple[int, int]:
 
 @triton.jit
 def _conv_window(x_ptr, w_ptr, b_ptr, state_ptr, start, local, t_ok, cols, c_ok, context, slot, stride_x,
-                 stride_ss, stride_sk, K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr):
+                 stride_ss, stride_sk, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr):
     """``pre`` (fp32) of the tokens at chunk offsets `local` (``[BLOCK_T]``) and channels `cols`:
     the one sequence of operations every path runs (the module docstring)."""
+    acc = tl.zeros((BLOCK_T, BLOCK_C), tl.float32)
     if HAS_BIAS:
-        acc = tl.zeros((local.shape[0], cols.shape[0]), tl.float32) + \
-            tl.load(b_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)[None, :]
-    else:
-        acc = tl.zeros((local.shape[0], cols.shape[0]), tl.float32)
+        acc += tl.load(b_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)[None, :]
     for j in tl.static_range(K):
         src = local - (K - 1 - j)  # the input's offset in the chunk
         in_chunk = src >= 0
@@ -99,7 +98,7 @@ def _causal_conv1d_kernel(x_ptr, w_ptr, b_ptr, state_ptr, cu_ptr, ctx_ptr, idx_p
             context = 0
             slot = -1
         acc = _conv_window(x_ptr, w_ptr, b_ptr, state_ptr, start, local, t_ok, cols, c_ok, context, slot, stride_x,
-                           stride_ss, stride_sk, K, HAS_BIAS, HAS_STATE)
+                           stride_ss, stride_sk, K, BLOCK_T, BLOCK_C, HAS_BIAS, HAS_STATE)
         pre = acc.to(x_ptr.dtype.element_ty).to(tl.float32)  # the convolution's output in the model dtype
         rows = (start + local)[:, None].to(tl.int64)
         ok = t_ok[:, None] & c_ok[None, :]

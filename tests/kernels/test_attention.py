@@ -290,7 +290,7 @@ def test_head_dim_256_takes_pointer_loads_and_64_row_tiles(monkeypatch):
     pointer loads, not TMA (`TMA_HEAD_DIMS`), and its training tiles hold 64 rows."""
     import importlib
 
-    from vexact_models.kernels.attention_tiles import HEAD_DIMS, VALUE_HEAD_DIMS, pick_config
+    from vexact_models.kernels.attention_tiles import HEAD_DIMS, VALUE_HEAD_DIMS, AttentionConfig, pick_config
 
     module = importlib.import_module("vexact_models.kernels.attention")
     assert 256 in HEAD_DIMS and 256 in VALUE_HEAD_DIMS
@@ -298,8 +298,9 @@ def test_head_dim_256_takes_pointer_loads_and_64_row_tiles(monkeypatch):
     _, k, v, _ = _packed([4, 8], 4, 2, 256, dtype=torch.bfloat16)
     assert not module.kv_descriptors_fit(k, v)
     assert not module.page_descriptors_fit(k, v, 64, 8)
-    assert pick_config(256, 4096, torch.bfloat16).block_m == 64
-    assert pick_config(256, 8, torch.bfloat16).block_m == 16
+    assert pick_config(256, 4096, torch.bfloat16) == AttentionConfig(64, 64, 8, 2)  # no spills (test_kernel_resources)
+    assert pick_config(256, 40, torch.bfloat16) == AttentionConfig(64, 64, 8, 2)
+    assert pick_config(256, 8, torch.bfloat16) == AttentionConfig(16, 64, 4, 2, heads_fastest=True)
     assert pick_config(128, 4096, torch.bfloat16).block_m == 128  # the others keep theirs
 
 
