@@ -28,8 +28,7 @@ both forms.
 
 The backward (docs/design.md rule 8: correct, no invariance) recomputes ``pre``, forms ``dpre =
 dy * silu'(pre)`` (the forward kernel in its gradient mode on CUDA) and the input, weight and bias
-gradients from it: on CUDA one more Triton pass (`_conv_bwd_kernel`, per-program partial weight
-gradients summed after), on the CPU torch ops.
+gradients from it (`causal_conv1d_backward.py`: one more Triton pass on CUDA, torch ops on CPU).
 """
 
 from __future__ import annotations
@@ -39,6 +38,7 @@ import torch
 from . import exact_math
 from ._triton import next_power_of_2, require_triton, tl, triton
 from .backend import select
+from .causal_conv1d_backward import conv_grads_reference, conv_grads_triton, token_offsets
 
 ACTIVATIONS = ("silu", None)
 CONV_TILE = 2048  # (tokens x channels) elements per program
@@ -136,23 +136,11 @@ def _launch(x, weight, bias, cu_seqlens, max_seqlen, silu, state=None, dy=None):
     return out
 
 
-def _token_offsets(cu_seqlens: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sequence index, offset in its chunk) of every packed token (tokens past the last
-    sequence: index -1), without a host sync."""
-    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    covered = int(cu_seqlens[-1]) if cu_seqlens.device.type == "cpu" else tokens
-    seq = torch.repeat_interleave(torch.arange(lens.numel(), device=cu_seqlens.device), lens,
-                                  output_size=covered)
-    seq = torch.cat([seq, seq.new_full((tokens - covered,), -1)])
-    local = torch.arange(tokens, device=cu_seqlens.device) - cu_seqlens.long()[seq.clamp_min(0)]
-    return seq, local
-
-
 def _windows_reference(x, cu_seqlens, k, state):
     """The ``K`` inputs of every token, ``[K, T, C]`` (zeros before a sequence's start), from the
     chunk and, before it, the conv state."""
     tokens = x.shape[0]
-    seq, local = _token_offsets(cu_seqlens, tokens)
+    seq, local = token_offsets(cu_seqlens, tokens)
     out = x.new_zeros(k, tokens, x.shape[1])
     for j in range(k):
         src = local - (k - 1 - j)
@@ -309,88 +297,15 @@ def _grad_pre(x, weight, bias, cu_seqlens, max_seqlen, activation, grad_out):
     return dy * sig * (1.0 + pre * (1.0 - sig))
 
 
-BWD_TOKENS = 1024  # tokens of a sequence per backward program (its weight-gradient partial)
-
-
-@triton.jit
-def _conv_bwd_kernel(x_ptr, dpre_ptr, w_ptr, cu_ptr, dx_ptr, dw_ptr, C, n_chunks, stride_x, stride_dp, stride_dx,
-                     K: tl.constexpr, KP: tl.constexpr, CHUNK: tl.constexpr, BLOCK_T: tl.constexpr,
-                     BLOCK_C: tl.constexpr):
-    """Program (sequence, chunk of `CHUNK` tokens, channel block): grad_x of its tokens (each input
-    feeds the K outputs at offsets 0 .. K - 1 after it, within its sequence) and its partial weight
-    gradient ``[BLOCK_C, KP]`` (tap j: dpre at t times the input at t - (K - 1 - j)), then the bias's
-    in column K."""
-    seq = tl.program_id(0)
-    start = tl.load(cu_ptr + seq)
-    n = tl.load(cu_ptr + seq + 1) - start
-    cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
-    c_ok = cols < C
-    taps = tl.arange(0, KP)
-    dw = tl.zeros((BLOCK_C, KP), tl.float32)
-    end = tl.minimum(n, (tl.program_id(1) + 1) * CHUNK)
-    for t0 in range(tl.program_id(1) * CHUNK, end, BLOCK_T):
-        local = t0 + tl.arange(0, BLOCK_T)
-        t_ok = local < end
-        ok = t_ok[:, None] & c_ok[None, :]
-        rows = (start + local)[:, None].to(tl.int64)
-        g = tl.load(dpre_ptr + rows * stride_dp + cols[None, :], mask=ok, other=0.0)
-        dx = tl.zeros((BLOCK_T, BLOCK_C), tl.float32)
-        for j in tl.static_range(K):
-            w = tl.load(w_ptr + cols * K + j, mask=c_ok, other=0.0).to(tl.float32)
-            later = tl.load(dpre_ptr + (rows + (K - 1 - j)) * stride_dp + cols[None, :],
-                            mask=ok & (local + (K - 1 - j) < n)[:, None], other=0.0)
-            dx += later * w[None, :]
-            earlier = tl.load(x_ptr + (rows - (K - 1 - j)) * stride_x + cols[None, :],
-                              mask=ok & (local >= K - 1 - j)[:, None], other=0.0).to(tl.float32)
-            dw += tl.where(taps[None, :] == j, tl.sum(g * earlier, axis=0)[:, None], 0.0)
-        dw += tl.where(taps[None, :] == K, tl.sum(g, axis=0)[:, None], 0.0)
-        tl.store(dx_ptr + rows * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=ok)
-    part = seq * n_chunks + tl.program_id(1)
-    tl.store(dw_ptr + (part.to(tl.int64) * C + cols[:, None]) * KP + taps[None, :], dw, mask=c_ok[:, None])
-
-
-def _backward_triton(x, weight, cu_seqlens, max_seqlen, dpre):
-    """(grad_x, fp32 grad_weight, fp32 grad_bias) from ``dpre`` by `_conv_bwd_kernel`."""
-    tokens, channels = x.shape
-    k = weight.shape[1]
-    kp = next_power_of_2(k + 1)
-    batch, chunks = cu_seqlens.numel() - 1, triton.cdiv(max(max_seqlen, 1), BWD_TOKENS)
-    grad_x = torch.zeros_like(x)
-    partial = torch.zeros(max(batch, 1) * chunks, channels, kp, device=x.device, dtype=torch.float32)
-    block_c = min(128, max(16, next_power_of_2(channels)))
-    if tokens and batch:
-        _conv_bwd_kernel[(batch, chunks, triton.cdiv(channels, block_c))](
-            x, dpre, weight, cu_seqlens, grad_x, partial, channels, chunks, x.stride(0), dpre.stride(0), grad_x.stride(0),
-            K=k, KP=kp, CHUNK=BWD_TOKENS, BLOCK_T=16, BLOCK_C=block_c, num_warps=4)
-    summed = partial.sum(0)
-    return grad_x, summed[:, :k], summed[:, k]
-
-
 def causal_conv1d_backward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cu_seqlens: torch.Tensor,
                            max_seqlen: int, activation: str | None, grad_out: torch.Tensor):
     """(grad_x, grad_weight, grad_bias or None) of the training form (every sequence from position
-    0), in fp32 (fp64) from ``dpre`` (docs/design.md rule 8): on CUDA two Triton passes (``dpre``,
-    then the gradients with per-program weight-gradient partials), on the CPU torch ops."""
+    0), in fp32 (fp64) from ``dpre`` (docs/design.md rule 8; `causal_conv1d_backward.py`)."""
     dpre = _grad_pre(x, weight, bias, cu_seqlens, max_seqlen, activation, grad_out)
     if select("causal_conv1d", x) == "triton":
-        grad_x, grad_w, grad_b = _backward_triton(x, weight, cu_seqlens, max_seqlen, dpre)
+        grad_x, grad_w, grad_b = conv_grads_triton(x, weight, cu_seqlens, max_seqlen, dpre)
         return grad_x, grad_w.to(weight.dtype), grad_b.to(bias.dtype) if bias is not None else None
-    k, tokens = weight.shape[1], x.shape[0]
-    seq, local = _token_offsets(cu_seqlens, tokens)
-    ends = cu_seqlens.long()[1:][seq.clamp_min(0)]
-    xf, w = x.to(dpre.dtype), weight.to(dpre.dtype)
-    grad_x = torch.zeros_like(dpre)
-    grad_w = torch.empty(weight.shape, dtype=dpre.dtype, device=x.device)
-    idx = torch.arange(tokens, device=x.device)
-    for j in range(k):
-        back = k - 1 - j
-        # output t + back reads input t as its tap j (same sequence: t + back < the sequence's end)
-        later = torch.cat([dpre[back:], dpre.new_zeros(back, dpre.shape[1])])
-        grad_x += torch.where(((idx + back < ends) & (seq >= 0))[:, None], later, 0.0) * w[:, j]
-        earlier = torch.cat([xf.new_zeros(back, xf.shape[1]), xf[:tokens - back]])
-        grad_w[:, j] = (torch.where(((local >= back) & (seq >= 0))[:, None], earlier, 0.0) * dpre).sum(0)
-    grad_b = dpre.sum(0).to(bias.dtype) if bias is not None else None
-    return grad_x.to(x.dtype), grad_w.to(weight.dtype), grad_b
+    return conv_grads_reference(x, weight, bias, cu_seqlens, dpre)
 
 
 class _CausalConv1dFunction(torch.autograd.Function):

@@ -184,6 +184,7 @@ def test_hybrid_ops_compile_for_hopper_without_spills(monkeypatch):
     from sm90_compile import compile_only, resources
 
     from vexact_models.kernels.attention import PagedLayout, attention_triton, packed_layout
+    from vexact_models.kernels.causal_conv1d_backward import conv_grads_triton
     from vexact_models.kernels.gated_rms_norm import gated_rms_norm_triton
     from vexact_models.kernels.rms_norm import rms_norm_backward_triton, rms_norm_triton
     from vexact_models.kernels.rotary import apply_rotary, rope_table
@@ -200,7 +201,7 @@ def test_hybrid_ops_compile_for_hopper_without_spills(monkeypatch):
         conv._launch(x, w, None, cu, 34, True, (state, idx, idx))
         conv._launch(x, w, None, cu, 1, True, (state, idx, idx))
         conv._launch(x, w, None, cu, 34, True, dy=x)
-        conv._backward_triton(x, w, cu, 34, x.float())
+        conv_grads_triton(x, w, cu, 34, x.float())
         conv._conv_state_update_kernel[(2, 8)](x, state, cu, idx, idx, 8192, x.stride(0), state.stride(0),
                                                state.stride(1), KEEP=3, BLOCK_K=4, BLOCK_C=1024, num_warps=4)
         z = torch.randn(64 * 32, 128).to(bf)

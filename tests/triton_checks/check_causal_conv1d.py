@@ -56,7 +56,7 @@ def test_causal_conv1d_backward(dtype, monkeypatch):
     programs (`BWD_TOKENS` cut to 8 tokens a program here), so partial weight gradients add up."""
     import importlib
 
-    monkeypatch.setattr(importlib.import_module("vexact_models.kernels.causal_conv1d"), "BWD_TOKENS", 8)
+    monkeypatch.setattr(importlib.import_module("vexact_models.kernels.causal_conv1d_backward"), "BWD_TOKENS", 8)
     lens = [6, 1, 17]
     x = torch.randn(sum(lens), 40, device=DEVICE).to(dtype).requires_grad_()
     w = (torch.randn(40, 4, device=DEVICE) / 2).to(dtype).requires_grad_()
