@@ -20,6 +20,9 @@ and allows zero mismatches:
   (`kernels.head_linear`, on strided views of kv_b_proj) row alone vs in batches of up to 8192;
   the rollout's fused latent prologue (`kernels.latent_cache_write`) == the separate ops, and
   each token alone == in batches of up to 4096.
+- the gated-DeltaNet hybrids' ops (``--only hybrid``, `hybrid_invariance.py`): the causal conv1d's
+  rollout in pieces == its training forward; the gated and zero-centred norms, the sigmoid gate and
+  partial rotary rows alone == in batches.
 - attention FA4 (``--only fa4``, the optional flash-attn-4 package on a Hopper GPU): the attention
   check with FlashAttention-4 as the forward (`use_attention_forward("fa4")`), every shape
   including the qk-192 / v-128 MLA ones.
@@ -53,6 +56,7 @@ from .attention_invariance import (LATENT_SHAPES, attention_shape_names, check_a
                                   check_latent_attention, check_latent_cache_write, run_attention, selected_shapes,
                                   sequence_lengths)
 from .gated_delta_invariance import run_gated_delta
+from .hybrid_invariance import HYBRID_CHECKS, run_hybrid
 from .linear_invariance import M_SWEEP, run_linear, run_linear_quack
 
 # (name, hidden, experts, expert intermediate, top-k, router): DeepSeek-V3 with 64 of its 256 experts
@@ -149,30 +153,33 @@ def check_rows(results: dict[str, Result], quick: bool) -> None:
     check_rotary_cache_write(results["rotary_cache_write"], ms)
 
 
-def check_rotary_cache_write(result: Result, ms: list[int]) -> None:
-    """The rollout's fused q/k norm + rotary + KV cache write (Qwen3-8B heads with the norms, then
-    without as for Llama): the rotated queries and the cache of M tokens at once equal those of
-    the separate ops training runs, and each token's equal the token's alone."""
+def check_rotary_cache_write(result: Result, ms: list[int], hq: int = 32, hkv: int = 8, d: int = 128,
+                             rotary_dim: int | None = None, zero_centred: bool = False, name: str = "") -> None:
+    """The rollout's fused q/k norm + rotary + KV cache write (Qwen3-8B heads by default; Qwen3.5's
+    partial rotary `rotary_dim` and zero-centred norms where given) with the norms, then without as
+    for Llama: the rotated queries and the cache of M tokens at once equal those of the separate ops
+    training runs, and each token's equal the token's alone."""
     from vexact_models.kernels import rope_table, rotary_cache_write
     from vexact_models.kernels.rotary_cache_write import rotary_cache_write_reference
 
-    m_max, hq, hkv, d = max(ms), 32, 8, 128
-    cos, sin = (t.cuda() for t in rope_table(1.0 / (1e6 ** (torch.arange(0, d, 2) / d)), 40960))
+    m_max, r = max(ms), rotary_dim or d
+    cos, sin = (t.cuda() for t in rope_table(1.0 / (1e6 ** (torch.arange(0, r, 2) / r)), 40960))
     qkv = torch.randn(m_max, (hq + 2 * hkv) * d, device="cuda").bfloat16() * 3
     q, k, v = (t.view(m_max, -1, d) for t in qkv.split([hq * d, hkv * d, hkv * d], dim=1))
     pos = torch.randint(0, 40960, (m_max,), device="cuda")
     slots = torch.randperm(m_max, device="cuda")
     for norms in ((torch.rand(d, device="cuda") + 0.5).bfloat16(), (torch.rand(d, device="cuda") + 0.5).bfloat16()), (None, None):
-        label = "with q/k norms" if norms[0] is not None else "no norms"
+        label = name + ("with q/k norms" if norms[0] is not None else "no norms")
         caches = [torch.zeros(m_max, 1, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
-        full = rotary_cache_write(q, k, v, pos, cos, sin, caches[0], caches[1], slots, *norms)
-        want = rotary_cache_write_reference(q, k, v, pos, cos, sin, caches[2], caches[3], slots, *norms)
+        full = rotary_cache_write(q, k, v, pos, cos, sin, caches[0], caches[1], slots, *norms, zero_centred=zero_centred)
+        want = rotary_cache_write_reference(q, k, v, pos, cos, sin, caches[2], caches[3], slots, *norms,
+                                            zero_centred=zero_centred)
         result.compare(full, want, f"{label}: queries == separate ops, M={m_max}")
         result.compare(torch.cat(caches[:2]), torch.cat(caches[2:]), f"{label}: K/V cache == separate ops, M={m_max}")
         for m in ms:
             alone = [torch.zeros(m_max, 1, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
             row = rotary_cache_write(q[m - 1:m], k[m - 1:m], v[m - 1:m], pos[m - 1:m], cos, sin, *alone, slots[m - 1:m],
-                                     *norms)
+                                     *norms, zero_centred=zero_centred)
             result.compare(row, full[m - 1:m], f"{label}: token {m - 1} alone")
             s = slots[m - 1]
             result.compare(torch.cat([alone[0][s], alone[1][s]]), torch.cat([caches[0][s], caches[1][s]]),
@@ -231,7 +238,7 @@ def check_moe(results: dict[str, Result], quick: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer shapes and M up to 1024 (a smoke run)")
-    parser.add_argument("--only", choices=["linear", "attention", "fa4", "quack", "latent", "rows", "moe", "gdn"],
+    parser.add_argument("--only", choices=["linear", "attention", "fa4", "quack", "latent", "rows", "moe", "gdn", "hybrid"],
                         help="run one group of checks (latent: MLA's latent attention and absorption GEMMs; fa4: "
                              "the attention checks with FlashAttention-4 as the forward; quack: quack-kernels' GEMM "
                              "against our linear; fa4 and quack are not part of the default run)")
@@ -251,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
              "attention", "attention configs", "attention FA4", "latent attention",
              "head_linear", "latent_cache_write", "rms_norm", "rotary_cache_write",
              "log_softmax",
-             "token_logprobs", "elementwise", "moe", "gated_delta rows", "gated_delta fold", "gated_delta rollout"]
+             "token_logprobs", "elementwise", "moe", "gated_delta rows", "gated_delta fold", "gated_delta rollout",
+             *HYBRID_CHECKS]
     results = {n: Result(n) for n in names}
     t0 = time.time()
     if args.only in (None, "linear"):
@@ -279,6 +287,10 @@ def main(argv: list[str] | None = None) -> int:
         check_moe(results, args.quick)
     if args.only in (None, "gdn"):
         run_gated_delta(results, args.quick)
+    if args.only in (None, "hybrid"):
+        run_hybrid(results, args.quick)
+        check_rotary_cache_write(results["partial rotary"], [m for m in M_SWEEP if m <= (1024 if args.quick else 4096)],
+                                 16, 2, 256, 64, True, "qwen3.5 heads (64 of 256 rotated, zero-centred norms) ")
     torch.cuda.synchronize()
     print(f"\nkernel invariance on {torch.cuda.get_device_name()} (torch {torch.__version__}), {time.time() - t0:.0f}s")
     return 1 if print_results(results) else 0

@@ -4,6 +4,9 @@ add_rms_norm: the same after a residual add (``x + residual``), fused into the o
 Numerics follow HF's Qwen3RMSNorm: statistics in fp32, the normalized row cast to the input
 dtype, then multiplied by the weight and rounded to the input dtype again. Works for hidden
 rows ``[..., hidden]`` and per-head q/k norm ``[..., heads, head_dim]`` alike (rows are rows).
+``zero_centred=True`` is Qwen3-Next's and Qwen3.5's norm (``Qwen3NextRMSNorm``): the weight is
+stored as an offset from 1, and HF multiplies the fp32 normalized row by ``1 + weight`` (in fp32)
+and rounds once, without the intermediate rounding; the same rows, tile and reduction.
 
 Invariance contract: each row is reduced by one program with a tile shape fixed by the row
 length alone (`norm_tile`), never by the number of rows (docs/design.md rule 3). The reference reduces
@@ -79,9 +82,20 @@ def normalize_rows(x, w_ptr, cols, N, eps):
 
 
 @triton.jit
+def normalize_rows_centred(x, w_ptr, cols, N, eps):
+    """`normalize_rows` of a zero-centred norm: the fp32 product ``(1 + weight) * normalized row``,
+    the normalized row not rounded first (HF's ``Qwen3NextRMSNorm``); the same row sum."""
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=1) / N
+    rstd = 1.0 / tl.sqrt(var + eps)
+    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0)
+    return (xf * rstd[:, None]) * (1.0 + w.to(tl.float32))
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, n_rows, N, heads, stride_x, stride_xh, stride_res,
                      stride_out, stride_sum, eps, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
-                     HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr = False):
+                     HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr = False, ZERO_CENTRED: tl.constexpr = False):
     wait_for_inputs(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
@@ -90,16 +104,20 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, n_rows, N, heads, 
         r = tl.load(res_ptr + rows64 * stride_res + cols[None, :], mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
         tl.store(sum_ptr + rows64 * stride_sum + cols[None, :], x, mask=mask)
-    y = normalize_rows(x, w_ptr, cols, N, eps)
+    if ZERO_CENTRED:
+        y = normalize_rows_centred(x, w_ptr, cols, N, eps)
+    else:
+        y = normalize_rows(x, w_ptr, cols, N, eps)
     tl.store(out_ptr + rows64 * stride_out + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm_triton(x2d: torch.Tensor, weight: torch.Tensor, eps: float, res2d: torch.Tensor | None = None,
-                    tile: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    tile: tuple[int, int] | None = None, zero_centred: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(normed, x2d + res2d) with a residual, else (normed, x2d), by the Triton row kernel. `x2d`
     may also be a ``[T, H, D]`` view with unit last stride (rows = its T*H (token, head) pairs; no
     residual); the output is then contiguous ``[T*H, D]``. `tile`: ``(rows per program, warps)``
-    in place of `norm_tile`'s (`norm_launch_tile`; launch-shape sweeps only)."""
+    in place of `norm_tile`'s (`norm_launch_tile`; launch-shape sweeps only). `zero_centred`: the
+    ``(1 + weight)`` norm (the module docstring)."""
     require_triton("rms_norm")
     n = x2d.shape[-1]
     n_rows = x2d.numel() // n if n else 0
@@ -113,15 +131,18 @@ def rms_norm_triton(x2d: torch.Tensor, weight: torch.Tensor, eps: float, res2d: 
     _rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
         x2d, res, weight, out, summed, n_rows, n, heads, x2d.stride(0), stride_h, res.stride(0), out.stride(0),
         summed.stride(0), eps, BLOCK_N=block_n, ROWS=rows, HAS_RESIDUAL=res2d is not None, num_warps=num_warps,
-        **dependent_launch_kwargs(x2d.device))
+        ZERO_CENTRED=zero_centred, **dependent_launch_kwargs(x2d.device))
     return out, summed
 
 
-def rms_norm_reference(x2d: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_reference(x2d: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool = False) -> torch.Tensor:
+    """The CPU reference: the row sum by `exact_math.row_sum`, HF's rounding points."""
     compute = torch.float64 if x2d.dtype == torch.float64 else torch.float32
     xf = x2d.to(compute)
     var = exact_math.row_sum(xf * xf) / x2d.shape[-1]
     rstd = 1.0 / torch.sqrt(var + eps)
+    if zero_centred:
+        return ((xf * rstd[:, None]) * (1.0 + weight.to(compute))).to(x2d.dtype)
     normed = (xf * rstd[:, None]).to(x2d.dtype)
     return (normed.to(compute) * weight.to(compute)).to(x2d.dtype)
 
@@ -132,15 +153,18 @@ def _add(x2d: torch.Tensor, res2d: torch.Tensor) -> torch.Tensor:
     return (x2d.to(compute) + res2d.to(compute)).to(x2d.dtype)
 
 
-def _rms_norm_forward(x2d, weight, eps, res2d=None) -> tuple[torch.Tensor, torch.Tensor]:
+def _rms_norm_forward(x2d, weight, eps, res2d=None, zero_centred=False) -> tuple[torch.Tensor, torch.Tensor]:
     """(normed, summed): summed = x2d + res2d (or x2d itself without a residual)."""
     backend = select("rms_norm", x2d, fast=True)
     if backend == "triton":
-        return rms_norm_triton(x2d, weight, eps, res2d)
+        return rms_norm_triton(x2d, weight, eps, res2d, zero_centred=zero_centred)
     summed = x2d if res2d is None else _add(x2d, res2d)
     if backend == "fast":  # torch's own (not promised row-invariant)
+        if zero_centred:
+            return torch.nn.functional.rms_norm(summed.float(), (summed.shape[-1],), 1.0 + weight.float(),
+                                                eps).to(summed.dtype), summed
         return torch.nn.functional.rms_norm(summed, (summed.shape[-1],), weight, eps), summed
-    return rms_norm_reference(summed, weight, eps), summed
+    return rms_norm_reference(summed, weight, eps, zero_centred), summed
 
 
 def _backward_tile(n: int) -> tuple[int, int, int]:
@@ -152,10 +176,13 @@ def _backward_tile(n: int) -> tuple[int, int, int]:
 
 
 @triton.jit
-def _rms_norm_bwd_kernel(x_ptr, g_ptr, w_ptr, extra_ptr, dx_ptr, dw_ptr, n_rows, N, stride_x, stride_g, stride_extra,
-                         stride_dx, eps, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_EXTRA: tl.constexpr):
+def _rms_norm_bwd_kernel(x_ptr, g_ptr, w_ptr, extra_ptr, z_ptr, dx_ptr, dz_ptr, dw_ptr, n_rows, N, stride_x, stride_g,
+                         stride_extra, stride_z, stride_dx, stride_dz, eps, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+                         HAS_EXTRA: tl.constexpr, GATED: tl.constexpr = False):
     """Row blocks pid, pid + programs, ... of `ROWS` rows each: dx of each row (plus `extra`, the
-    residual stream's own gradient) and this program's partial sum of dW = sum over rows of g * x_hat."""
+    residual stream's own gradient) and this program's partial sum of dW = sum over rows of g * x_hat.
+    `GATED` (`gated_rms_norm`: the output times ``silu(z)``): also d z, and g times ``silu(z)`` is
+    the gradient reaching the norm."""
     cols = tl.arange(0, BLOCK_N)
     col_ok = cols < N
     w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
@@ -168,6 +195,12 @@ def _rms_norm_bwd_kernel(x_ptr, g_ptr, w_ptr, extra_ptr, dx_ptr, dw_ptr, n_rows,
         g = tl.load(g_ptr + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
         x_hat = x * rstd[:, None]
+        if GATED:
+            z = tl.load(z_ptr + rows[:, None] * stride_z + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            sig = 1.0 / (1.0 + tl.exp(-z))
+            dz = g * x_hat * w[None, :] * sig * (1.0 + z * (1.0 - sig))
+            tl.store(dz_ptr + rows[:, None] * stride_dz + cols[None, :], dz.to(dz_ptr.dtype.element_ty), mask=mask)
+            g = g * z * sig
         gw = g * w[None, :]
         dx = rstd[:, None] * (gw - x_hat * (tl.sum(gw * x_hat, axis=1) / N)[:, None])
         if HAS_EXTRA:
@@ -177,22 +210,29 @@ def _rms_norm_bwd_kernel(x_ptr, g_ptr, w_ptr, extra_ptr, dx_ptr, dw_ptr, n_rows,
     tl.store(dw_ptr + tl.program_id(0).to(tl.int64) * N + cols, dw, mask=col_ok)
 
 
-def _rms_norm_backward_triton(x2d, weight, eps, grad_out, extra=None):
+def rms_norm_backward_triton(x2d: torch.Tensor, weight: torch.Tensor, eps: float, grad_out: torch.Tensor,
+                             extra: torch.Tensor | None = None, gate: torch.Tensor | None = None):
+    """(grad_x, grad_weight) of rows ``[R, D]`` by the one-pass Triton kernel, `extra` (the residual
+    stream's gradient) added to grad_x; with a `gate` (rows like x: `gated_rms_norm`'s) the triple
+    (grad_x, grad_weight, grad_gate)."""
     require_triton("rms_norm")
     n_rows, n = x2d.shape
     grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
     dx = torch.empty_like(x2d)
+    dz = torch.empty_like(gate) if gate is not None else dx
     block_n, rows, num_warps = _backward_tile(n)
     programs = max(1, min(triton.cdiv(n_rows, rows), 4 * num_sms(x2d.device)))
     partial = torch.empty(programs, n, device=x2d.device, dtype=torch.float32)
     if n_rows:
         _rms_norm_bwd_kernel[(programs,)](
-            x2d, grad_out, weight, extra if extra is not None else grad_out, dx, partial, n_rows, n, x2d.stride(0),
-            grad_out.stride(0), extra.stride(0) if extra is not None else 0, dx.stride(0), eps, BLOCK_N=block_n,
-            ROWS=rows, HAS_EXTRA=extra is not None, num_warps=num_warps)
+            x2d, grad_out, weight, extra if extra is not None else grad_out, gate if gate is not None else x2d, dx, dz,
+            partial, n_rows, n, x2d.stride(0), grad_out.stride(0), extra.stride(0) if extra is not None else 0,
+            gate.stride(0) if gate is not None else 0, dx.stride(0), dz.stride(0), eps, BLOCK_N=block_n, ROWS=rows,
+            HAS_EXTRA=extra is not None, GATED=gate is not None, num_warps=num_warps)
     else:
         partial.zero_()
-    return dx, partial.sum(0).to(weight.dtype)
+    grads = dx, partial.sum(0).to(weight.dtype)
+    return grads if gate is None else (*grads, dz)
 
 
 def rms_norm_backward_reference(x2d: torch.Tensor, weight: torch.Tensor, eps: float, grad_out: torch.Tensor,
@@ -210,42 +250,47 @@ def rms_norm_backward_reference(x2d: torch.Tensor, weight: torch.Tensor, eps: fl
     return grad_x.to(x2d.dtype), (g * x_hat).sum(0).to(weight.dtype)
 
 
-def _rms_norm_backward(x2d, weight, eps, grad_out, extra=None):
+def _rms_norm_backward(x2d, weight, eps, grad_out, extra=None, zero_centred=False):
     """(grad_x in x's dtype, grad_weight): the Triton kernel on CUDA (one pass; rule 8), else
-    the reference formula."""
+    the reference formula. A zero-centred norm is the plain one with the weight ``1 + weight``
+    (fp32), whose gradient is the offset's."""
+    scale = (1.0 + weight.to(torch.float64 if weight.dtype == torch.float64 else torch.float32)) if zero_centred \
+        else weight
     if select("rms_norm", x2d) == "triton":
-        return _rms_norm_backward_triton(x2d, weight, eps, grad_out, extra)
-    return rms_norm_backward_reference(x2d, weight, eps, grad_out, extra)
+        grad_x, grad_w = rms_norm_backward_triton(x2d, scale, eps, grad_out, extra)
+    else:
+        grad_x, grad_w = rms_norm_backward_reference(x2d, scale, eps, grad_out, extra)
+    return grad_x, grad_w.to(weight.dtype)
 
 
 class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2d, weight, eps):
+    def forward(ctx, x2d, weight, eps, zero_centred):
         ctx.save_for_backward(x2d, weight)
-        ctx.eps = eps
-        return _rms_norm_forward(x2d, weight, eps)[0]
+        ctx.eps, ctx.zero_centred = eps, zero_centred
+        return _rms_norm_forward(x2d, weight, eps, zero_centred=zero_centred)[0]
 
     @staticmethod
     def backward(ctx, grad_out):
         x2d, weight = ctx.saved_tensors
-        grad_x, grad_w = _rms_norm_backward(x2d, weight, ctx.eps, grad_out)
-        return grad_x, grad_w, None
+        grad_x, grad_w = _rms_norm_backward(x2d, weight, ctx.eps, grad_out, zero_centred=ctx.zero_centred)
+        return grad_x, grad_w, None, None
 
 
 class _AddRMSNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2d, res2d, weight, eps):
-        normed, summed = _rms_norm_forward(x2d, weight, eps, res2d)
+    def forward(ctx, x2d, res2d, weight, eps, zero_centred):
+        normed, summed = _rms_norm_forward(x2d, weight, eps, res2d, zero_centred)
         ctx.save_for_backward(summed, weight)
-        ctx.eps, ctx.dtypes = eps, (x2d.dtype, res2d.dtype)
+        ctx.eps, ctx.dtypes, ctx.zero_centred = eps, (x2d.dtype, res2d.dtype), zero_centred
         return normed, summed
 
     @staticmethod
     def backward(ctx, grad_normed, grad_summed):
         summed, weight = ctx.saved_tensors
         # the sum also continues as the residual stream: its gradient joins before the rounding
-        grad_s, grad_w = _rms_norm_backward(summed, weight, ctx.eps, grad_normed, grad_summed)
-        return grad_s.to(ctx.dtypes[0]), grad_s.to(ctx.dtypes[1]), grad_w, None
+        grad_s, grad_w = _rms_norm_backward(summed, weight, ctx.eps, grad_normed, grad_summed, ctx.zero_centred)
+        return grad_s.to(ctx.dtypes[0]), grad_s.to(ctx.dtypes[1]), grad_w, None, None
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -253,30 +298,31 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2d if x2d.stride(-1) == 1 else x2d.contiguous()
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMS-normalize the last dimension of `x` and scale by `weight` (``[x.shape[-1]]``).
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool = False) -> torch.Tensor:
+    """RMS-normalize the last dimension of `x` and scale by `weight` (``[x.shape[-1]]``), or by
+    ``1 + weight`` with `zero_centred` (Qwen3-Next's and Qwen3.5's norms; the module docstring).
 
     Returns a tensor of ``x.dtype`` and shape; differentiable in `x` and `weight`.
     """
     if weight.shape != (x.shape[-1],):
         raise ValueError(f"rms_norm: weight shape {tuple(weight.shape)} must be ({x.shape[-1]},)")
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        out = _RMSNormFunction.apply(_rows(x), weight, eps)
+        out = _RMSNormFunction.apply(_rows(x), weight, eps, zero_centred)
     elif x.dim() == 3 and x.stride(-1) == 1 and select("rms_norm", x, fast=True) == "triton":
-        out = rms_norm_triton(x, weight, eps)[0]  # per-head rows of a strided view: no copy first
+        out = rms_norm_triton(x, weight, eps, zero_centred=zero_centred)[0]  # per-head rows of a strided view
     else:
-        out = _rms_norm_forward(_rows(x), weight, eps)[0]
+        out = _rms_norm_forward(_rows(x), weight, eps, zero_centred=zero_centred)[0]
     return out.reshape(x.shape)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 zero_centred: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``summed = x + residual`` (rounded to x's dtype, as ``x + residual`` would be) and
     ``rms_norm(summed, weight, eps)``, in one kernel: the pre-norm transformer's residual add
     and the next norm, without a separate add kernel and its round trip through memory.
 
     Returns ``(normed, summed)``, bitwise what the two separate ops give (the same row kernel).
-    Differentiable in `x`, `residual` and `weight`.
+    Differentiable in `x`, `residual` and `weight`. `zero_centred`: as for `rms_norm`.
     """
     if weight.shape != (x.shape[-1],):
         raise ValueError(f"add_rms_norm: weight shape {tuple(weight.shape)} must be ({x.shape[-1]},)")
@@ -285,7 +331,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                          f"{tuple(x.shape)} {x.dtype}")
     x2d, res2d = _rows(x), _rows(residual)
     if torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad or weight.requires_grad):
-        normed, summed = _AddRMSNormFunction.apply(x2d, res2d, weight, eps)
+        normed, summed = _AddRMSNormFunction.apply(x2d, res2d, weight, eps, zero_centred)
     else:
-        normed, summed = _rms_norm_forward(x2d, weight, eps, res2d)
+        normed, summed = _rms_norm_forward(x2d, weight, eps, res2d, zero_centred)
     return normed.reshape(x.shape), summed.reshape(x.shape)

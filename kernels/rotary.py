@@ -5,7 +5,11 @@
 The Triton kernel writes each output as one fused multiply-add of a rounded product
 (`rotate_halves`): the form every kernel that rotates must share, bit for bit.
 
-Invariance contract: element-wise; cos/sin come from one fp32 table ``[max_positions, D/2]``
+Partial rotary (Qwen3-Next, Qwen3.5: ``partial_rotary_factor`` 0.25 of head dim 256): a table of
+``R/2 < D/2`` frequencies rotates the first ``R`` dims as NeoX halves (``x[..., :R/2]`` and
+``x[..., R/2:R]``) and copies the other ``D - R`` unchanged, as HF's ``apply_rotary_pos_emb`` does.
+
+Invariance contract: element-wise; cos/sin come from one fp32 table ``[max_positions, R/2]``
 indexed by each token's absolute position (docs/design.md rule 5), built once per model by
 `rope_table` on CPU so that every process and device reads the same values. The backward is
 the rotation by -theta (the same kernel with the sin sign flipped).
@@ -73,7 +77,8 @@ def rotate_rows_into(src_ptr, src_row, dest_ptr, dest_row, ok, pos, cos_ptr, sin
 @triton.jit
 def _rotary_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, out_ptr, n_heads,
                    stride_xt, stride_xh, stride_ot, stride_oh, stride_table,
-                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, SIGN: tl.constexpr):
+                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, SIGN: tl.constexpr,
+                   PASS: tl.constexpr = 0, BLOCK_PASS: tl.constexpr = 1):
     token = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
@@ -89,6 +94,12 @@ def _rotary_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, out_ptr, n_heads,
     out = out_ptr + token.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + d[None, :]
     tl.store(out, o1.to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(out + HALF, o2.to(out_ptr.dtype.element_ty), mask=mask)
+    if PASS > 0:  # partial rotary: the dims past the rotated 2 * HALF, copied
+        p = tl.arange(0, BLOCK_PASS)
+        pmask = (heads[:, None] < n_heads) & (p < PASS)[None, :]
+        src = x_ptr + token.to(tl.int64) * stride_xt + heads[:, None] * stride_xh + 2 * HALF + p[None, :]
+        dest = out_ptr + token.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + 2 * HALF + p[None, :]
+        tl.store(dest, tl.load(src, mask=pmask, other=0.0), mask=pmask)
 
 
 def _rotary_triton(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -98,24 +109,27 @@ def _rotary_triton(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
     out = torch.empty((n_tokens, n_heads, head_dim), device=x.device, dtype=x.dtype)
     if n_tokens == 0:
         return out
-    half = head_dim // 2
+    half = cos.shape[-1]
     block_d = next_power_of_2(half)
     block_h = max(1, min(next_power_of_2(n_heads), 4096 // block_d))
     grid = (n_tokens, triton.cdiv(n_heads, block_h))
+    rest = head_dim - 2 * half
     _rotary_kernel[grid](x, positions, cos, sin, out, n_heads, x.stride(0), x.stride(1),
                          out.stride(0), out.stride(1), cos.stride(0),
-                         HALF=half, BLOCK_H=block_h, BLOCK_D=block_d, SIGN=sign, num_warps=4)
+                         HALF=half, BLOCK_H=block_h, BLOCK_D=block_d, SIGN=sign, PASS=rest,
+                         BLOCK_PASS=next_power_of_2(max(rest, 1)), num_warps=4)
     return out
 
 
 def rotary_reference(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      sign: float = 1.0) -> torch.Tensor:
+    """The CPU reference (partial rotary: the dims past the table's ``2 * R/2`` copied)."""
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
-    half = x.shape[-1] // 2
+    half = cos.shape[-1]
     c = cos[positions.long()].to(compute)[:, None, :]
     s = sin[positions.long()].to(compute)[:, None, :] * sign
-    x1, x2 = x[..., :half].to(compute), x[..., half:].to(compute)
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+    x1, x2 = x[..., :half].to(compute), x[..., half:2 * half].to(compute)
+    return torch.cat([(x1 * c - x2 * s).to(x.dtype), (x2 * c + x1 * s).to(x.dtype), x[..., 2 * half:]], dim=-1)
 
 
 def _rotary_forward(x, positions, cos, sin, sign):
@@ -139,15 +153,17 @@ class _RotaryFunction(torch.autograd.Function):
 def apply_rotary(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate `x` (``[tokens, heads, head_dim]``) by the angles of `positions` (``[tokens]``).
 
-    `cos`/`sin` are the ``[max_positions, head_dim/2]`` fp32 tables from `rope_table`, on x's
-    device. Positions are not range-checked here (that would sync the GPU on every layer):
-    callers validate them once per forward. Returns a new tensor of x's dtype; differentiable
-    in `x`.
+    `cos`/`sin` are the ``[max_positions, rotary_dim/2]`` fp32 tables from `rope_table`, on x's
+    device: ``rotary_dim = head_dim`` rotates the whole head, a smaller even ``rotary_dim`` its
+    first dims only (partial rotary; the module docstring). Positions are not range-checked here
+    (that would sync the GPU on every layer): callers validate them once per forward. Returns a
+    new tensor of x's dtype; differentiable in `x`.
     """
     if x.dim() != 3 or x.shape[-1] % 2:
         raise ValueError(f"apply_rotary: x must be [tokens, heads, even head_dim], got {tuple(x.shape)}")
-    if cos.shape[-1] * 2 != x.shape[-1]:
-        raise ValueError(f"apply_rotary: table has {cos.shape[-1]} frequencies, head_dim {x.shape[-1]} needs {x.shape[-1] // 2}")
+    if not 1 <= cos.shape[-1] <= x.shape[-1] // 2:
+        raise ValueError(f"apply_rotary: table has {cos.shape[-1]} frequencies, head_dim {x.shape[-1]} takes 1 to "
+                         f"{x.shape[-1] // 2}")
     if x.stride(-1) != 1:
         x = x.contiguous()
     if torch.is_grad_enabled() and x.requires_grad:

@@ -103,3 +103,50 @@ def test_norm_launch_tile_is_norm_tile_by_default_and_checks_a_given_tile():
         rms_norm_triton(torch.randn(2, 8), torch.ones(8), 1e-6, tile=(0, 4))
     with pytest.raises(ValueError, match="rms_norm: num_warps=5 must be 1, 2, 4 or 8"):
         rms_norm_triton(torch.randn(2, 8), torch.ones(8), 1e-6, tile=(2, 5))
+
+
+def _ref_centred(x, w, eps):
+    return _ref(x, 1.0 + w.double(), eps)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_zero_centred_rms_norm_matches_float64_and_transformers(dtype):
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm
+
+    x, w = torch.randn(9, 4, 48).to(dtype), (torch.randn(48) / 4).to(dtype)
+    out = rms_norm(x, w, 1e-6, zero_centred=True)
+    assert out.shape == x.shape and out.dtype == dtype
+    assert rel_err(out, _ref_centred(x, w, 1e-6)) < {torch.float64: 1e-14, torch.float32: 1e-6, torch.bfloat16: 1e-2}[dtype]
+    hf = Qwen3NextRMSNorm(48, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        hf.weight.copy_(w)
+    # HF's rounding points (fp32 normed times fp32 1 + w, rounded once; HF computes fp64 in fp32 too):
+    # its bf16 result to within bf16's own step, its fp32 result to fp32 rounding
+    assert rel_err(out, hf(x).detach()) < {torch.float64: 1e-6, torch.float32: 1e-6, torch.bfloat16: 4e-3}[dtype]
+    assert not torch.equal(out, rms_norm(x, w, 1e-6))  # the option is not ignored
+
+
+def test_zero_centred_add_rms_norm_rows_invariant_and_the_separate_ops():
+    x, r, w = torch.randn(33, 96).bfloat16(), torch.randn(33, 96).bfloat16(), (torch.randn(96) / 4).bfloat16()
+    normed, summed = add_rms_norm(x, r, w, 1e-6, zero_centred=True)
+    assert torch.equal(normed, rms_norm(x + r, w, 1e-6, zero_centred=True))
+    single = torch.cat([rms_norm(summed[i:i + 1], w, 1e-6, zero_centred=True) for i in range(33)])
+    assert torch.equal(single, normed)
+
+
+def test_zero_centred_backward_matches_autograd():
+    x, r = (torch.randn(6, 32, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    w = (torch.randn(32, dtype=torch.float64) / 4).requires_grad_()
+    g = torch.randn(6, 32, dtype=torch.float64)
+    got = torch.autograd.grad(rms_norm(x, w, 1e-5, zero_centred=True), (x, w), g)
+    want = torch.autograd.grad(_ref_centred(x, w, 1e-5), (x, w), g)
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-12)
+    normed, summed = add_rms_norm(x, r, w, 1e-5, zero_centred=True)
+    got = torch.autograd.grad((normed * g).sum() + summed.sum(), (x, r, w))
+    want = torch.autograd.grad((_ref_centred(x + r, w, 1e-5) * g).sum() + (x + r).sum(), (x, r, w))
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-12)
+    wb = w.detach().bfloat16().requires_grad_()
+    (gw,) = torch.autograd.grad(rms_norm(x.detach().bfloat16(), wb, 1e-5, zero_centred=True).sum(), (wb,))
+    assert gw.dtype == torch.bfloat16

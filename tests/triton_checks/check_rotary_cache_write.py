@@ -75,3 +75,29 @@ def test_rotary_cache_write_at_a_tile_is_the_separate_ops_at_that_tile(tile):
     assert torch.equal(got_q, want_q)
     assert torch.equal(got_k, want_k)
     assert torch.equal(got_v, want_v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm", [True, False])
+def test_rotary_cache_write_qwen3_5_heads(norm, dtype):
+    """Qwen3-Next / Qwen3.5 heads: head dim 256 with the first 64 dims rotated (partial rotary) and
+    zero-centred q/k norms, bitwise the separate ops."""
+    tokens, q_heads, kv_heads, head_dim = 6, 4, 2, 256
+    q, k, v, positions, _, _, weights, slots = _inputs(tokens, q_heads, kv_heads, head_dim, dtype, 11)
+    cos, sin = (t.to(DEVICE) for t in rope_table(1.0 / (1e4 ** (torch.arange(0, 64, 2).float() / 64)), 4096))
+    norm_weights = [(w - 1).to(dtype) for w in weights] if norm else [None, None]  # offsets from 1
+    want_k, want_v = _caches(tokens, kv_heads, head_dim, dtype)
+    want_q = rotary_cache_write_reference(q, k, v, positions, cos, sin, want_k, want_v, slots, *norm_weights, 1e-6,
+                                          zero_centred=True)
+    got_k, got_v = _caches(tokens, kv_heads, head_dim, dtype)
+    got_q = rotary_cache_write(q, k, v, positions, cos, sin, got_k, got_v, slots, *norm_weights, 1e-6,
+                               zero_centred=True)
+    assert torch.equal(got_q, want_q)
+    assert torch.equal(got_k, want_k)
+    assert torch.equal(got_v, want_v)
+    if norm:  # the option reached the kernel: the plain norm gives other values
+        plain_k, plain_v = _caches(tokens, kv_heads, head_dim, dtype)
+        plain = rotary_cache_write(q, k, v, positions, cos, sin, plain_k, plain_v, slots, *norm_weights, 1e-6)
+        assert not torch.equal(plain, got_q)
+    else:
+        assert torch.equal(got_q[..., 64:], q[..., 64:])  # the unrotated dims copied
