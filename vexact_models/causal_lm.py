@@ -9,31 +9,36 @@ log-probabilities with `gather_logprobs`, exactly as the sampler does.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 
 import torch
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from vexact_models.adapters import forbid_adapters
+from vexact_models.checkpointing import CheckpointingMixin
 from vexact_models.distributed import fsdp_forward_method
-from vexact_models.kernels import attention_saving_context, linear, token_logprobs
+from vexact_models.kernels import linear, token_logprobs
+from vexact_models.loading import check_loading_info
 from vexact_models.layers import (FlatBatch, PackedContext, PagedContext, RopeTables, check_tokens, flatten_inputs,
                                   head_dim_of)
 from vexact_models.patches.compat import HFCompatMixin
 
 
-class StrictLoadingMixin(HFCompatMixin):
+class StrictLoadingMixin(CheckpointingMixin, HFCompatMixin):
     """Mixed into our ``PreTrainedModel`` classes (before ``PreTrainedModel``); every model class
-    has it, so it also brings `HFCompatMixin` (any ``attn_implementation`` /
-    ``experts_implementation`` HF accepts loads)."""
+    has it, so it also brings `CheckpointingMixin` (activation checkpointing keeps the attention
+    outputs) and `HFCompatMixin` (any ``attn_implementation`` / ``experts_implementation`` HF
+    accepts loads)."""
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
-        """HF ``from_pretrained``, but a checkpoint with a missing or mis-shaped tensor is an
-        error naming the tensor (HF would initialise a missing one randomly with a warning, and
-        reports a mis-shaped one only in its log). Published layouts transformers converts
-        (per-expert hub MoE checkpoints) load without `patch()` too (`checkpoint_conversions`)."""
+        """HF ``from_pretrained``, lenient where transformers is on purpose: weights a head adds
+        (a new ``score`` or ``lm_head``) are initialised and reported as transformers does; but
+        a decoder tensor the checkpoint lacks, or a tensor of the wrong shape (without
+        ``ignore_mismatched_sizes=True``), is a `loading.CheckpointError` naming it (a
+        ``RuntimeError``, as transformers raises for a mis-shaped tensor; see `vexact_models.loading`).
+        Published layouts transformers converts (per-expert hub MoE checkpoints) load without
+        `patch()` too (`checkpoint_conversions`)."""
         from vexact_models.patches.checkpoints import check_expert_tensors, checkpoint_conversions
 
         # a per-expert tensor missing or mis-shaped: transformers' own error names only the fused tensor
@@ -43,14 +48,7 @@ class StrictLoadingMixin(HFCompatMixin):
         with checkpoint_conversions(cls):
             model, info = super().from_pretrained(*args, output_loading_info=True, ignore_mismatched_sizes=True,
                                                   **kwargs)
-        missing = sorted(info.get("missing_keys") or [])
-        if missing:
-            raise ValueError(f"{cls.__name__}.from_pretrained: the checkpoint is missing tensor(s) {missing}")
-        mismatched = sorted(info.get("mismatched_keys") or [])
-        if mismatched and not ignore_mismatched:
-            detail = ", ".join(f"{name} has shape {tuple(got)} but the model expects {tuple(want)}"
-                               for name, got, want in mismatched)
-            raise ValueError(f"{cls.__name__}.from_pretrained: checkpoint tensor(s) with the wrong shape: {detail}")
+        check_loading_info(model, info, ignore_mismatched)
         return (model, info) if want_info else model
 
     def save_pretrained(self, *args, **kwargs):
@@ -99,14 +97,6 @@ class DecoderModelMixin(StrictLoadingMixin):
         self.rope = RopeTables(config, rope_dim or head_dim_of(config))
         self.gradient_checkpointing = False
 
-    def checkpoint_context_fn(self) -> Callable:
-        """The ``context_fn`` of each layer's activation checkpoint: the one the caller passed to
-        ``gradient_checkpointing_enable(gradient_checkpointing_kwargs={"context_fn": ...})``, else
-        `kernels.attention_saving_context`, which keeps each layer's attention (out, lse) and
-        recomputes the rest (pass ``torch.utils.checkpoint.noop_context_fn`` for full recompute)."""
-        caller = getattr(getattr(self, "_gradient_checkpointing_func", None), "keywords", None) or {}
-        return caller.get("context_fn", attention_saving_context)
-
     def forward_flat(self, input_ids: torch.Tensor, positions: torch.Tensor, context,
                      inputs_embeds: torch.Tensor | None = None, hidden_states: list | None = None,
                      **layer_kwargs) -> torch.Tensor:
@@ -120,13 +110,8 @@ class DecoderModelMixin(StrictLoadingMixin):
         residual = None
         if hidden_states is not None:
             hidden_states.append(hidden)
-        for layer in self.layers:
-            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                hidden, residual = torch.utils.checkpoint.checkpoint(
-                    layer, hidden, residual, positions, rope, context, use_reentrant=False,
-                    context_fn=self.checkpoint_context_fn(), **layer_kwargs)
-            else:
-                hidden, residual = layer(hidden, residual, positions, rope, context, **layer_kwargs)
+        for layer in self.layers:  # each checkpoints itself when asked to (`vexact_models.checkpointing`)
+            hidden, residual = layer(hidden, residual, positions, rope, context, **layer_kwargs)
             if hidden_states is not None:
                 hidden_states.append(hidden + residual)
         out = self.norm(hidden, residual)[0]
