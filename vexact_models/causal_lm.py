@@ -21,7 +21,7 @@ from vexact_models.kernels import linear, token_logprobs
 from vexact_models.loading import check_loading_info
 from vexact_models.layers import (FlatBatch, PackedContext, PagedContext, RopeTables, check_tokens, flatten_inputs,
                                   head_dim_of)
-from vexact_models.patches.compat import HFCompatMixin
+from vexact_models.patches.compat import HFCompatMixin, select_hidden_states
 
 
 class StrictLoadingMixin(CheckpointingMixin, HFCompatMixin):
@@ -79,6 +79,30 @@ def hf_flag(value: bool | None, config, name: str, default: bool) -> bool:
     return bool(getattr(config, name, default))
 
 
+def hidden_states_request(value, config):
+    """HF's ``output_hidden_states``: the argument when given (a flag, or layer indices where the
+    installed transformers takes them), else the config's field."""
+    return value if value is not None else getattr(config, "output_hidden_states", False)
+
+
+def hidden_states_output(states: list | None, request, flat: FlatBatch) -> tuple | None:
+    """HF's ``hidden_states`` for `request` (`hidden_states_request`) out of the collected flat
+    `states` (the embeddings, then every layer's output): each in the input's padded shape, None
+    where indices leave one out (`compat.select_hidden_states`)."""
+    if states is None:
+        return None
+    return tuple(None if s is None else flat.to_padded(s) for s in select_hidden_states(states, request))
+
+
+def refuse_output_attentions(value: bool | None, model) -> None:
+    """``output_attentions`` (the argument, else the config's) cannot be honoured: the aligned
+    attention kernel never materialises attention weights (docs/design.md section 8)."""
+    if hf_flag(value, model.config, "output_attentions", False):
+        raise ValueError(f"{type(model).__name__}.forward: output_attentions=True is not supported: the aligned "
+                         "attention kernel never materialises attention weights (it keeps only each row's output "
+                         "and log-sum-exp); pass output_attentions=False")
+
+
 class DecoderModelMixin(StrictLoadingMixin):
     """The decoder stack's one forward, for base models with ``embed_tokens``, ``layers``,
     ``norm`` and ``rope`` (a `RopeTables`). Layers are called as
@@ -121,7 +145,7 @@ class DecoderModelMixin(StrictLoadingMixin):
 
     def forward_hf_inputs(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None,
                           position_ids: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
-                          inputs_embeds: torch.Tensor | None = None, output_hidden_states: bool = False,
+                          inputs_embeds: torch.Tensor | None = None, output_hidden_states=False,
                           **layer_kwargs) -> tuple[torch.Tensor, FlatBatch, list[torch.Tensor] | None]:
         """HF-style padded or packed input (ids or embeddings, see `flatten_inputs`) through the
         one forward: ``(final hidden [T, hidden], the flat batch, per-layer hidden states [T,
@@ -149,18 +173,20 @@ class DecoderModelMixin(StrictLoadingMixin):
 
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.LongTensor | None = None, cu_seqlens: torch.Tensor | None = None,
-                inputs_embeds: torch.Tensor | None = None, output_hidden_states: bool | None = None,
-                return_dict: bool | None = None, **kwargs) -> BaseModelOutputWithPast | tuple:
+                inputs_embeds: torch.Tensor | None = None, output_hidden_states: bool | list[int] | None = None,
+                return_dict: bool | None = None, output_attentions: bool | None = None,
+                **kwargs) -> BaseModelOutputWithPast | tuple:
         """HF-compatible forward on padded (``attention_mask``) or packed (``position_ids``
         restarting at 0, or ``cu_seqlens``) input ids or ``inputs_embeds``; returns
         ``last_hidden_state`` in the input's shape (zeros at padding) and, with
         ``output_hidden_states``, HF's tuple of per-layer hidden states. ``past_key_values`` and
         ``use_cache`` are ignored (rollouts use `vexact_models.LLM`)."""
-        hidden, flat, states = self.forward_hf_inputs(
-            input_ids, attention_mask, position_ids, cu_seqlens, inputs_embeds,
-            hf_flag(output_hidden_states, self.config, "output_hidden_states", False))
+        refuse_output_attentions(output_attentions, self)
+        request = hidden_states_request(output_hidden_states, self.config)
+        hidden, flat, states = self.forward_hf_inputs(input_ids, attention_mask, position_ids, cu_seqlens, inputs_embeds,
+                                                      bool(request))
         out = BaseModelOutputWithPast(last_hidden_state=flat.to_padded(hidden),
-                                      hidden_states=None if states is None else tuple(map(flat.to_padded, states)))
+                                      hidden_states=hidden_states_output(states, request, flat))
         return out if hf_flag(return_dict, self.config, "return_dict", True) else out.to_tuple()
 
 
@@ -203,22 +229,23 @@ class CausalLMMixin(StrictLoadingMixin):
 
     def _causal_lm_output(self, output_class, input_ids, attention_mask, position_ids, labels, cu_seqlens,
                           logits_to_keep: int, router_logits: list | None = None, inputs_embeds=None,
-                          output_hidden_states: bool | None = None, **kwargs):
+                          output_hidden_states: bool | list[int] | None = None, output_attentions: bool | None = None,
+                          **kwargs):
         """The body of every ``forward``: `output_class` with padded fp32 logits, with ``labels``
         HF's loss, and the hidden states when asked. MoE models pass a list that collects each
         MoE layer's router logits."""
         for unused in ("use_cache", "past_key_values", "return_dict", "cache_position"):
             kwargs.pop(unused, None)
+        refuse_output_attentions(output_attentions, self)
         layer_kwargs = {} if router_logits is None else {"router_logits": router_logits}
-        hidden, flat, states = self.model.forward_hf_inputs(
-            input_ids, attention_mask, position_ids, cu_seqlens, inputs_embeds,
-            hf_flag(output_hidden_states, self.config, "output_hidden_states", False), **layer_kwargs)
+        request = hidden_states_request(output_hidden_states, self.config)
+        hidden, flat, states = self.model.forward_hf_inputs(input_ids, attention_mask, position_ids, cu_seqlens,
+                                                            inputs_embeds, bool(request), **layer_kwargs)
         logits = self._padded_logits(hidden, flat, logits_to_keep)
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return output_class(loss=loss, logits=logits,
-                            hidden_states=None if states is None else tuple(map(flat.to_padded, states)))
+        return output_class(loss=loss, logits=logits, hidden_states=hidden_states_output(states, request, flat))
 
     def _router_logits_list(self, output_router_logits: bool | None) -> list | None:
         """A list to collect router logits in when asked (argument, else the config's
@@ -234,6 +261,25 @@ class CausalLMMixin(StrictLoadingMixin):
         roll out with `vexact_models.LLM`, which shares this model's weights."""
         kwargs["use_cache"] = False
         return super().generate(*args, **kwargs)
+
+    def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, *args, attention_mask: torch.Tensor | None = None,
+                                      inputs_embeds: torch.Tensor | None = None, **kwargs) -> dict:
+        """HF's step inputs; for a prompt given as ``inputs_embeds``, every step after the first
+        feeds the prompt's embeddings followed by the generated tokens' (HF feeds only the new
+        tokens, relying on a KV cache this model does not keep), matching the full
+        ``attention_mask``, so padded prompts generate as with a cache."""
+        inputs = super().prepare_inputs_for_generation(input_ids, *args, attention_mask=attention_mask,
+                                                        inputs_embeds=inputs_embeds, **kwargs)
+        prompt, mask = inputs_embeds, attention_mask
+        if inputs.get("inputs_embeds") is None and prompt is not None and mask is not None \
+                and mask.shape[-1] > prompt.shape[1]:
+            new = input_ids[:, prompt.shape[1] - mask.shape[-1]:]  # the generated tokens (input_ids may hold the prompt)
+            inputs["inputs_embeds"] = torch.cat([prompt, self.get_input_embeddings()(new).to(prompt.dtype)], dim=1)
+            inputs["input_ids"] = None
+            positions = inputs.get("position_ids")
+            if positions is not None and positions.shape[-1] != mask.shape[-1]:  # sliced to the new tokens
+                del inputs["position_ids"]  # the mask gives them: each row counts from its first token
+        return inputs
 
     @fsdp_forward_method  # on an FSDP2 root, runs the root's all-gather hooks (plain fully_shard recipe)
     def token_logprobs(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
