@@ -179,8 +179,9 @@ class DecoderModelMixin(StrictLoadingMixin):
         """HF-compatible forward on padded (``attention_mask``) or packed (``position_ids``
         restarting at 0, or ``cu_seqlens``) input ids or ``inputs_embeds``; returns
         ``last_hidden_state`` in the input's shape (zeros at padding) and, with
-        ``output_hidden_states``, HF's tuple of per-layer hidden states. ``past_key_values`` and
-        ``use_cache`` are ignored (rollouts use `vexact_models.LLM`)."""
+        ``output_hidden_states`` (a flag, or layer indices as the installed transformers takes
+        them), HF's tuple of per-layer hidden states. ``past_key_values`` and ``use_cache`` are
+        ignored (rollouts use `vexact_models.LLM`); ``output_attentions=True`` is a ValueError."""
         refuse_output_attentions(output_attentions, self)
         request = hidden_states_request(output_hidden_states, self.config)
         hidden, flat, states = self.forward_hf_inputs(input_ids, attention_mask, position_ids, cu_seqlens, inputs_embeds,
@@ -216,9 +217,10 @@ class CausalLMMixin(StrictLoadingMixin):
         row's first token) or packed (``position_ids`` restarting at 0 per sequence, or
         ``cu_seqlens``), as token ids or ``inputs_embeds``. Returns fp32 ``logits`` in the
         input's shape (zeros at padding), with ``labels`` HF's shifted cross-entropy ``loss``,
-        with ``output_hidden_states`` HF's per-layer hidden states; a tuple when
-        ``return_dict=False``. ``past_key_values``/``use_cache`` are ignored: rollouts use
-        `vexact_models.LLM`.
+        with ``output_hidden_states`` HF's per-layer hidden states (all, or those layer indices
+        select); a tuple when ``return_dict=False``. ``past_key_values``/``use_cache`` are
+        ignored: rollouts use `vexact_models.LLM`. ``output_attentions=True`` is a ValueError (the
+        aligned attention never materialises weights).
         """
         out = self._causal_lm_output(CausalLMOutputWithPast, input_ids, attention_mask, position_ids, labels,
                                      cu_seqlens, logits_to_keep, **kwargs)

@@ -3,9 +3,6 @@
 `vexact_models.patch()` is our head over our base model, a new ``score`` initialised from TRL's
 seed exactly as stock transformers initialises it; and the trainer trains it."""
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,14 +17,9 @@ from vexact_models.registry import get  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def toy_tokenizer():
+def toy_tokenizer(trl_grpo_example):
     """examples/trl_grpo.py's word-level tokenizer (token i <-> "t<i>")."""
-    path = Path(__file__).resolve().parents[2] / "examples" / "trl_grpo.py"
-    spec = importlib.util.spec_from_file_location("trl_grpo_example_reward", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module.toy_tokenizer
+    return trl_grpo_example.toy_tokenizer
 
 
 def trainer(path, tokenizer, out, ours: bool) -> RewardTrainer:
