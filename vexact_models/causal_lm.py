@@ -9,7 +9,6 @@ log-probabilities with `gather_logprobs`, exactly as the sampler does.
 
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
@@ -18,9 +17,9 @@ from vexact_models.adapters import forbid_adapters
 from vexact_models.checkpointing import CheckpointingMixin
 from vexact_models.distributed import fsdp_forward_method
 from vexact_models.kernels import linear, token_logprobs
-from vexact_models.loading import check_loading_info
 from vexact_models.layers import (FlatBatch, PackedContext, PagedContext, RopeTables, check_tokens, flatten_inputs,
                                   head_dim_of)
+from vexact_models.loading import check_loading_info
 from vexact_models.patches.compat import HFCompatMixin, select_hidden_states
 
 
@@ -145,7 +144,7 @@ class DecoderModelMixin(StrictLoadingMixin):
 
     def forward_hf_inputs(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None,
                           position_ids: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
-                          inputs_embeds: torch.Tensor | None = None, output_hidden_states=False,
+                          inputs_embeds: torch.Tensor | None = None, output_hidden_states: bool = False,
                           **layer_kwargs) -> tuple[torch.Tensor, FlatBatch, list[torch.Tensor] | None]:
         """HF-style padded or packed input (ids or embeddings, see `flatten_inputs`) through the
         one forward: ``(final hidden [T, hidden], the flat batch, per-layer hidden states [T,
