@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from vexact_models.kernels import (PagedLayout, add_rms_norm, apply_rotary, attention, attention_packed, fused_moe,
                                    kv_cache_write, linear_silu_and_mul, rms_norm, rope_table, rotary_cache_write,
@@ -78,13 +79,14 @@ def add_and_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None) 
     return norm(x, residual)
 
 
-class PreNormDecoderLayer(nn.Module):
+class PreNormDecoderLayer(GradientCheckpointingLayer):
     """A pre-norm decoder layer (``self_attn``, ``mlp``, ``input_layernorm``,
     ``post_attention_layernorm``, set by each architecture's subclass), called as
     ``layer(hidden, residual, positions, rope, context, router_logits=None) -> (mlp output,
     residual stream before it)``: each residual add is fused into the norm after it (see
     `DecoderModelMixin`). An MLP with ``routes = True`` (an MoE block) also gets the list that
-    collects router logits."""
+    collects router logits. A transformers ``GradientCheckpointingLayer``: with checkpointing on,
+    it runs under its model's checkpoint function (`vexact_models.checkpointing`)."""
 
     def forward(self, hidden, residual, positions, rope, context,
                 router_logits: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
