@@ -19,7 +19,7 @@ from vexact_models.distributed import fsdp_forward_method
 from vexact_models.kernels import linear, token_logprobs
 from vexact_models.layers import (FlatBatch, PackedContext, PagedContext, RopeTables, check_tokens, flatten_inputs,
                                   head_dim_of)
-from vexact_models.loading import check_loading_info
+from vexact_models.loading import check_loading_info, from_pretrained_complete
 from vexact_models.patches.compat import HFCompatMixin, select_hidden_states
 
 
@@ -369,4 +369,6 @@ class InferenceModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path, **kwargs) -> "InferenceModel":
-        return cls(cls.training_class.from_pretrained(path, **kwargs))
+        """The training class's weights from a checkpoint folder, strictly: a tensor the checkpoint
+        lacks (a head included) is a `loading.CheckpointError` (`loading.from_pretrained_complete`)."""
+        return cls(from_pretrained_complete(cls.training_class, path, **kwargs))

@@ -64,3 +64,17 @@ def check_loading_info(model: nn.Module, info: dict, ignore_mismatched_sizes: bo
         raise CheckpointError(f"{name}.from_pretrained: checkpoint tensor(s) with the wrong shape: "
                               f"{listed(detail, joined=True)} (ignore_mismatched_sizes=True initialises them anew, "
                               "as transformers does)")
+
+
+def from_pretrained_complete(model_class: type, path: str, **kwargs) -> nn.Module:
+    """``model_class.from_pretrained(path, **kwargs)`` for the rollout engine, which samples from
+    every weight: transformers' leniency (a head weight the checkpoint lacks, such as ``lm_head``
+    in a base model's checkpoint, initialised anew) would roll out from random logits, so any
+    tensor the checkpoint lacks is a `CheckpointError` naming it. A tied head is not missing."""
+    model, info = model_class.from_pretrained(path, output_loading_info=True, **kwargs)
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        raise CheckpointError(f"{model_class.__name__}.from_pretrained({str(path)!r}) for rollouts: the checkpoint is "
+                              f"missing tensor(s) {listed(missing)}; a rollout engine cannot sample from weights "
+                              "initialised anew (load the training class for a new head)")
+    return model
