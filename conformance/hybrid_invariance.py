@@ -19,6 +19,10 @@ import random
 
 import torch
 
+from vexact_models.kernels import (add_rms_norm, apply_rotary, causal_conv1d, conv_state_update, gated_rms_norm, rms_norm,
+                                   rope_table, sigmoid_gate)
+from vexact_models.kernels.causal_conv1d import conv_state_update_reference
+
 
 def random_steps(lens: list[int], rng: random.Random, max_piece: int = 9) -> list[list[tuple[int, int]]]:
     """A rollout's schedule of `lens`' sequences: steps of ``(sequence, tokens)`` pieces, each step
@@ -45,7 +49,6 @@ def conv_by_steps(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     as a rollout by `steps` (`random_steps`): each step one launch over its pieces, with a conv
     state per sequence in a shuffled slot of a larger pool, a padding sequence (slot -1) and a
     padding token when `padding`; the outputs in `x`'s packed order."""
-    from vexact_models.kernels import causal_conv1d
 
     k = weight.shape[1]
     starts = [0]
@@ -88,8 +91,6 @@ def check_causal_conv1d(result, quick: bool) -> None:
     4) in bf16: the packed training forward of sequences of 1 to 4,096 tokens against a rollout of
     them in random pieces and steps (`conv_by_steps`), and each sequence alone, with and without a
     bias; the state update bitwise its reference."""
-    from vexact_models.kernels import causal_conv1d, conv_state_update
-    from vexact_models.kernels.causal_conv1d import conv_state_update_reference
 
     channels = 8192
     lens = [1, 3, 64, 257, 1000] + ([] if quick else [4096, 2049])
@@ -133,7 +134,6 @@ def rows_alone(result, fn, inputs: list[torch.Tensor], label: str, quick: bool) 
 
 def check_gated_rms_norm(result, quick: bool) -> None:
     """The gated-DeltaNet's output norm at its rows (32 value heads of 128 a token), bf16."""
-    from vexact_models.kernels import gated_rms_norm
 
     m = max(row_counts(quick))
     x, z = torch.randn(m, 32, 128, device="cuda").bfloat16(), (torch.randn(m, 32, 128, device="cuda") * 3).bfloat16()
@@ -144,7 +144,6 @@ def check_gated_rms_norm(result, quick: bool) -> None:
 def check_zero_centred_rms_norm(result, quick: bool) -> None:
     """Qwen3-Next's and Qwen3.5's ``(1 + weight)`` norm: hidden rows of 2,048 and 4,096 (with the
     residual add) and per-head q/k rows of 256, bf16; add + norm == the add, then the norm."""
-    from vexact_models.kernels import add_rms_norm, rms_norm
 
     m = max(row_counts(quick))
     for n in (256, 2048, 4096):
@@ -163,7 +162,6 @@ def check_zero_centred_rms_norm(result, quick: bool) -> None:
 def check_sigmoid_gate(result, quick: bool) -> None:
     """The gated attention's output gate (16 heads of 256, the gate a strided view of the q_proj
     output) and the shared expert's (one gate value per 2,048-wide row), bf16."""
-    from vexact_models.kernels import sigmoid_gate
 
     m = max(row_counts(quick))
     q_proj = (torch.randn(m, 16, 512, device="cuda") * 3).bfloat16()
@@ -177,7 +175,6 @@ def check_partial_rotary(result, quick: bool) -> None:
     """Partial rotary (the first 64 of 256 dims, Qwen3.5's 16 query heads) rows alone == in batches.
     (The rollout's fused q/k norm + rotation + cache write at Qwen3.5's heads is
     `kernel_invariance.check_rotary_cache_write`'s, run in this group.)"""
-    from vexact_models.kernels import apply_rotary, rope_table
 
     m, d = max(row_counts(quick)), 256
     cos, sin = (t.cuda() for t in rope_table(1.0 / (1e4 ** (torch.arange(0, 64, 2) / 64)), 32768))
