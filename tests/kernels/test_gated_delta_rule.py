@@ -12,9 +12,27 @@ from vexact_models.kernels.gated_delta_rollout import GatedDeltaRollout
 from vexact_models.kernels.gated_delta_rule import gated_delta_chunk_rows, gated_delta_fold, gated_delta_rule
 
 
+def layer_heads(q, k, v):
+    """q, k ``[B, T, Hk, d]`` repeated to v's ``Hv`` heads as transformers' Qwen3NextGatedDeltaNet and
+    Qwen3_5GatedDeltaNet layers do before calling the functions below (``repeat_interleave`` on the
+    head dim: value head ``h`` reads key head ``h // (Hv // Hk)``, the op's convention). Releases up
+    to 5.17 need it (the functions take q, k at v's heads); newer ones repeat inside the functions
+    too, which then see equal heads."""
+    group = v.shape[2] // k.shape[2]
+    return q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
+
+
 class hf:  # noqa: N801  transformers' torch paths themselves, never the fla kernels its decorator prefers when installed
-    torch_chunk_gated_delta_rule = staticmethod(inspect.unwrap(modeling_qwen3_next.torch_chunk_gated_delta_rule))
-    torch_recurrent_gated_delta_rule = staticmethod(inspect.unwrap(modeling_qwen3_next.torch_recurrent_gated_delta_rule))
+    _chunk = staticmethod(inspect.unwrap(modeling_qwen3_next.torch_chunk_gated_delta_rule))
+    _recurrent = staticmethod(inspect.unwrap(modeling_qwen3_next.torch_recurrent_gated_delta_rule))
+
+    @staticmethod
+    def torch_chunk_gated_delta_rule(q, k, v, *args, **kwargs):
+        return hf._chunk(*layer_heads(q, k, v), v, *args, **kwargs)
+
+    @staticmethod
+    def torch_recurrent_gated_delta_rule(q, k, v, *args, **kwargs):
+        return hf._recurrent(*layer_heads(q, k, v), v, *args, **kwargs)
 
 
 def make_inputs(lengths, hk, hv, dk, dv, *, dtype=torch.float32, device="cpu", seed=0, initial=True):
