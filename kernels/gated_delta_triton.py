@@ -24,6 +24,13 @@ from .row_sum import row_sum_halves
 
 ROWS_WARPS = 8
 FOLD_WARPS = 8
+#: both kernels' warps where dk or dv is 16. With 8 warps the two warpgroups of a ``[64, 16]``
+#: product (chunk 64) take 8 columns each, TF32 wgmma ``m64n8k8``, and Triton 3.6's sm_90 fold
+#: built so read shared memory out of bounds at dk = 16: an illegal memory access (compute-sanitizer:
+#: invalid __shared__ reads of 1024 bytes). With 4 warps one warpgroup takes all 16 columns
+#: (``m64n16k8``); dk, dv, chunk = 16, 16, 16/32/64/128; 16, 64, 64; 64, 16, 16 and 128, 16, 64
+#: matched the reference (H200, 2026-12-02). docs/design.md section 6b.
+SMALL_HEAD_WARPS = 4
 SOLVE_BLOCK = tl.constexpr(16)  # rows of the solve's diagonal blocks (gated_delta_reference.SOLVE_BLOCK)
 
 

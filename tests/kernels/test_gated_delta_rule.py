@@ -12,9 +12,27 @@ from vexact_models.kernels.gated_delta_rollout import GatedDeltaRollout
 from vexact_models.kernels.gated_delta_rule import gated_delta_chunk_rows, gated_delta_fold, gated_delta_rule
 
 
+def layer_heads(q, k, v):
+    """q, k ``[B, T, Hk, d]`` repeated to v's ``Hv`` heads as transformers' Qwen3NextGatedDeltaNet and
+    Qwen3_5GatedDeltaNet layers do before calling the functions below (``repeat_interleave`` on the
+    head dim: value head ``h`` reads key head ``h // (Hv // Hk)``, the op's convention). Releases up
+    to 5.17 need it (the functions take q, k at v's heads); newer ones repeat inside the functions
+    too, which then see equal heads."""
+    group = v.shape[2] // k.shape[2]
+    return q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
+
+
 class hf:  # noqa: N801  transformers' torch paths themselves, never the fla kernels its decorator prefers when installed
-    torch_chunk_gated_delta_rule = staticmethod(inspect.unwrap(modeling_qwen3_next.torch_chunk_gated_delta_rule))
-    torch_recurrent_gated_delta_rule = staticmethod(inspect.unwrap(modeling_qwen3_next.torch_recurrent_gated_delta_rule))
+    _chunk = staticmethod(inspect.unwrap(modeling_qwen3_next.torch_chunk_gated_delta_rule))
+    _recurrent = staticmethod(inspect.unwrap(modeling_qwen3_next.torch_recurrent_gated_delta_rule))
+
+    @staticmethod
+    def torch_chunk_gated_delta_rule(q, k, v, *args, **kwargs):
+        return hf._chunk(*layer_heads(q, k, v), v, *args, **kwargs)
+
+    @staticmethod
+    def torch_recurrent_gated_delta_rule(q, k, v, *args, **kwargs):
+        return hf._recurrent(*layer_heads(q, k, v), v, *args, **kwargs)
 
 
 def make_inputs(lengths, hk, hv, dk, dv, *, dtype=torch.float32, device="cpu", seed=0, initial=True):
@@ -337,7 +355,8 @@ def test_gpu_backward_matches_autograd_of_transformers():
 def test_triton_kernels_compile_for_hopper_on_cpu(monkeypatch):
     """Both kernels compile for sm_90 without a GPU (the interpreter accepts code the compiler
     refuses, e.g. a global that is not a `tl.constexpr`), at a tiny shape and chunk 64 (the
-    solve's block rows), their products on the tensor cores."""
+    solve's block rows), their products on the tensor cores and none split into 8-column TF32
+    wgmma (`gated_delta_triton.SMALL_HEAD_WARPS`)."""
     pytest.importorskip("triton")
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from sm90_compile import compile_only, resources
@@ -350,3 +369,5 @@ def test_triton_kernels_compile_for_hopper_on_cpu(monkeypatch):
     assert [kernel.name for kernel in compiled] == ["fold_kernel", "rows_kernel"]
     for kernel in compiled:
         assert resources(kernel).wgmma > 0, kernel.name
+        # 8-column TF32 wgmma: Triton 3.6's fold built so read shared memory out of bounds on the H200
+        assert "m64n8k8" not in kernel.asm["ptx"], kernel.name

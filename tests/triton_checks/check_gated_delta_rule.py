@@ -22,6 +22,29 @@ from vexact_models.kernels.gated_delta_rule import (  # noqa: E402
 )
 
 
+_BROKEN: list[str] = []  # the test after which the CUDA context failed
+
+
+@pytest.fixture(autouse=True)
+def _cuda_errors_stay_with_their_test(request):
+    """On a GPU an illegal memory access leaves the CUDA context unusable for the rest of the
+    process: the test whose launches caused it fails (they are synchronised at its teardown, so a
+    later test does not report the asynchronous error), and the later tests skip, naming it (run
+    them alone to check them). Every test builds its own seeded inputs, so any order or subset of
+    them checks the same."""
+    if INTERPRET:
+        yield
+        return
+    if _BROKEN:
+        pytest.skip(f"the CUDA context is broken since {_BROKEN[0]}; run this test alone")
+    yield
+    try:
+        torch.cuda.synchronize()
+    except RuntimeError:  # torch.AcceleratorError
+        _BROKEN.append(request.node.nodeid)
+        raise
+
+
 def _inputs(lengths, hk, hv, dk, dv, seed=0):
     gen = torch.Generator().manual_seed(seed)
     t = sum(lengths)
@@ -40,10 +63,13 @@ def _cu(lengths):
     return out
 
 
-@pytest.mark.parametrize("hk,hv,dv,chunk", [(2, 2, 16, 16), (1, 2, 32, 16), (1, 1, 16, 64), (1, 2, 128, 16)])
-def test_triton_matches_reference(hk, hv, dv, chunk):
+@pytest.mark.parametrize("hk,hv,dk,dv,chunk", [(2, 2, 16, 16, 16), (1, 2, 16, 32, 16), (1, 1, 16, 16, 64),
+                                               (1, 2, 16, 128, 16), (1, 2, 32, 32, 64)])
+def test_triton_matches_reference(hk, hv, dk, dv, chunk):
+    """At dk = 16 and chunk 64 the launches take `SMALL_HEAD_WARPS` (8 warps faulted on the H200);
+    dk = 32 at chunk 64 keeps 8 warps (16-column wgmma)."""
     lengths = [37, 16, 21] if chunk == 16 else [100, 30]
-    inputs, state = _inputs(lengths, hk, hv, 16, dv)
+    inputs, state = _inputs(lengths, hk, hv, dk, dv)
     with use_backend("triton"):
         out, final = gated_delta_rule(*inputs, _cu(lengths), initial_state=state, output_final_state=True,
                                       chunk_size=chunk)
