@@ -17,7 +17,8 @@ if TYPE_CHECKING:
 # (name, q heads, kv heads, query/key head dim, value head dim)
 ATTENTION_SHAPES = [("qwen3-0.6b", 16, 8, 128, 128), ("qwen3-8b", 32, 8, 128, 128), ("qwen3-30b-a3b", 32, 4, 128, 128),
                     ("gqa-d64", 8, 2, 64, 64), ("moonlight MLA", 16, 16, 192, 128),
-                    ("deepseek-v3 MLA", 128, 128, 192, 128)]
+                    ("deepseek-v3 MLA", 128, 128, 192, 128),
+                    ("qwen3.5-35b-a3b", 16, 2, 256, 256), ("qwen3.5-text", 16, 4, 256, 256)]
 # (name, q heads, kv_lora_rank, rope dims, qk_nope, v_head_dim): MLA with kv_b_proj absorbed (latent KV cache)
 LATENT_SHAPES = [("moonlight latent MLA", 16, 512, 64, 128, 128), ("deepseek-v3 latent MLA", 128, 512, 64, 128, 128)]
 
@@ -49,6 +50,11 @@ def check_attention_configs(result: Result, hq: int, hkv: int, d: int, dv: int, 
                    AttentionConfig(16, 64, 2, 2), AttentionConfig(16, 64, 4, 3, heads_fastest=True),
                    AttentionConfig(16, 64, 2, 3, heads_fastest=True),
                    AttentionConfig(32, 64, 4, 2), AttentionConfig(64, 64, 4, 2, heads_fastest=True)]
+        if d > 192:  # head dim 256: the tiles whose stages fit in shared memory
+            configs = [AttentionConfig(64, 64, 8, 2), AttentionConfig(64, 64, 8, 3), AttentionConfig(64, 64, 4, 2),
+                       AttentionConfig(64, 64, 4, 1), AttentionConfig(128, 64, 8, 1), AttentionConfig(16, 64, 4, 2),
+                       AttentionConfig(16, 64, 4, 2, heads_fastest=True), AttentionConfig(16, 64, 2, 1),
+                       AttentionConfig(32, 64, 4, 2)]
         outs = [attention_triton(q, k, v, layout, d ** -0.5, cfg) for cfg in configs]
     labels = [str(cfg) for cfg in configs]
     if not latent and kv_descriptors_fit(k, v):  # training's TMA loads of whole key blocks: the same bits again

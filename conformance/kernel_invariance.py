@@ -153,30 +153,33 @@ def check_rows(results: dict[str, Result], quick: bool) -> None:
     check_rotary_cache_write(results["rotary_cache_write"], ms)
 
 
-def check_rotary_cache_write(result: Result, ms: list[int]) -> None:
-    """The rollout's fused q/k norm + rotary + KV cache write (Qwen3-8B heads with the norms, then
-    without as for Llama): the rotated queries and the cache of M tokens at once equal those of
-    the separate ops training runs, and each token's equal the token's alone."""
+def check_rotary_cache_write(result: Result, ms: list[int], hq: int = 32, hkv: int = 8, d: int = 128,
+                             rotary_dim: int | None = None, zero_centred: bool = False, name: str = "") -> None:
+    """The rollout's fused q/k norm + rotary + KV cache write (Qwen3-8B heads by default; Qwen3.5's
+    partial rotary `rotary_dim` and zero-centred norms where given) with the norms, then without as
+    for Llama: the rotated queries and the cache of M tokens at once equal those of the separate ops
+    training runs, and each token's equal the token's alone."""
     from vexact_models.kernels import rope_table, rotary_cache_write
     from vexact_models.kernels.rotary_cache_write import rotary_cache_write_reference
 
-    m_max, hq, hkv, d = max(ms), 32, 8, 128
-    cos, sin = (t.cuda() for t in rope_table(1.0 / (1e6 ** (torch.arange(0, d, 2) / d)), 40960))
+    m_max, r = max(ms), rotary_dim or d
+    cos, sin = (t.cuda() for t in rope_table(1.0 / (1e6 ** (torch.arange(0, r, 2) / r)), 40960))
     qkv = torch.randn(m_max, (hq + 2 * hkv) * d, device="cuda").bfloat16() * 3
     q, k, v = (t.view(m_max, -1, d) for t in qkv.split([hq * d, hkv * d, hkv * d], dim=1))
     pos = torch.randint(0, 40960, (m_max,), device="cuda")
     slots = torch.randperm(m_max, device="cuda")
     for norms in ((torch.rand(d, device="cuda") + 0.5).bfloat16(), (torch.rand(d, device="cuda") + 0.5).bfloat16()), (None, None):
-        label = "with q/k norms" if norms[0] is not None else "no norms"
+        label = name + ("with q/k norms" if norms[0] is not None else "no norms")
         caches = [torch.zeros(m_max, 1, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
-        full = rotary_cache_write(q, k, v, pos, cos, sin, caches[0], caches[1], slots, *norms)
-        want = rotary_cache_write_reference(q, k, v, pos, cos, sin, caches[2], caches[3], slots, *norms)
+        full = rotary_cache_write(q, k, v, pos, cos, sin, caches[0], caches[1], slots, *norms, zero_centred=zero_centred)
+        want = rotary_cache_write_reference(q, k, v, pos, cos, sin, caches[2], caches[3], slots, *norms,
+                                            zero_centred=zero_centred)
         result.compare(full, want, f"{label}: queries == separate ops, M={m_max}")
         result.compare(torch.cat(caches[:2]), torch.cat(caches[2:]), f"{label}: K/V cache == separate ops, M={m_max}")
         for m in ms:
             alone = [torch.zeros(m_max, 1, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
             row = rotary_cache_write(q[m - 1:m], k[m - 1:m], v[m - 1:m], pos[m - 1:m], cos, sin, *alone, slots[m - 1:m],
-                                     *norms)
+                                     *norms, zero_centred=zero_centred)
             result.compare(row, full[m - 1:m], f"{label}: token {m - 1} alone")
             s = slots[m - 1]
             result.compare(torch.cat([alone[0][s], alone[1][s]]), torch.cat([caches[0][s], caches[1][s]]),
@@ -286,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         run_gated_delta(results, args.quick)
     if args.only in (None, "hybrid"):
         run_hybrid(results, args.quick)
+        check_rotary_cache_write(results["partial rotary"], [m for m in M_SWEEP if m <= (1024 if args.quick else 4096)],
+                                 16, 2, 256, 64, True, "qwen3.5 heads (64 of 256 rotated, zero-centred norms) ")
     torch.cuda.synchronize()
     print(f"\nkernel invariance on {torch.cuda.get_device_name()} (torch {torch.__version__}), {time.time() - t0:.0f}s")
     return 1 if print_results(results) else 0

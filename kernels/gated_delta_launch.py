@@ -162,7 +162,7 @@ def _rows_triton(q, k, v, g, beta, states, out, plan: RowsPlan, shapes: Shapes, 
     dev = k.device
     meta = [_device_ints(x, dev) for x in (plan.kv_start, plan.n_rows, plan.first_row, plan.q_start, plan.state_index)]
     bv = _value_block(shapes.dv)
-    grid = (len(plan.kv_start), shapes.hv, shapes.dv // bv)
+    grid = (len(plan.kv_start), shapes.hv)
     rows_kernel[grid](q, k, v, g, beta, states, out, *meta,
                        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
                        beta.stride(0), states.stride(0), states.stride(1), out.stride(0), out.stride(1), scale,

@@ -14,7 +14,8 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 @pytest.mark.parametrize("script", ["kernels.py", "moe.py", "throughput.py", "decode_profile.py", "training.py",
                                     "attention_configs.py", "attention_fa4.py", "sampler.py", "attention_order.py",
                                     "shared_experts.py", "latent_prefill.py", "attention_prefill.py", "moe_routing.py",
-                                    "head_linear.py", "row_kernels.py", "gate_up_silu.py", "decode_read_floor.py"])
+                                    "head_linear.py", "row_kernels.py", "gate_up_silu.py", "decode_read_floor.py",
+                                    "gated_delta.py"])
 def test_benchmark_script_help_and_cpu_refusal(script):
     help_run = subprocess.run([sys.executable, script, "--help"], cwd=BENCHMARKS, capture_output=True, text=True,
                               timeout=120)

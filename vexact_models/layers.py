@@ -181,7 +181,9 @@ class RopeTables:
         rope_type = params.get("rope_type", "default")
         if rope_type == "default":
             base = float(params.get("rope_theta", getattr(self.config, "rope_theta", 10000.0)))
-            inv_freq = 1.0 / (base ** (torch.arange(0, self.head_dim, 2, dtype=torch.float, device="cpu") / self.head_dim))
+            # partial rotary (Qwen3-Next, Qwen3.5: 0.25): frequencies for the rotated dims only, as HF
+            dim = int(self.head_dim * params.get("partial_rotary_factor", 1.0))
+            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim))
             scaling = 1.0
         else:
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](self.config, "cpu")
