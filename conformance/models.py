@@ -96,6 +96,8 @@ def make_config(arch: Architecture, config_name: str | None = None, layers: int 
         raise ValueError(f"config {config_name!r}: model_type {published.get('model_type')!r} is not one of "
                          f"architecture {arch.name!r}'s {list(arch.model_types)}")
     published = {k: v for k, v in published.items() if k not in _NOT_FIELDS}
+    if layers and isinstance(published.get("layer_types"), list):  # hybrids: the first layers' types
+        published["layer_types"] = published["layer_types"][:layers]
     if max_positions:
         fields["max_position_embeddings"] = max_positions
     return arch.config_class(**{**published, **fields})

@@ -13,6 +13,7 @@ from .attention_packed import attention_packed, attention_saving_context
 from .backend import BACKENDS, UnsupportedError, current_backend, set_backend, use_backend
 from .causal_conv1d import causal_conv1d, conv_state_update
 from .dependent_launch import set_dependent_launch, use_dependent_launch
+from .gated_delta_gates import gated_delta_gates
 from .gated_delta_rollout import GatedDeltaRollout
 from .gated_delta_rule import gated_delta_chunk_rows, gated_delta_fold, gated_delta_rule
 from .gated_rms_norm import gated_rms_norm
@@ -41,8 +42,8 @@ __all__ = [
     "KernelSwitch", "PagedLayout", "UnsupportedError", "add_rms_norm", "apply_rotary", "attention",
     "attention_forward_mode", "attention_packed", "attention_saving_context", "causal_conv1d", "conv_state_update",
     "current_backend", "deinterleave",
-    "fused_moe", "gated_delta_chunk_rows", "gated_delta_fold", "gated_delta_rule", "gated_rms_norm",
-    "gather_logprobs", "head_linear", "kv_cache_write", "latent_cache_write", "linear",
+    "fused_moe", "gated_delta_chunk_rows", "gated_delta_gates", "gated_delta_fold", "gated_delta_rule",
+    "gated_rms_norm", "gather_logprobs", "head_linear", "kv_cache_write", "latent_cache_write", "linear",
     "linear_backend_mode", "linear_silu_and_mul", "log_softmax", "packed_layout", "rms_norm", "rope_table", "rotary_cache_write",
     "sample_tokens", "set_attention_forward", "set_backend", "set_dependent_launch", "set_linear_backend",
     "sigmoid_gate", "sigmoid_grouped_topk", "silu_and_mul", "softmax_topk", "token_logprobs", "use_attention_forward",

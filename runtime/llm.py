@@ -150,8 +150,9 @@ class LLM(EngineStepsMixin, EngineMemoryMixin):
                                      async_scheduling=async_scheduling))
         load_dtype = resolve_dtype(dtype)
         from_folder = isinstance(model, (str, os.PathLike))
+        # an architecture the engine cannot run yet (Architecture.rollout_unsupported) is refused here, before any allocation
+        (self._folder_config(str(model))[1] if from_folder else architecture_of(model)).check_rollout()
         if not from_folder:
-            architecture_of(model)
             check_model_placement(model, resolve_device(device), load_dtype)
         stage = join_pipeline(pipeline_parallel_size, folder_config(str(model))[0] if from_folder else model.config)
         if stage is not None and not from_folder:

@@ -52,20 +52,24 @@ class RMSNorm(nn.Module):
     """HF-compatible RMSNorm (``weight``, ``variance_epsilon``) backed by `kernels.rms_norm`.
 
     Architectures subclass it under their HF name (e.g. ``Qwen3RMSNorm``) so that HF's weight
-    initialisation recognises it.
+    initialisation recognises it. A subclass with ``zero_centred = True`` is the ``1 + weight``
+    norm of Qwen3-Next and Qwen3.5 (weight stored as an offset from 1, initialised to zeros; the
+    `kernels.rms_norm` option of that name).
     """
+
+    zero_centred = False
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.weight = nn.Parameter(torch.zeros(hidden_size) if self.zero_centred else torch.ones(hidden_size))
         self.variance_epsilon = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """``norm(x)``; with `residual`, ``(norm(x + residual), x + residual)`` in one kernel
         (`kernels.add_rms_norm`): the decoder layers carry the residual stream this way."""
         if residual is None:
-            return rms_norm(x, self.weight, self.variance_epsilon)
-        return add_rms_norm(x, residual, self.weight, self.variance_epsilon)
+            return rms_norm(x, self.weight, self.variance_epsilon, self.zero_centred)
+        return add_rms_norm(x, residual, self.weight, self.variance_epsilon, self.zero_centred)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
@@ -88,10 +92,15 @@ class PreNormDecoderLayer(GradientCheckpointingLayer):
     collects router logits. A transformers ``GradientCheckpointingLayer``: with checkpointing on,
     it runs under its model's checkpoint function (`vexact_models.checkpointing`)."""
 
+    def mix(self, normed: torch.Tensor, positions, rope, context) -> torch.Tensor:
+        """The token mixer's output: ``self_attn`` here; hybrid layers pick theirs (a gated
+        DeltaNet's ``linear_attn``)."""
+        return self.self_attn(normed, positions, rope, context)
+
     def forward(self, hidden, residual, positions, rope, context,
                 router_logits: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         normed, residual = add_and_norm(self.input_layernorm, hidden, residual)
-        normed, residual = self.post_attention_layernorm(self.self_attn(normed, positions, rope, context), residual)
+        normed, residual = self.post_attention_layernorm(self.mix(normed, positions, rope, context), residual)
         if getattr(self.mlp, "routes", False):
             return self.mlp(normed, router_logits), residual
         return self.mlp(normed), residual
@@ -262,12 +271,15 @@ class PagedContext:
         plain RMSNorms of one epsilon; otherwise the separate ops, module calls included."""
         k_cache, v_cache = self.kv_caches[layer_idx]
         if q_norm is not None and not (plain_rms_norm(q_norm) and plain_rms_norm(k_norm)
-                                       and q_norm.variance_epsilon == k_norm.variance_epsilon):
+                                       and q_norm.variance_epsilon == k_norm.variance_epsilon
+                                       and q_norm.zero_centred == k_norm.zero_centred):
             q, k = rotate_qk(q, k, positions, rope, q_norm, k_norm)
             return self.attend(layer_idx, q, k, v, scale)
         cos, sin = rope
         weights = (q_norm.weight, k_norm.weight, q_norm.variance_epsilon) if q_norm is not None else (None, None, 1e-6)
-        q = rotary_cache_write(q, k, v, positions, cos, sin, k_cache, v_cache, self.slot_mapping, *weights)
+        zero_centred = q_norm is not None and q_norm.zero_centred
+        q = rotary_cache_write(q, k, v, positions, cos, sin, k_cache, v_cache, self.slot_mapping, *weights,
+                               zero_centred=zero_centred)
         return self.attend_cache(layer_idx, q, scale)
 
 

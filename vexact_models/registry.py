@@ -68,6 +68,14 @@ class Architecture:
         checkpoint_conversions: whether transformers' own checkpoint conversion for these model
             types (e.g. hub MoE checkpoints storing one tensor per expert) must apply to our
             classes too; `patch()` registers it and `unpatch()` removes it.
+        hf_head_classes: ``(head, dotted path)`` of stock transformers classes (head ``"Model"``,
+            ``"ForSequenceClassification"``, ...), where the name is not ``hf_causal_lm_class``'s
+            with ``ForCausalLM`` replaced (Qwen3.5's text model is ``Qwen3_5TextModel``; its
+            ``Qwen3_5Model`` is the multimodal one); for HF parity tests.
+        rollout_unsupported: why the rollout engine (`vexact_models.LLM`) cannot run this
+            architecture yet, or None when it can. `LLM` and the inference variant raise it, and
+            the tests that roll out skip with it; training, checkpoints, heads and adapters do
+            not depend on it.
     """
 
     name: str
@@ -82,6 +90,8 @@ class Architecture:
     sequence_classification_class: type | None = None
     token_classification_class: type | None = None
     checkpoint_conversions: bool = False
+    hf_head_classes: tuple[tuple[str, str], ...] = ()
+    rollout_unsupported: str | None = None
 
     def __post_init__(self) -> None:
         names = [s.name for s in self.shapes]
@@ -106,8 +116,23 @@ class Architecture:
                 return shape
         raise ValueError(f"architecture {self.name!r} has no shape {name!r}; its shapes: {[s.name for s in self.shapes]}")
 
-    def hf_class(self) -> type:
-        module, _, name = self.hf_causal_lm_class.rpartition(".")
+    @property
+    def rollout(self) -> bool:
+        """Whether the rollout engine can run this architecture (see ``rollout_unsupported``)."""
+        return self.rollout_unsupported is None
+
+    def check_rollout(self) -> None:
+        """Raise NotImplementedError naming the architecture and what the rollout engine lacks
+        for it, when it cannot run it."""
+        if self.rollout_unsupported is not None:
+            raise NotImplementedError(f"architecture {self.name!r} (model_type {', '.join(self.model_types)}) cannot "
+                                      f"be rolled out by vexact_models.LLM yet: {self.rollout_unsupported}")
+
+    def hf_class(self, head: str = "ForCausalLM") -> type:
+        """The stock transformers class of this architecture with `head` (``ForCausalLM``,
+        ``Model``, ``ForSequenceClassification``...)."""
+        path = dict(self.hf_head_classes).get(head) or self.hf_causal_lm_class.replace("ForCausalLM", head)
+        module, _, name = path.rpartition(".")
         return getattr(importlib.import_module(module), name)
 
 

@@ -25,10 +25,11 @@ def run_example(*flags: str) -> subprocess.CompletedProcess:
 def test_veomni_sharded_logprobs_equal_the_rollout_for_every_architecture():
     done = run_example()
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    for arch in architectures():
+    rolled = [arch for arch in architectures() if arch.rollout]  # the others are skipped, saying why
+    for arch in rolled:
         for rank in (0, 1):
             assert f"rank {rank}: {arch.name}" in done.stdout
-    assert done.stdout.count("sharded logprobs == rollout: True") == 2 * len(architectures())
+    assert done.stdout.count("sharded logprobs == rollout: True") == 2 * len(rolled)
 
 
 def test_the_example_without_torchrun_exits_with_usage():

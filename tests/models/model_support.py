@@ -1,8 +1,6 @@
 """What the parametrised model tests share: every registered (architecture, shape) as a test case,
 and stock transformers models of a shape with the same random weights our models get."""
 
-import importlib
-
 import pytest
 import torch
 import transformers
@@ -45,25 +43,21 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
-def stock_class_name(arch: Architecture, head: str = "ForCausalLM") -> tuple[str, str]:
-    """(module, class name) of the stock transformers class of `arch` with `head`."""
-    module, _, name = arch.hf_causal_lm_class.rpartition(".")
-    return module, name.replace("ForCausalLM", head)
-
-
 def stock_class(arch: Architecture, head: str = "ForCausalLM") -> type:
     """The stock transformers class of `arch` with `head` (``ForCausalLM``, ``Model``,
     ``ForSequenceClassification``...)."""
-    module, name = stock_class_name(arch, head)
-    return getattr(importlib.import_module(module), name)
+    return arch.hf_class(head)
 
 
 def skip_unless_stock_has(arch: Architecture, head: str) -> None:
     """Skip the calling test, saying why, when stock transformers has no `head` class for
-    `arch`'s model type (OLMo2 has no ``ForTokenClassification``): there is nothing to compare with."""
-    module, name = stock_class_name(arch, head)
-    if not hasattr(importlib.import_module(module), name):
-        pytest.skip(f"stock transformers {transformers.__version__} has no {name} for model_type {arch.model_types[0]!r}")
+    `arch`'s model type (OLMo2 has no ``ForTokenClassification``, Qwen3.5-MoE's text model no
+    classification head at all): there is nothing to compare with."""
+    try:
+        arch.hf_class(head)
+    except AttributeError:
+        pytest.skip(f"stock transformers {transformers.__version__} has no {head} class for model_type "
+                    f"{arch.model_types[0]!r}")
 
 
 def stock_model(arch: Architecture, head: str = "ForCausalLM", shape: Shape | None = None, seed: int = 0,
@@ -80,3 +74,22 @@ def stock_model(arch: Architecture, head: str = "ForCausalLM", shape: Shape | No
         with torch.no_grad():
             arch.init_for_conformance(model, seed)
     return model
+
+
+def attention_layers(model: torch.nn.Module) -> list[int]:
+    """Indices of the decoder layers with (full) attention, ``self_attn``: every layer, except in
+    the gated-DeltaNet hybrids, whose ``linear_attention`` layers have a ``linear_attn``."""
+    base = getattr(model, "model", model)
+    return [i for i, layer in enumerate(base.layers) if hasattr(layer, "self_attn")]
+
+
+def attention_output_name(model: torch.nn.Module, nth: int = 0) -> str:
+    """The parameter name of the `nth` attention layer's output projection weight."""
+    return f"model.layers.{attention_layers(model)[nth]}.self_attn.o_proj.weight"
+
+
+def skip_without_rollout(arch: Architecture) -> None:
+    """Skip the calling test when the rollout engine cannot run `arch` yet, with the reason the
+    architecture gives (`Architecture.rollout_unsupported`: the one capability tests consult)."""
+    if not arch.rollout:
+        pytest.skip(f"{arch.name}: no rollout yet: {arch.rollout_unsupported}")

@@ -16,6 +16,7 @@ from vexact_models.runtime.pipeline import PipelineStage, StageModel, partition_
 from vexact_models.runtime.pipeline_load import load_stage_model
 from vexact_models.runtime.step_inputs import build_step_inputs
 
+from ..models.model_support import skip_without_rollout
 from .llm_support import cache_bytes
 
 
@@ -135,6 +136,7 @@ def test_stage_forwards_chained_equal_the_whole_forward_bitwise(arch):
     from vexact_models.runtime.sequence import Sequence
     from vexact_models.runtime.sampling_params import SamplingParams
 
+    skip_without_rollout(arch)
     torch.manual_seed(0)
     model = arch.inference_class(arch.causal_lm_class(arch.tiny_config(initializer_range=0.3)).eval())
     layers = model.config.num_hidden_layers

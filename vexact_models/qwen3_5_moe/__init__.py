@@ -1,0 +1,47 @@
+"""Qwen3.5-MoE (text model: gated-DeltaNet and gated full-attention layers, MoE with a shared expert)."""
+
+from transformers import Qwen3_5MoeTextConfig
+
+from ..gated_deltanet import GDN_ROLLOUT_MISSING, alternating_layer_types, randomize_norms_and_gates
+from ..registry import Architecture, Shape, register
+from .modeling import (Qwen3_5MoeForCausalLM, Qwen3_5MoeForCausalLMInference, Qwen3_5MoeForSequenceClassification,
+                       Qwen3_5MoeForTokenClassification, Qwen3_5MoePreTrainedModel, Qwen3_5MoeSparseMoeBlock,
+                       Qwen3_5MoeTextModel)
+
+
+def tiny_config(**overrides) -> Qwen3_5MoeTextConfig:
+    """A tiny Qwen3.5-MoE for CPU tests: 3 layers (gated DeltaNet, gated full attention, gated
+    DeltaNet), each with 8 experts top-2 and a shared expert; hidden 64, attention heads 4/2 of
+    dim 32 (partial rotary 0.25), DeltaNet key heads 2 and value heads 4 of dim 16, vocab 512."""
+    fields = dict(vocab_size=512, hidden_size=64, num_hidden_layers=3,
+
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_conv_kernel_dim=4,
+                  linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                  num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                  router_aux_loss_coef=0.001, max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25},
+                  eos_token_id=1, bos_token_id=0, pad_token_id=None)
+    fields.update(overrides)
+    fields.setdefault("layer_types", alternating_layer_types(fields["num_hidden_layers"]))
+    return Qwen3_5MoeTextConfig(**fields)
+
+
+ARCHITECTURE = register(Architecture(
+    name="qwen3_5_moe",
+    model_types=("qwen3_5_moe_text",),
+    config_class=Qwen3_5MoeTextConfig,
+    causal_lm_class=Qwen3_5MoeForCausalLM,
+    base_model_class=Qwen3_5MoeTextModel,
+    sequence_classification_class=Qwen3_5MoeForSequenceClassification,
+    token_classification_class=Qwen3_5MoeForTokenClassification,
+    inference_class=Qwen3_5MoeForCausalLMInference,
+    shapes=(Shape("qwen3_5_moe", tiny_config, published_configs=("qwen3.5-35b-a3b.json",)),),
+    hf_causal_lm_class="transformers.Qwen3_5MoeForCausalLM",
+    init_for_conformance=randomize_norms_and_gates,
+    hf_head_classes=(("Model", "transformers.Qwen3_5MoeTextModel"),),
+    checkpoint_conversions=True,  # per-expert hub tensors; multimodal checkpoints' model.language_model.*
+    rollout_unsupported=GDN_ROLLOUT_MISSING,
+))
+
+__all__ = ["ARCHITECTURE", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForCausalLMInference", "Qwen3_5MoePreTrainedModel",
+           "Qwen3_5MoeSparseMoeBlock", "Qwen3_5MoeTextModel", "tiny_config"]
