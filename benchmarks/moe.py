@@ -43,7 +43,8 @@ SWEEP = ((128, 128, 8, 3, 64, False), (128, 128, 8, 4, 64, False), (128, 64, 4, 
 def _reference_rows(x, gate_up, down, ids, top_k: int, cfg):
     """Each (token, rank) pair's gate/up and down rows under `cfg`, in pair order: what a
     candidate config's rows must equal bit for bit."""
-    from vexact_models.kernels.moe import gate_up_act, grouped_gemm, moe_align
+    from vexact_models.kernels.moe import gate_up_act, moe_align
+    from vexact_models.kernels.moe_grouped_gemm import grouped_gemm
 
     layout = moe_align(ids, down.shape[0], cfg.block_m)
     pos = layout.pair_pos.long()
@@ -64,7 +65,8 @@ def _placed(rows: torch.Tensor, layout) -> torch.Tensor:
 def sweep() -> None:
     """Each grouped kernel alone at 16384 tokens under candidate tile configs, and whether its rows
     equal `LARGE`'s (what the model runs there) bit for bit."""
-    from vexact_models.kernels.moe import gate_up_act, grouped_gemm, moe_align
+    from vexact_models.kernels.moe import gate_up_act, moe_align
+    from vexact_models.kernels.moe_grouped_gemm import grouped_gemm
     from vexact_models.kernels.moe_config import LARGE, MoeConfig
 
     hidden, experts, inter, top_k, tokens = 2048, 128, 768, 8, 16384
@@ -120,7 +122,8 @@ def decode_sweep(token_counts: list[int]) -> None:
 
 def _decode_sweep_layer(name: str, hidden: int, experts: int, inter: int, top_k: int, token_counts: list[int]) -> None:
     from bench_utils import bench_graph
-    from vexact_models.kernels.moe import gate_up_act, grouped_gemm, moe_align
+    from vexact_models.kernels.moe import gate_up_act, moe_align
+    from vexact_models.kernels.moe_grouped_gemm import grouped_gemm
     from vexact_models.kernels.moe_config import MoeConfig, pick_config
 
     gate_up = (torch.randn(experts, 2 * inter, hidden, device="cuda") / hidden ** 0.5).bfloat16()

@@ -7,17 +7,22 @@ rollout's fused latent prologue (`latent_cache_write`) against the separate ops 
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from .kernel_invariance import Result
+from vexact_models.kernels import PagedLayout, attention, attention_packed, kv_cache_write, latent_cache_write, rope_table
+from vexact_models.kernels.attention import AttentionConfig, attention_triton, kv_descriptors_fit, packed_layout
+from vexact_models.kernels.latent_attention import LatentConfig, key_block, latent_attention_triton
+from vexact_models.kernels.latent_cache_write import latent_cache_write_reference
+from vexact_models.kernels.paged_layout import shuffled_block_table, slots_reference
+
+from .invariance_result import Result
 
 # (name, q heads, kv heads, query/key head dim, value head dim)
 ATTENTION_SHAPES = [("qwen3-0.6b", 16, 8, 128, 128), ("qwen3-8b", 32, 8, 128, 128), ("qwen3-30b-a3b", 32, 4, 128, 128),
                     ("gqa-d64", 8, 2, 64, 64), ("moonlight MLA", 16, 16, 192, 128),
-                    ("deepseek-v3 MLA", 128, 128, 192, 128)]
+                    ("deepseek-v3 MLA", 128, 128, 192, 128),
+                    ("qwen3.5-35b-a3b", 16, 2, 256, 256), ("qwen3.5-text", 16, 4, 256, 256)]
 # (name, q heads, kv_lora_rank, rope dims, qk_nope, v_head_dim): MLA with kv_b_proj absorbed (latent KV cache)
 LATENT_SHAPES = [("moonlight latent MLA", 16, 512, 64, 128, 128), ("deepseek-v3 latent MLA", 128, 512, 64, 128, 128)]
 
@@ -26,9 +31,6 @@ def check_attention_configs(result: Result, hq: int, hkv: int, d: int, dv: int, 
     """Every launch-parameter candidate `pick_config` may choose (tiles of 16 to 128 rows, mma.sync
     or wgmma, any warps/stages, latent value chunks) gives bitwise the output of the first (rule
     2), on packed sequences of uneven lengths."""
-    from vexact_models.kernels.attention import AttentionConfig, attention_triton, kv_descriptors_fit, packed_layout
-    from vexact_models.kernels.latent_attention import LatentConfig, key_block, latent_attention_triton
-
     lens = [1, 63, 64, 65, 700]
     t = sum(lens)
     q = torch.randn(t, hq, d, device="cuda").bfloat16()
@@ -49,6 +51,11 @@ def check_attention_configs(result: Result, hq: int, hkv: int, d: int, dv: int, 
                    AttentionConfig(16, 64, 2, 2), AttentionConfig(16, 64, 4, 3, heads_fastest=True),
                    AttentionConfig(16, 64, 2, 3, heads_fastest=True),
                    AttentionConfig(32, 64, 4, 2), AttentionConfig(64, 64, 4, 2, heads_fastest=True)]
+        if d > 192:  # head dim 256: the tiles whose stages fit in shared memory
+            configs = [AttentionConfig(64, 64, 8, 2), AttentionConfig(64, 64, 8, 3), AttentionConfig(64, 64, 4, 2),
+                       AttentionConfig(64, 64, 4, 1), AttentionConfig(128, 64, 8, 1), AttentionConfig(16, 64, 4, 2),
+                       AttentionConfig(16, 64, 4, 2, heads_fastest=True), AttentionConfig(16, 64, 2, 1),
+                       AttentionConfig(32, 64, 4, 2)]
         outs = [attention_triton(q, k, v, layout, d ** -0.5, cfg) for cfg in configs]
     labels = [str(cfg) for cfg in configs]
     if not latent and kv_descriptors_fit(k, v):  # training's TMA loads of whole key blocks: the same bits again
@@ -65,9 +72,6 @@ def _paged_run(q, k, v, lens, steps, page_size, gen, value_in_key: bool = False)
     """Feed sequences through the paged path; `steps(remaining)` yields per-sequence chunk sizes
     for one launch (0 = not in this launch). Returns outputs in packed order. With
     `value_in_key` (latent MLA: v is k's first dims) the V cache is a view of the K cache."""
-    from vexact_models.kernels import PagedLayout, attention, kv_cache_write
-    from vexact_models.kernels.paged_layout import shuffled_block_table, slots_reference
-
     device = q.device
     hkv, d = k.shape[1], k.shape[2]
     pages = [-(-n // page_size) for n in lens]
@@ -105,8 +109,6 @@ def _paged_run(q, k, v, lens, steps, page_size, gen, value_in_key: bool = False)
 
 
 def check_attention(result: Result, hq: int, hkv: int, d: int, dv: int, lens: list[int], quick: bool) -> None:
-    from vexact_models.kernels import attention_packed
-
     gen = random.Random(hq * 1000 + d)
     t = sum(lens)
     q = torch.randn(t, hq, d, device="cuda").bfloat16()
@@ -143,8 +145,6 @@ def check_attention(result: Result, hq: int, hkv: int, d: int, dv: int, lens: li
 def check_latent_attention(result: Result, hq: int, rank: int, rope: int, lens: list[int], quick: bool) -> None:
     """The latent MLA kernel: each query's output packed (training), each sequence packed alone,
     and over a latent paged cache (V a view of K) in chunked prefill / decode schedules."""
-    from vexact_models.kernels import attention_packed
-
     gen = random.Random(hq * 1000 + rank)
     t = sum(lens)
     q = torch.randn(t, hq, rank + rope, device="cuda").bfloat16()
@@ -177,9 +177,6 @@ def check_latent_cache_write(result: Result, hq: int, rank: int, rope: int, nope
     and the cache of M tokens at once equal those of the separate ops training runs, and each
     token's equal the token's alone. The inputs are views of one projection's output, as in the
     model (q_proj's rows, then kv_a_proj_with_mqa's)."""
-    from vexact_models.kernels import latent_cache_write, rope_table
-    from vexact_models.kernels.latent_cache_write import latent_cache_write_reference
-
     m_max = max(ms)
     cos, sin = (t.cuda() for t in rope_table(1.0 / (1e4 ** (torch.arange(0, rope, 2) / rope)), 40960))
     proj = torch.randn(m_max, hq * (nope + rope) + rank + rope, device="cuda").bfloat16() * 3

@@ -19,6 +19,9 @@ import random
 
 import torch
 
+from vexact_models.kernels.gated_delta_rollout import GatedDeltaRollout
+from vexact_models.kernels.gated_delta_rule import gated_delta_chunk_rows, gated_delta_fold, gated_delta_rule
+
 #: (name, Hk, Hv, dk, dv): Qwen3.5-35B-A3B, Qwen3.5's default text config and Qwen3-Next-80B-A3B
 #: share one layout; a GQA-free one checks the other head mapping
 GDN_SHAPES = [("qwen3.5 / qwen3-next", 16, 32, 128, 128), ("equal heads", 4, 4, 128, 128)]
@@ -38,7 +41,6 @@ def _inputs(t: int, hk: int, hv: int, dk: int, dv: int, gen: torch.Generator, de
 
 def check_chunk_rows(result, hk: int, hv: int, dk: int, dv: int, chunk: int = 64, device: str = "cuda") -> None:
     """Every row count and first row of one chunk against the whole chunk."""
-    from vexact_models.kernels.gated_delta_rule import gated_delta_chunk_rows
 
     gen = torch.Generator().manual_seed(hv * dk)
     q, k, v, g, beta = _inputs(chunk, hk, hv, dk, dv, gen, device)
@@ -54,7 +56,6 @@ def check_chunk_rows(result, hk: int, hv: int, dk: int, dv: int, chunk: int = 64
 
 def check_fold(result, hk: int, hv: int, dk: int, dv: int, chunk: int = 64, device: str = "cuda") -> None:
     """Eight chunks folded one launch each, in place, against one run beside two others."""
-    from vexact_models.kernels.gated_delta_rule import gated_delta_fold
 
     gen = torch.Generator().manual_seed(hv + dk)
     lengths = [8 * chunk, 3 * chunk, 5 * chunk]
@@ -72,8 +73,6 @@ def check_rollout(result, hk: int, hv: int, dk: int, dv: int, max_len: int, deco
                   device: str = "cuda") -> None:
     """Seven sequences (five of random lengths up to `max_len`, one of a chunk, one of a token)
     rolled out (their last `decode` tokens one a step) against the training forward."""
-    from vexact_models.kernels.gated_delta_rollout import GatedDeltaRollout
-    from vexact_models.kernels.gated_delta_rule import gated_delta_rule
 
     rng = random.Random(hv * 7 + dk)
     gen = torch.Generator().manual_seed(hv * 3 + dk)

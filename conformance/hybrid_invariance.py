@@ -19,6 +19,10 @@ import random
 
 import torch
 
+from vexact_models.kernels import (add_rms_norm, apply_rotary, causal_conv1d, conv_state_update, gated_rms_norm, rms_norm,
+                                   rope_table, sigmoid_gate)
+from vexact_models.kernels.causal_conv1d import conv_state_update_reference
+
 
 def random_steps(lens: list[int], rng: random.Random, max_piece: int = 9) -> list[list[tuple[int, int]]]:
     """A rollout's schedule of `lens`' sequences: steps of ``(sequence, tokens)`` pieces, each step
@@ -45,7 +49,6 @@ def conv_by_steps(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     as a rollout by `steps` (`random_steps`): each step one launch over its pieces, with a conv
     state per sequence in a shuffled slot of a larger pool, a padding sequence (slot -1) and a
     padding token when `padding`; the outputs in `x`'s packed order."""
-    from vexact_models.kernels import causal_conv1d
 
     k = weight.shape[1]
     starts = [0]
@@ -88,8 +91,6 @@ def check_causal_conv1d(result, quick: bool) -> None:
     4) in bf16: the packed training forward of sequences of 1 to 4,096 tokens against a rollout of
     them in random pieces and steps (`conv_by_steps`), and each sequence alone, with and without a
     bias; the state update bitwise its reference."""
-    from vexact_models.kernels import causal_conv1d, conv_state_update
-    from vexact_models.kernels.causal_conv1d import conv_state_update_reference
 
     channels = 8192
     lens = [1, 3, 64, 257, 1000] + ([] if quick else [4096, 2049])
@@ -133,7 +134,6 @@ def rows_alone(result, fn, inputs: list[torch.Tensor], label: str, quick: bool) 
 
 def check_gated_rms_norm(result, quick: bool) -> None:
     """The gated-DeltaNet's output norm at its rows (32 value heads of 128 a token), bf16."""
-    from vexact_models.kernels import gated_rms_norm
 
     m = max(row_counts(quick))
     x, z = torch.randn(m, 32, 128, device="cuda").bfloat16(), (torch.randn(m, 32, 128, device="cuda") * 3).bfloat16()
@@ -144,7 +144,6 @@ def check_gated_rms_norm(result, quick: bool) -> None:
 def check_zero_centred_rms_norm(result, quick: bool) -> None:
     """Qwen3-Next's and Qwen3.5's ``(1 + weight)`` norm: hidden rows of 2,048 and 4,096 (with the
     residual add) and per-head q/k rows of 256, bf16; add + norm == the add, then the norm."""
-    from vexact_models.kernels import add_rms_norm, rms_norm
 
     m = max(row_counts(quick))
     for n in (256, 2048, 4096):
@@ -163,7 +162,6 @@ def check_zero_centred_rms_norm(result, quick: bool) -> None:
 def check_sigmoid_gate(result, quick: bool) -> None:
     """The gated attention's output gate (16 heads of 256, the gate a strided view of the q_proj
     output) and the shared expert's (one gate value per 2,048-wide row), bf16."""
-    from vexact_models.kernels import sigmoid_gate
 
     m = max(row_counts(quick))
     q_proj = (torch.randn(m, 16, 512, device="cuda") * 3).bfloat16()
@@ -174,36 +172,15 @@ def check_sigmoid_gate(result, quick: bool) -> None:
 
 
 def check_partial_rotary(result, quick: bool) -> None:
-    """Partial rotary (the first 64 of 256 dims, Qwen3.5's 16 query heads) rows alone == in batches,
-    and the rollout's fused q/k norm + rotation + cache write at Qwen3.5-35B-A3B's heads (16 query,
-    2 KV heads of 256, zero-centred norms) == the separate ops training runs, each token alone ==
-    in the batch."""
-    from vexact_models.kernels import apply_rotary, rope_table, rotary_cache_write
-    from vexact_models.kernels.rotary_cache_write import rotary_cache_write_reference
+    """Partial rotary (the first 64 of 256 dims, Qwen3.5's 16 query heads) rows alone == in batches.
+    (The rollout's fused q/k norm + rotation + cache write at Qwen3.5's heads is
+    `kernel_invariance.check_rotary_cache_write`'s, run in this group.)"""
 
-    ms = row_counts(quick)
-    m, hq, hkv, d = max(ms), 16, 2, 256
+    m, d = max(row_counts(quick)), 256
     cos, sin = (t.cuda() for t in rope_table(1.0 / (1e4 ** (torch.arange(0, 64, 2) / 64)), 32768))
     pos = torch.randint(0, 32768, (m,), device="cuda")
-    q = torch.randn(m, hq, d, device="cuda").bfloat16()
+    q = torch.randn(m, 16, d, device="cuda").bfloat16()
     rows_alone(result, lambda a, p: apply_rotary(a, p, cos, sin), [q, pos], "partial rotary 16 x 256 (64 rotated)", quick)
-    qkv = torch.randn(m, (hq + 2 * hkv) * d, device="cuda").bfloat16() * 3
-    q, k, v = (t.view(m, -1, d) for t in qkv.split([hq * d, hkv * d, hkv * d], dim=1))
-    slots = torch.randperm(m, device="cuda")
-    norms = ((torch.randn(d, device="cuda") / 4).bfloat16(), (torch.randn(d, device="cuda") / 4).bfloat16())
-    caches = [torch.zeros(m, 1, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
-    full = rotary_cache_write(q, k, v, pos, cos, sin, caches[0], caches[1], slots, *norms, zero_centred=True)
-    want = rotary_cache_write_reference(q, k, v, pos, cos, sin, caches[2], caches[3], slots, *norms, zero_centred=True)
-    result.compare(full, want, f"rotary_cache_write qwen3.5 heads: queries == separate ops, M={m}")
-    result.compare(torch.cat(caches[:2]), torch.cat(caches[2:]), f"rotary_cache_write qwen3.5 heads: cache, M={m}")
-    for i in ms:
-        alone = [torch.zeros(m, 1, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-        row = rotary_cache_write(q[i - 1:i], k[i - 1:i], v[i - 1:i], pos[i - 1:i], cos, sin, *alone, slots[i - 1:i],
-                                 *norms, zero_centred=True)
-        result.compare(row, full[i - 1:i], f"rotary_cache_write qwen3.5 heads: token {i - 1} alone")
-        s = slots[i - 1]
-        result.compare(torch.cat([alone[0][s], alone[1][s]]), torch.cat([caches[0][s], caches[1][s]]),
-                       f"rotary_cache_write qwen3.5 heads: token {i - 1}'s cache rows alone")
 
 
 HYBRID_CHECKS = ("causal_conv1d", "gated_rms_norm", "rms_norm zero-centred", "sigmoid_gate", "partial rotary")

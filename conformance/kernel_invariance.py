@@ -48,15 +48,23 @@ import argparse
 import random
 import sys
 import time
-from dataclasses import dataclass, field
 
 import torch
+
+from vexact_models.kernels import (add_rms_norm, apply_rotary, gather_logprobs, head_linear, linear, log_softmax, rms_norm,
+                                   rope_table, rotary_cache_write, silu_and_mul, token_logprobs, use_attention_forward)
+from vexact_models.kernels.grouped_topk import sigmoid_grouped_topk
+from vexact_models.kernels.linear_quack import device_unavailable_reason
+from vexact_models.kernels.moe import fused_moe
+from vexact_models.kernels.moe_routing import softmax_topk
+from vexact_models.kernels.rotary_cache_write import rotary_cache_write_reference
 
 from .attention_invariance import (LATENT_SHAPES, attention_shape_names, check_attention_configs,
                                   check_latent_attention, check_latent_cache_write, run_attention, selected_shapes,
                                   sequence_lengths)
 from .gated_delta_invariance import run_gated_delta
 from .hybrid_invariance import HYBRID_CHECKS, run_hybrid
+from .invariance_result import Result
 from .linear_invariance import M_SWEEP, run_linear, run_linear_quack
 
 # (name, hidden, experts, expert intermediate, top-k, router): DeepSeek-V3 with 64 of its 256 experts
@@ -64,27 +72,8 @@ MOE_SHAPES = [("qwen3-30b-a3b", 2048, 128, 768, 8, "softmax"), ("moonlight", 204
               ("deepseek-v3", 7168, 64, 2048, 8, "sigmoid 8 groups")]
 
 
-@dataclass
-class Result:
-    name: str
-    cases: int = 0
-    elements: int = 0
-    mismatches: int = 0
-    notes: list[str] = field(default_factory=list)
-
-    def compare(self, got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-        self.cases += 1
-        self.elements += want.numel()
-        if got.shape != want.shape or not torch.equal(got, want):
-            bad = int((got != want).sum()) if got.shape == want.shape else want.numel()
-            self.mismatches += bad
-            self.notes.append(f"{what}: {bad} elements differ")
-
-
 def check_head_linear(result: Result, heads: int, rank: int, nope: int, v_dim: int, quick: bool) -> None:
     """The absorption GEMMs on strided views of a kv_b_proj weight: rows alone == rows in batches."""
-    from vexact_models.kernels import head_linear
-
     weight = (torch.randn(heads, nope + v_dim, rank, device="cuda") / rank ** 0.5).bfloat16()
     w_uk_t, w_uv = weight[:, :nope].transpose(1, 2), weight[:, nope:]
     ms = [m for m in M_SWEEP if m <= (1024 if quick else 8192)]
@@ -101,9 +90,6 @@ def check_head_linear(result: Result, heads: int, rank: int, nope: int, v_dim: i
 
 
 def check_rows(results: dict[str, Result], quick: bool) -> None:
-    from vexact_models.kernels import (add_rms_norm, apply_rotary, gather_logprobs, linear, log_softmax, rms_norm, rope_table,
-                                       silu_and_mul, token_logprobs)
-
     ms = [m for m in M_SWEEP if m <= (1024 if quick else 8192)]
     m_max = max(ms)
     for n in (128, 1024, 4096):
@@ -153,30 +139,30 @@ def check_rows(results: dict[str, Result], quick: bool) -> None:
     check_rotary_cache_write(results["rotary_cache_write"], ms)
 
 
-def check_rotary_cache_write(result: Result, ms: list[int]) -> None:
-    """The rollout's fused q/k norm + rotary + KV cache write (Qwen3-8B heads with the norms, then
-    without as for Llama): the rotated queries and the cache of M tokens at once equal those of
-    the separate ops training runs, and each token's equal the token's alone."""
-    from vexact_models.kernels import rope_table, rotary_cache_write
-    from vexact_models.kernels.rotary_cache_write import rotary_cache_write_reference
-
-    m_max, hq, hkv, d = max(ms), 32, 8, 128
-    cos, sin = (t.cuda() for t in rope_table(1.0 / (1e6 ** (torch.arange(0, d, 2) / d)), 40960))
+def check_rotary_cache_write(result: Result, ms: list[int], hq: int = 32, hkv: int = 8, d: int = 128,
+                             rotary_dim: int | None = None, zero_centred: bool = False, name: str = "") -> None:
+    """The rollout's fused q/k norm + rotary + KV cache write (Qwen3-8B heads by default; Qwen3.5's
+    partial rotary `rotary_dim` and zero-centred norms where given) with the norms, then without as
+    for Llama: the rotated queries and the cache of M tokens at once equal those of the separate ops
+    training runs, and each token's equal the token's alone."""
+    m_max, r = max(ms), rotary_dim or d
+    cos, sin = (t.cuda() for t in rope_table(1.0 / (1e6 ** (torch.arange(0, r, 2) / r)), 40960))
     qkv = torch.randn(m_max, (hq + 2 * hkv) * d, device="cuda").bfloat16() * 3
     q, k, v = (t.view(m_max, -1, d) for t in qkv.split([hq * d, hkv * d, hkv * d], dim=1))
     pos = torch.randint(0, 40960, (m_max,), device="cuda")
     slots = torch.randperm(m_max, device="cuda")
     for norms in ((torch.rand(d, device="cuda") + 0.5).bfloat16(), (torch.rand(d, device="cuda") + 0.5).bfloat16()), (None, None):
-        label = "with q/k norms" if norms[0] is not None else "no norms"
+        label = name + ("with q/k norms" if norms[0] is not None else "no norms")
         caches = [torch.zeros(m_max, 1, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
-        full = rotary_cache_write(q, k, v, pos, cos, sin, caches[0], caches[1], slots, *norms)
-        want = rotary_cache_write_reference(q, k, v, pos, cos, sin, caches[2], caches[3], slots, *norms)
+        full = rotary_cache_write(q, k, v, pos, cos, sin, caches[0], caches[1], slots, *norms, zero_centred=zero_centred)
+        want = rotary_cache_write_reference(q, k, v, pos, cos, sin, caches[2], caches[3], slots, *norms,
+                                            zero_centred=zero_centred)
         result.compare(full, want, f"{label}: queries == separate ops, M={m_max}")
         result.compare(torch.cat(caches[:2]), torch.cat(caches[2:]), f"{label}: K/V cache == separate ops, M={m_max}")
         for m in ms:
             alone = [torch.zeros(m_max, 1, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
             row = rotary_cache_write(q[m - 1:m], k[m - 1:m], v[m - 1:m], pos[m - 1:m], cos, sin, *alone, slots[m - 1:m],
-                                     *norms)
+                                     *norms, zero_centred=zero_centred)
             result.compare(row, full[m - 1:m], f"{label}: token {m - 1} alone")
             s = slots[m - 1]
             result.compare(torch.cat([alone[0][s], alone[1][s]]), torch.cat([caches[0][s], caches[1][s]]),
@@ -184,9 +170,6 @@ def check_rotary_cache_write(result: Result, ms: list[int]) -> None:
 
 
 def _route(logits: torch.Tensor, top_k: int, router: str):
-    from vexact_models.kernels.grouped_topk import sigmoid_grouped_topk
-    from vexact_models.kernels.moe_routing import softmax_topk
-
     if router == "softmax":
         return softmax_topk(logits, top_k, True)
     n_group = int(router.split()[1])
@@ -198,8 +181,6 @@ def check_moe(results: dict[str, Result], quick: bool) -> None:
     """MoE shapes: each token's output computed alone equals its row in batches of 64 ... 16384
     tokens, with a skewed router so experts receive 0, 1 or thousands of rows; routing rows
     alone equal their rows in the batch."""
-    from vexact_models.kernels.moe import fused_moe
-
     for name, hidden, experts, inter, top_k, router in MOE_SHAPES:
         gate_up = (torch.randn(experts, 2 * inter, hidden, device="cuda") / hidden ** 0.5).bfloat16()
         down = (torch.randn(experts, hidden, inter, device="cuda") / inter ** 0.5).bfloat16()
@@ -262,8 +243,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.only in (None, "linear"):
         run_linear(results, args.quick)
     if args.only == "quack":  # the optional quack-kernels package: its rows are our kernel's
-        from vexact_models.kernels.linear_quack import device_unavailable_reason
-
         reason = device_unavailable_reason()
         if reason is not None:
             print(f"kernel_invariance --only quack: {reason}", file=sys.stderr)
@@ -272,8 +251,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.only in (None, "attention"):
         run_attention(results["attention"], results["attention configs"], shape_names, args.quick)
     if args.only == "fa4":  # the optional flash-attn-4 package: training == prefill == decode under it too
-        from vexact_models.kernels import use_attention_forward
-
         with use_attention_forward("fa4"):
             run_attention(results["attention FA4"], None, shape_names, args.quick)
     if args.only in (None, "latent"):
@@ -286,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         run_gated_delta(results, args.quick)
     if args.only in (None, "hybrid"):
         run_hybrid(results, args.quick)
+        check_rotary_cache_write(results["partial rotary"], [m for m in M_SWEEP if m <= (1024 if args.quick else 4096)],
+                                 16, 2, 256, 64, True, "qwen3.5 heads (64 of 256 rotated, zero-centred norms) ")
     torch.cuda.synchronize()
     print(f"\nkernel invariance on {torch.cuda.get_device_name()} (torch {torch.__version__}), {time.time() - t0:.0f}s")
     return 1 if print_results(results) else 0

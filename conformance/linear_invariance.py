@@ -5,12 +5,15 @@ same rows; and (``--only quack``) quack's GEMM gives our kernel's rows."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from .kernel_invariance import Result
+from vexact_models.kernels import linear
+from vexact_models.kernels.linear import LinearConfig, linear_triton, pick_config
+from vexact_models.kernels.linear_quack import linear_quack, table_configs
+from vexact_models.kernels.linear_silu_and_mul_quack import linear_silu_and_mul_quack
+from vexact_models.kernels.silu_and_mul import silu_and_mul_triton
+
+from .invariance_result import Result
 
 M_SWEEP = [1, 2, 3, 4, 5, 7, 8, 13, 16, 31, 32, 63, 64, 100, 127, 128, 255, 256, 511, 512, 1000, 1024, 2048,
            4096, 8192]
@@ -31,8 +34,6 @@ LINEAR_SHAPES = [
 
 
 def check_linear(result: Result, k: int, n: int, m_values: list[int], out_dtype: torch.dtype) -> None:
-    from vexact_models.kernels import linear
-
     m_max = max(m_values)
     x = torch.randn(m_max, k, device="cuda").bfloat16()
     w = (torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16()
@@ -48,8 +49,6 @@ def check_linear(result: Result, k: int, n: int, m_values: list[int], out_dtype:
 def picked_linear_configs() -> list:
     """Every distinct config `linear.pick_config` returns for bf16 inputs over a grid of the
     bundled models' GEMM shapes and row counts on both sides of each threshold."""
-    from vexact_models.kernels.linear import pick_config
-
     found = []
     for m in (1, 16, 64, 65, 128, 129, 256, 257, 4096):
         for n in (256, 576, 1024, 2048, 2112, 4096, 6144, 8192, 12288, 16384, 24576, 32768, 65537, 151936):
@@ -64,8 +63,6 @@ def picked_linear_configs() -> list:
 def check_linear_configs(result: Result, k: int, n: int) -> None:
     """Every config of the tile table, and every one `pick_config` returns for bf16 inputs, gives
     the same rows (so the M -> config map may change)."""
-    from vexact_models.kernels.linear import LinearConfig, linear_triton
-
     configs = [LinearConfig(64, 32, 4, 6), LinearConfig(64, 16, 4, 8), LinearConfig(64, 64, 4, 6),
                LinearConfig(64, 128, 4, 4), LinearConfig(128, 128, 8, 3), LinearConfig(128, 256, 8, 3),
                LinearConfig(64, 32, 4, 6, tma=True), LinearConfig(128, 256, 8, 3, tma=True),
@@ -84,9 +81,6 @@ def check_linear_quack(result: Result, k: int, n: int, out_dtype: torch.dtype, b
     """quack's GEMM (`kernels.linear_quack`) with every config its `pick_config` returns, and
     quack's default, gives our Triton kernel's rows (so a rollout may run it while training runs
     ours). Run by ``--only quack``: quack-kernels is optional."""
-    from vexact_models.kernels.linear import linear_triton
-    from vexact_models.kernels.linear_quack import linear_quack, table_configs
-
     configs = table_configs()
     x = torch.randn(1000, k, device="cuda").bfloat16()
     w = (torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16()
@@ -108,11 +102,6 @@ def check_linear_silu_and_mul_quack(result: Result, k: int, inter: int) -> None:
     """The fused gate/up GEMM with SwiGLU in quack's epilogue (`kernels.linear_silu_and_mul_quack`),
     with every config of quack's table that does not swap A and B, gives our `linear` then
     `silu_and_mul` bitwise. Run by ``--only quack``."""
-    from vexact_models.kernels.linear import linear_triton
-    from vexact_models.kernels.linear_quack import table_configs
-    from vexact_models.kernels.linear_silu_and_mul_quack import linear_silu_and_mul_quack
-    from vexact_models.kernels.silu_and_mul import silu_and_mul_triton
-
     x = (torch.randn(1000, k, device="cuda") * 2).bfloat16()
     w = (torch.randn(2 * inter, k, device="cuda") / k ** 0.5).bfloat16()
     want = silu_and_mul_triton(*linear_triton(x, w, None, torch.bfloat16).split(inter, dim=1))

@@ -39,8 +39,8 @@ from . import attention_gluon
 from .attention_fa4 import attention_fa4
 from .attention_forward_choice import choose_attention_forward
 from .attention_reference import REFERENCE_BLOCK_N, attention_reference  # noqa: F401 (public here too)
-from .attention_tiles import (BLOCK_N, DECODE_BLOCK_M, HEAD_DIMS, VALUE_HEAD_DIMS, AttentionConfig, few_decode_programs,
-                              pick_config, split_mask)
+from .attention_tiles import (BLOCK_N, DECODE_BLOCK_M, HEAD_DIMS, TMA_HEAD_DIMS, VALUE_HEAD_DIMS, AttentionConfig,
+                              few_decode_programs, pick_config, split_mask)
 from .backend import select
 from .dependent_launch import dependent_launch_kwargs, wait_for_inputs
 from .latent_attention import latent_attention_triton, value_in_key
@@ -201,10 +201,10 @@ def _attention_fwd_kernel(
 def kv_descriptors_fit(k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether packed training K ``[T, Hkv, D]`` and V ``[T, Hkv, Dv]`` can be read through TMA
     tensor descriptors (`attention_triton`'s ``kv_descriptors``): a Hopper or newer GPU, head
-    dims that are powers of two (no padded lanes), heads side by side in each row and 16-byte
+    dims of `TMA_HEAD_DIMS` (powers of two: no padded lanes), heads side by side in each row and 16-byte
     aligned bases and row strides."""
     return has_tma(k.device) and tma_rows_aligned(k, v) and all(
-        t.dim() == 3 and t.shape[-1] in VALUE_HEAD_DIMS and t.stride(-1) == 1 and t.stride(-2) == t.shape[-1]
+        t.dim() == 3 and t.shape[-1] in TMA_HEAD_DIMS and t.stride(-1) == 1 and t.stride(-2) == t.shape[-1]
         for t in (k, v))
 
 

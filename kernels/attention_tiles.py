@@ -14,9 +14,12 @@ BLOCK_N = 64  # keys per block: the absolute-position alignment of the KV reduct
 NUM_STAGES = 2
 # Query/key head dims (the value head dim is one of these too). 192 is MLA's 128 nope + 64 rope
 # dims: the kernel pads a head dim to the next power of two with masked (zero) lanes, which add
-# exact zeros to every dot product.
-HEAD_DIMS = (64, 128, 192)
-VALUE_HEAD_DIMS = (64, 128)
+# exact zeros to every dot product. 256 is Qwen3-Next's and Qwen3.5's gated attention.
+HEAD_DIMS = (64, 128, 192, 256)
+VALUE_HEAD_DIMS = (64, 128, 256)
+# Head dims whose K/V blocks may come by TMA (packed training K/V, decode pages): the ones measured
+# on the H200 (`attention.kv_descriptors_fit`); 256 keeps the pointer loads (the same bits, rule 2).
+TMA_HEAD_DIMS = (64, 128)
 
 
 @dataclass(frozen=True)
@@ -63,10 +66,19 @@ def pick_config(head_dim: int, rows_per_seq: int, dtype: torch.dtype, programs: 
     programs run a sequence's KV heads side by side (``heads_fastest``), which read neighbouring
     bytes of each cache row: 0-2% faster at 128-256 sequences of 544 tokens and 32-128 of 4-8k
     (2026-11-26), never slower beyond noise.
-    fp32: a padded 256-wide fp32 K tile does not fit two stages in shared memory."""
+    fp32: a padded 256-wide fp32 K tile does not fit two stages in shared memory. Head dim 256
+    (Qwen3.5, Qwen3-Next; not timed yet) takes the tiles that compile for sm_90 without spills
+    (`benchmarks/sm90_compile.py`, `tests/test_kernel_resources.py`): 64-row training and prefill
+    tiles of 8 warps and two stages (233 registers, 161 KB; 4 warps spill, and a 128 x 256 fp32
+    accumulator does not stay in registers) and 16-row decode tiles of 4 warps and two stages
+    (159 registers; the 192's 2-warp tile spills ~1 KB)."""
     wide = head_dim > 128
     if dtype == torch.float32:
         return AttentionConfig(BLOCK_M, BLOCK_N, 8 if wide else 4, 1 if wide else NUM_STAGES)
+    if head_dim > 192:
+        if rows_per_seq <= DECODE_BLOCK_M:
+            return AttentionConfig(DECODE_BLOCK_M, BLOCK_N, 4, NUM_STAGES, heads_fastest=True)
+        return AttentionConfig(BLOCK_M, BLOCK_N, 8, NUM_STAGES)
     if rows_per_seq <= DECODE_BLOCK_M:
         if wide:
             return AttentionConfig(DECODE_BLOCK_M, BLOCK_N, 2, 1)

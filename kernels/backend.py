@@ -20,46 +20,32 @@ the same choice as the training forward: ``LLM`` reads it at each ``generate``
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
 
 import torch
 
+from .kernel_switch import KernelSwitch
+
 BACKENDS = ("reference", "triton", "fast")
-_ENV_VAR = "VEXACT_BACKEND"
-_override: str | None = None
+#: ``VEXACT_BACKEND``: a backend of `BACKENDS`, or ``auto`` (the default: by device)
+_switch = KernelSwitch("VEXACT_BACKEND", BACKENDS + ("auto",), "auto", "backend")
 
 
 class UnsupportedError(ValueError):
     """Raised when a backend is asked for a device, dtype or shape it does not support."""
 
 
-def _check_name(name: str | None, source: str) -> str | None:
-    if name is None or name == "auto":
-        return None
-    if name not in BACKENDS:
-        raise ValueError(f"{source}={name!r} is not a backend; choose one of {BACKENDS + ('auto',)}")
-    return name
-
-
 def set_backend(name: str | None) -> None:
     """Force a backend for every op (``"reference"``, ``"triton"``), or ``None``/``"auto"`` to
     choose by device."""
-    global _override
-    _override = _check_name(name, "backend")
+    _switch.set(None if name == "auto" else name)
 
 
-@contextlib.contextmanager
-def use_backend(name: str | None) -> Iterator[None]:
+def use_backend(name: str | None) -> AbstractContextManager[None]:
     """Context manager form of `set_backend`; restores the previous choice on exit."""
-    global _override
-    previous = _override
-    set_backend(name)
-    try:
-        yield
-    finally:
-        _override = previous
+    return _switch.use(None if name == "auto" else name)
 
 
 def interpreting() -> bool:
@@ -69,8 +55,8 @@ def interpreting() -> bool:
 
 def current_backend(device: torch.device) -> str:
     """The backend an op on `device` will use."""
-    name = _override or _check_name(os.environ.get(_ENV_VAR), _ENV_VAR)
-    if name is not None:
+    name = _switch.mode()
+    if name != "auto":
         return name
     return "triton" if device.type == "cuda" else "reference"
 

@@ -28,7 +28,7 @@ both forms.
 
 The backward (docs/design.md rule 8: correct, no invariance) recomputes ``pre``, forms ``dpre =
 dy * silu'(pre)`` (the forward kernel in its gradient mode on CUDA) and the input, weight and bias
-gradients from it with torch ops, on both backends.
+gradients from it (`causal_conv1d_backward.py`: one more Triton pass on CUDA, torch ops on CPU).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import torch
 from . import exact_math
 from ._triton import next_power_of_2, require_triton, tl, triton
 from .backend import select
+from .causal_conv1d_backward import conv_grads_reference, conv_grads_triton, token_offsets
 
 ACTIVATIONS = ("silu", None)
 CONV_TILE = 2048  # (tokens x channels) elements per program
@@ -54,14 +55,13 @@ def conv_tile(max_seqlen: int, channels: int) -> tuple[int, int]:
 
 @triton.jit
 def _conv_window(x_ptr, w_ptr, b_ptr, state_ptr, start, local, t_ok, cols, c_ok, context, slot, stride_x,
-                 stride_ss, stride_sk, K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr):
+                 stride_ss, stride_sk, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr):
     """``pre`` (fp32) of the tokens at chunk offsets `local` (``[BLOCK_T]``) and channels `cols`:
     the one sequence of operations every path runs (the module docstring)."""
+    acc = tl.zeros((BLOCK_T, BLOCK_C), tl.float32)
     if HAS_BIAS:
-        acc = tl.zeros((local.shape[0], cols.shape[0]), tl.float32) + \
-            tl.load(b_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)[None, :]
-    else:
-        acc = tl.zeros((local.shape[0], cols.shape[0]), tl.float32)
+        acc += tl.load(b_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)[None, :]
     for j in tl.static_range(K):
         src = local - (K - 1 - j)  # the input's offset in the chunk
         in_chunk = src >= 0
@@ -99,7 +99,7 @@ def _causal_conv1d_kernel(x_ptr, w_ptr, b_ptr, state_ptr, cu_ptr, ctx_ptr, idx_p
             context = 0
             slot = -1
         acc = _conv_window(x_ptr, w_ptr, b_ptr, state_ptr, start, local, t_ok, cols, c_ok, context, slot, stride_x,
-                           stride_ss, stride_sk, K, HAS_BIAS, HAS_STATE)
+                           stride_ss, stride_sk, K, BLOCK_T, BLOCK_C, HAS_BIAS, HAS_STATE)
         pre = acc.to(x_ptr.dtype.element_ty).to(tl.float32)  # the convolution's output in the model dtype
         rows = (start + local)[:, None].to(tl.int64)
         ok = t_ok[:, None] & c_ok[None, :]
@@ -136,23 +136,11 @@ def _launch(x, weight, bias, cu_seqlens, max_seqlen, silu, state=None, dy=None):
     return out
 
 
-def _token_offsets(cu_seqlens: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sequence index, offset in its chunk) of every packed token (tokens past the last
-    sequence: index -1), without a host sync."""
-    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    covered = int(cu_seqlens[-1]) if cu_seqlens.device.type == "cpu" else tokens
-    seq = torch.repeat_interleave(torch.arange(lens.numel(), device=cu_seqlens.device), lens,
-                                  output_size=covered)
-    seq = torch.cat([seq, seq.new_full((tokens - covered,), -1)])
-    local = torch.arange(tokens, device=cu_seqlens.device) - cu_seqlens.long()[seq.clamp_min(0)]
-    return seq, local
-
-
 def _windows_reference(x, cu_seqlens, k, state):
     """The ``K`` inputs of every token, ``[K, T, C]`` (zeros before a sequence's start), from the
     chunk and, before it, the conv state."""
     tokens = x.shape[0]
-    seq, local = _token_offsets(cu_seqlens, tokens)
+    seq, local = token_offsets(cu_seqlens, tokens)
     out = x.new_zeros(k, tokens, x.shape[1])
     for j in range(k):
         src = local - (k - 1 - j)
@@ -312,24 +300,12 @@ def _grad_pre(x, weight, bias, cu_seqlens, max_seqlen, activation, grad_out):
 def causal_conv1d_backward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cu_seqlens: torch.Tensor,
                            max_seqlen: int, activation: str | None, grad_out: torch.Tensor):
     """(grad_x, grad_weight, grad_bias or None) of the training form (every sequence from position
-    0), in fp32 (fp64) from ``dpre``; torch ops on both backends (docs/design.md rule 8)."""
+    0), in fp32 (fp64) from ``dpre`` (docs/design.md rule 8; `causal_conv1d_backward.py`)."""
     dpre = _grad_pre(x, weight, bias, cu_seqlens, max_seqlen, activation, grad_out)
-    k, tokens = weight.shape[1], x.shape[0]
-    seq, local = _token_offsets(cu_seqlens, tokens)
-    ends = cu_seqlens.long()[1:][seq.clamp_min(0)]
-    xf, w = x.to(dpre.dtype), weight.to(dpre.dtype)
-    grad_x = torch.zeros_like(dpre)
-    grad_w = torch.empty(weight.shape, dtype=dpre.dtype, device=x.device)
-    idx = torch.arange(tokens, device=x.device)
-    for j in range(k):
-        back = k - 1 - j
-        # output t + back reads input t as its tap j (same sequence: t + back < the sequence's end)
-        later = torch.cat([dpre[back:], dpre.new_zeros(back, dpre.shape[1])])
-        grad_x += torch.where(((idx + back < ends) & (seq >= 0))[:, None], later, 0.0) * w[:, j]
-        earlier = torch.cat([xf.new_zeros(back, xf.shape[1]), xf[:tokens - back]])
-        grad_w[:, j] = (torch.where(((local >= back) & (seq >= 0))[:, None], earlier, 0.0) * dpre).sum(0)
-    grad_b = dpre.sum(0).to(bias.dtype) if bias is not None else None
-    return grad_x.to(x.dtype), grad_w.to(weight.dtype), grad_b
+    if select("causal_conv1d", x) == "triton":
+        grad_x, grad_w, grad_b = conv_grads_triton(x, weight, cu_seqlens, max_seqlen, dpre)
+        return grad_x, grad_w.to(weight.dtype), grad_b.to(bias.dtype) if bias is not None else None
+    return conv_grads_reference(x, weight, bias, cu_seqlens, dpre)
 
 
 class _CausalConv1dFunction(torch.autograd.Function):

@@ -15,7 +15,7 @@ import torch
 
 from . import gated_delta_reference as ref
 from ._triton import require_triton
-from .gated_delta_triton import FOLD_WARPS, ROWS_WARPS, fold_kernel, rows_kernel
+from .gated_delta_triton import FOLD_WARPS, ROWS_WARPS, SMALL_HEAD_WARPS, fold_kernel, rows_kernel
 
 @dataclass(frozen=True)
 class Shapes:
@@ -147,6 +147,12 @@ def _value_block(dv: int) -> int:
     return min(64, dv)
 
 
+def _warps(shapes: Shapes, warps: int) -> int:
+    """A launch's warps: `warps`, or `SMALL_HEAD_WARPS` where dk or dv is 16 (no product split
+    into 8-column TF32 wgmma; `gated_delta_triton`)."""
+    return SMALL_HEAD_WARPS if min(shapes.dk, shapes.dv) == 16 else warps
+
+
 def _check_triton_shapes(shapes: Shapes) -> None:
     for name, d in (("dk", shapes.dk), ("dv", shapes.dv)):
         if d < 16 or d & (d - 1) or d > 256:
@@ -162,13 +168,13 @@ def _rows_triton(q, k, v, g, beta, states, out, plan: RowsPlan, shapes: Shapes, 
     dev = k.device
     meta = [_device_ints(x, dev) for x in (plan.kv_start, plan.n_rows, plan.first_row, plan.q_start, plan.state_index)]
     bv = _value_block(shapes.dv)
-    grid = (len(plan.kv_start), shapes.hv, shapes.dv // bv)
+    grid = (len(plan.kv_start), shapes.hv)
     rows_kernel[grid](q, k, v, g, beta, states, out, *meta,
                        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
                        beta.stride(0), states.stride(0), states.stride(1), out.stride(0), out.stride(1), scale,
                        GROUP=shapes.hv // shapes.hk, C=chunk, DK=shapes.dk, DV=shapes.dv, BV=bv,
                        LOG_C=chunk.bit_length() - 1, LOG_DK=shapes.dk.bit_length() - 1, L2NORM=l2norm,
-                       num_warps=ROWS_WARPS)
+                       num_warps=_warps(shapes, ROWS_WARPS))
 
 
 def _fold_triton(k, v, g, beta, states_in, states_out, plan: FoldPlan, shapes: Shapes, chunk: int,
@@ -186,7 +192,7 @@ def _fold_triton(k, v, g, beta, states_in, states_out, plan: FoldPlan, shapes: S
                        states_in.stride(0), states_in.stride(1), states_out.stride(0), states_out.stride(1),
                        GROUP=shapes.hv // shapes.hk, C=chunk, DK=shapes.dk, DV=shapes.dv, BV=bv,
                        LOG_C=chunk.bit_length() - 1, LOG_DK=shapes.dk.bit_length() - 1, L2NORM=l2norm,
-                       num_warps=FOLD_WARPS)
+                       num_warps=_warps(shapes, FOLD_WARPS))
 
 
 def launch_rows(backend: str, *args) -> None:

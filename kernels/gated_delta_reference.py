@@ -4,13 +4,16 @@ One chunk of ``C`` rows (docs/design.md section 6b) is computed by `chunk_forwar
 boundary state and its raw rows, zero-padded to ``C``. Every quantity of row ``i`` is a function of
 rows ``0..i`` alone, computed at the fixed shape ``C`` in a fixed order:
 
-1. ``q, k`` l2-normalised (``x / sqrt(sum(x*x) + 1e-6)``, the sum by halves as
-   `row_sum.row_sum_halves`), ``q`` scaled by ``scale``;
+1. ``q, k`` l2-normalised (``x / sqrt(sum(x*x) + 1e-6)``; the Triton kernels sum by halves,
+   `row_sum.row_sum_halves`, the reference by `exact_math.row_sum`, which takes any width),
+   ``q`` scaled by ``scale``;
 2. ``G_i = sum_{j <= i} g_j`` (a masked ``[C, C]`` tile summed by halves: a row's prefix sum
    reads nothing past it);
-3. ``L = strict_lower((k beta) k^T * exp(G_i - G_j))`` and ``T = (I + L)^-1`` by forward
-   substitution, one row at a time: row ``i`` of ``T`` is ``e_i - L[i, :] T``, which reads rows
-   ``< i`` of ``T`` and row ``i`` of ``L`` only (the WY / UT transform of the DeltaNet papers);
+3. ``L = strict_lower((k beta) k^T * exp(G_i - G_j))`` and ``T = (I + L)^-1`` by blocks of 16
+   rows: the diagonal blocks by forward substitution, then block rows by block products (the
+   WY / UT transform of the DeltaNet papers; fla's ``solve_tril`` order). ``T`` is lower
+   triangular with an upper part of exact zeros, and row ``i`` of every step reads rows ``<= i``,
+   later rows only through exact zero products;
 4. ``u = T (v beta)``, ``w = T (k beta exp(G))``, ``v_new = u - w S``;
 5. ``o = (q exp(G)) S + lower((q k^T) * exp(G_i - G_j)) v_new``;
 6. the fold: ``S' = S exp(G_last) + (k exp(G_last - G))^T v_new``.
@@ -37,6 +40,7 @@ from . import exact_math
 from .row_sum import row_sum_reference
 
 L2NORM_EPS = 1e-6  # transformers' and fla's l2norm epsilon
+SOLVE_BLOCK = 16  # rows of the solve's diagonal blocks
 
 
 @dataclass(frozen=True)
@@ -70,15 +74,26 @@ def _halves_prefix_sum(x: torch.Tensor) -> torch.Tensor:
     return row_sum_reference(tile.contiguous())
 
 
-def _substitution_solve(lower: torch.Tensor) -> torch.Tensor:
-    """``(I + L)^-1`` by forward substitution, row ``i`` = ``e_i - L[i, :] T`` over the whole
-    ``C``-wide row (``L[i, j] = 0`` for ``j >= i`` exactly), the product a per-output reduction."""
+def _block_solve(lower: torch.Tensor) -> torch.Tensor:
+    """``(I + L)^-1`` by blocks of `SOLVE_BLOCK` rows: the diagonal blocks' inverses ``D^-1`` by
+    forward substitution (row ``r`` of a block: ``e_r - L[r, :] D^-1``, over the block's 16
+    columns), then each block row ``b`` after the first: ``T_b,<b = -D_b^-1 (L_b,<b T_<b,<b)``.
+    Each output is one reduction over its own row and column (the columns before the block, or the
+    block's 16 rows); a row past the last present one enters only as exact zero products."""
     c = lower.shape[-1]
-    eye = torch.eye(c, dtype=lower.dtype, device=lower.device)
-    t = eye.expand(lower.shape).clone()
-    for i in range(1, c):
-        row = _exact_mm(lower[..., i:i + 1, :], t.transpose(-1, -2))  # [.., 1, C]: sum_j L[i, j] T[j, m]
-        t[..., i, :] = eye[i] - row[..., 0, :]
+    bs = min(SOLVE_BLOCK, c)
+    eye = torch.eye(bs, dtype=lower.dtype, device=lower.device)
+    diag = torch.stack([lower[..., b * bs:(b + 1) * bs, b * bs:(b + 1) * bs] for b in range(c // bs)], dim=-3)
+    dinv = eye.expand(diag.shape).clone()
+    for r in range(1, bs):
+        dinv[..., r, :] = eye[r] - _exact_mm(diag[..., r:r + 1, :], dinv.transpose(-1, -2))[..., 0, :]
+    t = torch.zeros_like(lower)
+    for b in range(c // bs):
+        rows, before = slice(b * bs, (b + 1) * bs), slice(0, b * bs)
+        t[..., rows, rows] = dinv[..., b, :, :]
+        if b:
+            x = _exact_mm(lower[..., rows, before], t[..., before, before].transpose(-1, -2))  # L_b,<b T_<b,<b
+            t[..., rows, before] = -_exact_mm(dinv[..., b, :, :], x.transpose(-1, -2))
     return t
 
 
@@ -87,10 +102,22 @@ def _torch_solve(lower: torch.Tensor) -> torch.Tensor:
     return torch.linalg.solve_triangular(eye + lower, eye.expand(lower.shape), upper=False, unitriangular=True)
 
 
-EXACT = ChunkOps(mm=_exact_mm, exp=exact_math.exp, row_sum=row_sum_reference, prefix_sum=_halves_prefix_sum,
-                 solve=_substitution_solve)
+EXACT = ChunkOps(mm=_exact_mm, exp=exact_math.exp, row_sum=exact_math.row_sum, prefix_sum=_halves_prefix_sum,
+                 solve=_block_solve)
 AUTOGRAD = ChunkOps(mm=lambda a, b: a @ b.transpose(-1, -2), exp=torch.exp, row_sum=lambda x: x.sum(-1),
                     prefix_sum=lambda x: x.cumsum(-1), solve=_torch_solve)
+
+
+def _pair_decay(cum: torch.Tensor, lower: torch.Tensor, ops: ChunkOps) -> torch.Tensor:
+    """``exp(G_i - G_j)`` where ``j <= i``, exact zeros above; the exponential of the lower triangle
+    only (an element's exponential does not depend on its neighbours, rule 5)."""
+    zero = torch.zeros((), dtype=cum.dtype, device=cum.device)
+    if ops is AUTOGRAD:
+        return torch.where(lower, ops.exp(torch.where(lower, cum.unsqueeze(-1) - cum.unsqueeze(-2), zero)), zero)
+    i, j = torch.tril_indices(*lower.shape, device=cum.device)
+    out = cum.new_zeros(*cum.shape, cum.shape[-1])
+    out[..., i, j] = ops.exp(cum[..., i] - cum[..., j])
+    return out
 
 
 def l2norm(x: torch.Tensor, ops: ChunkOps) -> torch.Tensor:
@@ -113,8 +140,7 @@ def chunk_forward(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, g: t
     cum = ops.prefix_sum(g)  # G [.., C]
     lower = _lower(c, k.device, strict=False)
     strict = _lower(c, k.device, strict=True)
-    diff = torch.where(lower, cum.unsqueeze(-1) - cum.unsqueeze(-2), zero)
-    decay = torch.where(lower, ops.exp(diff), zero)  # exp(G_i - G_j) for j <= i
+    decay = _pair_decay(cum, lower, ops)  # exp(G_i - G_j) for j <= i, else 0
     k_beta = k * beta.unsqueeze(-1)
     t = ops.solve(torch.where(strict, ops.mm(k_beta, k) * decay, zero))
     u = ops.mm(t, (v * beta.unsqueeze(-1)).transpose(-1, -2))

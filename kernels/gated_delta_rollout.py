@@ -54,7 +54,7 @@ class GatedDeltaRollout:
             raise ValueError(f"GatedDeltaRollout.step: slots={slots} (distinct) and counts={counts} must pair up and "
                              f"cover the {k.shape[0]} rows")
         c = self.chunk
-        laid: list[list[torch.Tensor]] = [[], [], [], []]
+        laid: list[list[torch.Tensor]] = [[], [], [], []]  # per slot: its chunk's kept rows, then its new rows
         cu, first, index, fold_runs = [0], [], [], []
         base, offset = 0, 0
         for slot, m in zip(slots, counts):
@@ -65,38 +65,26 @@ class GatedDeltaRollout:
             for store, x in zip(laid, rows):
                 store.append(x)
             total, lead = rows[0].shape[0], self.positions[slot] % c
-            whole = total // c
-            fold_runs.append((base, whole * c, slot))
-            for chunk in range(-(-total // c)):
-                n = min(c, total - chunk * c)
-                if chunk == 0 and lead == n:  # nothing new in this chunk (m == 0)
-                    continue
-                cu.append(cu[-1] + n)
+            fold_runs.append((base, total // c * c, slot))
+            for chunk in range(-(-total // c) if m else 0):  # the chunks touched: the segments, back to back
+                cu.append(cu[-1] + min(c, total - chunk * c))
                 first.append(lead if chunk == 0 else 0)
-                index.append(("pool", slot) if chunk == 0 else ("fold", len(fold_runs) - 1, chunk - 1))
+                index.append((slot, None) if chunk == 0 else (len(fold_runs) - 1, chunk - 1))
             base += total
         kk, vv, gg, bb = (torch.cat(x) if x else k[:0] for x in laid)
-        starts = [r[0] for r in fold_runs]
-        folded = gated_delta_fold(kk, vv, gg, bb, starts, [r[1] for r in fold_runs], self.states,
+        folded = gated_delta_fold(kk, vv, gg, bb, [r[0] for r in fold_runs], [r[1] for r in fold_runs], self.states,
                                   [r[2] for r in fold_runs], use_qk_l2norm=self.l2norm, chunk_size=c)
         fold_at = [0]
         for r in fold_runs:
             fold_at.append(fold_at[-1] + r[1] // c)
         pool = self.states.shape[0]
-        state_index = [i[1] if i[0] == "pool" else pool + fold_at[i[1]] + i[2] for i in index]
-        # rows of each segment: the chunk's rows from the laid-out tensors
-        seg_rows = []
-        for run, (run_base, _, _) in enumerate(fold_runs):
-            total = laid[0][run].shape[0]
-            for chunk in range(-(-total // c)):
-                n = min(c, total - chunk * c)
-                if chunk == 0 and self.positions[slots[run]] % c == n:
-                    continue
-                seg_rows.append(torch.arange(run_base + chunk * c, run_base + chunk * c + n))
-        seg = torch.cat(seg_rows) if seg_rows else torch.zeros(0, dtype=torch.long)
-        seg = seg.to(kk.device)
-        out = gated_delta_chunk_rows(q, kk[seg], vv[seg], gg[seg], bb[seg], cu, first, torch.cat([self.states, folded]),
-                                     state_index, scale=self.scale, use_qk_l2norm=self.l2norm, chunk_size=c)
+        state_index = [i if j is None else pool + fold_at[i] + j for i, j in index]
+        live = [torch.zeros(0, dtype=torch.long)] + [torch.arange(r[0], r[0] + x.shape[0]) for r, x, m in
+                                                     zip(fold_runs, laid[0], counts) if m]
+        rows = torch.cat(live).to(kk.device)  # the segments' rows (a slot adding nothing has none)
+        out = gated_delta_chunk_rows(q, kk[rows], vv[rows], gg[rows], bb[rows], cu, first,
+                                     torch.cat([self.states, folded]), state_index, scale=self.scale,
+                                     use_qk_l2norm=self.l2norm, chunk_size=c)
         self._keep(slots, counts, laid, fold_runs, folded, fold_at)
         return out
 

@@ -96,16 +96,21 @@ def _backend(k: torch.Tensor) -> str:
 # Training: packed sequences from position 0, forward by the two launches, backward by autograd.
 
 
-def _training_forward(q, k, v, g, beta, initial_state, lengths: list[int], chunk: int, scale: float, l2norm: bool,
-                      want_final: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+def training_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     initial_state: torch.Tensor | None, lengths: list[int], chunk: int, scale: float, l2norm: bool,
+                     want_final: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gated_delta_rule`'s forward on checked inputs without autograd, on `backend` (``"triton"``
+    or ``"reference"``): the fold over every sequence's chunks, then every chunk's rows. Returns the
+    outputs and the final states (an empty tensor unless `want_final`). Public for the offline
+    sm_90 compile (`benchmarks/sm90_compile.py`)."""
     shapes = Shapes(k.shape[1], v.shape[1], k.shape[2], v.shape[2])
     fold, rows, bases, n_states = training_plans(lengths, chunk)
     if not want_final:  # the last chunk's fold feeds no row
-        fold = FoldPlan(fold.start, [min(n, (-(-n // chunk) - 1) * chunk) for n in fold.length], fold.state_index,
+        fold = FoldPlan(fold.start, [max(0, (-(-n // chunk) - 1) * chunk) for n in fold.length], fold.state_index,
                          fold.out_index)
-    states = torch.zeros(n_states, shapes.hv, shapes.dk, shapes.dv, dtype=state_dtype(k), device=k.device)
-    if initial_state is not None:
-        states[bases] = initial_state.to(states.dtype)
+    # each sequence's slot `base` holds its initial state; the folds write the others before any read
+    states = torch.empty(n_states, shapes.hv, shapes.dk, shapes.dv, dtype=state_dtype(k), device=k.device)
+    states[bases] = 0.0 if initial_state is None else initial_state.to(states.dtype)
     q, k, v, g, beta = (prepare_rows(x, backend) for x in (q, k, v, g, beta))
     launch_fold(backend, k, v, g, beta, states, states, fold, shapes, chunk, l2norm)
     out = torch.empty(k.shape[0], shapes.hv, shapes.dv, dtype=q.dtype, device=q.device)
@@ -117,7 +122,7 @@ def _training_forward(q, k, v, g, beta, initial_state, lengths: list[int], chunk
 
 
 def _autograd_forward(q, k, v, g, beta, initial_state, lengths: list[int], chunk: int, scale: float, l2norm: bool):
-    """`_training_forward`'s values recomputed differentiably (`gated_delta_reference.AUTOGRAD`):
+    """`training_forward`'s values recomputed differentiably (`gated_delta_reference.AUTOGRAD`):
     ``(o [T, Hv, dv], final states [B, Hv, dk, dv])`` in fp32 (fp64)."""
     compute = state_dtype(k)
     hv, dk, dv = v.shape[1], k.shape[2], v.shape[2]
@@ -154,7 +159,7 @@ def _autograd_forward(q, k, v, g, beta, initial_state, lengths: list[int], chunk
 class _GatedDeltaFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, lengths, chunk, scale, l2norm, want_final):
-        out, final = _training_forward(q, k, v, g, beta, initial_state, lengths, chunk, scale, l2norm, want_final,
+        out, final = training_forward(q, k, v, g, beta, initial_state, lengths, chunk, scale, l2norm, want_final,
                                        _backend(k))
         ctx.save_for_backward(q, k, v, g, beta, initial_state)
         ctx.args = (lengths, chunk, scale, l2norm)

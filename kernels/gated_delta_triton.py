@@ -11,8 +11,10 @@ row's bits depend on rows ``0..i`` of its chunk and on the boundary state alone
 
 The dots run with ``input_precision="tf32x3"`` (three TF32 products, about fp32's precision) on
 fp32 operands: the inputs are widened to fp32 on load, the state and every intermediate stay in
-fp32. Each program computes one block of ``BV`` value columns of one head of one chunk; ``T``
-and ``w`` (which depend on the keys, gates and betas only) are recomputed by each value block.
+fp32. A rows program computes one head of one chunk, its ``BV``-column value blocks one after
+another on one ``T`` and ``w`` (which depend on the keys, gates and betas only); a fold program
+one value block of one head of a run of chunks (the state of a block stays in registers across
+the chunks), so each fold program computes ``T`` and ``w`` again.
 """
 
 from __future__ import annotations
@@ -22,6 +24,14 @@ from .row_sum import row_sum_halves
 
 ROWS_WARPS = 8
 FOLD_WARPS = 8
+#: both kernels' warps where dk or dv is 16. With 8 warps the two warpgroups of a ``[64, 16]``
+#: product (chunk 64) take 8 columns each, TF32 wgmma ``m64n8k8``, and Triton 3.6's sm_90 fold
+#: built so read shared memory out of bounds at dk = 16: an illegal memory access (compute-sanitizer:
+#: invalid __shared__ reads of 1024 bytes). With 4 warps one warpgroup takes all 16 columns
+#: (``m64n16k8``); dk, dv, chunk = 16, 16, 16/32/64/128; 16, 64, 64; 64, 16, 16 and 128, 16, 64
+#: matched the reference (H200, 2026-12-02). docs/design.md section 6b.
+SMALL_HEAD_WARPS = 4
+SOLVE_BLOCK = tl.constexpr(16)  # rows of the solve's diagonal blocks (gated_delta_reference.SOLVE_BLOCK)
 
 
 @triton.jit
@@ -64,16 +74,30 @@ def _chunk_keys(k_ptr, g_ptr, b_ptr, start, n, h, hk, stride_kt, stride_kh, stri
     decay = tl.where(lower, tl.exp(tl.where(lower, cum[:, None] - cum[None, :], 0.0)), 0.0)
     k_beta = k * beta[:, None]
     lmat = tl.where(strict, tl.dot(k_beta, tl.trans(k), input_precision="tf32x3") * decay, 0.0)
-    # forward substitution on T^T (column i = row i of T): row i = e_i - L[i, :] T, rows < i only
+    # T = (I + L)^-1 by 16-row blocks: the diagonal blocks' inverses by forward substitution (row r
+    # of every block at once), then block rows b = 1, 2, ...: T_b -= D_b^-1 (L_b,<b T)
+    blk = rows // SOLVE_BLOCK
+    same = blk[:, None] == blk[None, :]
     eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
-    t_t = eye
-    for i in range(1, C):
-        l_i = tl.sum(tl.where(rows[:, None] == i, lmat, 0.0), axis=0)  # row i of L: one value per column
-        row = row_sum_halves(t_t * l_i[None, :], LOG_C, False)  # [m]: sum_j T[j, m] L[i, j]
-        t_t = tl.where(rows[None, :] == i, tl.where(rows[:, None] == i, 1.0, 0.0) - row[:, None], t_t)
-    t = tl.trans(t_t)
+    ldiag = tl.where(same, lmat, 0.0)
+    dinv = eye
+    for r in range(1, SOLVE_BLOCK):
+        sel = (rows % SOLVE_BLOCK) == r
+        dinv = tl.where(sel[:, None], eye - tl.dot(tl.where(sel[:, None], ldiag, 0.0), dinv, input_precision="tf32x3"),
+                        dinv)
+    t = dinv
+    for b in range(1, C // SOLVE_BLOCK):
+        lower_b = tl.where((blk == b)[:, None] & (blk[None, :] < b), lmat, 0.0)
+        t = t - tl.dot(dinv, tl.dot(lower_b, t, input_precision="tf32x3"), input_precision="tf32x3")
     w = tl.dot(t, k_beta * tl.exp(cum)[:, None], input_precision="tf32x3")
     return k, cum, beta, decay, t, w
+
+
+@triton.jit
+def _new_values(v_ptr, start, n, h, vb, stride_vt, stride_vh, t, w, beta, s, C: tl.constexpr, BV: tl.constexpr):
+    """``v_new = T (v beta) - w S`` for value block `vb` (``[C, BV]``)."""
+    v = _load_rows(v_ptr + vb * BV, start, 0, n, h, stride_vt, stride_vh, BV, C)
+    return tl.dot(t, v * beta[:, None], input_precision="tf32x3") - tl.dot(w, s, input_precision="tf32x3")
 
 
 @triton.jit
@@ -99,11 +123,11 @@ def rows_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, state_ptr, out_ptr,
                  stride_s, stride_sh, stride_ot, stride_oh, scale,
                  GROUP: tl.constexpr, C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
                  LOG_C: tl.constexpr, LOG_DK: tl.constexpr, L2NORM: tl.constexpr):
-    """Rows ``first..n-1`` of one chunk, one head, one value block: ``o`` from the boundary state
-    and the chunk's rows ``0..n-1``; written at ``out[q_start + r - first]``."""
+    """Rows ``first..n-1`` of one chunk, one head: ``o`` from the boundary state and the chunk's
+    rows ``0..n-1``, written at ``out[q_start + r - first]``; the value blocks of ``BV`` columns one
+    after another, on the keys' ``T`` and ``w`` computed once."""
     chunk = tl.program_id(0)
     h = tl.program_id(1)
-    vb = tl.program_id(2)
     hk = h // GROUP
     start = tl.load(kv_start_ptr + chunk)
     n = tl.load(n_rows_ptr + chunk)
@@ -114,16 +138,16 @@ def rows_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, state_ptr, out_ptr,
     lower = rows[None, :] <= rows[:, None]
     k, cum, beta, decay, t, w = _chunk_keys(k_ptr, g_ptr, b_ptr, start, n, h, hk, stride_kt, stride_kh, stride_gt,
                                             stride_bt, C, DK, LOG_C, LOG_DK, L2NORM)
-    v = _load_rows(v_ptr + vb * BV, start, 0, n, h, stride_vt, stride_vh, BV, C)
-    s = _load_state(state_ptr, index, h, vb, stride_s, stride_sh, DK, DV, BV)
-    u = tl.dot(t, v * beta[:, None], input_precision="tf32x3")
-    v_new = u - tl.dot(w, s, input_precision="tf32x3")
     q = _l2norm(_load_rows(q_ptr, q_start, first, n, hk, stride_qt, stride_qh, DK, C), L2NORM, LOG_DK) * scale
     attn = tl.where(lower, tl.dot(q, tl.trans(k), input_precision="tf32x3") * decay, 0.0)
-    out = tl.dot(q * tl.exp(cum)[:, None], s, input_precision="tf32x3") + tl.dot(attn, v_new, input_precision="tf32x3")
-    cols = vb * BV + tl.arange(0, BV)
-    ptrs = out_ptr + (q_start + rows - first).to(tl.int64)[:, None] * stride_ot + h * stride_oh + cols[None, :]
-    tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=((rows >= first) & (rows < n))[:, None])
+    q_decayed = q * tl.exp(cum)[:, None]
+    out_rows = out_ptr + (q_start + rows - first).to(tl.int64)[:, None] * stride_ot + h * stride_oh
+    for vb in tl.static_range(DV // BV):
+        s = _load_state(state_ptr, index, h, vb, stride_s, stride_sh, DK, DV, BV)
+        v_new = _new_values(v_ptr, start, n, h, vb, stride_vt, stride_vh, t, w, beta, s, C, BV)
+        out = tl.dot(q_decayed, s, input_precision="tf32x3") + tl.dot(attn, v_new, input_precision="tf32x3")
+        tl.store(out_rows + (vb * BV + tl.arange(0, BV))[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=((rows >= first) & (rows < n))[:, None])
 
 
 @triton.jit
@@ -150,8 +174,7 @@ def fold_kernel(k_ptr, v_ptr, g_ptr, b_ptr, state_in_ptr, state_out_ptr,
         n = tl.minimum(length - c * C, C)
         k, cum, beta, decay, t, w = _chunk_keys(k_ptr, g_ptr, b_ptr, start + c * C, n, h, hk, stride_kt, stride_kh,
                                                 stride_gt, stride_bt, C, DK, LOG_C, LOG_DK, L2NORM)
-        v = _load_rows(v_ptr + vb * BV, start + c * C, 0, n, h, stride_vt, stride_vh, BV, C)
-        v_new = tl.dot(t, v * beta[:, None], input_precision="tf32x3") - tl.dot(w, s, input_precision="tf32x3")
+        v_new = _new_values(v_ptr, start + c * C, n, h, vb, stride_vt, stride_vh, t, w, beta, s, C, BV)
         last = tl.sum(tl.where(rows == C - 1, cum, 0.0), axis=0)  # G of the tile's last row (absent rows add g = 0)
         k_decayed = k * tl.exp(last - cum)[:, None]
         s = s * tl.exp(last) + tl.dot(tl.trans(k_decayed), v_new, input_precision="tf32x3")

@@ -9,8 +9,8 @@ Invariance contract: each row is reduced by one program with `rms_norm`'s tile (
 by the row length alone) and `rms_norm`'s own code (`load_rows`, `normalize_rows`), so a row's bits
 never depend on how many rows share the launch (docs/design.md rule 3); the gate is element-wise
 (rule 5). The reference reduces with `exact_math.row_sum` and takes the SiLU from
-`exact_math.sigmoid`. The backward (rule 8) is the analytic formula in fp32: one Triton pass per
-row block on CUDA, torch ops on CPU.
+`exact_math.sigmoid`. The backward (rule 8) is the analytic formula in fp32: on CUDA `rms_norm`'s
+one-pass backward kernel in its gated form, torch ops on CPU.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 
 from . import exact_math
-from ._triton import num_sms, require_triton, tl, triton
+from ._triton import require_triton, tl, triton
 from .backend import select
-from .rms_norm import backward_tile, load_rows, norm_tile, normalize_rows, rms_norm_reference
+from .rms_norm import load_rows, norm_tile, normalize_rows, rms_norm_backward_triton, rms_norm_reference
 
 
 @triton.jit
@@ -67,34 +67,6 @@ def _forward(x2d, z2d, weight, eps):
     return gated_rms_norm_reference(x2d, z2d, weight, eps)
 
 
-@triton.jit
-def _gated_rms_norm_bwd_kernel(x_ptr, z_ptr, g_ptr, w_ptr, dx_ptr, dz_ptr, dw_ptr, n_rows, N, stride_x, stride_z,
-                               stride_g, stride_dx, stride_dz, eps, BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
-    """Row blocks pid, pid + programs, ...: dx and d gate of each row and this program's partial
-    dW = sum over rows of (g * silu(gate)) * x_hat."""
-    cols = tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    dw = tl.zeros((BLOCK_N,), tl.float32)
-    for block in range(tl.program_id(0), tl.cdiv(n_rows, ROWS), tl.num_programs(0)):
-        rows = (tl.full((), 0, tl.int64) + block) * ROWS + tl.arange(0, ROWS)
-        mask = (rows[:, None] < n_rows) & col_ok[None, :]
-        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + rows[:, None] * stride_z + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
-        x_hat = x * rstd[:, None]
-        sig = 1.0 / (1.0 + tl.exp(-z))
-        dz = g * x_hat * w[None, :] * sig * (1.0 + z * (1.0 - sig))
-        gn = g * z * sig  # the gradient reaching the norm's output
-        gw = gn * w[None, :]
-        dx = rstd[:, None] * (gw - x_hat * (tl.sum(gw * x_hat, axis=1) / N)[:, None])
-        tl.store(dx_ptr + rows[:, None] * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
-        tl.store(dz_ptr + rows[:, None] * stride_dz + cols[None, :], dz.to(dz_ptr.dtype.element_ty), mask=mask)
-        dw += tl.sum(gn * x_hat, axis=0)
-    tl.store(dw_ptr + tl.program_id(0).to(tl.int64) * N + cols, dw, mask=col_ok)
-
-
 def gated_rms_norm_backward_reference(x2d: torch.Tensor, z2d: torch.Tensor, weight: torch.Tensor, eps: float,
                                       grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_x, grad_gate, grad_weight) by the analytic formula in fp32 (fp64)."""
@@ -113,17 +85,8 @@ def gated_rms_norm_backward_reference(x2d: torch.Tensor, z2d: torch.Tensor, weig
 def _backward(x2d, z2d, weight, eps, grad_out):
     if select("gated_rms_norm", x2d) != "triton":
         return gated_rms_norm_backward_reference(x2d, z2d, weight, eps, grad_out)
-    require_triton("gated_rms_norm")
-    n_rows, n = x2d.shape
-    dx, dz = torch.empty_like(x2d), torch.empty_like(z2d)
-    block_n, rows, num_warps = backward_tile(n)
-    programs = max(1, min(triton.cdiv(n_rows, rows), 4 * num_sms(x2d.device)))
-    partial = torch.zeros(programs, n, device=x2d.device, dtype=torch.float32)
-    if n_rows:
-        _gated_rms_norm_bwd_kernel[(programs,)](
-            x2d, z2d, grad_out, weight, dx, dz, partial, n_rows, n, x2d.stride(0), z2d.stride(0), grad_out.stride(0),
-            dx.stride(0), dz.stride(0), eps, BLOCK_N=block_n, ROWS=rows, num_warps=num_warps)
-    return dx, dz, partial.sum(0).to(weight.dtype)
+    grad_x, grad_w, grad_z = rms_norm_backward_triton(x2d, weight, eps, grad_out, gate=z2d)
+    return grad_x, grad_z, grad_w
 
 
 class _GatedRMSNormFunction(torch.autograd.Function):

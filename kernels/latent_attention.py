@@ -38,6 +38,7 @@ import torch
 
 from . import latent_decode_gluon, latent_prefill_gluon
 from ._triton import has_tma, launch_staged, next_power_of_2, num_sms, require_triton, tl, tma_rows_aligned, triton
+from .latent_key_block import key_block
 from .paged_layout import offsets_fit_int32, page_shift, page_slots
 from .row_sum import lane_sums, row_sum_halves, row_sum_levels
 
@@ -71,11 +72,6 @@ class LatentConfig:
     num_warps: int
     num_stages: int
     value_chunks: int = 1
-
-
-def key_block(dtype: torch.dtype) -> int:
-    """Keys per block, the KV reduction order: one per dtype (fp32's tiles are smaller)."""
-    return 16 if dtype == torch.float32 else 64
 
 
 DECODE_ROWS = 128  # launches with at most this many rows per sequence take DECODE_BLOCK_M-row tiles

@@ -39,6 +39,7 @@ import torch
 from ._triton import has_tma, tma_rows_aligned
 from .gluon_support import GLUON_VERIFIED, HAS_GLUON, supported_triton, tma_descriptor
 from .kernel_switch import KernelSwitch
+from .latent_key_block import key_block
 from .row_sum import row_sum_levels
 
 if HAS_GLUON:
@@ -83,8 +84,6 @@ def shape_fits(q: torch.Tensor, kv: torch.Tensor, v_dim: int, layout) -> bool:
     token per sequence), one KV head, 512 latent + 64 rope dims, `HEADS` query heads (the shape
     checked on the GPU, Moonlight's), pages of a multiple of the key block and 16-byte aligned
     rows that TMA can read."""
-    from .latent_attention import key_block  # the reduction order's key block (that module imports this one)
-
     heads = q.shape[1]
     return (layout.max_seqlen_q == 1 and q.dtype in (torch.bfloat16, torch.float16) and kv.dtype == q.dtype
             and kv.dim() == 3 and kv.shape[1] == 1 and v_dim == 512 and q.shape[-1] == kv.shape[-1] == 576
@@ -303,8 +302,6 @@ def launch(q: torch.Tensor, kv: torch.Tensor, v_dim: int, layout, scale: float, 
            out: torch.Tensor, lse: torch.Tensor) -> None:
     """The kernel launch itself, into `out` and `lse`, for inputs that `shape_fits` (unchecked:
     `latent_decode_gluon` checks; `benchmarks/kernel_resources.py` compiles it for sm_90 on CPU)."""
-    from .latent_attention import key_block  # the key block of every latent launch (rule 2)
-
     n_tokens, heads, dim = q.shape
     rope, block_n = dim - v_dim, key_block(q.dtype)
     q_rows, kv_rows = q.reshape(n_tokens * heads, dim), kv.reshape(kv.shape[0], dim)

@@ -37,6 +37,7 @@ from . import latent_decode_gluon as decode
 from ._triton import has_tma, tma_rows_aligned
 from .gluon_support import HAS_GLUON, tma_descriptor
 from .kernel_switch import KernelSwitch
+from .latent_key_block import key_block
 from .row_sum import row_sum_levels
 
 __all__ = ["HEADS", "LATENT_PREFILL", "ROWS", "fits", "latent_prefill_gluon", "launch", "shape_fits"]
@@ -73,8 +74,6 @@ def shape_fits(q: torch.Tensor, kv: torch.Tensor, v_dim: int, layout, contiguous
     sequence (one token is the decode kernel's), 16-byte aligned rows that TMA can read, and key
     blocks that TMA can copy whole: pages of a multiple of the key block, or (`contiguous`, the
     packed training layout) each sequence's keys in consecutive rows."""
-    from .latent_attention import key_block  # that module imports this one
-
     heads = q.shape[1]
     pages_ok = layout.page_size % key_block(q.dtype) == 0 or (contiguous and layout.page_size == 1)
     return (layout.max_seqlen_q > 1 and q.dtype in (torch.bfloat16, torch.float16) and kv.dtype == q.dtype
@@ -201,8 +200,6 @@ def launch(q: torch.Tensor, kv: torch.Tensor, v_dim: int, layout, scale: float, 
            lse: torch.Tensor, rows: int = ROWS, warps: int = WARPS, stages: int = STAGES) -> None:
     """The kernel launch itself, into `out` and `lse`, for inputs that `shape_fits` (unchecked:
     `latent_prefill_gluon` checks; `benchmarks/kernel_resources.py` compiles it for sm_90 on CPU)."""
-    from .latent_attention import key_block  # the key block of every latent launch (rule 2)
-
     n_tokens, heads, dim = q.shape
     rope, block_n = dim - v_dim, key_block(q.dtype)
     q_rows, kv_rows = q.reshape(n_tokens * heads, dim), kv.reshape(kv.shape[0], dim)

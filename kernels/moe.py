@@ -18,20 +18,24 @@ batch shape only (`pick_config`; the configs give bitwise the same rows, proven 
 whatever number of rows its expert received (0, 1 or thousands) and wherever the row sits in
 its tile; the combine order is the rank order (rule 4). The reference does the same per expert with `linear_reference`.
 Backward (rule 8): grouped GEMMs for the input gradients, a grouped reduction kernel for the
-weight gradients (`moe_backward.py`).
+weight gradients (`moe_backward.py`). The grouped GEMM and the combine, which the forward and the
+backward both launch, are in `moe_grouped_gemm.py`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._triton import has_tma, next_power_of_2, require_triton, tl, tma_rows_aligned, triton
+from ._triton import require_triton, tl, triton
 from .backend import select
 from .dependent_launch import dependent_launch_kwargs, wait_for_inputs
 from .linear import linear_reference
 from .moe_align import MoeLayout, moe_align
+from .moe_backward import fused_moe_backward_reference, fused_moe_backward_triton
 from .moe_config import MoeConfig, k_tile, pick_config
+from .moe_grouped_gemm import combine, grouped_gemm, input_precision, tile_descriptor, weights_by_tma
 from .silu_and_mul import silu_and_mul_reference
+
 
 @triton.jit
 def moe_gate_up_kernel(x_ptr, w_ptr, w_desc, act_ptr, preact_ptr, sorted_pairs_ptr, block_expert_ptr,
@@ -87,122 +91,6 @@ def moe_gate_up_kernel(x_ptr, w_ptr, w_desc, act_ptr, preact_ptr, sorted_pairs_p
         tl.store(preact_ptr + rows * stride_pre + I + offs_n[None, :], u, mask=n_ok[None, :])
 
 
-@triton.jit
-def _moe_grouped_gemm_kernel(a_ptr, w_ptr, a_desc, w_desc, out_ptr, block_expert_ptr, N, K, stride_am, stride_we,
-                             stride_wn, stride_wk, stride_om, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DESCS: tl.constexpr,
-                             PDL: tl.constexpr = False):
-    """out[rows] = a[rows] @ W[e]^T for each block of permuted rows (W[e] element (n, k) via strides;
-    with `DESCS`, the rows and ``W`` as ``[E * N, K]`` through TMA descriptors)."""
-    wait_for_inputs(PDL)
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    if expert < 0:
-        return
-    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
-    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    w_row = expert.to(tl.int32) * N + pid_n * BLOCK_N  # DESCS: the tile's first row in [E * N, K]
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        if DESCS:  # the same tiles (zero past K; columns past N read the next rows, never stored)
-            a = a_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
-            b = w_desc.load([w_row, k * BLOCK_K]).T
-        else:
-            k_ok = offs_k < K - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            b = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K * stride_wk
-    tl.store(out_ptr + rows[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=n_ok[None, :])
-
-
-@triton.jit
-def _moe_combine_kernel(y_ptr, weights_ptr, pair_pos_ptr, add_ptr, out_ptr, H, stride_y, stride_add, stride_out,
-                        TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr = False):
-    wait_for_inputs(PDL)
-    token = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask = offs < H
-    acc = tl.zeros((BLOCK_H,), tl.float32)
-    for r in tl.static_range(TOP_K):  # rank order, fp32
-        pos = tl.load(pair_pos_ptr + token * TOP_K + r)
-        w = tl.load(weights_ptr + token * TOP_K + r)
-        acc += w * tl.load(y_ptr + pos * stride_y + offs, mask=mask, other=0.0).to(tl.float32)
-    out = acc.to(out_ptr.dtype.element_ty)
-    if ADD:  # torch's `out + add` in the output dtype: both widened to fp32, added once, rounded
-        add = tl.load(add_ptr + token * stride_add + offs, mask=mask, other=0.0)
-        out = (out.to(tl.float32) + add.to(tl.float32)).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + token * stride_out + offs, out, mask=mask)
-
-
-def grouped_gemm(a: torch.Tensor, w: torch.Tensor, layout: MoeLayout, n: int, k: int, stride_n: int,
-                 stride_k: int, out_dtype: torch.dtype, cfg: MoeConfig, down_tiles: bool = False) -> torch.Tensor:
-    """``out[p] = a[p] @ W[e(p)]^T`` over the padded permuted rows (W element (n, k) by strides),
-    with the down kernel's tiles (`down_tiles`) or the gate/up kernel's."""
-    out = torch.empty(a.shape[0], n, device=a.device, dtype=out_dtype)
-    block_n, block_k, warps, stages = (
-        (cfg.down_block_n, k_tile(cfg.down_block_k, k), cfg.down_num_warps, cfg.down_num_stages) if down_tiles
-        else (cfg.block_n, k_tile(cfg.block_k, k), cfg.num_warps, cfg.num_stages))
-    grid = (a.shape[0] // cfg.block_m, triton.cdiv(n, block_n))
-    descs = cfg.tma and weights_by_tma(w, n, k, stride_n, stride_k) and tma_rows_aligned(a) and a.stride(1) == 1
-    a_desc = _descriptor(a, cfg.block_m, block_k) if descs else None
-    w_desc = _descriptor(w.view(-1, k), block_n, block_k) if descs else None
-    _moe_grouped_gemm_kernel[grid](a, w, a_desc, w_desc, out, layout.block_expert, n, k, a.stride(0), w.stride(0),
-                                   stride_n, stride_k, out.stride(0), INPUT_PRECISION=_precision(a.dtype),
-                                   BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=block_k, DESCS=descs,
-                                   num_warps=warps, num_stages=stages, **dependent_launch_kwargs(a.device))
-    return out
-
-
-def _descriptor(t: torch.Tensor, block_rows: int, block_cols: int):
-    """A TMA descriptor over the 2-D `t` loading `block_rows` x `block_cols` tiles."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor.from_tensor(t, [block_rows, block_cols])
-
-
-def weights_by_tma(w: torch.Tensor, n: int, k: int, stride_n: int, stride_k: int) -> bool:
-    """Whether expert weights `w` ``[E, ...]`` whose element (n, k) of expert e lies at strides
-    (``w.stride(0)``, `stride_n`, `stride_k`) can be read through one TMA descriptor over
-    ``[E * n, k]``: a Hopper GPU and `tma_weight_layout`."""
-    return has_tma(w.device) and tma_weight_layout(w, n, k, stride_n, stride_k)
-
-
-def tma_weight_layout(w: torch.Tensor, n: int, k: int, stride_n: int, stride_k: int) -> bool:
-    """The layout half of `weights_by_tma`: a 16-bit dtype, rows of `k` contiguous elements one
-    after the other (``[E, n, k]`` contiguous; the backward's transposed reads are not) and
-    16-byte aligned."""
-    return (w.dtype in (torch.bfloat16, torch.float16) and stride_k == 1 and stride_n == k
-            and w.stride(0) == n * k and tma_rows_aligned(w) and (k * w.element_size()) % 16 == 0)
-
-
-def _precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"  # fp32 stays fp32 (no TF32 rounding)
-
-
-def combine(y: torch.Tensor, weights: torch.Tensor, layout: MoeLayout, tokens: int, out_dtype: torch.dtype,
-            add: torch.Tensor | None = None):
-    """``out[t] = sum_r weights[t, r] * y[pair_pos[t*k + r]]`` in rank order, fp32, rounded to
-    `out_dtype`; then, with `add` (``[tokens, H]``, `out_dtype`), ``out + add`` rounded as torch
-    rounds it (the shared experts' output: one launch fewer per MoE layer)."""
-    hidden = y.shape[1]
-    out = torch.empty(tokens, hidden, device=y.device, dtype=out_dtype)
-    if tokens:
-        block_h = min(1024, next_power_of_2(hidden))
-        _moe_combine_kernel[(tokens, triton.cdiv(hidden, block_h))](
-            y, weights.float().contiguous(), layout.pair_pos, out if add is None else add, out, hidden, y.stride(0),
-            0 if add is None else add.stride(0), out.stride(0), TOP_K=weights.shape[1], BLOCK_H=block_h,
-            ADD=add is not None, num_warps=4, **dependent_launch_kwargs(y.device))
-    return out
-
-
 def gate_up_act(x: torch.Tensor, gate_up: torch.Tensor, layout: MoeLayout, top_k: int, cfg: MoeConfig,
                 save_preact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``act[p] = silu(x[t] @ Wg[e].T) * (x[t] @ Wu[e].T)`` over the padded permuted rows of
@@ -216,11 +104,11 @@ def gate_up_act(x: torch.Tensor, gate_up: torch.Tensor, layout: MoeLayout, top_k
     preact = torch.empty(rows, 2 * inter, device=x.device, dtype=x.dtype) if save_preact else act
     block_k = k_tile(cfg.block_k, hidden)
     desc = cfg.tma and weights_by_tma(gate_up, 2 * inter, hidden, gate_up.stride(1), gate_up.stride(2))
-    w_desc = _descriptor(gate_up.view(-1, hidden), cfg.block_n, block_k) if desc else None
+    w_desc = tile_descriptor(gate_up.view(-1, hidden), cfg.block_n, block_k) if desc else None
     moe_gate_up_kernel[(rows // cfg.block_m, triton.cdiv(inter, cfg.block_n))](
         x, gate_up, w_desc, act, preact, layout.sorted_pairs, layout.block_expert, layout.num_pairs, hidden, inter,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), act.stride(0), preact.stride(0),
-        TOP_K=top_k, SAVE_PREACT=save_preact, INPUT_PRECISION=_precision(x.dtype), BLOCK_M=cfg.block_m,
+        TOP_K=top_k, SAVE_PREACT=save_preact, INPUT_PRECISION=input_precision(x.dtype), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=block_k, W_DESC=desc, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **dependent_launch_kwargs(x.device))
     return act, preact
@@ -260,18 +148,6 @@ def fused_moe_reference(x, gate_up, down, weights, ids) -> torch.Tensor:
     return out.to(x.dtype)
 
 
-def moe_math(x, gate_up, down, weights, ids) -> torch.Tensor:
-    """Plain-torch, differentiable MoE (the test oracle and the reference backward)."""
-    inter = down.shape[2]
-    out = torch.zeros(x.shape, dtype=torch.promote_types(x.dtype, weights.dtype), device=x.device)
-    for expert in torch.unique(ids).tolist():
-        t, r = (ids == expert).nonzero(as_tuple=True)
-        gu = x[t] @ gate_up[expert].t()
-        act = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
-        out = out.index_add(0, t, (act @ down[expert].t()) * weights[t, r][:, None])
-    return out.to(x.dtype)
-
-
 class _FusedMoeFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, gate_up, down, weights, ids, backend):
@@ -286,8 +162,6 @@ class _FusedMoeFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        from .moe_backward import fused_moe_backward_reference, fused_moe_backward_triton
-
         if ctx.backend == "reference":
             grads = fused_moe_backward_reference(grad_out, *ctx.saved_tensors)
         else:

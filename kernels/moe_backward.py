@@ -6,7 +6,8 @@ backward gives ``d_gate_up``; ``dx_p = d_gate_up_p @ gate_up[e]`` summed over th
 The input gradients reuse the grouped GEMM with transposed weight strides; the weight
 gradients ``d_down[e] = sum_p dy_p^T act_p`` and ``d_gate_up[e] = sum_p d_gate_up_p^T x_t`` come
 from `_moe_weight_grad_kernel`, one program per (expert, N tile, K tile) reducing over that
-expert's rows. The reference is autograd through `moe_math`.
+expert's rows. The reference is autograd through `moe_math`, the plain-torch MoE (also the
+tests' oracle of the forward).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from __future__ import annotations
 import torch
 
 from ._triton import tl, triton
-from .moe import MoeLayout, combine, grouped_gemm, moe_math
+from .moe_align import MoeLayout
+from .moe_grouped_gemm import combine, grouped_gemm
 
 WG_BLOCK_N = 64
 WG_BLOCK_K = 64
@@ -90,3 +92,15 @@ def fused_moe_backward_reference(grad_out, x, gate_up, down, weights, ids):
         out = moe_math(*leaves, ids)
         grads = torch.autograd.grad(out, leaves, grad_out.to(compute))
     return tuple(g.to(t.dtype) for g, t in zip(grads, (x, gate_up, down, weights)))
+
+
+def moe_math(x, gate_up, down, weights, ids) -> torch.Tensor:
+    """Plain-torch, differentiable MoE (the test oracle and the reference backward)."""
+    inter = down.shape[2]
+    out = torch.zeros(x.shape, dtype=torch.promote_types(x.dtype, weights.dtype), device=x.device)
+    for expert in torch.unique(ids).tolist():
+        t, r = (ids == expert).nonzero(as_tuple=True)
+        gu = x[t] @ gate_up[expert].t()
+        act = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+        out = out.index_add(0, t, (act @ down[expert].t()) * weights[t, r][:, None])
+    return out.to(x.dtype)

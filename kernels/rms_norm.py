@@ -167,7 +167,7 @@ def _rms_norm_forward(x2d, weight, eps, res2d=None, zero_centred=False) -> tuple
     return rms_norm_reference(summed, weight, eps, zero_centred), summed
 
 
-def backward_tile(n: int) -> tuple[int, int, int]:
+def _backward_tile(n: int) -> tuple[int, int, int]:
     """(BLOCK_N, ROWS per loop step, num_warps) of the backward: short rows (per-head q/k norm,
     128 wide) go 16 to a step, so a step moves 8 KiB of x and of g instead of 512 bytes."""
     block_n = next_power_of_2(n)
@@ -176,10 +176,13 @@ def backward_tile(n: int) -> tuple[int, int, int]:
 
 
 @triton.jit
-def _rms_norm_bwd_kernel(x_ptr, g_ptr, w_ptr, extra_ptr, dx_ptr, dw_ptr, n_rows, N, stride_x, stride_g, stride_extra,
-                         stride_dx, eps, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_EXTRA: tl.constexpr):
+def _rms_norm_bwd_kernel(x_ptr, g_ptr, w_ptr, extra_ptr, z_ptr, dx_ptr, dz_ptr, dw_ptr, n_rows, N, stride_x, stride_g,
+                         stride_extra, stride_z, stride_dx, stride_dz, eps, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+                         HAS_EXTRA: tl.constexpr, GATED: tl.constexpr = False):
     """Row blocks pid, pid + programs, ... of `ROWS` rows each: dx of each row (plus `extra`, the
-    residual stream's own gradient) and this program's partial sum of dW = sum over rows of g * x_hat."""
+    residual stream's own gradient) and this program's partial sum of dW = sum over rows of g * x_hat.
+    `GATED` (`gated_rms_norm`: the output times ``silu(z)``): also d z, and g times ``silu(z)`` is
+    the gradient reaching the norm."""
     cols = tl.arange(0, BLOCK_N)
     col_ok = cols < N
     w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
@@ -192,6 +195,12 @@ def _rms_norm_bwd_kernel(x_ptr, g_ptr, w_ptr, extra_ptr, dx_ptr, dw_ptr, n_rows,
         g = tl.load(g_ptr + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
         x_hat = x * rstd[:, None]
+        if GATED:
+            z = tl.load(z_ptr + rows[:, None] * stride_z + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            sig = 1.0 / (1.0 + tl.exp(-z))
+            dz = g * x_hat * w[None, :] * sig * (1.0 + z * (1.0 - sig))
+            tl.store(dz_ptr + rows[:, None] * stride_dz + cols[None, :], dz.to(dz_ptr.dtype.element_ty), mask=mask)
+            g = g * z * sig
         gw = g * w[None, :]
         dx = rstd[:, None] * (gw - x_hat * (tl.sum(gw * x_hat, axis=1) / N)[:, None])
         if HAS_EXTRA:
@@ -201,22 +210,29 @@ def _rms_norm_bwd_kernel(x_ptr, g_ptr, w_ptr, extra_ptr, dx_ptr, dw_ptr, n_rows,
     tl.store(dw_ptr + tl.program_id(0).to(tl.int64) * N + cols, dw, mask=col_ok)
 
 
-def _rms_norm_backward_triton(x2d, weight, eps, grad_out, extra=None):
+def rms_norm_backward_triton(x2d: torch.Tensor, weight: torch.Tensor, eps: float, grad_out: torch.Tensor,
+                             extra: torch.Tensor | None = None, gate: torch.Tensor | None = None):
+    """(grad_x, grad_weight) of rows ``[R, D]`` by the one-pass Triton kernel, `extra` (the residual
+    stream's gradient) added to grad_x; with a `gate` (rows like x: `gated_rms_norm`'s) the triple
+    (grad_x, grad_weight, grad_gate)."""
     require_triton("rms_norm")
     n_rows, n = x2d.shape
     grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
     dx = torch.empty_like(x2d)
-    block_n, rows, num_warps = backward_tile(n)
+    dz = torch.empty_like(gate) if gate is not None else dx
+    block_n, rows, num_warps = _backward_tile(n)
     programs = max(1, min(triton.cdiv(n_rows, rows), 4 * num_sms(x2d.device)))
     partial = torch.empty(programs, n, device=x2d.device, dtype=torch.float32)
     if n_rows:
         _rms_norm_bwd_kernel[(programs,)](
-            x2d, grad_out, weight, extra if extra is not None else grad_out, dx, partial, n_rows, n, x2d.stride(0),
-            grad_out.stride(0), extra.stride(0) if extra is not None else 0, dx.stride(0), eps, BLOCK_N=block_n,
-            ROWS=rows, HAS_EXTRA=extra is not None, num_warps=num_warps)
+            x2d, grad_out, weight, extra if extra is not None else grad_out, gate if gate is not None else x2d, dx, dz,
+            partial, n_rows, n, x2d.stride(0), grad_out.stride(0), extra.stride(0) if extra is not None else 0,
+            gate.stride(0) if gate is not None else 0, dx.stride(0), dz.stride(0), eps, BLOCK_N=block_n, ROWS=rows,
+            HAS_EXTRA=extra is not None, GATED=gate is not None, num_warps=num_warps)
     else:
         partial.zero_()
-    return dx, partial.sum(0).to(weight.dtype)
+    grads = dx, partial.sum(0).to(weight.dtype)
+    return grads if gate is None else (*grads, dz)
 
 
 def rms_norm_backward_reference(x2d: torch.Tensor, weight: torch.Tensor, eps: float, grad_out: torch.Tensor,
@@ -241,7 +257,7 @@ def _rms_norm_backward(x2d, weight, eps, grad_out, extra=None, zero_centred=Fals
     scale = (1.0 + weight.to(torch.float64 if weight.dtype == torch.float64 else torch.float32)) if zero_centred \
         else weight
     if select("rms_norm", x2d) == "triton":
-        grad_x, grad_w = _rms_norm_backward_triton(x2d, scale, eps, grad_out, extra)
+        grad_x, grad_w = rms_norm_backward_triton(x2d, scale, eps, grad_out, extra)
     else:
         grad_x, grad_w = rms_norm_backward_reference(x2d, scale, eps, grad_out, extra)
     return grad_x, grad_w.to(weight.dtype)

@@ -24,13 +24,13 @@ import re
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
+from vexact_models.loading import CheckpointError, listed
+
 from .compat import register_conversion
 
 #: One expert's tensor in the hub layout: ``<prefix>.experts.<e>.<proj>.weight``.
 _EXPERT_KEY = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-#: Names listed in one error at most (a whole missing layer would list hundreds).
-_LIST_AT_MOST = 8
 
 
 def conversion_model_types(architectures: Iterable) -> list[str]:
@@ -132,8 +132,9 @@ def expert_tensor_errors(shapes: dict[str, tuple[int, ...]], config) -> tuple[li
 
 def check_expert_tensors(model_class: type, args: tuple, kwargs: dict) -> None:
     """For ``model_class.from_pretrained(*args, **kwargs)`` of a local folder holding a
-    hub-layout MoE checkpoint: raise ValueError naming every missing or mis-shaped per-expert
-    tensor (before anything is loaded). Hub ids and other formats are left to transformers."""
+    hub-layout MoE checkpoint: raise `CheckpointError` (a RuntimeError, as transformers' failed
+    conversion is, and a ValueError) naming every missing or mis-shaped per-expert tensor (before
+    anything is loaded). Hub ids and other formats are left to transformers."""
     path = args[0] if args else kwargs.get("pretrained_model_name_or_path")
     if not isinstance(path, (str, os.PathLike)) or not os.path.isdir(path):
         return
@@ -154,10 +155,8 @@ def check_expert_tensors(model_class: type, args: tuple, kwargs: dict) -> None:
         return
     missing, wrong = expert_tensor_errors(shapes, config)
     if missing:
-        more = f" and {len(missing) - _LIST_AT_MOST} more" if len(missing) > _LIST_AT_MOST else ""
-        raise ValueError(f"{owner}.from_pretrained: the checkpoint is missing tensor(s) {missing[:_LIST_AT_MOST]}{more} "
-                         "(one tensor per expert: every MoE layer needs each expert's gate_proj, up_proj and down_proj)")
+        raise CheckpointError(f"{owner}.from_pretrained: the checkpoint is missing tensor(s) {listed(missing)} (one "
+                              "tensor per expert: every MoE layer needs each expert's gate_proj, up_proj and down_proj)")
     if wrong:
-        more = f" and {len(wrong) - _LIST_AT_MOST} more" if len(wrong) > _LIST_AT_MOST else ""
-        raise ValueError(f"{owner}.from_pretrained: checkpoint tensor(s) that do not fit the config: "
-                         f"{', '.join(wrong[:_LIST_AT_MOST])}{more}")
+        raise CheckpointError(f"{owner}.from_pretrained: checkpoint tensor(s) that do not fit the config: "
+                              f"{listed(wrong, joined=True)}")

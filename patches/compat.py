@@ -7,12 +7,14 @@ needs `route`) and on the newest (see ``.ci/run``).
 - `route` / `routed_class` / `unroute`: the Auto-class mappings (``_LazyAutoMapping``).
 - `HFCompatMixin`: ``attn_implementation`` / ``experts_implementation`` for our models.
 - `qwen3_moe_router_output`: what Qwen3-MoE reports as ``router_logits``.
+- `select_hidden_states`: ``output_hidden_states`` given as layer indices.
 - `register_conversion`: transformers' checkpoint conversions (hub layouts) for our classes.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import weakref
 from collections.abc import Callable
 
@@ -126,17 +128,29 @@ def note_attn_implementation(config, requested: str | None, resolved: str) -> No
                    "(bitwise equal to rollouts)", resolved)
 
 
-def resolve_experts_implementation(requested: str | None, model_name: str) -> str:
+def resolve_experts_implementation(requested: str | None, model_name: str, routed: bool = True) -> str:
     """What HF stores in ``config._experts_implementation`` for `requested`: the requested name,
     or ``"eager"`` for None (HF's choice for a class that does not dispatch its experts through
-    HF's registry). Unknown names are a ValueError, as in HF."""
+    HF's registry). Unknown names are a ValueError, as in HF; so is any name but ``"eager"`` for
+    a model without routed experts (not `routed`: HF's dense classes refuse ``grouped_mm``)."""
     if requested is None:
         return "eager"
     valid = valid_experts_implementations()
     if requested not in valid:
         raise ValueError(f"{model_name}: experts_implementation={requested!r} is not one transformers "
                          f"{transformers.__version__} knows; use one of {sorted(valid)}")
+    if not routed and requested != "eager":
+        raise ValueError(f"{model_name}: experts_implementation={requested!r} cannot be honoured: the model has no "
+                         "routed experts (leave it unset, or 'eager')")
     return requested
+
+
+def has_routed_experts(model_class: type) -> bool:
+    """Whether `model_class`'s module defines a routed-experts block (a class with ``routes =
+    True``, the marker `layers.PreNormDecoderLayer` reads): the MoE architectures."""
+    module = sys.modules.get(model_class.__module__)
+    return module is not None and any(isinstance(v, type) and getattr(v, "routes", False) is True
+                                      for v in vars(module).values())
 
 
 class HFCompatMixin:
@@ -146,7 +160,11 @@ class HFCompatMixin:
     without flash-attn or ``kernels`` installed, and reads back from ``config._attn_implementation``
     as HF stores it; the aligned attention runs regardless and says so once per process (a
     ``logging`` warning on the ``vexact_models`` logger). Likewise every ``experts_implementation``
-    (HF's heads and trainers pass e.g. ``grouped_mm``) is accepted; the aligned MoE kernel runs."""
+    loads on an MoE class (HF's heads pass e.g. ``grouped_mm``); the aligned MoE kernel runs. A
+    dense class has no experts implementation to set (``_can_set_experts_implementation`` is
+    False, as for HF's dense classes) and takes only ``eager``. Switching a loaded model's
+    experts implementation (``set_experts_implementation``) would change nothing, so it is an
+    error naming the value."""
 
     def _check_and_adjust_attn_implementation(self, attn_implementation: str | None, *args, **kwargs) -> str:
         resolved = resolve_attn_implementation(attn_implementation, type(self).__name__)
@@ -159,21 +177,34 @@ class HFCompatMixin:
         return resolved
 
     def _check_and_adjust_experts_implementation(self, experts_implementation: str | None, *args, **kwargs) -> str:
-        return resolve_experts_implementation(experts_implementation, type(self).__name__)
+        return resolve_experts_implementation(experts_implementation, type(self).__name__, has_routed_experts(type(self)))
 
     def get_correct_experts_implementation(self, requested_experts: str | None, *args, **kwargs) -> str:
-        return resolve_experts_implementation(requested_experts, type(self).__name__)
+        return resolve_experts_implementation(requested_experts, type(self).__name__, has_routed_experts(type(self)))
+
+    def set_experts_implementation(self, experts_implementation: str | dict) -> None:
+        """HF's ``set_experts_implementation``, which could only record a name: setting the
+        current one is a no-op, another one a ValueError naming it (unknown names as in HF)."""
+        current = self.config._experts_implementation
+        requested = (experts_implementation.get("", current) if isinstance(experts_implementation, dict)
+                     else experts_implementation)
+        name, routed = type(self).__name__, has_routed_experts(type(self))
+        resolve_experts_implementation(requested, name, routed)
+        if requested != current:
+            raise ValueError(f"{name}.set_experts_implementation({requested!r}) cannot be honoured: the aligned MoE "
+                             "kernel runs whatever is set (batch-invariant routing and expert GEMMs, bitwise equal to "
+                             f"rollouts); the model keeps experts_implementation={current!r}")
 
     # HF decides these by reading the class's module source for its attention / experts
-    # interfaces; ours accept any value, so `set_attn_implementation` / `set_experts_implementation`
-    # may record it
+    # interfaces; ours accept any attention value (`set_attn_implementation` records it), and an
+    # experts implementation only where there are routed experts
     @classmethod
     def _can_set_attn_implementation(cls) -> bool:
         return True
 
     @classmethod
     def _can_set_experts_implementation(cls) -> bool:
-        return True
+        return has_routed_experts(cls)
 
 
 # --- Qwen3-MoE router_logits --------------------------------------------------------------------
@@ -187,6 +218,36 @@ _QWEN3_MOE_ROUTER_RETURNS_PROBS = TRANSFORMERS_VERSION < Version("5.6.0")
 def qwen3_moe_router_output(logits: torch.Tensor) -> torch.Tensor:
     """What stock Qwen3-MoE reports as one layer's ``router_logits`` on this transformers."""
     return torch.softmax(logits, dim=-1, dtype=torch.float32) if _QWEN3_MOE_ROUTER_RETURNS_PROBS else logits
+
+
+# --- output_hidden_states as indices ----------------------------------------------------------
+# Up to 5.16 ``output_hidden_states`` is a flag: a list of indices is merely truthy and selects
+# every hidden state. 5.17 to 5.22 take a list, tuple or set of layer indices: entry i is layer
+# i's output (the embeddings are not among them), one entry per layer, None where not selected;
+# a negative index selects nothing. From 5.23 an int or a sequence selects among the
+# num_layers + 1 hidden states (0: the embeddings), negative indices count from the end, those
+# out of range are dropped, None where not selected. On every release an empty selection (or 0)
+# is falsy: no hidden states at all. Where the last layer is selected, its entry is the final
+# normed output (``last_hidden_state``), as HF ties it.
+_HIDDEN_STATE_INDICES = ("states" if TRANSFORMERS_VERSION >= Version("5.23.0") else
+                         "layers" if TRANSFORMERS_VERSION >= Version("5.17.0") else None)
+
+
+def select_hidden_states(states: list, request) -> list:
+    """What stock transformers returns as ``hidden_states`` for ``output_hidden_states=request``
+    (truthy), given all of them (`states`: the embeddings, then each layer's output, the last
+    being the final normed output): `states` itself for a flag, or on a release that takes no
+    indices; else the entries the indices select, None elsewhere (see the comment above)."""
+    if _HIDDEN_STATE_INDICES is None or isinstance(request, bool):
+        return states
+    if _HIDDEN_STATE_INDICES == "layers":
+        if not isinstance(request, (list, tuple, set)):
+            return states
+        chosen = set(request)
+        return [states[i + 1] if i in chosen else None for i in range(len(states) - 1)]
+    count = len(states)
+    chosen = {i % count for i in ([request] if isinstance(request, int) else list(request)) if -count <= i < count}
+    return [state if i in chosen else None for i, state in enumerate(states)]
 
 
 # --- checkpoint conversions --------------------------------------------------------------------

@@ -14,7 +14,7 @@ import torch
 
 from vexact_models.registry import architectures, for_model_type
 
-from ..kernels.attention_tiles import VALUE_HEAD_DIMS
+from ..kernels.attention_tiles import TMA_HEAD_DIMS
 from .sampling_params import MAX_SEED
 
 #: Floating dtypes the kernels take (the reference backend also takes float64).
@@ -76,8 +76,8 @@ def default_block_size(kv_cache_spec) -> int:
     (`kernels/attention.py: page_descriptors_fit`); else 16 (MLA's expanded 192-wide keys). A page
     size never changes a bit (docs/design.md rule 2)."""
     _, _, head_dim_k, head_dim_v = kv_cache_spec
-    by_tma = getattr(kv_cache_spec, "value_in_key", False) or (head_dim_k in VALUE_HEAD_DIMS
-                                                                and head_dim_v in VALUE_HEAD_DIMS)
+    by_tma = getattr(kv_cache_spec, "value_in_key", False) or (head_dim_k in TMA_HEAD_DIMS
+                                                                and head_dim_v in TMA_HEAD_DIMS)
     return TMA_BLOCK_SIZE if by_tma else DEFAULT_BLOCK_SIZE
 
 

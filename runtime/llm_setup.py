@@ -12,6 +12,7 @@ import os
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
+from vexact_models.loading import from_pretrained_complete
 from vexact_models.registry import for_model_type
 
 from .linear_state_cache import linear_state_spec
@@ -72,7 +73,7 @@ def load_folder(path: str, dtype, stage: PipelineStage | None, device: torch.dev
     if stage is not None:
         model = load_stage_model(path, arch, config, torch_dtype, stage, device)
     else:
-        model = arch.causal_lm_class.from_pretrained(path, dtype=torch_dtype).to(device).eval()
+        model = from_pretrained_complete(arch.causal_lm_class, path, dtype=torch_dtype).to(device).eval()
     tokenizer = None
     if any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
         tokenizer = AutoTokenizer.from_pretrained(path)

@@ -169,3 +169,59 @@ def test_norm_tile_keeps_each_bf16_rows_lanes_and_warps(monkeypatch):
         assert old_axis == new_axis, (n, old_axis, new_axis)
         assert norm_tile(n)[1] * norm_tile(n)[0] <= max(1024, block_n)
     assert row_axis(1024, (8, 8), torch.float32)[0] != row_axis(1024, None, torch.float32)[0]
+
+
+def test_hybrid_ops_compile_for_hopper_without_spills(monkeypatch):
+    """The kernels of the gated-DeltaNet hybrids (Qwen3.5, Qwen3-Next) compiled for sm_90 on the CPU
+    at their model shapes, every form a model launches: the causal conv1d (training, with a bias,
+    the rollout form for prefill pieces and decode, the backward's gradient mode), its state update,
+    the gated and zero-centred norms and the gated backward, the sigmoid gates, partial rotary, and
+    the attention at head dim 256 in the tiles `pick_config` gives it (training, prefill, decode):
+    none spills."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from sm90_compile import compile_only, resources
+
+    from vexact_models.kernels.attention import PagedLayout, attention_triton, packed_layout
+    from vexact_models.kernels.causal_conv1d_backward import conv_grads_triton
+    from vexact_models.kernels.gated_rms_norm import gated_rms_norm_triton
+    from vexact_models.kernels.rms_norm import rms_norm_backward_triton, rms_norm_triton
+    from vexact_models.kernels.rotary import apply_rotary, rope_table
+    from vexact_models.kernels.sigmoid_gate import sigmoid_gate_triton
+
+    conv = importlib.import_module("vexact_models.kernels.causal_conv1d")
+    bf = torch.bfloat16
+    with compile_only() as kernels:
+        x, w = torch.randn(64, 8192).to(bf), torch.randn(8192, 4).to(bf)
+        cu, idx = torch.tensor([0, 30, 64], dtype=torch.int32), torch.tensor([1, 2], dtype=torch.int32)
+        state = torch.zeros(4, 3, 8192).to(bf)
+        conv._launch(x, w, None, cu, 34, True)
+        conv._launch(x, w, w[:, 0].contiguous(), cu, 34, True)
+        conv._launch(x, w, None, cu, 34, True, (state, idx, idx))
+        conv._launch(x, w, None, cu, 1, True, (state, idx, idx))
+        conv._launch(x, w, None, cu, 34, True, dy=x)
+        conv_grads_triton(x, w, cu, 34, x.float())
+        conv._conv_state_update_kernel[(2, 8)](x, state, cu, idx, idx, 8192, x.stride(0), state.stride(0),
+                                               state.stride(1), KEEP=3, BLOCK_K=4, BLOCK_C=1024, num_warps=4)
+        z = torch.randn(64 * 32, 128).to(bf)
+        gated_rms_norm_triton(z, z, torch.ones(128).to(bf), 1e-6)
+        rms_norm_backward_triton(z, torch.ones(128).to(bf), 1e-6, z, gate=z)
+        rms_norm_triton(torch.randn(64, 2048).to(bf), torch.ones(2048).to(bf), 1e-6, zero_centred=True)
+        q = torch.randn(64, 16, 256).to(bf)
+        sigmoid_gate_triton(q, torch.randn(64, 16, 512).to(bf)[..., 256:])
+        sigmoid_gate_triton(torch.randn(64, 2048).to(bf), torch.randn(64, 1).to(bf))
+        cos, sin = rope_table(1.0 / (1e4 ** (torch.arange(0, 64, 2) / 64)), 100)
+        with monkeypatch.context() as m:
+            m.setattr(importlib.import_module("vexact_models.kernels.rotary"), "select", lambda *a, **k: "triton")
+            apply_rotary(q, torch.zeros(64, dtype=torch.long), cos, sin)
+        k = torch.randn(300, 2, 256).to(bf)
+        attention_triton(torch.randn(300, 16, 256).to(bf), k, k, packed_layout(torch.tensor([0, 100, 300], dtype=torch.int32),
+                                                                              200), 0.06)
+        layout = PagedLayout(torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([100, 200], dtype=torch.int32),
+                             torch.arange(38, dtype=torch.int32).view(2, 19), 16, 1)
+        attention_triton(torch.randn(2, 16, 256).to(bf), k, k, layout, 0.06)
+    assert len(kernels) == 15, [kernel.name for kernel in kernels]
+    for kernel in kernels:
+        found = resources(kernel)
+        assert found.spill_bytes == 0, found

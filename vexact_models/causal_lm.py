@@ -9,32 +9,36 @@ log-probabilities with `gather_logprobs`, exactly as the sampler does.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from vexact_models.adapters import forbid_adapters
+from vexact_models.checkpointing import CheckpointingMixin
 from vexact_models.distributed import fsdp_forward_method
-from vexact_models.kernels import attention_saving_context, linear, token_logprobs
+from vexact_models.kernels import linear, token_logprobs
 from vexact_models.layers import (FlatBatch, PackedContext, PagedContext, RopeTables, check_tokens, flatten_inputs,
                                   head_dim_of)
-from vexact_models.patches.compat import HFCompatMixin
+from vexact_models.loading import check_loading_info, from_pretrained_complete
+from vexact_models.patches.compat import HFCompatMixin, select_hidden_states
 from vexact_models.registry import for_model_type
 
 
-class StrictLoadingMixin(HFCompatMixin):
+class StrictLoadingMixin(CheckpointingMixin, HFCompatMixin):
     """Mixed into our ``PreTrainedModel`` classes (before ``PreTrainedModel``); every model class
-    has it, so it also brings `HFCompatMixin` (any ``attn_implementation`` /
-    ``experts_implementation`` HF accepts loads)."""
+    has it, so it also brings `CheckpointingMixin` (activation checkpointing keeps the attention
+    outputs) and `HFCompatMixin` (any ``attn_implementation`` / ``experts_implementation`` HF
+    accepts loads)."""
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
-        """HF ``from_pretrained``, but a checkpoint with a missing or mis-shaped tensor is an
-        error naming the tensor (HF would initialise a missing one randomly with a warning, and
-        reports a mis-shaped one only in its log). Published layouts transformers converts
-        (per-expert hub MoE checkpoints) load without `patch()` too (`checkpoint_conversions`)."""
+        """HF ``from_pretrained``, lenient where transformers is on purpose: weights a head adds
+        (a new ``score`` or ``lm_head``) are initialised and reported as transformers does; but
+        a decoder tensor the checkpoint lacks, or a tensor of the wrong shape (without
+        ``ignore_mismatched_sizes=True``), is a `loading.CheckpointError` naming it (a
+        ``RuntimeError``, as transformers raises for a mis-shaped tensor; see `vexact_models.loading`).
+        Published layouts transformers converts (per-expert hub MoE checkpoints) load without
+        `patch()` too (`checkpoint_conversions`)."""
         from vexact_models.patches.checkpoints import check_expert_tensors, checkpoint_conversions
 
         # a per-expert tensor missing or mis-shaped: transformers' own error names only the fused tensor
@@ -44,14 +48,7 @@ class StrictLoadingMixin(HFCompatMixin):
         with checkpoint_conversions(cls):
             model, info = super().from_pretrained(*args, output_loading_info=True, ignore_mismatched_sizes=True,
                                                   **kwargs)
-        missing = sorted(info.get("missing_keys") or [])
-        if missing:
-            raise ValueError(f"{cls.__name__}.from_pretrained: the checkpoint is missing tensor(s) {missing}")
-        mismatched = sorted(info.get("mismatched_keys") or [])
-        if mismatched and not ignore_mismatched:
-            detail = ", ".join(f"{name} has shape {tuple(got)} but the model expects {tuple(want)}"
-                               for name, got, want in mismatched)
-            raise ValueError(f"{cls.__name__}.from_pretrained: checkpoint tensor(s) with the wrong shape: {detail}")
+        check_loading_info(model, info, ignore_mismatched)
         return (model, info) if want_info else model
 
     def save_pretrained(self, *args, **kwargs):
@@ -82,6 +79,30 @@ def hf_flag(value: bool | None, config, name: str, default: bool) -> bool:
     return bool(getattr(config, name, default))
 
 
+def hidden_states_request(value, config):
+    """HF's ``output_hidden_states``: the argument when given (a flag, or layer indices where the
+    installed transformers takes them), else the config's field."""
+    return value if value is not None else getattr(config, "output_hidden_states", False)
+
+
+def hidden_states_output(states: list | None, request, flat: FlatBatch) -> tuple | None:
+    """HF's ``hidden_states`` for `request` (`hidden_states_request`) out of the collected flat
+    `states` (the embeddings, then every layer's output): each in the input's padded shape, None
+    where indices leave one out (`compat.select_hidden_states`)."""
+    if states is None:
+        return None
+    return tuple(None if s is None else flat.to_padded(s) for s in select_hidden_states(states, request))
+
+
+def refuse_output_attentions(value: bool | None, model) -> None:
+    """``output_attentions`` (the argument, else the config's) cannot be honoured: the aligned
+    attention kernel never materialises attention weights (docs/design.md section 8)."""
+    if hf_flag(value, model.config, "output_attentions", False):
+        raise ValueError(f"{type(model).__name__}.forward: output_attentions=True is not supported: the aligned "
+                         "attention kernel never materialises attention weights (it keeps only each row's output "
+                         "and log-sum-exp); pass output_attentions=False")
+
+
 class DecoderModelMixin(StrictLoadingMixin):
     """The decoder stack's one forward, for base models with ``embed_tokens``, ``layers``,
     ``norm`` and ``rope`` (a `RopeTables`). Layers are called as
@@ -100,14 +121,6 @@ class DecoderModelMixin(StrictLoadingMixin):
         self.rope = RopeTables(config, rope_dim or head_dim_of(config))
         self.gradient_checkpointing = False
 
-    def checkpoint_context_fn(self) -> Callable:
-        """The ``context_fn`` of each layer's activation checkpoint: the one the caller passed to
-        ``gradient_checkpointing_enable(gradient_checkpointing_kwargs={"context_fn": ...})``, else
-        `kernels.attention_saving_context`, which keeps each layer's attention (out, lse) and
-        recomputes the rest (pass ``torch.utils.checkpoint.noop_context_fn`` for full recompute)."""
-        caller = getattr(getattr(self, "_gradient_checkpointing_func", None), "keywords", None) or {}
-        return caller.get("context_fn", attention_saving_context)
-
     def forward_flat(self, input_ids: torch.Tensor, positions: torch.Tensor, context,
                      inputs_embeds: torch.Tensor | None = None, hidden_states: list | None = None,
                      **layer_kwargs) -> torch.Tensor:
@@ -121,13 +134,8 @@ class DecoderModelMixin(StrictLoadingMixin):
         residual = None
         if hidden_states is not None:
             hidden_states.append(hidden)
-        for layer in self.layers:
-            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                hidden, residual = torch.utils.checkpoint.checkpoint(
-                    layer, hidden, residual, positions, rope, context, use_reentrant=False,
-                    context_fn=self.checkpoint_context_fn(), **layer_kwargs)
-            else:
-                hidden, residual = layer(hidden, residual, positions, rope, context, **layer_kwargs)
+        for layer in self.layers:  # each checkpoints itself when asked to (`vexact_models.checkpointing`)
+            hidden, residual = layer(hidden, residual, positions, rope, context, **layer_kwargs)
             if hidden_states is not None:
                 hidden_states.append(hidden + residual)
         out = self.norm(hidden, residual)[0]
@@ -165,18 +173,21 @@ class DecoderModelMixin(StrictLoadingMixin):
 
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.LongTensor | None = None, cu_seqlens: torch.Tensor | None = None,
-                inputs_embeds: torch.Tensor | None = None, output_hidden_states: bool | None = None,
-                return_dict: bool | None = None, **kwargs) -> BaseModelOutputWithPast | tuple:
+                inputs_embeds: torch.Tensor | None = None, output_hidden_states: bool | list[int] | None = None,
+                return_dict: bool | None = None, output_attentions: bool | None = None,
+                **kwargs) -> BaseModelOutputWithPast | tuple:
         """HF-compatible forward on padded (``attention_mask``) or packed (``position_ids``
         restarting at 0, or ``cu_seqlens``) input ids or ``inputs_embeds``; returns
         ``last_hidden_state`` in the input's shape (zeros at padding) and, with
-        ``output_hidden_states``, HF's tuple of per-layer hidden states. ``past_key_values`` and
-        ``use_cache`` are ignored (rollouts use `vexact_models.LLM`)."""
-        hidden, flat, states = self.forward_hf_inputs(
-            input_ids, attention_mask, position_ids, cu_seqlens, inputs_embeds,
-            hf_flag(output_hidden_states, self.config, "output_hidden_states", False))
+        ``output_hidden_states`` (a flag, or layer indices as the installed transformers takes
+        them), HF's tuple of per-layer hidden states. ``past_key_values`` and ``use_cache`` are
+        ignored (rollouts use `vexact_models.LLM`); ``output_attentions=True`` is a ValueError."""
+        refuse_output_attentions(output_attentions, self)
+        request = hidden_states_request(output_hidden_states, self.config)
+        hidden, flat, states = self.forward_hf_inputs(input_ids, attention_mask, position_ids, cu_seqlens, inputs_embeds,
+                                                      bool(request))
         out = BaseModelOutputWithPast(last_hidden_state=flat.to_padded(hidden),
-                                      hidden_states=None if states is None else tuple(map(flat.to_padded, states)))
+                                      hidden_states=hidden_states_output(states, request, flat))
         return out if hf_flag(return_dict, self.config, "return_dict", True) else out.to_tuple()
 
 
@@ -206,9 +217,10 @@ class CausalLMMixin(StrictLoadingMixin):
         row's first token) or packed (``position_ids`` restarting at 0 per sequence, or
         ``cu_seqlens``), as token ids or ``inputs_embeds``. Returns fp32 ``logits`` in the
         input's shape (zeros at padding), with ``labels`` HF's shifted cross-entropy ``loss``,
-        with ``output_hidden_states`` HF's per-layer hidden states; a tuple when
-        ``return_dict=False``. ``past_key_values``/``use_cache`` are ignored: rollouts use
-        `vexact_models.LLM`.
+        with ``output_hidden_states`` HF's per-layer hidden states (all, or those layer indices
+        select); a tuple when ``return_dict=False``. ``past_key_values``/``use_cache`` are
+        ignored: rollouts use `vexact_models.LLM`. ``output_attentions=True`` is a ValueError (the
+        aligned attention never materialises weights).
         """
         out = self._causal_lm_output(CausalLMOutputWithPast, input_ids, attention_mask, position_ids, labels,
                                      cu_seqlens, logits_to_keep, **kwargs)
@@ -219,22 +231,23 @@ class CausalLMMixin(StrictLoadingMixin):
 
     def _causal_lm_output(self, output_class, input_ids, attention_mask, position_ids, labels, cu_seqlens,
                           logits_to_keep: int, router_logits: list | None = None, inputs_embeds=None,
-                          output_hidden_states: bool | None = None, **kwargs):
+                          output_hidden_states: bool | list[int] | None = None, output_attentions: bool | None = None,
+                          **kwargs):
         """The body of every ``forward``: `output_class` with padded fp32 logits, with ``labels``
         HF's loss, and the hidden states when asked. MoE models pass a list that collects each
         MoE layer's router logits."""
         for unused in ("use_cache", "past_key_values", "return_dict", "cache_position"):
             kwargs.pop(unused, None)
+        refuse_output_attentions(output_attentions, self)
         layer_kwargs = {} if router_logits is None else {"router_logits": router_logits}
-        hidden, flat, states = self.model.forward_hf_inputs(
-            input_ids, attention_mask, position_ids, cu_seqlens, inputs_embeds,
-            hf_flag(output_hidden_states, self.config, "output_hidden_states", False), **layer_kwargs)
+        request = hidden_states_request(output_hidden_states, self.config)
+        hidden, flat, states = self.model.forward_hf_inputs(input_ids, attention_mask, position_ids, cu_seqlens,
+                                                            inputs_embeds, bool(request), **layer_kwargs)
         logits = self._padded_logits(hidden, flat, logits_to_keep)
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return output_class(loss=loss, logits=logits,
-                            hidden_states=None if states is None else tuple(map(flat.to_padded, states)))
+        return output_class(loss=loss, logits=logits, hidden_states=hidden_states_output(states, request, flat))
 
     def _router_logits_list(self, output_router_logits: bool | None) -> list | None:
         """A list to collect router logits in when asked (argument, else the config's
@@ -250,6 +263,25 @@ class CausalLMMixin(StrictLoadingMixin):
         roll out with `vexact_models.LLM`, which shares this model's weights."""
         kwargs["use_cache"] = False
         return super().generate(*args, **kwargs)
+
+    def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, *args, attention_mask: torch.Tensor | None = None,
+                                      inputs_embeds: torch.Tensor | None = None, **kwargs) -> dict:
+        """HF's step inputs; for a prompt given as ``inputs_embeds``, every step after the first
+        feeds the prompt's embeddings followed by the generated tokens' (HF feeds only the new
+        tokens, relying on a KV cache this model does not keep), matching the full
+        ``attention_mask``, so padded prompts generate as with a cache."""
+        inputs = super().prepare_inputs_for_generation(input_ids, *args, attention_mask=attention_mask,
+                                                        inputs_embeds=inputs_embeds, **kwargs)
+        prompt, mask = inputs_embeds, attention_mask
+        if inputs.get("inputs_embeds") is None and prompt is not None and mask is not None \
+                and mask.shape[-1] > prompt.shape[1]:
+            new = input_ids[:, prompt.shape[1] - mask.shape[-1]:]  # the generated tokens (input_ids may hold the prompt)
+            inputs["inputs_embeds"] = torch.cat([prompt, self.get_input_embeddings()(new).to(prompt.dtype)], dim=1)
+            inputs["input_ids"] = None
+            positions = inputs.get("position_ids")
+            if positions is not None and positions.shape[-1] != mask.shape[-1]:  # sliced to the new tokens
+                del inputs["position_ids"]  # the mask gives them: each row counts from its first token
+        return inputs
 
     @fsdp_forward_method  # on an FSDP2 root, runs the root's all-gather hooks (plain fully_shard recipe)
     def token_logprobs(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
@@ -342,4 +374,6 @@ class InferenceModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path, **kwargs) -> "InferenceModel":
-        return cls(cls.training_class.from_pretrained(path, **kwargs))
+        """The training class's weights from a checkpoint folder, strictly: a tensor the checkpoint
+        lacks (a head included) is a `loading.CheckpointError` (`loading.from_pretrained_complete`)."""
+        return cls(from_pretrained_complete(cls.training_class, path, **kwargs))

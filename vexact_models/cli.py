@@ -3,6 +3,8 @@
     vexact demo          build a small random Qwen3 checkpoint, patch transformers, roll out with the
                          paged runtime, recompute with the training variant, print the conformance table
     vexact conformance   the full conformance suite (same as ``vexact-conformance``)
+    vexact env           what a bug report needs: versions, platform, device, kernel backend and
+                         every VEXACT_* switch with its value, default and modes
     vexact new-architecture NAME --from qwen3
                          a new architecture folder copied from a registered one, with its test
                          (docs/adding-an-architecture.md)
@@ -101,6 +103,26 @@ def _add_new_architecture_parser(sub) -> None:
     p.add_argument("--dry-run", action="store_true", help="check and print what would be written; write nothing")
 
 
+ENV_HELP = """Print what a bug report needs; paste it into the issue. The versions of Python, torch, Triton,
+transformers, peft and every optional extra (accelerate, trl, verl, quack-kernels, flash-attn-4,
+nvidia-cudnn-frontend, ...: "not installed" when absent), the platform, the device (each CUDA
+device's name and compute capability, or cpu), the kernel backend ops would run on it
+(VEXACT_BACKEND, set_backend) and every VEXACT_* switch: its value now, whether the environment
+sets it, its default and its accepted modes (docs/switches.md explains each). A switch set to a
+value it does not accept is printed as invalid, not raised.
+
+Example:
+    vexact env
+    vexact env --json > env.json
+"""
+
+
+def env(args: argparse.Namespace) -> int:
+    from vexact_models import env_report
+
+    return env_report.main(as_json=args.json)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vexact", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -113,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     p_demo.add_argument("--seed", type=int, default=0)
     sub.add_parser("conformance", help="the conformance suite (see vexact-conformance --help)", add_help=False)
     _add_new_architecture_parser(sub)
+    p_env = sub.add_parser("env", help="versions, device, backend and VEXACT_* switches, for a bug report",
+                           description=ENV_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p_env.add_argument("--json", action="store_true", help="print the report as JSON")
     args, rest = parser.parse_known_args(argv)
     if args.command == "conformance":
         from vexact_models.conformance.cli import main as conformance_main
@@ -122,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "new-architecture":
         return new_architecture(args)
+    if args.command == "env":
+        return env(args)
     return demo(args)
 
 

@@ -36,13 +36,6 @@ def alternating_layer_types(layers: int) -> list[str]:
     return [("linear_attention", "full_attention")[i % 2] for i in range(layers)]
 
 
-def rotary_dim(config) -> int:
-    """The rotated dims of each head: ``int(head_dim * partial_rotary_factor)`` (HF's rule; 0.25
-    in Qwen3.5 and Qwen3-Next)."""
-    factor = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
-    return int(head_dim_of(config) * factor)
-
-
 def randomize_norms_and_gates(model: nn.Module, seed: int) -> None:
     """``Architecture.init_for_conformance`` of the hybrids: random values for what HF's init
     leaves constant (zero-centred norm weights at 0, gated norm weights and ``dt_bias`` at 1), so

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from vexact_models.kernels import (PagedLayout, add_rms_norm, apply_rotary, attention, attention_packed, fused_moe,
                                    kv_cache_write, linear_silu_and_mul, rms_norm, rope_table, rotary_cache_write,
@@ -82,13 +83,14 @@ def add_and_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None) 
     return norm(x, residual)
 
 
-class PreNormDecoderLayer(nn.Module):
+class PreNormDecoderLayer(GradientCheckpointingLayer):
     """A pre-norm decoder layer (``self_attn``, ``mlp``, ``input_layernorm``,
     ``post_attention_layernorm``, set by each architecture's subclass), called as
     ``layer(hidden, residual, positions, rope, context, router_logits=None) -> (mlp output,
     residual stream before it)``: each residual add is fused into the norm after it (see
     `DecoderModelMixin`). An MLP with ``routes = True`` (an MoE block) also gets the list that
-    collects router logits."""
+    collects router logits. A transformers ``GradientCheckpointingLayer``: with checkpointing on,
+    it runs under its model's checkpoint function (`vexact_models.checkpointing`)."""
 
     def mix(self, normed: torch.Tensor, positions, rope, context) -> torch.Tensor:
         """The token mixer's output: ``self_attn`` here; hybrid layers pick theirs (a gated
@@ -181,7 +183,9 @@ class RopeTables:
         rope_type = params.get("rope_type", "default")
         if rope_type == "default":
             base = float(params.get("rope_theta", getattr(self.config, "rope_theta", 10000.0)))
-            inv_freq = 1.0 / (base ** (torch.arange(0, self.head_dim, 2, dtype=torch.float, device="cpu") / self.head_dim))
+            # partial rotary (Qwen3-Next, Qwen3.5: 0.25): frequencies for the rotated dims only, as HF
+            dim = int(self.head_dim * params.get("partial_rotary_factor", 1.0))
+            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim))
             scaling = 1.0
         else:
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](self.config, "cpu")

@@ -2,9 +2,6 @@
 vexact_models.LLM, and TRL's own mismatch metrics read exactly 0 / 1; with the integration's
 logprobs switched off they do not."""
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,14 +19,9 @@ IS_MIN, IS_MEAN, IS_MAX = (f"sampling/importance_sampling_ratio/{k}" for k in ("
 
 
 @pytest.fixture(scope="module")
-def example():
-    """examples/trl_grpo.py as a module (its toy task, tokenizer and trainer factory)."""
-    path = Path(__file__).resolve().parents[2] / "examples" / "trl_grpo.py"
-    spec = importlib.util.spec_from_file_location("trl_grpo_example", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+def example(trl_grpo_example):
+    """examples/trl_grpo.py as a module (tests/integrations/conftest.py)."""
+    return trl_grpo_example
 
 
 def test_trl_metrics_zero_with_integration_nonzero_without(example, tmp_path):

@@ -11,7 +11,6 @@ GPU; ``docs/verl.md`` says how to run the full trainer there). The rollout side 
 """
 
 import asyncio
-import socket
 import sys
 from pathlib import Path
 
@@ -23,7 +22,6 @@ vv = pytest.importorskip("vexact_models.integrations.verl", reason="verl (and ra
 
 # pytest's importlib mode does not put this folder on sys.path; the shared helpers live beside
 sys.path.insert(0, str(Path(__file__).parent))
-import torch.distributed as dist  # noqa: E402
 from verl import DataProto  # noqa: E402
 from verl.trainer.config import CheckpointConfig  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
@@ -32,6 +30,7 @@ from verl.utils.model import compute_position_id_with_mask  # noqa: E402
 from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig  # noqa: E402
 from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding  # noqa: E402
 from verl_support import P, PROMPTS, R, TEMP, generate_all, make_rollout, model_config, save_tiny  # noqa: E402
+from verl_support import verl_cpu  # noqa: E402, F401  (a fixture, shared with test_verl_critic.py)
 
 import vexact_models  # noqa: E402
 from vexact_models.registry import get  # noqa: E402
@@ -45,46 +44,6 @@ def ckpt(tmp_path_factory):
 # ----------------------------------------------------------------------------------------------
 # the actor side: verl's own log-prob computation and metric
 # ----------------------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def verl_cpu():
-    """verl's engine on CPU: a CPU platform through verl's platform extension point, and a
-    one-process gloo group (verl's engine all-reduces token counts)."""
-    from verl.plugin.platform import platform_manager
-    from verl.plugin.platform.platform_cuda import PlatformCUDA
-
-    class CPUPlatform(PlatformCUDA):
-        device_name = property(lambda self: "cpu")
-        device_module = property(lambda self: torch.cpu)
-
-        def is_available(self):
-            return True
-
-        def current_device(self):
-            return "cpu"
-
-        def synchronize(self, device_index=None):
-            pass
-
-        def empty_cache(self):
-            pass
-
-        def communication_backend_name(self):
-            return "gloo"
-
-    saved = platform_manager._current_platform
-    platform_manager.set_platform(CPUPlatform())
-    own_group = not dist.is_initialized()
-    if own_group:
-        with socket.socket() as s:  # a free port: other test runs may share the machine
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    if own_group:
-        dist.destroy_process_group()
-    platform_manager._current_platform = saved
-
 
 def verl_engine(path: str, fused: bool, remove_padding: bool = True):
     """verl's FSDP actor engine, its module built by verl's own loader (AutoModelForCausalLM and
@@ -133,7 +92,8 @@ def diff_metrics(tensors: dict, old_log_probs: torch.Tensor) -> dict:
 
 
 @pytest.mark.parametrize("remove_padding", [True, False])
-def test_actor_logprobs_equal_rollout_and_verls_metric_is_zero(ckpt, verl_cpu, remove_padding):
+@pytest.mark.usefixtures("verl_cpu")
+def test_actor_logprobs_equal_rollout_and_verls_metric_is_zero(ckpt, remove_padding):
     _, server = make_rollout(ckpt)
     tensors = rollout_batch(asyncio.run(generate_all(server)))
     engine = verl_engine(ckpt, fused=True, remove_padding=remove_padding)
@@ -146,7 +106,8 @@ def test_actor_logprobs_equal_rollout_and_verls_metric_is_zero(ckpt, verl_cpu, r
 
 
 @pytest.mark.parametrize("variant", ["stock transformers class", "our class, verl's fused path"])
-def test_verls_metric_is_nonzero_without_the_hook(ckpt, verl_cpu, variant):
+@pytest.mark.usefixtures("verl_cpu")
+def test_verls_metric_is_nonzero_without_the_hook(ckpt, variant):
     """The same rollout scored by verl's stock paths, integration uninstalled: the stock
     transformers class with verl's log-softmax, or our class (same kernels up to the hidden
     states) with verl's own fused-linear forward, which verl installs over ours. Neither is 0:

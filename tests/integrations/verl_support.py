@@ -4,8 +4,11 @@ and the recompute that checks a rollout's logprobs. Imports verl: the tests impo
 `pytest.importorskip` of the integration (``.ci/verl`` builds the venv where it imports)."""
 
 import asyncio
+import socket
 
+import pytest
 import torch
+import torch.distributed as dist
 from verl.workers.config import HFModelConfig, RolloutConfig
 from verl.workers.rollout.base import BaseRollout, get_rollout_class
 
@@ -59,3 +62,43 @@ async def generate_all(server, prompts=PROMPTS, return_exceptions=False, **param
 def recompute(model, prompt, tokens, temperature=TEMP) -> torch.Tensor:
     with torch.no_grad():
         return model.token_logprobs(torch.tensor([prompt + tokens]), temperature=temperature)[0, len(prompt):]
+
+
+@pytest.fixture(scope="module")
+def verl_cpu():
+    """verl's engine on CPU: a CPU platform through verl's platform extension point, and a
+    one-process gloo group (verl's engine all-reduces token counts)."""
+    from verl.plugin.platform import platform_manager
+    from verl.plugin.platform.platform_cuda import PlatformCUDA
+
+    class CPUPlatform(PlatformCUDA):
+        device_name = property(lambda self: "cpu")
+        device_module = property(lambda self: torch.cpu)
+
+        def is_available(self):
+            return True
+
+        def current_device(self):
+            return "cpu"
+
+        def synchronize(self, device_index=None):
+            pass
+
+        def empty_cache(self):
+            pass
+
+        def communication_backend_name(self):
+            return "gloo"
+
+    saved = platform_manager._current_platform
+    platform_manager.set_platform(CPUPlatform())
+    own_group = not dist.is_initialized()
+    if own_group:
+        with socket.socket() as s:  # a free port: other test runs may share the machine
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    if own_group:
+        dist.destroy_process_group()
+    platform_manager._current_platform = saved

@@ -285,6 +285,61 @@ def test_decode_by_page_tma_equals_pointer_loads_and_training_bitwise(hq, hkv):
         assert torch.equal(out, by_tma) and torch.equal(lse, lse_tma), tma
 
 
+def test_head_dim_256_takes_pointer_loads_and_64_row_tiles(monkeypatch):
+    """Qwen3.5's and Qwen3-Next's head dim 256 is taken (keys and values); its K/V blocks come by
+    pointer loads, not TMA (`TMA_HEAD_DIMS`), and its training tiles hold 64 rows."""
+    import importlib
+
+    from vexact_models.kernels.attention_tiles import HEAD_DIMS, VALUE_HEAD_DIMS, AttentionConfig, pick_config
+
+    module = importlib.import_module("vexact_models.kernels.attention")
+    assert 256 in HEAD_DIMS and 256 in VALUE_HEAD_DIMS
+    monkeypatch.setattr(module, "has_tma", lambda device: True)
+    _, k, v, _ = _packed([4, 8], 4, 2, 256, dtype=torch.bfloat16)
+    assert not module.kv_descriptors_fit(k, v)
+    assert not module.page_descriptors_fit(k, v, 64, 8)
+    assert pick_config(256, 4096, torch.bfloat16) == AttentionConfig(64, 64, 8, 2)  # no spills (test_kernel_resources)
+    assert pick_config(256, 40, torch.bfloat16) == AttentionConfig(64, 64, 8, 2)
+    assert pick_config(256, 8, torch.bfloat16) == AttentionConfig(16, 64, 4, 2, heads_fastest=True)
+    assert pick_config(128, 4096, torch.bfloat16).block_m == 128  # the others keep theirs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("hq,hkv", [(16, 2), (16, 4)])  # Qwen3.5-35B-A3B, Qwen3.5 dense
+def test_head_dim_256_training_prefill_and_decode_bitwise(hq, hkv):
+    """Head dim 256 on the GPU: the packed training forward, a chunked prefill over shuffled pages
+    (NaN in unwritten slots) and decode steps give each token bitwise the same output and lse, close
+    to float64 math; the backward is close to float64 autograd."""
+    from vexact_models.kernels.attention import attention_triton
+
+    d, page = 256, 16
+    lens = [1, 63, 64, 65, 300]
+    gen = torch.Generator().manual_seed(hq + hkv)
+    t = sum(lens)
+    q, k, v = (torch.randn(t, h, d, generator=gen).bfloat16().cuda() for h in (hq, hkv, hkv))
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
+    packed, lse = attention_triton(q, k, v, packed_layout(cu.cuda(), max(lens)), d ** -0.5)
+    want = attention_math(q.double(), k.double(), v.double(), cu.cuda(), d ** -0.5)
+    assert float((packed.double() - want).norm() / want.norm()) < 1e-2
+    table = shuffled_block_table(lens, page, gen)
+    kc, vc = (paged_cache(x, lens, table, page).cuda() for x in (k, v))
+    for chunk in (1, 7, 64):  # each sequence's last `chunk` tokens after the rest as context
+        q_lens = [min(chunk, n) for n in lens]
+        rows = torch.cat([torch.arange(e - c, e) for e, c in zip(cu[1:].tolist(), q_lens)]).cuda()
+        q_cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32).cuda()
+        layout = PagedLayout(q_cu, torch.tensor(lens, dtype=torch.int32).cuda(), table.cuda(), page, max(q_lens))
+        out, out_lse = attention_triton(q[rows], kc, vc, layout, d ** -0.5)
+        assert torch.equal(out, packed[rows]) and torch.equal(out_lse, lse[rows]), chunk
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    g = torch.randn(t, hq, d, generator=gen).bfloat16().cuda()
+    got = torch.autograd.grad(attention_packed(qg, kg, vg, cu.cuda(), max(lens), d ** -0.5), (qg, kg, vg), g)
+    qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
+    want = torch.autograd.grad(attention_math(qd, kd, vd, cu.cuda(), d ** -0.5), (qd, kd, vd), g.double())
+    for a, b in zip(got, want):
+        assert float((a.double() - b).norm() / b.norm()) < 2e-2
+
+
 def test_shuffled_pages_and_paged_cache_hold_the_packed_sequences():
     """The GPU tests' fixture (tests/conftest.py): attention over the shuffled pages equals the
     packed forward at every sequence's last token, and unwritten slots hold NaN."""

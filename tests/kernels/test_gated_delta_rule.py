@@ -2,6 +2,7 @@
 training's, the fold, the backward, the errors; and (marked gpu) the Triton kernels at real shapes."""
 
 import inspect
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,9 +12,27 @@ from vexact_models.kernels.gated_delta_rollout import GatedDeltaRollout
 from vexact_models.kernels.gated_delta_rule import gated_delta_chunk_rows, gated_delta_fold, gated_delta_rule
 
 
+def layer_heads(q, k, v):
+    """q, k ``[B, T, Hk, d]`` repeated to v's ``Hv`` heads as transformers' Qwen3NextGatedDeltaNet and
+    Qwen3_5GatedDeltaNet layers do before calling the functions below (``repeat_interleave`` on the
+    head dim: value head ``h`` reads key head ``h // (Hv // Hk)``, the op's convention). Releases up
+    to 5.17 need it (the functions take q, k at v's heads); newer ones repeat inside the functions
+    too, which then see equal heads."""
+    group = v.shape[2] // k.shape[2]
+    return q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
+
+
 class hf:  # noqa: N801  transformers' torch paths themselves, never the fla kernels its decorator prefers when installed
-    torch_chunk_gated_delta_rule = staticmethod(inspect.unwrap(modeling_qwen3_next.torch_chunk_gated_delta_rule))
-    torch_recurrent_gated_delta_rule = staticmethod(inspect.unwrap(modeling_qwen3_next.torch_recurrent_gated_delta_rule))
+    _chunk = staticmethod(inspect.unwrap(modeling_qwen3_next.torch_chunk_gated_delta_rule))
+    _recurrent = staticmethod(inspect.unwrap(modeling_qwen3_next.torch_recurrent_gated_delta_rule))
+
+    @staticmethod
+    def torch_chunk_gated_delta_rule(q, k, v, *args, **kwargs):
+        return hf._chunk(*layer_heads(q, k, v), v, *args, **kwargs)
+
+    @staticmethod
+    def torch_recurrent_gated_delta_rule(q, k, v, *args, **kwargs):
+        return hf._recurrent(*layer_heads(q, k, v), v, *args, **kwargs)
 
 
 def make_inputs(lengths, hk, hv, dk, dv, *, dtype=torch.float32, device="cpu", seed=0, initial=True):
@@ -71,12 +90,12 @@ def pieces_for(lengths, chunk):
     return out
 
 
-@pytest.mark.parametrize("hk,hv", [(2, 2), (1, 4)])
-def test_reference_matches_transformers(hk, hv):
-    lengths = [37, 16, 50]
+@pytest.mark.parametrize("hk,hv,chunk", [(2, 2, 16), (1, 4, 16), (1, 2, 64)])
+def test_reference_matches_transformers(hk, hv, chunk):
+    lengths = [37, 16, 150] if chunk == 64 else [37, 16, 50]
     (q, k, v, g, beta), state = make_inputs(lengths, hk, hv, 16, 32)
     out, final = gated_delta_rule(q, k, v, g, beta, cu(lengths), initial_state=state, output_final_state=True,
-                                  chunk_size=16)
+                                  chunk_size=chunk)
     assert out.dtype == torch.float32 and final.dtype == torch.float32
     offsets = cu(lengths)
     for s in range(len(lengths)):
@@ -92,12 +111,36 @@ def test_reference_matches_transformers(hk, hv):
         assert (final[s] - f_rec[0]).abs().max() <= 1e-5 * f_rec.abs().max()
 
 
+def correlated_inputs(t, seed=1):
+    """Keys sharing a large common direction, almost no decay, betas near 1: where an unstable
+    solve (powers of L) loses every digit."""
+    gen = torch.Generator().manual_seed(seed)
+    common = torch.randn(1, 1, 16, generator=gen) * 3
+    q, k = torch.randn(t, 1, 16, generator=gen) + common, torch.randn(t, 1, 16, generator=gen) + common
+    v = torch.randn(t, 1, 16, generator=gen)
+    return q, k, v, torch.full((t, 1), -1e-4), torch.rand(t, 1, generator=gen) * 0.1 + 0.9
+
+
+def test_reference_is_accurate_with_correlated_keys():
+    inputs = correlated_inputs(128)
+    out, _ = gated_delta_rule(*inputs, chunk_size=64)
+    exact, _ = gated_delta_rule(*(x.double() for x in inputs), chunk_size=64)
+    assert (out.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
+
+
 def test_reference_without_l2norm_and_with_a_scale():
     lengths = [20]
     (q, k, v, g, beta), _ = make_inputs(lengths, 1, 1, 16, 16, initial=False)
     k = torch.nn.functional.normalize(k, dim=-1) * 0.7
     out, _ = gated_delta_rule(q * 0.25, k, v, g, beta, use_qk_l2norm=False, scale=0.5, chunk_size=16)
     want, _ = hf.torch_recurrent_gated_delta_rule(*(x[None] for x in (q * 0.25 * 0.5 * 4, k, v, g, beta)))
+    assert (out - want[0]).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_reference_takes_any_head_dims():
+    (q, k, v, g, beta), _ = make_inputs([30], 1, 2, 24, 20, initial=False)
+    out, _ = gated_delta_rule(q, k, v, g, beta, chunk_size=16)
+    want, _ = hf.torch_recurrent_gated_delta_rule(*(x[None] for x in (q, k, v, g, beta)), use_qk_l2norm_in_kernel=True)
     assert (out - want[0]).abs().max() <= 1e-5 * want.abs().max()
 
 
@@ -110,11 +153,11 @@ def test_reference_bf16_inputs():
     assert (out.float() - want[0].float()).abs().max() <= 1e-2 * want.float().abs().max()
 
 
-@pytest.mark.parametrize("hk,hv,initial", [(2, 2, False), (1, 2, True)])
-def test_reference_rollout_equals_training_bitwise(hk, hv, initial):
+@pytest.mark.parametrize("hk,hv,initial,chunk", [(2, 2, False, 16), (1, 2, True, 16), (1, 1, True, 32)])
+def test_reference_rollout_equals_training_bitwise(hk, hv, initial, chunk):
     """Training (all sequences packed, whole chunks) against a rollout (prefill in pieces cut on and
     off chunk boundaries, then one token at a time, other sequences in the same launches)."""
-    lengths, chunk = [45, 35, 29], 16
+    lengths = [45, 35, 29] if chunk == 16 else [90, 70]
     inputs, state = make_inputs(lengths, hk, hv, 16, 16, initial=initial)
     want, _ = gated_delta_rule(*inputs, cu(lengths), initial_state=state, chunk_size=chunk)
     got, roll = rollout_outputs(inputs, lengths, pieces_for(lengths, chunk), chunk=chunk, initial=state)
@@ -126,6 +169,7 @@ def test_reference_rollout_equals_training_bitwise(hk, hv, initial):
                               state if state is not None else roll.states.new_zeros(roll.states.shape),
                               list(range(len(lengths))), chunk_size=chunk)
     ends = cu([n // chunk for n in lengths])[1:]
+    assert all(n >= chunk for n in lengths)
     assert torch.equal(roll.states, folded[[e - 1 for e in ends]])
 
 
@@ -139,6 +183,16 @@ def test_empty_sequences_and_batch():
     assert torch.equal(final[0], states[0]) and torch.equal(final[2], states[2])  # no token: the initial state
     out, final = gated_delta_rule(q[:0], k[:0], v[:0], g[:0], beta[:0], output_final_state=True, chunk_size=16)
     assert out.shape == (0, 1, 16) and torch.equal(final, torch.zeros(1, 1, 16, 16))
+
+
+def test_rollout_steps_with_a_slot_adding_nothing():
+    inputs, _ = make_inputs([30, 20], 1, 1, 16, 16, initial=False)
+    want, _ = gated_delta_rule(*inputs, [0, 30, 50], chunk_size=16)
+    roll, got = GatedDeltaRollout(2, (1, 1), (16, 16), chunk_size=16), torch.zeros_like(want)
+    for rows, slots, counts in (([*range(7), *range(30, 35)], [0, 1], [7, 5]), (list(range(7, 30)), [1, 0], [0, 23]),
+                                (list(range(35, 50)), [0, 1], [0, 15])):
+        got[rows] = roll.step(*(x[rows] for x in inputs), slots, counts)
+    assert torch.equal(got, want) and roll.positions == [30, 20]
 
 
 def test_fold_in_one_run_equals_chunk_by_chunk():
@@ -296,3 +350,24 @@ def test_gpu_backward_matches_autograd_of_transformers():
         grads.append([x.grad for x in leaves])
     for name, a, b in zip(("q", "k", "v", "g", "beta", "initial_state"), *grads):
         assert (a - b).abs().max() <= 1e-3 * b.abs().max(), name
+
+
+def test_triton_kernels_compile_for_hopper_on_cpu(monkeypatch):
+    """Both kernels compile for sm_90 without a GPU (the interpreter accepts code the compiler
+    refuses, e.g. a global that is not a `tl.constexpr`), at a tiny shape and chunk 64 (the
+    solve's block rows), their products on the tensor cores and none split into 8-column TF32
+    wgmma (`gated_delta_triton.SMALL_HEAD_WARPS`)."""
+    pytest.importorskip("triton")
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from sm90_compile import compile_only, resources
+
+    from vexact_models.kernels.gated_delta_rule import training_forward
+
+    (q, k, v, g, beta), _ = make_inputs([70], 1, 1, 16, 16, dtype=torch.bfloat16, initial=False)
+    with compile_only() as compiled:
+        training_forward(q, k, v, g, beta, None, [70], 64, 0.25, True, True, "triton")
+    assert [kernel.name for kernel in compiled] == ["fold_kernel", "rows_kernel"]
+    for kernel in compiled:
+        assert resources(kernel).wgmma > 0, kernel.name
+        # 8-column TF32 wgmma: Triton 3.6's fold built so read shared memory out of bounds on the H200
+        assert "m64n8k8" not in kernel.asm["ptx"], kernel.name

@@ -32,7 +32,7 @@ def test_environment_override_and_restore(monkeypatch):
 def test_bad_values_name_their_source_and_change_nothing(monkeypatch):
     switch = KernelSwitch("X_SWITCH", ("a", "b"), "a", "thing")
     monkeypatch.setenv("X_SWITCH", "z")
-    with pytest.raises(ValueError, match=r"X_SWITCH='z' is not an thing; choose one of \('a', 'b'\)"):
+    with pytest.raises(ValueError, match=r"X_SWITCH='z' is not a thing; choose one of \('a', 'b'\)"):
         switch.mode()
     with switch.use("b"):
         with pytest.raises(ValueError, match="thing='B'"):
@@ -40,3 +40,13 @@ def test_bad_values_name_their_source_and_change_nothing(monkeypatch):
         assert switch.mode() == "b"
     with pytest.raises(ValueError, match="thing='q'"), switch.use("q"):
         pass
+
+
+def test_a_switch_records_its_module_and_one_variable_has_one_declaration():
+    switch = KernelSwitch("X_RECORDED", ("a", "b"), "a", "thing")
+    assert switch.module == __name__ and switch in KernelSwitch.declared()
+    assert KernelSwitch("X_RECORDED", ("a", "b"), "b", "thing") in KernelSwitch.declared()  # re-imported: replaced
+    with pytest.raises(ValueError, match="X_RECORDED is declared in .* already; elsewhere declares it again"):
+        KernelSwitch("X_RECORDED", ("a", "b"), "a", "thing", module="elsewhere")
+    names = [s.env_var for s in KernelSwitch.declared()]
+    assert names == sorted(names) and names.count("X_RECORDED") == 1

@@ -60,7 +60,7 @@ def test_the_default_is_auto_and_the_environment_or_override_chooses(monkeypatch
         assert linear_backend_mode() == "quack"
     assert linear_backend_mode() == "triton"
     monkeypatch.setenv(lq.ENV_VAR, "cublas")
-    with pytest.raises(ValueError, match="VEXACT_LINEAR='cublas' is not an linear backend"):
+    with pytest.raises(ValueError, match="VEXACT_LINEAR='cublas' is not a linear backend"):
         linear_backend_mode()
 
 

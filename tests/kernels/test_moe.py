@@ -1,8 +1,10 @@
 import pytest
 import torch
 
-from vexact_models.kernels.moe import fused_moe, moe_align, moe_math, tma_weight_layout, weights_by_tma
+from vexact_models.kernels.moe import fused_moe, moe_align
+from vexact_models.kernels.moe_backward import moe_math
 from vexact_models.kernels.moe_config import DECODE, FEW_ROWS, LARGE, SMALL, k_tile, pick_config
+from vexact_models.kernels.moe_grouped_gemm import tma_weight_layout, weights_by_tma
 from vexact_models.kernels.moe_routing import softmax_topk
 
 from ..conftest import rel_err

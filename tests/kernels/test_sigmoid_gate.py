@@ -57,3 +57,30 @@ def test_sigmoid_gate_errors():
         sigmoid_gate(torch.randn(2, 4), torch.randn(2, 3))
     with pytest.raises(ValueError, match=r"of x's dtype torch.float32"):
         sigmoid_gate(torch.randn(2, 4), torch.randn(2, 4).double())
+
+
+def test_shared_expert_with_its_gate_on_fused_moe_matches_transformers():
+    """What a Qwen3.5-MoE / Qwen3-Next MoE layer computes from these kernels: the shared expert
+    (`linear`, `silu_and_mul`, `linear`), its gate (`linear` to one column, `sigmoid_gate`) and the
+    routed experts with the gated shared output added in the combine (`fused_moe(add=...)`), against
+    transformers' `Qwen3_5MoeSparseMoeBlock` in fp32."""
+    from transformers import Qwen3_5MoeTextConfig
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
+
+    from vexact_models.kernels import fused_moe, linear, silu_and_mul, softmax_topk
+
+    config = Qwen3_5MoeTextConfig(hidden_size=32, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                                  num_experts=8, num_experts_per_tok=2)
+    block = Qwen3_5MoeSparseMoeBlock(config)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn_like(p) / 4)
+    x = torch.randn(1, 11, 32)
+    want = block(x).detach()[0]
+    h = x[0]
+    se = block.shared_expert
+    shared = linear(silu_and_mul(linear(h, se.gate_proj.weight), linear(h, se.up_proj.weight)), se.down_proj.weight)
+    gated = sigmoid_gate(shared, linear(h, block.shared_expert_gate.weight))
+    weights, ids = softmax_topk(linear(h, block.gate.weight), 2, True)
+    got = fused_moe(h, block.experts.gate_up_proj.detach(), block.experts.down_proj.detach(), weights, ids, add=gated)
+    assert rel_err(got, want) < 1e-5

@@ -157,6 +157,32 @@ def test_llm_loads_a_checkpoint_folder_with_its_tokenizer(checkpoint):
     assert mixed[0].prompt is None and mixed[0].outputs[0].text == c.text
 
 
+def test_a_checkpoint_without_its_head_is_refused_for_rollouts(checkpoint, tmp_path):
+    """The training class initialises a head the checkpoint lacks (as transformers does, for
+    critics and new heads); the engine would sample from it, so it names the tensor instead."""
+    from safetensors.torch import load_file, save_file
+
+    from vexact_models.loading import CheckpointError
+
+    import transformers
+
+    path, _ = checkpoint
+    torch.manual_seed(2)
+    hf = transformers.Qwen3ForCausalLM(qwen3.tiny_config(tie_word_embeddings=False)).eval()
+    headless = tmp_path / "headless"
+    hf.save_pretrained(headless)
+    tensors = load_file(headless / "model.safetensors")
+    del tensors["lm_head.weight"]
+    save_file(tensors, headless / "model.safetensors", metadata={"format": "pt"})
+    trained = qwen3.Qwen3ForCausalLM.from_pretrained(str(headless))  # lenient: a new head
+    assert trained.lm_head.weight.shape == hf.lm_head.weight.shape
+    for load in (lambda: LLM(str(headless), device="cpu", block_size=BS, kv_cache_bytes=1 << 20),
+                 lambda: qwen3.Qwen3ForCausalLMInference.from_pretrained(str(headless))):
+        with pytest.raises(CheckpointError, match=r"missing tensor\(s\) \['lm_head\.weight'\]"):
+            load()
+    assert LLM(str(path), device="cpu", block_size=BS, kv_cache_bytes=1 << 20).model is not None  # complete: loads
+
+
 def test_checkpoint_generation_config_eos_list_is_used(checkpoint, tmp_path):
     """generation_config.json's EOS list (Qwen3: [<|im_end|>, <|endoftext|>]) stops generation."""
     import json

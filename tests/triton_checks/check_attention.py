@@ -20,7 +20,8 @@ from vexact_models.kernels.attention_backward import attention_math
 from vexact_models.kernels.paged_layout import shuffled_block_table, slots_reference
 
 
-@pytest.mark.parametrize("hq,hkv,d,dv", [(4, 2, 64, 64), (2, 2, 128, 128), (8, 1, 64, 64), (3, 3, 192, 128)])
+@pytest.mark.parametrize("hq,hkv,d,dv", [(4, 2, 64, 64), (2, 2, 128, 128), (8, 1, 64, 64), (3, 3, 192, 128),
+                                         (2, 1, 256, 256)])
 def test_attention_packed_and_paged(hq, hkv, d, dv):
     lens = [1, 20, 70]
     t = sum(lens)
@@ -123,7 +124,8 @@ def test_attention_decode_load_paths_match(hq, hkv, q_len):
         close(out.float(), ref, 2e-2)
 
 
-@pytest.mark.parametrize("d,dv,dtype", [(64, 64, torch.bfloat16), (192, 128, torch.bfloat16), (192, 128, torch.float32)])
+@pytest.mark.parametrize("d,dv,dtype", [(64, 64, torch.bfloat16), (192, 128, torch.bfloat16), (192, 128, torch.float32),
+                                        (256, 256, torch.bfloat16)])
 def test_attention_backward(d, dv, dtype):
     lens = [3, 40, 90]
     t = sum(lens)

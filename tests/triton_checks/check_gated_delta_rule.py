@@ -11,6 +11,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("needs a GPU, or TRITON_INTERPRET=1", allow_module_level=True)
 DEVICE = "cpu" if INTERPRET else "cuda"
+TOL = 1e-5 if INTERPRET else 1e-4  # the interpreter's dots are fp32, the GPU's tf32x3
 
 from vexact_models.kernels import use_backend  # noqa: E402
 from vexact_models.kernels.gated_delta_rollout import GatedDeltaRollout  # noqa: E402
@@ -19,6 +20,29 @@ from vexact_models.kernels.gated_delta_rule import (  # noqa: E402
     gated_delta_fold,
     gated_delta_rule,
 )
+
+
+_BROKEN: list[str] = []  # the test after which the CUDA context failed
+
+
+@pytest.fixture(autouse=True)
+def _cuda_errors_stay_with_their_test(request):
+    """On a GPU an illegal memory access leaves the CUDA context unusable for the rest of the
+    process: the test whose launches caused it fails (they are synchronised at its teardown, so a
+    later test does not report the asynchronous error), and the later tests skip, naming it (run
+    them alone to check them). Every test builds its own seeded inputs, so any order or subset of
+    them checks the same."""
+    if INTERPRET:
+        yield
+        return
+    if _BROKEN:
+        pytest.skip(f"the CUDA context is broken since {_BROKEN[0]}; run this test alone")
+    yield
+    try:
+        torch.cuda.synchronize()
+    except RuntimeError:  # torch.AcceleratorError
+        _BROKEN.append(request.node.nodeid)
+        raise
 
 
 def _inputs(lengths, hk, hv, dk, dv, seed=0):
@@ -39,25 +63,47 @@ def _cu(lengths):
     return out
 
 
-@pytest.mark.parametrize("hk,hv,dv", [(2, 2, 16), (1, 2, 32)])
-def test_triton_matches_reference(hk, hv, dv):
-    lengths = [37, 16, 21]
-    inputs, state = _inputs(lengths, hk, hv, 16, dv)
+@pytest.mark.parametrize("hk,hv,dk,dv,chunk", [(2, 2, 16, 16, 16), (1, 2, 16, 32, 16), (1, 1, 16, 16, 64),
+                                               (1, 2, 16, 128, 16), (1, 2, 32, 32, 64)])
+def test_triton_matches_reference(hk, hv, dk, dv, chunk):
+    """At dk = 16 and chunk 64 the launches take `SMALL_HEAD_WARPS` (8 warps faulted on the H200);
+    dk = 32 at chunk 64 keeps 8 warps (16-column wgmma)."""
+    lengths = [37, 16, 21] if chunk == 16 else [100, 30]
+    inputs, state = _inputs(lengths, hk, hv, dk, dv)
     with use_backend("triton"):
-        out, final = gated_delta_rule(*inputs, _cu(lengths), initial_state=state, output_final_state=True, chunk_size=16)
+        out, final = gated_delta_rule(*inputs, _cu(lengths), initial_state=state, output_final_state=True,
+                                      chunk_size=chunk)
     with use_backend("reference"):
         ref, ref_final = gated_delta_rule(*(x.cpu() for x in inputs), _cu(lengths), initial_state=state.cpu(),
-                                          output_final_state=True, chunk_size=16)
-    assert (out.cpu() - ref).abs().max() <= 1e-5 * ref.abs().max()
-    assert (final.cpu() - ref_final).abs().max() <= 1e-5 * ref_final.abs().max()
+                                          output_final_state=True, chunk_size=chunk)
+    assert (out.cpu() - ref).abs().max() <= TOL * ref.abs().max()
+    assert (final.cpu() - ref_final).abs().max() <= TOL * ref_final.abs().max()
 
 
-def test_triton_rollout_equals_training_bitwise():
+def test_triton_is_accurate_with_correlated_keys():
+    """Keys sharing a large common direction, almost no decay, betas near 1 (where an unstable solve
+    loses every digit) against the float64 reference."""
+    gen = torch.Generator().manual_seed(1)
+    common = torch.randn(1, 1, 16, generator=gen) * 3
+    q, k = torch.randn(128, 1, 16, generator=gen) + common, torch.randn(128, 1, 16, generator=gen) + common
+    inputs = [q, k, torch.randn(128, 1, 16, generator=gen), torch.full((128, 1), -1e-4),
+              torch.rand(128, 1, generator=gen) * 0.1 + 0.9]
+    with use_backend("triton"):
+        out, _ = gated_delta_rule(*(x.to(DEVICE) for x in inputs), chunk_size=64)
+    with use_backend("reference"):
+        exact, _ = gated_delta_rule(*(x.double() for x in inputs), chunk_size=64)
+    assert (out.cpu().double() - exact).abs().max() <= TOL * exact.abs().max()
+
+
+@pytest.mark.parametrize("chunk", [16, 32])
+def test_triton_rollout_equals_training_bitwise(chunk):
     """Training (three sequences packed) against a rollout: prefill pieces cut on and off the
-    16-row chunk boundaries, then single tokens, all three sequences in every step's launches."""
-    lengths, chunk = [35, 22, 19], 16
+    chunk boundaries, then single tokens, all three sequences in every step's launches."""
+    lengths = [35, 22, 19] if chunk == 16 else [70, 44, 38]
     inputs, state = _inputs(lengths, 1, 2, 16, 16)
     pieces = [[5, 11, 17, 1, 1], [1, 20, 1], [9, 1, 1, 7, 1]]
+    if chunk == 32:
+        pieces = [[10, 22, 36, 1, 1], [1, 42, 1], [18, 2, 1, 16, 1]]
     with use_backend("triton"):
         want, _ = gated_delta_rule(*inputs, _cu(lengths), initial_state=state, chunk_size=chunk)
         roll = GatedDeltaRollout(3, (1, 2), (16, 16), chunk_size=chunk, device=DEVICE, initial_state=state)

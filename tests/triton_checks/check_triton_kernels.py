@@ -252,7 +252,8 @@ def test_interpreter_rounds_bf16_toward_zero_as_the_moe_check_assumes():
     round to nearest, this fails and the branch can go."""
     if not INTERPRET:
         pytest.skip("about the interpreter")
-    from vexact_models.kernels.moe import combine, moe_align
+    from vexact_models.kernels.moe import moe_align
+    from vexact_models.kernels.moe_grouped_gemm import combine
 
     layout = moe_align(torch.zeros(1, 1, dtype=torch.int64), 1, 16)  # one token, one expert
     y = torch.zeros(16, 1)
@@ -267,7 +268,8 @@ def test_gate_up_act_and_down_rows_are_the_same_for_every_tile_config(hidden, in
     bitwise the same under the 16- and 32-row decode tiles and the small and large ones (`pick_config`'s
     choices): with the decode tiles' 128-wide K tiles where 128 divides K (the second shape), and
     with the 64-wide fallback where it does not (the first)."""
-    from vexact_models.kernels.moe import gate_up_act, grouped_gemm, moe_align
+    from vexact_models.kernels.moe import gate_up_act, moe_align
+    from vexact_models.kernels.moe_grouped_gemm import grouped_gemm
     from vexact_models.kernels.moe_config import DECODE, FEW_ROWS, LARGE, SMALL
     from vexact_models.kernels.moe_routing import softmax_topk
 
@@ -295,7 +297,8 @@ def test_gate_up_act_and_down_rows_are_the_same_for_every_tile_config(hidden, in
 
 
 def test_fused_moe_backward():
-    from vexact_models.kernels.moe import fused_moe, moe_math
+    from vexact_models.kernels.moe import fused_moe
+    from vexact_models.kernels.moe_backward import moe_math
 
     experts, hidden, inter, tokens = 4, 64, 64, 50
     x = rand(tokens, hidden).bfloat16().requires_grad_()

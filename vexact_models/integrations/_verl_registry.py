@@ -1,8 +1,8 @@
 """Registration of the verl integration (`install` / `uninstall`): the ``rollout.name=vexact``
 entries in verl's rollout and replica registries, `vexact_models.patch`, our causal LMs'
 ``forward`` answering verl's fused-kernel call, and verl's fused-kernel monkey patch leaving that
-forward alone. Kept apart from the rollout classes (`vexact_models.integrations.verl`), which
-call `install` on import.
+forward alone. Kept apart from, and below, the rollout classes
+(`vexact_models.integrations.verl`), which call `install` on import with their replica class.
 """
 
 from __future__ import annotations
@@ -18,12 +18,6 @@ from vexact_models.integrations._verl_support import verl_forward as _verl_forwa
 ROLLOUT_NAME = "vexact"
 
 
-def _replica_class():
-    from vexact_models.integrations.verl import VexactReplica
-
-    return VexactReplica
-
-
 _installed: dict[str, object] = {}
 
 
@@ -37,17 +31,22 @@ def _guarded_patch_forward(original):
     return patch_forward_with_backends
 
 
-def install() -> None:
-    """Register the backend and the hook with verl (idempotent; this module's import calls it):
-    ``rollout.name=vexact`` in verl's rollout and replica registries, `vexact_models.patch` (verl
-    loads our classes), our causal LMs' ``forward`` answering verl's fused-kernel call, and
-    verl's fused-kernel monkey patch leaving that forward alone."""
+def install(replica_class: type) -> None:
+    """Register the backend and the hook with verl (idempotent; `vexact_models.integrations.verl`
+    calls it on import, with its `VexactReplica` as `replica_class`): ``rollout.name=vexact`` in
+    verl's rollout and replica registries, `vexact_models.patch` (verl loads our classes), our
+    causal LMs' ``forward`` answering verl's fused-kernel call, and verl's fused-kernel monkey
+    patch leaving that forward alone."""
     if _installed:
         return
+
+    def replica_loader() -> type:  # verl's replica registry takes a loader of the class
+        return replica_class
+
     _installed["was_patched"] = vexact_models.is_patched()
     vexact_models.patch()
     verl_rollout_base._ROLLOUT_REGISTRY[(ROLLOUT_NAME, "async")] = "vexact_models.integrations.verl.VexactRollout"
-    RolloutReplicaRegistry.register(ROLLOUT_NAME, _replica_class)
+    RolloutReplicaRegistry.register(ROLLOUT_NAME, replica_loader)
     wrapped = []
     for arch in vexact_models.architectures():
         cls = arch.causal_lm_class

@@ -6,6 +6,7 @@ Kept apart from the rollout classes so that each file reads on its own; nothing 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import re
@@ -112,8 +113,6 @@ def verl_forward(original):
     contract, ``actor_rollout_ref.model.use_fused_kernels=True``) returns `ppo_outputs`, with
     autocast off so that the kernels run exactly as in the rollout; any other call is the
     original forward."""
-    import functools
-
     @functools.wraps(original)  # keeps the signature: verl reads it to decide on passing cu_seqlens
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, *args, temperature=None,
                 shift_labels=None, **kwargs):

@@ -37,7 +37,8 @@ from vexact_models.integrations._verl_support import (OPTIONS_KEY, OWN_OPTIONS, 
                                                       copy_buffers, engine_options, max_model_len_of, refuse_experts,
                                                       request_seed)
 from vexact_models.integrations._verl_support import sampling_params as to_sampling_params
-from vexact_models.integrations._verl_registry import ROLLOUT_NAME, install, uninstall
+from vexact_models.integrations import _verl_registry
+from vexact_models.integrations._verl_registry import ROLLOUT_NAME, uninstall
 from vexact_models.runtime import LLM
 
 __all__ = ["ROLLOUT_NAME", "VexactReplica", "VexactRollout", "VexactServer", "install", "uninstall"]
@@ -346,6 +347,15 @@ class VexactReplica(RolloutReplica):
         self.servers = [server]
         self._server_handle = server
         self._server_address = f"{ROLLOUT_NAME}://{name}"  # no HTTP endpoint: token-in/token-out only
+
+
+def install() -> None:
+    """Register the backend and the hook with verl (idempotent; importing this module calls it):
+    ``rollout.name=vexact`` in verl's rollout and replica registries (`VexactRollout`,
+    `VexactReplica`), `vexact_models.patch` (verl loads our classes), our causal LMs' ``forward``
+    answering verl's fused-kernel call, and verl's fused-kernel monkey patch leaving that forward
+    alone. `uninstall` undoes it."""
+    _verl_registry.install(VexactReplica)
 
 
 install()

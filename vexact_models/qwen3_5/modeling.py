@@ -17,7 +17,7 @@ from transformers import GenerationMixin, PreTrainedModel, Qwen3_5TextConfig
 
 from ..causal_lm import CausalLMMixin, DecoderModelMixin, InferenceModel, InitHookMixin
 from ..gated_deltanet import (GatedAttention, GatedRMSNorm, HybridDecoderLayer, SplitProjectionGatedDeltaNet,
-                              ZeroCentredRMSNorm, rotary_dim)
+                              ZeroCentredRMSNorm)
 from ..heads import SequenceClassificationMixin, TokenClassificationMixin
 from ..layers import GatedMLP
 from .multimodal import TextOfMultimodalMixin
@@ -65,7 +65,7 @@ class Qwen3_5TextModel(DecoderModelMixin, Qwen3_5PreTrainedModel):
 
     def __init__(self, config: Qwen3_5TextConfig) -> None:
         super().__init__(config)
-        self.init_decoder_stack(config, Qwen3_5DecoderLayer, Qwen3_5RMSNorm, rotary_dim(config))
+        self.init_decoder_stack(config, Qwen3_5DecoderLayer, Qwen3_5RMSNorm)  # RopeTables: partial rotary
         self.post_init()
 
 

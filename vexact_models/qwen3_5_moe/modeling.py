@@ -15,7 +15,7 @@ from transformers import GenerationMixin, PreTrainedModel, Qwen3_5MoeTextConfig
 
 from ..causal_lm import CausalLMMixin, DecoderModelMixin, InferenceModel, InitHookMixin
 from ..gated_deltanet import (GatedAttention, GatedRMSNorm, HybridDecoderLayer, SharedExpertMoeBlock,
-                              SplitProjectionGatedDeltaNet, ZeroCentredRMSNorm, rotary_dim)
+                              SplitProjectionGatedDeltaNet, ZeroCentredRMSNorm)
 from ..heads import SequenceClassificationMixin, TokenClassificationMixin
 from ..qwen3_5.multimodal import TextOfMultimodalMixin
 from ..qwen3_moe.modeling import Qwen3MoeForCausalLM
@@ -62,7 +62,7 @@ class Qwen3_5MoeTextModel(DecoderModelMixin, Qwen3_5MoePreTrainedModel):
 
     def __init__(self, config: Qwen3_5MoeTextConfig) -> None:
         super().__init__(config)
-        self.init_decoder_stack(config, Qwen3_5MoeDecoderLayer, Qwen3_5MoeRMSNorm, rotary_dim(config))
+        self.init_decoder_stack(config, Qwen3_5MoeDecoderLayer, Qwen3_5MoeRMSNorm)  # RopeTables: partial rotary
         self.post_init()
 
 

@@ -15,7 +15,7 @@ from transformers import GenerationMixin, PreTrainedModel, Qwen3NextConfig
 
 from ..causal_lm import CausalLMMixin, DecoderModelMixin, InferenceModel, InitHookMixin
 from ..gated_deltanet import (FusedProjectionGatedDeltaNet, GatedAttention, GatedRMSNorm, HybridDecoderLayer,
-                              SharedExpertMoeBlock, ZeroCentredRMSNorm, rotary_dim)
+                              SharedExpertMoeBlock, ZeroCentredRMSNorm)
 from ..heads import SequenceClassificationMixin, TokenClassificationMixin
 from ..layers import GatedMLP
 from ..qwen3_moe.modeling import Qwen3MoeForCausalLM
@@ -69,7 +69,7 @@ class Qwen3NextModel(DecoderModelMixin, Qwen3NextPreTrainedModel):
 
     def __init__(self, config: Qwen3NextConfig) -> None:
         super().__init__(config)
-        self.init_decoder_stack(config, Qwen3NextDecoderLayer, Qwen3NextRMSNorm, rotary_dim(config))
+        self.init_decoder_stack(config, Qwen3NextDecoderLayer, Qwen3NextRMSNorm)  # RopeTables: partial rotary
         self.post_init()
 
 

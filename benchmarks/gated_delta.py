@@ -1,0 +1,112 @@
+"""The gated delta rule on a GPU: our chunk kernels beside transformers' torch path and fla's kernels.
+
+At Qwen3.5's / Qwen3-Next's GDN heads (16 q/k heads, 32 value heads, 128 x 128), bf16:
+
+- training forward (and forward + backward) over packed sequences of `--tokens` tokens each:
+  ours (`kernels.gated_delta_rule`), transformers' ``torch_chunk_gated_delta_rule`` and, where the
+  ``flash-linear-attention`` package is installed, fla's ``chunk_gated_delta_rule``;
+- one rollout decode step of `--batch` sequences (one new token each, mid-chunk): our rows
+  launch alone, and the fold of one completed chunk per sequence.
+
+Prints median milliseconds per call (docs/design.md section 6b). Usage:
+``python benchmarks/gated_delta.py [--tokens 4096,16384] [--seqs 4] [--batch 64,256] [--backward]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import sys
+
+import torch
+from bench_utils import bench, positive_int, positive_ints, table
+
+HK, HV, DK, DV = 16, 32, 128, 128
+
+
+def _inputs(t: int, gen: torch.Generator):
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).cuda().bfloat16()
+
+    g = -torch.rand(t, HV, generator=gen).cuda() * 0.5 - 0.001
+    return rand(t, HK, DK), rand(t, HK, DK), rand(t, HV, DV), g, torch.rand(t, HV, generator=gen).cuda().bfloat16()
+
+
+def _stock(name: str):
+    """transformers' torch path (unwrapped from its fla fallback) and fla's kernel, where installed."""
+    from transformers.models.qwen3_next import modeling_qwen3_next
+
+    torch_path = inspect.unwrap(getattr(modeling_qwen3_next, f"torch_{name}_gated_delta_rule"))
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+    except ImportError:
+        fla_chunk = None
+    return torch_path, fla_chunk
+
+
+def training_rows(tokens: list[int], seqs: int, backward: bool) -> list[list]:
+    from vexact_models.kernels import gated_delta_rule
+
+    torch_chunk, fla_chunk = _stock("chunk")
+    rows = []
+    for t in tokens:
+        gen = torch.Generator().manual_seed(t)
+        q, k, v, g, beta = _inputs(t * seqs, gen)
+        cu = [i * t for i in range(seqs + 1)]
+        runs = {"ours": lambda q, k, v: gated_delta_rule(q, k, v, g, beta, cu)[0]}
+        batched = [x.reshape(seqs, t, *x.shape[1:]) for x in (q, k, v, g, beta)]
+        runs["transformers torch"] = lambda q, k, v: torch_chunk(
+            q.reshape(seqs, t, HK, DK), k.reshape(seqs, t, HK, DK), v.reshape(seqs, t, HV, DV), batched[3], batched[4],
+            use_qk_l2norm_in_kernel=True)[0]
+        if fla_chunk is not None:
+            cu_t = torch.tensor(cu, device="cuda", dtype=torch.int32)
+            runs["fla"] = lambda q, k, v: fla_chunk(q[None], k[None], v[None], g[None], beta[None], cu_seqlens=cu_t,
+                                                    use_qk_l2norm_in_kernel=True)[0]
+        for name, run in runs.items():
+            forward_ms = bench(lambda run=run: run(q, k, v), warmup=3, rep=20)
+            cells = [f"{seqs} x {t}", name, f"{forward_ms:.3f}"]
+            if backward:
+                leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+                cells.append(f"{bench(lambda run=run: run(*leaves).float().sum().backward(), warmup=2, rep=10):.3f}")
+            rows.append(cells)
+    return rows
+
+
+def decode_rows(batches: list[int]) -> list[list]:
+    from vexact_models.kernels import gated_delta_chunk_rows, gated_delta_fold
+
+    rows = []
+    for b in batches:
+        gen = torch.Generator().manual_seed(b)
+        n = 37  # the new token is row 36 of its chunk
+        q, k, v, g, beta = _inputs(b * 64, gen)
+        states = torch.randn(b, HV, DK, DV, generator=gen).cuda() * 0.1
+        cu = [i * n for i in range(b + 1)]
+        kn, vn, gn, bn = (x[: b * n] for x in (k, v, g, beta))
+        step = bench(lambda: gated_delta_chunk_rows(q[:b], kn, vn, gn, bn, cu, [n - 1] * b, states, list(range(b))),
+                     warmup=5, rep=50)
+        fold = bench(lambda: gated_delta_fold(k, v, g, beta, [i * 64 for i in range(b)], [64] * b, states,
+                                              list(range(b))), warmup=5, rep=50)
+        rows.append([b, f"{step:.3f}", f"{fold:.3f}"])
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=positive_ints, default=[4096, 16384], help="tokens per sequence (training)")
+    parser.add_argument("--seqs", type=positive_int, default=1, help="sequences per training batch")
+    parser.add_argument("--batch", type=positive_ints, default=[64, 256], help="sequences per decode step")
+    parser.add_argument("--backward", action="store_true", help="also time forward + backward (training)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gated_delta.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    header = ["batch", "kernel", "forward ms"] + (["fwd+bwd ms"] if args.backward else [])
+    table(f"training at Hk={HK} Hv={HV} dk={DK} dv={DV}, bf16", header, training_rows(args.tokens, args.seqs,
+                                                                                      args.backward))
+    table("rollout decode step (ours)", ["sequences", "rows ms", "fold ms"], decode_rows(args.batch))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
