@@ -151,7 +151,7 @@ class LLM(EngineStepsMixin, EngineMemoryMixin):
         load_dtype = resolve_dtype(dtype)
         from_folder = isinstance(model, (str, os.PathLike))
         # an architecture the engine cannot run yet (Architecture.rollout_unsupported) is refused here, before any allocation
-        (self._folder_config(str(model))[1] if from_folder else architecture_of(model)).check_rollout()
+        (folder_config(str(model))[1] if from_folder else architecture_of(model)).check_rollout()
         if not from_folder:
             check_model_placement(model, resolve_device(device), load_dtype)
         stage = join_pipeline(pipeline_parallel_size, folder_config(str(model))[0] if from_folder else model.config)
