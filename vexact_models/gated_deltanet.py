@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers import initialization as hf_init
 
 from vexact_models.adapters import apply_linear
 from vexact_models.kernels import (causal_conv1d, gated_delta_gates, gated_delta_rule, gated_rms_norm, linear,
@@ -46,6 +47,24 @@ def randomize_norms_and_gates(model: nn.Module, seed: int) -> None:
             if name.endswith(("norm.weight", "dt_bias")):
                 noise = torch.randn(param.shape, generator=generator) * 0.3
                 param.copy_((param.detach().cpu().float() + noise).to(param.device, param.dtype))
+
+
+class StockInitOrderMixin:
+    """Mixed into the hybrids' ``PreTrainedModel`` (before `InitHookMixin`): every gated DeltaNet
+    goes through ``_init_weights`` in ``from_pretrained``, loaded or not, as in stock.
+
+    Stock's ``_init_weights`` draws ``A_log``'s U(0.01, 16) for each gated DeltaNet even when the
+    checkpoint loaded it (and then leaves the loaded values). transformers skips modules of code
+    outside transformers whose own tensors were all loaded (5.17 on), so ours would draw
+    nothing there and a new head (``score``, a new ``lm_head``), initialised after the decoder,
+    would get other values than stock's for the same seed (tests/models/test_hf_loading.py)."""
+
+    def _initialize_weights(self, module: nn.Module, *args, **kwargs) -> None:
+        if isinstance(module, GatedDeltaNet) and not getattr(module, "_is_hf_initialized", False):
+            self._init_weights(module)
+            module._is_hf_initialized = True
+            return
+        super()._initialize_weights(module, *args, **kwargs)
 
 
 class ZeroCentredRMSNorm(RMSNorm):
@@ -107,10 +126,13 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, self.hidden_size, bias=False)
 
     def init_random(self, std: float) -> None:
-        """HF's init (called by `InitHookMixin`): ``dt_bias`` ones, ``A_log`` the log of U(0.01, 16)."""
+        """HF's init (called by `InitHookMixin`): ``dt_bias`` ones, ``A_log`` the log of U(0.01, 16),
+        drawn as stock draws it: always, loaded or not, and then kept only where not loaded
+        (transformers' ``initialization`` functions leave a loaded tensor alone), so the generator
+        is where stock leaves it for the weights initialised after (`StockInitOrderMixin`)."""
         with torch.no_grad():
-            nn.init.ones_(self.dt_bias)
-            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0.01, 16).log_())
+            hf_init.ones_(self.dt_bias)
+            hf_init.copy_(self.A_log, torch.empty(self.num_v_heads, device=self.A_log.device).uniform_(0.01, 16).log_())
 
     def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(mixed_qkv [T, conv_dim], z [T, Hv, dv], b [T, Hv], a [T, Hv])`` from the input projections."""

@@ -4,6 +4,7 @@ and stock transformers models of a shape with the same random weights our models
 import pytest
 import torch
 import transformers
+from transformers.models.auto import modeling_auto
 
 from vexact_models.random_init import randomize_norms_and_biases
 from vexact_models.registry import Architecture, Shape, architectures, shapes
@@ -49,15 +50,40 @@ def stock_class(arch: Architecture, head: str = "ForCausalLM") -> type:
     return arch.hf_class(head)
 
 
-def skip_unless_stock_has(arch: Architecture, head: str) -> None:
-    """Skip the calling test, saying why, when stock transformers has no `head` class for
-    `arch`'s model type (OLMo2 has no ``ForTokenClassification``, Qwen3.5-MoE's text model no
-    classification head at all): there is nothing to compare with."""
+#: the stock Auto mapping (model_type -> class name) of each head
+AUTO_MAPPING_NAMES = {"Model": modeling_auto.MODEL_MAPPING_NAMES,
+                      "ForCausalLM": modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                      "ForSequenceClassification": modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+                      "ForTokenClassification": modeling_auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES}
+
+
+def stock_lacks(arch: Architecture, head: str) -> str | None:
+    """Why stock transformers has nothing to compare with for `arch` with `head`, or None when
+    it has: no such class (OLMo2 has no ``ForTokenClassification``), or no entry for `arch`'s
+    model type in the stock Auto class of `head` (``Qwen3_5ForTokenClassification`` exists, but
+    for the multimodal config: ``AutoModelForTokenClassification`` maps nothing to Qwen3.5's text
+    config; Qwen3.5-MoE's text config has no classification head at all)."""
+    model_type, version = arch.model_types[0], transformers.__version__
     try:
-        arch.hf_class(head)
+        stock = arch.hf_class(head)
     except AttributeError:
-        pytest.skip(f"stock transformers {transformers.__version__} has no {head} class for model_type "
-                    f"{arch.model_types[0]!r}")
+        path = dict(arch.hf_head_classes).get(head) or arch.hf_causal_lm_class.replace("ForCausalLM", head)
+        return f"stock transformers {version} has no {path.rpartition('.')[2]} for model_type {model_type!r}"
+    mapping = AUTO_MAPPING_NAMES.get(head)
+    if mapping is not None and model_type not in mapping:
+        other = getattr(stock, "config_class", None)
+        takes = f" ({stock.__name__} takes {other.__name__})" if other not in (None, arch.config_class) else ""
+        return (f"stock transformers {version} has no {head} head for model_type {model_type!r}: its "
+                f"AutoModel{'' if head == 'Model' else head} has no entry for it{takes}")
+    return None
+
+
+def skip_unless_stock_has(arch: Architecture, head: str) -> None:
+    """Skip the calling test, saying why (`stock_lacks`), when stock transformers has no `head`
+    for `arch`'s model type: there is nothing to compare with."""
+    reason = stock_lacks(arch, head)
+    if reason is not None:
+        pytest.skip(reason)
 
 
 def stock_model(arch: Architecture, head: str = "ForCausalLM", shape: Shape | None = None, seed: int = 0,

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 import vexact_models
 from vexact_models.loading import CheckpointError
 
-from .model_support import SHAPES, rel, shape_id, stock_model
+from .model_support import SHAPES, rel, shape_id, skip_unless_stock_has, stock_model
 
 pytestmark = pytest.mark.compat
 
@@ -86,6 +86,7 @@ def test_heads_from_a_causal_lm_checkpoint_load_as_stock(causal_checkpoint, head
     the decoder from the checkpoint, a new ``score`` with transformers' init (the very values
     stock draws from the same seed), reported as missing in the info and the load report."""
     arch, _, path = causal_checkpoint
+    skip_unless_stock_has(arch, head)
     ours, info, report = load(auto, path, ours=True, num_labels=1)
     stock, stock_info, _ = load(auto, path, ours=False, num_labels=1)
     assert same_info(info, stock_info), (info, stock_info)
@@ -155,6 +156,7 @@ def test_a_head_with_other_labels_loads_ignoring_mismatched_sizes(causal_checkpo
     loaded with 5 labels is an error naming ``score.weight``; with
     ``ignore_mismatched_sizes=True`` the score is new, and reported as stock reports it."""
     arch, shape, _ = causal_checkpoint
+    skip_unless_stock_has(arch, head)
     stock_model(arch, head, shape=shape, num_labels=3, pad_token_id=0).save_pretrained(tmp_path)
     with pytest.raises(RuntimeError, match=r"score\.weight has shape \(3, "):
         load(auto, tmp_path, ours=True, num_labels=5)

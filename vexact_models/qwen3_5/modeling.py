@@ -17,7 +17,7 @@ from transformers import GenerationMixin, PreTrainedModel, Qwen3_5TextConfig
 
 from ..causal_lm import CausalLMMixin, DecoderModelMixin, InferenceModel, InitHookMixin
 from ..gated_deltanet import (GatedAttention, GatedRMSNorm, HybridDecoderLayer, SplitProjectionGatedDeltaNet,
-                              ZeroCentredRMSNorm)
+                              StockInitOrderMixin, ZeroCentredRMSNorm)
 from ..heads import SequenceClassificationMixin, TokenClassificationMixin
 from ..layers import GatedMLP
 from .multimodal import TextOfMultimodalMixin
@@ -51,7 +51,7 @@ class Qwen3_5DecoderLayer(HybridDecoderLayer):
         return Qwen3_5MLP(config, config.intermediate_size)
 
 
-class Qwen3_5PreTrainedModel(TextOfMultimodalMixin, InitHookMixin, PreTrainedModel):
+class Qwen3_5PreTrainedModel(TextOfMultimodalMixin, StockInitOrderMixin, InitHookMixin, PreTrainedModel):
     config_class = Qwen3_5TextConfig
     config: Qwen3_5TextConfig
     base_model_prefix = "model"

@@ -15,7 +15,7 @@ from transformers import GenerationMixin, PreTrainedModel, Qwen3_5MoeTextConfig
 
 from ..causal_lm import CausalLMMixin, DecoderModelMixin, InferenceModel, InitHookMixin
 from ..gated_deltanet import (GatedAttention, GatedRMSNorm, HybridDecoderLayer, SharedExpertMoeBlock,
-                              SplitProjectionGatedDeltaNet, ZeroCentredRMSNorm)
+                              SplitProjectionGatedDeltaNet, StockInitOrderMixin, ZeroCentredRMSNorm)
 from ..heads import SequenceClassificationMixin, TokenClassificationMixin
 from ..qwen3_5.multimodal import TextOfMultimodalMixin
 from ..qwen3_moe.modeling import Qwen3MoeForCausalLM
@@ -48,7 +48,7 @@ class Qwen3_5MoeDecoderLayer(HybridDecoderLayer):
         return Qwen3_5MoeSparseMoeBlock(config)
 
 
-class Qwen3_5MoePreTrainedModel(TextOfMultimodalMixin, InitHookMixin, PreTrainedModel):
+class Qwen3_5MoePreTrainedModel(TextOfMultimodalMixin, StockInitOrderMixin, InitHookMixin, PreTrainedModel):
     config_class = Qwen3_5MoeTextConfig
     config: Qwen3_5MoeTextConfig
     base_model_prefix = "model"

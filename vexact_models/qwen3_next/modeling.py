@@ -15,7 +15,7 @@ from transformers import GenerationMixin, PreTrainedModel, Qwen3NextConfig
 
 from ..causal_lm import CausalLMMixin, DecoderModelMixin, InferenceModel, InitHookMixin
 from ..gated_deltanet import (FusedProjectionGatedDeltaNet, GatedAttention, GatedRMSNorm, HybridDecoderLayer,
-                              SharedExpertMoeBlock, ZeroCentredRMSNorm)
+                              SharedExpertMoeBlock, StockInitOrderMixin, ZeroCentredRMSNorm)
 from ..heads import SequenceClassificationMixin, TokenClassificationMixin
 from ..layers import GatedMLP
 from ..qwen3_moe.modeling import Qwen3MoeForCausalLM
@@ -55,7 +55,7 @@ class Qwen3NextDecoderLayer(HybridDecoderLayer):
         return Qwen3NextSparseMoeBlock(config) if sparse else Qwen3NextMLP(config)
 
 
-class Qwen3NextPreTrainedModel(InitHookMixin, PreTrainedModel):
+class Qwen3NextPreTrainedModel(StockInitOrderMixin, InitHookMixin, PreTrainedModel):
     config_class = Qwen3NextConfig
     config: Qwen3NextConfig
     base_model_prefix = "model"
