@@ -53,7 +53,7 @@ def check(arch, path: str, args, rank: int) -> bool:
     model = build_parallelize_model(model, weights_path=path, init_device="meta", enable_gradient_checkpointing=True,
                                     mixed_precision=MixedPrecisionConfig(enable=mixed, cast_forward_inputs=False))
     engine = arch.causal_lm_class.from_pretrained(path, dtype=getattr(torch, args.dtype)).to(args.device)
-    llm = LLM(engine, device=args.device, kv_cache_bytes=4 << 20, block_size=16)
+    llm = LLM(engine, device=args.device, kv_cache_bytes=4 << 20, block_size=16, max_num_seqs=8)  # one prompt
     out = llm.generate([[5 + rank, 6, 7, 8]], SamplingParams(temperature=1.0, max_tokens=args.tokens, seed=rank),
                        use_tqdm=False)[0]
     ids = torch.tensor([out.prompt_token_ids + out.outputs[0].token_ids], device=args.device)

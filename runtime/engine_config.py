@@ -66,7 +66,8 @@ class EngineConfig:
         the hidden rows it takes from the previous stage. Connected to `scheduler` when given."""
         runner = ModelRunner(model, self.num_blocks, self.block_size, device, dtype,
                              cuda_graph_batch=self.cuda_graph_batch, max_model_len=self.max_model_len, layers=layers,
-                             carry_width=carry_width, cuda_graph_tokens=self.cuda_graph_tokens)
+                             carry_width=carry_width, cuda_graph_tokens=self.cuda_graph_tokens,
+                             state_slots=self.max_num_seqs)
         if scheduler is not None:
             self.connect(runner, scheduler)
         return runner

@@ -41,6 +41,7 @@ from .llm_args import (architecture_of, check_engine_args, check_max_model_len, 
 from .llm_memory import EngineMemoryMixin
 from .llm_setup import eos_token_ids, folder_config, kv_cache_blocks, load_folder, pick_device, runner_model
 from .llm_steps import EngineStepsMixin
+from .linear_state_cache import linear_state_spec
 from .outputs import CompletionOutput, RequestOutput
 from .pipeline import PipelineStage, check_stage_model, join_pipeline
 from .pipeline_comm import PipelineComm
@@ -151,13 +152,18 @@ class LLM(EngineStepsMixin, EngineMemoryMixin):
         load_dtype = resolve_dtype(dtype)
         from_folder = isinstance(model, (str, os.PathLike))
         # an architecture the engine cannot run yet (Architecture.rollout_unsupported) is refused here, before any allocation
-        (folder_config(str(model))[1] if from_folder else architecture_of(model)).check_rollout()
+        target = folder_config(str(model))[1] if from_folder else architecture_of(model)
+        target.check_rollout()
+        if pipeline_parallel_size > 1:  # engine features it cannot use yet (Architecture.rollout_features_missing)
+            target.check_rollout_feature("pipeline_parallel", "use pipeline_parallel_size=1")
         if not from_folder:
             check_model_placement(model, resolve_device(device), load_dtype)
         stage = join_pipeline(pipeline_parallel_size, folder_config(str(model))[0] if from_folder else model.config)
         if stage is not None and not from_folder:
             check_stage_model(model, stage)
         self.device = pick_device(model, resolve_device(device), stage)
+        if self.device.type == "cuda" and not enforce_eager:
+            target.check_rollout_feature("cuda_graphs", "pass enforce_eager=True")
         if not aligned and self.device.type != "cuda":
             raise ValueError(f"LLM: aligned=False (the cuBLAS fast path) needs a CUDA device, got {self.device}")
         self.aligned = aligned
@@ -166,6 +172,7 @@ class LLM(EngineStepsMixin, EngineMemoryMixin):
         arch = architecture_of(training)
         self._init_weight_state(from_folder if owns_weights is None else owns_weights)
         self.model = arch.inference_class(training)
+        linear = linear_state_spec(self.model)  # gated-DeltaNet layers: their state cache (runtime.linear_state_cache)
         self.config = training.config
         self.dtype = next(training.parameters()).dtype
         self.pipeline = None if stage is None else Pipeline(stage, PipelineComm(
@@ -177,9 +184,11 @@ class LLM(EngineStepsMixin, EngineMemoryMixin):
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
         self.engine_config = EngineConfig(
             num_blocks=kv_cache_blocks(self.model, self.dtype, self.device, self.pipeline, block_size, gpu_memory_utilization,
-                                       kv_cache_bytes), block_size=block_size,
+                                       kv_cache_bytes, max_num_seqs), block_size=block_size,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
-            eos_token_id=eos, enable_chunked_prefill=enable_chunked_prefill, enable_prefix_sharing=enable_prefix_sharing,
+            eos_token_id=eos, enable_chunked_prefill=enable_chunked_prefill,
+            # a shared page would skip tokens a gated-DeltaNet state must see (runtime.linear_state_cache)
+            enable_prefix_sharing=enable_prefix_sharing and linear is None,
             cuda_graph_batch=0 if enforce_eager else max_num_seqs,
             cuda_graph_tokens=(min(max_num_batched_tokens, DEFAULT_MAX_TOKENS) if cuda_graph_max_tokens is None
                                else cuda_graph_max_tokens))

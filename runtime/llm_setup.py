@@ -15,13 +15,15 @@ from transformers import AutoConfig, AutoTokenizer
 from vexact_models.loading import from_pretrained_complete
 from vexact_models.registry import for_model_type
 
+from .linear_state_cache import linear_state_spec
 from .model_runner import kv_bytes_per_block
 from .pipeline import PipelineStage, StageModel
 from .pipeline_worker import Pipeline
 from .pipeline_load import load_stage_model
 
 
-__all__ = ["eos_token_ids", "folder_config", "kv_cache_blocks", "load_folder", "pick_device", "runner_model"]
+__all__ = ["cache_budget_bytes", "cache_bytes_per_block", "eos_token_ids", "folder_config", "kv_cache_blocks",
+           "linear_state_bytes", "load_folder", "pick_device", "runner_model"]
 
 
 def pick_device(model, device: torch.device | None, stage: PipelineStage | None) -> torch.device:
@@ -78,15 +80,37 @@ def load_folder(path: str, dtype, stage: PipelineStage | None, device: torch.dev
     return model, tokenizer
 
 
+def cache_bytes_per_block(model, dtype: torch.dtype, block_size: int, pipeline: Pipeline | None = None) -> int:
+    """Bytes of one KV page of the inference `model` over the layers that hold pages: all of them
+    (a pipeline stage: its own), less the gated-DeltaNet layers, which keep states instead."""
+    spec = model.kv_cache_spec()
+    layers = set(range(spec[0]) if pipeline is None else pipeline.stage.layers)
+    linear = linear_state_spec(model)
+    if linear is not None:
+        layers -= set(linear.layers)
+    return kv_bytes_per_block(spec, block_size, dtype) // spec[0] * len(layers)
+
+
+def linear_state_bytes(model, dtype: torch.dtype, slots: int) -> int:
+    """Bytes of the gated-DeltaNet state cache of `slots` sequences (0 without such layers;
+    `runtime.linear_state_cache`)."""
+    linear = linear_state_spec(model)
+    return 0 if linear is None else slots * linear.bytes_per_slot(dtype)
+
+
+def cache_budget_bytes(model, dtype: torch.dtype, block_size: int, blocks: int, state_slots: int) -> int:
+    """The ``kv_cache_bytes`` that give an engine over `model` (inference or training variant)
+    exactly `blocks` KV pages with ``max_num_seqs=state_slots`` (`kv_cache_blocks`'s inverse)."""
+    return blocks * cache_bytes_per_block(model, dtype, block_size) + linear_state_bytes(model, dtype, state_slots)
+
+
 def kv_cache_blocks(model, dtype: torch.dtype, device: torch.device, pipeline: Pipeline | None, block_size: int,
-                    utilization: float, kv_cache_bytes: int | None) -> int:
+                    utilization: float, kv_cache_bytes: int | None, state_slots: int = 0) -> int:
     """KV pages of the inference `model` that fit the budget (a pipeline stage's budget holds
     its layers' pages; every stage takes the smallest count, since the first stage's page ids
-    address them all)."""
-    spec = model.kv_cache_spec()
-    per_block = kv_bytes_per_block(spec, block_size, dtype)
-    if pipeline is not None:  # this stage's layers' share (pages hold every layer alike)
-        per_block = per_block // spec[0] * len(pipeline.stage.layers)
+    address them all). The budget holds the gated-DeltaNet state cache of `state_slots`
+    sequences (``max_num_seqs``) first, when the model has such layers."""
+    per_block = cache_bytes_per_block(model, dtype, block_size, pipeline)
     if kv_cache_bytes is None:
         if device.type == "cuda":
             torch.cuda.empty_cache()  # memory the allocator holds unused is the budget's too
@@ -94,12 +118,15 @@ def kv_cache_blocks(model, dtype: torch.dtype, device: torch.device, pipeline: P
             kv_cache_bytes = int(free - (1 - utilization) * total)
         else:
             kv_cache_bytes = 256 << 20
-    blocks = kv_cache_bytes // per_block
+    states = linear_state_bytes(model, dtype, state_slots)
+    blocks = (kv_cache_bytes - states) // per_block
     if pipeline is not None:  # before any raise: every stage must reach this collective
         blocks = pipeline.comm.min_over_stages(blocks)
     if blocks < 1:
+        held = f" after the gated-DeltaNet states of {state_slots} sequences ({states} bytes)" if states else ""
         raise ValueError(f"LLM: the KV cache budget ({kv_cache_bytes} bytes) is smaller than one block "
-                         f"({per_block} bytes); raise kv_cache_bytes or gpu_memory_utilization")
+                         f"({per_block} bytes){held}; raise kv_cache_bytes or gpu_memory_utilization"
+                         f"{' or lower max_num_seqs' if states else ''}")
     return int(blocks)
 
 

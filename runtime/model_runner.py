@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from vexact_models.kernels import PagedLayout
@@ -23,6 +24,7 @@ from vexact_models.layers import PagedContext
 
 from .block_tables import BlockTables
 from .cuda_graphs import StepGraphs
+from .linear_state_cache import LinearStateCache, LinearStep, linear_state_spec
 from .scheduled import ScheduledSeq
 from .staging import to_device
 from .step_inputs import StepInputs, build_step_inputs
@@ -75,20 +77,46 @@ def _kv_pair(shape: tuple, head_dim_k: int, head_dim_v: int, value_in_key: bool,
     return (k, k[..., :head_dim_v]) if value_in_key else (k, _cache_zeros((*shape, head_dim_v), device, dtype))
 
 
+def check_linear_state_support(spec, layers: range | None, cuda_graph_batch: int, state_slots: int) -> None:
+    """Raise ValueError, before anything is allocated, for what a model with gated-DeltaNet layers
+    (`spec` not None) cannot do yet: CUDA graphs (their steps plan on the host per step), pipeline
+    stages (each would hold its own layers' states), a cache without slots."""
+    if spec is None:
+        return
+    if cuda_graph_batch:
+        raise ValueError(f"LLM: CUDA graphs are not supported for models with gated-DeltaNet layers "
+                         f"(layers {list(spec.layers)}): pass enforce_eager=True")
+    if layers is not None:
+        raise ValueError("LLM: pipeline_parallel_size > 1 is not supported for models with gated-DeltaNet layers "
+                         "(each stage would hold its own layers' states)")
+    if state_slots < 1:
+        raise ValueError(f"ModelRunner: state_slots={state_slots} must be >= 1 (max_num_seqs) for a model with "
+                         "gated-DeltaNet layers")
+
+
 class ModelRunner:
     """Runs `InferenceModel` steps over a paged KV cache of ``num_blocks`` pages."""
 
     def __init__(self, model, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
                  cuda_graph_batch: int = 0, max_model_len: int = 0, layers: range | None = None,
-                 carry_width: int = 0, cuda_graph_tokens: int = 0) -> None:
+                 carry_width: int = 0, cuda_graph_tokens: int = 0, state_slots: int = 0) -> None:
         """`cuda_graph_batch` > 0 captures decode steps of up to that many sequences (CUDA only),
         and with `cuda_graph_tokens` > 0 steps with prompt chunks of up to that many tokens and
         `cuda_graph_batch` sequences on their first use (not for a pipeline stage).
 
         A pipeline stage (`runtime.pipeline`) holds KV pages for its `layers` only (default: all;
         the others' entries in ``kv_caches`` are None) and, past the first stage, its model takes
-        the previous stage's ``(hidden, residual)``, rows of `carry_width` values (0: token ids)."""
+        the previous stage's ``(hidden, residual)``, rows of `carry_width` values (0: token ids).
+
+        A model with gated-DeltaNet layers (`linear_state_spec`) holds KV pages for its attention
+        layers only and a `LinearStateCache` of `state_slots` sequences (``max_num_seqs``) for the
+        others; it runs eagerly on one process (`check_linear_state_support` says why)."""
         self.model = model
+        self.linear_spec = linear_state_spec(model)
+        self.state_slots = state_slots
+        check_linear_state_support(self.linear_spec, layers, cuda_graph_batch if device.type == "cuda" else 0,
+                                   state_slots)
+        self.linear_states: LinearStateCache | None = None
         self.layers = layers
         self.carry_width = carry_width
         self.num_blocks = num_blocks
@@ -109,7 +137,10 @@ class ModelRunner:
         spec = self.model.kv_cache_spec()
         layers, kv_heads, head_dim_k, head_dim_v = spec
         shape = (self.num_blocks, self.block_size, kv_heads)
-        held = range(layers) if self.layers is None else self.layers
+        held = set(range(layers) if self.layers is None else self.layers)
+        if self.linear_spec is not None:  # gated-DeltaNet layers keep per-sequence states, no pages
+            held -= set(self.linear_spec.layers)
+            self.linear_states = LinearStateCache(self.linear_spec, self.state_slots, self.device, self.dtype)
         value_in_key = getattr(spec, "value_in_key", False)
         self.kv_caches = [_kv_pair(shape, head_dim_k, head_dim_v, value_in_key, self.device, self.dtype)
                           if i in held else None for i in range(layers)]
@@ -125,6 +156,7 @@ class ModelRunner:
             self.graphs.release()
         self.graphs = None
         self.kv_caches = []
+        self.linear_states = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -136,6 +168,8 @@ class ModelRunner:
             if pair is not None:
                 for cache in pair:  # (a V that is a view of K's first dims is zeroed twice)
                     cache.zero_()
+        if self.linear_states is not None:
+            self.linear_states.zero_()
 
     def _prepare(self, scheduled: list[ScheduledSeq]):
         """The eager forward's arguments (ids, positions, context, logits rows) on the device."""
@@ -146,7 +180,19 @@ class ModelRunner:
             [inputs.ids, inputs.positions, inputs.slots, inputs.logits_rows, inputs.cu_seqlens,
              inputs.seq_lens, inputs.block_table, inputs.seq_order], self.device)
         layout = PagedLayout(cu, lens, table, self.block_size, inputs.max_seqlen_q, order)
-        return ids, positions, PagedContext(layout, slots, self.kv_caches), rows
+        return ids, positions, PagedContext(layout, slots, self.kv_caches, self._linear_step(inputs, cu)), rows
+
+    def _linear_step(self, inputs: StepInputs, cu: torch.Tensor) -> LinearStep | None:
+        """The step's plan over the gated-DeltaNet state cache (None without one): each sequence's
+        slot is its block-table row (`runtime.linear_state_cache`)."""
+        if self.linear_states is None:
+            return None
+        if inputs.seq_rows is None:
+            raise RuntimeError("ModelRunner: a model with gated-DeltaNet layers needs the BlockManager's block tables "
+                               "(EngineConfig.connect) for its state slots")
+        counts = np.diff(inputs.cu_seqlens.astype(np.int64))
+        starts = inputs.seq_lens.astype(np.int64) - counts
+        return LinearStep(self.linear_states, inputs.seq_rows, starts, counts, cu, inputs.max_seqlen_q)
 
     def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         """Run the step; return fp32 logits ``[num sampling sequences, vocab]`` in scheduled order."""

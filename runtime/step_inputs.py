@@ -48,6 +48,9 @@ class StepInputs:
     block_table: np.ndarray  #: int32 [S, W] pages, zero padded to the longest table W
     seq_order: np.ndarray  #: int32 [S] the order attention programs take the sequences (`attention_order`)
     max_seqlen_q: int  #: the most new tokens of one sequence
+    #: int64 [S] each sequence's row of the BlockManager's ``BlockTables`` (None without them): its
+    #: slot in the gated-DeltaNet state cache (`runtime.linear_state_cache`)
+    seq_rows: np.ndarray | None = None
 
     @property
     def decode_only(self) -> bool:
@@ -82,7 +85,7 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int,
         ids = np.fromiter(chain.from_iterable(chunks), np.int64, total)
         owner = np.repeat(np.arange(n), counts)  # the sequence of each flat token
         positions = np.arange(total) - (cu[:-1] - starts)[owner]
-    table, lengths = _block_tables(seqs, tables)
+    table, lengths, rows = _block_tables(seqs, tables)
     over = ends > lengths.astype(np.int64) * block_size
     if over.any():
         bad = int(np.argmax(over))
@@ -91,7 +94,7 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int,
     slots = table[owner, positions // block_size].astype(np.int64) * block_size + positions % block_size
     return StepInputs(ids=ids, positions=positions, slots=slots, logits_rows=cu[1:][samples] - 1,
                       cu_seqlens=cu.astype(np.int32), seq_lens=ends.astype(np.int32), block_table=table,
-                      seq_order=attention_order(counts, ends), max_seqlen_q=int(counts.max()))
+                      seq_order=attention_order(counts, ends), max_seqlen_q=int(counts.max()), seq_rows=rows)
 
 
 def attention_order(new_tokens: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
@@ -107,14 +110,15 @@ def attention_order(new_tokens: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
     return np.argsort(-work, kind="stable").astype(np.int32)
 
 
-def _block_tables(seqs: list[Sequence], tables: BlockTables | None) -> tuple[np.ndarray, np.ndarray]:
-    """(``[S, W]`` int32 block tables zero padded to the longest W, ``[S]`` table lengths)."""
+def _block_tables(seqs: list[Sequence], tables: BlockTables | None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(``[S, W]`` int32 block tables zero padded to the longest W, ``[S]`` table lengths, ``[S]``
+    rows of `tables`, None without them)."""
     if tables is None:
         lengths = np.fromiter((len(s.block_table) for s in seqs), np.int32, len(seqs))
         table = np.zeros((len(seqs), int(lengths.max())), np.int32)
         for i, seq in enumerate(seqs):
             table[i, :len(seq.block_table)] = seq.block_table
-        return table, lengths
+        return table, lengths, None
     rows = tables.rows(seqs)
     lengths = tables.lengths[rows]
-    return tables.gather(rows, int(lengths.max())), lengths
+    return tables.gather(rows, int(lengths.max())), lengths, rows

@@ -3,10 +3,9 @@
 MoE with a gated shared expert, each computed only with `vexact_models.kernels` ops. The
 architecture folders subclass them under transformers' class names and module tree.
 
-The training forward runs every op the rollout will repeat (chunks at absolute positions, the
-same conv, gates and norms). The rollout engine's per-sequence GDN state cache is not built yet:
-a gated DeltaNet layer under the paged runtime's context is an error
-(`Architecture.rollout_unsupported` makes `LLM` refuse these models before it allocates).
+The training forward runs every op the rollout repeats (chunks at absolute positions, the same
+conv, gates and norms); a rollout step runs them from the engine's per-sequence GDN state cache
+(`runtime.linear_state_cache`), which the paged context carries.
 """
 
 from __future__ import annotations
@@ -20,12 +19,16 @@ from vexact_models.kernels import (causal_conv1d, gated_delta_gates, gated_delta
                                    sigmoid_gate, softmax_topk)
 from vexact_models.layers import (FusedExperts, GatedMLP, PackedContext, PreNormDecoderLayer, RMSNorm, grouped_linear,
                                   head_dim_of)
+from vexact_models.kernels.gated_delta_rule import CHUNK
 from vexact_models.patches.compat import qwen3_moe_router_output
 
-#: what the rollout engine lacks for these models (`Architecture.rollout_unsupported`)
-GDN_ROLLOUT_MISSING = ("its gated DeltaNet (linear_attention) layers need the rollout engine's per-sequence GDN state "
-                       "cache (conv state, chunk-boundary state, in-chunk rows; docs/design.md section 6b), which is "
-                       "not built yet; training (forward, token_logprobs, gradients) works")
+
+#: the engine features the hybrids' rollouts lack (`Architecture.rollout_features_missing`)
+GDN_ROLLOUT_FEATURES_MISSING = (
+    ("cuda_graphs", "the gated-DeltaNet state cache (runtime/linear_state_cache.py) plans each step on the host; "
+                    "its steps are not captured in CUDA graphs"),
+    ("pipeline_parallel", "a pipeline stage would hold its own layers' gated-DeltaNet states, which is not built"),
+)
 
 
 def alternating_layer_types(layers: int) -> list[str]:
@@ -108,6 +111,12 @@ class GatedDeltaNet(nn.Module):
         self.key_dim = self.head_k_dim * self.num_k_heads
         self.value_dim = self.head_v_dim * self.num_v_heads
         self.conv_kernel_size = config.linear_conv_kernel_dim
+        #: rows of a delta-rule chunk (docs/design.md section 6b): 64, or the config's
+        #: ``linear_chunk_size`` (a vexact-models field: tiny test configs take 16, so that short
+        #: sequences cross chunk boundaries and the CPU reference stays fast)
+        self.chunk_size = int(getattr(config, "linear_chunk_size", None) or CHUNK)
+        if self.chunk_size < 16 or self.chunk_size & (self.chunk_size - 1):
+            raise ValueError(f"{type(config).__name__}: linear_chunk_size={self.chunk_size} must be a power of two >= 16")
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, bias=False, kernel_size=self.conv_kernel_size,
                                 groups=self.conv_dim, padding=self.conv_kernel_size - 1)
@@ -130,17 +139,29 @@ class GatedDeltaNet(nn.Module):
         raise NotImplementedError
 
     def forward(self, hidden: torch.Tensor, context) -> torch.Tensor:
-        if not isinstance(context, PackedContext):
-            raise NotImplementedError(f"{type(self).__name__} (layer {self.layer_idx}): {GDN_ROLLOUT_MISSING}")
+        """Training (`PackedContext`: every sequence from position 0) or a rollout step (a paged
+        context whose ``linear_states``, the engine's `runtime.linear_state_cache.LinearStep`,
+        holds each sequence's conv and delta-rule state): the same ops, bitwise alike per token."""
+        step = None if isinstance(context, PackedContext) else getattr(context, "linear_states", None)
+        if step is None and not isinstance(context, PackedContext):
+            raise NotImplementedError(f"{type(self).__name__} (layer {self.layer_idx}): a paged context without "
+                                      "linear_states (the engine's GDN state cache, docs/design.md section 6b)")
         tokens = hidden.shape[0]
         mixed, z, b, a = self.project(hidden)
-        conv = causal_conv1d(mixed, self.conv1d.weight[:, 0], self.conv1d.bias, context.cu_seqlens, context.max_seqlen,
-                             "silu")
+        weight = self.conv1d.weight[:, 0]
+        if step is None:
+            conv = causal_conv1d(mixed, weight, self.conv1d.bias, context.cu_seqlens, context.max_seqlen, "silu")
+        else:
+            conv = step.conv(self.layer_idx, mixed, weight, self.conv1d.bias, "silu")
         q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         g, beta = gated_delta_gates(a, b, self.A_log, self.dt_bias)
-        out, _ = gated_delta_rule(q.reshape(tokens, self.num_k_heads, self.head_k_dim),
-                                  k.reshape(tokens, self.num_k_heads, self.head_k_dim),
-                                  v.reshape(tokens, self.num_v_heads, self.head_v_dim), g, beta, context.cu_seqlens)
+        q = q.reshape(tokens, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(tokens, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(tokens, self.num_v_heads, self.head_v_dim)
+        if step is None:
+            out, _ = gated_delta_rule(q, k, v, g, beta, context.cu_seqlens, chunk_size=self.chunk_size)
+        else:
+            out = step.delta_rule(self.layer_idx, q, k, v, g, beta)
         out = self.norm(out, z)
         return apply_linear(out.reshape(tokens, self.value_dim), self.out_proj)
 

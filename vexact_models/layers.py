@@ -246,12 +246,15 @@ class PagedContext:
     """Inference layout: each sequence's new tokens append to its cached context.
 
     ``kv_caches[layer]`` is ``(k_cache, v_cache)`` of shape ``[pages, page_size, Hkv, D]``;
-    ``slot_mapping[T]`` says where each new token's K/V go.
+    ``slot_mapping[T]`` says where each new token's K/V go. ``linear_states`` is the step's
+    plan over the engine's gated-DeltaNet state cache (`runtime.linear_state_cache.LinearStep`),
+    None for models without such layers (whose entries in ``kv_caches`` are None).
     """
 
     layout: PagedLayout
     slot_mapping: torch.Tensor
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    linear_states: object | None = None
 
     def attend(self, layer_idx: int, q, k, v, scale: float) -> torch.Tensor:
         k_cache, v_cache = self.kv_caches[layer_idx]

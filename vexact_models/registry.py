@@ -44,6 +44,10 @@ class Shape:
     published_configs: tuple[str, ...] = ()
 
 
+#: the engine features an architecture may declare missing (`Architecture.rollout_features_missing`)
+ROLLOUT_FEATURES = ("cuda_graphs", "pipeline_parallel")
+
+
 @dataclass(frozen=True)
 class Architecture:
     """One supported architecture.
@@ -76,6 +80,10 @@ class Architecture:
             architecture yet, or None when it can. `LLM` and the inference variant raise it, and
             the tests that roll out skip with it; training, checkpoints, heads and adapters do
             not depend on it.
+        rollout_features_missing: ``(feature, why)`` pairs of the engine features this
+            architecture's rollouts cannot use yet (one of `ROLLOUT_FEATURES`): `LLM` raises
+            ValueError naming the feature (`check_rollout_feature`) before it allocates, and the
+            tests of that feature skip with the reason.
     """
 
     name: str
@@ -92,6 +100,7 @@ class Architecture:
     checkpoint_conversions: bool = False
     hf_head_classes: tuple[tuple[str, str], ...] = ()
     rollout_unsupported: str | None = None
+    rollout_features_missing: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         names = [s.name for s in self.shapes]
@@ -99,6 +108,10 @@ class Architecture:
             raise ValueError(f"Architecture {self.name!r}: shapes is empty; give at least one Shape")
         if len(set(names)) != len(names):
             raise ValueError(f"Architecture {self.name!r}: shape names {names} are not unique")
+        unknown = sorted({f for f, _ in self.rollout_features_missing} - set(ROLLOUT_FEATURES))
+        if unknown:
+            raise ValueError(f"Architecture {self.name!r}: rollout_features_missing names {unknown}, not among "
+                             f"{ROLLOUT_FEATURES}")
 
     def tiny_config(self, **overrides):
         """The default shape's tiny config (`Shape.tiny_config`)."""
@@ -127,6 +140,20 @@ class Architecture:
         if self.rollout_unsupported is not None:
             raise NotImplementedError(f"architecture {self.name!r} (model_type {', '.join(self.model_types)}) cannot "
                                       f"be rolled out by vexact_models.LLM yet: {self.rollout_unsupported}")
+
+    def rollout_feature_missing(self, feature: str) -> str | None:
+        """Why the rollout engine cannot use `feature` (one of `ROLLOUT_FEATURES`) for this
+        architecture yet, or None when it can."""
+        if feature not in ROLLOUT_FEATURES:
+            raise ValueError(f"rollout_feature_missing: feature={feature!r} is not one of {ROLLOUT_FEATURES}")
+        return dict(self.rollout_features_missing).get(feature)
+
+    def check_rollout_feature(self, feature: str, how: str) -> None:
+        """Raise ValueError naming the architecture, the `feature`, why it is missing and `how`
+        to do without it, when `rollout_feature_missing` says so."""
+        why = self.rollout_feature_missing(feature)
+        if why is not None:
+            raise ValueError(f"LLM: {feature} is not supported for architecture {self.name!r} yet: {why}; {how}")
 
     def hf_class(self, head: str = "ForCausalLM") -> type:
         """The stock transformers class of this architecture with `head` (``ForCausalLM``,

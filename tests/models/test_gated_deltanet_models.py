@@ -1,7 +1,8 @@
 """What is specific to the gated-DeltaNet hybrids (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) beyond the
 shared architecture tests: HF parity over sequences that cross the gated delta rule's chunk
 boundaries (positions 64, 128), packed and padded alike; the text part of Qwen3.5's multimodal
-checkpoints; the published configs; layer_types checks; the rollout engine's refusal."""
+checkpoints; the published configs; layer_types checks; the rollout engine's refusal of the features
+it lacks for them."""
 
 import logging
 
@@ -105,9 +106,10 @@ def test_bad_layer_type_is_an_error_naming_it(arch):
 
 
 @pytest.mark.parametrize("arch", HYBRIDS, ids=lambda a: a.name)
-def test_rollout_engine_refuses_before_allocating(arch, tmp_path):
-    """LLM and the inference variant raise NotImplementedError naming the architecture and the
-    missing GDN state cache; the training model is left as it was (nothing fused, nothing moved)."""
+def test_rollout_engine_refuses_missing_features_before_allocating(arch, tmp_path):
+    """The engine features these models lack (`Architecture.rollout_features_missing`: pipeline
+    stages here; CUDA graphs on a GPU) are a ValueError naming the feature, from a model and from
+    a folder alike; the training model is left as it was (nothing fused, nothing moved)."""
     from vexact_models.runtime import LLM
 
     model = arch.causal_lm_class(arch.tiny_config()).eval()
@@ -115,11 +117,10 @@ def test_rollout_engine_refuses_before_allocating(arch, tmp_path):
     for source in (model, tmp_path):
         if source is tmp_path:
             model.save_pretrained(tmp_path)
-        with pytest.raises(NotImplementedError, match=f"architecture '{arch.name}'.*GDN state cache"):
-            LLM(source, device="cpu", kv_cache_bytes=1 << 22)
-    with pytest.raises(NotImplementedError, match=f"architecture '{arch.name}'"):
-        arch.inference_class(model)
+        with pytest.raises(ValueError, match=f"pipeline_parallel is not supported for architecture '{arch.name}'"):
+            LLM(source, device="cpu", kv_cache_bytes=1 << 22, pipeline_parallel_size=2)
     assert {n: p.data_ptr() for n, p in model.named_parameters()} == before
+    assert arch.inference_class(model).causal_lm is model  # the rollout itself runs (test_conformance)
 
 
 @pytest.mark.gpu

@@ -136,7 +136,7 @@ def test_stage_forwards_chained_equal_the_whole_forward_bitwise(arch):
     from vexact_models.runtime.sequence import Sequence
     from vexact_models.runtime.sampling_params import SamplingParams
 
-    skip_without_rollout(arch)
+    skip_without_rollout(arch, "pipeline_parallel")
     torch.manual_seed(0)
     model = arch.inference_class(arch.causal_lm_class(arch.tiny_config(initializer_range=0.3)).eval())
     layers = model.config.num_hidden_layers

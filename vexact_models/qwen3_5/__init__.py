@@ -2,7 +2,7 @@
 
 from transformers import Qwen3_5TextConfig
 
-from ..gated_deltanet import GDN_ROLLOUT_MISSING, alternating_layer_types, randomize_norms_and_gates
+from ..gated_deltanet import GDN_ROLLOUT_FEATURES_MISSING, alternating_layer_types, randomize_norms_and_gates
 from ..registry import Architecture, Shape, register
 from .modeling import (Qwen3_5ForCausalLM, Qwen3_5ForCausalLMInference, Qwen3_5ForSequenceClassification,
                        Qwen3_5ForTokenClassification, Qwen3_5PreTrainedModel, Qwen3_5TextModel)
@@ -11,10 +11,11 @@ from .modeling import (Qwen3_5ForCausalLM, Qwen3_5ForCausalLMInference, Qwen3_5F
 def tiny_config(**overrides) -> Qwen3_5TextConfig:
     """A tiny Qwen3.5 for CPU tests: 3 layers (gated DeltaNet, gated full attention, gated
     DeltaNet), hidden 64, attention heads 4/2 of dim 32 with partial rotary 0.25, DeltaNet key
-    heads 2 and value heads 4 of dim 16, conv kernel 4, vocab 512."""
+    heads 2 and value heads 4 of dim 16, conv kernel 4, delta-rule chunks of 16
+    (`linear_chunk_size`), vocab 512."""
     fields = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
 
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_conv_kernel_dim=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_conv_kernel_dim=4, linear_chunk_size=16,
                   linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
                   max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False,
                   rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25},
@@ -38,8 +39,8 @@ ARCHITECTURE = register(Architecture(
     init_for_conformance=randomize_norms_and_gates,
     hf_head_classes=(("Model", "transformers.Qwen3_5TextModel"),
                      ("ForSequenceClassification", "transformers.Qwen3_5TextForSequenceClassification")),
+    rollout_features_missing=GDN_ROLLOUT_FEATURES_MISSING,
     checkpoint_conversions=True,  # multimodal checkpoints: model.language_model.* (transformers' own renaming)
-    rollout_unsupported=GDN_ROLLOUT_MISSING,
 ))
 
 __all__ = ["ARCHITECTURE", "Qwen3_5ForCausalLM", "Qwen3_5ForCausalLMInference", "Qwen3_5PreTrainedModel",

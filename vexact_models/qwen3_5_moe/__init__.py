@@ -2,7 +2,7 @@
 
 from transformers import Qwen3_5MoeTextConfig
 
-from ..gated_deltanet import GDN_ROLLOUT_MISSING, alternating_layer_types, randomize_norms_and_gates
+from ..gated_deltanet import GDN_ROLLOUT_FEATURES_MISSING, alternating_layer_types, randomize_norms_and_gates
 from ..registry import Architecture, Shape, register
 from .modeling import (Qwen3_5MoeForCausalLM, Qwen3_5MoeForCausalLMInference, Qwen3_5MoeForSequenceClassification,
                        Qwen3_5MoeForTokenClassification, Qwen3_5MoePreTrainedModel, Qwen3_5MoeSparseMoeBlock,
@@ -12,10 +12,11 @@ from .modeling import (Qwen3_5MoeForCausalLM, Qwen3_5MoeForCausalLMInference, Qw
 def tiny_config(**overrides) -> Qwen3_5MoeTextConfig:
     """A tiny Qwen3.5-MoE for CPU tests: 3 layers (gated DeltaNet, gated full attention, gated
     DeltaNet), each with 8 experts top-2 and a shared expert; hidden 64, attention heads 4/2 of
-    dim 32 (partial rotary 0.25), DeltaNet key heads 2 and value heads 4 of dim 16, vocab 512."""
+    dim 32 (partial rotary 0.25), DeltaNet key heads 2 and value heads 4 of dim 16, delta-rule chunks of 16
+    (`linear_chunk_size`), vocab 512."""
     fields = dict(vocab_size=512, hidden_size=64, num_hidden_layers=3,
 
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_conv_kernel_dim=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_conv_kernel_dim=4, linear_chunk_size=16,
                   linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
                   num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
                   router_aux_loss_coef=0.001, max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False,
@@ -39,8 +40,8 @@ ARCHITECTURE = register(Architecture(
     hf_causal_lm_class="transformers.Qwen3_5MoeForCausalLM",
     init_for_conformance=randomize_norms_and_gates,
     hf_head_classes=(("Model", "transformers.Qwen3_5MoeTextModel"),),
+    rollout_features_missing=GDN_ROLLOUT_FEATURES_MISSING,
     checkpoint_conversions=True,  # per-expert hub tensors; multimodal checkpoints' model.language_model.*
-    rollout_unsupported=GDN_ROLLOUT_MISSING,
 ))
 
 __all__ = ["ARCHITECTURE", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForCausalLMInference", "Qwen3_5MoePreTrainedModel",

@@ -2,7 +2,7 @@
 
 from transformers import Qwen3NextConfig
 
-from ..gated_deltanet import GDN_ROLLOUT_MISSING, alternating_layer_types, randomize_norms_and_gates
+from ..gated_deltanet import GDN_ROLLOUT_FEATURES_MISSING, alternating_layer_types, randomize_norms_and_gates
 from ..registry import Architecture, Shape, register
 from .modeling import (Qwen3NextForCausalLM, Qwen3NextForCausalLMInference, Qwen3NextForSequenceClassification,
                        Qwen3NextForTokenClassification, Qwen3NextModel, Qwen3NextPreTrainedModel,
@@ -13,10 +13,11 @@ def tiny_config(**overrides) -> Qwen3NextConfig:
     """A tiny Qwen3-Next for CPU tests: 3 layers (gated DeltaNet, gated full attention, gated
     DeltaNet; the middle one a dense MLP, the others 8 experts top-2 and a shared expert); hidden
     64, attention heads 4/2 of dim 32 (partial rotary 0.25), DeltaNet key heads 2 and value heads 4
-    of dim 16, vocab 512."""
+    of dim 16, delta-rule chunks of 16
+    (`linear_chunk_size`), vocab 512."""
     fields = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
  mlp_only_layers=[1],
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_conv_kernel_dim=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_conv_kernel_dim=4, linear_chunk_size=16,
                   linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
                   num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, moe_intermediate_size=32,
                   shared_expert_intermediate_size=32, decoder_sparse_step=1, router_aux_loss_coef=0.001,
@@ -40,8 +41,8 @@ ARCHITECTURE = register(Architecture(
     shapes=(Shape("qwen3_next", tiny_config, published_configs=("qwen3-next-80b-a3b.json",)),),
     hf_causal_lm_class="transformers.Qwen3NextForCausalLM",
     init_for_conformance=randomize_norms_and_gates,
+    rollout_features_missing=GDN_ROLLOUT_FEATURES_MISSING,
     checkpoint_conversions=True,  # hub checkpoints store one tensor per expert
-    rollout_unsupported=GDN_ROLLOUT_MISSING,
 ))
 
 __all__ = ["ARCHITECTURE", "Qwen3NextForCausalLM", "Qwen3NextForCausalLMInference", "Qwen3NextModel",

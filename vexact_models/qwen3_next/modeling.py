@@ -89,8 +89,9 @@ class Qwen3NextForCausalLM(CausalLMMixin, Qwen3NextPreTrainedModel, GenerationMi
 
 
 class Qwen3NextForCausalLMInference(InferenceModel):
-    """Inference variant: the same modules (shared storage); the rollout engine refuses it until
-    the GDN state cache exists (`Architecture.rollout_unsupported`)."""
+    """Inference variant: the same modules (shared storage); its gated DeltaNet layers run from the
+    engine's per-sequence state cache (`runtime.linear_state_cache`), the attention layers from
+    the paged KV cache."""
 
     training_class = Qwen3NextForCausalLM
 

@@ -1,0 +1,202 @@
+"""The gated-DeltaNet state cache of the rollout engine (`runtime.linear_state_cache`): its steps
+equal the training forward bitwise at chunk boundaries and off them, in any slots and batch; the
+engine counts it in the memory budget, holds KV pages only for attention layers, and refuses what
+it cannot do for these models (CUDA graphs, pipeline stages) by name before allocating.
+
+The conformance suite (tests/conformance/test_conformance.py) runs every engine scenario on the
+three hybrids' tiny configs (chunks of 16, `linear_chunk_size`); the engine test here is a quick
+check of chunk crossings in prefill pieces and decode, with a preemption."""
+
+import numpy as np
+import pytest
+import torch
+
+from vexact_models.conformance.models import build_model
+from vexact_models.kernels import causal_conv1d, gated_delta_rule
+from vexact_models.registry import get
+from vexact_models.runtime import LLM, SamplingParams
+from vexact_models.runtime.linear_state_cache import LinearStateCache, LinearStateSpec, LinearStep, linear_state_spec
+from vexact_models.runtime.llm_setup import cache_budget_bytes, cache_bytes_per_block, linear_state_bytes
+from vexact_models.runtime.model_runner import check_linear_state_support
+
+HK, HV, DK, DV, K = 1, 2, 16, 16, 4
+CHUNK = 16
+
+
+def spec(chunk: int = CHUNK) -> LinearStateSpec:
+    return LinearStateSpec((0, 2), (HK, HV), (DK, DV), 2 * HK * DK + HV * DV, K, chunk)
+
+
+def sequences(lengths, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    t = sum(lengths)
+    x = torch.randn(t, spec().conv_channels, generator=gen)
+    weight = torch.randn(spec().conv_channels, K, generator=gen) * 0.5
+    g = -torch.rand(t, HV, generator=gen) * 0.6 - 0.01
+    beta = torch.rand(t, HV, generator=gen) * 0.9 + 0.05
+    return x, weight, g, beta
+
+
+def training(x, weight, g, beta, lengths):
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
+    conv = causal_conv1d(x, weight, None, cu, max(lengths), "silu")
+    q, k, v = split(conv)
+    out, _ = gated_delta_rule(q, k, v, g, beta, cu.tolist(), chunk_size=CHUNK)
+    return conv, out
+
+
+def split(conv):
+    q, k, v = conv.split([HK * DK, HK * DK, HV * DV], dim=-1)
+    t = conv.shape[0]
+    return q.reshape(t, HK, DK), k.reshape(t, HK, DK), v.reshape(t, HV, DV)
+
+
+def test_steps_equal_training_bitwise_across_chunk_boundaries():
+    """Three sequences in slots 4, 0, 2 of one cache, prefill pieces on and off chunk
+    boundaries (CHUNK 16) and decode tokens, in a varying order; both GDN layers of the spec."""
+    lengths = [53, 40, 21]
+    pieces = [[7, 9, 16, 1, 1, 19], [16, 16, 1, 1, 1, 5], [20, 1]]
+    slots = [4, 0, 2]
+    x, weight, g, beta = sequences(lengths)
+    want_conv, want = training(x, weight, g, beta, lengths)
+    cache = LinearStateCache(spec(), slots=5, device=torch.device("cpu"), dtype=torch.float32)
+    for t in (*cache.conv.values(), *cache.states.values()):
+        t.fill_(float("nan"))  # stale contents are never read: a sequence at position 0 starts from zeros
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    done = [0, 0, 0]
+    got_conv, got = torch.zeros_like(want_conv), torch.zeros_like(want)
+    for step in range(max(len(p) for p in pieces)):
+        order = [s for s in range(3) if step < len(pieces[s])][::-1 if step % 2 else 1]
+        counts = [pieces[s][step] for s in order]
+        rows = torch.cat([torch.arange(offsets[s] + done[s], offsets[s] + done[s] + m) for s, m in zip(order, counts)])
+        cu = torch.tensor(np.concatenate([[0], np.cumsum(counts)]), dtype=torch.int32)
+        plan = LinearStep(cache, np.array([slots[s] for s in order]), np.array([done[s] for s in order]),
+                          np.array(counts), cu, max(counts))
+        for layer in (0, 2):
+            conv = plan.conv(layer, x[rows], weight, None, "silu")
+            out = plan.delta_rule(layer, *split(conv), g[rows], beta[rows])
+        got_conv[rows], got[rows] = conv, out
+        for s, m in zip(order, counts):
+            done[s] += m
+    assert done == lengths
+    assert torch.equal(got_conv, want_conv) and torch.equal(got, want)
+
+
+def test_step_rejects_bad_slots():
+    cache = LinearStateCache(spec(), slots=2, device=torch.device("cpu"), dtype=torch.float32)
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"slots \[0, 2\] must lie in \[0, 2\)"):
+        LinearStep(cache, np.array([0, 2]), np.array([0, 0]), np.array([1, 1]), cu, 1)
+    with pytest.raises(ValueError, match=r"slots \[1, 1\] must be distinct"):
+        LinearStep(cache, np.array([1, 1]), np.array([0, 0]), np.array([1, 1]), cu, 1)
+    with pytest.raises(ValueError, match="slots=0 must be >= 1"):
+        LinearStateCache(spec(), slots=0, device=torch.device("cpu"), dtype=torch.float32)
+
+
+def test_bytes_per_slot_counts_every_tensor():
+    cache = LinearStateCache(spec(), slots=3, device=torch.device("cpu"), dtype=torch.bfloat16)
+    tensors = [*cache.conv.values(), *cache.states.values(), *(t for r in cache.rows.values() for t in r)]
+    assert sum(t.numel() * t.element_size() for t in tensors) == 3 * spec().bytes_per_slot(torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def qwen3_5():
+    arch = get("qwen3_5")
+    return build_model(arch, arch.tiny_config(), torch.device("cpu"), torch.float32)
+
+
+def test_spec_of_the_model_and_the_budget(qwen3_5):
+    found = linear_state_spec(qwen3_5)
+    assert found == LinearStateSpec((0, 2), (2, 4), (16, 16), 2 * 32 + 64, 4, 16)  # linear_chunk_size of the tiny config
+    assert linear_state_spec(torch.nn.Linear(2, 2)) is None
+    per_block = cache_bytes_per_block(qwen3_5, torch.float32, 4)
+    assert per_block == 4 * 2 * 32 * 2 * 4  # one attention layer: 4 positions x 2 KV heads x (32 + 32) x fp32
+    budget = cache_budget_bytes(qwen3_5, torch.float32, 4, 40, 6)
+    assert budget == 40 * per_block + 6 * found.bytes_per_slot(torch.float32) == 40 * per_block + \
+        linear_state_bytes(qwen3_5, torch.float32, 6)
+    llm = LLM(qwen3_5, device="cpu", block_size=4, max_num_seqs=6, kv_cache_bytes=budget + per_block - 1)
+    assert llm.engine_config.num_blocks == 40  # the states' bytes come off the pages
+    assert llm.runner.kv_caches[0] is None and llm.runner.kv_caches[2] is None and llm.runner.kv_caches[1] is not None
+    assert llm.runner.linear_states.slots == 6 and not llm.block_manager.enable_prefix_sharing
+    with pytest.raises(ValueError, match=r"after the gated-DeltaNet states of 6 sequences.*lower max_num_seqs"):
+        LLM(qwen3_5, device="cpu", block_size=4, max_num_seqs=6, kv_cache_bytes=budget - 40 * per_block)
+
+
+def test_architectures_declare_the_missing_features_and_llm_refuses_them(qwen3_5):
+    for name in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
+        arch = get(name)
+        assert arch.rollout and "host" in arch.rollout_feature_missing("cuda_graphs")
+        assert "stage" in arch.rollout_feature_missing("pipeline_parallel")
+    assert get("qwen3").rollout_feature_missing("cuda_graphs") is None
+    with pytest.raises(ValueError, match=r"feature='lora' is not one of \('cuda_graphs', 'pipeline_parallel'\)"):
+        get("qwen3").rollout_feature_missing("lora")
+    with pytest.raises(ValueError, match="pipeline_parallel is not supported for architecture 'qwen3_5' yet.*"
+                                         "pipeline_parallel_size=1"):
+        LLM(qwen3_5, device="cpu", kv_cache_bytes=1 << 22, pipeline_parallel_size=2)
+
+
+def test_unsupported_features_are_refused_by_name():
+    check_linear_state_support(None, range(0, 2), 8, 0)  # no GDN layers: nothing to refuse
+    with pytest.raises(ValueError, match=r"CUDA graphs are not supported .*layers \[0, 2\].*enforce_eager=True"):
+        check_linear_state_support(spec(), None, 8, 4)
+    with pytest.raises(ValueError, match="pipeline_parallel_size > 1 is not supported"):
+        check_linear_state_support(spec(), range(0, 2), 0, 4)
+    with pytest.raises(ValueError, match="state_slots=0 must be >= 1"):
+        check_linear_state_support(spec(), None, 0, 0)
+
+
+def test_engine_equals_training_across_chunk_boundaries(qwen3_5):
+    """Prompts of 13 and 45 tokens in prefill pieces of 24 (crossing the tiny config's chunk
+    boundaries at 16, 32 mid-piece), decode across 16 and 48, a preemption by recompute (pages for
+    one sequence only), one step at a time and ahead: the rollout's logprobs are token_logprobs'
+    bitwise."""
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, 500, (n,), generator=gen).tolist() for n in (13, 45)]
+    params = SamplingParams(temperature=1.0, max_tokens=9, ignore_eos=True, seed=5)
+    per_block = cache_bytes_per_block(qwen3_5, torch.float32, 4)
+    for engine in (dict(async_scheduling=False), dict(kv_cache_bytes=cache_budget_bytes(qwen3_5, torch.float32, 4, 16, 4))):
+        llm = LLM(qwen3_5, device="cpu", block_size=4, max_num_seqs=4, max_num_batched_tokens=24,
+                  **{"kv_cache_bytes": 512 * per_block + linear_state_bytes(qwen3_5, torch.float32, 4), **engine})
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert "kv_cache_bytes" not in engine or llm.num_preemptions > 0
+        for prompt, out in zip(prompts, outs):
+            tokens = out.outputs[0].token_ids
+            want = qwen3_5.token_logprobs(torch.tensor([prompt + tokens]))[0, len(prompt):]
+            assert torch.equal(torch.tensor(out.outputs[0].logprobs), want)
+
+
+def test_sleep_and_wake_up_reallocate_the_states(qwen3_5):
+    """sleep() releases the GDN states with the KV cache, wake_up() brings both back; the same
+    requests then give the same tokens and logprobs (and update_weights of the same weights)."""
+    llm = LLM(qwen3_5, device="cpu", block_size=4, max_num_seqs=4, kv_cache_bytes=1 << 22, max_num_batched_tokens=16)
+    prompts = [[5, 9, 11, 3] * 5, [7] * 18]
+    params = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, seed=2)
+    first = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params, use_tqdm=False)]
+    llm.sleep(0)
+    assert llm.runner.linear_states is None and not llm.runner.kv_caches
+    llm.wake_up()
+    llm.update_weights(qwen3_5.state_dict())
+    again = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert llm.runner.linear_states is not None and again == first
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the Triton GDN kernels)")
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+def test_gpu_engine_equals_training_at_chunk_64(name):
+    """On the GPU (Triton kernels), bf16, the published chunk of 64: prompts of 100 and 300 tokens
+    in prefill pieces of 48 and decode across chunk boundaries; CUDA graphs are refused by name
+    before anything is allocated, enforce_eager runs."""
+    arch = get(name)
+    model = build_model(arch, arch.tiny_config(linear_chunk_size=None), torch.device("cuda"), torch.bfloat16)
+    with pytest.raises(ValueError, match=f"cuda_graphs is not supported for architecture '{name}' yet.*enforce_eager=True"):
+        LLM(model, block_size=16, max_num_seqs=4, kv_cache_bytes=1 << 24)
+    llm = LLM(model, block_size=16, max_num_seqs=4, kv_cache_bytes=1 << 24, max_num_batched_tokens=48,
+              enforce_eager=True)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(2, 500, (n,), generator=gen).tolist() for n in (100, 300)]
+    outs = llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, seed=1), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        tokens = out.outputs[0].token_ids
+        want = model.token_logprobs(torch.tensor([prompt + tokens], device="cuda"))[0, len(prompt):].cpu()
+        assert torch.equal(torch.tensor(out.outputs[0].logprobs), want)
