@@ -4,6 +4,7 @@ boundaries (positions 64, 128), packed and padded alike; the text part of Qwen3.
 checkpoints; the published configs; layer_types checks; the rollout engine's refusal of the features
 it lacks for them."""
 
+import copy
 import logging
 
 import pytest
@@ -32,14 +33,22 @@ def test_parity_across_chunk_boundaries(hybrid_pair):
     """Sequences of 150 tokens (three chunks of the gated delta rule) match stock's torch path,
     and each sequence's logprobs are bitwise the same alone, packed and left-padded.
 
-    The bound is 5e-5, not the 1e-5 of the 37-token parity tests: our chunk arithmetic (the
-    solve, the fold; docs/design.md section 6b) and stock's chunked torch path round differently,
-    and over 150 tokens of three layers with random norms the fp32 difference per token measured
-    2e-6..1e-5 (Qwen3.5) and up to 1.8e-5 (the MoE models), not growing with the position."""
+    Over three chunks our chunk arithmetic (the block solve, the fold; docs/design.md section 6b)
+    and stock's chunked torch path round differently in fp32 (relative differences of 1e-5 to
+    7e-5 with random norms), so parity is judged against stock run in float64: our fp32 logits
+    are at most 2x as far from it as stock's own fp32 logits, plus 1e-5 (the other architectures'
+    fp32 bound), and within 1e-4 of stock's fp32 logits."""
     _, hf, ours = hybrid_pair
     ids = torch.randint(0, 512, (2, 150))
     with torch.no_grad():
-        assert rel(ours(ids).logits, hf(ids).logits) <= 5e-5
+        fp64 = copy.deepcopy(hf).double()
+        if getattr(fp64, "_can_set_experts_implementation", lambda: False)():
+            fp64.set_experts_implementation("eager")  # torch's grouped_mm takes no float64
+        exact = fp64(ids).logits
+        stock, mine = hf(ids).logits, ours(ids).logits
+        assert rel(mine.double(), exact) <= 2 * rel(stock.double(), exact) + 1e-5, (rel(mine.double(), exact),
+                                                                                       rel(stock.double(), exact))
+        assert rel(mine, stock) <= 1e-4
         alone = [ours.token_logprobs(row[None])[0] for row in (ids[0], ids[1, 50:])]
         packed = ours.token_logprobs(torch.cat([ids[0], ids[1, 50:]]), cu_seqlens=torch.tensor([0, 150, 250]))
         mask = torch.ones_like(ids)
