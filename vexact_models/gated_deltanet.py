@@ -31,6 +31,12 @@ GDN_ROLLOUT_FEATURES_MISSING = (
 )
 
 
+#: the oldest transformers release the hybrids match stock on (`Architecture.min_transformers`):
+#: on 5.17 the fp32 logits differ from stock's torch path by 1.3e-5..2.6e-5 at 37 tokens, and 5.2's
+#: Qwen3.5 classes differ more; releases between 5.17 and 5.24 are not checked yet
+GDN_MIN_TRANSFORMERS = "5.24"
+
+
 def alternating_layer_types(layers: int) -> list[str]:
     """``layer_types`` of the tiny test configs: gated DeltaNet, gated attention, ... (a layer
     count given alone still makes a valid config)."""

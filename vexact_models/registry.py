@@ -21,7 +21,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import transformers
+from packaging.version import Version
+
 _REGISTRY: dict[str, "Architecture"] = {}
+#: architectures left out because the installed transformers is older than their `min_transformers`
+_TOO_OLD: dict[str, str] = {}
 _PACKAGE_DIR = Path(__file__).parent
 ENTRY_POINT_GROUP = "vexact_models.architectures"
 _loaded = False
@@ -84,6 +89,10 @@ class Architecture:
             architecture's rollouts cannot use yet (one of `ROLLOUT_FEATURES`): `LLM` raises
             ValueError naming the feature (`check_rollout_feature`) before it allocates, and the
             tests of that feature skip with the reason.
+        min_transformers: the oldest transformers release whose stock classes this architecture
+            has been shown to match (None: every supported release, 5.2 on). On an older release
+            `register` keeps it out of the registry (patch() leaves its model types to stock, the
+            tests do not see it) and `get` names the release it needs.
     """
 
     name: str
@@ -101,6 +110,7 @@ class Architecture:
     hf_head_classes: tuple[tuple[str, str], ...] = ()
     rollout_unsupported: str | None = None
     rollout_features_missing: tuple[tuple[str, str], ...] = ()
+    min_transformers: str | None = None
 
     def __post_init__(self) -> None:
         names = [s.name for s in self.shapes]
@@ -167,6 +177,9 @@ def register(arch: Architecture) -> Architecture:
     """Add (or replace, by name) an architecture; returns it. Raises ValueError when another
     architecture already serves one of its model types (lookups by ``model_type`` must be
     unambiguous)."""
+    if arch.min_transformers is not None and Version(transformers.__version__) < Version(arch.min_transformers):
+        _TOO_OLD[arch.name] = arch.min_transformers
+        return arch
     for other in _REGISTRY.values():
         shared = set(other.model_types) & set(arch.model_types)
         if other.name != arch.name and shared:
@@ -215,6 +228,9 @@ def get(name: str) -> Architecture:
     _load()
     if name in _REGISTRY:
         return _REGISTRY[name]
+    if name in _TOO_OLD:
+        raise ValueError(f"architecture {name!r} needs transformers >= {_TOO_OLD[name]} (the oldest release its "
+                         f"stock classes were matched on); transformers {transformers.__version__} is installed")
     owners = [arch.name for arch in _REGISTRY.values() if any(s.name == name for s in arch.shapes)]
     hint = f"; {name!r} is a shape of {owners[0]!r}: get({owners[0]!r}).shape({name!r})" if owners else ""
     raise ValueError(f"unknown architecture {name!r}; registered: {sorted(_REGISTRY)}{hint}")

@@ -18,6 +18,9 @@ from .model_support import rel, stock_model
 pytestmark = pytest.mark.compat
 
 HYBRIDS = [arch for arch in architectures() if arch.name in ("qwen3_5", "qwen3_5_moe", "qwen3_next")]
+if not HYBRIDS:  # Architecture.min_transformers: an older release keeps them out of the registry
+    pytest.skip(f"the gated-DeltaNet hybrids need a newer transformers than {transformers.__version__}",
+                allow_module_level=True)
 
 
 @pytest.fixture(scope="module", params=HYBRIDS, ids=lambda a: a.name)

@@ -2,7 +2,8 @@
 
 from transformers import Qwen3_5MoeTextConfig
 
-from ..gated_deltanet import GDN_ROLLOUT_FEATURES_MISSING, alternating_layer_types, randomize_norms_and_gates
+from ..gated_deltanet import (GDN_MIN_TRANSFORMERS, GDN_ROLLOUT_FEATURES_MISSING, alternating_layer_types,
+                              randomize_norms_and_gates)
 from ..registry import Architecture, Shape, register
 from .modeling import (Qwen3_5MoeForCausalLM, Qwen3_5MoeForCausalLMInference, Qwen3_5MoeForSequenceClassification,
                        Qwen3_5MoeForTokenClassification, Qwen3_5MoePreTrainedModel, Qwen3_5MoeSparseMoeBlock,
@@ -41,6 +42,7 @@ ARCHITECTURE = register(Architecture(
     init_for_conformance=randomize_norms_and_gates,
     hf_head_classes=(("Model", "transformers.Qwen3_5MoeTextModel"),),
     rollout_features_missing=GDN_ROLLOUT_FEATURES_MISSING,
+    min_transformers=GDN_MIN_TRANSFORMERS,
     checkpoint_conversions=True,  # per-expert hub tensors; multimodal checkpoints' model.language_model.*
 ))
 

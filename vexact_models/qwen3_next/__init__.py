@@ -2,7 +2,8 @@
 
 from transformers import Qwen3NextConfig
 
-from ..gated_deltanet import GDN_ROLLOUT_FEATURES_MISSING, alternating_layer_types, randomize_norms_and_gates
+from ..gated_deltanet import (GDN_MIN_TRANSFORMERS, GDN_ROLLOUT_FEATURES_MISSING, alternating_layer_types,
+                              randomize_norms_and_gates)
 from ..registry import Architecture, Shape, register
 from .modeling import (Qwen3NextForCausalLM, Qwen3NextForCausalLMInference, Qwen3NextForSequenceClassification,
                        Qwen3NextForTokenClassification, Qwen3NextModel, Qwen3NextPreTrainedModel,
@@ -42,6 +43,7 @@ ARCHITECTURE = register(Architecture(
     hf_causal_lm_class="transformers.Qwen3NextForCausalLM",
     init_for_conformance=randomize_norms_and_gates,
     rollout_features_missing=GDN_ROLLOUT_FEATURES_MISSING,
+    min_transformers=GDN_MIN_TRANSFORMERS,
     checkpoint_conversions=True,  # hub checkpoints store one tensor per expert
 ))
 

@@ -1,0 +1,49 @@
+"""`Architecture.min_transformers`: an architecture needing a newer transformers than the one
+installed stays out of the registry (so patch() leaves its model types to stock and no shared
+test sees it), and `get` names the release it needs."""
+
+import pytest
+import transformers
+from packaging.version import Version
+
+from vexact_models import registry
+from vexact_models.gated_deltanet import GDN_MIN_TRANSFORMERS
+from vexact_models.registry import Architecture, Shape, register
+
+pytestmark = pytest.mark.compat
+
+
+def _arch(name: str, floor: str | None) -> Architecture:
+    qwen3 = registry.get("qwen3")
+    return Architecture(name=name, model_types=(f"{name}_type",), config_class=qwen3.config_class,
+                        causal_lm_class=qwen3.causal_lm_class, base_model_class=qwen3.base_model_class,
+                        inference_class=qwen3.inference_class, shapes=(Shape(name, qwen3.tiny_config),),
+                        hf_causal_lm_class=qwen3.hf_causal_lm_class, min_transformers=floor)
+
+
+@pytest.fixture
+def clean_registry():
+    yield
+    for name in ("floor_future", "floor_past"):
+        registry._REGISTRY.pop(name, None)
+        registry._TOO_OLD.pop(name, None)
+
+
+def test_an_architecture_newer_than_the_installed_transformers_is_left_out(clean_registry):
+    register(_arch("floor_future", "999.0"))
+    register(_arch("floor_past", "5.0"))
+    names = [arch.name for arch in registry.architectures()]
+    assert "floor_past" in names and "floor_future" not in names
+    assert registry.for_model_type("floor_future_type") is None
+    with pytest.raises(ValueError, match=rf"'floor_future' needs transformers >= 999.0 .*{transformers.__version__} "
+                                         "is installed"):
+        registry.get("floor_future")
+
+
+def test_the_hybrids_declare_their_floor_and_are_registered_at_or_above_it():
+    names = {arch.name for arch in registry.architectures()}
+    hybrids = {"qwen3_5", "qwen3_5_moe", "qwen3_next"}
+    if Version(transformers.__version__) >= Version(GDN_MIN_TRANSFORMERS):
+        assert hybrids <= names and all(registry.get(n).min_transformers == GDN_MIN_TRANSFORMERS for n in hybrids)
+    else:
+        assert not hybrids & names
