@@ -15,6 +15,7 @@ from .causal_conv1d import causal_conv1d, conv_state_update
 from .dependent_launch import set_dependent_launch, use_dependent_launch
 from .gated_delta_gates import gated_delta_gates
 from .gated_delta_rollout import GatedDeltaRollout
+from .gated_delta_rule import CHUNK as GATED_DELTA_CHUNK
 from .gated_delta_rule import gated_delta_chunk_rows, gated_delta_fold, gated_delta_rule
 from .gated_rms_norm import gated_rms_norm
 from .grouped_topk import sigmoid_grouped_topk
@@ -38,7 +39,7 @@ from .silu_and_mul import silu_and_mul
 from .token_logprobs import token_logprobs
 
 __all__ = [
-    "BACKENDS", "GatedDeltaRollout",
+    "BACKENDS", "GATED_DELTA_CHUNK", "GatedDeltaRollout",
     "KernelSwitch", "PagedLayout", "UnsupportedError", "add_rms_norm", "apply_rotary", "attention",
     "attention_forward_mode", "attention_packed", "attention_saving_context", "causal_conv1d", "conv_state_update",
     "current_backend", "deinterleave",

@@ -89,6 +89,10 @@ class Architecture:
             architecture's rollouts cannot use yet (one of `ROLLOUT_FEATURES`): `LLM` raises
             ValueError naming the feature (`check_rollout_feature`) before it allocates, and the
             tests of that feature skip with the reason.
+        fp32_parity: the largest relative logit error against stock transformers in float32 that
+            the parity tests accept (1e-5; the gated-DeltaNet hybrids' chunk arithmetic rounds
+            differently from stock's chunked torch path, and their tests also compare both with
+            stock run in float64).
         min_transformers: the oldest transformers release whose stock classes this architecture
             has been shown to match (None: every supported release, 5.2 on). On an older release
             `register` keeps it out of the registry (patch() leaves its model types to stock, the
@@ -110,6 +114,7 @@ class Architecture:
     hf_head_classes: tuple[tuple[str, str], ...] = ()
     rollout_unsupported: str | None = None
     rollout_features_missing: tuple[tuple[str, str], ...] = ()
+    fp32_parity: float = 1e-5
     min_transformers: str | None = None
 
     def __post_init__(self) -> None:
