@@ -188,7 +188,8 @@ def test_gpu_engine_equals_training_at_chunk_64(name):
     in prefill pieces of 48 and decode across chunk boundaries; CUDA graphs are refused by name
     before anything is allocated, enforce_eager runs."""
     arch = get(name)
-    model = build_model(arch, arch.tiny_config(linear_chunk_size=None), torch.device("cuda"), torch.bfloat16)
+    # head_dim 64: the Triton attention takes 64, 128, 192 and 256 (the tiny configs have 32)
+    model = build_model(arch, arch.tiny_config(linear_chunk_size=None, head_dim=64), torch.device("cuda"), torch.bfloat16)
     with pytest.raises(ValueError, match=f"cuda_graphs is not supported for architecture '{name}' yet.*enforce_eager=True"):
         LLM(model, block_size=16, max_num_seqs=4, kv_cache_bytes=1 << 24)
     llm = LLM(model, block_size=16, max_num_seqs=4, kv_cache_bytes=1 << 24, max_num_batched_tokens=48,
