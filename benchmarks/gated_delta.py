@@ -69,6 +69,7 @@ def training_rows(tokens: list[int], seqs: int, backward: bool) -> list[list]:
                 leaves = [x.detach().requires_grad_() for x in (q, k, v)]
                 cells.append(f"{bench(lambda run=run: run(*leaves).float().sum().backward(), warmup=2, rep=10):.3f}")
             rows.append(cells)
+            print("  " + "  ".join(cells), file=sys.stderr, flush=True)  # progress: the torch path is slow
     return rows
 
 
