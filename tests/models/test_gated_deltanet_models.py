@@ -5,6 +5,8 @@ checkpoints; the published configs; layer_types checks; the rollout engine's ref
 it lacks for them."""
 
 import copy
+import importlib
+import inspect
 import logging
 
 import pytest
@@ -21,6 +23,22 @@ HYBRIDS = [arch for arch in architectures() if arch.name in ("qwen3_5", "qwen3_5
 if not HYBRIDS:  # Architecture.min_transformers: an older release keeps them out of the registry
     pytest.skip(f"the gated-DeltaNet hybrids need a newer transformers than {transformers.__version__}",
                 allow_module_level=True)
+
+
+#: the functions stock's gated-DeltaNet layers call, which transformers binds to fla's kernels (or a
+#: hub kernel) at import when those are installed; the parity tests compare against its torch path
+STOCK_KERNEL_FUNCTIONS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                          "causal_conv1d_update")
+
+
+@pytest.fixture
+def stock_torch_path(monkeypatch):
+    """Stock's hybrids run their torch path even where `flash-linear-attention` is installed."""
+    for model_type in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):
+        module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+        for name in STOCK_KERNEL_FUNCTIONS:
+            if callable(getattr(module, name, None)):
+                monkeypatch.setattr(module, name, inspect.unwrap(getattr(module, name)))
 
 
 @pytest.fixture(scope="module", params=HYBRIDS, ids=lambda a: a.name)
@@ -139,7 +157,7 @@ def test_rollout_engine_refuses_missing_features_before_allocating(arch, tmp_pat
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("arch", HYBRIDS, ids=lambda a: a.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_gpu_training_forward_is_batch_invariant_and_matches_stock(arch, dtype):
+def test_gpu_training_forward_is_batch_invariant_and_matches_stock(arch, dtype, stock_torch_path):
     """On CUDA (the Triton kernels: conv, gated delta rule rows and fold, gated norm, gates,
     attention): each sequence's token_logprobs are bitwise the same alone, packed and left-padded,
     over chunk boundaries and with a gradient taken; fp32 logits match stock's torch path."""
