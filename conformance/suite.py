@@ -170,9 +170,6 @@ def run_conformance(arch: Architecture, model, *, device: torch.device, pool_siz
     rng = random.Random(seed)
     seen: dict[tuple[int, int, int], tuple[list[int], list[float]]] = {}
     max_model_len = min(int(model.config.max_position_embeddings), prompt_len + max_tokens + 1)
-    if scenarios and not arch.rollout:  # Architecture.rollout_unsupported: HF parity only
-        log(f"  no rollout scenarios for {arch.name}: {arch.rollout_unsupported}")
-        scenarios = False
     for sc in (_scenarios(pool_size) if scenarios else []):
         if sc.get("cuda_only") and device.type != "cuda":
             continue

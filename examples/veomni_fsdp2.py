@@ -96,10 +96,6 @@ def main() -> int:
     ok = True
     with tempfile.TemporaryDirectory() as tmp:
         for arch in architectures():
-            if not arch.rollout:  # the check compares against an LLM rollout (Architecture.rollout_unsupported)
-                if rank == 0:
-                    print(f"skipped {arch.name}: {arch.rollout_unsupported}", flush=True)
-                continue
             path = [f"{tmp}/{arch.name}"]
             dist.broadcast_object_list(path)
             ok &= check(arch, path[0], args, rank)

@@ -151,9 +151,7 @@ class LLM(EngineStepsMixin, EngineMemoryMixin):
                                      async_scheduling=async_scheduling))
         load_dtype = resolve_dtype(dtype)
         from_folder = isinstance(model, (str, os.PathLike))
-        # an architecture the engine cannot run yet (Architecture.rollout_unsupported) is refused here, before any allocation
         target = folder_config(str(model))[1] if from_folder else architecture_of(model)
-        target.check_rollout()
         if pipeline_parallel_size > 1:  # engine features it cannot use yet (Architecture.rollout_features_missing)
             target.check_rollout_feature("pipeline_parallel", "use pipeline_parallel_size=1")
         if not from_folder:

@@ -21,7 +21,6 @@ from vexact_models.layers import (FlatBatch, PackedContext, PagedContext, RopeTa
                                   head_dim_of)
 from vexact_models.loading import check_loading_info, from_pretrained_complete
 from vexact_models.patches.compat import HFCompatMixin, select_hidden_states
-from vexact_models.registry import for_model_type
 
 
 class StrictLoadingMixin(CheckpointingMixin, HFCompatMixin):
@@ -322,8 +321,7 @@ class InferenceModel(nn.Module):
     """Inference variant: drives a training-variant model's modules with the paged runtime.
 
     It holds the training model itself (not a copy), so both share parameter storage: an
-    optimizer step on the training model is what the next rollout uses. An architecture the
-    engine cannot run yet (`Architecture.rollout_unsupported`) is a NotImplementedError naming it.
+    optimizer step on the training model is what the next rollout uses.
     """
 
     def __init__(self, causal_lm: nn.Module) -> None:
@@ -331,9 +329,6 @@ class InferenceModel(nn.Module):
         if isinstance(causal_lm, nn.Module) and type(causal_lm).__name__.startswith("PeftModel"):
             # the runtime drives our model under PEFT's wrapper: its LoRA layers are in there
             causal_lm = causal_lm.get_base_model()
-        arch = for_model_type(getattr(getattr(causal_lm, "config", None), "model_type", None))
-        if arch is not None:
-            arch.check_rollout()  # e.g. the gated-DeltaNet hybrids: no GDN state cache in the engine yet
         self.causal_lm = causal_lm
 
     @property

@@ -81,10 +81,6 @@ class Architecture:
             ``"ForSequenceClassification"``, ...), where the name is not ``hf_causal_lm_class``'s
             with ``ForCausalLM`` replaced (Qwen3.5's text model is ``Qwen3_5TextModel``; its
             ``Qwen3_5Model`` is the multimodal one); for HF parity tests.
-        rollout_unsupported: why the rollout engine (`vexact_models.LLM`) cannot run this
-            architecture yet, or None when it can. `LLM` and the inference variant raise it, and
-            the tests that roll out skip with it; training, checkpoints, heads and adapters do
-            not depend on it.
         rollout_features_missing: ``(feature, why)`` pairs of the engine features this
             architecture's rollouts cannot use yet (one of `ROLLOUT_FEATURES`): `LLM` raises
             ValueError naming the feature (`check_rollout_feature`) before it allocates, and the
@@ -112,7 +108,6 @@ class Architecture:
     token_classification_class: type | None = None
     checkpoint_conversions: bool = False
     hf_head_classes: tuple[tuple[str, str], ...] = ()
-    rollout_unsupported: str | None = None
     rollout_features_missing: tuple[tuple[str, str], ...] = ()
     fp32_parity: float = 1e-5
     min_transformers: str | None = None
@@ -143,18 +138,6 @@ class Architecture:
             if shape.name == name:
                 return shape
         raise ValueError(f"architecture {self.name!r} has no shape {name!r}; its shapes: {[s.name for s in self.shapes]}")
-
-    @property
-    def rollout(self) -> bool:
-        """Whether the rollout engine can run this architecture (see ``rollout_unsupported``)."""
-        return self.rollout_unsupported is None
-
-    def check_rollout(self) -> None:
-        """Raise NotImplementedError naming the architecture and what the rollout engine lacks
-        for it, when it cannot run it."""
-        if self.rollout_unsupported is not None:
-            raise NotImplementedError(f"architecture {self.name!r} (model_type {', '.join(self.model_types)}) cannot "
-                                      f"be rolled out by vexact_models.LLM yet: {self.rollout_unsupported}")
 
     def rollout_feature_missing(self, feature: str) -> str | None:
         """Why the rollout engine cannot use `feature` (one of `ROLLOUT_FEATURES`) for this

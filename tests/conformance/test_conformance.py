@@ -17,13 +17,12 @@ from vexact_models.conformance.models import (architecture_of, build_model, bund
 from vexact_models.conformance.suite import format_table, run_conformance
 from vexact_models.registry import get
 
-from ..models.model_support import DISTINCT_SHAPES, SHAPES, shape_id, skip_without_rollout
+from ..models.model_support import DISTINCT_SHAPES, SHAPES, shape_id
 
 
 @pytest.mark.parametrize("case", DISTINCT_SHAPES, ids=shape_id)
 def test_rollout_logprobs_equal_training_logprobs_bitwise(case):
     arch, shape = case
-    skip_without_rollout(arch)
     model = build_model(arch, shape.tiny_config(), torch.device("cpu"), torch.float32)
     report = run_conformance(arch, model, device=torch.device("cpu"), pool_size=64, max_tokens=20, prompt_len=40,
                              shape=shape.name)

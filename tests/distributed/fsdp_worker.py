@@ -179,7 +179,7 @@ def run_arch(res, arch, rank, world, checks):
         mine = splits(len(seqs), world)["round_robin"][rank][0]
         check_mixed_precision(res, arch, base, seqs, [seqs[i] for i in mine])
         check_offload(res, arch, base, seqs, ref_lp, mine)
-    if "iteration" in checks and arch.rollout:  # the iteration rolls out (Architecture.rollout_unsupported)
+    if "iteration" in checks:  # the iteration rolls out
         from fsdp_iteration import run_iteration
 
         run_iteration(res, arch, base, rank, world)

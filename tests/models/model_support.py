@@ -114,13 +114,10 @@ def attention_output_name(model: torch.nn.Module, nth: int = 0) -> str:
     return f"model.layers.{attention_layers(model)[nth]}.self_attn.o_proj.weight"
 
 
-def skip_without_rollout(arch: Architecture, feature: str | None = None) -> None:
-    """Skip the calling test when the rollout engine cannot run `arch` yet, or cannot use the
-    engine `feature` for it (one of `registry.ROLLOUT_FEATURES`), with the reason the architecture
-    gives (`Architecture.rollout_unsupported` / ``rollout_features_missing``: the capabilities
-    tests consult)."""
-    if not arch.rollout:
-        pytest.skip(f"{arch.name}: no rollout yet: {arch.rollout_unsupported}")
-    why = None if feature is None else arch.rollout_feature_missing(feature)
+def skip_without_rollout(arch: Architecture, feature: str) -> None:
+    """Skip the calling test when the rollout engine cannot use the engine `feature` (one of
+    `registry.ROLLOUT_FEATURES`) for `arch` yet, with the reason the architecture gives
+    (`Architecture.rollout_features_missing`: the capabilities tests consult)."""
+    why = arch.rollout_feature_missing(feature)
     if why is not None:
         pytest.skip(f"{arch.name}: no {feature} in rollouts yet: {why}")

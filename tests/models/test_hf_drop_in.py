@@ -101,10 +101,9 @@ def test_generate_greedy_equals_llm_greedy_and_stock(pair):
     out = ours.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=None,
                         pad_token_id=0)
     assert out.shape == (2, 13) and torch.equal(out[:, :5], ids)
-    if arch.rollout:  # else (Architecture.rollout_unsupported) generate is checked against stock alone
-        engine = gen(make_llm(ours), prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
-        for row, request in zip(out, engine):
-            assert row[5:].tolist() == request.outputs[0].token_ids
+    engine = gen(make_llm(ours), prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    for row, request in zip(out, engine):
+        assert row[5:].tolist() == request.outputs[0].token_ids
     stock = hf.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert torch.equal(out, stock), arch.name
     sampled = ours.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=True, temperature=0.8, top_k=20,
@@ -121,11 +120,6 @@ def test_generation_config_eos_reaches_llm(pair):
     finally:
         vexact_models.unpatch()
     assert type(model) is arch.causal_lm_class and model.generation_config.eos_token_id == [3, 7]
-    if not arch.rollout:  # refused by name, from a model and from a folder alike
-        for source in (model, path):
-            with pytest.raises(NotImplementedError, match=f"architecture '{arch.name}'.*GDN state cache"):
-                LLM(source, device="cpu", kv_cache_bytes=1 << 22)
-        return
     assert make_llm(model).eos_token_ids == [3, 7]
     assert LLM(path, device="cpu", kv_cache_bytes=1 << 24).eos_token_ids == [3, 7]  # (256 sequences of GDN states)
 

@@ -10,7 +10,7 @@ from peft import LoraConfig, get_peft_model
 from vexact_models.runtime import SamplingParams
 
 from ..runtime.llm_support import gen, make_llm, prompts_for, training_logprobs
-from .model_support import ARCHS, SHAPES, rel, shape_id, skip_without_rollout, stock_model
+from .model_support import ARCHS, SHAPES, rel, shape_id, stock_model
 
 pytestmark = pytest.mark.compat
 
@@ -70,7 +70,6 @@ def test_adapters_change_logits_as_stock_peft_does_and_disabling_restores(peft_p
 
 def test_rollout_with_adapters_equals_token_logprobs(peft_pair):
     arch, peft_ours, _, _, _ = peft_pair
-    skip_without_rollout(arch)
     prompts = prompts_for(4, seed=3)
     llm = make_llm(peft_ours)
     outs = gen(llm, prompts, SamplingParams(temperature=1.0, max_tokens=6, seed=5, ignore_eos=True))
