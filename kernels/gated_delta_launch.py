@@ -15,7 +15,7 @@ import torch
 
 from . import gated_delta_reference as ref
 from ._triton import require_triton
-from .gated_delta_triton import FOLD_WARPS, ROWS_WARPS, SMALL_HEAD_WARPS, fold_kernel, rows_kernel
+from .gated_delta_triton import FOLD_WARPS, ROWS_WARPS, SMALL_HEAD_WARPS, fold_kernel, fold_prep_kernel, rows_kernel
 
 @dataclass(frozen=True)
 class Shapes:
@@ -177,22 +177,48 @@ def _rows_triton(q, k, v, g, beta, states, out, plan: RowsPlan, shapes: Shapes, 
                        num_warps=_warps(shapes, ROWS_WARPS))
 
 
+def fold_chunks(plan: FoldPlan, chunk: int) -> tuple[list[int], list[int], list[int]]:
+    """The chunks a fold plan's runs cover, in run order: (first token, rows) of each, and the
+    index of each run's first chunk among them."""
+    starts, n_rows, firsts = [], [], []
+    for start, length in zip(plan.start, plan.length):
+        firsts.append(len(starts))
+        for c in range(-(-length // chunk)):
+            starts.append(start + c * chunk)
+            n_rows.append(min(chunk, length - c * chunk))
+    return starts, n_rows, firsts
+
+
 def _fold_triton(k, v, g, beta, states_in, states_out, plan: FoldPlan, shapes: Shapes, chunk: int,
                  l2norm: bool) -> None:
+    """`fold_prep_kernel` over every chunk of the plan's runs in parallel, then `fold_kernel`'s
+    two products a chunk along each run (`gated_delta_triton`)."""
     require_triton("gated_delta_rule")
     _check_triton_shapes(shapes)
     if not plan.start:
         return
     dev = k.device
-    meta = [_device_ints(x, dev) for x in (plan.start, plan.length, plan.state_index, plan.out_index)]
+    starts, n_rows, firsts = fold_chunks(plan, chunk)
+    if not starts:
+        return
     bv = _value_block(shapes.dv)
-    grid = (len(plan.start), shapes.hv, shapes.dv // bv)
-    fold_kernel[grid](k, v, g, beta, states_in, states_out, *meta,
-                       k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
-                       states_in.stride(0), states_in.stride(1), states_out.stride(0), states_out.stride(1),
-                       GROUP=shapes.hv // shapes.hk, C=chunk, DK=shapes.dk, DV=shapes.dv, BV=bv,
-                       LOG_C=chunk.bit_length() - 1, LOG_DK=shapes.dk.bit_length() - 1, L2NORM=l2norm,
-                       num_warps=_warps(shapes, FOLD_WARPS))
+    consts = dict(C=chunk, DK=shapes.dk, DV=shapes.dv, BV=bv)
+    w = torch.empty(len(starts), shapes.hv, chunk, shapes.dk, dtype=torch.float32, device=dev)
+    kd = torch.empty_like(w)
+    u = torch.empty(len(starts), shapes.hv, chunk, shapes.dv, dtype=torch.float32, device=dev)
+    total_decay = torch.empty(len(starts), shapes.hv, dtype=torch.float32, device=dev)
+    fold_prep_kernel[(len(starts), shapes.hv)](
+        k, v, g, beta, w, u, kd, total_decay, _device_ints(starts, dev), _device_ints(n_rows, dev),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+        w.stride(0), w.stride(1), u.stride(0), u.stride(1),
+        GROUP=shapes.hv // shapes.hk, LOG_C=chunk.bit_length() - 1, LOG_DK=shapes.dk.bit_length() - 1, L2NORM=l2norm,
+        num_warps=_warps(shapes, FOLD_WARPS), **consts)
+    meta = [_device_ints(x, dev) for x in (firsts, plan.length, plan.state_index, plan.out_index)]
+    fold_kernel[(len(plan.start), shapes.hv, shapes.dv // bv)](
+        w, u, kd, total_decay, states_in, states_out, *meta,
+        w.stride(0), w.stride(1), u.stride(0), u.stride(1),
+        states_in.stride(0), states_in.stride(1), states_out.stride(0), states_out.stride(1),
+        num_warps=_warps(shapes, FOLD_WARPS), **consts)
 
 
 def launch_rows(backend: str, *args) -> None:

@@ -12,9 +12,13 @@ row's bits depend on rows ``0..i`` of its chunk and on the boundary state alone
 The dots run with ``input_precision="tf32x3"`` (three TF32 products, about fp32's precision) on
 fp32 operands: the inputs are widened to fp32 on load, the state and every intermediate stay in
 fp32. A rows program computes one head of one chunk, its ``BV``-column value blocks one after
-another on one ``T`` and ``w`` (which depend on the keys, gates and betas only); a fold program
-one value block of one head of a run of chunks (the state of a block stays in registers across
-the chunks), so each fold program computes ``T`` and ``w`` again.
+another on one ``T`` and ``w`` (which depend on the keys, gates and betas only). The fold is two
+launches: `fold_prep_kernel` (one program a chunk and head, all in parallel) computes what a
+chunk gives the state update whatever the state is (``w``, ``u = T (v beta)``, the keys decayed to
+the chunk's end and the chunk's total decay) and stores it in fp32; `fold_kernel` (one program a
+value block of one head of a run of chunks, the state of the block in registers across the
+chunks) then takes two products a chunk, ``v_new = u - w S`` and ``S exp(G_last) + kd^T v_new``:
+only those are serial along a sequence.
 """
 
 from __future__ import annotations
@@ -151,31 +155,60 @@ def rows_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, state_ptr, out_ptr,
 
 
 @triton.jit
-def fold_kernel(k_ptr, v_ptr, g_ptr, b_ptr, state_in_ptr, state_out_ptr,
-                 start_ptr, length_ptr, state_index_ptr, out_index_ptr,
-                 stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt, stride_si, stride_sih,
-                 stride_so, stride_soh,
-                 GROUP: tl.constexpr, C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-                 LOG_C: tl.constexpr, LOG_DK: tl.constexpr, L2NORM: tl.constexpr):
-    """One run of consecutive chunks of one sequence (``length`` rows from token ``start``), one
-    head, one value block: from state ``state_index`` (zeros if < 0), the state after each chunk
-    goes to ``state_out[out_index + c]``. Every chunk is the same loop body, so a run folded in
-    one call and the same chunks folded one call each give the same bits."""
+def fold_prep_kernel(k_ptr, v_ptr, g_ptr, b_ptr, w_ptr, u_ptr, kd_ptr, decay_ptr, start_ptr, n_rows_ptr,
+                     stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
+                     stride_wj, stride_wh, stride_uj, stride_uh,
+                     GROUP: tl.constexpr, C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+                     LOG_C: tl.constexpr, LOG_DK: tl.constexpr, L2NORM: tl.constexpr):
+    """One chunk (``n`` rows from token ``start``), one head: ``w`` and the keys decayed to the
+    chunk's last row ``kd = k exp(G_last - G)`` (``[C, DK]``), ``u = T (v beta)`` (``[C, DV]``, value
+    block by value block) and ``exp(G_last)``, all fp32, for `fold_kernel`."""
+    j = tl.program_id(0)
+    h = tl.program_id(1)
+    hk = h // GROUP
+    start = tl.load(start_ptr + j)
+    n = tl.load(n_rows_ptr + j)
+    rows = tl.arange(0, C)
+    k, cum, beta, decay, t, w = _chunk_keys(k_ptr, g_ptr, b_ptr, start, n, h, hk, stride_kt, stride_kh, stride_gt,
+                                            stride_bt, C, DK, LOG_C, LOG_DK, L2NORM)
+    last = tl.sum(tl.where(rows == C - 1, cum, 0.0), axis=0)  # G of the tile's last row (absent rows add g = 0)
+    cols = tl.arange(0, DK)
+    at = rows[:, None] * DK + cols[None, :]
+    tl.store(w_ptr + j.to(tl.int64) * stride_wj + h * stride_wh + at, w)
+    tl.store(kd_ptr + j.to(tl.int64) * stride_wj + h * stride_wh + at, k * tl.exp(last - cum)[:, None])
+    tl.store(decay_ptr + j.to(tl.int64) * tl.num_programs(1) + h, tl.exp(last))
+    for vb in tl.static_range(DV // BV):
+        v = _load_rows(v_ptr + vb * BV, start, 0, n, h, stride_vt, stride_vh, BV, C)
+        u = tl.dot(t, v * beta[:, None], input_precision="tf32x3")
+        cv = vb * BV + tl.arange(0, BV)
+        tl.store(u_ptr + j.to(tl.int64) * stride_uj + h * stride_uh + rows[:, None] * DV + cv[None, :], u)
+
+
+@triton.jit
+def fold_kernel(w_ptr, u_ptr, kd_ptr, decay_ptr, state_in_ptr, state_out_ptr,
+                prep_ptr, length_ptr, state_index_ptr, out_index_ptr,
+                stride_wj, stride_wh, stride_uj, stride_uh, stride_si, stride_sih, stride_so, stride_soh,
+                C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
+    """One run of consecutive chunks of one sequence (``length`` rows; its chunks prepared by
+    `fold_prep_kernel` at ``prep .. prep + chunks - 1``), one head, one value block: from state
+    ``state_index`` (zeros if < 0), the state after each chunk goes to ``state_out[out_index + c]``.
+    Every chunk is the same loop body, so a run folded in one call and the same chunks folded one
+    call each give the same bits."""
     seq = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
-    hk = h // GROUP
-    start = tl.load(start_ptr + seq)
+    prep = tl.load(prep_ptr + seq)
     length = tl.load(length_ptr + seq)
     out_index = tl.load(out_index_ptr + seq)
     s = _load_state(state_in_ptr, tl.load(state_index_ptr + seq), h, vb, stride_si, stride_sih, DK, DV, BV)
     rows = tl.arange(0, C)
+    at = rows[:, None] * DK + tl.arange(0, DK)[None, :]
+    at_u = rows[:, None] * DV + (vb * BV + tl.arange(0, BV))[None, :]
     for c in range(0, tl.cdiv(length, C)):
-        n = tl.minimum(length - c * C, C)
-        k, cum, beta, decay, t, w = _chunk_keys(k_ptr, g_ptr, b_ptr, start + c * C, n, h, hk, stride_kt, stride_kh,
-                                                stride_gt, stride_bt, C, DK, LOG_C, LOG_DK, L2NORM)
-        v_new = _new_values(v_ptr, start + c * C, n, h, vb, stride_vt, stride_vh, t, w, beta, s, C, BV)
-        last = tl.sum(tl.where(rows == C - 1, cum, 0.0), axis=0)  # G of the tile's last row (absent rows add g = 0)
-        k_decayed = k * tl.exp(last - cum)[:, None]
-        s = s * tl.exp(last) + tl.dot(tl.trans(k_decayed), v_new, input_precision="tf32x3")
+        j = (prep + c).to(tl.int64)
+        w = tl.load(w_ptr + j * stride_wj + h * stride_wh + at)
+        kd = tl.load(kd_ptr + j * stride_wj + h * stride_wh + at)
+        u = tl.load(u_ptr + j * stride_uj + h * stride_uh + at_u)
+        v_new = u - tl.dot(w, s, input_precision="tf32x3")
+        s = s * tl.load(decay_ptr + j * tl.num_programs(1) + h) + tl.dot(tl.trans(kd), v_new, input_precision="tf32x3")
         _store_state(state_out_ptr, out_index + c, h, vb, s, stride_so, stride_soh, DK, DV, BV)
