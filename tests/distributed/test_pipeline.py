@@ -27,7 +27,7 @@ RUNS = {2: ("all", 0), 3: ("qwen3,deepseek_v3", 3)}  # world size -> (architectu
 def run(request, tmp_path_factory):
     world = request.param
     archs, layers = RUNS[world]
-    names = ",".join(a.name for a in architectures() if a.rollout and not a.rollout_feature_missing("pipeline_parallel")) \
+    names = ",".join(a.name for a in architectures() if not a.rollout_feature_missing("pipeline_parallel")) \
         if archs == "all" else archs  # pipeline rollouts
     out = tmp_path_factory.mktemp(f"pipeline{world}")
     return world, names.split(","), torchrun("pipeline_rollout_worker.py", world, out, "--archs", names,
