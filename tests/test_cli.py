@@ -10,6 +10,22 @@ def test_demo_runs_end_to_end(capsys):
     assert "model.safetensors" in out
 
 
+def test_demo_takes_another_architecture(capsys):
+    """``--arch`` builds that architecture's tiny config: the gated-DeltaNet hybrid rolls out with its
+    state cache and matches its recompute."""
+    assert main(["demo", "--arch", "qwen3_5", "--device", "cpu", "--pool", "3", "--max-tokens", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "vexact_models.qwen3_5.modeling.Qwen3_5ForCausalLM" in out and "RESULT: PASS" in out
+
+
+def test_demo_refuses_bad_arguments(capsys):
+    with pytest.raises(SystemExit, match="--pool=0 must be >= 1"):
+        main(["demo", "--device", "cpu", "--pool", "0"])
+    with pytest.raises(SystemExit):
+        main(["demo", "--arch", "gpt2"])
+    assert "invalid choice: 'gpt2'" in capsys.readouterr().err
+
+
 def test_new_architecture_writes_a_package_and_prints_the_next_steps(tmp_path, capsys):
     assert main(["new-architecture", "mistral", "--from", "llama", "--dest", str(tmp_path)]) == 0
     out = capsys.readouterr().out

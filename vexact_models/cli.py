@@ -1,7 +1,9 @@
 """The ``vexact`` command.
 
-    vexact demo          build a small random Qwen3 checkpoint, patch transformers, roll out with the
-                         paged runtime, recompute with the training variant, print the conformance table
+    vexact demo [--arch NAME]
+                         build a small random checkpoint (Qwen3 unless --arch names another registered
+                         architecture), patch transformers, roll out with the paged runtime, recompute
+                         with the training variant, print the conformance table
     vexact conformance   the full conformance suite (same as ``vexact-conformance``)
     vexact env           what a bug report needs: versions, platform, device, kernel backend and
                          every VEXACT_* switch with its value, default and modes
@@ -19,19 +21,40 @@ from pathlib import Path
 
 import torch
 
+from vexact_models.registry import architectures
+
+
+#: the Triton attention's smallest head dim; the tiny configs of some architectures take 32
+MIN_GPU_HEAD_DIM = 64
+
+
+def demo_config(arch_name: str, device: torch.device):
+    """The demo's random model config: Qwen3 at 2 layers of 128 wide (the default), or another
+    architecture's tiny test config, with head dims the GPU attention takes on CUDA."""
+    from vexact_models.registry import get
+
+    arch = get(arch_name)
+    if arch.name == "qwen3":
+        return arch, arch.tiny_config(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=64, vocab_size=2048)
+    config = arch.tiny_config()
+    if device.type == "cuda" and getattr(config, "head_dim", None) and config.head_dim < MIN_GPU_HEAD_DIM:
+        config = arch.tiny_config(head_dim=MIN_GPU_HEAD_DIM)
+    return arch, config
+
 
 def demo(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM
 
     import vexact_models
     from vexact_models.conformance.suite import print_table, run_conformance
-    from vexact_models.registry import get
 
-    arch = get("qwen3")
+    for name in ("pool", "max_tokens"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"vexact demo: error: --{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    config = arch.tiny_config(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                              num_attention_heads=2, num_key_value_heads=1, head_dim=64, vocab_size=2048)
+    arch, config = demo_config(args.arch, device)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(args.checkpoint or tmp)
         torch.manual_seed(args.seed)
@@ -127,7 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vexact", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    p_demo = sub.add_parser("demo", help="end-to-end rollout + recompute on a small random Qwen3 checkpoint")
+    p_demo = sub.add_parser("demo", help="end-to-end rollout + recompute on a small random checkpoint (Qwen3 or --arch)")
+    p_demo.add_argument("--arch", default="qwen3", choices=sorted(a.name for a in architectures()),
+                        help="the registered architecture to build (default qwen3; its tiny test config otherwise)")
     p_demo.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     p_demo.add_argument("--pool", type=int, default=16, help="requests (the largest batch); default 16")
     p_demo.add_argument("--max-tokens", type=int, default=16, help="largest max_tokens of a request; default 16")
