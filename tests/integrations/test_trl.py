@@ -71,11 +71,12 @@ def _trl_layout(prompt_ids, completion_ids, rollout_lps):
     return ids, mask, expected, cmask
 
 
-@pytest.mark.parametrize("arch_name", ["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("arch_name", ["qwen3", "qwen3_moe", "qwen3_5"])
 def test_trainer_logprobs_equal_rollout_logprobs_bitwise(example, arch_name, tmp_path):
     """TRL's `_get_per_token_logps_and_entropies` (its padded layout) on a rollout of the
-    trainer's generation backend gives the rollout's logprobs bitwise; for Qwen3-MoE also the
-    model's own load-balancing loss, which TRL adds by default."""
+    trainer's generation backend gives the rollout's logprobs bitwise (Qwen3.5: the gated-DeltaNet
+    hybrid, its states kept by the engine); for Qwen3-MoE also the model's own load-balancing loss,
+    which TRL adds by default."""
     trainer = _trainer(example, arch_name, tmp_path)
     model = trainer.model
     assert type(model).__module__.startswith("vexact_models.")  # a path string loads our class, not the stock one
