@@ -209,3 +209,34 @@ def test_gpu_engine_equals_training_at_chunk_64(name):
     for prompt, (tokens, logprobs) in zip(prompts, results[0]):
         want = model.token_logprobs(torch.tensor([prompt + tokens], device="cuda"))[0, len(prompt):].cpu()
         assert torch.equal(torch.tensor(logprobs), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)")
+def test_gpu_graphs_are_captured_again_over_new_states_after_sleep():
+    """sleep(1) frees the states and the graphs, wake_up() captures them again over the new state
+    cache (its addresses): the same requests give the same tokens and logprobs; a mixed bucket past
+    `MAX_MIXED_GRAPHS` runs eagerly with the same results."""
+    import vexact_models.runtime.cuda_graphs as cuda_graphs
+
+    arch = get("qwen3_5")
+    model = build_model(arch, arch.tiny_config(linear_chunk_size=None), torch.device("cuda"), torch.bfloat16)
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(2, 500, (n,), generator=gen).tolist() for n in (70, 9, 130)]
+    params = SamplingParams(temperature=1.0, max_tokens=70, ignore_eos=True, seed=2)
+    llm = LLM(model, block_size=16, max_num_seqs=2, kv_cache_bytes=1 << 24, max_num_batched_tokens=40)
+    first = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params, use_tqdm=False)]
+    states = llm.runner.linear_states
+    llm.sleep(1)
+    llm.wake_up()
+    assert llm.runner.linear_states is not states and llm.runner.graphs.linear_states is llm.runner.linear_states
+    again = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert again == first
+    cuda_graphs.MAX_MIXED_GRAPHS, limit = 1, cuda_graphs.MAX_MIXED_GRAPHS
+    try:
+        capped = LLM(model, block_size=16, max_num_seqs=2, kv_cache_bytes=1 << 24, max_num_batched_tokens=40)
+        outs = capped.generate(prompts, params, use_tqdm=False)
+    finally:
+        cuda_graphs.MAX_MIXED_GRAPHS = limit
+    assert [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs] == first
+    assert capped.runner.graphs.num_mixed == 1
