@@ -22,7 +22,6 @@ import torch
 
 from vexact_models.registry import Architecture
 from vexact_models.runtime import LLM, SamplingParams
-from vexact_models.runtime.linear_state_cache import linear_state_spec
 
 from .models import hf_twin
 
@@ -213,8 +212,6 @@ def _engine_options(sc: dict, model, pool: list, dtype: torch.dtype, max_model_l
         engine["kv_cache_bytes"] = _cache_bytes(model, block_size, dtype, max(2 * max(need), sum(need) // 6),
                                               max_num_seqs)
     engine.setdefault("max_model_len", max_model_len)
-    if linear_state_spec(model) is not None:  # no CUDA graphs for gated-DeltaNet layers yet (they refuse by name)
-        engine["enforce_eager"] = True
     if "kv_cache_bytes" not in engine:
         engine["gpu_memory_utilization"] = gpu_memory_utilization
     if engine.get("enable_chunked_prefill") is False:

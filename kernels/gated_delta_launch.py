@@ -4,7 +4,8 @@ chunks uses) and the two backends of the rows and fold launches (docs/design.md 
 `_rows_reference` / `_fold_reference` gather each chunk's rows into zero-padded ``[C, ...]``
 tensors and run `gated_delta_reference.chunk_forward` with its batch-invariant `EXACT`
 primitives; `_rows_triton` / `_fold_triton` launch `gated_delta_triton`'s kernels. A plan is
-built on the host from python ints; the Triton launchers copy it to the device.
+built on the host from python ints, which the Triton launchers copy to the device, or holds int32
+tensors on the device already (a rollout step's, `gated_delta_step`), which they read in place.
 """
 
 from __future__ import annotations
@@ -139,7 +140,11 @@ def _fold_reference(k, v, g, beta, states_in, states_out, plan: FoldPlan, shapes
             states_out[plan.out_index[b] + c] = new[j].to(states_out.dtype)
 
 
-def _device_ints(values: list[int], device) -> torch.Tensor:
+def _device_ints(values: list[int] | torch.Tensor, device) -> torch.Tensor:
+    """A plan's field on the device: host ints copied, or an int32 tensor there already (a rollout
+    step's staged plan, `gated_delta_step`: no copy, so a CUDA graph can capture the launch)."""
+    if isinstance(values, torch.Tensor):
+        return values
     return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
 
 
@@ -163,7 +168,7 @@ def _rows_triton(q, k, v, g, beta, states, out, plan: RowsPlan, shapes: Shapes, 
                  l2norm: bool) -> None:
     require_triton("gated_delta_rule")
     _check_triton_shapes(shapes)
-    if not plan.kv_start:
+    if len(plan.kv_start) == 0:
         return
     dev = k.device
     meta = [_device_ints(x, dev) for x in (plan.kv_start, plan.n_rows, plan.first_row, plan.q_start, plan.state_index)]
@@ -195,7 +200,7 @@ def _fold_triton(k, v, g, beta, states_in, states_out, plan: FoldPlan, shapes: S
     two products a chunk along each run (`gated_delta_triton`)."""
     require_triton("gated_delta_rule")
     _check_triton_shapes(shapes)
-    if not plan.start:
+    if len(plan.start) == 0:
         return
     dev = k.device
     starts, n_rows, firsts = fold_chunks(plan, chunk)

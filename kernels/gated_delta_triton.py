@@ -138,6 +138,8 @@ def rows_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, state_ptr, out_ptr,
     first = tl.load(first_row_ptr + chunk)
     q_start = tl.load(q_start_ptr + chunk)
     index = tl.load(state_index_ptr + chunk)
+    if n <= first:  # no row wanted (a rollout step's padding entry, kernels/gated_delta_step.py): exit at once
+        return
     rows = tl.arange(0, C)
     lower = rows[None, :] <= rows[:, None]
     k, cum, beta, decay, t, w = _chunk_keys(k_ptr, g_ptr, b_ptr, start, n, h, hk, stride_kt, stride_kh, stride_gt,

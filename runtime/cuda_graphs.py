@@ -24,6 +24,13 @@ Without graphs an eager step costs the host ~25 ms at Qwen3-0.6B (hundreds of Tr
 ~6x a decode step's GPU time (`benchmarks/throughput.py --engines aligned,aligned-eager --step-breakdown`,
 H200, 2026-11-24).
 
+A model with gated-DeltaNet layers (`runtime.linear_state_cache`) replays their steps too: the
+step's plan over the state cache is staged in fixed buffers beside the attention metadata, and
+every launch's grid follows the bucket (`kernels.gated_delta_step`). Unlike a K/V write, a GDN
+step advances state in place (conv states, folds), so a mixed bucket's eager warm-up runs the
+plan's dry run (`LinearStepBuffers.dry_run`: the same launches, reading the step's inputs, writing
+only the pools' padding row and state); the replay then advances each state once.
+
 A pipeline stage after the first (`runtime.pipeline`) takes the previous stage's ``(hidden,
 residual)`` instead of token ids: its decode graphs read them from two more static buffers
 (rows past the batch keep earlier finite values, as harmless as the dummies), and a stage
@@ -41,6 +48,7 @@ from vexact_models.kernels import PagedLayout, linear_quack
 from vexact_models.layers import PagedContext
 
 from .graph_inputs import GraphInputs
+from .linear_state_cache import LinearStateCache, LinearStep
 from .step_inputs import StepInputs
 
 __all__ = ["DEFAULT_BUCKETS", "DEFAULT_MAX_TOKENS", "MAX_MIXED_GRAPHS", "StepGraphs", "step_bucket", "token_bucket"]
@@ -95,11 +103,12 @@ class StepGraphs:
 
     def __init__(self, model, kv_caches, block_size: int, max_blocks_per_seq: int, max_batch: int,
                  device: torch.device, buckets=DEFAULT_BUCKETS, carry: tuple[int, torch.dtype | None] = (0, None),
-                 max_tokens: int = 0) -> None:
+                 max_tokens: int = 0, linear_states: LinearStateCache | None = None) -> None:
         """`carry`: ``(width, dtype)`` of the previous pipeline stage's hidden and residual rows
         that `model` takes after the token inputs (width 0: it takes none). `max_tokens`: mixed
         steps of up to that many tokens are captured (0: decode steps only; a pipeline stage
-        must pass 0)."""
+        must pass 0). `linear_states`: the model's gated-DeltaNet state cache (None without
+        such layers)."""
         width, dtype = carry
         if width and max_tokens:
             raise ValueError(f"StepGraphs: mixed steps (max_tokens={max_tokens}) are not captured for a pipeline "
@@ -110,7 +119,8 @@ class StepGraphs:
         self.max_blocks = max_blocks_per_seq
         self.max_tokens = max(max_tokens, max_batch) if max_tokens else 0
         self.device = device
-        self.inputs = GraphInputs(max_batch, max_batch, max_blocks_per_seq, device)
+        self.linear_states = linear_states
+        self.inputs = GraphInputs(max_batch, max_batch, max_blocks_per_seq, device, linear_states)
         self.mixed_inputs: GraphInputs | None = None  # made at the first mixed capture
         self.mixed_logits: torch.Tensor | None = None  # the mixed graphs' shared output
         self.carry = (None if not width else
@@ -128,31 +138,42 @@ class StepGraphs:
         tokens, seqs, max_q = bucket
         layout = PagedLayout(x.cu_seqlens[:seqs + 1], x.seq_lens[:seqs], x.block_table[:seqs], self.block_size, max_q,
                              x.seq_order[:seqs])
-        args = (x.ids[:tokens], x.positions[:tokens], PagedContext(layout, x.slots[:tokens], self.kv_caches),
+        linear = None if x.linear is None else LinearStep.from_arrays(
+            self.linear_states, x.linear.views(tokens, seqs), layout.cu_seqlens_q, max_q)
+        args = (x.ids[:tokens], x.positions[:tokens], PagedContext(layout, x.slots[:tokens], self.kv_caches, linear),
                 x.logits_rows[:seqs])
         return args + tuple(t[:tokens] for t in self.carry) if carry else args
 
     def _capture(self, bucket: tuple[int, int, int], x: GraphInputs, carry: bool = False, shared_out: bool = False):
-        """Warm up (compiles the kernels outside the capture: quack's too, `as_in_capture`), then
-        capture `bucket` on `x`'s buffers; with `shared_out` the graph copies its logits into
-        ``mixed_logits``."""
+        """Warm up (compiles the kernels outside the capture: quack's too, `as_in_capture`; a
+        gated-DeltaNet plan's dry run, the module docstring), then capture `bucket` on `x`'s
+        buffers; with `shared_out` the graph copies its logits into ``mixed_logits``."""
         args = self._args(bucket, x, carry)
+        if x.linear is not None:
+            x.linear.dry_run()
         with linear_quack.as_in_capture():
             out = self.model(*args)
+        if x.linear is not None:
+            x.linear.restage()
         if shared_out and self.mixed_logits is None:
             self.mixed_logits = torch.empty(self.max_batch, out.shape[1], dtype=out.dtype, device=self.device)
         del out
+        graph, out = self._record(args, bucket[1], shared_out)
+        self.graphs[bucket] = (graph, x, out)
+
+    def _record(self, args: tuple, seqs: int, shared_out: bool):
+        """``(graph, its output)``: the model on `args` captured (in the shared memory pool)."""
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             out = self.model(*args)
             if shared_out:
-                self.mixed_logits[:bucket[1]].copy_(out)
+                self.mixed_logits[:seqs].copy_(out)
         if shared_out:
             del out  # its memory goes back to the pool, for the next capture
             out = self.mixed_logits
         self._pool = graph.pool()
-        self.graphs[bucket] = (graph, x, out)
+        return graph, out
 
     def release(self) -> None:
         """Free the graphs and their memory pool (the outputs live in it: dropped first). The
@@ -184,7 +205,8 @@ class StepGraphs:
             x = entry[1]
         else:  # a new mixed bucket
             if self.mixed_inputs is None:
-                self.mixed_inputs = GraphInputs(self.max_tokens, self.max_batch, self.max_blocks, self.device)
+                self.mixed_inputs = GraphInputs(self.max_tokens, self.max_batch, self.max_blocks, self.device,
+                                                self.linear_states)
             x = self.mixed_inputs
         x.fill(inputs, bucket[0], bucket[1])
         if in_flight is not None:

@@ -11,6 +11,10 @@ rows fills its own rows, then padding that changes nothing the step reads back:
 - sequences S..seqs-1: no query tokens (``cu_seqlens`` = T) and no keys (length 0): their
   attention programs exit at once; they take the last places of ``seq_order``.
 - logits rows R..seqs-1: row 0, computed and never read.
+
+A model with gated-DeltaNet layers also reads its step's plan over their state cache from fixed
+buffers (`runtime.linear_state_cache.LinearStepBuffers`), whose padding entries have no work and
+write only the pools' padding row and state (`kernels.gated_delta_step`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .linear_state_cache import LinearStateCache, LinearStepBuffers
 from .staging import Layout
 from .step_inputs import StepInputs
 
@@ -33,9 +38,12 @@ class GraphInputs:
     cu_seqlens (int32, ``max_batch + 1``), seq_lens and seq_order (int32, ``max_batch``),
     block_table (int32, ``[max_batch, max_blocks]``; last, so that a step copies only its rows).
     Works on any device (on CPU the "copy" is a memcpy), which keeps the host side testable.
+    With `linear` (a model's gated-DeltaNet state cache) the step's plan over it too (``linear``:
+    `LinearStepBuffers`, one more copy).
     """
 
-    def __init__(self, max_tokens: int, max_batch: int, max_blocks: int, device: torch.device) -> None:
+    def __init__(self, max_tokens: int, max_batch: int, max_blocks: int, device: torch.device,
+                 linear: LinearStateCache | None = None) -> None:
         if max_tokens < max_batch:
             raise ValueError(f"GraphInputs: max_tokens={max_tokens} is below max_batch={max_batch} "
                              f"(every sequence has a token)")
@@ -56,6 +64,7 @@ class GraphInputs:
         # The staging buffer is reused: before refilling it, wait for the last copy to have read
         # it (in practice the sampler's sync of an earlier step already did).
         self._copied = torch.cuda.Event() if cuda else None
+        self.linear = None if linear is None else LinearStepBuffers(linear, max_tokens, max_batch, device)
 
     def fill(self, inputs: StepInputs, tokens: int, seqs: int) -> None:
         """Write a step's inputs into the first `tokens` token rows and `seqs` sequence rows,
@@ -70,6 +79,12 @@ class GraphInputs:
             raise ValueError(f"GraphInputs: a step of {t} tokens, {s} sequences ({r} sampling) and {width} table "
                              f"columns does not fit bucket ({tokens} tokens, {seqs} sequences) of buffers "
                              f"({self.max_tokens}, {self.max_batch}, {self.max_blocks} columns)")
+        if self.linear is not None:  # validates the slots before anything is written
+            if inputs.seq_rows is None:
+                raise RuntimeError("GraphInputs: a model with gated-DeltaNet layers needs the BlockManager's block "
+                                   "tables (EngineConfig.connect) for its state slots")
+            counts = np.diff(inputs.cu_seqlens.astype(np.int64))
+            self.linear.fill(inputs.seq_rows, inputs.seq_lens.astype(np.int64) - counts, counts, tokens, seqs)
         if self._copied is not None:
             self._copied.synchronize()
         ids, positions, slots, rows, cu, seq_lens, order, table = self.staged

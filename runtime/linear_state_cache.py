@@ -7,7 +7,7 @@ layer (`LinearStateCache`):
   model dtype;
 - the boundary state: the delta rule's state at the sequence's last chunk boundary (fp32,
   ``[Hv, dk, dv]``);
-- the current chunk's raw rows ``k, v, g, beta`` (at most ``C - 1``; never ``q``: a row's output
+- the current chunk's raw rows ``k, v, g, beta`` (``C`` rows a slot; never ``q``: a row's output
   reads no other row's query).
 
 A slot is the sequence's row of the BlockManager's block-table mirror (`BlockTables`): taken with
@@ -16,15 +16,18 @@ its first page, given back when its pages are freed (finished, preempted), so at
 from zeros: a step whose chunk starts at position 0 reads neither the conv state nor the boundary
 state (`LinearStep`), so a slot is never cleared.
 
-`LinearStep` is one step's plan, built once on the host and shared by every GDN layer of the step
-(the model reads it from ``PagedContext.linear_states``): per sequence the slot, the first new
-position and the count. A GDN layer's step (`LinearStep.delta_rule`) lays out each sequence's kept
-rows followed by its new ones, folds the chunks they complete (`gated_delta_fold`, one launch),
-computes the new rows' outputs (`gated_delta_chunk_rows`, one launch, one segment per chunk
-touched, each from its boundary state), then keeps the last state and the new partial chunk: the
-protocol of `kernels.gated_delta_rollout.GatedDeltaRollout`, on pooled tensors. Every output is
-bitwise the training forward's (the kernels' contract), whatever the split of a prompt into
-pieces, at chunk boundaries or not.
+`LinearStep` is one step's plan (`kernels.gated_delta_step`: fixed-shape index arrays, planned on
+the host and staged on the device), shared by every GDN layer of the step (the model reads it from
+``PagedContext.linear_states``): per sequence the slot, the first new position and the count. A
+GDN layer's step (`LinearStep.delta_rule`, `kernels.gated_delta_step`) writes the new rows of each
+sequence's current chunk into its slot, computes that chunk's rows from the rows and the boundary
+state in the pools (no gather), folds it into the slot's state where it completes, computes the
+later chunks' rows from the step's own rows, and keeps the new partial chunk: the protocol of
+`kernels.gated_delta_rollout.GatedDeltaRollout`, on pooled tensors. Every output is bitwise the
+training forward's (the kernels' contract), whatever the split of a prompt into pieces, at chunk
+boundaries or not. The launches' grids follow the step's capacity, not its values, and nothing
+syncs with the host, so a CUDA graph captures the step (`runtime.cuda_graphs`), its plan staged in
+`LinearStepBuffers` before each replay.
 """
 
 from __future__ import annotations
@@ -35,10 +38,13 @@ import numpy as np
 import torch
 
 from vexact_models.gated_deltanet import GatedDeltaNet
-from vexact_models.kernels import causal_conv1d, gated_delta_chunk_rows, gated_delta_fold
+from vexact_models.kernels import causal_conv1d
 from vexact_models.kernels.gated_delta_rule import CHUNK
+from vexact_models.kernels.gated_delta_step import StepPlan, dry_run, gated_delta_step, plan_sizes, plan_step
 
-__all__ = ["LinearStateCache", "LinearStateSpec", "LinearStep", "linear_state_spec"]
+from .staging import Layout, to_device
+
+__all__ = ["LinearStateCache", "LinearStateSpec", "LinearStep", "LinearStepBuffers", "linear_state_spec"]
 
 
 @dataclass(frozen=True)
@@ -52,15 +58,23 @@ class LinearStateSpec:
     conv_kernel: int  #: the conv1d's kernel size K
     chunk: int = CHUNK  #: rows of a chunk C
 
-    def bytes_per_slot(self, dtype: torch.dtype) -> int:
-        """Bytes of one sequence's state over all GDN layers: conv state, fp32 boundary state and
-        ``C - 1`` kept rows of k, v (model dtype), g (fp32) and beta (model dtype)."""
+    def _parts(self, dtype: torch.dtype) -> tuple[int, int, int]:
+        """Bytes of one layer's conv state, boundary state and chunk row (k, v, g, beta)."""
         (hk, hv), (dk, dv) = self.heads, self.dims
         size = torch.empty((), dtype=dtype).element_size()
-        conv = (self.conv_kernel - 1) * self.conv_channels * size
-        state = hv * dk * dv * 4
-        rows = (self.chunk - 1) * ((hk * dk + hv * dv + hv) * size + hv * 4)
-        return len(self.layers) * (conv + state + rows)
+        return (self.conv_kernel - 1) * self.conv_channels * size, hv * dk * dv * 4, (hk * dk + hv * dv + hv) * size + hv * 4
+
+    def bytes_per_slot(self, dtype: torch.dtype) -> int:
+        """Bytes of one sequence's state over all GDN layers: conv state, fp32 boundary state and
+        the ``C`` rows of its current chunk: k, v (model dtype), g (fp32) and beta (model dtype)."""
+        conv, state, row = self._parts(dtype)
+        return len(self.layers) * (conv + state + self.chunk * row)
+
+    def cache_bytes(self, slots: int, dtype: torch.dtype) -> int:
+        """Bytes of a `LinearStateCache` of `slots` sequences: theirs, and per layer the padding
+        state and row that take a step's writes of no sequence (`kernels.gated_delta_step`)."""
+        _, state, row = self._parts(dtype)
+        return slots * self.bytes_per_slot(dtype) + len(self.layers) * (state + row)
 
 
 def linear_state_spec(model: torch.nn.Module) -> LinearStateSpec | None:
@@ -82,24 +96,25 @@ def linear_state_spec(model: torch.nn.Module) -> LinearStateSpec | None:
 
 class LinearStateCache:
     """The GDN state of `slots` sequences for every GDN layer of `spec`, on `device`; conv state
-    and kept k, v, beta rows in `dtype` (the model's), boundary states and kept g rows in fp32.
-    Contents are undefined until a sequence's first step writes them (see the module docstring)."""
+    and chunk rows k, v, beta in `dtype` (the model's), boundary states and g rows in fp32. The
+    pools' layout is `kernels.gated_delta_step`'s: slot ``s``'s state at ``states[s]``, its chunk's
+    rows at ``[s * C, (s + 1) * C)``, then one padding state and row. Contents are undefined until a
+    sequence's first step writes them (see the module docstring)."""
 
     def __init__(self, spec: LinearStateSpec, slots: int, device: torch.device, dtype: torch.dtype) -> None:
         if slots < 1:
             raise ValueError(f"LinearStateCache: slots={slots} must be >= 1")
         (hk, hv), (dk, dv) = spec.heads, spec.dims
-        keep = spec.chunk - 1
+        rows = slots * spec.chunk + 1
         self.spec, self.slots = spec, slots
         empty = dict(device=device)
         self.conv = {i: torch.zeros(slots, spec.conv_kernel - 1, spec.conv_channels, dtype=dtype, **empty)
                      for i in spec.layers}
-        self.states = {i: torch.zeros(slots, hv, dk, dv, dtype=torch.float32, **empty) for i in spec.layers}
-        #: kept rows, slot s's at [s * (C - 1), (s + 1) * (C - 1)): k, v, g, beta
-        self.rows = {i: (torch.zeros(slots * keep, hk, dk, dtype=dtype, **empty),
-                         torch.zeros(slots * keep, hv, dv, dtype=dtype, **empty),
-                         torch.zeros(slots * keep, hv, dtype=torch.float32, **empty),
-                         torch.zeros(slots * keep, hv, dtype=dtype, **empty)) for i in spec.layers}
+        self.states = {i: torch.zeros(slots + 1, hv, dk, dv, dtype=torch.float32, **empty) for i in spec.layers}
+        #: the current chunks' rows, slot s's at [s * C, (s + 1) * C): k, v, g, beta
+        self.rows = {i: (torch.zeros(rows, hk, dk, dtype=dtype, **empty), torch.zeros(rows, hv, dv, dtype=dtype, **empty),
+                         torch.zeros(rows, hv, dtype=torch.float32, **empty), torch.zeros(rows, hv, dtype=dtype, **empty))
+                     for i in spec.layers}
 
     def zero_(self) -> None:
         """Overwrite every state with zeros, in place (after a step that wrote non-finite values)."""
@@ -108,101 +123,97 @@ class LinearStateCache:
                 t.zero_()
 
 
+
+
 class LinearStep:
-    """One step's plan over the `cache`: sequence ``b`` adds ``counts[b]`` tokens from position
-    ``starts[b]`` in slot ``slots[b]`` (host int arrays, in the step's order); `cu_seqlens` (int32,
-    on the device) and `max_seqlen` as the step's layout has them."""
+    """One step's plan over the `cache` (`kernels.gated_delta_step`'s arrays, on the step's
+    device), shared by every GDN layer of the step: sequence ``b`` adds ``counts[b]`` tokens from
+    position ``starts[b]`` in slot ``slots[b]`` (host int arrays, in the step's order); `cu_seqlens`
+    (int32, on the device) and `max_seqlen` as the step's layout has them. Planned on the host and
+    moved in one copy; a CUDA graph's step is `from_arrays` over `LinearStepBuffers`' views."""
 
     def __init__(self, cache: LinearStateCache, slots: np.ndarray, starts: np.ndarray, counts: np.ndarray,
                  cu_seqlens: torch.Tensor, max_seqlen: int) -> None:
-        slots, starts, counts = (np.asarray(x, np.int64) for x in (slots, starts, counts))
-        if len(slots) and (slots.min() < 0 or slots.max() >= cache.slots):
-            raise ValueError(f"LinearStep: slots {slots.tolist()} must lie in [0, {cache.slots}) (the cache's "
-                             "slots: max_num_seqs)")
-        if len(set(slots.tolist())) != len(slots):
-            raise ValueError(f"LinearStep: slots {slots.tolist()} must be distinct")
-        self.cache, self.cu_seqlens, self.max_seqlen = cache, cu_seqlens, max_seqlen
-        device = cu_seqlens.device
-        self.slot_index = torch.as_tensor(slots, dtype=torch.int32).to(device)
-        self.context = torch.as_tensor(starts, dtype=torch.int32).to(device)
-        self._plan(slots, starts, counts, device)
+        counts = np.asarray(counts, np.int64)
+        plan = plan_step(slots, starts, counts, cache.spec.chunk, cache.slots, int(counts.sum()), len(counts))
+        arrays = dict(zip(plan, to_device(list(plan.values()), cu_seqlens.device)))
+        self._init(cache, arrays, cu_seqlens, max_seqlen)
 
-    def _plan(self, slots: np.ndarray, starts: np.ndarray, counts: np.ndarray, device: torch.device) -> None:
-        """Index arrays shared by every GDN layer of the step (the module docstring's steps)."""
-        c, keep = self.cache.spec.chunk, self.cache.spec.chunk - 1
-        lead = starts % c
-        total = lead + counts
-        whole = total // c
-        laid_at = np.concatenate([[0], np.cumsum(total)])
-        kept_src, kept_dst, new_dst, first, index, keep_src, keep_dst = [], [], [], [], [], [], []
-        cu_rows = [0]
-        fold_start, fold_len, fold_index, fold_at, fold_slots = [], [], [], [], []
-        folds = 0
-        for b, (slot, start) in enumerate(zip(slots.tolist(), starts.tolist())):
-            kept_src += range(slot * keep, slot * keep + int(lead[b]))
-            kept_dst += range(int(laid_at[b]), int(laid_at[b]) + int(lead[b]))
-            new_dst += range(int(laid_at[b]) + int(lead[b]), int(laid_at[b + 1]))
-            boundary = -1 if start - lead[b] == 0 else slot  # the first chunk starts from zeros
-            if whole[b]:
-                fold_start.append(int(laid_at[b]))
-                fold_len.append(int(whole[b]) * c)
-                fold_index.append(boundary)
-                fold_at.append(folds)
-                fold_slots.append((slot, folds + int(whole[b]) - 1))
-                folds += int(whole[b])
-            for chunk in range(-(-int(total[b]) // c)):
-                cu_rows.append(cu_rows[-1] + min(c, int(total[b]) - chunk * c))
-                first.append(int(lead[b]) if chunk == 0 else 0)
-                index.append(("pool", boundary) if chunk == 0 else ("fold", fold_at[-1] + chunk - 1))
-            rest = int(total[b]) - int(whole[b]) * c
-            keep_src += range(int(laid_at[b]) + int(whole[b]) * c, int(laid_at[b]) + int(total[b]))
-            keep_dst += range(slot * keep, slot * keep + rest)
-        long = dict(dtype=torch.long)
-        self.rows_total = int(laid_at[-1])
-        self.kept_src, self.kept_dst, self.new_dst = (torch.tensor(x, **long).to(device)
-                                                      for x in (kept_src, kept_dst, new_dst))
-        self.keep_src, self.keep_dst = (torch.tensor(x, **long).to(device) for x in (keep_src, keep_dst))
-        self.cu_rows, self.first = cu_rows, first
-        self.fold = (fold_start, fold_len, fold_index)
-        self.folds = folds
-        pools = sorted({i for kind, i in index if kind == "pool" and i >= 0})
-        # without folds the rows read the pool itself; else its used states, then the folded ones
-        self.pool_gather = None if not folds else torch.tensor(pools, **long).to(device)
-        where = {s: (s if not folds else n) for n, s in enumerate(pools)}
-        self.state_index = [(where[i] if i >= 0 else -1) if kind == "pool" else len(pools) + i for kind, i in index]
-        self.fold_slots = (torch.tensor([s for s, _ in fold_slots], **long).to(device),
-                           torch.tensor([f for _, f in fold_slots], **long).to(device))
+    @classmethod
+    def from_arrays(cls, cache: LinearStateCache, arrays: dict[str, torch.Tensor], cu_seqlens: torch.Tensor,
+                    max_seqlen: int) -> LinearStep:
+        """A step over plan arrays staged already (a CUDA graph's fixed buffers, `LinearStepBuffers`),
+        for steps of up to `max_seqlen` tokens per sequence."""
+        step = cls.__new__(cls)
+        step._init(cache, arrays, cu_seqlens, max_seqlen)
+        return step
+
+    def _init(self, cache: LinearStateCache, arrays: dict[str, torch.Tensor], cu_seqlens: torch.Tensor,
+              max_seqlen: int) -> None:
+        self.cache, self.cu_seqlens, self.max_seqlen = cache, cu_seqlens, max_seqlen
+        self.plan = StepPlan(arrays, cache.spec.chunk, max_seqlen)
 
     def conv(self, layer: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
              activation: str | None = "silu") -> torch.Tensor:
         """`causal_conv1d` of the step's rows `x` reading and moving on layer `layer`'s conv states."""
+        arrays = self.plan.arrays
         return causal_conv1d(x, weight, bias, self.cu_seqlens, self.max_seqlen, activation,
-                             conv_state=self.cache.conv[layer], state_indices=self.slot_index, context_lens=self.context)
-
-    def _lay_out(self, store: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        """Each sequence's kept rows (from `store`) followed by its `new` rows, back to back."""
-        laid = store.new_empty(self.rows_total, *store.shape[1:])
-        laid.index_copy_(0, self.kept_dst, store.index_select(0, self.kept_src))
-        return laid.index_copy_(0, self.new_dst, new.to(store.dtype))
+                             conv_state=self.cache.conv[layer], state_indices=arrays["slot"],
+                             context_lens=arrays["context"])
 
     def delta_rule(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                    beta: torch.Tensor, *, scale: float | None = None, use_qk_l2norm: bool = True) -> torch.Tensor:
         """The outputs ``[T, Hv, dv]`` of the step's new rows (q, k ``[T, Hk, dk]``, v ``[T, Hv,
         dv]``, g, beta ``[T, Hv]``) for layer `layer`, bitwise `gated_delta_rule`'s; advances the
-        layer's boundary states and kept rows."""
-        cache, c = self.cache, self.cache.spec.chunk
-        kept = cache.rows[layer]
-        laid = [self._lay_out(store, new) for store, new in zip(kept, (k, v, g, beta))]
-        pool = cache.states[layer]
-        folded = None
-        if self.folds:
-            starts, lengths, index = self.fold
-            folded = gated_delta_fold(*laid, starts, lengths, pool, index, use_qk_l2norm=use_qk_l2norm, chunk_size=c)
-        states = pool if self.pool_gather is None else torch.cat([pool.index_select(0, self.pool_gather), folded])
-        out = gated_delta_chunk_rows(q, *laid, self.cu_rows, self.first, states, self.state_index, scale=scale,
-                                     use_qk_l2norm=use_qk_l2norm, chunk_size=c)
-        if self.folds:
-            pool.index_copy_(0, self.fold_slots[0], folded.index_select(0, self.fold_slots[1]))
-        for store, rows in zip(kept, laid):
-            store.index_copy_(0, self.keep_dst, rows.index_select(0, self.keep_src))
-        return out
+        layer's boundary states and chunk rows (`kernels.gated_delta_step`)."""
+        return gated_delta_step(q, k, v, g, beta, self.cache.rows[layer], self.cache.states[layer], self.plan,
+                                scale=scale, use_qk_l2norm=use_qk_l2norm)
+
+
+class LinearStepBuffers:
+    """Fixed device buffers of the plans of steps of up to `max_tokens` tokens and `max_batch`
+    sequences over `cache`, and their host twin: a CUDA graph captured at a bucket reads views of
+    them (`views`), and each step's plan is written into them before the replay (`fill`), in one
+    copy (as `runtime.graph_inputs.GraphInputs` stages the attention metadata)."""
+
+    def __init__(self, cache: LinearStateCache, max_tokens: int, max_batch: int, device: torch.device) -> None:
+        self.cache = cache
+        self.sizes = plan_sizes(max_tokens, max_batch, cache.spec.chunk)
+        self.layout = Layout(list(self.sizes.values()))
+        cuda = device.type == "cuda"
+        self.host = self.layout.allocate(torch.device("cpu"), pin=cuda)
+        self.staged = dict(zip(self.sizes, self.layout.host_views(self.host)))
+        self.buffer = self.layout.allocate(device)
+        self.full = dict(zip(self.sizes, self.layout.views(self.buffer)))
+        self._copied = torch.cuda.Event() if cuda else None
+        #: the last plan filled (first: a step of no sequences, every entry padding)
+        self.plan = plan_step([], [], [], cache.spec.chunk, cache.slots, max_tokens, max_batch)
+        self._stage(self.plan)
+
+    def views(self, tokens: int, seqs: int) -> dict[str, torch.Tensor]:
+        """The device arrays of a bucket of `tokens` tokens and `seqs` sequences (prefixes of the buffers)."""
+        return {name: self.full[name][..., :shape[-1]]
+                for name, (_, shape) in plan_sizes(tokens, seqs, self.cache.spec.chunk).items()}
+
+    def fill(self, slots: np.ndarray, starts: np.ndarray, counts: np.ndarray, tokens: int, seqs: int) -> None:
+        """Write the plan of a step (`LinearStep`'s arguments) at bucket (`tokens`, `seqs`). Raises
+        ValueError (writing nothing) for a step that does not fit."""
+        self.plan = plan_step(slots, starts, counts, self.cache.spec.chunk, self.cache.slots, tokens, seqs)
+        self._stage(self.plan)
+
+    def dry_run(self) -> None:
+        """Stage the last plan's `kernels.gated_delta_step.dry_run` (an eager warm-up before a
+        capture reads the step's inputs and advances no state); `restage` puts the plan back."""
+        self._stage(dry_run(self.plan, self.cache.spec.chunk, self.cache.slots))
+
+    def restage(self) -> None:
+        self._stage(self.plan)
+
+    def _stage(self, plan: dict[str, np.ndarray]) -> None:
+        if self._copied is not None:
+            self._copied.synchronize()  # the last copy has read the host twin
+        for name, array in plan.items():
+            self.staged[name][..., :array.shape[-1]] = array
+        self.buffer.copy_(self.host, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()

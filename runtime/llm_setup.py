@@ -95,7 +95,7 @@ def linear_state_bytes(model, dtype: torch.dtype, slots: int) -> int:
     """Bytes of the gated-DeltaNet state cache of `slots` sequences (0 without such layers;
     `runtime.linear_state_cache`)."""
     linear = linear_state_spec(model)
-    return 0 if linear is None else slots * linear.bytes_per_slot(dtype)
+    return 0 if linear is None else linear.cache_bytes(slots, dtype)
 
 
 def cache_budget_bytes(model, dtype: torch.dtype, block_size: int, blocks: int, state_slots: int) -> int:

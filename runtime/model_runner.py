@@ -77,15 +77,12 @@ def _kv_pair(shape: tuple, head_dim_k: int, head_dim_v: int, value_in_key: bool,
     return (k, k[..., :head_dim_v]) if value_in_key else (k, _cache_zeros((*shape, head_dim_v), device, dtype))
 
 
-def check_linear_state_support(spec, layers: range | None, cuda_graph_batch: int, state_slots: int) -> None:
+def check_linear_state_support(spec, layers: range | None, state_slots: int) -> None:
     """Raise ValueError, before anything is allocated, for what a model with gated-DeltaNet layers
-    (`spec` not None) cannot do yet: CUDA graphs (their steps plan on the host per step), pipeline
-    stages (each would hold its own layers' states), a cache without slots."""
+    (`spec` not None) cannot do yet: pipeline stages (each would hold its own layers' states), a
+    cache without slots."""
     if spec is None:
         return
-    if cuda_graph_batch:
-        raise ValueError(f"LLM: CUDA graphs are not supported for models with gated-DeltaNet layers "
-                         f"(layers {list(spec.layers)}): pass enforce_eager=True")
     if layers is not None:
         raise ValueError("LLM: pipeline_parallel_size > 1 is not supported for models with gated-DeltaNet layers "
                          "(each stage would hold its own layers' states)")
@@ -110,12 +107,12 @@ class ModelRunner:
 
         A model with gated-DeltaNet layers (`linear_state_spec`) holds KV pages for its attention
         layers only and a `LinearStateCache` of `state_slots` sequences (``max_num_seqs``) for the
-        others; it runs eagerly on one process (`check_linear_state_support` says why)."""
+        others, and its step graphs stage each step's plan over it (`runtime.cuda_graphs`); it runs
+        on one process (`check_linear_state_support`)."""
         self.model = model
         self.linear_spec = linear_state_spec(model)
         self.state_slots = state_slots
-        check_linear_state_support(self.linear_spec, layers, cuda_graph_batch if device.type == "cuda" else 0,
-                                   state_slots)
+        check_linear_state_support(self.linear_spec, layers, state_slots)
         self.linear_states: LinearStateCache | None = None
         self.layers = layers
         self.carry_width = carry_width
@@ -147,7 +144,7 @@ class ModelRunner:
         if self.cuda_graph_batch:
             self.graphs = StepGraphs(self.model, self.kv_caches, self.block_size, self.max_blocks_per_seq,
                                      self.cuda_graph_batch, self.device, carry=(self.carry_width, self.dtype),
-                                     max_tokens=self.cuda_graph_tokens)
+                                     max_tokens=self.cuda_graph_tokens, linear_states=self.linear_states)
 
     def free_cache(self) -> None:
         """Release the KV cache and the step graphs (which hold its and the weights'

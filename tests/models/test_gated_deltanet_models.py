@@ -138,7 +138,7 @@ def test_bad_layer_type_is_an_error_naming_it(arch):
 @pytest.mark.parametrize("arch", HYBRIDS, ids=lambda a: a.name)
 def test_rollout_engine_refuses_missing_features_before_allocating(arch, tmp_path):
     """The engine features these models lack (`Architecture.rollout_features_missing`: pipeline
-    stages here; CUDA graphs on a GPU) are a ValueError naming the feature, from a model and from
+    stages; their steps' CUDA graphs are built) are a ValueError naming the feature, from a model and from
     a folder alike; the training model is left as it was (nothing fused, nothing moved)."""
     from vexact_models.runtime import LLM
 

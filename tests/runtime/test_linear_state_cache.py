@@ -1,7 +1,8 @@
 """The gated-DeltaNet state cache of the rollout engine (`runtime.linear_state_cache`): its steps
 equal the training forward bitwise at chunk boundaries and off them, in any slots and batch; the
 engine counts it in the memory budget, holds KV pages only for attention layers, and refuses what
-it cannot do for these models (CUDA graphs, pipeline stages) by name before allocating.
+it cannot do for these models (pipeline stages) by name before allocating. The graph-shaped steps
+(fixed buffers, padded plans) are tests/runtime/test_linear_state_graphs.py.
 
 The conformance suite (tests/conformance/test_conformance.py) runs every engine scenario on the
 three hybrids' tiny configs (chunks of 16, `linear_chunk_size`); the engine test here is a quick
@@ -85,7 +86,7 @@ def test_steps_equal_training_bitwise_across_chunk_boundaries():
 def test_step_rejects_bad_slots():
     cache = LinearStateCache(spec(), slots=2, device=torch.device("cpu"), dtype=torch.float32)
     cu = torch.tensor([0, 1, 2], dtype=torch.int32)
-    with pytest.raises(ValueError, match=r"slots \[0, 2\] must lie in \[0, 2\)"):
+    with pytest.raises(ValueError, match=r"plan_step: slots \[0, 2\] must lie in \[0, 2\)"):
         LinearStep(cache, np.array([0, 2]), np.array([0, 0]), np.array([1, 1]), cu, 1)
     with pytest.raises(ValueError, match=r"slots \[1, 1\] must be distinct"):
         LinearStep(cache, np.array([1, 1]), np.array([0, 0]), np.array([1, 1]), cu, 1)
@@ -93,10 +94,15 @@ def test_step_rejects_bad_slots():
         LinearStateCache(spec(), slots=0, device=torch.device("cpu"), dtype=torch.float32)
 
 
-def test_bytes_per_slot_counts_every_tensor():
-    cache = LinearStateCache(spec(), slots=3, device=torch.device("cpu"), dtype=torch.bfloat16)
-    tensors = [*cache.conv.values(), *cache.states.values(), *(t for r in cache.rows.values() for t in r)]
-    assert sum(t.numel() * t.element_size() for t in tensors) == 3 * spec().bytes_per_slot(torch.bfloat16)
+def test_cache_bytes_count_every_tensor():
+    """Per slot its conv state, boundary state and C chunk rows; per layer one padding state and row."""
+    for slots in (1, 3):
+        cache = LinearStateCache(spec(), slots=slots, device=torch.device("cpu"), dtype=torch.bfloat16)
+        tensors = [*cache.conv.values(), *cache.states.values(), *(t for r in cache.rows.values() for t in r)]
+        assert sum(t.numel() * t.element_size() for t in tensors) == spec().cache_bytes(slots, torch.bfloat16)
+    row = (HK * DK + HV * DV + HV) * 2 + HV * 4
+    assert spec().bytes_per_slot(torch.bfloat16) == 2 * (3 * spec().conv_channels * 2 + HV * DK * DV * 4 + CHUNK * row)
+    assert spec().cache_bytes(3, torch.bfloat16) == 3 * spec().bytes_per_slot(torch.bfloat16) + 2 * (HV * DK * DV * 4 + row)
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +118,7 @@ def test_spec_of_the_model_and_the_budget(qwen3_5):
     per_block = cache_bytes_per_block(qwen3_5, torch.float32, 4)
     assert per_block == 4 * 2 * 32 * 2 * 4  # one attention layer: 4 positions x 2 KV heads x (32 + 32) x fp32
     budget = cache_budget_bytes(qwen3_5, torch.float32, 4, 40, 6)
-    assert budget == 40 * per_block + 6 * found.bytes_per_slot(torch.float32) == 40 * per_block + \
+    assert budget == 40 * per_block + found.cache_bytes(6, torch.float32) == 40 * per_block + \
         linear_state_bytes(qwen3_5, torch.float32, 6)
     llm = LLM(qwen3_5, device="cpu", block_size=4, max_num_seqs=6, kv_cache_bytes=budget + per_block - 1)
     assert llm.engine_config.num_blocks == 40  # the states' bytes come off the pages
@@ -125,7 +131,7 @@ def test_spec_of_the_model_and_the_budget(qwen3_5):
 def test_architectures_declare_the_missing_features_and_llm_refuses_them(qwen3_5):
     for name in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
         arch = get(name)
-        assert "host" in arch.rollout_feature_missing("cuda_graphs")
+        assert arch.rollout_feature_missing("cuda_graphs") is None  # captured (runtime.cuda_graphs)
         assert "stage" in arch.rollout_feature_missing("pipeline_parallel")
     assert get("qwen3").rollout_feature_missing("cuda_graphs") is None
     with pytest.raises(ValueError, match=r"feature='lora' is not one of \('cuda_graphs', 'pipeline_parallel'\)"):
@@ -136,13 +142,12 @@ def test_architectures_declare_the_missing_features_and_llm_refuses_them(qwen3_5
 
 
 def test_unsupported_features_are_refused_by_name():
-    check_linear_state_support(None, range(0, 2), 8, 0)  # no GDN layers: nothing to refuse
-    with pytest.raises(ValueError, match=r"CUDA graphs are not supported .*layers \[0, 2\].*enforce_eager=True"):
-        check_linear_state_support(spec(), None, 8, 4)
+    check_linear_state_support(None, range(0, 2), 0)  # no GDN layers: nothing to refuse
+    check_linear_state_support(spec(), None, 4)
     with pytest.raises(ValueError, match="pipeline_parallel_size > 1 is not supported"):
-        check_linear_state_support(spec(), range(0, 2), 0, 4)
+        check_linear_state_support(spec(), range(0, 2), 4)
     with pytest.raises(ValueError, match="state_slots=0 must be >= 1"):
-        check_linear_state_support(spec(), None, 0, 0)
+        check_linear_state_support(spec(), None, 0)
 
 
 def test_engine_equals_training_across_chunk_boundaries(qwen3_5):
@@ -185,19 +190,54 @@ def test_sleep_and_wake_up_reallocate_the_states(qwen3_5):
 @pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
 def test_gpu_engine_equals_training_at_chunk_64(name):
     """On the GPU (Triton kernels), bf16, the published chunk of 64: prompts of 100 and 300 tokens
-    in prefill pieces of 48 and decode across chunk boundaries; CUDA graphs are refused by name
-    before anything is allocated, enforce_eager runs."""
+    in prefill pieces of 48 and decode across chunk boundaries, eager and with CUDA graphs of the
+    decode and mixed steps (the same tokens and logprobs; both token_logprobs' bitwise)."""
     arch = get(name)
     # head_dim 64: the Triton attention takes 64, 128, 192 and 256 (the tiny configs have 32)
     model = build_model(arch, arch.tiny_config(linear_chunk_size=None, head_dim=64), torch.device("cuda"), torch.bfloat16)
-    with pytest.raises(ValueError, match=f"cuda_graphs is not supported for architecture '{name}' yet.*enforce_eager=True"):
-        LLM(model, block_size=16, max_num_seqs=4, kv_cache_bytes=1 << 24)
-    llm = LLM(model, block_size=16, max_num_seqs=4, kv_cache_bytes=1 << 24, max_num_batched_tokens=48,
-              enforce_eager=True)
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(2, 500, (n,), generator=gen).tolist() for n in (100, 300)]
-    outs = llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, seed=1), use_tqdm=False)
-    for prompt, out in zip(prompts, outs):
-        tokens = out.outputs[0].token_ids
+    params = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, seed=1)
+    results = []
+    for eager in (True, False):
+        llm = LLM(model, block_size=16, max_num_seqs=4, kv_cache_bytes=1 << 24, max_num_batched_tokens=48,
+                  enforce_eager=eager)
+        assert (llm.runner.graphs is None) == eager
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert eager or llm.runner.graphs.mixed_replays > 0
+        results.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
+    assert results[0] == results[1]
+    for prompt, (tokens, logprobs) in zip(prompts, results[0]):
         want = model.token_logprobs(torch.tensor([prompt + tokens], device="cuda"))[0, len(prompt):].cpu()
-        assert torch.equal(torch.tensor(out.outputs[0].logprobs), want)
+        assert torch.equal(torch.tensor(logprobs), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)")
+def test_gpu_graphs_are_captured_again_over_new_states_after_sleep():
+    """sleep(1) frees the states and the graphs, wake_up() captures them again over the new state
+    cache (its addresses): the same requests give the same tokens and logprobs; a mixed bucket past
+    `MAX_MIXED_GRAPHS` runs eagerly with the same results."""
+    import vexact_models.runtime.cuda_graphs as cuda_graphs
+
+    arch = get("qwen3_5")
+    model = build_model(arch, arch.tiny_config(linear_chunk_size=None, head_dim=64), torch.device("cuda"), torch.bfloat16)
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(2, 500, (n,), generator=gen).tolist() for n in (70, 9, 130)]
+    params = SamplingParams(temperature=1.0, max_tokens=70, ignore_eos=True, seed=2)
+    llm = LLM(model, block_size=16, max_num_seqs=2, kv_cache_bytes=1 << 24, max_num_batched_tokens=40)
+    first = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params, use_tqdm=False)]
+    states = llm.runner.linear_states
+    llm.sleep(1)
+    llm.wake_up()
+    assert llm.runner.linear_states is not states and llm.runner.graphs.linear_states is llm.runner.linear_states
+    again = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert again == first
+    cuda_graphs.MAX_MIXED_GRAPHS, limit = 1, cuda_graphs.MAX_MIXED_GRAPHS
+    try:
+        capped = LLM(model, block_size=16, max_num_seqs=2, kv_cache_bytes=1 << 24, max_num_batched_tokens=40)
+        outs = capped.generate(prompts, params, use_tqdm=False)
+    finally:
+        cuda_graphs.MAX_MIXED_GRAPHS = limit
+    assert [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs] == first
+    assert capped.runner.graphs.num_mixed == 1
