@@ -182,16 +182,27 @@ def _rows_triton(q, k, v, g, beta, states, out, plan: RowsPlan, shapes: Shapes, 
                        num_warps=_warps(shapes, ROWS_WARPS))
 
 
-def fold_chunks(plan: FoldPlan, chunk: int) -> tuple[list[int], list[int], list[int]]:
-    """The chunks a fold plan's runs cover, in run order: (first token, rows) of each, and the
-    index of each run's first chunk among them."""
-    starts, n_rows, firsts = [], [], []
-    for start, length in zip(plan.start, plan.length):
-        firsts.append(len(starts))
-        for c in range(-(-length // chunk)):
-            starts.append(start + c * chunk)
-            n_rows.append(min(chunk, length - c * chunk))
-    return starts, n_rows, firsts
+def fold_chunks(start: torch.Tensor, length: torch.Tensor, chunk: int, capacity: int) -> tuple[torch.Tensor, ...]:
+    """The chunks a fold plan's runs (int32 `start`, `length` on the device) cover, in run order,
+    at `capacity` entries (>= their number): each entry's first token and rows (0 past the last
+    chunk), and the index of each run's first chunk. Fixed shapes and no host sync: a CUDA graph
+    captures it (a rollout step's plan, `gated_delta_step`)."""
+    chunks = (length + (chunk - 1)) // chunk
+    ends = torch.cumsum(chunks, 0)
+    firsts = ends - chunks
+    entry = torch.arange(capacity, device=length.device)
+    run = torch.searchsorted(ends, entry, right=True).clamp(max=len(length) - 1)
+    c = entry - firsts[run]
+    n_rows = torch.where(entry < ends[-1], torch.clamp(length[run] - c * chunk, max=chunk), 0)
+    return (start[run] + c * chunk).to(torch.int32), n_rows.to(torch.int32), firsts.to(torch.int32)
+
+
+def _fold_capacity(plan: FoldPlan, states_out: torch.Tensor, chunk: int) -> int:
+    """Entries of the fold's chunk list: the exact count for a plan of host ints, else the states
+    `states_out` holds (every chunk of a plan writes a state of its own there)."""
+    if isinstance(plan.length, torch.Tensor):
+        return states_out.shape[0]
+    return sum(-(-n // chunk) for n in plan.length)
 
 
 def _fold_triton(k, v, g, beta, states_in, states_out, plan: FoldPlan, shapes: Shapes, chunk: int,
@@ -200,27 +211,27 @@ def _fold_triton(k, v, g, beta, states_in, states_out, plan: FoldPlan, shapes: S
     two products a chunk along each run (`gated_delta_triton`)."""
     require_triton("gated_delta_rule")
     _check_triton_shapes(shapes)
-    if len(plan.start) == 0:
+    capacity = _fold_capacity(plan, states_out, chunk) if len(plan.start) else 0
+    if capacity == 0:
         return
     dev = k.device
-    starts, n_rows, firsts = fold_chunks(plan, chunk)
-    if not starts:
-        return
+    start, length, state_index, out_index = (_device_ints(x, dev) for x in (plan.start, plan.length, plan.state_index,
+                                                                             plan.out_index))
+    starts, n_rows, firsts = fold_chunks(start, length, chunk, capacity)
     bv = _value_block(shapes.dv)
     consts = dict(C=chunk, DK=shapes.dk, DV=shapes.dv, BV=bv)
-    w = torch.empty(len(starts), shapes.hv, chunk, shapes.dk, dtype=torch.float32, device=dev)
+    w = torch.empty(capacity, shapes.hv, chunk, shapes.dk, dtype=torch.float32, device=dev)
     kd = torch.empty_like(w)
-    u = torch.empty(len(starts), shapes.hv, chunk, shapes.dv, dtype=torch.float32, device=dev)
-    total_decay = torch.empty(len(starts), shapes.hv, dtype=torch.float32, device=dev)
-    fold_prep_kernel[(len(starts), shapes.hv)](
-        k, v, g, beta, w, u, kd, total_decay, _device_ints(starts, dev), _device_ints(n_rows, dev),
+    u = torch.empty(capacity, shapes.hv, chunk, shapes.dv, dtype=torch.float32, device=dev)
+    total_decay = torch.empty(capacity, shapes.hv, dtype=torch.float32, device=dev)
+    fold_prep_kernel[(capacity, shapes.hv)](
+        k, v, g, beta, w, u, kd, total_decay, starts, n_rows,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         w.stride(0), w.stride(1), u.stride(0), u.stride(1),
         GROUP=shapes.hv // shapes.hk, LOG_C=chunk.bit_length() - 1, LOG_DK=shapes.dk.bit_length() - 1, L2NORM=l2norm,
         num_warps=_warps(shapes, FOLD_WARPS), **consts)
-    meta = [_device_ints(x, dev) for x in (firsts, plan.length, plan.state_index, plan.out_index)]
     fold_kernel[(len(plan.start), shapes.hv, shapes.dv // bv)](
-        w, u, kd, total_decay, states_in, states_out, *meta,
+        w, u, kd, total_decay, states_in, states_out, firsts, length, state_index, out_index,
         w.stride(0), w.stride(1), u.stride(0), u.stride(1),
         states_in.stride(0), states_in.stride(1), states_out.stride(0), states_out.stride(1),
         num_warps=_warps(shapes, FOLD_WARPS), **consts)

@@ -170,6 +170,8 @@ def fold_prep_kernel(k_ptr, v_ptr, g_ptr, b_ptr, w_ptr, u_ptr, kd_ptr, decay_ptr
     hk = h // GROUP
     start = tl.load(start_ptr + j)
     n = tl.load(n_rows_ptr + j)
+    if n <= 0:  # an entry past the plan's chunks (a fixed-capacity launch: `gated_delta_launch.fold_chunks`)
+        return
     rows = tl.arange(0, C)
     k, cum, beta, decay, t, w = _chunk_keys(k_ptr, g_ptr, b_ptr, start, n, h, hk, stride_kt, stride_kh, stride_gt,
                                             stride_bt, C, DK, LOG_C, LOG_DK, L2NORM)
