@@ -179,3 +179,8 @@ def fold_kernel(k_ptr, v_ptr, g_ptr, b_ptr, state_in_ptr, state_out_ptr,
         k_decayed = k * tl.exp(last - cum)[:, None]
         s = s * tl.exp(last) + tl.dot(tl.trans(k_decayed), v_new, input_precision="tf32x3")
         _store_state(state_out_ptr, out_index + c, h, vb, s, stride_so, stride_soh, DK, DV, BV)
+
+
+# Public names of the helpers the backward kernels share (`gated_delta_backward_triton`), beside the
+# private ones the forward's kernels call.
+chunk_keys, l2norm_rows, load_rows, load_state, store_state = _chunk_keys, _l2norm, _load_rows, _load_state, _store_state
