@@ -24,7 +24,7 @@ import torch
 
 from . import gated_delta_backward_reference as bref
 from ._triton import require_triton
-from .gated_delta_backward_triton import CHUNK_GRAD_WARPS, STATE_GRAD_WARPS, chunk_grad_kernel, state_grad_kernel
+from .gated_delta_backward_triton import CHUNK_GRAD_BV, CHUNK_GRAD_WARPS, STATE_GRAD_WARPS, chunk_grad_kernel, state_grad_kernel
 from .gated_delta_launch import (RowsPlan, Shapes, check_triton_shapes, chunk_inputs, device_ints, expand_heads,
                                  gather_chunks, launch_warps, prepare_rows, training_states, value_block)
 from .kernel_switch import KernelSwitch
@@ -69,6 +69,7 @@ def _backward_triton(q, k, v, g, beta, d_out, states, dstates, rows: RowsPlan, s
         d_out.stride(1), dstates.stride(0), dstates.stride(1), scale, **consts,
         num_warps=launch_warps(shapes, STATE_GRAD_WARPS))
     dq, dk, dv, dg, db = grads
+    consts["BV"] = min(CHUNK_GRAD_BV, shapes.dv)
     chunk_grad_kernel[(len(rows.kv_start), shapes.hv)](
         q, k, v, g, beta, d_out, states, dstates, *grads,
         *(device_ints(x, dev) for x in (rows.kv_start, rows.n_rows, rows.state_index)),

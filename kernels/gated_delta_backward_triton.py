@@ -23,6 +23,7 @@ from .row_sum import row_sum_halves
 
 STATE_GRAD_WARPS = 8
 CHUNK_GRAD_WARPS = 8
+CHUNK_GRAD_BV = 32  # value columns a chunk_grad_kernel step takes
 
 
 @triton.jit
