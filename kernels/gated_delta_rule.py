@@ -156,8 +156,9 @@ def _autograd_forward(q, k, v, g, beta, initial_state, lengths: list[int], chunk
 class _GatedDeltaFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, lengths, chunk, scale, l2norm, want_final):
+        ctx.backend = _backend(k)
         out, final = training_forward(q, k, v, g, beta, initial_state, lengths, chunk, scale, l2norm, want_final,
-                                       _backend(k))
+                                       ctx.backend)
         ctx.save_for_backward(q, k, v, g, beta, initial_state)
         ctx.args = (lengths, chunk, scale, l2norm)
         ctx.want_final = want_final
@@ -166,7 +167,7 @@ class _GatedDeltaFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_final):
         saved = ctx.saved_tensors
-        if _backend(saved[1]) == "triton" and backward_mode() == "triton":
+        if ctx.backend == "triton" and backward_mode() == "triton":  # the forward's backend
             d_final = grad_final if ctx.want_final else None
             grads = training_backward(*saved, grad_out, d_final, *ctx.args, "triton")
             result = [x if need else None for x, need in zip(grads, ctx.needs_input_grad)]
