@@ -2,9 +2,11 @@
 
 At Qwen3.5's / Qwen3-Next's GDN heads (16 q/k heads, 32 value heads, 128 x 128), bf16:
 
-- training forward (and forward + backward) over packed sequences of `--tokens` tokens each:
-  ours (`kernels.gated_delta_rule`), transformers' ``torch_chunk_gated_delta_rule`` and, where the
-  ``flash-linear-attention`` package is installed, fla's ``chunk_gated_delta_rule``;
+- training forward (and forward + backward, gradients of q, k, v, g and beta) over packed
+  sequences of `--tokens` tokens each: ours (`kernels.gated_delta_rule`; with `--backward` also
+  its autograd backward, ``VEXACT_GATED_DELTA_BACKWARD=autograd``), transformers'
+  ``torch_chunk_gated_delta_rule`` and, where the ``flash-linear-attention`` package is
+  installed, fla's ``chunk_gated_delta_rule``;
 - one rollout decode step of `--batch` sequences (one new token each, mid-chunk): our rows
   launch alone, and the fold of one completed chunk per sequence.
 
@@ -46,28 +48,46 @@ def _stock(name: str):
 
 def training_rows(tokens: list[int], seqs: int, backward: bool) -> list[list]:
     from vexact_models.kernels import gated_delta_rule
+    from vexact_models.kernels.gated_delta_backward import use_gated_delta_backward
 
     torch_chunk, fla_chunk = _stock("chunk")
     rows = []
     for t in tokens:
         gen = torch.Generator().manual_seed(t)
-        q, k, v, g, beta = _inputs(t * seqs, gen)
+        inputs = _inputs(t * seqs, gen)
         cu = [i * t for i in range(seqs + 1)]
-        runs = {"ours": lambda q, k, v: gated_delta_rule(q, k, v, g, beta, cu)[0]}
-        batched = [x.reshape(seqs, t, *x.shape[1:]) for x in (q, k, v, g, beta)]
-        runs["transformers torch"] = lambda q, k, v: torch_chunk(
-            q.reshape(seqs, t, HK, DK), k.reshape(seqs, t, HK, DK), v.reshape(seqs, t, HV, DV), batched[3], batched[4],
-            use_qk_l2norm_in_kernel=True)[0]
+
+        def batched(x):
+            return x.reshape(seqs, t, *x.shape[1:])
+
+        def ours(mode):
+            def run(q, k, v, g, beta):
+                with use_gated_delta_backward(mode):  # read when the backward runs: inside the timed call
+                    out = gated_delta_rule(q, k, v, g, beta, cu)[0]
+                    return out.float().sum().backward() if q.requires_grad else out
+            return run
+
+        runs = {"ours": ours("triton")}
+        if backward:
+            runs["ours, autograd backward"] = ours("autograd")
+        runs["transformers torch"] = lambda q, k, v, g, beta: torch_chunk(
+            *map(batched, (q, k, v, g, beta)), use_qk_l2norm_in_kernel=True)[0]
         if fla_chunk is not None:
             cu_t = torch.tensor(cu, device="cuda", dtype=torch.int32)
-            runs["fla"] = lambda q, k, v: fla_chunk(q[None], k[None], v[None], g[None], beta[None], cu_seqlens=cu_t,
-                                                    use_qk_l2norm_in_kernel=True)[0]
+            runs["fla"] = lambda q, k, v, g, beta: fla_chunk(q[None], k[None], v[None], g[None], beta[None],
+                                                             cu_seqlens=cu_t, use_qk_l2norm_in_kernel=True)[0]
         for name, run in runs.items():
-            forward_ms = bench(lambda run=run: run(q, k, v), warmup=3, rep=20)
+            forward_ms = bench(lambda run=run: run(*inputs), warmup=3, rep=20)
             cells = [f"{seqs} x {t}", name, f"{forward_ms:.3f}"]
             if backward:
-                leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-                cells.append(f"{bench(lambda run=run: run(*leaves).float().sum().backward(), warmup=2, rep=10):.3f}")
+                leaves = [x.detach().requires_grad_() for x in inputs]
+
+                def step(run=run, name=name):
+                    out = run(*leaves)
+                    if not name.startswith("ours"):
+                        out.float().sum().backward()
+
+                cells.append(f"{bench(step, warmup=2, rep=10):.3f}")
             rows.append(cells)
             print("  " + "  ".join(cells), file=sys.stderr, flush=True)  # progress: the torch path is slow
     return rows

@@ -248,3 +248,25 @@ def launch_fold(backend: str, *args) -> None:
 def prepare_rows(x: torch.Tensor, backend: str) -> torch.Tensor:
     """Unit stride along the last dim (the kernels take row and head strides) for Triton."""
     return x if backend != "triton" or x.stride(-1) == 1 else x.contiguous()
+
+
+def training_states(k, v, g, beta, initial_state: torch.Tensor | None, lengths: list[int], chunk: int, l2norm: bool,
+                    want_final: bool, backend: str) -> tuple[torch.Tensor, RowsPlan, list[int]]:
+    """The fold over a packed batch's chunks (rows prepared by `prepare_rows`): the states buffer of
+    `training_plans` (each sequence's initial state at ``base``, the state before its chunk ``c`` at
+    ``base + c``, the state after its last chunk at ``base + chunks`` only if `want_final`), the
+    rows plan and the bases. The training forward and the backward's recompute share it."""
+    shapes = Shapes(k.shape[1], v.shape[1], k.shape[2], v.shape[2])
+    fold, rows, bases, n_states = training_plans(lengths, chunk)
+    if not want_final:  # the last chunk's fold feeds no row
+        fold = FoldPlan(fold.start, [max(0, (-(-n // chunk) - 1) * chunk) for n in fold.length], fold.state_index,
+                        fold.out_index)
+    # each sequence's slot `base` holds its initial state; the folds write the others before any read
+    states = torch.empty(n_states, shapes.hv, shapes.dk, shapes.dv, dtype=state_dtype(k), device=k.device)
+    states[bases] = 0.0 if initial_state is None else initial_state.to(states.dtype)
+    launch_fold(backend, k, v, g, beta, states, states, fold, shapes, chunk, l2norm)
+    return states, rows, bases
+
+
+# Public names of the launch helpers the backward's launches share (`gated_delta_backward`).
+check_triton_shapes, device_ints, value_block, launch_warps = _check_triton_shapes, _device_ints, _value_block, _warps

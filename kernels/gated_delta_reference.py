@@ -158,3 +158,7 @@ def chunk_forward(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, g: t
     k_decayed = k * ops.exp(last - cum).unsqueeze(-1)
     new_state = state * ops.exp(last).unsqueeze(-1) + ops.mm(k_decayed.transpose(-1, -2), v_new.transpose(-1, -2))
     return out, new_state
+
+
+# Public names of the masks and decays the backward's reference shares (`gated_delta_backward_reference`).
+lower_mask, pair_decay = _lower, _pair_decay

@@ -23,9 +23,12 @@ Dtypes: q, k, v, beta in the model dtype (bf16/fp16/fp32; fp64 on the reference)
 Triton kernels (CUDA, or the interpreter) widen every operand to fp32 and take their products in
 ``tf32x3``; the reference (CPU) computes in fp32 with `exact_math` (batch-invariant).
 
-Backward (rule 8): the forward is recomputed in torch (`gated_delta_reference.AUTOGRAD`:
-matmuls, ``exp``, a triangular solve) and differentiated by autograd, on the CPU and the GPU
-alike. A Triton backward is not written yet: a performance gap, not a correctness one.
+Backward (rule 8): on the Triton backend the chunked Triton backward (`gated_delta_backward`:
+the fold recomputes the boundary states, a reverse recurrence carries the state gradient, a
+kernel per chunk gives the rows' gradients); on the reference backend (CPU), or with
+``VEXACT_GATED_DELTA_BACKWARD=autograd``, the forward is recomputed in torch
+(`gated_delta_reference.AUTOGRAD`: matmuls, ``exp``, a triangular solve) and differentiated by
+autograd.
 """
 
 from __future__ import annotations
@@ -36,8 +39,9 @@ import torch
 
 from . import gated_delta_reference as ref
 from .backend import select
+from .gated_delta_backward import backward_mode, training_backward
 from .gated_delta_launch import (FoldPlan, RowsPlan, Shapes, chunk_inputs, expand_heads, gather_chunks, launch_fold,
-                                 launch_rows, prepare_rows, state_dtype, training_plans)
+                                 launch_rows, prepare_rows, state_dtype, training_states)
 
 CHUNK = 64  # rows of a chunk (positions 0, 64, 128, ... start one); a power of two from 16
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -104,15 +108,8 @@ def training_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     outputs and the final states (an empty tensor unless `want_final`). Public for the offline
     sm_90 compile (`benchmarks/sm90_compile.py`)."""
     shapes = Shapes(k.shape[1], v.shape[1], k.shape[2], v.shape[2])
-    fold, rows, bases, n_states = training_plans(lengths, chunk)
-    if not want_final:  # the last chunk's fold feeds no row
-        fold = FoldPlan(fold.start, [max(0, (-(-n // chunk) - 1) * chunk) for n in fold.length], fold.state_index,
-                         fold.out_index)
-    # each sequence's slot `base` holds its initial state; the folds write the others before any read
-    states = torch.empty(n_states, shapes.hv, shapes.dk, shapes.dv, dtype=state_dtype(k), device=k.device)
-    states[bases] = 0.0 if initial_state is None else initial_state.to(states.dtype)
     q, k, v, g, beta = (prepare_rows(x, backend) for x in (q, k, v, g, beta))
-    launch_fold(backend, k, v, g, beta, states, states, fold, shapes, chunk, l2norm)
+    states, rows, bases = training_states(k, v, g, beta, initial_state, lengths, chunk, l2norm, want_final, backend)
     out = torch.empty(k.shape[0], shapes.hv, shapes.dv, dtype=q.dtype, device=q.device)
     launch_rows(backend, q, k, v, g, beta, states, out, rows, shapes, chunk, scale, l2norm)
     if not want_final:
@@ -159,8 +156,9 @@ def _autograd_forward(q, k, v, g, beta, initial_state, lengths: list[int], chunk
 class _GatedDeltaFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, lengths, chunk, scale, l2norm, want_final):
+        ctx.backend = _backend(k)
         out, final = training_forward(q, k, v, g, beta, initial_state, lengths, chunk, scale, l2norm, want_final,
-                                       _backend(k))
+                                       ctx.backend)
         ctx.save_for_backward(q, k, v, g, beta, initial_state)
         ctx.args = (lengths, chunk, scale, l2norm)
         ctx.want_final = want_final
@@ -169,6 +167,11 @@ class _GatedDeltaFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_final):
         saved = ctx.saved_tensors
+        if ctx.backend == "triton" and backward_mode() == "triton":  # the forward's backend
+            d_final = grad_final if ctx.want_final else None
+            grads = training_backward(*saved, grad_out, d_final, *ctx.args, "triton")
+            result = [x if need else None for x, need in zip(grads, ctx.needs_input_grad)]
+            return (*result, None, None, None, None, None)
         leaves = [None if x is None else x.detach().requires_grad_(need) for x, need in zip(saved, ctx.needs_input_grad)]
         with torch.enable_grad():
             out, final = _autograd_forward(*leaves, *ctx.args)

@@ -216,3 +216,8 @@ def fold_kernel(w_ptr, u_ptr, kd_ptr, decay_ptr, state_in_ptr, state_out_ptr,
         v_new = u - tl.dot(w, s, input_precision="tf32x3")
         s = s * tl.load(decay_ptr + j * tl.num_programs(1) + h) + tl.dot(tl.trans(kd), v_new, input_precision="tf32x3")
         _store_state(state_out_ptr, out_index + c, h, vb, s, stride_so, stride_soh, DK, DV, BV)
+
+
+# Public names of the helpers the backward kernels share (`gated_delta_backward_triton`), beside the
+# private ones the forward's kernels call.
+chunk_keys, l2norm_rows, load_rows, load_state, store_state = _chunk_keys, _l2norm, _load_rows, _load_state, _store_state
