@@ -79,6 +79,7 @@ def training_rows(tokens: list[int], seqs: int, backward: bool) -> list[list]:
         for name, run in runs.items():
             forward_ms = bench(lambda run=run: run(*inputs), warmup=3, rep=20)
             cells = [f"{seqs} x {t}", name, f"{forward_ms:.3f}"]
+            print(f"  {seqs} x {t} {name}: forward {forward_ms:.3f} ms", file=sys.stderr, flush=True)
             if backward:
                 leaves = [x.detach().requires_grad_() for x in inputs]
 
