@@ -36,13 +36,13 @@ import argparse
 import gc
 import random
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-from bench_utils import positive_int, positive_ints, recompute_mismatches, stock_twin, table
+from bench_utils import (positive_int, positive_ints, recompute_mismatches, stock_twin, synchronize, table, timed,
+                         tiny_or_cuda)
 from training import batch_of, hf_loss, use_checkpointing, vexact_loss
 
 
@@ -79,6 +79,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--samples", type=positive_ints, default=[32, 256], help="rollout requests, comma-separated")
     p.add_argument("--prompt-len", type=positive_int, default=256, help="longest prompt (shortest: half)")
     p.add_argument("--max-tokens", type=positive_int, default=512, help="longest output (shortest: half)")
+    p.add_argument("--repeat", type=positive_int, default=1,
+                   help="rollout runs per sample count on each engine, the last counted (default 1)")
     p.add_argument("--kv-cache-gib", type=float, default=32.0, help="each engine's KV cache (GiB)")
     p.add_argument("--train-shape", type=shape_arg, default=(4, 2048), help="training batch SEQSxTOKENS (4x2048)")
     p.add_argument("--checkpointing", choices=["auto", "on", "off"], default="auto",
@@ -98,20 +100,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.tiny:
         args.config, args.samples, args.prompt_len, args.max_tokens, args.kv_cache_gib = "tiny", [2, 4], 8, 8, 1 / 64
         args.train_shape, args.recompute_shape, args.steps = (2, 16), (2, 16), 1
-    args.device = torch.device("cpu" if args.tiny else "cuda")
-    args.dtype = torch.float32 if args.tiny else torch.bfloat16
-    if args.device.type == "cuda" and not torch.cuda.is_available():
-        print("benchmarks/lora.py needs a CUDA GPU (or --tiny for the CPU smoke run)", file=sys.stderr)
-        sys.exit(2)
+    tiny_or_cuda(args, "benchmarks/lora.py")
     return args
 
 
 # -- shared -------------------------------------------------------------------------------------
-
-def sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
 
 def free(device) -> None:
     gc.collect()
@@ -160,19 +153,21 @@ def requests(n: int, vocab: int, args):
 
 
 def rollouts(llm, args) -> tuple[dict[int, tuple[float, int]], list]:
-    """{samples: (seconds, output tokens)} for each ``--samples`` count, after one warm-up call;
-    and the (prompt, completion, logprobs) samples of the last count."""
+    """{samples: (seconds, output tokens)} of the last of ``--repeat`` runs of each ``--samples``
+    count (CUDA graphs captured on first use are captured by then), after one warm-up call; and
+    the (prompt, completion, logprobs) samples of the last count."""
     from vexact_models.runtime import SamplingParams
 
     llm.generate([[1, 2, 3]] * 2, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # compile, capture
     rates, samples = {}, []
     for n in args.samples:
         prompts, params = requests(n, llm.config.vocab_size, args)
-        sync(args.device)
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        sync(args.device)
-        rates[n] = (time.perf_counter() - t0, sum(len(o.outputs[0].token_ids) for o in outs))
+        for _ in range(args.repeat):  # the last run counts
+            synchronize(args.device)
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            synchronize(args.device)
+            rates[n] = (time.perf_counter() - t0, sum(len(o.outputs[0].token_ids) for o in outs))
         samples = [(o.prompt_token_ids, o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
     return rates, samples
 
@@ -195,11 +190,11 @@ def fwd_bwd(model, loss_fn, batches: list[torch.Tensor], args, checkpointing: bo
     try:
         for step in range(args.steps + 1):
             model.zero_grad(set_to_none=True)
-            sync(args.device)
+            synchronize(args.device)
             t0 = time.perf_counter()
             for ids in batches:
                 loss_fn(model, ids).backward()
-            sync(args.device)
+            synchronize(args.device)
             if step:  # the first step compiles kernels and allocates
                 times.append(time.perf_counter() - t0)
     finally:
@@ -245,18 +240,6 @@ def hf_peft_points(arch, model, args, parts: set[str]) -> tuple[list | None, lis
 
 # -- adapter-only weight sync ----------------------------------------------------------------------
 
-def timed(fn, device, repeat: int = 3) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeat):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
-
-
 def adapter_sync(llm, engine_model, args) -> tuple[list[list], bool, tuple[int, int]]:
     """Rows (method, tensors, bytes, seconds, GB/s, vs full) of weight syncs from an FSDP2 trainer
     into the (asleep) engine; whether the engine's adapters equal the trainer's after them; and
@@ -285,7 +268,7 @@ def adapter_sync(llm, engine_model, args) -> tuple[list[list], bool, tuple[int, 
     same = len(engine) == len(adapters) and all(torch.equal(engine[n], v) for n, v in adapters.items())
     full_seconds = rows[-1][3]
     llm.wake_up()
-    _, samples = rollouts(llm, argparse.Namespace(**{**vars(args), "samples": [16]}))
+    _, samples = rollouts(llm, argparse.Namespace(**{**vars(args), "samples": [16], "repeat": 1}))
     checked, bad, _ = recompute_mismatches(trainer, samples, 16384, args.device)
     size = [f"{b / 1e9:.2f} GB" if b >= 1e8 else f"{b / 1e6:.3f} MB" for *_, b, _ in rows]
     return ([[m, n, s, f"{sec * 1e3:.2f}", f"{b / sec / 1e9:.2f}", f"{full_seconds / sec:.1f}x"]

@@ -19,11 +19,10 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fsdp_iteration import _prompts, _recompute, _rollout  # noqa: E402
-from fsdp_support import Results, equal_lists, make_model  # noqa: E402
+from fsdp_iteration import _prompts, _recompute, _rollout, policy_step  # noqa: E402
+from fsdp_support import Results, equal_lists, make_model, run_rank  # noqa: E402
 from peft import LoraConfig, get_peft_model  # noqa: E402
 
 from vexact_models.adapter_weights import adapter_tensors  # noqa: E402
@@ -61,11 +60,7 @@ def run(res: Results, rank: int) -> None:
                        any(not torch.equal(a[2], b[2]) for a, b in zip(rollout, previous)), "logprobs moved")
         previous = rollout
         llm.sleep(level=1)
-        advantages = [1.0 if i % 2 == 0 else -1.0 for i in range(len(lp))]
-        loss = -sum(a * t.sum() for a, t in zip(advantages, lp)) / sum(t.numel() for t in lp)
-        loss.backward()
-        optim.step()
-        optim.zero_grad(set_to_none=True)
+        policy_step(lp, optim)
         llm.wake_up(tags=["weights"])
         source = trainer if it == 0 else trainer.get_base_model()
         names = [n for n, _ in stream_full_weights(source, bucket_bytes=512, adapters_only=True)]
@@ -91,18 +86,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    res = Results()
-    try:
-        run(res, rank)
-    except Exception as exc:  # recorded, not raised: the other rank may be in a collective
-        res.exception("crash", exc)
-        import traceback
-
-        traceback.print_exc()
-    res.save(args.out, rank)
-    dist.destroy_process_group()
+    run_rank(lambda res, rank, world: run(res, rank), args.out)
 
 
 if __name__ == "__main__":
