@@ -249,7 +249,7 @@ def adapter_sync(llm, engine_model, args) -> tuple[list[list], bool, tuple[int, 
 
     _, trainer_base = build(args, args.seed)  # the engine's base weights
     trainer = with_lora(trainer_base, args, args.seed + 2)  # other adapters: the sync must bring them
-    shard(trainer.get_base_model())
+    shard(trainer)  # the model under PEFT
     adapters = {t.name: t.param.full_tensor() for t in adapter_tensors(trainer)}
     syncs = {
         "stream_full_weights(adapters_only=True) -> update_weights":

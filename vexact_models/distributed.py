@@ -128,7 +128,10 @@ def shard(model: nn.Module, mesh=None, *, mp_policy=None, param_dtype: torch.dty
     registers `FORWARD_METHODS` (``token_logprobs``) as forward methods.
 
     Args:
-        model: a training-variant model (any registered architecture), unsharded.
+        model: a training-variant model (any registered architecture), unsharded; or a
+            ``PeftModel`` over one (LoRA): the model under PEFT is sharded (its decoder layers,
+            then it as the root: ``peft_model.token_logprobs`` runs its hooks) and the
+            ``PeftModel``, which holds no parameters of its own, is returned.
         mesh: a 1-D ``DeviceMesh`` (default: all ranks of the default process group, on the
             model's device type; CUDA for a meta-device model).
         mp_policy: an FSDP ``MixedPrecisionPolicy``; or give `param_dtype` / `reduce_dtype`.
@@ -150,6 +153,11 @@ def shard(model: nn.Module, mesh=None, *, mp_policy=None, param_dtype: torch.dty
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 
+    if type(model).__module__.startswith("peft.") and callable(getattr(model, "get_base_model", None)):
+        shard(model.get_base_model(), mesh, mp_policy=mp_policy, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+              offload=offload, activation_checkpointing=activation_checkpointing,
+              reshard_after_forward=reshard_after_forward)
+        return model
     layers = _decoder_layers(model)
     if isinstance(model, FSDPModule) or any(isinstance(m, FSDPModule) for m in layers):
         raise ValueError(f"shard: model {type(model).__name__} is already sharded with fully_shard")

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fsdp_iteration import _prompts, _recompute, _rollout, policy_step  # noqa: E402
@@ -46,7 +47,8 @@ def run(res: Results, rank: int) -> None:
               kv_cache_bytes=64 * kv_bytes_per_block(base.kv_cache_spec(), block, torch.float32), owns_weights=True)
     engine_base = {n: p.detach().clone() for n, p in engine_model.named_parameters() if "lora_" not in n}
     trainer = lora_model(base)
-    shard(trainer.get_base_model())
+    res.record("lora/shard_peft_model", shard(trainer) is trainer and isinstance(trainer.get_base_model(), FSDPModule),
+               "shard(PeftModel) shards the model under it and returns the PeftModel")
     optim = torch.optim.AdamW([p for p in trainer.parameters() if p.requires_grad], lr=2e-2)
     prompts = _prompts(base.config.vocab_size, rank)
     previous = None

@@ -14,7 +14,7 @@ def results(tmp_path_factory):
     return torchrun("fsdp_lora_worker.py", 2, tmp_path_factory.mktemp("fsdp_lora"))
 
 
-@pytest.mark.parametrize("prefix", ["lora/recompute_equals_rollout", "lora/adapters_changed_the_rollout",
+@pytest.mark.parametrize("prefix", ["lora/shard_peft_model", "lora/recompute_equals_rollout", "lora/adapters_changed_the_rollout",
                                     "lora/stream_names_", "lora/engine_adapters_equal_trainer",
                                     "lora/engine_base_untouched"])
 def test_adapter_only_sync_from_fsdp2_keeps_rollouts_bitwise(results, prefix):
