@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import time
 
 import torch
 
@@ -67,6 +68,37 @@ def gluon_unavailable(script: str) -> str | None:
         return (f"{script}: the Gluon kernel needs a Hopper GPU and a verified Triton "
                 f"({gluon_support.GLUON_VERIFIED})")
     return None
+
+
+def tiny_or_cuda(args: argparse.Namespace, script: str) -> None:
+    """Set ``args.device`` and ``args.dtype`` of a script with a ``--tiny`` CPU smoke run (CPU,
+    float32) beside its GPU run (CUDA, bf16); without a CUDA GPU and without ``--tiny``, say so
+    and exit 2."""
+    args.device = torch.device("cpu" if args.tiny else "cuda")
+    args.dtype = torch.float32 if args.tiny else torch.bfloat16
+    if args.device.type == "cuda" and not torch.cuda.is_available():
+        print(f"{script} needs a CUDA GPU (or --tiny for the CPU smoke run)", file=sys.stderr)
+        sys.exit(2)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for `device`'s queued work (a no-op off CUDA): host timers then read device time."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device: torch.device, repeat: int = 3) -> float:
+    """Median wall seconds of `fn` over `repeat` calls after one warm-up, `device` synchronised
+    around each: for calls of milliseconds and more (a weight sync), on any device."""
+    fn()  # warm-up
+    times = []
+    for _ in range(repeat):
+        synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
 
 
 def bench(fn, warmup: int = 25, rep: int = 100) -> float:

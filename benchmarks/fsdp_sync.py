@@ -28,13 +28,12 @@ from __future__ import annotations
 import argparse
 import math
 import random
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-from bench_utils import packed, recompute_mismatches
+from bench_utils import packed, recompute_mismatches, timed, tiny_or_cuda
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -62,11 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.sleep_cycles < 0:
         p.error("--sleep-cycles must be >= 0")
-    args.device = torch.device("cpu" if args.tiny else "cuda")
-    args.dtype = torch.float32 if args.tiny else torch.bfloat16
-    if args.device.type == "cuda" and not torch.cuda.is_available():
-        print("fsdp_sync.py needs a CUDA GPU (or --tiny for the CPU smoke run)", file=sys.stderr)
-        sys.exit(2)
+    tiny_or_cuda(args, "fsdp_sync.py")
     return args
 
 
@@ -76,11 +71,6 @@ def layer_overrides(spec: str) -> dict[str, int]:
         name, _, n = item.rpartition("=")
         out[name or "*"] = int(n)
     return out
-
-
-def sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def allocated(device) -> int | None:
@@ -124,18 +114,6 @@ def rollout(llm, n: int, args, seed: int, max_tokens: int | None = None):
 def recompute(trainer, samples, args):
     """(tokens checked, mismatches, max |diff|) of the sharded recompute against the rollout."""
     return recompute_mismatches(trainer, samples, args.recompute_tokens, args.device)
-
-
-def timed(fn, device, repeat: int = 3) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeat):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
 
 
 def weight_sync(trainer, llm, engine_model, args) -> tuple[list[list], bool]:

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping, Sequence as Seq
 
 import torch
 
+from vexact_models.adapter_weights import AdapterNames
 from vexact_models.kernels import use_backend
 
 from .engine_lock import one_call_at_a_time
@@ -68,12 +69,24 @@ class EngineMemoryMixin:
         whole stream, in step: e.g. `stream_full_weights` of an FSDP2 trainer on the same
         ranks) and copies the tensors of its own layers, checking the others' names and shapes.
         Returns the number of tensors copied (on this stage).
+
+        PEFT adapters (an engine over a LoRA model, the RL loop where only the adapters train):
+        `weights` may hold adapter tensors only, the base staying as it is, under PEFT's names
+        (``PeftModel.state_dict()``, ``get_peft_model_state_dict``, or the stream of an FSDP2
+        LoRA model: ``stream_full_weights(model, adapters_only=True)``;
+        `vexact_models.adapter_weights`). Every adapter tensor is checked (known name, shape,
+        dtype exactly: an adapter is never cast, so that the next rollout computes with the
+        trainer's values) and the adapters are written in place only after the whole input is
+        consumed and checked: a bad name, shape or dtype raises ValueError with no adapter
+        written, from an iterator too. Base tensors named behind ``PeftModel``'s
+        ``base_model.model.`` prefix are accepted as well.
         """
         if self._released is not None:
             raise RuntimeError("LLM.update_weights: the weights are released by sleep(); call wake_up() (or "
                                "wake_up(tags=['weights'])) first")
-        return copy_weights(named_targets(self.model.causal_lm), weights,
-                            written=lambda p: self._unwritten.pop(id(p), None))
+        causal_lm = self.model.causal_lm
+        return copy_weights(named_targets(causal_lm), weights, written=lambda p: self._unwritten.pop(id(p), None),
+                            adapters=AdapterNames(causal_lm))
 
     @one_call_at_a_time
     def sleep(self, level: int = 1) -> None:

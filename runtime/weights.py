@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 from torch import nn
 
+from vexact_models.adapter_weights import PEFT_PREFIX, AdapterNames
+
 
 def named_targets(model: nn.Module) -> dict[str, nn.Parameter]:
     """Every name a parameter answers to (HF checkpoint names; a tied weight under each of its
@@ -43,10 +45,47 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return full_tensor() if callable(full_tensor) else tensor
 
 
+def _pair(pair) -> tuple[str, object]:
+    try:
+        name, tensor = pair
+    except (TypeError, ValueError):
+        raise ValueError(f"LLM.update_weights: expected (name, tensor) pairs, got {type(pair).__name__}") from None
+    return name, tensor
+
+
+def _check_adapter(adapters: AdapterNames, name, tensor) -> nn.Parameter | None:
+    """The engine's adapter tensor `name` means, checked against `tensor` (shape and dtype exactly:
+    an adapter is not cast, the rollout must compute with the trainer's values); None when `name`
+    is no adapter tensor of the engine's."""
+    if not adapters or not isinstance(name, str):
+        return None
+    try:
+        found = adapters.lookup(name)
+    except ValueError as e:
+        raise ValueError(f"LLM.update_weights: weights[{name!r}]: {e}") from None
+    if found is None:
+        if "lora_" in name or "modules_to_save" in name:
+            raise ValueError(f"LLM.update_weights: weights[{name!r}] names no adapter tensor of the engine's model "
+                             f"(adapters {adapters.adapters}, e.g. {adapters.example()!r})")
+        return None
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"LLM.update_weights: weights[{name!r}] is a {type(tensor).__name__}, not a torch.Tensor")
+    target = found.param
+    if target.shape != tensor.shape:
+        raise ValueError(f"LLM.update_weights: weights[{name!r}] has shape {tuple(tensor.shape)}; the engine's "
+                         f"adapter {found.name} has {tuple(target.shape)}")
+    if target.dtype != tensor.dtype:
+        raise ValueError(f"LLM.update_weights: weights[{name!r}] has dtype {tensor.dtype}; the engine's adapter "
+                         f"{found.name} is {target.dtype} (adapters are copied without a cast, so that rollouts "
+                         "compute with the trainer's values: send them in the engine's dtype)")
+    return target
+
+
 @torch.no_grad()
 def copy_weights(targets: dict[str, nn.Parameter],
                  weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-                 written: Callable[[nn.Parameter], None] | None = None) -> int:
+                 written: Callable[[nn.Parameter], None] | None = None,
+                 adapters: AdapterNames | None = None) -> int:
     """Copy `weights` into `targets` in place; return the number of tensors copied.
 
     A mapping is checked whole first (unknown name, wrong shape, non-tensor: ValueError, nothing
@@ -54,28 +93,52 @@ def copy_weights(targets: dict[str, nn.Parameter],
     so a bad pair raises having written the pairs before it. `written(param)` is called after
     each copy. Targets on the meta device (the tensors of other pipeline stages) are checked
     but not written, nor counted.
+
+    `adapters` (the engine's PEFT adapter tensors, `vexact_models.adapter_weights`): a pair
+    naming one (any of PEFT's names for it) is checked (shape and dtype exactly) and held; the
+    held adapters are written only once the whole input is consumed and checked, so an update
+    of adapters is all or nothing, from a stream too. Base names behind ``PeftModel``'s prefix
+    (``base_model.model.``) are the engine's names without it.
     """
     if isinstance(weights, Mapping):
         for name, tensor in weights.items():
-            _check(targets, name, tensor)
+            if _check_adapter(adapters, name, tensor) is None:
+                _check(targets, _base_name(targets, name), tensor)
         pairs = iter(weights.items())
     else:
         pairs = iter(weights)
-    count = 0
+    count, held = 0, {}
     for pair in pairs:
-        try:
-            name, tensor = pair
-        except (TypeError, ValueError):
-            raise ValueError(f"LLM.update_weights: expected (name, tensor) pairs, got {type(pair).__name__}") from None
-        target = _check(targets, name, tensor)
-        value = _local(tensor)  # a DTensor is gathered on every rank, in step, whoever keeps it
-        if target.is_meta:  # another pipeline stage's tensor: not held here
+        name, tensor = _pair(pair)
+        target = _check_adapter(adapters, name, tensor)
+        if target is not None:
+            if id(target) in held:
+                raise ValueError(f"LLM.update_weights: weights[{name!r}] names the adapter tensor "
+                                 f"{held[id(target)][2]!r} named before it: each adapter tensor once per call")
+            held[id(target)] = (target, _local(tensor), name)
             continue
-        target.copy_(value)
-        count += 1
-        if written is not None:
-            written(target)
+        target = _check(targets, _base_name(targets, name), tensor)
+        count += _copy(target, tensor, written)
+    for target, value, _ in held.values():
+        count += _copy(target, value, written)
     return count
+
+
+def _base_name(targets: dict[str, nn.Parameter], name):
+    """`name` without ``PeftModel``'s prefix when that is what the engine knows it by."""
+    if isinstance(name, str) and name.startswith(PEFT_PREFIX) and name not in targets:
+        return name[len(PEFT_PREFIX):]
+    return name
+
+
+def _copy(target: nn.Parameter, tensor: torch.Tensor, written) -> int:
+    value = _local(tensor)  # a DTensor is gathered on every rank, in step, whoever keeps it
+    if target.is_meta:  # another pipeline stage's tensor: not held here
+        return 0
+    target.copy_(value)
+    if written is not None:
+        written(target)
+    return 1
 
 
 class ReleasedWeights:

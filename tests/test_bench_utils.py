@@ -1,6 +1,7 @@
 """benchmarks/bench_utils.py, the helpers the benchmark scripts share: the stock peer model, the
 case filter, prompt layouts, the workload's decode floor, the graph timer that skips a launch that
-cannot run, and the bitwise row-count check. On CPU."""
+cannot run, the bitwise row-count check, the wall-clock timer and the device of a ``--tiny`` run.
+On CPU."""
 
 from pathlib import Path
 
@@ -140,3 +141,31 @@ def test_bits_at_row_counts_counts_differing_bits_and_reports_a_failing_launch(m
         return want[:m]
 
     assert bits_at_row_counts(fails, want, [2, 4]) == (2, 0, 0, "RuntimeError: out of shared memory")
+
+
+def test_timed_is_the_median_after_a_warm_up_and_tiny_or_cuda_picks_the_device(monkeypatch, capsys):
+    """`bench_utils.timed` (fsdp_sync.py's and lora.py's weight syncs) calls once to warm up and
+    returns the median of the rest; `tiny_or_cuda` gives a ``--tiny`` run the CPU in float32 and
+    refuses a GPU run without a CUDA GPU (exit 2, saying so)."""
+    import argparse
+    import time
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_utils
+
+    sleeps = iter([0.0, 0.03, 0.001, 0.01])  # the warm-up's first, then three timed calls
+    calls = []
+
+    def fn():
+        calls.append(1)
+        time.sleep(next(sleeps))
+
+    seconds = bench_utils.timed(fn, torch.device("cpu"), repeat=3)
+    assert len(calls) == 4 and 0.01 <= seconds < 0.03
+    args = argparse.Namespace(tiny=True)
+    bench_utils.tiny_or_cuda(args, "x.py")
+    assert args.device == torch.device("cpu") and args.dtype == torch.float32
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as info:
+        bench_utils.tiny_or_cuda(argparse.Namespace(tiny=False), "x.py")
+    assert info.value.code == 2 and "x.py needs a CUDA GPU (or --tiny" in capsys.readouterr().err

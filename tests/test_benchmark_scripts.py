@@ -1,6 +1,7 @@
 """The benchmark scripts need a GPU to measure; on CPU they must still import, explain
 themselves (--help) and refuse cleanly."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ INVESTIGATIONS = BENCHMARKS / "investigations"
                                     "investigations/attention_order.py", "shared_experts.py", "latent_prefill.py",
                                     "attention_prefill.py", "moe_routing.py", "investigations/head_linear.py",
                                     "investigations/row_kernels.py", "gate_up_silu.py",
-                                    "investigations/decode_read_floor.py", "gated_delta.py"])
+                                    "investigations/decode_read_floor.py", "gated_delta.py", "lora.py"])
 def test_benchmark_script_help_and_cpu_refusal(script):
     help_run = subprocess.run([sys.executable, script, "--help"], cwd=BENCHMARKS, capture_output=True, text=True,
                               timeout=120)
@@ -46,6 +47,30 @@ def test_step_overhead_runs_on_cpu():
     bad = subprocess.run([sys.executable, script, "--batch", "0"], cwd=BENCHMARKS, capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2
+
+
+def test_lora_runs_tiny_on_cpu():
+    """benchmarks/lora.py --tiny: every table on CPU, the LoRA rollout and the rollout after the
+    adapter-only sync equal their recomputes (0 mismatches), the synced adapters equal the
+    trainer's; bad --parts and shapes are usage errors."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    run = subprocess.run([sys.executable, "lora.py", "--tiny"], cwd=BENCHMARKS, capture_output=True, text=True,
+                         timeout=600, env=env)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    out = run.stdout
+    for title in ("## rollout", "## training", "## recompute", "## weight sync"):
+        assert title in out, out
+    lines = out.splitlines()
+    rollout = [line.split() for line in lines if line.split()[:1] in (["2"], ["4"]) and line.rstrip().endswith("x")]
+    assert [r[0] for r in rollout] == ["2", "4"] and all(r[-1].endswith("x") for r in rollout), out
+    assert "4 samples recomputed" in out and ", 0 mismatches" in out
+    sync = [line for line in lines if "update_weights" in line and " 28 " in line]
+    assert any(line.strip().startswith("stream_full_weights(adapters_only=True)") for line in sync), out
+    assert "the engine's adapters equal the trainer's" in out and out.rstrip().endswith("OK")
+    for bad, words in ((["--parts", "rollout,x"], "--parts"), (["--train-shape", "8"], "SEQSxTOKENS")):
+        refused = subprocess.run([sys.executable, "lora.py", "--tiny", *bad], cwd=BENCHMARKS, capture_output=True,
+                                 text=True, timeout=120, env=env)
+        assert refused.returncode == 2 and words in refused.stderr, refused.stderr
 
 
 def test_training_profile_groups_kernels(monkeypatch, capsys):

@@ -37,6 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .adapter_weights import adapter_tensors
+
 __all__ = ["FORWARD_METHODS", "LAUNCHER_WORLD_SIZE_VARS", "checkpoint_name", "exit_rank", "fsdp_forward_method",
            "launcher_world_size", "register_forward_methods", "shard", "stream_full_weights"]
 
@@ -126,7 +128,10 @@ def shard(model: nn.Module, mesh=None, *, mp_policy=None, param_dtype: torch.dty
     registers `FORWARD_METHODS` (``token_logprobs``) as forward methods.
 
     Args:
-        model: a training-variant model (any registered architecture), unsharded.
+        model: a training-variant model (any registered architecture), unsharded; or a
+            ``PeftModel`` over one (LoRA): the model under PEFT is sharded (its decoder layers,
+            then it as the root: ``peft_model.token_logprobs`` runs its hooks) and the
+            ``PeftModel``, which holds no parameters of its own, is returned.
         mesh: a 1-D ``DeviceMesh`` (default: all ranks of the default process group, on the
             model's device type; CUDA for a meta-device model).
         mp_policy: an FSDP ``MixedPrecisionPolicy``; or give `param_dtype` / `reduce_dtype`.
@@ -148,6 +153,11 @@ def shard(model: nn.Module, mesh=None, *, mp_policy=None, param_dtype: torch.dty
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 
+    if type(model).__module__.startswith("peft.") and callable(getattr(model, "get_base_model", None)):
+        shard(model.get_base_model(), mesh, mp_policy=mp_policy, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+              offload=offload, activation_checkpointing=activation_checkpointing,
+              reshard_after_forward=reshard_after_forward)
+        return model
     layers = _decoder_layers(model)
     if isinstance(model, FSDPModule) or any(isinstance(m, FSDPModule) for m in layers):
         raise ValueError(f"shard: model {type(model).__name__} is already sharded with fully_shard")
@@ -248,7 +258,8 @@ def _plain(tensor, dtype, device) -> torch.Tensor:
 
 
 def stream_full_weights(model: nn.Module, bucket_bytes: int = 256 << 20, *, dtype: torch.dtype | None = None,
-                        device: torch.device | str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                        device: torch.device | str | None = None,
+                        adapters_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(HF checkpoint name, full tensor)`` for every parameter of a (sharded) model.
 
     Parameters are gathered from their DTensor shards a bucket at a time: consecutive FSDP2
@@ -268,12 +279,26 @@ def stream_full_weights(model: nn.Module, bucket_bytes: int = 256 << 20, *, dtyp
         dtype: cast to this dtype (on the shards, before the gather: half the traffic for
             bf16, bitwise the same values as casting the full tensor).
         device: where the yielded tensors live (default: the gather's device).
+        adapters_only: yield only the PEFT adapter tensors (each LoRA layer's ``lora_A`` /
+            ``lora_B``, ``modules_to_save`` copies; `vexact_models.adapter_weights`), for the RL
+            loop where only the adapters train and the engine's base stays. Their names are the
+            model's (``...q_proj.lora_A.default.weight``, behind ``base_model.model.`` for a
+            ``PeftModel``), which ``LLM.update_weights`` takes. A model without adapters is a
+            ValueError.
     """
     if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes < 1:
         raise ValueError(f"stream_full_weights: bucket_bytes={bucket_bytes!r} must be an int >= 1")
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise ValueError(f"stream_full_weights: dtype={dtype!r} is not a torch.dtype")
-    return _stream(model, bucket_bytes, dtype, None if device is None else torch.device(device))
+    if not isinstance(adapters_only, bool):
+        raise ValueError(f"stream_full_weights: adapters_only={adapters_only!r} must be a bool")
+    keep = None
+    if adapters_only:
+        keep = {id(t.param) for t in adapter_tensors(model)}
+        if not keep:
+            raise ValueError(f"stream_full_weights: adapters_only=True, but {type(model).__name__} holds no PEFT "
+                             "adapters (no LoRA layer or modules_to_save copy)")
+    return _stream(model, bucket_bytes, dtype, None if device is None else torch.device(device), keep)
 
 
 def _comm_device(mesh) -> torch.device:
@@ -282,12 +307,15 @@ def _comm_device(mesh) -> torch.device:
     return torch.device(mesh.device_type)
 
 
-def _buckets(model, bucket_bytes: int, dtype) -> Iterator[list[tuple[str, object]]]:
-    """The parameters in model order, grouped: runs of FSDP2 (row-sharded) DTensors of one mesh
-    and dtype up to `bucket_bytes` of full size; anything else alone."""
+def _buckets(model, bucket_bytes: int, dtype, keep: set[int] | None = None) -> Iterator[list[tuple[str, object]]]:
+    """The parameters in model order (those whose id is in `keep`, when given), grouped: runs of
+    FSDP2 (row-sharded) DTensors of one mesh and dtype up to `bucket_bytes` of full size;
+    anything else alone."""
     dtensor = _dtensor_class()
     bucket, held = [], 0
     for name, param in model.named_parameters():
+        if keep is not None and id(param) not in keep:
+            continue
         name = checkpoint_name(name)
         if not (isinstance(param, dtensor) and _row_sharded(param)):
             if bucket:
@@ -308,9 +336,9 @@ def _buckets(model, bucket_bytes: int, dtype) -> Iterator[list[tuple[str, object
 
 
 @torch.no_grad()  # a generator: no_grad holds while it runs, not while the caller does
-def _stream(model, bucket_bytes, dtype, device) -> Iterator[tuple[str, torch.Tensor]]:
+def _stream(model, bucket_bytes, dtype, device, keep=None) -> Iterator[tuple[str, torch.Tensor]]:
     dtensor = _dtensor_class()
-    for bucket in _buckets(model, bucket_bytes, dtype):
+    for bucket in _buckets(model, bucket_bytes, dtype, keep):
         name, param = bucket[0]
         if len(bucket) == 1 and not (isinstance(param, dtensor) and _row_sharded(param)):
             yield name, _plain(param, dtype, device or param.device)

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fsdp_support import Results, equal_lists, make_sequences, padded, per_sequence, splits  # noqa: E402
+from fsdp_support import Results, equal_lists, make_sequences, padded, per_sequence, run_rank, splits  # noqa: E402
 
 import vexact_models  # noqa: E402
 from vexact_models.distributed import exit_rank, shard  # noqa: E402
@@ -147,18 +147,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--ckpt", required=True, help="a Qwen3 causal-LM checkpoint folder")
     args = parser.parse_args()
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    res = Results()
-    try:
-        run(res, args.ckpt, rank, world)
-    except Exception as exc:  # recorded, not raised: the other rank may be in a collective
-        res.exception("crash", exc)
-        import traceback
-
-        traceback.print_exc()
-    res.save(args.out, rank)
-    dist.destroy_process_group()
+    run_rank(lambda res, rank, world: run(res, args.ckpt, rank, world), args.out)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,16 @@ def _recompute(model, rollout):
     return out
 
 
+def policy_step(lp: list[torch.Tensor], optim) -> None:
+    """One optimizer step on a policy-gradient loss over the recomputed logprobs `lp` (one tensor
+    per sample; advantages +1 and -1 alternating), normalised by the token count."""
+    advantages = [1.0 if i % 2 == 0 else -1.0 for i in range(len(lp))]
+    loss = -sum(a * t.sum() for a, t in zip(advantages, lp)) / sum(t.numel() for t in lp)
+    loss.backward()
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+
+
 def run_iteration(res, arch, base, rank: int, world: int) -> None:
     engine_model = copy.deepcopy(base).eval()
     block = 4
@@ -67,11 +77,7 @@ def run_iteration(res, arch, base, rank: int, world: int) -> None:
                        any(not torch.equal(a[2], b[2]) for a, b in zip(rollout, previous)), "logprobs moved")
         previous = rollout
         llm.sleep(level=2)
-        advantages = [1.0 if i % 2 == 0 else -1.0 for i in range(len(lp))]
-        loss = -sum(a * t.sum() for a, t in zip(advantages, lp)) / sum(t.numel() for t in lp)
-        loss.backward()
-        optim.step()
-        optim.zero_grad(set_to_none=True)
+        policy_step(lp, optim)
         llm.wake_up(tags=["weights"])
         copied = llm.update_weights(stream_full_weights(model, bucket_bytes=8192))
         llm.wake_up(tags=["kv_cache"])

@@ -130,6 +130,36 @@ def torchrun(script: str, nprocs: int, out: Path, *args: str, timeout: int = 420
     return results
 
 
+def run_rank(run, out: Path) -> None:
+    """One torchrun rank: init gloo, ``run(res, rank, world)``, save this rank's checks to `out`.
+    A crash is recorded as the check ``crash`` (not raised: the other ranks may be in a
+    collective) and its traceback printed."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    res = Results()
+    try:
+        run(res, rank, world)
+    except Exception as exc:  # recorded, not raised
+        res.exception("crash", exc)
+        import traceback
+
+        traceback.print_exc()
+    res.save(out, rank)
+    dist.destroy_process_group()
+
+
+def assert_passed(results: dict[int, dict], prefix: str, world: int) -> None:
+    """Every rank of `world` reported, none crashed (`run_rank`), and every check named
+    `prefix`* passed (`failures`)."""
+    assert sorted(results) == list(range(world))
+    crashed = {r: c["crash"]["detail"] for r, c in results.items() if "crash" in c}
+    assert not crashed, crashed
+    bad = failures(results, prefix)
+    assert not bad, "\n".join(bad)
+
+
 def failures(results: dict[int, dict], prefix: str) -> list[str]:
     """'rank r: check: detail' for every failed check whose name starts with `prefix`; also
     fails when no such check was recorded (a check that never ran cannot pass)."""
