@@ -128,3 +128,41 @@ def test_window_and_sinks_errors():
     with use_attention_forward("fa4"), pytest.raises(UnsupportedError, match="sliding window or attention sinks"):
         choose_attention_forward(q, k, v, windowed=True)
     assert WIDEST_KEY_BLOCK % 16 == 0 and math.log2(WIDEST_KEY_BLOCK).is_integer()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("hq,hkv,d,window,with_sinks", [(64, 8, 64, 128, True), (64, 8, 64, None, True),
+                                                        (8, 4, 256, 512, False), (32, 8, 128, 300, False)])
+def test_gpu_training_prefill_and_decode_bitwise_with_window_and_sinks(hq, hkv, d, window, with_sinks):
+    """GPT-OSS, Gemma 3 and Mistral shapes on the GPU with the launches `attention` picks itself
+    (TMA pages for few decode programs, the training tiles, prompt chunks): the packed training
+    forward, prompt chunks and decode over shuffled pages of 64 (NaN in unwritten slots) agree
+    bitwise; the backward matches float64 autograd, the sinks' gradient included."""
+    from ..conftest import paged_cache, paged_layout
+    from vexact_models.kernels.paged_layout import shuffled_block_table
+
+    lens, page = [1, 100, 700, 1500], 64
+    gen = torch.Generator().manual_seed(d + hq)
+    t = sum(lens)
+    q, k, v = (torch.randn(t, h, d, generator=gen).bfloat16().cuda() for h in (hq, hkv, hkv))
+    sinks = torch.randn(hq, generator=gen).cuda() if with_sinks else None
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
+    packed = attention_packed(q, k, v, cu.cuda(), max(lens), window=window, sinks=sinks)
+    table = shuffled_block_table(lens, page, gen)
+    kc, vc = (paged_cache(x, lens, table, page).cuda() for x in (k, v))
+    for chunk in (1, 37, 300):  # each sequence's last `chunk` tokens after the rest as context
+        q_lens = [min(chunk, n) for n in lens]
+        rows = torch.cat([torch.arange(int(e) - c, int(e)) for e, c in zip(cu[1:], q_lens)]).cuda()
+        layout = paged_layout(q_lens, lens, table, page, "cuda")
+        out = attention(q[rows], kc, vc, layout, d ** -0.5, window=window, sinks=sinks)
+        assert not out.isnan().any() and torch.equal(out, packed[rows]), chunk
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    inputs = (q, k, v) + ((sinks.requires_grad_(),) if with_sinks else ())
+    g = torch.randn(t, hq, d, generator=gen).bfloat16().cuda()
+    got = torch.autograd.grad(attention_packed(q, k, v, cu.cuda(), max(lens), window=window, sinks=sinks), inputs, g)
+    ref = tuple(x.detach().double().requires_grad_() for x in inputs)
+    want = torch.autograd.grad(attention_math(*ref[:3], cu.cuda(), d ** -0.5, window, ref[3] if with_sinks else None),
+                               ref, g.double())
+    for a, b in zip(got, want):
+        assert (a.double() - b).norm() / b.norm() < 2e-2
