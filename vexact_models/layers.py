@@ -224,6 +224,26 @@ def plain_rms_norm(norm: nn.Module) -> bool:
             and not norm._forward_hooks and not norm._forward_pre_hooks)
 
 
+def layer_window(config, layer_idx: int) -> int | None:
+    """The sliding window of decoder layer `layer_idx` as transformers applies it, for the
+    contexts' ``window=`` (docs/design.md section 3): ``config.sliding_window`` (None or absent:
+    full attention) on the layers whose ``config.layer_types`` entry is ``"sliding_attention"``
+    (Gemma 3, GPT-OSS, Qwen2/Qwen3 with ``use_sliding_window``), on every layer of a config
+    without ``layer_types`` (Mistral). Raises ValueError for a window that is not an int >= 1 and
+    for a layer type that is neither sliding nor full attention (e.g. Llama 4's chunked attention)."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    kind = types[layer_idx] if types is not None else None
+    if kind not in (None, "sliding_attention", "full_attention"):
+        raise ValueError(f"{type(config).__name__}: layer_types[{layer_idx}]={kind!r} is not supported "
+                         "(only 'sliding_attention' and 'full_attention')")
+    if window is None or kind == "full_attention":
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"{type(config).__name__}: sliding_window={window!r} must be None or an int >= 1")
+    return window
+
+
 class PackedContext:
     """Training layout: sequences packed back to back (``cu_seqlens``), causal within each.
 
