@@ -244,6 +244,17 @@ def layer_window(config, layer_idx: int) -> int | None:
     return window
 
 
+def cache_window(config) -> int | None:
+    """The window every decoder layer's attention stays within (the largest of their
+    `layer_window`s), or None when some layer attends to all its context (a global layer) or
+    the config has no ``sliding_window``: the rollout engine frees the KV pages behind it
+    (`runtime.block_manager`, docs/design.md section 6)."""
+    if getattr(config, "sliding_window", None) is None:
+        return None
+    windows = [layer_window(config, i) for i in range(config.num_hidden_layers)]
+    return None if not windows or None in windows else max(windows)
+
+
 class PackedContext:
     """Training layout: sequences packed back to back (``cu_seqlens``), causal within each.
 
