@@ -39,7 +39,8 @@ class EngineConfig:
             ``cuda_graph_batch`` sequences) replay CUDA graphs too, captured on first use
             (0: decode steps only; pipeline stages capture decode steps only).
         kv_window: None, or the sliding window every attention layer stays within
-            (`layers.cache_window`): the pages behind it are freed as sequences advance.
+            (`layers.cache_window`): the pages behind it are freed as sequences advance
+            (`LLM` leaves it None for pipeline stages).
     """
 
     num_blocks: int

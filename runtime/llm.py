@@ -190,7 +190,7 @@ class LLM(EngineStepsMixin, EngineMemoryMixin):
             eos_token_id=eos, enable_chunked_prefill=enable_chunked_prefill,
             # a shared page would skip tokens a gated-DeltaNet state must see (runtime.linear_state_cache)
             enable_prefix_sharing=enable_prefix_sharing and linear is None,
-            kv_window=cache_window(self.model.config) if self.pipeline is None else None,
+            kv_window=cache_window(self.model) if self.pipeline is None else None,
             cuda_graph_batch=0 if enforce_eager else max_num_seqs,
             cuda_graph_tokens=(min(max_num_batched_tokens, DEFAULT_MAX_TOKENS) if cuda_graph_max_tokens is None
                                else cuda_graph_max_tokens))

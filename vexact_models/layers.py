@@ -244,14 +244,15 @@ def layer_window(config, layer_idx: int) -> int | None:
     return window
 
 
-def cache_window(config) -> int | None:
-    """The window every decoder layer's attention stays within (the largest of their
-    `layer_window`s), or None when some layer attends to all its context (a global layer) or
-    the config has no ``sliding_window``: the rollout engine frees the KV pages behind it
-    (`runtime.block_manager`, docs/design.md section 6)."""
-    if getattr(config, "sliding_window", None) is None:
-        return None
-    windows = [layer_window(config, i) for i in range(config.num_hidden_layers)]
+def cache_window(model: nn.Module) -> int | None:
+    """The window every attention layer of `model` stays within (the largest), or None when some
+    layer attends to all its context or the model has no attention layer: the rollout engine
+    frees the KV pages behind it (`runtime.block_manager`, docs/design.md section 6). Read from
+    the modules, not the config, so that only a model that passes its windows is trusted with
+    it: each decoder layer's ``self_attn`` declares the window it passes as ``sliding_window``
+    (None, or no such attribute: full attention)."""
+    windows = [getattr(m.self_attn, "sliding_window", None) for m in model.modules()
+               if isinstance(getattr(m, "self_attn", None), nn.Module)]
     return None if not windows or None in windows else max(windows)
 
 

@@ -55,7 +55,7 @@ def test_a_shared_page_stays_with_its_other_reader_and_the_chain_continues():
     assert c.num_computed_tokens == 100 and c.block_table[16:25] == a.block_table[16:25]
 
 
-def _model(window: int):
+def _model(window: int | None):
     torch.manual_seed(0)
     config = llama.tiny_config(initializer_range=0.5)
     config.sliding_window = window  # every layer windowed, as Mistral's (layers.layer_window)
@@ -91,7 +91,10 @@ def _run(llm, prompts, params, release: bool):
                          ids=["budget64", "budget7", "preempting"])
 def test_engine_frees_pages_behind_the_window_bitwise(engine):
     model = _model(window=6)
-    assert cache_window(model.config) == 6
+    assert cache_window(model) == 6 and cache_window(_model(None)) is None
+    gemma_like = _model(6)
+    gemma_like.model.layers[1].self_attn.sliding_window = None  # a global layer: no page is freed
+    assert cache_window(gemma_like) is None
     prompts = [list(range(3, 75)), list(range(100, 190))]
     params = [SamplingParams(temperature=1.0, n=2, max_tokens=40, seed=1, ignore_eos=True),
               SamplingParams(temperature=0.8, max_tokens=30, seed=2, ignore_eos=True)]
