@@ -225,3 +225,48 @@ def test_hybrid_ops_compile_for_hopper_without_spills(monkeypatch):
     for kernel in kernels:
         found = resources(kernel)
         assert found.spill_bytes == 0, found
+
+
+def test_windowed_attention_with_sinks_compiles_for_hopper_as_the_plain_launch(monkeypatch):
+    """Sliding windows and sinks (`kernels/attention_window.py`) at GPT-OSS's (64 / 8 heads, head
+    dim 64), Mistral's (32 / 8, 128) and Gemma 3's (8 / 4, 256) shapes, compiled for sm_90 on the
+    CPU in every form a model launches, each beside the same launch without them: training tiles
+    (`pick_config`'s, TMA K/V below head dim 256), prompt-chunk tiles, decode by pointer loads and
+    by TMA pages; the backward's two kernels. None spills where the plain launch does not; those
+    that spill without a window too (the 128-row four-warp training tile at head dim 128, ~600
+    bytes, chosen for its speed by `pick_config`; the backward's dQ kernel at head dim 256) spill
+    at most a tenth more."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from sm90_compile import compile_only, resources
+
+    from vexact_models.kernels.attention import AttentionConfig, PagedLayout, attention_triton, packed_layout
+    from vexact_models.kernels.attention_backward import attention_backward_triton
+    from vexact_models.kernels.attention_tiles import pick_config
+
+    bf = torch.bfloat16
+    cu = torch.tensor([0, 100, 300], dtype=torch.int32)
+    decode = PagedLayout(torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([100, 200], dtype=torch.int32),
+                         torch.arange(8, dtype=torch.int32).view(2, 4), 64, 1)
+    with compile_only() as kernels:
+        for hq, hkv, d, window in ((64, 8, 64, 128), (32, 8, 128, 4096), (8, 4, 256, 1024)):
+            q, k = torch.zeros(300, hq, d, dtype=bf), torch.zeros(300, hkv, d, dtype=bf)
+            cache = torch.zeros(512, hkv, d, dtype=bf)
+            for options in ({}, dict(window=window, sinks=torch.zeros(hq))):
+                attention_triton(q, k, k, packed_layout(cu, 200), 0.1, pick_config(d, 200 * hq // hkv, bf),
+                                 kv_descriptors=d < 256, **options)
+                attention_triton(q, k, k, packed_layout(cu, 200), 0.1, AttentionConfig(64, 64, 4, 2), **options)
+                for tma in (False, True)[:1 + (d < 256)]:
+                    attention_triton(q[:2], cache, cache, decode, 0.1, AttentionConfig(16, 64, 4, 3), page_descriptors=tma,
+                                     **options)
+            for backward_window in (None, window):
+                attention_backward_triton(q, q, k, k, q, torch.zeros(300, hq), cu, 200, 0.1, backward_window)
+    assert len(kernels) == 2 * (3 * 3 + 2) + 2 * 3 + 2 * 3, [kernel.name for kernel in kernels]
+    found = [resources(kernel) for kernel in kernels]
+    # per shape: the plain forms, the same forms windowed with sinks, the backward's two kernels
+    # plain, then windowed
+    pairs = [(found[0:4] + found[8:10], found[4:8] + found[10:12]),
+             (found[12:16] + found[20:22], found[16:20] + found[22:24]),
+             (found[24:27] + found[30:32], found[27:30] + found[32:34])]
+    for plain, windowed in pairs:
+        for a, b in zip(plain, windowed):
+            assert b.spill_bytes <= a.spill_bytes * 1.1, (a, b)

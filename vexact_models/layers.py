@@ -224,21 +224,62 @@ def plain_rms_norm(norm: nn.Module) -> bool:
             and not norm._forward_hooks and not norm._forward_pre_hooks)
 
 
+def layer_window(config, layer_idx: int) -> int | None:
+    """The sliding window of decoder layer `layer_idx` as transformers applies it, for the
+    contexts' ``window=`` (docs/design.md section 3): ``config.sliding_window`` (None or absent:
+    full attention) on the layers whose ``config.layer_types`` entry is ``"sliding_attention"``
+    (Gemma 3, GPT-OSS, Qwen2/Qwen3 with ``use_sliding_window``), on every layer of a config
+    without ``layer_types`` (Mistral). Raises ValueError for a window that is not an int >= 1 and
+    for a layer type that is neither sliding nor full attention (e.g. Llama 4's chunked attention)."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    kind = types[layer_idx] if types is not None else None
+    if kind not in (None, "sliding_attention", "full_attention"):
+        raise ValueError(f"{type(config).__name__}: layer_types[{layer_idx}]={kind!r} is not supported "
+                         "(only 'sliding_attention' and 'full_attention')")
+    if window is None or kind == "full_attention":
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"{type(config).__name__}: sliding_window={window!r} must be None or an int >= 1")
+    return window
+
+
+def cache_window(model: nn.Module) -> int | None:
+    """The window every attention layer of `model` stays within (the largest), or None when some
+    layer attends to all its context or the model has no attention layer: the rollout engine
+    frees the KV pages behind it (`runtime.block_manager`, docs/design.md section 6). Read from
+    the modules, not the config, so that only a model that passes its windows is trusted with
+    it: each decoder layer's ``self_attn`` declares the window it passes as ``sliding_window``
+    (None, or no such attribute: full attention)."""
+    windows = [getattr(m.self_attn, "sliding_window", None) for m in model.modules()
+               if isinstance(getattr(m, "self_attn", None), nn.Module)]
+    return None if not windows or None in windows else max(windows)
+
+
 class PackedContext:
-    """Training layout: sequences packed back to back (``cu_seqlens``), causal within each."""
+    """Training layout: sequences packed back to back (``cu_seqlens``), causal within each.
+
+    Every ``attend*`` method of both contexts takes a layer's `window` (None, or its
+    ``sliding_window``: the query at position p sees keys p - window + 1 .. p) and `sinks` (None,
+    or its ``[Hq]`` sink logits, GPT-OSS) per call; both sides run the same arithmetic
+    (`kernels.attention_packed`, `kernels.attention`; docs/design.md section 3)."""
 
     def __init__(self, cu_seqlens: torch.Tensor, max_seqlen: int) -> None:
         self.cu_seqlens = cu_seqlens.to(torch.int32)
         self.max_seqlen = int(max_seqlen)
 
-    def attend(self, layer_idx: int, q, k, v, scale: float) -> torch.Tensor:
-        return attention_packed(q, k, v, self.cu_seqlens, self.max_seqlen, scale)
+    def attend(self, layer_idx: int, q, k, v, scale: float, window: int | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal attention of the layer's ``[T, H, D]`` projections within each packed sequence
+        (differentiable, `sinks` included)."""
+        return attention_packed(q, k, v, self.cu_seqlens, self.max_seqlen, scale, window=window, sinks=sinks)
 
     def attend_rotary(self, layer_idx: int, q, k, v, positions, rope, scale: float,
-                      q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> torch.Tensor:
+                      q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None, window: int | None = None,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
         """`attend` after `rotate_qk`: the attention of the un-rotated projections."""
         q, k = rotate_qk(q, k, positions, rope, q_norm, k_norm)
-        return self.attend(layer_idx, q, k, v, scale)
+        return self.attend(layer_idx, q, k, v, scale, window=window, sinks=sinks)
 
 
 @dataclass
@@ -256,19 +297,24 @@ class PagedContext:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     linear_states: object | None = None
 
-    def attend(self, layer_idx: int, q, k, v, scale: float) -> torch.Tensor:
+    def attend(self, layer_idx: int, q, k, v, scale: float, window: int | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """Write the step's K/V into the layer's cache, then attend over it (`PackedContext`'s
+        `window` and `sinks`)."""
         k_cache, v_cache = self.kv_caches[layer_idx]
         kv_cache_write(k, v, k_cache, v_cache, self.slot_mapping)
-        return self.attend_cache(layer_idx, q, scale)
+        return self.attend_cache(layer_idx, q, scale, window=window, sinks=sinks)
 
-    def attend_cache(self, layer_idx: int, q, scale: float) -> torch.Tensor:
+    def attend_cache(self, layer_idx: int, q, scale: float, window: int | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of `q` over the layer's cache as it stands: for ops that wrote this step's
         keys and values themselves (`kernels.latent_cache_write`)."""
         k_cache, v_cache = self.kv_caches[layer_idx]
-        return attention(q, k_cache, v_cache, self.layout, scale)
+        return attention(q, k_cache, v_cache, self.layout, scale, window=window, sinks=sinks)
 
     def attend_rotary(self, layer_idx: int, q, k, v, positions, rope, scale: float,
-                      q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> torch.Tensor:
+                      q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None, window: int | None = None,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
         """`PackedContext.attend_rotary`'s result, with the norms, rotations and cache write in
         one kernel (`kernels.rotary_cache_write`, bitwise the separate ops) where the modules are
         plain RMSNorms of one epsilon; otherwise the separate ops, module calls included."""
@@ -277,13 +323,13 @@ class PagedContext:
                                        and q_norm.variance_epsilon == k_norm.variance_epsilon
                                        and q_norm.zero_centred == k_norm.zero_centred):
             q, k = rotate_qk(q, k, positions, rope, q_norm, k_norm)
-            return self.attend(layer_idx, q, k, v, scale)
+            return self.attend(layer_idx, q, k, v, scale, window=window, sinks=sinks)
         cos, sin = rope
         weights = (q_norm.weight, k_norm.weight, q_norm.variance_epsilon) if q_norm is not None else (None, None, 1e-6)
         zero_centred = q_norm is not None and q_norm.zero_centred
         q = rotary_cache_write(q, k, v, positions, cos, sin, k_cache, v_cache, self.slot_mapping, *weights,
                                zero_centred=zero_centred)
-        return self.attend_cache(layer_idx, q, scale)
+        return self.attend_cache(layer_idx, q, scale, window=window, sinks=sinks)
 
 
 @dataclass
