@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from .model_support import (ARCHS, SHAPES, attention_layers, attention_output_name, rel, shape_id, stock_class,
-                            stock_model)
+from .model_support import (ARCHS, SHAPES, attention_layers, attention_output_name, rel, saved_name, shape_id,
+                            stock_class, stock_model)
 
 pytestmark = pytest.mark.compat  # also run on older transformers releases (.ci/run)
 
@@ -234,7 +234,7 @@ def _corrupt(checkpoint, tmp_path, edit):
 def test_missing_tensor_is_an_error_naming_it(pair, checkpoint, tmp_path):
     arch, path = checkpoint
     name = attention_output_name(pair[2], -1)
-    broken = _corrupt(path, tmp_path, lambda t: t.pop(name))
+    broken = _corrupt(path, tmp_path, lambda t: t.pop(saved_name(t, name)))
     with pytest.raises(ValueError, match=re.escape(f"missing tensor(s) ['{name}']")):
         arch.causal_lm_class.from_pretrained(broken)
 
@@ -244,7 +244,8 @@ def test_misshaped_tensor_is_an_error_naming_it(pair, checkpoint, tmp_path):
     name = attention_output_name(pair[2])
 
     def edit(tensors):
-        tensors[name] = torch.zeros(8, tensors[name].shape[1])
+        saved = saved_name(tensors, name)
+        tensors[saved] = torch.zeros(8, tensors[saved].shape[1])
 
     broken = _corrupt(path, tmp_path, edit)
     with pytest.raises(ValueError, match=re.escape(f"{name} has shape (8, ")):

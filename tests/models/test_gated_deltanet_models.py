@@ -11,16 +11,13 @@ import pytest
 import torch
 import transformers
 
-from vexact_models.registry import architectures, get
+from vexact_models.registry import get
 
 from .model_support import rel, stock_model
 
 pytestmark = pytest.mark.compat
 
-HYBRIDS = [arch for arch in architectures() if arch.name in ("qwen3_5", "qwen3_5_moe", "qwen3_next")]
-if not HYBRIDS:  # Architecture.min_transformers: an older release keeps them out of the registry
-    pytest.skip(f"the gated-DeltaNet hybrids need a newer transformers than {transformers.__version__}",
-                allow_module_level=True)
+HYBRIDS = [get(name) for name in ("qwen3_5", "qwen3_5_moe", "qwen3_next")]  # on every release from 5.2
 
 
 @pytest.fixture(scope="module", params=HYBRIDS, ids=lambda a: a.name)
@@ -59,6 +56,20 @@ def test_parity_across_chunk_boundaries(hybrid_pair):
         padded = ours.token_logprobs(ids, attention_mask=mask)
     assert torch.equal(packed[:150], alone[0]) and torch.equal(packed[150:], alone[1])
     assert torch.equal(padded[0], alone[0]) and torch.equal(padded[1, 50:], alone[1])
+
+
+@pytest.mark.parametrize("arch", HYBRIDS, ids=lambda a: a.name)
+def test_a_log_is_initialised_as_stock_on_this_release(arch):
+    """A model built from a config draws each gated DeltaNet's ``A_log`` as stock does with the
+    same seed: U(0, 16) up to transformers 5.15, U(0.01, 16) from 5.16
+    (`patches.compat.gated_deltanet_a_log_init`)."""
+    config = arch.tiny_config()
+    torch.manual_seed(0)
+    stock = arch.hf_class()(config).state_dict()
+    torch.manual_seed(0)
+    ours = arch.causal_lm_class(config).state_dict()
+    names = [name for name in stock if name.endswith("A_log")]
+    assert names and all(torch.equal(ours[name], stock[name]) for name in names)
 
 
 def test_norms_and_gates_are_random_in_the_parity_models(hybrid_pair):
