@@ -46,7 +46,7 @@ def float64_gated_delta_rule(query, key, value, g, beta, use_qk_l2norm_in_kernel
     if use_qk_l2norm_in_kernel:
         q, k = (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
     q = q * q.shape[-1] ** -0.5
-    state = torch.zeros(*k.shape[:1], k.shape[2], k.shape[3], v.shape[3], dtype=torch.float64)
+    state = torch.zeros(k.shape[0], k.shape[2], k.shape[3], v.shape[3], dtype=torch.float64, device=k.device)
     if initial_state is not None:
         state = initial_state.double()
     out = torch.zeros_like(v)
@@ -217,10 +217,11 @@ def test_rollout_engine_refuses_missing_features_before_allocating(arch, tmp_pat
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("arch", HYBRIDS, ids=lambda a: a.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_gpu_training_forward_is_batch_invariant_and_matches_stock(arch, dtype):
+def test_gpu_training_forward_is_batch_invariant_and_matches_stock(arch, dtype, monkeypatch):
     """On CUDA (the Triton kernels: conv, gated delta rule rows and fold, gated norm, gates,
     attention): each sequence's token_logprobs are bitwise the same alone, packed and left-padded,
-    over chunk boundaries and with a gradient taken; fp32 logits match stock's torch path."""
+    over chunk boundaries and with a gradient taken; fp32 logits are as close to float64 as on the
+    CPU (within 1e-4, and within stock's torch path's own error plus 1e-5)."""
     hf = stock_model(arch, initializer_range=0.1).cuda()
     ours = arch.causal_lm_class(hf.config).eval()
     ours.load_state_dict(hf.state_dict())
@@ -242,8 +243,10 @@ def test_gpu_training_forward_is_batch_invariant_and_matches_stock(arch, dtype):
         piece = slice(int(offsets[row]), int(offsets[row + 1]))
         assert torch.equal(packed[piece], alone[row]) and torch.equal(with_grad.detach()[piece], alone[row])
         assert torch.equal(padded[row, width - len(s):], alone[row])
-    if dtype == torch.float32:
+    if dtype == torch.float32:  # row 0: 150 tokens, unpadded; judged as test_parity_across_chunk_boundaries
         with torch.no_grad():
-            error = rel(ours(ids[:2]).logits, hf(ids[:2]).logits)
-        print(f"{arch.name}: GPU fp32 logits vs stock, rel {error:.2e}")
-        assert error <= 5e-5
+            exact = float64_stock(hf, monkeypatch)(ids[:1]).logits
+            mine_error = rel(ours(ids[:1]).logits.double(), exact)
+            stock_error = rel(hf(ids[:1]).logits.double(), exact)
+        print(f"{arch.name}: GPU fp32 logits vs float64, rel {mine_error:.2e} (stock's torch path {stock_error:.2e})")
+        assert mine_error <= min(TRUTH_BOUND, stock_error + 1e-5)
