@@ -1,4 +1,4 @@
-"""What differs between the transformers releases we support (5.2.0 to 5.23.0), in one place.
+"""What differs between the transformers releases we support (5.2.0 to 5.24.0), in one place.
 
 Each shim says which releases it is for and why. CI runs the ``compat`` tests on the oldest
 supported release, on 5.10.x (verl 0.9.1's ceiling), on 5.17 (inside the 5.13-5.18 range that
@@ -9,6 +9,7 @@ needs `route`) and on the newest (see ``.ci/run``).
 - `qwen3_moe_router_output`: what Qwen3-MoE reports as ``router_logits``.
 - `select_hidden_states`: ``output_hidden_states`` given as layer indices.
 - `register_conversion`: transformers' checkpoint conversions (hub layouts) for our classes.
+- `gated_deltanet_a_log_init`: the gated DeltaNet's ``A_log`` init (Qwen3.5, Qwen3-Next).
 """
 
 from __future__ import annotations
@@ -282,3 +283,26 @@ def register_conversion(model_type: str) -> Callable[[], None] | None:
         table._checkpoint_conversion_mapping_cache[model_type] = previous
 
     return undo
+
+
+# --- the gated DeltaNet's A_log init -----------------------------------------------------------
+# Stock's gated DeltaNet (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) draws ``A`` uniformly and keeps its
+# log as ``A_log``, in ``__init__`` and again in ``_init_weights``. Up to 5.15.x from U(0, 16), the
+# ``_init_weights`` draw in ``A_log``'s own dtype and device (``torch.empty_like``); from 5.16 from
+# U(0.01, 16) (log A never -inf), that draw in float32 on ``A_log``'s device. Each draws
+# ``num_v_heads`` values, so the generator ends in the same place either way; only the values
+# differ. The forward (g = -exp(A_log) softplus(a + dt_bias)) is the same on every release.
+_A_LOG_LOW = 0.01 if TRANSFORMERS_VERSION >= Version("5.16.0") else 0.0
+
+
+def gated_deltanet_a_log_init(a_log: torch.Tensor) -> torch.Tensor:
+    """What stock's ``_init_weights`` of this release copies into a gated DeltaNet's `a_log` (the
+    log of ``A`` drawn from the global generator; see the comment above)."""
+    if _A_LOG_LOW:
+        return torch.empty(a_log.shape[0], device=a_log.device).uniform_(_A_LOG_LOW, 16).log_()
+    return torch.empty_like(a_log).uniform_(0, 16).log_()
+
+
+def gated_deltanet_a_log(num_v_heads: int) -> torch.Tensor:
+    """``A_log`` as stock's gated DeltaNet ``__init__`` of this release makes it (float32, CPU)."""
+    return torch.empty(num_v_heads).uniform_(_A_LOG_LOW, 16).log()

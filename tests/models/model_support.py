@@ -44,6 +44,16 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
+def saved_name(tensors: dict, name: str) -> str:
+    """The key under which a checkpoint's `tensors` (as stock's ``save_pretrained`` wrote them)
+    hold the model's parameter `name`: `name` itself or, where stock saved the text model under
+    ``model.language_model.`` (transformers 5.2 for Qwen3.5's text models: its conversion for
+    ``qwen3_5_text`` renames ``model.language_model`` to ``model`` on load and back on save; 5.17
+    and 5.24 save ``model.``), that key."""
+    nested = "model.language_model." + name.removeprefix("model.")
+    return nested if name not in tensors and name.startswith("model.") and nested in tensors else name
+
+
 def stock_class(arch: Architecture, head: str = "ForCausalLM") -> type:
     """The stock transformers class of `arch` with `head` (``ForCausalLM``, ``Model``,
     ``ForSequenceClassification``...)."""

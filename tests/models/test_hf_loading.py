@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 import vexact_models
 from vexact_models.loading import CheckpointError
 
-from .model_support import SHAPES, rel, shape_id, skip_unless_stock_has, stock_model
+from .model_support import SHAPES, rel, saved_name, shape_id, skip_unless_stock_has, stock_model
 
 pytestmark = pytest.mark.compat
 
@@ -117,7 +117,7 @@ def test_base_model_checkpoint_loads_into_the_causal_lm_with_a_new_head(causal_c
 def test_a_missing_decoder_tensor_is_an_error_naming_it(causal_checkpoint, auto, tmp_path):
     """What transformers would initialise randomly with a warning: a decoder weight."""
     _, _, path = causal_checkpoint
-    broken = corrupt(path, tmp_path / "ckpt", lambda t: t.pop("model.norm.weight"))
+    broken = corrupt(path, tmp_path / "ckpt", lambda t: t.pop(saved_name(t, "model.norm.weight")))
     vexact_models.patch()
     try:
         with pytest.raises(CheckpointError, match=r"missing tensor\(s\) \['model\.norm\.weight'\]") as info:
@@ -135,7 +135,7 @@ def test_a_misshaped_tensor_raises_transformers_exception_naming_it(causal_check
     hidden = arch.tiny_config().hidden_size
 
     def widen(tensors):
-        tensors["model.norm.weight"] = torch.full((hidden + 2,), 3.0)
+        tensors[saved_name(tensors, "model.norm.weight")] = torch.full((hidden + 2,), 3.0)
 
     broken = corrupt(path, tmp_path / "ckpt", widen)
     with pytest.raises(RuntimeError):

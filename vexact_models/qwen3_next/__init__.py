@@ -2,7 +2,7 @@
 
 from transformers import Qwen3NextConfig
 
-from ..gated_deltanet import (GDN_FP32_PARITY, GDN_MIN_TRANSFORMERS, GDN_ROLLOUT_FEATURES_MISSING, alternating_layer_types,
+from ..gated_deltanet import (GDN_FP32_PARITY, GDN_ROLLOUT_FEATURES_MISSING, alternating_layer_types,
                               randomize_norms_and_gates)
 from ..registry import Architecture, Shape, register
 from .modeling import (Qwen3NextForCausalLM, Qwen3NextForCausalLMInference, Qwen3NextForSequenceClassification,
@@ -43,7 +43,6 @@ ARCHITECTURE = register(Architecture(
     hf_causal_lm_class="transformers.Qwen3NextForCausalLM",
     init_for_conformance=randomize_norms_and_gates,
     rollout_features_missing=GDN_ROLLOUT_FEATURES_MISSING,
-    min_transformers=GDN_MIN_TRANSFORMERS,
     fp32_parity=GDN_FP32_PARITY,
     checkpoint_conversions=True,  # hub checkpoints store one tensor per expert
 ))
