@@ -18,6 +18,7 @@ from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from vexact_models.kernels import (PagedLayout, add_rms_norm, apply_rotary, attention, attention_packed, fused_moe,
+                                   gelu_tanh_and_mul,
                                    kv_cache_write, linear_silu_and_mul, rms_norm, rope_table, rotary_cache_write,
                                    silu_and_mul)
 
@@ -46,6 +47,17 @@ def head_dim_of(config) -> int:
     if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2:
         raise ValueError(f"{owner}: head_dim={head_dim!r} must be an even int >= 2 (RoPE rotates pairs of dims)")
     return head_dim
+
+
+def layer_window(config, layer_idx: int) -> int | None:
+    """The sliding window of decoder layer `layer_idx` (``config.sliding_window`` on a
+    ``"sliding_attention"`` layer of ``config.layer_types``), or None (full attention); a
+    ValueError naming a layer type that is neither."""
+    kind = config.layer_types[layer_idx]
+    if kind not in ("sliding_attention", "full_attention"):
+        raise ValueError(f"{type(config).__name__}: layer_types[{layer_idx}]={kind!r} is not 'sliding_attention' "
+                         "or 'full_attention'")
+    return int(config.sliding_window) if kind == "sliding_attention" else None
 
 
 class RMSNorm(nn.Module):
@@ -106,15 +118,21 @@ class PreNormDecoderLayer(GradientCheckpointingLayer):
         return self.mlp(normed), residual
 
 
+#: the gated MLP's activations: HF's ``hidden_act`` name -> the ``act(gate) * up`` op
+GATED_ACTIVATIONS = {"silu": silu_and_mul, "gelu_pytorch_tanh": gelu_tanh_and_mul}
+
+
 class GatedMLP(nn.Module):
-    """HF's SiLU-gated MLP (``gate_proj``, ``up_proj``, ``down_proj``; biased only with `bias`,
-    e.g. Llama's ``mlp_bias``): ``down(silu(gate(x)) * up(x))`` with `kernels.linear` and
-    `kernels.silu_and_mul`."""
+    """HF's gated MLP (``gate_proj``, ``up_proj``, ``down_proj``; biased only with `bias`,
+    e.g. Llama's ``mlp_bias``): ``down(act(gate(x)) * up(x))`` with `kernels.linear` and
+    `kernels.silu_and_mul` (SiLU) or `kernels.gelu_tanh_and_mul` (Gemma's ``gelu_pytorch_tanh``)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu", bias: bool = False) -> None:
         super().__init__()
-        if hidden_act != "silu":
-            raise ValueError(f"{type(self).__name__}: hidden_act={hidden_act!r} is not supported (only 'silu')")
+        if hidden_act not in GATED_ACTIVATIONS:
+            raise ValueError(f"{type(self).__name__}: hidden_act={hidden_act!r} is not supported (one of "
+                             f"{sorted(GATED_ACTIVATIONS)})")
+        self.hidden_act = hidden_act
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
@@ -123,11 +141,11 @@ class GatedMLP(nn.Module):
         return [[self.gate_proj, self.up_proj]]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = fused_bias_free_weight(x, [self.gate_proj, self.up_proj])
+        fused = fused_bias_free_weight(x, [self.gate_proj, self.up_proj]) if self.hidden_act == "silu" else None
         if fused is not None:  # one launch where it can (rollout decode steps), the same bits
             return apply_linear(linear_silu_and_mul(x, fused), self.down_proj)
         gate, up = grouped_linear(x, [self.gate_proj, self.up_proj])
-        return apply_linear(silu_and_mul(gate, up), self.down_proj)
+        return apply_linear(GATED_ACTIVATIONS[self.hidden_act](gate, up), self.down_proj)
 
 
 class FusedExperts(nn.Module):
