@@ -104,3 +104,24 @@ def test_gpt_oss_form_rows_are_the_same_for_every_tile_config():
         rows.append((act[layout.pair_pos], y[layout.pair_pos]))
     for act, y in rows[1:]:
         assert torch.equal(act, rows[0][0]) and torch.equal(y, rows[0][1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_tanh_and_mul_forward_and_backward(dtype):
+    """Gemma's GeGLU kernel (`kernels.gelu_tanh_and_mul`, the dense MLP's other activation)
+    against its reference, forward and backward, over more than one program's block."""
+    from vexact_models.kernels import gelu_tanh_and_mul
+
+    gate = (torch.randn(3, 1500, device=DEVICE) * 4).to(dtype).requires_grad_()
+    up = torch.randn(3, 1500, device=DEVICE).to(dtype).requires_grad_()
+    g = torch.randn(3, 1500, device=DEVICE).to(dtype)
+    out = gelu_tanh_and_mul(gate, up)
+    grads = torch.autograd.grad(out, (gate, up), g)
+    with use_backend("reference"):
+        leaves = [t.detach().cpu().requires_grad_() for t in (gate, up)]
+        want = gelu_tanh_and_mul(*leaves)
+        want_grads = torch.autograd.grad(want, leaves, g.cpu())
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-6
+    close(out, want.to(DEVICE), tol)
+    for a, b in zip(grads, want_grads):
+        close(a, b.to(DEVICE), tol)
