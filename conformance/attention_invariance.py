@@ -12,25 +12,32 @@ import torch
 
 from vexact_models.kernels import PagedLayout, attention, attention_packed, kv_cache_write, latent_cache_write, rope_table
 from vexact_models.kernels.attention import AttentionConfig, attention_triton, kv_descriptors_fit, packed_layout
+from vexact_models.kernels.attention_forward_choice import forward_mode
 from vexact_models.kernels.latent_attention import LatentConfig, key_block, latent_attention_triton
 from vexact_models.kernels.latent_cache_write import latent_cache_write_reference
 from vexact_models.kernels.paged_layout import shuffled_block_table, slots_reference
 
 from .invariance_result import Result
 
-# (name, q heads, kv heads, query/key head dim, value head dim)
-ATTENTION_SHAPES = [("qwen3-0.6b", 16, 8, 128, 128), ("qwen3-8b", 32, 8, 128, 128), ("qwen3-30b-a3b", 32, 4, 128, 128),
-                    ("gqa-d64", 8, 2, 64, 64), ("moonlight MLA", 16, 16, 192, 128),
-                    ("deepseek-v3 MLA", 128, 128, 192, 128),
-                    ("qwen3.5-35b-a3b", 16, 2, 256, 256), ("qwen3.5-text", 16, 4, 256, 256)]
+# (name, q heads, kv heads, query/key head dim, value head dim, sliding window, sinks); the
+# windowed shapes (docs/design.md rule 2, "windows and sinks") have windows shorter than the
+# longer sequences, so that both a tile's skipped blocks and a row's masked ones are exercised
+ATTENTION_SHAPES = [("qwen3-0.6b", 16, 8, 128, 128, None, False), ("qwen3-8b", 32, 8, 128, 128, None, False),
+                    ("qwen3-30b-a3b", 32, 4, 128, 128, None, False), ("gqa-d64", 8, 2, 64, 64, None, False),
+                    ("moonlight MLA", 16, 16, 192, 128, None, False), ("deepseek-v3 MLA", 128, 128, 192, 128, None, False),
+                    ("qwen3.5-35b-a3b", 16, 2, 256, 256, None, False), ("qwen3.5-text", 16, 4, 256, 256, None, False),
+                    ("gpt-oss sliding 128 sinks", 64, 8, 64, 64, 128, True), ("gpt-oss full sinks", 64, 8, 64, 64, None, True),
+                    ("gemma3-4b sliding 1024", 8, 4, 256, 256, 1024, False),
+                    ("mistral-7b sliding 4096", 32, 8, 128, 128, 4096, False)]
 # (name, q heads, kv_lora_rank, rope dims, qk_nope, v_head_dim): MLA with kv_b_proj absorbed (latent KV cache)
 LATENT_SHAPES = [("moonlight latent MLA", 16, 512, 64, 128, 128), ("deepseek-v3 latent MLA", 128, 512, 64, 128, 128)]
 
 
-def check_attention_configs(result: Result, hq: int, hkv: int, d: int, dv: int, latent: bool) -> None:
+def check_attention_configs(result: Result, hq: int, hkv: int, d: int, dv: int, latent: bool, window: int | None = None,
+                            sinks: bool = False) -> None:
     """Every launch-parameter candidate `pick_config` may choose (tiles of 16 to 128 rows, mma.sync
     or wgmma, any warps/stages, latent value chunks) gives bitwise the output of the first (rule
-    2), on packed sequences of uneven lengths."""
+    2), on packed sequences of uneven lengths; with a sliding `window` and random `sinks` too."""
     lens = [1, 63, 64, 65, 700]
     t = sum(lens)
     q = torch.randn(t, hq, d, device="cuda").bfloat16()
@@ -38,6 +45,7 @@ def check_attention_configs(result: Result, hq: int, hkv: int, d: int, dv: int, 
     v = k[..., :dv] if latent else torch.randn(t, hkv, dv, device="cuda").bfloat16()
     layout = packed_layout(torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda"),
                            max(lens))
+    options = dict(window=window, sinks=torch.randn(hq, device="cuda") if sinks else None)
     if latent:
         blk = key_block(torch.bfloat16)
         configs = [LatentConfig(64, blk, 8, 2), LatentConfig(64, blk, 4, 1), LatentConfig(64, blk, 8, 1, 2),
@@ -56,22 +64,24 @@ def check_attention_configs(result: Result, hq: int, hkv: int, d: int, dv: int, 
                        AttentionConfig(64, 64, 4, 1), AttentionConfig(128, 64, 8, 1), AttentionConfig(16, 64, 4, 2),
                        AttentionConfig(16, 64, 4, 2, heads_fastest=True), AttentionConfig(16, 64, 2, 1),
                        AttentionConfig(32, 64, 4, 2)]
-        outs = [attention_triton(q, k, v, layout, d ** -0.5, cfg) for cfg in configs]
+        outs = [attention_triton(q, k, v, layout, d ** -0.5, cfg, **options) for cfg in configs]
     labels = [str(cfg) for cfg in configs]
     if not latent and kv_descriptors_fit(k, v):  # training's TMA loads of whole key blocks: the same bits again
         tma = [AttentionConfig(128, 64, 4, 2), AttentionConfig(128, 64, 4, 3), AttentionConfig(128, 64, 8, 2),
                AttentionConfig(64, 64, 4, 3), AttentionConfig(64, 64, 4, 4)]
-        outs += [attention_triton(q, k, v, layout, d ** -0.5, cfg, kv_descriptors=True) for cfg in tma]
+        outs += [attention_triton(q, k, v, layout, d ** -0.5, cfg, kv_descriptors=True, **options) for cfg in tma]
         labels += [f"{cfg} with TMA K/V" for cfg in tma]
     for label, (out, lse) in zip(labels[1:], outs[1:]):
-        result.compare(out, outs[0][0], f"Hq={hq} Hkv={hkv} D={d} Dv={dv} {label} vs {labels[0]}")
-        result.compare(lse, outs[0][1], f"Hq={hq} Hkv={hkv} D={d} Dv={dv} {label} lse")
+        tag = f"Hq={hq} Hkv={hkv} D={d} Dv={dv} window={window} sinks={sinks}"
+        result.compare(out, outs[0][0], f"{tag} {label} vs {labels[0]}")
+        result.compare(lse, outs[0][1], f"{tag} {label} lse")
 
 
-def _paged_run(q, k, v, lens, steps, page_size, gen, value_in_key: bool = False):
+def _paged_run(q, k, v, lens, steps, page_size, gen, value_in_key: bool = False, **options):
     """Feed sequences through the paged path; `steps(remaining)` yields per-sequence chunk sizes
     for one launch (0 = not in this launch). Returns outputs in packed order. With
-    `value_in_key` (latent MLA: v is k's first dims) the V cache is a view of the K cache."""
+    `value_in_key` (latent MLA: v is k's first dims) the V cache is a view of the K cache.
+    `options`: `attention`'s `window` and `sinks`."""
     device = q.device
     hkv, d = k.shape[1], k.shape[2]
     pages = [-(-n // page_size) for n in lens]
@@ -104,23 +114,28 @@ def _paged_run(q, k, v, lens, steps, page_size, gen, value_in_key: bool = False)
         layout = PagedLayout(torch.tensor(cu, dtype=torch.int32, device=device),
                              torch.tensor(seq_lens, dtype=torch.int32, device=device),
                              table[rows].contiguous(), page_size, max(b - a for a, b in zip(cu, cu[1:])))
-        out[idx_t] = attention(q[idx_t], k_cache, v_cache, layout)
+        out[idx_t] = attention(q[idx_t], k_cache, v_cache, layout, **options)
     return out
 
 
-def check_attention(result: Result, hq: int, hkv: int, d: int, dv: int, lens: list[int], quick: bool) -> None:
+def check_attention(result: Result, hq: int, hkv: int, d: int, dv: int, lens: list[int], quick: bool,
+                    window: int | None = None, sinks: bool = False) -> None:
+    """Each query's output packed (training), each sequence packed alone and over shuffled pages
+    in chunked prefill and decode schedules, bitwise; with a sliding `window` and random `sinks`."""
     gen = random.Random(hq * 1000 + d)
     t = sum(lens)
     q = torch.randn(t, hq, d, device="cuda").bfloat16()
     k = torch.randn(t, hkv, d, device="cuda").bfloat16()
     v = torch.randn(t, hkv, dv, device="cuda").bfloat16()
+    options = dict(window=window, sinks=torch.randn(hq, device="cuda") if sinks else None)
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
-    packed = attention_packed(q, k, v, cu, max(lens))
-    tag = f"Hq={hq} Hkv={hkv} D={d} Dv={dv} lens={lens}"
+    packed = attention_packed(q, k, v, cu, max(lens), **options)
+    tag = f"Hq={hq} Hkv={hkv} D={d} Dv={dv} window={window} sinks={sinks} lens={lens}"
     # each sequence packed alone, and the sequences packed in reverse order
     for s in range(len(lens)):
         sl = slice(int(cu[s]), int(cu[s + 1]))
-        alone = attention_packed(q[sl], k[sl], v[sl], torch.tensor([0, lens[s]], dtype=torch.int32, device="cuda"), lens[s])
+        alone = attention_packed(q[sl], k[sl], v[sl], torch.tensor([0, lens[s]], dtype=torch.int32, device="cuda"), lens[s],
+                                 **options)
         result.compare(alone, packed[sl], f"{tag} seq {s} packed alone")
 
     def fixed(c):
@@ -138,7 +153,7 @@ def check_attention(result: Result, hq: int, hkv: int, d: int, dv: int, lens: li
     if not quick:
         schedules += [("chunk 16", fixed(16), 256), ("chunk 1000", fixed(1000), 16)]
     for name, schedule, page_size in schedules:
-        got = _paged_run(q, k, v, lens, schedule, page_size, gen)
+        got = _paged_run(q, k, v, lens, schedule, page_size, gen, **options)
         result.compare(got, packed, f"{tag} {name} page {page_size}")
 
 
@@ -230,9 +245,13 @@ def sequence_lengths(quick: bool) -> list[int]:
 
 def run_attention(result: Result, configs: Result | None, shape_names: set[str], quick: bool) -> None:
     """The attention check (and, given `configs`, the launch-config sweep) at each attention shape
-    named in `shape_names`, under whichever attention forward is in use."""
-    for name, hq, hkv, d, dv in (s for s in ATTENTION_SHAPES if s[0] in shape_names):
-        check_attention(result, hq, hkv, d, dv, sequence_lengths(quick), quick)
+    named in `shape_names`, under whichever attention forward is in use (FA4 takes no window or
+    sinks: under it those shapes are left out, said so)."""
+    for name, hq, hkv, d, dv, window, sinks in (s for s in ATTENTION_SHAPES if s[0] in shape_names):
+        if (window is not None or sinks) and forward_mode() == "fa4":
+            print(f"{result.name} {name}: left out (the fa4 forward takes no window or sinks)", flush=True)
+            continue
+        check_attention(result, hq, hkv, d, dv, sequence_lengths(quick), quick, window=window, sinks=sinks)
         if configs is not None:
-            check_attention_configs(configs, hq, hkv, d, dv, latent=False)
+            check_attention_configs(configs, hq, hkv, d, dv, latent=False, window=window, sinks=sinks)
         print(f"{result.name} {name}: {result.mismatches} mismatches so far", flush=True)

@@ -39,6 +39,7 @@ from . import attention_gluon
 from .attention_fa4 import attention_fa4
 from .attention_forward_choice import choose_attention_forward
 from .attention_reference import REFERENCE_BLOCK_N, attention_reference  # noqa: F401 (public here too)
+from .attention_window import check_window_and_sinks
 from .attention_tiles import (BLOCK_N, DECODE_BLOCK_M, HEAD_DIMS, TMA_HEAD_DIMS, VALUE_HEAD_DIMS, AttentionConfig,
                               few_decode_programs, pick_config, split_mask)
 from .backend import select
@@ -50,18 +51,27 @@ from .row_sum import lane_sums, row_sum_halves, row_sum_levels
 
 @triton.jit
 def _attend_block(q, k, v, k_pos, k_ok, q_pos, m_i, l_i, acc, scale_log2, SUM_LEVELS: tl.constexpr,
-                  LANE_SUMS: tl.constexpr, MASKED: tl.constexpr):
+                  LANE_SUMS: tl.constexpr, MASKED: tl.constexpr, window=0, WINDOWED: tl.constexpr = False):
     """One key block of the online softmax, the arithmetic every load path shares: scores, the
     causal mask (`MASKED`), running max, denominators summed in a fixed order, rescaled output.
     The scale is applied inside the exponent's FMA and to the row max of the raw scores (rounding
     is monotonic, so ``max(s) * c == max(s * c)`` for c > 0): a block gives the same bits with or
-    without the mask when nothing in it is masked, so the blocks below every row's diagonal skip it."""
+    without the mask when nothing in it is masked, so the blocks below every row's diagonal skip it.
+    `WINDOWED`: the mask also hides keys at or below ``q_pos - window`` (`attention_window.py`),
+    and a row still without a visible key (running max ``-inf``) takes exponents of 0, so that a
+    block wholly before its window leaves its empty state empty instead of NaN."""
     s = tl.dot(q, tl.trans(k))
     if MASKED:
-        s = tl.where((k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :], s, float("-inf"))
+        visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+        if WINDOWED:
+            visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale_log2)
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(tl.fma(s, scale_log2, -m_new[:, None]))
+    m_use = m_new
+    if WINDOWED:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(tl.fma(s, scale_log2, -m_use[:, None]))
     l_i = l_i * alpha + row_sum_halves(p, SUM_LEVELS, LANE_SUMS)  # a fixed order for every tile shape
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
     return m_new, l_i, acc
@@ -89,14 +99,15 @@ def _paged_block(k_ptr, v_ptr, table_row, start, n_keys, page_size, page_shift, 
 @triton.jit(do_not_specialize=["page_size", "page_shift", "stride_bt"])
 def _attention_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, k_desc, v_desc,
-    cu_seqlens_q_ptr, seq_lens_ptr, block_table_ptr, seq_order_ptr,
-    page_size, page_shift, scale_log2,
+    cu_seqlens_q_ptr, seq_lens_ptr, block_table_ptr, seq_order_ptr, sinks_ptr,
+    page_size, page_shift, scale_log2, window,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_lt, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUM_LEVELS: tl.constexpr,
     LANE_SUMS: tl.constexpr, KV_DESC: tl.constexpr, PAGE_DESC: tl.constexpr, SPLIT_MASK: tl.constexpr,
     POW2_PAGES: tl.constexpr = False, OFFSETS_32: tl.constexpr = False, HEADS_FASTEST: tl.constexpr = False,
-    ORDERED: tl.constexpr = False, PDL: tl.constexpr = False,
+    ORDERED: tl.constexpr = False, PDL: tl.constexpr = False, WINDOWED: tl.constexpr = False,
+    SINKS: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     # the last tiles of a causal sequence have the most keys: launch them first, so that the
@@ -131,13 +142,22 @@ def _attention_fwd_kernel(
     q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
-    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    if SINKS:  # attention_window.py: the sink is each row's initial state (max = sink, denominator 1)
+        m_i = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        l_i = tl.full((BLOCK_M,), 1.0, tl.float32)
+    else:
+        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM_V), tl.float32)
     last_q = tl.minimum(q_len - 1, (tile * BLOCK_M + BLOCK_M - 1) // GROUP)
     n_keys = context + last_q + 1
+    # WINDOWED: the blocks wholly before the tile's first row's window are skipped; any row's
+    # blocks before its own window are fully masked (attention_window.py), so the bits are the same
+    lo = 0
+    if WINDOWED:
+        lo = tl.maximum(context + tile * BLOCK_M // GROUP - window + 1, 0) // BLOCK_N * BLOCK_N
     # key blocks [0, unmasked) lie wholly at or below the tile's first query position: no row of
-    # the tile masks anything in them (SPLIT_MASK: a loop of their own; the same bits either way)
+    # the tile masks anything in them (SPLIT_MASK, never WINDOWED: a loop of their own; the same bits either way)
     unmasked = 0
     if SPLIT_MASK:
         unmasked = (context + tile * BLOCK_M // GROUP + 1) // BLOCK_N * BLOCK_N
@@ -156,27 +176,27 @@ def _attention_fwd_kernel(
                 v = v_desc.load([q_start + start, kv_head * HEAD_DIM_V])
                 m_i, l_i, acc = _attend_block(q, k, v, k_pos, k_pos < n_keys, q_pos, m_i, l_i, acc, scale_log2,
                                               SUM_LEVELS, LANE_SUMS, False)
-        for start in range(unmasked, first, BLOCK_N):
+        for start in range(tl.maximum(unmasked, lo), first, BLOCK_N):
             k_pos = start + tl.arange(0, BLOCK_N)
             k = k_desc.load([q_start + start, kv_head * HEAD_DIM])
             v = v_desc.load([q_start + start, kv_head * HEAD_DIM_V])
             m_i, l_i, acc = _attend_block(q, k, v, k_pos, k_pos < n_keys, q_pos, m_i, l_i, acc, scale_log2, SUM_LEVELS,
-                                          LANE_SUMS, True)
+                                          LANE_SUMS, True, window, WINDOWED)
     elif PAGE_DESC:
         # Decode over pages of whole key blocks: each block wholly below n_keys is one TMA copy
         # from its page, and the next block's slot is read a block ahead, so that the copies get
         # two buffers (a copy whose address waits on a load of the same iteration gets one). The
         # partial last block takes the pointer loads below, which never read an unwritten slot.
         first = n_keys // BLOCK_N * BLOCK_N
-        slot = tl.load(table_row, mask=first > 0, other=0) * page_size
-        for start in range(0, first, BLOCK_N):
+        slot = tl.load(table_row + lo // page_size, mask=lo < first, other=0) * page_size + lo % page_size
+        for start in range(lo, first, BLOCK_N):
             k = k_desc.load([slot, kv_head * HEAD_DIM])
             v = v_desc.load([slot, kv_head * HEAD_DIM_V])
             ahead = start + BLOCK_N
             slot = tl.load(table_row + ahead // page_size, mask=ahead < first, other=0) * page_size + ahead % page_size
             k_pos = start + tl.arange(0, BLOCK_N)
             m_i, l_i, acc = _attend_block(q, k, v, k_pos, k_pos < n_keys, q_pos, m_i, l_i, acc, scale_log2, SUM_LEVELS,
-                                          LANE_SUMS, True)
+                                          LANE_SUMS, True, window, WINDOWED)
     else:
         if SPLIT_MASK:
             for start in range(0, unmasked, BLOCK_N):
@@ -186,11 +206,13 @@ def _attention_fwd_kernel(
                 m_i, l_i, acc = _attend_block(q, k, v, k_pos, k_ok, q_pos, m_i, l_i, acc, scale_log2, SUM_LEVELS,
                                               LANE_SUMS, False)
         first = unmasked
-    for start in range(first, n_keys, BLOCK_N):  # the diagonal blocks (KV_DESC, PAGE_DESC: the partial last one)
+    # the diagonal blocks (KV_DESC, PAGE_DESC: the partial last one)
+    for start in range(tl.maximum(first, lo), n_keys, BLOCK_N):
         k, v, k_pos, k_ok = _paged_block(k_ptr, v_ptr, table_row, start, n_keys, page_size, page_shift, kv_head,
                                          stride_ks, stride_kh, stride_vs, stride_vh, d, d_ok, dv, BLOCK_N, POW2_PAGES,
                                          OFFSETS_32)
-        m_i, l_i, acc = _attend_block(q, k, v, k_pos, k_ok, q_pos, m_i, l_i, acc, scale_log2, SUM_LEVELS, LANE_SUMS, True)
+        m_i, l_i, acc = _attend_block(q, k, v, k_pos, k_ok, q_pos, m_i, l_i, acc, scale_log2, SUM_LEVELS, LANE_SUMS, True,
+                                      window, WINDOWED)
     out = acc / l_i[:, None]
     tl.store(o_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :],
              out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -228,7 +250,8 @@ def _kv_descriptor(x: torch.Tensor, block_n: int):
 
 
 def attention_triton(q, k_cache, v_cache, layout: PagedLayout, scale: float, config: AttentionConfig | None = None,
-                     kv_descriptors: bool = False, page_descriptors: bool | None = None):
+                     kv_descriptors: bool = False, page_descriptors: bool | None = None, window: int | None = None,
+                     sinks: torch.Tensor | None = None):
     """(out, lse) of the GQA kernel with `config` (default `pick_config`'s). Public for the GPU
     sweeps that compare launch parameters (benchmarks/attention_configs.py); models call `attention`.
 
@@ -239,7 +262,9 @@ def attention_triton(q, k_cache, v_cache, layout: PagedLayout, scale: float, con
     (default: where `page_descriptors_fit` and the launch has few programs, `few_decode_programs`;
     the same bits). Without a `config` or page
     descriptors, a prompt or packed training launch that `attention_gluon.fits` runs the Gluon
-    kernel instead (``VEXACT_ATTENTION_PREFILL``; the same bits)."""
+    kernel instead (``VEXACT_ATTENTION_PREFILL``; the same bits). `window` and `sinks`
+    (`attention_window.py`) run the Triton kernel (the Gluon kernel does not take them), every key
+    block under the mask (no split-mask loop: the same bits either way)."""
     require_triton("attention")
     if kv_descriptors and layout.page_size != 1:
         raise ValueError(f"attention_triton: kv_descriptors=True needs packed K/V (a packed_layout, page_size 1), "
@@ -249,7 +274,9 @@ def attention_triton(q, k_cache, v_cache, layout: PagedLayout, scale: float, con
     k = k_cache.reshape(-1, n_kv_heads, head_dim)
     v = v_cache.reshape(-1, n_kv_heads, head_dim_v)
     # a prompt or training launch runs the Gluon kernel (1.5x on prompt steps, 1.04-1.29x in training)
-    if (config is None and not page_descriptors and attention_gluon.ATTENTION_PREFILL.mode() == "gluon"
+    windowed, with_sinks = window is not None, sinks is not None
+    if (config is None and not page_descriptors and not windowed and not with_sinks
+            and attention_gluon.ATTENTION_PREFILL.mode() == "gluon"
             and attention_gluon.fits(q, k, v, layout, contiguous=kv_descriptors)):
         return attention_gluon.attention_prefill_gluon(q, k, v, layout, scale, contiguous=kv_descriptors)
     out = torch.empty((n_tokens, n_heads, head_dim_v), device=q.device, dtype=q.dtype)
@@ -264,7 +291,8 @@ def attention_triton(q, k_cache, v_cache, layout: PagedLayout, scale: float, con
     if page_descriptors is None:  # where they pay: launches of few programs (`pick_config`)
         page_descriptors = not kv_descriptors and few and page_descriptors_fit(k, v, layout.page_size, rows)
     cfg = config or pick_config(head_dim, rows, q.dtype, programs, sms, deep, page_descriptors)
-    if page_descriptors and (kv_descriptors or layout.page_size % cfg.block_n or split_mask(cfg)):
+    split = split_mask(cfg) and not windowed
+    if page_descriptors and (kv_descriptors or layout.page_size % cfg.block_n or split):
         raise ValueError(f"attention_triton: page_descriptors=True needs paged decode tiles (not kv_descriptors, no "
                          f"split mask) over pages of a multiple of block_n={cfg.block_n}, got "
                          f"page_size={layout.page_size}, block_m={cfg.block_m}, kv_descriptors={kv_descriptors}")
@@ -274,26 +302,31 @@ def attention_triton(q, k_cache, v_cache, layout: PagedLayout, scale: float, con
     grid = (triton.cdiv(layout.max_seqlen_q * group, cfg.block_m),
             *((n_kv_heads, n_seqs) if cfg.heads_fastest else (n_seqs, n_kv_heads)))
     args = (q, k, v, out, lse, *descs, layout.cu_seqlens_q, layout.seq_lens, layout.block_table, layout.seq_order,
-            layout.page_size, shift or 0, scale * math.log2(math.e),
+            sinks, layout.page_size, shift or 0, scale * math.log2(math.e), window or 0,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1), lse.stride(0), layout.block_table.stride(0))
     kwargs = dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=next_power_of_2(head_dim),
                   BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SUM_LEVELS=row_sum_levels(cfg.block_n),
                   LANE_SUMS=lane_sums(cfg.block_m, cfg.num_warps), KV_DESC=kv_descriptors, PAGE_DESC=page_descriptors,
-                  SPLIT_MASK=split_mask(cfg), POW2_PAGES=shift is not None, OFFSETS_32=offsets_32,
-                  HEADS_FASTEST=cfg.heads_fastest,
+                  SPLIT_MASK=split, POW2_PAGES=shift is not None, OFFSETS_32=offsets_32,
+                  HEADS_FASTEST=cfg.heads_fastest, WINDOWED=windowed, SINKS=with_sinks,
                   ORDERED=layout.seq_order is not None, num_warps=cfg.num_warps,
                   # few programs: no PDL. Launched dependently, a 256-program decode at 8k tokens
                   # took 1.27x as long (TMA, 242 -> 307 us), the step 1.09x (H200, 2026-11-26)
                   **dependent_launch_kwargs(q.device, allowed=not few))
     key = ("attention", q.device, q.dtype, group, head_dim, head_dim_v, cfg, kv_descriptors, page_descriptors,
-           shift is not None, offsets_32)
+           shift is not None, offsets_32, windowed, with_sinks)
     launch_staged(_attention_fwd_kernel, grid, args, kwargs, cfg.num_stages, key, fallback=config is None)
     return out, lse
 
 
-def check_attention_inputs(q, k_cache, v_cache, layout):
-    """ValueError naming the mismatch when q, the K/V (cache) and `layout` do not fit together."""
+def check_attention_inputs(q, k_cache, v_cache, layout, window: int | None = None, sinks: torch.Tensor | None = None):
+    """ValueError naming the mismatch when q, the K/V (cache), `layout`, `window` and `sinks` do
+    not fit together (latent MLA, V a view of K, takes neither window nor sinks)."""
+    check_window_and_sinks("attention", q, window, sinks)
+    if (window is not None or sinks is not None) and value_in_key(k_cache, v_cache):
+        raise ValueError("attention: window and sinks are not supported for latent MLA (V a view of K); "
+                         f"got window={window!r}, sinks {'set' if sinks is not None else 'None'}")
     if q.dim() != 3:
         raise ValueError(f"attention: q must be [tokens, heads, head_dim], got {tuple(q.shape)}")
     if q.shape[1] % k_cache.shape[-2]:
@@ -320,30 +353,35 @@ def attention_backend(q: torch.Tensor, v: torch.Tensor, k: torch.Tensor | None =
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: PagedLayout,
-              scale: float | None = None, return_lse: bool = False):
+              scale: float | None = None, return_lse: bool = False, window: int | None = None,
+              sinks: torch.Tensor | None = None):
     """Causal attention of `q` (``[T, Hq, D]``) over the cache (``[..., Hkv, D]`` flattened to
     slots) described by `layout`. Returns ``[T, Hq, Dv]`` in q's dtype (and with `return_lse`
     the ``[T, Hq]`` fp32 log2-sum-exp2 of the scores scaled by ``scale * log2(e)``).
 
-    Not differentiable: training goes through `attention_packed`.
+    `window` (None or an int >= 1): the query at position p sees keys p - window + 1 .. p
+    (transformers' ``sliding_window``); `sinks` (``[Hq]``, None or a float tensor): a logit per
+    query head that joins each row's softmax denominator (GPT-OSS). `attention_window.py` says how
+    both keep the bits. Not differentiable: training goes through `attention_packed`.
     """
-    check_attention_inputs(q, k_cache, v_cache, layout)
+    check_attention_inputs(q, k_cache, v_cache, layout, window, sinks)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if attention_backend(q, v_cache, k_cache) == "triton":
-        out, lse = attention_forward_triton(q, k_cache, v_cache, layout, scale, need_lse=return_lse)
+        out, lse = attention_forward_triton(q, k_cache, v_cache, layout, scale, need_lse=return_lse, window=window,
+                                            sinks=sinks)
         return (out, lse) if return_lse else out
-    return attention_reference(q, k_cache, v_cache, layout, scale, return_lse)
+    return attention_reference(q, k_cache, v_cache, layout, scale, return_lse, window, sinks)
 
 
 def attention_forward_triton(q, k_cache, v_cache, layout: PagedLayout, scale: float, packed: bool = False,
-                             need_lse: bool = True):
+                             need_lse: bool = True, window: int | None = None, sinks: torch.Tensor | None = None):
     """(out, lse) from the GQA kernel, or from the latent MLA kernel when V is a view of K, or
     from FlashAttention-4 when the forward switch says ``fa4`` (`attention_forward_choice`;
     its lse is None unless `need_lse`). `packed`: the K/V are packed training tensors (TMA
-    loads where they fit)."""
+    loads where they fit). `window` / `sinks`: the GQA kernel's (`attention_triton`)."""
     if value_in_key(k_cache, v_cache):
         return latent_attention_triton(q, k_cache, v_cache.shape[-1], layout, scale, packed=packed)
-    if choose_attention_forward(q, k_cache, v_cache) == "fa4":
+    if choose_attention_forward(q, k_cache, v_cache, windowed=window is not None or sinks is not None) == "fa4":
         return attention_fa4(q, k_cache, v_cache, layout, scale, packed=packed, return_lse=need_lse)
     return attention_triton(q, k_cache, v_cache, layout, scale,
-                            kv_descriptors=packed and kv_descriptors_fit(k_cache, v_cache))
+                            kv_descriptors=packed and kv_descriptors_fit(k_cache, v_cache), window=window, sinks=sinks)

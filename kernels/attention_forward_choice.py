@@ -50,11 +50,16 @@ def use_attention_forward(mode: str | None) -> AbstractContextManager[None]:
     return _switch.use(mode)
 
 
-def choose_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+def choose_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, windowed: bool = False) -> str:
     """``"triton"`` or ``"fa4"``: the kernel the triton backend's attention forward runs for q,
     k and v (not the latent layout, which the caller keeps on ours) under `forward_mode`.
-    Raises `UnsupportedError` when ``fa4`` is forced and cannot run."""
+    Raises `UnsupportedError` when ``fa4`` is forced and cannot run, `windowed` (a sliding window
+    or sinks, `attention_window.py`) included: FA4's windows and sinks were never checked bitwise
+    against themselves across training and rollout here."""
     mode = forward_mode()
+    if mode == "fa4" and windowed:
+        raise UnsupportedError(f"{ENV_VAR}/use_attention_forward is 'fa4' but FA4 cannot run: a sliding window or "
+                               "attention sinks (only our kernel takes them); use 'triton'")
     if mode == "fa4":
         reason = fa4_unavailable_reason(q, k, v)
         if reason is not None:

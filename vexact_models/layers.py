@@ -243,20 +243,29 @@ def plain_rms_norm(norm: nn.Module) -> bool:
 
 
 class PackedContext:
-    """Training layout: sequences packed back to back (``cu_seqlens``), causal within each."""
+    """Training layout: sequences packed back to back (``cu_seqlens``), causal within each.
+
+    Every ``attend*`` method of both contexts takes a layer's `window` (None, or its
+    ``sliding_window``: the query at position p sees keys p - window + 1 .. p) and `sinks` (None,
+    or its ``[Hq]`` sink logits, GPT-OSS) per call; both sides run the same arithmetic
+    (`kernels.attention_packed`, `kernels.attention`; docs/design.md section 3)."""
 
     def __init__(self, cu_seqlens: torch.Tensor, max_seqlen: int) -> None:
         self.cu_seqlens = cu_seqlens.to(torch.int32)
         self.max_seqlen = int(max_seqlen)
 
-    def attend(self, layer_idx: int, q, k, v, scale: float) -> torch.Tensor:
-        return attention_packed(q, k, v, self.cu_seqlens, self.max_seqlen, scale)
+    def attend(self, layer_idx: int, q, k, v, scale: float, window: int | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal attention of the layer's ``[T, H, D]`` projections within each packed sequence
+        (differentiable, `sinks` included)."""
+        return attention_packed(q, k, v, self.cu_seqlens, self.max_seqlen, scale, window=window, sinks=sinks)
 
     def attend_rotary(self, layer_idx: int, q, k, v, positions, rope, scale: float,
-                      q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> torch.Tensor:
+                      q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None, window: int | None = None,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
         """`attend` after `rotate_qk`: the attention of the un-rotated projections."""
         q, k = rotate_qk(q, k, positions, rope, q_norm, k_norm)
-        return self.attend(layer_idx, q, k, v, scale)
+        return self.attend(layer_idx, q, k, v, scale, window=window, sinks=sinks)
 
 
 @dataclass
@@ -274,19 +283,24 @@ class PagedContext:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     linear_states: object | None = None
 
-    def attend(self, layer_idx: int, q, k, v, scale: float) -> torch.Tensor:
+    def attend(self, layer_idx: int, q, k, v, scale: float, window: int | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """Write the step's K/V into the layer's cache, then attend over it (`PackedContext`'s
+        `window` and `sinks`)."""
         k_cache, v_cache = self.kv_caches[layer_idx]
         kv_cache_write(k, v, k_cache, v_cache, self.slot_mapping)
-        return self.attend_cache(layer_idx, q, scale)
+        return self.attend_cache(layer_idx, q, scale, window=window, sinks=sinks)
 
-    def attend_cache(self, layer_idx: int, q, scale: float) -> torch.Tensor:
+    def attend_cache(self, layer_idx: int, q, scale: float, window: int | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of `q` over the layer's cache as it stands: for ops that wrote this step's
         keys and values themselves (`kernels.latent_cache_write`)."""
         k_cache, v_cache = self.kv_caches[layer_idx]
-        return attention(q, k_cache, v_cache, self.layout, scale)
+        return attention(q, k_cache, v_cache, self.layout, scale, window=window, sinks=sinks)
 
     def attend_rotary(self, layer_idx: int, q, k, v, positions, rope, scale: float,
-                      q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> torch.Tensor:
+                      q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None, window: int | None = None,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
         """`PackedContext.attend_rotary`'s result, with the norms, rotations and cache write in
         one kernel (`kernels.rotary_cache_write`, bitwise the separate ops) where the modules are
         plain RMSNorms of one epsilon; otherwise the separate ops, module calls included."""
@@ -295,13 +309,13 @@ class PagedContext:
                                        and q_norm.variance_epsilon == k_norm.variance_epsilon
                                        and q_norm.zero_centred == k_norm.zero_centred):
             q, k = rotate_qk(q, k, positions, rope, q_norm, k_norm)
-            return self.attend(layer_idx, q, k, v, scale)
+            return self.attend(layer_idx, q, k, v, scale, window=window, sinks=sinks)
         cos, sin = rope
         weights = (q_norm.weight, k_norm.weight, q_norm.variance_epsilon) if q_norm is not None else (None, None, 1e-6)
         zero_centred = q_norm is not None and q_norm.zero_centred
         q = rotary_cache_write(q, k, v, positions, cos, sin, k_cache, v_cache, self.slot_mapping, *weights,
                                zero_centred=zero_centred)
-        return self.attend_cache(layer_idx, q, scale)
+        return self.attend_cache(layer_idx, q, scale, window=window, sinks=sinks)
 
 
 @dataclass

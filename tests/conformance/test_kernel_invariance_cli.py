@@ -72,6 +72,22 @@ def test_cli_without_shapes_checks_every_attention_shape(recorded_checks):
     assert [c[1:] for c in recorded_checks if c[0] == "check_attention"] == [(s[1], s[2]) for s in ATTENTION_SHAPES]
 
 
+def test_windowed_shapes_pass_their_window_and_sinks_and_fa4_leaves_them_out(recorded_checks, monkeypatch, capsys):
+    from vexact_models.kernels import use_attention_forward
+
+    seen = []
+    monkeypatch.setattr(attention_invariance, "check_attention", lambda result, hq, hkv, *args, **kwargs:
+                        seen.append((hq, kwargs["window"], kwargs["sinks"])))
+    names = "gpt-oss sliding 128 sinks,gpt-oss full sinks,mistral-7b sliding 4096,qwen3-8b"
+    assert main(["--only", "attention", "--quick", "--shapes", names]) == 0
+    assert seen == [(32, None, False), (64, 128, True), (64, None, True), (32, 4096, False)]
+    seen.clear()
+    with use_attention_forward("fa4"):
+        assert main(["--only", "attention", "--quick", "--shapes", names]) == 0
+    assert seen == [(32, None, False)]
+    assert "gpt-oss full sinks: left out (the fa4 forward takes no window or sinks)" in capsys.readouterr().out
+
+
 def test_cli_checks_every_third_linear_shape_when_quick(recorded_checks, monkeypatch):
     from vexact_models.conformance import linear_invariance
 

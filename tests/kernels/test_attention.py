@@ -46,9 +46,10 @@ def _paged_cache(n_pages, page_size, hkv, d, dv, dtype):
     return (torch.full((n_pages, page_size, hkv, width), float("nan"), dtype=dtype) for width in (d, dv))
 
 
-def _run_paged(q, k, v, lens, chunk, page_size=4, decode_after=None):
+def _run_paged(q, k, v, lens, chunk, page_size=4, decode_after=None, **options):
     """Feed each sequence's tokens through the paged path in chunks of `chunk` tokens (decode
-    when chunk == 1), with a shuffled block table; return the outputs in packed order."""
+    when chunk == 1), with a shuffled block table; return the outputs in packed order.
+    `options`: `attention`'s `window` and `sinks`."""
     hkv, d = k.shape[1], k.shape[2]
     pages_per_seq = [-(-n // page_size) for n in lens]
     table = shuffled_block_table(lens, page_size, torch.Generator().manual_seed(0))
@@ -74,7 +75,7 @@ def _run_paged(q, k, v, lens, chunk, page_size=4, decode_after=None):
         rows = [s for s in range(len(lens)) if any(starts[s] <= i < starts[s + 1] for i in sel)]
         layout = PagedLayout(torch.tensor(cu, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32),
                              table[rows].contiguous(), page_size, max(b - a for a, b in zip(cu, cu[1:])))
-        out[idx] = attention(q[idx], k_cache, v_cache, layout)
+        out[idx] = attention(q[idx], k_cache, v_cache, layout, **options)
     return out
 
 
