@@ -20,14 +20,19 @@ if not ARCHS:  # Architecture.min_transformers keeps them out on older releases
                 allow_module_level=True)
 
 
-@pytest.fixture(scope="module", params=sorted(ARCHS), ids=str)
-def pair(request):
-    arch = ARCHS[request.param]
+def stock_and_ours(arch):
+    """Stock (eager attention) and our training variant of `arch`'s tiny shape with the same
+    random weights, norms, biases, sinks and expert biases included."""
     hf = stock_model(arch, initializer_range=0.1)
     hf.config._attn_implementation = "eager"  # stock's reference attention (sinks, sliding-window mask)
     ours = arch.causal_lm_class(hf.config).eval()
     ours.load_state_dict(hf.state_dict())
     return arch, hf, ours
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHS), ids=str)
+def pair(request):
+    return stock_and_ours(ARCHS[request.param])
 
 
 def test_parity_with_windows_shorter_than_the_prompts(pair):
@@ -168,3 +173,18 @@ def test_layer_types_other_than_sliding_or_full_are_refused():
     assert layer_window(config, 0) == config.sliding_window and layer_window(config, 2) is None
     with pytest.raises(ValueError, match=r"layer_types\[1\]='linear_attention'"):
         layer_window(config, 1)
+
+
+@pytest.mark.skipif("gpt_oss" not in ARCHS, reason="GPT-OSS is not registered on this transformers")
+def test_gpt_oss_router_logits_and_aux_loss_match_stock():
+    """``output_router_logits``: each layer's full router logits (the router's bias included) and
+    HF's load-balancing loss added to the loss, as stock computes them (`_moe_forward`)."""
+    _, hf, ours = stock_and_ours(ARCHS["gpt_oss"])
+    ids = torch.randint(3, 512, (2, 16))
+    with torch.no_grad():
+        want = hf(ids, labels=ids, output_router_logits=True)
+        got = ours(ids, labels=ids, output_router_logits=True)
+    assert len(got.router_logits) == len(want.router_logits) == 3
+    for a, b in zip(got.router_logits, want.router_logits):
+        assert rel(a, b.reshape(a.shape)) < 1e-5
+    assert rel(got.aux_loss, want.aux_loss) < 1e-5 and rel(got.loss, want.loss) < 1e-5
