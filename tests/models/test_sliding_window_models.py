@@ -188,3 +188,13 @@ def test_gpt_oss_router_logits_and_aux_loss_match_stock():
     for a, b in zip(got.router_logits, want.router_logits):
         assert rel(a, b.reshape(a.shape)) < 1e-5
     assert rel(got.aux_loss, want.aux_loss) < 1e-5 and rel(got.loss, want.loss) < 1e-5
+
+
+@pytest.mark.skipif("gemma3" not in ARCHS, reason="Gemma 3 is not registered on this transformers")
+def test_conformance_cli_takes_the_model_type_as_arch(capsys):
+    """``--arch gemma3_text`` (the HF model_type) selects the ``gemma3`` architecture."""
+    from vexact_models.conformance.cli import main
+
+    assert main(["--arch", "gemma3_text", "--parity-only"]) == 0
+    out = capsys.readouterr().out
+    assert "gemma3" in out and "FAIL" not in out
