@@ -17,11 +17,12 @@ def tiny_config(**overrides) -> Gemma3TextConfig:
                   num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
                   max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=True,
                   hidden_activation="gelu_pytorch_tanh",
-                  layer_types=["sliding_attention", "sliding_attention", "full_attention"],
                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
                                    "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 2.0}},
                   eos_token_id=1, bos_token_id=2, pad_token_id=0)
     fields.update(overrides)
+    fields.setdefault("layer_types", ["full_attention" if (i + 1) % 3 == 0 else "sliding_attention"
+                                      for i in range(fields["num_hidden_layers"])])  # Gemma's pattern, every 3rd global
     return Gemma3TextConfig(**fields)
 
 
