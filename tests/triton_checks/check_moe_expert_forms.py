@@ -44,7 +44,7 @@ def call(x, gate_up, gate_up_bias, down, down_bias, w, ids):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens", [40, 300])  # 16- and 64-row tiles
+@pytest.mark.parametrize("tokens", [12, 48])  # 16- and 64-row tiles (`pick_config` at 8 experts, top-4)
 def test_gpt_oss_form_forward_matches_reference(dtype, tokens):
     experts, hidden, inter = 8, 64, 48
     x = torch.randn(tokens, hidden, device=DEVICE).to(dtype)
