@@ -87,6 +87,17 @@ class RMSNorm(nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
 
 
+class ZeroCentredRMSNorm(RMSNorm):
+    """HF's ``Qwen3NextRMSNorm`` / ``Qwen3_5RMSNorm`` / ``Gemma3RMSNorm``: ``norm(x) * (1 + weight)``,
+    weight initialised to zeros."""
+
+    zero_centred = True
+
+    def init_random(self, std: float) -> None:
+        """HF's init (called by `InitHookMixin`): zeros, i.e. a scale of 1."""
+        nn.init.zeros_(self.weight)
+
+
 def add_and_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(norm(x + residual), x + residual)``, one kernel; before the first layer (`residual`
     None) `x` itself starts the residual stream."""

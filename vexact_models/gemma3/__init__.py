@@ -5,7 +5,7 @@ from transformers import Gemma3TextConfig
 
 from ..registry import Architecture, Shape, register
 from .modeling import (Gemma3ForCausalLM, Gemma3ForCausalLMInference, Gemma3PreTrainedModel,
-                       Gemma3TextForSequenceClassification, Gemma3TextModel)
+                       Gemma3TextForSequenceClassification, Gemma3TextForTokenClassification, Gemma3TextModel)
 
 
 def tiny_config(**overrides) -> Gemma3TextConfig:
@@ -33,6 +33,7 @@ ARCHITECTURE = register(Architecture(
     causal_lm_class=Gemma3ForCausalLM,
     base_model_class=Gemma3TextModel,
     sequence_classification_class=Gemma3TextForSequenceClassification,
+    token_classification_class=Gemma3TextForTokenClassification,
     inference_class=Gemma3ForCausalLMInference,
     shapes=(Shape("gemma3", tiny_config, published_configs=("gemma3-text-default.json",)),),
     hf_causal_lm_class="transformers.Gemma3ForCausalLM",

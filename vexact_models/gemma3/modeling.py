@@ -25,15 +25,15 @@ from transformers import Gemma3TextConfig, GenerationMixin, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from vexact_models.adapters import apply_linear
-from vexact_models.layers import (GatedMLP, RMSNorm, RopeTables, add_and_norm, grouped_linear, head_dim_of,
+from vexact_models.layers import (GatedMLP, RopeTables, ZeroCentredRMSNorm, add_and_norm, grouped_linear, head_dim_of,
                                   layer_window)
 
-from ..causal_lm import CausalLMMixin, DecoderModelMixin, InferenceModel
-from ..heads import SequenceClassificationMixin
+from ..causal_lm import CausalLMMixin, DecoderModelMixin, InferenceModel, InitHookMixin
+from ..heads import SequenceClassificationMixin, TokenClassificationMixin
 
 
-class Gemma3RMSNorm(RMSNorm):
-    zero_centred = True  # Gemma's x * (1 + w), one rounding
+class Gemma3RMSNorm(ZeroCentredRMSNorm):
+    pass  # Gemma's x * (1 + w), one rounding, initialised to zeros
 
 
 class Gemma3TextScaledWordEmbedding(nn.Embedding):
@@ -62,6 +62,11 @@ class LayerTypeRope:
             view = copy.copy(config)
             view.rope_parameters = dict(params)
             self.tables[kind] = RopeTables(view, head_dim)
+
+    @property
+    def max_positions(self) -> int:
+        """The positions every table covers now (they grow together, `ensure`)."""
+        return min(table.max_positions for table in self.tables.values())
 
     def ensure(self, positions: int) -> None:
         for table in self.tables.values():
@@ -139,7 +144,7 @@ def check_config(config: Gemma3TextConfig) -> None:
         raise ValueError("Gemma3: use_bidirectional_attention=True is not supported (causal attention only)")
 
 
-class Gemma3PreTrainedModel(PreTrainedModel):
+class Gemma3PreTrainedModel(InitHookMixin, PreTrainedModel):
     config_class = Gemma3TextConfig
     config: Gemma3TextConfig
     base_model_prefix = "model"
@@ -181,5 +186,12 @@ class Gemma3ForCausalLMInference(InferenceModel):
 
 class Gemma3TextForSequenceClassification(SequenceClassificationMixin, Gemma3PreTrainedModel):
     """Reward model head: HF's ``Gemma3TextForSequenceClassification`` over our `Gemma3TextModel`."""
+
+    base_model_class = Gemma3TextModel
+
+
+class Gemma3TextForTokenClassification(TokenClassificationMixin, Gemma3PreTrainedModel):
+    """Per-token head (PPO critics' values) over our `Gemma3TextModel` (stock transformers has
+    none for the text config)."""
 
     base_model_class = Gemma3TextModel
