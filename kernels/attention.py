@@ -96,7 +96,7 @@ def _paged_block(k_ptr, v_ptr, table_row, start, n_keys, page_size, page_shift, 
     return k, v, k_pos, k_ok
 
 
-@triton.jit(do_not_specialize=["page_size", "page_shift", "stride_bt"])
+@triton.jit(do_not_specialize=["page_size", "page_shift", "stride_bt", "window"])
 def _attention_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, k_desc, v_desc,
     cu_seqlens_q_ptr, seq_lens_ptr, block_table_ptr, seq_order_ptr, sinks_ptr,
@@ -275,6 +275,7 @@ def attention_triton(q, k_cache, v_cache, layout: PagedLayout, scale: float, con
     v = v_cache.reshape(-1, n_kv_heads, head_dim_v)
     # a prompt or training launch runs the Gluon kernel (1.5x on prompt steps, 1.04-1.29x in training)
     windowed, with_sinks = window is not None, sinks is not None
+    sinks = sinks.contiguous() if with_sinks else None  # the kernel reads sinks[head]
     if (config is None and not page_descriptors and not windowed and not with_sinks
             and attention_gluon.ATTENTION_PREFILL.mode() == "gluon"
             and attention_gluon.fits(q, k, v, layout, contiguous=kv_descriptors)):

@@ -18,7 +18,9 @@ step's target, docs/design.md section 9; H200 figures in docs/performance.md):
 fa4, flash, triton that applies) or `set_attention_backward` / `use_attention_backward` (these
 win over the environment, read at every backward call) choose; a forced kernel that
 cannot run raises `UnsupportedError` naming why. The latent MLA layout (V a view of K) always
-keeps its own Triton backward, and the reference backend (CPU) has one backward.
+keeps its own Triton backward, and the reference backend (CPU) has one backward. A sliding
+window or attention sinks (`attention_window.py`) always take ours (`attention_packed`): the
+others are not given them.
 """
 
 from __future__ import annotations

@@ -32,6 +32,18 @@ revive it; its key is dropped only when the page is handed out fresh to someone 
 list is FIFO and a sequence's pages are returned last page first, so the cache loses prefixes
 from their tail (the least shareable part) first.
 
+Sliding windows
+---------------
+With a ``window`` (the engine's when every attention layer of the model has a sliding window,
+their largest; docs/design.md section 6) ``release_behind_window`` drops a sequence's references
+to its leading pages that no later query of it can read: those wholly below
+``attention_window.window_block_start`` of its next position (the attention kernels never read
+below it, docs/design.md rule 2). The entries stay in ``block_table`` (so positions keep their
+page index) but count as released (``seq.released_blocks``): never freed again, never a parent
+looked up through (``seq.released_key`` keeps the last one's content key for the chain). A
+released page goes to the back of the free list with its key, like a freed one, so prefix
+sharing and preemption see exactly what they would without the window.
+
 When a page may be published is the caller's contract; the Scheduler's rule is in
 ``Scheduler._publish``. The K/V cache contents must stay valid for as long as keys live:
 ``reset_prefix_cache`` forgets every key (the LLM calls it whenever weights may have changed).
@@ -42,6 +54,8 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import Counter, OrderedDict
+from vexact_models.kernels.attention_window import window_block_start
+
 from .block_tables import BlockTables
 from .sequence import Sequence
 
@@ -69,9 +83,14 @@ class BlockManager:
         block_size: positions per page, >= 1.
         enable_prefix_sharing: when False no page is ever published or shared: every page is
             owned by exactly one sequence (the behaviour before prefix sharing).
+        window: None, or the sliding window every attention layer stays within (their largest):
+            ``release_behind_window`` then frees the pages behind it.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_sharing: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_sharing: bool = True,
+                 window: int | None = None) -> None:
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"BlockManager window={window!r} must be None or an int >= 1")
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(
@@ -86,6 +105,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_sharing = enable_prefix_sharing
+        self.window = window
         # FIFO free list (insertion ordered; an OrderedDict so that a cached page can be revived
         # from the middle in O(1)): pages are handed out from the front, returned to the back,
         # so the allocation order is a pure function of the sequence of calls.
@@ -143,7 +163,7 @@ class BlockManager:
         stop = min((seq.num_tokens - 1) // bs, num_tokens // bs)
         if start >= stop:
             return []
-        parent = self._key[table[-1]] if table else _ROOT_KEY
+        parent = self._parent_key(seq, start)
         if parent is None:  # the last page of the table was never published
             return []
         hits = []
@@ -247,9 +267,11 @@ class BlockManager:
         # Published pages are always a leading run of the table (shared pages come first,
         # then pages are published in order as they fill up): walk back to its end.
         index = full - 1
-        while index > 0 and self._key[table[index - 1]] is None:
+        while index > seq.released_blocks and self._key[table[index - 1]] is None:
             index -= 1
-        parent = self._key[table[index - 1]] if index else _ROOT_KEY
+        parent = self._parent_key(seq, index)
+        if parent is None:  # the page before was released unpublished: nothing after it can be keyed
+            return
         for index in range(index, full):
             block = table[index]
             tokens = self._page_tokens(seq, index)
@@ -259,19 +281,53 @@ class BlockManager:
             self._cached.setdefault(key, block)
             parent = key
 
+    def _parent_key(self, seq: Sequence, index: int) -> bytes | None:
+        """The content key of page ``index - 1`` of ``seq`` (the root's before page 0), None when
+        unpublished; a released page's own entry may belong to someone else now, so the key it
+        had is ``seq.released_key`` (and none before it is needed)."""
+        if index == 0:
+            return _ROOT_KEY
+        if index < seq.released_blocks:
+            return None
+        if index == seq.released_blocks:
+            return seq.released_key
+        return self._key[seq.block_table[index - 1]]
+
+    def release_behind_window(self, seq: Sequence) -> int:
+        """Drop ``seq``'s references to the pages wholly behind the window of its next position
+        (``seq.num_computed_tokens``; nothing without a ``window``): no later query of it reads
+        them. Pages left with no reference go to the back of the free list, keeping their keys.
+        Returns how many pages were released now."""
+        if self.window is None:
+            return 0
+        keep_from = window_block_start(seq.num_computed_tokens, self.window) // self.block_size
+        stop = min(keep_from, len(seq.block_table) - 1)  # a table's last page is always kept
+        start = seq.released_blocks
+        for index in range(start, stop):
+            block = seq.block_table[index]
+            seq.released_key = self._key[block]
+            self._ref[block] -= 1
+            if self._ref[block] == 0:
+                self._free[block] = None
+        seq.released_blocks = max(start, stop)
+        return max(0, stop - start)
+
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s references and clear its block table. Pages left with no reference
-        go to the back of the free list, last page first, and stay published until reused."""
-        for block, count in Counter(seq.block_table).items():
+        go to the back of the free list, last page first, and stay published until reused
+        (released pages, `release_behind_window`, were dropped already)."""
+        held = seq.block_table[seq.released_blocks:]
+        for block, count in Counter(held).items():
             if self._ref[block] < count:
                 raise RuntimeError(
                     f"BlockManager: block {block} of sequence {seq.seq_id} is already free"
                 )
-        for block in reversed(seq.block_table):
+        for block in reversed(held):
             self._ref[block] -= 1
             if self._ref[block] == 0:
                 self._free[block] = None
         seq.block_table.clear()
+        seq.released_blocks, seq.released_key = 0, None
         self.tables.release(seq.seq_id)
 
     def reset_prefix_cache(self) -> None:

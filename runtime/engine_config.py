@@ -38,6 +38,9 @@ class EngineConfig:
         cuda_graph_tokens: steps with prompt chunks of up to this many tokens (and
             ``cuda_graph_batch`` sequences) replay CUDA graphs too, captured on first use
             (0: decode steps only; pipeline stages capture decode steps only).
+        kv_window: None, or the sliding window every attention layer stays within
+            (`layers.cache_window`): the pages behind it are freed as sequences advance
+            (`LLM` leaves it None for pipeline stages).
     """
 
     num_blocks: int
@@ -50,10 +53,12 @@ class EngineConfig:
     enable_prefix_sharing: bool = True
     cuda_graph_batch: int = 0
     cuda_graph_tokens: int = 0
+    kv_window: int | None = None
 
     def make_scheduler(self) -> Scheduler:
         """A fresh `BlockManager` (every page free, no shared prefix) and the `Scheduler` over it."""
-        block_manager = BlockManager(self.num_blocks, self.block_size, enable_prefix_sharing=self.enable_prefix_sharing)
+        block_manager = BlockManager(self.num_blocks, self.block_size, enable_prefix_sharing=self.enable_prefix_sharing,
+                                     window=self.kv_window)
         return Scheduler(block_manager, self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
                          self.eos_token_id, chunked_prefill=self.enable_chunked_prefill)
 

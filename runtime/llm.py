@@ -30,6 +30,7 @@ import torch
 from tqdm.auto import tqdm
 
 from vexact_models.kernels import attention_forward_mode, current_backend, use_backend
+from vexact_models.layers import cache_window
 from vexact_models.projections import fuse_projections
 
 from .block_manager import BlockManager
@@ -189,6 +190,7 @@ class LLM(EngineStepsMixin, EngineMemoryMixin):
             eos_token_id=eos, enable_chunked_prefill=enable_chunked_prefill,
             # a shared page would skip tokens a gated-DeltaNet state must see (runtime.linear_state_cache)
             enable_prefix_sharing=enable_prefix_sharing and linear is None,
+            kv_window=cache_window(self.model) if self.pipeline is None else None,
             cuda_graph_batch=0 if enforce_eager else max_num_seqs,
             cuda_graph_tokens=(min(max_num_batched_tokens, DEFAULT_MAX_TOKENS) if cuda_graph_max_tokens is None
                                else cuda_graph_max_tokens))

@@ -57,6 +57,8 @@ class PostprocessMixin:
             seq.num_computed_tokens += item.num_new_tokens
             if ahead:
                 self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens)
+            # published first: a released page keeps its key (docs/design.md section 6)
+            self.block_manager.release_behind_window(seq)
             if not item.samples:
                 continue
             # Sequence.append_token, minus its status check: every sequence was checked RUNNING.

@@ -65,6 +65,10 @@ class Sequence:
         self.num_prompt_tokens: int = len(self.token_ids)
         self.num_computed_tokens: int = 0
         self.block_table: list[int] = []
+        # leading block_table entries whose pages a sliding window has left (BlockManager.release_behind_window):
+        # no longer this sequence's, never read again; and the content key the last of them had
+        self.released_blocks: int = 0
+        self.released_key: bytes | None = None
         self.output_logprobs: list[float] = []
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None

@@ -225,3 +225,45 @@ def test_hybrid_ops_compile_for_hopper_without_spills(monkeypatch):
     for kernel in kernels:
         found = resources(kernel)
         assert found.spill_bytes == 0, found
+
+
+def test_windowed_attention_with_sinks_compiles_for_hopper_as_the_plain_launch(monkeypatch):
+    """Sliding windows and sinks (`kernels/attention_window.py`) at GPT-OSS's (64 / 8 heads, head
+    dim 64), Mistral's (32 / 8, 128) and Gemma 3's (8 / 4, 256) shapes, compiled for sm_90 on the
+    CPU in every form a model launches, each beside the same launch without them: training tiles
+    (`pick_config`'s, TMA K/V below head dim 256), prompt-chunk tiles, decode by pointer loads and
+    by TMA pages; the backward's two kernels. None spills where the plain launch does not; the
+    128-row four-warp training tile at head dim 128, which spills ~600 bytes without a window too
+    (chosen for its speed, `pick_config`), spills at most a tenth more."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from sm90_compile import compile_only, resources
+
+    from vexact_models.kernels.attention import AttentionConfig, PagedLayout, attention_triton, packed_layout
+    from vexact_models.kernels.attention_backward import attention_backward_triton
+    from vexact_models.kernels.attention_tiles import pick_config
+
+    bf = torch.bfloat16
+    cu = torch.tensor([0, 100, 300], dtype=torch.int32)
+    decode = PagedLayout(torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([100, 200], dtype=torch.int32),
+                         torch.arange(8, dtype=torch.int32).view(2, 4), 64, 1)
+    with compile_only() as kernels:
+        for hq, hkv, d, window in ((64, 8, 64, 128), (32, 8, 128, 4096), (8, 4, 256, 1024)):
+            q, k = torch.zeros(300, hq, d, dtype=bf), torch.zeros(300, hkv, d, dtype=bf)
+            cache = torch.zeros(512, hkv, d, dtype=bf)
+            for options in ({}, dict(window=window, sinks=torch.zeros(hq))):
+                attention_triton(q, k, k, packed_layout(cu, 200), 0.1, pick_config(d, 200 * hq // hkv, bf),
+                                 kv_descriptors=d < 256, **options)
+                attention_triton(q, k, k, packed_layout(cu, 200), 0.1, AttentionConfig(64, 64, 4, 2), **options)
+                for tma in (False, True)[:1 + (d < 256)]:
+                    attention_triton(q[:2], cache, cache, decode, 0.1, AttentionConfig(16, 64, 4, 3), page_descriptors=tma,
+                                     **options)
+            attention_backward_triton(q, q, k, k, q, torch.zeros(300, hq), cu, 200, 0.1, window)
+    assert len(kernels) == 2 * (3 * 3 + 2) + 2 * 3, [kernel.name for kernel in kernels]
+    found = [resources(kernel) for kernel in kernels]
+    # per shape: the plain forms, the same forms windowed with sinks, the backward's two kernels
+    forwards = [(found[0:4], found[4:8]), (found[10:14], found[14:18]), (found[20:23], found[23:26])]
+    for plain, windowed in forwards:
+        for a, b in zip(plain, windowed):
+            assert b.spill_bytes <= a.spill_bytes * 1.1, (a, b)
+    for backward in (found[8:10], found[18:20], found[26:28]):
+        assert all(kernel.spill_bytes == 0 for kernel in backward), backward

@@ -12,6 +12,7 @@ afterwards.
 """
 
 import ast
+import copy
 import importlib
 import importlib.util
 import sys
@@ -119,7 +120,8 @@ def test_llama_scaffolded_as_mistral_is_registered_and_conforms(mistral):
     # MistralConfig has no attention_bias / mlp_bias: the copy reads Llama's defaults, and says so
     assert 'getattr(config, "attention_bias", False)' in modeling and plan.defaulted_fields == {
         "attention_bias": False, "mlp_bias": False}
-    assert "sliding_window" in plan.ignored_fields and "sliding_window" in scaffold.next_steps(plan)
+    # MistralConfig.sliding_window is honoured (layers.layer_window, shared code): nothing is ignored
+    assert plan.ignored_fields == [] and "sliding_window" not in scaffold.next_steps(plan)
     # ... and drops them from the tiny configs, with a notice
     assert plan.dropped_fields == {"attention_bias": "False", "mlp_bias": "False"} and plan.heads_without_stock == []
     assert "NOTICE: MistralConfig has no field attention_bias, mlp_bias" in scaffold.next_steps(plan)
@@ -135,6 +137,31 @@ def test_llama_scaffolded_as_mistral_is_registered_and_conforms(mistral):
                              log=lambda *_: None)
     assert report.tokens > 100 and report.mismatches == 0 and report.reproducibility_mismatches == 0
     assert report.hf_parity.vs_hf <= 1e-5 and report.ok
+
+
+def test_scaffolded_mistral_honours_sliding_window(mistral):
+    """A window shorter than the prompts: the copy's logits are stock MistralForCausalLM's (fp32),
+    differ from the same weights without a window, and its rollouts conform bitwise."""
+    _, arch = mistral
+    config = arch.tiny_config()
+    config.sliding_window = 3
+    torch.manual_seed(0)
+    model = arch.causal_lm_class(config).eval()
+    stock = MistralForCausalLM(config).eval()
+    stock.load_state_dict(model.state_dict())
+    ids = torch.randint(0, config.vocab_size, (2, 12))
+    with torch.no_grad():
+        ours, want = model(ids).logits, stock(ids).logits
+        full_config = copy.deepcopy(config)
+        full_config.sliding_window = None
+        unwindowed = arch.causal_lm_class(full_config).eval()
+        unwindowed.load_state_dict(model.state_dict())
+        full = unwindowed(ids).logits
+    assert (ours - want).abs().max() <= 1e-5 and (ours - full).abs().max() > 1e-3
+    assert [layer.self_attn.sliding_window for layer in model.model.layers] == [3] * config.num_hidden_layers
+    report = run_conformance(arch, model, device=torch.device("cpu"), pool_size=4, max_tokens=4, prompt_len=8,
+                             log=lambda *_: None)
+    assert report.tokens > 100 and report.mismatches == 0 and report.hf_parity.vs_hf <= 1e-5 and report.ok
 
 
 def test_the_generated_test_module_passes(mistral, tmp_path):

@@ -49,17 +49,6 @@ def head_dim_of(config) -> int:
     return head_dim
 
 
-def layer_window(config, layer_idx: int) -> int | None:
-    """The sliding window of decoder layer `layer_idx` (``config.sliding_window`` on a
-    ``"sliding_attention"`` layer of ``config.layer_types``), or None (full attention); a
-    ValueError naming a layer type that is neither."""
-    kind = config.layer_types[layer_idx]
-    if kind not in ("sliding_attention", "full_attention"):
-        raise ValueError(f"{type(config).__name__}: layer_types[{layer_idx}]={kind!r} is not 'sliding_attention' "
-                         "or 'full_attention'")
-    return int(config.sliding_window) if kind == "sliding_attention" else None
-
-
 class RMSNorm(nn.Module):
     """HF-compatible RMSNorm (``weight``, ``variance_epsilon``) backed by `kernels.rms_norm`.
 
@@ -251,6 +240,38 @@ def plain_rms_norm(norm: nn.Module) -> bool:
     """Whether calling `norm` is `RMSNorm.forward` on its own weight: no override, no hooks."""
     return (isinstance(norm, RMSNorm) and type(norm).forward is RMSNorm.forward
             and not norm._forward_hooks and not norm._forward_pre_hooks)
+
+
+def layer_window(config, layer_idx: int) -> int | None:
+    """The sliding window of decoder layer `layer_idx` as transformers applies it, for the
+    contexts' ``window=`` (docs/design.md section 3): ``config.sliding_window`` (None or absent:
+    full attention) on the layers whose ``config.layer_types`` entry is ``"sliding_attention"``
+    (Gemma 3, GPT-OSS, Qwen2/Qwen3 with ``use_sliding_window``), on every layer of a config
+    without ``layer_types`` (Mistral). Raises ValueError for a window that is not an int >= 1 and
+    for a layer type that is neither sliding nor full attention (e.g. Llama 4's chunked attention)."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    kind = types[layer_idx] if types is not None else None
+    if kind not in (None, "sliding_attention", "full_attention"):
+        raise ValueError(f"{type(config).__name__}: layer_types[{layer_idx}]={kind!r} is not supported "
+                         "(only 'sliding_attention' and 'full_attention')")
+    if window is None or kind == "full_attention":
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"{type(config).__name__}: sliding_window={window!r} must be None or an int >= 1")
+    return window
+
+
+def cache_window(model: nn.Module) -> int | None:
+    """The window every attention layer of `model` stays within (the largest), or None when some
+    layer attends to all its context or the model has no attention layer: the rollout engine
+    frees the KV pages behind it (`runtime.block_manager`, docs/design.md section 6). Read from
+    the modules, not the config, so that only a model that passes its windows is trusted with
+    it: each decoder layer's ``self_attn`` declares the window it passes as ``sliding_window``
+    (None, or no such attribute: full attention)."""
+    windows = [getattr(m.self_attn, "sliding_window", None) for m in model.modules()
+               if isinstance(getattr(m, "self_attn", None), nn.Module)]
+    return None if not windows or None in windows else max(windows)
 
 
 class PackedContext:

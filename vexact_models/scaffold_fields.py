@@ -32,7 +32,8 @@ def line_offsets(text: str) -> list[int]:
 def field_differences(template_config_class: type, new_config_class: type, texts) -> tuple[dict[str, object], list[str]]:
     """(fields the template's code reads as ``config.<f>`` that the new config class lacks, with
     the template config's default; fields the new config class has, the template's lacks and no
-    shared module mentions, e.g. Mistral's ``sliding_window`` from Llama: the copy ignores them)."""
+    shared module mentions: the copy ignores them. Mistral's ``sliding_window`` is not one: the
+    shared `layers.layer_window` reads it)."""
     template_config = template_config_class()
     new_config = new_config_class()
     read = {m for text in texts for m in re.findall(r"\bconfig\.([A-Za-z_]\w*)\b(?!\s*\()", text)}

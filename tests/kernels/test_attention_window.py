@@ -35,6 +35,27 @@ def test_window_is_transformers_sliding_window(window):
     assert window_block_start(200, 10, 16) == 176 and window_block_start(5, 100) == 0
 
 
+@pytest.mark.compat
+def test_layer_window_reads_each_layers_window_as_transformers():
+    from transformers import Gemma3TextConfig, GptOssConfig, LlamaConfig, MistralConfig, Qwen3Config
+
+    from vexact_models.layers import layer_window
+
+    assert [layer_window(MistralConfig(sliding_window=5, num_hidden_layers=3), i) for i in range(3)] == [5, 5, 5]
+    assert layer_window(MistralConfig(sliding_window=None), 0) is None and layer_window(LlamaConfig(), 0) is None
+    gemma = Gemma3TextConfig(sliding_window=7)
+    assert [layer_window(gemma, i) for i in range(6)] == [7, 7, 7, 7, 7, None]  # five local layers, then a global
+    oss = GptOssConfig()
+    assert [layer_window(oss, i) for i in range(4)] == [128, None, 128, None]
+    assert layer_window(Qwen3Config(), 0) is None  # use_sliding_window=False
+    chunked = MistralConfig(num_hidden_layers=1)
+    chunked.layer_types = ["chunked_attention"]
+    with pytest.raises(ValueError, match=r"layer_types\[0\]='chunked_attention' is not supported"):
+        layer_window(chunked, 0)
+    with pytest.raises(ValueError, match="sliding_window=0 must be None or an int >= 1"):
+        layer_window(MistralConfig(sliding_window=0), 0)
+
+
 def _hf_gpt_oss_attention(q, k, v, sinks, scale, window):
     """transformers' GPT-OSS eager attention (sinks) under its own sliding-window mask, on one
     sequence of packed ``[T, H, D]`` tensors."""

@@ -14,7 +14,7 @@ from torch import nn
 from transformers import GenerationMixin, LlamaConfig, PreTrainedModel
 
 from vexact_models.adapters import apply_linear
-from vexact_models.layers import GatedMLP, PreNormDecoderLayer, RMSNorm, grouped_linear, head_dim_of
+from vexact_models.layers import GatedMLP, PreNormDecoderLayer, RMSNorm, grouped_linear, head_dim_of, layer_window
 
 from ..causal_lm import CausalLMMixin, DecoderModelMixin, InferenceModel
 from ..heads import SequenceClassificationMixin, TokenClassificationMixin
@@ -32,6 +32,7 @@ class LlamaAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.scaling = self.head_dim ** -0.5
+        self.sliding_window = layer_window(config, layer_idx)  # None for Llama; a copy's (Mistral's) window
         bias = config.attention_bias
         self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
@@ -48,7 +49,7 @@ class LlamaAttention(nn.Module):
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        out = context.attend_rotary(self.layer_idx, q, k, v, positions, rope, self.scaling)
+        out = context.attend_rotary(self.layer_idx, q, k, v, positions, rope, self.scaling, window=self.sliding_window)
         return apply_linear(out.reshape(tokens, -1), self.o_proj)
 
 

@@ -1,0 +1,113 @@
+"""Pages behind a sliding window (docs/design.md section 6): the BlockManager releases them as a
+sequence advances, prefix sharing keeps its chain across them, and the engine of a model whose
+every layer is windowed gives bitwise the results of the same engine keeping every page (and of
+the training forward) with fewer pages, also under forced preemption."""
+
+import pytest
+import torch
+
+import vexact_models.llama as llama
+from vexact_models.kernels.attention_window import window_block_start
+from vexact_models.layers import cache_window
+from vexact_models.runtime import SamplingParams
+from vexact_models.runtime.block_manager import BlockManager
+from vexact_models.runtime.sequence import Sequence
+
+from .llm_support import cache_bytes, make_llm, training_logprobs
+
+
+def _seq(tokens: list[int]) -> Sequence:
+    return Sequence(0, 0, tokens, SamplingParams(), 0)
+
+
+def test_release_behind_window_frees_the_pages_no_later_query_reads():
+    bm = BlockManager(40, 16, window=20)
+    seq = _seq(list(range(2, 102)))
+    bm.allocate(seq, 100)
+    seq.num_computed_tokens = 100
+    assert bm.release_behind_window(seq) == 4  # window_block_start(100, 20) = 64: pages 0-3
+    assert seq.released_blocks == 4 and len(seq.block_table) == 7 and bm.num_free_blocks == 40 - 3
+    assert bm.release_behind_window(seq) == 0  # nothing new
+    bm.free(seq)  # the released pages are not freed twice
+    assert bm.num_free_blocks == 40 and seq.released_blocks == 0 and seq.block_table == []
+    assert BlockManager(40, 16).release_behind_window(_seq([1])) == 0  # no window: nothing
+    with pytest.raises(ValueError, match="window=0 must be None or an int >= 1"):
+        BlockManager(4, 4, window=0)
+
+
+def test_a_shared_page_stays_with_its_other_reader_and_the_chain_continues():
+    bm = BlockManager(64, 4, window=8)
+    prompt = list(range(2, 90))
+    a, b = _seq(prompt), _seq(prompt)
+    bm.allocate(a, 88)
+    a.num_computed_tokens = 88
+    bm.cache_full_blocks(a, 88)
+    bm.allocate(b, 88)  # shares a's full pages but the last
+    assert b.num_computed_tokens == 84 and b.block_table[:21] == a.block_table[:21]
+    released = bm.release_behind_window(a)
+    assert released == window_block_start(88, 8) // 4 == 16
+    assert all(bm.ref_count(block) == 1 for block in a.block_table[:16])  # b still reads them
+    a.token_ids += list(range(300, 312))
+    bm.allocate(a, 100)
+    bm.cache_full_blocks(a, 100)  # publishing goes on past the released pages (seq.released_key)
+    c = _seq(prompt + list(range(300, 312)) + [5])
+    bm.allocate(c, 101)
+    assert c.num_computed_tokens == 100 and c.block_table[16:25] == a.block_table[16:25]
+
+
+def _model(window: int | None):
+    torch.manual_seed(0)
+    config = llama.tiny_config(initializer_range=0.5)
+    config.sliding_window = window  # every layer windowed, as Mistral's (layers.layer_window)
+    return llama.LlamaForCausalLM(config).eval()
+
+
+def _run(llm, prompts, params, release: bool):
+    """(results, peak pages in use) with or without releasing the pages behind the window."""
+    bm = llm.block_manager
+    if not release:
+        bm.window = None
+    peak = 0
+    schedule, schedule_ahead = llm.scheduler.schedule, llm.scheduler.schedule_ahead
+
+    def tracked(pick=schedule):
+        nonlocal peak
+        out = pick()
+        held = [seq.block_table[seq.released_blocks:] for seq in llm.scheduler._running]
+        assert bm.num_blocks - bm.num_free_blocks == len({block for table in held for block in table})
+        peak = max(peak, bm.num_blocks - bm.num_free_blocks)
+        return out
+
+    llm.scheduler.schedule, llm.scheduler.schedule_ahead = tracked, lambda: tracked(schedule_ahead)
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        del llm.scheduler.schedule, llm.scheduler.schedule_ahead
+    return [[(c.token_ids, c.logprobs) for c in o.outputs] for o in outs], peak
+
+
+@pytest.mark.parametrize("engine", [dict(max_num_batched_tokens=64), dict(max_num_batched_tokens=7),
+                                    dict(max_num_batched_tokens=64, kv_blocks=40)],
+                         ids=["budget64", "budget7", "preempting"])
+def test_engine_frees_pages_behind_the_window_bitwise(engine):
+    model = _model(window=6)
+    assert cache_window(model) == 6 and cache_window(_model(None)) is None
+    gemma_like = _model(6)
+    gemma_like.model.layers[1].self_attn.sliding_window = None  # a global layer: no page is freed
+    assert cache_window(gemma_like) is None
+    prompts = [list(range(3, 75)), list(range(100, 190))]
+    params = [SamplingParams(temperature=1.0, n=2, max_tokens=40, seed=1, ignore_eos=True),
+              SamplingParams(temperature=0.8, max_tokens=30, seed=2, ignore_eos=True)]
+    blocks = engine.pop("kv_blocks", 256)
+    llm = make_llm(model, kv_cache_bytes=cache_bytes(model, blocks), **engine)
+    got, peak = _run(llm, prompts, params, release=True)
+    assert llm.block_manager.window == 6 and llm.block_manager.num_free_blocks == blocks
+    keeping = make_llm(model, kv_cache_bytes=cache_bytes(model, blocks), **engine)
+    want, peak_keeping = _run(keeping, prompts, params, release=False)
+    assert got == want and peak < peak_keeping
+    if blocks == 40:
+        assert keeping.num_preemptions > 0
+    for prompt, completions in zip(prompts, got):
+        for tokens, logprobs in completions:
+            temperature = params[prompts.index(prompt)].temperature
+            assert torch.equal(torch.tensor(logprobs), training_logprobs(model, prompt, tokens, temperature))
