@@ -131,6 +131,26 @@ def test_contexts_pass_window_and_sinks_through():
     assert not torch.equal(PackedContext(cu, 30).attend(0, q, k, v, 0.25, window=6), packed)
 
 
+def test_attend_rotary_passes_window_and_sinks_on_both_contexts():
+    """The fused rollout path (`rotary_cache_write`, then `attend_cache`) and the separate one
+    (module norms) take the layer's window and sinks as training's `attend_rotary` does."""
+    from vexact_models.kernels import rope_table
+    from vexact_models.layers import RMSNorm
+
+    q, k, v, cu = _packed([30], 4, 2, 16)
+    sinks, positions = torch.randn(4), torch.arange(30)
+    rope = rope_table(1.0 / (1e4 ** (torch.arange(0, 16, 2).float() / 16)), 64)
+    layout = PagedLayout(cu, torch.tensor([30], dtype=torch.int32), torch.arange(30, dtype=torch.int32)[None], 1, 30)
+    for norms in ((None, None), (RMSNorm(16), RMSNorm(16, eps=0.5))):
+        packed = PackedContext(cu, 30).attend_rotary(0, q, k, v, positions, rope, 0.25, *norms, window=5, sinks=sinks)
+        caches = tuple(torch.zeros(30, 1, 2, 16) for _ in range(2))
+        with torch.no_grad():
+            paged = PagedContext(layout, torch.arange(30), [caches]).attend_rotary(0, q, k, v, positions, rope, 0.25,
+                                                                                   *norms, window=5, sinks=sinks)
+        assert torch.equal(paged, packed)
+        assert not torch.equal(PackedContext(cu, 30).attend_rotary(0, q, k, v, positions, rope, 0.25, *norms), packed)
+
+
 def test_window_and_sinks_errors():
     q, k, v, cu = _packed([5], 4, 2, 16)
     layout = packed_layout(cu, 5)
