@@ -23,17 +23,21 @@ from pathlib import Path
 import torch
 import transformers
 
-from vexact_models.registry import Architecture, Shape, architectures, get, shapes
+from vexact_models.registry import Architecture, Shape, architectures, for_model_type, get, shapes
 
 from .models import build_model, make_config, parse_overrides, published_shape
 
 
 def _architecture(parser: argparse.ArgumentParser, name: str) -> Architecture:
-    """``--arch NAME``; a shape's name is an error saying which architecture and --shape to use."""
+    """``--arch NAME``: an architecture's name or an HF ``model_type`` it serves (``gemma3_text``
+    is ``gemma3``); a shape's name is an error saying which architecture and --shape to use."""
     owners = [arch.name for arch, shape in shapes() if shape.name == name and arch.name != name]
     try:
         return get(name)
     except ValueError:
+        by_type = for_model_type(name)
+        if by_type is not None:
+            return by_type
         if owners:
             parser.error(f"--arch {name}: {name!r} is a shape of architecture {owners[0]!r}, not an architecture; "
                          f"use --arch {owners[0]} --shape {name}")

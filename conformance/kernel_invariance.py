@@ -55,7 +55,8 @@ from vexact_models.kernels import (add_rms_norm, apply_rotary, gather_logprobs, 
                                    rope_table, rotary_cache_write, silu_and_mul, token_logprobs, use_attention_forward)
 from vexact_models.kernels.grouped_topk import sigmoid_grouped_topk
 from vexact_models.kernels.linear_quack import device_unavailable_reason
-from vexact_models.kernels.moe import fused_moe
+from vexact_models.kernels.moe import fused_moe as plain_fused_moe
+from vexact_models.kernels.moe_activation import SwigluClamp
 from vexact_models.kernels.moe_routing import softmax_topk
 from vexact_models.kernels.rotary_cache_write import rotary_cache_write_reference
 
@@ -69,7 +70,8 @@ from .linear_invariance import M_SWEEP, run_linear, run_linear_quack
 
 # (name, hidden, experts, expert intermediate, top-k, router): DeepSeek-V3 with 64 of its 256 experts
 MOE_SHAPES = [("qwen3-30b-a3b", 2048, 128, 768, 8, "softmax"), ("moonlight", 2048, 64, 1408, 6, "sigmoid 1 group"),
-              ("deepseek-v3", 7168, 64, 2048, 8, "sigmoid 8 groups")]
+              ("deepseek-v3", 7168, 64, 2048, 8, "sigmoid 8 groups"),
+              ("gpt-oss-20b", 2880, 32, 2880, 4, "softmax gpt-oss")]
 
 
 def check_head_linear(result: Result, heads: int, rank: int, nope: int, v_dim: int, quick: bool) -> None:
@@ -170,11 +172,29 @@ def check_rotary_cache_write(result: Result, ms: list[int], hq: int = 32, hkv: i
 
 
 def _route(logits: torch.Tensor, top_k: int, router: str):
-    if router == "softmax":
+    if router.startswith("softmax"):
         return softmax_topk(logits, top_k, True)
     n_group = int(router.split()[1])
     bias = torch.linspace(-0.05, 0.05, logits.shape[1], device=logits.device)
     return sigmoid_grouped_topk(logits, bias, top_k, n_group, max(1, n_group // 2), True, 2.5)
+
+
+def _moe_form(router: str, gate_up: torch.Tensor, down: torch.Tensor):
+    """`fused_moe` as the shape's model calls it: plain, or GPT-OSS's form (HF's transposed
+    ``[E, H, 2I]`` / ``[E, I, H]`` parameters read as views, interleaved gate/up rows, biases
+    large enough that the clamped SwiGLU's limit acts)."""
+    if not router.endswith("gpt-oss"):
+        return plain_fused_moe
+    experts, inter2, hidden = gate_up.shape
+    gate_up_t = (gate_up * 3).transpose(1, 2).contiguous().transpose(1, 2)  # the parameter's storage order
+    down_t = down.transpose(1, 2).contiguous().transpose(1, 2)
+    gate_up_bias = (torch.randn(experts, inter2, device="cuda") * 3).bfloat16()
+    down_bias = torch.randn(experts, hidden, device="cuda").bfloat16()
+
+    def run(x, _gate_up, _down, weights, ids):
+        return plain_fused_moe(x, gate_up_t, down_t, weights, ids, gate_up_bias=gate_up_bias, down_bias=down_bias,
+                               clamp=SwigluClamp(), interleaved=True)
+    return run
 
 
 def check_moe(results: dict[str, Result], quick: bool) -> None:
@@ -184,6 +204,7 @@ def check_moe(results: dict[str, Result], quick: bool) -> None:
     for name, hidden, experts, inter, top_k, router in MOE_SHAPES:
         gate_up = (torch.randn(experts, 2 * inter, hidden, device="cuda") / hidden ** 0.5).bfloat16()
         down = (torch.randn(experts, hidden, inter, device="cuda") / inter ** 0.5).bfloat16()
+        fused_moe = _moe_form(router, gate_up, down)
         n_max = 4096 if quick else 16384
         x = torch.randn(n_max, hidden, device="cuda").bfloat16()
         logits = torch.randn(n_max, experts, device="cuda")

@@ -124,6 +124,9 @@ def hf_twin(arch: Architecture, model, device: torch.device | None = None, dtype
     weight = next(model.parameters())
     device, dtype = device or weight.device, dtype or weight.dtype
     cls = arch.hf_class()
+    if attn_implementation is None and getattr(model.config, "_attn_implementation", None) == "sdpa" \
+            and not getattr(cls, "_supports_sdpa", True):
+        attn_implementation = "eager"  # GPT-OSS: stock has no sdpa path (its sinks), only eager
     if attn_implementation is not None:
         cls = functools.partial(cls._from_config, attn_implementation=attn_implementation, dtype=dtype)
     hf = construct(cls, model.config, device, dtype)

@@ -28,7 +28,9 @@ from .linear_quack import linear_mode as linear_backend_mode
 from .linear_quack import set_linear_backend, use_linear_backend
 from .linear_silu_and_mul import linear_silu_and_mul
 from .log_softmax import gather_logprobs, log_softmax
+from .gelu_tanh_and_mul import gelu_tanh_and_mul
 from .moe import fused_moe
+from .moe_activation import SwigluClamp
 from .moe_routing import softmax_topk
 from .rms_norm import add_rms_norm, rms_norm
 from .rotary import apply_rotary, deinterleave, rope_table
@@ -43,7 +45,8 @@ __all__ = [
     "KernelSwitch", "PagedLayout", "UnsupportedError", "add_rms_norm", "apply_rotary", "attention",
     "attention_forward_mode", "attention_packed", "attention_saving_context", "causal_conv1d", "conv_state_update",
     "current_backend", "deinterleave",
-    "fused_moe", "gated_delta_chunk_rows", "gated_delta_gates", "gated_delta_fold", "gated_delta_rule",
+    "SwigluClamp", "fused_moe", "gelu_tanh_and_mul", "gated_delta_chunk_rows", "gated_delta_gates", "gated_delta_fold",
+    "gated_delta_rule",
     "gated_rms_norm", "gather_logprobs", "head_linear", "kv_cache_write", "latent_cache_write", "linear",
     "linear_backend_mode", "linear_silu_and_mul", "log_softmax", "packed_layout", "rms_norm", "rope_table", "rotary_cache_write",
     "sample_tokens", "set_attention_forward", "set_backend", "set_dependent_launch", "set_linear_backend",

@@ -30,11 +30,11 @@ from ._triton import require_triton, tl, triton
 from .backend import select
 from .dependent_launch import dependent_launch_kwargs, wait_for_inputs
 from .linear import linear_reference
+from .moe_activation import PLAIN, ExpertForm, SwigluClamp, expert_activation, expert_activation_reference
 from .moe_align import MoeLayout, moe_align
 from .moe_backward import fused_moe_backward_reference, fused_moe_backward_triton
 from .moe_config import MoeConfig, k_tile, pick_config
 from .moe_grouped_gemm import combine, grouped_gemm, input_precision, tile_descriptor, weights_by_tma
-from .silu_and_mul import silu_and_mul_reference
 
 
 @triton.jit
@@ -42,10 +42,16 @@ def moe_gate_up_kernel(x_ptr, w_ptr, w_desc, act_ptr, preact_ptr, sorted_pairs_p
                        num_pairs, H, I, stride_xt, stride_we, stride_wn, stride_wk, stride_act, stride_pre,
                        TOP_K: tl.constexpr, SAVE_PREACT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_DESC: tl.constexpr,
-                       PDL: tl.constexpr = False):
-    """Gate and up GEMMs of the expert-sorted rows (`moe_align`) with SiLU-and-mul in the
+                       PDL: tl.constexpr = False, up_offset=0, bias_ptr=None, stride_be=0, bias_step=1,
+                       bias_up=0, alpha=1.0, limit=1.0, BIAS: tl.constexpr = False, CLAMPED: tl.constexpr = False):
+    """Gate and up GEMMs of the expert-sorted rows (`moe_align`) with the activation in the
     epilogue: ``act = silu(x @ Wg[e].T) * (x @ Wu[e].T)`` per block of rows of one expert
-    (rule 4). Public for benchmarks/moe.py, which times it alone; models call `fused_moe`."""
+    (rule 4). Gate row n of expert e at ``stride_we * e + stride_wn * n``, its up row
+    `up_offset` further (rows first: ``I * stride_wn``; GPT-OSS's interleaved columns: one row).
+    With `BIAS` each rounded product gets its bias (``bias_ptr[e, n * bias_step]``, up
+    `bias_up` further) and is rounded again; with `CLAMPED` the activation is the clamped SwiGLU
+    (`moe_activation.expert_activation`). Public for benchmarks/moe.py, which times it alone;
+    models call `fused_moe`."""
     wait_for_inputs(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -61,7 +67,7 @@ def moe_gate_up_kernel(x_ptr, w_ptr, w_desc, act_ptr, preact_ptr, sorted_pairs_p
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :]
     wg_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
-    wu_ptrs = wg_ptrs + I * stride_wn
+    wu_ptrs = wg_ptrs + up_offset
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     w_row = expert.to(tl.int32) * 2 * I + pid_n * BLOCK_N  # W_DESC: the gate tile's first row in [E * 2I, H]
@@ -82,8 +88,11 @@ def moe_gate_up_kernel(x_ptr, w_ptr, w_desc, act_ptr, preact_ptr, sorted_pairs_p
     dtype = act_ptr.dtype.element_ty
     g = acc_g.to(dtype)
     u = acc_u.to(dtype)
-    gf = g.to(tl.float32)
-    act = gf / (1.0 + tl.exp(-gf)) * u.to(tl.float32)
+    if BIAS:  # stock's ``x @ W + b``: the product rounded, the bias added, rounded again
+        b_ptrs = bias_ptr + expert * stride_be + offs_n * bias_step
+        g = (g.to(tl.float32) + tl.load(b_ptrs, mask=n_ok, other=0.0).to(tl.float32)[None, :]).to(dtype)
+        u = (u.to(tl.float32) + tl.load(b_ptrs + bias_up, mask=n_ok, other=0.0).to(tl.float32)[None, :]).to(dtype)
+    act = expert_activation(g.to(tl.float32), u.to(tl.float32), alpha, limit, CLAMPED)
     rows = offs_m.to(tl.int64)[:, None]
     tl.store(act_ptr + rows * stride_act + offs_n[None, :], act.to(dtype), mask=n_ok[None, :])
     if SAVE_PREACT:
@@ -92,55 +101,79 @@ def moe_gate_up_kernel(x_ptr, w_ptr, w_desc, act_ptr, preact_ptr, sorted_pairs_p
 
 
 def gate_up_act(x: torch.Tensor, gate_up: torch.Tensor, layout: MoeLayout, top_k: int, cfg: MoeConfig,
-                save_preact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                save_preact: bool = False, form: ExpertForm = PLAIN) -> tuple[torch.Tensor, torch.Tensor]:
     """``act[p] = silu(x[t] @ Wg[e].T) * (x[t] @ Wu[e].T)`` over the padded permuted rows of
-    `layout` (pair p = t * top_k + r of expert e), by `moe_gate_up_kernel` with `cfg`'s tiles.
-    Returns (act, preact): preact holds the rounded gate and up products when `save_preact`
-    (the backward's input), else it is `act` itself."""
+    `layout` (pair p = t * top_k + r of expert e), by `moe_gate_up_kernel` with `cfg`'s tiles; with
+    `form`'s gate/up biases, clamped activation and interleaved rows. Returns (act, preact):
+    preact holds the rounded gate and up products (biases added; gate columns first whatever the
+    form) when `save_preact` (the backward's input), else it is `act` itself."""
     hidden = x.shape[1]
     inter = gate_up.shape[1] // 2
     rows = layout.sorted_pairs.shape[0]
     act = torch.empty(rows, inter, device=x.device, dtype=x.dtype)
     preact = torch.empty(rows, 2 * inter, device=x.device, dtype=x.dtype) if save_preact else act
     block_k = k_tile(cfg.block_k, hidden)
-    desc = cfg.tma and weights_by_tma(gate_up, 2 * inter, hidden, gate_up.stride(1), gate_up.stride(2))
+    desc = cfg.tma and not form.interleaved and weights_by_tma(gate_up, 2 * inter, hidden, gate_up.stride(1),
+                                                               gate_up.stride(2))
     w_desc = tile_descriptor(gate_up.view(-1, hidden), cfg.block_n, block_k) if desc else None
+    row_step = 2 if form.interleaved else 1
+    bias = form.gate_up_bias
+    extra = dict(up_offset=gate_up.stride(1) * (1 if form.interleaved else inter), BIAS=bias is not None,
+                 CLAMPED=form.clamp is not None)
+    if bias is not None:
+        bias = bias.contiguous()
+        extra.update(bias_ptr=bias, stride_be=bias.stride(0), bias_step=row_step,
+                     bias_up=1 if form.interleaved else inter)
+    if form.clamp is not None:
+        extra.update(alpha=float(form.clamp.alpha), limit=float(form.clamp.limit))
     moe_gate_up_kernel[(rows // cfg.block_m, triton.cdiv(inter, cfg.block_n))](
         x, gate_up, w_desc, act, preact, layout.sorted_pairs, layout.block_expert, layout.num_pairs, hidden, inter,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), act.stride(0), preact.stride(0),
-        TOP_K=top_k, SAVE_PREACT=save_preact, INPUT_PRECISION=input_precision(x.dtype), BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=block_k, W_DESC=desc, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **dependent_launch_kwargs(x.device))
+        x.stride(0), gate_up.stride(0), gate_up.stride(1) * row_step, gate_up.stride(2), act.stride(0),
+        preact.stride(0), TOP_K=top_k, SAVE_PREACT=save_preact, INPUT_PRECISION=input_precision(x.dtype),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, W_DESC=desc, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **extra, **dependent_launch_kwargs(x.device))
     return act, preact
 
 
 def _forward_triton(x, gate_up, down, weights, ids, save_preact: bool, add: torch.Tensor | None = None,
-                    add_ready: torch.cuda.Event | None = None):
+                    add_ready: torch.cuda.Event | None = None, form: ExpertForm = PLAIN):
     require_triton("fused_moe")
     tokens, hidden = x.shape
     experts, inter = down.shape[0], down.shape[2]
     cfg = pick_config(tokens, ids.shape[1], experts)
     layout = moe_align(ids, experts, cfg.block_m)
     layout.config = cfg
-    act, preact = gate_up_act(x, gate_up, layout, ids.shape[1], cfg, save_preact)
-    y = grouped_gemm(act, down, layout, hidden, inter, down.stride(1), down.stride(2), x.dtype, cfg, down_tiles=True)
+    act, preact = gate_up_act(x, gate_up, layout, ids.shape[1], cfg, save_preact, form)
+    y = grouped_gemm(act, down, layout, hidden, inter, down.stride(1), down.stride(2), x.dtype, cfg, down_tiles=True,
+                     bias=form.down_bias)
     if add_ready is not None:  # `add` comes from another stream: the combine is its first reader
         torch.cuda.current_stream(x.device).wait_event(add_ready)
     out = combine(y, weights, layout, tokens, x.dtype, add)
     return out, (layout, act, preact, y)
 
 
-def fused_moe_reference(x, gate_up, down, weights, ids) -> torch.Tensor:
-    """Per expert, `linear_reference` rows (row-invariant on CPU); ranks combined in order."""
+def add_bias_rounded(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``y + bias`` as stock's ``x @ W + b`` rounds it: the rounded product widened, the bias
+    added in fp32 (fp64 for fp64), rounded once more to y's dtype (the kernels' epilogues)."""
+    if bias is None:
+        return y
+    compute = torch.float64 if y.dtype == torch.float64 else torch.float32
+    return (y.to(compute) + bias.to(compute)).to(y.dtype)
+
+
+def fused_moe_reference(x, gate_up, down, weights, ids, form: ExpertForm = PLAIN) -> torch.Tensor:
+    """Per expert, `linear_reference` rows (row-invariant on CPU), `form`'s biases and activation;
+    ranks combined in order."""
     tokens, top_k = ids.shape
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
-    inter = down.shape[2]
     y = torch.zeros(tokens, top_k, x.shape[1], dtype=x.dtype)
     for expert in torch.unique(ids).tolist():
         t, r = (ids == expert).nonzero(as_tuple=True)
         gu = linear_reference(x[t], gate_up[expert], None, x.dtype)
-        act = silu_and_mul_reference(gu[:, :inter], gu[:, inter:])
-        y[t, r] = linear_reference(act, down[expert], None, x.dtype)
+        gu = add_bias_rounded(gu, None if form.gate_up_bias is None else form.gate_up_bias[expert])
+        act = expert_activation_reference(*form.split(gu), form.clamp)
+        y[t, r] = add_bias_rounded(linear_reference(act, down[expert], None, x.dtype),
+                                   None if form.down_bias is None else form.down_bias[expert])
     out = torch.zeros(tokens, x.shape[1], dtype=compute)
     w = weights.to(compute)
     for r in range(top_k):
@@ -150,12 +183,14 @@ def fused_moe_reference(x, gate_up, down, weights, ids) -> torch.Tensor:
 
 class _FusedMoeFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, gate_up, down, weights, ids, backend):
-        ctx.backend = backend
+    def forward(ctx, x, gate_up, down, weights, ids, backend, gate_up_bias, down_bias, clamp, interleaved):
+        form = ExpertForm(gate_up_bias, down_bias, clamp, interleaved)
+        ctx.backend, ctx.clamp, ctx.interleaved = backend, clamp, interleaved
+        ctx.biases = (gate_up_bias is not None, down_bias is not None)
         if backend == "reference":
-            ctx.save_for_backward(x, gate_up, down, weights, ids)
-            return fused_moe_reference(x, gate_up, down, weights, ids)
-        out, (layout, act, preact, y) = _forward_triton(x, gate_up, down, weights, ids, save_preact=True)
+            ctx.save_for_backward(x, gate_up, down, weights, ids, gate_up_bias, down_bias)
+            return fused_moe_reference(x, gate_up, down, weights, ids, form)
+        out, (layout, act, preact, y) = _forward_triton(x, gate_up, down, weights, ids, save_preact=True, form=form)
         ctx.save_for_backward(x, gate_up, down, weights, ids, act, preact, y)
         ctx.layout = layout
         return out
@@ -163,19 +198,38 @@ class _FusedMoeFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         if ctx.backend == "reference":
-            grads = fused_moe_backward_reference(grad_out, *ctx.saved_tensors)
+            x, gate_up, down, weights, ids, gate_up_bias, down_bias = ctx.saved_tensors
+            form = ExpertForm(gate_up_bias, down_bias, ctx.clamp, ctx.interleaved)
+            grads = fused_moe_backward_reference(grad_out, x, gate_up, down, weights, ids, form)
         else:
-            grads = fused_moe_backward_triton(grad_out.contiguous(), ctx.layout, *ctx.saved_tensors)
-        return (*grads, None, None)
+            form = ExpertForm(None, None, ctx.clamp, ctx.interleaved)
+            grads = fused_moe_backward_triton(grad_out.contiguous(), ctx.layout, *ctx.saved_tensors, form=form,
+                                              biases=ctx.biases)
+        return (*grads[:4], None, None, *grads[4:], None, None)
+
+
+def _check_form(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, form: ExpertForm) -> None:
+    """ValueErrors naming a bias of the wrong shape, dtype or device."""
+    experts, hidden = down_proj.shape[0], down_proj.shape[1]
+    for name, bias, shape in (("gate_up_bias", form.gate_up_bias, (experts, gate_up_proj.shape[1])),
+                              ("down_bias", form.down_bias, (experts, hidden))):
+        if bias is not None and (tuple(bias.shape) != shape or bias.dtype != x.dtype or bias.device != x.device):
+            raise ValueError(f"fused_moe: {name} must be {list(shape)} {x.dtype} on {x.device} (like x); got "
+                             f"{list(bias.shape)} {bias.dtype} on {bias.device}")
+    if form.clamp is not None and not isinstance(form.clamp, SwigluClamp):
+        raise ValueError(f"fused_moe: clamp={form.clamp!r} must be a SwigluClamp or None")
 
 
 def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, add: torch.Tensor | None = None,
-              add_ready: torch.cuda.Event | None = None) -> torch.Tensor:
+              add_ready: torch.cuda.Event | None = None, *, gate_up_bias: torch.Tensor | None = None,
+              down_bias: torch.Tensor | None = None, clamp: SwigluClamp | None = None,
+              interleaved: bool = False) -> torch.Tensor:
     """Routed-expert output ``[T, H]`` for ``x [T, H]`` (see the module docstring), plus `add`.
 
     Args:
-        gate_up_proj: ``[E, 2I, H]``; down_proj: ``[E, H, I]`` (x's dtype).
+        gate_up_proj: ``[E, 2I, H]`` (any strides: GPT-OSS passes its ``[E, H, 2I]`` parameter
+            transposed); down_proj: ``[E, H, I]`` (likewise) (x's dtype).
         topk_weights: ``[T, k]`` (fp32, rank order); topk_ids: ``[T, k]`` int.
         add: optional ``[T, H]`` in x's dtype (DeepSeek's shared experts): the result is then
             bitwise ``fused_moe(...) + add``; without gradients the Triton path adds it inside
@@ -184,7 +238,12 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
             (`vexact_models.side_stream.beside`: the shared experts beside the routed ones); the
             current stream waits for it before `add` is first read: in the Triton path just
             before the combine, so the routed experts run beside `add`'s computation.
-    Differentiable in x, both weight tensors, topk_weights and add.
+        gate_up_bias: ``[E, 2I]`` (the gate/up rows' order), down_bias: ``[E, H]``: added to the
+            rounded products and rounded again, as stock's ``x @ W + b`` (GPT-OSS).
+        clamp: GPT-OSS's clamped SwiGLU (`moe_activation.SwigluClamp`) instead of SwiGLU.
+        interleaved: gate/up rows interleaved (gate row n at 2n, up at 2n + 1; GPT-OSS) instead
+            of all gate rows first.
+    Differentiable in x, both weight tensors, both biases, topk_weights and add.
     """
     if x.dim() != 2 or gate_up_proj.shape[2] != x.shape[1] or down_proj.shape[1] != x.shape[1] \
             or gate_up_proj.shape[1] != 2 * down_proj.shape[2] or gate_up_proj.shape[0] != down_proj.shape[0]:
@@ -193,6 +252,8 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"fused_moe: topk_ids {tuple(topk_ids.shape)} and topk_weights "
                          f"{tuple(topk_weights.shape)} must both be [{x.shape[0]}, k]")
+    form = ExpertForm(gate_up_bias, down_bias, clamp, bool(interleaved))
+    _check_form(x, gate_up_proj, down_proj, form)
     backend = select("fused_moe", x)
     x = x.contiguous()
     ids = topk_ids.to(torch.int64)
@@ -202,7 +263,8 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
     if add_ready is not None and add is None:
         raise ValueError("fused_moe: add_ready was given without add; it says when add is ready to read")
     needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, gate_up_proj, down_proj, topk_weights, add))
+        t is not None and t.requires_grad for t in (x, gate_up_proj, down_proj, topk_weights, add, gate_up_bias,
+                                                     down_bias))
     plain_add = needs_grad or backend == "reference"  # the plain add after the routed output
     if add_ready is not None and (plain_add or not add.is_contiguous()):
         # `add` is read before the combine (its add, or its copy below): wait for it now; `beside`
@@ -210,9 +272,10 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
         torch.cuda.current_stream(x.device).wait_event(add_ready)
         add_ready = None
     if plain_add:
-        out = (_FusedMoeFunction.apply(x, gate_up_proj, down_proj, topk_weights, ids, backend) if needs_grad
-               else fused_moe_reference(x, gate_up_proj, down_proj, topk_weights, ids))
+        out = (_FusedMoeFunction.apply(x, gate_up_proj, down_proj, topk_weights, ids, backend, gate_up_bias, down_bias,
+                                       form.clamp, form.interleaved) if needs_grad
+               else fused_moe_reference(x, gate_up_proj, down_proj, topk_weights, ids, form))
         return out if add is None else out + add
     add = None if add is None else add.contiguous()  # the combine kernel reads rows of unit stride
     return _forward_triton(x, gate_up_proj, down_proj, topk_weights, ids, save_preact=False, add=add,
-                           add_ready=add_ready)[0]
+                           add_ready=add_ready, form=form)[0]

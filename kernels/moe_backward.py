@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ._triton import tl, triton
+from .moe_activation import PLAIN, ExpertForm, expert_activation_backward, expert_activation_math
 from .moe_align import MoeLayout
 from .moe_grouped_gemm import combine, grouped_gemm
 
@@ -61,7 +62,11 @@ def _weight_grad(g: torch.Tensor, a: torch.Tensor, layout: MoeLayout, experts: i
     return out
 
 
-def fused_moe_backward_triton(grad_out, layout: MoeLayout, x, gate_up, down, weights, ids, act, preact, y):
+def fused_moe_backward_triton(grad_out, layout: MoeLayout, x, gate_up, down, weights, ids, act, preact, y, *,
+                              form: ExpertForm = PLAIN, biases: tuple[bool, bool] = (False, False)):
+    """Gradients of `fused_moe` (x, gate_up, down, weights, then the gate/up and down biases when
+    `biases` says the forward had them, else None) from the forward's saved rows; `form` gives
+    the activation and the gate/up rows' order (its bias tensors are not read)."""
     tokens, hidden = x.shape
     top_k = ids.shape[1]
     experts, inter = down.shape[0], down.shape[2]
@@ -73,34 +78,48 @@ def fused_moe_backward_triton(grad_out, layout: MoeLayout, x, gate_up, down, wei
     # d_act[p, i] = sum_h dy[p, h] down[e, h, i]: W element (n=i, k=h)
     cfg = layout.config
     d_act = grouped_gemm(dy, down, layout, inter, hidden, down.stride(2), down.stride(1), torch.float32, cfg)
-    g, u = preact[:, :inter].float(), preact[:, inter:].float()
-    sig = torch.sigmoid(g)
-    d_gate_up = torch.cat([d_act * u * sig * (1.0 + g * (1.0 - sig)), d_act * g * sig], dim=1).to(x.dtype)
+    d_gate, d_up = expert_activation_backward(preact[:, :inter], preact[:, inter:], d_act, form.clamp)
+    d_gate_up = form.join(d_gate, d_up).to(x.dtype)  # in the weight rows' order
     # dx_p[h] = sum_j d_gate_up[p, j] gate_up[e, j, h]: W element (n=h, k=j)
     dx_pairs = grouped_gemm(d_gate_up, gate_up, layout, hidden, 2 * inter, gate_up.stride(2), gate_up.stride(1),
                             torch.float32, cfg)
     grad_x = combine(dx_pairs, torch.ones_like(weights, dtype=torch.float32), layout, tokens, x.dtype)
-    grad_down = _weight_grad(dy, act, layout, experts, False, top_k, torch.empty_like(down))
-    grad_gate_up = _weight_grad(d_gate_up, x, layout, experts, True, top_k, torch.empty_like(gate_up))
-    return grad_x, grad_gate_up, grad_down, grad_weights.to(weights.dtype)
+    grad_down = _weight_grad(dy, act, layout, experts, False, top_k, torch.empty(down.shape, device=x.device,
+                                                                                 dtype=down.dtype))
+    grad_gate_up = _weight_grad(d_gate_up, x, layout, experts, True, top_k,
+                                torch.empty(gate_up.shape, device=x.device, dtype=gate_up.dtype))
+    expert_of_pair = ids.reshape(-1)
+    bias_grads = tuple(
+        torch.zeros(experts, g.shape[1], device=x.device, dtype=torch.float32).index_add_(
+            0, expert_of_pair, g[layout.pair_pos].float()).to(x.dtype) if wanted else None
+        for wanted, g in zip(biases, (d_gate_up, dy)))
+    return grad_x, grad_gate_up, grad_down, grad_weights.to(weights.dtype), *bias_grads
 
 
-def fused_moe_backward_reference(grad_out, x, gate_up, down, weights, ids):
+def fused_moe_backward_reference(grad_out, x, gate_up, down, weights, ids, form: ExpertForm = PLAIN):
+    """Gradients of `fused_moe` (x, gate_up, down, weights, gate/up bias, down bias; None for an
+    absent bias) by autograd through `moe_math` in fp32 (fp64 for fp64)."""
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    inputs = (x, gate_up, down, weights, form.gate_up_bias, form.down_bias)
     with torch.enable_grad():
-        leaves = [t.detach().to(compute).requires_grad_() for t in (x, gate_up, down, weights)]
-        out = moe_math(*leaves, ids)
-        grads = torch.autograd.grad(out, leaves, grad_out.to(compute))
-    return tuple(g.to(t.dtype) for g, t in zip(grads, (x, gate_up, down, weights)))
+        leaves = [None if t is None else t.detach().to(compute).requires_grad_() for t in inputs]
+        out = moe_math(*leaves[:4], ids, ExpertForm(leaves[4], leaves[5], form.clamp, form.interleaved))
+        present = [t for t in leaves if t is not None]
+        grads = iter(torch.autograd.grad(out, present, grad_out.to(compute)))
+    return tuple(None if t is None else next(grads).to(t.dtype) for t in inputs)
 
 
-def moe_math(x, gate_up, down, weights, ids) -> torch.Tensor:
-    """Plain-torch, differentiable MoE (the test oracle and the reference backward)."""
-    inter = down.shape[2]
+def moe_math(x, gate_up, down, weights, ids, form: ExpertForm = PLAIN) -> torch.Tensor:
+    """Plain-torch, differentiable MoE (the test oracle and the reference backward), with
+    `form`'s biases, activation and gate/up order."""
     out = torch.zeros(x.shape, dtype=torch.promote_types(x.dtype, weights.dtype), device=x.device)
     for expert in torch.unique(ids).tolist():
         t, r = (ids == expert).nonzero(as_tuple=True)
         gu = x[t] @ gate_up[expert].t()
-        act = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
-        out = out.index_add(0, t, (act @ down[expert].t()) * weights[t, r][:, None])
+        if form.gate_up_bias is not None:
+            gu = gu + form.gate_up_bias[expert]
+        y = expert_activation_math(*form.split(gu), form.clamp) @ down[expert].t()
+        if form.down_bias is not None:
+            y = y + form.down_bias[expert]
+        out = out.index_add(0, t, y * weights[t, r][:, None])
     return out.to(x.dtype)

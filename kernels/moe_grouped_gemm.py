@@ -19,9 +19,10 @@ from .moe_config import MoeConfig, k_tile
 def _moe_grouped_gemm_kernel(a_ptr, w_ptr, a_desc, w_desc, out_ptr, block_expert_ptr, N, K, stride_am, stride_we,
                              stride_wn, stride_wk, stride_om, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DESCS: tl.constexpr,
-                             PDL: tl.constexpr = False):
+                             PDL: tl.constexpr = False, bias_ptr=None, stride_be=0, BIAS: tl.constexpr = False):
     """out[rows] = a[rows] @ W[e]^T for each block of permuted rows (W[e] element (n, k) via strides;
-    with `DESCS`, the rows and ``W`` as ``[E * N, K]`` through TMA descriptors)."""
+    with `DESCS`, the rows and ``W`` as ``[E * N, K]`` through TMA descriptors); with `BIAS`, the
+    rounded product plus ``bias[e]``, rounded again (stock's ``x @ W + b``)."""
     wait_for_inputs(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -47,8 +48,11 @@ def _moe_grouped_gemm_kernel(a_ptr, w_ptr, a_desc, w_desc, out_ptr, block_expert
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
-    tl.store(out_ptr + rows[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=n_ok[None, :])
+    out = acc.to(out_ptr.dtype.element_ty)
+    if BIAS:
+        b = tl.load(bias_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        out = (out.to(tl.float32) + b[None, :]).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rows[:, None] * stride_om + offs_n[None, :], out, mask=n_ok[None, :])
 
 
 @triton.jit
@@ -71,9 +75,11 @@ def _moe_combine_kernel(y_ptr, weights_ptr, pair_pos_ptr, add_ptr, out_ptr, H, s
 
 
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, layout: MoeLayout, n: int, k: int, stride_n: int,
-                 stride_k: int, out_dtype: torch.dtype, cfg: MoeConfig, down_tiles: bool = False) -> torch.Tensor:
+                 stride_k: int, out_dtype: torch.dtype, cfg: MoeConfig, down_tiles: bool = False,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """``out[p] = a[p] @ W[e(p)]^T`` over the padded permuted rows (W element (n, k) by strides),
-    with the down kernel's tiles (`down_tiles`) or the gate/up kernel's."""
+    with the down kernel's tiles (`down_tiles`) or the gate/up kernel's; plus ``bias[e(p)]``
+    (``[E, n]``) rounded as stock's ``x @ W + b`` when given (GPT-OSS's down bias)."""
     out = torch.empty(a.shape[0], n, device=a.device, dtype=out_dtype)
     block_n, block_k, warps, stages = (
         (cfg.down_block_n, k_tile(cfg.down_block_k, k), cfg.down_num_warps, cfg.down_num_stages) if down_tiles
@@ -85,7 +91,9 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, layout: MoeLayout, n: int, k:
     _moe_grouped_gemm_kernel[grid](a, w, a_desc, w_desc, out, layout.block_expert, n, k, a.stride(0), w.stride(0),
                                    stride_n, stride_k, out.stride(0), INPUT_PRECISION=input_precision(a.dtype),
                                    BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=block_k, DESCS=descs,
-                                   num_warps=warps, num_stages=stages, **dependent_launch_kwargs(a.device))
+                                   num_warps=warps, num_stages=stages,
+                                   **({} if bias is None else dict(bias_ptr=bias.contiguous(), stride_be=n, BIAS=True)),
+                                   **dependent_launch_kwargs(a.device))
     return out
 
 

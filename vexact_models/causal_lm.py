@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast, MoeCausalLMOutputWithPast
+from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 from vexact_models.adapters import forbid_adapters
 from vexact_models.checkpointing import CheckpointingMixin
@@ -248,6 +249,24 @@ class CausalLMMixin(StrictLoadingMixin):
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         return output_class(loss=loss, logits=logits, hidden_states=hidden_states_output(states, request, flat))
 
+    def _moe_forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, cu_seqlens=None,
+                     logits_to_keep: int = 0, output_router_logits: bool | None = None, **kwargs):
+        """The MoE models' ``forward``: `forward`'s output as HF's ``MoeCausalLMOutputWithPast``;
+        with ``output_router_logits`` each MoE layer's router logits over the non-padding tokens
+        and HF's load-balancing ``aux_loss`` (added to ``loss`` times ``router_aux_loss_coef``
+        when ``labels`` are given). Router logits exist for the real tokens only, so HF's loss
+        needs no attention mask."""
+        router = self._router_logits_list(output_router_logits)
+        out = self._causal_lm_output(MoeCausalLMOutputWithPast, input_ids, attention_mask, position_ids, labels,
+                                     cu_seqlens, logits_to_keep, router_logits=router, **kwargs)
+        if router is not None:
+            out.router_logits = tuple(router)
+            out.aux_loss = load_balancing_loss_func(out.router_logits, num_routed_experts(self.config),
+                                                    self.config.num_experts_per_tok, None)
+            if out.loss is not None:
+                out.loss = out.loss + self.config.router_aux_loss_coef * out.aux_loss.to(out.loss.device)
+        return self._as_requested(out, kwargs.get("return_dict"))
+
     def _router_logits_list(self, output_router_logits: bool | None) -> list | None:
         """A list to collect router logits in when asked (argument, else the config's
         ``output_router_logits``, a field only newer transformers versions have), else None."""
@@ -315,6 +334,16 @@ class CausalLMMixin(StrictLoadingMixin):
         cfg = self.config
         head_dim = head_dim_of(cfg)
         return cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, head_dim
+
+
+def num_routed_experts(config) -> int:
+    """A MoE config's routed expert count: ``num_experts`` (Qwen3-MoE), ``num_local_experts``
+    (GPT-OSS, Mixtral) or ``n_routed_experts`` (DeepSeek)."""
+    for field in ("num_experts", "num_local_experts", "n_routed_experts"):
+        value = getattr(config, field, None)
+        if value is not None:
+            return int(value)
+    raise ValueError(f"{type(config).__name__} has none of num_experts, num_local_experts, n_routed_experts")
 
 
 class InferenceModel(nn.Module):

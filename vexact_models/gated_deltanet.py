@@ -17,8 +17,8 @@ from transformers import initialization as hf_init
 from vexact_models.adapters import apply_linear
 from vexact_models.kernels import (GATED_DELTA_CHUNK, causal_conv1d, gated_delta_gates, gated_delta_rule, gated_rms_norm,
                                    linear, sigmoid_gate, softmax_topk)
-from vexact_models.layers import (FusedExperts, GatedMLP, PackedContext, PreNormDecoderLayer, RMSNorm, grouped_linear,
-                                  head_dim_of)
+from vexact_models.layers import (FusedExperts, GatedMLP, PackedContext, PreNormDecoderLayer, RMSNorm,
+                                  ZeroCentredRMSNorm, grouped_linear, head_dim_of)
 from vexact_models.patches.compat import gated_deltanet_a_log, gated_deltanet_a_log_init, qwen3_moe_router_output
 
 
@@ -72,16 +72,6 @@ class StockInitOrderMixin:
             module._is_hf_initialized = True
             return
         super()._initialize_weights(module, *args, **kwargs)
-
-
-class ZeroCentredRMSNorm(RMSNorm):
-    """HF's ``Qwen3NextRMSNorm`` / ``Qwen3_5RMSNorm``: ``norm(x) * (1 + weight)``, weight initialised to zeros."""
-
-    zero_centred = True
-
-    def init_random(self, std: float) -> None:
-        """HF's init (called by `InitHookMixin`): zeros, i.e. a scale of 1."""
-        nn.init.zeros_(self.weight)
 
 
 class GatedRMSNorm(nn.Module):

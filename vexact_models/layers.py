@@ -18,6 +18,7 @@ from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from vexact_models.kernels import (PagedLayout, add_rms_norm, apply_rotary, attention, attention_packed, fused_moe,
+                                   gelu_tanh_and_mul,
                                    kv_cache_write, linear_silu_and_mul, rms_norm, rope_table, rotary_cache_write,
                                    silu_and_mul)
 
@@ -75,6 +76,17 @@ class RMSNorm(nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
 
 
+class ZeroCentredRMSNorm(RMSNorm):
+    """HF's ``Qwen3NextRMSNorm`` / ``Qwen3_5RMSNorm`` / ``Gemma3RMSNorm``: ``norm(x) * (1 + weight)``,
+    weight initialised to zeros."""
+
+    zero_centred = True
+
+    def init_random(self, std: float) -> None:
+        """HF's init (called by `InitHookMixin`): zeros, i.e. a scale of 1."""
+        nn.init.zeros_(self.weight)
+
+
 def add_and_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(norm(x + residual), x + residual)``, one kernel; before the first layer (`residual`
     None) `x` itself starts the residual stream."""
@@ -106,15 +118,21 @@ class PreNormDecoderLayer(GradientCheckpointingLayer):
         return self.mlp(normed), residual
 
 
+#: the gated MLP's activations: HF's ``hidden_act`` name -> the ``act(gate) * up`` op
+GATED_ACTIVATIONS = {"silu": silu_and_mul, "gelu_pytorch_tanh": gelu_tanh_and_mul}
+
+
 class GatedMLP(nn.Module):
-    """HF's SiLU-gated MLP (``gate_proj``, ``up_proj``, ``down_proj``; biased only with `bias`,
-    e.g. Llama's ``mlp_bias``): ``down(silu(gate(x)) * up(x))`` with `kernels.linear` and
-    `kernels.silu_and_mul`."""
+    """HF's gated MLP (``gate_proj``, ``up_proj``, ``down_proj``; biased only with `bias`,
+    e.g. Llama's ``mlp_bias``): ``down(act(gate(x)) * up(x))`` with `kernels.linear` and
+    `kernels.silu_and_mul` (SiLU) or `kernels.gelu_tanh_and_mul` (Gemma's ``gelu_pytorch_tanh``)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu", bias: bool = False) -> None:
         super().__init__()
-        if hidden_act != "silu":
-            raise ValueError(f"{type(self).__name__}: hidden_act={hidden_act!r} is not supported (only 'silu')")
+        if hidden_act not in GATED_ACTIVATIONS:
+            raise ValueError(f"{type(self).__name__}: hidden_act={hidden_act!r} is not supported (one of "
+                             f"{sorted(GATED_ACTIVATIONS)})")
+        self.hidden_act = hidden_act
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
@@ -123,11 +141,11 @@ class GatedMLP(nn.Module):
         return [[self.gate_proj, self.up_proj]]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = fused_bias_free_weight(x, [self.gate_proj, self.up_proj])
+        fused = fused_bias_free_weight(x, [self.gate_proj, self.up_proj]) if self.hidden_act == "silu" else None
         if fused is not None:  # one launch where it can (rollout decode steps), the same bits
             return apply_linear(linear_silu_and_mul(x, fused), self.down_proj)
         gate, up = grouped_linear(x, [self.gate_proj, self.up_proj])
-        return apply_linear(silu_and_mul(gate, up), self.down_proj)
+        return apply_linear(GATED_ACTIVATIONS[self.hidden_act](gate, up), self.down_proj)
 
 
 class FusedExperts(nn.Module):

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
+from vexact_models.causal_lm import num_routed_experts
 from vexact_models.kernels import token_logprobs
 from vexact_models.registry import for_model_type
 from vexact_models.rl import entropy_rows
@@ -162,7 +163,7 @@ class ExactLogprobHead:
         router: list = []
         hidden, flat, _ = base.forward_hf_inputs(input_ids, attention_mask, router_logits=router)
         config = self.model.config
-        aux_loss = load_balancing_loss_func(tuple(router), config.num_experts, config.num_experts_per_tok, None)
+        aux_loss = load_balancing_loss_func(tuple(router), num_routed_experts(config), config.num_experts_per_tok, None)
         return flat.to_padded(hidden), aux_loss
 
 

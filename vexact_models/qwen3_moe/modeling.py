@@ -12,7 +12,6 @@ import torch
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel, Qwen3MoeConfig
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
-from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 from vexact_models.kernels import linear, softmax_topk
 from vexact_models.layers import FusedExperts, PreNormDecoderLayer, RMSNorm
@@ -114,17 +113,9 @@ class Qwen3MoeForCausalLM(CausalLMMixin, Qwen3MoePreTrainedModel, GenerationMixi
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, cu_seqlens=None,
                 logits_to_keep: int = 0, output_router_logits: bool | None = None, **kwargs) -> MoeCausalLMOutputWithPast:
-        router = self._router_logits_list(output_router_logits)
-        out = self._causal_lm_output(MoeCausalLMOutputWithPast, input_ids, attention_mask, position_ids, labels,
-                                     cu_seqlens, logits_to_keep, router_logits=router, **kwargs)
-        if router is not None:
-            # router logits exist for the real tokens only, so no attention mask is needed
-            out.router_logits = tuple(router)
-            out.aux_loss = load_balancing_loss_func(out.router_logits, self.config.num_experts,
-                                                    self.config.num_experts_per_tok, None)
-            if out.loss is not None:
-                out.loss = out.loss + self.config.router_aux_loss_coef * out.aux_loss.to(out.loss.device)
-        return self._as_requested(out, kwargs.get("return_dict"))
+        """HF's forward (`CausalLMMixin._moe_forward`: router logits and aux loss when asked)."""
+        return self._moe_forward(input_ids, attention_mask, position_ids, labels, cu_seqlens, logits_to_keep,
+                                 output_router_logits, **kwargs)
 
 
 class Qwen3MoeForCausalLMInference(InferenceModel):
