@@ -26,7 +26,6 @@ from vexact_models.patches.compat import qwen3_moe_router_output
 GDN_ROLLOUT_FEATURES_MISSING = (
     ("cuda_graphs", "the gated-DeltaNet state cache (runtime/linear_state_cache.py) plans each step on the host; "
                     "its steps are not captured in CUDA graphs"),
-    ("pipeline_parallel", "a pipeline stage would hold its own layers' gated-DeltaNet states, which is not built"),
 )
 
 
