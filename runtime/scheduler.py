@@ -223,18 +223,20 @@ class Scheduler(LookaheadMixin, PromptStateMixin, PostprocessMixin):
     def _schedule_running(
         self, budget: int, scheduled: list[ScheduledSeq], preempted: list[Sequence]
     ) -> int:
-        """Schedule running sequences in arrival order; returns the budget left."""
+        """Schedule running sequences in arrival order; returns the budget left. The tokens of
+        the siblings that take a leader's prompt state in this step (`scheduler_siblings`) are
+        kept from the running sequences after it, for the admissions that follow."""
         running = self._running
-        i = 0
-        while i < len(running) and budget > 0 and len(scheduled) < self.max_num_seqs:
-            limit = min(len(running) - i, budget, self.max_num_seqs - len(scheduled))
+        i = kept = 0
+        while i < len(running) and budget > kept and len(scheduled) < self.max_num_seqs:
+            limit = min(len(running) - i, budget - kept, self.max_num_seqs - len(scheduled))
             decodes = self._schedule_decodes(islice(running, i, i + limit), scheduled)
             if decodes:
                 i += decodes
                 budget -= decodes
                 continue
             seq = running[i]
-            shared, num_new = self._chunk(seq, budget)
+            shared, num_new = self._chunk(seq, budget - kept)
             if num_new == 0:
                 i += 1  # only without chunking: a smaller sequence behind it may still fit
                 continue
@@ -243,6 +245,7 @@ class Scheduler(LookaheadMixin, PromptStateMixin, PostprocessMixin):
             scheduled.append(self._item(seq, num_new))
             self._publish(scheduled[-1])
             budget -= num_new
+            kept += self._sibling_tokens(seq)
             i += 1
         return budget
 

@@ -17,8 +17,10 @@ and the others (its siblings) start from copies of its state:
   (`BlockManager.share_prefix`) and the step carries a copy of the leader's GDN slot (conv state,
   boundary state, kept rows: `ScheduledSeq.state_from`, the runner's `LinearStateCache.copy_slots`),
   made before the step's forward; the sibling then computes positions ``s..P-1`` itself;
-- otherwise (no room that step, the leader past ``s``, finished or preempted, a step scheduled
-  ahead) the sibling prefills its prompt itself, as a preempted sibling re-prefills from 0.
+- in that step the running sequences after the leader leave the siblings' tokens of the budget
+  to them (`_sibling_tokens`); otherwise (no room that step: ``max_num_seqs``, pages; the leader
+  past ``s``, finished or preempted; a step scheduled ahead) the sibling prefills its prompt
+  itself, as a preempted sibling re-prefills from 0.
 
 The copy is the data a prefill of the same tokens would have written (the GDN step of a sequence
 depends only on its own tokens, rules 1-3), so the siblings' numbers are bitwise those of prefilling
@@ -94,6 +96,16 @@ class PromptStateMixin:
         if not any(s.status is SequenceStatus.WAITING and s.num_computed_tokens == 0 for s in group[1:]):
             return num_new
         return min(num_new, point - seq.num_computed_tokens)
+
+    def _sibling_tokens(self, seq: Sequence) -> int:
+        """The prompt tokens the waiting siblings of leader `seq` run in this step if they take its
+        state now (it stands at the share point, no step in flight); 0 otherwise."""
+        group = self._siblings.get(seq.request_id) if self.share_prompt_state else None
+        point = self.share_point(seq)
+        if not group or group[0] is not seq or self._in_flight or not point or seq.num_computed_tokens != point:
+            return 0
+        return sum(s.num_tokens - point for s in group[1:]
+                   if s.status is SequenceStatus.WAITING and s.num_computed_tokens == 0)
 
     def _admit_sharing(self, seq: Sequence, donor: Sequence, num_new: int) -> ScheduledSeq:
         """Take `donor`'s prompt pages up to the share point and allocate the rest of this step's

@@ -82,10 +82,8 @@ def test_n_samples_prefill_their_prompt_once_and_equal_training_bitwise(hybrid):
             assert counts == {"prompt": N * sum(LENGTHS), "copies": 0}
             alone = completions(outs)
             assert_recompute(hybrid, prompts, outs)
-        elif engine.get("async_scheduling") is False:
-            assert counts["prompt"] == once
-        else:  # a small budget: siblings without room in their leader's step at the share point prefill alone
-            assert once <= counts["prompt"] < N * sum(LENGTHS) and counts["copies"] > 0, counts
+        else:  # with a budget of 12 the second leader waits at its share point while the first's siblings run
+            assert counts == {"prompt": once, "copies": (N - 1) * len(LENGTHS)}, engine
         assert completions(outs) == alone, engine
 
 
@@ -168,3 +166,33 @@ def test_share_prefix_errors_change_nothing():
     with pytest.raises(ValueError, match="must hold no pages and no computed tokens"):
         bm.share_prefix(seq, donor, 8)
     assert np.array_equal(bm.tables.gather(bm.tables.rows([seq]), 2)[0], donor.block_table)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the Triton GDN kernels)")
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_gpu_n_samples_share_their_prompt_at_chunk_64(name):
+    """On the GPU (Triton kernels), bf16, the published chunk of 64, pages of 16: prompts of 100
+    and 300 tokens, n = 4, prefill pieces of 48: the prompts run once up to their share points
+    (96, 288), and every logprob equals the training recompute and the rollout with prefix
+    sharing off, bitwise."""
+    arch = get(name)
+    model = build_model(arch, arch.tiny_config(linear_chunk_size=None), torch.device("cuda"), torch.bfloat16)
+    gen = torch.Generator().manual_seed(5)
+    lengths = (100, 300)
+    prompts = [torch.randint(2, 500, (n,), generator=gen).tolist() for n in lengths]
+    params = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, seed=2, n=N)
+    runs = []
+    for share in (False, True):
+        llm = LLM(model, block_size=16, max_num_seqs=8, kv_cache_bytes=1 << 26, max_num_batched_tokens=48,
+                  enforce_eager=True, enable_prefix_sharing=share)
+        counts = count_prompt_tokens(llm)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        shares = [(n - 1) // 16 * 16 for n in lengths] if share else [0, 0]
+        assert counts["prompt"] == sum(s + N * (n - s) for n, s in zip(lengths, shares)), counts
+        runs.append(completions(outs))
+        for prompt, out in zip(prompts, outs):
+            for c in out.outputs:
+                want = model.token_logprobs(torch.tensor([prompt + c.token_ids], device="cuda"))[0, len(prompt):].cpu()
+                assert torch.equal(torch.tensor(c.logprobs), want), (name, len(prompt), c.index)
+    assert runs[0] == runs[1]
