@@ -61,7 +61,6 @@ def assert_recompute(model, prompts, outs):
             assert torch.equal(torch.tensor(c.logprobs), want), (len(prompt), c.index)
 
 
-@pytest.mark.compat
 def test_n_samples_prefill_their_prompt_once_and_equal_training_bitwise(hybrid):
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(2, 500, (n,), generator=gen).tolist() for n in LENGTHS]
