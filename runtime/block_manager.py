@@ -223,6 +223,35 @@ class BlockManager:
             seq.block_table.append(self._pop_fresh())
         self.tables.extend(seq.seq_id, start, seq.block_table[start:])
 
+    def can_share_prefix(self, num_tokens: int, total: int) -> bool:
+        """Whether `share_prefix` of ``num_tokens`` tokens (whole pages of a running donor) and
+        fresh pages up to position ``total`` fit the free pages (the shared ones take none)."""
+        return self.blocks_for(total) - num_tokens // self.block_size <= len(self._free)
+
+    def share_prefix(self, seq: Sequence, donor: Sequence, num_tokens: int) -> None:
+        """Give ``seq``, which holds no page yet, ``donor``'s first ``num_tokens // block_size``
+        pages (a reference more each) and mark those tokens computed: the n samples of one prompt
+        of a model whose gated-DeltaNet state is copied beside them (`Scheduler`'s prompt-state
+        sharing, docs/design.md section 6b), without the content keys of prefix sharing.
+        ValueError, changing nothing, when ``num_tokens`` is not a positive multiple of
+        ``block_size``, ``seq`` holds pages or computed tokens, or ``donor``'s computed pages do
+        not cover it."""
+        bs = self.block_size
+        if num_tokens <= 0 or num_tokens % bs:
+            raise ValueError(f"BlockManager.share_prefix: num_tokens={num_tokens} must be a positive multiple of "
+                             f"block_size={bs}")
+        if seq.block_table or seq.num_computed_tokens:
+            raise ValueError(f"BlockManager.share_prefix: {seq!r} must hold no pages and no computed tokens")
+        if donor.num_computed_tokens < num_tokens or len(donor.block_table) * bs < num_tokens:
+            raise ValueError(f"BlockManager.share_prefix: {donor!r} has not computed {num_tokens} tokens")
+        pages = donor.block_table[:num_tokens // bs]
+        for block in pages:
+            self._ref[block] += 1
+        seq.block_table.extend(pages)
+        seq.num_computed_tokens = num_tokens
+        self.num_shared_hits += len(pages)
+        self.tables.extend(seq.seq_id, 0, pages)
+
     def append_block(self, seq: Sequence) -> None:
         """One fresh page at the end of ``seq.block_table``: what ``allocate`` does for a decode
         step that enters a new page (nothing can be shared there), minus its general

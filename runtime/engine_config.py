@@ -33,6 +33,9 @@ class EngineConfig:
         eos_token_id: the EOS id that ends sequences in the scheduler (None: none).
         enable_chunked_prefill: split long prompts over steps.
         enable_prefix_sharing: share the KV pages of common full-page prefixes.
+        share_prompt_state: the n samples of a request prefill their prompt once, the others
+            taking its pages and a copy of its gated-DeltaNet state (`runtime.scheduler_siblings`;
+            for models with such layers, with ``enable_prefix_sharing`` off).
         cuda_graph_batch: decode steps of up to this many sequences replay CUDA graphs
             (0: always eager, ``enforce_eager``; ignored off CUDA).
         cuda_graph_tokens: steps with prompt chunks of up to this many tokens (and
@@ -51,6 +54,7 @@ class EngineConfig:
     eos_token_id: int | None = None
     enable_chunked_prefill: bool = True
     enable_prefix_sharing: bool = True
+    share_prompt_state: bool = False
     cuda_graph_batch: int = 0
     cuda_graph_tokens: int = 0
     kv_window: int | None = None
@@ -60,7 +64,8 @@ class EngineConfig:
         block_manager = BlockManager(self.num_blocks, self.block_size, enable_prefix_sharing=self.enable_prefix_sharing,
                                      window=self.kv_window)
         return Scheduler(block_manager, self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
-                         self.eos_token_id, chunked_prefill=self.enable_chunked_prefill)
+                         self.eos_token_id, chunked_prefill=self.enable_chunked_prefill,
+                         share_prompt_state=self.share_prompt_state)
 
     def make_runner(self, model, device: torch.device, dtype: torch.dtype, scheduler: Scheduler | None = None,
                     layers: range | None = None, carry_width: int = 0) -> ModelRunner:

@@ -77,21 +77,21 @@ class LinearStateSpec:
         return slots * self.bytes_per_slot(dtype) + len(self.layers) * (state + row)
 
 
-def linear_state_spec(model: torch.nn.Module) -> LinearStateSpec | None:
+def linear_state_spec(model: torch.nn.Module, layers: range | None = None) -> LinearStateSpec | None:
     """The `LinearStateSpec` of an inference (or training) model's GDN layers, or None when it has
-    none (or is no module). Raises ValueError when its GDN layers differ in shape (one pool serves
-    them all)."""
+    none (or is no module); with `layers` (a pipeline stage's decoder layers), of those among them
+    only. Raises ValueError when its GDN layers differ in shape (one pool serves them all)."""
     modules = model.modules() if isinstance(model, torch.nn.Module) else ()
-    layers = [m for m in modules if isinstance(m, GatedDeltaNet)]
-    if not layers:
+    found = [m for m in modules if isinstance(m, GatedDeltaNet) and (layers is None or m.layer_idx in layers)]
+    if not found:
         return None
     shapes = {((m.num_k_heads, m.num_v_heads), (m.head_k_dim, m.head_v_dim), m.conv_dim, m.conv_kernel_size,
-               m.chunk_size) for m in layers}
+               m.chunk_size) for m in found}
     if len(shapes) != 1:
         raise ValueError(f"linear_state_spec: the gated DeltaNet layers differ in shape {sorted(shapes)}; one state "
                          "pool needs one shape")
     heads, dims, channels, kernel, chunk = shapes.pop()
-    return LinearStateSpec(tuple(sorted(m.layer_idx for m in layers)), heads, dims, channels, kernel, chunk)
+    return LinearStateSpec(tuple(sorted(m.layer_idx for m in found)), heads, dims, channels, kernel, chunk)
 
 
 class LinearStateCache:
@@ -115,6 +115,20 @@ class LinearStateCache:
         self.rows = {i: (torch.zeros(rows, hk, dk, dtype=dtype, **empty), torch.zeros(rows, hv, dv, dtype=dtype, **empty),
                          torch.zeros(rows, hv, dtype=torch.float32, **empty), torch.zeros(rows, hv, dtype=dtype, **empty))
                      for i in spec.layers}
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy slot ``src[i]``'s state (conv state, boundary state, kept rows) into slot
+        ``dst[i]`` in every GDN layer (int64 index tensors on the cache's device; `dst` distinct
+        and disjoint from `src`): a sample taking its prompt's state from a sibling
+        (`runtime.scheduler_siblings`). The copy is the data itself, so the slot continues
+        bitwise as the source would."""
+        keep = self.spec.chunk - 1
+        offsets = torch.arange(keep, device=src.device)
+        rows_src, rows_dst = ((s[:, None] * keep + offsets).reshape(-1) for s in (src, dst))
+        for i in self.spec.layers:
+            for pool, (a, b) in ((self.conv[i], (src, dst)), (self.states[i], (src, dst)),
+                                 *((t, (rows_src, rows_dst)) for t in self.rows[i])):
+                pool.index_copy_(0, b, pool.index_select(0, a))
 
     def zero_(self) -> None:
         """Overwrite every state with zeros, in place (after a step that wrote non-finite values)."""

@@ -102,7 +102,9 @@ class LLM(EngineStepsMixin, EngineMemoryMixin):
             time. Pipeline-parallel engines run one step at a time regardless.
         enable_prefix_sharing: share the KV pages of common full-page prefixes between the
             sequences of one ``generate`` call (the n samples of a prompt, prompts with a common
-            start) instead of computing them again; results are bitwise the same either way.
+            start) instead of computing them again; results are bitwise the same either way. For
+            models with gated-DeltaNet layers only the n samples of a prompt share it, prefilled
+            once and its state copied (`runtime.scheduler_siblings`).
         aligned: False runs the non-aligned fast path (cuBLAS GEMMs, torch norms; CUDA only):
             faster, but its logprobs no longer equal the training forward's. For measuring
             what alignment costs. True (the default) runs the backend the user chose
@@ -186,9 +188,11 @@ class LLM(EngineStepsMixin, EngineMemoryMixin):
                                        kv_cache_bytes, max_num_seqs), block_size=block_size,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
             eos_token_id=eos, enable_chunked_prefill=enable_chunked_prefill,
-            # a shared page would skip tokens a gated-DeltaNet state must see (runtime.linear_state_cache)
+            # a shared page would skip tokens a gated-DeltaNet state must see: those models share only the
+            # prompt of a request's samples, with a copy of its state (runtime.scheduler_siblings)
             enable_prefix_sharing=enable_prefix_sharing and linear is None,
             kv_window=cache_window(self.model) if self.pipeline is None else None,
+            share_prompt_state=enable_prefix_sharing and linear is not None,
             cuda_graph_batch=0 if enforce_eager else max_num_seqs,
             cuda_graph_tokens=(min(max_num_batched_tokens, DEFAULT_MAX_TOKENS) if cuda_graph_max_tokens is None
                                else cuda_graph_max_tokens))

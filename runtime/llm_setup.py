@@ -26,6 +26,10 @@ __all__ = ["cache_budget_bytes", "cache_bytes_per_block", "eos_token_ids", "fold
            "linear_state_bytes", "load_folder", "pick_device", "runner_model"]
 
 
+#: a stage without attention layers: any page count fits (the other stages' decides)
+_NO_PAGES = 1 << 62
+
+
 def pick_device(model, device: torch.device | None, stage: PipelineStage | None) -> torch.device:
     """The engine's device: `device` when given; for a model instance, where its (stage's)
     decoder layers live; else CUDA when available (a pipeline stage: the current CUDA device),
@@ -91,10 +95,10 @@ def cache_bytes_per_block(model, dtype: torch.dtype, block_size: int, pipeline: 
     return kv_bytes_per_block(spec, block_size, dtype) // spec[0] * len(layers)
 
 
-def linear_state_bytes(model, dtype: torch.dtype, slots: int) -> int:
+def linear_state_bytes(model, dtype: torch.dtype, slots: int, pipeline: Pipeline | None = None) -> int:
     """Bytes of the gated-DeltaNet state cache of `slots` sequences (0 without such layers;
-    `runtime.linear_state_cache`)."""
-    linear = linear_state_spec(model)
+    `runtime.linear_state_cache`); a pipeline stage's: of its own layers."""
+    linear = linear_state_spec(model, None if pipeline is None else pipeline.stage.layers)
     return 0 if linear is None else linear.cache_bytes(slots, dtype)
 
 
@@ -109,7 +113,8 @@ def kv_cache_blocks(model, dtype: torch.dtype, device: torch.device, pipeline: P
     """KV pages of the inference `model` that fit the budget (a pipeline stage's budget holds
     its layers' pages; every stage takes the smallest count, since the first stage's page ids
     address them all). The budget holds the gated-DeltaNet state cache of `state_slots`
-    sequences (``max_num_seqs``) first, when the model has such layers."""
+    sequences (``max_num_seqs``) first, when the model (stage) has such layers; a stage without
+    attention layers holds no pages and takes the others' count."""
     per_block = cache_bytes_per_block(model, dtype, block_size, pipeline)
     if kv_cache_bytes is None:
         if device.type == "cuda":
@@ -118,10 +123,13 @@ def kv_cache_blocks(model, dtype: torch.dtype, device: torch.device, pipeline: P
             kv_cache_bytes = int(free - (1 - utilization) * total)
         else:
             kv_cache_bytes = 256 << 20
-    states = linear_state_bytes(model, dtype, state_slots)
-    blocks = (kv_cache_bytes - states) // per_block
+    states = linear_state_bytes(model, dtype, state_slots, pipeline)
+    blocks = (kv_cache_bytes - states) // per_block if per_block else (_NO_PAGES if kv_cache_bytes >= states else 0)
     if pipeline is not None:  # before any raise: every stage must reach this collective
         blocks = pipeline.comm.min_over_stages(blocks)
+    if blocks == _NO_PAGES:
+        raise ValueError("LLM: the model has no layer that holds KV pages (no attention layer); the rollout engine "
+                         "needs one")
     if blocks < 1:
         held = f" after the gated-DeltaNet states of {state_slots} sequences ({states} bytes)" if states else ""
         raise ValueError(f"LLM: the KV cache budget ({kv_cache_bytes} bytes) is smaller than one block "

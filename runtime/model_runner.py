@@ -25,6 +25,7 @@ from vexact_models.layers import PagedContext
 from .block_tables import BlockTables
 from .cuda_graphs import StepGraphs
 from .linear_state_cache import LinearStateCache, LinearStep, linear_state_spec
+from .pipeline import StageModel
 from .scheduled import ScheduledSeq
 from .staging import to_device
 from .step_inputs import StepInputs, build_step_inputs
@@ -77,15 +78,11 @@ def _kv_pair(shape: tuple, head_dim_k: int, head_dim_v: int, value_in_key: bool,
     return (k, k[..., :head_dim_v]) if value_in_key else (k, _cache_zeros((*shape, head_dim_v), device, dtype))
 
 
-def check_linear_state_support(spec, layers: range | None, state_slots: int) -> None:
-    """Raise ValueError, before anything is allocated, for what a model with gated-DeltaNet layers
-    (`spec` not None) cannot do yet: pipeline stages (each would hold its own layers' states), a
-    cache without slots."""
+def check_linear_state_support(spec, state_slots: int) -> None:
+    """Raise ValueError, before anything is allocated, for a model (or pipeline stage) with
+    gated-DeltaNet layers (`spec` not None) given a cache without state slots."""
     if spec is None:
         return
-    if layers is not None:
-        raise ValueError("LLM: pipeline_parallel_size > 1 is not supported for models with gated-DeltaNet layers "
-                         "(each stage would hold its own layers' states)")
     if state_slots < 1:
         raise ValueError(f"ModelRunner: state_slots={state_slots} must be >= 1 (max_num_seqs) for a model with "
                          "gated-DeltaNet layers")
@@ -107,12 +104,13 @@ class ModelRunner:
 
         A model with gated-DeltaNet layers (`linear_state_spec`) holds KV pages for its attention
         layers only and a `LinearStateCache` of `state_slots` sequences (``max_num_seqs``) for the
-        others, and its step graphs stage each step's plan over it (`runtime.cuda_graphs`); it runs
-        on one process (`check_linear_state_support`)."""
+        others (a pipeline stage: for its own `layers`' only, the step's slots and copies taken
+        from the first stage's plan), and its step graphs stage each step's plan over it
+        (`runtime.cuda_graphs`)."""
         self.model = model
-        self.linear_spec = linear_state_spec(model)
+        self.linear_spec = linear_state_spec(model.model if isinstance(model, StageModel) else model, layers)
         self.state_slots = state_slots
-        check_linear_state_support(self.linear_spec, layers, state_slots)
+        check_linear_state_support(self.linear_spec, state_slots)
         self.linear_states: LinearStateCache | None = None
         self.layers = layers
         self.carry_width = carry_width
@@ -191,6 +189,14 @@ class ModelRunner:
         starts = inputs.seq_lens.astype(np.int64) - counts
         return LinearStep(self.linear_states, inputs.seq_rows, starts, counts, cu, inputs.max_seqlen_q)
 
+    def _copy_states(self, inputs: StepInputs) -> None:
+        """Before the step: the gated-DeltaNet slot copies it carries (a sample taking its prompt's
+        state from a sibling, `runtime.scheduler_siblings`), on this runner's GDN layers."""
+        if self.linear_states is None or not len(inputs.state_copies):
+            return
+        src, dst = (torch.as_tensor(inputs.state_copies[:, i]).to(self.device) for i in (0, 1))
+        self.linear_states.copy_slots(src, dst)
+
     def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         """Run the step; return fp32 logits ``[num sampling sequences, vocab]`` in scheduled order."""
         return self.run(build_step_inputs(scheduled, self.block_size, self.block_tables))
@@ -209,6 +215,7 @@ class ModelRunner:
         token ids that replace the first ``len(in_flight)`` of ``inputs.ids``."""
         if not self.kv_caches:
             raise RuntimeError("ModelRunner: the KV cache is released (call wake_up())")
+        self._copy_states(inputs)
         bucket = None if self.graphs is None else self.graphs.step_bucket(inputs)
         if bucket is not None:
             return self.graphs.run(inputs, bucket, carry, in_flight)

@@ -3,8 +3,10 @@
 Per step, in this order:
 
 1. plan (first stage -> every stage, a broadcast over a CPU (gloo) group): an int64 header
-   (kind, token/sequence/sampling-row counts, table width, longest chunk, bans) and, for a
-   step, one byte buffer with the step's `StepInputs` and the sampling rows' `HostRows`;
+   (kind, token/sequence/sampling-row counts, table width, longest chunk, bans, state copies)
+   and, for a step, one byte buffer with the step's `StepInputs` (with the sequences' state
+   slots and the gated-DeltaNet slot copies, which every stage applies to its own layers) and
+   the sampling rows' `HostRows`;
    ``END`` (the ``generate`` call is done) and ``ABORT`` (the first stage failed between
    steps) are a header alone;
 2. carry (stage s -> s + 1, point to point on the default group: NCCL on CUDA, gloo on CPU):
@@ -35,16 +37,20 @@ _HEADER = 8
 _I64, _I32, _F64, _F32 = (np.dtype(t) for t in (np.int64, np.int32, np.float64, np.float32))
 
 
-def _plan_layout(tokens: int, seqs: int, rows: int, width: int, bans: int) -> Layout:
+def _plan_layout(tokens: int, seqs: int, rows: int, width: int, bans: int, copies: int) -> Layout:
     """Where each array of a step's plan sits in its byte buffer (`_plan_arrays`' order)."""
     return Layout([(_I64, (tokens,)), (_I64, (tokens,)), (_I64, (tokens,)), (_I64, (rows,)), (_I32, (seqs + 1,)),
-                   (_I32, (seqs,)), (_I32, (seqs,)), (_I32, (seqs, width)), (_F32, (rows,)), (_F64, (rows,)), (_I64, (rows,)),
-                   (_I64, (rows,)), (_I64, (rows,)), (_I64, (bans, 2))])
+                   (_I32, (seqs,)), (_I32, (seqs,)), (_I32, (seqs, width)), (_I64, (seqs,)), (_I64, (copies, 2)),
+                   (_F32, (rows,)), (_F64, (rows,)), (_I64, (rows,)), (_I64, (rows,)), (_I64, (rows,)), (_I64, (bans, 2))])
 
 
 def _plan_arrays(inputs: StepInputs, rows: HostRows) -> list[np.ndarray]:
+    if inputs.seq_rows is None:
+        raise RuntimeError("PipelineComm: a step's plan needs the sequences' block-table rows (their state slots): "
+                           "connect the first stage's runner to its scheduler (EngineConfig.connect)")
     return [inputs.ids, inputs.positions, inputs.slots, inputs.logits_rows, inputs.cu_seqlens, inputs.seq_lens,
-            inputs.seq_order, inputs.block_table, rows.temps, rows.top_p, rows.top_k, rows.seeds, rows.steps, rows.bans]
+            inputs.seq_order, inputs.block_table, inputs.seq_rows, inputs.state_copies, rows.temps, rows.top_p,
+            rows.top_k, rows.seeds, rows.steps, rows.bans]
 
 
 class PipelineComm:
@@ -63,11 +69,13 @@ class PipelineComm:
     def send_plan(self, inputs: StepInputs, rows: HostRows) -> None:
         """First stage: a step's inputs and sampling rows to every stage."""
         tokens, seqs, width = len(inputs.ids), len(inputs.seq_lens), inputs.block_table.shape[1]
-        header = [STEP, tokens, seqs, len(rows.temps), width, inputs.max_seqlen_q, len(rows.bans), 0]
+        arrays = _plan_arrays(inputs, rows)
+        copies = len(inputs.state_copies)
+        header = [STEP, tokens, seqs, len(rows.temps), width, inputs.max_seqlen_q, len(rows.bans), copies]
         self._broadcast(torch.tensor(header, dtype=torch.int64))
-        layout = _plan_layout(tokens, seqs, len(rows.temps), width, len(rows.bans))
+        layout = _plan_layout(tokens, seqs, len(rows.temps), width, len(rows.bans), copies)
         buffer = layout.allocate(torch.device("cpu"))
-        for view, array in zip(layout.host_views(buffer), _plan_arrays(inputs, rows)):
+        for view, array in zip(layout.host_views(buffer), arrays):
             view[...] = array
         self._broadcast(buffer)
 
@@ -79,16 +87,17 @@ class PipelineComm:
         """Other stages: the next message, ``(kind, inputs, rows)`` (None, None unless STEP)."""
         header = torch.empty(_HEADER, dtype=torch.int64)
         self._broadcast(header)
-        kind, tokens, seqs, num_rows, width, max_q, bans, _ = header.tolist()
+        kind, tokens, seqs, num_rows, width, max_q, bans, copies = header.tolist()
         if kind != STEP:
             return kind, None, None
-        layout = _plan_layout(tokens, seqs, num_rows, width, bans)
+        layout = _plan_layout(tokens, seqs, num_rows, width, bans, copies)
         buffer = layout.allocate(torch.device("cpu"))
         self._broadcast(buffer)
-        ids, positions, slots, logits_rows, cu, lens, order, table, temps, top_p, top_k, seeds, steps, banned = \
-            layout.host_views(buffer)
+        (ids, positions, slots, logits_rows, cu, lens, order, table, seq_rows, state_copies, temps, top_p, top_k, seeds,
+         steps, banned) = layout.host_views(buffer)
         inputs = StepInputs(ids=ids, positions=positions, slots=slots, logits_rows=logits_rows, cu_seqlens=cu,
-                            seq_lens=lens, block_table=table, seq_order=order, max_seqlen_q=max_q)
+                            seq_lens=lens, block_table=table, seq_order=order, max_seqlen_q=max_q, seq_rows=seq_rows,
+                            state_copies=state_copies)
         return kind, inputs, HostRows(temps, top_p, top_k, seeds, steps, banned)
 
     def _broadcast(self, tensor: torch.Tensor) -> None:

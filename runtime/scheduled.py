@@ -31,6 +31,10 @@ class ScheduledSeq:
     #: A ``schedule_ahead`` decode: its one token is the one the step before is still sampling,
     #: at position ``len(seq.token_ids)``, not in ``token_ids`` yet (its id comes on the device).
     in_flight: bool = False
+    #: The sample of the same prompt whose gated-DeltaNet slot state this sequence takes a copy of
+    #: before the step runs (its prompt pages shared up to ``num_computed_tokens``): the prompt-state
+    #: sharing of `runtime.scheduler_siblings`; None otherwise.
+    state_from: Sequence | None = None
 
 
 @dataclass

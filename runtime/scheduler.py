@@ -13,7 +13,9 @@ postprocessing it (`scheduler_ahead.py`: the next decode step, before the tokens
 With prefix sharing on in the BlockManager, a sequence's leading full pages that another
 sequence has already computed (or computes earlier in the same step, see ``_publish``) are
 shared instead of recomputed: its ``num_computed_tokens`` jumps past them when its pages are
-allocated, and the step's chunk (and the token budget) covers only what is left.
+allocated, and the step's chunk (and the token budget) covers only what is left. Models with
+gated-DeltaNet layers share the prompt of a request's n samples instead (`scheduler_siblings`:
+the prompt's pages and a copy of its state, ``share_prompt_state``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from .block_manager import BlockManager
 from .scheduled import ScheduledSeq, SchedulerOutput
 from .scheduler_ahead import LookaheadMixin
 from .scheduler_postprocess import PostprocessMixin
+from .scheduler_siblings import PromptStateMixin
 from .sequence import Sequence, SequenceStatus
 
 __all__ = ["ScheduledSeq", "SchedulerOutput", "Scheduler"]
@@ -40,7 +43,7 @@ def _check_int(name: str, value: object, minimum: int) -> int:
     return value
 
 
-class Scheduler(LookaheadMixin, PostprocessMixin):
+class Scheduler(LookaheadMixin, PromptStateMixin, PostprocessMixin):
     """Decides, step by step, which tokens of which sequences run through the model.
 
     Args:
@@ -53,6 +56,8 @@ class Scheduler(LookaheadMixin, PostprocessMixin):
             fit in the step's remaining budget; this requires
             ``max_num_batched_tokens >= max_model_len``, otherwise a long prompt (or a long
             sequence re-prefilling after a preemption) could never be scheduled.
+        share_prompt_state: the n samples of a request prefill its prompt once and copy its
+            gated-DeltaNet state (`scheduler_siblings`; needs prefix sharing off).
 
     Prefix sharing is switched on and off in the BlockManager (``enable_prefix_sharing``).
     """
@@ -65,6 +70,7 @@ class Scheduler(LookaheadMixin, PostprocessMixin):
         max_model_len: int,
         eos_token_id: int | None,
         chunked_prefill: bool = True,
+        share_prompt_state: bool = False,
     ) -> None:
         if not isinstance(block_manager, BlockManager):
             raise ValueError(
@@ -85,6 +91,7 @@ class Scheduler(LookaheadMixin, PostprocessMixin):
                 f"max_model_len={max_model_len} required when chunked_prefill is False"
             )
         self.chunked_prefill = chunked_prefill
+        self._init_siblings(share_prompt_state)
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []  # kept sorted by arrival
         self._errored: list[Sequence] = []  # finished at add(), reported by the next schedule()
@@ -124,6 +131,7 @@ class Scheduler(LookaheadMixin, PostprocessMixin):
             self._errored.append(seq)
             return
         self._waiting.append(seq)
+        self._join_siblings(seq)
 
     def _never_fits(self, seq: Sequence) -> str | None:
         """Why ``seq`` can never complete, or None. Checked once: its needs never grow."""
@@ -167,11 +175,14 @@ class Scheduler(LookaheadMixin, PostprocessMixin):
             self._in_flight.append((scheduled, False))
         return SchedulerOutput(scheduled=scheduled, preempted=preempted, errored=errored)
 
-    def _chunk(self, seq: Sequence, budget: int) -> tuple[int, int]:
+    def _chunk(self, seq: Sequence, budget: int, shared: int | None = None) -> tuple[int, int]:
         """(tokens ``seq`` gets from shared pages, new tokens within ``budget``) for this step;
-        new tokens are 0 when it cannot be scheduled now. Shared tokens cost no budget."""
-        shared = self.block_manager.num_cached_tokens(seq)
-        uncomputed = seq.num_uncomputed_tokens - shared  # >= 1: the last token is never shared
+        new tokens are 0 when it cannot be scheduled now. Shared tokens cost no budget; `shared`
+        given: the prompt state taken from a sibling (`scheduler_siblings`)."""
+        if shared is None:
+            shared = self.block_manager.num_cached_tokens(seq)
+        # >= 1: the last token is never shared; a leader stops at its prompt's share point
+        uncomputed = self._capped(seq, seq.num_uncomputed_tokens - shared)
         if uncomputed <= budget:
             return shared, uncomputed
         return shared, (budget if self.chunked_prefill else 0)
@@ -212,18 +223,20 @@ class Scheduler(LookaheadMixin, PostprocessMixin):
     def _schedule_running(
         self, budget: int, scheduled: list[ScheduledSeq], preempted: list[Sequence]
     ) -> int:
-        """Schedule running sequences in arrival order; returns the budget left."""
+        """Schedule running sequences in arrival order; returns the budget left. The tokens of
+        the siblings that take a leader's prompt state in this step (`scheduler_siblings`) are
+        kept from the running sequences after it, for the admissions that follow."""
         running = self._running
-        i = 0
-        while i < len(running) and budget > 0 and len(scheduled) < self.max_num_seqs:
-            limit = min(len(running) - i, budget, self.max_num_seqs - len(scheduled))
+        i = kept = 0
+        while i < len(running) and budget > kept and len(scheduled) < self.max_num_seqs:
+            limit = min(len(running) - i, budget - kept, self.max_num_seqs - len(scheduled))
             decodes = self._schedule_decodes(islice(running, i, i + limit), scheduled)
             if decodes:
                 i += decodes
                 budget -= decodes
                 continue
             seq = running[i]
-            shared, num_new = self._chunk(seq, budget)
+            shared, num_new = self._chunk(seq, budget - kept)
             if num_new == 0:
                 i += 1  # only without chunking: a smaller sequence behind it may still fit
                 continue
@@ -232,6 +245,7 @@ class Scheduler(LookaheadMixin, PostprocessMixin):
             scheduled.append(self._item(seq, num_new))
             self._publish(scheduled[-1])
             budget -= num_new
+            kept += self._sibling_tokens(seq)
             i += 1
         return budget
 
@@ -290,16 +304,29 @@ class Scheduler(LookaheadMixin, PostprocessMixin):
 
     def _schedule_waiting(self, budget: int, scheduled: list[ScheduledSeq]) -> None:
         """Admit waiting sequences strictly in FIFO order: stop at the first one that does not
-        fit (budget, ``max_num_seqs`` or pages) instead of skipping ahead."""
-        while self._waiting and budget > 0 and len(self._running) < self.max_num_seqs:
-            seq = self._waiting[0]
-            shared, num_new = self._chunk(seq, budget)
+        fit (budget, ``max_num_seqs`` or pages) instead of skipping ahead. Only a sample waiting
+        for its leader's prompt state is passed over (`scheduler_siblings`), keeping its place in
+        ``max_num_seqs``."""
+        held = index = 0
+        while index < len(self._waiting) and budget > 0 and len(self._running) + held < self.max_num_seqs:
+            seq = self._waiting[index]
+            if self._held(seq):
+                held, index = held + 1, index + 1
+                continue
+            donor = self._donor(seq)
+            shared, num_new = self._chunk(seq, budget, None if donor is None else self.share_point(seq))
             if num_new == 0:
                 break
-            if not self.block_manager.can_allocate(seq, seq.num_computed_tokens + shared + num_new):
+            if donor is not None:
+                if not self.block_manager.can_share_prefix(shared, shared + num_new):
+                    break
+                item = self._admit_sharing(seq, donor, num_new)
+            elif self.block_manager.can_allocate(seq, seq.num_computed_tokens + shared + num_new):
+                self._allocate(seq, shared, num_new)
+                item = self._item(seq, num_new)
+            else:
                 break
-            self._allocate(seq, shared, num_new)
-            self._waiting.popleft()
+            del self._waiting[index]
             seq.status = SequenceStatus.RUNNING
             # Keep running sorted by arrival. (Running is always the earliest-arrived unfinished
             # sequences, so this is an append in practice; bisect keeps it true by construction.)
@@ -308,6 +335,6 @@ class Scheduler(LookaheadMixin, PostprocessMixin):
                 self._running.insert(bisect.bisect(arrivals, seq.arrival), seq)
             else:
                 self._running.append(seq)
-            scheduled.append(self._item(seq, num_new))
-            self._publish(scheduled[-1])
+            scheduled.append(item)
+            self._publish(item)
             budget -= num_new

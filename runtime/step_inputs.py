@@ -16,7 +16,7 @@ the same wherever it sits in the grid.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 
 import numpy as np
@@ -51,6 +51,9 @@ class StepInputs:
     #: int64 [S] each sequence's row of the BlockManager's ``BlockTables`` (None without them): its
     #: slot in the gated-DeltaNet state cache (`runtime.linear_state_cache`)
     seq_rows: np.ndarray | None = None
+    #: int64 [K, 2] (from row, to row): gated-DeltaNet slots to copy before the step runs (a
+    #: sample taking its prompt's state from a sibling, ``ScheduledSeq.state_from``); [0, 2] if none
+    state_copies: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))
 
     @property
     def decode_only(self) -> bool:
@@ -94,7 +97,18 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int,
     slots = table[owner, positions // block_size].astype(np.int64) * block_size + positions % block_size
     return StepInputs(ids=ids, positions=positions, slots=slots, logits_rows=cu[1:][samples] - 1,
                       cu_seqlens=cu.astype(np.int32), seq_lens=ends.astype(np.int32), block_table=table,
-                      seq_order=attention_order(counts, ends), max_seqlen_q=int(counts.max()), seq_rows=rows)
+                      seq_order=attention_order(counts, ends), max_seqlen_q=int(counts.max()), seq_rows=rows,
+                      state_copies=_state_copies(scheduled, tables))
+
+
+def _state_copies(scheduled: list[ScheduledSeq], tables: BlockTables | None) -> np.ndarray:
+    """int64 ``[K, 2]``: (the donor's row, the sequence's row) of every item that takes a
+    sibling's gated-DeltaNet state (``ScheduledSeq.state_from``); its slot is its row."""
+    pairs = [(item.state_from, item.seq) for item in scheduled if item.state_from is not None]
+    if pairs and tables is None:
+        raise ValueError("build_step_inputs: a state copy (ScheduledSeq.state_from) needs the BlockManager's block "
+                         "tables, whose rows are the state slots")
+    return np.array([(tables.row(a.seq_id), tables.row(b.seq_id)) for a, b in pairs], np.int64).reshape(-1, 2)
 
 
 def attention_order(new_tokens: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:

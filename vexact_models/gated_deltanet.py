@@ -22,12 +22,6 @@ from vexact_models.layers import (FusedExperts, GatedMLP, PackedContext, PreNorm
 from vexact_models.patches.compat import gated_deltanet_a_log, gated_deltanet_a_log_init, qwen3_moe_router_output
 
 
-#: the engine features the hybrids' rollouts lack (`Architecture.rollout_features_missing`)
-GDN_ROLLOUT_FEATURES_MISSING = (
-    ("pipeline_parallel", "a pipeline stage would hold its own layers' gated-DeltaNet states, which is not built"),
-)
-
-
 #: the hybrids' fp32 parity bound against stock's torch path (`Architecture.fp32_parity`; docs/design.md
 #: section 6b), set by stock's own error: its fp32 logits are up to 1.2e-4 from float64 on a 20-token
 #: sequence (ours 2.2e-5 there; ours vs stock 1.4e-4) and 5.7e-5 at 37 tokens, where ours vs stock

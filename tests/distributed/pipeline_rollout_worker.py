@@ -3,7 +3,8 @@ tests/distributed/test_pipeline.py through torchrun, gloo on CPU). For every arc
 given (tiny configs):
 
 - stage: the engine loaded from a checkpoint folder holds only its stage's tensors (the
-  others stay on the meta device) and KV pages for its layers only.
+  others stay on the meta device), KV pages for its attention layers only and, for the
+  gated-DeltaNet hybrids, the states of its own gated-DeltaNet layers only.
 - rollout: ``LLM(folder, pipeline_parallel_size=P)`` rolls out a pool of requests (greedy,
   sampled, top-k, top-p, min_tokens with a stop token, n = 3 sharing prompt pages) and every
   rank returns the same outputs, bitwise those of a single-process ``LLM`` over the whole model
@@ -37,7 +38,9 @@ from fsdp_support import Results, make_model  # noqa: E402
 from vexact_models.distributed import exit_rank  # noqa: E402
 from vexact_models.registry import get  # noqa: E402
 from vexact_models.runtime import LLM, SamplingParams  # noqa: E402
+from vexact_models.runtime.linear_state_cache import linear_state_spec  # noqa: E402
 from vexact_models.runtime.model_runner import kv_bytes_per_block  # noqa: E402
+from vexact_models.runtime.pipeline import partition_layers  # noqa: E402
 
 BLOCK = 4
 
@@ -81,23 +84,33 @@ def check_stage(res, tag, llm, world) -> None:
              if p.is_meta == (stage.owns(n) or (tied and stage.is_last and n == "model.embed_tokens.weight"))]
     res.record(f"stage/{tag}/holds_only_its_tensors", stage is not None and stage.size == world and not wrong,
                f"stage {stage}: wrongly held or missing: {wrong[:4]}")
+    linear = linear_state_spec(llm.model)
+    gdn = set(() if linear is None else linear.layers)
     caches = [i for i, kv in enumerate(llm.runner.kv_caches) if kv is not None]
-    res.record(f"stage/{tag}/kv_pages_for_its_layers", caches == list(stage.layers), f"KV caches of layers {caches}")
+    res.record(f"stage/{tag}/kv_pages_for_its_layers", caches == [i for i in stage.layers if i not in gdn],
+               f"KV caches of layers {caches}")
+    states = [] if llm.runner.linear_states is None else list(llm.runner.linear_states.conv)
+    res.record(f"stage/{tag}/states_for_its_gdn_layers", states == [i for i in stage.layers if i in gdn],
+               f"gated-DeltaNet states of layers {states}")
 
 
-def stage_block_bytes(model, world: int) -> int:
-    """KV bytes of one page of the pipeline stage with the most layers: a budget of N times this
-    gives every stage N pages or more, so the engine gets exactly N."""
+def stage_budget(model, rank: int, world: int, pages: int, slots: int = 8) -> int:
+    """This rank's ``kv_cache_bytes`` for `pages` KV pages of its stage's attention layers (one
+    layer's worth at least) after the gated-DeltaNet states of its own layers (`slots` sequences),
+    so that the engine gets exactly `pages` (a stage without attention layers takes the others')."""
     spec = model.kv_cache_spec()
-    return kv_bytes_per_block(spec, BLOCK, torch.float32) // spec[0] * -(-spec[0] // world)
+    layers = partition_layers(spec[0], world)[rank]
+    linear = linear_state_spec(model, layers)
+    attention = len(layers) - (0 if linear is None else len(linear.layers))
+    states = 0 if linear is None else slots * linear.bytes_per_slot(torch.float32)
+    return pages * kv_bytes_per_block(spec, BLOCK, torch.float32) // spec[0] * max(1, attention) + states
 
 
 def run_rollouts(res, arch, folder, base, rank, world) -> None:
     prompts, params = requests(base.config.vocab_size)
-    per_block = stage_block_bytes(base, world)
     outs = {}
-    for name, kwargs in (("roomy", dict(kv_cache_bytes=256 * per_block, max_num_batched_tokens=64)),
-                         ("tight", dict(kv_cache_bytes=10 * per_block, max_num_batched_tokens=8))):
+    for name, kwargs in (("roomy", dict(kv_cache_bytes=stage_budget(base, rank, world, 256), max_num_batched_tokens=64)),
+                         ("tight", dict(kv_cache_bytes=stage_budget(base, rank, world, 10), max_num_batched_tokens=8))):
         llm = LLM(str(folder), pipeline_parallel_size=world, device="cpu", block_size=BLOCK, max_num_seqs=8, **kwargs)
         if name == "roomy":
             check_stage(res, arch.name, llm, world)
@@ -111,7 +124,7 @@ def run_rollouts(res, arch, folder, base, rank, world) -> None:
             res.record(f"rollout/{arch.name}/roomy/shared_prefix_pages", hits > 0, f"{hits} pages shared")
     if rank == 0:
         single = LLM(str(folder), device="cpu", block_size=BLOCK, max_num_seqs=8, max_num_batched_tokens=64,
-                     kv_cache_bytes=256 * kv_bytes_per_block(base.kv_cache_spec(), BLOCK, torch.float32))
+                     kv_cache_bytes=stage_budget(base, 0, 1, 256))
         want = flat(single.generate(prompts, params, use_tqdm=False))
         for name, got in outs.items():
             res.record(f"rollout/{arch.name}/{name}/equals_single_process", flat(got) == want,
@@ -124,9 +137,8 @@ def run_stream(res, arch, folder, base, rank, world) -> None:
     from vexact_models.distributed import shard, stream_full_weights
 
     prompts, params = requests(base.config.vocab_size)
-    per_block = stage_block_bytes(base, world)
     llm = LLM(str(folder), pipeline_parallel_size=world, device="cpu", block_size=BLOCK, max_num_seqs=8,
-              max_num_batched_tokens=64, kv_cache_bytes=128 * per_block)
+              max_num_batched_tokens=64, kv_cache_bytes=stage_budget(base, rank, world, 128))
     trainer = shard(copy.deepcopy(base)).train()
     optim = torch.optim.AdamW(trainer.parameters(), lr=2e-2)
     before = flat(llm.generate(prompts, params, use_tqdm=False))
@@ -166,7 +178,10 @@ def run_nonfinite(res, arch, llm, weights, outputs, prompts, params, rank) -> No
     expected = "hold NaN or inf" if rank == 0 else "the first pipeline stage failed"
     res.record(f"nonfinite/{arch.name}/raises", expected in error, error[:300])
     finite = all(torch.isfinite(kv).all() for pair in llm.runner.kv_caches if pair is not None for kv in pair)
-    res.record(f"nonfinite/{arch.name}/kv_cache_finite", finite, "every KV page finite after the failure")
+    states = llm.runner.linear_states  # the gated-DeltaNet hybrids' states are zeroed with the pages
+    finite = finite and (states is None or all(torch.isfinite(t).all() for t in (*states.conv.values(),
+                                                                                  *states.states.values())))
+    res.record(f"nonfinite/{arch.name}/kv_cache_finite", finite, "every KV page (and GDN state) finite after the failure")
     llm.update_weights({name: weights[name]})
     again = [f[1:] for f in flat(llm.generate(prompts, params, use_tqdm=False))]  # (new request ids)
     res.record(f"nonfinite/{arch.name}/usable_after", again == [f[1:] for f in flat(outputs)], "the rollout before")

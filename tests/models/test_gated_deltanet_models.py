@@ -214,18 +214,21 @@ def test_bad_layer_type_is_an_error_naming_it(arch):
 
 
 @pytest.mark.parametrize("arch", HYBRIDS, ids=lambda a: a.name)
-def test_rollout_engine_refuses_missing_features_before_allocating(arch, tmp_path):
-    """The engine features these models lack (`Architecture.rollout_features_missing`: pipeline
-    stages; their steps' CUDA graphs are built) are a ValueError naming the feature, from a model and from
-    a folder alike; the training model is left as it was (nothing fused, nothing moved)."""
+def test_pipeline_stages_pass_the_feature_check_before_allocating(arch, tmp_path):
+    """Pipeline stages are no missing feature of these models any more (each stage holds its own
+    layers' states: tests/distributed/test_pipeline.py), nor are CUDA graphs
+    (tests/runtime/test_linear_state_cache.py): ``pipeline_parallel_size=2`` passes the feature
+    check and stops at the missing process group, a ValueError naming the argument, from a model and
+    from a folder alike; the training model is left as it was (nothing fused, nothing moved)."""
     from vexact_models.runtime import LLM
 
+    assert arch.rollout_feature_missing("pipeline_parallel") is None
     model = arch.causal_lm_class(arch.tiny_config()).eval()
     before = {n: p.data_ptr() for n, p in model.named_parameters()}
     for source in (model, tmp_path):
         if source is tmp_path:
             model.save_pretrained(tmp_path)
-        with pytest.raises(ValueError, match=f"pipeline_parallel is not supported for architecture '{arch.name}'"):
+        with pytest.raises(ValueError, match="pipeline_parallel_size=2 needs torch.distributed initialised"):
             LLM(source, device="cpu", kv_cache_bytes=1 << 22, pipeline_parallel_size=2)
     assert {n: p.data_ptr() for n, p in model.named_parameters()} == before
     assert arch.inference_class(model).causal_lm is model  # the rollout itself runs (test_conformance)

@@ -1,8 +1,8 @@
 """The gated-DeltaNet state cache of the rollout engine (`runtime.linear_state_cache`): its steps
 equal the training forward bitwise at chunk boundaries and off them, in any slots and batch; the
-engine counts it in the memory budget, holds KV pages only for attention layers, and refuses what
-it cannot do for these models (pipeline stages) by name before allocating. The graph-shaped steps
-(fixed buffers, padded plans) are tests/runtime/test_linear_state_graphs.py.
+engine counts it in the memory budget and holds KV pages only for attention layers (a pipeline
+stage: the states of its own GDN layers only). The graph-shaped steps (fixed buffers, padded plans)
+are tests/runtime/test_linear_state_graphs.py.
 
 The conformance suite (tests/conformance/test_conformance.py) runs every engine scenario on the
 three hybrids' tiny configs (chunks of 16, `linear_chunk_size`); the engine test here is a quick
@@ -124,30 +124,40 @@ def test_spec_of_the_model_and_the_budget(qwen3_5):
     assert llm.engine_config.num_blocks == 40  # the states' bytes come off the pages
     assert llm.runner.kv_caches[0] is None and llm.runner.kv_caches[2] is None and llm.runner.kv_caches[1] is not None
     assert llm.runner.linear_states.slots == 6 and not llm.block_manager.enable_prefix_sharing
+    assert llm.scheduler.share_prompt_state  # the n samples of a prompt share it (test_prompt_state_sharing.py)
     with pytest.raises(ValueError, match=r"after the gated-DeltaNet states of 6 sequences.*lower max_num_seqs"):
         LLM(qwen3_5, device="cpu", block_size=4, max_num_seqs=6, kv_cache_bytes=budget - 40 * per_block)
 
 
-def test_architectures_declare_the_missing_features_and_llm_refuses_them(qwen3_5):
+def test_the_hybrids_miss_no_engine_feature(qwen3_5):
     for name in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
         arch = get(name)
         assert arch.rollout_feature_missing("cuda_graphs") is None  # captured (runtime.cuda_graphs)
-        assert "stage" in arch.rollout_feature_missing("pipeline_parallel")
+        assert arch.rollout_feature_missing("pipeline_parallel") is None  # stages hold their own layers' states
     assert get("qwen3").rollout_feature_missing("cuda_graphs") is None
     with pytest.raises(ValueError, match=r"feature='lora' is not one of \('cuda_graphs', 'pipeline_parallel'\)"):
         get("qwen3").rollout_feature_missing("lora")
-    with pytest.raises(ValueError, match="pipeline_parallel is not supported for architecture 'qwen3_5' yet.*"
-                                         "pipeline_parallel_size=1"):
-        LLM(qwen3_5, device="cpu", kv_cache_bytes=1 << 22, pipeline_parallel_size=2)
 
 
-def test_unsupported_features_are_refused_by_name():
-    check_linear_state_support(None, range(0, 2), 0)  # no GDN layers: nothing to refuse
-    check_linear_state_support(spec(), None, 4)
-    with pytest.raises(ValueError, match="pipeline_parallel_size > 1 is not supported"):
-        check_linear_state_support(spec(), range(0, 2), 4)
+def test_a_cache_without_state_slots_is_refused():
+    check_linear_state_support(None, 0)  # no GDN layers: nothing to refuse
+    check_linear_state_support(spec(), 4)
     with pytest.raises(ValueError, match="state_slots=0 must be >= 1"):
-        check_linear_state_support(spec(), None, 0)
+        check_linear_state_support(spec(), 0)
+
+
+def test_a_stage_holds_the_states_of_its_own_layers(qwen3_5):
+    """`linear_state_spec` of a pipeline stage's layers: its GDN layers only (None without any);
+    the stage's runner allocates those and KV pages for its attention layers."""
+    from vexact_models.runtime.model_runner import ModelRunner
+    from vexact_models.runtime.pipeline import PipelineStage, StageModel
+
+    assert linear_state_spec(qwen3_5, range(1, 3)).layers == (2,) and linear_state_spec(qwen3_5, range(1, 2)) is None
+    model = get("qwen3_5").inference_class(qwen3_5)
+    runner = ModelRunner(StageModel(model, PipelineStage(1, 2, range(1, 3), 3)), 8, 4, torch.device("cpu"),
+                         torch.float32, max_model_len=32, layers=range(1, 3), carry_width=64, state_slots=3)
+    assert list(runner.linear_states.conv) == [2] and runner.linear_states.slots == 3
+    assert [i for i, kv in enumerate(runner.kv_caches) if kv is not None] == [1]
 
 
 def test_engine_equals_training_across_chunk_boundaries(qwen3_5):

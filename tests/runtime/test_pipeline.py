@@ -132,7 +132,8 @@ def test_a_missing_stage_tensor_is_an_error_naming_it(tmp_path):
 @pytest.mark.parametrize("arch", architectures(), ids=lambda a: a.name)
 def test_stage_forwards_chained_equal_the_whole_forward_bitwise(arch):
     """Three steps (prefill, decode, a chunk mixing both) through stage runners that each hold
-    only their layers' KV pages, handing (hidden, residual) on, == one runner over all layers."""
+    only their layers' KV pages (and gated-DeltaNet states), handing (hidden, residual) on, ==
+    one runner over all layers."""
     from vexact_models.runtime.sequence import Sequence
     from vexact_models.runtime.sampling_params import SamplingParams
 
@@ -147,8 +148,11 @@ def test_stage_forwards_chained_equal_the_whole_forward_bitwise(arch):
     parts = [config.make_runner(StageModel(model, s), cpu, torch.float32, scheduler, layers=s.layers,
                                 carry_width=0 if s.is_first else model.config.hidden_size)
              for s in stages(layers, min(3, layers))]
+    gdn = set(whole.linear_spec.layers) if whole.linear_spec is not None else set()  # the hybrids' states, no pages
     assert [[i for i, kv in enumerate(r.kv_caches) if kv is not None] for r in parts] == \
-        [list(r) for r in partition_layers(layers, len(parts))]
+        [[i for i in r if i not in gdn] for r in partition_layers(layers, len(parts))]
+    assert [[] if r.linear_states is None else list(r.linear_states.conv) for r in parts] == \
+        [[i for i in r if i in gdn] for r in partition_layers(layers, len(parts))]
     for i, prompt in enumerate(([5, 6, 7, 8, 9], [40, 41, 42])):
         scheduler.add(Sequence(i, 0, prompt, SamplingParams(max_tokens=3), seed=i))
     for token in (11, 12, 13):

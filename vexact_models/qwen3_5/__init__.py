@@ -2,7 +2,7 @@
 
 from transformers import Qwen3_5TextConfig
 
-from ..gated_deltanet import (GDN_FP32_PARITY, GDN_ROLLOUT_FEATURES_MISSING, alternating_layer_types,
+from ..gated_deltanet import (GDN_FP32_PARITY, alternating_layer_types,
                               randomize_norms_and_gates)
 from ..registry import Architecture, Shape, register
 from .modeling import (Qwen3_5ForCausalLM, Qwen3_5ForCausalLMInference, Qwen3_5ForSequenceClassification,
@@ -40,7 +40,6 @@ ARCHITECTURE = register(Architecture(
     init_for_conformance=randomize_norms_and_gates,
     hf_head_classes=(("Model", "transformers.Qwen3_5TextModel"),
                      ("ForSequenceClassification", "transformers.Qwen3_5TextForSequenceClassification")),
-    rollout_features_missing=GDN_ROLLOUT_FEATURES_MISSING,
     fp32_parity=GDN_FP32_PARITY,
     checkpoint_conversions=True,  # multimodal checkpoints: model.language_model.* (transformers' own renaming)
 ))

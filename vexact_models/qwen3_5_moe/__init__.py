@@ -2,7 +2,7 @@
 
 from transformers import Qwen3_5MoeTextConfig
 
-from ..gated_deltanet import (GDN_FP32_PARITY, GDN_ROLLOUT_FEATURES_MISSING, alternating_layer_types,
+from ..gated_deltanet import (GDN_FP32_PARITY, alternating_layer_types,
                               randomize_norms_and_gates)
 from ..registry import Architecture, Shape, register
 from .modeling import (Qwen3_5MoeForCausalLM, Qwen3_5MoeForCausalLMInference, Qwen3_5MoeForSequenceClassification,
@@ -41,7 +41,6 @@ ARCHITECTURE = register(Architecture(
     hf_causal_lm_class="transformers.Qwen3_5MoeForCausalLM",
     init_for_conformance=randomize_norms_and_gates,
     hf_head_classes=(("Model", "transformers.Qwen3_5MoeTextModel"),),
-    rollout_features_missing=GDN_ROLLOUT_FEATURES_MISSING,
     fp32_parity=GDN_FP32_PARITY,
     checkpoint_conversions=True,  # per-expert hub tensors; multimodal checkpoints' model.language_model.*
 ))

@@ -2,7 +2,7 @@
 
 from transformers import Qwen3NextConfig
 
-from ..gated_deltanet import (GDN_FP32_PARITY, GDN_ROLLOUT_FEATURES_MISSING, alternating_layer_types,
+from ..gated_deltanet import (GDN_FP32_PARITY, alternating_layer_types,
                               randomize_norms_and_gates)
 from ..registry import Architecture, Shape, register
 from .modeling import (Qwen3NextForCausalLM, Qwen3NextForCausalLMInference, Qwen3NextForSequenceClassification,
@@ -42,7 +42,6 @@ ARCHITECTURE = register(Architecture(
     shapes=(Shape("qwen3_next", tiny_config, published_configs=("qwen3-next-80b-a3b.json",)),),
     hf_causal_lm_class="transformers.Qwen3NextForCausalLM",
     init_for_conformance=randomize_norms_and_gates,
-    rollout_features_missing=GDN_ROLLOUT_FEATURES_MISSING,
     fp32_parity=GDN_FP32_PARITY,
     checkpoint_conversions=True,  # hub checkpoints store one tensor per expert
 ))
