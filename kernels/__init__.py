@@ -28,6 +28,7 @@ from .linear_quack import linear_mode as linear_backend_mode
 from .linear_quack import set_linear_backend, use_linear_backend
 from .linear_silu_and_mul import linear_silu_and_mul
 from .log_softmax import gather_logprobs, log_softmax
+from .lora import lora_add
 from .moe import fused_moe
 from .moe_routing import softmax_topk
 from .rms_norm import add_rms_norm, rms_norm
@@ -45,7 +46,8 @@ __all__ = [
     "current_backend", "deinterleave",
     "fused_moe", "gated_delta_chunk_rows", "gated_delta_gates", "gated_delta_fold", "gated_delta_rule",
     "gated_rms_norm", "gather_logprobs", "head_linear", "kv_cache_write", "latent_cache_write", "linear",
-    "linear_backend_mode", "linear_silu_and_mul", "log_softmax", "packed_layout", "rms_norm", "rope_table", "rotary_cache_write",
+    "linear_backend_mode", "linear_silu_and_mul", "log_softmax", "lora_add", "packed_layout", "rms_norm", "rope_table",
+    "rotary_cache_write",
     "sample_tokens", "set_attention_forward", "set_backend", "set_dependent_launch", "set_linear_backend",
     "sigmoid_gate", "sigmoid_grouped_topk", "silu_and_mul", "softmax_topk", "token_logprobs", "use_attention_forward",
     "use_backend", "use_dependent_launch", "use_linear_backend",
