@@ -7,8 +7,10 @@ then ``a`` is the members' A matrices stacked (``[G * r, K]``, one shrink over a
 column slices ``sizes`` belong to the members in order; member g's columns read its own rank
 slice ``u[:, g*r:(g+1)*r]`` and take its own ``scalings[g]``. The arithmetic, per output element:
 
-1. shrink: ``u = x A^T`` with A cast to x's dtype (bf16 operands, fp32 accumulation, as the
-   base GEMM), K in fixed chunks of `CHUNK_K` columns (a function of K only, never of the
+1. shrink: ``u = x A^T`` with 16-bit operands and fp32 accumulation, as the base GEMM: A in
+   x's dtype, or, for fp32 A (PEFT's default) under bf16 x, A split into ``hi + lo`` (both
+   bf16; two MMAs into one accumulator), which keeps 17 of A's bits (2**-9 off in one bf16;
+   tests/kernels/test_lora.py); K in fixed chunks of `CHUNK_K` columns (a function of K only, never of the
    batch), each chunk's partial sum accumulated in `BLOCK_K` steps into one fp32 accumulator
    with tiles of fixed shape (`SHRINK_BLOCK_M` x `BLOCK_R`), then the chunks' partials added
    in chunk order (``((p0 + p1) + p2) + ...``) in fp32. Splitting K is what keeps the shrink
@@ -24,9 +26,8 @@ and of the weights only (rules 1 and 5): the tiles are fixed, K's chunks depend 
 expand is element-wise. A stacked group's columns are bitwise the members' separate calls (the
 training forward runs those): member g's u columns come from the same chunks and tiles, and its
 B columns from the same per-element loop. `conformance/kernel_invariance.py --only lora` checks
-both on the GPU. fp32 adapter weights (PEFT's default) are read as they are: A is rounded to the
-activations' dtype inside the shrink, B is used in fp32; no activation is kept in fp32 but ``u``
-(``[T, G * r]``).
+both on the GPU. fp32 adapter weights (PEFT's default) are read as they are: A is split inside
+the shrink, B is used in fp32; no activation is kept in fp32 but ``u`` (``[T, G * r]``).
 
 The reference (CPU) runs the same steps with `exact_math.dot` per chunk. The backward (rule 8)
 is torch matmuls in fp32: correct, not invariant.
@@ -52,7 +53,7 @@ MAX_MEMBERS = 4  # members of one stacked group (the gated-DeltaNet's in_proj gr
 
 @triton.jit(do_not_specialize=["T"])
 def _lora_shrink_kernel(x_ptr, a_ptr, p_ptr, T, K, R, stride_x, stride_a,
-                        INPUT_PRECISION: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
+                        INPUT_PRECISION: tl.constexpr, SPLIT_A: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     """Partial ``p[s, rows, ranks]`` of ``x A^T`` over K chunk s (program (m tile, r tile, s))."""
     wait_for_inputs(PDL)
@@ -68,8 +69,12 @@ def _lora_shrink_kernel(x_ptr, a_ptr, p_ptr, T, K, R, stride_x, stride_a,
     for k in range(0, CHUNK, BLOCK_K):
         k_ok = start + k + offs_k < K
         xt = tl.load(x_ptrs + start + k, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        at = tl.load(a_ptrs + start + k, mask=rank_ok[None, :] & k_ok[:, None], other=0.0).to(x_ptr.dtype.element_ty)
-        acc = tl.dot(xt, at, acc, input_precision=INPUT_PRECISION, out_dtype=tl.float32)
+        at = tl.load(a_ptrs + start + k, mask=rank_ok[None, :] & k_ok[:, None], other=0.0)
+        hi = at.to(x_ptr.dtype.element_ty)
+        acc = tl.dot(xt, hi, acc, input_precision=INPUT_PRECISION, out_dtype=tl.float32)
+        if SPLIT_A:  # fp32 A under 16-bit x: A = hi + lo, two 16-bit operands, both into the fp32 accumulator
+            lo = (at - hi.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            acc = tl.dot(xt, lo, acc, input_precision=INPUT_PRECISION, out_dtype=tl.float32)
     out = p_ptr + (pid_s * T + rows[:, None]).to(tl.int64) * R + ranks[None, :]
     tl.store(out, acc, mask=row_ok[:, None] & rank_ok[None, :])
 
@@ -142,7 +147,8 @@ def lora_shrink_triton(x2d: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     pdl = dependent_launch_kwargs(x2d.device)
     grid = (triton.cdiv(t, SHRINK_BLOCK_M), triton.cdiv(rank, BLOCK_R), s)
     _lora_shrink_kernel[grid](x2d, a, partials, t, k, rank, x2d.stride(0), a.stride(0),
-                              INPUT_PRECISION="ieee" if x2d.dtype == torch.float32 else "tf32", CHUNK=CHUNK_K,
+                              INPUT_PRECISION="ieee" if x2d.dtype == torch.float32 else "tf32",
+                              SPLIT_A=split_a(x2d.dtype, a.dtype), CHUNK=CHUNK_K,
                               BLOCK_M=SHRINK_BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, num_warps=4, num_stages=3,
                               **pdl)
     n = t * rank
@@ -176,11 +182,27 @@ def lora_expand_triton(base: torch.Tensor, u: torch.Tensor, b: torch.Tensor, bia
     return out
 
 
+def split_a(x_dtype: torch.dtype, a_dtype: torch.dtype) -> bool:
+    """Whether the shrink splits A into two 16-bit halves: fp32 A (PEFT's default) under 16-bit
+    activations."""
+    return a_dtype == torch.float32 and x_dtype in (torch.bfloat16, torch.float16)
+
+
+def shrink_operand(a: torch.Tensor, x_dtype: torch.dtype) -> torch.Tensor:
+    """The A the shrink multiplies by, as a tensor of x's compute dtype: A in x's dtype, or for
+    fp32 A under 16-bit x (`split_a`) ``hi + lo`` with ``hi = A`` rounded to x's dtype and ``lo``
+    the rest rounded likewise (17 significant bits; the sum is exact in fp32)."""
+    if not split_a(x_dtype, a.dtype):
+        return a.to(x_dtype)
+    hi = a.to(x_dtype)
+    return hi.float() + (a - hi.float()).to(x_dtype).float()
+
+
 def lora_shrink_reference(x2d: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     """The shrink on CPU: each chunk's partial a per-output reduction (`exact_math.dot`), the
-    partials added in chunk order; A rounded to x's dtype first, as the kernel does."""
+    partials added in chunk order; A as the kernel takes it (`shrink_operand`)."""
     compute = torch.float64 if x2d.dtype == torch.float64 else torch.float32
-    xw, aw = x2d.to(compute), a.to(x2d.dtype).to(compute)
+    xw, aw = x2d.to(compute), shrink_operand(a, x2d.dtype).to(compute)
     u = None
     for start in range(0, max(1, x2d.shape[1]), CHUNK_K):
         part = exact_math.dot(xw[:, None, start:start + CHUNK_K], aw[None, :, start:start + CHUNK_K])
@@ -240,7 +262,7 @@ class _LoraAddFunction(torch.autograd.Function):
             grad_b[cols] = gs[:, cols].t() @ u[:, g * rank:(g + 1) * rank].to(compute)
             col += size
         grad_u = torch.cat(grad_u, dim=1)
-        grad_x = (grad_u @ a.to(x2d.dtype).to(compute)).to(x2d.dtype) if ctx.needs_input_grad[1] else None
+        grad_x = (grad_u @ shrink_operand(a, x2d.dtype).to(compute)).to(x2d.dtype) if ctx.needs_input_grad[1] else None
         grad_a = (grad_u.t() @ x2d.to(compute)).to(a.dtype) if ctx.needs_input_grad[2] else None
         grad_bias = gs.sum(0).to(b.dtype) if ctx.has_bias and ctx.needs_input_grad[4] else None
         return grad_out, grad_x, grad_a, grad_b.to(b.dtype), grad_bias, None, None
@@ -254,7 +276,7 @@ def lora_add(base: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tens
     Args:
         base: ``[..., N]`` the base GEMM's output (its dtype is the output's).
         x: ``[..., K]`` the layer's input, in the activations' dtype.
-        a: ``[G * r, K]`` the stacked A matrices (any float dtype; rounded to x's dtype).
+        a: ``[G * r, K]`` the stacked A matrices (x's dtype, or fp32: `shrink_operand`).
         b: ``[N, r]`` the stacked B matrices (used in fp32).
         scalings: one float per member (G of them, at most `MAX_MEMBERS`).
         bias: optional ``[N]``, B's bias (PEFT's ``lora_bias``).

@@ -19,10 +19,10 @@ def operands(t=9, k=CHUNK_K + 90, sizes=(24, 8, 8), rank=4, dtype=torch.bfloat16
 
 
 def peft_update(base, x, a, b, sizes, scalings, bias=None):
-    """PEFT's formula in float64, A rounded to x's dtype as the shrink does."""
+    """PEFT's formula in float64 (fp32 A as it is: the shrink keeps 17 of its bits)."""
     out, col, rank = base.double().clone(), 0, b.shape[1]
     for g, (size, s) in enumerate(zip(sizes, scalings)):
-        u = x.double() @ a[g * rank:(g + 1) * rank].to(x.dtype).double().t()
+        u = x.double() @ a[g * rank:(g + 1) * rank].double().t()
         upd = u @ b[col:col + size].double().t() + (0 if bias is None else bias[col:col + size].double())
         out[:, col:col + size] += upd * s
         col += size
@@ -39,6 +39,15 @@ def test_lora_add_is_pefts_update_within_rounding():
     assert bf.dtype == torch.bfloat16
     want = peft_update(base.bfloat16(), x.bfloat16(), a, b, (24, 8, 8), (2.0, 0.5, 1.0), bias)
     assert (bf.double() - want).abs().max() <= 2 ** -8 * want.abs().max()
+    # the shrink alone: fp32 A split into two bf16 halves is within 2**-15 of fp32's product, where
+    # A rounded to bf16 is 2**-9 off
+    from vexact_models.kernels.lora import lora_shrink_reference, shrink_operand
+
+    x16, u = x.bfloat16(), lora_shrink_reference(x.bfloat16(), a)
+    exact = x16.double() @ a.double().t()
+    assert (u.double() - exact).abs().max() <= 2 ** -15 * exact.abs().max()
+    assert (x16.double() @ a.bfloat16().double().t() - exact).abs().max() > 2 ** -12 * exact.abs().max()
+    assert torch.equal(shrink_operand(a.bfloat16(), torch.bfloat16), a.bfloat16())
 
 
 def test_rows_alone_stacked_members_and_in_place_are_bitwise_the_batch():
