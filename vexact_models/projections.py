@@ -81,7 +81,8 @@ def grouped_linear(x: torch.Tensor, linears: list[nn.Module]) -> list[torch.Tens
     if fused is not None:
         out = linear(x, *fused)
         stacked = stacked_lora(linears)
-        if stacked is not None and not (torch.is_grad_enabled() and stacked.trainable):  # one shrink, one expand for the whole group
+        # one shrink, one expand for the whole group (adapters in training: each member's, with gradients)
+        if stacked is not None and not (torch.is_grad_enabled() and stacked.trainable):
             lora_add(out, x, stacked.a, stacked.b, stacked.scalings, bias=stacked.bias, sizes=stacked.sizes,
                      inplace=True)
             return list(out.split(stacked.sizes, dim=-1))
