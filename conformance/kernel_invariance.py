@@ -31,6 +31,9 @@ and allows zero mismatches:
   kernel's rows, at every Qwen3 (K, N), with and without a bias, fp32 logits for the LM heads; and
   the gated MLPs' gate/up GEMM with SwiGLU in quack's epilogue (`kernels.linear_silu_and_mul`'s
   decode launch) against `linear` then `silu_and_mul`, every non-swapped table config.
+- LoRA (``--only lora``, `lora_invariance.py`): `kernels.lora_add` at the Qwen3 projection groups,
+  ranks 8/16/64, fp32 and bf16 adapters: rows alone == in batches, a stacked q/k/v or gate/up
+  group == its members' separate calls, in place and in a CUDA graph == eager.
 - gated delta rule (``--only gdn``): a chunk's rows at every row count and first row == the whole
   chunk's, folds one chunk a launch == one run, rollouts == the packed training forward
   (`gated_delta_invariance.py`, docs/design.md section 6b).
@@ -67,6 +70,7 @@ from .gated_delta_invariance import run_gated_delta
 from .hybrid_invariance import HYBRID_CHECKS, run_hybrid
 from .invariance_result import Result
 from .linear_invariance import M_SWEEP, run_linear, run_linear_quack
+from .lora_invariance import run_lora
 
 # (name, hidden, experts, expert intermediate, top-k, router): DeepSeek-V3 with 64 of its 256 experts
 MOE_SHAPES = [("qwen3-30b-a3b", 2048, 128, 768, 8, "softmax"), ("moonlight", 2048, 64, 1408, 6, "sigmoid 1 group"),
@@ -237,7 +241,8 @@ def check_moe(results: dict[str, Result], quick: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer shapes and M up to 1024 (a smoke run)")
-    parser.add_argument("--only", choices=["linear", "attention", "fa4", "quack", "latent", "rows", "moe", "gdn", "hybrid"],
+    parser.add_argument("--only", choices=["linear", "attention", "fa4", "quack", "latent", "rows", "moe", "gdn", "hybrid",
+                                           "lora"],
                         help="run one group of checks (latent: MLA's latent attention and absorption GEMMs; fa4: "
                              "the attention checks with FlashAttention-4 as the forward; quack: quack-kernels' GEMM "
                              "against our linear; fa4 and quack are not part of the default run)")
@@ -258,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
              "head_linear", "latent_cache_write", "rms_norm", "rotary_cache_write",
              "log_softmax",
              "token_logprobs", "elementwise", "moe", "gated_delta rows", "gated_delta fold", "gated_delta rollout",
-             *HYBRID_CHECKS]
+             *HYBRID_CHECKS, "lora_add"]
     results = {n: Result(n) for n in names}
     t0 = time.time()
     if args.only in (None, "linear"):
@@ -282,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         check_moe(results, args.quick)
     if args.only in (None, "gdn"):
         run_gated_delta(results, args.quick)
+    if args.only in (None, "lora"):
+        run_lora(results, M_SWEEP, args.quick)
     if args.only in (None, "hybrid"):
         run_hybrid(results, args.quick)
         check_rotary_cache_write(results["partial rotary"], [m for m in M_SWEEP if m <= (1024 if args.quick else 4096)],

@@ -158,8 +158,7 @@ def run_conformance(arch: Architecture, model, *, device: torch.device, pool_siz
                     scenarios: bool = True, gpu_memory_utilization: float = 0.5, shape: str | None = None) -> Report:
     """Run every scenario for `model` (a training-variant instance on `device`, built at `arch`'s
     `shape`, which the report records). The engines' KV caches take `gpu_memory_utilization` of
-    a GPU; the recompute with autograd on needs what is left (LoRA adapters' fp32 activations
-    need more)."""
+    a GPU; the recompute with autograd on needs what is left."""
     from vexact_models.kernels import current_backend
 
     dtype = next(model.parameters()).dtype

@@ -29,6 +29,7 @@ from .linear_quack import set_linear_backend, use_linear_backend
 from .linear_silu_and_mul import linear_silu_and_mul
 from .log_softmax import gather_logprobs, log_softmax
 from .gelu_tanh_and_mul import gelu_tanh_and_mul
+from .lora import lora_add
 from .moe import fused_moe
 from .moe_activation import SwigluClamp
 from .moe_routing import softmax_topk
@@ -48,7 +49,8 @@ __all__ = [
     "SwigluClamp", "fused_moe", "gelu_tanh_and_mul", "gated_delta_chunk_rows", "gated_delta_gates", "gated_delta_fold",
     "gated_delta_rule",
     "gated_rms_norm", "gather_logprobs", "head_linear", "kv_cache_write", "latent_cache_write", "linear",
-    "linear_backend_mode", "linear_silu_and_mul", "log_softmax", "packed_layout", "rms_norm", "rope_table", "rotary_cache_write",
+    "linear_backend_mode", "linear_silu_and_mul", "log_softmax", "lora_add", "packed_layout", "rms_norm", "rope_table",
+    "rotary_cache_write",
     "sample_tokens", "set_attention_forward", "set_backend", "set_dependent_launch", "set_linear_backend",
     "sigmoid_gate", "sigmoid_grouped_topk", "silu_and_mul", "softmax_topk", "token_logprobs", "use_attention_forward",
     "use_backend", "use_dependent_launch", "use_linear_backend",

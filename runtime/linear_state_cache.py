@@ -122,9 +122,9 @@ class LinearStateCache:
         and disjoint from `src`): a sample taking its prompt's state from a sibling
         (`runtime.scheduler_siblings`). The copy is the data itself, so the slot continues
         bitwise as the source would."""
-        keep = self.spec.chunk - 1
-        offsets = torch.arange(keep, device=src.device)
-        rows_src, rows_dst = ((s[:, None] * keep + offsets).reshape(-1) for s in (src, dst))
+        width = self.spec.chunk  # slot s's rows are [s * C, (s + 1) * C)
+        offsets = torch.arange(width, device=src.device)
+        rows_src, rows_dst = ((s[:, None] * width + offsets).reshape(-1) for s in (src, dst))
         for i in self.spec.layers:
             for pool, (a, b) in ((self.conv[i], (src, dst)), (self.states[i], (src, dst)),
                                  *((t, (rows_src, rows_dst)) for t in self.rows[i])):
@@ -135,8 +135,6 @@ class LinearStateCache:
         for tensors in (self.conv.values(), self.states.values(), (t for r in self.rows.values() for t in r)):
             for t in tensors:
                 t.zero_()
-
-
 
 
 class LinearStep:

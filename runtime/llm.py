@@ -29,6 +29,7 @@ from dataclasses import replace
 import torch
 from tqdm.auto import tqdm
 
+from vexact_models.adapters import adapter_state
 from vexact_models.kernels import attention_forward_mode, current_backend, use_backend
 from vexact_models.layers import cache_window
 from vexact_models.projections import fuse_projections
@@ -236,17 +237,24 @@ class LLM(EngineStepsMixin, EngineMemoryMixin):
         """Note which backend and attention forward (`vexact_models.kernels.use_attention_forward`)
         the runner's CUDA graphs (if any) were captured under."""
         graphs = self.runner.graphs
-        self._graphs_key = (None if graphs is None else weakref.ref(graphs), (backend, attention_forward_mode()))
+        self._graphs_key = (None if graphs is None else weakref.ref(graphs), self._captured_under(backend))
+
+    def _captured_under(self, backend: str) -> tuple:
+        """What the CUDA graphs replay: the backend, the attention forward and the PEFT adapters'
+        state (`adapters.adapter_state`: enabled, merged, active, their weights' storage)."""
+        return backend, attention_forward_mode(), adapter_state(self.model) if self.runner.graphs is not None else ()
 
     def _graphs_follow(self, backend: str) -> None:
-        """CUDA graphs replay the kernels they captured: when the backend or the attention
-        forward (or the graphs, e.g. recaptured by `wake_up`) changed since they were noted,
-        capture them again under `backend`. The KV cache is reallocated with them; no pages are
-        shared across calls."""
+        """CUDA graphs replay the kernels they captured: when the backend, the attention forward
+        or the adapters' state (or the graphs, e.g. recaptured by `wake_up`) changed since they
+        were noted, capture them again under `backend`, after fusing the projection groups and
+        their adapters again (an adapter added or a weight replaced since). The KV cache is
+        reallocated with them; no pages are shared across calls."""
         graphs = self.runner.graphs
         ref, captured = self._graphs_key
-        if graphs is None or (ref is not None and ref() is graphs and captured == (backend, attention_forward_mode())):
+        if graphs is None or (ref is not None and ref() is graphs and captured == self._captured_under(backend)):
             return
+        fuse_projections(self.model)
         self.runner.free_cache()
         with use_backend(backend):
             self.runner.allocate_cache()

@@ -5,11 +5,15 @@ that wraps it (``base_layer``) and adds ``lora_B(lora_A(dropout(x))) * scaling``
 own GEMMs. Our forward never calls a projection module: it reads weights and runs
 `kernels.linear`, so that training and rollouts compute every row the same way (docs/design.md
 rule 1). This module is how the forward sees through PEFT's wrappers: the base weight of a
-wrapped linear, and the adapters' update computed with `kernels.linear` in PEFT's own order
-(cast x to the adapter dtype, A, B (+ its bias), times scaling, add, cast back). Both the
-training forward and the runtime call it, so rollouts with adapters equal ``token_logprobs``
-bitwise. What it cannot compute the same way on both paths is an error naming the feature,
-never silently skipped.
+wrapped linear, and the adapters' update added by `kernels.lora_add` (the shrink ``x A^T`` with
+bf16 operands and fp32 accumulation in fixed K chunks, the expand ``. B^T`` (+ B's bias) in
+fp32, times scaling, added to the base output in PEFT's order). Both the training forward and
+the runtime call it, so rollouts with adapters equal ``token_logprobs`` bitwise. A fused
+projection group (q/k/v, gate/up) whose members carry one adapter of one rank has its A and B
+matrices fused too (`fuse_adapters`, the views `stacked_lora` reads): one shrink over the
+stacked A's and one expand into the group's fused output, bitwise the members' separate calls
+(the kernel's contract). What it cannot compute the same way on both paths is an error naming
+the feature, never silently skipped.
 
 peft itself is imported only when a PEFT layer is met: it stays an optional dependency.
 """
@@ -21,7 +25,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from vexact_models.kernels import linear
+from vexact_models.kernels import linear, lora_add
+
+from .fused_buffers import fused_view, share_one_buffer
 
 
 @dataclass(frozen=True)
@@ -88,22 +94,99 @@ def lora_terms(module: nn.Module, where: str = "") -> list[LoraTerm]:
 
 
 def add_adapters(result: torch.Tensor, x: torch.Tensor, module: nn.Module, where: str = "") -> torch.Tensor:
-    """``result`` (the base layer's output for `x`) plus every active LoRA update of `module`,
-    computed with `kernels.linear` in PEFT's order and returned in ``result``'s dtype."""
-    terms = lora_terms(module, where)
-    if not terms:
-        return result
-    dtype = result.dtype
-    for term in terms:
-        xa = x.to(term.lora_a.weight.dtype)  # PEFT casts the input to the adapter's dtype
-        update = linear(linear(term.dropout(xa), term.lora_a.weight), term.lora_b.weight, term.lora_b.bias)
-        result = result + update * term.scaling
-    return result.to(dtype)
+    """``result`` (the base layer's output for `x`) plus every active LoRA update of `module`, in
+    PEFT's order, each added by `kernels.lora_add` (in place when no gradient flows: `result` may
+    be a column slice of a fused group's output)."""
+    for term in lora_terms(module, where):
+        result = lora_add(result, term.dropout(x), term.lora_a.weight, term.lora_b.weight, (term.scaling,),
+                          bias=term.lora_b.bias, inplace=not _needs_grad(result, x, term))
+    return result
+
+
+def _needs_grad(result: torch.Tensor, x: torch.Tensor, term: LoraTerm) -> bool:
+    return torch.is_grad_enabled() and (result.requires_grad or x.requires_grad or any(
+        p is not None and p.requires_grad for p in (term.lora_a.weight, term.lora_b.weight, term.lora_b.bias)))
+
+
+@dataclass(frozen=True)
+class StackedLora:
+    """The one active adapter of every member of a projection group, fused (`fuse_adapters`):
+    `kernels.lora_add`'s operands for the group's fused output."""
+
+    a: torch.Tensor  # [members * r, K]
+    b: torch.Tensor  # [sum N, r]
+    bias: torch.Tensor | None  # [sum N] or None
+    sizes: tuple[int, ...]
+    scalings: tuple[float, ...]
+    trainable: bool  # some member's A, B or bias requires a gradient (the views carry none: add per member)
+
+
+def _inert(dropout: nn.Module) -> bool:
+    """True when `dropout` passes x through (PEFT's Identity, or dropout in eval mode / p=0)."""
+    return isinstance(dropout, nn.Identity) or not dropout.training or getattr(dropout, "p", 1.0) == 0.0
+
+
+def stacked_lora(linears: list[nn.Module]) -> StackedLora | None:
+    """The group's adapters as one `StackedLora` when every member carries exactly one active
+    LoRA adapter, the same one at the same rank, with pass-through dropout, and its A, B (and B
+    bias) matrices are consecutive views of one buffer each (`fuse_adapters`); else None (then
+    each member adds its own, `add_adapters`)."""
+    terms = [lora_terms(lin) for lin in linears]
+    if any(len(t) != 1 for t in terms) or len(linears) > 4:
+        return None
+    terms = [t[0] for t in terms]
+    if any(not _inert(t.dropout) for t in terms):
+        return None
+    a = fused_view([t.lora_a.weight for t in terms])
+    b = fused_view([t.lora_b.weight for t in terms])
+    if a is None or b is None or a.shape[0] != len(terms) * b.shape[1]:
+        return None
+    biases = [t.lora_b.bias for t in terms]
+    bias = None
+    if any(x is not None for x in biases):
+        bias = None if any(x is None for x in biases) else fused_view(biases)
+        if bias is None:
+            return None
+    trainable = any(p is not None and p.requires_grad
+                    for t in terms for p in (t.lora_a.weight, t.lora_b.weight, t.lora_b.bias))
+    return StackedLora(a, b, bias, tuple(t.lora_b.weight.shape[0] for t in terms), tuple(t.scaling for t in terms),
+                       trainable)
+
+
+def fuse_adapters(linears: list[nn.Module]) -> int:
+    """For each LoRA adapter that every member of `linears` (a fused projection group) carries at
+    one rank, dtype and device, put the members' A matrices in consecutive rows of one buffer and
+    their B matrices (and B biases, when all have one) likewise, so that `stacked_lora` finds
+    them. The parameters stay the same objects, names and values (``.data`` becomes a view), so
+    optimizers, ``state_dict`` and PEFT's save and merge are unaffected. Returns the adapters fused."""
+    if len(linears) < 2 or not all(is_adapter_layer(lin) and hasattr(lin, "lora_A") for lin in linears):
+        return 0
+    fused = 0
+    for name in linears[0].lora_A:
+        if not all(name in lin.lora_A and name in lin.lora_B for lin in linears):
+            continue
+        a = [lin.lora_A[name].weight for lin in linears]
+        b = [lin.lora_B[name].weight for lin in linears]
+        if any(t.dim() != 2 or t.shape != a[0].shape or t.dtype != a[0].dtype or t.device != a[0].device
+               or t.device.type == "meta" for t in a) or \
+                any(t.dim() != 2 or t.shape[1] != b[0].shape[1] or t.dtype != b[0].dtype or t.device != a[0].device
+                    for t in b):
+            continue
+        biases = [lin.lora_B[name].bias for lin in linears]
+        if any(x is not None for x in biases) and (any(x is None for x in biases) or any(
+                x.dtype != biases[0].dtype or x.device != a[0].device for x in biases)):
+            continue
+        share_one_buffer(a)
+        share_one_buffer(b)
+        if biases[0] is not None:
+            share_one_buffer(biases)
+        fused += 1
+    return fused
 
 
 def apply_linear(x: torch.Tensor, module: nn.Module, where: str = "") -> torch.Tensor:
     """`module` (an ``nn.Linear``, or one wrapped by PEFT LoRA) applied to `x` with the aligned
-    kernels: the base layer's GEMM, then the adapters' updates."""
+    kernels: the base layer's GEMM, then the adapters' updates (`add_adapters`)."""
     base = base_layer(module)
     return add_adapters(linear(x, base.weight, base.bias), x, module, where)
 
@@ -114,3 +197,23 @@ def forbid_adapters(module: nn.Module, where: str, advice: str = "") -> None:
     if lora_terms(module, where):  # other PEFT layer types raise in lora_terms
         raise ValueError(f"{where}: PEFT adapters on this module are not supported by vexact-models' aligned forward"
                          + (f"; {advice}" if advice else ""))
+
+
+def adapter_state(model: nn.Module) -> tuple:
+    """What a forward's adapter arithmetic depends on besides tensor values, for every PEFT layer
+    of `model`: adapters disabled or merged, the active adapters, their scalings and the storage
+    of their and the base layer's weights. A CUDA graph captured under one state replays that
+    state's launches; the engine captures again when it changes (runtime/llm.py). Empty without
+    PEFT layers."""
+    state = []
+    for module in model.modules():
+        if not is_adapter_layer(module):
+            continue
+        base = base_layer(module)
+        tensors = [getattr(base, "weight", None)] + [
+            t for name in module.active_adapters if name in getattr(module, "lora_A", {})
+            for t in (module.lora_A[name].weight, module.lora_B[name].weight, module.lora_B[name].bias)]
+        state.append((id(module), bool(module.disable_adapters), bool(module.merged), tuple(module.active_adapters),
+                      tuple(sorted(getattr(module, "scaling", {}).items())),
+                      tuple(None if t is None else t.data_ptr() for t in tensors)))
+    return tuple(state)

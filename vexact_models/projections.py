@@ -13,9 +13,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vexact_models.kernels import linear
+from vexact_models.kernels import linear, lora_add
 
-from .adapters import add_adapters, base_layer, lora_terms
+from .adapters import add_adapters, base_layer, fuse_adapters, lora_terms, stacked_lora
+from .fused_buffers import fused_view as _fused_view
+from .fused_buffers import share_one_buffer as _share_one_buffer
 
 
 def fuse_linears(linears: list[nn.Module]) -> bool:
@@ -25,7 +27,8 @@ def fuse_linears(linears: list[nn.Module]) -> bool:
     parameters stay what they were (same objects, names, values; ``.data`` becomes a view of
     the buffer), so checkpoints, optimizers and the training forward are unaffected. A group
     mixing biased and bias-free layers is not fused (a zero bias would turn -0.0 outputs into
-    +0.0). Returns whether fused."""
+    +0.0). The members' LoRA adapters are fused the same way (`adapters.fuse_adapters`).
+    Returns whether fused."""
     bases = [base_layer(lin) for lin in linears]
     weights = [lin.weight for lin in bases]
     biases = [lin.bias for lin in bases]
@@ -40,36 +43,8 @@ def fuse_linears(linears: list[nn.Module]) -> bool:
     _share_one_buffer(weights)
     if biases[0] is not None:
         _share_one_buffer(biases)
+    fuse_adapters(linears)
     return True
-
-
-def _share_one_buffer(tensors: list[torch.Tensor]) -> None:
-    """Make `tensors` (parameters) views of consecutive slices of one new buffer, unless they already are."""
-    if _fused_view(tensors) is not None:
-        return
-    with torch.no_grad():
-        buffer = torch.cat([t.detach() for t in tensors])
-        row = 0
-        for t in tensors:
-            t.data = buffer[row:row + t.shape[0]]
-            row += t.shape[0]
-
-
-def _fused_view(tensors: list[torch.Tensor]) -> torch.Tensor | None:
-    """The ``[sum N, *rest]`` view spanning `tensors` (weights ``[N, K]`` or biases ``[N]``) when
-    they are consecutive rows of one storage, else None."""
-    first = tensors[0]
-    rest, size = first.shape[1:], first.element_size()
-    address, storage = first.data_ptr(), first.untyped_storage().data_ptr()
-    for t in tensors:  # same storage, not just adjacent allocations
-        if not t.is_contiguous() or t.shape[1:] != rest or t.dtype != first.dtype or t.data_ptr() != address \
-                or t.untyped_storage().data_ptr() != storage:
-            return None
-        address += t.numel() * size
-    strides = [1]
-    for dim in reversed(rest):
-        strides.insert(0, strides[0] * dim)
-    return first.detach().as_strided((sum(t.shape[0] for t in tensors), *rest), strides)
 
 
 _fused_weight = _fused_view  # the name tests/distributed uses to check that fused groups survive sleep
@@ -93,7 +68,9 @@ def grouped_linear(x: torch.Tensor, linears: list[nn.Module]) -> list[torch.Tens
     computes every output element the same way whatever N or the tile
     (conformance/kernel_invariance.py checks tile configs against each other) and adds the bias
     to each output element on its own, after the K reduction. Otherwise the separate GEMMs run.
-    Adapter updates are added per module either way. The outputs may be column slices of one
+    Adapter updates follow: on the fused output, one `kernels.lora_add` over the group's stacked
+    adapters when they are fused (`adapters.stacked_lora`: bitwise the members' separate
+    updates), else each member's own (`add_adapters`). The outputs may be column slices of one
     tensor."""
     bases = [base_layer(lin) for lin in linears]
     weights = [lin.weight for lin in bases]
@@ -102,7 +79,14 @@ def grouped_linear(x: torch.Tensor, linears: list[nn.Module]) -> list[torch.Tens
         t is not None and t.requires_grad for t in weights + biases))
     fused = None if needs_grad else _fused_operands(weights, biases)
     if fused is not None:
-        outs = list(linear(x, *fused).split([w.shape[0] for w in weights], dim=-1))
+        out = linear(x, *fused)
+        stacked = stacked_lora(linears)
+        # one shrink, one expand for the whole group (adapters in training: each member's, with gradients)
+        if stacked is not None and not (torch.is_grad_enabled() and stacked.trainable):
+            lora_add(out, x, stacked.a, stacked.b, stacked.scalings, bias=stacked.bias, sizes=stacked.sizes,
+                     inplace=True)
+            return list(out.split(stacked.sizes, dim=-1))
+        outs = list(out.split([w.shape[0] for w in weights], dim=-1))
     else:
         outs = [linear(x, lin.weight, lin.bias) for lin in bases]
     return [add_adapters(out, x, lin) for out, lin in zip(outs, linears)]

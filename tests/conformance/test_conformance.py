@@ -185,6 +185,21 @@ def test_build_model_goes_through_patch_and_restores_the_auto_classes():
     assert type(model) is arch.causal_lm_class and not vexact_models.is_patched()
 
 
+@pytest.mark.parametrize("case", DISTINCT_SHAPES, ids=shape_id)
+def test_lora_adapters_in_every_scenario(case):
+    """Every suite scenario with random PEFT LoRA adapters (all-linear, the experts too) at every
+    shape whose module tree differs: rollouts (the fused groups' adapters stacked) bitwise the
+    training recompute (per member)."""
+    from vexact_models.conformance.suite import add_random_lora
+
+    arch, shape = case
+    skip_without_rollout(arch)
+    model = add_random_lora(build_model(arch, shape.tiny_config(), torch.device("cpu"), torch.float32), 4)
+    report = run_conformance(arch, model, device=torch.device("cpu"), pool_size=8, max_tokens=6, prompt_len=8,
+                             check_parity=False, shape=shape.name)
+    assert report.scenarios and report.mismatches == 0 and report.tokens > 0, format_table([report])
+
+
 @pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
 def test_cli_checks_rollouts_with_lora_adapters(name, capsys):
     assert main(["--arch", name, "--lora", "4", "--pool", "8", "--max-tokens", "6", "--prompt-len", "8"]) == 0

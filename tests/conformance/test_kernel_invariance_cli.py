@@ -98,3 +98,26 @@ def test_cli_checks_every_third_linear_shape_when_quick(recorded_checks, monkeyp
     assert calls == [(k, n, 1024) for _, _, k, n in linear_invariance.LINEAR_SHAPES[::3]] + \
         [(1024, 3072, "configs"), (4096, 1024, "configs")]
     assert not recorded_checks  # no attention check
+
+
+def test_cli_checks_every_lora_group_at_rank_16_when_quick(recorded_checks, monkeypatch):
+    from vexact_models.conformance import lora_invariance
+
+    calls = []
+    monkeypatch.setattr(lora_invariance, "check_lora_group",
+                        lambda result, k, sizes, rank, dtype, ms, what: calls.append((k, sizes, rank, dtype, max(ms))))
+    assert main(["--only", "lora", "--quick"]) == 0
+    assert calls == [(k, sizes, 16, dtype, 1024) for _, _, k, sizes in lora_invariance.LORA_GROUPS
+                     for dtype in (torch.float32, torch.bfloat16)]
+    assert not recorded_checks  # no attention check
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_lora_group_check_finds_no_mismatch_on_the_gpu():
+    from vexact_models.conformance.invariance_result import Result
+    from vexact_models.conformance.lora_invariance import check_lora_group
+
+    result = Result("lora_add")
+    check_lora_group(result, 1024, (2048, 1024, 1024), 16, torch.float32, [1, 3, 64, 300], "q/k/v")
+    assert result.cases > 0 and result.mismatches == 0, result.notes

@@ -109,9 +109,9 @@ def test_copy_slots_copies_every_tensor_of_the_slot():
         t.copy_(torch.randn(t.shape, generator=gen))
     before = [t.clone() for t in tensors]
     cache.copy_slots(torch.tensor([1, 1]), torch.tensor([3, 0]))
-    keep = spec().chunk - 1
+    width = spec().chunk  # slot s's rows are [s * C, (s + 1) * C), and one padding row after them
     for old, new in zip(before, tensors):
-        per = keep if new.shape[0] == 5 * keep else 1
+        per = width if new.shape[0] == 5 * width + 1 else 1
         slot = lambda t, s: t[s * per:(s + 1) * per]  # noqa: E731
         assert torch.equal(slot(new, 3), slot(old, 1)) and torch.equal(slot(new, 0), slot(old, 1))
         assert all(torch.equal(slot(new, s), slot(old, s)) for s in (1, 2, 4))

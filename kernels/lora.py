@@ -1,0 +1,317 @@
+"""lora_add: ``base + (x A^T) B^T * scaling``, the LoRA update added to a base GEMM's output,
+batch-invariant and shared by training and rollouts (docs/design.md section 8, drop-in).
+
+One call adds the adapters of one linear layer, or of a fused projection group (q/k/v, gate/up):
+then ``a`` is the members' A matrices stacked (``[G * r, K]``, one shrink over all of them),
+``b`` their B matrices stacked (``[sum N_g, r]``) and ``base`` the group's fused output, whose
+column slices ``sizes`` belong to the members in order; member g's columns read its own rank
+slice ``u[:, g*r:(g+1)*r]`` and take its own ``scalings[g]``. The arithmetic, per output element:
+
+1. shrink: ``u = x A^T`` with 16-bit operands and fp32 accumulation, as the base GEMM: A in
+   x's dtype, or, for fp32 A (PEFT's default) under bf16 x, A split into ``hi + lo`` (both
+   bf16; two MMAs into one accumulator), which keeps 17 of A's bits (2**-9 off in one bf16;
+   tests/kernels/test_lora.py); K in fixed chunks of `CHUNK_K` columns (a function of K only, never of the
+   batch), each chunk's partial sum accumulated in `BLOCK_K` steps into one fp32 accumulator
+   with tiles of fixed shape (`SHRINK_BLOCK_M` x `BLOCK_R`), then the chunks' partials added
+   in chunk order (``((p0 + p1) + p2) + ...``) in fp32. Splitting K is what keeps the shrink
+   off the step's critical path (its N is the rank: without it one program per 16 rows would
+   walk all of K); the order is fixed, so rule 1's reason to refuse split-K does not apply.
+2. expand: ``acc = sum_j u[:, j] * B[:, j]`` in fp32, j = 0 .. r-1 in order (element-wise
+   products, no tensor-core dot: the same operations whatever the tile), plus B's bias.
+3. ``out = round(float(base) + acc * scaling)`` to base's dtype: PEFT's own order (the base
+   layer's rounded output, plus the fp32 update times scaling, rounded once more).
+
+Invariance contract: every output element is a function of its own row of ``x`` and ``base``
+and of the weights only (rules 1 and 5): the tiles are fixed, K's chunks depend on K only, the
+expand is element-wise. A stacked group's columns are bitwise the members' separate calls (the
+training forward runs those): member g's u columns come from the same chunks and tiles, and its
+B columns from the same per-element loop. `conformance/kernel_invariance.py --only lora` checks
+both on the GPU. fp32 adapter weights (PEFT's default) are read as they are: A is split inside
+the shrink, B is used in fp32; no activation is kept in fp32 but ``u`` (``[T, G * r]``).
+
+The reference (CPU) runs the same steps with `exact_math.dot` per chunk. The backward (rule 8)
+is torch matmuls in fp32: correct, not invariant.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import exact_math
+from ._triton import require_triton, tl, triton
+from .backend import select
+from .dependent_launch import dependent_launch_kwargs, wait_for_inputs
+
+CHUNK_K = 512  # K columns per shrink partial: fixed, so the partials depend on K only
+BLOCK_K = 64  # K steps inside a chunk (rule 1's K tile)
+SHRINK_BLOCK_M = 16  # rows per shrink program, for every batch
+BLOCK_R = 16  # rank columns per shrink program
+EXPAND_BLOCK_M = 32
+EXPAND_BLOCK_N = 128
+MAX_MEMBERS = 4  # members of one stacked group (the gated-DeltaNet's in_proj group has four)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _lora_shrink_kernel(x_ptr, a_ptr, p_ptr, T, K, R, stride_x, stride_a,
+                        INPUT_PRECISION: tl.constexpr, SPLIT_A: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    """Partial ``p[s, rows, ranks]`` of ``x A^T`` over K chunk s (program (m tile, r tile, s))."""
+    wait_for_inputs(PDL)
+    pid_m, pid_r, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    ranks = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_k = tl.arange(0, BLOCK_K)
+    row_ok, rank_ok = rows < T, ranks < R
+    x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_x + offs_k[None, :]
+    a_ptrs = a_ptr + ranks[None, :].to(tl.int64) * stride_a + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    start = pid_s * CHUNK
+    for k in range(0, CHUNK, BLOCK_K):
+        k_ok = start + k + offs_k < K
+        xt = tl.load(x_ptrs + start + k, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        at = tl.load(a_ptrs + start + k, mask=rank_ok[None, :] & k_ok[:, None], other=0.0)
+        hi = at.to(x_ptr.dtype.element_ty)
+        acc = tl.dot(xt, hi, acc, input_precision=INPUT_PRECISION, out_dtype=tl.float32)
+        if SPLIT_A:  # fp32 A under 16-bit x: A = hi + lo, two 16-bit operands, both into the fp32 accumulator
+            lo = (at - hi.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            acc = tl.dot(xt, lo, acc, input_precision=INPUT_PRECISION, out_dtype=tl.float32)
+    out = p_ptr + (pid_s * T + rows[:, None]).to(tl.int64) * R + ranks[None, :]
+    tl.store(out, acc, mask=row_ok[:, None] & rank_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["n"])
+def _lora_reduce_kernel(p_ptr, u_ptr, n, S, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """``u = p[0] + p[1] + ...`` in chunk order."""
+    wait_for_inputs(PDL)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    acc = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    for s in range(1, S):
+        acc += tl.load(p_ptr + s * n + offs, mask=mask, other=0.0)
+    tl.store(u_ptr + offs, acc, mask=mask)
+
+
+@triton.jit
+def _member_u(u_ptr, rows, row_ok, R, r, j, g: tl.constexpr):
+    return tl.load(u_ptr + rows.to(tl.int64) * R + g * r + j, mask=row_ok, other=0.0)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _lora_expand_kernel(base_ptr, u_ptr, b_ptr, bias_ptr, out_ptr, T, N, R, r,
+                        stride_base, stride_out, stride_b, n1, n2, n3, s0, s1, s2, s3,
+                        G: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        PDL: tl.constexpr = False):
+    """``out = base + (u_g B^T (+ bias)) * s_g`` for the columns of member g."""
+    wait_for_inputs(PDL)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok, col_ok = rows < T, cols < N
+    member = (cols >= n1).to(tl.int32) + (cols >= n2).to(tl.int32) + (cols >= n3).to(tl.int32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for j in range(0, r):
+        bj = tl.load(b_ptr + cols.to(tl.int64) * stride_b + j, mask=col_ok, other=0.0).to(tl.float32)
+        u = tl.broadcast_to(_member_u(u_ptr, rows, row_ok, R, r, j, 0)[:, None], (BLOCK_M, BLOCK_N))
+        if G > 1:
+            u = tl.where(member[None, :] == 1, _member_u(u_ptr, rows, row_ok, R, r, j, 1)[:, None], u)
+        if G > 2:
+            u = tl.where(member[None, :] == 2, _member_u(u_ptr, rows, row_ok, R, r, j, 2)[:, None], u)
+        if G > 3:
+            u = tl.where(member[None, :] == 3, _member_u(u_ptr, rows, row_ok, R, r, j, 3)[:, None], u)
+        acc += u * bj[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    scale = tl.where(member == 0, s0, tl.where(member == 1, s1, tl.where(member == 2, s2, s3)))
+    mask = row_ok[:, None] & col_ok[None, :]
+    base = tl.load(base_ptr + rows[:, None].to(tl.int64) * stride_base + cols[None, :], mask=mask, other=0.0)
+    out = base.to(tl.float32) + acc * scale[None, :]
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+def num_chunks(k: int) -> int:
+    """The shrink's K chunks for `k` input features (`CHUNK_K` each, the last one partial)."""
+    return max(1, -(-k // CHUNK_K))
+
+
+def lora_shrink_triton(x2d: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """``u = x A^T`` ``[T, R]`` fp32 by the Triton kernels (partials per K chunk, then their sum
+    in chunk order). Public for the GPU proofs (conformance/kernel_invariance.py)."""
+    require_triton("lora_add")
+    t, k = x2d.shape
+    rank = a.shape[0]
+    s = num_chunks(k)
+    partials = torch.empty(s, t, rank, device=x2d.device, dtype=torch.float32)
+    u = torch.empty(t, rank, device=x2d.device, dtype=torch.float32)
+    if t == 0:
+        return u
+    pdl = dependent_launch_kwargs(x2d.device)
+    grid = (triton.cdiv(t, SHRINK_BLOCK_M), triton.cdiv(rank, BLOCK_R), s)
+    _lora_shrink_kernel[grid](x2d, a, partials, t, k, rank, x2d.stride(0), a.stride(0),
+                              INPUT_PRECISION="ieee" if x2d.dtype == torch.float32 else "tf32",
+                              SPLIT_A=split_a(x2d.dtype, a.dtype), CHUNK=CHUNK_K,
+                              BLOCK_M=SHRINK_BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, num_warps=4, num_stages=3,
+                              **pdl)
+    n = t * rank
+    _lora_reduce_kernel[(triton.cdiv(n, 1024),)](partials, u, n, s, BLOCK=1024, num_warps=4, **pdl)
+    return u
+
+
+def _expand_args(sizes: tuple[int, ...], scalings: tuple[float, ...]) -> tuple[list[int], list[float]]:
+    """Column starts of members 1..3 (past the end when absent) and the four scalings."""
+    starts, col = [], 0
+    for size in sizes[:-1]:
+        col += size
+        starts.append(col)
+    big = 2 ** 31 - 1
+    return starts + [big] * (3 - len(starts)), list(scalings) + [0.0] * (4 - len(scalings))
+
+
+def lora_expand_triton(base: torch.Tensor, u: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
+                       sizes: tuple[int, ...], scalings: tuple[float, ...], out: torch.Tensor) -> torch.Tensor:
+    """``out = base + (u B^T + bias) * scaling`` by the Triton kernel (`out` may be `base`)."""
+    require_triton("lora_add")
+    t, n = base.shape
+    if t == 0:
+        return out
+    starts, scales = _expand_args(sizes, scalings)
+    grid = (triton.cdiv(t, EXPAND_BLOCK_M), triton.cdiv(n, EXPAND_BLOCK_N))
+    _lora_expand_kernel[grid](base, u, b, bias if bias is not None else b, out, t, n, u.shape[1], b.shape[1],
+                              base.stride(0), out.stride(0), b.stride(0), *starts, *scales,
+                              G=len(sizes), HAS_BIAS=bias is not None, BLOCK_M=EXPAND_BLOCK_M, BLOCK_N=EXPAND_BLOCK_N,
+                              num_warps=4, **dependent_launch_kwargs(base.device))
+    return out
+
+
+def split_a(x_dtype: torch.dtype, a_dtype: torch.dtype) -> bool:
+    """Whether the shrink splits A into two 16-bit halves: fp32 A (PEFT's default) under 16-bit
+    activations."""
+    return a_dtype == torch.float32 and x_dtype in (torch.bfloat16, torch.float16)
+
+
+def shrink_operand(a: torch.Tensor, x_dtype: torch.dtype) -> torch.Tensor:
+    """The A the shrink multiplies by, as a tensor of x's compute dtype: A in x's dtype, or for
+    fp32 A under 16-bit x (`split_a`) ``hi + lo`` with ``hi = A`` rounded to x's dtype and ``lo``
+    the rest rounded likewise (17 significant bits; the sum is exact in fp32)."""
+    if not split_a(x_dtype, a.dtype):
+        return a.to(x_dtype)
+    hi = a.to(x_dtype)
+    return hi.float() + (a - hi.float()).to(x_dtype).float()
+
+
+def lora_shrink_reference(x2d: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """The shrink on CPU: each chunk's partial a per-output reduction (`exact_math.dot`), the
+    partials added in chunk order; A as the kernel takes it (`shrink_operand`)."""
+    compute = torch.float64 if x2d.dtype == torch.float64 else torch.float32
+    xw, aw = x2d.to(compute), shrink_operand(a, x2d.dtype).to(compute)
+    u = None
+    for start in range(0, max(1, x2d.shape[1]), CHUNK_K):
+        part = exact_math.dot(xw[:, None, start:start + CHUNK_K], aw[None, :, start:start + CHUNK_K])
+        u = part if u is None else u + part
+    return u
+
+
+def lora_expand_reference(base: torch.Tensor, u: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
+                          sizes: tuple[int, ...], scalings: tuple[float, ...], out: torch.Tensor) -> torch.Tensor:
+    """The expand on CPU: the rank loop in order, element-wise, then PEFT's add."""
+    compute = u.dtype
+    rank, col = b.shape[1], 0
+    update = torch.empty(base.shape, dtype=compute)
+    for g, (size, scaling) in enumerate(zip(sizes, scalings)):
+        acc = torch.zeros(base.shape[0], size, dtype=compute)
+        bw = b[col:col + size].to(compute)
+        for j in range(rank):
+            acc = acc + u[:, g * rank + j, None] * bw[None, :, j]
+        if bias is not None:
+            acc = acc + bias[col:col + size].to(compute)
+        update[:, col:col + size] = acc * scaling
+        col += size
+    out.copy_((base.to(compute) + update).to(out.dtype))
+    return out
+
+
+def _forward(base, x2d, a, b, bias, sizes, scalings, out):
+    """``(out, u)``: the update added into `out` (a new tensor unless given) and the shrink's u."""
+    backend = select("lora_add", x2d)
+    out = torch.empty_like(base) if out is None else out
+    if backend == "triton":
+        u = lora_shrink_triton(x2d, a)
+        return lora_expand_triton(base, u, b, bias, sizes, scalings, out), u
+    u = lora_shrink_reference(x2d, a)
+    return lora_expand_reference(base, u, b, bias, sizes, scalings, out), u
+
+
+class _LoraAddFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, base, x2d, a, b, bias, sizes, scalings):
+        out, u = _forward(base, x2d, a, b, bias, sizes, scalings, None)
+        ctx.save_for_backward(x2d, a, b, u)
+        ctx.sizes, ctx.scalings, ctx.has_bias = sizes, scalings, bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x2d, a, b, u = ctx.saved_tensors
+        compute = torch.float64 if grad_out.dtype == torch.float64 else torch.float32
+        scale = torch.cat([torch.full((size,), s, dtype=compute, device=grad_out.device)
+                           for size, s in zip(ctx.sizes, ctx.scalings)])
+        gs = grad_out.to(compute) * scale  # d(update before scaling)
+        rank, col, grad_u, grad_b = b.shape[1], 0, [], torch.empty(b.shape, dtype=compute, device=b.device)
+        for g, size in enumerate(ctx.sizes):
+            cols = slice(col, col + size)
+            grad_u.append(gs[:, cols] @ b[cols].to(compute))
+            grad_b[cols] = gs[:, cols].t() @ u[:, g * rank:(g + 1) * rank].to(compute)
+            col += size
+        grad_u = torch.cat(grad_u, dim=1)
+        grad_x = (grad_u @ shrink_operand(a, x2d.dtype).to(compute)).to(x2d.dtype) if ctx.needs_input_grad[1] else None
+        grad_a = (grad_u.t() @ x2d.to(compute)).to(a.dtype) if ctx.needs_input_grad[2] else None
+        grad_bias = gs.sum(0).to(b.dtype) if ctx.has_bias and ctx.needs_input_grad[4] else None
+        return grad_out, grad_x, grad_a, grad_b.to(b.dtype), grad_bias, None, None
+
+
+def lora_add(base: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scalings: tuple[float, ...],
+             bias: torch.Tensor | None = None, sizes: tuple[int, ...] | None = None,
+             inplace: bool = False) -> torch.Tensor:
+    """``base + (x a^T) b^T * scaling`` per member (the module docstring's arithmetic).
+
+    Args:
+        base: ``[..., N]`` the base GEMM's output (its dtype is the output's).
+        x: ``[..., K]`` the layer's input, in the activations' dtype.
+        a: ``[G * r, K]`` the stacked A matrices (x's dtype, or fp32: `shrink_operand`).
+        b: ``[N, r]`` the stacked B matrices (used in fp32).
+        scalings: one float per member (G of them, at most `MAX_MEMBERS`).
+        bias: optional ``[N]``, B's bias (PEFT's ``lora_bias``).
+        sizes: the members' output columns (default: one member of all N).
+        inplace: write into `base` (no gradient may flow).
+    Returns:
+        ``[..., N]`` in base's dtype. Differentiable in base, x, a, b and bias.
+    """
+    sizes = (base.shape[-1],) if sizes is None else tuple(sizes)
+    scalings = tuple(float(s) for s in scalings)
+    n, k, members = base.shape[-1], x.shape[-1], len(sizes)
+    if not 1 <= members <= MAX_MEMBERS or len(scalings) != members:
+        raise ValueError(f"lora_add: {members} members with {len(scalings)} scalings; want 1 to {MAX_MEMBERS} "
+                         "members, one scaling each")
+    if sum(sizes) != n or b.shape[0] != n or a.shape[1] != k or a.shape[0] != members * b.shape[1] \
+            or base.shape[:-1] != x.shape[:-1] or (bias is not None and bias.shape != (n,)):
+        raise ValueError(f"lora_add: shapes do not match: base {tuple(base.shape)}, x {tuple(x.shape)}, a "
+                         f"{tuple(a.shape)}, b {tuple(b.shape)}, sizes {sizes}, bias "
+                         f"{None if bias is None else tuple(bias.shape)} (a: [members * r, K], b: [N, r])")
+    shape = base.shape
+    base2d, x2d = base.reshape(-1, n), x.reshape(-1, k)
+    if x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    a, b = (a if a.stride(-1) == 1 else a.contiguous()), (b if b.stride(-1) == 1 else b.contiguous())
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (base, x, a, b, bias))
+    if needs_grad:
+        if inplace:
+            raise ValueError("lora_add: inplace=True while a gradient flows (the base output is needed)")
+        return _LoraAddFunction.apply(base2d, x2d, a, b, bias, sizes, scalings).reshape(shape)
+    if base2d.stride(-1) != 1:
+        base2d = base2d.contiguous()
+    out = base2d if inplace and base2d.data_ptr() == base.data_ptr() else None
+    result = _forward(base2d, x2d, a, b, bias, sizes, scalings, out)[0].reshape(shape)
+    if inplace and result.data_ptr() != base.data_ptr():
+        base.copy_(result)
+        return base
+    return result

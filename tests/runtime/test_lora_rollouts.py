@@ -1,0 +1,178 @@
+"""Rollouts with PEFT LoRA adapters in the engine's graph-shaped steps: every step padded to its
+CUDA-graph bucket (decode and mixed steps) as the graphs replay it, on CPU (`EagerBuckets`: the
+graphs' buffers and buckets, each "replay" an eager forward), with each fused projection group's
+adapters stacked (one shrink, one expand); bitwise ``token_logprobs`` at every architecture, and
+with adapters disabled, merged and unmerged between rollouts of one engine, which captures its
+graphs again whenever the adapters' state changes (docs/design.md section 8, drop-in). The real
+CUDA graphs: the `gpu` test at the end."""
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from vexact_models.adapters import adapter_state, stacked_lora
+from vexact_models.runtime import LLM, SamplingParams, model_runner
+from vexact_models.runtime.cuda_graphs import StepGraphs
+
+from ..models.model_support import SHAPES, shape_id, skip_without_rollout, stock_model
+from .llm_support import gen, make_llm, prompts_for, training_logprobs
+
+PARAMS = SamplingParams(temperature=1.0, max_tokens=5, seed=5, ignore_eos=True)
+
+
+class _EagerReplay:
+    """A "graph" whose replay runs the step eagerly on the bucket's static buffers."""
+
+    def __init__(self, model, args, target: torch.Tensor) -> None:
+        self.model, self.args, self.target = model, args, target
+
+    def replay(self) -> None:
+        self.target.copy_(self.model(*self.args))
+
+    def reset(self) -> None:
+        pass
+
+
+class EagerBuckets(StepGraphs):
+    """`StepGraphs` on CPU: the same buckets, padded static inputs and shared mixed output, with
+    every capture replaced by an eager replay: the arithmetic a graph replays, without CUDA."""
+
+    def _capture(self, bucket, x, carry=False, shared_out=False):
+        args = self._args(bucket, x, carry)
+        out = self.model(*args)
+        target = out
+        if shared_out:
+            if self.mixed_logits is None:
+                self.mixed_logits = torch.empty(self.max_batch, out.shape[1], dtype=out.dtype)
+            target, out = self.mixed_logits[:bucket[1]], self.mixed_logits
+        self.graphs[bucket] = (_EagerReplay(self.model, args, target), x, out)
+
+
+def graph_shaped_llm(model, monkeypatch, **kwargs) -> LLM:
+    """A CPU engine whose steps run as `EagerBuckets` (decode buckets up to 8 sequences, mixed
+    steps up to 32 tokens), recaptured as CUDA graphs would be."""
+    monkeypatch.setattr(model_runner, "StepGraphs", EagerBuckets)
+    llm = make_llm(model, max_num_seqs=8, max_num_batched_tokens=32, **kwargs)
+    llm.runner.cuda_graph_batch, llm.runner.cuda_graph_tokens = 8, 32
+    llm.runner.free_cache()
+    llm.runner.allocate_cache()
+    llm._remember_graphs(llm.backend)
+    assert isinstance(llm.runner.graphs, EagerBuckets)
+    return llm
+
+
+def lora_model(arch, shape=None, seed=1):
+    """Our model at `shape` under random LoRA adapters (r=4) on every linear layer (and the experts)."""
+    hf = stock_model(arch, shape=shape)
+    ours = arch.causal_lm_class(hf.config).eval()
+    ours.load_state_dict(hf.state_dict())
+    torch.manual_seed(seed)
+    return get_peft_model(ours, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0,
+                                           init_lora_weights=False))
+
+
+def check_against_training(model, llm, prompts) -> list:
+    outs = gen(llm, prompts, PARAMS)
+    for prompt, out in zip(prompts, outs):
+        c = out.outputs[0]
+        assert torch.equal(training_logprobs(model, prompt, c.token_ids, 1.0), torch.tensor(c.logprobs))
+    return [o.outputs[0].logprobs for o in outs]
+
+
+def groups_of(model):
+    return [g for m in model.modules() if callable(getattr(m, "projection_groups", None))
+            for g in m.projection_groups()]
+
+
+@pytest.mark.parametrize("pair", SHAPES, ids=shape_id)
+def test_graph_shaped_rollouts_with_stacked_adapters_equal_token_logprobs(pair, monkeypatch):
+    arch, shape = pair
+    skip_without_rollout(arch, "cuda_graphs")
+    model = lora_model(arch, shape)
+    llm = graph_shaped_llm(model, monkeypatch)
+    adapted = [g for g in groups_of(model) if all(hasattr(lin, "lora_A") for lin in g)]
+    assert adapted and all(stacked_lora(g) is not None for g in adapted)  # fused by the engine: one shrink per group
+    prompts = prompts_for(5, seed=3) + prompts_for(1, seed=4, lo=40, hi=50)  # a prompt past one mixed step
+    check_against_training(model, llm, prompts)
+    graphs = llm.runner.graphs
+    assert graphs.mixed_replays > 0 and graphs is llm.runner.graphs  # mixed steps ran as graphs, not recaptured
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
+def test_adapters_disabled_merged_and_unmerged_between_rollouts(name, monkeypatch):
+    arch = next(a for a, _ in SHAPES if a.name == name)
+    model = lora_model(arch)
+    llm = graph_shaped_llm(model, monkeypatch)
+    prompts = prompts_for(4, seed=7)
+    seen = [llm.runner.graphs]
+
+    def rollout():
+        logprobs = check_against_training(model, llm, prompts)
+        seen.append(llm.runner.graphs)
+        return logprobs
+
+    with_adapters = rollout()
+    assert rollout() == with_adapters and seen[-1] is seen[-2]  # nothing changed: no recapture
+    with model.disable_adapter():
+        state = adapter_state(llm.model)
+        plain = rollout()
+        assert seen[-1] is not seen[-2]  # the adapters' state changed: captured again
+        assert plain != with_adapters
+    assert rollout() == with_adapters and seen[-1] is not seen[-2]
+    model.merge_adapter()
+    assert adapter_state(llm.model) != state
+    rollout()
+    assert seen[-1] is not seen[-2]
+    model.unmerge_adapter()
+    rollout()
+    assert seen[-1] is not seen[-2]
+
+
+def test_adapter_state_follows_peft():
+    arch = next(a for a, _ in SHAPES if a.name == "qwen3")
+    model = lora_model(arch)
+    state = adapter_state(model)
+    assert len(state) == sum(1 for m in model.modules() if hasattr(m, "lora_A")) > 0
+    assert adapter_state(model) == state
+    with model.disable_adapter():
+        assert adapter_state(model) != state
+    assert adapter_state(model) == state
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    layer.lora_A["default"].weight.data = layer.lora_A["default"].weight.data.clone()  # replaced storage
+    assert adapter_state(model) != state
+    assert adapter_state(model.get_base_model().model.embed_tokens) == ()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)")
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
+def test_cuda_graph_rollouts_with_adapters_toggled_equal_token_logprobs(name):
+    """The engine's real CUDA graphs (decode and mixed steps) with bf16 weights and fp32 adapters:
+    bitwise ``token_logprobs`` with adapters on, disabled, merged and unmerged between rollouts."""
+    arch = next(a for a, _ in SHAPES if a.name == name)
+    torch.manual_seed(0)
+    dims = dict(initializer_range=0.5, hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+    ours = arch.causal_lm_class(arch.shapes[0].tiny_config(**dims)).to("cuda", torch.bfloat16).eval()
+    model = get_peft_model(ours, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0,
+                                            init_lora_weights=False))  # adapters in fp32, PEFT's default
+    llm = LLM(model, block_size=16, max_num_seqs=8, max_num_batched_tokens=48, kv_cache_bytes=1 << 24)
+    assert llm.runner.graphs is not None
+    prompts = prompts_for(6, seed=11, lo=3, hi=30) + prompts_for(1, seed=12, lo=60, hi=70)
+
+    def rollout():
+        outs = gen(llm, prompts, PARAMS)
+        for prompt, out in zip(prompts, outs):
+            c = out.outputs[0]
+            lp = training_logprobs(model, prompt, c.token_ids, 1.0).cpu()
+            assert torch.equal(lp, torch.tensor(c.logprobs))
+        assert llm.runner.graphs.mixed_replays > 0
+        return [o.outputs[0].logprobs for o in outs]
+
+    first = rollout()
+    with model.disable_adapter():
+        assert rollout() != first
+    assert rollout() == first
+    model.merge_adapter()
+    rollout()
+    model.unmerge_adapter()
+    rollout()
