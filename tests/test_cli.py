@@ -31,7 +31,8 @@ def test_new_architecture_writes_a_package_and_prints_the_next_steps(tmp_path, c
     out = capsys.readouterr().out
     assert sorted(p.name for p in (tmp_path / "mistral").iterdir()) == ["__init__.py", "modeling.py"]
     assert (tmp_path / "tests" / "test_mistral.py").is_file()
-    assert "MistralConfig has no attention_bias, mlp_bias" in out and "sliding_window" in out
+    assert "MistralConfig has no attention_bias, mlp_bias" in out
+    assert "sliding_window" not in out  # the Llama template honours it (layers.layer_window): nothing to flag
     assert '[project.entry-points."vexact_models.architectures"]\nmistral = "mistral"' in out
     # a second run refuses, naming the folder, and changes nothing
     assert main(["new-architecture", "mistral", "--from", "llama", "--dest", str(tmp_path)]) == 2

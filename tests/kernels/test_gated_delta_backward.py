@@ -151,7 +151,7 @@ def test_triton_backward_kernels_compile_for_hopper_on_cpu(monkeypatch):
     tensors, d_out, _ = make_inputs([70], 1, 1, 16, 16, dtype=torch.bfloat16)
     with compile_only() as compiled:
         training_backward(*tensors[:5], None, d_out.bfloat16(), None, [70], 64, 0.25, True, "triton")
-    assert [kernel.name for kernel in compiled] == ["fold_kernel", "state_grad_kernel", "chunk_grad_kernel"]
+    assert [kernel.name for kernel in compiled] == ["fold_prep_kernel", "fold_kernel", "state_grad_kernel", "chunk_grad_kernel"]
     for kernel in compiled[1:]:
         assert resources(kernel).wgmma > 0, kernel.name
         assert "m64n8k8" not in kernel.asm["ptx"], kernel.name

@@ -5,6 +5,7 @@ import random
 import torch
 
 from vexact_models.runtime import LLM
+from vexact_models.runtime.cuda_graphs import StepGraphs
 from vexact_models.runtime.model_runner import kv_bytes_per_block
 
 BS = 4
@@ -43,3 +44,25 @@ def training_logprobs(model, prompt, tokens, temperature) -> torch.Tensor:
     return lp[0, len(prompt):]
 
 
+
+
+class CalledGraphs(StepGraphs):
+    """`StepGraphs` whose recorded step is a call of the model on the static buffers at each replay:
+    the graphs' host side (buckets, padded buffers, the warm-up's gated-DeltaNet dry run) on the
+    CPU, the arithmetic a CUDA graph replays."""
+
+    def _record(self, args, seqs, shared_out):
+        vocab = self.model.config.vocab_size  # (a capture runs nothing: no call here, it would advance states)
+        out = self.mixed_logits if shared_out else torch.empty(seqs, vocab)
+        return _Call(self.model, args, out, seqs), out
+
+
+class _Call:
+    def __init__(self, model, args, out, seqs):
+        self.model, self.args, self.out, self.seqs = model, args, out, seqs
+
+    def replay(self):
+        self.out[:self.seqs].copy_(self.model(*self.args))
+
+    def reset(self):
+        pass

@@ -12,9 +12,9 @@ from vexact_models.conformance.models import build_model
 from vexact_models.kernels.gated_delta_step import dry_run, plan_sizes, plan_step, scratch_states
 from vexact_models.registry import get
 from vexact_models.runtime import LLM, SamplingParams
-from vexact_models.runtime.cuda_graphs import StepGraphs
 from vexact_models.runtime.linear_state_cache import LinearStateCache, LinearStep, LinearStepBuffers
 
+from .llm_support import CalledGraphs
 from .test_linear_state_cache import sequences, spec, split, training
 
 CPU = torch.device("cpu")
@@ -117,27 +117,6 @@ def test_graph_shaped_steps_equal_training_bitwise():
             done[s] += m
     assert done == lengths
     assert torch.equal(got_conv, want_conv) and torch.equal(got, want)
-
-
-class CalledGraphs(StepGraphs):
-    """`StepGraphs` whose recorded step is a call of the model on the static buffers at each replay:
-    the graphs' host side (buckets, buffers, padding, the warm-up's dry run) on the CPU."""
-
-    def _record(self, args, seqs, shared_out):
-        vocab = self.model.config.vocab_size  # (a capture runs nothing: no call here, it would advance states)
-        out = self.mixed_logits if shared_out else torch.empty(seqs, vocab)
-        return _Call(self.model, args, out, seqs), out
-
-
-class _Call:
-    def __init__(self, model, args, out, seqs):
-        self.model, self.args, self.out, self.seqs = model, args, out, seqs
-
-    def replay(self):
-        self.out[:self.seqs].copy_(self.model(*self.args))
-
-    def reset(self):
-        pass
 
 
 def graph_shaped(llm: LLM) -> CalledGraphs:

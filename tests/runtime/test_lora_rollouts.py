@@ -1,5 +1,5 @@
 """Rollouts with PEFT LoRA adapters in the engine's graph-shaped steps: every step padded to its
-CUDA-graph bucket (decode and mixed steps) as the graphs replay it, on CPU (`EagerBuckets`: the
+CUDA-graph bucket (decode and mixed steps) as the graphs replay it, on CPU (`llm_support.CalledGraphs`: the
 graphs' buffers and buckets, each "replay" an eager forward), with each fused projection group's
 adapters stacked (one shrink, one expand); bitwise ``token_logprobs`` at every architecture, and
 with adapters disabled, merged and unmerged between rollouts of one engine, which captures its
@@ -12,52 +12,23 @@ from peft import LoraConfig, get_peft_model
 
 from vexact_models.adapters import adapter_state, stacked_lora
 from vexact_models.runtime import LLM, SamplingParams, model_runner
-from vexact_models.runtime.cuda_graphs import StepGraphs
 
 from ..models.model_support import SHAPES, shape_id, skip_without_rollout, stock_model
-from .llm_support import gen, make_llm, prompts_for, training_logprobs
+from .llm_support import CalledGraphs, gen, make_llm, prompts_for, training_logprobs
 
 PARAMS = SamplingParams(temperature=1.0, max_tokens=5, seed=5, ignore_eos=True)
 
 
-class _EagerReplay:
-    """A "graph" whose replay runs the step eagerly on the bucket's static buffers."""
-
-    def __init__(self, model, args, target: torch.Tensor) -> None:
-        self.model, self.args, self.target = model, args, target
-
-    def replay(self) -> None:
-        self.target.copy_(self.model(*self.args))
-
-    def reset(self) -> None:
-        pass
-
-
-class EagerBuckets(StepGraphs):
-    """`StepGraphs` on CPU: the same buckets, padded static inputs and shared mixed output, with
-    every capture replaced by an eager replay: the arithmetic a graph replays, without CUDA."""
-
-    def _capture(self, bucket, x, carry=False, shared_out=False):
-        args = self._args(bucket, x, carry)
-        out = self.model(*args)
-        target = out
-        if shared_out:
-            if self.mixed_logits is None:
-                self.mixed_logits = torch.empty(self.max_batch, out.shape[1], dtype=out.dtype)
-            target, out = self.mixed_logits[:bucket[1]], self.mixed_logits
-        self.graphs[bucket] = (_EagerReplay(self.model, args, target), x, out)
-
-
 def graph_shaped_llm(model, monkeypatch, **kwargs) -> LLM:
-    """A CPU engine whose steps run as `EagerBuckets` (decode buckets up to 8 sequences, mixed
+    """A CPU engine whose steps run as `CalledGraphs` (decode buckets up to 8 sequences, mixed
     steps up to 32 tokens), recaptured as CUDA graphs would be."""
-    monkeypatch.setattr(model_runner, "StepGraphs", EagerBuckets)
+    monkeypatch.setattr(model_runner, "StepGraphs", CalledGraphs)
     llm = make_llm(model, max_num_seqs=8, max_num_batched_tokens=32, **kwargs)
     llm.runner.cuda_graph_batch, llm.runner.cuda_graph_tokens = 8, 32
     llm.runner.free_cache()
     llm.runner.allocate_cache()
     llm._remember_graphs(llm.backend)
-    assert isinstance(llm.runner.graphs, EagerBuckets)
+    assert isinstance(llm.runner.graphs, CalledGraphs)
     return llm
 
 
