@@ -17,9 +17,9 @@ from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_fun
 from vexact_models.adapters import forbid_adapters
 from vexact_models.checkpointing import CheckpointingMixin
 from vexact_models.distributed import fsdp_forward_method
+from vexact_models.flat_batch import FlatBatch, check_tokens, flatten_inputs
 from vexact_models.kernels import linear, token_logprobs
-from vexact_models.layers import (FlatBatch, PackedContext, PagedContext, RopeTables, check_tokens, flatten_inputs,
-                                  head_dim_of)
+from vexact_models.layers import PackedContext, PagedContext, RopeTables, head_dim_of
 from vexact_models.loading import check_loading_info, from_pretrained_complete
 from vexact_models.patches.compat import HFCompatMixin, select_hidden_states
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import vexact_models.qwen3 as qwen3
-from vexact_models.layers import flatten_inputs, head_dim_of
+from vexact_models.flat_batch import flatten_inputs
+from vexact_models.layers import head_dim_of
 
 
 @pytest.mark.parametrize("head_dim, words", [
