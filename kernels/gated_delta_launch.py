@@ -197,21 +197,22 @@ def fold_chunks(start: torch.Tensor, length: torch.Tensor, chunk: int, capacity:
     return (start[run] + c * chunk).to(torch.int32), n_rows.to(torch.int32), firsts.to(torch.int32)
 
 
-def _fold_capacity(plan: FoldPlan, states_out: torch.Tensor, chunk: int) -> int:
-    """Entries of the fold's chunk list: the exact count for a plan of host ints, else the states
-    `states_out` holds (every chunk of a plan writes a state of its own there)."""
+def _fold_capacity(plan: FoldPlan, states_out: torch.Tensor, chunk: int, most: int | None) -> int:
+    """Entries of the fold's chunk list: the exact count for a plan of host ints, else `most` (a
+    bound the caller knows) or the states `states_out` holds (every chunk of a plan writes a state
+    of its own there)."""
     if isinstance(plan.length, torch.Tensor):
-        return states_out.shape[0]
+        return states_out.shape[0] if most is None else most
     return sum(-(-n // chunk) for n in plan.length)
 
 
 def _fold_triton(k, v, g, beta, states_in, states_out, plan: FoldPlan, shapes: Shapes, chunk: int,
-                 l2norm: bool) -> None:
+                 l2norm: bool, most_chunks: int | None = None) -> None:
     """`fold_prep_kernel` over every chunk of the plan's runs in parallel, then `fold_kernel`'s
     two products a chunk along each run (`gated_delta_triton`)."""
     require_triton("gated_delta_rule")
     _check_triton_shapes(shapes)
-    capacity = _fold_capacity(plan, states_out, chunk) if len(plan.start) else 0
+    capacity = _fold_capacity(plan, states_out, chunk, most_chunks) if len(plan.start) else 0
     if capacity == 0:
         return
     dev = k.device
@@ -241,8 +242,13 @@ def launch_rows(backend: str, *args) -> None:
     (_rows_triton if backend == "triton" else _rows_reference)(*args)
 
 
-def launch_fold(backend: str, *args) -> None:
-    (_fold_triton if backend == "triton" else _fold_reference)(*args)
+def launch_fold(backend: str, *args, most_chunks: int | None = None) -> None:
+    """The fold on `backend`; `most_chunks` bounds the chunks of a device plan (the Triton
+    launch's fixed capacity; the reference takes host plans, which count their own)."""
+    if backend == "triton":
+        _fold_triton(*args, most_chunks=most_chunks)
+    else:
+        _fold_reference(*args)
 
 
 def prepare_rows(x: torch.Tensor, backend: str) -> torch.Tensor:

@@ -170,9 +170,10 @@ def _rows(backend, q, k, v, g, beta, states, out, plan: RowsPlan, shapes, chunk,
                 chunk, scale, l2norm)
 
 
-def _fold(backend, k, v, g, beta, states_in, states_out, plan: FoldPlan, shapes, chunk, l2norm) -> None:
+def _fold(backend, k, v, g, beta, states_in, states_out, plan: FoldPlan, shapes, chunk, l2norm,
+          most_chunks: int | None = None) -> None:
     launch_fold(backend, k, v, g, beta, states_in, states_out, plan if backend == "triton" else _host(plan, "fold"),
-                shapes, chunk, l2norm)
+                shapes, chunk, l2norm, most_chunks=most_chunks)
 
 
 @torch.no_grad()
@@ -198,7 +199,8 @@ def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     q = prepare_rows(q, backend)
     out = torch.empty(q.shape[0], shapes.hv, shapes.dv, dtype=q.dtype, device=q.device)
     _rows(backend, q, *pool_rows, pool_states, out, plan.rows("rows0"), shapes, c, scale, use_qk_l2norm)
-    _fold(backend, *pool_rows, pool_states, pool_states, plan.fold("fold0"), shapes, c, use_qk_l2norm)
+    fold0 = plan.fold("fold0")  # one chunk a run at most: the prep launch's capacity is the runs', not the pool's
+    _fold(backend, *pool_rows, pool_states, pool_states, fold0, shapes, c, use_qk_l2norm, most_chunks=len(fold0.start))
     if plan.max_q < 2:
         return out
     _rows(backend, q, *new, pool_states, out, plan.rows("rows1"), shapes, c, scale, use_qk_l2norm)
