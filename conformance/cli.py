@@ -26,6 +26,7 @@ import transformers
 from vexact_models.registry import Architecture, Shape, architectures, for_model_type, get, shapes
 
 from .models import build_model, make_config, parse_overrides, published_shape
+from .suite import add_random_lora, print_table, run_conformance, select_scenarios
 
 
 def _architecture(parser: argparse.ArgumentParser, name: str) -> Architecture:
@@ -98,6 +99,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="fraction of the GPU the engines' KV caches may fill (default 0.5: the autograd "
                              "recompute runs while an engine's cache is allocated, and at 8B with a 128k-152k "
                              "vocabulary 0.9 ran out of memory on an H200); lower it further for --lora at 8B")
+    parser.add_argument("--scenario", action="append", metavar="NAME",
+                        help="run only the scenarios whose names contain NAME (repeatable; default: all), "
+                             "e.g. --scenario 'chunk 128' --scenario preemption for a long run")
     parser.add_argument("--seed", type=int, default=0)
     return parser
 
@@ -113,13 +117,17 @@ def main(argv: list[str] | None = None) -> int:
     for name, value in (("--pool", args.pool), ("--max-tokens", args.max_tokens), ("--prompt-len", args.prompt_len)):
         if value < 1:
             parser.error(f"{name}={value} must be >= 1")
+    if args.scenario:
+        try:
+            select_scenarios(args.pool, args.scenario)
+        except ValueError as e:
+            parser.error(f"--scenario: {e}")
     device = torch.device(args.device)
     if args.attention_forward == "fa4" and device.type != "cuda":
         parser.error(f"--attention-forward fa4 needs --device cuda (got --device {args.device}): FA4 runs on Hopper GPUs")
     dtype = getattr(torch, args.dtype)
     from vexact_models.kernels import attention_forward_mode, use_attention_forward, use_backend
 
-    from .suite import add_random_lora, print_table, run_conformance
 
     rows = _rows(parser, args)
     overrides = parse_overrides(args.set)
@@ -140,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
             report = run_conformance(arch, model, device=device, pool_size=args.pool, max_tokens=args.max_tokens,
                                      prompt_len=args.prompt_len, check_parity=not (args.no_hf_parity or args.lora),
                                      seed=args.seed, scenarios=not args.parity_only,
-                                     gpu_memory_utilization=args.gpu_memory_utilization, shape=label)
+                                     gpu_memory_utilization=args.gpu_memory_utilization, shape=label,
+                                     only=args.scenario)
             reports.append(report)
             failed |= not report.ok
             del model

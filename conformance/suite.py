@@ -16,6 +16,7 @@ from __future__ import annotations
 import gc
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -153,12 +154,32 @@ def _scenarios(pool_size: int) -> list[dict]:
     ]
 
 
+def scenario_names(pool_size: int) -> list[str]:
+    """The names of the suite's scenarios at `pool_size` requests, in the order they run."""
+    return [sc["name"] for sc in _scenarios(pool_size)]
+
+
+def select_scenarios(pool_size: int, only: Sequence[str] | None = None) -> list[dict]:
+    """The suite's scenarios at `pool_size` whose names contain one of the strings of `only` (all
+    when None). Raises ValueError naming a string that matches no scenario, and the names."""
+    scenarios = _scenarios(pool_size)
+    if only is None:
+        return scenarios
+    names = [sc["name"] for sc in scenarios]
+    for part in only:
+        if not any(part in name for name in names):
+            raise ValueError(f"scenario {part!r} matches none of the scenarios at pool {pool_size}: {names}")
+    return [sc for sc in scenarios if any(part in sc["name"] for part in only)]
+
+
 def run_conformance(arch: Architecture, model, *, device: torch.device, pool_size: int = 64, max_tokens: int = 24,
                     prompt_len: int = 40, check_parity: bool = True, seed: int = 0, log=print,
-                    scenarios: bool = True, gpu_memory_utilization: float = 0.5, shape: str | None = None) -> Report:
+                    scenarios: bool = True, gpu_memory_utilization: float = 0.5, shape: str | None = None,
+                    only: Sequence[str] | None = None) -> Report:
     """Run every scenario for `model` (a training-variant instance on `device`, built at `arch`'s
     `shape`, which the report records). The engines' KV caches take `gpu_memory_utilization` of
-    a GPU; the recompute with autograd on needs what is left."""
+    a GPU; the recompute with autograd on needs what is left. `only`: run just the scenarios whose
+    names contain one of these strings (`select_scenarios`), e.g. the full-pool ones of a long run."""
     from vexact_models.kernels import current_backend
 
     dtype = next(model.parameters()).dtype
@@ -168,7 +189,7 @@ def run_conformance(arch: Architecture, model, *, device: torch.device, pool_siz
     rng = random.Random(seed)
     seen: dict[tuple[int, int, int], tuple[list[int], list[float]]] = {}
     max_model_len = min(int(model.config.max_position_embeddings), prompt_len + max_tokens + 1)
-    for sc in (_scenarios(pool_size) if scenarios else []):
+    for sc in (select_scenarios(pool_size, only) if scenarios else []):
         if sc.get("cuda_only") and device.type != "cuda":
             continue
         t0 = time.time()

@@ -14,7 +14,7 @@ import torch
 from vexact_models.conformance.cli import main
 from vexact_models.conformance.models import (architecture_of, build_model, bundled_configs, construct, hf_twin,
                                               make_config, published_config, published_shape)
-from vexact_models.conformance.suite import format_table, run_conformance
+from vexact_models.conformance.suite import format_table, run_conformance, scenario_names, select_scenarios
 from vexact_models.registry import get
 
 from ..models.model_support import DISTINCT_SHAPES, SHAPES, shape_id
@@ -222,3 +222,23 @@ def test_parse_overrides_reads_json_values_and_refuses_malformed_items():
     for bad in ("novalue", "=3"):
         with pytest.raises(ValueError, match="expected KEY=VALUE"):
             parse_overrides([bad])
+
+
+def test_select_scenarios_keeps_the_named_ones_in_order():
+    names = scenario_names(32)
+    assert [sc["name"] for sc in select_scenarios(32)] == names
+    picked = [sc["name"] for sc in select_scenarios(32, ["preemption", "chunk 128"])]
+    assert picked == ["batch 32, chunk 128", "batch 32, preemption"]
+    with pytest.raises(ValueError, match=r"'chunk 99' matches none .*'batch 32, chunk 128'"):
+        select_scenarios(32, ["chunk 128", "chunk 99"])
+
+
+def test_cli_runs_only_the_named_scenarios(capsys):
+    rc = main(["--arch", "qwen3", "--pool", "8", "--max-tokens", "4", "--prompt-len", "8", "--no-hf-parity",
+               "--scenario", "n=4"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "batch 7, n=4:" in out
+    assert "batch 1:" not in out and "preemption" not in out and "chunk 128" not in out
+    with pytest.raises(SystemExit):
+        main(["--arch", "qwen3", "--pool", "8", "--scenario", "batch 64"])
+    assert "matches none" in capsys.readouterr().err
