@@ -27,6 +27,19 @@ from vexact_models.runtime import LLM, SamplingParams
 from .models import hf_twin
 
 GRAD_SAMPLES = 8  # samples recomputed with autograd on, per scenario
+GRAD_TOKENS = 16384  # ... and at most this many of their tokens (the first always), so long runs keep activations small
+
+
+def grad_sample_count(samples: list) -> int:
+    """How many leading (prompt, tokens) samples the autograd recompute takes: at most
+    `GRAD_SAMPLES`, and no more than `GRAD_TOKENS` tokens in all, but always the first."""
+    count, total = 0, 0
+    for prompt, tokens in samples[:GRAD_SAMPLES]:
+        total += len(prompt) + len(tokens)
+        if count and total > GRAD_TOKENS:
+            break
+        count += 1
+    return count
 
 
 @dataclass
@@ -277,10 +290,10 @@ def _recompute_and_compare(model, samples: list, reported: list, temps: list, de
     """(mismatching logprobs, their largest difference, logprobs checked) of the samples recomputed
     by the training forward in every batch layout. The last layout runs as a training step does,
     autograd on (separate q/k/v and gate/up GEMMs, the differentiable kernels), over a few samples
-    to bound activation memory."""
+    to bound activation memory (`grad_sample_count`)."""
     mismatches, max_diff, tokens = 0, 0.0, 0
     for padding, grad in (("packed", False), ("right", False), ("left", False), ("packed", True)):
-        count = min(len(samples), GRAD_SAMPLES) if grad else len(samples)
+        count = grad_sample_count(samples) if grad else len(samples)
         with torch.set_grad_enabled(grad):
             recomputed = _recompute(model, samples[:count], temps[:count], device, padding, rng)
         for got, want in zip(recomputed, reported[:count]):

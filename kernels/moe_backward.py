@@ -17,7 +17,7 @@ import torch
 from ._triton import tl, triton
 from .moe_activation import PLAIN, ExpertForm, expert_activation_backward, expert_activation_math
 from .moe_align import MoeLayout
-from .moe_grouped_gemm import combine, grouped_gemm
+from .moe_grouped_gemm import combine, grouped_gemm, input_precision
 
 WG_BLOCK_N = 64
 WG_BLOCK_K = 64
@@ -27,7 +27,8 @@ WG_BLOCK_K = 64
 def _moe_weight_grad_kernel(g_ptr, a_ptr, dw_ptr, offsets_ptr, sorted_pairs_ptr, num_pairs, N, K,
                             stride_g, stride_a, stride_dwe, stride_dwn,
                             GATHER: tl.constexpr, TOP_K: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            INPUT_PRECISION: tl.constexpr):
     expert = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -45,7 +46,7 @@ def _moe_weight_grad_kernel(g_ptr, a_ptr, dw_ptr, offsets_ptr, sorted_pairs_ptr,
             a_rows = rows
             a_mask = offs_k[None, :] < K
         a = tl.load(a_ptr + a_rows[:, None] * stride_a + offs_k[None, :], mask=a_mask, other=0.0)
-        acc = tl.dot(tl.trans(g), a, acc)
+        acc = tl.dot(tl.trans(g), a, acc, input_precision=INPUT_PRECISION)
     mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
     tl.store(dw_ptr + expert * stride_dwe + offs_n[:, None] * stride_dwn + offs_k[None, :],
              acc.to(dw_ptr.dtype.element_ty), mask=mask)
@@ -58,7 +59,7 @@ def _weight_grad(g: torch.Tensor, a: torch.Tensor, layout: MoeLayout, experts: i
     _moe_weight_grad_kernel[grid](g, a, out, layout.expert_offsets, layout.sorted_pairs, layout.num_pairs, n, k,
                                   g.stride(0), a.stride(0), out.stride(0), out.stride(1), GATHER=gather,
                                   TOP_K=top_k, BLOCK_M=layout.config.block_m, BLOCK_N=WG_BLOCK_N, BLOCK_K=WG_BLOCK_K,
-                                  num_warps=4, num_stages=2)
+                                  INPUT_PRECISION=input_precision(g.dtype), num_warps=4, num_stages=2)
     return out
 
 

@@ -242,3 +242,14 @@ def test_cli_runs_only_the_named_scenarios(capsys):
     with pytest.raises(SystemExit):
         main(["--arch", "qwen3", "--pool", "8", "--scenario", "batch 64"])
     assert "matches none" in capsys.readouterr().err
+
+
+def test_grad_sample_count_bounds_the_autograd_recompute():
+    from vexact_models.conformance.suite import GRAD_SAMPLES, GRAD_TOKENS, grad_sample_count
+
+    short = [([1] * 10, [2] * 5)] * 20
+    assert grad_sample_count(short) == GRAD_SAMPLES
+    long = [([1] * (GRAD_TOKENS // 3), [2] * 100)] * 8
+    assert grad_sample_count(long) == 2  # a third would pass GRAD_TOKENS
+    assert grad_sample_count([([1] * GRAD_TOKENS * 2, [2])] * 3) == 1  # the first always
+    assert grad_sample_count([]) == 0

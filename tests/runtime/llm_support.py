@@ -39,9 +39,12 @@ def prompts_for(n: int, seed: int, lo: int = 3, hi: int = 12) -> list[list[int]]
 
 
 def training_logprobs(model, prompt, tokens, temperature) -> torch.Tensor:
+    """The training forward's logprobs of `tokens` after `prompt` (ids on the model's device), on the CPU."""
+    device = next(model.parameters()).device
     with torch.no_grad():
-        lp = model.token_logprobs(torch.tensor([prompt + tokens]), temperature=temperature if temperature > 0 else 1.0)
-    return lp[0, len(prompt):]
+        lp = model.token_logprobs(torch.tensor([prompt + tokens], device=device),
+                                  temperature=temperature if temperature > 0 else 1.0)
+    return lp[0, len(prompt):].cpu()
 
 
 

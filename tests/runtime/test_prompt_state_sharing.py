@@ -176,7 +176,7 @@ def test_gpu_n_samples_share_their_prompt_at_chunk_64(name):
     (96, 288), and every logprob equals the training recompute and the rollout with prefix
     sharing off, bitwise."""
     arch = get(name)
-    model = build_model(arch, arch.tiny_config(linear_chunk_size=None), torch.device("cuda"), torch.bfloat16)
+    model = build_model(arch, arch.tiny_config(linear_chunk_size=None, head_dim=64), torch.device("cuda"), torch.bfloat16)
     gen = torch.Generator().manual_seed(5)
     lengths = (100, 300)
     prompts = [torch.randint(2, 500, (n,), generator=gen).tolist() for n in lengths]
