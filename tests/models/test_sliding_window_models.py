@@ -18,10 +18,10 @@ if not ARCHS:  # Architecture.min_transformers keeps them out on older releases
                 allow_module_level=True)
 
 
-def stock_and_ours(arch):
-    """Stock (eager attention) and our training variant of `arch`'s tiny shape with the same
-    random weights, norms, biases, sinks and expert biases included."""
-    hf = stock_model(arch, initializer_range=0.1)
+def stock_and_ours(arch, **overrides):
+    """Stock (eager attention) and our training variant of `arch`'s tiny shape (`overrides`:
+    config fields) with the same random weights, norms, biases, sinks and expert biases included."""
+    hf = stock_model(arch, initializer_range=0.1, **overrides)
     hf.config._attn_implementation = "eager"  # stock's reference attention (sinks, sliding-window mask)
     ours = arch.causal_lm_class(hf.config).eval()
     ours.load_state_dict(hf.state_dict())
@@ -159,11 +159,7 @@ def test_gemma3_final_logit_softcapping_matches_stock(cap):
     uncapped ones); `token_logprobs` are the capped logits' log-softmax, bitwise."""
     from vexact_models.kernels import gather_logprobs
 
-    arch = ARCHS["gemma3"]
-    hf = stock_model(arch, initializer_range=0.1, final_logit_softcapping=cap)
-    hf.config._attn_implementation = "eager"
-    ours = arch.causal_lm_class(hf.config).eval()
-    ours.load_state_dict(hf.state_dict())
+    arch, hf, ours = stock_and_ours(ARCHS["gemma3"], final_logit_softcapping=cap)
     ids = torch.randint(3, 512, (2, 30))
     with torch.no_grad():
         logits = ours(ids).logits
@@ -208,13 +204,8 @@ def test_gemma3_attn_logit_softcapping_is_ignored_as_stock_ignores_it():
     attention call, so a config setting it (Gemma 2's 50.0) gives stock the same logits as without
     it; ours follows stock. Should stock ever apply it, the first assertion fails, and this model
     must then refuse the field (the attention kernels take no soft cap)."""
-    arch = ARCHS["gemma3"]
-    plain = stock_model(arch, initializer_range=0.1)
-    capped = stock_model(arch, initializer_range=0.1, attn_logit_softcapping=0.5)
-    for model in (plain, capped):
-        model.config._attn_implementation = "eager"
-    ours = arch.causal_lm_class(capped.config).eval()
-    ours.load_state_dict(capped.state_dict())
+    arch, plain, _ = stock_and_ours(ARCHS["gemma3"])
+    _, capped, ours = stock_and_ours(arch, attn_logit_softcapping=0.5)
     ids = torch.randint(3, 512, (1, 30))
     with torch.no_grad():
         want = capped(ids).logits
