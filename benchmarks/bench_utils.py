@@ -34,6 +34,29 @@ def positive_ints(text: str) -> list[int]:
     return values
 
 
+def shape_arg(text: str) -> tuple[int, int]:
+    """An argparse ``type`` for ``SEQSxTOKENS`` (sequences of that many tokens), each >= 1 (tokens >= 2)."""
+    try:
+        seqs, tokens = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected SEQSxTOKENS, e.g. 8x2048, got {text!r}") from None
+    if seqs < 1 or tokens < 2:
+        raise argparse.ArgumentTypeError(f"sequences must be >= 1 and tokens >= 2, got {text!r}")
+    return seqs, tokens
+
+
+def subset_arg(choices: tuple[str, ...]):
+    """An argparse ``type`` for ``--parts``-like options: a comma-separated, non-empty subset of
+    `choices`, as a list in the order given."""
+    def parse(text: str) -> list[str]:
+        parts = [p for p in text.split(",") if p]
+        unknown = [p for p in parts if p not in choices]
+        if unknown or not parts:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {','.join(choices)}, got {text!r}")
+        return parts
+    return parse
+
+
 def gluon_candidates(text: str, form: str = "ROWSxWARPSxSTAGES", example: str = "64x4x3") -> list[tuple[int, ...]]:
     """An argparse ``type`` for comma-separated Gluon launches of three counts each, `form` (by
     default query rows a program, warps, stages), each >= 1: the parser then names the option
@@ -298,15 +321,23 @@ def causal_pairs(q_lens: list[int], seq_lens: list[int]) -> int:
     return sum(sum(range(n - q + 1, n + 1)) for q, n in zip(q_lens, seq_lens))
 
 
+def stock_attention(arch) -> str:
+    """The attention implementation stock transformers runs `arch` with in the benchmarks: ``sdpa``
+    (the stock fast path) where its class supports it, else ``eager`` (GPT-OSS: its sinks have no
+    sdpa path in transformers; its other choices, flex attention and the kernels hub's
+    FlashAttention-3 with sinks, need compilation or a download)."""
+    return "sdpa" if getattr(arch.hf_class(), "_supports_sdpa", True) else "eager"
+
+
 def stock_twin(arch, model):
-    """The stock transformers class of `arch` (``attn_implementation="sdpa"``, the stock fast path)
-    holding `model`'s weights: the peer that training.py and throughput.py time beside ours. It is
+    """The stock transformers class of `arch` (`stock_attention`: sdpa where it has it) holding
+    `model`'s weights: the peer that training.py and throughput.py time beside ours. It is
     built directly on `model`'s device in its dtype (`conformance.models.hf_twin`): an 8B model's
     random initialisation on the CPU takes minutes, and the Qwen3-8B training points built that way
     did not finish within a 330 s device call (H200, 2026-11-28)."""
     from vexact_models.conformance.models import hf_twin
 
-    return hf_twin(arch, model, attn_implementation="sdpa")
+    return hf_twin(arch, model, attn_implementation=stock_attention(arch))
 
 
 def table(title: str, header: list[str], rows: list[list]) -> None:

@@ -41,32 +41,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from bench_utils import (positive_int, positive_ints, recompute_mismatches, stock_twin, synchronize, table, timed,
-                         tiny_or_cuda)
+from bench_utils import (positive_int, positive_ints, recompute_mismatches, shape_arg, stock_twin, subset_arg, synchronize,
+                         table, timed, tiny_or_cuda)
 from training import batch_of, hf_loss, use_checkpointing, vexact_loss
 
-
-def shape_arg(text: str) -> tuple[int, int]:
-    """An argparse ``type`` for ``SEQSxTOKENS`` (sequences of that many tokens), each >= 1 (tokens >= 2)."""
-    try:
-        seqs, tokens = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected SEQSxTOKENS, e.g. 8x2048, got {text!r}") from None
-    if seqs < 1 or tokens < 2:
-        raise argparse.ArgumentTypeError(f"sequences must be >= 1 and tokens >= 2, got {text!r}")
-    return seqs, tokens
-
-
 PARTS = ("rollout", "training", "recompute", "sync")
-
-
-def parts_arg(text: str) -> list[str]:
-    """An argparse ``type`` for ``--parts``: a comma-separated, non-empty subset of `PARTS`."""
-    parts = [p for p in text.split(",") if p]
-    unknown = [p for p in parts if p not in PARTS]
-    if unknown or not parts:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {','.join(PARTS)}, got {text!r}")
-    return parts
+parts_arg = subset_arg(PARTS)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

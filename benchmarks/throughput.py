@@ -57,7 +57,7 @@ import time
 
 import torch
 
-from bench_utils import copy_bandwidth, decode_bytes, positive_int, stock_twin, workload_decode_roofline
+from bench_utils import copy_bandwidth, decode_bytes, positive_int, stock_twin, synchronize, workload_decode_roofline
 
 
 def workload(n: int, vocab: int, seed: int, lo: int = 100, hi: int = 1024):
@@ -150,10 +150,13 @@ def graph_counts(graphs) -> str:
 
 
 @torch.no_grad()
-def run_hf(arch, model, prompts, outputs, batch: int) -> tuple[float, int]:
-    hf = stock_twin(arch, model).eval()
+def run_hf(hf, prompts, outputs, batch: int, temperature: float = 0.6) -> tuple[float, int]:
+    """Seconds and useful output tokens of stock ``generate`` by `hf` (a stock model, e.g.
+    `stock_twin`) over the requests, `batch` at a time, sorted by output length and left-padded,
+    each batch run to its longest output (only each request's own output length counts)."""
+    device = next(hf.parameters()).device
     order = sorted(range(len(prompts)), key=lambda i: outputs[i])
-    torch.cuda.synchronize()
+    synchronize(device)
     t0 = time.perf_counter()
     for start in range(0, len(order), batch):
         idx = order[start:start + batch]
@@ -164,13 +167,10 @@ def run_hf(arch, model, prompts, outputs, batch: int) -> tuple[float, int]:
             ids[r, width - len(prompts[i]):] = torch.tensor(prompts[i])
             mask[r, width - len(prompts[i]):] = 1
         new = max(outputs[i] for i in idx)
-        hf.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=new, min_new_tokens=new,
-                    do_sample=True, temperature=0.6, top_k=0, top_p=1.0, pad_token_id=0)
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
-    del hf
-    torch.cuda.empty_cache()
-    return seconds, sum(outputs)
+        hf.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=new, min_new_tokens=new,
+                    do_sample=True, temperature=temperature, top_k=0, top_p=1.0, pad_token_id=0)
+    synchronize(device)
+    return time.perf_counter() - t0, sum(outputs)
 
 
 def decode_roofline(model, vocab: int, batch: int, hbm: float, aligned: bool, context: int = 512,
@@ -307,7 +307,10 @@ def run_engines(arch, model, prompts, outputs, args, engines: list[str], mode: s
     rows = []
     for engine in engines:
         if engine == "hf":
-            seconds, produced = run_hf(arch, model, prompts, outputs, args.hf_batch)
+            hf = stock_twin(arch, model).eval()
+            seconds, produced = run_hf(hf, prompts, outputs, args.hf_batch)
+            del hf
+            torch.cuda.empty_cache()
             name, row_mode = f"{ENGINES['hf']} (batch {args.hf_batch})", None
         else:
             with attention_skipped() if engine == "aligned-no-attention" else contextlib.nullcontext(), \

@@ -11,9 +11,9 @@ and allows zero mismatches:
   with shuffled pages, for sequences up to 8192 tokens, at the Qwen3 head layouts; and every
   launch-parameter candidate (rows per program >= 64, warps, stages) against the first
   ("attention configs": decode and prefill launches pick different ones).
-- rms_norm, log_softmax, gather_logprobs, token_logprobs, silu_and_mul, rotary, rotary_cache_write
-  (also == the separate ops): rows alone vs
-  in batches; gather vs the full row; token_logprobs vs the sampler path.
+- rms_norm, log_softmax, gather_logprobs, token_logprobs, silu_and_mul, logit_softcap, rotary,
+  rotary_cache_write (also == the separate ops): rows alone vs in batches; gather vs the full row;
+  token_logprobs vs the sampler path, with and without the final logit soft cap.
 - latent MLA (``--only latent``): the latent attention kernel (one 576-dim key head, the value a
   view of its first 512 dims, 16 and 128 query heads) as the attention check runs it, packed vs
   chunked prefill vs decode over a latent paged cache, up to 8192 tokens; the absorption GEMMs
@@ -54,8 +54,9 @@ import time
 
 import torch
 
-from vexact_models.kernels import (add_rms_norm, apply_rotary, gather_logprobs, head_linear, linear, log_softmax, rms_norm,
-                                   rope_table, rotary_cache_write, silu_and_mul, token_logprobs, use_attention_forward)
+from vexact_models.kernels import (add_rms_norm, apply_rotary, gather_logprobs, head_linear, linear, lm_head_logits,
+                                   log_softmax, logit_softcap, rms_norm, rope_table, rotary_cache_write, silu_and_mul,
+                                   token_logprobs, use_attention_forward)
 from vexact_models.kernels.grouped_topk import sigmoid_grouped_topk
 from vexact_models.kernels.linear_quack import device_unavailable_reason
 from vexact_models.kernels.moe import fused_moe as plain_fused_moe
@@ -130,11 +131,20 @@ def check_rows(results: dict[str, Result], quick: bool) -> None:
         for chunk in (1, 100, 512):
             results["token_logprobs"].compare(token_logprobs(h, w, t, 0.7, chunk_tokens=chunk), sampler,
                                               f"hidden={hidden} chunk={chunk} vs sampler path")
+        capped = torch.cat([gather_logprobs(lm_head_logits(h[i:i + 1], w, 30.0), t[i:i + 1], 0.7) for i in range(512)])
+        for chunk in (1, 100, 512):  # Gemma's final_logit_softcapping: the cap on both paths
+            results["token_logprobs"].compare(token_logprobs(h, w, t, 0.7, chunk_tokens=chunk, softcap=30.0), capped,
+                                              f"hidden={hidden} chunk={chunk} softcap=30 vs sampler path")
     g = torch.randn(m_max, 3072, device="cuda").bfloat16()
     u = torch.randn(m_max, 3072, device="cuda").bfloat16()
     full = silu_and_mul(g, u)
     for m in ms:
         results["elementwise"].compare(silu_and_mul(g[m - 1:m], u[m - 1:m]), full[m - 1:m], f"silu_and_mul row {m - 1}")
+    logits = torch.randn(m_max, 3072, device="cuda") * 40
+    full = logit_softcap(logits, 30.0)
+    for m in ms:
+        results["elementwise"].compare(logit_softcap(logits[m - 1:m], 30.0), full[m - 1:m], f"logit_softcap row {m - 1}")
+        results["elementwise"].compare(logit_softcap(logits[:m, 5:], 30.0), full[:m, 5:], f"logit_softcap M={m} offset 5")
     cos, sin = (t.cuda() for t in rope_table(1.0 / (1e6 ** (torch.arange(0, 128, 2) / 128)), 40960))
     xq = torch.randn(m_max, 16, 128, device="cuda").bfloat16()
     pos = torch.randint(0, 40960, (m_max,), device="cuda")

@@ -28,6 +28,7 @@ from .linear_quack import linear_mode as linear_backend_mode
 from .linear_quack import set_linear_backend, use_linear_backend
 from .linear_silu_and_mul import linear_silu_and_mul
 from .log_softmax import gather_logprobs, log_softmax
+from .logit_softcap import logit_softcap
 from .gelu_tanh_and_mul import gelu_tanh_and_mul
 from .lora import lora_add
 from .moe import fused_moe
@@ -39,7 +40,7 @@ from .rotary_cache_write import rotary_cache_write
 from .sampling import sample_tokens
 from .sigmoid_gate import sigmoid_gate
 from .silu_and_mul import silu_and_mul
-from .token_logprobs import token_logprobs
+from .token_logprobs import lm_head_logits, token_logprobs
 
 __all__ = [
     "BACKENDS", "GATED_DELTA_CHUNK", "GatedDeltaRollout",
@@ -49,7 +50,8 @@ __all__ = [
     "SwigluClamp", "fused_moe", "gelu_tanh_and_mul", "gated_delta_chunk_rows", "gated_delta_gates", "gated_delta_fold",
     "gated_delta_rule",
     "gated_rms_norm", "gather_logprobs", "head_linear", "kv_cache_write", "latent_cache_write", "linear",
-    "linear_backend_mode", "linear_silu_and_mul", "log_softmax", "lora_add", "packed_layout", "rms_norm", "rope_table",
+    "linear_backend_mode", "linear_silu_and_mul", "lm_head_logits", "log_softmax", "logit_softcap", "lora_add",
+    "packed_layout", "rms_norm", "rope_table",
     "rotary_cache_write",
     "sample_tokens", "set_attention_forward", "set_backend", "set_dependent_launch", "set_linear_backend",
     "sigmoid_gate", "sigmoid_grouped_topk", "silu_and_mul", "softmax_topk", "token_logprobs", "use_attention_forward",

@@ -1,15 +1,19 @@
 """token_logprobs: log-probabilities of target tokens from hidden states and the LM head.
 
-``token_logprobs(h, W, t, T)[i] == log_softmax(linear(h, W, fp32) / T)[i, t[i]]``, computed in
+``token_logprobs(h, W, t, T)[i] == log_softmax(lm_head_logits(h, W) / T)[i, t[i]]``, computed in
 chunks of tokens so that training never holds ``[tokens, vocab]`` fp32 logits at once.
+`lm_head_logits` is ``linear(h, W, fp32)``, soft-capped (`logit_softcap`) when the model's config
+asks for it (Gemma's ``final_logit_softcapping``): every LM head's logits come from it.
 
-Invariance contract: the logits rows come from `linear` (row-invariant) with an fp32 output and
-the log-probabilities from `gather_logprobs`, the same two calls the sampler makes for a
-sampled token, so a rollout's reported logprob equals the training logprob bitwise (docs/design.md
-rule 7) whatever the chunk size or batch. The backward (rule 8: speed, not bits) recomputes each
-chunk's logits in fp32 with cuBLAS, turns them into ``d logp / d logits = (onehot - softmax) / T``
-in one pass (`logprob_grad`), and accumulates the weight gradient in fp32 inside the GEMM. Its
-chunks are larger than the forward's unless the caller bounds them (`backward_rows`).
+Invariance contract: the logits rows come from `lm_head_logits` (`linear`, row-invariant, with an
+fp32 output; the element-wise cap) and the log-probabilities from `gather_logprobs`, the same
+calls that give the sampler its logits and the logprob of a sampled token, so a rollout's
+reported logprob equals the training logprob bitwise (docs/design.md rule 7) whatever the chunk
+size or batch. The backward (rule 8: speed, not bits) recomputes each chunk's logits in fp32
+with cuBLAS (capped by torch's ``tanh``), turns them into ``d logp / d logits = (onehot -
+softmax) / T`` in one pass (`logprob_grad`; times the cap's derivative ``1 - (z / cap)**2``), and
+accumulates the weight gradient in fp32 inside the GEMM. Its chunks are larger than the
+forward's unless the caller bounds them (`backward_rows`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 
 from .linear import linear
 from .log_softmax import gather_logprobs
+from .logit_softcap import check_softcap, logit_softcap
 from .logprob_grad import logprob_grad
 
 DEFAULT_CHUNK_TOKENS = 512
@@ -42,6 +47,16 @@ def backward_rows(chunk_tokens: int | None, forward_rows: int, vocab: int) -> in
     return max(forward_rows, BACKWARD_LOGITS_BYTES // (4 * max(vocab, 1)) // 256 * 256)
 
 
+def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor, softcap: float | None = None) -> torch.Tensor:
+    """The LM head's fp32 logits (fp64 for fp64 `hidden`) ``[rows, vocab]`` of final hidden states
+    ``[rows, hidden]`` and the head's ``[vocab, hidden]`` weight: ``linear(hidden, weight, fp32)``,
+    then ``softcap * tanh(logits / softcap)`` when `softcap` is given (`logit_softcap`). The one
+    place the training forward, `token_logprobs` and the rollout get logits from (rule 7)."""
+    out_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    logits = linear(hidden, weight, out_dtype=out_dtype)
+    return logits if softcap is None else logit_softcap(logits, softcap)
+
+
 def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """``a @ b`` in `out_dtype` (cuBLAS writes fp32 from bf16 operands without a rounding step)."""
     if a.dtype == out_dtype:
@@ -63,17 +78,18 @@ def _addmm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 class _TokenLogprobsFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temps, chunk, backward_chunk):
+    def forward(ctx, hidden, weight, targets, temps, chunk, backward_chunk, softcap):
         out_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         logprobs = torch.empty(hidden.shape[0], device=hidden.device, dtype=out_dtype)
         lse = torch.empty_like(logprobs)
         for start in range(0, hidden.shape[0], chunk):
             stop = start + chunk
-            logits = linear(hidden[start:stop], weight, out_dtype=out_dtype)
+            logits = lm_head_logits(hidden[start:stop], weight, softcap)
             logprobs[start:stop], lse[start:stop] = gather_logprobs(
                 logits, targets[start:stop], temps[start:stop], return_lse=True)
         ctx.save_for_backward(hidden, weight, targets, temps, lse)
         ctx.chunk = backward_chunk
+        ctx.softcap = softcap
         return logprobs
 
     @staticmethod
@@ -88,20 +104,28 @@ class _TokenLogprobsFunction(torch.autograd.Function):
             h = hidden[start:stop]
             # fp32 logits again (cuBLAS; rule 8: the backward need not match the forward's bits)
             logits = _mm(h, weight.t(), lse.dtype)
+            capped = None if ctx.softcap is None else torch.tanh(logits / ctx.softcap)
+            if capped is not None:
+                logits = capped * ctx.softcap
             grad_logits = logprob_grad(logits, lse[start:stop], targets[start:stop], temps[start:stop],
-                                       grad_logprobs[start:stop], out_dtype=weight.dtype)
+                                       grad_logprobs[start:stop], out_dtype=weight.dtype if capped is None else lse.dtype)
             del logits
+            if capped is not None:  # through the cap: d (cap tanh(x / cap)) / dx = 1 - tanh(x / cap)**2
+                grad_logits = (grad_logits * (1.0 - capped * capped)).to(weight.dtype)
+                del capped
             if grad_hidden is not None:
                 grad_hidden[start:stop] = (grad_logits @ weight).to(hidden.dtype)
             if grad_weight is not None:
                 _addmm_(grad_weight, grad_logits.t(), h.to(weight.dtype))
         grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                   temperature: float | torch.Tensor = 1.0, chunk_tokens: int | None = None) -> torch.Tensor:
-    """Log-probabilities ``[tokens]`` (fp32; fp64 for fp64 input) of `targets` under ``softmax(hidden @ weight.T / T)``.
+                   temperature: float | torch.Tensor = 1.0, chunk_tokens: int | None = None,
+                   softcap: float | None = None) -> torch.Tensor:
+    """Log-probabilities ``[tokens]`` (fp32; fp64 for fp64 input) of `targets` under
+    ``softmax(lm_head_logits(hidden, weight, softcap) / T)``.
 
     Args:
         hidden: ``[tokens, hidden_size]`` final hidden states (after the last norm).
@@ -111,6 +135,7 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
         chunk_tokens: tokens per chunk (bounds the fp32 logits held at once, in the forward and
             the backward); any value gives bitwise the same result. Default: 512 in the
             forward, and in the backward as many as keep the chunk's fp32 logits under 2 GiB.
+        softcap: the model's final logit soft cap (``config.final_logit_softcapping``), None: none.
     Differentiable in `hidden` and `weight`.
     """
     if hidden.dim() != 2 or targets.shape != (hidden.shape[0],):
@@ -123,5 +148,6 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
             raise ValueError(f"token_logprobs: temperature must be > 0 (use 1.0 for greedy), got {temperature}")
         temps = torch.full((hidden.shape[0],), float(temperature), device=hidden.device, dtype=torch.float32)
     rows = _chunk_rows(chunk_tokens)
+    softcap = None if softcap is None else check_softcap(softcap, "token_logprobs")
     return _TokenLogprobsFunction.apply(hidden, weight, targets.long(), temps, rows,
-                                        backward_rows(chunk_tokens, rows, weight.shape[0]))
+                                        backward_rows(chunk_tokens, rows, weight.shape[0]), softcap)

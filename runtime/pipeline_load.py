@@ -9,7 +9,9 @@ parameter stays on the meta device. The values and dtypes are those ``from_pretr
 the checkpoint's tensors cast to the load dtype, except what the class keeps in fp32
 (``_keep_in_fp32_modules_strict``, e.g. DeepSeek-V3's expert-selection bias), and MoE
 experts stored one tensor per expert (the hub layout) are fused into HF's 3-D tensors as
-transformers' own conversion does (``gate_up_proj[e] = cat(gate_proj, up_proj)``, gate first).
+transformers' own conversion does (``gate_up_proj[e] = cat(gate_proj, up_proj)``, gate first);
+an MXFP4 weight (``<name>_blocks`` and ``<name>_scales``, published GPT-OSS) is dequantized as
+``Mxfp4Config(dequantize=True)`` does (`vexact_models.mxfp4.dequantize_mxfp4`: the same bits).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 from transformers import GenerationConfig
+
+from vexact_models.mxfp4 import BLOCKS, SCALES, dequantize_mxfp4
 
 from .pipeline import PipelineStage
 
@@ -53,9 +57,15 @@ class _Reader:
         self.handles: dict[str, object] = {}
 
     def __contains__(self, name: str) -> bool:
-        return name in self.files
+        return name in self.files or (name + BLOCKS in self.files and name + SCALES in self.files)
 
     def get(self, name: str) -> torch.Tensor:
+        """The tensor `name`; an MXFP4 pair's weight dequantized (exact in bf16: `dequantize_mxfp4`)."""
+        if name not in self.files:
+            return dequantize_mxfp4(self._stored(name + BLOCKS), self._stored(name + SCALES))
+        return self._stored(name)
+
+    def _stored(self, name: str) -> torch.Tensor:
         path = self.files[name]
         if path not in self.handles:
             self.handles[path] = safe_open(path, framework="pt")

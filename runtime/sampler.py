@@ -4,6 +4,8 @@ The token comes from `kernels.sample_tokens` (Gumbel-max over a counter RNG keye
 sequence's seed and output index, after min_tokens/top-k/top-p filtering); the logprob is
 ``gather_logprobs(logits, token, T)`` on the *unfiltered* logits at the sequence's temperature
 (1.0 for greedy): the quantity training recomputes with ``token_logprobs``, by the same kernel.
+The logits are the model's (`kernels.lm_head_logits`, soft-capped where the config sets Gemma's
+``final_logit_softcapping``), as training's ``token_logprobs`` computes them.
 
 A row whose logits hold a NaN or an infinity (a NaN weight, an overflow) reports a NaN logprob,
 whatever the logprob kernel made of it: the finite check rides on the logprobs the step copies

@@ -19,7 +19,8 @@ INVESTIGATIONS = BENCHMARKS / "investigations"
                                     "investigations/attention_order.py", "shared_experts.py", "latent_prefill.py",
                                     "attention_prefill.py", "moe_routing.py", "investigations/head_linear.py",
                                     "investigations/row_kernels.py", "gate_up_silu.py",
-                                    "investigations/decode_read_floor.py", "gated_delta.py", "lora.py"])
+                                    "investigations/decode_read_floor.py", "gated_delta.py", "lora.py",
+                                    "window_models.py"])
 def test_benchmark_script_help_and_cpu_refusal(script):
     help_run = subprocess.run([sys.executable, script, "--help"], cwd=BENCHMARKS, capture_output=True, text=True,
                               timeout=120)
@@ -71,6 +72,28 @@ def test_lora_runs_tiny_on_cpu():
         refused = subprocess.run([sys.executable, "lora.py", "--tiny", *bad], cwd=BENCHMARKS, capture_output=True,
                                  text=True, timeout=120, env=env)
         assert refused.returncode == 2 and words in refused.stderr, refused.stderr
+
+
+@pytest.mark.parametrize("config, stock", [("gpt-oss-20b", "eager"), ("gemma3-text-default", "sdpa")])
+def test_window_models_runs_tiny_on_cpu(config, stock):
+    """benchmarks/window_models.py --tiny: the rollout beside HF generate (0 mismatches against the
+    recompute), training beside stock HF (eager for GPT-OSS's sinks, sdpa for Gemma 3) and the KV
+    table (one window of 8 beside full layers: 3 layers, 2 windowed, pages of 16 at 256 tokens:
+    48 pages kept, 18 with the windows' freed); bad --parts are usage errors."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    run = subprocess.run([sys.executable, "window_models.py", "--tiny", "--config", config], cwd=BENCHMARKS,
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    out = run.stdout
+    for title in ("## rollout", "## training", "## KV cache"):
+        assert title in out, out
+    assert f"HF generate ({stock}, batch 3)" in out and f"HF ({stock})" in out
+    assert "rollout recomputed: 22 tokens, 0 mismatches" in out and out.rstrip().endswith("OK")
+    kv = next(line.split() for line in out.splitlines() if line.split()[:1] == ["256"])
+    assert kv[1:4] == ["16", "full,", "8"] and kv[6] == "2.67x" and "computed from the config" in out
+    refused = subprocess.run([sys.executable, "window_models.py", "--tiny", "--parts", "kv,x"], cwd=BENCHMARKS,
+                             capture_output=True, text=True, timeout=120, env=env)
+    assert refused.returncode == 2 and "--parts" in refused.stderr, refused.stderr
 
 
 def test_training_profile_groups_kernels(monkeypatch, capsys):

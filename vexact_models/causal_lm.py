@@ -3,11 +3,14 @@
 `CausalLMMixin` gives a training variant (a ``PreTrainedModel`` with ``self.model.forward_flat``
 and ``self.lm_head``) HF's ``forward`` (padded or packed input, ``labels`` -> loss), the RL call
 `token_logprobs`, and strict checkpoint loading. `InferenceModel` wraps the same modules for the
-paged runtime. Both compute logits with ``linear(hidden, lm_head.weight, out_dtype=fp32)`` and
-log-probabilities with `gather_logprobs`, exactly as the sampler does.
+paged runtime. Both compute logits with ``lm_head_logits(hidden, lm_head.weight, softcap)``
+(``linear`` with an fp32 output, then the config's ``final_logit_softcapping`` where it has one)
+and log-probabilities with `gather_logprobs`, exactly as the sampler does.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -18,7 +21,7 @@ from vexact_models.adapters import forbid_adapters
 from vexact_models.checkpointing import CheckpointingMixin
 from vexact_models.distributed import fsdp_forward_method
 from vexact_models.flat_batch import FlatBatch, check_tokens, flatten_inputs
-from vexact_models.kernels import linear, token_logprobs
+from vexact_models.kernels import lm_head_logits, token_logprobs
 from vexact_models.layers import PackedContext, PagedContext, RopeTables, head_dim_of
 from vexact_models.loading import check_loading_info, from_pretrained_complete
 from vexact_models.patches.compat import HFCompatMixin, select_hidden_states
@@ -202,9 +205,18 @@ class CausalLMMixin(StrictLoadingMixin):
                         "train it fully with modules_to_save=['lm_head'], or merge the adapter")
         return self.lm_head.weight
 
+    def logit_softcap(self) -> float | None:
+        """The soft cap of the LM head's logits (`final_logit_softcap`), None for none."""
+        return final_logit_softcap(self.config)
+
+    def final_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits ``[rows, vocab]`` of final hidden rows: `kernels.lm_head_logits` (the head's
+        GEMM, soft-capped where the config says), what the sampler and `token_logprobs` see."""
+        return lm_head_logits(hidden, self.lm_head_weight(), self.logit_softcap())
+
     def _padded_logits(self, hidden: torch.Tensor, flat: FlatBatch, logits_to_keep: int) -> torch.Tensor:
         """fp32 logits in the input's shape (zeros at padding)."""
-        logits = flat.to_padded(linear(hidden, self.lm_head_weight(), out_dtype=torch.float32))
+        logits = flat.to_padded(self.final_logits(hidden))
         return logits[..., -logits_to_keep:, :] if logits_to_keep else logits
 
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
@@ -326,7 +338,8 @@ class CausalLMMixin(StrictLoadingMixin):
                                  f"sequence), got {tuple(temperature.shape)}")
             seq_of = torch.repeat_interleave(torch.arange(n_seqs, device=hidden.device), cu[1:] - cu[:-1])
             temperature = temperature.to(hidden.device, torch.float32)[seq_of[src]]
-        lp = token_logprobs(hidden[src], self.lm_head_weight(), flat.input_ids[src + 1], temperature, chunk_tokens)
+        lp = token_logprobs(hidden[src], self.lm_head_weight(), flat.input_ids[src + 1], temperature, chunk_tokens,
+                            softcap=self.logit_softcap())
         return flat.to_padded(lp.new_zeros(n_tokens).index_copy(0, src + 1, lp))
 
     def kv_cache_spec(self) -> tuple[int, int, int, int]:
@@ -334,6 +347,19 @@ class CausalLMMixin(StrictLoadingMixin):
         cfg = self.config
         head_dim = head_dim_of(cfg)
         return cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, head_dim
+
+
+def final_logit_softcap(config) -> float | None:
+    """A config's ``final_logit_softcapping`` (Gemma's cap of the LM head's logits, ``cap *
+    tanh(logits / cap)``) as a float, None when it has none; a ValueError naming the field and
+    its value unless it is a finite number > 0."""
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap is None:
+        return None
+    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap <= 0:
+        raise ValueError(f"{type(config).__name__}: final_logit_softcapping={cap!r} must be a finite number > 0 "
+                         "(or None: no cap)")
+    return float(cap)
 
 
 def num_routed_experts(config) -> int:
@@ -373,7 +399,7 @@ class InferenceModel(nn.Module):
         """Run new tokens through the paged cache; return fp32 logits ``[n, vocab]`` for the
         flat rows ``logits_indices`` (the last token of each sequence that samples)."""
         hidden = self.causal_lm.model.forward_flat(input_ids, positions, context)
-        return linear(hidden[logits_indices], self.causal_lm.lm_head_weight(), out_dtype=torch.float32)
+        return self.causal_lm.final_logits(hidden[logits_indices])
 
     @torch.no_grad()
     def forward_stage(self, layers: range, first: bool, last: bool, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -394,7 +420,7 @@ class InferenceModel(nn.Module):
         if not last:
             return hidden, residual
         hidden = base.norm(hidden, residual)[0]
-        return linear(hidden[logits_indices], self.causal_lm.lm_head_weight(), out_dtype=torch.float32)
+        return self.causal_lm.final_logits(hidden[logits_indices])
 
     @classmethod
     def from_pretrained(cls, path, **kwargs) -> "InferenceModel":

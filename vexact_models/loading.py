@@ -19,6 +19,9 @@ is an error here (`CheckpointError`), as is a tensor of the wrong shape unless t
 from __future__ import annotations
 
 from torch import nn
+from transformers import Mxfp4Config
+
+from .mxfp4 import checkpoint_config, dequantize_requested, mxfp4_quantized
 
 #: Names listed in one error at most (a whole missing layer would list dozens).
 LIST_AT_MOST = 8
@@ -70,7 +73,12 @@ def from_pretrained_complete(model_class: type, path: str, **kwargs) -> nn.Modul
     """``model_class.from_pretrained(path, **kwargs)`` for the rollout engine, which samples from
     every weight: transformers' leniency (a head weight the checkpoint lacks, such as ``lm_head``
     in a base model's checkpoint, initialised anew) would roll out from random logits, so any
-    tensor the checkpoint lacks is a `CheckpointError` naming it. A tied head is not missing."""
+    tensor the checkpoint lacks is a `CheckpointError` naming it. A tied head is not missing. An MXFP4
+    checkpoint (published GPT-OSS) loads dequantized to the model dtype, as
+    ``quantization_config=Mxfp4Config(dequantize=True)`` does (`vexact_models.mxfp4`): the engine
+    runs no other form."""
+    if mxfp4_quantized(checkpoint_config(path, kwargs)) and not dequantize_requested(kwargs.get("quantization_config")):
+        kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
     model, info = model_class.from_pretrained(path, output_loading_info=True, **kwargs)
     missing = sorted(info.get("missing_keys") or ())
     if missing:

@@ -170,27 +170,30 @@ def mismatch_stats(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask:
             "mismatched_tokens": int(differ.sum()), "tokens": int(sel.sum())}
 
 
-def _entropy_of(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
-    from vexact_models.kernels import linear
+def _entropy_of(hidden: torch.Tensor, weight: torch.Tensor, temperature: float, softcap: float | None) -> torch.Tensor:
+    from vexact_models.kernels import lm_head_logits
 
-    logp = torch.log_softmax(linear(hidden, weight, out_dtype=torch.float32) / temperature, dim=-1)
+    logp = torch.log_softmax(lm_head_logits(hidden, weight, softcap) / temperature, dim=-1)
     return -(logp.exp() * logp).sum(-1)
 
 
-def entropy_rows(hidden: torch.Tensor, weight: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Entropy ``[rows]`` (fp32) of ``softmax(hidden @ weight.T / T)`` for final hidden states
-    ``[rows, hidden]`` and an LM head ``[vocab, hidden]``, a chunk of rows at a time; with
-    autograd on, each chunk's logits are recomputed in the backward instead of kept. A metric and
-    a regulariser: it makes no bitwise promise."""
+def entropy_rows(hidden: torch.Tensor, weight: torch.Tensor, temperature: float = 1.0,
+                 softcap: float | None = None) -> torch.Tensor:
+    """Entropy ``[rows]`` (fp32) of ``softmax(lm_head_logits(hidden, weight, softcap) / T)`` for
+    final hidden states ``[rows, hidden]`` and an LM head ``[vocab, hidden]`` (`softcap`: the
+    model's final logit soft cap, `causal_lm.final_logit_softcap`), a chunk of rows at a time;
+    with autograd on, each chunk's logits are recomputed in the backward instead of kept. A metric
+    and a regulariser: it makes no bitwise promise."""
     if not temperature > 0:
         raise ValueError(f"entropy_rows: temperature={temperature} must be > 0")
     chunk = max(1, ENTROPY_CHUNK_BYTES // (4 * weight.shape[0]))
     pieces = []
     for part in hidden.split(chunk):
         if torch.is_grad_enabled() and (part.requires_grad or weight.requires_grad):
-            pieces.append(torch.utils.checkpoint.checkpoint(_entropy_of, part, weight, temperature, use_reentrant=False))
+            pieces.append(torch.utils.checkpoint.checkpoint(_entropy_of, part, weight, temperature, softcap,
+                                                            use_reentrant=False))
         else:
-            pieces.append(_entropy_of(part, weight, temperature))
+            pieces.append(_entropy_of(part, weight, temperature, softcap))
     return torch.cat(pieces) if pieces else hidden.new_zeros(0, dtype=torch.float32)
 
 

@@ -71,13 +71,20 @@ def _trl_layout(prompt_ids, completion_ids, rollout_lps):
     return ids, mask, expected, cmask
 
 
-@pytest.mark.parametrize("arch_name", ["qwen3", "qwen3_moe", "qwen3_5"])
-def test_trainer_logprobs_equal_rollout_logprobs_bitwise(example, arch_name, tmp_path):
+@pytest.mark.parametrize("arch_name, overrides", [("qwen3", {}), ("qwen3_moe", {}), ("qwen3_5", {}),
+                                                ("gemma3", {"final_logit_softcapping": 3.0})],
+                         ids=["qwen3", "qwen3_moe", "qwen3_5", "gemma3-softcap"])
+def test_trainer_logprobs_equal_rollout_logprobs_bitwise(example, arch_name, overrides, tmp_path):
     """TRL's `_get_per_token_logps_and_entropies` (its padded layout) on a rollout of the
     trainer's generation backend gives the rollout's logprobs bitwise (Qwen3.5: the gated-DeltaNet
-    hybrid, its states kept by the engine); for Qwen3-MoE also the model's own load-balancing loss,
-    which TRL adds by default."""
-    trainer = _trainer(example, arch_name, tmp_path)
+    hybrid, its states kept by the engine; Gemma 3 with its final logit soft cap, which the fused
+    head applies as the sampler's logits do); for Qwen3-MoE also the model's own load-balancing
+    loss, which TRL adds by default."""
+    from vexact_models.registry import architectures
+
+    if arch_name not in {arch.name for arch in architectures()}:
+        pytest.skip(f"{arch_name} is not registered on this transformers")
+    trainer = _trainer(example, arch_name, tmp_path, **overrides)
     model = trainer.model
     assert type(model).__module__.startswith("vexact_models.")  # a path string loads our class, not the stock one
     gen = trainer.vllm_generation

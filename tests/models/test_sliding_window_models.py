@@ -1,10 +1,8 @@
 """What is specific to GPT-OSS and Gemma 3 beyond the shared architecture tests: HF parity in fp32
 with windows shorter than the prompts (and GPT-OSS's sinks and clamped, biased experts on), each
 sequence's logprobs bitwise the same alone, packed and padded; GPT-OSS's MoE block against stock's
-(forward and gradients), its MXFP4 checkpoints refused with what to pass; Gemma 3's per-layer-type
-RoPE, embedding scale and refused options."""
-
-import json
+(forward and gradients; its MXFP4 checkpoints: test_gpt_oss_mxfp4.py); Gemma 3's per-layer-type
+RoPE, embedding scale, final logit soft cap and refused options."""
 
 import pytest
 import torch
@@ -20,10 +18,10 @@ if not ARCHS:  # Architecture.min_transformers keeps them out on older releases
                 allow_module_level=True)
 
 
-def stock_and_ours(arch):
-    """Stock (eager attention) and our training variant of `arch`'s tiny shape with the same
-    random weights, norms, biases, sinks and expert biases included."""
-    hf = stock_model(arch, initializer_range=0.1)
+def stock_and_ours(arch, **overrides):
+    """Stock (eager attention) and our training variant of `arch`'s tiny shape (`overrides`:
+    config fields) with the same random weights, norms, biases, sinks and expert biases included."""
+    hf = stock_model(arch, initializer_range=0.1, **overrides)
     hf.config._attn_implementation = "eager"  # stock's reference attention (sinks, sliding-window mask)
     ours = arch.causal_lm_class(hf.config).eval()
     ours.load_state_dict(hf.state_dict())
@@ -125,22 +123,6 @@ def test_gpt_oss_moe_block_matches_stock_forward_and_backward():
         assert rel(a, b) < 1e-5, name
 
 
-@pytest.mark.skipif("gpt_oss" not in ARCHS, reason="GPT-OSS is not registered on this transformers")
-def test_gpt_oss_mxfp4_checkpoint_is_refused_with_what_to_pass(tmp_path):
-    """A checkpoint whose config says MXFP4 (as published GPT-OSS checkpoints do) is a ValueError
-    naming ``Mxfp4Config(dequantize=True)``, before anything loads; the same checkpoint without the
-    quantization entry loads."""
-    arch = ARCHS["gpt_oss"]
-    stock_model(arch).save_pretrained(tmp_path)
-    ours = arch.causal_lm_class.from_pretrained(tmp_path)
-    assert ours.model.layers[0].mlp.experts.gate_up_proj.shape == (8, 64, 64)
-    config = json.loads((tmp_path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"MXFP4.*Mxfp4Config\(dequantize=True\)"):
-        arch.causal_lm_class.from_pretrained(tmp_path)
-
-
 @pytest.mark.skipif("gemma3" not in ARCHS, reason="Gemma 3 is not registered on this transformers")
 def test_gemma3_layer_types_take_their_own_rope_and_embeddings_are_scaled():
     """Local and global layers read different RoPE tables (bases 1e4 and 1e6 with linear scaling
@@ -158,11 +140,77 @@ def test_gemma3_layer_types_take_their_own_rope_and_embeddings_are_scaled():
 
 
 @pytest.mark.skipif("gemma3" not in ARCHS, reason="Gemma 3 is not registered on this transformers")
-@pytest.mark.parametrize("field, value", [("final_logit_softcapping", 30.0), ("use_bidirectional_attention", True)])
-def test_gemma3_refuses_what_it_cannot_run(field, value):
+@pytest.mark.parametrize("field, value, match", [
+    ("use_bidirectional_attention", True, "use_bidirectional_attention=True is not supported"),
+    ("final_logit_softcapping", 0.0, "final_logit_softcapping=0.0 must be a finite number > 0"),
+    ("final_logit_softcapping", float("inf"), "final_logit_softcapping=inf must be a finite number > 0"),
+    ("final_logit_softcapping", -30.0, "final_logit_softcapping=-30.0 must be a finite number > 0")])
+def test_gemma3_refuses_what_it_cannot_run(field, value, match):
     arch = ARCHS["gemma3"]
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ValueError, match=match):
         arch.causal_lm_class(arch.tiny_config(**{field: value}))
+
+
+@pytest.mark.skipif("gemma3" not in ARCHS, reason="Gemma 3 is not registered on this transformers")
+@pytest.mark.parametrize("cap", [30.0, 3.0])
+def test_gemma3_final_logit_softcapping_matches_stock(cap):
+    """``final_logit_softcapping``: fp32 logits and gradients as stock ``Gemma3ForCausalLM``'s
+    (``cap * tanh(logits / cap)``); the cap acts (cap 3: logits bounded by it, far from the
+    uncapped ones); `token_logprobs` are the capped logits' log-softmax, bitwise."""
+    from vexact_models.kernels import gather_logprobs
+
+    arch, hf, ours = stock_and_ours(ARCHS["gemma3"], final_logit_softcapping=cap)
+    ids = torch.randint(3, 512, (2, 30))
+    with torch.no_grad():
+        logits = ours(ids).logits
+        assert rel(logits, hf(ids).logits) <= arch.fp32_parity
+        lp = ours.token_logprobs(ids)
+        uncapped = arch.causal_lm_class(arch.tiny_config(initializer_range=0.1)).eval()
+        uncapped.load_state_dict(hf.state_dict())
+        plain = uncapped(ids).logits
+    assert float(logits.abs().max()) <= cap
+    if cap == 3.0:
+        assert float(plain.abs().max()) > 5.0 and rel(logits, plain) > 0.2
+    for row in range(2):
+        assert torch.equal(lp[row, 1:], gather_logprobs(logits[row, :-1].contiguous(), ids[row, 1:], 1.0))
+    losses = [model(ids, labels=ids).loss for model in (hf, ours)]
+    for loss in losses:
+        loss.backward()
+    mine, stock = dict(ours.named_parameters()), dict(hf.named_parameters())
+    for name in ("model.embed_tokens.weight", "model.layers.2.self_attn.q_proj.weight", "model.norm.weight"):
+        assert rel(mine[name].grad, stock[name].grad) < 1e-4, name
+
+
+@pytest.mark.skipif("gemma3" not in ARCHS, reason="Gemma 3 is not registered on this transformers")
+def test_gemma3_final_logit_softcapping_rollouts_equal_training_bitwise():
+    """The conformance suite on the tiny Gemma 3 with ``final_logit_softcapping=30.0`` (reference
+    backend): every rollout logprob, in every scenario, equals `token_logprobs`' recompute
+    bitwise, and the model is within the fp32 bound of stock's."""
+    from vexact_models.conformance.models import build_model
+    from vexact_models.conformance.suite import run_conformance
+
+    arch = ARCHS["gemma3"]
+    model = build_model(arch, arch.tiny_config(final_logit_softcapping=30.0), torch.device("cpu"), torch.float32)
+    assert model.logit_softcap() == 30.0
+    report = run_conformance(arch, model, device=torch.device("cpu"), pool_size=32, max_tokens=16, prompt_len=30,
+                             log=lambda *_: None)
+    assert report.tokens > 1000 and report.mismatches == 0, [(s.name, s.mismatches) for s in report.scenarios]
+    assert report.reproducibility_mismatches == 0 and report.hf_parity.vs_hf <= 1e-5 and report.ok
+
+
+@pytest.mark.skipif("gemma3" not in ARCHS, reason="Gemma 3 is not registered on this transformers")
+def test_gemma3_attn_logit_softcapping_is_ignored_as_stock_ignores_it():
+    """Stock's Gemma 3 attention reads ``attn_logit_softcapping`` but passes no ``softcap`` to its
+    attention call, so a config setting it (Gemma 2's 50.0) gives stock the same logits as without
+    it; ours follows stock. Should stock ever apply it, the first assertion fails, and this model
+    must then refuse the field (the attention kernels take no soft cap)."""
+    arch, plain, _ = stock_and_ours(ARCHS["gemma3"])
+    _, capped, ours = stock_and_ours(arch, attn_logit_softcapping=0.5)
+    ids = torch.randint(3, 512, (1, 30))
+    with torch.no_grad():
+        want = capped(ids).logits
+        assert torch.equal(want, plain(ids).logits)
+        assert rel(ours(ids).logits, want) <= arch.fp32_parity
 
 
 def test_layer_types_other_than_sliding_or_full_are_refused():
@@ -202,18 +250,20 @@ def test_conformance_cli_takes_the_model_type_as_arch(capsys):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the Triton kernels at a published layer shape)")
-@pytest.mark.parametrize("config_name", ["gpt-oss-20b", "gemma3-text-default"])
-def test_published_layer_shapes_conform_on_gpu(config_name):
+@pytest.mark.parametrize("config_name, softcap", [("gpt-oss-20b", None), ("gemma3-text-default", None),
+                                                  ("gemma3-text-default", 30.0)])
+def test_published_layer_shapes_conform_on_gpu(config_name, softcap):
     """The published configs at 2 layers (one sliding, one full: GPT-OSS's window of 128 with
     sinks, head dim 64; Gemma 3's window of 4096 shrunk to 64 so that prompts pass it, head dim
-    256), random bf16 weights, prompts of 200 and up to 64 new tokens: rollout logprobs equal the
-    training recompute bitwise in every scenario, pages freed behind the windows included."""
+    256; and Gemma 3 with ``final_logit_softcapping=30.0``: the Triton cap on both sides), random
+    bf16 weights, prompts of 200 and up to 64 new tokens: rollout logprobs equal the training
+    recompute bitwise in every scenario, pages freed behind the windows included."""
     from vexact_models.conformance.models import build_model, make_config, published_shape
     from vexact_models.conformance.suite import run_conformance
 
     arch, _ = published_shape(config_name)
-    overrides = ({"sliding_window": 64, "layer_types": ["sliding_attention", "full_attention"]}
-                 if config_name.startswith("gemma3") else {})
+    overrides = ({"sliding_window": 64, "layer_types": ["sliding_attention", "full_attention"],
+                  "final_logit_softcapping": softcap} if config_name.startswith("gemma3") else {})
     config = make_config(arch, config_name, layers=2, max_positions=4096, overrides=overrides)
     model = build_model(arch, config, torch.device("cuda"), torch.bfloat16)
     report = run_conformance(arch, model, device=torch.device("cuda"), pool_size=64, max_tokens=64, prompt_len=200,

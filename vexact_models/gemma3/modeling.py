@@ -9,10 +9,14 @@ Gemma's ``x * (1 + w)`` RMSNorm (`kernels.rms_norm` with ``zero_centred``), the 
 (`kernels.gelu_tanh_and_mul`), embeddings scaled by ``sqrt(hidden_size)`` rounded to the model
 dtype as stock does, and the attention scale ``query_pre_attn_scalar ** -0.5``.
 
-Not taken: ``final_logit_softcapping`` (None in transformers' default and the published Gemma 3
-configs; a value is a ValueError, since the rollout's sampler and logprob kernels do not apply
-it yet) and ``use_bidirectional_attention``. ``attn_logit_softcapping`` is read by stock's
-Gemma 3 attention but not applied (its attention call passes no ``softcap``), so neither is it here.
+``final_logit_softcapping`` (None in transformers' default and the published Gemma 3 configs;
+a value caps the LM head's logits at ``cap * tanh(logits / cap)`` as stock's ``Gemma3ForCausalLM``
+does) is applied by `causal_lm.CausalLMMixin.final_logits`, on every path that computes logits:
+the training forward, `token_logprobs` and the rollout's sampler (`kernels.logit_softcap`).
+``attn_logit_softcapping`` is read by stock's Gemma 3 attention but not applied (its attention
+call passes no ``softcap``, in every attention implementation), so neither is it here: a config
+setting it gives stock's logits (tests/models/test_sliding_window_models.py checks that stock
+ignores it). Not taken: ``use_bidirectional_attention``.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from vexact_models.adapters import apply_linear
 from vexact_models.layers import (GatedMLP, RopeTables, ZeroCentredRMSNorm, add_and_norm, grouped_linear, head_dim_of,
                                   layer_window)
 
-from ..causal_lm import CausalLMMixin, DecoderModelMixin, InferenceModel, InitHookMixin
+from ..causal_lm import CausalLMMixin, DecoderModelMixin, InferenceModel, InitHookMixin, final_logit_softcap
 from ..heads import SequenceClassificationMixin, TokenClassificationMixin
 
 
@@ -137,9 +141,7 @@ class Gemma3DecoderLayer(GradientCheckpointingLayer):
 
 def check_config(config: Gemma3TextConfig) -> None:
     """ValueErrors for what this model does not take (module docstring)."""
-    if getattr(config, "final_logit_softcapping", None) is not None:
-        raise ValueError(f"Gemma3: final_logit_softcapping={config.final_logit_softcapping} is not supported yet (the "
-                         "rollout's sampler and logprob kernels do not apply it); set it to None")
+    final_logit_softcap(config)  # a finite number > 0, or None
     if getattr(config, "use_bidirectional_attention", False):
         raise ValueError("Gemma3: use_bidirectional_attention=True is not supported (causal attention only)")
 

@@ -7,7 +7,7 @@ from transformers import GptOssConfig
 from ..registry import Architecture, Shape, register
 from .modeling import (GptOssForCausalLM, GptOssForCausalLMInference, GptOssForSequenceClassification,
                        GptOssForTokenClassification, GptOssModel, GptOssPreTrainedModel)
-from .mxfp4 import mxfp4_quantized
+from ..mxfp4 import mxfp4_quantized
 
 
 def tiny_config(**overrides) -> GptOssConfig:

@@ -15,7 +15,7 @@ Routing: stock takes the top-k router logits and a softmax over those k values. 
 softmax over all experts renormalised over the selected ones (`kernels.softmax_topk` with
 ``norm_topk_prob``), which this model runs: the same experts (ties to the lowest index) and the
 same weights up to fp32 rounding; the weights stay fp32 into the combine (stock rounds them to
-the model dtype). Published GPT-OSS checkpoints store the experts in MXFP4; `mxfp4` says how they
+the model dtype). Published GPT-OSS checkpoints store the experts in MXFP4; `vexact_models.mxfp4` says how they
 load.
 """
 
@@ -32,7 +32,7 @@ from vexact_models.layers import PreNormDecoderLayer, RMSNorm, grouped_linear, h
 
 from ..causal_lm import CausalLMMixin, DecoderModelMixin, InferenceModel, InitHookMixin
 from ..heads import SequenceClassificationMixin, TokenClassificationMixin
-from .mxfp4 import Mxfp4LoadingMixin
+from ..mxfp4 import Mxfp4LoadingMixin
 
 
 class GptOssRMSNorm(RMSNorm):

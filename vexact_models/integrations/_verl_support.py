@@ -16,6 +16,7 @@ import torch
 from verl.models.transformers.dense_common import CausalLMOutputForPPO
 from verl.utils.ulysses import get_ulysses_sequence_parallel_world_size
 
+from vexact_models.causal_lm import final_logit_softcap
 from vexact_models.kernels import token_logprobs
 from vexact_models.rl import entropy_rows
 from vexact_models.runtime import LLM, SamplingParams
@@ -99,9 +100,9 @@ def ppo_outputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | N
     if keep is not None:  # padding rows carry no token: skip their lm_head work
         rows, targets = rows[keep], targets[keep]
     t = _scalar_temperature(temperature)
-    weight = _lm_head_weight(model)
-    lp = token_logprobs(rows, weight, targets, t)
-    ent = entropy_rows(rows, weight, t)
+    weight, softcap = _lm_head_weight(model), final_logit_softcap(model.config)
+    lp = token_logprobs(rows, weight, targets, t, softcap=softcap)
+    ent = entropy_rows(rows, weight, t, softcap)
     if keep is not None:
         lp = lp.new_zeros(input_ids.numel()).index_copy(0, keep, lp)
         ent = ent.new_zeros(input_ids.numel()).index_copy(0, keep, ent)

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
-from vexact_models.causal_lm import num_routed_experts
+from vexact_models.causal_lm import final_logit_softcap, num_routed_experts
 from vexact_models.kernels import token_logprobs
 from vexact_models.registry import for_model_type
 from vexact_models.rl import entropy_rows
@@ -133,14 +133,14 @@ class ExactLogprobHead:
         with torch.autocast(input_ids.device.type, enabled=False):
             hidden, aux_loss = self._final_hidden(input_ids, attention_mask, want_router)
             rows = hidden[:, :-1][mask]  # only the scored positions: no lm_head work on prompts or padding
-            weight = _lm_head_weight(self.model)
+            weight, softcap = _lm_head_weight(self.model), final_logit_softcap(self.model.config)
             # the kernel `model.token_logprobs` and the sampler use: per row, so bitwise the rollout's value
-            lp = token_logprobs(rows, weight, labels[:, 1:][mask], self.temperature)
+            lp = token_logprobs(rows, weight, labels[:, 1:][mask], self.temperature, softcap=softcap)
             entropy = None
             if self.want_entropy:
                 with nullcontext() if self.entropy_grad else torch.no_grad():
                     entropy = mask.new_zeros(mask.shape, dtype=torch.float32).masked_scatter(
-                        mask, entropy_rows(rows, weight, self.temperature))
+                        mask, entropy_rows(rows, weight, self.temperature, softcap))
         log_probs = lp.new_zeros(mask.shape).masked_scatter(mask, lp)
         if not mask.any():  # an all-masked micro-batch still backpropagates (a connected zero, as in TRL's head)
             log_probs = log_probs + 0.0 * hidden[:, :-1].sum(-1)
