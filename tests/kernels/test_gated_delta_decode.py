@@ -87,3 +87,19 @@ def test_triton_decode_kernel_compiles_for_hopper_on_cpu(monkeypatch):
                    if "wgmma.mma_async" in line}
     assert found.wgmma > 0 and found.num_warps == 8 and shapes_used == {"m64n32k8", "m64n64k8"}
     assert found.shared_bytes <= 227 * 1024
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("hk,hv", [(16, 32), (4, 4)])
+def test_gpu_decode_equals_the_rows_launch_and_training(hk, hv):
+    """On the Triton kernels at 128 x 128 heads, chunk 64: every row decoded from the rows of T kept
+    after every prefill length == the whole chunk's row (and its fold == the fold launch's); rollouts
+    through the state cache's decode launch (a sibling's slot copied mid-chunk) == training."""
+    from vexact_models.conformance.gated_delta_invariance import check_decode, check_engine_rollout
+    from vexact_models.conformance.kernel_invariance import Result
+
+    result = Result("gated_delta decode")
+    check_decode(result, hk, hv, 128, 128)
+    check_engine_rollout(result, hk, hv, 128, 128, max_len=700, decode=70)
+    assert result.cases == 64 + 1 + 1 and result.mismatches == 0, result.notes
