@@ -80,6 +80,20 @@ def check_fold(result, hk: int, hv: int, dk: int, dv: int, chunk: int = 64, devi
         result.compare(pool[0], together[c], f"Hv={hv} chunk {c} folded alone")
 
 
+def _pieces(lengths: list[int], decode: int, chunk: int, rng: random.Random) -> list[list[int]]:
+    """Per sequence the tokens it adds a step: prefill pieces on and off chunk boundaries, then its
+    last `decode` tokens one a step."""
+    pieces = []
+    for n in lengths:
+        prefill, left = [], max(n - decode, 0)
+        while left:
+            m = min(left, rng.choice([1, 7, chunk - 1, chunk, chunk + 1, 3 * chunk + 5, 11 * chunk - 4]))
+            prefill.append(m)
+            left -= m
+        pieces.append(prefill + [1] * (n - sum(prefill)))
+    return pieces
+
+
 def check_rollout(result, hk: int, hv: int, dk: int, dv: int, max_len: int, decode: int, chunk: int = 64,
                   device: str = "cuda") -> None:
     """Seven sequences (five of random lengths up to `max_len`, one of a chunk, one of a token)
@@ -94,14 +108,7 @@ def check_rollout(result, hk: int, hv: int, dk: int, dv: int, max_len: int, deco
     inputs = _inputs(offsets[-1], hk, hv, dk, dv, gen, device)
     state = torch.randn(len(lengths), hv, dk, dv, generator=gen).to(device) * 0.1
     want, _ = gated_delta_rule(*inputs, offsets, initial_state=state, chunk_size=chunk)
-    pieces = []
-    for n in lengths:
-        prefill, left = [], max(n - decode, 0)
-        while left:
-            m = min(left, rng.choice([1, 7, chunk - 1, chunk, chunk + 1, 3 * chunk + 5, 11 * chunk - 4]))
-            prefill.append(m)
-            left -= m
-        pieces.append(prefill + [1] * (n - sum(prefill)))
+    pieces = _pieces(lengths, decode, chunk, rng)
     roll = GatedDeltaRollout(len(lengths), (hk, hv), (dk, dv), chunk_size=chunk, device=device, initial_state=state)
     got, done = torch.zeros_like(want), [0] * len(lengths)
     for step in range(max(len(p) for p in pieces)):
@@ -160,14 +167,7 @@ def check_engine_rollout(result, hk: int, hv: int, dk: int, dv: int, max_len: in
     for x in inputs:  # the sibling shares its leader's first `share` rows
         x[offsets[6]:offsets[6] + share] = x[:share]
     want, _ = gated_delta_rule(*inputs, offsets.tolist(), chunk_size=chunk)
-    pieces = []
-    for n in lengths[:6]:
-        prefill, left = [], max(n - decode, 0)
-        while left:
-            m = min(left, rng.choice([1, 7, chunk - 1, chunk, chunk + 1, 3 * chunk + 5, 11 * chunk - 4]))
-            prefill.append(m)
-            left -= m
-        pieces.append(prefill + [1] * (n - sum(prefill)))
+    pieces = _pieces(lengths[:6], decode, chunk, rng)
     pieces[0] = [share] + [1] * (lengths[0] - share)  # the leader stops at the share point after its first step
     spec = LinearStateSpec((0,), (hk, hv), (dk, dv), 1, 2, chunk)
     cache = LinearStateCache(spec, 8, torch.device(device), inputs[1].dtype)
