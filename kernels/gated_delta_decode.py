@@ -22,7 +22,7 @@ what the chunk's earlier rows computed: the step that computes a row keeps its r
   the same ``[C, ...]`` tiles, so the same MMA instructions (tile shapes and warps decide them).
 
 So every product is the rows launch's at the same shape on the same operands, and row ``i``'s
-bits are the rows launch's: 5 dependent products to ``T`` instead of 22. A kept row of ``T``
+bits are the rows launch's: 5 dependent products to ``T`` instead of 22 (2 in block 0). A kept row of ``T``
 equals the one any launch computes for that row (rows past it are exact zeros, the rows launch's
 contract), so it does not matter which launch kept it. Where row ``i`` completes its chunk
 (``i = C - 1``), the program also folds the chunk into its state, with `fold_kernel`'s step on
@@ -85,7 +85,10 @@ def _decode_solve(t_ptr, start, i, h, lmat, stride_tt, stride_th, C: tl.constexp
     step = diagonal_step(tl.where(same, lmat, 0.0), tl.where((offset < r)[:, None], dinv, eye), eye, offset == r)
     dinv = tl.where((rows == i)[:, None], step, dinv)
     b = i // SOLVE_BLOCK
-    return block_row_step(lmat, dinv, tl.where((blk < b)[:, None], kept, dinv), blk, b)
+    t = dinv  # block 0: T's rows are D^-1's (the block rows subtract exact zero products there)
+    if b > 0:
+        t = block_row_step(lmat, dinv, tl.where((blk < b)[:, None], kept, dinv), blk, b)
+    return t
 
 
 @triton.jit
