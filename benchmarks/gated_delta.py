@@ -12,7 +12,8 @@ At Qwen3.5's / Qwen3-Next's GDN heads (16 q/k heads, 32 value heads, 128 x 128),
   rows 0..36 recomputed, the path before `kernels.gated_delta_decode`) beside the decode launch
   (row 36 from the rows of T the chunk keeps), with whether their outputs are the same bits; and
   at the chunk's last row, the rows launch plus the fold launches (prep and fold) beside the
-  decode launch that folds in its own program.
+  decode launch that folds in its own program; the decode launch both ways (one program a head,
+  the step's; "split": one program a value block, ``split_values``).
 
 Prints median milliseconds per call (docs/design.md section 6b, "Decode cost"). Usage:
 ``python benchmarks/gated_delta.py [--tokens 4096,16384] [--seqs 4] [--batch 64,256] [--backward] [--decode-only]``.
@@ -132,12 +133,16 @@ def decode_rows(batches: list[int]) -> list[list]:
             if row == c - 1:
                 old.append(lambda p=fold_plan: launch_fold("triton", k, v, g, beta, states, states, p, shapes, c, True,
                                                            most_chunks=b))
-            def new(p=decode_plan):
-                launch_decode("triton", q, k, v, g, beta, pool_t, states, out_decode, p, shapes, c, scale, True)
+            def new(p=decode_plan, split=False):
+                launch_decode("triton", q, k, v, g, beta, pool_t, states, out_decode, p, shapes, c, scale, True,
+                              split_values=split)
 
             old_ms, new_ms = bench_graph(old), bench_graph([new])
-            cells += [f"{old_ms * len(old):.3f}", f"{new_ms:.3f}", f"{old_ms * len(old) / new_ms:.1f}x",
-                      "yes" if torch.equal(out_rows, out_decode) else "NO"]
+            same = torch.equal(out_rows, out_decode)
+            split_ms = bench_graph([lambda: new(split=True)])
+            same = same and torch.equal(out_rows, out_decode)
+            cells += [f"{old_ms * len(old):.3f}", f"{new_ms:.3f}", f"{split_ms:.3f}",
+                      f"{old_ms * len(old) / min(new_ms, split_ms):.1f}x", "yes" if same else "NO"]
         rows.append(cells)
     return rows
 
@@ -158,8 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         table(f"training at Hk={HK} Hv={HV} dk={DK} dv={DV}, bf16", header, training_rows(args.tokens, args.seqs,
                                                                                           args.backward))
     table("rollout decode step, one GDN layer (ours; CUDA graph)",
-          ["sequences", "row 36: rows ms", "decode ms", "speedup", "same bits",
-           "row 63: rows + fold ms", "decode + fold ms", "speedup", "same bits"], decode_rows(args.batch))
+          ["sequences", "row 36: rows ms", "decode ms", "split ms", "speedup", "same bits",
+           "row 63: rows + fold ms", "decode + fold ms", "split ms", "speedup", "same bits"], decode_rows(args.batch))
     return 0
 
 

@@ -97,10 +97,11 @@ def decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, t_ptr, state_ptr, out_ptr,
                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
                   stride_tt, stride_th, stride_s, stride_sh, stride_ot, stride_oh, scale,
                   GROUP: tl.constexpr, C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-                  LOG_C: tl.constexpr, LOG_DK: tl.constexpr, L2NORM: tl.constexpr):
-    """Row ``i`` of one chunk, one head: its output at ``out[q_start]``, its row of ``T`` at
-    ``t[t_out + i]``, and where ``i = C - 1`` the state after the chunk at ``state[state_out]``
-    (in place: each value block's state is read before it is written, by this program alone)."""
+                  LOG_C: tl.constexpr, LOG_DK: tl.constexpr, L2NORM: tl.constexpr, BLOCKS: tl.constexpr):
+    """Row ``i`` of one chunk, one head, `BLOCKS` value blocks (from ``program_id(2) * BLOCKS``):
+    its output at ``out[q_start]``, its row of ``T`` at ``t[t_out + i]``, and where ``i = C - 1``
+    the state after the chunk at ``state[state_out]`` (in place: each value block's state is read
+    before it is written, by this program alone)."""
     seq = tl.program_id(0)
     h = tl.program_id(1)
     hk = h // GROUP
@@ -120,7 +121,8 @@ def decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, t_ptr, state_ptr, out_ptr,
                                  L2NORM)
     state_out = tl.load(state_out_ptr + seq)
     rows = tl.arange(0, C)
-    for vb in tl.static_range(DV // BV):
+    for j in tl.static_range(BLOCKS):
+        vb = tl.program_id(2) * BLOCKS + j
         s, v_new = value_block_outputs(v_ptr, state_ptr, out_ptr, start, i, n, q_start, index, h, vb, t, w, beta,
                                        q_decayed, attn, stride_vt, stride_vh, stride_s, stride_sh, stride_ot, stride_oh,
                                        C, DK, DV, BV)
@@ -137,20 +139,21 @@ def decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, t_ptr, state_ptr, out_ptr,
 
 
 def _decode_triton(q, k, v, g, beta, t_cache, states, out, plan: DecodePlan, shapes: Shapes, chunk: int, scale: float,
-                   l2norm: bool) -> None:
+                   l2norm: bool, split_values: bool = False) -> None:
     require_triton("gated_delta_decode")
     check_triton_shapes(shapes)
     if len(plan.row) == 0:
         return
     meta = [device_ints(x, k.device) for x in (plan.kv_start, plan.row, plan.q_start, plan.state_index, plan.state_out,
                                                plan.t_out)]
-    decode_kernel[(len(plan.row), shapes.hv)](
+    blocks = shapes.dv // value_block(shapes.dv)
+    decode_kernel[(len(plan.row), shapes.hv, blocks if split_values else 1)](
         q, k, v, g, beta, t_cache, states, out, *meta,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         t_cache.stride(0), t_cache.stride(1), states.stride(0), states.stride(1), out.stride(0), out.stride(1), scale,
         GROUP=shapes.hv // shapes.hk, C=chunk, DK=shapes.dk, DV=shapes.dv, BV=value_block(shapes.dv),
         LOG_C=chunk.bit_length() - 1, LOG_DK=shapes.dk.bit_length() - 1, L2NORM=l2norm,
-        num_warps=launch_warps(shapes, ROWS_WARPS))
+        BLOCKS=1 if split_values else blocks, num_warps=launch_warps(shapes, ROWS_WARPS))
 
 
 def decode_solve(lower: torch.Tensor, kept: torch.Tensor, i: int) -> torch.Tensor:
@@ -201,11 +204,16 @@ def decode_reference(q, k, v, g, beta, t_cache, states, out, plan: DecodePlan, s
 
 def launch_decode(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                   t_cache: torch.Tensor, states: torch.Tensor, out: torch.Tensor, plan: DecodePlan, shapes: Shapes,
-                  chunk: int, scale: float, l2norm: bool) -> None:
+                  chunk: int, scale: float, l2norm: bool, *, split_values: bool = False) -> None:
     """Row ``plan.row[b]`` of each entry's chunk on `backend` (``"triton"`` or ``"reference"``):
     rows ``0..i`` of the chunk in k, v, g, beta from ``kv_start`` (row i written already), q's row
     at ``q_start``, the kept rows of ``T`` in `t_cache` (``[rows, Hv, C]``, state dtype) from
     ``kv_start``, the boundary state in `states` (``[S, Hv, dk, dv]``). Writes the output row of
-    `out` (``[T, Hv, dv]``), row i of ``T`` and, where ``i = C - 1``, the state after the chunk."""
-    (_decode_triton if backend == "triton" else decode_reference)(q, k, v, g, beta, t_cache, states, out, plan, shapes,
-                                                                  chunk, scale, l2norm)
+    `out` (``[T, Hv, dv]``), row i of ``T`` and, where ``i = C - 1``, the state after the chunk.
+    `split_values` (Triton): one program a value block of a head (its key side computed again in
+    each: twice the programs, fewer registers held across the blocks), the same bits; the step
+    takes one program a head (`benchmarks/gated_delta.py` times both)."""
+    if backend == "triton":
+        _decode_triton(q, k, v, g, beta, t_cache, states, out, plan, shapes, chunk, scale, l2norm, split_values)
+    else:
+        decode_reference(q, k, v, g, beta, t_cache, states, out, plan, shapes, chunk, scale, l2norm)

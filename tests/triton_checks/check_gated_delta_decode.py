@@ -19,7 +19,7 @@ from vexact_models.kernels.gated_delta_decode import DecodePlan, launch_decode  
 from vexact_models.kernels.gated_delta_launch import RowsPlan, Shapes, launch_fold, launch_rows  # noqa: E402
 from vexact_models.kernels.gated_delta_launch import FoldPlan  # noqa: E402
 
-SHAPES = [(1, 2, 16, 16, 16), (1, 2, 16, 16, 32)] if INTERPRET else [(1, 2, 16, 16, 16), (16, 32, 128, 128, 64),
+SHAPES = [(1, 2, 16, 128, 16), (1, 2, 16, 16, 32)] if INTERPRET else [(1, 2, 16, 16, 16), (16, 32, 128, 128, 64),
                                                                      (4, 4, 128, 128, 64)]
 
 
@@ -35,11 +35,12 @@ def chunk_inputs(shapes: Shapes, chunk: int, seed: int):
 
 
 @pytest.mark.parametrize("hk,hv,dk,dv,chunk", SHAPES)
-@pytest.mark.parametrize("prefill", [0, 5])
-def test_decode_rows_equal_the_rows_launch_bitwise(hk, hv, dk, dv, chunk, prefill):
+@pytest.mark.parametrize("prefill,split", [(0, False), (5, True)])
+def test_decode_rows_equal_the_rows_launch_bitwise(hk, hv, dk, dv, chunk, prefill, split):
     """A chunk's first `prefill` rows by the rows launch (keeping their rows of ``T``), then every
-    later row by the decode launch: each output == the rows launch's for that row, each kept row of
-    ``T`` == the whole chunk's, and the fold at the last row == the fold launch's state."""
+    later row by the decode launch (`split`: one program a value block): each output == the rows
+    launch's for that row, each kept row of ``T`` == the whole chunk's, and the fold at the last
+    row == the fold launch's state."""
     shapes = Shapes(hk, hv, dk, dv)
     q, k, v, g, beta, state = chunk_inputs(shapes, chunk, seed=chunk + prefill)
     scale = dk ** -0.5
@@ -61,7 +62,7 @@ def test_decode_rows_equal_the_rows_launch_bitwise(hk, hv, dk, dv, chunk, prefil
             want = torch.empty(1, hv, dv, dtype=q.dtype, device=DEVICE)
             launch_rows("triton", q[i:], k, v, g, beta, state, want, RowsPlan([0], [i + 1], [i], [0], [0]), *args)
             launch_decode("triton", q[i:], k, v, g, beta, pool_t, pool_state, out, DecodePlan([0], [i], [0], [0], [0], [0]),
-                          *args)
+                          *args, split_values=split)
             assert torch.equal(out, want), f"row {i}"
             assert torch.equal(out[0], whole[i]), f"row {i} vs the whole chunk"
             assert torch.equal(pool_t[i], whole_t[i]), f"row {i} of T"
