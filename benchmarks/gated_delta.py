@@ -7,11 +7,16 @@ At Qwen3.5's / Qwen3-Next's GDN heads (16 q/k heads, 32 value heads, 128 x 128),
   its autograd backward, ``VEXACT_GATED_DELTA_BACKWARD=autograd``), transformers'
   ``torch_chunk_gated_delta_rule`` and, where the ``flash-linear-attention`` package is
   installed, fla's ``chunk_gated_delta_rule``;
-- one rollout decode step of `--batch` sequences (one new token each, mid-chunk): our rows
-  launch alone, and the fold of one completed chunk per sequence.
+- one rollout decode step of `--batch` sequences (one new token each, row 36 of its chunk of 64),
+  GPU time in a CUDA graph as the engine's decode step replays it: the rows launch (the chunk's
+  rows 0..36 recomputed, the path before `kernels.gated_delta_decode`) beside the decode launch
+  (row 36 from the rows of T the chunk keeps), with whether their outputs are the same bits; and
+  at the chunk's last row, the rows launch plus the fold launches (prep and fold) beside the
+  decode launch that folds in its own program; the decode launch both ways (one program a head,
+  the step's; "split": one program a value block, ``split_values``).
 
-Prints median milliseconds per call (docs/design.md section 6b). Usage:
-``python benchmarks/gated_delta.py [--tokens 4096,16384] [--seqs 4] [--batch 64,256] [--backward]``.
+Prints median milliseconds per call (docs/design.md section 6b, "Decode cost"). Usage:
+``python benchmarks/gated_delta.py [--tokens 4096,16384] [--seqs 4] [--batch 64,256] [--backward] [--decode-only]``.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import inspect
 import sys
 
 import torch
-from bench_utils import bench, positive_int, positive_ints, table
+from bench_utils import bench, bench_graph, positive_int, positive_ints, table
 
 HK, HV, DK, DV = 16, 32, 128, 128
 
@@ -98,21 +103,47 @@ def training_rows(tokens: list[int], seqs: int, backward: bool) -> list[list]:
 
 
 def decode_rows(batches: list[int]) -> list[list]:
-    from vexact_models.kernels import gated_delta_chunk_rows, gated_delta_fold
+    from vexact_models.kernels.gated_delta_decode import DecodePlan, launch_decode
+    from vexact_models.kernels.gated_delta_launch import FoldPlan, RowsPlan, Shapes, launch_fold, launch_rows
 
+    c, shapes, scale = 64, Shapes(HK, HV, DK, DV), DK ** -0.5
     rows = []
     for b in batches:
         gen = torch.Generator().manual_seed(b)
-        n = 37  # the new token is row 36 of its chunk
-        q, k, v, g, beta = _inputs(b * 64, gen)
-        states = torch.randn(b, HV, DK, DV, generator=gen).cuda() * 0.1
-        cu = [i * n for i in range(b + 1)]
-        kn, vn, gn, bn = (x[: b * n] for x in (k, v, g, beta))
-        step = bench(lambda: gated_delta_chunk_rows(q[:b], kn, vn, gn, bn, cu, [n - 1] * b, states, list(range(b))),
-                     warmup=5, rep=50)
-        fold = bench(lambda: gated_delta_fold(k, v, g, beta, [i * 64 for i in range(b)], [64] * b, states,
-                                              list(range(b))), warmup=5, rep=50)
-        rows.append([b, f"{step:.3f}", f"{fold:.3f}"])
+        q = _inputs(b, gen)[0]
+        k, _, v, g, beta = _inputs(b * c, gen)  # slot s's chunk at rows [s * c, (s + 1) * c), as in the state pool
+        states = torch.randn(2 * b, HV, DK, DV, generator=gen).cuda() * 0.1  # folds go to states b..2b-1
+        pool_t = torch.zeros(b * c, HV, c, device="cuda")
+        slot = torch.arange(b, dtype=torch.int32, device="cuda")
+        base, folded = slot * c, slot + b
+
+        def plans(row: int):
+            fill = torch.full_like(slot, row)
+            return (RowsPlan(base, fill + 1, fill, slot, slot), DecodePlan(base, fill, slot, slot, folded, base),
+                    FoldPlan(base, torch.full_like(slot, c), slot, folded))
+
+        launch_rows("triton", q, k, v, g, beta, states, torch.empty(b * c, HV, DV, dtype=q.dtype, device="cuda"),
+                    RowsPlan(base, torch.full_like(slot, c), 0 * slot, base, slot, base), shapes, c, scale, True,
+                    t_cache=pool_t)  # every chunk's rows of T kept, as its earlier steps would have
+        out_rows, out_decode = (torch.empty(b, HV, DV, dtype=q.dtype, device="cuda") for _ in range(2))
+        cells = [b]
+        for row in (36, c - 1):
+            rows_plan, decode_plan, fold_plan = plans(row)
+            old = [lambda p=rows_plan: launch_rows("triton", q, k, v, g, beta, states, out_rows, p, shapes, c, scale, True)]
+            if row == c - 1:
+                old.append(lambda p=fold_plan: launch_fold("triton", k, v, g, beta, states, states, p, shapes, c, True,
+                                                           most_chunks=b))
+            def new(p=decode_plan, split=False):
+                launch_decode("triton", q, k, v, g, beta, pool_t, states, out_decode, p, shapes, c, scale, True,
+                              split_values=split)
+
+            old_ms, new_ms = bench_graph(old), bench_graph([new])
+            same = torch.equal(out_rows, out_decode)
+            split_ms = bench_graph([lambda: new(split=True)])
+            same = same and torch.equal(out_rows, out_decode)
+            cells += [f"{old_ms * len(old):.3f}", f"{new_ms:.3f}", f"{split_ms:.3f}",
+                      f"{old_ms * len(old) / min(new_ms, split_ms):.1f}x", "yes" if same else "NO"]
+        rows.append(cells)
     return rows
 
 
@@ -122,14 +153,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seqs", type=positive_int, default=1, help="sequences per training batch")
     parser.add_argument("--batch", type=positive_ints, default=[64, 256], help="sequences per decode step")
     parser.add_argument("--backward", action="store_true", help="also time forward + backward (training)")
+    parser.add_argument("--decode-only", action="store_true", help="time the rollout decode step alone")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("gated_delta.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    header = ["batch", "kernel", "forward ms"] + (["fwd+bwd ms"] if args.backward else [])
-    table(f"training at Hk={HK} Hv={HV} dk={DK} dv={DV}, bf16", header, training_rows(args.tokens, args.seqs,
-                                                                                      args.backward))
-    table("rollout decode step (ours)", ["sequences", "rows ms", "fold ms"], decode_rows(args.batch))
+    if not args.decode_only:
+        header = ["batch", "kernel", "forward ms"] + (["fwd+bwd ms"] if args.backward else [])
+        table(f"training at Hk={HK} Hv={HV} dk={DK} dv={DV}, bf16", header, training_rows(args.tokens, args.seqs,
+                                                                                          args.backward))
+    table("rollout decode step, one GDN layer (ours; CUDA graph)",
+          ["sequences", "row 36: rows ms", "decode ms", "split ms", "speedup", "same bits",
+           "row 63: rows + fold ms", "decode + fold ms", "split ms", "speedup", "same bits"], decode_rows(args.batch))
     return 0
 
 

@@ -7,7 +7,13 @@
   folded one launch each, in place;
 - rollout: sequences rolled out as an engine does (`GatedDeltaRollout`: prefill pieces cut on and
   off chunk boundaries, then single tokens, several sequences a step) equal the packed training
-  forward token for token.
+  forward token for token;
+- decode: every row ``i`` of a chunk decoded (`gated_delta_decode`) from the rows of ``T`` a rows
+  launch of its first ``p`` rows kept (every ``p <= i``, then the decodes of rows ``p..i-1``)
+  equals the whole chunk's row, and its fold at the last row the fold launch's state;
+- engine: the same rollouts through the engine's state cache (`LinearStateCache` steps: decodes by
+  the decode launch, prefill pieces keeping their rows of ``T``, a sibling's slot copied mid-chunk)
+  equal the packed training forward token for token.
 
 At the GDN head layouts of the published hybrids (``linear_num_key_heads``,
 ``linear_num_value_heads``, ``linear_key_head_dim``, ``linear_value_head_dim``), bf16 inputs.
@@ -19,8 +25,13 @@ import random
 
 import torch
 
+import numpy as np
+
+from vexact_models.kernels.gated_delta_decode import DecodePlan, launch_decode
+from vexact_models.kernels.gated_delta_launch import RowsPlan, Shapes, launch_rows
 from vexact_models.kernels.gated_delta_rollout import GatedDeltaRollout
 from vexact_models.kernels.gated_delta_rule import gated_delta_chunk_rows, gated_delta_fold, gated_delta_rule
+from vexact_models.runtime.linear_state_cache import LinearStateCache, LinearStateSpec, LinearStep
 
 #: (name, Hk, Hv, dk, dv): Qwen3.5-35B-A3B, Qwen3.5's default text config and Qwen3-Next-80B-A3B
 #: share one layout; a GQA-free one checks the other head mapping
@@ -69,6 +80,20 @@ def check_fold(result, hk: int, hv: int, dk: int, dv: int, chunk: int = 64, devi
         result.compare(pool[0], together[c], f"Hv={hv} chunk {c} folded alone")
 
 
+def _pieces(lengths: list[int], decode: int, chunk: int, rng: random.Random) -> list[list[int]]:
+    """Per sequence the tokens it adds a step: prefill pieces on and off chunk boundaries, then its
+    last `decode` tokens one a step."""
+    pieces = []
+    for n in lengths:
+        prefill, left = [], max(n - decode, 0)
+        while left:
+            m = min(left, rng.choice([1, 7, chunk - 1, chunk, chunk + 1, 3 * chunk + 5, 11 * chunk - 4]))
+            prefill.append(m)
+            left -= m
+        pieces.append(prefill + [1] * (n - sum(prefill)))
+    return pieces
+
+
 def check_rollout(result, hk: int, hv: int, dk: int, dv: int, max_len: int, decode: int, chunk: int = 64,
                   device: str = "cuda") -> None:
     """Seven sequences (five of random lengths up to `max_len`, one of a chunk, one of a token)
@@ -83,14 +108,7 @@ def check_rollout(result, hk: int, hv: int, dk: int, dv: int, max_len: int, deco
     inputs = _inputs(offsets[-1], hk, hv, dk, dv, gen, device)
     state = torch.randn(len(lengths), hv, dk, dv, generator=gen).to(device) * 0.1
     want, _ = gated_delta_rule(*inputs, offsets, initial_state=state, chunk_size=chunk)
-    pieces = []
-    for n in lengths:
-        prefill, left = [], max(n - decode, 0)
-        while left:
-            m = min(left, rng.choice([1, 7, chunk - 1, chunk, chunk + 1, 3 * chunk + 5, 11 * chunk - 4]))
-            prefill.append(m)
-            left -= m
-        pieces.append(prefill + [1] * (n - sum(prefill)))
+    pieces = _pieces(lengths, decode, chunk, rng)
     roll = GatedDeltaRollout(len(lengths), (hk, hv), (dk, dv), chunk_size=chunk, device=device, initial_state=state)
     got, done = torch.zeros_like(want), [0] * len(lengths)
     for step in range(max(len(p) for p in pieces)):
@@ -105,12 +123,83 @@ def check_rollout(result, hk: int, hv: int, dk: int, dv: int, max_len: int, deco
     result.compare(got, want, f"Hv={hv} rollout of lengths {lengths} == training")
 
 
+def check_decode(result, hk: int, hv: int, dk: int, dv: int, chunk: int = 64, device: str = "cuda") -> None:
+    """Slot ``p`` holds the chunk's first ``p`` rows by a rows launch (keeping their rows of ``T``);
+    row ``i`` is then decoded in every slot ``p <= i`` (one decode launch a row): each == the whole
+    chunk's row ``i``, each slot's fold at the last row == the fold launch's state."""
+    gen = torch.Generator().manual_seed(hv * dv + 1)
+    q, k, v, g, beta = _inputs(chunk, hk, hv, dk, dv, gen, device)
+    states = torch.randn(1, hv, dk, dv, generator=gen).to(device) * 0.1
+    whole = gated_delta_chunk_rows(q, k, v, g, beta, [0, chunk], [0], states, [0], chunk_size=chunk)
+    folded = gated_delta_fold(k, v, g, beta, [0], [chunk], states, [0], chunk_size=chunk)[0]
+    shapes, scale = Shapes(hk, hv, dk, dv), dk ** -0.5
+    backend = "triton" if device == "cuda" else "reference"
+    rows = torch.arange(chunk, device=device).repeat(chunk)  # slot p's rows at [p * C, (p + 1) * C)
+    q, k, v, g, beta = (x[rows] for x in (q, k, v, g, beta))
+    pool_t = torch.full((chunk * chunk, hv, chunk), float("nan"), device=device)  # never read before written
+    pool_states = states.repeat(chunk, 1, 1, 1)
+    base = [p * chunk for p in range(1, chunk)]
+    out = torch.empty(chunk * chunk, hv, dv, dtype=q.dtype, device=device)
+    launch_rows(backend, q, k, v, g, beta, pool_states, out, RowsPlan(base, list(range(1, chunk)), [0] * (chunk - 1),
+                                                                      base, list(range(1, chunk)), base), shapes, chunk,
+                scale, True, t_cache=pool_t)
+    for i in range(chunk):
+        slots = list(range(i + 1))
+        at = [p * chunk for p in slots]
+        launch_decode(backend, q, k, v, g, beta, pool_t, pool_states, out,
+                      DecodePlan(at, [i] * len(at), [a + i for a in at], slots, slots, at), shapes, chunk, scale, True)
+        result.compare(out[[a + i for a in at]], whole[i].expand(len(at), -1, -1), f"Hv={hv} row {i} decoded")
+    result.compare(pool_states, folded.expand_as(pool_states), f"Hv={hv} decode's folds")
+
+
+def check_engine_rollout(result, hk: int, hv: int, dk: int, dv: int, max_len: int, decode: int, chunk: int = 64,
+                         device: str = "cuda") -> None:
+    """Six sequences through `LinearStateCache` steps (random prefill pieces, then their last
+    `decode` tokens one a step, several sequences a step in a shuffled order), a seventh the
+    sibling of the first (its slot copied mid-chunk, then its own tokens): == the training forward."""
+    rng = random.Random(hv * 11 + dk)
+    gen = torch.Generator().manual_seed(hv * 5 + dk)
+    lengths = [rng.randint(1, max_len) for _ in range(4)] + [chunk, 1, 0]
+    share = min(lengths[0], chunk // 2 + 5)
+    lengths[6] = share + decode + 3
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    inputs = list(_inputs(int(offsets[-1]), hk, hv, dk, dv, gen, device))
+    for x in inputs:  # the sibling shares its leader's first `share` rows
+        x[offsets[6]:offsets[6] + share] = x[:share]
+    want, _ = gated_delta_rule(*inputs, offsets.tolist(), chunk_size=chunk)
+    pieces = _pieces(lengths[:6], decode, chunk, rng)
+    pieces[0] = [share] + [1] * (lengths[0] - share)  # the leader stops at the share point after its first step
+    spec = LinearStateSpec((0,), (hk, hv), (dk, dv), 1, 2, chunk)
+    cache = LinearStateCache(spec, 8, torch.device(device), inputs[1].dtype)
+    got, done = torch.zeros_like(want), [0] * 7
+    step = 0
+    while done != lengths:
+        if step == 1:  # the sibling takes the leader's state (slot 0) into slot 6
+            cache.copy_slots(torch.tensor([0], device=device), torch.tensor([6], device=device))
+            got[offsets[6]:offsets[6] + share], done[6] = got[:share], share
+        seqs = [s for s in range(6) if step < len(pieces[s])] + ([6] if step and done[6] < lengths[6] else [])
+        rng.shuffle(seqs)
+        counts = [pieces[s][step] if s < 6 else 1 for s in seqs]
+        rows = torch.cat([torch.arange(offsets[s] + done[s], offsets[s] + done[s] + m) for s, m in zip(seqs, counts)])
+        rows = rows.to(device)
+        cu = torch.tensor([0, *np.cumsum(counts).tolist()], dtype=torch.int32, device=device)
+        plan = LinearStep(cache, np.array(seqs), np.array([done[s] for s in seqs]), np.array(counts), cu, max(counts))
+        got[rows] = plan.delta_rule(0, *(x[rows] for x in inputs))
+        for s, m in zip(seqs, counts):
+            done[s] += m
+        step += 1
+    result.compare(got, want, f"Hv={hv} engine rollout of lengths {lengths} == training")
+
+
 def run_gated_delta(results: dict, quick: bool) -> None:
     """Every check above at every shape of `GDN_SHAPES` (`results` keyed by "gated_delta rows",
-    "gated_delta fold" and "gated_delta rollout")."""
+    "gated_delta fold", "gated_delta rollout", "gated_delta decode" and "gated_delta engine")."""
     for name, hk, hv, dk, dv in GDN_SHAPES:
         check_chunk_rows(results["gated_delta rows"], hk, hv, dk, dv)
         check_fold(results["gated_delta fold"], hk, hv, dk, dv)
         check_rollout(results["gated_delta rollout"], hk, hv, dk, dv, 1200 if quick else 4000, 40 if quick else 130)
+        check_decode(results["gated_delta decode"], hk, hv, dk, dv)
+        check_engine_rollout(results["gated_delta engine"], hk, hv, dk, dv, 1200 if quick else 4000,
+                             40 if quick else 130)
         print(f"{name}: {sum(results[k].mismatches for k in results if k.startswith('gated_delta'))} gated_delta "
               "mismatches so far", flush=True)

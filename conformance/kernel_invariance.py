@@ -35,7 +35,9 @@ and allows zero mismatches:
   ranks 8/16/64, fp32 and bf16 adapters: rows alone == in batches, a stacked q/k/v or gate/up
   group == its members' separate calls, in place and in a CUDA graph == eager.
 - gated delta rule (``--only gdn``): a chunk's rows at every row count and first row == the whole
-  chunk's, folds one chunk a launch == one run, rollouts == the packed training forward
+  chunk's, folds one chunk a launch == one run, rollouts == the packed training forward, every row
+  decoded from the rows of T kept after every prefill length == the whole chunk's (and its fold),
+  engine rollouts through the state cache's decode launch == the packed training forward
   (`gated_delta_invariance.py`, docs/design.md section 6b).
 
 The attention checks live in `attention_invariance.py`, the linear ones in `linear_invariance.py`.
@@ -273,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
              "head_linear", "latent_cache_write", "rms_norm", "rotary_cache_write",
              "log_softmax",
              "token_logprobs", "elementwise", "moe", "gated_delta rows", "gated_delta fold", "gated_delta rollout",
+             "gated_delta decode", "gated_delta engine",
              *HYBRID_CHECKS, "lora_add"]
     results = {n: Result(n) for n in names}
     t0 = time.time()

@@ -42,6 +42,9 @@ class RowsPlan:
     first_row: list[int]  # first row whose output is wanted
     q_start: list[int]  # q row (and output row) of row ``first_row``
     state_index: list[int]  # the boundary state (-1: zeros)
+    #: a rollout step's: where rows ``first_row..n_rows-1`` of the chunk's ``T`` go (row ``r`` at
+    #: ``t_out + r`` of the step's T pool; -1: nowhere); None: no T kept (training)
+    t_out: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -107,27 +110,34 @@ def chunk_inputs(start: list[int], n: list[int], k, v, g, beta, shapes: Shapes, 
 
 
 def _rows_reference(q, k, v, g, beta, states, out, plan: RowsPlan, shapes: Shapes, chunk: int, scale: float,
-                    l2norm: bool) -> None:
+                    l2norm: bool, t_cache: torch.Tensor | None = None) -> None:
     if not plan.kv_start:
         return
     compute = state_dtype(k)
     kk, vv, gg, bb = chunk_inputs(plan.kv_start, plan.n_rows, k, v, g, beta, shapes, chunk, compute)
     qq = expand_heads(gather_chunks(q, plan.q_start, plan.first_row, plan.n_rows, chunk).to(compute), shapes.hv)
-    index = torch.tensor(plan.state_index, dtype=torch.long)
-    s = torch.where((index >= 0).reshape(-1, 1, 1, 1), states[index.clamp(min=0)].to(compute),
-                    torch.zeros((), dtype=compute))
-    o, _ = ref.chunk_forward(qq, kk, vv, gg, bb, s, ref.EXACT, scale=scale, use_qk_l2norm=l2norm, fold=False)
+    s = boundary_states(states, plan.state_index, compute)
+    solved: list[torch.Tensor] = []
+    o, _ = ref.chunk_forward(qq, kk, vv, gg, bb, s, ref.EXACT, scale=scale, use_qk_l2norm=l2norm, fold=False,
+                             solve=lambda lower: solved.append(ref.EXACT.solve(lower)) or solved[-1])
     o = o.transpose(1, 2)  # [N, C, Hv, dv]
     for b, (first, n, q_start) in enumerate(zip(plan.first_row, plan.n_rows, plan.q_start)):
         out[q_start:q_start + n - first] = o[b, first:n].to(out.dtype)
+        if t_cache is not None and plan.t_out is not None and plan.t_out[b] >= 0:
+            t_cache[plan.t_out[b] + first:plan.t_out[b] + n] = solved[0][b, :, first:n].transpose(0, 1)
+
+
+def boundary_states(states: torch.Tensor, index: list[int], compute: torch.dtype) -> torch.Tensor:
+    """``states[index]`` in `compute` dtype, zeros where an index is -1 (a chunk at position 0)."""
+    at = torch.tensor(index, dtype=torch.long)
+    return torch.where((at >= 0).reshape(-1, 1, 1, 1), states[at.clamp(min=0)].to(compute),
+                       torch.zeros((), dtype=compute))
 
 
 def _fold_reference(k, v, g, beta, states_in, states_out, plan: FoldPlan, shapes: Shapes, chunk: int,
                     l2norm: bool) -> None:
     compute = state_dtype(k)
-    index = torch.tensor(plan.state_index, dtype=torch.long)
-    s = torch.where((index >= 0).reshape(-1, 1, 1, 1), states_in[index.clamp(min=0)].to(compute),
-                    torch.zeros((), dtype=compute))
+    s = boundary_states(states_in, plan.state_index, compute)
     chunks = [-(-n // chunk) for n in plan.length]
     for c in range(max(chunks, default=0)):
         live = [b for b, count in enumerate(chunks) if count > c]
@@ -165,21 +175,25 @@ def _check_triton_shapes(shapes: Shapes) -> None:
 
 
 def _rows_triton(q, k, v, g, beta, states, out, plan: RowsPlan, shapes: Shapes, chunk: int, scale: float,
-                 l2norm: bool) -> None:
+                 l2norm: bool, t_cache: torch.Tensor | None = None) -> None:
     require_triton("gated_delta_rule")
     _check_triton_shapes(shapes)
     if len(plan.kv_start) == 0:
         return
     dev = k.device
     meta = [_device_ints(x, dev) for x in (plan.kv_start, plan.n_rows, plan.first_row, plan.q_start, plan.state_index)]
+    store_t = t_cache is not None and plan.t_out is not None
+    t_out = _device_ints(plan.t_out, dev) if store_t else meta[0]  # (read only with STORE_T)
+    t = t_cache if store_t else out
     bv = _value_block(shapes.dv)
     grid = (len(plan.kv_start), shapes.hv)
-    rows_kernel[grid](q, k, v, g, beta, states, out, *meta,
-                       q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
-                       beta.stride(0), states.stride(0), states.stride(1), out.stride(0), out.stride(1), scale,
-                       GROUP=shapes.hv // shapes.hk, C=chunk, DK=shapes.dk, DV=shapes.dv, BV=bv,
-                       LOG_C=chunk.bit_length() - 1, LOG_DK=shapes.dk.bit_length() - 1, L2NORM=l2norm,
-                       num_warps=_warps(shapes, ROWS_WARPS))
+    rows_kernel[grid](q, k, v, g, beta, states, out, t, *meta, t_out,
+                      q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
+                      beta.stride(0), states.stride(0), states.stride(1), out.stride(0), out.stride(1),
+                      t.stride(0), t.stride(1), scale,
+                      GROUP=shapes.hv // shapes.hk, C=chunk, DK=shapes.dk, DV=shapes.dv, BV=bv,
+                      LOG_C=chunk.bit_length() - 1, LOG_DK=shapes.dk.bit_length() - 1, L2NORM=l2norm,
+                      STORE_T=store_t, num_warps=_warps(shapes, ROWS_WARPS))
 
 
 def fold_chunks(start: torch.Tensor, length: torch.Tensor, chunk: int, capacity: int) -> tuple[torch.Tensor, ...]:
@@ -238,8 +252,10 @@ def _fold_triton(k, v, g, beta, states_in, states_out, plan: FoldPlan, shapes: S
         num_warps=_warps(shapes, FOLD_WARPS), **consts)
 
 
-def launch_rows(backend: str, *args) -> None:
-    (_rows_triton if backend == "triton" else _rows_reference)(*args)
+def launch_rows(backend: str, *args, t_cache: torch.Tensor | None = None) -> None:
+    """The rows launch on `backend`; with `t_cache` (a rollout step's T pool, ``[rows, Hv, C]`` fp32)
+    and a plan's ``t_out``, it also keeps the rows of ``T`` it computes (`RowsPlan`)."""
+    (_rows_triton if backend == "triton" else _rows_reference)(*args, t_cache=t_cache)
 
 
 def launch_fold(backend: str, *args, most_chunks: int | None = None) -> None:

@@ -63,11 +63,11 @@ def _l2norm(x, L2NORM: tl.constexpr, LOG_D: tl.constexpr):
 
 
 @triton.jit
-def _chunk_keys(k_ptr, g_ptr, b_ptr, start, n, h, hk, stride_kt, stride_kh, stride_gt, stride_bt,
-                C: tl.constexpr, DK: tl.constexpr, LOG_C: tl.constexpr, LOG_DK: tl.constexpr, L2NORM: tl.constexpr):
-    """What a chunk's keys, gates and betas give every value block: the normalised keys ``k``,
-    ``G`` (prefix sums of ``g``), ``decay[i, j] = exp(G_i - G_j)`` (``j <= i``, else 0),
-    ``T = (I + L)^-1`` and ``w = T (k beta exp(G))``."""
+def _chunk_lower(k_ptr, g_ptr, b_ptr, start, n, h, hk, stride_kt, stride_kh, stride_gt, stride_bt,
+                 C: tl.constexpr, DK: tl.constexpr, LOG_C: tl.constexpr, LOG_DK: tl.constexpr, L2NORM: tl.constexpr):
+    """A chunk's keys, gates and betas up to the solve: the normalised keys ``k``, ``G`` (prefix sums
+    of ``g``), ``beta``, ``decay[i, j] = exp(G_i - G_j)`` (``j <= i``, else 0), ``k beta`` and
+    ``L = strict_lower((k beta) k^T * decay)``."""
     rows = tl.arange(0, C)
     k = _l2norm(_load_rows(k_ptr, start, 0, n, hk, stride_kt, stride_kh, DK, C), L2NORM, LOG_DK)
     g = _load_gates(g_ptr, start, n, h, stride_gt, C)
@@ -78,6 +78,40 @@ def _chunk_keys(k_ptr, g_ptr, b_ptr, start, n, h, hk, stride_kt, stride_kh, stri
     decay = tl.where(lower, tl.exp(tl.where(lower, cum[:, None] - cum[None, :], 0.0)), 0.0)
     k_beta = k * beta[:, None]
     lmat = tl.where(strict, tl.dot(k_beta, tl.trans(k), input_precision="tf32x3") * decay, 0.0)
+    return k, cum, beta, decay, k_beta, lmat
+
+
+@triton.jit
+def _diagonal_step(ldiag, dinv, eye, sel):
+    """Forward substitution's step for the rows `sel` (row ``r`` of every 16-row block):
+    ``e_r - L[r, :] D^-1`` from the rows ``< r`` of ``dinv`` (``I`` on the others); the other rows
+    of ``dinv`` kept."""
+    return tl.where(sel[:, None], eye - tl.dot(tl.where(sel[:, None], ldiag, 0.0), dinv, input_precision="tf32x3"),
+                    dinv)
+
+
+@triton.jit
+def _block_row_step(lmat, dinv, t, blk, b):
+    """Block row `b` of ``T``: ``T_b -= D_b^-1 (L_b,<b T)`` (exact zero products on the other rows)."""
+    lower_b = tl.where((blk == b)[:, None] & (blk[None, :] < b), lmat, 0.0)
+    return t - tl.dot(dinv, tl.dot(lower_b, t, input_precision="tf32x3"), input_precision="tf32x3")
+
+
+@triton.jit
+def _keys_w(t, k_beta, cum):
+    """``w = T (k beta exp(G))``."""
+    return tl.dot(t, k_beta * tl.exp(cum)[:, None], input_precision="tf32x3")
+
+
+@triton.jit
+def _chunk_keys(k_ptr, g_ptr, b_ptr, start, n, h, hk, stride_kt, stride_kh, stride_gt, stride_bt,
+                C: tl.constexpr, DK: tl.constexpr, LOG_C: tl.constexpr, LOG_DK: tl.constexpr, L2NORM: tl.constexpr):
+    """What a chunk's keys, gates and betas give every value block: the normalised keys ``k``,
+    ``G`` (prefix sums of ``g``), ``decay[i, j] = exp(G_i - G_j)`` (``j <= i``, else 0),
+    ``T = (I + L)^-1`` and ``w = T (k beta exp(G))``."""
+    k, cum, beta, decay, k_beta, lmat = _chunk_lower(k_ptr, g_ptr, b_ptr, start, n, h, hk, stride_kt, stride_kh,
+                                                     stride_gt, stride_bt, C, DK, LOG_C, LOG_DK, L2NORM)
+    rows = tl.arange(0, C)
     # T = (I + L)^-1 by 16-row blocks: the diagonal blocks' inverses by forward substitution (row r
     # of every block at once), then block rows b = 1, 2, ...: T_b -= D_b^-1 (L_b,<b T)
     blk = rows // SOLVE_BLOCK
@@ -86,15 +120,11 @@ def _chunk_keys(k_ptr, g_ptr, b_ptr, start, n, h, hk, stride_kt, stride_kh, stri
     ldiag = tl.where(same, lmat, 0.0)
     dinv = eye
     for r in range(1, SOLVE_BLOCK):
-        sel = (rows % SOLVE_BLOCK) == r
-        dinv = tl.where(sel[:, None], eye - tl.dot(tl.where(sel[:, None], ldiag, 0.0), dinv, input_precision="tf32x3"),
-                        dinv)
+        dinv = _diagonal_step(ldiag, dinv, eye, (rows % SOLVE_BLOCK) == r)
     t = dinv
     for b in range(1, C // SOLVE_BLOCK):
-        lower_b = tl.where((blk == b)[:, None] & (blk[None, :] < b), lmat, 0.0)
-        t = t - tl.dot(dinv, tl.dot(lower_b, t, input_precision="tf32x3"), input_precision="tf32x3")
-    w = tl.dot(t, k_beta * tl.exp(cum)[:, None], input_precision="tf32x3")
-    return k, cum, beta, decay, t, w
+        t = _block_row_step(lmat, dinv, t, blk, b)
+    return k, cum, beta, decay, t, _keys_w(t, k_beta, cum)
 
 
 @triton.jit
@@ -121,15 +151,53 @@ def _store_state(ptr, index, h, vb, s, stride_s, stride_sh, DK: tl.constexpr, DV
 
 
 @triton.jit
-def rows_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, state_ptr, out_ptr,
-                 kv_start_ptr, n_rows_ptr, first_row_ptr, q_start_ptr, state_index_ptr,
-                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
-                 stride_s, stride_sh, stride_ot, stride_oh, scale,
-                 GROUP: tl.constexpr, C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-                 LOG_C: tl.constexpr, LOG_DK: tl.constexpr, L2NORM: tl.constexpr):
+def _query_side(q_ptr, q_start, first, n, hk, stride_qt, stride_qh, k, cum, decay, scale,
+                C: tl.constexpr, DK: tl.constexpr, LOG_DK: tl.constexpr, L2NORM: tl.constexpr):
+    """Rows ``first..n-1`` of the queries (row ``r`` at ``q[q_start + r - first]``; other rows
+    zeros), normalised and scaled: ``q exp(G)`` and ``lower((q k^T) * decay)``."""
+    rows = tl.arange(0, C)
+    lower = rows[None, :] <= rows[:, None]
+    q = _l2norm(_load_rows(q_ptr, q_start, first, n, hk, stride_qt, stride_qh, DK, C), L2NORM, LOG_DK) * scale
+    attn = tl.where(lower, tl.dot(q, tl.trans(k), input_precision="tf32x3") * decay, 0.0)
+    return q * tl.exp(cum)[:, None], attn
+
+
+@triton.jit
+def _value_block_outputs(v_ptr, state_ptr, out_ptr, start, first, n, q_start, index, h, vb, t, w, beta, q_decayed, attn,
+                 stride_vt, stride_vh, stride_s, stride_sh, stride_ot, stride_oh,
+                 C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
+    """Value block `vb`: ``o = (q exp(G)) S + attn v_new`` of rows ``first..n-1``, written at
+    ``out[q_start + r - first]``; returns the block's boundary state ``S`` and ``v_new``."""
+    rows = tl.arange(0, C)
+    s = _load_state(state_ptr, index, h, vb, stride_s, stride_sh, DK, DV, BV)
+    v_new = _new_values(v_ptr, start, n, h, vb, stride_vt, stride_vh, t, w, beta, s, C, BV)
+    out = tl.dot(q_decayed, s, input_precision="tf32x3") + tl.dot(attn, v_new, input_precision="tf32x3")
+    out_rows = out_ptr + (q_start + rows - first).to(tl.int64)[:, None] * stride_ot + h * stride_oh
+    tl.store(out_rows + (vb * BV + tl.arange(0, BV))[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=((rows >= first) & (rows < n))[:, None])
+    return s, v_new
+
+
+@triton.jit
+def _store_t_rows(t_ptr, t_out, first, n, h, t, stride_tt, stride_th, C: tl.constexpr):
+    """Rows ``first..n-1`` of ``T`` (``[C, C]``) at ``t[t_out + r, h]``, nothing where ``t_out < 0``:
+    the rows a decode of a later row of the chunk reads (`gated_delta_decode`)."""
+    rows = tl.arange(0, C)
+    at = t_ptr + (t_out + rows).to(tl.int64)[:, None] * stride_tt + h * stride_th + rows[None, :]
+    tl.store(at, t, mask=((rows >= first) & (rows < n) & (t_out >= 0))[:, None])
+
+
+@triton.jit
+def rows_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, state_ptr, out_ptr, t_ptr,
+                kv_start_ptr, n_rows_ptr, first_row_ptr, q_start_ptr, state_index_ptr, t_out_ptr,
+                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
+                stride_s, stride_sh, stride_ot, stride_oh, stride_tt, stride_th, scale,
+                GROUP: tl.constexpr, C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+                LOG_C: tl.constexpr, LOG_DK: tl.constexpr, L2NORM: tl.constexpr, STORE_T: tl.constexpr):
     """Rows ``first..n-1`` of one chunk, one head: ``o`` from the boundary state and the chunk's
     rows ``0..n-1``, written at ``out[q_start + r - first]``; the value blocks of ``BV`` columns one
-    after another, on the keys' ``T`` and ``w`` computed once."""
+    after another, on the keys' ``T`` and ``w`` computed once. With `STORE_T` (a rollout step), the
+    same rows of ``T`` go to ``t[t_out + r]`` (`_store_t_rows`)."""
     chunk = tl.program_id(0)
     h = tl.program_id(1)
     hk = h // GROUP
@@ -140,20 +208,15 @@ def rows_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, state_ptr, out_ptr,
     index = tl.load(state_index_ptr + chunk)
     if n <= first:  # no row wanted (a rollout step's padding entry, kernels/gated_delta_step.py): exit at once
         return
-    rows = tl.arange(0, C)
-    lower = rows[None, :] <= rows[:, None]
     k, cum, beta, decay, t, w = _chunk_keys(k_ptr, g_ptr, b_ptr, start, n, h, hk, stride_kt, stride_kh, stride_gt,
                                             stride_bt, C, DK, LOG_C, LOG_DK, L2NORM)
-    q = _l2norm(_load_rows(q_ptr, q_start, first, n, hk, stride_qt, stride_qh, DK, C), L2NORM, LOG_DK) * scale
-    attn = tl.where(lower, tl.dot(q, tl.trans(k), input_precision="tf32x3") * decay, 0.0)
-    q_decayed = q * tl.exp(cum)[:, None]
-    out_rows = out_ptr + (q_start + rows - first).to(tl.int64)[:, None] * stride_ot + h * stride_oh
+    if STORE_T:
+        _store_t_rows(t_ptr, tl.load(t_out_ptr + chunk), first, n, h, t, stride_tt, stride_th, C)
+    q_decayed, attn = _query_side(q_ptr, q_start, first, n, hk, stride_qt, stride_qh, k, cum, decay, scale, C, DK,
+                                  LOG_DK, L2NORM)
     for vb in tl.static_range(DV // BV):
-        s = _load_state(state_ptr, index, h, vb, stride_s, stride_sh, DK, DV, BV)
-        v_new = _new_values(v_ptr, start, n, h, vb, stride_vt, stride_vh, t, w, beta, s, C, BV)
-        out = tl.dot(q_decayed, s, input_precision="tf32x3") + tl.dot(attn, v_new, input_precision="tf32x3")
-        tl.store(out_rows + (vb * BV + tl.arange(0, BV))[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=((rows >= first) & (rows < n))[:, None])
+        _value_block_outputs(v_ptr, state_ptr, out_ptr, start, first, n, q_start, index, h, vb, t, w, beta, q_decayed,
+                             attn, stride_vt, stride_vh, stride_s, stride_sh, stride_ot, stride_oh, C, DK, DV, BV)
 
 
 @triton.jit
@@ -221,3 +284,6 @@ def fold_kernel(w_ptr, u_ptr, kd_ptr, decay_ptr, state_in_ptr, state_out_ptr,
 # Public names of the helpers the backward kernels share (`gated_delta_backward_triton`), beside the
 # private ones the forward's kernels call.
 chunk_keys, l2norm_rows, load_rows, load_state, store_state = _chunk_keys, _l2norm, _load_rows, _load_state, _store_state
+# and those the decode kernel shares (`gated_delta_decode`): the same steps, in the same tiles
+chunk_lower, diagonal_step, block_row_step, keys_w = _chunk_lower, _diagonal_step, _block_row_step, _keys_w
+query_side, value_block_outputs, store_t_rows = _query_side, _value_block_outputs, _store_t_rows

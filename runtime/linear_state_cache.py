@@ -8,7 +8,10 @@ layer (`LinearStateCache`):
 - the boundary state: the delta rule's state at the sequence's last chunk boundary (fp32,
   ``[Hv, dk, dv]``);
 - the current chunk's raw rows ``k, v, g, beta`` (``C`` rows a slot; never ``q``: a row's output
-  reads no other row's query).
+  reads no other row's query);
+- the current chunk's rows of ``T = (I + L)^-1`` (fp32, ``[Hv, C]`` a row), which the step that
+  computes a row writes beside its raw rows: a decode token's row is computed from them
+  (`kernels.gated_delta_decode`) instead of from its whole chunk.
 
 A slot is the sequence's row of the BlockManager's block-table mirror (`BlockTables`): taken with
 its first page, given back when its pages are freed (finished, preempted), so at most
@@ -58,22 +61,24 @@ class LinearStateSpec:
     conv_kernel: int  #: the conv1d's kernel size K
     chunk: int = CHUNK  #: rows of a chunk C
 
-    def _parts(self, dtype: torch.dtype) -> tuple[int, int, int]:
-        """Bytes of one layer's conv state, boundary state and chunk row (k, v, g, beta)."""
+    def _parts(self, dtype: torch.dtype) -> tuple[int, int, int, int]:
+        """Bytes of one layer's conv state, boundary state, chunk row (k, v, g, beta) and row of ``T``."""
         (hk, hv), (dk, dv) = self.heads, self.dims
         size = torch.empty((), dtype=dtype).element_size()
-        return (self.conv_kernel - 1) * self.conv_channels * size, hv * dk * dv * 4, (hk * dk + hv * dv + hv) * size + hv * 4
+        return ((self.conv_kernel - 1) * self.conv_channels * size, hv * dk * dv * 4,
+                (hk * dk + hv * dv + hv) * size + hv * 4, hv * self.chunk * 4)
 
     def bytes_per_slot(self, dtype: torch.dtype) -> int:
         """Bytes of one sequence's state over all GDN layers: conv state, fp32 boundary state and
-        the ``C`` rows of its current chunk: k, v (model dtype), g (fp32) and beta (model dtype)."""
-        conv, state, row = self._parts(dtype)
-        return len(self.layers) * (conv + state + self.chunk * row)
+        the ``C`` rows of its current chunk: k, v (model dtype), g (fp32), beta (model dtype) and
+        their rows of ``T`` (fp32, ``Hv x C`` a row)."""
+        conv, state, row, t_row = self._parts(dtype)
+        return len(self.layers) * (conv + state + self.chunk * (row + t_row))
 
     def cache_bytes(self, slots: int, dtype: torch.dtype) -> int:
         """Bytes of a `LinearStateCache` of `slots` sequences: theirs, and per layer the padding
         state and row that take a step's writes of no sequence (`kernels.gated_delta_step`)."""
-        _, state, row = self._parts(dtype)
+        _, state, row, _ = self._parts(dtype)
         return slots * self.bytes_per_slot(dtype) + len(self.layers) * (state + row)
 
 
@@ -98,8 +103,9 @@ class LinearStateCache:
     """The GDN state of `slots` sequences for every GDN layer of `spec`, on `device`; conv state
     and chunk rows k, v, beta in `dtype` (the model's), boundary states and g rows in fp32. The
     pools' layout is `kernels.gated_delta_step`'s: slot ``s``'s state at ``states[s]``, its chunk's
-    rows at ``[s * C, (s + 1) * C)``, then one padding state and row. Contents are undefined until a
-    sequence's first step writes them (see the module docstring)."""
+    rows at ``[s * C, (s + 1) * C)`` (and its rows of ``T`` at the same rows of `t_rows`), then one
+    padding state and row (``T`` has none: a step keeps no row of ``T`` of a padding entry).
+    Contents are undefined until a sequence's first step writes them (see the module docstring)."""
 
     def __init__(self, spec: LinearStateSpec, slots: int, device: torch.device, dtype: torch.dtype) -> None:
         if slots < 1:
@@ -115,9 +121,12 @@ class LinearStateCache:
         self.rows = {i: (torch.zeros(rows, hk, dk, dtype=dtype, **empty), torch.zeros(rows, hv, dv, dtype=dtype, **empty),
                          torch.zeros(rows, hv, dtype=torch.float32, **empty), torch.zeros(rows, hv, dtype=dtype, **empty))
                      for i in spec.layers}
+        #: the current chunks' rows of T = (I + L)^-1, slot s's at [s * C, (s + 1) * C)
+        self.t_rows = {i: torch.zeros(slots * spec.chunk, hv, spec.chunk, dtype=torch.float32, **empty)
+                       for i in spec.layers}
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy slot ``src[i]``'s state (conv state, boundary state, kept rows) into slot
+        """Copy slot ``src[i]``'s state (conv state, boundary state, kept rows and rows of ``T``) into slot
         ``dst[i]`` in every GDN layer (int64 index tensors on the cache's device; `dst` distinct
         and disjoint from `src`): a sample taking its prompt's state from a sibling
         (`runtime.scheduler_siblings`). The copy is the data itself, so the slot continues
@@ -127,12 +136,13 @@ class LinearStateCache:
         rows_src, rows_dst = ((s[:, None] * width + offsets).reshape(-1) for s in (src, dst))
         for i in self.spec.layers:
             for pool, (a, b) in ((self.conv[i], (src, dst)), (self.states[i], (src, dst)),
-                                 *((t, (rows_src, rows_dst)) for t in self.rows[i])):
+                                 *((t, (rows_src, rows_dst)) for t in (*self.rows[i], self.t_rows[i]))):
                 pool.index_copy_(0, b, pool.index_select(0, a))
 
     def zero_(self) -> None:
         """Overwrite every state with zeros, in place (after a step that wrote non-finite values)."""
-        for tensors in (self.conv.values(), self.states.values(), (t for r in self.rows.values() for t in r)):
+        for tensors in (self.conv.values(), self.states.values(), (t for r in self.rows.values() for t in r),
+                        self.t_rows.values()):
             for t in tensors:
                 t.zero_()
 
@@ -179,7 +189,7 @@ class LinearStep:
         dv]``, g, beta ``[T, Hv]``) for layer `layer`, bitwise `gated_delta_rule`'s; advances the
         layer's boundary states and chunk rows (`kernels.gated_delta_step`)."""
         return gated_delta_step(q, k, v, g, beta, self.cache.rows[layer], self.cache.states[layer], self.plan,
-                                scale=scale, use_qk_l2norm=use_qk_l2norm)
+                                pool_t=self.cache.t_rows[layer], scale=scale, use_qk_l2norm=use_qk_l2norm)
 
 
 class LinearStepBuffers:

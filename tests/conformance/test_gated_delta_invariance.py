@@ -2,7 +2,8 @@
 `kernel_invariance --only gdn` runs them on the Triton kernels at the published shapes)."""
 
 from vexact_models.conformance import gated_delta_invariance
-from vexact_models.conformance.gated_delta_invariance import check_chunk_rows, check_fold, check_rollout
+from vexact_models.conformance.gated_delta_invariance import (check_chunk_rows, check_decode, check_engine_rollout,
+                                                              check_fold, check_rollout)
 from vexact_models.conformance.kernel_invariance import Result
 
 
@@ -11,7 +12,9 @@ def test_gated_delta_checks_pass_on_the_reference():
     check_chunk_rows(result, 1, 2, 16, 16, chunk=16, device="cpu")
     check_fold(result, 2, 2, 16, 16, chunk=16, device="cpu")
     check_rollout(result, 1, 2, 16, 16, max_len=90, decode=6, chunk=16, device="cpu")
-    assert result.cases == 16 + 8 + 1 and result.elements > 0
+    check_decode(result, 1, 2, 16, 16, chunk=16, device="cpu")
+    check_engine_rollout(result, 1, 2, 16, 16, max_len=90, decode=20, chunk=16, device="cpu")
+    assert result.cases == 16 + 8 + 1 + 17 + 1 and result.elements > 0
     assert result.mismatches == 0, result.notes
 
 

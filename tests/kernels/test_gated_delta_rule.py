@@ -323,12 +323,14 @@ def test_gpu_rollout_equals_training_bitwise(initial):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_gpu_invariance_checks():
-    """`kernel_invariance --only gdn --quick`'s checks: every row count and first row of a chunk, folds
-    and rollouts, at the published head shapes, zero mismatches."""
+    """`kernel_invariance --only gdn --quick`'s checks: every row count and first row of a chunk, folds,
+    rollouts, decodes from the kept rows of T and engine rollouts through the decode launch, at the
+    published head shapes, zero mismatches."""
     from vexact_models.conformance.gated_delta_invariance import run_gated_delta
     from vexact_models.conformance.kernel_invariance import Result
 
-    results = {name: Result(name) for name in ("gated_delta rows", "gated_delta fold", "gated_delta rollout")}
+    results = {name: Result(name) for name in ("gated_delta rows", "gated_delta fold", "gated_delta rollout",
+                                               "gated_delta decode", "gated_delta engine")}
     run_gated_delta(results, quick=True)
     assert all(r.cases for r in results.values())
     assert not any(r.mismatches for r in results.values()), [r.notes for r in results.values()]

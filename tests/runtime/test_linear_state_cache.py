@@ -61,7 +61,7 @@ def test_steps_equal_training_bitwise_across_chunk_boundaries():
     x, weight, g, beta = sequences(lengths)
     want_conv, want = training(x, weight, g, beta, lengths)
     cache = LinearStateCache(spec(), slots=5, device=torch.device("cpu"), dtype=torch.float32)
-    for t in (*cache.conv.values(), *cache.states.values()):
+    for t in (*cache.conv.values(), *cache.states.values(), *cache.t_rows.values()):
         t.fill_(float("nan"))  # stale contents are never read: a sequence at position 0 starts from zeros
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     done = [0, 0, 0]
@@ -95,13 +95,17 @@ def test_step_rejects_bad_slots():
 
 
 def test_cache_bytes_count_every_tensor():
-    """Per slot its conv state, boundary state and C chunk rows; per layer one padding state and row."""
+    """Per slot its conv state, boundary state and C chunk rows and rows of T; per layer one padding
+    state and row."""
     for slots in (1, 3):
         cache = LinearStateCache(spec(), slots=slots, device=torch.device("cpu"), dtype=torch.bfloat16)
-        tensors = [*cache.conv.values(), *cache.states.values(), *(t for r in cache.rows.values() for t in r)]
+        tensors = [*cache.conv.values(), *cache.states.values(), *(t for r in cache.rows.values() for t in r),
+                   *cache.t_rows.values()]
         assert sum(t.numel() * t.element_size() for t in tensors) == spec().cache_bytes(slots, torch.bfloat16)
     row = (HK * DK + HV * DV + HV) * 2 + HV * 4
-    assert spec().bytes_per_slot(torch.bfloat16) == 2 * (3 * spec().conv_channels * 2 + HV * DK * DV * 4 + CHUNK * row)
+    t_row = HV * CHUNK * 4
+    assert spec().bytes_per_slot(torch.bfloat16) == 2 * (3 * spec().conv_channels * 2 + HV * DK * DV * 4 +
+                                                         CHUNK * (row + t_row))
     assert spec().cache_bytes(3, torch.bfloat16) == 3 * spec().bytes_per_slot(torch.bfloat16) + 2 * (HV * DK * DV * 4 + row)
 
 

@@ -44,6 +44,7 @@ def test_triton_padded_steps_equal_training_bitwise(chunk):
         pool_rows = (torch.zeros(4 * c + 1, HK, DK, device=DEVICE), torch.zeros(4 * c + 1, HV, DV, device=DEVICE),
                      torch.zeros(4 * c + 1, HV, device=DEVICE), torch.zeros(4 * c + 1, HV, device=DEVICE))
         pool_states = torch.full((5, HV, DK, DV), float("nan"), device=DEVICE)  # never read before written
+        pool_t = torch.full((4 * c, HV, c), float("nan"), device=DEVICE)
         got = torch.zeros_like(want)
         done = [0, 0, 0]
         for step in range(4):
@@ -57,7 +58,7 @@ def test_triton_padded_steps_equal_training_bitwise(chunk):
                    for x in rows_all]
             for arrays in (dry_run(plan, c, 4), plan):
                 staged = {name: torch.from_numpy(a).to(DEVICE) for name, a in arrays.items()}
-                out = gated_delta_step(*pad, pool_rows, pool_states, StepPlan(staged, c, max_q))
+                out = gated_delta_step(*pad, pool_rows, pool_states, StepPlan(staged, c, max_q), pool_t=pool_t)
             got[index.to(DEVICE)] = out[:n]
             for s, m in zip(order, counts):
                 done[s] += m
