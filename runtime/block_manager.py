@@ -35,8 +35,10 @@ from their tail (the least shareable part) first.
 Sliding windows
 ---------------
 With a ``window`` (the engine's when every attention layer of the model has a sliding window,
-their largest; docs/design.md section 6) ``release_behind_window`` drops a sequence's references
-to its leading pages that no later query of it can read: those wholly below
+their largest; the window group's of a model mixing windowed and full layers, whose
+``PageGroups`` keeps the full layers' pages here and the windowed layers' in a second
+BlockManager, `runtime.page_groups`; docs/design.md section 6) ``release_behind_window`` drops a
+sequence's references to its leading pages that no later query of it can read: those wholly below
 ``attention_window.window_block_start`` of its next position (the attention kernels never read
 below it, docs/design.md rule 2). The entries stay in ``block_table`` (so positions keep their
 page index) but count as released (``seq.released_blocks``): never freed again, never a parent
@@ -83,8 +85,8 @@ class BlockManager:
         block_size: positions per page, >= 1.
         enable_prefix_sharing: when False no page is ever published or shared: every page is
             owned by exactly one sequence (the behaviour before prefix sharing).
-        window: None, or the sliding window every attention layer stays within (their largest):
-            ``release_behind_window`` then frees the pages behind it.
+        window: None, or the sliding window every attention layer whose pages these are stays
+            within (their largest): ``release_behind_window`` then frees the pages behind it.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_sharing: bool = True,
