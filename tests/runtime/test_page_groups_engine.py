@@ -15,7 +15,7 @@ from vexact_models.runtime import LLM, SamplingParams, llm as llm_module
 from vexact_models.runtime.page_groups import PageGroups, window_pages_bound
 
 from ..models.model_support import stock_model
-from .llm_support import CalledGraphs
+from .llm_support import CalledGraphs, cache_bytes
 
 ARCHS = {a.name: a for a in architectures() if a.name in ("gemma3", "gpt_oss")}
 if not ARCHS:  # Architecture.min_transformers keeps them out on older releases
@@ -28,13 +28,15 @@ PARAMS = [SamplingParams(temperature=1.0, n=2, max_tokens=12, seed=1, ignore_eos
           SamplingParams(temperature=1.0, max_tokens=12, seed=3, ignore_eos=True, stop_token_ids=[7, 11])]
 
 
+def save_checkpoint(name: str, path, **dims) -> tuple[str, torch.nn.Module]:
+    """(checkpoint folder, the training model loaded from it) of a stock tiny model of `name`."""
+    stock_model(ARCHS[name], initializer_range=0.2, **dims).save_pretrained(path)
+    return str(path), ARCHS[name].causal_lm_class.from_pretrained(path).eval()
+
+
 @pytest.fixture(scope="module", params=sorted(ARCHS))
 def checkpoint(request, tmp_path_factory):
-    """(checkpoint folder, the training model loaded from it) of a stock tiny model."""
-    path = tmp_path_factory.mktemp(request.param)
-    stock_model(ARCHS[request.param], initializer_range=0.2).save_pretrained(path)
-    training = ARCHS[request.param].causal_lm_class.from_pretrained(path).eval()
-    return str(path), training
+    return save_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
 
 
 def engine(path: str, monkeypatch, groups: bool = True, device: str = "cpu", **kwargs) -> LLM:
@@ -162,20 +164,24 @@ def test_a_window_layer_attending_beyond_the_group_window_is_refused(checkpoint,
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton kernels, CUDA graphs)")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_window_group_rollouts_with_cuda_graphs_equal_one_group_and_training_bitwise(checkpoint, monkeypatch,
-                                                                                    dtype):
-    """On the GPU: the engine's real CUDA graphs (decode and mixed steps), ahead and one step at
-    a time, with preemption and n=4 sharing, bitwise the one-group engine and the training
-    recompute; eager steps too."""
-    path, _ = checkpoint
-    training = type(checkpoint[1]).from_pretrained(path, dtype=dtype).to("cuda").eval()
-    for kwargs in (dict(), dict(async_scheduling=False), dict(kv_cache_bytes=48 * 3 * 1024 * 2, enforce_eager=True),
-                   dict(max_num_batched_tokens=16)):
-        kwargs = dict(dtype=dtype, device="cuda", **kwargs)
+@pytest.mark.parametrize("name", sorted(ARCHS))
+def test_window_group_rollouts_with_cuda_graphs_equal_one_group_and_training_bitwise(name, tmp_path, monkeypatch):
+    """On the GPU in bf16 (head dim 64): the engine's real CUDA graphs (decode and mixed steps),
+    ahead and one step at a time, with preemption and n=2 sharing, eager steps too: bitwise the
+    one-group engine and the training recompute, window pages freed mid-sequence."""
+    path, training = save_checkpoint(name, tmp_path, hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                                     head_dim=64)
+    training = training.to("cuda", torch.bfloat16)
+    page = cache_bytes(training, 1)  # the three layers' K/V of a page of 4 positions
+    for kwargs in (dict(), dict(async_scheduling=False), dict(kv_cache_bytes=40 * page, max_num_batched_tokens=32),
+                   dict(enforce_eager=True, max_num_batched_tokens=16)):
+        kwargs = dict(dtype=torch.bfloat16, device="cuda", **kwargs)
+        chunk = kwargs.get("max_num_batched_tokens", 64)
         llm = engine(path, monkeypatch, **kwargs)
-        assert kwargs.get("enforce_eager") or llm.runner.graphs is not None
-        got, seen = run(llm, kwargs.get("max_num_batched_tokens", 64))
-        want, _ = run(engine(path, monkeypatch, groups=False, **kwargs), kwargs.get("max_num_batched_tokens", 64))
+        assert (llm.runner.graphs is None) == ("enforce_eager" in kwargs)
+        got, seen = run(llm, chunk)
+        one = engine(path, monkeypatch, groups=False, **kwargs)
+        want, _ = run(one, chunk)
         assert got == want and seen["released"] >= 16
+        assert "kv_cache_bytes" not in kwargs or llm.num_preemptions > 0
         check_training(training, got)
