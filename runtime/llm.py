@@ -85,6 +85,10 @@ class LLM(EngineStepsMixin, EngineMemoryMixin):
         gpu_memory_utilization: fraction of the GPU's memory the process may use (weights and
             everything else included); the KV cache takes what is left of it.
         kv_cache_bytes: KV cache size in bytes (required on CPU unless the default 256 MiB fits).
+            A model mixing sliding-window and full attention layers (Gemma 3, GPT-OSS) keeps the
+            windowed layers' pages apart, freed behind the window (`runtime.page_groups`), each
+            group's page at its own layers' bytes; `kv_bytes_per_sequence` says what a sequence
+            holds.
         seed: base seed for requests that give none.
         enable_chunked_prefill: split long prompts over steps.
         enforce_eager: never use CUDA graphs (by default, on CUDA, decode steps of up to

@@ -13,6 +13,7 @@ from vexact_models.kernels.attention_window import window_block_start
 from vexact_models.layers import window_layers
 from vexact_models.registry import architectures, get
 from vexact_models.runtime import SamplingParams
+from vexact_models.runtime.block_manager import BlockManager, chain_key
 from vexact_models.runtime.llm_setup import kv_bytes_per_sequence, kv_cache_pages
 from vexact_models.runtime.page_groups import PageGroups, window_pages_bound, window_pages_cap
 from vexact_models.runtime.scheduler import Scheduler
@@ -31,6 +32,22 @@ def _computed(bm: PageGroups, seq: Sequence, num_tokens: int) -> None:
     seq.num_computed_tokens = num_tokens
     bm.cache_full_blocks(seq, num_tokens)
     bm.release_behind_window(seq)
+
+
+def test_block_manager_lookup_can_append_and_shortfall():
+    """The pieces `PageGroups` builds on, on one group: a published page found by key and content
+    (not by key alone), free pages for new ones, and why a sequence can never fit."""
+    bm = BlockManager(8, 4)
+    seq = _seq(list(range(2, 12)))
+    bm.allocate(seq, 10)
+    bm.cache_full_blocks(seq, 10)
+    parent, tokens = b"", tuple(range(2, 6))
+    key = chain_key(parent, tokens)
+    assert bm.lookup(key, (parent, tokens)) == seq.block_table[0] and bm.lookup(key, (parent, (9,) * 4)) is None
+    assert bm.can_append(5) and not bm.can_append(6)
+    assert bm.shortfall(32, 8) is None
+    assert bm.shortfall(33, 8) == "needs 9 KV cache blocks for 33 positions but the cache has only 8 blocks in total " \
+        "(block_size=4)"
 
 
 def test_the_window_group_releases_behind_the_window_and_the_global_group_keeps_every_page():
