@@ -240,3 +240,58 @@ def test_kv_bytes_per_sequence_at_32k_of_the_published_configs(name, config_name
         (full + windowed) * 2048 * page
     assert kv_bytes_per_sequence(model, 32768, dtype=torch.bfloat16, block_size=16) == \
         (full * 2048 + windowed * kept) * page
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_every_key_a_step_reads_holds_its_own_prefix_in_both_groups(seed):
+    """A simulated cache over a random workload (prompts sharing prefixes, n up to 3, prefix
+    sharing, tight pools that preempt): each step writes its tokens' content (their prefix) into
+    the slots the tables give, then every scheduled query checks the keys it reads, all of them
+    through the global table and those from its `window_block_start` on through the window table:
+    each holds exactly its own prefix, so shared and revived pages are the ones computing would
+    have written. Every page comes back at the end."""
+    import random
+
+    rng = random.Random(seed)
+    bs, window = 4, 8
+    bm = PageGroups(56, bs, 36, window=window)
+    sched = Scheduler(bm, 6, 16, 200, None)
+    stems = [[rng.randrange(2, 9) for _ in range(rng.randint(60, 120))] for _ in range(3)]
+    seqs = []
+    for r in range(10):
+        prompt = rng.choice(stems)[:rng.randint(40, 120)] + [rng.randrange(2, 9) for _ in range(rng.randint(1, 8))]
+        n = rng.randint(1, 3)
+        params = SamplingParams(n=n, max_tokens=rng.randint(4, 30), ignore_eos=True)
+        seqs += [Sequence(r, i, prompt, params, r * 7 + i) for i in range(n)]
+    for seq in seqs:
+        sched.add(seq)
+    cache = {"global": {}, "window": {}}
+    steps = preempted = 0
+    skipped = []  # window entries released on arrival, per placement that had some
+    place = bm.window_group._place
+    bm.window_group._place = lambda seq, hits, fresh, count=0, key=None: (
+        skipped.append(count) if count else None, place(seq, hits, fresh, count, key))
+    while sched.has_unfinished():
+        out = sched.schedule()
+        preempted += len(out.preempted)
+        for item in out.scheduled:  # the step's writes first (one forward writes before any read)
+            s = item.seq
+            for p in range(s.num_computed_tokens, s.num_computed_tokens + item.num_new_tokens):
+                content = tuple(s.token_ids[:p + 1])
+                cache["global"][bm.slot(s, p)] = content
+                cache["window"][bm.window_group.slot(s.window_pages, p)] = content
+        for item in out.scheduled:
+            s, view = item.seq, item.seq.window_pages
+            end = s.num_computed_tokens + item.num_new_tokens
+            first = window_block_start(s.num_computed_tokens, window)
+            assert view.released_blocks * bs <= first
+            for p in range(end):
+                assert cache["global"][bm.slot(s, p)] == tuple(s.token_ids[:p + 1])
+            for p in range(first, end):
+                assert cache["window"][bm.window_group.slot(view, p)] == tuple(s.token_ids[:p + 1])
+        sched.postprocess(out.scheduled, [rng.randrange(2, 9) if i.samples else None for i in out.scheduled],
+                          [0.0 if i.samples else None for i in out.scheduled])
+        steps += 1
+        assert steps < 5000
+    assert bm.num_shared_hits > 0 and bm.window_group.num_shared_hits > 0 and skipped and preempted > 0
+    assert bm.num_free_blocks == 56 and bm.window_group.num_free_blocks == 36
