@@ -284,12 +284,16 @@ def window_layers(model: nn.Module) -> tuple[int, tuple[int, ...]] | None:
     own whose pages behind the window are freed (`runtime.page_groups`, docs/design.md section
     6). Read from the modules as `cache_window` does: each decoder layer's ``self_attn`` declares
     its window as ``sliding_window`` and its index as ``layer_idx``."""
-    windows = {m.self_attn.layer_idx: getattr(m.self_attn, "sliding_window", None) for m in model.modules()
-               if isinstance(getattr(m, "self_attn", None), nn.Module)}
-    windowed = tuple(sorted(i for i, w in windows.items() if w is not None))
-    if not windowed or len(windowed) == len(windows):
+    attns = [m.self_attn for m in model.modules() if isinstance(getattr(m, "self_attn", None), nn.Module)]
+    windows = [getattr(attn, "sliding_window", None) for attn in attns]
+    if None not in windows or all(w is None for w in windows):
         return None
-    return max(windows[i] for i in windowed), windowed
+    if not all(isinstance(getattr(attn, "layer_idx", None), int) for attn in attns):
+        raise ValueError(f"{type(model).__name__}: its attention layers mix windows {sorted(set(map(str, windows)))} but "
+                         "not every self_attn declares its decoder layer as an int `layer_idx` (the engine keeps the "
+                         "windowed layers' pages apart by index)")
+    windowed = tuple(sorted(attn.layer_idx for attn, w in zip(attns, windows) if w is not None))
+    return max(w for w in windows if w is not None), windowed
 
 
 class PackedContext:

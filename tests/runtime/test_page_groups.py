@@ -205,6 +205,20 @@ def test_kv_bytes_per_sequence_by_hand_and_the_budget_split(name):
     assert k.shape[0] == 88 and llm.runner.kv_caches[({0, 1, 2} - set(layers)).pop()][0].shape[0] == got[0]
 
 
+def test_window_layers_reads_the_modules():
+    """Mixed windows: the largest and the windowed layers' indices; every layer or none windowed:
+    None (one group); a mixed model whose attention does not declare its index: a ValueError."""
+    model = llama.LlamaForCausalLM(llama.tiny_config(num_hidden_layers=3, sliding_window=6))
+    assert window_layers(model) is None
+    model.model.layers[1].self_attn.sliding_window = None
+    model.model.layers[2].self_attn.sliding_window = 9
+    assert window_layers(model) == (9, (0, 2))
+    del model.model.layers[0].self_attn.layer_idx
+    with pytest.raises(ValueError, match="layer_idx"):
+        window_layers(model)
+    assert window_layers(llama.LlamaForCausalLM(llama.tiny_config())) is None
+
+
 def test_kv_bytes_per_sequence_of_one_group_models():
     """Every layer windowed (Mistral-like, one group): all of them freed; no window: all kept."""
     config = llama.tiny_config()
