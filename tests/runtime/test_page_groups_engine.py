@@ -12,6 +12,7 @@ import torch
 
 from vexact_models.registry import architectures
 from vexact_models.runtime import LLM, SamplingParams, llm as llm_module
+from vexact_models.runtime.model_runner import ModelRunner
 from vexact_models.runtime.page_groups import PageGroups, window_pages_bound
 
 from ..models.model_support import stock_model
@@ -149,6 +150,25 @@ def test_window_group_rollouts_through_the_graph_buffers(checkpoint, monkeypatch
         assert graphs.num_mixed > 0 and graphs.mixed_replays > graphs.num_mixed and seen["released"] >= 16
         assert graphs.inputs.window_block_table is not None
         check_training(training, got)
+
+
+def test_sleep_and_wake_up_keep_the_window_group(checkpoint, monkeypatch):
+    """`sleep` frees both groups' caches, `wake_up` allocates them again at their own page counts,
+    and the rollout after it is bitwise the one before; a pipeline stage's runner takes no window
+    group (it keeps every page)."""
+    path, _ = checkpoint
+    llm = engine(path, monkeypatch, max_num_batched_tokens=32)
+    group = llm.engine_config.window_group
+    params = SamplingParams(temperature=1.0, max_tokens=8, seed=4, ignore_eos=True)
+    before = llm.generate([PROMPTS[1]], params, use_tqdm=False)[0].outputs[0]
+    llm.sleep(0)
+    assert llm.runner.kv_caches == []
+    llm.wake_up()
+    assert {llm.runner.kv_caches[i][0].shape[0] for i in group.layers} == {group.num_blocks}
+    after = llm.generate([PROMPTS[1]], params, use_tqdm=False)[0].outputs[0]
+    assert (after.token_ids, after.logprobs) == (before.token_ids, before.logprobs)
+    with pytest.raises(ValueError, match="pipeline stage keeps every layer's pages in one group"):
+        ModelRunner(llm.model, 8, BS, torch.device("cpu"), torch.float32, layers=range(0, 2), window_group=group)
 
 
 def test_a_window_layer_attending_beyond_the_group_window_is_refused(checkpoint, monkeypatch):
