@@ -289,7 +289,10 @@ def print_workload_floor(model, modes: list, rows: list[tuple], prompt_lens: lis
 
 def set_mode(model, mode: str | None, quiet: bool = False) -> None:
     """Switch an MLA model's KV cache mode (None: leave the model as built) and print its cache size
-    (unless `quiet`)."""
+    (unless `quiet`); for a model with sliding-window layers also a sequence's KV bytes at 32k tokens
+    with and without the pages freed behind the windows (docs/design.md section 6)."""
+    from vexact_models.runtime.llm_args import default_block_size
+    from vexact_models.runtime.llm_setup import kv_bytes_per_sequence
     from vexact_models.runtime.model_runner import kv_bytes_per_block
 
     if mode is not None:
@@ -297,6 +300,12 @@ def set_mode(model, mode: str | None, quiet: bool = False) -> None:
     if not quiet:
         print(f"KV cache{f' ({mode})' if mode else ''}: {kv_bytes_per_block(model.kv_cache_spec(), 1, torch.bfloat16):,} "
               f"bytes per token (layers, KV heads, key dim, value dim = {tuple(model.kv_cache_spec())})", flush=True)
+        page = default_block_size(model.kv_cache_spec())
+        freed, kept = (kv_bytes_per_sequence(model, 32768, dtype=torch.bfloat16, block_size=page, window_freed=freed)
+                       for freed in (True, False))
+        if freed != kept:
+            print(f"KV bytes per sequence at 32k tokens: {freed:,} with window-freed pages, {kept:,} without "
+                  f"(bf16, pages of {page})", flush=True)
 
 
 def run_engines(arch, model, prompts, outputs, args, engines: list[str], mode: str | None) -> list[tuple]:

@@ -35,8 +35,10 @@ from their tail (the least shareable part) first.
 Sliding windows
 ---------------
 With a ``window`` (the engine's when every attention layer of the model has a sliding window,
-their largest; docs/design.md section 6) ``release_behind_window`` drops a sequence's references
-to its leading pages that no later query of it can read: those wholly below
+their largest; the window group's of a model mixing windowed and full layers, whose
+``PageGroups`` keeps the full layers' pages here and the windowed layers' in a second
+BlockManager, `runtime.page_groups`; docs/design.md section 6) ``release_behind_window`` drops a
+sequence's references to its leading pages that no later query of it can read: those wholly below
 ``attention_window.window_block_start`` of its next position (the attention kernels never read
 below it, docs/design.md rule 2). The entries stay in ``block_table`` (so positions keep their
 page index) but count as released (``seq.released_blocks``): never freed again, never a parent
@@ -83,8 +85,8 @@ class BlockManager:
         block_size: positions per page, >= 1.
         enable_prefix_sharing: when False no page is ever published or shared: every page is
             owned by exactly one sequence (the behaviour before prefix sharing).
-        window: None, or the sliding window every attention layer stays within (their largest):
-            ``release_behind_window`` then frees the pages behind it.
+        window: None, or the sliding window every attention layer whose pages these are stays
+            within (their largest): ``release_behind_window`` then frees the pages behind it.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_sharing: bool = True,
@@ -132,6 +134,20 @@ class BlockManager:
         """Published pages that can be shared right now (in use or free)."""
         return len(self._cached)
 
+    def can_append(self, count: int = 1) -> bool:
+        """Whether `count` sequences can each enter one fresh page now (`append_block`)."""
+        return count <= len(self._free)
+
+    def shortfall(self, positions: int, chunk: int) -> str | None:
+        """Why a sequence that will hold `positions` positions, run alone in chunks of at most
+        `chunk` tokens, can never fit these pages (the end of a sentence naming what it needs),
+        or None. A sequence alone in the cache always progresses: what makes preemption end."""
+        needed = self.blocks_for(positions)
+        if needed > self.num_blocks:
+            return (f"needs {needed} KV cache blocks for {positions} positions but the cache has only "
+                    f"{self.num_blocks} blocks in total (block_size={self.block_size})")
+        return None
+
     def ref_count(self, block: int) -> int:
         """How many block tables list ``block``."""
         return self._ref[block]
@@ -147,10 +163,17 @@ class BlockManager:
         bs = self.block_size
         return tuple(seq.token_ids[index * bs : (index + 1) * bs])
 
-    def _hits(self, seq: Sequence, num_tokens: int) -> list[int]:
-        """Published pages that ``allocate(seq, num_tokens)`` takes for the next entries of
-        ``seq.block_table``: leading full pages of ``seq``'s tokens within [0, num_tokens),
-        never the one holding its last token, looked up in order until the first miss."""
+    def lookup(self, key: bytes, content: tuple[bytes, tuple[int, ...]]) -> int | None:
+        """The published page serving content key `key` whose stored (parent key, token ids) are
+        `content` (the collision guard), or None."""
+        block = self._cached.get(key)
+        return None if block is None or self._content[block] != content else block
+
+    def _walk(self, seq: Sequence, num_tokens: int) -> list[tuple[int, bytes, tuple[bytes, tuple[int, ...]]]]:
+        """(page, key, (parent key, token ids)) of the published pages that ``allocate(seq,
+        num_tokens)`` may take for the next entries of ``seq.block_table``: leading full pages of
+        ``seq``'s tokens within [0, num_tokens), never the one holding its last token, looked up in
+        order until the first miss."""
         if not self.enable_prefix_sharing or not self._cached:
             return []
         bs = self.block_size
@@ -166,16 +189,20 @@ class BlockManager:
         parent = self._parent_key(seq, start)
         if parent is None:  # the last page of the table was never published
             return []
-        hits = []
+        walk = []
         for index in range(start, stop):
             tokens = self._page_tokens(seq, index)
             key = chain_key(parent, tokens)
-            block = self._cached.get(key)
-            if block is None or self._content[block] != (parent, tokens):
+            block = self.lookup(key, (parent, tokens))
+            if block is None:
                 break
-            hits.append(block)
+            walk.append((block, key, (parent, tokens)))
             parent = key
-        return hits
+        return walk
+
+    def _hits(self, seq: Sequence, num_tokens: int) -> list[int]:
+        """The pages of `_walk`: what ``allocate(seq, num_tokens)`` shares."""
+        return [block for block, _, _ in self._walk(seq, num_tokens)]
 
     def num_cached_tokens(self, seq: Sequence) -> int:
         """Tokens of ``seq`` past ``seq.num_computed_tokens`` that the next ``allocate`` call
@@ -211,17 +238,31 @@ class BlockManager:
                 f"BlockManager: sequence {seq.seq_id} needs {needed} more blocks to cover "
                 f"{num_tokens} tokens but only {len(self._free)} of {self.num_blocks} are free"
             )
-        start = len(seq.block_table)
+        self._place(seq, hits, fresh)
+        seq.num_computed_tokens += len(hits) * self.block_size
+
+    def _place(self, seq: Sequence, hits: list[int], fresh: int, skipped: int = 0,
+               skipped_key: bytes | None = None) -> None:
+        """Append to ``seq.block_table``: `skipped` entries released on arrival (a window group's
+        pages below the window of the sequence's next position, `runtime.page_groups`: no page, no
+        reference; `skipped_key` the content key the last of them stands for), the shared pages
+        `hits` (a reference more each, revived from the free list where unowned), then `fresh`
+        pages. The caller has checked that the free list holds them."""
+        table = seq.block_table
+        start = len(table)
+        if skipped:
+            self._release_below(seq, start)
+            table.extend([0] * skipped)  # never read: below every later query's window_block_start
+            seq.released_blocks, seq.released_key = start + skipped, skipped_key
         for block in hits:
             if self._ref[block] == 0:
                 del self._free[block]  # revive a cached page: its K/V are still in place
             self._ref[block] += 1
-            seq.block_table.append(block)
-        seq.num_computed_tokens += len(hits) * self.block_size
+            table.append(block)
         self.num_shared_hits += len(hits)
         for _ in range(fresh):
-            seq.block_table.append(self._pop_fresh())
-        self.tables.extend(seq.seq_id, start, seq.block_table[start:])
+            table.append(self._pop_fresh())
+        self.tables.extend(seq.seq_id, start, table[start:])
 
     def can_share_prefix(self, num_tokens: int, total: int) -> bool:
         """Whether `share_prefix` of ``num_tokens`` tokens (whole pages of a running donor) and
@@ -330,7 +371,11 @@ class BlockManager:
         if self.window is None:
             return 0
         keep_from = window_block_start(seq.num_computed_tokens, self.window) // self.block_size
-        stop = min(keep_from, len(seq.block_table) - 1)  # a table's last page is always kept
+        return self._release_below(seq, min(keep_from, len(seq.block_table) - 1))  # a table's last page is kept
+
+    def _release_below(self, seq: Sequence, stop: int) -> int:
+        """Release ``seq``'s entries below index `stop` not released yet (`release_behind_window`);
+        returns how many."""
         start = seq.released_blocks
         for index in range(start, stop):
             block = seq.block_table[index]

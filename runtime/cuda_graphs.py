@@ -49,6 +49,7 @@ from vexact_models.layers import PagedContext
 
 from .graph_inputs import GraphInputs
 from .linear_state_cache import LinearStateCache, LinearStep
+from .page_groups import WindowGroup
 from .step_inputs import StepInputs
 
 __all__ = ["DEFAULT_BUCKETS", "DEFAULT_MAX_TOKENS", "MAX_MIXED_GRAPHS", "StepGraphs", "step_bucket", "token_bucket"]
@@ -103,12 +104,14 @@ class StepGraphs:
 
     def __init__(self, model, kv_caches, block_size: int, max_blocks_per_seq: int, max_batch: int,
                  device: torch.device, buckets=DEFAULT_BUCKETS, carry: tuple[int, torch.dtype | None] = (0, None),
-                 max_tokens: int = 0, linear_states: LinearStateCache | None = None) -> None:
+                 max_tokens: int = 0, linear_states: LinearStateCache | None = None,
+                 window_group: WindowGroup | None = None) -> None:
         """`carry`: ``(width, dtype)`` of the previous pipeline stage's hidden and residual rows
         that `model` takes after the token inputs (width 0: it takes none). `max_tokens`: mixed
         steps of up to that many tokens are captured (0: decode steps only; a pipeline stage
         must pass 0). `linear_states`: the model's gated-DeltaNet state cache (None without
-        such layers)."""
+        such layers). `window_group`: the window page group whose layers read its own block tables
+        (`runtime.page_groups`; None: one group), two more static inputs."""
         width, dtype = carry
         if width and max_tokens:
             raise ValueError(f"StepGraphs: mixed steps (max_tokens={max_tokens}) are not captured for a pipeline "
@@ -120,7 +123,9 @@ class StepGraphs:
         self.max_tokens = max(max_tokens, max_batch) if max_tokens else 0
         self.device = device
         self.linear_states = linear_states
-        self.inputs = GraphInputs(max_batch, max_batch, max_blocks_per_seq, device, linear_states)
+        self.window_group = window_group
+        self.inputs = GraphInputs(max_batch, max_batch, max_blocks_per_seq, device, linear_states,
+                                  window=window_group is not None)
         self.mixed_inputs: GraphInputs | None = None  # made at the first mixed capture
         self.mixed_logits: torch.Tensor | None = None  # the mixed graphs' shared output
         self.carry = (None if not width else
@@ -140,8 +145,10 @@ class StepGraphs:
                              x.seq_order[:seqs])
         linear = None if x.linear is None else LinearStep.from_arrays(
             self.linear_states, x.linear.views(tokens, seqs), layout.cu_seqlens_q, max_q)
-        args = (x.ids[:tokens], x.positions[:tokens], PagedContext(layout, x.slots[:tokens], self.kv_caches, linear),
-                x.logits_rows[:seqs])
+        window = (None if self.window_group is None else
+                  self.window_group.step_pages(layout, x.window_block_table[:seqs], x.window_slots[:tokens]))
+        args = (x.ids[:tokens], x.positions[:tokens],
+                PagedContext(layout, x.slots[:tokens], self.kv_caches, linear, window), x.logits_rows[:seqs])
         return args + tuple(t[:tokens] for t in self.carry) if carry else args
 
     def _capture(self, bucket: tuple[int, int, int], x: GraphInputs, carry: bool = False, shared_out: bool = False):
@@ -206,7 +213,7 @@ class StepGraphs:
         else:  # a new mixed bucket
             if self.mixed_inputs is None:
                 self.mixed_inputs = GraphInputs(self.max_tokens, self.max_batch, self.max_blocks, self.device,
-                                                self.linear_states)
+                                                self.linear_states, window=self.window_group is not None)
             x = self.mixed_inputs
         x.fill(inputs, bucket[0], bucket[1])
         if in_flight is not None:

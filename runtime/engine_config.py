@@ -15,6 +15,7 @@ import torch
 
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
+from .page_groups import PageGroups, WindowGroup
 from .scheduler import Scheduler
 
 __all__ = ["EngineConfig"]
@@ -44,6 +45,9 @@ class EngineConfig:
         kv_window: None, or the sliding window every attention layer stays within
             (`layers.cache_window`): the pages behind it are freed as sequences advance
             (`LLM` leaves it None for pipeline stages).
+        window_group: None, or the window page group of a model mixing windowed and full
+            attention layers (`runtime.page_groups`: those layers' K/V in pages of their own, freed
+            behind the window; `LLM` leaves it None for pipeline stages).
     """
 
     num_blocks: int
@@ -58,11 +62,18 @@ class EngineConfig:
     cuda_graph_batch: int = 0
     cuda_graph_tokens: int = 0
     kv_window: int | None = None
+    window_group: WindowGroup | None = None
 
     def make_scheduler(self) -> Scheduler:
-        """A fresh `BlockManager` (every page free, no shared prefix) and the `Scheduler` over it."""
-        block_manager = BlockManager(self.num_blocks, self.block_size, enable_prefix_sharing=self.enable_prefix_sharing,
-                                     window=self.kv_window)
+        """A fresh `BlockManager` (`PageGroups` with a window group; every page free, no shared
+        prefix) and the `Scheduler` over it."""
+        group = self.window_group
+        if group is not None:
+            block_manager = PageGroups(self.num_blocks, self.block_size, group.num_blocks, group.window,
+                                       enable_prefix_sharing=self.enable_prefix_sharing)
+        else:
+            block_manager = BlockManager(self.num_blocks, self.block_size,
+                                         enable_prefix_sharing=self.enable_prefix_sharing, window=self.kv_window)
         return Scheduler(block_manager, self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
                          self.eos_token_id, chunked_prefill=self.enable_chunked_prefill,
                          share_prompt_state=self.share_prompt_state)
@@ -77,7 +88,7 @@ class EngineConfig:
         runner = ModelRunner(model, self.num_blocks, self.block_size, device, dtype,
                              cuda_graph_batch=self.cuda_graph_batch, max_model_len=self.max_model_len, layers=layers,
                              carry_width=carry_width, cuda_graph_tokens=self.cuda_graph_tokens,
-                             state_slots=self.max_num_seqs)
+                             state_slots=self.max_num_seqs, window_group=self.window_group)
         if scheduler is not None:
             self.connect(runner, scheduler)
         return runner
@@ -85,5 +96,7 @@ class EngineConfig:
     @staticmethod
     def connect(runner: ModelRunner, scheduler: Scheduler) -> None:
         """Let `runner` read the step's block tables from `scheduler`'s BlockManager mirror (one
-        vectorised gather per step instead of per-sequence lists)."""
-        runner.block_tables = scheduler.block_manager.tables
+        vectorised gather per step instead of per-sequence lists), the window group's too."""
+        block_manager = scheduler.block_manager
+        runner.block_tables = block_manager.tables
+        runner.window_tables = block_manager.window_group.tables if isinstance(block_manager, PageGroups) else None

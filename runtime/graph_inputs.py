@@ -14,7 +14,9 @@ rows fills its own rows, then padding that changes nothing the step reads back:
 
 A model with gated-DeltaNet layers also reads its step's plan over their state cache from fixed
 buffers (`runtime.linear_state_cache.LinearStepBuffers`), whose padding entries have no work and
-write only the pools' padding row and state (`kernels.gated_delta_step`).
+write only the pools' padding row and state (`kernels.gated_delta_step`). A model with a window
+page group (`runtime.page_groups`) reads the window group's slots (padding: -1) and block tables
+from two more buffers.
 """
 
 from __future__ import annotations
@@ -35,32 +37,39 @@ class GraphInputs:
     inputs reach every buffer in one copy.
 
     Buffers: ids, positions, slots (int64, ``max_tokens``), logits_rows (int64, ``max_batch``),
-    cu_seqlens (int32, ``max_batch + 1``), seq_lens and seq_order (int32, ``max_batch``),
-    block_table (int32, ``[max_batch, max_blocks]``; last, so that a step copies only its rows).
+    cu_seqlens (int32, ``max_batch + 1``), seq_lens and seq_order (int32, ``max_batch``), with
+    `window` the window group's window_slots (int64, ``max_tokens``) and window_block_table (int32,
+    ``[max_batch, max_blocks]``), then block_table (int32, ``[max_batch, max_blocks]``; last, so that
+    a step copies only its rows; a window table's rows are copied apart).
     Works on any device (on CPU the "copy" is a memcpy), which keeps the host side testable.
     With `linear` (a model's gated-DeltaNet state cache) the step's plan over it too (``linear``:
     `LinearStepBuffers`, one more copy).
     """
 
     def __init__(self, max_tokens: int, max_batch: int, max_blocks: int, device: torch.device,
-                 linear: LinearStateCache | None = None) -> None:
+                 linear: LinearStateCache | None = None, window: bool = False) -> None:
         if max_tokens < max_batch:
             raise ValueError(f"GraphInputs: max_tokens={max_tokens} is below max_batch={max_batch} "
                              f"(every sequence has a token)")
         t, n = max_tokens, max_batch
         self.max_tokens, self.max_batch, self.max_blocks = t, n, max_blocks
         i64, i32 = np.dtype(np.int64), np.dtype(np.int32)
+        window_specs = [(i64, (t,)), (i32, (n, max_blocks))] if window else []
         self.layout = Layout([(i64, (t,)), (i64, (t,)), (i64, (t,)), (i64, (n,)), (i32, (n + 1,)), (i32, (n,)),
-                              (i32, (n,)), (i32, (n, max_blocks))])
+                              (i32, (n,)), *window_specs, (i32, (n, max_blocks))])
         cuda = device.type == "cuda"
         self.host = self.layout.allocate(torch.device("cpu"), pin=cuda)
         self.host.zero_()
         self.staged = self.layout.host_views(self.host)  # numpy views, in the buffers' order
         self.staged[2][:] = -1  # slots: no KV write
+        if window:
+            self.staged[7][:] = -1
         self.buffer = self.layout.allocate(device)
         self.buffer.copy_(self.host)
         (self.ids, self.positions, self.slots, self.logits_rows, self.cu_seqlens, self.seq_lens,
-         self.seq_order, self.block_table) = self.layout.views(self.buffer)
+         self.seq_order, *window_views, self.block_table) = self.layout.views(self.buffer)
+        #: the window group's slots and block tables (None without `window`)
+        self.window_slots, self.window_block_table = window_views if window else (None, None)
         # The staging buffer is reused: before refilling it, wait for the last copy to have read
         # it (in practice the sampler's sync of an earlier step already did).
         self._copied = torch.cuda.Event() if cuda else None
@@ -74,6 +83,9 @@ class GraphInputs:
         not fit the bucket or the buffers."""
         t, s, r = len(inputs.ids), len(inputs.seq_lens), len(inputs.logits_rows)
         width = inputs.block_table.shape[1]
+        if (inputs.window_block_table is None) != (self.window_slots is None):
+            raise ValueError(f"GraphInputs: the step has {'no ' if inputs.window_block_table is None else ''}window "
+                             f"group tables, the buffers {'none' if self.window_slots is None else 'some'}")
         if not (t <= tokens <= self.max_tokens and s <= seqs <= self.max_batch and r <= s
                 and width <= self.max_blocks):
             raise ValueError(f"GraphInputs: a step of {t} tokens, {s} sequences ({r} sampling) and {width} table "
@@ -87,7 +99,7 @@ class GraphInputs:
             self.linear.fill(inputs.seq_rows, inputs.seq_lens.astype(np.int64) - counts, counts, tokens, seqs)
         if self._copied is not None:
             self._copied.synchronize()
-        ids, positions, slots, rows, cu, seq_lens, order, table = self.staged
+        ids, positions, slots, rows, cu, seq_lens, order, *window, table = self.staged
         ids[:t], ids[t:tokens] = inputs.ids, 0
         positions[:t], positions[t:tokens] = inputs.positions, 0
         slots[:t], slots[t:tokens] = inputs.slots, -1
@@ -96,7 +108,15 @@ class GraphInputs:
         seq_lens[:s], seq_lens[s:seqs] = inputs.seq_lens, 0
         order[:s], order[s:seqs] = inputs.seq_order, np.arange(s, seqs)
         table[:s, :width] = inputs.block_table
-        end = self.layout.offsets[7] + s * self.max_blocks * 4  # through the table's row s - 1
-        self.buffer[:end].copy_(self.host[:end], non_blocking=True)
+        rows_bytes = s * self.max_blocks * 4
+        offsets = self.layout.offsets
+        if window:
+            window[0][:t], window[0][t:tokens] = inputs.window_slots, -1
+            window[1][:s, :width] = inputs.window_block_table
+            copies = [(0, offsets[8] + rows_bytes), (offsets[9], offsets[9] + rows_bytes)]
+        else:
+            copies = [(0, offsets[7] + rows_bytes)]  # through the table's row s - 1
+        for start, end in copies:
+            self.buffer[start:end].copy_(self.host[start:end], non_blocking=True)
         if self._copied is not None:
             self._copied.record()

@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 from vexact_models.adapters import adapter_state
 from vexact_models.kernels import attention_forward_mode, current_backend, use_backend
-from vexact_models.layers import cache_window
+from vexact_models.layers import cache_window, window_layers
 from vexact_models.projections import fuse_projections
 
 from .block_manager import BlockManager
@@ -41,10 +41,12 @@ from .engine_lock import EngineLock, one_call_at_a_time
 from .llm_args import (architecture_of, check_engine_args, check_max_model_len, check_model_argument, default_block_size,
                        check_model_placement, resolve_device, resolve_dtype)
 from .llm_memory import EngineMemoryMixin
-from .llm_setup import eos_token_ids, folder_config, kv_cache_blocks, load_folder, pick_device, runner_model
+from .llm_setup import (eos_token_ids, folder_config, kv_bytes_per_sequence, kv_cache_pages, load_folder, pick_device,
+                        runner_model)
 from .llm_steps import EngineStepsMixin
 from .linear_state_cache import linear_state_spec
 from .outputs import CompletionOutput, RequestOutput
+from .page_groups import WindowGroup, window_pages_cap
 from .pipeline import PipelineStage, check_stage_model, join_pipeline
 from .pipeline_comm import PipelineComm
 from .pipeline_worker import Pipeline
@@ -83,6 +85,10 @@ class LLM(EngineStepsMixin, EngineMemoryMixin):
         gpu_memory_utilization: fraction of the GPU's memory the process may use (weights and
             everything else included); the KV cache takes what is left of it.
         kv_cache_bytes: KV cache size in bytes (required on CPU unless the default 256 MiB fits).
+            A model mixing sliding-window and full attention layers (Gemma 3, GPT-OSS) keeps the
+            windowed layers' pages apart, freed behind the window (`runtime.page_groups`), each
+            group's page at its own layers' bytes; `kv_bytes_per_sequence` says what a sequence
+            holds.
         seed: base seed for requests that give none.
         enable_chunked_prefill: split long prompts over steps.
         enforce_eager: never use CUDA graphs (by default, on CUDA, decode steps of up to
@@ -184,15 +190,21 @@ class LLM(EngineStepsMixin, EngineMemoryMixin):
         if block_size is None:
             block_size = default_block_size(self.model.kv_cache_spec())
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
+        # windowed layers beside full ones keep their pages apart, freed behind the window (runtime.page_groups)
+        windowed = window_layers(self.model) if self.pipeline is None else None
+        cap = None if windowed is None else window_pages_cap(windowed[0], block_size, max_num_seqs, max_num_batched_tokens)
+        num_blocks, window_blocks = kv_cache_pages(self.model, self.dtype, self.device, self.pipeline, block_size,
+                                                   gpu_memory_utilization, kv_cache_bytes, max_num_seqs,
+                                                   None if windowed is None else (windowed[1], cap))
         self.engine_config = EngineConfig(
-            num_blocks=kv_cache_blocks(self.model, self.dtype, self.device, self.pipeline, block_size, gpu_memory_utilization,
-                                       kv_cache_bytes, max_num_seqs), block_size=block_size,
+            num_blocks=num_blocks, block_size=block_size,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
             eos_token_id=eos, enable_chunked_prefill=enable_chunked_prefill,
             # a shared page would skip tokens a gated-DeltaNet state must see: those models share only the
             # prompt of a request's samples, with a copy of its state (runtime.scheduler_siblings)
             enable_prefix_sharing=enable_prefix_sharing and linear is None,
             kv_window=cache_window(self.model) if self.pipeline is None else None,
+            window_group=None if windowed is None else WindowGroup(windowed[0], windowed[1], window_blocks),
             share_prompt_state=enable_prefix_sharing and linear is not None,
             cuda_graph_batch=0 if enforce_eager else max_num_seqs,
             cuda_graph_tokens=(min(max_num_batched_tokens, DEFAULT_MAX_TOKENS) if cuda_graph_max_tokens is None
@@ -217,6 +229,14 @@ class LLM(EngineStepsMixin, EngineMemoryMixin):
     def block_manager(self) -> BlockManager:
         """The KV pages' bookkeeping (the scheduler's; with pipeline parallelism, the first stage's)."""
         return self.scheduler.block_manager
+
+    def kv_bytes_per_sequence(self, num_tokens: int, window_freed: bool = True) -> int:
+        """KV-cache bytes a sequence of `num_tokens` computed tokens holds in this engine (its
+        dtype and page size), with the pages behind its windowed layers' windows freed or, with
+        `window_freed` False, every page kept (`llm_setup.kv_bytes_per_sequence`); a pipeline
+        stage's engine counts the whole model, and keeps every page."""
+        return kv_bytes_per_sequence(self.model, num_tokens, dtype=self.dtype, block_size=self.engine_config.block_size,
+                                     window_freed=window_freed and self.pipeline is None)
 
     @property
     def pipeline_stage(self) -> PipelineStage | None:

@@ -12,6 +12,8 @@ import os
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
+from vexact_models.kernels.attention_window import window_block_start
+from vexact_models.layers import cache_window, window_layers
 from vexact_models.loading import from_pretrained_complete
 from vexact_models.registry import for_model_type
 
@@ -22,8 +24,8 @@ from .pipeline_worker import Pipeline
 from .pipeline_load import load_stage_model
 
 
-__all__ = ["cache_budget_bytes", "cache_bytes_per_block", "eos_token_ids", "folder_config", "kv_cache_blocks",
-           "linear_state_bytes", "load_folder", "pick_device", "runner_model"]
+__all__ = ["cache_budget_bytes", "cache_bytes_per_block", "eos_token_ids", "folder_config", "kv_bytes_per_sequence",
+           "kv_cache_blocks", "kv_cache_pages", "linear_state_bytes", "load_folder", "pick_device", "runner_model"]
 
 
 #: a stage without attention layers: any page count fits (the other stages' decides)
@@ -84,15 +86,19 @@ def load_folder(path: str, dtype, stage: PipelineStage | None, device: torch.dev
     return model, tokenizer
 
 
-def cache_bytes_per_block(model, dtype: torch.dtype, block_size: int, pipeline: Pipeline | None = None) -> int:
+def cache_bytes_per_block(model, dtype: torch.dtype, block_size: int, pipeline: Pipeline | None = None,
+                          layers: tuple[int, ...] | None = None) -> int:
     """Bytes of one KV page of the inference `model` over the layers that hold pages: all of them
-    (a pipeline stage: its own), less the gated-DeltaNet layers, which keep states instead."""
+    (a pipeline stage: its own; `layers`: those among them, a page group's), less the
+    gated-DeltaNet layers, which keep states instead."""
     spec = model.kv_cache_spec()
-    layers = set(range(spec[0]) if pipeline is None else pipeline.stage.layers)
+    held = set(range(spec[0]) if pipeline is None else pipeline.stage.layers)
+    if layers is not None:
+        held &= set(layers)
     linear = linear_state_spec(model)
     if linear is not None:
-        layers -= set(linear.layers)
-    return kv_bytes_per_block(spec, block_size, dtype) // spec[0] * len(layers)
+        held -= set(linear.layers)
+    return kv_bytes_per_block(spec, block_size, dtype) // spec[0] * len(held)
 
 
 def linear_state_bytes(model, dtype: torch.dtype, slots: int, pipeline: Pipeline | None = None) -> int:
@@ -104,18 +110,36 @@ def linear_state_bytes(model, dtype: torch.dtype, slots: int, pipeline: Pipeline
 
 def cache_budget_bytes(model, dtype: torch.dtype, block_size: int, blocks: int, state_slots: int) -> int:
     """The ``kv_cache_bytes`` that give an engine over `model` (inference or training variant)
-    exactly `blocks` KV pages with ``max_num_seqs=state_slots`` (`kv_cache_blocks`'s inverse)."""
+    exactly `blocks` KV pages with ``max_num_seqs=state_slots`` (`kv_cache_blocks`'s inverse; a
+    model mixing windowed and full attention layers gets `blocks` pages in each of its page groups
+    while its window group's cap, `page_groups.window_pages_cap`, is not below them, else more
+    global pages)."""
     return blocks * cache_bytes_per_block(model, dtype, block_size) + linear_state_bytes(model, dtype, state_slots)
 
 
 def kv_cache_blocks(model, dtype: torch.dtype, device: torch.device, pipeline: Pipeline | None, block_size: int,
                     utilization: float, kv_cache_bytes: int | None, state_slots: int = 0) -> int:
-    """KV pages of the inference `model` that fit the budget (a pipeline stage's budget holds
-    its layers' pages; every stage takes the smallest count, since the first stage's page ids
-    address them all). The budget holds the gated-DeltaNet state cache of `state_slots`
-    sequences (``max_num_seqs``) first, when the model (stage) has such layers; a stage without
-    attention layers holds no pages and takes the others' count."""
+    """KV pages of the inference `model` that fit the budget, all layers in one page group
+    (`kv_cache_pages` without a window group)."""
+    return kv_cache_pages(model, dtype, device, pipeline, block_size, utilization, kv_cache_bytes, state_slots)[0]
+
+
+def kv_cache_pages(model, dtype: torch.dtype, device: torch.device, pipeline: Pipeline | None, block_size: int,
+                   utilization: float, kv_cache_bytes: int | None, state_slots: int = 0,
+                   window_group: tuple[tuple[int, ...], int] | None = None) -> tuple[int, int]:
+    """(global pages, window-group pages) of the inference `model` that fit the budget (a pipeline
+    stage's budget holds its layers' pages; every stage takes the smallest count, since the first
+    stage's page ids address them all). The budget holds the gated-DeltaNet state cache of
+    `state_slots` sequences (``max_num_seqs``) first, when the model (stage) has such layers; a
+    stage without attention layers holds no pages and takes the others' count.
+
+    `window_group`: ``(its layers, its cap)`` for a model whose windowed layers keep their pages
+    apart (`runtime.page_groups`): each group's page costs its own layers' bytes, the window group
+    takes as many pages as the global group up to its cap (`page_groups.window_pages_cap`: what
+    the running sequences can hold there), the global group the rest. Without one: (pages, 0)."""
+    window_layers_, cap = window_group if window_group is not None else ((), 0)
     per_block = cache_bytes_per_block(model, dtype, block_size, pipeline)
+    per_window = cache_bytes_per_block(model, dtype, block_size, pipeline, window_layers_) if window_group else 0
     if kv_cache_bytes is None:
         if device.type == "cuda":
             torch.cuda.empty_cache()  # memory the allocator holds unused is the budget's too
@@ -124,7 +148,10 @@ def kv_cache_blocks(model, dtype: torch.dtype, device: torch.device, pipeline: P
         else:
             kv_cache_bytes = 256 << 20
     states = linear_state_bytes(model, dtype, state_slots, pipeline)
-    blocks = (kv_cache_bytes - states) // per_block if per_block else (_NO_PAGES if kv_cache_bytes >= states else 0)
+    pages = kv_cache_bytes - states
+    blocks = pages // per_block if per_block else (_NO_PAGES if kv_cache_bytes >= states else 0)
+    if window_group is not None and blocks > cap:  # the window group capped: the rest of the budget is global
+        blocks = (pages - cap * per_window) // (per_block - per_window)
     if pipeline is not None:  # before any raise: every stage must reach this collective
         blocks = pipeline.comm.min_over_stages(blocks)
     if blocks == _NO_PAGES:
@@ -135,7 +162,33 @@ def kv_cache_blocks(model, dtype: torch.dtype, device: torch.device, pipeline: P
         raise ValueError(f"LLM: the KV cache budget ({kv_cache_bytes} bytes) is smaller than one block "
                          f"({per_block} bytes){held}; raise kv_cache_bytes or gpu_memory_utilization"
                          f"{' or lower max_num_seqs' if states else ''}")
-    return int(blocks)
+    return int(blocks), (min(int(blocks), cap) if window_group is not None else 0)
+
+
+def kv_bytes_per_sequence(model, num_tokens: int, *, dtype: torch.dtype, block_size: int,
+                          window_freed: bool = True) -> int:
+    """KV-cache bytes one sequence of `num_tokens` computed tokens holds in an engine over `model`
+    (an inference or training variant of ours, on any device, the meta device included) with
+    pages of `block_size` in `dtype`: every layer's pages, or (`window_freed`) the windowed layers'
+    only from their window on, as the engine keeps them after a step (`BlockManager.
+    release_behind_window`, `runtime.page_groups`; docs/design.md section 6): the pages from the
+    next position's `window_block_start`, and at least the last. Gated-DeltaNet layers keep
+    states, not pages, and count nothing here. `LLM.kv_bytes_per_sequence` is this at the
+    engine's dtype and page size."""
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+        raise ValueError(f"kv_bytes_per_sequence: num_tokens={num_tokens!r} must be an int >= 0")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"kv_bytes_per_sequence: block_size={block_size!r} must be an int >= 1")
+    spec = model.kv_cache_spec()
+    per_layer = kv_bytes_per_block(spec, block_size, dtype) // spec[0]
+    paged = cache_bytes_per_block(model, dtype, block_size) // per_layer
+    pages = -(-num_tokens // block_size)
+    group = window_layers(model)
+    window, windowed = (group[0], len(group[1])) if group is not None else (cache_window(model), paged)
+    if not window_freed or window is None or pages == 0:
+        return paged * pages * per_layer
+    kept = pages - min(window_block_start(num_tokens, window) // block_size, pages - 1)
+    return ((paged - windowed) * pages + windowed * kept) * per_layer
 
 
 def eos_token_ids(model, config) -> list[int]:

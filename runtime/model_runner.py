@@ -25,6 +25,7 @@ from vexact_models.layers import PagedContext
 from .block_tables import BlockTables
 from .cuda_graphs import StepGraphs
 from .linear_state_cache import LinearStateCache, LinearStep, linear_state_spec
+from .page_groups import WindowGroup
 from .pipeline import StageModel
 from .scheduled import ScheduledSeq
 from .staging import to_device
@@ -93,7 +94,8 @@ class ModelRunner:
 
     def __init__(self, model, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
                  cuda_graph_batch: int = 0, max_model_len: int = 0, layers: range | None = None,
-                 carry_width: int = 0, cuda_graph_tokens: int = 0, state_slots: int = 0) -> None:
+                 carry_width: int = 0, cuda_graph_tokens: int = 0, state_slots: int = 0,
+                 window_group: WindowGroup | None = None) -> None:
         """`cuda_graph_batch` > 0 captures decode steps of up to that many sequences (CUDA only),
         and with `cuda_graph_tokens` > 0 steps with prompt chunks of up to that many tokens and
         `cuda_graph_batch` sequences on their first use (not for a pipeline stage).
@@ -106,8 +108,15 @@ class ModelRunner:
         layers only and a `LinearStateCache` of `state_slots` sequences (``max_num_seqs``) for the
         others (a pipeline stage: for its own `layers`' only, the step's slots and copies taken
         from the first stage's plan), and its step graphs stage each step's plan over it
-        (`runtime.cuda_graphs`)."""
+        (`runtime.cuda_graphs`).
+
+        A model mixing windowed and full attention layers with a `window_group` (not for a
+        pipeline stage) keeps those layers' K/V in caches of ``window_group.num_blocks`` pages,
+        addressed by the window group's block tables (``window_tables``, `runtime.page_groups`)."""
+        if window_group is not None and layers is not None:
+            raise ValueError("ModelRunner: a pipeline stage keeps every layer's pages in one group (window_group=None)")
         self.model = model
+        self.window_group = window_group
         self.linear_spec = linear_state_spec(model.model if isinstance(model, StageModel) else model, layers)
         self.state_slots = state_slots
         check_linear_state_support(self.linear_spec, state_slots)
@@ -126,6 +135,8 @@ class ModelRunner:
         #: The BlockManager's mirror of the block tables (the LLM sets it); without it the
         #: tables are read from the sequences' lists, which is slower and gives the same values.
         self.block_tables: BlockTables | None = None
+        #: the window group's mirror (`runtime.page_groups`; the LLM sets it where there is one)
+        self.window_tables: BlockTables | None = None
         self.allocate_cache()
 
     def allocate_cache(self) -> None:
@@ -137,12 +148,16 @@ class ModelRunner:
             held -= set(self.linear_spec.layers)
             self.linear_states = LinearStateCache(self.linear_spec, self.state_slots, self.device, self.dtype)
         value_in_key = getattr(spec, "value_in_key", False)
-        self.kv_caches = [_kv_pair(shape, head_dim_k, head_dim_v, value_in_key, self.device, self.dtype)
-                          if i in held else None for i in range(layers)]
+        group = self.window_group
+        windowed = set(() if group is None else group.layers)
+        window_shape = (0 if group is None else group.num_blocks, *shape[1:])
+        self.kv_caches = [_kv_pair(window_shape if i in windowed else shape, head_dim_k, head_dim_v, value_in_key,
+                                   self.device, self.dtype) if i in held else None for i in range(layers)]
         if self.cuda_graph_batch:
             self.graphs = StepGraphs(self.model, self.kv_caches, self.block_size, self.max_blocks_per_seq,
                                      self.cuda_graph_batch, self.device, carry=(self.carry_width, self.dtype),
-                                     max_tokens=self.cuda_graph_tokens, linear_states=self.linear_states)
+                                     max_tokens=self.cuda_graph_tokens, linear_states=self.linear_states,
+                                     window_group=group)
 
     def free_cache(self) -> None:
         """Release the KV cache and the step graphs (which hold its and the weights'
@@ -166,16 +181,28 @@ class ModelRunner:
         if self.linear_states is not None:
             self.linear_states.zero_()
 
+    def build_inputs(self, scheduled: list[ScheduledSeq]) -> StepInputs:
+        """The host inputs of running `scheduled` (`build_step_inputs` over this runner's tables)."""
+        if self.window_group is not None and self.window_tables is None:
+            raise RuntimeError("ModelRunner: a window group needs the BlockManager's window tables "
+                               "(EngineConfig.connect)")
+        return build_step_inputs(scheduled, self.block_size, self.block_tables, self.window_tables)
+
     def _prepare(self, scheduled: list[ScheduledSeq]):
         """The eager forward's arguments (ids, positions, context, logits rows) on the device."""
-        return self._to_device(build_step_inputs(scheduled, self.block_size, self.block_tables))
+        return self._to_device(self.build_inputs(scheduled))
 
     def _to_device(self, inputs: StepInputs):
-        ids, positions, slots, rows, cu, lens, table, order = to_device(
-            [inputs.ids, inputs.positions, inputs.slots, inputs.logits_rows, inputs.cu_seqlens,
-             inputs.seq_lens, inputs.block_table, inputs.seq_order], self.device)
+        arrays = [inputs.ids, inputs.positions, inputs.slots, inputs.logits_rows, inputs.cu_seqlens, inputs.seq_lens,
+                  inputs.block_table, inputs.seq_order]
+        group = self.window_group
+        if group is not None:
+            arrays += [inputs.window_slots, inputs.window_block_table]
+        ids, positions, slots, rows, cu, lens, table, order, *window = to_device(arrays, self.device)
         layout = PagedLayout(cu, lens, table, self.block_size, inputs.max_seqlen_q, order)
-        return ids, positions, PagedContext(layout, slots, self.kv_caches, self._linear_step(inputs, cu)), rows
+        context = PagedContext(layout, slots, self.kv_caches, self._linear_step(inputs, cu),
+                               None if group is None else group.step_pages(layout, window[1], window[0]))
+        return ids, positions, context, rows
 
     def _linear_step(self, inputs: StepInputs, cu: torch.Tensor) -> LinearStep | None:
         """The step's plan over the gated-DeltaNet state cache (None without one): each sequence's
@@ -199,13 +226,13 @@ class ModelRunner:
 
     def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         """Run the step; return fp32 logits ``[num sampling sequences, vocab]`` in scheduled order."""
-        return self.run(build_step_inputs(scheduled, self.block_size, self.block_tables))
+        return self.run(self.build_inputs(scheduled))
 
     def execute_ahead(self, scheduled: list[ScheduledSeq], in_flight: torch.Tensor) -> torch.Tensor:
         """Run a ``Scheduler.schedule_ahead`` step: its ``in_flight`` items (the first ones, one
         token each) take their input ids from `in_flight` (int64, on the device: sampled by the
         step before, not on the host yet); fp32 logits of the sampling rows, in order."""
-        return self.run(build_step_inputs(scheduled, self.block_size, self.block_tables), in_flight=in_flight)
+        return self.run(self.build_inputs(scheduled), in_flight=in_flight)
 
     def run(self, inputs: StepInputs, carry: tuple[torch.Tensor, torch.Tensor] | None = None,
             in_flight: torch.Tensor | None = None):

@@ -17,7 +17,6 @@ from .pipeline import PipelineStage
 from .pipeline_comm import ABORT, END, PipelineComm
 from .sampler import sample_host_rows, spread_samples
 from .scheduled import ScheduledSeq
-from .step_inputs import build_step_inputs
 
 __all__ = ["Pipeline"]
 
@@ -34,7 +33,7 @@ class Pipeline:
         """First stage: run one scheduled step through every stage; the token and logprob of
         each scheduled sequence (None for a non-final prefill chunk), as ``LaunchedStep.results``."""
         runner = llm.runner
-        inputs = build_step_inputs(scheduled, runner.block_size, runner.block_tables)
+        inputs = runner.build_inputs(scheduled)
         rows = llm.sampler.host_rows([item.seq for item in scheduled if item.samples])
         self._in_step = True
         self.comm.send_plan(inputs, rows)

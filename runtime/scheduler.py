@@ -144,13 +144,9 @@ class Scheduler(LookaheadMixin, PromptStateMixin, PostprocessMixin):
         # Upper bound on the positions it will ever hold; a sequence alone in the cache can
         # always make progress, which is what guarantees that preemption terminates.
         positions = min(seq.num_prompt_tokens + seq.params.max_tokens, self.max_model_len)
-        needed = self.block_manager.blocks_for(positions)
-        if needed > self.block_manager.num_blocks:
-            return (
-                f"{who} needs {needed} KV cache blocks for {positions} positions but the cache "
-                f"has only {self.block_manager.num_blocks} blocks in total "
-                f"(block_size={self.block_manager.block_size})"
-            )
+        short = self.block_manager.shortfall(positions, self.max_num_batched_tokens)
+        if short is not None:
+            return f"{who} {short}"
         return None
 
     def has_unfinished(self) -> bool:
@@ -263,7 +259,7 @@ class Scheduler(LookaheadMixin, PromptStateMixin, PostprocessMixin):
             if len(seq.token_ids) != computed + 1:
                 break
             covered = len(seq.block_table) * bs
-            if covered == computed and bm.num_free_blocks:
+            if covered == computed and bm.can_append():
                 bm.append_block(seq)  # = allocate(seq, computed + 1) here
                 covered += bs
             if covered <= computed:

@@ -57,7 +57,7 @@ class LookaheadMixin:
         bm = self.block_manager
         bs = bm.block_size
         entering = [seq for seq in ahead if len(seq.token_ids) >= len(seq.block_table) * bs]
-        if len(entering) > bm.num_free_blocks:
+        if not bm.can_append(len(entering)):
             return None  # a preemption: the ordinary path's decision
         for seq in entering:
             bm.append_block(seq)

@@ -69,6 +69,9 @@ class Sequence:
         # no longer this sequence's, never read again; and the content key the last of them had
         self.released_blocks: int = 0
         self.released_key: bytes | None = None
+        # its pages in the window group of a model mixing windowed and full attention layers
+        # (`runtime.page_groups.WindowTable`, made at its first pages there); None otherwise
+        self.window_pages = None
         self.output_logprobs: list[float] = []
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None

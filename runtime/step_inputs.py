@@ -54,6 +54,10 @@ class StepInputs:
     #: int64 [K, 2] (from row, to row): gated-DeltaNet slots to copy before the step runs (a
     #: sample taking its prompt's state from a sibling, ``ScheduledSeq.state_from``); [0, 2] if none
     state_copies: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))
+    #: int64 [T] each token's slot in the window group (`runtime.page_groups`; None with one group)
+    window_slots: np.ndarray | None = None
+    #: int32 [S, W] the sequences' block tables in the window group (None with one group)
+    window_block_table: np.ndarray | None = None
 
     @property
     def decode_only(self) -> bool:
@@ -61,15 +65,16 @@ class StepInputs:
         return len(self.ids) == len(self.seq_lens) == len(self.logits_rows)
 
 
-def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int,
-                      tables: BlockTables | None = None) -> StepInputs:
+def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int, tables: BlockTables | None = None,
+                      window_tables: BlockTables | None = None) -> StepInputs:
     """The inputs of running ``scheduled`` (its chunks start at each ``num_computed_tokens``;
     an ``in_flight`` item's one token at ``len(seq.token_ids)``, its id a 0 the runner replaces
     on the device).
 
     ``tables`` is the BlockManager's mirror of the block tables; without it they are read from
-    the ``block_table`` lists (slower, same values). Raises IndexError when a chunk runs past
-    its sequence's pages."""
+    the ``block_table`` lists (slower, same values). ``window_tables``: the window group's mirror
+    (`runtime.page_groups`; its tables have the global ones' lengths), for ``window_slots`` and
+    ``window_block_table``. Raises IndexError when a chunk runs past its sequence's pages."""
     n = len(scheduled)
     seqs = [item.seq for item in scheduled]
     flying = [item.in_flight for item in scheduled]
@@ -94,11 +99,19 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int,
         bad = int(np.argmax(over))
         raise IndexError(f"build_step_inputs: {seqs[bad]!r} runs to position {int(ends[bad]) - 1}, past its "
                          f"{int(lengths[bad])} blocks of {block_size}")
-    slots = table[owner, positions // block_size].astype(np.int64) * block_size + positions % block_size
-    return StepInputs(ids=ids, positions=positions, slots=slots, logits_rows=cu[1:][samples] - 1,
-                      cu_seqlens=cu.astype(np.int32), seq_lens=ends.astype(np.int32), block_table=table,
-                      seq_order=attention_order(counts, ends), max_seqlen_q=int(counts.max()), seq_rows=rows,
-                      state_copies=_state_copies(scheduled, tables))
+    page, offset = positions // block_size, positions % block_size
+    window_slots = window_table = None
+    if window_tables is not None:
+        window_rows = window_tables.rows(seqs)
+        window_table = window_tables.gather(window_rows, table.shape[1])
+        if not np.array_equal(window_tables.lengths[window_rows], lengths):
+            raise RuntimeError("build_step_inputs: the window group's block tables are not as long as the global ones")
+        window_slots = window_table[owner, page].astype(np.int64) * block_size + offset
+    return StepInputs(ids=ids, positions=positions, slots=table[owner, page].astype(np.int64) * block_size + offset,
+                      logits_rows=cu[1:][samples] - 1, cu_seqlens=cu.astype(np.int32), seq_lens=ends.astype(np.int32),
+                      block_table=table, seq_order=attention_order(counts, ends), max_seqlen_q=int(counts.max()),
+                      seq_rows=rows, state_copies=_state_copies(scheduled, tables), window_slots=window_slots,
+                      window_block_table=window_table)
 
 
 def _state_copies(scheduled: list[ScheduledSeq], tables: BlockTables | None) -> np.ndarray:

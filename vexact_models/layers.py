@@ -277,6 +277,25 @@ def cache_window(model: nn.Module) -> int | None:
     return None if not windows or None in windows else max(windows)
 
 
+def window_layers(model: nn.Module) -> tuple[int, tuple[int, ...]] | None:
+    """``(largest window, the windowed layers' indices)`` when `model` mixes windowed attention
+    layers with full ones (Gemma 3, GPT-OSS), else None (no window, or every layer windowed: then
+    `cache_window`): the rollout engine keeps the windowed layers' K/V in a page group of their
+    own whose pages behind the window are freed (`runtime.page_groups`, docs/design.md section
+    6). Read from the modules as `cache_window` does: each decoder layer's ``self_attn`` declares
+    its window as ``sliding_window`` and its index as ``layer_idx``."""
+    attns = [m.self_attn for m in model.modules() if isinstance(getattr(m, "self_attn", None), nn.Module)]
+    windows = [getattr(attn, "sliding_window", None) for attn in attns]
+    if None not in windows or all(w is None for w in windows):
+        return None
+    if not all(isinstance(getattr(attn, "layer_idx", None), int) for attn in attns):
+        raise ValueError(f"{type(model).__name__}: its attention layers mix windows {sorted(set(map(str, windows)))} but "
+                         "not every self_attn declares its decoder layer as an int `layer_idx` (the engine keeps the "
+                         "windowed layers' pages apart by index)")
+    windowed = tuple(sorted(attn.layer_idx for attn, w in zip(attns, windows) if w is not None))
+    return max(w for w in windows if w is not None), windowed
+
+
 class PackedContext:
     """Training layout: sequences packed back to back (``cu_seqlens``), causal within each.
 
@@ -304,6 +323,19 @@ class PackedContext:
 
 
 @dataclass
+class WindowPages:
+    """A step's second page group (docs/design.md section 6, `runtime.page_groups`): the layers
+    `layers`, each attending within at most `window` keys, keep their K/V in caches of their own
+    pages, addressed by `layout` (the step's sequences with their block tables in that group) and
+    `slot_mapping` (where each new token's K/V go there)."""
+
+    layout: PagedLayout
+    slot_mapping: torch.Tensor
+    layers: frozenset[int]
+    window: int
+
+
+@dataclass
 class PagedContext:
     """Inference layout: each sequence's new tokens append to its cached context.
 
@@ -311,19 +343,34 @@ class PagedContext:
     ``slot_mapping[T]`` says where each new token's K/V go. ``linear_states`` is the step's
     plan over the engine's gated-DeltaNet state cache (`runtime.linear_state_cache.LinearStep`),
     None for models without such layers (whose entries in ``kv_caches`` are None).
+    ``window_pages``: the layers of a model mixing windowed and full attention that keep their
+    pages in the window group read its layout and slots instead (`WindowPages`; None: one group).
     """
 
     layout: PagedLayout
     slot_mapping: torch.Tensor
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     linear_states: object | None = None
+    window_pages: WindowPages | None = None
+
+    def pages(self, layer_idx: int, window: int | None) -> tuple[PagedLayout, torch.Tensor]:
+        """``(layout, slot_mapping)`` of the page group holding layer `layer_idx`'s K/V. Raises
+        ValueError for a window-group layer attending beyond the group's window (its pages behind
+        the window are freed)."""
+        group = self.window_pages
+        if group is None or layer_idx not in group.layers:
+            return self.layout, self.slot_mapping
+        if window is None or window > group.window:
+            raise ValueError(f"PagedContext: layer {layer_idx} keeps its K/V in the window group, whose pages behind "
+                             f"{group.window} keys are freed, but attends with window={window!r}")
+        return group.layout, group.slot_mapping
 
     def attend(self, layer_idx: int, q, k, v, scale: float, window: int | None = None,
                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Write the step's K/V into the layer's cache, then attend over it (`PackedContext`'s
         `window` and `sinks`)."""
         k_cache, v_cache = self.kv_caches[layer_idx]
-        kv_cache_write(k, v, k_cache, v_cache, self.slot_mapping)
+        kv_cache_write(k, v, k_cache, v_cache, self.pages(layer_idx, window)[1])
         return self.attend_cache(layer_idx, q, scale, window=window, sinks=sinks)
 
     def attend_cache(self, layer_idx: int, q, scale: float, window: int | None = None,
@@ -331,7 +378,7 @@ class PagedContext:
         """Attention of `q` over the layer's cache as it stands: for ops that wrote this step's
         keys and values themselves (`kernels.latent_cache_write`)."""
         k_cache, v_cache = self.kv_caches[layer_idx]
-        return attention(q, k_cache, v_cache, self.layout, scale, window=window, sinks=sinks)
+        return attention(q, k_cache, v_cache, self.pages(layer_idx, window)[0], scale, window=window, sinks=sinks)
 
     def attend_rotary(self, layer_idx: int, q, k, v, positions, rope, scale: float,
                       q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None, window: int | None = None,
@@ -348,6 +395,6 @@ class PagedContext:
         cos, sin = rope
         weights = (q_norm.weight, k_norm.weight, q_norm.variance_epsilon) if q_norm is not None else (None, None, 1e-6)
         zero_centred = q_norm is not None and q_norm.zero_centred
-        q = rotary_cache_write(q, k, v, positions, cos, sin, k_cache, v_cache, self.slot_mapping, *weights,
-                               zero_centred=zero_centred)
+        q = rotary_cache_write(q, k, v, positions, cos, sin, k_cache, v_cache, self.pages(layer_idx, window)[1],
+                               *weights, zero_centred=zero_centred)
         return self.attend_cache(layer_idx, q, scale, window=window, sinks=sinks)

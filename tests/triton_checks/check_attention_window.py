@@ -106,6 +106,28 @@ def test_decode_never_reads_keys_behind_the_window():
     assert torch.equal(attention(q[idx], kc, vc, decode, 0.125, window=window), want)
 
 
+@pytest.mark.parametrize("chunk", [1, 9])
+def test_entries_behind_the_window_may_name_any_page(chunk):
+    """The window page group's released entries (`runtime.page_groups`, docs/design.md section 6)
+    name pages that are someone else's now, or page 0: a prompt chunk's or decode step's table
+    entries wholly below its first query's window_block_start pointed at a page of NaN change no
+    bit."""
+    q, k, v, cu = _packed(4, 2, 64, torch.bfloat16)
+    window, page_size = 20, 16
+    kc, vc, table = _paged(k, v, page_size)
+    idx, layout = last_tokens(LENS, chunk, table, page_size)
+    want = attention(q[idx], kc, vc, layout, 0.125, window=window)
+    nan_page = kc.shape[0]
+    kc, vc = (torch.cat([c, torch.full_like(c[:1], float("nan"))]) for c in (kc, vc))
+    moved = table.clone()
+    for s, n in enumerate(LENS):
+        first = max(0, n - min(chunk, n) - window + 1) // 64 * 64  # window_block_start of the chunk's first query
+        moved[s, :first // page_size] = nan_page
+    assert (moved == nan_page).any()
+    layout.block_table = moved
+    assert torch.equal(attention(q[idx], kc, vc, layout, 0.125, window=window), want)
+
+
 @pytest.mark.parametrize("window,with_sinks,dtype", [(None, True, torch.float32), (9, False, torch.bfloat16),
                                                       (33, True, torch.float32), (33, True, torch.bfloat16)])
 def test_backward_with_window_and_sinks(window, with_sinks, dtype):
