@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import sys
 import time
 
@@ -43,6 +42,8 @@ from bench_utils import (positive_int, recompute_mismatches, shape_arg, stock_at
 from lora import free, point, requests
 from throughput import run_hf
 from training import hf_loss, use_checkpointing, vexact_loss
+
+from vexact_models.runtime import llm_setup
 
 PARTS = ("rollout", "training", "kv")
 CONFIGS = ("gpt-oss-20b", "gpt-oss-120b", "gemma3-text-default")
@@ -93,27 +94,12 @@ def build(args):
 
 def kv_bytes_per_sequence(model, tokens: int, block_size: int, dtype: torch.dtype) -> tuple[int, int, str]:
     """KV cache bytes one sequence of `tokens` tokens holds: (every layer's pages kept, the pages
-    behind each sliding-window layer's window freed, where the numbers come from). The hook for
-    the engine's page groups: where ``runtime.llm_setup`` reports ``kv_bytes_per_sequence(model,
-    tokens, block_size, dtype) -> (kept, freed)``, its count; else computed from the layers'
-    windows (``self_attn.sliding_window``, what the engine reads): a full layer holds
-    ``ceil(tokens / block_size)`` pages, a windowed one the pages its last ``window`` positions
-    touch."""
-    from vexact_models.runtime import llm_setup
-    from vexact_models.runtime.model_runner import kv_bytes_per_block
-
-    engine = getattr(llm_setup, "kv_bytes_per_sequence", None)
-    if engine is not None:
-        kept, freed = engine(model, tokens, block_size, dtype)
-        return kept, freed, "the engine's count"
-    layers, *dims = model.kv_cache_spec()
-    per_layer_page = kv_bytes_per_block((1, *dims), block_size, dtype)
-    windows = [getattr(layer.self_attn, "sliding_window", None) for layer in model.model.layers]
-    pages = math.ceil(tokens / block_size)
-    kept = layers * pages * per_layer_page
-    freed = sum(pages if w is None else min(pages, pages - (tokens - min(w, tokens)) // block_size)
-                for w in windows) * per_layer_page
-    return kept, freed, "computed from the config (the engine reports no count)"
+    behind each sliding-window layer's window freed, where the numbers come from), the engine's
+    own count (`runtime.llm_setup.kv_bytes_per_sequence`, what `LLM.kv_bytes_per_sequence`
+    reports: the window page group, docs/design.md section 6)."""
+    kept = llm_setup.kv_bytes_per_sequence(model, tokens, dtype=dtype, block_size=block_size, window_freed=False)
+    freed = llm_setup.kv_bytes_per_sequence(model, tokens, dtype=dtype, block_size=block_size, window_freed=True)
+    return kept, freed, "the engine's count"
 
 
 def kv_rows(model, args) -> list[list]:

@@ -79,7 +79,9 @@ def test_window_models_runs_tiny_on_cpu(config, stock):
     """benchmarks/window_models.py --tiny: the rollout beside HF generate (0 mismatches against the
     recompute), training beside stock HF (eager for GPT-OSS's sinks, sdpa for Gemma 3) and the KV
     table (one window of 8 beside full layers: 3 layers, 2 windowed, pages of 16 at 256 tokens:
-    48 pages kept, 18 with the windows' freed); bad --parts are usage errors."""
+    48 pages kept, 24 with the windows' freed: a windowed layer keeps the pages from its last
+    query's window start rounded down to 64 positions, 4 pages, by the engine's own count); bad
+    --parts are usage errors."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     run = subprocess.run([sys.executable, "window_models.py", "--tiny", "--config", config], cwd=BENCHMARKS,
                          capture_output=True, text=True, timeout=600, env=env)
@@ -90,7 +92,7 @@ def test_window_models_runs_tiny_on_cpu(config, stock):
     assert f"HF generate ({stock}, batch 3)" in out and f"HF ({stock})" in out
     assert "rollout recomputed: 22 tokens, 0 mismatches" in out and out.rstrip().endswith("OK")
     kv = next(line.split() for line in out.splitlines() if line.split()[:1] == ["256"])
-    assert kv[1:4] == ["16", "full,", "8"] and kv[6] == "2.67x" and "computed from the config" in out
+    assert kv[1:4] == ["16", "full,", "8"] and kv[6] == "2.00x" and "the engine's count" in out
     refused = subprocess.run([sys.executable, "window_models.py", "--tiny", "--parts", "kv,x"], cwd=BENCHMARKS,
                              capture_output=True, text=True, timeout=120, env=env)
     assert refused.returncode == 2 and "--parts" in refused.stderr, refused.stderr
