@@ -33,7 +33,9 @@ and allows zero mismatches:
   decode launch) against `linear` then `silu_and_mul`, every non-swapped table config.
 - LoRA (``--only lora``, `lora_invariance.py`): `kernels.lora_add` at the Qwen3 projection groups,
   ranks 8/16/64, fp32 and bf16 adapters: rows alone == in batches, a stacked q/k/v or gate/up
-  group == its members' separate calls, in place and in a CUDA graph == eager.
+  group == its members' separate calls, in place and in a CUDA graph == eager, the two launches
+  (the expand adding the shrink's partials) == three (their sum a launch of its own), the
+  training forward (which keeps u) == the rollout's.
 - gated delta rule (``--only gdn``): a chunk's rows at every row count and first row == the whole
   chunk's, folds one chunk a launch == one run, rollouts == the packed training forward, every row
   decoded from the rows of T kept after every prefill length == the whole chunk's (and its fold),

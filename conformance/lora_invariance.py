@@ -3,13 +3,16 @@ the projection groups of Qwen3-0.6B, Qwen3-8B and Qwen3-30B-A3B (q/k/v and gate/
 down alone) and ranks 8, 16 and 64, with fp32 (PEFT's default) and bf16 adapter weights: every
 row of an M-row call equals that row computed alone; a stacked group's output equals its
 members' separate calls (what training runs: the rollout fuses, section 3); in place equals out
-of place; and a call captured in a CUDA graph replays the eager call's bits."""
+of place; the two launches (the shrink's partials, the expand that adds them up) equal three
+(the partials' sum in a launch of its own, then the expand of u), and the training forward (which
+also keeps u) the rollout's; and a call captured in a CUDA graph replays the eager call's bits."""
 
 from __future__ import annotations
 
 import torch
 
 from vexact_models.kernels import lora_add
+from vexact_models.kernels.lora import lora_expand_triton, lora_shrink_triton
 
 from .invariance_result import Result
 
@@ -53,6 +56,11 @@ def check_lora_group(result: Result, k: int, sizes: tuple[int, ...], rank: int, 
     inplace = base.clone()
     lora_add(inplace, x, a, b, scalings, sizes=sizes, inplace=True)
     result.compare(inplace, single, f"{what} in place")
+    three = lora_expand_triton(base, lora_shrink_triton(x, a)[None], b, None, sizes, scalings, torch.empty_like(base))
+    result.compare(three, single, f"{what} three launches (reduce, then expand of u)")
+    with torch.enable_grad():
+        trained = lora_add(base, x, a, b.detach().requires_grad_(), scalings, sizes=sizes)
+    result.compare(trained.detach(), single, f"{what} training forward (keeps u)")
     m = min(m_max, 256)  # a decode-sized step in a CUDA graph, as the engine captures it
     static = base[:m].clone()
     lora_add(static, x[:m], a, b, scalings, sizes=sizes, inplace=True)  # warm-up (compiles outside the capture)

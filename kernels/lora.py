@@ -18,6 +18,14 @@ slice ``u[:, g*r:(g+1)*r]`` and take its own ``scalings[g]``. The arithmetic, pe
    walk all of K); the order is fixed, so rule 1's reason to refuse split-K does not apply.
 2. expand: ``acc = sum_j u[:, j] * B[:, j]`` in fp32, j = 0 .. r-1 in order (element-wise
    products, no tensor-core dot: the same operations whatever the tile), plus B's bias.
+
+Two launches a call: the shrink writes the partials ``p[s, rows, ranks]``; the expand adds each
+u column it reads from them itself, in chunk order (the partials' sum of step 1, the same fp32
+additions `_lora_reduce_kernel` makes), so no launch of its own sums them. The training forward,
+whose backward reads u, has the expand's first N tile of programs store u as well
+(`lora_expand_triton`'s ``u_out``); `lora_shrink_triton` (u alone: the shrink, then
+`_lora_reduce_kernel`) serves the GPU proofs and the tests that show the two launches equal the
+three (tests/triton_checks/check_lora.py).
 3. ``out = round(float(base) + acc * scaling)`` to base's dtype: PEFT's own order (the base
    layer's rounded output, plus the fp32 update times scaling, rounded once more).
 
@@ -92,31 +100,59 @@ def _lora_reduce_kernel(p_ptr, u_ptr, n, S, BLOCK: tl.constexpr, PDL: tl.constex
 
 
 @triton.jit
-def _member_u(u_ptr, rows, row_ok, R, r, j, g: tl.constexpr):
-    return tl.load(u_ptr + rows.to(tl.int64) * R + g * r + j, mask=row_ok, other=0.0)
+def _member_u(p_rows, row_ok, step, r, j, g: tl.constexpr, S):
+    """``u[rows, g*r + j]``: that column of the shrink's partials ``p[s]`` (`p_rows` the rows of
+    ``p[0]``, `step` = T * R apart) added in chunk order, ``((p0 + p1) + p2) + ...`` in fp32, as
+    `_lora_reduce_kernel` adds them."""
+    ptrs = p_rows + (g * r + j)
+    u = tl.load(ptrs, mask=row_ok, other=0.0)
+    for _ in range(1, S):
+        ptrs += step
+        u += tl.load(ptrs, mask=row_ok, other=0.0)
+    return u
+
+
+@triton.jit
+def _store_u(u_ptr, u, rows, mask, R, r, j, g: tl.constexpr, WRITE_U: tl.constexpr):
+    """Keep ``u[rows, g*r + j]`` for the backward (programs of the first N tile only: `mask`)."""
+    if WRITE_U:
+        tl.store(u_ptr + rows.to(tl.int64) * R + g * r + j, u, mask=mask)
 
 
 @triton.jit(do_not_specialize=["T"])
-def _lora_expand_kernel(base_ptr, u_ptr, b_ptr, bias_ptr, out_ptr, T, N, R, r,
+def _lora_expand_kernel(base_ptr, p_ptr, b_ptr, bias_ptr, out_ptr, u_ptr, T, N, R, r, S,
                         stride_base, stride_out, stride_b, n1, n2, n3, s0, s1, s2, s3,
-                        G: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        PDL: tl.constexpr = False):
-    """``out = base + (u_g B^T (+ bias)) * s_g`` for the columns of member g."""
+                        G: tl.constexpr, HAS_BIAS: tl.constexpr, WRITE_U: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
+    """``out = base + (u_g B^T (+ bias)) * s_g`` for the columns of member g, u the sum of the
+    shrink's `S` partials ``p[S, T, R]`` in chunk order (S = 1: p is u itself); with `WRITE_U`
+    the first N tile's programs also store u ``[T, R]`` (the backward's)."""
     wait_for_inputs(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < T, cols < N
+    u_mask = row_ok & (tl.program_id(1) == 0)
+    step = T.to(tl.int64) * R
+    p_rows = p_ptr + rows.to(tl.int64) * R
     member = (cols >= n1).to(tl.int32) + (cols >= n2).to(tl.int32) + (cols >= n3).to(tl.int32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for j in range(0, r):
         bj = tl.load(b_ptr + cols.to(tl.int64) * stride_b + j, mask=col_ok, other=0.0).to(tl.float32)
-        u = tl.broadcast_to(_member_u(u_ptr, rows, row_ok, R, r, j, 0)[:, None], (BLOCK_M, BLOCK_N))
+        ug = _member_u(p_rows, row_ok, step, r, j, 0, S)
+        _store_u(u_ptr, ug, rows, u_mask, R, r, j, 0, WRITE_U)
+        u = tl.broadcast_to(ug[:, None], (BLOCK_M, BLOCK_N))
         if G > 1:
-            u = tl.where(member[None, :] == 1, _member_u(u_ptr, rows, row_ok, R, r, j, 1)[:, None], u)
+            ug = _member_u(p_rows, row_ok, step, r, j, 1, S)
+            _store_u(u_ptr, ug, rows, u_mask, R, r, j, 1, WRITE_U)
+            u = tl.where(member[None, :] == 1, ug[:, None], u)
         if G > 2:
-            u = tl.where(member[None, :] == 2, _member_u(u_ptr, rows, row_ok, R, r, j, 2)[:, None], u)
+            ug = _member_u(p_rows, row_ok, step, r, j, 2, S)
+            _store_u(u_ptr, ug, rows, u_mask, R, r, j, 2, WRITE_U)
+            u = tl.where(member[None, :] == 2, ug[:, None], u)
         if G > 3:
-            u = tl.where(member[None, :] == 3, _member_u(u_ptr, rows, row_ok, R, r, j, 3)[:, None], u)
+            ug = _member_u(p_rows, row_ok, step, r, j, 3, S)
+            _store_u(u_ptr, ug, rows, u_mask, R, r, j, 3, WRITE_U)
+            u = tl.where(member[None, :] == 3, ug[:, None], u)
         acc += u * bj[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -133,26 +169,36 @@ def num_chunks(k: int) -> int:
     return max(1, -(-k // CHUNK_K))
 
 
-def lora_shrink_triton(x2d: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-    """``u = x A^T`` ``[T, R]`` fp32 by the Triton kernels (partials per K chunk, then their sum
-    in chunk order). Public for the GPU proofs (conformance/kernel_invariance.py)."""
+def lora_partials_triton(x2d: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """The shrink's partials ``p[s] = x A^T`` over K chunk s, ``[num_chunks(K), T, R]`` fp32, by
+    the Triton kernel: what `lora_expand_triton` adds up in chunk order."""
     require_triton("lora_add")
     t, k = x2d.shape
     rank = a.shape[0]
     s = num_chunks(k)
     partials = torch.empty(s, t, rank, device=x2d.device, dtype=torch.float32)
-    u = torch.empty(t, rank, device=x2d.device, dtype=torch.float32)
     if t == 0:
-        return u
-    pdl = dependent_launch_kwargs(x2d.device)
+        return partials
     grid = (triton.cdiv(t, SHRINK_BLOCK_M), triton.cdiv(rank, BLOCK_R), s)
     _lora_shrink_kernel[grid](x2d, a, partials, t, k, rank, x2d.stride(0), a.stride(0),
                               INPUT_PRECISION="ieee" if x2d.dtype == torch.float32 else "tf32",
                               SPLIT_A=split_a(x2d.dtype, a.dtype), CHUNK=CHUNK_K,
                               BLOCK_M=SHRINK_BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, num_warps=4, num_stages=3,
-                              **pdl)
-    n = t * rank
-    _lora_reduce_kernel[(triton.cdiv(n, 1024),)](partials, u, n, s, BLOCK=1024, num_warps=4, **pdl)
+                              **dependent_launch_kwargs(x2d.device))
+    return partials
+
+
+def lora_shrink_triton(x2d: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """``u = x A^T`` ``[T, R]`` fp32 alone by the Triton kernels: the partials per K chunk, then
+    their sum in chunk order by `_lora_reduce_kernel` (the operations the expand performs when it
+    reads the partials itself). Public for the GPU proofs (tests/triton_checks/check_lora.py)."""
+    partials = lora_partials_triton(x2d, a)
+    t, n = x2d.shape[0], partials[0].numel()
+    u = torch.empty(t, a.shape[0], device=x2d.device, dtype=torch.float32)
+    if t == 0:
+        return u
+    _lora_reduce_kernel[(triton.cdiv(n, 1024),)](partials, u, n, partials.shape[0], BLOCK=1024, num_warps=4,
+                                                 **dependent_launch_kwargs(x2d.device))
     return u
 
 
@@ -166,19 +212,25 @@ def _expand_args(sizes: tuple[int, ...], scalings: tuple[float, ...]) -> tuple[l
     return starts + [big] * (3 - len(starts)), list(scalings) + [0.0] * (4 - len(scalings))
 
 
-def lora_expand_triton(base: torch.Tensor, u: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
-                       sizes: tuple[int, ...], scalings: tuple[float, ...], out: torch.Tensor) -> torch.Tensor:
-    """``out = base + (u B^T + bias) * scaling`` by the Triton kernel (`out` may be `base`)."""
+def lora_expand_triton(base: torch.Tensor, partials: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
+                       sizes: tuple[int, ...], scalings: tuple[float, ...], out: torch.Tensor,
+                       u_out: torch.Tensor | None = None) -> torch.Tensor:
+    """``out = base + (u B^T + bias) * scaling`` by the Triton kernel (`out` may be `base`), with
+    u the shrink's partials ``[S, T, R]`` (`lora_partials_triton`) added in chunk order inside
+    the kernel (a ``[1, T, R]`` u is taken as it is); `u_out` ``[T, R]`` fp32, when given,
+    receives u (the training backward's)."""
     require_triton("lora_add")
     t, n = base.shape
     if t == 0:
         return out
     starts, scales = _expand_args(sizes, scalings)
     grid = (triton.cdiv(t, EXPAND_BLOCK_M), triton.cdiv(n, EXPAND_BLOCK_N))
-    _lora_expand_kernel[grid](base, u, b, bias if bias is not None else b, out, t, n, u.shape[1], b.shape[1],
-                              base.stride(0), out.stride(0), b.stride(0), *starts, *scales,
-                              G=len(sizes), HAS_BIAS=bias is not None, BLOCK_M=EXPAND_BLOCK_M, BLOCK_N=EXPAND_BLOCK_N,
-                              num_warps=4, **dependent_launch_kwargs(base.device))
+    _lora_expand_kernel[grid](base, partials, b, bias if bias is not None else b, out,
+                              u_out if u_out is not None else partials, t, n, partials.shape[2], b.shape[1],
+                              partials.shape[0], base.stride(0), out.stride(0), b.stride(0), *starts, *scales,
+                              G=len(sizes), HAS_BIAS=bias is not None, WRITE_U=u_out is not None,
+                              BLOCK_M=EXPAND_BLOCK_M, BLOCK_N=EXPAND_BLOCK_N, num_warps=4,
+                              **dependent_launch_kwargs(base.device))
     return out
 
 
@@ -229,13 +281,16 @@ def lora_expand_reference(base: torch.Tensor, u: torch.Tensor, b: torch.Tensor, 
     return out
 
 
-def _forward(base, x2d, a, b, bias, sizes, scalings, out):
-    """``(out, u)``: the update added into `out` (a new tensor unless given) and the shrink's u."""
+def _forward(base, x2d, a, b, bias, sizes, scalings, out, keep_u):
+    """``(out, u)``: the update added into `out` (a new tensor unless given) and, with `keep_u`
+    (the training forward, whose backward reads it), the shrink's u, else None from the Triton
+    path (two launches: the shrink's partials, then the expand, which adds them up itself)."""
     backend = select("lora_add", x2d)
     out = torch.empty_like(base) if out is None else out
     if backend == "triton":
-        u = lora_shrink_triton(x2d, a)
-        return lora_expand_triton(base, u, b, bias, sizes, scalings, out), u
+        partials = lora_partials_triton(x2d, a)
+        u = torch.empty(x2d.shape[0], a.shape[0], device=x2d.device, dtype=torch.float32) if keep_u else None
+        return lora_expand_triton(base, partials, b, bias, sizes, scalings, out, u), u
     u = lora_shrink_reference(x2d, a)
     return lora_expand_reference(base, u, b, bias, sizes, scalings, out), u
 
@@ -243,7 +298,7 @@ def _forward(base, x2d, a, b, bias, sizes, scalings, out):
 class _LoraAddFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, base, x2d, a, b, bias, sizes, scalings):
-        out, u = _forward(base, x2d, a, b, bias, sizes, scalings, None)
+        out, u = _forward(base, x2d, a, b, bias, sizes, scalings, None, True)
         ctx.save_for_backward(x2d, a, b, u)
         ctx.sizes, ctx.scalings, ctx.has_bias = sizes, scalings, bias is not None
         return out
@@ -310,7 +365,7 @@ def lora_add(base: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tens
     if base2d.stride(-1) != 1:
         base2d = base2d.contiguous()
     out = base2d if inplace and base2d.data_ptr() == base.data_ptr() else None
-    result = _forward(base2d, x2d, a, b, bias, sizes, scalings, out)[0].reshape(shape)
+    result = _forward(base2d, x2d, a, b, bias, sizes, scalings, out, False)[0].reshape(shape)
     if inplace and result.data_ptr() != base.data_ptr():
         base.copy_(result)
         return base

@@ -270,3 +270,39 @@ def test_windowed_attention_with_sinks_compiles_for_hopper_as_the_plain_launch(m
     for plain, windowed in pairs:
         for a, b in zip(plain, windowed):
             assert b.spill_bytes <= a.spill_bytes * 1.1, (a, b)
+
+
+def test_lora_kernels_compile_for_hopper_without_spills(monkeypatch):
+    """`kernels.lora_add`'s launches compiled for sm_90 on the CPU at Qwen3-8B's q/k/v (K 4096, 8
+    partials) and down (K 12288, 24 partials) with fp32 adapters under bf16 activations (PEFT's
+    default), and at the gated-DeltaNet's four-member in_proj with bf16 ones: the shrink (its split
+    A: two bf16 MMAs a K step), the expand adding the partials itself (the rollout's; the training
+    forward's, which also keeps u) and the reduce of `lora_shrink_triton`. None spills but the
+    three-member expand without u, where ptxas (triton 3.6's) keeps 96 registers and spills 32
+    bytes a thread (the old expand, which read u, took 67 and none; the GPU's figures tell whether it
+    matters)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from sm90_compile import compile_only, resources
+
+    from vexact_models.kernels.lora import lora_expand_triton, lora_partials_triton, lora_shrink_triton
+
+    bf, rank = torch.bfloat16, 16
+    with compile_only() as kernels:
+        for k, sizes, adapter_dtype in ((4096, (4096, 1024, 1024), torch.float32), (12288, (4096,), torch.float32),
+                                        (2048, (8192, 4096, 32, 32), bf)):
+            x, n = torch.zeros(256, k, dtype=bf), sum(sizes)
+            a, b = torch.zeros(len(sizes) * rank, k, dtype=adapter_dtype), torch.zeros(n, rank, dtype=adapter_dtype)
+            base = torch.zeros(256, n, dtype=bf)
+            partials = lora_partials_triton(x, a)
+            scalings = (2.0,) * len(sizes)
+            lora_expand_triton(base, partials, b, None, sizes, scalings, base)
+            lora_expand_triton(base, partials, b, None, sizes, scalings, base, torch.zeros(256, len(sizes) * rank))
+        lora_shrink_triton(x, a)
+    names = [kernel.name for kernel in kernels]
+    assert names.count("_lora_shrink_kernel") == 4 and names.count("_lora_expand_kernel") == 6, names
+    assert names.count("_lora_reduce_kernel") == 1, names
+    for kernel in kernels:
+        found = resources(kernel)
+        assert found.spill_bytes <= (64 if kernel.name == "_lora_expand_kernel" else 0), found
+        if kernel.name == "_lora_shrink_kernel":
+            assert found.mma != "none", found

@@ -1,7 +1,9 @@
-"""`lora_add`'s Triton kernels (shrink partials, their ordered sum, the expand) against the
-reference, under TRITON_INTERPRET=1 on CPU and on a GPU: close to the reference, and bitwise
-what the contract promises of the kernels themselves (a row alone equals the row in a batch, a
-stacked group equals its members' separate calls, in place equals out of place)."""
+"""`lora_add`'s Triton kernels (shrink partials, the expand that adds them up in chunk order)
+against the reference, under TRITON_INTERPRET=1 on CPU and on a GPU: close to the reference, and
+bitwise what the contract promises of the kernels themselves (a row alone equals the row in a
+batch, a stacked group equals its members' separate calls, in place equals out of place); the
+two-launch path bitwise the three-launch one (the partials' sum in a launch of its own) and the
+CPU reference's expand on the same partials."""
 
 import os
 
@@ -14,7 +16,14 @@ if not INTERPRET and not torch.cuda.is_available():
 DEVICE = "cpu" if INTERPRET else "cuda"
 
 from vexact_models.kernels import lora_add, use_backend  # noqa: E402
-from vexact_models.kernels.lora import CHUNK_K, lora_shrink_reference, lora_shrink_triton  # noqa: E402
+from vexact_models.kernels.lora import (  # noqa: E402
+    CHUNK_K,
+    lora_expand_reference,
+    lora_expand_triton,
+    lora_partials_triton,
+    lora_shrink_reference,
+    lora_shrink_triton,
+)
 
 SCALINGS = (2.0, 0.5, 1.5)
 # fp32 adapter weights with bf16 activations (PEFT's default: A split into two bf16 halves in
@@ -70,3 +79,73 @@ def test_lora_add_matches_the_reference_and_stacked_equals_separate(sizes, dtype
     assert torch.allclose(got.cpu().float(), want.float(), rtol=tol, atol=tol)
     assert torch.equal(torch.cat(parts, dim=1), got)
     assert torch.equal(alone, got[5:6]) and torch.equal(inplace, got)
+
+
+# the stacked groups the models fuse, tiny: q/k/v with GQA's narrower k and v (k across the
+# first 128-column tile's edge), gate/up, the gated-DeltaNet's four-member in_proj (qkv, z, b, a),
+# and a lone o/down
+GROUPS = [(96, 48, 48), (160, 160), (160, 64, 8, 8), (200,)]
+
+
+DTYPES = [(torch.bfloat16, d) for d in ADAPTER_DTYPES] + [(torch.float32, torch.float32)]
+# 1 and 37 rows everywhere; 300 (ten 32-row expand tiles, the last part empty) at PEFT's default
+# dtypes (the interpreter takes seconds a call there)
+CASES = [(t, sizes, *d) for t in (1, 37) for sizes in GROUPS for d in DTYPES] \
+    + [(300, sizes, torch.bfloat16, torch.float32) for sizes in GROUPS[:3]]
+
+
+@pytest.mark.parametrize("t, sizes, dtype, adapter_dtype", CASES, ids=str)
+def test_expand_adding_the_partials_is_bitwise_the_three_launches_and_the_reference(t, sizes, dtype, adapter_dtype):
+    """`lora_add`'s two launches (the shrink's partials, the expand adding them in chunk order)
+    give bitwise the output of three (the shrink, `_lora_reduce_kernel`'s u, the expand of u) and
+    of the CPU reference's expand of the same partials added in chunk order; the u the expand
+    keeps for the backward is bitwise the reduce's. K is not a multiple of the chunk (3 chunks)."""
+    k, rank = 2 * CHUNK_K + 70, 4
+    base, x, a, b = operands(t, k, sizes, rank, dtype, adapter_dtype, seed=t)
+    scalings = SCALINGS[:len(sizes)] + (0.75,) * (len(sizes) - len(SCALINGS))
+    bias = torch.randn(sum(sizes)).to(DEVICE)
+    with use_backend("triton"):
+        got = lora_add(base, x, a, b, scalings, bias=bias, sizes=sizes)
+    partials = lora_partials_triton(x, a)
+    assert partials.shape == (3, t, len(sizes) * rank)
+    u = lora_shrink_triton(x, a)  # the three-launch path: the reduce kernel, then the expand of u
+    three = lora_expand_triton(base, u[None], b, bias, sizes, scalings, torch.empty_like(base))
+    kept = torch.full_like(u, float("nan"))
+    two = lora_expand_triton(base, partials, b, bias, sizes, scalings, torch.empty_like(base), kept)
+    assert torch.equal(got, three) and torch.equal(two, three) and torch.equal(kept, u)
+    u_ref = partials[0].cpu()
+    for p in partials[1:]:
+        u_ref = u_ref + p.cpu()
+    assert torch.equal(u_ref, u.cpu())
+    exact = torch.empty(base.shape, dtype=torch.float32)  # the reference before its last rounding
+    lora_expand_reference(base.cpu(), u_ref, b.cpu(), bias.cpu(), sizes, scalings, exact)
+    assert torch.equal(got.cpu(), rounded_as_the_kernel(exact, dtype))
+
+
+def rounded_as_the_kernel(exact: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 `exact` rounded to `dtype` as the kernel's store rounds it: round to nearest even on
+    the GPU (torch's), toward zero under triton 3.6's interpreter (its fp32 -> bf16 cast drops the
+    low 16 bits)."""
+    if not INTERPRET or dtype != torch.bfloat16:
+        return exact.to(dtype)
+    return (exact.view(torch.int32) & ~0xFFFF).view(torch.float32).to(dtype)
+
+
+def test_training_forward_keeps_the_reduces_u_for_the_backward():
+    """With a gradient flowing, the expand also stores u (from its first N tile's programs): the
+    output is the rollout's bitwise and B's gradient, ``(grad * s_g)^T u_g``, is computed from
+    bitwise the u of `lora_shrink_triton` (the reduce kernel's)."""
+    sizes, scalings, rank = (160, 64, 8, 8), (2.0, 0.5, 1.5, 0.75), 4
+    base, x, a, b = operands(37, CHUNK_K + 70, sizes, rank, torch.bfloat16)
+    with use_backend("triton"):
+        rollout = lora_add(base, x, a, b, scalings, sizes=sizes)
+        b_leaf = b.clone().requires_grad_()
+        trained = lora_add(base, x, a, b_leaf, scalings, sizes=sizes)
+        grad = torch.randn(trained.shape).to(trained.dtype).to(DEVICE)
+        trained.backward(grad)
+    assert torch.equal(trained.detach(), rollout)
+    u, col = lora_shrink_triton(x, a), 0  # the backward's own operations on the reduce's u
+    gs = grad.float() * torch.cat([torch.full((size,), s, device=DEVICE) for size, s in zip(sizes, scalings)])
+    for g, size in enumerate(sizes):
+        assert torch.equal(b_leaf.grad[col:col + size], gs[:, col:col + size].t() @ u[:, g * rank:(g + 1) * rank]), g
+        col += size
