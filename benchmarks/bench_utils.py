@@ -211,9 +211,15 @@ def rotating_copies(tensor: torch.Tensor, max_copies: int = 16) -> list[torch.Te
     return [tensor] + [tensor.clone() for _ in range(count - 1)]
 
 
-def copy_bandwidth() -> float:
-    """Device-to-device copy bandwidth in GB/s (bytes read + written): the HBM reference."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+def copy_bandwidth(device: torch.device | str = "cuda") -> float:
+    """Device-to-device copy bandwidth in GB/s (bytes read + written): the HBM reference (on the
+    CPU, of `--tiny` runs: a 64 MiB host copy, timed by the wall clock)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        src = torch.empty(1 << 26, dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        return 2 * (1 << 26) / timed(lambda: dst.copy_(src), device) / 1e9
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     ms = bench(lambda: dst.copy_(src))
     return 2 * (1 << 30) / ms / 1e6
