@@ -48,7 +48,7 @@ vexact engines, its own tables, then each engine's rate on the first beside the 
 ratio (e.g. Qwen3.5-35B-A3B beside Qwen3-30B-A3B). HF ``generate`` runs with our model in host
 memory meanwhile (`stock_peers.stock_alone`: two 35B models do not fit an H200 together);
 ``--hf-requests N`` gives it the first N requests only (a big MoE's stock ``generate`` over the
-whole workload outlasts a 10-minute device call); its row names the gated delta rule stock ran for
+whole workload can outlast a 10-minute device call); its row names the gated delta rule stock ran for
 the hybrids (fla's kernels where transformers bound them, else its torch path).
 
 The gated-DeltaNet hybrids (Qwen3.5, Qwen3-Next; docs/design.md section 6b) hold KV pages in their
@@ -59,7 +59,8 @@ model-specific. ``--tiny`` runs each config's architecture at its tiny shape on 
 requests, no roofline table; tests/test_benchmark_scripts.py).
 
 Usage: python benchmarks/throughput.py [--config qwen3-0.6b] [--requests 256] [--engines aligned,fast,hf]
-       python benchmarks/throughput.py --config qwen3.5-35b-a3b --peer-config qwen3-30b-a3b --engines aligned,hf --hf-requests 64
+       python benchmarks/throughput.py --config qwen3.5-35b-a3b --layers 20 --peer-config qwen3-30b-a3b:24 --engines \\
+           aligned,hf --hf-requests 64 --no-roofline
        python benchmarks/throughput.py --config moonlight-16b-a3b --mla-kv-cache expanded,latent --engines aligned
 """
 

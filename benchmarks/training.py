@@ -33,7 +33,7 @@ architecture at its tiny shape on CPU (tests/test_benchmark_scripts.py).
 
 Usage:
     python benchmarks/training.py                                   # 0.6B, 8B, 30B-A3B (24 layers), 1k-32k
-    python benchmarks/training.py --configs qwen3.5-35b-a3b:20 --lengths 4096,16384 --steps 2   # torch + fla
+    python benchmarks/training.py --configs qwen3.5-35b-a3b:16 --lengths 4096,16384 --tokens 16384 --steps 2  # torch, fla
     python benchmarks/training.py --configs qwen3-8b --lengths 8192,32768 --steps 5
     python benchmarks/training.py --configs moonlight-16b-a3b:4 --lengths 4096,16384 --set mla_kv_cache=latent
     python benchmarks/training.py --configs qwen3-0.6b --lengths 8192 --profile 12   # + where the GPU time goes
