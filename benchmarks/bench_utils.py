@@ -12,6 +12,8 @@ import torch
 from vexact_models.kernels import linear_quack
 from vexact_models.kernels.paged_layout import shuffled_block_table
 
+from decode_floor import decode_bytes, expected_routed, workload_decode_roofline  # noqa: F401 (the scripts' import)
+
 
 def positive_int(text: str) -> int:
     """An argparse ``type`` for counts that must be >= 1 (page sizes): the parser then names the
@@ -209,74 +211,18 @@ def rotating_copies(tensor: torch.Tensor, max_copies: int = 16) -> list[torch.Te
     return [tensor] + [tensor.clone() for _ in range(count - 1)]
 
 
-def copy_bandwidth() -> float:
-    """Device-to-device copy bandwidth in GB/s (bytes read + written): the HBM reference."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+def copy_bandwidth(device: torch.device | str = "cuda") -> float:
+    """Device-to-device copy bandwidth in GB/s (bytes read + written): the HBM reference (on the
+    CPU, of `--tiny` runs: a 64 MiB host copy, timed by the wall clock)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        src = torch.empty(1 << 26, dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        return 2 * (1 << 26) / timed(lambda: dst.copy_(src), device) / 1e9
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     ms = bench(lambda: dst.copy_(src))
     return 2 * (1 << 30) / ms / 1e6
-
-
-def decode_bytes(model, batch: int, mean_context: int) -> int:
-    """Bytes one decode step must read at least: every weight but the input embedding (the tied
-    LM head reads the embedding matrix) plus `batch` sequences' KV cache at `mean_context` tokens.
-    MoE models count all experts (at batch >= 64 nearly every expert is routed to)."""
-    from vexact_models.runtime.model_runner import kv_bytes_per_block
-
-    param = next(model.parameters())
-    itemsize = param.element_size()
-    weights = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n) * itemsize
-    if model.config.tie_word_embeddings:
-        weights += model.lm_head.weight.numel() * itemsize
-    return weights + batch * mean_context * kv_bytes_per_block(model.kv_cache_spec(), 1, param.dtype)
-
-
-def expected_routed(n_experts: int, top_k: int, rows: int) -> float:
-    """Experts that `rows` tokens reach in expectation when each token routes to `top_k` distinct
-    experts of `n_experts`, chosen uniformly (random router weights route about so)."""
-    return n_experts * (1.0 - (1.0 - top_k / n_experts) ** rows)
-
-
-def workload_decode_roofline(model, prompt_lens: list[int], outputs: list[int], max_seqs: int,
-                             hbm_gbs: float) -> tuple[float, float]:
-    """(weight seconds, KV seconds) that the decode steps of a rollout read at least, at `hbm_gbs`
-    GB/s: requests start in order, at most `max_seqs` at a time (no preemption); a request's
-    prompt step samples its first token, then each of its ``output - 1`` decode steps reads its
-    cache up to the new token. Every decode step reads the weights but the input embedding
-    (`decode_bytes`), routed experts only as many as its batch reaches (`expected_routed`), and
-    every running sequence's cache. Prompt steps are left out (bound by arithmetic), so this is
-    a floor for the decode part of the run."""
-    import heapq
-
-    from vexact_models.layers import FusedExperts
-    from vexact_models.runtime.model_runner import kv_bytes_per_block
-
-    param = next(model.parameters())
-    kv_per_token = kv_bytes_per_block(model.kv_cache_spec(), 1, param.dtype)
-    moe = [(m.num_experts, sum(p.numel() for p in m.parameters()) * param.element_size())
-           for m in model.modules() if isinstance(m, FusedExperts)]
-    top_k = getattr(model.config, "num_experts_per_tok", 1)
-    dense = decode_bytes(model, 0, 0) - sum(nbytes for _, nbytes in moe)
-    # A request's caches read the same tokens whenever it runs: contexts prompt + 1 .. prompt + output - 1.
-    kv_tokens = sum((out - 1) * (prompt + 1) + (out - 1) * (out - 2) // 2
-                    for prompt, out in zip(prompt_lens, outputs) if out > 1)
-    # Only the batch of each step depends on the schedule: a request takes the first free slot.
-    ends: list[int] = []  # heap of the steps at which running requests free their slot
-    joins: dict[int, int] = {}  # step -> change in the running count
-    for out in outputs:
-        if out <= 1:
-            continue
-        start = heapq.heappop(ends) if len(ends) >= max_seqs else 0
-        heapq.heappush(ends, start + out - 1)
-        joins[start] = joins.get(start, 0) + 1
-        joins[start + out - 1] = joins.get(start + out - 1, 0) - 1
-    weight_bytes, batch, steps = 0.0, 0, sorted(joins)
-    for step, following in zip(steps, steps[1:]):
-        batch += joins[step]
-        if batch:
-            per_step = dense + sum(nbytes * expected_routed(n, top_k, batch) / n for n, nbytes in moe)
-            weight_bytes += (following - step) * per_step
-    return weight_bytes / (hbm_gbs * 1e9), kv_tokens * kv_per_token / (hbm_gbs * 1e9)
 
 
 def decode_layout(batch: int, context: int | list[int], page: int, device="cuda"):

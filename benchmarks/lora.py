@@ -33,7 +33,6 @@ Usage (one H200; current figures in docs/performance.md):
 from __future__ import annotations
 
 import argparse
-import gc
 import random
 import statistics
 import time
@@ -43,6 +42,7 @@ import torch.distributed as dist
 
 from bench_utils import (positive_int, positive_ints, recompute_mismatches, shape_arg, stock_twin, subset_arg, synchronize,
                          table, timed, tiny_or_cuda)
+from stock_peers import free
 from training import batch_of, hf_loss, use_checkpointing, vexact_loss
 
 PARTS = ("rollout", "training", "recompute", "sync")
@@ -85,12 +85,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # -- shared -------------------------------------------------------------------------------------
-
-def free(device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
 
 def build(args, seed: int):
     from vexact_models.conformance.models import architecture_of, build_model, make_config

@@ -42,13 +42,30 @@ and the decode table run once per KV cache mode, on the same weights, in the sam
 tokens; ``--repeat N`` runs the workload N times per engine and counts the last (an RL loop's
 engine serves many, so the CUDA graphs of steps with prompt chunks are captured by then).
 
+``--peer-config NAME[:LAYERS]`` measures a second model after the first in the same run (the first
+freed before the second is built): the same workload (token ids below both vocabularies), the same
+vexact engines, its own tables, then each engine's rate on the first beside the peer's and their
+ratio (e.g. Qwen3.5-35B-A3B beside Qwen3-30B-A3B). HF ``generate`` runs with our model in host
+memory meanwhile (`stock_peers.stock_alone`: two 35B models do not fit an H200 together);
+``--hf-requests N`` gives it the first N requests only (a big MoE's stock ``generate`` over the
+whole workload can outlast a 10-minute device call); its row names the gated delta rule stock ran for
+the hybrids (fla's kernels where transformers bound them, else its torch path).
+
+The gated-DeltaNet hybrids (Qwen3.5, Qwen3-Next; docs/design.md section 6b) hold KV pages in their
+attention layers only; the floor and the roofline count those and, per running sequence and GDN
+layer, the state a decode step reads: the fp32 boundary state ``Hv x dk x dv``, the conv state and
+the rows of the current chunk kept so far (`decode_floor`). ``--step-breakdown`` needs nothing
+model-specific. ``--tiny`` runs each config's architecture at its tiny shape on CPU (a few short
+requests, no roofline table; tests/test_benchmark_scripts.py).
+
 Usage: python benchmarks/throughput.py [--config qwen3-0.6b] [--requests 256] [--engines aligned,fast,hf]
+       python benchmarks/throughput.py --config qwen3.5-35b-a3b --layers 20 --peer-config qwen3-30b-a3b:24 --engines \\
+           aligned,hf --hf-requests 64 --no-roofline
        python benchmarks/throughput.py --config moonlight-16b-a3b --mla-kv-cache expanded,latent --engines aligned
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import importlib
 import random
@@ -57,7 +74,10 @@ import time
 
 import torch
 
-from bench_utils import copy_bandwidth, decode_bytes, positive_int, stock_twin, synchronize, workload_decode_roofline
+from bench_utils import copy_bandwidth, decode_bytes, synchronize, table, workload_decode_roofline
+from decode_floor import kv_bytes_per_token
+from stock_peers import bound_delta_rule, free, is_hybrid, stock_alone
+from throughput_args import ENGINES, parse_args
 
 
 def workload(n: int, vocab: int, seed: int, lo: int = 100, hi: int = 1024):
@@ -86,32 +106,25 @@ def attention_skipped():
         attention_module.attention_forward_triton = real
 
 
-# --engines names and their table rows ("hf" is labelled with its batch)
-ENGINES = {"aligned": "vexact aligned", "aligned-sync": "vexact aligned, one step at a time",
-           "aligned-eager": "vexact aligned, no CUDA graphs",
-           "aligned-decode-graphs": "vexact aligned, decode graphs only",
-           "aligned-fa4": "vexact aligned, FA4 attention",
-           "aligned-no-attention": "bound: aligned, no attention", "fast": "vexact fast path (cuBLAS)",
-           "hf": "HF generate"}
-
-
 def run_vexact(model, prompts, outputs, args, aligned: bool = True, async_scheduling: bool = True,
                enforce_eager: bool = False, mixed_graphs: bool = True) -> tuple[float, int]:
     from vexact_models.runtime import LLM, SamplingParams
 
-    llm = LLM(model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=2100, gpu_memory_utilization=args.gpu_memory_utilization, aligned=aligned,
+    budget = {"kv_cache_bytes": 1 << 22} if args.tiny else {"gpu_memory_utilization": args.gpu_memory_utilization}
+    llm = LLM(model, device=args.device, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=64 if args.tiny else 2100, aligned=aligned,
+              **budget,
               async_scheduling=async_scheduling, enforce_eager=enforce_eager,
               cuda_graph_max_tokens=None if mixed_graphs else 0, block_size=args.block_size)
     params = [SamplingParams(temperature=0.6, max_tokens=n, ignore_eos=True, seed=i) for i, n in enumerate(outputs)]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up: compile kernels
     for run in range(args.repeat):  # the last run counts: an RL loop's engine serves many
-        torch.cuda.synchronize()
+        synchronize(args.device)
         if args.step_breakdown:
             llm.step_times = []
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
-        torch.cuda.synchronize()
+        synchronize(args.device)
         seconds = time.perf_counter() - t0
         if args.repeat > 1:
             print(f"  run {run + 1} of {args.repeat}: {seconds:.1f} s")
@@ -124,7 +137,7 @@ def run_vexact(model, prompts, outputs, args, aligned: bool = True, async_schedu
           f"{llm.runner.num_blocks} KV blocks, "
           f"{llm.num_preemptions} preemptions")
     del llm
-    torch.cuda.empty_cache()
+    free(args.device)
     return seconds, produced
 
 
@@ -152,7 +165,7 @@ def graph_counts(graphs) -> str:
 @torch.no_grad()
 def run_hf(hf, prompts, outputs, batch: int, temperature: float = 0.6) -> tuple[float, int]:
     """Seconds and useful output tokens of stock ``generate`` by `hf` (a stock model, e.g.
-    `stock_twin`) over the requests, `batch` at a time, sorted by output length and left-padded,
+    `stock_peers.stock_alone`'s) over the requests, `batch` at a time, sorted by output length and left-padded,
     each batch run to its longest output (only each request's own output length counts)."""
     device = next(hf.parameters()).device
     order = sorted(range(len(prompts)), key=lambda i: outputs[i])
@@ -195,61 +208,28 @@ def decode_roofline(model, vocab: int, batch: int, hbm: float, aligned: bool, co
     return steps[len(steps) // 2], decode_bytes(model, batch, context + new_tokens // 2) / (hbm * 1e9)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="qwen3-0.6b", help="bundled config name or config.json path")
-    parser.add_argument("--layers", type=int, help="override num_hidden_layers")
-    parser.add_argument("--requests", type=int, default=256)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
-    parser.add_argument("--hf-batch", type=int, default=64, help="requests per HF generate call (sorted by output length)")
-    parser.add_argument("--engines", default="aligned,fast,hf",
-                        help=f"comma-separated subset of {', '.join(ENGINES)} (default: aligned,fast,hf)")
-    parser.add_argument("--skip-hf", action="store_true", help="same as leaving hf out of --engines")
-    parser.add_argument("--no-roofline", action="store_true", help="skip the decode step / roofline table")
-    parser.add_argument("--repeat", type=int, default=1,
-                        help="run the workload this many times on each vexact engine and count the last (steady "
-                             "state: CUDA graphs captured on first use are captured by then); default 1")
-    parser.add_argument("--step-breakdown", action="store_true",
-                        help="print each vexact run's step count, seconds and median step time, split into "
-                             "decode-only steps and steps with prompt tokens")
-    parser.add_argument("--set", action="append", metavar="KEY=VALUE",
-                        help="override a config field (JSON value; repeatable), e.g. --set n_routed_experts=8")
-    parser.add_argument("--mla-kv-cache", metavar="MODES",
-                        help="MLA models: comma-separated KV cache modes to run in turn (expanded, latent)")
-    parser.add_argument("--block-size", type=positive_int,
-                        help="positions per KV page of the vexact engines (default: LLM's own, `default_block_size`)")
-    args = parser.parse_args(argv)
-    if args.repeat < 1:
-        parser.error(f"--repeat: {args.repeat} is below the minimum 1")
-    if not torch.cuda.is_available():
-        print("benchmarks/throughput.py needs a CUDA GPU", file=sys.stderr)
-        return 2
-    from vexact_models.conformance.models import parse_overrides
-    from vexact_models.conformance.models import architecture_of, build_model, make_config
+def model_config(name: str, layers: int | None, args):
+    """(architecture, config) of `name` (its tiny shape with ``--tiny``), ``--set`` applied."""
+    from vexact_models.conformance.models import architecture_of, make_config, parse_overrides
 
-    arch = architecture_of(args.config)
-    config_fields = make_config(arch, args.config, args.layers, None, parse_overrides(args.set))
-    model = build_model(arch, config_fields, torch.device("cuda"), torch.bfloat16, args.seed)
-    modes = [m for m in (args.mla_kv_cache or "").split(",") if m] or [None]
-    if modes != [None] and not hasattr(model, "set_mla_kv_cache"):
-        parser.error(f"--mla-kv-cache: {args.config} is not an MLA model")
-    prompts, outputs = workload(args.requests, config_fields.vocab_size, args.seed)
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {args.config} "
-          f"({config_fields.num_hidden_layers} layers), {args.requests} requests, "
-          f"{sum(map(len, prompts))} prompt tokens, {sum(outputs)} output tokens")
-    engines = [e for e in args.engines.split(",") if e and not (e == "hf" and args.skip_hf)]
-    for engine in engines:
-        if engine not in ENGINES:
-            parser.error(f"--engines: unknown engine {engine!r}")
+    arch = architecture_of(name)
+    return arch, make_config(arch, None if args.tiny else name, layers, None, parse_overrides(args.set))
+
+
+def measure_model(label: str, arch, config, prompts, outputs, args, engines: list[str], modes: list) -> list[tuple]:
+    """Build `config`'s model, run `engines` on the workload in each KV cache mode, print its
+    throughput table, the workload floor and (unless ``--no-roofline``) the decode roofline; free
+    the model; return the rows (name, mode, seconds, output tokens)."""
+    from vexact_models.conformance.models import build_model
+
+    model = build_model(arch, config, args.device, args.dtype, args.seed)
     rows = []
     for mode in modes:
         rows += run_engines(arch, model, prompts, outputs, args, [e for e in engines if e != "hf" or mode == modes[0]],
                             mode)
+    print(f"\n## {label} ({config.num_hidden_layers} layers)")
     print_rates(rows)
-    hbm = copy_bandwidth()
+    hbm = copy_bandwidth(args.device)
     print_workload_floor(model, modes, rows, [len(p) for p in prompts], outputs, args.max_num_seqs, hbm)
     if not args.no_roofline:
         print(f"\ndecode steps (context 512-640) vs the HBM roofline (copy bandwidth {hbm:.0f} GB/s)")
@@ -258,10 +238,44 @@ def main(argv=None) -> int:
             set_mode(model, mode)
             for aligned in (True, False) if "fast" in engines else (True,):
                 for batch in (128, 256):
-                    step, roof = decode_roofline(model, config_fields.vocab_size, batch, hbm, aligned)
+                    step, roof = decode_roofline(model, config.vocab_size, batch, hbm, aligned)
                     name = ("aligned" if aligned else "fast") + (f" [{mode}]" if mode else "")
                     print(f"{name:<22}{batch:>7}{step * 1e3:>10.2f}{roof * 1e3:>13.2f}{100 * roof / step:>14.0f}%",
                           flush=True)
+    del model
+    free(args.device)
+    return rows
+
+
+def print_peer(label: str, rows: list[tuple], peer_label: str, peer_rows: list[tuple]) -> None:
+    """Each vexact engine's rate on the first model beside the same engine on the peer, and their ratio."""
+    peer = {name: p / s for name, _, s, p in peer_rows}
+    out = [[name, f"{p / s:,.0f}", f"{peer[name.split(' [')[0]]:,.0f}", f"{p / s / peer[name.split(' [')[0]]:.2f}x"]
+           for name, _, s, p in rows if name.split(" [")[0] in peer]
+    table(f"{label} beside {peer_label}: the same workload, the same run", ["engine", f"{label} tok/s",
+                                                                             f"{peer_label} tok/s", "ratio"], out)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv, __doc__)
+    arch, config = model_config(args.config, args.layers, args)
+    peer = model_config(*args.peer, args) if args.peer else None
+    vocab = min(config.vocab_size, peer[1].vocab_size) if peer else config.vocab_size
+    lo, hi = (4, 24) if args.tiny else (100, 1024)
+    prompts, outputs = workload(args.requests, vocab, args.seed, lo, hi)
+    device = torch.cuda.get_device_name() if args.device.type == "cuda" else "CPU (--tiny)"
+    label = f"{args.config}{' tiny' if args.tiny else ''}"
+    peer_label = f"{args.peer[0]}{' tiny' if args.tiny else ''}" if peer else ""
+    print(f"{device}, torch {torch.__version__}; {label} ({config.num_hidden_layers} layers)"
+          + (f" beside {peer_label} ({peer[1].num_hidden_layers} layers)" if peer else "")
+          + f", {args.requests} requests, {sum(map(len, prompts))} prompt tokens, {sum(outputs)} output tokens")
+    modes = [m for m in (args.mla_kv_cache or "").split(",") if m] or [None]
+    rows = measure_model(label, arch, config, prompts, outputs, args, args.engines, modes)
+    if peer:
+        peer_rows = measure_model(peer_label, *peer, prompts, outputs, args, [e for e in args.engines if e != "hf"],
+                                  [None])
+        print_peer(f"{label} ({config.num_hidden_layers} layers)", rows,
+                   f"{peer_label} ({peer[1].num_hidden_layers} layers)", peer_rows)
     return 0
 
 
@@ -270,10 +284,14 @@ def print_workload_floor(model, modes: list, rows: list[tuple], prompt_lens: lis
     """Per KV cache mode, what the workload's decode steps read at least over the copy bandwidth
     (`workload_decode_roofline`), and each vexact run's seconds against it. With two MLA modes,
     the ratio of their floors is the throughput ratio the two reach when both run at the same
-    share of their floor (latent / expanded, docs/mla-kv-cache.md)."""
+    share of their floor (latent / expanded, docs/mla-kv-cache.md). A gated-DeltaNet hybrid's
+    cache column holds its attention layers' KV and its GDN layers' state (`decode_floor`)."""
+    from vexact_models.runtime.linear_state_cache import linear_state_spec
+
     print(f"\nthe workload's decode steps at the copy bandwidth ({hbm:.0f} GB/s; prompt steps not counted): "
           f"a floor for each run")
-    print(f"{'mode':<10}{'weights s':>11}{'KV s':>8}{'floor s':>9}   runs: seconds (floor share)")
+    cache = "KV + GDN state s" if linear_state_spec(model) is not None else "KV s"
+    print(f"{'mode':<10}{'weights s':>11}{cache:>18}{'floor s':>9}   runs: seconds (floor share)")
     floors = {}
     for mode in modes:
         set_mode(model, mode, quiet=True)
@@ -281,7 +299,7 @@ def print_workload_floor(model, modes: list, rows: list[tuple], prompt_lens: lis
         floors[mode] = weights + kv
         runs = ", ".join(f"{name} {seconds:.1f} ({100 * floors[mode] / seconds:.0f}%)"
                          for name, row_mode, seconds, _ in rows if row_mode == mode and not name.startswith("HF"))
-        print(f"{mode or '-':<10}{weights:>11.2f}{kv:>8.2f}{floors[mode]:>9.2f}   {runs}")
+        print(f"{mode or '-':<10}{weights:>11.2f}{kv:>18.2f}{floors[mode]:>9.2f}   {runs}")
     if set(floors) == {"expanded", "latent"}:
         print(f"expanded / latent floor: {floors['expanded'] / floors['latent']:.2f}x (the latent / expanded throughput "
               f"ratio where both runs reach the same share of their floor)")
@@ -289,23 +307,33 @@ def print_workload_floor(model, modes: list, rows: list[tuple], prompt_lens: lis
 
 def set_mode(model, mode: str | None, quiet: bool = False) -> None:
     """Switch an MLA model's KV cache mode (None: leave the model as built) and print its cache size
-    (unless `quiet`); for a model with sliding-window layers also a sequence's KV bytes at 32k tokens
-    with and without the pages freed behind the windows (docs/design.md section 6)."""
+    (unless `quiet`): KV bytes per token over the layers that hold pages; for a gated-DeltaNet
+    hybrid its GDN layers' state per sequence (docs/design.md section 6b); for a model with
+    sliding-window layers a sequence's KV bytes at 32k tokens with and without the pages freed
+    behind the windows (docs/design.md section 6)."""
+    from vexact_models.runtime.linear_state_cache import linear_state_spec
     from vexact_models.runtime.llm_args import default_block_size
     from vexact_models.runtime.llm_setup import kv_bytes_per_sequence
-    from vexact_models.runtime.model_runner import kv_bytes_per_block
 
     if mode is not None:
         model.set_mla_kv_cache(mode)
-    if not quiet:
-        print(f"KV cache{f' ({mode})' if mode else ''}: {kv_bytes_per_block(model.kv_cache_spec(), 1, torch.bfloat16):,} "
-              f"bytes per token (layers, KV heads, key dim, value dim = {tuple(model.kv_cache_spec())})", flush=True)
-        page = default_block_size(model.kv_cache_spec())
-        freed, kept = (kv_bytes_per_sequence(model, 32768, dtype=torch.bfloat16, block_size=page, window_freed=freed)
-                       for freed in (True, False))
-        if freed != kept:
-            print(f"KV bytes per sequence at 32k tokens: {freed:,} with window-freed pages, {kept:,} without "
-                  f"(bf16, pages of {page})", flush=True)
+    if quiet:
+        return
+    print(f"KV cache{f' ({mode})' if mode else ''}: {kv_bytes_per_token(model, torch.bfloat16):,} bytes per token "
+          f"(layers, KV heads, key dim, value dim = {tuple(model.kv_cache_spec())})", flush=True)
+    spec = linear_state_spec(model)
+    if spec is not None:
+        conv, state, row, t_row = spec.part_bytes(torch.bfloat16)
+        print(f"gated DeltaNet: {len(spec.layers)} of {model.config.num_hidden_layers} layers hold a state instead of KV "
+              f"pages: per sequence and layer {state:,} bytes of fp32 boundary state, {conv:,} of conv state and "
+              f"{row + t_row:,} per kept chunk row (its k, v, g, beta and row of T; at most {spec.chunk - 1}); a decode "
+              f"step reads them all (the floor and roofline count them)", flush=True)
+    page = default_block_size(model.kv_cache_spec())
+    freed, kept = (kv_bytes_per_sequence(model, 32768, dtype=torch.bfloat16, block_size=page, window_freed=freed)
+                   for freed in (True, False))
+    if freed != kept:
+        print(f"KV bytes per sequence at 32k tokens: {freed:,} with window-freed pages, {kept:,} without "
+              f"(bf16, pages of {page})", flush=True)
 
 
 def run_engines(arch, model, prompts, outputs, args, engines: list[str], mode: str | None) -> list[tuple]:
@@ -316,11 +344,10 @@ def run_engines(arch, model, prompts, outputs, args, engines: list[str], mode: s
     rows = []
     for engine in engines:
         if engine == "hf":
-            hf = stock_twin(arch, model).eval()
-            seconds, produced = run_hf(hf, prompts, outputs, args.hf_batch)
-            del hf
-            torch.cuda.empty_cache()
-            name, row_mode = f"{ENGINES['hf']} (batch {args.hf_batch})", None
+            n = min(args.hf_requests or len(prompts), len(prompts))
+            with stock_alone(arch, model, args.device) as hf:  # ours waits in host memory
+                seconds, produced = run_hf(hf.eval(), prompts[:n], outputs[:n], args.hf_batch)
+            name, row_mode = f"{ENGINES['hf']} ({hf_label(arch, args.hf_batch, n, len(prompts))})", None
         else:
             with attention_skipped() if engine == "aligned-no-attention" else contextlib.nullcontext(), \
                     use_attention_forward("fa4" if engine == "aligned-fa4" else None):
@@ -334,16 +361,25 @@ def run_engines(arch, model, prompts, outputs, args, engines: list[str], mode: s
     return rows
 
 
+def hf_label(arch, batch: int, requests: int, total: int) -> str:
+    """What HF's row ran: its batch, the requests it took (``--hf-requests``) and, for a hybrid,
+    the gated delta rule stock runs (fla's kernels where transformers bound them at import)."""
+    label = f"batch {batch}" + (f", first {requests} of {total} requests" if requests < total else "")
+    if is_hybrid(arch):
+        label += ", fla kernels" if bound_delta_rule(arch).startswith("fla.") else ", torch delta rule"
+    return label
+
+
 def print_rates(rows: list[tuple]) -> None:
     """The throughput table: each row against HF and against the fast path of its own KV cache mode."""
     hf_rate = next((p / s for n, _, s, p in rows if n.startswith("HF")), None)
     fast = {m: p / s for n, m, s, p in rows if n.startswith("vexact fast path")}
-    print(f"\n{'engine':<40}{'seconds':>9}{'output tokens':>15}{'output tok/s':>14}{'vs HF':>8}{'vs fast':>9}")
+    print(f"\n{'engine':<58}{'seconds':>9}{'output tokens':>15}{'output tok/s':>14}{'vs HF':>8}{'vs fast':>9}")
     for name, mode, seconds, produced in rows:
         rate = produced / seconds
         vs_hf = f"{rate / hf_rate:.1f}x" if hf_rate else "-"
         vs_fast = f"{rate / fast[mode]:.2f}" if mode in fast and not name.startswith("HF") else "-"
-        print(f"{name:<40}{seconds:>9.1f}{produced:>15,}{rate:>14,.0f}{vs_hf:>8}{vs_fast:>9}")
+        print(f"{name:<58}{seconds:>9.1f}{produced:>15,}{rate:>14,.0f}{vs_hf:>8}{vs_fast:>9}")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ Usage (one H200; each part fits a 10-minute device call at gpt-oss-20b's 24 laye
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 import time
 
@@ -39,7 +38,8 @@ import torch
 
 from bench_utils import (positive_int, recompute_mismatches, shape_arg, stock_attention, subset_arg, synchronize, table,
                          tiny_or_cuda)
-from lora import free, point, requests
+from lora import point, requests
+from stock_peers import free, stock_alone
 from throughput import run_hf
 from training import hf_loss, use_checkpointing, vexact_loss
 
@@ -113,24 +113,6 @@ def kv_rows(model, args) -> list[list]:
 
 
 # -- rollout and training --------------------------------------------------------------------------
-
-@contextlib.contextmanager
-def stock_alone(arch, model, device: torch.device):
-    """Within: stock transformers' model of `arch` (`bench_utils.stock_attention`) on `model`'s
-    weights on `device`, with `model` itself in host memory meanwhile (two 21B models would leave
-    no room on an H200 for stock's eager attention or its gradients); `model` back on `device` after."""
-    from vexact_models.conformance.models import hf_twin
-
-    hf = hf_twin(arch, model, attn_implementation=stock_attention(arch))
-    model.to("cpu")
-    free(device)
-    try:
-        yield hf
-    finally:
-        hf.to("meta")  # its memory back now, whoever still holds the module
-        free(device)
-        model.to(device)
-
 
 def rollout(arch, model, args) -> dict:
     """HF generate first (`stock_alone`), then the engine on the same requests, then the recompute."""

@@ -61,8 +61,10 @@ class LinearStateSpec:
     conv_kernel: int  #: the conv1d's kernel size K
     chunk: int = CHUNK  #: rows of a chunk C
 
-    def _parts(self, dtype: torch.dtype) -> tuple[int, int, int, int]:
-        """Bytes of one layer's conv state, boundary state, chunk row (k, v, g, beta) and row of ``T``."""
+    def part_bytes(self, dtype: torch.dtype) -> tuple[int, int, int, int]:
+        """Bytes of one layer's conv state, fp32 boundary state, chunk row (k, v, g, beta; k, v and
+        beta in `dtype`) and fp32 row of ``T`` (benchmarks/decode_floor.py counts a decode step's
+        reads with them)."""
         (hk, hv), (dk, dv) = self.heads, self.dims
         size = torch.empty((), dtype=dtype).element_size()
         return ((self.conv_kernel - 1) * self.conv_channels * size, hv * dk * dv * 4,
@@ -72,13 +74,13 @@ class LinearStateSpec:
         """Bytes of one sequence's state over all GDN layers: conv state, fp32 boundary state and
         the ``C`` rows of its current chunk: k, v (model dtype), g (fp32), beta (model dtype) and
         their rows of ``T`` (fp32, ``Hv x C`` a row)."""
-        conv, state, row, t_row = self._parts(dtype)
+        conv, state, row, t_row = self.part_bytes(dtype)
         return len(self.layers) * (conv + state + self.chunk * (row + t_row))
 
     def cache_bytes(self, slots: int, dtype: torch.dtype) -> int:
         """Bytes of a `LinearStateCache` of `slots` sequences: theirs, and per layer the padding
         state and row that take a step's writes of no sequence (`kernels.gated_delta_step`)."""
-        _, state, row, _ = self._parts(dtype)
+        _, state, row, _ = self.part_bytes(dtype)
         return slots * self.bytes_per_slot(dtype) + len(self.layers) * (state + row)
 
 

@@ -169,3 +169,39 @@ def test_timed_is_the_median_after_a_warm_up_and_tiny_or_cuda_picks_the_device(m
     with pytest.raises(SystemExit) as info:
         bench_utils.tiny_or_cuda(argparse.Namespace(tiny=False), "x.py")
     assert info.value.code == 2 and "x.py needs a CUDA GPU (or --tiny" in capsys.readouterr().err
+
+
+def test_decode_floor_counts_a_hybrids_attention_pages_and_gated_deltanet_state(monkeypatch):
+    """`decode_floor` (throughput.py's floor and roofline) on a gated-DeltaNet hybrid: KV bytes of
+    the attention layers only, and per decode step and GDN layer the fp32 boundary state, the conv
+    state and the current chunk's kept rows (the new token at position p keeps p % C), from the
+    config's shapes."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import decode_floor
+
+    from vexact_models.conformance.models import build_model, make_config
+    from vexact_models.registry import get
+    from vexact_models.runtime.model_runner import kv_bytes_per_block
+
+    arch = get("qwen3_5_moe")
+    config = make_config(arch)  # 3 layers: GDN, attention, GDN; chunks of 16
+    model = build_model(arch, config, torch.device("cpu"), torch.float32)
+    assert config.layer_types == ["linear_attention", "full_attention", "linear_attention"]
+    per_token = decode_floor.kv_bytes_per_token(model, torch.float32)
+    assert per_token == kv_bytes_per_block(model.kv_cache_spec(), 1, torch.float32) // 3  # one layer of three
+    hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
+    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+    conv = (config.linear_conv_kernel_dim - 1) * (2 * hk * dk + hv * dv) * 4
+    state, row = hv * dk * dv * 4, (hk * dk + hv * dv + hv) * 4 + hv * 4
+    assert decode_floor.linear_state_step_bytes(model, torch.float32, 5) == 2 * (conv + state + 5 * row)
+    assert decode_floor.mean_kept_rows(model) == 7.5
+    weights = decode_floor.decode_bytes(model, 0, 0)
+    assert decode_floor.decode_bytes(model, 2, 10) == int(weights + 2 * (10 * per_token + 2 * (conv + state + 7.5 * row)))
+    # prompt 15, 4 outputs: new tokens at 15, 16, 17 keep 15, 0, 1 rows of their chunk; prompt 3, 2 outputs: 3 keeps 3
+    got = decode_floor.workload_state_bytes(model, [15, 3], [4, 2])
+    assert got == pytest.approx(4 * 2 * (conv + state) + (15 + 0 + 1 + 3) * 2 * row)
+    _, cache = decode_floor.workload_decode_roofline(model, [15, 3], [4, 2], 2, 1e-9)
+    assert cache == pytest.approx((16 + 17 + 18 + 4) * per_token + got)
+    plain = build_model(get("qwen3"), make_config(get("qwen3")), torch.device("cpu"), torch.float32)
+    assert decode_floor.linear_state_step_bytes(plain, torch.float32, 5) == 0 and decode_floor.mean_kept_rows(plain) == 0
+    assert decode_floor.workload_state_bytes(plain, [15], [4]) == 0

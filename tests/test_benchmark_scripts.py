@@ -371,3 +371,151 @@ def test_gate_up_silu_refuses_swapped_configs_and_its_peer_is_the_mlp(monkeypatc
     torch.testing.assert_close(gate_up_silu.hf_ops(x, w), linear_silu_and_mul(x, w))
 
 
+
+
+TINY_ENV = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+
+
+def test_throughput_peer_config_runs_tiny_on_cpu():
+    """benchmarks/throughput.py --tiny --peer-config: Qwen3.5-MoE (a gated-DeltaNet hybrid) beside
+    stock HF generate (its torch delta rule here, fla not installed) and beside Qwen3-MoE on the
+    same workload, one model at a time, the ratio printed; the hybrid's floor counts its GDN state."""
+    run = subprocess.run([sys.executable, "throughput.py", "--tiny", "--config", "qwen3.5-35b-a3b", "--peer-config",
+                          "qwen3-30b-a3b", "--engines", "aligned,hf", "--hf-requests", "4", "--step-breakdown"],
+                         cwd=BENCHMARKS, capture_output=True, text=True, timeout=600, env=TINY_ENV)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    out = run.stdout
+    assert "qwen3.5-35b-a3b tiny (3 layers) beside qwen3-30b-a3b tiny (3 layers), 6 requests" in out
+    assert "gated DeltaNet: 2 of 3 layers hold a state instead of KV pages" in out and "KV + GDN state s" in out
+    assert "HF generate (batch 64, first 4 of 6 requests, torch delta rule)" in out
+    assert out.count("decode-only steps") == 2  # --step-breakdown on both models' engines
+    peer = out.split("## qwen3.5-35b-a3b tiny (3 layers) beside qwen3-30b-a3b tiny (3 layers)")[1].splitlines()
+    row = next(line.split() for line in peer if line.strip().startswith("vexact aligned"))
+    ours, theirs = (float(v.replace(",", "")) for v in row[2:4])
+    assert row[4].endswith("x") and float(row[4][:-1]) == pytest.approx(ours / theirs, abs=0.02)  # rates printed rounded
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--peer-config", "nope"], "--peer-config 'nope': config 'nope': no such file"),
+    (["--peer-config", "qwen3-30b-a3b:0"], "--peer-config 'qwen3-30b-a3b:0': --configs 'qwen3-30b-a3b:0': the layer "
+                                            "count after ':' must be a positive integer"),
+    (["--peer-config", "qwen3-30b-a3b", "--engines", "hf"], "--engines=hf has none"),
+    (["--config", "nope"], "--config 'nope': config 'nope'"),
+    (["--config", "qwen3-0.6b", "--mla-kv-cache", "latent"], "--mla-kv-cache: qwen3-0.6b is not an MLA model"),
+    (["--engines", "aligned,bogus"], "--engines: unknown engine 'bogus'"),
+    (["--hf-requests", "0"], "--hf-requests: must be >= 1, got 0"),
+])
+def test_throughput_refuses_bad_models_and_engines(argv, words):
+    """throughput.py names the option and the value of a bad model or engine choice before building
+    anything (and before it needs a GPU)."""
+    run = subprocess.run([sys.executable, "throughput.py", *argv], cwd=BENCHMARKS, capture_output=True, text=True,
+                         timeout=120, env=TINY_ENV)
+    assert run.returncode == 2 and words in run.stderr, run.stderr
+
+
+def test_training_hybrid_tiny_times_the_torch_path_and_reports_fla_absent(monkeypatch, capsys):
+    """benchmarks/training.py --tiny on Qwen3.5-MoE with the fla import made unavailable: stock's
+    torch delta rule is timed (with our rate over it), fla's rows say it is not installed, and ours
+    is also timed forward alone (the pass fla's side would get beside its refused backward)."""
+    import sys as sys_
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    for name in ("fla", "fla.ops", "fla.ops.gated_delta_rule"):
+        monkeypatch.setitem(sys_.modules, name, None)  # `import fla` raises ImportError
+    import training
+
+    assert training.main(["--tiny", "--configs", "qwen3.5-35b-a3b"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.split("## qwen3.5-35b-a3b tiny (3 layers)")[1].splitlines()[2:] if line.strip()]
+    assert [r[0] for r in rows] == ["24"] * 5 + ["40"] * 5, out
+    torch_rows = [r for r in rows if "torch" in r]
+    assert len(torch_rows) == 2 and all(r[-1].endswith("x") and r[-1] != "-" for r in torch_rows), out
+    fla_rows = [line for line in out.splitlines() if "fla kernels)" in line and line.strip()[:2] in ("24", "40")]
+    assert len(fla_rows) == 4 and all("not installed (ModuleNotFoundError" in line for line in fla_rows), out
+    ours = [r for r in rows if "vexact" in r]
+    assert [r[r.index("vexact") + 1] for r in ours] == ["fwd+bwd", "forward"] * 2 and all(r[-1] == "1.00x" for r in ours)
+
+
+def test_training_run_side_reports_a_refused_backward_as_its_row(monkeypatch):
+    """`training.run_side` with `refusable` (stock's fla side): a backward that raises (fla 0.6 on
+    Hopper under Triton < 3.7.1) is the row's result, "refused: ...", and the forward-alone pass
+    is still timed; without `refusable` (ours, stock's torch path) the error propagates."""
+    from types import SimpleNamespace
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import training
+
+    from vexact_models.conformance.models import architecture_of, build_model, make_config
+
+    class Refuse(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise RuntimeError("the backward needs Triton >= 3.7.1 on Hopper\nmore")
+
+    def refused_loss(model, ids):
+        return Refuse.apply(training.hf_loss(model, ids))
+
+    arch = architecture_of("qwen3.5-35b-a3b")
+    model = build_model(arch, make_config(arch), torch.device("cpu"), torch.float32).train()
+    args = SimpleNamespace(checkpointing="off", full_recompute=False, tokens=48, seed=0, device=torch.device("cpu"),
+                           steps=1, profile=0)
+    rows, profiles = training.run_side("HF (fla)", model, refused_loss, [24], args, 1, ("fwd+bwd", "forward"),
+                                       refusable=True)
+    assert rows[0][:2] == ["HF (fla)", "fwd+bwd"]
+    assert rows[0][8] == "refused: RuntimeError: the backward needs Triton >= 3.7.1 on Hopper"
+    assert rows[1][1] == "forward" and rows[1][8] == "" and rows[1][6] > 0 and profiles == {}
+    with pytest.raises(RuntimeError, match="Triton >= 3.7.1"):
+        training.run_side("vexact", model, refused_loss, [24], args, 1, ("fwd+bwd",))
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--configs", "qwen3-0.6b", "--stock-linear-attention", "torch"],
+     "--stock-linear-attention=torch: qwen3-0.6b has no gated-DeltaNet layers"),
+    (["--configs", "qwen3.5-35b-a3b", "--stock-linear-attention", "torch,triton"],
+     "--stock-linear-attention: expected a comma-separated subset of torch,fla, got 'torch,triton'"),
+    (["--configs", "nope:4"], "--configs 'nope': config 'nope': no such file"),
+])
+def test_training_refuses_bad_configs_and_stock_paths(argv, words):
+    """training.py names the option and the value before building anything (and before it needs a GPU)."""
+    run = subprocess.run([sys.executable, "training.py", *argv], cwd=BENCHMARKS, capture_output=True, text=True,
+                         timeout=120, env=TINY_ENV)
+    assert run.returncode == 2 and words in run.stderr, run.stderr
+
+
+def test_stock_linear_attention_puts_the_torch_path_back_and_says_why_fla_cannot_run(monkeypatch):
+    """`stock_peers.stock_linear_attention`: ``torch`` makes stock's hybrid run transformers' torch
+    path for the duration and restores the bound functions after; ``fla`` without the package
+    raises `StockPathUnavailable` naming the import error; other paths and non-hybrids are
+    ValueErrors. `bound_delta_rule` names what stock runs."""
+    import inspect
+    import sys as sys_
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import stock_peers
+
+    from vexact_models.conformance.models import architecture_of
+
+    arch = architecture_of("qwen3.5-35b-a3b")
+    module = stock_peers.stock_module(arch)
+    bound = {name: getattr(module, name) for name in stock_peers.STOCK_KERNEL_FUNCTIONS}
+    assert stock_peers.is_hybrid(arch) and not stock_peers.is_hybrid(architecture_of("qwen3-30b-a3b"))
+    with stock_peers.stock_linear_attention(arch, "torch"):
+        for name, fn in bound.items():
+            assert getattr(module, name) is inspect.unwrap(fn)
+        assert stock_peers.bound_delta_rule(arch) == f"{module.__name__}.torch_chunk_gated_delta_rule"
+    assert all(getattr(module, name) is fn for name, fn in bound.items())
+    monkeypatch.setitem(sys_.modules, "fla", None)
+    with pytest.raises(stock_peers.StockPathUnavailable, match=r"^not installed \((ModuleNotFoundError|ImportError)"):
+        with stock_peers.stock_linear_attention(arch, "fla"):
+            pass
+    with pytest.raises(ValueError, match="path 'triton' is not one of"):
+        with stock_peers.stock_linear_attention(arch, "triton"):
+            pass
+    with pytest.raises(ValueError, match="qwen3_moe has no gated-DeltaNet layers"):
+        with stock_peers.stock_linear_attention(architecture_of("qwen3-30b-a3b"), "torch"):
+            pass
