@@ -174,8 +174,9 @@ def test_timed_is_the_median_after_a_warm_up_and_tiny_or_cuda_picks_the_device(m
 def test_decode_floor_counts_a_hybrids_attention_pages_and_gated_deltanet_state(monkeypatch):
     """`decode_floor` (throughput.py's floor and roofline) on a gated-DeltaNet hybrid: KV bytes of
     the attention layers only, and per decode step and GDN layer the fp32 boundary state, the conv
-    state and the current chunk's kept rows (the new token at position p keeps p % C), from the
-    config's shapes."""
+    state and the current chunk's kept rows (the new token at position p keeps p % C; a kept row
+    is its k, v, g, beta and its fp32 row of T, which the decode launch reads), from the config's
+    shapes."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import decode_floor
 
@@ -192,7 +193,7 @@ def test_decode_floor_counts_a_hybrids_attention_pages_and_gated_deltanet_state(
     hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
     dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
     conv = (config.linear_conv_kernel_dim - 1) * (2 * hk * dk + hv * dv) * 4
-    state, row = hv * dk * dv * 4, (hk * dk + hv * dv + hv) * 4 + hv * 4
+    state, row = hv * dk * dv * 4, (hk * dk + hv * dv + hv) * 4 + hv * 4 + hv * config.linear_chunk_size * 4
     assert decode_floor.linear_state_step_bytes(model, torch.float32, 5) == 2 * (conv + state + 5 * row)
     assert decode_floor.mean_kept_rows(model) == 7.5
     weights = decode_floor.decode_bytes(model, 0, 0)
