@@ -19,6 +19,10 @@ section 6, `runtime.page_groups`):
   window group (every page kept), of a single-process ``LLM`` with it and of ``token_logprobs``;
   every rank returns the same outputs.
 
+With ``--device cuda`` (the `gpu` test) every engine runs on the GPU in bf16 at head dim 64 (rank
+r on GPU ``r % count``; the carries through host memory over gloo) with its decode CUDA graphs
+(each stage's, the window group's static inputs among them), and the recompute on the GPU too.
+
 Ranks never assert: each check is recorded in ``<out>/rank<r>.json``.
 """
 
@@ -33,7 +37,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fsdp_support import make_model, run_rank  # noqa: E402
-from pipeline_rollout_worker import flat, recompute_matches  # noqa: E402
+from pipeline_rollout_worker import flat  # noqa: E402
 
 from vexact_models.distributed import exit_rank  # noqa: E402
 from vexact_models.layers import window_layers  # noqa: E402
@@ -55,14 +59,33 @@ SCENARIOS = {"budget 64": (dict(max_num_batched_tokens=64), 250, False),
              "preempting": (dict(max_num_batched_tokens=32), 40, True)}
 
 
-def stage_budget(model, layers, window: int, tokens: int, pages: int, tight_window_stage: bool) -> tuple[int, int, int]:
+#: the GPU run's model dimensions (the Triton kernels' head dims; tests/runtime/test_page_groups_engine.py's)
+GPU_DIMS = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+
+
+def recompute_matches(model, outputs) -> tuple[bool, str]:
+    """Every completion's logprobs == ``token_logprobs`` of prompt + completion at its
+    temperature, on the model's device."""
+    bad, total = 0, 0
+    for out, params in zip(outputs, PARAMS):
+        for c in out.outputs:
+            with torch.no_grad():
+                ids = torch.tensor([out.prompt_token_ids + c.token_ids], device=model.device)
+                want = model.token_logprobs(ids, temperature=params.temperature)[0, len(out.prompt_token_ids):]
+            total += len(c.token_ids)
+            bad += int(not torch.equal(torch.tensor(c.logprobs, device=want.device), want))
+    return bad == 0 and total > 0, f"{bad} completions differ, {total} tokens checked"
+
+
+def stage_budget(model, layers, window: int, tokens: int, pages: int, tight_window_stage: bool,
+                 dtype: torch.dtype) -> tuple[int, int, int]:
     """(this stage's ``kv_cache_bytes``, the global pages and window pages every stage should
     take): `pages` global pages, the window group's ``min(pages, cap)``, each at the stage's own
     layers' bytes; a stage of windowed layers only gets one page more than the cap when its budget
     is not the tight one (so it leaves the global count to the others), else exactly `pages`
     (and, `tight_window_stage`, the other stages twice as much: the windowed-only stage bounds both)."""
     spec = model.kv_cache_spec()
-    per_layer = kv_bytes_per_block(spec, BLOCK, torch.float32) // spec[0]
+    per_layer = kv_bytes_per_block(spec, BLOCK, dtype) // spec[0]
     windowed = set(window_layers(model)[1])
     held_window = sum(1 for i in layers if i in windowed)
     held_global = len(layers) - held_window
@@ -132,7 +155,7 @@ def check_pages(res, tag: str, llm: LLM, pages: int, window_pages: int) -> None:
     res.record(f"pages/{tag}/config", True, repr((config.num_blocks, group)))  # compared across ranks
     freed, kept = llm.kv_bytes_per_sequence(100), llm.kv_bytes_per_sequence(100, window_freed=False)
     res.record(f"pages/{tag}/bytes_per_sequence", freed == kv_bytes_per_sequence(
-        llm.model, 100, dtype=torch.float32, block_size=BLOCK) and freed < kept, f"{freed} freed, {kept} kept")
+        llm.model, 100, dtype=llm.dtype, block_size=BLOCK) and freed < kept, f"{freed} freed, {kept} kept")
 
 
 def one_group(path: str, **kwargs) -> LLM:
@@ -145,23 +168,30 @@ def one_group(path: str, **kwargs) -> LLM:
         llm_module.window_layers = real
 
 
-def run_arch(res, name: str, out: Path, rank: int, world: int) -> None:
+def run_arch(res, name: str, out: Path, rank: int, world: int, device: str) -> None:
     arch = get(name)
-    base = make_model(arch).eval()
+    cuda = device == "cuda"
+    base = make_model(arch, **(GPU_DIMS if cuda else {})).eval()
     folder = out / f"ckpt_{name}"
     if rank == 0:
         base.save_pretrained(folder)
     dist.barrier()
+    dtype = torch.bfloat16 if cuda else torch.float32
+    here = torch.device(f"cuda:{rank % torch.cuda.device_count()}") if cuda else torch.device("cpu")
+    base = base.to(here, dtype)
     window, _ = window_layers(base)
     layers = partition_layers(base.config.num_hidden_layers, world)[rank]
     spec = base.kv_cache_spec()
-    per_layer = kv_bytes_per_block(spec, BLOCK, torch.float32) // spec[0]
+    per_layer = kv_bytes_per_block(spec, BLOCK, dtype) // spec[0]
     for scenario, (kwargs, pages, tight) in SCENARIOS.items():
         tag = f"{name}/{scenario}"
         chunk = kwargs["max_num_batched_tokens"]
-        budget, pages, window_pages = stage_budget(base, layers, window, chunk, pages, tight)
-        common = dict(device="cpu", block_size=BLOCK, max_num_seqs=SEQS, **kwargs)
+        budget, pages, window_pages = stage_budget(base, layers, window, chunk, pages, tight, dtype)
+        common = dict(device=here, dtype=dtype, block_size=BLOCK, max_num_seqs=SEQS, **kwargs)
         llm = LLM(str(folder), pipeline_parallel_size=world, kv_cache_bytes=budget, **common)
+        if cuda:
+            res.record(f"pages/{tag}/decode_graphs", llm.runner.graphs is not None and
+                       llm.runner.graphs.window_group == llm.engine_config.window_group, "each stage's decode graphs")
         check_pages(res, tag, llm, pages, window_pages)
         got, seen, errors = tracked_generate(llm, chunk)
         res.record(f"rollout/{tag}/outputs", True, repr(flat(got)))  # compared across ranks
@@ -178,7 +208,7 @@ def run_arch(res, name: str, out: Path, rank: int, world: int) -> None:
         single = LLM(str(folder), kv_cache_bytes=per_layer * (spec[0] * pages), **common)
         want = flat(single.generate(PROMPTS, PARAMS, use_tqdm=False))
         res.record(f"rollout/{tag}/equals_single_process", flat(got) == want, f"{len(want)} completions")
-        res.record(f"rollout/{tag}/equals_recompute", *recompute_matches(base, got, PARAMS))
+        res.record(f"rollout/{tag}/equals_recompute", *recompute_matches(base, got))
         if tight:
             res.record(f"rollout/{tag}/preempted", llm.num_preemptions > 0, f"{llm.num_preemptions} preemptions")
         else:
@@ -190,9 +220,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--archs", required=True, help="comma-separated architecture names")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
-    run_rank(lambda res, rank, world: [run_arch(res, name, args.out, rank, world) for name in args.archs.split(",")],
-             args.out)
+    run_rank(lambda res, rank, world: [run_arch(res, name, args.out, rank, world, args.device)
+                                       for name in args.archs.split(",")], args.out)
 
 
 if __name__ == "__main__":

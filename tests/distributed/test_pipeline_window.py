@@ -8,6 +8,7 @@ free lists account for every page while window pages are freed mid-sequence; tok
 (64 and 7) and under preemption. The launch is tests/distributed/pipeline_window_worker.py."""
 
 import pytest
+import torch
 
 from vexact_models.registry import architectures
 
@@ -60,5 +61,28 @@ def test_pipelined_window_group_equals_one_group_single_process_and_recompute_bi
         assert results[0][f"rollout/{name}/preempting/preempted"]["ok"]
         assert results[0][f"rollout/{name}/budget 64/window_pages_shared"]["ok"]
         for scenario in SCENARIOS:
+            key = f"rollout/{name}/{scenario}/outputs"
+            assert results[0][key]["detail"] == results[1][key]["detail"], f"{key}: ranks differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton kernels, CUDA graphs)")
+def test_pipelined_window_group_on_gpus_with_decode_graphs(tmp_path):
+    """The same checks on the GPU (one per rank when two are visible, else both ranks on one; the
+    carries through host memory over gloo), in bf16 at head dim 64, every engine with its decode
+    CUDA graphs: each stage's graphs stage the window group's slots and tables from the plan."""
+    results = torchrun("pipeline_window_worker.py", 2, tmp_path, "--archs", ",".join(NAMES), "--device", "cuda",
+                       timeout=900, cuda=True)
+    assert sorted(results) == [0, 1]
+    crashed = {r: c["crash"]["detail"] for r, c in results.items() if "crash" in c}
+    assert not crashed, crashed
+    for prefix in ("pages/", "rollout/"):
+        _assert_ok(results, prefix)
+    for name in NAMES:
+        for scenario in SCENARIOS:
+            assert all(results[r][f"pages/{name}/{scenario}/decode_graphs"]["ok"] for r in (0, 1))
+            for check in ("equals_pipeline_one_group", "equals_single_process", "equals_recompute",
+                          "free_lists_account", "window_pages_released"):
+                assert results[0][f"rollout/{name}/{scenario}/{check}"]["ok"], (name, scenario, check)
             key = f"rollout/{name}/{scenario}/outputs"
             assert results[0][key]["detail"] == results[1][key]["detail"], f"{key}: ranks differ"
