@@ -126,7 +126,8 @@ class LLM(EngineStepsMixin, EngineMemoryMixin):
             world size (e.g. under torchrun) constructs the engine with the same arguments and
             calls `generate` with the same arguments; all ranks return the same outputs. Stage
             s = rank s runs a contiguous range of decoder layers (`pipeline_stage`) and holds
-            their KV pages (``kv_cache_bytes`` / ``gpu_memory_utilization`` are per process); a
+            their KV pages (``kv_cache_bytes`` / ``gpu_memory_utilization`` are per process; a
+            model mixing windowed and full layers keeps its window page group there too); a
             checkpoint folder loads only the stage's tensors. The logprobs equal a
             single-process rollout's bitwise. ``update_weights``, ``sleep`` and ``wake_up`` are
             called on every rank. docs/pipeline.md.
