@@ -47,7 +47,8 @@ class EngineConfig:
             (`LLM` leaves it None for pipeline stages).
         window_group: None, or the window page group of a model mixing windowed and full
             attention layers (`runtime.page_groups`: those layers' K/V in pages of their own, freed
-            behind the window; `LLM` leaves it None for pipeline stages).
+            behind the window; the same on every pipeline stage, each holding its own windowed
+            layers' pages there).
     """
 
     num_blocks: int

@@ -126,7 +126,8 @@ class LLM(EngineStepsMixin, EngineMemoryMixin):
             world size (e.g. under torchrun) constructs the engine with the same arguments and
             calls `generate` with the same arguments; all ranks return the same outputs. Stage
             s = rank s runs a contiguous range of decoder layers (`pipeline_stage`) and holds
-            their KV pages (``kv_cache_bytes`` / ``gpu_memory_utilization`` are per process); a
+            their KV pages (``kv_cache_bytes`` / ``gpu_memory_utilization`` are per process; a
+            model mixing windowed and full layers keeps its window page group there too); a
             checkpoint folder loads only the stage's tensors. The logprobs equal a
             single-process rollout's bitwise. ``update_weights``, ``sleep`` and ``wake_up`` are
             called on every rank. docs/pipeline.md.
@@ -191,7 +192,7 @@ class LLM(EngineStepsMixin, EngineMemoryMixin):
             block_size = default_block_size(self.model.kv_cache_spec())
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
         # windowed layers beside full ones keep their pages apart, freed behind the window (runtime.page_groups)
-        windowed = window_layers(self.model) if self.pipeline is None else None
+        windowed = window_layers(self.model)  # (a pipeline stage's too: the plan carries both groups' tables)
         cap = None if windowed is None else window_pages_cap(windowed[0], block_size, max_num_seqs, max_num_batched_tokens)
         num_blocks, window_blocks = kv_cache_pages(self.model, self.dtype, self.device, self.pipeline, block_size,
                                                    gpu_memory_utilization, kv_cache_bytes, max_num_seqs,
@@ -234,9 +235,11 @@ class LLM(EngineStepsMixin, EngineMemoryMixin):
         """KV-cache bytes a sequence of `num_tokens` computed tokens holds in this engine (its
         dtype and page size), with the pages behind its windowed layers' windows freed or, with
         `window_freed` False, every page kept (`llm_setup.kv_bytes_per_sequence`); a pipeline
-        stage's engine counts the whole model, and keeps every page."""
+        stage's engine counts the whole model, and frees pages behind the window only in a window
+        group (its stages keep every page of a model whose every layer is windowed)."""
+        freed = self.pipeline is None or self.engine_config.window_group is not None
         return kv_bytes_per_sequence(self.model, num_tokens, dtype=self.dtype, block_size=self.engine_config.block_size,
-                                     window_freed=window_freed and self.pipeline is None)
+                                     window_freed=window_freed and freed)
 
     @property
     def pipeline_stage(self) -> PipelineStage | None:

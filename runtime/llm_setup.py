@@ -136,7 +136,11 @@ def kv_cache_pages(model, dtype: torch.dtype, device: torch.device, pipeline: Pi
     `window_group`: ``(its layers, its cap)`` for a model whose windowed layers keep their pages
     apart (`runtime.page_groups`): each group's page costs its own layers' bytes, the window group
     takes as many pages as the global group up to its cap (`page_groups.window_pages_cap`: what
-    the running sequences can hold there), the global group the rest. Without one: (pages, 0)."""
+    the running sequences can hold there), the global group the rest. Without one: (pages, 0).
+    A pipeline stage prices each group's page at its own layers' bytes (none for a group it holds
+    no layer of); every stage takes the smallest global count, and the window group's follows
+    from it and the cap alike on every stage (a stage of windowed layers only whose budget fits
+    the cap takes the others' global count; one whose budget does not fit it bounds both)."""
     window_layers_, cap = window_group if window_group is not None else ((), 0)
     per_block = cache_bytes_per_block(model, dtype, block_size, pipeline)
     per_window = cache_bytes_per_block(model, dtype, block_size, pipeline, window_layers_) if window_group else 0
@@ -151,7 +155,8 @@ def kv_cache_pages(model, dtype: torch.dtype, device: torch.device, pipeline: Pi
     pages = kv_cache_bytes - states
     blocks = pages // per_block if per_block else (_NO_PAGES if kv_cache_bytes >= states else 0)
     if window_group is not None and blocks > cap:  # the window group capped: the rest of the budget is global
-        blocks = (pages - cap * per_window) // (per_block - per_window)
+        per_global = per_block - per_window  # 0: a stage of windowed layers only, whose capped group fits
+        blocks = (pages - cap * per_window) // per_global if per_global else _NO_PAGES
     if pipeline is not None:  # before any raise: every stage must reach this collective
         blocks = pipeline.comm.min_over_stages(blocks)
     if blocks == _NO_PAGES:

@@ -110,11 +110,10 @@ class ModelRunner:
         from the first stage's plan), and its step graphs stage each step's plan over it
         (`runtime.cuda_graphs`).
 
-        A model mixing windowed and full attention layers with a `window_group` (not for a
-        pipeline stage) keeps those layers' K/V in caches of ``window_group.num_blocks`` pages,
-        addressed by the window group's block tables (``window_tables``, `runtime.page_groups`)."""
-        if window_group is not None and layers is not None:
-            raise ValueError("ModelRunner: a pipeline stage keeps every layer's pages in one group (window_group=None)")
+        A model mixing windowed and full attention layers with a `window_group` keeps those layers'
+        K/V in caches of ``window_group.num_blocks`` pages, addressed by the window group's block
+        tables (``window_tables``, `runtime.page_groups`; a pipeline stage: its own windowed
+        layers', the step's window slots and table taken from the first stage's plan)."""
         self.model = model
         self.window_group = window_group
         self.linear_spec = linear_state_spec(model.model if isinstance(model, StageModel) else model, layers)

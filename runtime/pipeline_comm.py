@@ -3,10 +3,12 @@
 Per step, in this order:
 
 1. plan (first stage -> every stage, a broadcast over a CPU (gloo) group): an int64 header
-   (kind, token/sequence/sampling-row counts, table width, longest chunk, bans, state copies)
-   and, for a step, one byte buffer with the step's `StepInputs` (with the sequences' state
-   slots and the gated-DeltaNet slot copies, which every stage applies to its own layers) and
-   the sampling rows' `HostRows`;
+   (kind, token/sequence/sampling-row counts, table width, longest chunk, bans, state copies,
+   whether the step carries a window page group) and, for a step, one byte buffer with the
+   step's `StepInputs` (with the sequences' state slots and the gated-DeltaNet slot copies,
+   which every stage applies to its own layers; with the window group's slots and block tables,
+   `runtime.page_groups`, which every stage's windowed layers read) and the sampling rows'
+   `HostRows`;
    ``END`` (the ``generate`` call is done) and ``ABORT`` (the first stage failed between
    steps) are a header alone;
 2. carry (stage s -> s + 1, point to point on the default group: NCCL on CUDA, gloo on CPU):
@@ -33,24 +35,28 @@ from .step_inputs import StepInputs
 __all__ = ["ABORT", "END", "STEP", "PipelineComm"]
 
 STEP, END, ABORT = 1, 2, 3
-_HEADER = 8
+_HEADER = 9
 _I64, _I32, _F64, _F32 = (np.dtype(t) for t in (np.int64, np.int32, np.float64, np.float32))
 
 
-def _plan_layout(tokens: int, seqs: int, rows: int, width: int, bans: int, copies: int) -> Layout:
-    """Where each array of a step's plan sits in its byte buffer (`_plan_arrays`' order)."""
+def _plan_layout(tokens: int, seqs: int, rows: int, width: int, bans: int, copies: int, window: bool) -> Layout:
+    """Where each array of a step's plan sits in its byte buffer (`_plan_arrays`' order; the
+    window group's two arrays empty without one)."""
+    grouped_tokens, grouped_seqs = (tokens, seqs) if window else (0, 0)
     return Layout([(_I64, (tokens,)), (_I64, (tokens,)), (_I64, (tokens,)), (_I64, (rows,)), (_I32, (seqs + 1,)),
                    (_I32, (seqs,)), (_I32, (seqs,)), (_I32, (seqs, width)), (_I64, (seqs,)), (_I64, (copies, 2)),
-                   (_F32, (rows,)), (_F64, (rows,)), (_I64, (rows,)), (_I64, (rows,)), (_I64, (rows,)), (_I64, (bans, 2))])
+                   (_F32, (rows,)), (_F64, (rows,)), (_I64, (rows,)), (_I64, (rows,)), (_I64, (rows,)), (_I64, (bans, 2)),
+                   (_I64, (grouped_tokens,)), (_I32, (grouped_seqs, width))])
 
 
 def _plan_arrays(inputs: StepInputs, rows: HostRows) -> list[np.ndarray]:
     if inputs.seq_rows is None:
         raise RuntimeError("PipelineComm: a step's plan needs the sequences' block-table rows (their state slots): "
                            "connect the first stage's runner to its scheduler (EngineConfig.connect)")
+    window = [] if inputs.window_slots is None else [inputs.window_slots, inputs.window_block_table]
     return [inputs.ids, inputs.positions, inputs.slots, inputs.logits_rows, inputs.cu_seqlens, inputs.seq_lens,
             inputs.seq_order, inputs.block_table, inputs.seq_rows, inputs.state_copies, rows.temps, rows.top_p,
-            rows.top_k, rows.seeds, rows.steps, rows.bans]
+            rows.top_k, rows.seeds, rows.steps, rows.bans, *window]
 
 
 class PipelineComm:
@@ -70,10 +76,10 @@ class PipelineComm:
         """First stage: a step's inputs and sampling rows to every stage."""
         tokens, seqs, width = len(inputs.ids), len(inputs.seq_lens), inputs.block_table.shape[1]
         arrays = _plan_arrays(inputs, rows)
-        copies = len(inputs.state_copies)
-        header = [STEP, tokens, seqs, len(rows.temps), width, inputs.max_seqlen_q, len(rows.bans), copies]
+        copies, window = len(inputs.state_copies), inputs.window_slots is not None
+        header = [STEP, tokens, seqs, len(rows.temps), width, inputs.max_seqlen_q, len(rows.bans), copies, int(window)]
         self._broadcast(torch.tensor(header, dtype=torch.int64))
-        layout = _plan_layout(tokens, seqs, len(rows.temps), width, len(rows.bans), copies)
+        layout = _plan_layout(tokens, seqs, len(rows.temps), width, len(rows.bans), copies, window)
         buffer = layout.allocate(torch.device("cpu"))
         for view, array in zip(layout.host_views(buffer), arrays):
             view[...] = array
@@ -87,17 +93,18 @@ class PipelineComm:
         """Other stages: the next message, ``(kind, inputs, rows)`` (None, None unless STEP)."""
         header = torch.empty(_HEADER, dtype=torch.int64)
         self._broadcast(header)
-        kind, tokens, seqs, num_rows, width, max_q, bans, copies = header.tolist()
+        kind, tokens, seqs, num_rows, width, max_q, bans, copies, window = header.tolist()
         if kind != STEP:
             return kind, None, None
-        layout = _plan_layout(tokens, seqs, num_rows, width, bans, copies)
+        layout = _plan_layout(tokens, seqs, num_rows, width, bans, copies, bool(window))
         buffer = layout.allocate(torch.device("cpu"))
         self._broadcast(buffer)
         (ids, positions, slots, logits_rows, cu, lens, order, table, seq_rows, state_copies, temps, top_p, top_k, seeds,
-         steps, banned) = layout.host_views(buffer)
+         steps, banned, window_slots, window_table) = layout.host_views(buffer)
         inputs = StepInputs(ids=ids, positions=positions, slots=slots, logits_rows=logits_rows, cu_seqlens=cu,
                             seq_lens=lens, block_table=table, seq_order=order, max_seqlen_q=max_q, seq_rows=seq_rows,
-                            state_copies=state_copies)
+                            state_copies=state_copies, window_slots=window_slots if window else None,
+                            window_block_table=window_table if window else None)
         return kind, inputs, HostRows(temps, top_p, top_k, seeds, steps, banned)
 
     def _broadcast(self, tensor: torch.Tensor) -> None:

@@ -114,11 +114,14 @@ def equal_lists(got: list[torch.Tensor], want: list[torch.Tensor]) -> tuple[bool
 
 # -- launching -----------------------------------------------------------------------------------
 
-def torchrun(script: str, nprocs: int, out: Path, *args: str, timeout: int = 420) -> dict[int, dict]:
-    """Run `script` (a file beside this one, or a path) on `nprocs` CPU ranks (gloo) with torchrun;
-    return each rank's recorded checks. A failed launch raises with the processes' output."""
+def torchrun(script: str, nprocs: int, out: Path, *args: str, timeout: int = 420, cuda: bool = False) -> dict[int, dict]:
+    """Run `script` (a file beside this one, or a path) on `nprocs` CPU ranks (gloo) with torchrun
+    (`cuda`: the GPUs left visible to them); return each rank's recorded checks. A failed launch
+    raises with the processes' output."""
     path = script if os.path.isabs(script) else str(HERE / script)
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    if not cuda:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}", path,
            "--out", str(out), *args]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)

@@ -154,8 +154,9 @@ def test_window_group_rollouts_through_the_graph_buffers(checkpoint, monkeypatch
 
 def test_sleep_and_wake_up_keep_the_window_group(checkpoint, monkeypatch):
     """`sleep` frees both groups' caches, `wake_up` allocates them again at their own page counts,
-    and the rollout after it is bitwise the one before; a pipeline stage's runner takes no window
-    group (it keeps every page)."""
+    and the rollout after it is bitwise the one before; a pipeline stage's runner holds its own
+    windowed layers' pages in a pool of the window group's size, its full layers' in the global one
+    (the rollouts: tests/distributed/test_pipeline_window.py)."""
     path, _ = checkpoint
     llm = engine(path, monkeypatch, max_num_batched_tokens=32)
     group = llm.engine_config.window_group
@@ -167,8 +168,9 @@ def test_sleep_and_wake_up_keep_the_window_group(checkpoint, monkeypatch):
     assert {llm.runner.kv_caches[i][0].shape[0] for i in group.layers} == {group.num_blocks}
     after = llm.generate([PROMPTS[1]], params, use_tqdm=False)[0].outputs[0]
     assert (after.token_ids, after.logprobs) == (before.token_ids, before.logprobs)
-    with pytest.raises(ValueError, match="pipeline stage keeps every layer's pages in one group"):
-        ModelRunner(llm.model, 8, BS, torch.device("cpu"), torch.float32, layers=range(0, 2), window_group=group)
+    stage = ModelRunner(llm.model, 8, BS, torch.device("cpu"), torch.float32, layers=range(0, 2), window_group=group)
+    sizes = [None if kv is None else kv[0].shape[0] for kv in stage.kv_caches]
+    assert sizes == [group.num_blocks if i in group.layers else 8 for i in range(2)] + [None] * (len(sizes) - 2)
 
 
 def test_a_window_layer_attending_beyond_the_group_window_is_refused(checkpoint, monkeypatch):
