@@ -30,8 +30,10 @@ from ._triton import require_triton, tl, triton
 from .backend import select
 from .dependent_launch import dependent_launch_kwargs, wait_for_inputs
 from .linear import linear_reference
-from .moe_activation import PLAIN, ExpertForm, SwigluClamp, expert_activation, expert_activation_reference
+from .moe_activation import (PLAIN, ExpertForm, SwigluClamp, expert_activation, expert_activation_reference,
+                             expert_activation_rows)
 from .moe_align import MoeLayout, moe_align
+from .moe_lora import GATE_FIRST_FROM_INTERLEAVED, IDENTITY, ExpertLora, moe_lora_add_reference, moe_lora_add_triton
 from .moe_backward import fused_moe_backward_reference, fused_moe_backward_triton
 from .moe_config import MoeConfig, k_tile, pick_config
 from .moe_grouped_gemm import combine, grouped_gemm, input_precision, tile_descriptor, weights_by_tma
@@ -43,7 +45,8 @@ def moe_gate_up_kernel(x_ptr, w_ptr, w_desc, act_ptr, preact_ptr, sorted_pairs_p
                        TOP_K: tl.constexpr, SAVE_PREACT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_DESC: tl.constexpr,
                        PDL: tl.constexpr = False, up_offset=0, bias_ptr=None, stride_be=0, bias_step=1,
-                       bias_up=0, alpha=1.0, limit=1.0, BIAS: tl.constexpr = False, CLAMPED: tl.constexpr = False):
+                       bias_up=0, alpha=1.0, limit=1.0, BIAS: tl.constexpr = False, CLAMPED: tl.constexpr = False,
+                       STORE_ACT: tl.constexpr = True):
     """Gate and up GEMMs of the expert-sorted rows (`moe_align`) with the activation in the
     epilogue: ``act = silu(x @ Wg[e].T) * (x @ Wu[e].T)`` per block of rows of one expert
     (rule 4). Gate row n of expert e at ``stride_we * e + stride_wn * n``, its up row
@@ -92,26 +95,30 @@ def moe_gate_up_kernel(x_ptr, w_ptr, w_desc, act_ptr, preact_ptr, sorted_pairs_p
         b_ptrs = bias_ptr + expert * stride_be + offs_n * bias_step
         g = (g.to(tl.float32) + tl.load(b_ptrs, mask=n_ok, other=0.0).to(tl.float32)[None, :]).to(dtype)
         u = (u.to(tl.float32) + tl.load(b_ptrs + bias_up, mask=n_ok, other=0.0).to(tl.float32)[None, :]).to(dtype)
-    act = expert_activation(g.to(tl.float32), u.to(tl.float32), alpha, limit, CLAMPED)
     rows = offs_m.to(tl.int64)[:, None]
-    tl.store(act_ptr + rows * stride_act + offs_n[None, :], act.to(dtype), mask=n_ok[None, :])
+    if STORE_ACT:
+        act = expert_activation(g.to(tl.float32), u.to(tl.float32), alpha, limit, CLAMPED)
+        tl.store(act_ptr + rows * stride_act + offs_n[None, :], act.to(dtype), mask=n_ok[None, :])
     if SAVE_PREACT:
         tl.store(preact_ptr + rows * stride_pre + offs_n[None, :], g, mask=n_ok[None, :])
         tl.store(preact_ptr + rows * stride_pre + I + offs_n[None, :], u, mask=n_ok[None, :])
 
 
 def gate_up_act(x: torch.Tensor, gate_up: torch.Tensor, layout: MoeLayout, top_k: int, cfg: MoeConfig,
-                save_preact: bool = False, form: ExpertForm = PLAIN) -> tuple[torch.Tensor, torch.Tensor]:
+                save_preact: bool = False, form: ExpertForm = PLAIN,
+                store_act: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``act[p] = silu(x[t] @ Wg[e].T) * (x[t] @ Wu[e].T)`` over the padded permuted rows of
     `layout` (pair p = t * top_k + r of expert e), by `moe_gate_up_kernel` with `cfg`'s tiles; with
     `form`'s gate/up biases, clamped activation and interleaved rows. Returns (act, preact):
     preact holds the rounded gate and up products (biases added; gate columns first whatever the
-    form) when `save_preact` (the backward's input), else it is `act` itself."""
+    form) when `save_preact` (the backward's input), else it is `act` itself. Without `store_act`
+    (needs `save_preact`) act is None: only the products are computed."""
     hidden = x.shape[1]
     inter = gate_up.shape[1] // 2
     rows = layout.sorted_pairs.shape[0]
-    act = torch.empty(rows, inter, device=x.device, dtype=x.dtype)
-    preact = torch.empty(rows, 2 * inter, device=x.device, dtype=x.dtype) if save_preact else act
+    preact = torch.empty(rows, 2 * inter, device=x.device, dtype=x.dtype) if save_preact else None
+    act = torch.empty(rows, inter, device=x.device, dtype=x.dtype) if store_act else None
+    preact = act if preact is None else preact
     block_k = k_tile(cfg.block_k, hidden)
     desc = cfg.tma and not form.interleaved and weights_by_tma(gate_up, 2 * inter, hidden, gate_up.stride(1),
                                                                gate_up.stride(2))
@@ -127,9 +134,10 @@ def gate_up_act(x: torch.Tensor, gate_up: torch.Tensor, layout: MoeLayout, top_k
     if form.clamp is not None:
         extra.update(alpha=float(form.clamp.alpha), limit=float(form.clamp.limit))
     moe_gate_up_kernel[(rows // cfg.block_m, triton.cdiv(inter, cfg.block_n))](
-        x, gate_up, w_desc, act, preact, layout.sorted_pairs, layout.block_expert, layout.num_pairs, hidden, inter,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1) * row_step, gate_up.stride(2), act.stride(0),
-        preact.stride(0), TOP_K=top_k, SAVE_PREACT=save_preact, INPUT_PRECISION=input_precision(x.dtype),
+        x, gate_up, w_desc, preact if act is None else act, preact, layout.sorted_pairs, layout.block_expert,
+        layout.num_pairs, hidden, inter, x.stride(0), gate_up.stride(0), gate_up.stride(1) * row_step,
+        gate_up.stride(2), inter if act is None else act.stride(0), preact.stride(0), TOP_K=top_k,
+        SAVE_PREACT=save_preact, STORE_ACT=act is not None, INPUT_PRECISION=input_precision(x.dtype),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, W_DESC=desc, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **extra, **dependent_launch_kwargs(x.device))
     return act, preact
@@ -143,13 +151,22 @@ def _forward_triton(x, gate_up, down, weights, ids, save_preact: bool, add: torc
     cfg = pick_config(tokens, ids.shape[1], experts)
     layout = moe_align(ids, experts, cfg.block_m)
     layout.config = cfg
-    act, preact = gate_up_act(x, gate_up, layout, ids.shape[1], cfg, save_preact, form)
+    top_k, u = ids.shape[1], [None, None]  # the adapters' u rows (the backward's)
+    if form.gate_up_lora is None:
+        act, preact = gate_up_act(x, gate_up, layout, top_k, cfg, save_preact, form)
+    else:  # the products, their update (moe_lora.py), then the epilogue's activation
+        preact = gate_up_act(x, gate_up, layout, top_k, cfg, True, form, store_act=False)[1]
+        u[0] = moe_lora_add_triton(preact, x, form.gate_up_lora, layout, experts, top_k, True,
+                                   GATE_FIRST_FROM_INTERLEAVED if form.interleaved else IDENTITY, save_preact)
+        act = expert_activation_rows(preact, form.clamp, layout.block_expert, cfg.block_m)
     y = grouped_gemm(act, down, layout, hidden, inter, down.stride(1), down.stride(2), x.dtype, cfg, down_tiles=True,
                      bias=form.down_bias)
+    if form.down_lora is not None:
+        u[1] = moe_lora_add_triton(y, act, form.down_lora, layout, experts, top_k, False, IDENTITY, save_preact)
     if add_ready is not None:  # `add` comes from another stream: the combine is its first reader
         torch.cuda.current_stream(x.device).wait_event(add_ready)
     out = combine(y, weights, layout, tokens, x.dtype, add)
-    return out, (layout, act, preact, y)
+    return out, (layout, act, preact, y, *u)
 
 
 def add_bias_rounded(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -162,8 +179,8 @@ def add_bias_rounded(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor
 
 
 def fused_moe_reference(x, gate_up, down, weights, ids, form: ExpertForm = PLAIN) -> torch.Tensor:
-    """Per expert, `linear_reference` rows (row-invariant on CPU), `form`'s biases and activation;
-    ranks combined in order."""
+    """Per expert, `linear_reference` rows (row-invariant on CPU), `form`'s biases, adapters
+    (`moe_lora.moe_lora_add_reference`) and activation; ranks combined in order."""
     tokens, top_k = ids.shape
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
     y = torch.zeros(tokens, top_k, x.shape[1], dtype=x.dtype)
@@ -171,9 +188,14 @@ def fused_moe_reference(x, gate_up, down, weights, ids, form: ExpertForm = PLAIN
         t, r = (ids == expert).nonzero(as_tuple=True)
         gu = linear_reference(x[t], gate_up[expert], None, x.dtype)
         gu = add_bias_rounded(gu, None if form.gate_up_bias is None else form.gate_up_bias[expert])
+        if form.gate_up_lora is not None:
+            gu = moe_lora_add_reference(gu, x[t], form.gate_up_lora, expert, gate_up.shape[0])[0]
         act = expert_activation_reference(*form.split(gu), form.clamp)
-        y[t, r] = add_bias_rounded(linear_reference(act, down[expert], None, x.dtype),
-                                   None if form.down_bias is None else form.down_bias[expert])
+        y_e = add_bias_rounded(linear_reference(act, down[expert], None, x.dtype),
+                               None if form.down_bias is None else form.down_bias[expert])
+        if form.down_lora is not None:
+            y_e = moe_lora_add_reference(y_e, act, form.down_lora, expert, gate_up.shape[0])[0]
+        y[t, r] = y_e
     out = torch.zeros(tokens, x.shape[1], dtype=compute)
     w = weights.to(compute)
     for r in range(top_k):
@@ -181,31 +203,45 @@ def fused_moe_reference(x, gate_up, down, weights, ids, form: ExpertForm = PLAIN
     return out.to(x.dtype)
 
 
+def _lora(a, b, scaling) -> ExpertLora | None:
+    return None if a is None else ExpertLora(a, b, scaling)
+
+
 class _FusedMoeFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, gate_up, down, weights, ids, backend, gate_up_bias, down_bias, clamp, interleaved):
-        form = ExpertForm(gate_up_bias, down_bias, clamp, interleaved)
+    def forward(ctx, x, gate_up, down, weights, ids, backend, gate_up_bias, down_bias, clamp, interleaved,
+                gu_a, gu_b, gu_scaling, down_a, down_b, down_scaling):
+        form = ExpertForm(gate_up_bias, down_bias, clamp, interleaved, _lora(gu_a, gu_b, gu_scaling),
+                          _lora(down_a, down_b, down_scaling))
         ctx.backend, ctx.clamp, ctx.interleaved = backend, clamp, interleaved
+        ctx.scalings = (gu_scaling, down_scaling)
         ctx.biases = (gate_up_bias is not None, down_bias is not None)
+        adapters = (gu_a, gu_b, down_a, down_b)
         if backend == "reference":
-            ctx.save_for_backward(x, gate_up, down, weights, ids, gate_up_bias, down_bias)
+            ctx.save_for_backward(x, gate_up, down, weights, ids, gate_up_bias, down_bias, *adapters)
             return fused_moe_reference(x, gate_up, down, weights, ids, form)
-        out, (layout, act, preact, y) = _forward_triton(x, gate_up, down, weights, ids, save_preact=True, form=form)
-        ctx.save_for_backward(x, gate_up, down, weights, ids, act, preact, y)
+        out, (layout, act, preact, y, u_gu, u_down) = _forward_triton(x, gate_up, down, weights, ids,
+                                                                      save_preact=True, form=form)
+        ctx.save_for_backward(x, gate_up, down, weights, ids, act, preact, y, *adapters, u_gu, u_down)
         ctx.layout = layout
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         if ctx.backend == "reference":
-            x, gate_up, down, weights, ids, gate_up_bias, down_bias = ctx.saved_tensors
-            form = ExpertForm(gate_up_bias, down_bias, ctx.clamp, ctx.interleaved)
+            x, gate_up, down, weights, ids, gate_up_bias, down_bias, gu_a, gu_b, down_a, down_b = ctx.saved_tensors
+            form = ExpertForm(gate_up_bias, down_bias, ctx.clamp, ctx.interleaved, _lora(gu_a, gu_b, ctx.scalings[0]),
+                              _lora(down_a, down_b, ctx.scalings[1]))
             grads = fused_moe_backward_reference(grad_out, x, gate_up, down, weights, ids, form)
         else:
-            form = ExpertForm(None, None, ctx.clamp, ctx.interleaved)
-            grads = fused_moe_backward_triton(grad_out.contiguous(), ctx.layout, *ctx.saved_tensors, form=form,
-                                              biases=ctx.biases)
-        return (*grads[:4], None, None, *grads[4:], None, None)
+            *saved, gu_a, gu_b, down_a, down_b, u_gu, u_down = ctx.saved_tensors
+            form = ExpertForm(None, None, ctx.clamp, ctx.interleaved, _lora(gu_a, gu_b, ctx.scalings[0]),
+                              _lora(down_a, down_b, ctx.scalings[1]))
+            grads = fused_moe_backward_triton(grad_out.contiguous(), ctx.layout, *saved, form=form,
+                                              biases=ctx.biases, u=(u_gu, u_down))
+        # x, gate_up, down, weights, ids, backend, the biases, clamp, interleaved, then each
+        # adapter's A, B and scaling
+        return (*grads[:4], None, None, *grads[4:6], None, None, grads[6], grads[7], None, grads[8], grads[9], None)
 
 
 def _check_form(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, form: ExpertForm) -> None:
@@ -218,13 +254,20 @@ def _check_form(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Te
                              f"{list(bias.shape)} {bias.dtype} on {bias.device}")
     if form.clamp is not None and not isinstance(form.clamp, SwigluClamp):
         raise ValueError(f"fused_moe: clamp={form.clamp!r} must be a SwigluClamp or None")
+    for name, lora, n, k in (("gate_up_lora", form.gate_up_lora, gate_up_proj.shape[1], hidden),
+                             ("down_lora", form.down_lora, hidden, down_proj.shape[2])):
+        if lora is not None:
+            if not isinstance(lora, ExpertLora):
+                raise ValueError(f"fused_moe: {name}={lora!r} must be a kernels.moe_lora.ExpertLora or None")
+            lora.check(name, experts, k, n, x)
 
 
 def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, add: torch.Tensor | None = None,
               add_ready: torch.cuda.Event | None = None, *, gate_up_bias: torch.Tensor | None = None,
               down_bias: torch.Tensor | None = None, clamp: SwigluClamp | None = None,
-              interleaved: bool = False) -> torch.Tensor:
+              interleaved: bool = False, gate_up_lora: ExpertLora | None = None,
+              down_lora: ExpertLora | None = None) -> torch.Tensor:
     """Routed-expert output ``[T, H]`` for ``x [T, H]`` (see the module docstring), plus `add`.
 
     Args:
@@ -243,7 +286,12 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
         clamp: GPT-OSS's clamped SwiGLU (`moe_activation.SwigluClamp`) instead of SwiGLU.
         interleaved: gate/up rows interleaved (gate row n at 2n, up at 2n + 1; GPT-OSS) instead
             of all gate rows first.
-    Differentiable in x, both weight tensors, both biases, topk_weights and add.
+        gate_up_lora, down_lora: a LoRA adapter on either expert tensor (`moe_lora.ExpertLora`,
+            PEFT's ``target_parameters`` layout: A ``[E * r, K]``, B ``[N, r * E]``, N in the
+            tensor's output rows' order): its update is added to the rounded (and biased)
+            products of each pair's expert (`moe_lora.py`'s arithmetic).
+    Differentiable in x, both weight tensors, both biases, topk_weights, add and the adapters'
+    A and B.
     """
     if x.dim() != 2 or gate_up_proj.shape[2] != x.shape[1] or down_proj.shape[1] != x.shape[1] \
             or gate_up_proj.shape[1] != 2 * down_proj.shape[2] or gate_up_proj.shape[0] != down_proj.shape[0]:
@@ -252,7 +300,7 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"fused_moe: topk_ids {tuple(topk_ids.shape)} and topk_weights "
                          f"{tuple(topk_weights.shape)} must both be [{x.shape[0]}, k]")
-    form = ExpertForm(gate_up_bias, down_bias, clamp, bool(interleaved))
+    form = ExpertForm(gate_up_bias, down_bias, clamp, bool(interleaved), gate_up_lora, down_lora)
     _check_form(x, gate_up_proj, down_proj, form)
     backend = select("fused_moe", x)
     x = x.contiguous()
@@ -262,9 +310,11 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
                          f"got {tuple(add.shape)} {add.dtype} on {add.device}")
     if add_ready is not None and add is None:
         raise ValueError("fused_moe: add_ready was given without add; it says when add is ready to read")
+    adapters = tuple(t for lora in (gate_up_lora, down_lora) for t in ((None, None, None) if lora is None else
+                                                                       (lora.a, lora.b, float(lora.scaling))))
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, gate_up_proj, down_proj, topk_weights, add, gate_up_bias,
-                                                     down_bias))
+                                                     down_bias, *adapters[0:2], *adapters[3:5]))
     plain_add = needs_grad or backend == "reference"  # the plain add after the routed output
     if add_ready is not None and (plain_add or not add.is_contiguous()):
         # `add` is read before the combine (its add, or its copy below): wait for it now; `beside`
@@ -273,7 +323,7 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
         add_ready = None
     if plain_add:
         out = (_FusedMoeFunction.apply(x, gate_up_proj, down_proj, topk_weights, ids, backend, gate_up_bias, down_bias,
-                                       form.clamp, form.interleaved) if needs_grad
+                                       form.clamp, form.interleaved, *adapters) if needs_grad
                else fused_moe_reference(x, gate_up_proj, down_proj, topk_weights, ids, form))
         return out if add is None else out + add
     add = None if add is None else add.contiguous()  # the combine kernel reads rows of unit stride

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from . import exact_math
-from ._triton import tl, triton
+from ._triton import next_power_of_2, tl, triton
+from .moe_lora import ExpertLora
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,39 @@ def expert_activation(g, u, alpha, limit, CLAMPED: tl.constexpr):
         u = tl.minimum(tl.maximum(u, -limit), limit)
         return g / (1.0 + tl.exp(-(g * alpha))) * (u + 1.0)
     return g / (1.0 + tl.exp(-g)) * u
+
+
+@triton.jit
+def _expert_activation_rows_kernel(pre_ptr, act_ptr, block_expert_ptr, inter, stride_pre, stride_act, alpha, limit,
+                                   BLOCK_EXPERT_ROWS: tl.constexpr, CLAMPED: tl.constexpr, BLOCK: tl.constexpr):
+    """``act[row] = expert_activation(gate, up)`` of one row of gate-first rounded products (rows
+    of unused blocks, which hold no products, are skipped)."""
+    row = tl.program_id(0).to(tl.int64)
+    if tl.load(block_expert_ptr + row // BLOCK_EXPERT_ROWS) < 0:
+        return
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < inter
+    g = tl.load(pre_ptr + row * stride_pre + offs, mask=ok, other=0.0)
+    u = tl.load(pre_ptr + row * stride_pre + inter + offs, mask=ok, other=0.0)
+    act = expert_activation(g.to(tl.float32), u.to(tl.float32), alpha, limit, CLAMPED)
+    tl.store(act_ptr + row * stride_act + offs, act.to(act_ptr.dtype.element_ty), mask=ok)
+
+
+def expert_activation_rows(preact: torch.Tensor, clamp: SwigluClamp | None, block_expert: torch.Tensor,
+                           block_m: int) -> torch.Tensor:
+    """The activation ``[P, I]`` of gate-first rounded products ``[P, 2I]`` over a MoE layout's
+    sorted rows (`block_expert`: each `block_m` rows' expert, -1 unused) by a Triton launch: the
+    operations of `moe.moe_gate_up_kernel`'s epilogue, for rows whose products were changed after
+    the GEMM (the experts' LoRA update, `moe_lora.py`)."""
+    rows, inter = preact.shape[0], preact.shape[1] // 2
+    act = torch.empty(rows, inter, device=preact.device, dtype=preact.dtype)
+    if rows:
+        block = min(1024, next_power_of_2(inter))
+        _expert_activation_rows_kernel[(rows, triton.cdiv(inter, block))](
+            preact, act, block_expert, inter, preact.stride(0), act.stride(0), float(clamp.alpha) if clamp else 1.0,
+            float(clamp.limit) if clamp else 1.0, BLOCK_EXPERT_ROWS=block_m, CLAMPED=clamp is not None, BLOCK=block,
+            num_warps=4)
+    return act
 
 
 def expert_activation_reference(gate: torch.Tensor, up: torch.Tensor, clamp: SwigluClamp | None) -> torch.Tensor:
@@ -93,12 +127,15 @@ class ExpertForm:
     """What a MoE's experts compute beyond the plain two GEMMs and SwiGLU (Qwen3-MoE, DeepSeek:
     `PLAIN`): biases on the gate/up (``[E, 2I]``, in the gate/up rows' order) and down (``[E, H]``)
     products, GPT-OSS's `SwigluClamp`, and whether the ``[E, 2I, H]`` gate/up rows interleave
-    (GPT-OSS: gate row n at 2n, up row n at 2n + 1) instead of all gate rows first."""
+    (GPT-OSS: gate row n at 2n, up row n at 2n + 1) instead of all gate rows first; and LoRA
+    adapters on either expert tensor (`moe_lora.ExpertLora`, PEFT's ``target_parameters``)."""
 
     gate_up_bias: torch.Tensor | None = None
     down_bias: torch.Tensor | None = None
     clamp: SwigluClamp | None = None
     interleaved: bool = False
+    gate_up_lora: ExpertLora | None = None
+    down_lora: ExpertLora | None = None
 
     def split(self, gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate, up) columns of ``[..., 2I]`` products (or rows' values) in this form's order."""

@@ -18,6 +18,7 @@ from ._triton import tl, triton
 from .moe_activation import PLAIN, ExpertForm, expert_activation_backward, expert_activation_math
 from .moe_align import MoeLayout
 from .moe_grouped_gemm import combine, grouped_gemm, input_precision
+from .moe_lora import ExpertLora, expert_lora_math
 
 WG_BLOCK_N = 64
 WG_BLOCK_K = 64
@@ -63,11 +64,37 @@ def _weight_grad(g: torch.Tensor, a: torch.Tensor, layout: MoeLayout, experts: i
     return out
 
 
+def _lora_backward(g: torch.Tensor, inp: torch.Tensor, d_inp: torch.Tensor, lora: ExpertLora, u: torch.Tensor,
+                   layout: MoeLayout, experts: int, top_k: int, gather: bool):
+    """One expert adapter's part of the backward (rule 8): ``du = s * g B_e`` and ``d_inp += du A_e``
+    by the grouped GEMM, ``dB_e = s * sum g^T u`` and ``dA_e = sum du^T inp`` by the weight-gradient
+    kernel, operands in g's dtype. `g` ``[P, N]`` is the adapted GEMM's output gradient over the
+    sorted rows, `inp` its input (tokens when `gather`), `u` the forward's shrink. Returns
+    (d_inp, (dA, dB)) with dA and dB in PEFT's layouts and the adapter's dtypes."""
+    n, k = g.shape[1], inp.shape[1]
+    rank, cfg = lora.rank(experts), layout.config
+    b = lora.b.to(g.dtype)  # element (rank j, n) of expert e at e + j * E + n * [r * E]
+    b_view = b.as_strided((experts, rank, n), (b.stride(1), experts * b.stride(1), b.stride(0)))
+    du = grouped_gemm(g, b_view, layout, rank, n, experts * b.stride(1), b.stride(0), torch.float32, cfg)
+    du *= lora.scaling
+    du_in = du.to(g.dtype)
+    a = lora.a.to(g.dtype).view(experts, rank, k)  # element (k, j) of expert e: A[e * r + j, k]
+    d_inp += grouped_gemm(du_in, a, layout, k, rank, a.stride(2), a.stride(1), torch.float32, cfg)
+    grad_b = _weight_grad(g, u.to(g.dtype), layout, experts, False, top_k,
+                          torch.empty(experts, n, rank, device=g.device, dtype=torch.float32))
+    grad_b = (grad_b * lora.scaling).permute(1, 2, 0).reshape(n, rank * experts).to(lora.b.dtype)
+    grad_a = _weight_grad(du_in, inp, layout, experts, gather, top_k,
+                          torch.empty(experts, rank, k, device=g.device, dtype=torch.float32))
+    return d_inp, (grad_a.view(experts * rank, k).to(lora.a.dtype), grad_b)
+
+
 def fused_moe_backward_triton(grad_out, layout: MoeLayout, x, gate_up, down, weights, ids, act, preact, y, *,
-                              form: ExpertForm = PLAIN, biases: tuple[bool, bool] = (False, False)):
+                              form: ExpertForm = PLAIN, biases: tuple[bool, bool] = (False, False),
+                              u: tuple = (None, None)):
     """Gradients of `fused_moe` (x, gate_up, down, weights, then the gate/up and down biases when
-    `biases` says the forward had them, else None) from the forward's saved rows; `form` gives
-    the activation and the gate/up rows' order (its bias tensors are not read)."""
+    `biases` says the forward had them, else None, then A and B of `form`'s gate/up and down
+    adapters, None where absent) from the forward's saved rows (`u`: each adapter's shrink);
+    `form` gives the activation and the gate/up rows' order (its bias tensors are not read)."""
     tokens, hidden = x.shape
     top_k = ids.shape[1]
     experts, inter = down.shape[0], down.shape[2]
@@ -79,11 +106,17 @@ def fused_moe_backward_triton(grad_out, layout: MoeLayout, x, gate_up, down, wei
     # d_act[p, i] = sum_h dy[p, h] down[e, h, i]: W element (n=i, k=h)
     cfg = layout.config
     d_act = grouped_gemm(dy, down, layout, inter, hidden, down.stride(2), down.stride(1), torch.float32, cfg)
+    adapter_grads = [(None, None), (None, None)]
+    if form.down_lora is not None:
+        d_act, adapter_grads[1] = _lora_backward(dy, act, d_act, form.down_lora, u[1], layout, experts, top_k, False)
     d_gate, d_up = expert_activation_backward(preact[:, :inter], preact[:, inter:], d_act, form.clamp)
     d_gate_up = form.join(d_gate, d_up).to(x.dtype)  # in the weight rows' order
     # dx_p[h] = sum_j d_gate_up[p, j] gate_up[e, j, h]: W element (n=h, k=j)
     dx_pairs = grouped_gemm(d_gate_up, gate_up, layout, hidden, 2 * inter, gate_up.stride(2), gate_up.stride(1),
                             torch.float32, cfg)
+    if form.gate_up_lora is not None:
+        dx_pairs, adapter_grads[0] = _lora_backward(d_gate_up, x, dx_pairs, form.gate_up_lora, u[0], layout, experts,
+                                                    top_k, True)
     grad_x = combine(dx_pairs, torch.ones_like(weights, dtype=torch.float32), layout, tokens, x.dtype)
     grad_down = _weight_grad(dy, act, layout, experts, False, top_k, torch.empty(down.shape, device=x.device,
                                                                                  dtype=down.dtype))
@@ -94,17 +127,25 @@ def fused_moe_backward_triton(grad_out, layout: MoeLayout, x, gate_up, down, wei
         torch.zeros(experts, g.shape[1], device=x.device, dtype=torch.float32).index_add_(
             0, expert_of_pair, g[layout.pair_pos].float()).to(x.dtype) if wanted else None
         for wanted, g in zip(biases, (d_gate_up, dy)))
-    return grad_x, grad_gate_up, grad_down, grad_weights.to(weights.dtype), *bias_grads
+    return (grad_x, grad_gate_up, grad_down, grad_weights.to(weights.dtype), *bias_grads, *adapter_grads[0],
+            *adapter_grads[1])
 
 
 def fused_moe_backward_reference(grad_out, x, gate_up, down, weights, ids, form: ExpertForm = PLAIN):
-    """Gradients of `fused_moe` (x, gate_up, down, weights, gate/up bias, down bias; None for an
-    absent bias) by autograd through `moe_math` in fp32 (fp64 for fp64)."""
+    """Gradients of `fused_moe` (x, gate_up, down, weights, gate/up bias, down bias, then the
+    gate/up adapter's A and B and the down adapter's; None for an absent one) by autograd through
+    `moe_math` in fp32 (fp64 for fp64)."""
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
-    inputs = (x, gate_up, down, weights, form.gate_up_bias, form.down_bias)
+    gu, dn = form.gate_up_lora, form.down_lora
+    inputs = (x, gate_up, down, weights, form.gate_up_bias, form.down_bias, *((None, None) if gu is None else
+                                                                              (gu.a, gu.b)),
+              *((None, None) if dn is None else (dn.a, dn.b)))
     with torch.enable_grad():
         leaves = [None if t is None else t.detach().to(compute).requires_grad_() for t in inputs]
-        out = moe_math(*leaves[:4], ids, ExpertForm(leaves[4], leaves[5], form.clamp, form.interleaved))
+        out = moe_math(*leaves[:4], ids, ExpertForm(
+            leaves[4], leaves[5], form.clamp, form.interleaved,
+            None if gu is None else ExpertLora(leaves[6], leaves[7], gu.scaling),
+            None if dn is None else ExpertLora(leaves[8], leaves[9], dn.scaling)))
         present = [t for t in leaves if t is not None]
         grads = iter(torch.autograd.grad(out, present, grad_out.to(compute)))
     return tuple(None if t is None else next(grads).to(t.dtype) for t in inputs)
@@ -112,15 +153,21 @@ def fused_moe_backward_reference(grad_out, x, gate_up, down, weights, ids, form:
 
 def moe_math(x, gate_up, down, weights, ids, form: ExpertForm = PLAIN) -> torch.Tensor:
     """Plain-torch, differentiable MoE (the test oracle and the reference backward), with
-    `form`'s biases, activation and gate/up order."""
+    `form`'s biases, adapters, activation and gate/up order."""
     out = torch.zeros(x.shape, dtype=torch.promote_types(x.dtype, weights.dtype), device=x.device)
+    experts = gate_up.shape[0]
     for expert in torch.unique(ids).tolist():
         t, r = (ids == expert).nonzero(as_tuple=True)
         gu = x[t] @ gate_up[expert].t()
         if form.gate_up_bias is not None:
             gu = gu + form.gate_up_bias[expert]
-        y = expert_activation_math(*form.split(gu), form.clamp) @ down[expert].t()
+        if form.gate_up_lora is not None:
+            gu = gu + expert_lora_math(x[t], form.gate_up_lora, expert, experts)
+        act = expert_activation_math(*form.split(gu), form.clamp)
+        y = act @ down[expert].t()
         if form.down_bias is not None:
             y = y + form.down_bias[expert]
+        if form.down_lora is not None:
+            y = y + expert_lora_math(act, form.down_lora, expert, experts)
         out = out.index_add(0, t, y * weights[t, r][:, None])
     return out.to(x.dtype)

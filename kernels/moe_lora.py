@@ -1,0 +1,212 @@
+"""LoRA on routed experts: ``rows += (x_p A_e^T) B_e^T * scaling`` over `fused_moe`'s expert-sorted
+rows, batch-invariant and shared by training and rollouts (docs/design.md section 8, drop-in).
+
+PEFT adapts a fused expert tensor (``target_parameters``, its ``ParamWrapper``) with one
+``lora_A`` of ``[E * r, K]`` (expert e's rows ``e*r .. e*r + r - 1``) and one ``lora_B`` of
+``[N, r * E]`` (expert e's rank-j column at ``j * E + e``); `ExpertLora` holds them as they are
+(read in place, fp32 or the activations' dtype) with the scaling. PEFT adds ``scaling * B_e A_e``
+to the expert's weight on every forward; we add the update to the expert GEMM's rounded output
+instead, with `kernels.lora`'s arithmetic per row (the same steps, the same constants):
+
+1. shrink: ``u_p = x_p A_e^T`` with 16-bit operands (fp32 A split into ``hi + lo``) and fp32
+   accumulation, K in fixed chunks of `lora.CHUNK_K` whose partials are added in chunk order;
+2. expand: ``acc = sum_j u_p[j] * B_e[n, j]`` in fp32, j in rank order, element-wise;
+3. ``out = round(float(base) + acc * scaling)``: the base output (bias included) plus the update.
+
+Two launches per adapted GEMM: the shrink's partials over tiles of `ROWS` sorted rows (every
+row block of a layout is a multiple of it, so a tile holds one expert's rows), then the expand,
+in place on the base rows, which adds the partials itself as it reads u (training also stores u
+for the backward). Invariance contract: a row's result depends on its own row, its expert's
+adapter and its base row only (fixed tiles, K chunks that depend on K only, an element-wise
+expand), so a pair's bits are the same whatever its expert's load or the batch
+(`conformance/kernel_invariance.py --only moe`); the CPU reference runs the same steps per
+expert with `lora.lora_shrink_reference` / `lora_expand_reference`.
+
+The gate/up rows of the forward's ``preact`` buffer are gate columns first; GPT-OSS's weights
+interleave them (gate row n at 2n): `GATE_FIRST_FROM_INTERLEAVED` maps a preact column to its B row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._triton import require_triton, tl, triton
+from .dependent_launch import dependent_launch_kwargs, wait_for_inputs
+from .lora import BLOCK_K, BLOCK_R, CHUNK_K, lora_expand_reference, lora_shrink_reference, num_chunks, split_a
+from .moe_align import MoeLayout
+
+ROWS = 16  # sorted rows per shrink and expand program: every layout's row block is a multiple
+EXPAND_BLOCK_N = 128
+IDENTITY, GATE_FIRST_FROM_INTERLEAVED = 0, 1  # column -> B row maps of the expand
+
+
+@dataclass(frozen=True)
+class ExpertLora:
+    """One adapter of a fused expert tensor, in PEFT's ``ParamWrapper`` layout.
+
+    Attributes:
+        a: ``[E * r, K]`` (expert e's A is rows ``e*r .. e*r + r - 1``), fp32 or x's dtype.
+        b: ``[N, r * E]`` (expert e's B column j is column ``j * E + e``).
+        scaling: PEFT's ``lora_alpha / r`` (or rsLoRA's).
+    """
+
+    a: torch.Tensor
+    b: torch.Tensor
+    scaling: float
+
+    def rank(self, experts: int) -> int:
+        return self.a.shape[0] // experts
+
+    def expert_a(self, expert: int, experts: int) -> torch.Tensor:
+        """Expert `expert`'s A, ``[r, K]``."""
+        r = self.rank(experts)
+        return self.a[expert * r:(expert + 1) * r]
+
+    def expert_b(self, expert: int, experts: int) -> torch.Tensor:
+        """Expert `expert`'s B, ``[N, r]``."""
+        return self.b[:, expert::experts]
+
+    def check(self, name: str, experts: int, k: int, n: int, x: torch.Tensor) -> None:
+        """ValueError naming `name` when the adapter does not fit an ``[E, N, K]`` expert tensor."""
+        a, b = self.a, self.b
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] % experts or a.shape[0] == 0 or a.shape[1] != k \
+                or tuple(b.shape) != (n, a.shape[0]):
+            raise ValueError(f"fused_moe: {name}: lora A {tuple(a.shape)} and B {tuple(b.shape)} do not fit {experts} "
+                             f"experts of [N={n}, K={k}] (want A [E * r, {k}] and B [{n}, r * E], PEFT's layout)")
+        for label, t in (("A", a), ("B", b)):
+            if t.device != x.device or t.dtype not in (torch.float32, x.dtype):
+                raise ValueError(f"fused_moe: {name}: lora {label} is {t.dtype} on {t.device}; want fp32 or "
+                                 f"{x.dtype} on {x.device} (like x)")
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _moe_lora_shrink_kernel(x_ptr, a_ptr, p_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs, P, K, R,
+                            stride_x, stride_a, GATHER: tl.constexpr, TOP_K: tl.constexpr,
+                            BLOCK_EXPERT_ROWS: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                            SPLIT_A: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    """Partial ``p[s, rows, ranks]`` of ``x_p A_e^T`` over K chunk s for a tile of sorted rows of
+    expert e (program (row tile, rank tile, s)); x's row is the pair's token (`GATHER`) or the
+    sorted row itself."""
+    wait_for_inputs(PDL)
+    pid_m, pid_r, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    expert = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // BLOCK_EXPERT_ROWS).to(tl.int64)
+    if expert < 0:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    valid = tl.load(sorted_pairs_ptr + rows) < num_pairs
+    if GATHER:
+        x_rows = (tl.load(sorted_pairs_ptr + rows) // TOP_K).to(tl.int64)
+    else:
+        x_rows = rows.to(tl.int64)
+    ranks = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    rank_ok = ranks < R
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + x_rows[:, None] * stride_x + offs_k[None, :]
+    a_ptrs = a_ptr + (expert * R + ranks[None, :]) * stride_a + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    start = pid_s * CHUNK
+    for k in range(0, CHUNK, BLOCK_K):
+        k_ok = start + k + offs_k < K
+        xt = tl.load(x_ptrs + start + k, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        at = tl.load(a_ptrs + start + k, mask=rank_ok[None, :] & k_ok[:, None], other=0.0)
+        hi = at.to(x_ptr.dtype.element_ty)
+        acc = tl.dot(xt, hi, acc, input_precision=INPUT_PRECISION, out_dtype=tl.float32)
+        if SPLIT_A:  # fp32 A under 16-bit x: A = hi + lo (kernels/lora.py)
+            lo = (at - hi.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            acc = tl.dot(xt, lo, acc, input_precision=INPUT_PRECISION, out_dtype=tl.float32)
+    out = p_ptr + (pid_s * P + rows[:, None]).to(tl.int64) * R + ranks[None, :]
+    tl.store(out, acc, mask=rank_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["P"])
+def _moe_lora_expand_kernel(base_ptr, p_ptr, b_ptr, u_ptr, block_expert_ptr, P, N, R, S, E, scaling,
+                            stride_base, stride_bn, stride_bc, BLOCK_EXPERT_ROWS: tl.constexpr,
+                            COLUMNS: tl.constexpr, WRITE_U: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
+    """``base[rows] = round(base + (u B_e^T) * scaling)`` in place, u the sum of the shrink's `S`
+    partials ``p[S, P, R]`` in chunk order; with `WRITE_U` the first N tile's programs store u
+    ``[P, R]`` (the backward's)."""
+    wait_for_inputs(PDL)
+    pid_m = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // BLOCK_EXPERT_ROWS).to(tl.int64)
+    if expert < 0:
+        return
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    if COLUMNS == 1:  # gate columns first over interleaved B rows (gate n at 2n, up n at 2n + 1)
+        half = N // 2
+        b_rows = tl.where(cols < half, 2 * cols, 2 * (cols - half) + 1)
+    else:
+        b_rows = cols
+    b_ptrs = b_ptr + b_rows.to(tl.int64) * stride_bn + expert * stride_bc
+    step = P.to(tl.int64) * R
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for j in range(0, R):
+        ptrs = p_ptr + rows * R + j
+        u = tl.load(ptrs)
+        for _ in range(1, S):  # ((p0 + p1) + p2) + ..., as kernels/lora.py adds them
+            ptrs += step
+            u += tl.load(ptrs)
+        if WRITE_U:
+            tl.store(u_ptr + rows * R + j, u, mask=tl.broadcast_to(tl.program_id(1) == 0, (BLOCK_M,)))
+        bj = tl.load(b_ptrs + j * E * stride_bc, mask=col_ok, other=0.0).to(tl.float32)
+        acc += u[:, None] * bj[None, :]
+    ptrs = base_ptr + rows[:, None] * stride_base + cols[None, :]
+    base = tl.load(ptrs, mask=col_ok[None, :], other=0.0)
+    tl.store(ptrs, (base.to(tl.float32) + acc * scaling).to(base_ptr.dtype.element_ty), mask=col_ok[None, :])
+
+
+def moe_lora_add_triton(base: torch.Tensor, x: torch.Tensor, lora: ExpertLora, layout: MoeLayout, experts: int,
+                        top_k: int, gather: bool, columns: int = IDENTITY, keep_u: bool = False) -> torch.Tensor | None:
+    """Add the adapter's update to the sorted rows `base` ``[P, N]`` in place (two launches).
+
+    Args:
+        base: the expert GEMM's rounded output over `layout`'s padded sorted rows.
+        x: the GEMM's input: tokens ``[T, K]`` (`gather`: row p reads its pair's token) or the
+            sorted rows ``[P, K]`` themselves.
+        columns: `IDENTITY`, or `GATE_FIRST_FROM_INTERLEAVED` (gate-first base over interleaved B rows).
+        keep_u: also return u ``[P, r]`` fp32 (the backward's); else None.
+    """
+    require_triton("fused_moe")
+    rows, n = base.shape
+    k, rank = x.shape[1], lora.rank(experts)
+    s = num_chunks(k)
+    block_m = layout.config.block_m
+    partials = torch.empty(s, rows, rank, device=x.device, dtype=torch.float32)
+    u = torch.empty(rows, rank, device=x.device, dtype=torch.float32) if keep_u else None
+    if rows == 0:
+        return u
+    a = lora.a if lora.a.stride(-1) == 1 else lora.a.contiguous()
+    launch = dependent_launch_kwargs(x.device)
+    _moe_lora_shrink_kernel[(rows // ROWS, triton.cdiv(rank, BLOCK_R), s)](
+        x, a, partials, layout.sorted_pairs, layout.block_expert, layout.num_pairs, rows, k, rank, x.stride(0),
+        a.stride(0), GATHER=gather, TOP_K=top_k, BLOCK_EXPERT_ROWS=block_m,
+        INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", SPLIT_A=split_a(x.dtype, a.dtype),
+        CHUNK=CHUNK_K, BLOCK_M=ROWS, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, num_warps=4, num_stages=3, **launch)
+    b = lora.b
+    _moe_lora_expand_kernel[(rows // ROWS, triton.cdiv(n, EXPAND_BLOCK_N))](
+        base, partials, b, u if keep_u else partials, layout.block_expert, rows, n, rank, s, experts,
+        float(lora.scaling), base.stride(0), b.stride(0), b.stride(1), BLOCK_EXPERT_ROWS=block_m, COLUMNS=columns,
+        WRITE_U=keep_u, BLOCK_M=ROWS, BLOCK_N=EXPAND_BLOCK_N, num_warps=4, **launch)
+    return u
+
+
+def moe_lora_add_reference(base: torch.Tensor, x: torch.Tensor, lora: ExpertLora, expert: int,
+                           experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, u)`` for rows `base` ``[M, N]`` of one expert (`x` ``[M, K]`` their inputs, B rows in
+    the base's column order): `lora.lora_shrink_reference`, then `lora_expand_reference`."""
+    u = lora_shrink_reference(x, lora.expert_a(expert, experts))
+    out = lora_expand_reference(base, u, lora.expert_b(expert, experts), None, (base.shape[1],), (lora.scaling,),
+                                torch.empty_like(base))
+    return out, u
+
+
+def expert_lora_math(x: torch.Tensor, lora: ExpertLora, expert: int, experts: int) -> torch.Tensor:
+    """Plain differentiable torch: expert `expert`'s update ``scaling * (x A_e^T) B_e^T`` (the tests'
+    oracle and the reference backward's)."""
+    a, b = lora.expert_a(expert, experts), lora.expert_b(expert, experts)
+    return (x @ a.to(x.dtype).t()) @ b.to(x.dtype).t() * lora.scaling
