@@ -33,6 +33,7 @@ from .gelu_tanh_and_mul import gelu_tanh_and_mul
 from .lora import lora_add
 from .moe import fused_moe
 from .moe_activation import SwigluClamp
+from .moe_lora import ExpertLora
 from .moe_routing import softmax_topk
 from .rms_norm import add_rms_norm, rms_norm
 from .rotary import apply_rotary, deinterleave, rope_table
@@ -46,7 +47,7 @@ __all__ = [
     "BACKENDS", "GATED_DELTA_CHUNK", "GatedDeltaRollout",
     "KernelSwitch", "PagedLayout", "UnsupportedError", "add_rms_norm", "apply_rotary", "attention",
     "attention_forward_mode", "attention_packed", "attention_saving_context", "causal_conv1d", "conv_state_update",
-    "current_backend", "deinterleave",
+    "current_backend", "deinterleave", "ExpertLora",
     "SwigluClamp", "fused_moe", "gelu_tanh_and_mul", "gated_delta_chunk_rows", "gated_delta_gates", "gated_delta_fold",
     "gated_delta_rule",
     "gated_rms_norm", "gather_logprobs", "head_linear", "kv_cache_write", "latent_cache_write", "linear",

@@ -13,7 +13,10 @@ projection group (q/k/v, gate/up) whose members carry one adapter of one rank ha
 matrices fused too (`fuse_adapters`, the views `stacked_lora` reads): one shrink over the
 stacked A's and one expand into the group's fused output, bitwise the members' separate calls
 (the kernel's contract). What it cannot compute the same way on both paths is an error naming
-the feature, never silently skipped.
+the feature, never silently skipped. Adapters on fused expert tensors (PEFT's
+``target_parameters``, one ``ParamWrapper`` per adapted tensor) are found by `expert_adapters`
+and added by `kernels.fused_moe` over its expert-sorted rows (`kernels/moe_lora.py`), instead of
+PEFT's effective weight ``W + scaling B A`` rebuilt for the whole expert stack on every forward.
 
 peft itself is imported only when a PEFT layer is met: it stays an optional dependency.
 """
@@ -25,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from vexact_models.kernels import linear, lora_add
+from vexact_models.kernels import ExpertLora, linear, lora_add
 
 from .fused_buffers import fused_view, share_one_buffer
 
@@ -189,6 +192,40 @@ def apply_linear(x: torch.Tensor, module: nn.Module, where: str = "") -> torch.T
     kernels: the base layer's GEMM, then the adapters' updates (`add_adapters`)."""
     base = base_layer(module)
     return add_adapters(linear(x, base.weight, base.bias), x, module, where)
+
+
+def expert_adapters(module: nn.Module, where: str = "experts") -> tuple[nn.Module, dict[str, ExpertLora]]:
+    """``(experts, adapters)``: the fused experts module under PEFT's ``ParamWrapper`` layers
+    (nested, one per adapted tensor; `module` itself when none) and, per wrapped parameter name,
+    the one active LoRA adapter a forward must add, as `kernels.moe_lora.ExpertLora` (PEFT's
+    ``lora_A``/``lora_B`` weights, read in place). Follows ``ParamWrapper.forward``: nothing for
+    a wrapper whose adapters are disabled (unmerging first) or merged. Raises ValueError for other
+    PEFT layer types, LoRA variants and more than one active adapter on one tensor."""
+    adapters: dict[str, ExpertLora] = {}
+    while is_adapter_layer(module):
+        from peft.tuners.lora import ParamWrapper
+
+        if not isinstance(module, ParamWrapper):
+            raise ValueError(f"{where}: PEFT layer {type(module).__module__}.{type(module).__name__} on fused experts is "
+                             "not supported by vexact-models' aligned forward; only LoRA target_parameters "
+                             "(peft.tuners.lora.ParamWrapper) is")
+        name = module.parameter_name
+        if module.disable_adapters:
+            if module.merged:
+                module.unmerge()
+        elif not module.merged:
+            active = [a for a in module.active_adapters if a in module.lora_A]
+            if len(active) > 1:
+                raise ValueError(f"{where}.{name}: {len(active)} active adapters {active}; vexact-models' aligned "
+                                 "experts add one adapter per expert tensor (activate one, or merge the others)")
+            for adapter in active:
+                if module.lora_variant.get(adapter) is not None:
+                    raise ValueError(f"{where}.{name}: adapter {adapter!r} uses a LoRA variant, which vexact-models' "
+                                     "aligned forward does not support; use plain LoRA")
+                adapters[name] = ExpertLora(module.lora_A[adapter].weight, module.lora_B[adapter].weight,
+                                            float(module.scaling[adapter]))
+        module = module.base_layer
+    return module, adapters
 
 
 def forbid_adapters(module: nn.Module, where: str, advice: str = "") -> None:

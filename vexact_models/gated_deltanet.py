@@ -17,7 +17,7 @@ from transformers import initialization as hf_init
 from vexact_models.adapters import apply_linear
 from vexact_models.kernels import (GATED_DELTA_CHUNK, causal_conv1d, gated_delta_gates, gated_delta_rule, gated_rms_norm,
                                    linear, sigmoid_gate, softmax_topk)
-from vexact_models.layers import (FusedExperts, GatedMLP, PackedContext, PreNormDecoderLayer, RMSNorm,
+from vexact_models.layers import (FusedExperts, GatedMLP, call_experts, PackedContext, PreNormDecoderLayer, RMSNorm,
                                   ZeroCentredRMSNorm, grouped_linear, head_dim_of)
 from vexact_models.patches.compat import gated_deltanet_a_log, gated_deltanet_a_log_init, qwen3_moe_router_output
 
@@ -313,4 +313,4 @@ class SharedExpertMoeBlock(nn.Module):
         if router_logits is not None:
             router_logits.append(qwen3_moe_router_output(logits))
         shared = sigmoid_gate(self.shared_expert(hidden), apply_linear(hidden, self.shared_expert_gate))
-        return self.experts(hidden, ids, weights, shared)
+        return call_experts(self.experts, hidden, ids, weights, add=shared)

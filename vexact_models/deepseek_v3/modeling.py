@@ -31,7 +31,7 @@ from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
 from vexact_models.adapters import apply_linear
 from vexact_models.kernels import apply_rotary, deinterleave, linear, sigmoid_grouped_topk
-from vexact_models.layers import FusedExperts, GatedMLP, PreNormDecoderLayer, RMSNorm, grouped_linear
+from vexact_models.layers import FusedExperts, GatedMLP, PreNormDecoderLayer, RMSNorm, call_experts, grouped_linear
 from vexact_models.side_stream import beside
 
 from ..causal_lm import CausalLMMixin, DecoderModelMixin, InferenceModel, InitHookMixin
@@ -206,7 +206,7 @@ class DeepseekV3MoE(nn.Module):
             router_logits.append(logits)
         # the shared experts' output is added inside the routed experts' combine kernel (rollouts):
         # bitwise the plain sum, one launch fewer per layer
-        return self.experts(hidden, ids, weights, add=shared, add_ready=shared_ready)
+        return call_experts(self.experts, hidden, ids, weights, add=shared, add_ready=shared_ready)
 
 
 class DeepseekV3DecoderLayer(PreNormDecoderLayer):

@@ -28,7 +28,8 @@ from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
 from vexact_models.adapters import apply_linear
 from vexact_models.kernels import SwigluClamp, fused_moe, linear, softmax_topk
-from vexact_models.layers import PreNormDecoderLayer, RMSNorm, grouped_linear, head_dim_of, layer_window
+from vexact_models.layers import (PreNormDecoderLayer, RMSNorm, call_experts, expert_loras, grouped_linear, head_dim_of,
+                                  layer_window)
 
 from ..causal_lm import CausalLMMixin, DecoderModelMixin, InferenceModel, InitHookMixin
 from ..heads import SequenceClassificationMixin, TokenClassificationMixin
@@ -100,6 +101,8 @@ class GptOssTopKRouter(nn.Module):
 class GptOssExperts(nn.Module):
     """The experts in HF's layout (module docstring), through `kernels.fused_moe`'s GPT-OSS form."""
 
+    is_transposed = True  # ``[E, in, out]``, as HF's: PEFT's target_parameters adapters take HF's shapes
+
     def __init__(self, config: GptOssConfig) -> None:
         super().__init__()
         experts, hidden, inter = config.num_local_experts, config.hidden_size, config.intermediate_size
@@ -117,10 +120,12 @@ class GptOssExperts(nn.Module):
         nn.init.zeros_(self.gate_up_proj_bias)
         nn.init.zeros_(self.down_proj_bias)
 
-    def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                adapters: dict | None = None) -> torch.Tensor:
+        """The routed experts' output, with the LoRA `adapters` of its tensors (`call_experts`)."""
         return fused_moe(hidden, self.gate_up_proj.transpose(1, 2), self.down_proj.transpose(1, 2), topk_weights,
                          topk_ids, gate_up_bias=self.gate_up_proj_bias, down_bias=self.down_proj_bias,
-                         clamp=self.clamp, interleaved=True)
+                         clamp=self.clamp, interleaved=True, **expert_loras(adapters, type(self).__name__))
 
 
 class GptOssMLP(nn.Module):
@@ -135,7 +140,7 @@ class GptOssMLP(nn.Module):
         logits, weights, ids = self.router(hidden)
         if router_logits is not None:
             router_logits.append(logits)  # stock records the router's full logits
-        return self.experts(hidden, ids, weights)
+        return call_experts(self.experts, hidden, ids, weights)
 
 
 class GptOssDecoderLayer(PreNormDecoderLayer):

@@ -14,7 +14,7 @@ from transformers import GenerationMixin, PreTrainedModel, Qwen3MoeConfig
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
 from vexact_models.kernels import linear, softmax_topk
-from vexact_models.layers import FusedExperts, PreNormDecoderLayer, RMSNorm
+from vexact_models.layers import FusedExperts, PreNormDecoderLayer, RMSNorm, call_experts
 from vexact_models.patches.compat import qwen3_moe_router_output
 
 from ..causal_lm import CausalLMMixin, DecoderModelMixin, InferenceModel, InitHookMixin
@@ -63,7 +63,7 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         logits, weights, ids = self.gate(hidden)
         if router_logits is not None:
             router_logits.append(qwen3_moe_router_output(logits))  # stock's router_logits on this transformers
-        return self.experts(hidden, ids, weights)
+        return call_experts(self.experts, hidden, ids, weights)
 
 
 class Qwen3MoeDecoderLayer(PreNormDecoderLayer):
