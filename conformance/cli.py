@@ -94,7 +94,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--parity-only", action="store_true", help="only the comparison with stock transformers")
     parser.add_argument("--lora", type=int, default=0, metavar="RANK",
                         help="wrap the model with random PEFT LoRA adapters of this rank on every linear layer "
-                             "(and the MoE experts) and check rollouts with adapters; skips HF parity")
+                             "(and both fused expert tensors of MoE models: PEFT's target_parameters) and check "
+                             "rollouts with adapters; skips HF parity")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5, metavar="F",
                         help="fraction of the GPU the engines' KV caches may fill (default 0.5: the autograd "
                              "recompute runs while an engine's cache is allocated, and at 8B with a 128k-152k "

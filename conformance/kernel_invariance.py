@@ -14,6 +14,10 @@ and allows zero mismatches:
 - rms_norm, log_softmax, gather_logprobs, token_logprobs, silu_and_mul, logit_softcap, rotary,
   rotary_cache_write (also == the separate ops): rows alone vs in batches; gather vs the full row;
   token_logprobs vs the sampler path, with and without the final logit soft cap.
+- MoE (``--only moe``): `fused_moe` at the Qwen3-30B-A3B, Moonlight, DeepSeek-V3 and GPT-OSS-20B
+  shapes, plain and with LoRA (r=16, fp32) on both expert tensors: each token alone == its row in
+  batches of up to 16384 (skewed routing: experts with 0, 1 or thousands of rows), permuted
+  batches, routing rows alone.
 - latent MLA (``--only latent``): the latent attention kernel (one 576-dim key head, the value a
   view of its first 512 dims, 16 and 128 query heads) as the attention check runs it, packed vs
   chunked prefill vs decode over a latent paged cache, up to 8192 tokens; the absorption GEMMs
@@ -52,13 +56,14 @@ Usage: ``python -m vexact_models.conformance.kernel_invariance [--quick] [--only
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
 import sys
 import time
 
 import torch
 
-from vexact_models.kernels import (add_rms_norm, apply_rotary, gather_logprobs, head_linear, linear, lm_head_logits,
+from vexact_models.kernels import (ExpertLora, add_rms_norm, apply_rotary, gather_logprobs, head_linear, linear, lm_head_logits,
                                    log_softmax, logit_softcap, rms_norm, rope_table, rotary_cache_write, silu_and_mul,
                                    token_logprobs, use_attention_forward)
 from vexact_models.kernels.grouped_topk import sigmoid_grouped_topk
@@ -197,12 +202,24 @@ def _route(logits: torch.Tensor, top_k: int, router: str):
     return sigmoid_grouped_topk(logits, bias, top_k, n_group, max(1, n_group // 2), True, 2.5)
 
 
-def _moe_form(router: str, gate_up: torch.Tensor, down: torch.Tensor):
+def _expert_adapters(gate_up: torch.Tensor, down: torch.Tensor, rank: int = 16) -> dict:
+    """Random fp32 LoRA adapters (PEFT's default dtype and layout) on both expert tensors."""
+    experts, inter2, hidden = gate_up.shape
+
+    def adapter(n: int, k: int, scaling: float) -> ExpertLora:
+        return ExpertLora(torch.randn(experts * rank, k, device="cuda") / k ** 0.5,
+                          torch.randn(n, rank * experts, device="cuda") * 0.1, scaling)
+    return dict(gate_up_lora=adapter(inter2, hidden, 2.0), down_lora=adapter(hidden, inter2 // 2, 0.5))
+
+
+def _moe_form(router: str, gate_up: torch.Tensor, down: torch.Tensor, adapters: dict | None = None):
     """`fused_moe` as the shape's model calls it: plain, or GPT-OSS's form (HF's transposed
     ``[E, H, 2I]`` / ``[E, I, H]`` parameters read as views, interleaved gate/up rows, biases
-    large enough that the clamped SwiGLU's limit acts)."""
+    large enough that the clamped SwiGLU's limit acts); with LoRA `adapters` on the experts
+    (`_expert_adapters`) when given."""
+    adapters = adapters or {}
     if not router.endswith("gpt-oss"):
-        return plain_fused_moe
+        return lambda *args: plain_fused_moe(*args, **adapters)
     experts, inter2, hidden = gate_up.shape
     gate_up_t = (gate_up * 3).transpose(1, 2).contiguous().transpose(1, 2)  # the parameter's storage order
     down_t = down.transpose(1, 2).contiguous().transpose(1, 2)
@@ -211,18 +228,19 @@ def _moe_form(router: str, gate_up: torch.Tensor, down: torch.Tensor):
 
     def run(x, _gate_up, _down, weights, ids):
         return plain_fused_moe(x, gate_up_t, down_t, weights, ids, gate_up_bias=gate_up_bias, down_bias=down_bias,
-                               clamp=SwigluClamp(), interleaved=True)
+                               clamp=SwigluClamp(), interleaved=True, **adapters)
     return run
 
 
 def check_moe(results: dict[str, Result], quick: bool) -> None:
-    """MoE shapes: each token's output computed alone equals its row in batches of 64 ... 16384
-    tokens, with a skewed router so experts receive 0, 1 or thousands of rows; routing rows
-    alone equal their rows in the batch."""
-    for name, hidden, experts, inter, top_k, router in MOE_SHAPES:
+    """MoE shapes, plain and with LoRA adapters (r=16, fp32) on both expert tensors: each token's
+    output computed alone equals its row in batches of 64 ... 16384 tokens, with a skewed router
+    so experts receive 0, 1 or thousands of rows; routing rows alone equal their rows in the batch."""
+    for (name, hidden, experts, inter, top_k, router), adapted in itertools.product(MOE_SHAPES, (False, True)):
         gate_up = (torch.randn(experts, 2 * inter, hidden, device="cuda") / hidden ** 0.5).bfloat16()
         down = (torch.randn(experts, hidden, inter, device="cuda") / inter ** 0.5).bfloat16()
-        fused_moe = _moe_form(router, gate_up, down)
+        fused_moe = _moe_form(router, gate_up, down, _expert_adapters(gate_up, down) if adapted else None)
+        name = f"{name} + expert LoRA" if adapted else name
         n_max = 4096 if quick else 16384
         x = torch.randn(n_max, hidden, device="cuda").bfloat16()
         logits = torch.randn(n_max, experts, device="cuda")

@@ -24,12 +24,13 @@ from vexact_models.patches.compat import gated_deltanet_a_log, gated_deltanet_a_
 
 #: the hybrids' fp32 parity bound against stock's torch path (`Architecture.fp32_parity`; docs/design.md
 #: section 6b), set by stock's own error: its fp32 logits are up to 1.2e-4 from float64 on a 20-token
-#: sequence (ours 2.2e-5 there; ours vs stock 1.4e-4) and 5.7e-5 at 37 tokens, where ours vs stock
-#: measured 3.0e-6 to 5.8e-5 (4 checkpoints x 4 batches per model). No fp32 implementation meets
+#: sequence (ours 2.2e-5 there; ours vs stock 1.4e-4), 5.7e-5 at 37 tokens and 3.1e-4 at 150, ours
+#: up to 4.9e-5, so ours vs stock can reach their sum, 3.6e-4 (2.2e-4 was met on a left-padded
+#: 20-token row of the shared parity tests, 1.0e-5 on an 11-token hidden state). No fp32 implementation meets
 #: the other architectures' 1e-5 at these random weights: with the delta rule exact an fp32 model is
 #: still up to 5.4e-5 from float64. Ours is bounded against float64 instead, at 1e-4
 #: (`tests/models/test_gated_deltanet_models.py`, 150 tokens: at most 4.9e-5 measured)
-GDN_FP32_PARITY = 2e-4
+GDN_FP32_PARITY = 4e-4
 
 
 def alternating_layer_types(layers: int) -> list[str]:

@@ -86,8 +86,8 @@ class Architecture:
             ValueError naming the feature (`check_rollout_feature`) before it allocates, and the
             tests of that feature skip with the reason.
         fp32_parity: the largest relative logit error against stock transformers in float32 that
-            the parity tests accept (1e-5; the gated-DeltaNet hybrids 2e-4: stock's fp32 logits are
-            up to 1.2e-4 from float64 at these random weights, so their tests bound ours against
+            the parity tests accept (1e-5; the gated-DeltaNet hybrids 4e-4: stock's fp32 logits are
+            up to 3.1e-4 from float64 at these random weights, so their tests bound ours against
             a float64 reference too; docs/design.md section 6b).
         min_transformers: the oldest transformers release whose stock classes this architecture
             has been shown to match (None: every supported release, 5.2 on). On an older release

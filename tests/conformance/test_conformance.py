@@ -201,6 +201,8 @@ def test_lora_adapters_in_every_scenario(case):
 
     arch, shape = case
     model = add_random_lora(build_model(arch, shape.tiny_config(), torch.device("cpu"), torch.float32), 4)
+    adapted_experts = [m for m in model.modules() if getattr(m, "num_experts", 1) > 1 and hasattr(m, "lora_A")]
+    assert bool(adapted_experts) == (shape_id(case) in ("qwen3_moe", "deepseek_v3", "gpt_oss"))
     report = run_conformance(arch, model, device=torch.device("cpu"), pool_size=8, max_tokens=6, prompt_len=8,
                              check_parity=False, shape=shape.name)
     assert report.scenarios and report.mismatches == 0 and report.tokens > 0, format_table([report])

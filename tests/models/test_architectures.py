@@ -99,7 +99,7 @@ def test_base_model_hidden_states_match_stock(checkpoint):
     ours = arch.base_model_class.from_pretrained(path, dtype=torch.float32).eval()
     ids = torch.randint(0, vocab(ours), (2, 11))
     with torch.no_grad():
-        assert rel(ours(ids).last_hidden_state, hf(ids).last_hidden_state) < 1e-5
+        assert rel(ours(ids).last_hidden_state, hf(ids).last_hidden_state) <= arch.fp32_parity
 
 
 def test_token_logprobs_bitwise_across_packing_and_padding(pair):

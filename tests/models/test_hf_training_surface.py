@@ -112,10 +112,13 @@ def test_experts_implementation_is_claimed_as_stock_and_a_switch_is_refused(pair
 @pytest.mark.parametrize("request_", [[0, -1], [1], (2, 0), 1, [], [0, 99], True],
                          ids=["first-last", "one", "tuple", "int", "empty", "out-of-range", "flag"])
 def test_output_hidden_states_as_indices_returns_what_stock_returns(pair, request_):
-    _, hf, ours = pair
+    """The selected hidden states, as stock selects them, within the architecture's parity; under
+    right padding (stock's left-padded batch is other arithmetic for the gated-DeltaNet hybrids:
+    `test_architectures.test_padded_logits_match_stock`)."""
+    arch, hf, ours = pair
     ids = torch.randint(2, 512, (2, 7))
     mask = torch.ones_like(ids)
-    mask[1, :3] = 0
+    mask[1, 4:] = 0
     keep = mask.bool()
     for mine, stock in ((ours, hf), (ours.model, hf.model)):
         with torch.no_grad():
@@ -125,7 +128,7 @@ def test_output_hidden_states_as_indices_returns_what_stock_returns(pair, reques
         if a is None:
             continue
         assert [x is None for x in a] == [x is None for x in b], (type(mine).__name__, request_)
-        assert all(rel(x[keep], y[keep]) <= 1e-5 for x, y in zip(a, b) if x is not None)
+        assert all(rel(x[keep], y[keep]) <= arch.fp32_parity for x, y in zip(a, b) if x is not None)
 
 
 def test_output_attentions_is_an_error_naming_it(pair):
