@@ -1,9 +1,9 @@
 """LoRA at full speed? The RL loop with `LLM(peft_model)` beside its peers, in one run.
 
 One model at a published shape (random weights, bf16, CUDA; default Qwen3-8B, ``--layers`` to
-trim), LoRA on every linear layer (``--rank`` 16, alpha twice that, random A and B so the
-adapters change every output; adapter weights fp32 as PEFT makes them, ``--adapter-dtype bf16``
-to keep them in the base dtype). Four tables:
+trim), LoRA on every linear layer and on MoE models both fused expert tensors (``--rank`` 16,
+alpha twice that, random A and B so the adapters change every output; adapter weights fp32 as
+PEFT makes them, ``--adapter-dtype bf16`` to keep them in the base dtype). Four tables:
 
 1. rollout: tok/s of the engine over the LoRA model beside the engine over the same base model
    without adapters: the same prompts and sampling (``--samples`` requests, prompts of
@@ -27,6 +27,7 @@ to keep them in the base dtype). Four tables:
 Usage (one H200; current figures in docs/performance.md):
     cd benchmarks && python3 lora.py --config qwen3-8b
     cd benchmarks && python3 lora.py --config qwen3-0.6b --samples 32,256
+    cd benchmarks && python3 lora.py --config qwen3-30b-a3b --layers 24 --parts rollout   # experts adapted
     cd benchmarks && python3 lora.py --tiny               # CPU smoke run (tests/test_benchmark_scripts.py)
 """
 
@@ -97,13 +98,16 @@ def build(args, seed: int):
 
 
 def with_lora(model, args, seed: int):
-    """`model` under LoRA on every linear layer (r = ``--rank``, alpha 2r), random A and B drawn
-    with `seed`, adapters in ``--adapter-dtype`` (PEFT upcasts them to fp32 unless told not to)."""
+    """`model` under LoRA on every linear layer and, on MoE models, both fused expert tensors
+    (r = ``--rank``, alpha 2r), random A and B drawn with `seed`, adapters in ``--adapter-dtype``
+    (PEFT upcasts them to fp32 unless told not to)."""
     from peft import LoraConfig, get_peft_model
+
+    from vexact_models.conformance.suite import expert_targets
 
     torch.manual_seed(seed)
     config = LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules="all-linear", lora_dropout=0.0,
-                        init_lora_weights=False)
+                        init_lora_weights=False, target_parameters=expert_targets(model) or None)
     return get_peft_model(model, config, autocast_adapter_dtype=args.adapter_dtype == "fp32")
 
 
