@@ -204,7 +204,7 @@ class LLM(EngineStepsMixin, EngineMemoryMixin):
             # a shared page would skip tokens a gated-DeltaNet state must see: those models share only the
             # prompt of a request's samples, with a copy of its state (runtime.scheduler_siblings)
             enable_prefix_sharing=enable_prefix_sharing and linear is None,
-            kv_window=cache_window(self.model) if self.pipeline is None else None,
+            kv_window=cache_window(self.model),  # a stage's model holds every layer's module (meta elsewhere)
             window_group=None if windowed is None else WindowGroup(windowed[0], windowed[1], window_blocks),
             share_prompt_state=enable_prefix_sharing and linear is not None,
             cuda_graph_batch=0 if enforce_eager else max_num_seqs,

@@ -216,14 +216,70 @@ def run_arch(res, name: str, out: Path, rank: int, world: int, device: str) -> N
             res.record(f"rollout/{tag}/window_pages_shared", hits > 0, f"{hits} window pages shared")
 
 
+def run_all_windowed(res, out: Path, rank: int, world: int) -> None:
+    """A model whose every layer is windowed (tiny Llama with ``sliding_window`` 6, as Mistral):
+    every stage's engine takes the window (`cache_window` reads every layer's module, the other
+    stages' on meta), the first stage frees the pages behind it mid-sequence, and tokens and
+    logprobs equal the pipeline keeping every page (which preempts where pages are tight), a
+    single-process engine and ``token_logprobs``, chunked (64 and 7)."""
+    arch = get("llama")
+    base = make_model(arch, sliding_window=6).eval()
+    folder = out / "ckpt_llama_windowed"
+    if rank == 0:
+        base.save_pretrained(folder)
+    dist.barrier()
+    spec = base.kv_cache_spec()
+    per_layer = kv_bytes_per_block(spec, BLOCK, torch.float32) // spec[0]
+    layers = partition_layers(base.config.num_hidden_layers, world)[rank]
+    for scenario, (kwargs, pages, tight) in SCENARIOS.items():
+        tag = f"all_windowed/{scenario}"
+        pages = 30 if tight else pages  # tight: the engine keeping every page preempts
+        common = dict(device="cpu", dtype=torch.float32, block_size=BLOCK, max_num_seqs=SEQS,
+                      kv_cache_bytes=per_layer * len(layers) * pages, **kwargs)
+        llm = LLM(str(folder), pipeline_parallel_size=world, **common)
+        res.record(f"{tag}/kv_window", llm.engine_config.kv_window == 6, f"kv_window {llm.engine_config.kv_window}")
+        released = 0
+        if rank == 0:
+            sched = llm.scheduler
+            schedule = sched.schedule
+
+            def tracked():
+                nonlocal released
+                step = schedule()
+                released = max([released] + [s.released_blocks for s in sched._running])
+                return step
+            sched.schedule = tracked
+        got = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        keeping = LLM(str(folder), pipeline_parallel_size=world, **common)
+        keeping.block_manager.window = None  # every page kept (the first stage schedules)
+        kept = keeping.generate(PROMPTS, PARAMS, use_tqdm=False)
+        res.record(f"{tag}/outputs", True, repr(flat(got)))  # compared across ranks
+        if rank != 0:
+            continue
+        res.record(f"{tag}/pages_released", released >= 4, f"{released} pages released behind the window")
+        res.record(f"{tag}/equals_pipeline_keeping_pages", flat(got) == flat(kept), f"{len(got)} requests")
+        single = LLM(str(folder), **dict(common, kv_cache_bytes=per_layer * spec[0] * pages))
+        want = flat(single.generate(PROMPTS, PARAMS, use_tqdm=False))
+        res.record(f"{tag}/equals_single_process", flat(got) == want, f"{len(want)} completions")
+        res.record(f"{tag}/equals_recompute", *recompute_matches(base, got))
+        if tight:
+            res.record(f"{tag}/preempted", keeping.num_preemptions > 0,
+                       f"{keeping.num_preemptions} preemptions keeping every page, {llm.num_preemptions} freeing them")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--archs", required=True, help="comma-separated architecture names")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
-    run_rank(lambda res, rank, world: [run_arch(res, name, args.out, rank, world, args.device)
-                                       for name in args.archs.split(",")], args.out)
+    def run(res, rank: int, world: int) -> None:
+        for name in args.archs.split(","):
+            run_arch(res, name, args.out, rank, world, args.device)
+        if args.device == "cpu":
+            run_all_windowed(res, args.out, rank, world)
+
+    run_rank(run, args.out)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ one) and GPT-OSS (stage 0 mixed, stage 1 windowed only), windows of 8 keys under
 page counts; each holds its windowed layers' pages in the window group's pool; the first stage's
 free lists account for every page while window pages are freed mid-sequence; tokens and logprobs
 == the pipeline keeping every page == a single-process engine == `token_logprobs`, bitwise, chunked
-(64 and 7) and under preemption. The launch is tests/distributed/pipeline_window_worker.py."""
+(64 and 7) and under preemption. And a model whose every layer is windowed (Llama with a window
+of 6, as Mistral): every stage takes the window and the first frees pages behind it, bitwise
+likewise. The launch is tests/distributed/pipeline_window_worker.py."""
 
 import pytest
 import torch
@@ -50,6 +52,19 @@ def test_first_stage_free_lists_account_for_both_groups_while_window_pages_are_f
         for scenario in SCENARIOS:
             for check in ("free_lists_account", "window_pages_released"):
                 assert results[0][f"rollout/{name}/{scenario}/{check}"]["ok"], results[0][f"rollout/{name}/{scenario}/{check}"]
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_a_model_windowed_in_every_layer_frees_pages_on_stages_bitwise(results, scenario):
+    """Mistral's case (every layer windowed: `cache_window`, no page group) on two stages: the
+    window on both, pages released behind it on the first, bitwise the pipeline keeping every page
+    (which preempts in the tight scenario), one process and the recompute."""
+    tag = f"all_windowed/{scenario}"
+    assert all(results[r][f"{tag}/kv_window"]["ok"] for r in (0, 1))
+    assert results[0][f"{tag}/outputs"]["detail"] == results[1][f"{tag}/outputs"]["detail"]
+    checks = ["pages_released", "equals_pipeline_keeping_pages", "equals_single_process", "equals_recompute"]
+    for check in checks + (["preempted"] if scenario == "preempting" else []):
+        assert results[0][f"{tag}/{check}"]["ok"], results[0][f"{tag}/{check}"]
 
 
 def test_pipelined_window_group_equals_one_group_single_process_and_recompute_bitwise(results):
