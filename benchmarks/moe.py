@@ -7,10 +7,14 @@ random weights, uniformly random routing, bf16; 1, 64, 512, 4096 and 16384 token
 - dense: a [T*k, 2048] x [2048, 3*768]-FLOP-equivalent cuBLAS GEMM pair (same FLOPs as the experts).
 Targets: forward >= 5x the loop at 4096 tokens; >= 50% of the dense cuBLAS TFLOP/s at 16384.
 
-Usage: python benchmarks/moe.py [--sweep | --decode 64,128,256]
+Usage: python benchmarks/moe.py [--sweep | --decode 64,128,256 | --lora 16]
   --sweep: time each MoE kernel's tile configs (tiles, K tile, TMA descriptors) at 16384 tokens,
            with whether their rows equal the config the model runs there bit for bit;
-  --decode: the same at decode batches of the Moonlight and Qwen3-30B-A3B layers, in CUDA graphs.
+  --decode: the same at decode batches of the Moonlight and Qwen3-30B-A3B layers, in CUDA graphs;
+  --lora: LoRA of that rank (fp32, PEFT's layout) on both expert tensors of the Qwen3-30B-A3B
+          layer: fused_moe with the adapters (kernels/moe_lora.py) beside fused_moe without them
+          and beside PEFT's way (each expert's effective weight ``W + s B A`` rebuilt by
+          ``baddbmm`` every call, then fused_moe), forward and forward + backward.
 """
 
 from __future__ import annotations
@@ -165,6 +169,57 @@ def _decode_sweep_layer(name: str, hidden: int, experts: int, inter: int, top_k:
               ["kernel", "tiles", "us", "GB/s", "same bits"], rows)
 
 
+def peft_effective(w: torch.Tensor, lora) -> torch.Tensor:
+    """PEFT ``ParamWrapper``'s effective expert tensor: ``W + scaling * B_e A_e`` by one
+    ``baddbmm`` in W's dtype (its `_LoraFactorsProxy`)."""
+    experts, n, k = w.shape
+    rank = lora.a.shape[0] // experts
+    b = lora.b.view(n, rank, experts).permute(2, 0, 1).to(w.dtype)
+    return torch.baddbmm(w, b, lora.a.view(experts, rank, k).to(w.dtype), alpha=lora.scaling)
+
+
+def lora_table(rank: int) -> None:
+    """The ``--lora`` table (module docstring)."""
+    from vexact_models.kernels import ExpertLora
+    from vexact_models.kernels.moe import fused_moe
+
+    torch.manual_seed(0)
+    hidden, experts, inter, top_k = 2048, 128, 768, 8
+    gate_up = (torch.randn(experts, 2 * inter, hidden, device="cuda") / hidden ** 0.5).bfloat16()
+    down = (torch.randn(experts, hidden, inter, device="cuda") / inter ** 0.5).bfloat16()
+
+    def adapter(n: int, k: int) -> ExpertLora:
+        return ExpertLora((torch.randn(experts * rank, k, device="cuda") / k ** 0.5).requires_grad_(),
+                          (torch.randn(n, rank * experts, device="cuda") * 0.01).requires_grad_(), 2.0)
+    gu_lora, down_lora = adapter(2 * inter, hidden), adapter(hidden, inter)
+    leaves = (gu_lora.a, gu_lora.b, down_lora.a, down_lora.b)
+    print(f"{torch.cuda.get_device_name()}; Qwen3-30B-A3B MoE layer, bf16, LoRA r={rank} (fp32) on gate_up and down")
+    rows = []
+    for tokens in (64, 256, 4096, 16384):
+        x = torch.randn(tokens, hidden, device="cuda").bfloat16().requires_grad_()
+        w, ids = torch.softmax(torch.randn(tokens, experts, device="cuda"), -1).topk(top_k, -1)
+        g = torch.randn(tokens, hidden, device="cuda").bfloat16()
+
+        def plain():
+            return fused_moe(x, gate_up, down, w, ids)
+
+        def ours():
+            return fused_moe(x, gate_up, down, w, ids, gate_up_lora=gu_lora, down_lora=down_lora)
+
+        def peft():
+            return fused_moe(x, peft_effective(gate_up, gu_lora), peft_effective(down, down_lora), w, ids)
+
+        with torch.no_grad():
+            fwd = [bench(f) for f in (plain, ours, peft)]
+        step = [bench(lambda f=f, extra=extra: torch.autograd.grad(f(), (x, *extra), g))
+                for f, extra in ((plain, ()), (ours, leaves), (peft, leaves))]
+        rows.append([tokens, *(f"{t * 1e3:.1f}" for t in fwd), f"{fwd[1] / fwd[0]:.2f}x", f"{fwd[2] / fwd[1]:.2f}x",
+                     *(f"{t * 1e3:.1f}" for t in step), f"{step[2] / step[1]:.2f}x"])
+    table(f"fused_moe with LoRA r={rank} on the experts (us; ratios: time over time)",
+          ["tokens", "fwd plain us", "fwd LoRA us", "fwd PEFT-way us", "LoRA / plain", "PEFT-way / LoRA",
+           "fwd+bwd plain us", "fwd+bwd LoRA us", "fwd+bwd PEFT-way us", "PEFT-way / LoRA"], rows)
+
+
 def main(argv=None) -> int:
     import argparse
 
@@ -173,7 +228,11 @@ def main(argv=None) -> int:
     parser.add_argument("--decode", type=positive_ints, metavar="TOKENS",
                         help="time each MoE kernel's tile configs at these decode batches (e.g. 64,128,256) of the "
                              "Moonlight and Qwen3-30B-A3B layers")
+    parser.add_argument("--lora", type=int, metavar="RANK",
+                        help="time LoRA of this rank on the experts beside fused_moe without it and PEFT's way")
     args = parser.parse_args(argv)
+    if args.lora is not None and args.lora < 1:
+        parser.error(f"--lora={args.lora} must be a rank >= 1")
     if not torch.cuda.is_available():
         print("benchmarks/moe.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -182,6 +241,9 @@ def main(argv=None) -> int:
         return 0
     if args.decode:
         decode_sweep(args.decode)
+        return 0
+    if args.lora:
+        lora_table(args.lora)
         return 0
     from vexact_models.kernels.moe import fused_moe
 

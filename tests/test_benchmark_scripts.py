@@ -519,3 +519,29 @@ def test_stock_linear_attention_puts_the_torch_path_back_and_says_why_fla_cannot
     with pytest.raises(ValueError, match="qwen3_moe has no gated-DeltaNet layers"):
         with stock_peers.stock_linear_attention(architecture_of("qwen3-30b-a3b"), "torch"):
             pass
+
+
+def test_moe_lora_peer_is_peft_s_effective_expert_weight(monkeypatch):
+    """benchmarks/moe.py --lora's PEFT-way peer builds the expert tensor PEFT's ``ParamWrapper``
+    builds (``W + delta``, its own `get_delta_weight`) from the same adapter tensors."""
+    from peft import LoraConfig, get_peft_model
+
+    from vexact_models.adapters import expert_adapters
+    from vexact_models.registry import get
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import moe
+
+    arch = get("qwen3_moe")
+    torch.manual_seed(0)
+    model = get_peft_model(arch.causal_lm_class(arch.tiny_config()), LoraConfig(
+        r=4, lora_alpha=8, target_modules=[], target_parameters=["experts.gate_up_proj", "experts.down_proj"],
+        init_lora_weights=False))
+    wrapper = model.base_model.model.model.layers[0].mlp.experts  # down_proj's, around gate_up_proj's
+    experts, adapters = expert_adapters(wrapper)
+    for name, module in (("down_proj", wrapper), ("gate_up_proj", wrapper.base_layer)):
+        weight = getattr(experts, name).detach()
+        with torch.no_grad():
+            want = weight + module.get_delta_weight("default")
+            got = moe.peft_effective(weight, adapters[name])
+        assert got.shape == weight.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-6), name
