@@ -185,24 +185,19 @@ def test_build_model_goes_through_patch_and_restores_the_auto_classes():
     assert type(model) is arch.causal_lm_class and not vexact_models.is_patched()
 
 
-#: one shape of each kind of projection tree LoRA meets: dense fused groups (qwen3), experts
-#: (qwen3_moe), MLA's projections (deepseek_v3), the gated-DeltaNet projections (qwen3_5) and biased
-#: experts with sinks (gpt_oss); the others' trees repeat these (CI's time)
-LORA_SHAPES = [case for case in DISTINCT_SHAPES if shape_id(case) in ("qwen3", "qwen3_moe", "deepseek_v3", "qwen3_5",
-                                                                       "gpt_oss")]
-
-
-@pytest.mark.parametrize("case", LORA_SHAPES, ids=shape_id)
+@pytest.mark.parametrize("case", DISTINCT_SHAPES, ids=shape_id)
 def test_lora_adapters_in_every_scenario(case):
-    """Every suite scenario with random PEFT LoRA adapters (all-linear, the experts too) at a shape
-    of each kind of module tree: rollouts (the fused groups' adapters stacked) bitwise the training
-    recompute (per member)."""
-    from vexact_models.conformance.suite import add_random_lora
+    """Every suite scenario with random PEFT LoRA adapters (all-linear, and both fused expert
+    tensors of a MoE model: `add_random_lora`) at every architecture's distinct shapes: rollouts
+    (the fused groups' adapters stacked) bitwise the training recompute (per member)."""
+    from vexact_models.conformance.suite import add_random_lora, expert_targets
 
     arch, shape = case
-    model = add_random_lora(build_model(arch, shape.tiny_config(), torch.device("cpu"), torch.float32), 4)
+    model = build_model(arch, shape.tiny_config(), torch.device("cpu"), torch.float32)
+    fused_experts = bool(expert_targets(model))
+    model = add_random_lora(model, 4)
     adapted_experts = [m for m in model.modules() if getattr(m, "num_experts", 1) > 1 and hasattr(m, "lora_A")]
-    assert bool(adapted_experts) == (shape_id(case) in ("qwen3_moe", "deepseek_v3", "gpt_oss"))
+    assert bool(adapted_experts) == fused_experts
     report = run_conformance(arch, model, device=torch.device("cpu"), pool_size=8, max_tokens=6, prompt_len=8,
                              check_parity=False, shape=shape.name)
     assert report.scenarios and report.mismatches == 0 and report.tokens > 0, format_table([report])
