@@ -59,6 +59,26 @@ EXPAND_BLOCK_N = 128
 MAX_MEMBERS = 4  # members of one stacked group (the gated-DeltaNet's in_proj group has four)
 
 
+@triton.jit
+def shrink_chunk(x_ptrs, a_ptrs, row_ok, rank_ok, start, K, INPUT_PRECISION: tl.constexpr, SPLIT_A: tl.constexpr,
+                 CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One K chunk's partial ``x A^T`` ``[BLOCK_M, BLOCK_R]`` fp32 from column `start` on: `x_ptrs`
+    its rows' first columns, `a_ptrs` ``[BLOCK_K, BLOCK_R]`` the ranks' (step 1 of the module
+    docstring; shared with the routed experts' shrink, `moe_lora.py`)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k in range(0, CHUNK, BLOCK_K):
+        k_ok = start + k + offs_k < K
+        xt = tl.load(x_ptrs + start + k, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        at = tl.load(a_ptrs + start + k, mask=rank_ok[None, :] & k_ok[:, None], other=0.0)
+        hi = at.to(xt.dtype)
+        acc = tl.dot(xt, hi, acc, input_precision=INPUT_PRECISION, out_dtype=tl.float32)
+        if SPLIT_A:  # fp32 A under 16-bit x: A = hi + lo, two 16-bit operands, both into the fp32 accumulator
+            lo = (at - hi.to(tl.float32)).to(xt.dtype)
+            acc = tl.dot(xt, lo, acc, input_precision=INPUT_PRECISION, out_dtype=tl.float32)
+    return acc
+
+
 @triton.jit(do_not_specialize=["T"])
 def _lora_shrink_kernel(x_ptr, a_ptr, p_ptr, T, K, R, stride_x, stride_a,
                         INPUT_PRECISION: tl.constexpr, SPLIT_A: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -72,17 +92,8 @@ def _lora_shrink_kernel(x_ptr, a_ptr, p_ptr, T, K, R, stride_x, stride_a,
     row_ok, rank_ok = rows < T, ranks < R
     x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_x + offs_k[None, :]
     a_ptrs = a_ptr + ranks[None, :].to(tl.int64) * stride_a + offs_k[:, None]
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    start = pid_s * CHUNK
-    for k in range(0, CHUNK, BLOCK_K):
-        k_ok = start + k + offs_k < K
-        xt = tl.load(x_ptrs + start + k, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        at = tl.load(a_ptrs + start + k, mask=rank_ok[None, :] & k_ok[:, None], other=0.0)
-        hi = at.to(x_ptr.dtype.element_ty)
-        acc = tl.dot(xt, hi, acc, input_precision=INPUT_PRECISION, out_dtype=tl.float32)
-        if SPLIT_A:  # fp32 A under 16-bit x: A = hi + lo, two 16-bit operands, both into the fp32 accumulator
-            lo = (at - hi.to(tl.float32)).to(x_ptr.dtype.element_ty)
-            acc = tl.dot(xt, lo, acc, input_precision=INPUT_PRECISION, out_dtype=tl.float32)
+    acc = shrink_chunk(x_ptrs, a_ptrs, row_ok, rank_ok, pid_s * CHUNK, K, INPUT_PRECISION, SPLIT_A, CHUNK, BLOCK_M,
+                       BLOCK_R, BLOCK_K)
     out = p_ptr + (pid_s * T + rows[:, None]).to(tl.int64) * R + ranks[None, :]
     tl.store(out, acc, mask=row_ok[:, None] & rank_ok[None, :])
 

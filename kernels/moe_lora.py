@@ -34,7 +34,8 @@ import torch
 
 from ._triton import require_triton, tl, triton
 from .dependent_launch import dependent_launch_kwargs, wait_for_inputs
-from .lora import BLOCK_K, BLOCK_R, CHUNK_K, lora_expand_reference, lora_shrink_reference, num_chunks, split_a
+from .lora import (BLOCK_K, BLOCK_R, CHUNK_K, lora_expand_reference, lora_shrink_reference, num_chunks, shrink_chunk,
+                   split_a)
 from .moe_align import MoeLayout
 
 ROWS = 16  # sorted rows per shrink and expand program: every layout's row block is a multiple
@@ -106,17 +107,8 @@ def _moe_lora_shrink_kernel(x_ptr, a_ptr, p_ptr, sorted_pairs_ptr, block_expert_
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + x_rows[:, None] * stride_x + offs_k[None, :]
     a_ptrs = a_ptr + (expert * R + ranks[None, :]) * stride_a + offs_k[:, None]
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    start = pid_s * CHUNK
-    for k in range(0, CHUNK, BLOCK_K):
-        k_ok = start + k + offs_k < K
-        xt = tl.load(x_ptrs + start + k, mask=valid[:, None] & k_ok[None, :], other=0.0)
-        at = tl.load(a_ptrs + start + k, mask=rank_ok[None, :] & k_ok[:, None], other=0.0)
-        hi = at.to(x_ptr.dtype.element_ty)
-        acc = tl.dot(xt, hi, acc, input_precision=INPUT_PRECISION, out_dtype=tl.float32)
-        if SPLIT_A:  # fp32 A under 16-bit x: A = hi + lo (kernels/lora.py)
-            lo = (at - hi.to(tl.float32)).to(x_ptr.dtype.element_ty)
-            acc = tl.dot(xt, lo, acc, input_precision=INPUT_PRECISION, out_dtype=tl.float32)
+    acc = shrink_chunk(x_ptrs, a_ptrs, valid, rank_ok, pid_s * CHUNK, K, INPUT_PRECISION, SPLIT_A, CHUNK, BLOCK_M,
+                       BLOCK_R, BLOCK_K)
     out = p_ptr + (pid_s * P + rows[:, None]).to(tl.int64) * R + ranks[None, :]
     tl.store(out, acc, mask=rank_ok[None, :])
 
