@@ -306,3 +306,46 @@ def test_lora_kernels_compile_for_hopper_without_spills(monkeypatch):
         assert found.spill_bytes <= (64 if kernel.name == "_lora_expand_kernel" else 0), found
         if kernel.name == "_lora_shrink_kernel":
             assert found.mma != "none", found
+
+
+def test_expert_lora_kernels_compile_for_hopper_without_spills(monkeypatch):
+    """`kernels/moe_lora.py`'s launches (the grouped shrink, gathered from tokens for gate/up and
+    from the sorted activation rows for down, with fp32 adapters under bf16 activations and with
+    bf16 ones; the in-place expand, gate-first over interleaved B rows too, with and without
+    keeping u) and the activation's own launch compiled for sm_90 on the CPU at Qwen3-30B-A3B's
+    expert shapes (hidden 2048, expert intermediate 768, 128 experts, r 16): tensor-core shrinks,
+    no spills."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from sm90_compile import compile_only, resources
+
+    from vexact_models.kernels import ExpertLora
+    from vexact_models.kernels.moe_activation import expert_activation_rows
+    from vexact_models.kernels.moe_align import MoeLayout
+    from vexact_models.kernels.moe_config import DECODE
+    from vexact_models.kernels.moe_lora import GATE_FIRST_FROM_INTERLEAVED, IDENTITY, moe_lora_add_triton
+
+    bf, rank, experts, hidden, inter, top_k, tokens = torch.bfloat16, 16, 128, 2048, 768, 8, 256
+    rows = 4096
+    layout = MoeLayout(torch.zeros(rows, dtype=torch.int32), torch.zeros(tokens * top_k, dtype=torch.int32),
+                       torch.zeros(rows // DECODE.block_m, dtype=torch.int32), torch.zeros(experts + 1, dtype=torch.int32),
+                       tokens * top_k, DECODE)
+    x, act = torch.zeros(tokens, hidden, dtype=bf), torch.zeros(rows, inter, dtype=bf)
+    with compile_only() as kernels:
+        for adapter_dtype in (torch.float32, bf):
+            gate_up = ExpertLora(torch.zeros(experts * rank, hidden, dtype=adapter_dtype),
+                                 torch.zeros(2 * inter, rank * experts, dtype=adapter_dtype), 2.0)
+            down = ExpertLora(torch.zeros(experts * rank, inter, dtype=adapter_dtype),
+                              torch.zeros(hidden, rank * experts, dtype=adapter_dtype), 2.0)
+            for columns, keep_u in ((IDENTITY, False), (GATE_FIRST_FROM_INTERLEAVED, True)):
+                moe_lora_add_triton(torch.zeros(rows, 2 * inter, dtype=bf), x, gate_up, layout, experts, top_k, True,
+                                    columns, keep_u)
+            moe_lora_add_triton(torch.zeros(rows, hidden, dtype=bf), act, down, layout, experts, top_k, False)
+        expert_activation_rows(torch.zeros(rows, 2 * inter, dtype=bf), None, layout.block_expert, DECODE.block_m)
+    names = [kernel.name for kernel in kernels]
+    assert names.count("_moe_lora_shrink_kernel") == 6 and names.count("_moe_lora_expand_kernel") == 6, names
+    assert names.count("_expert_activation_rows_kernel") == 1, names
+    for kernel in kernels:
+        found = resources(kernel)
+        assert found.spill_bytes == 0, found
+        if kernel.name == "_moe_lora_shrink_kernel":
+            assert found.mma != "none", found
