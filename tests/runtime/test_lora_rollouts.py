@@ -11,6 +11,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from vexact_models.adapters import adapter_state, stacked_lora
+from vexact_models.conformance.suite import expert_targets
 from vexact_models.runtime import LLM, SamplingParams, model_runner
 
 from ..models.model_support import SHAPES, shape_id, skip_without_rollout, stock_model
@@ -118,14 +119,16 @@ def test_adapter_state_follows_peft():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)")
 @pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
 def test_cuda_graph_rollouts_with_adapters_toggled_equal_token_logprobs(name):
-    """The engine's real CUDA graphs (decode and mixed steps) with bf16 weights and fp32 adapters:
-    bitwise ``token_logprobs`` with adapters on, disabled, merged and unmerged between rollouts."""
+    """The engine's real CUDA graphs (decode and mixed steps) with bf16 weights and fp32 adapters
+    (Qwen3-MoE's fused experts adapted too: `kernels/moe_lora.py` captured): bitwise
+    ``token_logprobs`` with adapters on, disabled, merged and unmerged between rollouts."""
     arch = next(a for a, _ in SHAPES if a.name == name)
     torch.manual_seed(0)
     dims = dict(initializer_range=0.5, hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64)
     ours = arch.causal_lm_class(arch.shapes[0].tiny_config(**dims)).to("cuda", torch.bfloat16).eval()
     model = get_peft_model(ours, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0,
-                                            init_lora_weights=False))  # adapters in fp32, PEFT's default
+                                            init_lora_weights=False,  # adapters in fp32, PEFT's default
+                                            target_parameters=expert_targets(ours) or None))  # the MoE experts too
     llm = LLM(model, block_size=16, max_num_seqs=8, max_num_batched_tokens=48, kv_cache_bytes=1 << 24)
     assert llm.runner.graphs is not None
     prompts = prompts_for(6, seed=11, lo=3, hi=30) + prompts_for(1, seed=12, lo=60, hi=70)
