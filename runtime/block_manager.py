@@ -56,7 +56,8 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import Counter, OrderedDict
-from vexact_models.kernels.attention_window import window_block_start
+
+from vexact_models.kernels.attention_window import WIDEST_KEY_BLOCK, window_block_start
 
 from .block_tables import BlockTables
 from .sequence import Sequence
@@ -65,6 +66,14 @@ __all__ = ["BlockManager"]
 
 # Parent key of a sequence's first page.
 _ROOT_KEY = b""
+
+
+def window_pages_bound(window: int, block_size: int, chunk: int) -> int:
+    """Pages behind a `window` one sequence holds at most when its steps run at most `chunk`
+    tokens: its next position's window (`window` keys and up to ``WIDEST_KEY_BLOCK - 1`` more below
+    them, `window_block_start`'s rounding), the step's chunk, two pages cut by the edges and one
+    decode page a step scheduled ahead takes before the step in flight releases."""
+    return -(-(window + WIDEST_KEY_BLOCK - 1 + chunk) // block_size) + 3
 
 
 def chain_key(parent: bytes, tokens: tuple[int, ...]) -> bytes:
@@ -141,11 +150,19 @@ class BlockManager:
     def shortfall(self, positions: int, chunk: int) -> str | None:
         """Why a sequence that will hold `positions` positions, run alone in chunks of at most
         `chunk` tokens, can never fit these pages (the end of a sentence naming what it needs),
-        or None. A sequence alone in the cache always progresses: what makes preemption end."""
+        or None. A sequence alone in the cache always progresses: what makes preemption end. With
+        a window it holds at most `window_pages_bound` pages at once, whatever its length."""
         needed = self.blocks_for(positions)
+        if self.window is None:
+            if needed > self.num_blocks:
+                return (f"needs {needed} KV cache blocks for {positions} positions but the cache has only "
+                        f"{self.num_blocks} blocks in total (block_size={self.block_size})")
+            return None
+        # the pages behind the window are released as it advances
+        needed = min(needed, window_pages_bound(self.window, self.block_size, chunk))
         if needed > self.num_blocks:
-            return (f"needs {needed} KV cache blocks for {positions} positions but the cache has only "
-                    f"{self.num_blocks} blocks in total (block_size={self.block_size})")
+            return (f"needs {needed} KV cache blocks for {positions} positions in chunks of {chunk} but the cache "
+                    f"has only {self.num_blocks} blocks in total (block_size={self.block_size}, window={self.window})")
         return None
 
     def ref_count(self, block: int) -> int:

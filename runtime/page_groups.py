@@ -34,10 +34,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from vexact_models.kernels import PagedLayout
-from vexact_models.kernels.attention_window import WIDEST_KEY_BLOCK, window_block_start
+from vexact_models.kernels.attention_window import window_block_start
 from vexact_models.layers import WindowPages
 
-from .block_manager import BlockManager
+from .block_manager import BlockManager, window_pages_bound
 from .sequence import Sequence
 
 __all__ = ["PageGroups", "WindowGroup", "WindowTable", "window_pages_bound", "window_pages_cap"]
@@ -61,14 +61,6 @@ class WindowGroup:
         """A step's `layers.WindowPages`: the global group's `layout` (the step's sequences, query
         offsets, lengths and order) over the window group's `block_table`, and its `slot_mapping`."""
         return WindowPages(replace(layout, block_table=block_table), slot_mapping, frozenset(self.layers), self.window)
-
-
-def window_pages_bound(window: int, block_size: int, chunk: int) -> int:
-    """Pages of the window group one sequence holds at most when its steps run at most `chunk`
-    tokens: its next position's window (`window` keys and up to ``WIDEST_KEY_BLOCK - 1`` more below
-    them, `window_block_start`'s rounding), the step's chunk, two pages cut by the edges and one
-    decode page a step scheduled ahead takes before the step in flight releases."""
-    return -(-(window + WIDEST_KEY_BLOCK - 1 + chunk) // block_size) + 3
 
 
 def window_pages_cap(window: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> int:

@@ -10,7 +10,7 @@ import vexact_models.llama as llama
 from vexact_models.kernels.attention_window import window_block_start
 from vexact_models.layers import cache_window
 from vexact_models.runtime import SamplingParams
-from vexact_models.runtime.block_manager import BlockManager
+from vexact_models.runtime.block_manager import BlockManager, window_pages_bound
 from vexact_models.runtime.sequence import Sequence
 
 from .llm_support import cache_bytes, make_llm, training_logprobs
@@ -33,6 +33,16 @@ def test_release_behind_window_frees_the_pages_no_later_query_reads():
     assert BlockManager(40, 16).release_behind_window(_seq([1])) == 0  # no window: nothing
     with pytest.raises(ValueError, match="window=0 must be None or an int >= 1"):
         BlockManager(4, 4, window=0)
+
+
+def test_a_windowed_sequence_longer_than_the_cache_fits_while_its_window_does():
+    """`shortfall` with a window asks for `window_pages_bound` pages, not the whole sequence's."""
+    assert window_pages_bound(6, 4, 32) == 29  # (6 keys + 63 below them + 32) / 4, rounded up, + 3
+    bm = BlockManager(29, 4, window=6)
+    assert bm.shortfall(1000, 32) is None and bm.shortfall(20, 32) is None
+    assert bm.shortfall(1000, 36) == ("needs 30 KV cache blocks for 1000 positions in chunks of 36 but the cache has "
+                                      "only 29 blocks in total (block_size=4, window=6)")
+    assert BlockManager(29, 4).shortfall(1000, 32).startswith("needs 250 KV cache blocks for 1000 positions but")
 
 
 def test_a_shared_page_stays_with_its_other_reader_and_the_chain_continues():
@@ -111,3 +121,19 @@ def test_engine_frees_pages_behind_the_window_bitwise(engine):
         for tokens, logprobs in completions:
             temperature = params[prompts.index(prompt)].temperature
             assert torch.equal(torch.tensor(logprobs), training_logprobs(model, prompt, tokens, temperature))
+
+
+def test_a_sequence_longer_than_the_cache_rolls_out_under_the_window():
+    """A 150-token prompt plus 12 tokens would need 41 pages; the cache has 30, which fits its
+    window (`window_pages_bound` 29 in chunks of 32): it rolls out bitwise ``token_logprobs``, where
+    the same engine without the window refuses it with the error naming what it needs."""
+    model = _model(window=6)
+    prompt, params = list(range(3, 153)), SamplingParams(temperature=1.0, max_tokens=12, seed=4, ignore_eos=True)
+    llm = make_llm(model, kv_cache_bytes=cache_bytes(model, 30), max_num_batched_tokens=32)
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 12
+    assert torch.equal(torch.tensor(out.logprobs), training_logprobs(model, prompt, out.token_ids, 1.0))
+    plain = _model(window=None)
+    refused = make_llm(plain, kv_cache_bytes=cache_bytes(plain, 30), max_num_batched_tokens=32)
+    out = refused.generate([prompt], params, use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "error" and "needs 41 KV cache blocks for 162 positions" in out.outputs[0].error
