@@ -110,7 +110,7 @@ def test_rollout_with_expert_adapters_equals_token_logprobs(case, no_effective_w
         assert torch.equal(training_logprobs(peft_ours, prompt, c.token_ids, 1.0), torch.tensor(c.logprobs))
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("name", [n for n in ("qwen3_moe", "gpt_oss") if n in ARCHS])  # GPT-OSS: transformers >= 5.24
 def test_graph_shaped_rollouts_with_expert_and_linear_adapters(name, monkeypatch, no_effective_weight):
     """Experts and every linear layer adapted, the engine's steps padded to their graph buckets
     (`test_lora_rollouts.graph_shaped_llm`), then adapters disabled: bitwise `token_logprobs`."""
@@ -153,6 +153,8 @@ def test_two_active_expert_adapters_and_adapted_biases_are_errors():
     ids = torch.randint(0, 256, (1, 5))
     with pytest.raises(ValueError, match=r"2 active adapters \['default', 'second'\]"):
         peft_ours(ids)
+    if "gpt_oss" not in ARCHS:  # Architecture.min_transformers keeps it out on older releases
+        return
     gpt_oss = ARCHS["gpt_oss"]
     hf = stock_model(gpt_oss)
     ours = gpt_oss.causal_lm_class(hf.config).eval()
