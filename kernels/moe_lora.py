@@ -58,6 +58,7 @@ class ExpertLora:
     scaling: float
 
     def rank(self, experts: int) -> int:
+        """The adapter's rank r over `experts` experts."""
         return self.a.shape[0] // experts
 
     def expert_a(self, expert: int, experts: int) -> torch.Tensor:

@@ -176,6 +176,26 @@ def test_fused_moe_shape_errors():
                   add=torch.zeros(2, 31))
 
 
+def test_fused_moe_adapter_errors_name_the_adapter_and_its_shapes():
+    from vexact_models.kernels import ExpertLora
+
+    gate_up, down = _weights()
+    experts, inter2, hidden = gate_up.shape
+    x, w, ids = torch.randn(2, hidden), torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.long)
+    good = ExpertLora(torch.zeros(experts * 2, hidden), torch.zeros(inter2, 2 * experts), 1.0)
+    assert torch.equal(fused_moe(x, gate_up, down, w, ids, gate_up_lora=good), fused_moe(x, gate_up, down, w, ids))
+    with pytest.raises(ValueError, match=rf"gate_up_lora: lora A \({experts * 2 + 1}, {hidden}\) and B .* do not fit "
+                                         rf"{experts} experts of \[N={inter2}, K={hidden}\]"):
+        fused_moe(x, gate_up, down, w, ids, gate_up_lora=ExpertLora(torch.zeros(experts * 2 + 1, hidden),
+                                                                      torch.zeros(inter2, 2 * experts), 1.0))
+    with pytest.raises(ValueError, match=r"down_lora: lora A .* do not fit"):  # gate_up's adapter on down
+        fused_moe(x, gate_up, down, w, ids, down_lora=good)
+    with pytest.raises(ValueError, match=r"gate_up_lora: lora B is torch.float16 on cpu; want fp32 or torch.float32"):
+        fused_moe(x, gate_up, down, w, ids, gate_up_lora=ExpertLora(good.a, good.b.half(), 1.0))
+    with pytest.raises(ValueError, match=r"down_lora=\(1, 2\) must be a kernels.moe_lora.ExpertLora or None"):
+        fused_moe(x, gate_up, down, w, ids, down_lora=(1, 2))
+
+
 def test_launch_warps_takes_the_default_or_a_warp_count_triton_launches():
     from vexact_models.kernels._triton import launch_warps
 
