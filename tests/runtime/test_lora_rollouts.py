@@ -34,13 +34,14 @@ def graph_shaped_llm(model, monkeypatch, **kwargs) -> LLM:
 
 
 def lora_model(arch, shape=None, seed=1):
-    """Our model at `shape` under random LoRA adapters (r=4) on every linear layer (and the experts)."""
+    """Our model at `shape` under random LoRA adapters (r=4) on every linear layer and on both
+    fused expert tensors of a MoE model (PEFT's target_parameters)."""
     hf = stock_model(arch, shape=shape)
     ours = arch.causal_lm_class(hf.config).eval()
     ours.load_state_dict(hf.state_dict())
     torch.manual_seed(seed)
     return get_peft_model(ours, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0,
-                                           init_lora_weights=False))
+                                           init_lora_weights=False, target_parameters=expert_targets(ours) or None))
 
 
 def check_against_training(model, llm, prompts) -> list:
@@ -74,6 +75,8 @@ def test_graph_shaped_rollouts_with_stacked_adapters_equal_token_logprobs(pair, 
 def test_adapters_disabled_merged_and_unmerged_between_rollouts(name, monkeypatch):
     arch = next(a for a, _ in SHAPES if a.name == name)
     model = lora_model(arch)
+    adapted_experts = any(getattr(m, "num_experts", 1) > 1 and hasattr(m, "lora_A") for m in model.modules())
+    assert adapted_experts == (name == "qwen3_moe")  # merged and unmerged through PEFT's ParamWrapper too
     llm = graph_shaped_llm(model, monkeypatch)
     prompts = prompts_for(4, seed=7)
     seen = [llm.runner.graphs]
