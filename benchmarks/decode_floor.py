@@ -94,7 +94,7 @@ def workload_decode_roofline(model, prompt_lens: list[int], outputs: list[int], 
     decode step reads the weights but the input embedding (`decode_bytes`), routed experts only as
     many as its batch reaches (`expected_routed`), and every running sequence's cache. Prompt steps
     are left out (bound by arithmetic), so this is a floor for the decode part of the run."""
-    from vexact_models.layers import FusedExperts
+    from vexact_models.experts import FusedExperts
 
     param = next(model.parameters())
     kv_per_token = kv_bytes_per_token(model, param.dtype)

@@ -78,7 +78,7 @@ def test_workload_decode_roofline_counts_each_decode_step_once(monkeypatch):
     import bench_utils
 
     from vexact_models.conformance.models import build_model, make_config
-    from vexact_models.layers import FusedExperts
+    from vexact_models.experts import FusedExperts
     from vexact_models.registry import get
     from vexact_models.runtime.model_runner import kv_bytes_per_block
 

@@ -17,7 +17,8 @@ from transformers import initialization as hf_init
 from vexact_models.adapters import apply_linear
 from vexact_models.kernels import (GATED_DELTA_CHUNK, causal_conv1d, gated_delta_gates, gated_delta_rule, gated_rms_norm,
                                    linear, sigmoid_gate, softmax_topk)
-from vexact_models.layers import (FusedExperts, GatedMLP, call_experts, PackedContext, PreNormDecoderLayer, RMSNorm,
+from vexact_models.experts import FusedExperts, call_experts
+from vexact_models.layers import (GatedMLP, PackedContext, PreNormDecoderLayer, RMSNorm,
                                   ZeroCentredRMSNorm, grouped_linear, head_dim_of)
 from vexact_models.patches.compat import gated_deltanet_a_log, gated_deltanet_a_log_init, qwen3_moe_router_output
 

@@ -31,7 +31,8 @@ from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
 from vexact_models.adapters import apply_linear
 from vexact_models.kernels import apply_rotary, deinterleave, linear, sigmoid_grouped_topk
-from vexact_models.layers import FusedExperts, GatedMLP, PreNormDecoderLayer, RMSNorm, call_experts, grouped_linear
+from vexact_models.experts import FusedExperts, call_experts
+from vexact_models.layers import GatedMLP, PreNormDecoderLayer, RMSNorm, grouped_linear
 from vexact_models.side_stream import beside
 
 from ..causal_lm import CausalLMMixin, DecoderModelMixin, InferenceModel, InitHookMixin

@@ -28,8 +28,8 @@ from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
 from vexact_models.adapters import apply_linear
 from vexact_models.kernels import SwigluClamp, fused_moe, linear, softmax_topk
-from vexact_models.layers import (PreNormDecoderLayer, RMSNorm, call_experts, expert_loras, grouped_linear, head_dim_of,
-                                  layer_window)
+from vexact_models.experts import call_experts, expert_loras
+from vexact_models.layers import PreNormDecoderLayer, RMSNorm, grouped_linear, head_dim_of, layer_window
 
 from ..causal_lm import CausalLMMixin, DecoderModelMixin, InferenceModel, InitHookMixin
 from ..heads import SequenceClassificationMixin, TokenClassificationMixin

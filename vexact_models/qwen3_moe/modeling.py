@@ -14,7 +14,8 @@ from transformers import GenerationMixin, PreTrainedModel, Qwen3MoeConfig
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
 from vexact_models.kernels import linear, softmax_topk
-from vexact_models.layers import FusedExperts, PreNormDecoderLayer, RMSNorm, call_experts
+from vexact_models.experts import FusedExperts, call_experts
+from vexact_models.layers import PreNormDecoderLayer, RMSNorm
 from vexact_models.patches.compat import qwen3_moe_router_output
 
 from ..causal_lm import CausalLMMixin, DecoderModelMixin, InferenceModel, InitHookMixin
