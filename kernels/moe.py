@@ -189,12 +189,12 @@ def fused_moe_reference(x, gate_up, down, weights, ids, form: ExpertForm = PLAIN
         gu = linear_reference(x[t], gate_up[expert], None, x.dtype)
         gu = add_bias_rounded(gu, None if form.gate_up_bias is None else form.gate_up_bias[expert])
         if form.gate_up_lora is not None:
-            gu = moe_lora_add_reference(gu, x[t], form.gate_up_lora, expert, gate_up.shape[0])[0]
+            gu = moe_lora_add_reference(gu, x[t], form.gate_up_lora, expert, gate_up.shape[0])
         act = expert_activation_reference(*form.split(gu), form.clamp)
         y_e = add_bias_rounded(linear_reference(act, down[expert], None, x.dtype),
                                None if form.down_bias is None else form.down_bias[expert])
         if form.down_lora is not None:
-            y_e = moe_lora_add_reference(y_e, act, form.down_lora, expert, gate_up.shape[0])[0]
+            y_e = moe_lora_add_reference(y_e, act, form.down_lora, expert, gate_up.shape[0])
         y[t, r] = y_e
     out = torch.zeros(tokens, x.shape[1], dtype=compute)
     w = weights.to(compute)
@@ -310,11 +310,11 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
                          f"got {tuple(add.shape)} {add.dtype} on {add.device}")
     if add_ready is not None and add is None:
         raise ValueError("fused_moe: add_ready was given without add; it says when add is ready to read")
-    adapters = tuple(t for lora in (gate_up_lora, down_lora) for t in ((None, None, None) if lora is None else
-                                                                       (lora.a, lora.b, float(lora.scaling))))
+    adapter_args = [t for lora in (gate_up_lora, down_lora) for t in ((None, None, None) if lora is None else
+                                                                      (lora.a, lora.b, float(lora.scaling)))]
     needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, gate_up_proj, down_proj, topk_weights, add, gate_up_bias,
-                                                     down_bias, *adapters[0:2], *adapters[3:5]))
+        torch.is_tensor(t) and t.requires_grad for t in (x, gate_up_proj, down_proj, topk_weights, add, gate_up_bias,
+                                                         down_bias, *adapter_args))
     plain_add = needs_grad or backend == "reference"  # the plain add after the routed output
     if add_ready is not None and (plain_add or not add.is_contiguous()):
         # `add` is read before the combine (its add, or its copy below): wait for it now; `beside`
@@ -323,7 +323,7 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
         add_ready = None
     if plain_add:
         out = (_FusedMoeFunction.apply(x, gate_up_proj, down_proj, topk_weights, ids, backend, gate_up_bias, down_bias,
-                                       form.clamp, form.interleaved, *adapters) if needs_grad
+                                       form.clamp, form.interleaved, *adapter_args) if needs_grad
                else fused_moe_reference(x, gate_up_proj, down_proj, topk_weights, ids, form))
         return out if add is None else out + add
     add = None if add is None else add.contiguous()  # the combine kernel reads rows of unit stride

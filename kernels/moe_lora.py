@@ -189,13 +189,12 @@ def moe_lora_add_triton(base: torch.Tensor, x: torch.Tensor, lora: ExpertLora, l
 
 
 def moe_lora_add_reference(base: torch.Tensor, x: torch.Tensor, lora: ExpertLora, expert: int,
-                           experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, u)`` for rows `base` ``[M, N]`` of one expert (`x` ``[M, K]`` their inputs, B rows in
-    the base's column order): `lora.lora_shrink_reference`, then `lora_expand_reference`."""
+                           experts: int) -> torch.Tensor:
+    """Rows `base` ``[M, N]`` of one expert (`x` ``[M, K]`` their inputs, B rows in the base's column
+    order) plus the adapter's update: `lora.lora_shrink_reference`, then `lora_expand_reference`."""
     u = lora_shrink_reference(x, lora.expert_a(expert, experts))
-    out = lora_expand_reference(base, u, lora.expert_b(expert, experts), None, (base.shape[1],), (lora.scaling,),
-                                torch.empty_like(base))
-    return out, u
+    return lora_expand_reference(base, u, lora.expert_b(expert, experts), None, (base.shape[1],), (lora.scaling,),
+                                 torch.empty_like(base))
 
 
 def expert_lora_math(x: torch.Tensor, lora: ExpertLora, expert: int, experts: int) -> torch.Tensor:
