@@ -103,11 +103,11 @@ def with_lora(model, args, seed: int):
     (PEFT upcasts them to fp32 unless told not to)."""
     from peft import LoraConfig, get_peft_model
 
-    from vexact_models.conformance.suite import expert_targets
+    from vexact_models.adapters import expert_target_parameters
 
     torch.manual_seed(seed)
     config = LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules="all-linear", lora_dropout=0.0,
-                        init_lora_weights=False, target_parameters=expert_targets(model) or None)
+                        init_lora_weights=False, target_parameters=expert_target_parameters(model))
     return get_peft_model(model, config, autocast_adapter_dtype=args.adapter_dtype == "fp32")
 
 

@@ -25,8 +25,8 @@ import transformers
 
 from vexact_models.registry import Architecture, Shape, architectures, for_model_type, get, shapes
 
-from .models import build_model, make_config, parse_overrides, published_shape
-from .suite import add_random_lora, print_table, run_conformance, select_scenarios
+from .models import add_random_lora, build_model, make_config, parse_overrides, published_shape
+from .suite import print_table, run_conformance, select_scenarios
 
 
 def _architecture(parser: argparse.ArgumentParser, name: str) -> Architecture:

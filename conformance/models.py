@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from vexact_models.adapters import expert_target_parameters
 from vexact_models.registry import Architecture, Shape, architectures, for_model_type
 
 #: the bundled published configs (``<name>.json``; `published_config` takes ``<name>``)
@@ -163,3 +164,20 @@ def build_model(arch: Architecture, config, device: torch.device, dtype: torch.d
         with torch.no_grad():
             arch.init_for_conformance(model, seed)
     return model
+
+
+def add_random_lora(model, rank: int, seed: int = 0):
+    """`model` under real PEFT LoRA adapters of `rank` on every linear layer (PEFT's
+    ``all-linear``) and, on MoE models, on both fused expert tensors (``target_parameters``),
+    with random A and B so that the adapters change every output. Returns the ``PeftModel``."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", lora_dropout=0.0,
+                        init_lora_weights=False, target_parameters=expert_target_parameters(model))
+    peft_model = get_peft_model(model, config)
+    with torch.no_grad():  # PEFT's random init is uniform at nn.Linear's scale; shrink B to a fine-tuned size
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.mul_(0.1)
+    return peft_model

@@ -311,30 +311,6 @@ def _mixed_replays(graphs) -> str:
     return f", {graphs.mixed_replays} steps with prompt tokens replayed by {graphs.num_mixed} CUDA graphs"
 
 
-def expert_targets(model) -> list[str]:
-    """PEFT ``target_parameters`` for `model`'s fused expert tensors (both of every MoE layer's
-    ``experts``), or [] for a model without them."""
-    fused = any(name.endswith("experts.gate_up_proj") and param.dim() == 3 for name, param in model.named_parameters())
-    return ["experts.gate_up_proj", "experts.down_proj"] if fused else []
-
-
-def add_random_lora(model, rank: int, seed: int = 0):
-    """`model` under real PEFT LoRA adapters of `rank` on every linear layer (PEFT's
-    ``all-linear``) and, on MoE models, on both fused expert tensors (``target_parameters``),
-    with random A and B so that the adapters change every output. Returns the ``PeftModel``."""
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)
-    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", lora_dropout=0.0,
-                        init_lora_weights=False, target_parameters=expert_targets(model) or None)
-    peft_model = get_peft_model(model, config)
-    with torch.no_grad():  # PEFT's random init is uniform at nn.Linear's scale; shrink B to a fine-tuned size
-        for name, param in peft_model.named_parameters():
-            if "lora_B" in name:
-                param.mul_(0.1)
-    return peft_model
-
-
 def _cache_bytes(model, block_size: int, dtype: torch.dtype, blocks: int, max_num_seqs: int) -> int:
     from vexact_models.runtime.llm_setup import cache_budget_bytes
 

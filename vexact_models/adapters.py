@@ -194,6 +194,18 @@ def apply_linear(x: torch.Tensor, module: nn.Module, where: str = "") -> torch.T
     return add_adapters(linear(x, base.weight, base.bias), x, module, where)
 
 
+#: PEFT ``target_parameters`` naming both fused expert tensors of every MoE layer (our models and
+#: stock's name them alike)
+EXPERT_TARGETS = ("experts.gate_up_proj", "experts.down_proj")
+
+
+def expert_target_parameters(model: nn.Module) -> list[str] | None:
+    """`EXPERT_TARGETS` for a ``LoraConfig(target_parameters=...)`` when `model` has fused
+    (3-D) expert tensors, else None (PEFT's default: no parameter targeted)."""
+    fused = any(name.endswith("experts.gate_up_proj") and param.dim() == 3 for name, param in model.named_parameters())
+    return list(EXPERT_TARGETS) if fused else None
+
+
 def expert_adapters(module: nn.Module, where: str = "experts") -> tuple[nn.Module, dict[str, ExpertLora]]:
     """``(experts, adapters)``: the fused experts module under PEFT's ``ParamWrapper`` layers
     (nested, one per adapted tensor; `module` itself when none) and, per wrapped parameter name,

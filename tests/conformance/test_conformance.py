@@ -17,7 +17,7 @@ from vexact_models.conformance.models import (architecture_of, build_model, bund
 from vexact_models.conformance.suite import format_table, run_conformance, scenario_names, select_scenarios
 from vexact_models.registry import get
 
-from ..models.model_support import DISTINCT_SHAPES, SHAPES, shape_id
+from ..models.model_support import DISTINCT_SHAPES, SHAPES, adapts_experts, shape_id
 
 
 @pytest.mark.parametrize("case", DISTINCT_SHAPES, ids=shape_id)
@@ -190,14 +190,14 @@ def test_lora_adapters_in_every_scenario(case):
     """Every suite scenario with random PEFT LoRA adapters (all-linear, and both fused expert
     tensors of a MoE model: `add_random_lora`) at every architecture's distinct shapes: rollouts
     (the fused groups' adapters stacked) bitwise the training recompute (per member)."""
-    from vexact_models.conformance.suite import add_random_lora, expert_targets
+    from vexact_models.adapters import expert_target_parameters
+    from vexact_models.conformance.models import add_random_lora
 
     arch, shape = case
     model = build_model(arch, shape.tiny_config(), torch.device("cpu"), torch.float32)
-    fused_experts = bool(expert_targets(model))
+    fused_experts = expert_target_parameters(model) is not None
     model = add_random_lora(model, 4)
-    adapted_experts = [m for m in model.modules() if getattr(m, "num_experts", 1) > 1 and hasattr(m, "lora_A")]
-    assert bool(adapted_experts) == fused_experts
+    assert adapts_experts(model) == fused_experts
     report = run_conformance(arch, model, device=torch.device("cpu"), pool_size=8, max_tokens=6, prompt_len=8,
                              check_parity=False, shape=shape.name)
     assert report.scenarios and report.mismatches == 0 and report.tokens > 0, format_table([report])

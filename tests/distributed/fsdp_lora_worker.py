@@ -27,7 +27,7 @@ from fsdp_support import Results, equal_lists, make_model, run_rank  # noqa: E40
 from peft import LoraConfig, get_peft_model  # noqa: E402
 
 from vexact_models.adapter_weights import adapter_tensors  # noqa: E402
-from vexact_models.conformance.suite import expert_targets  # noqa: E402
+from vexact_models.adapters import expert_target_parameters  # noqa: E402
 from vexact_models.distributed import exit_rank, shard, stream_full_weights  # noqa: E402
 from vexact_models.registry import get  # noqa: E402
 from vexact_models.runtime import LLM  # noqa: E402
@@ -38,7 +38,7 @@ def lora_model(base):
     """`base` under LoRA on every linear layer and on both fused expert tensors of a MoE model."""
     torch.manual_seed(7)  # the same random adapters on every rank and in the engine
     config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0, init_lora_weights=False,
-                        target_parameters=expert_targets(base) or None)
+                        target_parameters=expert_target_parameters(base))
     return get_peft_model(copy.deepcopy(base), config)
 
 

@@ -119,6 +119,11 @@ def attention_layers(model: torch.nn.Module) -> list[int]:
     return [i for i, layer in enumerate(base.layers) if hasattr(layer, "self_attn")]
 
 
+def adapts_experts(model: torch.nn.Module) -> bool:
+    """Whether PEFT adapted a fused expert tensor of `model` (a ``ParamWrapper`` over experts)."""
+    return any(getattr(m, "num_experts", 1) > 1 and hasattr(m, "lora_A") for m in model.modules())
+
+
 def attention_output_name(model: torch.nn.Module, nth: int = 0) -> str:
     """The parameter name of the `nth` attention layer's output projection weight."""
     return f"model.layers.{attention_layers(model)[nth]}.self_attn.o_proj.weight"

@@ -10,8 +10,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 from peft.tuners.lora import ParamWrapper
 
-from vexact_models.adapters import expert_adapters
-from vexact_models.layers import FusedExperts
+from vexact_models.adapters import EXPERT_TARGETS, expert_adapters, expert_target_parameters
+from vexact_models.experts import FusedExperts
 from vexact_models.runtime import SamplingParams
 
 from ..runtime.llm_support import gen, make_llm, prompts_for, training_logprobs
@@ -20,20 +20,12 @@ from .model_support import ARCHS, SHAPES, rel, shape_id, stock_model
 
 pytestmark = pytest.mark.compat
 
-TARGETS = ["experts.gate_up_proj", "experts.down_proj"]
-
-
-def has_fused_experts(model) -> bool:
-    return any(isinstance(getattr(m, "gate_up_proj", None), torch.Tensor) and m.gate_up_proj.dim() == 3
-               for m in model.modules())
-
-
-MOE_SHAPES = [case for case in SHAPES if has_fused_experts(stock_model(case[0], shape=case[1]))]
+MOE_SHAPES = [case for case in SHAPES if expert_target_parameters(stock_model(case[0], shape=case[1])) is not None]
 
 
 def expert_lora(**overrides) -> LoraConfig:
     # init_lora_weights=False: random A and B, so that the adapters change the output from the start
-    fields = dict(r=4, lora_alpha=8, target_modules=[], target_parameters=TARGETS, init_lora_weights=False)
+    fields = dict(r=4, lora_alpha=8, target_modules=[], target_parameters=list(EXPERT_TARGETS), init_lora_weights=False)
     fields.update(overrides)
     return LoraConfig(**fields)
 

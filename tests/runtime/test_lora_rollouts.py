@@ -11,10 +11,10 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from vexact_models.adapters import adapter_state, stacked_lora
-from vexact_models.conformance.suite import expert_targets
+from vexact_models.adapters import expert_target_parameters
 from vexact_models.runtime import LLM, SamplingParams, model_runner
 
-from ..models.model_support import SHAPES, shape_id, skip_without_rollout, stock_model
+from ..models.model_support import SHAPES, adapts_experts, shape_id, skip_without_rollout, stock_model
 from .llm_support import CalledGraphs, gen, make_llm, prompts_for, training_logprobs
 
 PARAMS = SamplingParams(temperature=1.0, max_tokens=5, seed=5, ignore_eos=True)
@@ -41,7 +41,7 @@ def lora_model(arch, shape=None, seed=1):
     ours.load_state_dict(hf.state_dict())
     torch.manual_seed(seed)
     return get_peft_model(ours, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0,
-                                           init_lora_weights=False, target_parameters=expert_targets(ours) or None))
+                                           init_lora_weights=False, target_parameters=expert_target_parameters(ours)))
 
 
 def check_against_training(model, llm, prompts) -> list:
@@ -75,8 +75,7 @@ def test_graph_shaped_rollouts_with_stacked_adapters_equal_token_logprobs(pair, 
 def test_adapters_disabled_merged_and_unmerged_between_rollouts(name, monkeypatch):
     arch = next(a for a, _ in SHAPES if a.name == name)
     model = lora_model(arch)
-    adapted_experts = any(getattr(m, "num_experts", 1) > 1 and hasattr(m, "lora_A") for m in model.modules())
-    assert adapted_experts == (name == "qwen3_moe")  # merged and unmerged through PEFT's ParamWrapper too
+    assert adapts_experts(model) == (name == "qwen3_moe")  # merged and unmerged through PEFT's ParamWrapper too
     llm = graph_shaped_llm(model, monkeypatch)
     prompts = prompts_for(4, seed=7)
     seen = [llm.runner.graphs]
@@ -131,7 +130,7 @@ def test_cuda_graph_rollouts_with_adapters_toggled_equal_token_logprobs(name):
     ours = arch.causal_lm_class(arch.shapes[0].tiny_config(**dims)).to("cuda", torch.bfloat16).eval()
     model = get_peft_model(ours, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0,
                                             init_lora_weights=False,  # adapters in fp32, PEFT's default
-                                            target_parameters=expert_targets(ours) or None))  # the MoE experts too
+                                            target_parameters=expert_target_parameters(ours)))  # the MoE experts too
     llm = LLM(model, block_size=16, max_num_seqs=8, max_num_batched_tokens=48, kv_cache_bytes=1 << 24)
     assert llm.runner.graphs is not None
     prompts = prompts_for(6, seed=11, lo=3, hi=30) + prompts_for(1, seed=12, lo=60, hi=70)
