@@ -103,7 +103,7 @@ def check_stage_model(model, stage: PipelineStage) -> None:
 
 
 class StageModel:
-    """The part of an inference model (`causal_lm.InferenceModel`) that one stage runs, called
+    """The part of an inference model (`inference_model.InferenceModel`) that one stage runs, called
     as the runner calls a model: ``(ids, positions, context, rows[, hidden, residual])``. The
     first stage embeds ``ids``; later stages continue from the previous stage's ``hidden`` and
     ``residual``. The last returns the fp32 logits of ``rows``, the others ``(hidden,

@@ -35,7 +35,8 @@ from vexact_models.experts import FusedExperts, call_experts
 from vexact_models.layers import GatedMLP, PreNormDecoderLayer, RMSNorm, grouped_linear
 from vexact_models.side_stream import beside
 
-from ..causal_lm import CausalLMMixin, DecoderModelMixin, InferenceModel, InitHookMixin
+from ..causal_lm import CausalLMMixin, DecoderModelMixin, InitHookMixin
+from ..inference_model import InferenceModel
 from ..heads import SequenceClassificationMixin, TokenClassificationMixin
 from .latent_attention import KVCacheSpec, check_mla_kv_cache, expanded_cache_check, latent_attention, mla_kv_cache_mode
 

@@ -32,7 +32,8 @@ from vexact_models.adapters import apply_linear
 from vexact_models.layers import (GatedMLP, RopeTables, ZeroCentredRMSNorm, add_and_norm, grouped_linear, head_dim_of,
                                   layer_window)
 
-from ..causal_lm import CausalLMMixin, DecoderModelMixin, InferenceModel, InitHookMixin, final_logit_softcap
+from ..causal_lm import CausalLMMixin, DecoderModelMixin, InitHookMixin, final_logit_softcap
+from ..inference_model import InferenceModel
 from ..heads import SequenceClassificationMixin, TokenClassificationMixin
 
 

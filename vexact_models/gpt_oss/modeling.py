@@ -31,7 +31,8 @@ from vexact_models.kernels import SwigluClamp, fused_moe, linear, softmax_topk
 from vexact_models.experts import call_experts, expert_loras
 from vexact_models.layers import PreNormDecoderLayer, RMSNorm, grouped_linear, head_dim_of, layer_window
 
-from ..causal_lm import CausalLMMixin, DecoderModelMixin, InferenceModel, InitHookMixin
+from ..causal_lm import CausalLMMixin, DecoderModelMixin, InitHookMixin
+from ..inference_model import InferenceModel
 from ..heads import SequenceClassificationMixin, TokenClassificationMixin
 from ..mxfp4 import Mxfp4LoadingMixin
 

@@ -16,7 +16,8 @@ from transformers import GenerationMixin, PreTrainedModel, Qwen3Config
 from vexact_models.adapters import apply_linear
 from vexact_models.layers import GatedMLP, PreNormDecoderLayer, RMSNorm, grouped_linear, head_dim_of
 
-from ..causal_lm import CausalLMMixin, DecoderModelMixin, InferenceModel
+from ..causal_lm import CausalLMMixin, DecoderModelMixin
+from ..inference_model import InferenceModel
 from ..heads import SequenceClassificationMixin, TokenClassificationMixin
 
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel, Qwen3_5TextConfig
 
-from ..causal_lm import CausalLMMixin, DecoderModelMixin, InferenceModel, InitHookMixin
+from ..causal_lm import CausalLMMixin, DecoderModelMixin, InitHookMixin
+from ..inference_model import InferenceModel
 from ..gated_deltanet import (GatedAttention, GatedRMSNorm, HybridDecoderLayer, SplitProjectionGatedDeltaNet,
                               StockInitOrderMixin, ZeroCentredRMSNorm)
 from ..heads import SequenceClassificationMixin, TokenClassificationMixin

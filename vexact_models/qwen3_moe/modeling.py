@@ -18,7 +18,8 @@ from vexact_models.experts import FusedExperts, call_experts
 from vexact_models.layers import PreNormDecoderLayer, RMSNorm
 from vexact_models.patches.compat import qwen3_moe_router_output
 
-from ..causal_lm import CausalLMMixin, DecoderModelMixin, InferenceModel, InitHookMixin
+from ..causal_lm import CausalLMMixin, DecoderModelMixin, InitHookMixin
+from ..inference_model import InferenceModel
 from ..heads import SequenceClassificationMixin, TokenClassificationMixin
 from ..qwen3.modeling import Qwen3Attention, Qwen3MLP
 

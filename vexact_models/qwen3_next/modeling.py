@@ -13,7 +13,8 @@ from __future__ import annotations
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel, Qwen3NextConfig
 
-from ..causal_lm import CausalLMMixin, DecoderModelMixin, InferenceModel, InitHookMixin
+from ..causal_lm import CausalLMMixin, DecoderModelMixin, InitHookMixin
+from ..inference_model import InferenceModel
 from ..gated_deltanet import (FusedProjectionGatedDeltaNet, GatedAttention, GatedRMSNorm, HybridDecoderLayer,
                               SharedExpertMoeBlock, StockInitOrderMixin, ZeroCentredRMSNorm)
 from ..heads import SequenceClassificationMixin, TokenClassificationMixin
