@@ -24,10 +24,12 @@ what the chunk's earlier rows computed: the step that computes a row keeps its r
 So every product is the rows launch's at the same shape on the same operands, and row ``i``'s
 bits are the rows launch's: 5 dependent products to ``T`` instead of 22 (2 in block 0). A kept row of ``T``
 equals the one any launch computes for that row (rows past it are exact zeros, the rows launch's
-contract), so it does not matter which launch kept it. Where row ``i`` completes its chunk
-(``i = C - 1``), the program also folds the chunk into its state, with `fold_kernel`'s step on
-`fold_prep_kernel`'s operands (``w``, ``u = T (v beta)``, ``k exp(G_last - G)``, ``exp(G_last)``,
-the same products on the same tiles): no solve and no separate fold launch in a decode step.
+contract), so it does not matter which launch kept it. The program never writes a state: where row
+``i`` completes its chunk (``i = C - 1``), the step's fold launch (`fold_prep_kernel`, `fold_kernel`:
+the training forward's kernels) folds the chunk after this launch has read the boundary state
+(`gated_delta_step`). A fold inside this program, on the same operands and the same products
+written out again, did not give the fold launch's bits on sm_90 (H200: every output row and row of
+``T`` equal, the folded state not), and a state has one kernel that advances it (docs/design.md section 6b).
 
 `decode_reference` is the CPU twin: `gated_delta_reference.chunk_forward` with `decode_solve`
 in place of the block solve, which takes the kept rows of ``T`` and computes row ``i`` by the
@@ -45,7 +47,7 @@ from ._triton import require_triton, tl, triton
 from .gated_delta_launch import (Shapes, boundary_states, check_triton_shapes, chunk_inputs, device_ints, expand_heads,
                                  gather_chunks, launch_warps, state_dtype, value_block)
 from .gated_delta_triton import (ROWS_WARPS, SOLVE_BLOCK, block_row_step, chunk_lower, diagonal_step, keys_w,
-                                 l2norm_rows, load_rows, query_side, store_state, store_t_rows, value_block_outputs)
+                                 query_side, store_t_rows, value_block_outputs)
 
 __all__ = ["DecodePlan", "decode_kernel", "decode_reference", "decode_solve", "launch_decode"]
 
@@ -59,7 +61,6 @@ class DecodePlan:
     row: list[int]  # the new row i (its k, v, g, beta at kv_start + i already); -1: no work
     q_start: list[int]  # its query's row in q, and its output's
     state_index: list[int]  # the boundary state (-1: zeros)
-    state_out: list[int]  # where the state after the chunk goes when row i completes it (i = C - 1)
     t_out: list[int]  # row i of T goes to t_out + i of the T pool (-1: nowhere)
 
 
@@ -93,15 +94,14 @@ def _decode_solve(t_ptr, start, i, h, lmat, stride_tt, stride_th, C: tl.constexp
 
 @triton.jit
 def decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, t_ptr, state_ptr, out_ptr,
-                  kv_start_ptr, row_ptr, q_start_ptr, state_index_ptr, state_out_ptr, t_out_ptr,
+                  kv_start_ptr, row_ptr, q_start_ptr, state_index_ptr, t_out_ptr,
                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
                   stride_tt, stride_th, stride_s, stride_sh, stride_ot, stride_oh, scale,
                   GROUP: tl.constexpr, C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
                   LOG_C: tl.constexpr, LOG_DK: tl.constexpr, L2NORM: tl.constexpr, BLOCKS: tl.constexpr):
     """Row ``i`` of one chunk, one head, `BLOCKS` value blocks (from ``program_id(2) * BLOCKS``):
-    its output at ``out[q_start]``, its row of ``T`` at ``t[t_out + i]``, and where ``i = C - 1``
-    the state after the chunk at ``state[state_out]`` (in place: each value block's state is read
-    before it is written, by this program alone)."""
+    its output at ``out[q_start]`` and its row of ``T`` at ``t[t_out + i]``; the boundary state is
+    only read."""
     seq = tl.program_id(0)
     h = tl.program_id(1)
     hk = h // GROUP
@@ -119,19 +119,10 @@ def decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, t_ptr, state_ptr, out_ptr,
     w = keys_w(t, k_beta, cum)
     q_decayed, attn = query_side(q_ptr, q_start, i, n, hk, stride_qt, stride_qh, k, cum, decay, scale, C, DK, LOG_DK,
                                  L2NORM)
-    state_out = tl.load(state_out_ptr + seq)
-    rows = tl.arange(0, C)
     for j in tl.static_range(BLOCKS):
         vb = tl.program_id(2) * BLOCKS + j
-        s, v_new = value_block_outputs(v_ptr, state_ptr, out_ptr, start, i, n, q_start, index, h, vb, t, w, beta,
-                                       q_decayed, attn, stride_vt, stride_vh, stride_s, stride_sh, stride_ot, stride_oh,
-                                       C, DK, DV, BV)
-        if i == C - 1:  # the chunk is complete: fold_kernel's step on fold_prep_kernel's operands
-            keys = l2norm_rows(load_rows(k_ptr, start, 0, n, hk, stride_kt, stride_kh, DK, C), L2NORM, LOG_DK)
-            last = tl.sum(tl.where(rows == C - 1, cum, 0.0), axis=0)
-            kd = keys * tl.exp(last - cum)[:, None]
-            folded = s * tl.exp(last) + tl.dot(tl.trans(kd), v_new, input_precision="tf32x3")
-            store_state(state_ptr, state_out, h, vb, folded, stride_s, stride_sh, DK, DV, BV)
+        value_block_outputs(v_ptr, state_ptr, out_ptr, start, i, n, q_start, index, h, vb, t, w, beta, q_decayed, attn,
+                            stride_vt, stride_vh, stride_s, stride_sh, stride_ot, stride_oh, C, DK, DV, BV)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,8 +135,7 @@ def _decode_triton(q, k, v, g, beta, t_cache, states, out, plan: DecodePlan, sha
     check_triton_shapes(shapes)
     if len(plan.row) == 0:
         return
-    meta = [device_ints(x, k.device) for x in (plan.kv_start, plan.row, plan.q_start, plan.state_index, plan.state_out,
-                                               plan.t_out)]
+    meta = [device_ints(x, k.device) for x in (plan.kv_start, plan.row, plan.q_start, plan.state_index, plan.t_out)]
     blocks = shapes.dv // value_block(shapes.dv)
     decode_kernel[(len(plan.row), shapes.hv, blocks if split_values else 1)](
         q, k, v, g, beta, t_cache, states, out, *meta,
@@ -192,14 +182,12 @@ def decode_reference(q, k, v, g, beta, t_cache, states, out, plan: DecodePlan, s
         qq = expand_heads(gather_chunks(q, [q_start], [i], [i + 1], chunk).to(compute), shapes.hv)
         kept = t_cache[start:start + chunk].transpose(0, 1).to(compute)  # [Hv, C, C]; rows < i read
         solved: list[torch.Tensor] = []
-        o, new = ref.chunk_forward(qq, kk, vv, gg, bb, boundary_states(states, [plan.state_index[b]], compute), ref.EXACT,
-                                   scale=scale, use_qk_l2norm=l2norm, fold=i == chunk - 1,
-                                   solve=lambda lower: solved.append(decode_solve(lower, kept, i)) or solved[-1])
+        o, _ = ref.chunk_forward(qq, kk, vv, gg, bb, boundary_states(states, [plan.state_index[b]], compute), ref.EXACT,
+                                 scale=scale, use_qk_l2norm=l2norm, fold=False,
+                                 solve=lambda lower: solved.append(decode_solve(lower, kept, i)) or solved[-1])
         out[q_start] = o[0, :, i].to(out.dtype)
         if plan.t_out[b] >= 0:
             t_cache[plan.t_out[b] + i] = solved[0][0, :, i].to(t_cache.dtype)
-        if new is not None:
-            states[plan.state_out[b]] = new[0].to(states.dtype)
 
 
 def launch_decode(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -209,7 +197,8 @@ def launch_decode(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     rows ``0..i`` of the chunk in k, v, g, beta from ``kv_start`` (row i written already), q's row
     at ``q_start``, the kept rows of ``T`` in `t_cache` (``[rows, Hv, C]``, state dtype) from
     ``kv_start``, the boundary state in `states` (``[S, Hv, dk, dv]``). Writes the output row of
-    `out` (``[T, Hv, dv]``), row i of ``T`` and, where ``i = C - 1``, the state after the chunk.
+    `out` (``[T, Hv, dv]``) and row i of ``T``; `states` are only read (a completed chunk is the
+    fold launch's: `gated_delta_launch.launch_fold`).
     `split_values` (Triton): one program a value block of a head (its key side computed again in
     each: twice the programs, fewer registers held across the blocks), the same bits; the step
     takes one program a head (`benchmarks/gated_delta.py` times both)."""

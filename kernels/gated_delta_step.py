@@ -9,13 +9,14 @@ kept rows, its chunk 0 (the chunk ``starts`` lies in) reads them from the pool, 
 1, 2, ... read the step's own new rows in place, so no row is gathered:
 
 1. ``store``: the new rows of chunk 0 go to the pool's rows (a copy of the step's tokens);
-2. ``decode``: a sequence adding one token (a decode: row ``i`` of chunk 0) gets its output, its
-   row of ``T`` and, where the row completes the chunk, the fold into its slot's state from the
-   decode launch (`gated_delta_decode`: the pool's rows of the chunk and its kept rows of ``T``);
+2. ``decode``: a sequence adding one token (a decode: row ``i`` of chunk 0) gets its output and
+   its row of ``T`` from the decode launch (`gated_delta_decode`: the pool's rows of the chunk and
+   its kept rows of ``T``; it reads the boundary state, never writes one);
 3. ``rows0``: chunk 0's outputs of the other sequences (rows launch over the pool's rows, boundary
    states read in the pool in place through the slots: no gather of the used states);
-   ``fold0``: their chunk 0 folded where it completes, into its slot's pool state in place (after
-   ``rows0`` has read it);
+   ``fold0``: every sequence's chunk 0 folded where it completes, a decode's too, into its slot's
+   pool state in place (after ``decode`` and ``rows0`` have read it), by the training forward's
+   fold kernels;
 4. ``rows1``: chunk 1 (boundary: the state ``fold0`` wrote), where the step reaches it;
 5. ``fold1``: chunks 1.. that complete, one run per sequence, into a scratch of states;
    ``rows2``: chunks 2.. from the scratch; ``copy``: the last folded state into the pool;
@@ -30,10 +31,11 @@ copies them with the rows).
 Every launch has a grid fixed by the step's capacity ``(tokens, seqs)`` (`plan_sizes`), and an
 entry without work is a program that exits at once (a rows entry with no rows wanted, a fold run
 of length 0) or a copy into the padding row or state; 4 and 6 run only when a step may touch a
-second chunk (``max_q >= 2``), 5 only when it may complete one (``max_q > C``); 3 only where a
-sequence may add more than one token (``max_q >= 2``: a decode bucket runs 1 and 2 alone). A chunk's rows
-are at the same tile positions whatever the padding, and a fold of one chunk is the loop body of
-a longer run, so every output and state is bitwise `gated_delta_rule`'s (the kernels' contract).
+second chunk (``max_q >= 2``), 5 only when it may complete one (``max_q > C``); ``rows0`` only
+where a sequence may add more than one token (``max_q >= 2``: a decode bucket runs 1, 2 and
+``fold0``). A chunk's rows are at the same tile positions whatever the padding, and a fold of one
+chunk is the loop body of a longer run, so every output and state is bitwise
+`gated_delta_rule`'s (the kernels' contract).
 
 `plan_step` builds the arrays on the host (numpy) at a capacity; `dry_run` turns a plan into one
 that reads the same inputs and writes only the padding row and state (a graph's eager warm-up
@@ -55,7 +57,7 @@ __all__ = ["StepPlan", "dry_run", "gated_delta_step", "plan_sizes", "plan_step"]
 
 _ROWS = 6  # kv_start, n_rows, first_row, q_start, state_index, t_out (RowsPlan's fields)
 _FOLD = 4  # start, length, state_index, out_index (FoldPlan's fields)
-_DECODE = 6  # kv_start, row, q_start, state_index, state_out, t_out (DecodePlan's fields)
+_DECODE = 5  # kv_start, row, q_start, state_index, t_out (DecodePlan's fields)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -86,8 +88,7 @@ def _padding(sizes: dict, chunk: int, pool_slots: int) -> dict[str, np.ndarray]:
     out["slot"][:] = -1
     for name in ("rows0", "rows1", "rows2"):
         out[name][4:6] = -1
-    out["decode"][[1, 3, 5]] = -1
-    out["decode"][4] = pool_slots
+    out["decode"][[1, 3, 4]] = -1
     for name in ("fold0", "fold1"):
         out[name][2] = -1
     out["store"][:] = out["keep"][:] = pool_slots * chunk
@@ -123,11 +124,11 @@ def plan_step(slots, starts, counts, chunk: int, pool_slots: int, tokens: int, s
     out["slot"][:n], out["context"][:n] = slots, starts
     one = counts == 1  # a decode: row `lead` of chunk 0, by the decode launch
     base_row = slots * c
-    out["decode"][:, :n] = np.where(one, [base_row, lead, cu[:-1], boundary, slots, np.where(lead < c - 1, base_row, -1)],
+    out["decode"][:, :n] = np.where(one, [base_row, lead, cu[:-1], boundary, np.where(lead < c - 1, base_row, -1)],
                                     out["decode"][:, :n])
     kept0 = np.where(total < c, base_row, -1)  # chunk 0 stays incomplete: its rows of T are kept
     out["rows0"][:, :n] = [base_row, np.where(one, lead, np.minimum(c, total)), lead, cu[:-1], boundary, kept0]
-    done = (whole >= 1) & ~one
+    done = whole >= 1  # a decode of row C - 1 too
     out["fold0"][:, :n] = np.where(done, [base_row, np.full(n, c), boundary, slots], out["fold0"][:, :n])
     owner = np.repeat(np.arange(n), counts)  # each token's sequence, its row in its chunk sequence
     row = lead[owner] + np.arange(t) - cu[:-1][owner]
@@ -156,8 +157,8 @@ def dry_run(plan: dict[str, np.ndarray], chunk: int, pool_slots: int) -> dict[st
     the same launches, reading what the step reads, advancing nothing (a graph's warm-up)."""
     out = {name: a.copy() for name, a in plan.items()}
     out["slot"][:] = -1
-    out["fold0"][3] = out["decode"][4] = pool_slots
-    out["decode"][5] = -1
+    out["fold0"][3] = pool_slots
+    out["decode"][4] = -1
     for name in ("rows0", "rows1", "rows2"):
         out[name][5] = -1
     out["store"][:] = out["keep"][:] = pool_slots * chunk
@@ -236,11 +237,12 @@ def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     decode = plan.decode()
     launch_decode(backend, q, *pool_rows, pool_t, pool_states, out, decode if backend == "triton" else _host(decode, "decode"),
                   shapes, c, scale, use_qk_l2norm)
-    if plan.max_q < 2:  # every sequence adds one token at most: all decodes
-        return out
-    _rows(backend, q, *pool_rows, pool_states, out, plan.rows("rows0"), shapes, c, scale, use_qk_l2norm, pool_t)
+    if plan.max_q >= 2:  # a sequence may add more than one token
+        _rows(backend, q, *pool_rows, pool_states, out, plan.rows("rows0"), shapes, c, scale, use_qk_l2norm, pool_t)
     fold0 = plan.fold("fold0")  # one chunk a run at most: the prep launch's capacity is the runs', not the pool's
     _fold(backend, *pool_rows, pool_states, pool_states, fold0, shapes, c, use_qk_l2norm, most_chunks=len(fold0.start))
+    if plan.max_q < 2:  # every sequence adds one token at most: all decodes
+        return out
     _rows(backend, q, *new, pool_states, out, plan.rows("rows1"), shapes, c, scale, use_qk_l2norm, pool_t)
     if plan.max_q > c:
         scratch = pool_states.new_empty(arrays["rows2"].shape[1], *pool_states.shape[1:])

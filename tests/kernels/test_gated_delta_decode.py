@@ -1,8 +1,9 @@
 """gated_delta_decode's CPU reference (the decode twin of `gated_delta_reference.chunk_forward`):
-every row of a chunk from the kept rows of T, bitwise the reference rows launch's row, row of T and
-fold, at chunks of 16, 32 and 64 (one block and the block rows); and the Triton decode kernel
-compiled for sm_90 on the CPU at Qwen3.5's head dims (chunk 64). The Triton kernel's bits:
-tests/triton_checks/check_gated_delta_decode.py (interpreter and GPU), `kernel_invariance --only gdn`."""
+every row of a chunk from the kept rows of T, bitwise the reference rows launch's row and row of
+T (the state only read: a completed chunk is the fold launch's), at chunks of 16, 32 and 64 (one
+block and the block rows); and the Triton decode kernel compiled for sm_90 on the CPU at Qwen3.5's
+head dims (chunk 64). The Triton kernel's bits: tests/triton_checks/check_gated_delta_decode.py
+(interpreter and GPU), `kernel_invariance --only gdn`."""
 
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from vexact_models.kernels.gated_delta_decode import DecodePlan, decode_solve, launch_decode
-from vexact_models.kernels.gated_delta_launch import FoldPlan, RowsPlan, Shapes, launch_fold, launch_rows
+from vexact_models.kernels.gated_delta_launch import RowsPlan, Shapes, launch_rows
 from vexact_models.kernels.gated_delta_reference import EXACT
 
 
@@ -32,8 +33,6 @@ def test_reference_decode_rows_equal_the_rows_launch_bitwise(chunk, prefill):
     whole = torch.empty(chunk, shapes.hv, shapes.dv)
     launch_rows("reference", q, k, v, g, beta, state, whole, RowsPlan([0], [chunk], [0], [0], [0], [0]), *args,
                 t_cache=whole_t)
-    folded = torch.empty_like(state)
-    launch_fold("reference", k, v, g, beta, state, folded, FoldPlan([0], [chunk], [0], [0]), shapes, chunk, True)
     pool_t = torch.full((chunk, shapes.hv, chunk), float("nan"))  # rows never written are never read
     pool_state = state.clone()
     if prefill:
@@ -43,11 +42,11 @@ def test_reference_decode_rows_equal_the_rows_launch_bitwise(chunk, prefill):
     for i in range(prefill, chunk):
         want = torch.empty_like(out)
         launch_rows("reference", q[i:], k, v, g, beta, state, want, RowsPlan([0], [i + 1], [i], [0], [0]), *args)
-        launch_decode("reference", q[i:], k, v, g, beta, pool_t, pool_state, out, DecodePlan([0], [i], [0], [0], [0], [0]),
+        launch_decode("reference", q[i:], k, v, g, beta, pool_t, pool_state, out, DecodePlan([0], [i], [0], [0], [0]),
                       *args)
         assert torch.equal(out, want) and torch.equal(out[0], whole[i]), i
         assert torch.equal(pool_t[i], whole_t[i]), i
-    assert torch.equal(pool_state, folded)
+    assert torch.equal(pool_state, state)  # read, never written
 
 
 def test_decode_solve_is_the_block_solve_row():
@@ -78,7 +77,7 @@ def test_triton_decode_kernel_compiles_for_hopper_on_cpu(monkeypatch):
     g, beta = torch.zeros(c, 2), torch.zeros(c, 2, dtype=torch.bfloat16)
     t, states, out = torch.zeros(c, 2, c), torch.zeros(1, 2, 128, 128), torch.zeros(1, 2, 128, dtype=torch.bfloat16)
     with compile_only() as compiled:
-        launch_decode("triton", q, k, v, g, beta, t, states, out, DecodePlan([0], [40], [0], [0], [0], [0]), shapes, c,
+        launch_decode("triton", q, k, v, g, beta, t, states, out, DecodePlan([0], [40], [0], [0], [0]), shapes, c,
                       0.1, True)
     assert [kernel.name for kernel in compiled] == ["decode_kernel"]
     found = resources(compiled[0])
@@ -94,8 +93,8 @@ def test_triton_decode_kernel_compiles_for_hopper_on_cpu(monkeypatch):
 @pytest.mark.parametrize("hk,hv", [(16, 32), (4, 4)])
 def test_gpu_decode_equals_the_rows_launch_and_training(hk, hv):
     """On the Triton kernels at 128 x 128 heads, chunk 64: every row decoded from the rows of T kept
-    after every prefill length == the whole chunk's row (and its fold == the fold launch's); rollouts
-    through the state cache's decode launch (a sibling's slot copied mid-chunk) == training."""
+    after every prefill length == the whole chunk's row, the states only read; rollouts through the
+    state cache's decode and fold launches (a sibling's slot copied mid-chunk) == training."""
     from vexact_models.conformance.gated_delta_invariance import check_decode, check_engine_rollout
     from vexact_models.conformance.kernel_invariance import Result
 

@@ -27,14 +27,15 @@ def test_plan_of_a_step_across_chunks():
     c, pool = 16, 4
     plan = plan_step([2, 0, 3], [31, 5, 0], [1, 40, 16], c, pool, 64, 5)
     assert plan["slot"].tolist() == [2, 0, 3, -1, -1] and plan["context"].tolist() == [31, 5, 0, 0, 0]
-    # the decode token: row 15 of slot 2's chunk, from its state, folding into it; no row of T kept (complete)
+    # the decode token: row 15 of slot 2's chunk, from its state; no row of T kept (complete)
     assert plan["decode"].tolist() == [[32, 0, 0, 0, 0], [15, -1, -1, -1, -1], [0, 0, 0, 0, 0], [2, -1, -1, -1, -1],
-                                       [2, pool, pool, pool, pool], [-1, -1, -1, -1, -1]]
+                                       [-1, -1, -1, -1, -1]]
     # rows0: chunk 0 of the others from their slot's rows, from its pool state (position 0: zeros);
     # the decode's entry has no rows wanted; no chunk 0 stays incomplete, so no row of T is kept
     assert plan["rows0"].tolist() == [[32, 0, 48, 0, 0], [15, 16, 16, 0, 0], [15, 5, 0, 0, 0], [0, 1, 41, 0, 0],
                                       [2, -1, -1, -1, -1], [-1, -1, -1, -1, -1]]
-    assert plan["fold0"].tolist() == [[0, 0, 48, 0, 0], [0, 16, 16, 0, 0], [-1, -1, -1, -1, -1], [0, 0, 3, 0, 0]]
+    # fold0: every chunk 0 that completes, the decode's (from slot 2's state into it) too
+    assert plan["fold0"].tolist() == [[32, 0, 48, 0, 0], [16, 16, 16, 0, 0], [2, -1, -1, -1, -1], [2, 0, 3, 0, 0]]
     # sequence 1 (lead 5, 40 tokens): chunk 1 from its step row 1 + 11 = 12, chunk 2 (13 rows) from 28
     assert plan["rows1"].tolist() == [[0, 12, 0, 0, 0], [0, 16, 0, 0, 0], [0, 0, 0, 0, 0], [0, 12, 0, 0, 0],
                                       [-1, 0, -1, -1, -1], [-1, -1, -1, -1, -1]]
@@ -51,7 +52,7 @@ def test_plan_of_a_step_across_chunks():
     dry = dry_run(plan, c, pool)  # reads alike, writes only the padding row and state, keeps no row of T
     assert (dry["slot"] == -1).all() and (dry["fold0"][3] == pool).all() and (dry["store"] == trash).all()
     assert (dry["keep"] == trash).all() and (dry["copy"][1] == pool).all()
-    assert (dry["decode"][4] == pool).all() and (dry["decode"][5] == -1).all()
+    assert (dry["decode"][4] == -1).all()
     assert np.array_equal(dry["decode"][:4], plan["decode"][:4]) and np.array_equal(dry["fold1"], plan["fold1"])
     for name in ("rows0", "rows1", "rows2"):
         assert np.array_equal(dry[name][:5], plan[name][:5]) and (dry[name][5] == -1).all()

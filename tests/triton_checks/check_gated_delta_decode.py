@@ -1,6 +1,6 @@
 """The decode launch (`kernels.gated_delta_decode`): row ``i`` of a chunk from the rows of ``T`` kept by
-earlier launches, bitwise the rows launch's row and ``T`` row, and its fold at the chunk's last row
-bitwise the fold launch's state; on the Triton kernels under TRITON_INTERPRET=1 on CPU and on a GPU
+earlier launches, bitwise the rows launch's row and ``T`` row, the boundary state only read (the
+fold launch folds a completed chunk); on the Triton kernels under TRITON_INTERPRET=1 on CPU and on a GPU
 (docs/design.md section 6b, "Decode cost"). The engine's steps through it: check_gated_delta_step.py."""
 
 import os
@@ -16,8 +16,7 @@ DEVICE = "cpu" if INTERPRET else "cuda"
 
 from vexact_models.kernels import use_backend  # noqa: E402
 from vexact_models.kernels.gated_delta_decode import DecodePlan, launch_decode  # noqa: E402
-from vexact_models.kernels.gated_delta_launch import RowsPlan, Shapes, launch_fold, launch_rows  # noqa: E402
-from vexact_models.kernels.gated_delta_launch import FoldPlan  # noqa: E402
+from vexact_models.kernels.gated_delta_launch import RowsPlan, Shapes, launch_rows  # noqa: E402
 
 SHAPES = [(1, 2, 16, 128, 16), (1, 2, 16, 16, 32)] if INTERPRET else [(1, 2, 16, 16, 16), (16, 32, 128, 128, 64),
                                                                      (4, 4, 128, 128, 64)]
@@ -39,8 +38,8 @@ def chunk_inputs(shapes: Shapes, chunk: int, seed: int):
 def test_decode_rows_equal_the_rows_launch_bitwise(hk, hv, dk, dv, chunk, prefill, split):
     """A chunk's first `prefill` rows by the rows launch (keeping their rows of ``T``), then every
     later row by the decode launch (`split`: one program a value block): each output == the rows
-    launch's for that row, each kept row of ``T`` == the whole chunk's, and the fold at the last
-    row == the fold launch's state."""
+    launch's for that row, each kept row of ``T`` == the whole chunk's, and the boundary state
+    unchanged (the decode launch never writes a state)."""
     shapes = Shapes(hk, hv, dk, dv)
     q, k, v, g, beta, state = chunk_inputs(shapes, chunk, seed=chunk + prefill)
     scale = dk ** -0.5
@@ -50,8 +49,6 @@ def test_decode_rows_equal_the_rows_launch_bitwise(hk, hv, dk, dv, chunk, prefil
         whole = torch.empty(chunk, hv, dv, dtype=q.dtype, device=DEVICE)
         launch_rows("triton", q, k, v, g, beta, state, whole, RowsPlan([0], [chunk], [0], [0], [0], [0]), *args,
                     t_cache=whole_t)
-        folded = torch.empty_like(state)
-        launch_fold("triton", k, v, g, beta, state, folded, FoldPlan([0], [chunk], [0], [0]), shapes, chunk, True)
         pool_t = torch.full((chunk, hv, chunk), float("nan"), device=DEVICE)  # rows never written are never read
         pool_state = state.clone()
         out = torch.empty(1, hv, dv, dtype=q.dtype, device=DEVICE)
@@ -61,16 +58,17 @@ def test_decode_rows_equal_the_rows_launch_bitwise(hk, hv, dk, dv, chunk, prefil
         for i in range(prefill, chunk):
             want = torch.empty(1, hv, dv, dtype=q.dtype, device=DEVICE)
             launch_rows("triton", q[i:], k, v, g, beta, state, want, RowsPlan([0], [i + 1], [i], [0], [0]), *args)
-            launch_decode("triton", q[i:], k, v, g, beta, pool_t, pool_state, out, DecodePlan([0], [i], [0], [0], [0], [0]),
+            launch_decode("triton", q[i:], k, v, g, beta, pool_t, pool_state, out, DecodePlan([0], [i], [0], [0], [0]),
                           *args, split_values=split)
             assert torch.equal(out, want), f"row {i}"
             assert torch.equal(out[0], whole[i]), f"row {i} vs the whole chunk"
             assert torch.equal(pool_t[i], whole_t[i]), f"row {i} of T"
-    assert torch.equal(pool_state, folded)
+    assert torch.equal(pool_state, state)
 
 
 def test_padding_entries_write_nothing():
-    """Entries of row -1 exit; ``t_out = -1`` keeps no row of ``T``; a fold goes where ``state_out`` says."""
+    """Entries of row -1 exit; ``t_out = -1`` keeps no row of ``T``; the last row of a chunk writes its
+    output and no state."""
     shapes = Shapes(1, 2, 16, 16)
     q, k, v, g, beta, state = chunk_inputs(shapes, 16, seed=1)
     with use_backend("triton"):
@@ -81,9 +79,10 @@ def test_padding_entries_write_nothing():
         before = pool_t.clone()
         out = torch.full((2, 2, 16), 7.0, dtype=q.dtype, device=DEVICE)
         launch_decode("triton", q[15:].repeat(2, 1, 1), k, v, g, beta, pool_t, states, out,
-                      DecodePlan([0, 0], [-1, 15], [0, 1], [0, 0], [0, 1], [0, -1]), shapes, 16, 0.25, True)
+                      DecodePlan([0, 0], [-1, 15], [0, 1], [0, 0], [0, -1]), shapes, 16, 0.25, True)
     assert torch.equal(out[0], torch.full_like(out[0], 7.0)) and torch.equal(pool_t, before)
-    assert torch.equal(states[0], state[0]) and not torch.equal(states[1], torch.zeros_like(states[1]))
+    assert not torch.equal(out[1], torch.full_like(out[1], 7.0))
+    assert torch.equal(states[0], state[0]) and torch.equal(states[1], torch.zeros_like(states[1]))
 
 
 ENGINE = [(1, 2, 16, 16, 32)] if INTERPRET else [(1, 2, 16, 16, 16), (16, 32, 128, 128, 64)]
@@ -92,7 +91,7 @@ ENGINE = [(1, 2, 16, 16, 32)] if INTERPRET else [(1, 2, 16, 16, 16), (16, 32, 12
 @pytest.mark.parametrize("hk,hv,dk,dv,chunk", ENGINE)
 def test_engine_steps_through_the_decode_launch_equal_training(hk, hv, dk, dv, chunk):
     """`LinearStateCache` steps (`LinearStep.delta_rule`) of four sequences, decoding through several
-    chunks: A prefills ``C - 3`` tokens, decodes across two boundaries (the decode launch folds) and
+    chunks: A prefills ``C - 3`` tokens, decodes across two boundaries (the fold launch after the decode) and
     pauses mid-chunk; the leader L prefills to mid-chunk, its sibling S takes its slot's state by
     `copy_slots` (n > 1) and both decode their own tokens; P is preempted mid-chunk and prefills
     again from position 0 in a slot whose contents are stale, then decodes on. Prefill pieces share
