@@ -87,7 +87,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, layout: MoeLayout, n: int, k:
     grid = (a.shape[0] // cfg.block_m, triton.cdiv(n, block_n))
     descs = cfg.tma and weights_by_tma(w, n, k, stride_n, stride_k) and tma_rows_aligned(a) and a.stride(1) == 1
     a_desc = tile_descriptor(a, cfg.block_m, block_k) if descs else None
-    w_desc = tile_descriptor(w.view(-1, k), block_n, block_k) if descs else None
+    w_desc = tile_descriptor(weight_rows(w, n, k), block_n, block_k) if descs else None
     _moe_grouped_gemm_kernel[grid](a, w, a_desc, w_desc, out, layout.block_expert, n, k, a.stride(0), w.stride(0),
                                    stride_n, stride_k, out.stride(0), INPUT_PRECISION=input_precision(a.dtype),
                                    BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=block_k, DESCS=descs,
@@ -102,6 +102,14 @@ def tile_descriptor(t: torch.Tensor, block_rows: int, block_cols: int):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     return TensorDescriptor.from_tensor(t, [block_rows, block_cols])
+
+
+def weight_rows(w: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Expert weights that pass `tma_weight_layout` as the ``[E * n, k]`` matrix a TMA descriptor
+    reads (row ``e * n + i`` is expert e's row i): the same memory, whether `w` is ``[E, n, k]``
+    contiguous or a transposed view of it (GPT-OSS's down weight in the backward), which `view`
+    refuses."""
+    return w.as_strided((w.shape[0] * n, k), (k, 1))
 
 
 def weights_by_tma(w: torch.Tensor, n: int, k: int, stride_n: int, stride_k: int) -> bool:

@@ -4,7 +4,7 @@ import torch
 from vexact_models.kernels.moe import fused_moe, moe_align
 from vexact_models.kernels.moe_backward import moe_math
 from vexact_models.kernels.moe_config import DECODE, FEW_ROWS, LARGE, SMALL, k_tile, pick_config
-from vexact_models.kernels.moe_grouped_gemm import tma_weight_layout, weights_by_tma
+from vexact_models.kernels.moe_grouped_gemm import tma_weight_layout, weight_rows, weights_by_tma
 from vexact_models.kernels.moe_routing import softmax_topk
 
 from ..conftest import rel_err
@@ -127,6 +127,26 @@ def test_expert_weights_take_tma_descriptors_only_in_their_contiguous_layout():
     half = gate_up[:, :24]  # every other expert's rows: a stride of 48 rows per expert
     assert not tma_weight_layout(half, 24, 32, half.stride(1), half.stride(2))
     assert not weights_by_tma(gate_up, 48, 32, 32, 1)  # CPU
+
+
+def test_weight_rows_read_a_transposed_view_as_its_memory():
+    """`weight_rows`: the ``[E * n, k]`` matrix a descriptor reads, for HF's contiguous ``[E, N, K]``
+    experts and for a transposed view of ``[E, n, k]`` memory (GPT-OSS's down weight ``[E, I, H]``
+    passed as ``[E, H, I]``, read transposed in the backward: n = I, k = H), which passes
+    `tma_weight_layout` and which ``view(-1, k)`` refuses (the H200 backward failed there); an
+    offset slice keeps its offset."""
+    gate_up = torch.randn(4, 48, 32).to(torch.bfloat16)
+    assert torch.equal(weight_rows(gate_up, 48, 32), gate_up.reshape(-1, 32))
+    down = torch.randn(3, 24, 32).to(torch.bfloat16)  # [E, I, H] memory
+    seen = down.transpose(1, 2)  # [E, H, I], as the model hands it over
+    assert tma_weight_layout(seen, 24, 32, seen.stride(2), seen.stride(1))
+    with pytest.raises(RuntimeError):
+        seen.view(-1, 32)
+    rows = weight_rows(seen, 24, 32)
+    assert rows.shape == (72, 32) and torch.equal(rows, down.reshape(-1, 32))
+    assert torch.equal(rows[1 * 24 + 5], seen[1, :, 5])  # expert 1's element (n = 5, k) at row 1 * n + 5
+    stacked = torch.randn(2, 4, 48, 32).to(torch.bfloat16)
+    assert torch.equal(weight_rows(stacked[1], 48, 32), stacked[1].reshape(-1, 32))
 
 
 def test_k_tile_falls_back_to_64_where_128_does_not_divide_k():
