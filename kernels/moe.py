@@ -36,7 +36,53 @@ from .moe_align import MoeLayout, moe_align
 from .moe_lora import GATE_FIRST_FROM_INTERLEAVED, IDENTITY, ExpertLora, moe_lora_add_reference, moe_lora_add_triton
 from .moe_backward import fused_moe_backward_reference, fused_moe_backward_triton
 from .moe_config import MoeConfig, k_tile, pick_config
-from .moe_grouped_gemm import combine, grouped_gemm, input_precision, tile_descriptor, weights_by_tma
+from .moe_grouped_gemm import combine, grouped_gemm, input_precision, tile_descriptor, weight_rows, weights_by_tma
+
+
+@triton.jit
+def _gate_up_tiles(x_ptrs, wg_ptrs, wu_ptrs, w_desc, valid, w_row, H, I, n_ok, stride_wk, offs_k,
+                   INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, W_DESC: tl.constexpr):
+    """The gate and up products of gate rows first: a ``[BLOCK_K, BLOCK_N]`` tile of each a K step
+    (through the descriptor with `W_DESC`: the same tiles, zero past H; columns past I read the
+    next rows, never stored)."""
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k in range(0, tl.cdiv(H, BLOCK_K)):
+        k_ok = offs_k < H - k * BLOCK_K
+        a = tl.load(x_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        if W_DESC:
+            bg = w_desc.load([w_row, k * BLOCK_K]).T
+            bu = w_desc.load([w_row + I, k * BLOCK_K]).T
+        else:
+            bg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            bu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc_g = tl.dot(a, bg, acc_g, input_precision=INPUT_PRECISION)
+        acc_u = tl.dot(a, bu, acc_u, input_precision=INPUT_PRECISION)
+        x_ptrs += BLOCK_K
+        wg_ptrs += BLOCK_K * stride_wk
+        wu_ptrs += BLOCK_K * stride_wk
+    return acc_g, acc_u
+
+
+@triton.jit
+def _interleaved_gate_up_tiles(x_ptrs, w_ptrs, valid, H, I, rows_ok, stride_wk, offs_k,
+                               INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                               BLOCK_K: tl.constexpr):
+    """GPT-OSS's interleaved rows (gate row n at 2n, up at 2n + 1): one ``[BLOCK_K, 2 BLOCK_N]``
+    tile of consecutive rows a K step and one dot, split into gate and up columns after the K
+    loop. Each product column sees the same K steps as a dot of its own (the columns of an MMA
+    are independent, as every tile config's rows are: `pick_config`); the tile is contiguous
+    where the two strided tiles of `_gate_up_tiles` were not (element loads, no async copies)."""
+    acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), tl.float32)
+    for k in range(0, tl.cdiv(H, BLOCK_K)):
+        k_ok = offs_k < H - k * BLOCK_K
+        a = tl.load(x_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=k_ok[:, None] & rows_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wk
+    return tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
 
 
 @triton.jit
@@ -46,11 +92,12 @@ def moe_gate_up_kernel(x_ptr, w_ptr, w_desc, act_ptr, preact_ptr, sorted_pairs_p
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_DESC: tl.constexpr,
                        PDL: tl.constexpr = False, up_offset=0, bias_ptr=None, stride_be=0, bias_step=1,
                        bias_up=0, alpha=1.0, limit=1.0, BIAS: tl.constexpr = False, CLAMPED: tl.constexpr = False,
-                       STORE_ACT: tl.constexpr = True):
+                       STORE_ACT: tl.constexpr = True, INTERLEAVED: tl.constexpr = False):
     """Gate and up GEMMs of the expert-sorted rows (`moe_align`) with the activation in the
     epilogue: ``act = silu(x @ Wg[e].T) * (x @ Wu[e].T)`` per block of rows of one expert
     (rule 4). Gate row n of expert e at ``stride_we * e + stride_wn * n``, its up row
-    `up_offset` further (rows first: ``I * stride_wn``; GPT-OSS's interleaved columns: one row).
+    `up_offset` further (rows first: ``I * stride_wn``); with `INTERLEAVED` (GPT-OSS) row r of
+    ``[E, 2I, H]`` at ``stride_we * e + stride_wn * r``, gate row n at r = 2n, up at 2n + 1.
     With `BIAS` each rounded product gets its bias (``bias_ptr[e, n * bias_step]``, up
     `bias_up` further) and is rounded again; with `CLAMPED` the activation is the clamped SwiGLU
     (`moe_activation.expert_activation`). Public for benchmarks/moe.py, which times it alone;
@@ -69,25 +116,16 @@ def moe_gate_up_kernel(x_ptr, w_ptr, w_desc, act_ptr, preact_ptr, sorted_pairs_p
     n_ok = offs_n < I
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :]
-    wg_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
-    wu_ptrs = wg_ptrs + up_offset
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    w_row = expert.to(tl.int32) * 2 * I + pid_n * BLOCK_N  # W_DESC: the gate tile's first row in [E * 2I, H]
-    for k in range(0, tl.cdiv(H, BLOCK_K)):
-        k_ok = offs_k < H - k * BLOCK_K
-        a = tl.load(x_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-        if W_DESC:  # the same tiles (zero past H; columns past I read the next rows, never stored)
-            bg = w_desc.load([w_row, k * BLOCK_K]).T
-            bu = w_desc.load([w_row + I, k * BLOCK_K]).T
-        else:
-            bg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            bu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc_g = tl.dot(a, bg, acc_g, input_precision=INPUT_PRECISION)
-        acc_u = tl.dot(a, bu, acc_u, input_precision=INPUT_PRECISION)
-        x_ptrs += BLOCK_K
-        wg_ptrs += BLOCK_K * stride_wk
-        wu_ptrs += BLOCK_K * stride_wk
+    if INTERLEAVED:
+        offs_r = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
+        w_ptrs = w_ptr + expert * stride_we + offs_r[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        acc_g, acc_u = _interleaved_gate_up_tiles(x_ptrs, w_ptrs, valid, H, I, offs_r < 2 * I, stride_wk, offs_k,
+                                                  INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        wg_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        w_row = expert.to(tl.int32) * 2 * I + pid_n * BLOCK_N  # W_DESC: the gate tile's first row in [E * 2I, H]
+        acc_g, acc_u = _gate_up_tiles(x_ptrs, wg_ptrs, wg_ptrs + up_offset, w_desc, valid, w_row, H, I, n_ok,
+                                      stride_wk, offs_k, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, W_DESC)
     dtype = act_ptr.dtype.element_ty
     g = acc_g.to(dtype)
     u = acc_u.to(dtype)
@@ -122,10 +160,10 @@ def gate_up_act(x: torch.Tensor, gate_up: torch.Tensor, layout: MoeLayout, top_k
     block_k = k_tile(cfg.block_k, hidden)
     desc = cfg.tma and not form.interleaved and weights_by_tma(gate_up, 2 * inter, hidden, gate_up.stride(1),
                                                                gate_up.stride(2))
-    w_desc = tile_descriptor(gate_up.view(-1, hidden), cfg.block_n, block_k) if desc else None
+    w_desc = tile_descriptor(weight_rows(gate_up, 2 * inter, hidden), cfg.block_n, block_k) if desc else None
     row_step = 2 if form.interleaved else 1
     bias = form.gate_up_bias
-    extra = dict(up_offset=gate_up.stride(1) * (1 if form.interleaved else inter), BIAS=bias is not None,
+    extra = dict(up_offset=gate_up.stride(1) * inter, BIAS=bias is not None,
                  CLAMPED=form.clamp is not None)
     if bias is not None:
         bias = bias.contiguous()
@@ -135,9 +173,10 @@ def gate_up_act(x: torch.Tensor, gate_up: torch.Tensor, layout: MoeLayout, top_k
         extra.update(alpha=float(form.clamp.alpha), limit=float(form.clamp.limit))
     moe_gate_up_kernel[(rows // cfg.block_m, triton.cdiv(inter, cfg.block_n))](
         x, gate_up, w_desc, preact if act is None else act, preact, layout.sorted_pairs, layout.block_expert,
-        layout.num_pairs, hidden, inter, x.stride(0), gate_up.stride(0), gate_up.stride(1) * row_step,
+        layout.num_pairs, hidden, inter, x.stride(0), gate_up.stride(0), gate_up.stride(1),
         gate_up.stride(2), inter if act is None else act.stride(0), preact.stride(0), TOP_K=top_k,
         SAVE_PREACT=save_preact, STORE_ACT=act is not None, INPUT_PRECISION=input_precision(x.dtype),
+        INTERLEAVED=form.interleaved,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, W_DESC=desc, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **extra, **dependent_launch_kwargs(x.device))
     return act, preact
