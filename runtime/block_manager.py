@@ -12,25 +12,14 @@ Every block table is mirrored, as a row of one array, in ``BlockManager.tables``
 
 Prefix sharing
 --------------
-A *full* page of a sequence (``block_size`` tokens) whose K/V are written gets a content key,
-chained over the previous page's key and the page's token ids, so the key stands for the whole
-prefix up to the page's end. ``cache_full_blocks`` publishes such pages; ``allocate`` hands a
-sequence a published page instead of a fresh one when the key (and, as a collision guard, the
-stored parent key and token ids) match, adds a reference to it and advances
-``seq.num_computed_tokens`` past it, so the scheduler never recomputes it. Only the leading
-pages of a sequence can be taken that way (its block table must end exactly at its computed
-prefix), and never the page holding the sequence's last token: at least that token is always
-computed by the sequence itself, since the step that samples needs its logits. The last,
-partial page of a prompt is therefore never shared either; every sample recomputes those few
-tokens. Both are bitwise identical to computing everything: the shared K/V are exactly the
-bf16/fp32 values the sequence would have written (same tokens, same positions, row-invariant
-kernels), and attention reads them in the same absolute-position-aligned blocks.
-
-Pages are reference counted. A page whose count drops to 0 goes back to the free list but keeps
-its key, so a later identical prefix (for instance a preempted sequence coming back) can still
-revive it; its key is dropped only when the page is handed out fresh to someone else. The free
-list is FIFO and a sequence's pages are returned last page first, so the cache loses prefixes
-from their tail (the least shareable part) first.
+Full pages whose K/V are written are published under content keys (`runtime.prefix_cache`,
+which says how and why sharing them is bitwise); ``allocate`` hands a sequence a published page
+instead of a fresh one where its leading pages' keys match, and advances
+``seq.num_computed_tokens`` past it. Pages are reference counted. A page whose count drops to 0
+goes back to the free list but keeps its key, so a later identical prefix (for instance a
+preempted sequence coming back) can still revive it; its key is dropped only when the page is
+handed out fresh to someone else. The free list is FIFO and a sequence's pages are returned last
+page first, so the cache loses prefixes from their tail (the least shareable part) first.
 
 Sliding windows
 ---------------
@@ -53,20 +42,15 @@ When a page may be published is the caller's contract; the Scheduler's rule is i
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import Counter, OrderedDict
 
 from vexact_models.kernels.attention_window import WIDEST_KEY_BLOCK, window_block_start
 
 from .block_tables import BlockTables
+from .prefix_cache import ROOT_KEY, PrefixCache, chain_key
 from .sequence import Sequence
 
 __all__ = ["BlockManager"]
-
-# Parent key of a sequence's first page.
-_ROOT_KEY = b""
-
 
 def window_pages_bound(window: int, block_size: int, chunk: int) -> int:
     """Pages behind a `window` one sequence holds at most when its steps run at most `chunk`
@@ -74,13 +58,6 @@ def window_pages_bound(window: int, block_size: int, chunk: int) -> int:
     them, `window_block_start`'s rounding), the step's chunk, two pages cut by the edges and one
     decode page a step scheduled ahead takes before the step in flight releases."""
     return -(-(window + WIDEST_KEY_BLOCK - 1 + chunk) // block_size) + 3
-
-
-def chain_key(parent: bytes, tokens: tuple[int, ...]) -> bytes:
-    """Content key of a full page: a 128-bit BLAKE2b digest over its parent page's key and its
-    token ids, so equal keys mean equal prefixes (up to a 2**-64-ish birthday bound; the
-    BlockManager still compares parent key and tokens before sharing)."""
-    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
 
 
 class BlockManager:
@@ -123,11 +100,8 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         # References per page: sequences whose block table lists it. 0 <=> on the free list.
         self._ref = [0] * num_blocks
-        # Published pages: key, and (parent key, token ids) as the collision guard.
-        self._key: list[bytes | None] = [None] * num_blocks
-        self._content: list[tuple[bytes, tuple[int, ...]] | None] = [None] * num_blocks
-        # key -> the page that serves it (the first one published under that key).
-        self._cached: dict[bytes, int] = {}
+        #: The published pages' content keys (prefix sharing).
+        self.prefix = PrefixCache(num_blocks)
         #: Pages taken from the prefix cache instead of being computed (a running total).
         self.num_shared_hits = 0
         #: Every allocated sequence's block table as a row of one array, for the model runner.
@@ -141,7 +115,7 @@ class BlockManager:
     @property
     def num_cached_blocks(self) -> int:
         """Published pages that can be shared right now (in use or free)."""
-        return len(self._cached)
+        return len(self.prefix)
 
     def can_append(self, count: int = 1) -> bool:
         """Whether `count` sequences can each enter one fresh page now (`append_block`)."""
@@ -180,18 +154,12 @@ class BlockManager:
         bs = self.block_size
         return tuple(seq.token_ids[index * bs : (index + 1) * bs])
 
-    def lookup(self, key: bytes, content: tuple[bytes, tuple[int, ...]]) -> int | None:
-        """The published page serving content key `key` whose stored (parent key, token ids) are
-        `content` (the collision guard), or None."""
-        block = self._cached.get(key)
-        return None if block is None or self._content[block] != content else block
-
     def _walk(self, seq: Sequence, num_tokens: int) -> list[tuple[int, bytes, tuple[bytes, tuple[int, ...]]]]:
         """(page, key, (parent key, token ids)) of the published pages that ``allocate(seq,
         num_tokens)`` may take for the next entries of ``seq.block_table``: leading full pages of
         ``seq``'s tokens within [0, num_tokens), never the one holding its last token, looked up in
         order until the first miss."""
-        if not self.enable_prefix_sharing or not self._cached:
+        if not self.enable_prefix_sharing or not len(self.prefix):
             return []
         bs = self.block_size
         table = seq.block_table
@@ -210,7 +178,7 @@ class BlockManager:
         for index in range(start, stop):
             tokens = self._page_tokens(seq, index)
             key = chain_key(parent, tokens)
-            block = self.lookup(key, (parent, tokens))
+            block = self.prefix.lookup(key, (parent, tokens))
             if block is None:
                 break
             walk.append((block, key, (parent, tokens)))
@@ -323,18 +291,9 @@ class BlockManager:
     def _pop_fresh(self) -> int:
         """Take the page at the front of the free list for a new owner."""
         block, _ = self._free.popitem(last=False)
-        self._forget(block)  # its old contents are about to be overwritten
+        self.prefix.forget(block)  # its old contents are about to be overwritten
         self._ref[block] = 1
         return block
-
-    def _forget(self, block: int) -> None:
-        key = self._key[block]
-        if key is None:
-            return
-        if self._cached.get(key) == block:
-            del self._cached[key]
-        self._key[block] = None
-        self._content[block] = None
 
     def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Publish the full pages of ``seq`` within positions [0, num_tokens) for sharing.
@@ -349,12 +308,12 @@ class BlockManager:
         table = seq.block_table
         bs = self.block_size
         full = min(num_tokens, len(seq.token_ids), len(table) * bs) // bs
-        if full <= 0 or self._key[table[full - 1]] is not None:
+        if full <= 0 or self.prefix.key(table[full - 1]) is not None:
             return  # nothing new to publish (most decode steps): the cheap exit first
         # Published pages are always a leading run of the table (shared pages come first,
         # then pages are published in order as they fill up): walk back to its end.
         index = full - 1
-        while index > seq.released_blocks and self._key[table[index - 1]] is None:
+        while index > seq.released_blocks and self.prefix.key(table[index - 1]) is None:
             index -= 1
         parent = self._parent_key(seq, index)
         if parent is None:  # the page before was released unpublished: nothing after it can be keyed
@@ -363,9 +322,7 @@ class BlockManager:
             block = table[index]
             tokens = self._page_tokens(seq, index)
             key = chain_key(parent, tokens)  # type: ignore[arg-type]
-            self._key[block] = key
-            self._content[block] = (parent, tokens)  # type: ignore[assignment]
-            self._cached.setdefault(key, block)
+            self.prefix.publish(block, key, (parent, tokens))  # type: ignore[arg-type]
             parent = key
 
     def _parent_key(self, seq: Sequence, index: int) -> bytes | None:
@@ -373,12 +330,12 @@ class BlockManager:
         unpublished; a released page's own entry may belong to someone else now, so the key it
         had is ``seq.released_key`` (and none before it is needed)."""
         if index == 0:
-            return _ROOT_KEY
+            return ROOT_KEY
         if index < seq.released_blocks:
             return None
         if index == seq.released_blocks:
             return seq.released_key
-        return self._key[seq.block_table[index - 1]]
+        return self.prefix.key(seq.block_table[index - 1])
 
     def release_behind_window(self, seq: Sequence) -> int:
         """Drop ``seq``'s references to the pages wholly behind the window of its next position
@@ -396,7 +353,7 @@ class BlockManager:
         start = seq.released_blocks
         for index in range(start, stop):
             block = seq.block_table[index]
-            seq.released_key = self._key[block]
+            seq.released_key = self.prefix.key(block)
             self._ref[block] -= 1
             if self._ref[block] == 0:
                 self._free[block] = None
@@ -424,10 +381,7 @@ class BlockManager:
     def reset_prefix_cache(self) -> None:
         """Unpublish every page, so nothing computed so far is shared again (call it when the
         cached K/V may be stale: new weights, a re-allocated cache). Pages keep their owners."""
-        for block in range(self.num_blocks):
-            self._key[block] = None
-            self._content[block] = None
-        self._cached.clear()
+        self.prefix.reset()
 
     def slot(self, seq: Sequence, position: int) -> int:
         """Flat cache slot of ``position`` of ``seq``: page * block_size + offset in page."""

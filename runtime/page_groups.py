@@ -151,7 +151,7 @@ class PageGroups(BlockManager):
             return [], 0, None, []
         group = self.window_group
         start = len(seq.block_table)
-        found = [group.lookup(key, content) for _, key, content in walk]
+        found = [group.prefix.lookup(key, content) for _, key, content in walk]
         last_miss, missing = [], -1
         for i, block in enumerate(found):
             missing = i if block is None else missing

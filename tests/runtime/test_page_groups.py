@@ -13,7 +13,8 @@ from vexact_models.kernels.attention_window import window_block_start
 from vexact_models.layers import window_layers
 from vexact_models.registry import architectures, get
 from vexact_models.runtime import SamplingParams
-from vexact_models.runtime.block_manager import BlockManager, chain_key
+from vexact_models.runtime.block_manager import BlockManager
+from vexact_models.runtime.prefix_cache import chain_key
 from vexact_models.runtime.llm_setup import kv_bytes_per_sequence, kv_cache_pages
 from vexact_models.runtime.page_groups import PageGroups, window_pages_bound, window_pages_cap
 from vexact_models.runtime.scheduler import Scheduler
@@ -43,7 +44,8 @@ def test_block_manager_lookup_can_append_and_shortfall():
     bm.cache_full_blocks(seq, 10)
     parent, tokens = b"", tuple(range(2, 6))
     key = chain_key(parent, tokens)
-    assert bm.lookup(key, (parent, tokens)) == seq.block_table[0] and bm.lookup(key, (parent, (9,) * 4)) is None
+    assert bm.prefix.lookup(key, (parent, tokens)) == seq.block_table[0]
+    assert bm.prefix.lookup(key, (parent, (9,) * 4)) is None
     assert bm.can_append(5) and not bm.can_append(6)
     assert bm.shortfall(32, 8) is None
     assert bm.shortfall(33, 8) == "needs 9 KV cache blocks for 33 positions but the cache has only 8 blocks in total " \
@@ -86,7 +88,7 @@ def test_a_prefix_hit_takes_the_window_pages_its_next_query_reads_and_releases_t
     assert b.num_computed_tokens == 84 and b.block_table[:21] == a.block_table[:21]
     view, mine = b.window_pages, a.window_pages
     assert view.released_blocks == 16 and view.block_table[16:21] == mine.block_table[16:21]
-    assert view.block_table[21] not in mine.block_table and view.released_key == bm._key[a.block_table[15]]
+    assert view.block_table[21] not in mine.block_table and view.released_key == bm.prefix.key(a.block_table[15])
     assert all(bm.window_group.ref_count(block) == 2 for block in mine.block_table[16:21])
     assert bm.window_group.num_free_blocks == 40 - 7  # only b's own last page is new
     a_window = list(mine.block_table)
