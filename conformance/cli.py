@@ -103,6 +103,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--scenario", action="append", metavar="NAME",
                         help="run only the scenarios whose names contain NAME (repeatable; default: all), "
                              "e.g. --scenario 'chunk 128' --scenario preemption for a long run")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=sys.stderr.isatty(),
+                        help="a progress bar while each scenario rolls out (stderr) and a line when its recompute "
+                             "begins (default: when stderr is a terminal)")
     parser.add_argument("--seed", type=int, default=0)
     return parser
 
@@ -150,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                                      prompt_len=args.prompt_len, check_parity=not (args.no_hf_parity or args.lora),
                                      seed=args.seed, scenarios=not args.parity_only,
                                      gpu_memory_utilization=args.gpu_memory_utilization, shape=label,
-                                     only=args.scenario)
+                                     only=args.scenario, progress=args.progress)
             reports.append(report)
             failed |= not report.ok
             del model

@@ -188,11 +188,13 @@ def select_scenarios(pool_size: int, only: Sequence[str] | None = None) -> list[
 def run_conformance(arch: Architecture, model, *, device: torch.device, pool_size: int = 64, max_tokens: int = 24,
                     prompt_len: int = 40, check_parity: bool = True, seed: int = 0, log=print,
                     scenarios: bool = True, gpu_memory_utilization: float = 0.5, shape: str | None = None,
-                    only: Sequence[str] | None = None) -> Report:
+                    only: Sequence[str] | None = None, progress: bool = False) -> Report:
     """Run every scenario for `model` (a training-variant instance on `device`, built at `arch`'s
     `shape`, which the report records). The engines' KV caches take `gpu_memory_utilization` of
     a GPU; the recompute with autograd on needs what is left. `only`: run just the scenarios whose
-    names contain one of these strings (`select_scenarios`), e.g. the full-pool ones of a long run."""
+    names contain one of these strings (`select_scenarios`), e.g. the full-pool ones of a long run.
+    `progress`: the engine's progress bar while a scenario rolls out (stderr) and a `log` line when
+    its rollout ends and the recompute begins, for runs of minutes."""
     from vexact_models.kernels import current_backend
 
     dtype = next(model.parameters()).dtype
@@ -213,7 +215,10 @@ def run_conformance(arch: Architecture, model, *, device: torch.device, pool_siz
         outputs = []
         for start in range(0, len(requests), sc["batch"]):
             chunk = requests[start:start + sc["batch"]]
-            outputs += llm.generate([p for p, _ in chunk], [sp for _, sp in chunk], use_tqdm=False)
+            outputs += llm.generate([p for p, _ in chunk], [sp for _, sp in chunk], use_tqdm=progress)
+        if progress:
+            log(f"  {sc['name']}: rolled out {sum(len(c.token_ids) for o in outputs for c in o.outputs)} tokens "
+                f"({time.time() - t0:.1f}s); recomputing")
         preempted = llm.num_preemptions
         replays = _mixed_replays(llm.runner.graphs)  # (no reference kept: `del llm` frees the cache)
         samples, reported, temps = _collect_samples(requests, outputs, sc, seen, report, log)

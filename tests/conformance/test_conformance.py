@@ -241,6 +241,22 @@ def test_cli_runs_only_the_named_scenarios(capsys):
     assert "matches none" in capsys.readouterr().err
 
 
+def test_cli_progress_shows_where_a_long_run_is(capsys):
+    """--progress: the engine's bar while a scenario rolls out (stderr) and a line when its
+    recompute begins, with the tokens rolled out; --no-progress (and a run whose stderr is not a
+    terminal, the default here) prints neither."""
+    argv = ["--arch", "qwen3", "--pool", "6", "--max-tokens", "4", "--prompt-len", "8", "--no-hf-parity",
+            "--scenario", "n=4"]
+    assert main(argv + ["--progress"]) == 0
+    captured = capsys.readouterr()
+    line = next(x for x in captured.out.splitlines() if "rolled out" in x)
+    assert line.strip().startswith("batch 7, n=4: rolled out ") and line.endswith("s); recomputing"), line
+    assert int(line.split("rolled out ")[1].split()[0]) > 0 and "generate" in captured.err
+    assert main(argv) == 0 and main(argv + ["--no-progress"]) == 0
+    captured = capsys.readouterr()
+    assert "rolled out" not in captured.out and "generate" not in captured.err
+
+
 def test_grad_sample_count_bounds_the_autograd_recompute():
     from vexact_models.conformance.suite import GRAD_SAMPLES, GRAD_TOKENS, grad_sample_count
 
