@@ -25,13 +25,18 @@ clocks a lone copy runs at, and small models' GEMMs are too small to fill the ca
 
 `--without OP,...` profiles the step with those small ops replaced by kernel-free stand-ins that
 return real values (`stand_ins.py`): an upper bound of what fusing them away could gain.
-`--prompt-steps` profiles the steps with prompt tokens instead (the prefill chunks of the
+`--lora R` profiles the engine over the model under random PEFT LoRA adapters of rank R on
+every linear layer (and both fused expert tensors of a MoE: `conformance.models.add_random_lora`,
+as `benchmarks/lora.py` builds them): where an adapted step's time goes, launch by launch (the
+roofline counts the adapters' ``r (K + N)`` values a projection at the base weights' element size,
+though PEFT keeps them in fp32). `--prompt-steps` profiles the steps with prompt tokens instead (the prefill chunks of the
 `--batch` prompts, beside the decode rows that share their steps), with their new tokens per step
 and tokens/s; they are bound by arithmetic, so no roofline or GEMM peer is printed.
 
 Usage:
     python benchmarks/decode_profile.py [--config qwen3-0.6b] [--batch 128] [--context 512]
     python benchmarks/decode_profile.py --config qwen3-8b --without silu_and_mul,rotary_cache_write
+    python benchmarks/decode_profile.py --config qwen3-0.6b --batch 32 --lora 16
     python benchmarks/decode_profile.py --config moonlight-16b-a3b --batch 32 --context 1024 --steps 4 --prompt-steps
     python benchmarks/decode_profile.py --config deepseek-v3 --set n_routed_experts=8 --batch 16 \
         --mla-kv-cache latent
@@ -239,6 +244,9 @@ def _report(args, model, result: DecodeProfile) -> None:
     roof = step_bytes / (hbm * 1e9)
     print(f"HBM roofline {roof * 1e3:.2f} ms ({hbm:.0f} GB/s copy): the step is at {100 * roof / step:.0f}% of it, "
           f"the kernels alone at {100 * roof / busy:.0f}%, the GPU span at {100 * roof / span:.0f}%")
+    if args.lora:  # the peer times plain weight GEMMs; the adapters' launches are in the table above
+        print("GEMM peers: none (--lora)")
+        return
     _report_gemm_peer(model, args.batch, step, step_bytes, hbm)
 
 
@@ -282,6 +290,8 @@ def main(argv=None) -> int:
     parser.add_argument("--without", default="", metavar="OP,...",
                         help="replace these ops by kernel-free stand-ins with real values (wrong numbers, an upper "
                              f"bound of a fusion's gain): a comma-separated subset of {', '.join(stand_ins.OPS)}")
+    parser.add_argument("--lora", type=positive_int, metavar="RANK",
+                        help="random PEFT LoRA adapters of this rank on every linear layer (and the fused experts)")
     parser.add_argument("--prompt-steps", action="store_true",
                         help="profile the steps with prompt tokens (prefill chunks of the --batch prompts of "
                              "--context tokens) instead of the full-batch decode steps; no roofline or GEMM peers")
@@ -293,7 +303,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("benchmarks/decode_profile.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    from vexact_models.conformance.models import architecture_of, build_model, make_config, parse_overrides
+    from vexact_models.conformance.models import (add_random_lora, architecture_of, build_model, make_config,
+                                                  parse_overrides)
 
     arch = architecture_of(args.config)
     config = make_config(arch, args.config, args.layers, None, parse_overrides(args.set))
@@ -302,8 +313,9 @@ def main(argv=None) -> int:
         if not hasattr(model, "set_mla_kv_cache"):
             parser.error(f"--mla-kv-cache: {args.config} is not an MLA model")
         model.set_mla_kv_cache(args.mla_kv_cache)
+    engine_model = add_random_lora(model, args.lora) if args.lora else model  # the PeftModel over `model`
     with stand_ins.without(without) as calls:
-        result = profile_decode(model, config.vocab_size, args.batch, args.context, args.steps, args.block_size,
+        result = profile_decode(engine_model, config.vocab_size, args.batch, args.context, args.steps, args.block_size,
                                 args.prompt_steps)
     if without:
         called = ", ".join(f"{name} ({calls[name]} host calls{'' if calls[name] else ': this model never runs it'})"

@@ -221,6 +221,17 @@ def test_page_size_options_refuse_values_below_one(script, option):
     assert run.returncode == 2 and option in run.stderr and "must be >= 1, got 0" in run.stderr
 
 
+def test_decode_profile_takes_a_lora_rank():
+    """decode_profile.py --lora RANK (the step under random PEFT adapters): listed by --help, a rank
+    below 1 refused by the parser before anything needs a GPU."""
+    help_run = subprocess.run([sys.executable, "decode_profile.py", "--help"], cwd=BENCHMARKS, capture_output=True,
+                              text=True, timeout=120)
+    assert help_run.returncode == 0 and "--lora RANK" in help_run.stdout
+    run = subprocess.run([sys.executable, "decode_profile.py", "--lora", "0"], cwd=BENCHMARKS, capture_output=True,
+                         text=True, timeout=120, env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"})
+    assert run.returncode == 2 and "--lora" in run.stderr and "must be >= 1, got 0" in run.stderr
+
+
 @pytest.mark.parametrize("script,option", [("sampler.py", "--rows"), ("linear_quack.py", "--ms"),
                                            ("moe_routing.py", "--tokens"),
                                            ("investigations/row_kernels.py", "--tokens"), ("gate_up_silu.py", "--ms")])
