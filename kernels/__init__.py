@@ -30,7 +30,7 @@ from .linear_silu_and_mul import linear_silu_and_mul
 from .log_softmax import gather_logprobs, log_softmax
 from .logit_softcap import logit_softcap
 from .gelu_tanh_and_mul import gelu_tanh_and_mul
-from .lora import lora_add
+from .lora import lora_add, lora_partials
 from .moe import fused_moe
 from .moe_activation import SwigluClamp
 from .moe_lora import ExpertLora
@@ -52,6 +52,7 @@ __all__ = [
     "gated_delta_rule",
     "gated_rms_norm", "gather_logprobs", "head_linear", "kv_cache_write", "latent_cache_write", "linear",
     "linear_backend_mode", "linear_silu_and_mul", "lm_head_logits", "log_softmax", "logit_softcap", "lora_add",
+    "lora_partials",
     "packed_layout", "rms_norm", "rope_table",
     "rotary_cache_write",
     "sample_tokens", "set_attention_forward", "set_backend", "set_dependent_launch", "set_linear_backend",

@@ -199,6 +199,18 @@ def lora_partials_triton(x2d: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     return partials
 
 
+def lora_partials(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor | None:
+    """The shrink's partials of `x` ``[..., K]`` and `a` ``[G * r, K]`` as `lora_add` would compute
+    them (`lora_partials_triton`, what its ``partials`` argument takes), or None where `lora_add`
+    runs the reference backend (which takes none). For a rollout that starts the shrink before
+    the base GEMM, on another stream (`vexact_models.side_stream.shrink_beside`)."""
+    x2d = x.reshape(-1, x.shape[-1])
+    if select("lora_add", x2d) != "triton":
+        return None
+    x2d = x2d if x2d.stride(-1) == 1 else x2d.contiguous()
+    return lora_partials_triton(x2d, a if a.stride(-1) == 1 else a.contiguous())
+
+
 def lora_shrink_triton(x2d: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     """``u = x A^T`` ``[T, R]`` fp32 alone by the Triton kernels: the partials per K chunk, then
     their sum in chunk order by `_lora_reduce_kernel` (the operations the expand performs when it
@@ -292,14 +304,15 @@ def lora_expand_reference(base: torch.Tensor, u: torch.Tensor, b: torch.Tensor, 
     return out
 
 
-def _forward(base, x2d, a, b, bias, sizes, scalings, out, keep_u):
+def _forward(base, x2d, a, b, bias, sizes, scalings, out, keep_u, partials=None):
     """``(out, u)``: the update added into `out` (a new tensor unless given) and, with `keep_u`
     (the training forward, whose backward reads it), the shrink's u, else None from the Triton
-    path (two launches: the shrink's partials, then the expand, which adds them up itself)."""
+    path (two launches: the shrink's partials, unless `partials` holds them already, then the
+    expand, which adds them up itself)."""
     backend = select("lora_add", x2d)
     out = torch.empty_like(base) if out is None else out
     if backend == "triton":
-        partials = lora_partials_triton(x2d, a)
+        partials = lora_partials_triton(x2d, a) if partials is None else partials
         u = torch.empty(x2d.shape[0], a.shape[0], device=x2d.device, dtype=torch.float32) if keep_u else None
         return lora_expand_triton(base, partials, b, bias, sizes, scalings, out, u), u
     u = lora_shrink_reference(x2d, a)
@@ -336,7 +349,7 @@ class _LoraAddFunction(torch.autograd.Function):
 
 def lora_add(base: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scalings: tuple[float, ...],
              bias: torch.Tensor | None = None, sizes: tuple[int, ...] | None = None,
-             inplace: bool = False) -> torch.Tensor:
+             inplace: bool = False, partials: torch.Tensor | None = None) -> torch.Tensor:
     """``base + (x a^T) b^T * scaling`` per member (the module docstring's arithmetic).
 
     Args:
@@ -348,6 +361,9 @@ def lora_add(base: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tens
         bias: optional ``[N]``, B's bias (PEFT's ``lora_bias``).
         sizes: the members' output columns (default: one member of all N).
         inplace: write into `base` (no gradient may flow).
+        partials: the shrink's partials of `x` and `a` already computed (`lora_partials_triton`,
+            ``[num_chunks(K), T, G * r]`` fp32; a rollout starts them beside the base GEMM,
+            `vexact_models.adapters`): only the expand runs. Triton backend, no gradient.
     Returns:
         ``[..., N]`` in base's dtype. Differentiable in base, x, a, b and bias.
     """
@@ -364,6 +380,8 @@ def lora_add(base: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tens
                          f"{None if bias is None else tuple(bias.shape)} (a: [members * r, K], b: [N, r])")
     shape = base.shape
     base2d, x2d = base.reshape(-1, n), x.reshape(-1, k)
+    if partials is not None:
+        _check_partials(partials, x2d, a, base, x, b, bias)
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
     a, b = (a if a.stride(-1) == 1 else a.contiguous()), (b if b.stride(-1) == 1 else b.contiguous())
@@ -376,8 +394,20 @@ def lora_add(base: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tens
     if base2d.stride(-1) != 1:
         base2d = base2d.contiguous()
     out = base2d if inplace and base2d.data_ptr() == base.data_ptr() else None
-    result = _forward(base2d, x2d, a, b, bias, sizes, scalings, out, False)[0].reshape(shape)
+    result = _forward(base2d, x2d, a, b, bias, sizes, scalings, out, False, partials)[0].reshape(shape)
     if inplace and result.data_ptr() != base.data_ptr():
         base.copy_(result)
         return base
     return result
+
+
+def _check_partials(partials: torch.Tensor, x2d: torch.Tensor, a: torch.Tensor, *operands) -> None:
+    """`lora_add`'s ``partials`` argument: the Triton backend's, of this shrink's shape, no gradient."""
+    want = (num_chunks(x2d.shape[1]), x2d.shape[0], a.shape[0])
+    if tuple(partials.shape) != want or partials.dtype != torch.float32:
+        raise ValueError(f"lora_add: partials {tuple(partials.shape)} {partials.dtype} must be {want} float32 "
+                         "([num_chunks(K), T, G * r])")
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x2d, a, *operands)):
+        raise ValueError("lora_add: partials while a gradient flows (the training forward runs its own shrink)")
+    if select("lora_add", x2d) != "triton":
+        raise ValueError("lora_add: partials are the Triton shrink's; this call runs the reference backend")

@@ -15,9 +15,10 @@ from torch import nn
 
 from vexact_models.kernels import linear, lora_add
 
-from .adapters import add_adapters, base_layer, fuse_adapters, lora_terms, stacked_lora
+from .adapters import add_adapters, base_layer, fuse_adapters, lora_terms, stacked_lora, start_shrinks
 from .fused_buffers import fused_view as _fused_view
 from .fused_buffers import share_one_buffer as _share_one_buffer
+from .side_stream import joined, shrink_beside
 
 
 def fuse_linears(linears: list[nn.Module]) -> bool:
@@ -70,8 +71,9 @@ def grouped_linear(x: torch.Tensor, linears: list[nn.Module]) -> list[torch.Tens
     to each output element on its own, after the K reduction. Otherwise the separate GEMMs run.
     Adapter updates follow: on the fused output, one `kernels.lora_add` over the group's stacked
     adapters when they are fused (`adapters.stacked_lora`: bitwise the members' separate
-    updates), else each member's own (`add_adapters`). The outputs may be column slices of one
-    tensor."""
+    updates), else each member's own (`add_adapters`); in a CUDA-graph capture their shrinks
+    begin on the side stream before the base GEMM (`side_stream.shrink_beside`: the same
+    launches). The outputs may be column slices of one tensor."""
     bases = [base_layer(lin) for lin in linears]
     weights = [lin.weight for lin in bases]
     biases = [lin.bias for lin in bases]
@@ -79,17 +81,21 @@ def grouped_linear(x: torch.Tensor, linears: list[nn.Module]) -> list[torch.Tens
         t is not None and t.requires_grad for t in weights + biases))
     fused = None if needs_grad else _fused_operands(weights, biases)
     if fused is not None:
-        out = linear(x, *fused)
         stacked = stacked_lora(linears)
         # one shrink, one expand for the whole group (adapters in training: each member's, with gradients)
         if stacked is not None and not (torch.is_grad_enabled() and stacked.trainable):
+            started = shrink_beside(x, stacked.a)  # in a capture: beside the base GEMM
+            out = linear(x, *fused)
             lora_add(out, x, stacked.a, stacked.b, stacked.scalings, bias=stacked.bias, sizes=stacked.sizes,
-                     inplace=True)
+                     inplace=True, partials=joined(started))
             return list(out.split(stacked.sizes, dim=-1))
+        started = [start_shrinks(x, lin) for lin in linears]
+        out = linear(x, *fused)
         outs = list(out.split([w.shape[0] for w in weights], dim=-1))
     else:
+        started = [None] * len(linears)
         outs = [linear(x, lin.weight, lin.bias) for lin in bases]
-    return [add_adapters(out, x, lin) for out, lin in zip(outs, linears)]
+    return [add_adapters(out, x, lin, started=early) for out, lin, early in zip(outs, linears, started)]
 
 
 def fused_bias_free_weight(x: torch.Tensor, linears: list[nn.Module]) -> torch.Tensor | None:

@@ -28,6 +28,13 @@ alone, so the layer's stream, short of memory beside a full KV cache, frees and 
 capture takes its memory from the graph's private pool, once.
 A training forward keeps the shared experts in line too, where their backward expects them.
 ``VEXACT_SHARED_EXPERTS=inline`` keeps them in line everywhere (to compare; the same bits).
+
+A LoRA group's shrink (``x A^T`` of its adapters, `kernels.lora_partials`) reads only the group's
+input, so in the same captures it starts on the side stream before the base GEMM and runs beside
+it (`shrink_beside`); the expand that adds the update into the base output waits for it. At decode
+batches the base GEMMs leave SMs idle (few output tiles) and each launch on the step's one stream
+adds its latency: beside, a group's shrink leaves that chain. Same protocol, same bits (the same
+launches on the same inputs). ``VEXACT_LORA_SHRINK=inline`` keeps the shrinks in line.
 """
 
 from __future__ import annotations
@@ -35,13 +42,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vexact_models.kernels import KernelSwitch
+from vexact_models.kernels import KernelSwitch, current_backend, lora_partials
 
-__all__ = ["SHARED_EXPERTS", "beside", "side_stream"]
+__all__ = ["LORA_SHRINK", "SHARED_EXPERTS", "beside", "joined", "shrink_beside", "side_stream"]
 
 #: ``VEXACT_SHARED_EXPERTS``: ``side`` (the default: the shared experts beside the routed ones, where
 #: `beside` may) or ``inline`` (one stream, one kernel after the other)
 SHARED_EXPERTS = KernelSwitch("VEXACT_SHARED_EXPERTS", ("side", "inline"), "side", "shared experts' placement")
+#: ``VEXACT_LORA_SHRINK``: ``side`` (the default: a LoRA group's shrink beside its base GEMM, where
+#: `shrink_beside` may) or ``inline``
+LORA_SHRINK = KernelSwitch("VEXACT_LORA_SHRINK", ("side", "inline"), "side", "LoRA shrinks' placement")
 
 _streams: dict[int, torch.cuda.Stream] = {}
 
@@ -68,10 +78,36 @@ def beside(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.cuda
     if (SHARED_EXPERTS.mode() == "inline" or not x.is_cuda or not torch.cuda.is_current_stream_capturing()
             or _records_autograd(module, x)):
         return module(x), None
-    side = side_stream(x.device)
-    side.wait_stream(torch.cuda.current_stream(x.device))
+    return _fork(lambda: module(x), x.device)
+
+
+def _fork(work, device: torch.device) -> tuple[torch.Tensor, torch.cuda.Event]:
+    """`work()` on the side stream of `device`, started where the current stream is now, and the
+    event its result is ready at."""
+    side = side_stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
-        out = module(x)
+        out = work()
         ready = torch.cuda.Event()
         ready.record(side)
     return out, ready
+
+
+def shrink_beside(x: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event] | None:
+    """``(partials, ready)``: the LoRA shrink of `x` and `a` (`kernels.lora_partials`, what
+    `kernels.lora_add`'s ``partials`` takes) started on the side stream, while a CUDA graph is being
+    captured with autograd off and the Triton backend; `joined` hands it to the expand. None
+    elsewhere (the caller's `lora_add` runs the shrink in line), and with ``VEXACT_LORA_SHRINK=inline``."""
+    if (LORA_SHRINK.mode() == "inline" or not x.is_cuda or not torch.cuda.is_current_stream_capturing()
+            or torch.is_grad_enabled() or current_backend(x.device) != "triton"):
+        return None
+    return _fork(lambda: lora_partials(x, a), x.device)
+
+
+def joined(started: tuple[torch.Tensor, torch.cuda.Event] | None) -> torch.Tensor | None:
+    """The partials of a `shrink_beside` once the current stream waits for them (None stays None)."""
+    if started is None:
+        return None
+    partials, ready = started
+    torch.cuda.current_stream(partials.device).wait_event(ready)
+    return partials

@@ -95,3 +95,23 @@ def test_in_place_while_a_gradient_flows_is_an_error():
     base, x, a, b = operands()
     with pytest.raises(ValueError, match="inplace=True while a gradient flows"):
         lora_add(base, x, a.requires_grad_(), b, (1.0, 1.0, 1.0), sizes=(24, 8, 8), inplace=True)
+
+
+def test_partials_are_refused_where_lora_add_would_not_read_them():
+    """`lora_add`'s ``partials`` (a shrink begun beside the base GEMM): the shape and dtype of this
+    shrink's partials, the Triton backend, no gradient; each error names what is wrong, and
+    `lora_partials` gives None where the reference backend runs (which takes none)."""
+    from vexact_models.kernels import lora_partials, use_backend
+
+    base, x, a, b = torch.zeros(5, 8), torch.zeros(5, CHUNK_K + 3), torch.zeros(4, CHUNK_K + 3), torch.zeros(8, 4)
+    good = torch.zeros(num_chunks(CHUNK_K + 3), 5, 4)
+    with pytest.raises(ValueError, match=r"partials \(1, 5, 4\) torch.float32 must be \(2, 5, 4\) float32"):
+        lora_add(base, x, a, b, (1.0,), partials=good[:1])
+    with pytest.raises(ValueError, match="must be .* float32"):
+        lora_add(base, x, a, b, (1.0,), partials=good.double())
+    with use_backend("reference"):
+        assert lora_partials(x, a) is None
+        with pytest.raises(ValueError, match="partials are the Triton shrink's; this call runs the reference"):
+            lora_add(base, x, a, b, (1.0,), partials=good)
+    with use_backend("triton"), pytest.raises(ValueError, match="partials while a gradient flows"):
+        lora_add(base, x, a, b.requires_grad_(), (1.0,), partials=good)

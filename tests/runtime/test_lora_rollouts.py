@@ -119,11 +119,14 @@ def test_adapter_state_follows_peft():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)")
+@pytest.mark.parametrize("shrink", ["side", "inline"])
 @pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
-def test_cuda_graph_rollouts_with_adapters_toggled_equal_token_logprobs(name):
+def test_cuda_graph_rollouts_with_adapters_toggled_equal_token_logprobs(name, shrink, monkeypatch):
     """The engine's real CUDA graphs (decode and mixed steps) with bf16 weights and fp32 adapters
-    (Qwen3-MoE's fused experts adapted too: `kernels/moe_lora.py` captured): bitwise
-    ``token_logprobs`` with adapters on, disabled, merged and unmerged between rollouts."""
+    (Qwen3-MoE's fused experts adapted too: `kernels/moe_lora.py` captured), the groups' shrinks
+    beside their base GEMMs or in line (``VEXACT_LORA_SHRINK``, `side_stream.shrink_beside`):
+    bitwise ``token_logprobs`` with adapters on, disabled, merged and unmerged between rollouts."""
+    monkeypatch.setenv("VEXACT_LORA_SHRINK", shrink)
     arch = next(a for a, _ in SHAPES if a.name == name)
     torch.manual_seed(0)
     dims = dict(initializer_range=0.5, hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64)

@@ -15,7 +15,7 @@ if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("needs a GPU, or TRITON_INTERPRET=1", allow_module_level=True)
 DEVICE = "cpu" if INTERPRET else "cuda"
 
-from vexact_models.kernels import lora_add, use_backend  # noqa: E402
+from vexact_models.kernels import lora_add, lora_partials, use_backend  # noqa: E402
 from vexact_models.kernels.lora import (  # noqa: E402
     CHUNK_K,
     lora_expand_reference,
@@ -149,3 +149,19 @@ def test_training_forward_keeps_the_reduces_u_for_the_backward():
     for g, size in enumerate(sizes):
         assert torch.equal(b_leaf.grad[col:col + size], gs[:, col:col + size].t() @ u[:, g * rank:(g + 1) * rank]), g
         col += size
+
+
+def test_lora_add_from_partials_begun_elsewhere_is_bitwise_the_whole_call():
+    """`lora_add(..., partials=lora_partials(x, a))` (a rollout begins the shrink beside the base
+    GEMM, `side_stream.shrink_beside`) is bitwise the call that runs its own shrink, in place and
+    not, for a stacked group; `lora_partials` takes any leading shape of x."""
+    sizes, scalings, rank = (160, 64, 8), (2.0, 0.5, 1.5), 4
+    base, x, a, b = operands(37, 2 * CHUNK_K + 70, sizes, rank, torch.bfloat16)
+    with use_backend("triton"):
+        whole = lora_add(base, x, a, b, scalings, sizes=sizes)
+        partials = lora_partials(x[None], a)
+        assert partials.shape == (3, 37, len(sizes) * rank)
+        assert torch.equal(lora_add(base, x, a, b, scalings, sizes=sizes, partials=partials), whole)
+        inplace = base.clone()
+        lora_add(inplace, x, a, b, scalings, sizes=sizes, inplace=True, partials=partials)
+    assert torch.equal(inplace, whole)
