@@ -20,7 +20,7 @@ for the backward). Invariance contract: a row's result depends on its own row, i
 adapter and its base row only (fixed tiles, K chunks that depend on K only, an element-wise
 expand), so a pair's bits are the same whatever its expert's load or the batch
 (`conformance/kernel_invariance.py --only moe`); the CPU reference runs the same steps per
-expert with `lora.lora_shrink_reference` / `lora_expand_reference`.
+expert with `lora_reference.lora_shrink_reference` / `lora_expand_reference`.
 
 The gate/up rows of the forward's ``preact`` buffer are gate columns first; GPT-OSS's weights
 interleave them (gate row n at 2n): `GATE_FIRST_FROM_INTERLEAVED` maps a preact column to its B row.
@@ -34,8 +34,8 @@ import torch
 
 from ._triton import require_triton, tl, triton
 from .dependent_launch import dependent_launch_kwargs, wait_for_inputs
-from .lora import (BLOCK_K, BLOCK_R, CHUNK_K, lora_expand_reference, lora_shrink_reference, num_chunks, shrink_chunk,
-                   split_a)
+from .lora import BLOCK_K, BLOCK_R, num_chunks, shrink_chunk
+from .lora_reference import CHUNK_K, lora_expand_reference, lora_shrink_reference, split_a
 from .moe_align import MoeLayout
 
 ROWS = 16  # sorted rows per shrink and expand program: every layout's row block is a multiple
@@ -191,7 +191,7 @@ def moe_lora_add_triton(base: torch.Tensor, x: torch.Tensor, lora: ExpertLora, l
 def moe_lora_add_reference(base: torch.Tensor, x: torch.Tensor, lora: ExpertLora, expert: int,
                            experts: int) -> torch.Tensor:
     """Rows `base` ``[M, N]`` of one expert (`x` ``[M, K]`` their inputs, B rows in the base's column
-    order) plus the adapter's update: `lora.lora_shrink_reference`, then `lora_expand_reference`."""
+    order) plus the adapter's update: `lora_reference.lora_shrink_reference`, then `lora_expand_reference`."""
     u = lora_shrink_reference(x, lora.expert_a(expert, experts))
     return lora_expand_reference(base, u, lora.expert_b(expert, experts), None, (base.shape[1],), (lora.scaling,),
                                  torch.empty_like(base))

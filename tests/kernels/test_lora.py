@@ -41,7 +41,7 @@ def test_lora_add_is_pefts_update_within_rounding():
     assert (bf.double() - want).abs().max() <= 2 ** -8 * want.abs().max()
     # the shrink alone: fp32 A split into two bf16 halves is within 2**-15 of fp32's product, where
     # A rounded to bf16 is 2**-9 off
-    from vexact_models.kernels.lora import lora_shrink_reference, shrink_operand
+    from vexact_models.kernels.lora_reference import lora_shrink_reference, shrink_operand
 
     x16, u = x.bfloat16(), lora_shrink_reference(x.bfloat16(), a)
     exact = x16.double() @ a.double().t()

@@ -16,14 +16,8 @@ if not INTERPRET and not torch.cuda.is_available():
 DEVICE = "cpu" if INTERPRET else "cuda"
 
 from vexact_models.kernels import lora_add, lora_partials, use_backend  # noqa: E402
-from vexact_models.kernels.lora import (  # noqa: E402
-    CHUNK_K,
-    lora_expand_reference,
-    lora_expand_triton,
-    lora_partials_triton,
-    lora_shrink_reference,
-    lora_shrink_triton,
-)
+from vexact_models.kernels.lora import lora_expand_triton, lora_partials_triton, lora_shrink_triton  # noqa: E402
+from vexact_models.kernels.lora_reference import CHUNK_K, lora_expand_reference, lora_shrink_reference  # noqa: E402
 
 SCALINGS = (2.0, 0.5, 1.5)
 # fp32 adapter weights with bf16 activations (PEFT's default: A split into two bf16 halves in
