@@ -98,24 +98,24 @@ def lora_terms(module: nn.Module, where: str = "") -> list[LoraTerm]:
 
 
 def add_adapters(result: torch.Tensor, x: torch.Tensor, module: nn.Module, where: str = "",
-                 started: list | None = None) -> torch.Tensor:
+                 terms: list[LoraTerm] | None = None, started: list | None = None) -> torch.Tensor:
     """``result`` (the base layer's output for `x`) plus every active LoRA update of `module`, in
     PEFT's order, each added by `kernels.lora_add` (in place when no gradient flows: `result` may
-    be a column slice of a fused group's output). `started`: per term, its shrink begun before
-    the base GEMM (`start_shrinks`), or None."""
-    terms = lora_terms(module, where)
+    be a column slice of a fused group's output). `terms`: `module`'s `lora_terms` when the caller
+    has them already; `started`: per term, its shrink begun before the base GEMM
+    (`start_shrinks`), or None."""
+    terms = lora_terms(module, where) if terms is None else terms
     for term, early in zip(terms, started or [None] * len(terms)):
         result = lora_add(result, term.dropout(x), term.lora_a.weight, term.lora_b.weight, (term.scaling,),
                           bias=term.lora_b.bias, inplace=not _needs_grad(result, x, term), partials=joined(early))
     return result
 
 
-def start_shrinks(x: torch.Tensor, module: nn.Module, where: str = "") -> list | None:
-    """Each active adapter's shrink of `module` begun on the side stream before the base GEMM runs
-    (`side_stream.shrink_beside`: only inside a CUDA-graph capture without autograd, with
+def start_shrinks(x: torch.Tensor, terms: list[LoraTerm]) -> list | None:
+    """Each of `terms`' shrinks (a module's `lora_terms`) begun on the side stream before the base
+    GEMM runs (`side_stream.shrink_beside`: only inside a CUDA-graph capture without autograd, with
     pass-through dropout), for `add_adapters`; None where none begins."""
-    started = [shrink_beside(x, term.lora_a.weight) if _inert(term.dropout) else None
-               for term in lora_terms(module, where)]
+    started = [shrink_beside(x, term.lora_a.weight) if _inert(term.dropout) else None for term in terms]
     return started if any(s is not None for s in started) else None
 
 
@@ -205,8 +205,9 @@ def apply_linear(x: torch.Tensor, module: nn.Module, where: str = "") -> torch.T
     kernels: the base layer's GEMM, then the adapters' updates (`add_adapters`; in a CUDA-graph
     capture their shrinks begin beside the GEMM, `start_shrinks`)."""
     base = base_layer(module)
-    started = start_shrinks(x, module, where)
-    return add_adapters(linear(x, base.weight, base.bias), x, module, where, started)
+    terms = lora_terms(module, where)
+    started = start_shrinks(x, terms)
+    return add_adapters(linear(x, base.weight, base.bias), x, module, where, terms, started)
 
 
 #: PEFT ``target_parameters`` naming both fused expert tensors of every MoE layer (our models and

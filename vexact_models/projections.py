@@ -89,13 +89,15 @@ def grouped_linear(x: torch.Tensor, linears: list[nn.Module]) -> list[torch.Tens
             lora_add(out, x, stacked.a, stacked.b, stacked.scalings, bias=stacked.bias, sizes=stacked.sizes,
                      inplace=True, partials=joined(started))
             return list(out.split(stacked.sizes, dim=-1))
-        started = [start_shrinks(x, lin) for lin in linears]
+        terms = [lora_terms(lin) for lin in linears]
+        started = [start_shrinks(x, t) for t in terms]
         out = linear(x, *fused)
         outs = list(out.split([w.shape[0] for w in weights], dim=-1))
     else:
-        started = [None] * len(linears)
+        terms, started = [None] * len(linears), [None] * len(linears)
         outs = [linear(x, lin.weight, lin.bias) for lin in bases]
-    return [add_adapters(out, x, lin, started=early) for out, lin, early in zip(outs, linears, started)]
+    return [add_adapters(out, x, lin, terms=t, started=early)
+            for out, lin, t, early in zip(outs, linears, terms, started)]
 
 
 def fused_bias_free_weight(x: torch.Tensor, linears: list[nn.Module]) -> torch.Tensor | None:

@@ -34,10 +34,10 @@ def test_shrinks_stay_in_line_outside_a_capture():
     x = torch.randn(3, 128)
     term = lora_terms(o_proj)[0]
     with torch.no_grad():
-        assert shrink_beside(x, term.lora_a.weight) is None and start_shrinks(x, o_proj) is None
+        assert shrink_beside(x, term.lora_a.weight) is None and start_shrinks(x, lora_terms(o_proj)) is None
         assert joined(None) is None
         with LORA_SHRINK.use("side"):
-            assert start_shrinks(x, group[0]) is None
+            assert start_shrinks(x, lora_terms(group[0])) is None
 
 
 def test_lora_shrink_switch_names_the_variable_and_the_modes(monkeypatch):
