@@ -17,11 +17,16 @@ slice ``u[:, g*r:(g+1)*r]`` and take its own ``scalings[g]``. The arithmetic, pe
    off the step's critical path (its N is the rank: without it one program per 16 rows would
    walk all of K); the order is fixed, so rule 1's reason to refuse split-K does not apply.
 2. expand: ``acc = sum_j u[:, j] * B[:, j]`` in fp32, j = 0 .. r-1 in order (element-wise
-   products, no tensor-core dot: the same operations whatever the tile), plus B's bias.
+   products, no tensor-core dot: the same operations whatever the tile), each product rounded
+   before it is added (the launch turns the compiler's FMA contraction off, so the GPU's bits
+   are the CPU reference's), plus B's bias.
 
 Two launches a call: the shrink writes the partials ``p[s, rows, ranks]``; the expand adds each
 u column it reads from them itself, in chunk order (the partials' sum of step 1, the same fp32
-additions `_lora_reduce_kernel` makes), so no launch of its own sums them. The training forward,
+additions `_lora_reduce_kernel` makes), so no launch of its own sums them. An expand program
+reads u and B a block of `EXPAND_RANK_BLOCK` ranks at a time, as 2-D tiles, and walks the
+block's ranks in registers: a rank loop that loaded its u and B columns from memory waited on
+r rounds of loads (docs/performance.md section 10). The training forward,
 whose backward reads u, has the expand's first N tile of programs store u as well
 (`lora_expand_triton`'s ``u_out``); `lora_shrink_triton` (u alone: the shrink, then
 `_lora_reduce_kernel`) serves the GPU proofs and the tests that show the two launches equal the
@@ -55,6 +60,7 @@ SHRINK_BLOCK_M = 16  # rows per shrink program, for every batch
 BLOCK_R = 16  # rank columns per shrink program
 EXPAND_BLOCK_M = 32
 EXPAND_BLOCK_N = 128
+EXPAND_RANK_BLOCK = 16  # ranks whose u and B columns an expand program holds at once
 MAX_MEMBERS = 4  # members of one stacked group (the gated-DeltaNet's in_proj group has four)
 
 
@@ -110,60 +116,83 @@ def _lora_reduce_kernel(p_ptr, u_ptr, n, S, BLOCK: tl.constexpr, PDL: tl.constex
 
 
 @triton.jit
-def _member_u(p_rows, row_ok, step, r, j, g: tl.constexpr, S):
-    """``u[rows, g*r + j]``: that column of the shrink's partials ``p[s]`` (`p_rows` the rows of
-    ``p[0]``, `step` = T * R apart) added in chunk order, ``((p0 + p1) + p2) + ...`` in fp32, as
-    `_lora_reduce_kernel` adds them."""
-    ptrs = p_rows + (g * r + j)
-    u = tl.load(ptrs, mask=row_ok, other=0.0)
-    for _ in range(1, S):
+def _member_tile(p_rows, row_ok, step, ranks, r, g: tl.constexpr, S):
+    """Member g's u ``[BLOCK_M, RP]`` (ranks past r zero): its columns of the shrink's `S` partials
+    (`p_rows` the rows of ``p[0]``, `step` = T * R apart) added in chunk order, ``((p0 + p1) + p2)
+    + ...`` in fp32, as `_lora_reduce_kernel` adds them. Unrolled by 4, so that four partials'
+    loads are in flight at once (the additions keep their order)."""
+    ptrs = p_rows[:, None] + g * r + ranks[None, :]
+    mask = row_ok[:, None] & (ranks < r)[None, :]
+    u = tl.load(ptrs, mask=mask, other=0.0)
+    for _ in tl.range(1, S, loop_unroll_factor=4):
         ptrs += step
-        u += tl.load(ptrs, mask=row_ok, other=0.0)
+        u += tl.load(ptrs, mask=mask, other=0.0)
     return u
 
 
 @triton.jit
-def _store_u(u_ptr, u, rows, mask, R, r, j, g: tl.constexpr, WRITE_U: tl.constexpr):
-    """Keep ``u[rows, g*r + j]`` for the backward (programs of the first N tile only: `mask`)."""
+def _member_tile_kept(u_ptr, p_rows, row_ok, step, rows, ranks, R, r, g: tl.constexpr, S,
+                      WRITE_U: tl.constexpr):
+    """`_member_tile`, with `WRITE_U` also stored into ``u[rows, g*r : g*r + r]`` (the training
+    forward's u for the backward) by the programs of the first N tile."""
+    u = _member_tile(p_rows, row_ok, step, ranks, r, g, S)
     if WRITE_U:
-        tl.store(u_ptr + rows.to(tl.int64) * R + g * r + j, u, mask=mask)
+        keep = row_ok[:, None] & (ranks < r)[None, :] & (tl.program_id(1) == 0)
+        tl.store(u_ptr + rows[:, None].to(tl.int64) * R + g * r + ranks[None, :], u, mask=keep)
+    return u
+
+
+@triton.jit
+def _column(tile, ranks, j):
+    """Column j of `tile` ``[rows, RP]`` out of registers: the sum of that one value and zeros,
+    which is the value itself but for -0.0, read as +0.0. The expand's products never see the
+    difference: ``acc`` starts at +0.0 and a sum that is exactly zero rounds to +0.0, so ``acc``
+    is never -0.0, and ``acc + (+/-0.0) * b`` is then ``acc`` (NaN and infinity pass through)."""
+    return tl.sum(tl.where(ranks[None, :] == j, tile, 0.0), axis=1)
 
 
 @triton.jit(do_not_specialize=["T"])
 def _lora_expand_kernel(base_ptr, p_ptr, b_ptr, bias_ptr, out_ptr, u_ptr, T, N, R, r, S,
                         stride_base, stride_out, stride_b, n1, n2, n3, s0, s1, s2, s3,
                         G: tl.constexpr, HAS_BIAS: tl.constexpr, WRITE_U: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
+                        BLOCK_N: tl.constexpr, RANK_BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """``out = base + (u_g B^T (+ bias)) * s_g`` for the columns of member g, u the sum of the
     shrink's `S` partials ``p[S, T, R]`` in chunk order (S = 1: p is u itself); with `WRITE_U`
-    the first N tile's programs also store u ``[T, R]`` (the backward's)."""
+    the first N tile's programs also store u ``[T, R]`` (the backward's). Per block of `RANK_BLOCK` ranks, the
+    program reads its members' u tiles and B's ``[BLOCK_N, RANK_BLOCK]`` tile at once, then walks
+    the block's ranks in order in registers (`_column`): no global load waits inside the rank loop."""
     wait_for_inputs(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < T, cols < N
-    u_mask = row_ok & (tl.program_id(1) == 0)
     step = T.to(tl.int64) * R
     p_rows = p_ptr + rows.to(tl.int64) * R
     member = (cols >= n1).to(tl.int32) + (cols >= n2).to(tl.int32) + (cols >= n3).to(tl.int32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for j in range(0, r):
-        bj = tl.load(b_ptr + cols.to(tl.int64) * stride_b + j, mask=col_ok, other=0.0).to(tl.float32)
-        ug = _member_u(p_rows, row_ok, step, r, j, 0, S)
-        _store_u(u_ptr, ug, rows, u_mask, R, r, j, 0, WRITE_U)
-        u = tl.broadcast_to(ug[:, None], (BLOCK_M, BLOCK_N))
+    for first in range(0, r, RANK_BLOCK):
+        ranks = first + tl.arange(0, RANK_BLOCK)
+        bt = tl.load(b_ptr + cols[:, None].to(tl.int64) * stride_b + ranks[None, :],
+                     mask=col_ok[:, None] & (ranks < r)[None, :], other=0.0).to(tl.float32)
+        u0 = _member_tile_kept(u_ptr, p_rows, row_ok, step, rows, ranks, R, r, 0, S, WRITE_U)
+        u1 = u0
+        u2 = u0
+        u3 = u0
         if G > 1:
-            ug = _member_u(p_rows, row_ok, step, r, j, 1, S)
-            _store_u(u_ptr, ug, rows, u_mask, R, r, j, 1, WRITE_U)
-            u = tl.where(member[None, :] == 1, ug[:, None], u)
+            u1 = _member_tile_kept(u_ptr, p_rows, row_ok, step, rows, ranks, R, r, 1, S, WRITE_U)
         if G > 2:
-            ug = _member_u(p_rows, row_ok, step, r, j, 2, S)
-            _store_u(u_ptr, ug, rows, u_mask, R, r, j, 2, WRITE_U)
-            u = tl.where(member[None, :] == 2, ug[:, None], u)
+            u2 = _member_tile_kept(u_ptr, p_rows, row_ok, step, rows, ranks, R, r, 2, S, WRITE_U)
         if G > 3:
-            ug = _member_u(p_rows, row_ok, step, r, j, 3, S)
-            _store_u(u_ptr, ug, rows, u_mask, R, r, j, 3, WRITE_U)
-            u = tl.where(member[None, :] == 3, ug[:, None], u)
-        acc += u * bj[None, :]
+            u3 = _member_tile_kept(u_ptr, p_rows, row_ok, step, rows, ranks, R, r, 3, S, WRITE_U)
+        for j in range(first, tl.minimum(first + RANK_BLOCK, r)):
+            bj = _column(bt, ranks, j)
+            u = tl.broadcast_to(_column(u0, ranks, j)[:, None], (BLOCK_M, BLOCK_N))
+            if G > 1:
+                u = tl.where(member[None, :] == 1, _column(u1, ranks, j)[:, None], u)
+            if G > 2:
+                u = tl.where(member[None, :] == 2, _column(u2, ranks, j)[:, None], u)
+            if G > 3:
+                u = tl.where(member[None, :] == 3, _column(u3, ranks, j)[:, None], u)
+            acc += u * bj[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     scale = tl.where(member == 0, s0, tl.where(member == 1, s1, tl.where(member == 2, s2, s3)))
@@ -251,8 +280,8 @@ def lora_expand_triton(base: torch.Tensor, partials: torch.Tensor, b: torch.Tens
                               u_out if u_out is not None else partials, t, n, partials.shape[2], b.shape[1],
                               partials.shape[0], base.stride(0), out.stride(0), b.stride(0), *starts, *scales,
                               G=len(sizes), HAS_BIAS=bias is not None, WRITE_U=u_out is not None,
-                              BLOCK_M=EXPAND_BLOCK_M, BLOCK_N=EXPAND_BLOCK_N, num_warps=4,
-                              **dependent_launch_kwargs(base.device))
+                              BLOCK_M=EXPAND_BLOCK_M, BLOCK_N=EXPAND_BLOCK_N, RANK_BLOCK=EXPAND_RANK_BLOCK, num_warps=4,
+                              enable_fp_fusion=False, **dependent_launch_kwargs(base.device))
     return out
 
 

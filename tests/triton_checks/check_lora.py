@@ -159,3 +159,48 @@ def test_lora_add_from_partials_begun_elsewhere_is_bitwise_the_whole_call():
         inplace = base.clone()
         lora_add(inplace, x, a, b, scalings, sizes=sizes, inplace=True, partials=partials)
     assert torch.equal(inplace, whole)
+
+
+@pytest.mark.parametrize("rank", [16, 20, 37])
+@pytest.mark.parametrize("sizes", [(96, 48, 48), (160, 64, 8, 8), (200,)], ids=str)
+def test_expand_over_rank_blocks_is_the_reference(rank, sizes):
+    """Ranks of one whole `EXPAND_RANK_BLOCK`, of a block and a part (20) and of several blocks
+    (37): the expand that walks each block's ranks in registers is bitwise the CPU reference's
+    expand of the same partials (fp32 operands, so no rounding at the store hides a bit), and
+    the u it keeps is the partials' sum."""
+    t, n, chunks = 37, sum(sizes), 3
+    g = torch.Generator().manual_seed(rank)
+    partials = torch.randn(chunks, t, len(sizes) * rank, generator=g)
+    b, base = torch.randn(n, rank, generator=g), torch.randn(t, n, generator=g)
+    scalings = SCALINGS[:len(sizes)] + (0.75,) * (len(sizes) - len(SCALINGS))
+    kept = torch.full((t, len(sizes) * rank), float("nan"))
+    got = lora_expand_triton(base.to(DEVICE), partials.to(DEVICE), b.to(DEVICE), None, sizes, scalings,
+                             torch.empty(t, n, device=DEVICE), kept.to(DEVICE))
+    u = partials[0] + partials[1] + partials[2]
+    want = torch.empty(t, n)
+    lora_expand_reference(base, u, b, None, sizes, scalings, want)
+    assert torch.equal(got.cpu().view(torch.int32), want.view(torch.int32))
+
+
+def test_expand_keeps_signed_zeros_as_the_reference():
+    """u and B columns read out of registers (a sum of one value and zeros) turn -0.0 into +0.0;
+    the outputs keep the reference's bits anyway, signed zeros included: rows whose u is all
+    -0.0, B columns of -0.0, bases of -0.0."""
+    t, sizes, rank = 8, (40, 24), 4
+    n = sum(sizes)
+    g = torch.Generator().manual_seed(5)
+    u = torch.randn(t, 2 * rank, generator=g)
+    u[:3] = -0.0
+    u[3, ::2] = -0.0
+    b = torch.randn(n, rank, generator=g)
+    b[::3] = -0.0
+    b[:, 1] = -0.0
+    base = torch.randn(t, n, generator=g)
+    base[:5, :20] = -0.0
+    base[:5, 40:50] = -0.0  # member 1 scales by -0.5: a zero update there is -0.0
+    got = lora_expand_triton(base.to(DEVICE), u[None].to(DEVICE), b.to(DEVICE), None, sizes, (2.0, -0.5),
+                             torch.empty(t, n, device=DEVICE))
+    want = torch.empty(t, n)
+    lora_expand_reference(base, u, b, None, sizes, (2.0, -0.5), want)
+    assert (want.view(torch.int32) == torch.tensor(-0.0).view(torch.int32)).any()  # the case is there
+    assert torch.equal(got.cpu().view(torch.int32), want.view(torch.int32))
