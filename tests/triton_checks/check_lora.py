@@ -173,13 +173,14 @@ def test_expand_over_rank_blocks_is_the_reference(rank, sizes):
     partials = torch.randn(chunks, t, len(sizes) * rank, generator=g)
     b, base = torch.randn(n, rank, generator=g), torch.randn(t, n, generator=g)
     scalings = SCALINGS[:len(sizes)] + (0.75,) * (len(sizes) - len(SCALINGS))
-    kept = torch.full((t, len(sizes) * rank), float("nan"))
+    kept = torch.full((t, len(sizes) * rank), float("nan"), device=DEVICE)
     got = lora_expand_triton(base.to(DEVICE), partials.to(DEVICE), b.to(DEVICE), None, sizes, scalings,
-                             torch.empty(t, n, device=DEVICE), kept.to(DEVICE))
+                             torch.empty(t, n, device=DEVICE), kept)
     u = partials[0] + partials[1] + partials[2]
     want = torch.empty(t, n)
     lora_expand_reference(base, u, b, None, sizes, scalings, want)
     assert torch.equal(got.cpu().view(torch.int32), want.view(torch.int32))
+    assert torch.equal(kept.cpu().view(torch.int32), u.view(torch.int32))
 
 
 def test_expand_keeps_signed_zeros_as_the_reference():
