@@ -116,7 +116,7 @@ def _lora_reduce_kernel(p_ptr, u_ptr, n, S, BLOCK: tl.constexpr, PDL: tl.constex
 
 
 @triton.jit
-def _member_tile(p_rows, row_ok, step, ranks, r, g: tl.constexpr, S):
+def u_tile(p_rows, row_ok, step, ranks, r, g: tl.constexpr, S):
     """Member g's u ``[BLOCK_M, RP]`` (ranks past r zero): its columns of the shrink's `S` partials
     (`p_rows` the rows of ``p[0]``, `step` = T * R apart) added in chunk order, ``((p0 + p1) + p2)
     + ...`` in fp32, as `_lora_reduce_kernel` adds them. Unrolled by 4, so that four partials'
@@ -131,11 +131,11 @@ def _member_tile(p_rows, row_ok, step, ranks, r, g: tl.constexpr, S):
 
 
 @triton.jit
-def _member_tile_kept(u_ptr, p_rows, row_ok, step, rows, ranks, R, r, g: tl.constexpr, S,
+def u_tile_kept(u_ptr, p_rows, row_ok, step, rows, ranks, R, r, g: tl.constexpr, S,
                       WRITE_U: tl.constexpr):
-    """`_member_tile`, with `WRITE_U` also stored into ``u[rows, g*r : g*r + r]`` (the training
-    forward's u for the backward) by the programs of the first N tile."""
-    u = _member_tile(p_rows, row_ok, step, ranks, r, g, S)
+    """`u_tile`, with `WRITE_U` also stored into ``u[rows, g*r + ranks]`` (the training forward's
+    u for the backward) by the programs of the first N tile."""
+    u = u_tile(p_rows, row_ok, step, ranks, r, g, S)
     if WRITE_U:
         keep = row_ok[:, None] & (ranks < r)[None, :] & (tl.program_id(1) == 0)
         tl.store(u_ptr + rows[:, None].to(tl.int64) * R + g * r + ranks[None, :], u, mask=keep)
@@ -143,7 +143,7 @@ def _member_tile_kept(u_ptr, p_rows, row_ok, step, rows, ranks, R, r, g: tl.cons
 
 
 @triton.jit
-def _column(tile, ranks, j):
+def rank_column(tile, ranks, j):
     """Column j of `tile` ``[rows, RP]`` out of registers: the sum of that one value and zeros,
     which is the value itself but for -0.0, read as +0.0. The expand's products never see the
     difference: ``acc`` starts at +0.0 and a sum that is exactly zero rounds to +0.0, so ``acc``
@@ -160,7 +160,7 @@ def _lora_expand_kernel(base_ptr, p_ptr, b_ptr, bias_ptr, out_ptr, u_ptr, T, N, 
     shrink's `S` partials ``p[S, T, R]`` in chunk order (S = 1: p is u itself); with `WRITE_U`
     the first N tile's programs also store u ``[T, R]`` (the backward's). Per block of `RANK_BLOCK` ranks, the
     program reads its members' u tiles and B's ``[BLOCK_N, RANK_BLOCK]`` tile at once, then walks
-    the block's ranks in order in registers (`_column`): no global load waits inside the rank loop."""
+    the block's ranks in order in registers (`rank_column`): no global load waits inside the rank loop."""
     wait_for_inputs(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -173,25 +173,25 @@ def _lora_expand_kernel(base_ptr, p_ptr, b_ptr, bias_ptr, out_ptr, u_ptr, T, N, 
         ranks = first + tl.arange(0, RANK_BLOCK)
         bt = tl.load(b_ptr + cols[:, None].to(tl.int64) * stride_b + ranks[None, :],
                      mask=col_ok[:, None] & (ranks < r)[None, :], other=0.0).to(tl.float32)
-        u0 = _member_tile_kept(u_ptr, p_rows, row_ok, step, rows, ranks, R, r, 0, S, WRITE_U)
+        u0 = u_tile_kept(u_ptr, p_rows, row_ok, step, rows, ranks, R, r, 0, S, WRITE_U)
         u1 = u0
         u2 = u0
         u3 = u0
         if G > 1:
-            u1 = _member_tile_kept(u_ptr, p_rows, row_ok, step, rows, ranks, R, r, 1, S, WRITE_U)
+            u1 = u_tile_kept(u_ptr, p_rows, row_ok, step, rows, ranks, R, r, 1, S, WRITE_U)
         if G > 2:
-            u2 = _member_tile_kept(u_ptr, p_rows, row_ok, step, rows, ranks, R, r, 2, S, WRITE_U)
+            u2 = u_tile_kept(u_ptr, p_rows, row_ok, step, rows, ranks, R, r, 2, S, WRITE_U)
         if G > 3:
-            u3 = _member_tile_kept(u_ptr, p_rows, row_ok, step, rows, ranks, R, r, 3, S, WRITE_U)
+            u3 = u_tile_kept(u_ptr, p_rows, row_ok, step, rows, ranks, R, r, 3, S, WRITE_U)
         for j in range(first, tl.minimum(first + RANK_BLOCK, r)):
-            bj = _column(bt, ranks, j)
-            u = tl.broadcast_to(_column(u0, ranks, j)[:, None], (BLOCK_M, BLOCK_N))
+            bj = rank_column(bt, ranks, j)
+            u = tl.broadcast_to(rank_column(u0, ranks, j)[:, None], (BLOCK_M, BLOCK_N))
             if G > 1:
-                u = tl.where(member[None, :] == 1, _column(u1, ranks, j)[:, None], u)
+                u = tl.where(member[None, :] == 1, rank_column(u1, ranks, j)[:, None], u)
             if G > 2:
-                u = tl.where(member[None, :] == 2, _column(u2, ranks, j)[:, None], u)
+                u = tl.where(member[None, :] == 2, rank_column(u2, ranks, j)[:, None], u)
             if G > 3:
-                u = tl.where(member[None, :] == 3, _column(u3, ranks, j)[:, None], u)
+                u = tl.where(member[None, :] == 3, rank_column(u3, ranks, j)[:, None], u)
             acc += u * bj[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]

@@ -10,13 +10,15 @@ instead, with `kernels.lora`'s arithmetic per row (the same steps, the same cons
 
 1. shrink: ``u_p = x_p A_e^T`` with 16-bit operands (fp32 A split into ``hi + lo``) and fp32
    accumulation, K in fixed chunks of `lora.CHUNK_K` whose partials are added in chunk order;
-2. expand: ``acc = sum_j u_p[j] * B_e[n, j]`` in fp32, j in rank order, element-wise;
+2. expand: ``acc = sum_j u_p[j] * B_e[n, j]`` in fp32, j in rank order, element-wise, each
+   product rounded before it is added (FMA contraction off, as in `kernels.lora`'s expand);
 3. ``out = round(float(base) + acc * scaling)``: the base output (bias included) plus the update.
 
 Two launches per adapted GEMM: the shrink's partials over tiles of `ROWS` sorted rows (every
 row block of a layout is a multiple of it, so a tile holds one expert's rows), then the expand,
 in place on the base rows, which adds the partials itself as it reads u (training also stores u
-for the backward). Invariance contract: a row's result depends on its own row, its expert's
+for the backward), a block of ranks of u and B at a time read as tiles and walked in registers
+(`lora.u_tile_kept`, `lora.rank_column`). Invariance contract: a row's result depends on its own row, its expert's
 adapter and its base row only (fixed tiles, K chunks that depend on K only, an element-wise
 expand), so a pair's bits are the same whatever its expert's load or the batch
 (`conformance/kernel_invariance.py --only moe`); the CPU reference runs the same steps per
@@ -34,7 +36,7 @@ import torch
 
 from ._triton import require_triton, tl, triton
 from .dependent_launch import dependent_launch_kwargs, wait_for_inputs
-from .lora import BLOCK_K, BLOCK_R, num_chunks, shrink_chunk
+from .lora import BLOCK_K, BLOCK_R, EXPAND_RANK_BLOCK, rank_column, u_tile_kept, num_chunks, shrink_chunk
 from .lora_reference import CHUNK_K, lora_expand_reference, lora_shrink_reference, split_a
 from .moe_align import MoeLayout
 
@@ -118,7 +120,7 @@ def _moe_lora_shrink_kernel(x_ptr, a_ptr, p_ptr, sorted_pairs_ptr, block_expert_
 def _moe_lora_expand_kernel(base_ptr, p_ptr, b_ptr, u_ptr, block_expert_ptr, P, N, R, S, E, scaling,
                             stride_base, stride_bn, stride_bc, BLOCK_EXPERT_ROWS: tl.constexpr,
                             COLUMNS: tl.constexpr, WRITE_U: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
+                            BLOCK_N: tl.constexpr, RANK_BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """``base[rows] = round(base + (u B_e^T) * scaling)`` in place, u the sum of the shrink's `S`
     partials ``p[S, P, R]`` in chunk order; with `WRITE_U` the first N tile's programs store u
     ``[P, R]`` (the backward's)."""
@@ -137,17 +139,16 @@ def _moe_lora_expand_kernel(base_ptr, p_ptr, b_ptr, u_ptr, block_expert_ptr, P, 
         b_rows = cols
     b_ptrs = b_ptr + b_rows.to(tl.int64) * stride_bn + expert * stride_bc
     step = P.to(tl.int64) * R
+    p_rows = p_ptr + rows * R
+    row_ok = rows >= 0  # every padded row has its partials
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for j in range(0, R):
-        ptrs = p_ptr + rows * R + j
-        u = tl.load(ptrs)
-        for _ in range(1, S):  # ((p0 + p1) + p2) + ..., as kernels/lora.py adds them
-            ptrs += step
-            u += tl.load(ptrs)
-        if WRITE_U:
-            tl.store(u_ptr + rows * R + j, u, mask=tl.broadcast_to(tl.program_id(1) == 0, (BLOCK_M,)))
-        bj = tl.load(b_ptrs + j * E * stride_bc, mask=col_ok, other=0.0).to(tl.float32)
-        acc += u[:, None] * bj[None, :]
+    for first in range(0, R, RANK_BLOCK):  # u and B a block of ranks at a time, as kernels/lora.py's expand
+        ranks = first + tl.arange(0, RANK_BLOCK)
+        u = u_tile_kept(u_ptr, p_rows, row_ok, step, rows, ranks, R, R, 0, S, WRITE_U)
+        bt = tl.load(b_ptrs[:, None] + ranks[None, :].to(tl.int64) * E * stride_bc,
+                     mask=col_ok[:, None] & (ranks < R)[None, :], other=0.0).to(tl.float32)
+        for j in range(first, tl.minimum(first + RANK_BLOCK, R)):
+            acc += rank_column(u, ranks, j)[:, None] * rank_column(bt, ranks, j)[None, :]
     ptrs = base_ptr + rows[:, None] * stride_base + cols[None, :]
     base = tl.load(ptrs, mask=col_ok[None, :], other=0.0)
     tl.store(ptrs, (base.to(tl.float32) + acc * scaling).to(base_ptr.dtype.element_ty), mask=col_ok[None, :])
@@ -184,7 +185,8 @@ def moe_lora_add_triton(base: torch.Tensor, x: torch.Tensor, lora: ExpertLora, l
     _moe_lora_expand_kernel[(rows // ROWS, triton.cdiv(n, EXPAND_BLOCK_N))](
         base, partials, b, u if keep_u else partials, layout.block_expert, rows, n, rank, s, experts,
         float(lora.scaling), base.stride(0), b.stride(0), b.stride(1), BLOCK_EXPERT_ROWS=block_m, COLUMNS=columns,
-        WRITE_U=keep_u, BLOCK_M=ROWS, BLOCK_N=EXPAND_BLOCK_N, num_warps=4, **launch)
+        WRITE_U=keep_u, BLOCK_M=ROWS, BLOCK_N=EXPAND_BLOCK_N, RANK_BLOCK=EXPAND_RANK_BLOCK, num_warps=4,
+        enable_fp_fusion=False, **launch)
     return u
 
 
