@@ -14,15 +14,15 @@ instead, with `kernels.lora`'s arithmetic per row (the same steps, the same cons
    product rounded before it is added (FMA contraction off, as in `kernels.lora`'s expand);
 3. ``out = round(float(base) + acc * scaling)``: the base output (bias included) plus the update.
 
-Two launches per adapted GEMM: the shrink's partials over tiles of `ROWS` sorted rows (every
-row block of a layout is a multiple of it, so a tile holds one expert's rows), then the expand,
-in place on the base rows, which adds the partials itself as it reads u (training also stores u
-for the backward), a block of ranks of u and B at a time read as tiles and walked in registers
-(`lora.u_tile_kept`, `lora.rank_column`). Invariance contract: a row's result depends on its own row, its expert's
-adapter and its base row only (fixed tiles, K chunks that depend on K only, an element-wise
-expand), so a pair's bits are the same whatever its expert's load or the batch
-(`conformance/kernel_invariance.py --only moe`); the CPU reference runs the same steps per
-expert with `lora_reference.lora_shrink_reference` / `lora_expand_reference`.
+Two launches per adapted GEMM: the shrink's partials over tiles of `ROWS` sorted rows (every row
+block of a layout is a multiple of it, so a tile holds one expert's rows), then the expand, in
+place on the base rows, which adds the partials itself as it reads u (training also stores u for
+the backward), a block of ranks of u and B at a time read as tiles and walked in registers
+(`lora.u_tile_kept`, `lora.rank_column`). Invariance contract: a row's result depends on its own
+row, its expert's adapter and its base row only (fixed tiles, K chunks that depend on K only, an
+element-wise expand), so a pair's bits are the same whatever its expert's load or the batch
+(`conformance/kernel_invariance.py --only moe`); the CPU reference runs the same steps per expert
+with `lora_reference.lora_shrink_reference` / `lora_expand_reference`.
 
 The gate/up rows of the forward's ``preact`` buffer are gate columns first; GPT-OSS's weights
 interleave them (gate row n at 2n): `GATE_FIRST_FROM_INTERLEAVED` maps a preact column to its B row.
