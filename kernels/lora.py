@@ -117,9 +117,9 @@ def _lora_reduce_kernel(p_ptr, u_ptr, n, S, BLOCK: tl.constexpr, PDL: tl.constex
 
 @triton.jit
 def u_tile(p_rows, row_ok, step, ranks, r, g: tl.constexpr, S):
-    """Member g's u ``[BLOCK_M, RP]`` (ranks past r zero): its columns of the shrink's `S` partials
-    (`p_rows` the rows of ``p[0]``, `step` = T * R apart) added in chunk order, ``((p0 + p1) + p2)
-    + ...`` in fp32, as `_lora_reduce_kernel` adds them. Unrolled by 4, so that four partials'
+    """Member g's u at `ranks` ``[BLOCK_M, RANK_BLOCK]`` (ranks past r zero): those columns of the
+    shrink's `S` partials (`p_rows` the rows of ``p[0]``, `step` = T * R apart) added in chunk
+    order, ``((p0 + p1) + p2) + ...`` in fp32, as `_lora_reduce_kernel` adds them. Unrolled by 4, so that four partials'
     loads are in flight at once (the additions keep their order)."""
     ptrs = p_rows[:, None] + g * r + ranks[None, :]
     mask = row_ok[:, None] & (ranks < r)[None, :]
@@ -131,8 +131,7 @@ def u_tile(p_rows, row_ok, step, ranks, r, g: tl.constexpr, S):
 
 
 @triton.jit
-def u_tile_kept(u_ptr, p_rows, row_ok, step, rows, ranks, R, r, g: tl.constexpr, S,
-                      WRITE_U: tl.constexpr):
+def u_tile_kept(u_ptr, p_rows, row_ok, step, rows, ranks, R, r, g: tl.constexpr, S, WRITE_U: tl.constexpr):
     """`u_tile`, with `WRITE_U` also stored into ``u[rows, g*r + ranks]`` (the training forward's
     u for the backward) by the programs of the first N tile."""
     u = u_tile(p_rows, row_ok, step, ranks, r, g, S)
@@ -144,7 +143,7 @@ def u_tile_kept(u_ptr, p_rows, row_ok, step, rows, ranks, R, r, g: tl.constexpr,
 
 @triton.jit
 def rank_column(tile, ranks, j):
-    """Column j of `tile` ``[rows, RP]`` out of registers: the sum of that one value and zeros,
+    """Column j of `tile` ``[rows, RANK_BLOCK]`` (`ranks` its columns) out of registers: the sum of that one value and zeros,
     which is the value itself but for -0.0, read as +0.0. The expand's products never see the
     difference: ``acc`` starts at +0.0 and a sum that is exactly zero rounds to +0.0, so ``acc``
     is never -0.0, and ``acc + (+/-0.0) * b`` is then ``acc`` (NaN and infinity pass through)."""
@@ -158,9 +157,10 @@ def _lora_expand_kernel(base_ptr, p_ptr, b_ptr, bias_ptr, out_ptr, u_ptr, T, N, 
                         BLOCK_N: tl.constexpr, RANK_BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """``out = base + (u_g B^T (+ bias)) * s_g`` for the columns of member g, u the sum of the
     shrink's `S` partials ``p[S, T, R]`` in chunk order (S = 1: p is u itself); with `WRITE_U`
-    the first N tile's programs also store u ``[T, R]`` (the backward's). Per block of `RANK_BLOCK` ranks, the
-    program reads its members' u tiles and B's ``[BLOCK_N, RANK_BLOCK]`` tile at once, then walks
-    the block's ranks in order in registers (`rank_column`): no global load waits inside the rank loop."""
+    the first N tile's programs also store u ``[T, R]`` (the backward's). Per block of
+    `RANK_BLOCK` ranks, the program reads its members' u tiles and B's ``[BLOCK_N, RANK_BLOCK]``
+    tile at once, then walks the block's ranks in order in registers (`rank_column`): no global
+    load waits inside the rank loop."""
     wait_for_inputs(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -140,7 +140,7 @@ def _moe_lora_expand_kernel(base_ptr, p_ptr, b_ptr, u_ptr, block_expert_ptr, P, 
     b_ptrs = b_ptr + b_rows.to(tl.int64) * stride_bn + expert * stride_bc
     step = P.to(tl.int64) * R
     p_rows = p_ptr + rows * R
-    row_ok = rows >= 0  # every padded row has its partials
+    row_ok = rows < P  # every row of the grid (the padded sorted rows)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for first in range(0, R, RANK_BLOCK):  # u and B a block of ranks at a time, as kernels/lora.py's expand
         ranks = first + tl.arange(0, RANK_BLOCK)
