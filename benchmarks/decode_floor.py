@@ -4,8 +4,8 @@ and workload floor (and decode_profile.py's roofline), for every architecture th
 A decode step reads every weight but the input embedding, routed experts as many as its batch
 reaches, each running sequence's KV cache in the layers that hold pages, and, for the
 gated-DeltaNet hybrids (Qwen3.5, Qwen3-Next; docs/design.md section 6b), each sequence's state in
-every GDN layer: the fp32 boundary state (``Hv x dk x dv``), the conv state and the rows of its
-current chunk kept so far (`runtime.linear_state_cache.LinearStateSpec`). The engine's own
+every GDN layer: the fp32 delta-rule state (``Hv x dk x dv``) and the conv state, each read and
+written back (`runtime.linear_state_cache.LinearStateSpec`). The engine's own
 accounting of a page (`runtime.llm_setup.cache_bytes_per_block`: the GDN layers hold none) is the
 one used here. bench_utils re-exports these names for the scripts.
 """
@@ -25,41 +25,30 @@ def kv_bytes_per_token(model, dtype: torch.dtype) -> int:
     return cache_bytes_per_block(model, dtype, 1)
 
 
-def linear_state_step_bytes(model, dtype: torch.dtype, kept_rows: float) -> float:
-    """Bytes one decode step reads of one sequence's gated-DeltaNet state over all GDN layers:
-    per layer the fp32 boundary state, the conv state and `kept_rows` rows of its current chunk
-    (k, v, beta in `dtype`, g in fp32, and the row's fp32 row of ``T``, which the decode launch
-    reads: docs/design.md section 6b); 0 for a model without GDN layers."""
+def linear_state_step_bytes(model, dtype: torch.dtype) -> float:
+    """Bytes one decode step moves of one sequence's gated-DeltaNet state over all GDN layers: per
+    layer the conv state (`dtype`) and the fp32 delta-rule state, each read and written back
+    (docs/design.md section 6b); 0 for a model without GDN layers."""
     from vexact_models.runtime.linear_state_cache import linear_state_spec
 
     spec = linear_state_spec(model)
     if spec is None:
         return 0.0
-    conv, state, row, t_row = spec.part_bytes(dtype)
-    return len(spec.layers) * (conv + state + kept_rows * (row + t_row))
-
-
-def mean_kept_rows(model) -> float:
-    """Rows of its current chunk a sequence keeps, averaged over the positions of a chunk:
-    ``(C - 1) / 2`` (0 for a model without gated-DeltaNet layers)."""
-    from vexact_models.runtime.linear_state_cache import linear_state_spec
-
-    spec = linear_state_spec(model)
-    return 0.0 if spec is None else (spec.chunk - 1) / 2
+    return 2 * spec.bytes_per_slot(dtype)
 
 
 def decode_bytes(model, batch: int, mean_context: int) -> int:
     """Bytes one decode step must read at least: every weight but the input embedding (the tied
     LM head reads the embedding matrix) plus `batch` sequences' KV cache at `mean_context` tokens
-    (`kv_bytes_per_token`) and, for a hybrid, their gated-DeltaNet state at `mean_kept_rows` kept
-    rows (`linear_state_step_bytes`). MoE models count all experts (at batch >= 64 nearly every
+    (`kv_bytes_per_token`) and, for a hybrid, their gated-DeltaNet state read and written
+    (`linear_state_step_bytes`). MoE models count all experts (at batch >= 64 nearly every
     expert is routed to)."""
     param = next(model.parameters())
     itemsize = param.element_size()
     weights = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n) * itemsize
     if model.config.tie_word_embeddings:
         weights += model.lm_head.weight.numel() * itemsize
-    state = linear_state_step_bytes(model, param.dtype, mean_kept_rows(model))
+    state = linear_state_step_bytes(model, param.dtype)
     return int(weights + batch * (mean_context * kv_bytes_per_token(model, param.dtype) + state))
 
 
@@ -70,19 +59,11 @@ def expected_routed(n_experts: int, top_k: int, rows: int) -> float:
 
 
 def workload_state_bytes(model, prompt_lens: list[int], outputs: list[int]) -> float:
-    """The gated-DeltaNet state bytes a workload's decode steps read (0 without GDN layers): a
-    request's decode step whose new token sits at position ``p`` reads its state with ``p % C``
-    kept rows (`linear_state_step_bytes`); its new tokens sit at ``prompt .. prompt + output - 2``."""
-    from vexact_models.runtime.linear_state_cache import linear_state_spec
-
-    spec = linear_state_spec(model)
-    if spec is None:
-        return 0.0
+    """The gated-DeltaNet state bytes a workload's decode steps move (0 without GDN layers): each of
+    a request's ``output - 1`` decode steps reads and writes its state (`linear_state_step_bytes`)."""
     dtype = next(model.parameters()).dtype
     steps = sum(max(0, out - 1) for out in outputs)
-    kept = sum(p % spec.chunk for prompt, out in zip(prompt_lens, outputs) for p in range(prompt, prompt + out - 1))
-    return linear_state_step_bytes(model, dtype, 0) * steps + (linear_state_step_bytes(model, dtype, 1)
-                                                                - linear_state_step_bytes(model, dtype, 0)) * kept
+    return linear_state_step_bytes(model, dtype) * steps
 
 
 def workload_decode_roofline(model, prompt_lens: list[int], outputs: list[int], max_seqs: int,

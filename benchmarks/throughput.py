@@ -53,8 +53,8 @@ the hybrids (fla's kernels where transformers bound them, else its torch path).
 
 The gated-DeltaNet hybrids (Qwen3.5, Qwen3-Next; docs/design.md section 6b) hold KV pages in their
 attention layers only; the floor and the roofline count those and, per running sequence and GDN
-layer, the state a decode step reads: the fp32 boundary state ``Hv x dk x dv``, the conv state and
-the rows of the current chunk kept so far (`decode_floor`). ``--step-breakdown`` needs nothing
+layer, the state a decode step reads and writes back: the fp32 delta-rule state ``Hv x dk x dv``
+and the conv state (`decode_floor`). ``--step-breakdown`` needs nothing
 model-specific. ``--tiny`` runs each config's architecture at its tiny shape on CPU (a few short
 requests, no roofline table; tests/test_benchmark_scripts.py).
 
@@ -323,11 +323,10 @@ def set_mode(model, mode: str | None, quiet: bool = False) -> None:
           f"(layers, KV heads, key dim, value dim = {tuple(model.kv_cache_spec())})", flush=True)
     spec = linear_state_spec(model)
     if spec is not None:
-        conv, state, row, t_row = spec.part_bytes(torch.bfloat16)
+        conv, state = spec.part_bytes(torch.bfloat16)
         print(f"gated DeltaNet: {len(spec.layers)} of {model.config.num_hidden_layers} layers hold a state instead of KV "
-              f"pages: per sequence and layer {state:,} bytes of fp32 boundary state, {conv:,} of conv state and "
-              f"{row + t_row:,} per kept chunk row (its k, v, g, beta and row of T; at most {spec.chunk - 1}); a decode "
-              f"step reads them all (the floor and roofline count them)", flush=True)
+              f"pages: per sequence and layer {state:,} bytes of fp32 delta-rule state and {conv:,} of conv state; a "
+              f"decode step reads and writes them (the floor and roofline count both)", flush=True)
     page = default_block_size(model.kv_cache_spec())
     freed, kept = (kv_bytes_per_sequence(model, 32768, dtype=torch.bfloat16, block_size=page, window_freed=freed)
                    for freed in (True, False))

@@ -16,7 +16,7 @@ from .dependent_launch import set_dependent_launch, use_dependent_launch
 from .gated_delta_gates import gated_delta_gates
 from .gated_delta_rollout import GatedDeltaRollout
 from .gated_delta_rule import CHUNK as GATED_DELTA_CHUNK
-from .gated_delta_rule import gated_delta_chunk_rows, gated_delta_fold, gated_delta_rule
+from .gated_delta_rule import gated_delta_rule
 from .gated_rms_norm import gated_rms_norm
 from .grouped_topk import sigmoid_grouped_topk
 from .head_linear import head_linear
@@ -48,7 +48,7 @@ __all__ = [
     "KernelSwitch", "PagedLayout", "UnsupportedError", "add_rms_norm", "apply_rotary", "attention",
     "attention_forward_mode", "attention_packed", "attention_saving_context", "causal_conv1d", "conv_state_update",
     "current_backend", "deinterleave", "ExpertLora",
-    "SwigluClamp", "fused_moe", "gelu_tanh_and_mul", "gated_delta_chunk_rows", "gated_delta_gates", "gated_delta_fold",
+    "SwigluClamp", "fused_moe", "gelu_tanh_and_mul", "gated_delta_gates",
     "gated_delta_rule",
     "gated_rms_norm", "gather_logprobs", "head_linear", "kv_cache_write", "latent_cache_write", "linear",
     "linear_backend_mode", "linear_silu_and_mul", "lm_head_logits", "log_softmax", "logit_softcap", "lora_add",

@@ -1,11 +1,11 @@
-"""The gated delta rule's launches: the plans (which rows, states and outputs each chunk or run of
-chunks uses) and the two backends of the rows and fold launches (docs/design.md section 6b).
+"""The gated delta rule's chunk launches, for the backward (docs/design.md section 6b): the plans
+(which rows and states each chunk or run of chunks uses), the training batch's boundary states
+(`training_states`, by the fold) and the fold's two backends.
 
-`_rows_reference` / `_fold_reference` gather each chunk's rows into zero-padded ``[C, ...]``
-tensors and run `gated_delta_reference.chunk_forward` with its batch-invariant `EXACT`
-primitives; `_rows_triton` / `_fold_triton` launch `gated_delta_triton`'s kernels. A plan is
-built on the host from python ints, which the Triton launchers copy to the device, or holds int32
-tensors on the device already (a rollout step's, `gated_delta_step`), which they read in place.
+`_fold_reference` gathers each chunk's rows into zero-padded ``[C, ...]`` tensors and runs
+`gated_delta_reference.chunk_forward` with its batch-invariant `EXACT` primitives; `_fold_triton`
+launches `gated_delta_triton`'s kernels. A plan is built on the host from python ints, which the
+Triton launchers copy to the device.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 from . import gated_delta_reference as ref
 from ._triton import require_triton
-from .gated_delta_triton import FOLD_WARPS, ROWS_WARPS, SMALL_HEAD_WARPS, fold_kernel, fold_prep_kernel, rows_kernel
+from .gated_delta_triton import FOLD_WARPS, SMALL_HEAD_WARPS, fold_kernel, fold_prep_kernel
 
 @dataclass(frozen=True)
 class Shapes:
@@ -42,9 +42,6 @@ class RowsPlan:
     first_row: list[int]  # first row whose output is wanted
     q_start: list[int]  # q row (and output row) of row ``first_row``
     state_index: list[int]  # the boundary state (-1: zeros)
-    #: a rollout step's: where rows ``first_row..n_rows-1`` of the chunk's ``T`` go (row ``r`` at
-    #: ``t_out + r`` of the step's T pool; -1: nowhere); None: no T kept (training)
-    t_out: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -109,24 +106,6 @@ def chunk_inputs(start: list[int], n: list[int], k, v, g, beta, shapes: Shapes, 
     return kk, vv, gg, bb
 
 
-def _rows_reference(q, k, v, g, beta, states, out, plan: RowsPlan, shapes: Shapes, chunk: int, scale: float,
-                    l2norm: bool, t_cache: torch.Tensor | None = None) -> None:
-    if not plan.kv_start:
-        return
-    compute = state_dtype(k)
-    kk, vv, gg, bb = chunk_inputs(plan.kv_start, plan.n_rows, k, v, g, beta, shapes, chunk, compute)
-    qq = expand_heads(gather_chunks(q, plan.q_start, plan.first_row, plan.n_rows, chunk).to(compute), shapes.hv)
-    s = boundary_states(states, plan.state_index, compute)
-    solved: list[torch.Tensor] = []
-    o, _ = ref.chunk_forward(qq, kk, vv, gg, bb, s, ref.EXACT, scale=scale, use_qk_l2norm=l2norm, fold=False,
-                             solve=lambda lower: solved.append(ref.EXACT.solve(lower)) or solved[-1])
-    o = o.transpose(1, 2)  # [N, C, Hv, dv]
-    for b, (first, n, q_start) in enumerate(zip(plan.first_row, plan.n_rows, plan.q_start)):
-        out[q_start:q_start + n - first] = o[b, first:n].to(out.dtype)
-        if t_cache is not None and plan.t_out is not None and plan.t_out[b] >= 0:
-            t_cache[plan.t_out[b] + first:plan.t_out[b] + n] = solved[0][b, :, first:n].transpose(0, 1)
-
-
 def boundary_states(states: torch.Tensor, index: list[int], compute: torch.dtype) -> torch.Tensor:
     """``states[index]`` in `compute` dtype, zeros where an index is -1 (a chunk at position 0)."""
     at = torch.tensor(index, dtype=torch.long)
@@ -172,28 +151,6 @@ def _check_triton_shapes(shapes: Shapes) -> None:
     for name, d in (("dk", shapes.dk), ("dv", shapes.dv)):
         if d < 16 or d & (d - 1) or d > 256:
             raise ValueError(f"gated_delta_rule: the Triton kernels take {name}={d} only as a power of two in 16..256")
-
-
-def _rows_triton(q, k, v, g, beta, states, out, plan: RowsPlan, shapes: Shapes, chunk: int, scale: float,
-                 l2norm: bool, t_cache: torch.Tensor | None = None) -> None:
-    require_triton("gated_delta_rule")
-    _check_triton_shapes(shapes)
-    if len(plan.kv_start) == 0:
-        return
-    dev = k.device
-    meta = [_device_ints(x, dev) for x in (plan.kv_start, plan.n_rows, plan.first_row, plan.q_start, plan.state_index)]
-    store_t = t_cache is not None and plan.t_out is not None
-    t_out = _device_ints(plan.t_out, dev) if store_t else meta[0]  # (read only with STORE_T)
-    t = t_cache if store_t else out
-    bv = _value_block(shapes.dv)
-    grid = (len(plan.kv_start), shapes.hv)
-    rows_kernel[grid](q, k, v, g, beta, states, out, t, *meta, t_out,
-                      q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
-                      beta.stride(0), states.stride(0), states.stride(1), out.stride(0), out.stride(1),
-                      t.stride(0), t.stride(1), scale,
-                      GROUP=shapes.hv // shapes.hk, C=chunk, DK=shapes.dk, DV=shapes.dv, BV=bv,
-                      LOG_C=chunk.bit_length() - 1, LOG_DK=shapes.dk.bit_length() - 1, L2NORM=l2norm,
-                      STORE_T=store_t, num_warps=_warps(shapes, ROWS_WARPS))
 
 
 def fold_chunks(start: torch.Tensor, length: torch.Tensor, chunk: int, capacity: int) -> tuple[torch.Tensor, ...]:
@@ -250,12 +207,6 @@ def _fold_triton(k, v, g, beta, states_in, states_out, plan: FoldPlan, shapes: S
         w.stride(0), w.stride(1), u.stride(0), u.stride(1),
         states_in.stride(0), states_in.stride(1), states_out.stride(0), states_out.stride(1),
         num_warps=_warps(shapes, FOLD_WARPS), **consts)
-
-
-def launch_rows(backend: str, *args, t_cache: torch.Tensor | None = None) -> None:
-    """The rows launch on `backend`; with `t_cache` (a rollout step's T pool, ``[rows, Hv, C]`` fp32)
-    and a plan's ``t_out``, it also keeps the rows of ``T`` it computes (`RowsPlan`)."""
-    (_rows_triton if backend == "triton" else _rows_reference)(*args, t_cache=t_cache)
 
 
 def launch_fold(backend: str, *args, most_chunks: int | None = None) -> None:

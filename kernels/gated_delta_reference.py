@@ -1,4 +1,5 @@
-"""The gated delta rule's chunk arithmetic in torch: the CPU reference and the backward's recompute.
+"""The gated delta rule's chunk arithmetic in torch: the backward's recompute and the reference of
+its chunk kernels (the forward itself is token by token, `gated_delta_recurrent`).
 
 One chunk of ``C`` rows (docs/design.md section 6b) is computed by `chunk_forward` from its
 boundary state and its raw rows, zero-padded to ``C``. Every quantity of row ``i`` is a function of
@@ -127,13 +128,12 @@ def l2norm(x: torch.Tensor, ops: ChunkOps) -> torch.Tensor:
 
 
 def chunk_forward(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                  state: torch.Tensor, ops: ChunkOps, *, scale: float, use_qk_l2norm: bool, fold: bool = True,
-                  solve: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  state: torch.Tensor, ops: ChunkOps, *, scale: float, use_qk_l2norm: bool,
+                  fold: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One chunk per leading index: ``q, k [.., C, dk]``, ``v [.., C, dv]``, ``g, beta [.., C]``
     (fp32, absent rows exact zeros), ``state [.., dk, dv]`` the boundary state. Returns the rows'
     outputs ``[.., C, dv]`` (None when `q` is None: a fold alone) and, when `fold`, the state
-    after the chunk (steps in the module docstring). `solve` replaces ``ops.solve`` (``L -> T``):
-    a decode's, from the rows of ``T`` kept (`gated_delta_decode.decode_solve`)."""
+    after the chunk (steps in the module docstring)."""
     c = k.shape[-2]
     zero = torch.zeros((), dtype=k.dtype, device=k.device)
     if use_qk_l2norm:
@@ -143,7 +143,7 @@ def chunk_forward(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, g: t
     strict = _lower(c, k.device, strict=True)
     decay = _pair_decay(cum, lower, ops)  # exp(G_i - G_j) for j <= i, else 0
     k_beta = k * beta.unsqueeze(-1)
-    t = (solve or ops.solve)(torch.where(strict, ops.mm(k_beta, k) * decay, zero))
+    t = ops.solve(torch.where(strict, ops.mm(k_beta, k) * decay, zero))
     u = ops.mm(t, (v * beta.unsqueeze(-1)).transpose(-1, -2))
     w = ops.mm(t, (k_beta * ops.exp(cum).unsqueeze(-1)).transpose(-1, -2))
     state_t = state.transpose(-1, -2)  # [.., dv, dk]
@@ -163,5 +163,3 @@ def chunk_forward(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, g: t
 
 # Public names of the masks and decays the backward's reference shares (`gated_delta_backward_reference`).
 lower_mask, pair_decay = _lower, _pair_decay
-# and the product the decode's solve shares (`gated_delta_decode.decode_solve`)
-exact_mm = _exact_mm

@@ -1,50 +1,44 @@
-"""The rollout side of the gated delta rule: a step over sequences that each add some tokens.
+"""The rollout side of the gated delta rule: steps over sequences that each add some tokens.
 
-What a rollout keeps per sequence (docs/design.md section 6b): the state at its last chunk
-boundary (fp32, in a pool) and the raw rows of its current, incomplete chunk (k, v, g, beta; no
-queries: a row's output never reads another row's query). A step that adds tokens at positions
-``p..p+m-1`` then
-
-1. lays out, per sequence, the current chunk's kept rows followed by the new rows: rows from the
-   chunk's start (a multiple of C) to ``p+m-1``, back to back;
-2. folds the chunks this completes (`gated_delta_fold`), from the boundary state;
-3. computes the new rows' outputs (`gated_delta_chunk_rows`), one segment per chunk touched, each
-   from its boundary state (the kept one, or one just folded);
-4. keeps the last folded state and the rows of the new incomplete chunk.
-
-All sequences of a step share one fold launch and one rows launch. Every output is bitwise the
-training forward's (`gated_delta_rule`) for the same token. `GatedDeltaRollout` does this for a
-set of slots with python-side buffers: the protocol the engine's state cache implements, used by
-the tests and the GPU invariance sweep.
+A rollout keeps per sequence the state after its last token (fp32, docs/design.md section 6b). A
+step that adds tokens at positions ``p..p+m-1`` runs the training forward's recurrent kernel
+(`gated_delta_recurrent`) on those rows from the kept state and keeps the state after them; all
+sequences of a step share one launch, and every output is bitwise the training forward's
+(`gated_delta_rule`) for the same token. `GatedDeltaRollout` does this for a set of slots: the
+protocol the engine's state cache implements on pooled tensors with a fixed-shape plan
+(`gated_delta_step`), used by the tests and the GPU invariance sweep.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .gated_delta_rule import CHUNK, gated_delta_chunk_rows, gated_delta_fold
+from .backend import select
+from .gated_delta_launch import prepare_rows, state_dtype
+from .gated_delta_recurrent import RecurrentPlan, launch_recurrent
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class GatedDeltaRollout:
-    """Boundary states and current-chunk rows of `slots` sequences of one layer.
+    """The states of `slots` sequences of one layer.
 
-    `heads`: ``(Hk, Hv)``, `dims`: ``(dk, dv)``; states in fp32 on `device`. `initial_state`
-    (``[slots, Hv, dk, dv]``) starts each slot from a state instead of zeros."""
+    `heads`: ``(Hk, Hv)``, `dims`: ``(dk, dv)``; states in fp32 on `device` (fp64 for fp64 rows).
+    `initial_state` (``[slots, Hv, dk, dv]``) starts each slot from a state instead of zeros."""
 
     def __init__(self, slots: int, heads: tuple[int, int], dims: tuple[int, int], *, device: torch.device | str = "cpu",
-                 chunk_size: int = CHUNK, use_qk_l2norm: bool = True, scale: float | None = None,
-                 initial_state: torch.Tensor | None = None) -> None:
-        hk, hv = heads
+                 use_qk_l2norm: bool = True, scale: float | None = None, initial_state: torch.Tensor | None = None,
+                 dtype: torch.dtype = torch.float32) -> None:
+        _, hv = heads
         dk, dv = dims
-        self.chunk, self.l2norm, self.scale = chunk_size, use_qk_l2norm, scale
-        self.states = torch.zeros(slots, hv, dk, dv, dtype=torch.float32, device=device)
+        self.l2norm, self.scale = use_qk_l2norm, dk ** -0.5 if scale is None else float(scale)
+        self.states = torch.zeros(slots, hv, dk, dv, dtype=dtype, device=device)
         if initial_state is not None:
             if tuple(initial_state.shape) != tuple(self.states.shape):
                 raise ValueError(f"GatedDeltaRollout: initial_state {tuple(initial_state.shape)} must be "
                                  f"{tuple(self.states.shape)}")
             self.states.copy_(initial_state)
-        self.positions = [0] * slots
-        self.rows: list[tuple[torch.Tensor, ...] | None] = [None] * slots  # the current chunk's k, v, g, beta
+        self.started = [initial_state is not None] * slots
 
     def step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
              slots: list[int], counts: list[int]) -> torch.Tensor:
@@ -53,47 +47,23 @@ class GatedDeltaRollout:
         if len(slots) != len(counts) or len(set(slots)) != len(slots) or sum(counts) != k.shape[0]:
             raise ValueError(f"GatedDeltaRollout.step: slots={slots} (distinct) and counts={counts} must pair up and "
                              f"cover the {k.shape[0]} rows")
-        c = self.chunk
-        laid: list[list[torch.Tensor]] = [[], [], [], []]  # per slot: its chunk's kept rows, then its new rows
-        cu, first, index, fold_runs = [0], [], [], []
-        base, offset = 0, 0
-        for slot, m in zip(slots, counts):
-            new = [x[offset:offset + m] for x in (k, v, g, beta)]
-            offset += m
-            kept = self.rows[slot]
-            rows = [torch.cat([a, b]) for a, b in zip(kept, new)] if kept is not None else new
-            for store, x in zip(laid, rows):
-                store.append(x)
-            total, lead = rows[0].shape[0], self.positions[slot] % c
-            fold_runs.append((base, total // c * c, slot))
-            for chunk in range(-(-total // c) if m else 0):  # the chunks touched: the segments, back to back
-                cu.append(cu[-1] + min(c, total - chunk * c))
-                first.append(lead if chunk == 0 else 0)
-                index.append((slot, None) if chunk == 0 else (len(fold_runs) - 1, chunk - 1))
-            base += total
-        kk, vv, gg, bb = (torch.cat(x) if x else k[:0] for x in laid)
-        folded = gated_delta_fold(kk, vv, gg, bb, [r[0] for r in fold_runs], [r[1] for r in fold_runs], self.states,
-                                  [r[2] for r in fold_runs], use_qk_l2norm=self.l2norm, chunk_size=c)
-        fold_at = [0]
-        for r in fold_runs:
-            fold_at.append(fold_at[-1] + r[1] // c)
-        pool = self.states.shape[0]
-        state_index = [i if j is None else pool + fold_at[i] + j for i, j in index]
-        live = [torch.zeros(0, dtype=torch.long)] + [torch.arange(r[0], r[0] + x.shape[0]) for r, x, m in
-                                                     zip(fold_runs, laid[0], counts) if m]
-        rows = torch.cat(live).to(kk.device)  # the segments' rows (a slot adding nothing has none)
-        out = gated_delta_chunk_rows(q, kk[rows], vv[rows], gg[rows], bb[rows], cu, first,
-                                     torch.cat([self.states, folded]), state_index, scale=self.scale,
-                                     use_qk_l2norm=self.l2norm, chunk_size=c)
-        self._keep(slots, counts, laid, fold_runs, folded, fold_at)
+        bad = [s for s in slots if not 0 <= s < self.states.shape[0]]
+        if bad or min(counts, default=0) < 0:
+            raise ValueError(f"GatedDeltaRollout.step: slots={slots} must lie in [0, {self.states.shape[0]}) and "
+                             f"counts={counts} be >= 0")
+        hv, dk, dv = self.states.shape[1:]
+        if k.dim() != 3 or k.shape[2] != dk or tuple(v.shape[1:]) != (hv, dv) or hv % k.shape[1]:
+            raise ValueError(f"GatedDeltaRollout.step: k {tuple(k.shape)} and v {tuple(v.shape)} must be [T, Hk, {dk}] "
+                             f"and [T, {hv}, {dv}] (Hk dividing {hv}), the rollout's heads")
+        if self.states.dtype != state_dtype(k):
+            raise ValueError(f"GatedDeltaRollout.step: rows of {k.dtype} need states of {state_dtype(k)}, "
+                             f"the rollout holds {self.states.dtype}")
+        backend = select("gated_delta_rule", k, dtypes=_DTYPES)
+        starts = [sum(counts[:i]) for i in range(len(counts))]
+        plan = RecurrentPlan(starts, list(counts), [s if self.started[s] else -1 for s in slots], list(slots))
+        q, k, v, g, beta = (prepare_rows(x, backend) for x in (q, k, v, g, beta))
+        out = torch.empty(k.shape[0], v.shape[1], v.shape[2], dtype=q.dtype, device=q.device)
+        launch_recurrent(backend, q, k, v, g, beta, self.states, out, plan, self.scale, self.l2norm)
+        for s, m in zip(slots, counts):
+            self.started[s] = self.started[s] or m > 0
         return out
-
-    def _keep(self, slots, counts, laid, fold_runs, folded, fold_at) -> None:
-        c = self.chunk
-        for run, (slot, m) in enumerate(zip(slots, counts)):
-            whole = fold_runs[run][1] // c
-            if whole:
-                self.states[slot] = folded[fold_at[run] + whole - 1]
-            rest = [x[run][whole * c:] for x in laid]
-            self.rows[slot] = rest if rest[0].shape[0] else None
-            self.positions[slot] += m

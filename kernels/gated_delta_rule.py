@@ -1,4 +1,4 @@
-"""gated_delta_rule: the gated DeltaNet (Qwen3.5, Qwen3-Next) linear attention, chunked at absolute positions.
+"""gated_delta_rule: the gated DeltaNet (Qwen3.5, Qwen3-Next) linear attention over packed sequences.
 
 Per value head, with the state ``S [dk, dv]`` (fp32) and per token a log decay ``g_t <= 0``, a
 ``beta_t`` in (0, 1) and l2-normalised ``q_t`` (scaled by ``dk ** -0.5``) and ``k_t``:
@@ -6,29 +6,25 @@ Per value head, with the state ``S [dk, dv]`` (fp32) and per token a log decay `
 (transformers' ``torch_recurrent_gated_delta_rule``). Value head ``h`` reads query/key head
 ``h // (Hv // Hk)`` (transformers' ``repeat_interleave``).
 
-Invariance contract (docs/design.md section 6b): a sequence is cut into chunks of ``chunk_size``
-rows at absolute positions 0, C, 2C, ...; the output of row ``i`` of a chunk is computed from the
-state at the chunk's start and the chunk's rows ``0..i`` only, at the fixed chunk shape, so its
-bits do not depend on how many of the chunk's rows exist; and the state is advanced over a chunk
-(the fold) by one kernel. Training (`gated_delta_rule`) and the rollout (`gated_delta_chunk_rows`
-for the rows a step adds, `gated_delta_fold` for a completed chunk) run the same two kernels, so a
-token's output is bitwise the same in both.
+Invariance contract (docs/design.md section 6b): the forward is the recurrence itself, token by
+token, by `gated_delta_recurrent` (one program a value block of a head of a sequence, the state
+in registers, every step in a fixed order); the rollout runs the same kernel on each step's new
+tokens from the state it kept, so a token's output is bitwise the same in both whatever the
+split of the sequence into steps.
 
 The l2 normalisation of q and k is inside the op (``use_qk_l2norm``, fla's
-``use_qk_l2norm_in_kernel``; Qwen3.5 and Qwen3-Next turn it on), which keeps the normalised
-rows out of memory and lets the rollout's chunk buffer hold raw keys.
+``use_qk_l2norm_in_kernel``; Qwen3.5 and Qwen3-Next turn it on).
 
 Dtypes: q, k, v, beta in the model dtype (bf16/fp16/fp32; fp64 on the reference), g in fp32
-(any float dtype is widened), states fp32 (fp64 with fp64 inputs), outputs in q's dtype. The
-Triton kernels (CUDA, or the interpreter) widen every operand to fp32 and take their products in
-``tf32x3``; the reference (CPU) computes in fp32 with `exact_math` (batch-invariant).
+(any float dtype is widened), states fp32 (fp64 with fp64 inputs), outputs in q's dtype.
 
-Backward (rule 8): on the Triton backend the chunked Triton backward (`gated_delta_backward`:
-the fold recomputes the boundary states, a reverse recurrence carries the state gradient, a
-kernel per chunk gives the rows' gradients); on the reference backend (CPU), or with
-``VEXACT_GATED_DELTA_BACKWARD=autograd``, the forward is recomputed in torch
-(`gated_delta_reference.AUTOGRAD`: matmuls, ``exp``, a triangular solve) and differentiated by
-autograd.
+Backward (rule 8: gradients correct, not invariant): the chunked form of the same function, in
+chunks of ``chunk_size`` rows. On the Triton backend the chunked Triton backward
+(`gated_delta_backward`: the fold recomputes the boundary states, a reverse recurrence carries
+the state gradient, a kernel per chunk gives the rows' gradients); on the reference backend
+(CPU), or with ``VEXACT_GATED_DELTA_BACKWARD=autograd``, the forward is recomputed chunk-wise in
+torch (`gated_delta_reference.AUTOGRAD`: matmuls, ``exp``, a triangular solve) and
+differentiated by autograd.
 """
 
 from __future__ import annotations
@@ -40,10 +36,10 @@ import torch
 from . import gated_delta_reference as ref
 from .backend import select
 from .gated_delta_backward import backward_mode, training_backward
-from .gated_delta_launch import (FoldPlan, RowsPlan, Shapes, chunk_inputs, expand_heads, gather_chunks, launch_fold,
-                                 launch_rows, prepare_rows, state_dtype, training_states)
+from .gated_delta_launch import Shapes, chunk_inputs, expand_heads, gather_chunks, prepare_rows, state_dtype
+from .gated_delta_recurrent import RecurrentPlan, launch_recurrent
 
-CHUNK = 64  # rows of a chunk (positions 0, 64, 128, ... start one); a power of two from 16
+CHUNK = 64  # rows of the backward's chunks (positions 0, 64, 128, ... start one); a power of two from 16
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 Ints = Sequence[int] | torch.Tensor
 
@@ -101,21 +97,27 @@ def _backend(k: torch.Tensor) -> str:
 
 
 def training_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                     initial_state: torch.Tensor | None, lengths: list[int], chunk: int, scale: float, l2norm: bool,
+                     initial_state: torch.Tensor | None, lengths: list[int], scale: float, l2norm: bool,
                      want_final: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     """`gated_delta_rule`'s forward on checked inputs without autograd, on `backend` (``"triton"``
-    or ``"reference"``): the fold over every sequence's chunks, then every chunk's rows. Returns the
-    outputs and the final states (an empty tensor unless `want_final`). Public for the offline
-    sm_90 compile (`benchmarks/sm90_compile.py`)."""
-    shapes = Shapes(k.shape[1], v.shape[1], k.shape[2], v.shape[2])
+    or ``"reference"``): one recurrent launch, a segment per sequence (`gated_delta_recurrent`, the
+    rollout's kernel). Returns the outputs and the final states (an empty tensor unless
+    `want_final`). Public for the offline sm_90 compile (`benchmarks/sm90_compile.py`)."""
     q, k, v, g, beta = (prepare_rows(x, backend) for x in (q, k, v, g, beta))
-    states, rows, bases = training_states(k, v, g, beta, initial_state, lengths, chunk, l2norm, want_final, backend)
-    out = torch.empty(k.shape[0], shapes.hv, shapes.dv, dtype=q.dtype, device=q.device)
-    launch_rows(backend, q, k, v, g, beta, states, out, rows, shapes, chunk, scale, l2norm)
-    if not want_final:
-        return out, out.new_empty(0)
-    last = [base + -(-n // chunk) for base, n in zip(bases, lengths)]
-    return out, states[last]
+    hv, dk, dv = v.shape[1], k.shape[2], v.shape[2]
+    starts = [0]
+    for n in lengths[:-1]:
+        starts.append(starts[-1] + n)
+    seqs = range(len(lengths))
+    if initial_state is not None:
+        states = initial_state.detach().to(state_dtype(k)).contiguous().clone()
+    else:
+        states = torch.zeros(len(lengths) if want_final else 1, hv, dk, dv, dtype=state_dtype(k), device=k.device)
+    plan = RecurrentPlan(starts, list(lengths), [b if initial_state is not None else -1 for b in seqs],
+                         [b if want_final else -1 for b in seqs])
+    out = torch.empty(k.shape[0], hv, dv, dtype=q.dtype, device=q.device)
+    launch_recurrent(backend, q, k, v, g, beta, states, out, plan, scale, l2norm)
+    return out, (states if want_final else out.new_empty(0))
 
 
 def _autograd_forward(q, k, v, g, beta, initial_state, lengths: list[int], chunk: int, scale: float, l2norm: bool):
@@ -157,8 +159,8 @@ class _GatedDeltaFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, lengths, chunk, scale, l2norm, want_final):
         ctx.backend = _backend(k)
-        out, final = training_forward(q, k, v, g, beta, initial_state, lengths, chunk, scale, l2norm, want_final,
-                                       ctx.backend)
+        out, final = training_forward(q, k, v, g, beta, initial_state, lengths, scale, l2norm, want_final,
+                                      ctx.backend)
         ctx.save_for_backward(q, k, v, g, beta, initial_state)
         ctx.args = (lengths, chunk, scale, l2norm)
         ctx.want_final = want_final
@@ -196,9 +198,9 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     None: one sequence); `initial_state`: ``[B, Hv, dk, dv]`` (each sequence's state before its
     first token; zeros when None). `scale` defaults to ``dk ** -0.5``. Returns ``o [T, Hv, dv]``
     in q's dtype and, with `output_final_state`, ``[B, Hv, dk, dv]`` fp32: the state after each
-    sequence's last token (a last partial chunk folded as it stands; the rollout keeps the state
-    at the last chunk boundary instead, `gated_delta_fold`). Chunks of `chunk_size` rows start at
-    positions 0, C, 2C, ... of every sequence (the module docstring's contract)."""
+    sequence's last token, the state a rollout keeps there. `chunk_size` (a power of two from 16)
+    cuts the backward's chunks at positions 0, C, 2C, ... of every sequence; the forward is
+    token by token (the module docstring)."""
     _check_rows(q, k, v, g, beta, chunk_size)
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"gated_delta_rule: q has {q.shape[0]} rows, k has {k.shape[0]}; they must match")
@@ -217,88 +219,3 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     out, final = _GatedDeltaFunction.apply(q, k, v, g, beta, initial_state, lengths, chunk_size, scale, use_qk_l2norm,
                                            output_final_state)
     return out, (final if output_final_state else None)
-
-
-# ---------------------------------------------------------------------------------------------
-# The rollout's two entry points (inference only: no autograd).
-
-
-@torch.no_grad()
-def gated_delta_chunk_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                           cu_rows: Ints, first_rows: Ints, states: torch.Tensor, state_index: Ints, *,
-                           scale: float | None = None, use_qk_l2norm: bool = True,
-                           chunk_size: int = CHUNK) -> torch.Tensor:
-    """Outputs of the rows a rollout step adds to each sequence's current chunk.
-
-    Segment ``b`` of k, v, g, beta (rows ``cu_rows[b]..cu_rows[b + 1] - 1``, at most
-    `chunk_size`) holds rows ``0..n_b - 1`` of that chunk, raw (the chunk's earlier rows, kept by
-    the rollout, then the step's new ones); `q` holds, packed in segment order, the queries of rows
-    ``first_rows[b]..n_b - 1`` only (``sum(n_b - first_b)`` rows; earlier rows' queries are never
-    read). ``states[state_index[b]]`` (``[S, Hv, dk, dv]`` fp32; index -1: zeros) is the state at
-    the chunk's start. Returns ``[q rows, Hv, dv]`` in q's dtype: bitwise the rows
-    `gated_delta_rule` computes for the same tokens (the module docstring's contract).
-    `cu_rows`, `first_rows`, `state_index`: lists or tensors (read on the host)."""
-    shapes = _check_rows(q, k, v, g, beta, chunk_size)
-    cu = _ints("cu_rows", cu_rows)
-    if len(cu) < 1 or cu[0] != 0 or cu[-1] != k.shape[0] or any(b < a for a, b in zip(cu, cu[1:])):
-        raise ValueError(f"gated_delta_chunk_rows: cu_rows={cu} must run from 0 to k's {k.shape[0]} rows, never decreasing")
-    n = [b - a for a, b in zip(cu, cu[1:])]
-    first = _ints("first_rows", first_rows, len(n))
-    index = _ints("state_index", state_index, len(n))
-    for b, (rows, f) in enumerate(zip(n, first)):
-        if rows > chunk_size or not 0 <= f <= rows:
-            raise ValueError(f"gated_delta_chunk_rows: segment {b} has {rows} rows (at most chunk_size={chunk_size}) "
-                             f"and first_rows={f} (0..{rows})")
-    q_start = [0]
-    for rows, f in zip(n, first):
-        q_start.append(q_start[-1] + rows - f)
-    if q.shape[0] != q_start[-1]:
-        raise ValueError(f"gated_delta_chunk_rows: q has {q.shape[0]} rows, the segments ask for {q_start[-1]}")
-    _check_states(states, shapes, index, "states", state_dtype(k))
-    backend = _backend(k)
-    scale = shapes.dk ** -0.5 if scale is None else float(scale)
-    out = torch.empty(q.shape[0], shapes.hv, shapes.dv, dtype=q.dtype, device=q.device)
-    plan = RowsPlan(cu[:-1], n, first, q_start[:-1], index)
-    q, k, v, g, beta = (prepare_rows(x, backend) for x in (q, k, v, g, beta))
-    launch_rows(backend, q, k, v, g, beta, states, out, plan, shapes, chunk_size, scale, use_qk_l2norm)
-    return out
-
-
-@torch.no_grad()
-def gated_delta_fold(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, starts: Ints,
-                     lengths: Ints, states: torch.Tensor, state_index: Ints, *, out: torch.Tensor | None = None,
-                     out_index: Ints | None = None, use_qk_l2norm: bool = True, chunk_size: int = CHUNK) -> torch.Tensor:
-    """Advance states over runs of whole chunks: the fold, the one kernel training and the rollout
-    share.
-
-    Run ``b`` is rows ``starts[b]..starts[b] + lengths[b] - 1`` of k, v, g, beta (``[R, ...]``,
-    chunks of `chunk_size` rows back to back; a rollout folds whole chunks only), starting from
-    ``states[state_index[b]]`` (index -1: zeros). The state after the run's chunk ``c`` goes to
-    ``out[out_index[b] + c]``; by default `out` is a new ``[sum of chunks, Hv, dk, dv]`` tensor in
-    states' dtype and runs follow each other. `out` may be `states` itself (a state pool updated in
-    place), as long as no run reads a state another run writes. Returns `out`. Bitwise the states
-    `gated_delta_rule` reaches at the same chunk boundaries."""
-    shapes = _check_rows(None, k, v, g, beta, chunk_size)
-    start = _ints("starts", starts)
-    length = _ints("lengths", lengths, len(start))
-    index = _ints("state_index", state_index, len(start))
-    chunks = [-(-n // chunk_size) for n in length]
-    for b, (s, n) in enumerate(zip(start, length)):
-        if n < 0 or s < 0 or s + n > k.shape[0]:
-            raise ValueError(f"gated_delta_fold: run {b} (starts={s}, lengths={n}) is outside k's {k.shape[0]} rows")
-    _check_states(states, shapes, index, "states", state_dtype(k))
-    if out is None:
-        if out_index is not None:
-            raise ValueError("gated_delta_fold: out_index needs out")
-        out = torch.empty(sum(chunks), shapes.hv, shapes.dk, shapes.dv, dtype=states.dtype, device=states.device)
-        where = [sum(chunks[:b]) for b in range(len(chunks))]
-    else:
-        where = _ints("out_index", [] if out_index is None else out_index, len(start))
-        _check_states(out, shapes, [], "out", state_dtype(k))
-        for b, (w, c) in enumerate(zip(where, chunks)):
-            if w < 0 or w + c > out.shape[0]:
-                raise ValueError(f"gated_delta_fold: run {b} writes out[{w}:{w + c}], out has {out.shape[0]} states")
-    backend = _backend(k)
-    k, v, g, beta = (prepare_rows(x, backend) for x in (k, v, g, beta))
-    launch_fold(backend, k, v, g, beta, states, out, FoldPlan(start, length, index, where), shapes, chunk_size, use_qk_l2norm)
-    return out

@@ -1,24 +1,20 @@
-"""The gated delta rule's Triton kernels: a chunk's rows (`rows_kernel`) and the fold (`fold_kernel`).
+"""The gated delta rule's chunk kernels, for the backward: the fold (`fold_prep_kernel`, `fold_kernel`)
+and the chunk helpers the backward kernels share (`chunk_keys`).
 
-Both compute a chunk as `gated_delta_reference.chunk_forward` does (its docstring lists the
-steps), at the fixed tile ``[C, ...]``, with every row past the chunk's present rows loaded as an
-exact zero (masked loads, `tl.where`). Nothing in them depends on the register layout the
-compiler picks: the sums are `row_sum.row_sum_halves` (fixed by logical position), a row of a
-tile is taken out with a one-hot `tl.sum` (one value plus exact zeros), and the products are
-`tl.dot` (a chain of MMA steps along K whatever the tile's layout, docs/design.md rule 2). So a
-row's bits depend on rows ``0..i`` of its chunk and on the boundary state alone
-(docs/design.md section 6b).
+The forward runs token by token (`gated_delta_recurrent`); the backward (rule 8) works on chunks
+of ``C`` rows and recomputes the states at the chunk boundaries with the fold. A chunk is
+computed as `gated_delta_reference.chunk_forward` does (its docstring lists the steps), at the
+fixed tile ``[C, ...]``, with every row past the chunk's present rows loaded as an exact zero
+(masked loads, `tl.where`): sums by `row_sum.row_sum_halves`, products by `tl.dot`.
 
 The dots run with ``input_precision="tf32x3"`` (three TF32 products, about fp32's precision) on
 fp32 operands: the inputs are widened to fp32 on load, the state and every intermediate stay in
-fp32. A rows program computes one head of one chunk, its ``BV``-column value blocks one after
-another on one ``T`` and ``w`` (which depend on the keys, gates and betas only). The fold is two
-launches: `fold_prep_kernel` (one program a chunk and head, all in parallel) computes what a
-chunk gives the state update whatever the state is (``w``, ``u = T (v beta)``, the keys decayed to
-the chunk's end and the chunk's total decay) and stores it in fp32; `fold_kernel` (one program a
-value block of one head of a run of chunks, the state of the block in registers across the
-chunks) then takes two products a chunk, ``v_new = u - w S`` and ``S exp(G_last) + kd^T v_new``:
-only those are serial along a sequence.
+fp32. The fold is two launches: `fold_prep_kernel` (one program a chunk and head, all in
+parallel) computes what a chunk gives the state update whatever the state is (``w``, ``u = T (v
+beta)``, the keys decayed to the chunk's end and the chunk's total decay) and stores it in fp32;
+`fold_kernel` (one program a value block of one head of a run of chunks, the state of the block
+in registers across the chunks) then takes two products a chunk, ``v_new = u - w S`` and
+``S exp(G_last) + kd^T v_new``: only those are serial along a sequence.
 """
 
 from __future__ import annotations
@@ -26,7 +22,6 @@ from __future__ import annotations
 from ._triton import tl, triton
 from .row_sum import row_sum_halves
 
-ROWS_WARPS = 8
 FOLD_WARPS = 8
 #: both kernels' warps where dk or dv is 16. With 8 warps the two warpgroups of a ``[64, 16]``
 #: product (chunk 64) take 8 columns each, TF32 wgmma ``m64n8k8``, and Triton 3.6's sm_90 fold
@@ -128,13 +123,6 @@ def _chunk_keys(k_ptr, g_ptr, b_ptr, start, n, h, hk, stride_kt, stride_kh, stri
 
 
 @triton.jit
-def _new_values(v_ptr, start, n, h, vb, stride_vt, stride_vh, t, w, beta, s, C: tl.constexpr, BV: tl.constexpr):
-    """``v_new = T (v beta) - w S`` for value block `vb` (``[C, BV]``)."""
-    v = _load_rows(v_ptr + vb * BV, start, 0, n, h, stride_vt, stride_vh, BV, C)
-    return tl.dot(t, v * beta[:, None], input_precision="tf32x3") - tl.dot(w, s, input_precision="tf32x3")
-
-
-@triton.jit
 def _load_state(ptr, index, h, vb, stride_s, stride_sh, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
     """``[DK, BV]`` columns ``vb * BV ..`` of state ``index`` (head `h`); zeros where ``index < 0``."""
     rk = tl.arange(0, DK)
@@ -148,75 +136,6 @@ def _store_state(ptr, index, h, vb, s, stride_s, stride_sh, DK: tl.constexpr, DV
     rk = tl.arange(0, DK)
     cv = vb * BV + tl.arange(0, BV)
     tl.store(ptr + index.to(tl.int64) * stride_s + h * stride_sh + rk[:, None] * DV + cv[None, :], s)
-
-
-@triton.jit
-def _query_side(q_ptr, q_start, first, n, hk, stride_qt, stride_qh, k, cum, decay, scale,
-                C: tl.constexpr, DK: tl.constexpr, LOG_DK: tl.constexpr, L2NORM: tl.constexpr):
-    """Rows ``first..n-1`` of the queries (row ``r`` at ``q[q_start + r - first]``; other rows
-    zeros), normalised and scaled: ``q exp(G)`` and ``lower((q k^T) * decay)``."""
-    rows = tl.arange(0, C)
-    lower = rows[None, :] <= rows[:, None]
-    q = _l2norm(_load_rows(q_ptr, q_start, first, n, hk, stride_qt, stride_qh, DK, C), L2NORM, LOG_DK) * scale
-    attn = tl.where(lower, tl.dot(q, tl.trans(k), input_precision="tf32x3") * decay, 0.0)
-    return q * tl.exp(cum)[:, None], attn
-
-
-@triton.jit
-def _value_block_outputs(v_ptr, state_ptr, out_ptr, start, first, n, q_start, index, h, vb, t, w, beta, q_decayed, attn,
-                 stride_vt, stride_vh, stride_s, stride_sh, stride_ot, stride_oh,
-                 C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
-    """Value block `vb`: ``o = (q exp(G)) S + attn v_new`` of rows ``first..n-1``, written at
-    ``out[q_start + r - first]``; returns the block's boundary state ``S`` and ``v_new``."""
-    rows = tl.arange(0, C)
-    s = _load_state(state_ptr, index, h, vb, stride_s, stride_sh, DK, DV, BV)
-    v_new = _new_values(v_ptr, start, n, h, vb, stride_vt, stride_vh, t, w, beta, s, C, BV)
-    out = tl.dot(q_decayed, s, input_precision="tf32x3") + tl.dot(attn, v_new, input_precision="tf32x3")
-    out_rows = out_ptr + (q_start + rows - first).to(tl.int64)[:, None] * stride_ot + h * stride_oh
-    tl.store(out_rows + (vb * BV + tl.arange(0, BV))[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=((rows >= first) & (rows < n))[:, None])
-    return s, v_new
-
-
-@triton.jit
-def _store_t_rows(t_ptr, t_out, first, n, h, t, stride_tt, stride_th, C: tl.constexpr):
-    """Rows ``first..n-1`` of ``T`` (``[C, C]``) at ``t[t_out + r, h]``, nothing where ``t_out < 0``:
-    the rows a decode of a later row of the chunk reads (`gated_delta_decode`)."""
-    rows = tl.arange(0, C)
-    at = t_ptr + (t_out + rows).to(tl.int64)[:, None] * stride_tt + h * stride_th + rows[None, :]
-    tl.store(at, t, mask=((rows >= first) & (rows < n) & (t_out >= 0))[:, None])
-
-
-@triton.jit
-def rows_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, state_ptr, out_ptr, t_ptr,
-                kv_start_ptr, n_rows_ptr, first_row_ptr, q_start_ptr, state_index_ptr, t_out_ptr,
-                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
-                stride_s, stride_sh, stride_ot, stride_oh, stride_tt, stride_th, scale,
-                GROUP: tl.constexpr, C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-                LOG_C: tl.constexpr, LOG_DK: tl.constexpr, L2NORM: tl.constexpr, STORE_T: tl.constexpr):
-    """Rows ``first..n-1`` of one chunk, one head: ``o`` from the boundary state and the chunk's
-    rows ``0..n-1``, written at ``out[q_start + r - first]``; the value blocks of ``BV`` columns one
-    after another, on the keys' ``T`` and ``w`` computed once. With `STORE_T` (a rollout step), the
-    same rows of ``T`` go to ``t[t_out + r]`` (`_store_t_rows`)."""
-    chunk = tl.program_id(0)
-    h = tl.program_id(1)
-    hk = h // GROUP
-    start = tl.load(kv_start_ptr + chunk)
-    n = tl.load(n_rows_ptr + chunk)
-    first = tl.load(first_row_ptr + chunk)
-    q_start = tl.load(q_start_ptr + chunk)
-    index = tl.load(state_index_ptr + chunk)
-    if n <= first:  # no row wanted (a rollout step's padding entry, kernels/gated_delta_step.py): exit at once
-        return
-    k, cum, beta, decay, t, w = _chunk_keys(k_ptr, g_ptr, b_ptr, start, n, h, hk, stride_kt, stride_kh, stride_gt,
-                                            stride_bt, C, DK, LOG_C, LOG_DK, L2NORM)
-    if STORE_T:
-        _store_t_rows(t_ptr, tl.load(t_out_ptr + chunk), first, n, h, t, stride_tt, stride_th, C)
-    q_decayed, attn = _query_side(q_ptr, q_start, first, n, hk, stride_qt, stride_qh, k, cum, decay, scale, C, DK,
-                                  LOG_DK, L2NORM)
-    for vb in tl.static_range(DV // BV):
-        _value_block_outputs(v_ptr, state_ptr, out_ptr, start, first, n, q_start, index, h, vb, t, w, beta, q_decayed,
-                             attn, stride_vt, stride_vh, stride_s, stride_sh, stride_ot, stride_oh, C, DK, DV, BV)
 
 
 @triton.jit
@@ -284,6 +203,3 @@ def fold_kernel(w_ptr, u_ptr, kd_ptr, decay_ptr, state_in_ptr, state_out_ptr,
 # Public names of the helpers the backward kernels share (`gated_delta_backward_triton`), beside the
 # private ones the forward's kernels call.
 chunk_keys, l2norm_rows, load_rows, load_state, store_state = _chunk_keys, _l2norm, _load_rows, _load_state, _store_state
-# and those the decode kernel shares (`gated_delta_decode`): the same steps, in the same tiles
-chunk_lower, diagonal_step, block_row_step, keys_w = _chunk_lower, _diagonal_step, _block_row_step, _keys_w
-query_side, value_block_outputs, store_t_rows = _query_side, _value_block_outputs, _store_t_rows

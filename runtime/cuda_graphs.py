@@ -27,9 +27,9 @@ H200, 2026-11-24).
 A model with gated-DeltaNet layers (`runtime.linear_state_cache`) replays their steps too: the
 step's plan over the state cache is staged in fixed buffers beside the attention metadata, and
 every launch's grid follows the bucket (`kernels.gated_delta_step`). Unlike a K/V write, a GDN
-step advances state in place (conv states, folds), so a mixed bucket's eager warm-up runs the
-plan's dry run (`LinearStepBuffers.dry_run`: the same launches, reading the step's inputs, writing
-only the pools' padding row and state); the replay then advances each state once.
+step advances state in place (conv states, delta-rule states), so a mixed bucket's eager warm-up
+runs the plan's dry run (`LinearStepBuffers.dry_run`: the same launches, reading the step's
+inputs, writing only the pool's padding state); the replay then advances each state once.
 
 A pipeline stage after the first (`runtime.pipeline`) takes the previous stage's ``(hidden,
 residual)`` instead of token ids: its decode graphs read them from two more static buffers

@@ -14,7 +14,7 @@ rows fills its own rows, then padding that changes nothing the step reads back:
 
 A model with gated-DeltaNet layers also reads its step's plan over their state cache from fixed
 buffers (`runtime.linear_state_cache.LinearStepBuffers`), whose padding entries have no work and
-write only the pools' padding row and state (`kernels.gated_delta_step`). A model with a window
+write nothing (`kernels.gated_delta_step`). A model with a window
 page group (`runtime.page_groups`) reads the window group's slots (padding: -1) and block tables
 from two more buffers.
 """

@@ -15,7 +15,7 @@ and the others (its siblings) start from copies of its state:
   against ``max_num_seqs``); once the leader's computed tokens are ``s`` and no step is in flight
   (the slot is final), an admitted sibling takes the leader's first ``s / block_size`` pages
   (`BlockManager.share_prefix`) and the step carries a copy of the leader's GDN slot (conv state,
-  boundary state, kept rows: `ScheduledSeq.state_from`, the runner's `LinearStateCache.copy_slots`),
+  delta-rule state: `ScheduledSeq.state_from`, the runner's `LinearStateCache.copy_slots`),
   made before the step's forward; the sibling then computes positions ``s..P-1`` itself;
 - in that step the running sequences after the leader leave the siblings' tokens of the budget
   to them (`_sibling_tokens`); otherwise (no room that step: ``max_num_seqs``, pages; the leader

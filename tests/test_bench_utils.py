@@ -173,10 +173,8 @@ def test_timed_is_the_median_after_a_warm_up_and_tiny_or_cuda_picks_the_device(m
 
 def test_decode_floor_counts_a_hybrids_attention_pages_and_gated_deltanet_state(monkeypatch):
     """`decode_floor` (throughput.py's floor and roofline) on a gated-DeltaNet hybrid: KV bytes of
-    the attention layers only, and per decode step and GDN layer the fp32 boundary state, the conv
-    state and the current chunk's kept rows (the new token at position p keeps p % C; a kept row
-    is its k, v, g, beta and its fp32 row of T, which the decode launch reads), from the config's
-    shapes."""
+    the attention layers only, and per decode step and GDN layer the fp32 delta-rule state and
+    the conv state, read and written back, from the config's shapes."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import decode_floor
 
@@ -193,16 +191,15 @@ def test_decode_floor_counts_a_hybrids_attention_pages_and_gated_deltanet_state(
     hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
     dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
     conv = (config.linear_conv_kernel_dim - 1) * (2 * hk * dk + hv * dv) * 4
-    state, row = hv * dk * dv * 4, (hk * dk + hv * dv + hv) * 4 + hv * 4 + hv * config.linear_chunk_size * 4
-    assert decode_floor.linear_state_step_bytes(model, torch.float32, 5) == 2 * (conv + state + 5 * row)
-    assert decode_floor.mean_kept_rows(model) == 7.5
+    state = hv * dk * dv * 4
+    assert decode_floor.linear_state_step_bytes(model, torch.float32) == 2 * 2 * (conv + state)  # read and written
     weights = decode_floor.decode_bytes(model, 0, 0)
-    assert decode_floor.decode_bytes(model, 2, 10) == int(weights + 2 * (10 * per_token + 2 * (conv + state + 7.5 * row)))
-    # prompt 15, 4 outputs: new tokens at 15, 16, 17 keep 15, 0, 1 rows of their chunk; prompt 3, 2 outputs: 3 keeps 3
+    assert decode_floor.decode_bytes(model, 2, 10) == int(weights + 2 * (10 * per_token + 4 * (conv + state)))
+    # prompt 15, 4 outputs: 3 decode steps; prompt 3, 2 outputs: 1
     got = decode_floor.workload_state_bytes(model, [15, 3], [4, 2])
-    assert got == pytest.approx(4 * 2 * (conv + state) + (15 + 0 + 1 + 3) * 2 * row)
+    assert got == pytest.approx(4 * 4 * (conv + state))
     _, cache = decode_floor.workload_decode_roofline(model, [15, 3], [4, 2], 2, 1e-9)
     assert cache == pytest.approx((16 + 17 + 18 + 4) * per_token + got)
     plain = build_model(get("qwen3"), make_config(get("qwen3")), torch.device("cpu"), torch.float32)
-    assert decode_floor.linear_state_step_bytes(plain, torch.float32, 5) == 0 and decode_floor.mean_kept_rows(plain) == 0
+    assert decode_floor.linear_state_step_bytes(plain, torch.float32) == 0
     assert decode_floor.workload_state_bytes(plain, [15], [4]) == 0

@@ -68,7 +68,7 @@ def test_reference_backward_matches_finite_differences():
     grads = training_backward(*tensors, d_out, d_final, lengths, chunk, 0.35, True, "reference")
 
     def loss(xs):
-        out, final = training_forward(*xs, lengths, chunk, 0.35, True, True, "reference")
+        out, final = training_forward(*xs, lengths, 0.35, True, True, "reference")
         return (out * d_out).sum() + (final * d_final).sum()
 
     gen = torch.Generator().manual_seed(4)

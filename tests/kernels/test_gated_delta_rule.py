@@ -1,5 +1,7 @@
 """gated_delta_rule's CPU reference: parity with transformers' torch paths, the rollout's bits equal to
-training's, the fold, the backward, the errors; and (marked gpu) the Triton kernels at real shapes."""
+training's in any split into steps and any batch (one recurrent kernel for both,
+`gated_delta_recurrent`), the backward, the errors; and (marked gpu) the Triton kernels at real
+shapes."""
 
 import inspect
 from pathlib import Path
@@ -9,7 +11,7 @@ import torch
 from transformers.models.qwen3_next import modeling_qwen3_next
 
 from vexact_models.kernels.gated_delta_rollout import GatedDeltaRollout
-from vexact_models.kernels.gated_delta_rule import gated_delta_chunk_rows, gated_delta_fold, gated_delta_rule
+from vexact_models.kernels.gated_delta_rule import gated_delta_rule
 
 
 def layer_heads(q, k, v):
@@ -54,18 +56,21 @@ def cu(lengths):
     return out
 
 
-def rollout_outputs(inputs, lengths, pieces, *, chunk, initial=None, device="cpu"):
+def rollout_outputs(inputs, lengths, pieces, *, initial=None, device="cpu"):
     """Roll the sequences out in steps: ``pieces[s]`` lists how many tokens sequence ``s`` adds at
-    each step (all sequences share each step's launches); returns the outputs in packed order and
-    the rollout."""
+    each step (0: it pauses; all sequences share each step's launch, in an order that changes from
+    step to step); returns the outputs in packed order and the rollout."""
     q, k, v, g, beta = inputs
     offsets = cu(lengths)
     hk, dk, hv, dv = k.shape[1], k.shape[2], v.shape[1], v.shape[2]
-    roll = GatedDeltaRollout(len(lengths), (hk, hv), (dk, dv), chunk_size=chunk, device=device, initial_state=initial)
+    roll = GatedDeltaRollout(len(lengths), (hk, hv), (dk, dv), device=device, initial_state=initial,
+                             dtype=torch.float64 if k.dtype == torch.float64 else torch.float32)
     out = torch.zeros(k.shape[0], hv, dv, dtype=q.dtype, device=device)
     done = [0] * len(lengths)
     for step in range(max(len(p) for p in pieces)):
-        slots = [s for s in range(len(lengths)) if step < len(pieces[s])][::-1 if step % 2 else 1]  # vary the order
+        slots = [s for s in range(len(lengths)) if step < len(pieces[s])]
+        slots = slots[step % len(slots):] + slots[:step % len(slots)]  # vary the order
+        slots = slots[::-1 if step % 2 else 1]
         counts = [pieces[s][step] for s in slots]
         rows = torch.cat([torch.arange(offsets[s] + done[s], offsets[s] + done[s] + m) for s, m in zip(slots, counts)])
         rows = rows.to(device)
@@ -77,9 +82,10 @@ def rollout_outputs(inputs, lengths, pieces, *, chunk, initial=None, device="cpu
     return out, roll
 
 
-def pieces_for(lengths, chunk):
-    """Prefill pieces cut on and off chunk boundaries, then one token at a time."""
-    cuts = [[chunk // 2 + 3, chunk - (chunk // 2 + 3), chunk + 5], [1, chunk * 2 - 1], [chunk + chunk // 2]]
+def pieces_for(lengths):
+    """Prefill pieces of several sizes (one token, odd and power-of-two sizes, a pause: 0), then
+    one token at a time."""
+    cuts = [[19, 0, 13, 16], [1, 31, 0], [7, 1, 40], [64]]
     out = []
     for s, n in enumerate(lengths):
         prefill = []
@@ -90,12 +96,13 @@ def pieces_for(lengths, chunk):
     return out
 
 
-@pytest.mark.parametrize("hk,hv,chunk", [(2, 2, 16), (1, 4, 16), (1, 2, 64)])
-def test_reference_matches_transformers(hk, hv, chunk):
-    lengths = [37, 16, 150] if chunk == 64 else [37, 16, 50]
-    (q, k, v, g, beta), state = make_inputs(lengths, hk, hv, 16, 32)
-    out, final = gated_delta_rule(q, k, v, g, beta, cu(lengths), initial_state=state, output_final_state=True,
-                                  chunk_size=chunk)
+@pytest.mark.parametrize("hk,hv,dk,dv", [(2, 2, 16, 32), (1, 4, 16, 32), (1, 2, 32, 16)])
+def test_reference_matches_transformers(hk, hv, dk, dv):
+    """Three packed sequences from their own initial states against transformers' recurrent and
+    chunked torch paths on each alone, within 1e-5 of the largest value."""
+    lengths = [37, 16, 150]
+    (q, k, v, g, beta), state = make_inputs(lengths, hk, hv, dk, dv)
+    out, final = gated_delta_rule(q, k, v, g, beta, cu(lengths), initial_state=state, output_final_state=True)
     assert out.dtype == torch.float32 and final.dtype == torch.float32
     offsets = cu(lengths)
     for s in range(len(lengths)):
@@ -109,6 +116,17 @@ def test_reference_matches_transformers(hk, hv, chunk):
         assert (out[sl] - o_rec[0]).abs().max() <= 1e-5 * scale
         assert (out[sl] - o_chk[0]).abs().max() <= 1e-5 * scale
         assert (final[s] - f_rec[0]).abs().max() <= 1e-5 * f_rec.abs().max()
+
+
+def test_forward_does_not_depend_on_chunk_size():
+    """`chunk_size` cuts the backward's chunks only: the forward's bits are the same at every size."""
+    lengths = [37, 70]
+    inputs, state = make_inputs(lengths, 1, 2, 16, 16)
+    want, want_final = gated_delta_rule(*inputs, cu(lengths), initial_state=state, output_final_state=True)
+    for chunk in (16, 32, 128):
+        out, final = gated_delta_rule(*inputs, cu(lengths), initial_state=state, output_final_state=True,
+                                      chunk_size=chunk)
+        assert torch.equal(out, want) and torch.equal(final, want_final)
 
 
 def correlated_inputs(t, seed=1):
@@ -125,6 +143,7 @@ def test_reference_is_accurate_with_correlated_keys():
     inputs = correlated_inputs(128)
     out, _ = gated_delta_rule(*inputs, chunk_size=64)
     exact, _ = gated_delta_rule(*(x.double() for x in inputs), chunk_size=64)
+    assert out.dtype == torch.float32 and exact.dtype == torch.float64
     assert (out.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
 
 
@@ -153,24 +172,56 @@ def test_reference_bf16_inputs():
     assert (out.float() - want[0].float()).abs().max() <= 1e-2 * want.float().abs().max()
 
 
-@pytest.mark.parametrize("hk,hv,initial,chunk", [(2, 2, False, 16), (1, 2, True, 16), (1, 1, True, 32)])
-def test_reference_rollout_equals_training_bitwise(hk, hv, initial, chunk):
-    """Training (all sequences packed, whole chunks) against a rollout (prefill in pieces cut on and
-    off chunk boundaries, then one token at a time, other sequences in the same launches)."""
-    lengths = [45, 35, 29] if chunk == 16 else [90, 70]
-    inputs, state = make_inputs(lengths, hk, hv, 16, 16, initial=initial)
-    want, _ = gated_delta_rule(*inputs, cu(lengths), initial_state=state, chunk_size=chunk)
-    got, roll = rollout_outputs(inputs, lengths, pieces_for(lengths, chunk), chunk=chunk, initial=state)
+@pytest.mark.parametrize("hk,hv,dk,dv,initial,dtype", [(2, 2, 16, 16, False, torch.float32),
+                                                       (1, 2, 16, 32, True, torch.float32),
+                                                       (1, 1, 32, 16, True, torch.bfloat16),
+                                                       (1, 2, 16, 16, True, torch.float64)])
+def test_reference_rollout_equals_training_bitwise(hk, hv, dk, dv, initial, dtype):
+    """Training (all sequences packed, one launch) against a rollout (prefill pieces of several
+    sizes with pauses, then one token at a time, the other sequences in the same launches in a
+    changing order): the same outputs and final states, bitwise."""
+    lengths = [45, 35, 29, 70]
+    inputs, state = make_inputs(lengths, hk, hv, dk, dv, dtype=dtype, initial=initial)
+    if state is not None and dtype == torch.float64:
+        state = state.double()
+    want, want_final = gated_delta_rule(*inputs, cu(lengths), initial_state=state, output_final_state=True)
+    pieces = pieces_for(lengths)
+    assert all(0 in p for p in pieces[:2]) and max(max(p) for p in pieces) == 64  # pauses, a long piece
+    got, roll = rollout_outputs(inputs, lengths, pieces, initial=state)
+    assert got.dtype == want.dtype == dtype and roll.states.dtype == want_final.dtype
     assert torch.equal(got, want)
-    # the kept boundary states are the training fold's: one run over the whole chunks
-    q, k, v, g, beta = inputs
-    whole = [n // chunk * chunk for n in lengths]
-    folded = gated_delta_fold(k, v, g, beta, cu(lengths)[:-1], whole,
-                              state if state is not None else roll.states.new_zeros(roll.states.shape),
-                              list(range(len(lengths))), chunk_size=chunk)
-    ends = cu([n // chunk for n in lengths])[1:]
-    assert all(n >= chunk for n in lengths)
-    assert torch.equal(roll.states, folded[[e - 1 for e in ends]])
+    assert torch.equal(roll.states, want_final)
+
+
+def test_rollout_at_every_cut_of_a_sequence():
+    """A sequence of 16 tokens cut once at every position (the prefix in one step, the rest in the
+    next) and decoded token by token: each the training forward's rows and final state, bitwise;
+    and the training forward itself resumed from a prefix's final state."""
+    (q, k, v, g, beta), state = make_inputs([16], 1, 2, 16, 16)
+    inputs = (q, k, v, g, beta)
+    want, want_final = gated_delta_rule(*inputs, initial_state=state, output_final_state=True)
+    for n in range(1, 16):
+        got, roll = rollout_outputs(inputs, [16], [[n, 16 - n]], initial=state)
+        assert torch.equal(got, want) and torch.equal(roll.states, want_final), n
+        head, mid = gated_delta_rule(*(x[:n] for x in inputs), initial_state=state, output_final_state=True)
+        tail, end = gated_delta_rule(*(x[n:] for x in inputs), initial_state=mid, output_final_state=True)
+        assert torch.equal(torch.cat([head, tail]), want) and torch.equal(end, want_final), n
+    got, roll = rollout_outputs(inputs, [16], [[1] * 16], initial=state)
+    assert torch.equal(got, want) and torch.equal(roll.states, want_final)
+
+
+def test_sequence_bits_do_not_depend_on_the_batch():
+    """One sequence alone, packed first or last beside others, and beside itself: the same rows."""
+    lengths = [23, 40, 9]
+    inputs, _ = make_inputs(lengths, 1, 2, 16, 16, initial=False)
+    offsets = cu(lengths)
+    alone = [gated_delta_rule(*(x[offsets[s]:offsets[s + 1]] for x in inputs))[0] for s in range(3)]
+    out, _ = gated_delta_rule(*inputs, offsets)
+    assert all(torch.equal(out[offsets[s]:offsets[s + 1]], alone[s]) for s in range(3))
+    order = [2, 0, 0, 1]
+    rows = torch.cat([torch.arange(offsets[s], offsets[s + 1]) for s in order])
+    out, _ = gated_delta_rule(*(x[rows] for x in inputs), cu([lengths[s] for s in order]))
+    assert torch.equal(out, torch.cat([alone[s] for s in order]))
 
 
 def test_empty_sequences_and_batch():
@@ -183,35 +234,37 @@ def test_empty_sequences_and_batch():
     assert torch.equal(final[0], states[0]) and torch.equal(final[2], states[2])  # no token: the initial state
     out, final = gated_delta_rule(q[:0], k[:0], v[:0], g[:0], beta[:0], output_final_state=True, chunk_size=16)
     assert out.shape == (0, 1, 16) and torch.equal(final, torch.zeros(1, 1, 16, 16))
+    out, final = gated_delta_rule(q, k, v, g, beta, [0, 0, 5], output_final_state=True)
+    assert torch.equal(final[0], torch.zeros(1, 16, 16)) and not torch.equal(final[1], final[0])
 
 
 def test_rollout_steps_with_a_slot_adding_nothing():
+    """A slot named with 0 tokens keeps its state (none yet, then the one it has)."""
     inputs, _ = make_inputs([30, 20], 1, 1, 16, 16, initial=False)
-    want, _ = gated_delta_rule(*inputs, [0, 30, 50], chunk_size=16)
-    roll, got = GatedDeltaRollout(2, (1, 1), (16, 16), chunk_size=16), torch.zeros_like(want)
+    want, want_final = gated_delta_rule(*inputs, [0, 30, 50], output_final_state=True, chunk_size=16)
+    roll, got = GatedDeltaRollout(2, (1, 1), (16, 16)), torch.zeros_like(want)
+    got[:0] = roll.step(*(x[:0] for x in inputs), [1, 0], [0, 0])
+    assert roll.started == [False, False] and torch.equal(roll.states, torch.zeros(2, 1, 16, 16))
     for rows, slots, counts in (([*range(7), *range(30, 35)], [0, 1], [7, 5]), (list(range(7, 30)), [1, 0], [0, 23]),
                                 (list(range(35, 50)), [0, 1], [0, 15])):
         got[rows] = roll.step(*(x[rows] for x in inputs), slots, counts)
-    assert torch.equal(got, want) and roll.positions == [30, 20]
+    assert torch.equal(got, want) and roll.started == [True, True] and torch.equal(roll.states, want_final)
 
 
-def test_fold_in_one_run_equals_chunk_by_chunk():
-    (q, k, v, g, beta), state = make_inputs([64], 1, 2, 16, 16)
-    whole = gated_delta_fold(k, v, g, beta, [0], [64], state, [0], chunk_size=16)
-    pool = state.clone()
-    for c in range(4):  # in place, one chunk a call, as a rollout folds
-        gated_delta_fold(k, v, g, beta, [16 * c], [16], pool, [0], out=pool, out_index=[0], chunk_size=16)
-        assert torch.equal(pool[0], whole[c])
-
-
-def test_chunk_rows_equal_training_rows_at_every_row_count():
-    (q, k, v, g, beta), state = make_inputs([16], 1, 1, 16, 16)
-    want, _ = gated_delta_rule(q, k, v, g, beta, initial_state=state, chunk_size=16)
-    for n in range(1, 17):
-        for first in sorted({0, n // 2, n - 1}):
-            got = gated_delta_chunk_rows(q[first:n], k[:n], v[:n], g[:n], beta[:n], [0, n], [first], state, [0],
-                                         chunk_size=16)
-            assert torch.equal(got, want[first:n])
+def test_rollout_from_an_initial_state_and_with_a_scale():
+    """`initial_state` starts every slot from its state; `scale` and ``use_qk_l2norm=False`` are
+    the training forward's."""
+    inputs, state = make_inputs([12, 8], 1, 2, 16, 16)
+    inputs[1] = torch.nn.functional.normalize(inputs[1], dim=-1) * 0.9
+    for kwargs in (dict(), dict(scale=0.3, use_qk_l2norm=False)):
+        want, want_final = gated_delta_rule(*inputs, [0, 12, 20], initial_state=state, output_final_state=True,
+                                            **kwargs)
+        roll = GatedDeltaRollout(2, (1, 2), (16, 16), initial_state=state, **kwargs)
+        assert roll.started == [True, True]
+        got = torch.cat([roll.step(*(x[:12] for x in inputs), [0], [12]), roll.step(*(x[12:] for x in inputs), [1], [8])])
+        assert torch.equal(got, want) and torch.equal(roll.states, want_final)
+    zero_start, _ = gated_delta_rule(*inputs, [0, 12, 20])
+    assert not torch.equal(zero_start, want)
 
 
 def test_backward_matches_autograd_of_transformers_recurrence():
@@ -253,28 +306,47 @@ def test_errors_name_the_argument():
         gated_delta_rule(q, k, v, g, beta, chunk_size=24)
     with pytest.raises(ValueError, match="cu_seqlens=.* must run from 0 to the token count 20"):
         gated_delta_rule(q, k, v, g, beta, [0, 5, 19])
+    with pytest.raises(ValueError, match="cu_seqlens=.* never decreasing"):
+        gated_delta_rule(q, k, v, g, beta, [0, 12, 8, 20])
     with pytest.raises(ValueError, match="multiple of its 2 heads"):
         gated_delta_rule(q, k, v[:, :3], g[:, :3], beta[:, :3])
     with pytest.raises(ValueError, match="g .* must be \\[tokens, v heads\\]"):
         gated_delta_rule(q, k, v, g[:, :2], beta)
     with pytest.raises(ValueError, match="beta has dtype torch.float64"):
         gated_delta_rule(q, k, v, g, beta.double())
+    with pytest.raises(ValueError, match="g must be floating point"):
+        gated_delta_rule(q, k, v, g.long(), beta)
+    with pytest.raises(ValueError, match="q has 19 rows, k has 20"):
+        gated_delta_rule(q[:19], k, v, g, beta)
+    with pytest.raises(ValueError, match="q \\(20, 2, 8\\) must be \\[rows, 2, 16\\] like k"):
+        gated_delta_rule(q[..., :8], k, v, g, beta)
     with pytest.raises(ValueError, match="initial_state has 1 states for 2 sequences"):
         gated_delta_rule(q, k, v, g, beta, [0, 10, 20], initial_state=state)
-    with pytest.raises(ValueError, match="segment 0 has 20 rows \\(at most chunk_size=16\\)"):
-        gated_delta_chunk_rows(q, k, v, g, beta, [0, 20], [0], state, [0], chunk_size=16)
-    with pytest.raises(ValueError, match="q has 20 rows, the segments ask for 4"):
-        gated_delta_chunk_rows(q, k[:16], v[:16], g[:16], beta[:16], [0, 16], [12], state, [0], chunk_size=16)
-    with pytest.raises(ValueError, match="state index 3 is outside -1..0"):
-        gated_delta_chunk_rows(q[:4], k[:4], v[:4], g[:4], beta[:4], [0, 4], [0], state, [3], chunk_size=16)
-    with pytest.raises(ValueError, match="states has dtype torch.float64, must be torch.float32"):
-        gated_delta_chunk_rows(q[:4], k[:4], v[:4], g[:4], beta[:4], [0, 4], [0], state.double(), [0], chunk_size=16)
-    with pytest.raises(ValueError, match="run 0 \\(starts=10, lengths=16\\) is outside k's 20 rows"):
-        gated_delta_fold(k, v, g, beta, [10], [16], state, [0], chunk_size=16)
-    with pytest.raises(ValueError, match="run 0 writes out\\[1:3\\], out has 1 states"):
-        gated_delta_fold(k, v, g, beta, [0], [20], state, [0], out=state, out_index=[1], chunk_size=16)
-    with pytest.raises(ValueError, match="slots=\\[0, 0\\]"):
-        GatedDeltaRollout(2, (2, 4), (16, 16), chunk_size=16).step(q, k, v, g, beta, [0, 0], [10, 10])
+    with pytest.raises(ValueError, match="initial_state \\(1, 4, 16, 8\\) must be float \\[states, 4, 16, 16\\]"):
+        gated_delta_rule(q, k, v, g, beta, initial_state=state[..., :8])
+
+
+def test_rollout_errors():
+    (q, k, v, g, beta), state = make_inputs([20], 2, 4, 16, 16)
+    roll = GatedDeltaRollout(2, (2, 4), (16, 16))
+    with pytest.raises(ValueError, match="slots=\\[0, 0\\] \\(distinct\\)"):
+        roll.step(q, k, v, g, beta, [0, 0], [10, 10])
+    with pytest.raises(ValueError, match="counts=\\[10, 9\\] must pair up and cover the 20 rows"):
+        roll.step(q, k, v, g, beta, [0, 1], [10, 9])
+    with pytest.raises(ValueError, match="slots=\\[0\\] .* counts=\\[10, 10\\] must pair up"):
+        roll.step(q, k, v, g, beta, [0], [10, 10])
+    with pytest.raises(ValueError, match="rows of torch.float64 need states of torch.float64, the rollout holds "
+                                         "torch.float32"):
+        roll.step(*(x.double() for x in (q, k, v, g, beta)), [0], [20])
+    with pytest.raises(ValueError, match="initial_state \\(1, 4, 16, 16\\) must be \\(2, 4, 16, 16\\)"):
+        GatedDeltaRollout(2, (2, 4), (16, 16), initial_state=state)
+    with pytest.raises(ValueError, match="slots=\\[0, 2\\] must lie in \\[0, 2\\)"):
+        roll.step(q, k, v, g, beta, [0, 2], [10, 10])
+    with pytest.raises(ValueError, match="slots=\\[-1\\] must lie in"):
+        roll.step(q, k, v, g, beta, [-1], [20])
+    with pytest.raises(ValueError, match="must be \\[T, Hk, 16\\] and \\[T, 4, 16\\]"):
+        roll.step(q, k, v[:, :2], g, beta, [0], [20])
+    assert roll.started == [False, False] and torch.equal(roll.states, torch.zeros(2, 4, 16, 16))  # nothing ran
 
 
 # --- the Triton kernels on the GPU, at the published head shapes (docs/design.md section 6b) ------------
@@ -313,26 +385,33 @@ def test_gpu_matches_transformers(dtype):
 def test_gpu_rollout_equals_training_bitwise(initial):
     lengths = [300, 64, 129, 77, 1]
     inputs, state = make_inputs(lengths, *QWEN35_HEADS, dtype=torch.bfloat16, device="cuda", initial=initial)
-    want, _ = gated_delta_rule(*inputs, cu(lengths), initial_state=state)
-    pieces = pieces_for(lengths, 64)
+    want, want_final = gated_delta_rule(*inputs, cu(lengths), initial_state=state, output_final_state=True)
+    pieces = pieces_for(lengths)
     pieces = [p[:-40] + [sum(p[-40:])] if len(p) > 60 else p for p in pieces]  # a short decode tail, then a piece
-    got, _ = rollout_outputs(inputs, lengths, pieces, chunk=64, initial=state, device="cuda")
-    assert torch.equal(got, want)
+    got, roll = rollout_outputs(inputs, lengths, pieces, initial=state, device="cuda")
+    assert torch.equal(got, want) and torch.equal(roll.states, want_final)
+
+
+class _Results(dict):
+    """`run_gated_delta`'s tallies, created under whatever names it reports them."""
+
+    def __missing__(self, name):
+        from vexact_models.conformance.invariance_result import Result
+
+        self[name] = Result(name)
+        return self[name]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_gpu_invariance_checks():
-    """`kernel_invariance --only gdn --quick`'s checks: every row count and first row of a chunk, folds,
-    rollouts, decodes from the kept rows of T and engine rollouts through the decode launch, at the
-    published head shapes, zero mismatches."""
+    """`kernel_invariance --only gdn --quick`'s checks (rollouts in pieces and decodes, the engine's
+    steps, at the published head shapes): every check ran cases, zero mismatches."""
     from vexact_models.conformance.gated_delta_invariance import run_gated_delta
-    from vexact_models.conformance.kernel_invariance import Result
 
-    results = {name: Result(name) for name in ("gated_delta rows", "gated_delta fold", "gated_delta rollout",
-                                               "gated_delta decode", "gated_delta engine")}
+    results = _Results()
     run_gated_delta(results, quick=True)
-    assert all(r.cases for r in results.values())
+    assert results and all(r.cases for r in results.values())
     assert not any(r.mismatches for r in results.values()), [r.notes for r in results.values()]
 
 
@@ -354,22 +433,31 @@ def test_gpu_backward_matches_autograd_of_transformers():
         assert (a - b).abs().max() <= 1e-3 * b.abs().max(), name
 
 
-def test_triton_kernels_compile_for_hopper_on_cpu(monkeypatch):
-    """The kernels compile for sm_90 without a GPU (the interpreter accepts code the compiler
-    refuses, e.g. a global that is not a `tl.constexpr`), at a tiny shape and chunk 64 (the
-    solve's block rows), their products on the tensor cores and none split into 8-column TF32
-    wgmma (`gated_delta_triton.SMALL_HEAD_WARPS`)."""
+@pytest.mark.parametrize("heads,dtype", [(QWEN35_HEADS, torch.bfloat16), ((1, 1, 16, 8), torch.float32)])
+def test_triton_kernels_compile_for_hopper_on_cpu(monkeypatch, heads, dtype):
+    """The forward's one kernel (`gated_delta_recurrent._recurrent_kernel`) compiles for sm_90
+    without a GPU (the interpreter accepts code the compiler refuses, e.g. a global that is not a
+    `tl.constexpr`), in the training forward and in a rollout step alike: one warp, no dot (the
+    recurrence is elementwise products and fixed-order sums), no spill, at the published head
+    shape (a [16, 128] block of the state a program) and at dv = 8 (the sums by split halves,
+    ``LANE_SUMS`` off). The backward's kernels: test_gated_delta_backward.py."""
     pytest.importorskip("triton")
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from sm90_compile import compile_only, resources
 
+    from vexact_models.kernels.gated_delta_recurrent import RECURRENT_WARPS, launch_recurrent
     from vexact_models.kernels.gated_delta_rule import training_forward
+    from vexact_models.kernels.gated_delta_step import StepPlan, plan_step
 
-    (q, k, v, g, beta), _ = make_inputs([70], 1, 1, 16, 16, dtype=torch.bfloat16, initial=False)
+    (q, k, v, g, beta), state = make_inputs([5, 3], *heads, dtype=dtype)
+    hv, dk, dv = heads[1:]
+    pool, out = torch.zeros(3, hv, dk, dv), torch.empty(8, hv, dv, dtype=dtype)
+    step = StepPlan({n: torch.from_numpy(a) for n, a in plan_step([1, 0], [4, 0], [5, 3], 2, 8, 4).items()})
     with compile_only() as compiled:
-        training_forward(q, k, v, g, beta, None, [70], 64, 0.25, True, True, "triton")
-    assert [kernel.name for kernel in compiled] == ["fold_prep_kernel", "fold_kernel", "rows_kernel"]
+        training_forward(q, k, v, g, beta, state, [5, 3], dk ** -0.5, True, True, "triton")
+        # gated_delta_step's launch (its backend check wants a CUDA tensor): the staged plan's int32 arrays
+        launch_recurrent("triton", q, k, v, g, beta, pool, out, step.segments(), dk ** -0.5, True)
+    assert [kernel.name for kernel in compiled] == ["_recurrent_kernel"] * 2
     for kernel in compiled:
-        assert resources(kernel).wgmma > 0, kernel.name
-        # 8-column TF32 wgmma: Triton 3.6's fold built so read shared memory out of bounds on the H200
-        assert "m64n8k8" not in kernel.asm["ptx"], kernel.name
+        used = resources(kernel)
+        assert used.num_warps == RECURRENT_WARPS and used.mma == "none" and used.spill_bytes == 0, used

@@ -1,12 +1,12 @@
 """The gated-DeltaNet state cache of the rollout engine (`runtime.linear_state_cache`): its steps
-equal the training forward bitwise at chunk boundaries and off them, in any slots and batch; the
+equal the training forward bitwise in prefill pieces of any length and decode, in any slots and batch; the
 engine counts it in the memory budget and holds KV pages only for attention layers (a pipeline
 stage: the states of its own GDN layers only). The graph-shaped steps (fixed buffers, padded plans)
 are tests/runtime/test_linear_state_graphs.py.
 
 The conformance suite (tests/conformance/test_conformance.py) runs every engine scenario on the
-three hybrids' tiny configs (chunks of 16, `linear_chunk_size`); the engine test here is a quick
-check of chunk crossings in prefill pieces and decode, with a preemption."""
+three hybrids' tiny configs; the engine test here is a quick check of prefill pieces and decode,
+with a preemption."""
 
 import numpy as np
 import pytest
@@ -21,11 +21,10 @@ from vexact_models.runtime.llm_setup import cache_budget_bytes, cache_bytes_per_
 from vexact_models.runtime.model_runner import check_linear_state_support
 
 HK, HV, DK, DV, K = 1, 2, 16, 16, 4
-CHUNK = 16
 
 
-def spec(chunk: int = CHUNK) -> LinearStateSpec:
-    return LinearStateSpec((0, 2), (HK, HV), (DK, DV), 2 * HK * DK + HV * DV, K, chunk)
+def spec() -> LinearStateSpec:
+    return LinearStateSpec((0, 2), (HK, HV), (DK, DV), 2 * HK * DK + HV * DV, K)
 
 
 def sequences(lengths, seed=0):
@@ -42,7 +41,7 @@ def training(x, weight, g, beta, lengths):
     cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
     conv = causal_conv1d(x, weight, None, cu, max(lengths), "silu")
     q, k, v = split(conv)
-    out, _ = gated_delta_rule(q, k, v, g, beta, cu.tolist(), chunk_size=CHUNK)
+    out, _ = gated_delta_rule(q, k, v, g, beta, cu.tolist())
     return conv, out
 
 
@@ -52,16 +51,16 @@ def split(conv):
     return q.reshape(t, HK, DK), k.reshape(t, HK, DK), v.reshape(t, HV, DV)
 
 
-def test_steps_equal_training_bitwise_across_chunk_boundaries():
-    """Three sequences in slots 4, 0, 2 of one cache, prefill pieces on and off chunk
-    boundaries (CHUNK 16) and decode tokens, in a varying order; both GDN layers of the spec."""
+def test_steps_equal_training_bitwise_in_pieces():
+    """Three sequences in slots 4, 0, 2 of one cache, prefill pieces of several lengths and decode
+    tokens, in a varying order; both GDN layers of the spec."""
     lengths = [53, 40, 21]
     pieces = [[7, 9, 16, 1, 1, 19], [16, 16, 1, 1, 1, 5], [20, 1]]
     slots = [4, 0, 2]
     x, weight, g, beta = sequences(lengths)
     want_conv, want = training(x, weight, g, beta, lengths)
     cache = LinearStateCache(spec(), slots=5, device=torch.device("cpu"), dtype=torch.float32)
-    for t in (*cache.conv.values(), *cache.states.values(), *cache.t_rows.values()):
+    for t in (*cache.conv.values(), *cache.states.values()):
         t.fill_(float("nan"))  # stale contents are never read: a sequence at position 0 starts from zeros
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     done = [0, 0, 0]
@@ -95,18 +94,14 @@ def test_step_rejects_bad_slots():
 
 
 def test_cache_bytes_count_every_tensor():
-    """Per slot its conv state, boundary state and C chunk rows and rows of T; per layer one padding
-    state and row."""
+    """Per slot its conv state and fp32 state; per layer one padding state."""
     for slots in (1, 3):
         cache = LinearStateCache(spec(), slots=slots, device=torch.device("cpu"), dtype=torch.bfloat16)
-        tensors = [*cache.conv.values(), *cache.states.values(), *(t for r in cache.rows.values() for t in r),
-                   *cache.t_rows.values()]
+        tensors = [*cache.conv.values(), *cache.states.values()]
         assert sum(t.numel() * t.element_size() for t in tensors) == spec().cache_bytes(slots, torch.bfloat16)
-    row = (HK * DK + HV * DV + HV) * 2 + HV * 4
-    t_row = HV * CHUNK * 4
-    assert spec().bytes_per_slot(torch.bfloat16) == 2 * (3 * spec().conv_channels * 2 + HV * DK * DV * 4 +
-                                                         CHUNK * (row + t_row))
-    assert spec().cache_bytes(3, torch.bfloat16) == 3 * spec().bytes_per_slot(torch.bfloat16) + 2 * (HV * DK * DV * 4 + row)
+    assert spec().part_bytes(torch.bfloat16) == (3 * spec().conv_channels * 2, HV * DK * DV * 4)
+    assert spec().bytes_per_slot(torch.bfloat16) == 2 * (3 * spec().conv_channels * 2 + HV * DK * DV * 4)
+    assert spec().cache_bytes(3, torch.bfloat16) == 3 * spec().bytes_per_slot(torch.bfloat16) + 2 * HV * DK * DV * 4
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +112,7 @@ def qwen3_5():
 
 def test_spec_of_the_model_and_the_budget(qwen3_5):
     found = linear_state_spec(qwen3_5)
-    assert found == LinearStateSpec((0, 2), (2, 4), (16, 16), 2 * 32 + 64, 4, 16)  # linear_chunk_size of the tiny config
+    assert found == LinearStateSpec((0, 2), (2, 4), (16, 16), 2 * 32 + 64, 4)
     assert linear_state_spec(torch.nn.Linear(2, 2)) is None
     per_block = cache_bytes_per_block(qwen3_5, torch.float32, 4)
     assert per_block == 4 * 2 * 32 * 2 * 4  # one attention layer: 4 positions x 2 KV heads x (32 + 32) x fp32
@@ -164,11 +159,10 @@ def test_a_stage_holds_the_states_of_its_own_layers(qwen3_5):
     assert [i for i, kv in enumerate(runner.kv_caches) if kv is not None] == [1]
 
 
-def test_engine_equals_training_across_chunk_boundaries(qwen3_5):
-    """Prompts of 13 and 45 tokens in prefill pieces of 24 (crossing the tiny config's chunk
-    boundaries at 16, 32 mid-piece), decode across 16 and 48, a preemption by recompute (pages for
-    one sequence only), one step at a time and ahead: the rollout's logprobs are token_logprobs'
-    bitwise."""
+def test_engine_equals_training_in_prefill_pieces_and_decode(qwen3_5):
+    """Prompts of 13 and 45 tokens in prefill pieces of 24, decode steps, a preemption by recompute
+    (pages for one sequence only), one step at a time and ahead: the rollout's logprobs are
+    token_logprobs' bitwise."""
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(2, 500, (n,), generator=gen).tolist() for n in (13, 45)]
     params = SamplingParams(temperature=1.0, max_tokens=9, ignore_eos=True, seed=5)
@@ -202,10 +196,10 @@ def test_sleep_and_wake_up_reallocate_the_states(qwen3_5):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the Triton GDN kernels)")
 @pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
-def test_gpu_engine_equals_training_at_chunk_64(name):
-    """On the GPU (Triton kernels), bf16, the published chunk of 64: prompts of 100 and 300 tokens
-    in prefill pieces of 48 and decode across chunk boundaries, eager and with CUDA graphs of the
-    decode and mixed steps (the same tokens and logprobs; both token_logprobs' bitwise)."""
+def test_gpu_engine_equals_training(name):
+    """On the GPU (Triton kernels), bf16: prompts of 100 and 300 tokens in prefill pieces of 48 and
+    decode, eager and with CUDA graphs of the decode and mixed steps (the same tokens and logprobs;
+    both token_logprobs' bitwise)."""
     arch = get(name)
     # head_dim 64: the Triton attention takes 64, 128, 192 and 256 (the tiny configs have 32)
     model = build_model(arch, arch.tiny_config(linear_chunk_size=None, head_dim=64), torch.device("cuda"), torch.bfloat16)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from vexact_models.conformance.models import build_model
-from vexact_models.kernels.gated_delta_step import dry_run, plan_sizes, plan_step, scratch_states
+from vexact_models.kernels.gated_delta_step import dry_run, plan_sizes, plan_step
 from vexact_models.registry import get
 from vexact_models.runtime import LLM, SamplingParams
 from vexact_models.runtime.linear_state_cache import LinearStateCache, LinearStep, LinearStepBuffers
@@ -20,65 +20,40 @@ from .test_linear_state_cache import sequences, spec, split, training
 CPU = torch.device("cpu")
 
 
-def test_plan_of_a_step_across_chunks():
-    """Chunk 16, pool of 4 slots: a decode token completing its chunk, a piece starting mid-chunk
-    that crosses two boundaries, a prefill from 0 ending on a boundary; at capacity 64 tokens, 5
-    sequences (padding entries: no rows, runs of length 0, copies to the padding state)."""
-    c, pool = 16, 4
-    plan = plan_step([2, 0, 3], [31, 5, 0], [1, 40, 16], c, pool, 64, 5)
+def test_plan_of_a_step():
+    """Pool of 4 slots: a decode token, a piece starting mid-sequence, a prefill from 0; at capacity
+    64 tokens, 5 sequences (padding entries: no rows, no state read or written)."""
+    pool = 4
+    plan = plan_step([2, 0, 3], [31, 5, 0], [1, 40, 16], pool, 64, 5)
     assert plan["slot"].tolist() == [2, 0, 3, -1, -1] and plan["context"].tolist() == [31, 5, 0, 0, 0]
-    # the decode token: row 15 of slot 2's chunk, from its state; no row of T kept (complete)
-    assert plan["decode"].tolist() == [[32, 0, 0, 0, 0], [15, -1, -1, -1, -1], [0, 0, 0, 0, 0], [2, -1, -1, -1, -1],
-                                       [-1, -1, -1, -1, -1]]
-    # rows0: chunk 0 of the others from their slot's rows, from its pool state (position 0: zeros);
-    # the decode's entry has no rows wanted; no chunk 0 stays incomplete, so no row of T is kept
-    assert plan["rows0"].tolist() == [[32, 0, 48, 0, 0], [15, 16, 16, 0, 0], [15, 5, 0, 0, 0], [0, 1, 41, 0, 0],
-                                      [2, -1, -1, -1, -1], [-1, -1, -1, -1, -1]]
-    # fold0: every chunk 0 that completes, the decode's (from slot 2's state into it) too
-    assert plan["fold0"].tolist() == [[32, 0, 48, 0, 0], [16, 16, 16, 0, 0], [2, -1, -1, -1, -1], [2, 0, 3, 0, 0]]
-    # sequence 1 (lead 5, 40 tokens): chunk 1 from its step row 1 + 11 = 12, chunk 2 (13 rows) from 28
-    assert plan["rows1"].tolist() == [[0, 12, 0, 0, 0], [0, 16, 0, 0, 0], [0, 0, 0, 0, 0], [0, 12, 0, 0, 0],
-                                      [-1, 0, -1, -1, -1], [-1, -1, -1, -1, -1]]
-    assert plan["fold1"].tolist() == [[0, 12, 0, 0, 0], [0, 16, 0, 0, 0], [-1, 0, -1, -1, -1], [0, 0, 0, 0, 0]]
-    # chunk 2 stays incomplete (13 rows): its rows of T go to slot 0's
-    assert plan["rows2"][:, :1].tolist() == [[28], [13], [0], [28], [0], [0]] and (plan["rows2"][4:, 1:] == -1).all()
-    assert plan["copy"][:, :1].tolist() == [[0], [0]] and (plan["copy"][1, 1:] == pool).all()
-    trash = pool * c
-    store, keep = plan["store"], plan["keep"]
-    assert store[0] == 2 * c + 15 and store[1:12].tolist() == list(range(5, 16)) and (store[12:41] == trash).all()
-    assert store[41:57].tolist() == list(range(3 * c, 4 * c)) and (store[57:] == trash).all()
-    assert (keep[:28] == trash).all() and keep[28:41].tolist() == list(range(13)) and (keep[41:] == trash).all()
-    assert {k: (a.dtype, a.shape) for k, a in plan.items()} == plan_sizes(64, 5, c)
-    dry = dry_run(plan, c, pool)  # reads alike, writes only the padding row and state, keeps no row of T
-    assert (dry["slot"] == -1).all() and (dry["fold0"][3] == pool).all() and (dry["store"] == trash).all()
-    assert (dry["keep"] == trash).all() and (dry["copy"][1] == pool).all()
-    assert (dry["decode"][4] == -1).all()
-    assert np.array_equal(dry["decode"][:4], plan["decode"][:4]) and np.array_equal(dry["fold1"], plan["fold1"])
-    for name in ("rows0", "rows1", "rows2"):
-        assert np.array_equal(dry[name][:5], plan[name][:5]) and (dry[name][5] == -1).all()
+    # first row, rows, the state read (position 0: zeros), the state written
+    assert plan["segment"].tolist() == [[0, 1, 41, 0, 0], [1, 40, 16, 0, 0], [2, 0, -1, -1, -1], [2, 0, 3, -1, -1]]
+    assert {k: (a.dtype, a.shape) for k, a in plan.items()} == plan_sizes(64, 5)
+    dry = dry_run(plan, pool)  # reads alike, writes only the padding state, no conv state
+    assert (dry["slot"] == -1).all() and np.array_equal(dry["segment"][:3], plan["segment"][:3])
+    assert dry["segment"][3].tolist() == [pool, pool, pool, -1, -1]
 
 
-@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("seed", range(10))
 def test_any_step_fits_its_capacity(seed):
-    """Random steps fill at most the capacity's entries, however their tokens split into chunks."""
+    """Random steps: one entry per sequence, the rows back to back, padding entries without work."""
     rng = np.random.default_rng(seed)
-    c = int(rng.choice([16, 64]))
     n = int(rng.integers(1, 9))
-    counts = rng.integers(1, 4 * c, n) if seed % 2 else rng.integers(1, 3, n)
-    starts = rng.integers(0, 5 * c, n)
-    tokens = int(counts.sum())
-    plan = plan_step(rng.permutation(12)[:n], starts, counts, c, 12, tokens, n)
-    total = starts % c + counts
-    assert (plan["rows2"][1] > 0).sum() == np.maximum(-(-total // c) - 2, 0).sum() <= scratch_states(tokens, c)
-    assert (plan["copy"][1] < 12).sum() == (total // c >= 2).sum()
-    assert plan["fold1"][1].sum() // c == np.maximum(total // c - 1, 0).sum() <= scratch_states(tokens, c)
+    counts = rng.integers(1, 200, n) if seed % 2 else rng.integers(1, 3, n)
+    starts = rng.integers(0, 300, n)
+    slots = rng.permutation(12)[:n]
+    plan = plan_step(slots, starts, counts, 12, int(counts.sum()) + 3, n + 2)
+    first, rows, src, dst = plan["segment"]
+    assert first[:n].tolist() == np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist() and rows[:n].tolist() == counts.tolist()
+    assert src[:n].tolist() == np.where(starts == 0, -1, slots).tolist() and dst[:n].tolist() == slots.tolist()
+    assert (rows[n:] == 0).all() and (src[n:] == -1).all() and (dst[n:] == -1).all()
 
 
 def test_plan_errors_name_the_limit_and_write_nothing():
     with pytest.raises(ValueError, match=r"2 sequences of \[3, 2\] tokens do not fit a step of 2 sequences and 4"):
-        plan_step([0, 1], [0, 0], [3, 2], 16, 2, 4, 2)
+        plan_step([0, 1], [0, 0], [3, 2], 2, 4, 2)
     with pytest.raises(ValueError, match=r"do not fit a step of 1 sequences"):
-        plan_step([0, 1], [0, 0], [1, 1], 16, 2, 4, 1)
+        plan_step([0, 1], [0, 0], [1, 1], 2, 4, 1)
     cache = LinearStateCache(spec(), slots=2, device=CPU, dtype=torch.float32)
     buffers = LinearStepBuffers(cache, 8, 2, CPU)
     buffers.fill([1], [3], [2], 4, 2)
@@ -89,9 +64,8 @@ def test_plan_errors_name_the_limit_and_write_nothing():
 
 
 def test_graph_shaped_steps_equal_training_bitwise():
-    """Three sequences in slots 4, 0, 2 of one cache: prefill pieces on and off chunk boundaries,
-    one of 40 tokens (three chunks, the scratch's folds) and decode tokens, sequences pausing
-    mid-chunk while others run; every step through fixed buffers at a larger bucket (padding tokens
+    """Three sequences in slots 4, 0, 2 of one cache: prefill pieces of 7 to 40 tokens and decode
+    tokens, sequences pausing while others run; every step through fixed buffers at a larger bucket (padding tokens
     hold NaN, padding sequences), its dry run first (as a capture's warm-up): bitwise the training
     forward, conv and delta rule."""
     lengths = [73, 40, 21]
@@ -146,7 +120,7 @@ def hybrid(request):
 
 def test_engine_graph_shaped_steps_equal_training(hybrid):
     """Requests past the slots (admissions beside decodes), prompts of 13-45 tokens in pieces of
-    24 (chunk 16: crossing boundaries mid-piece, pausing mid-chunk while others run), stop tokens
+    24 (pausing mid-prompt while others run), stop tokens
     and lengths ending sequences at different steps, a preemption by recompute, one step at a time
     and ahead: every step through the step graphs' buffers (decode and mixed buckets), the
     rollout's logprobs token_logprobs' bitwise (the eager steps': test_linear_state_cache.py)."""

@@ -1,0 +1,198 @@
+"""gated_delta_recurrent: the gated delta rule token by token, the one form training and rollout share.
+
+Per value head ``h`` (query/key head ``h // (Hv // Hk)``), with the state ``S [dk, dv]`` in fp32
+and per token ``t`` a log decay ``g_t``, a ``beta_t`` and the l2-normalised ``q_t`` (times
+`scale`) and ``k_t``, one step is (transformers' ``torch_recurrent_gated_delta_rule``, in this
+order, every operation rounded to fp32 on its own):
+
+1. ``S = S * exp(g_t)``;
+2. ``kS = sum_dk(S * k_t)`` (``[dv]``), ``u = (v_t - kS) * beta_t``;
+3. ``S = S + k_t u^T``;
+4. ``o_t = sum_dk(S * q_t)``.
+
+The sums over dk are `row_sum.row_sum_halves` (halves added until one is left: fixed by logical
+position, not by the register layout), the l2 norm is ``x / sqrt(sum_dk(x * x) + 1e-6)`` by the
+same sums. A program owns one block of ``BV`` value columns of one head of one segment and walks
+the segment's tokens in order with its block of the state in registers; no program reads another's
+data. So a token's output and the state after it depend on the segment's state before its first
+token and on the tokens so far only, bitwise, whatever else shares the launch, how a sequence is
+cut into segments (a training forward's whole sequence, a prompt in prefill pieces, one decode
+token a step) or where a segment sits in the launch (docs/design.md section 6b). The same holds for
+`recurrent_reference`, the CPU twin: the same steps on ``[segments, Hv, dv, dk]`` tensors
+(elementwise products and adds, `exact_math.exp`, `row_sum_reference`), which the reference
+backend runs for training and rollout alike. The two backends agree to fp32 rounding (their
+``exp`` differ), not bitwise; each is bitwise consistent with itself.
+
+A segment ``b`` covers tokens ``q_start[b] .. q_start[b] + count[b] - 1`` of the packed rows; it
+starts from ``states[state_in[b]]`` (zeros where ``state_in[b] < 0``) and, where
+``state_out[b] >= 0``, leaves its last state in ``states[state_out[b]]`` (the same slot as
+``state_in`` in a rollout step: a program reads its block before it writes it, and no other
+program touches that block). A state one segment writes must not be one another segment of the
+launch reads (the programs run in no fixed order; the callers' slots are distinct). A segment of
+``count[b] = 0`` writes nothing: a CUDA graph's padding entry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import exact_math
+from ._triton import require_triton, tl, triton
+from .row_sum import row_sum_halves, row_sum_levels, row_sum_reference
+
+__all__ = ["L2NORM_EPS", "RecurrentPlan", "launch_recurrent", "recurrent_reference", "value_block"]
+
+L2NORM_EPS = 1e-6  # transformers' and fla's l2norm epsilon
+VALUE_BLOCK = 16  # value columns a program owns (the state block [16, dk] in one warp's registers)
+RECURRENT_WARPS = 1
+
+
+@dataclass(frozen=True)
+class RecurrentPlan:
+    """The segments of a launch, one entry each: lists of ints, or int32 tensors on the rows'
+    device (a rollout step's staged plan, read in place: a CUDA graph captures the launch)."""
+
+    q_start: list[int] | torch.Tensor  #: the segment's first row in q, k, v, g, beta and out
+    count: list[int] | torch.Tensor  #: its rows (0: no work, no write)
+    state_in: list[int] | torch.Tensor  #: the state it starts from (-1: zeros)
+    state_out: list[int] | torch.Tensor  #: where its last state goes (-1: nowhere)
+
+
+def value_block(dv: int) -> int:
+    """Value columns one program owns: `VALUE_BLOCK`, or `dv` where smaller."""
+    return min(VALUE_BLOCK, dv)
+
+
+@triton.jit
+def _unit(x, L2NORM: tl.constexpr, LOG_DK: tl.constexpr):
+    """``x [1, dk]`` divided by its l2 norm (``sqrt(sum(x * x) + 1e-6)``, the sum by halves)."""
+    if L2NORM:
+        x = x / tl.sqrt_rn(row_sum_halves(x * x, LOG_DK, False) + 1e-6)[:, None]
+    return x
+
+
+@triton.jit
+def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, out_ptr, state_ptr,
+                      q_start_ptr, count_ptr, state_in_ptr, state_out_ptr,
+                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
+                      stride_ot, stride_oh, stride_sn, stride_sh, stride_sk, scale,
+                      GROUP: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, LOG_DK: tl.constexpr,
+                      L2NORM: tl.constexpr, LANE_SUMS: tl.constexpr):
+    """One program: value columns ``[vb * BV, (vb + 1) * BV)`` of head ``h`` of segment ``b``,
+    its block of the state held transposed (``[BV, dk]``: the sums over dk run along rows)."""
+    b, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n = tl.load(count_ptr + b)
+    if n == 0:
+        return
+    start = tl.load(q_start_ptr + b)
+    src = tl.load(state_in_ptr + b)
+    dst = tl.load(state_out_ptr + b)
+    kh = h // GROUP
+    cols = vb * BV + tl.arange(0, BV)  # value columns
+    dk = tl.arange(0, DK)
+    block = (h * stride_sh + dk[None, :] * stride_sk + cols[:, None]).to(tl.int64)  # S[dk, col] at [col, dk]
+    state = tl.zeros((BV, DK), dtype=tl.float32)
+    if src >= 0:
+        state = tl.load(state_ptr + src.to(tl.int64) * stride_sn + block)
+    for i in range(n):
+        t = (start + i).to(tl.int64)
+        k = _unit(tl.load(k_ptr + t * stride_kt + kh * stride_kh + dk).to(tl.float32)[None, :], L2NORM, LOG_DK)
+        q = _unit(tl.load(q_ptr + t * stride_qt + kh * stride_qh + dk).to(tl.float32)[None, :], L2NORM, LOG_DK) * scale
+        v = tl.load(v_ptr + t * stride_vt + h * stride_vh + cols).to(tl.float32)
+        decay = tl.exp(tl.load(g_ptr + t * stride_gt + h).to(tl.float32))
+        beta = tl.load(b_ptr + t * stride_bt + h).to(tl.float32)
+        state = state * decay
+        u = (v - row_sum_halves(state * k, LOG_DK, LANE_SUMS)) * beta
+        state = state + u[:, None] * k
+        out = row_sum_halves(state * q, LOG_DK, LANE_SUMS)
+        tl.store(out_ptr + t * stride_ot + h * stride_oh + cols, out.to(out_ptr.dtype.element_ty))
+    if dst >= 0:
+        tl.store(state_ptr + dst.to(tl.int64) * stride_sn + block, state)
+
+
+def _device_ints(values: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    if isinstance(values, torch.Tensor):
+        return values
+    return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
+
+
+def _launch_triton(q, k, v, g, beta, states, out, plan: RecurrentPlan, scale: float, l2norm: bool) -> None:
+    require_triton("gated_delta_rule")
+    hk, dk = k.shape[1], k.shape[2]
+    hv, dv = v.shape[1], v.shape[2]
+    bv = value_block(dv)
+    for name, d in (("dk", dk), ("dv", dv)):
+        if d < 2 or d & (d - 1) or d > 256:
+            raise ValueError(f"gated_delta_rule: the Triton kernel takes {name}={d} only as a power of two in 2..256")
+    fields = [_device_ints(x, k.device) for x in (plan.q_start, plan.count, plan.state_in, plan.state_out)]
+    if states.stride(3) != 1:
+        raise ValueError(f"gated_delta_rule: states must have unit stride along dv, got strides {states.stride()}")
+    _recurrent_kernel[(len(fields[0]), hv, dv // bv)](
+        q, k, v, g, beta, out, states, *fields,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+        out.stride(0), out.stride(1), states.stride(0), states.stride(1), states.stride(2), scale,
+        GROUP=hv // hk, DK=dk, BV=bv, LOG_DK=row_sum_levels(dk), L2NORM=l2norm,
+        LANE_SUMS=bv >= 16 * RECURRENT_WARPS, num_warps=RECURRENT_WARPS)
+
+
+def _dk_sum(x: torch.Tensor) -> torch.Tensor:
+    """`row_sum_reference` over dk, zero-padded to a power of two: the kernel's order where dk is
+    one (no padding), a fixed order for any other dk (the reference takes any head dims)."""
+    width = 1 << (x.shape[-1] - 1).bit_length()
+    if width != x.shape[-1]:
+        x = torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+    return row_sum_reference(x)
+
+
+def _unit_reference(x: torch.Tensor, l2norm: bool) -> torch.Tensor:
+    if not l2norm:
+        return x
+    return x / torch.sqrt(_dk_sum(x * x) + L2NORM_EPS)[..., None]
+
+
+def recurrent_reference(q, k, v, g, beta, states, out, plan: RecurrentPlan, scale: float, l2norm: bool) -> None:
+    """The Triton launch's steps in torch on host plans (the reference backend): every segment's
+    step ``i`` in one set of elementwise operations on ``[segments, Hv, dv, dk]``, so a segment's
+    bits do not depend on the others (rules 1, 3, 5). Writes `out` and `states` as the launch does."""
+    fields = [[int(x) for x in (f.tolist() if isinstance(f, torch.Tensor) else f)]
+              for f in (plan.q_start, plan.count, plan.state_in, plan.state_out)]
+    segs = [s for s in zip(*fields) if s[1] > 0]
+    if not segs:
+        return
+    compute = states.dtype
+    hv, dk, dv = v.shape[1], k.shape[2], v.shape[2]
+    group = hv // k.shape[1]
+    dev = k.device
+    state = torch.stack([states[src].transpose(-1, -2).to(compute) if src >= 0 else
+                         torch.zeros(hv, dv, dk, dtype=compute, device=dev) for _, _, src, _ in segs])
+    for i in range(max(s[1] for s in segs)):
+        live = [j for j, s in enumerate(segs) if s[1] > i]
+        rows = torch.tensor([segs[j][0] + i for j in live], device=dev)
+        kk = _unit_reference(k[rows].to(compute), l2norm).repeat_interleave(group, dim=1)[:, :, None, :]
+        qq = (_unit_reference(q[rows].to(compute), l2norm) * scale).repeat_interleave(group, dim=1)[:, :, None, :]
+        decay = exact_math.exp(g[rows].to(compute))[:, :, None, None]
+        index = torch.tensor(live, device=dev)
+        s = state[index] * decay
+        u = (v[rows].to(compute) - _dk_sum(s * kk)) * beta[rows].to(compute)[..., None]
+        s = s + u[..., None] * kk
+        out[rows] = _dk_sum(s * qq).to(out.dtype)
+        state = state.index_copy(0, index, s)
+    for j, (_, _, _, dst) in enumerate(segs):
+        if dst >= 0:
+            states[dst] = state[j].transpose(-1, -2).to(states.dtype)
+
+
+def launch_recurrent(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                     beta: torch.Tensor, states: torch.Tensor, out: torch.Tensor, plan: RecurrentPlan, scale: float,
+                     l2norm: bool) -> None:
+    """The plan's segments on `backend` (``"triton"`` or ``"reference"``): q, k ``[T, Hk, dk]``, v
+    ``[T, Hv, dv]``, g, beta ``[T, Hv]`` (unit stride along the last dim on Triton), `states`
+    ``[N, Hv, dk, dv]`` (fp32; fp64 beside fp64 rows on the reference) read and written in place,
+    `out` ``[T, Hv, dv]`` written at the segments' rows. Checked by the callers
+    (`gated_delta_rule`, `gated_delta_step`)."""
+    if backend == "triton":
+        _launch_triton(q, k, v, g, beta, states, out, plan, scale, l2norm)
+    else:
+        recurrent_reference(q, k, v, g, beta, states, out, plan, scale, l2norm)
