@@ -40,11 +40,11 @@ and allows zero mismatches:
   group == its members' separate calls, in place and in a CUDA graph == eager, the two launches
   (the expand adding the shrink's partials) == three (their sum a launch of its own), the
   training forward (which keeps u) == the rollout's.
-- gated delta rule (``--only gdn``): a chunk's rows at every row count and first row == the whole
-  chunk's, folds one chunk a launch == one run, rollouts == the packed training forward, every row
-  decoded from the rows of T kept after every prefill length == the whole chunk's (and its fold),
-  engine rollouts through the state cache's decode launch == the packed training forward
-  (`gated_delta_invariance.py`, docs/design.md section 6b).
+- gated delta rule (``--only gdn``): the recurrent kernel training and rollout share: a batch
+  trained in one launch == each sequence alone and other compositions and orders (outputs and
+  final states); rollouts in prefill pieces and decodes == the packed training forward; engine
+  rollouts through the state cache (padded plans, dry runs, CUDA graphs, preemption, a sibling's
+  slot copy) == the packed training forward (`gated_delta_invariance.py`, docs/design.md section 6b).
 
 The attention checks live in `attention_invariance.py`, the linear ones in `linear_invariance.py`.
 
@@ -76,7 +76,7 @@ from vexact_models.kernels.rotary_cache_write import rotary_cache_write_referenc
 from .attention_invariance import (LATENT_SHAPES, attention_shape_names, check_attention_configs,
                                   check_latent_attention, check_latent_cache_write, run_attention, selected_shapes,
                                   sequence_lengths)
-from .gated_delta_invariance import run_gated_delta
+from .gated_delta_invariance import GDN_CHECKS, run_gated_delta
 from .hybrid_invariance import HYBRID_CHECKS, run_hybrid
 from .invariance_result import Result
 from .linear_invariance import M_SWEEP, run_linear, run_linear_quack
@@ -294,8 +294,7 @@ def main(argv: list[str] | None = None) -> int:
              "attention", "attention configs", "attention FA4", "latent attention",
              "head_linear", "latent_cache_write", "rms_norm", "rotary_cache_write",
              "log_softmax",
-             "token_logprobs", "elementwise", "moe", "gated_delta rows", "gated_delta fold", "gated_delta rollout",
-             "gated_delta decode", "gated_delta engine",
+             "token_logprobs", "elementwise", "moe", *GDN_CHECKS,
              *HYBRID_CHECKS, "lora_add"]
     results = {n: Result(n) for n in names}
     t0 = time.time()

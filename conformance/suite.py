@@ -30,6 +30,25 @@ GRAD_SAMPLES = 8  # samples recomputed with autograd on, per scenario
 GRAD_TOKENS = 16384  # ... and at most this many of their tokens (the first always), so long runs keep activations small
 
 
+RECOMPUTE_TOKENS = 65536  # tokens of one recompute forward (a trainer's micro-batch; the rest wait their turn)
+
+
+def recompute_groups(samples: list, budget: int = RECOMPUTE_TOKENS) -> list[range]:
+    """Consecutive runs of (prompt, tokens) samples of at most `budget` tokens each (a sample
+    longer than that alone): the recompute's forwards, so that a big model's recompute of a long
+    rollout fits beside its engine. Batch invariance makes the split invisible in the bits."""
+    groups, start, total = [], 0, 0
+    for i, (prompt, tokens) in enumerate(samples):
+        n = len(prompt) + len(tokens)
+        if i > start and total + n > budget:
+            groups.append(range(start, i))
+            start, total = i, 0
+        total += n
+    if start < len(samples):
+        groups.append(range(start, len(samples)))
+    return groups
+
+
 def grad_sample_count(samples: list) -> int:
     """How many leading (prompt, tokens) samples the autograd recompute takes: at most
     `GRAD_SAMPLES`, and no more than `GRAD_TOKENS` tokens in all, but always the first."""
@@ -293,14 +312,18 @@ def _collect_samples(requests: list, outputs: list, sc: dict, seen: dict, report
 def _recompute_and_compare(model, samples: list, reported: list, temps: list, device: torch.device,
                            rng: random.Random) -> tuple[int, float, int]:
     """(mismatching logprobs, their largest difference, logprobs checked) of the samples recomputed
-    by the training forward in every batch layout. The last layout runs as a training step does,
+    by the training forward in every batch layout, in forwards of at most `RECOMPUTE_TOKENS` tokens
+    (`recompute_groups`). The last layout runs as a training step does,
     autograd on (separate q/k/v and gate/up GEMMs, the differentiable kernels), over a few samples
     to bound activation memory (`grad_sample_count`)."""
     mismatches, max_diff, tokens = 0, 0.0, 0
     for padding, grad in (("packed", False), ("right", False), ("left", False), ("packed", True)):
         count = grad_sample_count(samples) if grad else len(samples)
+        recomputed = []
         with torch.set_grad_enabled(grad):
-            recomputed = _recompute(model, samples[:count], temps[:count], device, padding, rng)
+            for group in recompute_groups(samples[:count]):
+                part = slice(group.start, group.stop)
+                recomputed += _recompute(model, samples[part], temps[part], device, padding, rng)
         for got, want in zip(recomputed, reported[:count]):
             tokens += want.numel()
             if not torch.equal(got, want):

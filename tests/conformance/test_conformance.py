@@ -266,3 +266,14 @@ def test_grad_sample_count_bounds_the_autograd_recompute():
     assert grad_sample_count(long) == 2  # a third would pass GRAD_TOKENS
     assert grad_sample_count([([1] * GRAD_TOKENS * 2, [2])] * 3) == 1  # the first always
     assert grad_sample_count([]) == 0
+
+
+def test_recompute_groups_split_the_recompute_into_bounded_forwards():
+    """`recompute_groups`: consecutive runs of at most the budget's tokens, every sample once, in
+    order; a sample past the budget alone."""
+    from vexact_models.conformance.suite import recompute_groups
+
+    samples = [([1] * 30, [2] * 10), ([1] * 50, [2] * 20), ([1] * 5, [2] * 5), ([1] * 200, [2]), ([1] * 3, [2])]
+    assert recompute_groups(samples, 100) == [range(0, 1), range(1, 3), range(3, 4), range(4, 5)]
+    assert recompute_groups(samples, 10_000) == [range(0, 5)]
+    assert recompute_groups([], 100) == []
