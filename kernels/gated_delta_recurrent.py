@@ -40,6 +40,7 @@ import torch
 
 from . import exact_math
 from ._triton import require_triton, tl, triton
+from .gated_delta_triton import l2norm_rows
 from .row_sum import row_sum_halves, row_sum_levels, row_sum_reference
 
 __all__ = ["L2NORM_EPS", "RecurrentPlan", "launch_recurrent", "recurrent_reference", "value_block"]
@@ -63,14 +64,6 @@ class RecurrentPlan:
 def value_block(dv: int) -> int:
     """Value columns one program owns: `VALUE_BLOCK`, or `dv` where smaller."""
     return min(VALUE_BLOCK, dv)
-
-
-@triton.jit
-def _unit(x, L2NORM: tl.constexpr, LOG_DK: tl.constexpr):
-    """``x [1, dk]`` divided by its l2 norm (``sqrt(sum(x * x) + 1e-6)``, the sum by halves)."""
-    if L2NORM:
-        x = x / tl.sqrt_rn(row_sum_halves(x * x, LOG_DK, False) + 1e-6)[:, None]
-    return x
 
 
 @triton.jit
@@ -98,8 +91,8 @@ def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, out_ptr, state_ptr,
         state = tl.load(state_ptr + src.to(tl.int64) * stride_sn + block)
     for i in range(n):
         t = (start + i).to(tl.int64)
-        k = _unit(tl.load(k_ptr + t * stride_kt + kh * stride_kh + dk).to(tl.float32)[None, :], L2NORM, LOG_DK)
-        q = _unit(tl.load(q_ptr + t * stride_qt + kh * stride_qh + dk).to(tl.float32)[None, :], L2NORM, LOG_DK) * scale
+        k = l2norm_rows(tl.load(k_ptr + t * stride_kt + kh * stride_kh + dk).to(tl.float32)[None, :], L2NORM, LOG_DK)
+        q = l2norm_rows(tl.load(q_ptr + t * stride_qt + kh * stride_qh + dk).to(tl.float32)[None, :], L2NORM, LOG_DK) * scale
         v = tl.load(v_ptr + t * stride_vt + h * stride_vh + cols).to(tl.float32)
         decay = tl.exp(tl.load(g_ptr + t * stride_gt + h).to(tl.float32))
         beta = tl.load(b_ptr + t * stride_bt + h).to(tl.float32)
