@@ -40,6 +40,7 @@ import torch
 
 from . import exact_math
 from ._triton import require_triton, tl, triton
+from .gated_delta_launch import device_ints
 from .gated_delta_triton import l2norm_rows
 from .row_sum import row_sum_halves, row_sum_levels, row_sum_reference
 
@@ -105,12 +106,6 @@ def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, out_ptr, state_ptr,
         tl.store(state_ptr + dst.to(tl.int64) * stride_sn + block, state)
 
 
-def _device_ints(values: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
-    if isinstance(values, torch.Tensor):
-        return values
-    return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
-
-
 def _launch_triton(q, k, v, g, beta, states, out, plan: RecurrentPlan, scale: float, l2norm: bool) -> None:
     require_triton("gated_delta_rule")
     hk, dk = k.shape[1], k.shape[2]
@@ -119,7 +114,7 @@ def _launch_triton(q, k, v, g, beta, states, out, plan: RecurrentPlan, scale: fl
     for name, d in (("dk", dk), ("dv", dv)):
         if d < 2 or d & (d - 1) or d > 256:
             raise ValueError(f"gated_delta_rule: the Triton kernel takes {name}={d} only as a power of two in 2..256")
-    fields = [_device_ints(x, k.device) for x in (plan.q_start, plan.count, plan.state_in, plan.state_out)]
+    fields = [device_ints(x, k.device) for x in (plan.q_start, plan.count, plan.state_in, plan.state_out)]
     if states.stride(3) != 1:
         raise ValueError(f"gated_delta_rule: states must have unit stride along dv, got strides {states.stride()}")
     _recurrent_kernel[(len(fields[0]), hv, dv // bv)](

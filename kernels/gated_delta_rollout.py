@@ -11,6 +11,8 @@ protocol the engine's state cache implements on pooled tensors with a fixed-shap
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from .backend import select
@@ -59,7 +61,7 @@ class GatedDeltaRollout:
             raise ValueError(f"GatedDeltaRollout.step: rows of {k.dtype} need states of {state_dtype(k)}, "
                              f"the rollout holds {self.states.dtype}")
         backend = select("gated_delta_rule", k, dtypes=_DTYPES)
-        starts = [sum(counts[:i]) for i in range(len(counts))]
+        starts = [0, *itertools.accumulate(counts)][:-1]
         plan = RecurrentPlan(starts, list(counts), [s if self.started[s] else -1 for s in slots], list(slots))
         q, k, v, g, beta = (prepare_rows(x, backend) for x in (q, k, v, g, beta))
         out = torch.empty(k.shape[0], v.shape[1], v.shape[2], dtype=q.dtype, device=q.device)
