@@ -25,41 +25,7 @@ from vexact_models.registry import Architecture
 from vexact_models.runtime import LLM, SamplingParams
 
 from .models import hf_twin
-
-GRAD_SAMPLES = 8  # samples recomputed with autograd on, per scenario
-GRAD_TOKENS = 16384  # ... and at most this many of their tokens (the first always), so long runs keep activations small
-
-
-RECOMPUTE_TOKENS = 65536  # tokens of one recompute forward (a trainer's micro-batch; the rest wait their turn)
-
-
-def recompute_groups(samples: list, budget: int = RECOMPUTE_TOKENS) -> list[range]:
-    """Consecutive runs of (prompt, tokens) samples of at most `budget` tokens each (a sample
-    longer than that alone): the recompute's forwards, so that a big model's recompute of a long
-    rollout fits beside its engine. Batch invariance makes the split invisible in the bits."""
-    groups, start, total = [], 0, 0
-    for i, (prompt, tokens) in enumerate(samples):
-        n = len(prompt) + len(tokens)
-        if i > start and total + n > budget:
-            groups.append(range(start, i))
-            start, total = i, 0
-        total += n
-    if start < len(samples):
-        groups.append(range(start, len(samples)))
-    return groups
-
-
-def grad_sample_count(samples: list) -> int:
-    """How many leading (prompt, tokens) samples the autograd recompute takes: at most
-    `GRAD_SAMPLES`, and no more than `GRAD_TOKENS` tokens in all, but always the first."""
-    count, total = 0, 0
-    for prompt, tokens in samples[:GRAD_SAMPLES]:
-        total += len(prompt) + len(tokens)
-        if count and total > GRAD_TOKENS:
-            break
-        count += 1
-    return count
-
+from .recompute import recompute_and_compare
 
 @dataclass
 class ScenarioResult:
@@ -133,34 +99,6 @@ def request_pool(vocab: int, n: int, max_tokens: int, prompt_len: int, seed: int
             params = SamplingParams(temperature=1.0, ignore_eos=True, stop_token_ids=list(stop_ids), **common)
         pool.append((prompt, params))
     return pool
-
-
-def _recompute(model, samples, temperatures, device, padding: str, rng: random.Random) -> list[torch.Tensor]:
-    """Training-variant logprobs of each sample's output tokens, packed (shuffled) or padded;
-    detached, so that a forward with autograd on keeps no graph (and no activations) alive."""
-    order = list(range(len(samples)))
-    rng.shuffle(order)
-    seqs = [samples[i][0] + samples[i][1] for i in order]
-    temps = torch.tensor([temperatures[i] for i in order], dtype=torch.float32)
-    if padding == "packed":
-        ids = torch.tensor([t for s in seqs for t in s], device=device)
-        cu = torch.tensor([0] + list(torch.tensor([len(s) for s in seqs]).cumsum(0)), dtype=torch.int32)
-        flat = model.token_logprobs(ids, cu_seqlens=cu.to(device), temperature=temps.to(device))
-        per_seq = list(torch.split(flat.detach().cpu(), [len(s) for s in seqs]))
-    else:
-        width = max(len(s) for s in seqs)
-        ids = torch.zeros(len(seqs), width, dtype=torch.long)
-        mask = torch.zeros(len(seqs), width, dtype=torch.long)
-        for r, s in enumerate(seqs):
-            sl = slice(width - len(s), width) if padding == "left" else slice(0, len(s))
-            ids[r, sl], mask[r, sl] = torch.tensor(s), 1
-        lp = model.token_logprobs(ids.to(device), attention_mask=mask.to(device), temperature=temps.to(device)).detach().cpu()
-        per_seq = [lp[r, width - len(s):] if padding == "left" else lp[r, :len(s)] for r, s in enumerate(seqs)]
-    out = [None] * len(samples)
-    for pos, i in enumerate(order):
-        prompt_len = len(samples[i][0])
-        out[i] = per_seq[pos][prompt_len:]
-    return out
 
 
 def _scenarios(pool_size: int) -> list[dict]:
@@ -241,7 +179,7 @@ def run_conformance(arch: Architecture, model, *, device: torch.device, pool_siz
         preempted = llm.num_preemptions
         replays = _mixed_replays(llm.runner.graphs)  # (no reference kept: `del llm` frees the cache)
         samples, reported, temps = _collect_samples(requests, outputs, sc, seen, report, log)
-        mismatches, max_diff, tokens = _recompute_and_compare(model, samples, reported, temps, device, rng)
+        mismatches, max_diff, tokens = recompute_and_compare(model, samples, reported, temps, device, rng)
         generated = sum(len(tokens_) for _, tokens_ in samples)
         result = ScenarioResult(sc["name"] + (f" ({preempted} preemptions)" if preempted else ""), len(samples),
                                 generated, tokens, mismatches, max_diff, time.time() - t0)
@@ -307,29 +245,6 @@ def _collect_samples(requests: list, outputs: list, sc: dict, seen: dict, report
             else:
                 seen[key] = (comp.token_ids, comp.logprobs)
     return samples, reported, temps
-
-
-def _recompute_and_compare(model, samples: list, reported: list, temps: list, device: torch.device,
-                           rng: random.Random) -> tuple[int, float, int]:
-    """(mismatching logprobs, their largest difference, logprobs checked) of the samples recomputed
-    by the training forward in every batch layout, in forwards of at most `RECOMPUTE_TOKENS` tokens
-    (`recompute_groups`). The last layout runs as a training step does,
-    autograd on (separate q/k/v and gate/up GEMMs, the differentiable kernels), over a few samples
-    to bound activation memory (`grad_sample_count`)."""
-    mismatches, max_diff, tokens = 0, 0.0, 0
-    for padding, grad in (("packed", False), ("right", False), ("left", False), ("packed", True)):
-        count = grad_sample_count(samples) if grad else len(samples)
-        recomputed = []
-        with torch.set_grad_enabled(grad):
-            for group in recompute_groups(samples[:count]):
-                part = slice(group.start, group.stop)
-                recomputed += _recompute(model, samples[part], temps[part], device, padding, rng)
-        for got, want in zip(recomputed, reported[:count]):
-            tokens += want.numel()
-            if not torch.equal(got, want):
-                mismatches += int((got != want).sum())
-                max_diff = max(max_diff, float((got - want).abs().max()))
-    return mismatches, max_diff, tokens
 
 
 def _mixed_replays(graphs) -> str:

@@ -258,7 +258,7 @@ def test_cli_progress_shows_where_a_long_run_is(capsys):
 
 
 def test_grad_sample_count_bounds_the_autograd_recompute():
-    from vexact_models.conformance.suite import GRAD_SAMPLES, GRAD_TOKENS, grad_sample_count
+    from vexact_models.conformance.recompute import GRAD_SAMPLES, GRAD_TOKENS, grad_sample_count
 
     short = [([1] * 10, [2] * 5)] * 20
     assert grad_sample_count(short) == GRAD_SAMPLES
@@ -271,7 +271,7 @@ def test_grad_sample_count_bounds_the_autograd_recompute():
 def test_recompute_groups_split_the_recompute_into_bounded_forwards():
     """`recompute_groups`: consecutive runs of at most the budget's tokens, every sample once, in
     order; a sample past the budget alone."""
-    from vexact_models.conformance.suite import recompute_groups
+    from vexact_models.conformance.recompute import recompute_groups
 
     samples = [([1] * 30, [2] * 10), ([1] * 50, [2] * 20), ([1] * 5, [2] * 5), ([1] * 200, [2]), ([1] * 3, [2])]
     assert recompute_groups(samples, 100) == [range(0, 1), range(1, 3), range(3, 4), range(4, 5)]
