@@ -39,8 +39,6 @@ def state_dtype(x: torch.Tensor) -> torch.dtype:
 class RowsPlan:
     kv_start: list[int]  # token of the chunk's row 0 in k, v, g, beta
     n_rows: list[int]  # rows present (<= C)
-    first_row: list[int]  # first row whose output is wanted
-    q_start: list[int]  # q row (and output row) of row ``first_row``
     state_index: list[int]  # the boundary state (-1: zeros)
 
 
@@ -57,7 +55,7 @@ def training_plans(lengths: list[int], chunk: int) -> tuple[FoldPlan, RowsPlan, 
     its initial state at ``base`` and the state after chunk ``c`` at ``base + 1 + c``; returns the
     plans, the bases and the buffer's size."""
     fold = FoldPlan([], [], [], [])
-    rows = RowsPlan([], [], [], [], [])
+    rows = RowsPlan([], [], [])
     bases, start, base = [], 0, 0
     for length in lengths:
         chunks = -(-length // chunk)
@@ -66,7 +64,7 @@ def training_plans(lengths: list[int], chunk: int) -> tuple[FoldPlan, RowsPlan, 
         fold.out_index.append(base + 1)
         for c in range(chunks):
             rows.kv_start.append(start + c * chunk), rows.n_rows.append(min(chunk, length - c * chunk))
-            rows.first_row.append(0), rows.q_start.append(start + c * chunk), rows.state_index.append(base + c)
+            rows.state_index.append(base + c)
         start += length
         base += chunks + 1
     return fold, rows, bases, base
