@@ -12,16 +12,20 @@ order, every operation rounded to fp32 on its own):
 
 The sums over dk are `row_sum.row_sum_halves` (halves added until one is left: fixed by logical
 position, not by the register layout), the l2 norm is ``x / sqrt(sum_dk(x * x) + 1e-6)`` by the
-same sums. A program owns one block of ``BV`` value columns of one head of one segment and walks
-the segment's tokens in order with its block of the state in registers; no program reads another's
-data. So a token's output and the state after it depend on the segment's state before its first
-token and on the tokens so far only, bitwise, whatever else shares the launch, how a sequence is
-cut into segments (a training forward's whole sequence, a prompt in prefill pieces, one decode
-token a step) or where a segment sits in the launch (docs/design.md section 6b). The same holds for
-`recurrent_reference`, the CPU twin: the same steps on ``[segments, Hv, dv, dk]`` tensors
-(elementwise products and adds, `exact_math.exp`, `row_sum_reference`), which the reference
-backend runs for training and rollout alike. The two backends agree to fp32 rounding (their
-``exp`` differ), not bitwise; each is bitwise consistent with itself.
+same sums. The l2 norms and the scale run first, in a pass of their own over every row
+(`unit_rows`: fp32 q and k, each row alone), so the walk does not repeat them for every value block
+and value head of a key head (in the walk they were two thirds of a token's step: 1,476 SASS
+instructions at Qwen3.5's heads, 500 without; 3.3x faster on the H200). A program owns one block of
+``BV`` value columns of one head of one segment and walks the segment's tokens in order with its
+block of the state in registers; no program reads another's data; it loads a token's rows while it
+computes the token before. So a token's output and the state after it depend on the segment's state
+before its first token and on the tokens so far only, bitwise, whatever else shares the launch, how
+a sequence is cut into segments (a training forward's whole sequence, a prompt in prefill pieces,
+one decode token a step) or where a segment sits in the launch (docs/design.md section 6b). The
+same holds for `recurrent_reference`, the CPU twin: the same steps on ``[segments, Hv, dv, dk]``
+tensors (elementwise products and adds, `exact_math.exp`, `row_sum_reference`), which the reference
+backend runs for training and rollout alike. The two backends agree to fp32 rounding (their ``exp``
+differ), not bitwise; each is bitwise consistent with itself.
 
 A segment ``b`` covers tokens ``q_start[b] .. q_start[b] + count[b] - 1`` of the packed rows; it
 starts from ``states[state_in[b]]`` (zeros where ``state_in[b] < 0``) and, where
@@ -44,11 +48,12 @@ from .gated_delta_launch import device_ints
 from .gated_delta_triton import l2norm_rows
 from .row_sum import row_sum_halves, row_sum_levels, row_sum_reference
 
-__all__ = ["L2NORM_EPS", "RecurrentPlan", "launch_recurrent", "recurrent_reference", "value_block"]
+__all__ = ["L2NORM_EPS", "RecurrentPlan", "launch_recurrent", "recurrent_reference", "unit_reference", "unit_rows", "value_block"]
 
 L2NORM_EPS = 1e-6  # transformers' and fla's l2norm epsilon
 VALUE_BLOCK = 16  # value columns a program owns (the state block [16, dk] in one warp's registers)
 RECURRENT_WARPS = 1
+UNIT_ROWS_BLOCK = 16  # (token, head) rows of q or k one program of `unit_rows` prepares
 
 
 @dataclass(frozen=True)
@@ -68,14 +73,55 @@ def value_block(dv: int) -> int:
 
 
 @triton.jit
+def _unit_rows_kernel(x_ptr, out_ptr, rows, heads, stride_xt, stride_xh, scale,
+                      BLOCK: tl.constexpr, DK: tl.constexpr, LOG_DK: tl.constexpr, L2NORM: tl.constexpr):
+    """``BLOCK`` (token, head) rows of ``x [T, H, dk]``: widened to fp32, l2-normalised where
+    `L2NORM`, times `scale`, into the contiguous fp32 ``out [T, H, dk]``."""
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    dk = tl.arange(0, DK)
+    live = (r < rows)[:, None]
+    src = (r // heads).to(tl.int64)[:, None] * stride_xt + (r % heads)[:, None] * stride_xh + dk[None, :]
+    x = l2norm_rows(tl.load(x_ptr + src, mask=live, other=1.0).to(tl.float32), L2NORM, LOG_DK) * scale
+    tl.store(out_ptr + r.to(tl.int64)[:, None] * DK + dk[None, :], x, mask=live)
+
+
+def unit_rows(x: torch.Tensor, scale: float, l2norm: bool) -> torch.Tensor:
+    """``x [T, H, dk]`` (dk a power of two) as the recurrence reads it: fp32, l2-normalised where
+    `l2norm` (`L2NORM_EPS`; the sum over dk by `row_sum_halves`), times `scale`; a new contiguous
+    tensor. Every row on its own, so its bits do not depend on the batch (rules 3, 5)."""
+    t, h, dk = x.shape
+    out = torch.empty(t, h, dk, dtype=torch.float32, device=x.device)
+    if t * h:
+        _unit_rows_kernel[(triton.cdiv(t * h, UNIT_ROWS_BLOCK),)](
+            x, out, t * h, h, x.stride(0), x.stride(1), scale,
+            BLOCK=UNIT_ROWS_BLOCK, DK=dk, LOG_DK=row_sum_levels(dk), L2NORM=l2norm, num_warps=4)
+    return out
+
+
+@triton.jit
+def _token(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, t, live, h, cols, dk, stride_vt, stride_vh, stride_gt, stride_bt,
+           HK: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr):
+    """Token ``t``'s rows for head ``h`` (zeros where not `live`): the prepared k and q ``[DK]``,
+    v's columns `cols` and g, beta, all fp32."""
+    row = (t * HK + h // GROUP) * DK + dk
+    k = tl.load(k_ptr + row, mask=live & (dk < DK), other=0.0)
+    q = tl.load(q_ptr + row, mask=live & (dk < DK), other=0.0)
+    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + cols, mask=live & (cols >= 0), other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + t * stride_gt + h, mask=live, other=0.0).to(tl.float32)
+    beta = tl.load(b_ptr + t * stride_bt + h, mask=live, other=0.0).to(tl.float32)
+    return k, q, v, g, beta
+
+
+@triton.jit
 def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, out_ptr, state_ptr,
                       q_start_ptr, count_ptr, state_in_ptr, state_out_ptr,
-                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
-                      stride_ot, stride_oh, stride_sn, stride_sh, stride_sk, scale,
+                      stride_vt, stride_vh, stride_gt, stride_bt, stride_ot, stride_oh,
+                      stride_sn, stride_sh, stride_sk, HK: tl.constexpr,
                       GROUP: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, LOG_DK: tl.constexpr,
-                      L2NORM: tl.constexpr, LANE_SUMS: tl.constexpr):
+                      LANE_SUMS: tl.constexpr):
     """One program: value columns ``[vb * BV, (vb + 1) * BV)`` of head ``h`` of segment ``b``,
-    its block of the state held transposed (``[BV, dk]``: the sums over dk run along rows)."""
+    its block of the state held transposed (``[BV, dk]``: the sums over dk run along rows). q and
+    k come prepared (`unit_rows`: contiguous fp32 ``[T, HK, DK]``, normalised and scaled)."""
     b, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n = tl.load(count_ptr + b)
     if n == 0:
@@ -83,25 +129,26 @@ def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, out_ptr, state_ptr,
     start = tl.load(q_start_ptr + b)
     src = tl.load(state_in_ptr + b)
     dst = tl.load(state_out_ptr + b)
-    kh = h // GROUP
     cols = vb * BV + tl.arange(0, BV)  # value columns
     dk = tl.arange(0, DK)
     block = (h * stride_sh + dk[None, :] * stride_sk + cols[:, None]).to(tl.int64)  # S[dk, col] at [col, dk]
     state = tl.zeros((BV, DK), dtype=tl.float32)
     if src >= 0:
         state = tl.load(state_ptr + src.to(tl.int64) * stride_sn + block)
+    k, q, v, g, beta = _token(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, start.to(tl.int64), True, h, cols, dk,
+                              stride_vt, stride_vh, stride_gt, stride_bt, HK, GROUP, DK)
     for i in range(n):
         t = (start + i).to(tl.int64)
-        k = l2norm_rows(tl.load(k_ptr + t * stride_kt + kh * stride_kh + dk).to(tl.float32)[None, :], L2NORM, LOG_DK)
-        q = l2norm_rows(tl.load(q_ptr + t * stride_qt + kh * stride_qh + dk).to(tl.float32)[None, :], L2NORM, LOG_DK) * scale
-        v = tl.load(v_ptr + t * stride_vt + h * stride_vh + cols).to(tl.float32)
-        decay = tl.exp(tl.load(g_ptr + t * stride_gt + h).to(tl.float32))
-        beta = tl.load(b_ptr + t * stride_bt + h).to(tl.float32)
-        state = state * decay
-        u = (v - row_sum_halves(state * k, LOG_DK, LANE_SUMS)) * beta
-        state = state + u[:, None] * k
-        out = row_sum_halves(state * q, LOG_DK, LANE_SUMS)
+        # the next token's rows are loaded before this token's step, so their latency overlaps it
+        k_next, q_next, v_next, g_next, beta_next = _token(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, t + 1, i + 1 < n, h,
+                                                           cols, dk, stride_vt, stride_vh, stride_gt, stride_bt,
+                                                           HK, GROUP, DK)
+        state = state * tl.exp(g)
+        u = (v - row_sum_halves(state * k[None, :], LOG_DK, LANE_SUMS)) * beta
+        state = state + u[:, None] * k[None, :]
+        out = row_sum_halves(state * q[None, :], LOG_DK, LANE_SUMS)
         tl.store(out_ptr + t * stride_ot + h * stride_oh + cols, out.to(out_ptr.dtype.element_ty))
+        k, q, v, g, beta = k_next, q_next, v_next, g_next, beta_next
     if dst >= 0:
         tl.store(state_ptr + dst.to(tl.int64) * stride_sn + block, state)
 
@@ -117,11 +164,12 @@ def _launch_triton(q, k, v, g, beta, states, out, plan: RecurrentPlan, scale: fl
     fields = [device_ints(x, k.device) for x in (plan.q_start, plan.count, plan.state_in, plan.state_out)]
     if states.stride(3) != 1:
         raise ValueError(f"gated_delta_rule: states must have unit stride along dv, got strides {states.stride()}")
+    q, k = unit_rows(q, scale, l2norm), unit_rows(k, 1.0, l2norm)
     _recurrent_kernel[(len(fields[0]), hv, dv // bv)](
         q, k, v, g, beta, out, states, *fields,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
-        out.stride(0), out.stride(1), states.stride(0), states.stride(1), states.stride(2), scale,
-        GROUP=hv // hk, DK=dk, BV=bv, LOG_DK=row_sum_levels(dk), L2NORM=l2norm,
+        v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+        out.stride(0), out.stride(1), states.stride(0), states.stride(1), states.stride(2), HK=hk,
+        GROUP=hv // hk, DK=dk, BV=bv, LOG_DK=row_sum_levels(dk),
         LANE_SUMS=bv >= 16 * RECURRENT_WARPS, num_warps=RECURRENT_WARPS)
 
 
@@ -134,7 +182,9 @@ def _dk_sum(x: torch.Tensor) -> torch.Tensor:
     return row_sum_reference(x)
 
 
-def _unit_reference(x: torch.Tensor, l2norm: bool) -> torch.Tensor:
+def unit_reference(x: torch.Tensor, l2norm: bool) -> torch.Tensor:
+    """`unit_rows`'s normalisation in torch (without the scale): ``x / sqrt(sum_dk(x * x) + eps)``
+    with the sum by halves (`_dk_sum`), where `l2norm`; `x` itself otherwise."""
     if not l2norm:
         return x
     return x / torch.sqrt(_dk_sum(x * x) + L2NORM_EPS)[..., None]
@@ -158,8 +208,8 @@ def recurrent_reference(q, k, v, g, beta, states, out, plan: RecurrentPlan, scal
     for i in range(max(s[1] for s in segs)):
         live = [j for j, s in enumerate(segs) if s[1] > i]
         rows = torch.tensor([segs[j][0] + i for j in live], device=dev)
-        kk = _unit_reference(k[rows].to(compute), l2norm).repeat_interleave(group, dim=1)[:, :, None, :]
-        qq = (_unit_reference(q[rows].to(compute), l2norm) * scale).repeat_interleave(group, dim=1)[:, :, None, :]
+        kk = unit_reference(k[rows].to(compute), l2norm).repeat_interleave(group, dim=1)[:, :, None, :]
+        qq = (unit_reference(q[rows].to(compute), l2norm) * scale).repeat_interleave(group, dim=1)[:, :, None, :]
         decay = exact_math.exp(g[rows].to(compute))[:, :, None, None]
         index = torch.tensor(live, device=dev)
         s = state[index] * decay

@@ -16,7 +16,8 @@ DEVICE = "cpu" if INTERPRET else "cuda"
 TOL = 1e-5 if INTERPRET else 1e-4  # fp32 both; the kernel's exp is tl.exp, the reference's exact_math.exp
 
 from vexact_models.kernels import use_backend  # noqa: E402
-from vexact_models.kernels.gated_delta_recurrent import RecurrentPlan, launch_recurrent  # noqa: E402
+from vexact_models.kernels.gated_delta_recurrent import RecurrentPlan, launch_recurrent, unit_rows  # noqa: E402
+from vexact_models.kernels.gated_delta_recurrent import unit_reference  # noqa: E402
 from vexact_models.kernels.gated_delta_rollout import GatedDeltaRollout  # noqa: E402
 from vexact_models.kernels.gated_delta_rule import gated_delta_rule  # noqa: E402
 
@@ -82,6 +83,26 @@ def test_triton_matches_reference(hk, hv, dk, dv, dtype):
     tol = TOL if dtype == torch.float32 else 1e-2
     assert (out.cpu().float() - ref.float()).abs().max() <= tol * ref.float().abs().max()
     assert (final.cpu() - ref_final).abs().max() <= TOL * ref_final.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("l2norm", [True, False])
+def test_unit_rows_match_the_reference_and_each_row_is_alone(dtype, l2norm):
+    """The recurrence's prepared q / k (`unit_rows`: fp32, l2-normalised, scaled) within fp32
+    rounding of `unit_reference`, from a strided view (a projection's split) as from a contiguous
+    tensor; and every row's bits the same in a launch of 37 rows (three programs, the last partial)
+    as in a launch of its own (rule 3)."""
+    gen = torch.Generator().manual_seed(3)
+    wide = (torch.randn(37, 3, 2 * 64, generator=gen) * 3).to(dtype).to(DEVICE)
+    x = wide[:, :, :64]  # a view: strides (384, 128, 1)
+    got = unit_rows(x, 0.125, l2norm)
+    assert got.dtype == torch.float32 and got.is_contiguous() and got.shape == x.shape
+    want = unit_reference(x.cpu().float(), l2norm) * 0.125
+    assert (got.cpu() - want).abs().max() <= 4e-7 * want.abs().max()
+    assert torch.equal(unit_rows(x.contiguous(), 0.125, l2norm), got)
+    for t in (0, 17, 36):
+        assert torch.equal(unit_rows(x[t:t + 1], 0.125, l2norm), got[t:t + 1])
+    assert unit_rows(x[:0], 0.125, l2norm).shape == (0, 3, 64)
 
 
 def test_triton_is_accurate_with_correlated_keys():
