@@ -26,6 +26,7 @@ import transformers
 from vexact_models.registry import Architecture, Shape, architectures, for_model_type, get, shapes
 
 from .models import add_random_lora, build_model, make_config, parse_overrides, published_shape
+from .recompute import RECOMPUTE_TOKENS
 from .suite import print_table, run_conformance, select_scenarios
 
 
@@ -106,6 +107,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=sys.stderr.isatty(),
                         help="a progress bar while each scenario rolls out (stderr) and a line when its recompute "
                              "begins (default: when stderr is a terminal)")
+    parser.add_argument("--recompute-tokens", type=int, default=RECOMPUTE_TOKENS, metavar="N",
+                        help="tokens of one recompute forward, a trainer's micro-batch (default "
+                             f"{RECOMPUTE_TOKENS}; a longer sample runs alone): lower it where a big model's "
+                             "recompute runs out of memory")
     parser.add_argument("--seed", type=int, default=0)
     return parser
 
@@ -118,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--gpu-memory-utilization={args.gpu_memory_utilization} must be in (0, 1]")
     if args.lora < 0:
         parser.error(f"--lora={args.lora} must be >= 0")
-    for name, value in (("--pool", args.pool), ("--max-tokens", args.max_tokens), ("--prompt-len", args.prompt_len)):
+    for name, value in (("--pool", args.pool), ("--max-tokens", args.max_tokens), ("--prompt-len", args.prompt_len),
+                        ("--recompute-tokens", args.recompute_tokens)):
         if value < 1:
             parser.error(f"{name}={value} must be >= 1")
     if args.scenario:
@@ -153,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
                                      prompt_len=args.prompt_len, check_parity=not (args.no_hf_parity or args.lora),
                                      seed=args.seed, scenarios=not args.parity_only,
                                      gpu_memory_utilization=args.gpu_memory_utilization, shape=label,
-                                     only=args.scenario, progress=args.progress)
+                                     only=args.scenario, progress=args.progress,
+                                     recompute_tokens=args.recompute_tokens)
             reports.append(report)
             failed |= not report.ok
             del model

@@ -72,10 +72,10 @@ def _recompute(model, samples, temperatures, device, padding: str, rng: random.R
 
 
 def recompute_and_compare(model, samples: list, reported: list, temps: list, device: torch.device,
-                           rng: random.Random) -> tuple[int, float, int]:
+                           rng: random.Random, budget: int = RECOMPUTE_TOKENS) -> tuple[int, float, int]:
     """(mismatching logprobs, their largest difference, logprobs checked) of the samples recomputed
-    by the training forward in every batch layout, in forwards of at most `RECOMPUTE_TOKENS` tokens
-    (`recompute_groups`). The last layout runs as a training step does,
+    by the training forward in every batch layout, in forwards of at most `budget` tokens
+    (`recompute_groups`; a longer sample alone). The last layout runs as a training step does,
     autograd on (separate q/k/v and gate/up GEMMs, the differentiable kernels), over a few samples
     to bound activation memory (`grad_sample_count`)."""
     mismatches, max_diff, tokens = 0, 0.0, 0
@@ -83,7 +83,7 @@ def recompute_and_compare(model, samples: list, reported: list, temps: list, dev
         count = grad_sample_count(samples) if grad else len(samples)
         recomputed = []
         with torch.set_grad_enabled(grad):
-            for group in recompute_groups(samples[:count]):
+            for group in recompute_groups(samples[:count], budget):
                 part = slice(group.start, group.stop)
                 recomputed += _recompute(model, samples[part], temps[part], device, padding, rng)
         for got, want in zip(recomputed, reported[:count]):

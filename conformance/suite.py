@@ -25,7 +25,7 @@ from vexact_models.registry import Architecture
 from vexact_models.runtime import LLM, SamplingParams
 
 from .models import hf_twin
-from .recompute import recompute_and_compare
+from .recompute import RECOMPUTE_TOKENS, recompute_and_compare
 
 @dataclass
 class ScenarioResult:
@@ -145,13 +145,17 @@ def select_scenarios(pool_size: int, only: Sequence[str] | None = None) -> list[
 def run_conformance(arch: Architecture, model, *, device: torch.device, pool_size: int = 64, max_tokens: int = 24,
                     prompt_len: int = 40, check_parity: bool = True, seed: int = 0, log=print,
                     scenarios: bool = True, gpu_memory_utilization: float = 0.5, shape: str | None = None,
-                    only: Sequence[str] | None = None, progress: bool = False) -> Report:
+                    only: Sequence[str] | None = None, progress: bool = False,
+                    recompute_tokens: int = RECOMPUTE_TOKENS) -> Report:
     """Run every scenario for `model` (a training-variant instance on `device`, built at `arch`'s
     `shape`, which the report records). The engines' KV caches take `gpu_memory_utilization` of
-    a GPU; the recompute with autograd on needs what is left. `only`: run just the scenarios whose
+    a GPU; a scenario's engine is freed before its recompute (as an RL loop's engine sleeps while
+    the trainer runs), which takes forwards of at most `recompute_tokens` tokens
+    (`recompute.recompute_groups`). `only`: run just the scenarios whose
     names contain one of these strings (`select_scenarios`), e.g. the full-pool ones of a long run.
     `progress`: the engine's progress bar while a scenario rolls out (stderr) and a `log` line when
-    its rollout ends and the recompute begins, for runs of minutes."""
+    its rollout ends and the recompute begins and one with the recompute's time and peak memory,
+    for runs of minutes."""
     from vexact_models.kernels import current_backend
 
     dtype = next(model.parameters()).dtype
@@ -179,20 +183,32 @@ def run_conformance(arch: Architecture, model, *, device: torch.device, pool_siz
         preempted = llm.num_preemptions
         replays = _mixed_replays(llm.runner.graphs)  # (no reference kept: `del llm` frees the cache)
         samples, reported, temps = _collect_samples(requests, outputs, sc, seen, report, log)
-        mismatches, max_diff, tokens = recompute_and_compare(model, samples, reported, temps, device, rng)
+        del llm
+        _free_cuda_cache(device)
+        t_recompute = time.time()
+        mismatches, max_diff, tokens = recompute_and_compare(model, samples, reported, temps, device, rng,
+                                                             recompute_tokens)
+        if progress:
+            peak = f", peak {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB" if device.type == "cuda" else ""
+            log(f"  {sc['name']}: recomputed in {time.time() - t_recompute:.1f}s{peak}")
         generated = sum(len(tokens_) for _, tokens_ in samples)
         result = ScenarioResult(sc["name"] + (f" ({preempted} preemptions)" if preempted else ""), len(samples),
                                 generated, tokens, mismatches, max_diff, time.time() - t0)
         report.scenarios.append(result)
         log(f"  {result.name}: {result.sequences} sequences, {generated} tokens generated, {tokens} token "
             f"logprobs checked, {mismatches} mismatches{replays} ({result.seconds:.1f}s)")
-        del llm
-        if device.type == "cuda":
-            gc.collect()  # the engine's CUDA graphs and cache may sit in reference cycles
-            torch.cuda.empty_cache()
     if check_parity:
         report.hf_parity = hf_parity(arch, model, device)
     return report
+
+
+def _free_cuda_cache(device: torch.device) -> None:
+    """On CUDA, the memory of an engine just deleted back to the allocator (its CUDA graphs and
+    cache may sit in reference cycles) and the peak-memory counter reset."""
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 def _engine_options(sc: dict, model, pool: list, dtype: torch.dtype, max_model_len: int,

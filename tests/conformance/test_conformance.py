@@ -91,6 +91,7 @@ def test_cli_config_path_picks_the_architecture_from_its_model_type(capsys, tmp_
     (["--config", "nope"], ["no such file, and not one of the bundled configs"]),
     (["--pool", "0"], ["--pool=0 must be >= 1"]),
     (["--lora", "-1"], ["--lora=-1 must be >= 0"]),
+    (["--recompute-tokens", "0"], ["--recompute-tokens=0 must be >= 1"]),
     (["--attention-forward", "fa4"], ["--attention-forward fa4 needs --device cuda (got --device cpu)"]),
     (["--attention-forward", "flash"], ["invalid choice: 'flash'"]),
 ])
@@ -252,9 +253,36 @@ def test_cli_progress_shows_where_a_long_run_is(capsys):
     line = next(x for x in captured.out.splitlines() if "rolled out" in x)
     assert line.strip().startswith("batch 7, n=4: rolled out ") and line.endswith("s); recomputing"), line
     assert int(line.split("rolled out ")[1].split()[0]) > 0 and "generate" in captured.err
+    done = next(x for x in captured.out.splitlines() if "recomputed in" in x)
+    assert done.strip().startswith("batch 7, n=4: recomputed in ") and "peak" not in done, done  # peak: CUDA only
     assert main(argv) == 0 and main(argv + ["--no-progress"]) == 0
     captured = capsys.readouterr()
     assert "rolled out" not in captured.out and "generate" not in captured.err
+
+
+def test_cli_recompute_tokens_bounds_every_recompute_forward(monkeypatch, capsys):
+    """--recompute-tokens reaches the recompute: every forward of the recompute (its token count
+    read off `token_logprobs`'s inputs) stays within it, except a sample longer than it, alone; the
+    suite still passes."""
+    from vexact_models.causal_lm import CausalLMMixin
+
+    sizes = []  # (tokens, sequences) of each recompute forward
+    real = CausalLMMixin.token_logprobs
+
+    def counted(self, input_ids, attention_mask=None, position_ids=None, cu_seqlens=None, **kwargs):
+        if attention_mask is not None:
+            sizes.append((int(attention_mask.sum()), attention_mask.shape[0]))
+        else:
+            sizes.append((input_ids.numel(), len(cu_seqlens) - 1))
+        return real(self, input_ids, attention_mask, position_ids, cu_seqlens, **kwargs)
+
+    monkeypatch.setattr(CausalLMMixin, "token_logprobs", counted)
+    argv = ["--arch", "qwen3", "--pool", "8", "--max-tokens", "6", "--prompt-len", "12", "--no-hf-parity",
+            "--scenario", "batch 7, chunk", "--recompute-tokens", "20"]
+    assert main(argv) == 0
+    assert "0 mismatches" in capsys.readouterr().out
+    assert len(sizes) > 8 and all(tokens <= 20 or seqs == 1 for tokens, seqs in sizes), sizes
+    assert any(seqs > 1 for _, seqs in sizes), sizes  # ... and not one sample a forward either
 
 
 def test_grad_sample_count_bounds_the_autograd_recompute():
