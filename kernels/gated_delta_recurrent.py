@@ -53,6 +53,9 @@ __all__ = ["L2NORM_EPS", "RecurrentPlan", "launch_recurrent", "recurrent_referen
 L2NORM_EPS = 1e-6  # transformers' and fla's l2norm epsilon
 VALUE_BLOCK = 16  # value columns a program owns (the state block [16, dk] in one warp's registers)
 RECURRENT_WARPS = 1
+#: a cap on the walk's registers a thread (ptxas ``maxnreg``), None for the compiler's own count
+#: (168 at Qwen3.5's heads: 12 one-warp programs an SM; 128 gives 16 and spills 192 bytes)
+RECURRENT_MAX_REGISTERS: int | None = None
 UNIT_ROWS_BLOCK = 16  # (token, head) rows of q or k one program of `unit_rows` prepares
 
 
@@ -123,19 +126,17 @@ def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, out_ptr, state_ptr,
     its block of the state held transposed (``[BV, dk]``: the sums over dk run along rows). q and
     k come prepared (`unit_rows`: contiguous fp32 ``[T, HK, DK]``, normalised and scaled)."""
     b, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    n = tl.load(count_ptr + b)
-    if n == 0:
-        return
-    start = tl.load(q_start_ptr + b)
-    src = tl.load(state_in_ptr + b)
-    dst = tl.load(state_out_ptr + b)
+    n = tl.load(count_ptr + b)  # no early return on n: the four loads issue together, one round
+    start = tl.load(q_start_ptr + b)  # trip before the state's
+    src = tl.where(n > 0, tl.load(state_in_ptr + b), -1)
+    dst = tl.where(n > 0, tl.load(state_out_ptr + b), -1)
     cols = vb * BV + tl.arange(0, BV)  # value columns
     dk = tl.arange(0, DK)
     block = (h * stride_sh + dk[None, :] * stride_sk + cols[:, None]).to(tl.int64)  # S[dk, col] at [col, dk]
     state = tl.zeros((BV, DK), dtype=tl.float32)
     if src >= 0:
         state = tl.load(state_ptr + src.to(tl.int64) * stride_sn + block)
-    k, q, v, g, beta = _token(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, start.to(tl.int64), True, h, cols, dk,
+    k, q, v, g, beta = _token(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, start.to(tl.int64), n > 0, h, cols, dk,
                               stride_vt, stride_vh, stride_gt, stride_bt, HK, GROUP, DK)
     for i in range(n):
         t = (start + i).to(tl.int64)
@@ -170,7 +171,8 @@ def _launch_triton(q, k, v, g, beta, states, out, plan: RecurrentPlan, scale: fl
         v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         out.stride(0), out.stride(1), states.stride(0), states.stride(1), states.stride(2), HK=hk,
         GROUP=hv // hk, DK=dk, BV=bv, LOG_DK=row_sum_levels(dk),
-        LANE_SUMS=bv >= 16 * RECURRENT_WARPS, num_warps=RECURRENT_WARPS)
+        LANE_SUMS=bv >= 16 * RECURRENT_WARPS, num_warps=RECURRENT_WARPS,
+        **({"maxnreg": RECURRENT_MAX_REGISTERS} if RECURRENT_MAX_REGISTERS else {}))
 
 
 def _dk_sum(x: torch.Tensor) -> torch.Tensor:
