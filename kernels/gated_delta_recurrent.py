@@ -15,17 +15,18 @@ position, not by the register layout), the l2 norm is ``x / sqrt(sum_dk(x * x) +
 same sums. The l2 norms and the scale run first, in a pass of their own over every row
 (`unit_rows`: fp32 q and k, each row alone), so the walk does not repeat them for every value block
 and value head of a key head (in the walk they were two thirds of a token's step: 1,476 SASS
-instructions at Qwen3.5's heads, 500 without; 3.3x faster on the H200). A program owns one block of
-``BV`` value columns of one head of one segment and walks the segment's tokens in order with its
-block of the state in registers; no program reads another's data; it loads a token's rows while it
-computes the token before. So a token's output and the state after it depend on the segment's state
-before its first token and on the tokens so far only, bitwise, whatever else shares the launch, how
-a sequence is cut into segments (a training forward's whole sequence, a prompt in prefill pieces,
-one decode token a step) or where a segment sits in the launch (docs/design.md section 6b). The
-same holds for `recurrent_reference`, the CPU twin: the same steps on ``[segments, Hv, dv, dk]``
-tensors (elementwise products and adds, `exact_math.exp`, `row_sum_reference`), which the reference
-backend runs for training and rollout alike. The two backends agree to fp32 rounding (their ``exp``
-differ), not bitwise; each is bitwise consistent with itself.
+instructions at Qwen3.5's heads, 500 without; docs/performance.md section 5 has the timings). A
+program owns one block of ``BV`` value columns of one head of one segment and walks the segment's
+tokens in order with its block of the state in registers; no program reads another's data; it loads
+a token's rows while it computes the token before. So a token's output and the state after it
+depend on the segment's state before its first token and on the tokens so far only, bitwise,
+whatever else shares the launch, how a sequence is cut into segments (a training forward's whole
+sequence, a prompt in prefill pieces, one decode token a step) or where a segment sits in the
+launch (docs/design.md section 6b). The same holds for `recurrent_reference`, the CPU twin: the
+same steps on ``[segments, Hv, dv, dk]`` tensors (elementwise products and adds, `exact_math.exp`,
+`row_sum_reference`), which the reference backend runs for training and rollout alike. The two
+backends agree to fp32 rounding (their ``exp`` differ), not bitwise; each is bitwise consistent
+with itself.
 
 A segment ``b`` covers tokens ``q_start[b] .. q_start[b] + count[b] - 1`` of the packed rows; it
 starts from ``states[state_in[b]]`` (zeros where ``state_in[b] < 0``) and, where
