@@ -1,11 +1,11 @@
 """gated_delta_backward: the chunked backward of `gated_delta_rule`'s training forward
 (docs/design.md rule 8, section 6b "Backward").
 
-`training_backward` recomputes the forward's chunk boundary states with the fold (the same launch as
-the forward, `gated_delta_launch.training_states`; nothing but the inputs is kept between the
-forward and the backward), runs the reverse recurrence of the state gradient over every sequence's
-chunks, then every chunk's gradients, and sums the query/key gradients of each key head's value
-heads (one ``torch.sum`` over the group, a fixed order). Two backends: ``"triton"``
+`training_backward` recomputes the forward's chunk boundary states with the fold
+(`gated_delta_launch.training_states`, which keeps every chunk's solve for the Triton launches;
+nothing but the inputs is kept between the forward and the backward), runs the reverse recurrence
+of the state gradient over every sequence's chunks, then every chunk's gradients, and sums the
+query/key gradients of each key head's value heads (one ``torch.sum`` over the group, a fixed order). Two backends: ``"triton"``
 (`gated_delta_backward_triton`'s kernels, CUDA or the interpreter) and ``"reference"``
 (`gated_delta_backward_reference`'s torch formulas, chunk by chunk; the kernels' test oracle).
 Deterministic: no atomics, one program per output element; the same inputs give the same bits.
@@ -19,14 +19,17 @@ the CPU path. Both are correct to rounding (rule 8 asks no invariance of a backw
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 
 import torch
 
 from . import gated_delta_backward_reference as bref
 from ._triton import require_triton
-from .gated_delta_backward_triton import CHUNK_GRAD_BV, CHUNK_GRAD_WARPS, STATE_GRAD_WARPS, chunk_grad_kernel, state_grad_kernel
-from .gated_delta_launch import (RowsPlan, Shapes, check_triton_shapes, chunk_inputs, device_ints, expand_heads,
-                                 gather_chunks, launch_warps, prepare_rows, training_states, value_block)
+from .gated_delta_backward_triton import (CHUNK_GRAD_BV, CHUNK_GRAD_STAGES, STATE_GRAD_BV, STATE_GRAD_STAGES, WARPS,
+                                          key_grad_kernel, key_sums_kernel, pair_grad_kernel, query_prep_kernel,
+                                          state_grad_kernel, value_grad_kernel)
+from .gated_delta_launch import (FoldChunks, RowsPlan, Shapes, check_triton_shapes, chunk_inputs, device_ints,
+                                 expand_heads, gather_chunks, launch_warps, prepare_rows, training_states)
 from .kernel_switch import KernelSwitch
 
 ENV_VAR = "VEXACT_GATED_DELTA_BACKWARD"
@@ -53,34 +56,91 @@ def _row_grads(t: int, shapes: Shapes, device) -> list[torch.Tensor]:
         torch.empty(t, shapes.hv, dtype=torch.float32, device=device) for _ in range(2)]
 
 
+@dataclass(frozen=True)
+class _Launch:
+    """What every launch of one backward shares: the grid, the rows plan on the device, the
+    constexprs and the launch options."""
+    n_chunks: int
+    hv: int
+    rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # kv_start, n_rows, state_index
+    sizes: dict
+    keys: dict
+    staged: dict
+
+    def per_chunk(self, *shape: int) -> torch.Tensor:
+        return torch.empty(self.n_chunks, self.hv, *shape, dtype=torch.float32, device=self.rows[0].device)
+
+
+def _state_grads(q, k, g, d_out, dstates, kept: FoldChunks, seqs, scale: float, at: _Launch):
+    """`query_prep_kernel` then `state_grad_kernel`: every boundary state's gradient into
+    `dstates`; returns ``P`` and ``P^T dO``."""
+    chunk, dk, dv = at.sizes["C"], at.sizes["DK"], at.sizes["DV"]
+    p, pd, x = at.per_chunk(chunk, chunk), at.per_chunk(chunk, dv), at.per_chunk(dk, dv)
+    query_prep_kernel[(at.n_chunks, at.hv)](
+        q, k, g, d_out, kept.w, p, pd, x, *at.rows[:2], q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        g.stride(0), d_out.stride(0), d_out.stride(1), scale, BV=min(CHUNK_GRAD_BV, dv), **at.sizes, **at.keys,
+        **at.staged)
+    bv = min(STATE_GRAD_BV, dv)
+    state_grad_kernel[(len(seqs[0]), at.hv, dv // bv)](
+        x, kept.w, kept.kd, kept.total_decay, dstates, *(device_ints(a, k.device) for a in seqs), dstates.stride(0),
+        dstates.stride(1), BV=bv, **at.sizes, num_warps=at.staged["num_warps"], num_stages=STATE_GRAD_STAGES)
+    return p, pd
+
+
+def _chunk_grads(q, k, v, g, beta, d_out, states, dstates, kept: FoldChunks, p, pd, grads, scale: float,
+                 at: _Launch) -> None:
+    """`value_grad_kernel`, `key_sums_kernel`, `pair_grad_kernel`, `key_grad_kernel`: every
+    chunk's gradients into `grads`; each scratch tensor dropped once its last reader is queued."""
+    dq, dk, dv, dg, db = grads
+    chunk, dkh, dvh = at.sizes["C"], at.sizes["DK"], at.sizes["DV"]
+    bv = min(CHUNK_GRAD_BV, dvh)
+    v_new, d_new, d_p, d_tmat = at.per_chunk(chunk, dvh), at.per_chunk(chunk, dvh), *(at.per_chunk(chunk, chunk)
+                                                                                      for _ in range(2))
+    d_state_decay = at.per_chunk()
+    value_grad_kernel[(at.n_chunks, at.hv)](
+        v, beta, d_out, states, dstates, kept.t, kept.w, kept.kd, kept.u, pd, v_new, d_new, d_p, d_tmat,
+        d_state_decay, dv, db, *at.rows, v.stride(0), v.stride(1), beta.stride(0), d_out.stride(0), d_out.stride(1),
+        states.stride(0), states.stride(1), dv.stride(0), dv.stride(1), db.stride(0), BV=bv, **at.sizes, **at.staged)
+    del pd
+    d_q_decayed, d_tail, d_w = (at.per_chunk(chunk, dkh) for _ in range(3))
+    key_sums_kernel[(at.n_chunks, at.hv)](
+        d_out, states, dstates, v_new, d_new, d_q_decayed, d_tail, d_w, *at.rows, d_out.stride(0), d_out.stride(1),
+        states.stride(0), states.stride(1), BV=bv, **at.sizes, **at.staged)
+    del v_new, d_new
+    m_l, m_p, d_k_beta, d_cum = at.per_chunk(chunk, chunk), at.per_chunk(chunk, chunk), at.per_chunk(chunk, dkh), \
+        at.per_chunk(chunk)
+    pair_grad_kernel[(at.n_chunks, at.hv)](
+        k, g, beta, kept.t, p, d_p, d_tmat, d_w, m_l, m_p, d_k_beta, d_cum, db, *at.rows[:2], k.stride(0), k.stride(1),
+        g.stride(0), beta.stride(0), db.stride(0), C=chunk, DK=dkh, **at.keys, **at.staged)
+    del p, d_p, d_tmat, d_w
+    key_grad_kernel[(at.n_chunks, at.hv)](
+        q, k, g, beta, m_l, m_p, d_k_beta, d_cum, d_state_decay, d_q_decayed, d_tail, dq, dk, dg, *at.rows[:2],
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), beta.stride(0), dq.stride(0), dq.stride(1),
+        dg.stride(0), scale, C=chunk, DK=dkh, **at.keys, **at.staged)
+
+
 def _backward_triton(q, k, v, g, beta, d_out, states, dstates, rows: RowsPlan, seqs, shapes: Shapes, chunk: int,
-                     scale: float, l2norm: bool) -> list[torch.Tensor]:
+                     scale: float, l2norm: bool, kept: FoldChunks | None) -> list[torch.Tensor]:
+    """`gated_delta_backward_triton`'s launches on the fold's `kept` chunks (every chunk of `rows`,
+    in its order); `seqs` are the sequences' first chunks, lengths and state bases."""
     require_triton("gated_delta_rule backward")
     check_triton_shapes(shapes)
     grads = _row_grads(k.shape[0], shapes, k.device)
     if not rows.kv_start:
         return grads
-    dev, bv = k.device, value_block(shapes.dv)
-    consts = dict(GROUP=shapes.hv // shapes.hk, C=chunk, DK=shapes.dk, DV=shapes.dv, BV=bv,
-                  LOG_C=chunk.bit_length() - 1, LOG_DK=shapes.dk.bit_length() - 1, L2NORM=l2norm)
-    state_grad_kernel[(len(seqs[0]), shapes.hv, shapes.dv // bv)](
-        q, k, g, beta, d_out, dstates, *(device_ints(x, dev) for x in seqs),
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), beta.stride(0), d_out.stride(0),
-        d_out.stride(1), dstates.stride(0), dstates.stride(1), scale, **consts,
-        num_warps=launch_warps(shapes, STATE_GRAD_WARPS))
-    dq, dk, dv, dg, db = grads
-    consts["BV"] = min(CHUNK_GRAD_BV, shapes.dv)
-    chunk_grad_kernel[(len(rows.kv_start), shapes.hv)](
-        q, k, v, g, beta, d_out, states, dstates, *grads,
-        *(device_ints(x, dev) for x in (rows.kv_start, rows.n_rows, rows.state_index)),
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
-        d_out.stride(0), d_out.stride(1), states.stride(0), states.stride(1), dq.stride(0), dq.stride(1),
-        dv.stride(0), dv.stride(1), dg.stride(0), scale, **consts, num_warps=launch_warps(shapes, CHUNK_GRAD_WARPS))
+    at = _Launch(len(rows.kv_start), shapes.hv,
+                 tuple(device_ints(x, k.device) for x in (rows.kv_start, rows.n_rows, rows.state_index)),
+                 dict(C=chunk, DK=shapes.dk, DV=shapes.dv),
+                 dict(GROUP=shapes.hv // shapes.hk, LOG_C=chunk.bit_length() - 1, LOG_DK=shapes.dk.bit_length() - 1,
+                      L2NORM=l2norm),
+                 dict(num_warps=launch_warps(shapes, WARPS), num_stages=CHUNK_GRAD_STAGES))
+    p, pd = _state_grads(q, k, g, d_out, dstates, kept, seqs, scale, at)
+    _chunk_grads(q, k, v, g, beta, d_out, states, dstates, kept, p, pd, grads, scale, at)
     return grads
 
 
 def _backward_reference(q, k, v, g, beta, d_out, states, dstates, rows: RowsPlan, seqs, shapes: Shapes, chunk: int,
-                        scale: float, l2norm: bool) -> list[torch.Tensor]:
+                        scale: float, l2norm: bool, kept: None) -> list[torch.Tensor]:
     compute = states.dtype
     start, n = rows.kv_start, rows.n_rows
     kk, vv, gg, bb = chunk_inputs(start, n, k, v, g, beta, shapes, chunk, compute)
@@ -109,17 +169,18 @@ def training_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     checked inputs, on `backend` (``"triton"`` or ``"reference"``)."""
     shapes = Shapes(k.shape[1], v.shape[1], k.shape[2], v.shape[2])
     q, k, v, g, beta, d_out = (prepare_rows(x, backend) for x in (q, k, v, g, beta, d_out))
-    states, rows, bases = training_states(k, v, g, beta, initial_state, lengths, chunk, l2norm, False, backend)
+    # every chunk folded (the state after each sequence's last one is never read) so that the fold
+    # keeps every chunk's solve for the Triton launches
+    states, rows, bases, kept = training_states(k, v, g, beta, initial_state, lengths, chunk, l2norm, True, backend,
+                                                keep=backend == "triton")
     chunks = [-(-n // chunk) for n in lengths]
     dstates = torch.empty_like(states)
     top = [base + c for base, c in zip(bases, chunks)]
     dstates[top] = 0.0 if d_final is None else d_final.to(states.dtype)
-    starts = [0]
-    for n in lengths[:-1]:
-        starts.append(starts[-1] + n)
+    firsts = [base - i for i, base in enumerate(bases)]  # a sequence's first chunk: its base less the bases before
     run = _backward_triton if backend == "triton" else _backward_reference
-    dq, dk, dv, dg, db = run(q, k, v, g, beta, d_out, states, dstates, rows, (starts, lengths, bases), shapes, chunk,
-                             scale, l2norm)
+    dq, dk, dv, dg, db = run(q, k, v, g, beta, d_out, states, dstates, rows, (firsts, lengths, bases), shapes, chunk,
+                             scale, l2norm, kept)
     group = shapes.hv // shapes.hk
     dq, dk = (x.reshape(x.shape[0], shapes.hk, group, shapes.dk).sum(2) for x in (dq, dk))
     d_initial = None if initial_state is None else dstates[bases].to(initial_state.dtype)

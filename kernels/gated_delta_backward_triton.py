@@ -1,29 +1,41 @@
-"""The gated delta rule's Triton backward: the reverse recurrence of the state gradient
-(`state_grad_kernel`) and each chunk's gradients (`chunk_grad_kernel`), the formulas of
-`gated_delta_backward_reference` (its docstring derives them; docs/design.md rule 8, section 6b).
+"""The gated delta rule's Triton backward: the formulas of `gated_delta_backward_reference` (its
+docstring derives them; docs/design.md rule 8, section 6b), in four launches after the fold.
 
-Both recompute a chunk's key side with the forward's `gated_delta_triton.chunk_keys` (normalised
-keys, ``G``, the pair decays, ``T``, ``w``) rather than reading it from memory. A
-`state_grad_kernel` program takes one value block of one head of one sequence and walks its chunks
-from the last to the first, carrying ``dS [dk, BV]`` in registers and writing the gradient of every
-chunk's boundary state; a `chunk_grad_kernel` program takes one chunk of one head, reads the
-forward's boundary state (recomputed by the fold) and the gradient of the next one, and writes the
-chunk's ``dq, dk`` (at the value head, through the l2 norm), ``dv``, ``dg``, ``dbeta`` in fp32. No
-atomics: every output element is written by one program, every sum has one order fixed by the
-code (a ``tl.sum`` over a tile, the value blocks one after another, the chunks in reverse), so the
-same inputs give the same bits run to run. The dots run in ``tf32x3`` on fp32 operands, as the
-forward's.
+The fold (`gated_delta_triton.fold_prep_kernel`) has already solved every chunk: ``T``, ``w``, the
+keys decayed to the chunk's end ``kd = k exp(G_last - G)``, ``u = T (v beta)`` and ``exp(G_last)``
+are in memory (`gated_delta_launch.FoldChunks`), and nothing below solves again.
+
+- `query_prep_kernel` (one program a chunk and head, all in parallel): ``P = lower(q k^T *
+  decay)``, ``P^T dO`` and what the chunk adds to the state gradient whatever comes after it, ``X
+  = (q exp(G))^T dO - w^T P^T dO``.
+- `state_grad_kernel` (one program a value block of one head of one sequence, the state gradient
+  of the block in registers): from the last chunk to the first, two products a chunk,
+  ``dS = X + exp(G_last) dS' - w^T (kd dS')``; the gradient of every chunk's boundary state.
+- `value_grad_kernel` (a chunk and head): ``v_new = u - w S`` and ``d_new = P^T dO + kd dS'``
+  value block by value block (kept for the next launch), ``dv``, the ``[C, C]`` sums ``dP`` and
+  ``dT`` and the value side of ``dbeta``.
+- `key_grad_kernel` (a chunk and head): the ``[C, dk]`` sums over the value blocks, then ``dq``,
+  ``dk`` (at the value head, through the l2 norm), ``dg`` and ``dbeta``.
+
+Split this way, no program holds more than two ``[C, dk]`` accumulators and the key tiles beside
+each other, so ptxas neither spills nor serialises the wgmma (docs/performance.md section 5). The
+per-chunk tensors between launches are fp32 in memory. No atomics: every output element is written
+by one program, every sum has one order fixed by the code (a ``tl.sum`` over a tile, the value
+blocks one after another, the chunks in reverse), so the same inputs give the same bits run to
+run. The dots run in ``tf32x3`` on fp32 operands, as the fold's.
 """
 
 from __future__ import annotations
 
 from ._triton import tl, triton
-from .gated_delta_triton import chunk_keys, l2norm_rows, load_rows, load_state, store_state
+from .gated_delta_triton import keys_decay, l2norm_rows, load_gates, load_rows, load_state, store_state
 from .row_sum import row_sum_halves
 
-STATE_GRAD_WARPS = 8
-CHUNK_GRAD_WARPS = 8
-CHUNK_GRAD_BV = 32  # value columns a chunk_grad_kernel step takes
+WARPS = 8  # every launch's (`gated_delta_launch.SMALL_HEAD_WARPS` where dk or dv is 16)
+CHUNK_GRAD_BV = 32  # value columns a chunk program's step takes
+CHUNK_GRAD_STAGES = 1  # its value-block loop unpipelined: pipelined, value_grad_kernel asked 304 KB of shared memory
+STATE_GRAD_BV = 32  # value columns a state_grad_kernel program carries: 4 programs a head of 128
+STATE_GRAD_STAGES = 2
 
 
 @triton.jit
@@ -32,46 +44,119 @@ def _dot(a, b):
 
 
 @triton.jit
-def _query_side(q_ptr, start, n, hk, stride_qt, stride_qh, k, cum, decay, scale,
-                C: tl.constexpr, DK: tl.constexpr, LOG_DK: tl.constexpr, L2NORM: tl.constexpr):
-    """The normalised, scaled queries ``q``, ``P = lower(q k^T * decay)``, ``exp(G_last)`` and
-    ``exp(G_last - G)``."""
-    rows = tl.arange(0, C)
-    q = l2norm_rows(load_rows(q_ptr, start, 0, n, hk, stride_qt, stride_qh, DK, C), L2NORM, LOG_DK) * scale
-    p = tl.where(rows[None, :] <= rows[:, None], _dot(q, tl.trans(k)) * decay, 0.0)
-    last = tl.sum(tl.where(rows == C - 1, cum, 0.0), axis=0)  # G of the tile's last row (absent rows add g = 0)
-    return q, p, tl.exp(last), tl.exp(last - cum)
+def _tile_ptrs(ptr, j, h, heads, col, R: tl.constexpr, W: tl.constexpr, ROW: tl.constexpr):
+    """Pointers to rows ``0..R-1``, columns ``col..col+W-1`` of chunk `j`'s ``[R, ROW]`` matrix of
+    head `h` in a contiguous ``[N, heads, R, ROW]`` per-chunk tensor."""
+    base = ptr + (j.to(tl.int64) * heads + h) * (R * ROW)
+    return base + tl.arange(0, R)[:, None] * ROW + (col + tl.arange(0, W))[None, :]
 
 
 @triton.jit
-def state_grad_kernel(q_ptr, k_ptr, g_ptr, b_ptr, do_ptr, dstate_ptr, start_ptr, length_ptr, base_ptr,
-                      stride_qt, stride_qh, stride_kt, stride_kh, stride_gt, stride_bt, stride_dot, stride_doh,
-                      stride_s, stride_sh, scale,
+def _query(q_ptr, start, n, hk, stride_qt, stride_qh, scale, C: tl.constexpr, DK: tl.constexpr,
+           LOG_DK: tl.constexpr, L2NORM: tl.constexpr):
+    """The chunk's normalised, scaled queries ``[C, DK]``."""
+    return l2norm_rows(load_rows(q_ptr, start, 0, n, hk, stride_qt, stride_qh, DK, C), L2NORM, LOG_DK) * scale
+
+
+@triton.jit
+def query_prep_kernel(q_ptr, k_ptr, g_ptr, do_ptr, w_ptr, p_ptr, pd_ptr, x_ptr, kv_start_ptr, n_rows_ptr,
+                      stride_qt, stride_qh, stride_kt, stride_kh, stride_gt, stride_dot, stride_doh, scale,
                       GROUP: tl.constexpr, C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
                       LOG_C: tl.constexpr, LOG_DK: tl.constexpr, L2NORM: tl.constexpr):
-    """One sequence (``length`` rows from token ``start``), one head, one value block: from the
-    gradient of its final state at ``dstate[base + chunks]``, the gradient of the state at the
-    start of chunk ``c`` goes to ``dstate[base + c]``, ``c = chunks - 1, .., 0``."""
+    """Chunk `j`, head `h`: ``P`` ``[C, C]``, ``P^T dO`` ``[C, DV]`` and ``X`` ``[DK, DV]``."""
+    j = tl.program_id(0)
+    h = tl.program_id(1)
+    heads = tl.num_programs(1)
+    hk = h // GROUP
+    start = tl.load(kv_start_ptr + j)
+    n = tl.load(n_rows_ptr + j)
+    rows = tl.arange(0, C)
+    k, cum, decay = keys_decay(k_ptr, g_ptr, start, n, h, hk, stride_kt, stride_kh, stride_gt, C, DK, LOG_C, LOG_DK,
+                               L2NORM)
+    q = _query(q_ptr, start, n, hk, stride_qt, stride_qh, scale, C, DK, LOG_DK, L2NORM)
+    p = tl.where(rows[None, :] <= rows[:, None], _dot(q, tl.trans(k)) * decay, 0.0)
+    tl.store(_tile_ptrs(p_ptr, j, h, heads, 0, C, C, C), p)
+    q_decayed = q * tl.exp(cum)[:, None]
+    w = tl.load(_tile_ptrs(w_ptr, j, h, heads, 0, C, DK, DK))
+    for vb in range(DV // BV):
+        d_out = load_rows(do_ptr + vb * BV, start, 0, n, h, stride_dot, stride_doh, BV, C)
+        pd = _dot(tl.trans(p), d_out)
+        tl.store(_tile_ptrs(pd_ptr, j, h, heads, vb * BV, C, BV, DV), pd)
+        x = _dot(tl.trans(q_decayed), d_out) - _dot(tl.trans(w), pd)
+        tl.store(_tile_ptrs(x_ptr, j, h, heads, vb * BV, DK, BV, DV), x)
+
+
+@triton.jit
+def state_grad_kernel(x_ptr, w_ptr, kd_ptr, decay_ptr, dstate_ptr, first_ptr, length_ptr, base_ptr,
+                      stride_s, stride_sh,
+                      C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
+    """One sequence (``length`` rows, its chunks at ``first ..`` of the per-chunk tensors), one head,
+    one value block: from the gradient of its final state at ``dstate[base + chunks]``, the
+    gradient of the state at the start of chunk ``c`` goes to ``dstate[base + c]``, ``c = chunks -
+    1, .., 0``."""
     seq = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
-    hk = h // GROUP
-    start = tl.load(start_ptr + seq)
-    length = tl.load(length_ptr + seq)
+    heads = tl.num_programs(1)
+    first = tl.load(first_ptr + seq)
     base = tl.load(base_ptr + seq)
-    chunks = tl.cdiv(length, C)
+    chunks = tl.cdiv(tl.load(length_ptr + seq), C)
     ds = load_state(dstate_ptr, base + chunks, h, vb, stride_s, stride_sh, DK, DV, BV)
     for i in range(0, chunks):
         c = chunks - 1 - i
-        n = tl.minimum(length - c * C, C)
-        k, cum, beta, decay, t, w = chunk_keys(k_ptr, g_ptr, b_ptr, start + c * C, n, h, hk, stride_kt, stride_kh,
-                                                stride_gt, stride_bt, C, DK, LOG_C, LOG_DK, L2NORM)
-        q, p, exp_last, exp_tail = _query_side(q_ptr, start + c * C, n, hk, stride_qt, stride_qh, k, cum, decay, scale,
-                                               C, DK, LOG_DK, L2NORM)
-        d_out = load_rows(do_ptr + vb * BV, start + c * C, 0, n, h, stride_dot, stride_doh, BV, C)
-        d_new = _dot(tl.trans(p), d_out) + _dot(k * exp_tail[:, None], ds)
-        ds = _dot(tl.trans(q * tl.exp(cum)[:, None]), d_out) + ds * exp_last - _dot(tl.trans(w), d_new)
+        j = first + c
+        w = tl.load(_tile_ptrs(w_ptr, j, h, heads, 0, C, DK, DK))
+        kd = tl.load(_tile_ptrs(kd_ptr, j, h, heads, 0, C, DK, DK))
+        x = tl.load(_tile_ptrs(x_ptr, j, h, heads, vb * BV, DK, BV, DV))
+        total_decay = tl.load(decay_ptr + j.to(tl.int64) * heads + h)
+        ds = x + ds * total_decay - _dot(tl.trans(w), _dot(kd, ds))
         store_state(dstate_ptr, base + c, h, vb, ds, stride_s, stride_sh, DK, DV, BV)
+
+
+@triton.jit
+def value_grad_kernel(v_ptr, b_ptr, do_ptr, state_ptr, dstate_ptr, t_ptr, w_ptr, kd_ptr, u_ptr, pd_ptr,
+                      vnew_ptr, dnew_ptr, dp_ptr, dt_ptr, dsd_ptr, dv_ptr, db_ptr, kv_start_ptr, n_rows_ptr,
+                      state_index_ptr, stride_vt, stride_vh, stride_bt, stride_dot, stride_doh, stride_s, stride_sh,
+                      stride_dvt, stride_dvh, stride_dbt,
+                      C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
+    """Chunk `j`, head `h`, from its boundary state ``state[index]`` and the next one's gradient
+    ``dstate[index + 1]``: ``v_new``, ``d_new`` ``[C, DV]`` (kept), ``dv`` (rows ``< n``), the
+    sums ``dP``, ``dT`` ``[C, C]``, the value side of ``dbeta`` (in `db`) and ``sum(dS' * S)``."""
+    j = tl.program_id(0)
+    h = tl.program_id(1)
+    heads = tl.num_programs(1)
+    start = tl.load(kv_start_ptr + j)
+    n = tl.load(n_rows_ptr + j)
+    index = tl.load(state_index_ptr + j)
+    rows = tl.arange(0, C)
+    beta = load_gates(b_ptr, start, n, h, stride_bt, C)
+    t = tl.load(_tile_ptrs(t_ptr, j, h, heads, 0, C, C, C))
+    w = tl.load(_tile_ptrs(w_ptr, j, h, heads, 0, C, DK, DK))
+    kd = tl.load(_tile_ptrs(kd_ptr, j, h, heads, 0, C, DK, DK))
+    d_p = tl.zeros((C, C), dtype=tl.float32)
+    d_tmat = tl.zeros((C, C), dtype=tl.float32)
+    d_beta = tl.zeros((C,), dtype=tl.float32)
+    d_state_decay = 0.0
+    for vb in range(DV // BV):
+        s = load_state(state_ptr, index, h, vb, stride_s, stride_sh, DK, DV, BV)
+        d_end = load_state(dstate_ptr, index + 1, h, vb, stride_s, stride_sh, DK, DV, BV)
+        v = load_rows(v_ptr + vb * BV, start, 0, n, h, stride_vt, stride_vh, BV, C)
+        d_out = load_rows(do_ptr + vb * BV, start, 0, n, h, stride_dot, stride_doh, BV, C)
+        v_new = tl.load(_tile_ptrs(u_ptr, j, h, heads, vb * BV, C, BV, DV)) - _dot(w, s)
+        d_new = tl.load(_tile_ptrs(pd_ptr, j, h, heads, vb * BV, C, BV, DV)) + _dot(kd, d_end)
+        tl.store(_tile_ptrs(vnew_ptr, j, h, heads, vb * BV, C, BV, DV), v_new)
+        tl.store(_tile_ptrs(dnew_ptr, j, h, heads, vb * BV, C, BV, DV), d_new)
+        d_p += _dot(d_out, tl.trans(v_new))
+        d_tmat += _dot(d_new, tl.trans(v * beta[:, None]))
+        d_v_beta = _dot(tl.trans(t), d_new)
+        dv_ptrs = dv_ptr + (start + rows).to(tl.int64)[:, None] * stride_dvt + h * stride_dvh + vb * BV
+        tl.store(dv_ptrs + tl.arange(0, BV)[None, :], d_v_beta * beta[:, None], mask=(rows < n)[:, None])
+        d_beta += tl.sum(d_v_beta * v, axis=1)
+        d_state_decay += tl.sum(tl.sum(d_end * s, axis=1), axis=0)
+    tl.store(_tile_ptrs(dp_ptr, j, h, heads, 0, C, C, C), d_p)
+    tl.store(_tile_ptrs(dt_ptr, j, h, heads, 0, C, C, C), d_tmat)
+    tl.store(db_ptr + (start + rows).to(tl.int64) * stride_dbt + h, d_beta, mask=rows < n)
+    tl.store(dsd_ptr + j.to(tl.int64) * heads + h, d_state_decay)
 
 
 @triton.jit
@@ -94,78 +179,112 @@ def _store_rows(ptr, start, n, h, x, stride_t, stride_h, C: tl.constexpr, D: tl.
 
 
 @triton.jit
-def chunk_grad_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, do_ptr, state_ptr, dstate_ptr,
-                      dq_ptr, dk_ptr, dv_ptr, dg_ptr, db_ptr, kv_start_ptr, n_rows_ptr, state_index_ptr,
-                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
-                      stride_dot, stride_doh, stride_s, stride_sh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-                      stride_dgt, scale,
-                      GROUP: tl.constexpr, C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-                      LOG_C: tl.constexpr, LOG_DK: tl.constexpr, L2NORM: tl.constexpr):
-    """One chunk, one head: the boundary state ``state[index]`` and the next one's gradient
-    ``dstate[index + 1]`` give the gradients of the chunk's rows (`gated_delta_backward_reference.
-    chunk_grads`); dq, dk ``[T, Hv, dk]`` (one per value head), dv ``[T, Hv, dv]``, dg, dbeta
-    ``[T, Hv]``, fp32, rows ``< n`` only."""
-    chunk = tl.program_id(0)
+def key_sums_kernel(do_ptr, state_ptr, dstate_ptr, vnew_ptr, dnew_ptr, dqd_ptr, dtail_ptr, dw_ptr, kv_start_ptr,
+                    n_rows_ptr, state_index_ptr, stride_dot, stride_doh, stride_s, stride_sh,
+                    C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
+    """Chunk `j`, head `h`: the ``[C, DK]`` sums over the value blocks ``dO S^T``, ``v_new dS'^T``
+    and ``-d_new S^T``."""
+    j = tl.program_id(0)
     h = tl.program_id(1)
-    hk = h // GROUP
-    start = tl.load(kv_start_ptr + chunk)
-    n = tl.load(n_rows_ptr + chunk)
-    index = tl.load(state_index_ptr + chunk)
-    rows = tl.arange(0, C)
-    k, cum, beta, decay, t, w = chunk_keys(k_ptr, g_ptr, b_ptr, start, n, h, hk, stride_kt, stride_kh, stride_gt,
-                                            stride_bt, C, DK, LOG_C, LOG_DK, L2NORM)
-    q, p, exp_last, exp_tail = _query_side(q_ptr, start, n, hk, stride_qt, stride_qh, k, cum, decay, scale,
-                                           C, DK, LOG_DK, L2NORM)
-    exp_cum = tl.exp(cum)
-    k_tail = k * exp_tail[:, None]
+    heads = tl.num_programs(1)
+    start = tl.load(kv_start_ptr + j)
+    n = tl.load(n_rows_ptr + j)
+    index = tl.load(state_index_ptr + j)
     d_q_decayed = tl.zeros((C, DK), dtype=tl.float32)
-    d_p = tl.zeros((C, C), dtype=tl.float32)
     d_tail = tl.zeros((C, DK), dtype=tl.float32)
     d_w = tl.zeros((C, DK), dtype=tl.float32)
-    d_tmat = tl.zeros((C, C), dtype=tl.float32)
-    d_beta = tl.zeros((C,), dtype=tl.float32)
-    d_state_decay = 0.0
-    for vb in tl.static_range(DV // BV):
+    for vb in range(DV // BV):
         s = load_state(state_ptr, index, h, vb, stride_s, stride_sh, DK, DV, BV)
         d_end = load_state(dstate_ptr, index + 1, h, vb, stride_s, stride_sh, DK, DV, BV)
-        v = load_rows(v_ptr + vb * BV, start, 0, n, h, stride_vt, stride_vh, BV, C)
-        v_beta = v * beta[:, None]
-        v_new = _dot(t, v_beta) - _dot(w, s)
         d_out = load_rows(do_ptr + vb * BV, start, 0, n, h, stride_dot, stride_doh, BV, C)
-        d_new = _dot(tl.trans(p), d_out) + _dot(k_tail, d_end)
+        v_new = tl.load(_tile_ptrs(vnew_ptr, j, h, heads, vb * BV, C, BV, DV))
+        d_new = tl.load(_tile_ptrs(dnew_ptr, j, h, heads, vb * BV, C, BV, DV))
         d_q_decayed += _dot(d_out, tl.trans(s))
-        d_p += _dot(d_out, tl.trans(v_new))
         d_tail += _dot(v_new, tl.trans(d_end))
         d_w -= _dot(d_new, tl.trans(s))
-        d_tmat += _dot(d_new, tl.trans(v_beta))
-        d_v_beta = _dot(tl.trans(t), d_new)
-        _store_rows(dv_ptr + vb * BV, start, n, h, d_v_beta * beta[:, None], stride_dvt, stride_dvh, C, BV)
-        d_beta += tl.sum(d_v_beta * v, axis=1)
-        d_state_decay += tl.sum(tl.sum(d_end * s, axis=1), axis=0)
+    tl.store(_tile_ptrs(dqd_ptr, j, h, heads, 0, C, DK, DK), d_q_decayed)
+    tl.store(_tile_ptrs(dtail_ptr, j, h, heads, 0, C, DK, DK), d_tail)
+    tl.store(_tile_ptrs(dw_ptr, j, h, heads, 0, C, DK, DK), d_w)
+
+
+@triton.jit
+def pair_grad_kernel(k_ptr, g_ptr, b_ptr, t_ptr, p_ptr, dp_ptr, dt_ptr, dw_ptr, ml_ptr, mp_ptr, dkb_ptr, dcum_ptr,
+                     db_ptr, kv_start_ptr, n_rows_ptr, stride_kt, stride_kh, stride_gt, stride_bt, stride_dbt,
+                     GROUP: tl.constexpr, C: tl.constexpr, DK: tl.constexpr,
+                     LOG_C: tl.constexpr, LOG_DK: tl.constexpr, L2NORM: tl.constexpr):
+    """Chunk `j`, head `h`: the gradients through ``T`` and ``P`` (`gated_delta_backward_reference.
+    chunk_grads`): ``M_L = dL * decay`` and ``M_P = dP * decay`` ``[C, C]``, the gradient of ``k
+    beta`` ``[C, DK]``, the pairs' and ``w``'s part of the gradient of ``G`` ``[C]``, and ``k``'s
+    part of ``dbeta`` (added to `value_grad_kernel`'s in `db`)."""
+    j = tl.program_id(0)
+    h = tl.program_id(1)
+    heads = tl.num_programs(1)
+    start = tl.load(kv_start_ptr + j)
+    n = tl.load(n_rows_ptr + j)
+    rows = tl.arange(0, C)
+    k, cum, decay = keys_decay(k_ptr, g_ptr, start, n, h, h // GROUP, stride_kt, stride_kh, stride_gt, C, DK, LOG_C,
+                               LOG_DK, L2NORM)
+    beta = load_gates(b_ptr, start, n, h, stride_bt, C)
+    exp_cum = tl.exp(cum)
     k_beta = k * beta[:, None]
-    d_w_t = _dot(tl.trans(t), d_w)  # the gradient of w's k beta exp(G)
-    d_tmat += _dot(d_w, tl.trans(k_beta * exp_cum[:, None]))
+    d_w_ptrs = _tile_ptrs(dw_ptr, j, h, heads, 0, C, DK, DK)
+    d_tmat = tl.load(_tile_ptrs(dt_ptr, j, h, heads, 0, C, C, C)) + _dot(tl.load(d_w_ptrs),
+                                                                        tl.trans(k_beta * exp_cum[:, None]))
+    t = tl.load(_tile_ptrs(t_ptr, j, h, heads, 0, C, C, C))
     strict = rows[None, :] < rows[:, None]
     d_l = tl.where(strict, -_dot(tl.trans(t), _dot(d_tmat, tl.trans(t))), 0.0)
-    d_p = tl.where(rows[None, :] <= rows[:, None], d_p, 0.0)
     lmat = tl.where(strict, _dot(k_beta, tl.trans(k)) * decay, 0.0)
-    h_pairs = d_l * lmat + d_p * p
+    d_p = tl.where(rows[None, :] <= rows[:, None], tl.load(_tile_ptrs(dp_ptr, j, h, heads, 0, C, C, C)), 0.0)
+    h_pairs = d_l * lmat + d_p * tl.load(_tile_ptrs(p_ptr, j, h, heads, 0, C, C, C))
     m_l = d_l * decay
-    m_p = d_p * decay
+    tl.store(_tile_ptrs(ml_ptr, j, h, heads, 0, C, C, C), m_l)
+    tl.store(_tile_ptrs(mp_ptr, j, h, heads, 0, C, C, C), d_p * decay)
+    d_w_t = _dot(tl.trans(t), tl.load(d_w_ptrs))  # the gradient of w's k beta exp(G)
     d_k_beta = _dot(m_l, k) + d_w_t * exp_cum[:, None]
+    tl.store(_tile_ptrs(dkb_ptr, j, h, heads, 0, C, DK, DK), d_k_beta)
+    d_cum = tl.sum(h_pairs, axis=1) - tl.sum(h_pairs, axis=0) + tl.sum(d_w_t * k_beta, axis=1) * exp_cum
+    tl.store(dcum_ptr + (j.to(tl.int64) * heads + h) * C + rows, d_cum)
+    b_rows = db_ptr + (start + rows).to(tl.int64) * stride_dbt + h
+    tl.store(b_rows, tl.load(b_rows, mask=rows < n, other=0.0) + tl.sum(d_k_beta * k, axis=1), mask=rows < n)
+
+
+@triton.jit
+def key_grad_kernel(q_ptr, k_ptr, g_ptr, b_ptr, ml_ptr, mp_ptr, dkb_ptr, dcum_ptr, dsd_ptr, dqd_ptr, dtail_ptr,
+                    dq_ptr, dk_ptr, dg_ptr, kv_start_ptr, n_rows_ptr,
+                    stride_qt, stride_qh, stride_kt, stride_kh, stride_gt, stride_bt, stride_dkt, stride_dkh,
+                    stride_dgt, scale,
+                    GROUP: tl.constexpr, C: tl.constexpr, DK: tl.constexpr,
+                    LOG_C: tl.constexpr, LOG_DK: tl.constexpr, L2NORM: tl.constexpr):
+    """Chunk `j`, head `h`, from `pair_grad_kernel`'s: dq, dk ``[T, Hv, dk]`` (one per value head,
+    through the l2 norm) and dg ``[T, Hv]``, fp32, rows ``< n`` only."""
+    j = tl.program_id(0)
+    h = tl.program_id(1)
+    heads = tl.num_programs(1)
+    hk = h // GROUP
+    start = tl.load(kv_start_ptr + j)
+    n = tl.load(n_rows_ptr + j)
+    rows = tl.arange(0, C)
+    k, cum, decay = keys_decay(k_ptr, g_ptr, start, n, h, hk, stride_kt, stride_kh, stride_gt, C, DK, LOG_C, LOG_DK,
+                               L2NORM)
+    beta = load_gates(b_ptr, start, n, h, stride_bt, C)
+    exp_cum = tl.exp(cum)
+    q = _query(q_ptr, start, n, hk, stride_qt, stride_qh, scale, C, DK, LOG_DK, L2NORM)
+    m_p = tl.load(_tile_ptrs(mp_ptr, j, h, heads, 0, C, C, C))
+    d_q_decayed = tl.load(_tile_ptrs(dqd_ptr, j, h, heads, 0, C, DK, DK))
     d_qn = _dot(m_p, k) + d_q_decayed * exp_cum[:, None]
-    d_kn = _dot(tl.trans(m_l), k_beta) + _dot(tl.trans(m_p), q) + d_k_beta * beta[:, None] + d_tail * exp_tail[:, None]
-    d_beta += tl.sum(d_k_beta * k, axis=1)
-    tail_terms = tl.sum(d_tail * k_tail, axis=1)
-    d_cum = (tl.sum(h_pairs, axis=1) - tl.sum(h_pairs, axis=0) + tl.sum(d_q_decayed * q, axis=1) * exp_cum
-             + tl.sum(d_w_t * k_beta, axis=1) * exp_cum - tail_terms)
-    d_last = tl.sum(tail_terms, axis=0) + exp_last * d_state_decay
-    d_cum += tl.where(rows == C - 1, d_last, 0.0)
-    d_g = row_sum_halves(tl.where(rows[None, :] >= rows[:, None], d_cum[None, :], 0.0), LOG_C, False)
-    g_rows = (start + rows).to(tl.int64) * stride_dgt + h
-    tl.store(dg_ptr + g_rows, d_g, mask=rows < n)
-    tl.store(db_ptr + g_rows, d_beta, mask=rows < n)
+    d_cum = tl.load(dcum_ptr + (j.to(tl.int64) * heads + h) * C + rows) + tl.sum(d_q_decayed * q, axis=1) * exp_cum
     d_q = _l2norm_backward(q_ptr, start, n, hk, stride_qt, stride_qh, d_qn * scale, L2NORM, C, DK, LOG_DK)
     _store_rows(dq_ptr, start, n, h, d_q, stride_dkt, stride_dkh, C, DK)
+    last = tl.sum(tl.where(rows == C - 1, cum, 0.0), axis=0)  # G of the tile's last row (absent rows add g = 0)
+    exp_tail = tl.exp(last - cum)
+    d_tail = tl.load(_tile_ptrs(dtail_ptr, j, h, heads, 0, C, DK, DK))
+    m_l = tl.load(_tile_ptrs(ml_ptr, j, h, heads, 0, C, C, C))
+    d_kn = (_dot(tl.trans(m_l), k * beta[:, None]) + _dot(tl.trans(m_p), q)
+            + tl.load(_tile_ptrs(dkb_ptr, j, h, heads, 0, C, DK, DK)) * beta[:, None] + d_tail * exp_tail[:, None])
+    tail_terms = tl.sum(d_tail * k * exp_tail[:, None], axis=1)
+    d_last = tl.sum(tail_terms, axis=0) + tl.exp(last) * tl.load(dsd_ptr + j.to(tl.int64) * heads + h)
+    d_cum += tl.where(rows == C - 1, d_last, 0.0) - tail_terms
+    d_g = row_sum_halves(tl.where(rows[None, :] >= rows[:, None], d_cum[None, :], 0.0), LOG_C, False)
+    tl.store(dg_ptr + (start + rows).to(tl.int64) * stride_dgt + h, d_g, mask=rows < n)
     d_k = _l2norm_backward(k_ptr, start, n, hk, stride_kt, stride_kh, d_kn, L2NORM, C, DK, LOG_DK)
     _store_rows(dk_ptr, start, n, h, d_k, stride_dkt, stride_dkh, C, DK)

@@ -175,15 +175,28 @@ def _fold_capacity(plan: FoldPlan, states_out: torch.Tensor, chunk: int, most: i
     return sum(-(-n // chunk) for n in plan.length)
 
 
+@dataclass(frozen=True)
+class FoldChunks:
+    """What `fold_prep_kernel` computed of every chunk of a fold, in the plan's run order (fp32):
+    ``w``, ``kd`` ``[N, Hv, C, dk]``, ``u`` ``[N, Hv, C, dv]``, ``total_decay = exp(G_last)`` ``[N,
+    Hv]`` and ``t = T`` ``[N, Hv, C, C]``; the backward reads them instead of solving again."""
+    w: torch.Tensor
+    kd: torch.Tensor
+    u: torch.Tensor
+    total_decay: torch.Tensor
+    t: torch.Tensor
+
+
 def _fold_triton(k, v, g, beta, states_in, states_out, plan: FoldPlan, shapes: Shapes, chunk: int,
-                 l2norm: bool, most_chunks: int | None = None) -> None:
+                 l2norm: bool, most_chunks: int | None = None, keep: bool = False) -> FoldChunks | None:
     """`fold_prep_kernel` over every chunk of the plan's runs in parallel, then `fold_kernel`'s
-    two products a chunk along each run (`gated_delta_triton`)."""
+    two products a chunk along each run (`gated_delta_triton`); with `keep`, the chunks' prepared
+    tensors (`FoldChunks`) are returned."""
     require_triton("gated_delta_rule")
     _check_triton_shapes(shapes)
     capacity = _fold_capacity(plan, states_out, chunk, most_chunks) if len(plan.start) else 0
     if capacity == 0:
-        return
+        return None
     dev = k.device
     start, length, state_index, out_index = (_device_ints(x, dev) for x in (plan.start, plan.length, plan.state_index,
                                                                              plan.out_index))
@@ -194,26 +207,29 @@ def _fold_triton(k, v, g, beta, states_in, states_out, plan: FoldPlan, shapes: S
     kd = torch.empty_like(w)
     u = torch.empty(capacity, shapes.hv, chunk, shapes.dv, dtype=torch.float32, device=dev)
     total_decay = torch.empty(capacity, shapes.hv, dtype=torch.float32, device=dev)
+    t = torch.empty(capacity if keep else 0, shapes.hv, chunk, chunk, dtype=torch.float32, device=dev)
     fold_prep_kernel[(capacity, shapes.hv)](
-        k, v, g, beta, w, u, kd, total_decay, starts, n_rows,
+        k, v, g, beta, w, u, kd, total_decay, t, starts, n_rows,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         w.stride(0), w.stride(1), u.stride(0), u.stride(1),
         GROUP=shapes.hv // shapes.hk, LOG_C=chunk.bit_length() - 1, LOG_DK=shapes.dk.bit_length() - 1, L2NORM=l2norm,
-        num_warps=_warps(shapes, FOLD_WARPS), **consts)
+        STORE_T=keep, num_warps=_warps(shapes, FOLD_WARPS), **consts)
     fold_kernel[(len(plan.start), shapes.hv, shapes.dv // bv)](
         w, u, kd, total_decay, states_in, states_out, firsts, length, state_index, out_index,
         w.stride(0), w.stride(1), u.stride(0), u.stride(1),
         states_in.stride(0), states_in.stride(1), states_out.stride(0), states_out.stride(1),
         num_warps=_warps(shapes, FOLD_WARPS), **consts)
+    return FoldChunks(w, kd, u, total_decay, t) if keep else None
 
 
-def launch_fold(backend: str, *args, most_chunks: int | None = None) -> None:
+def launch_fold(backend: str, *args, most_chunks: int | None = None, keep: bool = False) -> FoldChunks | None:
     """The fold on `backend`; `most_chunks` bounds the chunks of a device plan (the Triton
-    launch's fixed capacity; the reference takes host plans, which count their own)."""
+    launch's fixed capacity; the reference takes host plans, which count their own). With `keep`
+    the Triton fold returns its chunks' `FoldChunks` (None on the reference, which keeps nothing)."""
     if backend == "triton":
-        _fold_triton(*args, most_chunks=most_chunks)
-    else:
-        _fold_reference(*args)
+        return _fold_triton(*args, most_chunks=most_chunks, keep=keep)
+    _fold_reference(*args)
+    return None
 
 
 def prepare_rows(x: torch.Tensor, backend: str) -> torch.Tensor:
@@ -222,11 +238,14 @@ def prepare_rows(x: torch.Tensor, backend: str) -> torch.Tensor:
 
 
 def training_states(k, v, g, beta, initial_state: torch.Tensor | None, lengths: list[int], chunk: int, l2norm: bool,
-                    want_final: bool, backend: str) -> tuple[torch.Tensor, RowsPlan, list[int]]:
+                    want_final: bool, backend: str,
+                    keep: bool = False) -> tuple[torch.Tensor, RowsPlan, list[int], FoldChunks | None]:
     """The fold over a packed batch's chunks (rows prepared by `prepare_rows`): the states buffer of
     `training_plans` (each sequence's initial state at ``base``, the state before its chunk ``c`` at
     ``base + c``, the state after its last chunk at ``base + chunks`` only if `want_final`), the
-    rows plan and the bases. The training forward and the backward's recompute share it."""
+    rows plan, the bases and, with `keep` on the Triton backend, the fold's `FoldChunks` (every
+    chunk of the rows plan, in its order, if `want_final`). The training forward and the
+    backward's recompute share it."""
     shapes = Shapes(k.shape[1], v.shape[1], k.shape[2], v.shape[2])
     fold, rows, bases, n_states = training_plans(lengths, chunk)
     if not want_final:  # the last chunk's fold feeds no row
@@ -235,8 +254,8 @@ def training_states(k, v, g, beta, initial_state: torch.Tensor | None, lengths: 
     # each sequence's slot `base` holds its initial state; the folds write the others before any read
     states = torch.empty(n_states, shapes.hv, shapes.dk, shapes.dv, dtype=state_dtype(k), device=k.device)
     states[bases] = 0.0 if initial_state is None else initial_state.to(states.dtype)
-    launch_fold(backend, k, v, g, beta, states, states, fold, shapes, chunk, l2norm)
-    return states, rows, bases
+    kept = launch_fold(backend, k, v, g, beta, states, states, fold, shapes, chunk, l2norm, keep=keep)
+    return states, rows, bases, kept
 
 
 # Public names of the launch helpers the backward's launches share (`gated_delta_backward`).

@@ -1,5 +1,5 @@
 """The gated delta rule's chunk kernels, for the backward: the fold (`fold_prep_kernel`, `fold_kernel`)
-and the chunk helpers the backward kernels share (`chunk_keys`).
+and the chunk helpers the backward kernels share (`keys_decay`, the row loads and the state tiles).
 
 The forward runs token by token (`gated_delta_recurrent`); the backward (rule 8) works on chunks
 of ``C`` rows and recomputes the states at the chunk boundaries with the fold. A chunk is
@@ -58,19 +58,30 @@ def _l2norm(x, L2NORM: tl.constexpr, LOG_D: tl.constexpr):
 
 
 @triton.jit
+def _keys_decay(k_ptr, g_ptr, start, n, h, hk, stride_kt, stride_kh, stride_gt,
+                C: tl.constexpr, DK: tl.constexpr, LOG_C: tl.constexpr, LOG_DK: tl.constexpr, L2NORM: tl.constexpr):
+    """A chunk's normalised keys ``k``, ``G`` (prefix sums of ``g``) and ``decay[i, j] = exp(G_i -
+    G_j)`` (``j <= i``, else 0)."""
+    rows = tl.arange(0, C)
+    k = _l2norm(_load_rows(k_ptr, start, 0, n, hk, stride_kt, stride_kh, DK, C), L2NORM, LOG_DK)
+    g = _load_gates(g_ptr, start, n, h, stride_gt, C)
+    lower = rows[None, :] <= rows[:, None]
+    cum = row_sum_halves(tl.where(lower, g[None, :], 0.0), LOG_C, False)
+    decay = tl.where(lower, tl.exp(tl.where(lower, cum[:, None] - cum[None, :], 0.0)), 0.0)
+    return k, cum, decay
+
+
+@triton.jit
 def _chunk_lower(k_ptr, g_ptr, b_ptr, start, n, h, hk, stride_kt, stride_kh, stride_gt, stride_bt,
                  C: tl.constexpr, DK: tl.constexpr, LOG_C: tl.constexpr, LOG_DK: tl.constexpr, L2NORM: tl.constexpr):
     """A chunk's keys, gates and betas up to the solve: the normalised keys ``k``, ``G`` (prefix sums
     of ``g``), ``beta``, ``decay[i, j] = exp(G_i - G_j)`` (``j <= i``, else 0), ``k beta`` and
     ``L = strict_lower((k beta) k^T * decay)``."""
     rows = tl.arange(0, C)
-    k = _l2norm(_load_rows(k_ptr, start, 0, n, hk, stride_kt, stride_kh, DK, C), L2NORM, LOG_DK)
-    g = _load_gates(g_ptr, start, n, h, stride_gt, C)
+    k, cum, decay = _keys_decay(k_ptr, g_ptr, start, n, h, hk, stride_kt, stride_kh, stride_gt, C, DK, LOG_C, LOG_DK,
+                                L2NORM)
     beta = _load_gates(b_ptr, start, n, h, stride_bt, C)
-    lower = rows[None, :] <= rows[:, None]
     strict = rows[None, :] < rows[:, None]
-    cum = row_sum_halves(tl.where(lower, g[None, :], 0.0), LOG_C, False)
-    decay = tl.where(lower, tl.exp(tl.where(lower, cum[:, None] - cum[None, :], 0.0)), 0.0)
     k_beta = k * beta[:, None]
     lmat = tl.where(strict, tl.dot(k_beta, tl.trans(k), input_precision="tf32x3") * decay, 0.0)
     return k, cum, beta, decay, k_beta, lmat
@@ -139,14 +150,15 @@ def _store_state(ptr, index, h, vb, s, stride_s, stride_sh, DK: tl.constexpr, DV
 
 
 @triton.jit
-def fold_prep_kernel(k_ptr, v_ptr, g_ptr, b_ptr, w_ptr, u_ptr, kd_ptr, decay_ptr, start_ptr, n_rows_ptr,
+def fold_prep_kernel(k_ptr, v_ptr, g_ptr, b_ptr, w_ptr, u_ptr, kd_ptr, decay_ptr, t_ptr, start_ptr, n_rows_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
                      stride_wj, stride_wh, stride_uj, stride_uh,
                      GROUP: tl.constexpr, C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-                     LOG_C: tl.constexpr, LOG_DK: tl.constexpr, L2NORM: tl.constexpr):
+                     LOG_C: tl.constexpr, LOG_DK: tl.constexpr, L2NORM: tl.constexpr, STORE_T: tl.constexpr):
     """One chunk (``n`` rows from token ``start``), one head: ``w`` and the keys decayed to the
     chunk's last row ``kd = k exp(G_last - G)`` (``[C, DK]``), ``u = T (v beta)`` (``[C, DV]``, value
-    block by value block) and ``exp(G_last)``, all fp32, for `fold_kernel`."""
+    block by value block) and ``exp(G_last)``, all fp32, for `fold_kernel`; with `STORE_T` also
+    ``T`` (``[C, C]`` at ``t_ptr + (j * heads + h) * C * C``), for the backward."""
     j = tl.program_id(0)
     h = tl.program_id(1)
     hk = h // GROUP
@@ -163,6 +175,9 @@ def fold_prep_kernel(k_ptr, v_ptr, g_ptr, b_ptr, w_ptr, u_ptr, kd_ptr, decay_ptr
     tl.store(w_ptr + j.to(tl.int64) * stride_wj + h * stride_wh + at, w)
     tl.store(kd_ptr + j.to(tl.int64) * stride_wj + h * stride_wh + at, k * tl.exp(last - cum)[:, None])
     tl.store(decay_ptr + j.to(tl.int64) * tl.num_programs(1) + h, tl.exp(last))
+    if STORE_T:
+        square = rows[:, None] * C + rows[None, :]
+        tl.store(t_ptr + (j.to(tl.int64) * tl.num_programs(1) + h) * C * C + square, t)
     for vb in tl.static_range(DV // BV):
         v = _load_rows(v_ptr + vb * BV, start, 0, n, h, stride_vt, stride_vh, BV, C)
         u = tl.dot(t, v * beta[:, None], input_precision="tf32x3")
@@ -202,4 +217,5 @@ def fold_kernel(w_ptr, u_ptr, kd_ptr, decay_ptr, state_in_ptr, state_out_ptr,
 
 # Public names of the helpers the backward kernels share (`gated_delta_backward_triton`), beside the
 # private ones the forward's kernels call.
-chunk_keys, l2norm_rows, load_rows, load_state, store_state = _chunk_keys, _l2norm, _load_rows, _load_state, _store_state
+keys_decay, l2norm_rows, load_gates, load_rows, load_state, store_state = (_keys_decay, _l2norm, _load_gates, _load_rows,
+                                                                          _load_state, _store_state)

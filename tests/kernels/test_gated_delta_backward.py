@@ -139,11 +139,10 @@ def test_switch_modes_and_the_cpu_path(monkeypatch):
 
 
 def test_triton_backward_kernels_compile_for_hopper_on_cpu(monkeypatch):
-    """Both backward kernels compile for sm_90 without a GPU at a tiny shape and chunk 64, their
-    products on the tensor cores and none split into 8-column TF32 wgmma (`gated_delta_triton.
-    SMALL_HEAD_WARPS`). At Qwen3.5's heads (``python benchmarks/sm90_compile.py``-style, ptxas for
-    sm_90a) they take 255 registers and spill; the chunk kernel's 224 KiB of shared memory fits
-    Hopper's 227 (docs/design.md section 6b)."""
+    """The fold and the backward's launches compile for sm_90 without a GPU at a tiny shape and
+    chunk 64, their products on the tensor cores and none split into 8-column TF32 wgmma
+    (`gated_delta_triton.SMALL_HEAD_WARPS`), each within Hopper's 227 KiB of shared memory (at
+    Qwen3.5's heads: docs/design.md section 6b)."""
     pytest.importorskip("triton")
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from sm90_compile import compile_only, resources
@@ -151,7 +150,9 @@ def test_triton_backward_kernels_compile_for_hopper_on_cpu(monkeypatch):
     tensors, d_out, _ = make_inputs([70], 1, 1, 16, 16, dtype=torch.bfloat16)
     with compile_only() as compiled:
         training_backward(*tensors[:5], None, d_out.bfloat16(), None, [70], 64, 0.25, True, "triton")
-    assert [kernel.name for kernel in compiled] == ["fold_prep_kernel", "fold_kernel", "state_grad_kernel", "chunk_grad_kernel"]
+    assert [kernel.name for kernel in compiled] == ["fold_prep_kernel", "fold_kernel", "query_prep_kernel",
+                                                    "state_grad_kernel", "value_grad_kernel", "key_sums_kernel",
+                                                    "pair_grad_kernel", "key_grad_kernel"]
     for kernel in compiled[1:]:
         assert resources(kernel).wgmma > 0, kernel.name
         assert "m64n8k8" not in kernel.asm["ptx"], kernel.name
