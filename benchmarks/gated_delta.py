@@ -23,7 +23,7 @@ of 16 columns of a head of a sequence) that training and rollout share (docs/des
 Prints median milliseconds (microseconds for the decode step) per call (docs/design.md section
 6b, "The kernel"). Usage:
 ``python benchmarks/gated_delta.py [--tokens 4096,16384] [--seqs 1] [--batch 64,256] [--backward] [--decode-only]
-[--roofline-tbps 4.2]``.
+[--roofline-tbps 4.2]``; with ``--profile``, instead, each kernel's GPU time in one of our forward + backward.
 """
 
 from __future__ import annotations
@@ -38,12 +38,12 @@ from bench_utils import bench, bench_graph, positive_int, positive_ints, rotatin
 HK, HV, DK, DV = 16, 32, 128, 128
 
 
-def _inputs(t: int, gen: torch.Generator):
+def _inputs(t: int, gen: torch.Generator, device: str = "cuda"):
     def rand(*shape):
-        return torch.randn(*shape, generator=gen).cuda().bfloat16()
+        return torch.randn(*shape, generator=gen).to(device).bfloat16()
 
-    g = -torch.rand(t, HV, generator=gen).cuda() * 0.5 - 0.001
-    return rand(t, HK, DK), rand(t, HK, DK), rand(t, HV, DV), g, torch.rand(t, HV, generator=gen).cuda().bfloat16()
+    g = -torch.rand(t, HV, generator=gen).to(device) * 0.5 - 0.001
+    return rand(t, HK, DK), rand(t, HK, DK), rand(t, HV, DV), g, torch.rand(t, HV, generator=gen).to(device).bfloat16()
 
 
 def _stock():
@@ -160,6 +160,38 @@ def decode_rows(batches: list[int], roofline_tbps: float) -> list[list]:
     return rows
 
 
+def profile_rows(tokens: list[int], seqs: int, device: str = "cuda") -> list[list]:
+    """Rows ``[batch, kernel, ms, share]`` of torch's profiler over one of our forward + backward
+    (after a warm-up) per length, the kernels by their GPU time (on a CPU `device`: the ops by
+    their CPU time), then the total."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from vexact_models.kernels import gated_delta_rule
+
+    cuda = device != "cpu"
+    rows = []
+    for t in tokens:
+        leaves = [x.requires_grad_(x.is_floating_point())
+                  for x in _inputs(t * seqs, torch.Generator().manual_seed(t), device)]
+        cu = [i * t for i in range(seqs + 1)]
+
+        def step():
+            gated_delta_rule(*leaves, cu)[0].float().sum().backward()
+            if cuda:
+                torch.cuda.synchronize()
+
+        step()
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            step()
+        times = [(e.key, (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e3)
+                 for e in prof.key_averages()]
+        times = sorted(((name, ms) for name, ms in times if ms > 0), key=lambda x: -x[1])
+        total = sum(ms for _, ms in times)
+        rows += [[f"{seqs} x {t}", name[:48], f"{ms:.3f}", f"{ms / total:.1%}"] for name, ms in times]
+        rows.append([f"{seqs} x {t}", "total", f"{total:.3f}", "100.0%"])
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=positive_ints, default=[4096, 16384], help="tokens per sequence (training)")
@@ -167,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=positive_ints, default=[64, 256], help="sequences per decode step")
     parser.add_argument("--backward", action="store_true", help="also time forward + backward (training)")
     parser.add_argument("--decode-only", action="store_true", help="time the rollout decode step alone")
+    parser.add_argument("--profile", action="store_true",
+                        help="instead of the timings: each kernel's GPU time in one of our forward + backward per "
+                             "--tokens (torch's profiler)")
     parser.add_argument("--roofline-tbps", type=float, default=4.2,
                         help="HBM bytes per second (TB/s, read + written) of the decode step's state roofline "
                              "(default 4.2: an H200's device-to-device copy; an H100's is about 3.0)")
@@ -177,6 +212,10 @@ def main(argv: list[str] | None = None) -> int:
         print("gated_delta.py needs a CUDA GPU", file=sys.stderr)
         return 2
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    if args.profile:
+        table("our forward + backward by kernel (torch profiler)", ["batch", "kernel", "GPU ms", "share"],
+              profile_rows(args.tokens, args.seqs))
+        return 0
     if not args.decode_only:
         header = ["batch", "kernel", "forward ms", "x ours"] + (["fwd+bwd ms", "x ours"] if args.backward else [])
         table(f"training at Hk={HK} Hv={HV} dk={DK} dv={DV}, bf16", header, training_rows(args.tokens, args.seqs,

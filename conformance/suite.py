@@ -185,6 +185,8 @@ def run_conformance(arch: Architecture, model, *, device: torch.device, pool_siz
         samples, reported, temps = _collect_samples(requests, outputs, sc, seen, report, log)
         del llm
         _free_cuda_cache(device)
+        if progress and device.type == "cuda":
+            log(f"  {sc['name']}: engine freed, {torch.cuda.memory_allocated(device) / 2**30:.1f} GiB allocated")
         t_recompute = time.time()
         mismatches, max_diff, tokens = recompute_and_compare(model, samples, reported, temps, device, rng,
                                                              recompute_tokens)

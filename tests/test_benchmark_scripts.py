@@ -391,3 +391,19 @@ def test_training_refuses_bad_configs_and_stock_paths(argv, words):
     assert run.returncode == 2 and words in run.stderr, run.stderr
 
 
+
+
+def test_gated_delta_profile_rows_rank_the_ops_and_total_them(monkeypatch):
+    """`gated_delta.profile_rows` on the CPU (the reference backend's ops by CPU time): per length,
+    the ops from the slowest, their shares, and a total row that is their sum."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import gated_delta
+
+    rows = gated_delta.profile_rows([24, 40], 2, device="cpu")
+    for t in (24, 40):
+        mine = [r for r in rows if r[0] == f"2 x {t}"]
+        assert mine[-1][1] == "total" and len(mine) > 3, mine
+        ms = [float(r[2]) for r in mine[:-1]]
+        assert ms == sorted(ms, reverse=True) and all(m > 0 for m in ms)
+        assert abs(sum(ms) - float(mine[-1][2])) <= 1e-3 * len(ms) + 1e-3
+        assert any("mul" in r[1] or "matmul" in r[1] or "bmm" in r[1] for r in mine), mine
