@@ -59,21 +59,32 @@ def _query(q_ptr, start, n, hk, stride_qt, stride_qh, scale, C: tl.constexpr, DK
 
 
 @triton.jit
+def _chunk_program(kv_start_ptr, n_rows_ptr):
+    """A chunk program's chunk `j`, head `h`, the heads of the launch and the chunk's first token
+    and present rows."""
+    j = tl.program_id(0)
+    return j, tl.program_id(1), tl.num_programs(1), tl.load(kv_start_ptr + j), tl.load(n_rows_ptr + j)
+
+
+@triton.jit
+def _keys_query(q_ptr, k_ptr, g_ptr, start, n, h, hk, stride_qt, stride_qh, stride_kt, stride_kh, stride_gt, scale,
+                C: tl.constexpr, DK: tl.constexpr, LOG_C: tl.constexpr, LOG_DK: tl.constexpr, L2NORM: tl.constexpr):
+    """The chunk's normalised keys, ``G``, the pair decays and the normalised, scaled queries."""
+    k, cum, decay = keys_decay(k_ptr, g_ptr, start, n, h, hk, stride_kt, stride_kh, stride_gt, C, DK, LOG_C, LOG_DK,
+                               L2NORM)
+    return k, cum, decay, _query(q_ptr, start, n, hk, stride_qt, stride_qh, scale, C, DK, LOG_DK, L2NORM)
+
+
+@triton.jit
 def query_prep_kernel(q_ptr, k_ptr, g_ptr, do_ptr, w_ptr, p_ptr, pd_ptr, x_ptr, kv_start_ptr, n_rows_ptr,
                       stride_qt, stride_qh, stride_kt, stride_kh, stride_gt, stride_dot, stride_doh, scale,
                       GROUP: tl.constexpr, C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
                       LOG_C: tl.constexpr, LOG_DK: tl.constexpr, L2NORM: tl.constexpr):
     """Chunk `j`, head `h`: ``P`` ``[C, C]``, ``P^T dO`` ``[C, DV]`` and ``X`` ``[DK, DV]``."""
-    j = tl.program_id(0)
-    h = tl.program_id(1)
-    heads = tl.num_programs(1)
-    hk = h // GROUP
-    start = tl.load(kv_start_ptr + j)
-    n = tl.load(n_rows_ptr + j)
+    j, h, heads, start, n = _chunk_program(kv_start_ptr, n_rows_ptr)
     rows = tl.arange(0, C)
-    k, cum, decay = keys_decay(k_ptr, g_ptr, start, n, h, hk, stride_kt, stride_kh, stride_gt, C, DK, LOG_C, LOG_DK,
-                               L2NORM)
-    q = _query(q_ptr, start, n, hk, stride_qt, stride_qh, scale, C, DK, LOG_DK, L2NORM)
+    k, cum, decay, q = _keys_query(q_ptr, k_ptr, g_ptr, start, n, h, h // GROUP, stride_qt, stride_qh, stride_kt,
+                                   stride_kh, stride_gt, scale, C, DK, LOG_C, LOG_DK, L2NORM)
     p = tl.where(rows[None, :] <= rows[:, None], _dot(q, tl.trans(k)) * decay, 0.0)
     tl.store(_tile_ptrs(p_ptr, j, h, heads, 0, C, C, C), p)
     q_decayed = q * tl.exp(cum)[:, None]
@@ -122,11 +133,7 @@ def value_grad_kernel(v_ptr, b_ptr, do_ptr, state_ptr, dstate_ptr, t_ptr, w_ptr,
     """Chunk `j`, head `h`, from its boundary state ``state[index]`` and the next one's gradient
     ``dstate[index + 1]``: ``v_new``, ``d_new`` ``[C, DV]`` (kept), ``dv`` (rows ``< n``), the
     sums ``dP``, ``dT`` ``[C, C]``, the value side of ``dbeta`` (in `db`) and ``sum(dS' * S)``."""
-    j = tl.program_id(0)
-    h = tl.program_id(1)
-    heads = tl.num_programs(1)
-    start = tl.load(kv_start_ptr + j)
-    n = tl.load(n_rows_ptr + j)
+    j, h, heads, start, n = _chunk_program(kv_start_ptr, n_rows_ptr)
     index = tl.load(state_index_ptr + j)
     rows = tl.arange(0, C)
     beta = load_gates(b_ptr, start, n, h, stride_bt, C)
@@ -184,11 +191,7 @@ def key_sums_kernel(do_ptr, state_ptr, dstate_ptr, vnew_ptr, dnew_ptr, dqd_ptr, 
                     C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
     """Chunk `j`, head `h`: the ``[C, DK]`` sums over the value blocks ``dO S^T``, ``v_new dS'^T``
     and ``-d_new S^T``."""
-    j = tl.program_id(0)
-    h = tl.program_id(1)
-    heads = tl.num_programs(1)
-    start = tl.load(kv_start_ptr + j)
-    n = tl.load(n_rows_ptr + j)
+    j, h, heads, start, n = _chunk_program(kv_start_ptr, n_rows_ptr)
     index = tl.load(state_index_ptr + j)
     d_q_decayed = tl.zeros((C, DK), dtype=tl.float32)
     d_tail = tl.zeros((C, DK), dtype=tl.float32)
@@ -216,11 +219,7 @@ def pair_grad_kernel(k_ptr, g_ptr, b_ptr, t_ptr, p_ptr, dp_ptr, dt_ptr, dw_ptr, 
     chunk_grads`): ``M_L = dL * decay`` and ``M_P = dP * decay`` ``[C, C]``, the gradient of ``k
     beta`` ``[C, DK]``, the pairs' and ``w``'s part of the gradient of ``G`` ``[C]``, and ``k``'s
     part of ``dbeta`` (added to `value_grad_kernel`'s in `db`)."""
-    j = tl.program_id(0)
-    h = tl.program_id(1)
-    heads = tl.num_programs(1)
-    start = tl.load(kv_start_ptr + j)
-    n = tl.load(n_rows_ptr + j)
+    j, h, heads, start, n = _chunk_program(kv_start_ptr, n_rows_ptr)
     rows = tl.arange(0, C)
     k, cum, decay = keys_decay(k_ptr, g_ptr, start, n, h, h // GROUP, stride_kt, stride_kh, stride_gt, C, DK, LOG_C,
                                LOG_DK, L2NORM)
@@ -257,18 +256,13 @@ def key_grad_kernel(q_ptr, k_ptr, g_ptr, b_ptr, ml_ptr, mp_ptr, dkb_ptr, dcum_pt
                     LOG_C: tl.constexpr, LOG_DK: tl.constexpr, L2NORM: tl.constexpr):
     """Chunk `j`, head `h`, from `pair_grad_kernel`'s: dq, dk ``[T, Hv, dk]`` (one per value head,
     through the l2 norm) and dg ``[T, Hv]``, fp32, rows ``< n`` only."""
-    j = tl.program_id(0)
-    h = tl.program_id(1)
-    heads = tl.num_programs(1)
+    j, h, heads, start, n = _chunk_program(kv_start_ptr, n_rows_ptr)
     hk = h // GROUP
-    start = tl.load(kv_start_ptr + j)
-    n = tl.load(n_rows_ptr + j)
     rows = tl.arange(0, C)
-    k, cum, decay = keys_decay(k_ptr, g_ptr, start, n, h, hk, stride_kt, stride_kh, stride_gt, C, DK, LOG_C, LOG_DK,
-                               L2NORM)
+    k, cum, decay, q = _keys_query(q_ptr, k_ptr, g_ptr, start, n, h, hk, stride_qt, stride_qh, stride_kt, stride_kh,
+                                   stride_gt, scale, C, DK, LOG_C, LOG_DK, L2NORM)
     beta = load_gates(b_ptr, start, n, h, stride_bt, C)
     exp_cum = tl.exp(cum)
-    q = _query(q_ptr, start, n, hk, stride_qt, stride_qh, scale, C, DK, LOG_DK, L2NORM)
     m_p = tl.load(_tile_ptrs(mp_ptr, j, h, heads, 0, C, C, C))
     d_q_decayed = tl.load(_tile_ptrs(dqd_ptr, j, h, heads, 0, C, DK, DK))
     d_qn = _dot(m_p, k) + d_q_decayed * exp_cum[:, None]
