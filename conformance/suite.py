@@ -186,7 +186,8 @@ def run_conformance(arch: Architecture, model, *, device: torch.device, pool_siz
         del llm
         _free_cuda_cache(device)
         if progress and device.type == "cuda":
-            log(f"  {sc['name']}: engine freed, {torch.cuda.memory_allocated(device) / 2**30:.1f} GiB allocated")
+            log(f"  {sc['name']}: engine freed, {torch.cuda.memory_allocated(device) / 2**30:.1f} GiB allocated, "
+                f"{_module_bytes(model) / 2**30:.1f} GiB of it the model's parameters and buffers")
         t_recompute = time.time()
         mismatches, max_diff, tokens = recompute_and_compare(model, samples, reported, temps, device, rng,
                                                              recompute_tokens)
@@ -202,6 +203,15 @@ def run_conformance(arch: Architecture, model, *, device: torch.device, pool_siz
     if check_parity:
         report.hf_parity = hf_parity(arch, model, device)
     return report
+
+
+def _module_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the storages behind `model`'s parameters and buffers, each storage once."""
+    storages = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 def _free_cuda_cache(device: torch.device) -> None:

@@ -305,3 +305,18 @@ def test_recompute_groups_split_the_recompute_into_bounded_forwards():
     assert recompute_groups(samples, 100) == [range(0, 1), range(1, 3), range(3, 4), range(4, 5)]
     assert recompute_groups(samples, 10_000) == [range(0, 5)]
     assert recompute_groups([], 100) == []
+
+
+def test_module_bytes_counts_each_storage_once():
+    """`suite._module_bytes` (the parameters' and buffers' share of what a freed engine leaves,
+    printed under ``--progress``): a tied weight and views of one buffer count once, buffers count."""
+    from vexact_models.conformance import suite
+
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
+    model[1].weight = model[0].weight  # tied: one storage
+    model.register_buffer("table", torch.zeros(3, 5, dtype=torch.float64))
+    assert suite._module_bytes(model) == 10 * 4 * 4 + 3 * 5 * 8
+    shared = torch.zeros(20, 4)
+    model[0].weight.data = shared[:10]
+    model.register_buffer("rest", shared[10:])  # a view of the same storage
+    assert suite._module_bytes(model) == 20 * 4 * 4 + 3 * 5 * 8
