@@ -1,5 +1,5 @@
 """The gated delta rule's Triton backward: the formulas of `gated_delta_backward_reference` (its
-docstring derives them; docs/design.md rule 8, section 6b), in four launches after the fold.
+docstring derives them; docs/design.md rule 8, section 6b), in six launches after the fold.
 
 The fold (`gated_delta_triton.fold_prep_kernel`) has already solved every chunk: ``T``, ``w``, the
 keys decayed to the chunk's end ``kd = k exp(G_last - G)``, ``u = T (v beta)`` and ``exp(G_last)``
@@ -14,15 +14,20 @@ are in memory (`gated_delta_launch.FoldChunks`), and nothing below solves again.
 - `value_grad_kernel` (a chunk and head): ``v_new = u - w S`` and ``d_new = P^T dO + kd dS'``
   value block by value block (kept for the next launch), ``dv``, the ``[C, C]`` sums ``dP`` and
   ``dT`` and the value side of ``dbeta``.
-- `key_grad_kernel` (a chunk and head): the ``[C, dk]`` sums over the value blocks, then ``dq``,
-  ``dk`` (at the value head, through the l2 norm), ``dg`` and ``dbeta``.
+- `key_sums_kernel` (a chunk and head): the ``[C, dk]`` sums over the value blocks, ``dO S^T``,
+  ``v_new dS'^T`` and ``-d_new S^T``.
+- `pair_grad_kernel` (a chunk and head): through ``T`` and the pair decays, ``M_L``, ``M_P``, the
+  gradient of ``k beta``, the pairs' part of ``dG`` and the key side of ``dbeta``.
+- `key_grad_kernel` (a chunk and head): ``dq``, ``dk`` (at the value head, through the l2 norm)
+  and ``dg``.
 
-Split this way, no program holds more than two ``[C, dk]`` accumulators and the key tiles beside
-each other, so ptxas neither spills nor serialises the wgmma (docs/performance.md section 5). The
-per-chunk tensors between launches are fp32 in memory. No atomics: every output element is written
-by one program, every sum has one order fixed by the code (a ``tl.sum`` over a tile, the value
-blocks one after another, the chunks in reverse), so the same inputs give the same bits run to
-run. The dots run in ``tf32x3`` on fp32 operands, as the fold's.
+Split this way, no program holds every accumulator beside the key tiles: ptxas serialises no
+wgmma, and each launch spills 0.1-10 KB a thread against the 35 KB of one kernel holding
+everything (docs/design.md section 6b). The per-chunk tensors between launches are fp32 in
+memory. No atomics: every output element is written by one program, every sum has one order
+fixed by the code (a ``tl.sum`` over a tile, the value blocks one after another, the chunks in
+reverse), so the same inputs give the same bits run to run. The dots run in ``tf32x3`` on fp32
+operands, as the fold's.
 """
 
 from __future__ import annotations
