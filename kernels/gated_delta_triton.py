@@ -110,16 +110,10 @@ def _keys_w(t, k_beta, cum):
 
 
 @triton.jit
-def _chunk_keys(k_ptr, g_ptr, b_ptr, start, n, h, hk, stride_kt, stride_kh, stride_gt, stride_bt,
-                C: tl.constexpr, DK: tl.constexpr, LOG_C: tl.constexpr, LOG_DK: tl.constexpr, L2NORM: tl.constexpr):
-    """What a chunk's keys, gates and betas give every value block: the normalised keys ``k``,
-    ``G`` (prefix sums of ``g``), ``decay[i, j] = exp(G_i - G_j)`` (``j <= i``, else 0),
-    ``T = (I + L)^-1`` and ``w = T (k beta exp(G))``."""
-    k, cum, beta, decay, k_beta, lmat = _chunk_lower(k_ptr, g_ptr, b_ptr, start, n, h, hk, stride_kt, stride_kh,
-                                                     stride_gt, stride_bt, C, DK, LOG_C, LOG_DK, L2NORM)
+def _solve(lmat, C: tl.constexpr):
+    """``T = (I + L)^-1`` by 16-row blocks: the diagonal blocks' inverses by forward substitution
+    (row r of every block at once), then block rows b = 1, 2, ...: ``T_b -= D_b^-1 (L_b,<b T)``."""
     rows = tl.arange(0, C)
-    # T = (I + L)^-1 by 16-row blocks: the diagonal blocks' inverses by forward substitution (row r
-    # of every block at once), then block rows b = 1, 2, ...: T_b -= D_b^-1 (L_b,<b T)
     blk = rows // SOLVE_BLOCK
     same = blk[:, None] == blk[None, :]
     eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
@@ -130,7 +124,7 @@ def _chunk_keys(k_ptr, g_ptr, b_ptr, start, n, h, hk, stride_kt, stride_kh, stri
     t = dinv
     for b in range(1, C // SOLVE_BLOCK):
         t = _block_row_step(lmat, dinv, t, blk, b)
-    return k, cum, beta, decay, t, _keys_w(t, k_beta, cum)
+    return t
 
 
 @triton.jit
@@ -167,14 +161,17 @@ def fold_prep_kernel(k_ptr, v_ptr, g_ptr, b_ptr, w_ptr, u_ptr, kd_ptr, decay_ptr
     if n <= 0:  # an entry past the plan's chunks (a fixed-capacity launch: `gated_delta_launch.fold_chunks`)
         return
     rows = tl.arange(0, C)
-    k, cum, beta, decay, t, w = _chunk_keys(k_ptr, g_ptr, b_ptr, start, n, h, hk, stride_kt, stride_kh, stride_gt,
-                                            stride_bt, C, DK, LOG_C, LOG_DK, L2NORM)
+    k, cum, beta, decay, k_beta, lmat = _chunk_lower(k_ptr, g_ptr, b_ptr, start, n, h, hk, stride_kt, stride_kh,
+                                                     stride_gt, stride_bt, C, DK, LOG_C, LOG_DK, L2NORM)
     last = tl.sum(tl.where(rows == C - 1, cum, 0.0), axis=0)  # G of the tile's last row (absent rows add g = 0)
-    cols = tl.arange(0, DK)
-    at = rows[:, None] * DK + cols[None, :]
-    tl.store(w_ptr + j.to(tl.int64) * stride_wj + h * stride_wh + at, w)
+    at = rows[:, None] * DK + tl.arange(0, DK)[None, :]
+    # kd and the decay before the solve, and the keys loaded again after it: nothing [C, DK] is
+    # held across the solve's chain of products (sm_90: 4.0 KB of spills a thread, 11.8 with k held)
     tl.store(kd_ptr + j.to(tl.int64) * stride_wj + h * stride_wh + at, k * tl.exp(last - cum)[:, None])
     tl.store(decay_ptr + j.to(tl.int64) * tl.num_programs(1) + h, tl.exp(last))
+    t = _solve(lmat, C)
+    k = _l2norm(_load_rows(k_ptr, start, 0, n, hk, stride_kt, stride_kh, DK, C), L2NORM, LOG_DK)
+    tl.store(w_ptr + j.to(tl.int64) * stride_wj + h * stride_wh + at, _keys_w(t, k * beta[:, None], cum))
     if STORE_T:
         square = rows[:, None] * C + rows[None, :]
         tl.store(t_ptr + (j.to(tl.int64) * tl.num_programs(1) + h) * C * C + square, t)
