@@ -5,8 +5,9 @@
 (`gated_delta_launch.training_states`, which keeps every chunk's solve for the Triton launches;
 nothing but the inputs is kept between the forward and the backward), runs the reverse recurrence
 of the state gradient over every sequence's chunks, then every chunk's gradients, and sums the
-query/key gradients of each key head's value heads (one ``torch.sum`` over the group, a fixed order). Two backends: ``"triton"``
-(`gated_delta_backward_triton`'s kernels, CUDA or the interpreter) and ``"reference"``
+query/key gradients of each key head's value heads (one ``torch.sum`` over the group, a fixed
+order). Two backends: ``"triton"`` (`gated_delta_backward_triton`'s kernels, CUDA or the
+interpreter) and ``"reference"``
 (`gated_delta_backward_reference`'s torch formulas, chunk by chunk; the kernels' test oracle).
 Deterministic: no atomics, one program per output element; the same inputs give the same bits.
 
@@ -94,8 +95,8 @@ def _chunk_grads(q, k, v, g, beta, d_out, states, dstates, kept: FoldChunks, p, 
     dq, dk, dv, dg, db = grads
     chunk, dkh, dvh = at.sizes["C"], at.sizes["DK"], at.sizes["DV"]
     bv = min(CHUNK_GRAD_BV, dvh)
-    v_new, d_new, d_p, d_tmat = at.per_chunk(chunk, dvh), at.per_chunk(chunk, dvh), *(at.per_chunk(chunk, chunk)
-                                                                                      for _ in range(2))
+    v_new, d_new = at.per_chunk(chunk, dvh), at.per_chunk(chunk, dvh)
+    d_p, d_tmat = at.per_chunk(chunk, chunk), at.per_chunk(chunk, chunk)
     d_state_decay = at.per_chunk()
     value_grad_kernel[(at.n_chunks, at.hv)](
         v, beta, d_out, states, dstates, kept.t, kept.w, kept.kd, kept.u, pd, v_new, d_new, d_p, d_tmat,
@@ -107,8 +108,8 @@ def _chunk_grads(q, k, v, g, beta, d_out, states, dstates, kept: FoldChunks, p, 
         d_out, states, dstates, v_new, d_new, d_q_decayed, d_tail, d_w, *at.rows, d_out.stride(0), d_out.stride(1),
         states.stride(0), states.stride(1), BV=bv, **at.sizes, **at.staged)
     del v_new, d_new
-    m_l, m_p, d_k_beta, d_cum = at.per_chunk(chunk, chunk), at.per_chunk(chunk, chunk), at.per_chunk(chunk, dkh), \
-        at.per_chunk(chunk)
+    m_l, m_p = at.per_chunk(chunk, chunk), at.per_chunk(chunk, chunk)
+    d_k_beta, d_cum = at.per_chunk(chunk, dkh), at.per_chunk(chunk)
     pair_grad_kernel[(at.n_chunks, at.hv)](
         k, g, beta, kept.t, p, d_p, d_tmat, d_w, m_l, m_p, d_k_beta, d_cum, db, *at.rows[:2], k.stride(0), k.stride(1),
         g.stride(0), beta.stride(0), db.stride(0), C=chunk, DK=dkh, **at.keys, **at.staged)
@@ -134,8 +135,9 @@ def _backward_triton(q, k, v, g, beta, d_out, states, dstates, rows: RowsPlan, s
                  dict(GROUP=shapes.hv // shapes.hk, LOG_C=chunk.bit_length() - 1, LOG_DK=shapes.dk.bit_length() - 1,
                       L2NORM=l2norm),
                  dict(num_warps=launch_warps(shapes, WARPS), num_stages=CHUNK_GRAD_STAGES))
-    p, pd = _state_grads(q, k, g, d_out, dstates, kept, seqs, scale, at)
-    _chunk_grads(q, k, v, g, beta, d_out, states, dstates, kept, p, pd, grads, scale, at)
+    # P and P^T dO pass straight on, so that `_chunk_grads` holds their only references and frees them
+    _chunk_grads(q, k, v, g, beta, d_out, states, dstates, kept, *_state_grads(q, k, g, d_out, dstates, kept, seqs,
+                                                                              scale, at), grads, scale, at)
     return grads
 
 
