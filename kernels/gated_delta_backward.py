@@ -171,10 +171,7 @@ def training_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     checked inputs, on `backend` (``"triton"`` or ``"reference"``)."""
     shapes = Shapes(k.shape[1], v.shape[1], k.shape[2], v.shape[2])
     q, k, v, g, beta, d_out = (prepare_rows(x, backend) for x in (q, k, v, g, beta, d_out))
-    # every chunk folded (the state after each sequence's last one is never read) so that the fold
-    # keeps every chunk's solve for the Triton launches
-    states, rows, bases, kept = training_states(k, v, g, beta, initial_state, lengths, chunk, l2norm, True, backend,
-                                                keep=backend == "triton")
+    states, rows, bases, kept = training_states(k, v, g, beta, initial_state, lengths, chunk, l2norm, backend)
     chunks = [-(-n // chunk) for n in lengths]
     dstates = torch.empty_like(states)
     top = [base + c for base, c in zip(bases, chunks)]

@@ -153,9 +153,8 @@ def _check_triton_shapes(shapes: Shapes) -> None:
 
 def fold_chunks(start: torch.Tensor, length: torch.Tensor, chunk: int, capacity: int) -> tuple[torch.Tensor, ...]:
     """The chunks a fold plan's runs (int32 `start`, `length` on the device) cover, in run order,
-    at `capacity` entries (>= their number): each entry's first token and rows (0 past the last
-    chunk), and the index of each run's first chunk. Fixed shapes and no host sync: a CUDA graph
-    captures it (a rollout step's plan, `gated_delta_step`)."""
+    at `capacity` entries (their number): each entry's first token and rows, and the index of each
+    run's first chunk."""
     chunks = (length + (chunk - 1)) // chunk
     ends = torch.cumsum(chunks, 0)
     firsts = ends - chunks
@@ -164,15 +163,6 @@ def fold_chunks(start: torch.Tensor, length: torch.Tensor, chunk: int, capacity:
     c = entry - firsts[run]
     n_rows = torch.where(entry < ends[-1], torch.clamp(length[run] - c * chunk, max=chunk), 0)
     return (start[run] + c * chunk).to(torch.int32), n_rows.to(torch.int32), firsts.to(torch.int32)
-
-
-def _fold_capacity(plan: FoldPlan, states_out: torch.Tensor, chunk: int, most: int | None) -> int:
-    """Entries of the fold's chunk list: the exact count for a plan of host ints, else `most` (a
-    bound the caller knows) or the states `states_out` holds (every chunk of a plan writes a state
-    of its own there)."""
-    if isinstance(plan.length, torch.Tensor):
-        return states_out.shape[0] if most is None else most
-    return sum(-(-n // chunk) for n in plan.length)
 
 
 @dataclass(frozen=True)
@@ -188,13 +178,13 @@ class FoldChunks:
 
 
 def _fold_triton(k, v, g, beta, states_in, states_out, plan: FoldPlan, shapes: Shapes, chunk: int,
-                 l2norm: bool, most_chunks: int | None = None, keep: bool = False) -> FoldChunks | None:
+                 l2norm: bool) -> FoldChunks | None:
     """`fold_prep_kernel` over every chunk of the plan's runs in parallel, then `fold_kernel`'s
-    two products a chunk along each run (`gated_delta_triton`); with `keep`, the chunks' prepared
-    tensors (`FoldChunks`) are returned."""
+    two products a chunk along each run (`gated_delta_triton`); returns the chunks' prepared
+    tensors (`FoldChunks`, None for a plan of no chunk)."""
     require_triton("gated_delta_rule")
     _check_triton_shapes(shapes)
-    capacity = _fold_capacity(plan, states_out, chunk, most_chunks) if len(plan.start) else 0
+    capacity = sum(-(-n // chunk) for n in plan.length)
     if capacity == 0:
         return None
     dev = k.device
@@ -207,27 +197,26 @@ def _fold_triton(k, v, g, beta, states_in, states_out, plan: FoldPlan, shapes: S
     kd = torch.empty_like(w)
     u = torch.empty(capacity, shapes.hv, chunk, shapes.dv, dtype=torch.float32, device=dev)
     total_decay = torch.empty(capacity, shapes.hv, dtype=torch.float32, device=dev)
-    t = torch.empty(capacity if keep else 0, shapes.hv, chunk, chunk, dtype=torch.float32, device=dev)
+    t = torch.empty(capacity, shapes.hv, chunk, chunk, dtype=torch.float32, device=dev)
     fold_prep_kernel[(capacity, shapes.hv)](
         k, v, g, beta, w, u, kd, total_decay, t, starts, n_rows,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         w.stride(0), w.stride(1), u.stride(0), u.stride(1),
         GROUP=shapes.hv // shapes.hk, LOG_C=chunk.bit_length() - 1, LOG_DK=shapes.dk.bit_length() - 1, L2NORM=l2norm,
-        STORE_T=keep, num_warps=_warps(shapes, FOLD_WARPS), **consts)
+        num_warps=_warps(shapes, FOLD_WARPS), **consts)
     fold_kernel[(len(plan.start), shapes.hv, shapes.dv // bv)](
         w, u, kd, total_decay, states_in, states_out, firsts, length, state_index, out_index,
         w.stride(0), w.stride(1), u.stride(0), u.stride(1),
         states_in.stride(0), states_in.stride(1), states_out.stride(0), states_out.stride(1),
         num_warps=_warps(shapes, FOLD_WARPS), **consts)
-    return FoldChunks(w, kd, u, total_decay, t) if keep else None
+    return FoldChunks(w, kd, u, total_decay, t)
 
 
-def launch_fold(backend: str, *args, most_chunks: int | None = None, keep: bool = False) -> FoldChunks | None:
-    """The fold on `backend`; `most_chunks` bounds the chunks of a device plan (the Triton
-    launch's fixed capacity; the reference takes host plans, which count their own). With `keep`
-    the Triton fold returns its chunks' `FoldChunks` (None on the reference, which keeps nothing)."""
+def launch_fold(backend: str, *args) -> FoldChunks | None:
+    """The fold on `backend`: the Triton fold returns its chunks' `FoldChunks`, the reference
+    (which keeps nothing) None."""
     if backend == "triton":
-        return _fold_triton(*args, most_chunks=most_chunks, keep=keep)
+        return _fold_triton(*args)
     _fold_reference(*args)
     return None
 
@@ -238,23 +227,18 @@ def prepare_rows(x: torch.Tensor, backend: str) -> torch.Tensor:
 
 
 def training_states(k, v, g, beta, initial_state: torch.Tensor | None, lengths: list[int], chunk: int, l2norm: bool,
-                    want_final: bool, backend: str,
-                    keep: bool = False) -> tuple[torch.Tensor, RowsPlan, list[int], FoldChunks | None]:
-    """The fold over a packed batch's chunks (rows prepared by `prepare_rows`): the states buffer of
-    `training_plans` (each sequence's initial state at ``base``, the state before its chunk ``c`` at
-    ``base + c``, the state after its last chunk at ``base + chunks`` only if `want_final`), the
-    rows plan, the bases and, with `keep` on the Triton backend, the fold's `FoldChunks` (every
-    chunk of the rows plan, in its order, if `want_final`). The training forward and the
-    backward's recompute share it."""
+                    backend: str) -> tuple[torch.Tensor, RowsPlan, list[int], FoldChunks | None]:
+    """The fold over every chunk of a packed batch (rows prepared by `prepare_rows`): the states
+    buffer of `training_plans` (each sequence's initial state at ``base``, the state before its
+    chunk ``c`` at ``base + c``, after its last chunk at ``base + chunks``), the rows plan, the
+    bases and, on the Triton backend, the fold's `FoldChunks` (every chunk of the rows plan, in its
+    order). The backward's recompute."""
     shapes = Shapes(k.shape[1], v.shape[1], k.shape[2], v.shape[2])
     fold, rows, bases, n_states = training_plans(lengths, chunk)
-    if not want_final:  # the last chunk's fold feeds no row
-        fold = FoldPlan(fold.start, [max(0, (-(-n // chunk) - 1) * chunk) for n in fold.length], fold.state_index,
-                        fold.out_index)
     # each sequence's slot `base` holds its initial state; the folds write the others before any read
     states = torch.empty(n_states, shapes.hv, shapes.dk, shapes.dv, dtype=state_dtype(k), device=k.device)
     states[bases] = 0.0 if initial_state is None else initial_state.to(states.dtype)
-    kept = launch_fold(backend, k, v, g, beta, states, states, fold, shapes, chunk, l2norm, keep=keep)
+    kept = launch_fold(backend, k, v, g, beta, states, states, fold, shapes, chunk, l2norm)
     return states, rows, bases, kept
 
 

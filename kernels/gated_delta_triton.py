@@ -148,33 +148,29 @@ def fold_prep_kernel(k_ptr, v_ptr, g_ptr, b_ptr, w_ptr, u_ptr, kd_ptr, decay_ptr
                      stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
                      stride_wj, stride_wh, stride_uj, stride_uh,
                      GROUP: tl.constexpr, C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-                     LOG_C: tl.constexpr, LOG_DK: tl.constexpr, L2NORM: tl.constexpr, STORE_T: tl.constexpr):
+                     LOG_C: tl.constexpr, LOG_DK: tl.constexpr, L2NORM: tl.constexpr):
     """One chunk (``n`` rows from token ``start``), one head: ``w`` and the keys decayed to the
     chunk's last row ``kd = k exp(G_last - G)`` (``[C, DK]``), ``u = T (v beta)`` (``[C, DV]``, value
-    block by value block) and ``exp(G_last)``, all fp32, for `fold_kernel`; with `STORE_T` also
-    ``T`` (``[C, C]`` at ``t_ptr + (j * heads + h) * C * C``), for the backward."""
+    block by value block) and ``exp(G_last)``, all fp32, for `fold_kernel`, and ``T`` (``[C, C]``
+    at ``t_ptr + (j * heads + h) * C * C``) for the backward."""
     j = tl.program_id(0)
     h = tl.program_id(1)
     hk = h // GROUP
     start = tl.load(start_ptr + j)
     n = tl.load(n_rows_ptr + j)
-    if n <= 0:  # an entry past the plan's chunks (a fixed-capacity launch: `gated_delta_launch.fold_chunks`)
-        return
     rows = tl.arange(0, C)
     k, cum, beta, decay, k_beta, lmat = _chunk_lower(k_ptr, g_ptr, b_ptr, start, n, h, hk, stride_kt, stride_kh,
                                                      stride_gt, stride_bt, C, DK, LOG_C, LOG_DK, L2NORM)
     last = tl.sum(tl.where(rows == C - 1, cum, 0.0), axis=0)  # G of the tile's last row (absent rows add g = 0)
     at = rows[:, None] * DK + tl.arange(0, DK)[None, :]
     # kd and the decay before the solve, and the keys loaded again after it: nothing [C, DK] is
-    # held across the solve's chain of products (sm_90: 4.0 KB of spills a thread, 11.8 with k held)
+    # held across the solve's chain of products (sm_90: 3.9 KB of spills a thread, 11.8 with k held)
     tl.store(kd_ptr + j.to(tl.int64) * stride_wj + h * stride_wh + at, k * tl.exp(last - cum)[:, None])
     tl.store(decay_ptr + j.to(tl.int64) * tl.num_programs(1) + h, tl.exp(last))
     t = _solve(lmat, C)
     k = _l2norm(_load_rows(k_ptr, start, 0, n, hk, stride_kt, stride_kh, DK, C), L2NORM, LOG_DK)
     tl.store(w_ptr + j.to(tl.int64) * stride_wj + h * stride_wh + at, _keys_w(t, k * beta[:, None], cum))
-    if STORE_T:
-        square = rows[:, None] * C + rows[None, :]
-        tl.store(t_ptr + (j.to(tl.int64) * tl.num_programs(1) + h) * C * C + square, t)
+    tl.store(t_ptr + (j.to(tl.int64) * tl.num_programs(1) + h) * C * C + rows[:, None] * C + rows[None, :], t)
     for vb in tl.static_range(DV // BV):
         v = _load_rows(v_ptr + vb * BV, start, 0, n, h, stride_vt, stride_vh, BV, C)
         u = tl.dot(t, v * beta[:, None], input_precision="tf32x3")
