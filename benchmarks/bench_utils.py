@@ -112,6 +112,19 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def kernel_seconds(run, device: torch.device | str) -> dict[str, float]:
+    """Seconds per kernel name of one call of `run` under torch's profiler: GPU time on CUDA, on
+    the CPU each op's own CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.device(device).type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        run()
+        synchronize(torch.device(device))
+    times = ((e.key, e.self_device_time_total if cuda else e.self_cpu_time_total) for e in prof.key_averages())
+    return {name: us * 1e-6 for name, us in times if us > 0}
+
+
 def timed(fn, device: torch.device, repeat: int = 3) -> float:
     """Median wall seconds of `fn` over `repeat` calls after one warm-up, `device` synchronised
     around each: for calls of milliseconds and more (a weight sync), on any device."""

@@ -33,7 +33,7 @@ import inspect
 import sys
 
 import torch
-from bench_utils import bench, bench_graph, positive_int, positive_ints, rotating_copies, table
+from bench_utils import bench, bench_graph, kernel_seconds, positive_int, positive_ints, rotating_copies, table
 
 HK, HV, DK, DV = 16, 32, 128, 128
 
@@ -164,11 +164,8 @@ def profile_rows(tokens: list[int], seqs: int, device: str = "cuda") -> list[lis
     """Rows ``[batch, kernel, ms, share]`` of torch's profiler over one of our forward + backward
     (after a warm-up) per length, the kernels by their GPU time (on a CPU `device`: the ops by
     their CPU time), then the total."""
-    from torch.profiler import ProfilerActivity, profile
-
     from vexact_models.kernels import gated_delta_rule
 
-    cuda = device != "cpu"
     rows = []
     for t in tokens:
         leaves = [x.requires_grad_(x.is_floating_point())
@@ -177,15 +174,9 @@ def profile_rows(tokens: list[int], seqs: int, device: str = "cuda") -> list[lis
 
         def step():
             gated_delta_rule(*leaves, cu)[0].float().sum().backward()
-            if cuda:
-                torch.cuda.synchronize()
 
         step()
-        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-            step()
-        times = [(e.key, (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e3)
-                 for e in prof.key_averages()]
-        times = sorted(((name, ms) for name, ms in times if ms > 0), key=lambda x: -x[1])
+        times = sorted(((name, s * 1e3) for name, s in kernel_seconds(step, device).items()), key=lambda x: -x[1])
         total = sum(ms for _, ms in times)
         rows += [[f"{seqs} x {t}", name[:48], f"{ms:.3f}", f"{ms / total:.1%}"] for name, ms in times]
         rows.append([f"{seqs} x {t}", "total", f"{total:.3f}", "100.0%"])

@@ -51,7 +51,7 @@ from collections import defaultdict
 
 import torch
 
-from bench_utils import stock_attention, subset_arg, synchronize, table, tiny_or_cuda
+from bench_utils import kernel_seconds, stock_attention, subset_arg, synchronize, table, tiny_or_cuda
 from stock_peers import LINEAR_ATTENTION_PATHS, StockPathUnavailable, free, is_hybrid, stock_alone, stock_linear_attention
 
 DEFAULT_CONFIGS = "qwen3-0.6b,qwen3-8b,qwen3-30b-a3b:24"
@@ -136,18 +136,10 @@ def kernel_group(name: str) -> str:
 
 def profile_step(model, loss_fn, ids: torch.Tensor) -> dict[str, float]:
     """GPU seconds per kernel name of one forward+backward step (torch profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-
     model.zero_grad(set_to_none=True)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        loss_fn(model, ids).backward()
-        synchronize(ids.device)
+    kernels = kernel_seconds(lambda: loss_fn(model, ids).backward(), ids.device)
     model.zero_grad(set_to_none=True)
-    kernels: dict[str, float] = defaultdict(float)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            kernels[event.name] += event.device_time_total * 1e-6
-    return dict(kernels)
+    return kernels
 
 
 def print_profiles(title: str, profiles: dict[str, dict[str, float]], top: int) -> None:

@@ -1,7 +1,7 @@
 """benchmarks/bench_utils.py, the helpers the benchmark scripts share: the stock peer model, the
 case filter, prompt layouts, the workload's decode floor, the graph timer that skips a launch that
-cannot run, the bitwise row-count check, the wall-clock timer and the device of a ``--tiny`` run.
-On CPU."""
+cannot run, the bitwise row-count check, the wall-clock timer, the device of a ``--tiny`` run
+and the profiler's time per kernel. On CPU."""
 
 from pathlib import Path
 
@@ -203,3 +203,15 @@ def test_decode_floor_counts_a_hybrids_attention_pages_and_gated_deltanet_state(
     plain = build_model(get("qwen3"), make_config(get("qwen3")), torch.device("cpu"), torch.float32)
     assert decode_floor.linear_state_step_bytes(plain, torch.float32) == 0
     assert decode_floor.workload_state_bytes(plain, [15], [4]) == 0
+
+
+def test_kernel_seconds_names_each_op_once_with_its_own_time(monkeypatch):
+    """`bench_utils.kernel_seconds` (training.py's and gated_delta.py's ``--profile``) on the CPU:
+    every op that ran has its own time, positive, under its name; ops that did not run are absent."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_utils
+
+    a = torch.randn(64, 64)
+    seconds = bench_utils.kernel_seconds(lambda: (a @ a).relu(), "cpu")
+    assert {"aten::mm", "aten::relu"} <= set(seconds) and "aten::softmax" not in seconds
+    assert all(s > 0 for s in seconds.values())
