@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 #: finished investigations (benchmarks/investigations/README.md says what each answered)
@@ -96,27 +95,6 @@ def test_window_models_runs_tiny_on_cpu(config, stock):
     refused = subprocess.run([sys.executable, "window_models.py", "--tiny", "--parts", "kv,x"], cwd=BENCHMARKS,
                              capture_output=True, text=True, timeout=120, env=env)
     assert refused.returncode == 2 and "--parts" in refused.stderr, refused.stderr
-
-
-def test_training_profile_groups_kernels(monkeypatch, capsys):
-    """`training.py --profile`: kernel names land in the step part they belong to, and the
-    per-group table adds each side's kernels up."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import training
-
-    assert training.kernel_group("_attention_fwd_kernel") == "attention forward"
-    assert training.kernel_group("void flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<...>") == "attention backward"
-    assert training.kernel_group("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma") == "attention backward"
-    assert training.kernel_group("_linear_tma_kernel") == "GEMM (Triton linear)"
-    assert training.kernel_group("nvjet_hsh_256x128_64x4_2x1_v_bz_coopA_TNT") == "GEMM (cuBLAS)"
-    assert training.kernel_group("void at::native::vectorized_elementwise_kernel<4, ...>") == "copies, casts, elementwise"
-    assert training.kernel_group("something_new") == "other"
-    training.print_profiles("t", {"hf": {"nvjet_a": 0.002, "flash_fwd": 0.001},
-                                  "vexact": {"_linear_kernel": 0.0015, "_attention_fwd_kernel": 0.0005}}, top=1)
-    out = capsys.readouterr().out
-    total = next(line for line in out.splitlines() if line.strip().startswith("total")).split()
-    assert total == ["total", "3.00", "2.00"]
-    assert "top 1 kernels" in out and "_linear_kernel" in out and "_attention_fwd_kernel" not in out.split("vexact: top")[1]
 
 
 def test_throughput_attention_skipped_bound(monkeypatch):
@@ -315,95 +293,3 @@ def test_throughput_refuses_bad_models_and_engines(argv, words):
     run = subprocess.run([sys.executable, "throughput.py", *argv], cwd=BENCHMARKS, capture_output=True, text=True,
                          timeout=120, env=TINY_ENV)
     assert run.returncode == 2 and words in run.stderr, run.stderr
-
-
-def test_training_hybrid_tiny_times_the_torch_path_and_reports_fla_absent(monkeypatch, capsys):
-    """benchmarks/training.py --tiny on Qwen3.5-MoE with the fla import made unavailable: stock's
-    torch delta rule is timed (with our rate over it), fla's rows say it is not installed, and ours
-    is also timed forward alone (the pass fla's side would get beside its refused backward)."""
-    import sys as sys_
-
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    for name in ("fla", "fla.ops", "fla.ops.gated_delta_rule"):
-        monkeypatch.setitem(sys_.modules, name, None)  # `import fla` raises ImportError
-    import training
-
-    assert training.main(["--tiny", "--configs", "qwen3.5-35b-a3b"]) == 0
-    out = capsys.readouterr().out
-    rows = [line.split() for line in out.split("## qwen3.5-35b-a3b tiny (3 layers)")[1].splitlines()[2:] if line.strip()]
-    assert [r[0] for r in rows] == ["24"] * 5 + ["40"] * 5, out
-    torch_rows = [r for r in rows if "torch" in r]
-    assert len(torch_rows) == 2 and all(r[-1].endswith("x") and r[-1] != "-" for r in torch_rows), out
-    fla_rows = [line for line in out.splitlines() if "fla kernels)" in line and line.strip()[:2] in ("24", "40")]
-    assert len(fla_rows) == 4 and all("not installed (ModuleNotFoundError" in line for line in fla_rows), out
-    ours = [r for r in rows if "vexact" in r]
-    assert [r[r.index("vexact") + 1] for r in ours] == ["fwd+bwd", "forward"] * 2 and all(r[-1] == "1.00x" for r in ours)
-
-
-def test_training_run_side_reports_a_refused_backward_as_its_row(monkeypatch):
-    """`training.run_side` with `refusable` (stock's fla side): a backward that raises (fla 0.6 on
-    Hopper under Triton < 3.7.1) is the row's result, "refused: ...", and the forward-alone pass
-    is still timed; without `refusable` (ours, stock's torch path) the error propagates."""
-    from types import SimpleNamespace
-
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import training
-
-    from vexact_models.conformance.models import architecture_of, build_model, make_config
-
-    class Refuse(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, grad):
-            raise RuntimeError("the backward needs Triton >= 3.7.1 on Hopper\nmore")
-
-    def refused_loss(model, ids):
-        return Refuse.apply(training.hf_loss(model, ids))
-
-    arch = architecture_of("qwen3.5-35b-a3b")
-    model = build_model(arch, make_config(arch), torch.device("cpu"), torch.float32).train()
-    args = SimpleNamespace(checkpointing="off", full_recompute=False, tokens=48, seed=0, device=torch.device("cpu"),
-                           steps=1, profile=0)
-    rows, profiles = training.run_side("HF (fla)", model, refused_loss, [24], args, 1, ("fwd+bwd", "forward"),
-                                       refusable=True)
-    assert rows[0][:2] == ["HF (fla)", "fwd+bwd"]
-    assert rows[0][8] == "refused: RuntimeError: the backward needs Triton >= 3.7.1 on Hopper"
-    assert rows[1][1] == "forward" and rows[1][8] == "" and rows[1][6] > 0 and profiles == {}
-    with pytest.raises(RuntimeError, match="Triton >= 3.7.1"):
-        training.run_side("vexact", model, refused_loss, [24], args, 1, ("fwd+bwd",))
-
-
-@pytest.mark.parametrize("argv,words", [
-    (["--configs", "qwen3-0.6b", "--stock-linear-attention", "torch"],
-     "--stock-linear-attention=torch: qwen3-0.6b has no gated-DeltaNet layers"),
-    (["--configs", "qwen3.5-35b-a3b", "--stock-linear-attention", "torch,triton"],
-     "--stock-linear-attention: expected a comma-separated subset of torch,fla, got 'torch,triton'"),
-    (["--configs", "nope:4"], "--configs 'nope': config 'nope': no such file"),
-])
-def test_training_refuses_bad_configs_and_stock_paths(argv, words):
-    """training.py names the option and the value before building anything (and before it needs a GPU)."""
-    run = subprocess.run([sys.executable, "training.py", *argv], cwd=BENCHMARKS, capture_output=True, text=True,
-                         timeout=120, env=TINY_ENV)
-    assert run.returncode == 2 and words in run.stderr, run.stderr
-
-
-
-
-def test_gated_delta_profile_rows_rank_the_ops_and_total_them(monkeypatch):
-    """`gated_delta.profile_rows` on the CPU (the reference backend's ops by CPU time): per length,
-    the ops from the slowest, their shares, and a total row that is their sum."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import gated_delta
-
-    rows = gated_delta.profile_rows([24, 40], 2, device="cpu")
-    for t in (24, 40):
-        mine = [r for r in rows if r[0] == f"2 x {t}"]
-        assert mine[-1][1] == "total" and len(mine) > 3, mine
-        ms = [float(r[2]) for r in mine[:-1]]
-        assert ms == sorted(ms, reverse=True) and all(m > 0 for m in ms)
-        assert abs(sum(ms) - float(mine[-1][2])) <= 1e-3 * len(ms) + 1e-3
-        assert any("mul" in r[1] or "matmul" in r[1] or "bmm" in r[1] for r in mine), mine
