@@ -98,9 +98,8 @@ def _parser() -> argparse.ArgumentParser:
                              "(and both fused expert tensors of MoE models: PEFT's target_parameters) and check "
                              "rollouts with adapters; skips HF parity")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5, metavar="F",
-                        help="fraction of the GPU the engines' KV caches may fill (default 0.5: the autograd "
-                             "recompute runs while an engine's cache is allocated, and at 8B with a 128k-152k "
-                             "vocabulary 0.9 ran out of memory on an H200); lower it further for --lora at 8B")
+                        help="fraction of the GPU the engines' KV caches may fill (default 0.5; each scenario's "
+                             "engine is freed before its recompute, whose memory --recompute-tokens bounds)")
     parser.add_argument("--scenario", action="append", metavar="NAME",
                         help="run only the scenarios whose names contain NAME (repeatable; default: all), "
                              "e.g. --scenario 'chunk 128' --scenario preemption for a long run")

@@ -151,18 +151,16 @@ def _check_triton_shapes(shapes: Shapes) -> None:
             raise ValueError(f"gated_delta_rule: the Triton kernels take {name}={d} only as a power of two in 16..256")
 
 
-def fold_chunks(start: torch.Tensor, length: torch.Tensor, chunk: int, capacity: int) -> tuple[torch.Tensor, ...]:
-    """The chunks a fold plan's runs (int32 `start`, `length` on the device) cover, in run order,
-    at `capacity` entries (their number): each entry's first token and rows, and the index of each
-    run's first chunk."""
-    chunks = (length + (chunk - 1)) // chunk
-    ends = torch.cumsum(chunks, 0)
-    firsts = ends - chunks
-    entry = torch.arange(capacity, device=length.device)
-    run = torch.searchsorted(ends, entry, right=True).clamp(max=len(length) - 1)
-    c = entry - firsts[run]
-    n_rows = torch.where(entry < ends[-1], torch.clamp(length[run] - c * chunk, max=chunk), 0)
-    return (start[run] + c * chunk).to(torch.int32), n_rows.to(torch.int32), firsts.to(torch.int32)
+def fold_chunks(plan: FoldPlan, chunk: int) -> tuple[list[int], list[int], list[int]]:
+    """The chunks a fold plan's runs cover, in run order (host lists, one entry a chunk): each
+    chunk's first token and rows, and per run the index of its first chunk."""
+    starts, n_rows, firsts = [], [], []
+    for start, length in zip(plan.start, plan.length):
+        firsts.append(len(starts))
+        for c in range(0, length, chunk):
+            starts.append(start + c)
+            n_rows.append(min(chunk, length - c))
+    return starts, n_rows, firsts
 
 
 @dataclass(frozen=True)
@@ -184,13 +182,13 @@ def _fold_triton(k, v, g, beta, states_in, states_out, plan: FoldPlan, shapes: S
     tensors (`FoldChunks`, None for a plan of no chunk)."""
     require_triton("gated_delta_rule")
     _check_triton_shapes(shapes)
-    capacity = sum(-(-n // chunk) for n in plan.length)
+    chunks = fold_chunks(plan, chunk)
+    capacity = len(chunks[0])
     if capacity == 0:
         return None
     dev = k.device
-    start, length, state_index, out_index = (_device_ints(x, dev) for x in (plan.start, plan.length, plan.state_index,
-                                                                             plan.out_index))
-    starts, n_rows, firsts = fold_chunks(start, length, chunk, capacity)
+    starts, n_rows, firsts, length, state_index, out_index = (
+        _device_ints(x, dev) for x in (*chunks, plan.length, plan.state_index, plan.out_index))
     bv = _value_block(shapes.dv)
     consts = dict(C=chunk, DK=shapes.dk, DV=shapes.dv, BV=bv)
     w = torch.empty(capacity, shapes.hv, chunk, shapes.dk, dtype=torch.float32, device=dev)

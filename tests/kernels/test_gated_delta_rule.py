@@ -276,3 +276,14 @@ def test_triton_kernels_compile_for_hopper_on_cpu(monkeypatch, heads, dtype):
             assert used.num_warps == RECURRENT_WARPS, used
             if heads == QWEN35_HEADS:  # the l2 norms in the loop took 1,476 (docs/design.md section 6b)
                 assert used.loop_instructions <= 600, used
+
+
+def test_fold_chunks_lists_every_chunk_of_the_training_plan():
+    from vexact_models.kernels.gated_delta_launch import fold_chunks, training_plans
+
+    fold, rows, _, _ = training_plans([5, 8, 1, 0, 9], chunk=4)
+    starts, n_rows, firsts = fold_chunks(fold, 4)
+    assert (starts, n_rows) == (rows.kv_start, rows.n_rows)
+    assert starts == [0, 4, 5, 9, 13, 14, 18, 22]
+    assert n_rows == [4, 1, 4, 4, 1, 4, 4, 1]
+    assert firsts == [0, 2, 4, 5, 5]
