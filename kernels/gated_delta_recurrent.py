@@ -49,14 +49,20 @@ from .gated_delta_launch import device_ints
 from .gated_delta_triton import l2norm_rows
 from .row_sum import row_sum_halves, row_sum_levels, row_sum_reference
 
-__all__ = ["L2NORM_EPS", "RecurrentPlan", "launch_recurrent", "recurrent_reference", "unit_reference", "unit_rows", "value_block"]
+__all__ = ["L2NORM_EPS", "RecurrentPlan", "launch_grid", "launch_recurrent", "recurrent_reference", "register_cap",
+           "unit_reference", "unit_rows", "value_block"]
 
 L2NORM_EPS = 1e-6  # transformers' and fla's l2norm epsilon
 VALUE_BLOCK = 16  # value columns a program owns (the state block [16, dk] in one warp's registers)
 RECURRENT_WARPS = 1
-#: a cap on the walk's registers a thread (ptxas ``maxnreg``), None for the compiler's own count
-#: (168 at Qwen3.5's heads: 12 one-warp programs an SM; 128 gives 16 and spills 192 bytes)
-RECURRENT_MAX_REGISTERS: int | None = None
+#: a cap on the walk's registers a thread (ptxas ``maxnreg``) where a program's state block is at
+#: most `CAPPED_STATE_ELEMENTS` (dk 128 and 16 value columns: Qwen3.5's and Qwen3-Next's heads);
+#: None for the compiler's own count. At those heads the compiler takes 191 with the one-axis grid
+#: (10 one-warp programs an SM; 168 with the old three-axis grid): 168 keeps 12 programs an SM
+#: and spills nothing, 160 spills nothing but still fits 12, 128 (16 programs) spills 200 bytes
+#: (sm_90 compile, `benchmarks/sm90_compile.py`)
+RECURRENT_MAX_REGISTERS: int | None = 168
+CAPPED_STATE_ELEMENTS = 128 * 16
 UNIT_ROWS_BLOCK = 16  # (token, head) rows of q or k one program of `unit_rows` prepares
 
 
@@ -120,13 +126,16 @@ def _token(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, t, live, h, cols, dk, stride_vt, s
 def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, out_ptr, state_ptr,
                       q_start_ptr, count_ptr, state_in_ptr, state_out_ptr,
                       stride_vt, stride_vh, stride_gt, stride_bt, stride_ot, stride_oh,
-                      stride_sn, stride_sh, stride_sk, HK: tl.constexpr,
+                      stride_sn, stride_sh, stride_sk, HK: tl.constexpr, HV: tl.constexpr, NV: tl.constexpr,
                       GROUP: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, LOG_DK: tl.constexpr,
                       LANE_SUMS: tl.constexpr):
     """One program: value columns ``[vb * BV, (vb + 1) * BV)`` of head ``h`` of segment ``b``,
     its block of the state held transposed (``[BV, dk]``: the sums over dk run along rows). q and
-    k come prepared (`unit_rows`: contiguous fp32 ``[T, HK, DK]``, normalised and scaled)."""
-    b, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    k come prepared (`unit_rows`: contiguous fp32 ``[T, HK, DK]``, normalised and scaled). The
+    grid is one axis, value blocks fastest, then heads, then segments: programs launched together
+    read and write neighbouring bytes of one state (`launch_grid`)."""
+    pid = tl.program_id(0)
+    vb, h, b = pid % NV, (pid // NV) % HV, pid // (NV * HV)
     n = tl.load(count_ptr + b)  # no early return on n: the four loads issue together, one round
     start = tl.load(q_start_ptr + b)  # trip before the state's
     src = tl.where(n > 0, tl.load(state_in_ptr + b), -1)
@@ -155,6 +164,29 @@ def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, out_ptr, state_ptr,
         tl.store(state_ptr + dst.to(tl.int64) * stride_sn + block, state)
 
 
+def register_cap(dk: int, bv: int) -> dict[str, int]:
+    """The walk's launch options for a state block of ``[bv, dk]``: ``maxnreg`` =
+    `RECURRENT_MAX_REGISTERS` where the block has at most `CAPPED_STATE_ELEMENTS` elements (a
+    larger block needs more registers than the cap; no cap there), none otherwise."""
+    if RECURRENT_MAX_REGISTERS is None or dk * bv > CAPPED_STATE_ELEMENTS:
+        return {}
+    return {"maxnreg": RECURRENT_MAX_REGISTERS}
+
+
+def launch_grid(segments: int, heads: int, value_blocks: int) -> tuple[int]:
+    """The walk's grid: one program per (segment, head, value block), on one axis with the value
+    blocks fastest. A state's row of dv columns is ``value_blocks`` programs' pieces (16 columns,
+    64 bytes each): launched side by side, they read and write the head's state as one contiguous
+    stretch, where segments fastest put consecutive programs a state (2 MiB at Qwen3.5's heads)
+    apart. Only the order programs start in changes; no program's arithmetic does. A ValueError
+    past CUDA's 2**31 - 1 programs an axis."""
+    programs = segments * heads * value_blocks
+    if programs >= 2 ** 31:
+        raise ValueError(f"gated_delta_rule: {segments} segments x {heads} heads x {value_blocks} value blocks = "
+                         f"{programs} programs, past the launch limit of 2**31 - 1")
+    return (programs,)
+
+
 def _launch_triton(q, k, v, g, beta, states, out, plan: RecurrentPlan, scale: float, l2norm: bool) -> None:
     require_triton("gated_delta_rule")
     hk, dk = k.shape[1], k.shape[2]
@@ -167,13 +199,13 @@ def _launch_triton(q, k, v, g, beta, states, out, plan: RecurrentPlan, scale: fl
     if states.stride(3) != 1:
         raise ValueError(f"gated_delta_rule: states must have unit stride along dv, got strides {states.stride()}")
     q, k = unit_rows(q, scale, l2norm), unit_rows(k, 1.0, l2norm)
-    _recurrent_kernel[(len(fields[0]), hv, dv // bv)](
+    _recurrent_kernel[launch_grid(len(fields[0]), hv, dv // bv)](
         q, k, v, g, beta, out, states, *fields,
         v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
-        out.stride(0), out.stride(1), states.stride(0), states.stride(1), states.stride(2), HK=hk,
-        GROUP=hv // hk, DK=dk, BV=bv, LOG_DK=row_sum_levels(dk),
+        out.stride(0), out.stride(1), states.stride(0), states.stride(1), states.stride(2), HK=hk, HV=hv,
+        NV=dv // bv, GROUP=hv // hk, DK=dk, BV=bv, LOG_DK=row_sum_levels(dk),
         LANE_SUMS=bv >= 16 * RECURRENT_WARPS, num_warps=RECURRENT_WARPS,
-        **({"maxnreg": RECURRENT_MAX_REGISTERS} if RECURRENT_MAX_REGISTERS else {}))
+        **register_cap(dk, bv))
 
 
 def _dk_sum(x: torch.Tensor) -> torch.Tensor:

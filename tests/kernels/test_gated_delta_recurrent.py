@@ -12,7 +12,9 @@ from transformers.models.qwen3_next import modeling_qwen3_next
 from vexact_models.kernels.gated_delta_recurrent import (
     VALUE_BLOCK,
     RecurrentPlan,
+    launch_grid,
     launch_recurrent,
+    register_cap,
     recurrent_reference,
     value_block,
 )
@@ -207,3 +209,16 @@ def test_scale_multiplies_the_queries():
 def test_value_block():
     assert VALUE_BLOCK == 16
     assert [value_block(d) for d in (2, 8, 16, 32, 128, 256)] == [2, 8, 16, 16, 16, 16]
+
+
+def test_launch_grid_is_one_axis_and_refuses_past_the_launch_limit():
+    assert launch_grid(64, 32, 8) == (64 * 32 * 8,)
+    assert launch_grid(0, 32, 8) == (0,)
+    with pytest.raises(ValueError, match=r"2\*\*31 - 1"):
+        launch_grid(2 ** 20, 2 ** 8, 2 ** 3)
+
+
+def test_register_cap_only_where_the_state_block_fits_it():
+    assert register_cap(128, 16) == {"maxnreg": 168}  # Qwen3.5's and Qwen3-Next's heads
+    assert register_cap(64, 16) == {"maxnreg": 168}
+    assert register_cap(256, 16) == {}  # 128 state values a thread: more than the cap holds
