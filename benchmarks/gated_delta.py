@@ -23,12 +23,15 @@ of 16 columns of a head of a sequence) that training and rollout share (docs/des
 Prints median milliseconds (microseconds for the decode step) per call (docs/design.md section
 6b, "The kernel"). Usage:
 ``python benchmarks/gated_delta.py [--tokens 4096,16384] [--seqs 1] [--batch 64,256] [--backward] [--decode-only]
-[--roofline-tbps 4.2]``; with ``--profile``, instead, each kernel's GPU time in one of our forward + backward.
+[--roofline-tbps 4.2]``; with ``--profile``, instead, each kernel's GPU time in one of our forward + backward;
+with ``--value-blocks 8,16``, instead, the training forward and the decode step at each of the
+walk's value blocks, and whether the bits are the first block's.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import sys
 
@@ -160,6 +163,55 @@ def decode_rows(batches: list[int], roofline_tbps: float) -> list[list]:
     return rows
 
 
+@contextlib.contextmanager
+def walk_value_block(columns: int):
+    """The walk's value block (`gated_delta_recurrent.VALUE_BLOCK`, value columns a program owns)
+    set to `columns` inside the block: a launch parameter, never a bit of the result (every
+    column's sums run in the same order whatever block holds it)."""
+    from vexact_models.kernels import gated_delta_recurrent
+
+    old = gated_delta_recurrent.VALUE_BLOCK
+    gated_delta_recurrent.VALUE_BLOCK = columns
+    try:
+        yield
+    finally:
+        gated_delta_recurrent.VALUE_BLOCK = old
+
+
+def value_block_rows(blocks: list[int], tokens: list[int], batches: list[int], device: str = "cuda",
+                     timer=None, graph_timer=None) -> list[list]:
+    """One row per value block of the walk: the training forward's milliseconds at each of
+    `tokens`, the decode step's microseconds at each of `batches` (a CUDA graph, states from HBM)
+    and whether every output and state has the first block's bits. `timer` / `graph_timer`
+    (`bench` / `bench_graph` by default) are the clocks; the tests pass CPU ones."""
+    from vexact_models.kernels import gated_delta_rule
+    from vexact_models.kernels.gated_delta_step import StepPlan, gated_delta_step, plan_step
+
+    timer, graph_timer = timer or bench, graph_timer or bench_graph
+    rows, first = [], None
+    for bv in blocks:
+        cells, outputs = [bv], []
+        with walk_value_block(bv), torch.no_grad():
+            for t in tokens:
+                inputs = _inputs(t, torch.Generator().manual_seed(t), device)
+                cells.append(f"{timer(lambda: gated_delta_rule(*inputs, [0, t]), warmup=3, rep=20):.3f}")
+                outputs.append(gated_delta_rule(*inputs, [0, t])[0])
+            for b in batches:
+                q, k, v, g, beta = _inputs(b, torch.Generator().manual_seed(b), device)
+                pool = torch.randn(b + 1, HV, DK, DV, generator=torch.Generator().manual_seed(b)).to(device) * 0.1
+                plan = StepPlan({name: torch.from_numpy(a).to(device) for name, a in
+                                 plan_step(list(range(b)), [100] * b, [1] * b, b, b, b).items()})
+                pools = rotating_copies(pool) if device == "cuda" else [pool.clone()]
+                cells.append(f"{graph_timer([lambda p=p: gated_delta_step(q, k, v, g, beta, p, plan) for p in pools]) * 1e3:.1f}")
+                state = pool.clone()
+                outputs += [gated_delta_step(q, k, v, g, beta, state, plan), state]
+                del pools
+        first = outputs if first is None else first
+        cells.append("yes" if all(torch.equal(a, b) for a, b in zip(outputs, first)) else "NO")
+        rows.append(cells)
+    return rows
+
+
 def profile_rows(tokens: list[int], seqs: int, device: str = "cuda") -> list[list]:
     """Rows ``[batch, kernel, ms, share]`` of torch's profiler over one of our forward + backward
     (after a warm-up) per length, the kernels by their GPU time (on a CPU `device`: the ops by
@@ -190,6 +242,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=positive_ints, default=[64, 256], help="sequences per decode step")
     parser.add_argument("--backward", action="store_true", help="also time forward + backward (training)")
     parser.add_argument("--decode-only", action="store_true", help="time the rollout decode step alone")
+    parser.add_argument("--value-blocks", type=positive_ints, default=None, metavar="N,N",
+                        help="instead of the timings: the walk's training forward (--tokens) and decode step "
+                             "(--batch) at each value block (columns a program owns, powers of two up to 128; "
+                             "the first is the reference for the bits), e.g. 8,16")
     parser.add_argument("--profile", action="store_true",
                         help="instead of the timings: each kernel's GPU time in one of our forward + backward per "
                              "--tokens (torch's profiler)")
@@ -199,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.roofline_tbps <= 0:
         parser.error(f"--roofline-tbps must be > 0, got {args.roofline_tbps}")
+    for bv in args.value_blocks or []:
+        if bv & (bv - 1) or bv > DV:
+            parser.error(f"--value-blocks: {bv} must be a power of two <= {DV} (dv)")
     if not torch.cuda.is_available():
         print("gated_delta.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -206,6 +265,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         table("our forward + backward by kernel (torch profiler)", ["batch", "kernel", "GPU ms", "share"],
               profile_rows(args.tokens, args.seqs))
+        return 0
+    if args.value_blocks:
+        header = (["value block"] + [f"forward {t} ms" for t in args.tokens] + [f"decode {b} us" for b in args.batch]
+                  + [f"bits == {args.value_blocks[0]}'s"])
+        table("the walk's value block", header, value_block_rows(args.value_blocks, args.tokens, args.batch))
         return 0
     if not args.decode_only:
         header = ["batch", "kernel", "forward ms", "x ours"] + (["fwd+bwd ms", "x ours"] if args.backward else [])
