@@ -60,18 +60,21 @@ def subset_arg(choices: tuple[str, ...]):
 
 
 def gluon_candidates(text: str, form: str = "ROWSxWARPSxSTAGES", example: str = "64x4x3") -> list[tuple[int, ...]]:
-    """An argparse ``type`` for comma-separated Gluon launches of three counts each, `form` (by
-    default query rows a program, warps, stages), each >= 1: the parser then names the option
-    and the value. Bind `form` and `example` with `functools.partial` for another launch's counts."""
+    """An argparse ``type`` for comma-separated launches of as many counts each as `form` names
+    (by default a Gluon launch's query rows a program, warps, stages), each >= 1: the parser then
+    names the option and the value. Bind `form` and `example` with `functools.partial` for another
+    launch's counts."""
     launches = []
     for item in text.split(","):
         try:
-            a, b, c = (int(v) for v in item.split("x"))
+            counts = tuple(int(v) for v in item.split("x"))
         except ValueError:
-            raise argparse.ArgumentTypeError(f"a candidate is {form}, e.g. {example}, got {item!r}") from None
-        if min(a, b, c) < 1:
+            counts = ()
+        if len(counts) != len(form.split("x")):
+            raise argparse.ArgumentTypeError(f"a candidate is {form}, e.g. {example}, got {item!r}")
+        if min(counts) < 1:
             raise argparse.ArgumentTypeError(f"every count of a candidate must be >= 1, got {item!r}")
-        launches.append((a, b, c))
+        launches.append(counts)
     return launches
 
 

@@ -24,19 +24,22 @@ Prints median milliseconds (microseconds for the decode step) per call (docs/des
 6b, "The kernel"). Usage:
 ``python benchmarks/gated_delta.py [--tokens 4096,16384] [--seqs 1] [--batch 64,256] [--backward] [--decode-only]
 [--roofline-tbps 4.2]``; with ``--profile``, instead, each kernel's GPU time in one of our forward + backward;
-with ``--value-blocks 8,16``, instead, the training forward and the decode step at each of the
-walk's value blocks, and whether the bits are the first block's.
+with ``--walk-launches 16x1,8x1,64x4``, instead, the training forward and the decode step at each
+of the walk's launch shapes (value columns a program, warps), and whether the bits are the first
+shape's.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import inspect
 import sys
 
 import torch
-from bench_utils import bench, bench_graph, kernel_seconds, positive_int, positive_ints, rotating_copies, table
+from bench_utils import (bench, bench_graph, gluon_candidates, kernel_seconds, positive_int, positive_ints, rotating_copies,
+                         table)
 
 HK, HV, DK, DV = 16, 32, 128, 128
 
@@ -164,34 +167,34 @@ def decode_rows(batches: list[int], roofline_tbps: float) -> list[list]:
 
 
 @contextlib.contextmanager
-def walk_value_block(columns: int):
-    """The walk's value block (`gated_delta_recurrent.VALUE_BLOCK`, value columns a program owns)
-    set to `columns` inside the block: a launch parameter, never a bit of the result (every
-    column's sums run in the same order whatever block holds it)."""
-    from vexact_models.kernels import gated_delta_recurrent
+def walk_launch(columns: int, warps: int):
+    """The walk's launch shape (`gated_delta_recurrent.VALUE_BLOCK`, value columns a program owns,
+    and `RECURRENT_WARPS`) set inside the block: launch parameters, never a bit of the result
+    (every column's sums run in the same order whatever program and warp hold it)."""
+    from vexact_models.kernels import gated_delta_recurrent as walk
 
-    old = gated_delta_recurrent.VALUE_BLOCK
-    gated_delta_recurrent.VALUE_BLOCK = columns
+    old = walk.VALUE_BLOCK, walk.RECURRENT_WARPS
+    walk.VALUE_BLOCK, walk.RECURRENT_WARPS = columns, warps
     try:
         yield
     finally:
-        gated_delta_recurrent.VALUE_BLOCK = old
+        walk.VALUE_BLOCK, walk.RECURRENT_WARPS = old
 
 
-def value_block_rows(blocks: list[int], tokens: list[int], batches: list[int], device: str = "cuda",
+def walk_launch_rows(launches: list[tuple[int, int]], tokens: list[int], batches: list[int], device: str = "cuda",
                      timer=None, graph_timer=None) -> list[list]:
-    """One row per value block of the walk: the training forward's milliseconds at each of
-    `tokens`, the decode step's microseconds at each of `batches` (a CUDA graph, states from HBM)
-    and whether every output and state has the first block's bits. `timer` / `graph_timer`
+    """One row per launch shape ``(columns, warps)`` of the walk: the training forward's
+    milliseconds at each of `tokens`, the decode step's microseconds at each of `batches` (a CUDA
+    graph, states from HBM) and whether every output and state has the first shape's bits. `timer` / `graph_timer`
     (`bench` / `bench_graph` by default) are the clocks; the tests pass CPU ones."""
     from vexact_models.kernels import gated_delta_rule
     from vexact_models.kernels.gated_delta_step import StepPlan, gated_delta_step, plan_step
 
     timer, graph_timer = timer or bench, graph_timer or bench_graph
     rows, first = [], None
-    for bv in blocks:
-        cells, outputs = [bv], []
-        with walk_value_block(bv), torch.no_grad():
+    for columns, warps in launches:
+        cells, outputs = [f"{columns}x{warps}"], []
+        with walk_launch(columns, warps), torch.no_grad():
             for t in tokens:
                 inputs = _inputs(t, torch.Generator().manual_seed(t), device)
                 cells.append(f"{timer(lambda: gated_delta_rule(*inputs, [0, t]), warmup=3, rep=20):.3f}")
@@ -242,10 +245,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=positive_ints, default=[64, 256], help="sequences per decode step")
     parser.add_argument("--backward", action="store_true", help="also time forward + backward (training)")
     parser.add_argument("--decode-only", action="store_true", help="time the rollout decode step alone")
-    parser.add_argument("--value-blocks", type=positive_ints, default=None, metavar="N,N",
+    parser.add_argument("--walk-launches", type=functools.partial(gluon_candidates, form="COLUMNSxWARPS",
+                                                                  example="16x1"), default=None, metavar="CxW,CxW",
                         help="instead of the timings: the walk's training forward (--tokens) and decode step "
-                             "(--batch) at each value block (columns a program owns, powers of two up to 128; "
-                             "the first is the reference for the bits), e.g. 8,16")
+                             "(--batch) at each launch shape, value columns a program (a power of two up to 128) x "
+                             "warps (a power of two); the first is the reference for the bits. E.g. 16x1,8x1,64x4")
     parser.add_argument("--profile", action="store_true",
                         help="instead of the timings: each kernel's GPU time in one of our forward + backward per "
                              "--tokens (torch's profiler)")
@@ -255,9 +259,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.roofline_tbps <= 0:
         parser.error(f"--roofline-tbps must be > 0, got {args.roofline_tbps}")
-    for bv in args.value_blocks or []:
-        if bv & (bv - 1) or bv > DV:
-            parser.error(f"--value-blocks: {bv} must be a power of two <= {DV} (dv)")
+    for columns, warps in args.walk_launches or []:
+        if columns & (columns - 1) or columns > DV or warps & (warps - 1):
+            parser.error(f"--walk-launches: {columns}x{warps} must be a power of two <= {DV} (dv) columns x a "
+                         "power of two warps")
     if not torch.cuda.is_available():
         print("gated_delta.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -266,10 +271,11 @@ def main(argv: list[str] | None = None) -> int:
         table("our forward + backward by kernel (torch profiler)", ["batch", "kernel", "GPU ms", "share"],
               profile_rows(args.tokens, args.seqs))
         return 0
-    if args.value_blocks:
-        header = (["value block"] + [f"forward {t} ms" for t in args.tokens] + [f"decode {b} us" for b in args.batch]
-                  + [f"bits == {args.value_blocks[0]}'s"])
-        table("the walk's value block", header, value_block_rows(args.value_blocks, args.tokens, args.batch))
+    if args.walk_launches:
+        first = "x".join(map(str, args.walk_launches[0]))
+        header = (["columns x warps"] + [f"forward {t} ms" for t in args.tokens]
+                  + [f"decode {b} us" for b in args.batch] + [f"bits == {first}'s"])
+        table("the walk's launch shapes", header, walk_launch_rows(args.walk_launches, args.tokens, args.batch))
         return 0
     if not args.decode_only:
         header = ["batch", "kernel", "forward ms", "x ours"] + (["fwd+bwd ms", "x ours"] if args.backward else [])

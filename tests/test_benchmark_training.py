@@ -125,35 +125,39 @@ def test_gated_delta_profile_rows_rank_the_ops_and_total_them(monkeypatch):
         assert any("mul" in r[1] or "matmul" in r[1] or "bmm" in r[1] for r in mine), mine
 
 
-def test_gated_delta_value_block_rows_time_each_block_and_compare_bits(monkeypatch):
-    """`gated_delta.value_block_rows` on the CPU with stand-in clocks: a row per value block, the
-    training forward and decode cells from the clocks, the bits compared with the first block's
-    (the reference backend: equal), and the walk's value block restored afterwards."""
+def test_gated_delta_walk_launch_rows_time_each_shape_and_compare_bits(monkeypatch):
+    """`gated_delta.walk_launch_rows` on the CPU with stand-in clocks: a row per launch shape, the
+    training forward and decode cells from the clocks, the bits compared with the first shape's
+    (the reference backend: equal), and the walk's launch shape restored afterwards."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import gated_delta
-    from vexact_models.kernels import gated_delta_recurrent
+    from vexact_models.kernels import gated_delta_recurrent as walk
 
     calls = []
 
     def timer(fn, warmup, rep):
-        calls.append(gated_delta_recurrent.VALUE_BLOCK)
+        calls.append((walk.VALUE_BLOCK, walk.RECURRENT_WARPS))
         fn()
         return 1.25
 
     def graph_timer(fns):
-        calls.append(gated_delta_recurrent.VALUE_BLOCK)
+        calls.append((walk.VALUE_BLOCK, walk.RECURRENT_WARPS))
         [fn() for fn in fns]
         return 0.0025
 
-    rows = gated_delta.value_block_rows([16, 8], [8], [2], device="cpu", timer=timer, graph_timer=graph_timer)
-    assert rows == [[16, "1.250", "2.5", "yes"], [8, "1.250", "2.5", "yes"]]
-    assert calls == [16, 16, 8, 8] and gated_delta_recurrent.VALUE_BLOCK == 16
-    with pytest.raises(RuntimeError), gated_delta.walk_value_block(4):
+    rows = gated_delta.walk_launch_rows([(16, 1), (64, 4)], [8], [2], device="cpu", timer=timer,
+                                        graph_timer=graph_timer)
+    assert rows == [["16x1", "1.250", "2.5", "yes"], ["64x4", "1.250", "2.5", "yes"]]
+    assert calls == [(16, 1), (16, 1), (64, 4), (64, 4)]
+    with pytest.raises(RuntimeError), gated_delta.walk_launch(4, 2):
         raise RuntimeError
-    assert gated_delta_recurrent.VALUE_BLOCK == 16
+    assert (walk.VALUE_BLOCK, walk.RECURRENT_WARPS) == (16, 1)
 
 
-def test_gated_delta_refuses_a_value_block_that_is_no_power_of_two():
-    run = subprocess.run([sys.executable, "gated_delta.py", "--value-blocks", "8,12"], cwd=BENCHMARKS,
+@pytest.mark.parametrize("value,words", [("16x1,12x1", "--walk-launches: 12x1 must be a power of two <= 128 (dv)"),
+                                         ("16x3", "--walk-launches: 16x3 must be a power of two"),
+                                         ("16", "a candidate is COLUMNSxWARPS, e.g. 16x1, got '16'")])
+def test_gated_delta_refuses_a_bad_walk_launch(value, words):
+    run = subprocess.run([sys.executable, "gated_delta.py", "--walk-launches", value], cwd=BENCHMARKS,
                          capture_output=True, text=True, timeout=120)
-    assert run.returncode == 2 and "--value-blocks: 12 must be a power of two <= 128 (dv)" in run.stderr, run.stderr
+    assert run.returncode == 2 and words in run.stderr, run.stderr
