@@ -27,8 +27,8 @@ import torch
 from . import gated_delta_backward_reference as bref
 from ._triton import require_triton
 from .gated_delta_backward_triton import (CHUNK_GRAD_BV, CHUNK_GRAD_STAGES, STATE_GRAD_BV, STATE_GRAD_STAGES, WARPS,
-                                          key_grad_kernel, key_sums_kernel, pair_grad_kernel, query_prep_kernel,
-                                          state_grad_kernel, value_grad_kernel)
+                                          key_beta_grad_kernel, key_grad_kernel, key_parts, key_sums_kernel,
+                                          pair_grad_kernel, query_prep_kernel, state_grad_kernel, value_grad_kernel)
 from .gated_delta_launch import (FoldChunks, RowsPlan, Shapes, check_triton_shapes, chunk_inputs, device_ints,
                                  expand_heads, gather_chunks, launch_warps, prepare_rows, training_states)
 from .kernel_switch import KernelSwitch
@@ -90,8 +90,9 @@ def _state_grads(q, k, g, d_out, dstates, kept: FoldChunks, seqs, scale: float, 
 
 def _chunk_grads(q, k, v, g, beta, d_out, states, dstates, kept: FoldChunks, p, pd, grads, scale: float,
                  at: _Launch) -> None:
-    """`value_grad_kernel`, `key_sums_kernel`, `pair_grad_kernel`, `key_grad_kernel`: every
-    chunk's gradients into `grads`; each scratch tensor dropped once its last reader is queued."""
+    """`value_grad_kernel`, `key_sums_kernel`, `pair_grad_kernel`, `key_beta_grad_kernel`,
+    `key_grad_kernel`: every chunk's gradients into `grads`; each scratch tensor dropped once its
+    last reader is queued."""
     dq, dk, dv, dg, db = grads
     chunk, dkh, dvh = at.sizes["C"], at.sizes["DK"], at.sizes["DV"]
     bv = min(CHUNK_GRAD_BV, dvh)
@@ -110,10 +111,15 @@ def _chunk_grads(q, k, v, g, beta, d_out, states, dstates, kept: FoldChunks, p, 
     del v_new, d_new
     m_l, m_p = at.per_chunk(chunk, chunk), at.per_chunk(chunk, chunk)
     d_k_beta, d_cum = at.per_chunk(chunk, dkh), at.per_chunk(chunk)
+    parts = key_parts(dkh)
     pair_grad_kernel[(at.n_chunks, at.hv)](
-        k, g, beta, kept.t, p, d_p, d_tmat, d_w, m_l, m_p, d_k_beta, d_cum, db, *at.rows[:2], k.stride(0), k.stride(1),
-        g.stride(0), beta.stride(0), db.stride(0), C=chunk, DK=dkh, **at.keys, **at.staged)
-    del p, d_p, d_tmat, d_w
+        k, g, beta, kept.t, p, d_p, d_tmat, d_w, m_l, m_p, d_cum, *at.rows[:2], k.stride(0), k.stride(1),
+        g.stride(0), beta.stride(0), C=chunk, DK=dkh, KEY_PARTS=parts, **at.keys, **at.staged)
+    del p, d_p, d_tmat
+    key_beta_grad_kernel[(at.n_chunks, at.hv)](
+        k, g, beta, kept.t, d_w, m_l, d_k_beta, d_cum, db, *at.rows[:2], k.stride(0), k.stride(1), g.stride(0),
+        beta.stride(0), db.stride(0), C=chunk, DK=dkh, KEY_PARTS=parts, **at.keys, **at.staged)
+    del d_w
     key_grad_kernel[(at.n_chunks, at.hv)](
         q, k, g, beta, m_l, m_p, d_k_beta, d_cum, d_state_decay, d_q_decayed, d_tail, dq, dk, dg, *at.rows[:2],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), beta.stride(0), dq.stride(0), dq.stride(1),

@@ -1,5 +1,5 @@
 """The gated delta rule's Triton backward: the formulas of `gated_delta_backward_reference` (its
-docstring derives them; docs/design.md rule 8, section 6b), in six launches after the fold.
+docstring derives them; docs/design.md rule 8, section 6b), in seven launches after the fold.
 
 The fold (`gated_delta_triton.fold_prep_kernel`) has already solved every chunk: ``T``, ``w``, the
 keys decayed to the chunk's end ``kd = k exp(G_last - G)``, ``u = T (v beta)`` and ``exp(G_last)``
@@ -16,13 +16,15 @@ are in memory (`gated_delta_launch.FoldChunks`), and nothing below solves again.
   ``dT`` and the value side of ``dbeta``.
 - `key_sums_kernel` (a chunk and head): the ``[C, dk]`` sums over the value blocks, ``dO S^T``,
   ``v_new dS'^T`` and ``-d_new S^T``.
-- `pair_grad_kernel` (a chunk and head): through ``T`` and the pair decays, ``M_L``, ``M_P``, the
-  gradient of ``k beta``, the pairs' part of ``dG`` and the key side of ``dbeta``.
+- `pair_grad_kernel` (a chunk and head): through ``T`` and the pair decays, ``M_L``, ``M_P`` and the
+  pairs' part of ``dG``.
+- `key_beta_grad_kernel` (a chunk and head): the gradient of ``k beta``, ``w``'s part of ``dG``
+  and the key side of ``dbeta``. The two take the keys in column parts (`key_parts`).
 - `key_grad_kernel` (a chunk and head): ``dq``, ``dk`` (at the value head, through the l2 norm)
   and ``dg``.
 
 Split this way, no program holds every accumulator beside the key tiles: ptxas serialises no
-wgmma, and each launch spills 0.1-10 KB a thread against the 35 KB of one kernel holding
+wgmma, and each launch spills 0.1-3.9 KB a thread against the 35 KB of one kernel holding
 everything (docs/design.md section 6b). The per-chunk tensors between launches are fp32 in
 memory. No atomics: every output element is written by one program, every sum has one order
 fixed by the code (a ``tl.sum`` over a tile, the value blocks one after another, the chunks in
@@ -33,7 +35,8 @@ operands, as the fold's.
 from __future__ import annotations
 
 from ._triton import tl, triton
-from .gated_delta_triton import keys_decay, l2norm_rows, load_gates, load_rows, load_state, store_state
+from .gated_delta_triton import (gate_decay, keys_decay, l2norm_rows, load_gates, load_rows, load_state, row_norms,
+                                 store_state)
 from .row_sum import row_sum_halves
 
 WARPS = 8  # every launch's (`gated_delta_launch.SMALL_HEAD_WARPS` where dk or dv is 16)
@@ -215,41 +218,92 @@ def key_sums_kernel(do_ptr, state_ptr, dstate_ptr, vnew_ptr, dnew_ptr, dqd_ptr, 
     tl.store(_tile_ptrs(dw_ptr, j, h, heads, 0, C, DK, DK), d_w)
 
 
+def key_parts(dk: int) -> int:
+    """Column parts `pair_grad_kernel` and `key_beta_grad_kernel` take the ``[C, dk]`` tiles in:
+    four, as long as a part keeps a dot's 16 columns (two at dk 32, one at 16). At Qwen3.5's heads
+    (sm_90) four parts spill 1.8 KB and 84 bytes a thread in the two kernels, two parts 4.4 KB and
+    240 bytes."""
+    return 4 if dk >= 64 else 2 if dk >= 32 else 1
+
+
 @triton.jit
-def pair_grad_kernel(k_ptr, g_ptr, b_ptr, t_ptr, p_ptr, dp_ptr, dt_ptr, dw_ptr, ml_ptr, mp_ptr, dkb_ptr, dcum_ptr,
-                     db_ptr, kv_start_ptr, n_rows_ptr, stride_kt, stride_kh, stride_gt, stride_bt, stride_dbt,
-                     GROUP: tl.constexpr, C: tl.constexpr, DK: tl.constexpr,
+def _key_part(k_ptr, start, n, hk, stride_kt, stride_kh, norms, col, L2NORM: tl.constexpr, KW: tl.constexpr,
+              C: tl.constexpr):
+    """Columns ``col..col+KW-1`` of the chunk's normalised keys ``[C, KW]`` (`norms`: the full rows'
+    `row_norms`): each element as `l2norm_rows` makes it."""
+    k = load_rows(k_ptr + col, start, 0, n, hk, stride_kt, stride_kh, KW, C)
+    if L2NORM:
+        k = k / norms[:, None]
+    return k
+
+
+@triton.jit
+def pair_grad_kernel(k_ptr, g_ptr, b_ptr, t_ptr, p_ptr, dp_ptr, dt_ptr, dw_ptr, ml_ptr, mp_ptr, dcum_ptr,
+                     kv_start_ptr, n_rows_ptr, stride_kt, stride_kh, stride_gt, stride_bt,
+                     GROUP: tl.constexpr, C: tl.constexpr, DK: tl.constexpr, KEY_PARTS: tl.constexpr,
                      LOG_C: tl.constexpr, LOG_DK: tl.constexpr, L2NORM: tl.constexpr):
     """Chunk `j`, head `h`: the gradients through ``T`` and ``P`` (`gated_delta_backward_reference.
-    chunk_grads`): ``M_L = dL * decay`` and ``M_P = dP * decay`` ``[C, C]``, the gradient of ``k
-    beta`` ``[C, DK]``, the pairs' and ``w``'s part of the gradient of ``G`` ``[C]``, and ``k``'s
-    part of ``dbeta`` (added to `value_grad_kernel`'s in `db`)."""
+    chunk_grads`), ``M_L = dL * decay`` and ``M_P = dP * decay`` ``[C, C]`` and the pairs' part of
+    the gradient of ``G`` ``[C]``. ``dT`` and ``L`` sum products over dk, taken in `KEY_PARTS`
+    column parts of the keys and ``dw`` (`key_parts`) so that no ``[C, dk]`` tile is held whole."""
     j, h, heads, start, n = _chunk_program(kv_start_ptr, n_rows_ptr)
+    KW: tl.constexpr = DK // KEY_PARTS
+    hk = h // GROUP
     rows = tl.arange(0, C)
-    k, cum, decay = keys_decay(k_ptr, g_ptr, start, n, h, h // GROUP, stride_kt, stride_kh, stride_gt, C, DK, LOG_C,
-                               LOG_DK, L2NORM)
+    norms = row_norms(load_rows(k_ptr, start, 0, n, hk, stride_kt, stride_kh, DK, C), LOG_DK)
+    cum, decay = gate_decay(g_ptr, start, n, h, stride_gt, C, LOG_C)
     beta = load_gates(b_ptr, start, n, h, stride_bt, C)
     exp_cum = tl.exp(cum)
-    k_beta = k * beta[:, None]
-    d_w_ptrs = _tile_ptrs(dw_ptr, j, h, heads, 0, C, DK, DK)
-    d_tmat = tl.load(_tile_ptrs(dt_ptr, j, h, heads, 0, C, C, C)) + _dot(tl.load(d_w_ptrs),
-                                                                        tl.trans(k_beta * exp_cum[:, None]))
+    d_tmat = tl.load(_tile_ptrs(dt_ptr, j, h, heads, 0, C, C, C))
+    lmat = tl.zeros((C, C), dtype=tl.float32)
+    for part in tl.static_range(KEY_PARTS):
+        k = _key_part(k_ptr, start, n, hk, stride_kt, stride_kh, norms, part * KW, L2NORM, KW, C)
+        k_beta = k * beta[:, None]
+        d_tmat += _dot(tl.load(_tile_ptrs(dw_ptr, j, h, heads, part * KW, C, KW, DK)),
+                       tl.trans(k_beta * exp_cum[:, None]))
+        lmat += _dot(k_beta, tl.trans(k))
     t = tl.load(_tile_ptrs(t_ptr, j, h, heads, 0, C, C, C))
     strict = rows[None, :] < rows[:, None]
     d_l = tl.where(strict, -_dot(tl.trans(t), _dot(d_tmat, tl.trans(t))), 0.0)
-    lmat = tl.where(strict, _dot(k_beta, tl.trans(k)) * decay, 0.0)
     d_p = tl.where(rows[None, :] <= rows[:, None], tl.load(_tile_ptrs(dp_ptr, j, h, heads, 0, C, C, C)), 0.0)
-    h_pairs = d_l * lmat + d_p * tl.load(_tile_ptrs(p_ptr, j, h, heads, 0, C, C, C))
-    m_l = d_l * decay
-    tl.store(_tile_ptrs(ml_ptr, j, h, heads, 0, C, C, C), m_l)
+    h_pairs = d_l * tl.where(strict, lmat * decay, 0.0) + d_p * tl.load(_tile_ptrs(p_ptr, j, h, heads, 0, C, C, C))
+    tl.store(dcum_ptr + (j.to(tl.int64) * heads + h) * C + rows, tl.sum(h_pairs, axis=1) - tl.sum(h_pairs, axis=0))
+    tl.store(_tile_ptrs(ml_ptr, j, h, heads, 0, C, C, C), d_l * decay)
     tl.store(_tile_ptrs(mp_ptr, j, h, heads, 0, C, C, C), d_p * decay)
-    d_w_t = _dot(tl.trans(t), tl.load(d_w_ptrs))  # the gradient of w's k beta exp(G)
-    d_k_beta = _dot(m_l, k) + d_w_t * exp_cum[:, None]
-    tl.store(_tile_ptrs(dkb_ptr, j, h, heads, 0, C, DK, DK), d_k_beta)
-    d_cum = tl.sum(h_pairs, axis=1) - tl.sum(h_pairs, axis=0) + tl.sum(d_w_t * k_beta, axis=1) * exp_cum
-    tl.store(dcum_ptr + (j.to(tl.int64) * heads + h) * C + rows, d_cum)
+
+
+@triton.jit
+def key_beta_grad_kernel(k_ptr, g_ptr, b_ptr, t_ptr, dw_ptr, ml_ptr, dkb_ptr, dcum_ptr, db_ptr, kv_start_ptr,
+                         n_rows_ptr, stride_kt, stride_kh, stride_gt, stride_bt, stride_dbt,
+                         GROUP: tl.constexpr, C: tl.constexpr, DK: tl.constexpr, KEY_PARTS: tl.constexpr,
+                         LOG_C: tl.constexpr, LOG_DK: tl.constexpr, L2NORM: tl.constexpr):
+    """Chunk `j`, head `h`, from `pair_grad_kernel`'s ``M_L``: the gradient of ``k beta`` ``[C,
+    DK]`` (``M_L k + (T^T dw) exp(G)``), ``w``'s part of the gradient of ``G`` (added to the pairs'
+    in `dcum`) and ``k``'s part of ``dbeta`` (added to `value_grad_kernel`'s in `db`), in
+    `KEY_PARTS` column parts."""
+    j, h, heads, start, n = _chunk_program(kv_start_ptr, n_rows_ptr)
+    KW: tl.constexpr = DK // KEY_PARTS
+    hk = h // GROUP
+    rows = tl.arange(0, C)
+    norms = row_norms(load_rows(k_ptr, start, 0, n, hk, stride_kt, stride_kh, DK, C), LOG_DK)
+    cum, _ = gate_decay(g_ptr, start, n, h, stride_gt, C, LOG_C)
+    beta = load_gates(b_ptr, start, n, h, stride_bt, C)
+    exp_cum = tl.exp(cum)
+    t = tl.load(_tile_ptrs(t_ptr, j, h, heads, 0, C, C, C))
+    m_l = tl.load(_tile_ptrs(ml_ptr, j, h, heads, 0, C, C, C))
+    w_terms = tl.zeros((C,), dtype=tl.float32)
+    d_beta = tl.zeros((C,), dtype=tl.float32)
+    for part in tl.static_range(KEY_PARTS):
+        k = _key_part(k_ptr, start, n, hk, stride_kt, stride_kh, norms, part * KW, L2NORM, KW, C)
+        d_w_t = _dot(tl.trans(t), tl.load(_tile_ptrs(dw_ptr, j, h, heads, part * KW, C, KW, DK)))
+        d_k_beta = _dot(m_l, k) + d_w_t * exp_cum[:, None]
+        tl.store(_tile_ptrs(dkb_ptr, j, h, heads, part * KW, C, KW, DK), d_k_beta)
+        w_terms += tl.sum(d_w_t * k * beta[:, None], axis=1)
+        d_beta += tl.sum(d_k_beta * k, axis=1)
+    d_cum = dcum_ptr + (j.to(tl.int64) * heads + h) * C + rows
+    tl.store(d_cum, tl.load(d_cum) + w_terms * exp_cum)
     b_rows = db_ptr + (start + rows).to(tl.int64) * stride_dbt + h
-    tl.store(b_rows, tl.load(b_rows, mask=rows < n, other=0.0) + tl.sum(d_k_beta * k, axis=1), mask=rows < n)
+    tl.store(b_rows, tl.load(b_rows, mask=rows < n, other=0.0) + d_beta, mask=rows < n)
 
 
 @triton.jit

@@ -51,10 +51,28 @@ def _load_gates(ptr, start, n, h, stride_t, C: tl.constexpr):
 
 
 @triton.jit
+def _row_norms(x, LOG_D: tl.constexpr):
+    """``sqrt(sum(x * x) + 1e-6)`` of each row of ``x`` (the l2 norm's divisor)."""
+    return tl.sqrt_rn(row_sum_halves(x * x, LOG_D, False) + 1e-6)
+
+
+@triton.jit
 def _l2norm(x, L2NORM: tl.constexpr, LOG_D: tl.constexpr):
     if L2NORM:
-        x = x / tl.sqrt_rn(row_sum_halves(x * x, LOG_D, False) + 1e-6)[:, None]
+        x = x / _row_norms(x, LOG_D)[:, None]
     return x
+
+
+@triton.jit
+def _gate_decay(g_ptr, start, n, h, stride_gt, C: tl.constexpr, LOG_C: tl.constexpr):
+    """A chunk's ``G`` (prefix sums of ``g``) and ``decay[i, j] = exp(G_i - G_j)`` (``j <= i``,
+    else 0)."""
+    rows = tl.arange(0, C)
+    g = _load_gates(g_ptr, start, n, h, stride_gt, C)
+    lower = rows[None, :] <= rows[:, None]
+    cum = row_sum_halves(tl.where(lower, g[None, :], 0.0), LOG_C, False)
+    decay = tl.where(lower, tl.exp(tl.where(lower, cum[:, None] - cum[None, :], 0.0)), 0.0)
+    return cum, decay
 
 
 @triton.jit
@@ -62,12 +80,8 @@ def _keys_decay(k_ptr, g_ptr, start, n, h, hk, stride_kt, stride_kh, stride_gt,
                 C: tl.constexpr, DK: tl.constexpr, LOG_C: tl.constexpr, LOG_DK: tl.constexpr, L2NORM: tl.constexpr):
     """A chunk's normalised keys ``k``, ``G`` (prefix sums of ``g``) and ``decay[i, j] = exp(G_i -
     G_j)`` (``j <= i``, else 0)."""
-    rows = tl.arange(0, C)
     k = _l2norm(_load_rows(k_ptr, start, 0, n, hk, stride_kt, stride_kh, DK, C), L2NORM, LOG_DK)
-    g = _load_gates(g_ptr, start, n, h, stride_gt, C)
-    lower = rows[None, :] <= rows[:, None]
-    cum = row_sum_halves(tl.where(lower, g[None, :], 0.0), LOG_C, False)
-    decay = tl.where(lower, tl.exp(tl.where(lower, cum[:, None] - cum[None, :], 0.0)), 0.0)
+    cum, decay = _gate_decay(g_ptr, start, n, h, stride_gt, C, LOG_C)
     return k, cum, decay
 
 
@@ -212,3 +226,4 @@ def fold_kernel(w_ptr, u_ptr, kd_ptr, decay_ptr, state_in_ptr, state_out_ptr,
 # private ones the forward's kernels call.
 keys_decay, l2norm_rows, load_gates, load_rows, load_state, store_state = (_keys_decay, _l2norm, _load_gates, _load_rows,
                                                                           _load_state, _store_state)
+gate_decay, row_norms = _gate_decay, _row_norms

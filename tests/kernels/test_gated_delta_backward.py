@@ -152,7 +152,7 @@ def test_triton_backward_kernels_compile_for_hopper_on_cpu(monkeypatch):
         training_backward(*tensors[:5], None, d_out.bfloat16(), None, [70], 64, 0.25, True, "triton")
     assert [kernel.name for kernel in compiled] == ["fold_prep_kernel", "fold_kernel", "query_prep_kernel",
                                                     "state_grad_kernel", "value_grad_kernel", "key_sums_kernel",
-                                                    "pair_grad_kernel", "key_grad_kernel"]
+                                                    "pair_grad_kernel", "key_beta_grad_kernel", "key_grad_kernel"]
     for kernel in compiled[1:]:
         assert resources(kernel).wgmma > 0, kernel.name
         assert "m64n8k8" not in kernel.asm["ptx"], kernel.name

@@ -65,6 +65,7 @@ def _reference(tensors, d_out, d_final, lengths, chunk, **kwargs):
     (1, 2, 32, 16, 32, [70, 9], True, False, True),
     (1, 1, 16, 128, 16, [20], True, True, False),
     (1, 2, 16, 16, 64, [70, 30], False, False, True),
+    (1, 2, 64, 16, 16, [30, 5], True, True, True),  # the pair kernels' four key parts
 ])
 def test_triton_backward_matches_autograd(hk, hv, dk, dv, chunk, lengths, initial, final, l2norm):
     """Grouped heads, an empty and a one-token sequence, chunks cut mid-sequence and whole, two
