@@ -4,15 +4,17 @@ down alone) and ranks 8, 16 and 64, with fp32 (PEFT's default) and bf16 adapter 
 row of an M-row call equals that row computed alone; a stacked group's output equals its
 members' separate calls (what training runs: the rollout fuses, section 3); in place equals out
 of place; the two launches (the shrink's partials, the expand that adds them up) equal three
-(the partials' sum in a launch of its own, then the expand of u), and the training forward (which
-also keeps u) the rollout's; and a call captured in a CUDA graph replays the eager call's bits."""
+(the partials' sum in a launch of its own, then the expand of u), and so do the expand's other
+tiles (`EXPAND_TILES`); the training forward (which also keeps u) equals the rollout's; and a call
+captured in a CUDA graph replays the eager call's bits."""
 
 from __future__ import annotations
 
 import torch
 
-from vexact_models.kernels import lora_add
-from vexact_models.kernels.lora import lora_expand_triton, lora_shrink_triton
+from vexact_models.kernels import lora_add, lora_partials
+from vexact_models.kernels.lora import lora_shrink_triton
+from vexact_models.kernels.lora_expand import ExpandTile, lora_expand_triton
 
 from .invariance_result import Result
 
@@ -25,6 +27,8 @@ LORA_GROUPS = [
     ("qwen3-30b-a3b", "q/k/v", 2048, (4096, 512, 512)), ("qwen3-30b-a3b", "o", 4096, (2048,)),
 ]
 SCALINGS = (2.0, 0.5, 1.25)
+#: expand tiles besides the default that must give its bits (`benchmarks/lora_expand.py` times them)
+EXPAND_TILES = (ExpandTile(16, 32, 4), ExpandTile(32, 32, 4), ExpandTile(64, 64, 4), ExpandTile(32, 64, 2))
 
 
 def _operands(m: int, k: int, sizes: tuple[int, ...], rank: int, adapter_dtype: torch.dtype):
@@ -58,6 +62,10 @@ def check_lora_group(result: Result, k: int, sizes: tuple[int, ...], rank: int, 
     result.compare(inplace, single, f"{what} in place")
     three = lora_expand_triton(base, lora_shrink_triton(x, a)[None], b, None, sizes, scalings, torch.empty_like(base))
     result.compare(three, single, f"{what} three launches (reduce, then expand of u)")
+    partials = lora_partials(x, a)
+    for tile in EXPAND_TILES:
+        tiled = lora_expand_triton(base, partials, b, None, sizes, scalings, torch.empty_like(base), tile=tile)
+        result.compare(tiled, single, f"{what} expand tile {tile.block_m}x{tile.block_n}, {tile.warps} warps")
     with torch.enable_grad():
         trained = lora_add(base, x, a, b.detach().requires_grad_(), scalings, sizes=sizes)
     result.compare(trained.detach(), single, f"{what} training forward (keeps u)")

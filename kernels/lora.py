@@ -24,7 +24,7 @@ slice ``u[:, g*r:(g+1)*r]`` and take its own ``scalings[g]``. The arithmetic, pe
 Two launches a call: the shrink writes the partials ``p[s, rows, ranks]``; the expand adds each
 u column it reads from them itself, in chunk order (the partials' sum of step 1, the same fp32
 additions `_lora_reduce_kernel` makes), so no launch of its own sums them. An expand program
-reads u and B a block of `EXPAND_RANK_BLOCK` ranks at a time, as 2-D tiles, and walks the
+(`lora_expand.py`) reads u and B a block of `EXPAND_RANK_BLOCK` ranks at a time, as 2-D tiles, and walks the
 block's ranks in registers: a rank loop that loaded its u and B columns from memory waited on
 r rounds of loads (docs/performance.md section 10). The training forward,
 whose backward reads u, has the expand's first N tile of programs store u as well
@@ -53,14 +53,12 @@ import torch
 from ._triton import require_triton, tl, triton
 from .backend import select
 from .dependent_launch import dependent_launch_kwargs, wait_for_inputs
+from .lora_expand import lora_expand_triton
 from .lora_reference import CHUNK_K, lora_expand_reference, lora_shrink_reference, shrink_operand, split_a
 
 BLOCK_K = 64  # K steps inside a chunk (rule 1's K tile)
 SHRINK_BLOCK_M = 16  # rows per shrink program, for every batch
 BLOCK_R = 16  # rank columns per shrink program
-EXPAND_BLOCK_M = 32
-EXPAND_BLOCK_N = 128
-EXPAND_RANK_BLOCK = 16  # ranks whose u and B columns an expand program holds at once
 MAX_MEMBERS = 4  # members of one stacked group (the gated-DeltaNet's in_proj group has four)
 
 
@@ -115,94 +113,6 @@ def _lora_reduce_kernel(p_ptr, u_ptr, n, S, BLOCK: tl.constexpr, PDL: tl.constex
     tl.store(u_ptr + offs, acc, mask=mask)
 
 
-@triton.jit
-def u_tile(p_rows, row_ok, step, ranks, r, g: tl.constexpr, S):
-    """Member g's u at `ranks` ``[BLOCK_M, RANK_BLOCK]`` (ranks past r zero): those columns of the
-    shrink's `S` partials (`p_rows` the rows of ``p[0]``, `step` = T * R apart) added in chunk
-    order, ``((p0 + p1) + p2) + ...`` in fp32, as `_lora_reduce_kernel` adds them. Unrolled by 4, so that four partials'
-    loads are in flight at once (the additions keep their order)."""
-    ptrs = p_rows[:, None] + g * r + ranks[None, :]
-    mask = row_ok[:, None] & (ranks < r)[None, :]
-    u = tl.load(ptrs, mask=mask, other=0.0)
-    for _ in tl.range(1, S, loop_unroll_factor=4):
-        ptrs += step
-        u += tl.load(ptrs, mask=mask, other=0.0)
-    return u
-
-
-@triton.jit
-def u_tile_kept(u_ptr, p_rows, row_ok, step, rows, ranks, R, r, g: tl.constexpr, S, WRITE_U: tl.constexpr):
-    """`u_tile`, with `WRITE_U` also stored into ``u[rows, g*r + ranks]`` (the training forward's
-    u for the backward) by the programs of the first N tile."""
-    u = u_tile(p_rows, row_ok, step, ranks, r, g, S)
-    if WRITE_U:
-        keep = row_ok[:, None] & (ranks < r)[None, :] & (tl.program_id(1) == 0)
-        tl.store(u_ptr + rows[:, None].to(tl.int64) * R + g * r + ranks[None, :], u, mask=keep)
-    return u
-
-
-@triton.jit
-def rank_column(tile, ranks, j):
-    """Column j of `tile` ``[rows, RANK_BLOCK]`` (`ranks` its columns) out of registers: the sum of that one value and zeros,
-    which is the value itself but for -0.0, read as +0.0. The expand's products never see the
-    difference: ``acc`` starts at +0.0 and a sum that is exactly zero rounds to +0.0, so ``acc``
-    is never -0.0, and ``acc + (+/-0.0) * b`` is then ``acc`` (NaN and infinity pass through)."""
-    return tl.sum(tl.where(ranks[None, :] == j, tile, 0.0), axis=1)
-
-
-@triton.jit(do_not_specialize=["T"])
-def _lora_expand_kernel(base_ptr, p_ptr, b_ptr, bias_ptr, out_ptr, u_ptr, T, N, R, r, S,
-                        stride_base, stride_out, stride_b, n1, n2, n3, s0, s1, s2, s3,
-                        G: tl.constexpr, HAS_BIAS: tl.constexpr, WRITE_U: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, RANK_BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    """``out = base + (u_g B^T (+ bias)) * s_g`` for the columns of member g, u the sum of the
-    shrink's `S` partials ``p[S, T, R]`` in chunk order (S = 1: p is u itself); with `WRITE_U`
-    the first N tile's programs also store u ``[T, R]`` (the backward's). Per block of
-    `RANK_BLOCK` ranks, the program reads its members' u tiles and B's ``[BLOCK_N, RANK_BLOCK]``
-    tile at once, then walks the block's ranks in order in registers (`rank_column`): no global
-    load waits inside the rank loop."""
-    wait_for_inputs(PDL)
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok, col_ok = rows < T, cols < N
-    step = T.to(tl.int64) * R
-    p_rows = p_ptr + rows.to(tl.int64) * R
-    member = (cols >= n1).to(tl.int32) + (cols >= n2).to(tl.int32) + (cols >= n3).to(tl.int32)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for first in range(0, r, RANK_BLOCK):
-        ranks = first + tl.arange(0, RANK_BLOCK)
-        bt = tl.load(b_ptr + cols[:, None].to(tl.int64) * stride_b + ranks[None, :],
-                     mask=col_ok[:, None] & (ranks < r)[None, :], other=0.0).to(tl.float32)
-        u0 = u_tile_kept(u_ptr, p_rows, row_ok, step, rows, ranks, R, r, 0, S, WRITE_U)
-        u1 = u0
-        u2 = u0
-        u3 = u0
-        if G > 1:
-            u1 = u_tile_kept(u_ptr, p_rows, row_ok, step, rows, ranks, R, r, 1, S, WRITE_U)
-        if G > 2:
-            u2 = u_tile_kept(u_ptr, p_rows, row_ok, step, rows, ranks, R, r, 2, S, WRITE_U)
-        if G > 3:
-            u3 = u_tile_kept(u_ptr, p_rows, row_ok, step, rows, ranks, R, r, 3, S, WRITE_U)
-        for j in range(first, tl.minimum(first + RANK_BLOCK, r)):
-            bj = rank_column(bt, ranks, j)
-            u = tl.broadcast_to(rank_column(u0, ranks, j)[:, None], (BLOCK_M, BLOCK_N))
-            if G > 1:
-                u = tl.where(member[None, :] == 1, rank_column(u1, ranks, j)[:, None], u)
-            if G > 2:
-                u = tl.where(member[None, :] == 2, rank_column(u2, ranks, j)[:, None], u)
-            if G > 3:
-                u = tl.where(member[None, :] == 3, rank_column(u3, ranks, j)[:, None], u)
-            acc += u * bj[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    scale = tl.where(member == 0, s0, tl.where(member == 1, s1, tl.where(member == 2, s2, s3)))
-    mask = row_ok[:, None] & col_ok[None, :]
-    base = tl.load(base_ptr + rows[:, None].to(tl.int64) * stride_base + cols[None, :], mask=mask, other=0.0)
-    out = base.to(tl.float32) + acc * scale[None, :]
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=mask)
-
-
 def num_chunks(k: int) -> int:
     """The shrink's K chunks for `k` input features (`CHUNK_K` each, the last one partial)."""
     return max(1, -(-k // CHUNK_K))
@@ -251,38 +161,6 @@ def lora_shrink_triton(x2d: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     _lora_reduce_kernel[(triton.cdiv(n, 1024),)](partials, u, n, partials.shape[0], BLOCK=1024, num_warps=4,
                                                  **dependent_launch_kwargs(x2d.device))
     return u
-
-
-def _expand_args(sizes: tuple[int, ...], scalings: tuple[float, ...]) -> tuple[list[int], list[float]]:
-    """Column starts of members 1..3 (past the end when absent) and the four scalings."""
-    starts, col = [], 0
-    for size in sizes[:-1]:
-        col += size
-        starts.append(col)
-    big = 2 ** 31 - 1
-    return starts + [big] * (3 - len(starts)), list(scalings) + [0.0] * (4 - len(scalings))
-
-
-def lora_expand_triton(base: torch.Tensor, partials: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
-                       sizes: tuple[int, ...], scalings: tuple[float, ...], out: torch.Tensor,
-                       u_out: torch.Tensor | None = None) -> torch.Tensor:
-    """``out = base + (u B^T + bias) * scaling`` by the Triton kernel (`out` may be `base`), with
-    u the shrink's partials ``[S, T, R]`` (`lora_partials_triton`) added in chunk order inside
-    the kernel (a ``[1, T, R]`` u is taken as it is); `u_out` ``[T, R]`` fp32, when given,
-    receives u (the training backward's)."""
-    require_triton("lora_add")
-    t, n = base.shape
-    if t == 0:
-        return out
-    starts, scales = _expand_args(sizes, scalings)
-    grid = (triton.cdiv(t, EXPAND_BLOCK_M), triton.cdiv(n, EXPAND_BLOCK_N))
-    _lora_expand_kernel[grid](base, partials, b, bias if bias is not None else b, out,
-                              u_out if u_out is not None else partials, t, n, partials.shape[2], b.shape[1],
-                              partials.shape[0], base.stride(0), out.stride(0), b.stride(0), *starts, *scales,
-                              G=len(sizes), HAS_BIAS=bias is not None, WRITE_U=u_out is not None,
-                              BLOCK_M=EXPAND_BLOCK_M, BLOCK_N=EXPAND_BLOCK_N, RANK_BLOCK=EXPAND_RANK_BLOCK, num_warps=4,
-                              enable_fp_fusion=False, **dependent_launch_kwargs(base.device))
-    return out
 
 
 def _forward(base, x2d, a, b, bias, sizes, scalings, out, keep_u, partials=None):

@@ -18,7 +18,7 @@ Two launches per adapted GEMM: the shrink's partials over tiles of `ROWS` sorted
 block of a layout is a multiple of it, so a tile holds one expert's rows), then the expand, in
 place on the base rows, which adds the partials itself as it reads u (training also stores u for
 the backward), a block of ranks of u and B at a time read as tiles and walked in registers
-(`lora.u_tile_kept`, `lora.rank_column`). Invariance contract: a row's result depends on its own
+(`lora_expand.u_tile_kept`, `lora_expand.rank_column`). Invariance contract: a row's result depends on its own
 row, its expert's adapter and its base row only (fixed tiles, K chunks that depend on K only, an
 element-wise expand), so a pair's bits are the same whatever its expert's load or the batch
 (`conformance/kernel_invariance.py --only moe`); the CPU reference runs the same steps per expert
@@ -36,7 +36,8 @@ import torch
 
 from ._triton import require_triton, tl, triton
 from .dependent_launch import dependent_launch_kwargs, wait_for_inputs
-from .lora import BLOCK_K, BLOCK_R, EXPAND_RANK_BLOCK, rank_column, u_tile_kept, num_chunks, shrink_chunk
+from .lora import BLOCK_K, BLOCK_R, num_chunks, shrink_chunk
+from .lora_expand import EXPAND_RANK_BLOCK, rank_column, u_tile_kept
 from .lora_reference import CHUNK_K, lora_expand_reference, lora_shrink_reference, split_a
 from .moe_align import MoeLayout
 

@@ -19,7 +19,7 @@ INVESTIGATIONS = BENCHMARKS / "investigations"
                                     "attention_prefill.py", "moe_routing.py", "investigations/head_linear.py",
                                     "investigations/row_kernels.py", "gate_up_silu.py",
                                     "investigations/decode_read_floor.py", "gated_delta.py", "lora.py",
-                                    "window_models.py"])
+                                    "window_models.py", "lora_expand.py"])
 def test_benchmark_script_help_and_cpu_refusal(script):
     help_run = subprocess.run([sys.executable, script, "--help"], cwd=BENCHMARKS, capture_output=True, text=True,
                               timeout=120)

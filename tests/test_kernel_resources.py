@@ -284,7 +284,8 @@ def test_lora_kernels_compile_for_hopper_without_spills(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     from sm90_compile import compile_only, resources
 
-    from vexact_models.kernels.lora import lora_expand_triton, lora_partials_triton, lora_shrink_triton
+    from vexact_models.kernels.lora import lora_partials_triton, lora_shrink_triton
+    from vexact_models.kernels.lora_expand import lora_expand_triton
 
     bf, rank = torch.bfloat16, 16
     with compile_only() as kernels:

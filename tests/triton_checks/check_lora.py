@@ -16,7 +16,8 @@ if not INTERPRET and not torch.cuda.is_available():
 DEVICE = "cpu" if INTERPRET else "cuda"
 
 from vexact_models.kernels import lora_add, lora_partials, use_backend  # noqa: E402
-from vexact_models.kernels.lora import lora_expand_triton, lora_partials_triton, lora_shrink_triton  # noqa: E402
+from vexact_models.kernels.lora import lora_partials_triton, lora_shrink_triton  # noqa: E402
+from vexact_models.kernels.lora_expand import lora_expand_triton  # noqa: E402
 from vexact_models.kernels.lora_reference import CHUNK_K, lora_expand_reference, lora_shrink_reference  # noqa: E402
 
 SCALINGS = (2.0, 0.5, 1.5)
@@ -205,3 +206,24 @@ def test_expand_keeps_signed_zeros_as_the_reference():
     lora_expand_reference(base, u, b, None, sizes, (2.0, -0.5), want)
     assert (want.view(torch.int32) == torch.tensor(-0.0).view(torch.int32)).any()  # the case is there
     assert torch.equal(got.cpu().view(torch.int32), want.view(torch.int32))
+
+
+def test_expand_tiles_give_the_same_bits():
+    """`ExpandTile`: narrower, wider and fewer-warp launches of the expand give bitwise the default
+    tile's output and kept u (the expand is element-wise), at a decode-sized and a ragged batch of
+    a three-member group; a tile under 16 rows or columns is refused before any launch."""
+    from vexact_models.kernels.lora_expand import ExpandTile
+
+    sizes, rank = (96, 32, 32), 16
+    for t in (5, 40):
+        base, x, a, b = operands(t, 200, sizes, rank, torch.bfloat16, torch.float32, seed=t)
+        partials = lora_partials_triton(x, a)
+        runs = []
+        for tile in (None, ExpandTile(16, 32, 4), ExpandTile(64, 64, 2), ExpandTile(32, 16, 1)):
+            kept = torch.full((t, len(sizes) * rank), float("nan"), device=DEVICE)
+            out = lora_expand_triton(base, partials, b, None, sizes, SCALINGS[:3], torch.empty_like(base), kept, tile)
+            runs.append((out, kept))
+        assert all(torch.equal(o, runs[0][0]) and torch.equal(u, runs[0][1]) for o, u in runs[1:])
+    with pytest.raises(ValueError, match="block_m, block_n >= 16"):
+        lora_expand_triton(base, partials, b, None, sizes, SCALINGS[:3], torch.empty_like(base), None,
+                           ExpandTile(8, 32, 4))
