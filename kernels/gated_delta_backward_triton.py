@@ -35,8 +35,8 @@ operands, as the fold's.
 from __future__ import annotations
 
 from ._triton import tl, triton
-from .gated_delta_triton import (gate_decay, keys_decay, l2norm_rows, load_gates, load_rows, load_state, row_norms,
-                                 store_state)
+from .gated_delta_triton import (gate_cum, keys_decay, l2norm_rows, load_gates, load_rows, load_state, pair_decay,
+                                 row_norms, store_state)
 from .row_sum import row_sum_halves
 
 WARPS = 8  # every launch's (`gated_delta_launch.SMALL_HEAD_WARPS` where dk or dv is 16)
@@ -227,6 +227,20 @@ def key_parts(dk: int) -> int:
 
 
 @triton.jit
+def _key_parts_program(kv_start_ptr, n_rows_ptr, k_ptr, g_ptr, b_ptr, stride_kt, stride_kh, stride_gt, stride_bt,
+                       GROUP: tl.constexpr, C: tl.constexpr, DK: tl.constexpr, LOG_C: tl.constexpr,
+                       LOG_DK: tl.constexpr):
+    """A chunk program over key parts: `_chunk_program`'s chunk `j`, head `h`, heads, first token
+    and rows, then the key head, the chunk's key rows' `row_norms` (whole rows, for `_key_part`),
+    ``G`` and ``beta``."""
+    j, h, heads, start, n = _chunk_program(kv_start_ptr, n_rows_ptr)
+    hk = h // GROUP
+    norms = row_norms(load_rows(k_ptr, start, 0, n, hk, stride_kt, stride_kh, DK, C), LOG_DK)
+    cum = gate_cum(g_ptr, start, n, h, stride_gt, C, LOG_C)
+    return j, h, heads, start, n, hk, norms, cum, load_gates(b_ptr, start, n, h, stride_bt, C)
+
+
+@triton.jit
 def _key_part(k_ptr, start, n, hk, stride_kt, stride_kh, norms, col, L2NORM: tl.constexpr, KW: tl.constexpr,
               C: tl.constexpr):
     """Columns ``col..col+KW-1`` of the chunk's normalised keys ``[C, KW]`` (`norms`: the full rows'
@@ -246,13 +260,12 @@ def pair_grad_kernel(k_ptr, g_ptr, b_ptr, t_ptr, p_ptr, dp_ptr, dt_ptr, dw_ptr, 
     chunk_grads`), ``M_L = dL * decay`` and ``M_P = dP * decay`` ``[C, C]`` and the pairs' part of
     the gradient of ``G`` ``[C]``. ``dT`` and ``L`` sum products over dk, taken in `KEY_PARTS`
     column parts of the keys and ``dw`` (`key_parts`) so that no ``[C, dk]`` tile is held whole."""
-    j, h, heads, start, n = _chunk_program(kv_start_ptr, n_rows_ptr)
+    j, h, heads, start, n, hk, norms, cum, beta = _key_parts_program(
+        kv_start_ptr, n_rows_ptr, k_ptr, g_ptr, b_ptr, stride_kt, stride_kh, stride_gt, stride_bt, GROUP, C, DK, LOG_C,
+        LOG_DK)
     KW: tl.constexpr = DK // KEY_PARTS
-    hk = h // GROUP
     rows = tl.arange(0, C)
-    norms = row_norms(load_rows(k_ptr, start, 0, n, hk, stride_kt, stride_kh, DK, C), LOG_DK)
-    cum, decay = gate_decay(g_ptr, start, n, h, stride_gt, C, LOG_C)
-    beta = load_gates(b_ptr, start, n, h, stride_bt, C)
+    decay = pair_decay(cum, C)
     exp_cum = tl.exp(cum)
     d_tmat = tl.load(_tile_ptrs(dt_ptr, j, h, heads, 0, C, C, C))
     lmat = tl.zeros((C, C), dtype=tl.float32)
@@ -281,13 +294,11 @@ def key_beta_grad_kernel(k_ptr, g_ptr, b_ptr, t_ptr, dw_ptr, ml_ptr, dkb_ptr, dc
     DK]`` (``M_L k + (T^T dw) exp(G)``), ``w``'s part of the gradient of ``G`` (added to the pairs'
     in `dcum`) and ``k``'s part of ``dbeta`` (added to `value_grad_kernel`'s in `db`), in
     `KEY_PARTS` column parts."""
-    j, h, heads, start, n = _chunk_program(kv_start_ptr, n_rows_ptr)
+    j, h, heads, start, n, hk, norms, cum, beta = _key_parts_program(
+        kv_start_ptr, n_rows_ptr, k_ptr, g_ptr, b_ptr, stride_kt, stride_kh, stride_gt, stride_bt, GROUP, C, DK, LOG_C,
+        LOG_DK)
     KW: tl.constexpr = DK // KEY_PARTS
-    hk = h // GROUP
     rows = tl.arange(0, C)
-    norms = row_norms(load_rows(k_ptr, start, 0, n, hk, stride_kt, stride_kh, DK, C), LOG_DK)
-    cum, _ = gate_decay(g_ptr, start, n, h, stride_gt, C, LOG_C)
-    beta = load_gates(b_ptr, start, n, h, stride_bt, C)
     exp_cum = tl.exp(cum)
     t = tl.load(_tile_ptrs(t_ptr, j, h, heads, 0, C, C, C))
     m_l = tl.load(_tile_ptrs(ml_ptr, j, h, heads, 0, C, C, C))

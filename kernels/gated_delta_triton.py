@@ -64,15 +64,19 @@ def _l2norm(x, L2NORM: tl.constexpr, LOG_D: tl.constexpr):
 
 
 @triton.jit
-def _gate_decay(g_ptr, start, n, h, stride_gt, C: tl.constexpr, LOG_C: tl.constexpr):
-    """A chunk's ``G`` (prefix sums of ``g``) and ``decay[i, j] = exp(G_i - G_j)`` (``j <= i``,
-    else 0)."""
+def _gate_cum(g_ptr, start, n, h, stride_gt, C: tl.constexpr, LOG_C: tl.constexpr):
+    """A chunk's ``G``: the prefix sums of ``g`` (``[C]``)."""
     rows = tl.arange(0, C)
     g = _load_gates(g_ptr, start, n, h, stride_gt, C)
+    return row_sum_halves(tl.where(rows[None, :] <= rows[:, None], g[None, :], 0.0), LOG_C, False)
+
+
+@triton.jit
+def _pair_decay(cum, C: tl.constexpr):
+    """``decay[i, j] = exp(G_i - G_j)`` (``j <= i``, else 0) ``[C, C]`` from ``G``."""
+    rows = tl.arange(0, C)
     lower = rows[None, :] <= rows[:, None]
-    cum = row_sum_halves(tl.where(lower, g[None, :], 0.0), LOG_C, False)
-    decay = tl.where(lower, tl.exp(tl.where(lower, cum[:, None] - cum[None, :], 0.0)), 0.0)
-    return cum, decay
+    return tl.where(lower, tl.exp(tl.where(lower, cum[:, None] - cum[None, :], 0.0)), 0.0)
 
 
 @triton.jit
@@ -81,8 +85,8 @@ def _keys_decay(k_ptr, g_ptr, start, n, h, hk, stride_kt, stride_kh, stride_gt,
     """A chunk's normalised keys ``k``, ``G`` (prefix sums of ``g``) and ``decay[i, j] = exp(G_i -
     G_j)`` (``j <= i``, else 0)."""
     k = _l2norm(_load_rows(k_ptr, start, 0, n, hk, stride_kt, stride_kh, DK, C), L2NORM, LOG_DK)
-    cum, decay = _gate_decay(g_ptr, start, n, h, stride_gt, C, LOG_C)
-    return k, cum, decay
+    cum = _gate_cum(g_ptr, start, n, h, stride_gt, C, LOG_C)
+    return k, cum, _pair_decay(cum, C)
 
 
 @triton.jit
@@ -226,4 +230,4 @@ def fold_kernel(w_ptr, u_ptr, kd_ptr, decay_ptr, state_in_ptr, state_out_ptr,
 # private ones the forward's kernels call.
 keys_decay, l2norm_rows, load_gates, load_rows, load_state, store_state = (_keys_decay, _l2norm, _load_gates, _load_rows,
                                                                           _load_state, _store_state)
-gate_decay, row_norms = _gate_decay, _row_norms
+gate_cum, pair_decay, row_norms = _gate_cum, _pair_decay, _row_norms
