@@ -130,19 +130,25 @@ def training_rows(tokens: list[int], seqs: int, backward: bool) -> list[list]:
     return rows
 
 
+def _decode_case(b: int, device: str = "cuda"):
+    """A decode step of `b` sequences, every one past a 100-token prompt: its rows (q, k, v, g,
+    beta), a pool of `b` states and the padding state, and the step's staged plan."""
+    from vexact_models.kernels.gated_delta_step import StepPlan, plan_step
+
+    rows = _inputs(b, torch.Generator().manual_seed(b), device)
+    pool = torch.randn(b + 1, HV, DK, DV, generator=torch.Generator().manual_seed(b)).to(device) * 0.1
+    plan = plan_step(list(range(b)), [100] * b, [1] * b, b, b, b)
+    return rows, pool, StepPlan({name: torch.from_numpy(a).to(device) for name, a in plan.items()})
+
+
 def decode_rows(batches: list[int], roofline_tbps: float) -> list[list]:
-    from vexact_models.kernels.gated_delta_step import StepPlan, gated_delta_step, plan_step
+    from vexact_models.kernels.gated_delta_step import gated_delta_step
 
     _, _, fla_recurrent = _stock()
     rows = []
     for b in batches:
-        gen = torch.Generator().manual_seed(b)
-        q, k, v, g, beta = _inputs(b, gen)
-        torch.manual_seed(b)
-        pool = torch.randn(b + 1, HV, DK, DV, device="cuda") * 0.1  # b slots and the padding state
+        (q, k, v, g, beta), pool, step_plan = _decode_case(b)
         pools = rotating_copies(pool)  # each call reads another copy: the states come from HBM
-        plan = plan_step(list(range(b)), [100] * b, [1] * b, b, b, b)  # every sequence past its prompt
-        step_plan = StepPlan({name: torch.from_numpy(a).cuda() for name, a in plan.items()})
         with torch.no_grad():
             ours_ms = bench_graph([lambda p=p: gated_delta_step(q, k, v, g, beta, p, step_plan) for p in pools])
             ours_out = gated_delta_step(q, k, v, g, beta, pool.clone(), step_plan)
@@ -188,7 +194,7 @@ def walk_launch_rows(launches: list[tuple[int, int]], tokens: list[int], batches
     graph, states from HBM) and whether every output and state has the first shape's bits. `timer` / `graph_timer`
     (`bench` / `bench_graph` by default) are the clocks; the tests pass CPU ones."""
     from vexact_models.kernels import gated_delta_rule
-    from vexact_models.kernels.gated_delta_step import StepPlan, gated_delta_step, plan_step
+    from vexact_models.kernels.gated_delta_step import gated_delta_step
 
     timer, graph_timer = timer or bench, graph_timer or bench_graph
     rows, first = [], None
@@ -200,10 +206,7 @@ def walk_launch_rows(launches: list[tuple[int, int]], tokens: list[int], batches
                 cells.append(f"{timer(lambda: gated_delta_rule(*inputs, [0, t]), warmup=3, rep=20):.3f}")
                 outputs.append(gated_delta_rule(*inputs, [0, t])[0])
             for b in batches:
-                q, k, v, g, beta = _inputs(b, torch.Generator().manual_seed(b), device)
-                pool = torch.randn(b + 1, HV, DK, DV, generator=torch.Generator().manual_seed(b)).to(device) * 0.1
-                plan = StepPlan({name: torch.from_numpy(a).to(device) for name, a in
-                                 plan_step(list(range(b)), [100] * b, [1] * b, b, b, b).items()})
+                (q, k, v, g, beta), pool, plan = _decode_case(b, device)
                 pools = rotating_copies(pool) if device == "cuda" else [pool.clone()]
                 cells.append(f"{graph_timer([lambda p=p: gated_delta_step(q, k, v, g, beta, p, plan) for p in pools]) * 1e3:.1f}")
                 state = pool.clone()
