@@ -174,17 +174,18 @@ def decode_rows(batches: list[int], roofline_tbps: float) -> list[list]:
 
 @contextlib.contextmanager
 def walk_launch(columns: int, warps: int):
-    """The walk's launch shape (`gated_delta_recurrent.VALUE_BLOCK`, value columns a program owns,
-    and `RECURRENT_WARPS`) set inside the block: launch parameters, never a bit of the result
-    (every column's sums run in the same order whatever program and warp hold it)."""
+    """The walk's launch shape (`gated_delta_recurrent.WalkShape`: value columns a program owns,
+    warps) set for every launch inside the block, in place of `WALK_SHAPES`' choice: launch
+    parameters, never a bit of the result (every column's sums run in the same order whatever
+    program and warp hold it)."""
     from vexact_models.kernels import gated_delta_recurrent as walk
 
-    old = walk.VALUE_BLOCK, walk.RECURRENT_WARPS
-    walk.VALUE_BLOCK, walk.RECURRENT_WARPS = columns, warps
+    old = walk.WALK_SHAPES
+    walk.WALK_SHAPES = ((0, walk.WalkShape(columns, warps)),)
     try:
         yield
     finally:
-        walk.VALUE_BLOCK, walk.RECURRENT_WARPS = old
+        walk.WALK_SHAPES = old
 
 
 def walk_launch_rows(launches: list[tuple[int, int]], tokens: list[int], batches: list[int], device: str = "cuda",

@@ -9,7 +9,8 @@ lora_expand_triton`, adding the shrink's partials itself) at every tile of `--ti
 GPU microseconds of the launch alone in a CUDA graph (`bench_graph`), as the engine's decode step
 replays it. "x default" is a tile's time over the default tile's (`ExpandTile()`); "bits" says
 whether its output is the default tile's, bitwise (the expand is element-wise: any difference is
-a bug, and `kernel_invariance --only lora` checks the same tiles).
+a bug, and `kernel_invariance --only lora` checks the same tiles); "picked" marks the tile the
+engine takes for the call (`expand_tile`; it is timed only when `--tiles` lists it).
 
 Usage: ``python benchmarks/lora_expand.py [--rows 32,256] [--rank 16] [--tiles 32x128x4,16x32x4,32x32x4]
 [--groups 0.6b]``
@@ -36,13 +37,13 @@ def _tiles(launches: list[tuple[int, ...]]):
 
 def tile_rows(groups: list[tuple], rows: list[int], rank: int, tiles: list, device: str = "cuda",
               graph_timer=None) -> list[list]:
-    """Rows ``[model, group, M, tile, expand us, x default, bits, shrink us, base GEMM us]`` per
+    """Rows ``[model, group, M, tile, expand us, x default, bits, shrink us, base GEMM us, picked]`` per
     group of `groups` (`LORA_GROUPS`' entries), row count of `rows` and tile of `tiles` (the first
     row of each case is the default `ExpandTile()`, the reference for the ratio and the bits).
     `graph_timer` (`bench_graph` by default) is the clock; the tests pass a CPU one."""
     from vexact_models.kernels import linear
     from vexact_models.kernels.lora import lora_partials_triton
-    from vexact_models.kernels.lora_expand import ExpandTile, lora_expand_triton
+    from vexact_models.kernels.lora_expand import ExpandTile, expand_tile, lora_expand_triton
 
     graph_timer = graph_timer or bench_graph
     out = []
@@ -72,7 +73,8 @@ def tile_rows(groups: list[tuple], rows: list[int], rank: int, tiles: list, devi
                 first = (us, result) if first is None else first
                 out.append([model, group, m, f"{tile.block_m}x{tile.block_n}x{tile.warps}", f"{us:.1f}",
                             f"{us / first[0]:.2f}x", "yes" if torch.equal(result, first[1]) else "NO",
-                            f"{shrink_us:.1f}", f"{base_us:.1f}"])
+                            f"{shrink_us:.1f}", f"{base_us:.1f}",
+                            "yes" if tile == expand_tile(m, n, len(sizes)) else ""])
         del weights
     return out
 
@@ -102,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; rank {args.rank}, fp32 adapters, bf16 rows")
     table("LoRA expand tiles (GPU us in a CUDA graph)",
           ["model", "group", "M", "tile MxNxwarps", "expand us", "x default", "bits == default", "shrink us",
-           "base GEMM us"],
+           "base GEMM us", "picked"],
           tile_rows(groups, args.rows, args.rank, _tiles(args.tiles)))
     return 0
 

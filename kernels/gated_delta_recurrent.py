@@ -16,7 +16,7 @@ same sums. The l2 norms and the scale run first, in a pass of their own over eve
 (`unit_rows`: fp32 q and k, each row alone), so the walk does not repeat them for every value block
 and value head of a key head (in the walk they were two thirds of a token's step: 1,476 SASS
 instructions at Qwen3.5's heads, 500 without; docs/performance.md section 5 has the timings). A
-program owns one block of ``BV`` value columns of one head of one segment and walks the segment's
+program owns one block of ``BV`` value columns (`walk_shape`) of one head of one segment and walks the segment's
 tokens in order with its block of the state in registers; no program reads another's data; it loads
 a token's rows while it computes the token before. So a token's output and the state after it
 depend on the segment's state before its first token and on the tokens so far only, bitwise,
@@ -50,11 +50,9 @@ from .gated_delta_triton import l2norm_rows
 from .row_sum import row_sum_halves, row_sum_levels, row_sum_reference
 
 __all__ = ["L2NORM_EPS", "RecurrentPlan", "launch_grid", "launch_recurrent", "recurrent_reference", "register_cap",
-           "unit_reference", "unit_rows", "value_block"]
+           "unit_reference", "unit_rows", "WalkShape", "WALK_SHAPES", "walk_shape"]
 
 L2NORM_EPS = 1e-6  # transformers' and fla's l2norm epsilon
-VALUE_BLOCK = 16  # value columns a program owns (the state block [16, dk] in one warp's registers)
-RECURRENT_WARPS = 1
 #: a cap on the walk's registers a thread (ptxas ``maxnreg``) where a program's state block is at
 #: most `CAPPED_STATE_ELEMENTS` (dk 128 and 16 value columns: Qwen3.5's and Qwen3-Next's heads);
 #: None for the compiler's own count. At those heads the compiler takes 191 with the one-axis grid
@@ -77,9 +75,32 @@ class RecurrentPlan:
     state_out: list[int] | torch.Tensor  #: where its last state goes (-1: nowhere)
 
 
-def value_block(dv: int) -> int:
-    """Value columns one program owns: `VALUE_BLOCK`, or `dv` where smaller."""
-    return min(VALUE_BLOCK, dv)
+@dataclass(frozen=True)
+class WalkShape:
+    """How the walk's work is cut: the value columns a program owns (its state block is
+    ``[columns, dk]``) and the program's warps. A launch parameter only: every column's sums run
+    in the same order whatever program and warp hold it, so every shape gives the same bits
+    (`benchmarks/gated_delta.py --walk-launches` compares them on the GPU)."""
+
+    columns: int
+    warps: int
+
+
+#: The walk's shape by the launch's state heads (segments x value heads): the first entry whose
+#: least count the launch reaches. Few long walks (a training forward's sequences) are latency
+#: bound, and narrow blocks put more programs on the SMs; many short ones (a rollout step's
+#: sequences) move their states, and wide blocks read each head's state in longer pieces. H200,
+#: Qwen3.5's heads (docs/performance.md section 5): a 4,096-token sequence's forward 2.45 ms at
+#: 8 x 1 against 2.94 at 16 x 1; a decode step of 256 sequences 286 us at 32 x 2 against 352.
+WALK_SHAPES: tuple[tuple[int, WalkShape], ...] = ((1024, WalkShape(32, 2)), (129, WalkShape(16, 1)),
+                                                  (0, WalkShape(8, 1)))
+
+
+def walk_shape(segments: int, heads: int, dv: int) -> WalkShape:
+    """The launch shape (`WALK_SHAPES`) of a walk over `segments` segments of `heads` value heads of
+    `dv` columns; a block never wider than `dv`."""
+    shape = next(shape for least, shape in WALK_SHAPES if segments * heads >= least)
+    return WalkShape(min(shape.columns, dv), shape.warps)
 
 
 @triton.jit
@@ -175,8 +196,8 @@ def register_cap(dk: int, bv: int) -> dict[str, int]:
 
 def launch_grid(segments: int, heads: int, value_blocks: int) -> tuple[int]:
     """The walk's grid: one program per (segment, head, value block), on one axis with the value
-    blocks fastest. A state's row of dv columns is ``value_blocks`` programs' pieces (16 columns,
-    64 bytes each): launched side by side, they read and write the head's state as one contiguous
+    blocks fastest. A state's row of dv columns is ``value_blocks`` programs' pieces (`walk_shape`'s
+    columns each): launched side by side, they read and write the head's state as one contiguous
     stretch, where segments fastest put consecutive programs a state (2 MiB at Qwen3.5's heads)
     apart. Only the order programs start in changes; no program's arithmetic does. A ValueError
     past CUDA's 2**31 - 1 programs an axis."""
@@ -191,7 +212,6 @@ def _launch_triton(q, k, v, g, beta, states, out, plan: RecurrentPlan, scale: fl
     require_triton("gated_delta_rule")
     hk, dk = k.shape[1], k.shape[2]
     hv, dv = v.shape[1], v.shape[2]
-    bv = value_block(dv)
     for name, d in (("dk", dk), ("dv", dv)):
         if d < 2 or d & (d - 1) or d > 256:
             raise ValueError(f"gated_delta_rule: the Triton kernel takes {name}={d} only as a power of two in 2..256")
@@ -199,12 +219,14 @@ def _launch_triton(q, k, v, g, beta, states, out, plan: RecurrentPlan, scale: fl
     if states.stride(3) != 1:
         raise ValueError(f"gated_delta_rule: states must have unit stride along dv, got strides {states.stride()}")
     q, k = unit_rows(q, scale, l2norm), unit_rows(k, 1.0, l2norm)
+    shape = walk_shape(len(fields[0]), hv, dv)
+    bv = shape.columns
     _recurrent_kernel[launch_grid(len(fields[0]), hv, dv // bv)](
         q, k, v, g, beta, out, states, *fields,
         v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         out.stride(0), out.stride(1), states.stride(0), states.stride(1), states.stride(2), HK=hk, HV=hv,
         NV=dv // bv, GROUP=hv // hk, DK=dk, BV=bv, LOG_DK=row_sum_levels(dk),
-        LANE_SUMS=bv >= 16 * RECURRENT_WARPS, num_warps=RECURRENT_WARPS,
+        LANE_SUMS=bv >= 16 * shape.warps, num_warps=shape.warps,
         **register_cap(dk, bv))
 
 

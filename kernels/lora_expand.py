@@ -127,19 +127,43 @@ class ExpandTile:
     warps: int = 4
 
 
+#: Programs the decode tile aims at: with fewer, a 32-row step leaves most of the 132 SMs idle.
+EXPAND_MIN_PROGRAMS = 96
+SMALL_ROWS = 64  # steps of at most this many rows take `expand_tile`'s decode tiles
+MID_ROWS = 512  # and steps of at most this many its per-member width
+
+
+def expand_tile(rows: int, n: int, members: int) -> ExpandTile:
+    """The expand's tile for `rows` x `n` outputs of a group of `members` (a speed choice only:
+    every tile gives the same bits). Up to `SMALL_ROWS` rows (decode steps) the widest of 128, 64
+    and 32 columns that still makes `EXPAND_MIN_PROGRAMS` programs; up to `MID_ROWS`, 128 columns
+    for a stacked group (each program reads every member's u, so wider tiles share it) and 64
+    for one member; the default tile above. H200, r 16, Qwen3-0.6B / 8B / 30B-A3B groups at 32
+    and 256 rows (`benchmarks/lora_expand.py`, docs/performance.md section 10): 16.7 us a
+    Qwen3-0.6B layer's four expands at 32 rows against 23.7 with the default tile, 88.1 against
+    91.8 at Qwen3-8B and 256 rows."""
+    if rows <= SMALL_ROWS:
+        m_tiles = triton.cdiv(max(rows, 1), EXPAND_BLOCK_M)
+        block_n = next((w for w in (128, 64) if m_tiles * triton.cdiv(n, w) >= EXPAND_MIN_PROGRAMS), 32)
+        return ExpandTile(EXPAND_BLOCK_M, block_n, 4)
+    if rows <= MID_ROWS:
+        return ExpandTile(EXPAND_BLOCK_M, EXPAND_BLOCK_N if members > 1 else 64, 4)
+    return ExpandTile()
+
+
 def lora_expand_triton(base: torch.Tensor, partials: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
                        sizes: tuple[int, ...], scalings: tuple[float, ...], out: torch.Tensor,
                        u_out: torch.Tensor | None = None, tile: ExpandTile | None = None) -> torch.Tensor:
     """``out = base + (u B^T + bias) * scaling`` by the Triton kernel (`out` may be `base`), with
     u the shrink's partials ``[S, T, R]`` (`lora_partials_triton`) added in chunk order inside
     the kernel (a ``[1, T, R]`` u is taken as it is); `u_out` ``[T, R]`` fp32, when given,
-    receives u (the training backward's). `tile`: the launch's tile (default `ExpandTile()`;
-    `benchmarks/lora_expand.py` times others, which must give the same bits)."""
+    receives u (the training backward's). `tile`: the launch's tile (default `expand_tile`'s for
+    the call's shape; `benchmarks/lora_expand.py` times others, which must give the same bits)."""
     require_triton("lora_add")
     t, n = base.shape
     if t == 0:
         return out
-    tile = tile or ExpandTile()
+    tile = tile or expand_tile(t, n, len(sizes))
     if tile.block_m < 16 or tile.block_n < 16 or tile.warps < 1:
         raise ValueError(f"lora_expand_triton: tile {tile} must have block_m, block_n >= 16 and warps >= 1")
     starts, scales = _expand_args(sizes, scalings)

@@ -133,25 +133,25 @@ def test_gated_delta_walk_launch_rows_time_each_shape_and_compare_bits(monkeypat
     import gated_delta
     from vexact_models.kernels import gated_delta_recurrent as walk
 
-    calls = []
+    calls, shapes = [], walk.WALK_SHAPES
 
     def timer(fn, warmup, rep):
-        calls.append((walk.VALUE_BLOCK, walk.RECURRENT_WARPS))
+        calls.append(walk.walk_shape(1, 1, 128))
         fn()
         return 1.25
 
     def graph_timer(fns):
-        calls.append((walk.VALUE_BLOCK, walk.RECURRENT_WARPS))
+        calls.append(walk.walk_shape(1, 1, 128))
         [fn() for fn in fns]
         return 0.0025
 
     rows = gated_delta.walk_launch_rows([(16, 1), (64, 4)], [8], [2], device="cpu", timer=timer,
                                         graph_timer=graph_timer)
     assert rows == [["16x1", "1.250", "2.5", "yes"], ["64x4", "1.250", "2.5", "yes"]]
-    assert calls == [(16, 1), (16, 1), (64, 4), (64, 4)]
+    assert calls == [walk.WalkShape(16, 1)] * 2 + [walk.WalkShape(64, 4)] * 2
     with pytest.raises(RuntimeError), gated_delta.walk_launch(4, 2):
         raise RuntimeError
-    assert (walk.VALUE_BLOCK, walk.RECURRENT_WARPS) == (16, 1)
+    assert walk.WALK_SHAPES == shapes
 
 
 @pytest.mark.parametrize("value,words", [("16x1,12x1", "--walk-launches: 12x1 must be a power of two <= 128 (dv)"),

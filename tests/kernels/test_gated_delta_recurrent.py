@@ -10,13 +10,14 @@ import torch
 from transformers.models.qwen3_next import modeling_qwen3_next
 
 from vexact_models.kernels.gated_delta_recurrent import (
-    VALUE_BLOCK,
+    WALK_SHAPES,
     RecurrentPlan,
+    WalkShape,
     launch_grid,
     launch_recurrent,
-    register_cap,
     recurrent_reference,
-    value_block,
+    register_cap,
+    walk_shape,
 )
 
 _hf_recurrent = inspect.unwrap(modeling_qwen3_next.torch_recurrent_gated_delta_rule)  # never the fla kernel
@@ -206,9 +207,16 @@ def test_scale_multiplies_the_queries():
                                       scale=1.0, l2norm=False))
 
 
-def test_value_block():
-    assert VALUE_BLOCK == 16
-    assert [value_block(d) for d in (2, 8, 16, 32, 128, 256)] == [2, 8, 16, 16, 16, 16]
+def test_walk_shape_by_the_launch_state_heads():
+    """Few state heads (a training forward's sequences x 32 value heads) take narrow blocks, a
+    rollout step's many take wide ones; a block is never wider than dv."""
+    assert [least for least, _ in WALK_SHAPES] == sorted((least for least, _ in WALK_SHAPES), reverse=True)
+    assert WALK_SHAPES[-1][0] == 0  # every launch has a shape
+    assert walk_shape(1, 32, 128) == walk_shape(4, 32, 128) == WalkShape(8, 1)
+    assert walk_shape(5, 32, 128) == walk_shape(31, 32, 128) == WalkShape(16, 1)
+    assert walk_shape(32, 32, 128) == walk_shape(256, 32, 128) == WalkShape(32, 2)
+    assert walk_shape(256, 32, 16) == WalkShape(16, 2)
+    assert walk_shape(0, 32, 4) == WalkShape(4, 1)
 
 
 def test_launch_grid_is_one_axis_and_refuses_past_the_launch_limit():

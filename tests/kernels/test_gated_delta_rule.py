@@ -254,7 +254,7 @@ def test_triton_kernels_compile_for_hopper_on_cpu(monkeypatch, heads, dtype):
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from sm90_compile import compile_only, resources
 
-    from vexact_models.kernels.gated_delta_recurrent import RECURRENT_WARPS, launch_recurrent
+    from vexact_models.kernels.gated_delta_recurrent import launch_recurrent, walk_shape
     from vexact_models.kernels.gated_delta_rule import training_forward
     from vexact_models.kernels.gated_delta_step import StepPlan, plan_step
 
@@ -273,9 +273,34 @@ def test_triton_kernels_compile_for_hopper_on_cpu(monkeypatch, heads, dtype):
         used = resources(kernel)
         assert used.mma == "none" and used.spill_bytes == 0, used
         if kernel.name == "_recurrent_kernel":
-            assert used.num_warps == RECURRENT_WARPS, used
+            assert used.num_warps == walk_shape(2, hv, dv).warps, used
             if heads == QWEN35_HEADS:  # the l2 norms in the loop took 1,476 (docs/design.md section 6b)
                 assert used.loop_instructions <= 600, used
+
+
+def test_every_walk_shape_compiles_for_hopper_without_spills(monkeypatch):
+    """Each of `WALK_SHAPES`' launch shapes, forced on a rollout step's walk at Qwen3.5's heads,
+    compiles for sm_90 with its warps, no dot and no spill (`register_cap` where the block fits it)."""
+    pytest.importorskip("triton")
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from sm90_compile import compile_only, resources
+
+    from vexact_models.kernels import gated_delta_recurrent as walk
+    from vexact_models.kernels.gated_delta_step import StepPlan, plan_step
+
+    (q, k, v, g, beta), _ = make_inputs([1, 1], *QWEN35_HEADS, dtype=torch.bfloat16)
+    hv, dk, dv = QWEN35_HEADS[1:]
+    pool, out = torch.zeros(3, hv, dk, dv), torch.empty(2, hv, dv, dtype=torch.bfloat16)
+    step = StepPlan({n: torch.from_numpy(a) for n, a in plan_step([1, 0], [4, 0], [1, 1], 2, 2, 4).items()})
+    shapes = [shape for _, shape in walk.WALK_SHAPES]
+    assert len(set(shapes)) == len(shapes) == 3
+    for shape in shapes:
+        monkeypatch.setattr(walk, "WALK_SHAPES", ((0, shape),))
+        with compile_only() as compiled:
+            walk.launch_recurrent("triton", q, k, v, g, beta, pool, out, step.segments(), dk ** -0.5, True)
+        used = resources(compiled[-1])
+        assert compiled[-1].name == "_recurrent_kernel"
+        assert (used.num_warps, used.mma, used.spill_bytes) == (shape.warps, "none", 0), (shape, used)
 
 
 def test_fold_chunks_lists_every_chunk_of_the_training_plan():

@@ -115,3 +115,21 @@ def test_partials_are_refused_where_lora_add_would_not_read_them():
             lora_add(base, x, a, b, (1.0,), partials=good)
     with use_backend("triton"), pytest.raises(ValueError, match="partials while a gradient flows"):
         lora_add(base, x, a, b.requires_grad_(), (1.0,), partials=good)
+
+
+def test_expand_tile_by_the_call_shape():
+    """The expand's tile (a speed choice; every tile gives the same bits: check_lora.py): decode
+    rows take the widest tile that still makes `EXPAND_MIN_PROGRAMS` programs, mid rows 128
+    columns for a stacked group and 64 for one member, more rows the default."""
+    from vexact_models.kernels.lora_expand import EXPAND_MIN_PROGRAMS, ExpandTile, expand_tile
+
+    assert EXPAND_MIN_PROGRAMS == 96
+    assert expand_tile(32, 4096, 3) == ExpandTile(32, 32, 4)  # Qwen3-0.6B q/k/v: 128 programs
+    assert expand_tile(32, 6144, 3) == ExpandTile(32, 64, 4)  # Qwen3-8B q/k/v: 96
+    assert expand_tile(32, 24576, 2) == ExpandTile(32, 128, 4)  # Qwen3-8B gate/up: 192
+    assert expand_tile(64, 6144, 2) == ExpandTile(32, 128, 4)  # two row tiles x 48 column tiles
+    assert expand_tile(64, 4096, 2) == ExpandTile(32, 64, 4)  # 2 x 32 of 128 columns too few, 2 x 64 of 64 not
+    assert expand_tile(1, 1024, 1) == expand_tile(0, 1024, 1) == ExpandTile(32, 32, 4)
+    assert expand_tile(65, 4096, 3) == expand_tile(512, 4096, 3) == ExpandTile(32, 128, 4)
+    assert expand_tile(256, 4096, 1) == ExpandTile(32, 64, 4)
+    assert expand_tile(513, 4096, 1) == expand_tile(8192, 1024, 1) == ExpandTile()

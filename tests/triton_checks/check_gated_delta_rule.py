@@ -158,6 +158,24 @@ def test_triton_rollout_equals_training_bitwise(hk, hv, dk, dv, dtype, initial):
     assert torch.equal(roll.states, want_final)
 
 
+def test_triton_every_walk_shape_gives_the_same_bits(monkeypatch):
+    """Each of `WALK_SHAPES`' launch shapes (narrow blocks of split-halves sums, wider ones of lane
+    sums, two warps), forced on the training forward of three sequences: the same outputs and
+    final states, bitwise (the shape a launch takes follows its size: docs/design.md section 6b)."""
+    from vexact_models.kernels import gated_delta_recurrent as walk
+
+    lengths = [9, 4, 6]
+    inputs, state = _inputs(lengths, 1, 2, 16, 64, torch.bfloat16)
+    results = []
+    for _, shape in walk.WALK_SHAPES:
+        monkeypatch.setattr(walk, "WALK_SHAPES", ((0, shape),))
+        with use_backend("triton"):
+            results.append(gated_delta_rule(*inputs, _cu(lengths), initial_state=state, output_final_state=True))
+    assert len(results) == 3
+    for out, final in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(final, results[0][1])
+
+
 def test_triton_rollout_at_every_cut_in_one_launch():
     """A 10-token sequence repeated nine times, copy ``n`` cut after its token ``n`` (1..9): the
     prefixes in one launch (each from zeros, its state kept in its own slot), the rests in a second
