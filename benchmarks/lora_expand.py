@@ -7,7 +7,10 @@ lora_expand_triton`, adding the shrink's partials itself) at every tile of `--ti
 (`lora_partials_triton`) and, as the peer measured in the same run, the group's base GEMM
 (`kernels.linear` over the fused weight, weights rotated so that they come from HBM). Every time is
 GPU microseconds of the launch alone in a CUDA graph (`bench_graph`), as the engine's decode step
-replays it. "x default" is a tile's time over the default tile's (`ExpandTile()`); "bits" says
+replays it. "expand of u" is the same tile reading u already summed (``[1, T, R]``: the shrink and
+`_lora_reduce_kernel`, "shrink + reduce", which the rollout runs beside the base GEMM where
+K has `REDUCE_BESIDE_CHUNKS` chunks or more, `kernels.lora_partials`).
+"x default" is a tile's time over the default tile's (`ExpandTile()`); "bits" says
 whether its output is the default tile's, bitwise (the expand is element-wise: any difference is
 a bug, and `kernel_invariance --only lora` checks the same tiles); "picked" marks the tile the
 engine takes for the call (`expand_tile`; it is timed only when `--tiles` lists it).
@@ -37,12 +40,13 @@ def _tiles(launches: list[tuple[int, ...]]):
 
 def tile_rows(groups: list[tuple], rows: list[int], rank: int, tiles: list, device: str = "cuda",
               graph_timer=None) -> list[list]:
-    """Rows ``[model, group, M, tile, expand us, x default, bits, shrink us, base GEMM us, picked]`` per
+    """Rows ``[model, group, M, tile, expand us, x default, bits, expand of u us, shrink us, shrink +
+    reduce us, base GEMM us, picked]`` per
     group of `groups` (`LORA_GROUPS`' entries), row count of `rows` and tile of `tiles` (the first
     row of each case is the default `ExpandTile()`, the reference for the ratio and the bits).
     `graph_timer` (`bench_graph` by default) is the clock; the tests pass a CPU one."""
     from vexact_models.kernels import linear
-    from vexact_models.kernels.lora import lora_partials_triton
+    from vexact_models.kernels.lora import lora_partials_triton, lora_shrink_triton
     from vexact_models.kernels.lora_expand import ExpandTile, expand_tile, lora_expand_triton
 
     graph_timer = graph_timer or bench_graph
@@ -58,23 +62,25 @@ def tile_rows(groups: list[tuple], rows: list[int], rank: int, tiles: list, devi
         for m in rows:
             x = torch.randn(m, k, generator=gen).bfloat16().to(device)
             base = linear(x, weight)
-            partials = lora_partials_triton(x, a)
+            partials, u = lora_partials_triton(x, a), lora_shrink_triton(x, a)[None]
             base_us = graph_timer([lambda w=w: linear(x, w) for w in weights]) * 1e3
             shrink_us = graph_timer([lambda: lora_partials_triton(x, a)]) * 1e3
+            reduce_us = graph_timer([lambda: lora_shrink_triton(x, a)]) * 1e3
             first = None
             for tile in [ExpandTile(), *[t for t in tiles if t != ExpandTile()]]:
-                result = torch.empty_like(base)
+                result, result_u = torch.empty_like(base), torch.empty_like(base)
 
-                def expand(tile=tile, result=result):
-                    return lora_expand_triton(base, partials, b, None, sizes, scalings, result, tile=tile)
+                def expand(tile=tile, result=result, p=partials):
+                    return lora_expand_triton(base, p, b, None, sizes, scalings, result, tile=tile)
 
-                expand()
+                expand(), expand(result=result_u, p=u)
                 us = graph_timer([expand]) * 1e3
+                u_us = graph_timer([functools.partial(expand, result=result_u, p=u)]) * 1e3
                 first = (us, result) if first is None else first
+                same = torch.equal(result, first[1]) and torch.equal(result_u, first[1])
                 out.append([model, group, m, f"{tile.block_m}x{tile.block_n}x{tile.warps}", f"{us:.1f}",
-                            f"{us / first[0]:.2f}x", "yes" if torch.equal(result, first[1]) else "NO",
-                            f"{shrink_us:.1f}", f"{base_us:.1f}",
-                            "yes" if tile == expand_tile(m, n, len(sizes)) else ""])
+                            f"{us / first[0]:.2f}x", "yes" if same else "NO", f"{u_us:.1f}", f"{shrink_us:.1f}",
+                            f"{reduce_us:.1f}", f"{base_us:.1f}", "yes" if tile == expand_tile(m, n, len(sizes)) else ""])
         del weights
     return out
 
@@ -103,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; rank {args.rank}, fp32 adapters, bf16 rows")
     table("LoRA expand tiles (GPU us in a CUDA graph)",
-          ["model", "group", "M", "tile MxNxwarps", "expand us", "x default", "bits == default", "shrink us",
-           "base GEMM us", "picked"],
+          ["model", "group", "M", "tile MxNxwarps", "expand us", "x default", "bits == default", "expand of u us",
+           "shrink us", "shrink + reduce us", "base GEMM us", "picked"],
           tile_rows(groups, args.rows, args.rank, _tiles(args.tiles)))
     return 0
 

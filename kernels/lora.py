@@ -26,7 +26,9 @@ u column it reads from them itself, in chunk order (the partials' sum of step 1,
 additions `_lora_reduce_kernel` makes), so no launch of its own sums them. An expand program
 (`lora_expand.py`) reads u and B a block of `EXPAND_RANK_BLOCK` ranks at a time, as 2-D tiles, and walks the
 block's ranks in registers: a rank loop that loaded its u and B columns from memory waited on
-r rounds of loads (docs/performance.md section 10). The training forward,
+r rounds of loads (docs/performance.md section 10). A rollout's shrink beside the base GEMM
+(`lora_partials`) sums the partials itself where K has `REDUCE_BESIDE_CHUNKS` chunks or more,
+and the expand then reads u (``S = 1``). The training forward,
 whose backward reads u, has the expand's first N tile of programs store u as well
 (`lora_expand_triton`'s ``u_out``); `lora_shrink_triton` (u alone: the shrink, then
 `_lora_reduce_kernel`) serves the GPU proofs and the tests that show the two launches equal the
@@ -60,6 +62,12 @@ BLOCK_K = 64  # K steps inside a chunk (rule 1's K tile)
 SHRINK_BLOCK_M = 16  # rows per shrink program, for every batch
 BLOCK_R = 16  # rank columns per shrink program
 MAX_MEMBERS = 4  # members of one stacked group (the gated-DeltaNet's in_proj group has four)
+#: K chunks from which `lora_partials` (the rollout's shrink beside the base GEMM) sums the
+#: partials itself: at Qwen3-8B's K of 4,096 (8 chunks) an expand program of a gate/up tile read
+#: 32 KB of partials for 16 KB of output (docs/performance.md section 10); Qwen3-0.6B's K of
+#: 1,024-3,072 keeps its 2-6 partials in the expand, whose base GEMMs are too short to hide a
+#: third launch beside them.
+REDUCE_BESIDE_CHUNKS = 8
 
 
 @triton.jit
@@ -138,15 +146,21 @@ def lora_partials_triton(x2d: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
 
 
 def lora_partials(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor | None:
-    """The shrink's partials of `x` ``[..., K]`` and `a` ``[G * r, K]`` as `lora_add` would compute
-    them (`lora_partials_triton`, what its ``partials`` argument takes), or None where `lora_add`
-    runs the reference backend (which takes none). For a rollout that starts the shrink before
-    the base GEMM, on another stream (`vexact_models.side_stream.shrink_beside`)."""
+    """The shrink of `x` ``[..., K]`` and `a` ``[G * r, K]`` as `lora_add`'s ``partials`` argument
+    takes it, or None where `lora_add` runs the reference backend (which takes none). For a
+    rollout that starts the shrink before the base GEMM, on another stream
+    (`vexact_models.side_stream.shrink_beside`): the partials (`lora_partials_triton`), or, where
+    K has `REDUCE_BESIDE_CHUNKS` chunks or more, u itself ``[1, T, G * r]`` (`lora_shrink_triton`:
+    the same additions in the same order), so that every N tile of the expand reads one tile of u
+    instead of adding up the partials again."""
     x2d = x.reshape(-1, x.shape[-1])
     if select("lora_add", x2d) != "triton":
         return None
     x2d = x2d if x2d.stride(-1) == 1 else x2d.contiguous()
-    return lora_partials_triton(x2d, a if a.stride(-1) == 1 else a.contiguous())
+    a = a if a.stride(-1) == 1 else a.contiguous()
+    if num_chunks(x2d.shape[1]) >= REDUCE_BESIDE_CHUNKS:
+        return lora_shrink_triton(x2d, a)[None]
+    return lora_partials_triton(x2d, a)
 
 
 def lora_shrink_triton(x2d: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
@@ -220,9 +234,10 @@ def lora_add(base: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tens
         bias: optional ``[N]``, B's bias (PEFT's ``lora_bias``).
         sizes: the members' output columns (default: one member of all N).
         inplace: write into `base` (no gradient may flow).
-        partials: the shrink's partials of `x` and `a` already computed (`lora_partials_triton`,
-            ``[num_chunks(K), T, G * r]`` fp32; a rollout starts them beside the base GEMM,
-            `vexact_models.adapters`): only the expand runs. Triton backend, no gradient.
+        partials: the shrink of `x` and `a` already computed (`lora_partials`: the partials
+            ``[num_chunks(K), T, G * r]`` fp32, or u summed from them, ``[1, T, G * r]``; a rollout
+            starts it beside the base GEMM, `vexact_models.adapters`): only the expand runs.
+            Triton backend, no gradient.
     Returns:
         ``[..., N]`` in base's dtype. Differentiable in base, x, a, b and bias.
     """
@@ -261,11 +276,12 @@ def lora_add(base: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tens
 
 
 def _check_partials(partials: torch.Tensor, x2d: torch.Tensor, a: torch.Tensor, *operands) -> None:
-    """`lora_add`'s ``partials`` argument: the Triton backend's, of this shrink's shape, no gradient."""
+    """`lora_add`'s ``partials`` argument: the Triton backend's, of this shrink's shape (its
+    partials, or u summed from them), no gradient."""
     want = (num_chunks(x2d.shape[1]), x2d.shape[0], a.shape[0])
-    if tuple(partials.shape) != want or partials.dtype != torch.float32:
-        raise ValueError(f"lora_add: partials {tuple(partials.shape)} {partials.dtype} must be {want} float32 "
-                         "([num_chunks(K), T, G * r])")
+    if tuple(partials.shape) not in (want, (1, *want[1:])) or partials.dtype != torch.float32:
+        raise ValueError(f"lora_add: partials {tuple(partials.shape)} {partials.dtype} must be {want} or "
+                         f"{(1, *want[1:])} float32 ([num_chunks(K), T, G * r], or u summed: [1, T, G * r])")
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x2d, a, *operands)):
         raise ValueError("lora_add: partials while a gradient flows (the training forward runs its own shrink)")
     if select("lora_add", x2d) != "triton":

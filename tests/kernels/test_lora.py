@@ -99,14 +99,15 @@ def test_in_place_while_a_gradient_flows_is_an_error():
 
 def test_partials_are_refused_where_lora_add_would_not_read_them():
     """`lora_add`'s ``partials`` (a shrink begun beside the base GEMM): the shape and dtype of this
-    shrink's partials, the Triton backend, no gradient; each error names what is wrong, and
+    shrink's partials or of u summed from them, the Triton backend, no gradient; each error names what is wrong, and
     `lora_partials` gives None where the reference backend runs (which takes none)."""
     from vexact_models.kernels import lora_partials, use_backend
 
     base, x, a, b = torch.zeros(5, 8), torch.zeros(5, CHUNK_K + 3), torch.zeros(4, CHUNK_K + 3), torch.zeros(8, 4)
     good = torch.zeros(num_chunks(CHUNK_K + 3), 5, 4)
-    with pytest.raises(ValueError, match=r"partials \(1, 5, 4\) torch.float32 must be \(2, 5, 4\) float32"):
-        lora_add(base, x, a, b, (1.0,), partials=good[:1])
+    with pytest.raises(ValueError, match=r"partials \(3, 5, 4\) torch.float32 must be \(2, 5, 4\) or \(1, 5, 4\) "
+                                         "float32"):
+        lora_add(base, x, a, b, (1.0,), partials=torch.zeros(3, 5, 4))
     with pytest.raises(ValueError, match="must be .* float32"):
         lora_add(base, x, a, b, (1.0,), partials=good.double())
     with use_backend("reference"):

@@ -146,16 +146,21 @@ def test_training_forward_keeps_the_reduces_u_for_the_backward():
         col += size
 
 
-def test_lora_add_from_partials_begun_elsewhere_is_bitwise_the_whole_call():
+@pytest.mark.parametrize("reduce_from,chunks", [(8, 3), (3, 1)])
+def test_lora_add_from_partials_begun_elsewhere_is_bitwise_the_whole_call(monkeypatch, reduce_from, chunks):
     """`lora_add(..., partials=lora_partials(x, a))` (a rollout begins the shrink beside the base
     GEMM, `side_stream.shrink_beside`) is bitwise the call that runs its own shrink, in place and
-    not, for a stacked group; `lora_partials` takes any leading shape of x."""
+    not, for a stacked group, whether `lora_partials` hands over the partials or, from
+    `REDUCE_BESIDE_CHUNKS` chunks on, u summed from them; it takes any leading shape of x."""
+    from vexact_models.kernels import lora as lora_module
+
+    monkeypatch.setattr(lora_module, "REDUCE_BESIDE_CHUNKS", reduce_from)
     sizes, scalings, rank = (160, 64, 8), (2.0, 0.5, 1.5), 4
     base, x, a, b = operands(37, 2 * CHUNK_K + 70, sizes, rank, torch.bfloat16)
     with use_backend("triton"):
         whole = lora_add(base, x, a, b, scalings, sizes=sizes)
         partials = lora_partials(x[None], a)
-        assert partials.shape == (3, 37, len(sizes) * rank)
+        assert partials.shape == (chunks, 37, len(sizes) * rank)
         assert torch.equal(lora_add(base, x, a, b, scalings, sizes=sizes, partials=partials), whole)
         inplace = base.clone()
         lora_add(inplace, x, a, b, scalings, sizes=sizes, inplace=True, partials=partials)
