@@ -20,7 +20,7 @@ EXPAND_RANK_BLOCK = 16  # ranks whose u and B columns an expand program holds at
 
 
 @triton.jit
-def u_tile(p_rows, row_ok, step, ranks, r, g: tl.constexpr, S):
+def u_tile(p_rows, row_ok, step, ranks, r, g, S):
     """Member g's u at `ranks` ``[BLOCK_M, RANK_BLOCK]`` (ranks past r zero): those columns of the
     shrink's `S` partials (`p_rows` the rows of ``p[0]``, `step` = T * R apart) added in chunk
     order, ``((p0 + p1) + p2) + ...`` in fp32, as `_lora_reduce_kernel` adds them. Unrolled by 4, so that four partials'
@@ -54,6 +54,49 @@ def rank_column(tile, ranks, j):
     return tl.sum(tl.where(ranks[None, :] == j, tile, 0.0), axis=1)
 
 
+@triton.jit
+def _member_of(col, n1, n2, n3):
+    """The member whose columns hold column `col` (members 1..3 start at `n1`, `n2`, `n3`)."""
+    return (col >= n1).to(tl.int32) + (col >= n2).to(tl.int32) + (col >= n3).to(tl.int32)
+
+
+@triton.jit
+def _ranks_one_member(acc, bt, u, ranks, first, r, RANK_BLOCK: tl.constexpr):
+    """`acc` plus one rank block's products where every column of the tile is one member's, `u`
+    that member's u tile: ``acc += u[:, j] * B[:, j]`` for the block's ranks j in order."""
+    for j in range(first, tl.minimum(first + RANK_BLOCK, r)):
+        acc += rank_column(u, ranks, j)[:, None] * rank_column(bt, ranks, j)[None, :]
+    return acc
+
+
+@triton.jit
+def _ranks_any_members(acc, bt, u_ptr, p_rows, row_ok, step, rows, ranks, member, first, R, r, S,
+                       G: tl.constexpr, WRITE_U: tl.constexpr, RANK_BLOCK: tl.constexpr):
+    """`_ranks_one_member` where the tile's columns may be several members' (`member` per column):
+    every member's u tile (stored too, with `WRITE_U`), and at each rank each column picks its
+    member's u column."""
+    u0 = u_tile_kept(u_ptr, p_rows, row_ok, step, rows, ranks, R, r, 0, S, WRITE_U)
+    u1 = u0
+    u2 = u0
+    u3 = u0
+    if G > 1:
+        u1 = u_tile_kept(u_ptr, p_rows, row_ok, step, rows, ranks, R, r, 1, S, WRITE_U)
+    if G > 2:
+        u2 = u_tile_kept(u_ptr, p_rows, row_ok, step, rows, ranks, R, r, 2, S, WRITE_U)
+    if G > 3:
+        u3 = u_tile_kept(u_ptr, p_rows, row_ok, step, rows, ranks, R, r, 3, S, WRITE_U)
+    for j in range(first, tl.minimum(first + RANK_BLOCK, r)):
+        uj = tl.broadcast_to(rank_column(u0, ranks, j)[:, None], acc.shape)
+        if G > 1:
+            uj = tl.where(member[None, :] == 1, rank_column(u1, ranks, j)[:, None], uj)
+        if G > 2:
+            uj = tl.where(member[None, :] == 2, rank_column(u2, ranks, j)[:, None], uj)
+        if G > 3:
+            uj = tl.where(member[None, :] == 3, rank_column(u3, ranks, j)[:, None], uj)
+        acc += uj * rank_column(bt, ranks, j)[None, :]
+    return acc
+
+
 @triton.jit(do_not_specialize=["T"])
 def _lora_expand_kernel(base_ptr, p_ptr, b_ptr, bias_ptr, out_ptr, u_ptr, T, N, R, r, S,
                         stride_base, stride_out, stride_b, n1, n2, n3, s0, s1, s2, s3,
@@ -64,39 +107,33 @@ def _lora_expand_kernel(base_ptr, p_ptr, b_ptr, bias_ptr, out_ptr, u_ptr, T, N, 
     the first N tile's programs also store u ``[T, R]`` (the backward's). Per block of
     `RANK_BLOCK` ranks, the program reads its members' u tiles and B's ``[BLOCK_N, RANK_BLOCK]``
     tile at once, then walks the block's ranks in order in registers (`rank_column`): no global
-    load waits inside the rank loop."""
+    load waits inside the rank loop. Outside the training forward, a tile inside one member's
+    columns (every tile of Qwen3's groups, whose members are multiples of 128 wide) reads only
+    that member's u tile and picks no member per rank (`_ranks_one_member`); the products and
+    sums are the same either way."""
     wait_for_inputs(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < T, cols < N
     step = T.to(tl.int64) * R
     p_rows = p_ptr + rows.to(tl.int64) * R
-    member = (cols >= n1).to(tl.int32) + (cols >= n2).to(tl.int32) + (cols >= n3).to(tl.int32)
+    member = _member_of(cols, n1, n2, n3)
+    m0 = _member_of(tl.program_id(1) * BLOCK_N, n1, n2, n3)
+    one_member = m0 == _member_of(tl.minimum(tl.program_id(1) * BLOCK_N + BLOCK_N, N) - 1, n1, n2, n3)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for first in range(0, r, RANK_BLOCK):
         ranks = first + tl.arange(0, RANK_BLOCK)
         bt = tl.load(b_ptr + cols[:, None].to(tl.int64) * stride_b + ranks[None, :],
                      mask=col_ok[:, None] & (ranks < r)[None, :], other=0.0).to(tl.float32)
-        u0 = u_tile_kept(u_ptr, p_rows, row_ok, step, rows, ranks, R, r, 0, S, WRITE_U)
-        u1 = u0
-        u2 = u0
-        u3 = u0
-        if G > 1:
-            u1 = u_tile_kept(u_ptr, p_rows, row_ok, step, rows, ranks, R, r, 1, S, WRITE_U)
-        if G > 2:
-            u2 = u_tile_kept(u_ptr, p_rows, row_ok, step, rows, ranks, R, r, 2, S, WRITE_U)
-        if G > 3:
-            u3 = u_tile_kept(u_ptr, p_rows, row_ok, step, rows, ranks, R, r, 3, S, WRITE_U)
-        for j in range(first, tl.minimum(first + RANK_BLOCK, r)):
-            bj = rank_column(bt, ranks, j)
-            u = tl.broadcast_to(rank_column(u0, ranks, j)[:, None], (BLOCK_M, BLOCK_N))
-            if G > 1:
-                u = tl.where(member[None, :] == 1, rank_column(u1, ranks, j)[:, None], u)
-            if G > 2:
-                u = tl.where(member[None, :] == 2, rank_column(u2, ranks, j)[:, None], u)
-            if G > 3:
-                u = tl.where(member[None, :] == 3, rank_column(u3, ranks, j)[:, None], u)
-            acc += u * bj[None, :]
+        if WRITE_U:  # the training forward: every member's u is stored by the first N tile
+            acc = _ranks_any_members(acc, bt, u_ptr, p_rows, row_ok, step, rows, ranks, member, first, R, r, S,
+                                     G, WRITE_U, RANK_BLOCK)
+        elif one_member:
+            acc = _ranks_one_member(acc, bt, u_tile(p_rows, row_ok, step, ranks, r, m0, S), ranks, first, r,
+                                    RANK_BLOCK)
+        else:
+            acc = _ranks_any_members(acc, bt, u_ptr, p_rows, row_ok, step, rows, ranks, member, first, R, r, S,
+                                     G, WRITE_U, RANK_BLOCK)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     scale = tl.where(member == 0, s0, tl.where(member == 1, s1, tl.where(member == 2, s2, s3)))
