@@ -21,6 +21,7 @@ from vexact_models.experts import FusedExperts, call_experts
 from vexact_models.layers import (GatedMLP, PackedContext, PreNormDecoderLayer, RMSNorm,
                                   ZeroCentredRMSNorm, grouped_linear, head_dim_of)
 from vexact_models.patches.compat import gated_deltanet_a_log, gated_deltanet_a_log_init, qwen3_moe_router_output
+from vexact_models.side_stream import beside
 
 
 #: the hybrids' fp32 parity bound against stock's torch path (`Architecture.fp32_parity`; docs/design.md
@@ -310,9 +311,16 @@ class SharedExpertMoeBlock(nn.Module):
         self.shared_expert = GatedMLP(config.hidden_size, config.shared_expert_intermediate_size, config.hidden_act)
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
+    def gated_shared_expert(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``shared_expert(x) * sigmoid(shared_expert_gate(x))`` per token."""
+        return sigmoid_gate(self.shared_expert(hidden), apply_linear(hidden, self.shared_expert_gate))
+
     def forward(self, hidden: torch.Tensor, router_logits: list | None = None) -> torch.Tensor:
+        # in CUDA-graph captures without autograd the gated shared expert runs on a side stream
+        # beside the router and the routed experts (`side_stream.beside`: the same kernels, the
+        # same bits); the routed experts' combine waits for it
+        shared, shared_ready = beside(self, hidden, call=self.gated_shared_expert)
         logits, weights, ids = self.gate(hidden)
         if router_logits is not None:
             router_logits.append(qwen3_moe_router_output(logits))
-        shared = sigmoid_gate(self.shared_expert(hidden), apply_linear(hidden, self.shared_expert_gate))
-        return call_experts(self.experts, hidden, ids, weights, add=shared)
+        return call_experts(self.experts, hidden, ids, weights, add=shared, add_ready=shared_ready)

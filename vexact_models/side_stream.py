@@ -1,5 +1,6 @@
-"""Work beside the current CUDA stream: a DeepSeek-V3 / Moonlight MoE layer's shared experts run on
-a side stream while its router and routed experts run on the current one.
+"""Work beside the current CUDA stream: a MoE layer's shared experts (DeepSeek-V3 / Moonlight's, and
+the gated shared expert of Qwen3.5-MoE / Qwen3-Next) run on a side stream while its router and
+routed experts run on the current one.
 
 Why: at decode batches the routed experts' grouped GEMMs are bound by reading every expert's
 weights, while the shared experts are small dense GEMMs bound by their own latency; one after the
@@ -39,6 +40,8 @@ launches on the same inputs). ``VEXACT_LORA_SHRINK=inline`` keeps the shrinks in
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -68,17 +71,20 @@ def _records_autograd(module: nn.Module, x: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in module.parameters()))
 
 
-def beside(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+def beside(module: nn.Module, x: torch.Tensor,
+           call: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.cuda.Event | None]:
     """``(module(x), ready)``: `module` run on the side stream of `x`'s device, started where the
     current stream is now, and the event its consumer must wait for (`torch.cuda.Stream.wait_event`)
     before reading the result, while a CUDA graph is being captured. Elsewhere (a CPU tensor, an
     eager call, an autograd graph being recorded, ``VEXACT_SHARED_EXPERTS=inline``) `module` runs
-    here and `ready` is None."""
+    here and `ready` is None. `call`: run ``call(x)`` instead of ``module(x)`` (work over
+    `module`'s parameters that is not its forward, e.g. a shared expert and its gate)."""
+    call = module if call is None else call
     # the mode first: a bad value is an error on any device
     if (SHARED_EXPERTS.mode() == "inline" or not x.is_cuda or not torch.cuda.is_current_stream_capturing()
             or _records_autograd(module, x)):
-        return module(x), None
-    return _fork(lambda: module(x), x.device)
+        return call(x), None
+    return _fork(lambda: call(x), x.device)
 
 
 def _fork(work, device: torch.device) -> tuple[torch.Tensor, torch.cuda.Event]:

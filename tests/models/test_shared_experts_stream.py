@@ -1,16 +1,18 @@
-"""The DeepSeek-V3 / Moonlight shared experts on a side stream beside the routed experts
-(`vexact_models.side_stream`): where they run, and that their output and the layer's stay bitwise
-the in-line ones. Only a CUDA-graph capture puts them beside (eager calls stay in line). The stream
-checks need a GPU (`python -m pytest -q -m gpu` on it; H200 figures from `benchmarks/shared_experts.py` in
-docs/performance.md); the CPU tests cover the fallbacks
-and the errors."""
+"""The DeepSeek-V3 / Moonlight shared experts and the gated shared expert of Qwen3.5-MoE / Qwen3-Next
+on a side stream beside the routed experts (`vexact_models.side_stream`): where they run, and that
+their output and the layer's stay bitwise the in-line ones. Only a CUDA-graph capture puts them
+beside (eager calls stay in line). The stream checks need a GPU (`python -m pytest -q -m gpu` on
+it; H200 figures from `benchmarks/shared_experts.py` in docs/performance.md); the CPU tests cover
+the fallbacks and the errors."""
 
 import pytest
 import torch
 
 import vexact_models.deepseek_v3 as deepseek_v3
+import vexact_models.qwen3_5_moe as qwen3_5_moe
 from vexact_models.conformance.models import construct
 from vexact_models.deepseek_v3.modeling import DeepseekV3MoE
+from vexact_models.qwen3_5_moe.modeling import Qwen3_5MoeSparseMoeBlock
 from vexact_models.kernels import fused_moe
 from vexact_models.side_stream import SHARED_EXPERTS, _records_autograd, beside, side_stream
 
@@ -28,11 +30,38 @@ def moe_layer(device: str, dtype: torch.dtype) -> DeepseekV3MoE:
     return layer
 
 
-def streams_of_shared_experts(layer: DeepseekV3MoE) -> list:
+def qwen3_5_moe_layer(device: str, dtype: torch.dtype) -> Qwen3_5MoeSparseMoeBlock:
+    config = qwen3_5_moe.tiny_config(hidden_size=256, moe_intermediate_size=128, shared_expert_intermediate_size=256)
+    torch.manual_seed(0)
+    layer = construct(Qwen3_5MoeSparseMoeBlock, config, torch.device(device), dtype).eval()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0.0, 0.05)
+    return layer
+
+
+LAYERS = {"deepseek_v3": (moe_layer, "shared_experts"), "qwen3_5_moe": (qwen3_5_moe_layer, "shared_expert")}
+
+
+def streams_of_shared_experts(layer, name: str = "shared_experts") -> list:
     seen = []
-    layer.shared_experts.register_forward_pre_hook(lambda module, args: seen.append(
+    getattr(layer, name).register_forward_pre_hook(lambda module, args: seen.append(
         torch.cuda.current_stream(args[0].device) if args[0].is_cuda else None))
     return seen
+
+
+def test_beside_runs_a_call_over_the_module_in_line_on_cpu():
+    """`call` in place of the module's forward (the Qwen3.5-MoE block's gated shared expert): run
+    here without an event, and the block's output is the routed experts plus it."""
+    layer = qwen3_5_moe_layer("cpu", torch.float32)
+    x = torch.randn(5, 256)
+    with torch.no_grad():
+        out, ready = beside(layer, x, call=layer.gated_shared_expert)
+        want = torch.sigmoid(layer.shared_expert_gate(x)) * layer.shared_expert(x)
+        assert ready is None and torch.allclose(out, want, rtol=1e-6, atol=1e-7)
+        _, weights, ids = layer.gate(x)
+        routed = fused_moe(x, layer.experts.gate_up_proj, layer.experts.down_proj, weights, ids)
+        assert torch.equal(layer(x), routed + out)
 
 
 def test_beside_runs_the_module_in_line_on_cpu_without_an_event():
@@ -60,9 +89,11 @@ def test_fused_moe_rejects_add_ready_without_add():
 @needs_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [4, 64])
-def test_shared_experts_run_on_the_side_stream_in_a_graph_with_the_in_line_bits(tokens):
-    layer = moe_layer("cuda", torch.bfloat16)
-    seen = streams_of_shared_experts(layer)
+@pytest.mark.parametrize("arch", sorted(LAYERS))
+def test_shared_experts_run_on_the_side_stream_in_a_graph_with_the_in_line_bits(tokens, arch):
+    make, name = LAYERS[arch]
+    layer = make("cuda", torch.bfloat16)
+    seen = streams_of_shared_experts(layer, name)
     x = torch.randn(tokens, 256, device="cuda").bfloat16()
     with torch.no_grad():
         with SHARED_EXPERTS.use("inline"):
