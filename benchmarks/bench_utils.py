@@ -299,7 +299,7 @@ def stock_twin(arch, model):
     did not finish within a 330 s device call (H200, 2026-11-28)."""
     from vexact_models.conformance.models import hf_twin
 
-    return hf_twin(arch, model, attn_implementation=stock_attention(arch))
+    return hf_twin(arch, model, attn_implementation=stock_attention(arch), stock_experts=True)
 
 
 def table(title: str, header: list[str], rows: list[list]) -> None:

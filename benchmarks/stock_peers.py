@@ -51,7 +51,8 @@ def stock_alone(arch, model, device: torch.device):
     free(device)
     hf = None
     try:
-        hf = hf_twin(arch, model, device=device, dtype=dtype, attn_implementation=stock_attention(arch))
+        hf = hf_twin(arch, model, device=device, dtype=dtype, attn_implementation=stock_attention(arch),
+                     stock_experts=True)
         yield hf
     finally:
         if hf is not None:

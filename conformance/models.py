@@ -9,6 +9,7 @@ belongs to the architecture serving its ``model_type`` and to the `Shape` that l
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 from collections.abc import Callable
@@ -117,20 +118,28 @@ def construct(cls: Callable, config, device: torch.device, dtype: torch.dtype):
 
 
 def hf_twin(arch: Architecture, model, device: torch.device | None = None, dtype: torch.dtype | None = None,
-            attn_implementation: str | None = None):
+            attn_implementation: str | None = None, stock_experts: bool = False):
     """The stock transformers class of `arch` holding `model`'s weights, built directly on `device`
     in `dtype` (default: where `model`'s weights are, in their dtype; `construct`), with
     `attn_implementation` where given (else the class's default), tied as `model`'s config says.
-    Raises RuntimeError when the two state dicts differ (a tied LM head aside)."""
+    Its MoE experts run the implementation `model`'s config names (ours say ``eager``: stock's
+    loop over experts, the parity reference), or with `stock_experts` the one stock picks for a
+    config of its own (transformers' ``grouped_mm`` where torch has it; what a user of stock
+    runs, so the benchmarks' peer). Raises RuntimeError when the two state dicts differ (a tied
+    LM head aside)."""
     weight = next(model.parameters())
     device, dtype = device or weight.device, dtype or weight.dtype
     cls = arch.hf_class()
     if attn_implementation is None and getattr(model.config, "_attn_implementation", None) == "sdpa" \
             and not getattr(cls, "_supports_sdpa", True):
         attn_implementation = "eager"  # GPT-OSS: stock has no sdpa path (its sinks), only eager
-    if attn_implementation is not None:
-        cls = functools.partial(cls._from_config, attn_implementation=attn_implementation, dtype=dtype)
-    hf = construct(cls, model.config, device, dtype)
+    chosen = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    if stock_experts:
+        chosen["experts_implementation"] = None  # stock's own default, as for a config it built itself
+    if chosen:
+        cls = functools.partial(cls._from_config, dtype=dtype, **chosen)
+    # a copy: ``_from_config`` sets the implementations on the config it is given, and ours is `model`'s
+    hf = construct(cls, copy.deepcopy(model.config), device, dtype)
     missing, unexpected = hf.load_state_dict(model.state_dict(), strict=False)
     if [k for k in missing if k != "lm_head.weight"] or unexpected:
         raise RuntimeError(f"hf_twin: state dicts differ: missing {missing}, unexpected {unexpected}")

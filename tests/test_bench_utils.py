@@ -38,6 +38,21 @@ def test_stock_twin_is_the_hf_class_on_our_weights_device_and_dtype(monkeypatch)
     assert built_on and set(built_on) == {"meta"}
 
 
+def test_stock_twin_of_a_moe_model_runs_stocks_default_experts(monkeypatch):
+    """The peer's experts run what stock picks for a config of its own (transformers' grouped_mm),
+    not the ``eager`` loop our configs name for parity checks."""
+    from vexact_models.conformance.models import build_model
+    from vexact_models.registry import get
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_utils
+
+    arch = get("qwen3_moe")
+    ours = build_model(arch, arch.tiny_config(), torch.device("cpu"), torch.float32)
+    assert ours.config._experts_implementation == "eager"
+    assert bench_utils.stock_twin(arch, ours).config._experts_implementation == "grouped_mm"
+
+
 def test_case_selected_keeps_cases_naming_any_substring_and_every_case_without_one(monkeypatch):
     """`bench_utils.case_selected`: the `--cases` filter the prefill and config benchmarks share."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))

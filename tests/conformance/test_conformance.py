@@ -167,6 +167,26 @@ def test_hf_twin_is_the_stock_class_on_our_weights_and_refuses_other_weights():
         hf_twin(arch, model)
 
 
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_5_moe"])
+def test_hf_twin_runs_stock_experts_default_only_when_asked(name):
+    """Our MoE configs name ``eager`` experts (stock's loop over experts: the parity reference);
+    with ``stock_experts`` the twin takes the implementation stock picks for its own config, as
+    the benchmarks' peer must, and computes the same logits within fp32 rounding."""
+    arch = get(name)
+    model = build_model(arch, arch.tiny_config(), torch.device("cpu"), torch.float32)
+    stock_default = arch.hf_class()(arch.tiny_config()).config._experts_implementation
+    assert stock_default != "eager"  # transformers >= 5: grouped_mm
+    reference = hf_twin(arch, model)
+    peer = hf_twin(arch, model, attn_implementation="eager", stock_experts=True)
+    assert reference.config._experts_implementation == model.config._experts_implementation == "eager"
+    assert peer.config._experts_implementation == stock_default
+    assert model.config._attn_implementation == "sdpa"  # our config untouched by the twins
+    ids = torch.randint(0, arch.tiny_config().vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = reference(ids).logits, peer(ids).logits
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
 def test_low_precision_parity_is_judged_against_hf_own_error():
     from vexact_models.conformance.suite import hf_parity
 
