@@ -293,3 +293,25 @@ def test_throughput_refuses_bad_models_and_engines(argv, words):
     run = subprocess.run([sys.executable, "throughput.py", *argv], cwd=BENCHMARKS, capture_output=True, text=True,
                          timeout=120, env=TINY_ENV)
     assert run.returncode == 2 and words in run.stderr, run.stderr
+
+
+def test_shared_experts_blocks_and_header(monkeypatch):
+    """`shared_experts.py`'s MoE blocks: each model type's class exists and has the shared experts'
+    call the script times; the header names the routed and shared experts; a config without
+    shared experts is refused by name."""
+    import importlib
+
+    from vexact_models.conformance.models import architecture_of, make_config
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import shared_experts
+
+    for model_type, (module, name, call) in shared_experts.MOE_BLOCKS.items():
+        block = getattr(importlib.import_module(module), name)
+        assert callable(getattr(block, call, None)) or call == "shared_experts", (model_type, call)
+    qwen = make_config(architecture_of("qwen3.5-35b-a3b"), "qwen3.5-35b-a3b")
+    assert shared_experts.describe(qwen) == "256 routed experts top-8, gated shared expert of 512"
+    moonlight = make_config(architecture_of("moonlight-16b-a3b"), "moonlight-16b-a3b")
+    assert shared_experts.describe(moonlight) == "64 routed experts top-6, shared MLP of 2816"
+    with pytest.raises(SystemExit, match="--config qwen3-8b: a config with shared experts is needed"):
+        shared_experts.build_layers("qwen3-8b", 1)
