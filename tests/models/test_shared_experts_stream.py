@@ -19,25 +19,27 @@ from vexact_models.side_stream import SHARED_EXPERTS, _records_autograd, beside,
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (streams)")
 
 
-def moe_layer(device: str, dtype: torch.dtype) -> DeepseekV3MoE:
-    config = deepseek_v3.tiny_config(hidden_size=256, moe_intermediate_size=128, n_shared_experts=2)
+def random_layer(cls, config, device: str, dtype: torch.dtype):
+    """A MoE block of `cls` on `device`, its weights (and router bias, where it has one) random."""
     torch.manual_seed(0)
-    layer = construct(DeepseekV3MoE, config, torch.device(device), dtype).eval()
+    layer = construct(cls, config, torch.device(device), dtype).eval()
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_(0.0, 0.05)
-        layer.gate.e_score_correction_bias.normal_(0.0, 0.1)
+        bias = getattr(layer.gate, "e_score_correction_bias", None)
+        if bias is not None:
+            bias.normal_(0.0, 0.1)
     return layer
+
+
+def moe_layer(device: str, dtype: torch.dtype) -> DeepseekV3MoE:
+    config = deepseek_v3.tiny_config(hidden_size=256, moe_intermediate_size=128, n_shared_experts=2)
+    return random_layer(DeepseekV3MoE, config, device, dtype)
 
 
 def qwen3_5_moe_layer(device: str, dtype: torch.dtype) -> Qwen3_5MoeSparseMoeBlock:
     config = qwen3_5_moe.tiny_config(hidden_size=256, moe_intermediate_size=128, shared_expert_intermediate_size=256)
-    torch.manual_seed(0)
-    layer = construct(Qwen3_5MoeSparseMoeBlock, config, torch.device(device), dtype).eval()
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.normal_(0.0, 0.05)
-    return layer
+    return random_layer(Qwen3_5MoeSparseMoeBlock, config, device, dtype)
 
 
 LAYERS = {"deepseek_v3": (moe_layer, "shared_experts"), "qwen3_5_moe": (qwen3_5_moe_layer, "shared_expert")}
