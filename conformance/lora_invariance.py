@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from vexact_models.kernels import lora_add, lora_partials
-from vexact_models.kernels.lora import lora_shrink_triton
+from vexact_models.kernels import lora_add
+from vexact_models.kernels.lora import lora_partials_triton, lora_shrink_triton
 from vexact_models.kernels.lora_expand import ExpandTile, lora_expand_triton
 
 from .invariance_result import Result
@@ -62,7 +62,7 @@ def check_lora_group(result: Result, k: int, sizes: tuple[int, ...], rank: int, 
     result.compare(inplace, single, f"{what} in place")
     three = lora_expand_triton(base, lora_shrink_triton(x, a)[None], b, None, sizes, scalings, torch.empty_like(base))
     result.compare(three, single, f"{what} three launches (reduce, then expand of u)")
-    partials = lora_partials(x, a)
+    partials = lora_partials_triton(x, a)  # the partials themselves at every K (`lora_partials` sums them from 8 chunks)
     for tile in EXPAND_TILES:
         tiled = lora_expand_triton(base, partials, b, None, sizes, scalings, torch.empty_like(base), tile=tile)
         result.compare(tiled, single, f"{what} expand tile {tile.block_m}x{tile.block_n}, {tile.warps} warps")
