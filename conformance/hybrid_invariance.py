@@ -7,6 +7,8 @@
   alone equals it in the batch.
 - gated_rms_norm, sigmoid_gate, zero-centred rms_norm (and add_rms_norm): rows alone == rows in
   batches (rules 3, 5).
+- gated_delta_gates: rows alone == rows in batches (rule 5), read from a fused projection's
+  columns as the rollout's GEMM group leaves them; every element == the CPU reference's bits.
 - partial rotary (rotary over the first quarter of head dim 256): rows alone == in batches; the
   rollout's fused `rotary_cache_write` at Qwen3.5's heads (zero-centred norms) == the separate ops.
 
@@ -22,6 +24,7 @@ import torch
 from vexact_models.kernels import (add_rms_norm, apply_rotary, causal_conv1d, conv_state_update, gated_rms_norm, rms_norm,
                                    rope_table, sigmoid_gate)
 from vexact_models.kernels.causal_conv1d import conv_state_update_reference
+from vexact_models.kernels.gated_delta_gates import gated_delta_gates, gated_delta_gates_reference
 
 
 def random_steps(lens: list[int], rng: random.Random, max_piece: int = 9) -> list[list[tuple[int, int]]]:
@@ -171,6 +174,26 @@ def check_sigmoid_gate(result, quick: bool) -> None:
     rows_alone(result, sigmoid_gate, [h, g], "sigmoid_gate shared expert 2048", quick)
 
 
+def check_gated_delta_gates(result, quick: bool) -> None:
+    """The gated DeltaNet's g and beta at Qwen3.5's 32 value heads, bf16 projections as columns of
+    the layer's fused projection output (``in_proj_b``, ``in_proj_a`` after qkv and z): rows
+    alone == in batches, and the GPU's bits == the CPU reference's (the kernel repeats its float64
+    operations)."""
+
+    m = max(row_counts(quick))
+    fused = (torch.randn(m, 128, device="cuda") * torch.logspace(-3, 1.5, m, device="cuda")[:, None]).bfloat16()
+    b, a = fused[:, 32:64], fused[:, 64:96]
+    a_log = torch.rand(32, device="cuda") * 4 - 1
+    dt_bias = torch.randn(32, device="cuda").bfloat16()
+    for i, name in enumerate(("g", "beta")):
+        rows_alone(result, lambda x, y: gated_delta_gates(x, y, a_log, dt_bias)[i], [a, b],
+                   f"gated_delta_gates {name} 32 heads", quick)
+    g, beta = gated_delta_gates(a, b, a_log, dt_bias)
+    want_g, want_beta = gated_delta_gates_reference(a.cpu(), b.cpu(), a_log.cpu(), dt_bias.cpu())
+    result.compare(g, want_g.cuda(), "gated_delta_gates g == CPU reference")
+    result.compare(beta, want_beta.cuda(), "gated_delta_gates beta == CPU reference")
+
+
 def check_partial_rotary(result, quick: bool) -> None:
     """Partial rotary (the first 64 of 256 dims, Qwen3.5's 16 query heads) rows alone == in batches.
     (The rollout's fused q/k norm + rotation + cache write at Qwen3.5's heads is
@@ -183,7 +206,8 @@ def check_partial_rotary(result, quick: bool) -> None:
     rows_alone(result, lambda a, p: apply_rotary(a, p, cos, sin), [q, pos], "partial rotary 16 x 256 (64 rotated)", quick)
 
 
-HYBRID_CHECKS = ("causal_conv1d", "gated_rms_norm", "rms_norm zero-centred", "sigmoid_gate", "partial rotary")
+HYBRID_CHECKS = ("causal_conv1d", "gated_rms_norm", "rms_norm zero-centred", "sigmoid_gate", "gated_delta_gates",
+                 "partial rotary")
 
 
 def run_hybrid(results: dict, quick: bool) -> None:
@@ -193,4 +217,5 @@ def run_hybrid(results: dict, quick: bool) -> None:
     check_gated_rms_norm(results["gated_rms_norm"], quick)
     check_zero_centred_rms_norm(results["rms_norm zero-centred"], quick)
     check_sigmoid_gate(results["sigmoid_gate"], quick)
+    check_gated_delta_gates(results["gated_delta_gates"], quick)
     check_partial_rotary(results["partial rotary"], quick)

@@ -25,8 +25,9 @@ and allows zero mismatches:
   the rollout's fused latent prologue (`kernels.latent_cache_write`) == the separate ops, and
   each token alone == in batches of up to 4096.
 - the gated-DeltaNet hybrids' ops (``--only hybrid``, `hybrid_invariance.py`): the causal conv1d's
-  rollout in pieces == its training forward; the gated and zero-centred norms, the sigmoid gate and
-  partial rotary rows alone == in batches.
+  rollout in pieces == its training forward; the gated and zero-centred norms, the sigmoid gate, the
+  gated delta rule's gates (also == the CPU reference's bits) and partial rotary rows alone == in
+  batches.
 - attention FA4 (``--only fa4``, the optional flash-attn-4 package on a Hopper GPU): the attention
   check with FlashAttention-4 as the forward (`use_attention_forward("fa4")`), every shape
   including the qk-192 / v-128 MLA ones.

@@ -13,8 +13,12 @@ Invariance contract (docs/design.md rule 5, element-wise): every element is one 
 of its own inputs, computed with `exact_math` (``exp`` and ``log`` as float64 polynomials, IEEE
 operations only) on every device, so a token's gates never depend on where it sits in the batch
 (torch's own CPU ``sigmoid``/``exp`` do: a vectorised body and a scalar tail round differently).
-There is no Triton kernel: the tensors are ``[tokens, Hv]`` (32 values a token at Qwen3.5's
-shapes), a few element-wise launches per layer, the same torch ops on the CPU and the GPU.
+On CUDA one Triton launch computes both (`gated_delta_gates_triton`), with `exact_math_triton`'s
+float64 ``exp`` and ``log``: the same operations in the same order as the torch reference, so its
+bits equal the reference's on every element (``tests/triton_checks/check_gated_delta_gates.py``).
+The reference's float64 polynomials as torch ops were ~160 element-wise launches per GDN layer:
+at a Qwen3.5-35B-A3B decode step of 256 sequences (20 layers) 2,415 launches and ~4 ms of its
+~20 (`benchmarks/decode_profile.py`, 2026-12-03, H200).
 
 The backward (rule 8: correct, no invariance) is the analytic formula in fp32 (fp64) by torch ops.
 """
@@ -24,6 +28,10 @@ from __future__ import annotations
 import torch
 
 from . import exact_math
+from ._triton import require_triton, tl, triton
+from .backend import select
+from .dependent_launch import dependent_launch_kwargs, wait_for_inputs
+from .exact_math_triton import exp64, log64
 
 SOFTPLUS_THRESHOLD = 20.0  # torch.nn.functional.softplus's default: x itself above it
 
@@ -53,10 +61,69 @@ def gated_delta_gates_reference(a: torch.Tensor, b: torch.Tensor, a_log: torch.T
     return g, beta
 
 
+GATES_BLOCK = 1024  # elements (token, head) per program
+
+
+# sizes and strides are not specialized: every element comes from the same compiled code
+@triton.jit(do_not_specialize=["n", "heads", "stride_a", "stride_b"])
+def _gates_kernel(a_ptr, b_ptr, a_log_ptr, dt_ptr, g_ptr, beta_ptr, n, heads, stride_a, stride_b,
+                  BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """Program: `BLOCK` elements of the ``[rows, heads]`` grid, row-major; the reference's
+    operations in its order (fp32 where it rounds to fp32, `exact_math_triton` in float64)."""
+    wait_for_inputs(PDL)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    row, head = offs // heads, offs % heads
+    a = tl.load(a_ptr + row * stride_a + head, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + row * stride_b + head, mask=mask, other=0.0).to(tl.float32)
+    x = a + tl.load(dt_ptr + head, mask=mask, other=0.0).to(tl.float32)
+    y = exp64(x).to(tl.float32).to(tl.float64)  # softplus(x), as `_softplus`
+    u = 1.0 + y
+    ratio = y / tl.where(u == 1.0, 1.0, u - 1.0)
+    soft = tl.where(u == 1.0, y, log64(u) * ratio).to(tl.float32)
+    soft = tl.where(x > 20.0, x, soft)  # SOFTPLUS_THRESHOLD
+    decay = exp64(tl.load(a_log_ptr + head, mask=mask, other=0.0).to(tl.float32)).to(tl.float32)
+    tl.store(g_ptr + offs, -decay * soft, mask=mask)
+    e = exp64(-b).to(tl.float32)  # exact_math.sigmoid in fp32: 1 / (1 + exp(-b))
+    # the fp32 quotient through float64 (correctly rounded either way; Triton's fp32 `/` is not)
+    beta = (1.0 / (1.0 + e).to(tl.float64)).to(tl.float32)
+    tl.store(beta_ptr + offs, beta.to(beta_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """`t` ``[..., heads]`` as rows ``[R, heads]`` with a unit column stride (a view where one exists)."""
+    t2d = t.reshape(-1, heads)
+    return t2d if t2d.stride(-1) == 1 else t2d.contiguous()
+
+
+def gated_delta_gates_triton(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
+                             dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton kernel (no autograd): `gated_delta_gates_reference`'s ``(g, beta)`` bitwise, for
+    bf16 / fp16 / fp32 `a` and `b` (row-strided views are read in place)."""
+    require_triton("gated_delta_gates")
+    heads = a.shape[-1]
+    a2d, b2d = _rows(a, heads), _rows(b, heads)
+    g = torch.empty(a2d.shape, device=a.device, dtype=torch.float32)
+    beta = torch.empty(b2d.shape, device=b.device, dtype=b.dtype)
+    n = g.numel()
+    if n:
+        _gates_kernel[(triton.cdiv(n, GATES_BLOCK),)](
+            a2d, b2d, a_log.contiguous(), dt_bias.contiguous(), g, beta, n, heads, a2d.stride(0), b2d.stride(0),
+            BLOCK=GATES_BLOCK, num_warps=4, enable_fp_fusion=False, **dependent_launch_kwargs(a.device))
+    return g.reshape(a.shape), beta.reshape(b.shape)
+
+
+def _forward(a, b, a_log, dt_bias):
+    if a.dtype != torch.float64 and b.dtype != torch.float64 and \
+            select("gated_delta_gates", a, dtypes=(torch.bfloat16, torch.float16, torch.float32)) != "reference":
+        return gated_delta_gates_triton(a, b, a_log, dt_bias)
+    return gated_delta_gates_reference(a, b, a_log, dt_bias)
+
+
 class _GatesFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, a_log, dt_bias):
-        g, beta = gated_delta_gates_reference(a, b, a_log, dt_bias)
+        g, beta = _forward(a, b, a_log, dt_bias)
         ctx.save_for_backward(a, b, a_log, dt_bias)
         return g, beta
 
@@ -96,4 +163,4 @@ def gated_delta_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
                          f"and A_log {tuple(a_log.shape)}, dt_bias {tuple(dt_bias.shape)} both [Hv]")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (a, b, a_log, dt_bias)):
         return _GatesFunction.apply(a, b, a_log, dt_bias)
-    return gated_delta_gates_reference(a, b, a_log, dt_bias)
+    return _forward(a, b, a_log, dt_bias)

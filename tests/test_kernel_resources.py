@@ -227,6 +227,29 @@ def test_hybrid_ops_compile_for_hopper_without_spills(monkeypatch):
         assert found.spill_bytes == 0, found
 
 
+def test_gated_delta_gates_compile_for_hopper_as_the_reference_computes(monkeypatch):
+    """The gates kernel's float64 exp / log (`exact_math_triton`) compiled for sm_90: no product is
+    contracted into an FMA (the reference rounds each), the polynomial coefficients are float64
+    constants, not fp32 ones widened (1/3 and log2(e) in full), the division is IEEE's; no spill."""
+    import struct
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from sm90_compile import compile_only, resources
+
+    from vexact_models.kernels.gated_delta_gates import gated_delta_gates_triton
+
+    bf = torch.bfloat16
+    with compile_only() as kernels:
+        projections = torch.zeros(64, 96).to(bf)
+        gated_delta_gates_triton(projections[:, :32], projections[:, 64:], torch.zeros(32), torch.zeros(32).to(bf))
+    (kernel,) = kernels
+    ptx = kernel.asm["ptx"]
+    assert "fma" not in ptx and "div.rn.f64" in ptx and "div.full" not in ptx
+    for value in (1 / 3, 1.4426950408889634):
+        assert "0d%016X" % struct.unpack("<Q", struct.pack("<d", value))[0] in ptx
+    assert resources(kernel).spill_bytes == 0
+
+
 def test_windowed_attention_with_sinks_compiles_for_hopper_as_the_plain_launch(monkeypatch):
     """Sliding windows and sinks (`kernels/attention_window.py`) at GPT-OSS's (64 / 8 heads, head
     dim 64), Mistral's (32 / 8, 128) and Gemma 3's (8 / 4, 256) shapes, compiled for sm_90 on the

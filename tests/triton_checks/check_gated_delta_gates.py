@@ -1,0 +1,70 @@
+"""The gated-DeltaNet gates' Triton kernel (`kernels.gated_delta_gates`, with `exact_math_triton`'s
+float64 exp and log) against the torch reference, bitwise: the kernel performs the reference's
+IEEE operations in its order, so the bits agree on CPU (interpreter) and GPU alike; see
+check_triton_kernels."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from check_triton_kernels import DEVICE, INTERPRET, rand  # noqa: E402
+
+from vexact_models.kernels.gated_delta_gates import gated_delta_gates_reference, gated_delta_gates_triton  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def bf16_rounded_to_nearest_even(monkeypatch):
+    """Under the interpreter, fp32 -> bf16 casts rounded to nearest even, as the GPU's
+    ``cvt.rn.bf16.f32`` and torch round them: triton 3.6's interpreter truncates (which the other
+    checks allow for: check_triton_kernels.test_interpreter_rounds_bf16_toward_zero_as_the_moe_check_assumes),
+    and beta is stored in bf16. Nothing changes on a GPU."""
+    if not INTERPRET:
+        return
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    cast = builder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            data = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16).view(torch.int16).numpy()
+            return interpreter.TensorHandle(data.view(np.uint16), dst_type.scalar)
+        return cast(self, src, dst_type)
+
+    monkeypatch.setattr(builder, "cast_impl", cast_impl)
+
+
+def hard_values(dtype: torch.dtype) -> torch.Tensor:
+    """``[600, 8]`` projections over every branch: tiny and huge magnitudes, softplus's threshold
+    (20) and both sides of it, exp's clamp (+-800 after the bias), exact zeros and integers."""
+    torch.manual_seed(0)
+    x = torch.randn(600, 8) * torch.logspace(-8, 2.5, 600)[:, None]
+    x[:8] = torch.tensor([0.0, -0.0, 20.0, -20.0, 19.99, 88.0, -104.0, 1.0])[:, None]
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gates_kernel_equals_the_reference_bitwise(dtype):
+    a, b = hard_values(dtype), hard_values(dtype).flip(0) * 3
+    a_log = torch.tensor([-9.0, -0.5, 0.0, 0.3, 1.7, 2.77, 4.0, 6.5])
+    dt_bias = torch.tensor([-3.0, 0.0, 0.25, 1.0, 5.0, -0.1, 2.0, 30.0]).to(dtype)
+    want_g, want_beta = gated_delta_gates_reference(a, b, a_log, dt_bias)
+    g, beta = gated_delta_gates_triton(a.to(DEVICE), b.to(DEVICE), a_log.to(DEVICE), dt_bias.to(DEVICE))
+    assert g.dtype == torch.float32 and beta.dtype == dtype
+    assert torch.equal(g.cpu(), want_g) and torch.equal(beta.cpu(), want_beta)
+
+
+def test_gates_kernel_reads_projection_views_in_place():
+    """a and b as column slices of one fused projection output (the rollout's GEMM group), and
+    with extra leading dimensions: the reference's bits, the input's shape."""
+    fused = (rand(3, 37, 40) * 6).bfloat16()
+    a, b = fused[..., 4:20], fused[..., 24:40]
+    a_log, dt_bias = rand(16), rand(16).bfloat16()
+    g, beta = gated_delta_gates_triton(a, b, a_log, dt_bias)
+    want_g, want_beta = gated_delta_gates_reference(a.cpu(), b.cpu(), a_log.cpu(), dt_bias.cpu())
+    assert g.shape == (3, 37, 16) and torch.equal(g.cpu(), want_g) and torch.equal(beta.cpu(), want_beta)
