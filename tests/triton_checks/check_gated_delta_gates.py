@@ -12,7 +12,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from check_triton_kernels import DEVICE, INTERPRET, rand  # noqa: E402
 
+from vexact_models.kernels import exact_math  # noqa: E402
+from vexact_models.kernels._triton import tl, triton  # noqa: E402
+from vexact_models.kernels.exact_math_triton import exp64, log64  # noqa: E402
 from vexact_models.kernels.gated_delta_gates import gated_delta_gates_reference, gated_delta_gates_triton  # noqa: E402
+
+
+@triton.jit
+def _exp_log_kernel(x_ptr, e_ptr, l_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=1.0)
+    tl.store(e_ptr + offs, exp64(x), mask=mask)
+    tl.store(l_ptr + offs, log64(x), mask=mask)
 
 
 @pytest.fixture(autouse=True)
@@ -37,6 +49,25 @@ def bf16_rounded_to_nearest_even(monkeypatch):
         return cast(self, src, dst_type)
 
     monkeypatch.setattr(builder, "cast_impl", cast_impl)
+
+
+def test_exp64_and_log64_are_exact_maths_bits():
+    """`exact_math_triton`'s exp and log over float64 values from 1e-300 to 1e300 of both signs,
+    exp's clamp and overflow, halfway cases of the rounding of ``x log2(e)``, zeros, infinities
+    and NaN: the bits of `exact_math.exp` / `exact_math.log` (log's subnormal inputs excluded)."""
+    torch.manual_seed(0)
+    mags = torch.logspace(-300, 300, 3001, dtype=torch.float64)
+    near = torch.tensor([0.5, 1.5, 2.5, -0.5, -2.5], dtype=torch.float64) / 1.4426950408889634  # n rounds half to even
+    special = torch.tensor([0.0, -0.0, 1.0, 2.0, 709.0, 710.0, 800.0, 801.0, -745.0, -800.0, -1e308, float("inf"),
+                            float("-inf"), float("nan")], dtype=torch.float64)
+    x = torch.cat([mags, -mags, torch.randn(4000, dtype=torch.float64) * 30, near, special])
+    xd = x.to(DEVICE)
+    e, lg = torch.empty_like(xd), torch.empty_like(xd)
+    _exp_log_kernel[(triton.cdiv(x.numel(), 1024),)](xd, e, lg, x.numel(), BLOCK=1024, enable_fp_fusion=False)
+    want_e, want_l = exact_math.exp(x), exact_math.log(x)
+    assert torch.equal(e.cpu().view(torch.int64)[~x.isnan()], want_e.view(torch.int64)[~x.isnan()])
+    assert torch.equal(lg.cpu().view(torch.int64)[~x.isnan()], want_l.view(torch.int64)[~x.isnan()])
+    assert e.cpu()[x.isnan()].isnan().all() and lg.cpu()[x.isnan()].isnan().all()
 
 
 def hard_values(dtype: torch.dtype) -> torch.Tensor:
