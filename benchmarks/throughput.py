@@ -60,7 +60,8 @@ requests, no roofline table; tests/test_benchmark_scripts.py).
 
 Usage: python benchmarks/throughput.py [--config qwen3-0.6b] [--requests 256] [--engines aligned,fast,hf]
        python benchmarks/throughput.py --config qwen3.5-35b-a3b --layers 20 --peer-config qwen3-30b-a3b:24 --engines \\
-           aligned,hf --hf-requests 64 --no-roofline
+           aligned --no-roofline --repeat 2
+       python benchmarks/throughput.py --config qwen3.5-35b-a3b --layers 20 --engines aligned,hf --hf-requests 8
        python benchmarks/throughput.py --config moonlight-16b-a3b --mla-kv-cache expanded,latent --engines aligned
 """
 
