@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from ._triton import tl, triton
 
+
 @triton.jit
 def _f64(value: tl.constexpr):
     """`value` as a float64 scalar (not through an fp32 constant)."""

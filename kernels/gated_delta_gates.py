@@ -17,8 +17,8 @@ On CUDA one Triton launch computes both (`gated_delta_gates_triton`), with `exac
 float64 ``exp`` and ``log``: the same operations in the same order as the torch reference, so its
 bits equal the reference's on every element (``tests/triton_checks/check_gated_delta_gates.py``).
 The reference's float64 polynomials as torch ops were ~160 element-wise launches per GDN layer:
-at a Qwen3.5-35B-A3B decode step of 256 sequences (20 layers) 2,415 launches and ~4 ms of its
-~20 (`benchmarks/decode_profile.py`, 2026-12-03, H200).
+2,415 launches of a Qwen3.5-35B-A3B decode step at 256 sequences (20 layers), whose median went
+from 17.43 to 12.85 ms with the kernel (docs/performance.md section 3, 2026-12-03, H200).
 
 The backward (rule 8: correct, no invariance) is the analytic formula in fp32 (fp64) by torch ops.
 """
@@ -85,7 +85,8 @@ def _gates_kernel(a_ptr, b_ptr, a_log_ptr, dt_ptr, g_ptr, beta_ptr, n, heads, st
     decay = exp64(tl.load(a_log_ptr + head, mask=mask, other=0.0).to(tl.float32)).to(tl.float32)
     tl.store(g_ptr + offs, -decay * soft, mask=mask)
     e = exp64(-b).to(tl.float32)  # exact_math.sigmoid in fp32: 1 / (1 + exp(-b))
-    # the fp32 quotient through float64 (correctly rounded either way; Triton's fp32 `/` is not)
+    # the correctly rounded fp32 quotient, as the CPU's: a float64 division rounded to fp32 is exact
+    # (double rounding cannot err for a quotient at 53 >= 2 * 24 + 2 bits); Triton's fp32 `/` approximates
     beta = (1.0 / (1.0 + e).to(tl.float64)).to(tl.float32)
     tl.store(beta_ptr + offs, beta.to(beta_ptr.dtype.element_ty), mask=mask)
 
