@@ -15,10 +15,11 @@ Activation checkpointing (``--checkpointing``) is enabled the same way on both s
 (``gradient_checkpointing_enable``): ``auto`` turns it on where the batch's activations would not
 fit otherwise (>= 16k tokens per sequence, or any model over 4B parameters). Each side then does
 what its model does: stock HF recomputes whole layers, ours keeps each layer's attention output
-and LSE and recomputes the rest (``kernels.attention_saving_context``; the table's "ckpt" reads
-"keep attn"); ``--full-recompute`` makes ours recompute whole layers too. Reported: median step
-time over ``--steps`` timed steps after one warm-up, tokens/s, peak memory, and the ratio
-vexact / HF (> 1: vexact is faster).
+and LSE (a gated DeltaNet layer's delta-rule outputs) and recomputes the rest
+(``kernels.checkpoint_saving_context``; the table's "ckpt" reads "keep attn");
+``--full-recompute`` makes ours recompute whole layers too. Reported: median step time over
+``--steps`` timed steps after one warm-up, tokens/s, peak memory, and the ratio vexact / HF (> 1:
+vexact is faster).
 
 The gated-DeltaNet hybrids (Qwen3.5, Qwen3.5-MoE, Qwen3-Next; docs/design.md section 6b) have
 one stock side per ``--stock-linear-attention`` path (default ``torch,fla``): transformers' torch

@@ -9,7 +9,7 @@ checks it); a name imported across files (benchmarks, GPU proofs) is public in i
 from .attention import PagedLayout, attention, packed_layout
 from .attention_forward_choice import forward_mode as attention_forward_mode
 from .attention_forward_choice import set_attention_forward, use_attention_forward
-from .attention_packed import attention_packed, attention_saving_context
+from .attention_packed import attention_packed
 from .backend import BACKENDS, UnsupportedError, current_backend, set_backend, use_backend
 from .causal_conv1d import causal_conv1d, conv_state_update
 from .dependent_launch import set_dependent_launch, use_dependent_launch
@@ -38,6 +38,7 @@ from .moe_routing import softmax_topk
 from .rms_norm import add_rms_norm, rms_norm
 from .rotary import apply_rotary, deinterleave, rope_table
 from .rotary_cache_write import rotary_cache_write
+from .saved_by_checkpointing import checkpoint_saving_context
 from .sampling import sample_tokens
 from .sigmoid_gate import sigmoid_gate
 from .silu_and_mul import silu_and_mul
@@ -46,7 +47,7 @@ from .token_logprobs import lm_head_logits, token_logprobs
 __all__ = [
     "BACKENDS", "GATED_DELTA_CHUNK", "GatedDeltaRollout",
     "KernelSwitch", "PagedLayout", "UnsupportedError", "add_rms_norm", "apply_rotary", "attention",
-    "attention_forward_mode", "attention_packed", "attention_saving_context", "causal_conv1d", "conv_state_update",
+    "attention_forward_mode", "attention_packed", "causal_conv1d", "checkpoint_saving_context", "conv_state_update",
     "current_backend", "deinterleave", "ExpertLora",
     "SwigluClamp", "fused_moe", "gelu_tanh_and_mul", "gated_delta_gates",
     "gated_delta_rule",

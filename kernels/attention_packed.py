@@ -4,10 +4,10 @@ that activation checkpointing keeps.
 The forward is `attention`'s kernel over a trivial block table (`packed_layout`), so training
 outputs are bitwise the prefill/decode ones (docs/design.md rule 2). It runs as the custom op
 ``torch.ops.vexact.attention_packed_forward`` so that torch's selective activation checkpointing
-can name it: `attention_saving_context` keeps its ``(out, lse)`` through a checkpointed layer and
-lets everything else be recomputed. Under full recompute the attention forward runs twice per
-step; at 8k-32k tokens per sequence it is a fifth to a half of the forward time while its output
-is no larger than the layer's input (docs/design.md rule 8). The backward is any correct kernel
+can name it: `saved_by_checkpointing.checkpoint_saving_context` keeps its ``(out, lse)``
+through a checkpointed layer and lets everything else be recomputed. Under full recompute the
+attention forward runs twice per step; at 8k-32k tokens per sequence it is a fifth to a half of
+the forward time while its output is no larger than the layer's input (docs/design.md rule 8). The backward is any correct kernel
 on that out/lse (rule 8, `attention_backward_choice.py`).
 """
 
@@ -48,20 +48,6 @@ if __name__ == "vexact_models.kernels.attention_packed":
     attention_packed_forward.register_fake(_attention_packed_forward_fake)
 else:
     from vexact_models.kernels.attention_packed import attention_packed_forward  # noqa: F401
-
-
-# Ops whose outputs `attention_saving_context` keeps through activation checkpointing.
-SAVED_BY_CHECKPOINTING = (torch.ops.vexact.attention_packed_forward.default,)
-
-
-def attention_saving_context():
-    """A ``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: each
-    `attention_packed` forward's ``(out, lse)`` is saved during the forward and handed back when
-    the backward recomputes the region, every other op is recomputed (torch's selective activation
-    checkpointing). Gradients are bitwise those of full recompute: the forward is deterministic."""
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
-    return create_selective_checkpoint_contexts(list(SAVED_BY_CHECKPOINTING))
 
 
 class _PackedAttentionFunction(torch.autograd.Function):

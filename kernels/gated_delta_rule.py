@@ -10,7 +10,10 @@ Invariance contract (docs/design.md section 6b): the forward is the recurrence i
 token, by `gated_delta_recurrent` (one program a value block of a head of a sequence, the state
 in registers, every step in a fixed order); the rollout runs the same kernel on each step's new
 tokens from the state it kept, so a token's output is bitwise the same in both whatever the
-split of the sequence into steps.
+split of the sequence into steps. The training forward runs as the dispatcher op
+``torch.ops.vexact.gated_delta_forward``, whose outputs activation checkpointing keeps
+(`saved_by_checkpointing`): a checkpointed layer's backward recomputes everything but the walk,
+which it does not need again (the backward reads q, k, v, g, beta, not the outputs).
 
 The l2 normalisation of q and k is inside the op (``use_qk_l2norm``, fla's
 ``use_qk_l2norm_in_kernel``; Qwen3.5 and Qwen3-Next turn it on).
@@ -155,12 +158,36 @@ def _autograd_forward(q, k, v, g, beta, initial_state, lengths: list[int], chunk
     return flat[torch.tensor(token, device=k.device)], state
 
 
+def _gated_delta_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                         initial_state: torch.Tensor | None, lengths: list[int], scale: float, l2norm: bool,
+                         want_final: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """`training_forward` as one dispatcher op, ``torch.ops.vexact.gated_delta_forward`` (no
+    autograd of its own), so that activation checkpointing can keep its outputs
+    (`saved_by_checkpointing`)."""
+    return training_forward(q, k, v, g, beta, initial_state, lengths, scale, l2norm, want_final, backend)
+
+
+def _gated_delta_forward_fake(q, k, v, g, beta, initial_state, lengths, scale, l2norm, want_final, backend):
+    out = q.new_empty((k.shape[0], v.shape[1], v.shape[2]))
+    if not want_final:
+        return out, q.new_empty((0,))  # as `training_forward`: an empty tensor of the outputs' dtype
+    return out, k.new_empty((len(lengths), v.shape[1], k.shape[2], v.shape[2]), dtype=state_dtype(k))
+
+
+# Registered once, under the package's name (`attention_packed` says why).
+if __name__ == "vexact_models.kernels.gated_delta_rule":
+    gated_delta_forward = torch.library.custom_op("vexact::gated_delta_forward", mutates_args=())(_gated_delta_forward)
+    gated_delta_forward.register_fake(_gated_delta_forward_fake)
+else:
+    from vexact_models.kernels.gated_delta_rule import gated_delta_forward  # noqa: F401
+
+
 class _GatedDeltaFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, lengths, chunk, scale, l2norm, want_final):
         ctx.backend = _backend(k)
-        out, final = training_forward(q, k, v, g, beta, initial_state, lengths, scale, l2norm, want_final,
-                                      ctx.backend)
+        out, final = torch.ops.vexact.gated_delta_forward(q, k, v, g, beta, initial_state, lengths, scale, l2norm,
+                                                          want_final, ctx.backend)
         ctx.save_for_backward(q, k, v, g, beta, initial_state)
         ctx.args = (lengths, chunk, scale, l2norm)
         ctx.want_final = want_final

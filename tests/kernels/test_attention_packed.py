@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint, noop_context_fn
 
-from vexact_models.kernels import attention, attention_packed, attention_saving_context, packed_layout
+from vexact_models.kernels import attention, attention_packed, checkpoint_saving_context, packed_layout
 
 from .test_attention import _packed
 
@@ -46,10 +46,10 @@ def _layer(q, k, v, cu):
     return (attention_packed(q * 1.5, k.sin(), v, cu, 17, 0.25) * 2).sum(-1).pow(2).sum()
 
 
-@pytest.mark.parametrize("context_fn, runs", [(attention_saving_context, 1), (noop_context_fn, 2)],
+@pytest.mark.parametrize("context_fn, runs", [(checkpoint_saving_context, 1), (noop_context_fn, 2)],
                          ids=["saving", "full recompute"])
 def test_saving_context_runs_the_forward_once(monkeypatch, context_fn, runs):
-    """Under `attention_saving_context` the op runs once per forward+backward, and under full
+    """Under `checkpoint_saving_context` the op runs once per forward+backward, and under full
     recompute twice; the gradients are bitwise those without checkpointing either way."""
     packed = importlib.import_module("vexact_models.kernels.attention_packed")  # the package's name is the op
     calls = []
@@ -65,12 +65,13 @@ def test_saving_context_runs_the_forward_once(monkeypatch, context_fn, runs):
 
 def test_importing_the_folder_again_leaves_the_op_with_the_package():
     """transformers' probe for a top-level ``kernels`` package can import kernels/ a second time
-    (repository root on sys.path); the op stays the package's, with the package's backend state."""
+    (repository root on sys.path); the ops (attention's and the gated delta rule's, which
+    checkpointing keeps) stay the package's, with the package's backend state."""
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import torch, vexact_models.kernels as pkg; "
             "import kernels; assert kernels is not pkg; "
             "from torch._library.custom_ops import OPDEFS; "
-            "fn = OPDEFS['vexact::attention_packed_forward']._init_fn; "
-            "print(fn.__module__)")
+            "print(*(OPDEFS[f'vexact::{op}']._init_fn.__module__ for op in "
+            "('attention_packed_forward', 'gated_delta_forward')))")
     done = subprocess.run([sys.executable, "-c", code, str(ROOT)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "vexact_models.kernels.attention_packed"
+    assert done.stdout.split() == ["vexact_models.kernels.attention_packed", "vexact_models.kernels.gated_delta_rule"]

@@ -2,13 +2,16 @@
 and (marked gpu) the Triton kernels at real shapes. The rollout's bits against training's are
 test_gated_delta_rollout.py."""
 
+import importlib
 import inspect
 from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint, noop_context_fn
 from transformers.models.qwen3_next import modeling_qwen3_next
 
+from vexact_models.kernels import checkpoint_saving_context
 from vexact_models.kernels.gated_delta_rule import gated_delta_rule
 
 from .gated_delta_support import QWEN35_HEADS, cu, make_inputs
@@ -144,6 +147,34 @@ def test_backward_gradcheck_and_dtypes():
     gated_delta_rule(*leaves, chunk_size=16)[0].float().square().sum().backward()
     assert [x.grad.dtype for x in leaves] == [torch.bfloat16] * 3 + [torch.float32, torch.bfloat16]
     assert all(torch.isfinite(x.grad).all() for x in leaves)
+
+
+def _checkpointed_region(q, k, v, g, beta, state, lengths):
+    """A checkpointed region around the rule: something recomputable on each side of it."""
+    out, final = gated_delta_rule(q * 1.5, k.sin(), v, g, beta, cu(lengths), initial_state=state,
+                                  output_final_state=True, chunk_size=16)
+    return (out * 2).pow(2).sum() + final.square().sum()
+
+
+@pytest.mark.parametrize("context_fn, runs", [(checkpoint_saving_context, 1), (noop_context_fn, 2)],
+                         ids=["saving", "full recompute"])
+def test_checkpointing_keeps_the_forward(monkeypatch, context_fn, runs):
+    """Under `checkpoint_saving_context` the rule's forward (its walk, the dispatcher op
+    ``vexact::gated_delta_forward``) runs once per forward + backward, under full recompute twice;
+    the gradients are bitwise those without checkpointing either way."""
+    rule = importlib.import_module("vexact_models.kernels.gated_delta_rule")  # the package's name is the op's
+    calls = []
+    forward = rule.training_forward
+    monkeypatch.setattr(rule, "training_forward", lambda *a, **kw: calls.append(1) or forward(*a, **kw))
+    lengths = [21, 9]
+    (q, k, v, g, beta), state = make_inputs(lengths, 1, 2, 16, 16, dtype=torch.float64)
+    leaves = [x.double().requires_grad_() for x in (q, k, v, g, beta, state)]
+    want = torch.autograd.grad(_checkpointed_region(*leaves, lengths), leaves)
+    calls.clear()
+    got = torch.autograd.grad(checkpoint(_checkpointed_region, *leaves, lengths, use_reentrant=False,
+                                         context_fn=context_fn), leaves)
+    assert len(calls) == runs
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 def test_errors_name_the_argument():
@@ -312,3 +343,17 @@ def test_fold_chunks_lists_every_chunk_of_the_training_plan():
     assert starts == [0, 4, 5, 9, 13, 14, 18, 22]
     assert n_rows == [4, 1, 4, 4, 1, 4, 4, 1]
     assert firsts == [0, 2, 4, 5, 5]
+
+
+@pytest.mark.parametrize("want_final", [False, True])
+def test_forward_op_fake_matches_the_op(want_final):
+    """The dispatcher op's fake (meta) outputs have the real outputs' shapes and dtypes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    lengths = [5, 3]
+    (q, k, v, g, beta), state = make_inputs(lengths, 1, 2, 16, 16, dtype=torch.bfloat16)
+    args = (lengths, 0.25, True, want_final, "reference")
+    real = torch.ops.vexact.gated_delta_forward(q, k, v, g, beta, state, *args)
+    with FakeTensorMode() as mode:
+        fake = torch.ops.vexact.gated_delta_forward(*(mode.from_tensor(x) for x in (q, k, v, g, beta, state)), *args)
+    assert [(x.shape, x.dtype) for x in fake] == [(x.shape, x.dtype) for x in real]

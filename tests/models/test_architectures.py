@@ -14,6 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from vexact_models.gated_deltanet import GatedDeltaNet
+
 from .model_support import (ARCHS, SHAPES, attention_layers, attention_output_name, rel, saved_name, shape_id,
                             stock_class, stock_model)
 
@@ -168,14 +170,17 @@ def test_gradient_checkpointing_gives_same_grads(pair):
 
 
 def test_activation_checkpointing_keeps_attention_outputs(pair, monkeypatch):
-    """Under activation checkpointing each layer's attention forward runs once per step (its out
-    and LSE are kept, the rest of the layer is recomputed), twice with the caller's full-recompute
-    ``context_fn``, and every gradient is bitwise the one without checkpointing."""
+    """Under activation checkpointing each layer's attention forward (and a gated DeltaNet layer's
+    delta-rule walk) runs once per step (their outputs are kept, the rest of the layer is
+    recomputed), twice with the caller's full-recompute ``context_fn``, and every gradient is
+    bitwise the one without checkpointing."""
     packed = importlib.import_module("vexact_models.kernels.attention_packed")  # the package's name is the op
+    rule = importlib.import_module("vexact_models.kernels.gated_delta_rule")
     _, _, ours = pair
     calls = []
-    reference = packed.attention_reference
+    reference, walk = packed.attention_reference, rule.training_forward
     monkeypatch.setattr(packed, "attention_reference", lambda *a, **k: calls.append(1) or reference(*a, **k))
+    monkeypatch.setattr(rule, "training_forward", lambda *a, **k: calls.append(1) or walk(*a, **k))
     ids = torch.randint(0, vocab(ours), (2, 9))
     params = [p for p in ours.parameters() if p.requires_grad]
 
@@ -196,7 +201,7 @@ def test_activation_checkpointing_keeps_attention_outputs(pair, monkeypatch):
             gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": torch.utils.checkpoint.noop_context_fn})
     finally:
         ours.eval()
-    layers = len(attention_layers(ours))  # the gated-DeltaNet layers of the hybrids have no attention
+    layers = len(attention_layers(ours)) + sum(isinstance(m, GatedDeltaNet) for m in ours.modules())
     assert (plain, once, twice) == (layers, layers, 2 * layers)
     for got in (kept, full):
         assert all(torch.equal(a, b) for a, b in zip(got, want))
