@@ -14,7 +14,7 @@ two separate ops do, instruction for instruction:
 2. ``g / (1 + exp(-g)) * u`` in fp32 by the PTX sequence Triton compiles `silu_and_mul` to on
    sm_90: ``sub.f32 0-g``, ``mul.f32`` by log2(e), ``ex2.approx.f32``, ``add.f32 1``,
    ``div.full.f32``, ``mul.f32`` by ``u`` (read from its PTX with `benchmarks/sm90_compile.py`;
-   `tests/test_kernel_resources.py` checks that Triton still emits it);
+   `tests/kernels/test_linear_silu_and_mul.py` checks that Triton still emits it);
 3. rounded once to bf16.
 
 The same instructions on the same inputs give the same bits, so the rollout may run this where
