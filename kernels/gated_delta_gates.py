@@ -32,6 +32,7 @@ from ._triton import require_triton, tl, triton
 from .backend import select
 from .dependent_launch import dependent_launch_kwargs, wait_for_inputs
 from .exact_math_triton import exp64, log64
+from .row_view import as_rows
 
 SOFTPLUS_THRESHOLD = 20.0  # torch.nn.functional.softplus's default: x itself above it
 
@@ -91,19 +92,13 @@ def _gates_kernel(a_ptr, b_ptr, a_log_ptr, dt_ptr, g_ptr, beta_ptr, n, heads, st
     tl.store(beta_ptr + offs, beta.to(beta_ptr.dtype.element_ty), mask=mask)
 
 
-def _rows(t: torch.Tensor, heads: int) -> torch.Tensor:
-    """`t` ``[..., heads]`` as rows ``[R, heads]`` with a unit column stride (a view where one exists)."""
-    t2d = t.reshape(-1, heads)
-    return t2d if t2d.stride(-1) == 1 else t2d.contiguous()
-
-
 def gated_delta_gates_triton(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
                              dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton kernel (no autograd): `gated_delta_gates_reference`'s ``(g, beta)`` bitwise, for
     bf16 / fp16 / fp32 `a` and `b` (row-strided views are read in place)."""
     require_triton("gated_delta_gates")
     heads = a.shape[-1]
-    a2d, b2d = _rows(a, heads), _rows(b, heads)
+    a2d, b2d = as_rows(a), as_rows(b)
     g = torch.empty(a2d.shape, device=a.device, dtype=torch.float32)
     beta = torch.empty(b2d.shape, device=b.device, dtype=b.dtype)
     n = g.numel()

@@ -21,6 +21,7 @@ from . import exact_math
 from ._triton import require_triton, tl, triton
 from .backend import select
 from .rms_norm import load_rows, norm_tile, normalize_rows, rms_norm_backward_triton, rms_norm_reference
+from .row_view import as_rows
 
 
 @triton.jit
@@ -103,11 +104,6 @@ class _GatedRMSNormFunction(torch.autograd.Function):
         return grad_x, grad_z, grad_w, None
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    t2d = t.reshape(-1, t.shape[-1])
-    return t2d if t2d.stride(-1) == 1 else t2d.contiguous()
-
-
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * rms_norm(x) * silu(gate)`` over the last dim (HF's RMSNormGated).
 
@@ -120,7 +116,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
                          f"{x.dtype}")
     if gate.shape != x.shape or gate.dtype != x.dtype:
         raise ValueError(f"gated_rms_norm: gate {tuple(gate.shape)} {gate.dtype} must match x {tuple(x.shape)} {x.dtype}")
-    x2d, z2d = _rows(x), _rows(gate)
+    x2d, z2d = as_rows(x), as_rows(gate)
     if torch.is_grad_enabled() and (x.requires_grad or gate.requires_grad or weight.requires_grad):
         out = _GatedRMSNormFunction.apply(x2d, z2d, weight, eps)
     else:

@@ -23,6 +23,7 @@ from . import exact_math
 from ._triton import launch_warps, next_power_of_2, num_sms, require_triton, tl, triton
 from .backend import select
 from .dependent_launch import dependent_launch_kwargs, wait_for_inputs
+from .row_view import as_rows
 
 
 def norm_tile(n: int) -> tuple[int, int, int]:
@@ -293,11 +294,6 @@ class _AddRMSNormFunction(torch.autograd.Function):
         return grad_s.to(ctx.dtypes[0]), grad_s.to(ctx.dtypes[1]), grad_w, None, None
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    x2d = x.reshape(-1, x.shape[-1])
-    return x2d if x2d.stride(-1) == 1 else x2d.contiguous()
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool = False) -> torch.Tensor:
     """RMS-normalize the last dimension of `x` and scale by `weight` (``[x.shape[-1]]``), or by
     ``1 + weight`` with `zero_centred` (Qwen3-Next's and Qwen3.5's norms; the module docstring).
@@ -307,11 +303,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bo
     if weight.shape != (x.shape[-1],):
         raise ValueError(f"rms_norm: weight shape {tuple(weight.shape)} must be ({x.shape[-1]},)")
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        out = _RMSNormFunction.apply(_rows(x), weight, eps, zero_centred)
+        out = _RMSNormFunction.apply(as_rows(x), weight, eps, zero_centred)
     elif x.dim() == 3 and x.stride(-1) == 1 and select("rms_norm", x, fast=True) == "triton":
         out = rms_norm_triton(x, weight, eps, zero_centred=zero_centred)[0]  # per-head rows of a strided view
     else:
-        out = _rms_norm_forward(_rows(x), weight, eps, zero_centred=zero_centred)[0]
+        out = _rms_norm_forward(as_rows(x), weight, eps, zero_centred=zero_centred)[0]
     return out.reshape(x.shape)
 
 
@@ -329,7 +325,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     if residual.shape != x.shape or residual.dtype != x.dtype:
         raise ValueError(f"add_rms_norm: residual {tuple(residual.shape)} {residual.dtype} must match x "
                          f"{tuple(x.shape)} {x.dtype}")
-    x2d, res2d = _rows(x), _rows(residual)
+    x2d, res2d = as_rows(x), as_rows(residual)
     if torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad or weight.requires_grad):
         normed, summed = _AddRMSNormFunction.apply(x2d, res2d, weight, eps, zero_centred)
     else:

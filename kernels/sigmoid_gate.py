@@ -24,6 +24,7 @@ import torch
 from . import exact_math
 from ._triton import require_triton, tl, triton
 from .backend import select
+from .row_view import as_rows
 
 GATE_BLOCK = 1024  # columns per program
 
@@ -41,11 +42,6 @@ def _sigmoid_gate_kernel(x_ptr, g_ptr, out_ptr, N, GD, stride_x, stride_gt, stri
     tl.store(out_ptr + row * stride_out + cols, (x.to(tl.float32) * s).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _unit_rows(t: torch.Tensor, n: int) -> torch.Tensor:
-    t2d = t.reshape(-1, n)
-    return t2d if t2d.stride(-1) == 1 else t2d.contiguous()
-
-
 def rows_and_gate(x: torch.Tensor, gate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
     """``(x2d, gate, GD, gate row stride, gate head stride)``: `x` as rows ``[R, N]`` with unit
     column stride and how the kernel addresses `gate` for them. A 3-D ``[tokens, heads, head_dim]``
@@ -53,11 +49,11 @@ def rows_and_gate(x: torch.Tensor, gate: torch.Tensor) -> tuple[torch.Tensor, to
     rows are tokens); a ``[..., 1]`` gate is one value a row; otherwise the gate as rows too."""
     if gate.shape != x.shape:  # the broadcast gate, checked by `sigmoid_gate`
         g = gate.reshape(-1, 1)
-        return _unit_rows(x, x.shape[-1]), g, 1, g.stride(0), 0
+        return as_rows(x), g, 1, g.stride(0), 0
     if x.dim() == 3 and gate.stride(-1) == 1:
-        return _unit_rows(x, x.shape[1] * x.shape[2]), gate, gate.shape[-1], gate.stride(0), gate.stride(1)
-    g = _unit_rows(gate, x.shape[-1])
-    return _unit_rows(x, x.shape[-1]), g, x.shape[-1], g.stride(0), 0
+        return as_rows(x, x.shape[1] * x.shape[2]), gate, gate.shape[-1], gate.stride(0), gate.stride(1)
+    g = as_rows(gate, x.shape[-1])
+    return as_rows(x), g, x.shape[-1], g.stride(0), 0
 
 
 def sigmoid_gate_triton(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
