@@ -10,7 +10,7 @@ for FA4 and for our kernel (the control, which must show 0):
   prefill through a paged cache (page 16, pages shuffled) and with decode, one query per
   sequence per call over the paged cache. FA4 runs with ``num_splits=1`` (split-KV would change
   the reduction order by construction);
-- speed: causal packed attention forward and backward at the `kernels.py` training shapes (16 and
+- speed: causal packed attention forward and backward at the `kernel_peers.py` training shapes (16 and
   32 query heads over 8 KV heads, 16 x 1k, 4 x 4k, 8k, 32k tokens), FA4 beside ours and torch SDPA
   flash, and paged decode (page 16) beside ours.
 

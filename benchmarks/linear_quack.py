@@ -11,7 +11,7 @@ no split-K, no autotuning, which would pick configs by M; `kernels.linear_quack`
   wherever it is faster, on both paths;
 - speed: CUDA-graph time (weights from HBM, `bench_graph`) at the decode row counts and at
   training row counts, beside our `linear` and cuBLAS (``torch.matmul``), on each model's fused
-  decode weights (`kernels.py`'s sweep shapes). LM heads write fp32 logits as the engine's do
+  decode weights (`kernel_peers.py`'s sweep shapes). LM heads write fp32 logits as the engine's do
   (cuBLAS's column writes bf16 there: a lower bound for it).
 
 quack is not a dependency: the script reports what it cannot import. Usage (CUDA, Hopper only):

@@ -3,7 +3,7 @@
 Why: speed. The backward needs no invariance (docs/design.md rule 8), only correctness, so it
 may be any correct kernel; the forward stays ours (rule 2). On the H200 cuDNN's backward runs
 packed causal attention at D = 128 in 0.58-0.69x the time of torch's FlashAttention-2 backward
-(`attention_backward_flash.py`), which is what SDPA's flash backend runs (`benchmarks/kernels.py
+(`attention_backward_flash.py`), which is what SDPA's flash backend runs (`benchmarks/kernel_peers.py
 --only attention`, H200, 2026-11-24). It is also what stock HF's sdpa attention runs in training on Hopper.
 
 How it is called: through the cuDNN frontend's graph API (the optional ``nvidia-cudnn-frontend``

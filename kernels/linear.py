@@ -43,7 +43,7 @@ class LinearConfig:
 def pick_config(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dtype | None = None) -> LinearConfig:
     """Tile shape for an (m, n, k) problem; depends on shapes and dtypes only.
 
-    Chosen from `benchmarks/kernels.py --sweep-linear` (H100 for large M; H200, CUDA graphs,
+    Chosen from `benchmarks/kernel_peers.py --sweep-linear` (H100 for large M; H200, CUDA graphs,
     weights from HBM, for the decode shapes of every bundled model: docs/performance.md). Every
     config gives bitwise the same rows (conformance/kernel_invariance.py, "linear configs").
     """
@@ -82,7 +82,7 @@ def pick_config(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dty
 def _partial_row_tile_config(m: int, n: int, k: int) -> LinearConfig | None:
     """Pointer loads where a 129-255-row decode batch leaves its last 64-row tile part empty: with
     TMA descriptors those launches took up to 1.3x longer (Qwen3-8B at 160 and 224 rows: down
-    68-80 -> 60-65 us, o 22-26 -> 22, gate/up 125 -> 96 at 160; `benchmarks/kernels.py
+    68-80 -> 60-65 us, o 22-26 -> 22, gate/up 125 -> 96 at 160; `benchmarks/kernel_peers.py
     --sweep-linear --sweep-m 160,224`, H200, 2026-11-25). None: the usual
     choice (short-K weights, not measured or faster with TMA; wide weights at 193-255 rows, faster
     with their persistent tiles)."""
@@ -196,7 +196,7 @@ def linear_triton(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
                   out_dtype: torch.dtype, config: LinearConfig | None = None) -> torch.Tensor:
     """The Triton GEMM ``x2d @ weight.T (+ bias)`` in `out_dtype`, forward only, with `config`
     (default `pick_config`'s). Public for the GPU proofs and benchmarks that run every tile
-    config against each other (conformance/kernel_invariance.py, benchmarks/kernels.py); models
+    config against each other (conformance/kernel_invariance.py, benchmarks/kernel_peers.py); models
     call `linear`."""
     require_triton("linear")
     m, k = x2d.shape

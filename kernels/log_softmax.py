@@ -29,7 +29,7 @@ from .backend import select
 from .dependent_launch import dependent_launch_kwargs, wait_for_inputs
 from .row_sum import row_sum_halves, row_sum_levels
 
-# From a sweep on the H200 (`benchmarks/kernels.py --sweep-log-softmax`, 2026-11-27): lanes of 512-2048, chunks
+# From a sweep on the H200 (`benchmarks/kernel_peers.py --sweep-log-softmax`, 2026-11-27): lanes of 512-2048, chunks
 # of 16,384 or 32,768 columns, 4 or 8 warps, one chunk or a whole row per program. Per chunk one
 # program of 4 warps is the fastest up to 1,024 rows (a decode step's 128 rows: 53 -> 28 us);
 # at 4,096 rows (training) it is 13% slower than one program per row.
@@ -139,7 +139,7 @@ def _launch(logits, temps, targets, write_row):
         n_chunks = max(triton.cdiv(vocab, CHUNK_COLUMNS), 1)  # (an empty row: one chunk of nothing, lse -inf)
         m_chunk = torch.empty(rows, n_chunks, device=logits.device, dtype=torch.float32)
         s_chunk = torch.empty_like(m_chunk)
-        chunk_blocks = CHUNK_COLUMNS // BLOCK_V  # (read at launch: benchmarks/kernels.py sweeps both)
+        chunk_blocks = CHUNK_COLUMNS // BLOCK_V  # (read at launch: benchmarks/kernel_peers.py sweeps both)
         _lse_partial_kernel[(rows, n_chunks)](
             logits, temps, m_chunk, s_chunk, vocab, logits.stride(0), n_chunks, BLOCK_V=BLOCK_V,
             CHUNK_BLOCKS=chunk_blocks, LEVELS=row_sum_levels(BLOCK_V), num_warps=_NUM_WARPS,

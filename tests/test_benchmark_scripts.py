@@ -13,7 +13,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 INVESTIGATIONS = BENCHMARKS / "investigations"
 
 
-@pytest.mark.parametrize("script", ["kernels.py", "moe.py", "throughput.py", "decode_profile.py", "training.py",
+@pytest.mark.parametrize("script", ["kernel_peers.py", "moe.py", "throughput.py", "decode_profile.py", "training.py",
                                     "attention_configs.py", "attention_fa4.py", "sampler.py",
                                     "investigations/attention_order.py", "shared_experts.py", "latent_prefill.py",
                                     "attention_prefill.py", "moe_routing.py", "investigations/head_linear.py",

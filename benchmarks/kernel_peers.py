@@ -15,9 +15,9 @@ frontend) and FlashAttention-4's ("bwd fa4", n/a without flash-attn-4 or off Hop
 runs the first of cudnn, fa4, flash, triton that applies
 (``VEXACT_ATTENTION_BACKWARD``, default auto; kernels/attention_backward_choice.py).
 
-Usage: python benchmarks/kernels.py [--only linear|attention|rows] [--quick]
-       python benchmarks/kernels.py --sweep-linear [--sweep-shapes dsv3] [--sweep-m 16,256]
-       python benchmarks/kernels.py --sweep-log-softmax
+Usage: python benchmarks/kernel_peers.py [--only linear|attention|rows] [--quick]
+       python benchmarks/kernel_peers.py --sweep-linear [--sweep-shapes dsv3] [--sweep-m 16,256]
+       python benchmarks/kernel_peers.py --sweep-log-softmax
 """
 
 from __future__ import annotations
@@ -332,7 +332,7 @@ def main(argv=None) -> int:
     if sweep_ms and min(sweep_ms) < 1:
         parser.error(f"--sweep-m {args.sweep_m!r}: row counts must be >= 1")
     if not torch.cuda.is_available():
-        print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
+        print("benchmarks/kernel_peers.py needs a CUDA GPU", file=sys.stderr)
         return 2
     torch.manual_seed(0)
     hbm = copy_bandwidth()
