@@ -80,7 +80,7 @@ def stock_module(arch):
 def bound_delta_rule(arch) -> str:
     """The qualified name of the function stock's ``torch_chunk_gated_delta_rule`` of `arch` runs
     now: fla's kernel where transformers bound it at import, else transformers' torch path."""
-    fn = stock_module(arch).torch_chunk_gated_delta_rule
+    fn = _function_of(stock_module(arch).torch_chunk_gated_delta_rule)
     layer = fn
     while layer is not None:  # transformers' fallback wrapper keeps its choice in its closure
         try:
@@ -92,6 +92,15 @@ def bound_delta_rule(arch) -> str:
         layer = getattr(layer, "__wrapped__", None)
     base = inspect.unwrap(fn)
     return f"{base.__module__}.{base.__qualname__}"
+
+
+def _function_of(fn):
+    """`fn`, or the function it wraps where it is the ``kernels`` distribution's function module
+    (transformers >= 5.25 binds the hub-kernel functions as ``nn.Module`` s whose forward calls
+    the function it closes over, ``func``)."""
+    if isinstance(fn, torch.nn.Module):
+        return inspect.getclosurevars(type(fn).forward).nonlocals.get("func", fn)
+    return fn
 
 
 @contextlib.contextmanager
