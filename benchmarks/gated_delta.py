@@ -94,8 +94,9 @@ def training_rows(tokens: list[int], seqs: int, backward: bool) -> list[list]:
         runs = {"ours (recurrent)": ours("triton")}
         if backward:
             runs["ours, autograd backward"] = ours("autograd")
+        # transformers before 5.24 repeats the q/k heads in the layer, not in the function: so do we
         runs["transformers torch chunk"] = lambda q, k, v, g, beta: torch_chunk(
-            *map(batched, (q, k, v, g, beta)), use_qk_l2norm_in_kernel=True)[0]
+            *map(batched, (*_value_heads(q, k, v), v, g, beta)), use_qk_l2norm_in_kernel=True)[0]
         if fla_chunk is not None:
             cu_t = torch.tensor(cu, device="cuda", dtype=torch.long)
             runs["fla chunk"] = lambda q, k, v, g, beta: fla_chunk(q[None], k[None], v[None], g[None], beta[None],
@@ -217,6 +218,12 @@ def walk_launch_rows(launches: list[tuple[int, int]], tokens: list[int], batches
         cells.append("yes" if all(torch.equal(a, b) for a, b in zip(outputs, first)) else "NO")
         rows.append(cells)
     return rows
+
+
+def _value_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k (``[T, Hk, D]``) with each head repeated to v's head count, as the stock layer does."""
+    repeat = v.shape[1] // k.shape[1]
+    return q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1)
 
 
 def profile_rows(tokens: list[int], seqs: int, device: str = "cuda") -> list[list]:

@@ -177,3 +177,32 @@ def test_gate_up_silu_refuses_swapped_configs_and_its_peer_is_the_mlp(monkeypatc
 
     x, w = torch.randn(5, 32), torch.randn(48, 32) / 32 ** 0.5
     torch.testing.assert_close(gate_up_silu.hf_ops(x, w), linear_silu_and_mul(x, w))
+
+
+def test_gated_delta_torch_peer_repeats_heads_as_the_stock_layer_does(monkeypatch):
+    """benchmarks/gated_delta.py hands transformers' torch chunk path q/k repeated to the value
+    heads (transformers < 5.24 repeats them in the layer, not in the function): the output equals
+    the function's own grouped-head result where it repeats them itself, and differs from q/k
+    heads repeated in the wrong order, so the peer times the layer's arithmetic."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import gated_delta
+
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(70, 2, 16, generator=gen), torch.randn(70, 2, 16, generator=gen)  # 2 q/k heads
+    v, g, beta = torch.randn(70, 4, 16, generator=gen), -torch.rand(70, 4, generator=gen), torch.rand(70, 4, generator=gen)
+    torch_chunk = gated_delta._stock()[0]
+    repeated_q, repeated_k = gated_delta._value_heads(q, k, v)
+    assert repeated_q.shape == (70, 4, 16) and torch.equal(repeated_q[:, 1], q[:, 0])
+    got = torch_chunk(*(x[None] for x in (repeated_q, repeated_k, v, g, beta)), use_qk_l2norm_in_kernel=True)[0]
+    wrong = torch_chunk(*(x[None] for x in (q.repeat(1, 2, 1), k.repeat(1, 2, 1), v, g, beta)),
+                        use_qk_l2norm_in_kernel=True)[0]
+    assert not torch.allclose(got, wrong)
+    if _repeats_in_the_function(torch_chunk):
+        want = torch_chunk(*(x[None] for x in (q, k, v, g, beta)), use_qk_l2norm_in_kernel=True)[0]
+        assert torch.equal(got, want)
+
+
+def _repeats_in_the_function(function) -> bool:
+    import inspect
+
+    return "repeat_interleave" in inspect.getsource(function)
