@@ -50,6 +50,14 @@ def use_gated_delta_backward(mode: str | None) -> AbstractContextManager[None]:
     return _switch.use(mode)
 
 
+def dot_precision(*inputs: torch.Tensor) -> str:
+    """The Triton backward's product precision for these inputs: ``"tf32"`` (one tensor-core product
+    a dot, 10 mantissa bits an operand) where every one is 16-bit, so that its gradient is rounded
+    to 8 or 11 bits anyway; ``"tf32x3"`` (three products, near fp32) where any is fp32. Rule 8 asks
+    a backward to be correct only, not invariant."""
+    return "tf32" if all(x.element_size() == 2 for x in inputs) else "tf32x3"
+
+
 def _row_grads(t: int, shapes: Shapes, device) -> list[torch.Tensor]:
     """fp32 dq, dk ``[T, Hv, dk]`` (per value head), dv ``[T, Hv, dv]``, dg, dbeta ``[T, Hv]``."""
     dims = (shapes.dk, shapes.dk, shapes.dv)
@@ -67,6 +75,7 @@ class _Launch:
     sizes: dict
     keys: dict
     staged: dict
+    dot: str  # the products' input precision (`dot_precision`)
 
     def per_chunk(self, *shape: int) -> torch.Tensor:
         return torch.empty(self.n_chunks, self.hv, *shape, dtype=torch.float32, device=self.rows[0].device)
@@ -80,11 +89,11 @@ def _state_grads(q, k, g, d_out, dstates, kept: FoldChunks, seqs, scale: float, 
     query_prep_kernel[(at.n_chunks, at.hv)](
         q, k, g, d_out, kept.w, p, pd, x, *at.rows[:2], q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         g.stride(0), d_out.stride(0), d_out.stride(1), scale, BV=min(CHUNK_GRAD_BV, dv), **at.sizes, **at.keys,
-        **at.staged)
+        DOT=at.dot, **at.staged)
     bv = min(STATE_GRAD_BV, dv)
     state_grad_kernel[(len(seqs[0]), at.hv, dv // bv)](
         x, kept.w, kept.kd, kept.total_decay, dstates, *(device_ints(a, k.device) for a in seqs), dstates.stride(0),
-        dstates.stride(1), BV=bv, **at.sizes, num_warps=at.staged["num_warps"], num_stages=STATE_GRAD_STAGES)
+        dstates.stride(1), BV=bv, **at.sizes, DOT=at.dot, num_warps=at.staged["num_warps"], num_stages=STATE_GRAD_STAGES)
     return p, pd
 
 
@@ -102,28 +111,30 @@ def _chunk_grads(q, k, v, g, beta, d_out, states, dstates, kept: FoldChunks, p, 
     value_grad_kernel[(at.n_chunks, at.hv)](
         v, beta, d_out, states, dstates, kept.t, kept.w, kept.kd, kept.u, pd, v_new, d_new, d_p, d_tmat,
         d_state_decay, dv, db, *at.rows, v.stride(0), v.stride(1), beta.stride(0), d_out.stride(0), d_out.stride(1),
-        states.stride(0), states.stride(1), dv.stride(0), dv.stride(1), db.stride(0), BV=bv, **at.sizes, **at.staged)
+        states.stride(0), states.stride(1), dv.stride(0), dv.stride(1), db.stride(0), BV=bv, **at.sizes, DOT=at.dot,
+        **at.staged)
     del pd
     d_q_decayed, d_tail, d_w = (at.per_chunk(chunk, dkh) for _ in range(3))
     key_sums_kernel[(at.n_chunks, at.hv)](
         d_out, states, dstates, v_new, d_new, d_q_decayed, d_tail, d_w, *at.rows, d_out.stride(0), d_out.stride(1),
-        states.stride(0), states.stride(1), BV=bv, **at.sizes, **at.staged)
+        states.stride(0), states.stride(1), BV=bv, **at.sizes, DOT=at.dot, **at.staged)
     del v_new, d_new
     m_l, m_p = at.per_chunk(chunk, chunk), at.per_chunk(chunk, chunk)
     d_k_beta, d_cum = at.per_chunk(chunk, dkh), at.per_chunk(chunk)
     parts = key_parts(dkh)
     pair_grad_kernel[(at.n_chunks, at.hv)](
         k, g, beta, kept.t, p, d_p, d_tmat, d_w, m_l, m_p, d_cum, *at.rows[:2], k.stride(0), k.stride(1),
-        g.stride(0), beta.stride(0), C=chunk, DK=dkh, KEY_PARTS=parts, **at.keys, **at.staged)
+        g.stride(0), beta.stride(0), C=chunk, DK=dkh, KEY_PARTS=parts, **at.keys, DOT=at.dot, **at.staged)
     del p, d_p, d_tmat
     key_beta_grad_kernel[(at.n_chunks, at.hv)](
         k, g, beta, kept.t, d_w, m_l, d_k_beta, d_cum, db, *at.rows[:2], k.stride(0), k.stride(1), g.stride(0),
-        beta.stride(0), db.stride(0), C=chunk, DK=dkh, KEY_PARTS=parts, **at.keys, **at.staged)
+        beta.stride(0), db.stride(0), C=chunk, DK=dkh, KEY_PARTS=parts, **at.keys, DOT=at.dot,
+        **at.staged)
     del d_w
     key_grad_kernel[(at.n_chunks, at.hv)](
         q, k, g, beta, m_l, m_p, d_k_beta, d_cum, d_state_decay, d_q_decayed, d_tail, dq, dk, dg, *at.rows[:2],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), beta.stride(0), dq.stride(0), dq.stride(1),
-        dg.stride(0), scale, C=chunk, DK=dkh, **at.keys, **at.staged)
+        dg.stride(0), scale, C=chunk, DK=dkh, **at.keys, DOT=at.dot, **at.staged)
 
 
 def _backward_triton(q, k, v, g, beta, d_out, states, dstates, rows: RowsPlan, seqs, shapes: Shapes, chunk: int,
@@ -140,7 +151,8 @@ def _backward_triton(q, k, v, g, beta, d_out, states, dstates, rows: RowsPlan, s
                  dict(C=chunk, DK=shapes.dk, DV=shapes.dv),
                  dict(GROUP=shapes.hv // shapes.hk, LOG_C=chunk.bit_length() - 1, LOG_DK=shapes.dk.bit_length() - 1,
                       L2NORM=l2norm),
-                 dict(num_warps=launch_warps(shapes, WARPS), num_stages=CHUNK_GRAD_STAGES))
+                 dict(num_warps=launch_warps(shapes, WARPS), num_stages=CHUNK_GRAD_STAGES),
+                 dot_precision(q, k, v, d_out))
     # P and P^T dO pass straight on, so that `_chunk_grads` holds their only references and frees them
     _chunk_grads(q, k, v, g, beta, d_out, states, dstates, kept, *_state_grads(q, k, g, d_out, dstates, kept, seqs,
                                                                               scale, at), grads, scale, at)

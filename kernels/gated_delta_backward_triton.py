@@ -28,8 +28,9 @@ wgmma, and each launch spills 0.1-3.9 KB a thread against the 35 KB of one kerne
 everything (docs/design.md section 6b). The per-chunk tensors between launches are fp32 in
 memory. No atomics: every output element is written by one program, every sum has one order
 fixed by the code (a ``tl.sum`` over a tile, the value blocks one after another, the chunks in
-reverse), so the same inputs give the same bits run to run. The dots run in ``tf32x3`` on fp32
-operands, as the fold's.
+reverse), so the same inputs give the same bits run to run. The dots run in each launch's
+``DOT`` precision (`gated_delta_backward.dot_precision`): ``tf32`` where the inputs are 16-bit,
+``tf32x3`` (as the fold's) where any is fp32.
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ STATE_GRAD_STAGES = 2
 
 
 @triton.jit
-def _dot(a, b):
-    return tl.dot(a, b, input_precision="tf32x3")
+def _dot(a, b, DOT: tl.constexpr):
+    return tl.dot(a, b, input_precision=DOT)
 
 
 @triton.jit
@@ -87,28 +88,28 @@ def _keys_query(q_ptr, k_ptr, g_ptr, start, n, h, hk, stride_qt, stride_qh, stri
 def query_prep_kernel(q_ptr, k_ptr, g_ptr, do_ptr, w_ptr, p_ptr, pd_ptr, x_ptr, kv_start_ptr, n_rows_ptr,
                       stride_qt, stride_qh, stride_kt, stride_kh, stride_gt, stride_dot, stride_doh, scale,
                       GROUP: tl.constexpr, C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-                      LOG_C: tl.constexpr, LOG_DK: tl.constexpr, L2NORM: tl.constexpr):
+                      LOG_C: tl.constexpr, LOG_DK: tl.constexpr, L2NORM: tl.constexpr, DOT: tl.constexpr):
     """Chunk `j`, head `h`: ``P`` ``[C, C]``, ``P^T dO`` ``[C, DV]`` and ``X`` ``[DK, DV]``."""
     j, h, heads, start, n = _chunk_program(kv_start_ptr, n_rows_ptr)
     rows = tl.arange(0, C)
     k, cum, decay, q = _keys_query(q_ptr, k_ptr, g_ptr, start, n, h, h // GROUP, stride_qt, stride_qh, stride_kt,
                                    stride_kh, stride_gt, scale, C, DK, LOG_C, LOG_DK, L2NORM)
-    p = tl.where(rows[None, :] <= rows[:, None], _dot(q, tl.trans(k)) * decay, 0.0)
+    p = tl.where(rows[None, :] <= rows[:, None], _dot(q, tl.trans(k), DOT) * decay, 0.0)
     tl.store(_tile_ptrs(p_ptr, j, h, heads, 0, C, C, C), p)
     q_decayed = q * tl.exp(cum)[:, None]
     w = tl.load(_tile_ptrs(w_ptr, j, h, heads, 0, C, DK, DK))
     for vb in range(DV // BV):
         d_out = load_rows(do_ptr + vb * BV, start, 0, n, h, stride_dot, stride_doh, BV, C)
-        pd = _dot(tl.trans(p), d_out)
+        pd = _dot(tl.trans(p), d_out, DOT)
         tl.store(_tile_ptrs(pd_ptr, j, h, heads, vb * BV, C, BV, DV), pd)
-        x = _dot(tl.trans(q_decayed), d_out) - _dot(tl.trans(w), pd)
+        x = _dot(tl.trans(q_decayed), d_out, DOT) - _dot(tl.trans(w), pd, DOT)
         tl.store(_tile_ptrs(x_ptr, j, h, heads, vb * BV, DK, BV, DV), x)
 
 
 @triton.jit
 def state_grad_kernel(x_ptr, w_ptr, kd_ptr, decay_ptr, dstate_ptr, first_ptr, length_ptr, base_ptr,
                       stride_s, stride_sh,
-                      C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
+                      C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr):
     """One sequence (``length`` rows, its chunks at ``first ..`` of the per-chunk tensors), one head,
     one value block: from the gradient of its final state at ``dstate[base + chunks]``, the
     gradient of the state at the start of chunk ``c`` goes to ``dstate[base + c]``, ``c = chunks -
@@ -128,7 +129,7 @@ def state_grad_kernel(x_ptr, w_ptr, kd_ptr, decay_ptr, dstate_ptr, first_ptr, le
         kd = tl.load(_tile_ptrs(kd_ptr, j, h, heads, 0, C, DK, DK))
         x = tl.load(_tile_ptrs(x_ptr, j, h, heads, vb * BV, DK, BV, DV))
         total_decay = tl.load(decay_ptr + j.to(tl.int64) * heads + h)
-        ds = x + ds * total_decay - _dot(tl.trans(w), _dot(kd, ds))
+        ds = x + ds * total_decay - _dot(tl.trans(w), _dot(kd, ds, DOT), DOT)
         store_state(dstate_ptr, base + c, h, vb, ds, stride_s, stride_sh, DK, DV, BV)
 
 
@@ -137,7 +138,7 @@ def value_grad_kernel(v_ptr, b_ptr, do_ptr, state_ptr, dstate_ptr, t_ptr, w_ptr,
                       vnew_ptr, dnew_ptr, dp_ptr, dt_ptr, dsd_ptr, dv_ptr, db_ptr, kv_start_ptr, n_rows_ptr,
                       state_index_ptr, stride_vt, stride_vh, stride_bt, stride_dot, stride_doh, stride_s, stride_sh,
                       stride_dvt, stride_dvh, stride_dbt,
-                      C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
+                      C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr):
     """Chunk `j`, head `h`, from its boundary state ``state[index]`` and the next one's gradient
     ``dstate[index + 1]``: ``v_new``, ``d_new`` ``[C, DV]`` (kept), ``dv`` (rows ``< n``), the
     sums ``dP``, ``dT`` ``[C, C]``, the value side of ``dbeta`` (in `db`) and ``sum(dS' * S)``."""
@@ -157,13 +158,13 @@ def value_grad_kernel(v_ptr, b_ptr, do_ptr, state_ptr, dstate_ptr, t_ptr, w_ptr,
         d_end = load_state(dstate_ptr, index + 1, h, vb, stride_s, stride_sh, DK, DV, BV)
         v = load_rows(v_ptr + vb * BV, start, 0, n, h, stride_vt, stride_vh, BV, C)
         d_out = load_rows(do_ptr + vb * BV, start, 0, n, h, stride_dot, stride_doh, BV, C)
-        v_new = tl.load(_tile_ptrs(u_ptr, j, h, heads, vb * BV, C, BV, DV)) - _dot(w, s)
-        d_new = tl.load(_tile_ptrs(pd_ptr, j, h, heads, vb * BV, C, BV, DV)) + _dot(kd, d_end)
+        v_new = tl.load(_tile_ptrs(u_ptr, j, h, heads, vb * BV, C, BV, DV)) - _dot(w, s, DOT)
+        d_new = tl.load(_tile_ptrs(pd_ptr, j, h, heads, vb * BV, C, BV, DV)) + _dot(kd, d_end, DOT)
         tl.store(_tile_ptrs(vnew_ptr, j, h, heads, vb * BV, C, BV, DV), v_new)
         tl.store(_tile_ptrs(dnew_ptr, j, h, heads, vb * BV, C, BV, DV), d_new)
-        d_p += _dot(d_out, tl.trans(v_new))
-        d_tmat += _dot(d_new, tl.trans(v * beta[:, None]))
-        d_v_beta = _dot(tl.trans(t), d_new)
+        d_p += _dot(d_out, tl.trans(v_new), DOT)
+        d_tmat += _dot(d_new, tl.trans(v * beta[:, None]), DOT)
+        d_v_beta = _dot(tl.trans(t), d_new, DOT)
         dv_ptrs = dv_ptr + (start + rows).to(tl.int64)[:, None] * stride_dvt + h * stride_dvh + vb * BV
         tl.store(dv_ptrs + tl.arange(0, BV)[None, :], d_v_beta * beta[:, None], mask=(rows < n)[:, None])
         d_beta += tl.sum(d_v_beta * v, axis=1)
@@ -196,7 +197,7 @@ def _store_rows(ptr, start, n, h, x, stride_t, stride_h, C: tl.constexpr, D: tl.
 @triton.jit
 def key_sums_kernel(do_ptr, state_ptr, dstate_ptr, vnew_ptr, dnew_ptr, dqd_ptr, dtail_ptr, dw_ptr, kv_start_ptr,
                     n_rows_ptr, state_index_ptr, stride_dot, stride_doh, stride_s, stride_sh,
-                    C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
+                    C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr):
     """Chunk `j`, head `h`: the ``[C, DK]`` sums over the value blocks ``dO S^T``, ``v_new dS'^T``
     and ``-d_new S^T``."""
     j, h, heads, start, n = _chunk_program(kv_start_ptr, n_rows_ptr)
@@ -210,9 +211,9 @@ def key_sums_kernel(do_ptr, state_ptr, dstate_ptr, vnew_ptr, dnew_ptr, dqd_ptr, 
         d_out = load_rows(do_ptr + vb * BV, start, 0, n, h, stride_dot, stride_doh, BV, C)
         v_new = tl.load(_tile_ptrs(vnew_ptr, j, h, heads, vb * BV, C, BV, DV))
         d_new = tl.load(_tile_ptrs(dnew_ptr, j, h, heads, vb * BV, C, BV, DV))
-        d_q_decayed += _dot(d_out, tl.trans(s))
-        d_tail += _dot(v_new, tl.trans(d_end))
-        d_w -= _dot(d_new, tl.trans(s))
+        d_q_decayed += _dot(d_out, tl.trans(s), DOT)
+        d_tail += _dot(v_new, tl.trans(d_end), DOT)
+        d_w -= _dot(d_new, tl.trans(s), DOT)
     tl.store(_tile_ptrs(dqd_ptr, j, h, heads, 0, C, DK, DK), d_q_decayed)
     tl.store(_tile_ptrs(dtail_ptr, j, h, heads, 0, C, DK, DK), d_tail)
     tl.store(_tile_ptrs(dw_ptr, j, h, heads, 0, C, DK, DK), d_w)
@@ -255,7 +256,7 @@ def _key_part(k_ptr, start, n, hk, stride_kt, stride_kh, norms, col, L2NORM: tl.
 def pair_grad_kernel(k_ptr, g_ptr, b_ptr, t_ptr, p_ptr, dp_ptr, dt_ptr, dw_ptr, ml_ptr, mp_ptr, dcum_ptr,
                      kv_start_ptr, n_rows_ptr, stride_kt, stride_kh, stride_gt, stride_bt,
                      GROUP: tl.constexpr, C: tl.constexpr, DK: tl.constexpr, KEY_PARTS: tl.constexpr,
-                     LOG_C: tl.constexpr, LOG_DK: tl.constexpr, L2NORM: tl.constexpr):
+                     LOG_C: tl.constexpr, LOG_DK: tl.constexpr, L2NORM: tl.constexpr, DOT: tl.constexpr):
     """Chunk `j`, head `h`: the gradients through ``T`` and ``P`` (`gated_delta_backward_reference.
     chunk_grads`), ``M_L = dL * decay`` and ``M_P = dP * decay`` ``[C, C]`` and the pairs' part of
     the gradient of ``G`` ``[C]``. ``dT`` and ``L`` sum products over dk, taken in `KEY_PARTS`
@@ -273,11 +274,11 @@ def pair_grad_kernel(k_ptr, g_ptr, b_ptr, t_ptr, p_ptr, dp_ptr, dt_ptr, dw_ptr, 
         k = _key_part(k_ptr, start, n, hk, stride_kt, stride_kh, norms, part * KW, L2NORM, KW, C)
         k_beta = k * beta[:, None]
         d_tmat += _dot(tl.load(_tile_ptrs(dw_ptr, j, h, heads, part * KW, C, KW, DK)),
-                       tl.trans(k_beta * exp_cum[:, None]))
-        lmat += _dot(k_beta, tl.trans(k))
+                       tl.trans(k_beta * exp_cum[:, None]), DOT)
+        lmat += _dot(k_beta, tl.trans(k), DOT)
     t = tl.load(_tile_ptrs(t_ptr, j, h, heads, 0, C, C, C))
     strict = rows[None, :] < rows[:, None]
-    d_l = tl.where(strict, -_dot(tl.trans(t), _dot(d_tmat, tl.trans(t))), 0.0)
+    d_l = tl.where(strict, -_dot(tl.trans(t), _dot(d_tmat, tl.trans(t), DOT), DOT), 0.0)
     d_p = tl.where(rows[None, :] <= rows[:, None], tl.load(_tile_ptrs(dp_ptr, j, h, heads, 0, C, C, C)), 0.0)
     h_pairs = d_l * tl.where(strict, lmat * decay, 0.0) + d_p * tl.load(_tile_ptrs(p_ptr, j, h, heads, 0, C, C, C))
     tl.store(dcum_ptr + (j.to(tl.int64) * heads + h) * C + rows, tl.sum(h_pairs, axis=1) - tl.sum(h_pairs, axis=0))
@@ -289,7 +290,7 @@ def pair_grad_kernel(k_ptr, g_ptr, b_ptr, t_ptr, p_ptr, dp_ptr, dt_ptr, dw_ptr, 
 def key_beta_grad_kernel(k_ptr, g_ptr, b_ptr, t_ptr, dw_ptr, ml_ptr, dkb_ptr, dcum_ptr, db_ptr, kv_start_ptr,
                          n_rows_ptr, stride_kt, stride_kh, stride_gt, stride_bt, stride_dbt,
                          GROUP: tl.constexpr, C: tl.constexpr, DK: tl.constexpr, KEY_PARTS: tl.constexpr,
-                         LOG_C: tl.constexpr, LOG_DK: tl.constexpr, L2NORM: tl.constexpr):
+                         LOG_C: tl.constexpr, LOG_DK: tl.constexpr, L2NORM: tl.constexpr, DOT: tl.constexpr):
     """Chunk `j`, head `h`, from `pair_grad_kernel`'s ``M_L``: the gradient of ``k beta`` ``[C,
     DK]`` (``M_L k + (T^T dw) exp(G)``), ``w``'s part of the gradient of ``G`` (added to the pairs'
     in `dcum`) and ``k``'s part of ``dbeta`` (added to `value_grad_kernel`'s in `db`), in
@@ -306,8 +307,8 @@ def key_beta_grad_kernel(k_ptr, g_ptr, b_ptr, t_ptr, dw_ptr, ml_ptr, dkb_ptr, dc
     d_beta = tl.zeros((C,), dtype=tl.float32)
     for part in tl.static_range(KEY_PARTS):
         k = _key_part(k_ptr, start, n, hk, stride_kt, stride_kh, norms, part * KW, L2NORM, KW, C)
-        d_w_t = _dot(tl.trans(t), tl.load(_tile_ptrs(dw_ptr, j, h, heads, part * KW, C, KW, DK)))
-        d_k_beta = _dot(m_l, k) + d_w_t * exp_cum[:, None]
+        d_w_t = _dot(tl.trans(t), tl.load(_tile_ptrs(dw_ptr, j, h, heads, part * KW, C, KW, DK)), DOT)
+        d_k_beta = _dot(m_l, k, DOT) + d_w_t * exp_cum[:, None]
         tl.store(_tile_ptrs(dkb_ptr, j, h, heads, part * KW, C, KW, DK), d_k_beta)
         w_terms += tl.sum(d_w_t * k * beta[:, None], axis=1)
         d_beta += tl.sum(d_k_beta * k, axis=1)
@@ -323,7 +324,7 @@ def key_grad_kernel(q_ptr, k_ptr, g_ptr, b_ptr, ml_ptr, mp_ptr, dkb_ptr, dcum_pt
                     stride_qt, stride_qh, stride_kt, stride_kh, stride_gt, stride_bt, stride_dkt, stride_dkh,
                     stride_dgt, scale,
                     GROUP: tl.constexpr, C: tl.constexpr, DK: tl.constexpr,
-                    LOG_C: tl.constexpr, LOG_DK: tl.constexpr, L2NORM: tl.constexpr):
+                    LOG_C: tl.constexpr, LOG_DK: tl.constexpr, L2NORM: tl.constexpr, DOT: tl.constexpr):
     """Chunk `j`, head `h`, from `pair_grad_kernel`'s: dq, dk ``[T, Hv, dk]`` (one per value head,
     through the l2 norm) and dg ``[T, Hv]``, fp32, rows ``< n`` only."""
     j, h, heads, start, n = _chunk_program(kv_start_ptr, n_rows_ptr)
@@ -335,7 +336,7 @@ def key_grad_kernel(q_ptr, k_ptr, g_ptr, b_ptr, ml_ptr, mp_ptr, dkb_ptr, dcum_pt
     exp_cum = tl.exp(cum)
     m_p = tl.load(_tile_ptrs(mp_ptr, j, h, heads, 0, C, C, C))
     d_q_decayed = tl.load(_tile_ptrs(dqd_ptr, j, h, heads, 0, C, DK, DK))
-    d_qn = _dot(m_p, k) + d_q_decayed * exp_cum[:, None]
+    d_qn = _dot(m_p, k, DOT) + d_q_decayed * exp_cum[:, None]
     d_cum = tl.load(dcum_ptr + (j.to(tl.int64) * heads + h) * C + rows) + tl.sum(d_q_decayed * q, axis=1) * exp_cum
     d_q = _l2norm_backward(q_ptr, start, n, hk, stride_qt, stride_qh, d_qn * scale, L2NORM, C, DK, LOG_DK)
     _store_rows(dq_ptr, start, n, h, d_q, stride_dkt, stride_dkh, C, DK)
@@ -343,7 +344,7 @@ def key_grad_kernel(q_ptr, k_ptr, g_ptr, b_ptr, ml_ptr, mp_ptr, dkb_ptr, dcum_pt
     exp_tail = tl.exp(last - cum)
     d_tail = tl.load(_tile_ptrs(dtail_ptr, j, h, heads, 0, C, DK, DK))
     m_l = tl.load(_tile_ptrs(ml_ptr, j, h, heads, 0, C, C, C))
-    d_kn = (_dot(tl.trans(m_l), k * beta[:, None]) + _dot(tl.trans(m_p), q)
+    d_kn = (_dot(tl.trans(m_l), k * beta[:, None], DOT) + _dot(tl.trans(m_p), q, DOT)
             + tl.load(_tile_ptrs(dkb_ptr, j, h, heads, 0, C, DK, DK)) * beta[:, None] + d_tail * exp_tail[:, None])
     tail_terms = tl.sum(d_tail * k * exp_tail[:, None], axis=1)
     d_last = tl.sum(tail_terms, axis=0) + tl.exp(last) * tl.load(dsd_ptr + j.to(tl.int64) * heads + h)

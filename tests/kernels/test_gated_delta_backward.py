@@ -9,7 +9,7 @@ import torch
 
 from vexact_models.kernels import gated_delta_backward_reference as bref
 from vexact_models.kernels import gated_delta_reference as ref
-from vexact_models.kernels.gated_delta_backward import (backward_mode, training_backward,
+from vexact_models.kernels.gated_delta_backward import (backward_mode, dot_precision, training_backward,
                                                          use_gated_delta_backward)
 from vexact_models.kernels.gated_delta_rule import gated_delta_rule, training_forward
 
@@ -147,16 +147,27 @@ def test_triton_backward_kernels_compile_for_hopper_on_cpu(monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from sm90_compile import compile_only, resources
 
-    tensors, d_out, _ = make_inputs([70], 1, 1, 16, 16, dtype=torch.bfloat16)
-    with compile_only() as compiled:
-        training_backward(*tensors[:5], None, d_out.bfloat16(), None, [70], 64, 0.25, True, "triton")
-    assert [kernel.name for kernel in compiled] == ["fold_prep_kernel", "fold_kernel", "query_prep_kernel",
-                                                    "state_grad_kernel", "value_grad_kernel", "key_sums_kernel",
-                                                    "pair_grad_kernel", "key_beta_grad_kernel", "key_grad_kernel"]
-    for kernel in compiled[1:]:
-        assert resources(kernel).wgmma > 0, kernel.name
-        assert "m64n8k8" not in kernel.asm["ptx"], kernel.name
-        assert kernel.metadata.shared <= 227 * 1024, kernel.name
+    wgmma = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        tensors, d_out, _ = make_inputs([70], 1, 1, 16, 16, dtype=dtype)
+        with compile_only() as compiled:
+            training_backward(*tensors[:5], None, d_out.to(dtype), None, [70], 64, 0.25, True, "triton")
+        assert [kernel.name for kernel in compiled] == ["fold_prep_kernel", "fold_kernel", "query_prep_kernel",
+                                                        "state_grad_kernel", "value_grad_kernel", "key_sums_kernel",
+                                                        "pair_grad_kernel", "key_beta_grad_kernel", "key_grad_kernel"]
+        for kernel in compiled[1:]:
+            assert resources(kernel).wgmma > 0, kernel.name
+            assert "m64n8k8" not in kernel.asm["ptx"], kernel.name
+            assert kernel.metadata.shared <= 227 * 1024, kernel.name
+        wgmma[dtype] = [resources(kernel).wgmma for kernel in compiled[2:]]
+    # bf16 inputs: one TF32 product a dot (`dot_precision`); fp32: tf32x3's three
+    assert [3 * n for n in wgmma[torch.bfloat16]] == wgmma[torch.float32]
+
+
+def test_dot_precision_follows_the_inputs_widths():
+    bf16, fp16, fp32 = (torch.zeros(2, dtype=d) for d in (torch.bfloat16, torch.float16, torch.float32))
+    assert dot_precision(bf16, fp16, bf16) == "tf32"
+    assert dot_precision(bf16, fp32, bf16) == dot_precision(fp32) == "tf32x3"
 
 
 # --- the Triton backward on the GPU, at the published head shapes ---------------------------------------
@@ -182,7 +193,7 @@ def test_gpu_backward_matches_float64_reference(dtype):
     got = gpu_grads(tensors, d_out, d_final, lengths)
     want = autograd_grads([x.cpu().double() for x in tensors], d_out.cpu().double(), d_final.cpu().double(), lengths,
                           64)
-    tol = 2e-4 if dtype == torch.float32 else 1e-2  # tf32x3 dots; bf16 gradients are rounded to bf16
+    tol = 2e-4 if dtype == torch.float32 else 1e-2  # tf32x3 dots; bf16: TF32 dots, gradients rounded to bf16
     for name, a, b in zip(NAMES, got, want):
         assert a.dtype == tensors[NAMES.index(name)].dtype, name
         assert (a.cpu().double() - b).abs().max() <= tol * b.abs().max(), name
