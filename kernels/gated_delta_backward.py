@@ -52,9 +52,9 @@ def use_gated_delta_backward(mode: str | None) -> AbstractContextManager[None]:
 
 def dot_precision(*inputs: torch.Tensor) -> str:
     """The Triton backward's product precision for these inputs: ``"tf32"`` (one tensor-core product
-    a dot, 10 mantissa bits an operand) where every one is 16-bit, so that its gradient is rounded
-    to 8 or 11 bits anyway; ``"tf32x3"`` (three products, near fp32) where any is fp32. Rule 8 asks
-    a backward to be correct only, not invariant."""
+    a dot, operands of 11 significant bits) where every one is 16-bit, whose gradients are returned
+    with bf16's 8 or fp16's 11 significant bits; ``"tf32x3"`` (three products, near fp32) where
+    any is fp32. Rule 8 asks a backward to be correct only, not invariant."""
     return "tf32" if all(x.element_size() == 2 for x in inputs) else "tf32x3"
 
 
