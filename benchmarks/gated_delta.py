@@ -34,12 +34,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import inspect
 import sys
 
 import torch
 from bench_utils import (bench, bench_graph, gluon_candidates, kernel_seconds, positive_int, positive_ints, rotating_copies,
                          table)
+from stock_peers import plain_function
 
 HK, HV, DK, DV = 16, 32, 128, 128
 
@@ -57,7 +57,7 @@ def _stock():
     recurrent kernels, None where fla is not installed."""
     from transformers.models.qwen3_next import modeling_qwen3_next
 
-    torch_chunk = inspect.unwrap(modeling_qwen3_next.torch_chunk_gated_delta_rule)
+    torch_chunk = plain_function(modeling_qwen3_next.torch_chunk_gated_delta_rule)
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
         from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_recurrent

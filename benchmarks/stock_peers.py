@@ -90,8 +90,15 @@ def bound_delta_rule(arch) -> str:
         if chosen is not None:
             return f"{chosen.__module__}.{chosen.__qualname__}"
         layer = getattr(layer, "__wrapped__", None)
-    base = inspect.unwrap(fn)
+    base = plain_function(fn)
     return f"{base.__module__}.{base.__qualname__}"
+
+
+def plain_function(fn):
+    """The Python function behind a stock binding `fn`: through the ``kernels`` distribution's
+    function module (`_function_of`, which may route a call to a hub kernel) and every
+    ``functools.wraps`` layer (transformers' fla fallback)."""
+    return inspect.unwrap(_function_of(fn))
 
 
 def _function_of(fn):
@@ -128,7 +135,7 @@ def stock_linear_attention(arch, path: str):
     saved = {name: getattr(module, name) for name in STOCK_KERNEL_FUNCTIONS if callable(getattr(module, name, None))}
     try:
         for name, fn in saved.items():
-            setattr(module, name, inspect.unwrap(fn))
+            setattr(module, name, plain_function(fn))
         yield
     finally:
         for name, fn in saved.items():
