@@ -10,7 +10,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from check_triton_kernels import DEVICE, INTERPRET, rand  # noqa: E402
+from check_triton_kernels import DEVICE, rand  # noqa: E402
 
 from vexact_models.kernels import exact_math  # noqa: E402
 from vexact_models.kernels._triton import tl, triton  # noqa: E402
@@ -25,30 +25,6 @@ def _exp_log_kernel(x_ptr, e_ptr, l_ptr, n, BLOCK: tl.constexpr):
     x = tl.load(x_ptr + offs, mask=mask, other=1.0)
     tl.store(e_ptr + offs, exp64(x), mask=mask)
     tl.store(l_ptr + offs, log64(x), mask=mask)
-
-
-@pytest.fixture(autouse=True)
-def bf16_rounded_to_nearest_even(monkeypatch):
-    """Under the interpreter, fp32 -> bf16 casts rounded to nearest even, as the GPU's
-    ``cvt.rn.bf16.f32`` and torch round them: triton 3.6's interpreter truncates (which the other
-    checks allow for: check_triton_kernels.test_interpreter_rounds_bf16_toward_zero_as_the_moe_check_assumes),
-    and beta is stored in bf16. Nothing changes on a GPU."""
-    if not INTERPRET:
-        return
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    builder = interpreter.InterpreterBuilder
-    cast = builder.cast_impl
-
-    def cast_impl(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            data = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16).view(torch.int16).numpy()
-            return interpreter.TensorHandle(data.view(np.uint16), dst_type.scalar)
-        return cast(self, src, dst_type)
-
-    monkeypatch.setattr(builder, "cast_impl", cast_impl)
 
 
 def test_exp64_and_log64_are_exact_maths_bits():

@@ -87,11 +87,9 @@ def test_rms_norm_rotary_silu():
         close(got, want, 1e-5)
     xb, rb = x.bfloat16(), r.bfloat16()
     normed, summed = add_rms_norm(xb, rb, w.bfloat16(), 1e-6)
-    if INTERPRET:  # the interpreter's own fp32 -> bf16 conversion is not torch's rounding
-        close(summed, xb + rb, 1e-2)
-    else:  # on the GPU the fused add rounds exactly like torch's bf16 add, and the norm follows
-        assert torch.equal(summed, xb + rb)
-        assert torch.equal(normed, rms_norm(xb + rb, w.bfloat16(), 1e-6))
+    # the fused add rounds exactly like torch's bf16 add, and the norm follows
+    assert torch.equal(summed, xb + rb)
+    assert torch.equal(normed, rms_norm(xb + rb, w.bfloat16(), 1e-6))
     cos, sin = (t.to(DEVICE) for t in rope_table(1.0 / (1e4 ** (torch.arange(0, 20) / 20)), 64))
     pos = torch.randint(0, 64, (7,), device=DEVICE)
     close(apply_rotary(x, pos, cos, sin), ref(apply_rotary, x, pos, cos, sin), 1e-6)
@@ -238,28 +236,24 @@ def test_fused_moe_adds_inside_its_combine_kernel_bitwise(dtype):
     plain = fused_moe(x, gate_up, down, w, ids)
     got = fused_moe(x, gate_up, down, w, ids, add=add)
     want = plain + add
-    if INTERPRET and dtype == torch.bfloat16:
-        # Triton 3.6's interpreter rounds fp32 -> bf16 toward zero (the GPU: to nearest even), so
-        # here the one fp32 add is checked with that rounding; the GPU run checks torch's
-        sums = (plain.float() + add.float()).view(torch.int32)
-        want = (sums & -65536).view(torch.float32).bfloat16()
     assert torch.equal(got, want)
     assert dtype == torch.float32 or not torch.equal(got.float(), plain.float() + add.float())  # sums did round
 
 
-def test_interpreter_rounds_bf16_toward_zero_as_the_moe_check_assumes():
-    """The premise of the bf16 branch above, pinned: if a Triton release makes the interpreter
-    round to nearest, this fails and the branch can go."""
-    if not INTERPRET:
-        pytest.skip("about the interpreter")
+def test_interpreter_rounds_bf16_to_nearest_even_as_the_gpu():
+    """conftest.py's premise, pinned through a kernel's store: an fp32 -> bf16 conversion rounds to
+    nearest even (the GPU's ``cvt.rn.bf16.f32``, torch's), ties to the even neighbour, and a
+    carry into the exponent, where triton 3.6's own interpreter truncates."""
     from vexact_models.kernels.moe import moe_align
     from vexact_models.kernels.moe_grouped_gemm import combine
 
-    layout = moe_align(torch.zeros(1, 1, dtype=torch.int64), 1, 16)  # one token, one expert
-    y = torch.zeros(16, 1)
-    y[layout.pair_pos.long()] = 1.0 + 3 * 2 ** -9  # 3/4 of a bf16 ulp above 1: toward zero 1, nearest 1 + 2**-7
-    out = combine(y, torch.ones(1, 1), layout, 1, torch.bfloat16)
-    assert out.item() == 1.0 and y.max().bfloat16().item() == 1.0 + 2 ** -7
+    values = torch.tensor([1.0 + 3 * 2 ** -9, 1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, 2.0 - 2 ** -9, -(1.0 + 3 * 2 ** -9)])
+    layout = moe_align(torch.zeros(len(values), 1, dtype=torch.int64, device=DEVICE), 1, 16)  # a row each
+    y = torch.zeros(16, 1, device=DEVICE)
+    y[layout.pair_pos.long()] = values[:, None].to(DEVICE)
+    out = combine(y, torch.ones(len(values), 1, device=DEVICE), layout, len(values), torch.bfloat16)
+    assert out[:, 0].tolist() == [1.0 + 2 ** -7, 1.0, 1.0 + 2 ** -6, 2.0, -(1.0 + 2 ** -7)]
+    assert torch.equal(out[:, 0].cpu(), values.bfloat16())
 
 
 @pytest.mark.parametrize("hidden, inter", [(64, 96), (128, 256)])

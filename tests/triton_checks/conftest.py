@@ -1,4 +1,4 @@
-"""Shared by every Triton check: under TRITON_INTERPRET=1, `tl.dot` as the checks need it.
+"""Shared by every Triton check: under TRITON_INTERPRET=1, `tl.dot` and bf16 rounding as the GPU's.
 
 triton 3.6's interpreter computes ``tl.dot`` with numpy's matmul: it multiplies bf16's raw bit
 patterns (it keeps bf16 as uint16), and BLAS rounds an output element differently for different
@@ -9,7 +9,14 @@ each step's products are summed in k order (one rounded product and one rounded 
 that sum is added to the accumulator. An element's arithmetic then depends on its own row and
 column alone, as rule 1 asks of the GPU kernels, and not on how wide a K tile is (the GPU's
 chain of 16-wide MMA steps gives a 128-wide tile the bits of two 64-wide ones; the MoE decode
-tiles rely on it). The GPU compiler is not affected; on a GPU nothing is patched.
+tiles rely on it).
+
+And fp32 -> bf16 conversions as the GPU makes them: triton 3.6's interpreter truncates them (its
+``cast_impl`` drops the low 16 bits; its "rtne" `fp_to_fp` adds the cut-off bit, rounding ties
+away from zero and mishandling a carry into the exponent), where the GPU's ``cvt.rn.bf16.f32`` rounds to nearest
+even, as torch does. Below, both round through torch's conversion (toward zero only where a
+kernel asks ``rtz``), so a check compares a kernel's bf16 results with torch's bits on CPU as on
+the GPU. The GPU compiler is not affected; on a GPU nothing is patched.
 """
 
 import os
@@ -48,5 +55,38 @@ def _patch_interpreter_dot() -> None:
     builder.create_dot = create_dot
 
 
+def _patch_interpreter_bf16_rounding() -> None:
+    import numpy as np
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder.cast_impl, "_to_nearest_even", False):
+        return
+    cast, fp_to_fp = builder.cast_impl, builder.create_fp_to_fp
+
+    def fp32_to_bf16(src, dst_type) -> bool:
+        return src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16
+
+    def nearest_even(src, dst_type):
+        wide = torch.from_numpy(src.data.astype(np.float32, copy=True))  # 0-d stays 0-d
+        return interpreter.TensorHandle(wide.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16),
+                                        dst_type.scalar)
+
+    def cast_impl(self, src, dst_type):
+        return nearest_even(src, dst_type) if fp32_to_bf16(src, dst_type) else cast(self, src, dst_type)
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        if fp32_to_bf16(src, dst_type) and rounding_mode != interpreter._ir.ROUNDING_MODE.RTZ:
+            return nearest_even(src, dst_type)
+        return fp_to_fp(self, src, dst_type, rounding_mode)
+
+    cast_impl._to_nearest_even = True
+    builder.cast_impl = cast_impl
+    builder.create_fp_to_fp = create_fp_to_fp
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_interpreter_dot()
+    _patch_interpreter_bf16_rounding()
