@@ -90,7 +90,7 @@ def bound_delta_rule(arch) -> str:
         if chosen is not None:
             return f"{chosen.__module__}.{chosen.__qualname__}"
         layer = getattr(layer, "__wrapped__", None)
-    base = plain_function(fn)
+    base = inspect.unwrap(fn)  # `fn` is past `_function_of` already
     return f"{base.__module__}.{base.__qualname__}"
 
 

@@ -3,6 +3,7 @@ like): HF's router ops, norm, rotation and MLP, stock's linear-attention paths, 
 expert weight, attention_fa4.py's alignment rows and paged cache, each against our kernels or
 the peer's own code on CPU."""
 
+import inspect
 import subprocess
 import sys
 from pathlib import Path
@@ -68,7 +69,6 @@ def test_stock_linear_attention_puts_the_torch_path_back_and_says_why_fla_cannot
     path for the duration and restores the bound functions after; ``fla`` without the package
     raises `StockPathUnavailable` naming the import error; other paths and non-hybrids are
     ValueErrors. `bound_delta_rule` names what stock runs."""
-    import inspect
     import sys as sys_
 
     monkeypatch.syspath_prepend(str(BENCHMARKS))
@@ -204,6 +204,4 @@ def test_gated_delta_torch_peer_repeats_heads_as_the_stock_layer_does(monkeypatc
 
 
 def _repeats_in_the_function(function) -> bool:
-    import inspect
-
     return "repeat_interleave" in inspect.getsource(function)
