@@ -18,11 +18,15 @@ Two launches per adapted GEMM: the shrink's partials over tiles of `ROWS` sorted
 block of a layout is a multiple of it, so a tile holds one expert's rows), then the expand, in
 place on the base rows, which adds the partials itself as it reads u (training also stores u for
 the backward), a block of ranks of u and B at a time read as tiles and walked in registers
-(`lora_expand.u_tile_kept`, `lora_expand.rank_column`). Invariance contract: a row's result depends on its own
-row, its expert's adapter and its base row only (fixed tiles, K chunks that depend on K only, an
-element-wise expand), so a pair's bits are the same whatever its expert's load or the batch
-(`conformance/kernel_invariance.py --only moe`); the CPU reference runs the same steps per expert
-with `lora_reference.lora_shrink_reference` / `lora_expand_reference`.
+(`lora_expand.u_tile_kept`, `lora_expand.rank_column`). Where experts get many rows, B is copied
+by expert first (`expert_b_operand`): in PEFT's layout an expert's ranks lie E values apart, so that
+each value of a B tile is a 32-byte sector of its own. Outside the training forward (no u kept),
+a tile of padding rows alone (an expert's segment past its last pair) is skipped by both.
+Invariance contract: a row's result depends on its own row, its expert's adapter and its base
+row only (fixed tiles, K chunks that depend on K only, an element-wise expand), so a pair's bits
+are the same whatever its expert's load or the batch (`conformance/kernel_invariance.py --only moe`);
+the CPU reference runs the same steps per expert with `lora_reference.lora_shrink_reference` /
+`lora_expand_reference`.
 
 The gate/up rows of the forward's ``preact`` buffer are gate columns first; GPT-OSS's weights
 interleave them (gate row n at 2n): `GATE_FIRST_FROM_INTERLEAVED` maps a preact column to its B row.
@@ -43,6 +47,11 @@ from .moe_align import MoeLayout
 
 ROWS = 16  # sorted rows per shrink and expand program: every layout's row block is a multiple
 EXPAND_BLOCK_N = 128
+# B copied by expert (`ExpertLora.b_by_expert`) from this many pairs an expert on average (4 row
+# tiles, each reading its expert's B): a tile of PEFT's layout reads 8 times its bytes in sectors
+# (an expert's ranks lie E values apart), the copy about as much once; `benchmarks/moe.py --lora 16`
+# and `lora.py --config qwen3-30b-a3b` measured both sides (docs/performance.md section 10)
+REGROUP_PAIRS_PER_EXPERT = 4 * ROWS
 IDENTITY, GATE_FIRST_FROM_INTERLEAVED = 0, 1  # column -> B row maps of the expand
 
 
@@ -73,6 +82,14 @@ class ExpertLora:
         """Expert `expert`'s B, ``[N, r]``."""
         return self.b[:, expert::experts]
 
+    def b_by_expert(self, experts: int) -> torch.Tensor:
+        """B regrouped ``[E, N, r]``: expert e's B contiguous, each row's r ranks side by side, so that
+        the expand reads a tile of it in whole sectors (PEFT's layout puts the experts' values of a
+        rank side by side instead). One copy, made at each call, so that it is B as it is now (an
+        optimizer step or a weight update changes B in place, also between CUDA-graph replays)."""
+        n = self.b.shape[0]
+        return self.b.reshape(n, self.rank(experts), experts).permute(2, 0, 1).contiguous()
+
     def check(self, name: str, experts: int, k: int, n: int, x: torch.Tensor) -> None:
         """ValueError naming `name` when the adapter does not fit an ``[E, N, K]`` expert tensor."""
         a, b = self.a, self.b
@@ -91,10 +108,11 @@ def _moe_lora_shrink_kernel(x_ptr, a_ptr, p_ptr, sorted_pairs_ptr, block_expert_
                             stride_x, stride_a, GATHER: tl.constexpr, TOP_K: tl.constexpr,
                             BLOCK_EXPERT_ROWS: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                             SPLIT_A: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+                            BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SKIP_PADDING: tl.constexpr,
+                            PDL: tl.constexpr = False):
     """Partial ``p[s, rows, ranks]`` of ``x_p A_e^T`` over K chunk s for a tile of sorted rows of
     expert e (program (row tile, rank tile, s)); x's row is the pair's token (`GATHER`) or the
-    sorted row itself."""
+    sorted row itself. With `SKIP_PADDING` a tile of padding rows alone writes nothing."""
     wait_for_inputs(PDL)
     pid_m, pid_r, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     expert = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // BLOCK_EXPERT_ROWS).to(tl.int64)
@@ -102,6 +120,9 @@ def _moe_lora_shrink_kernel(x_ptr, a_ptr, p_ptr, sorted_pairs_ptr, block_expert_
         return
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     valid = tl.load(sorted_pairs_ptr + rows) < num_pairs
+    if SKIP_PADDING:
+        if tl.max(valid.to(tl.int32), axis=0) == 0:
+            return
     if GATHER:
         x_rows = (tl.load(sorted_pairs_ptr + rows) // TOP_K).to(tl.int64)
     else:
@@ -117,20 +138,25 @@ def _moe_lora_shrink_kernel(x_ptr, a_ptr, p_ptr, sorted_pairs_ptr, block_expert_
     tl.store(out, acc, mask=rank_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["P"])
-def _moe_lora_expand_kernel(base_ptr, p_ptr, b_ptr, u_ptr, block_expert_ptr, P, N, R, S, E, scaling,
-                            stride_base, stride_bn, stride_bc, BLOCK_EXPERT_ROWS: tl.constexpr,
-                            COLUMNS: tl.constexpr, WRITE_U: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, RANK_BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+@triton.jit(do_not_specialize=["P", "num_pairs"])
+def _moe_lora_expand_kernel(base_ptr, p_ptr, b_ptr, u_ptr, block_expert_ptr, sorted_pairs_ptr, num_pairs, P, N, R, S,
+                            scaling, stride_base, stride_be, stride_bn, stride_br, BLOCK_EXPERT_ROWS: tl.constexpr,
+                            COLUMNS: tl.constexpr, WRITE_U: tl.constexpr, SKIP_PADDING: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RANK_BLOCK: tl.constexpr,
+                            PDL: tl.constexpr = False):
     """``base[rows] = round(base + (u B_e^T) * scaling)`` in place, u the sum of the shrink's `S`
-    partials ``p[S, P, R]`` in chunk order; with `WRITE_U` the first N tile's programs store u
-    ``[P, R]`` (the backward's)."""
+    partials ``p[S, P, R]`` in chunk order, expert e's B at ``b + e * stride_be`` (PEFT's layout or
+    `ExpertLora.b_by_expert`'s: the same values); with `WRITE_U` the first N tile's programs store u ``[P, R]``
+    (the backward's). With `SKIP_PADDING` a tile of padding rows alone is left as it is."""
     wait_for_inputs(PDL)
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // BLOCK_EXPERT_ROWS).to(tl.int64)
     if expert < 0:
         return
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    if SKIP_PADDING:
+        if tl.max((tl.load(sorted_pairs_ptr + rows) < num_pairs).to(tl.int32), axis=0) == 0:
+            return
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     if COLUMNS == 1:  # gate columns first over interleaved B rows (gate n at 2n, up n at 2n + 1)
@@ -138,7 +164,7 @@ def _moe_lora_expand_kernel(base_ptr, p_ptr, b_ptr, u_ptr, block_expert_ptr, P, 
         b_rows = tl.where(cols < half, 2 * cols, 2 * (cols - half) + 1)
     else:
         b_rows = cols
-    b_ptrs = b_ptr + b_rows.to(tl.int64) * stride_bn + expert * stride_bc
+    b_ptrs = b_ptr + expert * stride_be + b_rows.to(tl.int64) * stride_bn
     step = P.to(tl.int64) * R
     p_rows = p_ptr + rows * R
     row_ok = rows < P  # every row of the grid (the padded sorted rows)
@@ -146,7 +172,7 @@ def _moe_lora_expand_kernel(base_ptr, p_ptr, b_ptr, u_ptr, block_expert_ptr, P, 
     for first in range(0, R, RANK_BLOCK):  # u and B a block of ranks at a time, as kernels/lora.py's expand
         ranks = first + tl.arange(0, RANK_BLOCK)
         u = u_tile_kept(u_ptr, p_rows, row_ok, step, rows, ranks, R, R, 0, S, WRITE_U)
-        bt = tl.load(b_ptrs[:, None] + ranks[None, :].to(tl.int64) * E * stride_bc,
+        bt = tl.load(b_ptrs[:, None] + ranks[None, :].to(tl.int64) * stride_br,
                      mask=col_ok[:, None] & (ranks < R)[None, :], other=0.0).to(tl.float32)
         for j in range(first, tl.minimum(first + RANK_BLOCK, R)):
             acc += rank_column(u, ranks, j)[:, None] * rank_column(bt, ranks, j)[None, :]
@@ -155,9 +181,19 @@ def _moe_lora_expand_kernel(base_ptr, p_ptr, b_ptr, u_ptr, block_expert_ptr, P, 
     tl.store(ptrs, (base.to(tl.float32) + acc * scaling).to(base_ptr.dtype.element_ty), mask=col_ok[None, :])
 
 
+def expert_b_operand(lora: ExpertLora, experts: int, pairs: int) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """B as the expand reads it and its strides (expert, row, rank): copied by expert where `pairs`
+    reach `REGROUP_PAIRS_PER_EXPERT` an expert on average, else PEFT's tensor in place."""
+    if pairs >= REGROUP_PAIRS_PER_EXPERT * experts:
+        b = lora.b_by_expert(experts)
+        return b, (b.stride(0), b.stride(1), b.stride(2))
+    return lora.b, (lora.b.stride(1), lora.b.stride(0), experts * lora.b.stride(1))
+
+
 def moe_lora_add_triton(base: torch.Tensor, x: torch.Tensor, lora: ExpertLora, layout: MoeLayout, experts: int,
                         top_k: int, gather: bool, columns: int = IDENTITY, keep_u: bool = False) -> torch.Tensor | None:
-    """Add the adapter's update to the sorted rows `base` ``[P, N]`` in place (two launches).
+    """Add the adapter's update to the sorted rows `base` ``[P, N]`` in place (the shrink and the
+    expand, after B's copy by expert where `expert_b_operand` takes it).
 
     Args:
         base: the expert GEMM's rounded output over `layout`'s padded sorted rows.
@@ -181,13 +217,16 @@ def moe_lora_add_triton(base: torch.Tensor, x: torch.Tensor, lora: ExpertLora, l
         x, a, partials, layout.sorted_pairs, layout.block_expert, layout.num_pairs, rows, k, rank, x.stride(0),
         a.stride(0), GATHER=gather, TOP_K=top_k, BLOCK_EXPERT_ROWS=block_m,
         INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", SPLIT_A=split_a(x.dtype, a.dtype),
-        CHUNK=CHUNK_K, BLOCK_M=ROWS, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, num_warps=4, num_stages=3, **launch)
-    b = lora.b
+        CHUNK=CHUNK_K, BLOCK_M=ROWS, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, SKIP_PADDING=not keep_u, num_warps=4,
+        num_stages=3, **launch)
+    b, b_strides = expert_b_operand(lora, experts, layout.num_pairs)
+    # maxnreg: left to itself, ptxas gave the training forward's fp32 gate/up expand 96 registers
+    # and a spill (tests/test_sm90_model_kernels.py); 128 holds every variant without one
     _moe_lora_expand_kernel[(rows // ROWS, triton.cdiv(n, EXPAND_BLOCK_N))](
-        base, partials, b, u if keep_u else partials, layout.block_expert, rows, n, rank, s, experts,
-        float(lora.scaling), base.stride(0), b.stride(0), b.stride(1), BLOCK_EXPERT_ROWS=block_m, COLUMNS=columns,
-        WRITE_U=keep_u, BLOCK_M=ROWS, BLOCK_N=EXPAND_BLOCK_N, RANK_BLOCK=EXPAND_RANK_BLOCK, num_warps=4,
-        enable_fp_fusion=False, **launch)
+        base, partials, b, u if keep_u else partials, layout.block_expert, layout.sorted_pairs, layout.num_pairs, rows,
+        n, rank, s, float(lora.scaling), base.stride(0), *b_strides, BLOCK_EXPERT_ROWS=block_m,
+        COLUMNS=columns, WRITE_U=keep_u, SKIP_PADDING=not keep_u, BLOCK_M=ROWS, BLOCK_N=EXPAND_BLOCK_N,
+        RANK_BLOCK=EXPAND_RANK_BLOCK, num_warps=4, enable_fp_fusion=False, maxnreg=128, **launch)
     return u
 
 

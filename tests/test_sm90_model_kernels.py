@@ -3,6 +3,7 @@
 and their gates, the LoRA shrink and expand, the experts' LoRA and the interleaved gate/up tile.
 The attention and norm launches are tests/test_kernel_resources.py's."""
 
+import itertools
 from pathlib import Path
 
 import torch
@@ -130,9 +131,9 @@ def test_expert_lora_kernels_compile_for_hopper_without_spills(monkeypatch):
     """`kernels/moe_lora.py`'s launches (the grouped shrink, gathered from tokens for gate/up and
     from the sorted activation rows for down, with fp32 adapters under bf16 activations and with
     bf16 ones; the in-place expand, gate-first over interleaved B rows too, with and without
-    keeping u) and the activation's own launch compiled for sm_90 on the CPU at Qwen3-30B-A3B's
-    expert shapes (hidden 2048, expert intermediate 768, 128 experts, r 16): tensor-core shrinks,
-    no spills."""
+    keeping u, B read in PEFT's layout and copied by expert) and the activation's own launch
+    compiled for sm_90 on the CPU at Qwen3-30B-A3B's expert shapes (hidden 2048, expert
+    intermediate 768, 128 experts, r 16): tensor-core shrinks, no spills."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     from sm90_compile import compile_only, resources
 
@@ -140,6 +141,7 @@ def test_expert_lora_kernels_compile_for_hopper_without_spills(monkeypatch):
     from vexact_models.kernels.moe_activation import expert_activation_rows
     from vexact_models.kernels.moe_align import MoeLayout
     from vexact_models.kernels.moe_config import DECODE
+    from vexact_models.kernels import moe_lora
     from vexact_models.kernels.moe_lora import GATE_FIRST_FROM_INTERLEAVED, IDENTITY, moe_lora_add_triton
 
     bf, rank, experts, hidden, inter, top_k, tokens = torch.bfloat16, 16, 128, 2048, 768, 8, 256
@@ -149,7 +151,8 @@ def test_expert_lora_kernels_compile_for_hopper_without_spills(monkeypatch):
                        tokens * top_k, DECODE)
     x, act = torch.zeros(tokens, hidden, dtype=bf), torch.zeros(rows, inter, dtype=bf)
     with compile_only() as kernels:
-        for adapter_dtype in (torch.float32, bf):
+        for adapter_dtype, regroup in itertools.product((torch.float32, bf), (False, True)):
+            monkeypatch.setattr(moe_lora, "REGROUP_PAIRS_PER_EXPERT", 0 if regroup else 10 ** 9)
             gate_up = ExpertLora(torch.zeros(experts * rank, hidden, dtype=adapter_dtype),
                                  torch.zeros(2 * inter, rank * experts, dtype=adapter_dtype), 2.0)
             down = ExpertLora(torch.zeros(experts * rank, inter, dtype=adapter_dtype),
@@ -160,7 +163,7 @@ def test_expert_lora_kernels_compile_for_hopper_without_spills(monkeypatch):
             moe_lora_add_triton(torch.zeros(rows, hidden, dtype=bf), act, down, layout, experts, top_k, False)
         expert_activation_rows(torch.zeros(rows, 2 * inter, dtype=bf), None, layout.block_expert, DECODE.block_m)
     names = [kernel.name for kernel in kernels]
-    assert names.count("_moe_lora_shrink_kernel") == 6 and names.count("_moe_lora_expand_kernel") == 6, names
+    assert names.count("_moe_lora_shrink_kernel") == 12 and names.count("_moe_lora_expand_kernel") == 12, names
     assert names.count("_expert_activation_rows_kernel") == 1, names
     for kernel in kernels:
         found = resources(kernel)

@@ -17,11 +17,14 @@ DEVICE = "cpu" if INTERPRET else "cuda"
 
 from vexact_models.kernels import SwigluClamp, fused_moe, use_backend  # noqa: E402
 from vexact_models.kernels.lora import CHUNK_K, lora_shrink_triton  # noqa: E402
+from vexact_models.kernels.lora_reference import lora_expand_reference  # noqa: E402
 from vexact_models.kernels.moe import gate_up_act, moe_align  # noqa: E402
 from vexact_models.kernels.moe_activation import ExpertForm  # noqa: E402
 from vexact_models.kernels.moe_backward import moe_math  # noqa: E402
+from vexact_models.kernels import moe_lora  # noqa: E402
 from vexact_models.kernels.moe_config import DECODE, FEW_ROWS, LARGE, SMALL  # noqa: E402
-from vexact_models.kernels.moe_lora import ExpertLora, moe_lora_add_triton  # noqa: E402
+from vexact_models.kernels.moe_lora import (GATE_FIRST_FROM_INTERLEAVED, IDENTITY, ROWS, ExpertLora,  # noqa: E402
+                                            moe_lora_add_triton)
 
 
 def close(a, b, tol):
@@ -166,3 +169,46 @@ def test_the_grouped_shrink_is_the_dense_shrink_of_each_experts_rows():
         t, r = (ids == e).nonzero(as_tuple=True)
         if len(t):
             assert torch.equal(pair_u[t, r], lora_shrink_triton(x[t], gu_lora.expert_a(e, experts)))
+
+
+@pytest.mark.parametrize("regroup", [False, True])
+@pytest.mark.parametrize("columns", [IDENTITY, GATE_FIRST_FROM_INTERLEAVED])
+@pytest.mark.parametrize("adapter_dtype", [torch.float32, torch.bfloat16])
+def test_expand_is_the_reference_per_expert_and_the_rollout_skips_padding_tiles(monkeypatch, regroup, columns,
+                                                                              adapter_dtype):
+    """The expand over the sorted rows, B read in PEFT's layout or copied by expert
+    (`moe_lora.expert_b_operand`), is bitwise the CPU reference's expand of the kept u, expert by
+    expert, B's rows in the base's column order. The
+    rollout's launch (no u kept) gives every pair's row the same bits and leaves the tiles of
+    padding rows alone as they were (their -0.0 stays), where the training forward's launch adds
+    its zero update (their x rows are masked: u is zero) and turns -0.0 into +0.0."""
+    monkeypatch.setattr(moe_lora, "REGROUP_PAIRS_PER_EXPERT", 0 if regroup else 10 ** 9)
+    experts, hidden, inter, rank, tokens, top_k = 8, CHUNK_K + 64, 24, 4, 21, 2
+    n = 2 * inter
+    x = torch.randn(tokens, hidden, device=DEVICE).bfloat16()
+    _, _, _, lora, _ = experts_and_adapters(experts, hidden, inter, rank, torch.bfloat16, adapter_dtype)
+    ids = routing(tokens, experts, top_k)[1]
+    layout = moe_align(ids, experts, SMALL.block_m)  # 64-row segments: 16-row tiles of padding alone
+    layout.config = SMALL
+    base = torch.randn(layout.sorted_pairs.shape[0], n, device=DEVICE).bfloat16()
+    base[layout.sorted_pairs >= layout.num_pairs] = -0.0  # a padding row's update (+0.0) would turn it +0.0
+    trained, rollout = base.clone(), base.clone()
+    u = moe_lora_add_triton(trained, x, lora, layout, experts, top_k, True, columns, keep_u=True)
+    assert moe_lora_add_triton(rollout, x, lora, layout, experts, top_k, True, columns) is None
+    pos = layout.pair_pos
+    assert torch.equal(rollout[pos], trained[pos])
+    tiles = lambda t: t.view(-1, ROWS, n)  # noqa: E731
+    in_segment = layout.block_expert.repeat_interleave(SMALL.block_m // ROWS) >= 0
+    padding = in_segment & ~(layout.sorted_pairs < layout.num_pairs).view(-1, ROWS).any(1)
+    assert padding.any()
+    bits = lambda t: tiles(t)[padding].view(torch.int16)  # noqa: E731
+    assert torch.equal(bits(rollout), bits(base)) and not torch.equal(bits(trained), bits(base))
+    assert torch.equal(u.view(-1, ROWS, rank)[padding], torch.zeros_like(u.view(-1, ROWS, rank)[padding]))
+    half = torch.arange(n) % inter
+    b_rows = torch.arange(n) if columns == IDENTITY else torch.where(torch.arange(n) < inter, 2 * half, 2 * half + 1)
+    for e in range(experts):
+        rows = pos[(ids == e).flatten()].cpu()
+        want = torch.empty(len(rows), n, dtype=torch.float32)
+        lora_expand_reference(base[rows].cpu(), u[rows].cpu(), lora.expert_b(e, experts).cpu()[b_rows], None, (n,),
+                              (lora.scaling,), want)
+        assert torch.equal(trained[rows].cpu(), want.bfloat16()), e
