@@ -14,7 +14,10 @@ Usage: python benchmarks/moe.py [--sweep | --decode 64,128,256 | --lora 16]
   --lora: LoRA of that rank (fp32, PEFT's layout) on both expert tensors of the Qwen3-30B-A3B
           layer: fused_moe with the adapters (kernels/moe_lora.py) beside fused_moe without them
           and beside PEFT's way (each expert's effective weight ``W + s B A`` rebuilt by
-          ``baddbmm`` every call, then fused_moe), forward and forward + backward.
+          ``baddbmm`` every call, then fused_moe), forward and forward + backward (host
+          launches: at 64-256 tokens the host's time shows); then the adapters' launches one by
+          one in CUDA graphs at 32, 256 and 4096 tokens beside the base GEMMs
+          (moe_lora_launches.py).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import sys
 import torch
 
 from bench_utils import bench, positive_ints, table
+from moe_lora_launches import launch_rows
 
 
 def loop_moe(x, gate_up, down, weights, ids):
@@ -244,6 +248,9 @@ def main(argv=None) -> int:
         return 0
     if args.lora:
         lora_table(args.lora)
+        table(f"the experts' LoRA r={args.lora} launch by launch (GPU us in a CUDA graph; moe_lora_launches.py)",
+              ["tokens", "pairs an expert", "tensor", "launch", "us", "bits == other B operand", "picked"],
+              launch_rows(args.lora, [32, 256, 4096]))
         return 0
     from vexact_models.kernels.moe import fused_moe
 

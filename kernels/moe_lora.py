@@ -181,52 +181,78 @@ def _moe_lora_expand_kernel(base_ptr, p_ptr, b_ptr, u_ptr, block_expert_ptr, sor
     tl.store(ptrs, (base.to(tl.float32) + acc * scaling).to(base_ptr.dtype.element_ty), mask=col_ok[None, :])
 
 
-def expert_b_operand(lora: ExpertLora, experts: int, pairs: int) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """B as the expand reads it and its strides (expert, row, rank): copied by expert where `pairs`
-    reach `REGROUP_PAIRS_PER_EXPERT` an expert on average, else PEFT's tensor in place."""
-    if pairs >= REGROUP_PAIRS_PER_EXPERT * experts:
+def expert_b_operand(lora: ExpertLora, experts: int, pairs: int,
+                     regroup: bool | None = None) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """B as the expand reads it and its strides (expert, row, rank): copied by expert (`regroup`, by
+    default where `pairs` reach `REGROUP_PAIRS_PER_EXPERT` an expert on average), else PEFT's tensor
+    in place. Both hold the same values."""
+    if regroup is None:
+        regroup = pairs >= REGROUP_PAIRS_PER_EXPERT * experts
+    if regroup:
         b = lora.b_by_expert(experts)
         return b, (b.stride(0), b.stride(1), b.stride(2))
     return lora.b, (lora.b.stride(1), lora.b.stride(0), experts * lora.b.stride(1))
 
 
+def moe_lora_shrink_triton(x: torch.Tensor, lora: ExpertLora, layout: MoeLayout, experts: int, top_k: int,
+                           gather: bool, skip_padding: bool) -> torch.Tensor:
+    """The shrink's partials ``[S, P, r]`` fp32 of ``x_p A_e^T`` over `layout`'s padded sorted rows, K
+    in `CHUNK_K` chunks (one launch); `skip_padding` leaves tiles of padding rows alone unwritten."""
+    require_triton("fused_moe")
+    rows, k, rank = layout.sorted_pairs.shape[0], x.shape[1], lora.rank(experts)
+    s = num_chunks(k)
+    partials = torch.empty(s, rows, rank, device=x.device, dtype=torch.float32)
+    if rows == 0:
+        return partials
+    a = lora.a if lora.a.stride(-1) == 1 else lora.a.contiguous()
+    _moe_lora_shrink_kernel[(rows // ROWS, triton.cdiv(rank, BLOCK_R), s)](
+        x, a, partials, layout.sorted_pairs, layout.block_expert, layout.num_pairs, rows, k, rank, x.stride(0),
+        a.stride(0), GATHER=gather, TOP_K=top_k, BLOCK_EXPERT_ROWS=layout.config.block_m,
+        INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", SPLIT_A=split_a(x.dtype, a.dtype),
+        CHUNK=CHUNK_K, BLOCK_M=ROWS, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, SKIP_PADDING=skip_padding, num_warps=4,
+        num_stages=3, **dependent_launch_kwargs(x.device))
+    return partials
+
+
+def moe_lora_expand_triton(base: torch.Tensor, partials: torch.Tensor, lora: ExpertLora, layout: MoeLayout,
+                           experts: int, columns: int, u: torch.Tensor | None,
+                           b_operand: tuple[torch.Tensor, tuple[int, int, int]]) -> None:
+    """``base += (u B_e^T) * scaling`` in place over the sorted rows (one launch), u the sum of
+    `partials` in chunk order, B as `expert_b_operand` gives it; with `u` ``[P, r]`` also stores u
+    there (the training forward's), else skips tiles of padding rows alone."""
+    require_triton("fused_moe")
+    rows, n = base.shape
+    if rows == 0:
+        return
+    b, b_strides = b_operand
+    # maxnreg: left to itself, ptxas gave the training forward's fp32 gate/up expand 96 registers
+    # and a spill (tests/test_sm90_model_kernels.py); 128 holds every variant without one
+    _moe_lora_expand_kernel[(rows // ROWS, triton.cdiv(n, EXPAND_BLOCK_N))](
+        base, partials, b, partials if u is None else u, layout.block_expert, layout.sorted_pairs, layout.num_pairs,
+        rows, n, partials.shape[2], partials.shape[0], float(lora.scaling), base.stride(0), *b_strides,
+        BLOCK_EXPERT_ROWS=layout.config.block_m, COLUMNS=columns, WRITE_U=u is not None, SKIP_PADDING=u is None,
+        BLOCK_M=ROWS, BLOCK_N=EXPAND_BLOCK_N, RANK_BLOCK=EXPAND_RANK_BLOCK, num_warps=4, enable_fp_fusion=False,
+        maxnreg=128, **dependent_launch_kwargs(base.device))
+
+
 def moe_lora_add_triton(base: torch.Tensor, x: torch.Tensor, lora: ExpertLora, layout: MoeLayout, experts: int,
                         top_k: int, gather: bool, columns: int = IDENTITY, keep_u: bool = False) -> torch.Tensor | None:
-    """Add the adapter's update to the sorted rows `base` ``[P, N]`` in place (the shrink and the
-    expand, after B's copy by expert where `expert_b_operand` takes it).
+    """Add the adapter's update to the sorted rows `base` ``[P, N]`` in place: the shrink
+    (`moe_lora_shrink_triton`), then the expand (`moe_lora_expand_triton`) with B as
+    `expert_b_operand` picks it.
 
     Args:
         base: the expert GEMM's rounded output over `layout`'s padded sorted rows.
         x: the GEMM's input: tokens ``[T, K]`` (`gather`: row p reads its pair's token) or the
             sorted rows ``[P, K]`` themselves.
         columns: `IDENTITY`, or `GATE_FIRST_FROM_INTERLEAVED` (gate-first base over interleaved B rows).
-        keep_u: also return u ``[P, r]`` fp32 (the backward's); else None.
+        keep_u: also return u ``[P, r]`` fp32 (the backward's); else None, and tiles of padding rows
+            alone are skipped.
     """
-    require_triton("fused_moe")
-    rows, n = base.shape
-    k, rank = x.shape[1], lora.rank(experts)
-    s = num_chunks(k)
-    block_m = layout.config.block_m
-    partials = torch.empty(s, rows, rank, device=x.device, dtype=torch.float32)
-    u = torch.empty(rows, rank, device=x.device, dtype=torch.float32) if keep_u else None
-    if rows == 0:
-        return u
-    a = lora.a if lora.a.stride(-1) == 1 else lora.a.contiguous()
-    launch = dependent_launch_kwargs(x.device)
-    _moe_lora_shrink_kernel[(rows // ROWS, triton.cdiv(rank, BLOCK_R), s)](
-        x, a, partials, layout.sorted_pairs, layout.block_expert, layout.num_pairs, rows, k, rank, x.stride(0),
-        a.stride(0), GATHER=gather, TOP_K=top_k, BLOCK_EXPERT_ROWS=block_m,
-        INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", SPLIT_A=split_a(x.dtype, a.dtype),
-        CHUNK=CHUNK_K, BLOCK_M=ROWS, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, SKIP_PADDING=not keep_u, num_warps=4,
-        num_stages=3, **launch)
-    b, b_strides = expert_b_operand(lora, experts, layout.num_pairs)
-    # maxnreg: left to itself, ptxas gave the training forward's fp32 gate/up expand 96 registers
-    # and a spill (tests/test_sm90_model_kernels.py); 128 holds every variant without one
-    _moe_lora_expand_kernel[(rows // ROWS, triton.cdiv(n, EXPAND_BLOCK_N))](
-        base, partials, b, u if keep_u else partials, layout.block_expert, layout.sorted_pairs, layout.num_pairs, rows,
-        n, rank, s, float(lora.scaling), base.stride(0), *b_strides, BLOCK_EXPERT_ROWS=block_m,
-        COLUMNS=columns, WRITE_U=keep_u, SKIP_PADDING=not keep_u, BLOCK_M=ROWS, BLOCK_N=EXPAND_BLOCK_N,
-        RANK_BLOCK=EXPAND_RANK_BLOCK, num_warps=4, enable_fp_fusion=False, maxnreg=128, **launch)
+    partials = moe_lora_shrink_triton(x, lora, layout, experts, top_k, gather, skip_padding=not keep_u)
+    u = torch.empty(base.shape[0], lora.rank(experts), device=x.device, dtype=torch.float32) if keep_u else None
+    moe_lora_expand_triton(base, partials, lora, layout, experts, columns, u,
+                           expert_b_operand(lora, experts, layout.num_pairs))
     return u
 
 

@@ -1,0 +1,96 @@
+"""The experts' LoRA launch by launch (`kernels/moe_lora.py`), for `moe.py --lora` (CUDA only).
+
+At Qwen3-30B-A3B's MoE layer (hidden 2048, 128 experts, top-8, expert intermediate 768),
+uniformly random routing, bf16 rows, fp32 adapters in PEFT's layout: per token count and
+expert tensor (gate/up, down), the GPU microseconds in a CUDA graph (`bench_graph`, as a decode
+step replays them) of the tensor's base GEMM (the peer), the copy of B by expert
+(`ExpertLora.b_by_expert`), the shrink, the expand reading B in PEFT's layout and reading the
+copy, and the launcher as the layer runs it (`moe_lora_add_triton`: shrink, expand and the copy
+where `expert_b_operand` takes it, "picked"). The adapters rotate through copies that overflow
+the L2 cache, as each layer of a step reads its own. "bits" says whether the expand's rows equal
+the other operand's, bitwise (they must: the same values, products and sums).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bench_utils import bench_graph, rotating_copies
+
+HIDDEN, EXPERTS, INTER, TOP_K = 2048, 128, 768, 8
+
+
+def _adapters(rank: int, n: int, k: int, experts: int, device: str, gen: torch.Generator, rotate: bool) -> list:
+    from vexact_models.kernels import ExpertLora
+
+    a = (torch.randn(experts * rank, k, generator=gen) / k ** 0.5).to(device)
+    b = (torch.randn(n, rank * experts, generator=gen) * 0.1).to(device)
+    copies = zip(rotating_copies(a), rotating_copies(b)) if rotate else [(a, b)]
+    return [ExpertLora(ca, cb, 2.0) for ca, cb in copies]
+
+
+def launch_rows(rank: int, token_counts: list[int], device: str = "cuda", graph_timer=None,
+                shape: tuple[int, int, int, int] = (HIDDEN, EXPERTS, INTER, TOP_K)) -> list[list]:
+    """Rows ``[tokens, pairs an expert, tensor, launch, us, bits, picked]`` (module docstring) at the
+    MoE `shape` (hidden, experts, expert intermediate, top-k). `graph_timer` (`bench_graph` by
+    default) is the clock; the tests pass a CPU one."""
+    from vexact_models.kernels.moe import gate_up_act, moe_align
+    from vexact_models.kernels.moe_activation import expert_activation_rows
+    from vexact_models.kernels.moe_config import pick_config
+    from vexact_models.kernels.moe_grouped_gemm import grouped_gemm
+    from vexact_models.kernels.moe_lora import (IDENTITY, REGROUP_PAIRS_PER_EXPERT, expert_b_operand,
+                                                moe_lora_add_triton, moe_lora_expand_triton, moe_lora_shrink_triton)
+
+    graph_timer = graph_timer or bench_graph
+
+    def us(fns) -> str:
+        return f"{graph_timer(fns) * 1e3:.1f}"
+
+    hidden, experts, inter, top_k = shape
+    gen = torch.Generator().manual_seed(0)
+    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5).bfloat16().to(device)
+    down = (torch.randn(experts, hidden, inter, generator=gen) / inter ** 0.5).bfloat16().to(device)
+    rotate = device == "cuda"
+    adapters = {"gate/up": _adapters(rank, 2 * inter, hidden, experts, device, gen, rotate),
+                "down": _adapters(rank, hidden, inter, experts, device, gen, rotate)}
+    out = []
+    for tokens in token_counts:
+        x = torch.randn(tokens, hidden, generator=gen).bfloat16().to(device)
+        ids = torch.randn(tokens, experts, generator=gen).topk(top_k, -1).indices.to(device)
+        cfg = pick_config(tokens, top_k, experts)
+        layout = moe_align(ids, experts, cfg.block_m)
+        layout.config = cfg
+        preact = gate_up_act(x, gate_up, layout, top_k, cfg, True, store_act=False)[1]
+        act = expert_activation_rows(preact, None, layout.block_expert, cfg.block_m)
+        y = grouped_gemm(act, down, layout, hidden, inter, down.stride(1), down.stride(2), x.dtype, cfg, down_tiles=True)
+        base_gemms = {"gate/up": lambda: gate_up_act(x, gate_up, layout, top_k, cfg, True, store_act=False),
+                      "down": lambda: grouped_gemm(act, down, layout, hidden, inter, down.stride(1), down.stride(2),
+                                                   x.dtype, cfg, down_tiles=True)}
+        per_expert = f"{tokens * top_k / experts:.1f}"
+        picked = tokens * top_k >= REGROUP_PAIRS_PER_EXPERT * experts
+        for tensor, base, rows_in, gather in (("gate/up", preact, x, True), ("down", y, act, False)):
+            loras = adapters[tensor]
+            partials = moe_lora_shrink_triton(rows_in, loras[0], layout, experts, top_k, gather, True)
+            results = []
+            for regroup in (False, True):
+                result = base.clone()
+                moe_lora_expand_triton(result, partials, loras[0], layout, experts, IDENTITY, None,
+                                       expert_b_operand(loras[0], experts, layout.num_pairs, regroup))
+                results.append(result[layout.pair_pos])  # the pairs' rows (padding rows may hold anything)
+            same = "yes" if torch.equal(results[0], results[1]) else "NO"
+            operands = {regroup: [expert_b_operand(lo, experts, layout.num_pairs, regroup) for lo in loras]
+                        for regroup in (False, True)}
+            rows = [("base GEMM (peer)", us([base_gemms[tensor]]), "", ""),
+                    ("B copy by expert", us([lambda lo=lo: lo.b_by_expert(experts) for lo in loras]), "", ""),
+                    ("shrink", us([lambda lo=lo: moe_lora_shrink_triton(rows_in, lo, layout, experts, top_k, gather,
+                                                                        True) for lo in loras]), "", "")]
+            for regroup, label in ((False, "expand, B in PEFT's layout"), (True, "expand, B copied (copy apart)")):
+                scratch = base.clone()
+                rows.append((label, us([lambda lo=lo, op=op: moe_lora_expand_triton(
+                    scratch, partials, lo, layout, experts, IDENTITY, None, op)
+                    for lo, op in zip(loras, operands[regroup])]), same, "yes" if regroup == picked else ""))
+            scratch = base.clone()
+            rows.append(("the launcher (shrink, expand, copy if picked)", us([lambda lo=lo: moe_lora_add_triton(
+                scratch, rows_in, lo, layout, experts, top_k, gather) for lo in loras]), "", ""))
+            out += [[tokens, per_expert, tensor, *row] for row in rows]
+    return out

@@ -1,0 +1,47 @@
+"""benchmarks/moe_lora_launches.py (`moe.py --lora`'s launch table): its rows on the CPU (Triton's
+interpreter, a stand-in clock that runs every timed function)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+ROWS_ON_CPU = """
+import moe_lora_launches
+from vexact_models.kernels import moe_lora
+moe_lora.REGROUP_PAIRS_PER_EXPERT = 4  # 3 tokens: B in place; 40 tokens: B copied
+calls = []
+def clock(fns):
+    calls.append(len(fns))
+    [f() for f in fns]
+    return 0.002
+rows = moe_lora_launches.launch_rows(4, [3, 40], device="cpu", graph_timer=clock, shape=(64, 8, 48, 2))
+for row in rows:
+    print("|".join(str(c) for c in row))
+print("calls", *calls)
+"""
+
+
+def test_launch_rows_time_each_launch_and_compare_the_b_operands_in_the_interpreter():
+    """Per token count and expert tensor: the base GEMM, B's copy, the shrink, the expand with each
+    B operand (their rows bitwise equal), the launcher; "picked" marks the operand the launcher
+    takes at that many pairs an expert; one function timed per adapter copy (one on CPU)."""
+    env = dict(os.environ, TRITON_INTERPRET="1", VEXACT_BACKEND="triton", CUDA_VISIBLE_DEVICES="")
+    run = subprocess.run([sys.executable, "-c", ROWS_ON_CPU], cwd=BENCHMARKS, capture_output=True, text=True,
+                         timeout=600, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    rows = [line.split("|") for line in lines[:-1]]
+    launches = ["base GEMM (peer)", "B copy by expert", "shrink", "expand, B in PEFT's layout",
+                "expand, B copied (copy apart)", "the launcher (shrink, expand, copy if picked)"]
+    assert [r[:4] for r in rows] == [[t, per, tensor, launch] for t, per in (("3", "0.8"), ("40", "10.0"))
+                                     for tensor in ("gate/up", "down") for launch in launches]
+    assert all(r[4] == "2.0" for r in rows)
+    for r in rows:
+        expand = r[3].startswith("expand")
+        assert r[5] == ("yes" if expand else ""), r
+        copied_picked = r[0] == "40"
+        assert r[6] == ("yes" if expand and ("copied" in r[3]) == copied_picked else ""), r
+    assert lines[-1] == "calls " + " ".join(["1"] * len(rows))
