@@ -36,9 +36,12 @@ def step_gemm_weights(model: nn.Module) -> list[torch.Tensor]:
     """The ``[N, K]`` weight of every GEMM a decode step of `model` runs, in module order: each
     projection group (``projection_groups()``: q/k/v, gate/up) as one matrix where
     `fuse_projections` fused it (the runtime does when an engine is built), its members otherwise,
-    and every other `nn.Linear` (o, down, the LM head). Raises ValueError for a model
-    with 3-D (routed expert) weights, whose GEMMs depend on the routing."""
-    experts = [name for name, p in model.named_parameters() if p.dim() == 3]
+    and every other `nn.Linear` (o, down, the LM head; a gated-DeltaNet layer's projections, not
+    its depthwise convolution). Raises ValueError for a model with 3-D routed-expert weights,
+    whose GEMMs depend on the routing."""
+    experts = [f"{name}.{p_name}" if name else p_name for name, module in model.named_modules()
+               if not isinstance(module, nn.Conv1d)
+               for p_name, p in module.named_parameters(recurse=False) if p.dim() == 3]
     if experts:
         raise ValueError(f"step_gemm_weights: {type(model).__name__} has routed-expert weights ({experts[0]}, "
                          f"{len(experts)} in all); the peer covers dense models only")

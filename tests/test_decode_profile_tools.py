@@ -140,6 +140,8 @@ def test_weight_gemms_are_the_steps_gemms_and_time_on_cpu(monkeypatch):
 
     from vexact_models.projections import fuse_projections
     from vexact_models.qwen3 import Qwen3ForCausalLM, tiny_config
+    from vexact_models.qwen3_5 import Qwen3_5ForCausalLM
+    from vexact_models.qwen3_5 import tiny_config as tiny_hybrid_config
     from vexact_models.qwen3_moe import Qwen3MoeForCausalLM
     from vexact_models.qwen3_moe import tiny_config as tiny_moe_config
 
@@ -162,6 +164,17 @@ def test_weight_gemms_are_the_steps_gemms_and_time_on_cpu(monkeypatch):
 
     with pytest.raises(ValueError, match="Qwen3MoeForCausalLM has routed-expert weights .*dense models only"):
         weight_gemms.step_gemm_weights(Qwen3MoeForCausalLM(tiny_moe_config()))
+    # a dense hybrid: its gated-DeltaNet layers' 3-D depthwise convolution is no routed expert;
+    # their projections (q/k/v/z, b/a fused, out) are GEMMs of the step, the convolution is not
+    hybrid = Qwen3_5ForCausalLM(tiny_hybrid_config())
+    fuse_projections(hybrid)
+    gemms = weight_gemms.step_gemm_weights(hybrid)
+    delta = hybrid.model.layers[0].linear_attn
+    assert any(p.dim() == 3 for p in hybrid.parameters())
+    assert all(w.dim() == 2 for w in gemms) and delta.conv1d.weight.data_ptr() not in {w.data_ptr() for w in gemms}
+    assert delta.out_proj.weight.data_ptr() in {w.data_ptr() for w in gemms}
+    linear_values = sum(m.weight.numel() for m in hybrid.modules() if isinstance(m, torch.nn.Linear))
+    assert sum(w.numel() for w in gemms) == linear_values
 
     calls = []
     real_mm = torch.mm
