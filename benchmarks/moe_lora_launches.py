@@ -29,6 +29,38 @@ def _adapters(rank: int, n: int, k: int, experts: int, device: str, gen: torch.G
     return [ExpertLora(ca, cb, 2.0) for ca, cb in copies]
 
 
+def _tensor_rows(us, base: torch.Tensor, rows_in: torch.Tensor, gather: bool, loras: list, layout, top_k: int,
+                 base_gemm, picked: bool) -> list[tuple]:
+    """One expert tensor's rows ``(launch, us, bits, picked)``: `base` its base GEMM's sorted rows,
+    `rows_in` the GEMM's input (tokens, `gather`, or the sorted rows), `loras` the adapter's copies,
+    `picked` whether the launcher copies B at this call; `us` times a list of functions."""
+    from vexact_models.kernels.moe_lora import (IDENTITY, expert_b_operand, moe_lora_add_triton,
+                                                moe_lora_expand_triton, moe_lora_shrink_triton)
+
+    experts = layout.expert_offsets.shape[0] - 1
+    partials = moe_lora_shrink_triton(rows_in, loras[0], layout, experts, top_k, gather, True)
+    operands = {regroup: [expert_b_operand(lo, experts, layout.num_pairs, regroup) for lo in loras]
+                for regroup in (False, True)}
+    results = []
+    for regroup in (False, True):
+        result = base.clone()
+        moe_lora_expand_triton(result, partials, loras[0], layout, experts, IDENTITY, None, operands[regroup][0])
+        results.append(result[layout.pair_pos])  # the pairs' rows (padding rows may hold anything)
+    same = "yes" if torch.equal(results[0], results[1]) else "NO"
+    scratch = base.clone()
+    rows = [("base GEMM (peer)", us([base_gemm]), "", ""),
+            ("B copy by expert", us([lambda lo=lo: lo.b_by_expert(experts) for lo in loras]), "", ""),
+            ("shrink", us([lambda lo=lo: moe_lora_shrink_triton(rows_in, lo, layout, experts, top_k, gather, True)
+                           for lo in loras]), "", "")]
+    for regroup, label in ((False, "expand, B in PEFT's layout"), (True, "expand, B copied (copy apart)")):
+        rows.append((label, us([lambda lo=lo, op=op: moe_lora_expand_triton(scratch, partials, lo, layout, experts,
+                                                                            IDENTITY, None, op)
+                                for lo, op in zip(loras, operands[regroup])]), same, "yes" if regroup == picked else ""))
+    rows.append(("the launcher (shrink, expand, copy if picked)", us([lambda lo=lo: moe_lora_add_triton(
+        scratch, rows_in, lo, layout, experts, top_k, gather) for lo in loras]), "", ""))
+    return rows
+
+
 def launch_rows(rank: int, token_counts: list[int], device: str = "cuda", graph_timer=None,
                 shape: tuple[int, int, int, int] = (HIDDEN, EXPERTS, INTER, TOP_K)) -> list[list]:
     """Rows ``[tokens, pairs an expert, tensor, launch, us, bits, picked]`` (module docstring) at the
@@ -38,8 +70,7 @@ def launch_rows(rank: int, token_counts: list[int], device: str = "cuda", graph_
     from vexact_models.kernels.moe_activation import expert_activation_rows
     from vexact_models.kernels.moe_config import pick_config
     from vexact_models.kernels.moe_grouped_gemm import grouped_gemm
-    from vexact_models.kernels.moe_lora import (IDENTITY, REGROUP_PAIRS_PER_EXPERT, expert_b_operand,
-                                                moe_lora_add_triton, moe_lora_expand_triton, moe_lora_shrink_triton)
+    from vexact_models.kernels.moe_lora import REGROUP_PAIRS_PER_EXPERT
 
     graph_timer = graph_timer or bench_graph
 
@@ -60,37 +91,19 @@ def launch_rows(rank: int, token_counts: list[int], device: str = "cuda", graph_
         cfg = pick_config(tokens, top_k, experts)
         layout = moe_align(ids, experts, cfg.block_m)
         layout.config = cfg
-        preact = gate_up_act(x, gate_up, layout, top_k, cfg, True, store_act=False)[1]
+
+        def gate_up_gemm():
+            return gate_up_act(x, gate_up, layout, top_k, cfg, True, store_act=False)[1]
+
+        def down_gemm():
+            return grouped_gemm(act, down, layout, hidden, inter, down.stride(1), down.stride(2), x.dtype, cfg,
+                                down_tiles=True)
+
+        preact = gate_up_gemm()
         act = expert_activation_rows(preact, None, layout.block_expert, cfg.block_m)
-        y = grouped_gemm(act, down, layout, hidden, inter, down.stride(1), down.stride(2), x.dtype, cfg, down_tiles=True)
-        base_gemms = {"gate/up": lambda: gate_up_act(x, gate_up, layout, top_k, cfg, True, store_act=False),
-                      "down": lambda: grouped_gemm(act, down, layout, hidden, inter, down.stride(1), down.stride(2),
-                                                   x.dtype, cfg, down_tiles=True)}
-        per_expert = f"{tokens * top_k / experts:.1f}"
         picked = tokens * top_k >= REGROUP_PAIRS_PER_EXPERT * experts
-        for tensor, base, rows_in, gather in (("gate/up", preact, x, True), ("down", y, act, False)):
-            loras = adapters[tensor]
-            partials = moe_lora_shrink_triton(rows_in, loras[0], layout, experts, top_k, gather, True)
-            results = []
-            for regroup in (False, True):
-                result = base.clone()
-                moe_lora_expand_triton(result, partials, loras[0], layout, experts, IDENTITY, None,
-                                       expert_b_operand(loras[0], experts, layout.num_pairs, regroup))
-                results.append(result[layout.pair_pos])  # the pairs' rows (padding rows may hold anything)
-            same = "yes" if torch.equal(results[0], results[1]) else "NO"
-            operands = {regroup: [expert_b_operand(lo, experts, layout.num_pairs, regroup) for lo in loras]
-                        for regroup in (False, True)}
-            rows = [("base GEMM (peer)", us([base_gemms[tensor]]), "", ""),
-                    ("B copy by expert", us([lambda lo=lo: lo.b_by_expert(experts) for lo in loras]), "", ""),
-                    ("shrink", us([lambda lo=lo: moe_lora_shrink_triton(rows_in, lo, layout, experts, top_k, gather,
-                                                                        True) for lo in loras]), "", "")]
-            for regroup, label in ((False, "expand, B in PEFT's layout"), (True, "expand, B copied (copy apart)")):
-                scratch = base.clone()
-                rows.append((label, us([lambda lo=lo, op=op: moe_lora_expand_triton(
-                    scratch, partials, lo, layout, experts, IDENTITY, None, op)
-                    for lo, op in zip(loras, operands[regroup])]), same, "yes" if regroup == picked else ""))
-            scratch = base.clone()
-            rows.append(("the launcher (shrink, expand, copy if picked)", us([lambda lo=lo: moe_lora_add_triton(
-                scratch, rows_in, lo, layout, experts, top_k, gather) for lo in loras]), "", ""))
-            out += [[tokens, per_expert, tensor, *row] for row in rows]
+        for tensor, base, rows_in, gather, gemm in (("gate/up", preact, x, True, gate_up_gemm),
+                                                     ("down", down_gemm(), act, False, down_gemm)):
+            rows = _tensor_rows(us, base, rows_in, gather, adapters[tensor], layout, top_k, gemm, picked)
+            out += [[tokens, f"{tokens * top_k / experts:.1f}", tensor, *row] for row in rows]
     return out
