@@ -19,9 +19,10 @@ It also prints the SM clock and power draw `nvidia-smi` sampled during the timed
 HBM roofline: the bytes a decode step must read (all weights but the input embedding, plus the
 batch's KV cache) over the measured copy bandwidth.
 Then the GEMM peers (`weight_gemms.py`, dense models, the dense hybrids included): the step's
-GEMMs alone, run by cuBLAS (``torch.mm``) and by ours under sampled clocks, and the roofline with the GEMMs at those times:
-at batch 128-256 the GEMMs' tensor-core work can hold the card at its power limit, below the
-clocks a lone copy runs at, and small models' GEMMs are too small to fill the card.
+GEMMs alone, run by cuBLAS (``torch.mm``) and by ours under sampled clocks, and the roofline with
+the GEMMs at those times: at batch 128-256 the GEMMs' tensor-core work can hold the card at its
+power limit, below the clocks a lone copy runs at, and small models' GEMMs are too small to fill
+the card.
 
 `--without OP,...` profiles the step with those small ops replaced by kernel-free stand-ins that
 return real values (`stand_ins.py`): an upper bound of what fusing them away could gain.

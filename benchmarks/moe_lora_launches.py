@@ -70,7 +70,7 @@ def launch_rows(rank: int, token_counts: list[int], device: str = "cuda", graph_
     from vexact_models.kernels.moe_activation import expert_activation_rows
     from vexact_models.kernels.moe_config import pick_config
     from vexact_models.kernels.moe_grouped_gemm import grouped_gemm
-    from vexact_models.kernels.moe_lora import REGROUP_PAIRS_PER_EXPERT
+    from vexact_models.kernels.moe_lora import copies_b
 
     graph_timer = graph_timer or bench_graph
 
@@ -101,7 +101,7 @@ def launch_rows(rank: int, token_counts: list[int], device: str = "cuda", graph_
 
         preact = gate_up_gemm()
         act = expert_activation_rows(preact, None, layout.block_expert, cfg.block_m)
-        picked = tokens * top_k >= REGROUP_PAIRS_PER_EXPERT * experts
+        picked = copies_b(experts, layout.num_pairs)
         for tensor, base, rows_in, gather, gemm in (("gate/up", preact, x, True, gate_up_gemm),
                                                      ("down", down_gemm(), act, False, down_gemm)):
             rows = _tensor_rows(us, base, rows_in, gather, adapters[tensor], layout, top_k, gemm, picked)

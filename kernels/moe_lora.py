@@ -82,13 +82,17 @@ class ExpertLora:
         """Expert `expert`'s B, ``[N, r]``."""
         return self.b[:, expert::experts]
 
+    def b_view(self, experts: int) -> torch.Tensor:
+        """B indexed ``[E, N, r]`` (expert, row, rank): a view of PEFT's tensor, whose experts' values
+        of a rank lie side by side."""
+        return self.b.unflatten(1, (self.rank(experts), experts)).permute(2, 0, 1)
+
     def b_by_expert(self, experts: int) -> torch.Tensor:
-        """B regrouped ``[E, N, r]``: expert e's B contiguous, each row's r ranks side by side, so that
-        the expand reads a tile of it in whole sectors (PEFT's layout puts the experts' values of a
-        rank side by side instead). One copy, made at each call, so that it is B as it is now (an
-        optimizer step or a weight update changes B in place, also between CUDA-graph replays)."""
-        n = self.b.shape[0]
-        return self.b.reshape(n, self.rank(experts), experts).permute(2, 0, 1).contiguous()
+        """`b_view` copied contiguous: expert e's B in one block, each row's r ranks side by side, so
+        that the expand reads a tile of it in whole sectors. One copy, made at each call, so that it
+        is B as it is now (an optimizer step or a weight update changes B in place, also between
+        CUDA-graph replays)."""
+        return self.b_view(experts).contiguous()
 
     def check(self, name: str, experts: int, k: int, n: int, x: torch.Tensor) -> None:
         """ValueError naming `name` when the adapter does not fit an ``[E, N, K]`` expert tensor."""
@@ -181,17 +185,24 @@ def _moe_lora_expand_kernel(base_ptr, p_ptr, b_ptr, u_ptr, block_expert_ptr, sor
     tl.store(ptrs, (base.to(tl.float32) + acc * scaling).to(base_ptr.dtype.element_ty), mask=col_ok[None, :])
 
 
+def copies_b(experts: int, pairs: int) -> bool:
+    """Whether the launcher copies B by expert for `pairs` over `experts`: from
+    `REGROUP_PAIRS_PER_EXPERT` pairs an expert on average."""
+    return pairs >= REGROUP_PAIRS_PER_EXPERT * experts
+
+
 def expert_b_operand(lora: ExpertLora, experts: int, pairs: int,
-                     regroup: bool | None = None) -> tuple[torch.Tensor, tuple[int, int, int]]:
+                     regroup: bool | None = None) -> tuple[torch.Tensor, tuple[int, ...]]:
     """B as the expand reads it and its strides (expert, row, rank): copied by expert (`regroup`, by
-    default where `pairs` reach `REGROUP_PAIRS_PER_EXPERT` an expert on average), else PEFT's tensor
-    in place. Both hold the same values."""
+    default `copies_b`), else PEFT's tensor in place through `ExpertLora.b_view`'s strides. Both
+    hold the same values."""
     if regroup is None:
-        regroup = pairs >= REGROUP_PAIRS_PER_EXPERT * experts
+        regroup = copies_b(experts, pairs)
+    view = lora.b_view(experts)
     if regroup:
-        b = lora.b_by_expert(experts)
-        return b, (b.stride(0), b.stride(1), b.stride(2))
-    return lora.b, (lora.b.stride(1), lora.b.stride(0), experts * lora.b.stride(1))
+        b = view.contiguous()
+        return b, b.stride()
+    return lora.b, view.stride()
 
 
 def moe_lora_shrink_triton(x: torch.Tensor, lora: ExpertLora, layout: MoeLayout, experts: int, top_k: int,
