@@ -4,11 +4,13 @@ At Qwen3-30B-A3B's MoE layer (hidden 2048, 128 experts, top-8, expert intermedia
 uniformly random routing, bf16 rows, fp32 adapters in PEFT's layout: per token count and
 expert tensor (gate/up, down), the GPU microseconds in a CUDA graph (`bench_graph`, as a decode
 step replays them) of the tensor's base GEMM (the peer), the copy of B by expert
-(`ExpertLora.b_by_expert`), the shrink, the expand reading B in PEFT's layout and reading the
-copy, and the launcher as the layer runs it (`moe_lora_add_triton`: shrink, expand and the copy
-where `expert_b_operand` takes it, "picked"). The adapters rotate through copies that overflow
-the L2 cache, as each layer of a step reads its own. "bits" says whether the expand's rows equal
-the other operand's, bitwise (they must: the same values, products and sums).
+(`ExpertLora.b_by_expert`), both shrinks (the training forward's partials; the rollout's u, the
+partials added in the program), the four expands (of the partials or of u, each reading B in
+PEFT's layout and reading the copy), and the rollout's launcher as the layer runs it
+(`moe_lora_add_triton` without u kept: the summing shrink, the expand of u and the copy where
+`expert_b_operand` takes it, "picked"). The adapters rotate through copies that overflow the L2
+cache, as each layer of a step reads its own. "bits" says whether the four expands' rows are
+bitwise equal (they must: the same values, products and sums).
 """
 
 from __future__ import annotations
@@ -35,28 +37,43 @@ def _tensor_rows(us, base: torch.Tensor, rows_in: torch.Tensor, gather: bool, lo
     `rows_in` the GEMM's input (tokens, `gather`, or the sorted rows), `loras` the adapter's copies,
     `picked` whether the launcher copies B at this call; `us` times a list of functions."""
     from vexact_models.kernels.moe_lora import (IDENTITY, expert_b_operand, moe_lora_add_triton,
-                                                moe_lora_expand_triton, moe_lora_shrink_triton)
+                                                moe_lora_expand_triton, moe_lora_expand_u_triton,
+                                                moe_lora_shrink_triton)
 
     experts = layout.expert_offsets.shape[0] - 1
-    partials = moe_lora_shrink_triton(rows_in, loras[0], layout, experts, top_k, gather, True)
+
+    def shrink(lo, summed):
+        return moe_lora_shrink_triton(rows_in, lo, layout, experts, top_k, gather, True, summed)
+
+    inputs = {False: shrink(loras[0], False), True: shrink(loras[0], True)}  # partials; u rank-major
     operands = {regroup: [expert_b_operand(lo, experts, layout.num_pairs, regroup) for lo in loras]
                 for regroup in (False, True)}
+
+    def expand(out, lo, summed, operand):
+        if summed:
+            moe_lora_expand_u_triton(out, inputs[True], lo, layout, experts, IDENTITY, operand)
+        else:
+            moe_lora_expand_triton(out, inputs[False], lo, layout, experts, IDENTITY, None, operand)
+
+    kinds = [(summed, regroup) for summed in (False, True) for regroup in (False, True)]
     results = []
-    for regroup in (False, True):
+    for summed, regroup in kinds:
         result = base.clone()
-        moe_lora_expand_triton(result, partials, loras[0], layout, experts, IDENTITY, None, operands[regroup][0])
+        expand(result, loras[0], summed, operands[regroup][0])
         results.append(result[layout.pair_pos])  # the pairs' rows (padding rows may hold anything)
-    same = "yes" if torch.equal(results[0], results[1]) else "NO"
+    same = "yes" if all(torch.equal(results[0], r) for r in results[1:]) else "NO"
     scratch = base.clone()
     rows = [("base GEMM (peer)", us([base_gemm]), "", ""),
             ("B copy by expert", us([lambda lo=lo: lo.b_by_expert(experts) for lo in loras]), "", ""),
-            ("shrink", us([lambda lo=lo: moe_lora_shrink_triton(rows_in, lo, layout, experts, top_k, gather, True)
-                           for lo in loras]), "", "")]
-    for regroup, label in ((False, "expand, B in PEFT's layout"), (True, "expand, B copied (copy apart)")):
-        rows.append((label, us([lambda lo=lo, op=op: moe_lora_expand_triton(scratch, partials, lo, layout, experts,
-                                                                            IDENTITY, None, op)
-                                for lo, op in zip(loras, operands[regroup])]), same, "yes" if regroup == picked else ""))
-    rows.append(("the launcher (shrink, expand, copy if picked)", us([lambda lo=lo: moe_lora_add_triton(
+            ("shrink, partials (training)", us([lambda lo=lo: shrink(lo, False) for lo in loras]), "", ""),
+            ("shrink, u summed (rollout)", us([lambda lo=lo: shrink(lo, True) for lo in loras]), "", "")]
+    for summed, regroup in kinds:
+        label = (f"expand {'of u (rollout)' if summed else 'of partials (training)'}, "
+                 f"{'B copied (copy apart)' if regroup else 'B in PEFT layout'}")
+        rows.append((label, us([lambda lo=lo, op=op, summed=summed: expand(scratch, lo, summed, op)
+                                for lo, op in zip(loras, operands[regroup])]), same,
+                     "yes" if summed and regroup == picked else ""))
+    rows.append(("the rollout's launcher (shrink, expand, copy if picked)", us([lambda lo=lo: moe_lora_add_triton(
         scratch, rows_in, lo, layout, experts, top_k, gather) for lo in loras]), "", ""))
     return rows
 

@@ -113,10 +113,13 @@ def _moe_lora_shrink_kernel(x_ptr, a_ptr, p_ptr, sorted_pairs_ptr, block_expert_
                             BLOCK_EXPERT_ROWS: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                             SPLIT_A: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SKIP_PADDING: tl.constexpr,
-                            PDL: tl.constexpr = False):
+                            SUM_CHUNKS: tl.constexpr = False, PDL: tl.constexpr = False):
     """Partial ``p[s, rows, ranks]`` of ``x_p A_e^T`` over K chunk s for a tile of sorted rows of
     expert e (program (row tile, rank tile, s)); x's row is the pair's token (`GATHER`) or the
-    sorted row itself. With `SKIP_PADDING` a tile of padding rows alone writes nothing."""
+    sorted row itself. With `SUM_CHUNKS` (grid (row tile, rank tile, 1)) the program computes
+    every chunk's partial and adds them in chunk order, as the expand would (``((p0 + p1) + p2)
+    ...``), and stores u rank-major, ``p[ranks, rows]`` of ``[R, P]``. With `SKIP_PADDING` a tile of
+    padding rows alone writes nothing."""
     wait_for_inputs(PDL)
     pid_m, pid_r, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     expert = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // BLOCK_EXPERT_ROWS).to(tl.int64)
@@ -138,7 +141,13 @@ def _moe_lora_shrink_kernel(x_ptr, a_ptr, p_ptr, sorted_pairs_ptr, block_expert_
     a_ptrs = a_ptr + (expert * R + ranks[None, :]) * stride_a + offs_k[:, None]
     acc = shrink_chunk(x_ptrs, a_ptrs, valid, rank_ok, pid_s * CHUNK, K, INPUT_PRECISION, SPLIT_A, CHUNK, BLOCK_M,
                        BLOCK_R, BLOCK_K)
-    out = p_ptr + (pid_s * P + rows[:, None]).to(tl.int64) * R + ranks[None, :]
+    if SUM_CHUNKS:
+        for start in range(CHUNK, K, CHUNK):
+            acc += shrink_chunk(x_ptrs, a_ptrs, valid, rank_ok, start, K, INPUT_PRECISION, SPLIT_A, CHUNK, BLOCK_M,
+                                BLOCK_R, BLOCK_K)
+        out = p_ptr + ranks[None, :].to(tl.int64) * P + rows[:, None]
+    else:
+        out = p_ptr + (pid_s * P + rows[:, None]).to(tl.int64) * R + ranks[None, :]
     tl.store(out, acc, mask=rank_ok[None, :])
 
 
@@ -185,6 +194,44 @@ def _moe_lora_expand_kernel(base_ptr, p_ptr, b_ptr, u_ptr, block_expert_ptr, sor
     tl.store(ptrs, (base.to(tl.float32) + acc * scaling).to(base_ptr.dtype.element_ty), mask=col_ok[None, :])
 
 
+@triton.jit(do_not_specialize=["P", "num_pairs"])
+def _moe_lora_expand_u_kernel(base_ptr, u_ptr, b_ptr, block_expert_ptr, sorted_pairs_ptr, num_pairs, P, N, scaling,
+                              stride_base, stride_be, stride_bn, stride_br, BLOCK_EXPERT_ROWS: tl.constexpr,
+                              COLUMNS: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                              PDL: tl.constexpr = False):
+    """The rollout's expand: `_moe_lora_expand_kernel`'s products and sums, u read rank-major ``[R,
+    P]`` (the shrink's `SUM_CHUNKS`), tiles of padding rows alone skipped. The rank loop is unrolled
+    and each rank's step loads its own u row (`BLOCK_M` rows side by side, the same for every
+    thread: broadcast loads) and B column: a thread holds one column of the tile, so that a rank
+    costs it one B value and `BLOCK_M` products and sums, no picking of a column out of a tile."""
+    wait_for_inputs(PDL)
+    pid_m = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // BLOCK_EXPERT_ROWS).to(tl.int64)
+    if expert < 0:
+        return
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    if tl.max((tl.load(sorted_pairs_ptr + rows) < num_pairs).to(tl.int32), axis=0) == 0:
+        return
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    if COLUMNS == 1:  # gate columns first over interleaved B rows (gate n at 2n, up n at 2n + 1)
+        half = N // 2
+        b_rows = tl.where(cols < half, 2 * cols, 2 * (cols - half) + 1)
+    else:
+        b_rows = cols
+    b_ptrs = b_ptr + expert * stride_be + b_rows.to(tl.int64) * stride_bn
+    u_rows = u_ptr + tl.max_contiguous(tl.multiple_of(rows, BLOCK_M), BLOCK_M)
+    u_step = tl.multiple_of(P.to(tl.int64), BLOCK_M)  # P: a multiple of every layout's row block
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for j in tl.static_range(R):  # ranks in order: acc = (u0 b0 + u1 b1) + ..., each product rounded
+        uj = tl.load(u_rows + j * u_step)
+        bj = tl.load(b_ptrs + j * stride_br, mask=col_ok, other=0.0).to(tl.float32)
+        acc += uj[:, None] * bj[None, :]
+    ptrs = base_ptr + rows[:, None] * stride_base + cols[None, :]
+    base = tl.load(ptrs, mask=col_ok[None, :], other=0.0)
+    tl.store(ptrs, (base.to(tl.float32) + acc * scaling).to(base_ptr.dtype.element_ty), mask=col_ok[None, :])
+
+
 def copies_b(experts: int, pairs: int) -> bool:
     """Whether the launcher copies B by expert for `pairs` over `experts`: from
     `REGROUP_PAIRS_PER_EXPERT` pairs an expert on average."""
@@ -206,22 +253,25 @@ def expert_b_operand(lora: ExpertLora, experts: int, pairs: int,
 
 
 def moe_lora_shrink_triton(x: torch.Tensor, lora: ExpertLora, layout: MoeLayout, experts: int, top_k: int,
-                           gather: bool, skip_padding: bool) -> torch.Tensor:
+                           gather: bool, skip_padding: bool, sum_chunks: bool = False) -> torch.Tensor:
     """The shrink's partials ``[S, P, r]`` fp32 of ``x_p A_e^T`` over `layout`'s padded sorted rows, K
-    in `CHUNK_K` chunks (one launch); `skip_padding` leaves tiles of padding rows alone unwritten."""
+    in `CHUNK_K` chunks (one launch); with `sum_chunks`, u itself (the partials added in chunk
+    order), rank-major ``[r, P]`` as `moe_lora_expand_u_triton` reads it. `skip_padding` leaves
+    tiles of padding rows alone unwritten."""
     require_triton("fused_moe")
     rows, k, rank = layout.sorted_pairs.shape[0], x.shape[1], lora.rank(experts)
     s = num_chunks(k)
-    partials = torch.empty(s, rows, rank, device=x.device, dtype=torch.float32)
+    shape = (rank, rows) if sum_chunks else (s, rows, rank)
+    partials = torch.empty(shape, device=x.device, dtype=torch.float32)
     if rows == 0:
         return partials
     a = lora.a if lora.a.stride(-1) == 1 else lora.a.contiguous()
-    _moe_lora_shrink_kernel[(rows // ROWS, triton.cdiv(rank, BLOCK_R), s)](
+    _moe_lora_shrink_kernel[(rows // ROWS, triton.cdiv(rank, BLOCK_R), 1 if sum_chunks else s)](
         x, a, partials, layout.sorted_pairs, layout.block_expert, layout.num_pairs, rows, k, rank, x.stride(0),
         a.stride(0), GATHER=gather, TOP_K=top_k, BLOCK_EXPERT_ROWS=layout.config.block_m,
         INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", SPLIT_A=split_a(x.dtype, a.dtype),
-        CHUNK=CHUNK_K, BLOCK_M=ROWS, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, SKIP_PADDING=skip_padding, num_warps=4,
-        num_stages=3, **dependent_launch_kwargs(x.device))
+        CHUNK=CHUNK_K, BLOCK_M=ROWS, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, SKIP_PADDING=skip_padding,
+        SUM_CHUNKS=sum_chunks, num_warps=4, num_stages=3, **dependent_launch_kwargs(x.device))
     return partials
 
 
@@ -246,11 +296,31 @@ def moe_lora_expand_triton(base: torch.Tensor, partials: torch.Tensor, lora: Exp
         maxnreg=128, **dependent_launch_kwargs(base.device))
 
 
+def moe_lora_expand_u_triton(base: torch.Tensor, u_t: torch.Tensor, lora: ExpertLora, layout: MoeLayout,
+                             experts: int, columns: int, b_operand: tuple[torch.Tensor, tuple[int, int, int]]) -> None:
+    """The rollout's expand: ``base += (u B_e^T) * scaling`` in place over the sorted rows (one
+    launch), u rank-major ``[r, P]`` (`moe_lora_shrink_triton` with `sum_chunks`), B as
+    `expert_b_operand` gives it; tiles of padding rows alone are skipped. The same bits as
+    `moe_lora_expand_triton` of u's partials."""
+    require_triton("fused_moe")
+    rows, n = base.shape
+    if rows == 0:
+        return
+    b, b_strides = b_operand
+    _moe_lora_expand_u_kernel[(rows // ROWS, triton.cdiv(n, EXPAND_BLOCK_N))](
+        base, u_t, b, layout.block_expert, layout.sorted_pairs, layout.num_pairs, rows, n, float(lora.scaling),
+        base.stride(0), *b_strides, BLOCK_EXPERT_ROWS=layout.config.block_m, COLUMNS=columns, R=u_t.shape[0],
+        BLOCK_M=ROWS, BLOCK_N=EXPAND_BLOCK_N, num_warps=4, enable_fp_fusion=False,
+        **dependent_launch_kwargs(base.device))
+
+
 def moe_lora_add_triton(base: torch.Tensor, x: torch.Tensor, lora: ExpertLora, layout: MoeLayout, experts: int,
                         top_k: int, gather: bool, columns: int = IDENTITY, keep_u: bool = False) -> torch.Tensor | None:
     """Add the adapter's update to the sorted rows `base` ``[P, N]`` in place: the shrink
-    (`moe_lora_shrink_triton`), then the expand (`moe_lora_expand_triton`) with B as
-    `expert_b_operand` picks it.
+    (`moe_lora_shrink_triton`), then the expand with B as `expert_b_operand` picks it. The training
+    forward (`keep_u`) keeps the shrink's partials and its expand (`moe_lora_expand_triton`) adds
+    them and stores u; otherwise the shrink adds them itself and `moe_lora_expand_u_triton` reads
+    u. Both give every pair's row the same bits.
 
     Args:
         base: the expert GEMM's rounded output over `layout`'s padded sorted rows.
@@ -260,10 +330,14 @@ def moe_lora_add_triton(base: torch.Tensor, x: torch.Tensor, lora: ExpertLora, l
         keep_u: also return u ``[P, r]`` fp32 (the backward's); else None, and tiles of padding rows
             alone are skipped.
     """
-    partials = moe_lora_shrink_triton(x, lora, layout, experts, top_k, gather, skip_padding=not keep_u)
-    u = torch.empty(base.shape[0], lora.rank(experts), device=x.device, dtype=torch.float32) if keep_u else None
-    moe_lora_expand_triton(base, partials, lora, layout, experts, columns, u,
-                           expert_b_operand(lora, experts, layout.num_pairs))
+    b_operand = expert_b_operand(lora, experts, layout.num_pairs)
+    if not keep_u:
+        u_t = moe_lora_shrink_triton(x, lora, layout, experts, top_k, gather, skip_padding=True, sum_chunks=True)
+        moe_lora_expand_u_triton(base, u_t, lora, layout, experts, columns, b_operand)
+        return None
+    partials = moe_lora_shrink_triton(x, lora, layout, experts, top_k, gather, skip_padding=False)
+    u = torch.empty(base.shape[0], lora.rank(experts), device=x.device, dtype=torch.float32)
+    moe_lora_expand_triton(base, partials, lora, layout, experts, columns, u, b_operand)
     return u
 
 

@@ -25,8 +25,8 @@ print("calls", *calls)
 
 
 def test_launch_rows_time_each_launch_and_compare_the_b_operands_in_the_interpreter():
-    """Per token count and expert tensor: the base GEMM, B's copy, the shrink, the expand with each
-    B operand (their rows bitwise equal), the launcher; "picked" marks the operand the launcher
+    """Per token count and expert tensor: the base GEMM, B's copy, both shrinks, the four expands
+    (of the partials and of u, each with both B operands: their rows bitwise equal), the launcher; "picked" marks the operand the launcher
     takes at that many pairs an expert; one function timed per adapter copy (one on CPU)."""
     env = dict(os.environ, TRITON_INTERPRET="1", VEXACT_BACKEND="triton", CUDA_VISIBLE_DEVICES="")
     run = subprocess.run([sys.executable, "-c", ROWS_ON_CPU], cwd=BENCHMARKS, capture_output=True, text=True,
@@ -34,8 +34,10 @@ def test_launch_rows_time_each_launch_and_compare_the_b_operands_in_the_interpre
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.splitlines()
     rows = [line.split("|") for line in lines[:-1]]
-    launches = ["base GEMM (peer)", "B copy by expert", "shrink", "expand, B in PEFT's layout",
-                "expand, B copied (copy apart)", "the launcher (shrink, expand, copy if picked)"]
+    expands = [f"expand {of}, {b}" for of in ("of partials (training)", "of u (rollout)")
+               for b in ("B in PEFT layout", "B copied (copy apart)")]
+    launches = ["base GEMM (peer)", "B copy by expert", "shrink, partials (training)", "shrink, u summed (rollout)",
+                *expands, "the rollout's launcher (shrink, expand, copy if picked)"]
     assert [r[:4] for r in rows] == [[t, per, tensor, launch] for t, per in (("3", "0.8"), ("40", "10.0"))
                                      for tensor in ("gate/up", "down") for launch in launches]
     assert all(r[4] == "2.0" for r in rows)
@@ -43,5 +45,6 @@ def test_launch_rows_time_each_launch_and_compare_the_b_operands_in_the_interpre
         expand = r[3].startswith("expand")
         assert r[5] == ("yes" if expand else ""), r
         copied_picked = r[0] == "40"
-        assert r[6] == ("yes" if expand and ("copied" in r[3]) == copied_picked else ""), r
+        rollout = "of u" in r[3]
+        assert r[6] == ("yes" if expand and rollout and ("copied" in r[3]) == copied_picked else ""), r
     assert lines[-1] == "calls " + " ".join(["1"] * len(rows))

@@ -130,8 +130,9 @@ def test_lora_kernels_compile_for_hopper_without_spills(monkeypatch):
 def test_expert_lora_kernels_compile_for_hopper_without_spills(monkeypatch):
     """`kernels/moe_lora.py`'s launches (the grouped shrink, gathered from tokens for gate/up and
     from the sorted activation rows for down, with fp32 adapters under bf16 activations and with
-    bf16 ones; the in-place expand, gate-first over interleaved B rows too, with and without
-    keeping u, B read in PEFT's layout and copied by expert) and the activation's own launch
+    bf16 ones, both the partials' and the rollout's summing one; the in-place expand, gate-first
+    over interleaved B rows too, the training forward's of the partials keeping u and the
+    rollout's of u, B read in PEFT's layout and copied by expert) and the activation's own launch
     compiled for sm_90 on the CPU at Qwen3-30B-A3B's expert shapes (hidden 2048, expert
     intermediate 768, 128 experts, r 16): tensor-core shrinks, no spills."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
@@ -163,7 +164,9 @@ def test_expert_lora_kernels_compile_for_hopper_without_spills(monkeypatch):
             moe_lora_add_triton(torch.zeros(rows, hidden, dtype=bf), act, down, layout, experts, top_k, False)
         expert_activation_rows(torch.zeros(rows, 2 * inter, dtype=bf), None, layout.block_expert, DECODE.block_m)
     names = [kernel.name for kernel in kernels]
-    assert names.count("_moe_lora_shrink_kernel") == 12 and names.count("_moe_lora_expand_kernel") == 12, names
+    # the training forward's expand (u kept) at gate/up, the rollout's expand of u at the other two
+    assert names.count("_moe_lora_shrink_kernel") == 12 and names.count("_moe_lora_expand_kernel") == 4, names
+    assert names.count("_moe_lora_expand_u_kernel") == 8, names
     assert names.count("_expert_activation_rows_kernel") == 1, names
     for kernel in kernels:
         found = resources(kernel)
