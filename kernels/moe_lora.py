@@ -206,14 +206,16 @@ def _moe_lora_expand_u_kernel(base_ptr, u_ptr, b_ptr, block_expert_ptr, sorted_p
     costs it one B value and `BLOCK_M` products and sums, no picking of a column out of a tile."""
     wait_for_inputs(PDL)
     pid_m = tl.program_id(0)
-    expert = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // BLOCK_EXPERT_ROWS).to(tl.int64)
-    if expert < 0:
-        return
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    if tl.max((tl.load(sorted_pairs_ptr + rows) < num_pairs).to(tl.int32), axis=0) == 0:
+    # the tile's expert and its pairs read at once (two loads in flight, not one after the other)
+    expert = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // BLOCK_EXPERT_ROWS).to(tl.int64)
+    pairs = tl.max((tl.load(sorted_pairs_ptr + rows) < num_pairs).to(tl.int32), axis=0)
+    if (expert < 0) | (pairs == 0):
         return
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
+    ptrs = base_ptr + rows[:, None] * stride_base + cols[None, :]
+    base = tl.load(ptrs, mask=col_ok[None, :], other=0.0)  # in flight beside the rank loop's loads
     if COLUMNS == 1:  # gate columns first over interleaved B rows (gate n at 2n, up n at 2n + 1)
         half = N // 2
         b_rows = tl.where(cols < half, 2 * cols, 2 * (cols - half) + 1)
@@ -227,8 +229,6 @@ def _moe_lora_expand_u_kernel(base_ptr, u_ptr, b_ptr, block_expert_ptr, sorted_p
         uj = tl.load(u_rows + j * u_step)
         bj = tl.load(b_ptrs + j * stride_br, mask=col_ok, other=0.0).to(tl.float32)
         acc += uj[:, None] * bj[None, :]
-    ptrs = base_ptr + rows[:, None] * stride_base + cols[None, :]
-    base = tl.load(ptrs, mask=col_ok[None, :], other=0.0)
     tl.store(ptrs, (base.to(tl.float32) + acc * scaling).to(base_ptr.dtype.element_ty), mask=col_ok[None, :])
 
 
