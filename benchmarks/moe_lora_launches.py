@@ -4,7 +4,7 @@ At Qwen3-30B-A3B's MoE layer (hidden 2048, 128 experts, top-8, expert intermedia
 uniformly random routing, bf16 rows, fp32 adapters in PEFT's layout: per token count and
 expert tensor (gate/up, down), the GPU microseconds in a CUDA graph (`bench_graph`, as a decode
 step replays them) of the tensor's base GEMM (the peer), the copy of B by expert
-(`ExpertLora.b_by_expert`), both shrinks (the training forward's partials; the rollout's u, the
+(`moe_lora_b.b_by_expert_triton`; torch's copy of the permuted view beside it), both shrinks (the training forward's partials; the rollout's u, the
 partials added in the program), the four expands (of the partials or of u, each reading B in
 PEFT's layout and reading the copy), and the rollout's launcher as the layer runs it
 (`moe_lora_add_triton` without u kept: the summing shrink, the expand of u and the copy where
@@ -40,6 +40,8 @@ def _tensor_rows(us, base: torch.Tensor, rows_in: torch.Tensor, gather: bool, lo
                                                 moe_lora_expand_triton, moe_lora_expand_u_triton,
                                                 moe_lora_shrink_triton)
 
+    from vexact_models.kernels.moe_lora_b import b_by_expert_triton
+
     experts = layout.expert_offsets.shape[0] - 1
 
     def shrink(lo, summed):
@@ -64,7 +66,9 @@ def _tensor_rows(us, base: torch.Tensor, rows_in: torch.Tensor, gather: bool, lo
     same = "yes" if all(torch.equal(results[0], r) for r in results[1:]) else "NO"
     scratch = base.clone()
     rows = [("base GEMM (peer)", us([base_gemm]), "", ""),
-            ("B copy by expert", us([lambda lo=lo: lo.b_by_expert(experts) for lo in loras]), "", ""),
+            ("B copy by expert", us([lambda lo=lo: b_by_expert_triton(lo.b, experts) for lo in loras]), "", ""),
+            ("B copy, torch's of the permuted view", us([lambda lo=lo: lo.b_by_expert(experts) for lo in loras]),
+             "", ""),
             ("shrink, partials (training)", us([lambda lo=lo: shrink(lo, False) for lo in loras]), "", ""),
             ("shrink, u summed (rollout)", us([lambda lo=lo: shrink(lo, True) for lo in loras]), "", "")]
     for summed, regroup in kinds:

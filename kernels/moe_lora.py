@@ -44,14 +44,15 @@ from .lora import BLOCK_K, BLOCK_R, num_chunks, shrink_chunk
 from .lora_expand import EXPAND_RANK_BLOCK, rank_column, u_tile_kept
 from .lora_reference import CHUNK_K, lora_expand_reference, lora_shrink_reference, split_a
 from .moe_align import MoeLayout
+from .moe_lora_b import b_by_expert_triton
 
 ROWS = 16  # sorted rows per shrink and expand program: every layout's row block is a multiple
 EXPAND_BLOCK_N = 128
-# B copied by expert (`ExpertLora.b_by_expert`) from this many pairs an expert on average (4 row
-# tiles, each reading its expert's B): a tile of PEFT's layout reads 8 times its bytes in sectors
-# (an expert's ranks lie E values apart), the copy about as much once; `benchmarks/moe.py --lora 16`
-# and `lora.py --config qwen3-30b-a3b` measured both sides (docs/performance.md section 10)
-REGROUP_PAIRS_PER_EXPERT = 4 * ROWS
+# B copied by expert (`moe_lora_b.b_by_expert_triton`) from this many pairs an expert on average: a
+# tile of PEFT's layout reads 8 times its bytes in sectors (an expert's ranks lie E values apart),
+# the copy reads and writes B once; below one pair an expert most experts get no tile and the copy
+# would read B for them (`benchmarks/moe.py --lora 16`'s launch table, docs/performance.md section 10)
+REGROUP_PAIRS_PER_EXPERT = 1
 IDENTITY, GATE_FIRST_FROM_INTERLEAVED = 0, 1  # column -> B row maps of the expand
 
 
@@ -241,15 +242,14 @@ def copies_b(experts: int, pairs: int) -> bool:
 def expert_b_operand(lora: ExpertLora, experts: int, pairs: int,
                      regroup: bool | None = None) -> tuple[torch.Tensor, tuple[int, ...]]:
     """B as the expand reads it and its strides (expert, row, rank): copied by expert (`regroup`, by
-    default `copies_b`), else PEFT's tensor in place through `ExpertLora.b_view`'s strides. Both
-    hold the same values."""
+    default `copies_b`; `moe_lora_b.b_by_expert_triton`), else PEFT's tensor in place through
+    `ExpertLora.b_view`'s strides. Both hold the same values."""
     if regroup is None:
         regroup = copies_b(experts, pairs)
-    view = lora.b_view(experts)
     if regroup:
-        b = view.contiguous()
+        b = b_by_expert_triton(lora.b if lora.b.stride(1) == 1 else lora.b.contiguous(), experts)
         return b, b.stride()
-    return lora.b, view.stride()
+    return lora.b, lora.b_view(experts).stride()
 
 
 def moe_lora_shrink_triton(x: torch.Tensor, lora: ExpertLora, layout: MoeLayout, experts: int, top_k: int,

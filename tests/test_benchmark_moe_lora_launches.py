@@ -36,7 +36,7 @@ def test_launch_rows_time_each_launch_and_compare_the_b_operands_in_the_interpre
     rows = [line.split("|") for line in lines[:-1]]
     expands = [f"expand {of}, {b}" for of in ("of partials (training)", "of u (rollout)")
                for b in ("B in PEFT layout", "B copied (copy apart)")]
-    launches = ["base GEMM (peer)", "B copy by expert", "shrink, partials (training)", "shrink, u summed (rollout)",
+    launches = ["base GEMM (peer)", "B copy by expert", "B copy, torch's of the permuted view", "shrink, partials (training)", "shrink, u summed (rollout)",
                 *expands, "the rollout's launcher (shrink, expand, copy if picked)"]
     assert [r[:4] for r in rows] == [[t, per, tensor, launch] for t, per in (("3", "0.8"), ("40", "10.0"))
                                      for tensor in ("gate/up", "down") for launch in launches]

@@ -233,23 +233,6 @@ def test_adapter_b_by_expert_is_each_experts_b_in_peft_layout():
     assert torch.equal(lora.b_by_expert(experts), grouped + 1.0)
 
 
-def test_expand_reads_b_in_place_for_few_pairs_and_copied_by_expert_for_many():
-    """`expert_b_operand`: below `REGROUP_PAIRS_PER_EXPERT` pairs an expert on average, PEFT's B itself
-    with strides that read it by (expert, row, rank); from there on, `b_by_expert`'s copy. Both
-    read the same values."""
-    from vexact_models.kernels import ExpertLora
-    from vexact_models.kernels.moe_lora import REGROUP_PAIRS_PER_EXPERT, expert_b_operand
-
-    experts, rank, n = 6, 4, 5
-    lora = ExpertLora(torch.zeros(experts * rank, 8), torch.randn(n, rank * experts), 1.0)
-    want = lora.b_by_expert(experts)
-    few = REGROUP_PAIRS_PER_EXPERT * experts - 1
-    b, strides = expert_b_operand(lora, experts, few)
-    assert b is lora.b and torch.equal(b.as_strided(want.shape, strides), want)
-    b, strides = expert_b_operand(lora, experts, few + 1)
-    assert b.data_ptr() != lora.b.data_ptr() and torch.equal(b, want) and strides == want.stride()
-
-
 def test_launch_warps_takes_the_default_or_a_warp_count_triton_launches():
     from vexact_models.kernels._triton import launch_warps
 

@@ -24,7 +24,8 @@ from vexact_models.kernels.moe_backward import moe_math  # noqa: E402
 from vexact_models.kernels import moe_lora  # noqa: E402
 from vexact_models.kernels.moe_config import DECODE, FEW_ROWS, LARGE, SMALL  # noqa: E402
 from vexact_models.kernels.moe_lora import (GATE_FIRST_FROM_INTERLEAVED, IDENTITY, ROWS, ExpertLora,  # noqa: E402
-                                            moe_lora_add_triton)
+                                            REGROUP_PAIRS_PER_EXPERT, expert_b_operand, moe_lora_add_triton)
+from vexact_models.kernels.moe_lora_b import b_by_expert_triton  # noqa: E402
 
 
 def close(a, b, tol):
@@ -212,3 +213,37 @@ def test_expand_is_the_reference_per_expert_and_the_rollout_skips_padding_tiles(
         lora_expand_reference(base[rows].cpu(), u[rows].cpu(), lora.expert_b(e, experts).cpu()[b_rows], None, (n,),
                               (lora.scaling,), want)
         assert torch.equal(trained[rows].cpu(), want.bfloat16()), e
+
+
+@pytest.mark.parametrize("experts, rank, n", [(128, 16, 40), (6, 4, 5), (40, 3, 9), (8, 64, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_b_by_expert_copy_is_torchs_copy_of_the_permuted_view(experts, rank, n, dtype):
+    """`b_by_expert_triton` gives `ExpertLora.b_by_expert`'s ``[E, N, r]`` bitwise, -0.0 and NaN
+    included, at ranks and expert counts that are and are not powers of two (blocks of 32 experts
+    and 128 values an expert, masked at the edges); a wrong layout is refused by name."""
+    b = torch.randn(n, rank * experts, device=DEVICE).to(dtype)
+    b[0, :3] = torch.tensor([-0.0, float("nan"), float("inf")])
+    lora = ExpertLora(torch.zeros(experts * rank, 8, device=DEVICE), b, 1.0)
+    got = b_by_expert_triton(b, experts)
+    assert got.shape == (experts, n, rank) and got.is_contiguous()
+    assert torch.equal(got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                       lora.b_by_expert(experts).view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+    with pytest.raises(ValueError, match=r"b_by_expert_triton: b \(\d+, \d+\) with strides .* experts=7"):
+        b_by_expert_triton(torch.zeros(n, 6 * 8, device=DEVICE), 7)
+
+
+def test_expand_reads_b_in_place_for_few_pairs_and_copied_by_expert_for_many():
+    """`expert_b_operand`: below `REGROUP_PAIRS_PER_EXPERT` pairs an expert on average, PEFT's B itself
+    with strides that read it by (expert, row, rank); from there on, a copy by expert
+    (`b_by_expert_triton`), made at each call (B changed in place is read again). Both read the
+    same values."""
+    experts, rank, n = 6, 4, 5
+    lora = ExpertLora(torch.zeros(experts * rank, 8, device=DEVICE), torch.randn(n, rank * experts, device=DEVICE), 1.0)
+    want = lora.b_by_expert(experts)
+    few = REGROUP_PAIRS_PER_EXPERT * experts - 1
+    b, strides = expert_b_operand(lora, experts, few)
+    assert b is lora.b and torch.equal(b.as_strided(want.shape, strides), want)
+    b, strides = expert_b_operand(lora, experts, few + 1)
+    assert b.data_ptr() != lora.b.data_ptr() and torch.equal(b, want) and strides == want.stride()
+    lora.b.add_(1.0)
+    assert torch.equal(expert_b_operand(lora, experts, few + 1)[0], want + 1.0)
