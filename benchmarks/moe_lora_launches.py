@@ -4,11 +4,13 @@ At Qwen3-30B-A3B's MoE layer (hidden 2048, 128 experts, top-8, expert intermedia
 uniformly random routing, bf16 rows, fp32 adapters in PEFT's layout: per token count and
 expert tensor (gate/up, down), the GPU microseconds in a CUDA graph (`bench_graph`, as a decode
 step replays them) of the tensor's base GEMM (the peer), the copy of B by expert
-(`moe_lora_b.b_by_expert_triton`; torch's copy of the permuted view beside it), both shrinks (the training forward's partials; the rollout's u, the
-partials added in the program), the four expands (of the partials or of u, each reading B in
-PEFT's layout and reading the copy), and the rollout's launcher as the layer runs it
-(`moe_lora_add_triton` without u kept: the summing shrink, the expand of u and the copy where
-`expert_b_operand` takes it, "picked"). The adapters rotate through copies that overflow the L2
+(`moe_lora_b.b_by_expert_triton`; torch's copy of the permuted view beside it), both shrinks
+(the training forward's partials; the rollout's u, the partials added in the program), the four
+expands (of the partials or of u, each reading B in PEFT's layout and reading the copy), and
+the rollout's launcher as the layer runs it in line (`moe_lora_add_triton` without u kept: the
+summing shrink, the expand of u and the copy where `expert_b_operand` takes it, "picked"; in
+the engine's captured steps the shrink and the copy run beside the base GEMM instead,
+`moe_lora_shrink_beside`). The adapters rotate through copies that overflow the L2
 cache, as each layer of a step reads its own. "bits" says whether the four expands' rows are
 bitwise equal (they must: the same values, products and sums).
 """

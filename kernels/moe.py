@@ -33,7 +33,8 @@ from .linear import linear_reference
 from .moe_activation import (PLAIN, ExpertForm, SwigluClamp, expert_activation, expert_activation_reference,
                              expert_activation_rows)
 from .moe_align import MoeLayout, moe_align
-from .moe_lora import GATE_FIRST_FROM_INTERLEAVED, IDENTITY, ExpertLora, moe_lora_add_reference, moe_lora_add_triton
+from .moe_lora import (GATE_FIRST_FROM_INTERLEAVED, IDENTITY, ExpertLora, moe_lora_add_reference, moe_lora_add_triton,
+                       moe_lora_shrink_beside)
 from .moe_backward import fused_moe_backward_reference, fused_moe_backward_triton
 from .moe_config import MoeConfig, k_tile, pick_config
 from .moe_grouped_gemm import combine, grouped_gemm, input_precision, tile_descriptor, weight_rows, weights_by_tma
@@ -194,14 +195,18 @@ def _forward_triton(x, gate_up, down, weights, ids, save_preact: bool, add: torc
     if form.gate_up_lora is None:
         act, preact = gate_up_act(x, gate_up, layout, top_k, cfg, save_preact, form)
     else:  # the products, their update (moe_lora.py), then the epilogue's activation
+        started = None if save_preact else moe_lora_shrink_beside(x, form.gate_up_lora, layout, experts, top_k, True)
         preact = gate_up_act(x, gate_up, layout, top_k, cfg, True, form, store_act=False)[1]
         u[0] = moe_lora_add_triton(preact, x, form.gate_up_lora, layout, experts, top_k, True,
-                                   GATE_FIRST_FROM_INTERLEAVED if form.interleaved else IDENTITY, save_preact)
+                                   GATE_FIRST_FROM_INTERLEAVED if form.interleaved else IDENTITY, save_preact, started)
         act = expert_activation_rows(preact, form.clamp, layout.block_expert, cfg.block_m)
+    started = None if form.down_lora is None or save_preact else \
+        moe_lora_shrink_beside(act, form.down_lora, layout, experts, top_k, False)
     y = grouped_gemm(act, down, layout, hidden, inter, down.stride(1), down.stride(2), x.dtype, cfg, down_tiles=True,
                      bias=form.down_bias)
     if form.down_lora is not None:
-        u[1] = moe_lora_add_triton(y, act, form.down_lora, layout, experts, top_k, False, IDENTITY, save_preact)
+        u[1] = moe_lora_add_triton(y, act, form.down_lora, layout, experts, top_k, False, IDENTITY, save_preact,
+                                   started)
     if add_ready is not None:  # `add` comes from another stream: the combine is its first reader
         torch.cuda.current_stream(x.device).wait_event(add_ready)
     out = combine(y, weights, layout, tokens, x.dtype, add)

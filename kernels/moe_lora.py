@@ -45,6 +45,7 @@ from .lora_expand import EXPAND_RANK_BLOCK, rank_column, u_tile_kept
 from .lora_reference import CHUNK_K, lora_expand_reference, lora_shrink_reference, split_a
 from .moe_align import MoeLayout
 from .moe_lora_b import b_by_expert_triton
+from .streams import LORA_SHRINK, begin_beside, forks_here
 
 ROWS = 16  # sorted rows per shrink and expand program: every layout's row block is a multiple
 EXPAND_BLOCK_N = 128
@@ -314,8 +315,31 @@ def moe_lora_expand_u_triton(base: torch.Tensor, u_t: torch.Tensor, lora: Expert
         **dependent_launch_kwargs(base.device))
 
 
+RolloutOperands = tuple[torch.Tensor, tuple[torch.Tensor, tuple[int, ...]]]  # u rank-major, B's operand
+
+
+def rollout_operands(x: torch.Tensor, lora: ExpertLora, layout: MoeLayout, experts: int, top_k: int,
+                     gather: bool) -> RolloutOperands:
+    """What the rollout's expand reads besides the base rows: u rank-major (the summing shrink) and
+    B as `expert_b_operand` picks it. Both read only the GEMM's input and the adapter."""
+    return (moe_lora_shrink_triton(x, lora, layout, experts, top_k, gather, skip_padding=True, sum_chunks=True),
+            expert_b_operand(lora, experts, layout.num_pairs))
+
+
+def moe_lora_shrink_beside(x: torch.Tensor, lora: ExpertLora, layout: MoeLayout, experts: int, top_k: int,
+                           gather: bool) -> tuple[RolloutOperands, torch.cuda.Event] | None:
+    """`rollout_operands` begun on the side stream (`streams.begin_beside`), to run beside the expert
+    tensor's base GEMM, which reads the same input, while a CUDA graph is being captured without
+    autograd (`streams.forks_here`); `moe_lora_add_triton`'s ``started`` takes the result. None
+    elsewhere, and with ``VEXACT_LORA_SHRINK=inline`` (the launcher then runs them in line)."""
+    if LORA_SHRINK.mode() == "inline" or not forks_here(x):
+        return None
+    return begin_beside(lambda: rollout_operands(x, lora, layout, experts, top_k, gather), x.device)
+
+
 def moe_lora_add_triton(base: torch.Tensor, x: torch.Tensor, lora: ExpertLora, layout: MoeLayout, experts: int,
-                        top_k: int, gather: bool, columns: int = IDENTITY, keep_u: bool = False) -> torch.Tensor | None:
+                        top_k: int, gather: bool, columns: int = IDENTITY, keep_u: bool = False,
+                        started: tuple[RolloutOperands, torch.cuda.Event] | None = None) -> torch.Tensor | None:
     """Add the adapter's update to the sorted rows `base` ``[P, N]`` in place: the shrink
     (`moe_lora_shrink_triton`), then the expand with B as `expert_b_operand` picks it. The training
     forward (`keep_u`) keeps the shrink's partials and its expand (`moe_lora_expand_triton`) adds
@@ -329,15 +353,23 @@ def moe_lora_add_triton(base: torch.Tensor, x: torch.Tensor, lora: ExpertLora, l
         columns: `IDENTITY`, or `GATE_FIRST_FROM_INTERLEAVED` (gate-first base over interleaved B rows).
         keep_u: also return u ``[P, r]`` fp32 (the backward's); else None, and tiles of padding rows
             alone are skipped.
+        started: without `keep_u`, u and B begun on the side stream (`moe_lora_shrink_beside`): the
+            current stream waits for them, then expands.
     """
-    b_operand = expert_b_operand(lora, experts, layout.num_pairs)
     if not keep_u:
-        u_t = moe_lora_shrink_triton(x, lora, layout, experts, top_k, gather, skip_padding=True, sum_chunks=True)
+        if started is None:
+            u_t, b_operand = rollout_operands(x, lora, layout, experts, top_k, gather)
+        else:
+            (u_t, b_operand), ready = started
+            torch.cuda.current_stream(base.device).wait_event(ready)
         moe_lora_expand_u_triton(base, u_t, lora, layout, experts, columns, b_operand)
         return None
+    if started is not None:
+        raise ValueError("moe_lora_add_triton: started (the rollout's operands) was given with keep_u=True")
     partials = moe_lora_shrink_triton(x, lora, layout, experts, top_k, gather, skip_padding=False)
     u = torch.empty(base.shape[0], lora.rank(experts), device=x.device, dtype=torch.float32)
-    moe_lora_expand_triton(base, partials, lora, layout, experts, columns, u, b_operand)
+    moe_lora_expand_triton(base, partials, lora, layout, experts, columns, u,
+                           expert_b_operand(lora, experts, layout.num_pairs))
     return u
 
 

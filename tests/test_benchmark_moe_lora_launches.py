@@ -25,9 +25,10 @@ print("calls", *calls)
 
 
 def test_launch_rows_time_each_launch_and_compare_the_b_operands_in_the_interpreter():
-    """Per token count and expert tensor: the base GEMM, B's copy, both shrinks, the four expands
-    (of the partials and of u, each with both B operands: their rows bitwise equal), the launcher; "picked" marks the operand the launcher
-    takes at that many pairs an expert; one function timed per adapter copy (one on CPU)."""
+    """Per token count and expert tensor: the base GEMM, B's two copies, both shrinks, the four
+    expands (of the partials and of u, each with both B operands: their rows bitwise equal), the
+    launcher; "picked" marks the rollout's operand at that many pairs an expert; one function
+    timed per adapter copy (one on CPU)."""
     env = dict(os.environ, TRITON_INTERPRET="1", VEXACT_BACKEND="triton", CUDA_VISIBLE_DEVICES="")
     run = subprocess.run([sys.executable, "-c", ROWS_ON_CPU], cwd=BENCHMARKS, capture_output=True, text=True,
                          timeout=600, env=env)
@@ -36,8 +37,9 @@ def test_launch_rows_time_each_launch_and_compare_the_b_operands_in_the_interpre
     rows = [line.split("|") for line in lines[:-1]]
     expands = [f"expand {of}, {b}" for of in ("of partials (training)", "of u (rollout)")
                for b in ("B in PEFT layout", "B copied (copy apart)")]
-    launches = ["base GEMM (peer)", "B copy by expert", "B copy, torch's of the permuted view", "shrink, partials (training)", "shrink, u summed (rollout)",
-                *expands, "the rollout's launcher (shrink, expand, copy if picked)"]
+    launches = ["base GEMM (peer)", "B copy by expert", "B copy, torch's of the permuted view",
+                "shrink, partials (training)", "shrink, u summed (rollout)", *expands,
+                "the rollout's launcher (shrink, expand, copy if picked)"]
     assert [r[:4] for r in rows] == [[t, per, tensor, launch] for t, per in (("3", "0.8"), ("40", "10.0"))
                                      for tensor in ("gate/up", "down") for launch in launches]
     assert all(r[4] == "2.0" for r in rows)

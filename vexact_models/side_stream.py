@@ -46,25 +46,13 @@ import torch
 from torch import nn
 
 from vexact_models.kernels import KernelSwitch, current_backend, lora_partials
+from vexact_models.kernels import LORA_SHRINK, begin_beside, side_stream
 
 __all__ = ["LORA_SHRINK", "SHARED_EXPERTS", "beside", "joined", "shrink_beside", "side_stream"]
 
 #: ``VEXACT_SHARED_EXPERTS``: ``side`` (the default: the shared experts beside the routed ones, where
 #: `beside` may) or ``inline`` (one stream, one kernel after the other)
 SHARED_EXPERTS = KernelSwitch("VEXACT_SHARED_EXPERTS", ("side", "inline"), "side", "shared experts' placement")
-#: ``VEXACT_LORA_SHRINK``: ``side`` (the default: a LoRA group's shrink beside its base GEMM, where
-#: `shrink_beside` may) or ``inline``
-LORA_SHRINK = KernelSwitch("VEXACT_LORA_SHRINK", ("side", "inline"), "side", "LoRA shrinks' placement")
-
-_streams: dict[int, torch.cuda.Stream] = {}
-
-
-def side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The side stream of CUDA `device`, one per device for the process (created on first use)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _streams:
-        _streams[index] = torch.cuda.Stream(device=index)
-    return _streams[index]
 
 
 def _records_autograd(module: nn.Module, x: torch.Tensor) -> bool:
@@ -84,19 +72,7 @@ def beside(module: nn.Module, x: torch.Tensor,
     if (SHARED_EXPERTS.mode() == "inline" or not x.is_cuda or not torch.cuda.is_current_stream_capturing()
             or _records_autograd(module, x)):
         return call(x), None
-    return _fork(lambda: call(x), x.device)
-
-
-def _fork(work, device: torch.device) -> tuple[torch.Tensor, torch.cuda.Event]:
-    """`work()` on the side stream of `device`, started where the current stream is now, and the
-    event its result is ready at."""
-    side = side_stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        out = work()
-        ready = torch.cuda.Event()
-        ready.record(side)
-    return out, ready
+    return begin_beside(lambda: call(x), x.device)
 
 
 def shrink_beside(x: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event] | None:
@@ -107,7 +83,7 @@ def shrink_beside(x: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch
     if (LORA_SHRINK.mode() == "inline" or not x.is_cuda or not torch.cuda.is_current_stream_capturing()
             or torch.is_grad_enabled() or current_backend(x.device) != "triton"):
         return None
-    return _fork(lambda: lora_partials(x, a), x.device)
+    return begin_beside(lambda: lora_partials(x, a), x.device)
 
 
 def joined(started: tuple[torch.Tensor, torch.cuda.Event] | None) -> torch.Tensor | None:
