@@ -14,14 +14,25 @@ instead, with `kernels.lora`'s arithmetic per row (the same steps, the same cons
    product rounded before it is added (FMA contraction off, as in `kernels.lora`'s expand);
 3. ``out = round(float(base) + acc * scaling)``: the base output (bias included) plus the update.
 
-Two launches per adapted GEMM: the shrink's partials over tiles of `ROWS` sorted rows (every row
-block of a layout is a multiple of it, so a tile holds one expert's rows), then the expand, in
-place on the base rows, which adds the partials itself as it reads u (training also stores u for
-the backward), a block of ranks of u and B at a time read as tiles and walked in registers
-(`lora_expand.u_tile_kept`, `lora_expand.rank_column`). Where experts get many rows, B is copied
-by expert first (`expert_b_operand`): in PEFT's layout an expert's ranks lie E values apart, so that
-each value of a B tile is a 32-byte sector of its own. Outside the training forward (no u kept),
-a tile of padding rows alone (an expert's segment past its last pair) is skipped by both.
+Two launches per adapted GEMM, the shrink over tiles of `ROWS` sorted rows (every row block of
+a layout is a multiple of it, so a tile holds one expert's rows), then the expand in place on the
+base rows, in one of two forms with the same products and sums:
+- the training forward's: the shrink stores its K chunks' partials; the expand adds them as it
+  reads u and stores u for the backward, a block of ranks of u and B at a time read as tiles and
+  walked in registers (`lora_expand.u_tile_kept`, `lora_expand.rank_column`);
+- the rollout's (no u kept): the shrink adds its chunks' partials itself, in chunk order, and
+  stores u rank-major ``[r, P]`` (`SUM_CHUNKS`); the expand's rank loop is unrolled and loads
+  each rank's u row and B column (`_moe_lora_expand_u_kernel`), so no column is picked out of a
+  tile (0.7-0.9x the other's time with the same B, `benchmarks/moe.py --lora 16`'s launch
+  table). Tiles of padding rows alone (an expert's segment past its last pair) are skipped by
+  both launches. In a CUDA-graph capture without autograd the shrink and B's copy begin on the
+  side stream beside the expert GEMM, which reads the same input (`moe_lora_shrink_beside`,
+  `kernels/streams.py`).
+
+From one pair an expert on average B is copied by expert first (`expert_b_operand`,
+`moe_lora_b.py`): in PEFT's layout an expert's ranks lie E values apart, so that each value of a B
+tile is a 32-byte sector of its own.
+
 Invariance contract: a row's result depends on its own row, its expert's adapter and its base
 row only (fixed tiles, K chunks that depend on K only, an element-wise expand), so a pair's bits
 are the same whatever its expert's load or the batch (`conformance/kernel_invariance.py --only moe`);
