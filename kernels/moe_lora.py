@@ -164,6 +164,19 @@ def _moe_lora_shrink_kernel(x_ptr, a_ptr, p_ptr, sorted_pairs_ptr, block_expert_
     tl.store(out, acc, mask=rank_ok[None, :])
 
 
+@triton.jit
+def _expert_b_rows(b_ptr, expert, cols, N, stride_be, stride_bn, COLUMNS: tl.constexpr):
+    """Pointers to expert `expert`'s B row of each base column in `cols` (rank 0): the column itself,
+    or with `GATE_FIRST_FROM_INTERLEAVED` gate columns first over interleaved B rows (gate n at
+    2n, up n at 2n + 1)."""
+    if COLUMNS == 1:
+        half = N // 2
+        b_rows = tl.where(cols < half, 2 * cols, 2 * (cols - half) + 1)
+    else:
+        b_rows = cols
+    return b_ptr + expert * stride_be + b_rows.to(tl.int64) * stride_bn
+
+
 @triton.jit(do_not_specialize=["P", "num_pairs"])
 def _moe_lora_expand_kernel(base_ptr, p_ptr, b_ptr, u_ptr, block_expert_ptr, sorted_pairs_ptr, num_pairs, P, N, R, S,
                             scaling, stride_base, stride_be, stride_bn, stride_br, BLOCK_EXPERT_ROWS: tl.constexpr,
@@ -185,12 +198,7 @@ def _moe_lora_expand_kernel(base_ptr, p_ptr, b_ptr, u_ptr, block_expert_ptr, sor
             return
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    if COLUMNS == 1:  # gate columns first over interleaved B rows (gate n at 2n, up n at 2n + 1)
-        half = N // 2
-        b_rows = tl.where(cols < half, 2 * cols, 2 * (cols - half) + 1)
-    else:
-        b_rows = cols
-    b_ptrs = b_ptr + expert * stride_be + b_rows.to(tl.int64) * stride_bn
+    b_ptrs = _expert_b_rows(b_ptr, expert, cols, N, stride_be, stride_bn, COLUMNS)
     step = P.to(tl.int64) * R
     p_rows = p_ptr + rows * R
     row_ok = rows < P  # every row of the grid (the padded sorted rows)
@@ -229,12 +237,7 @@ def _moe_lora_expand_u_kernel(base_ptr, u_ptr, b_ptr, block_expert_ptr, sorted_p
     col_ok = cols < N
     ptrs = base_ptr + rows[:, None] * stride_base + cols[None, :]
     base = tl.load(ptrs, mask=col_ok[None, :], other=0.0)  # in flight beside the rank loop's loads
-    if COLUMNS == 1:  # gate columns first over interleaved B rows (gate n at 2n, up n at 2n + 1)
-        half = N // 2
-        b_rows = tl.where(cols < half, 2 * cols, 2 * (cols - half) + 1)
-    else:
-        b_rows = cols
-    b_ptrs = b_ptr + expert * stride_be + b_rows.to(tl.int64) * stride_bn
+    b_ptrs = _expert_b_rows(b_ptr, expert, cols, N, stride_be, stride_bn, COLUMNS)
     u_rows = u_ptr + tl.max_contiguous(tl.multiple_of(rows, BLOCK_M), BLOCK_M)
     u_step = tl.multiple_of(P.to(tl.int64), BLOCK_M)  # P: a multiple of every layout's row block
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
