@@ -16,7 +16,7 @@ Usage: python benchmarks/moe.py [--sweep | --decode 64,128,256 | --lora 16]
           and beside PEFT's way (each expert's effective weight ``W + s B A`` rebuilt by
           ``baddbmm`` every call, then fused_moe), forward and forward + backward (host
           launches: at 64-256 tokens the host's time shows); then the adapters' launches one by
-          one in CUDA graphs at 32, 256 and 4096 tokens beside the base GEMMs
+          one in CUDA graphs at 8, 32, 256 and 4096 tokens beside the base GEMMs
           (moe_lora_launches.py).
 """
 
@@ -250,7 +250,7 @@ def main(argv=None) -> int:
         lora_table(args.lora)
         table(f"the experts' LoRA r={args.lora} launch by launch (GPU us in a CUDA graph; moe_lora_launches.py)",
               ["tokens", "pairs an expert", "tensor", "launch", "us", "bits == other B operand", "picked"],
-              launch_rows(args.lora, [32, 256, 4096]))
+              launch_rows(args.lora, [8, 32, 256, 4096]))
         return 0
     from vexact_models.kernels.moe import fused_moe
 
