@@ -47,11 +47,11 @@ else:
     from .sampling import sample_tokens
     from .sigmoid_gate import sigmoid_gate
     from .silu_and_mul import silu_and_mul
-    from .streams import LORA_SHRINK, begin_beside, side_stream
+    from .streams import LORA_SHRINK, begin_beside, forks_here, side_stream
     from .token_logprobs import lm_head_logits, token_logprobs
 
     __all__ = [
-        "BACKENDS", "GATED_DELTA_CHUNK", "GatedDeltaRollout", "LORA_SHRINK", "begin_beside", "side_stream",
+        "BACKENDS", "GATED_DELTA_CHUNK", "GatedDeltaRollout", "LORA_SHRINK", "begin_beside", "forks_here", "side_stream",
         "KernelSwitch", "PagedLayout", "UnsupportedError", "add_rms_norm", "apply_rotary", "attention",
         "attention_forward_mode", "attention_packed", "causal_conv1d", "checkpoint_saving_context", "conv_state_update",
         "current_backend", "deinterleave", "ExpertLora",

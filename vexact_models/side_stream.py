@@ -45,8 +45,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from vexact_models.kernels import KernelSwitch, current_backend, lora_partials
-from vexact_models.kernels import LORA_SHRINK, begin_beside, side_stream
+from vexact_models.kernels import (LORA_SHRINK, KernelSwitch, begin_beside, current_backend, forks_here, lora_partials,
+                                   side_stream)
 
 __all__ = ["LORA_SHRINK", "SHARED_EXPERTS", "beside", "joined", "shrink_beside", "side_stream"]
 
@@ -80,8 +80,7 @@ def shrink_beside(x: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch
     `kernels.lora_add`'s ``partials`` takes) started on the side stream, while a CUDA graph is being
     captured with autograd off and the Triton backend; `joined` hands it to the expand. None
     elsewhere (the caller's `lora_add` runs the shrink in line), and with ``VEXACT_LORA_SHRINK=inline``."""
-    if (LORA_SHRINK.mode() == "inline" or not x.is_cuda or not torch.cuda.is_current_stream_capturing()
-            or torch.is_grad_enabled() or current_backend(x.device) != "triton"):
+    if LORA_SHRINK.mode() == "inline" or not forks_here(x) or current_backend(x.device) != "triton":
         return None
     return begin_beside(lambda: lora_partials(x, a), x.device)
 
