@@ -247,3 +247,25 @@ def test_expand_reads_b_in_place_for_few_pairs_and_copied_by_expert_for_many():
     assert b.data_ptr() != lora.b.data_ptr() and torch.equal(b, want) and strides == want.stride()
     lora.b.add_(1.0)
     assert torch.equal(expert_b_operand(lora, experts, few + 1)[0], want + 1.0)
+
+
+@pytest.mark.parametrize("hidden", [CHUNK_K - 64, 3 * CHUNK_K + 70])  # one chunk; four, the last ragged
+def test_the_summing_shrink_is_the_partials_added_in_chunk_order(hidden):
+    """The rollout's shrink (`sum_chunks`) stores u rank-major ``[r, P]``, bitwise the training
+    shrink's partials added in chunk order (``((p0 + p1) + p2) + p3``), on every pair's row."""
+    from vexact_models.kernels.moe_lora import moe_lora_shrink_triton
+
+    experts, inter, rank, tokens, top_k = 4, 16, 4, 20, 2
+    x = torch.randn(tokens, hidden, device=DEVICE).bfloat16()
+    _, _, _, lora, _ = experts_and_adapters(experts, hidden, inter, rank, torch.bfloat16)
+    ids = torch.randint(0, experts, (tokens, top_k), device=DEVICE)
+    layout = moe_align(ids, experts, SMALL.block_m)
+    layout.config = SMALL
+    partials = moe_lora_shrink_triton(x, lora, layout, experts, top_k, True, False)
+    u_t = moe_lora_shrink_triton(x, lora, layout, experts, top_k, True, True, sum_chunks=True)
+    assert partials.shape[0] == -(-hidden // CHUNK_K) and u_t.shape == (rank, partials.shape[1])
+    want = partials[0].clone()
+    for p in partials[1:]:
+        want += p
+    pos = layout.pair_pos
+    assert torch.equal(u_t.t()[pos], want[pos])
