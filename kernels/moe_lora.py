@@ -101,10 +101,11 @@ class ExpertLora:
         return self.b.unflatten(1, (self.rank(experts), experts)).permute(2, 0, 1)
 
     def b_by_expert(self, experts: int) -> torch.Tensor:
-        """`b_view` copied contiguous: expert e's B in one block, each row's r ranks side by side, so
-        that the expand reads a tile of it in whole sectors. One copy, made at each call, so that it
-        is B as it is now (an optimizer step or a weight update changes B in place, also between
-        CUDA-graph replays)."""
+        """`b_view` copied contiguous by torch: expert e's B in one block, each row's r ranks side by
+        side, so that the expand reads a tile of it in whole sectors. The reference of the launch
+        the expand's operand comes from (`moe_lora_b.b_by_expert_triton`, `expert_b_operand`),
+        which is made at each call so that it is B as it is now (an optimizer step or a weight
+        update changes B in place, also between CUDA-graph replays)."""
         return self.b_view(experts).contiguous()
 
     def check(self, name: str, experts: int, k: int, n: int, x: torch.Tensor) -> None:
@@ -185,8 +186,9 @@ def _moe_lora_expand_kernel(base_ptr, p_ptr, b_ptr, u_ptr, block_expert_ptr, sor
                             PDL: tl.constexpr = False):
     """``base[rows] = round(base + (u B_e^T) * scaling)`` in place, u the sum of the shrink's `S`
     partials ``p[S, P, R]`` in chunk order, expert e's B at ``b + e * stride_be`` (PEFT's layout or
-    `ExpertLora.b_by_expert`'s: the same values); with `WRITE_U` the first N tile's programs store u ``[P, R]``
-    (the backward's). With `SKIP_PADDING` a tile of padding rows alone is left as it is."""
+    `expert_b_operand`'s copy by expert: the same values); with `WRITE_U` the first N tile's
+    programs store u ``[P, R]`` (the backward's). With `SKIP_PADDING` a tile of padding rows alone
+    is left as it is."""
     wait_for_inputs(PDL)
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // BLOCK_EXPERT_ROWS).to(tl.int64)
