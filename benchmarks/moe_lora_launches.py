@@ -4,7 +4,7 @@ At Qwen3-30B-A3B's MoE layer (hidden 2048, 128 experts, top-8, expert intermedia
 uniformly random routing, bf16 rows, fp32 adapters in PEFT's layout: per token count and
 expert tensor (gate/up, down), the GPU microseconds in a CUDA graph (`bench_graph`, as a decode
 step replays them) of the tensor's base GEMM (the peer), the copy of B by expert
-(`moe_lora_b.b_by_expert_triton`; torch's copy of the permuted view beside it), both shrinks
+(`expert_lora.b_by_expert_triton`; torch's copy of the permuted view beside it), both shrinks
 (the training forward's partials; the rollout's u, the partials added in the program), the four
 expands (of the partials or of u, each reading B in PEFT's layout and reading the copy), and
 the rollout's launcher as the layer runs it in line (`moe_lora_add_triton` without u kept: the
@@ -38,11 +38,9 @@ def _tensor_rows(us, base: torch.Tensor, rows_in: torch.Tensor, gather: bool, lo
     """One expert tensor's rows ``(launch, us, bits, picked)``: `base` its base GEMM's sorted rows,
     `rows_in` the GEMM's input (tokens, `gather`, or the sorted rows), `loras` the adapter's copies,
     `picked` whether the launcher copies B at this call; `us` times a list of functions."""
-    from vexact_models.kernels.moe_lora import (IDENTITY, expert_b_operand, moe_lora_add_triton,
-                                                moe_lora_expand_triton, moe_lora_expand_u_triton,
-                                                moe_lora_shrink_triton)
-
-    from vexact_models.kernels.moe_lora_b import b_by_expert_triton
+    from vexact_models.kernels.expert_lora import b_by_expert_triton, expert_b_operand
+    from vexact_models.kernels.moe_lora import (IDENTITY, moe_lora_add_triton, moe_lora_expand_triton,
+                                                moe_lora_expand_u_triton, moe_lora_shrink_triton)
 
     experts = layout.expert_offsets.shape[0] - 1
 
@@ -93,7 +91,7 @@ def launch_rows(rank: int, token_counts: list[int], device: str = "cuda", graph_
     from vexact_models.kernels.moe_activation import expert_activation_rows
     from vexact_models.kernels.moe_config import pick_config
     from vexact_models.kernels.moe_grouped_gemm import grouped_gemm
-    from vexact_models.kernels.moe_lora import copies_b
+    from vexact_models.kernels.expert_lora import copies_b
 
     graph_timer = graph_timer or bench_graph
 

@@ -38,7 +38,7 @@ else:
     from .lora import lora_add, lora_partials
     from .moe import fused_moe
     from .moe_activation import SwigluClamp
-    from .moe_lora import ExpertLora
+    from .expert_lora import ExpertLora
     from .moe_routing import softmax_topk
     from .rms_norm import add_rms_norm, rms_norm
     from .rotary import apply_rotary, deinterleave, rope_table

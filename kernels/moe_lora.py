@@ -30,7 +30,7 @@ base rows, in one of two forms with the same products and sums:
   `kernels/streams.py`).
 
 From one pair an expert on average B is copied by expert first (`expert_b_operand`,
-`moe_lora_b.py`): in PEFT's layout an expert's ranks lie E values apart, so that each value of a B
+`expert_lora.py`): in PEFT's layout an expert's ranks lie E values apart, so that each value of a B
 tile is a 32-byte sector of its own.
 
 Invariance contract: a row's result depends on its own row, its expert's adapter and its base
@@ -45,8 +45,6 @@ interleave them (gate row n at 2n): `GATE_FIRST_FROM_INTERLEAVED` maps a preact 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ._triton import require_triton, tl, triton
@@ -54,71 +52,13 @@ from .dependent_launch import dependent_launch_kwargs, wait_for_inputs
 from .lora import BLOCK_K, BLOCK_R, num_chunks, shrink_chunk
 from .lora_expand import EXPAND_RANK_BLOCK, rank_column, u_tile_kept
 from .lora_reference import CHUNK_K, lora_expand_reference, lora_shrink_reference, split_a
+from .expert_lora import ExpertLora, expert_b_operand, expert_b_rows
 from .moe_align import MoeLayout
-from .moe_lora_b import b_by_expert_triton
 from .streams import LORA_SHRINK, begin_beside, forks_here
 
 ROWS = 16  # sorted rows per shrink and expand program: every layout's row block is a multiple
 EXPAND_BLOCK_N = 128
-# B copied by expert (`moe_lora_b.b_by_expert_triton`) from this many pairs an expert on average: a
-# tile of PEFT's layout reads 8 times its bytes in sectors (an expert's ranks lie E values apart),
-# the copy reads and writes B once; below one pair an expert most experts get no tile and the copy
-# would read B for them (`benchmarks/moe.py --lora 16`'s launch table, docs/performance.md section 10)
-REGROUP_PAIRS_PER_EXPERT = 1
 IDENTITY, GATE_FIRST_FROM_INTERLEAVED = 0, 1  # column -> B row maps of the expand
-
-
-@dataclass(frozen=True)
-class ExpertLora:
-    """One adapter of a fused expert tensor, in PEFT's ``ParamWrapper`` layout.
-
-    Attributes:
-        a: ``[E * r, K]`` (expert e's A is rows ``e*r .. e*r + r - 1``), fp32 or x's dtype.
-        b: ``[N, r * E]`` (expert e's B column j is column ``j * E + e``).
-        scaling: PEFT's ``lora_alpha / r`` (or rsLoRA's).
-    """
-
-    a: torch.Tensor
-    b: torch.Tensor
-    scaling: float
-
-    def rank(self, experts: int) -> int:
-        """The adapter's rank r over `experts` experts."""
-        return self.a.shape[0] // experts
-
-    def expert_a(self, expert: int, experts: int) -> torch.Tensor:
-        """Expert `expert`'s A, ``[r, K]``."""
-        r = self.rank(experts)
-        return self.a[expert * r:(expert + 1) * r]
-
-    def expert_b(self, expert: int, experts: int) -> torch.Tensor:
-        """Expert `expert`'s B, ``[N, r]``."""
-        return self.b[:, expert::experts]
-
-    def b_view(self, experts: int) -> torch.Tensor:
-        """B indexed ``[E, N, r]`` (expert, row, rank): a view of PEFT's tensor, whose experts' values
-        of a rank lie side by side."""
-        return self.b.unflatten(1, (self.rank(experts), experts)).permute(2, 0, 1)
-
-    def b_by_expert(self, experts: int) -> torch.Tensor:
-        """`b_view` copied contiguous by torch: expert e's B in one block, each row's r ranks side by
-        side, so that the expand reads a tile of it in whole sectors. The reference of the launch
-        the expand's operand comes from (`moe_lora_b.b_by_expert_triton`, `expert_b_operand`),
-        which is made at each call so that it is B as it is now (an optimizer step or a weight
-        update changes B in place, also between CUDA-graph replays)."""
-        return self.b_view(experts).contiguous()
-
-    def check(self, name: str, experts: int, k: int, n: int, x: torch.Tensor) -> None:
-        """ValueError naming `name` when the adapter does not fit an ``[E, N, K]`` expert tensor."""
-        a, b = self.a, self.b
-        if a.dim() != 2 or b.dim() != 2 or a.shape[0] % experts or a.shape[0] == 0 or a.shape[1] != k \
-                or tuple(b.shape) != (n, a.shape[0]):
-            raise ValueError(f"fused_moe: {name}: lora A {tuple(a.shape)} and B {tuple(b.shape)} do not fit {experts} "
-                             f"experts of [N={n}, K={k}] (want A [E * r, {k}] and B [{n}, r * E], PEFT's layout)")
-        for label, t in (("A", a), ("B", b)):
-            if t.device != x.device or t.dtype not in (torch.float32, x.dtype):
-                raise ValueError(f"fused_moe: {name}: lora {label} is {t.dtype} on {t.device}; want fp32 or "
-                                 f"{x.dtype} on {x.device} (like x)")
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -165,19 +105,6 @@ def _moe_lora_shrink_kernel(x_ptr, a_ptr, p_ptr, sorted_pairs_ptr, block_expert_
     tl.store(out, acc, mask=rank_ok[None, :])
 
 
-@triton.jit
-def _expert_b_rows(b_ptr, expert, cols, N, stride_be, stride_bn, COLUMNS: tl.constexpr):
-    """Pointers to expert `expert`'s B row of each base column in `cols` (rank 0): the column itself,
-    or with `GATE_FIRST_FROM_INTERLEAVED` gate columns first over interleaved B rows (gate n at
-    2n, up n at 2n + 1)."""
-    if COLUMNS == 1:
-        half = N // 2
-        b_rows = tl.where(cols < half, 2 * cols, 2 * (cols - half) + 1)
-    else:
-        b_rows = cols
-    return b_ptr + expert * stride_be + b_rows.to(tl.int64) * stride_bn
-
-
 @triton.jit(do_not_specialize=["P", "num_pairs"])
 def _moe_lora_expand_kernel(base_ptr, p_ptr, b_ptr, u_ptr, block_expert_ptr, sorted_pairs_ptr, num_pairs, P, N, R, S,
                             scaling, stride_base, stride_be, stride_bn, stride_br, BLOCK_EXPERT_ROWS: tl.constexpr,
@@ -200,7 +127,7 @@ def _moe_lora_expand_kernel(base_ptr, p_ptr, b_ptr, u_ptr, block_expert_ptr, sor
             return
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    b_ptrs = _expert_b_rows(b_ptr, expert, cols, N, stride_be, stride_bn, COLUMNS)
+    b_ptrs = expert_b_rows(b_ptr, expert, cols, N, stride_be, stride_bn, COLUMNS)
     step = P.to(tl.int64) * R
     p_rows = p_ptr + rows * R
     row_ok = rows < P  # every row of the grid (the padded sorted rows)
@@ -239,7 +166,7 @@ def _moe_lora_expand_u_kernel(base_ptr, u_ptr, b_ptr, block_expert_ptr, sorted_p
     col_ok = cols < N
     ptrs = base_ptr + rows[:, None] * stride_base + cols[None, :]
     base = tl.load(ptrs, mask=col_ok[None, :], other=0.0)  # in flight beside the rank loop's loads
-    b_ptrs = _expert_b_rows(b_ptr, expert, cols, N, stride_be, stride_bn, COLUMNS)
+    b_ptrs = expert_b_rows(b_ptr, expert, cols, N, stride_be, stride_bn, COLUMNS)
     u_rows = u_ptr + tl.max_contiguous(tl.multiple_of(rows, BLOCK_M), BLOCK_M)
     u_step = tl.multiple_of(P.to(tl.int64), BLOCK_M)  # P: a multiple of every layout's row block
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -248,25 +175,6 @@ def _moe_lora_expand_u_kernel(base_ptr, u_ptr, b_ptr, block_expert_ptr, sorted_p
         bj = tl.load(b_ptrs + j * stride_br, mask=col_ok, other=0.0).to(tl.float32)
         acc += uj[:, None] * bj[None, :]
     tl.store(ptrs, (base.to(tl.float32) + acc * scaling).to(base_ptr.dtype.element_ty), mask=col_ok[None, :])
-
-
-def copies_b(experts: int, pairs: int) -> bool:
-    """Whether the launcher copies B by expert for `pairs` over `experts`: from
-    `REGROUP_PAIRS_PER_EXPERT` pairs an expert on average."""
-    return pairs >= REGROUP_PAIRS_PER_EXPERT * experts
-
-
-def expert_b_operand(lora: ExpertLora, experts: int, pairs: int,
-                     regroup: bool | None = None) -> tuple[torch.Tensor, tuple[int, ...]]:
-    """B as the expand reads it and its strides (expert, row, rank): copied by expert (`regroup`, by
-    default `copies_b`; `moe_lora_b.b_by_expert_triton`), else PEFT's tensor in place through
-    `ExpertLora.b_view`'s strides. Both hold the same values."""
-    if regroup is None:
-        regroup = copies_b(experts, pairs)
-    if regroup:
-        b = b_by_expert_triton(lora.b if lora.b.stride(1) == 1 else lora.b.contiguous(), experts)
-        return b, b.stride()
-    return lora.b, lora.b_view(experts).stride()
 
 
 def moe_lora_shrink_triton(x: torch.Tensor, lora: ExpertLora, layout: MoeLayout, experts: int, top_k: int,

@@ -10,8 +10,8 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 ROWS_ON_CPU = """
 import moe_lora_launches
-from vexact_models.kernels import moe_lora
-moe_lora.REGROUP_PAIRS_PER_EXPERT = 4  # 3 tokens: B in place; 40 tokens: B copied
+from vexact_models.kernels import expert_lora
+expert_lora.REGROUP_PAIRS_PER_EXPERT = 4  # 3 tokens: B in place; 40 tokens: B copied
 calls = []
 def clock(fns):
     calls.append(len(fns))

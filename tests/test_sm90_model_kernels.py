@@ -142,7 +142,7 @@ def test_expert_lora_kernels_compile_for_hopper_without_spills(monkeypatch):
     from vexact_models.kernels.moe_activation import expert_activation_rows
     from vexact_models.kernels.moe_align import MoeLayout
     from vexact_models.kernels.moe_config import DECODE
-    from vexact_models.kernels import moe_lora
+    from vexact_models.kernels import expert_lora
     from vexact_models.kernels.moe_lora import GATE_FIRST_FROM_INTERLEAVED, IDENTITY, moe_lora_add_triton
 
     bf, rank, experts, hidden, inter, top_k, tokens = torch.bfloat16, 16, 128, 2048, 768, 8, 256
@@ -153,7 +153,7 @@ def test_expert_lora_kernels_compile_for_hopper_without_spills(monkeypatch):
     x, act = torch.zeros(tokens, hidden, dtype=bf), torch.zeros(rows, inter, dtype=bf)
     with compile_only() as kernels:
         for adapter_dtype, regroup in itertools.product((torch.float32, bf), (False, True)):
-            monkeypatch.setattr(moe_lora, "REGROUP_PAIRS_PER_EXPERT", 0 if regroup else 10 ** 9)
+            monkeypatch.setattr(expert_lora, "REGROUP_PAIRS_PER_EXPERT", 0 if regroup else 10 ** 9)
             gate_up = ExpertLora(torch.zeros(experts * rank, hidden, dtype=adapter_dtype),
                                  torch.zeros(2 * inter, rank * experts, dtype=adapter_dtype), 2.0)
             down = ExpertLora(torch.zeros(experts * rank, inter, dtype=adapter_dtype),

@@ -21,11 +21,12 @@ from vexact_models.kernels.lora_reference import lora_expand_reference  # noqa: 
 from vexact_models.kernels.moe import gate_up_act, moe_align  # noqa: E402
 from vexact_models.kernels.moe_activation import ExpertForm  # noqa: E402
 from vexact_models.kernels.moe_backward import moe_math  # noqa: E402
-from vexact_models.kernels import moe_lora  # noqa: E402
 from vexact_models.kernels.moe_config import DECODE, FEW_ROWS, LARGE, SMALL  # noqa: E402
+from vexact_models.kernels import expert_lora  # noqa: E402
+from vexact_models.kernels.expert_lora import (REGROUP_PAIRS_PER_EXPERT, b_by_expert_triton,  # noqa: E402
+                                               expert_b_operand)
 from vexact_models.kernels.moe_lora import (GATE_FIRST_FROM_INTERLEAVED, IDENTITY, ROWS, ExpertLora,  # noqa: E402
-                                            REGROUP_PAIRS_PER_EXPERT, expert_b_operand, moe_lora_add_triton)
-from vexact_models.kernels.moe_lora_b import b_by_expert_triton  # noqa: E402
+                                            moe_lora_add_triton, moe_lora_shrink_triton)
 
 
 def close(a, b, tol):
@@ -178,12 +179,12 @@ def test_the_grouped_shrink_is_the_dense_shrink_of_each_experts_rows():
 def test_expand_is_the_reference_per_expert_and_the_rollout_skips_padding_tiles(monkeypatch, regroup, columns,
                                                                               adapter_dtype):
     """The expand over the sorted rows, B read in PEFT's layout or copied by expert
-    (`moe_lora.expert_b_operand`), is bitwise the CPU reference's expand of the kept u, expert by
+    (`expert_lora.expert_b_operand`), is bitwise the CPU reference's expand of the kept u, expert by
     expert, B's rows in the base's column order. The
     rollout's launch (no u kept) gives every pair's row the same bits and leaves the tiles of
     padding rows alone as they were (their -0.0 stays), where the training forward's launch adds
     its zero update (their x rows are masked: u is zero) and turns -0.0 into +0.0."""
-    monkeypatch.setattr(moe_lora, "REGROUP_PAIRS_PER_EXPERT", 0 if regroup else 10 ** 9)
+    monkeypatch.setattr(expert_lora, "REGROUP_PAIRS_PER_EXPERT", 0 if regroup else 10 ** 9)
     experts, hidden, inter, rank, tokens, top_k = 8, CHUNK_K + 64, 24, 4, 21, 2
     n = 2 * inter
     x = torch.randn(tokens, hidden, device=DEVICE).bfloat16()
@@ -253,8 +254,6 @@ def test_expand_reads_b_in_place_for_few_pairs_and_copied_by_expert_for_many():
 def test_the_summing_shrink_is_the_partials_added_in_chunk_order(hidden):
     """The rollout's shrink (`sum_chunks`) stores u rank-major ``[r, P]``, bitwise the training
     shrink's partials added in chunk order (``((p0 + p1) + p2) + p3``), on every pair's row."""
-    from vexact_models.kernels.moe_lora import moe_lora_shrink_triton
-
     experts, inter, rank, tokens, top_k = 4, 16, 4, 20, 2
     x = torch.randn(tokens, hidden, device=DEVICE).bfloat16()
     _, _, _, lora, _ = experts_and_adapters(experts, hidden, inter, rank, torch.bfloat16)
