@@ -12,10 +12,17 @@ order, every operation rounded to fp32 on its own):
 
 The sums over dk are `row_sum.row_sum_halves` (halves added until one is left: fixed by logical
 position, not by the register layout), the l2 norm is ``x / sqrt(sum_dk(x * x) + 1e-6)`` by the
-same sums. The l2 norms and the scale run first, in a pass of their own over every row
+same sums. The walk launches with FMA contraction off, so each product is rounded before its sum
+as the steps say. With it on, the compiler (LLVM, in the PTX already) fused a product into the
+first add of a sum or into the update where the register layout let it, and the layout follows
+the walk's shape: at dk 16 the 8-column blocks (split halves) fused one product an element of the
+state and the lane-sum blocks two, and the final states differed in their last bits (sm_90
+compile and the H200, tests/triton_checks/check_gated_delta_rule.py; at dk 128 both fused two an
+element, by chance). The l2 norms and the scale run first, in a pass of their own over every row
 (`unit_rows`: fp32 q and k, each row alone), so the walk does not repeat them for every value block
 and value head of a key head (in the walk they were two thirds of a token's step: 1,476 SASS
-instructions at Qwen3.5's heads, 500 without; docs/performance.md section 5 has the timings). A
+instructions at Qwen3.5's heads, 500 without, in 16-column blocks with contraction on; with it
+off 442 in 8-column blocks and 635 in 16; docs/performance.md section 5 has the timings). A
 program owns one block of ``BV`` value columns (`walk_shape`) of one head of one segment and walks the segment's
 tokens in order with its block of the state in registers; no program reads another's data; it loads
 a token's rows while it computes the token before. So a token's output and the state after it
@@ -79,7 +86,8 @@ class RecurrentPlan:
 class WalkShape:
     """How the walk's work is cut: the value columns a program owns (its state block is
     ``[columns, dk]``) and the program's warps. A launch parameter only: every column's sums run
-    in the same order whatever program and warp hold it, so every shape gives the same bits
+    in the same order whatever program and warp hold it, and no product is contracted into an FMA
+    (the launch turns contraction off), so every shape gives the same bits
     (`benchmarks/gated_delta.py --walk-launches` compares them on the GPU)."""
 
     columns: int
@@ -226,7 +234,7 @@ def _launch_triton(q, k, v, g, beta, states, out, plan: RecurrentPlan, scale: fl
         v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         out.stride(0), out.stride(1), states.stride(0), states.stride(1), states.stride(2), HK=hk, HV=hv,
         NV=dv // bv, GROUP=hv // hk, DK=dk, BV=bv, LOG_DK=row_sum_levels(dk),
-        LANE_SUMS=bv >= 16 * shape.warps, num_warps=shape.warps,
+        LANE_SUMS=bv >= 16 * shape.warps, num_warps=shape.warps, enable_fp_fusion=False,
         **register_cap(dk, bv))
 
 

@@ -309,9 +309,13 @@ def test_triton_kernels_compile_for_hopper_on_cpu(monkeypatch, heads, dtype):
                 assert used.loop_instructions <= 600, used
 
 
-def test_every_walk_shape_compiles_for_hopper_without_spills(monkeypatch):
-    """Each of `WALK_SHAPES`' launch shapes, forced on a rollout step's walk at Qwen3.5's heads,
-    compiles for sm_90 with its warps, no dot and no spill (`register_cap` where the block fits it)."""
+@pytest.mark.parametrize("heads", [QWEN35_HEADS, (1, 2, 16, 64)])
+def test_every_walk_shape_compiles_for_hopper_without_spills_or_fmas(monkeypatch, heads):
+    """Each of `WALK_SHAPES`' launch shapes, forced on a rollout step's walk at Qwen3.5's heads and
+    at dk 16 (where the compiler contracted one product an element in the narrow shape and two in the
+    others while contraction was on), compiles for sm_90 with its warps, no dot, no spill
+    (`register_cap` where the block fits it) and no FMA: every product rounded on its own, so the
+    shapes compute alike."""
     pytest.importorskip("triton")
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from sm90_compile import compile_only, resources
@@ -319,8 +323,8 @@ def test_every_walk_shape_compiles_for_hopper_without_spills(monkeypatch):
     from vexact_models.kernels import gated_delta_recurrent as walk
     from vexact_models.kernels.gated_delta_step import StepPlan, plan_step
 
-    (q, k, v, g, beta), _ = make_inputs([1, 1], *QWEN35_HEADS, dtype=torch.bfloat16)
-    hv, dk, dv = QWEN35_HEADS[1:]
+    (q, k, v, g, beta), _ = make_inputs([1, 1], *heads, dtype=torch.bfloat16)
+    hv, dk, dv = heads[1:]
     pool, out = torch.zeros(3, hv, dk, dv), torch.empty(2, hv, dv, dtype=torch.bfloat16)
     step = StepPlan({n: torch.from_numpy(a) for n, a in plan_step([1, 0], [4, 0], [1, 1], 2, 2, 4).items()})
     shapes = [shape for _, shape in walk.WALK_SHAPES]
@@ -332,6 +336,8 @@ def test_every_walk_shape_compiles_for_hopper_without_spills(monkeypatch):
         used = resources(compiled[-1])
         assert compiled[-1].name == "_recurrent_kernel"
         assert (used.num_warps, used.mma, used.spill_bytes) == (shape.warps, "none", 0), (shape, used)
+        ptx = compiled[-1].asm["ptx"]
+        assert "fma" not in ptx and "mul.rn.f32" in ptx, shape
 
 
 def test_fold_chunks_lists_every_chunk_of_the_training_plan():
