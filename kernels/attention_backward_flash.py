@@ -38,7 +38,8 @@ sequence has as many keys as queries.
 
 Run to run: FA2 accumulates dQ with atomics, so dQ (not dK/dV) may differ in its last bits
 between two identical steps, where our Triton backward repeats bitwise; under
-``torch.use_deterministic_algorithms(True)`` torch runs FA2's deterministic dQ variant.
+``torch.use_deterministic_algorithms(True)`` torch runs FA2's deterministic dQ variant (not with
+``warn_only=True``, where torch only warns and keeps the atomics).
 
 Selecting it: `attention_backward_choice.py` (``VEXACT_ATTENTION_BACKWARD``; under ``auto`` it
 runs where neither cuDNN's nor FlashAttention-4's backward applies, before our Triton backward).
