@@ -154,3 +154,21 @@ def largest_loop(sass: str) -> int:
         if branch and start.get(branch.group(1), at + 1) <= at:  # a backward branch: its body is a loop
             longest = max(longest, at - start[branch.group(1)] + 1)
     return longest
+
+
+def fused_lines(ptx: str) -> set[tuple[str, int]]:
+    """The source lines, as (file name, line), whose operations the PTX computes with fused
+    multiply-adds (each ``fma.rn`` under the ``.loc`` before it; line 0 for code the compiler made
+    itself). Where contraction is on, the compiler fuses a product into an add where the register
+    layout lets it, and the layout follows the launch's tile: a kernel whose launch shapes must give
+    the same bits should fuse the same lines under each (the GDN walk's shapes once did not:
+    docs/design.md section 6b)."""
+    files = dict(re.findall(r'^\s*\.file\s+(\d+)\s+"([^"]+)"', ptx, flags=re.M))
+    where, found = None, set()
+    for line in ptx.splitlines():
+        loc = re.match(r"\s*\.loc\s+(\d+)\s+(\d+)\s", line)
+        if loc:
+            where = (os.path.basename(files.get(loc.group(1), loc.group(1))), int(loc.group(2)))
+        elif re.match(r"\s*fma\.rn", line) and where is not None:
+            found.add(where)
+    return found

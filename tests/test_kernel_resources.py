@@ -1,6 +1,6 @@
 """benchmarks/kernel_resources.py and sm90_compile.py: the attention kernels' launch candidates
-compiled for Hopper (sm_90) on the CPU, with ptxas's registers, spills and shared memory; the
-norm's tile layout compiled the same way."""
+compiled for Hopper (sm_90) on the CPU, with ptxas's registers, spills and shared memory, and the
+source lines each tile fuses into FMAs; the norm's tile layout compiled the same way."""
 
 import subprocess
 import sys
@@ -111,6 +111,60 @@ def test_largest_loop_counts_a_backward_branchs_body():
 """
     assert largest_loop(sass) == 3
     assert largest_loop("") == 0
+
+
+def test_fused_lines_names_the_source_line_of_each_fma(monkeypatch):
+    """`fused_lines` reads PTX: each ``fma.rn`` belongs to the source line of the ``.loc`` before
+    it (by the ``.file`` table's base name); other instructions and a ``.loc`` without an FMA add
+    nothing."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from sm90_compile import fused_lines
+
+    ptx = """
+    .file 1 "/repo/kernels/attention.py"
+    .file 2 "/site/triton/language/standard.py"
+        .loc 1 74 20
+        fma.rn.f32 %f3, %f1, %f2, %f0;
+        mul.rn.f32 %f4, %f1, %f2;
+        .loc 2 263 15
+        add.f32 %f5, %f4, %f3;
+        .loc 1 75 9
+        fma.rn.ftz.f32 %f6, %f4, %f5, %f3;
+        fma.rn.f32 %f7, %f4, %f5, %f6;
+    """
+    assert fused_lines(ptx) == {("attention.py", 74), ("attention.py", 75)}
+    assert fused_lines("") == set()
+
+
+def test_every_attention_tile_fuses_the_same_lines(monkeypatch):
+    """The GQA attention kernel compiled for sm_90 under the tiles its launches take (decode's
+    16-row tiles on two and four warps over paged caches; prefill's 64-row and training's 128-row
+    on four and eight warps over packed tensors), at head dims 128 and 256: the compiler fuses the
+    same source lines into FMAs under each (`fused_lines`), so no tile computes a product and a sum
+    that another rounds apart. The bits themselves: `kernel_invariance --only attention` on the
+    GPU."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import kernel_resources
+    from sm90_compile import compile_only, fused_lines
+
+    from vexact_models.kernels.attention import AttentionConfig, attention_triton, packed_layout
+
+    bf = torch.bfloat16
+    for d in (128, 256):
+        seen = {}
+        q, kv, layout = kernel_resources.decode_inputs(16, d, 0, seqs=16, context=544, kv_heads=8)
+        packed = torch.zeros(300, 16, d, dtype=bf), torch.zeros(300, 8, d, dtype=bf)
+        training = packed_layout(torch.tensor([0, 100, 300], dtype=torch.int32), 200)
+        with compile_only() as compiled:
+            for rows, warps in ((16, 2), (16, 4)):
+                attention_triton(q, kv, kv, layout, d ** -0.5, AttentionConfig(rows, 64, warps, 3), page_descriptors=False)
+                seen[f"decode {rows} x {warps}"] = fused_lines(compiled[-1].asm["ptx"])
+            for rows, warps in ((64, 4), (128, 4), (128, 8)):
+                attention_triton(packed[0], packed[1], packed[1], training, d ** -0.5, AttentionConfig(rows, 64, warps, 2))
+                seen[f"packed {rows} x {warps}"] = fused_lines(compiled[-1].asm["ptx"])
+        first = next(iter(seen.values()))
+        assert first, seen  # the exponent's explicit tl.fma at least
+        assert all(lines == first for lines in seen.values()), (d, seen)
 
 
 def test_decode_over_power_of_two_pages_issues_fewer_instructions_a_key_block(monkeypatch):
