@@ -167,6 +167,31 @@ def test_every_attention_tile_fuses_the_same_lines(monkeypatch):
         assert all(lines == first for lines in seen.values()), (d, seen)
 
 
+def test_every_latent_attention_tile_fuses_the_same_lines(monkeypatch):
+    """The latent (MLA) Triton kernel at Moonlight's shape compiled for sm_90 under decode's
+    16-row tiles (TMA, one value chunk on eight warps and four chunks on four) and prefill's 64-row
+    tile (pointer loads): the same source lines fused into FMAs under each, as for the GQA kernel
+    above. The bits: `kernel_invariance --only latent` on the GPU."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import kernel_resources
+    from sm90_compile import compile_only, fused_lines
+
+    from vexact_models.kernels.latent_attention import LatentConfig, latent_attention_triton
+
+    heads, lat, rope = kernel_resources.SHAPES["latent"]["moonlight"]
+    seen = {}
+    with compile_only() as compiled:
+        q, kv, layout = kernel_resources.decode_inputs(heads, lat, rope)
+        for cfg in (LatentConfig(16, 64, 8, 3), LatentConfig(16, 64, 4, 3, 4)):
+            latent_attention_triton(q, kv, lat, layout, lat ** -0.5, cfg, kv_descriptors=True)
+            seen[f"decode {cfg}"] = fused_lines(compiled[-1].asm["ptx"])
+        q, kv, layout = kernel_resources.prefill_inputs(heads, lat, rope)
+        latent_attention_triton(q, kv, lat, layout, lat ** -0.5, LatentConfig(64, 64, 8, 2), kv_descriptors=False)
+        seen["prefill 64 x 8"] = fused_lines(compiled[-1].asm["ptx"])
+    first = next(iter(seen.values()))
+    assert first and all(lines == first for lines in seen.values()), seen
+
+
 def test_decode_over_power_of_two_pages_issues_fewer_instructions_a_key_block(monkeypatch):
     """The GQA decode launch (Qwen3-0.6B's heads, 128 x 544, the engine's pointer-load config)
     compiled for sm_90: over pages of 64 a key's page and offset are a shift and a mask
