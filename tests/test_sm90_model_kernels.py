@@ -98,7 +98,8 @@ def test_lora_kernels_compile_for_hopper_without_spills(monkeypatch):
     forward's, which also keeps u) and the reduce of `lora_shrink_triton`. None spills but the
     three-member expand without u, where ptxas (triton 3.6's) keeps 96 registers and spills 32
     bytes a thread (the old expand, which read u, took 67 and none; the GPU's figures tell whether it
-    matters)."""
+    matters). No expand holds an FMA: its launch turns contraction off, so each rank's product is
+    rounded before it is added, as the reference does, whatever the tile."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     from sm90_compile import compile_only, resources
 
@@ -125,6 +126,8 @@ def test_lora_kernels_compile_for_hopper_without_spills(monkeypatch):
         assert found.spill_bytes <= (64 if kernel.name == "_lora_expand_kernel" else 0), found
         if kernel.name == "_lora_shrink_kernel":
             assert found.mma != "none", found
+        if kernel.name == "_lora_expand_kernel":  # each rank's product rounded before its sum, as the reference
+            assert "fma" not in kernel.asm["ptx"], kernel.name
 
 
 def test_expert_lora_kernels_compile_for_hopper_without_spills(monkeypatch):
@@ -134,7 +137,8 @@ def test_expert_lora_kernels_compile_for_hopper_without_spills(monkeypatch):
     over interleaved B rows too, the training forward's of the partials keeping u and the
     rollout's of u, B read in PEFT's layout and copied by expert) and the activation's own launch
     compiled for sm_90 on the CPU at Qwen3-30B-A3B's expert shapes (hidden 2048, expert
-    intermediate 768, 128 experts, r 16): tensor-core shrinks, no spills."""
+    intermediate 768, 128 experts, r 16): tensor-core shrinks, no spills, no FMA in the expands (each
+    product rounded before its sum, as the reference)."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     from sm90_compile import compile_only, resources
 
@@ -173,6 +177,8 @@ def test_expert_lora_kernels_compile_for_hopper_without_spills(monkeypatch):
         assert found.spill_bytes == 0, found
         if kernel.name == "_moe_lora_shrink_kernel":
             assert found.mma != "none", found
+        if kernel.name.startswith("_moe_lora_expand"):  # products rounded before their sums, as the reference
+            assert "fma" not in kernel.asm["ptx"], kernel.name
 
 
 def test_interleaved_gate_up_reads_its_weight_tiles_by_async_copies(monkeypatch):
