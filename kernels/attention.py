@@ -72,7 +72,7 @@ def _attend_block(q, k, v, k_pos, k_ok, q_pos, m_i, l_i, acc, scale_log2, SUM_LE
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(tl.fma(s, scale_log2, -m_use[:, None]))
-    l_i = l_i * alpha + row_sum_halves(p, SUM_LEVELS, LANE_SUMS)  # a fixed order for every tile shape
+    l_i = tl.fma(l_i, alpha, row_sum_halves(p, SUM_LEVELS, LANE_SUMS))  # a fixed order for every tile shape
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
     return m_new, l_i, acc
 

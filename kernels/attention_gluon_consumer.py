@@ -52,7 +52,7 @@ if HAS_GLUON:
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * scale_log2)
         alpha = gl.exp2(m_i - m_new)
         p = gl.exp2(gl.fma(s, scale_log2, -m_new[:, None]))
-        l_i = l_i * alpha + _row_sum_halves(p, SUM_LEVELS)
+        l_i = gl.fma(l_i, alpha, _row_sum_halves(p, SUM_LEVELS))
         return p, m_new, l_i, alpha
 
     @gluon.jit

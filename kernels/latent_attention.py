@@ -156,7 +156,7 @@ def _latent_block(q_lat, q_rope, k_lat, k_rope, v, k_pos, k_ok, q_pos, m_i, l_i,
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + row_sum_halves(p, SUM_LEVELS, LANE_SUMS)  # a fixed order for every tile shape
+    l_i = tl.fma(l_i, alpha, row_sum_halves(p, SUM_LEVELS, LANE_SUMS))  # a fixed order for every tile shape
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
     return m_new, l_i, acc
 

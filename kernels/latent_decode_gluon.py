@@ -185,7 +185,7 @@ if HAS_GLUON:
         m_new = gl.maximum(m_i, gl.max(s, axis=0))
         alpha = gl.exp2(m_i - m_new)
         p = gl.exp2(s - m_new[None, :])
-        l_i = l_i * alpha + gl.convert_layout(key_sum_halves(p, SUM_LEVELS), gl.SliceLayout(0, cols))
+        l_i = gl.fma(l_i, alpha, gl.convert_layout(key_sum_halves(p, SUM_LEVELS), gl.SliceLayout(0, cols)))
         return p, m_new, l_i, alpha
 
     @gluon.jit
