@@ -28,8 +28,9 @@ def test_read_kernel_sums_each_heads_keys_and_values_in_both_layouts():
     k = torch.randn(slots, kv_heads, head_dim).bfloat16().to(DEVICE)
     v = torch.randn_like(k)
     want = torch.zeros(3, kv_heads, device=DEVICE)
+    table = layout.block_table.tolist()  # one copy to the host, not one sync a position
     for seq, n in enumerate(layout.seq_lens.tolist()):
-        rows = [int(layout.block_table[seq, pos // page]) * page + pos % page for pos in range(n)]
+        rows = [table[seq][pos // page] * page + pos % page for pos in range(n)]
         want[seq] = (k[rows].float() + v[rows].float()).sum(dim=(0, 2))
     kernel = decode_read_floor._kernels()
     got = decode_read_floor.read_all(kernel, k, v, layout, kv_heads, head_dim, head_major=False).view(3, kv_heads)
