@@ -24,7 +24,8 @@ Prints median milliseconds (microseconds for the decode step) per call (docs/des
 6b, "The kernel"). Usage:
 ``python benchmarks/gated_delta.py [--tokens 4096,16384] [--seqs 1] [--batch 64,256] [--backward] [--decode-only]
 [--roofline-tbps 4.2]``; with ``--profile``, instead, each kernel's GPU time in one of our forward + backward;
-with ``--walk-launches 16x1,8x1,64x4``, instead, the training forward and the decode step at each
+with ``--walk-launches 16x1,8x1,64x4``, instead, the training forward (`--seqs` sequences of each
+`--tokens`) and the decode step at each
 of the walk's launch shapes (value columns a program, warps), and whether the bits are the first
 shape's.
 """
@@ -176,25 +177,26 @@ def decode_rows(batches: list[int], roofline_tbps: float) -> list[list]:
 @contextlib.contextmanager
 def walk_launch(columns: int, warps: int):
     """The walk's launch shape (`gated_delta_recurrent.WalkShape`: value columns a program owns,
-    warps) set for every launch inside the block, in place of `WALK_SHAPES`' choice: launch
+    warps) set for every launch inside the block, in place of `WALK_SHAPES`' and `LONG_WALK_SHAPES`' choice: launch
     parameters, never a bit of the result (every column's sums run in the same order whatever
     program and warp hold it)."""
     from vexact_models.kernels import gated_delta_recurrent as walk
 
-    old = walk.WALK_SHAPES
-    walk.WALK_SHAPES = ((0, walk.WalkShape(columns, warps)),)
+    old = walk.WALK_SHAPES, walk.LONG_WALK_SHAPES
+    walk.WALK_SHAPES = walk.LONG_WALK_SHAPES = ((0, walk.WalkShape(columns, warps)),)
     try:
         yield
     finally:
-        walk.WALK_SHAPES = old
+        walk.WALK_SHAPES, walk.LONG_WALK_SHAPES = old
 
 
 def walk_launch_rows(launches: list[tuple[int, int]], tokens: list[int], batches: list[int], device: str = "cuda",
-                     timer=None, graph_timer=None) -> list[list]:
+                     timer=None, graph_timer=None, seqs: int = 1) -> list[list]:
     """One row per launch shape ``(columns, warps)`` of the walk: the training forward's
-    milliseconds at each of `tokens`, the decode step's microseconds at each of `batches` (a CUDA
-    graph, states from HBM) and whether every output and state has the first shape's bits. `timer` / `graph_timer`
-    (`bench` / `bench_graph` by default) are the clocks; the tests pass CPU ones."""
+    milliseconds at each of `tokens` (`seqs` packed sequences of that many tokens), the decode
+    step's microseconds at each of `batches` (a CUDA graph, states from HBM) and whether every
+    output and state has the first shape's bits. `timer` / `graph_timer` (`bench` / `bench_graph`
+    by default) are the clocks; the tests pass CPU ones."""
     from vexact_models.kernels import gated_delta_rule
     from vexact_models.kernels.gated_delta_step import gated_delta_step
 
@@ -204,9 +206,9 @@ def walk_launch_rows(launches: list[tuple[int, int]], tokens: list[int], batches
         cells, outputs = [f"{columns}x{warps}"], []
         with walk_launch(columns, warps), torch.no_grad():
             for t in tokens:
-                inputs = _inputs(t, torch.Generator().manual_seed(t), device)
-                cells.append(f"{timer(lambda: gated_delta_rule(*inputs, [0, t]), warmup=3, rep=20):.3f}")
-                outputs.append(gated_delta_rule(*inputs, [0, t])[0])
+                inputs, cu = _inputs(seqs * t, torch.Generator().manual_seed(t), device), list(range(0, seqs * t + 1, t))
+                cells.append(f"{timer(lambda: gated_delta_rule(*inputs, cu), warmup=3, rep=20):.3f}")
+                outputs.append(gated_delta_rule(*inputs, cu)[0])
             for b in batches:
                 (q, k, v, g, beta), pool, plan = _decode_case(b, device)
                 pools = rotating_copies(pool) if device == "cuda" else [pool.clone()]
@@ -284,9 +286,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.walk_launches:
         first = "x".join(map(str, args.walk_launches[0]))
-        header = (["columns x warps"] + [f"forward {t} ms" for t in args.tokens]
+        header = (["columns x warps"] + [f"forward {args.seqs} x {t} ms" for t in args.tokens]
                   + [f"decode {b} us" for b in args.batch] + [f"bits == {first}'s"])
-        table("the walk's launch shapes", header, walk_launch_rows(args.walk_launches, args.tokens, args.batch))
+        table("the walk's launch shapes", header, walk_launch_rows(args.walk_launches, args.tokens, args.batch,
+                                                                         seqs=args.seqs))
         return 0
     if not args.decode_only:
         header = ["batch", "kernel", "forward ms", "x ours"] + (["fwd+bwd ms", "x ours"] if args.backward else [])

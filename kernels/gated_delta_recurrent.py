@@ -56,8 +56,8 @@ from .gated_delta_launch import device_ints
 from .gated_delta_triton import l2norm_rows
 from .row_sum import row_sum_halves, row_sum_levels, row_sum_reference
 
-__all__ = ["L2NORM_EPS", "RecurrentPlan", "launch_grid", "launch_recurrent", "recurrent_reference", "register_cap",
-           "unit_reference", "unit_rows", "WalkShape", "WALK_SHAPES", "walk_shape"]
+__all__ = ["L2NORM_EPS", "LONG_WALK", "LONG_WALK_SHAPES", "RecurrentPlan", "launch_grid", "launch_recurrent",
+           "recurrent_reference", "register_cap", "unit_reference", "unit_rows", "WalkShape", "WALK_SHAPES", "walk_shape"]
 
 L2NORM_EPS = 1e-6  # transformers' and fla's l2norm epsilon
 #: a cap on the walk's registers a thread (ptxas ``maxnreg``) where a program's state block is at
@@ -98,16 +98,25 @@ class WalkShape:
 #: least count the launch reaches. Few long walks (a training forward's sequences) are latency
 #: bound, and narrow blocks put more programs on the SMs; many short ones (a rollout step's
 #: sequences) move their states, and wide blocks read each head's state in longer pieces. H200,
-#: Qwen3.5's heads (docs/performance.md section 5): a 4,096-token sequence's forward 2.45 ms at
-#: 8 x 1 against 2.94 at 16 x 1; a decode step of 256 sequences 286 us at 32 x 2 against 352.
+#: Qwen3.5's heads (docs/performance.md section 5): a 4,096-token sequence's forward 2.20 ms at
+#: 8 x 1 against 3.43 at 16 x 1; 8 sequences of 1,024 tokens 2.16 ms at 16 x 1 against 2.48 at
+#: 8 x 1; a decode step of 256 sequences 289 us at 32 x 2 against 356 at 16 x 1.
 WALK_SHAPES: tuple[tuple[int, WalkShape], ...] = ((1024, WalkShape(32, 2)), (129, WalkShape(16, 1)),
                                                   (0, WalkShape(8, 1)))
+#: `WALK_SHAPES` for walks of `LONG_WALK` tokens or more a segment (known on the host: a training
+#: forward's plan), where the wide blocks no longer pay: 32 sequences of 512 tokens 3.49 ms at
+#: 16 x 1 against 5.22 at 32 x 2; of 64 tokens 0.45 against 0.67 (H200, the same section).
+LONG_WALK_SHAPES: tuple[tuple[int, WalkShape], ...] = ((129, WalkShape(16, 1)), (0, WalkShape(8, 1)))
+LONG_WALK = 16  # 64 sequences of 16 tokens: 0.27 ms at 16 x 1 against 0.34 at 32 x 2; level at 4 tokens
 
 
-def walk_shape(segments: int, heads: int, dv: int) -> WalkShape:
-    """The launch shape (`WALK_SHAPES`) of a walk over `segments` segments of `heads` value heads of
-    `dv` columns; a block never wider than `dv`."""
-    shape = next(shape for least, shape in WALK_SHAPES if segments * heads >= least)
+def walk_shape(segments: int, heads: int, dv: int, longest: int | None = None) -> WalkShape:
+    """The launch shape of a walk over `segments` segments of `heads` value heads of `dv` columns:
+    `LONG_WALK_SHAPES` where the `longest` segment (None: not known on the host, a rollout step's
+    staged plan) has at least `LONG_WALK` tokens, `WALK_SHAPES` otherwise; a block never wider
+    than `dv`."""
+    table = LONG_WALK_SHAPES if longest is not None and longest >= LONG_WALK else WALK_SHAPES
+    shape = next(shape for least, shape in table if segments * heads >= least)
     return WalkShape(min(shape.columns, dv), shape.warps)
 
 
@@ -227,7 +236,8 @@ def _launch_triton(q, k, v, g, beta, states, out, plan: RecurrentPlan, scale: fl
     if states.stride(3) != 1:
         raise ValueError(f"gated_delta_rule: states must have unit stride along dv, got strides {states.stride()}")
     q, k = unit_rows(q, scale, l2norm), unit_rows(k, 1.0, l2norm)
-    shape = walk_shape(len(fields[0]), hv, dv)
+    longest = max(plan.count, default=0) if isinstance(plan.count, list) else None
+    shape = walk_shape(len(fields[0]), hv, dv, longest)
     bv = shape.columns
     _recurrent_kernel[launch_grid(len(fields[0]), hv, dv // bv)](
         q, k, v, g, beta, out, states, *fields,

@@ -153,6 +153,18 @@ def test_gated_delta_walk_launch_rows_time_each_shape_and_compare_bits(monkeypat
         raise RuntimeError
     assert walk.WALK_SHAPES == shapes
 
+    import vexact_models.kernels as kernels
+    boundaries, rule = [], kernels.gated_delta_rule
+
+    def recorded(*args):
+        boundaries.append(args[-1])
+        return rule(*args)
+
+    monkeypatch.setattr(kernels, "gated_delta_rule", recorded)
+    rows = gated_delta.walk_launch_rows([(8, 1)], [4], [], device="cpu", timer=timer, graph_timer=graph_timer, seqs=3)
+    assert rows == [["8x1", "1.250", "yes"]]
+    assert boundaries == [[0, 4, 8, 12]] * 2  # timed, then run for the bits: 3 packed sequences of 4 tokens
+
 
 @pytest.mark.parametrize("value,words", [("16x1,12x1", "--walk-launches: 12x1 must be a power of two <= 128 (dv)"),
                                          ("16x3", "--walk-launches: 16x3 must be a power of two"),

@@ -10,6 +10,8 @@ import torch
 from transformers.models.qwen3_next import modeling_qwen3_next
 
 from vexact_models.kernels.gated_delta_recurrent import (
+    LONG_WALK,
+    LONG_WALK_SHAPES,
     WALK_SHAPES,
     RecurrentPlan,
     WalkShape,
@@ -217,6 +219,18 @@ def test_walk_shape_by_the_launch_state_heads():
     assert walk_shape(32, 32, 128) == walk_shape(256, 32, 128) == WalkShape(32, 2)
     assert walk_shape(256, 32, 16) == WalkShape(16, 2)
     assert walk_shape(0, 32, 4) == WalkShape(4, 1)
+
+
+def test_long_walks_keep_narrow_blocks_at_every_launch_size():
+    """A host plan whose longest segment has `LONG_WALK` tokens or more (a training forward) takes
+    `LONG_WALK_SHAPES`: 16 columns from 5 sequences of 32 value heads on, however many, where a
+    rollout step's (or a plan of short segments) takes 32 x 2 from 32 sequences."""
+    assert [least for least, _ in LONG_WALK_SHAPES] == sorted((least for least, _ in LONG_WALK_SHAPES), reverse=True)
+    assert LONG_WALK_SHAPES[-1][0] == 0
+    assert {shape for _, shape in LONG_WALK_SHAPES} <= {shape for _, shape in WALK_SHAPES}
+    assert walk_shape(4, 32, 128, LONG_WALK) == WalkShape(8, 1)
+    assert walk_shape(5, 32, 128, LONG_WALK) == walk_shape(256, 32, 128, 4096) == WalkShape(16, 1)
+    assert walk_shape(256, 32, 128, LONG_WALK - 1) == walk_shape(256, 32, 128, None) == WalkShape(32, 2)
 
 
 def test_launch_grid_is_one_axis_and_refuses_past_the_launch_limit():

@@ -309,6 +309,36 @@ def test_triton_kernels_compile_for_hopper_on_cpu(monkeypatch, heads, dtype):
                 assert used.loop_instructions <= 600, used
 
 
+def test_the_training_forward_walks_long_segments_in_narrow_blocks(monkeypatch):
+    """32 sequences at Qwen3.5's heads (1,024 state heads), compiled for sm_90: the training
+    forward's walk of 16-token sequences (its plan on the host) launches 16 x 1, a rollout step of
+    32 one-token segments (a staged plan) 32 x 2, and a training forward of 2-token sequences,
+    short walks, 32 x 2 too (`walk_shape`: `LONG_WALK`)."""
+    pytest.importorskip("triton")
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from sm90_compile import compile_only
+
+    from vexact_models.kernels.gated_delta_recurrent import LONG_WALK, launch_recurrent
+    from vexact_models.kernels.gated_delta_rule import training_forward
+    from vexact_models.kernels.gated_delta_step import StepPlan, plan_step
+
+    hv, dk, dv = QWEN35_HEADS[1:]
+    blocks = {}
+    for lengths in ([LONG_WALK] * 32, [2] * 32):
+        (q, k, v, g, beta), state = make_inputs(lengths, *QWEN35_HEADS, dtype=torch.bfloat16)
+        with compile_only() as compiled:
+            training_forward(q, k, v, g, beta, state, lengths, dk ** -0.5, True, True, "triton")
+        blocks[lengths[0]] = (compiled[-1].name, compiled[-1].metadata.num_warps)
+    (q, k, v, g, beta), _ = make_inputs([1] * 32, *QWEN35_HEADS, dtype=torch.bfloat16)
+    pool, out = torch.zeros(33, hv, dk, dv), torch.empty(32, hv, dv, dtype=torch.bfloat16)
+    step = StepPlan({n: torch.from_numpy(a) for n, a in plan_step(list(range(32)), [4] * 32, [1] * 32, 32, 32, 32).items()})
+    with compile_only() as compiled:
+        launch_recurrent("triton", q, k, v, g, beta, pool, out, step.segments(), dk ** -0.5, True)
+    blocks["step"] = (compiled[-1].name, compiled[-1].metadata.num_warps)
+    # one warp: 16 x 1 (8 x 1 is for at most 128 state heads); two: 32 x 2
+    assert blocks == {LONG_WALK: ("_recurrent_kernel", 1), 2: ("_recurrent_kernel", 2), "step": ("_recurrent_kernel", 2)}
+
+
 @pytest.mark.parametrize("heads", [QWEN35_HEADS, (1, 2, 16, 64)])
 def test_every_walk_shape_compiles_for_hopper_without_spills_or_fmas(monkeypatch, heads):
     """Each of `WALK_SHAPES`' launch shapes, forced on a rollout step's walk at Qwen3.5's heads and

@@ -169,6 +169,7 @@ def test_triton_every_walk_shape_gives_the_same_bits(monkeypatch):
     results = []
     for _, shape in walk.WALK_SHAPES:
         monkeypatch.setattr(walk, "WALK_SHAPES", ((0, shape),))
+        monkeypatch.setattr(walk, "LONG_WALK_SHAPES", ((0, shape),))
         with use_backend("triton"):
             results.append(gated_delta_rule(*inputs, _cu(lengths), initial_state=state, output_final_state=True))
     assert len(results) == 3
