@@ -31,22 +31,18 @@ from tqdm.auto import tqdm
 
 from vexact_models.adapters import adapter_state
 from vexact_models.kernels import attention_forward_mode, current_backend, use_backend
-from vexact_models.layers import cache_window, window_layers
 from vexact_models.projections import fuse_projections
 
 from .block_manager import BlockManager
-from .cuda_graphs import DEFAULT_MAX_TOKENS
-from .engine_config import EngineConfig
 from .engine_lock import EngineLock, one_call_at_a_time
-from .llm_args import (architecture_of, check_engine_args, check_max_model_len, check_model_argument, default_block_size,
+from .llm_args import (architecture_of, check_engine_args, check_max_model_len, check_model_argument,
                        check_model_placement, resolve_device, resolve_dtype)
 from .llm_memory import EngineMemoryMixin
-from .llm_setup import (eos_token_ids, folder_config, kv_bytes_per_sequence, kv_cache_pages, load_folder, pick_device,
+from .llm_setup import (engine_config, eos_token_ids, folder_config, kv_bytes_per_sequence, load_folder, pick_device,
                         runner_model)
 from .llm_steps import EngineStepsMixin
 from .linear_state_cache import linear_state_spec
 from .outputs import CompletionOutput, RequestOutput
-from .page_groups import WindowGroup, window_pages_cap
 from .pipeline import PipelineStage, check_stage_model, join_pipeline
 from .pipeline_comm import PipelineComm
 from .pipeline_worker import Pipeline
@@ -188,28 +184,13 @@ class LLM(EngineStepsMixin, EngineMemoryMixin):
             stage.index, stage.size, self.device, self.dtype, self.config.hidden_size))
         self.max_model_len = check_max_model_len(max_model_len, self.config)
         self.eos_token_ids = eos_token_ids(self.model, self.config)
-        if block_size is None:
-            block_size = default_block_size(self.model.kv_cache_spec())
-        eos = self.eos_token_ids[0] if self.eos_token_ids else None
-        # windowed layers beside full ones keep their pages apart, freed behind the window (runtime.page_groups)
-        windowed = window_layers(self.model)  # (a pipeline stage's too: the plan carries both groups' tables)
-        cap = None if windowed is None else window_pages_cap(windowed[0], block_size, max_num_seqs, max_num_batched_tokens)
-        num_blocks, window_blocks = kv_cache_pages(self.model, self.dtype, self.device, self.pipeline, block_size,
-                                                   gpu_memory_utilization, kv_cache_bytes, max_num_seqs,
-                                                   None if windowed is None else (windowed[1], cap))
-        self.engine_config = EngineConfig(
-            num_blocks=num_blocks, block_size=block_size,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
-            eos_token_id=eos, enable_chunked_prefill=enable_chunked_prefill,
-            # a shared page would skip tokens a gated-DeltaNet state must see: those models share only the
-            # prompt of a request's samples, with a copy of its state (runtime.scheduler_siblings)
-            enable_prefix_sharing=enable_prefix_sharing and linear is None,
-            kv_window=cache_window(self.model),  # a stage's model holds every layer's module (meta elsewhere)
-            window_group=None if windowed is None else WindowGroup(windowed[0], windowed[1], window_blocks),
-            share_prompt_state=enable_prefix_sharing and linear is not None,
-            cuda_graph_batch=0 if enforce_eager else max_num_seqs,
-            cuda_graph_tokens=(min(max_num_batched_tokens, DEFAULT_MAX_TOKENS) if cuda_graph_max_tokens is None
-                               else cuda_graph_max_tokens))
+        self.engine_config = engine_config(
+            self.model, self.dtype, self.device, self.pipeline, block_size=block_size, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
+            eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
+            gpu_memory_utilization=gpu_memory_utilization, kv_cache_bytes=kv_cache_bytes,
+            enable_chunked_prefill=enable_chunked_prefill, enable_prefix_sharing=enable_prefix_sharing,
+            linear_states=linear is not None, enforce_eager=enforce_eager, cuda_graph_max_tokens=cuda_graph_max_tokens)
         self.scheduler = self.engine_config.make_scheduler()
         # one GEMM for q/k/v and for gate/up in rollouts; the training model shares the storage
         # (before the runner: its CUDA graphs capture the fused GEMMs)
@@ -221,7 +202,7 @@ class LLM(EngineStepsMixin, EngineMemoryMixin):
             self.runner = self.engine_config.make_runner(model_part, self.device, self.dtype, self.scheduler, layers=layers,
                                                          carry_width=carry_width)
         self._remember_graphs(backend)
-        self.sampler = Sampler(eos)
+        self.sampler = Sampler(self.engine_config.eos_token_id)
         self.seed = seed
         self._next_request = 0
         self.num_preemptions = 0  # sequences preempted (by recompute) so far

@@ -1,4 +1,4 @@
-"""Building the rollout engine: `LLM`'s device, model, EOS ids and KV-cache size.
+"""Building the rollout engine: `LLM`'s device, model, EOS ids, KV-cache size and `EngineConfig`.
 
 Plain functions of what they are given, which `LLM.__init__` calls in order: what the engine
 is built from (a checkpoint folder or a model instance, on one process or as one stage of a
@@ -17,15 +17,20 @@ from vexact_models.layers import cache_window, window_layers
 from vexact_models.loading import from_pretrained_complete
 from vexact_models.registry import for_model_type
 
+from .cuda_graphs import DEFAULT_MAX_TOKENS
+from .engine_config import EngineConfig
 from .linear_state_cache import linear_state_spec
+from .llm_args import default_block_size
 from .model_runner import kv_bytes_per_block
+from .page_groups import WindowGroup, window_pages_cap
 from .pipeline import PipelineStage, StageModel
 from .pipeline_worker import Pipeline
 from .pipeline_load import load_stage_model
 
 
-__all__ = ["cache_budget_bytes", "cache_bytes_per_block", "eos_token_ids", "folder_config", "kv_bytes_per_sequence",
-           "kv_cache_blocks", "kv_cache_pages", "linear_state_bytes", "load_folder", "pick_device", "runner_model"]
+__all__ = ["cache_budget_bytes", "cache_bytes_per_block", "engine_config", "eos_token_ids", "folder_config",
+           "kv_bytes_per_sequence", "kv_cache_blocks", "kv_cache_pages", "linear_state_bytes", "load_folder", "pick_device",
+           "runner_model"]
 
 
 #: a stage without attention layers: any page count fits (the other stages' decides)
@@ -194,6 +199,38 @@ def kv_bytes_per_sequence(model, num_tokens: int, *, dtype: torch.dtype, block_s
         return paged * pages * per_layer
     kept = pages - min(window_block_start(num_tokens, window) // block_size, pages - 1)
     return ((paged - windowed) * pages + windowed * kept) * per_layer
+
+
+def engine_config(model, dtype: torch.dtype, device: torch.device, pipeline: Pipeline | None, *,
+                  block_size: int | None, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                  eos_token_id: int | None, gpu_memory_utilization: float, kv_cache_bytes: int | None,
+                  enable_chunked_prefill: bool, enable_prefix_sharing: bool, linear_states: bool, enforce_eager: bool,
+                  cuda_graph_max_tokens: int | None) -> EngineConfig:
+    """The `EngineConfig` of an engine over the inference `model` (a pipeline stage's: its
+    `pipeline`), from `LLM`'s checked arguments: the page size (`block_size`, or the model's
+    default), the KV pages that fit the budget (`kv_cache_pages`; windowed layers beside full
+    ones keep a page group of their own, capped by `page_groups.window_pages_cap`), and the
+    scheduling settings. A model with gated-DeltaNet layers (`linear_states`) shares no pages:
+    its samples of one request share their prompt with a copy of its state instead
+    (`runtime.scheduler_siblings`), since a shared page would skip tokens a state must see."""
+    if block_size is None:
+        block_size = default_block_size(model.kv_cache_spec())
+    windowed = window_layers(model)  # (a pipeline stage's too: the plan carries both groups' tables)
+    cap = None if windowed is None else window_pages_cap(windowed[0], block_size, max_num_seqs, max_num_batched_tokens)
+    num_blocks, window_blocks = kv_cache_pages(model, dtype, device, pipeline, block_size, gpu_memory_utilization,
+                                               kv_cache_bytes, max_num_seqs,
+                                               None if windowed is None else (windowed[1], cap))
+    return EngineConfig(
+        num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, eos_token_id=eos_token_id,
+        enable_chunked_prefill=enable_chunked_prefill,
+        enable_prefix_sharing=enable_prefix_sharing and not linear_states,
+        kv_window=cache_window(model),  # a stage's model holds every layer's module (meta elsewhere)
+        window_group=None if windowed is None else WindowGroup(windowed[0], windowed[1], window_blocks),
+        share_prompt_state=enable_prefix_sharing and linear_states,
+        cuda_graph_batch=0 if enforce_eager else max_num_seqs,
+        cuda_graph_tokens=(min(max_num_batched_tokens, DEFAULT_MAX_TOKENS) if cuda_graph_max_tokens is None
+                           else cuda_graph_max_tokens))
 
 
 def eos_token_ids(model, config) -> list[int]:

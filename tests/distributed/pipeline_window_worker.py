@@ -42,7 +42,7 @@ from pipeline_rollout_worker import flat  # noqa: E402
 from vexact_models.distributed import exit_rank  # noqa: E402
 from vexact_models.layers import window_layers  # noqa: E402
 from vexact_models.registry import get  # noqa: E402
-from vexact_models.runtime import LLM, SamplingParams, llm as llm_module  # noqa: E402
+from vexact_models.runtime import LLM, SamplingParams, llm_setup  # noqa: E402
 from vexact_models.runtime.llm_setup import kv_bytes_per_sequence  # noqa: E402
 from vexact_models.runtime.model_runner import kv_bytes_per_block  # noqa: E402
 from vexact_models.runtime.page_groups import PageGroups, window_pages_bound, window_pages_cap  # noqa: E402
@@ -160,12 +160,12 @@ def check_pages(res, tag: str, llm: LLM, pages: int, window_pages: int) -> None:
 
 def one_group(path: str, **kwargs) -> LLM:
     """An engine whose windowed layers keep every page (no window group, as before it)."""
-    real = llm_module.window_layers
-    llm_module.window_layers = lambda model: None
+    real = llm_setup.window_layers
+    llm_setup.window_layers = lambda model: None
     try:
         return LLM(path, **kwargs)
     finally:
-        llm_module.window_layers = real
+        llm_setup.window_layers = real
 
 
 def run_arch(res, name: str, out: Path, rank: int, world: int, device: str) -> None:

@@ -15,7 +15,8 @@ from vexact_models.registry import architectures, get
 from vexact_models.runtime import SamplingParams
 from vexact_models.runtime.block_manager import BlockManager
 from vexact_models.runtime.prefix_cache import chain_key
-from vexact_models.runtime.llm_setup import kv_bytes_per_sequence, kv_cache_pages
+from vexact_models.runtime.llm_args import default_block_size
+from vexact_models.runtime.llm_setup import engine_config, kv_bytes_per_sequence, kv_cache_pages
 from vexact_models.runtime.page_groups import PageGroups, window_pages_bound, window_pages_cap
 from vexact_models.runtime.scheduler import Scheduler
 from vexact_models.runtime.sequence import Sequence
@@ -205,6 +206,34 @@ def test_kv_bytes_per_sequence_by_hand_and_the_budget_split(name):
     assert llm.kv_bytes_per_sequence(100, window_freed=False) == 75 * 1024
     k, _ = llm.runner.kv_caches[layers[0]]
     assert k.shape[0] == 88 and llm.runner.kv_caches[({0, 1, 2} - set(layers)).pop()][0].shape[0] == got[0]
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_engine_config_sizes_both_page_groups_and_sets_the_scheduling(name):
+    """`engine_config` (what `LLM` builds its engine from): the pages of `kv_cache_pages` with the
+    window group capped by `window_pages_cap`; page sharing only without gated-DeltaNet states
+    (with them, the prompt's state is shared instead); CUDA graphs off under `enforce_eager`; the
+    model's default page size when `block_size` is None."""
+    arch = get(name)
+    model = arch.causal_lm_class(arch.tiny_config()).eval()
+    window, layers = window_layers(model)
+    cpu = torch.device("cpu")
+    args = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, eos_token_id=2,
+                gpu_memory_utilization=0.9, kv_cache_bytes=256 * 3072, enable_chunked_prefill=True,
+                enable_prefix_sharing=True)
+    config = engine_config(model, torch.float32, cpu, None, block_size=4, linear_states=False, enforce_eager=False,
+                           cuda_graph_max_tokens=None, **args)
+    pages = kv_cache_pages(model, torch.float32, cpu, None, 4, 0.9, 256 * 3072, 4, (layers, window_pages_cap(window, 4, 4, 16)))
+    assert (config.num_blocks, config.window_group.num_blocks) == pages
+    assert (config.window_group.window, config.window_group.layers) == (window, layers)
+    assert (config.block_size, config.eos_token_id, config.max_model_len) == (4, 2, 64)
+    assert (config.enable_prefix_sharing, config.share_prompt_state) == (True, False)
+    assert (config.cuda_graph_batch, config.cuda_graph_tokens) == (4, 16)
+    config = engine_config(model, torch.float32, cpu, None, block_size=None, linear_states=True, enforce_eager=True,
+                           cuda_graph_max_tokens=8, **args)
+    assert config.block_size == default_block_size(model.kv_cache_spec())
+    assert (config.enable_prefix_sharing, config.share_prompt_state) == (False, True)
+    assert (config.cuda_graph_batch, config.cuda_graph_tokens) == (0, 8)
 
 
 def test_window_layers_reads_the_modules():

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from vexact_models.registry import architectures
-from vexact_models.runtime import LLM, SamplingParams, llm as llm_module
+from vexact_models.runtime import LLM, SamplingParams, llm_setup
 from vexact_models.runtime.model_runner import ModelRunner
 from vexact_models.runtime.page_groups import PageGroups, window_pages_bound
 
@@ -48,7 +48,7 @@ def engine(path: str, monkeypatch, groups: bool = True, device: str = "cpu", **k
     kwargs.setdefault("kv_cache_bytes", 1 << 22)
     with monkeypatch.context() as patch:
         if not groups:
-            patch.setattr(llm_module, "window_layers", lambda model: None)
+            patch.setattr(llm_setup, "window_layers", lambda model: None)
         llm = LLM(path, device=device, block_size=BS, **kwargs)
     assert isinstance(llm.block_manager, PageGroups) == groups
     return llm
