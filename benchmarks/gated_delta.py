@@ -2,7 +2,7 @@
 
 At Qwen3.5's / Qwen3-Next's GDN heads (16 q/k heads, 32 value heads, 128 x 128), bf16. Ours is
 one recurrent kernel (`kernels.gated_delta_recurrent`: token by token, a program per value block
-of 16 columns of a head of a sequence) that training and rollout share (docs/design.md section 6b):
+of 8-32 columns of a head of a sequence, `walk_shape`) that training and rollout share (docs/design.md section 6b):
 
 - training forward (and with `--backward` forward + backward, gradients of q, k, v, g and beta)
   of `--seqs` packed sequences of `--tokens` tokens each: ours (`kernels.gated_delta_rule`; the
