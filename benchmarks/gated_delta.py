@@ -2,7 +2,8 @@
 
 At Qwen3.5's / Qwen3-Next's GDN heads (16 q/k heads, 32 value heads, 128 x 128), bf16. Ours is
 one recurrent kernel (`kernels.gated_delta_recurrent`: token by token, a program per value block
-of 8-32 columns of a head of a sequence, `walk_shape`) that training and rollout share (docs/design.md section 6b):
+of 8-32 columns of a head of a sequence, `walk_shape`) that training and rollout share
+(docs/design.md section 6b):
 
 - training forward (and with `--backward` forward + backward, gradients of q, k, v, g and beta)
   of `--seqs` packed sequences of `--tokens` tokens each: ours (`kernels.gated_delta_rule`; the
@@ -25,9 +26,8 @@ Prints median milliseconds (microseconds for the decode step) per call (docs/des
 ``python benchmarks/gated_delta.py [--tokens 4096,16384] [--seqs 1] [--batch 64,256] [--backward] [--decode-only]
 [--roofline-tbps 4.2]``; with ``--profile``, instead, each kernel's GPU time in one of our forward + backward;
 with ``--walk-launches 16x1,8x1,64x4``, instead, the training forward (`--seqs` sequences of each
-`--tokens`) and the decode step at each
-of the walk's launch shapes (value columns a program, warps), and whether the bits are the first
-shape's.
+`--tokens`) and the decode step at each of the walk's launch shapes (value columns a program,
+warps), and whether the bits are the first shape's.
 """
 
 from __future__ import annotations
@@ -177,9 +177,9 @@ def decode_rows(batches: list[int], roofline_tbps: float) -> list[list]:
 @contextlib.contextmanager
 def walk_launch(columns: int, warps: int):
     """The walk's launch shape (`gated_delta_recurrent.WalkShape`: value columns a program owns,
-    warps) set for every launch inside the block, in place of `WALK_SHAPES`' and `LONG_WALK_SHAPES`' choice: launch
-    parameters, never a bit of the result (every column's sums run in the same order whatever
-    program and warp hold it)."""
+    warps) set for every launch inside the block, in place of `WALK_SHAPES`' and
+    `LONG_WALK_SHAPES`' choice: launch parameters, never a bit of the result (every column's sums
+    run in the same order whatever program and warp hold it)."""
     from vexact_models.kernels import gated_delta_recurrent as walk
 
     old = walk.WALK_SHAPES, walk.LONG_WALK_SHAPES
