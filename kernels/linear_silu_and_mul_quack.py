@@ -59,27 +59,33 @@ cvt.f32.bf16 $0, vx_y;
 @functools.lru_cache(maxsize=None)
 def _epilogue():
     """quack's epilogue module running `SILU_MUL_PTX` on each (gate, up) accumulator pair, or the
-    import error's text."""
+    text of the error that importing quack or building the module raised.
+
+    Building can fail where importing did not: quack fingerprints an epilogue's source and every
+    global it reaches, and treats a function as a library's only when its file lies under a
+    ``site-packages`` folder. With quack and cutlass-dsl on a plain ``PYTHONPATH`` (``pip install
+    --target``) it walks into cutlass's own helpers and raises TypeError on a ContextVar there
+    (quack 0.6.5, cutlass-dsl 4.8.1). Such an install runs the two separate ops, as a missing one
+    does (the same bits)."""
     try:
         from cutlass import Float32
         from cutlass._mlir.dialects import llvm
         from cutlass.cutlass_dsl import T, dsl_user_op
         from quack.epilogue.frontend import gemm_epilogue
         from quack.epilogue.math import unpack
+
+        @dsl_user_op
+        def silu_mul_bf16(gate, up, *, loc=None, ip=None):
+            args = [Float32(gate).ir_value(loc=loc, ip=ip), Float32(up).ir_value(loc=loc, ip=ip)]
+            return Float32(llvm.inline_asm(T.f32(), args, SILU_MUL_PTX, "=f,f,f", has_side_effects=False,
+                                           is_align_stack=False))
+
+        @gemm_epilogue(outputs=("postact",), mode="acc_pair")
+        def vexact_silu_mul(acc):
+            gate, up = unpack(acc)
+            return {"postact": silu_mul_bf16(gate, up)}
     except Exception as exc:  # noqa: BLE001 - a broken install is as unavailable as a missing one
         return f"{type(exc).__name__}: {exc}"
-
-    @dsl_user_op
-    def silu_mul_bf16(gate, up, *, loc=None, ip=None):
-        args = [Float32(gate).ir_value(loc=loc, ip=ip), Float32(up).ir_value(loc=loc, ip=ip)]
-        return Float32(llvm.inline_asm(T.f32(), args, SILU_MUL_PTX, "=f,f,f", has_side_effects=False,
-                                       is_align_stack=False))
-
-    @gemm_epilogue(outputs=("postact",), mode="acc_pair")
-    def vexact_silu_mul(acc):
-        gate, up = unpack(acc)
-        return {"postact": silu_mul_bf16(gate, up)}
-
     return vexact_silu_mul
 
 
@@ -93,7 +99,7 @@ def epilogue_unavailable_reason(x2d: torch.Tensor, weight: torch.Tensor) -> str 
         return f"weight rows {weight.shape[0]}: the [gate; up] halves must each be a multiple of 8 rows"
     epilogue = _epilogue()
     if isinstance(epilogue, str):
-        return f"quack's epilogue module cannot be imported: {epilogue}"
+        return f"quack's epilogue module cannot be imported or built: {epilogue}"
     return None
 
 
@@ -125,6 +131,9 @@ def linear_silu_and_mul_quack(x2d: torch.Tensor, weight: torch.Tensor, config: Q
     The caller checked `unavailable_reason`."""
     if config.swap_ab:
         raise ValueError(f"linear_silu_and_mul_quack: config={config} swaps A and B; the gated epilogue cannot")
+    epilogue = _epilogue()
+    if isinstance(epilogue, str):
+        raise RuntimeError(f"linear_silu_and_mul_quack: quack's epilogue module cannot be imported or built: {epilogue}")
     from quack.gemm_config import GemmConfig
 
     rows, inter = x2d.shape[0], weight.shape[0] // 2
@@ -133,6 +142,6 @@ def linear_silu_and_mul_quack(x2d: torch.Tensor, weight: torch.Tensor, config: Q
         return out
     cfg = GemmConfig(tile_m=config.tile_m, tile_n=config.tile_n, pingpong=config.pingpong,
                      cluster_m=config.cluster_m, cluster_n=config.cluster_n, is_dynamic_persistent=False)
-    _epilogue()(x2d, weight.t(), out={"postact": out}, store_d=False, config=cfg, tuned=False,
+    epilogue(x2d, weight.t(), out={"postact": out}, store_d=False, config=cfg, tuned=False,
                 concat_layout=("B",))
     return out

@@ -61,7 +61,7 @@ def test_unavailable_reasons_name_the_first_missing_requirement(monkeypatch):
     assert "bf16 only" in lsq.unavailable_reason(x.half(), w.half())
     assert "multiple of 8 rows" in lsq.unavailable_reason(x, w[:56])
     monkeypatch.setattr(lsq, "_epilogue", lambda: "ModuleNotFoundError: No module named 'quack'")
-    assert "epilogue module cannot be imported" in lsq.unavailable_reason(x, w)
+    assert "epilogue module cannot be imported or built" in lsq.unavailable_reason(x, w)
     monkeypatch.setattr(lsq, "_epilogue", lambda: object())  # importable: linear_quack's checks speak next
     reason = lsq.unavailable_reason(x, w)
     assert "pip install quack-kernels" in reason or "devices x=cpu" in reason, reason
@@ -135,6 +135,33 @@ def test_the_mlp_keeps_peft_adapters_on_the_two_op_path(monkeypatch):
     with torch.no_grad():
         model(torch.randn(3, 16))
     assert calls == []
+
+
+def test_an_epilogue_quack_cannot_build_is_unavailable_and_the_two_ops_run(monkeypatch):
+    """quack fingerprints an epilogue's source and every global it reaches, and takes a function for
+    a library's (not walked into) only when its file lies under ``site-packages``. Installed on a
+    plain ``PYTHONPATH`` (``pip install --target``), quack and cutlass-dsl look like user code to it,
+    and building our epilogue raises TypeError on a ContextVar inside cutlass (quack 0.6.5,
+    cutlass-dsl 4.8.1; first seen on the H200). Such an install is unavailable, with the reason
+    named, and the MLP runs the two ops; a direct call says why it cannot run before it allocates.
+    Runs with the real quack (the test extra installs it; on CPU it imports and builds epilogues)."""
+    identity = pytest.importorskip("quack.gemm_runtime.identity")
+    x, w = torch.zeros(128, 64, dtype=torch.bfloat16), torch.zeros(64, 64, dtype=torch.bfloat16)
+    lsq._epilogue.cache_clear()
+    monkeypatch.setattr(lq, "choose", lambda *args: lq.SM90_DEFAULT)  # as in a capture on a Hopper GPU
+    try:
+        assert not isinstance(lsq._epilogue(), str)  # from site-packages the module builds
+        assert lsq.epilogue_unavailable_reason(x, w) is None and lsq.choose(x, w) == lq.SM90_DEFAULT
+        lsq._epilogue.cache_clear()
+        # what quack's check answers for every file of a --target install
+        monkeypatch.setattr(identity, "_is_extern_function", lambda fn: False)
+        reason = lsq.epilogue_unavailable_reason(x, w)
+        assert reason.startswith("quack's epilogue module cannot be imported or built: TypeError"), reason
+        assert "ContextVar" in reason and lsq.choose(x, w) is None
+        with pytest.raises(RuntimeError, match="epilogue module cannot be imported or built: TypeError"):
+            lsq.linear_silu_and_mul_quack(x, w, lq.SM90_DEFAULT)
+    finally:
+        lsq._epilogue.cache_clear()
 
 
 def test_triton_still_compiles_silu_and_mul_to_the_sequence_the_epilogue_repeats(monkeypatch):
