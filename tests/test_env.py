@@ -87,8 +87,9 @@ def test_a_bad_backend_is_reported_and_help_explains(capsys, monkeypatch):
 def test_requirement_names_put_the_core_first_and_leave_tooling_out():
     requirements = ['torch>=2.11', 'numpy>=1.24', 'pytest>=8; extra == "test"', 'triton==3.6.0; extra == "test"',
                     'triton>=3.6; extra == "gpu"', 'quack_kernels>=0.6.5; extra == "quack"',
-                    'matplotlib>=3.7; extra == "examples"', 'trl>=1.16; extra == "examples"', 'trl>=1.16; extra == "trl"']
+                    'matplotlib>=3.7; extra == "examples"', 'trl>=1.16; extra == "examples"', 'trl>=1.16; extra == "trl"',
+                    'flash-attn-4>=4.0.0b36; extra == "fa4"']
     assert env_report.requirement_names(requirements) == ["torch", "triton", "transformers", "peft", "numpy",
-                                                          "quack-kernels", "trl"]
+                                                          "quack-kernels", "nvidia-cutlass-dsl", "trl", "flash-attn-4"]
     found = env_report.versions(['vexact-no-such-package>=1; extra == "x"'])
     assert found["vexact-no-such-package"] == "not installed" and found["torch"] == metadata.version("torch")

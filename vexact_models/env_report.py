@@ -23,19 +23,23 @@ DISTRIBUTION = "vexact-models"
 FIRST = ("torch", "triton", "transformers", "peft")
 #: extras that only run the tests or the examples: their packages say nothing about a user's setup
 TOOLING_EXTRAS = ("test", "examples")
+#: packages that compile an extra's kernels, listed after it: quack's and FlashAttention-4's bits
+#: and whether they build at all depend on the CUTLASS DSL release as much as on their own
+COMPILED_BY = {"quack-kernels": ("nvidia-cutlass-dsl",), "flash-attn-4": ("nvidia-cutlass-dsl",)}
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _EXTRA = re.compile(r"""extra\s*==\s*["']([^"']+)["']""")
 
 
 def requirement_names(requirements: list[str]) -> list[str]:
     """The distribution names of `requirements` (PEP 508 strings, as `importlib.metadata.requires`
-    gives them), `FIRST` first, without those only the `TOOLING_EXTRAS` ask for, each once."""
+    gives them), `FIRST` first, without those only the `TOOLING_EXTRAS` ask for, each once, each
+    followed by what `COMPILED_BY` names for it."""
     names = []
     for requirement in requirements:
         extra = _EXTRA.search(requirement)
         name = _NAME.match(requirement).group(0).lower().replace("_", "-")
-        if (extra is None or extra.group(1) not in TOOLING_EXTRAS) and name not in names:
-            names.append(name)
+        if extra is None or extra.group(1) not in TOOLING_EXTRAS:
+            names.extend(n for n in (name, *COMPILED_BY.get(name, ())) if n not in names)
     return [*FIRST, *(n for n in names if n not in FIRST)]
 
 
