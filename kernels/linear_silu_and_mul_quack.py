@@ -142,6 +142,5 @@ def linear_silu_and_mul_quack(x2d: torch.Tensor, weight: torch.Tensor, config: Q
         return out
     cfg = GemmConfig(tile_m=config.tile_m, tile_n=config.tile_n, pingpong=config.pingpong,
                      cluster_m=config.cluster_m, cluster_n=config.cluster_n, is_dynamic_persistent=False)
-    epilogue(x2d, weight.t(), out={"postact": out}, store_d=False, config=cfg, tuned=False,
-                concat_layout=("B",))
+    epilogue(x2d, weight.t(), out={"postact": out}, store_d=False, config=cfg, tuned=False, concat_layout=("B",))
     return out
