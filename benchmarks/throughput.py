@@ -46,10 +46,11 @@ engine serves many, so the CUDA graphs of steps with prompt chunks are captured 
 freed before the second is built): the same workload (token ids below both vocabularies), the same
 vexact engines, its own tables, then each engine's rate on the first beside the peer's and their
 ratio (e.g. Qwen3.5-35B-A3B beside Qwen3-30B-A3B). HF ``generate`` runs with our model in host
-memory meanwhile (`stock_peers.stock_alone`: two 35B models do not fit an H200 together);
-``--hf-requests N`` gives it the first N requests only (a big MoE's stock ``generate`` over the
-whole workload can outlast a 10-minute device call); its row names the gated delta rule stock ran for
-the hybrids (fla's kernels where transformers bound them, else its torch path).
+memory meanwhile (`stock_peers.stock_alone`: two 35B models do not fit an H200 together); it runs
+the same requests as ours, so its ratio is like for like (a big MoE's stock ``generate`` over 256
+requests can outlast a 10-minute device call: ``--requests 32 --hf-batch 32`` for both). Its row
+names the gated delta rule stock ran for the hybrids (fla's kernels where transformers bound them,
+else its torch path).
 
 The gated-DeltaNet hybrids (Qwen3.5, Qwen3-Next; docs/design.md section 6b) hold KV pages in their
 attention layers only; the floor and the roofline count those and, per running sequence and GDN
@@ -61,7 +62,8 @@ requests, no roofline table; tests/test_benchmark_scripts.py).
 Usage: python benchmarks/throughput.py [--config qwen3-0.6b] [--requests 256] [--engines aligned,fast,hf]
        python benchmarks/throughput.py --config qwen3.5-35b-a3b --layers 20 --peer-config qwen3-30b-a3b:24 --engines \\
            aligned --no-roofline --repeat 2
-       python benchmarks/throughput.py --config qwen3.5-35b-a3b --layers 20 --engines aligned,hf --hf-requests 8
+       python benchmarks/throughput.py --config qwen3.5-35b-a3b --layers 20 --engines aligned,hf --requests 32 \\
+           --hf-batch 32 --no-roofline
        python benchmarks/throughput.py --config moonlight-16b-a3b --mla-kv-cache expanded,latent --engines aligned
 """
 
@@ -344,10 +346,9 @@ def run_engines(arch, model, prompts, outputs, args, engines: list[str], mode: s
     rows = []
     for engine in engines:
         if engine == "hf":
-            n = min(args.hf_requests or len(prompts), len(prompts))
             with stock_alone(arch, model, args.device) as hf:  # ours waits in host memory
-                seconds, produced = run_hf(hf.eval(), prompts[:n], outputs[:n], args.hf_batch)
-            name, row_mode = f"{ENGINES['hf']} ({hf_label(arch, args.hf_batch, n, len(prompts))})", None
+                seconds, produced = run_hf(hf.eval(), prompts, outputs, args.hf_batch)
+            name, row_mode = f"{ENGINES['hf']} ({hf_label(arch, args.hf_batch)})", None
         else:
             with attention_skipped() if engine == "aligned-no-attention" else contextlib.nullcontext(), \
                     use_attention_forward("fa4" if engine == "aligned-fa4" else None):
@@ -361,10 +362,10 @@ def run_engines(arch, model, prompts, outputs, args, engines: list[str], mode: s
     return rows
 
 
-def hf_label(arch, batch: int, requests: int, total: int) -> str:
-    """What HF's row ran: its batch, the requests it took (``--hf-requests``) and, for a hybrid,
-    the gated delta rule stock runs (fla's kernels where transformers bound them at import)."""
-    label = f"batch {batch}" + (f", first {requests} of {total} requests" if requests < total else "")
+def hf_label(arch, batch: int) -> str:
+    """What HF's row ran: its batch and, for a hybrid, the gated delta rule stock runs (fla's
+    kernels where transformers bound them at import)."""
+    label = f"batch {batch}"
     if is_hybrid(arch):
         label += ", fla kernels" if bound_delta_rule(arch).startswith("fla.") else ", torch delta rule"
     return label

@@ -35,9 +35,6 @@ def parse_args(argv=None, description: str = "") -> argparse.Namespace:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--hf-batch", type=positive_int, default=64,
                         help="requests per HF generate call (sorted by output length)")
-    parser.add_argument("--hf-requests", type=positive_int,
-                        help="HF generate runs the first N requests of the workload only (default: all); its rate is "
-                             "over their output tokens")
     parser.add_argument("--engines", default="aligned,fast,hf",
                         help=f"comma-separated subset of {', '.join(ENGINES)} (default: aligned,fast,hf)")
     parser.add_argument("--skip-hf", action="store_true", help="same as leaving hf out of --engines")
