@@ -9,19 +9,11 @@ import time
 
 import torch
 
+from vexact_models.cli_args import positive_int  # noqa: F401 (the scripts' import)
 from vexact_models.kernels import linear_quack
 from vexact_models.kernels.paged_layout import shuffled_block_table
 
 from decode_floor import decode_bytes, expected_routed, workload_decode_roofline  # noqa: F401 (the scripts' import)
-
-
-def positive_int(text: str) -> int:
-    """An argparse ``type`` for counts that must be >= 1 (page sizes): the parser then names the
-    option, the value and the limit."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def positive_ints(text: str) -> list[int]:

@@ -5,7 +5,7 @@ Examples:
     vexact-conformance --arch deepseek_v3 --shape moonlight
     vexact-conformance --config qwen3-0.6b --device cuda --dtype bfloat16 --pool 64 --max-tokens 256
     vexact-conformance --config moonlight-16b-a3b --layers 2 --device cuda --dtype bfloat16   # deepseek_v3, shape moonlight
-    vexact-conformance --config deepseek-v3 --layers 2 --set first_k_dense_replace=1 \
+    vexact-conformance --config deepseek-v3 --layers 2 --set first_k_dense_replace=1 \\
         --set n_routed_experts=64 --device cuda --dtype bfloat16
     python -m vexact_models.conformance --config path/to/config.json --layers 4
 
@@ -23,9 +23,11 @@ from pathlib import Path
 import torch
 import transformers
 
+from vexact_models.cli_args import device_arg, non_negative_int, positive_int
+from vexact_models.kernels.backend import interpreting
 from vexact_models.registry import Architecture, Shape, architectures, for_model_type, get, shapes
 
-from .models import add_random_lora, build_model, make_config, parse_overrides, published_shape
+from .models import MIN_GPU_HEAD_DIM, add_random_lora, build_model, make_config, parse_overrides, published_shape
 from .recompute import RECOMPUTE_TOKENS
 from .suite import print_table, run_conformance, select_scenarios
 
@@ -69,8 +71,8 @@ def _rows(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[tup
     return [row for row in rows if not args.shape or row[1].name in args.shape]
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vexact-conformance", description=__doc__,
+def _parser(prog: str = "vexact-conformance") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", action="append", help="architecture name (repeatable; default: all registered)")
     parser.add_argument("--shape", action="append",
@@ -80,20 +82,21 @@ def _parser() -> argparse.ArgumentParser:
                         help="attention forward of the triton backend, for training and rollout alike: ours or "
                              "FlashAttention-4 (the flash-attn-4 package, Hopper GPUs); default: "
                              "VEXACT_ATTENTION_FORWARD, else triton")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    parser.add_argument("--device", type=device_arg, default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--config", help="'tiny' (default: each shape's tiny config), a bundled config name (e.g. "
                         "qwen3-0.6b; picks the architecture and shape) or a config.json path")
-    parser.add_argument("--layers", type=int, help="override num_hidden_layers")
-    parser.add_argument("--max-positions", type=int, help="override max_position_embeddings")
+    parser.add_argument("--layers", type=positive_int, help="override num_hidden_layers")
+    parser.add_argument("--max-positions", type=positive_int, help="override max_position_embeddings")
     parser.add_argument("--set", action="append", metavar="KEY=VALUE",
-                        help="override a config field (JSON value; repeatable), e.g. --set n_routed_experts=64")
-    parser.add_argument("--pool", type=int, default=64, help="requests in the pool (the largest batch); default 64")
-    parser.add_argument("--max-tokens", type=int, default=24, help="largest max_tokens of a request; default 24")
-    parser.add_argument("--prompt-len", type=int, default=40, help="longest prompt; default 40")
+                        help="override a field the config class has (JSON value; repeatable), e.g. --set "
+                             "n_routed_experts=64")
+    parser.add_argument("--pool", type=positive_int, default=64, help="requests in the pool (the largest batch); default 64")
+    parser.add_argument("--max-tokens", type=positive_int, default=24, help="largest max_tokens of a request; default 24")
+    parser.add_argument("--prompt-len", type=positive_int, default=40, help="longest prompt; default 40")
     parser.add_argument("--no-hf-parity", action="store_true", help="skip the comparison with stock transformers")
     parser.add_argument("--parity-only", action="store_true", help="only the comparison with stock transformers")
-    parser.add_argument("--lora", type=int, default=0, metavar="RANK",
+    parser.add_argument("--lora", type=non_negative_int, default=0, metavar="RANK",
                         help="wrap the model with random PEFT LoRA adapters of this rank on every linear layer "
                              "(and both fused expert tensors of MoE models: PEFT's target_parameters) and check "
                              "rollouts with adapters; skips HF parity")
@@ -106,47 +109,66 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=sys.stderr.isatty(),
                         help="a progress bar while each scenario rolls out (stderr) and a line when its recompute "
                              "begins (default: when stderr is a terminal)")
-    parser.add_argument("--recompute-tokens", type=int, default=RECOMPUTE_TOKENS, metavar="N",
+    parser.add_argument("--recompute-tokens", type=positive_int, default=RECOMPUTE_TOKENS, metavar="N",
                         help="tokens of one recompute forward, a trainer's micro-batch (default "
                              f"{RECOMPUTE_TOKENS}; a longer sample runs alone): lower it where a big model's "
                              "recompute runs out of memory")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the random weights, the requests and the sampling (default 0)")
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the suite for every selected (architecture, shape); print the table; 0 when all pass."""
-    parser = _parser()
-    args = parser.parse_args(argv)
+def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The checks between options argparse cannot make alone (a usage error naming them)."""
     if not 0 < args.gpu_memory_utilization <= 1:
         parser.error(f"--gpu-memory-utilization={args.gpu_memory_utilization} must be in (0, 1]")
-    if args.lora < 0:
-        parser.error(f"--lora={args.lora} must be >= 0")
-    for name, value in (("--pool", args.pool), ("--max-tokens", args.max_tokens), ("--prompt-len", args.prompt_len),
-                        ("--recompute-tokens", args.recompute_tokens)):
-        if value < 1:
-            parser.error(f"{name}={value} must be >= 1")
     if args.scenario:
         try:
             select_scenarios(args.pool, args.scenario)
         except ValueError as e:
             parser.error(f"--scenario: {e}")
-    device = torch.device(args.device)
-    if args.attention_forward == "fa4" and device.type != "cuda":
+    if args.attention_forward == "fa4" and args.device.type != "cuda":
         parser.error(f"--attention-forward fa4 needs --device cuda (got --device {args.device}): FA4 runs on Hopper GPUs")
-    dtype = getattr(torch, args.dtype)
+    if args.backend == "triton" and args.device.type != "cuda" and not interpreting():
+        parser.error(f"--backend triton needs --device cuda (got --device {args.device}), or TRITON_INTERPRET=1 to "
+                     "run the kernels under Triton's CPU interpreter")
+    if args.device.type == "cuda" and args.config in (None, "tiny"):
+        parser.error(f"--device {args.device} runs the GPU kernels, whose attention takes head dims of "
+                     f"{MIN_GPU_HEAD_DIM} and up, and the tiny test configs' are smaller: pass --config NAME (a bundled "
+                     "published config, e.g. --config qwen3-0.6b --layers 2) or a config.json")
+    if args.backend == "reference" and args.device.type != "cpu":
+        parser.error(f"--backend reference runs on CPU only (got --device {args.device})")
+
+
+def _configs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[tuple[Architecture, str, object]]:
+    """(architecture, shape label, config) of every table row, all made before any model is built:
+    a bad --set or --config is a usage error before anything runs."""
+    rows = _rows(parser, args)
+    try:
+        overrides = parse_overrides(args.set)
+        return [(arch, label, make_config(arch, args.config, args.layers, args.max_positions, overrides,
+                                          shape=shape.name if shape is not None and args.config in (None, "tiny")
+                                          else None))
+                for arch, shape, label in rows]
+    except ValueError as error:
+        parser.error(str(error))
+
+
+def main(argv: list[str] | None = None, prog: str = "vexact-conformance") -> int:
+    """Run the suite for every selected (architecture, shape); print the table; 0 when all pass.
+    `prog`: the command's name in usage and errors (``vexact conformance`` runs it too)."""
+    parser = _parser(prog)
+    args = parser.parse_args(argv)
+    _check(parser, args)
+    rows = _configs(parser, args)
+    device, dtype = args.device, getattr(torch, args.dtype)
     from vexact_models.kernels import attention_forward_mode, use_attention_forward, use_backend
 
-
-    rows = _rows(parser, args)
-    overrides = parse_overrides(args.set)
     reports, failed = [], False
     with use_backend(args.backend), use_attention_forward(args.attention_forward):
         if device.type == "cuda":
             print(f"attention forward: {attention_forward_mode()}", flush=True)
-        for arch, shape, label in rows:
-            config = make_config(arch, args.config, args.layers, args.max_positions, overrides,
-                                 shape=shape.name if shape is not None and args.config in (None, "tiny") else None)
+        for arch, label, config in rows:
             print(f"{arch.name} ({label}): building {args.config or 'tiny'} model ({config.num_hidden_layers} layers) "
                   f"on {device} in {args.dtype}", flush=True)
             model = build_model(arch, config, device, dtype, args.seed)

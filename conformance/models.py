@@ -24,6 +24,10 @@ from vexact_models.registry import Architecture, Shape, architectures, for_model
 CONFIG_DIR = Path(__file__).parent / "configs"
 #: config.json fields that are not config arguments
 _NOT_FIELDS = ("architectures", "torch_dtype")
+#: the smallest head dim the GPU attention takes (`kernels/attention_tiles.py`); the tiny test configs' are smaller
+MIN_GPU_HEAD_DIM = 64
+#: config fields our models read that no transformers config class declares (an override may set them)
+VEXACT_CONFIG_FIELDS = ("linear_chunk_size", "mla_kv_cache", "token_classification_bias")
 
 
 def bundled_configs() -> list[str]:
@@ -87,22 +91,39 @@ def make_config(arch: Architecture, config_name: str | None = None, layers: int 
     `config_name` is None or ``"tiny"``, else a published one (a bundled name or a config.json
     path, which must be of `arch`'s model_type), with ``num_hidden_layers`` (`layers`),
     ``max_position_embeddings`` (`max_positions`, published configs only) and any other fields
-    (`overrides`) replaced."""
+    (`overrides`) replaced. A ValueError for a layer count below 1 or an override naming a field
+    the config does not have (a typo would otherwise be kept as an unread attribute)."""
+    if layers is not None and layers < 1:
+        raise ValueError(f"layers={layers} must be >= 1")
     fields = dict(overrides or {})
     if layers:
         fields["num_hidden_layers"] = layers
     if config_name is None or config_name == "tiny":
-        return (arch.shape(shape) if shape else arch.shapes[0]).tiny_config(**fields)
+        tiny = arch.shape(shape) if shape else arch.shapes[0]
+        _check_overrides(arch, overrides, tiny.tiny_config().to_dict())
+        return tiny.tiny_config(**fields)
     published = published_config(config_name)
     if published.get("model_type") not in arch.model_types:
         raise ValueError(f"config {config_name!r}: model_type {published.get('model_type')!r} is not one of "
                          f"architecture {arch.name!r}'s {list(arch.model_types)}")
     published = {k: v for k, v in published.items() if k not in _NOT_FIELDS}
+    _check_overrides(arch, overrides, published)
     if layers and isinstance(published.get("layer_types"), list):  # hybrids: the first layers' types
         published["layer_types"] = published["layer_types"][:layers]
     if max_positions:
         fields["max_position_embeddings"] = max_positions
     return arch.config_class(**{**published, **fields})
+
+
+def _check_overrides(arch: Architecture, overrides: dict | None, base: dict) -> None:
+    """Every override names a field of `arch`'s config class, of the `base` config it changes, or
+    one of `VEXACT_CONFIG_FIELDS`; a ValueError naming the first that does not."""
+    known = {*arch.config_class().to_dict(), *base, *VEXACT_CONFIG_FIELDS}
+    for key, value in (overrides or {}).items():
+        if key not in known:
+            close = sorted(k for k in known if key in k or k in key)[:5]
+            raise ValueError(f"config override {key}={json.dumps(value)}: {arch.config_class.__name__} has no field "
+                             f"{key!r}" + (f" (did you mean {', '.join(close)}?)" if close else ""))
 
 
 def construct(cls: Callable, config, device: torch.device, dtype: torch.dtype):

@@ -7,10 +7,12 @@ architecture or shape that registers itself is picked up here with no edit.
 """
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
+import vexact_models
 from vexact_models.conformance.cli import main
 from vexact_models.conformance.models import (architecture_of, build_model, bundled_configs, construct, hf_twin,
                                               make_config, published_config, published_shape)
@@ -89,13 +91,24 @@ def test_cli_config_path_picks_the_architecture_from_its_model_type(capsys, tmp_
     (["--config", "moonlight-16b-a3b", "--arch", "qwen3"], ["config of architecture 'deepseek_v3'", "not --arch qwen3"]),
     (["--config", "moonlight-16b-a3b", "--shape", "deepseek_v3"], ["sets the shape (moonlight)"]),
     (["--config", "nope"], ["no such file, and not one of the bundled configs"]),
-    (["--pool", "0"], ["--pool=0 must be >= 1"]),
-    (["--lora", "-1"], ["--lora=-1 must be >= 0"]),
-    (["--recompute-tokens", "0"], ["--recompute-tokens=0 must be >= 1"]),
+    (["--pool", "0"], ["argument --pool: must be >= 1, got 0"]),
+    (["--lora", "-1"], ["argument --lora: must be >= 0, got -1"]),
+    (["--recompute-tokens", "0"], ["argument --recompute-tokens: must be >= 1, got 0"]),
+    (["--layers", "0"], ["argument --layers: must be >= 1, got 0"]),  # a model of no layers checks nothing
+    (["--max-positions", "-5"], ["argument --max-positions: must be >= 1, got -5"]),
+    (["--pool", "x"], ["argument --pool: expected an integer, got 'x'"]),
+    (["--set", "foo"], ["--set 'foo': expected KEY=VALUE"]),
+    (["--arch", "qwen3", "--set", "num_hidden_layer=1"],
+     ["config override num_hidden_layer=1: Qwen3Config has no field 'num_hidden_layer' (did you mean num_hidden_layers"]),
+    (["--device", "tpu"], ["argument --device: expected cpu, cuda or cuda:N, got 'tpu'"]),
+    (["--device", "cuda:99"], ["argument --device: 'cuda:99': "]),  # "no CUDA device here" or "has N CUDA device(s)"
+    (["--backend", "reference", "--device", "cuda:0"], ["argument --device: 'cuda:0'" if not torch.cuda.is_available()
+                                                        else "--backend reference runs on CPU only"]),
     (["--attention-forward", "fa4"], ["--attention-forward fa4 needs --device cuda (got --device cpu)"]),
     (["--attention-forward", "flash"], ["invalid choice: 'flash'"]),
 ])
-def test_cli_rejects_bad_arguments_before_building_anything(argv, words, capsys):
+def test_cli_rejects_bad_arguments_before_building_anything(argv, words, capsys, monkeypatch):
+    monkeypatch.setattr("vexact_models.conformance.cli.build_model", None)  # building anything would raise
     with pytest.raises(SystemExit) as info:
         main(argv)
     assert info.value.code == 2
@@ -229,6 +242,45 @@ def test_cli_checks_rollouts_with_lora_adapters(name, capsys):
     assert main(["--arch", name, "--lora", "4", "--pool", "8", "--max-tokens", "6", "--prompt-len", "8"]) == 0
     out = capsys.readouterr().out
     assert "RESULT: PASS" in out
+
+
+def test_backend_triton_on_cpu_is_a_usage_error_unless_interpreting(monkeypatch, capsys):
+    """``--backend triton --device cpu`` needs Triton's CPU interpreter: without TRITON_INTERPRET=1
+    it is refused up front, naming both options and the way out."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(SystemExit) as info:
+        main(["--backend", "triton", "--device", "cpu"])
+    assert info.value.code == 2
+    assert "--backend triton needs --device cuda (got --device cpu), or TRITON_INTERPRET=1" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("argv", [["--device", "cuda"], ["--device", "cuda:0", "--config", "tiny", "--arch", "qwen3"]])
+def test_tiny_configs_on_cuda_are_a_usage_error_naming_the_way_out(argv, capsys, monkeypatch):
+    """The tiny configs' head dims are below the GPU attention's smallest: refused up front, not a
+    kernel's UnsupportedError after the model is built."""
+    monkeypatch.setattr("vexact_models.conformance.cli.build_model", None)
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2 and "the tiny test configs' are smaller: pass --config NAME" in capsys.readouterr().err
+
+
+def test_config_overrides_take_the_config_class_fields_and_ours_only():
+    """`make_config` applies an override of a field the config class has, of the published config
+    it changes, or of `VEXACT_CONFIG_FIELDS`; any other name is refused before a model is built."""
+    from vexact_models.conformance.models import VEXACT_CONFIG_FIELDS
+
+    deepseek = get("deepseek_v3")
+    config = make_config(deepseek, "moonlight-16b-a3b", 1, None, {"n_routed_experts": 8, "mla_kv_cache": "expanded"})
+    assert config.n_routed_experts == 8 and config.mla_kv_cache == "expanded" and config.num_hidden_layers == 1
+    assert make_config(get("qwen3_5"), None, None, None, {"linear_chunk_size": 32}).linear_chunk_size == 32
+    with pytest.raises(ValueError, match="config override n_routed_expert=8: DeepseekV3Config has no field"):
+        make_config(deepseek, "moonlight-16b-a3b", 1, None, {"n_routed_expert": 8})
+    with pytest.raises(ValueError, match="layers=0 must be >= 1"):
+        make_config(deepseek, None, 0)
+    source = "".join(p.read_text() for p in Path(vexact_models.__file__).parent.rglob("*.py"))
+    assert all(f'"{field}"' in source for field in VEXACT_CONFIG_FIELDS)  # each one is read by a model
 
 
 def test_parse_overrides_reads_json_values_and_refuses_malformed_items():

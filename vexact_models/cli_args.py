@@ -1,0 +1,101 @@
+"""argparse types shared by the command lines (``vexact``, ``vexact-conformance``, examples/,
+benchmarks/): each refuses a bad value with an ``ArgumentTypeError``, which argparse prints after
+the option's name (``argument --pool: must be >= 1, got 0``) and exits 2, before anything is
+built or written."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from vexact_models.conformance.models import published_shape
+
+__all__ = ["checkpoint_arg", "config_arg", "device_arg", "non_negative_float", "non_negative_int", "positive_float",
+           "positive_int"]
+
+
+def positive_int(text: str) -> int:
+    """A count that must be >= 1 (requests, tokens, layers, page sizes)."""
+    value = _number(text, int)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """A count where 0 means none or off (a LoRA rank, a micro-batch of "all")."""
+    value = _number(text, int)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number that must be > 0 (a temperature, a size in GB)."""
+    value = _number(text, float)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number that must be >= 0 (a learning rate, a clip range)."""
+    value = _number(text, float)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def device_arg(text: str) -> torch.device:
+    """``cpu``, ``cuda`` or ``cuda:N``, and only a CUDA device this machine has: a CPU-only torch
+    or machine is told so here rather than by a traceback from deep inside torch."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise argparse.ArgumentTypeError(f"{text!r}: no CUDA device here (torch {torch.__version__}, "
+                                             "torch.cuda.is_available() is False); use cpu")
+        if device.index is not None and device.index >= count:
+            raise argparse.ArgumentTypeError(f"{text!r}: this machine has {count} CUDA device(s), "
+                                             f"cuda:0 to cuda:{count - 1}")
+    return device
+
+
+def checkpoint_arg(text: str) -> str:
+    """What ``from_pretrained`` takes: a checkpoint folder (one holding a config.json) or a hub
+    repo id. A path that exists and is no such folder is refused, and so is one that is plainly a
+    path (absolute, or starting with ``.`` or ``~``) and does not exist; anything else is left to
+    the hub."""
+    path = Path(text).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise argparse.ArgumentTypeError(f"{text!r} is not a checkpoint folder (it holds no config.json)")
+    elif path.is_absolute() or text.startswith((".", "~")):
+        raise argparse.ArgumentTypeError(f"{text!r}: no such folder")
+    return str(path) if path.exists() else text
+
+
+def config_arg(text: str) -> str:
+    """``tiny``, a bundled published config's name (``qwen3-0.6b``) or a config.json path, of a
+    model_type a registered architecture serves (`conformance.models.published_shape`)."""
+    if text != "tiny":
+        try:
+            published_shape(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
+def _number(text: str, kind: type) -> int | float:
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, "
+                                         f"got {text!r}") from None
