@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from vexact_models.cli import main
 
@@ -18,12 +19,46 @@ def test_demo_takes_another_architecture(capsys):
     assert "vexact_models.qwen3_5.modeling.Qwen3_5ForCausalLM" in out and "RESULT: PASS" in out
 
 
-def test_demo_refuses_bad_arguments(capsys):
-    with pytest.raises(SystemExit, match="--pool=0 must be >= 1"):
-        main(["demo", "--device", "cpu", "--pool", "0"])
+@pytest.mark.parametrize("argv,words", [
+    (["--pool", "0"], "argument --pool: must be >= 1, got 0"),
+    (["--arch", "gpt2"], "invalid choice: 'gpt2'"),
+    (["--device", "tpu"], "argument --device: expected cpu, cuda or cuda:N, got 'tpu'"),
+    (["--checkpoint", "FILE"], "exists and is not an empty folder; the demo writes a new checkpoint there"),
+    (["--checkpoint", "FULL"], "exists and is not an empty folder"),
+])
+def test_demo_refuses_bad_arguments_before_writing_anything(argv, words, tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "config.json").write_text("{}")
+    argv = [str(tmp_path / a.lower()) if a in ("FILE", "FULL") else a for a in argv]
+    with pytest.raises(SystemExit) as info:
+        main(["demo", *argv])
+    assert info.value.code == 2 and words in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["config.json", "file", "full"]  # nothing written
+
+
+def test_demo_config_on_cuda_raises_head_dims_or_refuses_what_the_gpu_kernels_do_not_take():
+    """On CUDA the tiny configs' head dims are raised to the GPU attention's smallest; an MLA
+    config (latent and rope dims) or a head dim derived from a small hidden size (Qwen2's) is
+    refused, naming the CPU and published-shape ways out (H200, 2026-12-04: both crashed in the
+    attention kernel before)."""
+    from vexact_models.cli import demo_config
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")  # only configs are built: no GPU needed
+    assert demo_config("qwen3_5", cuda)[1].head_dim == 64 and demo_config("qwen3_5", cpu)[1].head_dim == 32
+    for arch in ("deepseek_v3", "qwen2"):
+        with pytest.raises(ValueError, match=f"--arch {arch} on cuda: its tiny test config's attention dims are below"):
+            demo_config(arch, cuda)
+        assert demo_config(arch, cpu)[0].name == arch
+
+
+def test_demo_help_explains_and_conformance_keeps_its_name(capsys):
     with pytest.raises(SystemExit):
-        main(["demo", "--arch", "gpt2"])
-    assert "invalid choice: 'gpt2'" in capsys.readouterr().err
+        main(["demo", "--help"])
+    assert "recompute every sampled token's logprob" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as info:
+        main(["conformance", "--pool", "0"])
+    assert info.value.code == 2 and capsys.readouterr().err.startswith("usage: vexact conformance")
 
 
 def test_new_architecture_writes_a_package_and_prints_the_next_steps(tmp_path, capsys):
@@ -44,6 +79,11 @@ def test_new_architecture_dry_run_and_errors(tmp_path, capsys):
     assert "Would write (dry run)" in capsys.readouterr().out and not any(tmp_path.iterdir())
     assert main(["new-architecture", "mistral", "--from", "gpt2", "--dest", str(tmp_path)]) == 2
     assert "--from 'gpt2' is not a registered architecture; choose one of" in capsys.readouterr().err
+    (tmp_path / "afile").write_text("x")
+    for extra in ([], ["--dry-run"]):  # refused either way, and the file is left as it was
+        assert main(["new-architecture", "mistral", "--from", "llama", "--dest", str(tmp_path / "afile"), *extra]) == 2
+        assert "afile' is a file, not a folder" in capsys.readouterr().err
+    assert (tmp_path / "afile").read_text() == "x"
     with pytest.raises(SystemExit) as exit_:
         main(["new-architecture", "--help"])
     assert exit_.value.code == 0

@@ -21,16 +21,17 @@ from pathlib import Path
 
 import torch
 
+from vexact_models.cli_args import device_arg, positive_int
+from vexact_models.conformance.models import MIN_GPU_HEAD_DIM
+from vexact_models.layers import head_dim_of
 from vexact_models.registry import architectures
-
-
-#: the Triton attention's smallest head dim; the tiny configs of some architectures take 32
-MIN_GPU_HEAD_DIM = 64
 
 
 def demo_config(arch_name: str, device: torch.device):
     """The demo's random model config: Qwen3 at 2 layers of 128 wide (the default), or another
-    architecture's tiny test config, with head dims the GPU attention takes on CUDA."""
+    architecture's tiny test config, with head dims the GPU attention takes on CUDA. A ValueError
+    on CUDA for a tiny config whose attention the GPU kernels do not take (MLA's latent and rope
+    dims, a head dim derived from the hidden size): such an architecture's demo runs on CPU."""
     from vexact_models.registry import get
 
     arch = get(arch_name)
@@ -38,8 +39,15 @@ def demo_config(arch_name: str, device: torch.device):
         return arch, arch.tiny_config(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                       num_attention_heads=2, num_key_value_heads=1, head_dim=64, vocab_size=2048)
     config = arch.tiny_config()
-    if device.type == "cuda" and getattr(config, "head_dim", None) and config.head_dim < MIN_GPU_HEAD_DIM:
+    if device.type != "cuda":
+        return arch, config
+    if getattr(config, "head_dim", None) and config.head_dim < MIN_GPU_HEAD_DIM:
         config = arch.tiny_config(head_dim=MIN_GPU_HEAD_DIM)
+    if getattr(config, "kv_lora_rank", None) or head_dim_of(config) < MIN_GPU_HEAD_DIM:
+        raise ValueError(f"--arch {arch.name} on {device}: its tiny test config's attention dims are below what the "
+                         f"GPU kernels take ({MIN_GPU_HEAD_DIM} and up); run the demo with --device cpu, or a "
+                         f"published shape on the GPU: vexact-conformance --arch {arch.name} --config NAME --layers 2 "
+                         "--device cuda --dtype bfloat16")
     return arch, config
 
 
@@ -49,12 +57,12 @@ def demo(args: argparse.Namespace) -> int:
     import vexact_models
     from vexact_models.conformance.suite import print_table, run_conformance
 
-    for name in ("pool", "max_tokens"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"vexact demo: error: --{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    arch, config = demo_config(args.arch, device)
+    try:
+        arch, config = demo_config(args.arch, device)
+    except ValueError as error:
+        raise SystemExit(f"vexact demo: error: {error}") from None
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(args.checkpoint or tmp)
         torch.manual_seed(args.seed)
@@ -74,6 +82,29 @@ def demo(args: argparse.Namespace) -> int:
     print_table([report])
     print("RESULT:", "PASS" if report.ok else "FAIL")
     return 0 if report.ok else 1
+
+
+DEMO_HELP = """Build a small random checkpoint with stock transformers (save_pretrained, safetensors), call
+vexact_models.patch(), load it with AutoModelForCausalLM.from_pretrained (our class comes back),
+roll out with the paged runtime LLM under several schedules (batch sizes, chunked prefill,
+preemption; CUDA graphs on a GPU), recompute every sampled token's logprob with the training
+forward and print the conformance table. Exits 0 when every logprob is bitwise equal, 1 otherwise.
+CPU is fine (float32, the reference kernels); a CUDA GPU runs the Triton kernels in bfloat16.
+
+Example:
+    vexact demo
+    vexact demo --arch qwen3_5 --pool 8 --max-tokens 32
+    vexact demo --checkpoint ./tiny-qwen3          # keep the checkpoint (a new or empty folder)
+"""
+
+
+def _demo_checkpoint(text: str) -> Path:
+    """``--checkpoint``: a folder to write into that does not exist yet or is empty."""
+    path = Path(text)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise argparse.ArgumentTypeError(f"{text!r} exists and is not an empty folder; the demo writes a new "
+                                         "checkpoint there and never overwrites")
+    return path
 
 
 NEW_ARCHITECTURE_HELP = """Copy a registered architecture's folder into a new one, renamed: the classes the
@@ -150,14 +181,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vexact", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    p_demo = sub.add_parser("demo", help="end-to-end rollout + recompute on a small random checkpoint (Qwen3 or --arch)")
+    p_demo = sub.add_parser("demo", help="end-to-end rollout + recompute on a small random checkpoint (Qwen3 or --arch)",
+                            description=DEMO_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p_demo.add_argument("--arch", default="qwen3", choices=sorted(a.name for a in architectures()),
                         help="the registered architecture to build (default qwen3; its tiny test config otherwise)")
-    p_demo.add_argument("--device", help="cpu or cuda (default: cuda when available)")
-    p_demo.add_argument("--pool", type=int, default=16, help="requests (the largest batch); default 16")
-    p_demo.add_argument("--max-tokens", type=int, default=16, help="largest max_tokens of a request; default 16")
-    p_demo.add_argument("--checkpoint", help="keep the generated checkpoint in this folder")
-    p_demo.add_argument("--seed", type=int, default=0)
+    p_demo.add_argument("--device", type=device_arg, help="cpu, cuda or cuda:N (default: cuda when available)")
+    p_demo.add_argument("--pool", type=positive_int, default=16, help="requests (the largest batch); default 16")
+    p_demo.add_argument("--max-tokens", type=positive_int, default=16, help="largest max_tokens of a request; default 16")
+    p_demo.add_argument("--checkpoint", type=_demo_checkpoint, metavar="DIR",
+                        help="keep the generated checkpoint in this folder (new or empty; default: a temporary one)")
+    p_demo.add_argument("--seed", type=int, default=0, help="seed of the random weights, requests and sampling (default 0)")
     sub.add_parser("conformance", help="the conformance suite (see vexact-conformance --help)", add_help=False)
     _add_new_architecture_parser(sub)
     p_env = sub.add_parser("env", help="versions, device, backend and VEXACT_* switches, for a bug report",
@@ -167,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "conformance":
         from vexact_models.conformance.cli import main as conformance_main
 
-        return conformance_main(rest)
+        return conformance_main(rest, prog="vexact conformance")
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "new-architecture":

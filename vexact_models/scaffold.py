@@ -153,6 +153,9 @@ def plan(name: str, template: str = "qwen3", *, class_prefix: str | None = None,
     if in_tree and not (_PACKAGE_DIR.parent / "pyproject.toml").is_file():
         raise ValueError(f"vexact_models is installed at {_PACKAGE_DIR}, not in a source checkout: pass --dest DIR "
                          f"for a package of your own (or run from a clone of vexact-models)")
+    if not in_tree and Path(dest).exists() and not Path(dest).is_dir():
+        raise ValueError(f"--dest {str(dest)!r} is a file, not a folder; name a folder (new or existing) to hold "
+                         f"{name}/ and tests/")
     package = f"vexact_models.{name}" if in_tree else name
     folder = _PACKAGE_DIR / name if in_tree else Path(dest).resolve() / name
     test_path = _REPO_TESTS / f"test_{name}.py" if in_tree else Path(dest).resolve() / "tests" / f"test_{name}.py"
@@ -337,7 +340,9 @@ def next_steps(scaffold: Scaffold, written: bool = True) -> str:
                      f"copied tiny configs ({', '.join(f'{k}={v}' for k, v in scaffold.dropped_fields.items())}); a "
                      f"hub config.json of model_type {new.model_type!r} never sets them; HF's defaults apply"
                      + (" (head_dim: hidden_size // num_attention_heads)." if "head_dim" in scaffold.dropped_fields else "."))
-    steps += [f"  3. Run: python -m pytest -q {test}" + (" tests/conformance tests/models" if scaffold.in_tree else ""),
+    steps += [f"  3. Run: python -m pytest -q {test}" + (" tests/conformance tests/models" if scaffold.in_tree else
+                                                       " (after the pip install -e below: the test finds the "
+                                                       "package through its entry point)"),
               f"  4. GPU: vexact-conformance --arch {new.name} --device cuda --dtype bfloat16 --config <config.json>"]
     if scaffold.review_lines:
         steps.append(f"  Prose that still names {old.name!r} (review): " + "; ".join(scaffold.review_lines[:8])
