@@ -33,44 +33,48 @@ from pathlib import Path
 
 import torch
 
+from vexact_models.cli_args import (checkpoint_arg, config_arg, device_arg, non_negative_float, non_negative_int,
+                                    positive_float, positive_int)
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="checkpoint folder to train (default: write a random one for --config)")
-    p.add_argument("--config", default="tiny",
+    p.add_argument("--model", type=checkpoint_arg,
+                   help="checkpoint folder (or hub id) to train (default: write a random one for --config)")
+    p.add_argument("--config", type=config_arg, default="tiny",
                    help="random checkpoint's shape: 'tiny' (default: Qwen3, 2 layers, vocab 16) or a bundled "
                         "published config (qwen3-0.6b, qwen3-8b, qwen3-30b-a3b, moonlight-16b-a3b, deepseek-v3)")
-    p.add_argument("--layers", type=int, help="override num_hidden_layers of --config")
-    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--layers", type=positive_int, help="override num_hidden_layers of --config")
+    p.add_argument("--device", type=device_arg, default="cpu", help="cpu (default), cuda or cuda:N")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    p.add_argument("--steps", type=int, default=40, help="rollout + update steps (default 40)")
-    p.add_argument("--prompts", type=int, default=16, help="prompts per step (default 16)")
-    p.add_argument("--group", type=int, default=8, help="samples per prompt, the GRPO group (default 8)")
-    p.add_argument("--max-tokens", type=int, default=2, help="completion tokens per sample (default 2)")
+    p.add_argument("--steps", type=positive_int, default=40, help="rollout + update steps (default 40)")
+    p.add_argument("--prompts", type=positive_int, default=16, help="prompts per step (default 16)")
+    p.add_argument("--group", type=positive_int, default=8, help="samples per prompt, the GRPO group (default 8)")
+    p.add_argument("--max-tokens", type=positive_int, default=2, help="completion tokens per sample (default 2)")
     p.add_argument("--prompt-len", default="4,8", help="min,max prompt length (default 4,8)")
-    p.add_argument("--task-vocab", type=int, default=16,
+    p.add_argument("--task-vocab", type=positive_int, default=16,
                    help="prompt tokens are drawn from [2, min(task_vocab, vocab_size)) (default 16)")
     p.add_argument("--stop-at-eos", action="store_true", help="let EOS end a completion (default: ignore EOS)")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--lr", type=float, default=5e-3,
+    p.add_argument("--temperature", type=positive_float, default=1.0)
+    p.add_argument("--lr", type=non_negative_float, default=5e-3,
                    help="AdamW learning rate (default 5e-3; fp32 master weights when --dtype is not float32)")
-    p.add_argument("--clip", type=float, default=0.2, help="PPO clip range epsilon (default 0.2)")
-    p.add_argument("--epochs", type=int, default=1,
+    p.add_argument("--clip", type=non_negative_float, default=0.2, help="PPO clip range epsilon (default 0.2)")
+    p.add_argument("--epochs", type=positive_int, default=1,
                    help="policy updates per rollout batch (default 1; > 1 makes the clipping bite)")
-    p.add_argument("--micro-batch", type=int, default=0,
+    p.add_argument("--micro-batch", type=non_negative_int, default=0,
                    help="samples per forward/backward (gradients accumulate; default 0: the whole batch)")
     p.add_argument("--compare-stock", action="store_true",
                    help="also score the samples with stock transformers on the same weights")
     p.add_argument("--stock-attn", default="sdpa", choices=["sdpa", "eager"], help="stock model's attention")
-    p.add_argument("--kv-cache-gb", type=float, help="rollout KV cache size (default: 0.0625 on CPU, else "
+    p.add_argument("--kv-cache-gb", type=positive_float, help="rollout KV cache size (default: 0.0625 on CPU, else "
                    "what --gpu-memory-utilization leaves)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5,
                    help="CUDA: fraction of GPU memory weights + KV cache may take at engine start (default 0.5; "
                         "the rest is for training)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--threads", type=positive_int, default=1,
                    help="CPU: torch intra-op threads (default 1: a tiny model's ops only lose time to more)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="grpo_out", help="folder for grpo_metrics.json and grpo.png (default grpo_out)")
@@ -80,27 +84,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except ValueError:
         p.error(f"--prompt-len {args.prompt_len!r}: expected MIN,MAX")
     args.prompt_len = (lo, hi)
-    for name in ("steps", "prompts", "max_tokens", "epochs"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     if args.group < 2:
         p.error(f"--group={args.group} must be >= 2 (GRPO compares samples within a group)")
-    if args.temperature <= 0:
-        p.error(f"--temperature={args.temperature} must be > 0 (GRPO samples)")
     if not 1 <= lo <= hi:
         p.error(f"--prompt-len {lo},{hi}: need 1 <= MIN <= MAX")
+    if args.task_vocab < 3:
+        p.error(f"--task-vocab={args.task_vocab} must be >= 3 (prompt tokens are drawn from [2, task_vocab))")
     return args
 
 
 def write_random_checkpoint(args: argparse.Namespace, path: Path) -> None:
     """A random-weight checkpoint of --config (stock HF layout, safetensors) in `path`."""
-    from vexact_models.conformance.models import architecture_of, build_model, make_config
+    from vexact_models.conformance.models import MIN_GPU_HEAD_DIM, architecture_of, build_model, make_config
     from vexact_models.registry import get
 
     if args.config == "tiny":
         arch = get("qwen3")
         config = arch.tiny_config(vocab_size=16, max_position_embeddings=256,
-                                  **({"num_hidden_layers": args.layers} if args.layers else {}))
+                                  **({"num_hidden_layers": args.layers} if args.layers else {}),
+                                  **({"head_dim": MIN_GPU_HEAD_DIM} if args.device.type == "cuda" else {}))
     else:
         arch = architecture_of(args.config)
         config = make_config(arch, args.config, args.layers, None)
@@ -303,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         print_row(history[-1], header=step == 0)
     summary = summarize(history)
     (out / "grpo_metrics.json").write_text(json.dumps({"args": vars(args), "summary": summary, "steps": history},
-                                                       indent=1))
+                                                       indent=1, default=str))
     plot(history, out / "grpo.png", stock.name if stock else None)
     print(json.dumps(summary))
     print(f"wrote {out / 'grpo_metrics.json'} and {out / 'grpo.png'}")

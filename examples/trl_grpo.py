@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from vexact_models.cli_args import checkpoint_arg, config_arg, device_arg, non_negative_float, positive_int
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 METRICS = {"reward": "reward", "sampling/sampling_logp_difference/max": "max|d|",
            "sampling/sampling_logp_difference/mean": "mean|d|", "sampling/importance_sampling_ratio/min": "IS min",
@@ -43,20 +45,21 @@ METRICS = {"reward": "reward", "sampling/sampling_logp_difference/max": "max|d|"
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", default="vexact", choices=["vexact", "trl-logprobs", "stock"])
-    p.add_argument("--model", help="checkpoint folder (default: write a random one for --config)")
-    p.add_argument("--config", default="tiny", help="random checkpoint's shape: 'tiny' (Qwen3, 2 layers, vocab 16) "
-                   "or a bundled published Qwen3 config (qwen3-0.6b, qwen3-8b)")
-    p.add_argument("--layers", type=int, help="override num_hidden_layers of --config")
-    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--model", type=checkpoint_arg, help="checkpoint folder (default: write a random one for --config)")
+    p.add_argument("--config", type=config_arg, default="tiny",
+                   help="random checkpoint's shape: 'tiny' (Qwen3, 2 layers, vocab 16) or a bundled published Qwen3 "
+                        "config (qwen3-0.6b, qwen3-8b)")
+    p.add_argument("--layers", type=positive_int, help="override num_hidden_layers of --config")
+    p.add_argument("--device", type=device_arg, default="cpu", help="cpu (default), cuda or cuda:N")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    p.add_argument("--steps", type=int, default=8, help="optimizer steps (default 8)")
-    p.add_argument("--prompts", type=int, default=4, help="prompts per step (default 4)")
-    p.add_argument("--group", type=int, default=8, help="completions per prompt, num_generations (default 8)")
-    p.add_argument("--max-tokens", type=int, default=4, help="max_completion_length (default 4)")
+    p.add_argument("--steps", type=positive_int, default=8, help="optimizer steps (default 8)")
+    p.add_argument("--prompts", type=positive_int, default=4, help="prompts per step (default 4)")
+    p.add_argument("--group", type=positive_int, default=8, help="completions per prompt, num_generations (default 8)")
+    p.add_argument("--max-tokens", type=positive_int, default=4, help="max_completion_length (default 4)")
     p.add_argument("--prompt-len", default="4,8", help="min,max prompt length (default 4,8)")
-    p.add_argument("--task-vocab", type=int, default=16, help="prompt tokens from [2, task_vocab) (default 16)")
-    p.add_argument("--lr", type=float, default=5e-3, help="learning rate (default 5e-3: a tiny random model)")
-    p.add_argument("--threads", type=int, default=1, help="CPU: torch threads (default 1)")
+    p.add_argument("--task-vocab", type=positive_int, default=16, help="prompt tokens from [2, task_vocab) (default 16)")
+    p.add_argument("--lr", type=non_negative_float, default=5e-3, help="learning rate (default 5e-3: a tiny random model)")
+    p.add_argument("--threads", type=positive_int, default=1, help="CPU: torch threads (default 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="trl_grpo_out", help="TRL output_dir and metrics file folder")
     args = p.parse_args(argv)
@@ -67,11 +70,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--prompt-len {args.prompt_len!r}: expected MIN,MAX")
     if not 1 <= lo <= hi:
         p.error(f"--prompt-len {lo},{hi}: need 1 <= MIN <= MAX")
-    for name in ("steps", "prompts", "max_tokens"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     if args.group < 2:
         p.error(f"--group={args.group} must be >= 2")
+    if args.task_vocab < 3:
+        p.error(f"--task-vocab={args.task_vocab} must be >= 3 (prompt tokens are drawn from [2, task_vocab))")
     return args
 
 
@@ -109,13 +111,14 @@ def repeat_last_token(completion_ids, last_token, **kwargs) -> list[float]:
 
 
 def write_checkpoint(args: argparse.Namespace, path: str) -> None:
-    from vexact_models.conformance.models import build_model, make_config
+    from vexact_models.conformance.models import MIN_GPU_HEAD_DIM, build_model, make_config
     from vexact_models.registry import get
 
     arch = get("qwen3")
     if args.config == "tiny":
         config = arch.tiny_config(vocab_size=16, max_position_embeddings=256,
-                                  **({"num_hidden_layers": args.layers} if args.layers else {}))
+                                  **({"num_hidden_layers": args.layers} if args.layers else {}),
+                                  **({"head_dim": MIN_GPU_HEAD_DIM} if args.device.type == "cuda" else {}))
     else:
         config = make_config(arch, args.config, args.layers, None)
         if config.eos_token_id is None:  # the bundled published shapes carry no special tokens
@@ -152,8 +155,8 @@ def build_trainer(args: argparse.Namespace, path: str):
         output_dir=args.out, max_steps=args.steps, per_device_train_batch_size=args.prompts * args.group,
         num_generations=args.group, max_completion_length=args.max_tokens, learning_rate=args.lr, beta=0.0,
         logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True, seed=args.seed,
-        bf16=dtype == torch.bfloat16, use_cpu=args.device == "cpu",
-        gradient_checkpointing=args.device != "cpu",  # TRL's default on GPUs; a tiny CPU model needs none
+        bf16=dtype == torch.bfloat16, use_cpu=args.device.type == "cpu",
+        gradient_checkpointing=args.device.type != "cpu",  # TRL's default on GPUs; a tiny CPU model needs none
         shuffle_dataset=False)
     common = dict(reward_funcs=repeat_last_token, args=grpo_args, train_dataset=toy_dataset(args, config.vocab_size),
                   processing_class=toy_tokenizer(config))
@@ -171,7 +174,7 @@ def build_trainer(args: argparse.Namespace, path: str):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     finally:
         vexact_models.unpatch()  # leave transformers as it was (run() is also called in-process)
-    llm_kwargs = {"kv_cache_bytes": 64 << 20} if args.device == "cpu" else {}
+    llm_kwargs = {"kv_cache_bytes": 64 << 20} if args.device.type == "cpu" else {}
     return timed(VexactGRPOTrainer)(model=model, exact_logprobs=args.mode == "vexact", llm_kwargs=llm_kwargs,
                                     **common)
 
@@ -181,7 +184,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     from transformers import PrinterCallback
 
     threads = torch.get_num_threads()
-    if args.device == "cpu":
+    if args.device.type == "cpu":
         torch.set_num_threads(args.threads)
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -204,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     for h in logs:
         print(f"{h['step']:>4}  " + "  ".join(f"{h[k]:>10.4g}" if k in h else f"{'-':>10}" for k in keys))
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "trl_grpo_metrics.json").write_text(json.dumps({"args": vars(args), "steps": logs}, indent=1))
+    (Path(args.out) / "trl_grpo_metrics.json").write_text(json.dumps({"args": vars(args), "steps": logs}, indent=1, default=str))
     diffs = [h["sampling/sampling_logp_difference/max"] for h in logs if "sampling/sampling_logp_difference/max" in h]
     if diffs:
         print(f"TRL's sampling/sampling_logp_difference/max over {len(diffs)} steps: max {max(diffs):.3g}")

@@ -1,5 +1,6 @@
 """examples/grpo.py (a GRPO loop on the public API) and its library, vexact_models.rl."""
 
+import importlib.util
 import json
 import math
 import subprocess
@@ -47,6 +48,40 @@ def test_grpo_example_help_and_bad_flags():
     assert help_run.returncode == 0 and "--compare-stock" in help_run.stdout and "--device" in help_run.stdout
     bad = subprocess.run([sys.executable, str(EXAMPLE), "--group", "1"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--group=1 must be >= 2" in bad.stderr
+
+
+def _parse_args(script: str):
+    """The `parse_args` of examples/<script>.py (loaded as a module: no subprocess, nothing run)."""
+    spec = importlib.util.spec_from_file_location(f"example_{script}", EXAMPLE.parent / f"{script}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.parse_args
+
+
+@pytest.mark.parametrize("script", ["grpo", "trl_grpo"])
+@pytest.mark.parametrize("argv,words", [
+    (["--steps", "0"], "argument --steps: must be >= 1, got 0"),
+    (["--lr", "-1"], "argument --lr: must be a finite number >= 0, got -1"),
+    (["--config", "nosuch"], "argument --config: config 'nosuch': no such file, and not one of the bundled configs"),
+    (["--model", "/no/such/checkpoint"], "argument --model: '/no/such/checkpoint': no such folder"),
+    (["--device", "tpu"], "argument --device: expected cpu, cuda or cuda:N, got 'tpu'"),
+    (["--task-vocab", "2"], "--task-vocab=2 must be >= 3"),
+    (["--layers", "0"], "argument --layers: must be >= 1, got 0"),
+])
+def test_examples_refuse_bad_flags_naming_flag_value_and_limit(script, argv, words, capsys):
+    with pytest.raises(SystemExit) as info:
+        _parse_args(script)(argv)
+    assert info.value.code == 2 and words in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--micro-batch", "-3"], "argument --micro-batch: must be >= 0, got -3"),
+    (["--temperature", "0"], "argument --temperature: must be a finite number > 0, got 0"),
+])
+def test_grpo_refuses_its_own_bad_flags(argv, words, capsys):
+    with pytest.raises(SystemExit) as info:
+        _parse_args("grpo")(argv)
+    assert info.value.code == 2 and words in capsys.readouterr().err
 
 
 def _outputs():
