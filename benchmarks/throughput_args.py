@@ -16,6 +16,8 @@ ENGINES = {"aligned": "vexact aligned", "aligned-sync": "vexact aligned, one ste
            "aligned-fa4": "vexact aligned, FA4 attention",
            "aligned-no-attention": "bound: aligned, no attention", "fast": "vexact fast path (cuBLAS)",
            "hf": "HF generate"}
+#: engines that run on CUDA only (the cuBLAS fast path, FlashAttention-4)
+CUDA_ENGINES = ("fast", "aligned-fa4")
 
 
 def parse_args(argv=None, description: str = "") -> argparse.Namespace:
@@ -35,8 +37,9 @@ def parse_args(argv=None, description: str = "") -> argparse.Namespace:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--hf-batch", type=positive_int, default=64,
                         help="requests per HF generate call (sorted by output length)")
-    parser.add_argument("--engines", default="aligned,fast,hf",
-                        help=f"comma-separated subset of {', '.join(ENGINES)} (default: aligned,fast,hf)")
+    parser.add_argument("--engines",
+                        help=f"comma-separated subset of {', '.join(ENGINES)} (default: aligned,fast,hf; with --tiny "
+                             f"aligned,hf: {', '.join(CUDA_ENGINES)} need a CUDA GPU)")
     parser.add_argument("--skip-hf", action="store_true", help="same as leaving hf out of --engines")
     parser.add_argument("--no-roofline", action="store_true", help="skip the decode step / roofline table")
     parser.add_argument("--repeat", type=positive_int, default=1,
@@ -55,10 +58,13 @@ def parse_args(argv=None, description: str = "") -> argparse.Namespace:
                         help="CPU, float32, each config's architecture at its tiny shape, a few short requests, no "
                              "roofline table (tests)")
     args = parser.parse_args(argv)
-    args.engines = [e for e in args.engines.split(",") if e and not (e == "hf" and args.skip_hf)]
+    engines = args.engines or ("aligned,hf" if args.tiny else "aligned,fast,hf")
+    args.engines = [e for e in engines.split(",") if e and not (e == "hf" and args.skip_hf)]
     for engine in args.engines:
         if engine not in ENGINES:
             parser.error(f"--engines: unknown engine {engine!r} (known: {', '.join(ENGINES)})")
+        if args.tiny and engine in CUDA_ENGINES:
+            parser.error(f"--engines: {engine} needs a CUDA GPU, and --tiny runs on CPU")
     check_models(parser, args)
     if args.peer and not [e for e in args.engines if e != "hf"]:
         parser.error(f"--peer-config {args.peer_config!r}: the peer runs the vexact engines of --engines, and "

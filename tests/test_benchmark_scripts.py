@@ -263,7 +263,7 @@ def test_throughput_peer_config_runs_tiny_on_cpu():
     stock HF generate (its torch delta rule here, fla not installed) and beside Qwen3-MoE on the
     same workload, one model at a time, the ratio printed; the hybrid's floor counts its GDN state."""
     run = subprocess.run([sys.executable, "throughput.py", "--tiny", "--config", "qwen3.5-35b-a3b", "--peer-config",
-                          "qwen3-30b-a3b", "--engines", "aligned,hf", "--requests", "4", "--step-breakdown"],
+                          "qwen3-30b-a3b", "--requests", "4", "--step-breakdown"],  # --tiny's engines: aligned,hf
                          cwd=BENCHMARKS, capture_output=True, text=True, timeout=600, env=TINY_ENV)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     out = run.stdout
@@ -286,6 +286,7 @@ def test_throughput_peer_config_runs_tiny_on_cpu():
     (["--config", "qwen3-0.6b", "--mla-kv-cache", "latent"], "--mla-kv-cache: qwen3-0.6b is not an MLA model"),
     (["--engines", "aligned,bogus"], "--engines: unknown engine 'bogus'"),
     (["--requests", "0"], "--requests: must be >= 1, got 0"),
+    (["--tiny", "--engines", "aligned,fast"], "--engines: fast needs a CUDA GPU, and --tiny runs on CPU"),
 ])
 def test_throughput_refuses_bad_models_and_engines(argv, words):
     """throughput.py names the option and the value of a bad model or engine choice before building
