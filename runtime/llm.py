@@ -27,7 +27,6 @@ from collections.abc import Sequence as Seq
 from dataclasses import replace
 
 import torch
-from tqdm.auto import tqdm
 
 from vexact_models.adapters import adapter_state
 from vexact_models.kernels import attention_forward_mode, current_backend, use_backend
@@ -46,6 +45,7 @@ from .outputs import CompletionOutput, RequestOutput
 from .pipeline import PipelineStage, check_stage_model, join_pipeline
 from .pipeline_comm import PipelineComm
 from .pipeline_worker import Pipeline
+from .progress import progress_bar
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .sequence import Sequence
@@ -368,7 +368,7 @@ class LLM(EngineStepsMixin, EngineMemoryMixin):
         backend = self.backend  # the user's choice now (set_backend / use_backend / VEXACT_BACKEND)
         with use_backend(backend):
             self._graphs_follow(backend)
-            bar = tqdm(total=total, desc="generate", unit="seq", disable=not use_tqdm)
+            bar = progress_bar(total, use_tqdm)
             self._loop(bar)
 
     def _output(self, prompt, ids: list[int], seqs: list[Sequence]) -> RequestOutput:
