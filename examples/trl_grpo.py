@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from vexact_models.cli_args import checkpoint_arg, config_arg, device_arg, non_negative_float, positive_int
+from vexact_models.conformance.models import published_shape
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 METRICS = {"reward": "reward", "sampling/sampling_logp_difference/max": "max|d|",
@@ -74,6 +75,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--group={args.group} must be >= 2")
     if args.task_vocab < 3:
         p.error(f"--task-vocab={args.task_vocab} must be >= 3 (prompt tokens are drawn from [2, task_vocab))")
+    if args.model is None and args.config != "tiny" and published_shape(args.config)[0].name != "qwen3":
+        p.error(f"--config {args.config}: the random checkpoint is a Qwen3 one; pass a Qwen3 config, or --model "
+                "with a checkpoint of another architecture")
     return args
 
 

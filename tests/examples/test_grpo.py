@@ -74,6 +74,13 @@ def test_examples_refuse_bad_flags_naming_flag_value_and_limit(script, argv, wor
     assert info.value.code == 2 and words in capsys.readouterr().err
 
 
+def test_trl_example_takes_qwen3_configs_only_for_its_random_checkpoint(capsys):
+    with pytest.raises(SystemExit) as info:
+        _parse_args("trl_grpo")(["--config", "moonlight-16b-a3b"])
+    assert info.value.code == 2 and "the random checkpoint is a Qwen3 one" in capsys.readouterr().err
+    assert _parse_args("trl_grpo")(["--config", "qwen3-8b", "--layers", "2"]).config == "qwen3-8b"
+
+
 @pytest.mark.parametrize("argv,words", [
     (["--micro-batch", "-3"], "argument --micro-batch: must be >= 0, got -3"),
     (["--temperature", "0"], "argument --temperature: must be a finite number > 0, got 0"),
