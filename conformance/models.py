@@ -18,14 +18,15 @@ from pathlib import Path
 import torch
 
 from vexact_models.adapters import expert_target_parameters
+from vexact_models.kernels.attention_tiles import HEAD_DIMS
 from vexact_models.registry import Architecture, Shape, architectures, for_model_type
 
 #: the bundled published configs (``<name>.json``; `published_config` takes ``<name>``)
 CONFIG_DIR = Path(__file__).parent / "configs"
 #: config.json fields that are not config arguments
 _NOT_FIELDS = ("architectures", "torch_dtype")
-#: the smallest head dim the GPU attention takes (`kernels/attention_tiles.py`); the tiny test configs' are smaller
-MIN_GPU_HEAD_DIM = 64
+#: the smallest head dim the GPU attention takes; the tiny test configs' are smaller
+MIN_GPU_HEAD_DIM = min(HEAD_DIMS)
 #: config fields our models read that no transformers config class declares (an override may set them)
 VEXACT_CONFIG_FIELDS = ("linear_chunk_size", "mla_kv_cache", "token_classification_bias")
 

@@ -77,9 +77,10 @@ def checkpoint_arg(text: str) -> str:
     if path.exists():
         if not (path / "config.json").is_file():
             raise argparse.ArgumentTypeError(f"{text!r} is not a checkpoint folder (it holds no config.json)")
-    elif path.is_absolute() or text.startswith((".", "~")):
+        return str(path)
+    if path.is_absolute() or text.startswith((".", "~")):
         raise argparse.ArgumentTypeError(f"{text!r}: no such folder")
-    return str(path) if path.exists() else text
+    return text
 
 
 def config_arg(text: str) -> str:
