@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 import transformers
 
-from vexact_models.cli_args import device_arg, non_negative_int, positive_int
+from vexact_models.cli_args import architecture_arg, device_arg, non_negative_int, positive_int
 from vexact_models.kernels.backend import interpreting
-from vexact_models.registry import Architecture, Shape, architectures, for_model_type, get, shapes
+from vexact_models.registry import Architecture, Shape, architectures, shapes
 
 from .models import MIN_GPU_HEAD_DIM, add_random_lora, build_model, make_config, parse_overrides, published_shape
 from .recompute import RECOMPUTE_TOKENS
@@ -33,19 +33,16 @@ from .suite import print_table, run_conformance, select_scenarios
 
 
 def _architecture(parser: argparse.ArgumentParser, name: str) -> Architecture:
-    """``--arch NAME``: an architecture's name or an HF ``model_type`` it serves (``gemma3_text``
-    is ``gemma3``); a shape's name is an error saying which architecture and --shape to use."""
-    owners = [arch.name for arch, shape in shapes() if shape.name == name and arch.name != name]
+    """``--arch NAME``: `architecture_arg` (a name or an HF ``model_type`` it serves); a shape's
+    name is an error saying which architecture and --shape to use."""
     try:
-        return get(name)
-    except ValueError:
-        by_type = for_model_type(name)
-        if by_type is not None:
-            return by_type
+        return architecture_arg(name)
+    except argparse.ArgumentTypeError as error:
+        owners = [arch.name for arch, shape in shapes() if shape.name == name and arch.name != name]
         if owners:
             parser.error(f"--arch {name}: {name!r} is a shape of architecture {owners[0]!r}, not an architecture; "
                          f"use --arch {owners[0]} --shape {name}")
-        parser.error(f"--arch {name}: unknown architecture; registered: {sorted(a.name for a in architectures())}")
+        parser.error(f"--arch {name}: {error}")
 
 
 def _rows(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[tuple[Architecture, Shape | None, str]]:

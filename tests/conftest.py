@@ -51,3 +51,14 @@ def paged_layout(q_lens: list[int], seq_lens: list[int], table: torch.Tensor, pa
 def compiled_variants(kernel) -> int:
     """How many variants of a Triton/Gluon `kernel` are compiled for the current CUDA device."""
     return len(kernel.device_caches[torch.cuda.current_device()][0])
+
+
+@pytest.fixture
+def gemma3_too_old(monkeypatch):
+    """The registry as on a transformers older than Gemma 3's ``min_transformers`` (as it is on the
+    releases before 5.24): ``gemma3`` left out and recorded as needing 5.24."""
+    from vexact_models import registry
+
+    registry.architectures()  # load the built-in ones first; then swap in copies, so the order stays
+    monkeypatch.setattr(registry, "_REGISTRY", {k: v for k, v in registry._REGISTRY.items() if k != "gemma3"})
+    monkeypatch.setattr(registry, "_TOO_OLD", {**registry._TOO_OLD, "gemma3": "5.24"})

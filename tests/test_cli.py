@@ -21,7 +21,7 @@ def test_demo_takes_another_architecture(capsys):
 
 @pytest.mark.parametrize("argv,words", [
     (["--pool", "0"], "argument --pool: must be >= 1, got 0"),
-    (["--arch", "gpt2"], "invalid choice: 'gpt2'"),
+    (["--arch", "gpt2"], "argument --arch: unknown architecture 'gpt2'; registered: ["),
     (["--device", "tpu"], "argument --device: expected cpu, cuda or cuda:N, got 'tpu'"),
     (["--checkpoint", "FILE"], "exists and is not an empty folder; the demo writes a new checkpoint there"),
     (["--checkpoint", "FULL"], "exists and is not an empty folder"),
@@ -35,6 +35,19 @@ def test_demo_refuses_bad_arguments_before_writing_anything(argv, words, tmp_pat
         main(["demo", *argv])
     assert info.value.code == 2 and words in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["config.json", "file", "full"]  # nothing written
+
+
+def test_demo_names_the_transformers_an_architecture_needs(gemma3_too_old, capsys):
+    """On a transformers older than an architecture's floor, ``--arch`` says which release it needs
+    (it used to be an "invalid choice"), and ``--help`` lists it apart from the registered ones."""
+    with pytest.raises(SystemExit) as info:
+        main(["demo", "--arch", "gemma3"])
+    assert info.value.code == 2
+    assert "argument --arch: architecture 'gemma3' needs transformers >= 5.24" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "qwen3_5, qwen3_5_moe" in out and "; gemma3 needs transformers >= 5.24" in out
 
 
 def test_demo_config_on_cuda_raises_head_dims_or_refuses_what_the_gpu_kernels_do_not_take():

@@ -6,8 +6,8 @@ import argparse
 import pytest
 import torch
 
-from vexact_models.cli_args import (checkpoint_arg, config_arg, device_arg, non_negative_float, non_negative_int,
-                                    positive_float, positive_int)
+from vexact_models.cli_args import (architecture_arg, checkpoint_arg, config_arg, device_arg, non_negative_float,
+                                    non_negative_int, positive_float, positive_int)
 
 
 @pytest.mark.parametrize("kind,text,value", [
@@ -68,3 +68,13 @@ def test_config_arg_takes_tiny_bundled_names_and_config_files_of_registered_type
         config_arg("nosuch")
     with pytest.raises(argparse.ArgumentTypeError, match="no registered architecture serves model_type 'gpt2'"):
         config_arg(str(tmp_path / "gpt2.json"))
+
+
+def test_architecture_arg_takes_a_name_or_a_model_type_and_says_why_it_refuses(gemma3_too_old):
+    assert architecture_arg("qwen3_5").name == "qwen3_5"
+    assert architecture_arg("qwen3_5_text").name == "qwen3_5"  # the model_type its text model serves
+    with pytest.raises(argparse.ArgumentTypeError, match=r"unknown architecture 'gpt2'; registered: \[.*'qwen3'"):
+        architecture_arg("gpt2")
+    with pytest.raises(argparse.ArgumentTypeError,
+                       match=r"'gemma3' needs transformers >= 5.24 .* transformers \S+ is installed"):
+        architecture_arg("gemma3")

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from vexact_models.cli_args import device_arg, positive_int
+from vexact_models.cli_args import architecture_arg, device_arg, positive_int
 from vexact_models.conformance.models import MIN_GPU_HEAD_DIM
 from vexact_models.layers import head_dim_of
-from vexact_models.registry import architectures
+from vexact_models.registry import architectures, get, unavailable
 
 
 def demo_config(arch_name: str, device: torch.device):
@@ -32,8 +32,6 @@ def demo_config(arch_name: str, device: torch.device):
     architecture's tiny test config, with head dims the GPU attention takes on CUDA. A ValueError
     on CUDA for a tiny config whose attention the GPU kernels do not take (MLA's latent and rope
     dims, a head dim derived from the hidden size): such an architecture's demo runs on CPU."""
-    from vexact_models.registry import get
-
     arch = get(arch_name)
     if arch.name == "qwen3":
         return arch, arch.tiny_config(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -60,7 +58,7 @@ def demo(args: argparse.Namespace) -> int:
     device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     try:
-        arch, config = demo_config(args.arch, device)
+        arch, config = demo_config(args.arch.name, device)
     except ValueError as error:
         raise SystemExit(f"vexact demo: error: {error}") from None
     with tempfile.TemporaryDirectory() as tmp:
@@ -177,14 +175,19 @@ def env(args: argparse.Namespace) -> int:
     return env_report.main(as_json=args.json)
 
 
+def _arch_help() -> str:
+    names = ", ".join(sorted(a.name for a in architectures()))
+    too_old = "".join(f"; {name} needs transformers >= {floor}" for name, floor in sorted(unavailable().items()))
+    return f"the registered architecture to build: {names} (default qwen3; another's tiny test config){too_old}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vexact", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p_demo = sub.add_parser("demo", help="end-to-end rollout + recompute on a small random checkpoint (Qwen3 or --arch)",
                             description=DEMO_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p_demo.add_argument("--arch", default="qwen3", choices=sorted(a.name for a in architectures()),
-                        help="the registered architecture to build (default qwen3; its tiny test config otherwise)")
+    p_demo.add_argument("--arch", default="qwen3", type=architecture_arg, metavar="NAME", help=_arch_help())
     p_demo.add_argument("--device", type=device_arg, help="cpu, cuda or cuda:N (default: cuda when available)")
     p_demo.add_argument("--pool", type=positive_int, default=16, help="requests (the largest batch); default 16")
     p_demo.add_argument("--max-tokens", type=positive_int, default=16, help="largest max_tokens of a request; default 16")

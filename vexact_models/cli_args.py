@@ -11,9 +11,10 @@ from pathlib import Path
 import torch
 
 from vexact_models.conformance.models import published_shape
+from vexact_models.registry import Architecture, for_model_type, get
 
-__all__ = ["checkpoint_arg", "config_arg", "device_arg", "non_negative_float", "non_negative_int", "positive_float",
-           "positive_int"]
+__all__ = ["architecture_arg", "checkpoint_arg", "config_arg", "device_arg", "non_negative_float", "non_negative_int",
+           "positive_float", "positive_int"]
 
 
 def positive_int(text: str) -> int:
@@ -92,6 +93,19 @@ def config_arg(text: str) -> str:
         except ValueError as error:
             raise argparse.ArgumentTypeError(str(error)) from None
     return text
+
+
+def architecture_arg(text: str) -> Architecture:
+    """A registered architecture, by its name or an HF ``model_type`` it serves (``gemma3_text`` is
+    ``gemma3``). Refused with `registry.get`'s reason: an unknown name (listing the registered
+    ones), or one the installed transformers is too old for (naming the release it needs)."""
+    try:
+        return get(text)
+    except ValueError as error:
+        arch = for_model_type(text)
+        if arch is None:
+            raise argparse.ArgumentTypeError(str(error)) from None
+        return arch
 
 
 def _number(text: str, kind: type) -> int | float:

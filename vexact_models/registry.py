@@ -205,6 +205,13 @@ def architectures() -> list[Architecture]:
     return list(_REGISTRY.values())
 
 
+def unavailable() -> dict[str, str]:
+    """The architectures left out because the installed transformers is older than their
+    ``min_transformers``: name -> the release they need (empty on a recent enough transformers)."""
+    _load()
+    return dict(_TOO_OLD)
+
+
 def shapes() -> list[tuple[Architecture, Shape]]:
     """Every (architecture, shape) pair, default shapes first within each architecture."""
     return [(arch, shape) for arch in architectures() for shape in arch.shapes]

@@ -85,7 +85,7 @@ def test_cli_config_path_picks_the_architecture_from_its_model_type(capsys, tmp_
 
 @pytest.mark.parametrize("argv, words", [
     (["--arch", "moonlight"], ["'moonlight' is a shape of architecture 'deepseek_v3'", "--arch deepseek_v3 --shape moonlight"]),
-    (["--arch", "nope"], ["--arch nope: unknown architecture", "qwen3"]),
+    (["--arch", "nope"], ["--arch nope: unknown architecture 'nope'", "qwen3"]),
     (["--shape", "nope"], ["--shape nope: no such shape", "deepseek_v3/moonlight"]),
     (["--arch", "qwen3", "--shape", "moonlight"], ["--shape moonlight: no such shape", "qwen3/qwen3"]),
     (["--config", "moonlight-16b-a3b", "--arch", "qwen3"], ["config of architecture 'deepseek_v3'", "not --arch qwen3"]),
@@ -115,6 +115,13 @@ def test_cli_rejects_bad_arguments_before_building_anything(argv, words, capsys,
     err = capsys.readouterr().err
     for word in words:
         assert word in err, (word, err)
+
+
+def test_cli_names_the_transformers_an_architecture_needs(gemma3_too_old, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--arch", "gemma3"])
+    assert info.value.code == 2
+    assert "--arch gemma3: architecture 'gemma3' needs transformers >= 5.24" in capsys.readouterr().err
 
 
 def test_every_bundled_config_belongs_to_one_shape():
