@@ -51,6 +51,23 @@ def subset_arg(choices: tuple[str, ...]):
     return parse
 
 
+def check_overrides(parser: argparse.ArgumentParser, items: list[str] | None, names: list[str],
+                    tiny: bool = False) -> None:
+    """``--set`` items applied to the config of each of `names` (its tiny shape with ``--tiny``) where
+    the options are parsed, on the host, before any model is built: a malformed item or a field the
+    config lacks is a usage error naming it, not a traceback after the parsing."""
+    if not items:
+        return
+    from vexact_models.conformance.models import architecture_of, make_config, parse_overrides
+
+    try:
+        overrides = parse_overrides(items)
+        for name in names:
+            make_config(architecture_of(name), None if tiny else name, None, None, overrides)
+    except ValueError as err:
+        parser.error(str(err))
+
+
 def gluon_candidates(text: str, form: str = "ROWSxWARPSxSTAGES", example: str = "64x4x3") -> list[tuple[int, ...]]:
     """An argparse ``type`` for comma-separated launches of as many counts each as `form` names
     (by default a Gluon launch's query rows a program, warps, stages), each >= 1: the parser then

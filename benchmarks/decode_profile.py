@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import torch
 
 import stand_ins
-from bench_utils import copy_bandwidth, decode_bytes, positive_int
+from bench_utils import check_overrides, copy_bandwidth, decode_bytes, positive_int
 from gpu_clocks import GpuClocks, nvidia_smi_id
 from weight_gemms import cublas_gemm, step_gemm_weights, time_weight_gemms, weight_bytes
 from vexact_models.kernels import linear
@@ -301,6 +301,7 @@ def main(argv=None) -> int:
         without = stand_ins.parse_ops(args.without)
     except ValueError as exc:
         parser.error(str(exc))
+    check_overrides(parser, args.set, [args.config])
     if not torch.cuda.is_available():
         print("benchmarks/decode_profile.py needs a CUDA GPU", file=sys.stderr)
         return 2

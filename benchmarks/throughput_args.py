@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from bench_utils import positive_int, tiny_or_cuda
+from bench_utils import check_overrides, positive_int, tiny_or_cuda
 from training import parse_configs
 
 # --engines names and their table rows ("hf" is labelled with its batch)
@@ -66,6 +66,7 @@ def parse_args(argv=None, description: str = "") -> argparse.Namespace:
         if args.tiny and engine in CUDA_ENGINES:
             parser.error(f"--engines: {engine} needs a CUDA GPU, and --tiny runs on CPU")
     check_models(parser, args)
+    check_overrides(parser, args.set, [args.config, *([args.peer[0]] if args.peer else [])], args.tiny)
     if args.peer and not [e for e in args.engines if e != "hf"]:
         parser.error(f"--peer-config {args.peer_config!r}: the peer runs the vexact engines of --engines, and "
                      f"--engines={','.join(args.engines)} has none")

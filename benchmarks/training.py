@@ -52,7 +52,7 @@ from collections import defaultdict
 
 import torch
 
-from bench_utils import kernel_seconds, stock_attention, subset_arg, synchronize, table, tiny_or_cuda
+from bench_utils import check_overrides, kernel_seconds, stock_attention, subset_arg, synchronize, table, tiny_or_cuda
 from stock_peers import LINEAR_ATTENTION_PATHS, StockPathUnavailable, free, is_hybrid, stock_alone, stock_linear_attention
 
 DEFAULT_CONFIGS = "qwen3-0.6b,qwen3-8b,qwen3-30b-a3b:24"
@@ -346,6 +346,7 @@ def check_configs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         parser.error(f"--stock-linear-attention={','.join(args.stock_linear_attention)}: {', '.join(plain)} has no "
                      "gated-DeltaNet layers (the option is for Qwen3.5 / Qwen3-Next configs)")
     args.stock_linear_attention = args.stock_linear_attention or list(LINEAR_ATTENTION_PATHS)
+    check_overrides(parser, args.set, [name for name, _ in args.configs], args.tiny)
 
 
 def main(argv: list[str] | None = None) -> int:

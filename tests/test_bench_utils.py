@@ -230,3 +230,22 @@ def test_kernel_seconds_names_each_op_once_with_its_own_time(monkeypatch):
     seconds = bench_utils.kernel_seconds(lambda: (a @ a).relu(), "cpu")
     assert {"aten::mm", "aten::relu"} <= set(seconds) and "aten::softmax" not in seconds
     assert all(s > 0 for s in seconds.values())
+
+
+def test_check_overrides_makes_each_config_and_turns_a_bad_override_into_a_usage_error(monkeypatch, capsys):
+    """`bench_utils.check_overrides` (the ``--set`` of throughput.py, training.py, decode_profile.py):
+    every named config takes the overrides, or the parser exits 2 naming the bad one."""
+    import argparse
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_utils
+
+    parser = argparse.ArgumentParser(prog="bench")
+    bench_utils.check_overrides(parser, None, ["nope"])  # no --set: nothing is made
+    bench_utils.check_overrides(parser, ["head_dim=64"], ["qwen3-0.6b", "qwen3-30b-a3b"])
+    bench_utils.check_overrides(parser, ["linear_num_key_heads=2"], ["qwen3.5-35b-a3b"], tiny=True)
+    for items, names, words in ((["num_experts=8"], ["qwen3-30b-a3b", "qwen3-0.6b"], "Qwen3Config has no field"),
+                                (["head_dim"], ["qwen3-0.6b"], "--set 'head_dim': expected KEY=VALUE")):
+        with pytest.raises(SystemExit) as info:
+            bench_utils.check_overrides(parser, items, names)
+        assert info.value.code == 2 and words in capsys.readouterr().err

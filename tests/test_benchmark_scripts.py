@@ -199,6 +199,12 @@ def test_page_size_options_refuse_values_below_one(script, option):
     assert run.returncode == 2 and option in run.stderr and "must be >= 1, got 0" in run.stderr
 
 
+def test_decode_profile_refuses_a_bad_override_before_it_needs_a_gpu():
+    run = subprocess.run([sys.executable, "decode_profile.py", "--set", "rope_thta=1"], cwd=BENCHMARKS,
+                         capture_output=True, text=True, timeout=120, env=TINY_ENV)
+    assert run.returncode == 2 and "Qwen3Config has no field 'rope_thta'" in run.stderr, run.stderr
+
+
 def test_decode_profile_takes_a_lora_rank():
     """decode_profile.py --lora RANK (the step under random PEFT adapters): listed by --help, a rank
     below 1 refused by the parser before anything needs a GPU."""
@@ -287,6 +293,10 @@ def test_throughput_peer_config_runs_tiny_on_cpu():
     (["--engines", "aligned,bogus"], "--engines: unknown engine 'bogus'"),
     (["--requests", "0"], "--requests: must be >= 1, got 0"),
     (["--tiny", "--engines", "aligned,fast"], "--engines: fast needs a CUDA GPU, and --tiny runs on CPU"),
+    (["--set", "num_hidden_layer=2"], "config override num_hidden_layer=2: Qwen3Config has no field 'num_hidden_layer'"),
+    (["--config", "qwen3-30b-a3b", "--peer-config", "qwen3-0.6b", "--set", "num_experts=8"],
+     "Qwen3Config has no field 'num_experts'"),  # the peer's config is checked too
+    (["--tiny", "--set", "foo"], "--set 'foo': expected KEY=VALUE"),
 ])
 def test_throughput_refuses_bad_models_and_engines(argv, words):
     """throughput.py names the option and the value of a bad model or engine choice before building

@@ -101,6 +101,8 @@ def test_training_run_side_reports_a_refused_backward_as_its_row(monkeypatch):
     (["--configs", "qwen3.5-35b-a3b", "--stock-linear-attention", "torch,triton"],
      "--stock-linear-attention: expected a comma-separated subset of torch,fla, got 'torch,triton'"),
     (["--configs", "nope:4"], "--configs 'nope': config 'nope': no such file"),
+    (["--tiny", "--configs", "qwen3-0.6b,qwen3.5-35b-a3b", "--set", "linear_num_key_heads=2"],
+     "Qwen3Config has no field 'linear_num_key_heads'"),  # every config gets every override
 ])
 def test_training_refuses_bad_configs_and_stock_paths(argv, words):
     """training.py names the option and the value before building anything (and before it needs a GPU)."""
