@@ -65,6 +65,15 @@ def test_demo_config_on_cuda_raises_head_dims_or_refuses_what_the_gpu_kernels_do
         assert demo_config(arch, cpu)[0].name == arch
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_demo_refuses_on_cuda_an_architecture_whose_tiny_attention_the_gpu_kernels_do_not_take(capsys, tmp_path):
+    with pytest.raises(SystemExit) as info:
+        main(["demo", "--arch", "qwen2", "--device", "cuda", "--checkpoint", str(tmp_path / "ckpt")])
+    assert info.value.code == 2 and "--arch qwen2 on cuda: its tiny test config's attention dims" in capsys.readouterr().err
+    assert not (tmp_path / "ckpt").exists()
+
+
 def test_demo_help_explains_and_conformance_keeps_its_name(capsys):
     with pytest.raises(SystemExit):
         main(["demo", "--help"])

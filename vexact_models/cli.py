@@ -50,17 +50,15 @@ def demo_config(arch_name: str, device: torch.device):
 
 
 def demo(args: argparse.Namespace) -> int:
+    """``vexact demo``: `args.config` (from `demo_config`) saved by stock transformers, loaded through
+    ``patch()``, rolled out and recomputed on `args.device`; 0 when every logprob is bitwise equal."""
     from transformers import AutoModelForCausalLM
 
     import vexact_models
     from vexact_models.conformance.suite import print_table, run_conformance
 
-    device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    arch, config, device = args.arch, args.config, args.device
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    try:
-        arch, config = demo_config(args.arch.name, device)
-    except ValueError as error:
-        raise SystemExit(f"vexact demo: error: {error}") from None
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(args.checkpoint or tmp)
         torch.manual_seed(args.seed)
@@ -210,6 +208,11 @@ def main(argv: list[str] | None = None) -> int:
         return new_architecture(args)
     if args.command == "env":
         return env(args)
+    args.device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        args.arch, args.config = demo_config(args.arch.name, args.device)
+    except ValueError as error:
+        p_demo.error(str(error))  # a usage error (exit 2), before anything is written
     return demo(args)
 
 
