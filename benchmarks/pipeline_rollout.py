@@ -259,6 +259,25 @@ def train_step(trainer, samples, args) -> int:
     return sum(a != b for a, b in zip(before, checksums(trainer)))
 
 
+def align_replicas(trainer) -> int:
+    """``--trainer none`` over several processes: every rank steps its own full replica on the same
+    data, but a backward that accumulates with atomics (torch's FlashAttention-2 backward, which
+    `attention_backward_choice` may take) need not give the replicas the same bits, and each stage
+    takes its layers from its own rank's replica. Rank 0's parameters are broadcast to every
+    replica (staged through host memory under gloo); returns how many differed, over all ranks."""
+    on_host = "gloo" in str(dist.get_backend())
+    differed = 0
+    with torch.no_grad():
+        for p in trainer.parameters():
+            mine = p.detach().cpu() if on_host else p.detach().clone()
+            ref = mine.clone()
+            dist.broadcast(ref, src=0)
+            differed += not torch.equal(ref, mine)
+            p.copy_(ref)
+    (total,), _ = over_ranks([differed], [0.0])
+    return int(total)
+
+
 def iterate(llm, trainer, args, it: int) -> list:
     samples, seconds = rollout(llm, args, seed=1000 * (it + 1))
     generated = sum(len(c) for _, c, _ in samples)
@@ -267,11 +286,12 @@ def iterate(llm, trainer, args, it: int) -> list:
     checked, bad, worst = recompute(trainer, samples, args)
     llm.sleep(level=2)  # the trainer runs with the engine's weights and KV cache released
     changed = train_step(trainer, samples, args)
+    replicas = align_replicas(trainer) if args.trainer == "none" and dist.get_world_size() > 1 else "-"
     llm.wake_up(tags=["weights"])
     sync_s, kept = sync_weights(llm, trainer, args)
     llm.wake_up(tags=["kv_cache"])
     total = sum(1 for _ in trainer.parameters())
-    return [it, f"{checked:,}", bad, f"{worst:.3g}", f"{generated / seconds:,.0f}", f"{changed}/{total}",
+    return [it, f"{checked:,}", bad, f"{worst:.3g}", f"{generated / seconds:,.0f}", f"{changed}/{total}", replicas,
             f"{sync_s:.3f}", f"{kept / sync_s / 1e9:.2f}"]
 
 
@@ -288,16 +308,19 @@ def main(argv=None) -> int:
     rollout(llm, argparse.Namespace(**{**vars(args), "tokens": 8, "max_tokens": 4}), seed=1)  # warm-up
     rows = [iterate(llm, trainer, args, it) for it in range(args.iterations)]
     stage = llm.pipeline_stage
+    graphs = llm.runner.graphs
+    captured = f"{len(graphs.graphs)} decode CUDA graphs captured" if graphs is not None else "eager (no CUDA graphs)"
     ok = all(r[2] == 0 for r in rows)
     if dist.get_rank() == 0:
         name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
         layers = f"{stage.layers.start}..{stage.layers.stop - 1}" if stage else "all"
         print(f"\n{args.config} ({config.num_hidden_layers} layers), {args.dtype}, {dist.get_world_size()} process(es) "
               f"({args.backend}, {name}); trainer: {args.trainer}; pipeline stages: {stage.size if stage else 1} "
-              f"(stage 0 runs layers {layers}); whole engines: {args.data_parallel}; first weight sync {first_sync:.3f} s")
+              f"(stage 0 runs layers {layers}; {captured}); whole engines: {args.data_parallel}; first weight sync "
+              f"{first_sync:.3f} s")
         table("rollout -> sharded recompute -> step -> weights streamed into the stages",
-              ["iteration", "tokens", "mismatches", "max |diff|", "rollout tok/s", "params stepped", "weight sync s",
-               "stage 0 GB/s"], rows)
+              ["iteration", "tokens", "mismatches", "max |diff|", "rollout tok/s", "params stepped",
+               "replicas realigned", "weight sync s", "stage 0 GB/s"], rows)
         print("\nOK" if ok else "\nFAILED: mismatches")
     dist.destroy_process_group()
     return 0 if ok else 1
