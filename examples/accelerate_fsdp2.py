@@ -20,8 +20,9 @@ With ``--dtype bfloat16`` the master weights stay fp32 and FSDP computes in bf16
 (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32, cast_forward_inputs=False)``: an
 input cast would round the layers' fp32 RoPE tables); the engine holds the same bf16 weights.
 Give accelerate this policy through the plugin: ``Accelerator(mixed_precision="bf16")`` alone
-builds ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16, output_dtype=bf16)``, whose
-input cast rounds the RoPE tables and whose output cast rounds the fp32 logprobs to bf16.
+builds ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)``, whose input cast (torch's
+default) rounds the RoPE tables; accelerate 1.15 also set ``output_dtype=bf16``, rounding the
+fp32 logprobs to bf16.
 """
 
 from __future__ import annotations

@@ -14,10 +14,12 @@ else:
     from .attention import PagedLayout, attention, packed_layout
     from .attention_forward_choice import forward_mode as attention_forward_mode
     from .attention_forward_choice import set_attention_forward, use_attention_forward
+    from .attention_backward_choice import set_attention_backward, use_attention_backward
     from .attention_packed import attention_packed
     from .backend import BACKENDS, UnsupportedError, current_backend, set_backend, use_backend
     from .causal_conv1d import causal_conv1d, conv_state_update
     from .dependent_launch import set_dependent_launch, use_dependent_launch
+    from .gated_delta_backward import use_gated_delta_backward
     from .gated_delta_gates import gated_delta_gates
     from .gated_delta_rollout import GatedDeltaRollout
     from .gated_delta_rule import CHUNK as GATED_DELTA_CHUNK
@@ -62,7 +64,8 @@ else:
         "lora_partials",
         "packed_layout", "rms_norm", "rope_table",
         "rotary_cache_write",
-        "sample_tokens", "set_attention_forward", "set_backend", "set_dependent_launch", "set_linear_backend",
-        "sigmoid_gate", "sigmoid_grouped_topk", "silu_and_mul", "softmax_topk", "token_logprobs", "use_attention_forward",
-        "use_backend", "use_dependent_launch", "use_linear_backend",
+        "sample_tokens", "set_attention_backward", "set_attention_forward", "set_backend", "set_dependent_launch",
+        "set_linear_backend", "sigmoid_gate", "sigmoid_grouped_topk", "silu_and_mul", "softmax_topk", "token_logprobs",
+        "use_attention_backward", "use_attention_forward", "use_backend", "use_dependent_launch",
+        "use_gated_delta_backward", "use_linear_backend",
     ]

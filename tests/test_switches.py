@@ -73,3 +73,13 @@ def test_the_docs_table_lists_exactly_the_declared_switches():
         assert modes == declared[name].modes, f"{name}: docs say modes {modes}, the declaration {declared[name].modes}"
         assert default == declared[name].default, f"{name}: docs say default {default}"
         assert chooses and re.search(r"\b(rule|section) \d", rule), f"{name}: what it chooses and its design rule"
+
+
+def test_every_override_the_page_names_is_importable_from_vexact_models_kernels():
+    """docs/switches.md says the in-process overrides are ``set_*`` / ``use_*`` in
+    `vexact_models.kernels`: each one it names is exported there (two were only in their modules)."""
+    import vexact_models.kernels as kernels
+
+    named = set(re.findall(r"`((?:set|use)_[a-z_]+)`", (ROOT / "docs" / "switches.md").read_text()))
+    assert {"use_attention_backward", "use_gated_delta_backward"} <= named
+    assert named <= set(kernels.__all__), named - set(kernels.__all__)
