@@ -18,7 +18,7 @@ Examples:
     python examples/grpo.py --compare-stock                 # CPU, tiny random checkpoint
     python examples/grpo.py --model path/to/checkpoint      # a checkpoint of a supported architecture
     python examples/grpo.py --device cuda --dtype bfloat16 --config qwen3-0.6b --steps 20 --prompts 32 \\
-        --group 8 --max-tokens 256 --micro-batch 32 --lr 1e-6 --compare-stock --out docs/grpo-qwen3-0.6b
+        --group 8 --max-tokens 256 --micro-batch 32 --lr 1e-6 --compare-stock --out runs/grpo-qwen3-0.6b
 """
 
 from __future__ import annotations

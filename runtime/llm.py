@@ -73,8 +73,9 @@ class LLM(EngineStepsMixin, EngineMemoryMixin):
             afterwards (e.g. ``model.to``) just falls back to separate GEMMs.
         dtype: parameter/activation dtype when loading a folder ("auto": the checkpoint's).
         device: defaults to CUDA when available, else CPU.
-        block_size: positions per KV page (default `llm_args.default_block_size`: 64 for a latent
-            MLA cache, whose decode then reads whole key blocks by TMA, else 16).
+        block_size: positions per KV page (default `llm_args.default_block_size`: 64 where the
+            decode reads whole key blocks by TMA, a latent MLA cache and GQA caches of head dims
+            64 or 128; else 16).
         max_num_seqs: sequences per step at most.
         max_num_batched_tokens: tokens per step at most (the chunked-prefill budget).
         max_model_len: prompt + output length limit (default: the model's max positions).
