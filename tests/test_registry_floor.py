@@ -33,6 +33,7 @@ def test_an_architecture_newer_than_the_installed_transformers_is_left_out(clean
     names = [arch.name for arch in registry.architectures()]
     assert "floor_past" in names and "floor_future" not in names
     assert registry.for_model_type("floor_future_type") is None
+    assert registry.unavailable()["floor_future"] == "999.0" and "floor_past" not in registry.unavailable()
     with pytest.raises(ValueError, match=rf"'floor_future' needs transformers >= 999.0 .*{transformers.__version__} "
                                          "is installed"):
         registry.get("floor_future")
