@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 
 from vexact_models.adapters import expert_target_parameters
+from vexact_models.deepseek_v3.latent_attention import mla_kv_cache_mode
+from vexact_models.gated_deltanet import linear_chunk_size
 from vexact_models.kernels.attention_tiles import HEAD_DIMS
 from vexact_models.registry import Architecture, Shape, architectures, for_model_type
 
@@ -27,8 +29,11 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 _NOT_FIELDS = ("architectures", "torch_dtype")
 #: the smallest head dim the GPU attention takes; the tiny test configs' are smaller
 MIN_GPU_HEAD_DIM = min(HEAD_DIMS)
-#: config fields our models read that no transformers config class declares (an override may set them)
-VEXACT_CONFIG_FIELDS = ("linear_chunk_size", "mla_kv_cache", "token_classification_bias")
+#: config fields our models read that no transformers config class declares (an override may set
+#: them), each with the reader that refuses a bad value (None: any value is taken)
+VEXACT_CONFIG_FIELDS: dict[str, Callable | None] = {"linear_chunk_size": linear_chunk_size,
+                                                    "mla_kv_cache": mla_kv_cache_mode,
+                                                    "token_classification_bias": None}
 
 
 def bundled_configs() -> list[str]:
@@ -102,7 +107,7 @@ def make_config(arch: Architecture, config_name: str | None = None, layers: int 
     if config_name is None or config_name == "tiny":
         tiny = arch.shape(shape) if shape else arch.shapes[0]
         _check_overrides(arch, overrides, tiny.tiny_config().to_dict())
-        return tiny.tiny_config(**fields)
+        return _checked_values(tiny.tiny_config(**fields), overrides)
     published = published_config(config_name)
     if published.get("model_type") not in arch.model_types:
         raise ValueError(f"config {config_name!r}: model_type {published.get('model_type')!r} is not one of "
@@ -113,7 +118,17 @@ def make_config(arch: Architecture, config_name: str | None = None, layers: int 
         published["layer_types"] = published["layer_types"][:layers]
     if max_positions:
         fields["max_position_embeddings"] = max_positions
-    return arch.config_class(**{**published, **fields})
+    return _checked_values(arch.config_class(**{**published, **fields}), overrides)
+
+
+def _checked_values(config, overrides: dict | None):
+    """`config`, after each overridden `VEXACT_CONFIG_FIELDS` value passed its reader (a
+    ValueError naming the field and the value, before a model is built on it)."""
+    for key in overrides or {}:
+        reader = VEXACT_CONFIG_FIELDS.get(key)
+        if reader is not None:
+            reader(config)
+    return config
 
 
 def _check_overrides(arch: Architecture, overrides: dict | None, base: dict) -> None:

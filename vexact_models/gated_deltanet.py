@@ -53,6 +53,17 @@ def randomize_norms_and_gates(model: nn.Module, seed: int) -> None:
                 param.copy_((param.detach().cpu().float() + noise).to(param.device, param.dtype))
 
 
+def linear_chunk_size(config) -> int:
+    """Rows of a delta-rule chunk (docs/design.md section 6b): 64, or the config's
+    ``linear_chunk_size`` (a vexact-models field: tiny test configs take 16, so that short
+    sequences cross chunk boundaries and the CPU reference stays fast). A ValueError unless it is
+    a power of two >= 16."""
+    size = getattr(config, "linear_chunk_size", None) or GATED_DELTA_CHUNK
+    if not isinstance(size, int) or isinstance(size, bool) or size < 16 or size & (size - 1):
+        raise ValueError(f"{type(config).__name__}: linear_chunk_size={size!r} must be a power of two >= 16")
+    return size
+
+
 class StockInitOrderMixin:
     """Mixed into the hybrids' ``PreTrainedModel`` (before `InitHookMixin`): every gated DeltaNet
     goes through ``_init_weights`` in ``from_pretrained``, loaded or not, as in stock.
@@ -105,12 +116,7 @@ class GatedDeltaNet(nn.Module):
         self.key_dim = self.head_k_dim * self.num_k_heads
         self.value_dim = self.head_v_dim * self.num_v_heads
         self.conv_kernel_size = config.linear_conv_kernel_dim
-        #: rows of a delta-rule chunk (docs/design.md section 6b): 64, or the config's
-        #: ``linear_chunk_size`` (a vexact-models field: tiny test configs take 16, so that short
-        #: sequences cross chunk boundaries and the CPU reference stays fast)
-        self.chunk_size = int(getattr(config, "linear_chunk_size", None) or GATED_DELTA_CHUNK)
-        if self.chunk_size < 16 or self.chunk_size & (self.chunk_size - 1):
-            raise ValueError(f"{type(config).__name__}: linear_chunk_size={self.chunk_size} must be a power of two >= 16")
+        self.chunk_size = linear_chunk_size(config)
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, bias=False, kernel_size=self.conv_kernel_size,
                                 groups=self.conv_dim, padding=self.conv_kernel_size - 1)

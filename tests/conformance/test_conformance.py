@@ -98,6 +98,7 @@ def test_cli_config_path_picks_the_architecture_from_its_model_type(capsys, tmp_
     (["--max-positions", "-5"], ["argument --max-positions: must be >= 1, got -5"]),
     (["--pool", "x"], ["argument --pool: expected an integer, got 'x'"]),
     (["--set", "foo"], ["--set 'foo': expected KEY=VALUE"]),
+    (["--arch", "deepseek_v3", "--set", "mla_kv_cache=bogus"], ["mla_kv_cache='bogus' is not an MLA KV cache mode"]),
     (["--arch", "qwen3", "--set", "num_hidden_layer=1"],
      ["config override num_hidden_layer=1: Qwen3Config has no field 'num_hidden_layer' (did you mean num_hidden_layers"]),
     (["--device", "tpu"], ["argument --device: expected cpu, cuda or cuda:N, got 'tpu'"]),
@@ -286,6 +287,11 @@ def test_config_overrides_take_the_config_class_fields_and_ours_only():
         make_config(deepseek, "moonlight-16b-a3b", 1, None, {"n_routed_expert": 8})
     with pytest.raises(ValueError, match="layers=0 must be >= 1"):
         make_config(deepseek, None, 0)
+    # our fields' values are checked by the readers the models use, before a model is built
+    with pytest.raises(ValueError, match="mla_kv_cache='bogus' is not an MLA KV cache mode"):
+        make_config(deepseek, None, None, None, {"mla_kv_cache": "bogus"})
+    with pytest.raises(ValueError, match="linear_chunk_size=24 must be a power of two >= 16"):
+        make_config(get("qwen3_5"), None, None, None, {"linear_chunk_size": 24})
     source = "".join(p.read_text() for p in Path(vexact_models.__file__).parent.rglob("*.py"))
     assert all(f'"{field}"' in source for field in VEXACT_CONFIG_FIELDS)  # each one is read by a model
 
