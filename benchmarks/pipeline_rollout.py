@@ -221,11 +221,17 @@ def recompute(trainer, samples, args) -> tuple[int, int, float]:
     return int(checked), int(bad), worst
 
 
+def collective_device() -> torch.device:
+    """Where the default group's collectives take tensors: host memory for gloo, this GPU for NCCL."""
+    if "gloo" in str(dist.get_backend()):
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def over_ranks(sums: list[float], maxima: list[float]) -> tuple[list[float], list[float]]:
-    """`sums` added and `maxima` maxed over every rank, on the default group (float64 tensors
-    where its backend takes them: this GPU for NCCL, host memory for gloo)."""
-    on_host = "gloo" in str(dist.get_backend())
-    device = torch.device("cpu") if on_host else torch.device("cuda", torch.cuda.current_device())
+    """`sums` added and `maxima` maxed over every rank, on the default group (float64 tensors on
+    `collective_device`)."""
+    device = collective_device()
     totals = torch.tensor(sums, dtype=torch.float64, device=device)
     tops = torch.tensor(maxima, dtype=torch.float64, device=device)
     dist.all_reduce(totals)
@@ -264,12 +270,12 @@ def align_replicas(trainer) -> int:
     data, but a backward that accumulates with atomics (torch's FlashAttention-2 backward, which
     `attention_backward_choice` may take) need not give the replicas the same bits, and each stage
     takes its layers from its own rank's replica. Rank 0's parameters are broadcast to every
-    replica (staged through host memory under gloo); returns how many differed, over all ranks."""
-    on_host = "gloo" in str(dist.get_backend())
+    replica (staged on `collective_device`); returns how many differed, over all ranks."""
+    device = collective_device()
     differed = 0
     with torch.no_grad():
         for p in trainer.parameters():
-            mine = p.detach().cpu() if on_host else p.detach().clone()
+            mine = p.detach().to(device, copy=True)
             ref = mine.clone()
             dist.broadcast(ref, src=0)
             differed += not torch.equal(ref, mine)
