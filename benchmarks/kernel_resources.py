@@ -116,11 +116,12 @@ def measure_prefill(heads: int, lat: int, rope: int, candidates=PREFILL_CANDIDAT
 
 def measure_gluon(q, kv, lat: int, layout) -> list[list]:
     """The Gluon decode launch (`kernels.latent_decode_gluon`, warpgroup MMAs), one and four value
-    chunks, where the shape fits it (Moonlight's; not DeepSeek-V3's 128 heads or the tiny shape)."""
+    chunks, where the shape fits it (Moonlight's; not DeepSeek-V3's 128 heads or the tiny shape)
+    and this Triton runs the Gluon kernels (`gluon_support.HAS_GLUON`)."""
     from vexact_models.kernels import latent_decode_gluon as gluon
 
     flat = kv.reshape(-1, 1, kv.shape[-1])
-    if not gluon.shape_fits(q, flat, lat, layout):
+    if not (gluon.HAS_GLUON and gluon.shape_fits(q, flat, lat, layout)):
         return []
     rows = []
     with compile_only() as compiled:

@@ -105,23 +105,30 @@ class KernelResources:
         return "+".join(kinds) or "none"
 
 
+def sm90_tools() -> tuple[str, str]:
+    """``(ptxas, nvdisasm)``: the paths of the tools Triton's own NVIDIA backend runs for sm_90,
+    so that ptxas accepts the PTX version Triton wrote for it. Triton 3.6 compiles Hopper with the
+    wheel's ``ptxas`` (CUDA 12.8); Triton 3.9 with ``ptxas-blackwell`` (CUDA 13.4), whose PTX 9.4
+    the older one refuses. ``TRITON_PTXAS_PATH`` and Triton's other tool overrides apply."""
+    from triton import knobs
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    return get_ptxas(90).path, knobs.nvidia.nvdisasm.path
+
+
 def resources(kernel) -> KernelResources:
     """`kernel` (one of `compile_only`'s) through ``ptxas -v -arch=sm_90a``, its SASS through
-    ``nvdisasm`` (the wheel's own tools)."""
-    import triton
-
+    ``nvdisasm`` (the tools Triton compiles sm_90 with: `sm90_tools`)."""
     ptx = kernel.asm["ptx"]
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    ptxas, nvdisasm = sm90_tools()
     with tempfile.TemporaryDirectory() as tmp:
         src, cubin = os.path.join(tmp, "kernel.ptx"), os.path.join(tmp, "kernel.cubin")
         with open(src, "w") as f:
             f.write(ptx)
-        run = subprocess.run([os.path.join(tools, "ptxas"), "-arch=sm_90a", "-v", src, "-o", cubin],
-                             capture_output=True, text=True)
+        run = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", cubin], capture_output=True, text=True)
         if run.returncode:
             raise RuntimeError(f"ptxas failed on {kernel.name}: {run.stderr[-2000:]}")
-        sass = subprocess.run([os.path.join(tools, "nvdisasm"), "-c", cubin], capture_output=True, text=True,
-                              check=True).stdout
+        sass = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True, check=True).stdout
     registers = re.search(r"Used (\d+) registers", run.stderr)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", run.stderr)
     if registers is None or spills is None:

@@ -167,7 +167,11 @@ def test_an_epilogue_quack_cannot_build_is_unavailable_and_the_two_ops_run(monke
 def test_triton_still_compiles_silu_and_mul_to_the_sequence_the_epilogue_repeats(monkeypatch):
     """The epilogue's bits rest on issuing `silu_and_mul`'s own instructions. Compiled for sm_90 on
     the CPU, the Triton kernel's fp32 arithmetic between its bf16 loads and its store is exactly
-    `SILU_MUL_PTX`'s, in its order: a Triton that lowers ``exp`` or ``/`` otherwise fails here."""
+    `SILU_MUL_PTX`'s, in its order: a Triton that lowers ``exp`` or ``/`` otherwise fails here.
+    One difference is allowed: Triton 3.9 folds the negation of ``exp(-x)`` into the constant
+    (``x * -log2(e)`` in one ``mul``) where 3.6 subtracts x from 0 and multiplies by log2(e). The two
+    round alike for every x: a negation is exact and round-to-nearest is symmetric in sign, and the
+    one input they tell apart, x = +0 (-0 against +0), gives ``ex2`` 1 either way."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     monkeypatch.setenv("VEXACT_BACKEND", "triton")
     from sm90_compile import compile_only
@@ -181,8 +185,12 @@ def test_triton_still_compiles_silu_and_mul_to_the_sequence_the_epilogue_repeats
     float_ops = r"(sub|mul|ex2\.approx|add|div\.full|div\.rn|rcp\.approx|rcp\.rn|neg|fma\.rn)(\.ftz)?\.f32"
     got = [m.group(0) for m in re.finditer(float_ops, ptx)]
     one_element = ["sub.f32", "mul.f32", "ex2.approx.f32", "add.f32", "div.full.f32", "mul.f32"]
-    assert got == one_element, got  # 64 columns on 64 threads: one element a thread
-    assert "0f3FB8AA3B" in ptx and "cvt.rn.bf16.f32" in ptx
+    if got == one_element[1:]:  # the negation folded into the constant (Triton 3.9)
+        assert re.search(r"mul\.f32\s+%r\d+, %r\d+, 0fBFB8AA3B;", ptx), ptx
+    else:
+        assert got == one_element, got  # 64 columns on 64 threads: one element a thread
+        assert "0f3FB8AA3B" in ptx
+    assert "cvt.rn.bf16.f32" in ptx
     epilogue = [m.group(0) for m in re.finditer(float_ops, lsq.SILU_MUL_PTX)]
     assert epilogue == one_element
     assert lsq.SILU_MUL_PTX.count("cvt.rn.bf16.f32") == 3  # gate, up, then the product
