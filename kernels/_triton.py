@@ -116,22 +116,25 @@ def launch_warps(op: str, num_warps: int | None, default: int) -> int:
 _ONE_STAGE: set = set()  # launch keys whose tiles need one stage on this process's GPUs
 
 
-def launch_staged(kernel, grid, args: tuple, kwargs: dict, num_stages: int, key: tuple, fallback: bool = True) -> None:
-    """``kernel[grid](*args, **kwargs, num_stages=num_stages)``, or with one stage where the GPU's
+def launch_staged(kernel, grid, args: tuple, kwargs: dict, num_stages: int, key: tuple, *, fp_fusion: bool,
+                  fallback: bool = True) -> None:
+    """``kernel[grid](*args, **kwargs, num_stages=num_stages, enable_fp_fusion=fp_fusion)``, or with one stage where the GPU's
     shared memory cannot hold more: the attention tiles were tuned on Hopper (228 KB per SM); an
     A100 has 164 KB, smaller GPUs about 100 KB. Pipeline stages overlap the next tile's loads with
     this tile's math and leave each output element's arithmetic unchanged (docs/design.md rule 2;
     the H200 sweep found 1, 2 and 3 stages bitwise equal), so the fallback costs speed, not bits.
     `key` names the compiled configuration and device; a fallback is remembered for it, so later
     launches (and CUDA graph captures) go straight to one stage. With ``fallback=False`` (a
-    sweep's explicit candidate) the launch runs as given or raises."""
+    sweep's explicit candidate) the launch runs as given or raises. `fp_fusion`: whether the
+    compiler may contract a product and a sum into an FMA, stated by every launch (docs/design.md
+    section 4), not left to Triton's default."""
     if not fallback:
-        kernel[grid](*args, **kwargs, num_stages=num_stages)
+        kernel[grid](*args, **kwargs, num_stages=num_stages, enable_fp_fusion=fp_fusion)
         return
     if num_stages > 1 and key not in _ONE_STAGE:
         try:
-            kernel[grid](*args, **kwargs, num_stages=num_stages)
+            kernel[grid](*args, **kwargs, num_stages=num_stages, enable_fp_fusion=fp_fusion)
             return
         except OutOfResources:
             _ONE_STAGE.add(key)
-    kernel[grid](*args, **kwargs, num_stages=1)
+    kernel[grid](*args, **kwargs, num_stages=1, enable_fp_fusion=fp_fusion)

@@ -317,7 +317,7 @@ def attention_triton(q, k_cache, v_cache, layout: PagedLayout, scale: float, con
                   **dependent_launch_kwargs(q.device, allowed=not few))
     key = ("attention", q.device, q.dtype, group, head_dim, head_dim_v, cfg, kv_descriptors, page_descriptors,
            shift is not None, offsets_32, windowed, with_sinks)
-    launch_staged(_attention_fwd_kernel, grid, args, kwargs, cfg.num_stages, key, fallback=config is None)
+    launch_staged(_attention_fwd_kernel, grid, args, kwargs, cfg.num_stages, key, fp_fusion=True, fallback=config is None)
     return out, lse
 
 

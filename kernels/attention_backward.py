@@ -202,9 +202,9 @@ def attention_backward_triton(grad_out, q, k, v, out, lse, cu_seqlens, max_seqle
     _dkdv_kernel[(triton.cdiv(max_seqlen, DKDV_BLOCK_N), n_seqs, n_kv_heads)](
         q, k, v, grad_out, lse, delta, dk, dv, cu, scale, scale_log2, *args,
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_M=DKDV_BLOCK_M, BLOCK_N=DKDV_BLOCK_N,
-        WINDOWED=window is not None, num_warps=num_warps, num_stages=1)
+        WINDOWED=window is not None, num_warps=num_warps, num_stages=1, enable_fp_fusion=True)
     _dq_kernel[(triton.cdiv(max_seqlen * group, DQ_BLOCK_M), n_seqs, n_kv_heads)](
         q, k, v, grad_out, lse, delta, dq, cu, scale, scale_log2, *args,
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_M=DQ_BLOCK_M, BLOCK_N=DQ_BLOCK_N,
-        WINDOWED=window is not None, num_warps=num_warps, num_stages=1)
+        WINDOWED=window is not None, num_warps=num_warps, num_stages=1, enable_fp_fusion=True)
     return dq, dk, dv

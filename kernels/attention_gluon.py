@@ -279,4 +279,4 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, scale: flo
         scale * math.log2(math.e), q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0),
         layout.block_table.stride(0), n_tiles, tiles_x, n_seqs, GROUP=group, D=dim, BLOCK_N=BLOCK_N,
         STAGES=stages, SUM_LEVELS=row_sum_levels(BLOCK_N), ORDERED=ordered,
-        CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, num_warps=4, maxnreg=max_regs)
+        CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, num_warps=4, maxnreg=max_regs, enable_fp_fusion=True)

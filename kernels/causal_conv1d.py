@@ -132,7 +132,7 @@ def _launch(x, weight, bias, cu_seqlens, max_seqlen, silu, state=None, dy=None):
         dy if dy is not None else x, out, channels, x.stride(0), conv_state.stride(0) if state is not None else 0,
         conv_state.stride(1) if state is not None else 0, dy.stride(0) if dy is not None else 0, out.stride(0),
         K=k, BLOCK_T=block_t, BLOCK_C=block_c, HAS_BIAS=bias is not None, HAS_STATE=state is not None, SILU=silu,
-        GRAD=dy is not None, num_warps=4)
+        GRAD=dy is not None, num_warps=4, enable_fp_fusion=True)
     return out
 
 
@@ -275,7 +275,7 @@ def conv_state_update(x: torch.Tensor, cu_seqlens: torch.Tensor, conv_state: tor
     block_c = min(1024, max(16, next_power_of_2(channels)))
     _conv_state_update_kernel[(batch, triton.cdiv(channels, block_c))](
         x, conv_state, cu_seqlens, context_lens, state_indices, channels, x.stride(0), conv_state.stride(0),
-        conv_state.stride(1), KEEP=keep, BLOCK_K=next_power_of_2(keep), BLOCK_C=block_c, num_warps=4)
+        conv_state.stride(1), KEEP=keep, BLOCK_K=next_power_of_2(keep), BLOCK_C=block_c, num_warps=4, enable_fp_fusion=True)
 
 
 def _forward(x, weight, bias, cu_seqlens, max_seqlen, activation, state=None):

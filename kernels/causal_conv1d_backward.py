@@ -79,7 +79,7 @@ def conv_grads_triton(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.T
     if tokens and batch:
         _conv_bwd_kernel[(batch, chunks, triton.cdiv(channels, block_c))](
             x, dpre, weight, cu_seqlens, grad_x, partial, channels, chunks, x.stride(0), dpre.stride(0), grad_x.stride(0),
-            K=k, KP=kp, CHUNK=BWD_TOKENS, BLOCK_T=16, BLOCK_C=block_c, num_warps=4)
+            K=k, KP=kp, CHUNK=BWD_TOKENS, BLOCK_T=16, BLOCK_C=block_c, num_warps=4, enable_fp_fusion=True)
     summed = partial.sum(0)
     return grad_x, summed[:, :k], summed[:, k]
 

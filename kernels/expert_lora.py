@@ -114,7 +114,7 @@ def b_by_expert_triton(b: torch.Tensor, experts: int) -> torch.Tensor:
         block_n = max(1, 128 // block_r)  # 128 values an expert: 32 per thread at any rank
         _b_by_expert_kernel[(triton.cdiv(n, block_n), triton.cdiv(experts, BLOCK_E))](
             b, out, n, rank, experts, b.stride(0), BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_E=BLOCK_E, num_warps=4,
-            **dependent_launch_kwargs(b.device))
+            **dependent_launch_kwargs(b.device), enable_fp_fusion=True)
     return out
 
 

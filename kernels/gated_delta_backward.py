@@ -89,11 +89,12 @@ def _state_grads(q, k, g, d_out, dstates, kept: FoldChunks, seqs, scale: float, 
     query_prep_kernel[(at.n_chunks, at.hv)](
         q, k, g, d_out, kept.w, p, pd, x, *at.rows[:2], q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         g.stride(0), d_out.stride(0), d_out.stride(1), scale, BV=min(CHUNK_GRAD_BV, dv), **at.sizes, **at.keys,
-        DOT=at.dot, **at.staged)
+        DOT=at.dot, **at.staged, enable_fp_fusion=True)
     bv = min(STATE_GRAD_BV, dv)
     state_grad_kernel[(len(seqs[0]), at.hv, dv // bv)](
         x, kept.w, kept.kd, kept.total_decay, dstates, *(device_ints(a, k.device) for a in seqs), dstates.stride(0),
-        dstates.stride(1), BV=bv, **at.sizes, DOT=at.dot, num_warps=at.staged["num_warps"], num_stages=STATE_GRAD_STAGES)
+        dstates.stride(1), BV=bv, **at.sizes, DOT=at.dot, num_warps=at.staged["num_warps"], num_stages=STATE_GRAD_STAGES,
+        enable_fp_fusion=True)
     return p, pd
 
 
@@ -112,29 +113,29 @@ def _chunk_grads(q, k, v, g, beta, d_out, states, dstates, kept: FoldChunks, p, 
         v, beta, d_out, states, dstates, kept.t, kept.w, kept.kd, kept.u, pd, v_new, d_new, d_p, d_tmat,
         d_state_decay, dv, db, *at.rows, v.stride(0), v.stride(1), beta.stride(0), d_out.stride(0), d_out.stride(1),
         states.stride(0), states.stride(1), dv.stride(0), dv.stride(1), db.stride(0), BV=bv, **at.sizes, DOT=at.dot,
-        **at.staged)
+        **at.staged, enable_fp_fusion=True)
     del pd
     d_q_decayed, d_tail, d_w = (at.per_chunk(chunk, dkh) for _ in range(3))
     key_sums_kernel[(at.n_chunks, at.hv)](
         d_out, states, dstates, v_new, d_new, d_q_decayed, d_tail, d_w, *at.rows, d_out.stride(0), d_out.stride(1),
-        states.stride(0), states.stride(1), BV=bv, **at.sizes, DOT=at.dot, **at.staged)
+        states.stride(0), states.stride(1), BV=bv, **at.sizes, DOT=at.dot, **at.staged, enable_fp_fusion=True)
     del v_new, d_new
     m_l, m_p = at.per_chunk(chunk, chunk), at.per_chunk(chunk, chunk)
     d_k_beta, d_cum = at.per_chunk(chunk, dkh), at.per_chunk(chunk)
     parts = key_parts(dkh)
     pair_grad_kernel[(at.n_chunks, at.hv)](
         k, g, beta, kept.t, p, d_p, d_tmat, d_w, m_l, m_p, d_cum, *at.rows[:2], k.stride(0), k.stride(1),
-        g.stride(0), beta.stride(0), C=chunk, DK=dkh, KEY_PARTS=parts, **at.keys, DOT=at.dot, **at.staged)
+        g.stride(0), beta.stride(0), C=chunk, DK=dkh, KEY_PARTS=parts, **at.keys, DOT=at.dot, **at.staged, enable_fp_fusion=True)
     del p, d_p, d_tmat
     key_beta_grad_kernel[(at.n_chunks, at.hv)](
         k, g, beta, kept.t, d_w, m_l, d_k_beta, d_cum, db, *at.rows[:2], k.stride(0), k.stride(1), g.stride(0),
         beta.stride(0), db.stride(0), C=chunk, DK=dkh, KEY_PARTS=parts, **at.keys, DOT=at.dot,
-        **at.staged)
+        **at.staged, enable_fp_fusion=True)
     del d_w
     key_grad_kernel[(at.n_chunks, at.hv)](
         q, k, g, beta, m_l, m_p, d_k_beta, d_cum, d_state_decay, d_q_decayed, d_tail, dq, dk, dg, *at.rows[:2],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), beta.stride(0), dq.stride(0), dq.stride(1),
-        dg.stride(0), scale, C=chunk, DK=dkh, **at.keys, DOT=at.dot, **at.staged)
+        dg.stride(0), scale, C=chunk, DK=dkh, **at.keys, DOT=at.dot, **at.staged, enable_fp_fusion=True)
 
 
 def _backward_triton(q, k, v, g, beta, d_out, states, dstates, rows: RowsPlan, seqs, shapes: Shapes, chunk: int,

@@ -201,12 +201,12 @@ def _fold_triton(k, v, g, beta, states_in, states_out, plan: FoldPlan, shapes: S
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         w.stride(0), w.stride(1), u.stride(0), u.stride(1),
         GROUP=shapes.hv // shapes.hk, LOG_C=chunk.bit_length() - 1, LOG_DK=shapes.dk.bit_length() - 1, L2NORM=l2norm,
-        num_warps=_warps(shapes, FOLD_WARPS), **consts)
+        num_warps=_warps(shapes, FOLD_WARPS), **consts, enable_fp_fusion=True)
     fold_kernel[(len(plan.start), shapes.hv, shapes.dv // bv)](
         w, u, kd, total_decay, states_in, states_out, firsts, length, state_index, out_index,
         w.stride(0), w.stride(1), u.stride(0), u.stride(1),
         states_in.stride(0), states_in.stride(1), states_out.stride(0), states_out.stride(1),
-        num_warps=_warps(shapes, FOLD_WARPS), **consts)
+        num_warps=_warps(shapes, FOLD_WARPS), **consts, enable_fp_fusion=True)
     return FoldChunks(w, kd, u, total_decay, t)
 
 

@@ -142,7 +142,7 @@ def unit_rows(x: torch.Tensor, scale: float, l2norm: bool) -> torch.Tensor:
     if t * h:
         _unit_rows_kernel[(triton.cdiv(t * h, UNIT_ROWS_BLOCK),)](
             x, out, t * h, h, x.stride(0), x.stride(1), scale,
-            BLOCK=UNIT_ROWS_BLOCK, DK=dk, LOG_DK=row_sum_levels(dk), L2NORM=l2norm, num_warps=4)
+            BLOCK=UNIT_ROWS_BLOCK, DK=dk, LOG_DK=row_sum_levels(dk), L2NORM=l2norm, num_warps=4, enable_fp_fusion=True)
     return out
 
 

@@ -46,7 +46,7 @@ def gated_rms_norm_triton(x2d: torch.Tensor, z2d: torch.Tensor, weight: torch.Te
         block_n, rows, num_warps = norm_tile(n)
         _gated_rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
             x2d, z2d, weight, out, n_rows, n, x2d.stride(0), z2d.stride(0), out.stride(0), eps, BLOCK_N=block_n,
-            ROWS=rows, num_warps=num_warps)
+            ROWS=rows, num_warps=num_warps, enable_fp_fusion=True)
     return out
 
 

@@ -75,7 +75,7 @@ def gelu_tanh_and_mul_backward_reference(gate: torch.Tensor, up: torch.Tensor,
 def _launch(kernel, *tensors, n: int, **kwargs) -> None:
     require_triton("gelu_tanh_and_mul")
     if n:
-        kernel[(triton.cdiv(n, BLOCK),)](*tensors, n, SQRT_2_OVER_PI, BLOCK=BLOCK, num_warps=4, **kwargs)
+        kernel[(triton.cdiv(n, BLOCK),)](*tensors, n, SQRT_2_OVER_PI, BLOCK=BLOCK, num_warps=4, enable_fp_fusion=True, **kwargs)
 
 
 class _GeluTanhAndMulFunction(torch.autograd.Function):

@@ -169,7 +169,7 @@ def sigmoid_grouped_topk_triton(logits: torch.Tensor, bias: torch.Tensor, top_k:
                                       NORM=norm, BLOCK_G=next_power_of_2(n_group),
                                       BLOCK_GS=next_power_of_2(experts // n_group),
                                       BLOCK_K=next_power_of_2(top_k), num_warps=warps,
-                                      **dependent_launch_kwargs(logits.device))
+                                      **dependent_launch_kwargs(logits.device), enable_fp_fusion=True)
     return weights, ids, sel
 
 

@@ -87,7 +87,7 @@ def head_linear_triton(x: torch.Tensor, weight: torch.Tensor,
         weight.stride(0), weight.stride(1), weight.stride(2), out.stride(0), out.stride(1),
         INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=warps, num_stages=stages,
-        **dependent_launch_kwargs(x.device))
+        **dependent_launch_kwargs(x.device), enable_fp_fusion=True)
     return out
 
 

@@ -61,7 +61,7 @@ def kv_cache_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
             k2, v2, k_rows, v_rows, slot_mapping, k2.stride(0), v2.stride(0), k_rows.stride(0), v_rows.stride(0),
             K_WIDTH=k2.shape[1], V_WIDTH=v2.shape[1],
             BLOCK_K=next_power_of_2(k2.shape[1]), BLOCK_V=next_power_of_2(v2.shape[1]), num_warps=4,
-            **dependent_launch_kwargs(k.device))
+            **dependent_launch_kwargs(k.device), enable_fp_fusion=True)
         return
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()

@@ -309,5 +309,5 @@ def latent_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, v_dim: int,
     # explicit candidate runs as given, or fails)
     launch_staged(_latent_fwd_kernel, grid, args, kwargs, cfg.num_stages,
                   ("latent", q.device, q.dtype, group, head_dim, v_dim, cfg, kv_descriptors, shift is not None, offsets_32),
-                  fallback=config is None)
+                  fp_fusion=True, fallback=config is None)
     return out, lse

@@ -146,10 +146,10 @@ def latent_attention_backward_triton(grad_out: torch.Tensor, q: torch.Tensor, kv
     launch_staged(_latent_dkv_kernel, (triton.cdiv(max_seqlen, bn), n_seqs, n_kv_heads),
                   (q, kv, grad_out, lse, delta, dkv, cu, *args),
                   dict(GROUP=group, **dims, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps), stages,
-                  ("latent dkv", *key, bm, bn, warps, stages), fallback=dkdv_config is None)
+                  ("latent dkv", *key, bm, bn, warps, stages), fp_fusion=True, fallback=dkdv_config is None)
     bm, bn, warps, stages = dq_config or DQ_CONFIG
     launch_staged(_latent_dq_kernel, (triton.cdiv(max_seqlen * group, bm), n_seqs, n_kv_heads),
                   (q, kv, grad_out, lse, delta, dq, cu, *args),
                   dict(GROUP=group, **dims, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps), stages,
-                  ("latent dq", *key, bm, bn, warps, stages), fallback=dq_config is None)
+                  ("latent dq", *key, bm, bn, warps, stages), fp_fusion=True, fallback=dq_config is None)
     return dq, dkv

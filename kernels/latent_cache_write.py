@@ -168,5 +168,6 @@ def latent_cache_write(q_latent: torch.Tensor, q_pe: torch.Tensor, kv: torch.Ten
         q_latent, q_pe, kv, norm_weight, positions, cos, sin, q_out, rows_view, slot_mapping,
         tokens, heads, q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0),
         q_out.stride(0), q_out.stride(1), rows_view.stride(0), cos.stride(0), eps, rank, 1, 0,
-        RANK=rank, ROPE=rope, ROWS=rows, INTERLEAVED=interleaved, num_warps=num_warps, **dependent_launch_kwargs(q_latent.device))
+        RANK=rank, ROPE=rope, ROWS=rows, INTERLEAVED=interleaved, num_warps=num_warps, enable_fp_fusion=True,
+        **dependent_launch_kwargs(q_latent.device))
     return q_out

@@ -312,4 +312,4 @@ def launch(q: torch.Tensor, kv: torch.Tensor, v_dim: int, layout, scale: float, 
         out, lse, layout.cu_seqlens_q, layout.seq_lens, layout.block_table, layout.seq_order,
         layout.page_size, scale * math.log2(math.e), out.stride(0), out.stride(1), layout.block_table.stride(0),
         GROUP=heads, LAT=v_dim, ROPE=rope, BLOCK_N=block_n, STAGES=STAGES, SUM_LEVELS=row_sum_levels(block_n),
-        ORDERED=layout.seq_order is not None, CHUNKS=value_chunks, num_warps=4)
+        ORDERED=layout.seq_order is not None, CHUNKS=value_chunks, num_warps=4, enable_fp_fusion=True)

@@ -210,4 +210,4 @@ def launch(q: torch.Tensor, kv: torch.Tensor, v_dim: int, layout, scale: float, 
         kv_rows.stride(0), out, lse, layout.cu_seqlens_q, layout.seq_lens, layout.block_table, layout.seq_order,
         layout.page_size, scale * math.log2(math.e), out.stride(0), out.stride(1), layout.block_table.stride(0),
         GROUP=heads, ROWS=rows, LAT=v_dim, ROPE=rope, BLOCK_N=block_n, STAGES=stages,
-        SUM_LEVELS=row_sum_levels(block_n), ORDERED=layout.seq_order is not None, num_warps=warps)
+        SUM_LEVELS=row_sum_levels(block_n), ORDERED=layout.seq_order is not None, num_warps=warps, enable_fp_fusion=True)

@@ -189,7 +189,7 @@ def _linear_triton_tma(x2d, weight, bias, out, cfg: LinearConfig) -> None:
         x_desc, w_desc, out_desc, bias if bias is not None else x2d, m, n, k, programs,
         HAS_BIAS=bias is not None, PERSISTENT=cfg.persistent,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=BLOCK_K, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dependent_launch_kwargs(x2d.device))
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dependent_launch_kwargs(x2d.device), enable_fp_fusion=True)
 
 
 def linear_triton(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -216,7 +216,7 @@ def linear_triton(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         HAS_BIAS=bias is not None,
         INPUT_PRECISION="ieee" if x2d.dtype == torch.float32 else "tf32",
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=BLOCK_K, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dependent_launch_kwargs(x2d.device),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=True, **dependent_launch_kwargs(x2d.device),
     )
     return out
 

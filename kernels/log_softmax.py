@@ -143,14 +143,14 @@ def _launch(logits, temps, targets, write_row):
         _lse_partial_kernel[(rows, n_chunks)](
             logits, temps, m_chunk, s_chunk, vocab, logits.stride(0), n_chunks, BLOCK_V=BLOCK_V,
             CHUNK_BLOCKS=chunk_blocks, LEVELS=row_sum_levels(BLOCK_V), num_warps=_NUM_WARPS,
-            **dependent_launch_kwargs(logits.device))
+            **dependent_launch_kwargs(logits.device), enable_fp_fusion=True)
         chunks = next_power_of_2(n_chunks)
         _logprob_kernel[(rows, n_chunks if write_row else 1)](
             logits, temps, targets if targets is not None else temps, m_chunk, s_chunk, out, logprobs, lse, vocab,
             logits.stride(0), out.stride(0) if write_row else 0, n_chunks, WRITE_ROW=write_row,
             GATHER=targets is not None, CHUNKS=chunks, CHUNK_LEVELS=row_sum_levels(chunks), BLOCK_V=BLOCK_V,
             CHUNK_BLOCKS=chunk_blocks, num_warps=_NUM_WARPS if write_row else 1,
-            **dependent_launch_kwargs(logits.device))
+            **dependent_launch_kwargs(logits.device), enable_fp_fusion=True)
     return out, logprobs, lse
 
 

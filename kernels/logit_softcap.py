@@ -67,7 +67,7 @@ def logit_softcap_triton(logits: torch.Tensor, cap: float) -> torch.Tensor:
     n = logits.numel()
     if n:
         _logit_softcap_kernel[(triton.cdiv(n, BLOCK),)](logits, out, n, cap, BLOCK=BLOCK, num_warps=4,
-                                                          **dependent_launch_kwargs(logits.device))
+                                                          **dependent_launch_kwargs(logits.device), enable_fp_fusion=True)
     return out
 
 

@@ -47,7 +47,7 @@ def logprob_grad_triton(logits: torch.Tensor, lse: torch.Tensor, targets: torch.
     if rows:
         grid = (rows, triton.cdiv(vocab, BLOCK_V))
         _logprob_grad_kernel[grid](logits, lse, targets, temps, grad, out, vocab, logits.stride(0), out.stride(0),
-                                   BLOCK_V=BLOCK_V, num_warps=4)
+                                   BLOCK_V=BLOCK_V, num_warps=4, enable_fp_fusion=True)
     return out
 
 

@@ -141,7 +141,7 @@ def lora_partials_triton(x2d: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
                               INPUT_PRECISION="ieee" if x2d.dtype == torch.float32 else "tf32",
                               SPLIT_A=split_a(x2d.dtype, a.dtype), CHUNK=CHUNK_K,
                               BLOCK_M=SHRINK_BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, num_warps=4, num_stages=3,
-                              **dependent_launch_kwargs(x2d.device))
+                              **dependent_launch_kwargs(x2d.device), enable_fp_fusion=True)
     return partials
 
 
@@ -173,7 +173,7 @@ def lora_shrink_triton(x2d: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     if t == 0:
         return u
     _lora_reduce_kernel[(triton.cdiv(n, 1024),)](partials, u, n, partials.shape[0], BLOCK=1024, num_warps=4,
-                                                 **dependent_launch_kwargs(x2d.device))
+                                                 **dependent_launch_kwargs(x2d.device), enable_fp_fusion=True)
     return u
 
 

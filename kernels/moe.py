@@ -179,7 +179,7 @@ def gate_up_act(x: torch.Tensor, gate_up: torch.Tensor, layout: MoeLayout, top_k
         SAVE_PREACT=save_preact, STORE_ACT=act is not None, INPUT_PRECISION=input_precision(x.dtype),
         INTERLEAVED=form.interleaved,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, W_DESC=desc, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **extra, **dependent_launch_kwargs(x.device))
+        num_stages=cfg.num_stages, **extra, **dependent_launch_kwargs(x.device), enable_fp_fusion=True)
     return act, preact
 
 

@@ -80,7 +80,7 @@ def expert_activation_rows(preact: torch.Tensor, clamp: SwigluClamp | None, bloc
         _expert_activation_rows_kernel[(rows, triton.cdiv(inter, block))](
             preact, act, block_expert, inter, preact.stride(0), act.stride(0), float(clamp.alpha) if clamp else 1.0,
             float(clamp.limit) if clamp else 1.0, BLOCK_EXPERT_ROWS=block_m, CLAMPED=clamp is not None, BLOCK=block,
-            num_warps=4)
+            num_warps=4, enable_fp_fusion=True)
     return act
 
 

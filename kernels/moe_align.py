@@ -177,7 +177,7 @@ def moe_align_triton(ids: torch.Tensor, num_experts: int, block_m: int, num_warp
         flat, sorted_pairs, pair_pos, block_expert, offsets, n, size // block_m, num_experts,
         BLOCK_N=max(16, next_power_of_2(n)), BLOCK_E=max(16, next_power_of_2(num_experts)), BLOCK_M=block_m,
         PAIRS=pairs, KEYS=256, CHUNK=max(1, min(32, 2048 // block_m)), num_warps=warps,
-        **dependent_launch_kwargs(flat.device))
+        **dependent_launch_kwargs(flat.device), enable_fp_fusion=True)
     return MoeLayout(sorted_pairs, pair_pos, block_expert, offsets, n)
 
 

@@ -60,7 +60,7 @@ def _weight_grad(g: torch.Tensor, a: torch.Tensor, layout: MoeLayout, experts: i
     _moe_weight_grad_kernel[grid](g, a, out, layout.expert_offsets, layout.sorted_pairs, layout.num_pairs, n, k,
                                   g.stride(0), a.stride(0), out.stride(0), out.stride(1), GATHER=gather,
                                   TOP_K=top_k, BLOCK_M=layout.config.block_m, BLOCK_N=WG_BLOCK_N, BLOCK_K=WG_BLOCK_K,
-                                  INPUT_PRECISION=input_precision(g.dtype), num_warps=4, num_stages=2)
+                                  INPUT_PRECISION=input_precision(g.dtype), num_warps=4, num_stages=2, enable_fp_fusion=True)
     return out
 
 

@@ -93,7 +93,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, layout: MoeLayout, n: int, k:
                                    BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=block_k, DESCS=descs,
                                    num_warps=warps, num_stages=stages,
                                    **({} if bias is None else dict(bias_ptr=bias.contiguous(), stride_be=n, BIAS=True)),
-                                   **dependent_launch_kwargs(a.device))
+                                   **dependent_launch_kwargs(a.device), enable_fp_fusion=True)
     return out
 
 
@@ -144,5 +144,5 @@ def combine(y: torch.Tensor, weights: torch.Tensor, layout: MoeLayout, tokens: i
         _moe_combine_kernel[(tokens, triton.cdiv(hidden, block_h))](
             y, weights.float().contiguous(), layout.pair_pos, out if add is None else add, out, hidden, y.stride(0),
             0 if add is None else add.stride(0), out.stride(0), TOP_K=weights.shape[1], BLOCK_H=block_h,
-            ADD=add is not None, num_warps=4, **dependent_launch_kwargs(y.device))
+            ADD=add is not None, num_warps=4, **dependent_launch_kwargs(y.device), enable_fp_fusion=True)
     return out

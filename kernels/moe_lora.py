@@ -196,7 +196,7 @@ def moe_lora_shrink_triton(x: torch.Tensor, lora: ExpertLora, layout: MoeLayout,
         a.stride(0), GATHER=gather, TOP_K=top_k, BLOCK_EXPERT_ROWS=layout.config.block_m,
         INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", SPLIT_A=split_a(x.dtype, a.dtype),
         CHUNK=CHUNK_K, BLOCK_M=ROWS, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, SKIP_PADDING=skip_padding,
-        SUM_CHUNKS=sum_chunks, num_warps=4, num_stages=3, **dependent_launch_kwargs(x.device))
+        SUM_CHUNKS=sum_chunks, num_warps=4, num_stages=3, **dependent_launch_kwargs(x.device), enable_fp_fusion=True)
     return partials
 
 

@@ -113,7 +113,7 @@ def softmax_topk_triton(logits: torch.Tensor, top_k: int, norm: bool, num_warps:
     if rows:
         _softmax_topk_kernel[(rows,)](logits, weights, ids, probs, experts, logits.stride(0), TOP_K=top_k,
                                       NORM=norm, BLOCK_E=next_power_of_2(experts), BLOCK_K=next_power_of_2(top_k),
-                                      num_warps=warps, **dependent_launch_kwargs(logits.device))
+                                      num_warps=warps, **dependent_launch_kwargs(logits.device), enable_fp_fusion=True)
     return weights, ids, probs
 
 

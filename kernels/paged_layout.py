@@ -130,5 +130,5 @@ def page_slots_triton(block_table: torch.Tensor, seq: int, n_keys: int, page_siz
     shift = page_shift(page_size)
     _page_slots_kernel[(triton.cdiv(n_keys, 64),)](block_table, out, seq, n_keys, page_size, shift or 0,
                                                    block_table.stride(0), BLOCK_N=64, POW2_PAGES=shift is not None,
-                                                   OFFSETS_32=offsets_32)
+                                                   OFFSETS_32=offsets_32, enable_fp_fusion=True)
     return out

@@ -132,7 +132,7 @@ def rms_norm_triton(x2d: torch.Tensor, weight: torch.Tensor, eps: float, res2d: 
     _rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
         x2d, res, weight, out, summed, n_rows, n, heads, x2d.stride(0), stride_h, res.stride(0), out.stride(0),
         summed.stride(0), eps, BLOCK_N=block_n, ROWS=rows, HAS_RESIDUAL=res2d is not None, num_warps=num_warps,
-        ZERO_CENTRED=zero_centred, **dependent_launch_kwargs(x2d.device))
+        ZERO_CENTRED=zero_centred, **dependent_launch_kwargs(x2d.device), enable_fp_fusion=True)
     return out, summed
 
 
@@ -229,7 +229,7 @@ def rms_norm_backward_triton(x2d: torch.Tensor, weight: torch.Tensor, eps: float
             x2d, grad_out, weight, extra if extra is not None else grad_out, gate if gate is not None else x2d, dx, dz,
             partial, n_rows, n, x2d.stride(0), grad_out.stride(0), extra.stride(0) if extra is not None else 0,
             gate.stride(0) if gate is not None else 0, dx.stride(0), dz.stride(0), eps, BLOCK_N=block_n, ROWS=rows,
-            HAS_EXTRA=extra is not None, GATED=gate is not None, num_warps=num_warps)
+            HAS_EXTRA=extra is not None, GATED=gate is not None, num_warps=num_warps, enable_fp_fusion=True)
     else:
         partial.zero_()
     grads = dx, partial.sum(0).to(weight.dtype)

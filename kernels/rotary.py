@@ -117,7 +117,7 @@ def _rotary_triton(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
     _rotary_kernel[grid](x, positions, cos, sin, out, n_heads, x.stride(0), x.stride(1),
                          out.stride(0), out.stride(1), cos.stride(0),
                          HALF=half, BLOCK_H=block_h, BLOCK_D=block_d, SIGN=sign, PASS=rest,
-                         BLOCK_PASS=next_power_of_2(max(rest, 1)), num_warps=4)
+                         BLOCK_PASS=next_power_of_2(max(rest, 1)), num_warps=4, enable_fp_fusion=True)
     return out
 
 

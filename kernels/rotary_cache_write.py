@@ -192,5 +192,5 @@ def rotary_cache_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positi
         slot_mapping, tokens, q_heads, kv_heads, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         v.stride(0), v.stride(1), q_out.stride(0), q_out.stride(1), k_rows.stride(0), v_rows.stride(0),
         cos.stride(0), eps, head_dim, HEAD_DIM=head_dim, ROWS=rows, NORM=norm, num_warps=num_warps,
-        HALF=cos.shape[-1], ZERO_CENTRED=zero_centred and norm, **dependent_launch_kwargs(q.device))
+        HALF=cos.shape[-1], ZERO_CENTRED=zero_centred and norm, **dependent_launch_kwargs(q.device), enable_fp_fusion=True)
     return q_out

@@ -92,5 +92,5 @@ def row_sum_triton(x: torch.Tensor, block_m: int = 16, num_warps: int = 4, lane_
     if x.shape[0]:
         grid = (triton.cdiv(x.shape[0], block_m),)
         _row_sum_kernel[grid](x, out, x.shape[0], x.stride(0), BLOCK_M=next_power_of_2(block_m), WIDTH=width,
-                              LEVELS=levels, LANE_SUMS=lane_sums, num_warps=num_warps)
+                              LEVELS=levels, LANE_SUMS=lane_sums, num_warps=num_warps, enable_fp_fusion=True)
     return out

@@ -301,7 +301,7 @@ def sample_tokens_triton(logits: torch.Tensor, temperatures: torch.Tensor, seeds
                                          steps.to(torch.int64).contiguous(), thresholds.float().contiguous(), best,
                                          best_idx, vocab, logits.stride(0), n_chunks, BLOCK_V=block_v,
                                          CHUNK_BLOCKS=chunk_columns // block_v, FILTER=filter_blocks, num_warps=4,
-                                         **dependent_launch_kwargs(logits.device))
+                                         **dependent_launch_kwargs(logits.device), enable_fp_fusion=True)
         _sample_pick_kernel[(rows,)](best, best_idx, out, n_chunks, CHUNKS=next_power_of_2(n_chunks), num_warps=1,
-                                     **dependent_launch_kwargs(logits.device))
+                                     **dependent_launch_kwargs(logits.device), enable_fp_fusion=True)
     return out

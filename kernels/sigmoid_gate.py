@@ -64,7 +64,8 @@ def sigmoid_gate_triton(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, n, device=x.device, dtype=x.dtype)
     if x2d.numel():
         _sigmoid_gate_kernel[(rows, triton.cdiv(n, GATE_BLOCK))](
-            x2d, g, out, n, gd, x2d.stride(0), stride_gt, stride_gh, out.stride(0), BLOCK=GATE_BLOCK, num_warps=4)
+            x2d, g, out, n, gd, x2d.stride(0), stride_gt, stride_gh, out.stride(0), BLOCK=GATE_BLOCK, num_warps=4,
+            enable_fp_fusion=True)
     return out.reshape(x.shape)
 
 

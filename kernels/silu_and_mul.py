@@ -53,7 +53,7 @@ def silu_and_mul_triton(gate: torch.Tensor, up: torch.Tensor, block: int | None 
     if gate.numel():
         _silu_and_mul_kernel[(rows, triton.cdiv(cols, block))](gate, up, out, cols, gate.stride(0), up.stride(0),
                                                                 BLOCK=block, num_warps=num_warps,
-                                                                **dependent_launch_kwargs(gate.device))
+                                                                **dependent_launch_kwargs(gate.device), enable_fp_fusion=True)
     return out.reshape(shape)
 
 
@@ -103,7 +103,8 @@ def _silu_and_mul_backward(gate, up, grad_out):
     dgate, dup = torch.empty_like(gate), torch.empty_like(up)
     if gate.numel():
         grid = (triton.cdiv(gate.numel(), SILU_BLOCK),)
-        _silu_and_mul_bwd_kernel[grid](gate, up, grad_out, dgate, dup, gate.numel(), BLOCK=SILU_BLOCK, num_warps=4)
+        _silu_and_mul_bwd_kernel[grid](gate, up, grad_out, dgate, dup, gate.numel(), BLOCK=SILU_BLOCK, num_warps=4,
+                                       enable_fp_fusion=True)
     return dgate, dup
 
 
