@@ -17,6 +17,12 @@ away from zero and mishandling a carry into the exponent), where the GPU's ``cvt
 even, as torch does. Below, both round through torch's conversion (toward zero only where a
 kernel asks ``rtz``), so a check compares a kernel's bf16 results with torch's bits on CPU as on
 the GPU. The GPU compiler is not affected; on a GPU nothing is patched.
+
+And a scalar broadcast to a block keeps the block's element type: triton 3.9's interpreter types a
+comparison's scalar result by its operands (``n > 0`` of an int32 ``n`` is an int32 handle
+holding a bool), and its ``create_splat`` takes that type, so ``(n > 0) & (cols < N)`` became an
+int32 mask that its loads refuse ("mask has unsupported dtype"). Below the splat takes the type
+the block was declared with, as the compiler does.
 """
 
 import os
@@ -87,6 +93,24 @@ def _patch_interpreter_bf16_rounding() -> None:
     builder.create_fp_to_fp = create_fp_to_fp
 
 
+def _patch_interpreter_splat() -> None:
+    import numpy as np
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder.create_splat, "_block_type", False):
+        return
+
+    def create_splat(self, ret_ty, arg):
+        value = arg.data[0] if isinstance(arg.dtype, interpreter.tl.block_type) else arg.data
+        element = ret_ty.scalar
+        return interpreter.TensorHandle(np.full(ret_ty.shape, value, dtype=interpreter._get_np_dtype(element)), element)
+
+    create_splat._block_type = True
+    builder.create_splat = create_splat
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_interpreter_dot()
     _patch_interpreter_bf16_rounding()
+    _patch_interpreter_splat()
