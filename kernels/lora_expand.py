@@ -40,9 +40,8 @@ def u_tile_kept(u_ptr, p_rows, row_ok, step, rows, ranks, R, r, g: tl.constexpr,
     u for the backward) by the programs of the first N tile."""
     u = u_tile(p_rows, row_ok, step, ranks, r, g, S)
     if WRITE_U:
-        if tl.program_id(1) == 0:  # a branch, not a scalar in the mask: Triton 3.9's interpreter refuses that mask
-            keep = row_ok[:, None] & (ranks < r)[None, :]
-            tl.store(u_ptr + rows[:, None].to(tl.int64) * R + g * r + ranks[None, :], u, mask=keep)
+        keep = row_ok[:, None] & (ranks < r)[None, :] & (tl.program_id(1) == 0)
+        tl.store(u_ptr + rows[:, None].to(tl.int64) * R + g * r + ranks[None, :], u, mask=keep)
     return u
 
 
