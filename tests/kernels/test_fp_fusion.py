@@ -19,6 +19,7 @@ from vexact_models.kernels._triton import HAS_TRITON
 
 KERNELS = Path(__file__).resolve().parents[2] / "kernels"
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+_NOT_LAUNCHES = {"candidates"}  # dict lookups called like launches (attention_backward_choice)
 
 
 def _launches(path: Path) -> list[tuple[int, str, bool]]:
@@ -27,9 +28,6 @@ def _launches(path: Path) -> list[tuple[int, str, bool]]:
     return [(node.lineno, ast.unparse(node.func.value), any(k.arg == "enable_fp_fusion" for k in node.keywords))
             for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)
             and not (isinstance(node.func.value, ast.Name) and node.func.value.id in _NOT_LAUNCHES)]
-
-
-_NOT_LAUNCHES = {"candidates"}  # dict lookups called like launches (attention_backward_choice)
 
 
 def test_every_launch_in_kernels_states_enable_fp_fusion():
