@@ -95,6 +95,7 @@ def _patch_interpreter_bf16_rounding() -> None:
 
 def _patch_interpreter_splat() -> None:
     import numpy as np
+    import triton.language as tl
     from triton.runtime import interpreter
 
     builder = interpreter.InterpreterBuilder
@@ -102,7 +103,7 @@ def _patch_interpreter_splat() -> None:
         return
 
     def create_splat(self, ret_ty, arg):
-        value = arg.data[0] if isinstance(arg.dtype, interpreter.tl.block_type) else arg.data
+        value = arg.data[0] if isinstance(arg.dtype, tl.block_type) else arg.data
         element = ret_ty.scalar
         return interpreter.TensorHandle(np.full(ret_ty.shape, value, dtype=interpreter._get_np_dtype(element)), element)
 
