@@ -35,9 +35,10 @@ def package_files() -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def wheel_names(tmp_path_factory) -> set[str]:
-    """The file names in a wheel built (``pip wheel``, setuptools as in pyproject.toml) from a copy
-    of this tree with one more architecture folder in it."""
+def built_wheel(tmp_path_factory) -> dict[str, object]:
+    """A wheel built (``pip wheel``, setuptools as in pyproject.toml) from a copy of this tree with
+    one more architecture folder in it: its file ``names``, its ``metadata`` text and the ``log``
+    the build printed."""
     tmp = tmp_path_factory.mktemp("wheel")
     src = tmp / "src"
     src.mkdir()
@@ -55,7 +56,25 @@ def wheel_names(tmp_path_factory) -> set[str]:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (wheel,) = (tmp / "dist").glob("vexact_models-*.whl")
     with zipfile.ZipFile(wheel) as archive:
-        return set(archive.namelist())
+        names = set(archive.namelist())
+        (metadata,) = [name for name in names if name.endswith(".dist-info/METADATA")]
+        return {"names": names, "metadata": archive.read(metadata).decode(), "log": done.stdout + done.stderr}
+
+
+@pytest.fixture(scope="module")
+def wheel_names(built_wheel) -> set[str]:
+    return built_wheel["names"]
+
+
+def test_the_build_warns_nothing(built_wheel):
+    """setuptools' deprecation and packaging warnings turn into errors on a dated release (the
+    `license` table's did, for builds after 2027-02-18), so the build must print none."""
+    assert "Warning" not in built_wheel["log"], built_wheel["log"][-3000:]
+
+
+def test_wheel_metadata_states_the_license(built_wheel):
+    """The SPDX expression (PEP 639) that replaced the deprecated ``license = {text = ...}``."""
+    assert "License-Expression: Apache-2.0" in built_wheel["metadata"].splitlines()
 
 
 def test_every_architecture_folder_is_registered():
