@@ -13,7 +13,8 @@ projection group (q/k/v, gate/up) whose members carry one adapter of one rank ha
 matrices fused too (`fuse_adapters`, the views `stacked_lora` reads): one shrink over the
 stacked A's and one expand into the group's fused output, bitwise the members' separate calls
 (the kernel's contract). What it cannot compute the same way on both paths is an error naming
-the feature, never silently skipped. Adapters on fused expert tensors (PEFT's
+the feature, never silently skipped (an `UnsupportedAdapter`, which the decoder stack's forward
+names by the module's path, ``layers.0.self_attn.q_proj``). Adapters on fused expert tensors (PEFT's
 ``target_parameters``, one ``ParamWrapper`` per adapted tensor) are found by `expert_adapters`
 and added by `kernels.fused_moe` over its expert-sorted rows (`kernels/moe_lora.py`), instead of
 PEFT's effective weight ``W + scaling B A`` rebuilt for the whole expert stack on every forward.
@@ -32,6 +33,25 @@ from vexact_models.kernels import ExpertLora, linear, lora_add
 
 from .fused_buffers import fused_view, share_one_buffer
 from .side_stream import joined, shrink_beside
+
+
+class UnsupportedAdapter(ValueError):
+    """A PEFT layer or adapter that the aligned forward cannot compute as PEFT does, raised with
+    the `module` it sits on. The module does not know its own name, so the message starts with
+    `where` (the caller's name for it, or its class); the decoder stack's forward re-raises it
+    named by the module's path in the model (`at`)."""
+
+    def __init__(self, module: nn.Module, where: str, problem: str, tensor: str = "") -> None:
+        self.module, self.problem, self.tensor = module, problem, tensor
+        super().__init__(f"{where}{'.' + tensor if tensor else ''}: {problem}")
+
+    def at(self, root: nn.Module) -> UnsupportedAdapter:
+        """The same error, named by the module's path under `root` (itself where `root` does not
+        hold the module)."""
+        for path, module in root.named_modules():
+            if module is self.module:
+                return UnsupportedAdapter(self.module, path, self.problem, self.tensor)
+        return self
 
 
 @dataclass(frozen=True)
@@ -74,8 +94,9 @@ def lora_terms(module: nn.Module, where: str = "") -> list[LoraTerm]:
 
     name = where or type(module).__name__
     if not isinstance(module, LoraLinear):
-        raise ValueError(f"{name}: PEFT layer {type(module).__module__}.{type(module).__name__} is not supported by "
-                         "vexact-models' aligned forward; only LoRA on linear layers (peft.tuners.lora.Linear) is")
+        raise UnsupportedAdapter(module, name, f"PEFT layer {type(module).__module__}.{type(module).__name__} is not "
+                                 "supported by vexact-models' aligned forward; only LoRA on linear layers "
+                                 "(peft.tuners.lora.Linear) is")
     if module.disable_adapters:
         if module.merged:
             module.unmerge()
@@ -83,15 +104,17 @@ def lora_terms(module: nn.Module, where: str = "") -> list[LoraTerm]:
     if module.merged:
         return []
     if getattr(module, "fan_in_fan_out", False):
-        raise ValueError(f"{name}: LoRA with fan_in_fan_out=True is not supported (the base layer is an nn.Linear)")
+        raise UnsupportedAdapter(module, name, "LoRA with fan_in_fan_out=True is not supported (the base layer is an "
+                                 "nn.Linear)")
     terms = []
     for adapter in module.active_adapters:
         if adapter not in module.lora_A:
             continue
         variant = module.lora_variant.get(adapter)
         if variant is not None:
-            raise ValueError(f"{name}: adapter {adapter!r} uses the LoRA variant {type(variant).__name__} (DoRA, aLoRA, "
-                             "...), which vexact-models' aligned forward does not support; use plain LoRA")
+            raise UnsupportedAdapter(module, name, f"adapter {adapter!r} uses the LoRA variant {type(variant).__name__} "
+                                     "(DoRA, aLoRA, ...), which vexact-models' aligned forward does not support; "
+                                     "use plain LoRA")
         terms.append(LoraTerm(module.lora_A[adapter], module.lora_B[adapter], module.lora_dropout[adapter],
                               module.scaling[adapter]))
     return terms
@@ -227,16 +250,16 @@ def expert_adapters(module: nn.Module, where: str = "experts") -> tuple[nn.Modul
     (nested, one per adapted tensor; `module` itself when none) and, per wrapped parameter name,
     the one active LoRA adapter a forward must add, as `kernels.moe_lora.ExpertLora` (PEFT's
     ``lora_A``/``lora_B`` weights, read in place). Follows ``ParamWrapper.forward``: nothing for
-    a wrapper whose adapters are disabled (unmerging first) or merged. Raises ValueError for other
-    PEFT layer types, LoRA variants and more than one active adapter on one tensor."""
+    a wrapper whose adapters are disabled (unmerging first) or merged. Raises `UnsupportedAdapter`
+    for other PEFT layer types, LoRA variants and more than one active adapter on one tensor."""
     adapters: dict[str, ExpertLora] = {}
     while is_adapter_layer(module):
         from peft.tuners.lora import ParamWrapper
 
         if not isinstance(module, ParamWrapper):
-            raise ValueError(f"{where}: PEFT layer {type(module).__module__}.{type(module).__name__} on fused experts is "
-                             "not supported by vexact-models' aligned forward; only LoRA target_parameters "
-                             "(peft.tuners.lora.ParamWrapper) is")
+            raise UnsupportedAdapter(module, where, f"PEFT layer {type(module).__module__}.{type(module).__name__} on "
+                                     "fused experts is not supported by vexact-models' aligned forward; only LoRA "
+                                     "target_parameters (peft.tuners.lora.ParamWrapper) is")
         name = module.parameter_name
         if module.disable_adapters:
             if module.merged:
@@ -244,12 +267,14 @@ def expert_adapters(module: nn.Module, where: str = "experts") -> tuple[nn.Modul
         elif not module.merged:
             active = [a for a in module.active_adapters if a in module.lora_A]
             if len(active) > 1:
-                raise ValueError(f"{where}.{name}: {len(active)} active adapters {active}; vexact-models' aligned "
-                                 "experts add one adapter per expert tensor (activate one, or merge the others)")
+                raise UnsupportedAdapter(module, where, f"{len(active)} active adapters {active}; vexact-models' "
+                                         "aligned experts add one adapter per expert tensor (activate one, or merge "
+                                         "the others)", tensor=name)
             for adapter in active:
                 if module.lora_variant.get(adapter) is not None:
-                    raise ValueError(f"{where}.{name}: adapter {adapter!r} uses a LoRA variant, which vexact-models' "
-                                     "aligned forward does not support; use plain LoRA")
+                    raise UnsupportedAdapter(module, where, f"adapter {adapter!r} uses a LoRA variant, which "
+                                             "vexact-models' aligned forward does not support; use plain LoRA",
+                                             tensor=name)
                 adapters[name] = ExpertLora(module.lora_A[adapter].weight, module.lora_B[adapter].weight,
                                             float(module.scaling[adapter]))
         module = module.base_layer

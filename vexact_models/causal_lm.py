@@ -17,7 +17,7 @@ from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-from vexact_models.adapters import forbid_adapters
+from vexact_models.adapters import UnsupportedAdapter, forbid_adapters
 from vexact_models.checkpointing import CheckpointingMixin
 from vexact_models.distributed import fsdp_forward_method
 from vexact_models.flat_batch import FlatBatch, check_tokens, flatten_inputs
@@ -137,10 +137,13 @@ class DecoderModelMixin(StrictLoadingMixin):
         residual = None
         if hidden_states is not None:
             hidden_states.append(hidden)
-        for layer in self.layers:  # each checkpoints itself when asked to (`vexact_models.checkpointing`)
-            hidden, residual = layer(hidden, residual, positions, rope, context, **layer_kwargs)
-            if hidden_states is not None:
-                hidden_states.append(hidden + residual)
+        try:
+            for layer in self.layers:  # each checkpoints itself when asked to (`vexact_models.checkpointing`)
+                hidden, residual = layer(hidden, residual, positions, rope, context, **layer_kwargs)
+                if hidden_states is not None:
+                    hidden_states.append(hidden + residual)
+        except UnsupportedAdapter as error:  # named by its module's path, ``layers.0.self_attn.q_proj``
+            raise error.at(self) from None
         out = self.norm(hidden, residual)[0]
         if hidden_states is not None:
             hidden_states[-1] = out

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vexact_models.adapters import forbid_adapters
+from vexact_models.adapters import UnsupportedAdapter, forbid_adapters
 from vexact_models.layers import PagedContext
 from vexact_models.loading import from_pretrained_complete
 
@@ -55,8 +55,11 @@ class InferenceModel(nn.Module):
             forbid_adapters(base.embed_tokens, "embed_tokens", "train it fully with modules_to_save=['embed_tokens']")
             hidden, residual = base.embed_tokens(input_ids), None
         rope = base.rope.get(hidden.device)
-        for i in layers:
-            hidden, residual = base.layers[i](hidden, residual, positions, rope, context)
+        try:
+            for i in layers:
+                hidden, residual = base.layers[i](hidden, residual, positions, rope, context)
+        except UnsupportedAdapter as error:
+            raise error.at(base) from None
         if not last:
             return hidden, residual
         hidden = base.norm(hidden, residual)[0]

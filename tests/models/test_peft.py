@@ -125,7 +125,7 @@ def test_modules_to_save_lm_head_reaches_the_rollout():
 
 
 @pytest.mark.parametrize("config, message", [
-    (dict(use_dora=True), "LoRA variant DoraLinearVariant"),
+    (dict(use_dora=True), r"^layers\.0\.self_attn\.q_proj: adapter 'default' uses the LoRA variant DoraLinearVariant"),
     (dict(target_modules=["q_proj", "lm_head"]), "lm_head: PEFT adapters"),
     (dict(target_modules=["embed_tokens"]), "embed_tokens"),
 ])
@@ -134,6 +134,19 @@ def test_unsupported_peft_features_are_errors(config, message):
     model = get_peft_model(ours, lora(**config))
     with pytest.raises(ValueError, match=message):
         model(torch.tensor([[1, 2, 3]]))
+
+
+def test_unsupported_adapter_errors_name_the_module_in_training_and_rollout():
+    """An `adapters.UnsupportedAdapter` names the module by its path in the model, not by its
+    class: here DoRA on one later layer's down_proj, in the training forward and in a rollout."""
+    ours, _ = ours_and_stock(ARCHS["qwen3"])
+    last = ours.config.num_hidden_layers - 1
+    model = get_peft_model(ours, lora(target_modules=["down_proj"], layers_to_transform=[last], use_dora=True))
+    message = rf"^layers\.{last}\.mlp\.down_proj: adapter 'default' uses the LoRA variant DoraLinearVariant"
+    with pytest.raises(ValueError, match=message):
+        model(torch.tensor([[1, 2, 3]]))
+    with pytest.raises(ValueError, match=message):
+        gen(make_llm(model), prompts_for(1, seed=0), SamplingParams(max_tokens=2))
 
 
 @pytest.mark.parametrize("name", ["qwen3", "qwen2", "qwen3_moe", "deepseek_v3"])
