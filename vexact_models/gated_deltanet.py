@@ -10,6 +10,8 @@ conv, gates and norms); a rollout step runs them from the engine's per-sequence 
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from torch import nn
 from transformers import initialization as hf_init
@@ -56,12 +58,12 @@ def randomize_norms_and_gates(model: nn.Module, seed: int) -> None:
 def linear_chunk_size(config) -> int:
     """Rows of a delta-rule chunk (docs/design.md section 6b): 64, or the config's
     ``linear_chunk_size`` (a vexact-models field: tiny test configs take 16, so that short
-    sequences cross chunk boundaries and the CPU reference stays fast). A ValueError unless it is
-    a power of two >= 16."""
+    sequences cross chunk boundaries and the CPU reference stays fast), as a Python int. A
+    ValueError unless it is an integer (numpy's too, not a bool) and a power of two >= 16."""
     size = getattr(config, "linear_chunk_size", None) or GATED_DELTA_CHUNK
-    if not isinstance(size, int) or isinstance(size, bool) or size < 16 or size & (size - 1):
+    if not isinstance(size, numbers.Integral) or isinstance(size, bool) or size < 16 or size & (size - 1):
         raise ValueError(f"{type(config).__name__}: linear_chunk_size={size!r} must be a power of two >= 16")
-    return size
+    return int(size)
 
 
 class StockInitOrderMixin:

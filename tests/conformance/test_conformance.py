@@ -9,7 +9,9 @@ architecture or shape that registers itself is picked up here with no edit.
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,6 +19,8 @@ import vexact_models
 from vexact_models.conformance.models import (architecture_of, build_model, bundled_configs, construct, hf_twin,
                                               make_config, published_config, published_shape)
 from vexact_models.conformance.suite import format_table, run_conformance, scenario_names, select_scenarios
+from vexact_models.gated_deltanet import linear_chunk_size
+from vexact_models.kernels import GATED_DELTA_CHUNK
 from vexact_models.registry import get
 
 from ..models.model_support import DISTINCT_SHAPES, SHAPES, adapts_experts, shape_id
@@ -193,6 +197,12 @@ def test_config_overrides_take_the_config_class_fields_and_ours_only():
         make_config(deepseek, None, None, None, {"mla_kv_cache": "bogus"})
     with pytest.raises(ValueError, match="linear_chunk_size=24 must be a power of two >= 16"):
         make_config(get("qwen3_5"), None, None, None, {"linear_chunk_size": 24})
+    for bad in (True, 32.0, "32", 8):
+        with pytest.raises(ValueError, match=f"linear_chunk_size={bad!r} must be a power of two >= 16"):
+            linear_chunk_size(SimpleNamespace(linear_chunk_size=bad))
+    size = linear_chunk_size(SimpleNamespace(linear_chunk_size=np.int64(32)))  # a config built with numpy
+    assert size == 32 and type(size) is int
+    assert linear_chunk_size(SimpleNamespace()) == GATED_DELTA_CHUNK
     source = "".join(p.read_text() for p in Path(vexact_models.__file__).parent.rglob("*.py"))
     assert all(f'"{field}"' in source for field in VEXACT_CONFIG_FIELDS)  # each one is read by a model
 
