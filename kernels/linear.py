@@ -25,6 +25,7 @@ from . import exact_math, linear_quack
 from ._triton import has_tma, num_sms, require_triton, tl, tma_rows_aligned, triton
 from .backend import select
 from .dependent_launch import dependent_launch_kwargs, wait_for_inputs
+from .row_view import in_shape
 
 BLOCK_K = 64  # the one K tile for every M and every config
 
@@ -298,4 +299,4 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         out = _LinearFunction.apply(x2d, weight, bias, out_dtype)
     else:
         out = _linear_forward(x2d, weight, bias, out_dtype)
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+    return in_shape(out, (*x.shape[:-1], weight.shape[0]))

@@ -57,6 +57,7 @@ from .backend import select
 from .dependent_launch import dependent_launch_kwargs, wait_for_inputs
 from .lora_expand import lora_expand_triton
 from .lora_reference import CHUNK_K, lora_expand_reference, lora_shrink_reference, shrink_operand, split_a
+from .row_view import in_shape
 
 BLOCK_K = 64  # K steps inside a chunk (rule 1's K tile)
 SHRINK_BLOCK_M = 16  # rows per shrink program, for every batch
@@ -264,11 +265,11 @@ def lora_add(base: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tens
     if needs_grad:
         if inplace:
             raise ValueError("lora_add: inplace=True while a gradient flows (the base output is needed)")
-        return _LoraAddFunction.apply(base2d, x2d, a, b, bias, sizes, scalings).reshape(shape)
+        return in_shape(_LoraAddFunction.apply(base2d, x2d, a, b, bias, sizes, scalings), shape)
     if base2d.stride(-1) != 1:
         base2d = base2d.contiguous()
     out = base2d if inplace and base2d.data_ptr() == base.data_ptr() else None
-    result = _forward(base2d, x2d, a, b, bias, sizes, scalings, out, False, partials)[0].reshape(shape)
+    result = in_shape(_forward(base2d, x2d, a, b, bias, sizes, scalings, out, False, partials)[0], shape)
     if inplace and result.data_ptr() != base.data_ptr():
         base.copy_(result)
         return base

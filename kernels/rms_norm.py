@@ -23,7 +23,7 @@ from . import exact_math
 from ._triton import launch_warps, next_power_of_2, num_sms, require_triton, tl, triton
 from .backend import select
 from .dependent_launch import dependent_launch_kwargs, wait_for_inputs
-from .row_view import as_rows
+from .row_view import as_rows, in_shape
 
 
 def norm_tile(n: int) -> tuple[int, int, int]:
@@ -308,7 +308,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bo
         out = rms_norm_triton(x, weight, eps, zero_centred=zero_centred)[0]  # per-head rows of a strided view
     else:
         out = _rms_norm_forward(as_rows(x), weight, eps, zero_centred=zero_centred)[0]
-    return out.reshape(x.shape)
+    return in_shape(out, x.shape)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -330,4 +330,4 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
         normed, summed = _AddRMSNormFunction.apply(x2d, res2d, weight, eps, zero_centred)
     else:
         normed, summed = _rms_norm_forward(x2d, weight, eps, res2d, zero_centred)
-    return normed.reshape(x.shape), summed.reshape(x.shape)
+    return in_shape(normed, x.shape), in_shape(summed, x.shape)

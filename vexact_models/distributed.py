@@ -241,7 +241,9 @@ def _gather_rows(params: list, dtype: torch.dtype | None, device: torch.device) 
         send[offset:offset + local.numel()].copy_(local.reshape(-1))  # the cast is elementwise: bitwise as on the full
         offset += size
     recv = torch.empty(world * send.numel(), dtype=out_dtype, device=comm_device)
-    dist.all_gather_into_tensor(recv, send, group=mesh.get_group())
+    # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns); 2.11 has the old one only
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(recv, send, group=mesh.get_group())
     per_rank = recv.view(world, -1)
     full, offset = [], 0
     for p, c, size in zip(params, rows, sizes):

@@ -25,9 +25,12 @@ class FlatBatch:
     shape: torch.Size
 
     def to_padded(self, rows: torch.Tensor) -> torch.Tensor:
-        """Per-token ``rows [T, ...]`` back in the input's shape ``[*shape, ...]``, zeros at padding."""
-        out = rows.new_zeros(self.shape.numel(), *rows.shape[1:]).index_copy(0, self.index, rows)
-        return out.view(*self.shape, *rows.shape[1:])
+        """Per-token ``rows [T, ...]`` back in the input's shape ``[*shape, ...]``, zeros at padding.
+        Not a view (copied into a tensor of that shape): a causal LM's logits are this, and FSDP2's
+        pre-backward hook on a sharded module's output is lost to an in-place op on a view."""
+        out = rows.new_zeros(*self.shape, *rows.shape[1:])
+        out.view(-1, *rows.shape[1:]).index_copy_(0, self.index, rows)
+        return out
 
 
 def _packed_lengths(cu_seqlens, num_tokens: int, device: torch.device) -> torch.Tensor:

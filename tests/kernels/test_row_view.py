@@ -1,8 +1,9 @@
-"""kernels.row_view.as_rows: the rows the row-wise kernels address, a view wherever one exists."""
+"""kernels.row_view: the rows the row-wise kernels address, a view wherever one exists (`as_rows`),
+and their outputs back in the input's shape, a view only where the shape differs (`in_shape`)."""
 
 import torch
 
-from vexact_models.kernels.row_view import as_rows
+from vexact_models.kernels.row_view import as_rows, in_shape
 
 
 def test_as_rows_keeps_strided_views_and_copies_only_strided_columns():
@@ -15,3 +16,11 @@ def test_as_rows_keeps_strided_views_and_copies_only_strided_columns():
     transposed = torch.randn(16, 6).t()  # columns 16 apart: no such view, a copy
     copied = as_rows(transposed)
     assert copied.stride() == (16, 1) and torch.equal(copied, transposed)
+
+
+def test_in_shape_returns_the_tensor_itself_where_the_shape_agrees():
+    out = torch.randn(6, 8, requires_grad=True) * 2  # a kernel's [rows, n] output
+    assert in_shape(out, (6, 8)) is out and in_shape(out, torch.Size([6, 8])) is out
+    assert out.reshape(6, 8)._base is out  # what a plain reshape would give: a view
+    back = in_shape(out, (2, 3, 8))
+    assert back.shape == (2, 3, 8) and back._base is out and torch.equal(back.reshape(6, 8), out)
