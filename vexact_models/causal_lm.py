@@ -217,14 +217,16 @@ class CausalLMMixin(StrictLoadingMixin):
         GEMM, soft-capped where the config says), what the sampler and `token_logprobs` see."""
         return lm_head_logits(hidden, self.lm_head_weight(), self.logit_softcap())
 
-    def _padded_logits(self, hidden: torch.Tensor, flat: FlatBatch, logits_to_keep: int) -> torch.Tensor:
-        """fp32 logits in the input's shape (zeros at padding)."""
-        logits = flat.to_padded(self.final_logits(hidden))
-        return logits[..., -logits_to_keep:, :] if logits_to_keep else logits
+    def _padded_logits(self, hidden: torch.Tensor, flat: FlatBatch, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+        """fp32 logits in the input's shape (zeros at padding), at the positions HF's
+        ``logits_to_keep`` keeps (`FlatBatch.kept`): the head runs on those tokens only, and each
+        row's logits do not depend on which others run (docs/design.md rule 1)."""
+        tokens, kept = flat.kept(logits_to_keep)
+        return kept.to_padded(self.final_logits(hidden if tokens is None else hidden[tokens]))
 
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.LongTensor | None = None, labels: torch.LongTensor | None = None,
-                cu_seqlens: torch.Tensor | None = None, logits_to_keep: int = 0,
+                cu_seqlens: torch.Tensor | None = None, logits_to_keep: int | torch.Tensor = 0,
                 **kwargs) -> CausalLMOutputWithPast | tuple:
         """HF-compatible forward.
 
@@ -245,7 +247,7 @@ class CausalLMMixin(StrictLoadingMixin):
         return out if hf_flag(return_dict, self.config, "return_dict", True) else out.to_tuple()
 
     def _causal_lm_output(self, output_class, input_ids, attention_mask, position_ids, labels, cu_seqlens,
-                          logits_to_keep: int, router_logits: list | None = None, inputs_embeds=None,
+                          logits_to_keep: int | torch.Tensor, router_logits: list | None = None, inputs_embeds=None,
                           output_hidden_states: bool | list[int] | None = None, output_attentions: bool | None = None,
                           **kwargs):
         """The body of every ``forward``: `output_class` with padded fp32 logits, with ``labels``
@@ -265,7 +267,7 @@ class CausalLMMixin(StrictLoadingMixin):
         return output_class(loss=loss, logits=logits, hidden_states=hidden_states_output(states, request, flat))
 
     def _moe_forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, cu_seqlens=None,
-                     logits_to_keep: int = 0, output_router_logits: bool | None = None, **kwargs):
+                     logits_to_keep: int | torch.Tensor = 0, output_router_logits: bool | None = None, **kwargs):
         """The MoE models' ``forward``: `forward`'s output as HF's ``MoeCausalLMOutputWithPast``;
         with ``output_router_logits`` each MoE layer's router logits over the non-padding tokens
         and HF's load-balancing ``aux_loss`` (added to ``loss`` times ``router_aux_loss_coef``

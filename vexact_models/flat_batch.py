@@ -4,7 +4,7 @@ sequences' offsets, and the way back to the input's shape."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -31,6 +31,37 @@ class FlatBatch:
         out = rows.new_zeros(*self.shape, *rows.shape[1:])
         out.view(-1, *rows.shape[1:]).index_copy_(0, self.index, rows)
         return out
+
+    def kept(self, logits_to_keep: int | torch.Tensor) -> tuple[torch.Tensor | None, FlatBatch]:
+        """HF's ``logits_to_keep`` on the flat batch: ``(tokens, kept)``, the flat tokens at the
+        kept positions of each row (row order, repeated where the positions repeat; None for
+        all) and a batch whose `to_padded` puts their rows in the shape ``[*shape[:-1], K]``,
+        as HF's ``hidden_states[:, keep]``. `logits_to_keep`: 0 (every position), the last K
+        positions (an int), or the K positions a 1-D integer tensor lists (negative from the
+        end). A ValueError names a bad value and the row length."""
+        if isinstance(logits_to_keep, torch.Tensor):
+            length = self.shape[-1]
+            if logits_to_keep.dim() != 1 or logits_to_keep.dtype.is_floating_point or logits_to_keep.dtype == torch.bool:
+                raise ValueError(f"logits_to_keep must be an int or a 1-D integer tensor of positions, got a "
+                                 f"{logits_to_keep.dtype} tensor of shape {tuple(logits_to_keep.shape)}")
+            positions = logits_to_keep.to(self.index.device, torch.int64)
+            if positions.numel() and not -length <= int(positions.min()) <= int(positions.max()) < length:
+                raise ValueError(f"logits_to_keep lists positions outside [-{length}, {length}) (rows of {length})")
+            positions = positions % max(length, 1)
+        elif isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0:
+            raise ValueError(f"logits_to_keep={logits_to_keep!r} must be an int >= 0 (0 keeps every position) or a "
+                             "1-D integer tensor of positions")
+        elif logits_to_keep == 0 or logits_to_keep >= self.shape[-1]:
+            return None, self
+        else:
+            length = self.shape[-1]
+            positions = torch.arange(length - logits_to_keep, length, device=self.index.device)
+        token_at = torch.full((self.shape.numel(),), -1, dtype=torch.int64, device=self.index.device)
+        token_at[self.index] = torch.arange(self.index.shape[0], device=self.index.device)  # -1: padding
+        rows = self.shape.numel() // max(length, 1)
+        grid = token_at.view(rows, length)[:, positions].reshape(-1)  # [rows * K] flat token or -1
+        slots = (grid >= 0).nonzero().squeeze(1)
+        return grid[slots], replace(self, index=slots, shape=torch.Size((*self.shape[:-1], positions.shape[0])))
 
 
 def _packed_lengths(cu_seqlens, num_tokens: int, device: torch.device) -> torch.Tensor:

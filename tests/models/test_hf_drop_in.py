@@ -50,6 +50,28 @@ def test_hidden_states_match_stock(pair):
     assert ours(ids).hidden_states is None
 
 
+def test_logits_to_keep_keeps_the_positions_stock_keeps(pair):
+    """HF's ``logits_to_keep`` (TRL passes it): the last K positions (an int) or the positions a
+    1-D tensor lists, the head run on those tokens only. Bitwise the full forward's logits there,
+    within parity of stock's, and a tensor of its own, not a view (test_module_outputs.py)."""
+    _, hf, ours, _ = pair
+    ids, mask = left_padded()
+    listed = [0, -1, 12, 12]
+    with torch.no_grad():
+        full = ours(ids, attention_mask=mask).logits
+        for keep, where in ((1, slice(-1, None)), (7, slice(-7, None)), (0, slice(None)), (40, slice(None)),
+                            (torch.tensor(listed), listed)):
+            got = ours(ids, attention_mask=mask, logits_to_keep=keep).logits
+            stock = hf(ids, attention_mask=mask, logits_to_keep=keep).logits
+            assert got.shape == stock.shape and torch.equal(got, full[:, where]) and got._base is None, keep
+            live = mask[:, where].bool()
+            assert rel(got[live], stock[live]) <= 1e-5
+        for bad, message in ((-1, "logits_to_keep=-1 must be an int >= 0"), (2.0, "logits_to_keep=2.0 must be"),
+                             (torch.tensor([[1]]), "1-D integer tensor"), (torch.tensor([19]), r"outside \[-19, 19\)")):
+            with pytest.raises(ValueError, match=message):
+                ours(ids, attention_mask=mask, logits_to_keep=bad)
+
+
 def test_return_dict_false_gives_a_tuple(pair):
     _, _, ours, _ = pair
     ids = torch.randint(0, 512, (2, 9))
