@@ -33,6 +33,8 @@ def check_int(name: str, value: object, minimum: int, maximum: int | None = None
 
 
 def check_bool(name: str, value: object) -> bool:
+    """`value` when it is a bool; a ValueError naming the argument and the value otherwise (1 and
+    "yes" are not taken for True)."""
     if not isinstance(value, bool):
         raise ValueError(f"LLM: {name}={value!r} must be a bool, got {type(value).__name__}")
     return value

@@ -24,6 +24,10 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
+    """One prompt's result, as vLLM's: its id (the engine numbers requests in the order it gets
+    them, across `generate` calls; outputs come back in prompt order), its text (None when given
+    as token ids) and token ids, and its samples (``n`` of them)."""
+
     request_id: int
     prompt: str | None
     prompt_token_ids: list[int]

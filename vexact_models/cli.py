@@ -124,6 +124,8 @@ Example (Mistral is Llama's architecture with its own config class):
 
 
 def new_architecture(args: argparse.Namespace) -> int:
+    """``vexact new-architecture``: plan the copy of a template architecture (`scaffold.plan`),
+    write it unless ``--dry-run``, print the steps left; 2 for a bad argument."""
     from vexact_models import scaffold
 
     try:
@@ -168,6 +170,7 @@ Example:
 
 
 def env(args: argparse.Namespace) -> int:
+    """``vexact env``: the environment report (`env_report.main`), as text or ``--json``."""
     from vexact_models import env_report
 
     return env_report.main(as_json=args.json)
@@ -180,6 +183,8 @@ def _arch_help() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``vexact`` command: parse `argv` (default ``sys.argv[1:]``) and run the sub-command;
+    returns its exit status."""
     parser = argparse.ArgumentParser(prog="vexact", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)

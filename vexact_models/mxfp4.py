@@ -90,6 +90,8 @@ class Mxfp4LoadingMixin:
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """HF's ``from_pretrained``, after refusing an MXFP4 checkpoint loaded without
+        ``Mxfp4Config(dequantize=True)`` (the class docstring)."""
         config = checkpoint_config(pretrained_model_name_or_path, kwargs)
         if mxfp4_quantized(config) and not dequantize_requested(kwargs.get("quantization_config")):
             raise ValueError(

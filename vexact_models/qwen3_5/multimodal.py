@@ -32,6 +32,8 @@ class TextOfMultimodalMixin:
 
     @classmethod
     def from_pretrained(cls, path, *args, **kwargs):
+        """HF's ``from_pretrained``; a multimodal checkpoint gives its text model (the class
+        docstring), with a warning that the vision tower is skipped."""
         full = multimodal_config(path) if kwargs.get("config") is None else None
         if full is not None:
             logger.warning("%s.from_pretrained: %s is a multimodal %s checkpoint; loading its text model "
