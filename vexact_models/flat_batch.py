@@ -39,22 +39,23 @@ class FlatBatch:
         as HF's ``hidden_states[:, keep]``. `logits_to_keep`: 0 (every position), the last K
         positions (an int), or the K positions a 1-D integer tensor lists (negative from the
         end). A ValueError names a bad value and the row length."""
+        length = self.shape[-1]
         if isinstance(logits_to_keep, torch.Tensor):
-            length = self.shape[-1]
             if logits_to_keep.dim() != 1 or logits_to_keep.dtype.is_floating_point or logits_to_keep.dtype == torch.bool:
                 raise ValueError(f"logits_to_keep must be an int or a 1-D integer tensor of positions, got a "
                                  f"{logits_to_keep.dtype} tensor of shape {tuple(logits_to_keep.shape)}")
             positions = logits_to_keep.to(self.index.device, torch.int64)
-            if positions.numel() and not -length <= int(positions.min()) <= int(positions.max()) < length:
-                raise ValueError(f"logits_to_keep lists positions outside [-{length}, {length}) (rows of {length})")
+            if positions.numel():
+                low, high = torch.stack([positions.min(), positions.max()]).tolist()  # one host sync
+                if not -length <= low <= high < length:
+                    raise ValueError(f"logits_to_keep lists positions outside [-{length}, {length}) (rows of {length})")
             positions = positions % max(length, 1)
         elif isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0:
             raise ValueError(f"logits_to_keep={logits_to_keep!r} must be an int >= 0 (0 keeps every position) or a "
                              "1-D integer tensor of positions")
-        elif logits_to_keep == 0 or logits_to_keep >= self.shape[-1]:
+        elif logits_to_keep == 0 or logits_to_keep >= length:
             return None, self
         else:
-            length = self.shape[-1]
             positions = torch.arange(length - logits_to_keep, length, device=self.index.device)
         token_at = torch.full((self.shape.numel(),), -1, dtype=torch.int64, device=self.index.device)
         token_at[self.index] = torch.arange(self.index.shape[0], device=self.index.device)  # -1: padding
