@@ -43,7 +43,8 @@ def test_hybrid_ops_compile_for_hopper_without_spills(monkeypatch):
         conv._launch(x, w, None, cu, 34, True, dy=x)
         conv_grads_triton(x, w, cu, 34, x.float())
         conv._conv_state_update_kernel[(2, 8)](x, state, cu, idx, idx, 8192, x.stride(0), state.stride(0),
-                                               state.stride(1), KEEP=3, BLOCK_K=4, BLOCK_C=1024, num_warps=4)
+                                               state.stride(1), KEEP=3, BLOCK_K=4, BLOCK_C=1024, num_warps=4,
+                                               enable_fp_fusion=True)  # as causal_conv1d launches it
         z = torch.randn(64 * 32, 128).to(bf)
         gated_rms_norm_triton(z, z, torch.ones(128).to(bf), 1e-6)
         rms_norm_backward_triton(z, torch.ones(128).to(bf), 1e-6, z, gate=z)

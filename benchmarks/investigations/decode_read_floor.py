@@ -67,7 +67,8 @@ def read_all(kernel, k, v, layout, kv_heads: int, head_dim: int, head_major: boo
     out = torch.empty(batch * kv_heads, device=k.device, dtype=torch.float32)
     kernel[(kv_heads, batch)](k, v, out, layout.block_table, layout.seq_lens, layout.page_size,
                               layout.block_table.stride(0), kv_heads, HEAD_DIM=head_dim, BLOCK_N=64,
-                              HEAD_MAJOR=head_major, num_warps=2, num_stages=3)
+                              HEAD_MAJOR=head_major, num_warps=2, num_stages=3,
+                              enable_fp_fusion=False)  # sums only: nothing to contract (design.md section 4)
     return out
 
 

@@ -37,6 +37,15 @@ def test_every_launch_in_kernels_states_enable_fp_fusion():
     assert [where for where, stated in launches.items() if not stated] == []
 
 
+def test_every_launch_in_the_benchmarks_states_enable_fp_fusion():
+    """The benchmarks' own kernels too: Triton 3.9 warns at a launch that leaves contraction to
+    its default, which 3.10 turns off."""
+    launches = {f"{path.relative_to(BENCHMARKS)}:{line}: {name}": stated
+                for path in sorted(BENCHMARKS.rglob("*.py")) for line, name, stated in _launches(path)}
+    assert "investigations/decode_read_floor.py" in " ".join(launches), sorted(launches)
+    assert [where for where, stated in launches.items() if not stated] == []
+
+
 def test_the_check_finds_a_launch_that_leaves_it_to_triton(tmp_path):
     source = tmp_path / "launch.py"
     source.write_text("def go(x):\n    _k[(1,)](x, BLOCK=4, num_warps=1)\n    _j[(1,)](x, enable_fp_fusion=False)\n")
