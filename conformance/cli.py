@@ -27,7 +27,8 @@ from vexact_models.cli_args import architecture_arg, device_arg, non_negative_in
 from vexact_models.kernels.backend import interpreting
 from vexact_models.registry import Architecture, Shape, architectures, shapes
 
-from .models import MIN_GPU_HEAD_DIM, add_random_lora, build_model, make_config, parse_overrides, published_shape
+from .models import (MIN_GPU_HEAD_DIM, add_random_lora, build_model, lora_targets, make_config, parse_overrides,
+                     published_shape)
 from .recompute import RECOMPUTE_TOKENS
 from .suite import print_table, run_conformance, select_scenarios
 
@@ -173,6 +174,7 @@ def main(argv: list[str] | None = None, prog: str = "vexact-conformance") -> int
                   f" (transformers {transformers.__version__})", flush=True)
             if args.lora:
                 model = add_random_lora(model, args.lora, args.seed)
+                print(f"  PEFT LoRA r {args.lora} (random adapters) on {lora_targets(model)}", flush=True)
             report = run_conformance(arch, model, device=device, pool_size=args.pool, max_tokens=args.max_tokens,
                                      prompt_len=args.prompt_len, check_parity=not (args.no_hf_parity or args.lora),
                                      seed=args.seed, scenarios=not args.parity_only,

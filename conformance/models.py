@@ -227,3 +227,14 @@ def add_random_lora(model, rank: int, seed: int = 0):
             if "lora_B" in name:
                 param.mul_(0.1)
     return peft_model
+
+
+def lora_targets(peft_model) -> str:
+    """What `add_random_lora` adapted, for the CLI's log: the number of adapted linear layers and,
+    on MoE models, of fused expert tensors (PEFT's ``ParamWrapper``)."""
+    from peft.tuners.lora import LoraLayer, ParamWrapper
+
+    layers = [m for m in peft_model.modules() if isinstance(m, LoraLayer)]
+    experts = sum(isinstance(m, ParamWrapper) for m in layers)
+    linear = f"{len(layers) - experts} linear layers"
+    return f"{linear} and {experts} fused expert tensors" if experts else linear

@@ -84,10 +84,14 @@ def test_cli_names_the_transformers_an_architecture_needs(gemma3_too_old, capsys
     assert "--arch gemma3: architecture 'gemma3' needs transformers >= 5.24" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
-def test_cli_checks_rollouts_with_lora_adapters(name, capsys):
+@pytest.mark.parametrize("name, adapted", [("qwen3", "14 linear layers"),  # 2 layers x 7 projections
+                                           ("qwen3_moe", "12 linear layers and 6 fused expert tensors")])
+def test_cli_checks_rollouts_with_lora_adapters(name, adapted, capsys):
+    """The log says what `--lora` adapted (the tiny Qwen3-MoE: 3 layers' attention projections,
+    both fused expert tensors of each)."""
     assert main(["--arch", name, "--lora", "4", "--pool", "8", "--max-tokens", "6", "--prompt-len", "8"]) == 0
     out = capsys.readouterr().out
+    assert f"  PEFT LoRA r 4 (random adapters) on {adapted}\n" in out
     assert "RESULT: PASS" in out
 
 
