@@ -8,9 +8,19 @@ from pathlib import Path
 
 import pytest
 
+from .script_runner import ScriptRunner
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-#: finished investigations (benchmarks/investigations/README.md says what each answered)
-INVESTIGATIONS = BENCHMARKS / "investigations"
+
+
+@pytest.fixture(scope="module")
+def scripts():
+    """The scripts' usage (--help, refusals, bad options) in one worker process (no GPU visible):
+    each run as ``python SCRIPT ARGS`` from benchmarks/ would, without importing torch and
+    transformers again (tests/script_runner.py). Runs that do real work keep a process of their own."""
+    runner = ScriptRunner()  # its timeout a hang guard: a usage run takes well under a second
+    yield runner
+    runner.close()
 
 
 @pytest.mark.parametrize("script", ["kernel_peers.py", "moe.py", "throughput.py", "decode_profile.py", "training.py",
@@ -20,22 +30,17 @@ INVESTIGATIONS = BENCHMARKS / "investigations"
                                     "investigations/row_kernels.py", "gate_up_silu.py",
                                     "investigations/decode_read_floor.py", "gated_delta.py", "lora.py",
                                     "window_models.py", "lora_expand.py"])
-def test_benchmark_script_help_and_cpu_refusal(script):
-    # generous limits, hang guards only: each run imports torch, transformers and the kernels
-    # (12 s of CPU); beside a full CI run, one --help took 60 s and another timed out at 120 s
-    help_run = subprocess.run([sys.executable, script, "--help"], cwd=BENCHMARKS, capture_output=True, text=True,
-                              timeout=600)
+def test_benchmark_script_help_and_cpu_refusal(scripts, script):
+    help_run = scripts.run(BENCHMARKS, script, "--help")
     assert help_run.returncode == 0 and "usage" in (help_run.stdout + help_run.stderr).lower()
-    cpu_run = subprocess.run([sys.executable, script], cwd=BENCHMARKS, capture_output=True, text=True, timeout=600,
-                             env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"})
+    cpu_run = scripts.run(BENCHMARKS, script)
     assert cpu_run.returncode == 2 and "needs a CUDA GPU" in cpu_run.stderr
 
 
-def test_step_overhead_runs_on_cpu():
+def test_step_overhead_runs_on_cpu(scripts):
     """benchmarks/step_overhead.py measures host time only: it runs (tiny) on CPU."""
     script = "step_overhead.py"
-    help_run = subprocess.run([sys.executable, script, "--help"], cwd=BENCHMARKS, capture_output=True, text=True,
-                              timeout=120)
+    help_run = scripts.run(BENCHMARKS, script, "--help")
     assert help_run.returncode == 0 and "--context-len" in help_run.stdout
     run = subprocess.run([sys.executable, script, "--batch", "3,8", "--steps", "3", "--warmup", "1",
                           "--context-len", "20", "--block-size", "4"],
@@ -46,12 +51,11 @@ def test_step_overhead_runs_on_cpu():
     assert header[:2] == ["batch", "schedule"] and "postprocess" in header
     rows = [line.split() for line in lines if line.split() and line.split()[0] in ("3", "8")]
     assert [r[0] for r in rows] == ["3", "8"] and all(len(r) == 9 for r in rows)
-    bad = subprocess.run([sys.executable, script, "--batch", "0"], cwd=BENCHMARKS, capture_output=True, text=True,
-                         timeout=120)
+    bad = scripts.run(BENCHMARKS, script, "--batch", "0")
     assert bad.returncode == 2
 
 
-def test_lora_runs_tiny_on_cpu():
+def test_lora_runs_tiny_on_cpu(scripts):
     """benchmarks/lora.py --tiny: every table on CPU, the LoRA rollout and the rollout after the
     adapter-only sync equal their recomputes (0 mismatches), the synced adapters equal the
     trainer's; bad --parts and shapes are usage errors."""
@@ -70,13 +74,12 @@ def test_lora_runs_tiny_on_cpu():
     assert any(line.strip().startswith("stream_full_weights(adapters_only=True)") for line in sync), out
     assert "the engine's adapters equal the trainer's" in out and out.rstrip().endswith("OK")
     for bad, words in ((["--parts", "rollout,x"], "--parts"), (["--train-shape", "8"], "SEQSxTOKENS")):
-        refused = subprocess.run([sys.executable, "lora.py", "--tiny", *bad], cwd=BENCHMARKS, capture_output=True,
-                                 text=True, timeout=120, env=env)
+        refused = scripts.run(BENCHMARKS, "lora.py", "--tiny", *bad)
         assert refused.returncode == 2 and words in refused.stderr, refused.stderr
 
 
 @pytest.mark.parametrize("config, stock", [("gpt-oss-20b", "eager"), ("gemma3-text-default", "sdpa")])
-def test_window_models_runs_tiny_on_cpu(config, stock):
+def test_window_models_runs_tiny_on_cpu(scripts, config, stock):
     """benchmarks/window_models.py --tiny: the rollout beside HF generate (0 mismatches against the
     recompute), training beside stock HF (eager for GPT-OSS's sinks, sdpa for Gemma 3) and the KV
     table (one window of 8 beside full layers: 3 layers, 2 windowed, pages of 16 at 256 tokens:
@@ -94,8 +97,7 @@ def test_window_models_runs_tiny_on_cpu(config, stock):
     assert "rollout recomputed: 22 tokens, 0 mismatches" in out and out.rstrip().endswith("OK")
     kv = next(line.split() for line in out.splitlines() if line.split()[:1] == ["256"])
     assert kv[1:4] == ["16", "full,", "8"] and kv[6] == "2.00x" and "the engine's count" in out
-    refused = subprocess.run([sys.executable, "window_models.py", "--tiny", "--parts", "kv,x"], cwd=BENCHMARKS,
-                             capture_output=True, text=True, timeout=120, env=env)
+    refused = scripts.run(BENCHMARKS, "window_models.py", "--tiny", "--parts", "kv,x")
     assert refused.returncode == 2 and "--parts" in refused.stderr, refused.stderr
 
 
@@ -153,7 +155,7 @@ def test_throughput_graph_counts(monkeypatch):
     assert throughput.graph_counts(None).strip() == "no CUDA graphs"
 
 
-def test_linear_quack_config_specs_round_trip_and_bad_ones_are_refused(monkeypatch):
+def test_linear_quack_config_specs_round_trip_and_bad_ones_are_refused(scripts, monkeypatch):
     """`benchmarks/linear_quack.py --configs`: every default spec parses to the config its label
     names; a bad spec is a usage error naming it, before any GPU check."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
@@ -168,11 +170,9 @@ def test_linear_quack_config_specs_round_trip_and_bad_ones_are_refused(monkeypat
     assert linear_quack.config_label(SM90_DEFAULT) == "128x192p:2x1 (default)"
     with pytest.raises(ValueError, match="'64x64q'"):
         linear_quack.parse_config("64x64q")
-    run = subprocess.run([sys.executable, "linear_quack.py", "--configs", "64x64p,12xp"], cwd=BENCHMARKS,
-                         capture_output=True, text=True, timeout=120, env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"})
+    run = scripts.run(BENCHMARKS, "linear_quack.py", "--configs", "64x64p,12xp")
     assert run.returncode == 2 and "--configs" in run.stderr and "'12xp'" in run.stderr
-    run = subprocess.run([sys.executable, "linear_quack.py", "--sustained", "-1"], cwd=BENCHMARKS,
-                         capture_output=True, text=True, timeout=120, env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"})
+    run = scripts.run(BENCHMARKS, "linear_quack.py", "--sustained", "-1")
     assert run.returncode == 2 and "--sustained: SECONDS must be >= 0, got -1.0" in run.stderr
 
 
@@ -193,28 +193,24 @@ def test_linear_quack_times_lm_heads_with_fp32_logits(monkeypatch):
 
 @pytest.mark.parametrize("script,option", [("decode_profile.py", "--block-size"), ("throughput.py", "--block-size"),
                                            ("attention_configs.py", "--page-size")])
-def test_page_size_options_refuse_values_below_one(script, option):
+def test_page_size_options_refuse_values_below_one(scripts, script, option):
     """`bench_utils.positive_int`: the parser names the option, the value and the limit, before
     anything needs a GPU."""
-    run = subprocess.run([sys.executable, script, option, "0"], cwd=BENCHMARKS, capture_output=True, text=True,
-                         timeout=120)
+    run = scripts.run(BENCHMARKS, script, option, "0")
     assert run.returncode == 2 and option in run.stderr and "must be >= 1, got 0" in run.stderr
 
 
-def test_decode_profile_refuses_a_bad_override_before_it_needs_a_gpu():
-    run = subprocess.run([sys.executable, "decode_profile.py", "--set", "rope_thta=1"], cwd=BENCHMARKS,
-                         capture_output=True, text=True, timeout=120, env=TINY_ENV)
+def test_decode_profile_refuses_a_bad_override_before_it_needs_a_gpu(scripts):
+    run = scripts.run(BENCHMARKS, "decode_profile.py", "--set", "rope_thta=1")
     assert run.returncode == 2 and "Qwen3Config has no field 'rope_thta'" in run.stderr, run.stderr
 
 
-def test_decode_profile_takes_a_lora_rank():
+def test_decode_profile_takes_a_lora_rank(scripts):
     """decode_profile.py --lora RANK (the step under random PEFT adapters): listed by --help, a rank
     below 1 refused by the parser before anything needs a GPU."""
-    help_run = subprocess.run([sys.executable, "decode_profile.py", "--help"], cwd=BENCHMARKS, capture_output=True,
-                              text=True, timeout=120)
+    help_run = scripts.run(BENCHMARKS, "decode_profile.py", "--help")
     assert help_run.returncode == 0 and "--lora RANK" in help_run.stdout
-    run = subprocess.run([sys.executable, "decode_profile.py", "--lora", "0"], cwd=BENCHMARKS, capture_output=True,
-                         text=True, timeout=120, env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"})
+    run = scripts.run(BENCHMARKS, "decode_profile.py", "--lora", "0")
     assert run.returncode == 2 and "--lora" in run.stderr and "must be >= 1, got 0" in run.stderr
 
 
@@ -222,11 +218,10 @@ def test_decode_profile_takes_a_lora_rank():
                                            ("moe_routing.py", "--tokens"),
                                            ("investigations/row_kernels.py", "--tokens"), ("gate_up_silu.py", "--ms")])
 @pytest.mark.parametrize("value,words", [("128,x", "expected comma-separated integers"), ("64,0", "must be >= 1")])
-def test_count_list_options_refuse_bad_values(script, option, value, words):
+def test_count_list_options_refuse_bad_values(scripts, script, option, value, words):
     """`bench_utils.positive_ints`: the parser names the option, the value and what it expected,
     before anything needs a GPU."""
-    run = subprocess.run([sys.executable, script, option, value], cwd=BENCHMARKS, capture_output=True, text=True,
-                         timeout=120, env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"})
+    run = scripts.run(BENCHMARKS, script, option, value)
     assert run.returncode == 2 and option in run.stderr and words in run.stderr and repr(value) in run.stderr
 
 
@@ -234,11 +229,10 @@ def test_count_list_options_refuse_bad_values(script, option, value, words):
                                          ("attention_prefill.py", "STAGESxCONSUMER_REGSxPRODUCER_REGS")])
 @pytest.mark.parametrize("value,words", [("64x4", "a candidate is {}"),
                                          ("64x4x3,64x0x3", "must be >= 1, got '64x0x3'")])
-def test_gluon_candidate_options_refuse_bad_values(script, form, value, words):
+def test_gluon_candidate_options_refuse_bad_values(scripts, script, form, value, words):
     """`bench_utils.gluon_candidates`: the parser names the option and the bad candidate before
     anything needs a GPU."""
-    run = subprocess.run([sys.executable, script, "--candidates", value], cwd=BENCHMARKS, capture_output=True,
-                         text=True, timeout=120, env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"})
+    run = scripts.run(BENCHMARKS, script, "--candidates", value)
     assert run.returncode == 2 and "--candidates" in run.stderr and words.format(form) in run.stderr
 
 
@@ -256,10 +250,9 @@ def test_attention_config_cases_are_named_by_their_shape(monkeypatch):
 
 
 @pytest.mark.parametrize("value", ["64x64x4", "64x64x4x3,16xAx2x3", "0x64x4x3"])
-def test_head_linear_tiles_option_refuses_bad_values(value):
+def test_head_linear_tiles_option_refuses_bad_values(scripts, value):
     """`--tiles` names the bad candidate and the form it expected, before anything needs a GPU."""
-    run = subprocess.run([sys.executable, "investigations/head_linear.py", "--tiles", value], cwd=BENCHMARKS, capture_output=True,
-                         text=True, timeout=120, env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"})
+    run = scripts.run(BENCHMARKS, "investigations/head_linear.py", "--tiles", value)
     assert run.returncode == 2 and "--tiles" in run.stderr and "must be BLOCK_MxBLOCK_NxWARPSxSTAGES" in run.stderr
 
 
@@ -300,11 +293,10 @@ def test_throughput_peer_config_runs_tiny_on_cpu():
      "Qwen3Config has no field 'num_experts'"),  # the peer's config is checked too
     (["--tiny", "--set", "foo"], "--set 'foo': expected KEY=VALUE"),
 ])
-def test_throughput_refuses_bad_models_and_engines(argv, words):
+def test_throughput_refuses_bad_models_and_engines(scripts, argv, words):
     """throughput.py names the option and the value of a bad model or engine choice before building
     anything (and before it needs a GPU)."""
-    run = subprocess.run([sys.executable, "throughput.py", *argv], cwd=BENCHMARKS, capture_output=True, text=True,
-                         timeout=120, env=TINY_ENV)
+    run = scripts.run(BENCHMARKS, "throughput.py", *argv)
     assert run.returncode == 2 and words in run.stderr, run.stderr
 
 
