@@ -8,16 +8,17 @@ run_pytest() {  # pytest with the active venv's python; no tests collected (exit
 }
 
 venv_script_main() {  # the command line of a script that defines prepare VENV and run_tests VENV:
-    # `prepare VENV`, `test VENV`, or nothing (a venv in a temporary folder: prepare, test, remove)
+    # `prepare VENV`, `test VENV`, or nothing (a venv in a temporary folder: prepare, run_all if the
+    # script defines it, else run_tests, remove). A script with verbs of its own handles them first.
     case "${1:-}" in
-        prepare) prepare "$2" ;;
-        test) run_tests "$2" ;;
+        prepare) prepare "${2:?usage: $0 prepare VENV}" ;;
+        test) run_tests "${2:?usage: $0 test VENV}" ;;
         "")
             local dir
             dir=$(mktemp -d)
             trap "rm -rf '$dir'" EXIT
             prepare "$dir/venv"
-            run_tests "$dir/venv" ;;
-        *) echo "usage: $0 [prepare VENV | test VENV], got '$1'" >&2; return 2 ;;
+            if declare -F run_all > /dev/null; then run_all "$dir/venv"; else run_tests "$dir/venv"; fi ;;
+        *) echo "usage: $0 [prepare VENV | test VENV${EXTRA_USAGE:-}], got '$1'" >&2; return 2 ;;
     esac
 }
