@@ -24,7 +24,8 @@ from vexact_models.flat_batch import FlatBatch, check_tokens, flatten_inputs
 from vexact_models.kernels import lm_head_logits, token_logprobs
 from vexact_models.layers import PackedContext, RopeTables, head_dim_of
 from vexact_models.loading import check_loading_info
-from vexact_models.patches.compat import HFCompatMixin, select_hidden_states
+from vexact_models.hidden_states import HiddenStates, hidden_states_request
+from vexact_models.patches.compat import HFCompatMixin
 
 
 class StrictLoadingMixin(CheckpointingMixin, HFCompatMixin):
@@ -82,21 +83,6 @@ def hf_flag(value: bool | None, config, name: str, default: bool) -> bool:
     return bool(getattr(config, name, default))
 
 
-def hidden_states_request(value, config):
-    """HF's ``output_hidden_states``: the argument when given (a flag, or layer indices where the
-    installed transformers takes them), else the config's field."""
-    return value if value is not None else getattr(config, "output_hidden_states", False)
-
-
-def hidden_states_output(states: list | None, request, flat: FlatBatch) -> tuple | None:
-    """HF's ``hidden_states`` for `request` (`hidden_states_request`) out of the collected flat
-    `states` (the embeddings, then every layer's output): each in the input's padded shape, None
-    where indices leave one out (`compat.select_hidden_states`)."""
-    if states is None:
-        return None
-    return tuple(None if s is None else flat.to_padded(s) for s in select_hidden_states(states, request))
-
-
 def refuse_output_attentions(value: bool | None, model) -> None:
     """``output_attentions`` (the argument, else the config's) cannot be honoured: the aligned
     attention kernel never materialises attention weights (docs/design.md section 8)."""
@@ -125,37 +111,38 @@ class DecoderModelMixin(StrictLoadingMixin):
         self.gradient_checkpointing = False
 
     def forward_flat(self, input_ids: torch.Tensor, positions: torch.Tensor, context,
-                     inputs_embeds: torch.Tensor | None = None, hidden_states: list | None = None,
+                     inputs_embeds: torch.Tensor | None = None, hidden_states: HiddenStates | None = None,
                      **layer_kwargs) -> torch.Tensor:
         """The one forward: ``[T]`` tokens (or their ``[T, hidden]`` embeddings) at ``[T]``
-        positions -> ``[T, hidden]`` final hidden. Given a `hidden_states` list, it collects HF's
-        ``output_hidden_states``: the embeddings, each layer's output (the residual stream) and,
-        in place of the last layer's, the final normed output."""
+        positions -> ``[T, hidden]`` final hidden. Given `hidden_states`, it keeps HF's
+        ``output_hidden_states`` there: the embeddings, each layer's output (the residual stream)
+        but the last, and the final normed output, each on the path to the output."""
         forbid_adapters(self.embed_tokens, "embed_tokens", "train it fully with modules_to_save=['embed_tokens']")
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         rope = self.rope.get(hidden.device)
         residual = None
         if hidden_states is not None:
-            hidden_states.append(hidden)
+            hidden, = hidden_states.keep(hidden, hidden)
+        last = len(self.layers) - 1
         try:
-            for layer in self.layers:  # each checkpoints itself when asked to (`vexact_models.checkpointing`)
+            for i, layer in enumerate(self.layers):  # each checkpoints itself when asked to (`vexact_models.checkpointing`)
                 hidden, residual = layer(hidden, residual, positions, rope, context, **layer_kwargs)
-                if hidden_states is not None:
-                    hidden_states.append(hidden + residual)
+                if hidden_states is not None and i < last:
+                    hidden, residual = hidden_states.keep(hidden + residual, hidden, residual)
         except UnsupportedAdapter as error:  # named by its module's path, ``layers.0.self_attn.q_proj``
             raise error.at(self) from None
         out = self.norm(hidden, residual)[0]
         if hidden_states is not None:
-            hidden_states[-1] = out
+            out, = hidden_states.keep(out, out)
         return out
 
     def forward_hf_inputs(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None,
                           position_ids: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
                           inputs_embeds: torch.Tensor | None = None, output_hidden_states: bool = False,
-                          **layer_kwargs) -> tuple[torch.Tensor, FlatBatch, list[torch.Tensor] | None]:
+                          **layer_kwargs) -> tuple[torch.Tensor, FlatBatch, HiddenStates | None]:
         """HF-style padded or packed input (ids or embeddings, see `flatten_inputs`) through the
-        one forward: ``(final hidden [T, hidden], the flat batch, per-layer hidden states [T,
-        hidden] or None)``. Embeddings give the same numbers as the ids they embed."""
+        one forward: ``(final hidden [T, hidden], the flat batch, the kept hidden states or
+        None)``. Embeddings give the same numbers as the ids they embed."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError(f"{type(self).__name__}.forward: pass exactly one of input_ids and inputs_embeds")
         if inputs_embeds is not None:
@@ -171,7 +158,7 @@ class DecoderModelMixin(StrictLoadingMixin):
             embeds = None
         self.rope.ensure(check_tokens(flat.input_ids if embeds is None else None, flat.positions,
                                      self.config.vocab_size))
-        states = [] if output_hidden_states else None
+        states = HiddenStates(flat) if output_hidden_states else None
         context = PackedContext(flat.cu_seqlens, flat.max_seqlen)
         hidden = self.forward_flat(flat.input_ids, flat.positions, context, inputs_embeds=embeds, hidden_states=states,
                                    **layer_kwargs)
@@ -193,7 +180,7 @@ class DecoderModelMixin(StrictLoadingMixin):
         hidden, flat, states = self.forward_hf_inputs(input_ids, attention_mask, position_ids, cu_seqlens, inputs_embeds,
                                                       bool(request))
         out = BaseModelOutputWithPast(last_hidden_state=flat.to_padded(hidden),
-                                      hidden_states=hidden_states_output(states, request, flat))
+                                      hidden_states=None if states is None else states.output(request))
         return out if hf_flag(return_dict, self.config, "return_dict", True) else out.to_tuple()
 
 
@@ -264,7 +251,7 @@ class CausalLMMixin(StrictLoadingMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return output_class(loss=loss, logits=logits, hidden_states=hidden_states_output(states, request, flat))
+        return output_class(loss=loss, logits=logits, hidden_states=None if states is None else states.output(request))
 
     def _moe_forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, cu_seqlens=None,
                      logits_to_keep: int | torch.Tensor = 0, output_router_logits: bool | None = None, **kwargs):

@@ -50,6 +50,44 @@ def test_hidden_states_match_stock(pair):
     assert ours(ids).hidden_states is None
 
 
+@pytest.mark.parametrize("checkpointing", [None, {"use_reentrant": False}, {"use_reentrant": True}],
+                         ids=["plain", "checkpointed", "reentrant"])
+def test_hidden_states_are_on_the_gradient_path_as_stock(pair, checkpointing):
+    """Stock's hidden states are tensors the rest of the forward reads, so a loss on the logits
+    reaches each (``retain_grad``, ``autograd.grad``); ours are padded copies put on that path
+    (`vexact_models.hidden_states`). Their gradients match stock's within parity, and the
+    weights' gradients are bitwise those of the same forward without hidden states, under
+    activation checkpointing too."""
+    _, hf, ours, _ = pair
+    ids, mask = left_padded()
+    keep = mask.bool()
+    scale = torch.randn(ours.config.vocab_size, generator=torch.Generator().manual_seed(0))
+    params = [p for p in ours.parameters() if p.requires_grad]
+
+    def run(model, hidden: bool):
+        out = model(ids, attention_mask=mask, output_hidden_states=hidden)
+        loss = (out.logits[keep] * scale).sum()
+        states = out.hidden_states if hidden else ()
+        return torch.autograd.grad(loss, [*states, *(params if model is ours else [])], allow_unused=True)
+
+    ours.train()
+    if checkpointing is not None:
+        ours.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
+    try:
+        plain = run(ours, hidden=False)
+        with_states = run(ours, hidden=True)
+    finally:
+        ours.gradient_checkpointing_disable()
+        ours.eval()
+    count = ours.config.num_hidden_layers + 1
+    mine, weights = with_states[:count], with_states[count:]
+    assert all(g is not None for g in mine), [i for i, g in enumerate(mine) if g is None]
+    assert all(a is b or torch.equal(a, b) for a, b in zip(weights, plain))  # both None for an unused one
+    stock = run(hf, hidden=True)
+    for i, (got, want) in enumerate(zip(mine, stock)):
+        assert rel(got[keep], want[keep]) <= 1e-4, i
+
+
 def test_logits_to_keep_keeps_the_positions_stock_keeps(pair):
     """HF's ``logits_to_keep`` (TRL passes it): the last K positions (an int) or the positions a
     1-D tensor lists, the head run on those tokens only. Bitwise the full forward's logits there,
