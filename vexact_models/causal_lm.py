@@ -21,10 +21,11 @@ from vexact_models.adapters import UnsupportedAdapter, forbid_adapters
 from vexact_models.checkpointing import CheckpointingMixin
 from vexact_models.distributed import fsdp_forward_method
 from vexact_models.flat_batch import FlatBatch, check_tokens, flatten_inputs
+from vexact_models.generation import cacheless_generate_arguments
+from vexact_models.hidden_states import HiddenStates, hidden_states_request
 from vexact_models.kernels import lm_head_logits, token_logprobs
 from vexact_models.layers import PackedContext, RopeTables, head_dim_of
 from vexact_models.loading import check_loading_info
-from vexact_models.hidden_states import HiddenStates, hidden_states_request
 from vexact_models.patches.compat import HFCompatMixin
 
 
@@ -279,11 +280,14 @@ class CausalLMMixin(StrictLoadingMixin):
         return [] if output_router_logits else None
 
     def generate(self, *args, **kwargs):
-        """HF's ``GenerationMixin.generate`` (every decoding option HF has), run without a KV
-        cache: each step recomputes the sequences through the training forward, so greedy output
-        equals `vexact_models.LLM` greedy output token for token. Quadratic in the output length:
-        roll out with `vexact_models.LLM`, which shares this model's weights."""
-        kwargs["use_cache"] = False
+        """HF's ``GenerationMixin.generate``, run without a KV cache: each step recomputes the
+        sequences through the training forward, so greedy output equals `vexact_models.LLM`
+        greedy output token for token. Every decoding mode that needs no cache runs as HF's;
+        assisted decoding (``assistant_model``, ``prompt_lookup_num_tokens``, ...) is a
+        ValueError (`vexact_models.generation`). With ``output_hidden_states`` each step's states
+        cover the whole sequence, as stock's do with ``use_cache=False``. Quadratic in the output
+        length: roll out with `vexact_models.LLM`, which shares this model's weights."""
+        args, kwargs = cacheless_generate_arguments(self, args, kwargs)
         return super().generate(*args, **kwargs)
 
     def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, *args, attention_mask: torch.Tensor | None = None,

@@ -171,6 +171,49 @@ def test_generate_greedy_equals_llm_greedy_and_stock(pair):
     assert sampled.shape[0] == 2 and torch.equal(sampled[:, :5], ids)
 
 
+def test_generate_takes_a_generation_config_without_hf_deprecation_warning(pair, monkeypatch):
+    """generate() turns the cache off in a copy of a given ``generation_config`` (keyword or
+    positional), not as a loose ``use_cache`` beside it, which HF warns is deprecated: the same
+    tokens as the loose arguments, the caller's config unchanged."""
+    from transformers.generation import utils as generation_utils
+
+    _, _, ours, _ = pair
+    said = []
+    monkeypatch.setattr(generation_utils.logger, "warning_once", lambda message, *a, **k: said.append(message))
+    ids = torch.tensor([[5, 9, 33, 2, 17]])
+    config = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    before = config.to_dict()
+    loose = ours.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(ours.generate(ids, generation_config=config), loose)
+    assert torch.equal(ours.generate(ids, config), loose)
+    assert config.to_dict() == before
+    assert not [message for message in said if "generation_config" in message], said
+
+
+@pytest.mark.parametrize("asks", ["assistant_model", "prompt_lookup_num_tokens", "generation_config", "model config"])
+def test_generate_refuses_assisted_decoding_naming_the_argument(pair, asks):
+    """Assisted decoding checks its candidates against the main model's KV cache, which the
+    training variant does not keep: a ValueError naming what asked for it, before any step
+    (HF's own loop raised a RuntimeError after the prompt's forward)."""
+    _, _, ours, _ = pair
+    ids = torch.tensor([[5, 9, 33, 2, 17]])
+    kwargs, name = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}, "prompt_lookup_num_tokens=2"
+    saved = ours.generation_config
+    if asks == "assistant_model":
+        kwargs["assistant_model"], name = ours, f"assistant_model={type(ours).__name__}"
+    elif asks == "prompt_lookup_num_tokens":
+        kwargs["prompt_lookup_num_tokens"] = 2
+    elif asks == "generation_config":
+        kwargs = {"generation_config": GenerationConfig(max_new_tokens=4, prompt_lookup_num_tokens=2)}
+    else:
+        ours.generation_config = GenerationConfig(prompt_lookup_num_tokens=2)
+    try:
+        with pytest.raises(ValueError, match=f"generate: {name} asks for assisted decoding"):
+            ours.generate(ids, **kwargs)
+    finally:
+        ours.generation_config = saved
+
+
 def test_generation_config_eos_reaches_llm(pair):
     arch, _, _, path = pair
     GenerationConfig(eos_token_id=[3, 7], bos_token_id=0).save_pretrained(path)

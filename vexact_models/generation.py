@@ -1,0 +1,43 @@
+"""HF's ``generate`` on the training variant, which keeps no KV cache.
+
+Each step recomputes the sequences through the training forward (``use_cache=False``), so
+greedy output equals `vexact_models.LLM`'s token for token. Every decoding mode that works
+without a cache runs as HF runs it. Assisted decoding (an ``assistant_model``, prompt lookup,
+early exit, multi-token prediction) checks its candidates against the main model's cache: it is
+refused up front, naming the argument, instead of failing inside HF's loop.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from transformers import GenerationConfig
+
+#: what asks HF's ``generate`` for assisted decoding, by ``generate``'s argument or the
+#: ``GenerationConfig`` field of that name (``use_mtp``: transformers releases that have it)
+ASSISTED_DECODING = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp")
+
+
+def cacheless_generate_arguments(model, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``generate``'s ``(args, kwargs)`` with the cache turned off: in a copy of the caller's
+    ``generation_config`` where one is given (HF warns when one comes with loose generation
+    arguments), else as ``use_cache=False``. A ValueError names an argument (or config field)
+    that asks for assisted decoding, before anything is generated."""
+    positional = len(args) > 1  # generate(inputs, generation_config, ...)
+    given = args[1] if positional else kwargs.get("generation_config")
+    config = given if given is not None else model.generation_config
+    for name in ASSISTED_DECODING:
+        value = kwargs[name] if name in kwargs else getattr(config, name, None)
+        if value is not None and value is not False:
+            shown = type(value).__name__ if name == "assistant_model" else repr(value)
+            raise ValueError(f"{type(model).__name__}.generate: {name}={shown} asks for assisted decoding, which "
+                             "checks candidates against a KV cache, and this model generates without one (each "
+                             "step recomputes the sequences through the training forward). Leave it unset, or "
+                             "roll out with vexact_models.LLM")
+    if not isinstance(given, GenerationConfig):
+        return args, {**kwargs, "use_cache": False}
+    unset = copy.deepcopy(given)
+    unset.use_cache = False
+    if positional:
+        return (args[0], unset, *args[2:]), kwargs
+    return args, {**kwargs, "generation_config": unset}
