@@ -49,6 +49,31 @@ def decoder_prefix(model: nn.Module) -> str:
     return f"{prefix}." if isinstance(base, nn.Module) and base is not model else ""
 
 
+#: ``from_pretrained`` arguments (and ``DistributedConfig`` fields, transformers 5.18 on) that ask
+#: transformers to shard weights across ranks inside the layers: tensor, expert and sequence
+#: parallelism. The value each takes when it asks for nothing.
+SHARDING_INSIDE_LAYERS = {"tp_plan": None, "tp_size": 1, "ep_size": 1, "enable_expert_parallel": False,
+                          "enable_sequence_parallel": False}
+
+
+def refuse_sharding_inside_layers(name: str, kwargs: dict) -> None:
+    """A ValueError, before anything loads, where ``from_pretrained``'s `kwargs` ask transformers
+    for tensor, expert or sequence parallelism (``tp_plan="auto"``, ``tp_size``, or a
+    ``distributed_config`` with them): it turns the layers' weights into DTensors, which the
+    aligned kernels do not run (the forward would fail on the first mixed op). FSDP2 shards
+    whole weights and gathers them for each layer, which they do run."""
+    config = kwargs.get("distributed_config")
+    asked = [(key, kwargs.get(key)) for key in ("tp_plan", "tp_size")]
+    asked += [(f"distributed_config.{key}", getattr(config, key, None)) for key in SHARDING_INSIDE_LAYERS]
+    for key, value in asked:
+        if value is None or value == {} or value == SHARDING_INSIDE_LAYERS[key.rpartition(".")[2]]:
+            continue  # an empty plan turns tensor parallelism off
+        raise ValueError(f"{name}.from_pretrained: {key}={value!r} asks transformers to shard weights inside the "
+                         "layers, whose DTensors the aligned kernels do not run; shard with FSDP2 "
+                         "(vexact_models.distributed, docs/fsdp.md) and roll out with LLM(..., "
+                         "pipeline_parallel_size=N)")
+
+
 def check_loading_info(model: nn.Module, info: dict, ignore_mismatched_sizes: bool) -> None:
     """After transformers' ``from_pretrained(..., output_loading_info=True,
     ignore_mismatched_sizes=True)`` of `model`: raise `CheckpointError` naming every decoder

@@ -11,11 +11,13 @@ import shutil
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification
 
 import vexact_models
-from vexact_models.loading import CheckpointError
+from vexact_models.loading import CheckpointError, refuse_sharding_inside_layers
+from vexact_models.registry import get
 
 from .model_support import SHAPES, rel, saved_name, shape_id, skip_unless_stock_has, stock_model
 
@@ -164,3 +166,33 @@ def test_a_head_with_other_labels_loads_ignoring_mismatched_sizes(causal_checkpo
     stock, stock_info, _ = load(auto, tmp_path, ours=False, num_labels=5, ignore_mismatched_sizes=True)
     assert same_info(info, stock_info) and "score.weight" in {k for k, *_ in info["mismatched_keys"]}
     assert ours.score.weight.shape[0] == 5 and torch.equal(ours.score.weight, stock.score.weight)
+
+
+def _sharding_requests() -> list:
+    """``from_pretrained`` arguments that ask for sharding inside the layers, as the installed
+    transformers takes them (``DistributedConfig`` from 5.18 on)."""
+    requests = [{"tp_plan": "auto"}, {"tp_size": 2}]
+    distributed = getattr(transformers, "DistributedConfig", None)
+    if distributed is not None:
+        requests += [{"distributed_config": distributed(tp_size=2)}, {"distributed_config": distributed(ep_size=2, fsdp_size=2)},
+                     {"distributed_config": distributed(enable_sequence_parallel=True)}]
+    return requests
+
+
+@pytest.mark.parametrize("kwargs", _sharding_requests(), ids=lambda k: ",".join(k))
+def test_tensor_or_expert_parallel_loading_is_refused_before_anything_loads(kwargs, tmp_path):
+    """transformers' tensor / expert / sequence parallelism turns the layers' weights into
+    DTensors, on which the aligned forward failed with torch's "mixed torch.Tensor and DTensor":
+    refused by the argument's name, through `patch()`'s Auto class too, before any process group
+    is needed. A request for nothing (``tp_plan=None``, ``tp_size=1``, an empty plan) loads."""
+    arch = get("qwen3")
+    arch.hf_class()(arch.tiny_config()).save_pretrained(tmp_path)
+    key, value = next(iter(kwargs.items()))
+    vexact_models.patch()
+    try:
+        with pytest.raises(ValueError, match=f"from_pretrained: {key}.* asks transformers to shard weights inside"):
+            AutoModelForCausalLM.from_pretrained(tmp_path, **kwargs)
+        assert type(AutoModelForCausalLM.from_pretrained(tmp_path, tp_plan=None)) is arch.causal_lm_class
+    finally:
+        vexact_models.unpatch()
+    refuse_sharding_inside_layers("Qwen3ForCausalLM", {"tp_plan": {}, "tp_size": 1, "distributed_config": None})
