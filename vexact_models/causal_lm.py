@@ -20,6 +20,7 @@ from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_fun
 from vexact_models.adapters import UnsupportedAdapter, forbid_adapters
 from vexact_models.checkpointing import CheckpointingMixin
 from vexact_models.distributed import fsdp_forward_method
+from vexact_models.forward_arguments import CACHE_ARGUMENTS, hf_flag, refuse_kv_prefix, refuse_output_attentions
 from vexact_models.flat_batch import FlatBatch, check_tokens, flatten_inputs
 from vexact_models.generation import cacheless_generate_arguments
 from vexact_models.hidden_states import HiddenStates, hidden_states_request
@@ -78,22 +79,6 @@ class InitHookMixin:
         init_random = getattr(module, "init_random", None)
         if callable(init_random):
             init_random(self.config.initializer_range)
-
-
-def hf_flag(value: bool | None, config, name: str, default: bool) -> bool:
-    """An HF output switch: the argument when given, else the config's field, else `default`."""
-    if value is not None:
-        return bool(value)
-    return bool(getattr(config, name, default))
-
-
-def refuse_output_attentions(value: bool | None, model) -> None:
-    """``output_attentions`` (the argument, else the config's) cannot be honoured: the aligned
-    attention kernel never materialises attention weights (docs/design.md section 8)."""
-    if hf_flag(value, model.config, "output_attentions", False):
-        raise ValueError(f"{type(model).__name__}.forward: output_attentions=True is not supported: the aligned "
-                         "attention kernel never materialises attention weights (it keeps only each row's output "
-                         "and log-sum-exp); pass output_attentions=False")
 
 
 class DecoderModelMixin(StrictLoadingMixin):
@@ -177,9 +162,11 @@ class DecoderModelMixin(StrictLoadingMixin):
         restarting at 0, or ``cu_seqlens``) input ids or ``inputs_embeds``; returns
         ``last_hidden_state`` in the input's shape (zeros at padding) and, with
         ``output_hidden_states`` (a flag, or layer indices as the installed transformers takes
-        them), HF's tuple of per-layer hidden states. ``past_key_values`` and ``use_cache`` are
-        ignored (rollouts use `vexact_models.LLM`); ``output_attentions=True`` is a ValueError."""
+        them), HF's tuple of per-layer hidden states. ``use_cache`` and an empty cache are ignored
+        (rollouts use `vexact_models.LLM`); ``output_attentions=True`` and a ``past_key_values``
+        holding tokens are ValueErrors (`forward_arguments`)."""
         refuse_output_attentions(output_attentions, self)
+        refuse_kv_prefix(kwargs, self)
         request = hidden_states_request(output_hidden_states, self.config)
         hidden, flat, states = self.forward_hf_inputs(input_ids, attention_mask, position_ids, cu_seqlens, inputs_embeds,
                                                       bool(request))
@@ -226,9 +213,10 @@ class CausalLMMixin(StrictLoadingMixin):
         ``cu_seqlens``), as token ids or ``inputs_embeds``. Returns fp32 ``logits`` in the
         input's shape (zeros at padding), with ``labels`` HF's shifted cross-entropy ``loss``,
         with ``output_hidden_states`` HF's per-layer hidden states (all, or those layer indices
-        select); a tuple when ``return_dict=False``. ``past_key_values``/``use_cache`` are
-        ignored: rollouts use `vexact_models.LLM`. ``output_attentions=True`` is a ValueError (the
-        aligned attention never materialises weights).
+        select); a tuple when ``return_dict=False``. ``use_cache`` and an empty cache are
+        ignored: rollouts use `vexact_models.LLM`. ``output_attentions=True`` (the aligned
+        attention never materialises weights) and a ``past_key_values`` holding tokens (a prefix
+        this forward would not read) are ValueErrors (`forward_arguments`).
         """
         out = self._causal_lm_output(CausalLMOutputWithPast, input_ids, attention_mask, position_ids, labels,
                                      cu_seqlens, logits_to_keep, **kwargs)
@@ -244,7 +232,8 @@ class CausalLMMixin(StrictLoadingMixin):
         """The body of every ``forward``: `output_class` with padded fp32 logits, with ``labels``
         HF's loss, and the hidden states when asked. MoE models pass a list that collects each
         MoE layer's router logits."""
-        for unused in ("use_cache", "past_key_values", "return_dict", "cache_position"):
+        refuse_kv_prefix(kwargs, self)
+        for unused in ("use_cache", *CACHE_ARGUMENTS, "return_dict", "cache_position"):
             kwargs.pop(unused, None)
         refuse_output_attentions(output_attentions, self)
         layer_kwargs = {} if router_logits is None else {"router_logits": router_logits}

@@ -63,3 +63,31 @@ def test_empty_packed_sequences_are_allowed_and_change_nothing():
         plain = model.token_logprobs(ids, cu_seqlens=torch.tensor([0, 4, 10]))
         with_empty = model.token_logprobs(ids, cu_seqlens=torch.tensor([0, 0, 4, 4, 10, 10], dtype=torch.int32))
     assert torch.equal(plain, with_empty)
+
+
+def test_a_kv_cache_holding_tokens_is_refused_and_an_empty_one_ignored():
+    """`forward_arguments.refuse_kv_prefix`: a ``past_key_values`` (or transformers 5.25's
+    ``cache``) holding tokens, as a transformers ``Cache`` or the legacy per-layer tuple, is a
+    ValueError naming the argument and the count, in the causal LM and the base model (the heads
+    build on it); an empty ``DynamicCache``, None and ``use_cache`` change nothing."""
+    from transformers import DynamicCache
+
+    from vexact_models.forward_arguments import cached_tokens
+
+    model = qwen3.Qwen3ForCausalLM(qwen3.tiny_config()).eval()
+    ids = torch.tensor([[3, 4, 5]])
+    heads, dim = model.config.num_key_value_heads, model.config.head_dim
+    legacy = tuple((torch.zeros(1, heads, 2, dim), torch.zeros(1, heads, 2, dim))
+                   for _ in range(model.config.num_hidden_layers))
+    filled = DynamicCache()
+    filled.update(*legacy[0], layer_idx=0)
+    assert [cached_tokens(c) for c in (None, (), DynamicCache(), legacy, filled)] == [0, 0, 0, 2, 2]
+    with torch.no_grad():
+        plain = model(ids).logits
+        for name in ("past_key_values", "cache"):
+            for cache in (legacy, filled):
+                for forward in (model, model.model):
+                    with pytest.raises(ValueError, match=f"{name} holds 2 cached tokens, a prefix"):
+                        forward(ids, **{name: cache})
+            assert torch.equal(model(ids, use_cache=True, **{name: DynamicCache()}).logits, plain)
+            assert torch.equal(model(ids, **{name: None}).logits, plain)

@@ -136,6 +136,29 @@ def test_unsupported_peft_features_are_errors(config, message):
         model(torch.tensor([[1, 2, 3]]))
 
 
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_5_moe"])
+def test_peft_prefix_tuning_is_refused_and_prompt_tuning_runs_as_stock(name):
+    """PEFT's prefix tuning passes its virtual tokens as a ``past_key_values`` prefix, which the
+    training forward (no KV cache) would not read: it gave the base model's logits, silently,
+    and is now a ValueError naming the argument. Prompt tuning passes them as ``inputs_embeds``
+    and runs: the same logits as stock PEFT, within parity."""
+    from peft import PrefixTuningConfig, PromptTuningConfig
+
+    ours, stock = ours_and_stock(ARCHS[name])
+    ids = torch.tensor([[5, 9, 33, 2], [44, 3, 8, 1]])
+    prefix = get_peft_model(ours, PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    with pytest.raises(ValueError, match="past_key_values holds 4 cached tokens, a prefix the training forward does not"):
+        prefix(input_ids=ids)
+    ours, stock = ours_and_stock(ARCHS[name])
+    logits = []
+    for model in (ours, stock):
+        torch.manual_seed(0)
+        prompted = get_peft_model(model, PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+        with torch.no_grad():
+            logits.append(prompted(input_ids=ids).logits)
+    assert logits[0].shape == (2, 8, ours.config.vocab_size) and rel(logits[0], logits[1]) <= 1e-5
+
+
 def test_unsupported_adapter_errors_name_the_module_in_training_and_rollout():
     """An `adapters.UnsupportedAdapter` names the module by its path in the model, not by its
     class: here DoRA on one later layer's down_proj, in the training forward and in a rollout."""
