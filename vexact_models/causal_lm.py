@@ -205,7 +205,7 @@ class CausalLMMixin(StrictLoadingMixin):
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.LongTensor | None = None, labels: torch.LongTensor | None = None,
                 cu_seqlens: torch.Tensor | None = None, logits_to_keep: int | torch.Tensor = 0,
-                **kwargs) -> CausalLMOutputWithPast | tuple:
+                inputs_embeds: torch.Tensor | None = None, **kwargs) -> CausalLMOutputWithPast | tuple:
         """HF-compatible forward.
 
         Input is padded (``attention_mask``, left or right padding; positions count from each
@@ -219,7 +219,7 @@ class CausalLMMixin(StrictLoadingMixin):
         this forward would not read) are ValueErrors (`forward_arguments`).
         """
         out = self._causal_lm_output(CausalLMOutputWithPast, input_ids, attention_mask, position_ids, labels,
-                                     cu_seqlens, logits_to_keep, **kwargs)
+                                     cu_seqlens, logits_to_keep, inputs_embeds=inputs_embeds, **kwargs)
         return self._as_requested(out, kwargs.get("return_dict"))
 
     def _as_requested(self, out, return_dict: bool | None):

@@ -2,6 +2,8 @@
 shape: hidden states, tuple outputs, inputs_embeds, positions past max_position_embeddings,
 generate(), generation_config, reward/critic heads (docs/design.md section 8, drop-in)."""
 
+import inspect
+
 import pytest
 import torch
 from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification,
@@ -122,7 +124,11 @@ def test_return_dict_false_gives_a_tuple(pair):
 
 
 def test_inputs_embeds_give_the_same_numbers_as_ids(pair):
+    """And the forwards list ``inputs_embeds`` in their signatures, as stock's do: code that reads
+    the signature (transformers' own model tests, trainers pruning dataset columns) finds it."""
     _, _, ours, _ = pair
+    for forward in (ours.forward, ours.model.forward):
+        assert "inputs_embeds" in inspect.signature(forward).parameters
     ids, mask = left_padded()
     with torch.no_grad():
         embeds = ours.get_input_embeddings()(ids)

@@ -276,10 +276,11 @@ class DeepseekV3ForCausalLM(CausalLMMixin, DeepseekV3PreTrainedModel, Generation
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, cu_seqlens=None,
                 logits_to_keep: int | torch.Tensor = 0, output_router_logits: bool | None = None,
-                **kwargs) -> MoeCausalLMOutputWithPast:
+                inputs_embeds: torch.Tensor | None = None, **kwargs) -> MoeCausalLMOutputWithPast:
         router = self._router_logits_list(output_router_logits)
         out = self._causal_lm_output(MoeCausalLMOutputWithPast, input_ids, attention_mask, position_ids, labels,
-                                     cu_seqlens, logits_to_keep, router_logits=router, **kwargs)
+                                     cu_seqlens, logits_to_keep, router_logits=router, inputs_embeds=inputs_embeds,
+                                     **kwargs)
         out.router_logits = None if router is None else tuple(router)
         return self._as_requested(out, kwargs.get("return_dict"))
 

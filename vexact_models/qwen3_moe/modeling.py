@@ -115,10 +115,10 @@ class Qwen3MoeForCausalLM(CausalLMMixin, Qwen3MoePreTrainedModel, GenerationMixi
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, cu_seqlens=None,
                 logits_to_keep: int | torch.Tensor = 0, output_router_logits: bool | None = None,
-                **kwargs) -> MoeCausalLMOutputWithPast:
+                inputs_embeds: torch.Tensor | None = None, **kwargs) -> MoeCausalLMOutputWithPast:
         """HF's forward (`CausalLMMixin._moe_forward`: router logits and aux loss when asked)."""
         return self._moe_forward(input_ids, attention_mask, position_ids, labels, cu_seqlens, logits_to_keep,
-                                 output_router_logits, **kwargs)
+                                 output_router_logits, inputs_embeds=inputs_embeds, **kwargs)
 
 
 class Qwen3MoeForCausalLMInference(InferenceModel):
