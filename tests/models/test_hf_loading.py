@@ -6,8 +6,10 @@ missing decoder tensor is an error naming it; a mis-shaped tensor raises transfo
 exception (``RuntimeError``) naming it, and ``ignore_mismatched_sizes=True`` loads as transformers
 does. Stock transformers on the same checkpoint is the reference throughout."""
 
+import inspect
 import logging
 import shutil
+import warnings
 
 import pytest
 import torch
@@ -170,16 +172,24 @@ def test_a_head_with_other_labels_loads_ignoring_mismatched_sizes(causal_checkpo
 
 def _sharding_requests() -> list:
     """``from_pretrained`` arguments that ask for sharding inside the layers, as the installed
-    transformers takes them (``DistributedConfig`` from 5.18 on)."""
-    requests = [{"tp_plan": "auto"}, {"tp_size": 2}]
+    transformers takes them: ``DistributedConfig`` from 5.17 on, whose fields vary by release
+    (``ep_size`` from 5.18; 5.25 turns ``enable_expert_parallel`` alone into a plan of nothing),
+    so a field is tried where the release has it and keeps the request."""
+    requests = [pytest.param({"tp_plan": "auto"}, id="tp_plan"), pytest.param({"tp_size": 2}, id="tp_size")]
     distributed = getattr(transformers, "DistributedConfig", None)
-    if distributed is not None:
-        requests += [{"distributed_config": distributed(tp_size=2)}, {"distributed_config": distributed(ep_size=2, fsdp_size=2)},
-                     {"distributed_config": distributed(enable_sequence_parallel=True)}]
+    fields = inspect.signature(distributed).parameters if distributed is not None else {}
+    for field, value, extra in (("tp_size", 2, {}), ("ep_size", 2, {"fsdp_size": 2}),
+                                ("enable_expert_parallel", True, {}), ("enable_sequence_parallel", True, {})):
+        if field in fields and all(key in fields for key in extra):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                config = distributed(**{field: value}, **extra)
+            if getattr(config, field) == value:
+                requests.append(pytest.param({"distributed_config": config}, id=f"distributed_config.{field}"))
     return requests
 
 
-@pytest.mark.parametrize("kwargs", _sharding_requests(), ids=lambda k: ",".join(k))
+@pytest.mark.parametrize("kwargs", _sharding_requests())
 def test_tensor_or_expert_parallel_loading_is_refused_before_anything_loads(kwargs, tmp_path):
     """transformers' tensor / expert / sequence parallelism turns the layers' weights into
     DTensors, on which the aligned forward failed with torch's "mixed torch.Tensor and DTensor":
