@@ -49,7 +49,7 @@ def decoder_prefix(model: nn.Module) -> str:
     return f"{prefix}." if isinstance(base, nn.Module) and base is not model else ""
 
 
-#: ``from_pretrained`` arguments (and ``DistributedConfig`` fields, transformers 5.18 on) that ask
+#: ``from_pretrained`` arguments (and ``DistributedConfig`` fields, where the release has them) that ask
 #: transformers to shard weights across ranks inside the layers: tensor, expert and sequence
 #: parallelism. The value each takes when it asks for nothing.
 SHARDING_INSIDE_LAYERS = {"tp_plan": None, "tp_size": 1, "ep_size": 1, "enable_expert_parallel": False,
