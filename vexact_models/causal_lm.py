@@ -20,8 +20,8 @@ from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_fun
 from vexact_models.adapters import UnsupportedAdapter, forbid_adapters
 from vexact_models.checkpointing import CheckpointingMixin
 from vexact_models.distributed import fsdp_forward_method
-from vexact_models.forward_arguments import CACHE_ARGUMENTS, hf_flag, refuse_kv_prefix, refuse_output_attentions
 from vexact_models.flat_batch import FlatBatch, check_tokens, flatten_inputs
+from vexact_models.forward_arguments import CACHE_ARGUMENTS, hf_flag, refuse_kv_prefix, refuse_output_attentions
 from vexact_models.generation import cacheless_generate_arguments
 from vexact_models.hidden_states import HiddenStates, hidden_states_request
 from vexact_models.kernels import lm_head_logits, token_logprobs

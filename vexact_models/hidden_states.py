@@ -40,13 +40,12 @@ class _OnPath(torch.autograd.Function):
     @staticmethod
     def forward(ctx, flat: FlatBatch, padded: torch.Tensor, *carried: torch.Tensor):
         ctx.flat = flat
-        ctx.count = len(carried)
         return carried
 
     @staticmethod
     def backward(ctx, *grads):
         grad = grads[0]
-        return (None, None if grad is None else ctx.flat.to_padded(grad), *([None] * ctx.count))
+        return (None, None if grad is None else ctx.flat.to_padded(grad), *([None] * len(grads)))
 
 
 class HiddenStates:
