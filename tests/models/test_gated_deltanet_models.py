@@ -172,7 +172,8 @@ def test_norms_and_gates_are_random_in_the_parity_models(hybrid_pair):
 def test_text_part_of_a_multimodal_checkpoint_loads(name, config_class, model_class, tmp_path, caplog):
     """A multimodal checkpoint written by transformers' own class (model.language_model.*,
     model.visual.*): our text model loads its text part, says once that it skips the vision
-    tower, and matches the multimodal model on text input."""
+    tower, and matches the multimodal model on text input; the path may come by HF's parameter
+    name as well."""
     arch = get(name)
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
                   temporal_patch_size=2, spatial_merge_size=2, in_channels=3)
@@ -190,6 +191,8 @@ def test_text_part_of_a_multimodal_checkpoint_loads(name, config_class, model_cl
     ids = torch.randint(0, 512, (2, 20))
     with torch.no_grad():
         assert rel(ours(ids).logits, multimodal(input_ids=ids).logits) <= 1e-5
+        by_name = arch.causal_lm_class.from_pretrained(pretrained_model_name_or_path=tmp_path, dtype=torch.float32)
+        assert torch.equal(by_name.eval()(ids).logits, ours(ids).logits)
 
 
 @pytest.mark.parametrize("arch", HYBRIDS, ids=lambda a: a.name)

@@ -31,9 +31,11 @@ class TextOfMultimodalMixin:
     checkpoint loads its text model (config from ``text_config``) and skips the vision tower."""
 
     @classmethod
-    def from_pretrained(cls, path, *args, **kwargs):
-        """HF's ``from_pretrained``; a multimodal checkpoint gives its text model (the class
-        docstring), with a warning that the vision tower is skipped."""
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """HF's ``from_pretrained`` (the same parameters, the path by position or by name); a
+        multimodal checkpoint gives its text model (the class docstring), with a warning that the
+        vision tower is skipped."""
+        path = pretrained_model_name_or_path
         full = multimodal_config(path) if kwargs.get("config") is None else None
         if full is not None:
             logger.warning("%s.from_pretrained: %s is a multimodal %s checkpoint; loading its text model "
