@@ -21,7 +21,8 @@ from vexact_models.adapters import UnsupportedAdapter, forbid_adapters
 from vexact_models.checkpointing import CheckpointingMixin
 from vexact_models.distributed import fsdp_forward_method
 from vexact_models.flat_batch import FlatBatch, check_tokens, flatten_inputs
-from vexact_models.forward_arguments import CACHE_ARGUMENTS, hf_flag, refuse_kv_prefix, refuse_output_attentions
+from vexact_models.forward_arguments import (CACHE_ARGUMENTS, hf_flag, refuse_kv_prefix, refuse_output_attentions,
+                                             unfilled_cache)
 from vexact_models.generation import cacheless_generate_arguments
 from vexact_models.hidden_states import HiddenStates, hidden_states_request
 from vexact_models.kernels import lm_head_logits, token_logprobs
@@ -162,15 +163,18 @@ class DecoderModelMixin(StrictLoadingMixin):
         restarting at 0, or ``cu_seqlens``) input ids or ``inputs_embeds``; returns
         ``last_hidden_state`` in the input's shape (zeros at padding) and, with
         ``output_hidden_states`` (a flag, or layer indices as the installed transformers takes
-        them), HF's tuple of per-layer hidden states. ``use_cache`` and an empty cache are ignored
-        (rollouts use `vexact_models.LLM`); ``output_attentions=True`` and a ``past_key_values``
-        holding tokens are ValueErrors (`forward_arguments`)."""
+        them), HF's tuple of per-layer hidden states. No KV cache is kept (rollouts use
+        `vexact_models.LLM`): a cache given, or one made for ``use_cache=True``, comes back
+        empty as ``past_key_values`` (`forward_arguments.unfilled_cache`); ``output_attentions=True``
+        and a ``past_key_values`` holding tokens, or left empty by an earlier forward, are
+        ValueErrors."""
         refuse_output_attentions(output_attentions, self)
         refuse_kv_prefix(kwargs, self)
         request = hidden_states_request(output_hidden_states, self.config)
         hidden, flat, states = self.forward_hf_inputs(input_ids, attention_mask, position_ids, cu_seqlens, inputs_embeds,
                                                       bool(request))
         out = BaseModelOutputWithPast(last_hidden_state=flat.to_padded(hidden),
+                                      past_key_values=unfilled_cache(kwargs, hidden.shape[0]),
                                       hidden_states=None if states is None else states.output(request))
         return out if hf_flag(return_dict, self.config, "return_dict", True) else out.to_tuple()
 
@@ -213,10 +217,12 @@ class CausalLMMixin(StrictLoadingMixin):
         ``cu_seqlens``), as token ids or ``inputs_embeds``. Returns fp32 ``logits`` in the
         input's shape (zeros at padding), with ``labels`` HF's shifted cross-entropy ``loss``,
         with ``output_hidden_states`` HF's per-layer hidden states (all, or those layer indices
-        select); a tuple when ``return_dict=False``. ``use_cache`` and an empty cache are
-        ignored: rollouts use `vexact_models.LLM`. ``output_attentions=True`` (the aligned
-        attention never materialises weights) and a ``past_key_values`` holding tokens (a prefix
-        this forward would not read) are ValueErrors (`forward_arguments`).
+        select); a tuple when ``return_dict=False``. No KV cache is kept (rollouts use
+        `vexact_models.LLM`): a cache given, or one made for ``use_cache=True``, comes back empty
+        as ``past_key_values`` (`forward_arguments.unfilled_cache`). ``output_attentions=True``
+        (the aligned attention never materialises weights) and a ``past_key_values`` holding
+        tokens (a prefix this forward would not read), or left empty by an earlier forward, are
+        ValueErrors (`forward_arguments`).
         """
         out = self._causal_lm_output(CausalLMOutputWithPast, input_ids, attention_mask, position_ids, labels,
                                      cu_seqlens, logits_to_keep, inputs_embeds=inputs_embeds, **kwargs)
@@ -233,7 +239,8 @@ class CausalLMMixin(StrictLoadingMixin):
         HF's loss, and the hidden states when asked. MoE models pass a list that collects each
         MoE layer's router logits."""
         refuse_kv_prefix(kwargs, self)
-        for unused in ("use_cache", *CACHE_ARGUMENTS, "return_dict", "cache_position"):
+        cache_arguments = {name: kwargs.pop(name, None) for name in ("use_cache", *CACHE_ARGUMENTS)}
+        for unused in ("return_dict", "cache_position"):
             kwargs.pop(unused, None)
         refuse_output_attentions(output_attentions, self)
         layer_kwargs = {} if router_logits is None else {"router_logits": router_logits}
@@ -244,7 +251,8 @@ class CausalLMMixin(StrictLoadingMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return output_class(loss=loss, logits=logits, hidden_states=None if states is None else states.output(request))
+        return output_class(loss=loss, logits=logits, past_key_values=unfilled_cache(cache_arguments, hidden.shape[0]),
+                            hidden_states=None if states is None else states.output(request))
 
     def _moe_forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, cu_seqlens=None,
                      logits_to_keep: int | torch.Tensor = 0, output_router_logits: bool | None = None, **kwargs):

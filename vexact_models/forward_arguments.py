@@ -4,14 +4,23 @@ Output switches (``return_dict``, ``output_attentions``) are read from the argum
 config, as transformers reads them. What the aligned forward cannot honour is an error, never
 ignored (docs/design.md section 8): attention weights, which the attention kernel never
 materialises, and a KV cache that holds tokens, a prefix the training forward would not read
-(PEFT's prefix tuning passes its virtual tokens that way). An empty cache, or none, is what HF's
-``generate`` passes this model (`generation`), and is ignored.
+(PEFT's prefix tuning passes its virtual tokens that way). An empty cache is read as none, and the
+forward returns it as its ``past_key_values``, still empty and marked (`unfilled_cache`): given
+again, as a cached decode loop's next step would give it with only the new tokens, it is a
+ValueError instead of logits computed without the prefix. HF's ``generate`` passes this model no
+cache (`generation`).
 """
 
 from __future__ import annotations
 
+from transformers import DynamicCache
+
 #: the names transformers has given the KV cache argument (``cache`` from 5.25 on)
 CACHE_ARGUMENTS = ("past_key_values", "cache")
+
+#: the attribute a cache that a forward (or ``generate``) was given and left empty carries: what it
+#: was given to, for the error when it comes back (`refuse_kv_prefix`)
+LEFT_EMPTY = "_vexact_left_empty"
 
 
 def hf_flag(value: bool | None, config, name: str, default: bool) -> bool:
@@ -41,13 +50,43 @@ def cached_tokens(cache) -> int:
 
 
 def refuse_kv_prefix(kwargs: dict, model) -> None:
-    """A ValueError where `kwargs` carry a KV cache holding tokens (``past_key_values`` or
-    ``cache``): the training forward keeps and reads none, and would compute the logits as if the
-    prefix were absent (PEFT's prefix tuning was silently ignored)."""
+    """A ValueError where `kwargs` carry a KV cache (``past_key_values`` or ``cache``) holding
+    tokens, or one an earlier forward left empty (`unfilled_cache`): the training forward keeps
+    and reads none, and would compute the logits as if the prefix were absent (PEFT's prefix
+    tuning was silently ignored; so was the prompt of a cached decode loop)."""
     for name in CACHE_ARGUMENTS:
-        tokens = cached_tokens(kwargs.get(name))
+        cache = kwargs.get(name)
+        tokens = cached_tokens(cache)
         if tokens:
             raise ValueError(f"{type(model).__name__}.forward: {name} holds {tokens} cached tokens, a prefix the "
                              "training forward does not read (it keeps no KV cache; PEFT's prefix tuning passes its "
                              "virtual tokens this way): pass the whole sequence instead, or use LoRA or prompt "
                              "tuning, whose virtual tokens come as inputs_embeds")
+        earlier = getattr(cache, LEFT_EMPTY, None)
+        if earlier is not None:
+            raise ValueError(f"{type(model).__name__}.forward: {name} is a cache that {earlier} left empty (this "
+                             "model keeps no KV cache), so the tokens seen then are not in it and this forward would "
+                             "run without them: pass the whole sequence each call, without a cache, or roll out with "
+                             "vexact_models.LLM")
+
+
+def mark_left_empty(cache, given_to: str) -> None:
+    """Mark a transformers ``Cache`` that `given_to` (``"an earlier forward of 7 tokens"``)
+    leaves empty, so that `refuse_kv_prefix` refuses it when it comes back; anything else
+    (None, a legacy tuple) is left as it is."""
+    if hasattr(cache, "get_seq_length"):
+        setattr(cache, LEFT_EMPTY, given_to)
+
+
+def unfilled_cache(cache_arguments: dict, tokens: int):
+    """The ``past_key_values`` a forward of `tokens` tokens returns, from its cache arguments
+    (``use_cache`` and `CACHE_ARGUMENTS`): the ``Cache`` it was given, or, for an explicit
+    ``use_cache=True`` without one, a new ``DynamicCache``; either empty and marked
+    (`mark_left_empty`), so that a cached decode loop fails at its second step with a ValueError
+    rather than computing without its prompt. None otherwise (``use_cache`` from the config)."""
+    given = [cache_arguments.get(name) for name in CACHE_ARGUMENTS]
+    cache = next((c for c in given if hasattr(c, "get_seq_length")), None)
+    if cache is None and cache_arguments.get("use_cache") is True:
+        cache = DynamicCache()
+    mark_left_empty(cache, f"an earlier forward of {tokens} tokens")
+    return cache

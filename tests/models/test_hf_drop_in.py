@@ -196,6 +196,24 @@ def test_generate_takes_a_generation_config_without_hf_deprecation_warning(pair,
     assert not [message for message in said if "generation_config" in message], said
 
 
+def test_generate_with_a_cache_generates_as_without_and_marks_it_left_empty(pair):
+    """A cache given to generate() stays out of its cacheless steps: the same tokens as without
+    one; it is marked as left empty, so a forward it is given to later refuses it
+    (`forward_arguments.refuse_kv_prefix`) rather than running without the tokens generated."""
+    from transformers import DynamicCache
+
+    _, _, ours, _ = pair
+    ids = torch.tensor([[5, 9, 33, 2, 17]])
+    plain = ours.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
+    for name in ("past_key_values", "cache"):
+        cache = DynamicCache()
+        out = ours.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0,
+                            **{name: cache})
+        assert torch.equal(out, plain) and cache.get_seq_length() == 0
+        with pytest.raises(ValueError, match=f"{name} is a cache that generate left empty"):
+            ours(out[:, -1:], **{name: cache})
+
+
 @pytest.mark.parametrize("asks", ["assistant_model", "prompt_lookup_num_tokens", "generation_config", "model config"])
 def test_generate_refuses_assisted_decoding_naming_the_argument(pair, asks):
     """Assisted decoding checks its candidates against the main model's KV cache, which the
