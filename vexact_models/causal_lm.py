@@ -295,9 +295,13 @@ class CausalLMMixin(StrictLoadingMixin):
         """HF's step inputs; for a prompt given as ``inputs_embeds``, every step after the first
         feeds the prompt's embeddings followed by the generated tokens' (HF feeds only the new
         tokens, relying on a KV cache this model does not keep), matching the full
-        ``attention_mask``, so padded prompts generate as with a cache."""
+        ``attention_mask``, so padded prompts generate as with a cache. The steps get no cache
+        (HF makes one for an ``inputs_embeds`` prompt): the forward would refuse it once it has
+        been left empty (`forward_arguments.refuse_kv_prefix`)."""
         inputs = super().prepare_inputs_for_generation(input_ids, *args, attention_mask=attention_mask,
                                                         inputs_embeds=inputs_embeds, **kwargs)
+        for name in CACHE_ARGUMENTS:
+            inputs.pop(name, None)
         prompt, mask = inputs_embeds, attention_mask
         if inputs.get("inputs_embeds") is None and prompt is not None and mask is not None \
                 and mask.shape[-1] > prompt.shape[1]:
