@@ -115,3 +115,29 @@ def test_patched_auto_class_loads_ours(tmp_path):
         vexact_models.unpatch()
     assert type(model) is DeepseekV3ForCausalLM
     assert type(AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)) is HFDeepseekV3ForCausalLM
+
+
+def test_the_router_is_kept_in_fp32_as_the_installed_transformers_keeps_it(tmp_path):
+    """``_keep_in_fp32_modules_strict`` is the installed stock class's (the correction bias; from
+    transformers 5.24 the router's weight too), and both are made fp32 at construction as
+    stock's are: built with `from_config` in bf16 or loaded in bf16, ours holds the router in the
+    dtypes stock loads it in, and the forward runs on it with fp32 logits."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as stock
+
+    config = SHAPES["deepseek_v3"].tiny_config()
+    hf = HFDeepseekV3ForCausalLM(config)
+    hf.save_pretrained(tmp_path)
+    stock_router = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).model.layers[1].mlp.gate
+    strict = stock.DeepseekV3PreTrainedModel._keep_in_fp32_modules_strict
+    assert deepseek_v3.DeepseekV3PreTrainedModel._keep_in_fp32_modules_strict == strict
+    want = (stock_router.weight.dtype, stock_router.e_score_correction_bias.dtype)
+    assert want[1] == torch.float32 and want[0] == (torch.float32 if "gate.weight" in strict else torch.bfloat16)
+    built = DeepseekV3ForCausalLM._from_config(config, dtype=torch.bfloat16)
+    loaded = DeepseekV3ForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    for ours in (built, loaded):
+        router = ours.model.layers[1].mlp.gate
+        assert (router.weight.dtype, router.e_score_correction_bias.dtype) == want
+        assert ours.model.layers[1].mlp.experts.gate_up_proj.dtype == torch.bfloat16
+        out = ours(torch.randint(0, 512, (2, 5)), output_router_logits=True)
+        assert out.logits.dtype == torch.float32 and out.router_logits[0].dtype == torch.float32

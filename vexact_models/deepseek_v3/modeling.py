@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from transformers import DeepseekV3Config, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+from transformers.models.deepseek_v3 import modeling_deepseek_v3 as stock
 
 from vexact_models.adapters import apply_linear
 from vexact_models.kernels import apply_rotary, deinterleave, linear, sigmoid_grouped_topk
@@ -157,6 +158,12 @@ class DeepseekV3Experts(FusedExperts):
         super().__init__(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size)
 
 
+#: what stays fp32 whatever dtype the model is built or loaded in, as the installed transformers
+#: keeps it (the correction bias; the router's weight too in releases after 5.17, e.g. 5.24)
+KEEP_IN_FP32 = list(getattr(stock.DeepseekV3PreTrainedModel, "_keep_in_fp32_modules_strict", None)
+                    or ["e_score_correction_bias"])
+
+
 class DeepseekV3TopkRouter(nn.Module):
     """Router: fp32 logits (as HF), sigmoid scores, bias-corrected group-limited top-k."""
 
@@ -166,8 +173,10 @@ class DeepseekV3TopkRouter(nn.Module):
         self.n_group, self.topk_group = config.n_group, config.topk_group
         self.norm_topk_prob = config.norm_topk_prob
         self.routed_scaling_factor = config.routed_scaling_factor
-        self.weight = nn.Parameter(torch.zeros(config.n_routed_experts, config.hidden_size))
-        self.register_buffer("e_score_correction_bias", torch.zeros(config.n_routed_experts))
+        fp32 = "gate.weight" in KEEP_IN_FP32  # made fp32 here, as stock's are, so `from_config` keeps them too
+        self.weight = nn.Parameter(torch.zeros(config.n_routed_experts, config.hidden_size,
+                                               dtype=torch.float32 if fp32 else None))
+        self.register_buffer("e_score_correction_bias", torch.zeros(config.n_routed_experts, dtype=torch.float32))
 
     def init_random(self, std: float) -> None:
         nn.init.normal_(self.weight, 0.0, std)
@@ -226,7 +235,7 @@ class DeepseekV3PreTrainedModel(InitHookMixin, PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["DeepseekV3DecoderLayer"]
-    _keep_in_fp32_modules_strict = ["e_score_correction_bias"]
+    _keep_in_fp32_modules_strict = KEEP_IN_FP32
     # DeepSeek-V3's multi-token-prediction layer (layer 61) is not part of the causal LM
     _keys_to_ignore_on_load_unexpected = [r"model\.layers\.61.*"]
 
