@@ -21,8 +21,8 @@ from vexact_models.adapters import UnsupportedAdapter, forbid_adapters
 from vexact_models.checkpointing import CheckpointingMixin
 from vexact_models.distributed import fsdp_forward_method
 from vexact_models.flat_batch import FlatBatch, check_tokens, flatten_inputs
-from vexact_models.forward_arguments import (CACHE_ARGUMENTS, hf_flag, refuse_kv_prefix, refuse_output_attentions,
-                                             unfilled_cache)
+from vexact_models.forward_arguments import (CACHE_ARGUMENTS, cache_field, hf_flag, refuse_kv_prefix,
+                                             refuse_output_attentions, unfilled_cache)
 from vexact_models.generation import cacheless_generate_arguments
 from vexact_models.hidden_states import HiddenStates, hidden_states_request
 from vexact_models.kernels import lm_head_logits, token_logprobs
@@ -174,8 +174,8 @@ class DecoderModelMixin(StrictLoadingMixin):
         hidden, flat, states = self.forward_hf_inputs(input_ids, attention_mask, position_ids, cu_seqlens, inputs_embeds,
                                                       bool(request))
         out = BaseModelOutputWithPast(last_hidden_state=flat.to_padded(hidden),
-                                      past_key_values=unfilled_cache(kwargs, hidden.shape[0]),
-                                      hidden_states=None if states is None else states.output(request))
+                                      hidden_states=None if states is None else states.output(request),
+                                      **{cache_field(BaseModelOutputWithPast): unfilled_cache(kwargs, hidden.shape[0])})
         return out if hf_flag(return_dict, self.config, "return_dict", True) else out.to_tuple()
 
 
@@ -251,8 +251,8 @@ class CausalLMMixin(StrictLoadingMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return output_class(loss=loss, logits=logits, past_key_values=unfilled_cache(cache_arguments, hidden.shape[0]),
-                            hidden_states=None if states is None else states.output(request))
+        return output_class(loss=loss, logits=logits, hidden_states=None if states is None else states.output(request),
+                            **{cache_field(output_class): unfilled_cache(cache_arguments, hidden.shape[0])})
 
     def _moe_forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, cu_seqlens=None,
                      logits_to_keep: int | torch.Tensor = 0, output_router_logits: bool | None = None, **kwargs):

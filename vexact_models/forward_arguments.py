@@ -39,6 +39,12 @@ def refuse_output_attentions(value: bool | None, model) -> None:
                          "and log-sum-exp); pass output_attentions=False")
 
 
+def cache_field(output_class: type) -> str:
+    """The KV cache field of an HF output class: ``cache`` from transformers 5.25 on (where
+    ``past_key_values`` is an alias that logs a deprecation warning), else ``past_key_values``."""
+    return "cache" if "cache" in getattr(output_class, "__dataclass_fields__", {}) else "past_key_values"
+
+
 def cached_tokens(cache) -> int:
     """How many tokens a KV cache holds: a transformers ``Cache`` (``get_seq_length``) or the
     legacy tuple of per-layer ``(key [batch, heads, tokens, dim], value)``; 0 for anything else."""
