@@ -165,7 +165,7 @@ class DecoderModelMixin(StrictLoadingMixin):
         ``output_hidden_states`` (a flag, or layer indices as the installed transformers takes
         them), HF's tuple of per-layer hidden states. No KV cache is kept (rollouts use
         `vexact_models.LLM`): a cache given, or one made for ``use_cache=True``, comes back
-        empty as ``past_key_values`` (`forward_arguments.unfilled_cache`); ``output_attentions=True``
+        empty in the output (`forward_arguments.unfilled_cache`); ``output_attentions=True``
         and a ``past_key_values`` holding tokens, or left empty by an earlier forward, are
         ValueErrors."""
         refuse_output_attentions(output_attentions, self)
@@ -219,7 +219,7 @@ class CausalLMMixin(StrictLoadingMixin):
         with ``output_hidden_states`` HF's per-layer hidden states (all, or those layer indices
         select); a tuple when ``return_dict=False``. No KV cache is kept (rollouts use
         `vexact_models.LLM`): a cache given, or one made for ``use_cache=True``, comes back empty
-        as ``past_key_values`` (`forward_arguments.unfilled_cache`). ``output_attentions=True``
+        in the output (`forward_arguments.unfilled_cache`). ``output_attentions=True``
         (the aligned attention never materialises weights) and a ``past_key_values`` holding
         tokens (a prefix this forward would not read), or left empty by an earlier forward, are
         ValueErrors (`forward_arguments`).

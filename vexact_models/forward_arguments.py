@@ -5,7 +5,8 @@ config, as transformers reads them. What the aligned forward cannot honour is an
 ignored (docs/design.md section 8): attention weights, which the attention kernel never
 materialises, and a KV cache that holds tokens, a prefix the training forward would not read
 (PEFT's prefix tuning passes its virtual tokens that way). An empty cache is read as none, and the
-forward returns it as its ``past_key_values``, still empty and marked (`unfilled_cache`): given
+forward returns it in its output (``past_key_values``; ``cache`` from transformers 5.25 on), still
+empty and marked (`unfilled_cache`): given
 again, as a cached decode loop's next step would give it with only the new tokens, it is a
 ValueError instead of logits computed without the prefix. HF's ``generate`` passes this model no
 cache (`generation`).
@@ -85,9 +86,9 @@ def mark_left_empty(cache, given_to: str) -> None:
 
 
 def unfilled_cache(cache_arguments: dict, tokens: int):
-    """The ``past_key_values`` a forward of `tokens` tokens returns, from its cache arguments
-    (``use_cache`` and `CACHE_ARGUMENTS`): the ``Cache`` it was given, or, for an explicit
-    ``use_cache=True`` without one, a new ``DynamicCache``; either empty and marked
+    """The cache a forward of `tokens` tokens returns (its output's `cache_field`), from its
+    cache arguments (``use_cache`` and `CACHE_ARGUMENTS`): the ``Cache`` it was given, or, for an
+    explicit ``use_cache=True`` without one, a new ``DynamicCache``; either empty and marked
     (`mark_left_empty`), so that a cached decode loop fails at its second step with a ValueError
     rather than computing without its prompt. None otherwise (``use_cache`` from the config)."""
     given = [cache_arguments.get(name) for name in CACHE_ARGUMENTS]
