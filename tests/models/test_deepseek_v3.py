@@ -118,8 +118,8 @@ def test_patched_auto_class_loads_ours(tmp_path):
 
 
 def test_the_router_is_kept_in_fp32_as_the_installed_transformers_keeps_it(tmp_path):
-    """``_keep_in_fp32_modules_strict`` is the installed stock class's (the correction bias; from
-    transformers 5.24 the router's weight too), and both are made fp32 at construction as
+    """``_keep_in_fp32_modules_strict`` is the installed stock class's (the correction bias; in
+    transformers 5.24, not yet in 5.17, the router's weight too), and both are made fp32 at construction as
     stock's are: built with `from_config` in bf16 or loaded in bf16, ours holds the router in the
     dtypes stock loads it in, and the forward runs on it with fp32 logits."""
     from transformers import AutoModelForCausalLM
