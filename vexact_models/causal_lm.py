@@ -26,7 +26,7 @@ from vexact_models.forward_arguments import (CACHE_ARGUMENTS, cache_field, hf_fl
 from vexact_models.generation import cacheless_generate_arguments
 from vexact_models.hidden_states import HiddenStates, hidden_states_request
 from vexact_models.kernels import lm_head_logits, token_logprobs
-from vexact_models.layers import PackedContext, RopeTables, head_dim_of
+from vexact_models.layers import PackedContext, RopeTables, head_dim_of, layer_window
 from vexact_models.loading import check_loading_info, refuse_sharding_inside_layers
 from vexact_models.patches.compat import HFCompatMixin
 
@@ -91,11 +91,16 @@ class DecoderModelMixin(StrictLoadingMixin):
 
     def init_decoder_stack(self, config, layer_class, norm_class, rope_dim: int | None = None) -> None:
         """Build HF's ``embed_tokens``, ``layers``, ``norm`` and the RoPE tables from `config`
-        (over `rope_dim` dims; default the head dim)."""
-        if getattr(config, "use_sliding_window", False):
-            raise ValueError(f"{type(self).__name__}: use_sliding_window=True is not supported")
+        (over `rope_dim` dims; default the head dim). A sliding window the config gives a layer
+        (`layers.layer_window`) that the layer's attention does not take is a ValueError."""
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         self.layers = nn.ModuleList(layer_class(config, i) for i in range(config.num_hidden_layers))
+        for i, layer in enumerate(self.layers):
+            attention = getattr(layer, "self_attn", None)
+            window = None if attention is None else layer_window(config, i)
+            if window is not None and getattr(attention, "sliding_window", None) != window:
+                raise ValueError(f"{type(self).__name__}: layer {i} attends within a sliding window of {window} "
+                                 f"tokens (config.sliding_window), which {type(attention).__name__} does not take")
         self.norm = norm_class(config.hidden_size, eps=config.rms_norm_eps)
         self.rope = RopeTables(config, rope_dim or head_dim_of(config))
         self.gradient_checkpointing = False

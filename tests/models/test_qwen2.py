@@ -1,17 +1,16 @@
 """What is specific to Qwen2 / Qwen2.5 (the parametrised modules check the rest at both shapes):
-biases on q/k/v and none on o_proj, their gradients, the refusal of sliding-window attention,
-and the biased q/k/v fused into one rollout GEMM: rollouts equal the training forward bitwise,
-across sleep / wake_up too."""
+biases on q/k/v and none on o_proj, their gradients, and the biased q/k/v fused into one rollout
+GEMM: rollouts equal the training forward bitwise, across sleep / wake_up too. Sliding windows:
+test_qwen_sliding_window.py."""
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config
+from transformers import Qwen2Config
 from transformers import Qwen2ForCausalLM as StockQwen2ForCausalLM
 
-import vexact_models
 from vexact_models.conformance.models import make_config
 from vexact_models.projections import randomize_projection_biases
-from vexact_models.qwen2 import ARCHITECTURE, Qwen2ForCausalLM, Qwen2Model, tiny_config, tiny_tied_config
+from vexact_models.qwen2 import ARCHITECTURE, Qwen2ForCausalLM, tiny_config, tiny_tied_config
 from vexact_models.runtime import LLM, SamplingParams
 from vexact_models.runtime.model_runner import kv_bytes_per_block
 
@@ -59,29 +58,6 @@ def test_bias_gradients_equal_stock(pair):
     assert len(grads[1]) == 3 * ours.config.num_hidden_layers
     for got, want in zip(grads[1], grads[0]):
         assert want.abs().max() > 0 and rel(got, want) < 1e-4
-
-
-@pytest.mark.parametrize("build", [
-    lambda c: Qwen2ForCausalLM(c),
-    lambda c: Qwen2Model(c),
-    lambda c: AutoModelForCausalLM.from_config(c),  # after patch(): our class, which refuses
-])
-def test_sliding_window_is_refused(build):
-    config = tiny_config(use_sliding_window=True, sliding_window=16, max_window_layers=1)
-    assert config.layer_types == ["full_attention", "sliding_attention"]  # stock would slide layer 1
-    vexact_models.patch()
-    try:
-        with pytest.raises(ValueError, match=r"use_sliding_window=True is not supported.*max_window_layers=1.*"
-                                             r"sliding_window=16"):
-            build(config)
-    finally:
-        vexact_models.unpatch()
-
-
-def test_sliding_window_checkpoint_is_refused_on_load(tmp_path):
-    StockQwen2ForCausalLM(tiny_config(use_sliding_window=True, sliding_window=16)).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="use_sliding_window=True"):
-        Qwen2ForCausalLM.from_pretrained(tmp_path)
 
 
 def _engine(model, **kwargs):

@@ -14,7 +14,7 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel, Qwen2Config
 
 from vexact_models.adapters import apply_linear
-from vexact_models.layers import GatedMLP, PreNormDecoderLayer, RMSNorm, grouped_linear, head_dim_of
+from vexact_models.layers import GatedMLP, PreNormDecoderLayer, RMSNorm, grouped_linear, head_dim_of, layer_window
 
 from ..causal_lm import CausalLMMixin, DecoderModelMixin
 from ..inference_model import InferenceModel
@@ -39,6 +39,8 @@ class Qwen2Attention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=True)
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=True)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        # None unless use_sliding_window: then the window on the layers from max_window_layers on
+        self.sliding_window = layer_window(config, layer_idx)
 
     def projection_groups(self) -> list[list[nn.Linear]]:
         return [[self.q_proj, self.k_proj, self.v_proj]]
@@ -50,7 +52,7 @@ class Qwen2Attention(nn.Module):
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        out = context.attend_rotary(self.layer_idx, q, k, v, positions, rope, self.scaling)
+        out = context.attend_rotary(self.layer_idx, q, k, v, positions, rope, self.scaling, window=self.sliding_window)
         return apply_linear(out.reshape(tokens, -1), self.o_proj)
 
 
@@ -68,18 +70,6 @@ class Qwen2DecoderLayer(PreNormDecoderLayer):
         self.post_attention_layernorm = Qwen2RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
-def check_no_sliding_window(config: Qwen2Config) -> None:
-    """Refuse a config whose layers would use sliding-window attention (HF's Qwen2 slides the
-    layers from ``max_window_layers`` on when ``use_sliding_window`` is true): the aligned
-    attention kernels are full causal attention only. Published Qwen2 / Qwen2.5 configs set
-    ``use_sliding_window: false``."""
-    if getattr(config, "use_sliding_window", False):
-        raise ValueError(f"Qwen2: use_sliding_window=True is not supported (HF would restrict the layers from "
-                         f"max_window_layers={config.max_window_layers} on to a window of sliding_window="
-                         f"{config.sliding_window} tokens); the aligned kernels do full causal attention only: "
-                         "set use_sliding_window=False, as published Qwen2 / Qwen2.5 configs do")
-
-
 class Qwen2PreTrainedModel(PreTrainedModel):
     config_class = Qwen2Config
     config: Qwen2Config
@@ -93,7 +83,6 @@ class Qwen2Model(DecoderModelMixin, Qwen2PreTrainedModel):
 
     def __init__(self, config: Qwen2Config) -> None:
         super().__init__(config)
-        check_no_sliding_window(config)
         self.init_decoder_stack(config, Qwen2DecoderLayer, Qwen2RMSNorm)
         self.post_init()
 

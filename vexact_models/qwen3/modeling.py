@@ -14,7 +14,7 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel, Qwen3Config
 
 from vexact_models.adapters import apply_linear
-from vexact_models.layers import GatedMLP, PreNormDecoderLayer, RMSNorm, grouped_linear, head_dim_of
+from vexact_models.layers import GatedMLP, PreNormDecoderLayer, RMSNorm, grouped_linear, head_dim_of, layer_window
 
 from ..causal_lm import CausalLMMixin, DecoderModelMixin
 from ..inference_model import InferenceModel
@@ -40,6 +40,9 @@ class Qwen3Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
         self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        # None unless use_sliding_window: then the window on the layers HF slides (from
+        # max_window_layers on for Qwen3; every layer for Qwen3-MoE, whose config has no layer_types)
+        self.sliding_window = layer_window(config, layer_idx)
 
     def projection_groups(self) -> list[list[nn.Linear]]:
         return [[self.q_proj, self.k_proj, self.v_proj]]
@@ -51,7 +54,8 @@ class Qwen3Attention(nn.Module):
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        out = context.attend_rotary(self.layer_idx, q, k, v, positions, rope, self.scaling, self.q_norm, self.k_norm)
+        out = context.attend_rotary(self.layer_idx, q, k, v, positions, rope, self.scaling, self.q_norm, self.k_norm,
+                                    window=self.sliding_window)
         return apply_linear(out.reshape(tokens, -1), self.o_proj)
 
 
