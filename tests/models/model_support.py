@@ -44,6 +44,25 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
+def check_window_parity_and_batch_invariance(arch: Architecture, hf: torch.nn.Module, ours: torch.nn.Module) -> None:
+    """Two prompts of 40 tokens, the second left-padded by 11, through `ours` and `hf` (stock with
+    eager attention, its sliding-window mask) built with windows shorter than the prompts: fp32
+    logits within ``arch.fp32_parity`` of stock's, padded too; each sequence's logprobs bitwise
+    the same alone, packed and padded."""
+    ids = torch.randint(3, 512, (2, 40))
+    mask = torch.ones_like(ids)
+    mask[1, :11] = 0
+    with torch.no_grad():
+        assert rel(ours(ids).logits, hf(ids).logits) <= arch.fp32_parity
+        stock_padded = hf(ids, attention_mask=mask).logits
+        assert rel(ours(ids, attention_mask=mask).logits[1, 11:], stock_padded[1, 11:]) <= arch.fp32_parity
+        alone = [ours.token_logprobs(row[None])[0] for row in (ids[0], ids[1, 11:])]
+        packed = ours.token_logprobs(torch.cat([ids[0], ids[1, 11:]]), cu_seqlens=torch.tensor([0, 40, 69]))
+        padded = ours.token_logprobs(ids, attention_mask=mask)
+    assert torch.equal(packed[:40], alone[0]) and torch.equal(packed[40:], alone[1])
+    assert torch.equal(padded[0], alone[0]) and torch.equal(padded[1, 11:], alone[1])
+
+
 def saved_name(tensors: dict, name: str) -> str:
     """The key under which a checkpoint's `tensors` (as stock's ``save_pretrained`` wrote them)
     hold the model's parameter `name`: `name` itself or, where stock saved the text model under

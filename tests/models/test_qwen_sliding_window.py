@@ -14,7 +14,7 @@ from vexact_models.registry import get
 from vexact_models.runtime import SamplingParams
 
 from ..runtime.llm_support import gen, make_llm, prompts_for, training_logprobs
-from .model_support import rel, stock_model
+from .model_support import check_window_parity_and_batch_invariance, rel, stock_model
 
 pytestmark = pytest.mark.compat  # also run on older transformers releases (.ci/run)
 
@@ -49,21 +49,9 @@ def test_the_layers_stock_slides_take_the_window(pair):
 
 
 def test_parity_and_batch_invariance_with_windows_shorter_than_the_prompts(pair):
-    """Prompts of 40 tokens through windows of 8: fp32 logits within the architecture's bound of
-    stock's, left-padded too; each sequence's logprobs bitwise the same alone, packed and padded."""
-    arch, hf, ours = pair
-    ids = torch.randint(3, 512, (2, 40))
-    mask = torch.ones_like(ids)
-    mask[1, :11] = 0
-    with torch.no_grad():
-        assert rel(ours(ids).logits, hf(ids).logits) <= arch.fp32_parity
-        stock_padded = hf(ids, attention_mask=mask).logits
-        assert rel(ours(ids, attention_mask=mask).logits[1, 11:], stock_padded[1, 11:]) <= arch.fp32_parity
-        alone = [ours.token_logprobs(row[None])[0] for row in (ids[0], ids[1, 11:])]
-        packed = ours.token_logprobs(torch.cat([ids[0], ids[1, 11:]]), cu_seqlens=torch.tensor([0, 40, 69]))
-        padded = ours.token_logprobs(ids, attention_mask=mask)
-    assert torch.equal(packed[:40], alone[0]) and torch.equal(packed[40:], alone[1])
-    assert torch.equal(padded[0], alone[0]) and torch.equal(padded[1, 11:], alone[1])
+    """Windows of 8 under prompts of 40: parity with stock and batch invariance
+    (`model_support.check_window_parity_and_batch_invariance`)."""
+    check_window_parity_and_batch_invariance(*pair)
 
 
 def test_the_window_changes_the_output_and_gradients_match_stock(pair):
