@@ -21,8 +21,7 @@ from vexact_models.adapters import UnsupportedAdapter, forbid_adapters
 from vexact_models.checkpointing import CheckpointingMixin
 from vexact_models.distributed import fsdp_forward_method
 from vexact_models.flat_batch import FlatBatch, check_tokens, flatten_inputs
-from vexact_models.forward_arguments import (CACHE_ARGUMENTS, cache_field, hf_flag, refuse_kv_prefix,
-                                             refuse_output_attentions, unfilled_cache)
+from vexact_models.forward_arguments import CACHE_ARGUMENTS, cache_field, hf_flag, take_cache_arguments, unfilled_cache
 from vexact_models.generation import cacheless_generate_arguments
 from vexact_models.hidden_states import HiddenStates, hidden_states_request
 from vexact_models.kernels import lm_head_logits, token_logprobs
@@ -173,14 +172,14 @@ class DecoderModelMixin(StrictLoadingMixin):
         empty in the output (`forward_arguments.unfilled_cache`); ``output_attentions=True``
         and a ``past_key_values`` holding tokens, or left empty by an earlier forward, are
         ValueErrors."""
-        refuse_output_attentions(output_attentions, self)
-        refuse_kv_prefix(kwargs, self)
+        cache_arguments = take_cache_arguments(kwargs, output_attentions, self)
         request = hidden_states_request(output_hidden_states, self.config)
         hidden, flat, states = self.forward_hf_inputs(input_ids, attention_mask, position_ids, cu_seqlens, inputs_embeds,
                                                       bool(request))
+        cache = unfilled_cache(cache_arguments, hidden.shape[0])
         out = BaseModelOutputWithPast(last_hidden_state=flat.to_padded(hidden),
                                       hidden_states=None if states is None else states.output(request),
-                                      **{cache_field(BaseModelOutputWithPast): unfilled_cache(kwargs, hidden.shape[0])})
+                                      **{cache_field(BaseModelOutputWithPast): cache})
         return out if hf_flag(return_dict, self.config, "return_dict", True) else out.to_tuple()
 
 
@@ -243,11 +242,9 @@ class CausalLMMixin(StrictLoadingMixin):
         """The body of every ``forward``: `output_class` with padded fp32 logits, with ``labels``
         HF's loss, and the hidden states when asked. MoE models pass a list that collects each
         MoE layer's router logits."""
-        refuse_kv_prefix(kwargs, self)
-        cache_arguments = {name: kwargs.pop(name, None) for name in ("use_cache", *CACHE_ARGUMENTS)}
+        cache_arguments = take_cache_arguments(kwargs, output_attentions, self)
         for unused in ("return_dict", "cache_position"):
             kwargs.pop(unused, None)
-        refuse_output_attentions(output_attentions, self)
         layer_kwargs = {} if router_logits is None else {"router_logits": router_logits}
         request = hidden_states_request(output_hidden_states, self.config)
         hidden, flat, states = self.model.forward_hf_inputs(input_ids, attention_mask, position_ids, cu_seqlens,

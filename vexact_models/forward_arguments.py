@@ -77,6 +77,15 @@ def refuse_kv_prefix(kwargs: dict, model) -> None:
                              "vexact_models.LLM")
 
 
+def take_cache_arguments(kwargs: dict, output_attentions: bool | None, model) -> dict:
+    """What both HF ``forward`` entry points do first: refuse what the one forward cannot honour
+    (`refuse_output_attentions`, `refuse_kv_prefix`), then take ``use_cache`` and the cache
+    arguments out of `kwargs` and return them, for `unfilled_cache` after the forward."""
+    refuse_output_attentions(output_attentions, model)
+    refuse_kv_prefix(kwargs, model)
+    return {name: kwargs.pop(name, None) for name in ("use_cache", *CACHE_ARGUMENTS)}
+
+
 def mark_left_empty(cache, given_to: str) -> None:
     """Mark a transformers ``Cache`` that `given_to` (``"an earlier forward of 7 tokens"``)
     leaves empty, so that `refuse_kv_prefix` refuses it when it comes back; anything else

@@ -22,16 +22,15 @@ WINDOW = 8
 NAMES = ("qwen2", "qwen3", "qwen3_moe")
 
 
-def windowed(name: str, **overrides) -> dict:
-    """The tiny config's fields for a window of `WINDOW` from layer 1 on (Qwen3-MoE: every layer)."""
-    return dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1, **overrides)
+#: the tiny config's fields for a window of `WINDOW` from layer 1 on (Qwen3-MoE: every layer)
+WINDOWED = dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
 
 
 @pytest.fixture(scope="module", params=NAMES)
 def pair(request):
     """(architecture, stock with eager attention, ours with the same weights)."""
     arch = get(request.param)
-    hf = stock_model(arch, initializer_range=0.1, **windowed(request.param))
+    hf = stock_model(arch, initializer_range=0.1, **WINDOWED)
     hf.config._attn_implementation = "eager"  # stock's reference attention with its sliding-window mask
     ours = arch.causal_lm_class(hf.config).eval()
     ours.load_state_dict(hf.state_dict())
@@ -82,7 +81,7 @@ def test_rollouts_with_windows_equal_training_bitwise(name):
     keep pages of their own (`runtime.page_groups`)."""
     arch = get(name)
     torch.manual_seed(0)
-    model = arch.causal_lm_class(arch.tiny_config(initializer_range=0.1, **windowed(name))).eval()
+    model = arch.causal_lm_class(arch.tiny_config(initializer_range=0.1, **WINDOWED)).eval()
     llm = make_llm(model, max_num_batched_tokens=6)
     layers = arch.tiny_config().num_hidden_layers
     assert cache_window(model) == (WINDOW if name == "qwen3_moe" else None)
@@ -94,22 +93,19 @@ def test_rollouts_with_windows_equal_training_bitwise(name):
         assert len(tokens) == 40 and torch.equal(logprobs, training_logprobs(model, prompt, tokens, 1.0))
 
 
-def test_a_window_an_attention_does_not_take_is_refused():
+def test_a_window_an_attention_does_not_take_is_refused(monkeypatch):
     """`DecoderModelMixin.init_decoder_stack`: a config window on a layer whose attention module
     does not declare it (here, Qwen3's attention with its window removed) is a ValueError naming
     the layer, rather than full attention where stock slides."""
     from vexact_models.qwen3 import modeling
 
-    arch = get("qwen3")
     original = modeling.Qwen3Attention.__init__
 
     def without_window(self, config, layer_idx):
         original(self, config, layer_idx)
         self.sliding_window = None
 
-    modeling.Qwen3Attention.__init__ = without_window
-    try:
-        with pytest.raises(ValueError, match=f"layer 1 attends within a sliding window of {WINDOW} tokens"):
-            arch.causal_lm_class(arch.tiny_config(**windowed("qwen3")))
-    finally:
-        modeling.Qwen3Attention.__init__ = original
+    monkeypatch.setattr(modeling.Qwen3Attention, "__init__", without_window)
+    arch = get("qwen3")
+    with pytest.raises(ValueError, match=f"layer 1 attends within a sliding window of {WINDOW} tokens"):
+        arch.causal_lm_class(arch.tiny_config(**WINDOWED))
