@@ -5,6 +5,7 @@ supported release, on 5.10.x (verl 0.9.1's ceiling), on 5.17 (inside the 5.13-5.
 needs `route`) and on the newest (see ``.ci/run``).
 
 - `route` / `routed_class` / `unroute`: the Auto-class mappings (``_LazyAutoMapping``).
+- `transformers_namespaces`: the ``transformers`` module objects a process holds (two, not one).
 - `HFCompatMixin`: ``attn_implementation`` / ``experts_implementation`` for our models.
 - `qwen3_moe_router_output`: what Qwen3-MoE reports as ``router_logits``.
 - `select_hidden_states`: ``output_hidden_states`` given as layer indices.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import types
 import weakref
 from collections.abc import Callable
 
@@ -58,6 +60,26 @@ def routed_class(mapping, config_class: type) -> type | None:
         return mapping[config_class]
     except KeyError:
         return None
+
+
+# --- the transformers namespace -------------------------------------------------------------
+# transformers' processing_utils (imported with any model's modeling code) runs
+# ``direct_transformers_import``, which executes transformers/__init__.py again and so puts a new
+# lazy module in ``sys.modules["transformers"]`` (5.2 to 5.25). Modules that ran ``import
+# transformers`` before that keep the first object, ours or TRL's trainers depending on import
+# order, and a name set on one object is not seen through the other.
+
+def transformers_namespaces() -> list[types.ModuleType]:
+    """Every ``transformers`` module object of this process: ``sys.modules["transformers"]``
+    and any other that a loaded module holds as a global (each once)."""
+    current = sys.modules["transformers"]
+    found = {id(current): current}
+    for module in list(sys.modules.values()):
+        for value in list(getattr(module, "__dict__", {}).values()):
+            # type(), not isinstance(): the latter reads __class__, which some lazy globals warn on
+            if issubclass(type(value), types.ModuleType) and value.__name__ == "transformers":
+                found.setdefault(id(value), value)
+    return list(found.values())
 
 
 # --- attn_implementation / experts_implementation --------------------------------------------

@@ -1,6 +1,8 @@
+import sys
+
 import pytest
 import torch
-from transformers import AutoModel, AutoModelForCausalLM, GPT2Config
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, GPT2Config
 from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
 
 import vexact_models
@@ -34,6 +36,43 @@ def test_patch_routes_auto_classes_and_unpatch_restores(checkpoint):
     vexact_models.unpatch()  # idempotent
     assert not vexact_models.is_patched()
     assert type(AutoModelForCausalLM.from_pretrained(checkpoint)) is HFQwen3ForCausalLM
+
+
+def test_patch_binds_the_transformers_names_of_the_classes_it_routes(checkpoint):
+    """A loader that takes the class named by ``config.architectures`` from the ``transformers``
+    namespace (TRL's trainers given a path) gets ours after `patch()`, through every
+    ``transformers`` module object the process holds, and stock's after `unpatch()`; a name
+    imported before `patch()`, or rebound by the user, keeps what it holds; heads we do not serve
+    stay stock's."""
+    from vexact_models.patches.compat import transformers_namespaces
+    from vexact_models.registry import architectures, get
+
+    namespaces = transformers_namespaces()
+    assert sys.modules["transformers"] in namespaces
+    stock_heads = namespaces[0].Qwen3ForTokenClassification
+    vexact_models.patch()
+    vexact_models.patch()
+    name = AutoConfig.from_pretrained(checkpoint).architectures[0]
+    for namespace in namespaces:
+        assert getattr(namespace, name) is Qwen3ForCausalLM and namespace.Qwen3Model is Qwen3Model
+        assert type(getattr(namespace, name).from_pretrained(checkpoint)) is Qwen3ForCausalLM
+        for arch in architectures():
+            assert getattr(namespace, arch.hf_class().__name__) is arch.causal_lm_class
+            assert getattr(namespace, arch.hf_class("Model").__name__) is arch.base_model_class
+        assert namespace.Qwen3ForQuestionAnswering.__module__.startswith("transformers.")  # a head we do not serve
+    assert HFQwen3ForCausalLM.__module__.startswith("transformers.")  # imported before patch()
+    current = sys.modules["transformers"]
+    current.Qwen3ForTokenClassification = stock_heads  # rebound by the user
+    assert not vexact_models.is_patched()
+    current.Qwen3ForTokenClassification = get("qwen3").token_classification_class
+    assert vexact_models.is_patched()
+    current.Qwen3ForTokenClassification = stock_heads
+    vexact_models.unpatch()
+    assert current.Qwen3ForTokenClassification is stock_heads
+    for namespace in namespaces:
+        assert getattr(namespace, name) is HFQwen3ForCausalLM
+        for arch in architectures():
+            assert getattr(namespace, arch.hf_class().__name__) is arch.hf_class()
 
 
 def test_unsupported_model_types_stay_stock():

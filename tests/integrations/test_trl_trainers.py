@@ -1,0 +1,91 @@
+"""TRL's trainers given a checkpoint path load the class its ``config.architectures`` names from
+the ``transformers`` namespace (``trl.trainer.utils.create_model_from_path``), not through an
+Auto class. After `vexact_models.patch()` that name is ours (`patches.auto`), so ``SFTTrainer``
+(padded, padding-free, packed) and ``DPOTrainer`` train our class, with stock's losses, whichever
+of TRL and vexact_models was imported first."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer  # noqa: E402
+
+import vexact_models  # noqa: E402
+from vexact_models.registry import get  # noqa: E402
+
+TEXTS = [" ".join(f"t{i}" for i in range(3, 3 + n)) for n in (5, 9, 4, 12, 7, 3)]
+PAIRS = {"prompt": ["t3 t4 t5", "t7 t8", "t9 t10 t11 t12"], "chosen": [" t6 t7", " t9", " t13 t14 t15"],
+         "rejected": [" t2", " t2 t2 t2", " t5"]}
+CASES = {"sft": (SFTConfig, {}), "sft padding_free": (SFTConfig, {"padding_free": True, "max_length": None}),
+         "sft packing": (SFTConfig, {"packing": True}), "dpo": (DPOConfig, {}),
+         "dpo padding_free": (DPOConfig, {"padding_free": True})}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, trl_grpo_example):
+    """A tiny random Qwen3 checkpoint written by stock transformers, and its word-level tokenizer."""
+    arch = get("qwen3")
+    config = arch.tiny_config(vocab_size=32, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("qwen3")
+    arch.hf_class()(config).save_pretrained(path)
+    return path, trl_grpo_example.toy_tokenizer(config)
+
+
+def train(case: str, checkpoint, out, ours: bool) -> tuple[type, list[float]]:
+    """The class TRL built from the path, and the losses of three steps."""
+    path, tokenizer = checkpoint
+    config_class, extra = CASES[case]
+    args = config_class(output_dir=str(out), per_device_train_batch_size=3, max_steps=3, learning_rate=1e-2,
+                        logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=False,
+                        disable_tqdm=True, seed=7, **extra)
+    (vexact_models.patch if ours else vexact_models.unpatch)()
+    try:
+        if config_class is SFTConfig:
+            trainer = SFTTrainer(model=str(path), args=args, processing_class=tokenizer,
+                                 train_dataset=datasets.Dataset.from_dict({"text": TEXTS}))
+        else:
+            trainer = DPOTrainer(model=str(path), args=args, processing_class=tokenizer,
+                                 train_dataset=datasets.Dataset.from_dict(PAIRS))
+    finally:
+        vexact_models.unpatch()
+    trainer.train()
+    return type(trainer.model), [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_trainers_given_a_path_train_our_class_with_stock_losses(case, checkpoint, tmp_path):
+    arch = get("qwen3")
+    ours, our_losses = train(case, checkpoint, tmp_path / "ours", ours=True)
+    stock, stock_losses = train(case, checkpoint, tmp_path / "stock", ours=False)
+    assert ours is arch.causal_lm_class and stock is arch.hf_class()
+    assert len(our_losses) == 3 and our_losses != [our_losses[0]] * 3  # trained
+    assert our_losses == pytest.approx(stock_losses, rel=1e-5)
+
+
+@pytest.mark.parametrize("first", ["trl", "vexact_models"])
+def test_every_transformers_module_object_trl_holds_names_our_class(first):
+    """Importing TRL's trainers before or after vexact_models, every ``transformers`` object a TRL
+    module holds (two on the releases we know: transformers' processing_utils replaces the first)
+    gives our class after `patch()` and stock's after `unpatch()`."""
+    imports = ["from trl import SFTTrainer, DPOTrainer, GRPOTrainer", "import vexact_models"]
+    script = "\n".join(imports if first == "trl" else imports[::-1]) + """
+import sys, types
+from vexact_models.registry import get
+arch = get("qwen3")
+held = {id(v): v for m in list(sys.modules.values()) if m.__name__.startswith("trl")
+        for v in vars(m).values() if type(v) is type(sys.modules["transformers"]) and v.__name__ == "transformers"}
+vexact_models.patch()
+assert all(t.Qwen3ForCausalLM is arch.causal_lm_class for t in held.values()), "patched"
+vexact_models.unpatch()
+assert all(t.Qwen3ForCausalLM is arch.hf_class() for t in held.values()), "unpatched"
+print(len(held))
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert int(run.stdout.split()[-1]) >= 1
