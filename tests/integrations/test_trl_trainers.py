@@ -1,8 +1,9 @@
 """TRL's trainers given a checkpoint path load the class its ``config.architectures`` names from
 the ``transformers`` namespace (``trl.trainer.utils.create_model_from_path``), not through an
 Auto class. After `vexact_models.patch()` that name is ours (`patches.auto`), so ``SFTTrainer``
-(padded, padding-free, packed) and ``DPOTrainer`` train our class, with stock's losses, whichever
-of TRL and vexact_models was imported first."""
+(padded, padding-free, packed), ``DPOTrainer``, ``KTOTrainer`` and ``GRPOTrainer`` (the last three
+load their reference model from the path too) train our class, with stock's losses, whichever of
+TRL and vexact_models was imported first."""
 
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import torch
 pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
-from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer  # noqa: E402
+from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, KTOConfig, KTOTrainer, SFTConfig, SFTTrainer  # noqa: E402
 
 import vexact_models  # noqa: E402
 from vexact_models.registry import get  # noqa: E402
@@ -21,9 +22,20 @@ from vexact_models.registry import get  # noqa: E402
 TEXTS = [" ".join(f"t{i}" for i in range(3, 3 + n)) for n in (5, 9, 4, 12, 7, 3)]
 PAIRS = {"prompt": ["t3 t4 t5", "t7 t8", "t9 t10 t11 t12"], "chosen": [" t6 t7", " t9", " t13 t14 t15"],
          "rejected": [" t2", " t2 t2 t2", " t5"]}
-CASES = {"sft": (SFTConfig, {}), "sft padding_free": (SFTConfig, {"padding_free": True, "max_length": None}),
-         "sft packing": (SFTConfig, {"packing": True}), "dpo": (DPOConfig, {}),
-         "dpo padding_free": (DPOConfig, {"padding_free": True})}
+UNPAIRED = {"prompt": ["t3 t4 t5", "t7 t8", "t9 t10", "t5"], "completion": [" t6", " t9 t2", " t11", " t2"],
+            "label": [True, False, True, False]}
+GRPO = {"num_generations": 3, "max_completion_length": 6, "beta": 0.1}  # beta: TRL loads a reference model too
+#: case -> (trainer, its config, config fields, dataset)
+CASES = {"sft": (SFTTrainer, SFTConfig, {}, {"text": TEXTS}),
+         "sft padding_free": (SFTTrainer, SFTConfig, {"padding_free": True, "max_length": None}, {"text": TEXTS}),
+         "sft packing": (SFTTrainer, SFTConfig, {"packing": True}, {"text": TEXTS}),
+         "dpo": (DPOTrainer, DPOConfig, {}, PAIRS), "dpo padding_free": (DPOTrainer, DPOConfig, {"padding_free": True}, PAIRS),
+         "kto": (KTOTrainer, KTOConfig, {}, UNPAIRED), "grpo": (GRPOTrainer, GRPOConfig, GRPO, {"prompt": PAIRS["prompt"]})}
+
+
+def completion_length(completion_ids, **kwargs) -> list[float]:
+    """GRPO reward: the number of completion tokens."""
+    return [float(len(c)) for c in completion_ids]
 
 
 @pytest.fixture(scope="module")
@@ -37,25 +49,24 @@ def checkpoint(tmp_path_factory, trl_grpo_example):
     return path, trl_grpo_example.toy_tokenizer(config)
 
 
-def train(case: str, checkpoint, out, ours: bool) -> tuple[type, list[float]]:
-    """The class TRL built from the path, and the losses of three steps."""
+def train(case: str, checkpoint, out, ours: bool) -> tuple[list[type], list[float]]:
+    """The classes TRL built from the path (the policy, and the reference model where it has
+    one), and the losses of three steps."""
     path, tokenizer = checkpoint
-    config_class, extra = CASES[case]
+    trainer_class, config_class, fields, data = CASES[case]
     args = config_class(output_dir=str(out), per_device_train_batch_size=3, max_steps=3, learning_rate=1e-2,
                         logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=False,
-                        disable_tqdm=True, seed=7, **extra)
+                        disable_tqdm=True, seed=7, **fields)
+    extra = {"reward_funcs": completion_length} if trainer_class is GRPOTrainer else {}
     (vexact_models.patch if ours else vexact_models.unpatch)()
     try:
-        if config_class is SFTConfig:
-            trainer = SFTTrainer(model=str(path), args=args, processing_class=tokenizer,
-                                 train_dataset=datasets.Dataset.from_dict({"text": TEXTS}))
-        else:
-            trainer = DPOTrainer(model=str(path), args=args, processing_class=tokenizer,
-                                 train_dataset=datasets.Dataset.from_dict(PAIRS))
+        trainer = trainer_class(model=str(path), args=args, processing_class=tokenizer,
+                                train_dataset=datasets.Dataset.from_dict(data), **extra)
     finally:
         vexact_models.unpatch()
     trainer.train()
-    return type(trainer.model), [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    models = [trainer.model] + [m for m in [getattr(trainer, "ref_model", None)] if m is not None]
+    return [type(m) for m in models], [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -63,7 +74,8 @@ def test_trainers_given_a_path_train_our_class_with_stock_losses(case, checkpoin
     arch = get("qwen3")
     ours, our_losses = train(case, checkpoint, tmp_path / "ours", ours=True)
     stock, stock_losses = train(case, checkpoint, tmp_path / "stock", ours=False)
-    assert ours is arch.causal_lm_class and stock is arch.hf_class()
+    assert set(ours) == {arch.causal_lm_class} and set(stock) == {arch.hf_class()}
+    assert len(ours) == (1 if case.startswith("sft") else 2)  # DPO, KTO and GRPO (beta > 0) load a reference
     assert len(our_losses) == 3 and our_losses != [our_losses[0]] * 3  # trained
     assert our_losses == pytest.approx(stock_losses, rel=1e-5)
 
