@@ -40,7 +40,7 @@ def test_trl_metrics_zero_with_integration_nonzero_without(example, tmp_path):
     assert off[0]["reward"] == exact[0]["reward"]
 
 
-def _trainer(example, arch_name: str, tmp_path, **config_overrides):
+def _trainer(example, arch_name: str, tmp_path, beta: float = 0.0, peft_config=None, **config_overrides):
     """A VexactGRPOTrainer on a tiny random checkpoint of `arch_name`, loaded from its path."""
     from vexact_models.registry import get
 
@@ -50,10 +50,11 @@ def _trainer(example, arch_name: str, tmp_path, **config_overrides):
     arch.causal_lm_class(config).save_pretrained(tmp_path / "ckpt")
     args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, max_completion_length=5,
                       max_steps=2, logging_steps=1, save_strategy="no", learning_rate=1e-2, report_to=[], use_cpu=True,
-                      bf16=False, gradient_checkpointing=False, disable_tqdm=True)
+                      bf16=False, gradient_checkpointing=False, disable_tqdm=True, beta=beta)
     return VexactGRPOTrainer(str(tmp_path / "ckpt"), reward_funcs=example.repeat_last_token, args=args,
                              processing_class=example.toy_tokenizer(config), llm_kwargs={"kv_cache_bytes": 16 << 20},
-                             train_dataset=example.toy_dataset(example.parse_args(["--steps", "1"]), 16))
+                             train_dataset=example.toy_dataset(example.parse_args(["--steps", "1"]), 16),
+                             peft_config=peft_config)
 
 
 def _trl_layout(prompt_ids, completion_ids, rollout_lps):
@@ -113,6 +114,74 @@ def test_trainer_logprobs_equal_rollout_logprobs_bitwise(example, arch_name, ove
     assert len(logs) == 2 and all(h[DIFF_MAX] == 0.0 and h[IS_MIN] == h[IS_MAX] == 1.0 for h in logs), logs
     assert ("aux_loss" in logs[0]) == aux
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())  # it did train
+
+
+LORA = {"qwen3": dict(target_modules="all-linear"),
+        "qwen3_moe": dict(target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                          target_parameters=["experts.gate_up_proj", "experts.down_proj"])}
+
+
+@pytest.mark.parametrize("arch_name, beta", [("qwen3", 0.0), ("qwen3", 0.1), ("qwen3_moe", 0.0)],
+                         ids=["qwen3", "qwen3-kl", "qwen3_moe-experts"])
+def test_lora_rollouts_equal_trainer_logprobs_and_only_the_adapters_train(example, arch_name, beta, tmp_path):
+    """``peft_config=LoraConfig(...)`` (random adapters, PEFT's ``init_lora_weights=False``): the
+    engine runs the PeftModel's own parameters, adapters included; TRL's logprobs of a rollout
+    equal the rollout's bitwise, and with the adapters disabled (the reference model TRL uses
+    for ``beta > 0``) the base model's ``token_logprobs``; two optimizer steps keep TRL's metrics
+    at 0 / 1 and change the adapters only (Qwen3-MoE: the fused experts adapted too)."""
+    from peft import LoraConfig, PeftModel
+
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, **LORA[arch_name])
+    trainer = _trainer(example, arch_name, tmp_path, beta=beta, peft_config=lora)
+    model = trainer.model
+    assert isinstance(model, PeftModel) and type(model.get_base_model()).__module__.startswith("vexact_models.")
+    gen = trainer.vllm_generation
+    assert gen.shares_weights and gen.llm.model.causal_lm is model.get_base_model()
+    prompt_ids, completion_ids, _, _ = gen.generate([[3, 4, 5], [9, 2, 2, 7, 11], [6]] * 2)
+    ids, mask, expected, cmask = _trl_layout(prompt_ids, completion_ids, gen.last_rollout[2])
+    width = expected.shape[1]
+    with torch.no_grad():
+        logps = trainer._get_per_token_logps_and_entropies(model, ids, mask, width)[0]
+        with model.disable_adapter():
+            reference = trainer._get_per_token_logps_and_entropies(model, ids, mask, width)[0]
+            base = model.get_base_model().token_logprobs(ids, mask)[:, -width:]
+    assert torch.equal(logps[cmask], expected[cmask])
+    assert torch.equal(reference[cmask], base[cmask]) and not torch.equal(reference[cmask], logps[cmask])
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if DIFF_MAX in h]
+    assert len(logs) == 2 and all(h[DIFF_MAX] == 0.0 and h[IS_MIN] == h[IS_MAX] == 1.0 for h in logs), logs
+    assert (logs[0].get("kl", 0.0) > 0) == (beta > 0)  # random adapters: the policy is not the reference
+    changed = {k for k, v in model.state_dict().items() if not torch.equal(before[k], v)}
+    assert changed and all("lora_" in k for k in changed), sorted(changed)[:5]
+    if arch_name == "qwen3_moe":
+        assert any("experts" in k for k in changed)
+
+
+def test_a_peft_model_of_ours_trains_against_trls_reference_adapter(example, tmp_path):
+    """A ``PeftModel`` over ours with ``beta > 0``: TRL copies its adapter into a frozen "ref"
+    adapter and switches to it for the reference logprobs; rollouts keep sampling from the
+    trained "default" one, so TRL's mismatch metrics stay 0 / 1 while its KL starts at 0 and grows."""
+    from peft import LoraConfig, get_peft_model
+
+    from vexact_models.registry import get
+
+    arch = get("qwen3")
+    config = arch.tiny_config(vocab_size=16)
+    torch.manual_seed(0)
+    model = get_peft_model(arch.causal_lm_class(config), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                                    lora_dropout=0.0, init_lora_weights=False))
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, max_completion_length=5,
+                      max_steps=2, logging_steps=1, save_strategy="no", learning_rate=5e-2, report_to=[], use_cpu=True,
+                      bf16=False, gradient_checkpointing=False, disable_tqdm=True, beta=0.1)
+    trainer = VexactGRPOTrainer(model, reward_funcs=example.repeat_last_token, args=args,
+                                processing_class=example.toy_tokenizer(config), llm_kwargs={"kv_cache_bytes": 16 << 20},
+                                train_dataset=example.toy_dataset(example.parse_args(["--steps", "1"]), 16))
+    assert set(trainer.model.peft_config) == {"default", "ref"} and trainer.vllm_generation.shares_weights
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if DIFF_MAX in h]
+    assert len(logs) == 2 and all(h[DIFF_MAX] == 0.0 and h[IS_MIN] == h[IS_MAX] == 1.0 for h in logs), logs
+    assert logs[0]["kl"] == 0.0 and logs[1]["kl"] > 0.0
 
 
 def test_bad_settings_are_refused_before_building(example, tmp_path):

@@ -28,8 +28,14 @@ How it plugs in (trl 1.16):
    computation of ``model.token_logprobs``, which equals the rollout's logprobs bitwise. The
    entropy TRL logs (and may mask or regularise with) comes from the same final hidden states.
 
+3. **PEFT.** With ``peft_config=LoraConfig(...)`` (or a ``PeftModel`` over ours) the engine runs the
+   PeftModel's own parameters, adapters included (`LLM` reads PEFT's layers), and the head is
+   installed on the causal LM the adapters wrap, as TRL installs its own; the reference logprobs
+   of ``beta != 0`` (adapters disabled, or TRL's "ref" adapter) come through the same head.
+
 ``exact_logprobs=False`` keeps TRL's fused LM head (rollouts still through `LLM`): TRL's metrics
-then show the mismatch of its own logprob computation. Not supported (ValueError): PEFT adapters,
+then show the mismatch of its own logprob computation. Not supported (ValueError): LoRA variants
+the aligned forward cannot run (DoRA, ...: at the first forward, as for any PeftModel of ours),
 ``cast_lm_head_to_fp32``, ``min_p``, ``repetition_penalty != 1``, ``generation_kwargs``, images,
 FSDP/DeepSpeed, and a load-balancing loss for DeepSeek-V3/Moonlight (set
 ``router_aux_loss_coef=0.0``; Qwen3-MoE's is computed from the same forward). ``beta != 0`` uses
@@ -44,6 +50,7 @@ from contextlib import nullcontext
 from typing import Any
 
 import torch
+from accelerate.utils import is_peft_model
 from trl import GRPOConfig, GRPOTrainer
 
 from vexact_models.causal_lm import final_logit_softcap, num_routed_experts
@@ -76,7 +83,9 @@ class VexactGeneration:
 
     @property
     def shares_weights(self) -> bool:
-        return self.llm.model.causal_lm is self.policy
+        """Whether the engine runs the policy's own parameters (under PEFT: the model the adapters
+        wrap, adapters included)."""
+        return self.llm.model.causal_lm is causal_lm_of(self.policy)
 
     def sync_weights(self) -> None:
         """Make the engine sample from the policy's current weights (a no-op when shared)."""
@@ -120,6 +129,7 @@ class ExactLogprobHead:
             return self.previous_forward(*args, **kwargs, **extra)
         from trl.trainer.utils import FusedCausalLMOutput
 
+        kwargs = {k: v for k, v in kwargs.items() if v is not None}  # PEFT's forward passes its unset arguments
         input_ids = kwargs.pop("input_ids", args[0] if args else None)
         attention_mask = kwargs.pop("attention_mask", None)
         want_router = bool(kwargs.pop("output_router_logits", False))
@@ -188,6 +198,11 @@ def install_exact_logprobs(model: torch.nn.Module, temperature: float, entropy_g
     return head
 
 
+def causal_lm_of(model: torch.nn.Module) -> torch.nn.Module:
+    """`model`, or under PEFT (``PeftModel``) the causal LM its adapters wrap."""
+    return model.get_base_model() if is_peft_model(model) else model
+
+
 def _architecture_of(model):
     arch = for_model_type(getattr(model.config, "model_type", None))
     if arch is None or not isinstance(model, arch.causal_lm_class):
@@ -197,7 +212,7 @@ def _architecture_of(model):
     return arch
 
 
-def _check_config(args: GRPOConfig, exact_logprobs: bool, peft_config) -> None:
+def _check_config(args: GRPOConfig, exact_logprobs: bool) -> None:
     """Refuse the GRPOConfig settings this integration cannot honour, before anything is built."""
     bad = []
     if args.use_vllm:
@@ -212,8 +227,6 @@ def _check_config(args: GRPOConfig, exact_logprobs: bool, peft_config) -> None:
         bad.append(f"generation_kwargs={args.generation_kwargs}")
     if args.temperature <= 0:
         bad.append(f"temperature={args.temperature} (GRPO samples: it must be > 0)")
-    if peft_config is not None:
-        bad.append("peft_config (PEFT adapters are not supported by this integration yet)")
     if getattr(args, "fsdp", None) or getattr(args, "deepspeed", None):
         bad.append("FSDP/DeepSpeed (the rollout engine needs the full weights in this process)")
     if exact_logprobs and args.cast_lm_head_to_fp32:
@@ -261,22 +274,23 @@ class VexactGRPOTrainer(GRPOTrainer):
                  llm_kwargs: dict | None = None, exact_logprobs: bool = True, **kwargs) -> None:
         if args is None:
             args = GRPOConfig("vexact-grpo")
-        _check_config(args, exact_logprobs, kwargs.get("peft_config"))
+        _check_config(args, exact_logprobs)
         model = _load_policy(model, args)
-        _architecture_of(model)
+        _architecture_of(causal_lm_of(model))
         if exact_logprobs and _aux_loss_enabled(model, args) and getattr(model.config, "num_experts", None) is None:
             raise ValueError(f"VexactGRPOTrainer: {model.config.model_type} has no load-balancing loss (its routing "
                              "is auxiliary-loss free); set GRPOConfig(router_aux_loss_coef=0.0)")
-        if getattr(model, "generation_config", None) is None:  # GRPOTrainer reads its pad/EOS ids
+        if getattr(causal_lm_of(model), "generation_config", None) is None:  # GRPOTrainer reads its pad/EOS ids
             from transformers import GenerationConfig
 
-            model.generation_config = GenerationConfig.from_model_config(model.config)
+            causal_lm_of(model).generation_config = GenerationConfig.from_model_config(model.config)
         super().__init__(model, reward_funcs, args, **kwargs)
         self.exact_logprobs = exact_logprobs
         self.logprob_head = None
         if exact_logprobs:
             entropy_grad = args.entropy_coef != 0.0 or args.use_adaptive_entropy
-            self.logprob_head = install_exact_logprobs(self.model, self.temperature, entropy_grad)
+            # under PEFT on the wrapped causal LM, as TRL installs its own head; PeftModel's forward reaches it
+            self.logprob_head = install_exact_logprobs(causal_lm_of(self.model), self.temperature, entropy_grad)
         self._start_generation_backend(llm, llm_kwargs)
 
     def _start_generation_backend(self, llm: LLM | None, llm_kwargs: dict | None) -> None:
