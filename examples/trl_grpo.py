@@ -16,6 +16,7 @@ nonzero logprob difference.
 Examples:
     python examples/trl_grpo.py                                   # CPU, tiny random Qwen3
     python examples/trl_grpo.py --mode trl-logprobs               # the same run, TRL's logprobs
+    python examples/trl_grpo.py --lora 8                          # PEFT LoRA r=8 on every projection
     python examples/trl_grpo.py --device cuda --dtype bfloat16 --config qwen3-0.6b --steps 5 \\
         --prompts 16 --group 8 --max-tokens 256 --lr 1e-6 --mode stock
 """
@@ -59,6 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=positive_int, default=4, help="max_completion_length (default 4)")
     p.add_argument("--prompt-len", default="4,8", help="min,max prompt length (default 4,8)")
     p.add_argument("--task-vocab", type=positive_int, default=16, help="prompt tokens from [2, task_vocab) (default 16)")
+    p.add_argument("--lora", type=positive_int, metavar="R",
+                   help="train PEFT LoRA adapters of rank R on every linear layer (lora_alpha 2R, no dropout; "
+                        "TRL's peft_config) instead of the full model")
     p.add_argument("--lr", type=non_negative_float, default=5e-3, help="learning rate (default 5e-3: a tiny random model)")
     p.add_argument("--threads", type=positive_int, default=1, help="CPU: torch threads (default 1)")
     p.add_argument("--seed", type=int, default=0)
@@ -145,6 +149,15 @@ def timed(trainer_class):
     return Timed
 
 
+def lora_config(args: argparse.Namespace):
+    """TRL's ``peft_config`` for --lora (None without it)."""
+    if args.lora is None:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(r=args.lora, lora_alpha=2 * args.lora, lora_dropout=0.0, target_modules="all-linear")
+
+
 def build_trainer(args: argparse.Namespace, path: str):
     """The trainer of --mode on the checkpoint at `path`."""
     from transformers import AutoConfig
@@ -163,7 +176,7 @@ def build_trainer(args: argparse.Namespace, path: str):
         gradient_checkpointing=args.device.type != "cpu",  # TRL's default on GPUs; a tiny CPU model needs none
         shuffle_dataset=False)
     common = dict(reward_funcs=repeat_last_token, args=grpo_args, train_dataset=toy_dataset(args, config.vocab_size),
-                  processing_class=toy_tokenizer(config))
+                  processing_class=toy_tokenizer(config), peft_config=lora_config(args))
     if args.mode == "stock":
         from vexact_models.registry import for_model_type
 

@@ -40,6 +40,16 @@ def test_trl_metrics_zero_with_integration_nonzero_without(example, tmp_path):
     assert off[0]["reward"] == exact[0]["reward"]
 
 
+def test_the_example_trains_lora_adapters_with_trl_metrics_at_zero(example, tmp_path, capsys):
+    """``examples/trl_grpo.py --lora 4``: TRL's metrics read 0 / 1 every step; ``--lora 0`` is
+    refused naming the flag."""
+    assert example.main(["--steps", "2", "--lora", "4", "--out", str(tmp_path)]) == 0
+    assert "max 0" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        example.parse_args(["--lora", "0"])
+    assert "--lora" in capsys.readouterr().err
+
+
 def _trainer(example, arch_name: str, tmp_path, beta: float = 0.0, peft_config=None, **config_overrides):
     """A VexactGRPOTrainer on a tiny random checkpoint of `arch_name`, loaded from its path."""
     from vexact_models.registry import get
