@@ -109,3 +109,29 @@ def test_a_window_an_attention_does_not_take_is_refused(monkeypatch):
     arch = get("qwen3")
     with pytest.raises(ValueError, match=f"layer 1 attends within a sliding window of {WINDOW} tokens"):
         arch.causal_lm_class(arch.tiny_config(**WINDOWED))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the Triton kernels at a published layer shape)")
+@pytest.mark.parametrize("config_name, layers", [("qwen3-0.6b", 4), ("qwen3-30b-a3b", 2)])
+def test_published_layer_shapes_with_windows_conform_on_gpu(config_name, layers):
+    """The published Qwen3-0.6B (4 layers, the last two sliding: their own page group) and
+    Qwen3-30B-A3B (2 layers, every layer sliding: pages freed behind the window) with a window of
+    64 against prompts of 200 and up to 64 new tokens, random bf16 weights: rollout logprobs equal
+    the training recompute bitwise in every scenario of the suite."""
+    from vexact_models.conformance.models import build_model, make_config, published_shape
+    from vexact_models.conformance.suite import run_conformance
+
+    arch, _ = published_shape(config_name)
+    overrides = dict(use_sliding_window=True, sliding_window=64)
+    if arch.name != "qwen3_moe":  # Qwen3-MoE's config has no max_window_layers: every layer slides
+        overrides["max_window_layers"] = layers // 2
+    config = make_config(arch, config_name, layers=layers, max_positions=4096, overrides=overrides)
+    model = build_model(arch, config, torch.device("cuda"), torch.bfloat16)
+    expected = (64 if arch.name == "qwen3_moe" else None, None if arch.name == "qwen3_moe" else
+                (64, tuple(range(layers // 2, layers))))
+    assert (cache_window(model), window_layers(model)) == expected
+    report = run_conformance(arch, model, device=torch.device("cuda"), pool_size=64, max_tokens=64, prompt_len=200,
+                             log=lambda *_: None)
+    assert report.tokens > 2000 and report.mismatches == 0, [(s.name, s.mismatches) for s in report.scenarios]
+    assert report.reproducibility_mismatches == 0 and report.ok, str(report.hf_parity)
