@@ -50,7 +50,8 @@ def test_the_example_trains_lora_adapters_with_trl_metrics_at_zero(example, tmp_
     assert "--lora" in capsys.readouterr().err
 
 
-def _trainer(example, arch_name: str, tmp_path, beta: float = 0.0, peft_config=None, **config_overrides):
+def _trainer(example, arch_name: str, tmp_path, beta: float = 0.0, peft_config=None, gradient_checkpointing=False,
+             **config_overrides):
     """A VexactGRPOTrainer on a tiny random checkpoint of `arch_name`, loaded from its path."""
     from vexact_models.registry import get
 
@@ -60,7 +61,7 @@ def _trainer(example, arch_name: str, tmp_path, beta: float = 0.0, peft_config=N
     arch.causal_lm_class(config).save_pretrained(tmp_path / "ckpt")
     args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, max_completion_length=5,
                       max_steps=2, logging_steps=1, save_strategy="no", learning_rate=1e-2, report_to=[], use_cpu=True,
-                      bf16=False, gradient_checkpointing=False, disable_tqdm=True, beta=beta)
+                      bf16=False, gradient_checkpointing=gradient_checkpointing, disable_tqdm=True, beta=beta)
     return VexactGRPOTrainer(str(tmp_path / "ckpt"), reward_funcs=example.repeat_last_token, args=args,
                              processing_class=example.toy_tokenizer(config), llm_kwargs={"kv_cache_bytes": 16 << 20},
                              train_dataset=example.toy_dataset(example.parse_args(["--steps", "1"]), 16),
@@ -131,18 +132,21 @@ LORA = {"qwen3": dict(target_modules="all-linear"),
                           target_parameters=["experts.gate_up_proj", "experts.down_proj"])}
 
 
-@pytest.mark.parametrize("arch_name, beta", [("qwen3", 0.0), ("qwen3", 0.1), ("qwen3_moe", 0.0)],
-                         ids=["qwen3", "qwen3-kl", "qwen3_moe-experts"])
-def test_lora_rollouts_equal_trainer_logprobs_and_only_the_adapters_train(example, arch_name, beta, tmp_path):
+@pytest.mark.parametrize("arch_name, beta, checkpointing", [("qwen3", 0.0, False), ("qwen3", 0.1, True),
+                                                             ("qwen3_moe", 0.0, False)],
+                         ids=["qwen3", "qwen3-kl-checkpointing", "qwen3_moe-experts"])
+def test_lora_rollouts_equal_trainer_logprobs_and_only_the_adapters_train(example, arch_name, beta, checkpointing,
+                                                                         tmp_path):
     """``peft_config=LoraConfig(...)`` (random adapters, PEFT's ``init_lora_weights=False``): the
     engine runs the PeftModel's own parameters, adapters included; TRL's logprobs of a rollout
     equal the rollout's bitwise, and with the adapters disabled (the reference model TRL uses
     for ``beta > 0``) the base model's ``token_logprobs``; two optimizer steps keep TRL's metrics
-    at 0 / 1 and change the adapters only (Qwen3-MoE: the fused experts adapted too)."""
+    at 0 / 1 and change the adapters only (Qwen3-MoE: the fused experts adapted too; with
+    gradient checkpointing, which TRL pairs with PEFT's ``enable_input_require_grads``, too)."""
     from peft import LoraConfig, PeftModel
 
     lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, **LORA[arch_name])
-    trainer = _trainer(example, arch_name, tmp_path, beta=beta, peft_config=lora)
+    trainer = _trainer(example, arch_name, tmp_path, beta=beta, peft_config=lora, gradient_checkpointing=checkpointing)
     model = trainer.model
     assert isinstance(model, PeftModel) and type(model.get_base_model()).__module__.startswith("vexact_models.")
     gen = trainer.vllm_generation
@@ -159,6 +163,7 @@ def test_lora_rollouts_equal_trainer_logprobs_and_only_the_adapters_train(exampl
     assert torch.equal(reference[cmask], base[cmask]) and not torch.equal(reference[cmask], logps[cmask])
     before = {k: v.clone() for k, v in model.state_dict().items()}
     trainer.train()
+    assert model.get_base_model().model.gradient_checkpointing == checkpointing  # the Trainer turns it on in train()
     logs = [h for h in trainer.state.log_history if DIFF_MAX in h]
     assert len(logs) == 2 and all(h[DIFF_MAX] == 0.0 and h[IS_MIN] == h[IS_MAX] == 1.0 for h in logs), logs
     assert (logs[0].get("kl", 0.0) > 0) == (beta > 0)  # random adapters: the policy is not the reference
