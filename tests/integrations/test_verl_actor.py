@@ -45,19 +45,21 @@ def ckpt(tmp_path_factory):
 # the actor side: verl's own log-prob computation and metric
 # ----------------------------------------------------------------------------------------------
 
-def verl_engine(path: str, fused: bool, remove_padding: bool = True):
+def verl_engine(path: str, fused: bool, remove_padding: bool = True, **lora):
     """verl's FSDP actor engine, its module built by verl's own loader (AutoModelForCausalLM and
-    verl's monkey patches), left unsharded on CPU."""
+    verl's monkey patches; PEFT LoRA for `lora`'s ``lora_rank``...), left unsharded on CPU."""
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
     # impl_backend="torch": verl's YAML default, under which verl replaces a model's forward with its own
     # fused-linear one (for every class but ours, once installed)
     mc = model_config(path, use_remove_padding=remove_padding, use_fused_kernels=fused,
                       fused_kernel_options={"impl_backend": "torch"}, enable_gradient_checkpointing=False,
-                      override_config={"attn_implementation": "sdpa"})
+                      override_config={"attn_implementation": "sdpa"}, **lora)
     engine = FSDPEngineWithLMHead(mc, FSDPEngineConfig(forward_only=True, use_torch_compile=False, model_dtype="fp32"),
                                   FSDPOptimizerConfig(lr=1e-5), CheckpointConfig())
     engine.module = engine._build_module()
+    if lora:  # what verl's _build_model_optimizer does next for LoRA
+        engine.module = engine._build_lora_module(engine.module)
     engine._autocast_dtype = torch.float32  # FSDP's mixed precision is not set up without sharding
     return engine
 
@@ -103,6 +105,46 @@ def test_actor_logprobs_equal_rollout_and_verls_metric_is_zero(ckpt, remove_padd
     metrics = diff_metrics(tensors, old)
     assert metrics["training/rollout_probs_diff_valid"] == 1
     assert metrics["training/rollout_probs_diff_max"] == 0.0
+
+
+@pytest.fixture(scope="module")
+def moe_ckpt(tmp_path_factory):
+    return save_tiny(tmp_path_factory, "qwen3_moe")
+
+
+@pytest.mark.parametrize("arch_name", ["qwen3", "qwen3_moe"])
+@pytest.mark.usefixtures("verl_cpu")
+def test_unmerged_lora_adapters_stream_to_the_rollout_and_the_actor_scores_it_bitwise(arch_name, request):
+    """``lora.merge=False``: verl's actor engine (a PeftModel of ours, LoRA r 4 on every linear
+    layer; Qwen3-MoE's fused experts too) hands the rollout its adapters alone (its own ``get_per_tensor_param``, as verl's
+    worker calls it each step); the engine takes adapters of verl's ``peft_config`` and its
+    logprobs equal the actor's bitwise, after a second sync of other adapter values too. verl's
+    one-time base sync (``base_sync_done=False``: LoRA's ``base_layer`` names) loads as well; a
+    later ``peft_config`` of another rank is refused naming the field."""
+    ckpt = request.getfixturevalue("ckpt" if arch_name == "qwen3" else "moe_ckpt")
+    experts = {"target_parameters": ["experts.gate_up_proj", "experts.down_proj"]} if arch_name == "qwen3_moe" else {}
+    engine = verl_engine(ckpt, fused=True, lora_rank=4, lora_alpha=8, lora={"merge": False}, **experts)
+    peft_model = engine.module
+    assert type(peft_model.get_base_model()) is get(arch_name).causal_lm_class
+    rollout, server = make_rollout(ckpt)
+    base, base_config = engine.get_per_tensor_param(layered_summon=False, base_sync_done=False)
+    asyncio.run(rollout.update_weights(base, peft_config=base_config, base_sync_done=False))
+    for step in range(2):
+        with torch.no_grad():  # "a training step": adapters the rollout has not seen
+            for name, p in peft_model.named_parameters():
+                if "lora_" in name:
+                    p.normal_(0.0, 0.2)
+        params, peft_config = engine.get_per_tensor_param(layered_summon=False, base_sync_done=True)
+        assert isinstance(peft_config, dict) and all("lora_" in n for n, _ in dict(params).items())
+        asyncio.run(rollout.update_weights(params, peft_config=peft_config, base_sync_done=True, global_steps=step))
+        tensors = rollout_batch(asyncio.run(generate_all(server)))
+        old = actor_old_log_probs(engine, tensors, fused=True)
+        assert torch.equal(old * tensors["response_mask"], tensors["rollout_log_probs"]), step
+        assert diff_metrics(tensors, old)["training/rollout_probs_diff_max"] == 0.0
+        with peft_model.disable_adapter():  # the adapters do change the logprobs
+            assert not torch.equal(actor_old_log_probs(engine, tensors, fused=True), old)
+    with pytest.raises(ValueError, match=r"peft_config differs .* \['r'\]"):
+        asyncio.run(rollout.update_weights(iter([]), peft_config={**peft_config, "r": 8}, base_sync_done=True))
 
 
 @pytest.mark.parametrize("variant", ["stock transformers class", "our class, verl's fused path"])

@@ -178,8 +178,12 @@ def test_bad_input_is_a_value_error_naming_it(ckpt):
         asyncio.run(server.generate(list(range(2, 18)), PARAMS, request_id="long"))
     with pytest.raises(ValueError, match="wire_format"):
         asyncio.run(rollout.update_weights(iter([]), wire_format="delta_flush"))
-    with pytest.raises(ValueError, match="lora.merge"):
+    with pytest.raises(ValueError, match="peft_type='None'; only LoRA"):
         asyncio.run(rollout.update_weights(iter([]), peft_config={"r": 8}))
+    with pytest.raises(ValueError, match=r"modules_to_save=\['lm_head'\] .*lora.merge=True"):
+        asyncio.run(rollout.update_weights(iter([]), peft_config={"peft_type": "LORA", "r": 8,
+                                                                  "modules_to_save": ["lm_head"]}))
+    assert not any("lora_" in n for n, _ in rollout.llm.model.causal_lm.named_parameters())  # nothing injected
     outs = asyncio.run(generate_all(server, [PROMPTS[0], [5, 100_000], PROMPTS[2]], return_exceptions=True))
     assert isinstance(outs[1], ValueError) and "100000" in str(outs[1])  # fails alone, not its batch
     assert isinstance(outs[0], TokenOutput) and isinstance(outs[2], TokenOutput)

@@ -190,6 +190,20 @@ def refuse_experts(weights: Iterable[tuple[str, torch.Tensor]],
     refuser.close()
 
 
+def plain_name(name: str) -> str:
+    """`name` without PEFT's ``base_layer`` segments (none on a model without adapters)."""
+    return name.replace(".base_layer", "")
+
+
+def engine_names(weights: Iterable[tuple[str, torch.Tensor]],
+                 names: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """`weights` with each base tensor renamed to the engine's parameter `names` maps its
+    `plain_name` to; adapter tensors (``lora_``) and names the engine lacks pass unchanged (the
+    engine then names what it rejects)."""
+    for name, tensor in weights:
+        yield (name if "lora_" in name else names.get(plain_name(name), name)), tensor
+
+
 def copy_buffers(weights: Iterable[tuple[str, torch.Tensor]],
                  buffers: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
     """Copy the pairs naming one of `buffers` (verl streams the trainer's ``state_dict()``, which
@@ -204,6 +218,53 @@ def copy_buffers(weights: Iterable[tuple[str, torch.Tensor]],
             raise ValueError(f"update_weights: buffer {name} has shape {tuple(tensor.shape)}, expected "
                              f"{tuple(target.shape)}")
         target.copy_(tensor)
+
+
+# ----------------------------------------------------------------------------------------------
+# LoRA: with ``actor_rollout_ref.model.lora.merge=False`` verl's trainer sends its adapters alone
+# (``get_peft_model_state_dict`` names), with ``peft_config`` (its ``LoraConfig.to_dict()``)
+# ----------------------------------------------------------------------------------------------
+
+#: the LoraConfig fields that decide which adapter tensors exist and what they compute
+LORA_FIELDS = ("r", "lora_alpha", "use_rslora", "target_modules", "exclude_modules", "target_parameters",
+               "layers_to_transform", "layers_pattern", "rank_pattern", "alpha_pattern", "modules_to_save", "bias",
+               "use_dora", "fan_in_fan_out", "lora_bias")
+
+
+def lora_fields(peft_config) -> dict:
+    """`LORA_FIELDS` of verl's ``peft_config`` (a dict, or a PEFT ``LoraConfig``), sets as sorted
+    lists; a ValueError for a config that is not LoRA's."""
+    fields = peft_config.to_dict() if hasattr(peft_config, "to_dict") else dict(peft_config)
+    kind = str(getattr(fields.get("peft_type"), "value", fields.get("peft_type")))
+    if kind != "LORA":
+        raise ValueError(f"update_weights: peft_config has peft_type={kind!r}; only LoRA adapters are supported")
+    return {k: sorted(v) if isinstance(v, (set, frozenset)) else v for k, v in fields.items() if k in LORA_FIELDS}
+
+
+def add_adapters(model: torch.nn.Module, fields: dict) -> None:
+    """Inject LoRA adapters of `fields` (`lora_fields`) into the engine's causal LM `model`, in
+    the model's dtype (as the trainer computes with them under verl's mixed precision), with
+    PEFT's ``inject_adapter_in_model``; the engine reads them at its next step."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    if fields.get("modules_to_save"):
+        raise ValueError(f"update_weights: peft_config modules_to_save={fields['modules_to_save']} is not supported "
+                         "with unmerged adapters; set actor_rollout_ref.model.lora.merge=True")
+    inject_adapter_in_model(LoraConfig(**fields), model)
+
+
+def in_adapter_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> tuple[str, torch.Tensor]:
+    """``(name, tensor)``, an adapter tensor (``lora_`` in the name) cast to the engine's adapter
+    `dtype`: verl sends its fp32 masters, and the trainer computes with them rounded to the
+    model's dtype, as the base weights are."""
+    return name, (tensor.to(dtype) if "lora_" in name and tensor.is_floating_point() else tensor)
+
+
+def adapters_in_dtype(weights: Iterable[tuple[str, torch.Tensor]],
+                      dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """`weights` through `in_adapter_dtype`, lazily."""
+    for name, tensor in weights:
+        yield in_adapter_dtype(name, tensor, dtype)
 
 
 # ----------------------------------------------------------------------------------------------

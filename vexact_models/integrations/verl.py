@@ -14,7 +14,8 @@ See ``docs/verl.md``.
 
 - `VexactRollout` (verl's ``BaseRollout``): owns one `vexact_models.runtime.LLM` per rank
   (tensor/data/pipeline parallel size 1); ``resume(tags)`` / ``release()`` wake / sleep it,
-  ``update_weights`` streams the trainer's full tensors into it (MoE experts re-fused).
+  ``update_weights`` streams the trainer's full tensors into it (MoE experts re-fused), or with
+  unmerged LoRA its adapters alone (the engine's model takes adapters of verl's ``peft_config``).
 - `VexactServer`: the replica's server; its async ``generate(prompt_ids, sampling_params,
   request_id, ...)`` returns verl's ``TokenOutput`` with ``log_probs``. Concurrent requests are
   batched into one engine call (batch-invariant kernels: batching changes no token).
@@ -33,9 +34,10 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
-from vexact_models.integrations._verl_support import (OPTIONS_KEY, OWN_OPTIONS, ExpertRefuser, check_parallel,
-                                                      copy_buffers, engine_options, max_model_len_of, refuse_experts,
-                                                      request_seed)
+from vexact_models.integrations._verl_support import (OPTIONS_KEY, OWN_OPTIONS, ExpertRefuser, adapters_in_dtype,
+                                                      add_adapters, check_parallel, copy_buffers, engine_names,
+                                                      engine_options, in_adapter_dtype, lora_fields, max_model_len_of,
+                                                      plain_name, refuse_experts, request_seed)
 from vexact_models.integrations._verl_support import sampling_params as to_sampling_params
 from vexact_models.integrations import _verl_registry
 from vexact_models.integrations._verl_registry import ROLLOUT_NAME, uninstall
@@ -44,6 +46,12 @@ from vexact_models.runtime import LLM
 __all__ = ["ROLLOUT_NAME", "VexactReplica", "VexactRollout", "VexactServer", "install", "uninstall"]
 
 _ADAPTERS: dict[int, "VexactRollout"] = {}  # replica rank -> the engine living in this process
+
+
+async def _adapters_in_dtype_async(weights, dtype: torch.dtype):
+    """`_verl_support.adapters_in_dtype` over a checkpoint engine's asynchronous stream."""
+    async for name, tensor in weights:
+        yield in_adapter_dtype(name, tensor, dtype)
 
 
 class VexactRollout(BaseRollout):
@@ -80,6 +88,7 @@ class VexactRollout(BaseRollout):
         self._model = model
         self._llm_kwargs = opts
         self._llm: LLM | None = None
+        self._lora: dict | None = None  # the LoRA config (`lora_fields`) of the adapters the engine holds
         _ADAPTERS[self.replica_rank] = self
 
     @property
@@ -112,33 +121,53 @@ class VexactRollout(BaseRollout):
 
     async def update_weights(self, weights, wire_format: str = "named_tensors", global_steps: int | None = None,
                              peft_config=None, **kwargs) -> None:
-        """Copy the trainer's full tensors into the engine, consuming `weights` (a sync or async
+        """Copy the trainer's tensors into the engine, consuming `weights` (a sync or async
         stream of ``(name, tensor)``, verl's per-expert MoE names included) lazily, never
-        holding a second copy of the model."""
+        holding a second copy of the model. With `peft_config` (verl's unmerged LoRA: its
+        adapters alone, or once its base with LoRA's ``base_layer`` names) the engine's model
+        takes LoRA adapters of that config first (`_verl_support.add_adapters`); a later config
+        that differs is a ValueError naming the field, before anything is written."""
         if wire_format != "named_tensors":
             raise ValueError(f"update_weights: wire_format={wire_format!r} is not supported (only 'named_tensors'); "
                              "use checkpoint_engine.backend=naive or nccl")
-        if peft_config is not None:
-            raise ValueError("update_weights: LoRA adapters are not streamed separately; set "
-                             "actor_rollout_ref.model.lora.merge=True")
         llm = self.llm
         model = llm.model.causal_lm
-        shapes = {n: p.shape for n, p in model.named_parameters()}
-        buffers = dict(model.named_buffers())
+        if peft_config is not None:
+            weights = self._hold_adapters(model, lora_fields(peft_config), weights)
+        # by their names without LoRA's base_layer (verl's per-expert tensors name none, its base
+        # sync one, PEFT's nested expert wrappers two); `engine_names` puts the engine's back
+        names = {plain_name(n): n for n, _ in model.named_parameters()}
+        shapes = {plain_name(n): p.shape for n, p in model.named_parameters()}
+        buffers = {plain_name(n): b for n, b in model.named_buffers()}
         # no_grad around synchronous stretches only: across an await it would leak to other coroutines
         if hasattr(weights, "__aiter__"):  # a checkpoint engine's receiver
             refuser = ExpertRefuser(shapes)
             async for name, tensor in weights:
                 with torch.no_grad():
-                    ready = list(copy_buffers(refuser.push(name, tensor), buffers))
+                    ready = list(engine_names(copy_buffers(refuser.push(name, tensor), buffers), names))
                     if ready:
                         llm.update_weights(ready)
             refuser.close()
         else:
             with torch.no_grad():
-                llm.update_weights(copy_buffers(refuse_experts(weights, shapes), buffers))
+                llm.update_weights(engine_names(copy_buffers(refuse_experts(weights, shapes), buffers), names))
         if global_steps is not None:
             self.global_steps = global_steps
+
+    def _hold_adapters(self, model: torch.nn.Module, fields: dict, weights):
+        """Give the engine's `model` the adapters of `fields` (once; later calls must name the
+        same config) and return `weights` with its adapter tensors in their dtype."""
+        if self._lora is None:
+            add_adapters(model, fields)
+            self._lora = fields
+        elif fields != self._lora:
+            changed = sorted(k for k in set(fields) | set(self._lora) if fields.get(k) != self._lora.get(k))
+            raise ValueError(f"update_weights: peft_config differs from the adapters the engine holds in {changed} "
+                             f"(now {[fields.get(k) for k in changed]}, held {[self._lora.get(k) for k in changed]})")
+        dtype = next(p.dtype for n, p in model.named_parameters() if "lora_" in n)
+        if hasattr(weights, "__aiter__"):
+            return _adapters_in_dtype_async(weights, dtype)
+        return adapters_in_dtype(weights, dtype)
 
     # -- what the server calls (synchronous: it runs them in a thread or on the worker actor) --
     def sleep(self, level: int | None = None) -> None:
