@@ -7,12 +7,14 @@ without a cache runs as HF runs it. A cache given to ``generate`` (``past_key_va
 and is marked as left empty: given to a forward later, it is refused (`forward_arguments`).
 Assisted decoding (an ``assistant_model``, prompt lookup, early exit, multi-token prediction)
 checks its candidates against the main model's cache: it is refused up front, naming the
-argument, instead of failing inside HF's loop.
+argument, instead of failing inside HF's loop. The first ``generate`` of a process logs where
+fast rollouts are (`tell_once_about_rollouts`).
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 
 from transformers import GenerationConfig
 
@@ -21,6 +23,23 @@ from vexact_models.forward_arguments import CACHE_ARGUMENTS, mark_left_empty
 #: what asks HF's ``generate`` for assisted decoding, by ``generate``'s argument or the
 #: ``GenerationConfig`` field of that name (``use_mtp``: transformers releases that have it)
 ASSISTED_DECODING = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp")
+
+logger = logging.getLogger("vexact_models")
+_told_about_rollouts = False
+
+
+def tell_once_about_rollouts(model) -> None:
+    """Log once per process that ``generate`` recomputes every sequence each step: right for
+    checks, slow for rollouts (a trainer that generates through it after `patch()`, e.g. TRL's
+    stock ``GRPOTrainer``), and where the fast path is."""
+    global _told_about_rollouts
+    if _told_about_rollouts:
+        return
+    _told_about_rollouts = True
+    logger.warning("vexact-models: %s.generate keeps no KV cache: each step recomputes every sequence through the "
+                   "training forward (quadratic in the output length). For rollouts use vexact_models.LLM, which "
+                   "shares the model's weights (TRL: vexact_models.integrations.trl.VexactGRPOTrainer; verl: "
+                   "rollout.name=vexact)", type(model).__name__)
 
 
 def cacheless_generate_arguments(model, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -40,6 +59,7 @@ def cacheless_generate_arguments(model, args: tuple, kwargs: dict) -> tuple[tupl
                              "checks candidates against a KV cache, and this model generates without one (each "
                              "step recomputes the sequences through the training forward). Leave it unset, or "
                              "roll out with vexact_models.LLM")
+    tell_once_about_rollouts(model)
     for name in CACHE_ARGUMENTS:
         mark_left_empty(kwargs.get(name), "generate")
     kwargs = {key: value for key, value in kwargs.items() if key not in CACHE_ARGUMENTS}

@@ -177,6 +177,21 @@ def test_generate_greedy_equals_llm_greedy_and_stock(pair):
     assert sampled.shape[0] == 2 and torch.equal(sampled[:, :5], ids)
 
 
+def test_the_first_generate_of_a_process_says_where_fast_rollouts_are(pair, monkeypatch, caplog):
+    """`generation.tell_once_about_rollouts`: one warning on the ``vexact_models`` logger naming
+    the class and `LLM`, at the first ``generate`` and not again."""
+    from vexact_models import generation
+
+    _, _, ours, _ = pair
+    monkeypatch.setattr(generation, "_told_about_rollouts", False)
+    ids = torch.tensor([[5, 9, 33]])
+    with caplog.at_level("WARNING", logger="vexact_models"):
+        for _ in range(2):
+            ours.generate(ids, max_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=0)
+    said = [r.getMessage() for r in caplog.records if "keeps no KV cache" in r.getMessage()]
+    assert len(said) == 1 and type(ours).__name__ in said[0] and "vexact_models.LLM" in said[0], said
+
+
 def test_generate_takes_a_generation_config_without_hf_deprecation_warning(pair, monkeypatch):
     """generate() turns the cache off in a copy of a given ``generation_config`` (keyword or
     positional), not as a loose ``use_cache`` beside it, which HF warns is deprecated: the same
