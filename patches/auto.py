@@ -10,18 +10,19 @@ loader that picks the class named by a checkpoint's ``config.architectures`` loo
 trainers given a checkpoint path (``getattr(transformers, config.architectures[0])``). A name
 bound earlier (``from transformers import Qwen3ForCausalLM`` before `patch()`) keeps stock's
 class. Unsupported model types, and classes we do not serve (Qwen3.5's
-``...ForConditionalGeneration``), stay stock. For
-architectures with ``checkpoint_conversions``, transformers' own conversion of published layouts
-(per-expert hub MoE checkpoints) is registered for our classes too
-(`checkpoints.register_conversions`). `unpatch()` restores exactly what was there before, Auto
-mappings, ``transformers`` names and conversion registry. Idempotent both ways. Works on every transformers release
-from 5.2 on (see `patches.compat.route` for why the mapping is written directly).
+``...ForConditionalGeneration``), stay stock. For architectures with ``checkpoint_conversions``,
+transformers' own conversion of published layouts (per-expert hub MoE checkpoints) is registered
+for our classes too (`checkpoints.register_conversions`). `unpatch()` restores exactly what was there before, Auto
+mappings, ``transformers`` names and conversion registry. Idempotent both ways. Works on every
+transformers release from 5.2 on (see `patches.compat.route` for why the mapping is written
+directly).
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterator
+
 from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING,
                                                     MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING,
                                                     MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING, MODEL_MAPPING)
