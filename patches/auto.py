@@ -30,7 +30,7 @@ from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING,
 from vexact_models.registry import architectures
 
 from .checkpoints import conversion_model_types, register_conversions
-from .compat import route, routed_class, transformers_namespaces, unroute
+from .compat import configs_given_the_same_class, route, routed_class, transformers_namespaces, unroute
 
 # (id(mapping), config class) -> (mapping, what the mapping's registrations held before patch())
 _saved: dict[tuple[int, type], tuple[object, object]] = {}
@@ -40,7 +40,7 @@ _saved_names: list[tuple[object, str, type, type]] = []
 _conversion_undos: list[Callable[[], None]] = []
 
 
-def _targets() -> Iterator[tuple[object, type, type]]:
+def _registered_targets() -> Iterator[tuple[object, type, type]]:
     """(Auto mapping, config class, our class) for every registered architecture."""
     for arch in architectures():
         yield MODEL_FOR_CAUSAL_LM_MAPPING, arch.config_class, arch.causal_lm_class
@@ -49,6 +49,16 @@ def _targets() -> Iterator[tuple[object, type, type]]:
             yield MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING, arch.config_class, arch.sequence_classification_class
         if arch.token_classification_class is not None:
             yield MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING, arch.config_class, arch.token_classification_class
+
+
+def _targets() -> Iterator[tuple[object, type, type]]:
+    """`_registered_targets`, and for each the other config classes stock's mapping gives the same
+    stock class (`compat.configs_given_the_same_class`: Qwen3.5's multimodal configs), so that
+    ours replaces stock's wherever the Auto class would build it."""
+    for mapping, config_class, ours in _registered_targets():
+        yield mapping, config_class, ours
+        for other in configs_given_the_same_class(mapping, config_class):
+            yield mapping, other, ours
 
 
 def _exported_names(targets: list[tuple[object, type, type]]) -> list[tuple[str, type, type]]:
@@ -77,7 +87,7 @@ def patch() -> None:
     the ``transformers`` names of the stock classes they replace be ours), and let transformers
     convert published checkpoint layouts for those with ``checkpoint_conversions``."""
     targets = list(_targets())
-    for mapping, config_class, ours in targets:
+    for mapping, config_class, ours in _registered_targets():
         owner = getattr(ours, "config_class", config_class)
         if owner is not config_class:  # checked for all before anything changes
             raise ValueError(f"patch(): {ours.__name__}.config_class is {owner.__name__}, but its architecture "

@@ -4,7 +4,8 @@ Each shim says which releases it is for and why. CI runs the ``compat`` tests on
 supported release, on 5.10.x (verl 0.9.1's ceiling), on 5.17 (inside the 5.13-5.18 range that
 needs `route`) and on the newest (see ``.ci/run``).
 
-- `route` / `routed_class` / `unroute`: the Auto-class mappings (``_LazyAutoMapping``).
+- `route` / `routed_class` / `unroute` / `configs_given_the_same_class`: the Auto-class mappings
+  (``_LazyAutoMapping``).
 - `transformers_namespaces`: the ``transformers`` module objects a process holds (two, not one).
 - `HFCompatMixin`: ``attn_implementation`` / ``experts_implementation`` for our models.
 - `qwen3_moe_router_output`: what Qwen3-MoE reports as ``router_logits``.
@@ -44,6 +45,20 @@ def route(mapping, config_class: type, model_class: type) -> object:
     previous = mapping._extra_content.get(config_class, MISSING)
     mapping._extra_content[config_class] = model_class
     return previous
+
+
+def configs_given_the_same_class(mapping, config_class: type) -> list[type]:
+    """The other config classes for which `mapping` gives, by transformers' own name table, the
+    class it gives `config_class` (Qwen3.5's multimodal ``Qwen3_5Config``: ``AutoModelForCausalLM``
+    of a published multimodal checkpoint builds the text ``Qwen3_5ForCausalLM``, on every release
+    from 5.2). Read from the name tables; only config classes are imported."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    table = mapping._model_mapping  # model_type -> class name (a tuple of names for a few types)
+    name = table.get(config_class.model_type)
+    return [CONFIG_MAPPING[model_type] for model_type, other in table.items()
+            if other == name and name is not None and model_type != config_class.model_type
+            and model_type in CONFIG_MAPPING]
 
 
 def unroute(mapping, config_class: type, previous: object) -> None:

@@ -173,7 +173,8 @@ def test_text_part_of_a_multimodal_checkpoint_loads(name, config_class, model_cl
     """A multimodal checkpoint written by transformers' own class (model.language_model.*,
     model.visual.*): our text model loads its text part, says once that it skips the vision
     tower, and matches the multimodal model on text input; the path may come by HF's parameter
-    name as well."""
+    name as well, and after `patch()` ``AutoModelForCausalLM`` gives the same model (stock's gives
+    stock's text class: `compat.configs_given_the_same_class`)."""
     arch = get(name)
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
                   temporal_patch_size=2, spatial_merge_size=2, in_channels=3)
@@ -193,6 +194,18 @@ def test_text_part_of_a_multimodal_checkpoint_loads(name, config_class, model_cl
         assert rel(ours(ids).logits, multimodal(input_ids=ids).logits) <= 1e-5
         by_name = arch.causal_lm_class.from_pretrained(pretrained_model_name_or_path=tmp_path, dtype=torch.float32)
         assert torch.equal(by_name.eval()(ids).logits, ours(ids).logits)
+    # AutoModelForCausalLM of the multimodal checkpoint: stock's text class, ours after patch()
+    import vexact_models
+
+    vexact_models.patch()
+    try:
+        auto = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    finally:
+        vexact_models.unpatch()
+    assert type(auto) is arch.causal_lm_class
+    with torch.no_grad():
+        assert torch.equal(auto(ids).logits, ours(ids).logits)
+    assert type(transformers.AutoModelForCausalLM.from_pretrained(tmp_path)) is arch.hf_class()
 
 
 @pytest.mark.parametrize("arch", HYBRIDS, ids=lambda a: a.name)
