@@ -3,7 +3,7 @@ import sys
 import pytest
 import torch
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, GPT2Config
-from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
+from transformers.models.qwen3.modeling_qwen3 import Qwen3ForCausalLM as HFQwen3ForCausalLM
 
 import vexact_models
 from vexact_models.qwen3 import Qwen3ForCausalLM, Qwen3Model, tiny_config
@@ -20,6 +20,7 @@ def checkpoint(tmp_path):
 
 @pytest.fixture(autouse=True)
 def _restore():
+    vexact_models.unpatch()  # importing an integration (verl's installs on import) may have patched
     yield
     vexact_models.unpatch()
 
@@ -42,8 +43,8 @@ def test_patch_binds_the_transformers_names_of_the_classes_it_routes(checkpoint)
     """A loader that takes the class named by ``config.architectures`` from the ``transformers``
     namespace (TRL's trainers given a path) gets ours after `patch()`, through every
     ``transformers`` module object the process holds, and stock's after `unpatch()`; a name
-    imported before `patch()`, or rebound by the user, keeps what it holds; heads we do not serve
-    stay stock's."""
+    rebound by the user keeps what it holds; heads we do not serve stay stock's; and
+    `Architecture.hf_class` still gives stock's class (`registry.stock_class`)."""
     from vexact_models.patches.compat import transformers_namespaces
     from vexact_models.registry import architectures, get
 
@@ -57,10 +58,11 @@ def test_patch_binds_the_transformers_names_of_the_classes_it_routes(checkpoint)
         assert getattr(namespace, name) is Qwen3ForCausalLM and namespace.Qwen3Model is Qwen3Model
         assert type(getattr(namespace, name).from_pretrained(checkpoint)) is Qwen3ForCausalLM
         for arch in architectures():
+            assert arch.hf_class().__module__.startswith("transformers.models.")  # stock's, patched or not
             assert getattr(namespace, arch.hf_class().__name__) is arch.causal_lm_class
             assert getattr(namespace, arch.hf_class("Model").__name__) is arch.base_model_class
         assert namespace.Qwen3ForQuestionAnswering.__module__.startswith("transformers.")  # a head we do not serve
-    assert HFQwen3ForCausalLM.__module__.startswith("transformers.")  # imported before patch()
+    assert get("qwen3").hf_class() is HFQwen3ForCausalLM
     current = sys.modules["transformers"]
     current.Qwen3ForTokenClassification = stock_heads  # rebound by the user
     assert not vexact_models.is_patched()

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, MistralForCausalLM
+from transformers.models.llama.modeling_llama import LlamaForCausalLM  # stock's, whether or not patched
 
 import vexact_models
 from vexact_models import registry, scaffold

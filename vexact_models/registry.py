@@ -155,10 +155,21 @@ class Architecture:
 
     def hf_class(self, head: str = "ForCausalLM") -> type:
         """The stock transformers class of this architecture with `head` (``ForCausalLM``,
-        ``Model``, ``ForSequenceClassification``...)."""
-        path = dict(self.hf_head_classes).get(head) or self.hf_causal_lm_class.replace("ForCausalLM", head)
-        module, _, name = path.rpartition(".")
-        return getattr(importlib.import_module(module), name)
+        ``Model``, ``ForSequenceClassification``...), whether or not `patch()` is in effect
+        (`stock_class`)."""
+        return stock_class(dict(self.hf_head_classes).get(head) or self.hf_causal_lm_class.replace("ForCausalLM", head))
+
+
+def stock_class(path: str) -> type:
+    """The class at dotted `path`. A top-level transformers name (``transformers.Qwen3ForCausalLM``,
+    which `patch()` binds to our class) is read from the module transformers defines it in (its
+    lazy module's table), so that it is stock's whether or not the process is patched."""
+    module, _, name = path.rpartition(".")
+    if module == "transformers":
+        defined_in = getattr(importlib.import_module("transformers"), "_class_to_module", {}).get(name)
+        if defined_in is not None:
+            module = f"transformers.{defined_in}"
+    return getattr(importlib.import_module(module), name)
 
 
 def register(arch: Architecture) -> Architecture:

@@ -200,7 +200,7 @@ def test_a_peft_model_of_ours_trains_against_trls_reference_adapter(example, tmp
 
 
 def test_bad_settings_are_refused_before_building(example, tmp_path):
-    from transformers import Qwen3ForCausalLM
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3ForCausalLM
 
     import vexact_models.qwen3 as qwen3
 

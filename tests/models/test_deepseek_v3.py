@@ -6,7 +6,7 @@ cache size, grouped KV heads, hub checkpoints through patch(). What every archit
 import pytest
 import torch
 from transformers import AutoConfig, DeepseekV3Config
-from transformers import DeepseekV3ForCausalLM as HFDeepseekV3ForCausalLM
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3ForCausalLM as HFDeepseekV3ForCausalLM
 
 from vexact_models import deepseek_v3
 from vexact_models.conformance.models import CONFIG_DIR

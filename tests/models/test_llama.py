@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig
-from transformers import LlamaForCausalLM as StockLlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaForCausalLM as StockLlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from vexact_models.conformance.models import make_config

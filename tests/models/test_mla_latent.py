@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 from transformers import AutoConfig
-from transformers import DeepseekV3ForCausalLM as HFDeepseekV3ForCausalLM
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3ForCausalLM as HFDeepseekV3ForCausalLM
 
 from vexact_models import deepseek_v3
 from vexact_models.conformance import CONFIG_DIR, build_model

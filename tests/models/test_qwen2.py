@@ -6,7 +6,7 @@ test_qwen_sliding_window.py."""
 import pytest
 import torch
 from transformers import Qwen2Config
-from transformers import Qwen2ForCausalLM as StockQwen2ForCausalLM
+from transformers.models.qwen2.modeling_qwen2 import Qwen2ForCausalLM as StockQwen2ForCausalLM
 
 from vexact_models.conformance.models import make_config
 from vexact_models.projections import randomize_projection_biases

@@ -3,7 +3,7 @@ errors) is tests/models/test_architectures.py, at Qwen3's tied-head tiny shape a
 
 import pytest
 import torch
-from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
+from transformers.models.qwen3.modeling_qwen3 import Qwen3ForCausalLM as HFQwen3ForCausalLM
 
 from vexact_models.qwen3 import Qwen3ForCausalLM, Qwen3ForCausalLMInference, tiny_config
 

@@ -4,7 +4,7 @@ router logits against stock. What every architecture must do is tests/models/tes
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import Qwen3MoeForCausalLM as HFQwen3MoeForCausalLM
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeForCausalLM as HFQwen3MoeForCausalLM
 
 from vexact_models.qwen3_moe import Qwen3MoeForCausalLM, tiny_config
 
