@@ -46,7 +46,7 @@ def test_patch_binds_the_transformers_names_of_the_classes_it_routes(checkpoint)
     rebound by the user keeps what it holds; heads we do not serve stay stock's; and
     `Architecture.hf_class` still gives stock's class (`registry.stock_class`)."""
     from vexact_models.patches.compat import transformers_namespaces
-    from vexact_models.registry import architectures, get
+    from vexact_models.registry import architectures, get, stock_class
 
     namespaces = transformers_namespaces()
     assert sys.modules["transformers"] in namespaces
@@ -63,6 +63,8 @@ def test_patch_binds_the_transformers_names_of_the_classes_it_routes(checkpoint)
             assert getattr(namespace, arch.hf_class("Model").__name__) is arch.base_model_class
         assert namespace.Qwen3ForQuestionAnswering.__module__.startswith("transformers.")  # a head we do not serve
     assert get("qwen3").hf_class() is HFQwen3ForCausalLM
+    assert stock_class("transformers.Qwen3ForCausalLM") is HFQwen3ForCausalLM  # a top-level name, read where defined
+    assert stock_class("transformers.models.qwen3.modeling_qwen3.Qwen3Model").__module__.startswith("transformers.")
     current = sys.modules["transformers"]
     current.Qwen3ForTokenClassification = stock_heads  # rebound by the user
     assert not vexact_models.is_patched()
