@@ -195,13 +195,20 @@ def plain_name(name: str) -> str:
     return name.replace(".base_layer", "")
 
 
-def engine_names(weights: Iterable[tuple[str, torch.Tensor]],
-                 names: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """`weights` with each base tensor renamed to the engine's parameter `names` maps its
-    `plain_name` to; adapter tensors (``lora_``) and names the engine lacks pass unchanged (the
-    engine then names what it rejects)."""
+def engine_pairs(weights: Iterable[tuple[str, torch.Tensor]], names: dict[str, str],
+                 adapter_dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """`weights` as the engine takes them, lazily: each base tensor renamed to the engine's
+    parameter `names` maps its `plain_name` to (names the engine lacks pass unchanged: the engine
+    then names what it rejects); each adapter tensor (``lora_`` in the name) cast to the engine's
+    `adapter_dtype` where given: verl sends its fp32 masters, and the trainer computes with them
+    rounded to the model's dtype, as the base weights are."""
     for name, tensor in weights:
-        yield (name if "lora_" in name else names.get(plain_name(name), name)), tensor
+        if "lora_" not in name:
+            yield names.get(plain_name(name), name), tensor
+        elif adapter_dtype is not None and tensor.is_floating_point():
+            yield name, tensor.to(adapter_dtype)
+        else:
+            yield name, tensor
 
 
 def copy_buffers(weights: Iterable[tuple[str, torch.Tensor]],
@@ -251,20 +258,6 @@ def add_adapters(model: torch.nn.Module, fields: dict) -> None:
         raise ValueError(f"update_weights: peft_config modules_to_save={fields['modules_to_save']} is not supported "
                          "with unmerged adapters; set actor_rollout_ref.model.lora.merge=True")
     inject_adapter_in_model(LoraConfig(**fields), model)
-
-
-def in_adapter_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> tuple[str, torch.Tensor]:
-    """``(name, tensor)``, an adapter tensor (``lora_`` in the name) cast to the engine's adapter
-    `dtype`: verl sends its fp32 masters, and the trainer computes with them rounded to the
-    model's dtype, as the base weights are."""
-    return name, (tensor.to(dtype) if "lora_" in name and tensor.is_floating_point() else tensor)
-
-
-def adapters_in_dtype(weights: Iterable[tuple[str, torch.Tensor]],
-                      dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """`weights` through `in_adapter_dtype`, lazily."""
-    for name, tensor in weights:
-        yield in_adapter_dtype(name, tensor, dtype)
 
 
 # ----------------------------------------------------------------------------------------------

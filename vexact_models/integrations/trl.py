@@ -276,14 +276,15 @@ class VexactGRPOTrainer(GRPOTrainer):
             args = GRPOConfig("vexact-grpo")
         _check_config(args, exact_logprobs)
         model = _load_policy(model, args)
-        _architecture_of(causal_lm_of(model))
+        policy = causal_lm_of(model)
+        _architecture_of(policy)
         if exact_logprobs and _aux_loss_enabled(model, args) and getattr(model.config, "num_experts", None) is None:
             raise ValueError(f"VexactGRPOTrainer: {model.config.model_type} has no load-balancing loss (its routing "
                              "is auxiliary-loss free); set GRPOConfig(router_aux_loss_coef=0.0)")
-        if getattr(causal_lm_of(model), "generation_config", None) is None:  # GRPOTrainer reads its pad/EOS ids
+        if getattr(policy, "generation_config", None) is None:  # GRPOTrainer reads its pad/EOS ids
             from transformers import GenerationConfig
 
-            causal_lm_of(model).generation_config = GenerationConfig.from_model_config(model.config)
+            policy.generation_config = GenerationConfig.from_model_config(model.config)
         super().__init__(model, reward_funcs, args, **kwargs)
         self.exact_logprobs = exact_logprobs
         self.logprob_head = None

@@ -34,10 +34,10 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
-from vexact_models.integrations._verl_support import (OPTIONS_KEY, OWN_OPTIONS, ExpertRefuser, adapters_in_dtype,
-                                                      add_adapters, check_parallel, copy_buffers, engine_names,
-                                                      engine_options, in_adapter_dtype, lora_fields, max_model_len_of,
-                                                      plain_name, refuse_experts, request_seed)
+from vexact_models.integrations._verl_support import (OPTIONS_KEY, OWN_OPTIONS, ExpertRefuser, add_adapters,
+                                                      check_parallel, copy_buffers, engine_options, engine_pairs,
+                                                      lora_fields, max_model_len_of, plain_name, refuse_experts,
+                                                      request_seed)
 from vexact_models.integrations._verl_support import sampling_params as to_sampling_params
 from vexact_models.integrations import _verl_registry
 from vexact_models.integrations._verl_registry import ROLLOUT_NAME, uninstall
@@ -46,12 +46,6 @@ from vexact_models.runtime import LLM
 __all__ = ["ROLLOUT_NAME", "VexactReplica", "VexactRollout", "VexactServer", "install", "uninstall"]
 
 _ADAPTERS: dict[int, "VexactRollout"] = {}  # replica rank -> the engine living in this process
-
-
-async def _adapters_in_dtype_async(weights, dtype: torch.dtype):
-    """`_verl_support.adapters_in_dtype` over a checkpoint engine's asynchronous stream."""
-    async for name, tensor in weights:
-        yield in_adapter_dtype(name, tensor, dtype)
 
 
 class VexactRollout(BaseRollout):
@@ -132,31 +126,31 @@ class VexactRollout(BaseRollout):
                              "use checkpoint_engine.backend=naive or nccl")
         llm = self.llm
         model = llm.model.causal_lm
-        if peft_config is not None:
-            weights = self._hold_adapters(model, lora_fields(peft_config), weights)
+        adapter_dtype = None if peft_config is None else self._hold_adapters(model, lora_fields(peft_config))
         # by their names without LoRA's base_layer (verl's per-expert tensors name none, its base
-        # sync one, PEFT's nested expert wrappers two); `engine_names` puts the engine's back
-        names = {plain_name(n): n for n, _ in model.named_parameters()}
-        shapes = {plain_name(n): p.shape for n, p in model.named_parameters()}
+        # sync one, PEFT's nested expert wrappers two); `engine_pairs` puts the engine's back
+        params = {plain_name(n): (n, p) for n, p in model.named_parameters()}
+        names, shapes = {k: n for k, (n, _) in params.items()}, {k: p.shape for k, (_, p) in params.items()}
         buffers = {plain_name(n): b for n, b in model.named_buffers()}
         # no_grad around synchronous stretches only: across an await it would leak to other coroutines
         if hasattr(weights, "__aiter__"):  # a checkpoint engine's receiver
             refuser = ExpertRefuser(shapes)
             async for name, tensor in weights:
                 with torch.no_grad():
-                    ready = list(engine_names(copy_buffers(refuser.push(name, tensor), buffers), names))
+                    ready = list(engine_pairs(copy_buffers(refuser.push(name, tensor), buffers), names, adapter_dtype))
                     if ready:
                         llm.update_weights(ready)
             refuser.close()
         else:
             with torch.no_grad():
-                llm.update_weights(engine_names(copy_buffers(refuse_experts(weights, shapes), buffers), names))
+                llm.update_weights(engine_pairs(copy_buffers(refuse_experts(weights, shapes), buffers), names,
+                                                adapter_dtype))
         if global_steps is not None:
             self.global_steps = global_steps
 
-    def _hold_adapters(self, model: torch.nn.Module, fields: dict, weights):
+    def _hold_adapters(self, model: torch.nn.Module, fields: dict) -> torch.dtype:
         """Give the engine's `model` the adapters of `fields` (once; later calls must name the
-        same config) and return `weights` with its adapter tensors in their dtype."""
+        same config); returns their dtype."""
         if self._lora is None:
             add_adapters(model, fields)
             self._lora = fields
@@ -164,10 +158,7 @@ class VexactRollout(BaseRollout):
             changed = sorted(k for k in set(fields) | set(self._lora) if fields.get(k) != self._lora.get(k))
             raise ValueError(f"update_weights: peft_config differs from the adapters the engine holds in {changed} "
                              f"(now {[fields.get(k) for k in changed]}, held {[self._lora.get(k) for k in changed]})")
-        dtype = next(p.dtype for n, p in model.named_parameters() if "lora_" in n)
-        if hasattr(weights, "__aiter__"):
-            return _adapters_in_dtype_async(weights, dtype)
-        return adapters_in_dtype(weights, dtype)
+        return next(p.dtype for n, p in model.named_parameters() if "lora_" in n)
 
     # -- what the server calls (synchronous: it runs them in a thread or on the worker actor) --
     def sleep(self, level: int | None = None) -> None:
