@@ -21,6 +21,7 @@ from vexact_models.adapters import expert_target_parameters
 from vexact_models.deepseek_v3.latent_attention import mla_kv_cache_mode
 from vexact_models.gated_deltanet import linear_chunk_size
 from vexact_models.kernels.attention_tiles import HEAD_DIMS
+from vexact_models.multimodal import is_multimodal, text_config_of
 from vexact_models.registry import Architecture, Shape, architectures, for_model_type
 
 #: the bundled published configs (``<name>.json``; `published_config` takes ``<name>``)
@@ -66,9 +67,11 @@ def parse_overrides(items: list[str] | None) -> dict:
 
 
 def published_config(name_or_path: str) -> dict:
-    """A config dict from a bundled published config name (``qwen3-0.6b``) or a config.json path;
-    a ValueError listing the bundled names when it is neither."""
-    return json.loads(_config_path(name_or_path).read_text())
+    """A config dict from a bundled published config name (``qwen3-0.6b``) or a config.json path
+    (of a published multimodal model: its text model's, `vexact_models.multimodal`); a ValueError
+    listing the bundled names when it is neither."""
+    config = json.loads(_config_path(name_or_path).read_text())
+    return text_config_of(config).to_dict() if is_multimodal(config) else config
 
 
 def published_shape(name_or_path: str) -> tuple[Architecture, Shape | None]:
@@ -76,7 +79,7 @@ def published_shape(name_or_path: str) -> tuple[Architecture, Shape | None]:
     whose ``published_configs`` lists it (None for a config.json that is not bundled, or that no
     shape lists). A ValueError when no architecture serves the model_type."""
     path = _config_path(name_or_path)
-    model_type = json.loads(path.read_text()).get("model_type")
+    model_type = published_config(name_or_path).get("model_type")
     arch = for_model_type(model_type)
     if arch is None:
         raise ValueError(f"config {name_or_path!r}: no registered architecture serves model_type {model_type!r}; "

@@ -12,6 +12,7 @@ import os
 
 import torch
 
+from vexact_models.multimodal import refuse_multimodal_model
 from vexact_models.registry import architectures, for_model_type
 
 from ..kernels.attention_tiles import TMA_HEAD_DIMS
@@ -136,6 +137,7 @@ def architecture_of(model: torch.nn.Module):
     if not isinstance(model_type, str):
         raise ValueError(f"LLM: model is a {kind} without an HF config (model.config.model_type); pass a "
                          "vexact-models causal LM or a checkpoint folder")
+    refuse_multimodal_model("LLM", model)
     arch = for_model_type(model_type)
     if arch is None:
         served = sorted(t for a in architectures() for t in a.model_types)

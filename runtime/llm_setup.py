@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoTokenizer
 from vexact_models.kernels.attention_window import window_block_start
 from vexact_models.layers import cache_window, window_layers
 from vexact_models.loading import from_pretrained_complete
+from vexact_models.multimodal import text_config_of
 from vexact_models.registry import for_model_type
 
 from .cuda_graphs import DEFAULT_MAX_TOKENS
@@ -63,12 +64,17 @@ def runner_model(model, pipeline: Pipeline | None, hidden_size: int) -> tuple:
 
 
 def folder_config(path: str):
-    """A checkpoint folder's HF config and the registered architecture serving it."""
+    """A checkpoint folder's HF config and the registered architecture serving it; of a published
+    multimodal checkpoint, its text model's (`vexact_models.multimodal`; stored in the
+    checkpoint's dtype)."""
     config = AutoConfig.from_pretrained(path)
-    arch = for_model_type(config.model_type)
+    text = text_config_of(config)
+    if text is not config and getattr(text, "dtype", None) is None:
+        text.dtype = getattr(config, "dtype", None)
+    arch = for_model_type(text.model_type)
     if arch is None:
         raise ValueError(f"LLM: {path} has model_type {config.model_type!r}, which vexact-models does not support")
-    return config, arch
+    return text, arch
 
 
 def load_folder(path: str, dtype, stage: PipelineStage | None, device: torch.device) -> tuple:

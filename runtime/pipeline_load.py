@@ -12,6 +12,8 @@ experts stored one tensor per expert (the hub layout) are fused into HF's 3-D te
 transformers' own conversion does (``gate_up_proj[e] = cat(gate_proj, up_proj)``, gate first);
 an MXFP4 weight (``<name>_blocks`` and ``<name>_scales``, published GPT-OSS) is dequantized as
 ``Mxfp4Config(dequantize=True)`` does (`vexact_models.mxfp4.dequantize_mxfp4`: the same bits).
+Of a published multimodal checkpoint (Qwen3.5, Gemma 3) the text model's tensors are read under
+their stored names and the rest is skipped (`model_tensor_names`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from safetensors import safe_open
 from torch import nn
 from transformers import GenerationConfig
 
+from vexact_models.hub_config import source_config_dict
+from vexact_models.multimodal import is_multimodal, tell_text_part, text_tensor_name
 from vexact_models.mxfp4 import BLOCKS, SCALES, dequantize_mxfp4
 
 from .pipeline import PipelineStage
@@ -49,11 +53,26 @@ def checkpoint_files(folder: str) -> dict[str, str]:
         return dict.fromkeys(handle.keys(), single)
 
 
-class _Reader:
-    """Reads single tensors out of a checkpoint's safetensors files, each file opened once."""
+def model_tensor_names(folder: str, stored: list[str]) -> dict[str, str]:
+    """The model's name -> the stored name, of the checkpoint in `folder`: the same names, or of a
+    published multimodal checkpoint its text model's tensors renamed and the rest left out
+    (`vexact_models.multimodal`, as ``from_pretrained`` loads it)."""
+    full = source_config_dict(folder, {})
+    if not is_multimodal(full):
+        return {name: name for name in stored}
+    tell_text_part("LLM", folder, full["model_type"])
+    renamed = {name: text_tensor_name(name) for name in stored}
+    return {text: name for name, text in renamed.items() if text is not None}
 
-    def __init__(self, files: dict[str, str]) -> None:
-        self.files = files
+
+class _Reader:
+    """Reads single tensors out of a checkpoint's safetensors files, each file opened once, by
+    the model's names (`model_tensor_names`)."""
+
+    def __init__(self, folder: str) -> None:
+        stored_files = checkpoint_files(folder)
+        self.stored = model_tensor_names(folder, list(stored_files))
+        self.files = {name: stored_files[stored] for name, stored in self.stored.items()}
         self.handles: dict[str, object] = {}
 
     def __contains__(self, name: str) -> bool:
@@ -69,7 +88,7 @@ class _Reader:
         path = self.files[name]
         if path not in self.handles:
             self.handles[path] = safe_open(path, framework="pt")
-        return self.handles[path].get_tensor(name)
+        return self.handles[path].get_tensor(self.stored[name])
 
 
 def _keep_fp32(model: nn.Module, dtype: torch.dtype) -> list[str]:
@@ -176,7 +195,7 @@ def load_stage_model(folder: str, arch, config, dtype: torch.dtype, stage: Pipel
     with torch.device("meta"):
         model = arch.causal_lm_class._from_config(config, dtype=dtype)
     owned = _materialize(model, stage, device, dtype)
-    _fill(owned, _Reader(checkpoint_files(folder)), folder)
+    _fill(owned, _Reader(folder), folder)
     if os.path.isfile(os.path.join(folder, "generation_config.json")):
         model.generation_config = GenerationConfig.from_pretrained(folder)
     return model.eval()

@@ -24,10 +24,9 @@ holds each group's 32 e2m1 (FP4) codes, two a byte, the even element in the low 
 
 from __future__ import annotations
 
-import os
-
 import torch
-from transformers import PretrainedConfig
+
+from .hub_config import checkpoint_config
 
 #: the value of each 4-bit e2m1 code (sign bit, two exponent bits, one mantissa bit)
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -48,16 +47,6 @@ def dequantize_requested(quantization_config: object) -> bool:
     if isinstance(quantization_config, dict):
         return bool(quantization_config.get("dequantize", False))
     return bool(getattr(quantization_config, "dequantize", False))
-
-
-def checkpoint_config(source, kwargs: dict) -> dict | PretrainedConfig:
-    """The config ``from_pretrained(source, **kwargs)`` would read: ``kwargs["config"]`` when it is
-    a config, else the config dict of that path (or of `source`), with the hub arguments given."""
-    config = kwargs.get("config")
-    if config is None or isinstance(config, (str, os.PathLike)):
-        hub = {k: kwargs[k] for k in ("cache_dir", "revision", "token", "local_files_only", "subfolder") if k in kwargs}
-        config, _ = PretrainedConfig.get_config_dict(source if config is None else config, **hub)
-    return config
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

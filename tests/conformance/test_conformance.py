@@ -101,6 +101,35 @@ def test_published_shape_needs_a_registered_model_type(tmp_path):
         published_shape(str(path))
 
 
+@pytest.mark.parametrize("name", ["qwen3_5", "gemma3"])
+def test_a_multimodal_config_gives_its_text_model(name, tmp_path):
+    """``--config path`` of a published multimodal config.json (Qwen3.5's; Gemma 3 4B+'s short
+    ``text_config`` form, a legacy ``rope_scaling`` in it): the text model's architecture and
+    config, as the multimodal config class builds it."""
+    import transformers
+
+    if name not in {a.name for a, _ in SHAPES}:
+        pytest.skip(f"{name} is not registered on this transformers")
+    arch = get(name)
+    if name == "gemma3":
+        text = {"hidden_size": 64, "intermediate_size": 128, "model_type": "gemma3_text", "num_hidden_layers": 6,
+                "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 32}
+        stored = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "text_config": text,
+                  "mm_tokens_per_image": 256, "vision_config": {"model_type": "siglip_vision_model"}}
+    else:
+        stored = transformers.Qwen3_5Config(text_config=arch.tiny_config().to_dict()).to_dict()
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(stored))
+    assert published_shape(str(path)) == (arch, None)
+    config = make_config(arch, str(path), 2)
+    want = transformers.AutoConfig.from_pretrained(tmp_path).get_text_config()
+    assert type(config) is arch.config_class and config.num_hidden_layers == 2
+    assert {k: v for k, v in config.to_dict().items() if k not in ("num_hidden_layers", "layer_types")} == \
+        {k: v for k, v in want.to_dict().items() if k not in ("num_hidden_layers", "layer_types")}
+    if arch.name == "gemma3":
+        assert config.rope_parameters["full_attention"]["factor"] == 8.0
+
+
 def test_construct_builds_on_the_device_in_the_dtype_and_restores_the_default():
     arch = get("qwen3")
     model = construct(arch.causal_lm_class, arch.tiny_config(), torch.device("meta"), torch.bfloat16)

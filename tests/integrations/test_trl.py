@@ -51,14 +51,20 @@ def test_the_example_trains_lora_adapters_with_trl_metrics_at_zero(example, tmp_
 
 
 def _trainer(example, arch_name: str, tmp_path, beta: float = 0.0, peft_config=None, gradient_checkpointing=False,
-             **config_overrides):
-    """A VexactGRPOTrainer on a tiny random checkpoint of `arch_name`, loaded from its path."""
+             multimodal: bool = False, **config_overrides):
+    """A VexactGRPOTrainer on a tiny random checkpoint of `arch_name`, loaded from its path (a
+    published-style multimodal checkpoint with `multimodal`: tests/models/model_support.py)."""
     from vexact_models.registry import get
+
+    from ..models.model_support import save_multimodal
 
     arch = get(arch_name)
     config = arch.tiny_config(vocab_size=16, **config_overrides)
     torch.manual_seed(0)
-    arch.causal_lm_class(config).save_pretrained(tmp_path / "ckpt")
+    if multimodal:
+        save_multimodal(arch, config, tmp_path / "ckpt")
+    else:
+        arch.causal_lm_class(config).save_pretrained(tmp_path / "ckpt")
     args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, max_completion_length=5,
                       max_steps=2, logging_steps=1, save_strategy="no", learning_rate=1e-2, report_to=[], use_cpu=True,
                       bf16=False, gradient_checkpointing=gradient_checkpointing, disable_tqdm=True, beta=beta)
@@ -125,6 +131,22 @@ def test_trainer_logprobs_equal_rollout_logprobs_bitwise(example, arch_name, ove
     assert len(logs) == 2 and all(h[DIFF_MAX] == 0.0 and h[IS_MIN] == h[IS_MAX] == 1.0 for h in logs), logs
     assert ("aux_loss" in logs[0]) == aux
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())  # it did train
+
+
+@pytest.mark.parametrize("arch_name", ["qwen3_5_moe", "gemma3"])
+def test_a_published_multimodal_checkpoint_trains_its_text_model(example, arch_name, tmp_path):
+    """Given the path of a published-style multimodal checkpoint (Qwen3.5, Gemma 3 4B+), the trainer
+    trains our text model (the vision tower skipped), with TRL's metrics at 0 / 1."""
+    from vexact_models.registry import architectures
+
+    served = {arch.name: arch for arch in architectures()}
+    if arch_name not in served:
+        pytest.skip(f"{arch_name} is not registered on this transformers")
+    trainer = _trainer(example, arch_name, tmp_path, multimodal=True)
+    assert type(trainer.model) is served[arch_name].causal_lm_class
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if DIFF_MAX in h]
+    assert len(logs) == 2 and all(h[DIFF_MAX] == 0.0 and h[IS_MIN] == h[IS_MAX] == 1.0 for h in logs), logs
 
 
 LORA = {"qwen3": dict(target_modules="all-linear"),
@@ -200,7 +222,10 @@ def test_a_peft_model_of_ours_trains_against_trls_reference_adapter(example, tmp
 
 
 def test_bad_settings_are_refused_before_building(example, tmp_path):
+    import transformers
     from transformers.models.qwen3.modeling_qwen3 import Qwen3ForCausalLM
+
+    from vexact_models.registry import get
 
     import vexact_models.qwen3 as qwen3
 
@@ -217,4 +242,8 @@ def test_bad_settings_are_refused_before_building(example, tmp_path):
         VexactGRPOTrainer(ours, args=GRPOConfig(**base, repetition_penalty=1.2), **common)
     with pytest.raises(ValueError, match="transformers.models.qwen3.modeling_qwen3.Qwen3ForCausalLM"):
         VexactGRPOTrainer(Qwen3ForCausalLM(config), args=GRPOConfig(**base), **common)
+    multimodal = transformers.Qwen3_5Config(text_config=get("qwen3_5").tiny_config(vocab_size=16).to_dict())
+    with pytest.raises(ValueError, match=r"multimodal .*Qwen3_5ForConditionalGeneration.*vexact_models\.qwen3_5\."
+                                         r"Qwen3_5ForCausalLM\.from_pretrained\(path\)"):
+        VexactGRPOTrainer(transformers.Qwen3_5ForConditionalGeneration(multimodal), args=GRPOConfig(**base), **common)
     assert "forward" not in vars(ours)  # refused before anything was patched onto the model

@@ -155,3 +155,29 @@ def skip_without_rollout(arch: Architecture, feature: str) -> None:
     why = arch.rollout_feature_missing(feature)
     if why is not None:
         pytest.skip(f"{arch.name}: no {feature} in rollouts yet: {why}")
+
+
+_QWEN_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                    temporal_patch_size=2, spatial_merge_size=2, in_channels=3)
+#: the architectures whose published checkpoints are multimodal (`vexact_models.multimodal`) -> (stock's
+#: multimodal config class, its model class, tiny fields beside the text config)
+MULTIMODAL_FAMILIES = {
+    "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", dict(vision_config=_QWEN_VISION)),
+    "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", dict(vision_config=_QWEN_VISION)),
+    "gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration", dict(mm_tokens_per_image=4, vision_config=dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14))),
+}
+
+
+def save_multimodal(arch: Architecture, text_config, folder, seed: int = 0) -> torch.nn.Module:
+    """A published-style multimodal checkpoint in `folder`: transformers' own multimodal class of
+    `arch` (`MULTIMODAL_FAMILIES`) over `text_config` and a tiny vision tower, random weights and
+    norms, written with ``save_pretrained``; returns the model (eval mode)."""
+    config_class, model_class, fields = MULTIMODAL_FAMILIES[arch.name]
+    config = getattr(transformers, config_class)(text_config=text_config.to_dict(), **fields)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_class)(config).eval()
+    with torch.no_grad():
+        (arch.init_for_conformance or randomize_norms_and_biases)(model, seed)
+    model.save_pretrained(folder)
+    return model

@@ -1,19 +1,17 @@
 """What is specific to the gated-DeltaNet hybrids (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) beyond the
 shared architecture tests: HF parity over sequences that cross the gated delta rule's chunk
-boundaries (positions 64, 128), packed and padded alike; the text part of Qwen3.5's multimodal
-checkpoints; the published configs; layer_types checks; the rollout engine's refusal of the features
-it lacks for them."""
+boundaries (positions 64, 128), packed and padded alike; the published configs; layer_types
+checks; the rollout engine's refusal of the features it lacks for them. The text part of Qwen3.5's
+multimodal checkpoints: tests/models/test_multimodal_checkpoints.py."""
 
 import copy
 import importlib
 import inspect
-import logging
 import math
 import sys
 
 import pytest
 import torch
-import transformers
 
 from vexact_models.registry import get
 
@@ -164,48 +162,6 @@ def test_norms_and_gates_are_random_in_the_parity_models(hybrid_pair):
     for name, param in ours.named_parameters():
         if name.endswith(("norm.weight", "dt_bias")):
             assert param.std() > 0.05, name
-
-
-@pytest.mark.parametrize("name, config_class, model_class", [
-    ("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
-    ("qwen3_5_moe", "Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration")])
-def test_text_part_of_a_multimodal_checkpoint_loads(name, config_class, model_class, tmp_path, caplog):
-    """A multimodal checkpoint written by transformers' own class (model.language_model.*,
-    model.visual.*): our text model loads its text part, says once that it skips the vision
-    tower, and matches the multimodal model on text input; the path may come by HF's parameter
-    name as well, and after `patch()` ``AutoModelForCausalLM`` gives the same model (stock's gives
-    stock's text class: `compat.configs_given_the_same_class`)."""
-    arch = get(name)
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
-                  temporal_patch_size=2, spatial_merge_size=2, in_channels=3)
-    config = getattr(transformers, config_class)(text_config=arch.tiny_config().to_dict(), vision_config=vision)
-    torch.manual_seed(0)
-    multimodal = getattr(transformers, model_class)(config).eval()
-    with torch.no_grad():
-        arch.init_for_conformance(multimodal, 0)
-    multimodal.save_pretrained(tmp_path)
-    with caplog.at_level(logging.WARNING, logger="vexact_models"):
-        ours = arch.causal_lm_class.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    notices = [r.getMessage() for r in caplog.records if r.name == "vexact_models"]
-    assert len(notices) == 1 and "skipping the vision tower" in notices[0]
-    assert isinstance(ours.config, arch.config_class)
-    ids = torch.randint(0, 512, (2, 20))
-    with torch.no_grad():
-        assert rel(ours(ids).logits, multimodal(input_ids=ids).logits) <= 1e-5
-        by_name = arch.causal_lm_class.from_pretrained(pretrained_model_name_or_path=tmp_path, dtype=torch.float32)
-        assert torch.equal(by_name.eval()(ids).logits, ours(ids).logits)
-    # AutoModelForCausalLM of the multimodal checkpoint: stock's text class, ours after patch()
-    import vexact_models
-
-    vexact_models.patch()
-    try:
-        auto = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    finally:
-        vexact_models.unpatch()
-    assert type(auto) is arch.causal_lm_class
-    with torch.no_grad():
-        assert torch.equal(auto(ids).logits, ours(ids).logits)
-    assert type(transformers.AutoModelForCausalLM.from_pretrained(tmp_path)) is arch.hf_class()
 
 
 @pytest.mark.parametrize("arch", HYBRIDS, ids=lambda a: a.name)

@@ -16,7 +16,9 @@ the training forward, `token_logprobs` and the rollout's sampler (`kernels.logit
 ``attn_logit_softcapping`` is read by stock's Gemma 3 attention but not applied (its attention
 call passes no ``softcap``, in every attention implementation), so neither is it here: a config
 setting it gives stock's logits (tests/models/test_sliding_window_models.py checks that stock
-ignores it). Not taken: ``use_bidirectional_attention``.
+ignores it). Not taken: ``use_bidirectional_attention``. The text model of the published
+multimodal checkpoints (Gemma 3 4B, 12B, 27B: ``Gemma3ForConditionalGeneration``) loads too
+(`vexact_models.multimodal`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from vexact_models.layers import (GatedMLP, RopeTables, ZeroCentredRMSNorm, add_
 
 from ..causal_lm import CausalLMMixin, DecoderModelMixin, InitHookMixin, final_logit_softcap
 from ..inference_model import InferenceModel
+from ..multimodal import TextOfMultimodalMixin
 from ..heads import SequenceClassificationMixin, TokenClassificationMixin
 
 
@@ -147,10 +150,13 @@ def check_config(config: Gemma3TextConfig) -> None:
         raise ValueError("Gemma3: use_bidirectional_attention=True is not supported (causal attention only)")
 
 
-class Gemma3PreTrainedModel(InitHookMixin, PreTrainedModel):
+class Gemma3PreTrainedModel(TextOfMultimodalMixin, InitHookMixin, PreTrainedModel):
     config_class = Gemma3TextConfig
     config: Gemma3TextConfig
     base_model_prefix = "model"
+    # the multimodal checkpoints' other parts (`vexact_models.multimodal`)
+    _keys_to_ignore_on_load_unexpected = [r"^vision_tower\.", r"^multi_modal_projector\.", r"^model\.vision_tower\.",
+                                          r"^model\.multi_modal_projector\."]
     supports_gradient_checkpointing = True
     _no_split_modules = ["Gemma3DecoderLayer"]
 

@@ -55,6 +55,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from vexact_models.causal_lm import final_logit_softcap, num_routed_experts
 from vexact_models.kernels import token_logprobs
+from vexact_models.multimodal import refuse_multimodal_model, text_config_of
 from vexact_models.registry import for_model_type
 from vexact_models.rl import entropy_rows
 from vexact_models.runtime import LLM, SamplingParams
@@ -204,6 +205,7 @@ def causal_lm_of(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _architecture_of(model):
+    refuse_multimodal_model("VexactGRPOTrainer", model)
     arch = for_model_type(getattr(model.config, "model_type", None))
     if arch is None or not isinstance(model, arch.causal_lm_class):
         raise ValueError(f"VexactGRPOTrainer: the model must be a vexact-models causal LM (call vexact_models.patch() "
@@ -236,13 +238,14 @@ def _check_config(args: GRPOConfig, exact_logprobs: bool) -> None:
 
 
 def _load_policy(model, args: GRPOConfig):
-    """A path -> our causal LM class for its model_type (TRL would load the stock class)."""
+    """A path -> our causal LM class for its model_type (TRL would load the stock class); a
+    published multimodal checkpoint's text model (`vexact_models.multimodal`)."""
     if not isinstance(model, str):
         return model
     from transformers import AutoConfig
     from trl.trainer.utils import create_model_from_path
 
-    arch = for_model_type(AutoConfig.from_pretrained(model).model_type)
+    arch = for_model_type(text_config_of(AutoConfig.from_pretrained(model)).model_type)
     if arch is None:
         raise ValueError(f"VexactGRPOTrainer: {model} has a model_type vexact-models does not support")
     return create_model_from_path(model, architecture=arch.causal_lm_class, **dict(args.model_init_kwargs or {}))

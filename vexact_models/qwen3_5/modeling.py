@@ -7,7 +7,7 @@ causal ``conv1d``, ``A_log``, ``dt_bias``, the gated ``norm``, ``out_proj``) or 
 attention (``self_attn``: ``q_proj`` emitting query and output gate, zero-centred q/k norms,
 partial rotary); zero-centred RMSNorms; a SwiGLU MLP. The layers are
 `vexact_models.gated_deltanet`'s (docs/design.md section 6b). The text part of the published
-multimodal checkpoints (``Qwen3_5ForConditionalGeneration``) loads too (`multimodal`).
+multimodal checkpoints (``Qwen3_5ForConditionalGeneration``) loads too (`vexact_models.multimodal`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from ..gated_deltanet import (GatedAttention, GatedRMSNorm, HybridDecoderLayer, 
                               StockInitOrderMixin, ZeroCentredRMSNorm)
 from ..heads import SequenceClassificationMixin, TokenClassificationMixin
 from ..layers import GatedMLP
-from .multimodal import TextOfMultimodalMixin
+from ..multimodal import TextOfMultimodalMixin
 
 
 class Qwen3_5RMSNorm(ZeroCentredRMSNorm):

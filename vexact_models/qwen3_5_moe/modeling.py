@@ -18,7 +18,7 @@ from ..inference_model import InferenceModel
 from ..gated_deltanet import (GatedAttention, GatedRMSNorm, HybridDecoderLayer, SharedExpertMoeBlock,
                               SplitProjectionGatedDeltaNet, StockInitOrderMixin, ZeroCentredRMSNorm)
 from ..heads import SequenceClassificationMixin, TokenClassificationMixin
-from ..qwen3_5.multimodal import TextOfMultimodalMixin
+from ..multimodal import TextOfMultimodalMixin
 from ..qwen3_moe.modeling import Qwen3MoeForCausalLM
 
 
