@@ -7,6 +7,10 @@
     vexact conformance   the full conformance suite (same as ``vexact-conformance``)
     vexact env           what a bug report needs: versions, platform, device, kernel backend and
                          every VEXACT_* switch with its value, default and modes
+    vexact export-text SOURCE TARGET
+                         the text model of a published multimodal checkpoint (Qwen3.5, Gemma 3
+                         4B+) as a text checkpoint of its own, for loaders that build the
+                         multimodal class
     vexact new-architecture NAME --from qwen3
                          a new architecture folder copied from a registered one, with its test
                          (docs/adding-an-architecture.md)
@@ -176,6 +180,53 @@ def env(args: argparse.Namespace) -> int:
     return env_report.main(as_json=args.json)
 
 
+EXPORT_TEXT_HELP = """Write the text model of a published multimodal checkpoint (Qwen3.5, Qwen3.5-MoE, Gemma 3 4B,
+12B, 27B) as a text checkpoint of its own: the text config (architectures naming stock's text
+causal LM, e.g. Gemma3ForCausalLM), the text model's tensors under the text class's names in
+their stored dtype (the vision tower, its projector and Qwen3.5's MTP layers left out), sharded
+safetensors, the tokenizer and generation files copied.
+
+vexact-models' own loaders read such a checkpoint's text part directly (LLM(path), our classes'
+from_pretrained, VexactGRPOTrainer(model=path)); export it for loaders that build the class the
+checkpoint names instead: stock AutoModelForCausalLM of Gemma 3 4B+, verl's actor
+(AutoModelForImageTextToText for a multimodal config) and critic, TRL's trainers given a path.
+Point them at TARGET after vexact_models.patch().
+
+SOURCE is a local folder (download a hub model first: hf download ORG/NAME --local-dir DIR).
+TARGET must not exist or be an empty folder; it is written beside, then renamed into place, so a
+failed export leaves nothing there.
+
+Example:
+    vexact export-text ./gemma-3-12b-it ./gemma-3-12b-it-text
+"""
+
+
+def export_text(args: argparse.Namespace) -> int:
+    """``vexact export-text``: `text_export.export_text_model`; 2 for a bad argument."""
+    from vexact_models.text_export import export_text_model
+
+    try:
+        target = export_text_model(args.source, args.target, max_shard_size=args.max_shard_size,
+                                   progress=not args.no_progress)
+    except ValueError as error:
+        print(f"vexact export-text: error: {error}", file=sys.stderr)
+        return 2
+    files = sorted(p.name for p in target.iterdir())
+    print(f"wrote the text model to {target}: {', '.join(files)}")
+    return 0
+
+
+def _add_export_text_parser(sub) -> None:
+    p = sub.add_parser("export-text", help="the text model of a multimodal checkpoint (Qwen3.5, Gemma 3 4B+) as a "
+                                           "text checkpoint", description=EXPORT_TEXT_HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("source", metavar="SOURCE", help="the multimodal checkpoint folder")
+    p.add_argument("target", metavar="TARGET", help="the new folder to write (not existing, or empty)")
+    p.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                   help="the largest safetensors file, in bytes or as 5GB / 500MB (default 5GB)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
 def _arch_help() -> str:
     names = ", ".join(sorted(a.name for a in architectures()))
     too_old = "".join(f"; {name} needs transformers >= {floor}" for name, floor in sorted(unavailable().items()))
@@ -199,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     p_demo.add_argument("--seed", type=int, default=0, help="seed of the random weights, requests and sampling (default 0)")
     sub.add_parser("conformance", help="the conformance suite (see vexact-conformance --help)", add_help=False)
     _add_new_architecture_parser(sub)
+    _add_export_text_parser(sub)
     p_env = sub.add_parser("env", help="versions, device, backend and VEXACT_* switches, for a bug report",
                            description=ENV_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p_env.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -213,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         return new_architecture(args)
     if args.command == "env":
         return env(args)
+    if args.command == "export-text":
+        return export_text(args)
     args.device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         args.arch, args.config = demo_config(args.arch.name, args.device)

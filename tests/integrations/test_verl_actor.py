@@ -107,6 +107,31 @@ def test_actor_logprobs_equal_rollout_and_verls_metric_is_zero(ckpt, remove_padd
     assert metrics["training/rollout_probs_diff_max"] == 0.0
 
 
+@pytest.mark.usefixtures("verl_cpu")
+def test_an_exported_multimodal_checkpoint_trains_as_our_text_model(tmp_path):
+    """verl builds a published-style multimodal Qwen3.5 checkpoint's actor as the multimodal model
+    (its loader picks AutoModelForImageTextToText); from its ``vexact export-text`` export, verl's
+    own loader builds our text class, whose logprobs equal the rollout's bitwise."""
+    from transformers import AutoConfig
+    from verl.utils.model import get_hf_auto_model_class
+
+    from vexact_models.text_export import export_text_model
+
+    from ..models.model_support import save_multimodal
+
+    arch = get("qwen3_5")
+    save_multimodal(arch, arch.tiny_config(initializer_range=0.5), tmp_path / "multimodal")
+    auto = get_hf_auto_model_class(AutoConfig.from_pretrained(tmp_path / "multimodal"))
+    assert auto.__name__ in ("AutoModelForImageTextToText", "AutoModelForVision2Seq")
+    path = str(export_text_model(tmp_path / "multimodal", tmp_path / "text", progress=False))
+    _, server = make_rollout(path, engine={"kv_cache_bytes": 8 << 20})
+    tensors = rollout_batch(asyncio.run(generate_all(server)))
+    engine = verl_engine(path, fused=True)
+    assert type(engine.module) is arch.causal_lm_class
+    old = actor_old_log_probs(engine, tensors, fused=True)
+    assert torch.equal(old * tensors["response_mask"], tensors["rollout_log_probs"])
+
+
 @pytest.fixture(scope="module")
 def moe_ckpt(tmp_path_factory):
     return save_tiny(tmp_path_factory, "qwen3_moe")
