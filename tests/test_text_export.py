@@ -13,24 +13,16 @@ import transformers
 import vexact_models
 from vexact_models import text_export
 from vexact_models.cli import main
-from vexact_models.registry import get
 
-from .models.model_support import MULTIMODAL_FAMILIES, rel, save_multimodal
+from .models.model_support import MULTIMODAL_FAMILIES, registered_or_skip, rel, save_multimodal
 
 pytestmark = pytest.mark.compat  # also run on older transformers releases (.ci/run)
-
-
-def served(name: str):
-    try:
-        return get(name)
-    except ValueError as error:
-        pytest.skip(str(error))
 
 
 @pytest.fixture(params=sorted(MULTIMODAL_FAMILIES))
 def multimodal(request, tmp_path):
     """(architecture, the multimodal model, its folder with a tokenizer config and a processor config)."""
-    arch = served(request.param)
+    arch = registered_or_skip(request.param)
     folder = tmp_path / "multimodal"
     model = save_multimodal(arch, arch.tiny_config(), folder)
     (folder / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 64}))

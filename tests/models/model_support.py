@@ -181,3 +181,30 @@ def save_multimodal(arch: Architecture, text_config, folder, seed: int = 0) -> t
         (arch.init_for_conformance or randomize_norms_and_biases)(model, seed)
     model.save_pretrained(folder)
     return model
+
+
+def registered_or_skip(name: str) -> Architecture:
+    """The registered architecture `name`, or a skip where the installed transformers is too old for it."""
+    from vexact_models.registry import get
+
+    try:
+        return get(name)
+    except ValueError as error:
+        pytest.skip(str(error))
+
+
+def check_rollouts_equal_recompute(llm, max_tokens: int) -> None:
+    """Two prompts (11 and 3 tokens) sampled at temperature 0.9 by `llm` for `max_tokens` tokens
+    each: every sampled token's logprob equals the engine's training model's ``token_logprobs``
+    bitwise."""
+    from vexact_models import SamplingParams
+
+    model = llm.model.causal_lm  # the training model the engine wraps
+    prompts = [[5, 9, 31, 7, 200, 11, 3, 44, 90, 17, 23], [400, 8, 12]]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.9, seed=3), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        ids = torch.tensor(prompt + out.outputs[0].token_ids)
+        with torch.no_grad():
+            recomputed = model.token_logprobs(ids[None], temperature=0.9)[0, len(prompt):]
+        assert len(out.outputs[0].token_ids) == max_tokens
+        assert torch.equal(recomputed, torch.tensor(out.outputs[0].logprobs, dtype=torch.float32))

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from vexact_models.mxfp4 import FP4_VALUES, dequantize_mxfp4
 from vexact_models.registry import architectures
 
-from .model_support import rel, stock_model
+from .model_support import check_rollouts_equal_recompute, rel, stock_model
 
 ARCHS = {arch.name: arch for arch in architectures()}
 if "gpt_oss" not in ARCHS:  # Architecture.min_transformers keeps it out on older releases
@@ -136,7 +136,7 @@ def test_mxfp4_checkpoint_rolls_out_as_training_recomputes(mxfp4_checkpoint):
     """``LLM(path)`` dequantizes by itself (the engine's `from_pretrained_complete`): the weights are
     stock's dequantized ones, and every sampled token's logprob equals ``token_logprobs`` bitwise.
     The pipeline stages' loader reads the pairs itself (`dequantize_mxfp4`) into the same weights."""
-    from vexact_models import LLM, SamplingParams
+    from vexact_models import LLM
     from vexact_models.runtime.pipeline import PipelineStage
     from vexact_models.runtime.pipeline_load import load_stage_model
 
@@ -145,14 +145,7 @@ def test_mxfp4_checkpoint_rolls_out_as_training_recomputes(mxfp4_checkpoint):
     llm = LLM(str(folder), dtype=torch.float32, device="cpu", block_size=4, kv_cache_bytes=1 << 20)
     model = llm.model.causal_lm  # the training model the engine wraps
     assert all(torch.equal(p, stock_params[n]) for n, p in model.named_parameters())
-    prompts = [[5, 9, 31, 7, 200, 11, 3, 44, 90, 17, 23], [400, 8, 12]]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.9, seed=3), use_tqdm=False)
-    for prompt, out in zip(prompts, outs):
-        ids = torch.tensor(prompt + out.outputs[0].token_ids)
-        with torch.no_grad():
-            recomputed = model.token_logprobs(ids[None], temperature=0.9)[0, len(prompt):]
-        assert len(out.outputs[0].token_ids) == 12
-        assert torch.equal(recomputed, torch.tensor(out.outputs[0].logprobs, dtype=torch.float32))
+    check_rollouts_equal_recompute(llm, max_tokens=12)
     config = transformers.AutoConfig.from_pretrained(folder)
     staged = load_stage_model(str(folder), ARCH, config, torch.float32, PipelineStage(0, 1, range(3), 3),
                               torch.device("cpu"))

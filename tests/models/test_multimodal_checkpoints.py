@@ -18,7 +18,8 @@ import transformers
 import vexact_models
 from vexact_models.registry import get
 
-from .model_support import MULTIMODAL_FAMILIES, rel, save_multimodal
+from .model_support import (MULTIMODAL_FAMILIES, check_rollouts_equal_recompute, registered_or_skip, rel,
+                            save_multimodal)
 
 pytestmark = pytest.mark.compat
 
@@ -27,19 +28,11 @@ OTHER_PARTS = {"qwen3_5": ("model.visual.",), "qwen3_5_moe": ("model.visual.",),
                "gemma3": ("vision_tower.", "multi_modal_projector.")}
 
 
-def served(name: str):
-    """The registered architecture `name`, or a skip where the installed transformers is too old for it."""
-    try:
-        return get(name)
-    except ValueError as error:
-        pytest.skip(str(error))
-
-
 @pytest.fixture(params=sorted(MULTIMODAL_FAMILIES))
 def multimodal(request, tmp_path):
     """(architecture, the multimodal model, its checkpoint folder): `save_multimodal` over the
     architecture's tiny text config."""
-    arch = served(request.param)
+    arch = registered_or_skip(request.param)
     return arch, save_multimodal(arch, arch.tiny_config(), tmp_path), tmp_path
 
 
@@ -125,7 +118,7 @@ def test_llm_rolls_out_the_text_model(multimodal):
     """``LLM(path)`` loads the text model (the weights ``from_pretrained`` gives) and its sampled
     tokens' logprobs equal ``token_logprobs`` bitwise; the pipeline stages' loader reads the same
     tensors under their stored names."""
-    from vexact_models import LLM, SamplingParams
+    from vexact_models import LLM
     from vexact_models.runtime.pipeline import PipelineStage
     from vexact_models.runtime.pipeline_load import load_stage_model
 
@@ -135,13 +128,7 @@ def test_llm_rolls_out_the_text_model(multimodal):
     model = llm.model.causal_lm
     assert type(model) is arch.causal_lm_class
     assert all(torch.equal(p, want[n]) for n, p in model.named_parameters())
-    prompts = [[5, 9, 31, 7, 200, 11, 3, 44, 90, 17, 23], [400, 8, 12]]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.9, seed=3), use_tqdm=False)
-    for prompt, out in zip(prompts, outs):
-        ids = torch.tensor(prompt + out.outputs[0].token_ids)
-        with torch.no_grad():
-            recomputed = model.token_logprobs(ids[None], temperature=0.9)[0, len(prompt):]
-        assert torch.equal(recomputed, torch.tensor(out.outputs[0].logprobs, dtype=torch.float32))
+    check_rollouts_equal_recompute(llm, max_tokens=10)
     layers = model.config.num_hidden_layers
     for stage in (PipelineStage(0, 2, range(0, 1), layers), PipelineStage(1, 2, range(1, layers), layers)):
         staged = load_stage_model(str(folder), arch, model.config, torch.float32, stage, torch.device("cpu"))
@@ -152,7 +139,7 @@ def test_llm_rolls_out_the_text_model(multimodal):
 def test_another_family_s_checkpoint_is_an_error(multimodal):
     """A multimodal checkpoint whose text model is of another architecture is refused by name."""
     arch, _, folder = multimodal
-    other = get("qwen3_5") if arch.name == "gemma3" else served("gemma3")
+    other = get("qwen3_5") if arch.name == "gemma3" else registered_or_skip("gemma3")
     with pytest.raises(ValueError, match=rf"{other.causal_lm_class.__name__}\.from_pretrained: .* multimodal "
                                          rf"{arch.name} checkpoint"):
         other.causal_lm_class.from_pretrained(folder)
