@@ -37,8 +37,8 @@ from .engine_lock import EngineLock, one_call_at_a_time
 from .llm_args import (architecture_of, check_engine_args, check_max_model_len, check_model_argument,
                        check_model_placement, resolve_device, resolve_dtype)
 from .llm_memory import EngineMemoryMixin
-from .llm_setup import (engine_config, eos_token_ids, folder_config, kv_bytes_per_sequence, load_folder, pick_device,
-                        runner_model)
+from .llm_setup import (checkpoint_folder, engine_config, eos_token_ids, folder_config, kv_bytes_per_sequence,
+                        load_folder, pick_device, runner_model)
 from .llm_steps import EngineStepsMixin
 from .linear_state_cache import linear_state_spec
 from .outputs import CompletionOutput, RequestOutput
@@ -65,7 +65,10 @@ class LLM(EngineStepsMixin, EngineMemoryMixin):
     limit, before the engine changes anything.
 
     Args:
-        model: checkpoint folder, or a training-variant model instance (the engine then shares
+        model: checkpoint folder or hub model id (``Qwen/Qwen3-8B``: its configs, safetensors and
+            tokenizer fetched into the hub cache first, `llm_setup.checkpoint_folder`; of a
+            published multimodal checkpoint its text model, `vexact_models.multimodal`), or a
+            training-variant model instance (the engine then shares
             its parameter storage: no copy, updates are seen by the next step). The engine puts
             each q/k/v and gate/up weight group in one buffer (`layers.fuse_projections`): the
             parameters stay the same objects and values, now views, and rollouts run one GEMM
@@ -159,6 +162,8 @@ class LLM(EngineStepsMixin, EngineMemoryMixin):
                                      async_scheduling=async_scheduling))
         load_dtype = resolve_dtype(dtype)
         from_folder = isinstance(model, (str, os.PathLike))
+        if from_folder:
+            model = checkpoint_folder(model)  # a hub model id: fetched (or found in the hub cache) first
         target = folder_config(str(model))[1] if from_folder else architecture_of(model)
         if pipeline_parallel_size > 1:  # engine features it cannot use yet (Architecture.rollout_features_missing)
             target.check_rollout_feature("pipeline_parallel", "use pipeline_parallel_size=1")

@@ -121,9 +121,10 @@ def check_max_model_len(max_model_len: int | None, config) -> int:
 
 
 def check_model_argument(model: object) -> None:
-    """`model` is a checkpoint folder (str or ``os.PathLike``) or a ``torch.nn.Module``."""
+    """`model` is a checkpoint folder or hub model id (str or ``os.PathLike``) or a ``torch.nn.Module``."""
     if not isinstance(model, (str, os.PathLike, torch.nn.Module)):
-        raise ValueError(f"LLM: model must be a checkpoint folder (str or os.PathLike) or a vexact-models causal LM "
+        raise ValueError(f"LLM: model must be a checkpoint folder or hub model id (str or os.PathLike) or a "
+                         f"vexact-models causal LM "
                          f"(e.g. from AutoModelForCausalLM after vexact_models.patch()), got a {type(model).__name__}")
 
 

@@ -157,6 +157,34 @@ def test_llm_loads_a_checkpoint_folder_with_its_tokenizer(checkpoint):
     assert mixed[0].prompt is None and mixed[0].outputs[0].text == c.text
 
 
+def test_a_hub_model_id_loads_from_the_hub_cache(checkpoint, tmp_path, monkeypatch):
+    """``LLM("org/name")`` as vLLM takes it: the model is fetched into the hub cache (here found
+    there, offline, laid out as a download leaves it) and loads with its tokenizer as the folder
+    does; an id neither fetchable nor cached is a ValueError naming it."""
+    import shutil
+
+    from huggingface_hub import constants
+
+    path, _ = checkpoint
+    repo = tmp_path / "models--org--tiny-qwen3"
+    shutil.copytree(path, repo / "snapshots" / ("1" * 40))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("1" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    kwargs = dict(device="cpu", block_size=BS, kv_cache_bytes=1 << 20, max_num_batched_tokens=32)
+    sp = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    from_hub = LLM("org/tiny-qwen3", **kwargs)
+    assert from_hub.tokenizer is not None
+    [want] = gen(LLM(str(path), **kwargs), ["w1 w2 w3"], sp)
+    [got] = gen(from_hub, ["w1 w2 w3"], sp)
+    assert result(got) == result(want) and got.outputs[0].text == want.outputs[0].text
+    with pytest.raises(ValueError, match=r"model='org/absent' is neither a checkpoint folder nor a hub model id"):
+        LLM("org/absent", **kwargs)
+    with pytest.raises(ValueError, match=r"model='/no/such/folder' is neither"):
+        LLM("/no/such/folder", **kwargs)
+
+
 def test_a_checkpoint_without_its_head_is_refused_for_rollouts(checkpoint, tmp_path):
     """The training class initialises a head the checkpoint lacks (as transformers does, for
     critics and new heads); the engine would sample from it, so it names the tensor instead."""
