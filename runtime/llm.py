@@ -23,6 +23,7 @@ from __future__ import annotations
 import operator
 import os
 import weakref
+from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import replace
 
@@ -35,7 +36,7 @@ from vexact_models.projections import fuse_projections
 from .block_manager import BlockManager
 from .engine_lock import EngineLock, one_call_at_a_time
 from .llm_args import (architecture_of, check_engine_args, check_max_model_len, check_model_argument,
-                       check_model_placement, resolve_device, resolve_dtype)
+                       check_model_placement, prompt_of, resolve_device, resolve_dtype)
 from .llm_memory import EngineMemoryMixin
 from .llm_setup import (checkpoint_folder, engine_config, eos_token_ids, folder_config, kv_bytes_per_sequence,
                         load_folder, pick_device, runner_model)
@@ -272,6 +273,7 @@ class LLM(EngineStepsMixin, EngineMemoryMixin):
 
     # -- requests -------------------------------------------------------------------------
     def _token_ids(self, prompt) -> list[int]:
+        prompt = prompt_of(prompt)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("LLM.generate: text prompts need a tokenizer in the checkpoint folder; pass token ids")
@@ -304,7 +306,8 @@ class LLM(EngineStepsMixin, EngineMemoryMixin):
     @one_call_at_a_time
     def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate completions for `prompts` (token-id lists, or strings with a tokenizer).
+        """Generate completions for `prompts` (token-id lists, or strings with a tokenizer; or, as
+        vLLM takes them, ``{"prompt_token_ids": ids}`` and ``{"prompt": text}`` dicts).
 
         `sampling_params` is one `SamplingParams` for all prompts or one per prompt. A request's
         tokens depend only on its prompt, its parameters and its seed (``params.seed``, or one
@@ -320,7 +323,7 @@ class LLM(EngineStepsMixin, EngineMemoryMixin):
         """
         if hasattr(prompts, "tolist") and not isinstance(prompts, list):  # a tensor or numpy array of ids
             prompts = prompts.tolist()
-        if isinstance(prompts, str) or (isinstance(prompts, Seq) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, Mapping)) or (isinstance(prompts, Seq) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
@@ -384,4 +387,5 @@ class LLM(EngineStepsMixin, EngineMemoryMixin):
                     if self.tokenizer is not None else None)
             completions.append(CompletionOutput(seq.sample_index, list(seq.output_token_ids),
                                                 list(seq.output_logprobs), seq.finish_reason, text, seq.error))
-        return RequestOutput(seqs[0].request_id, prompt if isinstance(prompt, str) else None, ids, completions)
+        text = prompt_of(prompt)
+        return RequestOutput(seqs[0].request_id, text if isinstance(text, str) else None, ids, completions)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 
 import torch
 
@@ -118,6 +119,22 @@ def check_max_model_len(max_model_len: int | None, config) -> int:
     if not 1 <= max_model_len <= limit:
         raise ValueError(f"LLM: max_model_len={max_model_len} is outside [1, max_position_embeddings={limit}]")
     return int(max_model_len)
+
+
+#: the prompt dicts `LLM.generate` takes as vLLM does: its TokensPrompt's and TextPrompt's field
+PROMPT_DICT_KEYS = ("prompt_token_ids", "prompt")
+
+
+def prompt_of(prompt: object) -> object:
+    """The token ids or text of a vLLM-style prompt dict (`PROMPT_DICT_KEYS`: exactly one of them,
+    nothing else; a ValueError naming the keys otherwise); any other `prompt` unchanged."""
+    if not isinstance(prompt, Mapping):
+        return prompt
+    keys = sorted(prompt)
+    if len(set(keys) & set(PROMPT_DICT_KEYS)) != 1 or set(keys) - set(PROMPT_DICT_KEYS):
+        raise ValueError(f"LLM.generate: a prompt dict holds 'prompt_token_ids' (vLLM's TokensPrompt) or 'prompt' "
+                         f"(its TextPrompt), one of them and nothing else (no multimodal data); got keys {keys}")
+    return prompt.get("prompt_token_ids", prompt.get("prompt"))
 
 
 def check_model_argument(model: object) -> None:

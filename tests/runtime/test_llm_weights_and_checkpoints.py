@@ -157,6 +157,23 @@ def test_llm_loads_a_checkpoint_folder_with_its_tokenizer(checkpoint):
     assert mixed[0].prompt is None and mixed[0].outputs[0].text == c.text
 
 
+def test_vllm_prompt_dicts(checkpoint):
+    """vLLM's prompt dicts (TokensPrompt, TextPrompt) give what their ids and text give; a dict
+    with neither, both, or anything else is refused naming its keys, before any work."""
+    path, _ = checkpoint
+    llm = LLM(str(path), device="cpu", block_size=BS, kv_cache_bytes=1 << 20, max_num_batched_tokens=32)
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    plain = gen(llm, [[1, 2, 3], "w1 w2 w3"], sp)
+    dicts = gen(llm, [{"prompt_token_ids": [1, 2, 3]}, {"prompt": "w1 w2 w3"}], sp)
+    assert [result(o) for o in dicts] == [result(o) for o in plain]
+    assert (dicts[0].prompt, dicts[1].prompt) == (None, "w1 w2 w3")
+    assert result(gen(llm, {"prompt_token_ids": [1, 2, 3]}, sp)[0]) == result(plain[0])  # one dict, not a list
+    for bad in ({"prompt": "w1", "prompt_token_ids": [1]}, {"prompt_token_ids": [1], "multi_modal_data": {}}, {}):
+        with pytest.raises(ValueError, match=r"a prompt dict holds 'prompt_token_ids' .* got keys"):
+            gen(llm, [[1, 2], bad], sp)
+    assert not llm.scheduler.has_unfinished()
+
+
 def test_a_hub_model_id_loads_from_the_hub_cache(checkpoint, tmp_path, monkeypatch):
     """``LLM("org/name")`` as vLLM takes it: the model is fetched into the hub cache (here found
     there, offline, laid out as a download leaves it) and loads with its tokenizer as the folder
