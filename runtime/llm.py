@@ -36,11 +36,12 @@ from vexact_models.projections import fuse_projections
 from .block_manager import BlockManager
 from .engine_lock import EngineLock, one_call_at_a_time
 from .llm_args import (architecture_of, check_engine_args, check_max_model_len, check_model_argument,
-                       check_model_placement, prompt_of, resolve_device, resolve_dtype)
+                       check_model_placement, prompt_of, resolve_device, resolve_dtype, resolve_tokenizer)
 from .llm_memory import EngineMemoryMixin
 from .llm_setup import (checkpoint_folder, engine_config, eos_token_ids, folder_config, kv_bytes_per_sequence,
                         load_folder, pick_device, runner_model)
 from .llm_steps import EngineStepsMixin
+from .stop_strings import StopStrings, truncate_at_stop
 from .linear_state_cache import linear_state_spec
 from .outputs import CompletionOutput, RequestOutput
 from .pipeline import PipelineStage, check_stage_model, join_pipeline
@@ -132,6 +133,9 @@ class LLM(EngineStepsMixin, EngineMemoryMixin):
             checkpoint folder loads only the stage's tensors. The logprobs equal a
             single-process rollout's bitwise. ``update_weights``, ``sleep`` and ``wake_up`` are
             called on every rank. docs/pipeline.md.
+        tokenizer: for text prompts, returned text and stop strings: a transformers tokenizer, or
+            a folder or hub id to load one from (``AutoTokenizer``). Default: the checkpoint
+            folder's, if it has one (a model instance has none).
 
     Threads: one call runs at a time (`runtime.engine_lock`). A ``generate``, ``update_weights``,
     ``sleep`` or ``wake_up`` called while another thread's call is running waits for it to
@@ -150,10 +154,12 @@ class LLM(EngineStepsMixin, EngineMemoryMixin):
                  kv_cache_bytes: int | None = None, seed: int = 0, enable_chunked_prefill: bool = True,
                  enforce_eager: bool = False, aligned: bool = True, async_scheduling: bool = True,
                  enable_prefix_sharing: bool = True, owns_weights: bool | None = None,
-                 pipeline_parallel_size: int = 1, cuda_graph_max_tokens: int | None = None) -> None:
+                 pipeline_parallel_size: int = 1, cuda_graph_max_tokens: int | None = None,
+                 tokenizer=None) -> None:
         self._engine_lock = EngineLock()  # held by each public call (the class docstring: Threads)
         # Every check first: fusing the projections below is the only change made to a model passed in.
         check_model_argument(model)
+        given_tokenizer = resolve_tokenizer(tokenizer)
         check_engine_args(block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                           max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
                           kv_cache_bytes=kv_cache_bytes, seed=seed, pipeline_parallel_size=pipeline_parallel_size,
@@ -181,6 +187,7 @@ class LLM(EngineStepsMixin, EngineMemoryMixin):
         self.aligned = aligned
         self.async_scheduling = async_scheduling
         training, self.tokenizer = load_folder(str(model), dtype, stage, self.device) if from_folder else (model, None)
+        self.tokenizer = given_tokenizer or self.tokenizer
         arch = architecture_of(training)
         self._init_weight_state(from_folder if owns_weights is None else owns_weights)
         self.model = arch.inference_class(training)
@@ -300,8 +307,13 @@ class LLM(EngineStepsMixin, EngineMemoryMixin):
         if extra_eos and not params.ignore_eos:
             params = replace(params, stop_token_ids=list(params.stop_token_ids) + extra_eos)
         base = params.seed if params.seed is not None else _derive_seed(self.seed, request_id)
-        return [Sequence(request_id, i, ids, params, base if params.n == 1 else _derive_seed(base, i))
+        seqs = [Sequence(request_id, i, ids, params, base if params.n == 1 else _derive_seed(base, i))
                 for i in range(params.n)]
+        if params.stop:
+            stop = StopStrings(self.tokenizer, params.stop)
+            for seq in seqs:
+                seq.stop_strings = stop
+        return seqs
 
     @one_call_at_a_time
     def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -332,6 +344,9 @@ class LLM(EngineStepsMixin, EngineMemoryMixin):
         if len(params) != len(prompts):
             raise ValueError(f"LLM.generate: {len(params)} sampling_params for {len(prompts)} prompts")
         token_ids = [self._token_ids(p) for p in prompts]  # validate everything before scheduling
+        if self.tokenizer is None and any(p.stop for p in params):
+            raise ValueError("LLM.generate: SamplingParams.stop (stop strings) needs a tokenizer: load a checkpoint "
+                             "folder that has one, or pass LLM(..., tokenizer=...)")
         self._check_awake("LLM.generate")
         if self.pipeline is not None and not self.pipeline.stage.is_first:
             return self._serve_stage(len(prompts))
@@ -383,9 +398,13 @@ class LLM(EngineStepsMixin, EngineMemoryMixin):
     def _output(self, prompt, ids: list[int], seqs: list[Sequence]) -> RequestOutput:
         completions = []
         for seq in seqs:
-            text = (self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-                    if self.tokenizer is not None else None)
-            completions.append(CompletionOutput(seq.sample_index, list(seq.output_token_ids),
-                                                list(seq.output_logprobs), seq.finish_reason, text, seq.error))
+            text = None
+            if seq.stop_reason is not None:
+                text = truncate_at_stop(self.tokenizer, seq.output_token_ids, seq.stop_reason,
+                                        seq.params.include_stop_str_in_output)
+            elif self.tokenizer is not None:
+                text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+            completions.append(CompletionOutput(seq.sample_index, list(seq.output_token_ids), list(seq.output_logprobs),
+                                                seq.finish_reason, text, seq.error, seq.stop_reason))
         text = prompt_of(prompt)
         return RequestOutput(seqs[0].request_id, text if isinstance(text, str) else None, ids, completions)

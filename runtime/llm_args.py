@@ -137,6 +137,23 @@ def prompt_of(prompt: object) -> object:
     return prompt.get("prompt_token_ids", prompt.get("prompt"))
 
 
+def resolve_tokenizer(tokenizer: object):
+    """``LLM(tokenizer=...)``: None, a tokenizer (anything with ``decode`` and ``__call__``), or a
+    folder / hub id loaded with ``AutoTokenizer``; a ValueError naming it otherwise."""
+    if tokenizer is None or (callable(tokenizer) and hasattr(tokenizer, "decode")):
+        return tokenizer
+    if not isinstance(tokenizer, (str, os.PathLike)):
+        raise ValueError(f"LLM: tokenizer must be a transformers tokenizer or a folder or hub id to load one from, "
+                         f"got a {type(tokenizer).__name__}")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(os.fspath(tokenizer))
+    except (OSError, ValueError) as error:
+        raise ValueError(f"LLM: tokenizer={os.fspath(tokenizer)!r} could not be loaded ({type(error).__name__}: "
+                         f"{error})") from None
+
+
 def check_model_argument(model: object) -> None:
     """`model` is a checkpoint folder or hub model id (str or ``os.PathLike``) or a ``torch.nn.Module``."""
     if not isinstance(model, (str, os.PathLike, torch.nn.Module)):

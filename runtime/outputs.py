@@ -20,6 +20,7 @@ class CompletionOutput:
     finish_reason: str | None  # "stop", "length" or "error"
     text: str | None = None
     error: str | None = None
+    stop_reason: str | None = None  # the stop string that finished it (`SamplingParams.stop`), as vLLM's
 
 
 @dataclass

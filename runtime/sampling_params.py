@@ -68,6 +68,9 @@ class SamplingParams:
         seed: None lets the engine derive one; else an int in [0, 2**63). The sampled token
             depends only on (logits row, seed, token index), which is what makes rollouts
             reproducible under any batching.
+        stop: strings that finish a sequence at the token whose text completes one (a str is
+            one string), as in vLLM (`runtime.stop_strings`; needs the engine's tokenizer).
+        include_stop_str_in_output: keep the stop string at the end of the returned text.
 
     ``__post_init__`` validates every field and raises ``ValueError`` naming the field, the bad
     value and the limit. Because ``dataclasses.replace`` re-runs ``__post_init__``, copies are
@@ -84,12 +87,15 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         self.n = _require_at_least("n", self.n, 1)
         self._validate_sampling()
         self._validate_lengths()
         self._validate_stops()
+        self._validate_stop_strings()
         if self.seed is not None:
             seed = _require_int("seed", self.seed)
             if not 0 <= seed < MAX_SEED:
@@ -116,6 +122,19 @@ class SamplingParams:
             raise ValueError(
                 f"SamplingParams.min_tokens={min_tokens} exceeds max_tokens={max_tokens}"
             )
+
+    def _validate_stop_strings(self) -> None:
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)):
+            raise ValueError(f"SamplingParams.stop={stop!r} must be a string or a list of strings, "
+                             f"got {type(stop).__name__}")
+        for i, text in enumerate(stop):
+            if not isinstance(text, str) or not text:
+                raise ValueError(f"SamplingParams.stop[{i}]={text!r} must be a non-empty string")
+        self.stop = list(stop)
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise ValueError(f"SamplingParams.include_stop_str_in_output={self.include_stop_str_in_output!r} "
+                             "must be a bool")
 
     def _validate_stops(self) -> None:
         ids = self.stop_token_ids

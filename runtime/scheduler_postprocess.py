@@ -1,6 +1,6 @@
 """The end of a scheduler step: `Scheduler.postprocess` applies the sampled tokens, decides
-which sequences finish (stop tokens, EOS, ``min_tokens``, ``max_tokens``, ``max_model_len``) and
-frees their pages.
+which sequences finish (stop tokens, EOS, stop strings, ``min_tokens``, ``max_tokens``,
+``max_model_len``) and frees their pages.
 
 A mixin of `runtime.scheduler.Scheduler` (it uses the scheduler's ``_running`` list, its
 ``block_manager``, ``eos_token_id`` and ``max_model_len``), kept apart so that each file holds
@@ -100,6 +100,10 @@ class PostprocessMixin:
                 return "stop"
             if token == self.eos_token_id and not params.ignore_eos:
                 return "stop"
+            if seq.stop_strings is not None:
+                seq.stop_reason = seq.stop_strings.matched(seq.token_ids, seq.num_prompt_tokens)
+                if seq.stop_reason is not None:
+                    return "stop"
         if num_output >= params.max_tokens or num_tokens >= self.max_model_len:
             return "length"
         return None

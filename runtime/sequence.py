@@ -76,6 +76,10 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.error: str | None = None
+        # the request's stop strings (`runtime.stop_strings.StopStrings`, set by the engine), and
+        # the one that finished it
+        self.stop_strings = None
+        self.stop_reason: str | None = None
         self.arrival: int = -1
 
     @property

@@ -1,0 +1,69 @@
+"""Stop strings (``SamplingParams.stop``), as vLLM applies them: a sequence finishes ("stop") at
+the token whose text completes one of its stop strings, checked on the detokenized output
+(``skip_special_tokens=True``, the text `LLM.generate` returns); the token ids keep that token,
+and the returned text ends before the stop string (or after it with
+``include_stop_str_in_output``). ``min_tokens`` holds stop strings back as it holds stop tokens.
+
+Stop strings decide only where a sample ends: the sampled tokens and their logprobs are those of
+the same request without them, cut at the same token (tests/runtime/test_stop_strings.py).
+
+Each step decodes a window of the output's last tokens, wide enough for the longest stop string
+(`StopStrings.window`), twice: with and without the new token. A stop string counts when it ends
+inside the new token's text, so a match is found at the first token that completes it and never
+again later. The tokenizer's own decode is the reference: the window's first tokens may decode
+differently alone (a partial byte sequence), which is why the window is wider than the strings.
+"""
+
+from __future__ import annotations
+
+__all__ = ["StopStrings", "truncate_at_stop"]
+
+#: tokens of context decoded before the characters a stop string can span
+_CONTEXT_TOKENS = 8
+
+
+class StopStrings:
+    """The stop strings of one request, over `tokenizer` (a transformers tokenizer)."""
+
+    def __init__(self, tokenizer, stop: list[str]) -> None:
+        self.tokenizer = tokenizer
+        self.stop = list(stop)
+        # a token decodes to at least one character, or joins bytes into one: a string of c
+        # characters spans at most c tokens after the ones that complete a character
+        self.window = max(len(s) for s in self.stop) + _CONTEXT_TOKENS
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def matched(self, token_ids: list[int], num_prompt_tokens: int) -> str | None:
+        """The first stop string (in the request's order) that ends inside the text of the last
+        of `token_ids` (a sequence's prompt and outputs), else None; the outputs' text only."""
+        window = token_ids[max(num_prompt_tokens, len(token_ids) - self.window):]
+        text = self._decode(window)
+        kept = _common_prefix(self._decode(window[:-1]), text)  # the new token may complete a character
+        if kept == len(text):
+            return None  # the new token added no text (a special token, a partial character)
+        for stop in self.stop:
+            if text.find(stop, max(0, kept - len(stop) + 1)) >= 0:
+                return stop
+        return None
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """The length of the longest common prefix of `a` and `b`."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def truncate_at_stop(tokenizer, output_ids: list[int], stop: str, include: bool) -> str:
+    """The text of `output_ids`, whose last token completed `stop`, cut before `stop` (after it
+    when `include`): at its occurrence ending inside the last token's text."""
+    text = tokenizer.decode(output_ids, skip_special_tokens=True)
+    kept = _common_prefix(tokenizer.decode(output_ids[:-1], skip_special_tokens=True), text)
+    start = text.find(stop, max(0, kept - len(stop) + 1))
+    if start < 0:  # decoded differently in full than in the window: keep the whole text
+        return text
+    return text[:start + len(stop)] if include else text[:start]
