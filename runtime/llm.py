@@ -20,6 +20,7 @@ and the switches users set on the engine) and `llm_memory` (`EngineMemoryMixin`:
 
 from __future__ import annotations
 
+import math
 import operator
 import os
 import weakref
@@ -37,6 +38,7 @@ from .block_manager import BlockManager
 from .engine_lock import EngineLock, one_call_at_a_time
 from .llm_args import (architecture_of, check_engine_args, check_max_model_len, check_model_argument,
                        check_model_placement, prompt_of, resolve_device, resolve_dtype, resolve_tokenizer)
+from .llm_chat import ChatMixin
 from .llm_memory import EngineMemoryMixin
 from .llm_setup import (checkpoint_folder, engine_config, eos_token_ids, folder_config, kv_bytes_per_sequence,
                         load_folder, pick_device, runner_model)
@@ -59,7 +61,7 @@ def _derive_seed(base: int, index: int) -> int:
     return (base * 1_000_003 + (index + 1) * _SEED_STRIDE) % (1 << 63)
 
 
-class LLM(EngineStepsMixin, EngineMemoryMixin):
+class LLM(ChatMixin, EngineStepsMixin, EngineMemoryMixin):
     """A paged-KV rollout engine over a vexact-models architecture.
 
     A bad argument (or a model that is not a vexact-models causal LM, e.g. a stock transformers
@@ -405,6 +407,7 @@ class LLM(EngineStepsMixin, EngineMemoryMixin):
             elif self.tokenizer is not None:
                 text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
             completions.append(CompletionOutput(seq.sample_index, list(seq.output_token_ids), list(seq.output_logprobs),
-                                                seq.finish_reason, text, seq.error, seq.stop_reason))
+                                                seq.finish_reason, text, seq.error, seq.stop_reason,
+                                                math.fsum(seq.output_logprobs)))
         text = prompt_of(prompt)
         return RequestOutput(seqs[0].request_id, text if isinstance(text, str) else None, ids, completions)

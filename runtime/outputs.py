@@ -21,6 +21,7 @@ class CompletionOutput:
     text: str | None = None
     error: str | None = None
     stop_reason: str | None = None  # the stop string that finished it (`SamplingParams.stop`), as vLLM's
+    cumulative_logprob: float | None = None  # the sum of ``logprobs`` (exactly rounded), as vLLM's
 
 
 @dataclass

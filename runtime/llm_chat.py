@@ -1,0 +1,58 @@
+"""`LLM.chat`: conversations through the tokenizer's chat template, then `LLM.generate`, as vLLM's
+``LLM.chat`` takes them.
+
+The template renders each conversation to text (``apply_chat_template``, the generation prompt
+added), which is tokenized without the tokenizer's own special tokens (the template writes them:
+a second BOS would change the prompt) and rolled out as token ids; each `RequestOutput` carries the
+rendered text as its ``prompt``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from collections.abc import Sequence as Seq
+
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+__all__ = ["ChatMixin"]
+
+
+class ChatMixin:
+    """`chat`, for `LLM` (it uses the engine's ``tokenizer`` and ``generate``)."""
+
+    def chat(self, messages, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+             use_tqdm: bool = True, *, chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generate replies to `messages`: one conversation (a list of ``{"role", "content"}``
+        dicts) or a list of them, rendered by the tokenizer's chat template (or `chat_template`),
+        with `tools` and `chat_template_kwargs` passed to it (e.g. ``{"enable_thinking": False}``).
+        `sampling_params` as in `generate`. A ValueError, before any work, without a tokenizer,
+        for a message that is not a dict with a role and a content, or a tokenizer without a chat
+        template."""
+        if self.tokenizer is None:
+            raise ValueError("LLM.chat needs a tokenizer with a chat template: load a checkpoint folder that has one, "
+                             "or pass LLM(..., tokenizer=...)")
+        conversations = [messages] if isinstance(messages, Seq) and messages and isinstance(messages[0], Mapping) \
+            else list(messages)
+        texts = [self._render(i, conversation, chat_template, add_generation_prompt, continue_final_message, tools,
+                              chat_template_kwargs or {}) for i, conversation in enumerate(conversations)]
+        prompts = [{"prompt_token_ids": self.tokenizer(text, add_special_tokens=False)["input_ids"]} for text in texts]
+        outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        for output, text in zip(outputs, texts):
+            output.prompt = text
+        return outputs
+
+    def _render(self, index: int, conversation, chat_template, add_generation_prompt: bool,
+                continue_final_message: bool, tools, kwargs: dict) -> str:
+        """The text of conversation `index`, after checking its messages."""
+        if not isinstance(conversation, Seq) or isinstance(conversation, str) or not conversation:
+            raise ValueError(f"LLM.chat: conversation {index} must be a non-empty list of messages, got {conversation!r}")
+        for j, message in enumerate(conversation):
+            if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
+                raise ValueError(f"LLM.chat: message {j} of conversation {index} must be a dict with 'role' and "
+                                 f"'content', got {message!r}")
+        return self.tokenizer.apply_chat_template(
+            list(conversation), tokenize=False, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, tools=tools, **kwargs)
