@@ -51,7 +51,7 @@ def test_the_example_trains_lora_adapters_with_trl_metrics_at_zero(example, tmp_
 
 
 def _trainer(example, arch_name: str, tmp_path, beta: float = 0.0, peft_config=None, gradient_checkpointing=False,
-             multimodal: bool = False, **config_overrides):
+             multimodal: bool = False, grpo: dict | None = None, **config_overrides):
     """A VexactGRPOTrainer on a tiny random checkpoint of `arch_name`, loaded from its path (a
     published-style multimodal checkpoint with `multimodal`: tests/models/model_support.py)."""
     from vexact_models.registry import get
@@ -67,7 +67,8 @@ def _trainer(example, arch_name: str, tmp_path, beta: float = 0.0, peft_config=N
         arch.causal_lm_class(config).save_pretrained(tmp_path / "ckpt")
     args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, max_completion_length=5,
                       max_steps=2, logging_steps=1, save_strategy="no", learning_rate=1e-2, report_to=[], use_cpu=True,
-                      bf16=False, gradient_checkpointing=gradient_checkpointing, disable_tqdm=True, beta=beta)
+                      bf16=False, gradient_checkpointing=gradient_checkpointing, disable_tqdm=True, beta=beta,
+                      **(grpo or {}))
     return VexactGRPOTrainer(str(tmp_path / "ckpt"), reward_funcs=example.repeat_last_token, args=args,
                              processing_class=example.toy_tokenizer(config), llm_kwargs={"kv_cache_bytes": 16 << 20},
                              train_dataset=example.toy_dataset(example.parse_args(["--steps", "1"]), 16),
@@ -144,6 +145,24 @@ def test_a_published_multimodal_checkpoint_trains_its_text_model(example, arch_n
         pytest.skip(f"{arch_name} is not registered on this transformers")
     trainer = _trainer(example, arch_name, tmp_path, multimodal=True)
     assert type(trainer.model) is served[arch_name].causal_lm_class
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if DIFF_MAX in h]
+    assert len(logs) == 2 and all(h[DIFF_MAX] == 0.0 and h[IS_MIN] == h[IS_MAX] == 1.0 for h in logs), logs
+
+
+def test_stop_strings_from_generation_kwargs_cut_the_completions(example, tmp_path):
+    """``GRPOConfig(generation_kwargs={"stop": [...]})``, as TRL passes it to vLLM: the engine gets
+    the trainer's tokenizer, each completion ends at the token whose text completes the string
+    (or at the length limit without one), and TRL's metrics stay at 0 / 1."""
+    trainer = _trainer(example, "qwen3", tmp_path, grpo={"generation_kwargs": {"stop": ["t1"]}})
+    gen = trainer.vllm_generation
+    assert gen.llm.tokenizer is trainer.processing_class
+    _, completion_ids, _, _ = gen.generate([[3, 4, 5], [9, 2, 2, 7, 11], [6]] * 4)
+    words = [[trainer.processing_class.decode([t]) for t in ids] for ids in completion_ids]
+    assert any(len(w) < 5 for w in words)  # some stopped early
+    for w in words:  # cut at the stop string's token, at EOS, or at max_completion_length
+        assert not any("t1" in x for x in w[:-1]) and ("t1" in w[-1] or w[-1] == "<eos>" or len(w) == 5), w
+    assert any("t1" in w[-1] for w in words)
     trainer.train()
     logs = [h for h in trainer.state.log_history if DIFF_MAX in h]
     assert len(logs) == 2 and all(h[DIFF_MAX] == 0.0 and h[IS_MIN] == h[IS_MAX] == 1.0 for h in logs), logs
@@ -240,6 +259,9 @@ def test_bad_settings_are_refused_before_building(example, tmp_path):
         VexactGRPOTrainer(ours, args=GRPOConfig(**base, use_vllm=True), **common)
     with pytest.raises(ValueError, match="repetition_penalty=1.2"):
         VexactGRPOTrainer(ours, args=GRPOConfig(**base, repetition_penalty=1.2), **common)
+    with pytest.raises(ValueError, match=r"generation_kwargs \['presence_penalty'\] \(only \['stop'"):
+        VexactGRPOTrainer(ours, args=GRPOConfig(**base, generation_kwargs={"stop": ["x"], "presence_penalty": 1.0}),
+                          **common)
     with pytest.raises(ValueError, match="transformers.models.qwen3.modeling_qwen3.Qwen3ForCausalLM"):
         VexactGRPOTrainer(Qwen3ForCausalLM(config), args=GRPOConfig(**base), **common)
     multimodal = transformers.Qwen3_5Config(text_config=get("qwen3_5").tiny_config(vocab_size=16).to_dict())

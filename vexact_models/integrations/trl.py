@@ -36,7 +36,8 @@ How it plugs in (trl 1.16):
 ``exact_logprobs=False`` keeps TRL's fused LM head (rollouts still through `LLM`): TRL's metrics
 then show the mismatch of its own logprob computation. Not supported (ValueError): LoRA variants
 the aligned forward cannot run (DoRA, ...: at the first forward, as for any PeftModel of ours),
-``cast_lm_head_to_fp32``, ``min_p``, ``repetition_penalty != 1``, ``generation_kwargs``, images,
+``cast_lm_head_to_fp32``, ``min_p``, ``repetition_penalty != 1``, ``generation_kwargs`` other than
+`GENERATION_KWARGS` (stop strings, ``min_tokens``: the engine gets the trainer's tokenizer), images,
 FSDP/DeepSpeed, and a load-balancing loss for DeepSeek-V3/Moonlight (set
 ``router_aux_loss_coef=0.0``; Qwen3-MoE's is computed from the same forward). ``beta != 0`` uses
 TRL's reference model as TRL builds it.
@@ -214,6 +215,10 @@ def _architecture_of(model):
     return arch
 
 
+#: the ``GRPOConfig.generation_kwargs`` (vLLM SamplingParams fields) this integration honours
+GENERATION_KWARGS = ("stop", "include_stop_str_in_output", "min_tokens")
+
+
 def _check_config(args: GRPOConfig, exact_logprobs: bool) -> None:
     """Refuse the GRPOConfig settings this integration cannot honour, before anything is built."""
     bad = []
@@ -225,8 +230,9 @@ def _check_config(args: GRPOConfig, exact_logprobs: bool) -> None:
         bad.append(f"min_p={args.min_p} (LLM has no min-p sampling)")
     if args.repetition_penalty != 1.0:
         bad.append(f"repetition_penalty={args.repetition_penalty} (LLM has none)")
-    if args.generation_kwargs:
-        bad.append(f"generation_kwargs={args.generation_kwargs}")
+    other = sorted(set(args.generation_kwargs or {}) - set(GENERATION_KWARGS))
+    if other:
+        bad.append(f"generation_kwargs {other} (only {list(GENERATION_KWARGS)})")
     if args.temperature <= 0:
         bad.append(f"temperature={args.temperature} (GRPO samples: it must be > 0)")
     if getattr(args, "fsdp", None) or getattr(args, "deepspeed", None):
@@ -306,10 +312,15 @@ class VexactGRPOTrainer(GRPOTrainer):
                   "seed": self.args.seed + self.accelerator.process_index}
             if self.accelerator.device.type == "cuda":
                 kw["gpu_memory_utilization"] = self.args.vllm_gpu_memory_utilization
-            llm = LLM(policy, **{**kw, **(llm_kwargs or {})})
+            tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)  # a processor's own
+            llm = LLM(policy, **{**kw, "tokenizer": tokenizer, **(llm_kwargs or {})})
         top_k = self.top_k if self.top_k not in (None, 0) else -1
         sampling = {"temperature": self.temperature, "top_p": self.top_p, "top_k": top_k,
-                    "max_tokens": self.max_completion_length, "stop_token_ids": list(self.eos_token_ids)}
+                    "max_tokens": self.max_completion_length, "stop_token_ids": list(self.eos_token_ids),
+                    **(self.args.generation_kwargs or {})}
+        if sampling.get("stop") and llm.tokenizer is None:
+            raise ValueError("VexactGRPOTrainer: generation_kwargs['stop'] (stop strings) needs the engine's "
+                             "tokenizer: pass LLM(..., tokenizer=...) as llm")
         self.vllm_generation = VexactGeneration(llm, policy, sampling)
         self.use_vllm = True
         self.vllm_mode = "vexact"  # neither "server" nor "colocate": TRL's vLLM-only branches stay off
