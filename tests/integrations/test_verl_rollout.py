@@ -164,6 +164,41 @@ def test_update_weights_refuses_verls_per_expert_stream(tmp_path_factory, name, 
         asyncio.run(rollout.update_weights(iter(cut)))
 
 
+def test_stop_strings_cut_requests_with_the_checkpoint_tokenizer(ckpt, tmp_path):
+    """verl's ``stop`` (vLLM's stop strings): with the checkpoint's tokenizer the request ends at
+    the token completing the string, its tokens and logprobs those of the request without it cut
+    there; without a tokenizer (the ``ckpt`` folder) the request fails alone, naming it."""
+    import shutil
+
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    folder = tmp_path / "with_tokenizer"
+    shutil.copytree(ckpt, folder)
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(512)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(folder)
+    _, server = make_rollout(str(folder))
+    greedy = {**PARAMS, "temperature": 0.0, "max_tokens": 8}
+    full = asyncio.run(server.generate(PROMPTS[0], greedy, request_id="full"))
+    words = [f"w{t}" for t in full.token_ids]
+    stop = words[2]
+    first = next(i for i in range(len(words)) if stop in " ".join(words[:i + 1]))
+    cut = asyncio.run(server.generate(PROMPTS[0], {**greedy, "stop": [stop]}, request_id="cut"))
+    assert (cut.token_ids, cut.log_probs) == (full.token_ids[:first + 1], full.log_probs[:first + 1])
+    none = asyncio.run(server.generate(PROMPTS[0], {**greedy, "stop": None}, request_id="none"))
+    assert none.token_ids == full.token_ids
+    _, bare = make_rollout(ckpt)
+
+    async def together():  # one batch: the request with stop strings fails alone
+        return await asyncio.gather(bare.generate(PROMPTS[0], {**PARAMS, "stop": ["w1"]}, request_id="stop"),
+                                    bare.generate(PROMPTS[1], PARAMS, request_id="plain"), return_exceptions=True)
+
+    failed, served = asyncio.run(together())
+    assert isinstance(failed, ValueError) and "SamplingParams.stop (stop strings) needs a tokenizer" in str(failed)
+    assert isinstance(served, TokenOutput) and served.token_ids
+
+
 def test_bad_input_is_a_value_error_naming_it(ckpt):
     with pytest.raises(ValueError, match="tensor_model_parallel_size=2"):
         make_rollout(ckpt, tensor_model_parallel_size=2)
@@ -171,7 +206,7 @@ def test_bad_input_is_a_value_error_naming_it(ckpt):
         make_rollout(ckpt, engine={"kv_bytes": 1})
     rollout, server = make_rollout(ckpt)
     for params, match in [({"repetition_penalty": 1.2}, "repetition_penalty"), ({"logprobs": 5}, "logprobs"),
-                          ({"stop": ["</s>"]}, "stop"), ({"best_of": 2}, "best_of"), ({"temperature": -1.0}, "temperature")]:
+                          ({"stop": [3]}, r"stop\[0\]=3"), ({"best_of": 2}, "best_of"), ({"temperature": -1.0}, "temperature")]:
         with pytest.raises(ValueError, match=match):
             asyncio.run(server.generate(PROMPTS[0], {**PARAMS, **params}, request_id="bad"))
     with pytest.raises(ValueError, match="max_model_len=16"):

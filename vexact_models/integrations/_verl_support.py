@@ -264,11 +264,12 @@ def add_adapters(model: torch.nn.Module, fields: dict) -> None:
 # Requests: verl's sampling-parameter dicts (vLLM's names) -> SamplingParams
 # ----------------------------------------------------------------------------------------------
 
-_PASS = ("temperature", "top_p", "top_k", "min_tokens", "ignore_eos", "seed", "stop_token_ids")
+_PASS = ("temperature", "top_p", "top_k", "min_tokens", "ignore_eos", "seed", "stop_token_ids", "stop",
+         "include_stop_str_in_output")
 #: vLLM options verl may send that do not change which tokens are sampled
-_HARMLESS = ("skip_special_tokens", "spaces_between_special_tokens", "detokenize", "include_stop_str_in_output")
+_HARMLESS = ("skip_special_tokens", "spaces_between_special_tokens", "detokenize")
 #: vLLM options we accept only at their neutral value
-_NEUTRAL = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "n": 1, "stop": None,
+_NEUTRAL = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "n": 1,
             "prompt_logprobs": None}
 
 
@@ -299,11 +300,14 @@ def sampling_params(params: dict, prompt_len: int, config, *, max_model_len: int
                          "(True or 0) is available, not top-n alternatives")
     for key, neutral in _NEUTRAL.items():
         value = params.pop(key, neutral)
-        if value != neutral and not (key == "stop" and not value):
+        if value != neutral:
             raise ValueError(f"generate: sampling_params[{key!r}]={value!r} is not supported (only {neutral!r})")
     for key in _HARMLESS:
         params.pop(key, None)
     kwargs = {key: params.pop(key) for key in _PASS if key in params}
+    for key in ("stop", "include_stop_str_in_output"):  # vLLM's None, [] or False: its defaults
+        if not kwargs.get(key):
+            kwargs.pop(key, None)
     if params:
         raise ValueError(f"generate: unsupported sampling_params {sorted(params)}; supported: "
                          f"{sorted(_PASS + _HARMLESS + tuple(_NEUTRAL) + ('max_tokens', 'logprobs'))}")
