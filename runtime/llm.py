@@ -9,7 +9,8 @@ Each step: `Scheduler.schedule` -> `ModelRunner.execute` -> `Sampler` -> `Schedu
 reading the current one's tokens back).
 
 Where the engine's parts live: this file holds construction and ``generate`` (requests in,
-outputs out); `llm_args` checks the constructor's arguments before anything changes;
+outputs out; `llm_requests` turns prompts into sequences and sequences into outputs, `llm_chat`
+renders conversations first); `llm_args` checks the constructor's arguments before anything changes;
 `llm_setup` holds the functions that pick the device, load a checkpoint folder and size the KV
 cache; `engine_lock` lets one call run at a time. Two parts are mixins of the one class rather
 than objects of their own, because they act on the engine's own state: `llm_steps`
@@ -20,13 +21,10 @@ and the switches users set on the engine) and `llm_memory` (`EngineMemoryMixin`:
 
 from __future__ import annotations
 
-import math
-import operator
 import os
 import weakref
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
-from dataclasses import replace
 
 import torch
 
@@ -37,31 +35,23 @@ from vexact_models.projections import fuse_projections
 from .block_manager import BlockManager
 from .engine_lock import EngineLock, one_call_at_a_time
 from .llm_args import (architecture_of, check_engine_args, check_max_model_len, check_model_argument,
-                       check_model_placement, prompt_of, resolve_device, resolve_dtype, resolve_tokenizer)
+                       check_model_placement, resolve_device, resolve_dtype, resolve_tokenizer)
 from .llm_chat import ChatMixin
 from .llm_memory import EngineMemoryMixin
+from .llm_requests import RequestsMixin
 from .llm_setup import (checkpoint_folder, engine_config, eos_token_ids, folder_config, kv_bytes_per_sequence,
                         load_folder, pick_device, runner_model)
 from .llm_steps import EngineStepsMixin
-from .stop_strings import StopStrings, truncate_at_stop
 from .linear_state_cache import linear_state_spec
-from .outputs import CompletionOutput, RequestOutput
+from .outputs import RequestOutput
 from .pipeline import PipelineStage, check_stage_model, join_pipeline
 from .pipeline_comm import PipelineComm
 from .pipeline_worker import Pipeline
 from .progress import progress_bar
 from .sampler import Sampler
 from .sampling_params import SamplingParams
-from .sequence import Sequence
 
-_SEED_STRIDE = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads derived seeds
-
-
-def _derive_seed(base: int, index: int) -> int:
-    return (base * 1_000_003 + (index + 1) * _SEED_STRIDE) % (1 << 63)
-
-
-class LLM(ChatMixin, EngineStepsMixin, EngineMemoryMixin):
+class LLM(ChatMixin, RequestsMixin, EngineStepsMixin, EngineMemoryMixin):
     """A paged-KV rollout engine over a vexact-models architecture.
 
     A bad argument (or a model that is not a vexact-models causal LM, e.g. a stock transformers
@@ -189,7 +179,7 @@ class LLM(ChatMixin, EngineStepsMixin, EngineMemoryMixin):
         self.aligned = aligned
         self.async_scheduling = async_scheduling
         training, self.tokenizer = load_folder(str(model), dtype, stage, self.device) if from_folder else (model, None)
-        self.tokenizer = given_tokenizer or self.tokenizer
+        self.tokenizer = given_tokenizer if given_tokenizer is not None else self.tokenizer
         arch = architecture_of(training)
         self._init_weight_state(from_folder if owns_weights is None else owns_weights)
         self.model = arch.inference_class(training)
@@ -281,42 +271,6 @@ class LLM(ChatMixin, EngineStepsMixin, EngineMemoryMixin):
         self._remember_graphs(backend)
 
     # -- requests -------------------------------------------------------------------------
-    def _token_ids(self, prompt) -> list[int]:
-        prompt = prompt_of(prompt)
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("LLM.generate: text prompts need a tokenizer in the checkpoint folder; pass token ids")
-            # tokenized text gets the same checks as token ids (empty, out of vocabulary, too long)
-            prompt = self.tokenizer(prompt)["input_ids"]
-        try:  # operator.index: ints (and integer tensors/numpy ints) only, never 3.7 -> 3 or True
-            ids = [operator.index(t) if not isinstance(t, bool) else None for t in prompt]
-        except TypeError:
-            ids = [None]
-        if None in ids:
-            raise ValueError("LLM.generate: prompt token ids must be integers")
-        vocab = self.config.vocab_size
-        if not ids:
-            raise ValueError("LLM.generate: prompt is empty (it needs at least one token)")
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"LLM.generate: prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"LLM.generate: prompt length {len(ids)} must be below max_model_len={self.max_model_len}")
-        return ids
-
-    def _make_sequences(self, request_id: int, ids: list[int], params: SamplingParams) -> list[Sequence]:
-        extra_eos = self.eos_token_ids[1:]
-        if extra_eos and not params.ignore_eos:
-            params = replace(params, stop_token_ids=list(params.stop_token_ids) + extra_eos)
-        base = params.seed if params.seed is not None else _derive_seed(self.seed, request_id)
-        seqs = [Sequence(request_id, i, ids, params, base if params.n == 1 else _derive_seed(base, i))
-                for i in range(params.n)]
-        if params.stop:
-            stop = StopStrings(self.tokenizer, params.stop)
-            for seq in seqs:
-                seq.stop_strings = stop
-        return seqs
-
     @one_call_at_a_time
     def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -396,18 +350,3 @@ class LLM(ChatMixin, EngineStepsMixin, EngineMemoryMixin):
             self._graphs_follow(backend)
             bar = progress_bar(total, use_tqdm)
             self._loop(bar)
-
-    def _output(self, prompt, ids: list[int], seqs: list[Sequence]) -> RequestOutput:
-        completions = []
-        for seq in seqs:
-            text = None
-            if seq.stop_reason is not None:
-                text = truncate_at_stop(self.tokenizer, seq.output_token_ids, seq.stop_reason,
-                                        seq.params.include_stop_str_in_output)
-            elif self.tokenizer is not None:
-                text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-            completions.append(CompletionOutput(seq.sample_index, list(seq.output_token_ids), list(seq.output_logprobs),
-                                                seq.finish_reason, text, seq.error, seq.stop_reason,
-                                                math.fsum(seq.output_logprobs)))
-        text = prompt_of(prompt)
-        return RequestOutput(seqs[0].request_id, text if isinstance(text, str) else None, ids, completions)

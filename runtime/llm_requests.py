@@ -1,0 +1,85 @@
+"""`LLM`'s requests: prompts (token ids, text through the tokenizer, vLLM's prompt dicts) checked
+and turned into sequences, each sample with its seed and stop strings; finished sequences turned
+into `RequestOutput`s (text, stop string cut, cumulative logprob)."""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import replace
+
+from .llm_args import prompt_of
+from .outputs import CompletionOutput, RequestOutput
+from .sampling_params import SamplingParams
+from .sequence import Sequence
+from .stop_strings import StopStrings, truncate_at_stop
+
+__all__ = ["RequestsMixin"]
+
+_SEED_STRIDE = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads derived seeds
+
+
+def _derive_seed(base: int, index: int) -> int:
+    """The seed of request (or sample) `index` under `base`."""
+    return (base * 1_000_003 + (index + 1) * _SEED_STRIDE) % (1 << 63)
+
+
+class RequestsMixin:
+    """Prompts into sequences and sequences into outputs, for `LLM` (its ``tokenizer``, ``config``,
+    ``max_model_len``, ``eos_token_ids`` and ``seed``)."""
+
+    def _token_ids(self, prompt) -> list[int]:
+        """The checked token ids of one prompt (a ValueError naming what is wrong)."""
+        prompt = prompt_of(prompt)
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("LLM.generate: text prompts need a tokenizer (the checkpoint folder's, or LLM(..., "
+                                 "tokenizer=...)); pass token ids")
+            # tokenized text gets the same checks as token ids (empty, out of vocabulary, too long)
+            prompt = self.tokenizer(prompt)["input_ids"]
+        try:  # operator.index: ints (and integer tensors/numpy ints) only, never 3.7 -> 3 or True
+            ids = [operator.index(t) if not isinstance(t, bool) else None for t in prompt]
+        except TypeError:
+            ids = [None]
+        if None in ids:
+            raise ValueError("LLM.generate: prompt token ids must be integers")
+        vocab = self.config.vocab_size
+        if not ids:
+            raise ValueError("LLM.generate: prompt is empty (it needs at least one token)")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"LLM.generate: prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"LLM.generate: prompt length {len(ids)} must be below max_model_len={self.max_model_len}")
+        return ids
+
+    def _make_sequences(self, request_id: int, ids: list[int], params: SamplingParams) -> list[Sequence]:
+        """The ``params.n`` sequences of one request: the model's extra EOS ids as stop tokens,
+        each sample's seed, the request's stop strings."""
+        extra_eos = self.eos_token_ids[1:]
+        if extra_eos and not params.ignore_eos:
+            params = replace(params, stop_token_ids=list(params.stop_token_ids) + extra_eos)
+        base = params.seed if params.seed is not None else _derive_seed(self.seed, request_id)
+        seqs = [Sequence(request_id, i, ids, params, base if params.n == 1 else _derive_seed(base, i))
+                for i in range(params.n)]
+        if params.stop:
+            stop = StopStrings(self.tokenizer, params.stop)
+            for seq in seqs:
+                seq.stop_strings = stop
+        return seqs
+
+    def _output(self, prompt, ids: list[int], seqs: list[Sequence]) -> RequestOutput:
+        """One request's `RequestOutput` from its finished sequences."""
+        completions = []
+        for seq in seqs:
+            text = None
+            if seq.stop_reason is not None:
+                text = truncate_at_stop(self.tokenizer, seq.output_token_ids, seq.stop_reason,
+                                        seq.params.include_stop_str_in_output)
+            elif self.tokenizer is not None:
+                text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+            completions.append(CompletionOutput(seq.sample_index, list(seq.output_token_ids), list(seq.output_logprobs),
+                                                seq.finish_reason, text, seq.error, seq.stop_reason,
+                                                math.fsum(seq.output_logprobs)))
+        text = prompt_of(prompt)
+        return RequestOutput(seqs[0].request_id, text if isinstance(text, str) else None, ids, completions)
