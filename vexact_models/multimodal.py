@@ -108,9 +108,11 @@ class TextOfMultimodalMixin:
         multimodal checkpoint gives its text model (the class docstring), with a notice that the
         other parts are skipped. A multimodal checkpoint of another family is a ValueError."""
         source = pretrained_model_name_or_path
+        if is_multimodal(kwargs.get("config")):  # the multimodal config object itself: its text config
+            kwargs["config"] = text_config_of(kwargs["config"])
         try:
             stored = source_config_dict(source, kwargs)
-        except OSError:  # no config with the checkpoint: transformers' own error, or a config passed
+        except (OSError, ValueError, TypeError):  # no config with it: transformers' own error, or a config passed
             stored = {}
         if is_multimodal(stored):
             text = text_config_of(stored)

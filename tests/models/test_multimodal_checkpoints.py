@@ -70,6 +70,8 @@ def test_our_text_class_loads_the_text_model(multimodal, caplog, tmp_path_factor
         assert rel(want, model(input_ids=ids).logits) <= arch.fp32_parity
         by_name = arch.causal_lm_class.from_pretrained(pretrained_model_name_or_path=folder, dtype=torch.float32)
         assert torch.equal(by_name.eval()(ids).logits, want)
+        given = arch.causal_lm_class.from_pretrained(folder, config=model.config, dtype=torch.float32)  # the multimodal one
+        assert isinstance(given.config, arch.config_class) and torch.equal(given.eval()(ids).logits, want)
         cache = tmp_path_factory.mktemp("hub")  # the hub's cache layout, as a download leaves it
         snapshot = cache / "models--org--multimodal" / "snapshots" / ("0" * 40)
         shutil.copytree(folder, snapshot)
