@@ -37,7 +37,8 @@ sharing and preemption see exactly what they would without the window.
 
 When a page may be published is the caller's contract; the Scheduler's rule is in
 ``Scheduler._publish``. The K/V cache contents must stay valid for as long as keys live:
-``reset_prefix_cache`` forgets every key (the LLM calls it whenever weights may have changed).
+``reset_prefix_cache`` forgets every key (the LLM calls it whenever the weights or the cache may
+have changed: `LLM._keep_prefix_cache`).
 """
 
 from __future__ import annotations

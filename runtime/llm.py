@@ -103,7 +103,11 @@ class LLM(ChatMixin, RequestsMixin, EngineStepsMixin, EngineMemoryMixin):
             time. Pipeline-parallel engines run one step at a time regardless.
         enable_prefix_sharing: share the KV pages of common full-page prefixes between the
             sequences of one ``generate`` call (the n samples of a prompt, prompts with a common
-            start) instead of computing them again; results are bitwise the same either way. For
+            start) instead of computing them again; results are bitwise the same either way. An
+            engine that owns its weights (``owns_weights``) also shares the pages earlier calls
+            left, until `update_weights`, `sleep` or `wake_up` (a multi-turn conversation's next
+            turn prefills only its new tokens); over a trainer's weights, which may change in
+            place, each call starts afresh. For
             models with gated-DeltaNet layers only the n samples of a prompt share it, prefilled
             once and its state copied (`runtime.scheduler_siblings`).
         aligned: False runs the non-aligned fast path (cuBLAS GEMMs, torch norms; CUDA only):
@@ -259,7 +263,7 @@ class LLM(ChatMixin, RequestsMixin, EngineStepsMixin, EngineMemoryMixin):
         or the adapters' state (or the graphs, e.g. recaptured by `wake_up`) changed since they
         were noted, capture them again under `backend`, after fusing the projection groups and
         their adapters again (an adapter added or a weight replaced since). The KV cache is
-        reallocated with them; no pages are shared across calls."""
+        reallocated with them, and nothing published before is shared again."""
         graphs = self.runner.graphs
         ref, captured = self._graphs_key
         if graphs is None or (ref is not None and ref() is graphs and captured == self._captured_under(backend)):
@@ -268,7 +272,21 @@ class LLM(ChatMixin, RequestsMixin, EngineStepsMixin, EngineMemoryMixin):
         self.runner.free_cache()
         with use_backend(backend):
             self.runner.allocate_cache()
+        self.block_manager.reset_prefix_cache()  # a new cache holds none of the published pages
         self._remember_graphs(backend)
+
+    def _keep_prefix_cache(self, backend: str) -> bool:
+        """Whether the pages published by earlier calls may be shared by this one: only in an
+        engine that owns its weights (no trainer writes them in place unseen; not a pipeline
+        stage), when nothing that writes the weights or the cache (`update_weights`, `sleep`,
+        `wake_up`: ``_cache_epoch``), nor the backend, the attention forward or the adapters'
+        state changed since the last call."""
+        key = None
+        if self.owns_weights and self.pipeline is None:
+            key = (self._cache_epoch, backend, attention_forward_mode(), adapter_state(self.model))
+        keep = key is not None and key == self._prefix_key
+        self._prefix_key = key
+        return keep
 
     # -- requests -------------------------------------------------------------------------
     @one_call_at_a_time
@@ -306,10 +324,11 @@ class LLM(ChatMixin, RequestsMixin, EngineStepsMixin, EngineMemoryMixin):
         self._check_awake("LLM.generate")
         if self.pipeline is not None and not self.pipeline.stage.is_first:
             return self._serve_stage(len(prompts))
-        # Shared pages live within one call: between calls the weights may have changed
-        # (update_weights, or in place through storage shared with a training model) and
-        # sleep()/wake_up() hands back an uninitialised cache, so cached K/V may be stale.
-        self.block_manager.reset_prefix_cache()
+        # Shared pages outlive a call only where their K/V cannot be stale (`_keep_prefix_cache`):
+        # weights shared with a trainer may change in place between calls, update_weights writes
+        # new ones, sleep()/wake_up() hands back an uninitialised cache.
+        if not self._keep_prefix_cache(self.backend):
+            self.block_manager.reset_prefix_cache()
         requests = []
         try:
             for ids, p in zip(token_ids, params):

@@ -35,6 +35,8 @@ class EngineMemoryMixin:
         if not isinstance(owns_weights, bool):
             raise ValueError(f"LLM: owns_weights={owns_weights!r} must be a bool or None")
         self.owns_weights = owns_weights
+        self._cache_epoch = 0  # counts the calls that write weights or the KV cache (LLM._keep_prefix_cache)
+        self._prefix_key: tuple | None = None  # what the last generate's shared pages were computed under
         self._released: ReleasedWeights | None = None  # the weights while sleep() holds them
         self._unwritten: dict[int, torch.nn.Parameter] = {}  # uninitialised after a level-2 wake_up
 
@@ -85,6 +87,7 @@ class EngineMemoryMixin:
             raise RuntimeError("LLM.update_weights: the weights are released by sleep(); call wake_up() (or "
                                "wake_up(tags=['weights'])) first")
         causal_lm = self.model.causal_lm
+        self._cache_epoch += 1  # (even a failed update may have written some): no page computed before is shared
         return copy_weights(named_targets(causal_lm), weights, written=lambda p: self._unwritten.pop(id(p), None),
                             adapters=AdapterNames(causal_lm))
 
@@ -105,6 +108,7 @@ class EngineMemoryMixin:
             raise ValueError(f"LLM.sleep: level={level!r} must be 0, 1 or 2")
         if self.scheduler.has_unfinished():
             raise RuntimeError("LLM.sleep: requests are still running")
+        self._cache_epoch += 1
         self.runner.free_cache()
         if not self.owns_weights or level == 0:
             return
@@ -131,6 +135,7 @@ class EngineMemoryMixin:
         if "kv_cache" in tags and "weights" not in tags and self._released is not None:
             raise RuntimeError("LLM.wake_up: the weights are asleep; wake them first (tags=['weights']), the "
                                "KV cache's CUDA graphs read their addresses")
+        self._cache_epoch += 1
         if "weights" in tags and self._released is not None:
             self._unwritten = {id(p): p for p in self._released.restore()}
             self._released = None

@@ -152,3 +152,58 @@ def test_cached_pages_do_not_outlive_a_generate_call(model):
     assert llm.block_manager.num_shared_hits == hits  # nothing stale was shared
     assert second != first
     assert second == run(make_llm(copy.deepcopy(m)), [prompt], [sp])[0]
+
+
+def test_an_engine_owning_its_weights_shares_pages_across_calls(model, tmp_path):
+    """``LLM(folder)`` owns its weights: a conversation's next turn (a prompt extending an earlier
+    call's prompt and output) takes the pages that call published, with a fresh engine's results
+    and the training forward's logprobs; after `update_weights`, `sleep`/`wake_up`, nothing
+    computed before is shared."""
+    import copy
+
+    model.save_pretrained(tmp_path)
+    sp = SamplingParams(temperature=0.9, max_tokens=8, seed=5, ignore_eos=True)
+    llm = LLM(str(tmp_path), device="cpu", block_size=BS, kv_cache_bytes=cache_bytes(model, 256),
+              max_num_batched_tokens=64)
+    first, _, _ = run(llm, [N_PROMPTS[0]], [sp])
+    turn = N_PROMPTS[0] + first[0][0][0] + [17, 18, 19, 20, 21]
+    hits = llm.block_manager.num_shared_hits
+    second, _, _ = run(llm, [turn], [sp])
+    assert llm.block_manager.num_shared_hits >= hits + (len(N_PROMPTS[0]) + 8) // BS - 1
+    fresh = LLM(str(tmp_path), device="cpu", block_size=BS, kv_cache_bytes=cache_bytes(model, 256))
+    assert second == run(fresh, [turn], [sp])[0]
+    check_training(model, [turn], [sp], second)
+    changed = copy.deepcopy(model)
+    with torch.no_grad():
+        changed.model.layers[0].self_attn.k_proj.weight.mul_(1.5)
+    llm.update_weights(changed.state_dict())
+    hits = llm.block_manager.num_shared_hits
+    third, _, _ = run(llm, [turn], [sp])
+    assert llm.block_manager.num_shared_hits == hits and third != second
+    check_training(changed, [turn], [sp], third)
+    llm.sleep(1)
+    llm.wake_up()
+    hits = llm.block_manager.num_shared_hits
+    assert run(llm, [turn], [sp])[0] == third and llm.block_manager.num_shared_hits == hits
+
+
+def test_an_adapter_change_starts_afresh_in_an_engine_owning_its_weights(model):
+    """``LLM(peft_model, owns_weights=True)``: disabling the adapters between calls changes what
+    the pages hold, so the next call shares none of them."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                                 init_lora_weights=False))
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    llm = make_llm(peft_model, owns_weights=True)
+    with_adapters, _, _ = run(llm, [N_PROMPTS[1]], [sp])
+    hits = llm.block_manager.num_shared_hits
+    assert run(llm, [N_PROMPTS[1]], [sp])[0] == with_adapters and llm.block_manager.num_shared_hits > hits
+    hits = llm.block_manager.num_shared_hits
+    with peft_model.disable_adapter():
+        without, _, _ = run(llm, [N_PROMPTS[1]], [sp])
+    assert llm.block_manager.num_shared_hits == hits and without != with_adapters
+    check_training(model, [N_PROMPTS[1]], [sp], without)
