@@ -78,3 +78,22 @@ def test_mixed_buckets_past_the_cap_and_the_limit_run_eagerly(monkeypatch):
     monkeypatch.setattr(cuda_graphs, "MAX_MIXED_GRAPHS", 1)
     got, limited = run(model)
     assert got == want and limited.runner.graphs.num_mixed == 1 and limited.runner.graphs.mixed_replays >= 1
+
+
+def test_next_turns_share_the_last_calls_pages_under_graphs_and_async_steps():
+    """An engine owning its weights keeps the pages a call published (`LLM._keep_prefix_cache`):
+    the next turns (each prompt extended by its output and new tokens), under CUDA graphs and
+    async scheduling, take them and give the bits of an engine that starts afresh."""
+    model = tiny_model("qwen3")
+    prompts, params = workload()
+    owned = LLM(model, block_size=16, max_num_seqs=4, max_num_batched_tokens=48, kv_cache_bytes=1 << 24,
+                owns_weights=True)
+    first = gen(owned, prompts, params)
+    turns = [p + o.outputs[0].token_ids + [5, 6, 7] for p, o in zip(prompts, first)]
+    hits = owned.block_manager.num_shared_hits
+    got = [result(o) for o in gen(owned, turns, params)]
+    assert owned.block_manager.num_shared_hits > hits
+    fresh = LLM(model, block_size=16, max_num_seqs=4, max_num_batched_tokens=48, kv_cache_bytes=1 << 24)
+    gen(fresh, prompts, params)
+    hits = fresh.block_manager.num_shared_hits
+    assert got == [result(o) for o in gen(fresh, turns, params)] and fresh.block_manager.num_shared_hits == hits
