@@ -244,6 +244,7 @@ def test_bad_settings_are_refused_before_building(example, tmp_path):
     import transformers
     from transformers.models.qwen3.modeling_qwen3 import Qwen3ForCausalLM
 
+    from vexact_models import LLM
     from vexact_models.registry import get
 
     import vexact_models.qwen3 as qwen3
@@ -259,6 +260,9 @@ def test_bad_settings_are_refused_before_building(example, tmp_path):
         VexactGRPOTrainer(ours, args=GRPOConfig(**base, use_vllm=True), **common)
     with pytest.raises(ValueError, match="repetition_penalty=1.2"):
         VexactGRPOTrainer(ours, args=GRPOConfig(**base, repetition_penalty=1.2), **common)
+    bare = LLM(qwen3.Qwen3ForCausalLM(config), device="cpu", kv_cache_bytes=1 << 20)
+    with pytest.raises(ValueError, match=r"generation_kwargs\['stop'\] \(stop strings\) needs the engine's tokenizer"):
+        VexactGRPOTrainer(ours, args=GRPOConfig(**base, generation_kwargs={"stop": ["x"]}), llm=bare, **common)
     with pytest.raises(ValueError, match=r"generation_kwargs \['presence_penalty'\] \(only \['stop'"):
         VexactGRPOTrainer(ours, args=GRPOConfig(**base, generation_kwargs={"stop": ["x"], "presence_penalty": 1.0}),
                           **common)

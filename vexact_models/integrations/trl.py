@@ -73,7 +73,8 @@ class VexactGeneration:
             `sync_weights` has nothing to do; otherwise it copies the policy's weights in.
         policy: the training model (unwrapped).
         sampling: keyword arguments of `SamplingParams` for every completion (temperature,
-            top_p, top_k, max_tokens, stop_token_ids).
+            top_p, top_k, max_tokens, stop_token_ids; stop strings and min_tokens from TRL's
+            ``generation_kwargs``).
     """
 
     def __init__(self, llm: LLM, policy: torch.nn.Module, sampling: dict[str, Any]) -> None:
@@ -284,6 +285,9 @@ class VexactGRPOTrainer(GRPOTrainer):
         if args is None:
             args = GRPOConfig("vexact-grpo")
         _check_config(args, exact_logprobs)
+        if (args.generation_kwargs or {}).get("stop") and llm is not None and llm.tokenizer is None:
+            raise ValueError("VexactGRPOTrainer: generation_kwargs['stop'] (stop strings) needs the engine's "
+                             "tokenizer: build the llm passed with LLM(..., tokenizer=...)")
         model = _load_policy(model, args)
         policy = causal_lm_of(model)
         _architecture_of(policy)
@@ -318,9 +322,6 @@ class VexactGRPOTrainer(GRPOTrainer):
         sampling = {"temperature": self.temperature, "top_p": self.top_p, "top_k": top_k,
                     "max_tokens": self.max_completion_length, "stop_token_ids": list(self.eos_token_ids),
                     **(self.args.generation_kwargs or {})}
-        if sampling.get("stop") and llm.tokenizer is None:
-            raise ValueError("VexactGRPOTrainer: generation_kwargs['stop'] (stop strings) needs the engine's "
-                             "tokenizer: pass LLM(..., tokenizer=...) as llm")
         self.vllm_generation = VexactGeneration(llm, policy, sampling)
         self.use_vllm = True
         self.vllm_mode = "vexact"  # neither "server" nor "colocate": TRL's vLLM-only branches stay off
