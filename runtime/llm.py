@@ -29,6 +29,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from vexact_models.adapters import adapter_state
+from vexact_models.hub_config import checkpoint_folder
 from vexact_models.kernels import attention_forward_mode, current_backend, use_backend
 from vexact_models.projections import fuse_projections
 
@@ -39,7 +40,7 @@ from .llm_args import (architecture_of, check_engine_args, check_max_model_len, 
 from .llm_chat import ChatMixin
 from .llm_memory import EngineMemoryMixin
 from .llm_requests import RequestsMixin
-from .llm_setup import (checkpoint_folder, engine_config, eos_token_ids, folder_config, kv_bytes_per_sequence,
+from .llm_setup import (engine_config, eos_token_ids, folder_config, kv_bytes_per_sequence,
                         load_folder, pick_device, runner_model)
 from .llm_steps import EngineStepsMixin
 from .linear_state_cache import linear_state_spec
@@ -60,7 +61,7 @@ class LLM(ChatMixin, RequestsMixin, EngineStepsMixin, EngineMemoryMixin):
 
     Args:
         model: checkpoint folder or hub model id (``Qwen/Qwen3-8B``: its configs, safetensors and
-            tokenizer fetched into the hub cache first, `llm_setup.checkpoint_folder`; of a
+            tokenizer fetched into the hub cache first, `hub_config.checkpoint_folder`; of a
             published multimodal checkpoint its text model, `vexact_models.multimodal`), or a
             training-variant model instance (the engine then shares
             its parameter storage: no copy, updates are seen by the next step). The engine puts
@@ -166,7 +167,7 @@ class LLM(ChatMixin, RequestsMixin, EngineStepsMixin, EngineMemoryMixin):
         load_dtype = resolve_dtype(dtype)
         from_folder = isinstance(model, (str, os.PathLike))
         if from_folder:
-            model = checkpoint_folder(model)  # a hub model id: fetched (or found in the hub cache) first
+            model = checkpoint_folder(model, "LLM: model")  # a hub model id: fetched (or found in the hub cache) first
         target = folder_config(str(model))[1] if from_folder else architecture_of(model)
         if pipeline_parallel_size > 1:  # engine features it cannot use yet (Architecture.rollout_features_missing)
             target.check_rollout_feature("pipeline_parallel", "use pipeline_parallel_size=1")

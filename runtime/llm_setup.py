@@ -10,8 +10,6 @@ from __future__ import annotations
 import os
 
 import torch
-from huggingface_hub import snapshot_download
-from huggingface_hub.errors import HfHubHTTPError, HFValidationError
 from transformers import AutoConfig, AutoTokenizer
 
 from vexact_models.kernels.attention_window import window_block_start
@@ -31,7 +29,7 @@ from .pipeline_worker import Pipeline
 from .pipeline_load import load_stage_model
 
 
-__all__ = ["cache_budget_bytes", "cache_bytes_per_block", "checkpoint_folder", "engine_config", "eos_token_ids", "folder_config",
+__all__ = ["cache_budget_bytes", "cache_bytes_per_block", "engine_config", "eos_token_ids", "folder_config",
            "kv_bytes_per_sequence", "kv_cache_blocks", "kv_cache_pages", "linear_state_bytes", "load_folder", "pick_device",
            "runner_model"]
 
@@ -63,25 +61,6 @@ def runner_model(model, pipeline: Pipeline | None, hidden_size: int) -> tuple:
         return model, None, 0
     stage = pipeline.stage
     return StageModel(model, stage), stage.layers, 0 if stage.is_first else hidden_size
-
-
-#: what `checkpoint_folder` fetches of a hub model: configs, safetensors weights, tokenizer files
-HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
-
-
-def checkpoint_folder(model: str | os.PathLike) -> str:
-    """A local checkpoint folder for ``LLM(model)``: `model` itself when it is a folder, else a hub
-    model id (``Qwen/Qwen3-8B``) fetched as vLLM fetches it (`HUB_FILES`, into the hub cache, or
-    found there: ``HF_HUB_OFFLINE=1`` reads the cache only). A ValueError naming `model` when it
-    is neither a folder nor a model the hub (or its cache) holds."""
-    path = os.fspath(model)
-    if os.path.isdir(path):
-        return path
-    try:
-        return snapshot_download(path, allow_patterns=HUB_FILES)
-    except (HfHubHTTPError, HFValidationError, OSError, ValueError) as error:
-        raise ValueError(f"LLM: model={path!r} is neither a checkpoint folder nor a hub model id this machine can "
-                         f"fetch or find in its hub cache ({type(error).__name__}: {error})") from None
 
 
 def folder_config(path: str):

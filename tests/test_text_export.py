@@ -63,8 +63,11 @@ def test_bad_input_is_refused_before_anything_is_written(multimodal, tmp_path):
     arch.causal_lm_class(arch.tiny_config()).save_pretrained(text_folder)
     with pytest.raises(ValueError, match=rf"has model_type '{arch.model_types[0]}', not one of the multimodal"):
         text_export.export_text_model(text_folder, tmp_path / "out")
-    with pytest.raises(ValueError, match="is not a checkpoint folder"):
+    with pytest.raises(ValueError, match=r"source='.*nowhere' is neither a checkpoint folder nor a hub model id"):
         text_export.export_text_model(tmp_path / "nowhere", tmp_path / "out")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="is not a checkpoint folder"):
+        text_export.export_text_model(tmp_path / "empty", tmp_path / "out")
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("mine")
     with pytest.raises(ValueError, match="exists and is not an empty folder"):
@@ -72,7 +75,7 @@ def test_bad_input_is_refused_before_anything_is_written(multimodal, tmp_path):
     with pytest.raises(ValueError, match=r"max_shard_size='lots' must be a positive"):
         text_export.export_text_model(folder, tmp_path / "out", max_shard_size="lots")
     assert not (tmp_path / "out").exists() and (tmp_path / "full" / "keep.txt").read_text() == "mine"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["full", "multimodal", "plain"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "full", "multimodal", "plain"]
 
 
 def test_a_failed_export_leaves_nothing(multimodal, tmp_path, monkeypatch):
@@ -101,3 +104,25 @@ def test_the_command(multimodal, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["export-text", "--help"])
     assert exit_.value.code == 0 and "AutoModelForImageTextToText" in capsys.readouterr().out
+
+
+def test_a_hub_model_id_is_exported_from_the_hub_cache(multimodal, tmp_path, monkeypatch):
+    """SOURCE as a hub id: fetched into the hub cache, or found there (offline here, laid out as a
+    download leaves it), then exported as the folder is."""
+    import shutil
+
+    from huggingface_hub import constants
+
+    _, _, folder = multimodal
+    repo = tmp_path / "hub" / "models--org--multimodal"
+    shutil.copytree(folder, repo / "snapshots" / ("2" * 40))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("2" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    from safetensors.torch import load_file
+
+    from_hub = text_export.export_text_model("org/multimodal", tmp_path / "from_hub", progress=False)
+    from_folder = text_export.export_text_model(folder, tmp_path / "from_folder", progress=False)
+    a, b = load_file(from_hub / "model.safetensors"), load_file(from_folder / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

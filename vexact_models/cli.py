@@ -192,12 +192,13 @@ checkpoint names instead: stock AutoModelForCausalLM of Gemma 3 4B+, verl's acto
 (AutoModelForImageTextToText for a multimodal config) and critic, TRL's trainers given a path.
 Point them at TARGET after vexact_models.patch().
 
-SOURCE is a local folder (download a hub model first: hf download ORG/NAME --local-dir DIR).
-TARGET must not exist or be an empty folder; it is written beside, then renamed into place, so a
-failed export leaves nothing there.
+SOURCE is a local folder or a hub model id (its configs, safetensors and tokenizer files fetched
+into the hub cache first, as LLM(id) does). TARGET must not exist or be an empty folder; it is
+written beside, then renamed into place, so a failed export leaves nothing there.
 
 Example:
-    vexact export-text ./gemma-3-12b-it ./gemma-3-12b-it-text
+    vexact export-text google/gemma-3-12b-it ./gemma-3-12b-it-text
+    vexact export-text ./Qwen3.5-35B-A3B ./Qwen3.5-35B-A3B-text
 """
 
 
@@ -220,7 +221,7 @@ def _add_export_text_parser(sub) -> None:
     p = sub.add_parser("export-text", help="the text model of a multimodal checkpoint (Qwen3.5, Gemma 3 4B+) as a "
                                            "text checkpoint", description=EXPORT_TEXT_HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("source", metavar="SOURCE", help="the multimodal checkpoint folder")
+    p.add_argument("source", metavar="SOURCE", help="the multimodal checkpoint: a folder or a hub model id")
     p.add_argument("target", metavar="TARGET", help="the new folder to write (not existing, or empty)")
     p.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
                    help="the largest safetensors file, in bytes or as 5GB / 500MB (default 5GB)")

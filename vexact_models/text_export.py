@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig
 from transformers.utils.hub import convert_file_size_to_int
 
+from .hub_config import checkpoint_folder
 from .multimodal import MULTIMODAL_MODEL_TYPES, is_multimodal, text_config_of, text_tensor_name
 from .registry import for_model_type
 
@@ -41,12 +42,13 @@ DEFAULT_SHARD_SIZE = "5GB"
 
 def export_text_model(source: str | os.PathLike, target: str | os.PathLike, *, max_shard_size: int | str =
                       DEFAULT_SHARD_SIZE, progress: bool = True) -> Path:
-    """Write the text model of the multimodal checkpoint folder `source` (a published Qwen3.5 or
-    Gemma 3 4B+ checkpoint; a hub model: download it first) to the new folder `target` (module
+    """Write the text model of the multimodal checkpoint `source` (a published Qwen3.5 or Gemma 3
+    4B+ checkpoint: a folder, or a hub model id fetched into the hub cache first) to the new folder `target` (module
     docstring); returns `target`. A ValueError, before anything is written, for a `source` that is
     not such a checkpoint or a `target` that exists and is not an empty folder;
     `max_shard_size` (bytes, or "5GB") bounds each safetensors file as in ``save_pretrained``."""
-    source, target = Path(source), Path(target)
+    target = Path(target)
+    source = Path(checkpoint_folder(source, "export_text_model: source"))
     config, stored = _checked_source(source)
     shard_bytes = _checked_shard_size(max_shard_size)
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
@@ -78,8 +80,7 @@ def _checked_source(source: Path) -> tuple[object, dict[str, Path]]:
     """(the multimodal config, stored tensor name -> its safetensors file) of `source`; a
     ValueError naming what is wrong."""
     if not (source / "config.json").is_file():
-        raise ValueError(f"export_text_model: source {str(source)!r} is not a checkpoint folder (no config.json); "
-                         "download a hub model first (hf download ORG/NAME --local-dir DIR)")
+        raise ValueError(f"export_text_model: source {str(source)!r} is not a checkpoint folder (no config.json)")
     config = AutoConfig.from_pretrained(source)
     if not is_multimodal(config):
         raise ValueError(f"export_text_model: source {str(source)!r} has model_type {config.model_type!r}, not one "
