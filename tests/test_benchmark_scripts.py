@@ -29,7 +29,7 @@ def scripts():
                                     "attention_prefill.py", "moe_routing.py", "investigations/head_linear.py",
                                     "investigations/row_kernels.py", "gate_up_silu.py",
                                     "investigations/decode_read_floor.py", "gated_delta.py", "lora.py",
-                                    "window_models.py", "lora_expand.py"])
+                                    "window_models.py", "lora_expand.py", "multi_turn.py"])
 def test_benchmark_script_help_and_cpu_refusal(scripts, script):
     help_run = scripts.run(BENCHMARKS, script, "--help")
     assert help_run.returncode == 0 and "usage" in (help_run.stdout + help_run.stderr).lower()
@@ -76,6 +76,23 @@ def test_lora_runs_tiny_on_cpu(scripts):
     for bad, words in ((["--parts", "rollout,x"], "--parts"), (["--train-shape", "8"], "SEQSxTOKENS")):
         refused = scripts.run(BENCHMARKS, "lora.py", "--tiny", *bad)
         assert refused.returncode == 2 and words in refused.stderr, refused.stderr
+
+
+def test_multi_turn_runs_tiny_on_cpu(scripts):
+    """benchmarks/multi_turn.py --tiny: the engine keeping its pages across calls shares the earlier
+    turns' pages (none in turn 1, more each turn after), the engine starting afresh shares none,
+    their outputs are bitwise equal and equal the recompute; a bad option is a usage error."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    run = subprocess.run([sys.executable, "multi_turn.py", "--tiny"], cwd=BENCHMARKS, capture_output=True, text=True,
+                         timeout=600, env=env)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    rows = [line.split() for line in run.stdout.splitlines() if line.split()[:1] in (["1"], ["2"], ["3"])]
+    assert [r[0] for r in rows] == ["1", "2", "3"] and all(r[-1].endswith("x") for r in rows), run.stdout
+    kept, afresh = [int(r[2]) for r in rows], [int(r[3]) for r in rows]
+    assert kept[0] == 0 and 0 < kept[1] < kept[2] and afresh == [0, 0, 0], run.stdout
+    assert "bitwise equal" in run.stdout and ", 0 mismatches" in run.stdout and run.stdout.rstrip().endswith("OK")
+    refused = scripts.run(BENCHMARKS, "multi_turn.py", "--tiny", "--turns", "0")
+    assert refused.returncode == 2 and "--turns" in refused.stderr
 
 
 @pytest.mark.parametrize("config, stock", [("gpt-oss-20b", "eager"), ("gemma3-text-default", "sdpa")])

@@ -1,0 +1,144 @@
+"""Multi-turn rollouts: an engine that owns its weights keeps the pages a call published
+(`LLM._keep_prefix_cache`), so a conversation's next turn prefills only its new tokens; beside it,
+in the same run, the same engine over weights it does not own (as over a trainer's), which
+prefills every turn's whole conversation again.
+
+Workload: ``--conversations`` conversations; the first prompt of each ``--prompt-len`` random
+token ids; each turn ``--max-tokens`` sampled tokens (``ignore_eos``, a seed per conversation and
+turn), then ``--user-len`` new random tokens appended for the next turn; ``--turns`` turns, each
+one ``generate`` call. Model: random weights at a bundled published config (default Qwen3-8B),
+bf16, CUDA. The two engines run one after the other (one freed before the next is built), each
+after an untimed warm-up call of the same shape.
+
+Table: per turn, the prompt tokens and the tokens each engine took from shared pages, each
+engine's seconds and output tok/s, and the ratio. Then whether the two engines' tokens and
+logprobs are bitwise equal over all turns (they must be: shared pages hold the very K/V the
+sequence would have written), and every sample recomputed by ``token_logprobs`` (in micro-batches
+of about ``--recompute-tokens`` tokens).
+
+Usage (one H100 or H200):
+    cd benchmarks && python3 multi_turn.py --config qwen3-8b --turns 4
+    cd benchmarks && python3 multi_turn.py --tiny            # CPU smoke run (tests)
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+
+from bench_utils import positive_int, recompute_mismatches, synchronize, table, tiny_or_cuda
+
+CONFIGS = ("qwen3-0.6b", "qwen3-8b", "llama-3.1-8b", "qwen2.5-7b", "qwen3-30b-a3b", "moonlight-16b-a3b")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="qwen3-8b", choices=CONFIGS, help="bundled published config (qwen3-8b)")
+    p.add_argument("--layers", type=positive_int, help="override num_hidden_layers")
+    p.add_argument("--conversations", type=positive_int, default=64, help="conversations (default 64)")
+    p.add_argument("--turns", type=positive_int, default=4, help="turns, one generate call each (default 4)")
+    p.add_argument("--prompt-len", type=positive_int, default=1024, help="first prompt's tokens (default 1024)")
+    p.add_argument("--max-tokens", type=positive_int, default=256, help="sampled tokens a turn (default 256)")
+    p.add_argument("--user-len", type=positive_int, default=128, help="tokens appended after each turn (default 128)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85, help="each engine's share of the GPU")
+    p.add_argument("--recompute-tokens", type=positive_int, default=16384,
+                   help="tokens a recompute micro-batch holds (default 16384)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tiny", action="store_true", help="CPU, float32, the architecture's tiny config (tests)")
+    args = p.parse_args(argv)
+    if not 0 < args.gpu_memory_utilization <= 1:
+        p.error(f"--gpu-memory-utilization={args.gpu_memory_utilization} must be in (0, 1]")
+    if args.tiny:
+        args.conversations, args.turns, args.prompt_len, args.max_tokens, args.user_len = 3, 3, 24, 6, 5
+    tiny_or_cuda(args, "benchmarks/multi_turn.py")
+    return args
+
+
+def build(args):
+    """(architecture, model): the published config (``--layers``; ``--tiny``: the tiny config)."""
+    from vexact_models.conformance.models import architecture_of, build_model, make_config
+
+    arch = architecture_of(args.config)
+    length = args.prompt_len + args.turns * (args.max_tokens + args.user_len)
+    config = make_config(arch, None if args.tiny else args.config, args.layers, None if args.tiny else length + 64)
+    return arch, build_model(arch, config, args.device, args.dtype, args.seed)
+
+
+def run_turns(llm, args, vocab: int) -> tuple[list[tuple], list[dict]]:
+    """Every turn of the workload on `llm`: ((conversation, tokens, logprobs) of every sample of
+    every turn, each turn's measures)."""
+    from vexact_models.runtime import SamplingParams
+
+    rng = random.Random(args.seed)
+    conversations = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.conversations)]
+    samples, measures = [], []
+    for turn in range(args.turns):
+        params = [SamplingParams(temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True,
+                                 seed=1000 * turn + i) for i in range(args.conversations)]
+        hits = llm.block_manager.num_shared_hits
+        synchronize(args.device)
+        start = time.perf_counter()
+        outs = llm.generate(conversations, params, use_tqdm=False)
+        synchronize(args.device)
+        seconds = time.perf_counter() - start
+        shared = (llm.block_manager.num_shared_hits - hits) * llm.block_manager.block_size
+        samples += [(c, o.outputs[0].token_ids, o.outputs[0].logprobs) for c, o in zip(conversations, outs)]
+        measures.append(dict(prompt=sum(map(len, conversations)), shared=shared, seconds=seconds,
+                             tokens=sum(len(o.outputs[0].token_ids) for o in outs)))
+        conversations = [c + o.outputs[0].token_ids + [rng.randrange(3, vocab) for _ in range(args.user_len)]
+                         for c, o in zip(conversations, outs)]
+    return samples, measures
+
+
+def warm_up(llm, args, vocab: int) -> None:
+    """One untimed call of the turns' shape (other tokens: nothing of it is shared later), so that
+    no turn pays the kernels' compilation or the CUDA graphs' capture."""
+    from vexact_models.runtime import SamplingParams
+
+    rng = random.Random(args.seed + 1)
+    prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.conversations)]
+    llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, seed=1), use_tqdm=False)
+
+
+def main(argv=None) -> int:
+    from vexact_models.runtime import LLM
+
+    args = parse_args(argv)
+    arch, model = build(args)
+    vocab = model.config.vocab_size
+    shape = "its tiny config" if args.tiny else args.config + (f", {args.layers} layers" if args.layers else "")
+    print(f"{arch.name} ({shape}) on {args.device}, "
+          f"{args.conversations} conversations x {args.turns} turns: {args.prompt_len} prompt tokens, "
+          f"{args.max_tokens} sampled and {args.user_len} appended a turn")
+    engine = dict(device=args.device) if args.tiny else dict(gpu_memory_utilization=args.gpu_memory_utilization)
+    results = {}
+    for name, owns in (("pages kept across calls", True), ("each call afresh", False)):
+        llm = LLM(model, owns_weights=owns, max_num_seqs=args.conversations, **engine)
+        warm_up(llm, args, vocab)
+        results[name] = run_turns(llm, args, vocab)
+        del llm
+        if args.device.type == "cuda":
+            torch.cuda.empty_cache()
+    (kept, kept_m), (fresh, fresh_m) = results.values()
+    rows = []
+    for turn, (k, f) in enumerate(zip(kept_m, fresh_m), start=1):
+        rows.append([turn, f"{k['prompt']:,}", f"{k['shared']:,}", f"{f['shared']:,}", f"{k['seconds']:.2f}",
+                     f"{f['seconds']:.2f}", f"{k['tokens'] / k['seconds']:,.0f}", f"{f['tokens'] / f['seconds']:,.0f}",
+                     f"{f['seconds'] / k['seconds']:.2f}x"])
+    table("turns (kept: an engine that owns its weights; afresh: over weights it does not own)",
+          ["turn", "prompt tokens", "shared: kept", "shared: afresh", "s: kept", "s: afresh", "tok/s: kept",
+           "tok/s: afresh", "speed-up"], rows)
+    equal = kept == fresh
+    print(f"\nthe two engines' tokens and logprobs over all turns: {'bitwise equal' if equal else 'DIFFERENT'}")
+    n, mismatches, worst = recompute_mismatches(model, kept, args.recompute_tokens, args.device)
+    print(f"recomputed by token_logprobs: {n:,} tokens, {mismatches} mismatches (max |diff| {worst:.3g})")
+    ok = equal and mismatches == 0
+    print("OK" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
