@@ -88,8 +88,10 @@ def test_a_failed_export_leaves_nothing(multimodal, tmp_path, monkeypatch):
             raise OSError("disk full")
         return real(*args, **kwargs)
 
-    real = text_export.save_file
-    monkeypatch.setattr(text_export, "save_file", fail_on_the_second)
+    from vexact_models import checkpoint_writer
+
+    real = checkpoint_writer.save_file
+    monkeypatch.setattr(checkpoint_writer, "save_file", fail_on_the_second)
     with pytest.raises(OSError, match="disk full"):
         text_export.export_text_model(folder, tmp_path / "out", max_shard_size="20KB", progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["multimodal"]
