@@ -11,6 +11,8 @@
                          the text model of a published multimodal checkpoint (Qwen3.5, Gemma 3
                          4B+) as a text checkpoint of its own, for loaders that build the
                          multimodal class
+    vexact dequantize-fp8 SOURCE TARGET
+                         a block-FP8 checkpoint (DeepSeek-V3, Qwen3 -FP8) dequantized to bf16
     vexact new-architecture NAME --from qwen3
                          a new architecture folder copied from a registered one, with its test
                          (docs/adding-an-architecture.md)
@@ -206,22 +208,48 @@ def export_text(args: argparse.Namespace) -> int:
     """``vexact export-text``: `text_export.export_text_model`; 2 for a bad argument."""
     from vexact_models.text_export import export_text_model
 
+    return _rewrite("export-text", "the text model", export_text_model, args)
+
+
+DEQUANTIZE_FP8_HELP = """Write a block-FP8 checkpoint (published DeepSeek-V3 / R1 / V3.1, Qwen3's -FP8 releases:
+quantization_config quant_method 'fp8', each linear weight in float8 with a float32
+weight_scale_inv per block of 128 x 128) dequantized to bf16, as a checkpoint of its own: each
+weight is its FP8 values times its block's scale in fp32, rounded once to bf16 (transformers'
+arithmetic), every other tensor as stored, sharded safetensors, the config without its
+quantization_config, the tokenizer and other files copied. vexact-models' classes run bf16
+weights and refuse an FP8 checkpoint; load TARGET instead.
+
+SOURCE is a local folder or a hub model id (its configs, safetensors and tokenizer files fetched
+into the hub cache first). TARGET must not exist or be an empty folder; it is written beside,
+then renamed into place, so a failed run leaves nothing there.
+
+Example:
+    vexact dequantize-fp8 deepseek-ai/DeepSeek-V3 ./DeepSeek-V3-bf16
+"""
+
+
+def dequantize_fp8(args: argparse.Namespace) -> int:
+    """``vexact dequantize-fp8``: `fp8.dequantize_fp8_checkpoint`; 2 for a bad argument."""
+    from vexact_models.fp8 import dequantize_fp8_checkpoint
+
+    return _rewrite("dequantize-fp8", "the bf16 checkpoint", dequantize_fp8_checkpoint, args)
+
+
+def _rewrite(command: str, what: str, write, args: argparse.Namespace) -> int:
+    """Run a checkpoint-rewriting command's `write(source, target, ...)`; 2 for a bad argument."""
     try:
-        target = export_text_model(args.source, args.target, max_shard_size=args.max_shard_size,
-                                   progress=not args.no_progress)
+        target = write(args.source, args.target, max_shard_size=args.max_shard_size, progress=not args.no_progress)
     except ValueError as error:
-        print(f"vexact export-text: error: {error}", file=sys.stderr)
+        print(f"vexact {command}: error: {error}", file=sys.stderr)
         return 2
-    files = sorted(p.name for p in target.iterdir())
-    print(f"wrote the text model to {target}: {', '.join(files)}")
+    print(f"wrote {what} to {target}: {', '.join(sorted(p.name for p in target.iterdir()))}")
     return 0
 
 
-def _add_export_text_parser(sub) -> None:
-    p = sub.add_parser("export-text", help="the text model of a multimodal checkpoint (Qwen3.5, Gemma 3 4B+) as a "
-                                           "text checkpoint", description=EXPORT_TEXT_HELP,
+def _add_rewrite_parser(sub, command: str, summary: str, description: str, source_help: str) -> None:
+    p = sub.add_parser(command, help=summary, description=description,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("source", metavar="SOURCE", help="the multimodal checkpoint: a folder or a hub model id")
+    p.add_argument("source", metavar="SOURCE", help=source_help)
     p.add_argument("target", metavar="TARGET", help="the new folder to write (not existing, or empty)")
     p.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
                    help="the largest safetensors file, in bytes or as 5GB / 500MB (default 5GB)")
@@ -251,7 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     p_demo.add_argument("--seed", type=int, default=0, help="seed of the random weights, requests and sampling (default 0)")
     sub.add_parser("conformance", help="the conformance suite (see vexact-conformance --help)", add_help=False)
     _add_new_architecture_parser(sub)
-    _add_export_text_parser(sub)
+    _add_rewrite_parser(sub, "export-text", "the text model of a multimodal checkpoint (Qwen3.5, Gemma 3 4B+) as a "
+                        "text checkpoint", EXPORT_TEXT_HELP, "the multimodal checkpoint: a folder or a hub model id")
+    _add_rewrite_parser(sub, "dequantize-fp8", "a block-FP8 checkpoint (DeepSeek-V3, Qwen3 -FP8) dequantized to bf16",
+                        DEQUANTIZE_FP8_HELP, "the FP8 checkpoint: a folder or a hub model id")
     p_env = sub.add_parser("env", help="versions, device, backend and VEXACT_* switches, for a bug report",
                            description=ENV_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p_env.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -268,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
         return env(args)
     if args.command == "export-text":
         return export_text(args)
+    if args.command == "dequantize-fp8":
+        return dequantize_fp8(args)
     args.device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         args.arch, args.config = demo_config(args.arch.name, args.device)

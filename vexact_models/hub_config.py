@@ -26,6 +26,13 @@ def checkpoint_config(source, kwargs: dict) -> dict | PretrainedConfig:
     return config
 
 
+def dequantize_requested(quantization_config: object) -> bool:
+    """Whether a ``from_pretrained(quantization_config=...)`` argument asks for MXFP4 dequantization."""
+    if isinstance(quantization_config, dict):
+        return bool(quantization_config.get("dequantize", False))
+    return bool(getattr(quantization_config, "dequantize", False))
+
+
 def source_config_dict(source, kwargs: dict) -> dict:
     """The config dict stored with the checkpoint `source` itself (a folder or a hub id), whatever
     config ``kwargs`` passes: what the checkpoint's tensors are laid out for."""

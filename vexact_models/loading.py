@@ -21,8 +21,8 @@ from __future__ import annotations
 from torch import nn
 from transformers import Mxfp4Config
 
-from .hub_config import checkpoint_config
-from .mxfp4 import dequantize_requested, mxfp4_quantized
+from .hub_config import checkpoint_config, dequantize_requested
+from .mxfp4 import mxfp4_quantized
 
 #: Names listed in one error at most (a whole missing layer would list dozens).
 LIST_AT_MOST = 8

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from .hub_config import checkpoint_config
+from .hub_config import checkpoint_config, dequantize_requested
 
 #: the value of each 4-bit e2m1 code (sign bit, two exponent bits, one mantissa bit)
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -40,13 +40,6 @@ def mxfp4_quantized(config: object) -> bool:
         getattr(config, "quantization_config", None)
     method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
     return str(getattr(method, "value", method)) == "mxfp4"
-
-
-def dequantize_requested(quantization_config: object) -> bool:
-    """Whether a ``from_pretrained(quantization_config=...)`` argument asks for MXFP4 dequantization."""
-    if isinstance(quantization_config, dict):
-        return bool(quantization_config.get("dequantize", False))
-    return bool(getattr(quantization_config, "dequantize", False))
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

@@ -1,0 +1,144 @@
+"""Block-FP8 checkpoints (`vexact_models.fp8`): written here in the published layout (float8 e4m3
+weights, a float32 ``weight_scale_inv`` per block, ``quantization_config`` quant_method 'fp8'),
+dequantized by ``vexact dequantize-fp8`` into a bf16 checkpoint that stock transformers and our
+classes load with no tensor missing or left over; its weights are the blockwise product rounded
+once (transformers' own dequantization's bits, where transformers takes the shapes); our classes
+and the engine refuse the FP8 checkpoint itself, naming the command."""
+
+import json
+import shutil
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from vexact_models import fp8
+from vexact_models.cli import main
+from vexact_models.registry import get
+
+from .models.model_support import rel
+
+#: 2-D weights the published FP8 checkpoints keep unquantized
+UNQUANTIZED = ("embed_tokens", "lm_head", "norm", "mlp.gate.weight")
+
+
+def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(FP8 e4m3 values, float32 scales) of `weight` in blocks, as the published checkpoints hold them."""
+    rows, cols = weight.shape
+    grid = (-(-rows // block[0]), -(-cols // block[1]))
+    padded = torch.zeros(grid[0] * block[0], grid[1] * block[1])
+    padded[:rows, :cols] = weight.float()
+    blocks = padded.view(grid[0], block[0], grid[1], block[1])
+    scale = blocks.abs().amax(dim=(1, 3)) / 448.0 + 1e-12
+    values = (blocks / scale[:, None, :, None]).view_as(padded)[:rows, :cols].to(torch.float8_e4m3fn)
+    return values, scale
+
+
+def fp8_checkpoint(arch_name: str, folder, block: tuple[int, int]):
+    """Stock transformers' tiny `arch_name` model saved by ``save_pretrained`` (per-expert hub
+    layout for MoE models) into `folder`, its linear weights then stored as block FP8."""
+    arch = get(arch_name)
+    torch.manual_seed(0)
+    model = arch.hf_class()(arch.tiny_config()).eval()
+    model.save_pretrained(folder)
+    tensors = {}
+    for name, tensor in load_file(folder / "model.safetensors").items():
+        if tensor.dim() == 2 and name.endswith(".weight") and not any(u in name for u in UNQUANTIZED):
+            tensors[name], tensors[name.replace(".weight", ".weight_scale_inv")] = quantize(tensor, block)
+        else:
+            tensors[name] = tensor
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(block)}
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "tokenizer_config.json").write_text("{}")
+    return arch, model, tensors
+
+
+@pytest.mark.compat
+def test_dequantize_fp8_is_the_blockwise_product_rounded_once():
+    torch.manual_seed(0)
+    weight = (torch.randn(2, 37, 50) * 100).to(torch.float8_e4m3fn)
+    scale = torch.rand(2, 3, 4) + 0.01
+    got = fp8.dequantize_fp8(weight, scale, (16, 16))
+    want = torch.empty(2, 37, 50)
+    for e in range(2):
+        for i in range(37):
+            for j in range(50):
+                want[e, i, j] = weight[e, i, j].float() * scale[e, i // 16, j // 16]
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want.to(torch.bfloat16))
+    with pytest.raises(ValueError, match=r"shape \(2, 37, 50\) in blocks of \(16, 16\) needs float scales of "
+                                         r"shape \(2, 3, 4\), got \(2, 3, 3\)"):
+        fp8.dequantize_fp8(weight, scale[..., :3], (16, 16))
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("arch_name", ["deepseek_v3", "qwen3"])
+def test_the_dequantized_checkpoint_loads_in_stock_and_ours(arch_name, tmp_path):
+    """Blocks of 16: DeepSeek-V3's tiny dims leave partial blocks, as its published 576-row kv_a_proj does."""
+    arch, model, tensors = fp8_checkpoint(arch_name, tmp_path / "fp8", (16, 16))
+    target = fp8.dequantize_fp8_checkpoint(tmp_path / "fp8", tmp_path / "bf16", progress=False)
+    config = json.loads((target / "config.json").read_text())
+    assert "quantization_config" not in config and config["torch_dtype"] == "bfloat16"
+    assert (target / "tokenizer_config.json").is_file()
+    written = load_file(target / "model.safetensors")
+    assert written.keys() == {n for n in tensors if not n.endswith("_scale_inv")}
+    for name, tensor in written.items():
+        if name + "_scale_inv" in tensors:
+            assert torch.equal(tensor, fp8.dequantize_fp8(tensors[name], tensors[name + "_scale_inv"], (16, 16)))
+            original = model.state_dict().get(name)
+            if original is not None:
+                assert rel(tensor.float(), original) < 0.1  # FP8's rounding, not a wrong block
+        else:
+            assert torch.equal(tensor, tensors[name])
+    stock, info = arch.hf_class().from_pretrained(target, output_loading_info=True, dtype=torch.float32)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    ours = arch.causal_lm_class.from_pretrained(target, dtype=torch.float32)
+    ids = torch.randint(3, 512, (2, 16))
+    with torch.no_grad():
+        assert rel(ours.eval()(ids).logits, stock.eval()(ids).logits) <= arch.fp32_parity
+
+
+def test_the_bits_are_transformers_dequantization(tmp_path):
+    """Where transformers' own dequantization takes the shapes (blocks of 8 divide every tiny
+    DeepSeek-V3 weight), loading the FP8 checkpoint through it gives the converted weights' bits
+    (the main suite's transformers; 5.2's dequantization imports Triton, not `compat`)."""
+    arch, _, _ = fp8_checkpoint("deepseek_v3", tmp_path / "fp8", (8, 8))
+    target = fp8.dequantize_fp8_checkpoint(tmp_path / "fp8", tmp_path / "bf16", progress=False)
+    theirs = arch.hf_class().from_pretrained(tmp_path / "fp8", dtype=torch.bfloat16, quantization_config=(
+        transformers.FineGrainedFP8Config(dequantize=True, weight_block_size=(8, 8))))
+    mine = arch.hf_class().from_pretrained(target, dtype=torch.bfloat16)
+    want = dict(mine.named_parameters())
+    assert all(torch.equal(p, want[n]) for n, p in theirs.named_parameters())
+    ours = arch.causal_lm_class.from_pretrained(tmp_path / "fp8", dtype=torch.bfloat16, quantization_config=(
+        transformers.FineGrainedFP8Config(dequantize=True, weight_block_size=(8, 8))))
+    assert all(torch.equal(p, want[n]) for n, p in ours.named_parameters())
+
+
+@pytest.mark.compat
+def test_our_classes_and_the_engine_refuse_an_fp8_checkpoint(tmp_path):
+    arch, _, _ = fp8_checkpoint("qwen3", tmp_path / "fp8", (16, 16))
+    with pytest.raises(ValueError, match=r"stores its weights in FP8 .*\(vexact dequantize-fp8 SOURCE TARGET"):
+        arch.causal_lm_class.from_pretrained(tmp_path / "fp8")
+    with pytest.raises(ValueError, match=r"vexact dequantize-fp8"):
+        arch.token_classification_class.from_pretrained(tmp_path / "fp8", num_labels=1)
+    from vexact_models import LLM
+
+    with pytest.raises(ValueError, match=r"vexact dequantize-fp8"):
+        LLM(str(tmp_path / "fp8"), device="cpu")
+
+
+@pytest.mark.compat
+def test_the_command(tmp_path, capsys):
+    fp8_checkpoint("qwen3", tmp_path / "fp8", (16, 16))
+    assert main(["dequantize-fp8", str(tmp_path / "fp8"), str(tmp_path / "out"), "--no-progress",
+                 "--max-shard-size", "20KB"]) == 0
+    assert f"wrote the bf16 checkpoint to {tmp_path / 'out'}: config.json" in capsys.readouterr().out
+    assert (tmp_path / "out" / "model.safetensors.index.json").is_file()
+    assert main(["dequantize-fp8", str(tmp_path / "fp8"), str(tmp_path / "out")]) == 2
+    assert "exists and is not an empty folder" in capsys.readouterr().err
+    shutil.copytree(tmp_path / "out", tmp_path / "plain")
+    assert main(["dequantize-fp8", str(tmp_path / "plain"), str(tmp_path / "again")]) == 2
+    assert "is not an FP8 checkpoint" in capsys.readouterr().err and not (tmp_path / "again").exists()
