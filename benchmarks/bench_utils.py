@@ -16,6 +16,17 @@ from vexact_models.kernels.paged_layout import shuffled_block_table
 from decode_floor import decode_bytes, expected_routed, workload_decode_roofline  # noqa: F401 (the scripts' import)
 
 
+def gpu_share(text: str) -> float:
+    """``--gpu-memory-utilization``: a share of the GPU's memory in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{value} must be in (0, 1]")
+    return value
+
+
 def positive_ints(text: str) -> list[int]:
     """An argparse ``type`` for comma-separated counts that must each be >= 1 (row counts, batch
     sizes): the parser then names the option, the value and what it expected."""

@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from bench_utils import positive_int, recompute_mismatches, synchronize, table, tiny_or_cuda
+from bench_utils import gpu_share, positive_int, recompute_mismatches, synchronize, table, tiny_or_cuda
 
 CONFIGS = ("qwen3-0.6b", "qwen3-8b", "llama-3.1-8b", "qwen2.5-7b", "qwen3-30b-a3b", "moonlight-16b-a3b")
 
@@ -43,14 +43,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=positive_int, default=1024, help="first prompt's tokens (default 1024)")
     p.add_argument("--max-tokens", type=positive_int, default=256, help="sampled tokens a turn (default 256)")
     p.add_argument("--user-len", type=positive_int, default=128, help="tokens appended after each turn (default 128)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.85, help="each engine's share of the GPU")
+    p.add_argument("--gpu-memory-utilization", type=gpu_share, default=0.85, help="each engine's share of the GPU (0.85)")
     p.add_argument("--recompute-tokens", type=positive_int, default=16384,
                    help="tokens a recompute micro-batch holds (default 16384)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiny", action="store_true", help="CPU, float32, the architecture's tiny config (tests)")
     args = p.parse_args(argv)
-    if not 0 < args.gpu_memory_utilization <= 1:
-        p.error(f"--gpu-memory-utilization={args.gpu_memory_utilization} must be in (0, 1]")
     if args.tiny:
         args.conversations, args.turns, args.prompt_len, args.max_tokens, args.user_len = 3, 3, 24, 6, 5
     tiny_or_cuda(args, "benchmarks/multi_turn.py")

@@ -36,8 +36,8 @@ import time
 
 import torch
 
-from bench_utils import (positive_int, recompute_mismatches, shape_arg, stock_attention, subset_arg, synchronize, table,
-                         tiny_or_cuda)
+from bench_utils import (gpu_share, positive_int, recompute_mismatches, shape_arg, stock_attention, subset_arg,
+                         synchronize, table, tiny_or_cuda)
 from lora import point, requests
 from stock_peers import free, stock_alone
 from throughput import run_hf
@@ -59,7 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=positive_int, default=1024, help="longest prompt (shortest: half)")
     p.add_argument("--max-tokens", type=positive_int, default=512, help="longest output (shortest: half)")
     p.add_argument("--hf-batch", type=positive_int, help="requests per HF generate call (default: all at once)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.85, help="the engine's share of the GPU")
+    p.add_argument("--gpu-memory-utilization", type=gpu_share, default=0.85, help="the engine's share of the GPU (0.85)")
     p.add_argument("--train-shape", type=shape_arg, default=(1, 8192), help="training batch SEQSxTOKENS (1x8192)")
     p.add_argument("--checkpointing", choices=["auto", "on", "off"], default="auto",
                    help="activation checkpointing in the training table (training.py's rule; default auto)")
@@ -68,8 +68,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiny", action="store_true", help="CPU, float32, the architecture's tiny config (tests)")
     args = p.parse_args(argv)
-    if not 0 < args.gpu_memory_utilization <= 1:
-        p.error(f"--gpu-memory-utilization={args.gpu_memory_utilization} must be in (0, 1]")
     if args.tiny:
         args.samples, args.prompt_len, args.max_tokens, args.train_shape, args.steps = 3, 24, 8, (2, 24), 1
         args.kv_tokens = min(args.kv_tokens, 256)
