@@ -18,7 +18,6 @@ their stored names and the rest is skipped (`model_tensor_names`).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 
@@ -27,7 +26,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import GenerationConfig
 
-from vexact_models.hub_config import source_config_dict
+from vexact_models.hub_config import source_config_dict, stored_tensors
 from vexact_models.multimodal import is_multimodal, tell_text_part, text_tensor_name
 from vexact_models.mxfp4 import BLOCKS, SCALES, dequantize_mxfp4
 
@@ -37,20 +36,6 @@ __all__ = ["empty_stage_model", "load_stage_model"]
 
 _FUSED_EXPERTS = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
 _LIST_AT_MOST = 8
-
-
-def checkpoint_files(folder: str) -> dict[str, str]:
-    """Tensor name -> the safetensors file holding it (from the index, else the single file's header)."""
-    index = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            return {name: os.path.join(folder, file) for name, file in json.load(f)["weight_map"].items()}
-    single = os.path.join(folder, "model.safetensors")
-    if not os.path.isfile(single):
-        raise ValueError(f"LLM: {folder} holds no safetensors checkpoint (model.safetensors or "
-                         "model.safetensors.index.json); pipeline stages load safetensors only")
-    with safe_open(single, framework="pt") as handle:
-        return dict.fromkeys(handle.keys(), single)
 
 
 def model_tensor_names(folder: str, stored: list[str]) -> dict[str, str]:
@@ -70,9 +55,9 @@ class _Reader:
     the model's names (`model_tensor_names`)."""
 
     def __init__(self, folder: str) -> None:
-        stored_files = checkpoint_files(folder)
+        stored_files = stored_tensors(folder, "LLM (pipeline stages load safetensors only)")
         self.stored = model_tensor_names(folder, list(stored_files))
-        self.files = {name: stored_files[stored] for name, stored in self.stored.items()}
+        self.files = {name: str(stored_files[stored]) for name, stored in self.stored.items()}
         self.handles: dict[str, object] = {}
 
     def __contains__(self, name: str) -> bool:

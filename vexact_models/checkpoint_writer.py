@@ -1,5 +1,5 @@
 """Writing a new checkpoint folder from an existing one, tensor by tensor (`vexact export-text`,
-`vexact dequantize-fp8`): where the source's tensors are (`stored_tensors`), safetensors shards
+`vexact dequantize-fp8`): safetensors shards
 named and indexed as ``save_pretrained`` writes them (`ShardWriter`), the source's other files
 copied (`copy_side_files`), and the whole written beside the target and renamed into place at the
 end (`staged_folder`), so that a failed or interrupted write leaves nothing at the target."""
@@ -14,30 +14,14 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers.utils.hub import convert_file_size_to_int
 
-__all__ = ["DEFAULT_SHARD_SIZE", "ShardWriter", "copy_side_files", "shard_bytes", "staged_folder", "stored_tensors"]
+__all__ = ["DEFAULT_SHARD_SIZE", "ShardWriter", "copy_side_files", "shard_bytes", "staged_folder"]
 
 DEFAULT_SHARD_SIZE = "5GB"
 #: the files of a checkpoint folder that are its weights (rewritten, never copied)
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
-
-
-def stored_tensors(source: Path, who: str) -> dict[str, Path]:
-    """Stored tensor name -> the safetensors file holding it, of the checkpoint folder `source`
-    (from its index, else its single file's header); a ValueError from `who` when it has neither."""
-    index = source / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: source / file for name, file in weight_map.items()}
-    single = source / "model.safetensors"
-    if not single.is_file():
-        raise ValueError(f"{who}: source {str(source)!r} holds no safetensors checkpoint "
-                         "(model.safetensors or model.safetensors.index.json)")
-    with safe_open(str(single), framework="pt") as handle:
-        return dict.fromkeys(handle.keys(), single)
 
 
 def shard_bytes(max_shard_size: int | str, who: str) -> int:

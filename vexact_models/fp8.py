@@ -27,8 +27,8 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from .checkpoint_writer import DEFAULT_SHARD_SIZE, ShardWriter, copy_side_files, shard_bytes, staged_folder, stored_tensors
-from .hub_config import checkpoint_config, checkpoint_folder, dequantize_requested
+from .checkpoint_writer import DEFAULT_SHARD_SIZE, ShardWriter, copy_side_files, shard_bytes, staged_folder
+from .hub_config import checkpoint_config, checkpoint_folder, dequantize_requested, stored_tensors
 
 __all__ = ["dequantize_fp8", "dequantize_fp8_checkpoint", "fp8_quantized", "refuse_fp8_checkpoint"]
 

@@ -1,14 +1,18 @@
 """Where a checkpoint comes from: the config a ``from_pretrained(source, **kwargs)`` call reads,
 before anything loads (what the loading mixins, MXFP4 checkpoints and the text part of multimodal
-checkpoints, decide on), and a local folder for a hub model id (`checkpoint_folder`: ``LLM(id)``,
-``vexact export-text``)."""
+checkpoints, decide on), a local folder for a hub model id (`checkpoint_folder`: ``LLM(id)``,
+``vexact export-text``), and which safetensors file holds each of a folder's tensors
+(`stored_tensors`: the pipeline stages' loader, the checkpoint-rewriting commands)."""
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 from huggingface_hub import snapshot_download
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError
+from safetensors import safe_open
 from transformers import PretrainedConfig
 
 #: ``from_pretrained`` arguments that say where a hub checkpoint's files are
@@ -59,3 +63,19 @@ def checkpoint_folder(source: str | os.PathLike, who: str) -> str:
     except (HfHubHTTPError, HFValidationError, OSError, ValueError) as error:
         raise ValueError(f"{who}={path!r} is neither a checkpoint folder nor a hub model id this machine can "
                          f"fetch or find in its hub cache ({type(error).__name__}: {error})") from None
+
+
+def stored_tensors(source: str | os.PathLike, who: str) -> dict[str, Path]:
+    """Stored tensor name -> the safetensors file holding it, of the checkpoint folder `source`
+    (from its index, else its single file's header); a ValueError from `who` when it has neither."""
+    source = Path(source)
+    index = source / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: source / file for name, file in weight_map.items()}
+    single = source / "model.safetensors"
+    if not single.is_file():
+        raise ValueError(f"{who}: source {str(source)!r} holds no safetensors checkpoint "
+                         "(model.safetensors or model.safetensors.index.json)")
+    with safe_open(str(single), framework="pt") as handle:
+        return dict.fromkeys(handle.keys(), single)

@@ -25,8 +25,8 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 from transformers import AutoConfig
 
-from .checkpoint_writer import DEFAULT_SHARD_SIZE, ShardWriter, copy_side_files, shard_bytes, staged_folder, stored_tensors
-from .hub_config import checkpoint_folder
+from .checkpoint_writer import DEFAULT_SHARD_SIZE, ShardWriter, copy_side_files, shard_bytes, staged_folder
+from .hub_config import checkpoint_folder, stored_tensors
 from .multimodal import MULTIMODAL_MODEL_TYPES, is_multimodal, text_config_of, text_tensor_name
 from .registry import for_model_type
 
