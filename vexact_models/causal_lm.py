@@ -21,13 +21,12 @@ from vexact_models.adapters import UnsupportedAdapter, forbid_adapters
 from vexact_models.checkpointing import CheckpointingMixin
 from vexact_models.distributed import fsdp_forward_method
 from vexact_models.flat_batch import FlatBatch, check_tokens, flatten_inputs
-from vexact_models.fp8 import refuse_fp8_checkpoint
 from vexact_models.forward_arguments import CACHE_ARGUMENTS, cache_field, hf_flag, take_cache_arguments, unfilled_cache
 from vexact_models.generation import cacheless_generate_arguments
 from vexact_models.hidden_states import HiddenStates, hidden_states_request
 from vexact_models.kernels import lm_head_logits, token_logprobs
 from vexact_models.layers import PackedContext, RopeTables, head_dim_of, layer_window
-from vexact_models.loading import check_loading_info, refuse_sharding_inside_layers
+from vexact_models.loading import check_loading_info, refuse_quantized_checkpoint, refuse_sharding_inside_layers
 from vexact_models.patches.compat import HFCompatMixin
 
 
@@ -51,7 +50,8 @@ class StrictLoadingMixin(CheckpointingMixin, HFCompatMixin):
         from vexact_models.patches.checkpoints import check_expert_tensors, checkpoint_conversions
 
         refuse_sharding_inside_layers(cls.__name__, kwargs)
-        refuse_fp8_checkpoint(cls.__name__, args[0] if args else kwargs.get("pretrained_model_name_or_path"), kwargs)
+        refuse_quantized_checkpoint(cls.__name__, args[0] if args else kwargs.get("pretrained_model_name_or_path"),
+                                    kwargs)
         # a per-expert tensor missing or mis-shaped: transformers' own error names only the fused tensor
         check_expert_tensors(cls, args, kwargs)
         want_info = kwargs.pop("output_loading_info", False)

@@ -13,7 +13,8 @@ weight whose rows are not a whole number of blocks, as DeepSeek-V3's 576-row
 ``kv_a_proj_with_mqa`` is, and a partial last block here just takes its scale). Every other
 tensor is copied as stored; the config loses its ``quantization_config``. Our classes'
 ``from_pretrained`` (and so ``LLM(path)``) refuses an FP8 checkpoint unless transformers is asked
-to dequantize it (``FineGrainedFP8Config(dequantize=True)``), naming the command: transformers
+to dequantize it (``FineGrainedFP8Config(dequantize=True)``), naming the command
+(`loading.refuse_quantized_checkpoint`): transformers
 would otherwise swap in its FP8 layers, which these classes do not run.
 """
 
@@ -28,36 +29,26 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from .checkpoint_writer import DEFAULT_SHARD_SIZE, ShardWriter, copy_side_files, shard_bytes, staged_folder
-from .hub_config import checkpoint_config, checkpoint_folder, dequantize_requested, stored_tensors
+from .hub_config import checkpoint_folder, quant_method, stored_tensors
 
-__all__ = ["dequantize_fp8", "dequantize_fp8_checkpoint", "fp8_quantized", "refuse_fp8_checkpoint"]
+__all__ = ["FP8_ADVICE", "dequantize_fp8", "dequantize_fp8_checkpoint", "fp8_quantized"]
 
 SCALE = "_scale_inv"
 WHO = "dequantize_fp8_checkpoint"
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
+#: what our ``from_pretrained`` says of an FP8 checkpoint loaded without dequantization
+#: (`loading.refuse_quantized_checkpoint`)
+FP8_ADVICE = ("the checkpoint stores its weights in FP8 (quantization_config quant_method 'fp8'), which the aligned "
+              "kernels do not run. Dequantize it to bf16 once (vexact dequantize-fp8 SOURCE TARGET, then load TARGET), "
+              "or pass quantization_config=transformers.FineGrainedFP8Config(dequantize=True) where transformers "
+              "takes the checkpoint's shapes")
+
+
 def fp8_quantized(config: object) -> bool:
     """Whether `config` (a config object or dict) says its checkpoint holds block-FP8 weights."""
-    quant = config.get("quantization_config") if isinstance(config, dict) else \
-        getattr(config, "quantization_config", None)
-    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
-    return str(getattr(method, "value", method)) == "fp8"
-
-
-def refuse_fp8_checkpoint(name: str, source, kwargs: dict) -> None:
-    """A ValueError, before anything loads, where ``from_pretrained(source, **kwargs)`` of class
-    `name` would read an FP8 checkpoint (module docstring), saying how to dequantize it."""
-    try:
-        config = checkpoint_config(source, kwargs)
-    except (OSError, ValueError, TypeError):  # no config there: transformers' own error follows
-        return
-    if fp8_quantized(config) and not dequantize_requested(kwargs.get("quantization_config")):
-        raise ValueError(f"{name}.from_pretrained({str(source)!r}): the checkpoint stores its weights in FP8 "
-                         "(quantization_config quant_method 'fp8'), which the aligned kernels do not run. Dequantize "
-                         "it to bf16 once (vexact dequantize-fp8 SOURCE TARGET, then load TARGET), or pass "
-                         "quantization_config=transformers.FineGrainedFP8Config(dequantize=True) where transformers "
-                         "takes the checkpoint's shapes")
+    return quant_method(config) == "fp8"
 
 
 def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],

@@ -25,13 +25,22 @@ def checkpoint_config(source, kwargs: dict) -> dict | PretrainedConfig:
     hub arguments given."""
     config = kwargs.get("config")
     if config is None or isinstance(config, (str, os.PathLike)):
-        hub = {k: kwargs[k] for k in HUB_ARGUMENTS if k in kwargs}
-        config, _ = PretrainedConfig.get_config_dict(source if config is None else config, **hub)
+        return source_config_dict(source if config is None else config, kwargs)
     return config
 
 
+def quant_method(config: object) -> str | None:
+    """The ``quantization_config.quant_method`` of `config` (a config object or dict), as a string
+    (``"mxfp4"``, ``"fp8"``, ...), or None for an unquantized checkpoint."""
+    quant = config.get("quantization_config") if isinstance(config, dict) else \
+        getattr(config, "quantization_config", None)
+    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    return None if method is None else str(getattr(method, "value", method))
+
+
 def dequantize_requested(quantization_config: object) -> bool:
-    """Whether a ``from_pretrained(quantization_config=...)`` argument asks for MXFP4 dequantization."""
+    """Whether a ``from_pretrained(quantization_config=...)`` argument asks transformers to
+    dequantize the checkpoint (``Mxfp4Config`` / ``FineGrainedFP8Config(dequantize=True)``)."""
     if isinstance(quantization_config, dict):
         return bool(quantization_config.get("dequantize", False))
     return bool(getattr(quantization_config, "dequantize", False))

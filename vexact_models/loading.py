@@ -21,8 +21,9 @@ from __future__ import annotations
 from torch import nn
 from transformers import Mxfp4Config
 
-from .hub_config import checkpoint_config, dequantize_requested
-from .mxfp4 import mxfp4_quantized
+from .fp8 import FP8_ADVICE
+from .hub_config import checkpoint_config, dequantize_requested, quant_method
+from .mxfp4 import MXFP4_ADVICE, mxfp4_quantized
 
 #: Names listed in one error at most (a whole missing layer would list dozens).
 LIST_AT_MOST = 8
@@ -73,6 +74,22 @@ def refuse_sharding_inside_layers(name: str, kwargs: dict) -> None:
                          "layers, whose DTensors the aligned kernels do not run; shard with FSDP2 "
                          "(vexact_models.distributed, docs/fsdp.md) and roll out with LLM(..., "
                          "pipeline_parallel_size=N)")
+
+
+def refuse_quantized_checkpoint(name: str, source, kwargs: dict) -> None:
+    """A ValueError, before anything loads, where ``from_pretrained(source, **kwargs)`` of class
+    `name` would read weights the aligned kernels do not run without asking transformers to
+    dequantize them: MXFP4 experts (published GPT-OSS, `mxfp4.MXFP4_ADVICE`) or block-FP8
+    weights (published DeepSeek-V3, `fp8.FP8_ADVICE`); the message says what to do."""
+    if dequantize_requested(kwargs.get("quantization_config")):
+        return
+    try:
+        method = quant_method(checkpoint_config(source, kwargs))
+    except (OSError, ValueError, TypeError):  # no config there: transformers' own error follows
+        return
+    advice = {"mxfp4": MXFP4_ADVICE, "fp8": FP8_ADVICE}.get(method)
+    if advice is not None:
+        raise ValueError(f"{name}.from_pretrained({str(source)!r}): {advice}")
 
 
 def check_loading_info(model: nn.Module, info: dict, ignore_mismatched_sizes: bool) -> None:

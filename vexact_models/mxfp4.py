@@ -8,9 +8,9 @@ dequantized, by one of two routes that give the same tensors (tests/models/test_
 - ``from_pretrained(path, quantization_config=transformers.Mxfp4Config(dequantize=True))``:
   transformers' own dequantize path (``integrations.mxfp4.convert_moe_packed_tensors``, plain
   torch, on CPU as on a GPU; no kernels hub), for our classes as for stock's, with or without
-  `vexact_models.patch()`. Without it, `Mxfp4LoadingMixin` refuses before anything is built,
-  saying what to pass, instead of letting transformers swap in its MXFP4 kernels, which these
-  classes do not run.
+  `vexact_models.patch()`. Without it, our ``from_pretrained`` refuses before anything is built
+  (`loading.refuse_quantized_checkpoint`), saying what to pass, instead of letting transformers
+  swap in its MXFP4 kernels, which these classes do not run.
 - the rollout engine's own loading (``LLM(path)``, `loading.from_pretrained_complete`, which
   passes the above itself, and the pipeline stages' loader, `runtime.pipeline_load`, which reads
   the safetensors and dequantizes with `dequantize_mxfp4`).
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from .hub_config import checkpoint_config, dequantize_requested
+from .hub_config import quant_method
 
 #: the value of each 4-bit e2m1 code (sign bit, two exponent bits, one mantissa bit)
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -34,12 +34,17 @@ FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2
 BLOCKS, SCALES = "_blocks", "_scales"
 
 
+#: what our ``from_pretrained`` says of an MXFP4 checkpoint loaded without dequantization
+#: (`loading.refuse_quantized_checkpoint`)
+MXFP4_ADVICE = ("the checkpoint stores its experts in MXFP4 (quantization_config quant_method 'mxfp4'), which the "
+                "aligned kernels do not run. Load it dequantized to bf16: pass quantization_config="
+                "transformers.Mxfp4Config(dequantize=True) and dtype=torch.bfloat16 (or save such a load with "
+                "save_pretrained once and load that folder); vexact_models.LLM(path) dequantizes by itself")
+
+
 def mxfp4_quantized(config: object) -> bool:
     """Whether `config` (a config object or dict) says its checkpoint holds MXFP4 weights."""
-    quant = config.get("quantization_config") if isinstance(config, dict) else \
-        getattr(config, "quantization_config", None)
-    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
-    return str(getattr(method, "value", method)) == "mxfp4"
+    return quant_method(config) == "mxfp4"
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -63,23 +68,3 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
         values = torch.ldexp(values, (scales[e].to(torch.int32) - 127)[..., None].float())
         out[e] = values.reshape(rows, groups * 32).t().to(dtype)
     return out
-
-
-class Mxfp4LoadingMixin:
-    """Mixed into GPT-OSS's ``PreTrainedModel``: ``from_pretrained`` of an MXFP4 checkpoint needs
-    ``quantization_config=Mxfp4Config(dequantize=True)`` (module docstring), else a ValueError
-    saying so."""
-
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        """HF's ``from_pretrained``, after refusing an MXFP4 checkpoint loaded without
-        ``Mxfp4Config(dequantize=True)`` (the class docstring)."""
-        config = checkpoint_config(pretrained_model_name_or_path, kwargs)
-        if mxfp4_quantized(config) and not dequantize_requested(kwargs.get("quantization_config")):
-            raise ValueError(
-                f"{cls.__name__}.from_pretrained({str(pretrained_model_name_or_path)!r}): the checkpoint stores its "
-                "experts in MXFP4 (quantization_config quant_method 'mxfp4'), which the aligned kernels do not run. "
-                "Load it dequantized to bf16: pass quantization_config=transformers.Mxfp4Config(dequantize=True) and "
-                "dtype=torch.bfloat16 (or save such a load with save_pretrained once and load that folder); "
-                "vexact_models.LLM(path) dequantizes by itself")
-        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)

@@ -34,7 +34,6 @@ from vexact_models.layers import PreNormDecoderLayer, RMSNorm, grouped_linear, h
 from ..causal_lm import CausalLMMixin, DecoderModelMixin, InitHookMixin
 from ..inference_model import InferenceModel
 from ..heads import SequenceClassificationMixin, TokenClassificationMixin
-from ..mxfp4 import Mxfp4LoadingMixin
 
 
 class GptOssRMSNorm(RMSNorm):
@@ -153,7 +152,7 @@ class GptOssDecoderLayer(PreNormDecoderLayer):
         self.post_attention_layernorm = GptOssRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
-class GptOssPreTrainedModel(Mxfp4LoadingMixin, InitHookMixin, PreTrainedModel):
+class GptOssPreTrainedModel(InitHookMixin, PreTrainedModel):
     config_class = GptOssConfig
     config: GptOssConfig
     base_model_prefix = "model"
