@@ -14,7 +14,7 @@ from collections.abc import Mapping
 import torch
 
 from vexact_models.multimodal import refuse_multimodal_model
-from vexact_models.registry import architectures, for_model_type
+from vexact_models.registry import architectures, for_model_type, import_path
 
 from ..kernels.attention_tiles import TMA_HEAD_DIMS
 from .sampling_params import MAX_SEED
@@ -179,7 +179,7 @@ def architecture_of(model: torch.nn.Module):
         raise ValueError(f"LLM: model_type {model_type!r} is not supported; supported: {served}")
     if isinstance(model, arch.causal_lm_class):
         return arch
-    ours = f"{arch.causal_lm_class.__module__.rsplit('.', 1)[0]}.{arch.causal_lm_class.__name__}"
+    ours = import_path(arch.causal_lm_class)
     if isinstance(model, arch.base_model_class):
         raise ValueError(f"LLM: model is the base model {kind} (no lm_head); pass the causal LM {ours} "
                          "(AutoModelForCausalLM)")

@@ -23,7 +23,7 @@ from transformers import PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from .hub_config import source_config_dict
-from .registry import for_model_type
+from .registry import for_model_type, import_path
 
 logger = logging.getLogger("vexact_models")
 
@@ -76,7 +76,7 @@ def refuse_multimodal_model(who: str, model) -> None:
     arch = for_model_type(text_config_of(config).model_type)
     if arch is None:
         return
-    ours = f"{arch.causal_lm_class.__module__.rsplit('.', 1)[0]}.{arch.causal_lm_class.__name__}"
+    ours = import_path(arch.causal_lm_class)
     raise ValueError(f"{who}: model is a multimodal {type(model).__module__}.{type(model).__qualname__}, whose vision "
                      f"tower vexact-models does not run; load its text model from the checkpoint with "
                      f"{ours}.from_pretrained(path) (LLM(path) does so itself)")

@@ -160,6 +160,12 @@ class Architecture:
         return stock_class(dict(self.hf_head_classes).get(head) or self.hf_causal_lm_class.replace("ForCausalLM", head))
 
 
+def import_path(cls: type) -> str:
+    """Where users import our class `cls` from: its architecture package
+    (``vexact_models.qwen3.Qwen3ForCausalLM``), for messages."""
+    return f"{cls.__module__.rsplit('.', 1)[0]}.{cls.__name__}"
+
+
 def stock_class(path: str) -> type:
     """The class at dotted `path`. A top-level transformers name (``transformers.Qwen3ForCausalLM``,
     which `patch()` binds to our class) is read from the module transformers defines it in (its

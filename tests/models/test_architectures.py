@@ -285,3 +285,14 @@ def test_inference_variant_shares_storage(pair):
     inference = arch.inference_class(ours)
     assert {p.data_ptr() for p in inference.parameters()} == {p.data_ptr() for p in ours.parameters()}
     assert inference.kv_cache_spec()[0] == ours.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("arch", ARCHS.values(), ids=lambda a: a.name)
+def test_import_path_names_where_users_import_the_class(arch):
+    """`registry.import_path`, which error messages print, imports the very class."""
+    from vexact_models.registry import import_path
+
+    path = import_path(arch.causal_lm_class)
+    module, _, name = path.rpartition(".")
+    assert path == f"vexact_models.{arch.name}.{arch.causal_lm_class.__name__}"  # the package, not .modeling
+    assert getattr(importlib.import_module(module), name) is arch.causal_lm_class
