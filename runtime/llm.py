@@ -252,12 +252,13 @@ class LLM(ChatMixin, RequestsMixin, EngineStepsMixin, EngineMemoryMixin):
         """Note which backend and attention forward (`vexact_models.kernels.use_attention_forward`)
         the runner's CUDA graphs (if any) were captured under."""
         graphs = self.runner.graphs
-        self._graphs_key = (None if graphs is None else weakref.ref(graphs), self._captured_under(backend))
+        self._graphs_key = (None if graphs is None else weakref.ref(graphs), self._computed_under(backend))
 
-    def _captured_under(self, backend: str) -> tuple:
-        """What the CUDA graphs replay: the backend, the attention forward and the PEFT adapters'
-        state (`adapters.adapter_state`: enabled, merged, active, their weights' storage)."""
-        return backend, attention_forward_mode(), adapter_state(self.model) if self.runner.graphs is not None else ()
+    def _computed_under(self, backend: str) -> tuple:
+        """What the engine's kernels compute with, which CUDA graphs replay and KV pages hold the
+        results of: the backend, the attention forward and the PEFT adapters' state
+        (`adapters.adapter_state`: enabled, merged, active, their weights' storage)."""
+        return backend, attention_forward_mode(), adapter_state(self.model)
 
     def _graphs_follow(self, backend: str) -> None:
         """CUDA graphs replay the kernels they captured: when the backend, the attention forward
@@ -267,7 +268,7 @@ class LLM(ChatMixin, RequestsMixin, EngineStepsMixin, EngineMemoryMixin):
         reallocated with them, and nothing published before is shared again."""
         graphs = self.runner.graphs
         ref, captured = self._graphs_key
-        if graphs is None or (ref is not None and ref() is graphs and captured == self._captured_under(backend)):
+        if graphs is None or (ref is not None and ref() is graphs and captured == self._computed_under(backend)):
             return
         fuse_projections(self.model)
         self.runner.free_cache()
@@ -284,7 +285,7 @@ class LLM(ChatMixin, RequestsMixin, EngineStepsMixin, EngineMemoryMixin):
         state changed since the last call."""
         key = None
         if self.owns_weights and self.pipeline is None:
-            key = (self._cache_epoch, backend, attention_forward_mode(), adapter_state(self.model))
+            key = (self._cache_epoch, self._computed_under(backend))
         keep = key is not None and key == self._prefix_key
         self._prefix_key = key
         return keep
