@@ -16,6 +16,8 @@ differently alone (a partial byte sequence), which is why the window is wider th
 
 from __future__ import annotations
 
+import os
+
 __all__ = ["StopStrings", "truncate_at_stop"]
 
 #: tokens of context decoded before the characters a stop string can span
@@ -39,31 +41,25 @@ class StopStrings:
         """The first stop string (in the request's order) that ends inside the text of the last
         of `token_ids` (a sequence's prompt and outputs), else None; the outputs' text only."""
         window = token_ids[max(num_prompt_tokens, len(token_ids) - self.window):]
-        text = self._decode(window)
-        kept = _common_prefix(self._decode(window[:-1]), text)  # the new token may complete a character
-        if kept == len(text):
-            return None  # the new token added no text (a special token, a partial character)
-        for stop in self.stop:
-            if text.find(stop, max(0, kept - len(stop) + 1)) >= 0:
-                return stop
-        return None
+        before, text = self._decode(window[:-1]), self._decode(window)
+        return next((stop for stop in self.stop if _ending_in_last(before, text, stop) >= 0), None)
 
 
-def _common_prefix(a: str, b: str) -> int:
-    """The length of the longest common prefix of `a` and `b`."""
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+def _ending_in_last(before: str, text: str, stop: str) -> int:
+    """Where `stop` starts in `text` (the decoded tokens) at an occurrence ending inside the
+    last token's text (what `text` adds to `before`, the tokens without the last: decoding the
+    last may complete a character of `before`'s end), or -1."""
+    kept = len(os.path.commonprefix([before, text]))
+    if kept == len(text):
+        return -1  # the last token added no text (a special token, a partial character)
+    return text.find(stop, max(0, kept - len(stop) + 1))
 
 
 def truncate_at_stop(tokenizer, output_ids: list[int], stop: str, include: bool) -> str:
     """The text of `output_ids`, whose last token completed `stop`, cut before `stop` (after it
     when `include`): at its occurrence ending inside the last token's text."""
     text = tokenizer.decode(output_ids, skip_special_tokens=True)
-    kept = _common_prefix(tokenizer.decode(output_ids[:-1], skip_special_tokens=True), text)
-    start = text.find(stop, max(0, kept - len(stop) + 1))
+    start = _ending_in_last(tokenizer.decode(output_ids[:-1], skip_special_tokens=True), text, stop)
     if start < 0:  # decoded differently in full than in the window: keep the whole text
         return text
     return text[:start + len(stop)] if include else text[:start]
