@@ -26,6 +26,7 @@ from vexact_models.generation import cacheless_generate_arguments
 from vexact_models.hidden_states import HiddenStates, hidden_states_request
 from vexact_models.kernels import lm_head_logits, token_logprobs
 from vexact_models.layers import PackedContext, RopeTables, head_dim_of, layer_window
+from vexact_models.multimodal import load_text_model_of
 from vexact_models.loading import check_loading_info, refuse_quantized_checkpoint, refuse_sharding_inside_layers
 from vexact_models.patches.compat import HFCompatMixin
 
@@ -44,16 +45,18 @@ class StrictLoadingMixin(CheckpointingMixin, HFCompatMixin):
         ``ignore_mismatched_sizes=True``), is a `loading.CheckpointError` naming it (a
         ``RuntimeError``, as transformers raises for a mis-shaped tensor; see `vexact_models.loading`).
         Published layouts transformers converts (per-expert hub MoE checkpoints) load without
-        `patch()` too (`checkpoint_conversions`). Tensor, expert or sequence parallelism
+        `patch()` too (`checkpoint_conversions`), and so does the text model of a published
+        multimodal checkpoint (`multimodal.load_text_model_of`). Tensor, expert or sequence parallelism
         (``tp_plan``, ...) is a ValueError: the aligned kernels run whole weights
         (`loading.refuse_sharding_inside_layers`)."""
         from vexact_models.patches.checkpoints import check_expert_tensors, checkpoint_conversions
 
+        source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
         refuse_sharding_inside_layers(cls.__name__, kwargs)
-        refuse_quantized_checkpoint(cls.__name__, args[0] if args else kwargs.get("pretrained_model_name_or_path"),
-                                    kwargs)
+        refuse_quantized_checkpoint(cls.__name__, source, kwargs)
         # a per-expert tensor missing or mis-shaped: transformers' own error names only the fused tensor
         check_expert_tensors(cls, args, kwargs)
+        load_text_model_of(cls, source, kwargs)  # a published multimodal checkpoint: its text model
         want_info = kwargs.pop("output_loading_info", False)
         ignore_mismatched = kwargs.pop("ignore_mismatched_sizes", False)
         with checkpoint_conversions(cls):

@@ -8,7 +8,7 @@ hub's layout, which transformers also writes) beside ``vision_tower.*`` and
 ``multi_modal_projector.*``. Each config holds the text model's config as ``text_config``.
 
 Every loading route of ours takes the text model from such a checkpoint and skips the rest, with
-a one-line notice: the classes' ``from_pretrained`` (`TextOfMultimodalMixin`: the config from
+a one-line notice: every class's ``from_pretrained`` (`load_text_model_of`: the config from
 ``text_config``, the tensors renamed by `TEXT_KEY_MAPPING`), ``LLM(path)`` and its pipeline
 stages (`text_config_of`, `text_tensor_name`), and TRL's ``VexactGRPOTrainer(model=path)``. On
 text input the text model's logits are the multimodal model's: there is no image token.
@@ -96,32 +96,27 @@ def _finds_text_config(config_class: type, stored: dict) -> bool:
         stored["text_config"].get("model_type") == config_class.model_type
 
 
-class TextOfMultimodalMixin:
-    """Mixed into a text model's ``PreTrainedModel``: ``from_pretrained`` of a multimodal
-    checkpoint (module docstring) loads its text model: the config from ``text_config`` (unless
-    one is passed), the text tensors renamed (unless a ``key_mapping`` is passed), the rest
-    skipped."""
-
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        """HF's ``from_pretrained`` (the same parameters, the path by position or by name); a
-        multimodal checkpoint gives its text model (the class docstring), with a notice that the
-        other parts are skipped. A multimodal checkpoint of another family is a ValueError."""
-        source = pretrained_model_name_or_path
-        if is_multimodal(kwargs.get("config")):  # the multimodal config object itself: its text config
-            kwargs["config"] = text_config_of(kwargs["config"])
-        try:
-            stored = source_config_dict(source, kwargs)
-        except (OSError, ValueError, TypeError):  # no config with it: transformers' own error, or a config passed
-            stored = {}
-        if is_multimodal(stored):
-            text = text_config_of(stored)
-            if not isinstance(text, cls.config_class):
-                raise ValueError(f"{cls.__name__}.from_pretrained: {source} is a multimodal {stored['model_type']} "
-                                 f"checkpoint whose text model is a {text.model_type!r} model, not one of "
-                                 f"{cls.config_class.model_type!r}")
-            tell_text_part(f"{cls.__name__}.from_pretrained", source, stored["model_type"])
-            if kwargs.get("config") is None and not _finds_text_config(cls.config_class, stored):
-                kwargs["config"] = text
-            kwargs.setdefault("key_mapping", dict(TEXT_KEY_MAPPING))
-        return super().from_pretrained(source, *args, **kwargs)
+def load_text_model_of(cls: type, source, kwargs: dict) -> None:
+    """Set ``from_pretrained(source, **kwargs)`` of our class `cls` up to load the text model of a
+    multimodal checkpoint (module docstring): the config from ``text_config`` (unless one is
+    passed; a multimodal config object passed gives its own), the text tensors renamed (unless a
+    ``key_mapping`` is passed), with a notice that the other parts are skipped. `kwargs` is
+    changed in place; any other checkpoint leaves it as it is. A multimodal checkpoint of another
+    family is a ValueError."""
+    if is_multimodal(kwargs.get("config")):  # the multimodal config object itself: its text config
+        kwargs["config"] = text_config_of(kwargs["config"])
+    try:
+        stored = source_config_dict(source, kwargs)
+    except (OSError, ValueError, TypeError):  # no config with it: transformers' own error, or a config passed
+        return
+    if not is_multimodal(stored):
+        return
+    text = text_config_of(stored)
+    if not isinstance(text, cls.config_class):
+        raise ValueError(f"{cls.__name__}.from_pretrained: {source} is a multimodal {stored['model_type']} "
+                         f"checkpoint whose text model is a {text.model_type!r} model, not one of "
+                         f"{cls.config_class.model_type!r}")
+    tell_text_part(f"{cls.__name__}.from_pretrained", source, stored["model_type"])
+    if kwargs.get("config") is None and not _finds_text_config(cls.config_class, stored):
+        kwargs["config"] = text
+    kwargs.setdefault("key_mapping", dict(TEXT_KEY_MAPPING))

@@ -36,7 +36,6 @@ from vexact_models.layers import (GatedMLP, RopeTables, ZeroCentredRMSNorm, add_
 
 from ..causal_lm import CausalLMMixin, DecoderModelMixin, InitHookMixin, final_logit_softcap
 from ..inference_model import InferenceModel
-from ..multimodal import TextOfMultimodalMixin
 from ..heads import SequenceClassificationMixin, TokenClassificationMixin
 
 
@@ -150,7 +149,7 @@ def check_config(config: Gemma3TextConfig) -> None:
         raise ValueError("Gemma3: use_bidirectional_attention=True is not supported (causal attention only)")
 
 
-class Gemma3PreTrainedModel(TextOfMultimodalMixin, InitHookMixin, PreTrainedModel):
+class Gemma3PreTrainedModel(InitHookMixin, PreTrainedModel):
     config_class = Gemma3TextConfig
     config: Gemma3TextConfig
     base_model_prefix = "model"

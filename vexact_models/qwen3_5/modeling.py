@@ -21,7 +21,6 @@ from ..gated_deltanet import (GatedAttention, GatedRMSNorm, HybridDecoderLayer, 
                               StockInitOrderMixin, ZeroCentredRMSNorm)
 from ..heads import SequenceClassificationMixin, TokenClassificationMixin
 from ..layers import GatedMLP
-from ..multimodal import TextOfMultimodalMixin
 
 
 class Qwen3_5RMSNorm(ZeroCentredRMSNorm):
@@ -52,7 +51,7 @@ class Qwen3_5DecoderLayer(HybridDecoderLayer):
         return Qwen3_5MLP(config, config.intermediate_size)
 
 
-class Qwen3_5PreTrainedModel(TextOfMultimodalMixin, StockInitOrderMixin, InitHookMixin, PreTrainedModel):
+class Qwen3_5PreTrainedModel(StockInitOrderMixin, InitHookMixin, PreTrainedModel):
     config_class = Qwen3_5TextConfig
     config: Qwen3_5TextConfig
     base_model_prefix = "model"

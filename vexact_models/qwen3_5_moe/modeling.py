@@ -18,7 +18,6 @@ from ..inference_model import InferenceModel
 from ..gated_deltanet import (GatedAttention, GatedRMSNorm, HybridDecoderLayer, SharedExpertMoeBlock,
                               SplitProjectionGatedDeltaNet, StockInitOrderMixin, ZeroCentredRMSNorm)
 from ..heads import SequenceClassificationMixin, TokenClassificationMixin
-from ..multimodal import TextOfMultimodalMixin
 from ..qwen3_moe.modeling import Qwen3MoeForCausalLM
 
 
@@ -49,7 +48,7 @@ class Qwen3_5MoeDecoderLayer(HybridDecoderLayer):
         return Qwen3_5MoeSparseMoeBlock(config)
 
 
-class Qwen3_5MoePreTrainedModel(TextOfMultimodalMixin, StockInitOrderMixin, InitHookMixin, PreTrainedModel):
+class Qwen3_5MoePreTrainedModel(StockInitOrderMixin, InitHookMixin, PreTrainedModel):
     config_class = Qwen3_5MoeTextConfig
     config: Qwen3_5MoeTextConfig
     base_model_prefix = "model"
