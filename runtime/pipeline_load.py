@@ -22,11 +22,10 @@ import os
 import re
 
 import torch
-from safetensors import safe_open
 from torch import nn
 from transformers import GenerationConfig
 
-from vexact_models.hub_config import source_config_dict, stored_tensors
+from vexact_models.hub_config import TensorReader, source_config_dict, stored_tensors
 from vexact_models.multimodal import is_multimodal, tell_text_part, text_tensor_name
 from vexact_models.mxfp4 import BLOCKS, SCALES, dequantize_mxfp4
 
@@ -55,25 +54,20 @@ class _Reader:
     the model's names (`model_tensor_names`)."""
 
     def __init__(self, folder: str) -> None:
-        stored_files = stored_tensors(folder, "LLM (pipeline stages load safetensors only)")
-        self.stored = model_tensor_names(folder, list(stored_files))
-        self.files = {name: str(stored_files[stored]) for name, stored in self.stored.items()}
-        self.handles: dict[str, object] = {}
+        self.reader = TensorReader(stored_tensors(folder, "LLM (pipeline stages load safetensors only)"))
+        self.stored = model_tensor_names(folder, list(self.reader.files))
 
     def __contains__(self, name: str) -> bool:
-        return name in self.files or (name + BLOCKS in self.files and name + SCALES in self.files)
+        return name in self.stored or (name + BLOCKS in self.stored and name + SCALES in self.stored)
 
     def get(self, name: str) -> torch.Tensor:
         """The tensor `name`; an MXFP4 pair's weight dequantized (exact in bf16: `dequantize_mxfp4`)."""
-        if name not in self.files:
+        if name not in self.stored:
             return dequantize_mxfp4(self._stored(name + BLOCKS), self._stored(name + SCALES))
         return self._stored(name)
 
     def _stored(self, name: str) -> torch.Tensor:
-        path = self.files[name]
-        if path not in self.handles:
-            self.handles[path] = safe_open(path, framework="pt")
-        return self.handles[path].get_tensor(self.stored[name])
+        return self.reader.get(self.stored[name])
 
 
 def _keep_fp32(model: nn.Module, dtype: torch.dtype) -> list[str]:

@@ -25,11 +25,10 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from .checkpoint_writer import DEFAULT_SHARD_SIZE, ShardWriter, copy_side_files, shard_bytes, staged_folder
-from .hub_config import checkpoint_folder, quant_method, stored_tensors
+from .hub_config import TensorReader, checkpoint_folder, quant_method, stored_tensors
 
 __all__ = ["FP8_ADVICE", "dequantize_fp8", "dequantize_fp8_checkpoint", "fp8_quantized"]
 
@@ -107,20 +106,13 @@ def _write_tensors(stored: dict[str, Path], folder: Path, block: tuple[int, int]
     """Every tensor of `stored` into safetensors shards in `folder`: each FP8 weight dequantized
     with its scales (which are dropped), the others as stored. A ValueError for an FP8 tensor
     without scales."""
-    handles: dict[Path, object] = {}
-
-    def read(name: str) -> torch.Tensor:
-        if stored[name] not in handles:
-            handles[stored[name]] = safe_open(str(stored[name]), framework="pt")
-        return handles[stored[name]].get_tensor(name)
-
-    writer = ShardWriter(folder, limit)
+    writer, reader = ShardWriter(folder, limit), TensorReader(stored)
     names = sorted(n for n in stored if not n.endswith(SCALE))
     for name in tqdm(names, desc="dequantize-fp8", unit="tensor", disable=not progress):
-        tensor = read(name)
+        tensor = reader.get(name)
         if tensor.dtype in FP8_DTYPES:
             if name + SCALE not in stored:
                 raise ValueError(f"{WHO}: {name} is stored in {tensor.dtype} without {name + SCALE}")
-            tensor = dequantize_fp8(tensor, read(name + SCALE), block)
+            tensor = dequantize_fp8(tensor, reader.get(name + SCALE), block)
         writer.add(name, tensor)
     writer.finish()

@@ -2,7 +2,8 @@
 before anything loads (what the loading mixins, MXFP4 checkpoints and the text part of multimodal
 checkpoints, decide on), a local folder for a hub model id (`checkpoint_folder`: ``LLM(id)``,
 ``vexact export-text``), and which safetensors file holds each of a folder's tensors
-(`stored_tensors`: the pipeline stages' loader, the checkpoint-rewriting commands)."""
+(`stored_tensors`, read by `TensorReader`: the pipeline stages' loader, the checkpoint-rewriting
+commands)."""
 
 from __future__ import annotations
 
@@ -88,3 +89,19 @@ def stored_tensors(source: str | os.PathLike, who: str) -> dict[str, Path]:
                          "(model.safetensors or model.safetensors.index.json)")
     with safe_open(str(single), framework="pt") as handle:
         return dict.fromkeys(handle.keys(), single)
+
+
+class TensorReader:
+    """Reads single tensors by stored name out of a checkpoint's safetensors `files` (name -> file,
+    as `stored_tensors` gives them), each file opened once."""
+
+    def __init__(self, files: dict[str, Path]) -> None:
+        self.files = files
+        self._handles: dict[Path, object] = {}
+
+    def get(self, name: str):
+        """The stored tensor `name`."""
+        path = self.files[name]
+        if path not in self._handles:
+            self._handles[path] = safe_open(str(path), framework="pt")
+        return self._handles[path].get_tensor(name)

@@ -21,12 +21,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from safetensors import safe_open
 from tqdm.auto import tqdm
 from transformers import AutoConfig
 
 from .checkpoint_writer import DEFAULT_SHARD_SIZE, ShardWriter, copy_side_files, shard_bytes, staged_folder
-from .hub_config import checkpoint_folder, stored_tensors
+from .hub_config import TensorReader, checkpoint_folder, stored_tensors
 from .multimodal import MULTIMODAL_MODEL_TYPES, is_multimodal, text_config_of, text_tensor_name
 from .registry import for_model_type
 
@@ -79,11 +78,7 @@ def _write_tensors(stored: dict[str, Path], folder: Path, limit: int, progress: 
     if not names:
         raise ValueError(f"{WHO}: the checkpoint holds no text-model tensors (model.language_model.*, "
                          f"language_model.model.*); its tensors begin {sorted(stored)[:4]}")
-    writer = ShardWriter(folder, limit)
-    handles: dict[Path, object] = {}
+    writer, reader = ShardWriter(folder, limit), TensorReader(stored)
     for text, name in tqdm(names, desc="export-text", unit="tensor", disable=not progress):
-        path = stored[name]
-        if path not in handles:
-            handles[path] = safe_open(str(path), framework="pt")
-        writer.add(text, handles[path].get_tensor(name))
+        writer.add(text, reader.get(name))
     writer.finish()
