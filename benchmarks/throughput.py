@@ -15,6 +15,8 @@ shape (default Qwen3-0.6B), bf16, CUDA.
 - aligned-fa4: the aligned engine with FlashAttention-4 as the attention forward
   (`use_attention_forward("fa4")`, the optional flash-attn-4 package): what that switch costs or
   brings a rollout (training then runs FA4 too).
+- aligned-top20: the aligned engine with ``SamplingParams(logprobs=20)`` (vLLM's 20 most probable
+  tokens beside each sampled one, `runtime.top_logprobs`): what asking for them costs.
 - aligned-no-attention: a bound, not an engine: the aligned engine with the attention kernels
   replaced by zero outputs (the K/V are still written). The tokens are garbage, the lengths are
   not (``ignore_eos``), so the run takes the same steps at the same batch sizes: what the run
@@ -110,7 +112,8 @@ def attention_skipped():
 
 
 def run_vexact(model, prompts, outputs, args, aligned: bool = True, async_scheduling: bool = True,
-               enforce_eager: bool = False, mixed_graphs: bool = True) -> tuple[float, int]:
+               enforce_eager: bool = False, mixed_graphs: bool = True, logprobs: int | None = None
+               ) -> tuple[float, int]:
     from vexact_models.runtime import LLM, SamplingParams
 
     budget = {"kv_cache_bytes": 1 << 22} if args.tiny else {"gpu_memory_utilization": args.gpu_memory_utilization}
@@ -119,8 +122,9 @@ def run_vexact(model, prompts, outputs, args, aligned: bool = True, async_schedu
               **budget,
               async_scheduling=async_scheduling, enforce_eager=enforce_eager,
               cuda_graph_max_tokens=None if mixed_graphs else 0, block_size=args.block_size)
-    params = [SamplingParams(temperature=0.6, max_tokens=n, ignore_eos=True, seed=i) for i, n in enumerate(outputs)]
-    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up: compile kernels
+    params = [SamplingParams(temperature=0.6, max_tokens=n, ignore_eos=True, seed=i, logprobs=logprobs)
+              for i, n in enumerate(outputs)]
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, logprobs=logprobs), use_tqdm=False)  # warm-up: compile
     for run in range(args.repeat):  # the last run counts: an RL loop's engine serves many
         synchronize(args.device)
         if args.step_breakdown:
@@ -355,7 +359,8 @@ def run_engines(arch, model, prompts, outputs, args, engines: list[str], mode: s
                 seconds, produced = run_vexact(model, prompts, outputs, args, aligned=engine != "fast",
                                                async_scheduling=engine != "aligned-sync",
                                                enforce_eager=engine == "aligned-eager",
-                                               mixed_graphs=engine != "aligned-decode-graphs")
+                                               mixed_graphs=engine != "aligned-decode-graphs",
+                                               logprobs=20 if engine == "aligned-top20" else None)
             name, row_mode = ENGINES[engine] + (f" [{mode}]" if mode else ""), mode
         rows.append((name, row_mode, seconds, produced))
         print(f"{name}: {produced} output tokens in {seconds:.1f}s = {produced / seconds:,.0f} tok/s", flush=True)

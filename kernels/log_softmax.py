@@ -84,9 +84,11 @@ def _lse_partial_kernel(x_ptr, temp_ptr, m_ptr, s_ptr, V, stride_x, n_chunks, BL
 def _logprob_kernel(x_ptr, temp_ptr, target_ptr, m_ptr, s_ptr, out_ptr, logprob_ptr, lse_ptr, V, stride_x,
                     stride_out, n_chunks, WRITE_ROW: tl.constexpr, GATHER: tl.constexpr, CHUNKS: tl.constexpr,
                     CHUNK_LEVELS: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK_BLOCKS: tl.constexpr,
-                    PDL: tl.constexpr = False):
+                    TARGETS: tl.constexpr = 1, TARGET_SLOTS: tl.constexpr = 1, PDL: tl.constexpr = False):
     """Program (row, part): the row's logsumexp from its chunks' pairs (each program the same
-    numbers); part 0 stores it and ``x[target] / T - lse``; with `WRITE_ROW` each part writes one
+    numbers); part 0 stores it and ``x[target] / T - lse`` for each of the row's `TARGETS`
+    targets (the same expression for one or several; `TARGET_SLOTS`: TARGETS rounded up to a
+    power of 2); with `WRITE_ROW` each part writes one
     chunk of the row (the grid has a part per chunk), so a few rows still spread over the SMs."""
     wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -102,9 +104,16 @@ def _logprob_kernel(x_ptr, temp_ptr, target_ptr, m_ptr, s_ptr, out_ptr, logprob_
     if part == 0:
         tl.store(lse_ptr + row, lse)
         if GATHER:
-            target = tl.load(target_ptr + row)
-            x_t = tl.load(x_row + target).to(tl.float32) / temperature
-            tl.store(logprob_ptr + row, x_t - lse)
+            if TARGETS == 1:
+                target = tl.load(target_ptr + row)
+                x_t = tl.load(x_row + target).to(tl.float32) / temperature
+                tl.store(logprob_ptr + row, x_t - lse)
+            else:
+                slots = tl.arange(0, TARGET_SLOTS)
+                used = slots < TARGETS
+                targets = tl.load(target_ptr + row * TARGETS + slots, mask=used, other=0)
+                x_t = tl.load(x_row + targets, mask=used, other=0.0).to(tl.float32) / temperature
+                tl.store(logprob_ptr + row * TARGETS + slots, x_t - lse, mask=used)
     if WRITE_ROW:
         cols = tl.arange(0, BLOCK_V)
         out_row = out_ptr + row * stride_out
@@ -133,7 +142,8 @@ def _launch(logits, temps, targets, write_row):
     require_triton("log_softmax")
     rows, vocab = logits.shape
     lse = torch.empty(rows, device=logits.device, dtype=torch.float32)
-    logprobs = torch.empty(rows, device=logits.device, dtype=torch.float32) if targets is not None else lse
+    logprobs = torch.empty(targets.shape, device=logits.device, dtype=torch.float32) if targets is not None else lse
+    per_row = targets.shape[1] if targets is not None and targets.dim() == 2 else 1
     out = torch.empty((rows, vocab), device=logits.device, dtype=torch.float32) if write_row else lse
     if rows:
         n_chunks = max(triton.cdiv(vocab, CHUNK_COLUMNS), 1)  # (an empty row: one chunk of nothing, lse -inf)
@@ -149,8 +159,8 @@ def _launch(logits, temps, targets, write_row):
             logits, temps, targets if targets is not None else temps, m_chunk, s_chunk, out, logprobs, lse, vocab,
             logits.stride(0), out.stride(0) if write_row else 0, n_chunks, WRITE_ROW=write_row,
             GATHER=targets is not None, CHUNKS=chunks, CHUNK_LEVELS=row_sum_levels(chunks), BLOCK_V=BLOCK_V,
-            CHUNK_BLOCKS=chunk_blocks, num_warps=_NUM_WARPS if write_row else 1,
-            **dependent_launch_kwargs(logits.device), enable_fp_fusion=True)
+            CHUNK_BLOCKS=chunk_blocks, TARGETS=per_row, TARGET_SLOTS=next_power_of_2(per_row),
+            num_warps=_NUM_WARPS if write_row else 1, **dependent_launch_kwargs(logits.device), enable_fp_fusion=True)
     return out, logprobs, lse
 
 
@@ -175,21 +185,27 @@ def log_softmax(logits: torch.Tensor, temperature: float | torch.Tensor = 1.0) -
 
 def gather_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float | torch.Tensor = 1.0,
                     return_lse: bool = False):
-    """``log_softmax(logits / temperature)[row, targets[row]]`` for each row, fp32 ``[rows]``.
+    """``log_softmax(logits / temperature)[row, targets[row]]`` for each row, fp32 ``[rows]``;
+    for ``[rows, k]`` targets (k tokens of each row, e.g. a sampled token and its most probable
+    alternatives) the ``[rows, k]`` entries.
 
-    Bitwise equal to indexing `log_softmax`. With ``return_lse`` also returns the row
+    Bitwise equal to indexing `log_softmax`, so an entry does not depend on how many targets its
+    row has nor on which column it is in. With ``return_lse`` also returns the row
     ``logsumexp(logits / temperature)`` ``[rows]``.
     """
     logits = _rows(logits)
-    if targets.shape != (logits.shape[0],):
-        raise ValueError(f"gather_logprobs: targets must have shape ({logits.shape[0]},), got {tuple(targets.shape)}")
+    if targets.dim() not in (1, 2) or targets.shape[0] != logits.shape[0] or targets.dim() == 2 and not targets.shape[1]:
+        raise ValueError(f"gather_logprobs: targets must have shape ({logits.shape[0]},) or ({logits.shape[0]}, k) "
+                         f"with k >= 1, got {tuple(targets.shape)}")
     temps = _temperatures(temperature, logits.shape[0], logits.device)
     if select("log_softmax", logits) == "triton":
         _, logprobs, lse = _launch(logits, temps, targets.to(torch.int64).contiguous(), False)
     else:
         x = _scaled(logits, temps)
         lse = exact_math.logsumexp(x)
-        logprobs = x.gather(1, targets.long()[:, None])[:, 0] - lse
+        columns = targets.long() if targets.dim() == 2 else targets.long()[:, None]
+        logprobs = x.gather(1, columns) - lse[:, None]
+        logprobs = logprobs if targets.dim() == 2 else logprobs[:, 0]
     return (logprobs, lse) if return_lse else logprobs
 
 

@@ -323,6 +323,9 @@ class LLM(ChatMixin, RequestsMixin, EngineStepsMixin, EngineMemoryMixin):
         if self.tokenizer is None and any(p.stop for p in params):
             raise ValueError("LLM.generate: SamplingParams.stop (stop strings) needs a tokenizer: load a checkpoint "
                              "folder that has one, or pass LLM(..., tokenizer=...)")
+        if self.pipeline is not None and any(p.logprobs is not None for p in params):
+            raise ValueError("LLM.generate: SamplingParams.logprobs (the most probable tokens) is not available on "
+                             "pipeline stages; leave it None for each sampled token's logprob")
         self._check_awake("LLM.generate")
         if self.pipeline is not None and not self.pipeline.stage.is_first:
             return self._serve_stage(len(prompts))

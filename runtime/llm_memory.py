@@ -1,4 +1,5 @@
-"""The rollout engine's weights and memory: `LLM.update_weights`, `LLM.sleep`, `LLM.wake_up`.
+"""The rollout engine's weights and memory: `LLM.update_weights`, `LLM.sleep`, `LLM.wake_up`,
+`LLM.reset_prefix_cache`.
 
 A mixin of `runtime.llm.LLM` (it uses the engine's ``model``, ``runner``, ``scheduler``,
 ``device`` and ``backend``), kept apart so that each file holds one concept: serving requests
@@ -144,3 +145,13 @@ class EngineMemoryMixin:
             with use_backend(backend):  # the CUDA graphs capture the engine's kernels
                 self.runner.allocate_cache()
             self._remember_graphs(backend)  # so that the next generate does not capture them again
+
+    @one_call_at_a_time
+    def reset_prefix_cache(self) -> bool:
+        """Forget every page earlier calls published, as vLLM's ``LLM.reset_prefix_cache``: the
+        next `generate` prefills every prompt afresh. For weights changed in a way the engine
+        cannot see (written in place into an engine that owns them); `update_weights`, `sleep`
+        and `wake_up` already do this. Returns True, as vLLM's does on success."""
+        self._cache_epoch += 1
+        self.block_manager.reset_prefix_cache()
+        return True

@@ -13,6 +13,7 @@ from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
 from .sequence import Sequence
 from .stop_strings import StopStrings, truncate_at_stop
+from .top_logprobs import completion_logprobs
 
 __all__ = ["RequestsMixin"]
 
@@ -78,7 +79,9 @@ class RequestsMixin:
                                         seq.params.include_stop_str_in_output)
             elif self.tokenizer is not None:
                 text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-            completions.append(CompletionOutput(seq.sample_index, list(seq.output_token_ids), list(seq.output_logprobs),
+            logprobs = (list(seq.output_logprobs) if seq.params.logprobs is None
+                        else completion_logprobs(seq, self.tokenizer))
+            completions.append(CompletionOutput(seq.sample_index, list(seq.output_token_ids), logprobs,
                                                 seq.finish_reason, text, seq.error, seq.stop_reason,
                                                 math.fsum(seq.output_logprobs)))
         text = prompt_of(prompt)

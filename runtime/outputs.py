@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .top_logprobs import Logprob
+
 
 @dataclass
 class CompletionOutput:
@@ -11,12 +13,15 @@ class CompletionOutput:
 
     ``logprobs[i]`` is ``log_softmax(logits / T)[token_ids[i]]`` over the full vocabulary at the
     request's temperature (1.0 for greedy), before top-k/top-p/min_tokens filtering: the number
-    the training forward recomputes bitwise with ``token_logprobs``.
+    the training forward recomputes bitwise with ``token_logprobs``. With
+    ``SamplingParams(logprobs=k)`` it is vLLM's shape instead: ``logprobs[i]`` a dict
+    ``{token_id: Logprob}`` of that token and the k most probable ones (`runtime.top_logprobs`),
+    ``logprobs[i][token_ids[i]].logprob`` the same float.
     """
 
     index: int
     token_ids: list[int]
-    logprobs: list[float]
+    logprobs: list[float] | list[dict[int, Logprob]]
     finish_reason: str | None  # "stop", "length" or "error"
     text: str | None = None
     error: str | None = None

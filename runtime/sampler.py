@@ -26,6 +26,7 @@ from vexact_models.kernels.sampling import filter_thresholds
 from .scheduled import ScheduledSeq
 from .sequence import Sequence
 from .staging import to_device
+from .top_logprobs import Alternatives, launch_alternatives
 
 
 class Sampler:
@@ -49,10 +50,15 @@ class Sampler:
         return [(i, tok) for i in np.flatnonzero(step < min_tokens).tolist() for tok in self._banned(seqs[i])]
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
-        """The token and logprob of each row of `logits` (one per sequence of `seqs`): one host sync."""
+        """The token and logprob of each row of `logits` (one per sequence of `seqs`): one host
+        sync; the alternatives of the rows that ask for them are stored on their sequences."""
         if not seqs:
             return [], []
-        return self.launch(logits, seqs).result()
+        sampled = self.launch(logits, seqs)
+        result = sampled.result()
+        if sampled.alternatives is not None:
+            sampled.alternatives.record()
+        return result
 
     def launch(self, logits: torch.Tensor, seqs: list[Sequence], ahead: int | np.ndarray = 0) -> SampledTokens:
         """Start sampling one token per row of `logits` for `seqs`, without waiting for it.
@@ -63,8 +69,12 @@ class Sampler:
             rows = self._rows = _RowParams(seqs, logits.device, ahead)
         else:
             rows.refresh(ahead)
-        return launch_sample(logits, rows.temps, rows.logprob_temps, rows.top_k, rows.top_p, rows.seeds, rows.steps,
-                             rows.filter_rows, self._bans(seqs, rows.step, rows.min_tokens))
+        sampled = launch_sample(logits, rows.temps, rows.logprob_temps, rows.top_k, rows.top_p, rows.seeds,
+                                rows.steps, rows.filter_rows, self._bans(seqs, rows.step, rows.min_tokens))
+        if rows.alternative_rows:
+            sampled.alternatives = launch_alternatives(logits, sampled.tokens, rows.logprob_temps, seqs, rows.step,
+                                                       rows.alternative_rows)
+        return sampled
 
     def host_rows(self, seqs: list[Sequence]) -> HostRows:
         """What sampling `seqs` needs, as host arrays (a pipeline's first stage sends them to the
@@ -125,6 +135,8 @@ class SampledTokens:
 
     def __init__(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
         self.tokens = tokens
+        #: the most probable tokens of the rows that ask for them (`runtime.top_logprobs`)
+        self.alternatives: Alternatives | None = None
         both = torch.stack([tokens.double(), logprobs.double()])
         self._ready: torch.cuda.Event | None = None
         if both.is_cuda:  # into pinned memory without waiting: the step's one host sync is result()
@@ -225,6 +237,8 @@ class _RowParams:
 
     def __init__(self, seqs: list[Sequence], device: torch.device, ahead: int | np.ndarray = 0) -> None:
         self.seqs, self.device = list(seqs), device
+        #: the rows whose requests ask for their most probable tokens (`runtime.top_logprobs`)
+        self.alternative_rows = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
         host = _host_arrays(seqs, ahead)
         temps = host["temps"]
         self.min_tokens = host["min_tokens"]

@@ -10,11 +10,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["SamplingParams", "MAX_SEED"]
+__all__ = ["SamplingParams", "MAX_SEED", "MAX_LOGPROBS"]
 
 #: Seeds live in [0, MAX_SEED): they must fit a signed 64-bit integer so they can be handed to
 #: a counter-based RNG (Philox) as a tensor without wrapping.
 MAX_SEED = 2**63
+
+#: The most alternatives ``SamplingParams.logprobs`` may ask for a sampled position (vLLM's default
+#: ``max_logprobs``).
+MAX_LOGPROBS = 20
 
 
 def _is_int(value: object) -> bool:
@@ -71,6 +75,11 @@ class SamplingParams:
         stop: strings that finish a sequence at the token whose text completes one (a str is
             one string), as in vLLM (`runtime.stop_strings`; needs the engine's tokenizer).
         include_stop_str_in_output: keep the stop string at the end of the returned text.
+        logprobs: None (the default) returns each sampled token's logprob as a float
+            (``CompletionOutput.logprobs``). An int k in [0, MAX_LOGPROBS] returns vLLM's shape
+            instead: per sampled position a dict ``{token_id: Logprob}`` holding the sampled token
+            and the k most probable tokens, at the same temperature and by the same kernel
+            (`runtime.top_logprobs`), so the sampled token's entry is the float's bits.
 
     ``__post_init__`` validates every field and raises ``ValueError`` naming the field, the bad
     value and the limit. Because ``dataclasses.replace`` re-runs ``__post_init__``, copies are
@@ -89,6 +98,7 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     include_stop_str_in_output: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.n = _require_at_least("n", self.n, 1)
@@ -96,6 +106,11 @@ class SamplingParams:
         self._validate_lengths()
         self._validate_stops()
         self._validate_stop_strings()
+        if self.logprobs is not None:
+            logprobs = _require_at_least("logprobs", self.logprobs, 0)
+            if logprobs > MAX_LOGPROBS:
+                raise ValueError(f"SamplingParams.logprobs={logprobs} is above the maximum {MAX_LOGPROBS} "
+                                 "(the most probable tokens returned beside the sampled one)")
         if self.seed is not None:
             seed = _require_int("seed", self.seed)
             if not 0 <= seed < MAX_SEED:

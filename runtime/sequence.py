@@ -73,6 +73,9 @@ class Sequence:
         # (`runtime.page_groups.WindowTable`, made at its first pages there); None otherwise
         self.window_pages = None
         self.output_logprobs: list[float] = []
+        # by output index: (token ids, logprobs, sampled token's rank) where params.logprobs asks
+        # for the most probable tokens too (`runtime.top_logprobs`)
+        self.top_logprobs: dict[int, tuple[list[int], list[float], int]] = {}
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.error: str | None = None

@@ -295,6 +295,18 @@ def test_throughput_peer_config_runs_tiny_on_cpu():
     assert row[4].endswith("x") and float(row[4][:-1]) == pytest.approx(ours / theirs, abs=0.02)  # rates printed rounded
 
 
+def test_throughput_top20_engine_runs_tiny_on_cpu():
+    """benchmarks/throughput.py --engines aligned,aligned-top20: the same workload's output tokens
+    with ``SamplingParams(logprobs=20)`` asked for, a row of its own beside the plain engine's."""
+    run = subprocess.run([sys.executable, "throughput.py", "--tiny", "--engines", "aligned,aligned-top20",
+                          "--requests", "3"], cwd=BENCHMARKS, capture_output=True, text=True, timeout=600, env=TINY_ENV)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    rows = {line[:60].strip(): line[60:].split() for line in run.stdout.splitlines()
+            if line.startswith("vexact aligned") and ":" not in line}  # the table's rows
+    assert set(rows) == {"vexact aligned", "vexact aligned, logprobs=20"}
+    assert rows["vexact aligned"][1] == rows["vexact aligned, logprobs=20"][1]  # the same output tokens
+
+
 @pytest.mark.parametrize("argv,words", [
     (["--peer-config", "nope"], "--peer-config 'nope': config 'nope': no such file"),
     (["--peer-config", "qwen3-30b-a3b:0"], "--peer-config 'qwen3-30b-a3b:0': --configs 'qwen3-30b-a3b:0': the layer "

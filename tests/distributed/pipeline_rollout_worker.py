@@ -114,6 +114,12 @@ def run_rollouts(res, arch, folder, base, rank, world) -> None:
         llm = LLM(str(folder), pipeline_parallel_size=world, device="cpu", block_size=BLOCK, max_num_seqs=8, **kwargs)
         if name == "roomy":
             check_stage(res, arch.name, llm, world)
+            try:  # refused on every rank before any step: the stages never start one
+                llm.generate(prompts[:1], SamplingParams(max_tokens=2, logprobs=1), use_tqdm=False)
+                refused = "generated"
+            except ValueError as err:
+                refused = str(err)
+            res.record(f"rollout/{arch.name}/roomy/alternatives_refused", "SamplingParams.logprobs" in refused, refused)
         outs[name] = llm.generate(prompts, params, use_tqdm=False)
         res.record(f"rollout/{arch.name}/{name}/outputs", True, repr(flat(outs[name])))  # compared across ranks
         if rank == 0 and name == "tight":

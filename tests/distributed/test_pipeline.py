@@ -61,7 +61,8 @@ def test_each_stage_holds_only_its_layers_tensors_and_kv_pages(run):
 
 def test_pipelined_rollout_equals_single_process_and_recompute_bitwise(run):
     """Tokens and logprobs of every completion (greedy, sampled, top-k, top-p, min_tokens with
-    stop tokens, n = 3), with a roomy cache and with a tight one (preemption, chunked prefill)."""
+    stop tokens, n = 3), with a roomy cache and with a tight one (preemption, chunked prefill);
+    ``SamplingParams.logprobs`` (alternatives) refused on every rank, the stages still usable."""
     world, names, results = run
     _assert_ok(results, "rollout/")
     for name in names:
@@ -70,6 +71,7 @@ def test_pipelined_rollout_equals_single_process_and_recompute_bitwise(run):
                 assert results[0][f"rollout/{name}/{setting}/{check}"]["ok"]
         assert results[0][f"rollout/{name}/tight/preempted"]["ok"]
         assert results[0][f"rollout/{name}/roomy/shared_prefix_pages"]["ok"]
+        assert all(results[r][f"rollout/{name}/roomy/alternatives_refused"]["ok"] for r in range(world))
 
 
 def test_every_rank_returns_the_same_outputs(run):

@@ -31,6 +31,24 @@ def test_log_softmax_rows_invariant_to_batch():
     assert torch.equal(log_softmax(x[:1], 0.9), log_softmax(x, 0.9)[:1])
 
 
+def test_gather_of_several_targets_a_row_equals_one_at_a_time():
+    """``[rows, k]`` targets: each column bitwise its one-target gather (the reference path;
+    tests/triton_checks/check_triton_kernels.py has the kernel's)."""
+    x = torch.randn(6, 3000) * 4
+    temps = torch.rand(6) + 0.5
+    t = torch.randint(0, 3000, (6, 5))
+    lp = gather_logprobs(x, t, temps)
+    assert lp.shape == (6, 5)
+    for j in range(5):
+        assert torch.equal(lp[:, j], gather_logprobs(x, t[:, j], temps))
+
+
+@pytest.mark.parametrize("shape", [(5,), (6, 0), (6, 2, 1), ()])
+def test_gather_refuses_targets_of_another_shape(shape):
+    with pytest.raises(ValueError, match=r"targets must have shape \(6,\) or \(6, k\)"):
+        gather_logprobs(torch.randn(6, 10), torch.zeros(shape, dtype=torch.long))
+
+
 def test_log_softmax_rejects_bad_temperature():
     with pytest.raises(ValueError, match="temperature must be > 0"):
         log_softmax(torch.randn(2, 5), 0.0)

@@ -97,3 +97,31 @@ def test_next_turns_share_the_last_calls_pages_under_graphs_and_async_steps():
     gen(fresh, prompts, params)
     hits = fresh.block_manager.num_shared_hits
     assert got == [result(o) for o in gen(fresh, turns, params)] and fresh.block_manager.num_shared_hits == hits
+
+
+def test_alternatives_under_graphs_and_async_steps_are_the_training_forwards():
+    """``SamplingParams(logprobs=k)`` (`runtime.top_logprobs`) with CUDA graphs and async steps:
+    the alternatives are read from each replay's logits before the next step's replay writes them,
+    the dicts equal the eager engine's, and every entry is the training forward's logprob of
+    its token at its position (the Triton gather of several targets a row)."""
+    from dataclasses import replace
+
+    model = tiny_model("qwen3")
+    prompts, params = workload()
+    params = [replace(p, logprobs=3) for p in params]
+    eager = gen(LLM(model, block_size=16, max_num_seqs=4, max_num_batched_tokens=48, kv_cache_bytes=1 << 24,
+                    enforce_eager=True, async_scheduling=False), prompts, params)
+    llm = LLM(model, block_size=16, max_num_seqs=4, max_num_batched_tokens=48, kv_cache_bytes=1 << 24)
+    got = gen(llm, prompts, params)
+    assert llm.runner.graphs.mixed_replays > 0
+    assert [[(c.token_ids, c.logprobs) for c in o.outputs] for o in got] == \
+        [[(c.token_ids, c.logprobs) for c in o.outputs] for o in eager]
+    for prompt, sp, out in zip(prompts, params, got):
+        c = out.outputs[0]
+        t = sp.temperature if sp.temperature > 0 else 1.0
+        for i, entry in enumerate(c.logprobs[:4]):
+            alts = list(entry)
+            rows = torch.tensor([prompt + c.token_ids[:i] + [a] for a in alts], device="cuda")
+            with torch.no_grad():
+                lp = model.token_logprobs(rows, temperature=t)[:, -1].cpu()
+            assert torch.equal(lp, torch.tensor([entry[a].logprob for a in alts]))

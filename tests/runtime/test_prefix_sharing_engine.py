@@ -207,3 +207,27 @@ def test_an_adapter_change_starts_afresh_in_an_engine_owning_its_weights(model):
         without, _, _ = run(llm, [N_PROMPTS[1]], [sp])
     assert llm.block_manager.num_shared_hits == hits and without != with_adapters
     check_training(model, [N_PROMPTS[1]], [sp], without)
+
+
+def test_reset_prefix_cache_forgets_the_pages_of_earlier_calls(model, tmp_path):
+    """vLLM's ``LLM.reset_prefix_cache()``: weights written in place into an engine that owns them
+    (which it cannot see) give stale pages to the next call unless it is called; after it the
+    next call prefills afresh, with the new weights' results."""
+    import copy
+
+    model.save_pretrained(tmp_path)
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    llm = LLM(str(tmp_path), device="cpu", block_size=BS, kv_cache_bytes=cache_bytes(model, 256))
+    first, _, _ = run(llm, [N_PROMPTS[1]], [sp])
+    changed = copy.deepcopy(model)
+    with torch.no_grad():
+        changed.model.layers[0].self_attn.k_proj.weight.mul_(1.5)
+        llm.model.causal_lm.model.layers[0].self_attn.k_proj.weight.mul_(1.5)
+    hits = llm.block_manager.num_shared_hits
+    stale, _, _ = run(llm, [N_PROMPTS[1]], [sp])
+    assert llm.block_manager.num_shared_hits > hits  # the unseen change: the old pages were taken
+    assert llm.reset_prefix_cache() is True
+    hits = llm.block_manager.num_shared_hits
+    fresh, _, _ = run(llm, [N_PROMPTS[1]], [sp])
+    assert llm.block_manager.num_shared_hits == hits and fresh != first and fresh != stale
+    assert fresh == run(make_llm(changed), [N_PROMPTS[1]], [sp])[0]

@@ -162,6 +162,27 @@ def test_log_softmax_over_several_chunks_of_a_row():
     assert torch.equal(gather_logprobs(x[1:2], t[1:2], temps[1:2]), lp[1:2])
 
 
+@pytest.mark.parametrize("k", [2, 3, 21])
+def test_gather_of_several_targets_a_row_equals_one_at_a_time(k):
+    """``[rows, k]`` targets (a sampled token and its alternatives): each entry bitwise the
+    one-target gather of its column, and the full row's entry; the reference's bits too."""
+    from vexact_models.kernels.log_softmax import CHUNK_COLUMNS
+
+    vocab = CHUNK_COLUMNS + 777
+    x = rand(5, vocab) * 4
+    temps = torch.tensor([1.0, 0.5, 2.0, 0.9, 1.3], device=DEVICE)
+    t = torch.randint(0, vocab, (5, k), device=DEVICE)
+    t[:, -1] = t[:, 0]  # a token twice in a row
+    lp = gather_logprobs(x, t, temps)
+    assert lp.shape == (5, k)
+    for j in range(k):
+        assert torch.equal(lp[:, j], gather_logprobs(x, t[:, j].contiguous(), temps))
+    assert torch.equal(lp, log_softmax(x, temps).gather(1, t))
+    with use_backend("reference"):
+        assert torch.equal(gather_logprobs(x.cpu(), t.cpu(), temps.cpu()),
+                           torch.stack([gather_logprobs(x.cpu(), t[:, j].cpu(), temps.cpu()) for j in range(k)], 1))
+
+
 def test_kv_cache_write():
     k, v = rand(5, 2, 8), rand(5, 2, 4)
     kc, vc = torch.zeros(3, 4, 2, 8, device=DEVICE), torch.zeros(3, 4, 2, 4, device=DEVICE)
