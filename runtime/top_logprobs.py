@@ -28,7 +28,7 @@ from .staging import to_device
 __all__ = ["Alternatives", "Logprob", "completion_logprobs", "launch_alternatives"]
 
 
-@dataclass
+@dataclass(slots=True)
 class Logprob:
     """One token's entry at a sampled position, as vLLM's ``Logprob``: its logprob at the
     request's temperature, its rank among the vocabulary (1: the most probable) and its text
@@ -74,28 +74,33 @@ def launch_alternatives(logits: torch.Tensor, tokens: torch.Tensor, logprob_temp
     least one). `tokens` are all rows' sampled tokens (on the device), `logprob_temps` the
     temperatures their logprobs take, `steps` the index each row's token gets in its sequence."""
     k = max(seqs[i].params.logprobs for i in rows)
-    [index] = to_device([np.asarray(rows, np.int64)], logits.device)
-    sub = logits.index_select(0, index)
-    sampled = tokens.index_select(0, index)[:, None]
+    sub, sampled, temps = logits, tokens[:, None], logprob_temps
+    if len(rows) < len(seqs):  # (every row asks, the common case: no copy)
+        [index] = to_device([np.asarray(rows, np.int64)], logits.device)
+        sub, sampled, temps = logits.index_select(0, index), sampled.index_select(0, index), temps.index_select(0, index)
     top = torch.topk(sub, k, dim=1).indices if k else sampled[:, :0]
     targets = torch.cat([sampled, top], dim=1)
     ranks = (sub > sub.gather(1, sampled)).sum(dim=1) + 1
-    logprobs = gather_logprobs(sub, targets, logprob_temps.index_select(0, index))
+    logprobs = gather_logprobs(sub, targets, temps)
     return Alternatives([seqs[i] for i in rows], [int(steps[i]) for i in rows], targets, logprobs, ranks)
 
 
 def completion_logprobs(seq: Sequence, tokenizer=None) -> list[dict[int, Logprob]]:
     """vLLM's per-position dicts of a finished sequence that asked for ``logprobs``: the sampled
-    token first, then its alternatives (rank 1 first); a token among both appears once."""
+    token first, then its alternatives (rank 1 first); a token among both appears once. Each
+    distinct token is decoded once (``decoded_token``; None without a tokenizer)."""
     out = []
     for index in range(seq.num_output_tokens):
         ids, lps, rank = seq.top_logprobs[index]
-        entry = {ids[0]: Logprob(lps[0], rank, _text(tokenizer, ids[0]))}
-        for alt_rank, (token, lp) in enumerate(zip(ids[1:], lps[1:]), start=1):
-            entry.setdefault(token, Logprob(lp, alt_rank, _text(tokenizer, token)))
+        entry = {ids[0]: Logprob(lps[0], rank)}
+        for alt_rank, token in enumerate(ids[1:], start=1):
+            if token not in entry:
+                entry[token] = Logprob(lps[alt_rank], alt_rank)
         out.append(entry)
+    if tokenizer is not None:
+        distinct = sorted({token for entry in out for token in entry})
+        text = dict(zip(distinct, tokenizer.batch_decode([[t] for t in distinct])))
+        for entry in out:
+            for token, value in entry.items():
+                value.decoded_token = text[token]
     return out
-
-
-def _text(tokenizer, token: int) -> str | None:
-    return None if tokenizer is None else tokenizer.decode([token])
