@@ -64,7 +64,7 @@ class RequestsMixin:
         seqs = [Sequence(request_id, i, ids, params, base if params.n == 1 else _derive_seed(base, i))
                 for i in range(params.n)]
         if params.stop:
-            stop = StopStrings(self.tokenizer, params.stop)
+            stop = StopStrings(self.tokenizer, params.stop, params.skip_special_tokens)
             for seq in seqs:
                 seq.stop_strings = stop
         return seqs
@@ -73,14 +73,14 @@ class RequestsMixin:
         """One request's `RequestOutput` from its finished sequences."""
         completions = []
         for seq in seqs:
-            text = None
+            text, p = None, seq.params
             if seq.stop_reason is not None:
                 text = truncate_at_stop(self.tokenizer, seq.output_token_ids, seq.stop_reason,
-                                        seq.params.include_stop_str_in_output)
-            elif self.tokenizer is not None:
-                text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-            logprobs = (list(seq.output_logprobs) if seq.params.logprobs is None
-                        else completion_logprobs(seq, self.tokenizer))
+                                        p.include_stop_str_in_output, p.skip_special_tokens)
+            elif self.tokenizer is not None and p.detokenize:
+                text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=p.skip_special_tokens)
+            logprobs = (list(seq.output_logprobs) if p.logprobs is None
+                        else completion_logprobs(seq, self.tokenizer if p.detokenize else None))
             completions.append(CompletionOutput(seq.sample_index, list(seq.output_token_ids), logprobs,
                                                 seq.finish_reason, text, seq.error, seq.stop_reason,
                                                 math.fsum(seq.output_logprobs)))

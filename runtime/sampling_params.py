@@ -80,6 +80,10 @@ class SamplingParams:
             instead: per sampled position a dict ``{token_id: Logprob}`` holding the sampled token
             and the k most probable tokens, at the same temperature and by the same kernel
             (`runtime.top_logprobs`), so the sampled token's entry is the float's bits.
+        skip_special_tokens: leave special tokens out of the returned text (and of the text stop
+            strings are matched on), as vLLM's default; False keeps them.
+        detokenize: False returns no text (``CompletionOutput.text`` None, no ``decoded_token``)
+            and needs no stop strings, as vLLM's.
 
     ``__post_init__`` validates every field and raises ``ValueError`` naming the field, the bad
     value and the limit. Because ``dataclasses.replace`` re-runs ``__post_init__``, copies are
@@ -99,6 +103,8 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    skip_special_tokens: bool = True
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         self.n = _require_at_least("n", self.n, 1)
@@ -147,9 +153,12 @@ class SamplingParams:
             if not isinstance(text, str) or not text:
                 raise ValueError(f"SamplingParams.stop[{i}]={text!r} must be a non-empty string")
         self.stop = list(stop)
-        if not isinstance(self.include_stop_str_in_output, bool):
-            raise ValueError(f"SamplingParams.include_stop_str_in_output={self.include_stop_str_in_output!r} "
-                             "must be a bool")
+        for name in ("include_stop_str_in_output", "skip_special_tokens", "detokenize"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r} must be a bool")
+        if self.stop and not self.detokenize:
+            raise ValueError(f"SamplingParams.stop={self.stop!r} needs detokenize=True (stop strings are matched on "
+                             "the detokenized output)")
 
     def _validate_stops(self) -> None:
         ids = self.stop_token_ids

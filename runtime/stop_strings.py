@@ -1,6 +1,6 @@
 """Stop strings (``SamplingParams.stop``), as vLLM applies them: a sequence finishes ("stop") at
 the token whose text completes one of its stop strings, checked on the detokenized output
-(``skip_special_tokens=True``, the text `LLM.generate` returns); the token ids keep that token,
+(as `LLM.generate` returns it: ``SamplingParams.skip_special_tokens``, True by default); the token ids keep that token,
 and the returned text ends before the stop string (or after it with
 ``include_stop_str_in_output``). ``min_tokens`` holds stop strings back as it holds stop tokens.
 
@@ -27,15 +27,16 @@ _CONTEXT_TOKENS = 8
 class StopStrings:
     """The stop strings of one request, over `tokenizer` (a transformers tokenizer)."""
 
-    def __init__(self, tokenizer, stop: list[str]) -> None:
+    def __init__(self, tokenizer, stop: list[str], skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.stop = list(stop)
+        self.skip_special_tokens = skip_special_tokens
         # a token decodes to at least one character, or joins bytes into one: a string of c
         # characters spans at most c tokens after the ones that complete a character
         self.window = max(len(s) for s in self.stop) + _CONTEXT_TOKENS
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def matched(self, token_ids: list[int], num_prompt_tokens: int) -> str | None:
         """The first stop string (in the request's order) that ends inside the text of the last
@@ -55,11 +56,12 @@ def _ending_in_last(before: str, text: str, stop: str) -> int:
     return text.find(stop, max(0, kept - len(stop) + 1))
 
 
-def truncate_at_stop(tokenizer, output_ids: list[int], stop: str, include: bool) -> str:
+def truncate_at_stop(tokenizer, output_ids: list[int], stop: str, include: bool, skip_special_tokens: bool = True
+                     ) -> str:
     """The text of `output_ids`, whose last token completed `stop`, cut before `stop` (after it
     when `include`): at its occurrence ending inside the last token's text."""
-    text = tokenizer.decode(output_ids, skip_special_tokens=True)
-    start = _ending_in_last(tokenizer.decode(output_ids[:-1], skip_special_tokens=True), text, stop)
+    text = tokenizer.decode(output_ids, skip_special_tokens=skip_special_tokens)
+    start = _ending_in_last(tokenizer.decode(output_ids[:-1], skip_special_tokens=skip_special_tokens), text, stop)
     if start < 0:  # decoded differently in full than in the window: keep the whole text
         return text
     return text[:start + len(stop)] if include else text[:start]

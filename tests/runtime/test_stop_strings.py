@@ -82,6 +82,39 @@ def test_stop_strings_need_a_tokenizer_which_a_model_instance_can_be_given(check
         LLM(model, device="cpu", tokenizer=3)
 
 
+def test_skip_special_tokens_and_detokenize_shape_the_text_as_vllms(checkpoint):
+    """A special token is left out of the text by default and kept with
+    ``skip_special_tokens=False``, where a stop string may then hold it; ``detokenize=False``
+    returns no text. The tokens and logprobs are the same in every case."""
+    from tokenizers import Tokenizer as RawTokenizer
+
+    llm = LLM(str(checkpoint), **ENGINE)
+    base = dict(temperature=0.0, max_tokens=6, ignore_eos=True)
+    [plain] = gen(llm, ["w1 w2 w3"], SamplingParams(**base))
+    special = f"w{plain.outputs[0].token_ids[1]}"  # the second sampled token becomes a special token
+    raw = RawTokenizer.from_file(str(checkpoint / "tokenizer.json"))
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="w0",
+                                                     additional_special_tokens=[special])
+    llm = LLM(str(checkpoint), tokenizer=tokenizer, **ENGINE)
+    words = plain.outputs[0].text.split(" ")
+    [skipped] = gen(llm, ["w1 w2 w3"], SamplingParams(**base))
+    [kept] = gen(llm, ["w1 w2 w3"], SamplingParams(**base, skip_special_tokens=False))
+    assert special not in skipped.outputs[0].text.split(" ") and kept.outputs[0].text.split(" ") == words
+    [stopped] = gen(llm, ["w1 w2 w3"], SamplingParams(**base, skip_special_tokens=False, stop=[special]))
+    assert stopped.outputs[0].stop_reason == special and len(stopped.outputs[0].token_ids) == 2
+    [no_text] = gen(llm, ["w1 w2 w3"], SamplingParams(**base, detokenize=False, logprobs=1))
+    assert no_text.outputs[0].text is None and all(v.decoded_token is None for e in no_text.outputs[0].logprobs
+                                                   for v in e.values())
+    for out in (skipped, kept, no_text):
+        c = out.outputs[0]
+        assert c.token_ids == plain.outputs[0].token_ids and c.cumulative_logprob == plain.outputs[0].cumulative_logprob
+    with pytest.raises(ValueError, match=r"stop=\['x'\] needs detokenize=True"):
+        SamplingParams(stop="x", detokenize=False)
+    for name in ("skip_special_tokens", "detokenize"):
+        with pytest.raises(ValueError, match=f"SamplingParams.{name}=1 must be a bool"):
+            SamplingParams(**{name: 1})
+
+
 @pytest.mark.parametrize("stop, words", [(3, "a string or a list"), ([""], r"stop\[0\]='' must be a non-empty"),
                                          (["a", 4], r"stop\[1\]=4 must be")])
 def test_bad_stop_strings_are_refused_naming_them(stop, words):
