@@ -46,8 +46,6 @@ class LaunchedStep:
         as `Scheduler.postprocess` takes them; waits for the device."""
         if self.done is None:
             tokens, logprobs = self.sampled.result() if self.sampled is not None else ([], [])
-            if self.sampled is not None and self.sampled.alternatives is not None:
-                self.sampled.alternatives.record()
             self.done = spread_samples(self.scheduled, tokens, logprobs)
         return self.done
 

@@ -25,7 +25,7 @@ from vexact_models.kernels.sampling import filter_thresholds
 
 from .scheduled import ScheduledSeq
 from .sequence import Sequence
-from .staging import to_device
+from .staging import HostCopy, to_device
 from .top_logprobs import Alternatives, launch_alternatives
 
 
@@ -54,11 +54,7 @@ class Sampler:
         sync; the alternatives of the rows that ask for them are stored on their sequences."""
         if not seqs:
             return [], []
-        sampled = self.launch(logits, seqs)
-        result = sampled.result()
-        if sampled.alternatives is not None:
-            sampled.alternatives.record()
-        return result
+        return self.launch(logits, seqs).result()
 
     def launch(self, logits: torch.Tensor, seqs: list[Sequence], ahead: int | np.ndarray = 0) -> SampledTokens:
         """Start sampling one token per row of `logits` for `seqs`, without waiting for it.
@@ -135,23 +131,18 @@ class SampledTokens:
 
     def __init__(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
         self.tokens = tokens
+        # into pinned memory without waiting: the step's one host sync is result()
+        self._host = HostCopy([torch.stack([tokens.double(), logprobs.double()])])
         #: the most probable tokens of the rows that ask for them (`runtime.top_logprobs`)
         self.alternatives: Alternatives | None = None
-        both = torch.stack([tokens.double(), logprobs.double()])
-        self._ready: torch.cuda.Event | None = None
-        if both.is_cuda:  # into pinned memory without waiting: the step's one host sync is result()
-            self._host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
-            self._host.copy_(both, non_blocking=True)
-            self._ready = torch.cuda.Event()
-            self._ready.record()
-        else:
-            self._host = both
 
     def result(self) -> tuple[list[int], list[float]]:
-        """(tokens, logprobs) on the host, waiting for the device if needed."""
-        if self._ready is not None:
-            self._ready.synchronize()
-        return self._host[0].long().tolist(), self._host[1].float().tolist()
+        """(tokens, logprobs) on the host, waiting for the device if needed; the alternatives of
+        the rows that ask for them are stored on their sequences (`Alternatives.record`)."""
+        [both] = self._host.result()
+        if self.alternatives is not None:
+            self.alternatives.record()
+        return both[0].long().tolist(), both[1].float().tolist()
 
 
 def sample(logits: torch.Tensor, temps, logprob_temps, top_k, top_p, seeds, steps, filter_rows: torch.Tensor | None,

@@ -14,7 +14,7 @@ import math
 import numpy as np
 import torch
 
-__all__ = ["Layout", "to_device"]
+__all__ = ["HostCopy", "Layout", "to_device"]
 
 _ALIGN = 16  # 16: what Triton specialises pointer alignment on
 
@@ -67,3 +67,26 @@ def to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tens
     for view, array in zip(layout.host_views(host), arrays):
         view[...] = array
     return layout.views(host.to(device, non_blocking=cuda))
+
+
+class HostCopy:
+    """Device tensors on their way to the host: each copied into fresh pinned memory without
+    waiting (an event marks the copies' end); `result` waits for them. On CPU the tensors
+    themselves."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self._ready: torch.cuda.Event | None = None
+        if tensors and tensors[0].is_cuda:
+            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            for host, t in zip(self._host, tensors):
+                host.copy_(t, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host = list(tensors)
+
+    def result(self) -> list[torch.Tensor]:
+        """The host tensors, once the copies are done (waits for the device)."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._host

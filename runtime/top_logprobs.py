@@ -23,7 +23,7 @@ import torch
 from vexact_models.kernels import gather_logprobs
 
 from .sequence import Sequence
-from .staging import to_device
+from .staging import HostCopy, to_device
 
 __all__ = ["Alternatives", "Logprob", "completion_logprobs", "launch_alternatives"]
 
@@ -46,23 +46,12 @@ class Alternatives:
     def __init__(self, seqs: list[Sequence], indices: list[int], targets: torch.Tensor, logprobs: torch.Tensor,
                  ranks: torch.Tensor) -> None:
         self.seqs, self.indices = seqs, indices
-        self._ready: torch.cuda.Event | None = None
-        tensors = (targets, logprobs, ranks)
-        if targets.is_cuda:  # into pinned memory without waiting; `record` waits
-            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
-            for host, t in zip(self._host, tensors):
-                host.copy_(t, non_blocking=True)
-            self._ready = torch.cuda.Event()
-            self._ready.record()
-        else:
-            self._host = list(tensors)
+        self._host = HostCopy([targets, logprobs, ranks])  # `record` waits
 
     def record(self) -> None:
         """Store each row's ``(token ids, logprobs, sampled token's rank)`` on its sequence, under
         the index of the token sampled there (waits for the device)."""
-        if self._ready is not None:
-            self._ready.synchronize()
-        targets, logprobs, ranks = (t.tolist() for t in self._host)
+        targets, logprobs, ranks = (t.tolist() for t in self._host.result())
         for seq, index, ids, lps, rank in zip(self.seqs, self.indices, targets, logprobs, ranks):
             k = seq.params.logprobs
             seq.top_logprobs[index] = (ids[:k + 1], lps[:k + 1], rank)

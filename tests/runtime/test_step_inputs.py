@@ -1,5 +1,5 @@
 """A step's model inputs: build_step_inputs against a plain per-token reference, the one-copy
-staging (Layout, to_device), the step graphs' input buffers (GraphInputs) and buckets, and the runner."""
+staging (Layout, to_device, HostCopy), the step graphs' input buffers (GraphInputs) and buckets, and the runner."""
 
 import numpy as np
 import pytest
@@ -12,7 +12,7 @@ from vexact_models.runtime.model_runner import ModelRunner
 from vexact_models.runtime.sampling_params import SamplingParams
 from vexact_models.runtime.scheduler import ScheduledSeq
 from vexact_models.runtime.sequence import Sequence
-from vexact_models.runtime.staging import Layout, to_device
+from vexact_models.runtime.staging import HostCopy, Layout, to_device
 from vexact_models.runtime.step_inputs import ATTENTION_ORDER, attention_order, build_step_inputs
 
 from .workload_support import make_scheduler, random_workload, run_steps
@@ -225,3 +225,18 @@ def test_runner_passes_the_same_inputs_with_or_without_the_mirror():
         work = (call[4][1:] - call[4][:-1]) * call[5]
         assert order.dtype == torch.int32 and torch.equal(work[order.long()], work.sort(descending=True).values)
     assert any(not torch.equal(order, torch.arange(len(order), dtype=torch.int32)) for order in orders)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (pinned copies)")])])
+def test_host_copy_brings_tensors_of_any_dtype_and_shape_back(device):
+    """`HostCopy`: the tensors' values on the host once `result` returns; on CUDA in fresh pinned
+    memory (the copies ran without a sync), on CPU the tensors themselves."""
+    tensors = [torch.arange(6, device=device).view(2, 3), torch.tensor([0.5, -1.25], device=device),
+               torch.tensor([True, False], device=device)]
+    copy = HostCopy(tensors)
+    got = copy.result()
+    assert [t.device.type for t in got] == ["cpu"] * 3
+    assert all(torch.equal(g, t.cpu()) and g.dtype == t.dtype for g, t in zip(got, tensors))
+    assert all(g.is_pinned() for g in got) if device == "cuda" else all(g is t for g, t in zip(got, tensors))
+    assert HostCopy([]).result() == []
