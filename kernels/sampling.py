@@ -219,14 +219,17 @@ def sample_tokens_reference(logits, temperatures, seeds, steps, thresholds) -> t
 
 
 def filter_thresholds(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.Tensor,
-                      top_p: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-row lowest admissible logit for top-k then top-p filtering (``[rows]`` fp32).
+                      top_p: torch.Tensor, rows: torch.Tensor | None = None,
+                      log_min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-row lowest admissible logit for min-p, then top-k, then top-p filtering (``[rows]`` fp32).
 
-    top-k keeps the k largest logits (ties at the k-th value are kept); top-p then keeps the
+    min-p keeps the logits ``x >= max(x) + T * log(min_p)`` (the tokens at least ``min_p`` times
+    as probable as the most probable one; `log_min_p` fp32 ``[rows]``, ``-inf`` or None: off);
+    top-k keeps the k largest of those (ties at the k-th value are kept); top-p then keeps the
     smallest set of those, by decreasing probability under ``softmax(logits / T)``, whose mass
     reaches ``top_p``. ``top_k <= 0`` and ``top_p >= 1`` disable each filter; greedy rows
-    (T = 0) are not filtered. Row-wise ops only (sort, cumsum, the invariant `log_softmax`), so a
-    row's threshold does not depend on the batch.
+    (T = 0) are not filtered. Row-wise ops only (max, sort, cumsum, the invariant `log_softmax`),
+    so a row's threshold does not depend on the batch.
 
     `rows`: the indices (int64, on the logits' device) of the rows that filter, when the caller
     knows them (the sampler does, from the host's parameters); otherwise they are found on the
@@ -236,11 +239,16 @@ def filter_thresholds(logits: torch.Tensor, temperatures: torch.Tensor, top_k: t
 
     n_rows, vocab = logits.shape
     thresholds = torch.full((n_rows,), float("-inf"), device=logits.device)
+    if log_min_p is None:
+        log_min_p = torch.full((n_rows,), float("-inf"), device=logits.device)
     idx = rows
     if idx is None:
-        active = (temperatures > 0) & ((top_k > 0) | (top_p < 1))
+        active = (temperatures > 0) & ((top_k > 0) | (top_p < 1) | (log_min_p > float("-inf")))
         idx = active.nonzero().squeeze(1)  # empty when no row filters: the ops below are then no-ops
     x = logits[idx].float()
+    # (an off row: max + T * -inf = -inf; rounded mul, then add, alike on every device)
+    min_p_floor = x.max(dim=1).values + temperatures[idx].float() * log_min_p[idx].float()
+    x = torch.where(x >= min_p_floor[:, None], x, float("-inf"))
     k = torch.where(top_k[idx] > 0, top_k[idx].clamp(max=vocab), torch.full_like(top_k[idx], vocab)).long()
     sorted_x, _ = torch.sort(x, dim=1, descending=True)
     kth = sorted_x.gather(1, (k - 1)[:, None])[:, 0]
@@ -251,7 +259,7 @@ def filter_thresholds(logits: torch.Tensor, temperatures: torch.Tensor, top_k: t
     before = torch.cumsum(probs_sorted, dim=1) - probs_sorted  # mass strictly before each token
     n_keep = (before < top_p[idx, None].float()).sum(1).clamp(min=1)
     last = order.gather(1, (n_keep - 1)[:, None])[:, 0]
-    thresholds[idx] = torch.maximum(kth, x.gather(1, last[:, None])[:, 0])
+    thresholds[idx] = torch.maximum(torch.maximum(kth, x.gather(1, last[:, None])[:, 0]), min_p_floor)
     return thresholds
 
 

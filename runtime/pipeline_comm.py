@@ -45,7 +45,8 @@ def _plan_layout(tokens: int, seqs: int, rows: int, width: int, bans: int, copie
     grouped_tokens, grouped_seqs = (tokens, seqs) if window else (0, 0)
     return Layout([(_I64, (tokens,)), (_I64, (tokens,)), (_I64, (tokens,)), (_I64, (rows,)), (_I32, (seqs + 1,)),
                    (_I32, (seqs,)), (_I32, (seqs,)), (_I32, (seqs, width)), (_I64, (seqs,)), (_I64, (copies, 2)),
-                   (_F32, (rows,)), (_F64, (rows,)), (_I64, (rows,)), (_I64, (rows,)), (_I64, (rows,)), (_I64, (bans, 2)),
+                   (_F32, (rows,)), (_F64, (rows,)), (_I64, (rows,)), (_F32, (rows,)), (_I64, (rows,)), (_I64, (rows,)),
+                   (_I64, (bans, 2)),
                    (_I64, (grouped_tokens,)), (_I32, (grouped_seqs, width))])
 
 
@@ -56,7 +57,7 @@ def _plan_arrays(inputs: StepInputs, rows: HostRows) -> list[np.ndarray]:
     window = [] if inputs.window_slots is None else [inputs.window_slots, inputs.window_block_table]
     return [inputs.ids, inputs.positions, inputs.slots, inputs.logits_rows, inputs.cu_seqlens, inputs.seq_lens,
             inputs.seq_order, inputs.block_table, inputs.seq_rows, inputs.state_copies, rows.temps, rows.top_p,
-            rows.top_k, rows.seeds, rows.steps, rows.bans, *window]
+            rows.top_k, rows.log_min_p, rows.seeds, rows.steps, rows.bans, *window]
 
 
 class PipelineComm:
@@ -99,13 +100,13 @@ class PipelineComm:
         layout = _plan_layout(tokens, seqs, num_rows, width, bans, copies, bool(window))
         buffer = layout.allocate(torch.device("cpu"))
         self._broadcast(buffer)
-        (ids, positions, slots, logits_rows, cu, lens, order, table, seq_rows, state_copies, temps, top_p, top_k, seeds,
-         steps, banned, window_slots, window_table) = layout.host_views(buffer)
+        (ids, positions, slots, logits_rows, cu, lens, order, table, seq_rows, state_copies, temps, top_p, top_k,
+         log_min_p, seeds, steps, banned, window_slots, window_table) = layout.host_views(buffer)
         inputs = StepInputs(ids=ids, positions=positions, slots=slots, logits_rows=logits_rows, cu_seqlens=cu,
                             seq_lens=lens, block_table=table, seq_order=order, max_seqlen_q=max_q, seq_rows=seq_rows,
                             state_copies=state_copies, window_slots=window_slots if window else None,
                             window_block_table=window_table if window else None)
-        return kind, inputs, HostRows(temps, top_p, top_k, seeds, steps, banned)
+        return kind, inputs, HostRows(temps, top_p, top_k, log_min_p, seeds, steps, banned)
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
         dist.broadcast(tensor, src=self._rank(0), group=self.cpu_group)

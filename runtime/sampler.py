@@ -65,8 +65,8 @@ class Sampler:
             rows = self._rows = _RowParams(seqs, logits.device, ahead)
         else:
             rows.refresh(ahead)
-        sampled = launch_sample(logits, rows.temps, rows.logprob_temps, rows.top_k, rows.top_p, rows.seeds,
-                                rows.steps, rows.filter_rows, self._bans(seqs, rows.step, rows.min_tokens))
+        sampled = launch_sample(logits, rows.temps, rows.logprob_temps, rows.top_k, rows.top_p, rows.log_min_p,
+                                rows.seeds, rows.steps, rows.filter_rows, self._bans(seqs, rows.step, rows.min_tokens))
         if rows.alternative_rows:
             sampled.alternatives = launch_alternatives(logits, sampled.tokens, rows.logprob_temps, seqs, rows.step,
                                                        rows.alternative_rows)
@@ -77,7 +77,8 @@ class Sampler:
         last, which samples with `sample_host_rows`): the same values `__call__` uses."""
         host = _host_arrays(seqs)
         bans = np.array(self._bans(seqs, host["step"], host["min_tokens"]), np.int64).reshape(-1, 2)
-        return HostRows(host["temps"], host["top_p"], host["top_k"], host["seeds"], host["step"], bans)
+        return HostRows(host["temps"], host["top_p"], host["top_k"], host["log_min_p"], host["seeds"], host["step"],
+                        bans)
 
 
 @dataclass
@@ -87,20 +88,21 @@ class HostRows:
     temps: np.ndarray  #: float32 [R] temperatures (0: greedy)
     top_p: np.ndarray  #: float64 [R]
     top_k: np.ndarray  #: int64 [R] (0: off)
+    log_min_p: np.ndarray  #: float32 [R] log(min_p) (-inf: off)
     seeds: np.ndarray  #: int64 [R]
     steps: np.ndarray  #: int64 [R] index of the token each row generates (the RNG counter)
     bans: np.ndarray  #: int64 [B, 2] (row, token) pairs that may not be sampled (min_tokens)
 
     @property
     def filter_rows(self) -> np.ndarray:
-        """The rows that need top-k/top-p thresholds (`filtering_rows`)."""
-        return filtering_rows(self.temps, self.top_k, self.top_p)
+        """The rows that need min-p/top-k/top-p thresholds (`filtering_rows`)."""
+        return filtering_rows(self.temps, self.top_k, self.top_p, self.log_min_p)
 
 
-def filtering_rows(temps: np.ndarray, top_k: np.ndarray, top_p: np.ndarray) -> np.ndarray:
-    """int64 indices of the rows that need top-k/top-p thresholds (greedy rows are never
+def filtering_rows(temps: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, log_min_p: np.ndarray) -> np.ndarray:
+    """int64 indices of the rows that need min-p/top-k/top-p thresholds (greedy rows are never
     filtered): known on the host, so the device never has to find them (a sync)."""
-    return np.flatnonzero((temps > 0) & ((top_k > 0) | (top_p < 1))).astype(np.int64)
+    return np.flatnonzero((temps > 0) & ((top_k > 0) | (top_p < 1) | (log_min_p > -np.inf))).astype(np.int64)
 
 
 def sample_host_rows(logits: torch.Tensor, rows: HostRows) -> tuple[list[int], list[float]]:
@@ -108,20 +110,20 @@ def sample_host_rows(logits: torch.Tensor, rows: HostRows) -> tuple[list[int], l
     same tokens and logprobs."""
     if not len(rows.temps):
         return [], []
-    temps, logprob_temps, top_p, top_k, seeds, steps, filter_rows = _to_device(
-        rows.temps, rows.top_p, rows.top_k, rows.seeds, rows.steps, logits.device)
-    return sample(logits, temps, logprob_temps, top_k, top_p, seeds, steps, filter_rows,
+    temps, logprob_temps, top_p, top_k, log_min_p, seeds, steps, filter_rows = _to_device(
+        rows.temps, rows.top_p, rows.top_k, rows.log_min_p, rows.seeds, rows.steps, logits.device)
+    return sample(logits, temps, logprob_temps, top_k, top_p, log_min_p, seeds, steps, filter_rows,
                   [tuple(pair) for pair in rows.bans.tolist()])
 
 
-def _to_device(temps: np.ndarray, top_p: np.ndarray, top_k: np.ndarray, seeds: np.ndarray, steps: np.ndarray,
-               device: torch.device) -> tuple:
+def _to_device(temps: np.ndarray, top_p: np.ndarray, top_k: np.ndarray, log_min_p: np.ndarray, seeds: np.ndarray,
+               steps: np.ndarray, device: torch.device) -> tuple:
     """The sampling kernels' arguments on `device` in one pinned copy: temperatures, the logprob
-    temperatures (1 for greedy rows), top-p, top-k, seeds, RNG counters and the rows that filter
-    (None when none does)."""
-    filter_rows = filtering_rows(temps, top_k, top_p)
-    *params, filter_dev = to_device([temps, np.where(temps > 0, temps, np.float32(1)), top_p, top_k, seeds, steps,
-                                     filter_rows], device)
+    temperatures (1 for greedy rows), top-p, top-k, log(min-p), seeds, RNG counters and the rows
+    that filter (None when none does)."""
+    filter_rows = filtering_rows(temps, top_k, top_p, log_min_p)
+    *params, filter_dev = to_device([temps, np.where(temps > 0, temps, np.float32(1)), top_p, top_k, log_min_p,
+                                     seeds, steps, filter_rows], device)
     return (*params, filter_dev if len(filter_rows) else None)
 
 
@@ -145,14 +147,16 @@ class SampledTokens:
         return both[0].long().tolist(), both[1].float().tolist()
 
 
-def sample(logits: torch.Tensor, temps, logprob_temps, top_k, top_p, seeds, steps, filter_rows: torch.Tensor | None,
-           banned: list[tuple[int, int]]) -> tuple[list[int], list[float]]:
-    """The device side of sampling (rule 7): bans, top-k/top-p thresholds (of `filter_rows`,
-    None: no row filters), Gumbel-max, and the logprob of the unfiltered logits; one host sync."""
-    return launch_sample(logits, temps, logprob_temps, top_k, top_p, seeds, steps, filter_rows, banned).result()
+def sample(logits: torch.Tensor, temps, logprob_temps, top_k, top_p, log_min_p, seeds, steps,
+           filter_rows: torch.Tensor | None, banned: list[tuple[int, int]]) -> tuple[list[int], list[float]]:
+    """The device side of sampling (rule 7): bans, min-p/top-k/top-p thresholds (of
+    `filter_rows`, None: no row filters), Gumbel-max, and the logprob of the unfiltered logits;
+    one host sync."""
+    return launch_sample(logits, temps, logprob_temps, top_k, top_p, log_min_p, seeds, steps, filter_rows,
+                         banned).result()
 
 
-def launch_sample(logits: torch.Tensor, temps, logprob_temps, top_k, top_p, seeds, steps,
+def launch_sample(logits: torch.Tensor, temps, logprob_temps, top_k, top_p, log_min_p, seeds, steps,
                   filter_rows: torch.Tensor | None, banned: list[tuple[int, int]]) -> SampledTokens:
     """`sample` without the host sync: the device work, and the results on their way to the
     host. Every index reaches the device through a pinned copy (a pageable one would wait for
@@ -164,7 +168,7 @@ def launch_sample(logits: torch.Tensor, temps, logprob_temps, top_k, top_p, seed
         sample_logits.index_put_((ban_rows, ban_cols), torch.full((len(banned),), float("-inf"), device=logits.device))
     thresholds = None
     if filter_rows is not None:
-        thresholds = filter_thresholds(sample_logits, temps, top_k, top_p, filter_rows)
+        thresholds = filter_thresholds(sample_logits, temps, top_k, top_p, filter_rows, log_min_p)
     tokens = sample_tokens(sample_logits, temps, seeds, steps, thresholds)
     return SampledTokens(tokens, flag_nonfinite_rows(logits, gather_logprobs(logits, tokens, logprob_temps)))
 
@@ -208,9 +212,16 @@ def _host_arrays(seqs: list[Sequence], ahead: int | np.ndarray = 0) -> dict[str,
     return dict(temps=np.fromiter((p.temperature for p in params), np.float64, n).astype(np.float32),
                 top_p=np.fromiter((p.top_p for p in params), np.float64, n),
                 top_k=np.fromiter((p.top_k for p in params), np.int64, n),
+                log_min_p=_log_min_p(np.fromiter((p.min_p for p in params), np.float64, n)),
                 min_tokens=np.fromiter((p.min_tokens for p in params), np.int64, n),
                 seeds=np.fromiter((s.seed for s in seqs), np.int64, n),
                 step=_steps(seqs, ahead))
+
+
+def _log_min_p(min_p: np.ndarray) -> np.ndarray:
+    """float32 log(min_p), rounded once from the float64 log; -inf where min-p is off (0)."""
+    with np.errstate(divide="ignore"):
+        return np.log(min_p).astype(np.float32)
 
 
 def _steps(seqs: list[Sequence], ahead: int | np.ndarray = 0) -> np.ndarray:
@@ -234,9 +245,10 @@ class _RowParams:
         temps = host["temps"]
         self.min_tokens = host["min_tokens"]
         self.step = host["step"]
-        # filter_rows: the rows that need top-k/top-p thresholds, on the device (None: no row does)
-        (self.temps, self.logprob_temps, self.top_p, self.top_k, self.seeds, self.steps, self.filter_rows) = _to_device(
-            temps, host["top_p"], host["top_k"], host["seeds"], self.step, device)
+        # filter_rows: the rows that need min-p/top-k/top-p thresholds, on the device (None: no row does)
+        (self.temps, self.logprob_temps, self.top_p, self.top_k, self.log_min_p, self.seeds, self.steps,
+         self.filter_rows) = _to_device(temps, host["top_p"], host["top_k"], host["log_min_p"], host["seeds"],
+                                        self.step, device)
 
     def refresh(self, ahead: int | np.ndarray = 0) -> None:
         """Re-read and copy the RNG counters (the index of the token each sequence generates,

@@ -63,6 +63,9 @@ class SamplingParams:
         temperature: >= 0; 0 means greedy (argmax).
         top_p: nucleus mass in (0, 1]; 1 disables it.
         top_k: -1 disables it, else the number of candidates kept, >= 1.
+        min_p: in [0, 1]; 0 disables it. Keeps the tokens whose probability under
+            ``softmax(logits / T)`` is at least ``min_p`` times the most probable one's (as vLLM:
+            applied before top-k and top-p, which then act on what it kept).
         min_tokens: >= 0. Stop tokens and EOS are banned while fewer than this many tokens
             have been generated, and a stop token only finishes a sequence once at least
             ``min_tokens`` outputs precede it.
@@ -95,6 +98,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
     min_tokens: int = 0
     max_tokens: int = 16
     stop_token_ids: list[int] = field(default_factory=list)
@@ -135,6 +139,9 @@ class SamplingParams:
         top_k = _require_int("top_k", self.top_k)
         if top_k != -1 and top_k < 1:
             raise ValueError(f"SamplingParams.top_k={top_k} must be -1 (off) or >= 1")
+        self.min_p = _require_float("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"SamplingParams.min_p={self.min_p} is outside [0, 1] (0: off)")
 
     def _validate_lengths(self) -> None:
         min_tokens = _require_at_least("min_tokens", self.min_tokens, 0)

@@ -54,7 +54,7 @@ def requests(vocab: int) -> tuple[list[list[int]], list[SamplingParams]]:
               SamplingParams(temperature=0.8, top_k=20, max_tokens=6, seed=12, n=3, ignore_eos=True),
               SamplingParams(temperature=1.2, top_p=0.7, max_tokens=5, seed=13, ignore_eos=True),
               SamplingParams(temperature=1.0, min_tokens=3, max_tokens=6, seed=14, stop_token_ids=[9, 10, 11, 12]),
-              SamplingParams(temperature=0.9, max_tokens=6, seed=15, ignore_eos=True)]
+              SamplingParams(temperature=0.9, max_tokens=6, seed=15, ignore_eos=True, min_p=0.05)]
     return prompts, params
 
 

@@ -150,6 +150,21 @@ def test_a_published_multimodal_checkpoint_trains_its_text_model(example, arch_n
     assert len(logs) == 2 and all(h[DIFF_MAX] == 0.0 and h[IS_MIN] == h[IS_MAX] == 1.0 for h in logs), logs
 
 
+def test_min_p_reaches_the_engine_and_the_metrics_stay_exact(example, tmp_path):
+    """``GRPOConfig(min_p=...)``, as TRL passes it to vLLM: every rollout samples with it, and
+    TRL's metrics stay at 0 / 1 (the logprobs are the unfiltered ones)."""
+    trainer = _trainer(example, "qwen3", tmp_path, grpo={"min_p": 0.1, "temperature": 1.3})
+    gen = trainer.vllm_generation
+    assert gen.sampling["min_p"] == 0.1
+    seen = []
+    generate = gen.llm.generate
+    gen.llm.generate = lambda prompts, params, **kw: seen.append(params) or generate(prompts, params, **kw)
+    trainer.train()
+    assert seen and all(p.min_p == 0.1 and p.temperature == 1.3 for p in seen)
+    logs = [h for h in trainer.state.log_history if DIFF_MAX in h]
+    assert len(logs) == 2 and all(h[DIFF_MAX] == 0.0 and h[IS_MIN] == h[IS_MAX] == 1.0 for h in logs), logs
+
+
 def test_stop_strings_from_generation_kwargs_cut_the_completions(example, tmp_path):
     """``GRPOConfig(generation_kwargs={"stop": [...]})``, as TRL passes it to vLLM: the engine gets
     the trainer's tokenizer, each completion ends at the token whose text completes the string
@@ -254,8 +269,6 @@ def test_bad_settings_are_refused_before_building(example, tmp_path):
     common = dict(reward_funcs=example.repeat_last_token, processing_class=example.toy_tokenizer(config))
     base = dict(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, report_to=[],
                 use_cpu=True, bf16=False)
-    with pytest.raises(ValueError, match=r"min_p=0\.1"):
-        VexactGRPOTrainer(ours, args=GRPOConfig(**base, min_p=0.1), **common)
     with pytest.raises(ValueError, match="use_vllm=True"):
         VexactGRPOTrainer(ours, args=GRPOConfig(**base, use_vllm=True), **common)
     with pytest.raises(ValueError, match="repetition_penalty=1.2"):

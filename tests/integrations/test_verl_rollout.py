@@ -206,7 +206,8 @@ def test_bad_input_is_a_value_error_naming_it(ckpt):
         make_rollout(ckpt, engine={"kv_bytes": 1})
     rollout, server = make_rollout(ckpt)
     for params, match in [({"repetition_penalty": 1.2}, "repetition_penalty"), ({"logprobs": 5}, "logprobs"),
-                          ({"stop": [3]}, r"stop\[0\]=3"), ({"best_of": 2}, "best_of"), ({"temperature": -1.0}, "temperature")]:
+                          ({"stop": [3]}, r"stop\[0\]=3"), ({"best_of": 2}, "best_of"), ({"temperature": -1.0}, "temperature"),
+                          ({"min_p": 1.5}, r"min_p=1\.5 is outside \[0, 1\]")]:
         with pytest.raises(ValueError, match=match):
             asyncio.run(server.generate(PROMPTS[0], {**PARAMS, **params}, request_id="bad"))
     with pytest.raises(ValueError, match="max_model_len=16"):
@@ -222,6 +223,7 @@ def test_bad_input_is_a_value_error_naming_it(ckpt):
     outs = asyncio.run(generate_all(server, [PROMPTS[0], [5, 100_000], PROMPTS[2]], return_exceptions=True))
     assert isinstance(outs[1], ValueError) and "100000" in str(outs[1])  # fails alone, not its batch
     assert isinstance(outs[0], TokenOutput) and isinstance(outs[2], TokenOutput)
+    assert asyncio.run(server.generate(PROMPTS[0], {**PARAMS, "min_p": 0.1}, request_id="min_p")).token_ids
     out = asyncio.run(server.generate(PROMPTS[3], {**PARAMS, "max_tokens": 100}, request_id="clamped"))
     assert len(out.token_ids) == 16 - len(PROMPTS[3])  # clamped to the room left in max_model_len
 

@@ -295,7 +295,38 @@ def test_filter_thresholds_with_the_filtering_rows_given_equal_those_found_on_th
 
     logits = crafted_logits(6, {}, seed=9)
     temps, top_k, top_p = [1.0, 0.0, 0.7, 1.2, 0.9, 1.0], [0, 5, 3, 0, 0, 0], [0.9, 0.5, 1.0, 1.0, 0.8, 1.0]
-    rows = filtering_rows(np.array(temps, np.float32), np.array(top_k), np.array(top_p))
-    assert rows.tolist() == [0, 2, 4]  # greedy row 1 and unfiltered rows 3, 5 are left out
+    with np.errstate(divide="ignore"):
+        log_min_p = np.log(np.array([0.0, 0.3, 0.0, 0.0, 0.0, 0.2])).astype(np.float32)
+    rows = filtering_rows(np.array(temps, np.float32), np.array(top_k), np.array(top_p), log_min_p)
+    assert rows.tolist() == [0, 2, 4, 5]  # greedy row 1 and unfiltered row 3 are left out
     args = (logits, torch.tensor(temps, dtype=torch.float32), torch.tensor(top_k), torch.tensor(top_p, dtype=torch.float64))
-    assert torch.equal(filter_thresholds(*args, torch.from_numpy(rows)), filter_thresholds(*args))
+    assert torch.equal(filter_thresholds(*args, torch.from_numpy(rows), torch.from_numpy(log_min_p)),
+                       filter_thresholds(*args, None, torch.from_numpy(log_min_p)))
+
+
+def test_min_p_keeps_the_tokens_at_least_min_p_times_as_probable_as_the_best():
+    """min-p: the kept set is ``{p >= min_p * p_max}`` under ``softmax(x / T)`` (float64, away
+    from the boundary); then top-k and top-p act on what it kept; off (-inf) changes nothing."""
+    logits = crafted_logits(8, {}, seed=12)
+    temps = [1.0, 0.7, 1.5, 1.0, 1.0, 0.8, 1.2, 1.0]
+    min_p = [0.05, 0.1, 0.3, 0.5, 0.02, 0.1, 0.1, 0.0]
+    top_k, top_p = [0, 0, 0, 0, 3, 0, 0, 4], [1.0, 1.0, 1.0, 1.0, 1.0, 0.6, 1.0, 1.0]
+    log_min_p = torch.log(torch.tensor(min_p, dtype=torch.float64)).float()
+    thr = filter_thresholds(logits, torch.tensor(temps), torch.tensor(top_k), torch.tensor(top_p, dtype=torch.float64),
+                            None, log_min_p)
+    for i in range(8):
+        p = torch.softmax(logits[i].double() / temps[i], 0)
+        by_min_p = p >= min_p[i] * p.max()
+        kept = logits[i] >= thr[i]
+        if top_k[i] == 0 and top_p[i] == 1.0:
+            margin = (p / p.max() - min_p[i]).abs() > 1e-6
+            assert torch.equal(kept[margin], by_min_p[margin]), i
+        else:
+            assert bool((kept <= by_min_p).all()) and int(kept.sum()) <= (top_k[i] or VOCAB), i
+    base = thresholds(logits, temps, top_k, top_p)
+    assert float(thr[7]) == float(base[7])  # min_p 0: top-k alone
+    assert float(thr[4]) == float(base[4])  # min_p 0.02 keeps more than top-k's 3 here
+    for i in range(8):  # a row alone: the batch's bits
+        alone = filter_thresholds(logits[i:i + 1], torch.tensor(temps[i:i + 1]), torch.tensor(top_k[i:i + 1]),
+                                  torch.tensor(top_p[i:i + 1], dtype=torch.float64), None, log_min_p[i:i + 1])
+        assert torch.equal(alone[0], thr[i]), i

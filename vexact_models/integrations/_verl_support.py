@@ -264,7 +264,7 @@ def add_adapters(model: torch.nn.Module, fields: dict) -> None:
 # Requests: verl's sampling-parameter dicts (vLLM's names) -> SamplingParams
 # ----------------------------------------------------------------------------------------------
 
-_PASS = ("temperature", "top_p", "top_k", "min_tokens", "ignore_eos", "seed", "stop_token_ids", "stop",
+_PASS = ("temperature", "top_p", "top_k", "min_p", "min_tokens", "ignore_eos", "seed", "stop_token_ids", "stop",
          "include_stop_str_in_output")
 #: vLLM options verl may send that do not change which tokens are sampled
 _HARMLESS = ("skip_special_tokens", "spaces_between_special_tokens", "detokenize")

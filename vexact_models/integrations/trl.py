@@ -39,7 +39,7 @@ How it plugs in (trl 1.16):
 ``exact_logprobs=False`` keeps TRL's fused LM head (rollouts still through `LLM`): TRL's metrics
 then show the mismatch of its own logprob computation. Not supported (ValueError): LoRA variants
 the aligned forward cannot run (DoRA, ...: at the first forward, as for any PeftModel of ours),
-``cast_lm_head_to_fp32``, ``min_p``, ``repetition_penalty != 1``, ``generation_kwargs`` other than
+``cast_lm_head_to_fp32``, ``repetition_penalty != 1``, ``generation_kwargs`` other than
 `GENERATION_KWARGS` (stop strings, ``min_tokens``: the engine gets the trainer's tokenizer), images,
 FSDP/DeepSpeed, and a load-balancing loss for DeepSeek-V3/Moonlight (set
 ``router_aux_loss_coef=0.0``; Qwen3-MoE's is computed from the same forward). ``beta != 0`` uses
@@ -76,7 +76,7 @@ class VexactGeneration:
             `sync_weights` has nothing to do; otherwise it copies the policy's weights in.
         policy: the training model (unwrapped).
         sampling: keyword arguments of `SamplingParams` for every completion (temperature,
-            top_p, top_k, max_tokens, stop_token_ids; stop strings and min_tokens from TRL's
+            top_p, top_k, min_p, max_tokens, stop_token_ids; stop strings and min_tokens from TRL's
             ``generation_kwargs``).
     """
 
@@ -230,8 +230,6 @@ def _check_config(args: GRPOConfig, exact_logprobs: bool) -> None:
         bad.append("use_vllm=True (generation runs on vexact_models.LLM; leave it False)")
     if args.use_transformers_continuous_batching:
         bad.append("use_transformers_continuous_batching=True")
-    if args.min_p not in (None, 0, 0.0):
-        bad.append(f"min_p={args.min_p} (LLM has no min-p sampling)")
     if args.repetition_penalty != 1.0:
         bad.append(f"repetition_penalty={args.repetition_penalty} (LLM has none)")
     other = sorted(set(args.generation_kwargs or {}) - set(GENERATION_KWARGS))
@@ -322,7 +320,7 @@ class VexactGRPOTrainer(GRPOTrainer):
             tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)  # a processor's own
             llm = LLM(policy, **{**kw, "tokenizer": tokenizer, **(llm_kwargs or {})})
         top_k = self.top_k if self.top_k not in (None, 0) else -1
-        sampling = {"temperature": self.temperature, "top_p": self.top_p, "top_k": top_k,
+        sampling = {"temperature": self.temperature, "top_p": self.top_p, "top_k": top_k, "min_p": self.min_p or 0.0,
                     "max_tokens": self.max_completion_length, "stop_token_ids": list(self.eos_token_ids),
                     **(self.args.generation_kwargs or {})}
         self.vllm_generation = VexactGeneration(llm, policy, sampling)
