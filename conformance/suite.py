@@ -91,7 +91,7 @@ def request_pool(vocab: int, n: int, max_tokens: int, prompt_len: int, seed: int
         elif mode == 2:
             params = SamplingParams(temperature=0.7, top_k=20, **common)
         elif mode == 3:
-            params = SamplingParams(temperature=1.3, top_p=0.9, **common)
+            params = SamplingParams(temperature=1.3, top_p=0.9, min_p=0.02, **common)
         elif mode == 4:
             params = SamplingParams(temperature=0.9, top_k=50, top_p=0.8, min_tokens=min(3, common["max_tokens"]),
                                     stop_token_ids=list(stop_ids), **common)

@@ -150,6 +150,21 @@ def test_a_published_multimodal_checkpoint_trains_its_text_model(example, arch_n
     assert len(logs) == 2 and all(h[DIFF_MAX] == 0.0 and h[IS_MIN] == h[IS_MAX] == 1.0 for h in logs), logs
 
 
+@pytest.mark.parametrize("grpo", [{"loss_type": t} for t in ("grpo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo")]
+                         + [{"importance_sampling_level": "sequence"}, {"num_iterations": 2}, {"steps_per_generation": 2},
+                            {"top_entropy_quantile": 0.5}, {"off_policy_mask_threshold": 0.5}, {"delta": 1.5},
+                            {"mask_truncated_completions": True}, {"vllm_importance_sampling_mode": "token_truncate"}],
+                         ids=lambda g: "-".join(f"{k}={v}" for k, v in g.items()))
+def test_trls_loss_variants_train_with_the_metrics_exact(example, grpo, tmp_path):
+    """TRL's other objectives and options (every ``loss_type``, GSPO's sequence-level ratio,
+    several iterations or steps a generation, the entropy mask, the off-policy mask, two-sided
+    clipping) score tokens through the same exact head: the metrics read 0 / 1 at every step."""
+    trainer = _trainer(example, "qwen3", tmp_path, grpo=grpo)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if DIFF_MAX in h]
+    assert logs and all(h[DIFF_MAX] == 0.0 and h[IS_MIN] == h[IS_MAX] == 1.0 for h in logs), logs
+
+
 def test_min_p_reaches_the_engine_and_the_metrics_stay_exact(example, tmp_path):
     """``GRPOConfig(min_p=...)``, as TRL passes it to vLLM: every rollout samples with it, and
     TRL's metrics stay at 0 / 1 (the logprobs are the unfiltered ones)."""
@@ -271,6 +286,8 @@ def test_bad_settings_are_refused_before_building(example, tmp_path):
                 use_cpu=True, bf16=False)
     with pytest.raises(ValueError, match="use_vllm=True"):
         VexactGRPOTrainer(ours, args=GRPOConfig(**base, use_vllm=True), **common)
+    with pytest.raises(ValueError, match="use_liger_kernel=True"):
+        VexactGRPOTrainer(ours, args=GRPOConfig(**base, use_liger_kernel=True), **common)
     with pytest.raises(ValueError, match="repetition_penalty=1.2"):
         VexactGRPOTrainer(ours, args=GRPOConfig(**base, repetition_penalty=1.2), **common)
     bare = LLM(qwen3.Qwen3ForCausalLM(config), device="cpu", kv_cache_bytes=1 << 20)

@@ -39,7 +39,7 @@ How it plugs in (trl 1.16):
 ``exact_logprobs=False`` keeps TRL's fused LM head (rollouts still through `LLM`): TRL's metrics
 then show the mismatch of its own logprob computation. Not supported (ValueError): LoRA variants
 the aligned forward cannot run (DoRA, ...: at the first forward, as for any PeftModel of ours),
-``cast_lm_head_to_fp32``, ``repetition_penalty != 1``, ``generation_kwargs`` other than
+``cast_lm_head_to_fp32``, ``use_liger_kernel``, ``repetition_penalty != 1``, ``generation_kwargs`` other than
 `GENERATION_KWARGS` (stop strings, ``min_tokens``: the engine gets the trainer's tokenizer), images,
 FSDP/DeepSpeed, and a load-balancing loss for DeepSeek-V3/Moonlight (set
 ``router_aux_loss_coef=0.0``; Qwen3-MoE's is computed from the same forward). ``beta != 0`` uses
@@ -230,6 +230,9 @@ def _check_config(args: GRPOConfig, exact_logprobs: bool) -> None:
         bad.append("use_vllm=True (generation runs on vexact_models.LLM; leave it False)")
     if args.use_transformers_continuous_batching:
         bad.append("use_transformers_continuous_batching=True")
+    if args.use_liger_kernel:
+        bad.append("use_liger_kernel=True (Liger's kernels would replace the aligned ones the rollout and the training "
+                   "forward share)")
     if args.repetition_penalty != 1.0:
         bad.append(f"repetition_penalty={args.repetition_penalty} (LLM has none)")
     other = sorted(set(args.generation_kwargs or {}) - set(GENERATION_KWARGS))
