@@ -160,8 +160,8 @@ class BlockManager:
         num_tokens)`` may take for the next entries of ``seq.block_table``: leading full pages of
         ``seq``'s tokens within [0, num_tokens), never the one holding its last token, looked up in
         order until the first miss."""
-        if not self.enable_prefix_sharing or not len(self.prefix):
-            return []
+        if not self.enable_prefix_sharing or not len(self.prefix) or seq.prompt_unscored:
+            return []  # (a prompt still to score computes every position: runtime.top_logprobs)
         bs = self.block_size
         table = seq.block_table
         start = len(table)

@@ -323,9 +323,9 @@ class LLM(ChatMixin, RequestsMixin, EngineStepsMixin, EngineMemoryMixin):
         if self.tokenizer is None and any(p.stop for p in params):
             raise ValueError("LLM.generate: SamplingParams.stop (stop strings) needs a tokenizer: load a checkpoint "
                              "folder that has one, or pass LLM(..., tokenizer=...)")
-        if self.pipeline is not None and any(p.logprobs is not None for p in params):
-            raise ValueError("LLM.generate: SamplingParams.logprobs (the most probable tokens) is not available on "
-                             "pipeline stages; leave it None for each sampled token's logprob")
+        if self.pipeline is not None and any(p.logprobs is not None or p.prompt_logprobs is not None for p in params):
+            raise ValueError("LLM.generate: SamplingParams.logprobs and prompt_logprobs (the most probable tokens) are "
+                             "not available on pipeline stages; leave them None for each sampled token's logprob")
         self._check_awake("LLM.generate")
         if self.pipeline is not None and not self.pipeline.stage.is_first:
             return self._serve_stage(len(prompts))
@@ -334,6 +334,7 @@ class LLM(ChatMixin, RequestsMixin, EngineStepsMixin, EngineMemoryMixin):
         # new ones, sleep()/wake_up() hands back an uninitialised cache.
         if not self._keep_prefix_cache(self.backend):
             self.block_manager.reset_prefix_cache()
+        self._scores_prompts = any(p.prompt_logprobs is not None for p in params)  # (llm_steps)
         requests = []
         try:
             for ids, p in zip(token_ids, params):

@@ -13,7 +13,7 @@ from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
 from .sequence import Sequence
 from .stop_strings import StopStrings, truncate_at_stop
-from .top_logprobs import completion_logprobs
+from .top_logprobs import completion_logprobs, prompt_logprobs_of
 
 __all__ = ["RequestsMixin"]
 
@@ -84,5 +84,8 @@ class RequestsMixin:
             completions.append(CompletionOutput(seq.sample_index, list(seq.output_token_ids), logprobs,
                                                 seq.finish_reason, text, seq.error, seq.stop_reason,
                                                 math.fsum(seq.output_logprobs)))
-        text = prompt_of(prompt)
-        return RequestOutput(seqs[0].request_id, text if isinstance(text, str) else None, ids, completions)
+        text, first = prompt_of(prompt), seqs[0]
+        scored = None
+        if first.params.prompt_logprobs is not None:
+            scored = prompt_logprobs_of(first, self.tokenizer if first.params.detokenize else None)
+        return RequestOutput(first.request_id, text if isinstance(text, str) else None, ids, completions, scored)

@@ -27,6 +27,7 @@ from .sampler import SampledTokens, Sampler, nonfinite_rows, spread_samples
 from .scheduled import ScheduledSeq
 from .scheduler import Scheduler
 from .staging import to_device
+from .top_logprobs import Alternatives, launch_prompt_alternatives, prompt_rows_of
 
 __all__ = ["EngineStepsMixin", "LaunchedStep"]
 
@@ -40,12 +41,16 @@ class LaunchedStep:
     sampled: SampledTokens | None
     #: (tokens, logprobs) when known at launch (a pipeline's first stage returns them)
     done: tuple[list, list] | None = None
+    #: the prompt positions' alternatives, where requests score their prompts (`runtime.top_logprobs`)
+    prompt_scores: Alternatives | None = None
 
     def results(self) -> tuple[list[int | None], list[float | None]]:
         """Each scheduled sequence's token and logprob (None for a non-final prefill chunk),
         as `Scheduler.postprocess` takes them; waits for the device."""
         if self.done is None:
             tokens, logprobs = self.sampled.result() if self.sampled is not None else ([], [])
+            if self.prompt_scores is not None:
+                self.prompt_scores.record()
             self.done = spread_samples(self.scheduled, tokens, logprobs)
         return self.done
 
@@ -64,6 +69,9 @@ class EngineStepsMixin:
     async_scheduling: bool = True
     #: When a list, each completed step appends (sequences, decode-only, seconds since the last).
     step_times: list[tuple[int, bool, float]] | None
+    #: Whether some request of the current call scores its prompt (``prompt_logprobs``): its
+    #: steps are checked for prompt positions and run one at a time (set by ``generate``).
+    _scores_prompts: bool = False
     num_preemptions: int  #: sequences preempted (by recompute) so far
 
     def _loop(self, bar) -> None:
@@ -83,7 +91,7 @@ class EngineStepsMixin:
             bar.close()
 
     def _may_look_ahead(self) -> bool:
-        return self.async_scheduling and self.pipeline is None
+        return self.async_scheduling and self.pipeline is None and not self._scores_prompts
 
     def _schedule_and_launch(self, bar) -> LaunchedStep | None:
         """An ordinary step: schedule it, report preemptions and errors, launch it."""
@@ -96,9 +104,13 @@ class EngineStepsMixin:
         """Run `scheduled` and start sampling, without waiting for the tokens."""
         if self.pipeline is not None:
             return LaunchedStep(scheduled, None, self.pipeline.execute_first(self, scheduled))
-        logits = self.runner.execute(scheduled)
+        prompt = prompt_rows_of(scheduled) if self._scores_prompts else None
+        logits = self.runner.execute(scheduled, None if prompt is None else prompt.rows)
         sampling = [item.seq for item in scheduled if item.samples]
-        return LaunchedStep(scheduled, self.sampler.launch(logits, sampling) if sampling else None)
+        launched = LaunchedStep(scheduled, self.sampler.launch(logits[:len(sampling)], sampling) if sampling else None)
+        if prompt is not None:  # the prompt positions' rows follow the sampling rows
+            launched.prompt_scores = launch_prompt_alternatives(logits[len(sampling):], prompt)
+        return launched
 
     def _launch_ahead(self, launched: LaunchedStep) -> LaunchedStep | None:
         """Launch the step after `launched` if the scheduler can pick it now: its decodes' input

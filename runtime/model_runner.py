@@ -223,9 +223,15 @@ class ModelRunner:
         src, dst = (torch.as_tensor(inputs.state_copies[:, i]).to(self.device) for i in (0, 1))
         self.linear_states.copy_slots(src, dst)
 
-    def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
-        """Run the step; return fp32 logits ``[num sampling sequences, vocab]`` in scheduled order."""
-        return self.run(self.build_inputs(scheduled))
+    def execute(self, scheduled: list[ScheduledSeq], extra_rows: np.ndarray | None = None) -> torch.Tensor:
+        """Run the step; return fp32 logits ``[num sampling sequences, vocab]`` in scheduled order,
+        then those of `extra_rows` (flat token indices of the step's batch, e.g. prompt positions
+        scored: `runtime.top_logprobs`), which run the step eagerly."""
+        inputs = self.build_inputs(scheduled)
+        if extra_rows is None or not len(extra_rows):
+            return self.run(inputs)
+        inputs.logits_rows = np.concatenate([inputs.logits_rows, extra_rows])
+        return self.run(inputs, eager=True)
 
     def execute_ahead(self, scheduled: list[ScheduledSeq], in_flight: torch.Tensor) -> torch.Tensor:
         """Run a ``Scheduler.schedule_ahead`` step: its ``in_flight`` items (the first ones, one
@@ -234,15 +240,16 @@ class ModelRunner:
         return self.run(self.build_inputs(scheduled), in_flight=in_flight)
 
     def run(self, inputs: StepInputs, carry: tuple[torch.Tensor, torch.Tensor] | None = None,
-            in_flight: torch.Tensor | None = None):
+            in_flight: torch.Tensor | None = None, eager: bool = False):
         """Run a step given its inputs: the model's output (fp32 logits of the sampling rows; a
         pipeline stage before the last returns its ``(hidden, residual)``). `carry` is the
         previous stage's ``(hidden, residual)`` when the model takes them; `in_flight`, device
-        token ids that replace the first ``len(in_flight)`` of ``inputs.ids``."""
+        token ids that replace the first ``len(in_flight)`` of ``inputs.ids``; `eager` skips the
+        CUDA graphs (rows they do not capture)."""
         if not self.kv_caches:
             raise RuntimeError("ModelRunner: the KV cache is released (call wake_up())")
         self._copy_states(inputs)
-        bucket = None if self.graphs is None else self.graphs.step_bucket(inputs)
+        bucket = None if self.graphs is None or eager else self.graphs.step_bucket(inputs)
         if bucket is not None:
             return self.graphs.run(inputs, bucket, carry, in_flight)
         ids, positions, context, rows = self._to_device(inputs)

@@ -83,6 +83,11 @@ class SamplingParams:
             instead: per sampled position a dict ``{token_id: Logprob}`` holding the sampled token
             and the k most probable tokens, at the same temperature and by the same kernel
             (`runtime.top_logprobs`), so the sampled token's entry is the float's bits.
+        prompt_logprobs: None (the default), or an int k in [0, MAX_LOGPROBS]: vLLM's
+            ``RequestOutput.prompt_logprobs``, per prompt token after the first a dict of that token
+            and the k most probable ones at its position, at the request's temperature (1 for
+            greedy): the training forward's ``token_logprobs`` of the prompt, bitwise. Steps that
+            hold such positions run eagerly, one at a time (`runtime.top_logprobs`).
         skip_special_tokens: leave special tokens out of the returned text (and of the text stop
             strings are matched on), as vLLM's default; False keeps them.
         detokenize: False returns no text (``CompletionOutput.text`` None, no ``decoded_token``)
@@ -107,6 +112,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
 
@@ -116,11 +122,12 @@ class SamplingParams:
         self._validate_lengths()
         self._validate_stops()
         self._validate_stop_strings()
-        if self.logprobs is not None:
-            logprobs = _require_at_least("logprobs", self.logprobs, 0)
-            if logprobs > MAX_LOGPROBS:
-                raise ValueError(f"SamplingParams.logprobs={logprobs} is above the maximum {MAX_LOGPROBS} "
-                                 "(the most probable tokens returned beside the sampled one)")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                k = _require_at_least(name, getattr(self, name), 0)
+                if k > MAX_LOGPROBS:
+                    raise ValueError(f"SamplingParams.{name}={k} is above the maximum {MAX_LOGPROBS} "
+                                     "(the most probable tokens returned beside a position's own)")
         if self.seed is not None:
             seed = _require_int("seed", self.seed)
             if not 0 <= seed < MAX_SEED:

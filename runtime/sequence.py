@@ -76,6 +76,8 @@ class Sequence:
         # by output index: (token ids, logprobs, sampled token's rank) where params.logprobs asks
         # for the most probable tokens too (`runtime.top_logprobs`)
         self.top_logprobs: dict[int, tuple[list[int], list[float], int]] = {}
+        # by prompt index (1..P-1) where params.prompt_logprobs asks, on the request's first sample
+        self.prompt_top_logprobs: dict[int, tuple[list[int], list[float], int]] = {}
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.error: str | None = None
@@ -104,6 +106,13 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         """Tokens whose K/V are not in the cache yet (the whole sequence after a preemption)."""
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def prompt_unscored(self) -> bool:
+        """Whether this sample scores its request's prompt (``params.prompt_logprobs``, the first
+        sample) and some prompt position is not scored yet: it then takes no shared page."""
+        return (self.params.prompt_logprobs is not None and self.sample_index == 0
+                and len(self.prompt_top_logprobs) < self.num_prompt_tokens - 1)
 
     @property
     def is_finished(self) -> bool:

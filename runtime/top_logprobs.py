@@ -1,16 +1,24 @@
-"""The most probable tokens at each sampled position, as vLLM returns them
-(``SamplingParams(logprobs=k)``: ``CompletionOutput.logprobs[i]`` a dict ``{token_id: Logprob}``).
+"""The most probable tokens at a position, as vLLM returns them: at each sampled position
+(``SamplingParams(logprobs=k)``: ``CompletionOutput.logprobs[i]`` a dict ``{token_id: Logprob}``)
+and at each prompt position (``SamplingParams(prompt_logprobs=k)``: ``RequestOutput.prompt_logprobs``,
+the logprob of prompt token i after tokens 0..i-1, None for the first).
 
-For the rows of a step whose requests ask for them, on the device right after the sampler and
-before the next step is launched (a captured step's logits buffer is read before the next replay
-writes it): the k largest logits of the row (``torch.topk``), then `gather_logprobs` of the sampled
-token and those k together, ``[rows, k + 1]`` targets, at the row's logprob temperature. An entry
-is bitwise the one-target gather of its token (`gather_logprobs`' contract), so the sampled
-token's entry is the float the engine reports without ``logprobs`` (docs/design.md rule 7), and
-every entry is what the training forward's ``token_logprobs`` gives that token at that position.
-The sampled token's ``rank`` is 1 + the number of logits above its own (ties share a rank); the
-alternatives are ranked 1..k in the order ``topk`` returns them. Results reach the host through
-pinned memory at the step's one host sync.
+For the rows of a step that ask for them, on the device before the next step is launched (a
+captured step's logits buffer is read before the next replay writes it): the k largest logits of
+the row (``torch.topk``), then `gather_logprobs` of the position's own token (the sampled one, or
+the prompt's next token) and those k together, ``[rows, k + 1]`` targets, at the request's
+logprob temperature (1 for greedy). An entry is bitwise the one-target gather of its token
+(`gather_logprobs`' contract): the sampled token's entry is the float the engine reports without
+``logprobs`` (docs/design.md rule 7), and every entry is what the training forward's
+``token_logprobs`` gives that token at that position. The own token's ``rank`` is 1 + the number
+of logits above its own (ties share a rank); the alternatives are ranked 1..k in the order
+``topk`` returns them. Results reach the host through pinned memory at the step's host sync.
+
+Prompt positions get logits only where a request asks (`prompt_rows_of`): the runner then runs
+the step eagerly with those rows after the sampling rows (`ModelRunner.execute`), the rows'
+final norm and LM head being row-wise (rule 3), so the sampling rows' bits do not move. Only the
+request's first sample scores its prompt; it takes no published page before its prompt is
+scored (`Sequence.prompt_unscored`, `BlockManager`), so every position is computed once.
 """
 
 from __future__ import annotations
@@ -22,17 +30,19 @@ import torch
 
 from vexact_models.kernels import gather_logprobs
 
+from .scheduled import ScheduledSeq
 from .sequence import Sequence
 from .staging import HostCopy, to_device
 
-__all__ = ["Alternatives", "Logprob", "completion_logprobs", "launch_alternatives"]
+__all__ = ["Alternatives", "Logprob", "PromptRows", "completion_logprobs", "launch_alternatives",
+           "launch_prompt_alternatives", "prompt_logprobs_of", "prompt_rows_of"]
 
 
 @dataclass(slots=True)
 class Logprob:
-    """One token's entry at a sampled position, as vLLM's ``Logprob``: its logprob at the
-    request's temperature, its rank among the vocabulary (1: the most probable) and its text
-    (None without a tokenizer)."""
+    """One token's entry at a position, as vLLM's ``Logprob``: its logprob at the request's
+    temperature, its rank among the vocabulary (1: the most probable) and its text (None
+    without a tokenizer)."""
 
     logprob: float
     rank: int | None = None
@@ -40,47 +50,105 @@ class Logprob:
 
 
 class Alternatives:
-    """A step's alternatives on their way to the host: for each asking row, the targets
-    (sampled token, then the k most probable), their logprobs and the sampled token's rank."""
+    """Alternatives on their way to the host: for each row, the targets (the position's own
+    token, then the k most probable), their logprobs and the own token's rank; `record` stores
+    them in ``stores[i][indices[i]]``, cut to ``ks[i]`` alternatives."""
 
-    def __init__(self, seqs: list[Sequence], indices: list[int], targets: torch.Tensor, logprobs: torch.Tensor,
-                 ranks: torch.Tensor) -> None:
-        self.seqs, self.indices = seqs, indices
+    def __init__(self, stores: list[dict], indices: list[int], ks: list[int], targets: torch.Tensor,
+                 logprobs: torch.Tensor, ranks: torch.Tensor) -> None:
+        self.stores, self.indices, self.ks = stores, indices, ks
         self._host = HostCopy([targets, logprobs, ranks])  # `record` waits
 
     def record(self) -> None:
-        """Store each row's ``(token ids, logprobs, sampled token's rank)`` on its sequence, under
-        the index of the token sampled there (waits for the device)."""
+        """Store each row's ``(token ids, logprobs, own token's rank)`` (waits for the device)."""
         targets, logprobs, ranks = (t.tolist() for t in self._host.result())
-        for seq, index, ids, lps, rank in zip(self.seqs, self.indices, targets, logprobs, ranks):
-            k = seq.params.logprobs
-            seq.top_logprobs[index] = (ids[:k + 1], lps[:k + 1], rank)
+        for store, index, k, ids, lps, rank in zip(self.stores, self.indices, self.ks, targets, logprobs, ranks):
+            store[index] = (ids[:k + 1], lps[:k + 1], rank)
+
+
+def _alternatives(logits: torch.Tensor, own: torch.Tensor, temps: torch.Tensor, k: int):
+    """``(targets [R, k + 1], logprobs [R, k + 1], ranks [R])`` of the rows of `logits`, whose
+    own tokens are `own` (int64 ``[R, 1]``), at `temps`."""
+    top = torch.topk(logits, k, dim=1).indices if k else own[:, :0]
+    targets = torch.cat([own, top], dim=1)
+    ranks = (logits > logits.gather(1, own)).sum(dim=1) + 1
+    return targets, gather_logprobs(logits, targets, temps), ranks
 
 
 def launch_alternatives(logits: torch.Tensor, tokens: torch.Tensor, logprob_temps: torch.Tensor,
                         seqs: list[Sequence], steps: np.ndarray, rows: list[int]) -> Alternatives:
-    """Start the alternatives of `rows` of `logits` (those whose sequences ask for them, at
-    least one). `tokens` are all rows' sampled tokens (on the device), `logprob_temps` the
-    temperatures their logprobs take, `steps` the index each row's token gets in its sequence."""
+    """Start the alternatives of the sampled `rows` of `logits` (those whose sequences ask for
+    them, at least one). `tokens` are all rows' sampled tokens (on the device), `logprob_temps`
+    the temperatures their logprobs take, `steps` the index each row's token gets in its sequence."""
     k = max(seqs[i].params.logprobs for i in rows)
     sub, sampled, temps = logits, tokens[:, None], logprob_temps
     if len(rows) < len(seqs):  # (every row asks, the common case: no copy)
         [index] = to_device([np.asarray(rows, np.int64)], logits.device)
         sub, sampled, temps = logits.index_select(0, index), sampled.index_select(0, index), temps.index_select(0, index)
-    top = torch.topk(sub, k, dim=1).indices if k else sampled[:, :0]
-    targets = torch.cat([sampled, top], dim=1)
-    ranks = (sub > sub.gather(1, sampled)).sum(dim=1) + 1
-    logprobs = gather_logprobs(sub, targets, temps)
-    return Alternatives([seqs[i] for i in rows], [int(steps[i]) for i in rows], targets, logprobs, ranks)
+    return Alternatives([seqs[i].top_logprobs for i in rows], [int(steps[i]) for i in rows],
+                        [seqs[i].params.logprobs for i in rows], *_alternatives(sub, sampled, temps, k))
+
+
+@dataclass
+class PromptRows:
+    """The prompt positions a step scores: flat rows of its batch, the prompt token each row
+    predicts, the request's logprob temperature, and the (sequence, prompt index) it is stored under."""
+
+    rows: np.ndarray  #: int64 [X] flat token index in the step's batch
+    targets: np.ndarray  #: int64 [X] the prompt's next token at each
+    temps: np.ndarray  #: float32 [X]
+    owners: list[tuple[Sequence, int]]
+
+
+def prompt_rows_of(scheduled: list[ScheduledSeq]) -> PromptRows | None:
+    """The prompt positions of `scheduled`'s chunks whose next token is a prompt token, for the
+    sequences that score their prompt and have not yet (None when there are none): position p
+    of a chunk [start, end) predicts prompt token p + 1, for p < P - 1 (the last prompt position
+    samples)."""
+    rows, targets, temps, owners = [], [], [], []
+    offset = 0
+    for item in scheduled:
+        seq, count = item.seq, item.num_new_tokens
+        if seq.prompt_unscored and not item.in_flight:
+            start = seq.num_computed_tokens
+            temp = seq.params.temperature if seq.params.temperature > 0 else 1.0
+            for p in range(start, min(start + count, seq.num_prompt_tokens - 1)):
+                rows.append(offset + p - start)
+                targets.append(seq.token_ids[p + 1])
+                temps.append(temp)
+                owners.append((seq, p + 1))
+        offset += count
+    if not rows:
+        return None
+    return PromptRows(np.asarray(rows, np.int64), np.asarray(targets, np.int64), np.asarray(temps, np.float32), owners)
+
+
+def launch_prompt_alternatives(logits: torch.Tensor, prompt: PromptRows) -> Alternatives:
+    """Start the alternatives of the prompt positions whose logits are `logits` (``[X, vocab]``,
+    in `prompt`'s order)."""
+    seqs = [seq for seq, _ in prompt.owners]
+    ks = [seq.params.prompt_logprobs for seq in seqs]
+    targets, temps = to_device([prompt.targets, prompt.temps], logits.device)
+    return Alternatives([seq.prompt_top_logprobs for seq in seqs], [index for _, index in prompt.owners], ks,
+                        *_alternatives(logits, targets[:, None], temps, max(ks)))
 
 
 def completion_logprobs(seq: Sequence, tokenizer=None) -> list[dict[int, Logprob]]:
     """vLLM's per-position dicts of a finished sequence that asked for ``logprobs``: the sampled
     token first, then its alternatives (rank 1 first); a token among both appears once. Each
     distinct token is decoded once (``decoded_token``; None without a tokenizer)."""
+    return _entries([seq.top_logprobs[i] for i in range(seq.num_output_tokens)], tokenizer)
+
+
+def prompt_logprobs_of(seq: Sequence, tokenizer=None) -> list[dict[int, Logprob] | None]:
+    """vLLM's ``RequestOutput.prompt_logprobs`` from the sample that scored the prompt: None for
+    the first token, then each prompt token's dict as `completion_logprobs` builds them."""
+    return [None] + _entries([seq.prompt_top_logprobs[i] for i in range(1, seq.num_prompt_tokens)], tokenizer)
+
+
+def _entries(stored: list[tuple[list[int], list[float], int]], tokenizer) -> list[dict[int, Logprob]]:
     out = []
-    for index in range(seq.num_output_tokens):
-        ids, lps, rank = seq.top_logprobs[index]
+    for ids, lps, rank in stored:
         entry = {ids[0]: Logprob(lps[0], rank)}
         for alt_rank, token in enumerate(ids[1:], start=1):
             if token not in entry:

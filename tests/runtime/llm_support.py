@@ -49,6 +49,17 @@ def training_logprobs(model, prompt, tokens, temperature) -> torch.Tensor:
 
 
 
+def graph_shaped(llm: LLM) -> "CalledGraphs":
+    """Give `llm`'s runner `CalledGraphs` of its decode and mixed steps (as `ModelRunner` makes on CUDA)."""
+    runner = llm.runner
+    graphs = CalledGraphs(runner.model, runner.kv_caches, runner.block_size, runner.max_blocks_per_seq,
+                          llm.engine_config.max_num_seqs, torch.device("cpu"),
+                          max_tokens=llm.engine_config.max_num_batched_tokens, linear_states=runner.linear_states)
+    runner.graphs = graphs
+    llm._remember_graphs(llm.backend)  # (else generate recaptures: the runner's own, none on the CPU)
+    return graphs
+
+
 class CalledGraphs(StepGraphs):
     """`StepGraphs` whose recorded step is a call of the model on the static buffers at each replay:
     the graphs' host side (buckets, padded buffers, the warm-up's gated-DeltaNet dry run) on the

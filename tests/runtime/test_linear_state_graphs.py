@@ -14,7 +14,7 @@ from vexact_models.registry import get
 from vexact_models.runtime import LLM, SamplingParams
 from vexact_models.runtime.linear_state_cache import LinearStateCache, LinearStep, LinearStepBuffers
 
-from .llm_support import CalledGraphs
+from .llm_support import graph_shaped
 from .test_linear_state_cache import sequences, spec, split, training
 
 CPU = torch.device("cpu")
@@ -99,17 +99,6 @@ def test_graph_shaped_steps_equal_training_bitwise():
             done[s] += m
     assert done == lengths
     assert torch.equal(got_conv, want_conv) and torch.equal(got, want)
-
-
-def graph_shaped(llm: LLM) -> CalledGraphs:
-    """Give `llm`'s runner `CalledGraphs` of its decode and mixed steps (as `ModelRunner` makes on CUDA)."""
-    runner = llm.runner
-    graphs = CalledGraphs(runner.model, runner.kv_caches, runner.block_size, runner.max_blocks_per_seq,
-                          llm.engine_config.max_num_seqs, CPU, max_tokens=llm.engine_config.max_num_batched_tokens,
-                          linear_states=runner.linear_states)
-    runner.graphs = graphs
-    llm._remember_graphs(llm.backend)  # (else generate recaptures: the runner's own, none on the CPU)
-    return graphs
 
 
 @pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe", "qwen3_next"])

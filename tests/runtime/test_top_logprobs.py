@@ -1,8 +1,9 @@
-"""vLLM's ``SamplingParams(logprobs=k)`` (`runtime.top_logprobs`): per sampled position a dict of
-the sampled token and the k most probable ones. Sampling is untouched (the same tokens as without
-it), the sampled token's entry is the float the engine reports without it, and every entry is
-the training forward's ``token_logprobs`` of that token at that position, bitwise, under
-preemption, chunked prefill, prefix sharing, ``n > 1`` and async steps."""
+"""vLLM's ``SamplingParams(logprobs=k)`` and ``prompt_logprobs=k`` (`runtime.top_logprobs`): per
+sampled position, and per prompt position, a dict of the position's own token and the k most
+probable ones. Sampling is untouched (the same tokens as without them), the sampled token's
+entry is the float the engine reports without them, and every entry is the training forward's
+``token_logprobs`` of that token at that position, bitwise, under preemption, chunked prefill,
+prefix sharing, ``n > 1`` and async steps."""
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from vexact_models.runtime import SamplingParams
 from vexact_models.runtime.sampling_params import MAX_LOGPROBS
 from vexact_models.runtime.top_logprobs import Logprob, completion_logprobs
 
-from .llm_support import cache_bytes, gen, make_llm, prompts_for
+from .llm_support import cache_bytes, gen, graph_shaped, make_llm, prompts_for
 
 ARCHS = ["qwen3", "qwen3_5", "gemma3"]
 
@@ -123,3 +124,89 @@ def test_bad_logprobs_are_refused_naming_the_value_and_the_limit(value, words):
     with pytest.raises(ValueError) as err:
         SamplingParams(logprobs=value)
     assert all(w in str(err.value) for w in words), str(err.value)
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_prompt_logprobs_are_the_training_forwards_and_sampling_is_unchanged(name):
+    """Every prompt token after the first: its entry is ``token_logprobs`` of the prompt at the
+    request's temperature, each alternative the training forward's too; chunked prefill (8-token
+    steps), n = 2 (the second sample shares the first's prompt pages or state); the samples are
+    those of the same requests without prompt logprobs."""
+    overrides = {"final_logit_softcapping": 3.0} if name == "gemma3" else {}
+    model = _model(name, **overrides)
+    prompts = prompts_for(3, seed=5, lo=9, hi=20)
+    plain = SamplingParams(n=2, temperature=0.7, max_tokens=4, seed=3, ignore_eos=True)
+    asked = SamplingParams(n=2, temperature=0.7, max_tokens=4, seed=3, ignore_eos=True, prompt_logprobs=2)
+    llm = make_llm(model, max_num_batched_tokens=8)
+    want, got = gen(llm, prompts, plain), gen(llm, prompts, asked)
+    for prompt, w, g in zip(prompts, want, got):
+        assert w.prompt_logprobs is None and [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs]
+        assert [c.logprobs for c in g.outputs] == [c.logprobs for c in w.outputs]
+        assert g.prompt_logprobs[0] is None and len(g.prompt_logprobs) == len(prompt)
+        with torch.no_grad():
+            ref = model.token_logprobs(torch.tensor([prompt]), temperature=0.7)[0]
+        assert torch.equal(torch.tensor([e[t].logprob for e, t in zip(g.prompt_logprobs[1:], prompt[1:])]), ref[1:])
+        for i in (1, len(prompt) // 2, len(prompt) - 1):
+            entry = g.prompt_logprobs[i]
+            assert next(iter(entry)) == prompt[i] and 2 <= len(entry) <= 3
+            for alt, lp in entry.items():
+                assert lp.logprob == _training_entry(model, prompt[:i], alt, 0.7), (i, alt)
+
+
+def test_a_scored_prompt_computes_every_position_beside_published_pages():
+    """The prompt's pages are published by an earlier call (an engine owning its weights) and by
+    a request sharing its prefix: the scoring sample takes none of them (it would have no logits
+    for their positions), the others still share, and a preemption by recompute keeps the scores."""
+    model = _model("qwen3")
+    base = prompts_for(2, seed=6, lo=13, hi=18)
+    prompts = base + [p + [7, 8, 9] for p in base]
+    llm = make_llm(model, owns_weights=True)
+    first = gen(llm, prompts, SamplingParams(n=2, max_tokens=3, seed=1))
+    hits = llm.block_manager.num_shared_hits
+    scored = gen(llm, prompts, SamplingParams(n=2, max_tokens=3, seed=1, prompt_logprobs=0))
+    assert llm.block_manager.num_shared_hits > hits  # the second samples took the published pages
+    tight_llm = make_llm(model, kv_cache_bytes=cache_bytes(model, 14), max_num_batched_tokens=8)
+    tight = gen(tight_llm, prompts, SamplingParams(n=2, max_tokens=3, seed=1, prompt_logprobs=0))
+    assert tight_llm.num_preemptions > 0
+    for prompt, f, s, t in zip(prompts, first, scored, tight):
+        with torch.no_grad():
+            ref = model.token_logprobs(torch.tensor([prompt]))[0, 1:]
+        assert torch.equal(torch.tensor([e[tok].logprob for e, tok in zip(s.prompt_logprobs[1:], prompt[1:])]), ref)
+        assert all(len(e) == 1 for e in s.prompt_logprobs[1:])
+        assert s.prompt_logprobs == t.prompt_logprobs and s.outputs[0].token_ids == f.outputs[0].token_ids
+
+
+def test_prompt_logprobs_decode_their_tokens_and_are_refused_out_of_range():
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(512)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0")
+    llm = make_llm(_model("qwen3"), tokenizer=tokenizer)
+    [out] = gen(llm, ["w3 w4 w5 w6"], SamplingParams(max_tokens=2, seed=1, prompt_logprobs=1))
+    assert [list(e)[0] for e in out.prompt_logprobs[1:]] == [4, 5, 6]
+    assert all(v.decoded_token == f"w{t}" for e in out.prompt_logprobs[1:] for t, v in e.items())
+    for value, words in [(-1, "prompt_logprobs=-1 is below the minimum 0"),
+                         (MAX_LOGPROBS + 1, f"prompt_logprobs={MAX_LOGPROBS + 1} is above the maximum {MAX_LOGPROBS}")]:
+        with pytest.raises(ValueError, match=words):
+            SamplingParams(prompt_logprobs=value)
+
+
+def test_steps_scoring_prompts_run_eagerly_beside_graph_shaped_steps():
+    """An engine whose steps run through the step graphs' buffers (`CalledGraphs`, as on CUDA):
+    the steps holding scored prompt positions run eagerly (their extra logits rows are not a
+    captured shape), the others replay, and every output is the eager engine's."""
+    model = _model("qwen3")
+    prompts = prompts_for(5, seed=8, lo=6, hi=20)
+    params = [SamplingParams(temperature=0.9, max_tokens=6, seed=i, ignore_eos=True,
+                             prompt_logprobs=1 if i % 2 else None, logprobs=2 if i == 2 else None) for i in range(5)]
+    want = gen(make_llm(model, max_num_batched_tokens=16), prompts, params)
+    llm = make_llm(model, max_num_batched_tokens=16)
+    graphs, replayed, eager = graph_shaped(llm), [], []
+    run, execute = graphs.run, llm.runner.execute
+    graphs.run = lambda inputs, *args, **kwargs: replayed.append(1) or run(inputs, *args, **kwargs)
+    llm.runner.execute = lambda scheduled, rows=None: eager.append(rows is not None) or execute(scheduled, rows)
+    got = gen(llm, prompts, params)
+    assert replayed and sum(eager) and len(replayed) + sum(eager) == len(eager)  # each step: replayed or eager
+    for w, g in zip(want, got):
+        assert g.prompt_logprobs == w.prompt_logprobs
+        assert [(c.token_ids, c.logprobs) for c in g.outputs] == [(c.token_ids, c.logprobs) for c in w.outputs]
+    assert got[1].prompt_logprobs is not None and got[0].prompt_logprobs is None
