@@ -27,6 +27,13 @@ def _model(name: str, **overrides):
     return get(name).causal_lm_class(get(name).tiny_config(**overrides)).eval()
 
 
+def _word_tokenizer():
+    """Token i is the word ``w<i>``."""
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(512)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0")
+
+
 def _training_entry(model, prefix: list[int], token: int, temperature: float) -> float:
     """``token_logprobs`` of `token` right after `prefix` (the training forward)."""
     with torch.no_grad():
@@ -106,10 +113,7 @@ def test_alternatives_survive_preemption_chunked_prefill_and_prefix_sharing():
 
 
 def test_decoded_tokens_come_from_the_engines_tokenizer():
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(512)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0")
-    llm = make_llm(_model("qwen3"), tokenizer=tokenizer)
+    llm = make_llm(_model("qwen3"), tokenizer=_word_tokenizer())
     [out] = gen(llm, ["w3 w4 w5"], SamplingParams(max_tokens=3, seed=1, logprobs=2))
     for entry in out.outputs[0].logprobs:
         assert all(v.decoded_token == f"w{t}" for t, v in entry.items())
@@ -177,10 +181,7 @@ def test_a_scored_prompt_computes_every_position_beside_published_pages():
 
 
 def test_prompt_logprobs_decode_their_tokens_and_are_refused_out_of_range():
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(512)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0")
-    llm = make_llm(_model("qwen3"), tokenizer=tokenizer)
+    llm = make_llm(_model("qwen3"), tokenizer=_word_tokenizer())
     [out] = gen(llm, ["w3 w4 w5 w6"], SamplingParams(max_tokens=2, seed=1, prompt_logprobs=1))
     assert [list(e)[0] for e in out.prompt_logprobs[1:]] == [4, 5, 6]
     assert all(v.decoded_token == f"w{t}" for e in out.prompt_logprobs[1:] for t, v in e.items())
