@@ -11,7 +11,7 @@ pytest.importorskip("datasets")
 
 from trl import GRPOConfig  # noqa: E402
 
-from vexact_models.integrations.trl import VexactGRPOTrainer  # noqa: E402
+from vexact_models.integrations.trl import VexactGRPOTrainer, VexactRLOOTrainer  # noqa: E402
 
 DIFF_MAX = "sampling/sampling_logp_difference/max"
 DIFF_MEAN = "sampling/sampling_logp_difference/mean"
@@ -303,3 +303,44 @@ def test_bad_settings_are_refused_before_building(example, tmp_path):
                                          r"Qwen3_5ForCausalLM\.from_pretrained\(path\)"):
         VexactGRPOTrainer(transformers.Qwen3_5ForConditionalGeneration(multimodal), args=GRPOConfig(**base), **common)
     assert "forward" not in vars(ours)  # refused before anything was patched onto the model
+
+
+@pytest.mark.parametrize("arch_name", ["qwen3", "qwen3_5"])
+def test_rloo_trains_on_the_engines_rollouts_with_trls_logprobs_equal_to_them(example, arch_name, tmp_path):
+    """`VexactRLOOTrainer` (TRL's ``RLOOTrainer``) from a checkpoint path: our class, its rollouts
+    from the engine sharing the policy's weights, and TRL's own per-token logprobs of them (its
+    padded layout, through the exact head) the rollout's bitwise; two optimizer steps train it;
+    its settings are refused as `VexactGRPOTrainer`'s are."""
+    from trl import RLOOConfig
+
+    from vexact_models.registry import architectures, get
+
+    if arch_name not in {arch.name for arch in architectures()}:
+        pytest.skip(f"{arch_name} is not registered on this transformers")
+    config = get(arch_name).tiny_config(vocab_size=16)
+    torch.manual_seed(0)
+    get(arch_name).causal_lm_class(config).save_pretrained(tmp_path / "ckpt")
+    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, max_completion_length=5,
+                logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=False, disable_tqdm=True)
+    common = dict(reward_funcs=example.repeat_last_token, processing_class=example.toy_tokenizer(config),
+                  train_dataset=example.toy_dataset(example.parse_args(["--steps", "1"]), 16),
+                  llm_kwargs={"kv_cache_bytes": 16 << 20})
+    trainer = VexactRLOOTrainer(str(tmp_path / "ckpt"), args=RLOOConfig(**base, max_steps=2, learning_rate=1e-2),
+                                **common)
+    model = trainer.model
+    assert type(model).__module__.startswith("vexact_models.") and trainer.vllm_generation.shares_weights
+    prompts = [[3, 4, 5], [9, 2, 2, 7, 11], [6]] * 2
+    prompt_ids, completion_ids, _, _ = trainer.vllm_generation.generate(prompts, num_generations=2)
+    ids, mask, expected, cmask = _trl_layout(prompt_ids, completion_ids, trainer.vllm_generation.last_rollout[2])
+    with torch.no_grad():
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, mask, expected.shape[1])
+    assert torch.equal(logps[cmask], expected[cmask])
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    calls = []
+    generate = trainer.vllm_generation.llm.generate
+    trainer.vllm_generation.llm.generate = lambda *a, **kw: calls.append(1) or generate(*a, **kw)
+    trainer.train()
+    assert trainer.state.global_step == 2 and calls  # TRL's steps generated on the engine
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+    with pytest.raises(ValueError, match=r"VexactRLOOTrainer: unsupported RLOOConfig setting\(s\): use_vllm=True"):
+        VexactRLOOTrainer(str(tmp_path / "ckpt"), args=RLOOConfig(**base, use_vllm=True), **common)

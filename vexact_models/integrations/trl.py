@@ -12,6 +12,9 @@ logprobs through ``token_logprobs``, bitwise equal to the rollout's.
                                 train_dataset=dataset, processing_class=tokenizer)
     trainer.train()   # logs sampling/sampling_logp_difference/max = 0, sampling/importance_sampling_ratio/* = 1
 
+`VexactRLOOTrainer` is TRL's ``RLOOTrainer`` with the same rollouts and head (`ExactRolloutsMixin`
+holds what the two add to TRL's trainers).
+
 How it plugs in (trl 1.16):
 
 1. **Generation backend.** ``GRPOTrainer`` takes sampler logprobs, recomputes them with the
@@ -55,7 +58,7 @@ from typing import Any
 
 import torch
 from accelerate.utils import is_peft_model
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
 from vexact_models.causal_lm import final_logit_softcap, num_routed_experts
 from vexact_models.kernels import token_logprobs
@@ -64,7 +67,7 @@ from vexact_models.registry import for_model_type
 from vexact_models.rl import entropy_rows
 from vexact_models.runtime import LLM, SamplingParams
 
-__all__ = ["VexactGRPOTrainer", "VexactGeneration", "install_exact_logprobs"]
+__all__ = ["ExactRolloutsMixin", "VexactGRPOTrainer", "VexactGeneration", "VexactRLOOTrainer", "install_exact_logprobs"]
 
 
 class VexactGeneration:
@@ -223,8 +226,9 @@ def _architecture_of(model):
 GENERATION_KWARGS = ("stop", "include_stop_str_in_output", "min_tokens")
 
 
-def _check_config(args: GRPOConfig, exact_logprobs: bool) -> None:
-    """Refuse the GRPOConfig settings this integration cannot honour, before anything is built."""
+def _check_config(trainer: str, args, exact_logprobs: bool) -> None:
+    """Refuse the settings (a GRPOConfig or an RLOOConfig) this integration cannot honour,
+    before anything is built; `trainer` names the class in the message."""
     bad = []
     if args.use_vllm:
         bad.append("use_vllm=True (generation runs on vexact_models.LLM; leave it False)")
@@ -239,16 +243,16 @@ def _check_config(args: GRPOConfig, exact_logprobs: bool) -> None:
     if other:
         bad.append(f"generation_kwargs {other} (only {list(GENERATION_KWARGS)})")
     if args.temperature <= 0:
-        bad.append(f"temperature={args.temperature} (GRPO samples: it must be > 0)")
+        bad.append(f"temperature={args.temperature} (the trainer samples: it must be > 0)")
     if getattr(args, "fsdp", None) or getattr(args, "deepspeed", None):
         bad.append("FSDP/DeepSpeed (the rollout engine needs the full weights in this process)")
-    if exact_logprobs and args.cast_lm_head_to_fp32:
+    if exact_logprobs and getattr(args, "cast_lm_head_to_fp32", False):
         bad.append("cast_lm_head_to_fp32=True (token_logprobs already computes fp32 logits)")
     if bad:
-        raise ValueError("VexactGRPOTrainer: unsupported GRPOConfig setting(s): " + "; ".join(bad))
+        raise ValueError(f"{trainer}: unsupported {type(args).__name__} setting(s): " + "; ".join(bad))
 
 
-def _load_policy(model, args: GRPOConfig):
+def _load_policy(trainer: str, model, args):
     """A path -> our causal LM class for its model_type (TRL would load the stock class); a
     published multimodal checkpoint's text model (`vexact_models.multimodal`)."""
     if not isinstance(model, str):
@@ -258,62 +262,58 @@ def _load_policy(model, args: GRPOConfig):
 
     arch = for_model_type(text_config_of(AutoConfig.from_pretrained(model)).model_type)
     if arch is None:
-        raise ValueError(f"VexactGRPOTrainer: {model} has a model_type vexact-models does not support")
+        raise ValueError(f"{trainer}: {model} has a model_type vexact-models does not support")
     return create_model_from_path(model, architecture=arch.causal_lm_class, **dict(args.model_init_kwargs or {}))
 
 
-def _aux_loss_enabled(model, args: GRPOConfig) -> bool:
-    """Whether GRPOTrainer will add an MoE load-balancing loss (its own rule)."""
+def _aux_loss_enabled(model, args) -> bool:
+    """Whether TRL's trainer will add an MoE load-balancing loss (its own rule)."""
     config = model.config.get_text_config()
     coef = args.router_aux_loss_coef
     coef = getattr(config, "router_aux_loss_coef", 0.0) if coef is None else coef
     return hasattr(config, "output_router_logits") and coef != 0.0
 
 
-class VexactGRPOTrainer(GRPOTrainer):
-    """``trl.GRPOTrainer`` whose rollouts come from `vexact_models.LLM` and whose training
-    logprobs equal the rollout's bitwise (see the module docstring).
+class ExactRolloutsMixin:
+    """What the Vexact trainers add to a TRL trainer with a vLLM backend (``GRPOTrainer``,
+    ``RLOOTrainer``): its rollouts from `vexact_models.LLM`, its training logprobs equal to the
+    rollout's bitwise. A subclass's ``__init__`` calls `_exact_policy` before TRL's and
+    `_use_exact_rollouts` after it."""
 
-    Takes ``GRPOTrainer``'s arguments, plus:
-        llm: an `LLM` to generate with (default: ``LLM(model, **llm_kwargs)``, sharing the
-            policy's weights).
-        llm_kwargs: `LLM` keyword arguments for the default engine (default: ``max_num_seqs`` =
-            the per-process generation batch, ``seed`` = ``args.seed`` + process index, on CUDA
-            ``gpu_memory_utilization`` = ``args.vllm_gpu_memory_utilization``).
-        exact_logprobs: True (default) computes training logprobs with ``token_logprobs``; False
-            keeps TRL's fused LM head (for comparison: then the two differ).
-    """
-
-    def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, *, llm: LLM | None = None,
-                 llm_kwargs: dict | None = None, exact_logprobs: bool = True, **kwargs) -> None:
-        if args is None:
-            args = GRPOConfig("vexact-grpo")
-        _check_config(args, exact_logprobs)
+    @classmethod
+    def _exact_policy(cls, model, args, llm: LLM | None, exact_logprobs: bool):
+        """`model` as the trainer should get it (a path loaded as our class), after refusing what
+        cannot run exactly (ValueError naming it, before anything is built)."""
+        name = cls.__name__
+        _check_config(name, args, exact_logprobs)
         if (args.generation_kwargs or {}).get("stop") and llm is not None and llm.tokenizer is None:
-            raise ValueError("VexactGRPOTrainer: generation_kwargs['stop'] (stop strings) needs the engine's "
-                             "tokenizer: build the llm passed with LLM(..., tokenizer=...)")
-        model = _load_policy(model, args)
+            raise ValueError(f"{name}: generation_kwargs['stop'] (stop strings) needs the engine's tokenizer: build the "
+                             "llm passed with LLM(..., tokenizer=...)")
+        model = _load_policy(name, model, args)
         policy = causal_lm_of(model)
         _architecture_of(policy)
         if exact_logprobs and _aux_loss_enabled(model, args) and getattr(model.config, "num_experts", None) is None:
-            raise ValueError(f"VexactGRPOTrainer: {model.config.model_type} has no load-balancing loss (its routing "
-                             "is auxiliary-loss free); set GRPOConfig(router_aux_loss_coef=0.0)")
-        if getattr(policy, "generation_config", None) is None:  # GRPOTrainer reads its pad/EOS ids
+            raise ValueError(f"{name}: {model.config.model_type} has no load-balancing loss (its routing is "
+                             "auxiliary-loss free); set router_aux_loss_coef=0.0")
+        if getattr(policy, "generation_config", None) is None:  # TRL's trainers read its pad/EOS ids
             from transformers import GenerationConfig
 
             policy.generation_config = GenerationConfig.from_model_config(model.config)
-        super().__init__(model, reward_funcs, args, **kwargs)
+        return model
+
+    def _use_exact_rollouts(self, llm: LLM | None, llm_kwargs: dict | None, exact_logprobs: bool,
+                            entropy_grad: bool) -> None:
+        """Install the exact head (unless `exact_logprobs` is False) and the generation backend."""
         self.exact_logprobs = exact_logprobs
         self.logprob_head = None
         if exact_logprobs:
-            entropy_grad = args.entropy_coef != 0.0 or args.use_adaptive_entropy
             # under PEFT on the wrapped causal LM, as TRL installs its own head; PeftModel's forward reaches it
             self.logprob_head = install_exact_logprobs(causal_lm_of(self.model), self.temperature, entropy_grad)
         self._start_generation_backend(llm, llm_kwargs)
 
     def _start_generation_backend(self, llm: LLM | None, llm_kwargs: dict | None) -> None:
-        """Run TRL's vLLM code path (sampler logprobs, recompute, IS correction and its metrics)
-        with `VexactGeneration` as the backend."""
+        """Run TRL's vLLM code path (for GRPO: sampler logprobs, recompute, IS correction and its
+        metrics) with `VexactGeneration` as the backend."""
         policy = self.accelerator.unwrap_model(self.model)
         if llm is None:
             kw = {"max_num_seqs": self.args.per_device_train_batch_size * self.args.steps_per_generation,
@@ -343,3 +343,41 @@ class VexactGRPOTrainer(GRPOTrainer):
                                                               batch_size, compute_entropy, **kwargs)
         finally:
             self.logprob_head.want_entropy = True
+
+
+class VexactGRPOTrainer(ExactRolloutsMixin, GRPOTrainer):
+    """``trl.GRPOTrainer`` whose rollouts come from `vexact_models.LLM` and whose training
+    logprobs equal the rollout's bitwise (see the module docstring).
+
+    Takes ``GRPOTrainer``'s arguments, plus:
+        llm: an `LLM` to generate with (default: ``LLM(model, **llm_kwargs)``, sharing the
+            policy's weights).
+        llm_kwargs: `LLM` keyword arguments for the default engine (default: ``max_num_seqs`` =
+            the per-process generation batch, ``seed`` = ``args.seed`` + process index, on CUDA
+            ``gpu_memory_utilization`` = ``args.vllm_gpu_memory_utilization``).
+        exact_logprobs: True (default) computes training logprobs with ``token_logprobs``; False
+            keeps TRL's fused LM head (for comparison: then the two differ).
+    """
+
+    def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, *, llm: LLM | None = None,
+                 llm_kwargs: dict | None = None, exact_logprobs: bool = True, **kwargs) -> None:
+        if args is None:
+            args = GRPOConfig("vexact-grpo")
+        model = self._exact_policy(model, args, llm, exact_logprobs)
+        super().__init__(model, reward_funcs, args, **kwargs)
+        # TRL's entropy bonus differentiates the entropy
+        self._use_exact_rollouts(llm, llm_kwargs, exact_logprobs, args.entropy_coef != 0.0 or args.use_adaptive_entropy)
+
+
+class VexactRLOOTrainer(ExactRolloutsMixin, RLOOTrainer):
+    """``trl.RLOOTrainer`` with `VexactGRPOTrainer`'s rollouts and training logprobs: samples
+    from the policy's exact distribution, the logprobs TRL recomputes bitwise the rollout's
+    (RLOO reads no sampler logprobs). The same extra arguments as `VexactGRPOTrainer`."""
+
+    def __init__(self, model, reward_funcs=None, args: RLOOConfig | None = None, *, llm: LLM | None = None,
+                 llm_kwargs: dict | None = None, exact_logprobs: bool = True, **kwargs) -> None:
+        if args is None:
+            args = RLOOConfig("vexact-rloo")
+        model = self._exact_policy(model, args, llm, exact_logprobs)
+        super().__init__(model, reward_funcs, args, **kwargs)
+        self._use_exact_rollouts(llm, llm_kwargs, exact_logprobs, False)  # (RLOO has no entropy bonus)
