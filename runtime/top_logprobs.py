@@ -68,7 +68,8 @@ class Alternatives:
 
 def _alternatives(logits: torch.Tensor, own: torch.Tensor, temps: torch.Tensor, k: int):
     """``(targets [R, k + 1], logprobs [R, k + 1], ranks [R])`` of the rows of `logits`, whose
-    own tokens are `own` (int64 ``[R, 1]``), at `temps`."""
+    own tokens are `own` (int64 ``[R, 1]``), at `temps` (k at most the vocabulary)."""
+    k = min(k, logits.shape[1])
     top = torch.topk(logits, k, dim=1).indices if k else own[:, :0]
     targets = torch.cat([own, top], dim=1)
     ranks = (logits > logits.gather(1, own)).sum(dim=1) + 1

@@ -112,6 +112,13 @@ def test_alternatives_survive_preemption_chunked_prefill_and_prefix_sharing():
         assert [(c.token_ids, c.logprobs) for c in r.outputs] == [(c.token_ids, c.logprobs) for c in t.outputs]
 
 
+def test_more_alternatives_than_the_vocabulary_return_the_whole_vocabulary():
+    model = _model("qwen3", vocab_size=12)
+    [out] = gen(make_llm(model), [[3, 4, 5]], SamplingParams(max_tokens=3, seed=1, logprobs=20, prompt_logprobs=20))
+    assert all(len(e) == 12 for e in out.outputs[0].logprobs + out.prompt_logprobs[1:])
+    assert all(sorted(e[t].rank for t in e) == list(range(1, 13)) for e in out.prompt_logprobs[1:])
+
+
 def test_decoded_tokens_come_from_the_engines_tokenizer():
     llm = make_llm(_model("qwen3"), tokenizer=_word_tokenizer())
     [out] = gen(llm, ["w3 w4 w5"], SamplingParams(max_tokens=3, seed=1, logprobs=2))
