@@ -11,7 +11,8 @@ pytest.importorskip("datasets")
 
 from trl import GRPOConfig  # noqa: E402
 
-from vexact_models.integrations.trl import VexactGRPOTrainer, VexactRLOOTrainer  # noqa: E402
+from vexact_models.integrations.trl import (VexactDistillationTrainer, VexactGRPOTrainer,  # noqa: E402
+                                            VexactRLOOTrainer)
 
 DIFF_MAX = "sampling/sampling_logp_difference/max"
 DIFF_MEAN = "sampling/sampling_logp_difference/mean"
@@ -344,3 +345,39 @@ def test_rloo_trains_on_the_engines_rollouts_with_trls_logprobs_equal_to_them(ex
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
     with pytest.raises(ValueError, match=r"VexactRLOOTrainer: unsupported RLOOConfig setting\(s\): use_vllm=True"):
         VexactRLOOTrainer(str(tmp_path / "ckpt"), args=RLOOConfig(**base, use_vllm=True), **common)
+
+
+def test_on_policy_distillation_samples_the_student_on_the_engine(example, tmp_path):
+    """`VexactDistillationTrainer` (TRL's ``DistillationTrainer``) from a student and a teacher
+    path: our class for the student, its completions from the engine over its own weights, their
+    logprobs the student's ``token_logprobs`` bitwise (samples of exactly the distribution it
+    trains), every training step generating there."""
+    from trl import DistillationConfig
+
+    from vexact_models.registry import get
+
+    config = get("qwen3").tiny_config(vocab_size=16)
+    for seed, name in ((0, "student"), (1, "teacher")):
+        torch.manual_seed(seed)
+        get("qwen3").causal_lm_class(config).save_pretrained(tmp_path / name)
+    args = DistillationConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, max_completion_length=5,
+                              max_steps=2, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=False,
+                              disable_tqdm=True, learning_rate=1e-2)
+    trainer = VexactDistillationTrainer(str(tmp_path / "student"), str(tmp_path / "teacher"), args=args,
+                                        processing_class=example.toy_tokenizer(config),
+                                        train_dataset=example.toy_dataset(example.parse_args(["--steps", "1"]), 16),
+                                        llm_kwargs={"kv_cache_bytes": 16 << 20})
+    student, gen = trainer.model, trainer.vllm_generation
+    assert type(student).__module__.startswith("vexact_models.") and gen.shares_weights
+    prompt_ids, completion_ids, _, _ = gen.generate([[3, 4, 5], [9, 2, 2, 7, 11]], num_generations=1)
+    for p, c, lps in zip(prompt_ids, completion_ids, gen.last_rollout[2]):
+        with torch.no_grad():
+            ref = student.token_logprobs(torch.tensor([p + c]), temperature=args.temperature)[0, len(p):]
+        assert torch.equal(ref, torch.tensor(lps))
+    calls = []
+    generate = gen.llm.generate
+    gen.llm.generate = lambda *a, **kw: calls.append(1) or generate(*a, **kw)
+    before = {k: v.clone() for k, v in student.state_dict().items()}
+    trainer.train()
+    assert trainer.state.global_step == 2 and len(calls) >= 2
+    assert any(not torch.equal(before[k], v) for k, v in student.state_dict().items())

@@ -12,8 +12,10 @@ logprobs through ``token_logprobs``, bitwise equal to the rollout's.
                                 train_dataset=dataset, processing_class=tokenizer)
     trainer.train()   # logs sampling/sampling_logp_difference/max = 0, sampling/importance_sampling_ratio/* = 1
 
-`VexactRLOOTrainer` is TRL's ``RLOOTrainer`` with the same rollouts and head (`ExactRolloutsMixin`
-holds what the two add to TRL's trainers).
+`VexactRLOOTrainer` is TRL's ``RLOOTrainer`` with the same rollouts and head, and
+`VexactDistillationTrainer` TRL's ``DistillationTrainer`` (on-policy distillation) with the
+student's samples from the engine (`ExactRolloutsMixin` holds what they add to TRL's trainers;
+the backend and the head are in `trl_backend`).
 
 How it plugs in (trl 1.16):
 
@@ -51,175 +53,16 @@ TRL's reference model as TRL builds it.
 
 from __future__ import annotations
 
-import functools
-import types
-from contextlib import nullcontext
-from typing import Any
+from trl import DistillationConfig, DistillationTrainer, GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
-import torch
-from accelerate.utils import is_peft_model
-from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
-
-from vexact_models.causal_lm import final_logit_softcap, num_routed_experts
-from vexact_models.kernels import token_logprobs
-from vexact_models.multimodal import refuse_multimodal_model, text_config_of
+from vexact_models.multimodal import text_config_of
 from vexact_models.registry import for_model_type
-from vexact_models.rl import entropy_rows
-from vexact_models.runtime import LLM, SamplingParams
+from vexact_models.runtime import LLM
 
-__all__ = ["ExactRolloutsMixin", "VexactGRPOTrainer", "VexactGeneration", "VexactRLOOTrainer", "install_exact_logprobs"]
+from .trl_backend import VexactGeneration, causal_lm_of, install_exact_logprobs, policy_architecture
 
-
-class VexactGeneration:
-    """TRL's generation-backend contract (``VLLMGeneration.generate`` / ``sync_weights``) over a
-    vexact-models `LLM`.
-
-    Args:
-        llm: the engine. When it shares the policy's parameters (``LLM(policy)``),
-            `sync_weights` has nothing to do; otherwise it copies the policy's weights in.
-        policy: the training model (unwrapped).
-        sampling: keyword arguments of `SamplingParams` for every completion (temperature,
-            top_p, top_k, min_p, max_tokens, stop_token_ids; stop strings and min_tokens from TRL's
-            ``generation_kwargs``).
-    """
-
-    def __init__(self, llm: LLM, policy: torch.nn.Module, sampling: dict[str, Any]) -> None:
-        self.llm = llm
-        self.policy = policy
-        self.sampling = dict(sampling)
-        SamplingParams(**self.sampling)  # validate once, before any rollout
-        self.last_rollout: tuple[list, list, list] | None = None  # (prompt ids, completion ids, logprobs)
-
-    @property
-    def shares_weights(self) -> bool:
-        """Whether the engine runs the policy's own parameters (under PEFT: the model the adapters
-        wrap, adapters included)."""
-        return self.llm.model.causal_lm is causal_lm_of(self.policy)
-
-    def sync_weights(self) -> None:
-        """Make the engine sample from the policy's current weights (a no-op when shared)."""
-        if not self.shares_weights:
-            self.llm.update_weights(self.policy.state_dict())
-
-    def generate(self, prompts: list[list[int]], images=None, num_generations: int = 1, profiler=None):
-        """One completion per prompt (TRL repeats each prompt ``num_generations`` times already).
-
-        Returns ``(prompt_ids, completion_ids, logprobs, None)`` in ``VLLMGeneration.generate``'s
-        shapes: ``logprobs[i][t]`` is ``[logprob of completion token t]``."""
-        if images is not None and any(img is not None for img in images):
-            raise ValueError("VexactGeneration.generate: images are not supported (text-only models)")
-        params = SamplingParams(n=1, **self.sampling)
-        with profiler or nullcontext():
-            outputs = self.llm.generate([list(p) for p in prompts], params, use_tqdm=False)
-        prompt_ids = [out.prompt_token_ids for out in outputs]
-        completion_ids = [out.outputs[0].token_ids for out in outputs]
-        logprobs = [out.outputs[0].logprobs for out in outputs]
-        self.last_rollout = (prompt_ids, completion_ids, logprobs)
-        return prompt_ids, completion_ids, [[[lp] for lp in seq] for seq in logprobs], None
-
-
-class ExactLogprobHead:
-    """Replaces ``model.forward`` so that TRL's ``model(..., labels=labels, fused_lm_head=True)``
-    returns logprobs from `vexact_models.kernels.token_logprobs` (see `install_exact_logprobs`);
-    other calls go to the forward it replaced."""
-
-    def __init__(self, model: torch.nn.Module, temperature: float, entropy_grad: bool) -> None:
-        self.model = model
-        self.temperature = float(temperature)
-        self.entropy_grad = entropy_grad  # TRL's entropy bonus differentiates the entropy
-        self.want_entropy = True
-        self.previous_forward = model.forward
-
-    def __call__(self, *args, fused_lm_head: bool = False, labels=None, shift_labels=None, num_items_in_batch=None,
-                 **kwargs):
-        if not fused_lm_head:
-            extra = {k: v for k, v in (("labels", labels), ("shift_labels", shift_labels),
-                                       ("num_items_in_batch", num_items_in_batch)) if v is not None}
-            return self.previous_forward(*args, **kwargs, **extra)
-        from trl.trainer.utils import FusedCausalLMOutput
-
-        kwargs = {k: v for k, v in kwargs.items() if v is not None}  # PEFT's forward passes its unset arguments
-        input_ids = kwargs.pop("input_ids", args[0] if args else None)
-        attention_mask = kwargs.pop("attention_mask", None)
-        want_router = bool(kwargs.pop("output_router_logits", False))
-        if kwargs or len(args) > 1:
-            raise ValueError(f"exact logprobs: unsupported model inputs {sorted(kwargs) or 'positional'} "
-                             "(text-only input_ids/attention_mask)")
-        if shift_labels is not None:
-            raise ValueError("exact logprobs: pre-shifted labels (context/sequence parallelism) are not supported")
-        mask = labels[:, 1:] != -100  # TRL's layout: entry t scores token t + 1
-        # autocast off: the kernels run exactly as in the rollout whatever the trainer's mixed precision
-        with torch.autocast(input_ids.device.type, enabled=False):
-            hidden, aux_loss = self._final_hidden(input_ids, attention_mask, want_router)
-            rows = hidden[:, :-1][mask]  # only the scored positions: no lm_head work on prompts or padding
-            weight, softcap = _lm_head_weight(self.model), final_logit_softcap(self.model.config)
-            # the kernel `model.token_logprobs` and the sampler use: per row, so bitwise the rollout's value
-            lp = token_logprobs(rows, weight, labels[:, 1:][mask], self.temperature, softcap=softcap)
-            entropy = None
-            if self.want_entropy:
-                with nullcontext() if self.entropy_grad else torch.no_grad():
-                    entropy = mask.new_zeros(mask.shape, dtype=torch.float32).masked_scatter(
-                        mask, entropy_rows(rows, weight, self.temperature, softcap))
-        log_probs = lp.new_zeros(mask.shape).masked_scatter(mask, lp)
-        if not mask.any():  # an all-masked micro-batch still backpropagates (a connected zero, as in TRL's head)
-            log_probs = log_probs + 0.0 * hidden[:, :-1].sum(-1)
-        denominator = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
-        loss = -log_probs.sum() / denominator
-        if aux_loss is not None:
-            loss = loss + (getattr(self.model.config, "router_aux_loss_coef", 0.0) or 0.0) * aux_loss
-        return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=entropy, label_mask=mask,
-                                   aux_loss=aux_loss)
-
-    def _final_hidden(self, input_ids, attention_mask, want_router: bool):
-        """Final hidden states in the input's shape and, when asked, the MoE load-balancing loss of
-        the same forward (HF's ``load_balancing_loss_func`` over the real tokens' router logits, as
-        our Qwen3-MoE ``forward`` computes it)."""
-        base = self.model.model
-        if not want_router:
-            return base(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state, None
-        from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
-
-        router: list = []
-        hidden, flat, _ = base.forward_hf_inputs(input_ids, attention_mask, router_logits=router)
-        config = self.model.config
-        aux_loss = load_balancing_loss_func(tuple(router), num_routed_experts(config), config.num_experts_per_tok, None)
-        return flat.to_padded(hidden), aux_loss
-
-
-def _lm_head_weight(model) -> torch.Tensor:
-    getter = getattr(model, "lm_head_weight", None)  # our accessor (PEFT's modules_to_save copy when active)
-    return getter() if callable(getter) else model.lm_head.weight
-
-
-def install_exact_logprobs(model: torch.nn.Module, temperature: float, entropy_grad: bool = False) -> ExactLogprobHead:
-    """Answer TRL's fused-LM-head call (``model(..., fused_lm_head=True)``) on `model`, one of our
-    causal LMs, as ``model.token_logprobs`` would at `temperature` (its kernel on the model's final
-    hidden states), plus TRL's entropy and MoE load-balancing loss. Call it after TRL's
-    ``add_fused_lm_head`` (which ``GRPOTrainer.__init__`` applies). Returns the installed head."""
-    _architecture_of(model)
-    head = ExactLogprobHead(model, temperature, entropy_grad)
-
-    @functools.wraps(type(model).forward)  # the class's signature: generate() validates kwargs against it
-    def forward(self, *args, **kwargs):
-        return head(*args, **kwargs)
-
-    model.forward = types.MethodType(forward, model)
-    return head
-
-
-def causal_lm_of(model: torch.nn.Module) -> torch.nn.Module:
-    """`model`, or under PEFT (``PeftModel``) the causal LM its adapters wrap."""
-    return model.get_base_model() if is_peft_model(model) else model
-
-
-def _architecture_of(model):
-    refuse_multimodal_model("VexactGRPOTrainer", model)
-    arch = for_model_type(getattr(model.config, "model_type", None))
-    if arch is None or not isinstance(model, arch.causal_lm_class):
-        raise ValueError(f"VexactGRPOTrainer: the model must be a vexact-models causal LM (call vexact_models.patch() "
-                         f"before AutoModelForCausalLM.from_pretrained), got {type(model).__module__}."
-                         f"{type(model).__name__}")
-    return arch
+__all__ = ["ExactRolloutsMixin", "VexactDistillationTrainer", "VexactGRPOTrainer", "VexactGeneration", "VexactRLOOTrainer",
+           "install_exact_logprobs"]
 
 
 #: the ``GRPOConfig.generation_kwargs`` (vLLM SamplingParams fields) this integration honours
@@ -232,7 +75,7 @@ def _check_config(trainer: str, args, exact_logprobs: bool) -> None:
     bad = []
     if args.use_vllm:
         bad.append("use_vllm=True (generation runs on vexact_models.LLM; leave it False)")
-    if args.use_transformers_continuous_batching:
+    if getattr(args, "use_transformers_continuous_batching", False):
         bad.append("use_transformers_continuous_batching=True")
     if args.use_liger_kernel:
         bad.append("use_liger_kernel=True (Liger's kernels would replace the aligned ones the rollout and the training "
@@ -269,7 +112,7 @@ def _load_policy(trainer: str, model, args):
 def _aux_loss_enabled(model, args) -> bool:
     """Whether TRL's trainer will add an MoE load-balancing loss (its own rule)."""
     config = model.config.get_text_config()
-    coef = args.router_aux_loss_coef
+    coef = getattr(args, "router_aux_loss_coef", 0.0)
     coef = getattr(config, "router_aux_loss_coef", 0.0) if coef is None else coef
     return hasattr(config, "output_router_logits") and coef != 0.0
 
@@ -291,7 +134,7 @@ class ExactRolloutsMixin:
                              "llm passed with LLM(..., tokenizer=...)")
         model = _load_policy(name, model, args)
         policy = causal_lm_of(model)
-        _architecture_of(policy)
+        policy_architecture(policy, name)
         if exact_logprobs and _aux_loss_enabled(model, args) and getattr(model.config, "num_experts", None) is None:
             raise ValueError(f"{name}: {model.config.model_type} has no load-balancing loss (its routing is "
                              "auxiliary-loss free); set router_aux_loss_coef=0.0")
@@ -316,7 +159,8 @@ class ExactRolloutsMixin:
         metrics) with `VexactGeneration` as the backend."""
         policy = self.accelerator.unwrap_model(self.model)
         if llm is None:
-            kw = {"max_num_seqs": self.args.per_device_train_batch_size * self.args.steps_per_generation,
+            steps = getattr(self.args, "steps_per_generation", None) or self.args.gradient_accumulation_steps
+            kw = {"max_num_seqs": self.args.per_device_train_batch_size * steps,
                   "seed": self.args.seed + self.accelerator.process_index}
             if self.accelerator.device.type == "cuda":
                 kw["gpu_memory_utilization"] = self.args.vllm_gpu_memory_utilization
@@ -381,3 +225,18 @@ class VexactRLOOTrainer(ExactRolloutsMixin, RLOOTrainer):
         model = self._exact_policy(model, args, llm, exact_logprobs)
         super().__init__(model, reward_funcs, args, **kwargs)
         self._use_exact_rollouts(llm, llm_kwargs, exact_logprobs, False)  # (RLOO has no entropy bonus)
+
+
+class VexactDistillationTrainer(ExactRolloutsMixin, DistillationTrainer):
+    """``trl.DistillationTrainer`` (on-policy distillation: the student samples its completions,
+    then learns the teacher's next-token distribution on them) with the student's samples from
+    `vexact_models.LLM` over its own weights: drawn from exactly the distribution it trains.
+    The same extra arguments as `VexactGRPOTrainer`; the teacher is TRL's (``teacher_model``)."""
+
+    def __init__(self, model, teacher_model=None, args: DistillationConfig | None = None, *, llm: LLM | None = None,
+                 llm_kwargs: dict | None = None, exact_logprobs: bool = True, **kwargs) -> None:
+        if args is None:
+            args = DistillationConfig("vexact-distillation")
+        model = self._exact_policy(model, args, llm, exact_logprobs)
+        super().__init__(model, teacher_model, args, **kwargs)
+        self._use_exact_rollouts(llm, llm_kwargs, exact_logprobs, False)
