@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 
+from .llm_args import resolve_tokenizer
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
@@ -19,7 +20,22 @@ __all__ = ["ChatMixin"]
 
 
 class ChatMixin:
-    """`chat`, for `LLM` (it uses the engine's ``tokenizer`` and ``generate``)."""
+    """`chat` and vLLM's tokenizer accessors, for `LLM` (it uses the engine's ``tokenizer`` and
+    ``generate``)."""
+
+    def get_tokenizer(self):
+        """The engine's tokenizer (the checkpoint folder's, or ``LLM(tokenizer=...)``'s; None
+        without one), as vLLM's ``LLM.get_tokenizer``."""
+        return self.tokenizer
+
+    def set_tokenizer(self, tokenizer) -> None:
+        """Use `tokenizer` (a transformers tokenizer, or a folder / hub id to load one from) for
+        text prompts, returned text and stop strings from the next call on, as vLLM's
+        ``LLM.set_tokenizer``; a ValueError naming it, changing nothing, when it is neither."""
+        if tokenizer is None:
+            raise ValueError("LLM.set_tokenizer: tokenizer must be a transformers tokenizer or a folder or hub id, "
+                             "got None")
+        self.tokenizer = resolve_tokenizer(tokenizer)
 
     def chat(self, messages, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
              use_tqdm: bool = True, *, chat_template: str | None = None, add_generation_prompt: bool = True,

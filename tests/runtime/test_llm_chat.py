@@ -65,3 +65,20 @@ def test_chat_refuses_bad_conversations_and_a_missing_tokenizer(folder):
     untemplated = LLM(str(folder), device="cpu", block_size=4, kv_cache_bytes=1 << 20, tokenizer=plain)
     with pytest.raises(ValueError, match="chat_template"):
         untemplated.chat([{"role": "user", "content": "5"}], PARAMS)
+
+
+def test_get_and_set_tokenizer_as_vllms(folder):
+    """``get_tokenizer`` returns the engine's; ``set_tokenizer`` takes a tokenizer or a folder,
+    and text prompts and chat use it from then on; a bad one is refused, the old one kept."""
+    bare = LLM(qwen3.Qwen3ForCausalLM.from_pretrained(str(folder)).eval(), device="cpu", block_size=4,
+               kv_cache_bytes=1 << 20)
+    assert bare.get_tokenizer() is None
+    bare.set_tokenizer(str(folder))
+    tokenizer = bare.get_tokenizer()
+    assert tokenizer("w5 w6")["input_ids"] == [5, 6]
+    [out] = gen(bare, ["w5 w6"], PARAMS)
+    assert out.prompt_token_ids == [5, 6] and out.outputs[0].text
+    for bad, words in [(None, "got None"), (3, "got a int"), ("/no/such", "could not be loaded")]:
+        with pytest.raises(ValueError, match=words):
+            bare.set_tokenizer(bad)
+        assert bare.get_tokenizer() is tokenizer
