@@ -70,8 +70,8 @@ GENERATION_KWARGS = ("stop", "include_stop_str_in_output", "min_tokens")
 
 
 def _check_config(trainer: str, args, exact_logprobs: bool) -> None:
-    """Refuse the settings (a GRPOConfig or an RLOOConfig) this integration cannot honour,
-    before anything is built; `trainer` names the class in the message."""
+    """Refuse the settings (TRL's GRPOConfig, RLOOConfig or DistillationConfig) this integration
+    cannot honour, before anything is built; `trainer` names the class in the message."""
     bad = []
     if args.use_vllm:
         bad.append("use_vllm=True (generation runs on vexact_models.LLM; leave it False)")
@@ -119,9 +119,9 @@ def _aux_loss_enabled(model, args) -> bool:
 
 class ExactRolloutsMixin:
     """What the Vexact trainers add to a TRL trainer with a vLLM backend (``GRPOTrainer``,
-    ``RLOOTrainer``): its rollouts from `vexact_models.LLM`, its training logprobs equal to the
-    rollout's bitwise. A subclass's ``__init__`` calls `_exact_policy` before TRL's and
-    `_use_exact_rollouts` after it."""
+    ``RLOOTrainer``, ``DistillationTrainer``): its rollouts from `vexact_models.LLM`, its training
+    logprobs (where it reads them through TRL's fused LM head) equal to the rollout's bitwise.
+    A subclass's ``__init__`` calls `_exact_policy` before TRL's and `_use_exact_rollouts` after it."""
 
     @classmethod
     def _exact_policy(cls, model, args, llm: LLM | None, exact_logprobs: bool):
