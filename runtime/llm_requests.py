@@ -85,7 +85,7 @@ class RequestsMixin:
                                                 seq.finish_reason, text, seq.error, seq.stop_reason,
                                                 math.fsum(seq.output_logprobs)))
         text, first = prompt_of(prompt), seqs[0]
-        scored = None
-        if first.params.prompt_logprobs is not None:
+        scored = None  # (a request that errored, never run, has no scores: its error says why)
+        if first.params.prompt_logprobs is not None and first.finish_reason != "error":
             scored = prompt_logprobs_of(first, self.tokenizer if first.params.detokenize else None)
         return RequestOutput(first.request_id, text if isinstance(text, str) else None, ids, completions, scored)

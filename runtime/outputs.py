@@ -40,5 +40,6 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     #: with ``SamplingParams(prompt_logprobs=k)``: None for the first prompt token, then a dict
-    #: ``{token_id: Logprob}`` per prompt token (`runtime.top_logprobs`); None otherwise
+    #: ``{token_id: Logprob}`` per prompt token (`runtime.top_logprobs`); None otherwise, and for a
+    #: request that never ran (its completions' ``finish_reason`` "error")
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None

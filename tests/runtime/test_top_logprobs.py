@@ -187,6 +187,18 @@ def test_a_scored_prompt_computes_every_position_beside_published_pages():
         assert s.prompt_logprobs == t.prompt_logprobs and s.outputs[0].token_ids == f.outputs[0].token_ids
 
 
+def test_a_request_that_never_fits_errors_without_scores_beside_scored_ones():
+    model = _model("qwen3")
+    llm = make_llm(model, kv_cache_bytes=cache_bytes(model, 4))  # 16 positions in all
+    prompts = [[5, 6, 7], list(range(20, 30))]
+    params = [SamplingParams(max_tokens=5, seed=3, prompt_logprobs=1, logprobs=1),
+              SamplingParams(max_tokens=20, seed=4, prompt_logprobs=1, logprobs=1)]  # 10 + 20 positions
+    ok, huge = gen(llm, prompts, params)
+    assert huge.outputs[0].finish_reason == "error" and huge.prompt_logprobs is None
+    assert huge.outputs[0].logprobs == [] and "KV cache blocks" in huge.outputs[0].error
+    assert ok.outputs[0].finish_reason == "length" and len(ok.prompt_logprobs) == 3
+
+
 def test_prompt_logprobs_decode_their_tokens_and_are_refused_out_of_range():
     llm = make_llm(_model("qwen3"), tokenizer=_word_tokenizer())
     [out] = gen(llm, ["w3 w4 w5 w6"], SamplingParams(max_tokens=2, seed=1, prompt_logprobs=1))
