@@ -26,7 +26,7 @@ from vexact_models.kernels.sampling import filter_thresholds
 from .scheduled import ScheduledSeq
 from .sequence import Sequence
 from .staging import HostCopy, to_device
-from .top_logprobs import Alternatives, launch_alternatives
+from .top_logprobs import Alternatives, AskingRows
 
 
 class Sampler:
@@ -67,9 +67,8 @@ class Sampler:
             rows.refresh(ahead)
         sampled = launch_sample(logits, rows.temps, rows.logprob_temps, rows.top_k, rows.top_p, rows.log_min_p,
                                 rows.seeds, rows.steps, rows.filter_rows, self._bans(seqs, rows.step, rows.min_tokens))
-        if rows.alternative_rows:
-            sampled.alternatives = launch_alternatives(logits, sampled.tokens, rows.logprob_temps, seqs, rows.step,
-                                                       rows.alternative_rows)
+        if rows.alternatives:
+            sampled.alternatives = rows.alternatives.launch(logits, sampled.tokens, rows.logprob_temps, rows.step)
         return sampled
 
     def host_rows(self, seqs: list[Sequence]) -> HostRows:
@@ -240,7 +239,7 @@ class _RowParams:
     def __init__(self, seqs: list[Sequence], device: torch.device, ahead: int | np.ndarray = 0) -> None:
         self.seqs, self.device = list(seqs), device
         #: the rows whose requests ask for their most probable tokens (`runtime.top_logprobs`)
-        self.alternative_rows = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
+        self.alternatives = AskingRows(self.seqs, device)
         host = _host_arrays(seqs, ahead)
         temps = host["temps"]
         self.min_tokens = host["min_tokens"]

@@ -34,7 +34,7 @@ from .scheduled import ScheduledSeq
 from .sequence import Sequence
 from .staging import HostCopy, to_device
 
-__all__ = ["Alternatives", "Logprob", "PromptRows", "completion_logprobs", "launch_alternatives",
+__all__ = ["Alternatives", "AskingRows", "Logprob", "PromptRows", "completion_logprobs",
            "launch_prompt_alternatives", "prompt_logprobs_of", "prompt_rows_of"]
 
 
@@ -76,18 +76,33 @@ def _alternatives(logits: torch.Tensor, own: torch.Tensor, temps: torch.Tensor, 
     return targets, gather_logprobs(logits, targets, temps), ranks
 
 
-def launch_alternatives(logits: torch.Tensor, tokens: torch.Tensor, logprob_temps: torch.Tensor,
-                        seqs: list[Sequence], steps: np.ndarray, rows: list[int]) -> Alternatives:
-    """Start the alternatives of the sampled `rows` of `logits` (those whose sequences ask for
-    them, at least one). `tokens` are all rows' sampled tokens (on the device), `logprob_temps`
-    the temperatures their logprobs take, `steps` the index each row's token gets in its sequence."""
-    k = max(seqs[i].params.logprobs for i in rows)
-    sub, sampled, temps = logits, tokens[:, None], logprob_temps
-    if len(rows) < len(seqs):  # (every row asks, the common case: no copy)
-        [index] = to_device([np.asarray(rows, np.int64)], logits.device)
-        sub, sampled, temps = logits.index_select(0, index), sampled.index_select(0, index), temps.index_select(0, index)
-    return Alternatives([seqs[i].top_logprobs for i in rows], [int(steps[i]) for i in rows],
-                        [seqs[i].params.logprobs for i in rows], *_alternatives(sub, sampled, temps, k))
+class AskingRows:
+    """The rows of a sampling batch whose sequences ask for alternatives (``params.logprobs``),
+    read once per list of sequences (the sampler keeps it while a decode batch keeps its
+    sequences): the rows, where their alternatives are stored, how many each keeps, and on the
+    device the rows' index when only some of the batch asks."""
+
+    def __init__(self, seqs: list[Sequence], device: torch.device) -> None:
+        self.rows = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
+        self.stores = [seqs[i].top_logprobs for i in self.rows]
+        self.ks = [seqs[i].params.logprobs for i in self.rows]
+        self.index = None  # every row asks (the common case): no copy of the rows
+        if self.rows and len(self.rows) < len(seqs):
+            [self.index] = to_device([np.asarray(self.rows, np.int64)], device)
+
+    def __bool__(self) -> bool:
+        return bool(self.rows)
+
+    def launch(self, logits: torch.Tensor, tokens: torch.Tensor, logprob_temps: torch.Tensor,
+               steps: np.ndarray) -> Alternatives:
+        """Start the alternatives of these rows of `logits`. `tokens` are all rows' sampled
+        tokens (on the device), `logprob_temps` the temperatures their logprobs take, `steps` the
+        index each row's token gets in its sequence."""
+        sub, sampled, temps = logits, tokens[:, None], logprob_temps
+        if self.index is not None:
+            sub, sampled, temps = (t.index_select(0, self.index) for t in (logits, sampled, temps))
+        return Alternatives(self.stores, steps[self.rows].tolist(), self.ks,
+                            *_alternatives(sub, sampled, temps, max(self.ks)))
 
 
 @dataclass
