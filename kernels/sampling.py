@@ -224,7 +224,8 @@ def filter_thresholds(logits: torch.Tensor, temperatures: torch.Tensor, top_k: t
     """Per-row lowest admissible logit for min-p, then top-k, then top-p filtering (``[rows]`` fp32).
 
     min-p keeps the logits ``x >= max(x) + T * log(min_p)`` (the tokens at least ``min_p`` times
-    as probable as the most probable one; `log_min_p` fp32 ``[rows]``, ``-inf`` or None: off);
+    as probable as the most probable one; `log_min_p` fp32 ``[rows]``, ``-inf``: off; None when
+    no row uses it, which skips its pass over the rows);
     top-k keeps the k largest of those (ties at the k-th value are kept); top-p then keeps the
     smallest set of those, by decreasing probability under ``softmax(logits / T)``, whose mass
     reaches ``top_p``. ``top_k <= 0`` and ``top_p >= 1`` disable each filter; greedy rows
@@ -239,16 +240,16 @@ def filter_thresholds(logits: torch.Tensor, temperatures: torch.Tensor, top_k: t
 
     n_rows, vocab = logits.shape
     thresholds = torch.full((n_rows,), float("-inf"), device=logits.device)
-    if log_min_p is None:
-        log_min_p = torch.full((n_rows,), float("-inf"), device=logits.device)
     idx = rows
     if idx is None:
-        active = (temperatures > 0) & ((top_k > 0) | (top_p < 1) | (log_min_p > float("-inf")))
-        idx = active.nonzero().squeeze(1)  # empty when no row filters: the ops below are then no-ops
+        active = (top_k > 0) | (top_p < 1) | (False if log_min_p is None else log_min_p > float("-inf"))
+        idx = (active & (temperatures > 0)).nonzero().squeeze(1)  # empty when no row filters: no-ops below
     x = logits[idx].float()
-    # (an off row: max + T * -inf = -inf; rounded mul, then add, alike on every device)
-    min_p_floor = x.max(dim=1).values + temperatures[idx].float() * log_min_p[idx].float()
-    x = torch.where(x >= min_p_floor[:, None], x, float("-inf"))
+    min_p_floor = None
+    if log_min_p is not None:
+        # (an off row: max + T * -inf = -inf, which keeps every logit; rounded mul, then add, alike on every device)
+        min_p_floor = x.max(dim=1).values + temperatures[idx].float() * log_min_p[idx].float()
+        x = torch.where(x >= min_p_floor[:, None], x, float("-inf"))
     k = torch.where(top_k[idx] > 0, top_k[idx].clamp(max=vocab), torch.full_like(top_k[idx], vocab)).long()
     sorted_x, _ = torch.sort(x, dim=1, descending=True)
     kth = sorted_x.gather(1, (k - 1)[:, None])[:, 0]
@@ -259,7 +260,8 @@ def filter_thresholds(logits: torch.Tensor, temperatures: torch.Tensor, top_k: t
     before = torch.cumsum(probs_sorted, dim=1) - probs_sorted  # mass strictly before each token
     n_keep = (before < top_p[idx, None].float()).sum(1).clamp(min=1)
     last = order.gather(1, (n_keep - 1)[:, None])[:, 0]
-    thresholds[idx] = torch.maximum(torch.maximum(kth, x.gather(1, last[:, None])[:, 0]), min_p_floor)
+    threshold = torch.maximum(kth, x.gather(1, last[:, None])[:, 0])
+    thresholds[idx] = threshold if min_p_floor is None else torch.maximum(threshold, min_p_floor)
     return thresholds
 
 

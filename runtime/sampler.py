@@ -118,12 +118,14 @@ def sample_host_rows(logits: torch.Tensor, rows: HostRows) -> tuple[list[int], l
 def _to_device(temps: np.ndarray, top_p: np.ndarray, top_k: np.ndarray, log_min_p: np.ndarray, seeds: np.ndarray,
                steps: np.ndarray, device: torch.device) -> tuple:
     """The sampling kernels' arguments on `device` in one pinned copy: temperatures, the logprob
-    temperatures (1 for greedy rows), top-p, top-k, log(min-p), seeds, RNG counters and the rows
-    that filter (None when none does)."""
+    temperatures (1 for greedy rows), top-p, top-k, log(min-p) (None when no row uses min-p), seeds,
+    RNG counters and the rows that filter (None when none does)."""
     filter_rows = filtering_rows(temps, top_k, top_p, log_min_p)
-    *params, filter_dev = to_device([temps, np.where(temps > 0, temps, np.float32(1)), top_p, top_k, log_min_p,
-                                     seeds, steps, filter_rows], device)
-    return (*params, filter_dev if len(filter_rows) else None)
+    temps_dev, logprob_temps, top_p, top_k, min_p_dev, seeds, steps, filter_dev = to_device(
+        [temps, np.where(temps > 0, temps, np.float32(1)), top_p, top_k, log_min_p, seeds, steps, filter_rows], device)
+    uses_min_p = bool((log_min_p > -np.inf).any())
+    return (temps_dev, logprob_temps, top_p, top_k, min_p_dev if uses_min_p else None, seeds, steps,
+            filter_dev if len(filter_rows) else None)
 
 
 class SampledTokens:
