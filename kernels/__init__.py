@@ -42,6 +42,7 @@ else:
     from .moe_activation import SwigluClamp
     from .expert_lora import ExpertLora
     from .moe_routing import softmax_topk
+    from .penalties import apply_penalties
     from .rms_norm import add_rms_norm, rms_norm
     from .rotary import apply_rotary, deinterleave, rope_table
     from .rotary_cache_write import rotary_cache_write
@@ -57,7 +58,7 @@ else:
         "KernelSwitch", "PagedLayout", "UnsupportedError", "add_rms_norm", "apply_rotary", "attention",
         "attention_forward_mode", "attention_packed", "causal_conv1d", "checkpoint_saving_context", "conv_state_update",
         "current_backend", "deinterleave", "ExpertLora",
-        "SwigluClamp", "fused_moe", "gelu_tanh_and_mul", "gated_delta_gates",
+        "SwigluClamp", "apply_penalties", "fused_moe", "gelu_tanh_and_mul", "gated_delta_gates",
         "gated_delta_rule",
         "gated_rms_norm", "gather_logprobs", "head_linear", "kv_cache_write", "latent_cache_write", "linear",
         "linear_backend_mode", "linear_silu_and_mul", "lm_head_logits", "log_softmax", "logit_softcap", "lora_add",
