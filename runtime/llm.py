@@ -326,6 +326,10 @@ class LLM(ChatMixin, RequestsMixin, EngineStepsMixin, EngineMemoryMixin):
         if self.pipeline is not None and any(p.logprobs is not None or p.prompt_logprobs is not None for p in params):
             raise ValueError("LLM.generate: SamplingParams.logprobs and prompt_logprobs (the most probable tokens) are "
                              "not available on pipeline stages; leave them None for each sampled token's logprob")
+        if self.pipeline is not None and any(p.uses_penalties for p in params):
+            raise ValueError("LLM.generate: SamplingParams.repetition_penalty, frequency_penalty and presence_penalty "
+                             "are not available on pipeline stages (the last stage samples without the token counts); "
+                             "leave them at 1, 0 and 0")
         self._check_awake("LLM.generate")
         if self.pipeline is not None and not self.pipeline.stage.is_first:
             return self._serve_stage(len(prompts))
@@ -335,6 +339,7 @@ class LLM(ChatMixin, RequestsMixin, EngineStepsMixin, EngineMemoryMixin):
         if not self._keep_prefix_cache(self.backend):
             self.block_manager.reset_prefix_cache()
         self._scores_prompts = any(p.prompt_logprobs is not None for p in params)  # (llm_steps)
+        self.sampler.begin_call(any(p.uses_penalties for p in params))
         requests = []
         try:
             for ids, p in zip(token_ids, params):

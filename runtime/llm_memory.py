@@ -17,6 +17,7 @@ from vexact_models.kernels import use_backend
 
 from .engine_lock import one_call_at_a_time
 from .model_runner import ModelRunner
+from .sampler import Sampler
 from .scheduler import Scheduler
 from .weights import ReleasedWeights, copy_weights, named_targets
 
@@ -29,6 +30,7 @@ class EngineMemoryMixin:
     model: torch.nn.Module  #: the inference model (its ``causal_lm`` holds the parameters)
     runner: ModelRunner
     scheduler: Scheduler
+    sampler: Sampler  #: its penalty counts are freed with the cache
     device: torch.device
     owns_weights: bool  #: whether sleep may take the weights off the device
 
@@ -111,6 +113,7 @@ class EngineMemoryMixin:
             raise RuntimeError("LLM.sleep: requests are still running")
         self._cache_epoch += 1
         self.runner.free_cache()
+        self.sampler.release()
         if not self.owns_weights or level == 0:
             return
         if self._released is None:

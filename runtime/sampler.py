@@ -1,7 +1,8 @@
 """Sampler: turns the LM head's logits into (token, logprob) per sequence.
 
 The token comes from `kernels.sample_tokens` (Gumbel-max over a counter RNG keyed by the
-sequence's seed and output index, after min_tokens/top-k/top-p filtering); the logprob is
+sequence's seed and output index, after min_tokens bans, repetition/frequency/presence penalties
+(`runtime.penalties`) and min-p/top-k/top-p filtering); the logprob is
 ``gather_logprobs(logits, token, T)`` on the *unfiltered* logits at the sequence's temperature
 (1.0 for greedy): the quantity training recomputes with ``token_logprobs``, by the same kernel.
 The logits are the model's (`kernels.lm_head_logits`, soft-capped where the config sets Gemma's
@@ -23,6 +24,7 @@ import torch
 from vexact_models.kernels import gather_logprobs, sample_tokens
 from vexact_models.kernels.sampling import filter_thresholds
 
+from .penalties import PenaltyCounts, PenaltyRows, uses_penalties
 from .scheduled import ScheduledSeq
 from .sequence import Sequence
 from .staging import HostCopy, to_device
@@ -35,6 +37,29 @@ class Sampler:
     def __init__(self, eos_token_id: int | None) -> None:
         self.eos_token_id = eos_token_id
         self._rows: _RowParams | None = None  # the last call's, reused for the same sequences
+        #: the device token counts of the sequences that use penalties (None until one does)
+        self.penalty_counts: PenaltyCounts | None = None
+
+    def begin_call(self, penalties: bool) -> None:
+        """A `generate` call starts (no sequence of an earlier one samples again): forget the
+        cached rows, and free the penalty counts unless the call's requests use `penalties`."""
+        self._rows = None
+        if not penalties:
+            self.release()
+
+    def release(self) -> None:
+        """Free the device memory the sampler keeps between steps (the penalty counts, the rows)."""
+        self._rows = None
+        self.penalty_counts = None
+
+    def _penalty_rows(self, seqs: list[Sequence], logits: torch.Tensor) -> PenaltyRows | None:
+        """The penalty rows of `seqs` (None when none uses penalties), the counts made at first use."""
+        if not any(uses_penalties(seq) for seq in seqs):
+            return None
+        counts = self.penalty_counts
+        if counts is None or counts.device != logits.device or counts.vocab_size != logits.shape[1]:
+            counts = self.penalty_counts = PenaltyCounts(logits.shape[1], logits.device)
+        return counts.rows(seqs)
 
     def _banned(self, seq: Sequence) -> list[int]:
         """Tokens that may not be sampled yet by a sequence short of ``min_tokens``: its stop
@@ -63,10 +88,12 @@ class Sampler:
         rows = self._rows
         if rows is None or rows.device != logits.device or rows.seqs != seqs:  # identity per element
             rows = self._rows = _RowParams(seqs, logits.device, ahead)
+            rows.penalties = self._penalty_rows(rows.seqs, logits)
         else:
             rows.refresh(ahead)
         sampled = launch_sample(logits, rows.temps, rows.logprob_temps, rows.top_k, rows.top_p, rows.log_min_p,
-                                rows.seeds, rows.steps, rows.filter_rows, self._bans(seqs, rows.step, rows.min_tokens))
+                                rows.seeds, rows.steps, rows.filter_rows, self._bans(seqs, rows.step, rows.min_tokens),
+                                rows.penalties)
         if rows.alternatives:
             sampled.alternatives = rows.alternatives.launch(logits, sampled.tokens, rows.logprob_temps, rows.step)
         return sampled
@@ -150,7 +177,7 @@ class SampledTokens:
 
 def sample(logits: torch.Tensor, temps, logprob_temps, top_k, top_p, log_min_p, seeds, steps,
            filter_rows: torch.Tensor | None, banned: list[tuple[int, int]]) -> tuple[list[int], list[float]]:
-    """The device side of sampling (rule 7): bans, min-p/top-k/top-p thresholds (of
+    """The device side of sampling (rule 7) without penalties: bans, min-p/top-k/top-p thresholds (of
     `filter_rows`, None: no row filters), Gumbel-max, and the logprob of the unfiltered logits;
     one host sync."""
     return launch_sample(logits, temps, logprob_temps, top_k, top_p, log_min_p, seeds, steps, filter_rows,
@@ -158,19 +185,24 @@ def sample(logits: torch.Tensor, temps, logprob_temps, top_k, top_p, log_min_p, 
 
 
 def launch_sample(logits: torch.Tensor, temps, logprob_temps, top_k, top_p, log_min_p, seeds, steps,
-                  filter_rows: torch.Tensor | None, banned: list[tuple[int, int]]) -> SampledTokens:
+                  filter_rows: torch.Tensor | None, banned: list[tuple[int, int]],
+                  penalties: PenaltyRows | None = None) -> SampledTokens:
     """`sample` without the host sync: the device work, and the results on their way to the
     host. Every index reaches the device through a pinned copy (a pageable one would wait for
-    the stream), so nothing here waits for the device."""
-    sample_logits = logits
+    the stream), so nothing here waits for the device. With `penalties`, the sampled tokens are
+    added to their sequences' counts."""
+    sample_logits = logits if penalties is None else penalties.apply(logits)  # (a copy)
     if banned:
         ban_rows, ban_cols = to_device([np.array(pairs, np.int64) for pairs in zip(*banned)], logits.device)
-        sample_logits = logits.clone()  # (a Python scalar value would be copied to the device: a sync)
+        if penalties is None:
+            sample_logits = logits.clone()  # (a Python scalar value would be copied to the device: a sync)
         sample_logits.index_put_((ban_rows, ban_cols), torch.full((len(banned),), float("-inf"), device=logits.device))
     thresholds = None
     if filter_rows is not None:
         thresholds = filter_thresholds(sample_logits, temps, top_k, top_p, filter_rows, log_min_p)
     tokens = sample_tokens(sample_logits, temps, seeds, steps, thresholds)
+    if penalties is not None:
+        penalties.count(tokens)
     return SampledTokens(tokens, flag_nonfinite_rows(logits, gather_logprobs(logits, tokens, logprob_temps)))
 
 
@@ -240,6 +272,8 @@ class _RowParams:
 
     def __init__(self, seqs: list[Sequence], device: torch.device, ahead: int | np.ndarray = 0) -> None:
         self.seqs, self.device = list(seqs), device
+        #: the rows that use repetition/frequency/presence penalties (`runtime.penalties`; the sampler sets it)
+        self.penalties: PenaltyRows | None = None
         #: the rows whose requests ask for their most probable tokens (`runtime.top_logprobs`)
         self.alternatives = AskingRows(self.seqs, device)
         host = _host_arrays(seqs, ahead)

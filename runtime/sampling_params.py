@@ -66,6 +66,16 @@ class SamplingParams:
         min_p: in [0, 1]; 0 disables it. Keeps the tokens whose probability under
             ``softmax(logits / T)`` is at least ``min_p`` times the most probable one's (as vLLM:
             applied before top-k and top-p, which then act on what it kept).
+        repetition_penalty: > 0; 1 disables it. Divides the positive logits, and multiplies the
+            others, of the tokens in the prompt or generated so far (vLLM's and transformers'
+            repetition penalty; `runtime.penalties`).
+        frequency_penalty: in [-2, 2]; 0 disables it. Subtracted from a token's logit once for
+            every time the sequence generated it (OpenAI's and vLLM's definition).
+        presence_penalty: in [-2, 2]; 0 disables it. Subtracted from the logit of every token the
+            sequence generated at least once.
+            The three penalties steer sampling only, as top-k/top-p do: the reported logprobs
+            stay the unpenalised ones training recomputes (vLLM's default ``logprobs_mode``).
+            Not available on pipeline stages.
         min_tokens: >= 0. Stop tokens and EOS are banned while fewer than this many tokens
             have been generated, and a stop token only finishes a sequence once at least
             ``min_tokens`` outputs precede it.
@@ -106,6 +116,9 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1
     min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
     min_tokens: int = 0
     max_tokens: int = 16
     stop_token_ids: list[int] = field(default_factory=list)
@@ -151,6 +164,19 @@ class SamplingParams:
         self.min_p = _require_float("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"SamplingParams.min_p={self.min_p} is outside [0, 1] (0: off)")
+        self.repetition_penalty = _require_float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"SamplingParams.repetition_penalty={self.repetition_penalty} must be > 0 (1: off)")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = _require_float(name, getattr(self, name))
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"SamplingParams.{name}={value} is outside [-2, 2] (0: off)")
+            setattr(self, name, value)
+
+    @property
+    def uses_penalties(self) -> bool:
+        """Whether a repetition, frequency or presence penalty is set."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
     def _validate_lengths(self) -> None:
         min_tokens = _require_at_least("min_tokens", self.min_tokens, 0)

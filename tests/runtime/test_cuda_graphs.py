@@ -125,3 +125,36 @@ def test_alternatives_under_graphs_and_async_steps_are_the_training_forwards():
             with torch.no_grad():
                 lp = model.token_logprobs(rows, temperature=t)[:, -1].cpu()
             assert torch.equal(lp, torch.tensor([entry[a].logprob for a in alts]))
+
+
+def test_min_p_penalties_and_prompt_scores_under_graphs_and_async_steps_are_the_eager_engines():
+    """min-p (`kernels.sampling.filter_thresholds` on CUDA), repetition/frequency/presence
+    penalties (the device counts, added to by steps launched ahead of the host: `runtime.penalties`)
+    and prompt scores (`prompt_logprobs`, steps run eagerly) under CUDA graphs and async steps give
+    the eager synchronous engine's tokens, and the logprobs stay the training forward's."""
+    from dataclasses import replace
+
+    model = tiny_model("qwen3")
+    prompts, params = workload()
+    options = [dict(min_p=0.05), dict(repetition_penalty=1.5, presence_penalty=0.5), dict(frequency_penalty=1.0)]
+    sampling = [replace(p, **options[i % 3]) for i, p in enumerate(params)]
+    scoring = [replace(p, prompt_logprobs=2, repetition_penalty=1.3) for p in params]
+    eager = LLM(model, block_size=16, max_num_seqs=4, max_num_batched_tokens=48, kv_cache_bytes=1 << 24,
+                enforce_eager=True, async_scheduling=False)
+    llm = LLM(model, block_size=16, max_num_seqs=4, max_num_batched_tokens=48, kv_cache_bytes=1 << 24)
+    for batch in (sampling, scoring):
+        want, got = gen(eager, prompts, batch), gen(llm, prompts, batch)
+        assert [result(o) for o in got] == [result(o) for o in want]
+        assert [o.prompt_logprobs for o in got] == [o.prompt_logprobs for o in want]
+        for prompt, sp, out in zip(prompts, batch, got):
+            tokens, logprobs, _ = result(out)[0]
+            with torch.no_grad():
+                lp = model.token_logprobs(torch.tensor([prompt + tokens], device="cuda"),
+                                          temperature=sp.temperature if sp.temperature > 0 else 1.0)[0].cpu()
+            assert torch.equal(lp[len(prompt):], torch.tensor(logprobs))
+            if sp.prompt_logprobs is not None:
+                assert torch.equal(lp[1:len(prompt)],
+                                   torch.tensor([e[t].logprob for e, t in zip(out.prompt_logprobs[1:], prompt[1:])]))
+    assert llm.runner.graphs.mixed_replays > 0
+    plain = gen(llm, prompts, params)
+    assert sum(result(a)[0][0] != result(b)[0][0] for a, b in zip(plain, gen(llm, prompts, sampling))) >= 3
