@@ -181,6 +181,23 @@ def test_min_p_reaches_the_engine_and_the_metrics_stay_exact(example, tmp_path):
     assert len(logs) == 2 and all(h[DIFF_MAX] == 0.0 and h[IS_MIN] == h[IS_MAX] == 1.0 for h in logs), logs
 
 
+def test_penalties_reach_the_engine_and_the_metrics_stay_exact(example, tmp_path):
+    """``GRPOConfig(repetition_penalty=...)`` and the other penalties in ``generation_kwargs``, as
+    TRL passes them to vLLM: every rollout samples with them, and TRL's metrics stay at 0 / 1 (the
+    logprobs are the unpenalised ones its training forward computes)."""
+    kwargs = {"presence_penalty": 0.5, "frequency_penalty": 0.25}
+    trainer = _trainer(example, "qwen3", tmp_path, grpo={"repetition_penalty": 1.3, "generation_kwargs": kwargs})
+    gen = trainer.vllm_generation
+    seen = []
+    generate = gen.llm.generate
+    gen.llm.generate = lambda prompts, params, **kw: seen.append(params) or generate(prompts, params, **kw)
+    trainer.train()
+    assert seen and all((p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.3, 0.5, 0.25)
+                        for p in seen)
+    logs = [h for h in trainer.state.log_history if DIFF_MAX in h]
+    assert len(logs) == 2 and all(h[DIFF_MAX] == 0.0 and h[IS_MIN] == h[IS_MAX] == 1.0 for h in logs), logs
+
+
 def test_stop_strings_from_generation_kwargs_cut_the_completions(example, tmp_path):
     """``GRPOConfig(generation_kwargs={"stop": [...]})``, as TRL passes it to vLLM: the engine gets
     the trainer's tokenizer, each completion ends at the token whose text completes the string
@@ -289,13 +306,11 @@ def test_bad_settings_are_refused_before_building(example, tmp_path):
         VexactGRPOTrainer(ours, args=GRPOConfig(**base, use_vllm=True), **common)
     with pytest.raises(ValueError, match="use_liger_kernel=True"):
         VexactGRPOTrainer(ours, args=GRPOConfig(**base, use_liger_kernel=True), **common)
-    with pytest.raises(ValueError, match="repetition_penalty=1.2"):
-        VexactGRPOTrainer(ours, args=GRPOConfig(**base, repetition_penalty=1.2), **common)
     bare = LLM(qwen3.Qwen3ForCausalLM(config), device="cpu", kv_cache_bytes=1 << 20)
     with pytest.raises(ValueError, match=r"generation_kwargs\['stop'\] \(stop strings\) needs the engine's tokenizer"):
         VexactGRPOTrainer(ours, args=GRPOConfig(**base, generation_kwargs={"stop": ["x"]}), llm=bare, **common)
-    with pytest.raises(ValueError, match=r"generation_kwargs \['presence_penalty'\] \(only \['stop'"):
-        VexactGRPOTrainer(ours, args=GRPOConfig(**base, generation_kwargs={"stop": ["x"], "presence_penalty": 1.0}),
+    with pytest.raises(ValueError, match=r"generation_kwargs \['logit_bias'\] \(only \['stop'"):
+        VexactGRPOTrainer(ours, args=GRPOConfig(**base, generation_kwargs={"stop": ["x"], "logit_bias": {1: 2.0}}),
                           **common)
     with pytest.raises(ValueError, match="transformers.models.qwen3.modeling_qwen3.Qwen3ForCausalLM"):
         VexactGRPOTrainer(Qwen3ForCausalLM(config), args=GRPOConfig(**base), **common)

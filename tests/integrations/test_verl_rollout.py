@@ -73,6 +73,20 @@ def test_generate_returns_token_output_with_exact_logprobs(ckpt):
     assert no_lp.log_probs is None and len(no_lp.token_ids) == R  # max_tokens defaults to response_length
 
 
+def test_penalties_steer_sampling_and_the_logprobs_stay_the_actors(ckpt):
+    """verl's ``repetition_penalty`` / ``presence_penalty`` / ``frequency_penalty`` reach the engine's
+    requests, and the returned logprobs are still the actor's recompute."""
+    rollout, server = make_rollout(ckpt, full_determinism=True)
+    model = get("qwen3").causal_lm_class.from_pretrained(ckpt).eval()
+    seen, generate = [], rollout.llm.generate
+    rollout.llm.generate = lambda prompts, params, **kw: seen.extend(params) or generate(prompts, params, **kw)
+    penalised = asyncio.run(generate_all(server, repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.3))
+    assert len(seen) == len(PROMPTS)
+    assert all((p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.5, 0.5, 0.3) for p in seen)
+    for prompt, out in zip(PROMPTS, penalised):
+        assert torch.equal(torch.tensor(out.log_probs), recompute(model, prompt, out.token_ids))
+
+
 def test_batched_requests_equal_one_at_a_time(ckpt):
     """full_determinism: each request's seed comes from its id, so batching changes nothing."""
     _, server = make_rollout(ckpt, full_determinism=True)
@@ -205,7 +219,9 @@ def test_bad_input_is_a_value_error_naming_it(ckpt):
     with pytest.raises(ValueError, match=r"unknown option\(s\) \['kv_bytes'\]"):
         make_rollout(ckpt, engine={"kv_bytes": 1})
     rollout, server = make_rollout(ckpt)
-    for params, match in [({"repetition_penalty": 1.2}, "repetition_penalty"), ({"logprobs": 5}, "logprobs"),
+    for params, match in [({"repetition_penalty": 0.0}, r"repetition_penalty=0\.0 must be > 0"),
+                          ({"presence_penalty": 3.0}, r"presence_penalty=3\.0 is outside"), ({"n": 2}, r"\['n'\]=2"),
+                          ({"logprobs": 5}, "logprobs"),
                           ({"stop": [3]}, r"stop\[0\]=3"), ({"best_of": 2}, "best_of"), ({"temperature": -1.0}, "temperature"),
                           ({"min_p": 1.5}, r"min_p=1\.5 is outside \[0, 1\]")]:
         with pytest.raises(ValueError, match=match):

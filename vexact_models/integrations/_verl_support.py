@@ -265,12 +265,11 @@ def add_adapters(model: torch.nn.Module, fields: dict) -> None:
 # ----------------------------------------------------------------------------------------------
 
 _PASS = ("temperature", "top_p", "top_k", "min_p", "min_tokens", "ignore_eos", "seed", "stop_token_ids", "stop",
-         "include_stop_str_in_output")
+         "include_stop_str_in_output", "repetition_penalty", "presence_penalty", "frequency_penalty")
 #: vLLM options verl may send that do not change which tokens are sampled
 _HARMLESS = ("skip_special_tokens", "spaces_between_special_tokens", "detokenize")
 #: vLLM options we accept only at their neutral value
-_NEUTRAL = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "n": 1,
-            "prompt_logprobs": None}
+_NEUTRAL = {"n": 1, "prompt_logprobs": None}
 
 
 def request_seed(base_seed: int, replica_rank: int, request_id: str) -> int:

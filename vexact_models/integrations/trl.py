@@ -44,8 +44,8 @@ How it plugs in (trl 1.16):
 ``exact_logprobs=False`` keeps TRL's fused LM head (rollouts still through `LLM`): TRL's metrics
 then show the mismatch of its own logprob computation. Not supported (ValueError): LoRA variants
 the aligned forward cannot run (DoRA, ...: at the first forward, as for any PeftModel of ours),
-``cast_lm_head_to_fp32``, ``use_liger_kernel``, ``repetition_penalty != 1``, ``generation_kwargs`` other than
-`GENERATION_KWARGS` (stop strings, ``min_tokens``: the engine gets the trainer's tokenizer), images,
+``cast_lm_head_to_fp32``, ``use_liger_kernel``, ``generation_kwargs`` other than `GENERATION_KWARGS` (stop
+strings, ``min_tokens``, the penalties: the engine gets the trainer's tokenizer), images,
 FSDP/DeepSpeed, and a load-balancing loss for DeepSeek-V3/Moonlight (set
 ``router_aux_loss_coef=0.0``; Qwen3-MoE's is computed from the same forward). ``beta != 0`` uses
 TRL's reference model as TRL builds it.
@@ -66,7 +66,8 @@ __all__ = ["ExactRolloutsMixin", "VexactDistillationTrainer", "VexactGRPOTrainer
 
 
 #: the ``GRPOConfig.generation_kwargs`` (vLLM SamplingParams fields) this integration honours
-GENERATION_KWARGS = ("stop", "include_stop_str_in_output", "min_tokens")
+GENERATION_KWARGS = ("stop", "include_stop_str_in_output", "min_tokens", "repetition_penalty", "frequency_penalty",
+                     "presence_penalty")
 
 
 def _check_config(trainer: str, args, exact_logprobs: bool) -> None:
@@ -80,8 +81,6 @@ def _check_config(trainer: str, args, exact_logprobs: bool) -> None:
     if args.use_liger_kernel:
         bad.append("use_liger_kernel=True (Liger's kernels would replace the aligned ones the rollout and the training "
                    "forward share)")
-    if args.repetition_penalty != 1.0:
-        bad.append(f"repetition_penalty={args.repetition_penalty} (LLM has none)")
     other = sorted(set(args.generation_kwargs or {}) - set(GENERATION_KWARGS))
     if other:
         bad.append(f"generation_kwargs {other} (only {list(GENERATION_KWARGS)})")
@@ -168,8 +167,8 @@ class ExactRolloutsMixin:
             llm = LLM(policy, **{**kw, "tokenizer": tokenizer, **(llm_kwargs or {})})
         top_k = self.top_k if self.top_k not in (None, 0) else -1
         sampling = {"temperature": self.temperature, "top_p": self.top_p, "top_k": top_k, "min_p": self.min_p or 0.0,
-                    "max_tokens": self.max_completion_length, "stop_token_ids": list(self.eos_token_ids),
-                    **(self.args.generation_kwargs or {})}
+                    "repetition_penalty": self.args.repetition_penalty, "max_tokens": self.max_completion_length,
+                    "stop_token_ids": list(self.eos_token_ids), **(self.args.generation_kwargs or {})}
         self.vllm_generation = VexactGeneration(llm, policy, sampling)
         self.use_vllm = True
         self.vllm_mode = "vexact"  # neither "server" nor "colocate": TRL's vLLM-only branches stay off

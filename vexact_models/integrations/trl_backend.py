@@ -31,8 +31,8 @@ class VexactGeneration:
             `sync_weights` has nothing to do; otherwise it copies the policy's weights in.
         policy: the training model (unwrapped).
         sampling: keyword arguments of `SamplingParams` for every completion (temperature,
-            top_p, top_k, min_p, max_tokens, stop_token_ids; stop strings and min_tokens from TRL's
-            ``generation_kwargs``).
+            top_p, top_k, min_p, repetition_penalty, max_tokens, stop_token_ids; stop strings,
+            min_tokens and the other penalties from TRL's ``generation_kwargs``).
     """
 
     def __init__(self, llm: LLM, policy: torch.nn.Module, sampling: dict[str, Any]) -> None:
