@@ -17,6 +17,9 @@ shape (default Qwen3-0.6B), bf16, CUDA.
   brings a rollout (training then runs FA4 too).
 - aligned-top20: the aligned engine with ``SamplingParams(logprobs=20)`` (vLLM's 20 most probable
   tokens beside each sampled one, `runtime.top_logprobs`): what asking for them costs.
+- aligned-penalties: the aligned engine with ``repetition_penalty=1.1, frequency_penalty=0.2,
+  presence_penalty=0.2`` (`runtime.penalties`: per-sequence token counts on the device): what the
+  penalties cost.
 - aligned-no-attention: a bound, not an engine: the aligned engine with the attention kernels
   replaced by zero outputs (the K/V are still written). The tokens are garbage, the lengths are
   not (``ignore_eos``), so the run takes the same steps at the same batch sizes: what the run
@@ -112,8 +115,9 @@ def attention_skipped():
 
 
 def run_vexact(model, prompts, outputs, args, aligned: bool = True, async_scheduling: bool = True,
-               enforce_eager: bool = False, mixed_graphs: bool = True, logprobs: int | None = None
+               enforce_eager: bool = False, mixed_graphs: bool = True, sampling: dict | None = None
                ) -> tuple[float, int]:
+    """(seconds, output tokens) of the workload on our engine; `sampling`: extra `SamplingParams` fields."""
     from vexact_models.runtime import LLM, SamplingParams
 
     budget = {"kv_cache_bytes": 1 << 22} if args.tiny else {"gpu_memory_utilization": args.gpu_memory_utilization}
@@ -122,9 +126,10 @@ def run_vexact(model, prompts, outputs, args, aligned: bool = True, async_schedu
               **budget,
               async_scheduling=async_scheduling, enforce_eager=enforce_eager,
               cuda_graph_max_tokens=None if mixed_graphs else 0, block_size=args.block_size)
-    params = [SamplingParams(temperature=0.6, max_tokens=n, ignore_eos=True, seed=i, logprobs=logprobs)
+    sampling = sampling or {}
+    params = [SamplingParams(temperature=0.6, max_tokens=n, ignore_eos=True, seed=i, **sampling)
               for i, n in enumerate(outputs)]
-    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, logprobs=logprobs), use_tqdm=False)  # warm-up: compile
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, **sampling), use_tqdm=False)  # warm-up: compile
     for run in range(args.repeat):  # the last run counts: an RL loop's engine serves many
         synchronize(args.device)
         if args.step_breakdown:
@@ -342,6 +347,11 @@ def set_mode(model, mode: str | None, quiet: bool = False) -> None:
               f"(bf16, pages of {page})", flush=True)
 
 
+#: the `SamplingParams` fields an engine row adds to the workload's
+ENGINE_SAMPLING = {"aligned-top20": dict(logprobs=20),
+                   "aligned-penalties": dict(repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.2)}
+
+
 def run_engines(arch, model, prompts, outputs, args, engines: list[str], mode: str | None) -> list[tuple]:
     """Each engine's (name, mode, seconds, output tokens) on the workload, in the KV cache `mode`."""
     from vexact_models.kernels import use_attention_forward
@@ -360,7 +370,7 @@ def run_engines(arch, model, prompts, outputs, args, engines: list[str], mode: s
                                                async_scheduling=engine != "aligned-sync",
                                                enforce_eager=engine == "aligned-eager",
                                                mixed_graphs=engine != "aligned-decode-graphs",
-                                               logprobs=20 if engine == "aligned-top20" else None)
+                                               sampling=ENGINE_SAMPLING.get(engine))
             name, row_mode = ENGINES[engine] + (f" [{mode}]" if mode else ""), mode
         rows.append((name, row_mode, seconds, produced))
         print(f"{name}: {produced} output tokens in {seconds:.1f}s = {produced / seconds:,.0f} tok/s", flush=True)

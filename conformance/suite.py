@@ -89,14 +89,15 @@ def request_pool(vocab: int, n: int, max_tokens: int, prompt_len: int, seed: int
         elif mode == 1:
             params = SamplingParams(temperature=1.0, **common)
         elif mode == 2:
-            params = SamplingParams(temperature=0.7, top_k=20, **common)
+            params = SamplingParams(temperature=0.7, top_k=20, repetition_penalty=1.1, **common)
         elif mode == 3:
             params = SamplingParams(temperature=1.3, top_p=0.9, min_p=0.02, **common)
         elif mode == 4:
             params = SamplingParams(temperature=0.9, top_k=50, top_p=0.8, min_tokens=min(3, common["max_tokens"]),
                                     stop_token_ids=list(stop_ids), **common)
         else:
-            params = SamplingParams(temperature=1.0, ignore_eos=True, stop_token_ids=list(stop_ids), **common)
+            params = SamplingParams(temperature=1.0, ignore_eos=True, stop_token_ids=list(stop_ids), frequency_penalty=0.3,
+                                    presence_penalty=0.2, **common)
         pool.append((prompt, params))
     return pool
 

@@ -295,16 +295,17 @@ def test_throughput_peer_config_runs_tiny_on_cpu():
     assert row[4].endswith("x") and float(row[4][:-1]) == pytest.approx(ours / theirs, abs=0.02)  # rates printed rounded
 
 
-def test_throughput_top20_engine_runs_tiny_on_cpu():
-    """benchmarks/throughput.py --engines aligned,aligned-top20: the same workload's output tokens
-    with ``SamplingParams(logprobs=20)`` asked for, a row of its own beside the plain engine's."""
-    run = subprocess.run([sys.executable, "throughput.py", "--tiny", "--engines", "aligned,aligned-top20",
+def test_throughput_sampling_option_engines_run_tiny_on_cpu():
+    """benchmarks/throughput.py --engines aligned,aligned-top20,aligned-penalties: the same
+    workload's output tokens with ``SamplingParams(logprobs=20)`` asked for, and with the
+    penalties, each a row of its own beside the plain engine's."""
+    run = subprocess.run([sys.executable, "throughput.py", "--tiny", "--engines", "aligned,aligned-top20,aligned-penalties",
                           "--requests", "3"], cwd=BENCHMARKS, capture_output=True, text=True, timeout=600, env=TINY_ENV)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     rows = {line[:60].strip(): line[60:].split() for line in run.stdout.splitlines()
             if line.startswith("vexact aligned") and ":" not in line}  # the table's rows
-    assert set(rows) == {"vexact aligned", "vexact aligned, logprobs=20"}
-    assert rows["vexact aligned"][1] == rows["vexact aligned, logprobs=20"][1]  # the same output tokens
+    assert set(rows) == {"vexact aligned", "vexact aligned, logprobs=20", "vexact aligned, penalties"}
+    assert rows["vexact aligned"][1] == rows["vexact aligned, logprobs=20"][1] == rows["vexact aligned, penalties"][1]
 
 
 @pytest.mark.parametrize("argv,words", [
