@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .top_logprobs import Logprob
+from .top_logprobs import PositionLogprobs
 
 
 @dataclass
@@ -16,12 +16,13 @@ class CompletionOutput:
     the training forward recomputes bitwise with ``token_logprobs``. With
     ``SamplingParams(logprobs=k)`` it is vLLM's shape instead: ``logprobs[i]`` a dict
     ``{token_id: Logprob}`` of that token and the k most probable ones (`runtime.top_logprobs`),
-    ``logprobs[i][token_ids[i]].logprob`` the same float.
+    ``logprobs[i][token_ids[i]].logprob`` the same float; the sequence of dicts reads as a list
+    and builds each dict when first read (`PositionLogprobs`, as vLLM's ``FlatLogprobs``).
     """
 
     index: int
     token_ids: list[int]
-    logprobs: list[float] | list[dict[int, Logprob]]
+    logprobs: list[float] | PositionLogprobs
     finish_reason: str | None  # "stop", "length" or "error"
     text: str | None = None
     error: str | None = None
@@ -42,4 +43,4 @@ class RequestOutput:
     #: with ``SamplingParams(prompt_logprobs=k)``: None for the first prompt token, then a dict
     #: ``{token_id: Logprob}`` per prompt token (`runtime.top_logprobs`); None otherwise, and for a
     #: request that never ran (its completions' ``finish_reason`` "error")
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs: PositionLogprobs | None = None

@@ -12,7 +12,8 @@ logprob temperature (1 for greedy). An entry is bitwise the one-target gather of
 ``logprobs`` (docs/design.md rule 7), and every entry is what the training forward's
 ``token_logprobs`` gives that token at that position. The own token's ``rank`` is 1 + the number
 of logits above its own (ties share a rank); the alternatives are ranked 1..k in the order
-``topk`` returns them. Results reach the host through pinned memory at the step's host sync.
+``topk`` returns them. Results reach the host through pinned memory at the step's host sync;
+the output's dicts are built when read (`PositionLogprobs`).
 
 Prompt positions get logits only where a request asks (`prompt_rows_of`): the runner then runs
 the step eagerly with those rows after the sampling rows (`ModelRunner.execute`), the rows'
@@ -23,6 +24,7 @@ scored (`Sequence.prompt_unscored`, `BlockManager`), so every position is comput
 
 from __future__ import annotations
 
+from collections import abc
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,7 +36,7 @@ from .scheduled import ScheduledSeq
 from .sequence import Sequence
 from .staging import HostCopy, to_device
 
-__all__ = ["Alternatives", "AskingRows", "Logprob", "PromptRows", "completion_logprobs",
+__all__ = ["Alternatives", "AskingRows", "Logprob", "PositionLogprobs", "PromptRows", "completion_logprobs",
            "launch_prompt_alternatives", "prompt_logprobs_of", "prompt_rows_of"]
 
 
@@ -149,31 +151,73 @@ def launch_prompt_alternatives(logits: torch.Tensor, prompt: PromptRows) -> Alte
                         *_alternatives(logits, targets[:, None], temps, max(ks)))
 
 
-def completion_logprobs(seq: Sequence, tokenizer=None) -> list[dict[int, Logprob]]:
+def completion_logprobs(seq: Sequence, tokenizer=None) -> PositionLogprobs:
     """vLLM's per-position dicts of a finished sequence that asked for ``logprobs``: the sampled
-    token first, then its alternatives (rank 1 first); a token among both appears once. Each
-    distinct token is decoded once (``decoded_token``; None without a tokenizer)."""
-    return _entries([seq.top_logprobs[i] for i in range(seq.num_output_tokens)], tokenizer)
+    token first, then its alternatives (rank 1 first); a token among both appears once; each
+    token's ``decoded_token`` from `tokenizer` (None without one). Built as they are read
+    (`PositionLogprobs`)."""
+    return PositionLogprobs([seq.top_logprobs[i] for i in range(seq.num_output_tokens)], tokenizer)
 
 
-def prompt_logprobs_of(seq: Sequence, tokenizer=None) -> list[dict[int, Logprob] | None]:
+def prompt_logprobs_of(seq: Sequence, tokenizer=None) -> PositionLogprobs:
     """vLLM's ``RequestOutput.prompt_logprobs`` from the sample that scored the prompt: None for
     the first token, then each prompt token's dict as `completion_logprobs` builds them."""
-    return [None] + _entries([seq.prompt_top_logprobs[i] for i in range(1, seq.num_prompt_tokens)], tokenizer)
+    return PositionLogprobs([None] + [seq.prompt_top_logprobs[i] for i in range(1, seq.num_prompt_tokens)], tokenizer)
 
 
-def _entries(stored: list[tuple[list[int], list[float], int]], tokenizer) -> list[dict[int, Logprob]]:
-    out = []
-    for ids, lps, rank in stored:
+class PositionLogprobs(abc.Sequence):
+    """vLLM's list of per-position dicts ``{token_id: Logprob}``, each dict built when it is first
+    read (then kept), as vLLM's ``FlatLogprobs`` does: a rollout of 139k tokens asking for 20
+    alternatives holds 2.9M entries, and building them all at the end of ``generate`` took longer
+    than the rollout's decode steps (performance.md, section 3).
+
+    It reads as a list: ``len``, indexing and slices, iteration, ``==`` with a list (or another
+    such sequence), ``+`` (a list). It pickles, copies and ``list()``-s as a plain list of dicts.
+    Stored per position: (token ids, logprobs, the own token's rank), or None (the prompt's first
+    token). Decoding goes through `tokenizer` once per distinct token read."""
+
+    def __init__(self, stored: list[tuple[list[int], list[float], int] | None], tokenizer=None) -> None:
+        self._stored = stored
+        self._built: list[dict[int, Logprob] | None] = [None] * len(stored)
+        self._tokenizer = tokenizer
+        self._text: dict[int, str] = {}
+
+    def __len__(self) -> int:
+        return len(self._stored)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        entry = self._built[index]
+        if entry is None and self._stored[index] is not None:
+            entry = self._built[index] = self._entry(*self._stored[index])
+        return entry
+
+    def _entry(self, ids: list[int], lps: list[float], rank: int) -> dict[int, Logprob]:
         entry = {ids[0]: Logprob(lps[0], rank)}
         for alt_rank, token in enumerate(ids[1:], start=1):
             if token not in entry:
                 entry[token] = Logprob(lps[alt_rank], alt_rank)
-        out.append(entry)
-    if tokenizer is not None:
-        distinct = sorted({token for entry in out for token in entry})
-        text = dict(zip(distinct, tokenizer.batch_decode([[t] for t in distinct])))
-        for entry in out:
+        if self._tokenizer is not None:
+            new = [token for token in entry if token not in self._text]
+            self._text.update(zip(new, self._tokenizer.batch_decode([[t] for t in new])))
             for token, value in entry.items():
-                value.decoded_token = text[token]
-    return out
+                value.decoded_token = self._text[token]
+        return entry
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (list, PositionLogprobs)):
+            return len(self) == len(other) and list(self) == list(other)
+        return NotImplemented
+
+    def __add__(self, other):
+        return list(self) + list(other)
+
+    def __radd__(self, other):
+        return list(other) + list(self)
+
+    def __reduce__(self):
+        return list, (list(self),)
+
+    def __repr__(self) -> str:
+        return repr(list(self))

@@ -128,6 +128,32 @@ def test_decoded_tokens_come_from_the_engines_tokenizer():
     assert completion_logprobs(seq) == [{7: Logprob(-1.0, 1), 9: Logprob(-2.0, 2)}]  # a token in both: once
 
 
+def test_position_dicts_are_built_when_read_and_read_as_a_list():
+    """`PositionLogprobs`: nothing is built by ``generate``; a position read is built once (then
+    the same dict), each distinct token decoded once; it compares, slices, adds, copies and pickles
+    as the plain list of dicts."""
+    import copy
+    import pickle
+
+    tokenizer = _word_tokenizer()
+    calls = []
+    decode = tokenizer.batch_decode
+    tokenizer.batch_decode = lambda ids, **kw: calls.extend(ids) or decode(ids, **kw)
+    llm = make_llm(_model("qwen3"), tokenizer=tokenizer)
+    [out] = gen(llm, ["w3 w4 w5"], SamplingParams(max_tokens=6, seed=1, logprobs=4, prompt_logprobs=2))
+    lps = out.outputs[0].logprobs
+    assert not calls and all(e is None for e in lps._built)  # nothing built yet
+    third = lps[2]
+    assert lps[2] is third and sum(e is not None for e in lps._built) == 1 and len(calls) == len(third)
+    plain = [dict(e) for e in lps]
+    assert len(calls) == len({t for e in plain for t in e})  # each distinct token decoded once
+    assert lps == plain and plain == lps and lps[1:3] == plain[1:3] and lps[-1] == plain[-1]
+    assert lps + [None] == plain + [None] and [None] + lps == [None] + plain
+    assert type(copy.deepcopy(lps)) is list and copy.deepcopy(lps) == plain
+    assert pickle.loads(pickle.dumps(lps)) == plain and repr(lps) == repr(plain)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == 3 and out.prompt_logprobs != lps
+
+
 @pytest.mark.parametrize("value, words", [(-1, ["logprobs=-1", "minimum 0"]),
                                           (MAX_LOGPROBS + 1, [f"logprobs={MAX_LOGPROBS + 1}", f"maximum {MAX_LOGPROBS}"]),
                                           (True, ["logprobs=True", "int"]), (2.0, ["logprobs=2.0", "int"])])
