@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from .model_runner import ModelRunner
 from .pipeline_worker import Pipeline
@@ -63,6 +64,7 @@ class EngineStepsMixin:
 
     scheduler: Scheduler
     runner: ModelRunner
+    model: torch.nn.Module  #: the inference model (its ``causal_lm.final_logits`` scores prompt positions)
     sampler: Sampler
     pipeline: Pipeline | None  #: None on a single process
     #: Overlap the host's step work with the device (the module docstring).
@@ -105,11 +107,14 @@ class EngineStepsMixin:
         if self.pipeline is not None:
             return LaunchedStep(scheduled, None, self.pipeline.execute_first(self, scheduled))
         prompt = prompt_rows_of(scheduled) if self._scores_prompts else None
-        logits = self.runner.execute(scheduled, None if prompt is None else prompt.rows)
+        if prompt is None:
+            logits, hidden = self.runner.execute(scheduled), None
+        else:
+            logits, hidden = self.runner.execute_scoring(scheduled, prompt.rows)
         sampling = [item.seq for item in scheduled if item.samples]
-        launched = LaunchedStep(scheduled, self.sampler.launch(logits[:len(sampling)], sampling) if sampling else None)
-        if prompt is not None:  # the prompt positions' rows follow the sampling rows
-            launched.prompt_scores = launch_prompt_alternatives(logits[len(sampling):], prompt)
+        launched = LaunchedStep(scheduled, self.sampler.launch(logits, sampling) if sampling else None)
+        if prompt is not None:
+            launched.prompt_scores = launch_prompt_alternatives(hidden, prompt, self.model.causal_lm.final_logits)
         return launched
 
     def _launch_ahead(self, launched: LaunchedStep) -> LaunchedStep | None:

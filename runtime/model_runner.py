@@ -215,6 +215,10 @@ class ModelRunner:
         starts = inputs.seq_lens.astype(np.int64) - counts
         return LinearStep(self.linear_states, inputs.seq_rows, starts, counts, cu, inputs.max_seqlen_q)
 
+    def _check_cache(self) -> None:
+        if not self.kv_caches:
+            raise RuntimeError("ModelRunner: the KV cache is released (call wake_up())")
+
     def _copy_states(self, inputs: StepInputs) -> None:
         """Before the step: the gated-DeltaNet slot copies it carries (a sample taking its prompt's
         state from a sibling, `runtime.scheduler_siblings`), on this runner's GDN layers."""
@@ -223,15 +227,21 @@ class ModelRunner:
         src, dst = (torch.as_tensor(inputs.state_copies[:, i]).to(self.device) for i in (0, 1))
         self.linear_states.copy_slots(src, dst)
 
-    def execute(self, scheduled: list[ScheduledSeq], extra_rows: np.ndarray | None = None) -> torch.Tensor:
-        """Run the step; return fp32 logits ``[num sampling sequences, vocab]`` in scheduled order,
-        then those of `extra_rows` (flat token indices of the step's batch, e.g. prompt positions
-        scored: `runtime.top_logprobs`), which run the step eagerly."""
+    def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+        """Run the step; return fp32 logits ``[num sampling sequences, vocab]`` in scheduled order."""
+        return self.run(self.build_inputs(scheduled))
+
+    def execute_scoring(self, scheduled: list[ScheduledSeq], hidden_rows: np.ndarray
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the step eagerly (CUDA graphs do not capture the extra rows): the sampling rows'
+        fp32 logits as `execute` returns them, and the final hidden states of `hidden_rows` (flat
+        token indices of the step's batch: prompt positions scored, `runtime.top_logprobs`)."""
         inputs = self.build_inputs(scheduled)
-        if extra_rows is None or not len(extra_rows):
-            return self.run(inputs)
-        inputs.logits_rows = np.concatenate([inputs.logits_rows, extra_rows])
-        return self.run(inputs, eager=True)
+        self._check_cache()
+        self._copy_states(inputs)
+        ids, positions, context, rows = self._to_device(inputs)
+        [hidden_dev] = to_device([np.asarray(hidden_rows, np.int64)], self.device)
+        return self.model(ids, positions, context, rows, hidden_dev)
 
     def execute_ahead(self, scheduled: list[ScheduledSeq], in_flight: torch.Tensor) -> torch.Tensor:
         """Run a ``Scheduler.schedule_ahead`` step: its ``in_flight`` items (the first ones, one
@@ -240,16 +250,14 @@ class ModelRunner:
         return self.run(self.build_inputs(scheduled), in_flight=in_flight)
 
     def run(self, inputs: StepInputs, carry: tuple[torch.Tensor, torch.Tensor] | None = None,
-            in_flight: torch.Tensor | None = None, eager: bool = False):
+            in_flight: torch.Tensor | None = None):
         """Run a step given its inputs: the model's output (fp32 logits of the sampling rows; a
         pipeline stage before the last returns its ``(hidden, residual)``). `carry` is the
         previous stage's ``(hidden, residual)`` when the model takes them; `in_flight`, device
-        token ids that replace the first ``len(in_flight)`` of ``inputs.ids``; `eager` skips the
-        CUDA graphs (rows they do not capture)."""
-        if not self.kv_caches:
-            raise RuntimeError("ModelRunner: the KV cache is released (call wake_up())")
+        token ids that replace the first ``len(in_flight)`` of ``inputs.ids``."""
+        self._check_cache()
         self._copy_states(inputs)
-        bucket = None if self.graphs is None or eager else self.graphs.step_bucket(inputs)
+        bucket = None if self.graphs is None else self.graphs.step_bucket(inputs)
         if bucket is not None:
             return self.graphs.run(inputs, bucket, carry, in_flight)
         ids, positions, context, rows = self._to_device(inputs)

@@ -97,9 +97,9 @@ class SamplingParams:
             ``RequestOutput.prompt_logprobs``, per prompt token after the first a dict of that token
             and the k most probable ones at its position, at the request's temperature (1 for
             greedy): the training forward's ``token_logprobs`` of the prompt, bitwise. Steps that
-            hold such positions run eagerly, one at a time (`runtime.top_logprobs`), and hold their
-            fp32 logits: up to ``max_num_batched_tokens * vocab * 4`` bytes a step beyond what the
-            engine sized its KV cache for (lower ``max_num_batched_tokens`` for long prompts).
+            hold such positions run eagerly, one at a time (`runtime.top_logprobs`); their fp32
+            logits are made ``PROMPT_ROWS_AT_ONCE`` (512) positions at a time, 311 MB at a
+            vocabulary of 151,936, whatever the step's size.
         skip_special_tokens: leave special tokens out of the returned text (and of the text stop
             strings are matched on), as vLLM's default; False keeps them.
         detokenize: False returns no text (``CompletionOutput.text`` None, no ``decoded_token``)

@@ -16,8 +16,10 @@ of logits above its own (ties share a rank); the alternatives are ranked 1..k in
 the output's dicts are built when read (`PositionLogprobs`).
 
 Prompt positions get logits only where a request asks (`prompt_rows_of`): the runner then runs
-the step eagerly with those rows after the sampling rows (`ModelRunner.execute`), the rows'
-final norm and LM head being row-wise (rule 3), so the sampling rows' bits do not move. Only the
+the step eagerly and returns those rows' final hidden states beside the sampling rows' logits
+(`ModelRunner.execute_scoring`), and their logits are computed `PROMPT_ROWS_AT_ONCE` rows at a
+time, the final norm and LM head being row-wise (rule 3): the sampling rows' bits do not move, and
+a long prompt chunk never holds all its positions' fp32 logits at once. Only the
 request's first sample scores its prompt; it takes no published page before its prompt is
 scored (`Sequence.prompt_unscored`, `BlockManager`), so every position is computed once.
 """
@@ -141,14 +143,23 @@ def prompt_rows_of(scheduled: list[ScheduledSeq]) -> PromptRows | None:
     return PromptRows(np.asarray(rows, np.int64), np.asarray(targets, np.int64), np.asarray(temps, np.float32), owners)
 
 
-def launch_prompt_alternatives(logits: torch.Tensor, prompt: PromptRows) -> Alternatives:
-    """Start the alternatives of the prompt positions whose logits are `logits` (``[X, vocab]``,
-    in `prompt`'s order)."""
+#: prompt positions whose fp32 logits are held at a time (`launch_prompt_alternatives`): 512 x 151,936 x 4
+#: bytes = 311 MB, where a step's whole chunk (up to ``max_num_batched_tokens``) would take gigabytes
+PROMPT_ROWS_AT_ONCE = 512
+
+
+def launch_prompt_alternatives(hidden: torch.Tensor, prompt: PromptRows, head) -> Alternatives:
+    """Start the alternatives of the prompt positions whose final hidden states are `hidden`
+    (``[X, hidden size]``, in `prompt`'s order): their logits (`head`, the model's
+    ``final_logits``) `PROMPT_ROWS_AT_ONCE` rows at a time, the head being row-wise (rule 3)."""
     seqs = [seq for seq, _ in prompt.owners]
     ks = [seq.params.prompt_logprobs for seq in seqs]
-    targets, temps = to_device([prompt.targets, prompt.temps], logits.device)
+    targets, temps = to_device([prompt.targets, prompt.temps], hidden.device)
+    parts = [_alternatives(head(hidden[i:i + PROMPT_ROWS_AT_ONCE]), targets[i:i + PROMPT_ROWS_AT_ONCE, None],
+                           temps[i:i + PROMPT_ROWS_AT_ONCE], max(ks))
+             for i in range(0, len(hidden), PROMPT_ROWS_AT_ONCE)]
     return Alternatives([seq.prompt_top_logprobs for seq in seqs], [index for _, index in prompt.owners], ks,
-                        *_alternatives(logits, targets[:, None], temps, max(ks)))
+                        *(torch.cat(part) for part in zip(*parts)))
 
 
 def completion_logprobs(seq: Sequence, tokenizer=None) -> PositionLogprobs:

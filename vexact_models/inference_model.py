@@ -35,11 +35,15 @@ class InferenceModel(nn.Module):
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context: PagedContext,
-                logits_indices: torch.Tensor) -> torch.Tensor:
+                logits_indices: torch.Tensor, hidden_indices: torch.Tensor | None = None):
         """Run new tokens through the paged cache; return fp32 logits ``[n, vocab]`` for the
-        flat rows ``logits_indices`` (the last token of each sequence that samples)."""
+        flat rows ``logits_indices`` (the last token of each sequence that samples), and with
+        `hidden_indices` also the final hidden states of those rows, whose logits the caller
+        computes with ``causal_lm.final_logits`` as it goes (prompt positions scored a few at a
+        time: `runtime.top_logprobs`; the head is row-wise, rule 3, so the bits are the same)."""
         hidden = self.causal_lm.model.forward_flat(input_ids, positions, context)
-        return self.causal_lm.final_logits(hidden[logits_indices])
+        logits = self.causal_lm.final_logits(hidden[logits_indices])
+        return logits if hidden_indices is None else (logits, hidden[hidden_indices])
 
     @torch.no_grad()
     def forward_stage(self, layers: range, first: bool, last: bool, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -5,6 +5,7 @@ entry is the float the engine reports without them, and every entry is the train
 ``token_logprobs`` of that token at that position, bitwise, under preemption, chunked prefill,
 prefix sharing, ``n > 1`` and async steps."""
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -12,7 +13,9 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from vexact_models.registry import architectures, get
 from vexact_models.runtime import SamplingParams
+from vexact_models.runtime import top_logprobs
 from vexact_models.runtime.sampling_params import MAX_LOGPROBS
+from vexact_models.runtime.sequence import Sequence
 from vexact_models.runtime.top_logprobs import Logprob, completion_logprobs
 
 from .llm_support import cache_bytes, gen, graph_shaped, make_llm, prompts_for
@@ -164,11 +167,12 @@ def test_bad_logprobs_are_refused_naming_the_value_and_the_limit(value, words):
 
 
 @pytest.mark.parametrize("name", ARCHS)
-def test_prompt_logprobs_are_the_training_forwards_and_sampling_is_unchanged(name):
+def test_prompt_logprobs_are_the_training_forwards_and_sampling_is_unchanged(name, monkeypatch):
     """Every prompt token after the first: its entry is ``token_logprobs`` of the prompt at the
     request's temperature, each alternative the training forward's too; chunked prefill (8-token
-    steps), n = 2 (the second sample shares the first's prompt pages or state); the samples are
-    those of the same requests without prompt logprobs."""
+    steps, their positions' logits 3 rows at a time), n = 2 (the second sample shares the first's
+    prompt pages or state); the samples are those of the same requests without prompt logprobs."""
+    monkeypatch.setattr(top_logprobs, "PROMPT_ROWS_AT_ONCE", 3)
     overrides = {"final_logit_softcapping": 3.0} if name == "gemma3" else {}
     model = _model(name, **overrides)
     prompts = prompts_for(3, seed=5, lo=9, hi=20)
@@ -188,6 +192,27 @@ def test_prompt_logprobs_are_the_training_forwards_and_sampling_is_unchanged(nam
             assert next(iter(entry)) == prompt[i] and 2 <= len(entry) <= 3
             for alt, lp in entry.items():
                 assert lp.logprob == _training_entry(model, prompt[:i], alt, 0.7), (i, alt)
+
+
+def test_prompt_positions_logits_are_made_a_few_rows_at_a_time(monkeypatch):
+    """`launch_prompt_alternatives` runs the head on `PROMPT_ROWS_AT_ONCE` rows at a time (a long
+    prompt chunk never holds all its positions' logits) and gives the bits of one head over all."""
+    model = _model("qwen3")
+    seq = Sequence(0, 0, list(range(3, 11)), SamplingParams(prompt_logprobs=4), 1)
+    prompt = top_logprobs.PromptRows(np.arange(7), np.array(seq.token_ids[1:]), np.full(7, 1.0, np.float32),
+                                     [(seq, i) for i in range(1, 8)])
+    hidden = torch.randn(7, model.config.hidden_size)
+    sizes = []
+
+    def head(rows):
+        sizes.append(len(rows))
+        return model.final_logits(rows)
+
+    top_logprobs.launch_prompt_alternatives(hidden, prompt, model.final_logits).record()
+    whole = dict(seq.prompt_top_logprobs)
+    monkeypatch.setattr(top_logprobs, "PROMPT_ROWS_AT_ONCE", 3)
+    top_logprobs.launch_prompt_alternatives(hidden, prompt, head).record()
+    assert sizes == [3, 3, 1] and seq.prompt_top_logprobs == whole and len(whole) == 7
 
 
 def test_a_scored_prompt_computes_every_position_beside_published_pages():
@@ -246,12 +271,13 @@ def test_steps_scoring_prompts_run_eagerly_beside_graph_shaped_steps():
                              prompt_logprobs=1 if i % 2 else None, logprobs=2 if i == 2 else None) for i in range(5)]
     want = gen(make_llm(model, max_num_batched_tokens=16), prompts, params)
     llm = make_llm(model, max_num_batched_tokens=16)
-    graphs, replayed, eager = graph_shaped(llm), [], []
-    run, execute = graphs.run, llm.runner.execute
+    graphs, replayed, steps = graph_shaped(llm), [], []
+    run, execute, scoring = graphs.run, llm.runner.execute, llm.runner.execute_scoring
     graphs.run = lambda inputs, *args, **kwargs: replayed.append(1) or run(inputs, *args, **kwargs)
-    llm.runner.execute = lambda scheduled, rows=None: eager.append(rows is not None) or execute(scheduled, rows)
+    llm.runner.execute = lambda scheduled: steps.append(False) or execute(scheduled)
+    llm.runner.execute_scoring = lambda scheduled, rows: steps.append(True) or scoring(scheduled, rows)
     got = gen(llm, prompts, params)
-    assert replayed and sum(eager) and len(replayed) + sum(eager) == len(eager)  # each step: replayed or eager
+    assert replayed and sum(steps) and len(replayed) + sum(steps) == len(steps)  # each step: replayed or eager
     for w, g in zip(want, got):
         assert g.prompt_logprobs == w.prompt_logprobs
         assert [(c.token_ids, c.logprobs) for c in g.outputs] == [(c.token_ids, c.logprobs) for c in w.outputs]
