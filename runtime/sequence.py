@@ -73,11 +73,11 @@ class Sequence:
         # (`runtime.page_groups.WindowTable`, made at its first pages there); None otherwise
         self.window_pages = None
         self.output_logprobs: list[float] = []
-        # by output index: (token ids, logprobs, sampled token's rank) where params.logprobs asks
-        # for the most probable tokens too (`runtime.top_logprobs`)
-        self.top_logprobs: dict[int, tuple[list[int], list[float], int]] = {}
+        # by output index, where params.logprobs asks for the most probable tokens too: the place
+        # of the position's token ids, logprobs and rank in its step's host arrays (`runtime.top_logprobs.Stored`)
+        self.top_logprobs: dict[int, tuple] = {}
         # by prompt index (1..P-1) where params.prompt_logprobs asks, on the request's first sample
-        self.prompt_top_logprobs: dict[int, tuple[list[int], list[float], int]] = {}
+        self.prompt_top_logprobs: dict[int, tuple] = {}
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.error: str | None = None

@@ -38,7 +38,7 @@ from .scheduled import ScheduledSeq
 from .sequence import Sequence
 from .staging import HostCopy, to_device
 
-__all__ = ["Alternatives", "AskingRows", "Logprob", "PositionLogprobs", "PromptRows", "completion_logprobs",
+__all__ = ["Alternatives", "AskingRows", "Logprob", "PositionLogprobs", "PromptRows", "Stored", "completion_logprobs",
            "launch_prompt_alternatives", "prompt_logprobs_of", "prompt_rows_of"]
 
 
@@ -53,10 +53,15 @@ class Logprob:
     decoded_token: str | None = None
 
 
+#: what a sequence stores per position (``Sequence.top_logprobs``): its step's host arrays (the
+#: targets ``[R, k + 1]``, their logprobs, the own tokens' ranks ``[R]``), its row there and its k
+Stored = tuple[np.ndarray, np.ndarray, np.ndarray, int, int]
+
+
 class Alternatives:
     """Alternatives on their way to the host: for each row, the targets (the position's own
     token, then the k most probable), their logprobs and the own token's rank; `record` stores
-    them in ``stores[i][indices[i]]``, cut to ``ks[i]`` alternatives."""
+    ``(arrays, row, ks[i])`` in ``stores[i][indices[i]]`` (`Stored`)."""
 
     def __init__(self, stores: list[dict], indices: list[int], ks: list[int], targets: torch.Tensor,
                  logprobs: torch.Tensor, ranks: torch.Tensor) -> None:
@@ -64,10 +69,12 @@ class Alternatives:
         self._host = HostCopy([targets, logprobs, ranks])  # `record` waits
 
     def record(self) -> None:
-        """Store each row's ``(token ids, logprobs, own token's rank)`` (waits for the device)."""
-        targets, logprobs, ranks = (t.tolist() for t in self._host.result())
-        for store, index, k, ids, lps, rank in zip(self.stores, self.indices, self.ks, targets, logprobs, ranks):
-            store[index] = (ids[:k + 1], lps[:k + 1], rank)
+        """Store each row's place in the step's host arrays (waits for the device). The arrays are
+        read into Python values only when the output's dicts are (`PositionLogprobs`): per step, a
+        row costs a tuple here, not 2k + 3 Python numbers."""
+        targets, logprobs, ranks = (t.detach().numpy().copy() for t in self._host.result())  # pageable, not pinned
+        for row, (store, index, k) in enumerate(zip(self.stores, self.indices, self.ks)):
+            store[index] = (targets, logprobs, ranks, row, k)
 
 
 def _alternatives(logits: torch.Tensor, own: torch.Tensor, temps: torch.Tensor, k: int):
@@ -184,10 +191,10 @@ class PositionLogprobs(abc.Sequence):
 
     It reads as a list: ``len``, indexing and slices, iteration, ``==`` with a list (or another
     such sequence), ``+`` (a list). It pickles, copies and ``list()``-s as a plain list of dicts.
-    Stored per position: (token ids, logprobs, the own token's rank), or None (the prompt's first
+    Stored per position: its place in a step's host arrays (`Stored`), or None (the prompt's first
     token). Decoding goes through `tokenizer` once per distinct token read."""
 
-    def __init__(self, stored: list[tuple[list[int], list[float], int] | None], tokenizer=None) -> None:
+    def __init__(self, stored: list[Stored | None], tokenizer=None) -> None:
         self._stored = stored
         self._built: list[dict[int, Logprob] | None] = [None] * len(stored)
         self._tokenizer = tokenizer
@@ -204,8 +211,10 @@ class PositionLogprobs(abc.Sequence):
             entry = self._built[index] = self._entry(*self._stored[index])
         return entry
 
-    def _entry(self, ids: list[int], lps: list[float], rank: int) -> dict[int, Logprob]:
-        entry = {ids[0]: Logprob(lps[0], rank)}
+    def _entry(self, targets: np.ndarray, logprobs: np.ndarray, ranks: np.ndarray, row: int, k: int
+               ) -> dict[int, Logprob]:
+        ids, lps = targets[row, :k + 1].tolist(), logprobs[row, :k + 1].tolist()
+        entry = {ids[0]: Logprob(lps[0], int(ranks[row]))}
         for alt_rank, token in enumerate(ids[1:], start=1):
             if token not in entry:
                 entry[token] = Logprob(lps[alt_rank], alt_rank)

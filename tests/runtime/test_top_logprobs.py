@@ -127,7 +127,9 @@ def test_decoded_tokens_come_from_the_engines_tokenizer():
     [out] = gen(llm, ["w3 w4 w5"], SamplingParams(max_tokens=3, seed=1, logprobs=2))
     for entry in out.outputs[0].logprobs:
         assert all(v.decoded_token == f"w{t}" for t, v in entry.items())
-    seq = type("Seq", (), {"num_output_tokens": 1, "top_logprobs": {0: ([7, 7, 9], [-1.0, -1.0, -2.0], 1)}})()
+    stored = (np.array([[5, 5, 5], [7, 7, 9]]), np.array([[0.0] * 3, [-1.0, -1.0, -2.0]], np.float32),
+              np.array([3, 1]), 1, 2)  # row 1 of a step's arrays, k = 2
+    seq = type("Seq", (), {"num_output_tokens": 1, "top_logprobs": {0: stored}})()
     assert completion_logprobs(seq) == [{7: Logprob(-1.0, 1), 9: Logprob(-2.0, 2)}]  # a token in both: once
 
 
@@ -209,10 +211,10 @@ def test_prompt_positions_logits_are_made_a_few_rows_at_a_time(monkeypatch):
         return model.final_logits(rows)
 
     top_logprobs.launch_prompt_alternatives(hidden, prompt, model.final_logits).record()
-    whole = dict(seq.prompt_top_logprobs)
+    whole = top_logprobs.prompt_logprobs_of(seq)
     monkeypatch.setattr(top_logprobs, "PROMPT_ROWS_AT_ONCE", 3)
     top_logprobs.launch_prompt_alternatives(hidden, prompt, head).record()
-    assert sizes == [3, 3, 1] and seq.prompt_top_logprobs == whole and len(whole) == 7
+    assert sizes == [3, 3, 1] and top_logprobs.prompt_logprobs_of(seq) == whole and len(whole) == 8
 
 
 def test_a_scored_prompt_computes_every_position_beside_published_pages():
