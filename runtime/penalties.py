@@ -82,7 +82,8 @@ class PenaltyCounts:
             [np.array(slots, np.int64), *_pairs(slots, prompt), *_pairs(slots, outputs)], self.device)
         self.counts.index_fill_(0, slot_ids, 0)
         self.in_prompt.index_fill_(0, slot_ids, False)
-        self.in_prompt[p_rows, p_cols] = True
+        # values made on the device: a Python scalar would be copied there from pageable memory (a sync)
+        self.in_prompt.index_put_((p_rows, p_cols), torch.ones_like(p_cols, dtype=torch.bool))
         self.counts.index_put_((o_rows, o_cols), torch.ones_like(o_cols, dtype=torch.int32), accumulate=True)
 
     def _forget(self, slot: int) -> None:
