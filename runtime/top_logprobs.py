@@ -72,7 +72,7 @@ class Alternatives:
         """Store each row's place in the step's host arrays (waits for the device). The arrays are
         read into Python values only when the output's dicts are (`PositionLogprobs`): per step, a
         row costs a tuple here, not 2k + 3 Python numbers."""
-        targets, logprobs, ranks = (t.detach().numpy().copy() for t in self._host.result())  # pageable, not pinned
+        targets, logprobs, ranks = (t.numpy().copy() for t in self._host.result())  # pageable, not pinned
         for row, (store, index, k) in enumerate(zip(self.stores, self.indices, self.ks)):
             store[index] = (targets, logprobs, ranks, row, k)
 
@@ -155,6 +155,7 @@ def prompt_rows_of(scheduled: list[ScheduledSeq]) -> PromptRows | None:
 PROMPT_ROWS_AT_ONCE = 512
 
 
+@torch.no_grad()  # (the head's weights may be a trainer's, which require grad)
 def launch_prompt_alternatives(hidden: torch.Tensor, prompt: PromptRows, head) -> Alternatives:
     """Start the alternatives of the prompt positions whose final hidden states are `hidden`
     (``[X, hidden size]``, in `prompt`'s order): their logits (`head`, the model's

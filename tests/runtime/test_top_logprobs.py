@@ -208,6 +208,7 @@ def test_prompt_positions_logits_are_made_a_few_rows_at_a_time(monkeypatch):
 
     def head(rows):
         sizes.append(len(rows))
+        assert not torch.is_grad_enabled()  # the model's weights require grad: no graph is built
         return model.final_logits(rows)
 
     top_logprobs.launch_prompt_alternatives(hidden, prompt, model.final_logits).record()
