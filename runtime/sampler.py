@@ -48,8 +48,8 @@ class Sampler:
             self.release()
 
     def release(self) -> None:
-        """Free the device memory the sampler keeps between steps (the penalty counts, the rows)."""
-        self._rows = None
+        """Free the penalty counts (`LLM.sleep`, and a call that uses no penalties): the device
+        memory the sampler keeps between calls that grows with the vocabulary."""
         self.penalty_counts = None
 
     def _penalty_rows(self, seqs: list[Sequence], logits: torch.Tensor) -> PenaltyRows | None:
