@@ -182,10 +182,13 @@ def test_min_p_reaches_the_engine_and_the_metrics_stay_exact(example, tmp_path):
 
 
 def test_penalties_reach_the_engine_and_the_metrics_stay_exact(example, tmp_path):
-    """``GRPOConfig(repetition_penalty=...)`` and the other penalties in ``generation_kwargs``, as
-    TRL passes them to vLLM: every rollout samples with them, and TRL's metrics stay at 0 / 1 (the
-    logprobs are the unpenalised ones its training forward computes)."""
-    kwargs = {"presence_penalty": 0.5, "frequency_penalty": 0.25}
+    """``GRPOConfig(repetition_penalty=...)``, and the other penalties and filters in
+    ``generation_kwargs``, as TRL passes them to vLLM: every rollout samples with them, and TRL's
+    metrics stay at 0 / 1 (the logprobs are the unfiltered, unpenalised ones its training forward
+    computes); ``generation_kwargs={"temperature": ...}`` is refused (training would recompute at
+    another temperature)."""
+    kwargs = {"presence_penalty": 0.5, "frequency_penalty": 0.25, "top_k": 0, "min_p": 0.05,
+              "skip_special_tokens": False, "spaces_between_special_tokens": False}  # (the last: text only, dropped)
     trainer = _trainer(example, "qwen3", tmp_path, grpo={"repetition_penalty": 1.3, "generation_kwargs": kwargs})
     gen = trainer.vllm_generation
     seen = []
@@ -193,9 +196,11 @@ def test_penalties_reach_the_engine_and_the_metrics_stay_exact(example, tmp_path
     gen.llm.generate = lambda prompts, params, **kw: seen.append(params) or generate(prompts, params, **kw)
     trainer.train()
     assert seen and all((p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.3, 0.5, 0.25)
-                        for p in seen)
+                        and (p.top_k, p.min_p, p.skip_special_tokens) == (-1, 0.05, False) for p in seen)
     logs = [h for h in trainer.state.log_history if DIFF_MAX in h]
     assert len(logs) == 2 and all(h[DIFF_MAX] == 0.0 and h[IS_MIN] == h[IS_MAX] == 1.0 for h in logs), logs
+    with pytest.raises(ValueError, match=r"generation_kwargs \['temperature'\]"):
+        _trainer(example, "qwen3", tmp_path, grpo={"generation_kwargs": {"temperature": 0.5}})
 
 
 def test_stop_strings_from_generation_kwargs_cut_the_completions(example, tmp_path):

@@ -45,7 +45,9 @@ How it plugs in (trl 1.16):
 then show the mismatch of its own logprob computation. Not supported (ValueError): LoRA variants
 the aligned forward cannot run (DoRA, ...: at the first forward, as for any PeftModel of ours),
 ``cast_lm_head_to_fp32``, ``use_liger_kernel``, ``generation_kwargs`` other than `GENERATION_KWARGS` (stop
-strings, ``min_tokens``, the penalties: the engine gets the trainer's tokenizer), images,
+strings, ``min_tokens``, the penalties, the filters, ``ignore_eos``, ``skip_special_tokens``: the
+engine gets the trainer's tokenizer; fields that would change what training recomputes, such as
+``temperature`` or ``logprobs``, are refused), images,
 FSDP/DeepSpeed, and a load-balancing loss for DeepSeek-V3/Moonlight (set
 ``router_aux_loss_coef=0.0``; Qwen3-MoE's is computed from the same forward). ``beta != 0`` uses
 TRL's reference model as TRL builds it.
@@ -67,7 +69,10 @@ __all__ = ["ExactRolloutsMixin", "VexactDistillationTrainer", "VexactGRPOTrainer
 
 #: the ``GRPOConfig.generation_kwargs`` (vLLM SamplingParams fields) this integration honours
 GENERATION_KWARGS = ("stop", "include_stop_str_in_output", "min_tokens", "repetition_penalty", "frequency_penalty",
-                     "presence_penalty")
+                     "presence_penalty", "top_k", "top_p", "min_p", "ignore_eos", "skip_special_tokens",
+                     "spaces_between_special_tokens")
+#: of those, the ones that change only vLLM's output text, which TRL does not read (it decodes the ids): dropped
+TEXT_ONLY_KWARGS = ("spaces_between_special_tokens",)
 
 
 def _check_config(trainer: str, args, exact_logprobs: bool) -> None:
@@ -165,10 +170,11 @@ class ExactRolloutsMixin:
                 kw["gpu_memory_utilization"] = self.args.vllm_gpu_memory_utilization
             tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)  # a processor's own
             llm = LLM(policy, **{**kw, "tokenizer": tokenizer, **(llm_kwargs or {})})
-        top_k = self.top_k if self.top_k not in (None, 0) else -1
-        sampling = {"temperature": self.temperature, "top_p": self.top_p, "top_k": top_k, "min_p": self.min_p or 0.0,
-                    "repetition_penalty": self.args.repetition_penalty, "max_tokens": self.max_completion_length,
-                    "stop_token_ids": list(self.eos_token_ids), **(self.args.generation_kwargs or {})}
+        extra = {k: v for k, v in (self.args.generation_kwargs or {}).items() if k not in TEXT_ONLY_KWARGS}
+        sampling = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                    "min_p": self.min_p or 0.0, "repetition_penalty": self.args.repetition_penalty,
+                    "max_tokens": self.max_completion_length, "stop_token_ids": list(self.eos_token_ids), **extra}
+        sampling["top_k"] = sampling["top_k"] if sampling["top_k"] not in (None, 0) else -1  # TRL's and vLLM's "off"
         self.vllm_generation = VexactGeneration(llm, policy, sampling)
         self.use_vllm = True
         self.vllm_mode = "vexact"  # neither "server" nor "colocate": TRL's vLLM-only branches stay off
