@@ -44,6 +44,7 @@ from .llm_setup import (engine_config, eos_token_ids, folder_config, kv_bytes_pe
                         load_folder, pick_device, runner_model)
 from .llm_steps import EngineStepsMixin
 from .linear_state_cache import linear_state_spec
+from .logit_bias import check_token_lists
 from .outputs import RequestOutput
 from .pipeline import PipelineStage, check_stage_model, join_pipeline
 from .pipeline_comm import PipelineComm
@@ -326,10 +327,11 @@ class LLM(ChatMixin, RequestsMixin, EngineStepsMixin, EngineMemoryMixin):
         if self.pipeline is not None and any(p.logprobs is not None or p.prompt_logprobs is not None for p in params):
             raise ValueError("LLM.generate: SamplingParams.logprobs and prompt_logprobs (the most probable tokens) are "
                              "not available on pipeline stages; leave them None for each sampled token's logprob")
-        if self.pipeline is not None and any(p.uses_penalties for p in params):
-            raise ValueError("LLM.generate: SamplingParams.repetition_penalty, frequency_penalty and presence_penalty "
-                             "are not available on pipeline stages (the last stage samples without the token counts); "
-                             "leave them at 1, 0 and 0")
+        if self.pipeline is not None and any(p.uses_penalties or p.edits_logits for p in params):
+            raise ValueError("LLM.generate: SamplingParams.repetition_penalty, frequency_penalty, presence_penalty, "
+                             "allowed_token_ids and logit_bias are not available on pipeline stages (the last stage "
+                             "samples without them); leave them at 1, 0, 0, None and None")
+        check_token_lists(params, self.config.vocab_size)
         self._check_awake("LLM.generate")
         if self.pipeline is not None and not self.pipeline.stage.is_first:
             return self._serve_stage(len(prompts))

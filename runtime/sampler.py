@@ -1,8 +1,9 @@
 """Sampler: turns the LM head's logits into (token, logprob) per sequence.
 
 The token comes from `kernels.sample_tokens` (Gumbel-max over a counter RNG keyed by the
-sequence's seed and output index, after min_tokens bans, repetition/frequency/presence penalties
-(`runtime.penalties`) and min-p/top-k/top-p filtering); the logprob is
+sequence's seed and output index, after allowed tokens and logit biases (`runtime.logit_bias`),
+repetition/frequency/presence penalties (`runtime.penalties`), min_tokens bans and
+min-p/top-k/top-p filtering); the logprob is
 ``gather_logprobs(logits, token, T)`` on the *unfiltered* logits at the sequence's temperature
 (1.0 for greedy): the quantity training recomputes with ``token_logprobs``, by the same kernel.
 The logits are the model's (`kernels.lm_head_logits`, soft-capped where the config sets Gemma's
@@ -24,6 +25,7 @@ import torch
 from vexact_models.kernels import gather_logprobs, sample_tokens
 from vexact_models.kernels.sampling import filter_thresholds
 
+from .logit_bias import LogitEdits
 from .penalties import PenaltyCounts, PenaltyRows, uses_penalties
 from .scheduled import ScheduledSeq
 from .sequence import Sequence
@@ -89,11 +91,12 @@ class Sampler:
         if rows is None or rows.device != logits.device or rows.seqs != seqs:  # identity per element
             rows = self._rows = _RowParams(seqs, logits.device, ahead)
             rows.penalties = self._penalty_rows(rows.seqs, logits)
+            rows.edits = LogitEdits.of(rows.seqs, logits.shape[1], logits.device)
         else:
             rows.refresh(ahead)
         sampled = launch_sample(logits, rows.temps, rows.logprob_temps, rows.top_k, rows.top_p, rows.log_min_p,
                                 rows.seeds, rows.steps, rows.filter_rows, self._bans(seqs, rows.step, rows.min_tokens),
-                                rows.penalties)
+                                rows.penalties, rows.edits)
         if rows.alternatives:
             sampled.alternatives = rows.alternatives.launch(logits, sampled.tokens, rows.logprob_temps, rows.step)
         return sampled
@@ -186,16 +189,20 @@ def sample(logits: torch.Tensor, temps, logprob_temps, top_k, top_p, log_min_p, 
 
 def launch_sample(logits: torch.Tensor, temps, logprob_temps, top_k, top_p, log_min_p, seeds, steps,
                   filter_rows: torch.Tensor | None, banned: list[tuple[int, int]],
-                  penalties: PenaltyRows | None = None) -> SampledTokens:
+                  penalties: PenaltyRows | None = None, edits: LogitEdits | None = None) -> SampledTokens:
     """`sample` without the host sync: the device work, and the results on their way to the
     host. Every index reaches the device through a pinned copy (a pageable one would wait for
-    the stream), so nothing here waits for the device. With `penalties`, the sampled tokens are
-    added to their sequences' counts."""
-    sample_logits = logits if penalties is None else penalties.apply(logits)  # (a copy)
+    the stream), so nothing here waits for the device. `edits` (allowed tokens, biases) and
+    `penalties` act first, on copies; with `penalties`, the sampled tokens are added to their
+    sequences' counts."""
+    sample_logits = logits if edits is None else edits.apply(logits)
+    if penalties is not None:
+        sample_logits = penalties.apply(sample_logits)
     if banned:
         ban_rows, ban_cols = to_device([np.array(pairs, np.int64) for pairs in zip(*banned)], logits.device)
-        if penalties is None:
-            sample_logits = logits.clone()  # (a Python scalar value would be copied to the device: a sync)
+        if sample_logits is logits:
+            sample_logits = logits.clone()
+        # (a Python scalar value would be copied to the device: a sync)
         sample_logits.index_put_((ban_rows, ban_cols), torch.full((len(banned),), float("-inf"), device=logits.device))
     thresholds = None
     if filter_rows is not None:
@@ -274,6 +281,8 @@ class _RowParams:
         self.seqs, self.device = list(seqs), device
         #: the rows that use repetition/frequency/presence penalties (`runtime.penalties`; the sampler sets it)
         self.penalties: PenaltyRows | None = None
+        #: the rows' allowed tokens and biases (`runtime.logit_bias`; the sampler sets it)
+        self.edits: LogitEdits | None = None
         #: the rows whose requests ask for their most probable tokens (`runtime.top_logprobs`)
         self.alternatives = AskingRows(self.seqs, device)
         host = _host_arrays(seqs, ahead)

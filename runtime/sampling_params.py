@@ -76,6 +76,12 @@ class SamplingParams:
             The three penalties steer sampling only, as top-k/top-p do: the reported logprobs
             stay the unpenalised ones training recomputes (vLLM's default ``logprobs_mode``).
             Not available on pipeline stages.
+        allowed_token_ids: None, or the only token ids that may be sampled (a non-empty list).
+        logit_bias: None, or ``{token_id: bias}``: each bias (a finite float) is added to that
+            token's logit before sampling. Both act before the penalties and filters, as vLLM's
+            (`runtime.logit_bias`); they steer sampling only, the reported logprobs stay the
+            unedited ones. Token ids must lie in the vocabulary (``LLM.generate`` checks). Not
+            available on pipeline stages.
         min_tokens: >= 0. Stop tokens and EOS are banned while fewer than this many tokens
             have been generated, and a stop token only finishes a sequence once at least
             ``min_tokens`` outputs precede it.
@@ -119,6 +125,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    allowed_token_ids: list[int] | None = None
+    logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
     max_tokens: int = 16
     stop_token_ids: list[int] = field(default_factory=list)
@@ -137,6 +145,7 @@ class SamplingParams:
         self._validate_lengths()
         self._validate_stops()
         self._validate_stop_strings()
+        self._validate_token_edits()
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 k = _require_at_least(name, getattr(self, name), 0)
@@ -201,6 +210,30 @@ class SamplingParams:
         if self.stop and not self.detokenize:
             raise ValueError(f"SamplingParams.stop={self.stop!r} needs detokenize=True (stop strings are matched on "
                              "the detokenized output)")
+
+    def _validate_token_edits(self) -> None:
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, (list, tuple)) or not ids:
+                raise ValueError(f"SamplingParams.allowed_token_ids={ids!r} must be None or a non-empty list of ints")
+            for i, token in enumerate(ids):
+                if not _is_int(token) or token < 0:
+                    raise ValueError(f"SamplingParams.allowed_token_ids[{i}]={token!r} must be an int >= 0")
+            self.allowed_token_ids = list(ids)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"SamplingParams.logit_bias={self.logit_bias!r} must be None or a dict "
+                                 "{token_id: bias}")
+            for token in self.logit_bias:
+                if not _is_int(token) or token < 0:
+                    raise ValueError(f"SamplingParams.logit_bias key {token!r} must be a token id (an int >= 0)")
+            self.logit_bias = {token: _require_float(f"logit_bias[{token}]", value)
+                               for token, value in self.logit_bias.items()}
+
+    @property
+    def edits_logits(self) -> bool:
+        """Whether ``allowed_token_ids`` or ``logit_bias`` is set."""
+        return self.allowed_token_ids is not None or bool(self.logit_bias)
 
     def _validate_stops(self) -> None:
         ids = self.stop_token_ids

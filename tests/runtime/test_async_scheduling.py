@@ -285,13 +285,16 @@ def test_async_scheduling_with_cuda_graphs_gives_the_same_rollouts():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (a busy stream)")
 def test_launching_a_sample_does_not_wait_for_the_device():
-    """Bans (min_tokens), min-p/top-k/top-p rows, the penalties (new sequences' slots filled, the
-    sampled tokens counted) and the results' copy all reach the device without a sync: with the
-    stream busy, `Sampler.launch` returns while the stream still runs."""
+    """Bans (min_tokens), min-p/top-k/top-p rows, allowed tokens and biases, the penalties (new
+    sequences' slots filled, the sampled tokens counted) and the results' copy all reach the
+    device without a sync: with the stream busy, `Sampler.launch` returns while the stream still
+    runs."""
     def seqs():  # new sequences each time: new rows, new penalty slots
         return [Sequence(i, 0, [9, 9], SamplingParams(temperature=1.0, top_p=0.9, top_k=8, min_p=0.01, min_tokens=4,
                                                       stop_token_ids=[3], seed=i, repetition_penalty=1.3,
-                                                      presence_penalty=0.5 * (i % 2)), seed=i) for i in range(4)]
+                                                      presence_penalty=0.5 * (i % 2), logit_bias={5: 1.0},
+                                                      allowed_token_ids=list(range(40)) if i % 2 else None),
+                         seed=i) for i in range(4)]
 
     logits = torch.randn(4, 64, device="cuda")
     sampler = Sampler(EOS)
@@ -306,8 +309,8 @@ def test_launching_a_sample_does_not_wait_for_the_device():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch's sync debug mode)")
 def test_a_generate_with_async_scheduling_never_waits_for_the_device_unasked():
     """Under torch's sync debug mode a whole `generate` (graphs, admissions ahead, min-p/top-p rows,
-    min_tokens bans, the penalties' slots and counts) runs no synchronizing op: its only waits are
-    the results' events."""
+    min_tokens bans, allowed tokens and biases, the penalties' slots and counts) runs no
+    synchronizing op: its only waits are the results' events."""
     torch.manual_seed(0)
     config = qwen3.tiny_config(initializer_range=0.5, hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
                                head_dim=64)
@@ -315,7 +318,8 @@ def test_a_generate_with_async_scheduling_never_waits_for_the_device_unasked():
     llm = LLM(model, block_size=16, max_num_seqs=4, kv_cache_bytes=1 << 24)
     prompts = prompts_for(12, seed=2)
     params = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, min_p=0.02, min_tokens=4, max_tokens=16, seed=2,
-                            repetition_penalty=1.2, frequency_penalty=0.3)
+                            repetition_penalty=1.2, frequency_penalty=0.3, logit_bias={7: 2.0},
+                            allowed_token_ids=list(range(1, 300)))
     want = [result(o) for o in gen(llm, prompts, params)]
     torch.cuda.set_sync_debug_mode("error")
     try:

@@ -128,16 +128,18 @@ def test_alternatives_under_graphs_and_async_steps_are_the_training_forwards():
 
 
 def test_min_p_penalties_and_prompt_scores_under_graphs_and_async_steps_are_the_eager_engines():
-    """min-p (`kernels.sampling.filter_thresholds` on CUDA), repetition/frequency/presence
-    penalties (the device counts, added to by steps launched ahead of the host: `runtime.penalties`)
+    """min-p (`kernels.sampling.filter_thresholds` on CUDA), allowed tokens and logit biases
+    (`runtime.logit_bias`), repetition/frequency/presence penalties (the device counts, added to
+    by steps launched ahead of the host: `runtime.penalties`)
     and prompt scores (`prompt_logprobs`, steps run eagerly) under CUDA graphs and async steps give
     the eager synchronous engine's tokens, and the logprobs stay the training forward's."""
     from dataclasses import replace
 
     model = tiny_model("qwen3")
     prompts, params = workload()
-    options = [dict(min_p=0.05), dict(repetition_penalty=1.5, presence_penalty=0.5), dict(frequency_penalty=1.0)]
-    sampling = [replace(p, **options[i % 3]) for i, p in enumerate(params)]
+    options = [dict(min_p=0.05), dict(repetition_penalty=1.5, presence_penalty=0.5), dict(frequency_penalty=1.0),
+               dict(allowed_token_ids=list(range(2, 200)), logit_bias={9: 1.5})]
+    sampling = [replace(p, **options[i % 4]) for i, p in enumerate(params)]
     scoring = [replace(p, prompt_logprobs=2, repetition_penalty=1.3) for p in params]
     eager = LLM(model, block_size=16, max_num_seqs=4, max_num_batched_tokens=48, kv_cache_bytes=1 << 24,
                 enforce_eager=True, async_scheduling=False)
