@@ -182,12 +182,12 @@ def test_min_p_reaches_the_engine_and_the_metrics_stay_exact(example, tmp_path):
 
 
 def test_penalties_reach_the_engine_and_the_metrics_stay_exact(example, tmp_path):
-    """``GRPOConfig(repetition_penalty=...)``, and the other penalties and filters in
-    ``generation_kwargs``, as TRL passes them to vLLM: every rollout samples with them, and TRL's
+    """``GRPOConfig(repetition_penalty=...)``, and the other penalties, the filters and a logit bias
+    in ``generation_kwargs``, as TRL passes them to vLLM: every rollout samples with them, and TRL's
     metrics stay at 0 / 1 (the logprobs are the unfiltered, unpenalised ones its training forward
     computes); ``generation_kwargs={"temperature": ...}`` is refused (training would recompute at
     another temperature)."""
-    kwargs = {"presence_penalty": 0.5, "frequency_penalty": 0.25, "top_k": 0, "min_p": 0.05,
+    kwargs = {"presence_penalty": 0.5, "frequency_penalty": 0.25, "top_k": 0, "min_p": 0.05, "logit_bias": {3: 0.5},
               "skip_special_tokens": False, "spaces_between_special_tokens": False}  # (the last: text only, dropped)
     trainer = _trainer(example, "qwen3", tmp_path, grpo={"repetition_penalty": 1.3, "generation_kwargs": kwargs})
     gen = trainer.vllm_generation
@@ -196,7 +196,8 @@ def test_penalties_reach_the_engine_and_the_metrics_stay_exact(example, tmp_path
     gen.llm.generate = lambda prompts, params, **kw: seen.append(params) or generate(prompts, params, **kw)
     trainer.train()
     assert seen and all((p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.3, 0.5, 0.25)
-                        and (p.top_k, p.min_p, p.skip_special_tokens) == (-1, 0.05, False) for p in seen)
+                        and (p.top_k, p.min_p, p.skip_special_tokens, p.logit_bias) == (-1, 0.05, False, {3: 0.5})
+                        for p in seen)
     logs = [h for h in trainer.state.log_history if DIFF_MAX in h]
     assert len(logs) == 2 and all(h[DIFF_MAX] == 0.0 and h[IS_MIN] == h[IS_MAX] == 1.0 for h in logs), logs
     with pytest.raises(ValueError, match=r"generation_kwargs \['temperature'\]"):
@@ -314,8 +315,8 @@ def test_bad_settings_are_refused_before_building(example, tmp_path):
     bare = LLM(qwen3.Qwen3ForCausalLM(config), device="cpu", kv_cache_bytes=1 << 20)
     with pytest.raises(ValueError, match=r"generation_kwargs\['stop'\] \(stop strings\) needs the engine's tokenizer"):
         VexactGRPOTrainer(ours, args=GRPOConfig(**base, generation_kwargs={"stop": ["x"]}), llm=bare, **common)
-    with pytest.raises(ValueError, match=r"generation_kwargs \['logit_bias'\] \(only \['stop'"):
-        VexactGRPOTrainer(ours, args=GRPOConfig(**base, generation_kwargs={"stop": ["x"], "logit_bias": {1: 2.0}}),
+    with pytest.raises(ValueError, match=r"generation_kwargs \['bad_words'\] \(only \['stop'"):
+        VexactGRPOTrainer(ours, args=GRPOConfig(**base, generation_kwargs={"stop": ["x"], "bad_words": ["y"]}),
                           **common)
     with pytest.raises(ValueError, match="transformers.models.qwen3.modeling_qwen3.Qwen3ForCausalLM"):
         VexactGRPOTrainer(Qwen3ForCausalLM(config), args=GRPOConfig(**base), **common)

@@ -45,7 +45,8 @@ How it plugs in (trl 1.16):
 then show the mismatch of its own logprob computation. Not supported (ValueError): LoRA variants
 the aligned forward cannot run (DoRA, ...: at the first forward, as for any PeftModel of ours),
 ``cast_lm_head_to_fp32``, ``use_liger_kernel``, ``generation_kwargs`` other than `GENERATION_KWARGS` (stop
-strings, ``min_tokens``, the penalties, the filters, ``ignore_eos``, ``skip_special_tokens``: the
+strings, ``min_tokens``, the penalties, the filters, ``allowed_token_ids``, ``logit_bias``,
+``ignore_eos``, ``skip_special_tokens``: the
 engine gets the trainer's tokenizer; fields that would change what training recomputes, such as
 ``temperature`` or ``logprobs``, are refused), images,
 FSDP/DeepSpeed, and a load-balancing loss for DeepSeek-V3/Moonlight (set
@@ -69,8 +70,8 @@ __all__ = ["ExactRolloutsMixin", "VexactDistillationTrainer", "VexactGRPOTrainer
 
 #: the ``GRPOConfig.generation_kwargs`` (vLLM SamplingParams fields) this integration honours
 GENERATION_KWARGS = ("stop", "include_stop_str_in_output", "min_tokens", "repetition_penalty", "frequency_penalty",
-                     "presence_penalty", "top_k", "top_p", "min_p", "ignore_eos", "skip_special_tokens",
-                     "spaces_between_special_tokens")
+                     "presence_penalty", "top_k", "top_p", "min_p", "allowed_token_ids", "logit_bias", "ignore_eos",
+                     "skip_special_tokens", "spaces_between_special_tokens")
 #: of those, the ones that change only vLLM's output text, which TRL does not read (it decodes the ids): dropped
 TEXT_ONLY_KWARGS = ("spaces_between_special_tokens",)
 
