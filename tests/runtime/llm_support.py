@@ -4,6 +4,8 @@ import random
 
 import torch
 
+from vexact_models.kernels import apply_penalties, sample_tokens
+from vexact_models.kernels.sampling import filter_thresholds
 from vexact_models.runtime import LLM
 from vexact_models.runtime.cuda_graphs import StepGraphs
 from vexact_models.runtime.model_runner import kv_bytes_per_block
@@ -47,6 +49,35 @@ def training_logprobs(model, prompt, tokens, temperature) -> torch.Tensor:
     return lp[0, len(prompt):].cpu()
 
 
+
+
+def training_logits(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """The training forward's fp32 logits at each output position of `tokens` after `prompt`."""
+    with torch.no_grad():
+        return model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float()
+
+
+def sampled_by_definition(logits: torch.Tensor, prompt: list[int], tokens: list[int], params) -> list[int]:
+    """The token the sampler's definition picks at each output position from `logits` (one row a
+    position, already restricted and biased where the request says): penalised from the prompt and
+    the outputs before it (`kernels.apply_penalties`), filtered, then Gumbel-max at (the request's
+    seed, the output index). The engine's tokens must be these."""
+    rows, vocab = logits.shape
+    counts = torch.zeros(rows, vocab, dtype=torch.int32)
+    for i in range(1, rows):
+        counts[i] = counts[i - 1]
+        counts[i, tokens[i - 1]] += 1
+    in_prompt = torch.zeros(rows, vocab, dtype=torch.bool)
+    in_prompt[:, prompt] = True
+
+    def full(value: float) -> torch.Tensor:
+        return torch.full((rows,), value, dtype=torch.float32)
+
+    x = apply_penalties(logits, counts, in_prompt, torch.arange(rows), full(params.repetition_penalty),
+                        full(params.frequency_penalty), full(params.presence_penalty))
+    temps = full(params.temperature)
+    thresholds = filter_thresholds(x, temps, torch.full((rows,), params.top_k), full(params.top_p))
+    return sample_tokens(x, temps, torch.full((rows,), params.seed), torch.arange(rows), thresholds).tolist()
 
 
 def graph_shaped(llm: LLM) -> "CalledGraphs":

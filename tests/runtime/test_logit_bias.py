@@ -7,14 +7,13 @@ ones training recomputes; bad lists are refused naming the value."""
 import pytest
 import torch
 
-from vexact_models.kernels import apply_penalties, sample_tokens
-from vexact_models.kernels.sampling import filter_thresholds
 from vexact_models.registry import get
 from vexact_models.runtime import SamplingParams
 from vexact_models.runtime.logit_bias import LogitEdits
 from vexact_models.runtime.sequence import Sequence
 
-from .llm_support import cache_bytes, gen, graph_shaped, make_llm, prompts_for, training_logprobs
+from .llm_support import (cache_bytes, gen, graph_shaped, make_llm, prompts_for, sampled_by_definition, training_logits,
+                          training_logprobs)
 
 
 def _model():
@@ -34,31 +33,15 @@ def _params(i: int) -> SamplingParams:
 
 def _definition_tokens(model, prompt: list[int], tokens: list[int], p: SamplingParams) -> list[int]:
     """At each output position: the training forward's logits, restricted to the allowed tokens and
-    biased, then penalised from the prompt and earlier outputs, then filtered and sampled at (seed, index)."""
-    with torch.no_grad():
-        x = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float()
-    rows, vocab = x.shape
+    biased, then penalised, filtered and sampled as the definition says (`sampled_by_definition`)."""
+    x = training_logits(model, prompt, tokens)
     if p.allowed_token_ids is not None:
-        keep = torch.zeros(vocab, dtype=torch.bool)
+        keep = torch.zeros(x.shape[1], dtype=torch.bool)
         keep[p.allowed_token_ids] = True
         x = torch.where(keep, x, float("-inf"))
     for token, bias in (p.logit_bias or {}).items():
         x[:, token] = x[:, token] + bias
-    counts = torch.zeros(rows, vocab, dtype=torch.int32)
-    for i in range(1, rows):
-        counts[i] = counts[i - 1]
-        counts[i, tokens[i - 1]] += 1
-    in_prompt = torch.zeros(rows, vocab, dtype=torch.bool)
-    in_prompt[:, prompt] = True
-
-    def full(value: float) -> torch.Tensor:
-        return torch.full((rows,), value, dtype=torch.float32)
-
-    x = apply_penalties(x, counts, in_prompt, torch.arange(rows), full(p.repetition_penalty),
-                        full(p.frequency_penalty), full(p.presence_penalty))
-    temps = full(p.temperature)
-    thresholds = filter_thresholds(x, temps, torch.full((rows,), p.top_k), full(p.top_p))
-    return sample_tokens(x, temps, torch.full((rows,), p.seed), torch.arange(rows), thresholds).tolist()
+    return sampled_by_definition(x, prompt, tokens, p)
 
 
 def test_sampled_tokens_are_the_definitions_and_logprobs_stay_trainings():

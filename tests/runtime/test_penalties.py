@@ -10,14 +10,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from vexact_models.kernels import apply_penalties, sample_tokens
-from vexact_models.kernels.sampling import filter_thresholds
 from vexact_models.registry import get
 from vexact_models.runtime import SamplingParams
 from vexact_models.runtime.penalties import PenaltyCounts
 from vexact_models.runtime.sequence import Sequence, SequenceStatus
 
-from .llm_support import cache_bytes, gen, graph_shaped, make_llm, prompts_for, training_logprobs
+from .llm_support import (cache_bytes, gen, graph_shaped, make_llm, prompts_for, sampled_by_definition, training_logits,
+                          training_logprobs)
 
 PENALTIES = [dict(repetition_penalty=1.8), dict(frequency_penalty=1.5), dict(presence_penalty=2.0),
              dict(repetition_penalty=0.7, frequency_penalty=-0.5, presence_penalty=0.4)]
@@ -35,30 +34,6 @@ def _params(i: int, **extra) -> SamplingParams:
     return SamplingParams(**base, **PENALTIES[i % len(PENALTIES)], **extra)
 
 
-def _definition_tokens(model, prompt: list[int], tokens: list[int], params: SamplingParams, seed: int) -> list[int]:
-    """The token the definition samples at each output position: the training forward's logits
-    there, penalised from the prompt and the outputs before it, sampled at (seed, index)."""
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float()
-    vocab = logits.shape[1]
-    counts = torch.zeros(len(tokens), vocab, dtype=torch.int32)
-    for i in range(1, len(tokens)):
-        counts[i] = counts[i - 1]
-        counts[i, tokens[i - 1]] += 1
-    in_prompt = torch.zeros(len(tokens), vocab, dtype=torch.bool)
-    in_prompt[:, prompt] = True
-    rows = len(tokens)
-
-    def full(value: float) -> torch.Tensor:
-        return torch.full((rows,), value, dtype=torch.float32)
-
-    penalised = apply_penalties(logits, counts, in_prompt, torch.arange(rows), full(params.repetition_penalty),
-                                full(params.frequency_penalty), full(params.presence_penalty))
-    temps = full(params.temperature)
-    thresholds = filter_thresholds(penalised, temps, torch.full((rows,), params.top_k), full(params.top_p))
-    return sample_tokens(penalised, temps, torch.full((rows,), seed), torch.arange(rows), thresholds).tolist()
-
-
 @pytest.mark.parametrize("name", ["qwen3", "qwen3_5"])
 def test_sampled_tokens_are_the_definitions_and_logprobs_stay_trainings(name):
     model = _model(name)
@@ -71,7 +46,7 @@ def test_sampled_tokens_are_the_definitions_and_logprobs_stay_trainings(name):
     changed = 0
     for prompt, sp, out, base in zip(prompts, params, got, plain):
         c = out.outputs[0]
-        assert c.token_ids == _definition_tokens(model, prompt, c.token_ids, sp, sp.seed)
+        assert c.token_ids == sampled_by_definition(training_logits(model, prompt, c.token_ids), prompt, c.token_ids, sp)
         t = sp.temperature if sp.temperature > 0 else 1.0
         assert torch.equal(torch.tensor(c.logprobs), training_logprobs(model, prompt, c.token_ids, t))
         changed += c.token_ids != base.outputs[0].token_ids
