@@ -180,7 +180,7 @@ class SampledTokens:
 
 def sample(logits: torch.Tensor, temps, logprob_temps, top_k, top_p, log_min_p, seeds, steps,
            filter_rows: torch.Tensor | None, banned: list[tuple[int, int]]) -> tuple[list[int], list[float]]:
-    """The device side of sampling (rule 7) without penalties: bans, min-p/top-k/top-p thresholds (of
+    """The device side of sampling (rule 7) without penalties or logit edits: bans, min-p/top-k/top-p thresholds (of
     `filter_rows`, None: no row filters), Gumbel-max, and the logprob of the unfiltered logits;
     one host sync."""
     return launch_sample(logits, temps, logprob_temps, top_k, top_p, log_min_p, seeds, steps, filter_rows,
