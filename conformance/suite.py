@@ -87,7 +87,7 @@ def request_pool(vocab: int, n: int, max_tokens: int, prompt_len: int, seed: int
         if mode == 0:
             params = SamplingParams(temperature=0.0, **common)
         elif mode == 1:
-            params = SamplingParams(temperature=1.0, **common)
+            params = SamplingParams(temperature=1.0, logit_bias={(7 * i) % vocab: 3.0}, **common)
         elif mode == 2:
             params = SamplingParams(temperature=0.7, top_k=20, repetition_penalty=1.1, **common)
         elif mode == 3:
