@@ -22,14 +22,14 @@ from .staging import to_device
 __all__ = ["LogitEdits", "check_token_lists"]
 
 
-def check_token_lists(params, vocab: int, where: str = "LLM.generate") -> None:
+def check_token_lists(params: list, vocab: int) -> None:
     """Raise ValueError naming the first ``allowed_token_ids`` entry or ``logit_bias`` key of
-    `params` (one `SamplingParams` or a list) outside the vocabulary ``[0, vocab)``."""
-    for p in params if isinstance(params, (list, tuple)) else [params]:
+    `params` (`SamplingParams`) outside the vocabulary ``[0, vocab)`` (``LLM.generate``'s check)."""
+    for p in params:
         for name, ids in (("allowed_token_ids", p.allowed_token_ids or ()), ("logit_bias", p.logit_bias or {})):
             bad = [t for t in ids if t >= vocab]
             if bad:
-                raise ValueError(f"{where}: SamplingParams.{name} holds token id {bad[0]}, outside the vocabulary "
+                raise ValueError(f"LLM.generate: SamplingParams.{name} holds token id {bad[0]}, outside the vocabulary "
                                  f"[0, {vocab})")
 
 

@@ -33,20 +33,16 @@ from vexact_models.kernels import apply_penalties
 from .sequence import Sequence
 from .staging import to_device
 
-__all__ = ["PenaltyCounts", "PenaltyRows", "uses_penalties"]
+__all__ = ["PenaltyCounts", "PenaltyRows"]
 
 _MIN_SLOTS = 8  # the first allocation; it doubles as sequences need more
-
-
-def uses_penalties(seq: Sequence) -> bool:
-    """Whether `seq`'s request sets a repetition, frequency or presence penalty."""
-    return seq.params.uses_penalties
 
 
 class PenaltyCounts:
     """The device counts of the sequences that use penalties, one slot each (the module docstring)."""
 
     def __init__(self, vocab_size: int, device: torch.device) -> None:
+        """No slot yet: zero-row tensors, grown at the first sequence that uses penalties."""
         self.vocab_size, self.device = vocab_size, device
         self.counts = torch.zeros(0, vocab_size, dtype=torch.int32, device=device)
         self.in_prompt = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
@@ -103,7 +99,7 @@ class PenaltyCounts:
 
     def rows(self, seqs: list[Sequence]) -> PenaltyRows | None:
         """The penalty rows of a sampling batch of `seqs` (None when no sequence uses penalties)."""
-        using = [i for i, seq in enumerate(seqs) if uses_penalties(seq)]
+        using = [i for i, seq in enumerate(seqs) if seq.params.uses_penalties]
         if not using:
             return None
         slots = np.full(len(seqs), -1, np.int64)

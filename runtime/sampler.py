@@ -26,7 +26,7 @@ from vexact_models.kernels import gather_logprobs, sample_tokens
 from vexact_models.kernels.sampling import filter_thresholds
 
 from .logit_bias import LogitEdits
-from .penalties import PenaltyCounts, PenaltyRows, uses_penalties
+from .penalties import PenaltyCounts, PenaltyRows
 from .scheduled import ScheduledSeq
 from .sequence import Sequence
 from .staging import HostCopy, to_device
@@ -55,13 +55,15 @@ class Sampler:
         self.penalty_counts = None
 
     def _penalty_rows(self, seqs: list[Sequence], logits: torch.Tensor) -> PenaltyRows | None:
-        """The penalty rows of `seqs` (None when none uses penalties), the counts made at first use."""
-        if not any(uses_penalties(seq) for seq in seqs):
-            return None
+        """The penalty rows of `seqs` (None when none uses penalties), the counts kept from the
+        first batch that uses them."""
         counts = self.penalty_counts
         if counts is None or counts.device != logits.device or counts.vocab_size != logits.shape[1]:
-            counts = self.penalty_counts = PenaltyCounts(logits.shape[1], logits.device)
-        return counts.rows(seqs)
+            counts = PenaltyCounts(logits.shape[1], logits.device)  # (no memory until a slot is taken)
+        rows = counts.rows(seqs)
+        if rows is not None:
+            self.penalty_counts = counts
+        return rows
 
     def _banned(self, seq: Sequence) -> list[int]:
         """Tokens that may not be sampled yet by a sequence short of ``min_tokens``: its stop
