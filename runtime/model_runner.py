@@ -215,10 +215,6 @@ class ModelRunner:
         starts = inputs.seq_lens.astype(np.int64) - counts
         return LinearStep(self.linear_states, inputs.seq_rows, starts, counts, cu, inputs.max_seqlen_q)
 
-    def _check_cache(self) -> None:
-        if not self.kv_caches:
-            raise RuntimeError("ModelRunner: the KV cache is released (call wake_up())")
-
     def _copy_states(self, inputs: StepInputs) -> None:
         """Before the step: the gated-DeltaNet slot copies it carries (a sample taking its prompt's
         state from a sibling, `runtime.scheduler_siblings`), on this runner's GDN layers."""
@@ -236,12 +232,7 @@ class ModelRunner:
         """Run the step eagerly (CUDA graphs do not capture the extra rows): the sampling rows'
         fp32 logits as `execute` returns them, and the final hidden states of `hidden_rows` (flat
         token indices of the step's batch: prompt positions scored, `runtime.top_logprobs`)."""
-        inputs = self.build_inputs(scheduled)
-        self._check_cache()
-        self._copy_states(inputs)
-        ids, positions, context, rows = self._to_device(inputs)
-        [hidden_dev] = to_device([np.asarray(hidden_rows, np.int64)], self.device)
-        return self.model(ids, positions, context, rows, hidden_dev)
+        return self.run(self.build_inputs(scheduled), hidden_rows=np.asarray(hidden_rows, np.int64))
 
     def execute_ahead(self, scheduled: list[ScheduledSeq], in_flight: torch.Tensor) -> torch.Tensor:
         """Run a ``Scheduler.schedule_ahead`` step: its ``in_flight`` items (the first ones, one
@@ -250,19 +241,23 @@ class ModelRunner:
         return self.run(self.build_inputs(scheduled), in_flight=in_flight)
 
     def run(self, inputs: StepInputs, carry: tuple[torch.Tensor, torch.Tensor] | None = None,
-            in_flight: torch.Tensor | None = None):
+            in_flight: torch.Tensor | None = None, hidden_rows: np.ndarray | None = None):
         """Run a step given its inputs: the model's output (fp32 logits of the sampling rows; a
         pipeline stage before the last returns its ``(hidden, residual)``). `carry` is the
         previous stage's ``(hidden, residual)`` when the model takes them; `in_flight`, device
-        token ids that replace the first ``len(in_flight)`` of ``inputs.ids``."""
-        self._check_cache()
+        token ids that replace the first ``len(in_flight)`` of ``inputs.ids``; `hidden_rows`
+        (int64 flat token indices) runs the step eagerly and adds their final hidden states."""
+        if not self.kv_caches:
+            raise RuntimeError("ModelRunner: the KV cache is released (call wake_up())")
         self._copy_states(inputs)
-        bucket = None if self.graphs is None else self.graphs.step_bucket(inputs)
+        bucket = None if self.graphs is None or hidden_rows is not None else self.graphs.step_bucket(inputs)
         if bucket is not None:
             return self.graphs.run(inputs, bucket, carry, in_flight)
         ids, positions, context, rows = self._to_device(inputs)
         if in_flight is not None:  # the staged ids are this step's own buffer: overwrite in place
             ids[:len(in_flight)].copy_(in_flight)
+        if hidden_rows is not None:
+            return self.model(ids, positions, context, rows, to_device([hidden_rows], self.device)[0])
         if carry is None:
             return self.model(ids, positions, context, rows)
         return self.model(ids, positions, context, rows, *carry)
