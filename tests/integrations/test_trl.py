@@ -14,9 +14,7 @@ from trl import GRPOConfig  # noqa: E402
 from vexact_models.integrations.trl import (VexactDistillationTrainer, VexactGRPOTrainer,  # noqa: E402
                                             VexactRLOOTrainer)
 
-DIFF_MAX = "sampling/sampling_logp_difference/max"
-DIFF_MEAN = "sampling/sampling_logp_difference/mean"
-IS_MIN, IS_MEAN, IS_MAX = (f"sampling/importance_sampling_ratio/{k}" for k in ("min", "mean", "max"))
+from .trl_support import DIFF_MAX, DIFF_MEAN, IS_MAX, IS_MEAN, IS_MIN, grpo_trainer, trl_layout  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -51,46 +49,6 @@ def test_the_example_trains_lora_adapters_with_trl_metrics_at_zero(example, tmp_
     assert "--lora" in capsys.readouterr().err
 
 
-def _trainer(example, arch_name: str, tmp_path, beta: float = 0.0, peft_config=None, gradient_checkpointing=False,
-             multimodal: bool = False, grpo: dict | None = None, **config_overrides):
-    """A VexactGRPOTrainer on a tiny random checkpoint of `arch_name`, loaded from its path (a
-    published-style multimodal checkpoint with `multimodal`: tests/models/model_support.py)."""
-    from vexact_models.registry import get
-
-    from ..models.model_support import save_multimodal
-
-    arch = get(arch_name)
-    config = arch.tiny_config(vocab_size=16, **config_overrides)
-    torch.manual_seed(0)
-    if multimodal:
-        save_multimodal(arch, config, tmp_path / "ckpt")
-    else:
-        arch.causal_lm_class(config).save_pretrained(tmp_path / "ckpt")
-    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, max_completion_length=5,
-                      max_steps=2, logging_steps=1, save_strategy="no", learning_rate=1e-2, report_to=[], use_cpu=True,
-                      bf16=False, gradient_checkpointing=gradient_checkpointing, disable_tqdm=True, beta=beta,
-                      **(grpo or {}))
-    return VexactGRPOTrainer(str(tmp_path / "ckpt"), reward_funcs=example.repeat_last_token, args=args,
-                             processing_class=example.toy_tokenizer(config), llm_kwargs={"kv_cache_bytes": 16 << 20},
-                             train_dataset=example.toy_dataset(example.parse_args(["--steps", "1"]), 16),
-                             peft_config=peft_config)
-
-
-def _trl_layout(prompt_ids, completion_ids, rollout_lps):
-    """TRL's padded batch: left-padded prompts, right-padded completions; the rollout logprobs
-    and the completion mask in the completion's columns."""
-    width_p, width_c = max(map(len, prompt_ids)), max(map(len, completion_ids))
-    ids = torch.zeros(len(prompt_ids), width_p + width_c, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    expected = torch.zeros(len(prompt_ids), width_c)
-    cmask = torch.zeros(len(prompt_ids), width_c, dtype=torch.bool)
-    for r, (p, c, lp) in enumerate(zip(prompt_ids, completion_ids, rollout_lps)):
-        ids[r, width_p - len(p):width_p], mask[r, width_p - len(p):width_p] = torch.tensor(p), 1
-        ids[r, width_p:width_p + len(c)], mask[r, width_p:width_p + len(c)] = torch.tensor(c), 1
-        expected[r, :len(c)], cmask[r, :len(c)] = torch.tensor(lp), True
-    return ids, mask, expected, cmask
-
-
 @pytest.mark.parametrize("arch_name, overrides", [("qwen3", {}), ("qwen3_moe", {}), ("qwen3_5", {}),
                                                 ("gemma3", {"final_logit_softcapping": 3.0})],
                          ids=["qwen3", "qwen3_moe", "qwen3_5", "gemma3-softcap"])
@@ -104,7 +62,7 @@ def test_trainer_logprobs_equal_rollout_logprobs_bitwise(example, arch_name, ove
 
     if arch_name not in {arch.name for arch in architectures()}:
         pytest.skip(f"{arch_name} is not registered on this transformers")
-    trainer = _trainer(example, arch_name, tmp_path, **overrides)
+    trainer = grpo_trainer(example, arch_name, tmp_path, **overrides)
     model = trainer.model
     assert type(model).__module__.startswith("vexact_models.")  # a path string loads our class, not the stock one
     gen = trainer.vllm_generation
@@ -114,7 +72,7 @@ def test_trainer_logprobs_equal_rollout_logprobs_bitwise(example, arch_name, ove
     prompt_ids, completion_ids, nested, _ = gen.generate(prompts, num_generations=2)
     _, _, rollout_lps = gen.last_rollout
     assert [[x[0] for x in seq] for seq in nested] == rollout_lps
-    ids, mask, expected, cmask = _trl_layout(prompt_ids, completion_ids, rollout_lps)
+    ids, mask, expected, cmask = trl_layout(prompt_ids, completion_ids, rollout_lps)
     aux = arch_name == "qwen3_moe"
     assert trainer.aux_loss_enabled == aux
     with torch.no_grad():
@@ -144,7 +102,7 @@ def test_a_published_multimodal_checkpoint_trains_its_text_model(example, arch_n
     served = {arch.name: arch for arch in architectures()}
     if arch_name not in served:
         pytest.skip(f"{arch_name} is not registered on this transformers")
-    trainer = _trainer(example, arch_name, tmp_path, multimodal=True)
+    trainer = grpo_trainer(example, arch_name, tmp_path, multimodal=True)
     assert type(trainer.model) is served[arch_name].causal_lm_class
     trainer.train()
     logs = [h for h in trainer.state.log_history if DIFF_MAX in h]
@@ -160,66 +118,10 @@ def test_trls_loss_variants_train_with_the_metrics_exact(example, grpo, tmp_path
     """TRL's other objectives and options (every ``loss_type``, GSPO's sequence-level ratio,
     several iterations or steps a generation, the entropy mask, the off-policy mask, two-sided
     clipping) score tokens through the same exact head: the metrics read 0 / 1 at every step."""
-    trainer = _trainer(example, "qwen3", tmp_path, grpo=grpo)
+    trainer = grpo_trainer(example, "qwen3", tmp_path, grpo=grpo)
     trainer.train()
     logs = [h for h in trainer.state.log_history if DIFF_MAX in h]
     assert logs and all(h[DIFF_MAX] == 0.0 and h[IS_MIN] == h[IS_MAX] == 1.0 for h in logs), logs
-
-
-def test_min_p_reaches_the_engine_and_the_metrics_stay_exact(example, tmp_path):
-    """``GRPOConfig(min_p=...)``, as TRL passes it to vLLM: every rollout samples with it, and
-    TRL's metrics stay at 0 / 1 (the logprobs are the unfiltered ones)."""
-    trainer = _trainer(example, "qwen3", tmp_path, grpo={"min_p": 0.1, "temperature": 1.3})
-    gen = trainer.vllm_generation
-    assert gen.sampling["min_p"] == 0.1
-    seen = []
-    generate = gen.llm.generate
-    gen.llm.generate = lambda prompts, params, **kw: seen.append(params) or generate(prompts, params, **kw)
-    trainer.train()
-    assert seen and all(p.min_p == 0.1 and p.temperature == 1.3 for p in seen)
-    logs = [h for h in trainer.state.log_history if DIFF_MAX in h]
-    assert len(logs) == 2 and all(h[DIFF_MAX] == 0.0 and h[IS_MIN] == h[IS_MAX] == 1.0 for h in logs), logs
-
-
-def test_penalties_reach_the_engine_and_the_metrics_stay_exact(example, tmp_path):
-    """``GRPOConfig(repetition_penalty=...)``, and the other penalties, the filters and a logit bias
-    in ``generation_kwargs``, as TRL passes them to vLLM: every rollout samples with them, and TRL's
-    metrics stay at 0 / 1 (the logprobs are the unfiltered, unpenalised ones its training forward
-    computes); ``generation_kwargs={"temperature": ...}`` is refused (training would recompute at
-    another temperature)."""
-    kwargs = {"presence_penalty": 0.5, "frequency_penalty": 0.25, "top_k": 0, "min_p": 0.05, "logit_bias": {3: 0.5},
-              "skip_special_tokens": False, "spaces_between_special_tokens": False}  # (the last: text only, dropped)
-    trainer = _trainer(example, "qwen3", tmp_path, grpo={"repetition_penalty": 1.3, "generation_kwargs": kwargs})
-    gen = trainer.vllm_generation
-    seen = []
-    generate = gen.llm.generate
-    gen.llm.generate = lambda prompts, params, **kw: seen.append(params) or generate(prompts, params, **kw)
-    trainer.train()
-    assert seen and all((p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.3, 0.5, 0.25)
-                        and (p.top_k, p.min_p, p.skip_special_tokens, p.logit_bias) == (-1, 0.05, False, {3: 0.5})
-                        for p in seen)
-    logs = [h for h in trainer.state.log_history if DIFF_MAX in h]
-    assert len(logs) == 2 and all(h[DIFF_MAX] == 0.0 and h[IS_MIN] == h[IS_MAX] == 1.0 for h in logs), logs
-    with pytest.raises(ValueError, match=r"generation_kwargs \['temperature'\]"):
-        _trainer(example, "qwen3", tmp_path, grpo={"generation_kwargs": {"temperature": 0.5}})
-
-
-def test_stop_strings_from_generation_kwargs_cut_the_completions(example, tmp_path):
-    """``GRPOConfig(generation_kwargs={"stop": [...]})``, as TRL passes it to vLLM: the engine gets
-    the trainer's tokenizer, each completion ends at the token whose text completes the string
-    (or at the length limit without one), and TRL's metrics stay at 0 / 1."""
-    trainer = _trainer(example, "qwen3", tmp_path, grpo={"generation_kwargs": {"stop": ["t1"]}})
-    gen = trainer.vllm_generation
-    assert gen.llm.tokenizer is trainer.processing_class
-    _, completion_ids, _, _ = gen.generate([[3, 4, 5], [9, 2, 2, 7, 11], [6]] * 4)
-    words = [[trainer.processing_class.decode([t]) for t in ids] for ids in completion_ids]
-    assert any(len(w) < 5 for w in words)  # some stopped early
-    for w in words:  # cut at the stop string's token, at EOS, or at max_completion_length
-        assert not any("t1" in x for x in w[:-1]) and ("t1" in w[-1] or w[-1] == "<eos>" or len(w) == 5), w
-    assert any("t1" in w[-1] for w in words)
-    trainer.train()
-    logs = [h for h in trainer.state.log_history if DIFF_MAX in h]
-    assert len(logs) == 2 and all(h[DIFF_MAX] == 0.0 and h[IS_MIN] == h[IS_MAX] == 1.0 for h in logs), logs
 
 
 LORA = {"qwen3": dict(target_modules="all-linear"),
@@ -241,13 +143,13 @@ def test_lora_rollouts_equal_trainer_logprobs_and_only_the_adapters_train(exampl
     from peft import LoraConfig, PeftModel
 
     lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, **LORA[arch_name])
-    trainer = _trainer(example, arch_name, tmp_path, beta=beta, peft_config=lora, gradient_checkpointing=checkpointing)
+    trainer = grpo_trainer(example, arch_name, tmp_path, beta=beta, peft_config=lora, gradient_checkpointing=checkpointing)
     model = trainer.model
     assert isinstance(model, PeftModel) and type(model.get_base_model()).__module__.startswith("vexact_models.")
     gen = trainer.vllm_generation
     assert gen.shares_weights and gen.llm.model.causal_lm is model.get_base_model()
     prompt_ids, completion_ids, _, _ = gen.generate([[3, 4, 5], [9, 2, 2, 7, 11], [6]] * 2)
-    ids, mask, expected, cmask = _trl_layout(prompt_ids, completion_ids, gen.last_rollout[2])
+    ids, mask, expected, cmask = trl_layout(prompt_ids, completion_ids, gen.last_rollout[2])
     width = expected.shape[1]
     with torch.no_grad():
         logps = trainer._get_per_token_logps_and_entropies(model, ids, mask, width)[0]
@@ -353,7 +255,7 @@ def test_rloo_trains_on_the_engines_rollouts_with_trls_logprobs_equal_to_them(ex
     assert type(model).__module__.startswith("vexact_models.") and trainer.vllm_generation.shares_weights
     prompts = [[3, 4, 5], [9, 2, 2, 7, 11], [6]] * 2
     prompt_ids, completion_ids, _, _ = trainer.vllm_generation.generate(prompts, num_generations=2)
-    ids, mask, expected, cmask = _trl_layout(prompt_ids, completion_ids, trainer.vllm_generation.last_rollout[2])
+    ids, mask, expected, cmask = trl_layout(prompt_ids, completion_ids, trainer.vllm_generation.last_rollout[2])
     with torch.no_grad():
         logps, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, mask, expected.shape[1])
     assert torch.equal(logps[cmask], expected[cmask])
