@@ -74,18 +74,16 @@ Usage: python benchmarks/throughput.py [--config qwen3-0.6b] [--requests 256] [-
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import random
 import sys
-import time
 
 import torch
 
-from bench_utils import copy_bandwidth, decode_bytes, synchronize, table, workload_decode_roofline
+from bench_utils import copy_bandwidth, decode_bytes, table, workload_decode_roofline
 from decode_floor import kv_bytes_per_token
-from stock_peers import bound_delta_rule, free, is_hybrid, stock_alone
-from throughput_args import ENGINES, parse_args
+from stock_peers import free
+from throughput_args import parse_args
+from throughput_engines import run_engines
 
 
 def workload(n: int, vocab: int, seed: int, lo: int = 100, hi: int = 1024):
@@ -93,109 +91,6 @@ def workload(n: int, vocab: int, seed: int, lo: int = 100, hi: int = 1024):
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
     outputs = [rng.randint(lo, hi) for _ in range(n)]
     return prompts, outputs
-
-
-@contextlib.contextmanager
-def attention_skipped():
-    """Within: every paged attention forward of the triton backend (GQA and latent MLA: the
-    engine's prefill and decode) returns zeros of its output's shape and writes nothing else (the
-    `aligned-no-attention` bound). The packed training path is not touched."""
-    attention_module = importlib.import_module("vexact_models.kernels.attention")
-    real = attention_module.attention_forward_triton
-
-    def zeros(q, k_cache, v_cache, layout, scale, packed=False):
-        return (q.new_zeros(q.shape[0], q.shape[1], v_cache.shape[-1]),
-                torch.zeros(q.shape[:2], device=q.device, dtype=torch.float32))
-
-    attention_module.attention_forward_triton = zeros
-    try:
-        yield
-    finally:
-        attention_module.attention_forward_triton = real
-
-
-def run_vexact(model, prompts, outputs, args, aligned: bool = True, async_scheduling: bool = True,
-               enforce_eager: bool = False, mixed_graphs: bool = True, sampling: dict | None = None
-               ) -> tuple[float, int]:
-    """(seconds, output tokens) of the workload on our engine; `sampling`: extra `SamplingParams` fields."""
-    from vexact_models.runtime import LLM, SamplingParams
-
-    budget = {"kv_cache_bytes": 1 << 22} if args.tiny else {"gpu_memory_utilization": args.gpu_memory_utilization}
-    llm = LLM(model, device=args.device, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=64 if args.tiny else 2100, aligned=aligned,
-              **budget,
-              async_scheduling=async_scheduling, enforce_eager=enforce_eager,
-              cuda_graph_max_tokens=None if mixed_graphs else 0, block_size=args.block_size)
-    sampling = sampling or {}
-    params = [SamplingParams(temperature=0.6, max_tokens=n, ignore_eos=True, seed=i, **sampling)
-              for i, n in enumerate(outputs)]
-    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, **sampling), use_tqdm=False)  # warm-up: compile
-    for run in range(args.repeat):  # the last run counts: an RL loop's engine serves many
-        synchronize(args.device)
-        if args.step_breakdown:
-            llm.step_times = []
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        synchronize(args.device)
-        seconds = time.perf_counter() - t0
-        if args.repeat > 1:
-            print(f"  run {run + 1} of {args.repeat}: {seconds:.1f} s")
-        if llm.step_times is not None:
-            print(step_breakdown(llm.step_times))
-            print(graph_counts(llm.runner.graphs))
-    produced = sum(len(o.outputs[0].token_ids) for o in outs)
-    assert produced == sum(outputs), (produced, sum(outputs))
-    print(f"vexact ({'aligned' if aligned else 'fast path'}{'' if async_scheduling else ', one step at a time'}): "
-          f"{llm.runner.num_blocks} KV blocks, "
-          f"{llm.num_preemptions} preemptions")
-    del llm
-    free(args.device)
-    return seconds, produced
-
-
-def step_breakdown(step_times: list[tuple[int, bool, float]]) -> str:
-    """Where a run's time went, from ``LLM.step_times`` (sequences, decode-only, seconds between
-    step completions): steps, seconds and median ms of the decode-only steps (the ones CUDA
-    graphs replay) and of the steps with prompt tokens."""
-    lines = []
-    for label, decode in (("decode-only steps", True), ("steps with prompt tokens", False)):
-        times = sorted(t for _, d, t in step_times if d == decode)
-        median = times[len(times) // 2] * 1e3 if times else 0.0
-        lines.append(f"  {label:<26}{len(times):>6} steps {sum(times):>8.2f} s  median {median:6.2f} ms")
-    return "\n".join(lines)
-
-
-def graph_counts(graphs) -> str:
-    """The mixed-step CUDA graphs of an engine's `StepGraphs` (None: eager): captured, their
-    capture time, replays."""
-    if graphs is None:
-        return "  no CUDA graphs"
-    return (f"  {graphs.num_mixed} CUDA graphs of steps with prompt tokens captured in "
-            f"{graphs.mixed_capture_seconds:.2f} s (all runs so far), {graphs.mixed_replays} replays")
-
-
-@torch.no_grad()
-def run_hf(hf, prompts, outputs, batch: int, temperature: float = 0.6) -> tuple[float, int]:
-    """Seconds and useful output tokens of stock ``generate`` by `hf` (a stock model, e.g.
-    `stock_peers.stock_alone`'s) over the requests, `batch` at a time, sorted by output length and left-padded,
-    each batch run to its longest output (only each request's own output length counts)."""
-    device = next(hf.parameters()).device
-    order = sorted(range(len(prompts)), key=lambda i: outputs[i])
-    synchronize(device)
-    t0 = time.perf_counter()
-    for start in range(0, len(order), batch):
-        idx = order[start:start + batch]
-        width = max(len(prompts[i]) for i in idx)
-        ids = torch.zeros(len(idx), width, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for r, i in enumerate(idx):
-            ids[r, width - len(prompts[i]):] = torch.tensor(prompts[i])
-            mask[r, width - len(prompts[i]):] = 1
-        new = max(outputs[i] for i in idx)
-        hf.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=new, min_new_tokens=new,
-                    do_sample=True, temperature=temperature, top_k=0, top_p=1.0, pad_token_id=0)
-    synchronize(device)
-    return time.perf_counter() - t0, sum(outputs)
 
 
 def decode_roofline(model, vocab: int, batch: int, hbm: float, aligned: bool, context: int = 512,
@@ -237,6 +132,7 @@ def measure_model(label: str, arch, config, prompts, outputs, args, engines: lis
     model = build_model(arch, config, args.device, args.dtype, args.seed)
     rows = []
     for mode in modes:
+        set_mode(model, mode)
         rows += run_engines(arch, model, prompts, outputs, args, [e for e in engines if e != "hf" or mode == modes[0]],
                             mode)
     print(f"\n## {label} ({config.num_hidden_layers} layers)")
@@ -345,45 +241,6 @@ def set_mode(model, mode: str | None, quiet: bool = False) -> None:
     if freed != kept:
         print(f"KV bytes per sequence at 32k tokens: {freed:,} with window-freed pages, {kept:,} without "
               f"(bf16, pages of {page})", flush=True)
-
-
-#: the `SamplingParams` fields an engine row adds to the workload's
-ENGINE_SAMPLING = {"aligned-top20": dict(logprobs=20),
-                   "aligned-penalties": dict(repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.2)}
-
-
-def run_engines(arch, model, prompts, outputs, args, engines: list[str], mode: str | None) -> list[tuple]:
-    """Each engine's (name, mode, seconds, output tokens) on the workload, in the KV cache `mode`."""
-    from vexact_models.kernels import use_attention_forward
-
-    set_mode(model, mode)
-    rows = []
-    for engine in engines:
-        if engine == "hf":
-            with stock_alone(arch, model, args.device) as hf:  # ours waits in host memory
-                seconds, produced = run_hf(hf.eval(), prompts, outputs, args.hf_batch)
-            name, row_mode = f"{ENGINES['hf']} ({hf_label(arch, args.hf_batch)})", None
-        else:
-            with attention_skipped() if engine == "aligned-no-attention" else contextlib.nullcontext(), \
-                    use_attention_forward("fa4" if engine == "aligned-fa4" else None):
-                seconds, produced = run_vexact(model, prompts, outputs, args, aligned=engine != "fast",
-                                               async_scheduling=engine != "aligned-sync",
-                                               enforce_eager=engine == "aligned-eager",
-                                               mixed_graphs=engine != "aligned-decode-graphs",
-                                               sampling=ENGINE_SAMPLING.get(engine))
-            name, row_mode = ENGINES[engine] + (f" [{mode}]" if mode else ""), mode
-        rows.append((name, row_mode, seconds, produced))
-        print(f"{name}: {produced} output tokens in {seconds:.1f}s = {produced / seconds:,.0f} tok/s", flush=True)
-    return rows
-
-
-def hf_label(arch, batch: int) -> str:
-    """What HF's row ran: its batch and, for a hybrid, the gated delta rule stock runs (fla's
-    kernels where transformers bound them at import)."""
-    label = f"batch {batch}"
-    if is_hybrid(arch):
-        label += ", fla kernels" if bound_delta_rule(arch).startswith("fla.") else ", torch delta rule"
-    return label
 
 
 def print_rates(rows: list[tuple]) -> None:

@@ -5,7 +5,7 @@ One model at a published shape (random weights, bf16, CUDA; default gpt-oss-20b,
 layers, ``--layers`` to trim; ``--config gemma3-text-default``), three tables (``--parts``):
 
 1. rollout: output tok/s of the engine (`LLM.generate`, CUDA graphs) beside stock HF
-   ``generate`` on the same weights (``throughput.run_hf``, every request in one left-padded batch
+   ``generate`` on the same weights (``throughput_engines.run_hf``, every request in one left-padded batch
    or ``--hf-batch`` a batch, each run to its longest output), the same requests (``--samples``,
    prompts of ``--prompt-len / 2`` to ``--prompt-len`` tokens, outputs of ``--max-tokens / 2`` to
    ``--max-tokens``, ``ignore_eos``), one warm-up call first; then every sample's logprobs
@@ -40,7 +40,7 @@ from bench_utils import (gpu_share, positive_int, recompute_mismatches, shape_ar
                          synchronize, table, tiny_or_cuda)
 from lora import point, requests
 from stock_peers import free, stock_alone
-from throughput import run_hf
+from throughput_engines import run_hf
 from training import hf_loss, use_checkpointing, vexact_loss
 
 from vexact_models.runtime import llm_setup

@@ -127,12 +127,12 @@ def test_throughput_attention_skipped_bound(monkeypatch):
     import torch
 
     monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import throughput
+    import throughput_engines
 
     module = importlib.import_module("vexact_models.kernels.attention")
     real = module.attention_forward_triton
     q, k, v = torch.randn(5, 4, 24), torch.randn(5, 1, 24), torch.randn(5, 1, 16)
-    with throughput.attention_skipped():
+    with throughput_engines.attention_skipped():
         assert module.attention_forward_triton is not real
         out, lse = module.attention_forward_triton(q, k, v, None, 0.1)
     assert module.attention_forward_triton is real
@@ -144,14 +144,14 @@ def test_throughput_step_breakdown(monkeypatch):
     """`throughput.py --step-breakdown`: decode-only and prompt steps are counted, summed and
     their medians taken apart."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import throughput
+    import throughput_engines
 
     times = [(64, True, 0.002), (64, True, 0.004), (64, False, 0.010), (64, True, 0.003), (3, False, 0.030),
              (5, False, 0.020)]
-    decode, prompt = throughput.step_breakdown(times).splitlines()
+    decode, prompt = throughput_engines.step_breakdown(times).splitlines()
     assert decode.split() == ["decode-only", "steps", "3", "steps", "0.01", "s", "median", "3.00", "ms"]
     assert prompt.split() == ["steps", "with", "prompt", "tokens", "3", "steps", "0.06", "s", "median", "20.00", "ms"]
-    assert throughput.step_breakdown([]).split()[2:5] == ["0", "steps", "0.00"]
+    assert throughput_engines.step_breakdown([]).split()[2:5] == ["0", "steps", "0.00"]
 
 
 def test_throughput_graph_counts(monkeypatch):
@@ -160,16 +160,16 @@ def test_throughput_graph_counts(monkeypatch):
     from types import SimpleNamespace
 
     monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import throughput
+    import throughput_engines
 
     from vexact_models.runtime.cuda_graphs import StepGraphs
 
     counters = SimpleNamespace(num_mixed=3, mixed_capture_seconds=0.456, mixed_replays=17)
     assert {"num_mixed", "mixed_capture_seconds", "mixed_replays"} <= set(StepGraphs.__init__.__code__.co_names)
-    assert throughput.graph_counts(counters).split() == ["3", "CUDA", "graphs", "of", "steps", "with", "prompt", "tokens",
+    assert throughput_engines.graph_counts(counters).split() == ["3", "CUDA", "graphs", "of", "steps", "with", "prompt", "tokens",
                                                           "captured", "in", "0.46", "s", "(all", "runs", "so", "far),",
                                                           "17", "replays"]
-    assert throughput.graph_counts(None).strip() == "no CUDA graphs"
+    assert throughput_engines.graph_counts(None).strip() == "no CUDA graphs"
 
 
 def test_linear_quack_config_specs_round_trip_and_bad_ones_are_refused(scripts, monkeypatch):
