@@ -9,6 +9,8 @@ from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from .sequence import Sequence, SequenceStatus
+from .structured_outputs import StructuredOutputsParams
 
 __all__ = ["BlockManager", "CompletionOutput", "EngineConfig", "LLM", "ModelRunner", "RequestOutput", "Sampler",
-           "SamplingParams", "ScheduledSeq", "Scheduler", "SchedulerOutput", "Sequence", "SequenceStatus"]
+           "SamplingParams", "ScheduledSeq", "Scheduler", "SchedulerOutput", "Sequence", "SequenceStatus",
+           "StructuredOutputsParams"]

@@ -44,7 +44,6 @@ from .llm_setup import (engine_config, eos_token_ids, folder_config, kv_bytes_pe
                         load_folder, pick_device, runner_model)
 from .llm_steps import EngineStepsMixin
 from .linear_state_cache import linear_state_spec
-from .logit_bias import check_token_lists
 from .outputs import RequestOutput
 from .pipeline import PipelineStage, check_stage_model, join_pipeline
 from .pipeline_comm import PipelineComm
@@ -321,17 +320,8 @@ class LLM(ChatMixin, RequestsMixin, EngineStepsMixin, EngineMemoryMixin):
         if len(params) != len(prompts):
             raise ValueError(f"LLM.generate: {len(params)} sampling_params for {len(prompts)} prompts")
         token_ids = [self._token_ids(p) for p in prompts]  # validate everything before scheduling
-        if self.tokenizer is None and any(p.stop for p in params):
-            raise ValueError("LLM.generate: SamplingParams.stop (stop strings) needs a tokenizer: load a checkpoint "
-                             "folder that has one, or pass LLM(..., tokenizer=...)")
-        if self.pipeline is not None and any(p.logprobs is not None or p.prompt_logprobs is not None for p in params):
-            raise ValueError("LLM.generate: SamplingParams.logprobs and prompt_logprobs (the most probable tokens) are "
-                             "not available on pipeline stages; leave them None for each sampled token's logprob")
-        if self.pipeline is not None and any(p.uses_penalties or p.edits_logits for p in params):
-            raise ValueError("LLM.generate: SamplingParams.repetition_penalty, frequency_penalty, presence_penalty, "
-                             "allowed_token_ids and logit_bias are not available on pipeline stages (the last stage "
-                             "samples without them); leave them at 1, 0, 0, None and None")
-        check_token_lists(params, self.config.vocab_size)
+        self._check_params(params)
+        grammars = self._compile_grammars(params)
         self._check_awake("LLM.generate")
         if self.pipeline is not None and not self.pipeline.stage.is_first:
             return self._serve_stage(len(prompts))
@@ -341,11 +331,12 @@ class LLM(ChatMixin, RequestsMixin, EngineStepsMixin, EngineMemoryMixin):
         if not self._keep_prefix_cache(self.backend):
             self.block_manager.reset_prefix_cache()
         self._scores_prompts = any(p.prompt_logprobs is not None for p in params)  # (llm_steps)
+        self._constrains_outputs = any(g is not None for g in grammars)  # (llm_steps)
         self.sampler.begin_call(any(p.uses_penalties for p in params))
         requests = []
         try:
-            for ids, p in zip(token_ids, params):
-                seqs = self._make_sequences(self._next_request, ids, p)
+            for ids, p, grammar in zip(token_ids, params, grammars):
+                seqs = self._make_sequences(self._next_request, ids, p, grammar)
                 self._next_request += 1
                 requests.append(seqs)
                 for seq in seqs:

@@ -1,6 +1,7 @@
-"""`LLM`'s requests: prompts (token ids, text through the tokenizer, vLLM's prompt dicts) checked
-and turned into sequences, each sample with its seed and stop strings; finished sequences turned
-into `RequestOutput`s (text, stop string cut, cumulative logprob)."""
+"""`LLM`'s requests: prompts (token ids, text through the tokenizer, vLLM's prompt dicts) and their
+sampling parameters checked, grammars compiled, and all turned into sequences, each sample with its
+seed, stop strings and place in its grammar; finished sequences turned into `RequestOutput`s (text,
+stop string cut, cumulative logprob)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,14 @@ import math
 import operator
 from dataclasses import replace
 
+from .grammar_masks import GrammarState
 from .llm_args import prompt_of
+from .logit_bias import check_token_lists
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
 from .sequence import Sequence
 from .stop_strings import StopStrings, truncate_at_stop
+from .structured_outputs import Grammars
 from .top_logprobs import completion_logprobs, prompt_logprobs_of
 
 __all__ = ["RequestsMixin"]
@@ -27,7 +31,38 @@ def _derive_seed(base: int, index: int) -> int:
 
 class RequestsMixin:
     """Prompts into sequences and sequences into outputs, for `LLM` (its ``tokenizer``, ``config``,
-    ``max_model_len``, ``eos_token_ids`` and ``seed``)."""
+    ``max_model_len``, ``eos_token_ids``, ``seed`` and ``pipeline``)."""
+
+    _grammars: Grammars | None = None  #: the compiler over the engine's tokenizer, made at its first use
+
+    def _check_params(self, params: list[SamplingParams]) -> None:
+        """Refuse what the engine cannot do with `params` (ValueError naming the field): on
+        pipeline stages, the alternatives, penalties, logit edits and grammars; stop strings or
+        grammars without a tokenizer; token lists outside the vocabulary."""
+        if self.pipeline is not None and any(p.logprobs is not None or p.prompt_logprobs is not None for p in params):
+            raise ValueError("LLM.generate: SamplingParams.logprobs and prompt_logprobs (the most probable tokens) are "
+                             "not available on pipeline stages; leave them None for each sampled token's logprob")
+        if self.pipeline is not None and any(p.uses_penalties or p.edits_logits or p.structured_outputs is not None
+                                             for p in params):
+            raise ValueError("LLM.generate: SamplingParams.repetition_penalty, frequency_penalty, presence_penalty, "
+                             "allowed_token_ids, logit_bias and structured_outputs are not available on pipeline "
+                             "stages (the last stage samples without them); leave them at 1, 0, 0, None, None and None")
+        for field, used in (("stop (stop strings)", any(p.stop for p in params)),
+                            ("structured_outputs", any(p.structured_outputs is not None for p in params))):
+            if used and self.tokenizer is None:
+                raise ValueError(f"LLM.generate: SamplingParams.{field} needs a tokenizer: load a checkpoint folder "
+                                 "that has one, or pass LLM(..., tokenizer=...)")
+        check_token_lists(params, self.config.vocab_size)
+
+    def _compile_grammars(self, params: list[SamplingParams]) -> list:
+        """Each request's compiled grammar (None where it has no ``structured_outputs``); a
+        ValueError naming the field when one does not compile, before any request runs."""
+        if all(p.structured_outputs is None for p in params):
+            return [None] * len(params)
+        if self._grammars is None or self._grammars.tokenizer is not self.tokenizer:
+            self._grammars = Grammars(self.tokenizer, self.config.vocab_size, self.eos_token_ids)
+        return [None if p.structured_outputs is None else self._grammars.compile(p.structured_outputs)
+                for p in params]
 
     def _token_ids(self, prompt) -> list[int]:
         """The checked token ids of one prompt (a ValueError naming what is wrong)."""
@@ -54,9 +89,11 @@ class RequestsMixin:
             raise ValueError(f"LLM.generate: prompt length {len(ids)} must be below max_model_len={self.max_model_len}")
         return ids
 
-    def _make_sequences(self, request_id: int, ids: list[int], params: SamplingParams) -> list[Sequence]:
+    def _make_sequences(self, request_id: int, ids: list[int], params: SamplingParams,
+                        grammar=None) -> list[Sequence]:
         """The ``params.n`` sequences of one request: the model's extra EOS ids as stop tokens,
-        each sample's seed, the request's stop strings."""
+        each sample's seed, the request's stop strings, and a matcher of its compiled `grammar`
+        (xgrammar's ``CompiledGrammar``, None: unconstrained) for each sample."""
         extra_eos = self.eos_token_ids[1:]
         if extra_eos and not params.ignore_eos:
             params = replace(params, stop_token_ids=list(params.stop_token_ids) + extra_eos)
@@ -67,6 +104,9 @@ class RequestsMixin:
             stop = StopStrings(self.tokenizer, params.stop, params.skip_special_tokens)
             for seq in seqs:
                 seq.stop_strings = stop
+        if grammar is not None:
+            for seq in seqs:
+                seq.grammar = GrammarState(self._grammars.matcher(grammar))
         return seqs
 
     def _output(self, prompt, ids: list[int], seqs: list[Sequence]) -> RequestOutput:

@@ -1,7 +1,8 @@
 """Sampler: turns the LM head's logits into (token, logprob) per sequence.
 
 The token comes from `kernels.sample_tokens` (Gumbel-max over a counter RNG keyed by the
-sequence's seed and output index, after allowed tokens and logit biases (`runtime.logit_bias`),
+sequence's seed and output index, after grammar masks (`runtime.grammar_masks`), allowed tokens
+and logit biases (`runtime.logit_bias`),
 repetition/frequency/presence penalties (`runtime.penalties`), min_tokens bans and
 min-p/top-k/top-p filtering); the logprob is
 ``gather_logprobs(logits, token, T)`` on the *unfiltered* logits at the sequence's temperature
@@ -25,6 +26,7 @@ import torch
 from vexact_models.kernels import gather_logprobs, sample_tokens
 from vexact_models.kernels.sampling import filter_thresholds
 
+from .grammar_masks import GrammarMasks, GrammarRows
 from .logit_bias import LogitEdits
 from .penalties import PenaltyCounts, PenaltyRows
 from .scheduled import ScheduledSeq
@@ -94,11 +96,13 @@ class Sampler:
             rows = self._rows = _RowParams(seqs, logits.device, ahead)
             rows.penalties = self._penalty_rows(rows.seqs, logits)
             rows.edits = LogitEdits.of(rows.seqs, logits.shape[1], logits.device)
+            rows.grammar = GrammarRows.of(rows.seqs)
         else:
             rows.refresh(ahead)
+        masks = rows.grammar.launch(logits.shape[1], logits.device) if rows.grammar is not None else None
         sampled = launch_sample(logits, rows.temps, rows.logprob_temps, rows.top_k, rows.top_p, rows.log_min_p,
                                 rows.seeds, rows.steps, rows.filter_rows, self._bans(seqs, rows.step, rows.min_tokens),
-                                rows.penalties, rows.edits)
+                                rows.penalties, rows.edits, masks)
         if rows.alternatives:
             sampled.alternatives = rows.alternatives.launch(logits, sampled.tokens, rows.logprob_temps, rows.step)
         return sampled
@@ -191,13 +195,16 @@ def sample(logits: torch.Tensor, temps, logprob_temps, top_k, top_p, log_min_p, 
 
 def launch_sample(logits: torch.Tensor, temps, logprob_temps, top_k, top_p, log_min_p, seeds, steps,
                   filter_rows: torch.Tensor | None, banned: list[tuple[int, int]],
-                  penalties: PenaltyRows | None = None, edits: LogitEdits | None = None) -> SampledTokens:
+                  penalties: PenaltyRows | None = None, edits: LogitEdits | None = None,
+                  grammar: GrammarMasks | None = None) -> SampledTokens:
     """`sample` without the host sync: the device work, and the results on their way to the
     host. Every index reaches the device through a pinned copy (a pageable one would wait for
-    the stream), so nothing here waits for the device. `edits` (allowed tokens, biases) and
-    `penalties` act first, on copies; with `penalties`, the sampled tokens are added to their
-    sequences' counts."""
-    sample_logits = logits if edits is None else edits.apply(logits)
+    the stream), so nothing here waits for the device. `grammar` (structured outputs' masks),
+    `edits` (allowed tokens, biases) and `penalties` act first, in that order, on copies; with
+    `penalties`, the sampled tokens are added to their sequences' counts."""
+    sample_logits = logits if grammar is None else grammar.apply(logits)
+    if edits is not None:
+        sample_logits = edits.apply(sample_logits)
     if penalties is not None:
         sample_logits = penalties.apply(sample_logits)
     if banned:
@@ -285,6 +292,8 @@ class _RowParams:
         self.penalties: PenaltyRows | None = None
         #: the rows' allowed tokens and biases (`runtime.logit_bias`; the sampler sets it)
         self.edits: LogitEdits | None = None
+        #: the rows that follow a grammar (`runtime.grammar_masks`; the sampler sets it)
+        self.grammar: GrammarRows | None = None
         #: the rows whose requests ask for their most probable tokens (`runtime.top_logprobs`)
         self.alternatives = AskingRows(self.seqs, device)
         host = _host_arrays(seqs, ahead)

@@ -7,8 +7,11 @@ the limit, instead of surfacing later as a shape error or a silent clamp inside 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
+
+from .structured_outputs import StructuredOutputsParams
 
 __all__ = ["SamplingParams", "MAX_SEED", "MAX_LOGPROBS"]
 
@@ -83,8 +86,10 @@ class SamplingParams:
             unedited ones. Token ids must lie in the vocabulary (``LLM.generate`` checks). Not
             available on pipeline stages.
         min_tokens: >= 0. Stop tokens and EOS are banned while fewer than this many tokens
-            have been generated, and a stop token only finishes a sequence once at least
-            ``min_tokens`` outputs precede it.
+            have been generated, so a stop token only finishes a sequence once at least
+            ``min_tokens`` outputs precede it. Where these bans, ``allowed_token_ids`` and
+            ``structured_outputs`` together exclude every token, the token drawn (token 0) ends
+            the sequence with finish_reason "error" and ``CompletionOutput.error`` saying why.
         max_tokens: >= 1, upper bound on generated tokens (the stop token included).
         stop_token_ids: extra token ids that finish a sequence (each >= 0).
         ignore_eos: when True the model's EOS token does not finish a sequence.
@@ -110,6 +115,14 @@ class SamplingParams:
             strings are matched on), as vLLM's default; False keeps them.
         detokenize: False returns no text (``CompletionOutput.text`` None, no ``decoded_token``)
             and needs no stop strings, as vLLM's.
+        structured_outputs: None, or a `StructuredOutputsParams` (vLLM's, or a dict of its
+            fields): the generated text follows a JSON schema, a regex, a choice or an EBNF
+            grammar (`runtime.structured_outputs`; needs the engine's tokenizer and xgrammar).
+            It steers sampling only: the reported logprobs stay the unmasked ones. A sequence
+            ends ("stop") when its grammar accepts a stop token after a complete output; one whose
+            other settings (``allowed_token_ids``, ``min_tokens``) leave it no token the grammar
+            allows ends with finish_reason "error". A call with such a request launches no step
+            ahead of the host. Not available on pipeline stages.
 
     ``__post_init__`` validates every field and raises ``ValueError`` naming the field, the bad
     value and the limit. Because ``dataclasses.replace`` re-runs ``__post_init__``, copies are
@@ -138,6 +151,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.n = _require_at_least("n", self.n, 1)
@@ -146,6 +160,8 @@ class SamplingParams:
         self._validate_stops()
         self._validate_stop_strings()
         self._validate_token_edits()
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 k = _require_at_least(name, getattr(self, name), 0)
@@ -229,6 +245,11 @@ class SamplingParams:
                     raise ValueError(f"SamplingParams.logit_bias key {token!r} must be a token id (an int >= 0)")
             self.logit_bias = {token: _require_float(f"logit_bias[{token}]", value)
                                for token, value in self.logit_bias.items()}
+
+    @functools.cached_property
+    def allowed_token_set(self) -> frozenset[int] | None:
+        """``allowed_token_ids`` as a set (None when unset), for membership tests."""
+        return None if self.allowed_token_ids is None else frozenset(self.allowed_token_ids)
 
     @property
     def edits_logits(self) -> bool:

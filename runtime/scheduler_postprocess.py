@@ -1,6 +1,6 @@
 """The end of a scheduler step: `Scheduler.postprocess` applies the sampled tokens, decides
-which sequences finish (stop tokens, EOS, stop strings, ``min_tokens``, ``max_tokens``,
-``max_model_len``) and frees their pages.
+which sequences finish (stop tokens, EOS, stop strings, a grammar's end, ``min_tokens``,
+``max_tokens``, ``max_model_len``) and frees their pages.
 
 A mixin of `runtime.scheduler.Scheduler` (it uses the scheduler's ``_running`` list, its
 ``block_manager``, ``eos_token_id`` and ``max_model_len``), kept apart so that each file holds
@@ -89,13 +89,22 @@ class PostprocessMixin:
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         """Whether ``token``, just appended, ends ``seq``. A stop token wins over a length limit
-        reached at the same token (the model chose to stop)."""
+        reached at the same token (the model chose to stop); a grammar's end is a stop; a token
+        no setting allowed ends it with "error" (`_drawn_from_nothing`)."""
         params = seq.params
         num_tokens = len(seq.token_ids)  # called per sequence per step: no property calls
         num_output = num_tokens - seq.num_prompt_tokens
+        short = num_output - 1 < params.min_tokens
+        if short or seq.grammar is not None or params.allowed_token_ids is not None:
+            error = self._drawn_from_nothing(seq, token, short)
+            if error is not None:
+                seq.error = f"output {num_output - 1} of request {seq.request_id}: {error}"
+                return "error"
+            if seq.grammar is not None and seq.grammar.terminated:  # a stop token after a complete output
+                return "stop"
         # Stop tokens/EOS count only once min_tokens outputs precede them: the sampler bans
         # them while num_output_tokens < min_tokens (counted before the new token).
-        if num_output - 1 >= params.min_tokens:
+        if not short:
             if token in params.stop_token_ids:
                 return "stop"
             if token == self.eos_token_id and not params.ignore_eos:
@@ -107,6 +116,25 @@ class PostprocessMixin:
         if num_output >= params.max_tokens or num_tokens >= self.max_model_len:
             return "length"
         return None
+
+    def _drawn_from_nothing(self, seq: Sequence, token: int, short: bool) -> str | None:
+        """Why ``token`` cannot have been sampled from a row with a samplable token, or None. The
+        sampler never draws a token its row excludes: a token outside ``allowed_token_ids``, a
+        stop token or EOS while short of ``min_tokens``, or one the grammar rejects comes from a
+        row whose settings together excluded every token (Gumbel-max over all -inf picks token
+        0). Such a sequence ends with finish_reason "error" and this message (the token stays,
+        with its exact logprob); the grammar, when there is one, accepts the token here."""
+        params = seq.params
+        if params.allowed_token_ids is not None and token not in params.allowed_token_set:
+            return f"token {token} is not in allowed_token_ids: {self._excluded_every_token}"
+        if short and (token in params.stop_token_ids or (token == self.eos_token_id and not params.ignore_eos)):
+            return f"stop token {token} came before min_tokens={params.min_tokens}: {self._excluded_every_token}"
+        if seq.grammar is not None and not seq.grammar.accept(token):
+            return f"structured_outputs' grammar does not allow token {token}: {self._excluded_every_token}"
+        return None
+
+    _excluded_every_token = ("the request's structured_outputs, allowed_token_ids and min_tokens (which bans stop "
+                             "tokens and EOS) excluded every token at this step")
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self._running.remove(seq)

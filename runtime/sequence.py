@@ -85,6 +85,9 @@ class Sequence:
         # the one that finished it
         self.stop_strings = None
         self.stop_reason: str | None = None
+        # where params.structured_outputs constrains it: its place in the grammar
+        # (`runtime.grammar_masks.GrammarState`, set by the engine, fed by Scheduler.postprocess)
+        self.grammar = None
         self.arrival: int = -1
 
     @property

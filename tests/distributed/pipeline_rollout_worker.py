@@ -120,13 +120,16 @@ def run_rollouts(res, arch, folder, base, rank, world) -> None:
             except ValueError as err:
                 refused = str(err)
             res.record(f"rollout/{arch.name}/roomy/alternatives_refused", "SamplingParams.logprobs" in refused, refused)
-            try:  # the penalties too: the last stage samples without the token counts
-                llm.generate(prompts[:1], SamplingParams(max_tokens=2, repetition_penalty=1.2), use_tqdm=False)
-                refused = "generated"
-            except ValueError as err:
-                refused = str(err)
-            res.record(f"rollout/{arch.name}/roomy/penalties_refused", "SamplingParams.repetition_penalty" in refused,
-                       refused)
+            # the penalties and grammars too: the last stage samples without the token counts or matchers
+            for field, value in (("repetition_penalty", 1.2), ("structured_outputs", {"regex": "[a-z]+"})):
+                try:
+                    llm.generate(prompts[:1], SamplingParams(max_tokens=2, **{field: value}), use_tqdm=False)
+                    refused = "generated"
+                except ValueError as err:
+                    refused = str(err)
+                res.record(f"rollout/{arch.name}/roomy/{field}_refused",
+                           "SamplingParams.repetition_penalty, frequency_penalty" in refused
+                           and "not available on pipeline stages" in refused, refused)
         outs[name] = llm.generate(prompts, params, use_tqdm=False)
         res.record(f"rollout/{arch.name}/{name}/outputs", True, repr(flat(outs[name])))  # compared across ranks
         if rank == 0 and name == "tight":

@@ -41,15 +41,29 @@ def run_scripted(script, prompt_len=3, max_model_len=64, eos=EOS, **params):
         ([5, 7, 6], {"stop_token_ids": [7], "ignore_eos": True}, [5, 7], "stop"),
         ([5, 6, 8, 4], {"max_tokens": 3}, [5, 6, 8], "length"),
         ([5, EOS], {"max_tokens": 2}, [5, EOS], "stop"),  # stop wins at the last token
-        # min_tokens=2: a stop token needs 2 outputs before it to count
-        ([EOS, 7, EOS], {"min_tokens": 2, "stop_token_ids": [7]}, [EOS, 7, EOS], "stop"),
-        ([5, EOS, 6, 1], {"min_tokens": 2, "max_tokens": 4}, [5, EOS, 6, 1], "length"),
+        # min_tokens=2: a stop token counts once 2 outputs precede it; before that the sampler bans
+        # it, so it can only come from a row with nothing samplable: an error
+        ([5, 6, EOS], {"min_tokens": 2}, [5, 6, EOS], "stop"),
+        ([5, EOS, 6, 1], {"min_tokens": 2, "max_tokens": 4}, [5, EOS], "error"),
+        ([7], {"min_tokens": 2, "stop_token_ids": [7]}, [7], "error"),
+        ([EOS, 4], {"min_tokens": 2, "ignore_eos": True, "max_tokens": 2}, [EOS, 4], "length"),  # EOS not banned
         ([5, 6, 7], {"min_tokens": 2, "stop_token_ids": [7]}, [5, 6, 7], "stop"),
+        # a token outside allowed_token_ids comes from a row with nothing samplable too
+        ([5, 6], {"allowed_token_ids": [5]}, [5, 6], "error"),
+        ([5, 5, 5], {"allowed_token_ids": [5], "max_tokens": 3}, [5, 5, 5], "length"),
     ],
 )
 def test_finish_rules(script, params, outputs, reason):
     seq = run_scripted(script, **params)
     assert seq.output_token_ids == outputs and seq.finish_reason == reason
+
+
+def test_a_token_no_setting_allowed_ends_the_sequence_with_an_error_naming_why():
+    seq = run_scripted([5, EOS], min_tokens=3)
+    assert seq.error == ("output 1 of request 0: stop token 2 came before min_tokens=3: the request's structured_outputs, "
+                         "allowed_token_ids and min_tokens (which bans stop tokens and EOS) excluded every token at "
+                         "this step")
+    assert "token 6 is not in allowed_token_ids" in run_scripted([6], allowed_token_ids=[5, 7]).error
 
 
 def test_no_eos_token_means_only_stop_ids_and_lengths_finish():

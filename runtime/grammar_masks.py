@@ -1,0 +1,105 @@
+"""The token masks of constrained rows (`runtime.structured_outputs`).
+
+Each constrained sequence holds a `GrammarState`: xgrammar's matcher, fed the sequence's tokens as
+the scheduler records them (`Scheduler.postprocess`, which also ends the sequence when its grammar
+has accepted a stop token). When a sampling batch holds constrained rows, each step fills their
+bitmasks on the host from the matchers (xgrammar's layout: bit ``t % 32`` of int32 word ``t // 32``
+allows token ``t``), sends them in one pinned copy, and the sampler sets the logits of the tokens
+they do not allow to -inf on the device (`GrammarMasks.apply`), before any other edit.
+
+A row's next mask needs its last token on the host, so a call with a constrained request launches
+no step ahead of the host (`runtime.llm_steps`); each step still launches without a sync.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .sequence import Sequence
+from .staging import to_device
+from .structured_outputs import xgrammar_module
+
+__all__ = ["GrammarMasks", "GrammarRows", "GrammarState", "allowed_tokens"]
+
+assert sys.byteorder == "little", "GrammarMasks.apply reads xgrammar's int32 words as bytes, lowest first"
+
+
+class GrammarState:
+    """One sequence's place in its grammar: xgrammar's ``GrammarMatcher`` and how many of the
+    sequence's outputs it has accepted."""
+
+    def __init__(self, matcher) -> None:
+        self.matcher = matcher
+        self.accepted = 0  #: output tokens fed so far
+
+    def accept(self, token: int) -> bool:
+        """Feed the sequence's next output token; False when the grammar does not allow it (a row
+        whose other settings left it no token the grammar allows: `Scheduler.postprocess`)."""
+        if not self.matcher.accept_token(token):
+            return False
+        self.accepted += 1
+        return True
+
+    @property
+    def terminated(self) -> bool:
+        """Whether the grammar has accepted a stop token after a complete output."""
+        return self.matcher.is_terminated()
+
+
+@dataclass
+class GrammarMasks:
+    """One step's masks of the constrained rows of a sampling batch, on the device."""
+
+    rows: torch.Tensor  #: int64 [C]: the constrained rows
+    bits: torch.Tensor  #: int32 [C, ceil(vocab / 32)]: xgrammar's bitmasks
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """A copy of the batch's fp32 logits, -inf where a constrained row's grammar does not
+        allow the token."""
+        out = logits.clone()
+        rows = out.index_select(0, self.rows)
+        out.index_copy_(0, self.rows, torch.where(allowed_tokens(self.bits, logits.shape[1]), rows, float("-inf")))
+        return out
+
+
+def allowed_tokens(bits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """bool ``[C, vocab]`` from xgrammar's int32 bitmasks ``[C, W]``: token t is allowed where bit
+    ``t % 32`` of word ``t // 32`` is set (a word's bytes, lowest first, hold its bits 8 at a time)."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
+    bytes_ = bits.contiguous().view(torch.uint8)
+    return ((bytes_.unsqueeze(-1) >> shifts) & 1).view(bits.shape[0], -1)[:, :vocab].bool()
+
+
+class GrammarRows:
+    """The constrained rows of a sampling batch (the sampler's row cache holds it while the batch
+    keeps its sequences); `launch` makes each step's masks."""
+
+    def __init__(self, rows: list[int], seqs: list[Sequence]) -> None:
+        self.rows, self.seqs = rows, seqs
+        self._rows_dev: torch.Tensor | None = None
+        self._fill = xgrammar_module().BatchGrammarMatcher()  # fills the rows' masks in threads
+
+    @classmethod
+    def of(cls, seqs: list[Sequence]) -> GrammarRows | None:
+        """The constrained rows of `seqs` (None when no sequence has a grammar)."""
+        rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
+        return cls(rows, [seqs[i] for i in rows]) if rows else None
+
+    def launch(self, vocab: int, device: torch.device) -> GrammarMasks:
+        """This step's masks: filled on the host from each row's matcher, which must have
+        accepted every output token of its sequence (no step ahead), and sent in one copy."""
+        words = (vocab + 31) // 32
+        bits = np.empty((len(self.seqs), words), np.int32)
+        for seq in self.seqs:
+            if seq.grammar.accepted != seq.num_output_tokens:
+                raise RuntimeError(f"{seq!r}: its grammar has accepted {seq.grammar.accepted} of its "
+                                   f"{seq.num_output_tokens} output tokens (a step ran ahead of the host)")
+        self._fill.batch_fill_next_token_bitmask([seq.grammar.matcher for seq in self.seqs], bits)
+        if self._rows_dev is None or self._rows_dev.device != device:
+            [self._rows_dev] = to_device([np.array(self.rows, np.int64)], device)
+        [bits_dev] = to_device([bits], device)
+        return GrammarMasks(self._rows_dev, bits_dev)

@@ -1,0 +1,174 @@
+"""vLLM's structured outputs: ``SamplingParams(structured_outputs=StructuredOutputsParams(...))``
+keeps a request's generated text inside a JSON schema, a regular expression, a list of choices or
+an EBNF grammar. The grammars are compiled by xgrammar (vLLM's default backend; the
+``structured`` extra) over the engine's tokenizer, and followed token by token
+(`runtime.grammar_masks`).
+
+Exactness: at each step a constrained row may sample only the tokens its grammar allows after its
+own generated tokens; the other logits become -inf before the logit edits, penalties and filters
+(vLLM's order). The mask is a function of the sequence's own tokens, so a request samples the same
+tokens in any batch and under preemption (rule 7), and the reported logprob stays the unmasked one
+that training recomputes (vLLM's default ``logprobs_mode``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Grammars", "StructuredOutputsParams", "choice_grammar", "xgrammar_module"]
+
+#: the constraint fields, exactly one of which a `StructuredOutputsParams` sets
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+#: vLLM's fields this engine accepts only at their defaults (another backend's options)
+_UNSUPPORTED = {"whitespace_pattern": None, "structural_tag": None, "disable_additional_properties": False}
+#: vLLM's fields with nothing to do here: one backend, hence no fallback to disable
+_IGNORED = ("disable_fallback", "_backend", "_backend_was_auto")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """One request's output constraint, as vLLM's ``StructuredOutputsParams``.
+
+    Attributes (exactly one of the first five is set):
+        json: a JSON schema (a dict, or its JSON text): the output is one JSON value it accepts.
+        regex: the output matches this regular expression (xgrammar's syntax: Python's, without
+            look-around or back-references).
+        choice: the output is exactly one of these strings.
+        grammar: an EBNF grammar (xgrammar's GBNF dialect, start rule ``root``).
+        json_object: True: the output is any JSON object.
+        disable_any_whitespace: with ``json`` or ``json_object``, allow no whitespace between
+            JSON tokens beyond single separators (vLLM's option).
+
+    ``__post_init__`` raises ValueError naming the field and the value.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        set_kinds = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(set_kinds) != 1:
+            raise ValueError(f"StructuredOutputsParams: exactly one of {', '.join(KINDS)} must be set, got "
+                             f"{set_kinds or 'none'}")
+        if isinstance(self.json, str):
+            try:
+                schema = json.loads(self.json)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"StructuredOutputsParams.json={self.json!r} is not valid JSON: {err}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError(f"StructuredOutputsParams.json={self.json!r} must be a JSON schema (an object)")
+        elif self.json is not None and not isinstance(self.json, dict):
+            raise ValueError(f"StructuredOutputsParams.json must be a dict or its JSON text, got "
+                             f"{type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"StructuredOutputsParams.{name}={value!r} must be a non-empty string")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice:
+                raise ValueError(f"StructuredOutputsParams.choice={self.choice!r} must be a non-empty list of strings")
+            for i, text in enumerate(self.choice):
+                if not isinstance(text, str) or not text:
+                    raise ValueError(f"StructuredOutputsParams.choice[{i}]={text!r} must be a non-empty string")
+            self.choice = list(self.choice)
+        for name in ("json_object", "disable_any_whitespace"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"StructuredOutputsParams.{name}={value!r} must be a bool")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set (one of `KINDS`)."""
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    @classmethod
+    def of(cls, value: Any) -> StructuredOutputsParams:
+        """`value` as a `StructuredOutputsParams`: one already, a dict of its fields (TRL's
+        ``generation_kwargs``, a vLLM server payload) or vLLM's own ``StructuredOutputsParams``.
+        A field of vLLM's that this engine cannot honour (``whitespace_pattern``,
+        ``structural_tag``, ``disable_additional_properties``) raises ValueError when set."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, Mapping):
+            fields = dict(value)
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+        else:
+            raise ValueError(f"SamplingParams.structured_outputs must be a StructuredOutputsParams, vLLM's, or a dict "
+                             f"of its fields, got {type(value).__name__}")
+        for name, default in _UNSUPPORTED.items():
+            if fields.get(name, default) != default:
+                raise ValueError(f"SamplingParams.structured_outputs.{name}={fields[name]!r} is not supported "
+                                 f"(xgrammar's options only); leave it at {default!r}")
+            fields.pop(name, None)
+        for name in _IGNORED:
+            fields.pop(name, None)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise ValueError(f"SamplingParams.structured_outputs: unknown field(s) {unknown} (known: {sorted(known)})")
+        return cls(**fields)
+
+
+class Grammars:
+    """The engine's grammar compiler: xgrammar's, over one tokenizer and the model's vocabulary
+    (rows past the tokenizer's tokens are never allowed). Compiled grammars are cached by
+    xgrammar, keyed by their text."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
+        """`stop_token_ids`: the tokens that end a complete output (the model's EOS ids), the
+        only ones a grammar allows once its text is complete."""
+        xgr = xgrammar_module()
+        self.tokenizer = tokenizer
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=list(stop_token_ids) or None)
+        self.compiler = xgr.GrammarCompiler(info)
+
+    def compile(self, spec: StructuredOutputsParams):
+        """xgrammar's ``CompiledGrammar`` of `spec`; ValueError naming the field when it does not
+        compile (a bad regex, schema or EBNF)."""
+        kind = spec.kind
+        value = getattr(spec, kind)
+        try:
+            if kind == "json":
+                schema = value if isinstance(value, str) else json.dumps(value)
+                return self.compiler.compile_json_schema(schema, any_whitespace=not spec.disable_any_whitespace)
+            if kind == "json_object":
+                return self.compiler.compile_builtin_json_grammar()
+            if kind == "regex":
+                return self.compiler.compile_regex(value)
+            if kind == "choice":
+                return self.compiler.compile_grammar(choice_grammar(value))
+            return self.compiler.compile_grammar(value)
+        except Exception as err:  # xgrammar raises RuntimeError or its own errors, with the parser's message
+            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ValueError(f"LLM.generate: SamplingParams.structured_outputs.{kind}={value!r} does not compile: "
+                             f"{reason}") from err
+
+    def matcher(self, compiled):
+        """A fresh xgrammar ``GrammarMatcher`` of a compiled grammar: one sample's place in it."""
+        return xgrammar_module().GrammarMatcher(compiled)
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """The EBNF grammar whose only sentences are `choices`: each a string literal (JSON's escapes,
+    which xgrammar's literals read)."""
+    return "root ::= " + " | ".join(json.dumps(text) for text in choices)
+
+
+def xgrammar_module():
+    """The xgrammar module, or ImportError saying how to install it."""
+    try:
+        import xgrammar
+    except ImportError as err:
+        raise ImportError("SamplingParams.structured_outputs needs xgrammar: pip install 'vexact-models[structured]' "
+                          "(or pip install xgrammar)") from err
+    return xgrammar

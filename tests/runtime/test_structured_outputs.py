@@ -1,0 +1,272 @@
+"""vLLM's structured outputs (``SamplingParams.structured_outputs``, `runtime.structured_outputs`,
+`runtime.grammar_masks`) with the real xgrammar: every output follows its JSON schema, regex,
+choice or EBNF grammar; every sampled token is the one the definition picks (the training forward's
+logits, masked by a fresh xgrammar matcher fed the tokens before it, then the sampler's Gumbel-max
+at its seed and index); a request's tokens do not depend on its batch, the cache, preemption or the
+graphs; the reported logprobs stay the unmasked ones training recomputes; bad constraints are
+refused before anything runs."""
+
+import json
+import re
+from dataclasses import dataclass
+
+import pytest
+import torch
+import transformers
+import xgrammar as xgr
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+import vexact_models.qwen3 as qwen3
+from vexact_models.runtime import LLM, SamplingParams, StructuredOutputsParams
+from vexact_models.runtime.grammar_masks import GrammarRows, GrammarState, allowed_tokens
+from vexact_models.runtime.sequence import Sequence
+from vexact_models.runtime.structured_outputs import choice_grammar
+
+from .llm_support import cache_bytes, gen, graph_shaped, sampled_by_definition, training_logits, training_logprobs
+
+EOS = 0  # the tokenizer's first special token, the model's EOS
+REGEX = r"[0-9]{3}-[a-z]{2,5}"
+CHOICES = ["yes", "no way", 'say "hi"\\']
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                           "maximum": 99}},
+          "required": ["ok", "n"]}
+EBNF = 'root ::= "(" [a-c] [a-c]? ")"'
+SPECS = [dict(regex=REGEX), dict(choice=CHOICES), dict(json=SCHEMA, disable_any_whitespace=True), dict(grammar=EBNF)]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """A tiny Qwen3 checkpoint with a byte-level BPE tokenizer of 300 tokens (EOS = token 0)."""
+    path = tmp_path_factory.mktemp("structured")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(['{"ok": true, "n": 12} 123-abc (ab) yes no way say "hi"'] * 20, trainer)
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(path)
+    torch.manual_seed(3)
+    transformers.Qwen3ForCausalLM(qwen3.tiny_config(initializer_range=0.3, eos_token_id=EOS)).eval().save_pretrained(path)
+    return path
+
+
+def _engine(folder, **kwargs) -> LLM:
+    kwargs = dict(dict(device="cpu", block_size=4, kv_cache_bytes=1 << 20, max_num_batched_tokens=64), **kwargs)
+    return LLM(str(folder), **kwargs)
+
+
+def _params(i: int, **extra) -> SamplingParams:
+    extra.setdefault("max_tokens", 40)
+    return SamplingParams(temperature=[1.0, 0.0, 0.8, 1.3][i % 4], seed=70 + i,
+                          structured_outputs=StructuredOutputsParams(**SPECS[i % len(SPECS)]), **extra)
+
+
+def _follows(spec: dict, text: str) -> bool:
+    if "regex" in spec:
+        return re.fullmatch(spec["regex"], text) is not None
+    if "choice" in spec:
+        return text in spec["choice"]
+    if "json" in spec:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            return False
+        return (isinstance(value, dict) and set(value) == {"ok", "n"} and isinstance(value["ok"], bool)
+                and isinstance(value["n"], int) and 0 <= value["n"] <= 99)
+    return re.fullmatch(r"\([a-c]{1,2}\)", text) is not None
+
+
+def _definition_tokens(llm: LLM, prompt: list[int], tokens: list[int], p: SamplingParams) -> list[int]:
+    """At each output position: the training forward's logits, masked by a fresh matcher of the
+    request's grammar fed the tokens before it (xgrammar's own mask), then sampled as the
+    definition says (`sampled_by_definition`)."""
+    x = training_logits(llm.model.causal_lm, prompt, tokens)
+    grammars = llm._grammars
+    matcher = grammars.matcher(grammars.compile(p.structured_outputs))
+    bits = xgr.allocate_token_bitmask(1, x.shape[1])
+    for i, token in enumerate(tokens):
+        matcher.fill_next_token_bitmask(bits, 0)
+        row = x[i:i + 1].clone()
+        xgr.apply_token_bitmask_inplace(row, bits)
+        x[i] = row[0]
+        assert matcher.accept_token(token)
+    return sampled_by_definition(x, prompt, tokens, p)
+
+
+def test_outputs_follow_their_grammar_and_tokens_are_the_definitions(folder):
+    llm = _engine(folder)
+    prompts = ["123-", "(a", '{"ok', "say", "no", "9", "a", "b"]
+    params = [_params(i) for i in range(8)]
+    outs = gen(llm, prompts, params)
+    for i, (out, p) in enumerate(zip(outs, params)):
+        c = out.outputs[0]
+        assert c.finish_reason == "stop" and c.token_ids[-1] == EOS, (i, c.text, c.finish_reason)
+        assert _follows(SPECS[i % len(SPECS)], c.text), (i, c.text)
+        prompt = out.prompt_token_ids
+        assert c.token_ids == _definition_tokens(llm, prompt, c.token_ids, p)
+        t = p.temperature if p.temperature > 0 else 1.0
+        assert torch.equal(torch.tensor(c.logprobs), training_logprobs(llm.model.causal_lm, prompt, c.token_ids, t))
+    unconstrained = gen(llm, prompts[:4], [SamplingParams(temperature=1.0, max_tokens=40, seed=70 + i)
+                                           for i in range(4)])
+    assert sum(not _follows(SPECS[i], o.outputs[0].text) for i, o in enumerate(unconstrained)) >= 3  # masks matter
+
+
+def test_constrained_rows_do_not_depend_on_their_batch_the_cache_or_the_steps(folder):
+    prompts = ["123-", "(a", '{"ok', "say", "no", "9", "x"]
+    params = [_params(i, repetition_penalty=1.2 if i == 5 else 1.0, max_tokens=24) for i in range(6)]
+    params.append(SamplingParams(temperature=1.0, max_tokens=12, seed=3))  # an unconstrained row beside them
+    want_outs = [o.outputs[0] for o in gen(_engine(folder), prompts, params)]
+    want = [c.token_ids for c in want_outs]
+    alone = [gen(_engine(folder), [p], [sp])[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
+    model = _engine(folder).model.causal_lm
+    tight_llm = _engine(folder, kv_cache_bytes=cache_bytes(model, 10), max_num_batched_tokens=8, max_num_seqs=5)
+    tight = [o.outputs[0].token_ids for o in gen(tight_llm, prompts, params)]
+    assert tight_llm.num_preemptions > 0
+    graphed = _engine(folder)
+    graph_shaped(graphed)
+    replayed = [o.outputs[0].token_ids for o in gen(graphed, prompts, params)]
+    assert want == alone == tight == replayed
+    assert all(c.finish_reason == "stop" for c in want_outs[:6])
+
+
+def test_each_of_n_samples_follows_its_own_matcher(folder):
+    llm = _engine(folder)
+    [out] = gen(llm, ["1"], SamplingParams(n=4, temperature=1.0, max_tokens=20, seed=9,
+                                           structured_outputs={"regex": REGEX}))
+    texts = [c.text for c in out.outputs]
+    assert all(re.fullmatch(REGEX, t) for t in texts) and len(set(texts)) > 1
+
+
+def test_a_grammar_ends_the_sequence_even_under_ignore_eos(folder):
+    llm = _engine(folder)
+    [out] = gen(llm, ["x"], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True,
+                                           structured_outputs={"choice": ["yes", "no way"]}))
+    c = out.outputs[0]
+    assert c.text in ("yes", "no way") and c.token_ids[-1] == EOS and c.finish_reason == "stop"
+
+
+def test_settings_that_exclude_every_token_end_the_sequence_with_an_error(folder):
+    llm = _engine(folder)
+    digits = [llm.tokenizer.convert_tokens_to_ids(d) for d in "0123456789"]
+    params = [SamplingParams(max_tokens=10, seed=1, allowed_token_ids=digits, structured_outputs={"choice": ["yes"]}),
+              SamplingParams(max_tokens=10, seed=1, min_tokens=8, structured_outputs={"choice": ["yes"]}),
+              SamplingParams(max_tokens=10, seed=1, min_tokens=3, allowed_token_ids=[EOS]),  # no grammar
+              SamplingParams(max_tokens=10, seed=1, allowed_token_ids=[EOS, 7, 9])]  # fine: 7 and 9 stay samplable
+    outs = gen(llm, ["x", "y", "z", "w"], params)
+    errors = [out.outputs[0].error for out in outs]
+    assert re.fullmatch(r"output 0 of request \d+: token 0 is not in allowed_token_ids: the request's "
+                        r"structured_outputs, allowed_token_ids and min_tokens \(which bans stop tokens and EOS\) "
+                        r"excluded every token at this step", errors[0])
+    yes = outs[1].outputs[0]
+    assert yes.text == "yes" and "stop token 0 came before min_tokens=8" in yes.error  # the choice, then EOS banned
+    assert outs[2].outputs[0].token_ids == [EOS] and "stop token 0 came before min_tokens=3" in errors[2]
+    assert [o.outputs[0].finish_reason for o in outs] == ["error", "error", "error", outs[3].outputs[0].finish_reason]
+    assert errors[3] is None and set(outs[3].outputs[0].token_ids) <= {EOS, 7, 9}
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(), r"exactly one of json, regex, choice, grammar, json_object must be set, got none"),
+    (dict(regex="a", choice=["a"]), r"got \['regex', 'choice'\]"),
+    (dict(json_object=False), r"got none"),
+    (dict(json="{not json"), r"json='\{not json' is not valid JSON"),
+    (dict(json="[1, 2]"), r"must be a JSON schema \(an object\)"),
+    (dict(json=3), r"json must be a dict or its JSON text, got int"),
+    (dict(regex=""), r"regex='' must be a non-empty string"),
+    (dict(choice=[]), r"choice=\[\] must be a non-empty list of strings"),
+    (dict(choice=["a", 3]), r"choice\[1\]=3 must be a non-empty string"),
+    (dict(grammar="root ::= \"a\"", disable_any_whitespace=1), r"disable_any_whitespace=1 must be a bool"),
+])
+def test_bad_constraints_are_refused_naming_the_field(fields, match):
+    with pytest.raises(ValueError, match=match):
+        StructuredOutputsParams(**fields)
+
+
+@dataclass
+class _VllmStyle:  # the shape of vLLM's StructuredOutputsParams (a dataclass with more fields)
+    json: object = None
+    regex: str | None = None
+    choice: list | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+
+def test_dicts_and_vllms_params_are_taken_and_unsupported_fields_refused():
+    assert SamplingParams(structured_outputs={"regex": "a+"}).structured_outputs == StructuredOutputsParams(regex="a+")
+    taken = SamplingParams(structured_outputs=_VllmStyle(choice=["a", "b"], disable_fallback=True))
+    assert taken.structured_outputs == StructuredOutputsParams(choice=["a", "b"])
+    with pytest.raises(ValueError, match=r"structured_outputs.whitespace_pattern=' ' is not supported"):
+        SamplingParams(structured_outputs=_VllmStyle(regex="a", whitespace_pattern=" "))
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['guided'\]"):
+        SamplingParams(structured_outputs={"regex": "a", "guided": True})
+    with pytest.raises(ValueError, match=r"must be a StructuredOutputsParams, vLLM's, or a dict .* got str"):
+        SamplingParams(structured_outputs="a+")
+
+
+def test_grammars_that_do_not_compile_or_lack_a_tokenizer_are_refused_before_anything_runs(folder):
+    llm = _engine(folder)
+    for spec, field in (({"regex": "[a-"}, "regex"), ({"grammar": "root ::= undefined_rule"}, "grammar"),
+                        ({"json": {"type": "no such type"}}, "json")):
+        with pytest.raises(ValueError, match=rf"SamplingParams.structured_outputs.{field}=.* does not compile"):
+            gen(llm, ["a", "b"], [SamplingParams(max_tokens=2), SamplingParams(max_tokens=2, structured_outputs=spec)])
+        assert not llm.scheduler.has_unfinished()
+    assert gen(llm, ["a"], SamplingParams(max_tokens=2, seed=1))[0].outputs[0].token_ids
+    bare = LLM(llm.model.causal_lm, device="cpu", block_size=4, kv_cache_bytes=1 << 20)
+    with pytest.raises(ValueError, match=r"SamplingParams.structured_outputs needs a tokenizer"):
+        gen(bare, [[3, 4]], SamplingParams(structured_outputs={"regex": "a"}))
+
+
+def test_choice_grammar_quotes_each_choice():
+    assert choice_grammar(CHOICES) == 'root ::= "yes" | "no way" | "say \\"hi\\"\\\\"'
+
+
+def test_allowed_tokens_reads_xgrammars_bitmask():
+    gen_ = torch.Generator().manual_seed(0)
+    bits = torch.randint(-2**31, 2**31 - 1, (3, 5), dtype=torch.int32, generator=gen_)
+    logits = torch.randn(3, 150, generator=gen_)
+    want = logits.clone()
+    xgr.apply_token_bitmask_inplace(want, bits)
+    assert torch.equal(torch.where(allowed_tokens(bits, 150), logits, float("-inf")), want)
+
+
+def test_masks_refuse_a_matcher_behind_its_sequence(folder):
+    llm = _engine(folder)
+    [compiled] = llm._compile_grammars([SamplingParams(structured_outputs={"regex": "[0-9]+"})])
+    seq = Sequence(0, 0, [1, 2], SamplingParams(), 1)
+    seq.grammar = GrammarState(llm._grammars.matcher(compiled))
+    rows = GrammarRows.of([Sequence(1, 0, [1], SamplingParams(), 1), seq])
+    assert rows.rows == [1]
+    masks = rows.launch(512, torch.device("cpu"))
+    assert masks.bits.shape == (1, 16) and torch.equal(masks.rows, torch.tensor([1]))
+    seq.token_ids.append(5)  # an output the matcher never saw
+    with pytest.raises(RuntimeError, match=r"its grammar has accepted 0 of its 1 output tokens"):
+        rows.launch(512, torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)")
+def test_constrained_rows_under_graphs_are_the_eager_engines_and_follow_their_grammar(folder):
+    """On CUDA: structured outputs beside unconstrained rows, with the CUDA graphs (decode and
+    mixed steps) and async scheduling on (a constrained call launches no step ahead), give the
+    eager synchronous engine's tokens; every output follows its grammar and its logprobs are the
+    training forward's."""
+    prompts = ["123-", "(a", '{"ok', "say", "no", "9", "x", "y"]
+    params = [_params(i, max_tokens=24) for i in range(6)]
+    params += [SamplingParams(temperature=1.0, max_tokens=24, seed=s, ignore_eos=True) for s in (1, 2)]
+    engine = dict(device="cuda", block_size=16, max_num_seqs=4, max_num_batched_tokens=48, kv_cache_bytes=1 << 24)
+    want = gen(LLM(str(folder), enforce_eager=True, async_scheduling=False, **engine), prompts, params)
+    llm = LLM(str(folder), **engine)
+    got = gen(llm, prompts, params)
+    assert [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in got] == \
+        [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in want]
+    assert llm.runner.graphs.mixed_replays > 0
+    for i, (out, p) in enumerate(zip(got[:6], params)):
+        c = out.outputs[0]
+        assert c.finish_reason == "stop" and _follows(SPECS[i % len(SPECS)], c.text), (i, c.text)
+        t = p.temperature if p.temperature > 0 else 1.0
+        assert torch.equal(torch.tensor(c.logprobs), training_logprobs(llm.model.causal_lm, out.prompt_token_ids,
+                                                                       c.token_ids, t))
