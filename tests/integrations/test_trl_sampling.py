@@ -70,3 +70,28 @@ def test_stop_strings_from_generation_kwargs_cut_the_completions(example, tmp_pa
     trainer.train()
     logs = [h for h in trainer.state.log_history if DIFF_MAX in h]
     assert len(logs) == 2 and all(h[DIFF_MAX] == 0.0 and h[IS_MIN] == h[IS_MAX] == 1.0 for h in logs), logs
+
+
+def test_structured_outputs_regex_constrains_the_completions(example, tmp_path):
+    """``GRPOConfig(vllm_structured_outputs_regex=...)``, as TRL passes it to vLLM: every completion
+    token is one the regex allows (xgrammar over the trainer's tokenizer; the toy tokenizer's tokens
+    are the words ``t<i>``), and TRL's metrics stay at 0 / 1 (the logprobs are the unmasked ones its
+    training forward computes). ``generation_kwargs["structured_outputs"]`` reaches the engine too;
+    the config's regex wins over it, as in TRL."""
+    pytest.importorskip("xgrammar")
+    kwargs = {"structured_outputs": {"choice": ["t5t6"]}}
+    trainer = grpo_trainer(example, "qwen3", tmp_path, grpo={"vllm_structured_outputs_regex": "(t1[0-9]*)+",
+                                                             "generation_kwargs": kwargs})
+    gen = trainer.vllm_generation
+    assert gen.sampling["structured_outputs"] == {"regex": "(t1[0-9]*)+"}
+    seen = []
+    generate = gen.llm.generate
+    gen.llm.generate = lambda prompts, params, **kw: seen.append(outs := generate(prompts, params, **kw)) or outs
+    trainer.train()
+    words = [trainer.processing_class.decode([t]) for outs in seen for out in outs for t in out.outputs[0].token_ids]
+    assert len(words) > 20 and all(w == "<eos>" or (w.startswith("t1") and w[1:].isdigit()) for w in words), words
+    logs = [h for h in trainer.state.log_history if DIFF_MAX in h]
+    assert len(logs) == 2 and all(h[DIFF_MAX] == 0.0 and h[IS_MIN] == h[IS_MAX] == 1.0 for h in logs), logs
+    chosen = grpo_trainer(example, "qwen3", tmp_path, grpo={"generation_kwargs": kwargs}).vllm_generation
+    _, completion_ids, _, _ = chosen.generate([[3, 4, 5], [6]])
+    assert all(ids[:2] == [5, 6] for ids in completion_ids), completion_ids

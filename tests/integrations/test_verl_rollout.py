@@ -181,7 +181,8 @@ def test_update_weights_refuses_verls_per_expert_stream(tmp_path_factory, name, 
 def test_stop_strings_cut_requests_with_the_checkpoint_tokenizer(ckpt, tmp_path):
     """verl's ``stop`` (vLLM's stop strings): with the checkpoint's tokenizer the request ends at
     the token completing the string, its tokens and logprobs those of the request without it cut
-    there; without a tokenizer (the ``ckpt`` folder) the request fails alone, naming it."""
+    there; ``structured_outputs`` keeps each output inside its regex, the logprobs the actor's;
+    without a tokenizer (the ``ckpt`` folder) the request fails alone, naming it."""
     import shutil
 
     import transformers
@@ -202,6 +203,13 @@ def test_stop_strings_cut_requests_with_the_checkpoint_tokenizer(ckpt, tmp_path)
     assert (cut.token_ids, cut.log_probs) == (full.token_ids[:first + 1], full.log_probs[:first + 1])
     none = asyncio.run(server.generate(PROMPTS[0], {**greedy, "stop": None}, request_id="none"))
     assert none.token_ids == full.token_ids
+    # vLLM's structured_outputs, with the same tokenizer: only "w1..." words (1, the EOS, ends a complete output)
+    model = get("qwen3").causal_lm_class.from_pretrained(ckpt).eval()
+    for i, prompt in enumerate(PROMPTS):
+        done = asyncio.run(server.generate(prompt, {**PARAMS, "structured_outputs": {"regex": "(w1[0-9]*)+"}},
+                                           request_id=f"regex-{i}"))
+        assert done.token_ids and all(f"w{t}".startswith("w1") for t in done.token_ids), done.token_ids
+        assert torch.equal(torch.tensor(done.log_probs), recompute(model, prompt, done.token_ids))
     _, bare = make_rollout(ckpt)
 
     async def together():  # one batch: the request with stop strings fails alone

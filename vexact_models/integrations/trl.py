@@ -46,7 +46,8 @@ then show the mismatch of its own logprob computation. Not supported (ValueError
 the aligned forward cannot run (DoRA, ...: at the first forward, as for any PeftModel of ours),
 ``cast_lm_head_to_fp32``, ``use_liger_kernel``, ``generation_kwargs`` other than `GENERATION_KWARGS` (stop
 strings, ``min_tokens``, the penalties, the filters, ``allowed_token_ids``, ``logit_bias``,
-``ignore_eos``, ``skip_special_tokens``: the
+``ignore_eos``, ``skip_special_tokens``, ``structured_outputs``, which ``vllm_structured_outputs_regex``
+sets too: the
 engine gets the trainer's tokenizer; fields that would change what training recomputes, such as
 ``temperature`` or ``logprobs``, are refused), images,
 FSDP/DeepSpeed, and a load-balancing loss for DeepSeek-V3/Moonlight (set
@@ -71,7 +72,7 @@ __all__ = ["ExactRolloutsMixin", "VexactDistillationTrainer", "VexactGRPOTrainer
 #: the ``GRPOConfig.generation_kwargs`` (vLLM SamplingParams fields) this integration honours
 GENERATION_KWARGS = ("stop", "include_stop_str_in_output", "min_tokens", "repetition_penalty", "frequency_penalty",
                      "presence_penalty", "top_k", "top_p", "min_p", "allowed_token_ids", "logit_bias", "ignore_eos",
-                     "skip_special_tokens", "spaces_between_special_tokens")
+                     "skip_special_tokens", "spaces_between_special_tokens", "structured_outputs")
 #: of those, the ones that change only vLLM's output text, which TRL does not read (it decodes the ids): dropped
 TEXT_ONLY_KWARGS = ("spaces_between_special_tokens",)
 
@@ -176,6 +177,9 @@ class ExactRolloutsMixin:
                     "min_p": self.min_p or 0.0, "repetition_penalty": self.args.repetition_penalty,
                     "max_tokens": self.max_completion_length, "stop_token_ids": list(self.eos_token_ids), **extra}
         sampling["top_k"] = sampling["top_k"] if sampling["top_k"] not in (None, 0) else -1  # TRL's and vLLM's "off"
+        regex = getattr(self.args, "vllm_structured_outputs_regex", None)
+        if regex is not None:  # TRL's own option, which wins over generation_kwargs' (as in TRL)
+            sampling["structured_outputs"] = {"regex": regex}
         self.vllm_generation = VexactGeneration(llm, policy, sampling)
         self.use_vllm = True
         self.vllm_mode = "vexact"  # neither "server" nor "colocate": TRL's vLLM-only branches stay off
