@@ -16,6 +16,7 @@ ENGINES = {"aligned": "vexact aligned", "aligned-sync": "vexact aligned, one ste
            "aligned-fa4": "vexact aligned, FA4 attention",
            "aligned-top20": "vexact aligned, logprobs=20",
            "aligned-penalties": "vexact aligned, penalties",
+           "aligned-regex": "vexact aligned, structured outputs (regex)",
            "aligned-no-attention": "bound: aligned, no attention", "fast": "vexact fast path (cuBLAS)",
            "hf": "HF generate"}
 #: engines that run on CUDA only (the cuBLAS fast path, FlashAttention-4)

@@ -37,16 +37,18 @@ def attention_skipped():
 def run_vexact(model, prompts, outputs, args, aligned: bool = True, async_scheduling: bool = True,
                enforce_eager: bool = False, mixed_graphs: bool = True, sampling: dict | None = None
                ) -> tuple[float, int]:
-    """(seconds, output tokens) of the workload on our engine; `sampling`: extra `SamplingParams` fields."""
+    """(seconds, output tokens) of the workload on our engine; `sampling`: extra `SamplingParams`
+    fields (with ``structured_outputs``, the engine gets `word_tokenizer`)."""
     from vexact_models.runtime import LLM, SamplingParams
 
+    sampling = sampling or {}
     budget = {"kv_cache_bytes": 1 << 22} if args.tiny else {"gpu_memory_utilization": args.gpu_memory_utilization}
     llm = LLM(model, device=args.device, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=64 if args.tiny else 2100, aligned=aligned,
               **budget,
               async_scheduling=async_scheduling, enforce_eager=enforce_eager,
-              cuda_graph_max_tokens=None if mixed_graphs else 0, block_size=args.block_size)
-    sampling = sampling or {}
+              cuda_graph_max_tokens=None if mixed_graphs else 0, block_size=args.block_size,
+              tokenizer=word_tokenizer(model.config) if "structured_outputs" in sampling else None)
     params = [SamplingParams(temperature=0.6, max_tokens=n, ignore_eos=True, seed=i, **sampling)
               for i, n in enumerate(outputs)]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, **sampling), use_tqdm=False)  # warm-up: compile
@@ -119,8 +121,31 @@ def run_hf(hf, prompts, outputs, batch: int, temperature: float = 0.6) -> tuple[
 
 
 #: the `SamplingParams` fields an engine row adds to the workload's
+#: the `aligned-regex` row's constraint over `word_tokenizer`'s words: words of at most 6 letters in
+#: all, a space between them, then a digit, which no token holds: it never completes, so every
+#: request runs to its length, masked at every step
+STRUCTURED_REGEX = "([a-z]{1,6} )+[0-9]"
 ENGINE_SAMPLING = {"aligned-top20": dict(logprobs=20),
-                   "aligned-penalties": dict(repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.2)}
+                   "aligned-penalties": dict(repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.2),
+                   "aligned-regex": dict(structured_outputs={"regex": STRUCTURED_REGEX})}
+
+
+def word_tokenizer(config):
+    """A word-level tokenizer over the model's whole vocabulary (no hub here): id i is the i-th
+    lowercase word in shortlex order (a .. z, aa, ...), the first id a space, EOS ``<eos>``."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    eos = config.eos_token_id[0] if isinstance(config.eos_token_id, list) else config.eos_token_id
+    words, letters = [" "], [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    level = letters
+    while len(words) < config.vocab_size:
+        words += level[:config.vocab_size - len(words)]
+        level = [w + c for w in level for c in letters] if len(words) < config.vocab_size else []
+    if eos is not None and eos < config.vocab_size:
+        words[eos] = "<eos>"
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0]))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>" if eos is not None else None)
 
 
 def run_engines(arch, model, prompts, outputs, args, engines: list[str], mode: str | None) -> list[tuple]:
