@@ -321,7 +321,7 @@ class LLM(ChatMixin, RequestsMixin, EngineStepsMixin, EngineMemoryMixin):
             raise ValueError(f"LLM.generate: {len(params)} sampling_params for {len(prompts)} prompts")
         token_ids = [self._token_ids(p) for p in prompts]  # validate everything before scheduling
         self._check_params(params)
-        grammars = self._compile_grammars(params)
+        grammars, bad_words = self._compile_grammars(params), self._bad_words(params)
         self._check_awake("LLM.generate")
         if self.pipeline is not None and not self.pipeline.stage.is_first:
             return self._serve_stage(len(prompts))
@@ -331,12 +331,13 @@ class LLM(ChatMixin, RequestsMixin, EngineStepsMixin, EngineMemoryMixin):
         if not self._keep_prefix_cache(self.backend):
             self.block_manager.reset_prefix_cache()
         self._scores_prompts = any(p.prompt_logprobs is not None for p in params)  # (llm_steps)
-        self._constrains_outputs = any(g is not None for g in grammars)  # (llm_steps)
+        self._constrains_outputs = (any(g is not None for g in grammars)  # (llm_steps)
+                                    or any(b is not None and b.needs_history for b in bad_words))
         self.sampler.begin_call(any(p.uses_penalties for p in params))
         requests = []
         try:
-            for ids, p, grammar in zip(token_ids, params, grammars):
-                seqs = self._make_sequences(self._next_request, ids, p, grammar)
+            for ids, p, grammar, bad in zip(token_ids, params, grammars, bad_words):
+                seqs = self._make_sequences(self._next_request, ids, p, grammar, bad)
                 self._next_request += 1
                 requests.append(seqs)
                 for seq in seqs:

@@ -9,6 +9,7 @@ import math
 import operator
 from dataclasses import replace
 
+from .bad_words import BadWords, bad_word_ids
 from .grammar_masks import GrammarState
 from .llm_args import prompt_of
 from .logit_bias import check_token_lists
@@ -43,16 +44,23 @@ class RequestsMixin:
             raise ValueError("LLM.generate: SamplingParams.logprobs and prompt_logprobs (the most probable tokens) are "
                              "not available on pipeline stages; leave them None for each sampled token's logprob")
         if self.pipeline is not None and any(p.uses_penalties or p.edits_logits or p.structured_outputs is not None
-                                             for p in params):
+                                             or p.bad_words for p in params):
             raise ValueError("LLM.generate: SamplingParams.repetition_penalty, frequency_penalty, presence_penalty, "
-                             "allowed_token_ids, logit_bias and structured_outputs are not available on pipeline "
-                             "stages (the last stage samples without them); leave them at 1, 0, 0, None, None and None")
+                             "allowed_token_ids, logit_bias, structured_outputs and bad_words are not available on "
+                             "pipeline stages (the last stage samples without them); leave them at 1, 0, 0, None, "
+                             "None, None and []")
         for field, used in (("stop (stop strings)", any(p.stop for p in params)),
-                            ("structured_outputs", any(p.structured_outputs is not None for p in params))):
+                            ("structured_outputs", any(p.structured_outputs is not None for p in params)),
+                            ("bad_words", any(p.bad_words for p in params))):
             if used and self.tokenizer is None:
                 raise ValueError(f"LLM.generate: SamplingParams.{field} needs a tokenizer: load a checkpoint folder "
                                  "that has one, or pass LLM(..., tokenizer=...)")
         check_token_lists(params, self.config.vocab_size)
+
+    def _bad_words(self, params: list[SamplingParams]) -> list[BadWords | None]:
+        """Each request's `BadWords` (None where it has none), tokenized before any request runs."""
+        return [BadWords(bad_word_ids(self.tokenizer, p.bad_words, self.config.vocab_size)) if p.bad_words else None
+                for p in params]
 
     def _compile_grammars(self, params: list[SamplingParams]) -> list:
         """Each request's compiled grammar (None where it has no ``structured_outputs``); a
@@ -89,11 +97,11 @@ class RequestsMixin:
             raise ValueError(f"LLM.generate: prompt length {len(ids)} must be below max_model_len={self.max_model_len}")
         return ids
 
-    def _make_sequences(self, request_id: int, ids: list[int], params: SamplingParams,
-                        grammar=None) -> list[Sequence]:
+    def _make_sequences(self, request_id: int, ids: list[int], params: SamplingParams, grammar=None,
+                        bad_words: BadWords | None = None) -> list[Sequence]:
         """The ``params.n`` sequences of one request: the model's extra EOS ids as stop tokens,
-        each sample's seed, the request's stop strings, and a matcher of its compiled `grammar`
-        (xgrammar's ``CompiledGrammar``, None: unconstrained) for each sample."""
+        each sample's seed, the request's stop strings and `bad_words`, and a matcher of its
+        compiled `grammar` (xgrammar's ``CompiledGrammar``, None: unconstrained) for each sample."""
         extra_eos = self.eos_token_ids[1:]
         if extra_eos and not params.ignore_eos:
             params = replace(params, stop_token_ids=list(params.stop_token_ids) + extra_eos)
@@ -104,6 +112,8 @@ class RequestsMixin:
             stop = StopStrings(self.tokenizer, params.stop, params.skip_special_tokens)
             for seq in seqs:
                 seq.stop_strings = stop
+        for seq in seqs:
+            seq.bad_words = bad_words
         if grammar is not None:
             for seq in seqs:
                 seq.grammar = GrammarState(self._grammars.matcher(grammar))

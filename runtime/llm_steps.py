@@ -74,9 +74,9 @@ class EngineStepsMixin:
     #: Whether some request of the current call scores its prompt (``prompt_logprobs``): its
     #: steps are checked for prompt positions and run one at a time (set by ``generate``).
     _scores_prompts: bool = False
-    #: Whether some request of the current call follows a grammar (``structured_outputs``): its
-    #: rows' next masks need their last tokens on the host, so no step is launched ahead (set by
-    #: ``generate``).
+    #: Whether some request of the current call follows a grammar (``structured_outputs``) or
+    #: forbids a word of several tokens (``bad_words``): its rows' next masks or bans need their
+    #: last tokens on the host, so no step is launched ahead (set by ``generate``).
     _constrains_outputs: bool = False
     num_preemptions: int  #: sequences preempted (by recompute) so far
 

@@ -75,10 +75,16 @@ class Sampler:
             banned.append(self.eos_token_id)
         return banned
 
-    def _bans(self, seqs: list[Sequence], step: np.ndarray, min_tokens: np.ndarray) -> list[tuple[int, int]]:
-        """(row, token) pairs that may not be sampled. Bans apply only to sequences still short
-        of min_tokens: found with one vector compare."""
-        return [(i, tok) for i in np.flatnonzero(step < min_tokens).tolist() for tok in self._banned(seqs[i])]
+    def _bans(self, seqs: list[Sequence], step: np.ndarray, min_tokens: np.ndarray,
+              bad_word_rows: list[int] | None = None) -> list[tuple[int, int]]:
+        """(row, token) pairs that may not be sampled: the stop tokens and EOS of the sequences still
+        short of min_tokens (found with one vector compare), and the bad words of the sequences at
+        `bad_word_rows` (`runtime.bad_words`; None: found here)."""
+        bans = [(i, tok) for i in np.flatnonzero(step < min_tokens).tolist() for tok in self._banned(seqs[i])]
+        if bad_word_rows is None:
+            bad_word_rows = [i for i, seq in enumerate(seqs) if seq.bad_words is not None]
+        bans += [(i, tok) for i in bad_word_rows for tok in seqs[i].bad_words.banned(seqs[i])]
+        return bans
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
         """The token and logprob of each row of `logits` (one per sequence of `seqs`): one host
@@ -101,7 +107,8 @@ class Sampler:
             rows.refresh(ahead)
         masks = rows.grammar.launch(logits.shape[1], logits.device) if rows.grammar is not None else None
         sampled = launch_sample(logits, rows.temps, rows.logprob_temps, rows.top_k, rows.top_p, rows.log_min_p,
-                                rows.seeds, rows.steps, rows.filter_rows, self._bans(seqs, rows.step, rows.min_tokens),
+                                rows.seeds, rows.steps, rows.filter_rows,
+                                self._bans(seqs, rows.step, rows.min_tokens, rows.bad_word_rows),
                                 rows.penalties, rows.edits, masks)
         if rows.alternatives:
             sampled.alternatives = rows.alternatives.launch(logits, sampled.tokens, rows.logprob_temps, rows.step)
@@ -294,6 +301,8 @@ class _RowParams:
         self.edits: LogitEdits | None = None
         #: the rows that follow a grammar (`runtime.grammar_masks`; the sampler sets it)
         self.grammar: GrammarRows | None = None
+        #: the rows whose requests forbid words (`runtime.bad_words`)
+        self.bad_word_rows = [i for i, seq in enumerate(self.seqs) if seq.bad_words is not None]
         #: the rows whose requests ask for their most probable tokens (`runtime.top_logprobs`)
         self.alternatives = AskingRows(self.seqs, device)
         host = _host_arrays(seqs, ahead)

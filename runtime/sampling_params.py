@@ -123,6 +123,10 @@ class SamplingParams:
             other settings (``allowed_token_ids``, ``min_tokens``) leave it no token the grammar
             allows ends with finish_reason "error". A call with such a request launches no step
             ahead of the host. Not available on pipeline stages.
+        bad_words: words the output may not contain, tokenized as vLLM does (as written, and after
+            a space), matched on the generated tokens (`runtime.bad_words`; needs the engine's
+            tokenizer). A call with a word of several tokens launches no step ahead of the host.
+            Not available on pipeline stages.
 
     ``__post_init__`` validates every field and raises ``ValueError`` naming the field, the bad
     value and the limit. Because ``dataclasses.replace`` re-runs ``__post_init__``, copies are
@@ -152,6 +156,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    bad_words: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.n = _require_at_least("n", self.n, 1)
@@ -228,6 +233,13 @@ class SamplingParams:
                              "the detokenized output)")
 
     def _validate_token_edits(self) -> None:
+        words = [] if self.bad_words is None else self.bad_words  # (vLLM's default)
+        if not isinstance(words, (list, tuple)):
+            raise ValueError(f"SamplingParams.bad_words={words!r} must be a list of strings, got {type(words).__name__}")
+        for i, word in enumerate(words):
+            if not isinstance(word, str) or not word.strip():
+                raise ValueError(f"SamplingParams.bad_words[{i}]={word!r} must be a string with a non-space character")
+        self.bad_words = list(words)
         if self.allowed_token_ids is not None:
             ids = self.allowed_token_ids
             if not isinstance(ids, (list, tuple)) or not ids:

@@ -95,7 +95,7 @@ class PostprocessMixin:
         num_tokens = len(seq.token_ids)  # called per sequence per step: no property calls
         num_output = num_tokens - seq.num_prompt_tokens
         short = num_output - 1 < params.min_tokens
-        if short or seq.grammar is not None or params.allowed_token_ids is not None:
+        if short or seq.grammar is not None or params.allowed_token_ids is not None or seq.bad_words is not None:
             error = self._drawn_from_nothing(seq, token, short)
             if error is not None:
                 seq.error = f"output {num_output - 1} of request {seq.request_id}: {error}"
@@ -120,7 +120,8 @@ class PostprocessMixin:
     def _drawn_from_nothing(self, seq: Sequence, token: int, short: bool) -> str | None:
         """Why ``token`` cannot have been sampled from a row with a samplable token, or None. The
         sampler never draws a token its row excludes: a token outside ``allowed_token_ids``, a
-        stop token or EOS while short of ``min_tokens``, or one the grammar rejects comes from a
+        stop token or EOS while short of ``min_tokens``, one completing a bad word, or one the
+        grammar rejects comes from a
         row whose settings together excluded every token (Gumbel-max over all -inf picks token
         0). Such a sequence ends with finish_reason "error" and this message (the token stays,
         with its exact logprob); the grammar, when there is one, accepts the token here."""
@@ -129,12 +130,14 @@ class PostprocessMixin:
             return f"token {token} is not in allowed_token_ids: {self._excluded_every_token}"
         if short and (token in params.stop_token_ids or (token == self.eos_token_id and not params.ignore_eos)):
             return f"stop token {token} came before min_tokens={params.min_tokens}: {self._excluded_every_token}"
+        if seq.bad_words is not None and token in seq.bad_words.banned(seq, len(seq.token_ids) - 1):
+            return f"token {token} completes one of bad_words: {self._excluded_every_token}"
         if seq.grammar is not None and not seq.grammar.accept(token):
             return f"structured_outputs' grammar does not allow token {token}: {self._excluded_every_token}"
         return None
 
-    _excluded_every_token = ("the request's structured_outputs, allowed_token_ids and min_tokens (which bans stop "
-                             "tokens and EOS) excluded every token at this step")
+    _excluded_every_token = ("the request's structured_outputs, allowed_token_ids, bad_words and min_tokens (which "
+                             "bans stop tokens and EOS) excluded every token at this step")
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self._running.remove(seq)

@@ -88,6 +88,8 @@ class Sequence:
         # where params.structured_outputs constrains it: its place in the grammar
         # (`runtime.grammar_masks.GrammarState`, set by the engine, fed by Scheduler.postprocess)
         self.grammar = None
+        # the request's params.bad_words as token sequences (`runtime.bad_words.BadWords`, set by the engine)
+        self.bad_words = None
         self.arrival: int = -1
 
     @property

@@ -121,7 +121,8 @@ def run_rollouts(res, arch, folder, base, rank, world) -> None:
                 refused = str(err)
             res.record(f"rollout/{arch.name}/roomy/alternatives_refused", "SamplingParams.logprobs" in refused, refused)
             # the penalties and grammars too: the last stage samples without the token counts or matchers
-            for field, value in (("repetition_penalty", 1.2), ("structured_outputs", {"regex": "[a-z]+"})):
+            for field, value in (("repetition_penalty", 1.2), ("structured_outputs", {"regex": "[a-z]+"}),
+                                 ("bad_words", ["w1"])):
                 try:
                     llm.generate(prompts[:1], SamplingParams(max_tokens=2, **{field: value}), use_tqdm=False)
                     refused = "generated"

@@ -111,3 +111,25 @@ class _Call:
 
     def reset(self):
         pass
+
+
+def save_bpe_checkpoint(path, eos: int = 0, seed: int = 3):
+    """A tiny stock Qwen3 checkpoint at `path` with a byte-level BPE tokenizer of 300 tokens, trained
+    on a few words and JSON ("yes", "no way", '{"ok": true, ...}'), whose first token ``<eos>`` is
+    the model's EOS `eos` (0)."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    import vexact_models.qwen3 as qwen3
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(['{"ok": true, "n": 12} 123-abc (ab) yes no way say "hi"'] * 20, trainer)
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(path)
+    torch.manual_seed(seed)
+    config = qwen3.tiny_config(initializer_range=0.3, eos_token_id=eos)
+    transformers.Qwen3ForCausalLM(config).eval().save_pretrained(path)
+    return path

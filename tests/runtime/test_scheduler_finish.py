@@ -61,8 +61,8 @@ def test_finish_rules(script, params, outputs, reason):
 def test_a_token_no_setting_allowed_ends_the_sequence_with_an_error_naming_why():
     seq = run_scripted([5, EOS], min_tokens=3)
     assert seq.error == ("output 1 of request 0: stop token 2 came before min_tokens=3: the request's structured_outputs, "
-                         "allowed_token_ids and min_tokens (which bans stop tokens and EOS) excluded every token at "
-                         "this step")
+                         "allowed_token_ids, bad_words and min_tokens (which bans stop tokens and EOS) excluded every "
+                         "token at this step")
     assert "token 6 is not in allowed_token_ids" in run_scripted([6], allowed_token_ids=[5, 7]).error
 
 

@@ -12,17 +12,15 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-import transformers
 import xgrammar as xgr
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-import vexact_models.qwen3 as qwen3
 from vexact_models.runtime import LLM, SamplingParams, StructuredOutputsParams
 from vexact_models.runtime.grammar_masks import GrammarRows, GrammarState, allowed_tokens
 from vexact_models.runtime.sequence import Sequence
 from vexact_models.runtime.structured_outputs import choice_grammar
 
-from .llm_support import cache_bytes, gen, graph_shaped, sampled_by_definition, training_logits, training_logprobs
+from .llm_support import (cache_bytes, gen, graph_shaped, sampled_by_definition, save_bpe_checkpoint, training_logits,
+                          training_logprobs)
 
 EOS = 0  # the tokenizer's first special token, the model's EOS
 REGEX = r"[0-9]{3}-[a-z]{2,5}"
@@ -37,17 +35,7 @@ SPECS = [dict(regex=REGEX), dict(choice=CHOICES), dict(json=SCHEMA, disable_any_
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     """A tiny Qwen3 checkpoint with a byte-level BPE tokenizer of 300 tokens (EOS = token 0)."""
-    path = tmp_path_factory.mktemp("structured")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(['{"ok": true, "n": 12} 123-abc (ab) yes no way say "hi"'] * 20, trainer)
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(path)
-    torch.manual_seed(3)
-    transformers.Qwen3ForCausalLM(qwen3.tiny_config(initializer_range=0.3, eos_token_id=EOS)).eval().save_pretrained(path)
-    return path
+    return save_bpe_checkpoint(tmp_path_factory.mktemp("structured"), eos=EOS)
 
 
 def _engine(folder, **kwargs) -> LLM:
@@ -155,8 +143,8 @@ def test_settings_that_exclude_every_token_end_the_sequence_with_an_error(folder
     outs = gen(llm, ["x", "y", "z", "w"], params)
     errors = [out.outputs[0].error for out in outs]
     assert re.fullmatch(r"output 0 of request \d+: token 0 is not in allowed_token_ids: the request's "
-                        r"structured_outputs, allowed_token_ids and min_tokens \(which bans stop tokens and EOS\) "
-                        r"excluded every token at this step", errors[0])
+                        r"structured_outputs, allowed_token_ids, bad_words and min_tokens \(which bans stop tokens and "
+                        r"EOS\) excluded every token at this step", errors[0])
     yes = outs[1].outputs[0]
     assert yes.text == "yes" and "stop token 0 came before min_tokens=8" in yes.error  # the choice, then EOS banned
     assert outs[2].outputs[0].token_ids == [EOS] and "stop token 0 came before min_tokens=3" in errors[2]
