@@ -32,22 +32,32 @@ def test_min_p_reaches_the_engine_and_the_metrics_stay_exact(example, tmp_path):
 
 
 def test_penalties_reach_the_engine_and_the_metrics_stay_exact(example, tmp_path):
-    """``GRPOConfig(repetition_penalty=...)``, and the other penalties, the filters and a logit bias
-    in ``generation_kwargs``, as TRL passes them to vLLM: every rollout samples with them, and TRL's
+    """``GRPOConfig(repetition_penalty=...)``, and the other penalties, the filters, a logit bias and
+    a bad word in ``generation_kwargs``, as TRL passes them to vLLM: every rollout samples with them, and TRL's
     metrics stay at 0 / 1 (the logprobs are the unfiltered, unpenalised ones its training forward
     computes); ``generation_kwargs={"temperature": ...}`` is refused (training would recompute at
     another temperature)."""
     kwargs = {"presence_penalty": 0.5, "frequency_penalty": 0.25, "top_k": 0, "min_p": 0.05, "logit_bias": {3: 0.5},
-              "skip_special_tokens": False, "spaces_between_special_tokens": False}  # (the last: text only, dropped)
+              "bad_words": ["t3"], "skip_special_tokens": False,
+              "spaces_between_special_tokens": False}  # (the last: text only, dropped)
     trainer = grpo_trainer(example, "qwen3", tmp_path, grpo={"repetition_penalty": 1.3, "generation_kwargs": kwargs})
     gen = trainer.vllm_generation
     seen = []
     generate = gen.llm.generate
-    gen.llm.generate = lambda prompts, params, **kw: seen.append(params) or generate(prompts, params, **kw)
+    tokens = []
+
+    def generate_seen(prompts, params, **kw):
+        seen.append(params)
+        outs = generate(prompts, params, **kw)
+        tokens.extend(t for out in outs for t in out.outputs[0].token_ids)
+        return outs
+
+    gen.llm.generate = generate_seen
     trainer.train()
     assert seen and all((p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.3, 0.5, 0.25)
                         and (p.top_k, p.min_p, p.skip_special_tokens, p.logit_bias) == (-1, 0.05, False, {3: 0.5})
-                        for p in seen)
+                        and p.bad_words == ["t3"] for p in seen)
+    assert tokens and 3 not in tokens  # "t3" is token 3: banned, its bias notwithstanding
     logs = [h for h in trainer.state.log_history if DIFF_MAX in h]
     assert len(logs) == 2 and all(h[DIFF_MAX] == 0.0 and h[IS_MIN] == h[IS_MAX] == 1.0 for h in logs), logs
     with pytest.raises(ValueError, match=r"generation_kwargs \['temperature'\]"):

@@ -181,7 +181,8 @@ def test_update_weights_refuses_verls_per_expert_stream(tmp_path_factory, name, 
 def test_stop_strings_cut_requests_with_the_checkpoint_tokenizer(ckpt, tmp_path):
     """verl's ``stop`` (vLLM's stop strings): with the checkpoint's tokenizer the request ends at
     the token completing the string, its tokens and logprobs those of the request without it cut
-    there; ``structured_outputs`` keeps each output inside its regex, the logprobs the actor's;
+    there; ``structured_outputs`` keeps each output inside its regex, the logprobs the actor's, and
+    ``bad_words`` keeps a word out;
     without a tokenizer (the ``ckpt`` folder) the request fails alone, naming it."""
     import shutil
 
@@ -210,6 +211,8 @@ def test_stop_strings_cut_requests_with_the_checkpoint_tokenizer(ckpt, tmp_path)
                                            request_id=f"regex-{i}"))
         assert done.token_ids and all(f"w{t}".startswith("w1") for t in done.token_ids), done.token_ids
         assert torch.equal(torch.tensor(done.log_probs), recompute(model, prompt, done.token_ids))
+    banned = asyncio.run(server.generate(PROMPTS[0], {**greedy, "bad_words": [words[0]]}, request_id="banned"))
+    assert full.token_ids[0] not in banned.token_ids  # vLLM's bad_words: the greedy first word never comes
     _, bare = make_rollout(ckpt)
 
     async def together():  # one batch: the request with stop strings fails alone

@@ -266,7 +266,7 @@ def add_adapters(model: torch.nn.Module, fields: dict) -> None:
 
 _PASS = ("temperature", "top_p", "top_k", "min_p", "min_tokens", "ignore_eos", "seed", "stop_token_ids", "stop",
          "include_stop_str_in_output", "repetition_penalty", "presence_penalty", "frequency_penalty",
-         "allowed_token_ids", "logit_bias", "structured_outputs")
+         "allowed_token_ids", "logit_bias", "structured_outputs", "bad_words")
 #: vLLM options verl may send that do not change which tokens are sampled
 _HARMLESS = ("skip_special_tokens", "spaces_between_special_tokens", "detokenize")
 #: vLLM options we accept only at their neutral value

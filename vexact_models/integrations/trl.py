@@ -46,8 +46,8 @@ then show the mismatch of its own logprob computation. Not supported (ValueError
 the aligned forward cannot run (DoRA, ...: at the first forward, as for any PeftModel of ours),
 ``cast_lm_head_to_fp32``, ``use_liger_kernel``, ``generation_kwargs`` other than `GENERATION_KWARGS` (stop
 strings, ``min_tokens``, the penalties, the filters, ``allowed_token_ids``, ``logit_bias``,
-``ignore_eos``, ``skip_special_tokens``, ``structured_outputs``, which ``vllm_structured_outputs_regex``
-sets too: the
+``ignore_eos``, ``skip_special_tokens``, ``bad_words``, ``structured_outputs``, which
+``vllm_structured_outputs_regex`` sets too: the
 engine gets the trainer's tokenizer; fields that would change what training recomputes, such as
 ``temperature`` or ``logprobs``, are refused), images,
 FSDP/DeepSpeed, and a load-balancing loss for DeepSeek-V3/Moonlight (set
@@ -72,7 +72,7 @@ __all__ = ["ExactRolloutsMixin", "VexactDistillationTrainer", "VexactGRPOTrainer
 #: the ``GRPOConfig.generation_kwargs`` (vLLM SamplingParams fields) this integration honours
 GENERATION_KWARGS = ("stop", "include_stop_str_in_output", "min_tokens", "repetition_penalty", "frequency_penalty",
                      "presence_penalty", "top_k", "top_p", "min_p", "allowed_token_ids", "logit_bias", "ignore_eos",
-                     "skip_special_tokens", "spaces_between_special_tokens", "structured_outputs")
+                     "skip_special_tokens", "spaces_between_special_tokens", "structured_outputs", "bad_words")
 #: of those, the ones that change only vLLM's output text, which TRL does not read (it decodes the ids): dropped
 TEXT_ONLY_KWARGS = ("spaces_between_special_tokens",)
 
