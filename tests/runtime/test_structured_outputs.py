@@ -238,13 +238,14 @@ def test_masks_refuse_a_matcher_behind_its_sequence(folder):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)")
 def test_constrained_rows_under_graphs_are_the_eager_engines_and_follow_their_grammar(folder):
-    """On CUDA: structured outputs beside unconstrained rows, with the CUDA graphs (decode and
+    """On CUDA: structured outputs beside unconstrained rows and bad words, with the CUDA graphs (decode and
     mixed steps) and async scheduling on (a constrained call launches no step ahead), give the
     eager synchronous engine's tokens; every output follows its grammar and its logprobs are the
     training forward's."""
     prompts = ["123-", "(a", '{"ok', "say", "no", "9", "x", "y"]
     params = [_params(i, max_tokens=24) for i in range(6)]
-    params += [SamplingParams(temperature=1.0, max_tokens=24, seed=s, ignore_eos=True) for s in (1, 2)]
+    params += [SamplingParams(temperature=1.0, max_tokens=24, seed=s, ignore_eos=True, bad_words=words)
+               for s, words in ((1, []), (2, ["yes", "no way"]))]  # (bad words: their bans beside)
     engine = dict(device="cuda", block_size=16, max_num_seqs=4, max_num_batched_tokens=48, kv_cache_bytes=1 << 24)
     want = gen(LLM(str(folder), enforce_eager=True, async_scheduling=False, **engine), prompts, params)
     llm = LLM(str(folder), **engine)
