@@ -1,7 +1,7 @@
 """`LLM`'s requests: prompts (token ids, text through the tokenizer, vLLM's prompt dicts) and their
-sampling parameters checked, grammars compiled, and all turned into sequences, each sample with its
-seed, stop strings and place in its grammar; finished sequences turned into `RequestOutput`s (text,
-stop string cut, cumulative logprob)."""
+sampling parameters checked, grammars compiled, bad words tokenized, and all turned into sequences,
+each sample with its seed, stop strings, bad words and place in its grammar; finished sequences
+turned into `RequestOutput`s (text, stop string cut, cumulative logprob)."""
 
 from __future__ import annotations
 
@@ -38,8 +38,8 @@ class RequestsMixin:
 
     def _check_params(self, params: list[SamplingParams]) -> None:
         """Refuse what the engine cannot do with `params` (ValueError naming the field): on
-        pipeline stages, the alternatives, penalties, logit edits and grammars; stop strings or
-        grammars without a tokenizer; token lists outside the vocabulary."""
+        pipeline stages, the alternatives, penalties, logit edits, grammars and bad words; stop
+        strings, grammars or bad words without a tokenizer; token lists outside the vocabulary."""
         if self.pipeline is not None and any(p.logprobs is not None or p.prompt_logprobs is not None for p in params):
             raise ValueError("LLM.generate: SamplingParams.logprobs and prompt_logprobs (the most probable tokens) are "
                              "not available on pipeline stages; leave them None for each sampled token's logprob")

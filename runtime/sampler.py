@@ -3,8 +3,8 @@
 The token comes from `kernels.sample_tokens` (Gumbel-max over a counter RNG keyed by the
 sequence's seed and output index, after grammar masks (`runtime.grammar_masks`), allowed tokens
 and logit biases (`runtime.logit_bias`),
-repetition/frequency/presence penalties (`runtime.penalties`), min_tokens bans and
-min-p/top-k/top-p filtering); the logprob is
+repetition/frequency/presence penalties (`runtime.penalties`), min_tokens and bad-word bans
+(`runtime.bad_words`) and min-p/top-k/top-p filtering); the logprob is
 ``gather_logprobs(logits, token, T)`` on the *unfiltered* logits at the sequence's temperature
 (1.0 for greedy): the quantity training recomputes with ``token_logprobs``, by the same kernel.
 The logits are the model's (`kernels.lm_head_logits`, soft-capped where the config sets Gemma's
