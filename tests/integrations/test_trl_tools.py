@@ -153,3 +153,49 @@ def test_environment_grpo_stays_exactly_on_policy(tmp_path):
     batches = _train_capturing_batches(trainer)
     _assert_exact_with_tool_turns(trainer, batches)
     assert any(h.get("rewards/Calculator/mean", 0) > 0 for h in trainer.state.log_history)
+
+
+def test_tool_calling_distillation_samples_the_student_exactly(tmp_path):
+    """`VexactDistillationTrainer` with ``tools=[multiply]`` (TRL's on-policy distillation runs the
+    same tool loop): every engine call, the first and those resuming after a tool result, returns
+    the student's own ``token_logprobs`` of its completion bitwise, at the weights it then has;
+    some samples call the tool, and the student trains."""
+    from trl import DistillationConfig
+
+    from vexact_models.integrations.trl import VexactDistillationTrainer
+
+    tokenizer = _tool_tokenizer()
+    eos, pad = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    config = get("qwen3").tiny_config(vocab_size=len(tokenizer), eos_token_id=eos, pad_token_id=pad, bos_token_id=None)
+    for seed, name in ((0, "student"), (1, "teacher")):
+        torch.manual_seed(seed)
+        model = get("qwen3").causal_lm_class(config)
+        with torch.no_grad():  # near-uniform next-token distributions: some samples call the tool
+            model.lm_head.weight.mul_(0.05)
+        model.save_pretrained(tmp_path / name)
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"t{i % 10} t{i * 3 % 10}"}]
+                                            for i in range(16)]})
+    args = DistillationConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, max_completion_length=32,
+                              max_steps=1, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=False,
+                              disable_tqdm=True, learning_rate=1e-2)
+    trainer = VexactDistillationTrainer(str(tmp_path / "student"), str(tmp_path / "teacher"), args=args,
+                                        processing_class=tokenizer, train_dataset=dataset, tools=[multiply],
+                                        llm_kwargs={"kv_cache_bytes": 16 << 20})
+    student, gen = trainer.model, trainer.vllm_generation
+    generate, calls = gen.generate, []
+
+    def checked(prompts, *a, **kw):
+        prompt_ids, completion_ids, logprobs, extra = generate(prompts, *a, **kw)
+        for p, c, lps in zip(prompt_ids, completion_ids, logprobs):
+            with torch.no_grad():
+                ref = student.token_logprobs(torch.tensor([p + c]), temperature=args.temperature)[0, len(p):]
+            assert torch.equal(ref, torch.tensor([lp[0] for lp in lps]))
+        calls.append([tokenizer.decode(p) for p in prompt_ids])
+        return prompt_ids, completion_ids, logprobs, extra
+
+    gen.generate = checked
+    before = {k: v.clone() for k, v in student.state_dict().items()}
+    trainer.train()
+    assert trainer.state.global_step == 1 and any(not torch.equal(before[k], v) for k, v in student.state_dict().items())
+    resumed = [p for prompts in calls for p in prompts if "<tool_response>" in p]
+    assert resumed  # some engine calls resumed after a tool's result

@@ -39,7 +39,8 @@ How it plugs in (trl 1.16):
    of ``beta != 0`` (adapters disabled, or TRL's "ref" adapter) come through the same head.
 4. **Tools.** TRL's tool loop (``tools=``, ``environment_factory=``) calls `VexactGeneration.generate`
    again with prompt + completion + tool result as token ids: the engine's logprobs of the tokens
-   after a tool result are the training forward's too, and TRL masks the result's tokens.
+   after a tool result are the training forward's too, and TRL masks the result's tokens (GRPO's
+   and on-policy distillation's loops alike: tests/integrations/test_trl_tools.py).
 
 ``exact_logprobs=False`` keeps TRL's fused LM head (rollouts still through `LLM`): TRL's metrics
 then show the mismatch of its own logprob computation. Not supported (ValueError): LoRA variants
