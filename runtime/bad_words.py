@@ -8,8 +8,9 @@ sampler bans those ``(row, token)`` pairs beside the ``min_tokens`` bans (`BadWo
 request samples the same tokens in any batch (rule 7) and the reported logprob stays the unedited
 one training recomputes.
 
-Matching a word of several tokens needs the sequence's last tokens on the host: a call with such a
-request launches no step ahead of the host (`runtime.llm_steps`); words of one token do not.
+Matching a word of several tokens needs the sequence's last tokens on the host: while such a
+sequence runs, no step is scheduled ahead of the host (`Scheduler.schedule_ahead`); words of one
+token do not need that.
 """
 
 from __future__ import annotations

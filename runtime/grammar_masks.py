@@ -7,8 +7,9 @@ bitmasks on the host from the matchers (xgrammar's layout: bit ``t % 32`` of int
 allows token ``t``), sends them in one pinned copy, and the sampler sets the logits of the tokens
 they do not allow to -inf on the device (`GrammarMasks.apply`), before any other edit.
 
-A row's next mask needs its last token on the host, so a call with a constrained request launches
-no step ahead of the host (`runtime.llm_steps`); each step still launches without a sync.
+A row's next mask needs its last token on the host, so while a constrained sequence runs no step
+is scheduled ahead of the host (`Scheduler.schedule_ahead`); each step still launches without a
+sync.
 """
 
 from __future__ import annotations

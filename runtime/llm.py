@@ -331,8 +331,6 @@ class LLM(ChatMixin, RequestsMixin, EngineStepsMixin, EngineMemoryMixin):
         if not self._keep_prefix_cache(self.backend):
             self.block_manager.reset_prefix_cache()
         self._scores_prompts = any(p.prompt_logprobs is not None for p in params)  # (llm_steps)
-        self._constrains_outputs = (any(g is not None for g in grammars)  # (llm_steps)
-                                    or any(b is not None and b.needs_history for b in bad_words))
         self.sampler.begin_call(any(p.uses_penalties for p in params))
         requests = []
         try:

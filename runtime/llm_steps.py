@@ -74,10 +74,6 @@ class EngineStepsMixin:
     #: Whether some request of the current call scores its prompt (``prompt_logprobs``): its
     #: steps are checked for prompt positions and run one at a time (set by ``generate``).
     _scores_prompts: bool = False
-    #: Whether some request of the current call follows a grammar (``structured_outputs``) or
-    #: forbids a word of several tokens (``bad_words``): its rows' next masks or bans need their
-    #: last tokens on the host, so no step is launched ahead (set by ``generate``).
-    _constrains_outputs: bool = False
     num_preemptions: int  #: sequences preempted (by recompute) so far
 
     def _loop(self, bar) -> None:
@@ -97,8 +93,7 @@ class EngineStepsMixin:
             bar.close()
 
     def _may_look_ahead(self) -> bool:
-        return (self.async_scheduling and self.pipeline is None and not self._scores_prompts
-                and not self._constrains_outputs)
+        return self.async_scheduling and self.pipeline is None and not self._scores_prompts
 
     def _schedule_and_launch(self, bar) -> LaunchedStep | None:
         """An ordinary step: schedule it, report preemptions and errors, launch it."""

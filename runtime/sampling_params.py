@@ -121,12 +121,12 @@ class SamplingParams:
             It steers sampling only: the reported logprobs stay the unmasked ones. A sequence
             ends ("stop") when its grammar accepts a stop token after a complete output; one whose
             other settings (``allowed_token_ids``, ``min_tokens``) leave it no token the grammar
-            allows ends with finish_reason "error". A call with such a request launches no step
+            allows ends with finish_reason "error". While such a sequence runs, no step is launched
             ahead of the host. Not available on pipeline stages.
         bad_words: words the output may not contain, tokenized as vLLM does (as written, and after
             a space), matched on the generated tokens (`runtime.bad_words`; needs the engine's
-            tokenizer). A call with a word of several tokens launches no step ahead of the host.
-            Not available on pipeline stages.
+            tokenizer). While a sequence with a word of several tokens runs, no step is launched
+            ahead of the host. Not available on pipeline stages.
 
     ``__post_init__`` validates every field and raises ``ValueError`` naming the field, the bad
     value and the limit. Because ``dataclasses.replace`` re-runs ``__post_init__``, copies are

@@ -24,7 +24,10 @@ and no logprob; the scheduler's decisions stay a pure function of its state.
 It declines (returns None) whenever the ordinary path would decide differently: the step in
 flight has a non-final prefill chunk, a running sequence is not in it, every one reaches a length
 limit, a decode needs a new page and none is free (a preemption), or sequences errored at
-``add`` wait to be reported. The engine then postprocesses and calls ``schedule()`` as usual.
+``add`` wait to be reported; and while a running sequence samples from a mask or bans that depend
+on its last token (a grammar, a bad word of several tokens: ``Sequence.samples_from_its_last_token``),
+which the host does not know yet. Sequences it admits do sample in the step ahead: their tokens so
+far are all known. The engine then postprocesses and calls ``schedule()`` as usual.
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ class LookaheadMixin:
         running = [item.seq for item in step if item.seq.status is SequenceStatus.RUNNING]
         if len(running) != len(self._running):
             return None  # someone running sits this step out (the token budget, max_num_seqs)
+        if any(seq.samples_from_its_last_token for seq in running):
+            return None  # its next mask or bans need the token in flight
         ahead = [seq for seq in running if not self._ends_by_length(seq)]
         if not ahead or len(ahead) > self.max_num_batched_tokens:
             return None

@@ -120,6 +120,12 @@ class Sequence:
                 and len(self.prompt_top_logprobs) < self.num_prompt_tokens - 1)
 
     @property
+    def samples_from_its_last_token(self) -> bool:
+        """Whether its next token's mask or bans depend on its last token (a grammar, a bad word
+        of several tokens), which the host must then know: no step is scheduled ahead of it."""
+        return self.grammar is not None or (self.bad_words is not None and self.bad_words.needs_history)
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 

@@ -327,3 +327,28 @@ def test_a_generate_with_async_scheduling_never_waits_for_the_device_unasked():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert got == want
+
+
+def test_schedule_ahead_waits_while_a_sequence_samples_from_its_last_token():
+    """A grammar (structured outputs) or a bad word of several tokens needs the token in flight
+    on the host before the next mask or bans: no step ahead while such a sequence runs; once it
+    has finished, the others' steps go ahead again. A one-token bad word needs no history."""
+    from vexact_models.runtime.bad_words import BadWords
+
+    for bad_words, declines in ((BadWords([(3, 4)]), True), (BadWords([(3,)]), False)):
+        sched = scheduler()
+        add(sched)
+        b = add(sched, max_tokens=2)
+        b.bad_words = bad_words
+        step = sched.schedule().scheduled
+        assert (sched.schedule_ahead() is None) is declines
+        if declines:
+            finish(sched, step)
+            step = sched.schedule().scheduled
+            finish(sched, step)  # b reaches max_tokens
+            assert b.is_finished and sched.schedule().scheduled and sched.schedule_ahead() is not None
+    sched = scheduler()
+    c = add(sched)
+    c.grammar = object()  # (any grammar state)
+    sched.schedule()
+    assert c.samples_from_its_last_token and sched.schedule_ahead() is None
