@@ -133,3 +133,19 @@ def save_bpe_checkpoint(path, eos: int = 0, seed: int = 3):
     config = qwen3.tiny_config(initializer_range=0.3, eos_token_id=eos)
     transformers.Qwen3ForCausalLM(config).eval().save_pretrained(path)
     return path
+
+
+def tokens_four_ways(make, prompts, params, tight_blocks: int) -> list[list[list[int]]]:
+    """Each request's tokens from one batch, each request alone, under a cache of `tight_blocks`
+    pages (which must preempt) and with graph-shaped steps; `make(**engine_kwargs)` builds an
+    engine. Rows that depend on neither their batch, the cache nor the steps give four equal lists."""
+    batch = [o.outputs[0].token_ids for o in gen(make(), prompts, params)]
+    alone = [gen(make(), [p], [sp])[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
+    model = make().model.causal_lm
+    tight_llm = make(kv_cache_bytes=cache_bytes(model, tight_blocks), max_num_batched_tokens=8, max_num_seqs=5)
+    tight = [o.outputs[0].token_ids for o in gen(tight_llm, prompts, params)]
+    assert tight_llm.num_preemptions > 0
+    graphed = make()
+    graph_shaped(graphed)
+    replayed = [o.outputs[0].token_ids for o in gen(graphed, prompts, params)]
+    return [batch, alone, tight, replayed]

@@ -13,7 +13,7 @@ from vexact_models.runtime import LLM, SamplingParams
 from vexact_models.runtime.bad_words import BadWords, bad_word_ids
 from vexact_models.runtime.sequence import Sequence
 
-from .llm_support import (cache_bytes, gen, graph_shaped, sampled_by_definition, save_bpe_checkpoint, training_logits,
+from .llm_support import (gen, sampled_by_definition, save_bpe_checkpoint, tokens_four_ways, training_logits,
                           training_logprobs)
 
 YES, SPACE_YES, NO, SPACE_NO, WAY = 271, 278, 265, 274, 277  # the tokens of "yes", " yes", "no", " no", " way"
@@ -91,16 +91,8 @@ def test_sampled_tokens_are_the_definitions_and_no_output_holds_a_bad_word(folde
 def test_rows_do_not_depend_on_their_batch_the_cache_or_the_steps(folder, words):
     prompts = ["no", "say", "abc", "yes", "(a", "12", "x"]
     params = [_params(i, words if i % 2 == 0 else []) for i in range(7)]
-    want = [o.outputs[0].token_ids for o in gen(_engine(folder), prompts, params)]
-    alone = [gen(_engine(folder), [p], [sp])[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
-    model = _engine(folder).model.causal_lm
-    tight_llm = _engine(folder, kv_cache_bytes=cache_bytes(model, 12), max_num_batched_tokens=8, max_num_seqs=5)
-    tight = [o.outputs[0].token_ids for o in gen(tight_llm, prompts, params)]
-    assert tight_llm.num_preemptions > 0
-    graphed = _engine(folder)
-    graph_shaped(graphed)
-    replayed = [o.outputs[0].token_ids for o in gen(graphed, prompts, params)]
-    assert want == alone == tight == replayed
+    batch, alone, tight, replayed = tokens_four_ways(lambda **kw: _engine(folder, **kw), prompts, params, 12)
+    assert batch == alone == tight == replayed
 
 
 def test_banned_matches_the_generated_tokens_only():

@@ -12,7 +12,7 @@ from vexact_models.runtime import SamplingParams
 from vexact_models.runtime.logit_bias import LogitEdits
 from vexact_models.runtime.sequence import Sequence
 
-from .llm_support import (cache_bytes, gen, graph_shaped, make_llm, prompts_for, sampled_by_definition, training_logits,
+from .llm_support import (gen, make_llm, prompts_for, sampled_by_definition, tokens_four_ways, training_logits,
                           training_logprobs)
 
 
@@ -65,15 +65,8 @@ def test_edited_rows_do_not_depend_on_their_batch_the_cache_or_the_steps():
     model = _model()
     prompts = prompts_for(7, seed=42, lo=6, hi=18)
     params = [_params(i) for i in range(7)]
-    want = [o.outputs[0].token_ids for o in gen(make_llm(model), prompts, params)]
-    alone = [gen(make_llm(model), [p], [sp])[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
-    tight_llm = make_llm(model, kv_cache_bytes=cache_bytes(model, 12), max_num_batched_tokens=8, max_num_seqs=5)
-    tight = [o.outputs[0].token_ids for o in gen(tight_llm, prompts, params)]
-    assert tight_llm.num_preemptions > 0
-    graphed = make_llm(model)
-    graph_shaped(graphed)
-    replayed = [o.outputs[0].token_ids for o in gen(graphed, prompts, params)]
-    assert want == alone == tight == replayed
+    batch, alone, tight, replayed = tokens_four_ways(lambda **kw: make_llm(model, **kw), prompts, params, 12)
+    assert batch == alone == tight == replayed
 
 
 def test_edits_leave_other_rows_bits_and_add_each_bias_once():

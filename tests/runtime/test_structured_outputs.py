@@ -19,7 +19,7 @@ from vexact_models.runtime.grammar_masks import GrammarRows, GrammarState, allow
 from vexact_models.runtime.sequence import Sequence
 from vexact_models.runtime.structured_outputs import choice_grammar
 
-from .llm_support import (cache_bytes, gen, graph_shaped, sampled_by_definition, save_bpe_checkpoint, training_logits,
+from .llm_support import (gen, sampled_by_definition, save_bpe_checkpoint, tokens_four_ways, training_logits,
                           training_logprobs)
 
 EOS = 0  # the tokenizer's first special token, the model's EOS
@@ -103,18 +103,9 @@ def test_constrained_rows_do_not_depend_on_their_batch_the_cache_or_the_steps(fo
     prompts = ["123-", "(a", '{"ok', "say", "no", "9", "x"]
     params = [_params(i, repetition_penalty=1.2 if i == 5 else 1.0, max_tokens=24) for i in range(6)]
     params.append(SamplingParams(temperature=1.0, max_tokens=12, seed=3))  # an unconstrained row beside them
-    want_outs = [o.outputs[0] for o in gen(_engine(folder), prompts, params)]
-    want = [c.token_ids for c in want_outs]
-    alone = [gen(_engine(folder), [p], [sp])[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
-    model = _engine(folder).model.causal_lm
-    tight_llm = _engine(folder, kv_cache_bytes=cache_bytes(model, 10), max_num_batched_tokens=8, max_num_seqs=5)
-    tight = [o.outputs[0].token_ids for o in gen(tight_llm, prompts, params)]
-    assert tight_llm.num_preemptions > 0
-    graphed = _engine(folder)
-    graph_shaped(graphed)
-    replayed = [o.outputs[0].token_ids for o in gen(graphed, prompts, params)]
-    assert want == alone == tight == replayed
-    assert all(c.finish_reason == "stop" for c in want_outs[:6])
+    batch, alone, tight, replayed = tokens_four_ways(lambda **kw: _engine(folder, **kw), prompts, params, 10)
+    assert batch == alone == tight == replayed
+    assert all(ids[-1] == EOS for ids in batch[:6])  # every grammar completed
 
 
 def test_each_of_n_samples_follows_its_own_matcher(folder):
