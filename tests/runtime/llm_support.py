@@ -113,10 +113,10 @@ class _Call:
         pass
 
 
-def save_bpe_checkpoint(path, eos: int = 0, seed: int = 3):
-    """A tiny stock Qwen3 checkpoint at `path` with a byte-level BPE tokenizer of 300 tokens, trained
-    on a few words and JSON ("yes", "no way", '{"ok": true, ...}'), whose first token ``<eos>`` is
-    the model's EOS `eos` (0)."""
+def save_bpe_checkpoint(path, eos: int = 0, seed: int = 3, **config):
+    """A tiny stock Qwen3 checkpoint at `path` (`config`: overrides of its tiny config) with a
+    byte-level BPE tokenizer of 300 tokens, trained on a few words and JSON ("yes", "no way",
+    '{"ok": true, ...}'), whose first token ``<eos>`` is the model's EOS `eos` (0)."""
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -130,8 +130,8 @@ def save_bpe_checkpoint(path, eos: int = 0, seed: int = 3):
     tok.train_from_iterator(['{"ok": true, "n": 12} 123-abc (ab) yes no way say "hi"'] * 20, trainer)
     transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(path)
     torch.manual_seed(seed)
-    config = qwen3.tiny_config(initializer_range=0.3, eos_token_id=eos)
-    transformers.Qwen3ForCausalLM(config).eval().save_pretrained(path)
+    transformers.Qwen3ForCausalLM(qwen3.tiny_config(**{"initializer_range": 0.3, "eos_token_id": eos, **config})
+                                  ).eval().save_pretrained(path)
     return path
 
 
