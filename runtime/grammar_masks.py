@@ -58,12 +58,16 @@ class GrammarMasks:
     rows: torch.Tensor  #: int64 [C]: the constrained rows
     bits: torch.Tensor  #: int32 [C, ceil(vocab / 32)]: xgrammar's bitmasks
 
+    every_row: bool = False  #: whether the rows are all the batch's, in order
+
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """A copy of the batch's fp32 logits, -inf where a constrained row's grammar does not
         allow the token."""
+        allowed = allowed_tokens(self.bits, logits.shape[1])
+        if self.every_row:
+            return torch.where(allowed, logits, float("-inf"))
         out = logits.clone()
-        rows = out.index_select(0, self.rows)
-        out.index_copy_(0, self.rows, torch.where(allowed_tokens(self.bits, logits.shape[1]), rows, float("-inf")))
+        out.index_copy_(0, self.rows, torch.where(allowed, out.index_select(0, self.rows), float("-inf")))
         return out
 
 
@@ -79,8 +83,9 @@ class GrammarRows:
     """The constrained rows of a sampling batch (the sampler's row cache holds it while the batch
     keeps its sequences); `launch` makes each step's masks."""
 
-    def __init__(self, rows: list[int], seqs: list[Sequence]) -> None:
+    def __init__(self, rows: list[int], seqs: list[Sequence], batch: int) -> None:
         self.rows, self.seqs = rows, seqs
+        self.every_row = rows == list(range(batch))
         self._rows_dev: torch.Tensor | None = None
         self._fill = xgrammar_module().BatchGrammarMatcher()  # fills the rows' masks in threads
 
@@ -88,19 +93,20 @@ class GrammarRows:
     def of(cls, seqs: list[Sequence]) -> GrammarRows | None:
         """The constrained rows of `seqs` (None when no sequence has a grammar)."""
         rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
-        return cls(rows, [seqs[i] for i in rows]) if rows else None
+        return cls(rows, [seqs[i] for i in rows], len(seqs)) if rows else None
 
     def launch(self, vocab: int, device: torch.device) -> GrammarMasks:
         """This step's masks: filled on the host from each row's matcher, which must have
-        accepted every output token of its sequence (no step ahead), and sent in one copy."""
-        words = (vocab + 31) // 32
-        bits = np.empty((len(self.seqs), words), np.int32)
+        accepted every output token of its sequence (no step ahead), straight into fresh pinned
+        memory (on CUDA; the pinned cache hands it out again only once its copy is done), and sent
+        in one copy."""
         for seq in self.seqs:
             if seq.grammar.accepted != seq.num_output_tokens:
                 raise RuntimeError(f"{seq!r}: its grammar has accepted {seq.grammar.accepted} of its "
                                    f"{seq.num_output_tokens} output tokens (a step ran ahead of the host)")
+        cuda = device.type == "cuda"
+        bits = torch.empty(len(self.seqs), (vocab + 31) // 32, dtype=torch.int32, pin_memory=cuda)
         self._fill.batch_fill_next_token_bitmask([seq.grammar.matcher for seq in self.seqs], bits)
         if self._rows_dev is None or self._rows_dev.device != device:
             [self._rows_dev] = to_device([np.array(self.rows, np.int64)], device)
-        [bits_dev] = to_device([bits], device)
-        return GrammarMasks(self._rows_dev, bits_dev)
+        return GrammarMasks(self._rows_dev, bits.to(device, non_blocking=cuda), self.every_row)

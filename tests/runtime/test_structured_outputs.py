@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from vexact_models.runtime import LLM, SamplingParams, StructuredOutputsParams
-from vexact_models.runtime.grammar_masks import GrammarRows, GrammarState, allowed_tokens
+from vexact_models.runtime.grammar_masks import GrammarMasks, GrammarRows, GrammarState, allowed_tokens
 from vexact_models.runtime.sequence import Sequence
 from vexact_models.runtime.structured_outputs import choice_grammar
 
@@ -253,3 +253,13 @@ def test_constrained_rows_under_graphs_are_the_eager_engines_and_follow_their_gr
         t = p.temperature if p.temperature > 0 else 1.0
         assert torch.equal(torch.tensor(c.logprobs), training_logprobs(llm.model.causal_lm, out.prompt_token_ids,
                                                                        c.token_ids, t))
+
+
+def test_masks_of_every_row_are_the_indexed_paths():
+    gen_ = torch.Generator().manual_seed(1)
+    bits = torch.randint(-2**31, 2**31 - 1, (3, 5), dtype=torch.int32, generator=gen_)
+    logits = torch.randn(3, 150, generator=gen_)
+    indexed = GrammarMasks(torch.tensor([0, 1, 2]), bits).apply(logits)
+    assert torch.equal(GrammarMasks(torch.tensor([0, 1, 2]), bits, every_row=True).apply(logits), indexed)
+    some = GrammarMasks(torch.tensor([2]), bits[2:]).apply(logits)
+    assert torch.equal(some[:2], logits[:2]) and torch.equal(some[2], indexed[2])
