@@ -55,6 +55,10 @@ def parse_args(argv=None, description: str = "") -> argparse.Namespace:
                         help="override a config field (JSON value; repeatable), e.g. --set n_routed_experts=8")
     parser.add_argument("--mla-kv-cache", metavar="MODES",
                         help="MLA models: comma-separated KV cache modes to run in turn (expanded, latent)")
+    parser.add_argument("--regex", metavar="REGEX",
+                        help="the aligned-regex row's constraint over the word tokenizer's lowercase words and space "
+                             "(default: throughput_engines.STRUCTURED_REGEX); it must never complete (the rows' "
+                             "lengths are compared), e.g. '([a-z]{1,6} )+[0-9]' bounds each word's length")
     parser.add_argument("--block-size", type=positive_int,
                         help="positions per KV page of the vexact engines (default: LLM's own, `default_block_size`)")
     parser.add_argument("--tiny", action="store_true",

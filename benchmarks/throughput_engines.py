@@ -132,6 +132,13 @@ ENGINE_SAMPLING = {"aligned-top20": dict(logprobs=20),
                    "aligned-regex": dict(structured_outputs={"regex": STRUCTURED_REGEX})}
 
 
+def engine_sampling(engine: str, args) -> dict | None:
+    """The extra `SamplingParams` fields of an ``--engines`` row (``--regex`` for aligned-regex)."""
+    if engine == "aligned-regex" and args.regex:
+        return dict(structured_outputs={"regex": args.regex})
+    return ENGINE_SAMPLING.get(engine)
+
+
 def word_tokenizer(config):
     """A word-level tokenizer over the model's whole vocabulary (no hub here): id i is the i-th
     lowercase word in shortlex order (a .. z, aa, ...), the first id a space, EOS ``<eos>``."""
@@ -168,7 +175,7 @@ def run_engines(arch, model, prompts, outputs, args, engines: list[str], mode: s
                                                async_scheduling=engine != "aligned-sync",
                                                enforce_eager=engine == "aligned-eager",
                                                mixed_graphs=engine != "aligned-decode-graphs",
-                                               sampling=ENGINE_SAMPLING.get(engine))
+                                               sampling=engine_sampling(engine, args))
             name, row_mode = ENGINES[engine] + (f" [{mode}]" if mode else ""), mode
         rows.append((name, row_mode, seconds, produced))
         print(f"{name}: {produced} output tokens in {seconds:.1f}s = {produced / seconds:,.0f} tok/s", flush=True)

@@ -310,6 +310,9 @@ def test_throughput_sampling_option_engines_run_tiny_on_cpu():
              "vexact aligned, structured outputs (regex)"]
     assert set(rows) == set(names)
     assert len({rows[name][1] for name in names}) == 1  # the same output tokens on every row
+    bad = subprocess.run([sys.executable, "throughput.py", "--tiny", "--engines", "aligned-regex", "--requests", "2",
+                          "--regex", "([a-z"], cwd=BENCHMARKS, capture_output=True, text=True, timeout=600, env=TINY_ENV)
+    assert bad.returncode != 0 and "structured_outputs.regex='([a-z' does not compile" in bad.stderr  # --regex is used
 
 
 @pytest.mark.parametrize("argv,words", [
