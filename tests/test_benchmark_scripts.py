@@ -357,3 +357,17 @@ def test_shared_experts_blocks_and_header(monkeypatch):
     assert shared_experts.describe(moonlight) == "64 routed experts top-6, shared MLP of 2816"
     with pytest.raises(SystemExit, match="--config qwen3-8b: a config with shared experts is needed"):
         shared_experts.build_layers("qwen3-8b", 1)
+
+
+def test_grammar_masks_benchmark_runs_tiny_on_cpu():
+    """benchmarks/grammar_masks.py: per regex and step, the host fills and our mask application
+    beside xgrammar's (which it checks gives the same bits); bad sizes are refused."""
+    pytest.importorskip("xgrammar")
+    run = subprocess.run([sys.executable, "grammar_masks.py", "--rows", "4", "--vocab", "500", "--steps", "2",
+                          "--device", "cpu"], cwd=BENCHMARKS, capture_output=True, text=True, timeout=300, env=TINY_ENV)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    rows = [line.split() for line in run.stdout.splitlines() if line.startswith("([a-z]")]
+    assert len(rows) == 4 and all(row[-1].endswith("x") for row in rows)
+    bad = subprocess.run([sys.executable, "grammar_masks.py", "--rows", "0"], cwd=BENCHMARKS, capture_output=True,
+                         text=True, timeout=300, env=TINY_ENV)
+    assert bad.returncode == 2 and "--rows 0" in bad.stderr
