@@ -40,8 +40,9 @@ class StructuredOutputsParams:
         choice: the output is exactly one of these strings.
         grammar: an EBNF grammar (xgrammar's GBNF dialect, start rule ``root``).
         json_object: True: the output is any JSON object.
-        disable_any_whitespace: with ``json`` or ``json_object``, allow no whitespace between
-            JSON tokens beyond single separators (vLLM's option).
+        disable_any_whitespace: with ``json``, allow no whitespace between JSON tokens beyond
+            single separators (vLLM's option; ``json_object`` takes xgrammar's built-in JSON
+            grammar as it is).
 
     ``__post_init__`` raises ValueError naming the field and the value.
     """
