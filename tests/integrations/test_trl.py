@@ -217,8 +217,8 @@ def test_bad_settings_are_refused_before_building(example, tmp_path):
     bare = LLM(qwen3.Qwen3ForCausalLM(config), device="cpu", kv_cache_bytes=1 << 20)
     with pytest.raises(ValueError, match=r"generation_kwargs\['stop'\] \(stop strings\) needs the engine's tokenizer"):
         VexactGRPOTrainer(ours, args=GRPOConfig(**base, generation_kwargs={"stop": ["x"]}), llm=bare, **common)
-    with pytest.raises(ValueError, match=r"generation_kwargs \['bad_words'\] \(only \['stop'"):
-        VexactGRPOTrainer(ours, args=GRPOConfig(**base, generation_kwargs={"stop": ["x"], "bad_words": ["y"]}),
+    with pytest.raises(ValueError, match=r"generation_kwargs \['truncate_prompt_tokens'\] \(only \['stop'"):
+        VexactGRPOTrainer(ours, args=GRPOConfig(**base, generation_kwargs={"stop": ["x"], "truncate_prompt_tokens": 8}),
                           **common)
     with pytest.raises(ValueError, match="transformers.models.qwen3.modeling_qwen3.Qwen3ForCausalLM"):
         VexactGRPOTrainer(Qwen3ForCausalLM(config), args=GRPOConfig(**base), **common)
