@@ -76,13 +76,11 @@ class Sampler:
         return banned
 
     def _bans(self, seqs: list[Sequence], step: np.ndarray, min_tokens: np.ndarray,
-              bad_word_rows: list[int] | None = None) -> list[tuple[int, int]]:
+              bad_word_rows: list[int]) -> list[tuple[int, int]]:
         """(row, token) pairs that may not be sampled: the stop tokens and EOS of the sequences still
         short of min_tokens (found with one vector compare), and the bad words of the sequences at
-        `bad_word_rows` (`runtime.bad_words`; None: found here)."""
+        `bad_word_rows` (`runtime.bad_words`)."""
         bans = [(i, tok) for i in np.flatnonzero(step < min_tokens).tolist() for tok in self._banned(seqs[i])]
-        if bad_word_rows is None:
-            bad_word_rows = [i for i, seq in enumerate(seqs) if seq.bad_words is not None]
         bans += [(i, tok) for i in bad_word_rows for tok in seqs[i].bad_words.banned(seqs[i])]
         return bans
 
@@ -118,7 +116,8 @@ class Sampler:
         """What sampling `seqs` needs, as host arrays (a pipeline's first stage sends them to the
         last, which samples with `sample_host_rows`): the same values `__call__` uses."""
         host = _host_arrays(seqs)
-        bans = np.array(self._bans(seqs, host["step"], host["min_tokens"]), np.int64).reshape(-1, 2)
+        # (no bad words: pipeline stages refuse them)
+        bans = np.array(self._bans(seqs, host["step"], host["min_tokens"], []), np.int64).reshape(-1, 2)
         return HostRows(host["temps"], host["top_p"], host["top_k"], host["log_min_p"], host["seeds"], host["step"],
                         bans)
 

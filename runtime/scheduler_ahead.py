@@ -54,8 +54,10 @@ class LookaheadMixin:
         running = [item.seq for item in step if item.seq.status is SequenceStatus.RUNNING]
         if len(running) != len(self._running):
             return None  # someone running sits this step out (the token budget, max_num_seqs)
-        if any(seq.samples_from_its_last_token for seq in running):
-            return None  # its next mask or bans need the token in flight
+        if self._last_token_samplers:  # (a scan only where such sequences were added)
+            self._last_token_samplers = [seq for seq in self._last_token_samplers if not seq.is_finished]
+            if any(seq.status is SequenceStatus.RUNNING for seq in self._last_token_samplers):
+                return None  # its next mask or bans need the token in flight
         ahead = [seq for seq in running if not self._ends_by_length(seq)]
         if not ahead or len(ahead) > self.max_num_batched_tokens:
             return None

@@ -338,8 +338,9 @@ def test_schedule_ahead_waits_while_a_sequence_samples_from_its_last_token():
     for bad_words, declines in ((BadWords([(3, 4)]), True), (BadWords([(3,)]), False)):
         sched = scheduler()
         add(sched)
-        b = add(sched, max_tokens=2)
-        b.bad_words = bad_words
+        b = Sequence(1, 0, [9] * 3, SamplingParams(max_tokens=2), seed=0)
+        b.bad_words = bad_words  # (set before it is added, as the engine does)
+        sched.add(b)
         step = sched.schedule().scheduled
         assert (sched.schedule_ahead() is None) is declines
         if declines:
@@ -348,7 +349,8 @@ def test_schedule_ahead_waits_while_a_sequence_samples_from_its_last_token():
             finish(sched, step)  # b reaches max_tokens
             assert b.is_finished and sched.schedule().scheduled and sched.schedule_ahead() is not None
     sched = scheduler()
-    c = add(sched)
+    c = Sequence(0, 0, [9] * 3, SamplingParams(), seed=0)
     c.grammar = object()  # (any grammar state)
+    sched.add(c)
     sched.schedule()
     assert c.samples_from_its_last_token and sched.schedule_ahead() is None
