@@ -55,7 +55,7 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
-        set_kinds = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        set_kinds = self._set_kinds()
         if len(set_kinds) != 1:
             raise ValueError(f"StructuredOutputsParams: exactly one of {', '.join(KINDS)} must be set, got "
                              f"{set_kinds or 'none'}")
@@ -85,10 +85,13 @@ class StructuredOutputsParams:
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"StructuredOutputsParams.{name}={value!r} must be a bool")
 
+    def _set_kinds(self) -> list[str]:
+        return [k for k in KINDS if getattr(self, k) not in (None, False)]
+
     @property
     def kind(self) -> str:
         """Which constraint is set (one of `KINDS`)."""
-        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+        return self._set_kinds()[0]
 
     @classmethod
     def of(cls, value: Any) -> StructuredOutputsParams:
