@@ -71,7 +71,7 @@ def _cache_zeros(shape: tuple, device: torch.device, dtype: torch.dtype) -> torc
     return buffer[:numel].view(shape)
 
 
-def _kv_pair(shape: tuple, head_dim_k: int, head_dim_v: int, value_in_key: bool, device, dtype):
+def kv_pair(shape: tuple, head_dim_k: int, head_dim_v: int, value_in_key: bool, device, dtype):
     """One layer's (K, V) caches; with `value_in_key` V is a view of K, not a second copy. Zeroed:
     FlashAttention-4 (`use_attention_forward("fa4")`) loads whole pages of ``block_size`` 128 by
     TMA and multiplies the masked rows' zero probabilities by their values, which must be finite."""
@@ -150,7 +150,7 @@ class ModelRunner:
         group = self.window_group
         windowed = set(() if group is None else group.layers)
         window_shape = (0 if group is None else group.num_blocks, *shape[1:])
-        self.kv_caches = [_kv_pair(window_shape if i in windowed else shape, head_dim_k, head_dim_v, value_in_key,
+        self.kv_caches = [kv_pair(window_shape if i in windowed else shape, head_dim_k, head_dim_v, value_in_key,
                                    self.device, self.dtype) if i in held else None for i in range(layers)]
         if self.cuda_graph_batch:
             self.graphs = StepGraphs(self.model, self.kv_caches, self.block_size, self.max_blocks_per_seq,
@@ -172,7 +172,7 @@ class ModelRunner:
     def zero_cache(self) -> None:
         """Overwrite every K/V page with zeros, in place (the CUDA graphs keep their addresses):
         after a step wrote non-finite K/V. A freed page's stale positions are read again by
-        kernels that load whole pages (`_kv_pair`), where a NaN times a zero probability is NaN."""
+        kernels that load whole pages (`kv_pair`), where a NaN times a zero probability is NaN."""
         for pair in self.kv_caches:
             if pair is not None:
                 for cache in pair:  # (a V that is a view of K's first dims is zeroed twice)

@@ -22,7 +22,7 @@ from vexact_models.checkpointing import CheckpointingMixin
 from vexact_models.distributed import fsdp_forward_method
 from vexact_models.flat_batch import FlatBatch, check_tokens, flatten_inputs
 from vexact_models.forward_arguments import CACHE_ARGUMENTS, cache_field, hf_flag, take_cache_arguments, unfilled_cache
-from vexact_models.generation import cacheless_generate_arguments
+from vexact_models.generation import active_cache, cached_steps, generate_arguments
 from vexact_models.hidden_states import HiddenStates, hidden_states_request
 from vexact_models.kernels import lm_head_logits, token_logprobs
 from vexact_models.layers import PackedContext, RopeTables, head_dim_of, layer_window
@@ -252,6 +252,14 @@ class CausalLMMixin(StrictLoadingMixin):
             kwargs.pop(unused, None)
         layer_kwargs = {} if router_logits is None else {"router_logits": router_logits}
         request = hidden_states_request(output_hidden_states, self.config)
+        cache = active_cache(self)
+        if cache is not None:
+            servable = labels is None and not request and router_logits is None and cu_seqlens is None \
+                and type(logits_to_keep) is int and logits_to_keep == 1
+            logits = cache.logits(input_ids, inputs_embeds, attention_mask, position_ids) if servable \
+                else cache.forget()
+            if logits is not None:
+                return output_class(logits=logits, **{cache_field(output_class): unfilled_cache(cache_arguments, 0)})
         hidden, flat, states = self.model.forward_hf_inputs(input_ids, attention_mask, position_ids, cu_seqlens,
                                                             inputs_embeds, bool(request), **layer_kwargs)
         logits = self._padded_logits(hidden, flat, logits_to_keep)
@@ -287,15 +295,18 @@ class CausalLMMixin(StrictLoadingMixin):
         return [] if output_router_logits else None
 
     def generate(self, *args, **kwargs):
-        """HF's ``GenerationMixin.generate``, run without a KV cache: each step recomputes the
-        sequences through the training forward, so greedy output equals `vexact_models.LLM`
-        greedy output token for token. Every decoding mode that needs no cache runs as HF's;
-        assisted decoding (``assistant_model``, ``prompt_lookup_num_tokens``, ...) is a
-        ValueError (`vexact_models.generation`). With ``output_hidden_states`` each step's states
-        cover the whole sequence, as stock's do with ``use_cache=False``. Quadratic in the output
-        length: roll out with `vexact_models.LLM`, which shares this model's weights."""
-        args, kwargs = cacheless_generate_arguments(self, args, kwargs)
-        return super().generate(*args, **kwargs)
+        """HF's ``GenerationMixin.generate`` over a KV cache of our own (`vexact_models.generation`):
+        each step runs only the tokens it adds through the paged forward the rollouts run, so the
+        logits, and greedy output, equal the whole recompute's and `vexact_models.LLM`'s bit for
+        bit. ``use_cache=False`` and beam search recompute the whole sequence each step. Every
+        decoding mode HF runs without its own cache runs as HF's; assisted decoding
+        (``assistant_model``, ``prompt_lookup_num_tokens``, ...) is a ValueError. With
+        ``output_hidden_states`` each step's states cover the whole sequence (that step is a whole
+        recompute), as stock's do with ``use_cache=False``. One eager forward per step: roll out
+        with `vexact_models.LLM`, which shares this model's weights."""
+        args, kwargs, cached = generate_arguments(self, args, kwargs)
+        with cached_steps(self, cached):
+            return super().generate(*args, **kwargs)
 
     def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, *args, attention_mask: torch.Tensor | None = None,
                                       inputs_embeds: torch.Tensor | None = None, **kwargs) -> dict:

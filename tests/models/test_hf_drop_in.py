@@ -188,8 +188,62 @@ def test_the_first_generate_of_a_process_says_where_fast_rollouts_are(pair, monk
     with caplog.at_level("WARNING", logger="vexact_models"):
         for _ in range(2):
             ours.generate(ids, max_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=0)
-    said = [r.getMessage() for r in caplog.records if "keeps no KV cache" in r.getMessage()]
+    said = [r.getMessage() for r in caplog.records if "one eager forward" in r.getMessage()]
     assert len(said) == 1 and type(ours).__name__ in said[0] and "vexact_models.LLM" in said[0], said
+
+
+def _counting_tokens(model, monkeypatch) -> list[int]:
+    """The token count of each forward of `model`'s decoder stack from now on."""
+    counts, forward_flat = [], model.model.forward_flat
+
+    def counted(input_ids, *args, **kwargs):
+        counts.append(len(input_ids))
+        return forward_flat(input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(model.model, "forward_flat", counted)
+    return counts
+
+
+def test_generate_steps_run_only_their_new_tokens_with_the_whole_recomputes_bits(pair, monkeypatch):
+    """``generate`` keeps a KV cache of its own (`runtime.generate_cache`): the prompts' real
+    tokens, then one token per row each step, go through the decoder; the logits of every step
+    and the tokens (greedy, and sampled under one seed) are bitwise those of ``use_cache=False``,
+    which recomputes the whole sequence each step."""
+    _, _, ours, _ = pair
+    ids, mask = left_padded(batch=3, length=9)
+    mask[1, :3], mask[2, :6] = 0, 0
+    mask[1, 3:], mask[2, 6:] = 1, 1
+    counts = _counting_tokens(ours, monkeypatch)
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, eos_token_id=None, pad_token_id=0, output_logits=True,
+                  return_dict_in_generate=True)
+    cached = ours.generate(ids, do_sample=False, **kwargs)
+    assert counts == [int(mask.sum())] + [3] * 5
+    counts.clear()
+    whole = ours.generate(ids, do_sample=False, use_cache=False, **kwargs)
+    assert counts == [int(mask.sum()) + 3 * step for step in range(6)]
+    assert torch.equal(cached.sequences, whole.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(cached.logits, whole.logits, strict=True))
+    sampled = []
+    for use_cache in (True, False):
+        torch.manual_seed(11)
+        sampled.append(ours.generate(ids, do_sample=True, temperature=0.9, use_cache=use_cache, **kwargs).sequences)
+    assert torch.equal(*sampled)
+
+
+def test_generate_recomputes_each_step_for_beams_and_hidden_states(pair, monkeypatch):
+    """A beam search (its steps reorder the rows) and ``output_hidden_states`` (every step's
+    states cover the whole sequence, as stock's without a cache) run the whole recompute each
+    step: the same output as ``use_cache=False``."""
+    _, _, ours, _ = pair
+    ids = torch.tensor([[5, 9, 33, 2, 17], [44, 3, 8, 21, 6]])
+    counts = _counting_tokens(ours, monkeypatch)
+    kwargs = dict(max_new_tokens=3, do_sample=False, eos_token_id=None, pad_token_id=0)
+    beams = [ours.generate(ids, num_beams=2, use_cache=use_cache, **kwargs) for use_cache in (True, False)]
+    assert torch.equal(*beams) and counts == [20, 24, 28] * 2
+    counts.clear()
+    states = ours.generate(ids, output_hidden_states=True, return_dict_in_generate=True, **kwargs)
+    assert counts == [10, 12, 14] and states.hidden_states[-1][0].shape[1] == 7
+    assert torch.equal(states.sequences, ours.generate(ids, **kwargs))
 
 
 def test_generate_takes_a_generation_config_without_hf_deprecation_warning(pair, monkeypatch):

@@ -82,6 +82,21 @@ def test_rollout_with_adapters_equals_token_logprobs(peft_pair):
         assert torch.equal(training_logprobs(peft_ours, prompt, c.token_ids, 1.0), torch.tensor(c.logprobs))
 
 
+def test_generate_with_adapters_steps_over_its_cache_as_the_rollout(peft_pair):
+    """PEFT's ``generate`` reaches ours, whose steps run over its own KV cache with the adapters
+    active: the logits are bitwise ``use_cache=False``'s, greedy tokens the rollout's."""
+    _, peft_ours, _, _, _ = peft_pair
+    prompts = [[5, 9, 33, 2, 17], [44, 3, 8]]
+    ids = torch.tensor([prompts[0], [0, 0] + prompts[1]])
+    kwargs = dict(input_ids=ids, attention_mask=torch.tensor([[1] * 5, [0, 0, 1, 1, 1]]), max_new_tokens=5,
+                  do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    cached, whole = (peft_ours.generate(**kwargs, use_cache=use_cache) for use_cache in (True, False))
+    assert torch.equal(cached.sequences, whole.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(cached.logits, whole.logits, strict=True))
+    rollout = gen(make_llm(peft_ours), prompts, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    assert [row[5:].tolist() for row in cached.sequences] == [o.outputs[0].token_ids for o in rollout]
+
+
 def test_every_adapter_gets_a_gradient(peft_pair):
     _, peft_ours, _, ids, _ = peft_pair
     peft_ours.zero_grad()
@@ -157,6 +172,13 @@ def test_peft_prefix_tuning_is_refused_and_prompt_tuning_runs_as_stock(name):
         with torch.no_grad():
             logits.append(prompted(input_ids=ids).logits)
     assert logits[0].shape == (2, 8, ours.config.vocab_size) and rel(logits[0], logits[1]) <= 1e-5
+    # generate: PEFT prepends the virtual tokens' embeddings at every step; ours runs the new ones only
+    prompted = get_peft_model(ours, PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    kwargs = dict(input_ids=ids, max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0,
+                  output_logits=True, return_dict_in_generate=True)
+    cached, whole = (prompted.generate(**kwargs, use_cache=use_cache) for use_cache in (True, False))
+    assert torch.equal(cached.sequences, whole.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(cached.logits, whole.logits, strict=True))
 
 
 def test_unsupported_adapter_errors_name_the_module_in_training_and_rollout():
