@@ -33,6 +33,10 @@ shape (default Qwen3-0.6B), bf16, CUDA.
 - HF: ``model.generate`` of the stock transformers class on the same weights (sdpa), all
   requests in one left-padded batch (or ``--hf-batch`` per batch) with ``max_new_tokens`` the
   batch's longest output; only each request's own output length counts as useful tokens.
+- generate: HF's ``generate`` on our model (what a stack that calls ``model.generate`` after
+  `vexact_models.patch()` gets, e.g. TRL's stock ``GRPOTrainer``), batched as HF's row, its steps
+  over our model's own KV cache (`runtime.generate_cache`); generate-whole: the same with
+  ``use_cache=False``, each step recomputing the whole sequence (the baseline the cache removes).
 
 After the table, the workload's floor per KV cache mode: what its decode steps must read at
 least (weights, routed experts as many as each step's batch reaches, every running sequence's

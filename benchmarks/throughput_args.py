@@ -18,7 +18,8 @@ ENGINES = {"aligned": "vexact aligned", "aligned-sync": "vexact aligned, one ste
            "aligned-penalties": "vexact aligned, penalties",
            "aligned-regex": "vexact aligned, structured outputs (regex)",
            "aligned-no-attention": "bound: aligned, no attention", "fast": "vexact fast path (cuBLAS)",
-           "hf": "HF generate"}
+           "hf": "HF generate", "generate": "vexact model, HF's generate",
+           "generate-whole": "vexact model, HF's generate, use_cache=False"}
 #: engines that run on CUDA only (the cuBLAS fast path, FlashAttention-4)
 CUDA_ENGINES = ("fast", "aligned-fa4")
 

@@ -1,6 +1,6 @@
 """How throughput.py's engine rows run its workload: our engine in each configuration its
-``--engines`` names (`run_engines`), stock ``generate`` (`run_hf`, also window_models.py's peer), and
-the bound that skips attention (`attention_skipped`)."""
+``--engines`` names (`run_engines`), HF's ``generate`` (`run_hf`: stock's, also window_models.py's
+peer, and ours), and the bound that skips attention (`attention_skipped`)."""
 
 from __future__ import annotations
 
@@ -97,10 +97,10 @@ def graph_counts(graphs) -> str:
 
 
 @torch.no_grad()
-def run_hf(hf, prompts, outputs, batch: int, temperature: float = 0.6) -> tuple[float, int]:
-    """Seconds and useful output tokens of stock ``generate`` by `hf` (a stock model, e.g.
-    `stock_peers.stock_alone`'s) over the requests, `batch` at a time, sorted by output length and left-padded,
-    each batch run to its longest output (only each request's own output length counts)."""
+def run_hf(hf, prompts, outputs, batch: int, temperature: float = 0.6, use_cache: bool = True) -> tuple[float, int]:
+    """Seconds and useful output tokens of HF's ``generate`` by `hf` (a stock model, e.g.
+    `stock_peers.stock_alone`'s, or ours) over the requests, `batch` at a time, sorted by output length and
+    left-padded, each batch run to its longest output (only each request's own output length counts)."""
     device = next(hf.parameters()).device
     order = sorted(range(len(prompts)), key=lambda i: outputs[i])
     synchronize(device)
@@ -115,7 +115,7 @@ def run_hf(hf, prompts, outputs, batch: int, temperature: float = 0.6) -> tuple[
             mask[r, width - len(prompts[i]):] = 1
         new = max(outputs[i] for i in idx)
         hf.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=new, min_new_tokens=new,
-                    do_sample=True, temperature=temperature, top_k=0, top_p=1.0, pad_token_id=0)
+                    do_sample=True, temperature=temperature, top_k=0, top_p=1.0, pad_token_id=0, use_cache=use_cache)
     synchronize(device)
     return time.perf_counter() - t0, sum(outputs)
 
@@ -168,6 +168,9 @@ def run_engines(arch, model, prompts, outputs, args, engines: list[str], mode: s
             with stock_alone(arch, model, args.device) as hf:  # ours waits in host memory
                 seconds, produced = run_hf(hf.eval(), prompts, outputs, args.hf_batch)
             name, row_mode = f"{ENGINES['hf']} ({hf_label(arch, args.hf_batch)})", None
+        elif engine in ("generate", "generate-whole"):
+            seconds, produced = run_hf(model, prompts, outputs, args.hf_batch, use_cache=engine == "generate")
+            name, row_mode = f"{ENGINES[engine]} (batch {args.hf_batch})" + (f" [{mode}]" if mode else ""), mode
         else:
             with attention_skipped() if engine == "aligned-no-attention" else contextlib.nullcontext(), \
                     use_attention_forward("fa4" if engine == "aligned-fa4" else None):
