@@ -296,18 +296,20 @@ def test_throughput_peer_config_runs_tiny_on_cpu():
 
 
 def test_throughput_sampling_option_engines_run_tiny_on_cpu():
-    """benchmarks/throughput.py --engines aligned,aligned-top20,aligned-penalties,aligned-regex: the
-    same workload's output tokens with ``SamplingParams(logprobs=20)`` asked for, with the
-    penalties and with a regex that never completes, each a row of its own beside the plain
-    engine's."""
-    engines = "aligned,aligned-top20,aligned-penalties,aligned-regex"
+    """benchmarks/throughput.py --engines aligned,aligned-top20,aligned-penalties,aligned-regex,
+    generate,generate-whole: the same workload's output tokens with ``SamplingParams(logprobs=20)``
+    asked for, with the penalties, with a regex that never completes, and through HF's
+    ``generate`` on our model with and without its KV cache, each a row of its own beside the
+    plain engine's."""
+    engines = "aligned,aligned-top20,aligned-penalties,aligned-regex,generate,generate-whole"
     run = subprocess.run([sys.executable, "throughput.py", "--tiny", "--engines", engines,
                           "--requests", "3"], cwd=BENCHMARKS, capture_output=True, text=True, timeout=600, env=TINY_ENV)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     rows = {line[:60].strip(): line[60:].split() for line in run.stdout.splitlines()
-            if line.startswith("vexact aligned") and ":" not in line}  # the table's rows
+            if line.startswith("vexact ") and ":" not in line}  # the table's rows
     names = ["vexact aligned", "vexact aligned, logprobs=20", "vexact aligned, penalties",
-             "vexact aligned, structured outputs (regex)"]
+             "vexact aligned, structured outputs (regex)", "vexact model, HF's generate (batch 64)",
+             "vexact model, HF's generate, use_cache=False (batch 64)"]
     assert set(rows) == set(names)
     assert len({rows[name][1] for name in names}) == 1  # the same output tokens on every row
     bad = subprocess.run([sys.executable, "throughput.py", "--tiny", "--engines", "aligned-regex", "--requests", "2",
