@@ -18,6 +18,7 @@ from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, KTOConfig, KTOTr
 
 import vexact_models  # noqa: E402
 from vexact_models.registry import get  # noqa: E402
+from vexact_models.runtime.generate_cache import GenerateCache  # noqa: E402
 
 TEXTS = [" ".join(f"t{i}" for i in range(3, 3 + n)) for n in (5, 9, 4, 12, 7, 3)]
 PAIRS = {"prompt": ["t3 t4 t5", "t7 t8", "t9 t10 t11 t12"], "chosen": [" t6 t7", " t9", " t13 t14 t15"],
@@ -70,9 +71,15 @@ def train(case: str, checkpoint, out, ours: bool) -> tuple[list[type], list[floa
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_trainers_given_a_path_train_our_class_with_stock_losses(case, checkpoint, tmp_path):
+def test_trainers_given_a_path_train_our_class_with_stock_losses(case, checkpoint, tmp_path, monkeypatch):
+    """GRPO's completions come from our class's ``generate``, whose steps after each prompt's run
+    its KV cache serves (`runtime.generate_cache`)."""
     arch = get("qwen3")
+    served, logits = [], GenerateCache.logits
+    monkeypatch.setattr(GenerateCache, "logits", lambda cache, *a: served.append(logits(cache, *a)) or served[-1])
     ours, our_losses = train(case, checkpoint, tmp_path / "ours", ours=True)
+    if case == "grpo":  # 3 steps of one generate call each: a prefill, then the cached steps
+        assert len(served) > 3 and all(out is not None for out in served)
     stock, stock_losses = train(case, checkpoint, tmp_path / "stock", ours=False)
     assert set(ours) == {arch.causal_lm_class} and set(stock) == {arch.hf_class()}
     assert len(ours) == (1 if case.startswith("sft") else 2)  # DPO, KTO and GRPO (beta > 0) load a reference
