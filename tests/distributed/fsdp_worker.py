@@ -10,6 +10,8 @@ gloo on CPU). For every architecture:
 - mp: with ``param_dtype=bf16`` over fp32 parameters the logprobs equal those of the model cast
   to bf16, bitwise; `stream_full_weights(dtype=bf16)` gives exactly those bf16 weights.
 - offload: the same logprobs with ``shard(offload=True)``.
+- generate: HF's ``generate`` on the sharded model, its steps over our KV cache
+  (`runtime.generate_cache`), gives the unsharded model's tokens and logits, bitwise.
 - stream: `stream_full_weights` yields every parameter once, under its checkpoint name, equal to
   the unsharded values, holding no more than a bucket.
 - iteration (see fsdp_iteration.py): rollout -> recompute -> step -> stream -> rollout.
@@ -93,6 +95,18 @@ def check_forward_and_loss(res, arch, model, base, seqs, rank, world):
     res.record(f"forward/{arch.name}/loss", torch.equal(out.loss, ref.loss), f"{out.loss.item()} vs {ref.loss.item()}")
 
 
+def check_generate(res, arch, model, base, seqs, rank, world):
+    """Greedy ``generate`` on the sharded model from this rank's left-padded prompts (every rank
+    runs the same number of steps: the layers' all-gathers are collectives) equals the unsharded
+    model's: tokens and every step's logits."""
+    mine = [seqs[i][:6] for i in splits(len(seqs), world)["round_robin"][rank][0]]
+    kwargs = dict(**padded(mine, left=True), max_new_tokens=3, do_sample=False, eos_token_id=None, pad_token_id=0,
+                  output_logits=True, return_dict_in_generate=True)
+    out, ref = model.generate(**kwargs), base.generate(**kwargs)
+    same = torch.equal(out.sequences, ref.sequences) and all(map(torch.equal, out.logits, ref.logits))
+    res.record(f"generate/{arch.name}/sharded_equals_single", same, "tokens and every step's logits")
+
+
 def check_plain_recipe(res, arch, base, seqs, ref_lp, rank, world):
     """The user's own fully_shard calls (layers, then the root), no helper, no registration."""
     from torch.distributed.fsdp import fully_shard
@@ -168,6 +182,7 @@ def run_arch(res, arch, rank, world, checks):
             res.record(f"grads/{tag}/vs_single_process", *compare_grads(grads[ckpt], ref_grads))
         if not ckpt:
             check_forward_and_loss(res, arch, model.eval(), base, seqs, rank, world)
+            check_generate(res, arch, model, base, seqs, rank, world)
             if "stream" in checks:
                 for bucket in (1, 4096, 1 << 30):
                     check_stream(res, arch, model, base, bucket)

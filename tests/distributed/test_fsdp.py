@@ -1,7 +1,7 @@
 """FSDP2 on CPU (gloo, torchrun): sharded logprobs equal single-process logprobs bitwise for 2
 and 4 ranks, every architecture, every data split, packed and padded input, activation
-checkpointing on and off; gradients within fp32 reduction tolerance; mixed precision; weight
-streaming; and a full rollout -> recompute -> step -> stream -> rollout iteration on 2 ranks.
+checkpointing on and off; HF's generate; gradients within fp32 reduction tolerance; mixed
+precision; weight streaming; and a full rollout -> recompute -> step -> stream -> rollout iteration on 2 ranks.
 
 Each world size is one torchrun launch (tests/distributed/fsdp_worker.py) whose ranks record
 their checks; the tests below assert on groups of them.
@@ -54,6 +54,14 @@ def test_sharded_logprobs_equal_single_process_bitwise(run):
 
 def test_sharded_forward_logits_and_loss_equal_single_process(run):
     _assert_ok(run[1], "forward/")
+
+
+def test_generate_on_the_sharded_model_equals_single_process(run):
+    """HF's ``generate`` on the sharded model, its steps over our KV cache: the unsharded
+    model's tokens and logits, every architecture."""
+    world, results = run
+    _assert_ok(results, "generate/")
+    assert {f"generate/{arch.name}/sharded_equals_single" for arch in architectures()} <= set(results[0])
 
 
 def test_gradients_equal_single_process_within_fp32_tolerance(run):
