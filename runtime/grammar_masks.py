@@ -7,9 +7,9 @@ bitmasks on the host from the matchers (xgrammar's layout: bit ``t % 32`` of int
 allows token ``t``), sends them in one pinned copy, and the sampler sets the logits of the tokens
 they do not allow to -inf on the device (`GrammarMasks.apply`), before any other edit.
 
-A row's next mask needs its last token on the host, so while a constrained sequence runs no step
-is scheduled ahead of the host (`Scheduler.schedule_ahead`); each step still launches without a
-sync.
+A row's next mask needs its last token on the host, so while a constrained sequence runs, a step
+scheduled ahead of the host runs its forward at once and samples after the step before it is
+postprocessed (`runtime.llm_steps`); the masks are filled beside that forward.
 """
 
 from __future__ import annotations
@@ -96,17 +96,23 @@ class GrammarRows:
         return cls(rows, [seqs[i] for i in rows], len(seqs)) if rows else None
 
     def launch(self, vocab: int, device: torch.device) -> GrammarMasks:
-        """This step's masks: filled on the host from each row's matcher, which must have
-        accepted every output token of its sequence (no step ahead), straight into fresh pinned
-        memory (on CUDA; the pinned cache hands it out again only once its copy is done), and sent
-        in one copy."""
-        for seq in self.seqs:
+        """This step's masks: filled on the host from each running row's matcher, which must have
+        accepted every output token of its sequence (its sampling did not run ahead of the host),
+        straight into fresh pinned memory (on CUDA; the pinned cache hands it out again only once
+        its copy is done), and sent in one copy. A sequence finished since its step was launched
+        ahead (its row's result is dropped) allows every token."""
+        live = [i for i, seq in enumerate(self.seqs) if not seq.is_finished]
+        for seq in (self.seqs[i] for i in live):
             if seq.grammar.accepted != seq.num_output_tokens:
                 raise RuntimeError(f"{seq!r}: its grammar has accepted {seq.grammar.accepted} of its "
-                                   f"{seq.num_output_tokens} output tokens (a step ran ahead of the host)")
+                                   f"{seq.num_output_tokens} output tokens (a step sampled ahead of the host)")
         cuda = device.type == "cuda"
         bits = torch.empty(len(self.seqs), (vocab + 31) // 32, dtype=torch.int32, pin_memory=cuda)
-        self._fill.batch_fill_next_token_bitmask([seq.grammar.matcher for seq in self.seqs], bits)
+        if len(live) < len(self.seqs):
+            bits.fill_(-1)
+        if live:
+            self._fill.batch_fill_next_token_bitmask([self.seqs[i].grammar.matcher for i in live], bits,
+                                                     indices=live if len(live) < len(self.seqs) else None)
         if self._rows_dev is None or self._rows_dev.device != device:
             [self._rows_dev] = to_device([np.array(self.rows, np.int64)], device)
         return GrammarMasks(self._rows_dev, bits.to(device, non_blocking=cuda), self.every_row)

@@ -12,6 +12,11 @@ them. The device always has the next step queued while the host works.
 
 Nothing numeric changes (rules 1 and 7; `runtime.scheduler_ahead`): a sequence that stops in a
 step also runs in the step launched ahead of it, and that row's result is dropped.
+
+Rows whose mask or bans depend on their last token (a grammar, a bad word of several tokens) need
+that token on the host: while such a sequence runs, the step ahead launches its forward at once
+and its sampling after the step before is postprocessed (`LaunchedStep.waiting`), so the host's
+mask fill runs beside the forward instead of before it.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from .pipeline_worker import Pipeline
 from .sampler import SampledTokens, Sampler, nonfinite_rows, spread_samples
 from .scheduled import ScheduledSeq
 from .scheduler import Scheduler
+from .sequence import Sequence
 from .staging import to_device
 from .top_logprobs import Alternatives, launch_prompt_alternatives, prompt_rows_of
 
@@ -44,6 +50,9 @@ class LaunchedStep:
     done: tuple[list, list] | None = None
     #: the prompt positions' alternatives, where requests score their prompts (`runtime.top_logprobs`)
     prompt_scores: Alternatives | None = None
+    #: (logits, sampling sequences) of a step launched ahead whose sampling waits for the step
+    #: before it to be postprocessed (`EngineStepsMixin._sample_waiting`)
+    waiting: tuple[torch.Tensor, list[Sequence]] | None = None
 
     def results(self) -> tuple[list[int | None], list[float | None]]:
         """Each scheduled sequence's token and logprob (None for a non-final prefill chunk),
@@ -88,6 +97,8 @@ class EngineStepsMixin:
                         continue
                 ahead = self._launch_ahead(launched) if self._may_look_ahead() else None
                 self._complete(launched, bar)
+                if ahead is not None and ahead.waiting is not None:
+                    self._sample_waiting(ahead)
                 launched = ahead
         finally:
             bar.close()
@@ -131,8 +142,18 @@ class EngineStepsMixin:
             tokens = tokens.index_select(0, to_device([rows], tokens.device)[0])
         logits = self.runner.execute_ahead(items, tokens)
         sampling = [item for item in items if item.samples]
+        if self.scheduler.last_token_samplers_running():  # their masks or bans need the tokens in flight
+            return LaunchedStep(items, None, waiting=(logits, [item.seq for item in sampling]))
         ahead = np.fromiter((item.in_flight for item in sampling), np.int64, len(sampling))
         return LaunchedStep(items, self.sampler.launch(logits, [item.seq for item in sampling], ahead))
+
+    def _sample_waiting(self, step: LaunchedStep) -> None:
+        """Start sampling a step launched ahead whose sampling waited (`LaunchedStep.waiting`),
+        now that the step before it is postprocessed: its rows' last tokens are on the host, so
+        nothing counts as in flight. Rows of sequences that finished meanwhile sample too; their
+        results are dropped (`runtime.scheduler_ahead`)."""
+        logits, seqs = step.waiting
+        step.sampled, step.waiting = self.sampler.launch(logits, seqs), None
 
     def _complete(self, launched: LaunchedStep, bar) -> None:
         """Wait for `launched`'s tokens and postprocess them; RuntimeError when some sampled

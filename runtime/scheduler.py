@@ -95,7 +95,7 @@ class Scheduler(LookaheadMixin, PromptStateMixin, PostprocessMixin):
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []  # kept sorted by arrival
         self._errored: list[Sequence] = []  # finished at add(), reported by the next schedule()
-        #: added sequences whose next mask or bans need their last token (`schedule_ahead`)
+        #: added sequences whose next mask or bans need their last token (`last_token_samplers_running`)
         self._last_token_samplers: list[Sequence] = []
         self._next_arrival = 0
         # Steps scheduled and not postprocessed yet, oldest first, each with whether it came from
@@ -125,7 +125,7 @@ class Scheduler(LookaheadMixin, PromptStateMixin, PostprocessMixin):
             raise ValueError(f"Scheduler.add: {seq!r} is not a fresh WAITING sequence")
         seq.arrival = self._next_arrival
         self._next_arrival += 1
-        if seq.samples_from_its_last_token:  # (schedule_ahead watches these only)
+        if seq.samples_from_its_last_token:  # (last_token_samplers_running watches these only)
             self._last_token_samplers.append(seq)
         error = self._never_fits(seq)
         if error is not None:

@@ -24,10 +24,13 @@ and no logprob; the scheduler's decisions stay a pure function of its state.
 It declines (returns None) whenever the ordinary path would decide differently: the step in
 flight has a non-final prefill chunk, a running sequence is not in it, every one reaches a length
 limit, a decode needs a new page and none is free (a preemption), or sequences errored at
-``add`` wait to be reported; and while a running sequence samples from a mask or bans that depend
-on its last token (a grammar, a bad word of several tokens: ``Sequence.samples_from_its_last_token``),
-which the host does not know yet. Sequences it admits do sample in the step ahead: their tokens so
-far are all known. The engine then postprocesses and calls ``schedule()`` as usual.
+``add`` wait to be reported. The engine then postprocesses and calls ``schedule()`` as usual.
+
+A running sequence that samples from a mask or bans that depend on its last token (a grammar, a
+bad word of several tokens: ``Sequence.samples_from_its_last_token``) does not stop it: the host
+does not know that token yet, so the engine runs the step's forward at once and samples it only
+after postprocessing the step in flight (`last_token_samplers_running` says when;
+`runtime.llm_steps`).
 """
 
 from __future__ import annotations
@@ -54,10 +57,6 @@ class LookaheadMixin:
         running = [item.seq for item in step if item.seq.status is SequenceStatus.RUNNING]
         if len(running) != len(self._running):
             return None  # someone running sits this step out (the token budget, max_num_seqs)
-        if self._last_token_samplers:  # (a scan only where such sequences were added)
-            self._last_token_samplers = [seq for seq in self._last_token_samplers if not seq.is_finished]
-            if any(seq.status is SequenceStatus.RUNNING for seq in self._last_token_samplers):
-                return None  # its next mask or bans need the token in flight
         ahead = [seq for seq in running if not self._ends_by_length(seq)]
         if not ahead or len(ahead) > self.max_num_batched_tokens:
             return None
@@ -73,6 +72,16 @@ class LookaheadMixin:
             self._schedule_waiting(self.max_num_batched_tokens - len(items), items)
         self._in_flight.append((items, True))
         return items
+
+    def last_token_samplers_running(self) -> bool:
+        """Whether a running sequence samples from a mask or bans that depend on its last token
+        (``Sequence.samples_from_its_last_token``): a step scheduled ahead must then sample only
+        once the step in flight is postprocessed. Scans only the sequences added with such
+        settings, dropping the finished ones."""
+        if not self._last_token_samplers:
+            return False
+        self._last_token_samplers = [seq for seq in self._last_token_samplers if not seq.is_finished]
+        return any(seq.status is SequenceStatus.RUNNING for seq in self._last_token_samplers)
 
     def _ends_by_length(self, seq: Sequence) -> bool:
         """Whether ``seq`` finishes with the token in flight for a length limit (known now)."""

@@ -122,7 +122,8 @@ class Sequence:
     @property
     def samples_from_its_last_token(self) -> bool:
         """Whether its next token's mask or bans depend on its last token (a grammar, a bad word
-        of several tokens), which the host must then know: no step is scheduled ahead of it."""
+        of several tokens), which the host must then know: a step scheduled ahead of it samples only
+        after the step before is postprocessed (`runtime.llm_steps`)."""
         return self.grammar is not None or (self.bad_words is not None and self.bad_words.needs_history)
 
     @property

@@ -329,28 +329,31 @@ def test_a_generate_with_async_scheduling_never_waits_for_the_device_unasked():
     assert got == want
 
 
-def test_schedule_ahead_waits_while_a_sequence_samples_from_its_last_token():
+def test_steps_ahead_of_a_sequence_sampling_from_its_last_token_wait_to_sample():
     """A grammar (structured outputs) or a bad word of several tokens needs the token in flight
-    on the host before the next mask or bans: no step ahead while such a sequence runs; once it
-    has finished, the others' steps go ahead again. A one-token bad word needs no history."""
+    on the host before the next mask or bans: the step ahead is scheduled all the same, and
+    `last_token_samplers_running` tells the engine to sample it once the step in flight is
+    postprocessed; once the sequence has finished, it reads False. A one-token bad word needs
+    no history."""
     from vexact_models.runtime.bad_words import BadWords
 
-    for bad_words, declines in ((BadWords([(3, 4)]), True), (BadWords([(3,)]), False)):
+    for bad_words, waits in ((BadWords([(3, 4)]), True), (BadWords([(3,)]), False)):
         sched = scheduler()
         add(sched)
         b = Sequence(1, 0, [9] * 3, SamplingParams(max_tokens=2), seed=0)
         b.bad_words = bad_words  # (set before it is added, as the engine does)
         sched.add(b)
         step = sched.schedule().scheduled
-        assert (sched.schedule_ahead() is None) is declines
-        if declines:
-            finish(sched, step)
-            step = sched.schedule().scheduled
-            finish(sched, step)  # b reaches max_tokens
-            assert b.is_finished and sched.schedule().scheduled and sched.schedule_ahead() is not None
+        ahead = sched.schedule_ahead()
+        assert [item.seq for item in ahead] == [item.seq for item in step]
+        assert sched.last_token_samplers_running() is waits
+        finish(sched, step)
+        finish(sched, ahead)  # b reaches max_tokens
+        assert b.is_finished and not sched.last_token_samplers_running()
     sched = scheduler()
     c = Sequence(0, 0, [9] * 3, SamplingParams(), seed=0)
     c.grammar = object()  # (any grammar state)
     sched.add(c)
+    assert not sched.last_token_samplers_running()  # waiting, not running
     sched.schedule()
-    assert c.samples_from_its_last_token and sched.schedule_ahead() is None
+    assert c.samples_from_its_last_token and sched.schedule_ahead() and sched.last_token_samplers_running()

@@ -2,7 +2,7 @@
 token is the one the definition picks (the training forward's logits, biased, each bad word's last
 token at -inf right after its other tokens among the outputs, then the sampler's Gumbel-max at its
 seed and index); no output holds a bad word; a request's tokens do not depend on its batch, the
-cache, preemption or the graphs, with steps launched ahead (one-token words) or not (longer ones);
+cache, preemption or the graphs, with steps launched ahead (sampling after the host for longer words);
 the reported logprobs stay the unedited ones; bad input is refused before anything runs."""
 
 import pytest
@@ -87,12 +87,26 @@ def test_sampled_tokens_are_the_definitions_and_no_output_holds_a_bad_word(folde
     assert any(NO in o.outputs[0].token_ids for o in outs)  # "no" alone stays samplable
 
 
-@pytest.mark.parametrize("words", [["yes"], ["yes", "no way"]], ids=["one token: steps ahead", "two tokens"])
+@pytest.mark.parametrize("words", [["yes"], ["yes", "no way"]], ids=["one token", "two tokens: sampling after the host"])
 def test_rows_do_not_depend_on_their_batch_the_cache_or_the_steps(folder, words):
     prompts = ["no", "say", "abc", "yes", "(a", "12", "x"]
     params = [_params(i, words if i % 2 == 0 else []) for i in range(7)]
     batch, alone, tight, replayed = tokens_four_ways(lambda **kw: _engine(folder, **kw), prompts, params, 12)
     assert batch == alone == tight == replayed
+
+
+def test_steps_ahead_run_their_forward_first_and_sample_after_the_host(folder, monkeypatch):
+    """With a bad word of two tokens the engine still launches steps ahead: their forwards go
+    first, their sampling waits for the step before to be postprocessed (`LaunchedStep.waiting`:
+    the bans need that step's tokens), and the tokens are the synchronous engine's."""
+    prompts = ["no", "say", "abc", "yes", "(a"]
+    params = [_params(i, ["yes", "no way"]) for i in range(5)]
+    want = [o.outputs[0].token_ids for o in gen(_engine(folder, async_scheduling=False), prompts, params)]
+    llm, waited = _engine(folder), []
+    sample_waiting = type(llm)._sample_waiting
+    monkeypatch.setattr(type(llm), "_sample_waiting", lambda self, step: waited.append(sample_waiting(self, step)))
+    assert [o.outputs[0].token_ids for o in gen(llm, prompts, params)] == want
+    assert len(waited) >= 10  # (16 tokens a request: most steps went ahead)
 
 
 def test_banned_matches_the_generated_tokens_only():

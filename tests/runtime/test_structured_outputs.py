@@ -15,7 +15,7 @@ import torch
 
 from vexact_models.runtime import LLM, SamplingParams, StructuredOutputsParams
 from vexact_models.runtime.grammar_masks import GrammarMasks, GrammarRows, GrammarState, allowed_tokens
-from vexact_models.runtime.sequence import Sequence
+from vexact_models.runtime.sequence import Sequence, SequenceStatus
 from vexact_models.runtime.structured_outputs import choice_grammar
 
 from .llm_support import (gen, sampled_by_definition, save_bpe_checkpoint, tokens_four_ways, training_logits,
@@ -82,11 +82,16 @@ def _definition_tokens(llm: LLM, prompt: list[int], tokens: list[int], p: Sampli
     return sampled_by_definition(x, prompt, tokens, p)
 
 
-def test_outputs_follow_their_grammar_and_tokens_are_the_definitions(folder):
-    llm = _engine(folder)
+def test_outputs_follow_their_grammar_and_tokens_are_the_definitions(folder, monkeypatch):
+    """Steps go ahead of the host (async scheduling): their forwards first, their sampling, the
+    masks' fill included, after the step before is postprocessed (`LaunchedStep.waiting`)."""
+    llm, waited = _engine(folder), []
+    sample_waiting = type(llm)._sample_waiting
+    monkeypatch.setattr(type(llm), "_sample_waiting", lambda self, step: waited.append(sample_waiting(self, step)))
     prompts = ["123-", "(a", '{"ok', "say", "no", "9", "a", "b"]
     params = [_params(i) for i in range(8)]
     outs = gen(llm, prompts, params)
+    assert len(waited) >= 5
     for i, (out, p) in enumerate(zip(outs, params)):
         c = out.outputs[0]
         assert c.finish_reason == "stop" and c.token_ids[-1] == EOS, (i, c.text, c.finish_reason)
@@ -227,11 +232,28 @@ def test_masks_refuse_a_matcher_behind_its_sequence(folder):
         rows.launch(512, torch.device("cpu"))
 
 
+def test_masks_of_a_sequence_finished_since_its_step_went_ahead_allow_every_token(folder):
+    """A row whose sequence finished after its step was launched ahead (its result is dropped)
+    gets a mask of every token; the running rows get their matchers' masks, in their rows."""
+    llm = _engine(folder)
+    compiled = llm._compile_grammars([SamplingParams(structured_outputs={"regex": r"[0-9]+"}),
+                                      SamplingParams(structured_outputs={"regex": r"\([a-c]\)"})])
+    seqs = [Sequence(i, 0, [1, 2], SamplingParams(), 1) for i in range(3)]
+    for seq, grammar in zip(seqs, [compiled[0], compiled[1], compiled[0]]):
+        seq.grammar = GrammarState(llm._grammars.matcher(grammar))
+    alone = GrammarRows.of(seqs).launch(512, torch.device("cpu")).bits
+    seqs[1].token_ids.append(5)  # an output its matcher never saw: only a finished row may be behind
+    seqs[1].status = SequenceStatus.FINISHED
+    bits = GrammarRows.of(seqs).launch(512, torch.device("cpu")).bits
+    assert torch.equal(bits[[0, 2]], alone[[0, 2]]) and not torch.equal(alone[0], alone[1])
+    assert (bits[1] == -1).all()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)")
 def test_constrained_rows_under_graphs_are_the_eager_engines_and_follow_their_grammar(tmp_path):
     """On CUDA: structured outputs beside unconstrained rows and bad words, with the CUDA graphs (decode and
-    mixed steps) and async scheduling on (a constrained call launches no step ahead), give the
+    mixed steps) and async scheduling on (constrained steps ahead sample after the host), give the
     eager synchronous engine's tokens; every output follows its grammar and its logprobs are the
     training forward's."""
     folder = save_bpe_checkpoint(tmp_path, eos=EOS, hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
