@@ -23,7 +23,8 @@ shape (default Qwen3-0.6B), bf16, CUDA.
 - aligned-regex: the aligned engine with ``structured_outputs={"regex": ...}`` on every request, over
   a word-level tokenizer of the model's whole vocabulary (`throughput_engines.word_tokenizer`; the
   regex, ``--regex``, never completes, so every request keeps its length): what xgrammar's masks
-  cost, with no step scheduled ahead of the host while constrained sequences run.
+  cost, with each step ahead of the host sampling only once the step before is postprocessed;
+  aligned-regex-sync: the same one step at a time, what the steps ahead bring it.
 - aligned-no-attention: a bound, not an engine: the aligned engine with the attention kernels
   replaced by zero outputs (the K/V are still written). The tokens are garbage, the lengths are
   not (``ignore_eos``), so the run takes the same steps at the same batch sizes: what the run

@@ -17,6 +17,7 @@ ENGINES = {"aligned": "vexact aligned", "aligned-sync": "vexact aligned, one ste
            "aligned-top20": "vexact aligned, logprobs=20",
            "aligned-penalties": "vexact aligned, penalties",
            "aligned-regex": "vexact aligned, structured outputs (regex)",
+           "aligned-regex-sync": "vexact aligned, structured outputs (regex), sync",
            "aligned-no-attention": "bound: aligned, no attention", "fast": "vexact fast path (cuBLAS)",
            "hf": "HF generate", "generate": "vexact model, HF's generate",
            "generate-whole": "vexact model, HF's generate, use_cache=False"}

@@ -129,12 +129,13 @@ def run_hf(hf, prompts, outputs, batch: int, temperature: float = 0.6, use_cache
 STRUCTURED_REGEX = "([a-z]+ )+[0-9]"
 ENGINE_SAMPLING = {"aligned-top20": dict(logprobs=20),
                    "aligned-penalties": dict(repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.2),
-                   "aligned-regex": dict(structured_outputs={"regex": STRUCTURED_REGEX})}
+                   "aligned-regex": dict(structured_outputs={"regex": STRUCTURED_REGEX}),
+                   "aligned-regex-sync": dict(structured_outputs={"regex": STRUCTURED_REGEX})}
 
 
 def engine_sampling(engine: str, args) -> dict | None:
-    """The extra `SamplingParams` fields of an ``--engines`` row (``--regex`` for aligned-regex)."""
-    if engine == "aligned-regex" and args.regex:
+    """The extra `SamplingParams` fields of an ``--engines`` row (``--regex`` for the regex rows)."""
+    if engine in ("aligned-regex", "aligned-regex-sync") and args.regex:
         return dict(structured_outputs={"regex": args.regex})
     return ENGINE_SAMPLING.get(engine)
 
@@ -175,7 +176,7 @@ def run_engines(arch, model, prompts, outputs, args, engines: list[str], mode: s
             with attention_skipped() if engine == "aligned-no-attention" else contextlib.nullcontext(), \
                     use_attention_forward("fa4" if engine == "aligned-fa4" else None):
                 seconds, produced = run_vexact(model, prompts, outputs, args, aligned=engine != "fast",
-                                               async_scheduling=engine != "aligned-sync",
+                                               async_scheduling=engine not in ("aligned-sync", "aligned-regex-sync"),
                                                enforce_eager=engine == "aligned-eager",
                                                mixed_graphs=engine != "aligned-decode-graphs",
                                                sampling=engine_sampling(engine, args))

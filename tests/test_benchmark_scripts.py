@@ -297,18 +297,19 @@ def test_throughput_peer_config_runs_tiny_on_cpu():
 
 def test_throughput_sampling_option_engines_run_tiny_on_cpu():
     """benchmarks/throughput.py --engines aligned,aligned-top20,aligned-penalties,aligned-regex,
-    generate,generate-whole: the same workload's output tokens with ``SamplingParams(logprobs=20)``
-    asked for, with the penalties, with a regex that never completes, and through HF's
-    ``generate`` on our model with and without its KV cache, each a row of its own beside the
-    plain engine's."""
-    engines = "aligned,aligned-top20,aligned-penalties,aligned-regex,generate,generate-whole"
+    aligned-regex-sync,generate,generate-whole: the same workload's output tokens with
+    ``SamplingParams(logprobs=20)`` asked for, with the penalties, with a regex that never completes
+    (with steps ahead and one step at a time), and through HF's ``generate`` on our model with and
+    without its KV cache, each a row of its own beside the plain engine's."""
+    engines = "aligned,aligned-top20,aligned-penalties,aligned-regex,aligned-regex-sync,generate,generate-whole"
     run = subprocess.run([sys.executable, "throughput.py", "--tiny", "--engines", engines,
                           "--requests", "3"], cwd=BENCHMARKS, capture_output=True, text=True, timeout=600, env=TINY_ENV)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     rows = {line[:60].strip(): line[60:].split() for line in run.stdout.splitlines()
             if line.startswith("vexact ") and ":" not in line}  # the table's rows
     names = ["vexact aligned", "vexact aligned, logprobs=20", "vexact aligned, penalties",
-             "vexact aligned, structured outputs (regex)", "vexact model, HF's generate (batch 64)",
+             "vexact aligned, structured outputs (regex)", "vexact aligned, structured outputs (regex), sync",
+             "vexact model, HF's generate (batch 64)",
              "vexact model, HF's generate, use_cache=False (batch 64)"]
     assert set(rows) == set(names)
     assert len({rows[name][1] for name in names}) == 1  # the same output tokens on every row
