@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -31,7 +32,7 @@ from vexact_models.runtime.generate_cache import GenerateCache
 #: ``GenerationConfig`` field of that name (``use_mtp``: transformers releases that have it)
 ASSISTED_DECODING = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp")
 
-#: the attribute holding the `GenerateCache` of a ``generate`` call in progress on a model
+#: the attribute holding the `GenerateCache` of each ``generate`` call in progress on a model, by thread
 ACTIVE_CACHE = "_vexact_generate_cache"
 
 logger = logging.getLogger("vexact_models")
@@ -93,18 +94,23 @@ def _setting(kwargs: dict, config, name: str, default):
 
 @contextmanager
 def cached_steps(model: nn.Module, cached: bool) -> Iterator[None]:
-    """Within: `model`'s forwards serve ``generate``'s steps from a new `GenerateCache`
-    (`active_cache`) when `cached`, and the cache is dropped (its memory freed) at the end."""
+    """Within: `model`'s forwards in this thread serve ``generate``'s steps from a new
+    `GenerateCache` (`active_cache`) when `cached`; the cache is dropped (its memory freed) at
+    the end. Per thread, so that ``generate`` calls on one model from several threads each keep
+    their own (a forward in another thread runs without one: the whole recompute)."""
     if not cached:
         yield
         return
-    model.__dict__[ACTIVE_CACHE] = GenerateCache(model)
+    caches = model.__dict__.setdefault(ACTIVE_CACHE, {})
+    thread = threading.get_ident()
+    caches[thread] = GenerateCache(model)
     try:
         yield
     finally:
-        model.__dict__.pop(ACTIVE_CACHE, None)
+        caches.pop(thread, None)
 
 
 def active_cache(model: nn.Module) -> GenerateCache | None:
-    """The `GenerateCache` of the ``generate`` call in progress on `model`, or None."""
-    return model.__dict__.get(ACTIVE_CACHE)
+    """The `GenerateCache` of the ``generate`` call in progress on `model` in this thread, or None."""
+    caches = model.__dict__.get(ACTIVE_CACHE)
+    return None if not caches else caches.get(threading.get_ident())

@@ -230,6 +230,30 @@ def test_generate_steps_run_only_their_new_tokens_with_the_whole_recomputes_bits
     assert torch.equal(*sampled)
 
 
+def test_generate_from_several_threads_keeps_a_cache_per_thread(pair):
+    """Two ``generate`` calls on one model in two threads at once (their forwards interleave)
+    give the tokens and logits each gives alone: each thread's steps run over its own cache."""
+    import threading
+
+    _, _, ours, _ = pair
+    prompts = [torch.tensor([[5, 9, 33, 2, 17]]), torch.tensor([[44, 3, 8], [7, 7, 1]])]
+    kwargs = dict(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True,
+                  return_dict_in_generate=True)
+    alone = [ours.generate(ids, **kwargs) for ids in prompts]
+    together = [None, None]
+
+    def run(i):
+        together[i] = ours.generate(prompts[i], **kwargs)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for a, b in zip(alone, together, strict=True):
+        assert torch.equal(a.sequences, b.sequences) and all(map(torch.equal, a.logits, b.logits))
+
+
 def test_generate_recomputes_each_step_for_beams_and_hidden_states(pair, monkeypatch):
     """A beam search (its steps reorder the rows) and ``output_hidden_states`` (every step's
     states cover the whole sequence, as stock's without a cache) run the whole recompute each
