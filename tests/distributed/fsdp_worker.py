@@ -7,8 +7,9 @@ gloo on CPU). For every architecture:
   ``fully_shard`` recipe, and ``forward``'s logits and loss.
 - grads: after one backward of a token-count-normalised loss, the gathered gradients equal the
   single-process ones within fp32 reduction tolerance; checkpointing on and off agree bitwise.
-- mp: with ``param_dtype=bf16`` over fp32 parameters the logprobs equal those of the model cast
-  to bf16, bitwise; `stream_full_weights(dtype=bf16)` gives exactly those bf16 weights.
+- mp: with ``param_dtype=bf16`` over fp32 parameters the logprobs, and ``generate``'s tokens and
+  logits, equal those of the model cast to bf16, bitwise; `stream_full_weights(dtype=bf16)` gives
+  exactly those bf16 weights.
 - offload: the same logprobs with ``shard(offload=True)``.
 - generate: HF's ``generate`` on the sharded model, its steps over our KV cache
   (`runtime.generate_cache`), gives the unsharded model's tokens and logits, bitwise.
@@ -152,6 +153,11 @@ def check_mixed_precision(res, arch, base, seqs, ref_rank_seqs):
         want = bf16.token_logprobs(**batch, temperature=temps)
     res.record(f"mp/{arch.name}/logprobs_bf16", torch.equal(got, want),
                f"max |diff| {(got - want).abs().max().item():.3g}")
+    kwargs = dict(**padded([s[:6] for s in ref_rank_seqs], left=True), max_new_tokens=3, do_sample=False,
+                  eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    out, ref = model.generate(**kwargs), bf16.generate(**kwargs)  # the cache in the compute dtype, bf16
+    res.record(f"mp/{arch.name}/generate_bf16", torch.equal(out.sequences, ref.sequences) and all(
+        map(torch.equal, out.logits, ref.logits)), "generate's tokens and logits == the bf16 model's")
     streamed = dict(stream_full_weights(model, bucket_bytes=1 << 14, dtype=torch.bfloat16))
     res.record(f"mp/{arch.name}/stream_bf16",
                all(torch.equal(streamed[n], p) for n, p in bf16.named_parameters()) and len(streamed) == len(
