@@ -73,6 +73,35 @@ def test_generate_returns_token_output_with_exact_logprobs(ckpt):
     assert no_lp.log_probs is None and len(no_lp.token_ids) == R  # max_tokens defaults to response_length
 
 
+def test_prompt_logprobs_and_alternatives_come_in_verls_vllm_server_layout(ckpt):
+    """``prompt_logprobs`` as verl's vLLM server returns it (``extra_fields["prompt_ids"]`` and
+    ``["prompt_logprobs"]``, what verl's distillation teacher reads): a row per prompt token, row p
+    scoring the token at p + 1, the last row zeros; with 0 that token's logprob, with 3 the three
+    most probable tokens', each the actor's logprob of that token there, bitwise. ``logprobs=3``
+    keeps ``log_probs`` the sampled tokens' (the alternatives are the engine's to compute)."""
+    _, server = make_rollout(ckpt)
+    model = get("qwen3").causal_lm_class.from_pretrained(ckpt).eval()
+    seq = PROMPTS[3]
+    teacher = {"max_tokens": 1, "temperature": 1.0, "detokenize": False}
+
+    def actor(prefix: list[int], token: int) -> torch.Tensor:  # the actor's logprob of `token` after `prefix`
+        return recompute(model, prefix, [token], temperature=1.0)[0]
+
+    own = asyncio.run(server.generate(seq, {**teacher, "prompt_logprobs": 0}, request_id="k0")).extra_fields
+    assert own["prompt_ids"] == [[t] for t in seq[1:]] + [[0]] and own["prompt_logprobs"][-1] == [0.0]
+    assert torch.equal(torch.tensor(own["prompt_logprobs"][:-1])[:, 0],
+                       torch.stack([actor(seq[:p + 1], seq[p + 1]) for p in range(len(seq) - 1)]))
+    top = asyncio.run(server.generate(seq, {**teacher, "prompt_logprobs": 3}, request_id="k3")).extra_fields
+    with torch.no_grad():
+        logits = model(torch.tensor([seq])).logits[0, :-1]
+    assert top["prompt_ids"][:-1] == logits.topk(3).indices.tolist() and top["prompt_ids"][-1] == [0, 0, 0]
+    assert torch.equal(torch.tensor(top["prompt_logprobs"][:-1]),
+                       torch.stack([torch.stack([actor(seq[:p + 1], t) for t in ids])
+                                    for p, ids in enumerate(top["prompt_ids"][:-1])]))
+    sampled = asyncio.run(server.generate(PROMPTS[1], {**PARAMS, "logprobs": 3, "max_tokens": 4}, request_id="lp3"))
+    assert torch.equal(torch.tensor(sampled.log_probs), recompute(model, PROMPTS[1], sampled.token_ids))
+
+
 def test_penalties_steer_sampling_and_the_logprobs_stay_the_actors(ckpt):
     """verl's ``repetition_penalty`` / ``presence_penalty`` / ``frequency_penalty`` reach the engine's
     requests, and the returned logprobs are still the actor's recompute."""
@@ -232,7 +261,7 @@ def test_bad_input_is_a_value_error_naming_it(ckpt):
     rollout, server = make_rollout(ckpt)
     for params, match in [({"repetition_penalty": 0.0}, r"repetition_penalty=0\.0 must be > 0"),
                           ({"presence_penalty": 3.0}, r"presence_penalty=3\.0 is outside"), ({"n": 2}, r"\['n'\]=2"),
-                          ({"logprobs": 5}, "logprobs"),
+                          ({"logprobs": -1}, "logprobs"), ({"prompt_logprobs": -1}, "prompt_logprobs"),
                           ({"stop": [3]}, r"stop\[0\]=3"), ({"best_of": 2}, "best_of"), ({"temperature": -1.0}, "temperature"),
                           ({"min_p": 1.5}, r"min_p=1\.5 is outside \[0, 1\]")]:
         with pytest.raises(ValueError, match=match):

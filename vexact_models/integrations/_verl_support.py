@@ -266,11 +266,38 @@ def add_adapters(model: torch.nn.Module, fields: dict) -> None:
 
 _PASS = ("temperature", "top_p", "top_k", "min_p", "min_tokens", "ignore_eos", "seed", "stop_token_ids", "stop",
          "include_stop_str_in_output", "repetition_penalty", "presence_penalty", "frequency_penalty",
-         "allowed_token_ids", "logit_bias", "structured_outputs", "bad_words")
+         "allowed_token_ids", "logit_bias", "structured_outputs", "bad_words", "prompt_logprobs")
 #: vLLM options verl may send that do not change which tokens are sampled
 _HARMLESS = ("skip_special_tokens", "spaces_between_special_tokens", "detokenize")
 #: vLLM options we accept only at their neutral value
-_NEUTRAL = {"n": 1, "prompt_logprobs": None}
+_NEUTRAL = {"n": 1}
+
+
+def sampled_logprobs(completion) -> list[float]:
+    """The logprob of each sampled token of a `CompletionOutput`: its floats, or with
+    ``SamplingParams(logprobs=k)`` each position's entry for the sampled token (vLLM's shape)."""
+    if not completion.logprobs or not isinstance(completion.logprobs[0], dict):
+        return list(completion.logprobs)
+    return [position[token].logprob for position, token in zip(completion.logprobs, completion.token_ids)]
+
+
+def prompt_scores(scores, k: int) -> tuple[list[list[int]], list[list[float]]]:
+    """verl's ``extra_fields["prompt_ids"]`` and ``["prompt_logprobs"]`` (what its distillation
+    teacher reads: `verl.experimental.teacher_loop`) from a request's ``prompt_logprobs`` (vLLM's
+    list: None, then a dict ``{token: Logprob}`` per prompt token): one row per prompt token, each
+    ``max(k, 1)`` wide. Row p scores the token at p + 1: with ``k == 0`` that token and its
+    logprob, else the k most probable tokens and theirs, by rank (equal ranks in the dict's order:
+    the scored token first). The last row, which scores nothing, is zeros."""
+    ids, logprobs = [], []
+    for position in scores[1:]:
+        entries = list(position.items())
+        if k:
+            entries = sorted(entries, key=lambda entry: entry[1].rank)[:k]
+        ids.append([token for token, _ in entries[:max(k, 1)]])
+        logprobs.append([value.logprob for _, value in entries[:max(k, 1)]])
+    ids.append([0] * max(k, 1))
+    logprobs.append([0.0] * max(k, 1))
+    return ids, logprobs
 
 
 def request_seed(base_seed: int, replica_rank: int, request_id: str) -> int:
@@ -295,16 +322,17 @@ def sampling_params(params: dict, prompt_len: int, config, *, max_model_len: int
         max_tokens = min(config.response_length, config.prompt_length + config.response_length - prompt_len)
     max_tokens = max(1, min(int(max_tokens), room))
     logprobs = params.pop("logprobs", None)
-    if logprobs not in (None, False, True, 0):
-        raise ValueError(f"generate: sampling_params['logprobs']={logprobs!r}: only the sampled token's logprob "
-                         "(True or 0) is available, not top-n alternatives")
+    if isinstance(logprobs, int) and not isinstance(logprobs, bool) and logprobs > 0:
+        params["logprobs"] = logprobs  # vLLM's alternatives: the engine computes them, verl reads the sampled one
+    elif logprobs not in (None, False, True, 0):
+        raise ValueError(f"generate: sampling_params['logprobs']={logprobs!r} must be None, a bool or an int >= 0")
     for key, neutral in _NEUTRAL.items():
         value = params.pop(key, neutral)
         if value != neutral:
             raise ValueError(f"generate: sampling_params[{key!r}]={value!r} is not supported (only {neutral!r})")
     for key in _HARMLESS:
         params.pop(key, None)
-    kwargs = {key: params.pop(key) for key in _PASS if key in params}
+    kwargs = {key: params.pop(key) for key in (*_PASS, "logprobs") if key in params}
     for key in ("stop", "include_stop_str_in_output"):  # vLLM's None, [] or False: its defaults
         if not kwargs.get(key):
             kwargs.pop(key, None)

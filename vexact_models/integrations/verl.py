@@ -17,8 +17,10 @@ See ``docs/verl.md``.
   ``update_weights`` streams the trainer's full tensors into it (MoE experts re-fused), or with
   unmerged LoRA its adapters alone (the engine's model takes adapters of verl's ``peft_config``).
 - `VexactServer`: the replica's server; its async ``generate(prompt_ids, sampling_params,
-  request_id, ...)`` returns verl's ``TokenOutput`` with ``log_probs``. Concurrent requests are
-  batched into one engine call (batch-invariant kernels: batching changes no token).
+  request_id, ...)`` returns verl's ``TokenOutput`` with ``log_probs``, and with
+  ``prompt_logprobs`` the prompt's scores in ``extra_fields`` (what verl's distillation teacher
+  reads, so a replica of ours can be the teacher). Concurrent requests are batched into one engine
+  call (batch-invariant kernels: batching changes no token).
 - The actor hook: our causal LMs' ``forward`` honours verl's fused-kernel contract
   (``temperature=``, ``shift_labels=`` -> ``log_probs``, ``entropy``).
 """
@@ -36,8 +38,8 @@ from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
 from vexact_models.integrations._verl_support import (OPTIONS_KEY, OWN_OPTIONS, ExpertRefuser, add_adapters,
                                                       check_parallel, copy_buffers, engine_options, engine_pairs,
-                                                      lora_fields, max_model_len_of, plain_name, refuse_experts,
-                                                      request_seed)
+                                                      lora_fields, max_model_len_of, plain_name, prompt_scores,
+                                                      refuse_experts, request_seed, sampled_logprobs)
 from vexact_models.integrations._verl_support import sampling_params as to_sampling_params
 from vexact_models.integrations import _verl_registry
 from vexact_models.integrations._verl_registry import ROLLOUT_NAME, uninstall
@@ -185,14 +187,18 @@ class VexactRollout(BaseRollout):
                 return [error]
             return [result for request in requests for result in self.generate_batch([request])]
         results: list[TokenOutput | Exception] = []
-        for out, (_, _, want_logprobs) in zip(outs, requests):
+        for out, (_, params, want_logprobs) in zip(outs, requests):
             c = out.outputs[0]
             if c.finish_reason == "error":
                 results.append(RuntimeError(f"vexact engine: {c.error}"))
                 continue
-            results.append(TokenOutput(token_ids=list(c.token_ids), log_probs=list(c.logprobs) if want_logprobs else None,
-                                       stop_reason="completed", num_preempted=None,
-                                       extra_fields={"global_steps": self.global_steps}))
+            extra = {"global_steps": self.global_steps}
+            if params.prompt_logprobs is not None:  # verl's distillation teacher reads these
+                extra["prompt_ids"], extra["prompt_logprobs"] = prompt_scores(out.prompt_logprobs,
+                                                                              params.prompt_logprobs)
+            results.append(TokenOutput(token_ids=list(c.token_ids),
+                                       log_probs=sampled_logprobs(c) if want_logprobs else None,
+                                       stop_reason="completed", num_preempted=None, extra_fields=extra))
         return results
 
 
@@ -250,7 +256,10 @@ class VexactServer:
                        video_data=None, audio_data=None, mm_processor_kwargs=None, priority: int = 0,
                        **kwargs) -> TokenOutput:
         """Token-in, token-out generation of one request; ``log_probs`` when
-        ``sampling_params['logprobs']`` asks (verl: ``rollout.calculate_log_probs``)."""
+        ``sampling_params['logprobs']`` asks (verl: ``rollout.calculate_log_probs``; the sampled
+        tokens' logprobs, also for ``logprobs=k``), and with ``sampling_params['prompt_logprobs']``
+        the prompt's scores in ``extra_fields['prompt_ids']`` / ``['prompt_logprobs']``
+        (`prompt_scores`: verl's distillation teacher)."""
         if image_data or video_data or audio_data or mm_processor_kwargs:  # verl sends None or [] for text
             raise ValueError("VexactServer.generate: multimodal input is not supported")
         if kwargs:
