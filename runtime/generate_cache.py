@@ -74,7 +74,8 @@ class GenerateCache:
             else attention_mask
         if tuple(mask.shape) != (rows, length):
             return self.forget()
-        first = self._continues(given, mask)
+        where = (given.device, self.causal_lm.model.embed_tokens.weight.dtype)  # the K/V's device and dtype
+        first = self._continues(given, mask, where)
         new = mask[:, first:].bool()
         counts = new.sum(1).cpu().numpy().astype(np.int64)
         starts = self.lengths.copy() if first else np.zeros(rows, np.int64)
@@ -90,15 +91,16 @@ class GenerateCache:
         self._previous = None  # until the step has run
         sampling = new[:, -1].cpu().numpy() if length else np.zeros(rows, np.bool_)
         out = self._run(rows, active, starts, counts, ids, None if inputs_embeds is None else tokens,
-                        (positions, flat_positions), sampling)
+                        (positions, flat_positions), sampling, where)
         self.lengths = starts + counts
         self._previous = (given, mask)
         return out
 
-    def _continues(self, given: torch.Tensor, mask: torch.Tensor) -> int:
+    def _continues(self, given: torch.Tensor, mask: torch.Tensor, where: tuple[torch.device, torch.dtype]) -> int:
         """The column where `given`'s new part starts: the previous step's length when `given` and
-        `mask` are its input and mask with columns added, else 0 (a prefill of everything)."""
-        if self._previous is None:
+        `mask` are its input and mask with columns added and the pages hold K/V of `where`'s device
+        and dtype, else 0 (a prefill of everything)."""
+        if self._previous is None or self._where != where:
             return 0
         before, before_mask = self._previous
         known = before.shape[1]
@@ -118,16 +120,17 @@ class GenerateCache:
     @torch.no_grad()
     def _run(self, rows: int, active: np.ndarray, starts: np.ndarray, counts: np.ndarray, ids: torch.Tensor,
              embeds: torch.Tensor | None, both_positions: tuple[np.ndarray, torch.Tensor],
-             sampling: np.ndarray) -> torch.Tensor:
+             sampling: np.ndarray, where: tuple[torch.device, torch.dtype]) -> torch.Tensor:
         """The paged forward of the step's tokens (rows `active`, `counts` tokens each from
-        `starts`, at the positions given on the host and the device); the logits `logits` returns."""
+        `starts`, at the positions given on the host and the device) over pages of `where`'s
+        device and dtype; the logits `logits` returns."""
         host_positions, positions = both_positions
         head = self.causal_lm.lm_head_weight()
         out = torch.zeros(rows, 1, head.shape[0], dtype=torch.float32, device=positions.device)
         if not len(active):
             return out
         base = self.causal_lm.model
-        self._reserve(rows, int((starts + counts).max()), positions.device, base.embed_tokens.weight.dtype)
+        self._reserve(rows, int((starts + counts).max()), *where)
         lens = (starts + counts)[active]
         cu = np.zeros(len(active) + 1, np.int64)
         np.cumsum(counts[active], out=cu[1:])

@@ -117,6 +117,22 @@ def test_inputs_it_does_not_take_are_left_to_the_whole_forward(model):
     assert cache.tokens_run == 12 + 15
 
 
+def test_a_model_cast_between_steps_starts_over(model):
+    """Pages hold K/V of the dtype they were made for: after the model is cast, the next step is
+    a prefill of everything into new pages, bitwise the cast model's whole forward."""
+    import copy
+
+    cast = copy.deepcopy(model)
+    cache = GenerateCache(cast)
+    ids, mask = padded_prompts()
+    cache.logits(ids, None, mask, None)
+    cast.to(torch.bfloat16)
+    ids, mask = grown(ids, mask, 1, seed=9)
+    assert torch.equal(cache.logits(ids, None, mask, None), whole(cast, ids, mask))
+    assert cache.tokens_run == 12 + 15
+    assert next(pair for pair in cache.kv_caches if pair is not None)[0].dtype == torch.bfloat16
+
+
 def test_a_bad_token_id_is_refused_before_anything_changes(model):
     cache = GenerateCache(model)
     ids, mask = padded_prompts()
