@@ -102,6 +102,36 @@ def test_prompt_logprobs_and_alternatives_come_in_verls_vllm_server_layout(ckpt)
     assert torch.equal(torch.tensor(sampled.log_probs), recompute(model, PROMPTS[1], sampled.token_ids))
 
 
+def test_verls_distillation_teacher_scores_a_sequence_through_our_server(ckpt):
+    """verl's own teacher client (`AsyncTeacherLLMServerManager`, its config built from the YAML
+    fields verl reads, the default per-token loss ``k3``) asks our server for the sequence's
+    ``prompt_logprobs``: a row per token, each the actor's logprob of the token after it, bitwise,
+    the last row zeros. (verl's top-k losses take only vLLM and SGLang as teacher engines.)"""
+    from omegaconf import OmegaConf
+    from verl.experimental.teacher_loop.teacher_manager import AsyncTeacherLLMServerManager
+
+    _, server = make_rollout(ckpt)
+    model = get("qwen3").causal_lm_class.from_pretrained(ckpt).eval()
+
+    class Client:  # what verl's LLMServerClient does with a request: the server's generate
+        async def generate(self, request_id, *, prompt_ids, sampling_params, mm_processor_output=None, **kwargs):
+            return await server.generate(prompt_ids, sampling_params, request_id=request_id, **kwargs)
+
+    inference = {"_target_": "verl.workers.config.RolloutConfig", "name": vv.ROLLOUT_NAME, "tensor_model_parallel_size": 1}
+    config = OmegaConf.create({"distillation": {
+        "_target_": "verl.workers.config.DistillationConfig", "enabled": True, "n_gpus_per_node": 1, "nnodes": 1,
+        "teacher_models": {"teacher_model": {"_target_": "verl.workers.config.DistillationTeacherModelConfig",
+                                             "model_path": ckpt, "inference": inference}},
+        "distillation_loss": {"_target_": "verl.workers.config.DistillationLossConfig", "loss_mode": "k3",
+                              "use_policy_gradient": False}}})
+    teacher = AsyncTeacherLLMServerManager(config, {"default": Client()})
+    seq = PROMPTS[3]
+    ids, logprobs = asyncio.run(teacher.compute_teacher_logprobs_single(sequence_ids=seq))
+    assert ids.tolist() == [[t] for t in seq[1:]] + [[0]] and logprobs.shape == (len(seq), 1)
+    assert torch.equal(logprobs[:-1, 0], recompute(model, seq[:1], seq[1:], temperature=1.0))
+    assert logprobs[-1, 0] == 0
+
+
 def test_penalties_steer_sampling_and_the_logprobs_stay_the_actors(ckpt):
     """verl's ``repetition_penalty`` / ``presence_penalty`` / ``frequency_penalty`` reach the engine's
     requests, and the returned logprobs are still the actor's recompute."""
