@@ -52,6 +52,7 @@ else:
     from .silu_and_mul import silu_and_mul
     from .streams import LORA_SHRINK, begin_beside, forks_here, side_stream
     from .token_logprobs import lm_head_logits, token_logprobs
+    from .top_tokens import top_tokens
 
     __all__ = [
         "BACKENDS", "GATED_DELTA_CHUNK", "GatedDeltaRollout", "LORA_SHRINK", "begin_beside", "forks_here", "side_stream",
@@ -65,7 +66,7 @@ else:
         "lora_partials",
         "packed_layout", "rms_norm", "rope_table",
         "rotary_cache_write",
-        "sample_tokens", "set_attention_backward", "set_attention_forward", "set_backend", "set_dependent_launch",
+        "sample_tokens", "top_tokens", "set_attention_backward", "set_attention_forward", "set_backend", "set_dependent_launch",
         "set_linear_backend", "sigmoid_gate", "sigmoid_grouped_topk", "silu_and_mul", "softmax_topk", "token_logprobs",
         "use_attention_backward", "use_attention_forward", "use_backend", "use_dependent_launch",
         "use_gated_delta_backward", "use_linear_backend",

@@ -5,14 +5,15 @@ the logprob of prompt token i after tokens 0..i-1, None for the first).
 
 For the rows of a step that ask for them, on the device before the next step is launched (a
 captured step's logits buffer is read before the next replay writes it): the k largest logits of
-the row (``torch.topk``), then `gather_logprobs` of the position's own token (the sampled one, or
+the row and the own token's rank (`kernels.top_tokens`: one pass over the row, equal logits taken
+lowest id first), then `gather_logprobs` of the position's own token (the sampled one, or
 the prompt's next token) and those k together, ``[rows, k + 1]`` targets, at the request's
 logprob temperature (1 for greedy). An entry is bitwise the one-target gather of its token
 (`gather_logprobs`' contract): the sampled token's entry is the float the engine reports without
 ``logprobs`` (docs/design.md rule 7), and every entry is what the training forward's
 ``token_logprobs`` gives that token at that position. The own token's ``rank`` is 1 + the number
 of logits above its own (ties share a rank); the alternatives are ranked 1..k in the order
-``topk`` returns them. Results reach the host through pinned memory at the step's host sync;
+`top_tokens` returns them. Results reach the host through pinned memory at the step's host sync;
 the output's dicts are built when read (`PositionLogprobs`).
 
 Prompt positions get logits only where a request asks (`prompt_rows_of`): the runner then runs
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vexact_models.kernels import gather_logprobs
+from vexact_models.kernels import gather_logprobs, top_tokens
 
 from .scheduled import ScheduledSeq
 from .sequence import Sequence
@@ -80,10 +81,8 @@ class Alternatives:
 def _alternatives(logits: torch.Tensor, own: torch.Tensor, temps: torch.Tensor, k: int):
     """``(targets [R, k + 1], logprobs [R, k + 1], ranks [R])`` of the rows of `logits`, whose
     own tokens are `own` (int64 ``[R, 1]``), at `temps` (k at most the vocabulary)."""
-    k = min(k, logits.shape[1])
-    top = torch.topk(logits, k, dim=1).indices if k else own[:, :0]
+    top, ranks = top_tokens(logits, own[:, 0], min(k, logits.shape[1]))
     targets = torch.cat([own, top], dim=1)
-    ranks = (logits > logits.gather(1, own)).sum(dim=1) + 1
     return targets, gather_logprobs(logits, targets, temps), ranks
 
 
