@@ -62,7 +62,7 @@ def top_tokens_triton(logits: torch.Tensor, own: torch.Tensor, k: int) -> tuple[
     counts = torch.empty(rows, n_chunks, dtype=torch.int32, device=logits.device)
     if rows:
         _chunk_top_kernel[(rows, n_chunks)](logits, own, keys, counts, vocab, logits.stride(0), n_chunks,
-                                            BLOCK=BLOCK, K_SLOTS=slots, num_warps=4)
+                                            BLOCK=BLOCK, K_SLOTS=slots, num_warps=4, enable_fp_fusion=False)
     return _tokens_of(torch.topk(keys, k, dim=1).values), counts.sum(dim=1) + 1
 
 
