@@ -16,6 +16,8 @@ states, every position's logits) is the whole recompute, after which it starts o
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 from torch import nn
@@ -31,6 +33,31 @@ from .staging import to_device
 from .step_inputs import attention_order
 
 __all__ = ["GenerateCache"]
+
+
+@dataclass
+class _StepRows:
+    """A step's rows on the host: the rows with new tokens (`active`, in row order), each flat
+    token's row (`owner`) and position, the rows' offsets in the flat batch (`cu`), and per batch
+    row its cached tokens (`starts`), new tokens (`counts`) and whether its last column is a token
+    (`sampling`)."""
+
+    starts: np.ndarray
+    counts: np.ndarray
+    sampling: np.ndarray
+    active: np.ndarray
+    owner: np.ndarray
+    positions: np.ndarray
+    cu: np.ndarray
+
+    @classmethod
+    def of(cls, starts: np.ndarray, counts: np.ndarray, sampling: np.ndarray) -> _StepRows:
+        active = np.flatnonzero(counts)
+        cu = np.zeros(len(active) + 1, np.int64)
+        np.cumsum(counts[active], out=cu[1:])
+        owner = np.repeat(active, counts[active])
+        positions = starts[owner] + np.arange(len(owner)) - np.repeat(cu[:-1], counts[active])
+        return cls(starts, counts, sampling, active, owner, positions, cu)
 
 
 class GenerateCache:
@@ -77,11 +104,11 @@ class GenerateCache:
         where = (given.device, self.causal_lm.model.embed_tokens.weight.dtype)  # the K/V's device and dtype
         first = self._continues(given, mask, where)
         new = mask[:, first:].bool()
-        counts = new.sum(1).cpu().numpy().astype(np.int64)
+        # one copy to the host: each row's new tokens, and whether its last column is one (samples)
+        counts, sampling = torch.stack([new.sum(1), new[:, -1:].sum(1)]).cpu().numpy().astype(np.int64)
         starts = self.lengths.copy() if first else np.zeros(rows, np.int64)
-        active = np.flatnonzero(counts)
-        positions = np.concatenate([starts[r] + np.arange(counts[r]) for r in active] or [np.zeros(0, np.int64)])
-        flat_positions = torch.from_numpy(positions).to(given.device)
+        step = _StepRows.of(starts, counts, sampling.astype(bool))
+        flat_positions = torch.from_numpy(step.positions).to(given.device)
         if position_ids is not None and not self._positions_agree(position_ids, first, new, flat_positions):
             return self.forget()
         tokens = given[:, first:][new]
@@ -89,9 +116,7 @@ class GenerateCache:
         self.causal_lm.model.rope.ensure(check_tokens(ids if inputs_embeds is None else None, flat_positions,
                                                       self.causal_lm.config.vocab_size))
         self._previous = None  # until the step has run
-        sampling = new[:, -1].cpu().numpy() if length else np.zeros(rows, np.bool_)
-        out = self._run(rows, active, starts, counts, ids, None if inputs_embeds is None else tokens,
-                        (positions, flat_positions), sampling, where)
+        out = self._run(rows, step, ids, None if inputs_embeds is None else tokens, flat_positions, where)
         self.lengths = starts + counts
         self._previous = (given, mask)
         return out
@@ -118,39 +143,34 @@ class GenerateCache:
         return torch.equal(position_ids[:, first:][new].to(torch.int64), positions)
 
     @torch.no_grad()
-    def _run(self, rows: int, active: np.ndarray, starts: np.ndarray, counts: np.ndarray, ids: torch.Tensor,
-             embeds: torch.Tensor | None, both_positions: tuple[np.ndarray, torch.Tensor],
-             sampling: np.ndarray, where: tuple[torch.device, torch.dtype]) -> torch.Tensor:
-        """The paged forward of the step's tokens (rows `active`, `counts` tokens each from
-        `starts`, at the positions given on the host and the device) over pages of `where`'s
-        device and dtype; the logits `logits` returns."""
-        host_positions, positions = both_positions
+    def _run(self, rows: int, step: _StepRows, ids: torch.Tensor, embeds: torch.Tensor | None,
+             positions: torch.Tensor, where: tuple[torch.device, torch.dtype]) -> torch.Tensor:
+        """The paged forward of `step`'s tokens at `positions` (on the device) over pages of
+        `where`'s device and dtype; the logits `logits` returns."""
         head = self.causal_lm.lm_head_weight()
         out = torch.zeros(rows, 1, head.shape[0], dtype=torch.float32, device=positions.device)
-        if not len(active):
+        if not len(step.active):
             return out
         base = self.causal_lm.model
-        self._reserve(rows, int((starts + counts).max()), *where)
-        lens = (starts + counts)[active]
-        cu = np.zeros(len(active) + 1, np.int64)
-        np.cumsum(counts[active], out=cu[1:])
+        active, counts = step.active, step.counts[step.active]
+        lens = step.starts[active] + counts
+        self._reserve(rows, int(lens.max()), *where)
         width = -(-int(lens.max()) // self.block_size)
         table = (active[:, None] * self.pages_per_row + np.arange(width)[None, :]).astype(np.int32)
-        owner = np.repeat(active, counts[active])
-        slots = owner * self.pages_per_row * self.block_size + host_positions
+        slots = step.owner * self.pages_per_row * self.block_size + step.positions
         cu_dev, lens_dev, table_dev, order_dev, slots_dev = to_device(
-            [cu.astype(np.int32), lens.astype(np.int32), table, attention_order(counts[active], lens), slots],
+            [step.cu.astype(np.int32), lens.astype(np.int32), table, attention_order(counts, lens), slots],
             positions.device)
         max_q = int(counts.max())
         layout = PagedLayout(cu_dev, lens_dev, table_dev, self.block_size, max_q, order_dev)
-        linear = None if self.linear_states is None else LinearStep(self.linear_states, active, starts[active],
-                                                                    counts[active], cu_dev, max_q)
+        linear = None if self.linear_states is None else LinearStep(self.linear_states, active, step.starts[active],
+                                                                    counts, cu_dev, max_q)
         hidden = base.forward_flat(ids, positions, PagedContext(layout, slots_dev, self.kv_caches, linear),
                                    inputs_embeds=embeds)
         self.tokens_run += len(ids)
-        last = np.flatnonzero(sampling[active])
+        last = np.flatnonzero(step.sampling[active])
         if len(last):
-            picked = torch.from_numpy(cu[1:][last] - 1).to(positions.device)
+            picked = torch.from_numpy(step.cu[1:][last] - 1).to(positions.device)
             out[torch.from_numpy(active[last]).to(positions.device), 0] = self.causal_lm.final_logits(hidden[picked])
         return out
 
