@@ -322,9 +322,8 @@ def sampling_params(params: dict, prompt_len: int, config, *, max_model_len: int
         max_tokens = min(config.response_length, config.prompt_length + config.response_length - prompt_len)
     max_tokens = max(1, min(int(max_tokens), room))
     logprobs = params.pop("logprobs", None)
-    if isinstance(logprobs, int) and not isinstance(logprobs, bool) and logprobs > 0:
-        params["logprobs"] = logprobs  # vLLM's alternatives: the engine computes them, verl reads the sampled one
-    elif logprobs not in (None, False, True, 0):
+    alternatives = isinstance(logprobs, int) and not isinstance(logprobs, bool) and logprobs > 0
+    if not alternatives and logprobs not in (None, False, True, 0):
         raise ValueError(f"generate: sampling_params['logprobs']={logprobs!r} must be None, a bool or an int >= 0")
     for key, neutral in _NEUTRAL.items():
         value = params.pop(key, neutral)
@@ -332,7 +331,9 @@ def sampling_params(params: dict, prompt_len: int, config, *, max_model_len: int
             raise ValueError(f"generate: sampling_params[{key!r}]={value!r} is not supported (only {neutral!r})")
     for key in _HARMLESS:
         params.pop(key, None)
-    kwargs = {key: params.pop(key) for key in (*_PASS, "logprobs") if key in params}
+    kwargs = {key: params.pop(key) for key in _PASS if key in params}
+    if alternatives:  # vLLM's alternatives: the engine computes them, verl reads the sampled token's
+        kwargs["logprobs"] = logprobs
     for key in ("stop", "include_stop_str_in_output"):  # vLLM's None, [] or False: its defaults
         if not kwargs.get(key):
             kwargs.pop(key, None)
