@@ -149,3 +149,11 @@ def tokens_four_ways(make, prompts, params, tight_blocks: int) -> list[list[list
     graph_shaped(graphed)
     replayed = [o.outputs[0].token_ids for o in gen(graphed, prompts, params)]
     return [batch, alone, tight, replayed]
+
+
+def count_waiting_samples(monkeypatch) -> list:
+    """A list that grows by one each time an engine samples a step launched ahead whose sampling
+    waited for the host (`EngineStepsMixin._sample_waiting`), from now on."""
+    waited, sample_waiting = [], LLM._sample_waiting
+    monkeypatch.setattr(LLM, "_sample_waiting", lambda self, step: waited.append(sample_waiting(self, step)))
+    return waited

@@ -13,8 +13,8 @@ from vexact_models.runtime import LLM, SamplingParams
 from vexact_models.runtime.bad_words import BadWords, bad_word_ids
 from vexact_models.runtime.sequence import Sequence
 
-from .llm_support import (gen, sampled_by_definition, save_bpe_checkpoint, tokens_four_ways, training_logits,
-                          training_logprobs)
+from .llm_support import (count_waiting_samples, gen, sampled_by_definition, save_bpe_checkpoint, tokens_four_ways,
+                          training_logits, training_logprobs)
 
 YES, SPACE_YES, NO, SPACE_NO, WAY = 271, 278, 265, 274, 277  # the tokens of "yes", " yes", "no", " no", " way"
 #: "yes", "no" and " way" made likely, so that the bad words would come up without the bans
@@ -102,9 +102,7 @@ def test_steps_ahead_run_their_forward_first_and_sample_after_the_host(folder, m
     prompts = ["no", "say", "abc", "yes", "(a"]
     params = [_params(i, ["yes", "no way"]) for i in range(5)]
     want = [o.outputs[0].token_ids for o in gen(_engine(folder, async_scheduling=False), prompts, params)]
-    llm, waited = _engine(folder), []
-    sample_waiting = type(llm)._sample_waiting
-    monkeypatch.setattr(type(llm), "_sample_waiting", lambda self, step: waited.append(sample_waiting(self, step)))
+    llm, waited = _engine(folder), count_waiting_samples(monkeypatch)
     assert [o.outputs[0].token_ids for o in gen(llm, prompts, params)] == want
     assert len(waited) >= 10  # (16 tokens a request: most steps went ahead)
 

@@ -18,8 +18,8 @@ from vexact_models.runtime.grammar_masks import GrammarMasks, GrammarRows, Gramm
 from vexact_models.runtime.sequence import Sequence, SequenceStatus
 from vexact_models.runtime.structured_outputs import choice_grammar
 
-from .llm_support import (gen, sampled_by_definition, save_bpe_checkpoint, tokens_four_ways, training_logits,
-                          training_logprobs)
+from .llm_support import (count_waiting_samples, gen, sampled_by_definition, save_bpe_checkpoint, tokens_four_ways,
+                          training_logits, training_logprobs)
 
 xgr = pytest.importorskip("xgrammar")  # (the test extra has it; the compat venvs do not)
 
@@ -85,9 +85,7 @@ def _definition_tokens(llm: LLM, prompt: list[int], tokens: list[int], p: Sampli
 def test_outputs_follow_their_grammar_and_tokens_are_the_definitions(folder, monkeypatch):
     """Steps go ahead of the host (async scheduling): their forwards first, their sampling, the
     masks' fill included, after the step before is postprocessed (`LaunchedStep.waiting`)."""
-    llm, waited = _engine(folder), []
-    sample_waiting = type(llm)._sample_waiting
-    monkeypatch.setattr(type(llm), "_sample_waiting", lambda self, step: waited.append(sample_waiting(self, step)))
+    llm, waited = _engine(folder), count_waiting_samples(monkeypatch)
     prompts = ["123-", "(a", '{"ok', "say", "no", "9", "a", "b"]
     params = [_params(i) for i in range(8)]
     outs = gen(llm, prompts, params)
