@@ -132,8 +132,8 @@ class GenerateCache:
         if before.shape[0] != given.shape[0] or before.shape[2:] != given.shape[2:] or known >= given.shape[1] \
                 or before.dtype != given.dtype or before.device != given.device:
             return 0
-        same = torch.equal(given[:, :known], before) and torch.equal(mask[:, :known], before_mask)
-        return known if same else 0
+        same = (given[:, :known] == before).all() & (mask[:, :known] == before_mask).all()
+        return known if bool(same) else 0  # (one host sync for both)
 
     @staticmethod
     def _positions_agree(position_ids: torch.Tensor, first: int, new: torch.Tensor, positions: torch.Tensor) -> bool:
