@@ -38,6 +38,14 @@ shape (default Qwen3-0.6B), bf16, CUDA.
   `vexact_models.patch()` gets, e.g. TRL's stock ``GRPOTrainer``), batched as HF's row, its steps
   over our model's own KV cache (`runtime.generate_cache`); generate-whole: the same with
   ``use_cache=False``, each step recomputing the whole sequence (the baseline the cache removes).
+- generate-batch: transformers' continuous-batching ``generate_batch`` on our model (TRL's
+  ``use_transformers_continuous_batching``), which the rollout engine runs
+  (`vexact_models.batch_generation`: the engine built for the call, CUDA graphs captured, dropped
+  after it); hf-generate-batch: the same call on the stock class, transformers' own paged runtime
+  (its defaults: flash or sdpa paged attention, its CUDA graphs). Both take one ``max_new_tokens``
+  for every request, so these two rows run every request to the workload's mean output length
+  (all requests in one call, EOS off): like for like with each other, not with the rows above.
+  ``--repeat N`` times the N-th call.
 
 After the table, the workload's floor per KV cache mode: what its decode steps must read at
 least (weights, routed experts as many as each step's batch reaches, every running sequence's
@@ -253,12 +261,16 @@ def set_mode(model, mode: str | None, quiet: bool = False) -> None:
 
 
 def print_rates(rows: list[tuple]) -> None:
-    """The throughput table: each row against HF and against the fast path of its own KV cache mode."""
-    hf_rate = next((p / s for n, _, s, p in rows if n.startswith("HF")), None)
+    """The throughput table: each row against HF (the ``generate_batch`` rows against stock's
+    ``generate_batch``, the others against HF ``generate``) and against the fast path of its own
+    KV cache mode."""
+    hf_rates = {batch: next((p / s for n, _, s, p in rows if n.startswith("HF") and ("generate_batch" in n) == batch),
+                            None) for batch in (False, True)}
     fast = {m: p / s for n, m, s, p in rows if n.startswith("vexact fast path")}
     print(f"\n{'engine':<58}{'seconds':>9}{'output tokens':>15}{'output tok/s':>14}{'vs HF':>8}{'vs fast':>9}")
     for name, mode, seconds, produced in rows:
         rate = produced / seconds
+        hf_rate = hf_rates["generate_batch" in name]
         vs_hf = f"{rate / hf_rate:.1f}x" if hf_rate else "-"
         vs_fast = f"{rate / fast[mode]:.2f}" if mode in fast and not name.startswith("HF") else "-"
         print(f"{name:<58}{seconds:>9.1f}{produced:>15,}{rate:>14,.0f}{vs_hf:>8}{vs_fast:>9}")

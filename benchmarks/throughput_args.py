@@ -20,7 +20,8 @@ ENGINES = {"aligned": "vexact aligned", "aligned-sync": "vexact aligned, one ste
            "aligned-regex-sync": "vexact aligned, structured outputs (regex), sync",
            "aligned-no-attention": "bound: aligned, no attention", "fast": "vexact fast path (cuBLAS)",
            "hf": "HF generate", "generate": "vexact model, HF's generate",
-           "generate-whole": "vexact model, HF's generate, use_cache=False"}
+           "generate-whole": "vexact model, HF's generate, use_cache=False",
+           "generate-batch": "vexact model, generate_batch", "hf-generate-batch": "HF generate_batch"}
 #: engines that run on CUDA only (the cuBLAS fast path, FlashAttention-4)
 CUDA_ENGINES = ("fast", "aligned-fa4")
 

@@ -120,6 +120,30 @@ def run_hf(hf, prompts, outputs, batch: int, temperature: float = 0.6, use_cache
     return time.perf_counter() - t0, sum(outputs)
 
 
+@torch.no_grad()
+def run_generate_batch(model, prompts, new_tokens: int, temperature: float = 0.6) -> tuple[float, int]:
+    """Seconds and output tokens of transformers' continuous-batching ``generate_batch`` on `model`
+    (a stock model: transformers' paged runtime; ours: the rollout engine,
+    `vexact_models.batch_generation`), all requests in one call, `new_tokens` each (it takes one
+    ``max_new_tokens`` for all; EOS off), stock's default ``ContinuousBatchingConfig``. A failed
+    request is a RuntimeError: stock's call reports failures in its results only."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
+                              eos_token_id=-1)
+    device = next(model.parameters()).device
+    synchronize(device)
+    t0 = time.perf_counter()
+    out = model.generate_batch(prompts, generation_config=config)
+    synchronize(device)
+    seconds = time.perf_counter() - t0
+    failed = [r.error for r in out.values() if r.error is not None]
+    if failed or len(out) != len(prompts):
+        raise RuntimeError(f"generate_batch: {len(failed)} of {len(prompts)} requests failed ({failed[:1]}), "
+                           f"{len(out)} results")
+    return seconds, sum(len(r.generated_tokens) for r in out.values())
+
+
 #: the `SamplingParams` fields an engine row adds to the workload's
 #: the `aligned-regex` row's constraint over `word_tokenizer`'s words: words of letters, a space
 #: after each, then a digit, which no token holds: it never completes, so every request runs to its
@@ -169,6 +193,12 @@ def run_engines(arch, model, prompts, outputs, args, engines: list[str], mode: s
             with stock_alone(arch, model, args.device) as hf:  # ours waits in host memory
                 seconds, produced = run_hf(hf.eval(), prompts, outputs, args.hf_batch)
             name, row_mode = f"{ENGINES['hf']} ({hf_label(arch, args.hf_batch)})", None
+        elif engine in ("generate-batch", "hf-generate-batch"):
+            new = round(sum(outputs) / len(outputs))  # one max_new_tokens for every request
+            with stock_alone(arch, model, args.device) if engine.startswith("hf") else contextlib.nullcontext(model) as m:
+                for _ in range(args.repeat):
+                    seconds, produced = run_generate_batch(m.eval(), prompts, new)
+            name, row_mode = f"{ENGINES[engine]} (one call, {new} each)", None
         elif engine in ("generate", "generate-whole"):
             seconds, produced = run_hf(model, prompts, outputs, args.hf_batch, use_cache=engine == "generate")
             name, row_mode = f"{ENGINES[engine]} (batch {args.hf_batch})" + (f" [{mode}]" if mode else ""), mode

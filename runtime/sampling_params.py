@@ -121,12 +121,14 @@ class SamplingParams:
             It steers sampling only: the reported logprobs stay the unmasked ones. A sequence
             ends ("stop") when its grammar accepts a stop token after a complete output; one whose
             other settings (``allowed_token_ids``, ``min_tokens``) leave it no token the grammar
-            allows ends with finish_reason "error". While such a sequence runs, no step is launched
-            ahead of the host. Not available on pipeline stages.
+            allows ends with finish_reason "error". While such a sequence runs, a step launched
+            ahead of the host runs its forward at once and samples once the step before is
+            postprocessed (its mask needs that step's token). Not available on pipeline stages.
         bad_words: words the output may not contain, tokenized as vLLM does (as written, and after
             a space), matched on the generated tokens (`runtime.bad_words`; needs the engine's
-            tokenizer). While a sequence with a word of several tokens runs, no step is launched
-            ahead of the host. Not available on pipeline stages.
+            tokenizer). While a sequence with a word of several tokens runs, a step launched ahead
+            of the host samples once the step before is postprocessed, as with
+            ``structured_outputs``. Not available on pipeline stages.
 
     ``__post_init__`` validates every field and raises ``ValueError`` naming the field, the bad
     value and the limit. Because ``dataclasses.replace`` re-runs ``__post_init__``, copies are

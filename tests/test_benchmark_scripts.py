@@ -300,8 +300,10 @@ def test_throughput_sampling_option_engines_run_tiny_on_cpu():
     aligned-regex-sync,generate,generate-whole: the same workload's output tokens with
     ``SamplingParams(logprobs=20)`` asked for, with the penalties, with a regex that never completes
     (with steps ahead and one step at a time), and through HF's ``generate`` on our model with and
-    without its KV cache, each a row of its own beside the plain engine's."""
-    engines = "aligned,aligned-top20,aligned-penalties,aligned-regex,aligned-regex-sync,generate,generate-whole"
+    without its KV cache, each a row of its own beside the plain engine's; and transformers'
+    ``generate_batch`` on ours and on the stock class, both all requests to one length."""
+    engines = ("aligned,aligned-top20,aligned-penalties,aligned-regex,aligned-regex-sync,generate,generate-whole,"
+               "generate-batch,hf-generate-batch")
     run = subprocess.run([sys.executable, "throughput.py", "--tiny", "--engines", engines,
                           "--requests", "3"], cwd=BENCHMARKS, capture_output=True, text=True, timeout=600, env=TINY_ENV)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
@@ -311,7 +313,11 @@ def test_throughput_sampling_option_engines_run_tiny_on_cpu():
              "vexact aligned, structured outputs (regex)", "vexact aligned, structured outputs (regex), sync",
              "vexact model, HF's generate (batch 64)",
              "vexact model, HF's generate, use_cache=False (batch 64)"]
-    assert set(rows) == set(names)
+    batch = {line[:60].strip(): line[60:].split() for line in run.stdout.splitlines()
+             if line.startswith(("vexact", "HF")) and "generate_batch (one call" in line and ":" not in line}
+    assert [name.split(" (")[0] for name in batch] == ["vexact model, generate_batch", "HF generate_batch"]
+    assert len({row[1] for row in batch.values()}) == 1 and batch[next(iter(batch))][1] != rows[names[0]][1]
+    assert set(rows) == set(names) | {next(iter(batch))}
     assert len({rows[name][1] for name in names}) == 1  # the same output tokens on every row
     bad = subprocess.run([sys.executable, "throughput.py", "--tiny", "--engines", "aligned-regex", "--requests", "2",
                           "--regex", "([a-z"], cwd=BENCHMARKS, capture_output=True, text=True, timeout=600, env=TINY_ENV)

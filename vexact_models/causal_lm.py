@@ -21,8 +21,9 @@ from vexact_models.adapters import UnsupportedAdapter, forbid_adapters
 from vexact_models.checkpointing import CheckpointingMixin
 from vexact_models.distributed import fsdp_forward_method
 from vexact_models.flat_batch import FlatBatch, check_tokens, flatten_inputs
-from vexact_models.forward_arguments import CACHE_ARGUMENTS, cache_field, hf_flag, take_cache_arguments, unfilled_cache
-from vexact_models.generation import active_cache, cached_steps, generate_arguments
+from vexact_models.forward_arguments import cache_field, hf_flag, take_cache_arguments, unfilled_cache
+from vexact_models.generation import active_cache
+from vexact_models.generation_methods import GenerationMethodsMixin
 from vexact_models.hidden_states import HiddenStates, hidden_states_request
 from vexact_models.kernels import lm_head_logits, token_logprobs
 from vexact_models.layers import PackedContext, RopeTables, head_dim_of, layer_window
@@ -188,9 +189,10 @@ class DecoderModelMixin(StrictLoadingMixin):
         return out if hf_flag(return_dict, self.config, "return_dict", True) else out.to_tuple()
 
 
-class CausalLMMixin(StrictLoadingMixin):
+class CausalLMMixin(GenerationMethodsMixin, StrictLoadingMixin):
     """Mixed into each architecture's ``XForCausalLM`` (before ``PreTrainedModel``; the class
-    also lists HF's ``GenerationMixin`` after it, as HF's own causal LMs do)."""
+    also lists HF's ``GenerationMixin`` after it, as HF's own causal LMs do). Its ``generate``
+    and ``generate_batch`` come from `generation_methods.GenerationMethodsMixin`."""
 
     def lm_head_weight(self) -> torch.Tensor:
         """The LM head's weight, which the logit and logprob kernels read directly (a PEFT
@@ -293,43 +295,6 @@ class CausalLMMixin(StrictLoadingMixin):
         if output_router_logits is None:
             output_router_logits = getattr(self.config, "output_router_logits", False)
         return [] if output_router_logits else None
-
-    def generate(self, *args, **kwargs):
-        """HF's ``GenerationMixin.generate`` over a KV cache of our own (`vexact_models.generation`):
-        each step runs only the tokens it adds through the paged forward the rollouts run, so the
-        logits, and greedy output, equal the whole recompute's and `vexact_models.LLM`'s bit for
-        bit. ``use_cache=False`` and beam search recompute the whole sequence each step. Every
-        decoding mode HF runs without its own cache runs as HF's; assisted decoding
-        (``assistant_model``, ``prompt_lookup_num_tokens``, ...) is a ValueError. With
-        ``output_hidden_states`` each step's states cover the whole sequence (that step is a whole
-        recompute), as stock's do with ``use_cache=False``. One eager forward per step: roll out
-        with `vexact_models.LLM`, which shares this model's weights."""
-        args, kwargs, cached = generate_arguments(self, args, kwargs)
-        with cached_steps(self, cached):
-            return super().generate(*args, **kwargs)
-
-    def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, *args, attention_mask: torch.Tensor | None = None,
-                                      inputs_embeds: torch.Tensor | None = None, **kwargs) -> dict:
-        """HF's step inputs; for a prompt given as ``inputs_embeds``, every step after the first
-        feeds the prompt's embeddings followed by the generated tokens' (HF feeds only the new
-        tokens, relying on a KV cache this model does not keep), matching the full
-        ``attention_mask``, so padded prompts generate as with a cache. The steps get no cache
-        (HF makes one for an ``inputs_embeds`` prompt): the forward would refuse it once it has
-        been left empty (`forward_arguments.refuse_kv_prefix`)."""
-        inputs = super().prepare_inputs_for_generation(input_ids, *args, attention_mask=attention_mask,
-                                                        inputs_embeds=inputs_embeds, **kwargs)
-        for name in CACHE_ARGUMENTS:
-            inputs.pop(name, None)
-        prompt, mask = inputs_embeds, attention_mask
-        if inputs.get("inputs_embeds") is None and prompt is not None and mask is not None \
-                and mask.shape[-1] > prompt.shape[1]:
-            new = input_ids[:, prompt.shape[1] - mask.shape[-1]:]  # the generated tokens (input_ids may hold the prompt)
-            inputs["inputs_embeds"] = torch.cat([prompt, self.get_input_embeddings()(new).to(prompt.dtype)], dim=1)
-            inputs["input_ids"] = None
-            positions = inputs.get("position_ids")
-            if positions is not None and positions.shape[-1] != mask.shape[-1]:  # sliced to the new tokens
-                del inputs["position_ids"]  # the mask gives them: each row counts from its first token
-        return inputs
 
     @fsdp_forward_method  # on an FSDP2 root, runs the root's all-gather hooks (plain fully_shard recipe)
     def token_logprobs(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,

@@ -108,3 +108,29 @@ print(len(held))
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert int(run.stdout.split()[-1]) >= 1
+
+
+def test_grpo_with_transformers_continuous_batching_rolls_out_on_the_engine(checkpoint, tmp_path, monkeypatch):
+    """TRL's ``use_transformers_continuous_batching`` (its rollout path without vLLM) calls
+    ``generate_batch``: after `patch()` each step's completions come from the rollout engine
+    (`vexact_models.batch_generation`; stock's paged runtime failed every request on our forward,
+    and TRL read empty completions), and the policy trains on them."""
+    from vexact_models.runtime import LLM
+
+    path, tokenizer = checkpoint
+    calls, generate = [], LLM.generate
+    monkeypatch.setattr(LLM, "generate", lambda self, *a, **k: calls.append(len(a[0])) or generate(self, *a, **k))
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=3, max_steps=3, learning_rate=1e-2,
+                      logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=False, disable_tqdm=True,
+                      seed=7, use_transformers_continuous_batching=True, **GRPO)
+    vexact_models.patch()
+    try:
+        trainer = GRPOTrainer(model=str(path), args=args, processing_class=tokenizer, reward_funcs=completion_length,
+                              train_dataset=datasets.Dataset.from_dict({"prompt": PAIRS["prompt"]}))
+    finally:
+        vexact_models.unpatch()
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(calls) == 3 and all(n == 3 for n in calls)  # one engine call a step, its three prompts
+    assert len(logs) == 3 and all(h["completions/mean_length"] > 0 for h in logs)
+    assert [h["loss"] for h in logs] != [logs[0]["loss"]] * 3
