@@ -12,6 +12,7 @@ import os
 from collections.abc import Mapping
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from vexact_models.multimodal import refuse_multimodal_model
 from vexact_models.registry import architectures, for_model_type, import_path
@@ -190,14 +191,27 @@ def architecture_of(model: torch.nn.Module):
     raise ValueError(f"LLM: model is a {kind}; model_type {model_type!r} needs {ours}")
 
 
+def sharded_parameter(model: torch.nn.Module) -> str | None:
+    """The name of `model`'s first sharded parameter (a DTensor: FSDP2, tensor parallelism), None
+    when every parameter is whole."""
+    return next((name for name, p in model.named_parameters() if isinstance(p, DTensor)), None)
+
+
 def check_model_placement(model: torch.nn.Module, device: torch.device | None, dtype: torch.dtype | None) -> None:
     """A model instance runs where it lives, in its own dtype: a different explicit `device` or
-    `dtype` would be silently ignored (or fail at the first step), so it is an error."""
+    `dtype` would be silently ignored (or fail at the first step), so it is an error; so are
+    sharded (DTensor) parameters, which the engine's kernels do not run."""
     # the first parameter off the meta device (a pipeline stage's model holds only its own)
     param = next((p for p in model.parameters() if not p.is_meta), None)
     if param is None:
         raise ValueError(f"LLM: every parameter of the {type(model).__name__} is on the meta device; load or "
                          "materialise its weights first")
+    sharded = sharded_parameter(model)
+    if sharded is not None:
+        raise ValueError(f"LLM: the {type(model).__name__}'s parameters are sharded (DTensor, e.g. {sharded}: FSDP2 or "
+                         "tensor parallelism), and the engine runs whole weights. Build it over an unsharded copy "
+                         "(LLM(path), or a model instance with owns_weights=True) and send it the trainer's weights "
+                         "with vexact_models.distributed.stream_full_weights -> LLM.update_weights (docs/fsdp.md)")
     if device is not None and (param.device.type != device.type
                                or (device.index is not None and param.device.index not in (None, device.index))):
         raise ValueError(f"LLM: device={str(device)!r} but the model's parameters are on {param.device}; move the "

@@ -39,7 +39,7 @@ from transformers import GenerationConfig
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
 from vexact_models.runtime import LLM, RequestOutput, SamplingParams
-from vexact_models.runtime.llm_args import default_block_size
+from vexact_models.runtime.llm_args import default_block_size, sharded_parameter
 from vexact_models.runtime.llm_setup import cache_budget_bytes
 from vexact_models.runtime.sampling_params import MAX_SEED
 
@@ -187,8 +187,15 @@ def _outputs(outputs: list[RequestOutput], first: int, created: float, logprobs:
     return results
 
 
-def _check_call(name: str, inputs, record_timestamps: bool, kwargs: dict) -> None:
+def _check_call(model: torch.nn.Module, inputs, record_timestamps: bool, kwargs: dict) -> None:
     """ValueError for what ``generate_batch`` cannot do, before anything runs."""
+    name = type(model).__name__
+    sharded = sharded_parameter(model)
+    if sharded is not None:
+        raise ValueError(f"{name}.generate_batch: the parameters are sharded (DTensor, e.g. {sharded}: FSDP2), and "
+                         "the rollout engine that runs generate_batch takes whole weights. On the sharded model call "
+                         "generate() (its cached steps run there), or roll out with a vexact_models.LLM over an "
+                         "unsharded copy fed by stream_full_weights (docs/fsdp.md)")
     if kwargs:
         raise ValueError(f"{name}.generate_batch: unexpected arguments {sorted(kwargs)}; it takes generation_config, "
                          "continuous_batching_config and max_new_tokens (as stock's)")
@@ -234,9 +241,8 @@ def generate_batch(model: torch.nn.Module, inputs: list[list[int]], generation_c
     (the module docstring). ``warmup`` has nothing to do (the engine captures its graphs as it
     needs them); ``continuous_batching_config`` may also come on ``generation_config``, as
     stock reads it. Every argument is checked before the engine is built."""
-    name = type(model).__name__
     max_new_tokens = kwargs.pop("max_new_tokens", None)
-    _check_call(name, inputs, record_timestamps, kwargs)
+    _check_call(model, inputs, record_timestamps, kwargs)
     if not inputs:
         return {}
     config = generation_config if generation_config is not None else model.generation_config

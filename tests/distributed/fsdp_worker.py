@@ -12,7 +12,9 @@ gloo on CPU). For every architecture:
   exactly those bf16 weights.
 - offload: the same logprobs with ``shard(offload=True)``.
 - generate: HF's ``generate`` on the sharded model, its steps over our KV cache
-  (`runtime.generate_cache`), gives the unsharded model's tokens and logits, bitwise.
+  (`runtime.generate_cache`), gives the unsharded model's tokens and logits, bitwise;
+  ``LLM(model)`` and ``generate_batch`` (the rollout engine, whole weights) are ValueErrors naming
+  the sharding.
 - stream: `stream_full_weights` yields every parameter once, under its checkpoint name, equal to
   the unsharded values, holding no more than a bucket.
 - iteration (see fsdp_iteration.py): rollout -> recompute -> step -> stream -> rollout.
@@ -35,6 +37,7 @@ from fsdp_support import (Results, equal_lists, make_model, make_sequences, pack
 
 from vexact_models.distributed import exit_rank, shard, stream_full_weights  # noqa: E402
 from vexact_models.registry import architectures  # noqa: E402
+from vexact_models.runtime import LLM  # noqa: E402
 
 
 def reference(model, seqs):
@@ -106,6 +109,15 @@ def check_generate(res, arch, model, base, seqs, rank, world):
     out, ref = model.generate(**kwargs), base.generate(**kwargs)
     same = torch.equal(out.sequences, ref.sequences) and all(map(torch.equal, out.logits, ref.logits))
     res.record(f"generate/{arch.name}/sharded_equals_single", same, "tokens and every step's logits")
+    refusals = []
+    for call in (lambda: model.generate_batch(mine, max_new_tokens=2), lambda: LLM(model, kv_cache_bytes=1 << 24)):
+        try:  # the rollout engine (generate_batch runs one) takes whole weights: a named error, nothing built
+            call()
+            refusals.append("ran")
+        except ValueError as error:
+            refusals.append(str(error))
+    named = "generate()" in refusals[0] and all("sharded (DTensor" in r for r in refusals)
+    res.record(f"generate/{arch.name}/engine_refused", named, " | ".join(r[:150] for r in refusals))
 
 
 def check_plain_recipe(res, arch, base, seqs, ref_lp, rank, world):

@@ -58,10 +58,12 @@ def test_sharded_forward_logits_and_loss_equal_single_process(run):
 
 def test_generate_on_the_sharded_model_equals_single_process(run):
     """HF's ``generate`` on the sharded model, its steps over our KV cache: the unsharded
-    model's tokens and logits, every architecture."""
+    model's tokens and logits, every architecture; the engine (``LLM(model)``, and ``generate_batch``,
+    which runs one) refused, naming the sharding."""
     world, results = run
     _assert_ok(results, "generate/")
-    assert {f"generate/{arch.name}/sharded_equals_single" for arch in architectures()} <= set(results[0])
+    assert {f"generate/{arch.name}/{check}" for arch in architectures()
+            for check in ("sharded_equals_single", "engine_refused")} <= set(results[0])
 
 
 def test_gradients_equal_single_process_within_fp32_tolerance(run):
