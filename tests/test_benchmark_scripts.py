@@ -29,7 +29,7 @@ def scripts():
                                     "attention_prefill.py", "moe_routing.py", "investigations/head_linear.py",
                                     "investigations/row_kernels.py", "gate_up_silu.py",
                                     "investigations/decode_read_floor.py", "gated_delta.py", "lora.py",
-                                    "window_models.py", "lora_expand.py", "multi_turn.py"])
+                                    "window_models.py", "lora_expand.py", "multi_turn.py", "generate_batch.py"])
 def test_benchmark_script_help_and_cpu_refusal(scripts, script):
     help_run = scripts.run(BENCHMARKS, script, "--help")
     assert help_run.returncode == 0 and "usage" in (help_run.stdout + help_run.stderr).lower()
@@ -53,6 +53,19 @@ def test_step_overhead_runs_on_cpu(scripts):
     assert [r[0] for r in rows] == ["3", "8"] and all(len(r) == 9 for r in rows)
     bad = scripts.run(BENCHMARKS, script, "--batch", "0")
     assert bad.returncode == 2
+
+
+def test_generate_batch_runs_tiny_on_cpu():
+    """benchmarks/generate_batch.py --tiny: our model's generate_batch (a new engine a call, and a kept
+    one) beside stock's on the stock class, every call a row; the kept engine's tokens the same,
+    every sample recomputed with 0 mismatches."""
+    run = subprocess.run([sys.executable, "generate_batch.py", "--tiny"], cwd=BENCHMARKS, capture_output=True,
+                         text=True, timeout=600, env=dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore"))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = [line.split() for line in run.stdout.splitlines() if line.split() and line.split()[0] in ("1", "2")]
+    assert len(rows) == 2 and all(len(r) == 9 and r[-1].endswith("x") for r in rows)
+    assert "0 mismatches" in run.stdout and "the same as a new engine a call" in run.stdout
+    assert run.stdout.rstrip().endswith("OK")
 
 
 def test_lora_runs_tiny_on_cpu(scripts):
