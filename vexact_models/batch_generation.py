@@ -69,19 +69,33 @@ UNSUPPORTED_WHEN_SAMPLING = {"typical_p": (None, 1.0), "epsilon_cutoff": (None, 
 
 @dataclass(frozen=True)
 class BatchEngineSettings:
-    """The `LLM` arguments a ``generate_batch`` call asks for; a kept engine is reused only by a
-    call asking for the same."""
+    """The engine a ``generate_batch`` call asks for; a kept engine is reused only by a call
+    asking for the same. The KV budget is kept as asked (`kv_tokens`, `kv_memory_share`) and
+    turned into bytes when the engine is built: the free memory it is a share of changes, not
+    least by the kept engine's own cache."""
 
     max_num_seqs: int
     max_num_batched_tokens: int
-    kv_cache_bytes: int | None
     enforce_eager: bool
     enable_prefix_sharing: bool
+    kv_tokens: int | None = None  #: ``num_blocks`` x ``page_size`` tokens
+    kv_memory_share: float | None = None  #: ``max_memory_percent`` of the device's free memory (CUDA)
+
+    def kv_cache_bytes(self, model: torch.nn.Module) -> int | None:
+        """The KV budget in bytes for an engine over `model` now (None: `LLM`'s default)."""
+        param = next(model.parameters())
+        if self.kv_tokens is not None:
+            block = default_block_size(model.kv_cache_spec())
+            return cache_budget_bytes(model, param.dtype, block, -(-self.kv_tokens // block), self.max_num_seqs)
+        if self.kv_memory_share is not None and param.device.type == "cuda":
+            torch.cuda.empty_cache()
+            return int(self.kv_memory_share * torch.cuda.mem_get_info(param.device)[0])
+        return None
 
     def build(self, model: torch.nn.Module) -> LLM:
         """A new engine over `model`'s parameters."""
         return LLM(model, max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-                   kv_cache_bytes=self.kv_cache_bytes, enforce_eager=self.enforce_eager,
+                   kv_cache_bytes=self.kv_cache_bytes(model), enforce_eager=self.enforce_eager,
                    enable_prefix_sharing=self.enable_prefix_sharing)
 
 
@@ -91,30 +105,22 @@ def _cb(config, name: str, default):
     return default if value is None else value
 
 
-def engine_settings(model: torch.nn.Module, cb_config, num_requests: int, persistent: bool) -> BatchEngineSettings:
+def engine_settings(cb_config, num_requests: int, persistent: bool) -> BatchEngineSettings:
     """The engine a call runs on: `cb_config`'s (a ``ContinuousBatchingConfig`` or None) sizes,
     sequences per step capped at the call's `num_requests` unless the engine is kept
     (`persistent`). The KV budget: ``num_blocks`` x ``page_size`` tokens where given, else
     ``max_memory_percent`` of the device's free memory (CUDA), else `LLM`'s default."""
-    device = next(model.parameters()).device
     seqs = int(_cb(cb_config, "max_requests_per_batch", 256))
-    seqs = seqs if persistent else max(1, min(seqs, num_requests))
-    kv_bytes = None
     num_blocks = _cb(cb_config, "num_blocks", None)
     percent = _cb(cb_config, "max_memory_percent", None)
-    if num_blocks is not None:
-        tokens = int(num_blocks) * int(_cb(cb_config, "page_size", 256))
-        block = default_block_size(model.kv_cache_spec())
-        kv_bytes = cache_budget_bytes(model, next(model.parameters()).dtype, block, -(-tokens // block), seqs)
-    elif percent is not None and device.type == "cuda":
-        torch.cuda.empty_cache()
-        kv_bytes = int(float(percent) * torch.cuda.mem_get_info(device)[0])
     graphs = _cb(cb_config, "use_cuda_graph", True)
     return BatchEngineSettings(
-        max_num_seqs=seqs,
-        max_num_batched_tokens=int(_cb(cb_config, "max_batch_tokens", 8192)), kv_cache_bytes=kv_bytes,
+        max_num_seqs=seqs if persistent else max(1, min(seqs, num_requests)),
+        max_num_batched_tokens=int(_cb(cb_config, "max_batch_tokens", 8192)),
         enforce_eager=not (all(graphs) if isinstance(graphs, (tuple, list)) else bool(graphs)),
-        enable_prefix_sharing=bool(_cb(cb_config, "allow_block_sharing", True)))
+        enable_prefix_sharing=bool(_cb(cb_config, "allow_block_sharing", True)),
+        kv_tokens=None if num_blocks is None else int(num_blocks) * int(_cb(cb_config, "page_size", 256)),
+        kv_memory_share=None if num_blocks is not None or percent is None else float(percent))
 
 
 def _unsupported(config: GenerationConfig, sampling: bool) -> list[str]:
@@ -255,7 +261,7 @@ def generate_batch(model: torch.nn.Module, inputs: list[list[int]], generation_c
     seed = int(torch.randint(0, MAX_SEED - 1, ()).item()) if seed is None else int(seed)
     prompts = [list(p) for p in inputs]
     created = time.perf_counter()
-    kept = _engine(model, engine_settings(model, cb_config, len(prompts), persistent_manager))
+    kept = _engine(model, engine_settings(cb_config, len(prompts), persistent_manager))
     params = sampling_params(model, config, prompts, max_new_tokens, kept.llm.max_model_len, seed)
     first, kept.requests = kept.requests, kept.requests + len(prompts)
     try:

@@ -196,6 +196,23 @@ def test_a_persistent_manager_keeps_one_engine_until_destroyed(qwen3, monkeypatc
 
 
 @needs_cb_config
+def test_engine_settings_keep_what_was_asked_not_what_it_came_to():
+    """A kept engine is reused by a call asking for the same: the KV budget as asked (a share of
+    the free memory, which the kept engine's own cache changes, or num_blocks x page_size
+    tokens), sequences per step capped at the call's requests only when not kept."""
+    share = CBConfig(max_memory_percent=0.5, max_batch_tokens=64)
+    kept = batch_generation.engine_settings(share, 3, persistent=True)
+    assert kept == batch_generation.engine_settings(share, 7, persistent=True)
+    assert (kept.kv_memory_share, kept.kv_tokens, kept.max_num_seqs, kept.max_num_batched_tokens) == (0.5, None, 256, 64)
+    blocks = batch_generation.engine_settings(CBConfig(num_blocks=4, page_size=16, max_memory_percent=0.5), 3, False)
+    assert (blocks.kv_tokens, blocks.kv_memory_share, blocks.max_num_seqs) == (64, None, 3)
+    assert batch_generation.engine_settings(None, 2, False) == batch_generation.BatchEngineSettings(
+        max_num_seqs=2, max_num_batched_tokens=8192, enforce_eager=False, enable_prefix_sharing=True)
+    eager = batch_generation.engine_settings(CBConfig(use_cuda_graph=(True, False), allow_block_sharing=False), 1, False)
+    assert eager.enforce_eager and not eager.enable_prefix_sharing
+
+
+@needs_cb_config
 def test_lora_adapters_take_part_as_in_training(tmp_path):
     """A PEFT model's ``generate_batch`` (PEFT passes it to the model it wraps) runs the active
     adapters: its logprobs are the LoRA model's ``token_logprobs``, not the base model's."""
@@ -237,3 +254,11 @@ def test_gpu_sampled_rollouts_under_cuda_graphs_equal_the_training_forward(name,
     for prompt, result in zip(prompts, out.values()):
         assert len(result.generated_tokens) == 40
         assert torch.equal(torch.tensor(result.logprobs), training_logprobs(model, prompt, result.generated_tokens, 0.9))
+    built = []
+    for _ in range(2):  # kept: one engine, though its own cache takes the free memory it was a share of
+        kept = model.generate_batch(prompts, generation_config=config, persistent_manager=True,
+                                    continuous_batching_config=CBConfig(max_memory_percent=0.5, seed=1))
+        built.append(model.__dict__[batch_generation.ENGINE].llm)
+    model.destroy_cached_continuous_batching_manager()
+    assert built[0] is built[1] and [r.generated_tokens for r in kept.values()] == [r.generated_tokens
+                                                                                   for r in out.values()]
