@@ -22,9 +22,9 @@ from typing import Any
 __all__ = ["Grammars", "StructuredOutputsParams", "choice_grammar", "xgrammar_module"]
 
 #: the constraint fields, exactly one of which a `StructuredOutputsParams` sets
-KINDS = ("json", "regex", "choice", "grammar", "json_object")
+KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 #: vLLM's fields this engine accepts only at their defaults (another backend's options)
-_UNSUPPORTED = {"whitespace_pattern": None, "structural_tag": None, "disable_additional_properties": False}
+_UNSUPPORTED = {"whitespace_pattern": None, "disable_additional_properties": False}
 #: vLLM's fields with nothing to do here: one backend, hence no fallback to disable
 _IGNORED = ("disable_fallback", "_backend", "_backend_was_auto")
 
@@ -33,13 +33,19 @@ _IGNORED = ("disable_fallback", "_backend", "_backend_was_auto")
 class StructuredOutputsParams:
     """One request's output constraint, as vLLM's ``StructuredOutputsParams``.
 
-    Attributes (exactly one of the first five is set):
+    Attributes (exactly one of the first six is set):
         json: a JSON schema (a dict, or its JSON text): the output is one JSON value it accepts.
         regex: the output matches this regular expression (xgrammar's syntax: Python's, without
             look-around or back-references).
         choice: the output is exactly one of these strings.
         grammar: an EBNF grammar (xgrammar's GBNF dialect, start rule ``root``).
         json_object: True: the output is any JSON object.
+        structural_tag: an xgrammar structural tag (a dict, or its JSON text, as vLLM takes it):
+            ``{"type": "structural_tag", "format": {...}}`` (xgrammar's formats: tags with JSON
+            schema, regex or grammar content, sequences, tags triggered inside free text, ...),
+            or vLLM's older ``{"structures": [{"begin", "schema", "end"}, ...], "triggers":
+            [...]}``: free text in which each trigger starts one of the structures, whose
+            content follows its JSON schema (tool calls).
         disable_any_whitespace: with ``json``, allow no whitespace between JSON tokens beyond
             single separators (vLLM's option; ``json_object`` takes xgrammar's built-in JSON
             grammar as it is).
@@ -52,6 +58,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | dict | None = None
     disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
@@ -69,6 +76,8 @@ class StructuredOutputsParams:
         elif self.json is not None and not isinstance(self.json, dict):
             raise ValueError(f"StructuredOutputsParams.json must be a dict or its JSON text, got "
                              f"{type(self.json).__name__}")
+        if self.structural_tag is not None:
+            _check_structural_tag(self.structural_tag)
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -98,7 +107,7 @@ class StructuredOutputsParams:
         """`value` as a `StructuredOutputsParams`: one already, a dict of its fields (TRL's
         ``generation_kwargs``, a vLLM server payload) or vLLM's own ``StructuredOutputsParams``.
         A field of vLLM's that this engine cannot honour (``whitespace_pattern``,
-        ``structural_tag``, ``disable_additional_properties``) raises ValueError when set."""
+        ``disable_additional_properties``) raises ValueError when set."""
         if isinstance(value, cls):
             return value
         if isinstance(value, Mapping):
@@ -151,15 +160,55 @@ class Grammars:
                 return self.compiler.compile_regex(value)
             if kind == "choice":
                 return self.compiler.compile_grammar(choice_grammar(value))
+            if kind == "structural_tag":
+                return self._compile_structural_tag(value)
             return self.compiler.compile_grammar(value)
         except Exception as err:  # xgrammar raises RuntimeError or its own errors, with the parser's message
             reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise ValueError(f"LLM.generate: SamplingParams.structured_outputs.{kind}={value!r} does not compile: "
                              f"{reason}") from err
 
+    def _compile_structural_tag(self, value: str | dict):
+        """xgrammar's grammar of a structural tag: its current form as it is, vLLM's older
+        ``structures`` / ``triggers`` form through xgrammar's item list."""
+        tag = json.loads(value) if isinstance(value, str) else value
+        if "structures" not in tag:
+            return self.compiler.compile_structural_tag(json.dumps(tag))
+        xgr = xgrammar_module()
+        items = [xgr.StructuralTagItem(begin=s["begin"], schema=s["schema"] if isinstance(s["schema"], str)
+                                       else json.dumps(s["schema"]), end=s["end"]) for s in tag["structures"]]
+        return self.compiler.compile_structural_tag(items, list(tag["triggers"]))
+
     def matcher(self, compiled):
         """A fresh xgrammar ``GrammarMatcher`` of a compiled grammar: one sample's place in it."""
         return xgrammar_module().GrammarMatcher(compiled)
+
+
+def _check_structural_tag(value: object) -> None:
+    """ValueError naming what is wrong with a structural tag's shape (xgrammar checks the rest
+    when it compiles): a JSON object, its text, or vLLM's ``structures`` / ``triggers`` form."""
+    name = "StructuredOutputsParams.structural_tag"
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{name}={value!r} is not valid JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object (a dict or its text), got {type(value).__name__}")
+    if "structures" not in value:
+        if "format" not in value:
+            raise ValueError(f"{name} needs a 'format' (xgrammar's structural tag) or 'structures' and 'triggers' "
+                             f"(vLLM's older form); got keys {sorted(value)}")
+        return
+    structures, triggers = value["structures"], value.get("triggers")
+    if not isinstance(structures, list) or not structures:
+        raise ValueError(f"{name}: 'structures' must be a non-empty list, got {structures!r}")
+    for i, item in enumerate(structures):
+        if not (isinstance(item, dict) and isinstance(item.get("begin"), str) and isinstance(item.get("end"), str)
+                and isinstance(item.get("schema"), (dict, str))):
+            raise ValueError(f"{name}: structures[{i}]={item!r} must hold 'begin' and 'end' strings and a 'schema'")
+    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+        raise ValueError(f"{name}: 'triggers' must be a non-empty list of non-empty strings, got {triggers!r}")
 
 
 def choice_grammar(choices: list[str]) -> str:

@@ -148,7 +148,7 @@ def test_settings_that_exclude_every_token_end_the_sequence_with_an_error(folder
 
 
 @pytest.mark.parametrize("fields, match", [
-    (dict(), r"exactly one of json, regex, choice, grammar, json_object must be set, got none"),
+    (dict(), r"exactly one of json, regex, choice, grammar, json_object, structural_tag must be set, got none"),
     (dict(regex="a", choice=["a"]), r"got \['regex', 'choice'\]"),
     (dict(json_object=False), r"got none"),
     (dict(json="{not json"), r"json='\{not json' is not valid JSON"),
@@ -158,6 +158,14 @@ def test_settings_that_exclude_every_token_end_the_sequence_with_an_error(folder
     (dict(choice=[]), r"choice=\[\] must be a non-empty list of strings"),
     (dict(choice=["a", 3]), r"choice\[1\]=3 must be a non-empty string"),
     (dict(grammar="root ::= \"a\"", disable_any_whitespace=1), r"disable_any_whitespace=1 must be a bool"),
+    (dict(structural_tag="{nope"), r"structural_tag='\{nope' is not valid JSON"),
+    (dict(structural_tag=["a"]), r"structural_tag must be a JSON object \(a dict or its text\), got list"),
+    (dict(structural_tag={"type": "structural_tag"}), r"needs a 'format' .* got keys \['type'\]"),
+    (dict(structural_tag={"structures": [], "triggers": ["<"]}), r"'structures' must be a non-empty list"),
+    (dict(structural_tag={"structures": [{"begin": "<a>", "end": "</a>"}], "triggers": ["<a"]}),
+     r"structures\[0\]=.* must hold 'begin' and 'end' strings and a 'schema'"),
+    (dict(structural_tag={"structures": [{"begin": "<a>", "schema": {}, "end": "</a>"}], "triggers": [""]}),
+     r"'triggers' must be a non-empty list of non-empty strings"),
 ])
 def test_bad_constraints_are_refused_naming_the_field(fields, match):
     with pytest.raises(ValueError, match=match):
@@ -178,10 +186,48 @@ class _VllmStyle:  # the shape of vLLM's StructuredOutputsParams (a dataclass wi
     structural_tag: str | None = None
 
 
+#: the output is one tagged field: ``<f>``, text matching `REGEX`, ``</f>`` (xgrammar's current form)
+TAG = {"type": "structural_tag", "format": {"type": "tag", "begin": "<f>", "content": {"type": "regex",
+                                                                                      "pattern": REGEX},
+                                           "end": "</f>"}}
+#: vLLM's older form: free text, in which the trigger ``<f=`` opens ``<f=a>`` + a JSON object + ``</f>``
+LEGACY_TAG = {"structures": [{"begin": "<f=a>", "schema": SCHEMA, "end": "</f>"}], "triggers": ["<f="]}
+
+
+def test_structural_tags_constrain_the_output_and_tokens_are_the_definitions(folder):
+    """A structural tag (dict or JSON text, xgrammar's form) keeps every sample inside it, each
+    token the definition's (its mask xgrammar's for that tag), the logprobs unmasked; vLLM's older
+    ``structures`` / ``triggers`` form compiles to free text whose triggered part follows its
+    schema."""
+    llm = _engine(folder)
+    params = [SamplingParams(temperature=t, seed=5 + i, max_tokens=48,
+                             structured_outputs={"structural_tag": TAG if i % 2 else json.dumps(TAG)})
+              for i, t in enumerate((1.0, 0.0, 0.8, 1.3))]
+    outs = gen(llm, ["a", "<f", "{", "x"], params)
+    for out, p in zip(outs, params):
+        c = out.outputs[0]
+        assert c.finish_reason == "stop" and c.text.startswith("<f>") and c.text.endswith("</f>"), c.text
+        assert re.fullmatch(REGEX, c.text[len("<f>"):-len("</f>")]), c.text
+        assert c.token_ids == _definition_tokens(llm, out.prompt_token_ids, c.token_ids, p)
+        t = p.temperature if p.temperature > 0 else 1.0
+        assert torch.equal(torch.tensor(c.logprobs),
+                           training_logprobs(llm.model.causal_lm, out.prompt_token_ids, c.token_ids, t))
+    legacy = llm._grammars.compile(StructuredOutputsParams(structural_tag=json.dumps(LEGACY_TAG)))
+    assert llm._grammars.matcher(legacy).accept_string('any text <f=a>{"ok": true, "n": 3}</f> more')
+    assert not llm._grammars.matcher(legacy).accept_string('any text <f=a>{"ok": 3')
+    free = gen(llm, ["a"], SamplingParams(seed=1, max_tokens=8, structured_outputs={"structural_tag": LEGACY_TAG}))
+    assert free[0].outputs[0].token_ids  # free text until a trigger
+    with pytest.raises(ValueError, match=r"structured_outputs.structural_tag=.* does not compile"):
+        gen(llm, ["a"], SamplingParams(structured_outputs={"structural_tag": {"type": "structural_tag",
+                                                                                "format": {"type": "nonsense"}}}))
+
+
 def test_dicts_and_vllms_params_are_taken_and_unsupported_fields_refused():
     assert SamplingParams(structured_outputs={"regex": "a+"}).structured_outputs == StructuredOutputsParams(regex="a+")
     taken = SamplingParams(structured_outputs=_VllmStyle(choice=["a", "b"], disable_fallback=True))
     assert taken.structured_outputs == StructuredOutputsParams(choice=["a", "b"])
+    tagged = SamplingParams(structured_outputs=_VllmStyle(structural_tag=json.dumps(LEGACY_TAG)))
+    assert tagged.structured_outputs == StructuredOutputsParams(structural_tag=json.dumps(LEGACY_TAG))
     with pytest.raises(ValueError, match=r"structured_outputs.whitespace_pattern=' ' is not supported"):
         SamplingParams(structured_outputs=_VllmStyle(regex="a", whitespace_pattern=" "))
     with pytest.raises(ValueError, match=r"unknown field\(s\) \['guided'\]"):
