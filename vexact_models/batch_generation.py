@@ -30,6 +30,7 @@ manager (``init_continuous_batching``, ``continuous_batching_context_manager``) 
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
 from typing import NoReturn
@@ -193,7 +194,7 @@ def _outputs(outputs: list[RequestOutput], first: int, created: float, logprobs:
     return results
 
 
-def _check_call(model: torch.nn.Module, inputs, record_timestamps: bool, kwargs: dict) -> None:
+def _check_call(model: torch.nn.Module, inputs, record_timestamps: bool) -> None:
     """ValueError for what ``generate_batch`` cannot do, before anything runs."""
     name = type(model).__name__
     sharded = sharded_parameter(model)
@@ -202,15 +203,37 @@ def _check_call(model: torch.nn.Module, inputs, record_timestamps: bool, kwargs:
                          "the rollout engine that runs generate_batch takes whole weights. On the sharded model call "
                          "generate() (its cached steps run there), or roll out with a vexact_models.LLM over an "
                          "unsharded copy fed by stream_full_weights (docs/fsdp.md)")
-    if kwargs:
-        raise ValueError(f"{name}.generate_batch: unexpected arguments {sorted(kwargs)}; it takes generation_config, "
-                         "continuous_batching_config and max_new_tokens (as stock's)")
     if record_timestamps:
         raise ValueError(f"{name}.generate_batch: record_timestamps=True is not supported (the rollout engine keeps no "
                          "per-token times); leave it False")
     if not isinstance(inputs, (list, tuple)) or not all(isinstance(p, (list, tuple)) for p in inputs):
         raise ValueError(f"{name}.generate_batch: inputs must be a list of token-id lists, got "
                          f"{type(inputs).__name__}")
+
+
+def _config_of(model: torch.nn.Module, generation_config: GenerationConfig | None, kwargs: dict) -> GenerationConfig:
+    """The call's ``GenerationConfig``: `generation_config` (else the model's), with the keyword
+    arguments that name its fields set on a copy, as ``generate`` takes them (HF's
+    ``generate(cache_implementation="paged")`` passes its own here, already merged). An
+    ``attention_mask`` of ones (that path passes the tokenizer's) is taken; one with padding, or
+    any other argument, is a ValueError: the prompts are the given lists, whole."""
+    name = type(model).__name__
+    config = generation_config if generation_config is not None else model.generation_config
+    mask = kwargs.pop("attention_mask", None)
+    if mask is not None and not bool(torch.as_tensor(mask).bool().all()):
+        raise ValueError(f"{name}.generate_batch: attention_mask has padding; generate_batch takes unpadded prompts "
+                         "(a list of token-id lists), so pass them without their padding")
+    fields = set(GenerationConfig().__dict__)
+    unknown = sorted(set(kwargs) - fields)
+    if unknown:
+        raise ValueError(f"{name}.generate_batch: unexpected arguments {unknown}; it takes generation_config, "
+                         "continuous_batching_config and GenerationConfig fields (max_new_tokens, do_sample, ...)")
+    if not kwargs:
+        return config
+    config = copy.deepcopy(config)
+    for field, value in kwargs.items():
+        setattr(config, field, value)
+    return config
 
 
 @dataclass
@@ -246,16 +269,17 @@ def generate_batch(model: torch.nn.Module, inputs: list[list[int]], generation_c
     """Stock ``generate_batch``'s contract on `model` (ours), run by a `LLM` over its parameters
     (the module docstring). ``warmup`` has nothing to do (the engine captures its graphs as it
     needs them); ``continuous_batching_config`` may also come on ``generation_config``, as
-    stock reads it. Every argument is checked before the engine is built."""
-    max_new_tokens = kwargs.pop("max_new_tokens", None)
-    _check_call(model, inputs, record_timestamps, kwargs)
+    stock reads it; keyword arguments naming ``GenerationConfig`` fields (``max_new_tokens``,
+    ``do_sample``, ...) apply to a copy of the config (`_config_of`). Every argument is checked
+    before the engine is built."""
+    _check_call(model, inputs, record_timestamps)
+    config = _config_of(model, generation_config, kwargs)
     if not inputs:
         return {}
-    config = generation_config if generation_config is not None else model.generation_config
     cb_config = continuous_batching_config
     if cb_config is None:
         cb_config = getattr(config, "continuous_batching_config", None)
-    max_new_tokens = config.max_new_tokens if max_new_tokens is None else max_new_tokens
+    max_new_tokens = config.max_new_tokens
     check_generation_config(model, config, max_new_tokens)
     seed = _cb(cb_config, "seed", None)
     seed = int(torch.randint(0, MAX_SEED - 1, ()).item()) if seed is None else int(seed)

@@ -26,7 +26,10 @@ class GenerationMethodsMixin:
         (``assistant_model``, ``prompt_lookup_num_tokens``, ...) is a ValueError. With
         ``output_hidden_states`` each step's states cover the whole sequence (that step is a whole
         recompute), as stock's do with ``use_cache=False``. One eager forward per step: roll out
-        with `vexact_models.LLM`, which shares this model's weights."""
+        with `vexact_models.LLM`, which shares this model's weights. HF's
+        ``cache_implementation="paged"`` switches to `generate_batch`, which the engine runs."""
+        if kwargs.get("cache_implementation") == "paged":  # HF's switch to generate_batch
+            return super().generate(*args, **kwargs)
         args, kwargs, cached = generate_arguments(self, args, kwargs)
         with cached_steps(self, cached):
             return super().generate(*args, **kwargs)

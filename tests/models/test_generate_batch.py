@@ -76,7 +76,9 @@ def test_greedy_equals_generate_and_llm_and_logprobs_equal_the_training_forward(
 
 
 def test_greedy_equals_stock_continuous_batching_on_the_stock_model(tmp_path):
-    """Stock's ``generate_batch`` on the stock model (its own paged runtime) gives our tokens."""
+    """Stock's ``generate_batch`` on the stock model (its own paged runtime) gives our tokens; so
+    does HF's ``generate(cache_implementation="paged")``, which switches to ``generate_batch``
+    (passing its generation arguments and the tokenizer's all-ones mask along)."""
     arch = ARCHS["qwen3"]
     hf, ours = load(arch, arch.shapes[0], tmp_path)
     config = GenerationConfig(do_sample=False, max_new_tokens=6, eos_token_id=-1)
@@ -85,6 +87,22 @@ def test_greedy_equals_stock_continuous_batching_on_the_stock_model(tmp_path):
     assert list(stock) == list(ours_out)
     assert [r.generated_tokens for r in ours_out.values()] == [r.generated_tokens for r in stock.values()]
     assert all(len(r.generated_tokens) == 6 for r in stock.values())
+    ids = torch.tensor([PROMPTS[0][:4], PROMPTS[2][:4]])
+    paged = dict(attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False, eos_token_id=-1,
+                 cache_implementation="paged")
+    assert torch.equal(ours.generate(ids, **paged), hf.generate(ids, **paged))
+
+
+def test_generation_config_fields_as_arguments_apply_to_a_copy(qwen3):
+    """``generate_batch(prompts, max_new_tokens=..., do_sample=..., ...)`` sets those fields on a copy
+    of the config (the model's own is left as it was); a padded ``attention_mask`` is refused."""
+    before = qwen3.generation_config.to_dict()
+    out = qwen3.generate_batch(PROMPTS, max_new_tokens=3, do_sample=True, temperature=0.5, eos_token_id=-1,
+                               num_return_sequences=2)
+    assert len(out) == 6 and all(len(r.generated_tokens) == 3 for r in out.values())
+    assert qwen3.generation_config.to_dict() == before
+    with pytest.raises(ValueError, match="attention_mask has padding"):
+        qwen3.generate_batch(PROMPTS[:2], attention_mask=torch.tensor([[1, 1], [0, 1]]))
 
 
 @needs_cb_config
