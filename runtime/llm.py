@@ -50,7 +50,7 @@ from .pipeline_comm import PipelineComm
 from .pipeline_worker import Pipeline
 from .progress import progress_bar
 from .sampler import Sampler
-from .sampling_params import SamplingParams
+from .sampling_params import MAX_LOGPROBS, SamplingParams
 
 class LLM(ChatMixin, RequestsMixin, EngineStepsMixin, EngineMemoryMixin):
     """A paged-KV rollout engine over a vexact-models architecture.
@@ -133,6 +133,11 @@ class LLM(ChatMixin, RequestsMixin, EngineStepsMixin, EngineMemoryMixin):
         tokenizer: for text prompts, returned text and stop strings: a transformers tokenizer, or
             a folder or hub id to load one from (``AutoTokenizer``). Default: the checkpoint
             folder's, if it has one (a model instance has none).
+        max_logprobs: the most alternatives ``SamplingParams.logprobs`` and ``prompt_logprobs``
+            may ask for a position (vLLM's engine argument; default 20, at most
+            `llm_args.MAX_LOGPROBS_LIMIT`, 2,048: `kernels.top_tokens` keeps at most a
+            2,048-column chunk's candidates from each chunk). A request asking for more is a
+            ValueError before anything runs.
 
     Threads: one call runs at a time (`runtime.engine_lock`). A ``generate``, ``update_weights``,
     ``sleep`` or ``wake_up`` called while another thread's call is running waits for it to
@@ -152,7 +157,7 @@ class LLM(ChatMixin, RequestsMixin, EngineStepsMixin, EngineMemoryMixin):
                  enforce_eager: bool = False, aligned: bool = True, async_scheduling: bool = True,
                  enable_prefix_sharing: bool = True, owns_weights: bool | None = None,
                  pipeline_parallel_size: int = 1, cuda_graph_max_tokens: int | None = None,
-                 tokenizer=None) -> None:
+                 tokenizer=None, max_logprobs: int = MAX_LOGPROBS) -> None:
         self._engine_lock = EngineLock()  # held by each public call (the class docstring: Threads)
         # Every check first: fusing the projections below is the only change made to a model passed in.
         check_model_argument(model)
@@ -160,7 +165,7 @@ class LLM(ChatMixin, RequestsMixin, EngineStepsMixin, EngineMemoryMixin):
         check_engine_args(block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                           max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
                           kv_cache_bytes=kv_cache_bytes, seed=seed, pipeline_parallel_size=pipeline_parallel_size,
-                          cuda_graph_max_tokens=cuda_graph_max_tokens,
+                          cuda_graph_max_tokens=cuda_graph_max_tokens, max_logprobs=max_logprobs,
                           flags=dict(enable_chunked_prefill=enable_chunked_prefill, enforce_eager=enforce_eager,
                                      aligned=aligned, enable_prefix_sharing=enable_prefix_sharing,
                                      async_scheduling=async_scheduling))
@@ -215,6 +220,7 @@ class LLM(ChatMixin, RequestsMixin, EngineStepsMixin, EngineMemoryMixin):
         self._remember_graphs(backend)
         self.sampler = Sampler(self.engine_config.eos_token_id)
         self.seed = seed
+        self.max_logprobs = max_logprobs
         self._next_request = 0
         self.num_preemptions = 0  # sequences preempted (by recompute) so far
 

@@ -18,7 +18,11 @@ from vexact_models.multimodal import refuse_multimodal_model
 from vexact_models.registry import architectures, for_model_type, import_path
 
 from ..kernels.attention_tiles import TMA_HEAD_DIMS
-from .sampling_params import MAX_SEED
+from ..kernels.top_tokens import BLOCK as TOP_TOKENS_CHUNK
+from .sampling_params import MAX_LOGPROBS, MAX_SEED
+
+#: the largest ``LLM(max_logprobs=...)``: `kernels.top_tokens` keeps at most a chunk's columns from each chunk
+MAX_LOGPROBS_LIMIT = TOP_TOKENS_CHUNK
 
 #: Floating dtypes the kernels take (the reference backend also takes float64).
 _DTYPE_NAMES = ("bfloat16", "float16", "float32", "float64")
@@ -89,7 +93,7 @@ def default_block_size(kv_cache_spec) -> int:
 def check_engine_args(*, block_size: object, max_num_seqs: object, max_num_batched_tokens: object,
                       max_model_len: object, gpu_memory_utilization: object, kv_cache_bytes: object, seed: object,
                       flags: dict[str, object], pipeline_parallel_size: object = 1,
-                      cuda_graph_max_tokens: object = None) -> None:
+                      cuda_graph_max_tokens: object = None, max_logprobs: object = MAX_LOGPROBS) -> None:
     """The scalar arguments (`flags`: the boolean switches by name). `max_model_len`'s and
     `pipeline_parallel_size`'s upper limits need the model's config: `check_max_model_len`,
     `runtime.pipeline.join_pipeline`."""
@@ -108,6 +112,7 @@ def check_engine_args(*, block_size: object, max_num_seqs: object, max_num_batch
     if cuda_graph_max_tokens is not None:
         check_int("cuda_graph_max_tokens", cuda_graph_max_tokens, 0)
     check_int("seed", seed, 0, MAX_SEED)
+    check_int("max_logprobs", max_logprobs, 0, MAX_LOGPROBS_LIMIT + 1)
     for name, value in flags.items():
         check_bool(name, value)
 

@@ -32,14 +32,16 @@ def _derive_seed(base: int, index: int) -> int:
 
 class RequestsMixin:
     """Prompts into sequences and sequences into outputs, for `LLM` (its ``tokenizer``, ``config``,
-    ``max_model_len``, ``eos_token_ids``, ``seed`` and ``pipeline``)."""
+    ``max_model_len``, ``eos_token_ids``, ``seed``, ``max_logprobs`` and ``pipeline``)."""
 
     _grammars: Grammars | None = None  #: the compiler over the engine's tokenizer, made at its first use
 
     def _check_params(self, params: list[SamplingParams]) -> None:
         """Refuse what the engine cannot do with `params` (ValueError naming the field): on
         pipeline stages, the alternatives, penalties, logit edits, grammars and bad words; stop
-        strings, grammars or bad words without a tokenizer; token lists outside the vocabulary."""
+        strings, grammars or bad words without a tokenizer; token lists outside the vocabulary;
+        ``logprobs`` / ``prompt_logprobs`` above the engine's ``max_logprobs`` (more than the
+        vocabulary return it whole)."""
         if self.pipeline is not None and any(p.logprobs is not None or p.prompt_logprobs is not None for p in params):
             raise ValueError("LLM.generate: SamplingParams.logprobs and prompt_logprobs (the most probable tokens) are "
                              "not available on pipeline stages; leave them None for each sampled token's logprob")
@@ -56,6 +58,12 @@ class RequestsMixin:
                 raise ValueError(f"LLM.generate: SamplingParams.{field} needs a tokenizer: load a checkpoint folder "
                                  "that has one, or pass LLM(..., tokenizer=...)")
         check_token_lists(params, self.config.vocab_size)
+        for i, p in enumerate(params):
+            for name in ("logprobs", "prompt_logprobs"):
+                k = getattr(p, name)
+                if k is not None and k > self.max_logprobs:
+                    raise ValueError(f"LLM.generate: SamplingParams.{name}={k} (request {i}) is above the engine's "
+                                     f"max_logprobs={self.max_logprobs}; build it with LLM(..., max_logprobs={k})")
 
     def _bad_words(self, params: list[SamplingParams]) -> list[BadWords | None]:
         """Each request's `BadWords` (None where it has none), tokenized before any request runs."""

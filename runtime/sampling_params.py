@@ -19,8 +19,8 @@ __all__ = ["SamplingParams", "MAX_SEED", "MAX_LOGPROBS"]
 #: a counter-based RNG (Philox) as a tensor without wrapping.
 MAX_SEED = 2**63
 
-#: The most alternatives ``SamplingParams.logprobs`` may ask for a sampled position (vLLM's default
-#: ``max_logprobs``).
+#: The most alternatives ``SamplingParams.logprobs`` / ``prompt_logprobs`` may ask for a position by
+#: default: an engine's ``LLM(max_logprobs=...)`` (vLLM's default ``max_logprobs``).
 MAX_LOGPROBS = 20
 
 
@@ -100,11 +100,12 @@ class SamplingParams:
             one string), as in vLLM (`runtime.stop_strings`; needs the engine's tokenizer).
         include_stop_str_in_output: keep the stop string at the end of the returned text.
         logprobs: None (the default) returns each sampled token's logprob as a float
-            (``CompletionOutput.logprobs``). An int k in [0, MAX_LOGPROBS] returns vLLM's shape
+            (``CompletionOutput.logprobs``). An int k in [0, the engine's ``max_logprobs``, default
+            MAX_LOGPROBS = 20] returns vLLM's shape
             instead: per sampled position a dict ``{token_id: Logprob}`` holding the sampled token
             and the k most probable tokens, at the same temperature and by the same kernel
             (`runtime.top_logprobs`), so the sampled token's entry is the float's bits.
-        prompt_logprobs: None (the default), or an int k in [0, MAX_LOGPROBS]: vLLM's
+        prompt_logprobs: None (the default), or an int k in [0, the engine's ``max_logprobs``]: vLLM's
             ``RequestOutput.prompt_logprobs``, per prompt token after the first a dict of that token
             and the k most probable ones at its position, at the request's temperature (1 for
             greedy): the training forward's ``token_logprobs`` of the prompt, bitwise. Steps that
@@ -171,10 +172,7 @@ class SamplingParams:
             self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
-                k = _require_at_least(name, getattr(self, name), 0)
-                if k > MAX_LOGPROBS:
-                    raise ValueError(f"SamplingParams.{name}={k} is above the maximum {MAX_LOGPROBS} "
-                                     "(the most probable tokens returned beside a position's own)")
+                _require_at_least(name, getattr(self, name), 0)  # the engine checks its max_logprobs
         if self.seed is not None:
             seed = _require_int("seed", self.seed)
             if not 0 <= seed < MAX_SEED:

@@ -160,12 +160,39 @@ def test_position_dicts_are_built_when_read_and_read_as_a_list():
 
 
 @pytest.mark.parametrize("value, words", [(-1, ["logprobs=-1", "minimum 0"]),
-                                          (MAX_LOGPROBS + 1, [f"logprobs={MAX_LOGPROBS + 1}", f"maximum {MAX_LOGPROBS}"]),
                                           (True, ["logprobs=True", "int"]), (2.0, ["logprobs=2.0", "int"])])
 def test_bad_logprobs_are_refused_naming_the_value_and_the_limit(value, words):
     with pytest.raises(ValueError) as err:
         SamplingParams(logprobs=value)
     assert all(w in str(err.value) for w in words), str(err.value)
+
+
+def test_more_alternatives_than_max_logprobs_need_an_engine_built_for_them():
+    """vLLM's ``max_logprobs`` engine argument (default 20): a request asking for more is refused
+    before anything runs, naming the request and the argument; an engine built with
+    ``max_logprobs=40`` returns 40 alternatives, each the training forward's logprob; the limit
+    is a top-k chunk's 2,048 columns."""
+    model = _model("qwen3")
+    prompt = prompts_for(1, seed=4)[0]
+    llm = make_llm(model)
+    assert llm.max_logprobs == MAX_LOGPROBS == 20
+    for name in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match=rf"SamplingParams.{name}=21 \(request 1\) is above the engine's "
+                                             r"max_logprobs=20; build it with LLM\(..., max_logprobs=21\)"):
+            gen(llm, [prompt, prompt], [SamplingParams(max_tokens=2), SamplingParams(max_tokens=2, **{name: 21})])
+        assert not llm.scheduler.has_unfinished()
+    wide = make_llm(model, max_logprobs=40)
+    [out] = gen(wide, [prompt], SamplingParams(temperature=0.9, max_tokens=3, seed=2, logprobs=40, prompt_logprobs=40))
+    c = out.outputs[0]
+    for i, (token, entry) in enumerate(zip(c.token_ids, c.logprobs)):
+        assert len(entry) in (40, 41) and sorted(v.rank for t, v in entry.items() if v.rank <= 40) == list(range(1, 41))
+        for alt in list(entry)[:: 7] + [token]:
+            assert entry[alt].logprob == _training_entry(model, prompt + c.token_ids[:i], alt, 0.9), (i, alt)
+    assert all(len(e) in (40, 41) for e in out.prompt_logprobs[1:])
+    for bad in (-1, 2049, 1.5):
+        with pytest.raises(ValueError, match=rf"LLM: max_logprobs={bad}"):
+            make_llm(model, max_logprobs=bad)
+    assert make_llm(model, max_logprobs=2048).max_logprobs == 2048
 
 
 @pytest.mark.parametrize("name", ARCHS)
@@ -258,10 +285,8 @@ def test_prompt_logprobs_decode_their_tokens_and_are_refused_out_of_range():
     [out] = gen(llm, ["w3 w4 w5 w6"], SamplingParams(max_tokens=2, seed=1, prompt_logprobs=1))
     assert [list(e)[0] for e in out.prompt_logprobs[1:]] == [4, 5, 6]
     assert all(v.decoded_token == f"w{t}" for e in out.prompt_logprobs[1:] for t, v in e.items())
-    for value, words in [(-1, "prompt_logprobs=-1 is below the minimum 0"),
-                         (MAX_LOGPROBS + 1, f"prompt_logprobs={MAX_LOGPROBS + 1} is above the maximum {MAX_LOGPROBS}")]:
-        with pytest.raises(ValueError, match=words):
-            SamplingParams(prompt_logprobs=value)
+    with pytest.raises(ValueError, match="prompt_logprobs=-1 is below the minimum 0"):
+        SamplingParams(prompt_logprobs=-1)
 
 
 def test_steps_scoring_prompts_run_eagerly_beside_graph_shaped_steps():

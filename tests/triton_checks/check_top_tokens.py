@@ -14,7 +14,7 @@ from check_triton_kernels import DEVICE, ref  # noqa: E402
 from vexact_models.kernels import top_tokens  # noqa: E402
 
 
-@pytest.mark.parametrize("k", [20, 0])
+@pytest.mark.parametrize("k", [20, 0, 64, 2048])  # 64, 2048: LLM(max_logprobs=...) above the default
 def test_top_tokens_are_the_references(k):
     torch.manual_seed(0)
     logits = torch.randn(2, 4500) * 3  # three chunks, the last ragged
