@@ -99,19 +99,22 @@ def test_next_turns_share_the_last_calls_pages_under_graphs_and_async_steps():
     assert got == [result(o) for o in gen(fresh, turns, params)] and fresh.block_manager.num_shared_hits == hits
 
 
-def test_alternatives_under_graphs_and_async_steps_are_the_training_forwards():
+@pytest.mark.parametrize("k", [3, 64])
+def test_alternatives_under_graphs_and_async_steps_are_the_training_forwards(k):
     """``SamplingParams(logprobs=k)`` (`runtime.top_logprobs`) with CUDA graphs and async steps:
     the alternatives are read from each replay's logits before the next step's replay writes them,
     the dicts equal the eager engine's, and every entry is the training forward's logprob of
-    its token at its position (the Triton gather of several targets a row)."""
+    its token at its position (the Triton gather of several targets a row); k = 64 above the
+    default ``max_logprobs``, on engines built for it."""
     from dataclasses import replace
 
     model = tiny_model("qwen3")
     prompts, params = workload()
-    params = [replace(p, logprobs=3) for p in params]
-    eager = gen(LLM(model, block_size=16, max_num_seqs=4, max_num_batched_tokens=48, kv_cache_bytes=1 << 24,
-                    enforce_eager=True, async_scheduling=False), prompts, params)
-    llm = LLM(model, block_size=16, max_num_seqs=4, max_num_batched_tokens=48, kv_cache_bytes=1 << 24)
+    params = [replace(p, logprobs=k) for p in params]
+    engine = dict(block_size=16, max_num_seqs=4, max_num_batched_tokens=48, kv_cache_bytes=1 << 24,
+                  max_logprobs=max(k, 20))
+    eager = gen(LLM(model, enforce_eager=True, async_scheduling=False, **engine), prompts, params)
+    llm = LLM(model, **engine)
     got = gen(llm, prompts, params)
     assert llm.runner.graphs.mixed_replays > 0
     assert [[(c.token_ids, c.logprobs) for c in o.outputs] for o in got] == \
