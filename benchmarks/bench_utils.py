@@ -364,6 +364,17 @@ def recompute_mismatches(trainer, samples, recompute_tokens: int, device) -> tup
     return checked, bad, worst
 
 
+def build_published(args, max_positions: int | None = None):
+    """(architecture, config, model) of a benchmark's ``--config`` (``--layers``; ``--tiny``: the
+    architecture's tiny config), random weights on ``args.device`` in ``args.dtype``;
+    `max_positions` raises the published config's ``max_position_embeddings`` (not the tiny one's)."""
+    from vexact_models.conformance.models import architecture_of, build_model, make_config
+
+    arch = architecture_of(args.config)
+    config = make_config(arch, None if args.tiny else args.config, args.layers, None if args.tiny else max_positions)
+    return arch, config, build_model(arch, config, args.device, args.dtype, args.seed)
+
+
 #: a quack `GemmConfig` as a benchmark option: tile M x N, pingpong or cooperative, cluster, swap-AB
 CONFIG_SPEC = re.compile(r"^(\d+)x(\d+)([pc])(?::(\d+)x(\d+))?(s?)$")
 

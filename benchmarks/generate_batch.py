@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from bench_utils import positive_int, recompute_mismatches, synchronize, table, tiny_or_cuda
+from bench_utils import build_published, positive_int, recompute_mismatches, synchronize, table, tiny_or_cuda
 from stock_peers import stock_alone
 
 CONFIGS = ("qwen3-0.6b", "qwen3-8b", "llama-3.1-8b", "qwen2.5-7b", "qwen3-30b-a3b", "qwen3.5-35b-a3b")
@@ -48,15 +48,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.prompts, args.prompt_len, args.max_new_tokens, args.calls = 3, 8, 5, 2
     tiny_or_cuda(args, "benchmarks/generate_batch.py")
     return args
-
-
-def build(args):
-    """(architecture, model): the published config (``--layers``; ``--tiny``: the tiny config)."""
-    from vexact_models.conformance.models import architecture_of, build_model, make_config
-
-    arch = architecture_of(args.config)
-    config = make_config(arch, None if args.tiny else args.config, args.layers, None)
-    return arch, build_model(arch, config, args.device, args.dtype, args.seed)
 
 
 def timed_builds() -> list[float]:
@@ -103,7 +94,7 @@ def run_calls(model, prompts: list[list[list[int]]], args, persistent: bool = Fa
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    arch, model = build(args)
+    arch, _, model = build_published(args)
     rng = random.Random(args.seed)
     vocab = model.config.vocab_size
     prompts = [[[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.prompts)]

@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from bench_utils import gpu_share, positive_int, recompute_mismatches, synchronize, table, tiny_or_cuda
+from bench_utils import build_published, gpu_share, positive_int, recompute_mismatches, synchronize, table, tiny_or_cuda
 
 CONFIGS = ("qwen3-0.6b", "qwen3-8b", "llama-3.1-8b", "qwen2.5-7b", "qwen3-30b-a3b", "moonlight-16b-a3b")
 
@@ -56,13 +56,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def build(args):
-    """(architecture, model): the published config (``--layers``; ``--tiny``: the tiny config)."""
-    from vexact_models.conformance.models import architecture_of, build_model, make_config
-
-    arch = architecture_of(args.config)
+    """(architecture, model): the published config (``--layers``; ``--tiny``: the tiny config),
+    its positions raised to the conversations' length."""
     length = args.prompt_len + args.turns * (args.max_tokens + args.user_len)
-    config = make_config(arch, None if args.tiny else args.config, args.layers, None if args.tiny else length + 64)
-    return arch, build_model(arch, config, args.device, args.dtype, args.seed)
+    arch, _, model = build_published(args, length + 64)
+    return arch, model
 
 
 def run_turns(llm, args, vocab: int) -> tuple[list[tuple], list[dict]]:

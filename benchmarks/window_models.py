@@ -36,7 +36,7 @@ import time
 
 import torch
 
-from bench_utils import (gpu_share, positive_int, recompute_mismatches, shape_arg, stock_attention, subset_arg,
+from bench_utils import (build_published, gpu_share, positive_int, recompute_mismatches, shape_arg, stock_attention, subset_arg,
                          synchronize, table, tiny_or_cuda)
 from lora import point, requests
 from stock_peers import free, stock_alone
@@ -80,12 +80,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def build(args):
     """(architecture, config, model): the published config (``--layers``), or in ``--tiny`` the
     architecture's tiny config, random weights (sinks and expert biases too)."""
-    from vexact_models.conformance.models import architecture_of, build_model, make_config
-
-    arch = architecture_of(args.config)
-    config = make_config(arch, None if args.tiny else args.config, args.layers,
-                         None if args.tiny else max(args.kv_tokens, args.train_shape[1], 4096))
-    return arch, config, build_model(arch, config, args.device, args.dtype, args.seed)
+    return build_published(args, max(args.kv_tokens, args.train_shape[1], 4096))
 
 
 # -- KV cache -------------------------------------------------------------------------------------
