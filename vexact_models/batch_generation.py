@@ -20,10 +20,14 @@ model config's), ``num_return_sequences``. A setting the engine's sampler has no
 naming it before anything runs; stock drops such processors with a warning or runs them on its
 own logits. Of ``ContinuousBatchingConfig``: ``max_memory_percent`` (the KV cache's share of
 the free device memory; TRL passes 0.5) or ``num_blocks`` x ``page_size`` tokens size the cache,
-``max_batch_tokens`` and ``max_requests_per_batch`` the steps, ``use_cache`` ... ``use_cuda_graph``
-False runs eagerly, ``allow_block_sharing`` False turns prefix sharing off, ``seed`` seeds the
+``max_batch_tokens`` and ``max_requests_per_batch`` the steps, ``use_cuda_graph`` False runs
+eagerly, ``allow_block_sharing`` False turns prefix sharing off, ``seed`` seeds the
 requests (without it each call draws one from torch's global generator, so ``torch.manual_seed``
-repeats a call), ``return_logprobs``; the rest shapes stock's runtime only. The streaming
+repeats a call), ``return_logprobs``; the rest shapes stock's runtime only. Keyword arguments
+naming ``GenerationConfig`` fields apply to a copy of the config, so HF's
+``generate(..., cache_implementation="paged")``, which switches to ``generate_batch`` with them,
+runs here too. A model whose parameters are sharded (FSDP2) is refused: the engine runs whole
+weights. The streaming
 manager (``init_continuous_batching``, ``continuous_batching_context_manager``) is refused, naming
 ``generate_batch`` and `LLM`.
 """
