@@ -23,7 +23,9 @@ the free device memory; TRL passes 0.5) or ``num_blocks`` x ``page_size`` tokens
 ``max_batch_tokens`` and ``max_requests_per_batch`` the steps, ``use_cuda_graph`` False runs
 eagerly, ``allow_block_sharing`` False turns prefix sharing off, ``seed`` seeds the
 requests (without it each call draws one from torch's global generator, so ``torch.manual_seed``
-repeats a call), ``return_logprobs``; the rest shapes stock's runtime only. Keyword arguments
+repeats a call), ``return_logprobs``; the rest shapes stock's runtime only.
+``VEXACT_GENERATE_BATCH_ENGINE=kept`` keeps every call's engine, as ``persistent_manager=True``
+does, for callers that do not pass it (TRL). Keyword arguments
 naming ``GenerationConfig`` fields apply to a copy of the config, so HF's
 ``generate(..., cache_implementation="paged")``, which switches to ``generate_batch`` with them,
 runs here too. A model whose parameters are sharded (FSDP2) is refused: the engine runs whole
@@ -43,16 +45,22 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
+from vexact_models.kernels import KernelSwitch
 from vexact_models.runtime import LLM, RequestOutput, SamplingParams
 from vexact_models.runtime.llm_args import default_block_size, sharded_parameter
 from vexact_models.runtime.llm_setup import cache_budget_bytes
 from vexact_models.runtime.sampling_params import MAX_SEED
 
-__all__ = ["ENGINE", "BatchEngineSettings", "KeptEngine", "check_generation_config", "drop_engine",
+__all__ = ["ENGINE", "ENGINE_LIFETIME", "BatchEngineSettings", "KeptEngine", "check_generation_config", "drop_engine",
            "engine_settings", "generate_batch", "refuse_streaming_manager", "sampling_params"]
 
 #: the model attribute holding the engine ``generate_batch(persistent_manager=True)`` keeps
 ENGINE = "_vexact_batch_engine"
+
+#: ``kept``: every ``generate_batch`` call keeps its engine, as ``persistent_manager=True`` does (for
+#: callers that do not pass it, e.g. TRL): its KV cache and CUDA graphs stay allocated between calls,
+#: and a call skips the engine's build (about 1 s at Qwen3-0.6B and 8B, docs/performance.md section 3)
+ENGINE_LIFETIME = KernelSwitch("VEXACT_GENERATE_BATCH_ENGINE", ("call", "kept"), "call", "generate_batch engine's lifetime")
 
 #: ``GenerationConfig`` fields the engine's sampler has no counterpart for, with the values that
 #: leave them off (per release a field is None or its neutral value when unset)
@@ -278,6 +286,7 @@ def generate_batch(model: torch.nn.Module, inputs: list[list[int]], generation_c
     before the engine is built."""
     _check_call(model, inputs, record_timestamps)
     config = _config_of(model, generation_config, kwargs)
+    persistent_manager = persistent_manager or ENGINE_LIFETIME.mode() == "kept"
     if not inputs:
         return {}
     cb_config = continuous_batching_config

@@ -213,6 +213,24 @@ def test_a_persistent_manager_keeps_one_engine_until_destroyed(qwen3, monkeypatc
     assert [r.generated_tokens for r in first.values()] == [r.generated_tokens for r in second.values()][:2]
 
 
+def test_the_engine_lifetime_switch_keeps_engines_for_callers_that_cannot_ask(qwen3, monkeypatch):
+    """``VEXACT_GENERATE_BATCH_ENGINE=kept``: calls without ``persistent_manager`` (TRL's) keep one
+    engine, with the same tokens; a value outside its modes is refused naming it."""
+    built = engines_built(monkeypatch)
+    config = GenerationConfig(max_new_tokens=3, eos_token_id=-1)
+    fresh = [qwen3.generate_batch(PROMPTS, generation_config=config) for _ in range(2)]
+    assert len(built) == 2 and batch_generation.ENGINE not in qwen3.__dict__
+    monkeypatch.setenv("VEXACT_GENERATE_BATCH_ENGINE", "kept")
+    kept = [qwen3.generate_batch(PROMPTS, generation_config=config) for _ in range(2)]
+    assert len(built) == 3 and qwen3.__dict__[batch_generation.ENGINE].llm is built[2]
+    assert [[r.generated_tokens for r in o.values()] for o in kept] == \
+        [[r.generated_tokens for r in o.values()] for o in fresh]
+    qwen3.destroy_cached_continuous_batching_manager()
+    monkeypatch.setenv("VEXACT_GENERATE_BATCH_ENGINE", "always")
+    with pytest.raises(ValueError, match="VEXACT_GENERATE_BATCH_ENGINE='always'.*'call', 'kept'"):
+        qwen3.generate_batch(PROMPTS, generation_config=config)
+
+
 @needs_cb_config
 def test_engine_settings_keep_what_was_asked_not_what_it_came_to():
     """A kept engine is reused by a call asking for the same: the KV budget as asked (a share of
