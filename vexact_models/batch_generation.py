@@ -47,7 +47,7 @@ from transformers.generation.continuous_batching.requests import GenerationOutpu
 
 from vexact_models.kernels import KernelSwitch
 from vexact_models.runtime import LLM, RequestOutput, SamplingParams
-from vexact_models.runtime.llm_args import default_block_size, sharded_parameter
+from vexact_models.runtime.llm_args import check_max_model_len, default_block_size, sharded_parameter
 from vexact_models.runtime.llm_setup import cache_budget_bytes
 from vexact_models.runtime.sampling_params import MAX_SEED
 
@@ -298,8 +298,9 @@ def generate_batch(model: torch.nn.Module, inputs: list[list[int]], generation_c
     seed = int(torch.randint(0, MAX_SEED - 1, ()).item()) if seed is None else int(seed)
     prompts = [list(p) for p in inputs]
     created = time.perf_counter()
+    # the engine's max_model_len (LLM's default: the model's positions), checked before it is built
+    params = sampling_params(model, config, prompts, max_new_tokens, check_max_model_len(None, model.config), seed)
     kept = _engine(model, engine_settings(cb_config, len(prompts), persistent_manager))
-    params = sampling_params(model, config, prompts, max_new_tokens, kept.llm.max_model_len, seed)
     first, kept.requests = kept.requests, kept.requests + len(prompts)
     try:
         outputs = kept.llm.generate(prompts, params, use_tqdm=progress_bar)

@@ -166,14 +166,15 @@ def test_eos_ends_a_sample_after_min_new_tokens(qwen3):
     ({"generation_config": GenerationConfig(suppress_tokens=[3])}, "suppress_tokens=[3]"),
     ({"generation_config": GenerationConfig(do_sample=True, typical_p=0.5)}, "typical_p=0.5"),
     ({"generation_config": GenerationConfig(bad_words_ids=[[4]])}, "bad_words_ids=[[4]]"),
+    ({"generation_config": GenerationConfig(do_sample=True, top_p=0.0)}, "top_p=0.0"),
     ({"max_new_tokens": 0}, "max_new_tokens=0"),
     ({"record_timestamps": True}, "record_timestamps=True"),
     ({"logits_processor": []}, "logits_processor"),
-], ids=["beams", "ngram", "suppress", "typical_p", "bad_words", "max_new_tokens", "timestamps", "unexpected"])
+], ids=["beams", "ngram", "suppress", "typical_p", "bad_words", "top_p", "max_new_tokens", "timestamps", "unexpected"])
 def test_what_the_engine_cannot_do_is_refused_naming_it_before_anything_runs(qwen3, monkeypatch, setting, named):
     built = engines_built(monkeypatch)
     weights = [p.data_ptr() for p in qwen3.parameters()]
-    with pytest.raises(ValueError, match="generate_batch") as error:
+    with pytest.raises(ValueError, match="generate_batch|SamplingParams") as error:
         qwen3.generate_batch(PROMPTS, **setting)
     assert named in str(error.value)
     assert not built and [p.data_ptr() for p in qwen3.parameters()] == weights  # no engine, no fused projections
