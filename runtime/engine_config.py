@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .block_manager import BlockManager
+from .cuda_graphs import DEFAULT_BUCKETS
 from .model_runner import ModelRunner
 from .page_groups import PageGroups, WindowGroup
 from .scheduler import Scheduler
@@ -39,6 +40,9 @@ class EngineConfig:
             for models with such layers, with ``enable_prefix_sharing`` off).
         cuda_graph_batch: decode steps of up to this many sequences replay CUDA graphs
             (0: always eager, ``enforce_eager``; ignored off CUDA).
+        cuda_graph_sizes: the decode batch sizes below ``cuda_graph_batch`` captured besides it
+            (a step is padded to the smallest that holds it; `runtime.cuda_graphs.DEFAULT_BUCKETS`
+            by default).
         cuda_graph_tokens: steps with prompt chunks of up to this many tokens (and
             ``cuda_graph_batch`` sequences) replay CUDA graphs too, captured on first use
             (0: decode steps only; pipeline stages capture decode steps only).
@@ -62,6 +66,7 @@ class EngineConfig:
     share_prompt_state: bool = False
     cuda_graph_batch: int = 0
     cuda_graph_tokens: int = 0
+    cuda_graph_sizes: tuple[int, ...] = DEFAULT_BUCKETS
     kv_window: int | None = None
     window_group: WindowGroup | None = None
 
@@ -89,7 +94,8 @@ class EngineConfig:
         runner = ModelRunner(model, self.num_blocks, self.block_size, device, dtype,
                              cuda_graph_batch=self.cuda_graph_batch, max_model_len=self.max_model_len, layers=layers,
                              carry_width=carry_width, cuda_graph_tokens=self.cuda_graph_tokens,
-                             state_slots=self.max_num_seqs, window_group=self.window_group)
+                             state_slots=self.max_num_seqs, window_group=self.window_group,
+                             cuda_graph_sizes=self.cuda_graph_sizes)
         if scheduler is not None:
             self.connect(runner, scheduler)
         return runner

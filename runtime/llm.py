@@ -133,6 +133,12 @@ class LLM(ChatMixin, RequestsMixin, EngineStepsMixin, EngineMemoryMixin):
         tokenizer: for text prompts, returned text and stop strings: a transformers tokenizer, or
             a folder or hub id to load one from (``AutoTokenizer``). Default: the checkpoint
             folder's, if it has one (a model instance has none).
+        cuda_graph_sizes: the decode batch sizes captured as CUDA graphs below ``max_num_seqs``
+            (which is always captured; vLLM's ``cuda_graph_sizes``): a step runs the graph of the
+            smallest that holds its sequences, the rest padded (the same bits, rule 1); steps
+            with prompt chunks use the same sizes. Default `runtime.cuda_graphs.DEFAULT_BUCKETS`
+            (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, ...); fewer sizes capture faster, each a
+            warm-up and a capture of a step's forward.
         max_logprobs: the most alternatives ``SamplingParams.logprobs`` and ``prompt_logprobs``
             may ask for a position (vLLM's engine argument; default 20, at most
             `llm_args.MAX_LOGPROBS_LIMIT`, 2,048: `kernels.top_tokens` keeps at most a
@@ -157,7 +163,8 @@ class LLM(ChatMixin, RequestsMixin, EngineStepsMixin, EngineMemoryMixin):
                  enforce_eager: bool = False, aligned: bool = True, async_scheduling: bool = True,
                  enable_prefix_sharing: bool = True, owns_weights: bool | None = None,
                  pipeline_parallel_size: int = 1, cuda_graph_max_tokens: int | None = None,
-                 tokenizer=None, max_logprobs: int = MAX_LOGPROBS) -> None:
+                 tokenizer=None, max_logprobs: int = MAX_LOGPROBS,
+                 cuda_graph_sizes: Seq[int] | None = None) -> None:
         self._engine_lock = EngineLock()  # held by each public call (the class docstring: Threads)
         # Every check first: fusing the projections below is the only change made to a model passed in.
         check_model_argument(model)
@@ -166,6 +173,7 @@ class LLM(ChatMixin, RequestsMixin, EngineStepsMixin, EngineMemoryMixin):
                           max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
                           kv_cache_bytes=kv_cache_bytes, seed=seed, pipeline_parallel_size=pipeline_parallel_size,
                           cuda_graph_max_tokens=cuda_graph_max_tokens, max_logprobs=max_logprobs,
+                          cuda_graph_sizes=cuda_graph_sizes,
                           flags=dict(enable_chunked_prefill=enable_chunked_prefill, enforce_eager=enforce_eager,
                                      aligned=aligned, enable_prefix_sharing=enable_prefix_sharing,
                                      async_scheduling=async_scheduling))
@@ -206,7 +214,8 @@ class LLM(ChatMixin, RequestsMixin, EngineStepsMixin, EngineMemoryMixin):
             eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
             gpu_memory_utilization=gpu_memory_utilization, kv_cache_bytes=kv_cache_bytes,
             enable_chunked_prefill=enable_chunked_prefill, enable_prefix_sharing=enable_prefix_sharing,
-            linear_states=linear is not None, enforce_eager=enforce_eager, cuda_graph_max_tokens=cuda_graph_max_tokens)
+            linear_states=linear is not None, enforce_eager=enforce_eager, cuda_graph_max_tokens=cuda_graph_max_tokens,
+            cuda_graph_sizes=cuda_graph_sizes)
         self.scheduler = self.engine_config.make_scheduler()
         # one GEMM for q/k/v and for gate/up in rollouts; the training model shares the storage
         # (before the runner: its CUDA graphs capture the fused GEMMs)

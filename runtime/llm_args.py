@@ -93,7 +93,8 @@ def default_block_size(kv_cache_spec) -> int:
 def check_engine_args(*, block_size: object, max_num_seqs: object, max_num_batched_tokens: object,
                       max_model_len: object, gpu_memory_utilization: object, kv_cache_bytes: object, seed: object,
                       flags: dict[str, object], pipeline_parallel_size: object = 1,
-                      cuda_graph_max_tokens: object = None, max_logprobs: object = MAX_LOGPROBS) -> None:
+                      cuda_graph_max_tokens: object = None, max_logprobs: object = MAX_LOGPROBS,
+                      cuda_graph_sizes: object = None) -> None:
     """The scalar arguments (`flags`: the boolean switches by name). `max_model_len`'s and
     `pipeline_parallel_size`'s upper limits need the model's config: `check_max_model_len`,
     `runtime.pipeline.join_pipeline`."""
@@ -113,6 +114,12 @@ def check_engine_args(*, block_size: object, max_num_seqs: object, max_num_batch
         check_int("cuda_graph_max_tokens", cuda_graph_max_tokens, 0)
     check_int("seed", seed, 0, MAX_SEED)
     check_int("max_logprobs", max_logprobs, 0, MAX_LOGPROBS_LIMIT + 1)
+    if cuda_graph_sizes is not None:
+        if isinstance(cuda_graph_sizes, (str, bytes)) or not isinstance(cuda_graph_sizes, (list, tuple)) \
+                or not cuda_graph_sizes:
+            raise ValueError(f"LLM: cuda_graph_sizes={cuda_graph_sizes!r} must be a non-empty list of batch sizes")
+        for size in cuda_graph_sizes:
+            check_int("cuda_graph_sizes entry", size, 1)
     for name, value in flags.items():
         check_bool(name, value)
 

@@ -18,7 +18,7 @@ from vexact_models.loading import from_pretrained_complete
 from vexact_models.multimodal import text_config_of
 from vexact_models.registry import for_model_type
 
-from .cuda_graphs import DEFAULT_MAX_TOKENS
+from .cuda_graphs import DEFAULT_BUCKETS, DEFAULT_MAX_TOKENS
 from .engine_config import EngineConfig
 from .linear_state_cache import linear_state_spec
 from .llm_args import default_block_size
@@ -211,7 +211,7 @@ def engine_config(model, dtype: torch.dtype, device: torch.device, pipeline: Pip
                   block_size: int | None, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                   eos_token_id: int | None, gpu_memory_utilization: float, kv_cache_bytes: int | None,
                   enable_chunked_prefill: bool, enable_prefix_sharing: bool, linear_states: bool, enforce_eager: bool,
-                  cuda_graph_max_tokens: int | None) -> EngineConfig:
+                  cuda_graph_max_tokens: int | None, cuda_graph_sizes: tuple[int, ...] | None = None) -> EngineConfig:
     """The `EngineConfig` of an engine over the inference `model` (a pipeline stage's: its
     `pipeline`), from `LLM`'s checked arguments: the page size (`block_size`, or the model's
     default), the KV pages that fit the budget (`kv_cache_pages`; windowed layers beside full
@@ -236,7 +236,8 @@ def engine_config(model, dtype: torch.dtype, device: torch.device, pipeline: Pip
         share_prompt_state=enable_prefix_sharing and linear_states,
         cuda_graph_batch=0 if enforce_eager else max_num_seqs,
         cuda_graph_tokens=(min(max_num_batched_tokens, DEFAULT_MAX_TOKENS) if cuda_graph_max_tokens is None
-                           else cuda_graph_max_tokens))
+                           else cuda_graph_max_tokens),
+        cuda_graph_sizes=DEFAULT_BUCKETS if cuda_graph_sizes is None else tuple(cuda_graph_sizes))
 
 
 def eos_token_ids(model, config) -> list[int]:

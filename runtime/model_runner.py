@@ -23,7 +23,7 @@ from vexact_models.kernels import PagedLayout
 from vexact_models.layers import PagedContext
 
 from .block_tables import BlockTables
-from .cuda_graphs import StepGraphs
+from .cuda_graphs import DEFAULT_BUCKETS, StepGraphs
 from .linear_state_cache import LinearStateCache, LinearStep, linear_state_spec
 from .page_groups import WindowGroup
 from .pipeline import StageModel
@@ -95,10 +95,12 @@ class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
                  cuda_graph_batch: int = 0, max_model_len: int = 0, layers: range | None = None,
                  carry_width: int = 0, cuda_graph_tokens: int = 0, state_slots: int = 0,
-                 window_group: WindowGroup | None = None) -> None:
+                 window_group: WindowGroup | None = None, cuda_graph_sizes: tuple[int, ...] = DEFAULT_BUCKETS) -> None:
         """`cuda_graph_batch` > 0 captures decode steps of up to that many sequences (CUDA only),
-        and with `cuda_graph_tokens` > 0 steps with prompt chunks of up to that many tokens and
-        `cuda_graph_batch` sequences on their first use (not for a pipeline stage).
+        one graph per batch size of `cuda_graph_sizes` below it and one at it, a step padded to the
+        smallest that holds it; and with `cuda_graph_tokens` > 0 steps with prompt chunks of up
+        to that many tokens and `cuda_graph_batch` sequences on their first use (not for a
+        pipeline stage).
 
         A pipeline stage (`runtime.pipeline`) holds KV pages for its `layers` only (default: all;
         the others' entries in ``kv_caches`` are None) and, past the first stage, its model takes
@@ -128,6 +130,7 @@ class ModelRunner:
         self.dtype = dtype
         self.cuda_graph_batch = cuda_graph_batch if device.type == "cuda" else 0
         self.cuda_graph_tokens = cuda_graph_tokens if layers is None else 0
+        self.cuda_graph_sizes = tuple(cuda_graph_sizes)
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor] | None] = []
         self.graphs: StepGraphs | None = None
@@ -156,7 +159,7 @@ class ModelRunner:
             self.graphs = StepGraphs(self.model, self.kv_caches, self.block_size, self.max_blocks_per_seq,
                                      self.cuda_graph_batch, self.device, carry=(self.carry_width, self.dtype),
                                      max_tokens=self.cuda_graph_tokens, linear_states=self.linear_states,
-                                     window_group=group)
+                                     window_group=group, buckets=self.cuda_graph_sizes)
 
     def free_cache(self) -> None:
         """Release the KV cache and the step graphs (which hold its and the weights'

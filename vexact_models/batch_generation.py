@@ -51,11 +51,17 @@ from vexact_models.runtime.llm_args import check_max_model_len, default_block_si
 from vexact_models.runtime.llm_setup import cache_budget_bytes
 from vexact_models.runtime.sampling_params import MAX_SEED
 
-__all__ = ["ENGINE", "ENGINE_LIFETIME", "BatchEngineSettings", "KeptEngine", "check_generation_config", "drop_engine",
-           "engine_settings", "generate_batch", "refuse_streaming_manager", "sampling_params"]
+__all__ = ["CALL_GRAPH_SIZES", "ENGINE", "ENGINE_LIFETIME", "BatchEngineSettings", "KeptEngine",
+           "check_generation_config", "drop_engine", "engine_settings", "generate_batch", "refuse_streaming_manager",
+           "sampling_params"]
 
 #: the model attribute holding the engine ``generate_batch(persistent_manager=True)`` keeps
 ENGINE = "_vexact_batch_engine"
+
+#: the decode batch sizes an engine built for one call captures below its ``max_num_seqs``
+#: (`LLM`'s ``cuda_graph_sizes``): a call's build is mostly these captures' host time, so fewer than
+#: the default's, each step padded to the next (the same bits); None: `LLM`'s default sizes
+CALL_GRAPH_SIZES: tuple[int, ...] | None = (4, 16, 64, 256)
 
 #: ``kept``: every ``generate_batch`` call keeps its engine, as ``persistent_manager=True`` does (for
 #: callers that do not pass it, e.g. TRL): its KV cache and CUDA graphs stay allocated between calls,
@@ -93,6 +99,7 @@ class BatchEngineSettings:
     enable_prefix_sharing: bool
     kv_tokens: int | None = None  #: ``num_blocks`` x ``page_size`` tokens
     kv_memory_share: float | None = None  #: ``max_memory_percent`` of the device's free memory (CUDA)
+    cuda_graph_sizes: tuple[int, ...] | None = None  #: `LLM`'s (None: its default)
 
     def kv_cache_bytes(self, model: torch.nn.Module) -> int | None:
         """The KV budget in bytes for an engine over `model` now (None: `LLM`'s default)."""
@@ -109,7 +116,7 @@ class BatchEngineSettings:
         """A new engine over `model`'s parameters."""
         return LLM(model, max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                    kv_cache_bytes=self.kv_cache_bytes(model), enforce_eager=self.enforce_eager,
-                   enable_prefix_sharing=self.enable_prefix_sharing)
+                   enable_prefix_sharing=self.enable_prefix_sharing, cuda_graph_sizes=self.cuda_graph_sizes)
 
 
 def _cb(config, name: str, default):
@@ -120,9 +127,10 @@ def _cb(config, name: str, default):
 
 def engine_settings(cb_config, num_requests: int, persistent: bool) -> BatchEngineSettings:
     """The engine a call runs on: `cb_config`'s (a ``ContinuousBatchingConfig`` or None) sizes,
-    sequences per step capped at the call's `num_requests` unless the engine is kept
-    (`persistent`). The KV budget: ``num_blocks`` x ``page_size`` tokens where given, else
-    ``max_memory_percent`` of the device's free memory (CUDA), else `LLM`'s default."""
+    sequences per step capped at the call's `num_requests` and decode graphs of
+    `CALL_GRAPH_SIZES` unless the engine is kept (`persistent`: `LLM`'s defaults). The KV
+    budget: ``num_blocks`` x ``page_size`` tokens where given, else ``max_memory_percent`` of the
+    device's free memory (CUDA), else `LLM`'s default."""
     seqs = int(_cb(cb_config, "max_requests_per_batch", 256))
     num_blocks = _cb(cb_config, "num_blocks", None)
     percent = _cb(cb_config, "max_memory_percent", None)
@@ -133,7 +141,8 @@ def engine_settings(cb_config, num_requests: int, persistent: bool) -> BatchEngi
         enforce_eager=not (all(graphs) if isinstance(graphs, (tuple, list)) else bool(graphs)),
         enable_prefix_sharing=bool(_cb(cb_config, "allow_block_sharing", True)),
         kv_tokens=None if num_blocks is None else int(num_blocks) * int(_cb(cb_config, "page_size", 256)),
-        kv_memory_share=None if num_blocks is not None or percent is None else float(percent))
+        kv_memory_share=None if num_blocks is not None or percent is None else float(percent),
+        cuda_graph_sizes=None if persistent else CALL_GRAPH_SIZES)
 
 
 def _unsupported(config: GenerationConfig, sampling: bool) -> list[str]:

@@ -244,7 +244,9 @@ def test_engine_settings_keep_what_was_asked_not_what_it_came_to():
     blocks = batch_generation.engine_settings(CBConfig(num_blocks=4, page_size=16, max_memory_percent=0.5), 3, False)
     assert (blocks.kv_tokens, blocks.kv_memory_share, blocks.max_num_seqs) == (64, None, 3)
     assert batch_generation.engine_settings(None, 2, False) == batch_generation.BatchEngineSettings(
-        max_num_seqs=2, max_num_batched_tokens=8192, enforce_eager=False, enable_prefix_sharing=True)
+        max_num_seqs=2, max_num_batched_tokens=8192, enforce_eager=False, enable_prefix_sharing=True,
+        cuda_graph_sizes=batch_generation.CALL_GRAPH_SIZES)
+    assert kept.cuda_graph_sizes is None  # a kept engine's build is paid once: LLM's default sizes
     eager = batch_generation.engine_settings(CBConfig(use_cuda_graph=(True, False), allow_block_sharing=False), 1, False)
     assert eager.enforce_eager and not eager.enable_prefix_sharing
 

@@ -40,6 +40,16 @@ def run(model, **engine):
     return [result(o) for o in gen(llm, prompts, params)], llm
 
 
+def test_fewer_graph_sizes_pad_steps_to_the_next_with_the_eager_bits():
+    """``cuda_graph_sizes=[2]`` with 4 slots: graphs of 2 and 4 sequences only (decode steps of 3
+    padded to 4, of 1 to 2; mixed steps the same), every result the eager engine's."""
+    model = tiny_model("qwen3")
+    want, _ = run(model, enforce_eager=True)
+    got, llm = run(model, cuda_graph_sizes=[2])
+    assert got == want and llm.runner.graphs.buckets == [2, 4]
+    assert {seqs for _, seqs, _ in llm.runner.graphs.graphs} <= {2, 4}
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
 def test_steps_with_prompt_chunks_replay_graphs_with_the_eager_bits(arch):
     model = tiny_model(arch)

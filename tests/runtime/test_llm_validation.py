@@ -39,6 +39,9 @@ def storage(model) -> dict[str, int]:
     (dict(max_num_batched_tokens=0), ["max_num_batched_tokens=0", "minimum 1"]),
     (dict(cuda_graph_max_tokens=-1), ["cuda_graph_max_tokens=-1", "minimum 0"]),
     (dict(cuda_graph_max_tokens=1.5), ["cuda_graph_max_tokens=1.5", "int"]),
+    (dict(cuda_graph_sizes=[]), ["cuda_graph_sizes=[]", "non-empty list"]),
+    (dict(cuda_graph_sizes="8"), ["cuda_graph_sizes='8'", "non-empty list"]),
+    (dict(cuda_graph_sizes=[8, 0]), ["cuda_graph_sizes entry=0", "minimum 1"]),
     (dict(kv_cache_bytes=0), ["kv_cache_bytes=0", "minimum 1"]),
     (dict(kv_cache_bytes=-5), ["kv_cache_bytes=-5", "minimum 1"]),
     (dict(kv_cache_bytes=10), ["(10 bytes)", "one block", "kv_cache_bytes"]),
@@ -215,3 +218,14 @@ def test_cuda_graph_token_cap_defaults_to_the_budget_up_to_2048():
     llm = make_llm(model, max_num_batched_tokens=4096, cuda_graph_max_tokens=3000)
     assert llm.engine_config.cuda_graph_tokens == 3000 and llm.runner.graphs is None
     assert make_llm(model, cuda_graph_max_tokens=0).engine_config.cuda_graph_tokens == 0
+
+
+def test_cuda_graph_sizes_reach_the_runner():
+    """``cuda_graph_sizes`` (vLLM's): the decode batch sizes captured below ``max_num_seqs``,
+    `DEFAULT_BUCKETS` when not given."""
+    from vexact_models.runtime.cuda_graphs import DEFAULT_BUCKETS
+
+    model = fresh_model()
+    assert make_llm(model).runner.cuda_graph_sizes == DEFAULT_BUCKETS
+    llm = make_llm(model, cuda_graph_sizes=[4, 16])
+    assert llm.engine_config.cuda_graph_sizes == llm.runner.cuda_graph_sizes == (4, 16)
