@@ -10,7 +10,8 @@ engine built for the call, its CUDA graphs captured, dropped after it) and with
 ``persistent_manager=True`` (one engine kept over the calls); stock's runs as TRL calls it.
 
 Table: per call, each side's seconds (ours: of which building the engine, its decode graphs
-included) and output tok/s, and ours against stock's. Then every sample of ours recomputed by
+included; its decode graphs at `batch_generation.CALL_GRAPH_SIZES`, or ``--default-graph-sizes``)
+and output tok/s, and ours against stock's. Then every sample of ours recomputed by
 ``token_logprobs`` (its ``return_logprobs``): the mismatches must be 0.
 
 Usage (one H100 or H200):
@@ -41,6 +42,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=positive_int, default=256, help="sampled tokens a prompt (default 256)")
     p.add_argument("--calls", type=positive_int, default=3, help="generate_batch calls in a row (default 3)")
     p.add_argument("--skip-stock", action="store_true", help="leave out stock's generate_batch")
+    p.add_argument("--default-graph-sizes", action="store_true",
+                   help="engines of one call capture LLM's default decode batch sizes, not "
+                        "batch_generation.CALL_GRAPH_SIZES (what the coarser sizes save)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiny", action="store_true", help="CPU, float32, the architecture's tiny config (tests)")
     args = p.parse_args(argv)
@@ -103,6 +107,10 @@ def main(argv=None) -> int:
     print(f"{device}, torch {torch.__version__}; {args.config}{' tiny' if args.tiny else ''} "
           f"({model.config.num_hidden_layers} layers), {args.calls} calls of {args.prompts} prompts x "
           f"{args.prompt_len} tokens, {args.max_new_tokens} new tokens each")
+    if args.default_graph_sizes:
+        from vexact_models import batch_generation
+
+        batch_generation.CALL_GRAPH_SIZES = None
     builds = timed_builds()
     ours, samples, tokens = run_calls(model.eval(), prompts, args)
     kept, kept_samples, _ = run_calls(model, prompts, args, persistent=True)
