@@ -65,7 +65,7 @@ CALL_GRAPH_SIZES: tuple[int, ...] | None = (4, 16, 64, 256)
 
 #: ``kept``: every ``generate_batch`` call keeps its engine, as ``persistent_manager=True`` does (for
 #: callers that do not pass it, e.g. TRL): its KV cache and CUDA graphs stay allocated between calls,
-#: and a call skips the engine's build (about 1 s at Qwen3-0.6B and 8B, docs/performance.md section 3)
+#: and a call skips the engine's build (0.2-1 s at Qwen3-0.6B and 8B, docs/performance.md section 3)
 ENGINE_LIFETIME = KernelSwitch("VEXACT_GENERATE_BATCH_ENGINE", ("call", "kept"), "call", "generate_batch engine's lifetime")
 
 #: ``GenerationConfig`` fields the engine's sampler has no counterpart for, with the values that
