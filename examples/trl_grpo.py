@@ -9,6 +9,11 @@ random checkpoint this script writes (or --model). Modes:
                   kernel (its metrics then show a nonzero mismatch)
     stock         plain trl.GRPOTrainer on stock transformers (TRL's default model.generate; no
                   sampler logprobs, so no mismatch metric): the step-time baseline
+    patched-cb    plain trl.GRPOTrainer after vexact_models.patch(), with TRL's
+                  use_transformers_continuous_batching: its generate_batch runs on our rollout
+                  engine (vexact_models.batch_generation), its logprobs are our forward's; no code
+                  change beyond patch() (TRL reads no sampler logprobs there: no mismatch metric)
+    stock-cb      the same on stock transformers (transformers' own paged runtime): its baseline
 Prints TRL's logged metrics per step (reward, mismatch, importance ratio, step and generation
 time) and writes them to --out/trl_grpo_metrics.json. In mode vexact, exits 1 if TRL logged any
 nonzero logprob difference.
@@ -46,7 +51,7 @@ METRICS = {"reward": "reward", "sampling/sampling_logp_difference/max": "max|d|"
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", default="vexact", choices=["vexact", "trl-logprobs", "stock"])
+    p.add_argument("--mode", default="vexact", choices=["vexact", "trl-logprobs", "stock", "patched-cb", "stock-cb"])
     p.add_argument("--model", type=checkpoint_arg, help="checkpoint folder (default: write a random one for --config)")
     p.add_argument("--config", type=config_arg, default="tiny",
                    help="random checkpoint's shape: 'tiny' (Qwen3, 2 layers, vocab 16) or a bundled published Qwen3 "
@@ -174,10 +179,10 @@ def build_trainer(args: argparse.Namespace, path: str):
         logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True, seed=args.seed,
         bf16=dtype == torch.bfloat16, use_cpu=args.device.type == "cpu",
         gradient_checkpointing=args.device.type != "cpu",  # TRL's default on GPUs; a tiny CPU model needs none
-        shuffle_dataset=False)
+        shuffle_dataset=False, use_transformers_continuous_batching=args.mode.endswith("-cb"))
     common = dict(reward_funcs=repeat_last_token, args=grpo_args, train_dataset=toy_dataset(args, config.vocab_size),
                   processing_class=toy_tokenizer(config), peft_config=lora_config(args))
-    if args.mode == "stock":
+    if args.mode in ("stock", "stock-cb"):
         from vexact_models.registry import for_model_type
 
         model = for_model_type(config.model_type).hf_class().from_pretrained(path, dtype=dtype)
@@ -191,6 +196,8 @@ def build_trainer(args: argparse.Namespace, path: str):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     finally:
         vexact_models.unpatch()  # leave transformers as it was (run() is also called in-process)
+    if args.mode == "patched-cb":  # stock TRL, our class: its generate_batch runs on the rollout engine
+        return timed(GRPOTrainer)(model=model, **common)
     llm_kwargs = {"kv_cache_bytes": 64 << 20} if args.device.type == "cpu" else {}
     return timed(VexactGRPOTrainer)(model=model, exact_logprobs=args.mode == "vexact", llm_kwargs=llm_kwargs,
                                     **common)

@@ -304,3 +304,17 @@ def test_on_policy_distillation_samples_the_student_on_the_engine(example, tmp_p
     trainer.train()
     assert trainer.state.global_step == 2 and len(calls) >= 2
     assert any(not torch.equal(before[k], v) for k, v in student.state_dict().items())
+
+
+def test_the_examples_patched_cb_mode_rolls_out_stock_trl_on_the_engine(example, tmp_path, monkeypatch):
+    """``examples/trl_grpo.py --mode patched-cb``: plain ``trl.GRPOTrainer`` on our class with
+    ``use_transformers_continuous_batching``: every step's completions come from the rollout
+    engine (one `LLM.generate` a step, all of the step's prompts), and it trains."""
+    from vexact_models.runtime import LLM
+
+    calls, generate = [], LLM.generate
+    monkeypatch.setattr(LLM, "generate", lambda self, *a, **k: calls.append(len(a[0])) or generate(self, *a, **k))
+    args = example.parse_args(["--mode", "patched-cb", "--steps", "2", "--out", str(tmp_path)])
+    logs = example.run(args)
+    assert [h["step"] for h in logs] == [1, 2] and calls == [args.prompts * args.group] * 2
+    assert all("sampling/sampling_logp_difference/max" not in h for h in logs)  # TRL reads no sampler logprobs there
