@@ -129,8 +129,8 @@ def engine_settings(cb_config, num_requests: int, persistent: bool) -> BatchEngi
     """The engine a call runs on: `cb_config`'s (a ``ContinuousBatchingConfig`` or None) sizes,
     sequences per step capped at the call's `num_requests` and decode graphs of
     `CALL_GRAPH_SIZES` unless the engine is kept (`persistent`: `LLM`'s defaults). The KV
-    budget: ``num_blocks`` x ``page_size`` tokens where given, else ``max_memory_percent`` of the
-    device's free memory (CUDA), else `LLM`'s default."""
+    budget: ``num_blocks`` x ``page_size`` (``block_size`` before transformers 5.17) tokens where
+    given, else ``max_memory_percent`` of the device's free memory (CUDA), else `LLM`'s default."""
     seqs = int(_cb(cb_config, "max_requests_per_batch", 256))
     num_blocks = _cb(cb_config, "num_blocks", None)
     percent = _cb(cb_config, "max_memory_percent", None)
@@ -140,7 +140,8 @@ def engine_settings(cb_config, num_requests: int, persistent: bool) -> BatchEngi
         max_num_batched_tokens=int(_cb(cb_config, "max_batch_tokens", 8192)),
         enforce_eager=not (all(graphs) if isinstance(graphs, (tuple, list)) else bool(graphs)),
         enable_prefix_sharing=bool(_cb(cb_config, "allow_block_sharing", True)),
-        kv_tokens=None if num_blocks is None else int(num_blocks) * int(_cb(cb_config, "page_size", 256)),
+        kv_tokens=None if num_blocks is None else int(num_blocks) * int(_cb(cb_config, "page_size", None)
+                                                                        or _cb(cb_config, "block_size", 256)),
         kv_memory_share=None if num_blocks is not None or percent is None else float(percent),
         cuda_graph_sizes=None if persistent else CALL_GRAPH_SIZES)
 

@@ -19,6 +19,12 @@ pytestmark = pytest.mark.compat
 #: transformers' continuous-batching config (from 5.10; 5.2 had none)
 CBConfig = getattr(transformers.generation, "ContinuousBatchingConfig", None)
 needs_cb_config = pytest.mark.skipif(CBConfig is None, reason="this transformers has no ContinuousBatchingConfig")
+
+
+def pages(tokens: int) -> dict:
+    """The config field of a page's tokens: ``page_size`` from transformers 5.17, ``block_size`` before."""
+    fields = getattr(CBConfig, "__dataclass_fields__", {})
+    return {"page_size" if "page_size" in fields else "block_size": tokens}
 PROMPTS = [[5, 9, 33, 2, 17], [44, 3, 8], [7, 7, 21, 40, 13, 2, 9, 30]]
 
 
@@ -196,7 +202,7 @@ def test_a_persistent_manager_keeps_one_engine_until_destroyed(qwen3, monkeypatc
     it; ``num_blocks`` x ``page_size`` tokens size its KV cache."""
     built = engines_built(monkeypatch)
     config = GenerationConfig(max_new_tokens=3, eos_token_id=-1)
-    cb = CBConfig(num_blocks=5, page_size=16, max_batch_tokens=96)
+    cb = CBConfig(num_blocks=5, max_batch_tokens=96, **pages(16))
     first = qwen3.generate_batch(PROMPTS[:2], generation_config=config, continuous_batching_config=cb,
                                  persistent_manager=True)
     second = qwen3.generate_batch(PROMPTS, generation_config=config, continuous_batching_config=cb,
@@ -241,7 +247,7 @@ def test_engine_settings_keep_what_was_asked_not_what_it_came_to():
     kept = batch_generation.engine_settings(share, 3, persistent=True)
     assert kept == batch_generation.engine_settings(share, 7, persistent=True)
     assert (kept.kv_memory_share, kept.kv_tokens, kept.max_num_seqs, kept.max_num_batched_tokens) == (0.5, None, 256, 64)
-    blocks = batch_generation.engine_settings(CBConfig(num_blocks=4, page_size=16, max_memory_percent=0.5), 3, False)
+    blocks = batch_generation.engine_settings(CBConfig(num_blocks=4, max_memory_percent=0.5, **pages(16)), 3, False)
     assert (blocks.kv_tokens, blocks.kv_memory_share, blocks.max_num_seqs) == (64, None, 3)
     assert batch_generation.engine_settings(None, 2, False) == batch_generation.BatchEngineSettings(
         max_num_seqs=2, max_num_batched_tokens=8192, enforce_eager=False, enable_prefix_sharing=True,
