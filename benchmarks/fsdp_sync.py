@@ -33,7 +33,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from bench_utils import packed, recompute_mismatches, timed, tiny_or_cuda
+from bench_models import packed, recompute_mismatches
+from bench_utils import timed, tiny_or_cuda
 
 
 def parse_args(argv=None) -> argparse.Namespace:

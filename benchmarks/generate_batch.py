@@ -27,7 +27,8 @@ import time
 
 import torch
 
-from bench_utils import build_published, positive_int, recompute_mismatches, synchronize, table, tiny_or_cuda
+from bench_models import build_published, recompute_mismatches
+from bench_utils import positive_int, synchronize, table, tiny_or_cuda
 from stock_peers import stock_alone
 
 CONFIGS = ("qwen3-0.6b", "qwen3-8b", "llama-3.1-8b", "qwen2.5-7b", "qwen3-30b-a3b", "qwen3.5-35b-a3b")

@@ -41,8 +41,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from bench_utils import (positive_int, positive_ints, recompute_mismatches, shape_arg, stock_twin, subset_arg, synchronize,
-                         table, timed, tiny_or_cuda)
+from bench_models import recompute_mismatches
+from bench_utils import (positive_int, positive_ints, shape_arg, stock_twin, subset_arg, synchronize, table, timed,
+                         tiny_or_cuda)
 from stock_peers import free
 from training import batch_of, hf_loss, use_checkpointing, vexact_loss
 

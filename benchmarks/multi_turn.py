@@ -29,7 +29,8 @@ import time
 
 import torch
 
-from bench_utils import build_published, gpu_share, positive_int, recompute_mismatches, synchronize, table, tiny_or_cuda
+from bench_models import build_published, recompute_mismatches
+from bench_utils import gpu_share, positive_int, synchronize, table, tiny_or_cuda
 
 CONFIGS = ("qwen3-0.6b", "qwen3-8b", "llama-3.1-8b", "qwen2.5-7b", "qwen3-30b-a3b", "moonlight-16b-a3b")
 

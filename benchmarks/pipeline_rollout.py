@@ -43,7 +43,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from bench_utils import recompute_mismatches
+from bench_models import recompute_mismatches
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -36,8 +36,9 @@ import time
 
 import torch
 
-from bench_utils import (build_published, gpu_share, positive_int, recompute_mismatches, shape_arg, stock_attention, subset_arg,
-                         synchronize, table, tiny_or_cuda)
+from bench_models import build_published, recompute_mismatches
+from bench_utils import (gpu_share, positive_int, shape_arg, stock_attention, subset_arg, synchronize, table,
+                         tiny_or_cuda)
 from lora import point, requests
 from stock_peers import free, stock_alone
 from throughput_engines import run_hf
