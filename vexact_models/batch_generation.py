@@ -52,8 +52,7 @@ from vexact_models.runtime.llm_setup import cache_budget_bytes
 from vexact_models.runtime.sampling_params import MAX_SEED
 
 __all__ = ["CALL_GRAPH_SIZES", "ENGINE", "ENGINE_LIFETIME", "BatchEngineSettings", "KeptEngine",
-           "check_generation_config", "drop_engine", "engine_settings", "generate_batch", "refuse_streaming_manager",
-           "sampling_params"]
+           "drop_engine", "engine_settings", "generate_batch", "refuse_streaming_manager"]
 
 #: the model attribute holding the engine ``generate_batch(persistent_manager=True)`` keeps
 ENGINE = "_vexact_batch_engine"
@@ -161,10 +160,11 @@ def _eos_ids(model: torch.nn.Module, config: GenerationConfig) -> list[int]:
     return [int(i) for i in ids if int(i) != -1]
 
 
-def check_generation_config(model: torch.nn.Module, config: GenerationConfig, max_new_tokens: object) -> None:
+def _check_generation_config(model: torch.nn.Module, config: GenerationConfig) -> None:
     """ValueError naming a setting of `config` without a counterpart in the engine's sampler, or a
     ``max_new_tokens`` that is not an int >= 1 (or None)."""
     name = type(model).__name__
+    max_new_tokens = config.max_new_tokens
     unsupported = _unsupported(config, bool(config.do_sample))
     if unsupported:
         raise ValueError(f"{name}.generate_batch: generation_config {', '.join(unsupported)} has no counterpart in "
@@ -174,12 +174,13 @@ def check_generation_config(model: torch.nn.Module, config: GenerationConfig, ma
         raise ValueError(f"{name}.generate_batch: max_new_tokens={max_new_tokens!r} must be an int >= 1")
 
 
-def sampling_params(model: torch.nn.Module, config: GenerationConfig, prompts: list[list[int]],
-                    max_new_tokens: int | None, max_model_len: int, seed: int) -> list[SamplingParams]:
-    """One `SamplingParams` per prompt for `config` (checked by `check_generation_config`), read
+def _sampling_params(model: torch.nn.Module, config: GenerationConfig, prompts: list[list[int]],
+                     max_model_len: int, seed: int) -> list[SamplingParams]:
+    """One `SamplingParams` per prompt for `config` (checked by `_check_generation_config`), read
     as stock's continuous batching reads it (the module docstring): without ``max_new_tokens`` a
     sample may run to `max_model_len`; request i gets seed ``seed + i``."""
     sampling = bool(config.do_sample)
+    max_new_tokens = config.max_new_tokens
     shared = dict(
         n=int(config.num_return_sequences or 1),
         temperature=float(1.0 if config.temperature is None else config.temperature) if sampling else 0.0,
@@ -302,14 +303,13 @@ def generate_batch(model: torch.nn.Module, inputs: list[list[int]], generation_c
     cb_config = continuous_batching_config
     if cb_config is None:
         cb_config = getattr(config, "continuous_batching_config", None)
-    max_new_tokens = config.max_new_tokens
-    check_generation_config(model, config, max_new_tokens)
+    _check_generation_config(model, config)
     seed = _cb(cb_config, "seed", None)
     seed = int(torch.randint(0, MAX_SEED - 1, ()).item()) if seed is None else int(seed)
     prompts = [list(p) for p in inputs]
     created = time.perf_counter()
     # the engine's max_model_len (LLM's default: the model's positions), checked before it is built
-    params = sampling_params(model, config, prompts, max_new_tokens, check_max_model_len(None, model.config), seed)
+    params = _sampling_params(model, config, prompts, check_max_model_len(None, model.config), seed)
     kept = _engine(model, engine_settings(cb_config, len(prompts), persistent_manager))
     first, kept.requests = kept.requests, kept.requests + len(prompts)
     try:
