@@ -30,6 +30,7 @@ import torch
 from bench_models import build_published, recompute_mismatches
 from bench_utils import positive_int, synchronize, table, tiny_or_cuda
 from stock_peers import stock_alone
+from throughput_engines import cpu_cache_fields, timed_generate_batch
 
 CONFIGS = ("qwen3-0.6b", "qwen3-8b", "llama-3.1-8b", "qwen2.5-7b", "qwen3-30b-a3b", "qwen3.5-35b-a3b")
 
@@ -73,24 +74,16 @@ def timed_builds() -> list[float]:
 
 
 def run_calls(model, prompts: list[list[list[int]]], args, persistent: bool = False) -> tuple[list[float], list, int]:
-    """(seconds of each call, (prompt, tokens, logprobs) of every sample, output tokens)."""
-    from transformers import GenerationConfig
+    """(seconds of each call, (prompt, tokens, logprobs) of every sample, output tokens a call)."""
     from transformers.generation import ContinuousBatchingConfig
 
-    config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=args.max_new_tokens,
-                              eos_token_id=-1)
     seconds, samples = [], []
     for call, batch in enumerate(prompts):
-        cb = ContinuousBatchingConfig(max_memory_percent=0.5, seed=args.seed + call, return_logprobs=True)
-        synchronize(args.device)
-        start = time.perf_counter()
-        out = model.generate_batch(batch, generation_config=config, continuous_batching_config=cb,
-                                   persistent_manager=persistent)
-        synchronize(args.device)
-        seconds.append(time.perf_counter() - start)
-        failed = [r.error for r in out.values() if r.error is not None]
-        if failed or len(out) != len(batch):
-            raise RuntimeError(f"generate_batch: {len(failed)} of {len(batch)} requests failed ({failed[:1]})")
+        cb = ContinuousBatchingConfig(max_memory_percent=0.5, seed=args.seed + call, return_logprobs=True,
+                                      **cpu_cache_fields(args.device))
+        took, out = timed_generate_batch(model, batch, args.max_new_tokens, 1.0, continuous_batching_config=cb,
+                                         persistent_manager=persistent)
+        seconds.append(took)
         samples += [(r.prompt_ids, r.generated_tokens, r.logprobs) for r in out.values()]
     if persistent:
         model.destroy_cached_continuous_batching_manager()

@@ -121,11 +121,11 @@ def run_hf(hf, prompts, outputs, batch: int, temperature: float = 0.6, use_cache
 
 
 @torch.no_grad()
-def run_generate_batch(model, prompts, new_tokens: int, temperature: float = 0.6) -> tuple[float, int]:
-    """Seconds and output tokens of transformers' continuous-batching ``generate_batch`` on `model`
-    (a stock model: transformers' paged runtime; ours: the rollout engine,
-    `vexact_models.batch_generation`), all requests in one call, `new_tokens` each (it takes one
-    ``max_new_tokens`` for all; EOS off), stock's default ``ContinuousBatchingConfig``. A failed
+def timed_generate_batch(model, prompts, new_tokens: int, temperature: float, **call) -> tuple[float, dict]:
+    """(seconds, results) of one transformers ``generate_batch`` call on `model` (a stock model:
+    transformers' paged runtime; ours: the rollout engine, `vexact_models.batch_generation`):
+    `new_tokens` each (it takes one ``max_new_tokens`` for all; EOS off), sampled at `temperature`;
+    `call`: its other arguments (``continuous_batching_config``, ``persistent_manager``). A failed
     request is a RuntimeError: stock's call reports failures in its results only."""
     from transformers import GenerationConfig
 
@@ -134,13 +134,31 @@ def run_generate_batch(model, prompts, new_tokens: int, temperature: float = 0.6
     device = next(model.parameters()).device
     synchronize(device)
     t0 = time.perf_counter()
-    out = model.generate_batch(prompts, generation_config=config)
+    out = model.generate_batch(prompts, generation_config=config, **call)
     synchronize(device)
     seconds = time.perf_counter() - t0
     failed = [r.error for r in out.values() if r.error is not None]
     if failed or len(out) != len(prompts):
         raise RuntimeError(f"generate_batch: {len(failed)} of {len(prompts)} requests failed ({failed[:1]}), "
                            f"{len(out)} results")
+    return seconds, out
+
+
+def cpu_cache_fields(device: torch.device) -> dict:
+    """``ContinuousBatchingConfig`` fields of a small KV cache on the CPU (``--tiny``): there stock's
+    ``generate_batch`` sizes its cache from the machine's RAM (90% of it by default), which two
+    processes at once cannot hold. None on CUDA, where the defaults are the measured ones."""
+    return {} if device.type == "cuda" else dict(num_blocks=64, max_batch_tokens=256)
+
+
+def run_generate_batch(model, prompts, new_tokens: int, temperature: float = 0.6) -> tuple[float, int]:
+    """Seconds and output tokens of all requests in one `timed_generate_batch` call, stock's
+    default ``ContinuousBatchingConfig`` (a small cache on the CPU: `cpu_cache_fields`)."""
+    from transformers.generation import ContinuousBatchingConfig
+
+    small = cpu_cache_fields(next(model.parameters()).device)
+    call = dict(continuous_batching_config=ContinuousBatchingConfig(**small)) if small else {}
+    seconds, out = timed_generate_batch(model, prompts, new_tokens, temperature, **call)
     return seconds, sum(len(r.generated_tokens) for r in out.values())
 
 
