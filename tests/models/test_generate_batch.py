@@ -21,6 +21,14 @@ CBConfig = getattr(transformers.generation, "ContinuousBatchingConfig", None)
 needs_cb_config = pytest.mark.skipif(CBConfig is None, reason="this transformers has no ContinuousBatchingConfig")
 
 
+def small_stock_cache() -> dict:
+    """Stock ``generate_batch``'s arguments for a small KV cache: on the CPU stock sizes its cache
+    from the machine's RAM (90% of it), which two test processes at once cannot hold. (5.2 has no
+    ``ContinuousBatchingConfig``; its compat run is one process.)"""
+    return {} if CBConfig is None else dict(continuous_batching_config=CBConfig(num_blocks=16, max_batch_tokens=64,
+                                                                                **pages(16)))
+
+
 def pages(tokens: int) -> dict:
     """The config field of a page's tokens: ``page_size`` from transformers 5.17, ``block_size`` before."""
     fields = getattr(CBConfig, "__dataclass_fields__", {})
@@ -88,14 +96,14 @@ def test_greedy_equals_stock_continuous_batching_on_the_stock_model(tmp_path):
     arch = ARCHS["qwen3"]
     hf, ours = load(arch, arch.shapes[0], tmp_path)
     config = GenerationConfig(do_sample=False, max_new_tokens=6, eos_token_id=-1)
-    stock = hf.generate_batch(PROMPTS, generation_config=config)
+    stock = hf.generate_batch(PROMPTS, generation_config=config, **small_stock_cache())
     ours_out = ours.generate_batch(PROMPTS, generation_config=config)
     assert list(stock) == list(ours_out)
     assert [r.generated_tokens for r in ours_out.values()] == [r.generated_tokens for r in stock.values()]
     assert all(len(r.generated_tokens) == 6 for r in stock.values())
     ids = torch.tensor([PROMPTS[0][:4], PROMPTS[2][:4]])
     paged = dict(attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False, eos_token_id=-1,
-                 cache_implementation="paged")
+                 cache_implementation="paged", **small_stock_cache())
     assert torch.equal(ours.generate(ids, **paged), hf.generate(ids, **paged))
 
 
