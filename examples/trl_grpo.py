@@ -21,6 +21,7 @@ nonzero logprob difference.
 Examples:
     python examples/trl_grpo.py                                   # CPU, tiny random Qwen3
     python examples/trl_grpo.py --mode trl-logprobs               # the same run, TRL's logprobs
+    python examples/trl_grpo.py --mode patched-cb                 # plain TRL, patch(), its continuous batching
     python examples/trl_grpo.py --lora 8                          # PEFT LoRA r=8 on every projection
     python examples/trl_grpo.py --device cuda --dtype bfloat16 --config qwen3-0.6b --steps 5 \\
         --prompts 16 --group 8 --max-tokens 256 --lr 1e-6 --mode stock
