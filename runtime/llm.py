@@ -39,6 +39,7 @@ from .llm_args import (architecture_of, check_engine_args, check_max_model_len, 
                        check_model_placement, resolve_device, resolve_dtype, resolve_tokenizer)
 from .llm_chat import ChatMixin
 from .llm_memory import EngineMemoryMixin
+from .llm_online import OnlineRequestsMixin
 from .llm_requests import RequestsMixin
 from .llm_setup import (engine_config, eos_token_ids, folder_config, kv_bytes_per_sequence,
                         load_folder, pick_device, runner_model)
@@ -52,7 +53,7 @@ from .progress import progress_bar
 from .sampler import Sampler
 from .sampling_params import MAX_LOGPROBS, SamplingParams
 
-class LLM(ChatMixin, RequestsMixin, EngineStepsMixin, EngineMemoryMixin):
+class LLM(ChatMixin, RequestsMixin, OnlineRequestsMixin, EngineStepsMixin, EngineMemoryMixin):
     """A paged-KV rollout engine over a vexact-models architecture.
 
     A bad argument (or a model that is not a vexact-models causal LM, e.g. a stock transformers
@@ -232,6 +233,7 @@ class LLM(ChatMixin, RequestsMixin, EngineStepsMixin, EngineMemoryMixin):
         self.max_logprobs = max_logprobs
         self._next_request = 0
         self.num_preemptions = 0  # sequences preempted (by recompute) so far
+        self._init_online()
 
     @property
     def block_manager(self) -> BlockManager:
@@ -334,6 +336,7 @@ class LLM(ChatMixin, RequestsMixin, EngineStepsMixin, EngineMemoryMixin):
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         if len(params) != len(prompts):
             raise ValueError(f"LLM.generate: {len(params)} sampling_params for {len(prompts)} prompts")
+        self._check_no_online("LLM.generate")
         token_ids = [self._token_ids(p) for p in prompts]  # validate everything before scheduling
         self._check_params(params)
         grammars, bad_words = self._compile_grammars(params), self._bad_words(params)
@@ -380,6 +383,7 @@ class LLM(ChatMixin, RequestsMixin, EngineStepsMixin, EngineMemoryMixin):
         flight, since generate() runs its requests to completion."""
         self.scheduler = self.engine_config.make_scheduler()
         self.engine_config.connect(self.runner, self.scheduler)
+        self._launched = None
 
     def _run(self, total: int, use_tqdm: bool) -> None:
         backend = self.backend  # the user's choice now (set_backend / use_backend / VEXACT_BACKEND)

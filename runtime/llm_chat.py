@@ -54,11 +54,26 @@ class ChatMixin:
             else list(messages)
         texts = [self._render(i, conversation, chat_template, add_generation_prompt, continue_final_message, tools,
                               chat_template_kwargs or {}) for i, conversation in enumerate(conversations)]
-        prompts = [{"prompt_token_ids": self.tokenizer(text, add_special_tokens=False)["input_ids"]} for text in texts]
+        prompts = [{"prompt_token_ids": self._chat_ids(text)} for text in texts]
         outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
         for output, text in zip(outputs, texts):
             output.prompt = text
         return outputs
+
+    def _chat_prompt(self, conversation, *, chat_template: str | None = None, add_generation_prompt: bool = True,
+                     continue_final_message: bool = False, tools: list | None = None,
+                     chat_template_kwargs: dict | None = None) -> tuple[str, list[int]]:
+        """One conversation's rendered text and its token ids, as `chat` makes them (the OpenAI
+        server's chat requests, `runtime.openai_server`); its ValueErrors."""
+        if self.tokenizer is None:
+            raise ValueError("LLM.chat needs a tokenizer with a chat template")
+        text = self._render(0, conversation, chat_template, add_generation_prompt, continue_final_message, tools,
+                            chat_template_kwargs or {})
+        return text, self._chat_ids(text)
+
+    def _chat_ids(self, text: str) -> list[int]:
+        """A rendered conversation's ids: the template wrote its special tokens."""
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def _render(self, index: int, conversation, chat_template, add_generation_prompt: bool,
                 continue_final_message: bool, tools, kwargs: dict) -> str:

@@ -86,6 +86,7 @@ class EngineMemoryMixin:
         written, from an iterator too. Base tensors named behind ``PeftModel``'s
         ``base_model.model.`` prefix are accepted as well.
         """
+        self._check_no_online("LLM.update_weights")
         if self._released is not None:
             raise RuntimeError("LLM.update_weights: the weights are released by sleep(); call wake_up() (or "
                                "wake_up(tags=['weights'])) first")
@@ -107,6 +108,7 @@ class EngineMemoryMixin:
         deeper (level 2 after level 1 drops the host copy; anything else already done is a
         no-op). Until `wake_up`, `generate` raises RuntimeError (queuing nothing).
         """
+        self._check_no_online("LLM.sleep")
         if isinstance(level, bool) or level not in (0, 1, 2):
             raise ValueError(f"LLM.sleep: level={level!r} must be 0, 1 or 2")
         if self.scheduler.has_unfinished():
@@ -132,6 +134,7 @@ class EngineMemoryMixin:
         fill them before the KV cache takes its memory (as in vLLM); the KV cache (and the CUDA
         graphs, which read the weights' addresses) needs the weights awake. Restoring what is
         not asleep is a no-op."""
+        self._check_no_online("LLM.wake_up")
         tags = ("weights", "kv_cache") if tags is None else tuple(tags)
         unknown = sorted(set(tags) - {"weights", "kv_cache"})
         if unknown:
@@ -155,6 +158,7 @@ class EngineMemoryMixin:
         next `generate` prefills every prompt afresh. For weights changed in a way the engine
         cannot see (written in place into an engine that owns them); `update_weights`, `sleep`
         and `wake_up` already do this. Returns True, as vLLM's does on success."""
+        self._check_no_online("LLM.reset_prefix_cache")
         self._cache_epoch += 1
         self.block_manager.reset_prefix_cache()
         return True

@@ -128,22 +128,29 @@ class RequestsMixin:
         return seqs
 
     def _output(self, prompt, ids: list[int], seqs: list[Sequence]) -> RequestOutput:
-        """One request's `RequestOutput` from its finished sequences."""
-        completions = []
-        for seq in seqs:
-            text, p = None, seq.params
-            if seq.stop_reason is not None:
-                text = truncate_at_stop(self.tokenizer, seq.output_token_ids, seq.stop_reason,
-                                        p.include_stop_str_in_output, p.skip_special_tokens)
-            elif self.tokenizer is not None and p.detokenize:
-                text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=p.skip_special_tokens)
-            logprobs = (list(seq.output_logprobs) if p.logprobs is None
-                        else completion_logprobs(seq, self.tokenizer if p.detokenize else None))
-            completions.append(CompletionOutput(seq.sample_index, list(seq.output_token_ids), logprobs,
-                                                seq.finish_reason, text, seq.error, seq.stop_reason,
-                                                math.fsum(seq.output_logprobs)))
-        text, first = prompt_of(prompt), seqs[0]
-        scored = None  # (a request that errored, never run, has no scores: its error says why)
-        if first.params.prompt_logprobs is not None and first.finish_reason != "error":
-            scored = prompt_logprobs_of(first, self.tokenizer if first.params.detokenize else None)
-        return RequestOutput(first.request_id, text if isinstance(text, str) else None, ids, completions, scored)
+        """One request's `RequestOutput` from its sequences (finished ones, but for `LLM.step`'s
+        outputs of running requests)."""
+        text = prompt_of(prompt)
+        return RequestOutput(seqs[0].request_id, text if isinstance(text, str) else None, ids,
+                             [self._completion(seq) for seq in seqs], self._prompt_scores(seqs[0]))
+
+    def _completion(self, seq: Sequence, start: int = 0, whole: bool = True) -> CompletionOutput:
+        """One sample's `CompletionOutput`: its tokens and logprobs from output `start` on; its text
+        (a stop string cut) and cumulative logprob, of the whole sample, unless not `whole` (None)."""
+        text, p = None, seq.params
+        if whole and seq.stop_reason is not None:
+            text = truncate_at_stop(self.tokenizer, seq.output_token_ids, seq.stop_reason,
+                                    p.include_stop_str_in_output, p.skip_special_tokens)
+        elif whole and self.tokenizer is not None and p.detokenize:
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=p.skip_special_tokens)
+        logprobs = (seq.output_logprobs[start:] if p.logprobs is None
+                    else completion_logprobs(seq, self.tokenizer if p.detokenize else None, start))
+        return CompletionOutput(seq.sample_index, seq.output_token_ids[start:], logprobs, seq.finish_reason, text,
+                                seq.error, seq.stop_reason, math.fsum(seq.output_logprobs) if whole else None)
+
+    def _prompt_scores(self, first: Sequence):
+        """The request's ``prompt_logprobs`` from its first sample, if it asked for them (None for a
+        request that errored before it ran: its error says why)."""
+        if first.params.prompt_logprobs is None or first.finish_reason == "error":
+            return None
+        return prompt_logprobs_of(first, self.tokenizer if first.params.detokenize else None)

@@ -85,23 +85,34 @@ class EngineStepsMixin:
     _scores_prompts: bool = False
     num_preemptions: int  #: sequences preempted (by recompute) so far
 
+    #: the step launched ahead of the last completed one, still in flight (None: nothing is)
+    _launched: LaunchedStep | None = None
+
     def _loop(self, bar) -> None:
         """Run steps until every scheduled sequence has finished (`generate`'s requests)."""
-        launched: LaunchedStep | None = None
         self._last_completion = time.perf_counter()
         try:
-            while launched is not None or self.scheduler.has_unfinished():
-                if launched is None:
-                    launched = self._schedule_and_launch(bar)
-                    if launched is None:
-                        continue
-                ahead = self._launch_ahead(launched) if self._may_look_ahead() else None
-                self._complete(launched, bar)
-                if ahead is not None and ahead.waiting is not None:
-                    self._sample_waiting(ahead)
-                launched = ahead
+            while self._launched is not None or self.scheduler.has_unfinished():
+                self._advance(bar)
         finally:
             bar.close()
+
+    def _advance(self, bar) -> list[ScheduledSeq]:
+        """One turn of the loop: launch a step unless one launched ahead is in flight, launch the
+        step after it where the scheduler can pick it now, then complete the first. Returns the
+        completed step's sequences (none when the scheduler only reported errored ones). A step
+        launched ahead stays in flight, in ``_launched``, for the next turn (or `LLM.step`)."""
+        launched, self._launched = self._launched, None
+        if launched is None:
+            launched = self._schedule_and_launch(bar)
+            if launched is None:
+                return []
+        ahead = self._launch_ahead(launched) if self._may_look_ahead() else None
+        self._complete(launched, bar)
+        if ahead is not None and ahead.waiting is not None:
+            self._sample_waiting(ahead)
+        self._launched = ahead
+        return launched.scheduled
 
     def _may_look_ahead(self) -> bool:
         return self.async_scheduling and self.pipeline is None and not self._scores_prompts

@@ -23,7 +23,7 @@ class CompletionOutput:
     index: int
     token_ids: list[int]
     logprobs: list[float] | PositionLogprobs
-    finish_reason: str | None  # "stop", "length" or "error"
+    finish_reason: str | None  # "stop", "length" or "error"; None while it runs (`LLM.step`)
     text: str | None = None
     error: str | None = None
     stop_reason: str | None = None  # the stop string that finished it (`SamplingParams.stop`), as vLLM's
@@ -32,11 +32,12 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """One prompt's result, as vLLM's: its id (the engine numbers requests in the order it gets
-    them, across `generate` calls; outputs come back in prompt order), its text (None when given
+    """One prompt's result, as vLLM's: its id (``generate``'s: the engine numbers requests in the
+    order it gets them, across calls, and returns them in prompt order; `LLM.add_request`'s: the
+    caller's string), its text (None when given
     as token ids) and token ids, and its samples (``n`` of them)."""
 
-    request_id: int
+    request_id: int | str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
@@ -44,3 +45,5 @@ class RequestOutput:
     #: ``{token_id: Logprob}`` per prompt token (`runtime.top_logprobs`); None otherwise, and for a
     #: request that never ran (its completions' ``finish_reason`` "error")
     prompt_logprobs: PositionLogprobs | None = None
+    #: False for an output `LLM.step` returns while the request still runs (vLLM's field)
+    finished: bool = True

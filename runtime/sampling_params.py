@@ -7,13 +7,14 @@ the limit, instead of surfacing later as a shape error or a silent clamp inside 
 
 from __future__ import annotations
 
+import enum
 import functools
 import math
 from dataclasses import dataclass, field
 
 from .structured_outputs import StructuredOutputsParams
 
-__all__ = ["SamplingParams", "MAX_SEED", "MAX_LOGPROBS"]
+__all__ = ["SamplingParams", "RequestOutputKind", "MAX_SEED", "MAX_LOGPROBS"]
 
 #: Seeds live in [0, MAX_SEED): they must fit a signed 64-bit integer so they can be handed to
 #: a counter-based RNG (Philox) as a tensor without wrapping.
@@ -22,6 +23,17 @@ MAX_SEED = 2**63
 #: The most alternatives ``SamplingParams.logprobs`` / ``prompt_logprobs`` may ask for a position by
 #: default: an engine's ``LLM(max_logprobs=...)`` (vLLM's default ``max_logprobs``).
 MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What `LLM.step` returns of a request added by `LLM.add_request` (vLLM's enum, its values):
+    CUMULATIVE, after each step that gave it tokens, everything so far; DELTA only the tokens (and
+    text) new since its last output; FINAL_ONLY one output, when it finishes. ``generate`` always
+    returns finished requests whole."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 def _is_int(value: object) -> bool:
@@ -130,6 +142,8 @@ class SamplingParams:
             tokenizer). While a sequence with a word of several tokens runs, a step launched ahead
             of the host samples once the step before is postprocessed, as with
             ``structured_outputs``. Not available on pipeline stages.
+        output_kind: what `LLM.step` returns of the request (`RequestOutputKind`; default
+            CUMULATIVE, as vLLM's); ``generate`` ignores it.
 
     ``__post_init__`` validates every field and raises ``ValueError`` naming the field, the bad
     value and the limit. Because ``dataclasses.replace`` re-runs ``__post_init__``, copies are
@@ -160,9 +174,14 @@ class SamplingParams:
     detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     bad_words: list[str] = field(default_factory=list)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self.n = _require_at_least("n", self.n, 1)
+        if isinstance(self.output_kind, bool) or self.output_kind not in set(RequestOutputKind):
+            raise ValueError(f"SamplingParams.output_kind={self.output_kind!r} must be a RequestOutputKind "
+                             f"({', '.join(f'{k.name} = {k.value}' for k in RequestOutputKind)})")
+        self.output_kind = RequestOutputKind(self.output_kind)
         self._validate_sampling()
         self._validate_lengths()
         self._validate_stops()

@@ -153,6 +153,21 @@ class Scheduler(LookaheadMixin, PromptStateMixin, PostprocessMixin):
             return f"{who} {short}"
         return None
 
+    def abort(self, seqs: Iterable[Sequence]) -> None:
+        """Finish `seqs` now with finish_reason "abort" (`LLM.abort_request`): a waiting one leaves
+        the queue, a running one frees its pages; finished ones are left as they are. Between
+        steps only: a step scheduled ahead may still be in flight (its rows of these sequences are
+        dropped when it is postprocessed, as those of sequences that stopped), not one from
+        ``schedule()``, whose postprocess would find them gone."""
+        if any(not ahead for _, ahead in self._in_flight):
+            raise RuntimeError("Scheduler.abort: called while a step from schedule() is in flight; postprocess it first")
+        for seq in seqs:
+            if seq.status is SequenceStatus.RUNNING:
+                self._finish(seq, "abort")
+            elif seq.status is SequenceStatus.WAITING:
+                self._waiting.remove(seq)
+                self._finish_waiting(seq, "abort")
+
     def has_unfinished(self) -> bool:
         """True while there is anything left to schedule or to report (errored sequences not
         yet returned by ``schedule()`` count, so a drive loop never drops their errors)."""

@@ -144,3 +144,9 @@ class PostprocessMixin:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+    def _finish_waiting(self, seq: Sequence, reason: str) -> None:
+        """Finish `seq`, taken out of the waiting queue (``Scheduler.abort``): it holds no pages
+        (a preempted sequence freed them)."""
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

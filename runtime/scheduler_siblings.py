@@ -118,6 +118,14 @@ class PromptStateMixin:
     def _finish(self, seq: Sequence, reason: str) -> None:
         """`PostprocessMixin._finish`, and forget a request whose samples all finished."""
         super()._finish(seq, reason)  # type: ignore[misc]
+        self._forget_finished_group(seq)
+
+    def _finish_waiting(self, seq: Sequence, reason: str) -> None:
+        """`PostprocessMixin._finish_waiting`, and forget a request whose samples all finished."""
+        super()._finish_waiting(seq, reason)  # type: ignore[misc]
+        self._forget_finished_group(seq)
+
+    def _forget_finished_group(self, seq: Sequence) -> None:
         group = self._siblings.get(seq.request_id)
         if group is not None and all(s.status is SequenceStatus.FINISHED for s in group):
             del self._siblings[seq.request_id]

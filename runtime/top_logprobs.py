@@ -169,12 +169,12 @@ def launch_prompt_alternatives(hidden: torch.Tensor, prompt: PromptRows, head) -
                         *(torch.cat(part) for part in zip(*parts)))
 
 
-def completion_logprobs(seq: Sequence, tokenizer=None) -> PositionLogprobs:
-    """vLLM's per-position dicts of a finished sequence that asked for ``logprobs``: the sampled
-    token first, then its alternatives (rank 1 first); a token among both appears once; each
-    token's ``decoded_token`` from `tokenizer` (None without one). Built as they are read
-    (`PositionLogprobs`)."""
-    return PositionLogprobs([seq.top_logprobs[i] for i in range(seq.num_output_tokens)], tokenizer)
+def completion_logprobs(seq: Sequence, tokenizer=None, start: int = 0) -> PositionLogprobs:
+    """vLLM's per-position dicts of a sequence that asked for ``logprobs``, from output `start`
+    on: the sampled token first, then its alternatives (rank 1 first); a token among both appears
+    once; each token's ``decoded_token`` from `tokenizer` (None without one). Built as they are
+    read (`PositionLogprobs`)."""
+    return PositionLogprobs([seq.top_logprobs[i] for i in range(start, seq.num_output_tokens)], tokenizer)
 
 
 def prompt_logprobs_of(seq: Sequence, tokenizer=None) -> PositionLogprobs:

@@ -19,13 +19,13 @@ from .registry import Architecture, architectures, register
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "Architecture", "SamplingParams", "StructuredOutputsParams", "architectures", "is_patched", "patch",
-           "register", "unpatch"]
+__all__ = ["LLM", "Architecture", "RequestOutputKind", "SamplingParams", "StructuredOutputsParams", "architectures",
+           "is_patched", "patch", "register", "unpatch"]
 
 #: Imported from `vexact_models.runtime` on first use: ``import vexact_models`` stays light (no
 #: kernels, no triton) and free of import cycles (the runtime imports the model code).
 _LAZY = {"LLM": "vexact_models.runtime", "SamplingParams": "vexact_models.runtime",
-         "StructuredOutputsParams": "vexact_models.runtime"}
+         "StructuredOutputsParams": "vexact_models.runtime", "RequestOutputKind": "vexact_models.runtime"}
 
 
 def __getattr__(name: str):

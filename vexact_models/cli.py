@@ -13,6 +13,9 @@
                          multimodal class
     vexact dequantize-fp8 SOURCE TARGET
                          a block-FP8 checkpoint (DeepSeek-V3, Qwen3 -FP8) dequantized to bf16
+    vexact serve MODEL [--port 8000]
+                         an OpenAI-compatible HTTP server over the engine, as ``vllm serve``
+                         (/v1/completions, /v1/chat/completions, streamed or not)
     vexact new-architecture NAME --from qwen3
                          a new architecture folder copied from a registered one, with its test
                          (docs/adding-an-architecture.md)
@@ -31,6 +34,7 @@ from vexact_models.cli_args import architecture_arg, device_arg, positive_int
 from vexact_models.conformance.models import MIN_GPU_HEAD_DIM
 from vexact_models.layers import head_dim_of
 from vexact_models.registry import architectures, get, unavailable
+from vexact_models.serve_cli import add_serve_parser, serve
 
 
 def demo_config(arch_name: str, device: torch.device):
@@ -286,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     p_env = sub.add_parser("env", help="versions, device, backend and VEXACT_* switches, for a bug report",
                            description=ENV_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p_env.add_argument("--json", action="store_true", help="print the report as JSON")
+    add_serve_parser(sub)
     args, rest = parser.parse_known_args(argv)
     if args.command == "conformance":
         from vexact_models.conformance.cli import main as conformance_main
@@ -297,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
         return new_architecture(args)
     if args.command == "env":
         return env(args)
+    if args.command == "serve":
+        return serve(args)
     if args.command == "export-text":
         return export_text(args)
     if args.command == "dequantize-fp8":

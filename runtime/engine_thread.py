@@ -1,0 +1,151 @@
+"""An `LLM`'s online requests driven from a thread of its own, for callers on other threads (the
+OpenAI-compatible server's handlers, `runtime.openai_server`).
+
+The engine thread owns the engine: it alone calls ``add_request``, ``abort_request`` and ``step``.
+Other threads hand it commands through a queue; it applies them between steps, so a request joins
+the running batch at the next step. `EngineThread.submit_all` returns once the engine took the
+requests (or raises the ValueError of the first bad one, none of them queued); their outputs
+arrive on the caller's queue, or on a `RequestStream` (`EngineThread.submit`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future
+
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+__all__ = ["EngineThread", "RequestStream"]
+
+
+class RequestStream:
+    """The outputs of one submitted request, in order; iterating ends after the finished one. An
+    engine failure (a step that raised) ends it with that exception."""
+
+    def __init__(self, request_id: str, sink: queue.SimpleQueue) -> None:
+        self.request_id, self._sink = request_id, sink
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        while True:
+            item = self._sink.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.finished:
+                return
+
+    def result(self) -> RequestOutput:
+        """The last output: for a FINAL_ONLY or CUMULATIVE request, the whole finished request."""
+        last = None
+        for last in self:
+            pass
+        return last
+
+
+class EngineThread:
+    """Runs `llm`'s steps on a daemon thread while it has online requests; `close` stops it."""
+
+    def __init__(self, llm) -> None:
+        self.llm = llm
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, queue.SimpleQueue] = {}
+        self._ids = itertools.count()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="vexact-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, prompt, params: SamplingParams, request_id: str | None = None) -> RequestStream:
+        """Queue one request (`LLM.add_request`'s arguments; an id is made when None)."""
+        request_id = f"req-{next(self._ids)}" if request_id is None else request_id
+        sink: queue.SimpleQueue = queue.SimpleQueue()
+        self.submit_all([(prompt, params)], [request_id], sink)
+        return RequestStream(request_id, sink)
+
+    def submit_all(self, requests: list[tuple[object, SamplingParams]], request_ids: list[str],
+                   sink: queue.SimpleQueue) -> None:
+        """Queue `requests` ((prompt, params) pairs) as `request_ids`, their outputs put into `sink`
+        (then an exception, if the engine fails a step), and wait until the engine took them: the
+        first one's ValueError (bad input) is raised here, none of them queued."""
+        if self._closed:
+            raise RuntimeError("EngineThread.submit_all: the engine thread is closed")
+        taken: Future = Future()
+        self._commands.put(("add", list(zip(request_ids, requests)), sink, taken))
+        taken.result()
+
+    def abort(self, request_id: str) -> None:
+        """Drop `request_id` (a client went away); its sink gets no more outputs."""
+        self._commands.put(("abort", request_id))
+
+    def close(self) -> None:
+        """Stop the thread after aborting what still runs (their sinks get a RuntimeError)."""
+        if not self._closed:
+            self._closed = True
+            self._commands.put(("close",))
+            self._thread.join()
+
+    def _run(self) -> None:
+        llm = self.llm
+        while True:
+            command = self._commands.get() if not llm.has_unfinished_requests() else self._next_command()
+            while command is not None:
+                if command[0] == "close":
+                    self._shut(RuntimeError("EngineThread: the engine thread was closed"))
+                    return
+                self._apply(command)
+                command = self._next_command()
+            if llm.has_unfinished_requests():
+                self._step()
+
+    def _next_command(self):
+        try:
+            return self._commands.get_nowait()
+        except queue.Empty:
+            return None
+
+    def _apply(self, command) -> None:
+        if command[0] == "abort":
+            self.llm.abort_request(command[1])
+            self._sinks.pop(command[1], None)
+            return
+        _, requests, sink, taken = command
+        added = []
+        try:
+            for request_id, (prompt, params) in requests:
+                self.llm.add_request(request_id, prompt, params)
+                added.append(request_id)
+        except Exception as error:  # bad input: none of them stays; the submitting thread raises it
+            self.llm.abort_request(added)
+            taken.set_exception(error)
+            return
+        self._sinks.update((request_id, sink) for request_id in added)
+        taken.set_result(None)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.llm.step()
+        except Exception as error:  # the engine dropped every request (LLM.step)
+            self._fail(error)
+            return
+        for output in outputs:
+            sink = self._sinks.get(output.request_id)
+            if sink is not None:
+                sink.put(output)
+                if output.finished:
+                    del self._sinks[output.request_id]
+
+    def _shut(self, error: BaseException) -> None:
+        """Abort what runs, fail its sinks and any submission still queued."""
+        self.llm.abort_request(list(self._sinks))
+        self._fail(error)
+        while (command := self._next_command()) is not None:
+            if command[0] == "add":
+                command[-1].set_exception(error)
+
+    def _fail(self, error: BaseException) -> None:
+        for sink in {id(sink): sink for sink in self._sinks.values()}.values():  # once a sink
+            sink.put(error)
+        self._sinks.clear()

@@ -1,0 +1,258 @@
+"""The OpenAI API's request bodies read into the engine's requests, and its outputs written back as
+the API's responses and stream chunks (`runtime.openai_server` serves them).
+
+Read as vLLM's server reads them: OpenAI's fields (``max_tokens``, ``temperature``, ``top_p``,
+``n``, ``stop``, ``seed``, the two penalties, ``logit_bias``, ``logprobs``, ``response_format``,
+``stream`` with ``stream_options.include_usage``) and vLLM's extra sampling fields (``top_k``,
+``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
+``skip_special_tokens``, ``include_stop_str_in_output``, ``allowed_token_ids``, ``bad_words``,
+``structured_outputs``, ``return_token_ids``, and for chat ``chat_template_kwargs``,
+``add_generation_prompt``, ``continue_final_message``). A field of the wrong type or value is a
+`ProtocolError` (HTTP 400) naming it; fields the engine has no counterpart for (``echo``,
+``suffix``, ``best_of`` above ``n``, tool calls the server would have to parse) are refused the
+same way rather than ignored. Other unknown fields are ignored, as OpenAI's clients send some.
+
+Each returned logprob is the engine's float, written by ``json`` exactly (it round-trips), so a
+client reads the bits the training forward recomputes.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from .outputs import CompletionOutput, RequestOutput
+from .sampling_params import RequestOutputKind, SamplingParams
+from .structured_outputs import StructuredOutputsParams
+
+__all__ = ["ProtocolError", "EngineRequest", "read_completion", "read_chat", "completion_choice", "chat_choice",
+           "response", "usage"]
+
+#: vLLM's sampling fields read as they are, with the types they must have
+_EXTRA_FIELDS = {"top_k": int, "min_p": (int, float), "repetition_penalty": (int, float), "min_tokens": int,
+                 "ignore_eos": bool, "stop_token_ids": list, "skip_special_tokens": bool,
+                 "include_stop_str_in_output": bool, "allowed_token_ids": list, "bad_words": list}
+_OPENAI_FIELDS = {"temperature": (int, float), "top_p": (int, float), "n": int, "seed": int,
+                  "presence_penalty": (int, float), "frequency_penalty": (int, float)}
+
+
+class ProtocolError(ValueError):
+    """A request the server refuses: HTTP `status` with OpenAI's error body."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.param, self.status, self.kind = param, status, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.status}}
+
+
+@dataclass
+class EngineRequest:
+    """What one API request asks of the engine: its prompts (token ids), one `SamplingParams`
+    per prompt, and how to answer."""
+
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+    stream: bool = False
+    include_usage: bool = False
+    return_token_ids: bool = False
+    top_logprobs: int | None = None  #: alternatives per position asked for (None: no logprobs)
+    texts: list[str | None] = field(default_factory=list)  #: the rendered prompts (chat)
+    id: str = ""
+    created: int = 0
+
+
+def _typed(body: dict, name: str, kinds, default=None):
+    value = body.get(name, default)
+    if value is None or value is default:
+        return value
+    bad = isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,))
+    if bad or not isinstance(value, kinds):
+        wanted = " or ".join(k.__name__ for k in (kinds if isinstance(kinds, tuple) else (kinds,)))
+        raise ProtocolError(f"'{name}' must be a {wanted}, got {value!r}", name)
+    return value
+
+
+def _structured(body: dict) -> StructuredOutputsParams | None:
+    """``structured_outputs`` (vLLM's dict), or OpenAI's ``response_format``."""
+    fmt, given = body.get("response_format"), body.get("structured_outputs")
+    if given is not None:
+        try:
+            return StructuredOutputsParams.of(given)
+        except (TypeError, ValueError) as err:
+            raise ProtocolError(str(err), "structured_outputs") from None
+    if fmt is None or (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("json_object", "json_schema"):
+        raise ProtocolError(f"'response_format' must have type 'text', 'json_object' or 'json_schema', got {fmt!r}",
+                            "response_format")
+    if fmt["type"] == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    schema = (fmt.get("json_schema") or {}).get("schema")
+    if not isinstance(schema, dict):
+        raise ProtocolError("'response_format.json_schema.schema' must be a JSON schema object", "response_format")
+    return StructuredOutputsParams(json=schema)
+
+
+def _sampling(body: dict, max_tokens: int | None, logprobs: int | None, stream: bool) -> SamplingParams:
+    """The request's `SamplingParams` (each field checked by it too: its ValueError names the field)."""
+    fields = {name: _typed(body, name, kinds) for name, kinds in {**_OPENAI_FIELDS, **_EXTRA_FIELDS}.items()}
+    fields = {name: value for name, value in fields.items() if value is not None}
+    stop = body.get("stop")
+    if stop is not None:
+        fields["stop"] = [stop] if isinstance(stop, str) else stop
+    bias = _typed(body, "logit_bias", dict)
+    if bias:
+        try:
+            fields["logit_bias"] = {int(token): bias[token] for token in bias}
+        except ValueError:
+            raise ProtocolError(f"'logit_bias' keys must be token ids, got {sorted(bias)!r}", "logit_bias") from None
+    try:
+        return SamplingParams(**fields, max_tokens=max_tokens, logprobs=logprobs, structured_outputs=_structured(body),
+                              output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
+    except ValueError as err:
+        raise ProtocolError(str(err), str(err).split("=")[0].removeprefix("SamplingParams.").split("[")[0]) from None
+
+
+def _refuse(body: dict) -> None:
+    if body.get("echo"):
+        raise ProtocolError("'echo' is not supported: the prompt is returned by 'return_token_ids'", "echo")
+    if body.get("suffix"):
+        raise ProtocolError("'suffix' is not supported", "suffix")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != body.get("n", 1):
+        raise ProtocolError(f"'best_of'={best_of!r} is not supported (only best_of = n)", "best_of")
+    if body.get("prompt_logprobs") is not None:
+        raise ProtocolError("'prompt_logprobs' is not supported by the server (LLM.generate returns them)",
+                            "prompt_logprobs")
+
+
+def _options(body: dict) -> dict:
+    stream = bool(_typed(body, "stream", bool, False))
+    options = _typed(body, "stream_options", dict) or {}
+    return dict(stream=stream, include_usage=bool(stream and options.get("include_usage")),
+                return_token_ids=bool(_typed(body, "return_token_ids", bool, False)),
+                id=uuid.uuid4().hex, created=int(time.time()))
+
+
+def read_completion(body: dict, tokenize) -> EngineRequest:
+    """A ``/v1/completions`` body: ``prompt`` a string, token ids, or a list of either."""
+    _refuse(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise ProtocolError("'prompt' must be a string, a list of token ids, or a non-empty list of either", "prompt")
+    prompts = []
+    for item in prompt:
+        if isinstance(item, str):
+            prompts.append(tokenize(item))
+        elif isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
+            prompts.append(list(item))
+        else:
+            raise ProtocolError(f"'prompt' items must be strings or lists of token ids, got {item!r}", "prompt")
+    logprobs = _typed(body, "logprobs", int)
+    max_tokens = _typed(body, "max_tokens", int, 16)
+    options = _options(body)
+    params = _sampling(body, max_tokens, logprobs, options["stream"])
+    return EngineRequest(prompts, [params] * len(prompts), top_logprobs=logprobs, **options,
+                         texts=[p if isinstance(p, str) else None for p in prompt])
+
+
+def read_chat(body: dict, render, max_model_len: int) -> EngineRequest:
+    """A ``/v1/chat/completions`` body; `render` turns (messages, template options) into (text, ids)."""
+    _refuse(body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ProtocolError("'messages' must be a non-empty list of messages", "messages")
+    if body.get("tool_choice") not in (None, "none"):
+        raise ProtocolError(f"'tool_choice'={body['tool_choice']!r}: tool calls are not parsed by this server; leave "
+                            "it out or 'none' (tools are passed to the chat template, the reply is its text)",
+                            "tool_choice")
+    kwargs = _typed(body, "chat_template_kwargs", dict) or {}
+    text, ids = render(messages, add_generation_prompt=_typed(body, "add_generation_prompt", bool, True),
+                       continue_final_message=_typed(body, "continue_final_message", bool, False),
+                       tools=body.get("tools"), chat_template_kwargs=kwargs)
+    wanted = _typed(body, "logprobs", bool, False)
+    top = _typed(body, "top_logprobs", int)
+    if top is not None and not wanted:
+        raise ProtocolError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    k = (top or 0) if wanted else None
+    max_tokens = _typed(body, "max_completion_tokens", int) or _typed(body, "max_tokens", int)
+    if max_tokens is None:
+        max_tokens = max(1, max_model_len - len(ids))  # vLLM's default: up to the context length
+    options = _options(body)
+    params = _sampling(body, max_tokens, k, options["stream"])
+    return EngineRequest([ids], [params], top_logprobs=k, texts=[text], **options)
+
+
+# -- responses ---------------------------------------------------------------------------------
+def _entries(completion: CompletionOutput) -> list[tuple[int, dict]]:
+    """(token, its position's dict of entries) per output token (asked with ``logprobs``)."""
+    return list(zip(completion.token_ids, completion.logprobs))
+
+
+def _completion_logprobs(completion: CompletionOutput, offset: int) -> dict:
+    tokens, values, tops, offsets = [], [], [], []
+    for token, entries in _entries(completion):
+        text = entries[token].decoded_token or ""
+        tokens.append(text)
+        values.append(entries[token].logprob)
+        tops.append({e.decoded_token or "": e.logprob for e in entries.values()})  # the token and the k best, as vLLM
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _chat_logprobs(completion: CompletionOutput, k: int) -> dict:
+    def item(entry) -> dict:
+        text = entry.decoded_token or ""
+        return {"token": text, "logprob": entry.logprob, "bytes": list(text.encode())}
+
+    content = []
+    for token, entries in _entries(completion):
+        top = [item(e) for e in sorted(entries.values(), key=lambda e: e.rank) if e.rank <= k]
+        content.append({**item(entries[token]), "top_logprobs": top})
+    return {"content": content}
+
+
+def _token_fields(request: EngineRequest, output: RequestOutput, completion: CompletionOutput) -> dict:
+    if not request.return_token_ids:
+        return {}
+    return {"token_ids": completion.token_ids, "prompt_token_ids": output.prompt_token_ids}
+
+
+def completion_choice(request: EngineRequest, index: int, output: RequestOutput, completion: CompletionOutput,
+                      offset: int = 0) -> dict:
+    """One ``/v1/completions`` choice (or a stream chunk's: `completion` a delta)."""
+    logprobs = None if request.top_logprobs is None else _completion_logprobs(completion, offset)
+    return {"index": index, "text": completion.text or "", "logprobs": logprobs,
+            "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
+            **_token_fields(request, output, completion)}
+
+
+def chat_choice(request: EngineRequest, index: int, output: RequestOutput, completion: CompletionOutput,
+                delta: bool = False) -> dict:
+    """One ``/v1/chat/completions`` choice: a whole message, or a stream chunk's delta."""
+    logprobs = None if request.top_logprobs is None else _chat_logprobs(completion, request.top_logprobs)
+    message = {"content": completion.text or ""} if delta else {"role": "assistant", "content": completion.text or ""}
+    return {"index": index, "delta" if delta else "message": message, "logprobs": logprobs,
+            "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
+            **_token_fields(request, output, completion)}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def response(request: EngineRequest, kind: str, model: str, choices: list[dict], usage_: dict | None) -> dict:
+    """A response (`kind` ``text_completion``, ``chat.completion``) or a chunk (``chat.completion.chunk``)."""
+    body = {"id": f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{request.id}", "object": kind,
+            "created": request.created, "model": model, "choices": choices}
+    if usage_ is not None:
+        body["usage"] = usage_
+    return body

@@ -1,0 +1,70 @@
+"""``vexact serve``: the rollout engine behind an OpenAI-compatible HTTP server (`runtime.openai_server`),
+as ``vllm serve`` starts one."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from vexact_models.cli_args import checkpoint_arg, device_arg, non_negative_int, positive_float, positive_int
+
+__all__ = ["SERVE_HELP", "add_serve_parser", "serve"]
+
+SERVE_HELP = """\
+Serve a checkpoint through the OpenAI API, as `vllm serve` does, on the exact-logprob engine:
+
+    vexact serve Qwen/Qwen3-8B --port 8000
+    curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
+         -d '{"prompt": "Hello", "max_tokens": 16, "logprobs": 0, "return_token_ids": true}'
+
+Routes: POST /v1/completions and /v1/chat/completions (streamed with "stream": true), GET /v1/models
+and /health. Requests join the running batch at the next engine step. Each returned logprob is the
+float the training forward's token_logprobs recomputes, bitwise. vLLM's extra sampling fields
+(top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, structured_outputs,
+return_token_ids, chat_template_kwargs, ...) are read; tool calls are not parsed.
+"""
+
+
+def add_serve_parser(sub) -> argparse.ArgumentParser:
+    """The ``serve`` sub-command's parser, under `sub` (``vexact``'s sub-parsers)."""
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the engine (as vllm serve)",
+                       description=SERVE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", type=checkpoint_arg, help="checkpoint folder or hub model id (with its tokenizer)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: every one)")
+    p.add_argument("--port", type=non_negative_int, default=8000, help="port (default 8000; 0: a free one, printed)")
+    p.add_argument("--served-model-name", metavar="NAME", help="the API's model name (default: MODEL as given)")
+    p.add_argument("--tokenizer", help="tokenizer folder or hub id (default: the checkpoint's)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="weights and activations (default: the checkpoint's)")
+    p.add_argument("--device", type=device_arg, help="cpu, cuda or cuda:N (default: cuda when available)")
+    p.add_argument("--max-model-len", type=positive_int, help="prompt + output tokens at most (default: the model's)")
+    p.add_argument("--max-num-seqs", type=positive_int, default=256, help="sequences per step at most (default 256)")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=8192,
+                   help="tokens per step at most (default 8192)")
+    p.add_argument("--gpu-memory-utilization", type=positive_float, default=0.9,
+                   help="share of the GPU's memory the process may use; the KV cache takes the rest (default 0.9)")
+    p.add_argument("--kv-cache-bytes", type=positive_int, help="KV cache bytes (needed on the CPU beyond 256 MiB)")
+    p.add_argument("--max-logprobs", type=non_negative_int, default=20,
+                   help="the most alternatives a request's logprobs may ask for (default 20)")
+    p.add_argument("--seed", type=int, default=0, help="base seed of requests that give none (default 0)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    return p
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Build the engine from `args` (``add_serve_parser``'s), then serve until interrupted."""
+    from vexact_models.runtime import LLM
+    from vexact_models.runtime.openai_server import OpenAIServer
+
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, tokenizer=args.tokenizer,
+              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
+              kv_cache_bytes=args.kv_cache_bytes, max_logprobs=args.max_logprobs, seed=args.seed,
+              enforce_eager=args.enforce_eager)
+    server = OpenAIServer(llm, args.served_model_name or args.model, args.host, args.port)
+    print(f"vexact serve: {server.model_name} at {server.url}", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        print("vexact serve: stopped", file=sys.stderr)
+    return 0
