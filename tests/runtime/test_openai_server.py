@@ -1,0 +1,256 @@
+"""The OpenAI-compatible server (`runtime.openai_server`, ``vexact serve``), through OpenAI's own
+Python client: completions and chat completions, streamed or not, answer with the engine's tokens
+and logprobs (bitwise ``LLM.generate``'s and ``LLM.chat``'s, the training forward's), concurrent
+clients share the running batch without changing each other's results, bad requests get OpenAI's
+error bodies naming the field, and a client that goes away has its request aborted."""
+
+import json
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+import torch
+import transformers
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+import vexact_models.qwen3 as qwen3
+from vexact_models.runtime import LLM, SamplingParams
+from vexact_models.runtime.engine_thread import EngineThread
+from vexact_models.runtime.openai_protocol import ProtocolError, read_chat
+from vexact_models.runtime.openai_server import OpenAIServer
+
+TEMPLATE = "{{ bos_token }}{% for m in messages %}w{{ 10 if m['role'] == 'user' else 11 }} w{{ m['content'] }} {% endfor %}w11"
+EXTRA = {"ignore_eos": True, "return_token_ids": True}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """A tiny Qwen3 with a word-level tokenizer (``w<i>`` is token i, w2 its BOS) and a chat template."""
+    path = tmp_path_factory.mktemp("serve")
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(512)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", bos_token="w2")
+    tokenizer.chat_template = TEMPLATE
+    tokenizer.save_pretrained(path)
+    torch.manual_seed(1)
+    transformers.Qwen3ForCausalLM(qwen3.tiny_config(initializer_range=0.5)).eval().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def served(folder):
+    llm = LLM(str(folder), device="cpu", block_size=4, kv_cache_bytes=1 << 20, max_num_seqs=8,
+              max_num_batched_tokens=32)
+    server = OpenAIServer(llm, "tiny", port=0).start()
+    yield llm, server, openai.OpenAI(base_url=server.url, api_key="none", max_retries=0)
+    server.close()
+
+
+def _reference(folder):
+    """A second engine over the same checkpoint, for ``generate`` beside the server's."""
+    return LLM(str(folder), device="cpu", block_size=4, kv_cache_bytes=1 << 20)
+
+
+def test_completions_are_generates_tokens_and_logprobs(served, folder):
+    _, _, client = served
+    reply = client.completions.create(model="tiny", prompt=["w5 w6 w7", [9, 8]], n=2, max_tokens=6, temperature=0.9,
+                                      seed=3, logprobs=2, extra_body=EXTRA)
+    want = _reference(folder).generate(["w5 w6 w7", [9, 8]], SamplingParams(
+        n=2, temperature=0.9, max_tokens=6, seed=3, ignore_eos=True), use_tqdm=False)
+    assert [c.index for c in reply.choices] == [0, 1, 2, 3]
+    for choice, (out, sample) in zip(reply.choices, [(o, c) for o in want for c in o.outputs]):
+        assert choice.text == sample.text and choice.finish_reason == "length"
+        assert choice.logprobs.token_logprobs == sample.logprobs  # the floats, bitwise
+        assert choice.model_extra["token_ids"] == sample.token_ids
+        assert choice.model_extra["prompt_token_ids"] == out.prompt_token_ids
+        for token, top in zip(choice.logprobs.tokens, choice.logprobs.top_logprobs):
+            assert token in top and len(top) in (2, 3)  # the token and the 2 most probable
+    assert reply.usage.prompt_tokens == 5 and reply.usage.completion_tokens == 24
+
+
+def test_streamed_completions_add_up_to_the_whole(served):
+    _, _, client = served
+    kwargs = dict(model="tiny", prompt=["w5 w6 w7", "w9"], n=2, max_tokens=7, temperature=0.9, seed=4, logprobs=0,
+                  extra_body=EXTRA)
+    whole = client.completions.create(**kwargs)
+    texts, ids, logprobs, finish, usage = {}, {}, {}, {}, None
+    for chunk in client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}):
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            ids[c.index] = ids.get(c.index, []) + c.model_extra["token_ids"]
+            logprobs[c.index] = logprobs.get(c.index, []) + c.logprobs.token_logprobs
+            finish[c.index] = c.finish_reason or finish.get(c.index)
+    for c in whole.choices:
+        assert (texts[c.index], ids[c.index], logprobs[c.index], finish[c.index]) == (
+            c.text, c.model_extra["token_ids"], c.logprobs.token_logprobs, c.finish_reason)
+    assert usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_chat_is_llm_chats_reply_streamed_or_not(served, folder):
+    _, _, client = served
+    messages = [{"role": "user", "content": "5"}, {"role": "assistant", "content": "6"}, {"role": "user", "content": "7"}]
+    want = _reference(folder).chat(messages, SamplingParams(temperature=0.8, max_tokens=5, seed=2, ignore_eos=True),
+                                   use_tqdm=False)[0]
+    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0.8, seed=2,
+                                           logprobs=True, top_logprobs=3, extra_body=EXTRA)
+    choice = reply.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content == want.outputs[0].text
+    assert [t.logprob for t in choice.logprobs.content] == want.outputs[0].logprobs
+    assert all(len(t.top_logprobs) == 3 for t in choice.logprobs.content)
+    assert choice.model_extra["prompt_token_ids"] == want.prompt_token_ids
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0.8,
+                                                 seed=2, stream=True, extra_body=EXTRA))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.outputs[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_concurrent_clients_get_their_own_results(served, folder):
+    """Eight clients at once, each request joining the running batch: each gets what ``generate``
+    gives its request alone."""
+    _, _, client = served
+    prompts = [f"w{5 + i} w{40 + i}" + " w7" * i for i in range(8)]
+    params = [SamplingParams(temperature=0.9, max_tokens=4 + 2 * i, seed=20 + i, ignore_eos=True) for i in range(8)]
+    reference = _reference(folder)
+    want = [reference.generate([p], q, use_tqdm=False)[0].outputs[0] for p, q in zip(prompts, params)]
+    got = [None] * 8
+
+    def ask(i: int) -> None:
+        reply = client.completions.create(model="tiny", prompt=prompts[i], max_tokens=params[i].max_tokens,
+                                          temperature=0.9, seed=20 + i, logprobs=0, extra_body=EXTRA)
+        got[i] = reply.choices[0]
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for choice, sample in zip(got, want):
+        assert choice.model_extra["token_ids"] == sample.token_ids
+        assert choice.logprobs.token_logprobs == sample.logprobs
+
+
+def test_structured_outputs_reach_the_engine(served):
+    pytest.importorskip("xgrammar")
+    _, _, client = served
+    reply = client.completions.create(model="tiny", prompt="w5", max_tokens=8, seed=1,
+                                      extra_body={"structured_outputs": {"choice": ["w9", "w17"]}, "return_token_ids": True})
+    # the word-level vocabulary's raw token texts: the choice, then the EOS the grammar allows after it
+    assert reply.choices[0].model_extra["token_ids"][0] in (9, 17) and reply.choices[0].finish_reason == "stop"
+
+
+def test_response_format_is_read_as_structured_outputs():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    messages = [{"role": "user", "content": "5"}]
+
+    def render(messages, **options):
+        return "w5", [5]
+
+    def params(fmt):
+        return read_chat({"messages": messages, "response_format": fmt}, render, 64).params[0]
+
+    assert params({"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}).structured_outputs.json == schema
+    assert params({"type": "json_object"}).structured_outputs.json_object is True
+    assert params({"type": "text"}).structured_outputs is None and params({"type": "text"}).max_tokens == 63
+    for bad in ({"type": "xml"}, {"type": "json_schema", "json_schema": {}}, "json"):
+        with pytest.raises(ProtocolError, match="response_format"):
+            params(bad)
+
+
+@pytest.mark.parametrize("body, param, status", [
+    ({"prompt": "w5", "max_tokens": 0}, "max_tokens", 400),
+    ({"prompt": "w5", "temperature": "hot"}, "temperature", 400),
+    ({"prompt": "w5", "top_k": 0}, "top_k", 400),
+    ({"prompt": "w5", "echo": True}, "echo", 400),
+    ({"prompt": "w5", "best_of": 3}, "best_of", 400),
+    ({"prompt": "w5", "logit_bias": {"x": 1}}, "logit_bias", 400),
+    ({"prompt": "w5", "logprobs": 50}, None, 400),  # above the engine's max_logprobs
+    ({"prompt": []}, "prompt", 400),
+    ({"prompt": "w5", "model": "other"}, "model", 404),
+])
+def test_bad_completions_get_openais_error_body(served, body, param, status):
+    _, server, _ = served
+    code, answer = _post(server.url + "/completions", body)
+    assert code == status and answer["error"]["param"] == param and answer["error"]["message"]
+
+
+def test_bad_chats_and_routes(served):
+    _, server, _ = served
+    for body, param in [({"messages": []}, "messages"), ({"messages": [{"role": "user"}]}, "messages"),
+                        ({"messages": [{"role": "user", "content": "5"}], "tool_choice": "auto"}, "tool_choice"),
+                        ({"messages": [{"role": "user", "content": "5"}], "top_logprobs": 2}, "top_logprobs")]:
+        code, answer = _post(server.url + "/chat/completions", body)
+        assert code == 400 and answer["error"]["param"] == param, answer
+    assert _post(server.url + "/embeddings", {})[0] == 404
+    request = urllib.request.Request(server.url + "/completions", data=b"{not json", method="POST")
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(request)
+    assert info.value.code == 400
+    with urllib.request.urlopen(server.url.removesuffix("/v1") + "/health") as reply:
+        assert reply.status == 200
+    assert [m.id for m in served[2].models.list()] == ["tiny"]
+
+
+def test_a_client_that_goes_away_has_its_request_aborted(served):
+    llm, server, client = served
+    stream = client.completions.create(model="tiny", prompt="w5 w6", max_tokens=400, stream=True,
+                                       extra_body={"ignore_eos": True})
+    next(iter(stream))
+    stream.close()
+    for _ in range(200):  # the handler's next write fails; the engine drops the request
+        if not llm.has_unfinished_requests():
+            break
+        time.sleep(0.05)
+    assert not llm.has_unfinished_requests()
+
+
+def test_engine_thread_takes_all_requests_or_none(folder):
+    llm = _reference(folder)
+    engine = EngineThread(llm)
+    try:
+        import queue
+
+        sink = queue.SimpleQueue()
+        with pytest.raises(ValueError, match="max_tokens|empty"):
+            engine.submit_all([([5, 6], SamplingParams(max_tokens=3)), ([], SamplingParams())], ["a", "b"], sink)
+        stream = engine.submit([5, 6], SamplingParams(max_tokens=3, ignore_eos=True, seed=1), "c")
+        output = stream.result()
+        assert output.request_id == "c" and len(output.outputs[0].token_ids) == 3 and sink.empty()
+    finally:
+        engine.close()
+    assert not llm.has_unfinished_requests()
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.submit([5], SamplingParams())
+
+
+def test_vexact_serve_command(folder):
+    """``vexact serve`` starts the server on a free port and prints where."""
+    process = subprocess.Popen([sys.executable, "-m", "vexact_models.cli", "serve", str(folder), "--port", "0",
+                                "--device", "cpu", "--kv-cache-bytes", str(1 << 20), "--served-model-name", "tiny"],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        line = process.stdout.readline()
+        assert line.startswith("vexact serve: tiny at http://127.0.0.1:"), line
+        url = line.split(" at ")[1].strip()
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
+        reply = client.completions.create(model="tiny", prompt="w5 w6", max_tokens=3, extra_body=EXTRA)
+        assert len(reply.choices[0].model_extra["token_ids"]) == 3
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+
+
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
