@@ -29,7 +29,8 @@ def scripts():
                                     "attention_prefill.py", "moe_routing.py", "investigations/head_linear.py",
                                     "investigations/row_kernels.py", "gate_up_silu.py",
                                     "investigations/decode_read_floor.py", "gated_delta.py", "lora.py",
-                                    "window_models.py", "lora_expand.py", "multi_turn.py", "generate_batch.py"])
+                                    "window_models.py", "lora_expand.py", "multi_turn.py", "generate_batch.py",
+                                    "serve.py"])
 def test_benchmark_script_help_and_cpu_refusal(scripts, script):
     help_run = scripts.run(BENCHMARKS, script, "--help")
     assert help_run.returncode == 0 and "usage" in (help_run.stdout + help_run.stderr).lower()
@@ -106,6 +107,20 @@ def test_multi_turn_runs_tiny_on_cpu(scripts):
     assert "bitwise equal" in run.stdout and ", 0 mismatches" in run.stdout and run.stdout.rstrip().endswith("OK")
     refused = scripts.run(BENCHMARKS, "multi_turn.py", "--tiny", "--turns", "0")
     assert refused.returncode == 2 and "--turns" in refused.stderr
+
+
+def test_serve_runs_tiny_on_cpu(scripts):
+    """benchmarks/serve.py --tiny: agent-loop clients over HTTP and through whole calls get the
+    same tokens and logprobs every turn, which the recompute finds equal; a bad option is a usage
+    error."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    run = subprocess.run([sys.executable, "serve.py", "--tiny"], cwd=BENCHMARKS, capture_output=True, text=True,
+                         timeout=600, env=env)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    assert "online (HTTP)" in run.stdout and "per-call generate" in run.stdout and "x tok/s" in run.stdout
+    assert "both modes: True" in run.stdout and " 60 tokens, 0 mismatches" in run.stdout, run.stdout
+    refused = scripts.run(BENCHMARKS, "serve.py", "--tiny", "--min-tokens", "9", "--max-tokens", "4")
+    assert refused.returncode == 2 and "--min-tokens" in refused.stderr
 
 
 @pytest.mark.parametrize("config, stock", [("gpt-oss-20b", "eager"), ("gemma3-text-default", "sdpa")])

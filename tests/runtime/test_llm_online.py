@@ -12,7 +12,7 @@ import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from vexact_models.registry import architectures, get
-from vexact_models.runtime import RequestOutputKind, SamplingParams
+from vexact_models.runtime import LLM, RequestOutputKind, SamplingParams
 from vexact_models.runtime.llm_setup import cache_bytes_per_block, linear_state_bytes
 
 from .llm_support import cache_bytes, gen, make_llm, prompts_for, training_logprobs
@@ -215,3 +215,29 @@ def test_output_kind_is_checked():
     for bad in (3, True, "DELTA"):
         with pytest.raises(ValueError, match="output_kind"):
             SamplingParams(output_kind=bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (decode CUDA graphs)")
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_5"])
+def test_online_requests_under_cuda_graphs_equal_generate_and_training(name):
+    """bf16 on the GPU, decode and mixed steps replaying CUDA graphs, steps launched ahead:
+    staggered online requests equal ``generate``'s of each alone and the training recompute."""
+    if name not in {arch.name for arch in architectures()}:
+        pytest.skip(f"{name} is not registered on this transformers")
+    torch.manual_seed(0)
+    overrides = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64)  # Triton's head dims
+    model = get(name).causal_lm_class(get(name).tiny_config(initializer_range=0.5, **overrides)).to(
+        "cuda", torch.bfloat16).eval()
+    prompts, params = _requests(12, seed=13)
+    llm = LLM(model, block_size=16, max_num_seqs=8, kv_cache_bytes=1 << 24)
+    assert llm.runner.graphs is not None
+    alone = [gen(llm, [p], q)[0] for p, q in zip(prompts, params)]
+    seen = drive(llm, {i: [(f"r{i}", p, q)] for i, (p, q) in enumerate(zip(prompts, params))})
+    for i, (prompt, want, q) in enumerate(zip(prompts, alone, params)):
+        outputs = seen[f"r{i}"]
+        got = _joined(outputs) if q.output_kind is RequestOutputKind.DELTA else [
+            (c.token_ids, c.logprobs, c.finish_reason) for c in outputs[-1].outputs]
+        assert got == [(c.token_ids, c.logprobs, c.finish_reason) for c in want.outputs]
+        for tokens, logprobs, _ in got:
+            assert torch.equal(training_logprobs(model, prompt, tokens, q.temperature), torch.tensor(logprobs))

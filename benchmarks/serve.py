@@ -1,0 +1,203 @@
+"""Agent-loop clients against the OpenAI-compatible server (`runtime.openai_server`): each request
+joins the running batch at the next step (`LLM.add_request` / `step`); beside it, in the same run,
+the same engine driven as a server without online requests drives it, one ``generate`` call over
+whatever requests are waiting, every new arrival waiting for the call to finish (verl's
+`VexactServer` before the online engine).
+
+Workload: ``--clients`` clients, each a closed loop of ``--turns`` turns: the first prompt
+``--prompt-len`` random token ids, each next prompt the conversation so far plus ``--user-len``
+new ones; each turn's ``max_tokens`` drawn from [``--min-tokens``, ``--max-tokens``] (``ignore_eos``,
+a seed per client and turn), so that turns end at different times, as an agent's tool calls do.
+A client sends its next turn when it has the reply. Model: random weights at a bundled published
+config, bf16, CUDA; a word-level tokenizer over its vocabulary. The online clients talk HTTP
+(``/v1/completions``, token-id prompts, ``return_token_ids``, ``logprobs: 0``); the per-call
+clients hand requests to the calling thread in the same process (no HTTP: the per-call side pays
+less overhead).
+
+Table: per mode the wall time, the output tokens, tok/s, and the turn latency (mean, p90); the
+ratio online / per-call. Then whether both modes gave every turn the same tokens and logprobs
+(they must: a request's tokens depend only on it, rules 1 and 7, and the conversations then stay
+the same), and every online sample recomputed by ``token_logprobs``.
+
+Usage (one H100 or H200):
+    cd benchmarks && python3 serve.py --config qwen3-0.6b
+    cd benchmarks && python3 serve.py --tiny            # CPU smoke run (tests)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import random
+import threading
+import time
+import urllib.request
+
+import torch
+import transformers
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from bench_models import build_published, recompute_mismatches
+from bench_utils import gpu_share, positive_int, table, tiny_or_cuda
+from vexact_models.runtime import LLM, SamplingParams
+from vexact_models.runtime.openai_server import OpenAIServer
+
+CONFIGS = ("qwen3-0.6b", "qwen3-8b", "llama-3.1-8b", "qwen2.5-7b", "qwen3-30b-a3b")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="qwen3-0.6b", choices=CONFIGS, help="bundled published config (qwen3-0.6b)")
+    p.add_argument("--layers", type=positive_int, help="override num_hidden_layers")
+    p.add_argument("--clients", type=positive_int, default=64, help="concurrent clients (default 64)")
+    p.add_argument("--turns", type=positive_int, default=4, help="turns a client makes (default 4)")
+    p.add_argument("--prompt-len", type=positive_int, default=512, help="first prompt's tokens (default 512)")
+    p.add_argument("--user-len", type=positive_int, default=64, help="tokens added after each reply (default 64)")
+    p.add_argument("--min-tokens", type=positive_int, default=16, help="fewest tokens a reply asks for (default 16)")
+    p.add_argument("--max-tokens", type=positive_int, default=512, help="most tokens a reply asks for (default 512)")
+    p.add_argument("--gpu-memory-utilization", type=gpu_share, default=0.85, help="the engine's share of the GPU")
+    p.add_argument("--recompute-tokens", type=positive_int, default=16384, help="tokens a recompute micro-batch holds")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tiny", action="store_true", help="CPU, float32, the architecture's tiny config (tests)")
+    args = p.parse_args(argv)
+    if args.min_tokens > args.max_tokens:
+        p.error(f"--min-tokens {args.min_tokens} is above --max-tokens {args.max_tokens}")
+    if args.tiny:
+        args.clients, args.turns, args.prompt_len, args.user_len, args.min_tokens, args.max_tokens = 4, 3, 12, 4, 2, 8
+    tiny_or_cuda(args, "benchmarks/serve.py")
+    return args
+
+
+def word_tokenizer(vocab_size: int):
+    """Token i is the word ``w<i>``: text for every id of the model's vocabulary."""
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0")
+
+
+class Client:
+    """One conversation: its turns' requests, built from the replies so far."""
+
+    def __init__(self, index: int, args, vocab: int) -> None:
+        self.rng = random.Random(args.seed * 7919 + index)
+        self.index, self.args, self.vocab = index, args, vocab
+        self.history = [self.rng.randrange(vocab) for _ in range(args.prompt_len)]
+        self.turns: list[tuple[list[int], list[int], list[float]]] = []  # (prompt, tokens, logprobs)
+        self.latencies: list[float] = []
+
+    def request(self, turn: int) -> tuple[list[int], SamplingParams]:
+        args = self.args
+        max_tokens = self.rng.randint(args.min_tokens, args.max_tokens)
+        return list(self.history), SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True,
+                                                  seed=self.index * 1000 + turn, detokenize=False)
+
+    def record(self, prompt: list[int], tokens: list[int], logprobs: list[float], seconds: float) -> None:
+        self.turns.append((prompt, tokens, logprobs))
+        self.latencies.append(seconds)
+        self.history = prompt + tokens + [self.rng.randrange(self.vocab) for _ in range(self.args.user_len)]
+
+
+def run_clients(args, vocab: int, ask) -> tuple[list[Client], float]:
+    """Every client's turns, `ask(prompt, params) -> (tokens, logprobs)` from its own thread."""
+    clients = [Client(i, args, vocab) for i in range(args.clients)]
+
+    def loop(client: Client) -> None:
+        for turn in range(args.turns):
+            prompt, params = client.request(turn)
+            start = time.perf_counter()
+            tokens, logprobs = ask(prompt, params)
+            client.record(prompt, tokens, logprobs, time.perf_counter() - start)
+
+    threads = [threading.Thread(target=loop, args=(c,)) for c in clients]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return clients, time.perf_counter() - start
+
+
+def online(llm, args, vocab: int):
+    server = OpenAIServer(llm, "bench", port=0).start()
+
+    def ask(prompt, params):
+        body = {"prompt": prompt, "max_tokens": params.max_tokens, "temperature": params.temperature,
+                "seed": params.seed, "ignore_eos": True, "logprobs": 0, "return_token_ids": True}
+        request = urllib.request.Request(server.url + "/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request) as reply:
+            choice = json.loads(reply.read())["choices"][0]
+        return choice["token_ids"], choice["logprobs"]["token_logprobs"]
+
+    try:
+        return run_clients(args, vocab, ask)
+    finally:
+        server.close()
+
+
+def per_call(llm, args, vocab: int):
+    """The engine driven by whole calls: the calling thread runs ``generate`` over the waiting requests."""
+    waiting: queue.SimpleQueue = queue.SimpleQueue()
+    done = threading.Event()
+
+    def ask(prompt, params):
+        slot: queue.SimpleQueue = queue.SimpleQueue()
+        waiting.put((prompt, params, slot))
+        return slot.get()
+
+    def drive() -> None:
+        while not done.is_set():
+            try:
+                batch = [waiting.get(timeout=0.05)]
+            except queue.Empty:
+                continue
+            while not waiting.empty():
+                batch.append(waiting.get())
+            outputs = llm.generate([b[0] for b in batch], [b[1] for b in batch], use_tqdm=False)
+            for (_, _, slot), output in zip(batch, outputs):
+                slot.put((output.outputs[0].token_ids, output.outputs[0].logprobs))
+
+    driver = threading.Thread(target=drive)
+    driver.start()
+    try:
+        return run_clients(args, vocab, ask)
+    finally:
+        done.set()
+        driver.join()
+
+
+def row(name: str, clients: list[Client], seconds: float) -> list:
+    tokens = sum(len(t[1]) for c in clients for t in c.turns)
+    latencies = sorted(x for c in clients for x in c.latencies)
+    return [name, f"{seconds:.2f}", tokens, f"{tokens / seconds:,.0f}", f"{sum(latencies) / len(latencies):.3f}",
+            f"{latencies[int(0.9 * (len(latencies) - 1))]:.3f}"]
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    _, config, model = build_published(args, max_positions=args.prompt_len + args.turns * (args.max_tokens + args.user_len))
+    engine = dict(kv_cache_bytes=64 << 20) if args.tiny else dict(gpu_memory_utilization=args.gpu_memory_utilization)
+    llm = LLM(model, tokenizer=word_tokenizer(config.vocab_size), owns_weights=True, **engine)
+    vocab = min(config.vocab_size, 32000)
+    warm = argparse.Namespace(**{**vars(args), "clients": min(args.clients, 8), "turns": 1})
+    online(llm, warm, vocab)  # untimed: mixed-step graphs captured on first use
+    per_call(llm, warm, vocab)
+    llm.reset_prefix_cache()
+    served, online_s = online(llm, args, vocab)
+    llm.reset_prefix_cache()
+    called, call_s = per_call(llm, args, vocab)
+    rows = [row("online (HTTP)", served, online_s), row("per-call generate", called, call_s)]
+    table(f"{args.config}: {args.clients} clients x {args.turns} turns (replies of {args.min_tokens}-{args.max_tokens} "
+          "tokens)", ["mode", "seconds", "output tokens", "tok/s", "mean latency s", "p90 latency s"], rows)
+    print(f"online / per-call: {call_s / online_s:.2f}x tok/s")
+    same = all(a.turns == b.turns for a, b in zip(served, called))
+    print(f"every turn the same tokens and logprobs in both modes: {same}")
+    samples = [turn for c in served for turn in c.turns]
+    checked, bad, worst = recompute_mismatches(model, samples, args.recompute_tokens, args.device)
+    print(f"recomputed by token_logprobs: {checked} tokens, {bad} mismatches (max |diff| {worst:.3g})")
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    main()
