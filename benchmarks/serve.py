@@ -1,8 +1,8 @@
 """Agent-loop clients against the OpenAI-compatible server (`runtime.openai_server`): each request
-joins the running batch at the next step (`LLM.add_request` / `step`); beside it, in the same run,
-the same engine driven as a server without online requests drives it, one ``generate`` call over
-whatever requests are waiting, every new arrival waiting for the call to finish (verl's
-`VexactServer` before the online engine).
+joins the running batch at the next step (`LLM.add_request` / `step`). Beside it, in the same run:
+the same online requests submitted in process (`runtime.engine_thread`, no HTTP), and the same
+engine driven by whole calls, one ``generate`` over whatever requests wait, each new arrival
+waiting for the running call to finish (as verl's `VexactServer` drives it).
 
 Workload: ``--clients`` clients, each a closed loop of ``--turns`` turns: the first prompt
 ``--prompt-len`` random token ids, each next prompt the conversation so far plus ``--user-len``
@@ -10,12 +10,11 @@ new ones; each turn's ``max_tokens`` drawn from [``--min-tokens``, ``--max-token
 a seed per client and turn), so that turns end at different times, as an agent's tool calls do.
 A client sends its next turn when it has the reply. Model: random weights at a bundled published
 config, bf16, CUDA; a word-level tokenizer over its vocabulary. The online clients talk HTTP
-(``/v1/completions``, token-id prompts, ``return_token_ids``, ``logprobs: 0``); the per-call
-clients hand requests to the calling thread in the same process (no HTTP: the per-call side pays
-less overhead).
+(``/v1/completions``, token-id prompts, ``return_token_ids``, ``logprobs: 0``); the others hand
+their requests over in the same process. All clients are threads of this process.
 
 Table: per mode the wall time, the output tokens, tok/s, and the turn latency (mean, p90); the
-ratio online / per-call. Then whether both modes gave every turn the same tokens and logprobs
+ratios online / per-call. Then whether all modes gave every turn the same tokens and logprobs
 (they must: a request's tokens depend only on it, rules 1 and 7, and the conversations then stay
 the same), and every online sample recomputed by ``token_logprobs``.
 
@@ -33,6 +32,7 @@ import random
 import threading
 import time
 import urllib.request
+from dataclasses import replace
 
 import torch
 import transformers
@@ -40,7 +40,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from bench_models import build_published, recompute_mismatches
 from bench_utils import gpu_share, positive_int, table, tiny_or_cuda
-from vexact_models.runtime import LLM, SamplingParams
+from vexact_models.runtime import LLM, RequestOutputKind, SamplingParams
+from vexact_models.runtime.engine_thread import EngineThread
 from vexact_models.runtime.openai_server import OpenAIServer
 
 CONFIGS = ("qwen3-0.6b", "qwen3-8b", "llama-3.1-8b", "qwen2.5-7b", "qwen3-30b-a3b")
@@ -136,6 +137,20 @@ def online(llm, args, vocab: int):
         server.close()
 
 
+def in_process(llm, args, vocab: int):
+    """The same online requests without HTTP: each client submits to the engine thread directly."""
+    engine = EngineThread(llm)
+
+    def ask(prompt, params):
+        output = engine.submit(prompt, replace(params, output_kind=RequestOutputKind.FINAL_ONLY)).result()
+        return output.outputs[0].token_ids, output.outputs[0].logprobs
+
+    try:
+        return run_clients(args, vocab, ask)
+    finally:
+        engine.close()
+
+
 def per_call(llm, args, vocab: int):
     """The engine driven by whole calls: the calling thread runs ``generate`` over the waiting requests."""
     waiting: queue.SimpleQueue = queue.SimpleQueue()
@@ -183,16 +198,17 @@ def main(argv=None) -> None:
     warm = argparse.Namespace(**{**vars(args), "clients": min(args.clients, 8), "turns": 1})
     online(llm, warm, vocab)  # untimed: mixed-step graphs captured on first use
     per_call(llm, warm, vocab)
-    llm.reset_prefix_cache()
-    served, online_s = online(llm, args, vocab)
-    llm.reset_prefix_cache()
-    called, call_s = per_call(llm, args, vocab)
-    rows = [row("online (HTTP)", served, online_s), row("per-call generate", called, call_s)]
+    runs = {}
+    for name, mode in (("online (HTTP)", online), ("online (in process)", in_process), ("per-call generate", per_call)):
+        llm.reset_prefix_cache()
+        runs[name] = mode(llm, args, vocab)
+    rows = [row(name, *run) for name, run in runs.items()]
+    (served, online_s), (local, local_s), (called, call_s) = runs.values()
     table(f"{args.config}: {args.clients} clients x {args.turns} turns (replies of {args.min_tokens}-{args.max_tokens} "
           "tokens)", ["mode", "seconds", "output tokens", "tok/s", "mean latency s", "p90 latency s"], rows)
-    print(f"online / per-call: {call_s / online_s:.2f}x tok/s")
-    same = all(a.turns == b.turns for a, b in zip(served, called))
-    print(f"every turn the same tokens and logprobs in both modes: {same}")
+    print(f"online / per-call: {call_s / online_s:.2f}x tok/s over HTTP, {call_s / local_s:.2f}x in process")
+    same = all(a.turns == b.turns == c.turns for a, b, c in zip(served, local, called))
+    print(f"every turn the same tokens and logprobs in all modes: {same}")
     samples = [turn for c in served for turn in c.turns]
     checked, bad, worst = recompute_mismatches(model, samples, args.recompute_tokens, args.device)
     print(f"recomputed by token_logprobs: {checked} tokens, {bad} mismatches (max |diff| {worst:.3g})")

@@ -39,8 +39,7 @@ class OpenAIServer:
         self.llm, self.model_name = llm, model_name
         self.engine = EngineThread(llm)
         handler = type("Handler", (_Handler,), {"server_state": self})
-        self.http = ThreadingHTTPServer((host, port), handler)
-        self.http.daemon_threads = True
+        self.http = _HTTPServer((host, port), handler)
         self._thread: threading.Thread | None = None
 
     @property
@@ -87,6 +86,14 @@ class OpenAIServer:
         except ValueError as err:
             raise ProtocolError(str(err).removeprefix("LLM.add_request: ").removeprefix("LLM.generate: ")) from None
         return sink, ids
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    """A thread per connection; a listen backlog for many clients connecting at once (the
+    standard library's 5 resets connections beyond it)."""
+
+    daemon_threads = True
+    request_queue_size = 1024
 
 
 class _Handler(BaseHTTPRequestHandler):

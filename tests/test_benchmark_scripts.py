@@ -110,7 +110,7 @@ def test_multi_turn_runs_tiny_on_cpu(scripts):
 
 
 def test_serve_runs_tiny_on_cpu(scripts):
-    """benchmarks/serve.py --tiny: agent-loop clients over HTTP and through whole calls get the
+    """benchmarks/serve.py --tiny: agent-loop clients over HTTP, in process and through whole calls get the
     same tokens and logprobs every turn, which the recompute finds equal; a bad option is a usage
     error."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
@@ -118,7 +118,7 @@ def test_serve_runs_tiny_on_cpu(scripts):
                          timeout=600, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     assert "online (HTTP)" in run.stdout and "per-call generate" in run.stdout and "x tok/s" in run.stdout
-    assert "both modes: True" in run.stdout and " 60 tokens, 0 mismatches" in run.stdout, run.stdout
+    assert "in process" in run.stdout and "all modes: True" in run.stdout and " 60 tokens, 0 mismatches" in run.stdout, run.stdout
     refused = scripts.run(BENCHMARKS, "serve.py", "--tiny", "--min-tokens", "9", "--max-tokens", "4")
     assert refused.returncode == 2 and "--min-tokens" in refused.stderr
 
