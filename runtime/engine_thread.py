@@ -16,6 +16,8 @@ import threading
 from collections.abc import Iterator
 from concurrent.futures import Future
 
+import torch
+
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
@@ -89,6 +91,8 @@ class EngineThread:
 
     def _run(self) -> None:
         llm = self.llm
+        if llm.device.type == "cuda":  # the current device is the thread's own
+            torch.cuda.set_device(llm.device)
         while True:
             command = self._commands.get() if not llm.has_unfinished_requests() else self._next_command()
             while command is not None:

@@ -137,8 +137,8 @@ def test_penalties_steer_sampling_and_the_logprobs_stay_the_actors(ckpt):
     requests, and the returned logprobs are still the actor's recompute."""
     rollout, server = make_rollout(ckpt, full_determinism=True)
     model = get("qwen3").causal_lm_class.from_pretrained(ckpt).eval()
-    seen, generate = [], rollout.llm.generate
-    rollout.llm.generate = lambda prompts, params, **kw: seen.extend(params) or generate(prompts, params, **kw)
+    seen, add = [], rollout.llm.add_request
+    rollout.llm.add_request = lambda request_id, prompt, params: seen.append(params) or add(request_id, prompt, params)
     penalised = asyncio.run(generate_all(server, repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.3))
     assert len(seen) == len(PROMPTS)
     assert all((p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.5, 0.5, 0.3) for p in seen)
@@ -150,13 +150,40 @@ def test_batched_requests_equal_one_at_a_time(ckpt):
     """full_determinism: each request's seed comes from its id, so batching changes nothing."""
     _, server = make_rollout(ckpt, full_determinism=True)
     together = asyncio.run(generate_all(server))
-    _, alone_server = make_rollout(ckpt, full_determinism=True, engine={"batch_window_ms": 0})
+    _, alone_server = make_rollout(ckpt, full_determinism=True)
     for i, prompt in enumerate(PROMPTS):  # each alone, under its own request id
         single = asyncio.run(alone_server.generate(prompt, {**PARAMS, "max_tokens": MAX_TOKENS[i]}, request_id=f"req-{i}"))
         assert single.token_ids == together[i].token_ids and single.log_probs == together[i].log_probs
     others = [asyncio.run(alone_server.generate(PROMPTS[3], {**PARAMS, "max_tokens": 8}, request_id=f"other-{k}"))
               for k in range(3)]
     assert any(o.token_ids != together[3].token_ids for o in others)  # the id does pick the sample
+
+
+def test_a_request_joins_the_running_ones(ckpt):
+    """A short request sent while a long one runs comes back first: it joined the engine's running
+    batch instead of waiting for it (and equals the same request sent alone)."""
+    rollout, server = make_rollout(ckpt, full_determinism=True, response_length=400)
+    finished = []
+
+    async def ask(name: str, max_tokens: int, delay: float):
+        await asyncio.sleep(delay)
+        out = await server.generate(PROMPTS[0], {**PARAMS, "max_tokens": max_tokens}, request_id=name)
+        finished.append(name)
+        return out
+
+    async def run():
+        return await asyncio.gather(ask("long", 400, 0.0), ask("short", 2, 0.3))
+
+    long, short = asyncio.run(run())
+    assert finished == ["short", "long"] and len(long.token_ids) == 400 and len(short.token_ids) == 2
+    alone = asyncio.run(server.generate(PROMPTS[0], {**PARAMS, "max_tokens": 2}, request_id="short"))
+    assert alone.token_ids == short.token_ids and alone.log_probs == short.log_probs
+    assert not rollout.llm.has_unfinished_requests()
+
+
+def test_the_removed_batch_window_option_says_why(ckpt):
+    with pytest.raises(ValueError, match="batch_window_ms=20.*running batch"):
+        make_rollout(ckpt, engine={"batch_window_ms": 20})
 
 
 def test_release_resume_update_weights(ckpt):

@@ -26,12 +26,17 @@ from vexact_models.runtime import LLM, SamplingParams
 # ----------------------------------------------------------------------------------------------
 
 OPTIONS_KEY = "vexact"  # rollout.engine_kwargs.vexact: LLM arguments and the options below
-OWN_OPTIONS = {"sleep_level": 2, "batch_window_ms": 20.0}
+OWN_OPTIONS = {"sleep_level": 2}
+#: options of earlier releases, and why they went
+REMOVED_OPTIONS = {"batch_window_ms": "requests now join the engine's running batch as they arrive (its online "
+                                      "requests), so there is no batch to wait for; remove it"}
 
 
 def engine_options(config) -> dict:
     """``rollout.engine_kwargs.vexact`` (LLM keyword arguments plus `OWN_OPTIONS`), checked."""
     opts = dict(((getattr(config, "engine_kwargs", None) or {}).get(OPTIONS_KEY)) or {})
+    for name in sorted(set(opts) & set(REMOVED_OPTIONS)):
+        raise ValueError(f"rollout.engine_kwargs.{OPTIONS_KEY}.{name}={opts[name]!r}: {REMOVED_OPTIONS[name]}")
     allowed = set(inspect.signature(LLM).parameters) - {"model"} | set(OWN_OPTIONS)
     unknown = sorted(set(opts) - allowed)
     if unknown:

@@ -19,8 +19,8 @@ See ``docs/verl.md``.
 - `VexactServer`: the replica's server; its async ``generate(prompt_ids, sampling_params,
   request_id, ...)`` returns verl's ``TokenOutput`` with ``log_probs``, and with
   ``prompt_logprobs`` the prompt's scores in ``extra_fields`` (what verl's distillation teacher
-  reads, so a replica of ours can be the teacher). Concurrent requests are batched into one engine
-  call (batch-invariant kernels: batching changes no token).
+  reads, so a replica of ours can be the teacher). Each request joins the engine's running batch as
+  it arrives (the engine's online requests; batch-invariant kernels: batching changes no token).
 - The actor hook: our causal LMs' ``forward`` honours verl's fused-kernel contract
   (``temperature=``, ``shift_labels=`` -> ``log_probs``, ``entropy``).
 """
@@ -28,6 +28,7 @@ See ``docs/verl.md``.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 from collections.abc import Iterable
 
@@ -38,10 +39,10 @@ from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
 from vexact_models.integrations._verl_support import (OPTIONS_KEY, OWN_OPTIONS, ExpertRefuser, add_adapters,
                                                       check_parallel, copy_buffers, engine_options, engine_pairs,
-                                                      lora_fields, max_model_len_of, plain_name, prompt_scores,
-                                                      refuse_experts, request_seed, sampled_logprobs)
+                                                      lora_fields, max_model_len_of, plain_name, refuse_experts, request_seed)
 from vexact_models.integrations._verl_support import sampling_params as to_sampling_params
 from vexact_models.integrations import _verl_registry
+from vexact_models.integrations._verl_requests import RolloutRequests
 from vexact_models.integrations._verl_registry import ROLLOUT_NAME, uninstall
 from vexact_models.runtime import LLM
 
@@ -50,7 +51,7 @@ __all__ = ["ROLLOUT_NAME", "VexactReplica", "VexactRollout", "VexactServer", "in
 _ADAPTERS: dict[int, "VexactRollout"] = {}  # replica rank -> the engine living in this process
 
 
-class VexactRollout(BaseRollout):
+class VexactRollout(RolloutRequests, BaseRollout):
     """verl's rollout contract over one `LLM` in this process (the trainer's rank, or a
     checkpoint-engine worker). The engine is built on first use from ``model_config.local_path``
     (its own full copy of the weights, which the trainer's ``update_weights`` refreshes), or over
@@ -62,7 +63,7 @@ class VexactRollout(BaseRollout):
             ``enable_chunked_prefill``, ``enable_prefix_caching``, ``free_cache_engine`` are
             honoured; ``engine_kwargs.vexact`` adds `LLM` arguments, ``sleep_level`` (what
             `release` frees: 0 KV cache, 1 also weights to host, 2 also drops them; default 2, as
-            every wake-up is followed by ``update_weights``) and ``batch_window_ms``).
+            every wake-up is followed by ``update_weights``).
         model_config: verl's ``HFModelConfig``.
         device_mesh: unused (one engine per rank).
         replica_rank: this engine's replica; default the process's ``RANK``.
@@ -77,7 +78,6 @@ class VexactRollout(BaseRollout):
         self.sleep_level = int(opts.pop("sleep_level", OWN_OPTIONS["sleep_level"]))
         if self.sleep_level not in (0, 1, 2):
             raise ValueError(f"rollout.engine_kwargs.{OPTIONS_KEY}.sleep_level={self.sleep_level} must be 0, 1 or 2")
-        opts.pop("batch_window_ms", None)  # the server's option
         self.replica_rank = int(os.environ.get("RANK", 0)) if replica_rank < 0 else int(replica_rank)
         self.is_leader_rank = True  # asked by verl's checkpoint-engine worker
         self.global_steps: int | None = None
@@ -85,6 +85,7 @@ class VexactRollout(BaseRollout):
         self._llm_kwargs = opts
         self._llm: LLM | None = None
         self._lora: dict | None = None  # the LoRA config (`lora_fields`) of the adapters the engine holds
+        self._init_requests()
         _ADAPTERS[self.replica_rank] = self
 
     @property
@@ -175,39 +176,14 @@ class VexactRollout(BaseRollout):
     def set_global_steps(self, global_steps: int) -> None:
         self.global_steps = global_steps
 
-    def generate_batch(self, requests: list[tuple[list[int], object, bool]]) -> list[TokenOutput | Exception]:
-        """One engine call for ``(prompt ids, SamplingParams, want logprobs)`` requests; a
-        request the engine failed comes back as its exception, the others as ``TokenOutput``. A
-        request the engine rejects (e.g. a token id outside the vocabulary) fails alone: the
-        batch is then run request by request (same results: the kernels are batch-invariant)."""
-        try:
-            outs = self.llm.generate([r[0] for r in requests], [r[1] for r in requests], use_tqdm=False)
-        except ValueError as error:
-            if len(requests) == 1:
-                return [error]
-            return [result for request in requests for result in self.generate_batch([request])]
-        results: list[TokenOutput | Exception] = []
-        for out, (_, params, want_logprobs) in zip(outs, requests):
-            c = out.outputs[0]
-            if c.finish_reason == "error":
-                results.append(RuntimeError(f"vexact engine: {c.error}"))
-                continue
-            extra = {"global_steps": self.global_steps}
-            if params.prompt_logprobs is not None:  # verl's distillation teacher reads these
-                extra["prompt_ids"], extra["prompt_logprobs"] = prompt_scores(out.prompt_logprobs,
-                                                                              params.prompt_logprobs)
-            results.append(TokenOutput(token_ids=list(c.token_ids),
-                                       log_probs=sampled_logprobs(c) if want_logprobs else None,
-                                       stop_reason="completed", num_preempted=None, extra_fields=extra))
-        return results
-
 
 def _on_worker(actor, replica_rank: int, method: str, args: tuple):
     """Run on the Ray actor hosting replica `replica_rank`'s `VexactRollout` (via ``__ray_call__``)."""
     adapter = _ADAPTERS.get(replica_rank)
     if adapter is None:
-        raise RuntimeError(f"no VexactRollout for replica {replica_rank} in this process "
-                           f"(is actor_rollout_ref.rollout.name={ROLLOUT_NAME!r} and this module imported there?)")
+        raise RuntimeError(f"no VexactRollout for replica {replica_rank} in this process (is "
+                           f"actor_rollout_ref.rollout.name={ROLLOUT_NAME!r} and vexact_models.integrations.verl imported "
+                           "there?)")
     return getattr(adapter, method)(*args)
 
 
@@ -215,8 +191,14 @@ class VexactServer:
     """A replica's server: what verl's ``LLMServerClient`` and ``RolloutReplica`` call.
 
     It reaches its `VexactRollout` in this process (`rollout`) or on the Ray actor hosting it
-    (``workers[0]``). Requests arriving within ``batch_window_ms`` of each other (and those
-    queued while a batch runs) go to the engine as one ``generate`` call."""
+    (``workers[0]``). Each request goes to the engine as an online request as soon as it arrives
+    (`VexactRollout.submit_requests`: it joins the running batch at the next step), and its answer
+    comes back when it finishes (`VexactRollout.poll_requests`, which the server calls while
+    requests are out, a wait of at most `POLL_S` each)."""
+
+    #: the longest one poll of the rollout waits for a request to finish (new requests are
+    #: submitted between polls)
+    POLL_S = 0.01
 
     def __init__(self, config, workers: list | None = None, replica_rank: int = 0, *,
                  rollout: VexactRollout | None = None, **kwargs) -> None:
@@ -226,15 +208,14 @@ class VexactServer:
         self.replica_rank = int(replica_rank)
         self._local = rollout
         self._worker = None if rollout is not None else workers[0]
-        window = float(engine_options(self.config).get("batch_window_ms", OWN_OPTIONS["batch_window_ms"]))
-        if not window >= 0:
-            raise ValueError(f"rollout.engine_kwargs.{OPTIONS_KEY}.batch_window_ms={window} must be >= 0")
-        self.batch_window_s = window / 1000
+        engine_options(self.config)  # its errors (a removed option) before the first request
         self.max_model_len = max_model_len_of(self.config)
-        self._queue: list = []
+        self._queue: list = []  # ((key, ids, params, want logprobs), future) not submitted yet
+        self._pending: dict[str, asyncio.Future] = {}  # submitted, not finished
+        self._keys = itertools.count()
         self._runner: asyncio.Task | None = None
         self._loop = None  # the event loop the primitives below belong to (made there, on first use)
-        self._lock: asyncio.Lock | None = None  # one engine call at a time
+        self._lock: asyncio.Lock | None = None  # one call into the rollout at a time
         self._open: asyncio.Event | None = None  # admission gate (closed by abort_all_requests)
         self._reject = False
 
@@ -272,31 +253,52 @@ class VexactServer:
         if self._reject and not gate.is_set():
             return TokenOutput(token_ids=[], log_probs=None, stop_reason="aborted")
         future = asyncio.get_running_loop().create_future()
-        self._queue.append(((ids, params, want_logprobs), future))
+        key = f"{request_id}#{next(self._keys)}"  # verl's ids are not promised unique among running requests
+        self._queue.append(((key, ids, params, want_logprobs), future))
         if self._runner is None:
-            self._runner = asyncio.create_task(self._run_queue())
+            self._runner = asyncio.create_task(self._run())
         return await future
 
-    async def _run_queue(self) -> None:
+    async def _run(self) -> None:
+        """Submit what arrived (while the gate is open), poll for what finished; until nothing is out."""
         _, gate = self._loop_state()
         try:
-            while self._queue:
-                await asyncio.sleep(self.batch_window_s)  # let concurrent requests join this batch
-                await gate.wait()
-                batch, self._queue = self._queue, []
-                try:
-                    results = await self._call("generate_batch", [request for request, _ in batch])
-                except Exception as error:  # the whole call failed: every caller hears why
-                    results = [error] * len(batch)
-                for (_, future), result in zip(batch, results):
-                    if future.done():
-                        continue
-                    if isinstance(result, Exception):
-                        future.set_exception(result)
-                    else:
-                        future.set_result(result)
+            while self._queue or self._pending:
+                if self._queue and gate.is_set():
+                    batch, self._queue = self._queue, []
+                    await self._submit(batch)
+                if self._pending:
+                    await self._poll()
+                elif self._queue:  # held by abort_all_requests until resume_generation
+                    await gate.wait()
         finally:
             self._runner = None
+
+    async def _submit(self, batch: list) -> None:
+        try:
+            errors = await self._call("submit_requests", [request for request, _ in batch])
+        except Exception as error:  # the call itself failed (e.g. the engine is asleep): each caller hears why
+            errors = [error] * len(batch)
+        for (request, future), error in zip(batch, errors):
+            if error is not None:
+                if not future.done():
+                    future.set_exception(error)
+            else:
+                self._pending[request[0]] = future
+
+    async def _poll(self) -> None:
+        try:
+            results = await self._call("poll_requests", self.POLL_S)
+        except Exception as error:  # the rollout is gone: every request out hears why
+            results = [(key, error) for key in self._pending]
+        for key, result in results:
+            future = self._pending.pop(key, None)
+            if future is None or future.done():
+                continue
+            if isinstance(result, Exception):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
 
     # -- engine control (verl's RolloutReplica and checkpoint manager call these) ------------
     async def wake_up(self, tags: list[str] | None = None) -> None:
@@ -312,20 +314,22 @@ class VexactServer:
         await self._call("wake_up", ["kv_cache"])
 
     async def clear_kv_cache(self) -> None:
-        """Nothing to do: shared prefix pages never outlive one engine call."""
+        """Nothing to do: an engine over verl's weights shares no prefix pages once its requests
+        finished (`LLM._keep_prefix_cache`), and its own copy drops them at every weight update."""
 
     async def set_global_steps(self, global_steps: int) -> None:
         await self._call("set_global_steps", global_steps)
 
     async def wait_for_requests_to_drain(self) -> None:
-        lock, _ = self._loop_state()
-        async with lock:  # the running batch, if any, has finished
-            pass
+        """Return once every submitted request has finished (queued ones held by the gate stay)."""
+        _, gate = self._loop_state()
+        while self._pending or (self._queue and gate.is_set()):
+            await asyncio.sleep(self.POLL_S)
 
     async def abort_all_requests(self, reset_prefix_cache: bool = True, reject_request: bool = False) -> dict:
-        """Hold new batches until `resume_generation` (the running one completes: an engine call
-        is not interrupted); with `reject_request`, requests arriving meanwhile come back
-        ``stop_reason="aborted"``."""
+        """Hold new requests until `resume_generation` (those running complete: the engine's
+        requests are not cut short); with `reject_request`, queued requests and those arriving
+        meanwhile come back ``stop_reason="aborted"``."""
         _, gate = self._loop_state()
         gate.clear()
         self._reject = bool(reject_request)
