@@ -16,7 +16,7 @@ from .llm_args import resolve_tokenizer
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
-__all__ = ["ChatMixin"]
+__all__ = ["ChatMixin", "chat_ids", "render_text"]
 
 
 class ChatMixin:
@@ -54,36 +54,34 @@ class ChatMixin:
             else list(messages)
         texts = [self._render(i, conversation, chat_template, add_generation_prompt, continue_final_message, tools,
                               chat_template_kwargs or {}) for i, conversation in enumerate(conversations)]
-        prompts = [{"prompt_token_ids": self._chat_ids(text)} for text in texts]
+        prompts = [{"prompt_token_ids": chat_ids(self.tokenizer, text)} for text in texts]
         outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
         for output, text in zip(outputs, texts):
             output.prompt = text
         return outputs
 
-    def _chat_prompt(self, conversation, *, chat_template: str | None = None, add_generation_prompt: bool = True,
-                     continue_final_message: bool = False, tools: list | None = None,
-                     chat_template_kwargs: dict | None = None) -> tuple[str, list[int]]:
-        """One conversation's rendered text and its token ids, as `chat` makes them (the OpenAI
-        server's chat requests, `runtime.openai_server`); its ValueErrors."""
-        if self.tokenizer is None:
-            raise ValueError("LLM.chat needs a tokenizer with a chat template")
-        text = self._render(0, conversation, chat_template, add_generation_prompt, continue_final_message, tools,
-                            chat_template_kwargs or {})
-        return text, self._chat_ids(text)
-
-    def _chat_ids(self, text: str) -> list[int]:
-        """A rendered conversation's ids: the template wrote its special tokens."""
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
     def _render(self, index: int, conversation, chat_template, add_generation_prompt: bool,
                 continue_final_message: bool, tools, kwargs: dict) -> str:
         """The text of conversation `index`, after checking its messages."""
-        if not isinstance(conversation, Seq) or isinstance(conversation, str) or not conversation:
-            raise ValueError(f"LLM.chat: conversation {index} must be a non-empty list of messages, got {conversation!r}")
-        for j, message in enumerate(conversation):
-            if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
-                raise ValueError(f"LLM.chat: message {j} of conversation {index} must be a dict with 'role' and "
-                                 f"'content', got {message!r}")
-        return self.tokenizer.apply_chat_template(
-            list(conversation), tokenize=False, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, tools=tools, **kwargs)
+        return render_text(self.tokenizer, conversation, chat_template, add_generation_prompt, continue_final_message,
+                           tools, kwargs, "LLM.chat", f"conversation {index}")
+
+
+def render_text(tokenizer, conversation, chat_template: str | None, add_generation_prompt: bool,
+                continue_final_message: bool, tools, kwargs: dict, caller: str, where: str) -> str:
+    """`conversation` rendered by `tokenizer`'s chat template (or `chat_template`), after checking
+    its messages: a ValueError naming `caller`, `where` (the conversation) and the message otherwise."""
+    if not isinstance(conversation, Seq) or isinstance(conversation, str) or not conversation:
+        raise ValueError(f"{caller}: {where} must be a non-empty list of messages, got {conversation!r}")
+    for j, message in enumerate(conversation):
+        if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
+            raise ValueError(f"{caller}: message {j} of {where} must be a dict with 'role' and 'content', got {message!r}")
+    return tokenizer.apply_chat_template(
+        list(conversation), tokenize=False, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message, tools=tools, **kwargs)
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    """A rendered conversation's token ids: the template wrote its special tokens, so the
+    tokenizer adds none."""
+    return tokenizer(text, add_special_tokens=False)["input_ids"]

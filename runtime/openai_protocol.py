@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import RequestOutputKind, SamplingParams
 from .structured_outputs import StructuredOutputsParams
+from .top_logprobs import Logprob
 
 __all__ = ["ProtocolError", "EngineRequest", "read_completion", "read_chat", "completion_choice", "chat_choice",
            "response", "usage"]
@@ -61,6 +63,8 @@ class EngineRequest:
     return_token_ids: bool = False
     top_logprobs: int | None = None  #: alternatives per position asked for (None: no logprobs)
     texts: list[str | None] = field(default_factory=list)  #: the rendered prompts (chat)
+    #: each token id's text (the server's tokenizer), for the logprobs of requests asking k = 0
+    token_texts: Callable[[list[int]], list[str]] | None = None
     id: str = ""
     created: int = 0
 
@@ -111,7 +115,8 @@ def _sampling(body: dict, max_tokens: int | None, logprobs: int | None, stream: 
         except ValueError:
             raise ProtocolError(f"'logit_bias' keys must be token ids, got {sorted(bias)!r}", "logit_bias") from None
     try:
-        return SamplingParams(**fields, max_tokens=max_tokens, logprobs=logprobs, structured_outputs=_structured(body),
+        # k = 0 asks for the sampled tokens' logprobs alone: the engine's floats, no alternatives to rank
+        return SamplingParams(**fields, max_tokens=max_tokens, logprobs=logprobs or None, structured_outputs=_structured(body),
                               output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
     except ValueError as err:
         raise ProtocolError(str(err), str(err).split("=")[0].removeprefix("SamplingParams.").split("[")[0]) from None
@@ -190,33 +195,35 @@ def read_chat(body: dict, render, max_model_len: int) -> EngineRequest:
 
 
 # -- responses ---------------------------------------------------------------------------------
-def _entries(completion: CompletionOutput) -> list[tuple[int, dict]]:
-    """(token, its position's dict of entries) per output token (asked with ``logprobs``)."""
-    return list(zip(completion.token_ids, completion.logprobs))
+def _positions(request: EngineRequest, completion: CompletionOutput) -> list[tuple[str, float, list[Logprob]]]:
+    """Per output token: its text, its logprob, and its position's k most probable entries (rank
+    order); with k = 0 the engine's floats, the texts from the request's tokenizer."""
+    if not completion.token_ids or isinstance(completion.logprobs[0], float):
+        return list(zip(request.token_texts(completion.token_ids), completion.logprobs, [[]] * len(completion.token_ids)))
+    positions = []
+    for token, entries in zip(completion.token_ids, completion.logprobs):
+        top = sorted((e for e in entries.values() if e.rank <= request.top_logprobs), key=lambda e: e.rank)
+        positions.append((entries[token].decoded_token or "", entries[token].logprob, top))
+    return positions
 
 
-def _completion_logprobs(completion: CompletionOutput, offset: int) -> dict:
+def _completion_logprobs(request: EngineRequest, completion: CompletionOutput, offset: int) -> dict:
     tokens, values, tops, offsets = [], [], [], []
-    for token, entries in _entries(completion):
-        text = entries[token].decoded_token or ""
+    for text, logprob, top in _positions(request, completion):
         tokens.append(text)
-        values.append(entries[token].logprob)
-        tops.append({e.decoded_token or "": e.logprob for e in entries.values()})  # the token and the k best, as vLLM
+        values.append(logprob)
+        tops.append({text: logprob, **{e.decoded_token or "": e.logprob for e in top}})  # the token and the k best
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
-def _chat_logprobs(completion: CompletionOutput, k: int) -> dict:
-    def item(entry) -> dict:
-        text = entry.decoded_token or ""
-        return {"token": text, "logprob": entry.logprob, "bytes": list(text.encode())}
+def _chat_logprobs(request: EngineRequest, completion: CompletionOutput) -> dict:
+    def item(text: str, logprob: float) -> dict:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
-    content = []
-    for token, entries in _entries(completion):
-        top = [item(e) for e in sorted(entries.values(), key=lambda e: e.rank) if e.rank <= k]
-        content.append({**item(entries[token]), "top_logprobs": top})
-    return {"content": content}
+    return {"content": [{**item(text, logprob), "top_logprobs": [item(e.decoded_token or "", e.logprob) for e in top]}
+                        for text, logprob, top in _positions(request, completion)]}
 
 
 def _token_fields(request: EngineRequest, output: RequestOutput, completion: CompletionOutput) -> dict:
@@ -228,7 +235,7 @@ def _token_fields(request: EngineRequest, output: RequestOutput, completion: Com
 def completion_choice(request: EngineRequest, index: int, output: RequestOutput, completion: CompletionOutput,
                       offset: int = 0) -> dict:
     """One ``/v1/completions`` choice (or a stream chunk's: `completion` a delta)."""
-    logprobs = None if request.top_logprobs is None else _completion_logprobs(completion, offset)
+    logprobs = None if request.top_logprobs is None else _completion_logprobs(request, completion, offset)
     return {"index": index, "text": completion.text or "", "logprobs": logprobs,
             "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
             **_token_fields(request, output, completion)}
@@ -237,7 +244,7 @@ def completion_choice(request: EngineRequest, index: int, output: RequestOutput,
 def chat_choice(request: EngineRequest, index: int, output: RequestOutput, completion: CompletionOutput,
                 delta: bool = False) -> dict:
     """One ``/v1/chat/completions`` choice: a whole message, or a stream chunk's delta."""
-    logprobs = None if request.top_logprobs is None else _chat_logprobs(completion, request.top_logprobs)
+    logprobs = None if request.top_logprobs is None else _chat_logprobs(request, completion)
     message = {"content": completion.text or ""} if delta else {"role": "assistant", "content": completion.text or ""}
     return {"index": index, "delta" if delta else "message": message, "logprobs": logprobs,
             "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,

@@ -1,246 +1,81 @@
 """An OpenAI-compatible HTTP server over an `LLM` (``vexact serve``), in the style of ``vllm serve``:
 ``POST /v1/completions``, ``POST /v1/chat/completions`` (each streamed as server-sent events with
-``"stream": true``), ``GET /v1/models``, ``GET /health``.
+``"stream": true``), ``GET /v1/models``, ``GET /health`` (`runtime.openai_http`).
 
-Requests run as the engine's online requests (`runtime.llm_online`) on one engine thread
-(`runtime.engine_thread`): each joins the running batch at the next step, so a client's request
-does not wait for the others to finish. Every HTTP request has a thread of its own (the standard
-library's ``ThreadingHTTPServer``: no web framework to install), which tokenizes or renders its
-prompt, submits it, and writes the answer. A client that goes away while its request streams has
-the request aborted. Logprobs are the engine's floats, bitwise those the training forward
-recomputes (`runtime.openai_protocol`).
+Two processes, as vLLM's API server and engine core. This one keeps the engine: its requests run
+as the engine's online requests (`runtime.llm_online`) on one engine thread
+(`runtime.engine_thread`), each joining the running batch at the next step. The HTTP front end
+(`runtime.openai_front_end`) runs in a process of its own, its handlers parsing bodies, tokenizing,
+rendering chat templates and writing JSON; in the engine's process that Python work held the
+interpreter's lock against the step loop and made every step slower (docs/performance.md section
+3). The two talk over a socket pair (`runtime.engine_link`). Logprobs are the engine's floats,
+bitwise those the training forward recomputes (`runtime.openai_protocol`).
 """
 
 from __future__ import annotations
 
-import json
-import queue
-import threading
-from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+import socket
+import subprocess
+import sys
+from multiprocessing.connection import Connection
 
+from .engine_link import EngineLink
 from .engine_thread import EngineThread
-from .openai_protocol import (EngineRequest, ProtocolError, chat_choice, completion_choice, read_chat, read_completion,
-                              response, usage)
-from .outputs import RequestOutput
 
 __all__ = ["OpenAIServer"]
 
 
 class OpenAIServer:
-    """Serve `llm` at ``http://host:port/v1`` as model `model_name`. `start` runs it on a
-    background thread (port 0 picks a free port: `url` says which); `serve_forever` in the calling
-    thread; `close` stops both servers and the engine thread."""
+    """Serve `llm` at ``http://host:port/v1`` as model `model_name` (port 0: a free one). `start`
+    starts the front end's process and returns once it listens (`url` says where);
+    `serve_forever` also waits until it stops; `close` stops it and the engine thread."""
 
     def __init__(self, llm, model_name: str, host: str = "127.0.0.1", port: int = 8000) -> None:
         if llm.tokenizer is None:
             raise ValueError("OpenAIServer: the engine has no tokenizer (the API's prompts and replies are text); "
                              "load a checkpoint folder that has one, or pass LLM(..., tokenizer=...)")
-        self.llm, self.model_name = llm, model_name
-        self.engine = EngineThread(llm)
-        handler = type("Handler", (_Handler,), {"server_state": self})
-        self.http = _HTTPServer((host, port), handler)
-        self._thread: threading.Thread | None = None
-
-    @property
-    def url(self) -> str:
-        host, port = self.http.server_address[:2]
-        return f"http://{host}:{port}/v1"
+        self.llm, self.model_name, self.host, self.port = llm, model_name, host, port
+        self.url: str | None = None
+        self._process: subprocess.Popen | None = None
+        self._link: EngineLink | None = None
 
     def start(self) -> OpenAIServer:
-        self._thread = threading.Thread(target=self.http.serve_forever, name="vexact-http", daemon=True)
-        self._thread.start()
+        """Start the front end and the engine thread; RuntimeError when the front end cannot
+        listen (its reason) or dies starting."""
+        if self._process is not None:
+            return self
+        ours, theirs = socket.socketpair()
+        self._process = subprocess.Popen([sys.executable, "-m", "vexact_models.runtime.openai_front_end",
+                                          str(theirs.fileno())], pass_fds=[theirs.fileno()])
+        theirs.close()
+        conn = Connection(ours.detach())
+        conn.send({"tokenizer": self.llm.tokenizer, "model_name": self.model_name, "host": self.host,
+                   "port": self.port, "max_model_len": self.llm.max_model_len})
+        try:
+            kind, detail = conn.recv()
+        except EOFError:
+            kind, detail = "error", f"the front end's process exited ({self._process.wait()}) before listening"
+        if kind != "ready":
+            conn.close()
+            self._process.wait()
+            self._process = None
+            raise RuntimeError(f"OpenAIServer: {detail}")
+        self.url = detail
+        self._link = EngineLink(EngineThread(self.llm), conn)
         return self
 
     def serve_forever(self) -> None:
+        """`start`, then serve until the front end stops (or Ctrl-C); then `close`."""
+        self.start()
         try:
-            self.http.serve_forever()
+            self._process.wait()
         finally:
             self.close()
 
     def close(self) -> None:
-        if self._thread is not None:
-            self.http.shutdown()
-            self._thread.join()
-            self._thread = None
-        self.http.server_close()
-        self.engine.close()
-
-    # -- requests ----------------------------------------------------------------------------
-    def tokenize(self, text: str) -> list[int]:
-        return self.llm.tokenizer(text)["input_ids"]
-
-    def render(self, messages, **options) -> tuple[str, list[int]]:
-        try:
-            return self.llm._chat_prompt(messages, **options)
-        except ValueError as err:
-            raise ProtocolError(str(err), "messages") from None
-
-    def submit(self, request: EngineRequest) -> tuple[queue.SimpleQueue, list[str]]:
-        """Queue every prompt of `request`, their outputs into one queue (all or none are queued)."""
-        sink: queue.SimpleQueue = queue.SimpleQueue()
-        ids = [f"{request.id}-{i}" for i in range(len(request.prompts))]
-        try:
-            self.engine.submit_all([({"prompt_token_ids": p}, params) for p, params in zip(request.prompts, request.params)],
-                                   ids, sink)
-        except ValueError as err:
-            raise ProtocolError(str(err).removeprefix("LLM.add_request: ").removeprefix("LLM.generate: ")) from None
-        return sink, ids
-
-
-class _HTTPServer(ThreadingHTTPServer):
-    """A thread per connection; a listen backlog for many clients connecting at once (the
-    standard library's 5 resets connections beyond it)."""
-
-    daemon_threads = True
-    request_queue_size = 1024
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server_state: OpenAIServer
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, format, *args) -> None:  # noqa: A002 (the base class's name); quiet by default
-        pass
-
-    # -- routing -----------------------------------------------------------------------------
-    def do_GET(self) -> None:  # noqa: N802 (the base class's name)
-        state = self.server_state
-        if self.path == "/health":
-            self._send(HTTPStatus.OK, {})
-        elif self.path == "/v1/models":
-            self._send(HTTPStatus.OK, {"object": "list", "data": [
-                {"id": state.model_name, "object": "model", "created": 0, "owned_by": "vexact-models",
-                 "max_model_len": state.llm.max_model_len}]})
-        else:
-            self._error(ProtocolError(f"no route GET {self.path}", status=404, kind="not_found_error"))
-
-    def do_POST(self) -> None:  # noqa: N802 (the base class's name)
-        kind = {"/v1/completions": "text_completion", "/v1/chat/completions": "chat.completion"}.get(self.path)
-        try:
-            if kind is None:
-                raise ProtocolError(f"no route POST {self.path}", status=404, kind="not_found_error")
-            body = self._body()
-            state = self.server_state
-            model = body.get("model")
-            if model is not None and model != state.model_name:
-                raise ProtocolError(f"the model '{model}' does not exist (this server has '{state.model_name}')",
-                                    "model", 404, "not_found_error")
-            if kind == "text_completion":
-                request = read_completion(body, state.tokenize)
-            else:
-                request = read_chat(body, state.render, state.llm.max_model_len)
-            sink, ids = state.submit(request)
-        except ProtocolError as err:
-            self._error(err)
+        """Stop the front end (requests still out are aborted) and the engine thread."""
+        if self._process is None:
             return
-        if request.stream:
-            self._stream(kind, request, sink, ids)
-        else:
-            self._answer(kind, request, sink, ids)
-
-    # -- answers -----------------------------------------------------------------------------
-    def _answer(self, kind: str, request: EngineRequest, sink: queue.SimpleQueue, ids: list[str]) -> None:
-        try:
-            outputs = _collect(sink, ids)
-        except Exception as err:  # the engine failed a step
-            self._error(ProtocolError(str(err), status=500, kind="internal_error"))
-            return
-        errors = [c.error for o in outputs for c in o.outputs if c.finish_reason == "error" and not c.token_ids]
-        if errors:
-            self._error(ProtocolError(errors[0]))
-            return
-        choose = completion_choice if kind == "text_completion" else chat_choice
-        n = request.params[0].n
-        choices = [choose(request, i * n + c.index, o, c) for i, o in enumerate(outputs) for c in o.outputs]
-        tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-        self._send(HTTPStatus.OK, response(request, kind, self.server_state.model_name, choices,
-                                           usage(sum(map(len, request.prompts)), tokens)))
-
-    def _stream(self, kind: str, request: EngineRequest, sink: queue.SimpleQueue, ids: list[str]) -> None:
-        self.send_response(HTTPStatus.OK)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("Connection", "close")
-        self.end_headers()
-        self.close_connection = True
-        chat, n, model = kind != "text_completion", request.params[0].n, self.server_state.model_name
-        chunk_kind = "chat.completion.chunk" if chat else kind
-        offsets, tokens = {}, 0
-        try:
-            if chat:
-                first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None} for i in range(n * len(ids))]
-                self._event(response(request, chunk_kind, model, first, None))
-            for position, output in _outputs(sink, ids):
-                choices = []
-                for c in output.outputs:
-                    index = position * n + c.index
-                    tokens += len(c.token_ids)
-                    if chat:
-                        choices.append(chat_choice(request, index, output, c, delta=True))
-                    else:
-                        choice = completion_choice(request, index, output, c, offsets.get(index, 0))
-                        if choice["logprobs"] is not None:  # text_offset goes on from the last chunk's
-                            offsets[index] = offsets.get(index, 0) + sum(map(len, choice["logprobs"]["tokens"]))
-                        choices.append(choice)
-                self._event(response(request, chunk_kind, model, choices, None))
-            if request.include_usage:
-                self._event(response(request, chunk_kind, model, [], usage(sum(map(len, request.prompts)), tokens)))
-            self._write(b"data: [DONE]\n\n")
-        except (BrokenPipeError, ConnectionResetError):  # the client went away: stop its requests
-            for request_id in ids:
-                self.server_state.engine.abort(request_id)
-        except Exception as err:  # the engine failed a step: say so in the stream
-            self._event(ProtocolError(str(err), status=500, kind="internal_error").body())
-
-    # -- writing -----------------------------------------------------------------------------
-    def _body(self) -> dict:
-        length = int(self.headers.get("Content-Length") or 0)
-        try:
-            body = json.loads(self.rfile.read(length) or b"null")
-        except ValueError as err:
-            raise ProtocolError(f"the body is not JSON: {err}") from None
-        if not isinstance(body, dict):
-            raise ProtocolError("the body must be a JSON object")
-        return body
-
-    def _send(self, status: int, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def _error(self, err: ProtocolError) -> None:
-        self._send(err.status, err.body())
-
-    def _event(self, body: dict) -> None:
-        self._write(b"data: " + json.dumps(body).encode() + b"\n\n")
-
-    def _write(self, data: bytes) -> None:
-        self.wfile.write(data)
-        self.wfile.flush()
-
-
-def _outputs(sink: queue.SimpleQueue, ids: list[str]):
-    """(prompt position, output) as the engine returns them, until every request finished; an
-    engine failure raises."""
-    position = {request_id: i for i, request_id in enumerate(ids)}
-    left = set(ids)
-    while left:
-        item = sink.get()
-        if isinstance(item, BaseException):
-            raise item
-        if item.finished:
-            left.discard(item.request_id)
-        yield position[item.request_id], item
-
-
-def _collect(sink: queue.SimpleQueue, ids: list[str]) -> list[RequestOutput]:
-    """The finished output of each request, in prompt order."""
-    outputs: list[RequestOutput | None] = [None] * len(ids)
-    for position, output in _outputs(sink, ids):
-        outputs[position] = output
-    return outputs
+        self._link.close()
+        self._process.wait()
+        self._process = self._link = None

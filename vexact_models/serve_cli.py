@@ -61,7 +61,7 @@ def serve(args: argparse.Namespace) -> int:
               max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
               kv_cache_bytes=args.kv_cache_bytes, max_logprobs=args.max_logprobs, seed=args.seed,
               enforce_eager=args.enforce_eager)
-    server = OpenAIServer(llm, args.served_model_name or args.model, args.host, args.port)
+    server = OpenAIServer(llm, args.served_model_name or args.model, args.host, args.port).start()
     print(f"vexact serve: {server.model_name} at {server.url}", flush=True)
     try:
         server.serve_forever()

@@ -12,7 +12,6 @@ import time
 import urllib.error
 import urllib.request
 
-import openai
 import pytest
 import torch
 import transformers
@@ -23,6 +22,8 @@ from vexact_models.runtime import LLM, SamplingParams
 from vexact_models.runtime.engine_thread import EngineThread
 from vexact_models.runtime.openai_protocol import ProtocolError, read_chat
 from vexact_models.runtime.openai_server import OpenAIServer
+
+openai = pytest.importorskip("openai")  # (the main test environment has it; the older-transformers runs do not)
 
 TEMPLATE = "{{ bos_token }}{% for m in messages %}w{{ 10 if m['role'] == 'user' else 11 }} w{{ m['content'] }} {% endfor %}w11"
 EXTRA = {"ignore_eos": True, "return_token_ids": True}
@@ -254,3 +255,65 @@ def _post(url: str, body: dict) -> tuple[int, dict]:
             return reply.status, json.loads(reply.read())
     except urllib.error.HTTPError as err:
         return err.code, json.loads(err.read())
+
+
+def test_a_front_end_that_cannot_listen_says_why(served):
+    llm, server, _ = served
+    port = int(server.url.rsplit(":", 1)[1].split("/")[0])
+    with pytest.raises(RuntimeError, match=f"cannot listen on 127.0.0.1:{port}"):
+        OpenAIServer(llm, "tiny", port=port).start()
+    assert not llm.has_unfinished_requests()
+
+
+def test_requests_of_a_front_end_that_dies_are_aborted(folder):
+    """The front end's process killed while its requests run: the engine drops them (the link's
+    end of the connection closes), and a new server over the same engine serves."""
+    llm = _reference(folder)
+    server = OpenAIServer(llm, "tiny", port=0).start()
+    client = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0)
+    threading.Thread(target=lambda: _quietly(lambda: client.completions.create(
+        model="tiny", prompt="w5", max_tokens=400, extra_body={"ignore_eos": True})), daemon=True).start()
+    for _ in range(200):
+        if llm.has_unfinished_requests():
+            break
+        time.sleep(0.05)
+    assert llm.has_unfinished_requests()
+    server._process.kill()
+    for _ in range(200):
+        if not llm.has_unfinished_requests():
+            break
+        time.sleep(0.05)
+    assert not llm.has_unfinished_requests()
+    server.close()
+    again = OpenAIServer(llm, "tiny", port=0).start()
+    try:
+        reply = openai.OpenAI(base_url=again.url, api_key="none", max_retries=0).completions.create(
+            model="tiny", prompt="w5", max_tokens=3, extra_body=EXTRA)
+        assert len(reply.choices[0].model_extra["token_ids"]) == 3
+    finally:
+        again.close()
+
+
+def _quietly(call) -> None:
+    try:
+        call()
+    except openai.APIError:
+        pass
+
+
+def test_an_engine_failure_is_a_500_and_the_server_serves_on(folder):
+    llm = _reference(folder)
+    weight = llm.model.causal_lm.lm_head.weight
+    saved = weight.detach().clone()
+    server = OpenAIServer(llm, "tiny", port=0).start()
+    try:
+        with torch.no_grad():
+            weight[7, 0] = float("nan")
+        code, answer = _post(server.url + "/completions", {"prompt": "w5 w6", "max_tokens": 4})
+        assert code == 500 and "NaN or inf" in answer["error"]["message"]
+        with torch.no_grad():
+            weight.copy_(saved)
+        code, answer = _post(server.url + "/completions", {"prompt": "w5 w6", "max_tokens": 4, "ignore_eos": True})
+        assert code == 200 and answer["usage"]["completion_tokens"] == 4
+    finally:
+        server.close()

@@ -1,0 +1,226 @@
+"""The OpenAI API over HTTP: the standard library's threaded HTTP server (no web framework to
+install), a thread per connection, routing ``POST /v1/completions``, ``POST /v1/chat/completions``
+(streamed as server-sent events with ``"stream": true``), ``GET /v1/models`` and ``GET /health``.
+
+It runs in the front end's process (`runtime.openai_front_end`): each handler reads its body
+(`runtime.openai_protocol`), tokenizes or renders the prompt, hands the requests to the engine
+(`FrontEnd.engine`: an object with `EngineThread`'s ``submit_all`` and ``abort``, here the link
+to the engine's process) and writes the answer; a client that goes away while its request streams
+has the request aborted.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from .llm_chat import chat_ids, render_text
+from .openai_protocol import (EngineRequest, ProtocolError, chat_choice, completion_choice, read_chat, read_completion,
+                              response, usage)
+from .outputs import RequestOutput
+
+__all__ = ["FrontEnd"]
+
+
+class FrontEnd:
+    """What the handlers serve with: the `engine`, the `tokenizer` (text prompts, chat templates,
+    token texts), the API's `model_name` and the engine's `max_model_len`."""
+
+    def __init__(self, engine, tokenizer, model_name: str, max_model_len: int) -> None:
+        self.engine, self.tokenizer, self.model_name, self.max_model_len = engine, tokenizer, model_name, max_model_len
+
+    def http_server(self, host: str, port: int) -> ThreadingHTTPServer:
+        """An HTTP server of this front end bound to (`host`, `port`; 0: a free one)."""
+        return _HTTPServer((host, port), type("Handler", (_Handler,), {"server_state": self}))
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer(text)["input_ids"]
+
+    def render(self, messages, *, add_generation_prompt: bool, continue_final_message: bool, tools,
+               chat_template_kwargs: dict) -> tuple[str, list[int]]:
+        """A chat request's conversation as `LLM.chat` renders it: (text, token ids)."""
+        try:
+            text = render_text(self.tokenizer, messages, None, add_generation_prompt, continue_final_message, tools,
+                               chat_template_kwargs, "chat completion", "'messages'")
+        except ValueError as err:
+            raise ProtocolError(str(err), "messages") from None
+        return text, chat_ids(self.tokenizer, text)
+
+    def token_texts(self, ids: list[int]) -> list[str]:
+        """Each token's text alone (as the engine's ``decoded_token``)."""
+        return self.tokenizer.batch_decode([[t] for t in ids])
+
+    def submit(self, request: EngineRequest) -> tuple[queue.SimpleQueue, list[str]]:
+        """Queue every prompt of `request`, their outputs into one queue (all or none are queued)."""
+        request.token_texts = self.token_texts
+        sink: queue.SimpleQueue = queue.SimpleQueue()
+        ids = [f"{request.id}-{i}" for i in range(len(request.prompts))]
+        try:
+            self.engine.submit_all([({"prompt_token_ids": p}, params) for p, params in zip(request.prompts, request.params)],
+                                   ids, sink)
+        except ValueError as err:
+            raise ProtocolError(str(err).removeprefix("LLM.add_request: ").removeprefix("LLM.generate: ")) from None
+        return sink, ids
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    """A thread per connection; a listen backlog for many clients connecting at once (the
+    standard library's 5 resets connections beyond it)."""
+
+    daemon_threads = True
+    request_queue_size = 1024
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server_state: FrontEnd
+    protocol_version = "HTTP/1.1"
+    #: TCP_NODELAY: a response's headers and body go out as two writes, and with Nagle's
+    #: algorithm the body waited for the client's delayed ACK of the headers (about 40 ms)
+    disable_nagle_algorithm = True
+
+    def log_message(self, format, *args) -> None:  # noqa: A002 (the base class's name); quiet by default
+        pass
+
+    # -- routing -----------------------------------------------------------------------------
+    def do_GET(self) -> None:  # noqa: N802 (the base class's name)
+        state = self.server_state
+        if self.path == "/health":
+            self._send(HTTPStatus.OK, {})
+        elif self.path == "/v1/models":
+            self._send(HTTPStatus.OK, {"object": "list", "data": [
+                {"id": state.model_name, "object": "model", "created": 0, "owned_by": "vexact-models",
+                 "max_model_len": state.max_model_len}]})
+        else:
+            self._error(ProtocolError(f"no route GET {self.path}", status=404, kind="not_found_error"))
+
+    def do_POST(self) -> None:  # noqa: N802 (the base class's name)
+        kind = {"/v1/completions": "text_completion", "/v1/chat/completions": "chat.completion"}.get(self.path)
+        try:
+            if kind is None:
+                raise ProtocolError(f"no route POST {self.path}", status=404, kind="not_found_error")
+            body = self._body()
+            state = self.server_state
+            model = body.get("model")
+            if model is not None and model != state.model_name:
+                raise ProtocolError(f"the model '{model}' does not exist (this server has '{state.model_name}')",
+                                    "model", 404, "not_found_error")
+            if kind == "text_completion":
+                request = read_completion(body, state.tokenize)
+            else:
+                request = read_chat(body, state.render, state.max_model_len)
+            sink, ids = state.submit(request)
+        except ProtocolError as err:
+            self._error(err)
+            return
+        if request.stream:
+            self._stream(kind, request, sink, ids)
+        else:
+            self._answer(kind, request, sink, ids)
+
+    # -- answers -----------------------------------------------------------------------------
+    def _answer(self, kind: str, request: EngineRequest, sink: queue.SimpleQueue, ids: list[str]) -> None:
+        try:
+            outputs = _collect(sink, ids)
+        except Exception as err:  # the engine failed a step
+            self._error(ProtocolError(str(err), status=500, kind="internal_error"))
+            return
+        errors = [c.error for o in outputs for c in o.outputs if c.finish_reason == "error" and not c.token_ids]
+        if errors:
+            self._error(ProtocolError(errors[0]))
+            return
+        choose = completion_choice if kind == "text_completion" else chat_choice
+        n = request.params[0].n
+        choices = [choose(request, i * n + c.index, o, c) for i, o in enumerate(outputs) for c in o.outputs]
+        tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        self._send(HTTPStatus.OK, response(request, kind, self.server_state.model_name, choices,
+                                           usage(sum(map(len, request.prompts)), tokens)))
+
+    def _stream(self, kind: str, request: EngineRequest, sink: queue.SimpleQueue, ids: list[str]) -> None:
+        self.send_response(HTTPStatus.OK)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+        chat, n, model = kind != "text_completion", request.params[0].n, self.server_state.model_name
+        chunk_kind = "chat.completion.chunk" if chat else kind
+        offsets, tokens = {}, 0
+        try:
+            if chat:
+                first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None} for i in range(n * len(ids))]
+                self._event(response(request, chunk_kind, model, first, None))
+            for position, output in _outputs(sink, ids):
+                choices = []
+                for c in output.outputs:
+                    index = position * n + c.index
+                    tokens += len(c.token_ids)
+                    if chat:
+                        choices.append(chat_choice(request, index, output, c, delta=True))
+                    else:
+                        choice = completion_choice(request, index, output, c, offsets.get(index, 0))
+                        if choice["logprobs"] is not None:  # text_offset goes on from the last chunk's
+                            offsets[index] = offsets.get(index, 0) + sum(map(len, choice["logprobs"]["tokens"]))
+                        choices.append(choice)
+                self._event(response(request, chunk_kind, model, choices, None))
+            if request.include_usage:
+                self._event(response(request, chunk_kind, model, [], usage(sum(map(len, request.prompts)), tokens)))
+            self._write(b"data: [DONE]\n\n")
+        except (BrokenPipeError, ConnectionResetError):  # the client went away: stop its requests
+            for request_id in ids:
+                self.server_state.engine.abort(request_id)
+        except Exception as err:  # the engine failed a step: say so in the stream
+            self._event(ProtocolError(str(err), status=500, kind="internal_error").body())
+
+    # -- writing -----------------------------------------------------------------------------
+    def _body(self) -> dict:
+        length = int(self.headers.get("Content-Length") or 0)
+        try:
+            body = json.loads(self.rfile.read(length) or b"null")
+        except ValueError as err:
+            raise ProtocolError(f"the body is not JSON: {err}") from None
+        if not isinstance(body, dict):
+            raise ProtocolError("the body must be a JSON object")
+        return body
+
+    def _send(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _error(self, err: ProtocolError) -> None:
+        self._send(err.status, err.body())
+
+    def _event(self, body: dict) -> None:
+        self._write(b"data: " + json.dumps(body).encode() + b"\n\n")
+
+    def _write(self, data: bytes) -> None:
+        self.wfile.write(data)
+        self.wfile.flush()
+
+
+def _outputs(sink: queue.SimpleQueue, ids: list[str]):
+    """(prompt position, output) as the engine returns them, until every request finished; an
+    engine failure raises."""
+    position = {request_id: i for i, request_id in enumerate(ids)}
+    left = set(ids)
+    while left:
+        item = sink.get()
+        if isinstance(item, BaseException):
+            raise item
+        if item.finished:
+            left.discard(item.request_id)
+        yield position[item.request_id], item
+
+
+def _collect(sink: queue.SimpleQueue, ids: list[str]) -> list[RequestOutput]:
+    """The finished output of each request, in prompt order."""
+    outputs: list[RequestOutput | None] = [None] * len(ids)
+    for position, output in _outputs(sink, ids):
+        outputs[position] = output
+    return outputs
