@@ -10,10 +10,11 @@ new ones; each turn's ``max_tokens`` drawn from [``--min-tokens``, ``--max-token
 a seed per client and turn), so that turns end at different times, as an agent's tool calls do.
 A client sends its next turn when it has the reply. Model: random weights at a bundled published
 config, bf16, CUDA; a word-level tokenizer over its vocabulary. The online clients talk HTTP
-(``/v1/completions``, token-id prompts, ``return_token_ids``, ``logprobs: 0``); the others hand
-their requests over in the same process. All clients are threads of this process.
+(``/v1/completions``, token-id prompts, ``return_token_ids``, ``logprobs: 0``) from a process of
+their own (threads there); the others are threads of this process handing their requests over.
 
-Table: per mode the wall time, the output tokens, tok/s, and the turn latency (mean, p90); the
+Table: per mode the wall time, the output tokens, tok/s, the turn latency (mean, p90), and the
+engine's steps (how many, the mean interval between their completions, the sequences in each); the
 ratios online / per-call. Then whether all modes gave every turn the same tokens and logprobs
 (they must: a request's tokens depend only on it, rules 1 and 7, and the conversations then stay
 the same), and every online sample recomputed by ``token_logprobs``.
@@ -26,7 +27,11 @@ Usage (one H100 or H200):
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
 import json
+import multiprocessing
+import pstats
 import queue
 import random
 import threading
@@ -60,6 +65,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gpu-memory-utilization", type=gpu_share, default=0.85, help="the engine's share of the GPU")
     p.add_argument("--recompute-tokens", type=positive_int, default=16384, help="tokens a recompute micro-batch holds")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile-engine", action="store_true",
+                   help="print where each mode's engine thread spends its time (cProfile, top functions)")
     p.add_argument("--tiny", action="store_true", help="CPU, float32, the architecture's tiny config (tests)")
     args = p.parse_args(argv)
     if args.min_tokens > args.max_tokens:
@@ -119,20 +126,32 @@ def run_clients(args, vocab: int, ask) -> tuple[list[Client], float]:
     return clients, time.perf_counter() - start
 
 
-def online(llm, args, vocab: int):
-    server = OpenAIServer(llm, "bench", port=0).start()
-
+def http_ask(url: str):
+    """`run_clients`' request function over HTTP: ``/v1/completions`` with token ids back."""
     def ask(prompt, params):
         body = {"prompt": prompt, "max_tokens": params.max_tokens, "temperature": params.temperature,
                 "seed": params.seed, "ignore_eos": True, "logprobs": 0, "return_token_ids": True}
-        request = urllib.request.Request(server.url + "/completions", data=json.dumps(body).encode(),
+        request = urllib.request.Request(url + "/completions", data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(request) as reply:
             choice = json.loads(reply.read())["choices"][0]
         return choice["token_ids"], choice["logprobs"]["token_logprobs"]
 
+    return ask
+
+
+def http_clients(url: str, args, vocab: int):
+    """The clients over HTTP, run in a process of their own (as a server's clients are)."""
+    return run_clients(args, vocab, http_ask(url))
+
+
+def online(llm, args, vocab: int):
+    server = OpenAIServer(llm, "bench", port=0).start()
     try:
-        return run_clients(args, vocab, ask)
+        if args.tiny:  # (no second process in the CPU smoke run)
+            return http_clients(server.url, args, vocab)
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            return pool.apply(http_clients, (server.url, args, vocab))
     finally:
         server.close()
 
@@ -182,11 +201,32 @@ def per_call(llm, args, vocab: int):
         driver.join()
 
 
-def row(name: str, clients: list[Client], seconds: float) -> list:
+@contextlib.contextmanager
+def engine_profile(name: str, enabled: bool):
+    """With `enabled`, profile the engine threads started inside (`EngineThread._run`) and the
+    per-call mode's `LLM.generate`, and print their top functions by own time."""
+    if not enabled:
+        yield
+        return
+    profile = cProfile.Profile()
+    run, generate = EngineThread._run, LLM.generate
+    EngineThread._run = lambda self: profile.runcall(run, self)
+    LLM.generate = lambda self, *a, **k: profile.runcall(generate, self, *a, **k)
+    try:
+        yield
+    finally:
+        EngineThread._run, LLM.generate = run, generate
+        print(f"\n## where the engine's thread spent its time: {name}")
+        pstats.Stats(profile).sort_stats("tottime").print_stats(14)
+
+
+def row(name: str, clients: list[Client], seconds: float, steps: list[tuple[int, bool, float]]) -> list:
     tokens = sum(len(t[1]) for c in clients for t in c.turns)
     latencies = sorted(x for c in clients for x in c.latencies)
+    busy = sum(s[2] for s in steps)  # the intervals between step completions (the engine's `step_times`)
     return [name, f"{seconds:.2f}", tokens, f"{tokens / seconds:,.0f}", f"{sum(latencies) / len(latencies):.3f}",
-            f"{latencies[int(0.9 * (len(latencies) - 1))]:.3f}"]
+            f"{latencies[int(0.9 * (len(latencies) - 1))]:.3f}", len(steps), f"{1000 * busy / max(len(steps), 1):.2f}",
+            f"{sum(s[0] for s in steps) / max(len(steps), 1):.1f}"]
 
 
 def main(argv=None) -> None:
@@ -201,11 +241,15 @@ def main(argv=None) -> None:
     runs = {}
     for name, mode in (("online (HTTP)", online), ("online (in process)", in_process), ("per-call generate", per_call)):
         llm.reset_prefix_cache()
-        runs[name] = mode(llm, args, vocab)
+        llm.step_times = []
+        with engine_profile(name, args.profile_engine):
+            runs[name] = mode(llm, args, vocab)
+        runs[name] += (llm.step_times,)
     rows = [row(name, *run) for name, run in runs.items()]
-    (served, online_s), (local, local_s), (called, call_s) = runs.values()
+    (served, online_s, _), (local, local_s, _), (called, call_s, _) = runs.values()
     table(f"{args.config}: {args.clients} clients x {args.turns} turns (replies of {args.min_tokens}-{args.max_tokens} "
-          "tokens)", ["mode", "seconds", "output tokens", "tok/s", "mean latency s", "p90 latency s"], rows)
+          "tokens)", ["mode", "seconds", "output tokens", "tok/s", "mean latency s", "p90 latency s", "steps", "ms a step",
+                        "sequences a step"], rows)
     print(f"online / per-call: {call_s / online_s:.2f}x tok/s over HTTP, {call_s / local_s:.2f}x in process")
     same = all(a.turns == b.turns == c.turns for a, b, c in zip(served, local, called))
     print(f"every turn the same tokens and logprobs in all modes: {same}")

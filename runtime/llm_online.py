@@ -18,6 +18,7 @@ raise RuntimeError: they would change the weights or the cache under them, or ru
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -153,6 +154,7 @@ class OnlineRequestsMixin:
         if not self._keep_prefix_cache(backend):
             self.block_manager.reset_prefix_cache()
         self._scores_prompts = False
+        self._last_completion = time.perf_counter()  # (step_times: the interval to the first step)
         self.sampler.begin_call(True)
         with use_backend(backend):
             self._graphs_follow(backend)
