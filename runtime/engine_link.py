@@ -17,7 +17,7 @@ import threading
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
 
-from .engine_thread import EngineThread
+from .engine_thread import EngineThread, fail_all, route
 
 __all__ = ["EngineLink", "RemoteEngine"]
 
@@ -148,22 +148,14 @@ class RemoteEngine:
                     continue
                 item = message[1]
                 if isinstance(item, BaseException):  # the engine failed a step: every request out fails
-                    for sink in {id(s): s for s in self._sinks.values()}.values():
-                        sink.put(item)
-                    self._sinks.clear()
-                    continue
-                sink = self._sinks.get(item.request_id)
-                if sink is not None:
-                    sink.put(item)
-                    if item.finished:
-                        del self._sinks[item.request_id]
+                    fail_all(self._sinks, item)
+                else:
+                    route(self._sinks, item)
 
     def _shut(self, error: BaseException) -> None:
         with self._lock:
             self.closed.set()
             for call in self._calls.values():
                 call.set_exception(error)
-            for sink in {id(s): s for s in self._sinks.values()}.values():
-                sink.put(error)
             self._calls.clear()
-            self._sinks.clear()
+            fail_all(self._sinks, error)

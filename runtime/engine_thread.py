@@ -21,7 +21,7 @@ import torch
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
-__all__ = ["EngineThread", "RequestStream"]
+__all__ = ["EngineThread", "RequestStream", "fail_all", "route"]
 
 
 class RequestStream:
@@ -135,11 +135,7 @@ class EngineThread:
             self._fail(error)
             return
         for output in outputs:
-            sink = self._sinks.get(output.request_id)
-            if sink is not None:
-                sink.put(output)
-                if output.finished:
-                    del self._sinks[output.request_id]
+            route(self._sinks, output)
 
     def _shut(self, error: BaseException) -> None:
         """Abort what runs, fail its sinks and any submission still queued."""
@@ -150,6 +146,20 @@ class EngineThread:
                 command[-1].set_exception(error)
 
     def _fail(self, error: BaseException) -> None:
-        for sink in {id(sink): sink for sink in self._sinks.values()}.values():  # once a sink
-            sink.put(error)
-        self._sinks.clear()
+        fail_all(self._sinks, error)
+
+
+def route(sinks: dict[str, queue.SimpleQueue], output: RequestOutput) -> None:
+    """Put `output` into its request's sink (if it has one still); forget the request once finished."""
+    sink = sinks.get(output.request_id)
+    if sink is not None:
+        sink.put(output)
+        if output.finished:
+            del sinks[output.request_id]
+
+
+def fail_all(sinks: dict[str, queue.SimpleQueue], error: BaseException) -> None:
+    """Put `error` once into every sink of `sinks` (requests may share one), and forget them all."""
+    for sink in {id(sink): sink for sink in sinks.values()}.values():
+        sink.put(error)
+    sinks.clear()

@@ -3,6 +3,8 @@
 import random
 
 import torch
+import transformers
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 from vexact_models.kernels import apply_penalties, sample_tokens
 from vexact_models.kernels.sampling import filter_thresholds
@@ -24,6 +26,25 @@ def make_llm(model, **kwargs) -> LLM:
     kwargs.setdefault("max_num_seqs", 16)
     kwargs.setdefault("device", "cpu")  # CPU tests, even on a machine with a GPU
     return LLM(model, **kwargs)
+
+
+def word_tokenizer(**special):
+    """Token i is the word ``w<i>`` (512 of them); `special`: e.g. ``bos_token="w2"``."""
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(512)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", **special)
+
+
+def save_chat_checkpoint(path, chat_template: str):
+    """A tiny Qwen3 checkpoint at `path` with `word_tokenizer` (w2 its BOS) and `chat_template`."""
+    from vexact_models import qwen3
+
+    tokenizer = word_tokenizer(bos_token="w2")
+    tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(path)
+    torch.manual_seed(1)
+    transformers.Qwen3ForCausalLM(qwen3.tiny_config(initializer_range=0.5)).eval().save_pretrained(path)
+    return path
 
 
 def gen(llm, prompts, params, **kwargs):

@@ -6,14 +6,12 @@ conversations and a missing tokenizer or template are refused before any work. A
 import math
 
 import pytest
-import torch
 import transformers
-from tokenizers import Tokenizer, models, pre_tokenizers
 
 import vexact_models.qwen3 as qwen3
 from vexact_models.runtime import LLM, SamplingParams
 
-from .llm_support import gen, result
+from .llm_support import gen, result, save_chat_checkpoint
 
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}w{{ 10 if m['role'] == 'user' else 11 }} w{{ m['content'] }} "
             "{% endfor %}{% if think %}w12 {% endif %}{% if add_generation_prompt %}w11{% endif %}")
@@ -23,15 +21,7 @@ PARAMS = SamplingParams(temperature=0.9, max_tokens=5, ignore_eos=True, seed=3)
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     """A tiny Qwen3 with a word-level tokenizer (``w<i>`` is token i, w2 its BOS) and a chat template."""
-    path = tmp_path_factory.mktemp("chat")
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(512)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", bos_token="w2")
-    tokenizer.chat_template = TEMPLATE
-    tokenizer.save_pretrained(path)
-    torch.manual_seed(1)
-    transformers.Qwen3ForCausalLM(qwen3.tiny_config(initializer_range=0.5)).eval().save_pretrained(path)
-    return path
+    return save_chat_checkpoint(tmp_path_factory.mktemp("chat"), TEMPLATE)
 
 
 def test_chat_rolls_out_the_rendered_conversation(folder):

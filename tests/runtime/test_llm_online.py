@@ -8,14 +8,12 @@ from dataclasses import replace
 
 import pytest
 import torch
-import transformers
-from tokenizers import Tokenizer, models, pre_tokenizers
 
 from vexact_models.registry import architectures, get
 from vexact_models.runtime import LLM, RequestOutputKind, SamplingParams
 from vexact_models.runtime.llm_setup import cache_bytes_per_block, linear_state_bytes
 
-from .llm_support import cache_bytes, gen, make_llm, prompts_for, training_logprobs
+from .llm_support import cache_bytes, gen, make_llm, prompts_for, training_logprobs, word_tokenizer
 
 ARCHS = ["qwen3", "qwen3_5", "gemma3"]
 KINDS = [RequestOutputKind.FINAL_ONLY, RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA]
@@ -26,13 +24,6 @@ def _model(name: str):
         pytest.skip(f"{name} is not registered on this transformers")
     torch.manual_seed(0)
     return get(name).causal_lm_class(get(name).tiny_config()).eval()
-
-
-def _word_tokenizer():
-    """Token i is the word ``w<i>``."""
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(512)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0")
 
 
 def drive(llm, arrivals: dict[int, list[tuple[str, list[int], SamplingParams]]], aborts: dict[int, list[str]] = None):
@@ -134,7 +125,7 @@ def test_abort_frees_pages_and_leaves_the_others_unchanged():
 
 def test_delta_text_adds_up_to_the_text_with_stop_strings():
     model = _model("qwen3")
-    llm = make_llm(model, tokenizer=_word_tokenizer())
+    llm = make_llm(model, tokenizer=word_tokenizer())
     prompt = prompts_for(1, seed=2)[0]
     free = gen(llm, [prompt], SamplingParams(temperature=0.9, seed=4, max_tokens=12, ignore_eos=True))[0].outputs[0]
     stop = " ".join(free.text.split()[5:7])  # two words in the middle: the text stops before them

@@ -14,14 +14,13 @@ import urllib.request
 
 import pytest
 import torch
-import transformers
-from tokenizers import Tokenizer, models, pre_tokenizers
 
-import vexact_models.qwen3 as qwen3
 from vexact_models.runtime import LLM, SamplingParams
 from vexact_models.runtime.engine_thread import EngineThread
 from vexact_models.runtime.openai_protocol import ProtocolError, read_chat
 from vexact_models.runtime.openai_server import OpenAIServer
+
+from .llm_support import save_chat_checkpoint
 
 openai = pytest.importorskip("openai")  # (the main test environment has it; the older-transformers runs do not)
 
@@ -32,15 +31,7 @@ EXTRA = {"ignore_eos": True, "return_token_ids": True}
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     """A tiny Qwen3 with a word-level tokenizer (``w<i>`` is token i, w2 its BOS) and a chat template."""
-    path = tmp_path_factory.mktemp("serve")
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(512)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", bos_token="w2")
-    tokenizer.chat_template = TEMPLATE
-    tokenizer.save_pretrained(path)
-    torch.manual_seed(1)
-    transformers.Qwen3ForCausalLM(qwen3.tiny_config(initializer_range=0.5)).eval().save_pretrained(path)
-    return path
+    return save_chat_checkpoint(tmp_path_factory.mktemp("serve"), TEMPLATE)
 
 
 @pytest.fixture(scope="module")

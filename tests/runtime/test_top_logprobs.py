@@ -8,8 +8,6 @@ prefix sharing, ``n > 1`` and async steps."""
 import numpy as np
 import pytest
 import torch
-import transformers
-from tokenizers import Tokenizer, models, pre_tokenizers
 
 from vexact_models.registry import architectures, get
 from vexact_models.runtime import SamplingParams
@@ -18,7 +16,7 @@ from vexact_models.runtime.sampling_params import MAX_LOGPROBS
 from vexact_models.runtime.sequence import Sequence
 from vexact_models.runtime.top_logprobs import Logprob, completion_logprobs
 
-from .llm_support import cache_bytes, gen, graph_shaped, make_llm, prompts_for
+from .llm_support import cache_bytes, gen, graph_shaped, make_llm, prompts_for, word_tokenizer
 
 ARCHS = ["qwen3", "qwen3_5", "gemma3"]
 
@@ -28,13 +26,6 @@ def _model(name: str, **overrides):
         pytest.skip(f"{name} is not registered on this transformers")
     torch.manual_seed(0)
     return get(name).causal_lm_class(get(name).tiny_config(**overrides)).eval()
-
-
-def _word_tokenizer():
-    """Token i is the word ``w<i>``."""
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(512)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0")
 
 
 def _training_entry(model, prefix: list[int], token: int, temperature: float) -> float:
@@ -123,7 +114,7 @@ def test_more_alternatives_than_the_vocabulary_return_the_whole_vocabulary():
 
 
 def test_decoded_tokens_come_from_the_engines_tokenizer():
-    llm = make_llm(_model("qwen3"), tokenizer=_word_tokenizer())
+    llm = make_llm(_model("qwen3"), tokenizer=word_tokenizer())
     [out] = gen(llm, ["w3 w4 w5"], SamplingParams(max_tokens=3, seed=1, logprobs=2))
     for entry in out.outputs[0].logprobs:
         assert all(v.decoded_token == f"w{t}" for t, v in entry.items())
@@ -140,7 +131,7 @@ def test_position_dicts_are_built_when_read_and_read_as_a_list():
     import copy
     import pickle
 
-    tokenizer = _word_tokenizer()
+    tokenizer = word_tokenizer()
     calls = []
     decode = tokenizer.batch_decode
     tokenizer.batch_decode = lambda ids, **kw: calls.extend(ids) or decode(ids, **kw)
@@ -281,7 +272,7 @@ def test_a_request_that_never_fits_errors_without_scores_beside_scored_ones():
 
 
 def test_prompt_logprobs_decode_their_tokens_and_are_refused_out_of_range():
-    llm = make_llm(_model("qwen3"), tokenizer=_word_tokenizer())
+    llm = make_llm(_model("qwen3"), tokenizer=word_tokenizer())
     [out] = gen(llm, ["w3 w4 w5 w6"], SamplingParams(max_tokens=2, seed=1, prompt_logprobs=1))
     assert [list(e)[0] for e in out.prompt_logprobs[1:]] == [4, 5, 6]
     assert all(v.decoded_token == f"w{t}" for e in out.prompt_logprobs[1:] for t, v in e.items())
