@@ -18,6 +18,7 @@ raise RuntimeError: they would change the weights or the cache under them, or ru
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -109,7 +110,8 @@ class OnlineRequestsMixin:
             del self._by_index[request.index]
         self._errored_at_add = [name for name in self._errored_at_add if name in self._online]
         if not self._online:
-            self._drain()
+            with self._dropping_all_on_failure():
+                self._drain()
 
     @one_call_at_a_time
     def step(self) -> list[RequestOutput]:
@@ -119,18 +121,10 @@ class OnlineRequestsMixin:
         RuntimeError and drops every online request, as a failed ``generate`` drops its own."""
         if not self._online:
             return []
-        try:
-            with use_backend(self._online_backend):
-                scheduled = self._advance(self._online_bar)
-                outputs = self._step_outputs(scheduled)
-                if not self._online:
-                    self._drain()
-        except BaseException:
-            self._abort()
-            self._online.clear()
-            self._by_index.clear()
-            self._errored_at_add.clear()
-            raise
+        with self._dropping_all_on_failure(), use_backend(self._online_backend):
+            outputs = self._step_outputs(self._advance(self._online_bar))
+            if not self._online:
+                self._drain()
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -158,6 +152,19 @@ class OnlineRequestsMixin:
         self.sampler.begin_call(True)
         with use_backend(backend):
             self._graphs_follow(backend)
+
+    @contextlib.contextmanager
+    def _dropping_all_on_failure(self):
+        """A step that raises (non-finite logits, an interrupt) leaves the engine as a failed
+        ``generate`` does: every online request dropped, the scheduler fresh (``LLM._abort``)."""
+        try:
+            yield
+        except BaseException:
+            self._abort()
+            self._online.clear()
+            self._by_index.clear()
+            self._errored_at_add.clear()
+            raise
 
     def _drain(self) -> None:
         """No online request is left: complete the step launched ahead, if one is in flight (its

@@ -39,14 +39,14 @@ class FrontEnd:
         return self.tokenizer(text)["input_ids"]
 
     def render(self, messages, *, add_generation_prompt: bool, continue_final_message: bool, tools,
-               chat_template_kwargs: dict) -> tuple[str, list[int]]:
-        """A chat request's conversation as `LLM.chat` renders it: (text, token ids)."""
+               chat_template_kwargs: dict) -> list[int]:
+        """A chat request's conversation as `LLM.chat` renders it: its token ids."""
         try:
             text = render_text(self.tokenizer, messages, None, add_generation_prompt, continue_final_message, tools,
                                chat_template_kwargs, "chat completion", "'messages'")
         except ValueError as err:
             raise ProtocolError(str(err), "messages") from None
-        return text, chat_ids(self.tokenizer, text)
+        return chat_ids(self.tokenizer, text)
 
     def token_texts(self, ids: list[int]) -> list[str]:
         """Each token's text alone (as the engine's ``decoded_token``)."""

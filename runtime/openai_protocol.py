@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import RequestOutputKind, SamplingParams
@@ -62,7 +62,6 @@ class EngineRequest:
     include_usage: bool = False
     return_token_ids: bool = False
     top_logprobs: int | None = None  #: alternatives per position asked for (None: no logprobs)
-    texts: list[str | None] = field(default_factory=list)  #: the rendered prompts (chat)
     #: each token id's text (the server's tokenizer), for the logprobs of requests asking k = 0
     token_texts: Callable[[list[int]], list[str]] | None = None
     id: str = ""
@@ -163,12 +162,11 @@ def read_completion(body: dict, tokenize) -> EngineRequest:
     max_tokens = _typed(body, "max_tokens", int, 16)
     options = _options(body)
     params = _sampling(body, max_tokens, logprobs, options["stream"])
-    return EngineRequest(prompts, [params] * len(prompts), top_logprobs=logprobs, **options,
-                         texts=[p if isinstance(p, str) else None for p in prompt])
+    return EngineRequest(prompts, [params] * len(prompts), top_logprobs=logprobs, **options)
 
 
 def read_chat(body: dict, render, max_model_len: int) -> EngineRequest:
-    """A ``/v1/chat/completions`` body; `render` turns (messages, template options) into (text, ids)."""
+    """A ``/v1/chat/completions`` body; `render` turns (messages, template options) into token ids."""
     _refuse(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -178,7 +176,7 @@ def read_chat(body: dict, render, max_model_len: int) -> EngineRequest:
                             "it out or 'none' (tools are passed to the chat template, the reply is its text)",
                             "tool_choice")
     kwargs = _typed(body, "chat_template_kwargs", dict) or {}
-    text, ids = render(messages, add_generation_prompt=_typed(body, "add_generation_prompt", bool, True),
+    ids = render(messages, add_generation_prompt=_typed(body, "add_generation_prompt", bool, True),
                        continue_final_message=_typed(body, "continue_final_message", bool, False),
                        tools=body.get("tools"), chat_template_kwargs=kwargs)
     wanted = _typed(body, "logprobs", bool, False)
@@ -191,7 +189,7 @@ def read_chat(body: dict, render, max_model_len: int) -> EngineRequest:
         max_tokens = max(1, max_model_len - len(ids))  # vLLM's default: up to the context length
     options = _options(body)
     params = _sampling(body, max_tokens, k, options["stream"])
-    return EngineRequest([ids], [params], top_logprobs=k, texts=[text], **options)
+    return EngineRequest([ids], [params], top_logprobs=k, **options)
 
 
 # -- responses ---------------------------------------------------------------------------------

@@ -142,7 +142,7 @@ def test_response_format_is_read_as_structured_outputs():
     messages = [{"role": "user", "content": "5"}]
 
     def render(messages, **options):
-        return "w5", [5]
+        return [5]
 
     def params(fmt):
         return read_chat({"messages": messages, "response_format": fmt}, render, 64).params[0]
