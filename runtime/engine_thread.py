@@ -79,7 +79,8 @@ class EngineThread:
         taken.result()
 
     def abort(self, request_id: str) -> None:
-        """Drop `request_id` (a client went away); its sink gets no more outputs."""
+        """Stop `request_id` now (`LLM.abort_request`): its sink gets its last output, finished,
+        the samples still running ending "abort" with their tokens so far."""
         self._commands.put(("abort", request_id))
 
     def close(self) -> None:
@@ -112,8 +113,8 @@ class EngineThread:
 
     def _apply(self, command) -> None:
         if command[0] == "abort":
-            self.llm.abort_request(command[1])
-            self._sinks.pop(command[1], None)
+            for output in self.llm.abort_request(command[1]):
+                route(self._sinks, output)
             return
         _, requests, sink, taken = command
         added = []

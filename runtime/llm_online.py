@@ -99,19 +99,24 @@ class OnlineRequestsMixin:
             self._errored_at_add.append(request_id)
 
     @one_call_at_a_time
-    def abort_request(self, request_id: str | Iterable[str]) -> None:
-        """Drop the unfinished requests `request_id` (one id or several): their pages are freed at
-        once and no output of theirs is returned. Ids of no unfinished request are ignored, as
-        vLLM's are (a request may finish before its abort arrives)."""
+    def abort_request(self, request_id: str | Iterable[str]) -> list[RequestOutput]:
+        """Stop the unfinished requests `request_id` (one id or several) now: their pages are freed
+        at once, `step` returns nothing more of them, and this returns their last outputs (as their
+        ``output_kind`` makes them, ``finished``; samples still running end with finish_reason
+        "abort", their tokens so far kept: what verl's partial rollouts resume from). Ids of no
+        unfinished request are ignored, as vLLM's are (a request may finish before its abort)."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        requests = [self._online.pop(name) for name in ids if name in self._online]
-        self.scheduler.abort(seq for request in requests for seq in request.seqs)
-        for request in requests:
+        requests = [(name, self._online.pop(name)) for name in dict.fromkeys(ids) if name in self._online]
+        self.scheduler.abort(seq for _, request in requests for seq in request.seqs)
+        outputs = []
+        for name, request in requests:
             del self._by_index[request.index]
+            outputs.append(self._request_output(name, request, True))
         self._errored_at_add = [name for name in self._errored_at_add if name in self._online]
         if not self._online:
             with self._dropping_all_on_failure():
                 self._drain()
+        return outputs
 
     @one_call_at_a_time
     def step(self) -> list[RequestOutput]:

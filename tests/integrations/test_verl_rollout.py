@@ -181,6 +181,37 @@ def test_a_request_joins_the_running_ones(ckpt):
     assert not rollout.llm.has_unfinished_requests()
 
 
+def test_abort_stops_running_requests_with_their_partial_output(ckpt):
+    """verl's partial rollout: abort_all_requests stops a running request now; it comes back
+    ``aborted`` with the tokens and logprobs it had (the actor's recompute of them, bitwise);
+    abort_request stops one by id; after resume_generation requests run to the end again."""
+    rollout, server = make_rollout(ckpt, full_determinism=True, response_length=400)
+    model = get("qwen3").causal_lm_class.from_pretrained(ckpt).eval()
+
+    async def run():
+        running = asyncio.create_task(server.generate(PROMPTS[1], {**PARAMS, "max_tokens": 400}, request_id="long"))
+        while not rollout.llm.has_unfinished_requests() or not any(
+                s.num_output_tokens > 3 for r in rollout.llm._online.values() for s in r.seqs):
+            await asyncio.sleep(0.01)
+        report = await server.abort_all_requests()
+        stopped = await running
+        await server.resume_generation()
+        one = asyncio.create_task(server.generate(PROMPTS[0], {**PARAMS, "max_tokens": 400}, request_id="one"))
+        while not rollout.llm.has_unfinished_requests():
+            await asyncio.sleep(0.01)
+        assert (await server.abort_request("one"))["aborted"]
+        after = await server.generate(PROMPTS[0], {**PARAMS, "max_tokens": 4}, request_id="after")
+        return report, stopped, await one, after
+
+    report, stopped, one, after = asyncio.run(run())
+    assert report == {"aborted_count": 1, "request_ids": ["long"]}
+    assert stopped.stop_reason == "aborted" and 3 < len(stopped.token_ids) < 400
+    assert torch.equal(torch.tensor(stopped.log_probs), recompute(model, PROMPTS[1], stopped.token_ids))
+    assert one.stop_reason == "aborted" and len(one.token_ids) < 400
+    assert after.stop_reason == "completed" and len(after.token_ids) == 4
+    assert not rollout.llm.has_unfinished_requests()
+
+
 def test_the_removed_batch_window_option_says_why(ckpt):
     with pytest.raises(ValueError, match="batch_window_ms=20.*running batch"):
         make_rollout(ckpt, engine={"batch_window_ms": 20})

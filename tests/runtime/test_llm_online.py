@@ -123,6 +123,27 @@ def test_abort_frees_pages_and_leaves_the_others_unchanged():
     assert _joined(drive(llm, {})["r0"]) == [(c.token_ids, c.logprobs, c.finish_reason) for c in alone[0].outputs]
 
 
+def test_abort_returns_what_the_request_generated_so_far():
+    """Aborted mid-run, a request's last output holds its tokens so far (a prefix of what it would
+    have generated, the same logprobs), its samples ending "abort"; an aborted DELTA request's last
+    output holds only the tokens not returned yet."""
+    model = _model("qwen3")
+    llm = make_llm(model)
+    prompt = prompts_for(1, seed=4)[0]
+    for kind in (RequestOutputKind.FINAL_ONLY, RequestOutputKind.DELTA):
+        params = SamplingParams(n=2, temperature=0.9, seed=6, max_tokens=20, ignore_eos=True, output_kind=kind)
+        want = gen(llm, [prompt], params)[0]
+        llm.add_request("a", prompt, params)
+        seen = [o for _ in range(6) for o in llm.step()]
+        (last,) = llm.abort_request(["a", "a", "unknown"])
+        assert last.finished and not llm.has_unfinished_requests() and llm.step() == []
+        outputs = seen + [last] if kind is RequestOutputKind.DELTA else [last]
+        for (tokens, logprobs, reason), full in zip(_joined(outputs), want.outputs):
+            assert reason == "abort" and 0 < len(tokens) < 20
+            assert tokens == full.token_ids[:len(tokens)] and logprobs == full.logprobs[:len(tokens)]
+    assert llm.abort_request("a") == []
+
+
 def test_delta_text_adds_up_to_the_text_with_stop_strings():
     model = _model("qwen3")
     llm = make_llm(model, tokenizer=word_tokenizer())

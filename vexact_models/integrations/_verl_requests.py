@@ -17,7 +17,8 @@ __all__ = ["RolloutRequests"]
 
 
 class RolloutRequests:
-    """`submit_requests` and `poll_requests` over the rollout's ``llm``, for `VexactRollout`."""
+    """`submit_requests`, `abort_requests` and `poll_requests` over the rollout's ``llm``, for
+    `VexactRollout`."""
 
     global_steps: int | None
 
@@ -44,6 +45,13 @@ class RolloutRequests:
             errors.append(None)
         return errors
 
+    def abort_requests(self, keys: list[str]) -> None:
+        """Stop the requests `keys` now: the next polls return what each generated so far, as
+        ``stop_reason="aborted"`` (verl's partial rollouts resume from it)."""
+        for key in keys:
+            if key in self._wanted:
+                self._engine.abort(key)
+
     def poll_requests(self, wait_s: float) -> list[tuple[str, TokenOutput | Exception]]:
         """The requests that finished since the last poll, as ``(key, TokenOutput)`` (or the
         exception of a failed one), waiting up to `wait_s` seconds for the first."""
@@ -67,8 +75,9 @@ class RolloutRequests:
         c = out.outputs[0]
         if c.finish_reason == "error":
             return RuntimeError(f"vexact engine: {c.error}")
+        stop_reason = "aborted" if c.finish_reason == "abort" else "completed"
         extra = {"global_steps": self.global_steps}
         if params.prompt_logprobs is not None:  # verl's distillation teacher reads these
             extra["prompt_ids"], extra["prompt_logprobs"] = prompt_scores(out.prompt_logprobs, params.prompt_logprobs)
         return TokenOutput(token_ids=list(c.token_ids), log_probs=sampled_logprobs(c) if want_logprobs else None,
-                           stop_reason="completed", num_preempted=None, extra_fields=extra)
+                           stop_reason=stop_reason, num_preempted=None, extra_fields=extra)

@@ -32,17 +32,16 @@ import itertools
 import os
 from collections.abc import Iterable
 
-import torch
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
-from vexact_models.integrations._verl_support import (OPTIONS_KEY, OWN_OPTIONS, ExpertRefuser, add_adapters,
-                                                      check_parallel, copy_buffers, engine_options, engine_pairs,
-                                                      lora_fields, max_model_len_of, plain_name, refuse_experts, request_seed)
+from vexact_models.integrations._verl_support import (OPTIONS_KEY, OWN_OPTIONS, check_parallel, engine_options,
+                                                      max_model_len_of, request_seed)
 from vexact_models.integrations._verl_support import sampling_params as to_sampling_params
 from vexact_models.integrations import _verl_registry
 from vexact_models.integrations._verl_requests import RolloutRequests
+from vexact_models.integrations._verl_weights import RolloutWeights
 from vexact_models.integrations._verl_registry import ROLLOUT_NAME, uninstall
 from vexact_models.runtime import LLM
 
@@ -51,7 +50,7 @@ __all__ = ["ROLLOUT_NAME", "VexactReplica", "VexactRollout", "VexactServer", "in
 _ADAPTERS: dict[int, "VexactRollout"] = {}  # replica rank -> the engine living in this process
 
 
-class VexactRollout(RolloutRequests, BaseRollout):
+class VexactRollout(RolloutRequests, RolloutWeights, BaseRollout):
     """verl's rollout contract over one `LLM` in this process (the trainer's rank, or a
     checkpoint-engine worker). The engine is built on first use from ``model_config.local_path``
     (its own full copy of the weights, which the trainer's ``update_weights`` refreshes), or over
@@ -115,53 +114,6 @@ class VexactRollout(RolloutRequests, BaseRollout):
         """Free the engine's device memory per ``sleep_level`` (when ``free_cache_engine``)."""
         if self.config.free_cache_engine:
             self.sleep()
-
-    async def update_weights(self, weights, wire_format: str = "named_tensors", global_steps: int | None = None,
-                             peft_config=None, **kwargs) -> None:
-        """Copy the trainer's tensors into the engine, consuming `weights` (a sync or async
-        stream of ``(name, tensor)``, verl's per-expert MoE names included) lazily, never
-        holding a second copy of the model. With `peft_config` (verl's unmerged LoRA: its
-        adapters alone, or once its base with LoRA's ``base_layer`` names) the engine's model
-        takes LoRA adapters of that config first (`_verl_support.add_adapters`); a later config
-        that differs is a ValueError naming the field, before anything is written."""
-        if wire_format != "named_tensors":
-            raise ValueError(f"update_weights: wire_format={wire_format!r} is not supported (only 'named_tensors'); "
-                             "use checkpoint_engine.backend=naive or nccl")
-        llm = self.llm
-        model = llm.model.causal_lm
-        adapter_dtype = None if peft_config is None else self._hold_adapters(model, lora_fields(peft_config))
-        # by their names without LoRA's base_layer (verl's per-expert tensors name none, its base
-        # sync one, PEFT's nested expert wrappers two); `engine_pairs` puts the engine's back
-        params = {plain_name(n): (n, p) for n, p in model.named_parameters()}
-        names, shapes = {k: n for k, (n, _) in params.items()}, {k: p.shape for k, (_, p) in params.items()}
-        buffers = {plain_name(n): b for n, b in model.named_buffers()}
-        # no_grad around synchronous stretches only: across an await it would leak to other coroutines
-        if hasattr(weights, "__aiter__"):  # a checkpoint engine's receiver
-            refuser = ExpertRefuser(shapes)
-            async for name, tensor in weights:
-                with torch.no_grad():
-                    ready = list(engine_pairs(copy_buffers(refuser.push(name, tensor), buffers), names, adapter_dtype))
-                    if ready:
-                        llm.update_weights(ready)
-            refuser.close()
-        else:
-            with torch.no_grad():
-                llm.update_weights(engine_pairs(copy_buffers(refuse_experts(weights, shapes), buffers), names,
-                                                adapter_dtype))
-        if global_steps is not None:
-            self.global_steps = global_steps
-
-    def _hold_adapters(self, model: torch.nn.Module, fields: dict) -> torch.dtype:
-        """Give the engine's `model` the adapters of `fields` (once; later calls must name the
-        same config); returns their dtype."""
-        if self._lora is None:
-            add_adapters(model, fields)
-            self._lora = fields
-        elif fields != self._lora:
-            changed = sorted(k for k in set(fields) | set(self._lora) if fields.get(k) != self._lora.get(k))
-            raise ValueError(f"update_weights: peft_config differs from the adapters the engine holds in {changed} "
-                             f"(now {[fields.get(k) for k in changed]}, held {[self._lora.get(k) for k in changed]})")
-        return next(p.dtype for n, p in model.named_parameters() if "lora_" in n)
 
     # -- what the server calls (synchronous: it runs them in a thread or on the worker actor) --
     def sleep(self, level: int | None = None) -> None:
@@ -327,20 +279,39 @@ class VexactServer:
             await asyncio.sleep(self.POLL_S)
 
     async def abort_all_requests(self, reset_prefix_cache: bool = True, reject_request: bool = False) -> dict:
-        """Hold new requests until `resume_generation` (those running complete: the engine's
-        requests are not cut short); with `reject_request`, queued requests and those arriving
-        meanwhile come back ``stop_reason="aborted"``."""
+        """As verl's vLLM server: hold new requests until `resume_generation` and stop the running
+        ones now, each answered ``stop_reason="aborted"`` with what it generated so far (tokens and
+        logprobs: verl's partial rollouts resume from them); with `reject_request` queued requests and
+        those arriving meanwhile come back ``aborted`` and empty. The engine keeps no pages of
+        weights about to change (`LLM._keep_prefix_cache`), so `reset_prefix_cache` asks nothing more."""
         _, gate = self._loop_state()
         gate.clear()
         self._reject = bool(reject_request)
-        aborted = []
+        rejected = []
         if self._reject:  # queued requests that have not started: answer them now
-            aborted, self._queue = self._queue, []
-            for _, future in aborted:
+            rejected, self._queue = self._queue, []
+            for _, future in rejected:
                 if not future.done():
                     future.set_result(TokenOutput(token_ids=[], log_probs=None, stop_reason="aborted"))
+        stopped = list(self._pending)
+        if stopped:
+            await self._call("abort_requests", stopped)
         await self.wait_for_requests_to_drain()
-        return {"aborted_count": len(aborted), "request_ids": []}
+        ids = [_request_id(key) for key in stopped] + [_request_id(request[0]) for request, _ in rejected]
+        return {"aborted_count": len(ids), "request_ids": ids}
+
+    async def abort_request(self, request_id: str, reset_prefix_cache: bool = True) -> dict:
+        """Stop request `request_id` now (answered ``aborted`` with what it generated so far; a
+        queued one, empty), as verl's vLLM server does."""
+        queued = [entry for entry in self._queue if _request_id(entry[0][0]) == request_id]
+        self._queue = [entry for entry in self._queue if entry not in queued]
+        for _, future in queued:
+            if not future.done():
+                future.set_result(TokenOutput(token_ids=[], log_probs=None, stop_reason="aborted"))
+        running = [key for key in self._pending if _request_id(key) == request_id]
+        if running:
+            await self._call("abort_requests", running)
+        return {"aborted": bool(queued or running), "request_id": request_id}
 
     async def resume_generation(self) -> None:
         _, gate = self._loop_state()
@@ -352,6 +323,11 @@ class VexactServer:
 
     async def stop_profile(self) -> None:
         """Profiling is not wired up: a no-op."""
+
+
+def _request_id(key: str) -> str:
+    """verl's request id of a server key (``VexactServer.generate`` makes ``f"{request_id}#{n}"``)."""
+    return key.rsplit("#", 1)[0]
 
 
 class VexactReplica(RolloutReplica):
