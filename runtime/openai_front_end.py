@@ -10,6 +10,7 @@ serves until the engine's side sends ``("close",)``.
 
 from __future__ import annotations
 
+import signal
 import sys
 import threading
 from multiprocessing.connection import Connection
@@ -23,6 +24,7 @@ __all__ = ["main"]
 def main(argv: list[str] | None = None) -> int:
     """Serve the front end over the connection on the file descriptor `argv[0]`."""
     argv = sys.argv[1:] if argv is None else argv
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the engine's process, which stops this one
     conn = Connection(int(argv[0]))
     settings = conn.recv()
     engine = RemoteEngine(conn)

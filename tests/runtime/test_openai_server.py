@@ -5,6 +5,7 @@ clients share the running batch without changing each other's results, bad reque
 error bodies naming the field, and a client that goes away has its request aborted."""
 
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -222,10 +223,11 @@ def test_engine_thread_takes_all_requests_or_none(folder):
 
 
 def test_vexact_serve_command(folder):
-    """``vexact serve`` starts the server on a free port and prints where."""
+    """``vexact serve`` starts the server on a free port and prints where; Ctrl-C stops both
+    processes cleanly."""
     process = subprocess.Popen([sys.executable, "-m", "vexact_models.cli", "serve", str(folder), "--port", "0",
                                 "--device", "cpu", "--kv-cache-bytes", str(1 << 20), "--served-model-name", "tiny"],
-                               stdout=subprocess.PIPE, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = process.stdout.readline()
         assert line.startswith("vexact serve: tiny at http://127.0.0.1:"), line
@@ -233,9 +235,15 @@ def test_vexact_serve_command(folder):
         client = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
         reply = client.completions.create(model="tiny", prompt="w5 w6", max_tokens=3, extra_body=EXTRA)
         assert len(reply.choices[0].model_extra["token_ids"]) == 3
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == 0
+        assert "vexact serve: stopped" in process.stderr.read()
+        with pytest.raises(openai.APIConnectionError):
+            client.completions.create(model="tiny", prompt="w5", max_tokens=1)
     finally:
-        process.terminate()
-        process.wait(timeout=60)
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=60)
 
 
 def _post(url: str, body: dict) -> tuple[int, dict]:
