@@ -4,6 +4,7 @@ as ``vllm serve`` starts one."""
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from vexact_models.cli_args import checkpoint_arg, device_arg, non_negative_int, positive_float, positive_int
@@ -63,8 +64,15 @@ def serve(args: argparse.Namespace) -> int:
               enforce_eager=args.enforce_eager)
     server = OpenAIServer(llm, args.served_model_name or args.model, args.host, args.port).start()
     print(f"vexact serve: {server.model_name} at {server.url}", flush=True)
+    for stop in (signal.SIGINT, signal.SIGTERM):  # (a parent may have left SIGINT ignored, as pytest-xdist does)
+        signal.signal(stop, _interrupt)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
         print("vexact serve: stopped", file=sys.stderr)
     return 0
+
+
+def _interrupt(signum: int, frame) -> None:
+    """Ctrl-C and SIGTERM (a process manager's stop) end `serve_forever`, which then closes both processes."""
+    raise KeyboardInterrupt

@@ -223,8 +223,8 @@ def test_engine_thread_takes_all_requests_or_none(folder):
 
 
 def test_vexact_serve_command(folder):
-    """``vexact serve`` starts the server on a free port and prints where; Ctrl-C stops both
-    processes cleanly."""
+    """``vexact serve`` starts the server on a free port and prints where; SIGTERM (as Ctrl-C)
+    stops both processes cleanly."""
     process = subprocess.Popen([sys.executable, "-m", "vexact_models.cli", "serve", str(folder), "--port", "0",
                                 "--device", "cpu", "--kv-cache-bytes", str(1 << 20), "--served-model-name", "tiny"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -235,7 +235,7 @@ def test_vexact_serve_command(folder):
         client = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
         reply = client.completions.create(model="tiny", prompt="w5 w6", max_tokens=3, extra_body=EXTRA)
         assert len(reply.choices[0].model_extra["token_ids"]) == 3
-        process.send_signal(signal.SIGINT)
+        process.send_signal(signal.SIGTERM)  # (under pytest-xdist SIGINT is ignored, and inherited so)
         assert process.wait(timeout=60) == 0
         assert "vexact serve: stopped" in process.stderr.read()
         with pytest.raises(openai.APIConnectionError):
