@@ -22,7 +22,8 @@ Routes: POST /v1/completions and /v1/chat/completions (streamed with "stream": t
 and /health. Requests join the running batch at the next engine step. Each returned logprob is the
 float the training forward's token_logprobs recomputes, bitwise. vLLM's extra sampling fields
 (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, structured_outputs,
-return_token_ids, chat_template_kwargs, ...) are read; tool calls are not parsed.
+return_token_ids, chat_template_kwargs, ...) are read; tool calls are not parsed. The HTTP front end runs in
+a process of its own beside the engine's; Ctrl-C or SIGTERM stops both.
 """
 
 
