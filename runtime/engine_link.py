@@ -30,8 +30,6 @@ class EngineLink:
         self.engine, self.conn = engine, conn
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # the sink of every request
         self._send_lock = threading.Lock()
-        self._live: set[str] = set()  # requests submitted and not finished
-        self._live_lock = threading.Lock()
         self._threads = [threading.Thread(target=target, name=name, daemon=True)
                          for target, name in ((self._receive, "vexact-link-in"), (self._send_outputs, "vexact-link-out"))]
         for thread in self._threads:
@@ -63,25 +61,15 @@ class EngineLink:
             _, call, ids, requests = message
             error = None
             try:
-                with self._live_lock:
-                    self._live.update(ids)
                 self.engine.submit_all(requests, ids, self._outbox)
             except Exception as err:  # bad input: the front end raises it
                 error = err
-                with self._live_lock:
-                    self._live.difference_update(ids)
             self._send_quietly(("added", call, error))
-        with self._live_lock:
-            left = list(self._live)
-        for request_id in left:
-            self.engine.abort(request_id)
+        self.engine.abort_all()  # the engine thread serves this link alone: what it holds is the front end's
         self._outbox.put(None)
 
     def _send_outputs(self) -> None:
         while (item := self._outbox.get()) is not None:
-            if not isinstance(item, BaseException) and item.finished:
-                with self._live_lock:
-                    self._live.discard(item.request_id)
             self._send_quietly(("out", item))
 
     def _send_quietly(self, message: tuple) -> None:

@@ -83,6 +83,10 @@ class EngineThread:
         the samples still running ending "abort" with their tokens so far."""
         self._commands.put(("abort", request_id))
 
+    def abort_all(self) -> None:
+        """`abort` every request this thread holds (their submitter went away: the server's link)."""
+        self._commands.put(("abort", None))
+
     def close(self) -> None:
         """Stop the thread after aborting what still runs (their sinks get a RuntimeError)."""
         if not self._closed:
@@ -112,8 +116,8 @@ class EngineThread:
             return None
 
     def _apply(self, command) -> None:
-        if command[0] == "abort":
-            for output in self.llm.abort_request(command[1]):
+        if command[0] == "abort":  # one request, or (None) all of them
+            for output in self.llm.abort_request(list(self._sinks) if command[1] is None else command[1]):
                 route(self._sinks, output)
             return
         _, requests, sink, taken = command
