@@ -69,13 +69,14 @@ class EngineRequest:
 
 
 def _typed(body: dict, name: str, kinds, default=None):
+    """``body[name]`` (`default` when absent or null), a ProtocolError unless one of `kinds` (a
+    bool is no int here)."""
     value = body.get(name, default)
     if value is None or value is default:
         return value
-    bad = isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,))
-    if bad or not isinstance(value, kinds):
-        wanted = " or ".join(k.__name__ for k in (kinds if isinstance(kinds, tuple) else (kinds,)))
-        raise ProtocolError(f"'{name}' must be a {wanted}, got {value!r}", name)
+    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise ProtocolError(f"'{name}' must be a {' or '.join(k.__name__ for k in kinds)}, got {value!r}", name)
     return value
 
 
