@@ -203,7 +203,7 @@ class VexactServer:
                                                    max_model_len=self.max_model_len, seed=seed)
         _, gate = self._loop_state()
         if self._reject and not gate.is_set():
-            return TokenOutput(token_ids=[], log_probs=None, stop_reason="aborted")
+            return _aborted()
         future = asyncio.get_running_loop().create_future()
         key = f"{request_id}#{next(self._keys)}"  # verl's ids are not promised unique among running requests
         self._queue.append(((key, ids, params, want_logprobs), future))
@@ -290,9 +290,7 @@ class VexactServer:
         rejected = []
         if self._reject:  # queued requests that have not started: answer them now
             rejected, self._queue = self._queue, []
-            for _, future in rejected:
-                if not future.done():
-                    future.set_result(TokenOutput(token_ids=[], log_probs=None, stop_reason="aborted"))
+            _answer_aborted(rejected)
         stopped = list(self._pending)
         if stopped:
             await self._call("abort_requests", stopped)
@@ -305,9 +303,7 @@ class VexactServer:
         queued one, empty), as verl's vLLM server does."""
         queued = [entry for entry in self._queue if _request_id(entry[0][0]) == request_id]
         self._queue = [entry for entry in self._queue if entry not in queued]
-        for _, future in queued:
-            if not future.done():
-                future.set_result(TokenOutput(token_ids=[], log_probs=None, stop_reason="aborted"))
+        _answer_aborted(queued)
         running = [key for key in self._pending if _request_id(key) == request_id]
         if running:
             await self._call("abort_requests", running)
@@ -323,6 +319,19 @@ class VexactServer:
 
     async def stop_profile(self) -> None:
         """Profiling is not wired up: a no-op."""
+
+
+def _aborted() -> TokenOutput:
+    """What a request stopped before it started gets (verl's vLLM server's answer); a new one each
+    time, since callers may change what they get."""
+    return TokenOutput(token_ids=[], log_probs=None, stop_reason="aborted")
+
+
+def _answer_aborted(queued: list) -> None:
+    """Answer queued ``(request, future)`` entries that will not run: `_aborted`."""
+    for _, future in queued:
+        if not future.done():
+            future.set_result(_aborted())
 
 
 def _request_id(key: str) -> str:
