@@ -32,6 +32,8 @@ _BLOCK_V = 512  # the blocks the filter decides on (`_sample_kernel`): 1.5x the 
 #: that reaches it do not depend on the split, so neither does the token. One program per row left
 #: a decode step's sampler at ~2 programs per SM (0.18-0.26 ms at batch 128-256 on the H200).
 _CHUNK_BLOCKS = 32
+U_MAX = 1.0 - 2.0 ** -24  #: the largest uniform the sampler draws: the largest fp32 below 1 (`_philox_uniform`)
+_U_MAX = tl.constexpr(U_MAX)
 _PHILOX_ROUND_A = 0xD2511F53
 _PHILOX_ROUND_B = 0xCD9E8D57
 _PHILOX_KEY_A = 0x9E3779B9
@@ -68,11 +70,12 @@ def _philox_uniform(start, step_lo, step_hi, key0, key1, BLOCK: tl.constexpr):
     w0, w1, w2, w3 = _philox4(start // 4 + tl.arange(0, BLOCK // 4), step_lo, step_hi, key0, key1)
     # join(join(w0, w2), join(w1, w3))[n, i, k] is word 2i + k of counter n: row-major, the columns' order
     words = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), (BLOCK,))
-    # top 24 bits, centred in their interval: never 0 or 1
-    return (words >> 8).to(tl.float32) * (1.0 / 16777216.0) + (0.5 / 16777216.0)
+    # top 24 bits, centred in their interval; the top interval's centre, 1 - 2^-25, rounds to 1.0
+    # in fp32 (whose noise would be +inf), so it is held at the largest float below 1
+    return tl.minimum((words >> 8).to(tl.float32) * (1.0 / 16777216.0) + (0.5 / 16777216.0), _U_MAX)
 
 
-#: the largest noise ``-log(-log(u))`` a uniform of `_philox_uniform` can give (u <= 1 - 2^-25: 17.33)
+#: above the largest noise ``-log(-log(u))`` a uniform of `_philox_uniform` can give (u <= 1 - 2^-24: 16.64)
 _NOISE_MAX = tl.constexpr(17.34)
 
 
@@ -195,11 +198,15 @@ def philox4x32_reference(counters: torch.Tensor, counter_words: tuple[int, int, 
 
 def philox_uniform_reference(cols: torch.Tensor, step: int, seed: int) -> torch.Tensor:
     """The kernel's uniforms in plain torch, float32: column j is word ``j % 4`` of counter
-    ``(j // 4, step low word, step high word, 0)`` under the key ``(seed low, seed high)``."""
+    ``(j // 4, step low word, step high word, 0)`` under the key ``(seed low, seed high)``; its
+    top 24 bits k give ``(k + 1/2) / 2^24``, rounded to fp32, at most 1 - 2^-24 (k = 2^24 - 1
+    would round to 1.0, whose noise ``-log(-log(1))`` is +inf: that column would win whatever its
+    logit, in about 1% of the steps over a 152k vocabulary)."""
     cols = cols.to(torch.int64)
     words = philox4x32_reference(cols // 4, (step, step >> 32, 0), (seed, seed >> 32))
     words = words.gather(0, (cols % 4)[None, :])[0]
-    return (words >> 8).to(torch.float32) * (1.0 / 16777216.0) + (0.5 / 16777216.0)
+    u = (words >> 8).to(torch.float32) * (1.0 / 16777216.0) + (0.5 / 16777216.0)
+    return torch.clamp(u, max=U_MAX)
 
 
 def sample_tokens_reference(logits, temperatures, seeds, steps, thresholds) -> torch.Tensor:

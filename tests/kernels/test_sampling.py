@@ -21,7 +21,7 @@ def test_each_column_takes_one_word_of_a_counter_shared_by_four():
     cols = torch.arange(12)
     words = philox4x32_reference(torch.arange(3), (5, 0, 0), (99, 0))  # [4, 3]: counters (n, step 5), key seed 99
     u = philox_uniform_reference(cols, 5, 99)
-    want = ((words.t().reshape(-1) >> 8).to(torch.float32) + 0.5) / 16777216.0
+    want = (((words.t().reshape(-1) >> 8).to(torch.float32) + 0.5) / 16777216.0).clamp(max=1 - 2 ** -24)
     assert torch.equal(u, want)
     assert torch.equal(philox_uniform_reference(cols[5:9], 5, 99), u[5:9])  # a column's value is its own
 
@@ -30,6 +30,34 @@ def test_uniforms_are_in_open_interval_and_uniform():
     u = philox_uniform_reference(torch.arange(200_000), 3, 12345)
     assert float(u.min()) > 0 and float(u.max()) < 1
     assert abs(float(u.mean()) - 0.5) < 3e-3
+
+
+#: (step, column) under seed 12345 whose word's top 24 bits are all ones (found by scanning steps
+#: 0-399 of a 151,936-column row: 7 such steps), the interval whose centre rounds to 1.0 in fp32
+TOP_BIN = [(114, 144783), (142, 56829), (164, 88750), (174, 60968), (209, 92712), (291, 134143), (377, 101877)]
+
+
+def test_the_top_uniform_interval_stays_below_one():
+    """u = 1.0 would give the column the noise -log(-log 1) = +inf: sampled whatever its logit
+    (a masked one too: -inf + inf is NaN, which argmax takes)."""
+    for step, col in TOP_BIN:
+        word = philox4x32_reference(torch.tensor([col // 4]), (step, 0, 0), (12345, 0))[col % 4, 0]
+        assert int(word) >> 8 == 0xFFFFFF
+        u = philox_uniform_reference(torch.tensor([col]), step, 12345)
+        assert float(u) == 1 - 2 ** -24
+
+
+def test_no_token_outside_the_distribution_at_the_top_interval():
+    """At the steps of `TOP_BIN`, a row whose mass is all on token 7 samples 7, and a row whose
+    only finite logit is token 7 (a grammar's mask) samples 7, not the top interval's column."""
+    vocab, steps = 151_936, torch.tensor([step for step, _ in TOP_BIN])
+    peaked = torch.randn(len(TOP_BIN), vocab, generator=torch.Generator().manual_seed(0)) * 2
+    peaked[:, 7] = 40.0
+    masked = torch.full_like(peaked, float("-inf"))
+    masked[:, 7] = -3.0
+    for logits in (peaked, masked):
+        out = sample_tokens(logits, torch.ones(len(TOP_BIN)), torch.full((len(TOP_BIN),), 12345), steps)
+        assert out.tolist() == [7] * len(TOP_BIN)
 
 
 def test_greedy_takes_argmax_with_lowest_index_on_ties():

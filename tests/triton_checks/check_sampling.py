@@ -46,6 +46,31 @@ def test_sampling_over_row_chunks_keeps_the_token(monkeypatch, chunk_blocks):
     assert torch.equal(got, ref(sample_tokens, logits, temps, seeds, steps, thr))
 
 
+@pytest.mark.parametrize("filter_blocks", [True, False])
+def test_no_token_outside_the_distribution_at_the_top_interval(filter_blocks):
+    """At the (step, column) pairs whose uniform lies in the top interval (its centre rounds to
+    1.0 in fp32, `tests/kernels/test_sampling.py::TOP_BIN`), the kernel samples the row's only
+    likely token (or a mask's only finite one), as the reference does, with the block filter and
+    without: never the top interval's column."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "kernels"))
+    from test_sampling import TOP_BIN
+
+    from vexact_models.kernels.sampling import sample_tokens_triton
+
+    rows, vocab = len(TOP_BIN), 151_936
+    steps = torch.tensor([step for step, _ in TOP_BIN], device=DEVICE)
+    peaked = rand(rows, vocab) * 2
+    peaked[:, 7] = 40.0
+    masked = torch.full_like(peaked, float("-inf"))
+    masked[:, 7] = -3.0
+    for logits in (peaked, masked):
+        args = (logits, torch.ones(rows, device=DEVICE), torch.full((rows,), 12345, device=DEVICE), steps,
+                torch.full((rows,), float("-inf"), device=DEVICE))
+        got = sample_tokens_triton(*args, filter_blocks=filter_blocks)
+        assert got.tolist() == [7] * rows
+        assert torch.equal(got, ref(sample_tokens, *args))
+
+
 def _score(x: float, u: float, temperature: float) -> float:
     """The reference's fp32 score of one column (`sampling.sample_tokens_reference`)."""
     from vexact_models.kernels import exact_math
