@@ -9,6 +9,7 @@ rendered text as its ``prompt``.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 
@@ -70,15 +71,40 @@ class ChatMixin:
 def render_text(tokenizer, conversation, chat_template: str | None, add_generation_prompt: bool,
                 continue_final_message: bool, tools, kwargs: dict, caller: str, where: str) -> str:
     """`conversation` rendered by `tokenizer`'s chat template (or `chat_template`), after checking
-    its messages: a ValueError naming `caller`, `where` (the conversation) and the message otherwise."""
+    its messages: a ValueError naming `caller`, `where` (the conversation) and the message otherwise.
+    An assistant message's ``tool_calls`` may stand for its content; their ``arguments``, JSON text
+    in OpenAI's messages, reach the template as the objects they encode (as vLLM passes them:
+    templates write them out with ``tojson``)."""
     if not isinstance(conversation, Seq) or isinstance(conversation, str) or not conversation:
         raise ValueError(f"{caller}: {where} must be a non-empty list of messages, got {conversation!r}")
     for j, message in enumerate(conversation):
-        if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
-            raise ValueError(f"{caller}: message {j} of {where} must be a dict with 'role' and 'content', got {message!r}")
+        if not isinstance(message, Mapping) or "role" not in message or ("content" not in message
+                                                                          and not message.get("tool_calls")):
+            raise ValueError(f"{caller}: message {j} of {where} must be a dict with 'role' and 'content' (or "
+                             f"'tool_calls'), got {message!r}")
     return tokenizer.apply_chat_template(
-        list(conversation), tokenize=False, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-        continue_final_message=continue_final_message, tools=tools, **kwargs)
+        [_decoded_calls(message) for message in conversation], tokenize=False, chat_template=chat_template,
+        add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message, tools=tools,
+        **kwargs)
+
+
+def _decoded_calls(message: Mapping) -> Mapping:
+    """`message` with its tool calls' JSON-text ``arguments`` decoded (a copy; `message` itself when
+    it has none to decode)."""
+    calls = message.get("tool_calls")
+    if not isinstance(calls, Seq) or not all(isinstance(c, Mapping) and isinstance(c.get("function"), Mapping)
+                                             for c in calls):
+        return message  # (none, or not OpenAI's form: the template gets them as they are)
+    decoded = []
+    for call in calls:
+        function = dict(call["function"])
+        if isinstance(function.get("arguments"), str):
+            try:
+                function["arguments"] = json.loads(function["arguments"])
+            except ValueError:
+                pass  # not JSON: the template gets the text
+        decoded.append({**call, "function": function})
+    return {**message, "tool_calls": decoded}
 
 
 def chat_ids(tokenizer, text: str) -> list[int]:

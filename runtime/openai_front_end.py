@@ -4,8 +4,8 @@ the HTTP server and its handlers (`runtime.openai_http`), talking to the engine'
 connection on file descriptor FD (`runtime.engine_link.RemoteEngine`).
 
 It receives its settings first (the tokenizer, the model's name, the address to bind, the
-engine's ``max_model_len``), binds, answers ``("ready", url)`` (or ``("error", message)``), and
-serves until the engine's side sends ``("close",)``.
+engine's ``max_model_len``, the tool call parser), binds, answers ``("ready", url)`` (or
+``("error", message)``), and serves until the engine's side sends ``("close",)``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     conn = Connection(int(argv[0]))
     settings = conn.recv()
     engine = RemoteEngine(conn)
-    front = FrontEnd(engine, settings["tokenizer"], settings["model_name"], settings["max_model_len"])
+    front = FrontEnd(engine, settings["tokenizer"], settings["model_name"], settings["max_model_len"],
+                     settings["tool_call_parser"])
     try:
         http = front.http_server(settings["host"], settings["port"])
     except OSError as err:

@@ -17,8 +17,8 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from .llm_chat import chat_ids, render_text
-from .openai_protocol import (EngineRequest, ProtocolError, chat_choice, completion_choice, read_chat, read_completion,
-                              response, usage)
+from .openai_protocol import (EngineRequest, ProtocolError, chat_choice, completion_choice, prompt_logprobs, read_chat,
+                              read_completion, response, usage)
 from .outputs import RequestOutput
 
 __all__ = ["FrontEnd"]
@@ -26,10 +26,12 @@ __all__ = ["FrontEnd"]
 
 class FrontEnd:
     """What the handlers serve with: the `engine`, the `tokenizer` (text prompts, chat templates,
-    token texts), the API's `model_name` and the engine's `max_model_len`."""
+    token texts), the API's `model_name`, the engine's `max_model_len` and the `tool_parser` that
+    reads chat replies' tool calls (`runtime.tool_calls.PARSERS`; None: none)."""
 
-    def __init__(self, engine, tokenizer, model_name: str, max_model_len: int) -> None:
+    def __init__(self, engine, tokenizer, model_name: str, max_model_len: int, tool_parser: str | None = None) -> None:
         self.engine, self.tokenizer, self.model_name, self.max_model_len = engine, tokenizer, model_name, max_model_len
+        self.tool_parser = tool_parser
 
     def http_server(self, host: str, port: int) -> ThreadingHTTPServer:
         """An HTTP server of this front end bound to (`host`, `port`; 0: a free one)."""
@@ -55,6 +57,9 @@ class FrontEnd:
     def submit(self, request: EngineRequest) -> tuple[queue.SimpleQueue, list[str]]:
         """Queue every prompt of `request`, their outputs into one queue (all or none are queued)."""
         request.token_texts = self.token_texts
+        if request.echo:  # (prompts given as token ids are echoed as their text)
+            request.prompt_texts = [self.tokenizer.decode(ids) if text is None else text
+                                    for text, ids in zip(request.prompt_texts, request.prompts)]
         sink: queue.SimpleQueue = queue.SimpleQueue()
         ids = [f"{request.id}-{i}" for i in range(len(request.prompts))]
         try:
@@ -109,7 +114,7 @@ class _Handler(BaseHTTPRequestHandler):
             if kind == "text_completion":
                 request = read_completion(body, state.tokenize)
             else:
-                request = read_chat(body, state.render, state.max_model_len)
+                request = read_chat(body, state.render, state.max_model_len, state.tool_parser)
             sink, ids = state.submit(request)
         except ProtocolError as err:
             self._error(err)
@@ -133,9 +138,11 @@ class _Handler(BaseHTTPRequestHandler):
         choose = completion_choice if kind == "text_completion" else chat_choice
         n = request.params[0].n
         choices = [choose(request, i * n + c.index, o, c) for i, o in enumerate(outputs) for c in o.outputs]
-        tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-        self._send(HTTPStatus.OK, response(request, kind, self.server_state.model_name, choices,
-                                           usage(sum(map(len, request.prompts)), tokens)))
+        tokens = 0 if request.prompt_only else sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        body = response(request, kind, self.server_state.model_name, choices, usage(sum(map(len, request.prompts)), tokens))
+        if kind != "text_completion" and request.prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs(outputs[0])
+        self._send(HTTPStatus.OK, body)
 
     def _stream(self, kind: str, request: EngineRequest, sink: queue.SimpleQueue, ids: list[str]) -> None:
         self.send_response(HTTPStatus.OK)
@@ -146,7 +153,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.close_connection = True
         chat, n, model = kind != "text_completion", request.params[0].n, self.server_state.model_name
         chunk_kind = "chat.completion.chunk" if chat else kind
-        offsets, tokens = {}, 0
+        offsets, tools, tokens = {}, {}, 0
         try:
             if chat:
                 first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -156,13 +163,15 @@ class _Handler(BaseHTTPRequestHandler):
                 choices = []
                 for c in output.outputs:
                     index = position * n + c.index
-                    tokens += len(c.token_ids)
+                    tokens += 0 if request.prompt_only else len(c.token_ids)
                     if chat:
-                        choices.append(chat_choice(request, index, output, c, delta=True))
+                        stream = True if request.tools is None else tools.setdefault(index, request.tools.stream())
+                        choices.append(chat_choice(request, index, output, c, stream))
                     else:
-                        choice = completion_choice(request, index, output, c, offsets.get(index, 0))
-                        if choice["logprobs"] is not None:  # text_offset goes on from the last chunk's
-                            offsets[index] = offsets.get(index, 0) + sum(map(len, choice["logprobs"]["tokens"]))
+                        choice = completion_choice(request, index, output, c, offsets.get(index, 0), index not in offsets)
+                        # text_offset goes on from the last chunk's
+                        offsets[index] = offsets.get(index, 0) + (0 if choice["logprobs"] is None else
+                                                                  sum(map(len, choice["logprobs"]["tokens"])))
                         choices.append(choice)
                 self._event(response(request, chunk_kind, model, choices, None))
             if request.include_usage:

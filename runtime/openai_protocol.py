@@ -7,10 +7,18 @@ Read as vLLM's server reads them: OpenAI's fields (``max_tokens``, ``temperature
 ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
 ``skip_special_tokens``, ``include_stop_str_in_output``, ``allowed_token_ids``, ``bad_words``,
 ``structured_outputs``, ``return_token_ids``, and for chat ``chat_template_kwargs``,
-``add_generation_prompt``, ``continue_final_message``). A field of the wrong type or value is a
-`ProtocolError` (HTTP 400) naming it; fields the engine has no counterpart for (``echo``,
-``suffix``, ``best_of`` above ``n``, tool calls the server would have to parse) are refused the
-same way rather than ignored. Other unknown fields are ignored, as OpenAI's clients send some.
+``add_generation_prompt``, ``continue_final_message``, and the tools: ``tools``, ``tool_choice``,
+``parallel_tool_calls``, `runtime.openai_tools`). A field of the wrong type or value is a
+`ProtocolError` (HTTP 400) naming it; fields the engine has no counterpart for (``suffix``,
+``best_of`` above ``n``, a chat's ``echo``) are refused the same way rather than ignored. Other
+unknown fields are ignored, as OpenAI's clients send some.
+
+The prompt's own logprobs (`SamplingParams.prompt_logprobs`, the training forward's floats too):
+a completion's ``echo`` returns the prompt before the reply, its tokens' logprobs first (None for
+the first token) when ``logprobs`` is asked, and with ``max_tokens: 0`` the prompt alone (how
+lm-evaluation-harness scores a text); vLLM's ``prompt_logprobs: k`` returns them per position as
+``{token_id: {logprob, rank, decoded_token}}`` dicts, on each completion choice (in a stream's
+first chunk) or on a chat response.
 
 Each returned logprob is the engine's float, written by ``json`` exactly (it round-trips), so a
 client reads the bits the training forward recomputes.
@@ -26,10 +34,11 @@ from dataclasses import dataclass
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import RequestOutputKind, SamplingParams
 from .structured_outputs import StructuredOutputsParams
+from .openai_tools import ToolReply, ToolStream, read_tools
 from .top_logprobs import Logprob
 
 __all__ = ["ProtocolError", "EngineRequest", "read_completion", "read_chat", "completion_choice", "chat_choice",
-           "response", "usage"]
+           "prompt_logprobs", "response", "usage"]
 
 #: vLLM's sampling fields read as they are, with the types they must have
 _EXTRA_FIELDS = {"top_k": int, "min_p": (int, float), "repetition_penalty": (int, float), "min_tokens": int,
@@ -64,6 +73,12 @@ class EngineRequest:
     top_logprobs: int | None = None  #: alternatives per position asked for (None: no logprobs)
     #: each token id's text (the server's tokenizer), for the logprobs of requests asking k = 0
     token_texts: Callable[[list[int]], list[str]] | None = None
+    tools: ToolReply | None = None  #: a chat request's tool calls to read from its reply (None: text)
+    echo: bool = False  #: a completion's prompt returned before its reply
+    prompt_only: bool = False  #: ``echo`` with ``max_tokens: 0``: the one token sampled is not returned
+    prompt_logprobs: int | None = None  #: ``prompt_logprobs`` asked for (returned as vLLM's field)
+    #: each prompt's text, for ``echo`` (None where given as token ids: the server decodes them)
+    prompt_texts: list[str | None] | None = None
     id: str = ""
     created: int = 0
 
@@ -101,8 +116,10 @@ def _structured(body: dict) -> StructuredOutputsParams | None:
     return StructuredOutputsParams(json=schema)
 
 
-def _sampling(body: dict, max_tokens: int | None, logprobs: int | None, stream: bool) -> SamplingParams:
-    """The request's `SamplingParams` (each field checked by it too: its ValueError names the field)."""
+def _sampling(body: dict, max_tokens: int | None, logprobs: int | None, stream: bool,
+              structured: StructuredOutputsParams | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
+    """The request's `SamplingParams` (each field checked by it too: its ValueError names the field);
+    `structured`: the structured output its tools ask for, else the body's."""
     fields = {name: _typed(body, name, kinds) for name, kinds in {**_OPENAI_FIELDS, **_EXTRA_FIELDS}.items()}
     fields = {name: value for name, value in fields.items() if value is not None}
     stop = body.get("stop")
@@ -116,23 +133,19 @@ def _sampling(body: dict, max_tokens: int | None, logprobs: int | None, stream: 
             raise ProtocolError(f"'logit_bias' keys must be token ids, got {sorted(bias)!r}", "logit_bias") from None
     try:
         # k = 0 asks for the sampled tokens' logprobs alone: the engine's floats, no alternatives to rank
-        return SamplingParams(**fields, max_tokens=max_tokens, logprobs=logprobs or None, structured_outputs=_structured(body),
+        return SamplingParams(**fields, max_tokens=max_tokens, logprobs=logprobs or None, prompt_logprobs=prompt_logprobs,
+                              structured_outputs=structured or _structured(body),
                               output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
     except ValueError as err:
         raise ProtocolError(str(err), str(err).split("=")[0].removeprefix("SamplingParams.").split("[")[0]) from None
 
 
 def _refuse(body: dict) -> None:
-    if body.get("echo"):
-        raise ProtocolError("'echo' is not supported: the prompt is returned by 'return_token_ids'", "echo")
     if body.get("suffix"):
         raise ProtocolError("'suffix' is not supported", "suffix")
     best_of = body.get("best_of")
     if best_of is not None and best_of != body.get("n", 1):
         raise ProtocolError(f"'best_of'={best_of!r} is not supported (only best_of = n)", "best_of")
-    if body.get("prompt_logprobs") is not None:
-        raise ProtocolError("'prompt_logprobs' is not supported by the server (LLM.generate returns them)",
-                            "prompt_logprobs")
 
 
 def _options(body: dict) -> dict:
@@ -161,21 +174,28 @@ def read_completion(body: dict, tokenize) -> EngineRequest:
             raise ProtocolError(f"'prompt' items must be strings or lists of token ids, got {item!r}", "prompt")
     logprobs = _typed(body, "logprobs", int)
     max_tokens = _typed(body, "max_tokens", int, 16)
+    echo = bool(_typed(body, "echo", bool, False))
+    asked = _typed(body, "prompt_logprobs", int)
+    scored = asked if not (echo and logprobs is not None) else max(asked or 0, logprobs)  # echo shows the prompt's
+    prompt_only = echo and max_tokens == 0  # (one token is sampled, as vLLM does, and not returned)
     options = _options(body)
-    params = _sampling(body, max_tokens, logprobs, options["stream"])
-    return EngineRequest(prompts, [params] * len(prompts), top_logprobs=logprobs, **options)
+    params = _sampling(body, 1 if prompt_only else max_tokens, logprobs, options["stream"], prompt_logprobs=scored)
+    return EngineRequest(prompts, [params] * len(prompts), top_logprobs=logprobs, echo=echo, prompt_only=prompt_only,
+                         prompt_logprobs=asked, prompt_texts=[p if isinstance(p, str) else None for p in prompt],
+                         **options)
 
 
-def read_chat(body: dict, render, max_model_len: int) -> EngineRequest:
-    """A ``/v1/chat/completions`` body; `render` turns (messages, template options) into token ids."""
+def read_chat(body: dict, render, max_model_len: int, tool_parser: str | None = None) -> EngineRequest:
+    """A ``/v1/chat/completions`` body; `render` turns (messages, template options) into token ids;
+    `tool_parser`: the server's (`runtime.tool_calls.PARSERS`), None for none."""
     _refuse(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ProtocolError("'messages' must be a non-empty list of messages", "messages")
-    if body.get("tool_choice") not in (None, "none"):
-        raise ProtocolError(f"'tool_choice'={body['tool_choice']!r}: tool calls are not parsed by this server; leave "
-                            "it out or 'none' (tools are passed to the chat template, the reply is its text)",
-                            "tool_choice")
+    if body.get("echo"):
+        raise ProtocolError("'echo' is not supported on chat completions ('return_token_ids' returns the prompt's "
+                            "tokens)", "echo")
+    tools = read_tools(body, tool_parser, ProtocolError)
     kwargs = _typed(body, "chat_template_kwargs", dict) or {}
     ids = render(messages, add_generation_prompt=_typed(body, "add_generation_prompt", bool, True),
                        continue_final_message=_typed(body, "continue_final_message", bool, False),
@@ -189,8 +209,11 @@ def read_chat(body: dict, render, max_model_len: int) -> EngineRequest:
     if max_tokens is None:
         max_tokens = max(1, max_model_len - len(ids))  # vLLM's default: up to the context length
     options = _options(body)
-    params = _sampling(body, max_tokens, k, options["stream"])
-    return EngineRequest([ids], [params], top_logprobs=k, **options)
+    asked = _typed(body, "prompt_logprobs", int)
+    if asked is not None and options["stream"]:
+        raise ProtocolError("'prompt_logprobs' is returned by chat completions that are not streamed", "prompt_logprobs")
+    params = _sampling(body, max_tokens, k, options["stream"], tools.structured() if tools else None, asked)
+    return EngineRequest([ids], [params], top_logprobs=k, tools=tools, prompt_logprobs=asked, **options)
 
 
 # -- responses ---------------------------------------------------------------------------------
@@ -199,22 +222,39 @@ def _positions(request: EngineRequest, completion: CompletionOutput) -> list[tup
     order); with k = 0 the engine's floats, the texts from the request's tokenizer."""
     if not completion.token_ids or isinstance(completion.logprobs[0], float):
         return list(zip(request.token_texts(completion.token_ids), completion.logprobs, [[]] * len(completion.token_ids)))
-    positions = []
-    for token, entries in zip(completion.token_ids, completion.logprobs):
-        top = sorted((e for e in entries.values() if e.rank <= request.top_logprobs), key=lambda e: e.rank)
-        positions.append((entries[token].decoded_token or "", entries[token].logprob, top))
-    return positions
+    return [_ranked(request, token, entries) for token, entries in zip(completion.token_ids, completion.logprobs)]
 
 
-def _completion_logprobs(request: EngineRequest, completion: CompletionOutput, offset: int) -> dict:
+def _ranked(request: EngineRequest, token: int, entries: dict[int, Logprob]) -> tuple[str, float, list[Logprob]]:
+    top = sorted((e for e in entries.values() if e.rank <= request.top_logprobs), key=lambda e: e.rank)
+    return entries[token].decoded_token or "", entries[token].logprob, top
+
+
+def _prompt_positions(request: EngineRequest, output: RequestOutput) -> list[tuple[str, float | None, list | None]]:
+    """`_positions` of the prompt (``echo``): its first token has no logprob."""
+    ids = output.prompt_token_ids
+    first = (request.token_texts(ids[:1])[0], None, None)
+    return [first] + [_ranked(request, token, entries) for token, entries in zip(ids[1:], output.prompt_logprobs[1:])]
+
+
+def _completion_logprobs(positions: list, offset: int) -> dict:
     tokens, values, tops, offsets = [], [], [], []
-    for text, logprob, top in _positions(request, completion):
+    for text, logprob, top in positions:
         tokens.append(text)
         values.append(logprob)
-        tops.append({text: logprob, **{e.decoded_token or "": e.logprob for e in top}})  # the token and the k best
+        # the token and the k best (None at the prompt's first token)
+        tops.append(None if top is None else {text: logprob, **{e.decoded_token or "": e.logprob for e in top}})
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def prompt_logprobs(output: RequestOutput) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs`` field: None for the first prompt token, then per token a dict
+    ``{token_id: {"logprob", "rank", "decoded_token"}}``."""
+    return [None if entries is None else {str(token): {"logprob": e.logprob, "rank": e.rank,
+                                                        "decoded_token": e.decoded_token} for token, e in entries.items()}
+            for entries in output.prompt_logprobs]
 
 
 def _chat_logprobs(request: EngineRequest, completion: CompletionOutput) -> dict:
@@ -232,22 +272,42 @@ def _token_fields(request: EngineRequest, output: RequestOutput, completion: Com
 
 
 def completion_choice(request: EngineRequest, index: int, output: RequestOutput, completion: CompletionOutput,
-                      offset: int = 0) -> dict:
-    """One ``/v1/completions`` choice (or a stream chunk's: `completion` a delta)."""
-    logprobs = None if request.top_logprobs is None else _completion_logprobs(request, completion, offset)
-    return {"index": index, "text": completion.text or "", "logprobs": logprobs,
-            "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
-            **_token_fields(request, output, completion)}
+                      offset: int = 0, first: bool = True) -> dict:
+    """One ``/v1/completions`` choice (or a stream chunk's: `completion` a delta, `first` whether
+    it is the choice's first chunk, which echoes the prompt)."""
+    if request.prompt_only:  # echo of the prompt alone: the token sampled is not returned
+        completion = CompletionOutput(completion.index, [], [], completion.finish_reason and "length", "")
+    text = completion.text or ""
+    positions = None if request.top_logprobs is None else _positions(request, completion)
+    extra = {}
+    if first and request.echo:
+        text = request.prompt_texts[index // request.params[0].n] + text
+        positions = None if positions is None else _prompt_positions(request, output) + positions
+    if first and request.prompt_logprobs is not None:
+        extra["prompt_logprobs"] = prompt_logprobs(output)
+    logprobs = None if positions is None else _completion_logprobs(positions, offset)
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": completion.finish_reason,
+            "stop_reason": completion.stop_reason, **_token_fields(request, output, completion), **extra}
 
 
 def chat_choice(request: EngineRequest, index: int, output: RequestOutput, completion: CompletionOutput,
-                delta: bool = False) -> dict:
-    """One ``/v1/chat/completions`` choice: a whole message, or a stream chunk's delta."""
+                stream: ToolStream | bool = False) -> dict:
+    """One ``/v1/chat/completions`` choice: a whole message, or (`stream` True, or the choice's
+    `ToolStream` for a request with tools) a stream chunk's delta."""
     logprobs = None if request.top_logprobs is None else _chat_logprobs(request, completion)
-    message = {"content": completion.text or ""} if delta else {"role": "assistant", "content": completion.text or ""}
-    return {"index": index, "delta" if delta else "message": message, "logprobs": logprobs,
-            "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
-            **_token_fields(request, output, completion)}
+    text, finish = completion.text or "", completion.finish_reason
+    if isinstance(stream, ToolStream):
+        message = stream.delta(text, finish is not None)
+        finish = "tool_calls" if stream.called else finish
+    elif stream:
+        message = {"content": text}
+    elif request.tools is not None:
+        message, called = request.tools.message(text)
+        finish = "tool_calls" if called else finish
+    else:
+        message = {"role": "assistant", "content": text}
+    return {"index": index, "delta" if stream is not False else "message": message, "logprobs": logprobs,
+            "finish_reason": finish, "stop_reason": completion.stop_reason, **_token_fields(request, output, completion)}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

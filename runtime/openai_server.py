@@ -21,6 +21,7 @@ from multiprocessing.connection import Connection
 
 from .engine_link import EngineLink
 from .engine_thread import EngineThread
+from .tool_calls import PARSERS
 
 __all__ = ["OpenAIServer"]
 
@@ -28,13 +29,20 @@ __all__ = ["OpenAIServer"]
 class OpenAIServer:
     """Serve `llm` at ``http://host:port/v1`` as model `model_name` (port 0: a free one). `start`
     starts the front end's process and returns once it listens (`url` says where);
-    `serve_forever` also waits until it stops; `close` stops it and the engine thread."""
+    `serve_forever` also waits until it stops; `close` stops it and the engine thread.
+    `tool_call_parser`: the format chat replies' tool calls are read in (`runtime.tool_calls.PARSERS`:
+    ``"hermes"``, ``"qwen3_coder"``), as ``vllm serve --tool-call-parser``; None: tool_choice
+    ``"auto"`` is refused (`runtime.openai_tools`)."""
 
-    def __init__(self, llm, model_name: str, host: str = "127.0.0.1", port: int = 8000) -> None:
+    def __init__(self, llm, model_name: str, host: str = "127.0.0.1", port: int = 8000,
+                 tool_call_parser: str | None = None) -> None:
         if llm.tokenizer is None:
             raise ValueError("OpenAIServer: the engine has no tokenizer (the API's prompts and replies are text); "
                              "load a checkpoint folder that has one, or pass LLM(..., tokenizer=...)")
+        if tool_call_parser is not None and tool_call_parser not in PARSERS:
+            raise ValueError(f"OpenAIServer: tool_call_parser={tool_call_parser!r} is not one of {sorted(PARSERS)}")
         self.llm, self.model_name, self.host, self.port = llm, model_name, host, port
+        self.tool_call_parser = tool_call_parser
         self.url: str | None = None
         self._process: subprocess.Popen | None = None
         self._link: EngineLink | None = None
@@ -50,7 +58,7 @@ class OpenAIServer:
         theirs.close()
         conn = Connection(ours.detach())
         conn.send({"tokenizer": self.llm.tokenizer, "model_name": self.model_name, "host": self.host,
-                   "port": self.port, "max_model_len": self.llm.max_model_len})
+                   "port": self.port, "max_model_len": self.llm.max_model_len, "tool_call_parser": self.tool_call_parser})
         try:
             kind, detail = conn.recv()
         except EOFError:

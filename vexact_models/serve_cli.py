@@ -8,6 +8,7 @@ import signal
 import sys
 
 from vexact_models.cli_args import checkpoint_arg, device_arg, non_negative_int, positive_float, positive_int
+from vexact_models.runtime.tool_calls import PARSERS
 
 __all__ = ["SERVE_HELP", "add_serve_parser", "serve"]
 
@@ -22,8 +23,14 @@ Routes: POST /v1/completions and /v1/chat/completions (streamed with "stream": t
 and /health. Requests join the running batch at the next engine step. Each returned logprob is the
 float the training forward's token_logprobs recomputes, bitwise. vLLM's extra sampling fields
 (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, structured_outputs,
-return_token_ids, chat_template_kwargs, ...) are read; tool calls are not parsed. The HTTP front end runs in
-a process of its own beside the engine's; Ctrl-C or SIGTERM stops both.
+return_token_ids, chat_template_kwargs, ...) are read. Tools go to the chat template; with
+--tool-call-parser the server reads the calls out of chat replies (tool_choice "auto"), and
+tool_choice "required" or a named function holds the reply to the tools' schemas on any model:
+
+    vexact serve Qwen/Qwen3-8B --enable-auto-tool-choice --tool-call-parser hermes
+    vexact serve Qwen/Qwen3.5-35B-A3B --tool-call-parser qwen3_coder
+
+The HTTP front end runs in a process of its own beside the engine's; Ctrl-C or SIGTERM stops both.
 """
 
 
@@ -50,6 +57,12 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                    help="the most alternatives a request's logprobs may ask for (default 20)")
     p.add_argument("--seed", type=int, default=0, help="base seed of requests that give none (default 0)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--tool-call-parser", choices=sorted(PARSERS),
+                   help="read tool calls out of chat replies in this format: hermes (Qwen2.5, Qwen3, QwQ), "
+                        "qwen3_coder (Qwen3-Coder, Qwen3.5); default: none, tool_choice 'auto' refused")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="vLLM's switch for tool_choice 'auto', accepted for its command lines: needs "
+                        "--tool-call-parser, which turns 'auto' on by itself here")
     return p
 
 
@@ -58,12 +71,17 @@ def serve(args: argparse.Namespace) -> int:
     from vexact_models.runtime import LLM
     from vexact_models.runtime.openai_server import OpenAIServer
 
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        print(f"vexact serve: --enable-auto-tool-choice needs --tool-call-parser ({' or '.join(sorted(PARSERS))})",
+              file=sys.stderr)
+        return 2
     llm = LLM(args.model, dtype=args.dtype, device=args.device, tokenizer=args.tokenizer,
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
               kv_cache_bytes=args.kv_cache_bytes, max_logprobs=args.max_logprobs, seed=args.seed,
               enforce_eager=args.enforce_eager)
-    server = OpenAIServer(llm, args.served_model_name or args.model, args.host, args.port).start()
+    server = OpenAIServer(llm, args.served_model_name or args.model, args.host, args.port,
+                          tool_call_parser=args.tool_call_parser).start()
     print(f"vexact serve: {server.model_name} at {server.url}", flush=True)
     for stop in (signal.SIGINT, signal.SIGTERM):  # (a parent may have left SIGINT ignored, as pytest-xdist does)
         signal.signal(stop, _interrupt)

@@ -134,12 +134,17 @@ class _Call:
         pass
 
 
-def save_bpe_checkpoint(path, eos: int = 0, seed: int = 3, **config):
+BPE_CORPUS = '{"ok": true, "n": 12} 123-abc (ab) yes no way say "hi"'
+
+
+def save_bpe_checkpoint(path, eos: int = 0, seed: int = 3, corpus: str = BPE_CORPUS, added_tokens: tuple = (),
+                        chat_template: str | None = None, **config):
     """A tiny stock Qwen3 checkpoint at `path` (`config`: overrides of its tiny config) with a
-    byte-level BPE tokenizer of 300 tokens, trained on a few words and JSON ("yes", "no way",
-    '{"ok": true, ...}'), whose first token ``<eos>`` is the model's EOS `eos` (0)."""
+    byte-level BPE tokenizer of 300 tokens, trained on `corpus` (a few words and JSON: "yes", "no
+    way", '{"ok": true, ...}'), whose first token ``<eos>`` is the model's EOS `eos` (0);
+    `added_tokens`: more whole tokens, not special (as Qwen's ``<tool_call>``)."""
     import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     import vexact_models.qwen3 as qwen3
 
@@ -148,8 +153,11 @@ def save_bpe_checkpoint(path, eos: int = 0, seed: int = 3, **config):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(['{"ok": true, "n": 12} 123-abc (ab) yes no way say "hi"'] * 20, trainer)
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(path)
+    tok.train_from_iterator([corpus] * 20, trainer)
+    tok.add_tokens([AddedToken(token, special=False, normalized=False) for token in added_tokens])
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+    tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(path)
     torch.manual_seed(seed)
     transformers.Qwen3ForCausalLM(qwen3.tiny_config(**{"initializer_range": 0.3, "eos_token_id": eos, **config})
                                   ).eval().save_pretrained(path)

@@ -160,7 +160,8 @@ def test_response_format_is_read_as_structured_outputs():
     ({"prompt": "w5", "max_tokens": 0}, "max_tokens", 400),
     ({"prompt": "w5", "temperature": "hot"}, "temperature", 400),
     ({"prompt": "w5", "top_k": 0}, "top_k", 400),
-    ({"prompt": "w5", "echo": True}, "echo", 400),
+    ({"prompt": "w5", "echo": "yes"}, "echo", 400),
+    ({"prompt": "w5", "prompt_logprobs": 50}, None, 400),  # above the engine's max_logprobs
     ({"prompt": "w5", "best_of": 3}, "best_of", 400),
     ({"prompt": "w5", "logit_bias": {"x": 1}}, "logit_bias", 400),
     ({"prompt": "w5", "logprobs": 50}, None, 400),  # above the engine's max_logprobs
@@ -177,7 +178,10 @@ def test_bad_chats_and_routes(served):
     _, server, _ = served
     for body, param in [({"messages": []}, "messages"), ({"messages": [{"role": "user"}]}, "messages"),
                         ({"messages": [{"role": "user", "content": "5"}], "tool_choice": "auto"}, "tool_choice"),
-                        ({"messages": [{"role": "user", "content": "5"}], "top_logprobs": 2}, "top_logprobs")]:
+                        ({"messages": [{"role": "user", "content": "5"}], "top_logprobs": 2}, "top_logprobs"),
+                        ({"messages": [{"role": "user", "content": "5"}], "echo": True}, "echo"),
+                        ({"messages": [{"role": "user", "content": "5"}], "prompt_logprobs": 1, "stream": True},
+                         "prompt_logprobs")]:
         code, answer = _post(server.url + "/chat/completions", body)
         assert code == 400 and answer["error"]["param"] == param, answer
     assert _post(server.url + "/embeddings", {})[0] == 404
@@ -223,10 +227,12 @@ def test_engine_thread_takes_all_requests_or_none(folder):
 
 
 def test_vexact_serve_command(folder):
-    """``vexact serve`` starts the server on a free port and prints where; SIGTERM (as Ctrl-C)
-    stops both processes cleanly."""
+    """``vexact serve`` starts the server on a free port and prints where (its tool parser
+    reaching the front end: tool_choice "auto" is served); SIGTERM (as Ctrl-C) stops both
+    processes cleanly."""
     process = subprocess.Popen([sys.executable, "-m", "vexact_models.cli", "serve", str(folder), "--port", "0",
-                                "--device", "cpu", "--kv-cache-bytes", str(1 << 20), "--served-model-name", "tiny"],
+                                "--device", "cpu", "--kv-cache-bytes", str(1 << 20), "--served-model-name", "tiny",
+                                "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = process.stdout.readline()
@@ -235,6 +241,10 @@ def test_vexact_serve_command(folder):
         client = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
         reply = client.completions.create(model="tiny", prompt="w5 w6", max_tokens=3, extra_body=EXTRA)
         assert len(reply.choices[0].model_extra["token_ids"]) == 3
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+        chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "5"}], tools=tools,
+                                              tool_choice="auto", max_tokens=3, extra_body=EXTRA)
+        assert chat.choices[0].message.content and chat.choices[0].finish_reason == "length"
         process.send_signal(signal.SIGTERM)  # (under pytest-xdist SIGINT is ignored, and inherited so)
         assert process.wait(timeout=60) == 0
         assert "vexact serve: stopped" in process.stderr.read()
@@ -244,6 +254,12 @@ def test_vexact_serve_command(folder):
         if process.poll() is None:
             process.kill()
             process.wait(timeout=60)
+
+
+def test_vexact_serve_refuses_auto_tool_choice_without_a_parser(folder):
+    done = subprocess.run([sys.executable, "-m", "vexact_models.cli", "serve", str(folder), "--enable-auto-tool-choice"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--enable-auto-tool-choice needs --tool-call-parser (hermes or qwen3_coder)" in done.stderr
 
 
 def _post(url: str, body: dict) -> tuple[int, dict]:

@@ -1,0 +1,182 @@
+"""A chat request's tools (``tools``, ``tool_choice``, ``parallel_tool_calls``) and its reply's
+tool calls, as vLLM's server answers them (`runtime.openai_protocol` reads them, the handlers of
+`runtime.openai_http` write the replies).
+
+The tools always go to the chat template. Then, by ``tool_choice``:
+
+- ``"none"``: the reply is text. Without a tool parser on the server (``vexact serve
+  --tool-call-parser``), a request with tools and no ``tool_choice`` is answered so too.
+- ``"auto"`` (the default with tools, where the server has a parser): the server's parser
+  (`runtime.tool_calls`) reads the reply: the text before the first call is the message's content,
+  the calls its ``tool_calls``, and ``finish_reason`` is ``"tool_calls"`` when there are any.
+  Streamed, the content streams until a call's tag begins; the calls come in the last chunk, each
+  whole. ``"auto"`` asked of a server without a parser is refused, naming the option.
+- ``"required"``: the reply is held to a JSON array of one or more ``{"name", "parameters"}``
+  objects, one of the tools' names and its parameters' schema each (structured outputs); each item
+  is a call. The message's content is empty.
+- a named function, ``{"type": "function", "function": {"name": N}}``: the reply is held to N's
+  parameters' schema and is that call's arguments (streamed as they come).
+
+``parallel_tool_calls: false`` keeps the first call (``"required"``: the array holds one). The calls' tokens and logprobs are the
+reply's, as without tools: a training forward recomputes them from ``token_ids``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from .structured_outputs import StructuredOutputsParams
+from .tool_calls import PARSERS, START, ToolCall, ToolParser, new_call_id
+
+__all__ = ["ToolReply", "ToolStream", "read_tools"]
+
+
+@dataclass
+class ToolReply:
+    """What a request's tools ask of its reply: `mode` ``"auto"``, ``"required"`` or ``"named"``
+    (function `name`), with the request's `tools`, the server's `parser` (auto) and whether more
+    than one call is kept (`parallel`)."""
+
+    mode: str
+    tools: list[dict]
+    parser: ToolParser | None = None
+    name: str | None = None
+    parallel: bool = True
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The structured output that holds the reply to its calls (required and named)."""
+        if self.mode == "named":
+            return StructuredOutputsParams(json=_schema(self.tools, self.name))
+        if self.mode == "required":
+            calls = [{"type": "object", "required": ["name", "parameters"],
+                      "properties": {"name": {"type": "string", "enum": [tool["function"]["name"]]},
+                                     "parameters": _schema(self.tools, tool["function"]["name"])}} for tool in self.tools]
+            array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+            return StructuredOutputsParams(json=array if self.parallel else {**array, "maxItems": 1})
+        return None
+
+    def calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content, calls) of a whole reply; (text, []) when it has no readable calls."""
+        if self.mode == "named":
+            return "", [ToolCall(self.name, text)]
+        if self.mode == "required":
+            try:
+                items = json.loads(text)
+                calls = [ToolCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in items]
+            except (ValueError, TypeError, KeyError):  # cut short (max_tokens): not a whole array
+                return text, []
+            content = ""
+        else:
+            content, calls = self.parser.extract(text, self.tools)
+        return content, calls if self.parallel else calls[:1]
+
+    def message(self, text: str) -> tuple[dict, bool]:
+        """(the assistant message of a whole reply, whether ``finish_reason`` is ``"tool_calls"``)."""
+        content, calls = self.calls(text)
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [call.message_item() for call in calls]
+        return message, bool(calls) and self.mode == "auto"
+
+    def stream(self) -> ToolStream:
+        """The state of one streamed choice."""
+        return ToolStream(self)
+
+
+class ToolStream:
+    """Turns one choice's text deltas into its stream's delta messages under the request's tools."""
+
+    def __init__(self, reply: ToolReply) -> None:
+        self.reply, self.text, self.sent = reply, "", 0  # the reply so far, and how much went out as content
+        self.call_id = new_call_id()
+        self.called = False
+
+    def delta(self, text: str, finished: bool) -> dict:
+        """The delta message for the next `text` of the reply (`finished`: its last)."""
+        self.text += text
+        if self.reply.mode == "named":
+            item = {"index": 0, "function": {"arguments": text}}
+            if self.sent == 0:
+                item.update(id=self.call_id, type="function", function={"name": self.reply.name, "arguments": text})
+                self.sent = 1
+            return {"tool_calls": [item]}
+        if finished:
+            return self._last()
+        if self.reply.mode == "required":
+            return {}
+        held = self.text.find(START)
+        end = held if held >= 0 else len(self.text) - _partial_start(self.text)
+        return self._content(end)
+
+    def _last(self) -> dict:
+        content, calls = self.reply.calls(self.text)
+        if not calls:
+            return self._content(len(self.text))
+        self.called = self.reply.mode == "auto"
+        delta = {"tool_calls": [{"index": i, **call.message_item()} for i, call in enumerate(calls)]}
+        if self.reply.mode == "auto" and content and len(content) > self.sent:
+            delta["content"] = content[self.sent:]
+        return delta
+
+    def _content(self, end: int) -> dict:
+        if end <= self.sent:
+            return {}
+        piece, self.sent = self.text[self.sent:end], end
+        return {"content": piece}
+
+
+def _partial_start(text: str) -> int:
+    """How many characters at the end of `text` may begin a call's tag (held back until known)."""
+    for length in range(min(len(START) - 1, len(text)), 0, -1):
+        if START.startswith(text[-length:]):
+            return length
+    return 0
+
+
+def _schema(tools: list[dict], name: str) -> dict:
+    return _by_name(tools)[name].get("parameters") or {"type": "object", "properties": {}}
+
+
+def _by_name(tools: list[dict]) -> dict[str, dict]:
+    return {tool["function"]["name"]: tool["function"] for tool in tools}
+
+
+def read_tools(body: dict, parser: str | None, error) -> ToolReply | None:
+    """The request's `ToolReply` (None: a text reply); `error(message, field)` builds the
+    exception raised for a bad field. `parser`: the server's ``--tool-call-parser`` (or None)."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools is not None:
+        if not isinstance(tools, list) or not all(
+                isinstance(t, dict) and t.get("type", "function") == "function" and isinstance(t.get("function"), dict)
+                and isinstance(t["function"].get("name"), str) for t in tools):
+            raise error("'tools' must be a list of {\"type\": \"function\", \"function\": {\"name\": ..., "
+                        "\"parameters\": {...}}}", "tools")
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise error(f"'parallel_tool_calls' must be a boolean, got {parallel!r}", "parallel_tool_calls")
+    if choice is None:
+        choice = "auto" if tools and parser is not None else "none"
+    if choice == "none":
+        return None
+    if not tools:
+        raise error(f"'tool_choice'={choice!r} needs 'tools'", "tool_choice")
+    if choice == "auto":
+        if parser is None:
+            raise error("'tool_choice'='auto' needs a tool parser on the server: start it with --tool-call-parser "
+                        f"({' or '.join(PARSERS)})", "tool_choice")
+        return ToolReply("auto", tools, PARSERS[parser](), parallel=parallel)
+    fmt = body.get("response_format")
+    if body.get("structured_outputs") is not None or not (fmt is None or isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise error(f"'tool_choice'={choice!r} holds the reply to its calls: it cannot be combined with "
+                    "'response_format' or 'structured_outputs'", "tool_choice")
+    if choice == "required":
+        return ToolReply("required", tools, parallel=parallel)
+    name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
+    if not isinstance(name, str):
+        raise error("'tool_choice' must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": "
+                    f"{{\"name\": ...}}}}, got {choice!r}", "tool_choice")
+    if name not in _by_name(tools):
+        raise error(f"'tool_choice' names the function {name!r}, which is not among 'tools' "
+                    f"({sorted(_by_name(tools))})", "tool_choice")
+    return ToolReply("named", tools, name=name)

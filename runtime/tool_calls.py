@@ -1,0 +1,144 @@
+"""Tool calls read out of a chat reply's text, as vLLM's ``--tool-call-parser`` reads them
+(`runtime.openai_tools` applies them to the server's chat replies).
+
+A model asked to call tools writes each call between ``<tool_call>`` and ``</tool_call>`` tags, in
+one of two formats:
+
+- ``hermes`` (Qwen2.5, Qwen3, QwQ, Hermes): a JSON object, ``{"name": ..., "arguments": {...}}``;
+- ``qwen3_coder`` (Qwen3-Coder, Qwen3.5): XML-like, ``<function=NAME>`` then one
+  ``<parameter=KEY>`` ... ``</parameter>`` block per argument, then ``</function>``; each value is
+  text, converted by the type its tool's JSON schema gives that parameter (integer, number,
+  boolean, object or array read as JSON; anything else kept as text).
+
+`ToolParser.extract` reads a whole reply: the text before the first tag is the message's content
+and each tagged block one call; a block the reply ended inside (no closing tag) is read too. If any
+block cannot be read, the reply has no tool calls and its whole text is the content, as vLLM's
+parsers answer a reply they cannot read.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+__all__ = ["PARSERS", "ToolCall", "ToolParser", "new_call_id"]
+
+START, END = "<tool_call>", "</tool_call>"
+
+
+def new_call_id() -> str:
+    """A fresh tool call id, in vLLM's form."""
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+@dataclass
+class ToolCall:
+    """One call: the function's `name` and its `arguments` as JSON text (OpenAI's form)."""
+
+    name: str
+    arguments: str
+    id: str = ""
+
+    def __post_init__(self) -> None:
+        self.id = self.id or new_call_id()
+
+    def message_item(self) -> dict:
+        """The call as an item of an assistant message's ``tool_calls``."""
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+class ToolParser:
+    """Reads the tool calls out of a reply, given the request's ``tools`` (OpenAI's list of
+    ``{"type": "function", "function": {"name", "parameters"}}``). Subclasses read one block."""
+
+    name = ""
+
+    def extract(self, text: str, tools: list[dict]) -> tuple[str | None, list[ToolCall]]:
+        """(content, calls) of a whole reply: the content before the first call (None when
+        empty) and the calls; (text, []) when it has none or one cannot be read."""
+        first = text.find(START)
+        if first < 0:
+            return text, []
+        blocks = re.findall(f"{re.escape(START)}(.*?)(?:{re.escape(END)}|$)", text[first:], re.DOTALL)
+        try:
+            calls = [self.read_block(block, tools) for block in blocks]
+        except (ValueError, TypeError, KeyError, SyntaxError):
+            return text, []
+        return text[:first] or None, calls
+
+    def read_block(self, block: str, tools: list[dict]) -> ToolCall:
+        """The call written between the tags; ValueError (or TypeError, KeyError) when unreadable."""
+        raise NotImplementedError
+
+
+class HermesParser(ToolParser):
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``."""
+
+    name = "hermes"
+
+    def read_block(self, block: str, tools: list[dict]) -> ToolCall:
+        call = json.loads(block)
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            raise ValueError(f"a hermes tool call is a JSON object with a 'name', got {block!r}")
+        arguments = call.get("arguments", {})
+        return ToolCall(call["name"], arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False))
+
+
+class Qwen3CoderParser(ToolParser):
+    """``<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</function></tool_call>``."""
+
+    name = "qwen3_coder"
+    _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.DOTALL)
+    _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.DOTALL)
+
+    def read_block(self, block: str, tools: list[dict]) -> ToolCall:
+        function = self._FUNCTION.search(block)
+        if function is None:
+            raise ValueError(f"a qwen3_coder tool call has a <function=...> element, got {block!r}")
+        name = function.group(1).strip()
+        schema = _parameters(tools, name)
+        arguments = {}
+        for key, value in self._PARAMETER.findall(function.group(2)):
+            value = value.removeprefix("\n").removesuffix("\n")
+            arguments[key.strip()] = _typed_value(value, schema.get(key.strip()))
+        return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
+
+
+def _parameters(tools: list[dict], name: str) -> dict:
+    """The JSON schema properties of tool `name`'s parameters ({} when unknown)."""
+    for tool in tools:
+        function = tool.get("function") or {}
+        if function.get("name") == name:
+            parameters = function.get("parameters") or {}
+            return parameters.get("properties") or {}
+    return {}
+
+
+def _typed_value(value: str, schema) -> object:
+    """A qwen3_coder parameter's text as the type its `schema` gives (the text when it does not read)."""
+    if value.lower() == "null":
+        return None
+    kind = str(schema.get("type", "string")).lower() if isinstance(schema, dict) else "string"
+    try:
+        if kind in ("integer", "int"):
+            return int(value)
+        if kind in ("number", "float"):
+            number = float(value)
+            return int(number) if number.is_integer() and "." not in value and "e" not in value.lower() else number
+        if kind in ("boolean", "bool"):
+            return value.strip().lower() == "true"
+        if kind in ("object", "array", "dict", "list"):
+            try:
+                return json.loads(value)
+            except ValueError:
+                return ast.literal_eval(value)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):  # (what literal_eval raises)
+        return value
+    return value
+
+
+#: the parsers by the names of vLLM's ``--tool-call-parser``
+PARSERS: dict[str, type[ToolParser]] = {parser.name: parser for parser in (HermesParser, Qwen3CoderParser)}

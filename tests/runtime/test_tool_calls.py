@@ -1,0 +1,165 @@
+"""Tool calls read out of chat replies (`runtime.tool_calls`: vLLM's ``hermes`` and ``qwen3_coder``
+formats) and a chat request's tools (`runtime.openai_tools`: ``tools``, ``tool_choice``,
+``parallel_tool_calls``; the replies' messages, whole and streamed)."""
+
+import json
+
+import pytest
+
+from vexact_models.runtime.llm_chat import render_text
+from vexact_models.runtime.openai_protocol import ProtocolError
+from vexact_models.runtime.openai_tools import ToolReply, read_tools
+from vexact_models.runtime.tool_calls import PARSERS
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}, "rain": {"type": "number"},
+                                     "metric": {"type": "boolean"}, "where": {"type": "object"}, "hours": {"type": "array"}},
+    "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time"}}
+TOOLS = [WEATHER, TIME]
+
+
+def _calls(calls) -> list[tuple[str, dict]]:
+    return [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+def test_hermes_reads_the_content_before_the_calls_and_each_call():
+    text = ('Let me look. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>\n'
+            '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
+    content, calls = PARSERS["hermes"]().extract(text, TOOLS)
+    assert content == "Let me look. "
+    assert _calls(calls) == [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {})]
+    assert all(c.id.startswith("chatcmpl-tool-") for c in calls) and calls[0].id != calls[1].id
+
+
+def test_hermes_reads_a_call_the_reply_ended_inside_and_gives_text_it_cannot_read_back_whole():
+    parser = PARSERS["hermes"]()
+    content, calls = parser.extract('<tool_call>{"name": "get_time", "arguments": {"zone": "utc"}}', TOOLS)
+    assert content is None and _calls(calls) == [("get_time", {"zone": "utc"})]
+    for text in ("no calls here", 'x <tool_call>{"name": "get_time", "argu', "<tool_call>[1, 2]</tool_call>"):
+        assert parser.extract(text, TOOLS) == (text, [])
+
+
+def test_qwen3_coder_reads_each_parameter_as_its_schema_types_it():
+    text = ("Sure.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Francisco, CA\n</parameter>\n"
+            "<parameter=days>\n3\n</parameter>\n<parameter=rain>\n0.5\n</parameter>\n<parameter=metric>\nTrue\n"
+            "</parameter>\n<parameter=where>\n{\"lat\": 1}\n</parameter>\n<parameter=hours>\n[1, 2]\n</parameter>\n"
+            "<parameter=note>\nline one\nline two\n</parameter>\n</function>\n</tool_call>")
+    content, calls = PARSERS["qwen3_coder"]().extract(text, TOOLS)
+    assert content == "Sure.\n"
+    assert _calls(calls) == [("get_weather", {"city": "San Francisco, CA", "days": 3, "rain": 0.5, "metric": True,
+                                              "where": {"lat": 1}, "hours": [1, 2], "note": "line one\nline two"})]
+
+
+def test_qwen3_coder_keeps_text_that_does_not_read_as_its_type_and_reads_unclosed_tags():
+    text = ("<tool_call>\n<function=get_weather>\n<parameter=days>\nthree\n</parameter>\n<parameter=city>\nnull\n"
+            "<parameter=rain>\n2")
+    content, calls = PARSERS["qwen3_coder"]().extract(text, TOOLS)
+    assert content is None and _calls(calls) == [("get_weather", {"days": "three", "city": None, "rain": 2})]
+    assert PARSERS["qwen3_coder"]().extract("<tool_call>no function</tool_call>", TOOLS) == (
+        "<tool_call>no function</tool_call>", [])
+
+
+def test_replies_whole_messages_by_tool_choice():
+    auto = ToolReply("auto", TOOLS, PARSERS["hermes"]())
+    text = 'ok <tool_call>{"name": "get_time", "arguments": {}}</tool_call><tool_call>{"name": "get_time"}</tool_call>'
+    message, called = auto.message(text)
+    assert called and message["content"] == "ok " and len(message["tool_calls"]) == 2
+    assert message["tool_calls"][0]["type"] == "function" and message["tool_calls"][0]["function"]["name"] == "get_time"
+    single = ToolReply("auto", TOOLS, PARSERS["hermes"](), parallel=False).message(text)[0]
+    assert len(single["tool_calls"]) == 1
+    assert auto.message("plain text") == ({"role": "assistant", "content": "plain text"}, False)
+    required = ToolReply("required", TOOLS)
+    message, called = required.message('[{"name": "get_time", "parameters": {"zone": "cet"}}]')
+    assert not called and message["content"] == "" and message["tool_calls"][0]["function"]["arguments"] == '{"zone": "cet"}'
+    assert required.message('[{"name": "get_ti') == ({"role": "assistant", "content": '[{"name": "get_ti'}, False)
+    named = ToolReply("named", TOOLS, name="get_weather")
+    message, called = named.message('{"city": "Rome"}')
+    assert not called and message["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
+
+
+def test_required_and_named_hold_the_reply_to_the_tools_schemas():
+    schema = ToolReply("required", TOOLS).structured().json
+    assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema
+    names = [item["properties"]["name"]["enum"] for item in schema["items"]["anyOf"]]
+    assert names == [["get_weather"], ["get_time"]]
+    assert schema["items"]["anyOf"][0]["properties"]["parameters"] == WEATHER["function"]["parameters"]
+    assert schema["items"]["anyOf"][1]["properties"]["parameters"] == {"type": "object", "properties": {}}
+    assert ToolReply("required", TOOLS, parallel=False).structured().json["maxItems"] == 1
+    assert ToolReply("named", TOOLS, name="get_weather").structured().json == WEATHER["function"]["parameters"]
+    assert ToolReply("auto", TOOLS, PARSERS["hermes"]()).structured() is None
+
+
+@pytest.mark.parametrize("text", [
+    'Hi <tool_call>{"name": "get_time", "arguments": {}}</tool_call>',
+    "a < b and <tool but no call",
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "<tool_call>"}}</tool_call> after',
+    'x <tool_call>{"broken',
+])
+def test_a_streamed_auto_reply_adds_up_to_its_whole_message(text):
+    """Streamed a character at a time (tags split over deltas), the content deltas join to the
+    whole message's content, and the last delta holds its calls."""
+    reply = ToolReply("auto", TOOLS, PARSERS["hermes"]())
+    stream = reply.stream()
+    deltas = [stream.delta(ch, i == len(text) - 1) for i, ch in enumerate(text)]
+    whole, called = reply.message(text)
+    assert "".join(d.get("content", "") for d in deltas) == (whole["content"] or "")
+    assert all("tool_calls" not in d for d in deltas[:-1]) and stream.called == called
+    got = [(c["index"], c["function"]) for c in deltas[-1].get("tool_calls", [])]
+    assert got == [(i, c["function"]) for i, c in enumerate(whole.get("tool_calls", []))]
+
+
+def test_streamed_named_and_required_replies():
+    named = ToolReply("named", TOOLS, name="get_time").stream()
+    first, second = named.delta('{"zone"', False), named.delta(': "utc"}', True)
+    assert first == {"tool_calls": [{"index": 0, "id": named.call_id, "type": "function",
+                                     "function": {"name": "get_time", "arguments": '{"zone"'}}]}
+    assert second == {"tool_calls": [{"index": 0, "function": {"arguments": ': "utc"}'}}]}
+    required = ToolReply("required", TOOLS).stream()
+    assert required.delta('[{"name": "get_time", ', False) == {}
+    last = required.delta('"parameters": {}}]', True)
+    assert [c["function"] for c in last["tool_calls"]] == [{"name": "get_time", "arguments": "{}"}]
+    assert not required.called
+
+
+def test_read_tools_by_tool_choice_and_its_errors():
+    body = {"tools": TOOLS}
+    assert read_tools(body, None, ProtocolError) is None  # no parser: the reply is text
+    assert read_tools(body, "hermes", ProtocolError).mode == "auto"
+    assert read_tools({**body, "tool_choice": "none"}, "hermes", ProtocolError) is None
+    assert read_tools({**body, "tool_choice": "required", "parallel_tool_calls": False}, None, ProtocolError).parallel is False
+    named = read_tools({**body, "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, None, ProtocolError)
+    assert (named.mode, named.name) == ("named", "get_time")
+    bad = [({"tools": [{"type": "function", "function": {}}]}, "tools"),
+           ({"tools": "x"}, "tools"),
+           ({"tool_choice": "required"}, "tool_choice"),
+           ({**body, "tool_choice": "auto"}, "tool_choice"),  # no parser
+           ({**body, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+           ({**body, "tool_choice": "sometimes"}, "tool_choice"),
+           ({**body, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+           ({**body, "tool_choice": "required", "structured_outputs": {"regex": "a"}}, "tool_choice"),
+           ({**body, "parallel_tool_calls": "yes"}, "parallel_tool_calls")]
+    for case, field in bad:
+        with pytest.raises(ProtocolError) as err:
+            read_tools(case, None, ProtocolError)
+        assert err.value.param == field
+    with pytest.raises(ProtocolError, match="--tool-call-parser"):
+        read_tools({**body, "tool_choice": "auto"}, None, ProtocolError)
+
+
+def test_chat_rendering_takes_openai_tool_call_messages():
+    """An assistant message may carry only ``tool_calls``; their JSON-text arguments reach the
+    template as objects (templates write them with ``tojson``), the caller's messages unchanged."""
+
+    class Template:
+        def apply_chat_template(self, messages, **kwargs):
+            return json.dumps(messages)
+
+    call = {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "utc"}'}}
+    messages = [{"role": "user", "content": "time?"}, {"role": "assistant", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "12:00"}]
+    rendered = json.loads(render_text(Template(), messages, None, True, False, None, {}, "LLM.chat", "conversation 0"))
+    assert rendered[1]["tool_calls"][0]["function"]["arguments"] == {"zone": "utc"}
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == '{"zone": "utc"}'
+    with pytest.raises(ValueError, match="'content' \\(or 'tool_calls'\\)"):
+        render_text(Template(), [{"role": "assistant"}], None, True, False, None, {}, "LLM.chat", "conversation 0")
