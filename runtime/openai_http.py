@@ -17,8 +17,8 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from .llm_chat import chat_ids, render_text
-from .openai_protocol import (EngineRequest, ProtocolError, chat_choice, completion_choice, prompt_logprobs, read_chat,
-                              read_completion, response, usage)
+from .openai_protocol import (EngineRequest, ProtocolError, chat_choice, chat_stream, completion_choice, prompt_logprobs,
+                              read_chat, read_completion, response, usage)
 from .outputs import RequestOutput
 
 __all__ = ["FrontEnd"]
@@ -26,12 +26,14 @@ __all__ = ["FrontEnd"]
 
 class FrontEnd:
     """What the handlers serve with: the `engine`, the `tokenizer` (text prompts, chat templates,
-    token texts), the API's `model_name`, the engine's `max_model_len` and the `tool_parser` that
-    reads chat replies' tool calls (`runtime.tool_calls.PARSERS`; None: none)."""
+    token texts), the API's `model_name`, the engine's `max_model_len`, the `tool_parser` that
+    reads chat replies' tool calls (`runtime.tool_calls.PARSERS`; None: none) and the
+    `reasoning_parser` that splits their reasoning off (`runtime.reasoning.PARSERS`; None: none)."""
 
-    def __init__(self, engine, tokenizer, model_name: str, max_model_len: int, tool_parser: str | None = None) -> None:
+    def __init__(self, engine, tokenizer, model_name: str, max_model_len: int, tool_parser: str | None = None,
+                 reasoning_parser: str | None = None) -> None:
         self.engine, self.tokenizer, self.model_name, self.max_model_len = engine, tokenizer, model_name, max_model_len
-        self.tool_parser = tool_parser
+        self.tool_parser, self.reasoning_parser = tool_parser, reasoning_parser
 
     def http_server(self, host: str, port: int) -> ThreadingHTTPServer:
         """An HTTP server of this front end bound to (`host`, `port`; 0: a free one)."""
@@ -114,7 +116,7 @@ class _Handler(BaseHTTPRequestHandler):
             if kind == "text_completion":
                 request = read_completion(body, state.tokenize)
             else:
-                request = read_chat(body, state.render, state.max_model_len, state.tool_parser)
+                request = read_chat(body, state.render, state.max_model_len, state.tool_parser, state.reasoning_parser)
             sink, ids = state.submit(request)
         except ProtocolError as err:
             self._error(err)
@@ -153,7 +155,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.close_connection = True
         chat, n, model = kind != "text_completion", request.params[0].n, self.server_state.model_name
         chunk_kind = "chat.completion.chunk" if chat else kind
-        offsets, tools, tokens = {}, {}, 0
+        offsets, streams, tokens = {}, {}, 0
         try:
             if chat:
                 first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -165,7 +167,7 @@ class _Handler(BaseHTTPRequestHandler):
                     index = position * n + c.index
                     tokens += 0 if request.prompt_only else len(c.token_ids)
                     if chat:
-                        stream = True if request.tools is None else tools.setdefault(index, request.tools.stream())
+                        stream = streams[index] if index in streams else streams.setdefault(index, chat_stream(request))
                         choices.append(chat_choice(request, index, output, c, stream))
                     else:
                         choice = completion_choice(request, index, output, c, offsets.get(index, 0), index not in offsets)

@@ -34,11 +34,12 @@ from dataclasses import dataclass
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import RequestOutputKind, SamplingParams
 from .structured_outputs import StructuredOutputsParams
-from .openai_tools import ToolReply, ToolStream, read_tools
+from .openai_tools import ChatStream, ToolReply, chat_message, read_tools
+from .reasoning import PARSERS as REASONING_PARSERS
 from .top_logprobs import Logprob
 
 __all__ = ["ProtocolError", "EngineRequest", "read_completion", "read_chat", "completion_choice", "chat_choice",
-           "prompt_logprobs", "response", "usage"]
+           "chat_stream", "prompt_logprobs", "response", "usage"]
 
 #: vLLM's sampling fields read as they are, with the types they must have
 _EXTRA_FIELDS = {"top_k": int, "min_p": (int, float), "repetition_penalty": (int, float), "min_tokens": int,
@@ -74,6 +75,8 @@ class EngineRequest:
     #: each token id's text (the server's tokenizer), for the logprobs of requests asking k = 0
     token_texts: Callable[[list[int]], list[str]] | None = None
     tools: ToolReply | None = None  #: a chat request's tool calls to read from its reply (None: text)
+    reasoning: str | None = None  #: the reasoning parser that splits a chat reply (`runtime.reasoning`)
+    include_reasoning: bool = True  #: vLLM's field: False drops the reasoning from the reply
     echo: bool = False  #: a completion's prompt returned before its reply
     prompt_only: bool = False  #: ``echo`` with ``max_tokens: 0``: the one token sampled is not returned
     prompt_logprobs: int | None = None  #: ``prompt_logprobs`` asked for (returned as vLLM's field)
@@ -185,9 +188,13 @@ def read_completion(body: dict, tokenize) -> EngineRequest:
                          **options)
 
 
-def read_chat(body: dict, render, max_model_len: int, tool_parser: str | None = None) -> EngineRequest:
+def read_chat(body: dict, render, max_model_len: int, tool_parser: str | None = None,
+              reasoning_parser: str | None = None) -> EngineRequest:
     """A ``/v1/chat/completions`` body; `render` turns (messages, template options) into token ids;
-    `tool_parser`: the server's (`runtime.tool_calls.PARSERS`), None for none."""
+    `tool_parser` and `reasoning_parser`: the server's (`runtime.tool_calls.PARSERS`,
+    `runtime.reasoning.PARSERS`), None for none."""
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"read_chat: reasoning_parser={reasoning_parser!r} is not one of {sorted(REASONING_PARSERS)}")
     _refuse(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -213,7 +220,9 @@ def read_chat(body: dict, render, max_model_len: int, tool_parser: str | None = 
     if asked is not None and options["stream"]:
         raise ProtocolError("'prompt_logprobs' is returned by chat completions that are not streamed", "prompt_logprobs")
     params = _sampling(body, max_tokens, k, options["stream"], tools.structured() if tools else None, asked)
-    return EngineRequest([ids], [params], top_logprobs=k, tools=tools, prompt_logprobs=asked, **options)
+    include = bool(_typed(body, "include_reasoning", bool, True))
+    return EngineRequest([ids], [params], top_logprobs=k, tools=tools, prompt_logprobs=asked, reasoning=reasoning_parser,
+                         include_reasoning=include, **options)
 
 
 # -- responses ---------------------------------------------------------------------------------
@@ -290,19 +299,27 @@ def completion_choice(request: EngineRequest, index: int, output: RequestOutput,
             "stop_reason": completion.stop_reason, **_token_fields(request, output, completion), **extra}
 
 
+def chat_stream(request: EngineRequest) -> ChatStream | bool:
+    """What a streamed chat choice's deltas need: its `ChatStream` where the reply is split
+    (reasoning, tools), else True (the text as it comes)."""
+    if request.tools is None and request.reasoning is None:
+        return True
+    return ChatStream(request.tools, request.reasoning, request.include_reasoning)
+
+
 def chat_choice(request: EngineRequest, index: int, output: RequestOutput, completion: CompletionOutput,
-                stream: ToolStream | bool = False) -> dict:
-    """One ``/v1/chat/completions`` choice: a whole message, or (`stream` True, or the choice's
-    `ToolStream` for a request with tools) a stream chunk's delta."""
+                stream: ChatStream | bool = False) -> dict:
+    """One ``/v1/chat/completions`` choice: a whole message, or (`stream`: the choice's
+    `chat_stream`) a stream chunk's delta."""
     logprobs = None if request.top_logprobs is None else _chat_logprobs(request, completion)
     text, finish = completion.text or "", completion.finish_reason
-    if isinstance(stream, ToolStream):
+    if isinstance(stream, ChatStream):
         message = stream.delta(text, finish is not None)
         finish = "tool_calls" if stream.called else finish
     elif stream:
         message = {"content": text}
-    elif request.tools is not None:
-        message, called = request.tools.message(text)
+    elif request.tools is not None or request.reasoning is not None:
+        message, called = chat_message(text, request.tools, request.reasoning, request.include_reasoning)
         finish = "tool_calls" if called else finish
     else:
         message = {"role": "assistant", "content": text}

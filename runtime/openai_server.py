@@ -21,6 +21,7 @@ from multiprocessing.connection import Connection
 
 from .engine_link import EngineLink
 from .engine_thread import EngineThread
+from .reasoning import PARSERS as REASONING_PARSERS
 from .tool_calls import PARSERS
 
 __all__ = ["OpenAIServer"]
@@ -32,17 +33,22 @@ class OpenAIServer:
     `serve_forever` also waits until it stops; `close` stops it and the engine thread.
     `tool_call_parser`: the format chat replies' tool calls are read in (`runtime.tool_calls.PARSERS`:
     ``"hermes"``, ``"qwen3_coder"``), as ``vllm serve --tool-call-parser``; None: tool_choice
-    ``"auto"`` is refused (`runtime.openai_tools`)."""
+    ``"auto"`` is refused (`runtime.openai_tools`). `reasoning_parser`: how chat replies' reasoning
+    is split off into ``reasoning`` (`runtime.reasoning.PARSERS`: ``"qwen3"``, ``"deepseek_r1"``),
+    as ``vllm serve --reasoning-parser``; None: the reply is all content."""
 
     def __init__(self, llm, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-                 tool_call_parser: str | None = None) -> None:
+                 tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> None:
         if llm.tokenizer is None:
             raise ValueError("OpenAIServer: the engine has no tokenizer (the API's prompts and replies are text); "
                              "load a checkpoint folder that has one, or pass LLM(..., tokenizer=...)")
         if tool_call_parser is not None and tool_call_parser not in PARSERS:
             raise ValueError(f"OpenAIServer: tool_call_parser={tool_call_parser!r} is not one of {sorted(PARSERS)}")
+        if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"OpenAIServer: reasoning_parser={reasoning_parser!r} is not one of "
+                             f"{sorted(REASONING_PARSERS)}")
         self.llm, self.model_name, self.host, self.port = llm, model_name, host, port
-        self.tool_call_parser = tool_call_parser
+        self.tool_call_parser, self.reasoning_parser = tool_call_parser, reasoning_parser
         self.url: str | None = None
         self._process: subprocess.Popen | None = None
         self._link: EngineLink | None = None
@@ -58,7 +64,8 @@ class OpenAIServer:
         theirs.close()
         conn = Connection(ours.detach())
         conn.send({"tokenizer": self.llm.tokenizer, "model_name": self.model_name, "host": self.host,
-                   "port": self.port, "max_model_len": self.llm.max_model_len, "tool_call_parser": self.tool_call_parser})
+                   "port": self.port, "max_model_len": self.llm.max_model_len, "tool_call_parser": self.tool_call_parser,
+                   "reasoning_parser": self.reasoning_parser})
         try:
             kind, detail = conn.recv()
         except EOFError:

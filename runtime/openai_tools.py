@@ -27,9 +27,11 @@ import json
 from dataclasses import dataclass
 
 from .structured_outputs import StructuredOutputsParams
+from .reasoning import ReasoningSplit, split_reasoning
+from .text_deltas import tag_prefix
 from .tool_calls import PARSERS, START, ToolCall, ToolParser, new_call_id
 
-__all__ = ["ToolReply", "ToolStream", "read_tools"]
+__all__ = ["ChatStream", "ToolReply", "ToolStream", "chat_message", "read_tools"]
 
 
 @dataclass
@@ -106,7 +108,7 @@ class ToolStream:
         if self.reply.mode == "required":
             return {}
         held = self.text.find(START)
-        end = held if held >= 0 else len(self.text) - _partial_start(self.text)
+        end = held if held >= 0 else len(self.text) - tag_prefix(self.text, START)
         return self._content(end)
 
     def _last(self) -> dict:
@@ -126,12 +128,42 @@ class ToolStream:
         return {"content": piece}
 
 
-def _partial_start(text: str) -> int:
-    """How many characters at the end of `text` may begin a call's tag (held back until known)."""
-    for length in range(min(len(START) - 1, len(text)), 0, -1):
-        if START.startswith(text[-length:]):
-            return length
-    return 0
+class ChatStream:
+    """One streamed chat choice's delta messages: its reasoning split off by the server's
+    reasoning parser (`runtime.reasoning`; sent as ``reasoning`` when `include_reasoning`), the
+    answer read under the request's tools (`ToolStream`) or sent as it comes."""
+
+    def __init__(self, tools: ToolReply | None, reasoning: str | None, include_reasoning: bool = True) -> None:
+        self.tools = None if tools is None else tools.stream()
+        self.split = None if reasoning is None else ReasoningSplit(reasoning)
+        self.include_reasoning = include_reasoning
+
+    @property
+    def called(self) -> bool:
+        """Whether the reply's last delta held "auto" tool calls (``finish_reason`` "tool_calls")."""
+        return self.tools is not None and self.tools.called
+
+    def delta(self, text: str, finished: bool) -> dict:
+        reasoning, answer = ("", text) if self.split is None else self.split.feed(text, finished)
+        delta = {"reasoning": reasoning} if reasoning and self.include_reasoning else {}
+        if self.tools is not None:
+            return {**delta, **self.tools.delta(answer, finished)}
+        return {**delta, "content": answer} if answer else delta
+
+
+def chat_message(text: str, tools: ToolReply | None, reasoning: str | None,
+                 include_reasoning: bool = True) -> tuple[dict, bool]:
+    """(the assistant message of a whole reply, whether ``finish_reason`` is ``"tool_calls"``):
+    its reasoning split off (`reasoning`: the server's parser, or None) and its answer read under
+    `tools` (None: text)."""
+    thought, answer = (None, text) if reasoning is None else split_reasoning(reasoning, text)
+    if tools is not None:
+        message, called = tools.message(answer or "")
+    else:
+        message, called = {"role": "assistant", "content": answer}, False
+    if thought and include_reasoning:
+        message["reasoning"] = thought
+    return message, called
 
 
 def _schema(tools: list[dict], name: str) -> dict:

@@ -17,7 +17,16 @@ string cut), so the deltas add up to it.
 
 from __future__ import annotations
 
-__all__ = ["TextDeltas"]
+__all__ = ["TextDeltas", "tag_prefix"]
+
+
+def tag_prefix(text: str, tag: str) -> int:
+    """How many characters at the end of `text` may be the beginning of `tag` (a streamed reply
+    holds them back until the next text says: `runtime.reasoning`, `runtime.openai_tools`)."""
+    for length in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-length:]):
+            return length
+    return 0
 
 
 class TextDeltas:

@@ -8,6 +8,7 @@ import signal
 import sys
 
 from vexact_models.cli_args import checkpoint_arg, device_arg, non_negative_int, positive_float, positive_int
+from vexact_models.runtime.reasoning import PARSERS as REASONING_PARSERS
 from vexact_models.runtime.tool_calls import PARSERS
 
 __all__ = ["SERVE_HELP", "add_serve_parser", "serve"]
@@ -27,8 +28,10 @@ return_token_ids, chat_template_kwargs, ...) are read. Tools go to the chat temp
 --tool-call-parser the server reads the calls out of chat replies (tool_choice "auto"), and
 tool_choice "required" or a named function holds the reply to the tools' schemas on any model:
 
-    vexact serve Qwen/Qwen3-8B --enable-auto-tool-choice --tool-call-parser hermes
-    vexact serve Qwen/Qwen3.5-35B-A3B --tool-call-parser qwen3_coder
+    vexact serve Qwen/Qwen3-8B --enable-auto-tool-choice --tool-call-parser hermes --reasoning-parser qwen3
+    vexact serve Qwen/Qwen3.5-35B-A3B --tool-call-parser qwen3_coder --reasoning-parser deepseek_r1
+
+--reasoning-parser splits a reply's <think> block off into the message's "reasoning" field.
 
 The HTTP front end runs in a process of its own beside the engine's; Ctrl-C or SIGTERM stops both.
 """
@@ -60,6 +63,10 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", choices=sorted(PARSERS),
                    help="read tool calls out of chat replies in this format: hermes (Qwen2.5, Qwen3, QwQ), "
                         "qwen3_coder (Qwen3-Coder, Qwen3.5); default: none, tool_choice 'auto' refused")
+    p.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS),
+                   help="split chat replies' <think> block off into 'reasoning': qwen3 (replies that open it "
+                        "themselves: Qwen3's hybrid models), deepseek_r1 (templates that open it in the prompt: "
+                        "DeepSeek-R1, Qwen3 thinking-only, Qwen3.5); default: none, the reply is all content")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="vLLM's switch for tool_choice 'auto', accepted for its command lines: needs "
                         "--tool-call-parser, which turns 'auto' on by itself here")
@@ -81,7 +88,7 @@ def serve(args: argparse.Namespace) -> int:
               kv_cache_bytes=args.kv_cache_bytes, max_logprobs=args.max_logprobs, seed=args.seed,
               enforce_eager=args.enforce_eager)
     server = OpenAIServer(llm, args.served_model_name or args.model, args.host, args.port,
-                          tool_call_parser=args.tool_call_parser).start()
+                          tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser).start()
     print(f"vexact serve: {server.model_name} at {server.url}", flush=True)
     for stop in (signal.SIGINT, signal.SIGTERM):  # (a parent may have left SIGINT ignored, as pytest-xdist does)
         signal.signal(stop, _interrupt)

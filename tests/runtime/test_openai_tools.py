@@ -1,8 +1,8 @@
 """Tool calls through the OpenAI-compatible server and OpenAI's own client (`runtime.openai_tools`):
 a tiny model held by a grammar to a hermes or qwen3_coder call gets it read back as ``tool_calls``
-(whole and streamed), ``tool_choice`` "required" and named hold it to the tools' schemas, OpenAI's
-tool-call messages render through the chat template, and the replies' tokens and logprobs stay the
-engine's (``LLM.chat``'s, bitwise)."""
+(whole and streamed; after a think block split off by the reasoning parser), ``tool_choice``
+"required" and named hold it to the tools' schemas, OpenAI's tool-call messages render through the
+chat template, and the replies' tokens and logprobs stay the engine's (``LLM.chat``'s, bitwise)."""
 
 import json
 
@@ -48,9 +48,9 @@ def folder(tmp_path_factory):
                                chat_template=TEMPLATE)
 
 
-def _serve(folder, parser):
+def _serve(folder, parser, reasoning=None):
     llm = LLM(str(folder), device="cpu", block_size=4, kv_cache_bytes=1 << 22, max_num_seqs=8)
-    return OpenAIServer(llm, "tiny", port=0, tool_call_parser=parser).start()
+    return OpenAIServer(llm, "tiny", port=0, tool_call_parser=parser, reasoning_parser=reasoning).start()
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +134,31 @@ def test_qwen3_coder_calls_get_their_schema_types(folder):
         server.close()
 
 
+def test_reasoning_is_split_off_before_the_calls_are_read(folder, reference):
+    """``--reasoning-parser qwen3``: the think block comes back as ``reasoning``, the call after it
+    as a call, whole and streamed; the tokens are ``LLM.chat``'s."""
+    server = _serve(folder, "hermes", "qwen3")
+    try:
+        client = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0)
+        regex = "<think>(yes|no way)</think>" + HERMES
+        reply = _chat(client, max_tokens=80, seed=6, extra_body={"structured_outputs": {"regex": regex}})
+        choice = reply.choices[0]
+        want = reference.chat(MESSAGES, SamplingParams(temperature=1.0, max_tokens=80, seed=6,
+                                                       structured_outputs=StructuredOutputsParams(regex=regex)),
+                              tools=TOOLS, use_tqdm=False)[0].outputs[0]
+        assert choice.model_extra["token_ids"] == want.token_ids
+        thought = want.text.split("</think>")[0].removeprefix("<think>")
+        assert choice.message.model_extra["reasoning"] == thought and choice.message.content is None
+        assert choice.message.tool_calls[0].function.name == "get_weather" and choice.finish_reason == "tool_calls"
+        chunks = list(_chat(client, max_tokens=80, seed=6, stream=True, extra_body={"structured_outputs": {"regex": regex}}))
+        assert "".join((c.choices[0].delta.model_extra or {}).get("reasoning") or "" for c in chunks) == thought
+        plain = _chat(client, max_tokens=80, seed=6, extra_body={"structured_outputs": {"regex": regex},
+                                                                 "include_reasoning": False})
+        assert "reasoning" not in plain.choices[0].message.model_extra
+    finally:
+        server.close()
+
+
 @pytest.mark.parametrize("parallel", [False, True])
 def test_required_holds_the_reply_to_calls_of_the_tools(hermes, parallel):
     reply = _chat(hermes, tool_choice="required", parallel_tool_calls=parallel, max_tokens=300, seed=3)
@@ -203,6 +228,8 @@ def test_bad_tool_requests_get_errors_naming_the_field(hermes, folder):
 
 
 def test_server_refuses_an_unknown_parser(folder):
+    llm = LLM(str(folder), device="cpu", block_size=4, kv_cache_bytes=1 << 20)
     with pytest.raises(ValueError, match="tool_call_parser='mistral' is not one of"):
-        OpenAIServer(LLM(str(folder), device="cpu", block_size=4, kv_cache_bytes=1 << 20), "tiny",
-                     tool_call_parser="mistral")
+        OpenAIServer(llm, "tiny", tool_call_parser="mistral")
+    with pytest.raises(ValueError, match="reasoning_parser='r1' is not one of"):
+        OpenAIServer(llm, "tiny", reasoning_parser="r1")

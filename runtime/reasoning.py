@@ -1,0 +1,64 @@
+"""A chat reply's reasoning split from its answer, as vLLM's ``--reasoning-parser`` splits it (the
+server's replies carry it as ``reasoning``, vLLM's field; `runtime.openai_protocol`).
+
+Both parsers read a ``<think>`` ... ``</think>`` block:
+
+- ``qwen3`` (Qwen3's hybrid models, which open the block themselves): a reply that begins with
+  ``<think>`` reasons until ``</think>``; a reply that does not (``enable_thinking: false``: the
+  template wrote an empty block into the prompt) is all answer.
+- ``deepseek_r1`` (DeepSeek-R1, Qwen3's thinking-only models, Qwen3.5: their templates open the
+  block in the prompt): the reply reasons until ``</think>`` (a ``<think>`` it begins with dropped).
+
+A reply cut short before ``</think>`` is all reasoning. `ReasoningSplit` reads a reply as it
+streams, holding back only what may still begin a tag; a whole reply is read the same way, so a
+stream's pieces always add up to the whole reply's split. The tool parsers read the answer alone.
+"""
+
+from __future__ import annotations
+
+from .text_deltas import tag_prefix
+
+__all__ = ["PARSERS", "ReasoningSplit", "split_reasoning"]
+
+START, END = "<think>", "</think>"
+
+#: vLLM's ``--reasoning-parser`` names: whether a reply that does not begin with ``<think>`` reasons
+PARSERS: dict[str, bool] = {"qwen3": False, "deepseek_r1": True}
+
+
+class ReasoningSplit:
+    """One reply's split, fed its text as it comes: `feed` returns each new piece of reasoning and
+    of answer."""
+
+    def __init__(self, parser: str) -> None:
+        self.implicit = PARSERS[parser]
+        self.state = "start"  # then "reasoning" or "answer"
+        self.held = ""
+
+    def feed(self, text: str, finished: bool) -> tuple[str, str]:
+        """(reasoning, answer) pieces of the reply's next `text` (`finished`: its last)."""
+        self.held += text
+        reasoning = ""
+        if self.state == "start":
+            if self.held.startswith(START):
+                self.held, self.state = self.held[len(START):], "reasoning"
+            elif START.startswith(self.held) and not finished:
+                return "", ""  # may still begin "<think>"
+            else:
+                self.state = "reasoning" if self.implicit else "answer"
+        if self.state == "reasoning":
+            end = self.held.find(END)
+            if end >= 0:
+                reasoning, self.held, self.state = self.held[:end], self.held[end + len(END):], "answer"
+            else:
+                keep = 0 if finished else tag_prefix(self.held, END)
+                reasoning, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
+                return reasoning, ""
+        answer, self.held = self.held, ""
+        return reasoning, answer
+
+
+def split_reasoning(parser: str, text: str) -> tuple[str | None, str | None]:
+    """(reasoning, answer) of a whole reply (None where empty)."""
+    reasoning, answer = ReasoningSplit(parser).feed(text, True)
+    return reasoning or None, answer or None

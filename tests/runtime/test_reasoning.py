@@ -1,0 +1,56 @@
+"""A chat reply's reasoning split from its answer (`runtime.reasoning`: vLLM's ``qwen3`` and
+``deepseek_r1`` parsers), whole and streamed, and with the reply's tool calls read from the answer
+alone (`runtime.openai_tools.ChatStream`, `chat_message`)."""
+
+import pytest
+
+from vexact_models.runtime.openai_tools import ChatStream, ToolReply, chat_message
+from vexact_models.runtime.reasoning import ReasoningSplit, split_reasoning
+from vexact_models.runtime.tool_calls import PARSERS
+
+TEXTS = ["<think>a plan</think>\n\nthe answer", "the answer alone", "<think>cut short", "a plan</think>answer",
+         "<thin", "<think></think>", "a </thinking> b </think> c", "</think>"]
+
+
+@pytest.mark.parametrize("text, qwen3, deepseek_r1", [
+    ("<think>a plan</think>\n\nthe answer", ("a plan", "\n\nthe answer"), ("a plan", "\n\nthe answer")),
+    ("the answer alone", (None, "the answer alone"), ("the answer alone", None)),
+    ("<think>cut short", ("cut short", None), ("cut short", None)),
+    ("a plan</think>answer", (None, "a plan</think>answer"), ("a plan", "answer")),
+    ("<thin", (None, "<thin"), ("<thin", None)),
+])
+def test_whole_replies_split_by_parser(text, qwen3, deepseek_r1):
+    assert split_reasoning("qwen3", text) == qwen3
+    assert split_reasoning("deepseek_r1", text) == deepseek_r1
+
+
+@pytest.mark.parametrize("parser", ["qwen3", "deepseek_r1"])
+@pytest.mark.parametrize("text", TEXTS)
+def test_streamed_pieces_add_up_to_the_whole_split(parser, text):
+    """Fed a character at a time (tags split over deltas), the pieces join to the whole split."""
+    split = ReasoningSplit(parser)
+    pieces = [split.feed(ch, i == len(text) - 1) for i, ch in enumerate(text)]
+    reasoning, answer = split_reasoning(parser, text)
+    assert "".join(p[0] for p in pieces) == (reasoning or "") and "".join(p[1] for p in pieces) == (answer or "")
+
+
+def test_reasoning_then_tool_calls_whole_and_streamed():
+    text = '<think>call it</think>ok <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
+    tools = ToolReply("auto", [{"type": "function", "function": {"name": "f"}}], PARSERS["hermes"]())
+    message, called = chat_message(text, tools, "qwen3")
+    assert called and message["reasoning"] == "call it" and message["content"] == "ok "
+    assert message["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"x": 1}'}
+    stream = ChatStream(tools, "qwen3")
+    deltas = [stream.delta(ch, i == len(text) - 1) for i, ch in enumerate(text)]
+    assert "".join(d.get("reasoning", "") for d in deltas) == "call it"
+    assert "".join(d.get("content", "") for d in deltas) == "ok "
+    assert [c["function"] for c in deltas[-1]["tool_calls"]] == [message["tool_calls"][0]["function"]]
+    assert stream.called
+
+
+def test_include_reasoning_false_drops_it():
+    assert chat_message("<think>x</think>y", None, "qwen3", include_reasoning=False) == (
+        {"role": "assistant", "content": "y"}, False)
+    stream = ChatStream(None, "deepseek_r1", include_reasoning=False)
+    assert [stream.delta(t, last) for t, last in (("x", False), ("</think>", False), ("y", True))] == [
+        {}, {}, {"content": "y"}]
