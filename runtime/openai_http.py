@@ -155,7 +155,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.close_connection = True
         chat, n, model = kind != "text_completion", request.params[0].n, self.server_state.model_name
         chunk_kind = "chat.completion.chunk" if chat else kind
-        offsets, streams, tokens = {}, {}, 0
+        offsets, streams, scores, tokens = {}, {}, {}, 0
         try:
             if chat:
                 first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -163,12 +163,15 @@ class _Handler(BaseHTTPRequestHandler):
                 self._event(response(request, chunk_kind, model, first, None))
             for position, output in _outputs(sink, ids):
                 choices = []
+                # (the prompt's scores come with a request's first output: a sample starting later echoes them too)
+                output.prompt_logprobs = scores.setdefault(position, output.prompt_logprobs)
                 for c in output.outputs:
                     index = position * n + c.index
                     tokens += 0 if request.prompt_only else len(c.token_ids)
                     if chat:
-                        stream = streams[index] if index in streams else streams.setdefault(index, chat_stream(request))
-                        choices.append(chat_choice(request, index, output, c, stream))
+                        if index not in streams:
+                            streams[index] = chat_stream(request)
+                        choices.append(chat_choice(request, index, output, c, streams[index]))
                     else:
                         choice = completion_choice(request, index, output, c, offsets.get(index, 0), index not in offsets)
                         # text_offset goes on from the last chunk's

@@ -31,11 +31,11 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .openai_tools import ChatStream, ToolReply, chat_message, read_tools
 from .outputs import CompletionOutput, RequestOutput
+from .reasoning import PARSERS as REASONING_PARSERS
 from .sampling_params import RequestOutputKind, SamplingParams
 from .structured_outputs import StructuredOutputsParams
-from .openai_tools import ChatStream, ToolReply, chat_message, read_tools
-from .reasoning import PARSERS as REASONING_PARSERS
 from .top_logprobs import Logprob
 
 __all__ = ["ProtocolError", "EngineRequest", "read_completion", "read_chat", "completion_choice", "chat_choice",

@@ -79,6 +79,21 @@ def test_echo_with_tokens_streamed_or_not(client, reference):
     assert sum((c.choices[0].logprobs.text_offset for c in chunks), []) == whole.logprobs.text_offset
 
 
+def test_every_sample_echoes_the_prompt_streamed_or_not(client):
+    kwargs = dict(model="tiny", prompt="w5 w6 w7", max_tokens=3, n=3, echo=True, logprobs=0, seed=8, temperature=1.0,
+                  extra_body={"ignore_eos": True})
+    whole = {c.index: c for c in client.completions.create(**kwargs).choices}
+    texts, logprobs = {}, {}
+    for chunk in client.completions.create(**kwargs, stream=True):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            logprobs[c.index] = logprobs.get(c.index, []) + c.logprobs.token_logprobs
+    assert sorted(texts) == [0, 1, 2]
+    for index, choice in whole.items():
+        assert choice.text.startswith("w5 w6 w7") and texts[index] == choice.text
+        assert logprobs[index] == choice.logprobs.token_logprobs and len(logprobs[index]) == 6
+
+
 def test_prompt_logprobs_field_on_completions_and_chat(client, reference):
     prompt = "w5 w6 w7 w8"
     reply = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, extra_body={"prompt_logprobs": 2})
