@@ -1,6 +1,7 @@
 """The OpenAI API over HTTP: the standard library's threaded HTTP server (no web framework to
 install), a thread per connection, routing ``POST /v1/completions``, ``POST /v1/chat/completions``
-(streamed as server-sent events with ``"stream": true``), ``GET /v1/models`` and ``GET /health``.
+(streamed as server-sent events with ``"stream": true``), ``GET /v1/models``, ``GET /health`` and
+vLLM's ``POST /tokenize`` and ``POST /detokenize``.
 
 It runs in the front end's process (`runtime.openai_front_end`): each handler reads its body
 (`runtime.openai_protocol`), tokenizes or renders the prompt, hands the requests to the engine
@@ -51,6 +52,33 @@ class FrontEnd:
         except ValueError as err:
             raise ProtocolError(str(err), "messages") from None
         return chat_ids(self.tokenizer, text)
+
+    def tokenize_answer(self, body: dict) -> dict:
+        """vLLM's ``POST /tokenize``: a ``prompt`` (``add_special_tokens``, default true) or chat
+        ``messages`` (rendered as a chat request's are) to token ids; ``return_token_strs`` adds
+        each token's string."""
+        if "messages" in body:
+            messages = body["messages"]
+            if not isinstance(messages, list) or not messages:
+                raise ProtocolError("'messages' must be a non-empty list of messages", "messages")
+            ids = self.render(messages, add_generation_prompt=body.get("add_generation_prompt", True) is True,
+                              continue_final_message=body.get("continue_final_message") is True, tools=body.get("tools"),
+                              chat_template_kwargs=body.get("chat_template_kwargs") or {})
+        elif isinstance(body.get("prompt"), str):
+            ids = self.tokenizer(body["prompt"], add_special_tokens=body.get("add_special_tokens", True) is True)["input_ids"]
+        else:
+            raise ProtocolError("/tokenize takes a 'prompt' string or chat 'messages'", "prompt")
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if body.get("return_token_strs") is True else None
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs}
+
+    def detokenize_answer(self, body: dict) -> dict:
+        """vLLM's ``POST /detokenize``: ``tokens`` (ids) to their text."""
+        tokens = body.get("tokens")
+        vocab = len(self.tokenizer)
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                                   for t in tokens):
+            raise ProtocolError(f"'tokens' must be a list of token ids in [0, {vocab}), got {tokens!r}", "tokens")
+        return {"prompt": self.tokenizer.decode(tokens)}
 
     def token_texts(self, ids: list[int]) -> list[str]:
         """Each token's text alone (as the engine's ``decoded_token``)."""
@@ -103,7 +131,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(ProtocolError(f"no route GET {self.path}", status=404, kind="not_found_error"))
 
     def do_POST(self) -> None:  # noqa: N802 (the base class's name)
-        kind = {"/v1/completions": "text_completion", "/v1/chat/completions": "chat.completion"}.get(self.path)
+        kind = {"/v1/completions": "text_completion", "/v1/chat/completions": "chat.completion",
+                "/tokenize": "tokenize", "/detokenize": "detokenize"}.get(self.path)
         try:
             if kind is None:
                 raise ProtocolError(f"no route POST {self.path}", status=404, kind="not_found_error")
@@ -113,6 +142,9 @@ class _Handler(BaseHTTPRequestHandler):
             if model is not None and model != state.model_name:
                 raise ProtocolError(f"the model '{model}' does not exist (this server has '{state.model_name}')",
                                     "model", 404, "not_found_error")
+            if kind in ("tokenize", "detokenize"):
+                self._send(HTTPStatus.OK, getattr(state, f"{kind}_answer")(body))
+                return
             if kind == "text_completion":
                 request = read_completion(body, state.tokenize)
             else:

@@ -21,7 +21,7 @@ Serve a checkpoint through the OpenAI API, as `vllm serve` does, on the exact-lo
          -d '{"prompt": "Hello", "max_tokens": 16, "logprobs": 0, "return_token_ids": true}'
 
 Routes: POST /v1/completions and /v1/chat/completions (streamed with "stream": true), GET /v1/models
-and /health. Requests join the running batch at the next engine step. Each returned logprob is the
+and /health, POST /tokenize and /detokenize. Requests join the running batch at the next engine step. Each returned logprob is the
 float the training forward's token_logprobs recomputes, bitwise. vLLM's extra sampling fields
 (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, structured_outputs,
 return_token_ids, chat_template_kwargs, ...) are read. Tools go to the chat template; with

@@ -194,6 +194,26 @@ def test_bad_chats_and_routes(served):
     assert [m.id for m in served[2].models.list()] == ["tiny"]
 
 
+def test_tokenize_and_detokenize_routes(served):
+    """vLLM's ``/tokenize`` (a prompt, or chat messages rendered as a chat request's are) and
+    ``/detokenize``."""
+    llm, server, client = served
+    root = server.url.removesuffix("/v1")
+    code, answer = _post(root + "/tokenize", {"prompt": "w5 w6 w7", "return_token_strs": True})
+    assert code == 200 and answer == {"count": 3, "max_model_len": llm.max_model_len, "tokens": [5, 6, 7],
+                                      "token_strs": ["w5", "w6", "w7"]}
+    messages = [{"role": "user", "content": "5"}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=1, extra_body=EXTRA)
+    code, answer = _post(root + "/tokenize", {"messages": messages})
+    assert code == 200 and answer["tokens"] == chat.choices[0].model_extra["prompt_token_ids"]
+    assert answer["token_strs"] is None
+    assert _post(root + "/detokenize", {"tokens": [5, 6, 7]}) == (200, {"prompt": "w5 w6 w7"})
+    for route, body, param in [("/detokenize", {"tokens": [5, 9999]}, "tokens"), ("/detokenize", {}, "tokens"),
+                               ("/tokenize", {"text": "w5"}, "prompt"), ("/tokenize", {"messages": []}, "messages")]:
+        code, answer = _post(root + route, body)
+        assert code == 400 and answer["error"]["param"] == param
+
+
 def test_a_client_that_goes_away_has_its_request_aborted(served):
     llm, server, client = served
     stream = client.completions.create(model="tiny", prompt="w5 w6", max_tokens=400, stream=True,
