@@ -74,7 +74,7 @@ def render_text(tokenizer, conversation, chat_template: str | None, add_generati
     its messages: a ValueError naming `caller`, `where` (the conversation) and the message otherwise.
     An assistant message's ``tool_calls`` may stand for its content; their ``arguments``, JSON text
     in OpenAI's messages, reach the template as the objects they encode (as vLLM passes them:
-    templates write them out with ``tojson``)."""
+    templates write them out with ``tojson``), and its ``reasoning`` as ``reasoning_content``."""
     if not isinstance(conversation, Seq) or isinstance(conversation, str) or not conversation:
         raise ValueError(f"{caller}: {where} must be a non-empty list of messages, got {conversation!r}")
     for j, message in enumerate(conversation):
@@ -83,14 +83,17 @@ def render_text(tokenizer, conversation, chat_template: str | None, add_generati
             raise ValueError(f"{caller}: message {j} of {where} must be a dict with 'role' and 'content' (or "
                              f"'tool_calls'), got {message!r}")
     return tokenizer.apply_chat_template(
-        [_decoded_calls(message) for message in conversation], tokenize=False, chat_template=chat_template,
+        [_template_message(message) for message in conversation], tokenize=False, chat_template=chat_template,
         add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message, tools=tools,
         **kwargs)
 
 
-def _decoded_calls(message: Mapping) -> Mapping:
-    """`message` with its tool calls' JSON-text ``arguments`` decoded (a copy; `message` itself when
-    it has none to decode)."""
+def _template_message(message: Mapping) -> Mapping:
+    """`message` as chat templates read it (a copy where it changes): its tool calls' JSON-text
+    ``arguments`` decoded, and the ``reasoning`` a server returned (vLLM's field) also given as
+    the ``reasoning_content`` that templates re-render (Qwen3's, Qwen3.5's)."""
+    if isinstance(message.get("reasoning"), str) and "reasoning_content" not in message:
+        message = {**message, "reasoning_content": message["reasoning"]}
     calls = message.get("tool_calls")
     if not isinstance(calls, Seq) or not all(isinstance(c, Mapping) and isinstance(c.get("function"), Mapping)
                                              for c in calls):

@@ -149,7 +149,8 @@ def test_read_tools_by_tool_choice_and_its_errors():
 
 def test_chat_rendering_takes_openai_tool_call_messages():
     """An assistant message may carry only ``tool_calls``; their JSON-text arguments reach the
-    template as objects (templates write them with ``tojson``), the caller's messages unchanged."""
+    template as objects (templates write them with ``tojson``), a returned ``reasoning`` as the
+    ``reasoning_content`` templates read, the caller's messages unchanged."""
 
     class Template:
         def apply_chat_template(self, messages, **kwargs):
@@ -160,6 +161,11 @@ def test_chat_rendering_takes_openai_tool_call_messages():
                 {"role": "tool", "tool_call_id": "c1", "content": "12:00"}]
     rendered = json.loads(render_text(Template(), messages, None, True, False, None, {}, "LLM.chat", "conversation 0"))
     assert rendered[1]["tool_calls"][0]["function"]["arguments"] == {"zone": "utc"}
+    assert "reasoning_content" not in rendered[1]
+    thought = [{**messages[1], "reasoning": "look it up"}, {"role": "assistant", "content": "x", "reasoning": "a",
+                                                            "reasoning_content": "b"}]
+    rendered = json.loads(render_text(Template(), thought, None, True, False, None, {}, "LLM.chat", "conversation 0"))
+    assert rendered[0]["reasoning_content"] == "look it up" and rendered[1]["reasoning_content"] == "b"
     assert messages[1]["tool_calls"][0]["function"]["arguments"] == '{"zone": "utc"}'
     with pytest.raises(ValueError, match="'content' \\(or 'tool_calls'\\)"):
         render_text(Template(), [{"role": "assistant"}], None, True, False, None, {}, "LLM.chat", "conversation 0")
