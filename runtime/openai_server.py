@@ -32,10 +32,11 @@ class OpenAIServer:
     starts the front end's process and returns once it listens (`url` says where);
     `serve_forever` also waits until it stops; `close` stops it and the engine thread.
     `tool_call_parser`: the format chat replies' tool calls are read in (`runtime.tool_calls.PARSERS`:
-    ``"hermes"``, ``"qwen3_coder"``), as ``vllm serve --tool-call-parser``; None: tool_choice
-    ``"auto"`` is refused (`runtime.openai_tools`). `reasoning_parser`: how chat replies' reasoning
-    is split off into ``reasoning`` (`runtime.reasoning.PARSERS`: ``"qwen3"``, ``"deepseek_r1"``),
-    as ``vllm serve --reasoning-parser``; None: the reply is all content."""
+    ``"hermes"``, ``"qwen3_coder"``, ``"deepseek_v3"``, ``"llama3_json"``), as ``vllm serve
+    --tool-call-parser``; None: tool_choice ``"auto"`` is refused (`runtime.openai_tools`).
+    `reasoning_parser`: how chat replies' reasoning is split off into ``reasoning``
+    (`runtime.reasoning.PARSERS`: ``"qwen3"``, ``"deepseek_r1"``), as ``vllm serve
+    --reasoning-parser``; None: the reply is all content."""
 
     def __init__(self, llm, model_name: str, host: str = "127.0.0.1", port: int = 8000,
                  tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> None:

@@ -28,8 +28,7 @@ from dataclasses import dataclass
 
 from .structured_outputs import StructuredOutputsParams
 from .reasoning import ReasoningSplit, split_reasoning
-from .text_deltas import tag_prefix
-from .tool_calls import PARSERS, START, ToolCall, ToolParser, new_call_id
+from .tool_calls import PARSERS, ToolCall, ToolParser, new_call_id
 
 __all__ = ["ChatStream", "ToolReply", "ToolStream", "chat_message", "read_tools"]
 
@@ -107,9 +106,9 @@ class ToolStream:
             return self._last()
         if self.reply.mode == "required":
             return {}
-        held = self.text.find(START)
-        end = held if held >= 0 else len(self.text) - tag_prefix(self.text, START)
-        return self._content(end)
+        parser = self.reply.parser
+        begun = parser.begins(self.text)
+        return self._content(begun if begun >= 0 else len(self.text) - parser.held(self.text))
 
     def _last(self) -> dict:
         content, calls = self.reply.calls(self.text)

@@ -1,19 +1,27 @@
 """Tool calls read out of a chat reply's text, as vLLM's ``--tool-call-parser`` reads them
 (`runtime.openai_tools` applies them to the server's chat replies).
 
-A model asked to call tools writes each call between ``<tool_call>`` and ``</tool_call>`` tags, in
-one of two formats:
+A model asked to call tools writes each call in its own format:
 
-- ``hermes`` (Qwen2.5, Qwen3, QwQ, Hermes): a JSON object, ``{"name": ..., "arguments": {...}}``;
-- ``qwen3_coder`` (Qwen3-Coder, Qwen3.5): XML-like, ``<function=NAME>`` then one
-  ``<parameter=KEY>`` ... ``</parameter>`` block per argument, then ``</function>``; each value is
-  text, converted by the type its tool's JSON schema gives that parameter (integer, number,
-  boolean, object or array read as JSON; anything else kept as text).
+- ``hermes`` (Qwen2.5, Qwen3, Qwen3-Next, QwQ, Hermes): between ``<tool_call>`` and
+  ``</tool_call>``, a JSON object, ``{"name": ..., "arguments": {...}}``;
+- ``qwen3_coder`` (Qwen3-Coder, Qwen3.5): between the same tags, XML-like, ``<function=NAME>``
+  then one ``<parameter=KEY>`` ... ``</parameter>`` block per argument, then ``</function>``; each
+  value is text, converted by the type its tool's JSON schema gives that parameter (integer,
+  number, boolean, object or array read as JSON; anything else kept as text);
+- ``deepseek_v3`` (also ``deepseek_v31``: DeepSeek-V3, V3.1): after ``<｜tool▁calls▁begin｜>``,
+  each call between ``<｜tool▁call▁begin｜>`` and ``<｜tool▁call▁end｜>``, its name and its JSON
+  arguments around ``<｜tool▁sep｜>`` (V3: ``function<｜tool▁sep｜>NAME`` and the arguments in a
+  JSON code fence);
+- ``llama3_json`` (Llama 3.1, 3.2): the reply itself is the calls, JSON objects
+  ``{"name": ..., "parameters": {...}}`` separated by ``;``.
 
-`ToolParser.extract` reads a whole reply: the text before the first tag is the message's content
-and each tagged block one call; a block the reply ended inside (no closing tag) is read too. If any
-block cannot be read, the reply has no tool calls and its whole text is the content, as vLLM's
-parsers answer a reply they cannot read.
+`ToolParser.extract` reads a whole reply: the text before the first call is the message's content
+and each block one call; a block the reply ended inside (no closing tag) is read too. If any block
+cannot be read, the reply has no tool calls and its whole text is the content, as vLLM's parsers
+answer a reply they cannot read. The tags are read in the decoded text: where a tokenizer marks
+them special, the request needs ``skip_special_tokens: false`` (Qwen's ``<tool_call>`` is not
+special; Llama's ``<|python_tag|>`` is, and the parser reads its calls without it).
 """
 
 from __future__ import annotations
@@ -23,6 +31,8 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
+
+from .text_deltas import tag_prefix
 
 __all__ = ["PARSERS", "ToolCall", "ToolParser", "new_call_id"]
 
@@ -55,19 +65,34 @@ class ToolParser:
     ``{"type": "function", "function": {"name", "parameters"}}``). Subclasses read one block."""
 
     name = ""
+    start, end = START, END  #: the tags around each call
+    opens = START  #: where the calls begin (the content ends)
+
+    def begins(self, text: str) -> int:
+        """Where the calls begin in `text` (-1: nowhere yet)."""
+        return text.find(self.opens)
+
+    def held(self, text: str) -> int:
+        """How many characters at the end of a streamed reply's `text` (no call begun yet) may
+        still begin one: held back until the next text says."""
+        return tag_prefix(text, self.opens)
 
     def extract(self, text: str, tools: list[dict]) -> tuple[str | None, list[ToolCall]]:
         """(content, calls) of a whole reply: the content before the first call (None when
         empty) and the calls; (text, []) when it has none or one cannot be read."""
-        first = text.find(START)
+        first = self.begins(text)
         if first < 0:
             return text, []
-        blocks = re.findall(f"{re.escape(START)}(.*?)(?:{re.escape(END)}|$)", text[first:], re.DOTALL)
         try:
-            calls = [self.read_block(block, tools) for block in blocks]
+            calls = [self.read_block(block, tools) for block in self.blocks(text[first:])]
         except (ValueError, TypeError, KeyError, SyntaxError):
             return text, []
         return text[:first] or None, calls
+
+    def blocks(self, calls: str) -> list[str]:
+        """The text of each call in `calls` (the reply from where they begin): what is between
+        each pair of tags (the last may be cut short)."""
+        return re.findall(f"{re.escape(self.start)}(.*?)(?:{re.escape(self.end)}|$)", calls, re.DOTALL)
 
     def read_block(self, block: str, tools: list[dict]) -> ToolCall:
         """The call written between the tags; ValueError (or TypeError, KeyError) when unreadable."""
@@ -107,6 +132,52 @@ class Qwen3CoderParser(ToolParser):
         return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
 
 
+class DeepSeekParser(ToolParser):
+    """DeepSeek-V3's calls: ``<｜tool▁calls▁begin｜>``, then per call ``<｜tool▁call▁begin｜>``
+    ``function<｜tool▁sep｜>NAME`` and its arguments in a JSON code fence (V3), or
+    ``NAME<｜tool▁sep｜>ARGUMENTS`` (V3.1), then ``<｜tool▁call▁end｜>``."""
+
+    name = "deepseek_v3"
+    start, end, opens = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁calls▁begin｜>"
+    _FENCE = re.compile(r"^(.*?)\n```(?:json)?\n(.*?)\n?```\s*$", re.DOTALL)
+
+    def read_block(self, block: str, tools: list[dict]) -> ToolCall:
+        head, arguments = block.split("<｜tool▁sep｜>", 1)
+        if head.strip() == "function":  # V3: the name on the first line, the arguments fenced
+            fenced = self._FENCE.match(arguments)
+            if fenced is None:
+                raise ValueError(f"a DeepSeek-V3 tool call has its arguments in a JSON code fence, got {block!r}")
+            head, arguments = fenced.groups()
+        return ToolCall(head.strip(), json.dumps(json.loads(arguments), ensure_ascii=False))
+
+
+class Llama3JsonParser(ToolParser):
+    """Llama 3.1's JSON calls: the whole reply (after ``<|python_tag|>``, where it is kept) is
+    ``{"name": ..., "parameters": {...}}``, several separated by ``;``."""
+
+    name = "llama3_json"
+    opens = "<|python_tag|>"
+
+    def begins(self, text: str) -> int:
+        body = text.lstrip()
+        return len(text) - len(body) if body.startswith(("{", self.opens)) else -1
+
+    def held(self, text: str) -> int:
+        body = text.lstrip()
+        return len(text) if not body or self.opens.startswith(body) else 0  # (it may still begin with a call)
+
+    def blocks(self, calls: str) -> list[str]:
+        calls = calls.lstrip().removeprefix(self.opens)
+        return re.split(r"(?<=\})\s*;\s*(?=\{)", calls.strip())
+
+    def read_block(self, block: str, tools: list[dict]) -> ToolCall:
+        call = json.loads(block)
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            raise ValueError(f"a Llama 3 tool call is a JSON object with a 'name', got {block!r}")
+        arguments = call.get("parameters", call.get("arguments", {}))
+        return ToolCall(call["name"], arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False))
+
+
 def _parameters(tools: list[dict], name: str) -> dict:
     """The JSON schema properties of tool `name`'s parameters ({} when unknown)."""
     for tool in tools:
@@ -141,4 +212,6 @@ def _typed_value(value: str, schema) -> object:
 
 
 #: the parsers by the names of vLLM's ``--tool-call-parser``
-PARSERS: dict[str, type[ToolParser]] = {parser.name: parser for parser in (HermesParser, Qwen3CoderParser)}
+PARSERS: dict[str, type[ToolParser]] = {parser.name: parser for parser in (HermesParser, Qwen3CoderParser, DeepSeekParser,
+                                                                            Llama3JsonParser)}
+PARSERS["deepseek_v31"] = DeepSeekParser  # (vLLM's name for V3.1's form, which the same parser reads)

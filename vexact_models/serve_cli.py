@@ -61,8 +61,9 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="base seed of requests that give none (default 0)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--tool-call-parser", choices=sorted(PARSERS),
-                   help="read tool calls out of chat replies in this format: hermes (Qwen2.5, Qwen3, QwQ), "
-                        "qwen3_coder (Qwen3-Coder, Qwen3.5); default: none, tool_choice 'auto' refused")
+                   help="read tool calls out of chat replies in this format: hermes (Qwen2.5, Qwen3, Qwen3-Next, "
+                        "QwQ), qwen3_coder (Qwen3-Coder, Qwen3.5), deepseek_v3 / deepseek_v31 (DeepSeek-V3, V3.1), "
+                        "llama3_json (Llama 3.1); default: none, tool_choice 'auto' refused"),
     p.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS),
                    help="split chat replies' <think> block off into 'reasoning': qwen3 (replies that open it "
                         "themselves: Qwen3's hybrid models), deepseek_r1 (templates that open it in the prompt: "

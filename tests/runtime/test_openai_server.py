@@ -279,7 +279,7 @@ def test_vexact_serve_command(folder):
 def test_vexact_serve_refuses_auto_tool_choice_without_a_parser(folder):
     done = subprocess.run([sys.executable, "-m", "vexact_models.cli", "serve", str(folder), "--enable-auto-tool-choice"],
                           capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2 and "--enable-auto-tool-choice needs --tool-call-parser (hermes or qwen3_coder)" in done.stderr
+    assert done.returncode == 2 and "--enable-auto-tool-choice needs --tool-call-parser (deepseek_v3 or" in done.stderr
 
 
 def _post(url: str, body: dict) -> tuple[int, dict]:

@@ -60,6 +60,28 @@ def test_qwen3_coder_keeps_text_that_does_not_read_as_its_type_and_reads_unclose
         "<tool_call>no function</tool_call>", [])
 
 
+def test_deepseek_reads_v3_and_v31_calls():
+    v3 = ('Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n'
+          '{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n{}\n```'
+          '<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+    content, calls = PARSERS["deepseek_v3"]().extract(v3, TOOLS)
+    assert content == "Checking." and _calls(calls) == [("get_weather", {"city": "Paris"}), ("get_time", {})]
+    v31 = '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Rome"}<｜tool▁call▁end｜>'
+    assert _calls(PARSERS["deepseek_v31"]().extract(v31, TOOLS)[1]) == [("get_weather", {"city": "Rome"})]
+    bad = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n{}<｜tool▁call▁end｜>"
+    assert PARSERS["deepseek_v3"]().extract(bad, TOOLS) == (bad, [])
+
+
+def test_llama3_json_reads_a_reply_that_is_calls():
+    parser = PARSERS["llama3_json"]()
+    text = ' {"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {}}'
+    content, calls = parser.extract(text, TOOLS)
+    assert content == " " and _calls(calls) == [("get_weather", {"city": "Paris"}), ("get_time", {})]
+    assert _calls(parser.extract('<|python_tag|>{"name": "get_time", "arguments": {}}', TOOLS)[1]) == [("get_time", {})]
+    for plain in ("The weather is fine.", '{"not": "a call"}', "Use {braces} later", '{"name": 3}; [1]'):
+        assert parser.extract(plain, TOOLS) == (plain, [])
+
+
 def test_replies_whole_messages_by_tool_choice():
     auto = ToolReply("auto", TOOLS, PARSERS["hermes"]())
     text = 'ok <tool_call>{"name": "get_time", "arguments": {}}</tool_call><tool_call>{"name": "get_time"}</tool_call>'
@@ -90,16 +112,20 @@ def test_required_and_named_hold_the_reply_to_the_tools_schemas():
     assert ToolReply("auto", TOOLS, PARSERS["hermes"]()).structured() is None
 
 
-@pytest.mark.parametrize("text", [
-    'Hi <tool_call>{"name": "get_time", "arguments": {}}</tool_call>',
-    "a < b and <tool but no call",
-    '<tool_call>{"name": "get_weather", "arguments": {"city": "<tool_call>"}}</tool_call> after',
-    'x <tool_call>{"broken',
+@pytest.mark.parametrize("parser, text", [
+    ("hermes", 'Hi <tool_call>{"name": "get_time", "arguments": {}}</tool_call>'),
+    ("hermes", "a < b and <tool but no call"),
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": "<tool_call>"}}</tool_call> after'),
+    ("hermes", 'x <tool_call>{"broken'),
+    ("deepseek_v3", 'ok<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{}<｜tool▁call▁end｜>'),
+    ("llama3_json", '  {"name": "get_time", "parameters": {}}'),
+    ("llama3_json", "plain text, no call"),
+    ("llama3_json", '{"no": "call"}'),
 ])
-def test_a_streamed_auto_reply_adds_up_to_its_whole_message(text):
+def test_a_streamed_auto_reply_adds_up_to_its_whole_message(parser, text):
     """Streamed a character at a time (tags split over deltas), the content deltas join to the
     whole message's content, and the last delta holds its calls."""
-    reply = ToolReply("auto", TOOLS, PARSERS["hermes"]())
+    reply = ToolReply("auto", TOOLS, PARSERS[parser]())
     stream = reply.stream()
     deltas = [stream.delta(ch, i == len(text) - 1) for i, ch in enumerate(text)]
     whole, called = reply.message(text)
