@@ -91,16 +91,17 @@ class ToolStream:
     def __init__(self, reply: ToolReply) -> None:
         self.reply, self.text, self.sent = reply, "", 0  # the reply so far, and how much went out as content
         self.call_id = new_call_id()
-        self.called = False
+        self.called = False  #: whether the last delta held "auto" calls
+        self._named_open = False  #: whether a named function's call (its id and name) went out
 
     def delta(self, text: str, finished: bool) -> dict:
         """The delta message for the next `text` of the reply (`finished`: its last)."""
         self.text += text
         if self.reply.mode == "named":
             item = {"index": 0, "function": {"arguments": text}}
-            if self.sent == 0:
+            if not self._named_open:
                 item.update(id=self.call_id, type="function", function={"name": self.reply.name, "arguments": text})
-                self.sent = 1
+                self._named_open = True
             return {"tool_calls": [item]}
         if finished:
             return self._last()
