@@ -29,12 +29,13 @@ class FrontEnd:
     """What the handlers serve with: the `engine`, the `tokenizer` (text prompts, chat templates,
     token texts), the API's `model_name`, the engine's `max_model_len`, the `tool_parser` that
     reads chat replies' tool calls (`runtime.tool_calls.PARSERS`; None: none) and the
-    `reasoning_parser` that splits their reasoning off (`runtime.reasoning.PARSERS`; None: none)."""
+    `reasoning_parser` that splits their reasoning off (`runtime.reasoning.PARSERS`; None: none);
+    `chat_template`: the template chats render with instead of the tokenizer's (None: its own)."""
 
     def __init__(self, engine, tokenizer, model_name: str, max_model_len: int, tool_parser: str | None = None,
-                 reasoning_parser: str | None = None) -> None:
+                 reasoning_parser: str | None = None, chat_template: str | None = None) -> None:
         self.engine, self.tokenizer, self.model_name, self.max_model_len = engine, tokenizer, model_name, max_model_len
-        self.tool_parser, self.reasoning_parser = tool_parser, reasoning_parser
+        self.tool_parser, self.reasoning_parser, self.chat_template = tool_parser, reasoning_parser, chat_template
 
     def http_server(self, host: str, port: int) -> ThreadingHTTPServer:
         """An HTTP server of this front end bound to (`host`, `port`; 0: a free one)."""
@@ -47,8 +48,8 @@ class FrontEnd:
                chat_template_kwargs: dict) -> list[int]:
         """A chat request's conversation as `LLM.chat` renders it: its token ids."""
         try:
-            text = render_text(self.tokenizer, messages, None, add_generation_prompt, continue_final_message, tools,
-                               chat_template_kwargs, "chat completion", "'messages'")
+            text = render_text(self.tokenizer, messages, self.chat_template, add_generation_prompt, continue_final_message,
+                               tools, chat_template_kwargs, "chat completion", "'messages'")
         except ValueError as err:
             raise ProtocolError(str(err), "messages") from None
         return chat_ids(self.tokenizer, text)

@@ -36,10 +36,12 @@ class OpenAIServer:
     --tool-call-parser``; None: tool_choice ``"auto"`` is refused (`runtime.openai_tools`).
     `reasoning_parser`: how chat replies' reasoning is split off into ``reasoning``
     (`runtime.reasoning.PARSERS`: ``"qwen3"``, ``"deepseek_r1"``), as ``vllm serve
-    --reasoning-parser``; None: the reply is all content."""
+    --reasoning-parser``; None: the reply is all content. `chat_template`: a Jinja chat template
+    that chats render with instead of the tokenizer's (``vllm serve --chat-template``)."""
 
     def __init__(self, llm, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-                 tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> None:
+                 tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+                 chat_template: str | None = None) -> None:
         if llm.tokenizer is None:
             raise ValueError("OpenAIServer: the engine has no tokenizer (the API's prompts and replies are text); "
                              "load a checkpoint folder that has one, or pass LLM(..., tokenizer=...)")
@@ -49,7 +51,10 @@ class OpenAIServer:
             raise ValueError(f"OpenAIServer: reasoning_parser={reasoning_parser!r} is not one of "
                              f"{sorted(REASONING_PARSERS)}")
         self.llm, self.model_name, self.host, self.port = llm, model_name, host, port
-        self.tool_call_parser, self.reasoning_parser = tool_call_parser, reasoning_parser
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise ValueError(f"OpenAIServer: chat_template must be a Jinja template string, got "
+                             f"{type(chat_template).__name__}")
+        self.tool_call_parser, self.reasoning_parser, self.chat_template = tool_call_parser, reasoning_parser, chat_template
         self.url: str | None = None
         self._process: subprocess.Popen | None = None
         self._link: EngineLink | None = None
@@ -66,7 +71,7 @@ class OpenAIServer:
         conn = Connection(ours.detach())
         conn.send({"tokenizer": self.llm.tokenizer, "model_name": self.model_name, "host": self.host,
                    "port": self.port, "max_model_len": self.llm.max_model_len, "tool_call_parser": self.tool_call_parser,
-                   "reasoning_parser": self.reasoning_parser})
+                   "reasoning_parser": self.reasoning_parser, "chat_template": self.chat_template})
         try:
             kind, detail = conn.recv()
         except EOFError:

@@ -6,8 +6,8 @@ import argparse
 import pytest
 import torch
 
-from vexact_models.cli_args import (architecture_arg, checkpoint_arg, config_arg, device_arg, non_negative_float,
-                                    non_negative_int, positive_float, positive_int)
+from vexact_models.cli_args import (architecture_arg, chat_template_arg, checkpoint_arg, config_arg, device_arg,
+                                    non_negative_float, non_negative_int, positive_float, positive_int)
 
 
 @pytest.mark.parametrize("kind,text,value", [
@@ -78,3 +78,13 @@ def test_architecture_arg_takes_a_name_or_a_model_type_and_says_why_it_refuses(g
     with pytest.raises(argparse.ArgumentTypeError,
                        match=r"'gemma3' needs transformers >= 5.24 .* transformers \S+ is installed"):
         architecture_arg("gemma3")
+
+
+def test_chat_template_arg_takes_a_file_or_a_template(tmp_path):
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    path = tmp_path / "t.jinja"
+    path.write_text(template)
+    assert chat_template_arg(str(path)) == template
+    assert chat_template_arg(template) == template
+    with pytest.raises(argparse.ArgumentTypeError, match="'no/such.jinja' is neither a file nor a Jinja template"):
+        chat_template_arg("no/such.jinja")

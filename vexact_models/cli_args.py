@@ -69,6 +69,17 @@ def device_arg(text: str) -> torch.device:
     return device
 
 
+def chat_template_arg(text: str) -> str:
+    """A Jinja chat template (``vllm serve --chat-template``): a file's text, or the template
+    itself (text with a Jinja tag or expression); else refused, naming the value."""
+    path = Path(text).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{%" in text or "{{" in text:
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is neither a file nor a Jinja template (no '{{%' or '{{{{' in it)")
+
+
 def checkpoint_arg(text: str) -> str:
     """What ``from_pretrained`` takes: a checkpoint folder (one holding a config.json) or a hub
     repo id. A path that exists and is no such folder is refused, and so is one that is plainly a

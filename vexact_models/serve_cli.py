@@ -7,7 +7,8 @@ import argparse
 import signal
 import sys
 
-from vexact_models.cli_args import checkpoint_arg, device_arg, non_negative_int, positive_float, positive_int
+from vexact_models.cli_args import (chat_template_arg, checkpoint_arg, device_arg, non_negative_int, positive_float,
+                                    positive_int)
 from vexact_models.runtime.reasoning import PARSERS as REASONING_PARSERS
 from vexact_models.runtime.tool_calls import PARSERS
 
@@ -64,6 +65,9 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                    help="read tool calls out of chat replies in this format: hermes (Qwen2.5, Qwen3, Qwen3-Next, "
                         "QwQ), qwen3_coder (Qwen3-Coder, Qwen3.5), deepseek_v3 / deepseek_v31 (DeepSeek-V3, V3.1), "
                         "llama3_json (Llama 3.1); default: none, tool_choice 'auto' refused"),
+    p.add_argument("--chat-template", type=chat_template_arg, metavar="FILE_OR_TEMPLATE",
+                   help="a Jinja chat template (a file, or the template's text) that chats render with instead of "
+                        "the tokenizer's: for checkpoints whose template renders no tools")
     p.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS),
                    help="split chat replies' <think> block off into 'reasoning': qwen3 (replies that open it "
                         "themselves: Qwen3's hybrid models), deepseek_r1 (templates that open it in the prompt: "
@@ -89,7 +93,8 @@ def serve(args: argparse.Namespace) -> int:
               kv_cache_bytes=args.kv_cache_bytes, max_logprobs=args.max_logprobs, seed=args.seed,
               enforce_eager=args.enforce_eager)
     server = OpenAIServer(llm, args.served_model_name or args.model, args.host, args.port,
-                          tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser).start()
+                          tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                          chat_template=args.chat_template).start()
     print(f"vexact serve: {server.model_name} at {server.url}", flush=True)
     for stop in (signal.SIGINT, signal.SIGTERM):  # (a parent may have left SIGINT ignored, as pytest-xdist does)
         signal.signal(stop, _interrupt)

@@ -48,9 +48,10 @@ def folder(tmp_path_factory):
                                chat_template=TEMPLATE)
 
 
-def _serve(folder, parser, reasoning=None):
+def _serve(folder, parser, reasoning=None, chat_template=None):
     llm = LLM(str(folder), device="cpu", block_size=4, kv_cache_bytes=1 << 22, max_num_seqs=8)
-    return OpenAIServer(llm, "tiny", port=0, tool_call_parser=parser, reasoning_parser=reasoning).start()
+    return OpenAIServer(llm, "tiny", port=0, tool_call_parser=parser, reasoning_parser=reasoning,
+                        chat_template=chat_template).start()
 
 
 @pytest.fixture(scope="module")
@@ -225,6 +226,27 @@ def test_bad_tool_requests_get_errors_naming_the_field(hermes, folder):
         assert reply.choices[0].message.tool_calls is None and "<tool_call>" in reply.choices[0].message.content
     finally:
         plain.close()
+
+
+def test_a_server_chat_template_replaces_the_tokenizers(folder):
+    """``chat_template`` (``vexact serve --chat-template``): chats render with it, not with the
+    checkpoint's own (for checkpoints whose template renders no tools)."""
+    from transformers import AutoTokenizer
+
+    template = "tools: {{ tools | length }}\n" + TEMPLATE
+    server = _serve(folder, "hermes", chat_template=template)
+    try:
+        client = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0)
+        reply = _chat(client, max_tokens=2, seed=0, extra_body={"ignore_eos": True})
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        text = tokenizer.apply_chat_template(MESSAGES, tools=TOOLS, chat_template=template, tokenize=False,
+                                             add_generation_prompt=True)
+        assert text.startswith("tools: 2system: ")  # ({%- strips the newline)
+        assert reply.choices[0].model_extra["prompt_token_ids"] == tokenizer(text, add_special_tokens=False)["input_ids"]
+    finally:
+        server.close()
+    with pytest.raises(ValueError, match="chat_template must be a Jinja template string"):
+        OpenAIServer(LLM(str(folder), device="cpu", block_size=4, kv_cache_bytes=1 << 20), "tiny", chat_template=3)
 
 
 def test_server_refuses_an_unknown_parser(folder):
