@@ -71,12 +71,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def write_checkpoint(path: Path, seed: int) -> Path:
-    """A tiny random Qwen3 with a byte-level BPE tokenizer and `TEMPLATE`, in `path`."""
+def write_checkpoint(path: Path, seed: int, device: str = "cpu") -> Path:
+    """A tiny random Qwen3 with a byte-level BPE tokenizer and `TEMPLATE`, in `path` (on a GPU with
+    the smallest head size its attention kernels take)."""
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from vexact_models import qwen3
+    from vexact_models.conformance.models import MIN_GPU_HEAD_DIM
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -88,7 +90,9 @@ def write_checkpoint(path: Path, seed: int) -> Path:
     tokenizer.chat_template = TEMPLATE
     tokenizer.save_pretrained(path)
     torch.manual_seed(seed)
-    transformers.Qwen3ForCausalLM(qwen3.tiny_config(initializer_range=0.3, eos_token_id=0)).save_pretrained(path)
+    config = qwen3.tiny_config(initializer_range=0.3, eos_token_id=0,
+                               **({"head_dim": MIN_GPU_HEAD_DIM} if device.startswith("cuda") else {}))
+    transformers.Qwen3ForCausalLM(config).save_pretrained(path)
     return path
 
 
@@ -144,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     from vexact_models.runtime.openai_server import OpenAIServer
 
     args.out.mkdir(parents=True, exist_ok=True)
-    folder = args.model or str(write_checkpoint(args.out / "checkpoint", args.seed))
+    folder = args.model or str(write_checkpoint(args.out / "checkpoint", args.seed, args.device))
     llm = LLM(folder, device=args.device, dtype=args.dtype, **({"kv_cache_bytes": 1 << 24} if args.device == "cpu" else {}))
     server = OpenAIServer(llm, "agent", port=0, tool_call_parser="hermes").start()
     try:

@@ -190,6 +190,20 @@ def test_a_named_function_is_the_reply(hermes):
     assert calls[0]["id"].startswith("chatcmpl-tool-") and finish == "stop" and tokens
 
 
+def test_each_streamed_sample_has_its_own_call(hermes):
+    """``n: 2`` streamed: each choice's chunks carry its own call (index 0 within the choice), the
+    same as the whole reply's."""
+    choice = {"type": "function", "function": {"name": "get_time"}}
+    whole = _chat(hermes, tool_choice=choice, max_tokens=60, seed=9, n=2)
+    calls: dict[int, str] = {}
+    for chunk in _chat(hermes, tool_choice=choice, max_tokens=60, seed=9, n=2, stream=True):
+        for c in chunk.choices:
+            for call in c.delta.tool_calls or []:
+                assert call.index == 0
+                calls[c.index] = calls.get(c.index, "") + (call.function.arguments or "")
+    assert calls == {c.index: c.message.tool_calls[0].function.arguments for c in whole.choices}
+
+
 def test_tool_call_messages_render_with_their_arguments_as_objects(hermes, folder):
     """A conversation with an assistant's call (OpenAI's JSON-text arguments, no content) and the
     tool's answer: the prompt is the template's rendering of the arguments as an object."""
