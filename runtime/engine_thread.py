@@ -53,6 +53,10 @@ class EngineThread:
 
     def __init__(self, llm) -> None:
         self.llm = llm
+        # the engine's CUDA device with its index (``LLM(path)`` says "cuda": the current device of
+        # the thread that built it, which a new thread does not inherit)
+        self._cuda = None if llm.device.type != "cuda" else (
+            llm.device if llm.device.index is not None else torch.device("cuda", torch.cuda.current_device()))
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, queue.SimpleQueue] = {}
         self._ids = itertools.count()
@@ -76,7 +80,12 @@ class EngineThread:
             raise RuntimeError("EngineThread.submit_all: the engine thread is closed")
         taken: Future = Future()
         self._commands.put(("add", list(zip(request_ids, requests)), sink, taken))
-        taken.result()
+        while True:
+            try:
+                return taken.result(timeout=1.0)
+            except TimeoutError:
+                if not self._thread.is_alive():  # (it stopped on an error, which its sinks got)
+                    raise RuntimeError("EngineThread.submit_all: the engine thread stopped") from None
 
     def abort(self, request_id: str) -> None:
         """Stop `request_id` now (`LLM.abort_request`): its sink gets its last output, finished,
@@ -95,9 +104,20 @@ class EngineThread:
             self._thread.join()
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as error:  # the thread cannot go on: what it holds and what waits gets the error
+            self._closed = True
+            self._fail(error)
+            while (command := self._next_command()) is not None:
+                if command[0] == "add":
+                    command[-1].set_exception(error)
+            raise
+
+    def _serve(self) -> None:
         llm = self.llm
-        if llm.device.type == "cuda":  # the current device is the thread's own
-            torch.cuda.set_device(llm.device)
+        if self._cuda is not None:  # the current device is the thread's own
+            torch.cuda.set_device(self._cuda)
         while True:
             command = self._commands.get() if not llm.has_unfinished_requests() else self._next_command()
             while command is not None:

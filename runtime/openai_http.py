@@ -98,6 +98,8 @@ class FrontEnd:
                                    ids, sink)
         except ValueError as err:
             raise ProtocolError(str(err).removeprefix("LLM.add_request: ").removeprefix("LLM.generate: ")) from None
+        except RuntimeError as err:  # the engine is closed or its thread stopped
+            raise ProtocolError(str(err), status=500, kind="internal_error") from None
         return sink, ids
 
 

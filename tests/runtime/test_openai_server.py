@@ -246,6 +246,42 @@ def test_engine_thread_takes_all_requests_or_none(folder):
         engine.submit([5], SamplingParams())
 
 
+class _StubEngine:
+    """Enough of an `LLM` for `EngineThread` to start on: idle, or failing when first asked."""
+
+    def __init__(self, device: str, fail: bool = False) -> None:
+        self.device, self.fail = torch.device(device), fail
+
+    def has_unfinished_requests(self) -> bool:
+        if self.fail:
+            raise RuntimeError("the engine broke")
+        return False
+
+    def abort_request(self, ids):
+        return []
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # (the thread re-raises: a log)
+def test_an_engine_thread_that_stops_fails_its_callers_instead_of_hanging():
+    engine = EngineThread(_StubEngine("cpu", fail=True))
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="the engine broke|the engine thread stopped|closed"):
+        engine.submit([5], SamplingParams())
+    assert time.monotonic() - start < 30
+    engine._thread.join(timeout=30)  # (its error reported within this test)
+
+
+def test_an_engine_thread_takes_the_engines_cuda_device_with_its_index(monkeypatch):
+    """``LLM(path)`` on a GPU says "cuda"; its thread sets the builder's current device (2 here),
+    which ``torch.cuda.set_device`` needs with an index."""
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    engine = EngineThread(_StubEngine("cuda"))
+    engine.close()
+    assert chosen == [torch.device("cuda", 2)]
+
+
 def test_vexact_serve_command(folder):
     """``vexact serve`` starts the server on a free port and prints where (its tool parser
     reaching the front end: tool_choice "auto" is served); SIGTERM (as Ctrl-C) stops both
