@@ -87,7 +87,7 @@ class ToolParser:
             calls = [self.read_block(block, tools) for block in self.blocks(text[first:])]
         except (ValueError, TypeError, KeyError, SyntaxError):
             return text, []
-        return text[:first] or None, calls
+        return (text[:first] or None, calls) if calls else (text, [])
 
     def blocks(self, calls: str) -> list[str]:
         """The text of each call in `calls` (the reply from where they begin): what is between

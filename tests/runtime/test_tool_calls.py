@@ -70,6 +70,8 @@ def test_deepseek_reads_v3_and_v31_calls():
     assert _calls(PARSERS["deepseek_v31"]().extract(v31, TOOLS)[1]) == [("get_weather", {"city": "Rome"})]
     bad = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n{}<｜tool▁call▁end｜>"
     assert PARSERS["deepseek_v3"]().extract(bad, TOOLS) == (bad, [])
+    empty = "ok <｜tool▁calls▁begin｜> nothing"  # the calls opened, none written: all content
+    assert PARSERS["deepseek_v3"]().extract(empty, TOOLS) == (empty, [])
 
 
 def test_llama3_json_reads_a_reply_that_is_calls():
@@ -118,6 +120,7 @@ def test_required_and_named_hold_the_reply_to_the_tools_schemas():
     ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": "<tool_call>"}}</tool_call> after'),
     ("hermes", 'x <tool_call>{"broken'),
     ("deepseek_v3", 'ok<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{}<｜tool▁call▁end｜>'),
+    ("deepseek_v3", "ok <｜tool▁calls▁begin｜> nothing"),
     ("llama3_json", '  {"name": "get_time", "parameters": {}}'),
     ("llama3_json", "plain text, no call"),
     ("llama3_json", '{"no": "call"}'),
