@@ -221,6 +221,8 @@ def read_chat(body: dict, render, max_model_len: int, tool_parser: str | None = 
         raise ProtocolError("'prompt_logprobs' is returned by chat completions that are not streamed", "prompt_logprobs")
     params = _sampling(body, max_tokens, k, options["stream"], tools.structured() if tools else None, asked)
     include = bool(_typed(body, "include_reasoning", bool, True))
+    if tools is not None and tools.mode != "auto":  # the calls' grammar holds the whole reply: no think block
+        reasoning_parser = None
     return EngineRequest([ids], [params], top_logprobs=k, tools=tools, prompt_logprobs=asked, reasoning=reasoning_parser,
                          include_reasoning=include, **options)
 

@@ -54,3 +54,15 @@ def test_include_reasoning_false_drops_it():
     stream = ChatStream(None, "deepseek_r1", include_reasoning=False)
     assert [stream.delta(t, last) for t, last in (("x", False), ("</think>", False), ("y", True))] == [
         {}, {}, {"content": "y"}]
+
+
+def test_a_reply_held_to_its_calls_is_not_split():
+    """tool_choice "required" or a named function: the grammar holds the whole reply to the calls,
+    so no reasoning parser splits it (deepseek_r1 would take it all for reasoning)."""
+    from vexact_models.runtime.openai_protocol import read_chat
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    body = {"messages": [{"role": "user", "content": "x"}], "tools": tools}
+    for choice, kept in (("auto", "deepseek_r1"), ("required", None), ({"type": "function", "function": {"name": "f"}}, None)):
+        request = read_chat({**body, "tool_choice": choice}, lambda messages, **kw: [5], 64, "hermes", "deepseek_r1")
+        assert request.reasoning == kept
