@@ -31,6 +31,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .openai_errors import ProtocolError
 from .openai_tools import ChatStream, ToolReply, chat_message, read_tools
 from .outputs import CompletionOutput, RequestOutput
 from .reasoning import PARSERS as REASONING_PARSERS
@@ -47,18 +48,6 @@ _EXTRA_FIELDS = {"top_k": int, "min_p": (int, float), "repetition_penalty": (int
                  "include_stop_str_in_output": bool, "allowed_token_ids": list, "bad_words": list}
 _OPENAI_FIELDS = {"temperature": (int, float), "top_p": (int, float), "n": int, "seed": int,
                   "presence_penalty": (int, float), "frequency_penalty": (int, float)}
-
-
-class ProtocolError(ValueError):
-    """A request the server refuses: HTTP `status` with OpenAI's error body."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 kind: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.param, self.status, self.kind = param, status, kind
-
-    def body(self) -> dict:
-        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.status}}
 
 
 @dataclass
@@ -202,7 +191,7 @@ def read_chat(body: dict, render, max_model_len: int, tool_parser: str | None = 
     if body.get("echo"):
         raise ProtocolError("'echo' is not supported on chat completions ('return_token_ids' returns the prompt's "
                             "tokens)", "echo")
-    tools = read_tools(body, tool_parser, ProtocolError)
+    tools = read_tools(body, tool_parser)
     kwargs = _typed(body, "chat_template_kwargs", dict) or {}
     ids = render(messages, add_generation_prompt=_typed(body, "add_generation_prompt", bool, True),
                        continue_final_message=_typed(body, "continue_final_message", bool, False),

@@ -27,6 +27,7 @@ import json
 from dataclasses import dataclass
 
 from .structured_outputs import StructuredOutputsParams
+from .openai_errors import ProtocolError
 from .reasoning import ReasoningSplit, split_reasoning
 from .tool_calls import PARSERS, ToolCall, ToolParser, new_call_id
 
@@ -174,41 +175,41 @@ def _by_name(tools: list[dict]) -> dict[str, dict]:
     return {tool["function"]["name"]: tool["function"] for tool in tools}
 
 
-def read_tools(body: dict, parser: str | None, error) -> ToolReply | None:
-    """The request's `ToolReply` (None: a text reply); `error(message, field)` builds the
-    exception raised for a bad field. `parser`: the server's ``--tool-call-parser`` (or None)."""
+def read_tools(body: dict, parser: str | None) -> ToolReply | None:
+    """The request's `ToolReply` (None: a text reply), a `ProtocolError` naming a bad field.
+    `parser`: the server's ``--tool-call-parser`` (or None)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     if tools is not None:
         if not isinstance(tools, list) or not all(
                 isinstance(t, dict) and t.get("type", "function") == "function" and isinstance(t.get("function"), dict)
                 and isinstance(t["function"].get("name"), str) for t in tools):
-            raise error("'tools' must be a list of {\"type\": \"function\", \"function\": {\"name\": ..., "
-                        "\"parameters\": {...}}}", "tools")
+            raise ProtocolError("'tools' must be a list of {\"type\": \"function\", \"function\": {\"name\": ..., "
+                                "\"parameters\": {...}}}", "tools")
     parallel = body.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
-        raise error(f"'parallel_tool_calls' must be a boolean, got {parallel!r}", "parallel_tool_calls")
+        raise ProtocolError(f"'parallel_tool_calls' must be a boolean, got {parallel!r}", "parallel_tool_calls")
     if choice is None:
         choice = "auto" if tools and parser is not None else "none"
     if choice == "none":
         return None
     if not tools:
-        raise error(f"'tool_choice'={choice!r} needs 'tools'", "tool_choice")
+        raise ProtocolError(f"'tool_choice'={choice!r} needs 'tools'", "tool_choice")
     if choice == "auto":
         if parser is None:
-            raise error("'tool_choice'='auto' needs a tool parser on the server: start it with --tool-call-parser "
-                        f"({' or '.join(PARSERS)})", "tool_choice")
+            raise ProtocolError("'tool_choice'='auto' needs a tool parser on the server: start it with "
+                                f"--tool-call-parser ({' or '.join(PARSERS)})", "tool_choice")
         return ToolReply("auto", tools, PARSERS[parser](), parallel=parallel)
     fmt = body.get("response_format")
     if body.get("structured_outputs") is not None or not (fmt is None or isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise error(f"'tool_choice'={choice!r} holds the reply to its calls: it cannot be combined with "
-                    "'response_format' or 'structured_outputs'", "tool_choice")
+        raise ProtocolError(f"'tool_choice'={choice!r} holds the reply to its calls: it cannot be combined with "
+                            "'response_format' or 'structured_outputs'", "tool_choice")
     if choice == "required":
         return ToolReply("required", tools, parallel=parallel)
     name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
     if not isinstance(name, str):
-        raise error("'tool_choice' must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": "
-                    f"{{\"name\": ...}}}}, got {choice!r}", "tool_choice")
+        raise ProtocolError("'tool_choice' must be 'none', 'auto', 'required' or {\"type\": \"function\", "
+                            f"\"function\": {{\"name\": ...}}}}, got {choice!r}", "tool_choice")
     if name not in _by_name(tools):
-        raise error(f"'tool_choice' names the function {name!r}, which is not among 'tools' "
-                    f"({sorted(_by_name(tools))})", "tool_choice")
+        raise ProtocolError(f"'tool_choice' names the function {name!r}, which is not among 'tools' "
+                            f"({sorted(_by_name(tools))})", "tool_choice")
     return ToolReply("named", tools, name=name)

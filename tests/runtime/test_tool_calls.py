@@ -153,11 +153,11 @@ def test_streamed_named_and_required_replies():
 
 def test_read_tools_by_tool_choice_and_its_errors():
     body = {"tools": TOOLS}
-    assert read_tools(body, None, ProtocolError) is None  # no parser: the reply is text
-    assert read_tools(body, "hermes", ProtocolError).mode == "auto"
-    assert read_tools({**body, "tool_choice": "none"}, "hermes", ProtocolError) is None
-    assert read_tools({**body, "tool_choice": "required", "parallel_tool_calls": False}, None, ProtocolError).parallel is False
-    named = read_tools({**body, "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, None, ProtocolError)
+    assert read_tools(body, None) is None  # no parser: the reply is text
+    assert read_tools(body, "hermes").mode == "auto"
+    assert read_tools({**body, "tool_choice": "none"}, "hermes") is None
+    assert read_tools({**body, "tool_choice": "required", "parallel_tool_calls": False}, None).parallel is False
+    named = read_tools({**body, "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, None)
     assert (named.mode, named.name) == ("named", "get_time")
     bad = [({"tools": [{"type": "function", "function": {}}]}, "tools"),
            ({"tools": "x"}, "tools"),
@@ -170,10 +170,10 @@ def test_read_tools_by_tool_choice_and_its_errors():
            ({**body, "parallel_tool_calls": "yes"}, "parallel_tool_calls")]
     for case, field in bad:
         with pytest.raises(ProtocolError) as err:
-            read_tools(case, None, ProtocolError)
+            read_tools(case, None)
         assert err.value.param == field
     with pytest.raises(ProtocolError, match="--tool-call-parser"):
-        read_tools({**body, "tool_choice": "auto"}, None, ProtocolError)
+        read_tools({**body, "tool_choice": "auto"}, None)
 
 
 def test_chat_rendering_takes_openai_tool_call_messages():
