@@ -109,7 +109,7 @@ class ToolStream:
         if self.reply.mode == "required":
             return {}
         parser = self.reply.parser
-        begun = parser.begins(self.text)
+        begun = parser.begins(self.text, self.sent)  # (what went out held no beginning of a call)
         return self._content(begun if begun >= 0 else len(self.text) - parser.held(self.text))
 
     def _last(self) -> dict:

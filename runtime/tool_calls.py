@@ -68,9 +68,10 @@ class ToolParser:
     start, end = START, END  #: the tags around each call
     opens = START  #: where the calls begin (the content ends)
 
-    def begins(self, text: str) -> int:
-        """Where the calls begin in `text` (-1: nowhere yet)."""
-        return text.find(self.opens)
+    def begins(self, text: str, start: int = 0) -> int:
+        """Where the calls begin in `text` (-1: nowhere yet), looking from `start` (a stream's
+        text before it cannot begin them)."""
+        return text.find(self.opens, start)
 
     def held(self, text: str) -> int:
         """How many characters at the end of a streamed reply's `text` (no call begun yet) may
@@ -158,13 +159,14 @@ class Llama3JsonParser(ToolParser):
     name = "llama3_json"
     opens = "<|python_tag|>"
 
-    def begins(self, text: str) -> int:
-        body = text.lstrip()
-        return len(text) - len(body) if body.startswith(("{", self.opens)) else -1
+    def begins(self, text: str, start: int = 0) -> int:
+        first = _LEADING_SPACE.match(text).end()
+        return first if text.startswith(("{", self.opens), first) else -1
 
     def held(self, text: str) -> int:
-        body = text.lstrip()
-        return len(text) if not body or self.opens.startswith(body) else 0  # (it may still begin with a call)
+        first = _LEADING_SPACE.match(text).end()
+        left = len(text) - first  # (all of it is held while it may still begin with a call)
+        return len(text) if left == 0 or left < len(self.opens) and self.opens.startswith(text[first:]) else 0
 
     def blocks(self, calls: str) -> list[str]:
         calls = calls.lstrip().removeprefix(self.opens)
@@ -176,6 +178,9 @@ class Llama3JsonParser(ToolParser):
             raise ValueError(f"a Llama 3 tool call is a JSON object with a 'name', got {block!r}")
         arguments = call.get("parameters", call.get("arguments", {}))
         return ToolCall(call["name"], arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False))
+
+
+_LEADING_SPACE = re.compile(r"\s*")
 
 
 def _parameters(tools: list[dict], name: str) -> dict:
