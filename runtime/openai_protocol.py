@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from .openai_errors import ProtocolError
 from .openai_tools import ChatStream, ToolReply, chat_message, read_tools
 from .outputs import CompletionOutput, RequestOutput
-from .reasoning import PARSERS as REASONING_PARSERS
 from .sampling_params import RequestOutputKind, SamplingParams
 from .structured_outputs import StructuredOutputsParams
 from .top_logprobs import Logprob
@@ -181,9 +180,7 @@ def read_chat(body: dict, render, max_model_len: int, tool_parser: str | None = 
               reasoning_parser: str | None = None) -> EngineRequest:
     """A ``/v1/chat/completions`` body; `render` turns (messages, template options) into token ids;
     `tool_parser` and `reasoning_parser`: the server's (`runtime.tool_calls.PARSERS`,
-    `runtime.reasoning.PARSERS`), None for none."""
-    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
-        raise ValueError(f"read_chat: reasoning_parser={reasoning_parser!r} is not one of {sorted(REASONING_PARSERS)}")
+    `runtime.reasoning.PARSERS`, checked by `OpenAIServer`), None for none."""
     _refuse(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
