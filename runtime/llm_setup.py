@@ -40,17 +40,16 @@ _NO_PAGES = 1 << 62
 
 def pick_device(model, device: torch.device | None, stage: PipelineStage | None) -> torch.device:
     """The engine's device: `device` when given; for a model instance, where its (stage's)
-    decoder layers live; else CUDA when available (a pipeline stage: the current CUDA device),
-    else CPU."""
-    if device is not None:
-        return device
-    if isinstance(model, torch.nn.Module):  # a model instance: run where its (stage's) layers live
+    decoder layers live; else CUDA when available, else CPU. A CUDA device always carries its
+    index ("cuda" alone: the current device), since the engine's threads (`runtime.engine_thread`)
+    and a pipeline stage's NCCL messages need it, and a new thread does not inherit the current device."""
+    if device is None and isinstance(model, torch.nn.Module):  # a model instance: run where its (stage's) layers live
         layers = model.get_base_model().model.layers if hasattr(model, "get_base_model") else model.model.layers
-        return next(layers[0 if stage is None else stage.layers[0]].parameters()).device
-    if not torch.cuda.is_available():
-        return torch.device("cpu")
-    # a stage's tensors and NCCL messages live on the device torch.cuda.set_device chose
-    return torch.device("cuda", torch.cuda.current_device()) if stage is not None else torch.device("cuda")
+        device = next(layers[0 if stage is None else stage.layers[0]].parameters()).device
+    elif device is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" and device.index is None else device
 
 
 def runner_model(model, pipeline: Pipeline | None, hidden_size: int) -> tuple:

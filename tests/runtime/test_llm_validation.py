@@ -13,6 +13,7 @@ import transformers
 import vexact_models.qwen3 as qwen3
 from vexact_models.kernels import UnsupportedError, set_backend, use_backend
 from vexact_models.runtime import LLM, SamplingParams
+from vexact_models.runtime.llm_setup import pick_device
 
 from .llm_support import gen, make_llm, training_logprobs
 
@@ -158,6 +159,7 @@ _INTERPRETED = """
 import torch
 import vexact_models.qwen3 as qwen3
 from vexact_models.runtime import LLM, SamplingParams
+from vexact_models.runtime.llm_setup import pick_device
 from vexact_models.kernels import use_backend
 
 torch.manual_seed(0)
@@ -229,3 +231,16 @@ def test_cuda_graph_sizes_reach_the_runner():
     assert make_llm(model).runner.cuda_graph_sizes == DEFAULT_BUCKETS
     llm = make_llm(model, cuda_graph_sizes=[4, 16])
     assert llm.engine_config.cuda_graph_sizes == llm.runner.cuda_graph_sizes == (4, 16)
+
+
+@pytest.mark.parametrize("device", [None, "cuda", torch.device("cuda")])
+def test_the_engines_cuda_device_carries_the_current_devices_index(monkeypatch, device):
+    """"cuda" (given, or chosen for a checkpoint folder) becomes the current device with its index:
+    the engine's other threads set it (``torch.cuda.set_device`` refuses "cuda" alone) and do not
+    inherit the builder's current device. A given index and a CPU stay as they are."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    assert pick_device("folder", device, None) == torch.device("cuda", 2)
+    assert pick_device("folder", torch.device("cuda", 1), None) == torch.device("cuda", 1)
+    assert pick_device("folder", torch.device("cpu"), None) == torch.device("cpu")
+    assert pick_device(fresh_model(), None, None) == torch.device("cpu")  # where a model instance's layers are
