@@ -91,9 +91,12 @@ def render_text(tokenizer, conversation, chat_template: str | None, add_generati
 def _template_message(message: Mapping) -> Mapping:
     """`message` as chat templates read it (a copy where it changes): its tool calls' JSON-text
     ``arguments`` decoded, and the ``reasoning`` a server returned (vLLM's field) also given as
-    the ``reasoning_content`` that templates re-render (Qwen3's, Qwen3.5's)."""
+    the ``reasoning_content`` that templates re-render (Qwen3's, Qwen3.5's) and the ``thinking``
+    GPT-OSS's template writes into its analysis channel."""
     if isinstance(message.get("reasoning"), str) and "reasoning_content" not in message:
         message = {**message, "reasoning_content": message["reasoning"]}
+    if isinstance(message.get("reasoning_content"), str) and "thinking" not in message:
+        message = {**message, "thinking": message["reasoning_content"]}
     calls = message.get("tool_calls")
     if not isinstance(calls, Seq) or not all(isinstance(c, Mapping) and isinstance(c.get("function"), Mapping)
                                              for c in calls):

@@ -179,7 +179,7 @@ def test_read_tools_by_tool_choice_and_its_errors():
 def test_chat_rendering_takes_openai_tool_call_messages():
     """An assistant message may carry only ``tool_calls``; their JSON-text arguments reach the
     template as objects (templates write them with ``tojson``), a returned ``reasoning`` as the
-    ``reasoning_content`` templates read, the caller's messages unchanged."""
+    ``reasoning_content`` templates read (and GPT-OSS's ``thinking``), the caller's messages unchanged."""
 
     class Template:
         def apply_chat_template(self, messages, **kwargs):
@@ -195,6 +195,10 @@ def test_chat_rendering_takes_openai_tool_call_messages():
                                                             "reasoning_content": "b"}]
     rendered = json.loads(render_text(Template(), thought, None, True, False, None, {}, "LLM.chat", "conversation 0"))
     assert rendered[0]["reasoning_content"] == "look it up" and rendered[1]["reasoning_content"] == "b"
+    assert rendered[0]["thinking"] == "look it up" and rendered[1]["thinking"] == "b"
+    own = [{"role": "assistant", "content": "x", "reasoning": "a", "thinking": "c"}]
+    assert json.loads(render_text(Template(), own, None, True, False, None, {}, "LLM.chat", "conversation 0"))[0][
+        "thinking"] == "c"  # (a message's own thinking stays)
     assert messages[1]["tool_calls"][0]["function"]["arguments"] == '{"zone": "utc"}'
     with pytest.raises(ValueError, match="'content' \\(or 'tool_calls'\\)"):
         render_text(Template(), [{"role": "assistant"}], None, True, False, None, {}, "LLM.chat", "conversation 0")
