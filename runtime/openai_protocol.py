@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from .openai_errors import ProtocolError
 from .openai_tools import ChatStream, ToolReply, chat_message, read_tools
 from .outputs import CompletionOutput, RequestOutput
+from .reasoning import HARMONY
 from .sampling_params import RequestOutputKind, SamplingParams
 from .structured_outputs import StructuredOutputsParams
 from .top_logprobs import Logprob
@@ -108,11 +109,15 @@ def _structured(body: dict) -> StructuredOutputsParams | None:
 
 
 def _sampling(body: dict, max_tokens: int | None, logprobs: int | None, stream: bool,
-              structured: StructuredOutputsParams | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
+              structured: StructuredOutputsParams | None = None, prompt_logprobs: int | None = None,
+              keep_special_tokens: bool = False) -> SamplingParams:
     """The request's `SamplingParams` (each field checked by it too: its ValueError names the field);
-    `structured`: the structured output its tools ask for, else the body's."""
+    `structured`: the structured output its tools ask for, else the body's; `keep_special_tokens`:
+    the reply is decoded with its special tokens, whatever the body says."""
     fields = {name: _typed(body, name, kinds) for name, kinds in {**_OPENAI_FIELDS, **_EXTRA_FIELDS}.items()}
     fields = {name: value for name, value in fields.items() if value is not None}
+    if keep_special_tokens:
+        fields["skip_special_tokens"] = False
     stop = body.get("stop")
     if stop is not None:
         fields["stop"] = [stop] if isinstance(stop, str) else stop
@@ -205,10 +210,12 @@ def read_chat(body: dict, render, max_model_len: int, tool_parser: str | None = 
     asked = _typed(body, "prompt_logprobs", int)
     if asked is not None and options["stream"]:
         raise ProtocolError("'prompt_logprobs' is returned by chat completions that are not streamed", "prompt_logprobs")
-    params = _sampling(body, max_tokens, k, options["stream"], tools.structured() if tools else None, asked)
-    include = bool(_typed(body, "include_reasoning", bool, True))
     if tools is not None and tools.mode != "auto":  # the calls' grammar holds the whole reply: no think block
         reasoning_parser = None
+    # (a harmony reply's messages are read from their special tokens: `runtime.harmony`)
+    params = _sampling(body, max_tokens, k, options["stream"], tools.structured() if tools else None, asked,
+                       keep_special_tokens=reasoning_parser == HARMONY)
+    include = bool(_typed(body, "include_reasoning", bool, True))
     return EngineRequest([ids], [params], top_logprobs=k, tools=tools, prompt_logprobs=asked, reasoning=reasoning_parser,
                          include_reasoning=include, **options)
 

@@ -22,6 +22,7 @@ from multiprocessing.connection import Connection
 from .engine_link import EngineLink
 from .engine_thread import EngineThread
 from .reasoning import PARSERS as REASONING_PARSERS
+from .openai_tools import server_parsers
 from .tool_calls import PARSERS
 
 __all__ = ["OpenAIServer"]
@@ -32,11 +33,12 @@ class OpenAIServer:
     starts the front end's process and returns once it listens (`url` says where);
     `serve_forever` also waits until it stops; `close` stops it and the engine thread.
     `tool_call_parser`: the format chat replies' tool calls are read in (`runtime.tool_calls.PARSERS`:
-    ``"hermes"``, ``"qwen3_coder"``, ``"deepseek_v3"``, ``"llama3_json"``), as ``vllm serve
+    ``"hermes"``, ``"qwen3_coder"``, ``"deepseek_v3"``, ``"llama3_json"``, ``"openai"``), as ``vllm serve
     --tool-call-parser``; None: tool_choice ``"auto"`` is refused (`runtime.openai_tools`).
     `reasoning_parser`: how chat replies' reasoning is split off into ``reasoning``
-    (`runtime.reasoning.PARSERS`: ``"qwen3"``, ``"deepseek_r1"``), as ``vllm serve
-    --reasoning-parser``; None: the reply is all content. `chat_template`: a Jinja chat template
+    (`runtime.reasoning.PARSERS`: ``"qwen3"``, ``"deepseek_r1"``, ``"openai_gptoss"``), as ``vllm serve
+    --reasoning-parser``; None: the reply is all content. GPT-OSS's ``"openai"`` tool parser brings
+    the ``"openai_gptoss"`` reasoning parser (`runtime.harmony`), and goes with no other. `chat_template`: a Jinja chat template
     that chats render with instead of the tokenizer's (``vllm serve --chat-template``)."""
 
     def __init__(self, llm, model_name: str, host: str = "127.0.0.1", port: int = 8000,
@@ -50,6 +52,10 @@ class OpenAIServer:
         if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"OpenAIServer: reasoning_parser={reasoning_parser!r} is not one of "
                              f"{sorted(REASONING_PARSERS)}")
+        try:
+            tool_call_parser, reasoning_parser = server_parsers(tool_call_parser, reasoning_parser)
+        except ValueError as err:
+            raise ValueError(f"OpenAIServer: {err}") from None
         self.llm, self.model_name, self.host, self.port = llm, model_name, host, port
         if chat_template is not None and not isinstance(chat_template, str):
             raise ValueError(f"OpenAIServer: chat_template must be a Jinja template string, got "

@@ -28,10 +28,11 @@ from dataclasses import dataclass
 
 from .structured_outputs import StructuredOutputsParams
 from .openai_errors import ProtocolError
-from .reasoning import ReasoningSplit, split_reasoning
-from .tool_calls import PARSERS, ToolCall, ToolParser, new_call_id
+from .harmony import HarmonyReader
+from .reasoning import HARMONY, reasoning_split
+from .tool_calls import PARSERS, HarmonyParser, ToolCall, ToolParser, new_call_id
 
-__all__ = ["ChatStream", "ToolReply", "ToolStream", "chat_message", "read_tools"]
+__all__ = ["ChatStream", "ToolReply", "ToolStream", "chat_message", "read_tools", "server_parsers"]
 
 
 @dataclass
@@ -75,11 +76,19 @@ class ToolReply:
 
     def message(self, text: str) -> tuple[dict, bool]:
         """(the assistant message of a whole reply, whether ``finish_reason`` is ``"tool_calls"``)."""
-        content, calls = self.calls(text)
+        return self.message_of(*self.calls(text))
+
+    def message_of(self, content: str | None, calls: list[ToolCall]) -> tuple[dict, bool]:
+        """`message`'s answer for a reply read as `content` and `calls`."""
         message = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = [call.message_item() for call in calls]
         return message, bool(calls) and self.mode == "auto"
+
+    def harmony_calls(self, reader: HarmonyReader) -> list[ToolCall]:
+        """The calls a harmony reply's `reader` read ("auto" only: a grammar holds the others)."""
+        calls = [ToolCall(name, arguments) for name, arguments in reader.calls] if self.mode == "auto" else []
+        return calls if self.parallel else calls[:1]
 
     def stream(self) -> ToolStream:
         """The state of one streamed choice."""
@@ -132,24 +141,34 @@ class ToolStream:
 class ChatStream:
     """One streamed chat choice's delta messages: its reasoning split off by the server's
     reasoning parser (`runtime.reasoning`; sent as ``reasoning`` when `include_reasoning`), the
-    answer read under the request's tools (`ToolStream`) or sent as it comes."""
+    answer read under the request's tools (`ToolStream`) or sent as it comes. A harmony reply's
+    calls are read by its split (`runtime.harmony`) and come whole in the last chunk."""
 
     def __init__(self, tools: ToolReply | None, reasoning: str | None, include_reasoning: bool = True) -> None:
-        self.tools = None if tools is None else tools.stream()
-        self.split = None if reasoning is None else ReasoningSplit(reasoning)
+        self.split = None if reasoning is None else reasoning_split(reasoning)
+        self.harmony = tools if isinstance(self.split, HarmonyReader) else None
+        self.tools = None if tools is None or self.harmony is not None else tools.stream()
         self.include_reasoning = include_reasoning
+        self._called = False
 
     @property
     def called(self) -> bool:
         """Whether the reply's last delta held "auto" tool calls (``finish_reason`` "tool_calls")."""
-        return self.tools is not None and self.tools.called
+        return self._called or self.tools is not None and self.tools.called
 
     def delta(self, text: str, finished: bool) -> dict:
         reasoning, answer = ("", text) if self.split is None else self.split.feed(text, finished)
         delta = {"reasoning": reasoning} if reasoning and self.include_reasoning else {}
         if self.tools is not None:
             return {**delta, **self.tools.delta(answer, finished)}
-        return {**delta, "content": answer} if answer else delta
+        if answer:
+            delta["content"] = answer
+        if finished and self.harmony is not None:
+            calls = self.harmony.harmony_calls(self.split)
+            if calls:
+                delta["tool_calls"] = [{"index": i, **call.message_item()} for i, call in enumerate(calls)]
+                self._called = True
+        return delta
 
 
 def chat_message(text: str, tools: ToolReply | None, reasoning: str | None,
@@ -157,14 +176,32 @@ def chat_message(text: str, tools: ToolReply | None, reasoning: str | None,
     """(the assistant message of a whole reply, whether ``finish_reason`` is ``"tool_calls"``):
     its reasoning split off (`reasoning`: the server's parser, or None) and its answer read under
     `tools` (None: text)."""
-    thought, answer = (None, text) if reasoning is None else split_reasoning(reasoning, text)
-    if tools is not None:
+    split = None if reasoning is None else reasoning_split(reasoning)
+    thought, answer = (None, text) if split is None else split.feed(text, True)
+    answer = answer or None if split is not None else answer
+    if isinstance(split, HarmonyReader) and tools is not None:
+        message, called = tools.message_of(answer, tools.harmony_calls(split))
+    elif tools is not None:
         message, called = tools.message(answer or "")
     else:
         message, called = {"role": "assistant", "content": answer}, False
     if thought and include_reasoning:
         message["reasoning"] = thought
     return message, called
+
+
+def server_parsers(tool_parser: str | None, reasoning_parser: str | None) -> tuple[str | None, str | None]:
+    """The server's (tool call, reasoning) parsers, checked: GPT-OSS's ``openai`` tool parser
+    reads its calls beside the ``openai_gptoss`` reasoning parser, which it brings when none is
+    named; ValueError naming the pair where they cannot go together."""
+    harmony_tools = tool_parser == HarmonyParser.name
+    if harmony_tools and reasoning_parser is None:
+        return tool_parser, HARMONY
+    if harmony_tools != (reasoning_parser == HARMONY) and (tool_parser is not None and reasoning_parser is not None):
+        raise ValueError(f"tool_call_parser={tool_parser!r} and reasoning_parser={reasoning_parser!r} read different "
+                         f"formats: GPT-OSS's harmony replies take tool_call_parser='openai' with reasoning_parser="
+                         f"'{HARMONY}' (or none)")
+    return tool_parser, reasoning_parser
 
 
 def _schema(tools: list[dict], name: str) -> dict:

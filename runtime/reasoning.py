@@ -12,18 +12,26 @@ Both parsers read a ``<think>`` ... ``</think>`` block:
 A reply cut short before ``</think>`` is all reasoning. `ReasoningSplit` reads a reply as it
 streams, holding back only what may still begin a tag; a whole reply is read the same way, so a
 stream's pieces always add up to the whole reply's split. The tool parsers read the answer alone.
+
+- ``openai_gptoss`` (GPT-OSS): the reply's harmony messages (`runtime.harmony`): its ``analysis``
+  messages are the reasoning, its ``final`` ones and preambles the answer; its calls are read
+  beside them (``--tool-call-parser openai``).
 """
 
 from __future__ import annotations
 
+from .harmony import HarmonyReader
 from .text_deltas import tag_prefix
 
-__all__ = ["PARSERS", "ReasoningSplit", "split_reasoning"]
+__all__ = ["HARMONY", "PARSERS", "ReasoningSplit", "reasoning_split", "split_reasoning"]
 
 START, END = "<think>", "</think>"
 
-#: vLLM's ``--reasoning-parser`` names: whether a reply that does not begin with ``<think>`` reasons
-PARSERS: dict[str, bool] = {"qwen3": False, "deepseek_r1": True}
+#: the ``<think>`` parsers: whether a reply that does not begin with ``<think>`` reasons
+IMPLICIT: dict[str, bool] = {"qwen3": False, "deepseek_r1": True}
+HARMONY = "openai_gptoss"
+#: vLLM's ``--reasoning-parser`` names
+PARSERS: tuple[str, ...] = (*IMPLICIT, HARMONY)
 
 
 class ReasoningSplit:
@@ -31,7 +39,7 @@ class ReasoningSplit:
     of answer."""
 
     def __init__(self, parser: str) -> None:
-        self.implicit = PARSERS[parser]
+        self.implicit = IMPLICIT[parser]
         self.state = "start"  # then "reasoning" or "answer"
         self.held = ""
 
@@ -58,7 +66,13 @@ class ReasoningSplit:
         return reasoning, answer
 
 
+def reasoning_split(parser: str) -> ReasoningSplit | HarmonyReader:
+    """The split of one reply by `parser` (one of `PARSERS`): both have ``feed(text, finished) ->
+    (reasoning, answer)``."""
+    return HarmonyReader() if parser == HARMONY else ReasoningSplit(parser)
+
+
 def split_reasoning(parser: str, text: str) -> tuple[str | None, str | None]:
     """(reasoning, answer) of a whole reply (None where empty)."""
-    reasoning, answer = ReasoningSplit(parser).feed(text, True)
+    reasoning, answer = reasoning_split(parser).feed(text, True)
     return reasoning or None, answer or None

@@ -14,7 +14,9 @@ A model asked to call tools writes each call in its own format:
   arguments around ``<｜tool▁sep｜>`` (V3: ``function<｜tool▁sep｜>NAME`` and the arguments in a
   JSON code fence);
 - ``llama3_json`` (Llama 3.1, 3.2): the reply itself is the calls, JSON objects
-  ``{"name": ..., "parameters": {...}}`` separated by ``;``.
+  ``{"name": ..., "parameters": {...}}`` separated by ``;``;
+- ``openai`` (GPT-OSS): harmony messages to ``functions.NAME`` (`runtime.harmony`), read with the
+  reasoning parser ``openai_gptoss``.
 
 `ToolParser.extract` reads a whole reply: the text before the first call is the message's content
 and each block one call; a block the reply ended inside (no closing tag) is read too. If any block
@@ -32,6 +34,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from .harmony import read_harmony
 from .text_deltas import tag_prefix
 
 __all__ = ["PARSERS", "ToolCall", "ToolParser", "new_call_id"]
@@ -180,6 +183,24 @@ class Llama3JsonParser(ToolParser):
         return ToolCall(call["name"], arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False))
 
 
+class HarmonyParser(ToolParser):
+    """GPT-OSS's calls, harmony messages to ``functions.NAME`` (`runtime.harmony`); read with the
+    reply's reasoning and answer by the ``openai_gptoss`` reasoning parser, which the server pairs
+    with it. `extract` reads a whole reply alone: its answer messages are the content."""
+
+    name = "openai"
+
+    def begins(self, text: str, start: int = 0) -> int:
+        return -1  # (the answer the reasoning parser leaves holds no call: it takes them out)
+
+    def held(self, text: str) -> int:
+        return 0
+
+    def extract(self, text: str, tools: list[dict]) -> tuple[str | None, list[ToolCall]]:
+        _, answer, calls = read_harmony(text)
+        return answer, [ToolCall(name, arguments) for name, arguments in calls]
+
+
 _LEADING_SPACE = re.compile(r"\s*")
 
 
@@ -218,5 +239,5 @@ def _typed_value(value: str, schema) -> object:
 
 #: the parsers by the names of vLLM's ``--tool-call-parser``
 PARSERS: dict[str, type[ToolParser]] = {parser.name: parser for parser in (HermesParser, Qwen3CoderParser, DeepSeekParser,
-                                                                            Llama3JsonParser)}
+                                                                            Llama3JsonParser, HarmonyParser)}
 PARSERS["deepseek_v31"] = DeepSeekParser  # (vLLM's name for V3.1's form, which the same parser reads)

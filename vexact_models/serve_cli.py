@@ -9,6 +9,7 @@ import sys
 
 from vexact_models.cli_args import (chat_template_arg, checkpoint_arg, device_arg, non_negative_int, positive_float,
                                     positive_int)
+from vexact_models.runtime.openai_tools import server_parsers
 from vexact_models.runtime.reasoning import PARSERS as REASONING_PARSERS
 from vexact_models.runtime.tool_calls import PARSERS
 
@@ -64,14 +65,16 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", choices=sorted(PARSERS),
                    help="read tool calls out of chat replies in this format: hermes (Qwen2.5, Qwen3, Qwen3-Next, "
                         "QwQ), qwen3_coder (Qwen3-Coder, Qwen3.5), deepseek_v3 / deepseek_v31 (DeepSeek-V3, V3.1), "
-                        "llama3_json (Llama 3.1); default: none, tool_choice 'auto' refused"),
+                        "llama3_json (Llama 3.1), openai (GPT-OSS's harmony messages; brings --reasoning-parser "
+                        "openai_gptoss); default: none, tool_choice 'auto' refused"),
     p.add_argument("--chat-template", type=chat_template_arg, metavar="FILE_OR_TEMPLATE",
                    help="a Jinja chat template (a file, or the template's text) that chats render with instead of "
                         "the tokenizer's: for checkpoints whose template renders no tools")
     p.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS),
                    help="split chat replies' <think> block off into 'reasoning': qwen3 (replies that open it "
                         "themselves: Qwen3's hybrid models), deepseek_r1 (templates that open it in the prompt: "
-                        "DeepSeek-R1, Qwen3 thinking-only, Qwen3.5); default: none, the reply is all content")
+                        "DeepSeek-R1, Qwen3 thinking-only, Qwen3.5), openai_gptoss (GPT-OSS: the harmony reply's "
+                        "analysis channel, its final channel the content); default: none, the reply is all content")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="vLLM's switch for tool_choice 'auto', accepted for its command lines: needs "
                         "--tool-call-parser, which turns 'auto' on by itself here")
@@ -86,6 +89,11 @@ def serve(args: argparse.Namespace) -> int:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         print(f"vexact serve: --enable-auto-tool-choice needs --tool-call-parser ({' or '.join(sorted(PARSERS))})",
               file=sys.stderr)
+        return 2
+    try:  # (before the model loads)
+        server_parsers(args.tool_call_parser, args.reasoning_parser)
+    except ValueError as err:
+        print(f"vexact serve: {err}", file=sys.stderr)
         return 2
     llm = LLM(args.model, dtype=args.dtype, device=args.device, tokenizer=args.tokenizer,
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,

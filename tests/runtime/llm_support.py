@@ -138,11 +138,12 @@ BPE_CORPUS = '{"ok": true, "n": 12} 123-abc (ab) yes no way say "hi"'
 
 
 def save_bpe_checkpoint(path, eos: int = 0, seed: int = 3, corpus: str = BPE_CORPUS, added_tokens: tuple = (),
-                        chat_template: str | None = None, **config):
+                        chat_template: str | None = None, special_tokens: tuple = (), **config):
     """A tiny stock Qwen3 checkpoint at `path` (`config`: overrides of its tiny config) with a
     byte-level BPE tokenizer of 300 tokens, trained on `corpus` (a few words and JSON: "yes", "no
     way", '{"ok": true, ...}'), whose first token ``<eos>`` is the model's EOS `eos` (0);
-    `added_tokens`: more whole tokens, not special (as Qwen's ``<tool_call>``)."""
+    `added_tokens`: more whole tokens, not special (as Qwen's ``<tool_call>``); `special_tokens`:
+    more, special (as GPT-OSS's harmony markers: decoded only without ``skip_special_tokens``)."""
     import transformers
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -155,6 +156,7 @@ def save_bpe_checkpoint(path, eos: int = 0, seed: int = 3, corpus: str = BPE_COR
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator([corpus] * 20, trainer)
     tok.add_tokens([AddedToken(token, special=False, normalized=False) for token in added_tokens])
+    tok.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in special_tokens])
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
     tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(path)
