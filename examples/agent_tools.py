@@ -3,8 +3,9 @@
 Each episode: a user asks for a sum; the model calls the ``add`` tool (``tool_choice:
 "required"``, which holds the reply to the tool's JSON schema, so even a random model calls it),
 the script runs the tool and returns its result as a ``tool`` message, and the model answers
-(``tool_choice: "none"``). Every turn comes back with its token ids (``return_token_ids``) and
-logprobs (the engine's floats through JSON). Then:
+(``tool_choice: "none"``); a call the reply could not close within ``--max-tokens`` (a random
+model pads the JSON with whitespace) ends the episode after its first turn. Every turn comes back
+with its token ids (``return_token_ids``) and logprobs (the engine's floats through JSON). Then:
 
 - each turn's logprobs are recomputed by the training forward (``model.token_logprobs``) from the
   served token ids, and compared bitwise;
@@ -113,8 +114,9 @@ def episode(client, index: int, args: argparse.Namespace) -> dict:
     a, b = rng.randint(1, 99), rng.randint(1, 99)
     messages = [{"role": "user", "content": f"What is {a} plus {b}?"}]
     first, turn1 = chat(client, messages, "required", args, seed=args.seed * 1000 + 2 * index)
-    if not first.message.tool_calls:  # (the reply ran out of tokens before its JSON closed)
-        raise SystemExit(f"episode {index}: no call within --max-tokens {args.max_tokens}: {first.message.content!r}")
+    if not first.message.tool_calls:  # the reply ran out of tokens before its JSON closed: the episode ends
+        return {"question": messages[0]["content"], "call": None, "result": None, "answer": None, "turns": [turn1],
+                "continues": None}
     call = first.message.tool_calls[0]
     arguments = json.loads(call.function.arguments)
     result = arguments["a"] + arguments["b"]  # the tool
@@ -161,10 +163,14 @@ def main(argv: list[str] | None = None) -> int:
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[args.dtype]).to(args.device).eval()
     checked, bad = recompute(model, [t for e in episodes for t in e["turns"]], args.temperature, args.device)
     for e in episodes:
+        if e["call"] is None:
+            print(f"{e['question']} -> no call within --max-tokens {args.max_tokens} (the episode ends, its turn scored)")
+            continue
         print(f"{e['question']} -> {e['call']} = {e['result']}; answer: {(e['answer'] or '')[:24]!r}...; "
               f"turn 2's prompt continues turn 1's tokens: {'yes' if e['continues'] else 'no'}")
     print(f"recomputed by token_logprobs: {checked} tokens, {bad} mismatches")
-    metrics = {"episodes": len(episodes), "tokens": checked, "mismatches": bad,
+    metrics = {"episodes": len(episodes), "called": sum(e["call"] is not None for e in episodes), "tokens": checked,
+               "mismatches": bad,
                "continues": [e["continues"] for e in episodes], "calls": [e["call"] for e in episodes]}
     (args.out / "agent_metrics.json").write_text(json.dumps(metrics, indent=1))
     print("RESULT:", "PASS" if bad == 0 else "FAIL")

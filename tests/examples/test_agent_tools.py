@@ -24,11 +24,22 @@ def test_agent_example_cpu_defaults(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "RESULT: PASS" in run.stdout
     metrics = json.loads((tmp_path / "agent_metrics.json").read_text())
-    assert metrics["episodes"] == 2 and metrics["mismatches"] == 0 and metrics["tokens"] > 100
+    assert metrics["episodes"] == metrics["called"] == 2 and metrics["mismatches"] == 0 and metrics["tokens"] > 100
     for call in metrics["calls"]:
         name, arguments = call.split("(", 1)
         assert name == "add" and all(isinstance(v, int) for v in json.loads(arguments[:-1]).values())
     assert metrics["continues"] == [False, False]
+
+
+def test_a_call_cut_short_ends_its_episode(tmp_path):
+    """A reply whose call JSON does not close within --max-tokens ends the episode after its first
+    turn, whose tokens are still recomputed (the run passes)."""
+    run = subprocess.run([sys.executable, str(EXAMPLE), "--episodes", "1", "--max-tokens", "6", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "no call within --max-tokens 6" in run.stdout and "RESULT: PASS" in run.stdout
+    metrics = json.loads((tmp_path / "agent_metrics.json").read_text())
+    assert (metrics["called"], metrics["calls"], metrics["tokens"], metrics["mismatches"]) == (0, [None], 6, 0)
 
 
 def test_recompute_counts_a_changed_bit(tmp_path):
