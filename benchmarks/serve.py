@@ -15,11 +15,12 @@ their own (threads there); the others are threads of this process handing their 
 
 Table: per mode the wall time, the output tokens, tok/s, the turn latency (mean, p90), and the
 engine's steps (how many, the mean interval between their completions, the sequences in each) and
-the mixed-step CUDA graphs captured during the mode (each costs its step tens of ms; an untimed
-in-process pass of the whole workload captures them first, so that no mode pays them); the
-ratios online / per-call. Then whether all modes gave every turn the same tokens and logprobs
-(they must: a request's tokens depend only on it, rules 1 and 7, and the conversations then stay
-the same), and every online sample recomputed by ``token_logprobs``.
+the mixed-step CUDA graphs captured during the mode (with the host time they took: each costs its
+step tens of ms; an untimed in-process pass of the whole workload captures most of them first)
+and its eager steps (no graph holds them: ~25 ms of host time each at Qwen3-0.6B); the ratios
+online / per-call. Then whether all modes gave every turn the same tokens and logprobs (they
+must: a request's tokens depend only on it, rules 1 and 7, and the conversations then stay the
+same), and every online sample recomputed by ``token_logprobs``.
 
 Usage (one H100 or H200):
     cd benchmarks && python3 serve.py --config qwen3-0.6b
@@ -224,19 +225,22 @@ def engine_profile(name: str, enabled: bool):
         pstats.Stats(profile).sort_stats("tottime").print_stats(14)
 
 
-def mixed_graphs(llm) -> int:
-    """Mixed-step CUDA graphs the engine holds (captured on a bucket's first use, `runtime.cuda_graphs`)."""
+def graph_counts(llm) -> tuple[int, int, float]:
+    """The engine's mixed-step CUDA graphs so far (captured on a bucket's first use,
+    `runtime.cuda_graphs`), its eager steps (no graph holds them) and the host seconds the
+    captures took."""
     graphs = llm.runner.graphs
-    return 0 if graphs is None else graphs.num_mixed
+    return (0, 0, 0.0) if graphs is None else (graphs.num_mixed, graphs.eager_steps, graphs.mixed_capture_seconds)
 
 
-def row(name: str, clients: list[Client], seconds: float, steps: list[tuple[int, bool, float]], captured: int) -> list:
+def row(name: str, clients: list[Client], seconds: float, steps: list[tuple[int, bool, float]],
+        graphs: tuple[int, int, float]) -> list:
     tokens = sum(len(t[1]) for c in clients for t in c.turns)
     latencies = sorted(x for c in clients for x in c.latencies)
     busy = sum(s[2] for s in steps)  # the intervals between step completions (the engine's `step_times`)
     return [name, f"{seconds:.2f}", tokens, f"{tokens / seconds:,.0f}", f"{sum(latencies) / len(latencies):.3f}",
             f"{latencies[int(0.9 * (len(latencies) - 1))]:.3f}", len(steps), f"{1000 * busy / max(len(steps), 1):.2f}",
-            f"{sum(s[0] for s in steps) / max(len(steps), 1):.1f}", captured]
+            f"{sum(s[0] for s in steps) / max(len(steps), 1):.1f}", f"{graphs[0]} ({graphs[2]:.2f} s)", graphs[1]]
 
 
 def main(argv=None) -> None:
@@ -256,15 +260,15 @@ def main(argv=None) -> None:
         for name, mode in (("online (HTTP)", online), ("online (in process)", in_process), ("per-call generate", per_call)):
             name += f" #{repeat + 1}" if args.repeat > 1 else ""
             llm.reset_prefix_cache()
-            llm.step_times, captured = [], mixed_graphs(llm)
+            llm.step_times, before = [], graph_counts(llm)
             with engine_profile(name, args.profile_engine):
                 runs[name] = mode(llm, args, vocab)
-            runs[name] += (llm.step_times, mixed_graphs(llm) - captured)
+            runs[name] += (llm.step_times, tuple(b - a for a, b in zip(before, graph_counts(llm))))
     rows = [row(name, *run) for name, run in runs.items()]
     (served, online_s, *_), (local, local_s, *_), (called, call_s, *_) = list(runs.values())[-3:]  # (the last runs)
     table(f"{args.config}: {args.clients} clients x {args.turns} turns (replies of {args.min_tokens}-{args.max_tokens} "
           "tokens)", ["mode", "seconds", "output tokens", "tok/s", "mean latency s", "p90 latency s", "steps", "ms a step",
-                        "sequences a step", "graphs captured"], rows)
+                        "sequences a step", "graphs captured", "eager steps"], rows)
     print(f"online / per-call: {call_s / online_s:.2f}x tok/s over HTTP, {call_s / local_s:.2f}x in process")
     same = all(a.turns == b.turns == c.turns for a, b, c in zip(served, local, called))
     print(f"every turn the same tokens and logprobs in all modes: {same}")

@@ -135,6 +135,7 @@ class StepGraphs:
         self.num_mixed = 0  # mixed buckets captured
         self.mixed_replays = 0  # steps replayed by them
         self.mixed_capture_seconds = 0.0  # host time their warm-ups and captures took
+        self.eager_steps = 0  # steps no graph holds (past the largest bucket, or a new mixed one past the cap)
         self._pool = None
         for b in reversed(self.buckets):  # largest first: the smaller graphs reuse its memory pool
             self._capture((b, b, 1), self.inputs, carry=self.carry is not None)
@@ -196,8 +197,9 @@ class StepGraphs:
         """The bucket whose graph runs this step (`step_bucket`), or None when it runs eagerly,
         also for a new mixed bucket past `MAX_MIXED_GRAPHS`."""
         bucket = step_bucket(inputs, self.buckets, self.max_tokens)
-        if bucket is None or bucket in self.graphs or self.num_mixed < MAX_MIXED_GRAPHS:
+        if bucket is not None and (bucket in self.graphs or self.num_mixed < MAX_MIXED_GRAPHS):
             return bucket
+        self.eager_steps += 1
         return None
 
     def run(self, inputs: StepInputs, bucket: tuple[int, int, int], carry: tuple[torch.Tensor, torch.Tensor] | None = None,

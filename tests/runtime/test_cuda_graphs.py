@@ -77,7 +77,7 @@ def test_steps_with_prompt_chunks_replay_graphs_with_the_eager_bits(arch):
 
 def test_mixed_buckets_past_the_cap_and_the_limit_run_eagerly(monkeypatch):
     """Steps of more tokens than ``cuda_graph_max_tokens``, and new buckets once `MAX_MIXED_GRAPHS`
-    are captured, run eagerly, with the same results."""
+    are captured, run eagerly, with the same results; the graphs count them (``eager_steps``)."""
     import vexact_models.runtime.cuda_graphs as cuda_graphs
 
     model = tiny_model("qwen3")
@@ -85,9 +85,12 @@ def test_mixed_buckets_past_the_cap_and_the_limit_run_eagerly(monkeypatch):
     got, capped = run(model, cuda_graph_max_tokens=16)
     assert got == want
     assert capped.runner.graphs.num_mixed > 0 and all(b[0] <= 16 for b in capped.runner.graphs.graphs)
+    assert capped.runner.graphs.eager_steps > 0  # (counted: the prompts' steps past 16 tokens)
+    _, uncapped = run(model)
     monkeypatch.setattr(cuda_graphs, "MAX_MIXED_GRAPHS", 1)
     got, limited = run(model)
     assert got == want and limited.runner.graphs.num_mixed == 1 and limited.runner.graphs.mixed_replays >= 1
+    assert limited.runner.graphs.eager_steps > uncapped.runner.graphs.eager_steps  # (new buckets past the cap)
 
 
 def test_next_turns_share_the_last_calls_pages_under_graphs_and_async_steps():
