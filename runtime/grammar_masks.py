@@ -10,6 +10,11 @@ they do not allow to -inf on the device (`GrammarMasks.apply`), before any other
 A row's next mask needs its last token on the host, so while a constrained sequence runs, a step
 scheduled ahead of the host runs its forward at once and samples after the step before it is
 postprocessed (`runtime.llm_steps`); the masks are filled beside that forward.
+
+A grammar that starts after the reasoning (``StructuredOutputsParams.after_reasoning``) waits
+until the sequence's outputs end with the reasoning end's tokens (`grammar_trigger`): until then
+its row allows every token and its matcher is fed nothing; the tokens after the trigger are the
+grammar's.
 """
 
 from __future__ import annotations
@@ -24,23 +29,30 @@ from .sequence import Sequence
 from .staging import to_device
 from .structured_outputs import xgrammar_module
 
-__all__ = ["GrammarMasks", "GrammarRows", "GrammarState", "allowed_tokens"]
+__all__ = ["GrammarMasks", "GrammarRows", "GrammarState", "allowed_tokens", "grammar_trigger"]
 
 assert sys.byteorder == "little", "GrammarMasks.apply reads xgrammar's int32 words as bytes, lowest first"
 
 
 class GrammarState:
-    """One sequence's place in its grammar: xgrammar's ``GrammarMatcher`` and how many of the
-    sequence's outputs it has accepted."""
+    """One sequence's place in its grammar: xgrammar's ``GrammarMatcher``, how many of the
+    sequence's outputs it has seen, and the `trigger` it waits for (the token ids after which the
+    grammar holds the outputs; empty: from the first)."""
 
-    def __init__(self, matcher) -> None:
+    def __init__(self, matcher, trigger: tuple[int, ...] = ()) -> None:
         self.matcher = matcher
-        self.accepted = 0  #: output tokens fed so far
+        self.accepted = 0  #: output tokens fed so far (those before the trigger too)
+        self.trigger = tuple(trigger)
+        self.active = not self.trigger  #: whether the grammar holds the next output
+        self._tail: list[int] = []  # the last outputs while waiting, as many as the trigger has
 
     def accept(self, token: int) -> bool:
         """Feed the sequence's next output token; False when the grammar does not allow it (a row
         whose other settings left it no token the grammar allows: `Scheduler.postprocess`)."""
-        if not self.matcher.accept_token(token):
+        if not self.active:
+            self._tail = (self._tail + [token])[-len(self.trigger):]
+            self.active = tuple(self._tail) == self.trigger
+        elif not self.matcher.accept_token(token):
             return False
         self.accepted += 1
         return True
@@ -48,7 +60,23 @@ class GrammarState:
     @property
     def terminated(self) -> bool:
         """Whether the grammar has accepted a stop token after a complete output."""
-        return self.matcher.is_terminated()
+        return self.active and self.matcher.is_terminated()
+
+
+def grammar_trigger(tokenizer, after_reasoning: tuple[str, str] | None, prompt: list[int]) -> tuple[int, ...]:
+    """The token ids a sequence's grammar waits for (`GrammarState`): the reasoning end's, unless
+    the `prompt` already closed its last reasoning block (its last start's tokens followed by the
+    end's) or no ``after_reasoning`` is set (then none: the grammar holds every output)."""
+    if after_reasoning is None:
+        return ()
+    start, end = (tuple(tokenizer.encode(text, add_special_tokens=False)) for text in after_reasoning)
+    return () if _last(prompt, end) > _last(prompt, start) >= 0 else end
+
+
+def _last(ids: list[int], part: tuple[int, ...]) -> int:
+    """Where `part` last begins in `ids` (-1: nowhere)."""
+    n = len(part)
+    return next((i for i in range(len(ids) - n, -1, -1) if tuple(ids[i:i + n]) == part), -1)
 
 
 @dataclass
@@ -100,19 +128,20 @@ class GrammarRows:
         accepted every output token of its sequence (its sampling did not run ahead of the host),
         straight into fresh pinned memory (on CUDA; the pinned cache hands it out again only once
         its copy is done), and sent in one copy. A sequence finished since its step was launched
-        ahead (its row's result is dropped) allows every token."""
+        ahead (its row's result is dropped), or whose grammar waits for its trigger, allows every token."""
         live = [i for i, seq in enumerate(self.seqs) if not seq.is_finished]
         for seq in (self.seqs[i] for i in live):
             if seq.grammar.accepted != seq.num_output_tokens:
                 raise RuntimeError(f"{seq!r}: its grammar has accepted {seq.grammar.accepted} of its "
                                    f"{seq.num_output_tokens} output tokens (a step sampled ahead of the host)")
+        held = [i for i in live if self.seqs[i].grammar.active]  # (one still waiting for its trigger allows every token)
         cuda = device.type == "cuda"
         bits = torch.empty(len(self.seqs), (vocab + 31) // 32, dtype=torch.int32, pin_memory=cuda)
-        if len(live) < len(self.seqs):
+        if len(held) < len(self.seqs):
             bits.fill_(-1)
-        if live:
-            self._fill.batch_fill_next_token_bitmask([self.seqs[i].grammar.matcher for i in live], bits,
-                                                     indices=live if len(live) < len(self.seqs) else None)
+        if held:
+            self._fill.batch_fill_next_token_bitmask([self.seqs[i].grammar.matcher for i in held], bits,
+                                                     indices=held if len(held) < len(self.seqs) else None)
         if self._rows_dev is None or self._rows_dev.device != device:
             [self._rows_dev] = to_device([np.array(self.rows, np.int64)], device)
         return GrammarMasks(self._rows_dev, bits.to(device, non_blocking=cuda), self.every_row)

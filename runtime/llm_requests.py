@@ -10,7 +10,7 @@ import operator
 from dataclasses import replace
 
 from .bad_words import BadWords, bad_word_ids
-from .grammar_masks import GrammarState
+from .grammar_masks import GrammarState, grammar_trigger
 from .llm_args import prompt_of
 from .logit_bias import check_token_lists
 from .outputs import CompletionOutput, RequestOutput
@@ -123,8 +123,9 @@ class RequestsMixin:
         for seq in seqs:
             seq.bad_words = bad_words
         if grammar is not None:
+            trigger = grammar_trigger(self.tokenizer, params.structured_outputs.after_reasoning, ids)
             for seq in seqs:
-                seq.grammar = GrammarState(self._grammars.matcher(grammar))
+                seq.grammar = GrammarState(self._grammars.matcher(grammar), trigger)
         return seqs
 
     def _output(self, prompt, ids: list[int], seqs: list[Sequence]) -> RequestOutput:

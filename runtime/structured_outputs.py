@@ -49,6 +49,12 @@ class StructuredOutputsParams:
         disable_any_whitespace: with ``json``, allow no whitespace between JSON tokens beyond
             single separators (vLLM's option; ``json_object`` takes xgrammar's built-in JSON
             grammar as it is).
+        after_reasoning: ``(start, end)``, the texts around a reasoning block (``("<think>",
+            "</think>")``): the output is free until the model writes `end`'s tokens, and held to
+            the constraint after them (a prompt whose last `start` is already followed by `end`,
+            a template that closed the block, holds it from the first token); None: from the
+            first token. vLLM starts the grammar where its server's reasoning parser sees the
+            reasoning end; `vexact serve` sets this from its ``--reasoning-parser``.
 
     ``__post_init__`` raises ValueError naming the field and the value.
     """
@@ -60,6 +66,7 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     structural_tag: str | dict | None = None
     disable_any_whitespace: bool = False
+    after_reasoning: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         set_kinds = self._set_kinds()
@@ -89,6 +96,12 @@ class StructuredOutputsParams:
                 if not isinstance(text, str) or not text:
                     raise ValueError(f"StructuredOutputsParams.choice[{i}]={text!r} must be a non-empty string")
             self.choice = list(self.choice)
+        pair = self.after_reasoning
+        if pair is not None:
+            if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(t, str) and t for t in pair)):
+                raise ValueError(f"StructuredOutputsParams.after_reasoning={pair!r} must be two non-empty strings, the "
+                                 "reasoning block's start and end (e.g. ('<think>', '</think>'))")
+            self.after_reasoning = tuple(pair)
         for name in ("json_object", "disable_any_whitespace"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
