@@ -20,8 +20,8 @@ tokens). By channel and recipient a message is:
 - any other recipient (the built-in ``browser``, ``python``) or channel: none of these.
 
 Several messages of one kind are joined by a newline (vLLM's join); text between messages (not
-whitespace) is answer too. A reply that does not begin like a header (a model that never learned
-the format) is all answer. The markers are read in the
+whitespace) is answer too. A reply that does not begin like a header is read as the body of an
+answer message (a prompt that opened the final channel; a model that never learned the format). The markers are read in the
 decoded text, so the reply is decoded with its special tokens (the server asks for that).
 
 `HarmonyReader` reads a reply as it streams, holding back only what may still begin a marker; a
@@ -51,7 +51,7 @@ class HarmonyReader:
     and of answer; `calls` holds the ``(name, arguments)`` of each call ended so far."""
 
     def __init__(self) -> None:
-        self.state = "start"  # then "header", "body", "between", or "plain" (not harmony: all answer)
+        self.state = "start"  # then "header", "body" or "between"
         self.held = ""  # text not read yet
         self.header = ""  # the current message's header so far
         self.kind: str | None = None  # the current body's: "reasoning", "answer", "call" or None (dropped)
@@ -77,12 +77,8 @@ class HarmonyReader:
                 self.state = "header"
             elif any(o.startswith(self.held) for o in OPENINGS) and not finished:
                 return False  # may still begin a header
-            else:
-                self.state = "plain"
-        if self.state == "plain":
-            self._write("answer", self.held, out)
-            self.held = ""
-            return False
+            else:  # no header: the body of an answer (a prompt that opened the final channel)
+                self.state, self.kind = "body", "answer"
         if self.state == "between":
             return self._between(finished, out)
         if self.state == "header":
@@ -155,7 +151,7 @@ class HarmonyReader:
     def _write(self, kind: str, piece: str, out: dict) -> None:
         if not piece:
             return
-        if not self._opened and self._wrote[kind] and self.state != "plain":
+        if not self._opened and self._wrote[kind]:
             out[kind].append("\n")  # the messages of a kind are joined by a newline
         out[kind].append(piece)
         self._wrote[kind] = self._opened = True

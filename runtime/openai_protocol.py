@@ -26,6 +26,7 @@ client reads the bits the training forward recomputes.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import Callable
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 from .openai_errors import ProtocolError
 from .openai_tools import ChatStream, ToolReply, chat_message, read_tools
 from .outputs import CompletionOutput, RequestOutput
-from .reasoning import HARMONY
+from .reasoning import HARMONY, reasoning_block
 from .sampling_params import RequestOutputKind, SamplingParams
 from .structured_outputs import StructuredOutputsParams
 from .top_logprobs import Logprob
@@ -110,10 +111,11 @@ def _structured(body: dict) -> StructuredOutputsParams | None:
 
 def _sampling(body: dict, max_tokens: int | None, logprobs: int | None, stream: bool,
               structured: StructuredOutputsParams | None = None, prompt_logprobs: int | None = None,
-              keep_special_tokens: bool = False) -> SamplingParams:
+              keep_special_tokens: bool = False, after_reasoning: tuple[str, str] | None = None) -> SamplingParams:
     """The request's `SamplingParams` (each field checked by it too: its ValueError names the field);
     `structured`: the structured output its tools ask for, else the body's; `keep_special_tokens`:
-    the reply is decoded with its special tokens, whatever the body says."""
+    the reply is decoded with its special tokens, whatever the body says; `after_reasoning`: the
+    reasoning block after which a structured output holds the reply (the server's reasoning parser's)."""
     fields = {name: _typed(body, name, kinds) for name, kinds in {**_OPENAI_FIELDS, **_EXTRA_FIELDS}.items()}
     fields = {name: value for name, value in fields.items() if value is not None}
     if keep_special_tokens:
@@ -129,8 +131,13 @@ def _sampling(body: dict, max_tokens: int | None, logprobs: int | None, stream: 
             raise ProtocolError(f"'logit_bias' keys must be token ids, got {sorted(bias)!r}", "logit_bias") from None
     try:
         # k = 0 asks for the sampled tokens' logprobs alone: the engine's floats, no alternatives to rank
+        # (a request's own structured_outputs that names after_reasoning keeps it: null holds the whole reply)
+        own = isinstance(body.get("structured_outputs"), dict) and "after_reasoning" in body["structured_outputs"]
+        structured = structured or _structured(body)
+        if structured is not None and after_reasoning is not None and not own:
+            structured = dataclasses.replace(structured, after_reasoning=after_reasoning)
         return SamplingParams(**fields, max_tokens=max_tokens, logprobs=logprobs or None, prompt_logprobs=prompt_logprobs,
-                              structured_outputs=structured or _structured(body),
+                              structured_outputs=structured,
                               output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
     except ValueError as err:
         raise ProtocolError(str(err), str(err).split("=")[0].removeprefix("SamplingParams.").split("[")[0]) from None
@@ -210,11 +217,11 @@ def read_chat(body: dict, render, max_model_len: int, tool_parser: str | None = 
     asked = _typed(body, "prompt_logprobs", int)
     if asked is not None and options["stream"]:
         raise ProtocolError("'prompt_logprobs' is returned by chat completions that are not streamed", "prompt_logprobs")
-    if tools is not None and tools.mode != "auto":  # the calls' grammar holds the whole reply: no think block
-        reasoning_parser = None
-    # (a harmony reply's messages are read from their special tokens: `runtime.harmony`)
+    # a grammar (the calls', the request's own) starts after the reasoning; a harmony reply's messages
+    # are read from their special tokens (`runtime.harmony`)
     params = _sampling(body, max_tokens, k, options["stream"], tools.structured() if tools else None, asked,
-                       keep_special_tokens=reasoning_parser == HARMONY)
+                       keep_special_tokens=reasoning_parser == HARMONY,
+                       after_reasoning=None if reasoning_parser is None else reasoning_block(reasoning_parser))
     include = bool(_typed(body, "include_reasoning", bool, True))
     return EngineRequest([ids], [params], top_logprobs=k, tools=tools, prompt_logprobs=asked, reasoning=reasoning_parser,
                          include_reasoning=include, **options)

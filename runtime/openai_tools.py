@@ -18,7 +18,9 @@ The tools always go to the chat template. Then, by ``tool_choice``:
   parameters' schema and is that call's arguments (streamed as they come).
 
 ``parallel_tool_calls: false`` keeps the first call (``"required"``: the array holds one). The calls' tokens and logprobs are the
-reply's, as without tools: a training forward recomputes them from ``token_ids``.
+reply's, as without tools: a training forward recomputes them from ``token_ids``. With a reasoning
+parser on the server, the reasoning comes first, free, and the grammar holds the answer after it
+(``StructuredOutputsParams.after_reasoning``), as vLLM starts its grammar after the reasoning.
 """
 
 from __future__ import annotations
@@ -86,8 +88,8 @@ class ToolReply:
         return message, bool(calls) and self.mode == "auto"
 
     def harmony_calls(self, reader: HarmonyReader) -> list[ToolCall]:
-        """The calls a harmony reply's `reader` read ("auto" only: a grammar holds the others)."""
-        calls = [ToolCall(name, arguments) for name, arguments in reader.calls] if self.mode == "auto" else []
+        """The calls a harmony reply's `reader` read ("auto": a grammar holds the others' final message)."""
+        calls = [ToolCall(name, arguments) for name, arguments in reader.calls]
         return calls if self.parallel else calls[:1]
 
     def stream(self) -> ToolStream:
@@ -146,7 +148,7 @@ class ChatStream:
 
     def __init__(self, tools: ToolReply | None, reasoning: str | None, include_reasoning: bool = True) -> None:
         self.split = None if reasoning is None else reasoning_split(reasoning)
-        self.harmony = tools if isinstance(self.split, HarmonyReader) else None
+        self.harmony = tools if _reads_calls(self.split, tools) else None
         self.tools = None if tools is None or self.harmony is not None else tools.stream()
         self.include_reasoning = include_reasoning
         self._called = False
@@ -179,7 +181,7 @@ def chat_message(text: str, tools: ToolReply | None, reasoning: str | None,
     split = None if reasoning is None else reasoning_split(reasoning)
     thought, answer = (None, text) if split is None else split.feed(text, True)
     answer = answer or None if split is not None else answer
-    if isinstance(split, HarmonyReader) and tools is not None:
+    if _reads_calls(split, tools):
         message, called = tools.message_of(answer, tools.harmony_calls(split))
     elif tools is not None:
         message, called = tools.message(answer or "")
@@ -188,6 +190,12 @@ def chat_message(text: str, tools: ToolReply | None, reasoning: str | None,
     if thought and include_reasoning:
         message["reasoning"] = thought
     return message, called
+
+
+def _reads_calls(split, tools: ToolReply | None) -> bool:
+    """Whether the reply's calls are read by its harmony split ("auto"; "required" and a named
+    function hold the final message to their JSON, which `ToolReply` reads)."""
+    return isinstance(split, HarmonyReader) and tools is not None and tools.mode == "auto"
 
 
 def server_parsers(tool_parser: str | None, reasoning_parser: str | None) -> tuple[str | None, str | None]:

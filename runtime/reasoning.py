@@ -20,10 +20,10 @@ stream's pieces always add up to the whole reply's split. The tool parsers read 
 
 from __future__ import annotations
 
-from .harmony import HarmonyReader
+from .harmony import CHANNEL, MESSAGE, START as HARMONY_START, HarmonyReader
 from .text_deltas import tag_prefix
 
-__all__ = ["HARMONY", "PARSERS", "ReasoningSplit", "reasoning_split", "split_reasoning"]
+__all__ = ["HARMONY", "PARSERS", "ReasoningSplit", "reasoning_block", "reasoning_split", "split_reasoning"]
 
 START, END = "<think>", "</think>"
 
@@ -70,6 +70,13 @@ def reasoning_split(parser: str) -> ReasoningSplit | HarmonyReader:
     """The split of one reply by `parser` (one of `PARSERS`): both have ``feed(text, finished) ->
     (reasoning, answer)``."""
     return HarmonyReader() if parser == HARMONY else ReasoningSplit(parser)
+
+
+def reasoning_block(parser: str) -> tuple[str, str]:
+    """The texts around `parser`'s reasoning, as ``StructuredOutputsParams.after_reasoning`` takes
+    them (a request's grammar starts after it): the think block's tags; for harmony, a message's
+    start and the opening of the final channel's body."""
+    return (HARMONY_START, f"{CHANNEL}final{MESSAGE}") if parser == HARMONY else (START, END)
 
 
 def split_reasoning(parser: str, text: str) -> tuple[str | None, str | None]:

@@ -45,7 +45,9 @@ REPLIES = {  # reply: (reasoning, answer, calls)
     "text between messages is answer": (
         "<|channel|>final<|message|>a<|end|>\n  more<|start|>assistant<|channel|>final<|message|>b<|end|> \n",
         None, "a\nmore\nb", []),
-    "not harmony: all answer": ("Just text, <|end|> and all.", None, "Just text, <|end|> and all.", []),
+    "no header: an answer's body": ("Just text, and all.<|return|>", None, "Just text, and all.", []),
+    "no header, then messages": ("[1, 2]<|end|><|start|>assistant<|channel|>final<|message|>3<|return|>", None,
+                                 "[1, 2]\n3", []),
     "empty": ("", None, None, []),
 }
 
@@ -69,8 +71,7 @@ def test_a_streamed_reply_adds_up_to_the_whole_reading_wherever_it_is_cut(name):
         bounds = [0, *cuts, len(text)]
         for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
             reasoning, answer = reader.feed(text[a:b], i == len(bounds) - 2)
-            assert not any(marker in piece for piece in (reasoning, answer) for marker in ("<|", "|>")) or \
-                name.startswith("not harmony")
+            assert not any(marker in piece for piece in (reasoning, answer) for marker in ("<|", "|>"))
             pieces[0].append(reasoning)
             pieces[1].append(answer)
         assert ("".join(pieces[0]) or None, "".join(pieces[1]) or None, reader.calls) == read_harmony(text), cuts
@@ -161,3 +162,18 @@ def test_a_harmony_reply_without_tools_drops_its_calls_and_may_drop_its_reasonin
     assert not stream.called
     message, called = chat_message(REPLIES["analysis then a call"][0], None, "openai_gptoss")
     assert message == {"role": "assistant", "content": None, "reasoning": "Need the weather."} and not called
+
+
+def test_a_harmony_reply_held_to_required_calls_reads_them_from_its_final_message():
+    """"required": the grammar held the final message to the calls' JSON (after the analysis);
+    the calls are read from it, whole and streamed, and the finish reason stays the engine's."""
+    calls = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}]'
+    text = THINK + f"<|start|>assistant<|channel|>final<|message|>{calls}<|return|>"
+    tools = ToolReply("required", TOOLS)
+    message, called = chat_message(text, tools, "openai_gptoss")
+    assert not called and message["reasoning"] == "Need the weather." and message["content"] == ""
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == \
+        [("get_weather", '{"city": "Oslo"}')]
+    joined = _streamed(ChatStream(tools, "openai_gptoss"), text)
+    assert joined["reasoning"] == "Need the weather." and joined["content"] == ""
+    assert [c["function"] for c in joined["tool_calls"]] == [c["function"] for c in message["tool_calls"]]

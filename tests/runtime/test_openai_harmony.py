@@ -35,7 +35,8 @@ TEMPLATE = """{%- if tools %}<|start|>developer<|message|># Tools{% for t in too
 {%- elif m.role == 'tool' %}<|start|>functions.{{ m.name }} to=assistant<|channel|>commentary<|message|>\
 {{ m.content }}<|end|>
 {%- else %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endif %}{%- endfor %}
-{%- if add_generation_prompt %}<|start|>assistant{% endif %}"""
+{%- if add_generation_prompt %}<|start|>assistant{% if final_channel %}<|channel|>final<|message|>{% endif %}\
+{% endif %}"""
 CORPUS = ('analysis final commentary assistant to=functions get_weather json {"city": "Paris"} Rome yes no way '
           'user tool developer Tools')
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -79,7 +80,9 @@ def client(server):
 
 
 def _chat(client, regex: str, seed: int, **kwargs):
-    extra = {"return_token_ids": True, "structured_outputs": {"regex": regex}, **kwargs.pop("extra_body", {})}
+    # (the regex holds the whole reply, its analysis included: a grammar would start after the reasoning)
+    extra = {"return_token_ids": True, "structured_outputs": {"regex": regex, "after_reasoning": None},
+             **kwargs.pop("extra_body", {})}
     return client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, temperature=1.0, seed=seed,
                                           max_tokens=200, extra_body=extra, **kwargs)
 
@@ -139,11 +142,16 @@ def test_a_harmony_final_message_is_the_content_whatever_skip_special_tokens_say
     assert "reasoning" not in quiet.model_extra and quiet.content == answer
 
 
-def test_required_holds_a_harmony_model_to_json_calls(client):
-    """"required" holds the whole reply to the calls' JSON (no harmony messages to read)."""
+def test_required_holds_the_final_message_to_json_calls(client, server):
+    """"required" holds the reply to the calls' JSON once its final channel opened (its grammar
+    starts after the reasoning): here the prompt opens it (a template option), so the grammar
+    holds the reply from its first token, and the calls are read from the final message."""
     reply = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required",
-                                           max_tokens=300, seed=0)
+                                           max_tokens=300, seed=3, extra_body={
+                                               "chat_template_kwargs": {"final_channel": True}, "return_token_ids": True})
     choice = reply.choices[0]
+    assert server.llm.tokenizer.decode(choice.model_extra["prompt_token_ids"]).endswith(
+        "<|start|>assistant<|channel|>final<|message|>")
     assert choice.finish_reason == "stop" and choice.message.content == "" and choice.message.tool_calls, choice
     for call in choice.message.tool_calls:
         assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments)["city"], str)

@@ -142,7 +142,8 @@ def test_reasoning_is_split_off_before_the_calls_are_read(folder, reference):
     try:
         client = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0)
         regex = "<think>(yes|no way)</think>" + HERMES
-        reply = _chat(client, max_tokens=80, seed=6, extra_body={"structured_outputs": {"regex": regex}})
+        whole = {"structured_outputs": {"regex": regex, "after_reasoning": None}}  # (the regex holds the think block too)
+        reply = _chat(client, max_tokens=80, seed=6, extra_body=whole)
         choice = reply.choices[0]
         want = reference.chat(MESSAGES, SamplingParams(temperature=1.0, max_tokens=80, seed=6,
                                                        structured_outputs=StructuredOutputsParams(regex=regex)),
@@ -151,10 +152,9 @@ def test_reasoning_is_split_off_before_the_calls_are_read(folder, reference):
         thought = want.text.split("</think>")[0].removeprefix("<think>")
         assert choice.message.model_extra["reasoning"] == thought and choice.message.content is None
         assert choice.message.tool_calls[0].function.name == "get_weather" and choice.finish_reason == "tool_calls"
-        chunks = list(_chat(client, max_tokens=80, seed=6, stream=True, extra_body={"structured_outputs": {"regex": regex}}))
+        chunks = list(_chat(client, max_tokens=80, seed=6, stream=True, extra_body=whole))
         assert "".join((c.choices[0].delta.model_extra or {}).get("reasoning") or "" for c in chunks) == thought
-        plain = _chat(client, max_tokens=80, seed=6, extra_body={"structured_outputs": {"regex": regex},
-                                                                 "include_reasoning": False})
+        plain = _chat(client, max_tokens=80, seed=6, extra_body={**whole, "include_reasoning": False})
         assert "reasoning" not in plain.choices[0].message.model_extra
     finally:
         server.close()

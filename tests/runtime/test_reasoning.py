@@ -56,13 +56,25 @@ def test_include_reasoning_false_drops_it():
         {}, {}, {"content": "y"}]
 
 
-def test_a_reply_held_to_its_calls_is_not_split():
-    """tool_choice "required" or a named function: the grammar holds the whole reply to the calls,
-    so no reasoning parser splits it (deepseek_r1 would take it all for reasoning)."""
+def test_a_grammar_starts_after_the_reasoning():
+    """tool_choice "required", a named function, a response_format: the reply reasons first, free,
+    and the grammar holds it after the parser's reasoning block (vLLM's order); the reply is split.
+    A request's own ``structured_outputs`` that names ``after_reasoning`` (null: the whole reply)
+    keeps it; without a reasoning parser the grammar holds the whole reply."""
     from vexact_models.runtime.openai_protocol import read_chat
 
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     body = {"messages": [{"role": "user", "content": "x"}], "tools": tools}
-    for choice, kept in (("auto", "deepseek_r1"), ("required", None), ({"type": "function", "function": {"name": "f"}}, None)):
-        request = read_chat({**body, "tool_choice": choice}, lambda messages, **kw: [5], 64, "hermes", "deepseek_r1")
-        assert request.reasoning == kept
+    render = lambda messages, **kw: [5]  # noqa: E731
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        request = read_chat({**body, "tool_choice": choice}, render, 64, "hermes", "deepseek_r1")
+        assert request.reasoning == "deepseek_r1"
+        assert request.params[0].structured_outputs.after_reasoning == ("<think>", "</think>")
+        assert read_chat({**body, "tool_choice": choice}, render, 64, "hermes").params[0].structured_outputs.after_reasoning \
+            is None
+    own = {"messages": body["messages"], "response_format": {"type": "json_object"}}
+    harmony = read_chat(own, render, 64, "openai", "openai_gptoss").params[0]
+    assert harmony.structured_outputs.after_reasoning == ("<|start|>", "<|channel|>final<|message|>")
+    assert harmony.skip_special_tokens is False
+    whole = {"messages": body["messages"], "structured_outputs": {"regex": "a+", "after_reasoning": None}}
+    assert read_chat(whole, render, 64, "hermes", "qwen3").params[0].structured_outputs.after_reasoning is None
