@@ -190,3 +190,48 @@ def test_the_servers_required_calls_follow_the_reasoning(folder):
     assert thought and choice.message.model_extra["reasoning"] == thought and choice.finish_reason == "stop"
     [call] = choice.message.tool_calls
     assert call.function.name == "pick" and json.loads(call.function.arguments) == json.loads(calls)[0]["parameters"]
+
+
+def test_a_row_waiting_for_its_reasoning_allows_every_token(llm):
+    """Beside rows held by their grammar, a row whose grammar waits for its trigger gets a mask
+    of every token, until the trigger's tokens arrive."""
+    from vexact_models.runtime.grammar_masks import GrammarRows
+    from vexact_models.runtime.sequence import Sequence
+
+    compiled = llm._compile_grammars([SamplingParams(structured_outputs={"regex": r"[0-9]+"})])[0]
+    seqs = [Sequence(i, 0, [1, 2], SamplingParams(), 1) for i in range(2)]
+    for seq, trigger in zip(seqs, [(), (7, 8)]):
+        seq.grammar = GrammarState(llm._grammars.matcher(compiled), trigger)
+    bits = GrammarRows.of(seqs).launch(llm.config.vocab_size, torch.device("cpu")).bits
+    assert (bits[1] == -1).all() and not (bits[0] == -1).all()
+    for token in (7, 8):
+        seqs[1].token_ids.append(token)
+        assert seqs[1].grammar.accept(token)
+    bits = GrammarRows.of(seqs).launch(llm.config.vocab_size, torch.device("cpu")).bits
+    assert torch.equal(bits[1], bits[0])  # (both matchers fresh: the same regex's first mask)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)")
+def test_rows_waiting_for_their_reasoning_under_graphs_are_the_eager_engines(tmp_path):
+    """On CUDA, with the CUDA graphs and async scheduling on: rows whose grammar starts after the
+    reasoning, beside held and unconstrained rows, give the eager synchronous engine's tokens and
+    logprobs, and each answer follows the grammar."""
+    folder = save_bpe_checkpoint(tmp_path, eos=EOS, added_tokens=THINK, hidden_size=128, num_attention_heads=2,
+                                 num_key_value_heads=1, head_dim=64)  # a head dim the Triton attention takes
+    engine = dict(device="cuda", block_size=16, max_num_seqs=4, max_num_batched_tokens=48, kv_cache_bytes=1 << 24)
+    eager = LLM(str(folder), enforce_eager=True, async_scheduling=False, **engine)
+    prompts = ["yes", "no", "9", "a", "<think>x</think>", "x"]
+    params = [_params(eager, 60 + i, max_tokens=32) for i in range(5)]
+    params.append(SamplingParams(temperature=1.0, max_tokens=24, seed=3))
+    want = gen(eager, prompts, params)
+    llm = LLM(str(folder), **engine)
+    got = gen(llm, prompts, params)
+    assert [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in got] == \
+        [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in want]
+    assert llm.runner.graphs.mixed_replays > 0
+    for out in got[:5]:
+        c = out.outputs[0]
+        if c.finish_reason == "stop":
+            assert re.fullmatch(REGEX, c.text.rpartition(THINK[1])[2] if THINK[1] in c.text else c.text), c.text
+    assert sum(THINK[1] in o.outputs[0].text for o in got[:5]) >= 2
