@@ -264,6 +264,7 @@ def main(argv=None) -> None:
             with engine_profile(name, args.profile_engine):
                 runs[name] = mode(llm, args, vocab)
             runs[name] += (llm.step_times, tuple(b - a for a, b in zip(before, graph_counts(llm))))
+            print(f"{name}: {row(name, *runs[name])[1:]}", flush=True)  # (each mode as it ends: a run cut short keeps them)
     rows = [row(name, *run) for name, run in runs.items()]
     (served, online_s, *_), (local, local_s, *_), (called, call_s, *_) = list(runs.values())[-3:]  # (the last runs)
     table(f"{args.config}: {args.clients} clients x {args.turns} turns (replies of {args.min_tokens}-{args.max_tokens} "
