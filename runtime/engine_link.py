@@ -4,8 +4,10 @@
 The HTTP front end runs in a process of its own (`runtime.openai_server` says why). Over one
 ``multiprocessing`` connection the front end sends ``("add", call, ids, requests)`` and
 ``("abort", id)``; the engine's side answers each add with ``("added", call, error or None)``
-and sends every output as it comes, ``("out", RequestOutput)``, or ``("out", exception)`` when
-the engine failed a step (every request then fails). ``("close",)`` from the engine's side asks
+once the engine thread took it (the link does not wait for that before reading the next add, so
+adds that arrive within a step join the same step), and sends every output as it comes,
+``("out", RequestOutput)``, or ``("out", exception)`` when the engine failed a step (every
+request then fails). ``("close",)`` from the engine's side asks
 the front end to stop; it answers ``("closed",)``.
 """
 
@@ -15,6 +17,7 @@ import itertools
 import queue
 import threading
 from concurrent.futures import Future
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from .engine_thread import EngineThread, fail_all, route
@@ -59,24 +62,33 @@ class EngineLink:
                 self.engine.abort(message[1])
                 continue
             _, call, ids, requests = message
-            error = None
-            try:
-                self.engine.submit_all(requests, ids, self._outbox)
-            except Exception as err:  # bad input: the front end raises it
-                error = err
-            self._send_quietly(("added", call, error))
+            try:  # (not waiting for the engine to take them: the adds that came meanwhile join the same step)
+                taken = self.engine.submit_async(requests, ids, self._outbox)
+            except RuntimeError as err:  # the engine thread is closed
+                self._send_quietly(("added", call, err))
+                continue
+            # the engine thread answers when it takes them, through the outbox: before their outputs
+            taken.add_done_callback(lambda done, call=call: self._outbox.put(_Added(call, done.exception())))
         self.engine.abort_all()  # the engine thread serves this link alone: what it holds is the front end's
         self._outbox.put(None)
 
     def _send_outputs(self) -> None:
         while (item := self._outbox.get()) is not None:
-            self._send_quietly(("out", item))
+            self._send_quietly(("added", item.call, item.error) if isinstance(item, _Added) else ("out", item))
 
     def _send_quietly(self, message: tuple) -> None:
         try:
             self.send(message)
         except (OSError, ValueError):  # the front end is gone: its requests are aborted on the way out
             pass
+
+
+@dataclass
+class _Added:
+    """The engine took (or refused: `error`, the front end raises it) the requests of add `call`."""
+
+    call: int
+    error: BaseException | None
 
 
 class RemoteEngine:

@@ -61,6 +61,8 @@ class EngineThread:
         self._sinks: dict[str, queue.SimpleQueue] = {}
         self._ids = itertools.count()
         self._closed = False
+        self._stopped: BaseException | None = None  # the error that stopped the thread
+        self._lock = threading.Lock()  # (a submission is queued before the stopped thread's last drain, or refused)
         self._thread = threading.Thread(target=self._run, name="vexact-engine", daemon=True)
         self._thread.start()
 
@@ -76,16 +78,29 @@ class EngineThread:
         """Queue `requests` ((prompt, params) pairs) as `request_ids`, their outputs put into `sink`
         (then an exception, if the engine fails a step), and wait until the engine took them: the
         first one's ValueError (bad input) is raised here, none of them queued."""
-        if self._closed:
-            raise RuntimeError("EngineThread.submit_all: the engine thread is closed")
-        taken: Future = Future()
-        self._commands.put(("add", list(zip(request_ids, requests)), sink, taken))
+        taken = self.submit_async(requests, request_ids, sink)
         while True:
             try:
                 return taken.result(timeout=1.0)
             except TimeoutError:
                 if not self._thread.is_alive():  # (it stopped on an error, which its sinks got)
                     raise RuntimeError("EngineThread.submit_all: the engine thread stopped") from None
+
+    def submit_async(self, requests: list[tuple[object, SamplingParams]], request_ids: list[str],
+                     sink: queue.SimpleQueue) -> Future:
+        """`submit_all` without the wait: the future is done once the engine took the requests
+        (its exception the first bad one's ValueError, none of them queued; or the error that
+        stopped the thread), so that one caller can queue several submissions for the same step
+        (the server's link)."""
+        taken: Future = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("EngineThread.submit_all: the engine thread is closed")
+            if self._stopped is not None:
+                taken.set_exception(self._stopped)
+            else:
+                self._commands.put(("add", list(zip(request_ids, requests)), sink, taken))
+        return taken
 
     def abort(self, request_id: str) -> None:
         """Stop `request_id` now (`LLM.abort_request`): its sink gets its last output, finished,
@@ -107,11 +122,12 @@ class EngineThread:
         try:
             self._serve()
         except BaseException as error:  # the thread cannot go on: what it holds and what waits gets the error
-            self._closed = True
             self._fail(error)
-            while (command := self._next_command()) is not None:
-                if command[0] == "add":
-                    command[-1].set_exception(error)
+            with self._lock:
+                self._stopped = error
+                while (command := self._next_command()) is not None:
+                    if command[0] == "add":
+                        command[-1].set_exception(error)
             raise
 
     def _serve(self) -> None:
