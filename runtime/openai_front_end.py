@@ -4,7 +4,8 @@ the HTTP server and its handlers (`runtime.openai_http`), talking to the engine'
 connection on file descriptor FD (`runtime.engine_link.RemoteEngine`).
 
 It receives its settings first (the tokenizer, the model's name, the address to bind, the
-engine's ``max_model_len``, the tool call and reasoning parsers, the chat template), binds, answers ``("ready", url)`` (or
+engine's ``max_model_len``, the tool call and reasoning parsers, the chat template, the structured
+outputs' defaults), binds, answers ``("ready", url)`` (or
 ``("error", message)``), and serves until the engine's side sends ``("close",)``.
 """
 
@@ -29,7 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = conn.recv()
     engine = RemoteEngine(conn)
     front = FrontEnd(engine, settings["tokenizer"], settings["model_name"], settings["max_model_len"],
-                     settings["tool_call_parser"], settings["reasoning_parser"], settings["chat_template"])
+                     settings["tool_call_parser"], settings["reasoning_parser"], settings["chat_template"],
+                     settings["structured_config"])
     try:
         http = front.http_server(settings["host"], settings["port"])
     except OSError as err:

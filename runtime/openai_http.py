@@ -21,6 +21,7 @@ from .llm_chat import chat_ids, render_text
 from .openai_protocol import (EngineRequest, ProtocolError, chat_choice, chat_stream, completion_choice, prompt_logprobs,
                               read_chat, read_completion, response, usage)
 from .outputs import RequestOutput
+from .structured_outputs import StructuredOutputsConfig
 
 __all__ = ["FrontEnd"]
 
@@ -30,12 +31,15 @@ class FrontEnd:
     token texts), the API's `model_name`, the engine's `max_model_len`, the `tool_parser` that
     reads chat replies' tool calls (`runtime.tool_calls.PARSERS`; None: none) and the
     `reasoning_parser` that splits their reasoning off (`runtime.reasoning.PARSERS`; None: none);
-    `chat_template`: the template chats render with instead of the tokenizer's (None: its own)."""
+    `chat_template`: the template chats render with instead of the tokenizer's (None: its own);
+    `structured_config`: the structured outputs' defaults (``--structured-outputs-config``)."""
 
     def __init__(self, engine, tokenizer, model_name: str, max_model_len: int, tool_parser: str | None = None,
-                 reasoning_parser: str | None = None, chat_template: str | None = None) -> None:
+                 reasoning_parser: str | None = None, chat_template: str | None = None,
+                 structured_config: StructuredOutputsConfig | None = None) -> None:
         self.engine, self.tokenizer, self.model_name, self.max_model_len = engine, tokenizer, model_name, max_model_len
         self.tool_parser, self.reasoning_parser, self.chat_template = tool_parser, reasoning_parser, chat_template
+        self.structured_config = structured_config or StructuredOutputsConfig()
 
     def http_server(self, host: str, port: int) -> ThreadingHTTPServer:
         """An HTTP server of this front end bound to (`host`, `port`; 0: a free one)."""
@@ -149,9 +153,10 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send(HTTPStatus.OK, getattr(state, f"{kind}_answer")(body))
                 return
             if kind == "text_completion":
-                request = read_completion(body, state.tokenize)
+                request = read_completion(body, state.tokenize, state.structured_config)
             else:
-                request = read_chat(body, state.render, state.max_model_len, state.tool_parser, state.reasoning_parser)
+                request = read_chat(body, state.render, state.max_model_len, state.tool_parser, state.reasoning_parser,
+                                    state.structured_config)
             sink, ids = state.submit(request)
         except ProtocolError as err:
             self._error(err)

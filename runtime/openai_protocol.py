@@ -26,7 +26,6 @@ client reads the bits the training forward recomputes.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import uuid
 from collections.abc import Callable
@@ -37,7 +36,7 @@ from .openai_tools import ChatStream, ToolReply, chat_message, read_tools
 from .outputs import CompletionOutput, RequestOutput
 from .reasoning import HARMONY, reasoning_block
 from .sampling_params import RequestOutputKind, SamplingParams
-from .structured_outputs import StructuredOutputsParams
+from .structured_outputs import StructuredOutputsConfig, StructuredOutputsParams
 from .top_logprobs import Logprob
 
 __all__ = ["ProtocolError", "EngineRequest", "read_completion", "read_chat", "completion_choice", "chat_choice",
@@ -111,11 +110,13 @@ def _structured(body: dict) -> StructuredOutputsParams | None:
 
 def _sampling(body: dict, max_tokens: int | None, logprobs: int | None, stream: bool,
               structured: StructuredOutputsParams | None = None, prompt_logprobs: int | None = None,
-              keep_special_tokens: bool = False, after_reasoning: tuple[str, str] | None = None) -> SamplingParams:
+              keep_special_tokens: bool = False, after_reasoning: tuple[str, str] | None = None,
+              config: StructuredOutputsConfig = StructuredOutputsConfig()) -> SamplingParams:
     """The request's `SamplingParams` (each field checked by it too: its ValueError names the field);
-    `structured`: the structured output its tools ask for, else the body's; `keep_special_tokens`:
-    the reply is decoded with its special tokens, whatever the body says; `after_reasoning`: the
-    reasoning block after which a structured output holds the reply (the server's reasoning parser's)."""
+    `structured`: the structured output its tools ask for, else the body's, under the server's
+    `config`; `keep_special_tokens`: the reply is decoded with its special tokens, whatever the
+    body says; `after_reasoning`: the reasoning block after which a structured output holds the
+    reply (the server's reasoning parser's)."""
     fields = {name: _typed(body, name, kinds) for name, kinds in {**_OPENAI_FIELDS, **_EXTRA_FIELDS}.items()}
     fields = {name: value for name, value in fields.items() if value is not None}
     if keep_special_tokens:
@@ -131,11 +132,11 @@ def _sampling(body: dict, max_tokens: int | None, logprobs: int | None, stream: 
             raise ProtocolError(f"'logit_bias' keys must be token ids, got {sorted(bias)!r}", "logit_bias") from None
     try:
         # k = 0 asks for the sampled tokens' logprobs alone: the engine's floats, no alternatives to rank
-        # (a request's own structured_outputs that names after_reasoning keeps it: null holds the whole reply)
-        own = isinstance(body.get("structured_outputs"), dict) and "after_reasoning" in body["structured_outputs"]
+        # (a request's own structured_outputs keeps the fields it names: after_reasoning null holds the whole reply)
+        given = None if structured is not None else body.get("structured_outputs")
         structured = structured or _structured(body)
-        if structured is not None and after_reasoning is not None and not own:
-            structured = dataclasses.replace(structured, after_reasoning=after_reasoning)
+        if structured is not None:
+            structured = config.apply(structured, after_reasoning, given)
         return SamplingParams(**fields, max_tokens=max_tokens, logprobs=logprobs or None, prompt_logprobs=prompt_logprobs,
                               structured_outputs=structured,
                               output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
@@ -159,8 +160,9 @@ def _options(body: dict) -> dict:
                 id=uuid.uuid4().hex, created=int(time.time()))
 
 
-def read_completion(body: dict, tokenize) -> EngineRequest:
-    """A ``/v1/completions`` body: ``prompt`` a string, token ids, or a list of either."""
+def read_completion(body: dict, tokenize, config: StructuredOutputsConfig = StructuredOutputsConfig()) -> EngineRequest:
+    """A ``/v1/completions`` body: ``prompt`` a string, token ids, or a list of either; `config`:
+    the server's structured-outputs defaults."""
     _refuse(body)
     prompt = body.get("prompt")
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
@@ -182,14 +184,15 @@ def read_completion(body: dict, tokenize) -> EngineRequest:
     scored = asked if not (echo and logprobs is not None) else max(asked or 0, logprobs)  # echo shows the prompt's
     prompt_only = echo and max_tokens == 0  # (one token is sampled, as vLLM does, and not returned)
     options = _options(body)
-    params = _sampling(body, 1 if prompt_only else max_tokens, logprobs, options["stream"], prompt_logprobs=scored)
+    params = _sampling(body, 1 if prompt_only else max_tokens, logprobs, options["stream"], prompt_logprobs=scored,
+                       config=config)
     return EngineRequest(prompts, [params] * len(prompts), top_logprobs=logprobs, echo=echo, prompt_only=prompt_only,
                          prompt_logprobs=asked, prompt_texts=[p if isinstance(p, str) else None for p in prompt],
                          **options)
 
 
 def read_chat(body: dict, render, max_model_len: int, tool_parser: str | None = None,
-              reasoning_parser: str | None = None) -> EngineRequest:
+              reasoning_parser: str | None = None, config: StructuredOutputsConfig = StructuredOutputsConfig()) -> EngineRequest:
     """A ``/v1/chat/completions`` body; `render` turns (messages, template options) into token ids;
     `tool_parser` and `reasoning_parser`: the server's (`runtime.tool_calls.PARSERS`,
     `runtime.reasoning.PARSERS`, checked by `OpenAIServer`), None for none."""
@@ -221,7 +224,7 @@ def read_chat(body: dict, render, max_model_len: int, tool_parser: str | None = 
     # are read from their special tokens (`runtime.harmony`)
     params = _sampling(body, max_tokens, k, options["stream"], tools.structured() if tools else None, asked,
                        keep_special_tokens=reasoning_parser == HARMONY,
-                       after_reasoning=None if reasoning_parser is None else reasoning_block(reasoning_parser))
+                       after_reasoning=None if reasoning_parser is None else reasoning_block(reasoning_parser), config=config)
     include = bool(_typed(body, "include_reasoning", bool, True))
     return EngineRequest([ids], [params], top_logprobs=k, tools=tools, prompt_logprobs=asked, reasoning=reasoning_parser,
                          include_reasoning=include, **options)

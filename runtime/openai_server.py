@@ -23,6 +23,7 @@ from .engine_link import EngineLink
 from .engine_thread import EngineThread
 from .reasoning import PARSERS as REASONING_PARSERS
 from .openai_tools import server_parsers
+from .structured_outputs import StructuredOutputsConfig
 from .tool_calls import PARSERS
 
 __all__ = ["OpenAIServer"]
@@ -39,11 +40,14 @@ class OpenAIServer:
     (`runtime.reasoning.PARSERS`: ``"qwen3"``, ``"deepseek_r1"``, ``"openai_gptoss"``), as ``vllm serve
     --reasoning-parser``; None: the reply is all content. GPT-OSS's ``"openai"`` tool parser brings
     the ``"openai_gptoss"`` reasoning parser (`runtime.harmony`), and goes with no other. `chat_template`: a Jinja chat template
-    that chats render with instead of the tokenizer's (``vllm serve --chat-template``)."""
+    that chats render with instead of the tokenizer's (``vllm serve --chat-template``).
+    `structured_outputs_config`: the structured outputs' defaults, a dict of vLLM's fields
+    (``disable_any_whitespace``, ``enable_in_reasoning``; `runtime.structured_outputs.StructuredOutputsConfig`),
+    as ``vllm serve --structured-outputs-config``."""
 
     def __init__(self, llm, model_name: str, host: str = "127.0.0.1", port: int = 8000,
                  tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-                 chat_template: str | None = None) -> None:
+                 chat_template: str | None = None, structured_outputs_config: dict | None = None) -> None:
         if llm.tokenizer is None:
             raise ValueError("OpenAIServer: the engine has no tokenizer (the API's prompts and replies are text); "
                              "load a checkpoint folder that has one, or pass LLM(..., tokenizer=...)")
@@ -54,6 +58,7 @@ class OpenAIServer:
                              f"{sorted(REASONING_PARSERS)}")
         try:
             tool_call_parser, reasoning_parser = server_parsers(tool_call_parser, reasoning_parser)
+            self.structured_config = StructuredOutputsConfig.of(structured_outputs_config)
         except ValueError as err:
             raise ValueError(f"OpenAIServer: {err}") from None
         self.llm, self.model_name, self.host, self.port = llm, model_name, host, port
@@ -77,7 +82,8 @@ class OpenAIServer:
         conn = Connection(ours.detach())
         conn.send({"tokenizer": self.llm.tokenizer, "model_name": self.model_name, "host": self.host,
                    "port": self.port, "max_model_len": self.llm.max_model_len, "tool_call_parser": self.tool_call_parser,
-                   "reasoning_parser": self.reasoning_parser, "chat_template": self.chat_template})
+                   "reasoning_parser": self.reasoning_parser, "chat_template": self.chat_template,
+                   "structured_config": self.structured_config})
         try:
             kind, detail = conn.recv()
         except EOFError:

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Grammars", "StructuredOutputsParams", "choice_grammar", "xgrammar_module"]
+__all__ = ["Grammars", "StructuredOutputsConfig", "StructuredOutputsParams", "choice_grammar", "xgrammar_module"]
 
 #: the constraint fields, exactly one of which a `StructuredOutputsParams` sets
 KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
@@ -142,6 +142,64 @@ class StructuredOutputsParams:
         if unknown:
             raise ValueError(f"SamplingParams.structured_outputs: unknown field(s) {unknown} (known: {sorted(known)})")
         return cls(**fields)
+
+
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """A server's defaults for its requests' structured outputs, as ``vllm serve
+    --structured-outputs-config`` sets them (``vexact serve`` takes the same JSON).
+
+    Attributes:
+        disable_any_whitespace: JSON schemas (a request's, the tools' of ``tool_choice``
+            "required" or a named function) allow no whitespace beyond single separators, unless
+            the request's ``structured_outputs`` says otherwise.
+        enable_in_reasoning: the grammar holds the reasoning too (vLLM's option); by default a
+            server with a reasoning parser starts it after the reasoning
+            (``StructuredOutputsParams.after_reasoning``).
+    """
+
+    disable_any_whitespace: bool = False
+    enable_in_reasoning: bool = False
+
+    #: vLLM's other fields, accepted at these values only (one backend here)
+    _FIXED = {"backend": ("auto", "xgrammar"), "disable_additional_properties": (False,), "disable_fallback": (False, True)}
+
+    @classmethod
+    def of(cls, value: Mapping | StructuredOutputsConfig | None) -> StructuredOutputsConfig:
+        """`value` (a dict of vLLM's fields, or None: the defaults) checked; ValueError naming a
+        field that is unknown, of the wrong type, or at a value this engine cannot honour."""
+        if value is None or isinstance(value, cls):
+            return value or cls()
+        if not isinstance(value, Mapping):
+            raise ValueError(f"structured_outputs_config must be a dict of vLLM's fields, got {type(value).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        for name, given in value.items():
+            if name in cls._FIXED:
+                if given not in cls._FIXED[name]:
+                    raise ValueError(f"structured_outputs_config.{name}={given!r} is not supported here (one of "
+                                     f"{list(cls._FIXED[name])})")
+            elif name == "reasoning_parser":
+                raise ValueError("structured_outputs_config.reasoning_parser: give the server's reasoning parser as "
+                                 "--reasoning-parser (reasoning_parser=)")
+            elif name not in known:
+                raise ValueError(f"structured_outputs_config: unknown field {name!r} (known: "
+                                 f"{sorted(known | set(cls._FIXED))})")
+            elif not isinstance(given, bool):
+                raise ValueError(f"structured_outputs_config.{name}={given!r} must be a bool")
+        return cls(**{name: value[name] for name in known if name in value})
+
+    def apply(self, spec: StructuredOutputsParams, after_reasoning: tuple[str, str] | None,
+              given: Mapping | None = None) -> StructuredOutputsParams:
+        """`spec` under these defaults: without whitespace in a JSON schema's output, and starting
+        after the reasoning block `after_reasoning` (the server's parser's; None: none), each
+        unless `given` (the request's own ``structured_outputs`` dict) names the field."""
+        given = given if isinstance(given, Mapping) else {}
+        changes = {}
+        if self.disable_any_whitespace and spec.json is not None and "disable_any_whitespace" not in given:
+            changes["disable_any_whitespace"] = True
+        if after_reasoning is not None and not self.enable_in_reasoning and "after_reasoning" not in given:
+            changes["after_reasoning"] = after_reasoning
+        return dataclasses.replace(spec, **changes) if changes else spec
 
 
 class Grammars:

@@ -6,15 +6,17 @@ built or written."""
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import torch
 
 from vexact_models.conformance.models import published_shape
 from vexact_models.registry import Architecture, for_model_type, get
+from vexact_models.runtime.structured_outputs import StructuredOutputsConfig
 
 __all__ = ["architecture_arg", "checkpoint_arg", "config_arg", "device_arg", "non_negative_float", "non_negative_int",
-           "positive_float", "positive_int"]
+           "positive_float", "positive_int", "structured_outputs_config_arg"]
 
 
 def positive_int(text: str) -> int:
@@ -78,6 +80,19 @@ def chat_template_arg(text: str) -> str:
     if "{%" in text or "{{" in text:
         return text
     raise argparse.ArgumentTypeError(f"{text!r} is neither a file nor a Jinja template (no '{{%' or '{{{{' in it)")
+
+
+def structured_outputs_config_arg(text: str) -> StructuredOutputsConfig:
+    """``vllm serve --structured-outputs-config``'s JSON object (``{"disable_any_whitespace":
+    true}``), checked; else refused, naming the field or the JSON error."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object: {err}") from None
+    try:
+        return StructuredOutputsConfig.of(value)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def checkpoint_arg(text: str) -> str:

@@ -8,7 +8,7 @@ import signal
 import sys
 
 from vexact_models.cli_args import (chat_template_arg, checkpoint_arg, device_arg, non_negative_int, positive_float,
-                                    positive_int)
+                                    positive_int, structured_outputs_config_arg)
 from vexact_models.runtime.openai_tools import server_parsers
 from vexact_models.runtime.reasoning import PARSERS as REASONING_PARSERS
 from vexact_models.runtime.tool_calls import PARSERS
@@ -75,6 +75,11 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                         "themselves: Qwen3's hybrid models), deepseek_r1 (templates that open it in the prompt: "
                         "DeepSeek-R1, Qwen3 thinking-only, Qwen3.5), openai_gptoss (GPT-OSS: the harmony reply's "
                         "analysis channel, its final channel the content); default: none, the reply is all content")
+    p.add_argument("--structured-outputs-config", type=structured_outputs_config_arg, metavar="JSON",
+                   help="the structured outputs' defaults, vLLM's JSON object: disable_any_whitespace (JSON schemas, "
+                        "tools' included, allow no whitespace beyond single separators), enable_in_reasoning (the "
+                        "grammar holds the reasoning too; by default it starts after --reasoning-parser's block); "
+                        "backend auto or xgrammar")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="vLLM's switch for tool_choice 'auto', accepted for its command lines: needs "
                         "--tool-call-parser, which turns 'auto' on by itself here")
@@ -102,7 +107,8 @@ def serve(args: argparse.Namespace) -> int:
               enforce_eager=args.enforce_eager)
     server = OpenAIServer(llm, args.served_model_name or args.model, args.host, args.port,
                           tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                          chat_template=args.chat_template).start()
+                          chat_template=args.chat_template,
+                          structured_outputs_config=args.structured_outputs_config).start()
     print(f"vexact serve: {server.model_name} at {server.url}", flush=True)
     for stop in (signal.SIGINT, signal.SIGTERM):  # (a parent may have left SIGINT ignored, as pytest-xdist does)
         signal.signal(stop, _interrupt)
