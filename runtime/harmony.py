@@ -44,6 +44,7 @@ FUNCTIONS = "functions."
 #: what a reply (inside its first header) may begin with: a channel, a recipient, a new message
 OPENINGS = (CHANNEL, "to=", " to=", START)
 _RECIPIENT = re.compile(r"(?:^|\s)to=(\S+)")
+_MARKER = re.compile(r"<\|[^<>|]*\|>")  # a special token's text
 
 
 class HarmonyReader:
@@ -87,17 +88,18 @@ class HarmonyReader:
 
     def _between(self, finished: bool, out: dict) -> bool:
         """After a message's ``<|end|>``: the next ``<|start|>``. Stray text is answer, from its
-        first character that is not whitespace (whitespace alone is dropped)."""
+        first character that is not whitespace (whitespace alone is dropped), without the special
+        tokens in it (``<|endoftext|>``, an EOS token the reply may end with)."""
         at = self.held.find(START)
-        limit = at if at >= 0 else len(self.held) - (0 if finished else tag_prefix(self.held, START))
-        stray = self.held[:limit]
+        limit = at if at >= 0 else len(self.held) - (0 if finished else _open_marker(self.held))
+        stray = _MARKER.sub("", self.held[:limit])
         if self._stray or stray.strip():
             if not self._stray:  # (stray text is a message of its own: joined by a newline too)
                 self._opened = False
             self._write("answer", stray if self._stray else stray.lstrip(), out)
             self._stray, self.held = True, self.held[limit:]
         elif at < 0 and not finished:
-            return False  # whitespace so far: held until the next text says
+            return False  # whitespace (and special tokens) so far: held until the next text says
         if at < 0:
             return False
         self.held, self.state, self.header, self._stray = self.held[at + len(START):], "header", "", False
@@ -155,6 +157,14 @@ class HarmonyReader:
             out[kind].append("\n")  # the messages of a kind are joined by a newline
         out[kind].append(piece)
         self._wrote[kind] = self._opened = True
+
+
+def _open_marker(text: str) -> int:
+    """How many characters at the end of `text` may be a special token still being written."""
+    opened = text.rfind("<|")
+    if opened >= 0 and "|>" not in text[opened:]:
+        return len(text) - opened
+    return tag_prefix(text, "<|")
 
 
 def parse_header(header: str) -> tuple[str | None, str | None, str | None]:

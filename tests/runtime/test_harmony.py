@@ -45,6 +45,11 @@ REPLIES = {  # reply: (reasoning, answer, calls)
     "text between messages is answer": (
         "<|channel|>final<|message|>a<|end|>\n  more<|start|>assistant<|channel|>final<|message|>b<|end|> \n",
         None, "a\nmore\nb", []),
+    "an EOS token after the last message is dropped": (
+        "<|channel|>final<|message|>a<|end|><|endoftext|>", None, "a", []),
+    "special tokens in text between messages are dropped": (
+        "<|channel|>final<|message|>a<|end|>x<|foo|>y<|start|>assistant<|channel|>final<|message|>b<|end|>", None,
+        "a\nxy\nb", []),
     "no header: an answer's body": ("Just text, and all.<|return|>", None, "Just text, and all.", []),
     "no header, then messages": ("[1, 2]<|end|><|start|>assistant<|channel|>final<|message|>3<|return|>", None,
                                  "[1, 2]\n3", []),
