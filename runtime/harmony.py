@@ -20,9 +20,10 @@ tokens). By channel and recipient a message is:
 - any other recipient (the built-in ``browser``, ``python``) or channel: none of these.
 
 Several messages of one kind are joined by a newline (vLLM's join); text between messages (not
-whitespace) is answer too. A reply that does not begin like a header is read as the body of an
-answer message (a prompt that opened the final channel; a model that never learned the format). The markers are read in the
-decoded text, so the reply is decoded with its special tokens (the server asks for that).
+whitespace, its special tokens dropped) is answer too. A reply that does not begin like a header
+is read as the body of an answer message (a prompt that opened the final channel; a model that
+never learned the format). The markers are read in the decoded text, so the reply is decoded
+with its special tokens (the server asks for that).
 
 `HarmonyReader` reads a reply as it streams, holding back only what may still begin a marker; a
 whole reply is read the same way, so a stream's pieces always add up to the whole reply's.
