@@ -22,8 +22,8 @@ online / per-call. Then whether all modes gave every turn the same tokens and lo
 must: a request's tokens depend only on it, rules 1 and 7, and the conversations then stay the
 same), and every online sample recomputed by ``token_logprobs``.
 
-Usage (one H100 or H200):
-    cd benchmarks && python3 serve.py --config qwen3-0.6b
+Usage (one H100 or H200; the second pass's rows are the steady state):
+    cd benchmarks && python3 serve.py --config qwen3-0.6b --repeat 2
     cd benchmarks && python3 serve.py --tiny            # CPU smoke run (tests)
 """
 
