@@ -3,8 +3,9 @@
 Each episode: a user asks for a sum; the model calls the ``add`` tool (``tool_choice:
 "required"``, which holds the reply to the tool's JSON schema, so even a random model calls it),
 the script runs the tool and returns its result as a ``tool`` message, and the model answers
-(``tool_choice: "none"``); a call the reply could not close within ``--max-tokens`` (a random
-model pads the JSON with whitespace) ends the episode after its first turn. Every turn comes back
+(``tool_choice: "none"``). The server holds JSON schemas to no padding whitespace
+(``--structured-outputs-config``; ``--any-whitespace`` lifts it, and a random model then pads its
+call); a call the reply could not close within ``--max-tokens`` ends the episode after its first turn. Every turn comes back
 with its token ids (``return_token_ids``) and logprobs (the engine's floats through JSON). Then:
 
 - each turn's logprobs are recomputed by the training forward (``model.token_logprobs``) from the
@@ -56,8 +57,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="checkpoint folder or hub id to serve (default: a tiny random one written to --out)")
     p.add_argument("--episodes", type=int, default=4, help="agent episodes (default 4)")
-    p.add_argument("--max-tokens", type=int, default=200,
-                   help="tokens a turn may generate (default 200: a random model pads its call's JSON with whitespace)")
+    p.add_argument("--max-tokens", type=int, default=200, help="tokens a turn may generate (default 200)")
+    p.add_argument("--any-whitespace", action="store_true",
+                   help="let the call's JSON hold any whitespace (xgrammar's default; a random model pads it past "
+                        "--max-tokens); by default the server is started with --structured-outputs-config "
+                        "'{\"disable_any_whitespace\": true}'")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weights (default float32)")
@@ -152,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     folder = args.model or str(write_checkpoint(args.out / "checkpoint", args.seed, args.device))
     llm = LLM(folder, device=args.device, dtype=args.dtype, **({"kv_cache_bytes": 1 << 24} if args.device == "cpu" else {}))
-    server = OpenAIServer(llm, "agent", port=0, tool_call_parser="hermes").start()
+    server = OpenAIServer(llm, "agent", port=0, tool_call_parser="hermes",
+                          structured_outputs_config={"disable_any_whitespace": not args.any_whitespace}).start()
     try:
         client = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0)
         episodes = [episode(client, i, args) for i in range(args.episodes)]

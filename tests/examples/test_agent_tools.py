@@ -33,9 +33,9 @@ def test_agent_example_cpu_defaults(tmp_path):
 
 def test_a_call_cut_short_ends_its_episode(tmp_path):
     """A reply whose call JSON does not close within --max-tokens ends the episode after its first
-    turn, whose tokens are still recomputed (the run passes)."""
-    run = subprocess.run([sys.executable, str(EXAMPLE), "--episodes", "1", "--max-tokens", "6", "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=600)
+    turn, whose tokens are still recomputed (the run passes); here with any whitespace allowed."""
+    run = subprocess.run([sys.executable, str(EXAMPLE), "--episodes", "1", "--max-tokens", "6", "--any-whitespace",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "no call within --max-tokens 6" in run.stdout and "RESULT: PASS" in run.stdout
     metrics = json.loads((tmp_path / "agent_metrics.json").read_text())
