@@ -53,10 +53,9 @@ class EngineThread:
 
     def __init__(self, llm) -> None:
         self.llm = llm
-        # the engine's CUDA device with its index (``LLM(path)`` says "cuda": the current device of
-        # the thread that built it, which a new thread does not inherit)
-        self._cuda = None if llm.device.type != "cuda" else (
-            llm.device if llm.device.index is not None else torch.device("cuda", torch.cuda.current_device()))
+        # the engine's CUDA device, with its index (`llm_setup.pick_device`): a new thread does not
+        # inherit the current device of the thread that built the engine
+        self._cuda = llm.device if llm.device.type == "cuda" else None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, queue.SimpleQueue] = {}
         self._ids = itertools.count()

@@ -18,6 +18,7 @@ import torch
 
 from vexact_models.runtime import LLM, SamplingParams
 from vexact_models.runtime.engine_thread import EngineThread
+from vexact_models.runtime.llm_setup import pick_device
 from vexact_models.runtime.openai_protocol import ProtocolError, read_chat
 from vexact_models.runtime.openai_server import OpenAIServer
 
@@ -272,12 +273,13 @@ def test_an_engine_thread_that_stops_fails_its_callers_instead_of_hanging():
 
 
 def test_an_engine_thread_takes_the_engines_cuda_device_with_its_index(monkeypatch):
-    """``LLM(path)`` on a GPU says "cuda"; its thread sets the builder's current device (2 here),
-    which ``torch.cuda.set_device`` needs with an index."""
+    """The engine's thread sets the engine's CUDA device (its index the builder's current device,
+    `llm_setup.pick_device`: 2 here), which a new thread does not inherit."""
     chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
     monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
-    engine = EngineThread(_StubEngine("cuda"))
+    engine = EngineThread(_StubEngine(pick_device("folder", torch.device("cuda"), None)))
     engine.close()
     assert chosen == [torch.device("cuda", 2)]
 
