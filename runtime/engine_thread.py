@@ -61,7 +61,7 @@ class EngineThread:
         self._ids = itertools.count()
         self._closed = False
         self._stopped: BaseException | None = None  # the error that stopped the thread
-        self._lock = threading.Lock()  # (a submission is queued before the stopped thread's last drain, or refused)
+        self._lock = threading.Lock()  # (a submission is queued before the thread's last drain, or refused)
         self._thread = threading.Thread(target=self._run, name="vexact-engine", daemon=True)
         self._thread.start()
 
@@ -112,8 +112,9 @@ class EngineThread:
 
     def close(self) -> None:
         """Stop the thread after aborting what still runs (their sinks get a RuntimeError)."""
-        if not self._closed:
-            self._closed = True
+        with self._lock:  # (a submission is queued before the close, which fails it, or refused)
+            closing, self._closed = not self._closed, True
+        if closing:
             self._commands.put(("close",))
             self._thread.join()
 
