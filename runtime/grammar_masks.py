@@ -20,6 +20,7 @@ grammar's.
 from __future__ import annotations
 
 import sys
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,13 +45,13 @@ class GrammarState:
         self.accepted = 0  #: output tokens fed so far (those before the trigger too)
         self.trigger = tuple(trigger)
         self.active = not self.trigger  #: whether the grammar holds the next output
-        self._tail: list[int] = []  # the last outputs while waiting, as many as the trigger has
+        self._tail: deque[int] = deque(maxlen=len(self.trigger))  # the last outputs while waiting
 
     def accept(self, token: int) -> bool:
         """Feed the sequence's next output token; False when the grammar does not allow it (a row
         whose other settings left it no token the grammar allows: `Scheduler.postprocess`)."""
         if not self.active:
-            self._tail = (self._tail + [token])[-len(self.trigger):]
+            self._tail.append(token)
             self.active = tuple(self._tail) == self.trigger
         elif not self.matcher.accept_token(token):
             return False
@@ -74,9 +75,18 @@ def grammar_trigger(tokenizer, after_reasoning: tuple[str, str] | None, prompt: 
 
 
 def _last(ids: list[int], part: tuple[int, ...]) -> int:
-    """Where `part` last begins in `ids` (-1: nowhere)."""
-    n = len(part)
-    return next((i for i in range(len(ids) - n, -1, -1) if tuple(ids[i:i + n]) == part), -1)
+    """Where `part` last begins in `ids` (-1: nowhere): its first token's places, found from the end
+    by the list's own search (a long prompt without the part costs no Python loop over its tokens)."""
+    backwards, n, at = ids[::-1], len(part), 0
+    while True:
+        try:
+            at = backwards.index(part[0], at)
+        except ValueError:
+            return -1
+        start = len(ids) - 1 - at
+        if tuple(ids[start:start + n]) == part:
+            return start
+        at += 1
 
 
 @dataclass
