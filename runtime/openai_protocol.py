@@ -320,7 +320,7 @@ def chat_choice(request: EngineRequest, index: int, output: RequestOutput, compl
     text, finish = completion.text or "", completion.finish_reason
     if isinstance(stream, ChatStream):
         message = stream.delta(text, finish is not None)
-        finish = "tool_calls" if stream.called else finish
+        finish = "tool_calls" if finish is not None and stream.called else finish
     elif stream:
         message = {"content": text}
     elif request.tools is not None or request.reasoning is not None:

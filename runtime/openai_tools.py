@@ -9,11 +9,12 @@ The tools always go to the chat template. Then, by ``tool_choice``:
 - ``"auto"`` (the default with tools, where the server has a parser): the server's parser
   (`runtime.tool_calls`) reads the reply: the text before the first call is the message's content,
   the calls its ``tool_calls``, and ``finish_reason`` is ``"tool_calls"`` when there are any.
-  Streamed, the content streams until a call's tag begins; the calls come in the last chunk, each
-  whole. ``"auto"`` asked of a server without a parser is refused, naming the option.
+  Streamed, the content streams until a call's tag begins; then each call's id and name go out
+  once its name is written and its arguments as they are written (`runtime.tool_call_stream`).
+  ``"auto"`` asked of a server without a parser is refused, naming the option.
 - ``"required"``: the reply is held to a JSON array of one or more ``{"name", "parameters"}``
   objects, one of the tools' names and its parameters' schema each (structured outputs); each item
-  is a call. The message's content is empty.
+  is a call (streamed as "auto"'s are). The message's content is empty.
 - a named function, ``{"type": "function", "function": {"name": N}}``: the reply is held to N's
   parameters' schema and is that call's arguments (streamed as they come).
 
@@ -32,6 +33,7 @@ from .structured_outputs import StructuredOutputsParams
 from .openai_errors import ProtocolError
 from .harmony import HarmonyReader
 from .reasoning import HARMONY, reasoning_split
+from .tool_call_stream import ArrayCalls, CallPiece
 from .tool_calls import PARSERS, HarmonyParser, ToolCall, ToolParser, new_call_id
 
 __all__ = ["ChatStream", "ToolReply", "ToolStream", "chat_message", "read_tools", "server_parsers"]
@@ -98,40 +100,59 @@ class ToolReply:
 
 
 class ToolStream:
-    """Turns one choice's text deltas into its stream's delta messages under the request's tools."""
+    """Turns one choice's text deltas into its stream's delta messages under the request's tools:
+    content until the calls begin, then each call's id and name once its name is written and its
+    arguments as they come (`runtime.tool_call_stream`), as vLLM streams them. The pieces join to
+    the whole reply's message; where the whole reply cannot read its calls and answers with text,
+    a stream that sent none sends that text."""
 
     def __init__(self, reply: ToolReply) -> None:
         self.reply, self.text, self.sent = reply, "", 0  # the reply so far, and how much went out as content
-        self.call_id = new_call_id()
-        self.called = False  #: whether the last delta held "auto" calls
-        self._named_open = False  #: whether a named function's call (its id and name) went out
+        self.call_id = new_call_id()  #: a named function's call id
+        self.calls = 0  #: the calls sent so far
+        self._reader = ArrayCalls() if reply.mode == "required" else None
+        self._ids: list[str] = []
+
+    @property
+    def called(self) -> bool:
+        """Whether "auto" calls went out (``finish_reason`` ``"tool_calls"``)."""
+        return self.calls > 0 and self.reply.mode == "auto"
 
     def delta(self, text: str, finished: bool) -> dict:
         """The delta message for the next `text` of the reply (`finished`: its last)."""
         self.text += text
         if self.reply.mode == "named":
             item = {"index": 0, "function": {"arguments": text}}
-            if not self._named_open:
+            if not self.calls:
                 item.update(id=self.call_id, type="function", function={"name": self.reply.name, "arguments": text})
-                self._named_open = True
+                self.calls = 1
             return {"tool_calls": [item]}
-        if finished:
-            return self._last()
-        if self.reply.mode == "required":
-            return {}
-        parser = self.reply.parser
-        begun = parser.begins(self.text, self.sent)  # (what went out held no beginning of a call)
-        return self._content(begun if begun >= 0 else len(self.text) - parser.held(self.text))
-
-    def _last(self) -> dict:
-        content, calls = self.reply.calls(self.text)
-        if not calls:
-            return self._content(len(self.text))
-        self.called = self.reply.mode == "auto"
-        delta = {"tool_calls": [{"index": i, **call.message_item()} for i, call in enumerate(calls)]}
-        if self.reply.mode == "auto" and content and len(content) > self.sent:
-            delta["content"] = content[self.sent:]
+        delta = {}
+        if self._reader is None:  # ("auto": content until the calls begin)
+            parser = self.reply.parser
+            begun = parser.begins(self.text, self.sent)  # (what went out held no beginning of a call)
+            delta = self._content(begun if begun >= 0 else len(self.text) - (0 if finished else parser.held(self.text)))
+            if begun < 0:
+                return delta
+            self._reader, text = parser.stream_reader(self.reply.tools), self.text[begun:]
+        delta.update(self._calls(self._reader.feed(text, finished)))
+        if finished and not self.calls:  # (no call could be read: the reply is text, as the whole one's)
+            delta.update(self._content(len(self.text)))
         return delta
+
+    def _calls(self, pieces: list[CallPiece]) -> dict:
+        items: dict[int, dict] = {}
+        for piece in pieces:
+            if piece.index > 0 and not self.reply.parallel or piece.name is None and not piece.arguments:
+                continue
+            if piece.name is not None:
+                self._ids.append(new_call_id())
+                items[piece.index] = {"index": piece.index, "id": self._ids[piece.index], "type": "function",
+                                      "function": {"name": piece.name, "arguments": ""}}
+            item = items.setdefault(piece.index, {"index": piece.index, "function": {"arguments": ""}})
+            item["function"]["arguments"] += piece.arguments
+        self.calls = len(self._ids)
+        return {"tool_calls": list(items.values())} if items else {}
 
     def _content(self, end: int) -> dict:
         if end <= self.sent:
@@ -144,19 +165,19 @@ class ChatStream:
     """One streamed chat choice's delta messages: its reasoning split off by the server's
     reasoning parser (`runtime.reasoning`; sent as ``reasoning`` when `include_reasoning`), the
     answer read under the request's tools (`ToolStream`) or sent as it comes. A harmony reply's
-    calls are read by its split (`runtime.harmony`) and come whole in the last chunk."""
+    calls are read by its split (`runtime.harmony`), each sent whole once its message ends."""
 
     def __init__(self, tools: ToolReply | None, reasoning: str | None, include_reasoning: bool = True) -> None:
         self.split = None if reasoning is None else reasoning_split(reasoning)
         self.harmony = tools if _reads_calls(self.split, tools) else None
         self.tools = None if tools is None or self.harmony is not None else tools.stream()
         self.include_reasoning = include_reasoning
-        self._called = False
+        self._harmony_sent = 0  # the harmony calls sent
 
     @property
     def called(self) -> bool:
-        """Whether the reply's last delta held "auto" tool calls (``finish_reason`` "tool_calls")."""
-        return self._called or self.tools is not None and self.tools.called
+        """Whether "auto" tool calls went out (``finish_reason`` "tool_calls")."""
+        return self._harmony_sent > 0 or self.tools is not None and self.tools.called
 
     def delta(self, text: str, finished: bool) -> dict:
         reasoning, answer = ("", text) if self.split is None else self.split.feed(text, finished)
@@ -165,11 +186,10 @@ class ChatStream:
             return {**delta, **self.tools.delta(answer, finished)}
         if answer:
             delta["content"] = answer
-        if finished and self.harmony is not None:
-            calls = self.harmony.harmony_calls(self.split)
-            if calls:
-                delta["tool_calls"] = [{"index": i, **call.message_item()} for i, call in enumerate(calls)]
-                self._called = True
+        calls = [] if self.harmony is None else self.harmony.harmony_calls(self.split)[self._harmony_sent:]
+        if calls:
+            delta["tool_calls"] = [{"index": self._harmony_sent + i, **call.message_item()} for i, call in enumerate(calls)]
+            self._harmony_sent += len(calls)
         return delta
 
 

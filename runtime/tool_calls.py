@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 from .harmony import read_harmony
 from .text_deltas import tag_prefix
+from .tool_call_stream import CoderCall, DeepSeekCall, SeparatedCalls, TaggedCalls, hermes_call
 
 __all__ = ["PARSERS", "ToolCall", "ToolParser", "new_call_id"]
 
@@ -102,6 +103,11 @@ class ToolParser:
         """The call written between the tags; ValueError (or TypeError, KeyError) when unreadable."""
         raise NotImplementedError
 
+    def stream_reader(self, tools: list[dict]):
+        """A reader of a streamed reply's calls as they are written (`runtime.tool_call_stream`),
+        fed the reply from where `begins` finds them."""
+        raise NotImplementedError
+
 
 class HermesParser(ToolParser):
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``."""
@@ -114,6 +120,9 @@ class HermesParser(ToolParser):
             raise ValueError(f"a hermes tool call is a JSON object with a 'name', got {block!r}")
         arguments = call.get("arguments", {})
         return ToolCall(call["name"], arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False))
+
+    def stream_reader(self, tools: list[dict]) -> TaggedCalls:
+        return TaggedCalls(self.start, self.end, hermes_call)
 
 
 class Qwen3CoderParser(ToolParser):
@@ -135,6 +144,11 @@ class Qwen3CoderParser(ToolParser):
             arguments[key.strip()] = _typed_value(value, schema.get(key.strip()))
         return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
 
+    def stream_reader(self, tools: list[dict]) -> TaggedCalls:
+        def typed(name: str, key: str, value: str) -> object:
+            return _typed_value(value, _parameters(tools, name).get(key))
+        return TaggedCalls(self.start, self.end, lambda: CoderCall(typed))
+
 
 class DeepSeekParser(ToolParser):
     """DeepSeek-V3's calls: ``<｜tool▁calls▁begin｜>``, then per call ``<｜tool▁call▁begin｜>``
@@ -153,6 +167,9 @@ class DeepSeekParser(ToolParser):
                 raise ValueError(f"a DeepSeek-V3 tool call has its arguments in a JSON code fence, got {block!r}")
             head, arguments = fenced.groups()
         return ToolCall(head.strip(), json.dumps(json.loads(arguments), ensure_ascii=False))
+
+    def stream_reader(self, tools: list[dict]) -> TaggedCalls:
+        return TaggedCalls(self.start, self.end, DeepSeekCall)
 
 
 class Llama3JsonParser(ToolParser):
@@ -181,6 +198,9 @@ class Llama3JsonParser(ToolParser):
             raise ValueError(f"a Llama 3 tool call is a JSON object with a 'name', got {block!r}")
         arguments = call.get("parameters", call.get("arguments", {}))
         return ToolCall(call["name"], arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False))
+
+    def stream_reader(self, tools: list[dict]) -> SeparatedCalls:
+        return SeparatedCalls(self.opens)
 
 
 class HarmonyParser(ToolParser):

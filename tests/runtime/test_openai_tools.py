@@ -15,6 +15,7 @@ from vexact_models.runtime.structured_outputs import StructuredOutputsParams
 from .llm_support import save_bpe_checkpoint
 
 openai = pytest.importorskip("openai")  # (the main test environment has it; the older-transformers runs do not)
+ChatCompletionStreamState = pytest.importorskip("openai.lib.streaming.chat").ChatCompletionStreamState
 pytest.importorskip("xgrammar")
 
 #: Qwen-like: the tools in a system turn, assistant tool calls as hermes blocks, tool results as turns
@@ -72,20 +73,19 @@ def _chat(client, **kwargs):
                                           **kwargs)
 
 
-def _streamed(client, **kwargs) -> tuple[str, dict[int, dict], str]:
-    """The content, the calls (by index: id, name, arguments joined) and the finish reason of a
-    streamed reply."""
-    content, calls, finish = "", {}, None
+def _streamed(client, **kwargs) -> tuple[str, dict[int, dict], str, int]:
+    """The content, the calls (by index: id, name, arguments), the finish reason of a streamed
+    reply, as OpenAI's own stream accumulator (``ChatCompletionStreamState``) joins its chunks, and
+    how many chunks carried a piece of the calls' arguments."""
+    state, pieces = ChatCompletionStreamState(), 0
     for chunk in _chat(client, stream=True, **kwargs):
-        for choice in chunk.choices:
-            content += choice.delta.content or ""
-            finish = choice.finish_reason or finish
-            for call in choice.delta.tool_calls or []:
-                slot = calls.setdefault(call.index, {"id": None, "name": None, "arguments": ""})
-                slot["id"] = call.id or slot["id"]
-                slot["name"] = (call.function.name if call.function else None) or slot["name"]
-                slot["arguments"] += (call.function.arguments or "") if call.function else ""
-    return content, calls, finish
+        state.handle_chunk(chunk)
+        pieces += sum(bool(call.function and call.function.arguments) for choice in chunk.choices
+                      for call in choice.delta.tool_calls or [])
+    [choice] = state.get_final_completion().choices
+    calls = {i: {"id": call.id, "name": call.function.name, "arguments": call.function.arguments}
+             for i, call in enumerate(choice.message.tool_calls or [])}
+    return choice.message.content or "", calls, choice.finish_reason, pieces
 
 
 @pytest.mark.parametrize("seed, head", [(0, ""), (5, "no way ")])
@@ -110,9 +110,10 @@ def test_auto_reads_the_hermes_call_the_model_wrote(hermes, reference, seed, hea
     [got] = choice.message.tool_calls
     assert got.type == "function" and got.id.startswith("chatcmpl-tool-")
     assert (got.function.name, json.loads(got.function.arguments)) == ("get_weather", {"city": city})
-    content, calls, finish = _streamed(hermes, max_tokens=80, seed=seed, extra_body=extra)
+    content, calls, finish, pieces = _streamed(hermes, max_tokens=80, seed=seed, extra_body=extra)
     assert (content or None, finish) == (choice.message.content, "tool_calls")
     assert [(c["name"], c["arguments"]) for c in calls.values()] == [("get_weather", got.function.arguments)]
+    assert pieces > 1  # (the arguments came as the model wrote them, over several chunks)
 
 
 def test_auto_reply_without_a_call_is_text(hermes):
@@ -172,8 +173,9 @@ def test_required_holds_the_reply_to_calls_of_the_tools(hermes, parallel):
             assert set(arguments) == {"zone"} and arguments["zone"] in ("utc", "cet")
         else:
             assert call.function.name == "get_weather" and arguments["city"] in ("Paris", "Rome")
-    _, calls, finish = _streamed(hermes, tool_choice="required", parallel_tool_calls=parallel, max_tokens=300, seed=3)
-    assert finish == "stop"
+    _, calls, finish, pieces = _streamed(hermes, tool_choice="required", parallel_tool_calls=parallel, max_tokens=300,
+                                         seed=3)
+    assert finish == "stop" and pieces > len(calls)
     assert [(c["name"], c["arguments"]) for c in calls.values()] == [
         (c.function.name, c.function.arguments) for c in choice.message.tool_calls]
 
@@ -185,7 +187,7 @@ def test_a_named_function_is_the_reply(hermes):
     assert call.function.name == "get_time" and json.loads(call.function.arguments)["zone"] in ("utc", "cet")
     assert reply.choices[0].message.content == "" and reply.choices[0].finish_reason == "stop"
     tokens = reply.choices[0].model_extra["token_ids"]
-    _, calls, finish = _streamed(hermes, tool_choice=choice, max_tokens=60, seed=4)
+    _, calls, finish, _ = _streamed(hermes, tool_choice=choice, max_tokens=60, seed=4)
     assert [(c["name"], c["arguments"]) for c in calls.values()] == [("get_time", call.function.arguments)]
     assert calls[0]["id"].startswith("chatcmpl-tool-") and finish == "stop" and tokens
 

@@ -8,6 +8,8 @@ from vexact_models.runtime.openai_tools import ChatStream, ToolReply, chat_messa
 from vexact_models.runtime.reasoning import ReasoningSplit, split_reasoning
 from vexact_models.runtime.tool_calls import PARSERS
 
+from .stream_support import join_deltas
+
 TEXTS = ["<think>a plan</think>\n\nthe answer", "the answer alone", "<think>cut short", "a plan</think>answer",
          "<thin", "<think></think>", "a </thinking> b </think> c", "</think>"]
 
@@ -44,7 +46,7 @@ def test_reasoning_then_tool_calls_whole_and_streamed():
     deltas = [stream.delta(ch, i == len(text) - 1) for i, ch in enumerate(text)]
     assert "".join(d.get("reasoning", "") for d in deltas) == "call it"
     assert "".join(d.get("content", "") for d in deltas) == "ok "
-    assert [c["function"] for c in deltas[-1]["tool_calls"]] == [message["tool_calls"][0]["function"]]
+    assert [c["function"] for c in join_deltas(deltas)["tool_calls"]] == [message["tool_calls"][0]["function"]]
     assert stream.called
 
 
