@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from vexact_models.cli_args import architecture_arg, device_arg, positive_int
+from vexact_models.cli_args import architecture_arg, device_arg, dotted_json_args, positive_int
 from vexact_models.conformance.models import MIN_GPU_HEAD_DIM
 from vexact_models.layers import head_dim_of
 from vexact_models.registry import architectures, get, unavailable
@@ -291,6 +291,10 @@ def main(argv: list[str] | None = None) -> int:
                            description=ENV_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p_env.add_argument("--json", action="store_true", help="print the report as JSON")
     add_serve_parser(sub)
+    try:
+        argv = dotted_json_args(sys.argv[1:] if argv is None else argv, "--structured-outputs-config")
+    except ValueError as err:
+        parser.error(str(err))
     args, rest = parser.parse_known_args(argv)
     if args.command == "conformance":
         from vexact_models.conformance.cli import main as conformance_main

@@ -15,8 +15,8 @@ from vexact_models.conformance.models import published_shape
 from vexact_models.registry import Architecture, for_model_type, get
 from vexact_models.runtime.structured_outputs import StructuredOutputsConfig
 
-__all__ = ["architecture_arg", "checkpoint_arg", "config_arg", "device_arg", "non_negative_float", "non_negative_int",
-           "positive_float", "positive_int", "structured_outputs_config_arg"]
+__all__ = ["architecture_arg", "checkpoint_arg", "config_arg", "device_arg", "dotted_json_args", "non_negative_float",
+           "non_negative_int", "positive_float", "positive_int", "structured_outputs_config_arg"]
 
 
 def positive_int(text: str) -> int:
@@ -93,6 +93,56 @@ def structured_outputs_config_arg(text: str) -> StructuredOutputsConfig:
         return StructuredOutputsConfig.of(value)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def dotted_json_args(argv: list[str], option: str) -> list[str]:
+    """`argv` with vLLM's dotted form of the JSON `option` (``OPTION.KEY VALUE``,
+    ``OPTION.KEY=VALUE``, ``OPTION.A.B VALUE`` for a nested key; VALUE read as JSON where it
+    reads, else as text; a KEY followed by no value: true) merged into one ``OPTION JSON``
+    argument, over the keys of an ``OPTION JSON`` given whole (which the option's type still
+    checks where it is no JSON object). `argv` without the dotted form comes back as it is.
+    ValueError naming an empty key."""
+    whole, dotted, rest, tail, i = None, {}, [], [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            tail = argv[i:]
+            break
+        if arg.startswith(option + "."):
+            path, has_value, value = arg[len(option) + 1:].partition("=")
+            if not has_value:
+                follows = i + 1 < len(argv) and not argv[i + 1].startswith("--")
+                value, i = (argv[i + 1], i + 1) if follows else ("true", i)
+            keys = path.split(".")
+            if not all(keys):
+                raise ValueError(f"{arg}: {option}.KEY needs a key after each '.', got {path!r}")
+            node = dotted
+            for key in keys[:-1]:
+                node = node.setdefault(key, {})
+                if not isinstance(node, dict):
+                    raise ValueError(f"{arg}: {option}.{key} was given a value, so it has no keys")
+            node[keys[-1]] = _json_or_text(value)
+        elif arg == option and i + 1 < len(argv) or arg.startswith(option + "="):
+            whole, i = (argv[i + 1], i + 1) if arg == option else (arg[len(option) + 1:], i)
+        else:
+            rest.append(arg)
+        i += 1
+    if not dotted:
+        return list(argv)
+    try:
+        base = json.loads(whole) if whole is not None else {}
+    except json.JSONDecodeError:
+        base = None
+    if not isinstance(base, dict):  # (left for the option's type to refuse)
+        return rest + [option, whole, option, json.dumps(dotted)] + tail
+    return rest + [option, json.dumps({**base, **dotted})] + tail
+
+
+def _json_or_text(value: str) -> object:
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return value
 
 
 def checkpoint_arg(text: str) -> str:

@@ -79,7 +79,8 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                    help="the structured outputs' defaults, vLLM's JSON object: disable_any_whitespace (JSON schemas, "
                         "tools' included, allow no whitespace beyond single separators), enable_in_reasoning (the "
                         "grammar holds the reasoning too; by default it starts after --reasoning-parser's block); "
-                        "backend auto or xgrammar")
+                        "backend auto or xgrammar. vLLM's dotted form works too: "
+                        "--structured-outputs-config.disable_any_whitespace true")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="vLLM's switch for tool_choice 'auto', accepted for its command lines: needs "
                         "--tool-call-parser, which turns 'auto' on by itself here")

@@ -9,7 +9,8 @@ import json
 
 import pytest
 
-from vexact_models.cli_args import structured_outputs_config_arg
+from vexact_models.cli_args import dotted_json_args, structured_outputs_config_arg
+from vexact_models.serve_cli import add_serve_parser
 from vexact_models.runtime import LLM
 from vexact_models.runtime.openai_protocol import read_chat, read_completion
 from vexact_models.runtime.openai_server import OpenAIServer
@@ -74,6 +75,42 @@ def test_the_command_lines_json():
         StructuredOutputsConfig(disable_any_whitespace=True)
     with pytest.raises(argparse.ArgumentTypeError, match="is not a JSON object"):
         structured_outputs_config_arg("{disable_any_whitespace}")
+
+
+def test_vllms_dotted_form_merges_into_the_json():
+    option = "--structured-outputs-config"
+    assert dotted_json_args(["serve", "m", f"{option}.disable_any_whitespace", "true", f"{option}.backend=xgrammar",
+                             "--port", "0"], option) == \
+        ["serve", "m", "--port", "0", option, '{"disable_any_whitespace": true, "backend": "xgrammar"}']
+    assert dotted_json_args([option, '{"backend": "auto", "enable_in_reasoning": true}', f"{option}.backend", "xgrammar",
+                             f"{option}.disable_any_whitespace"], option) == \
+        [option, '{"backend": "xgrammar", "enable_in_reasoning": true, "disable_any_whitespace": true}']
+    assert dotted_json_args([f"{option}.a.b", "1", "--", f"{option}.c"], option) == \
+        [option, '{"a": {"b": 1}}', "--", f"{option}.c"]
+    plain = ["serve", "m", option, "{}"]
+    assert dotted_json_args(plain, option) == plain
+    assert dotted_json_args([option, "{bad", f"{option}.backend", "auto"], option) == \
+        [option, "{bad", option, '{"backend": "auto"}']
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers())
+    args = parser.parse_args(dotted_json_args(["serve", "m", f"{option}.disable_any_whitespace=true"], option))
+    assert args.structured_outputs_config == StructuredOutputsConfig(disable_any_whitespace=True)
+    for bad, match in (([f"{option}.", "1"], "needs a key after each"),
+                       ([f"{option}.a", "1", f"{option}.a.b", "2"], "was given a value")):
+        with pytest.raises(ValueError, match=match):
+            dotted_json_args(bad, option)
+
+
+def test_vexact_serve_refuses_a_bad_dotted_field_before_loading_anything(capsys):
+    from vexact_models.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "no-such/model", "--structured-outputs-config.backend", "outlines"])
+    assert exit_.value.code == 2 and "structured_outputs_config.backend='outlines' is not supported" in \
+        capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "no-such/model", "--structured-outputs-config..x", "1"])
+    assert exit_.value.code == 2 and "needs a key after each '.'" in capsys.readouterr().err
 
 
 def test_a_server_without_whitespace_closes_its_required_calls_at_once(tmp_path):
