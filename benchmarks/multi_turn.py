@@ -1,7 +1,10 @@
 """Multi-turn rollouts: an engine that owns its weights keeps the pages a call published
 (`LLM._keep_prefix_cache`), so a conversation's next turn prefills only its new tokens; beside it,
 in the same run, the same engine over weights it does not own (as over a trainer's), which
-prefills every turn's whole conversation again.
+prefills every turn's whole conversation again. For the gated-DeltaNet hybrids (Qwen3.5,
+Qwen3-Next), whose prompts share no pages by content, the engines keep ``--prefix-states`` prompt
+states (`runtime.scheduler_prefix_states`; default: one a conversation), so that a next turn
+takes its last turn's pages and state up to that prompt's last whole page.
 
 Workload: ``--conversations`` conversations; the first prompt of each ``--prompt-len`` random
 token ids; each turn ``--max-tokens`` sampled tokens (``ignore_eos``, a seed per conversation and
@@ -18,6 +21,7 @@ of about ``--recompute-tokens`` tokens).
 
 Usage (one H100 or H200):
     cd benchmarks && python3 multi_turn.py --config qwen3-8b --turns 4
+    cd benchmarks && python3 multi_turn.py --config qwen3.5-35b-a3b --layers 8 --turns 4
     cd benchmarks && python3 multi_turn.py --tiny            # CPU smoke run (tests)
 """
 
@@ -32,7 +36,8 @@ import torch
 from bench_models import build_published, recompute_mismatches
 from bench_utils import gpu_share, positive_int, synchronize, table, tiny_or_cuda
 
-CONFIGS = ("qwen3-0.6b", "qwen3-8b", "llama-3.1-8b", "qwen2.5-7b", "qwen3-30b-a3b", "moonlight-16b-a3b")
+CONFIGS = ("qwen3-0.6b", "qwen3-8b", "llama-3.1-8b", "qwen2.5-7b", "qwen3-30b-a3b", "moonlight-16b-a3b",
+           "qwen3.5-35b-a3b", "qwen3.5-text-default", "qwen3-next-80b-a3b")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -47,6 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gpu-memory-utilization", type=gpu_share, default=0.85, help="each engine's share of the GPU (0.85)")
     p.add_argument("--recompute-tokens", type=positive_int, default=16384,
                    help="tokens a recompute micro-batch holds (default 16384)")
+    p.add_argument("--prefix-states", type=positive_int,
+                   help="prompt states the engines keep, for the gated-DeltaNet hybrids (default: --conversations)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiny", action="store_true", help="CPU, float32, the architecture's tiny config (tests)")
     args = p.parse_args(argv)
@@ -102,6 +109,7 @@ def warm_up(llm, args, vocab: int) -> None:
 
 def main(argv=None) -> int:
     from vexact_models.runtime import LLM
+    from vexact_models.runtime.linear_state_cache import linear_state_spec
 
     args = parse_args(argv)
     arch, model = build(args)
@@ -111,6 +119,9 @@ def main(argv=None) -> int:
           f"{args.conversations} conversations x {args.turns} turns: {args.prompt_len} prompt tokens, "
           f"{args.max_tokens} sampled and {args.user_len} appended a turn")
     engine = dict(device=args.device) if args.tiny else dict(gpu_memory_utilization=args.gpu_memory_utilization)
+    if linear_state_spec(model) is not None:  # (the hybrids: prompts shared through kept states)
+        engine["prefix_states"] = args.prefix_states or args.conversations
+        print(f"kept prompt states: {engine['prefix_states']}")
     results = {}
     for name, owns in (("pages kept across calls", True), ("each call afresh", False)):
         llm = LLM(model, owns_weights=owns, max_num_seqs=args.conversations, **engine)

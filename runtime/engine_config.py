@@ -38,6 +38,8 @@ class EngineConfig:
         share_prompt_state: the n samples of a request prefill their prompt once, the others
             taking its pages and a copy of its gated-DeltaNet state (`runtime.scheduler_siblings`;
             for models with such layers, with ``enable_prefix_sharing`` off).
+        prefix_states: gated-DeltaNet states of prompts kept for later requests that begin with
+            them (`runtime.scheduler_prefix_states`; 0: none; with ``enable_prefix_sharing`` off).
         cuda_graph_batch: decode steps of up to this many sequences replay CUDA graphs
             (0: always eager, ``enforce_eager``; ignored off CUDA).
         cuda_graph_sizes: the decode batch sizes below ``cuda_graph_batch`` captured besides it
@@ -64,6 +66,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_sharing: bool = True
     share_prompt_state: bool = False
+    prefix_states: int = 0
     cuda_graph_batch: int = 0
     cuda_graph_tokens: int = 0
     cuda_graph_sizes: tuple[int, ...] = DEFAULT_BUCKETS
@@ -82,7 +85,7 @@ class EngineConfig:
                                          enable_prefix_sharing=self.enable_prefix_sharing, window=self.kv_window)
         return Scheduler(block_manager, self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
                          self.eos_token_id, chunked_prefill=self.enable_chunked_prefill,
-                         share_prompt_state=self.share_prompt_state)
+                         share_prompt_state=self.share_prompt_state, prefix_states=self.prefix_states)
 
     def make_runner(self, model, device: torch.device, dtype: torch.dtype, scheduler: Scheduler | None = None,
                     layers: range | None = None, carry_width: int = 0) -> ModelRunner:
@@ -94,7 +97,8 @@ class EngineConfig:
         runner = ModelRunner(model, self.num_blocks, self.block_size, device, dtype,
                              cuda_graph_batch=self.cuda_graph_batch, max_model_len=self.max_model_len, layers=layers,
                              carry_width=carry_width, cuda_graph_tokens=self.cuda_graph_tokens,
-                             state_slots=self.max_num_seqs, window_group=self.window_group,
+                             state_slots=self.max_num_seqs, state_snapshots=self.prefix_states,
+                             window_group=self.window_group,
                              cuda_graph_sizes=self.cuda_graph_sizes)
         if scheduler is not None:
             self.connect(runner, scheduler)

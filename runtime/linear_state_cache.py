@@ -37,7 +37,7 @@ from vexact_models.kernels.gated_delta_step import StepPlan, dry_run, gated_delt
 
 from .staging import Layout, to_device
 
-__all__ = ["LinearStateCache", "LinearStateSpec", "LinearStep", "LinearStepBuffers", "linear_state_spec"]
+__all__ = ["LinearStateCache", "LinearStateSpec", "LinearStep", "LinearStepBuffers", "linear_state_spec", "snapshot_slot"]
 
 
 @dataclass(frozen=True)
@@ -61,10 +61,13 @@ class LinearStateSpec:
         """Bytes of one sequence's state over all GDN layers: conv state and fp32 state."""
         return len(self.layers) * sum(self.part_bytes(dtype))
 
-    def cache_bytes(self, slots: int, dtype: torch.dtype) -> int:
-        """Bytes of a `LinearStateCache` of `slots` sequences: theirs, and per layer the padding
-        state that takes a dry run's writes (`kernels.gated_delta_step`)."""
-        return slots * self.bytes_per_slot(dtype) + len(self.layers) * self.part_bytes(dtype)[1]
+    def cache_bytes(self, slots: int, dtype: torch.dtype, snapshots: int = 0) -> int:
+        """Bytes of a `LinearStateCache` of `slots` sequences and `snapshots` prompt states:
+        theirs, and per layer the padding state that takes a dry run's writes
+        (`kernels.gated_delta_step`; with snapshots, a padding conv state beside it)."""
+        conv, state = self.part_bytes(dtype)
+        padding = len(self.layers) * (state + (conv if snapshots else 0))
+        return (slots + snapshots) * self.bytes_per_slot(dtype) + padding
 
 
 def linear_state_spec(model: torch.nn.Module, layers: range | None = None) -> LinearStateSpec | None:
@@ -84,20 +87,32 @@ def linear_state_spec(model: torch.nn.Module, layers: range | None = None) -> Li
     return LinearStateSpec(tuple(sorted(m.layer_idx for m in found)), heads, dims, channels, kernel)
 
 
+def snapshot_slot(slots: int, index: int) -> int:
+    """The slot of prompt state `index` in a `LinearStateCache` of `slots` sequence slots (after
+    them and the padding state), as slot copies address it."""
+    return slots + 1 + index
+
+
 class LinearStateCache:
     """The GDN state of `slots` sequences for every GDN layer of `spec`, on `device`; conv states in
     `dtype` (the model's), delta-rule states in fp32: slot ``s``'s at ``states[s]``, then one
-    padding state (`kernels.gated_delta_step`). Contents are undefined until a sequence's first
-    step writes them (see the module docstring)."""
+    padding state (`kernels.gated_delta_step`), then `snapshots` prompt states kept for later
+    requests (at `snapshot_slot`; `runtime.scheduler_prefix_states`), which only slot copies
+    read and write. Contents are undefined until a sequence's first step writes them (see the module
+    docstring)."""
 
-    def __init__(self, spec: LinearStateSpec, slots: int, device: torch.device, dtype: torch.dtype) -> None:
-        if slots < 1:
-            raise ValueError(f"LinearStateCache: slots={slots} must be >= 1")
+    def __init__(self, spec: LinearStateSpec, slots: int, device: torch.device, dtype: torch.dtype,
+                 snapshots: int = 0) -> None:
+        if slots < 1 or snapshots < 0:
+            raise ValueError(f"LinearStateCache: slots={slots} must be >= 1 and snapshots={snapshots} >= 0")
         (_, hv), (dk, dv) = spec.heads, spec.dims
-        self.spec, self.slots = spec, slots
-        self.conv = {i: torch.zeros(slots, spec.conv_kernel - 1, spec.conv_channels, dtype=dtype, device=device)
+        self.spec, self.slots, self.snapshots = spec, slots, snapshots
+        rows = slots + 1 + snapshots if snapshots else slots  # (the padding row, then the snapshots)
+        self.conv = {i: torch.zeros(rows, spec.conv_kernel - 1, spec.conv_channels, dtype=dtype, device=device)
                      for i in spec.layers}
-        self.states = {i: torch.zeros(slots + 1, hv, dk, dv, dtype=torch.float32, device=device) for i in spec.layers}
+        self.states = {i: torch.zeros(slots + 1 + snapshots, hv, dk, dv, dtype=torch.float32, device=device)
+                       for i in spec.layers}
+
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy slot ``src[i]``'s state (conv state and delta-rule state) into slot ``dst[i]`` in every

@@ -111,7 +111,8 @@ class LLM(ChatMixin, RequestsMixin, OnlineRequestsMixin, EngineStepsMixin, Engin
             turn prefills only its new tokens); over a trainer's weights, which may change in
             place, each call starts afresh. For
             models with gated-DeltaNet layers only the n samples of a prompt share it, prefilled
-            once and its state copied (`runtime.scheduler_siblings`).
+            once and its state copied (`runtime.scheduler_siblings`), and later requests share the
+            prompts whose states ``prefix_states`` keeps.
         aligned: False runs the non-aligned fast path (cuBLAS GEMMs, torch norms; CUDA only):
             faster, but its logprobs no longer equal the training forward's. For measuring
             what alignment costs. True (the default) runs the backend the user chose
@@ -145,6 +146,15 @@ class LLM(ChatMixin, RequestsMixin, OnlineRequestsMixin, EngineStepsMixin, Engin
             `llm_args.MAX_LOGPROBS_LIMIT`, 2,048: `kernels.top_tokens` keeps at most a
             2,048-column chunk's candidates from each chunk). A request asking for more is a
             ValueError before anything runs.
+        prefix_states: for models with gated-DeltaNet layers (Qwen3.5, Qwen3-Next): keep the
+            states of up to this many prompts at their last whole page, so that a later request
+            beginning with one (a conversation's next turn, a prompt sent again) takes its pages
+            and a copy of its state instead of prefilling it again; results are bitwise the same
+            either way (`runtime.scheduler_prefix_states`). Kept states outlive a call as shared
+            pages do (``enable_prefix_sharing``), give their pages back before any preemption,
+            and each takes one sequence's state of the KV budget
+            (``LinearStateSpec.bytes_per_slot``: 62 MiB at Qwen3.5-35B-A3B's shape). Default 0:
+            none. A ValueError for a model without such layers.
 
     Threads: one call runs at a time (`runtime.engine_lock`). A ``generate``, ``update_weights``,
     ``sleep`` or ``wake_up`` called while another thread's call is running waits for it to
@@ -165,7 +175,7 @@ class LLM(ChatMixin, RequestsMixin, OnlineRequestsMixin, EngineStepsMixin, Engin
                  enable_prefix_sharing: bool = True, owns_weights: bool | None = None,
                  pipeline_parallel_size: int = 1, cuda_graph_max_tokens: int | None = None,
                  tokenizer=None, max_logprobs: int = MAX_LOGPROBS,
-                 cuda_graph_sizes: Seq[int] | None = None) -> None:
+                 cuda_graph_sizes: Seq[int] | None = None, prefix_states: int = 0) -> None:
         self._engine_lock = EngineLock()  # held by each public call (the class docstring: Threads)
         # Every check first: fusing the projections below is the only change made to a model passed in.
         check_model_argument(model)
@@ -174,7 +184,7 @@ class LLM(ChatMixin, RequestsMixin, OnlineRequestsMixin, EngineStepsMixin, Engin
                           max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
                           kv_cache_bytes=kv_cache_bytes, seed=seed, pipeline_parallel_size=pipeline_parallel_size,
                           cuda_graph_max_tokens=cuda_graph_max_tokens, max_logprobs=max_logprobs,
-                          cuda_graph_sizes=cuda_graph_sizes,
+                          cuda_graph_sizes=cuda_graph_sizes, prefix_states=prefix_states,
                           flags=dict(enable_chunked_prefill=enable_chunked_prefill, enforce_eager=enforce_eager,
                                      aligned=aligned, enable_prefix_sharing=enable_prefix_sharing,
                                      async_scheduling=async_scheduling))
@@ -203,6 +213,10 @@ class LLM(ChatMixin, RequestsMixin, OnlineRequestsMixin, EngineStepsMixin, Engin
         self._init_weight_state(from_folder if owns_weights is None else owns_weights)
         self.model = arch.inference_class(training)
         linear = linear_state_spec(self.model)  # gated-DeltaNet layers: their state cache (runtime.linear_state_cache)
+        if prefix_states and linear is None:
+            raise ValueError(f"LLM: prefix_states={prefix_states} keeps gated-DeltaNet states, and this "
+                             f"{type(training).__name__} has no such layers (its prompts share pages by content: "
+                             "enable_prefix_sharing)")
         self.config = training.config
         self.dtype = next(training.parameters()).dtype
         self.pipeline = None if stage is None else Pipeline(stage, PipelineComm(
@@ -216,7 +230,7 @@ class LLM(ChatMixin, RequestsMixin, OnlineRequestsMixin, EngineStepsMixin, Engin
             gpu_memory_utilization=gpu_memory_utilization, kv_cache_bytes=kv_cache_bytes,
             enable_chunked_prefill=enable_chunked_prefill, enable_prefix_sharing=enable_prefix_sharing,
             linear_states=linear is not None, enforce_eager=enforce_eager, cuda_graph_max_tokens=cuda_graph_max_tokens,
-            cuda_graph_sizes=cuda_graph_sizes)
+            cuda_graph_sizes=cuda_graph_sizes, prefix_states=prefix_states)
         self.scheduler = self.engine_config.make_scheduler()
         # one GEMM for q/k/v and for gate/up in rollouts; the training model shares the storage
         # (before the runner: its CUDA graphs capture the fused GEMMs)
@@ -291,7 +305,7 @@ class LLM(ChatMixin, RequestsMixin, OnlineRequestsMixin, EngineStepsMixin, Engin
         self.runner.free_cache()
         with use_backend(backend):
             self.runner.allocate_cache()
-        self.block_manager.reset_prefix_cache()  # a new cache holds none of the published pages
+        self.scheduler.reset_prefix_cache()  # a new cache holds none of the published pages or kept states
         self._remember_graphs(backend)
 
     def _keep_prefix_cache(self, backend: str) -> bool:
@@ -347,7 +361,7 @@ class LLM(ChatMixin, RequestsMixin, OnlineRequestsMixin, EngineStepsMixin, Engin
         # weights shared with a trainer may change in place between calls, update_weights writes
         # new ones, sleep()/wake_up() hands back an uninitialised cache.
         if not self._keep_prefix_cache(self.backend):
-            self.block_manager.reset_prefix_cache()
+            self.scheduler.reset_prefix_cache()
         self._scores_prompts = any(p.prompt_logprobs is not None for p in params)  # (llm_steps)
         self.sampler.begin_call(any(p.uses_penalties for p in params))
         requests = []

@@ -94,7 +94,7 @@ def check_engine_args(*, block_size: object, max_num_seqs: object, max_num_batch
                       max_model_len: object, gpu_memory_utilization: object, kv_cache_bytes: object, seed: object,
                       flags: dict[str, object], pipeline_parallel_size: object = 1,
                       cuda_graph_max_tokens: object = None, max_logprobs: object = MAX_LOGPROBS,
-                      cuda_graph_sizes: object = None) -> None:
+                      cuda_graph_sizes: object = None, prefix_states: object = 0) -> None:
     """The scalar arguments (`flags`: the boolean switches by name). `max_model_len`'s and
     `pipeline_parallel_size`'s upper limits need the model's config: `check_max_model_len`,
     `runtime.pipeline.join_pipeline`."""
@@ -114,6 +114,10 @@ def check_engine_args(*, block_size: object, max_num_seqs: object, max_num_batch
         check_int("cuda_graph_max_tokens", cuda_graph_max_tokens, 0)
     check_int("seed", seed, 0, MAX_SEED)
     check_int("max_logprobs", max_logprobs, 0, MAX_LOGPROBS_LIMIT + 1)
+    check_int("prefix_states", prefix_states, 0)
+    if prefix_states and flags.get("enable_prefix_sharing") is False:
+        raise ValueError(f"LLM: prefix_states={prefix_states} keeps prompt states to share, which "
+                         "enable_prefix_sharing=False turns off; pass prefix_states=0")
     if cuda_graph_sizes is not None:
         if isinstance(cuda_graph_sizes, (str, bytes)) or not isinstance(cuda_graph_sizes, (list, tuple)) \
                 or not cuda_graph_sizes:

@@ -160,5 +160,5 @@ class EngineMemoryMixin:
         and `wake_up` already do this. Returns True, as vLLM's does on success."""
         self._check_no_online("LLM.reset_prefix_cache")
         self._cache_epoch += 1
-        self.block_manager.reset_prefix_cache()
+        self.scheduler.reset_prefix_cache()
         return True

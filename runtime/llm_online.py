@@ -151,7 +151,7 @@ class OnlineRequestsMixin:
         """The engine goes from idle to busy: settle what ``generate`` settles for a call."""
         backend = self._online_backend = self.backend
         if not self._keep_prefix_cache(backend):
-            self.block_manager.reset_prefix_cache()
+            self.scheduler.reset_prefix_cache()
         self._scores_prompts = False
         self._last_completion = time.perf_counter()  # (step_times: the interval to the first step)
         self.sampler.begin_call(True)

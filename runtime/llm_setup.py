@@ -111,20 +111,24 @@ def cache_bytes_per_block(model, dtype: torch.dtype, block_size: int, pipeline: 
     return kv_bytes_per_block(spec, block_size, dtype) // spec[0] * len(held)
 
 
-def linear_state_bytes(model, dtype: torch.dtype, slots: int, pipeline: Pipeline | None = None) -> int:
+def linear_state_bytes(model, dtype: torch.dtype, slots: int, pipeline: Pipeline | None = None,
+                       snapshots: int = 0) -> int:
     """Bytes of the gated-DeltaNet state cache of `slots` sequences (0 without such layers;
     `runtime.linear_state_cache`); a pipeline stage's: of its own layers."""
     linear = linear_state_spec(model, None if pipeline is None else pipeline.stage.layers)
-    return 0 if linear is None else linear.cache_bytes(slots, dtype)
+    return 0 if linear is None else linear.cache_bytes(slots, dtype, snapshots)
 
 
-def cache_budget_bytes(model, dtype: torch.dtype, block_size: int, blocks: int, state_slots: int) -> int:
+def cache_budget_bytes(model, dtype: torch.dtype, block_size: int, blocks: int, state_slots: int,
+                       state_snapshots: int = 0) -> int:
     """The ``kv_cache_bytes`` that give an engine over `model` (inference or training variant)
-    exactly `blocks` KV pages with ``max_num_seqs=state_slots`` (`kv_cache_blocks`'s inverse; a
+    exactly `blocks` KV pages with ``max_num_seqs=state_slots`` and ``prefix_states=state_snapshots``
+    (`kv_cache_blocks`'s inverse; a
     model mixing windowed and full attention layers gets `blocks` pages in each of its page groups
     while its window group's cap, `page_groups.window_pages_cap`, is not below them, else more
     global pages)."""
-    return blocks * cache_bytes_per_block(model, dtype, block_size) + linear_state_bytes(model, dtype, state_slots)
+    return (blocks * cache_bytes_per_block(model, dtype, block_size)
+            + linear_state_bytes(model, dtype, state_slots, snapshots=state_snapshots))
 
 
 def kv_cache_blocks(model, dtype: torch.dtype, device: torch.device, pipeline: Pipeline | None, block_size: int,
@@ -136,11 +140,13 @@ def kv_cache_blocks(model, dtype: torch.dtype, device: torch.device, pipeline: P
 
 def kv_cache_pages(model, dtype: torch.dtype, device: torch.device, pipeline: Pipeline | None, block_size: int,
                    utilization: float, kv_cache_bytes: int | None, state_slots: int = 0,
-                   window_group: tuple[tuple[int, ...], int] | None = None) -> tuple[int, int]:
+                   window_group: tuple[tuple[int, ...], int] | None = None, state_snapshots: int = 0
+                   ) -> tuple[int, int]:
     """(global pages, window-group pages) of the inference `model` that fit the budget (a pipeline
     stage's budget holds its layers' pages; every stage takes the smallest count, since the first
     stage's page ids address them all). The budget holds the gated-DeltaNet state cache of
-    `state_slots` sequences (``max_num_seqs``) first, when the model (stage) has such layers; a
+    `state_slots` sequences (``max_num_seqs``) and `state_snapshots` kept prompt states first,
+    when the model (stage) has such layers; a
     stage without attention layers holds no pages and takes the others' count.
 
     `window_group`: ``(its layers, its cap)`` for a model whose windowed layers keep their pages
@@ -161,7 +167,7 @@ def kv_cache_pages(model, dtype: torch.dtype, device: torch.device, pipeline: Pi
             kv_cache_bytes = int(free - (1 - utilization) * total)
         else:
             kv_cache_bytes = 256 << 20
-    states = linear_state_bytes(model, dtype, state_slots, pipeline)
+    states = linear_state_bytes(model, dtype, state_slots, pipeline, state_snapshots)
     pages = kv_cache_bytes - states
     blocks = pages // per_block if per_block else (_NO_PAGES if kv_cache_bytes >= states else 0)
     if window_group is not None and blocks > cap:  # the window group capped: the rest of the budget is global
@@ -210,21 +216,24 @@ def engine_config(model, dtype: torch.dtype, device: torch.device, pipeline: Pip
                   block_size: int | None, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                   eos_token_id: int | None, gpu_memory_utilization: float, kv_cache_bytes: int | None,
                   enable_chunked_prefill: bool, enable_prefix_sharing: bool, linear_states: bool, enforce_eager: bool,
-                  cuda_graph_max_tokens: int | None, cuda_graph_sizes: tuple[int, ...] | None = None) -> EngineConfig:
+                  cuda_graph_max_tokens: int | None, cuda_graph_sizes: tuple[int, ...] | None = None,
+                  prefix_states: int = 0) -> EngineConfig:
     """The `EngineConfig` of an engine over the inference `model` (a pipeline stage's: its
     `pipeline`), from `LLM`'s checked arguments: the page size (`block_size`, or the model's
     default), the KV pages that fit the budget (`kv_cache_pages`; windowed layers beside full
     ones keep a page group of their own, capped by `page_groups.window_pages_cap`), and the
     scheduling settings. A model with gated-DeltaNet layers (`linear_states`) shares no pages:
     its samples of one request share their prompt with a copy of its state instead
-    (`runtime.scheduler_siblings`), since a shared page would skip tokens a state must see."""
+    (`runtime.scheduler_siblings`), since a shared page would skip tokens a state must see, and
+    later requests the `prefix_states` prompt states kept for them
+    (`runtime.scheduler_prefix_states`; their slots counted in the budget)."""
     if block_size is None:
         block_size = default_block_size(model.kv_cache_spec())
     windowed = window_layers(model)  # (a pipeline stage's too: the plan carries both groups' tables)
     cap = None if windowed is None else window_pages_cap(windowed[0], block_size, max_num_seqs, max_num_batched_tokens)
     num_blocks, window_blocks = kv_cache_pages(model, dtype, device, pipeline, block_size, gpu_memory_utilization,
                                                kv_cache_bytes, max_num_seqs,
-                                               None if windowed is None else (windowed[1], cap))
+                                               None if windowed is None else (windowed[1], cap), prefix_states)
     return EngineConfig(
         num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, eos_token_id=eos_token_id,
@@ -232,7 +241,7 @@ def engine_config(model, dtype: torch.dtype, device: torch.device, pipeline: Pip
         enable_prefix_sharing=enable_prefix_sharing and not linear_states,
         kv_window=cache_window(model),  # a stage's model holds every layer's module (meta elsewhere)
         window_group=None if windowed is None else WindowGroup(windowed[0], windowed[1], window_blocks),
-        share_prompt_state=enable_prefix_sharing and linear_states,
+        share_prompt_state=enable_prefix_sharing and linear_states, prefix_states=prefix_states,
         cuda_graph_batch=0 if enforce_eager else max_num_seqs,
         cuda_graph_tokens=(min(max_num_batched_tokens, DEFAULT_MAX_TOKENS) if cuda_graph_max_tokens is None
                            else cuda_graph_max_tokens),

@@ -94,7 +94,7 @@ class ModelRunner:
 
     def __init__(self, model, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
                  cuda_graph_batch: int = 0, max_model_len: int = 0, layers: range | None = None,
-                 carry_width: int = 0, cuda_graph_tokens: int = 0, state_slots: int = 0,
+                 carry_width: int = 0, cuda_graph_tokens: int = 0, state_slots: int = 0, state_snapshots: int = 0,
                  window_group: WindowGroup | None = None, cuda_graph_sizes: tuple[int, ...] = DEFAULT_BUCKETS) -> None:
         """`cuda_graph_batch` > 0 captures decode steps of up to that many sequences (CUDA only),
         one graph per batch size of `cuda_graph_sizes` below it and one at it, a step padded to the
@@ -107,7 +107,8 @@ class ModelRunner:
         the previous stage's ``(hidden, residual)``, rows of `carry_width` values (0: token ids).
 
         A model with gated-DeltaNet layers (`linear_state_spec`) holds KV pages for its attention
-        layers only and a `LinearStateCache` of `state_slots` sequences (``max_num_seqs``) for the
+        layers only and a `LinearStateCache` of `state_slots` sequences (``max_num_seqs``) and
+        `state_snapshots` kept prompt states (`runtime.scheduler_prefix_states`) for the
         others (a pipeline stage: for its own `layers`' only, the step's slots and copies taken
         from the first stage's plan), and its step graphs stage each step's plan over it
         (`runtime.cuda_graphs`).
@@ -119,7 +120,7 @@ class ModelRunner:
         self.model = model
         self.window_group = window_group
         self.linear_spec = linear_state_spec(model.model if isinstance(model, StageModel) else model, layers)
-        self.state_slots = state_slots
+        self.state_slots, self.state_snapshots = state_slots, state_snapshots
         check_linear_state_support(self.linear_spec, state_slots)
         self.linear_states: LinearStateCache | None = None
         self.layers = layers
@@ -148,7 +149,8 @@ class ModelRunner:
         held = set(range(layers) if self.layers is None else self.layers)
         if self.linear_spec is not None:  # gated-DeltaNet layers keep per-sequence states, no pages
             held -= set(self.linear_spec.layers)
-            self.linear_states = LinearStateCache(self.linear_spec, self.state_slots, self.device, self.dtype)
+            self.linear_states = LinearStateCache(self.linear_spec, self.state_slots, self.device, self.dtype,
+                                                  snapshots=self.state_snapshots)
         value_in_key = getattr(spec, "value_in_key", False)
         group = self.window_group
         windowed = set(() if group is None else group.layers)

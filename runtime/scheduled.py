@@ -31,10 +31,14 @@ class ScheduledSeq:
     #: A ``schedule_ahead`` decode: its one token is the one the step before is still sampling,
     #: at position ``len(seq.token_ids)``, not in ``token_ids`` yet (its id comes on the device).
     in_flight: bool = False
-    #: The sample of the same prompt whose gated-DeltaNet slot state this sequence takes a copy of
-    #: before the step runs (its prompt pages shared up to ``num_computed_tokens``): the prompt-state
-    #: sharing of `runtime.scheduler_siblings`; None otherwise.
-    state_from: Sequence | None = None
+    #: Where this sequence's gated-DeltaNet slot state comes from before the step runs (its prompt
+    #: pages shared up to ``num_computed_tokens``): the sample of the same prompt whose slot it
+    #: copies (`runtime.scheduler_siblings`), or the state slot of a kept prompt state
+    #: (`runtime.scheduler_prefix_states`); None otherwise.
+    state_from: Sequence | int | None = None
+    #: The state slot this sequence's slot state is copied into before the step runs (it stands at
+    #: its prompt's share point: a prompt state kept for later requests); None otherwise.
+    state_to: int | None = None
 
 
 @dataclass

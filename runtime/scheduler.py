@@ -29,6 +29,7 @@ from .block_manager import BlockManager
 from .scheduled import ScheduledSeq, SchedulerOutput
 from .scheduler_ahead import LookaheadMixin
 from .scheduler_postprocess import PostprocessMixin
+from .scheduler_prefix_states import PrefixStatesMixin
 from .scheduler_siblings import PromptStateMixin
 from .sequence import Sequence, SequenceStatus
 
@@ -43,7 +44,7 @@ def _check_int(name: str, value: object, minimum: int) -> int:
     return value
 
 
-class Scheduler(LookaheadMixin, PromptStateMixin, PostprocessMixin):
+class Scheduler(LookaheadMixin, PrefixStatesMixin, PromptStateMixin, PostprocessMixin):
     """Decides, step by step, which tokens of which sequences run through the model.
 
     Args:
@@ -58,6 +59,8 @@ class Scheduler(LookaheadMixin, PromptStateMixin, PostprocessMixin):
             sequence re-prefilling after a preemption) could never be scheduled.
         share_prompt_state: the n samples of a request prefill its prompt once and copy its
             gated-DeltaNet state (`scheduler_siblings`; needs prefix sharing off).
+        prefix_states: keep the gated-DeltaNet states of up to this many prompts for later
+            requests that begin with them (`scheduler_prefix_states`; needs prefix sharing off).
 
     Prefix sharing is switched on and off in the BlockManager (``enable_prefix_sharing``).
     """
@@ -71,6 +74,7 @@ class Scheduler(LookaheadMixin, PromptStateMixin, PostprocessMixin):
         eos_token_id: int | None,
         chunked_prefill: bool = True,
         share_prompt_state: bool = False,
+        prefix_states: int = 0,
     ) -> None:
         if not isinstance(block_manager, BlockManager):
             raise ValueError(
@@ -92,6 +96,7 @@ class Scheduler(LookaheadMixin, PromptStateMixin, PostprocessMixin):
             )
         self.chunked_prefill = chunked_prefill
         self._init_siblings(share_prompt_state)
+        self._init_prefix_states(prefix_states)
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []  # kept sorted by arrival
         self._errored: list[Sequence] = []  # finished at add(), reported by the next schedule()
@@ -179,6 +184,7 @@ class Scheduler(LookaheadMixin, PromptStateMixin, PostprocessMixin):
         if self._in_flight:
             raise RuntimeError("Scheduler.schedule() called before postprocess() of the last step")
         errored, self._errored = self._errored, []
+        self._ready_kept()
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
         budget = self._schedule_running(self.max_num_batched_tokens, scheduled, preempted)
@@ -196,8 +202,12 @@ class Scheduler(LookaheadMixin, PromptStateMixin, PostprocessMixin):
         given: the prompt state taken from a sibling (`scheduler_siblings`)."""
         if shared is None:
             shared = self.block_manager.num_cached_tokens(seq)
-        # >= 1: the last token is never shared; a leader stops at its prompt's share point
+        # >= 1: the last token is never shared; a leader stops at its prompt's share point, and so
+        # does a prompt whose state is to be kept
         uncomputed = self._capped(seq, seq.num_uncomputed_tokens - shared)
+        stop = self._state_cap(seq, seq.num_computed_tokens + shared)
+        if stop is not None:
+            uncomputed = min(uncomputed, stop - seq.num_computed_tokens - shared)
         if uncomputed <= budget:
             return shared, uncomputed
         return shared, (budget if self.chunked_prefill else 0)
@@ -258,6 +268,7 @@ class Scheduler(LookaheadMixin, PromptStateMixin, PostprocessMixin):
             if not self._reserve(seq, shared, num_new, preempted):
                 break  # seq had to preempt itself: nothing after it is running any more
             scheduled.append(self._item(seq, num_new))
+            self._keep_state(scheduled[-1])
             self._publish(scheduled[-1])
             budget -= num_new
             kept += self._sibling_tokens(seq)
@@ -284,6 +295,8 @@ class Scheduler(LookaheadMixin, PromptStateMixin, PostprocessMixin):
             if covered <= computed:
                 break  # needs a page that only a preemption can free: the general path's case
             scheduled.append(ScheduledSeq(seq, 1, True))
+            if self.prefix_states:  # (a prompt's last token after its share point)
+                self._keep_state(scheduled[-1])
             bm.cache_full_blocks(seq, computed + 1)  # what _publish does
             count += 1
         return count
@@ -299,6 +312,8 @@ class Scheduler(LookaheadMixin, PromptStateMixin, PostprocessMixin):
         """
         num_tokens = seq.num_computed_tokens + shared + num_new
         while not self.block_manager.can_allocate(seq, num_tokens):
+            if self._drop_kept():  # kept prompt states give their pages back before anyone is preempted
+                continue
             victim = self._running[-1]
             self._preempt(victim)
             preempted.append(victim)
@@ -306,6 +321,12 @@ class Scheduler(LookaheadMixin, PromptStateMixin, PostprocessMixin):
                 return False
         self._allocate(seq, shared, num_new)
         return True
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every shared prefix: the published pages' keys and the kept prompt states (the
+        weights or the cache may have changed)."""
+        self.reset_prefix_states()
+        self.block_manager.reset_prefix_cache()
 
     def _preempt(self, seq: Sequence) -> None:
         """Preempt by recompute: drop the K/V, keep the tokens, wait at the front of the queue
@@ -325,21 +346,12 @@ class Scheduler(LookaheadMixin, PromptStateMixin, PostprocessMixin):
         held = index = 0
         while index < len(self._waiting) and budget > 0 and len(self._running) + held < self.max_num_seqs:
             seq = self._waiting[index]
-            if self._held(seq):
+            kept = self._kept_for(seq)
+            if kept is None and self._held(seq):
                 held, index = held + 1, index + 1
                 continue
-            donor = self._donor(seq)
-            shared, num_new = self._chunk(seq, budget, None if donor is None else self.share_point(seq))
-            if num_new == 0:
-                break
-            if donor is not None:
-                if not self.block_manager.can_share_prefix(shared, shared + num_new):
-                    break
-                item = self._admit_sharing(seq, donor, num_new)
-            elif self.block_manager.can_allocate(seq, seq.num_computed_tokens + shared + num_new):
-                self._allocate(seq, shared, num_new)
-                item = self._item(seq, num_new)
-            else:
+            item = self._admit(seq, budget, kept)
+            if item is None:
                 break
             del self._waiting[index]
             seq.status = SequenceStatus.RUNNING
@@ -352,4 +364,25 @@ class Scheduler(LookaheadMixin, PromptStateMixin, PostprocessMixin):
                 self._running.append(seq)
             scheduled.append(item)
             self._publish(item)
-            budget -= num_new
+            budget -= item.num_new_tokens
+
+    def _admit(self, seq: Sequence, budget: int, kept) -> ScheduledSeq | None:
+        """Allocate waiting `seq`'s pages for its first chunk within `budget`: from a kept prompt
+        state (`kept`), a sibling's prompt state or nothing; None when it does not fit now (kept
+        prompt states give their pages back first)."""
+        donor = None if kept is not None else self._donor(seq)
+        shared = len(kept.tokens) if kept is not None else None if donor is None else self.share_point(seq)
+        shared, num_new = self._chunk(seq, budget, shared)
+        if num_new == 0:
+            return None
+        bm = self.block_manager
+        while not (bm.can_share_prefix(shared, shared + num_new) if kept is not None or donor is not None
+                   else bm.can_allocate(seq, seq.num_computed_tokens + shared + num_new)):
+            if not self._drop_kept(spare=kept):
+                return None
+        if kept is not None:
+            return self._admit_kept(seq, kept, num_new)
+        if donor is not None:
+            return self._admit_sharing(seq, donor, num_new)
+        self._allocate(seq, shared, num_new)
+        return self._item(seq, num_new)

@@ -51,6 +51,7 @@ class LookaheadMixin:
         ``postprocess`` takes the steps in the order scheduled."""
         if len(self._in_flight) != 1 or self._errored:
             return None
+        self._ready_kept()  # (states kept by the step in flight are copied before this one runs)
         step, _ = self._in_flight[0]
         if not all(item.samples for item in step):
             return None  # a prefill chunk goes on next step: the ordinary path decides it

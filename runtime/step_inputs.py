@@ -115,13 +115,23 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int, tables: Bl
 
 
 def _state_copies(scheduled: list[ScheduledSeq], tables: BlockTables | None) -> np.ndarray:
-    """int64 ``[K, 2]``: (the donor's row, the sequence's row) of every item that takes a
-    sibling's gated-DeltaNet state (``ScheduledSeq.state_from``); its slot is its row."""
-    pairs = [(item.state_from, item.seq) for item in scheduled if item.state_from is not None]
-    if pairs and tables is None:
-        raise ValueError("build_step_inputs: a state copy (ScheduledSeq.state_from) needs the BlockManager's block "
-                         "tables, whose rows are the state slots")
-    return np.array([(tables.row(a.seq_id), tables.row(b.seq_id)) for a, b in pairs], np.int64).reshape(-1, 2)
+    """int64 ``[K, 2]``: (source slot, destination slot) of the step's gated-DeltaNet state copies:
+    into an item's slot from a sibling's or a kept prompt state's (``ScheduledSeq.state_from``), out
+    of it into a kept prompt state's (``state_to``). A sequence's slot is its row."""
+    items = [item for item in scheduled if item.state_from is not None or item.state_to is not None]
+    if items and tables is None:
+        raise ValueError("build_step_inputs: a state copy (ScheduledSeq.state_from, state_to) needs the BlockManager's "
+                         "block tables, whose rows are the state slots")
+    pairs = []
+    for item in items:
+        row = tables.row(item.seq.seq_id)
+        if item.state_to is not None:
+            pairs.append((row, item.state_to))
+        if isinstance(item.state_from, Sequence):
+            pairs.append((tables.row(item.state_from.seq_id), row))
+        elif item.state_from is not None:
+            pairs.append((item.state_from, row))
+    return np.array(pairs, np.int64).reshape(-1, 2)
 
 
 def attention_order(new_tokens: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:

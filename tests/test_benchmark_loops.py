@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -25,13 +27,15 @@ def test_generate_batch_runs_tiny_on_cpu():
     assert run.stdout.rstrip().endswith("OK")
 
 
-def test_multi_turn_runs_tiny_on_cpu():
+@pytest.mark.parametrize("config", [[], ["--config", "qwen3.5-35b-a3b"]])
+def test_multi_turn_runs_tiny_on_cpu(config):
     """benchmarks/multi_turn.py --tiny: the engine keeping its pages across calls shares the earlier
-    turns' pages (none in turn 1, more each turn after), the engine starting afresh shares none,
-    their outputs are bitwise equal and equal the recompute; a bad option is a usage error."""
+    turns' pages (none in turn 1, more each turn after; a gated-DeltaNet hybrid through its kept
+    prompt states), the engine starting afresh shares none, their outputs are bitwise equal and
+    equal the recompute; a bad option is a usage error."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    run = subprocess.run([sys.executable, "multi_turn.py", "--tiny"], cwd=BENCHMARKS, capture_output=True, text=True,
-                         timeout=600, env=env)
+    run = subprocess.run([sys.executable, "multi_turn.py", "--tiny", *config], cwd=BENCHMARKS, capture_output=True,
+                         text=True, timeout=600, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     rows = [line.split() for line in run.stdout.splitlines() if line.split()[:1] in (["1"], ["2"], ["3"])]
     assert [r[0] for r in rows] == ["1", "2", "3"] and all(r[-1].endswith("x") for r in rows), run.stdout

@@ -62,6 +62,10 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                    help="the most alternatives a request's logprobs may ask for (default 20)")
     p.add_argument("--seed", type=int, default=0, help="base seed of requests that give none (default 0)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--prefix-states", type=non_negative_int, default=0, metavar="N",
+                   help="gated-DeltaNet models (Qwen3.5, Qwen3-Next): keep the states of up to N prompts, so that a "
+                        "conversation's next turn prefills only what it adds (each takes one sequence's state of the "
+                        "KV budget; default 0: every turn prefills its whole prompt)")
     p.add_argument("--tool-call-parser", choices=sorted(PARSERS),
                    help="read tool calls out of chat replies in this format: hermes (Qwen2.5, Qwen3, Qwen3-Next, "
                         "QwQ), qwen3_coder (Qwen3-Coder, Qwen3.5), deepseek_v3 / deepseek_v31 (DeepSeek-V3, V3.1), "
@@ -105,7 +109,7 @@ def serve(args: argparse.Namespace) -> int:
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
               kv_cache_bytes=args.kv_cache_bytes, max_logprobs=args.max_logprobs, seed=args.seed,
-              enforce_eager=args.enforce_eager)
+              enforce_eager=args.enforce_eager, prefix_states=args.prefix_states)
     server = OpenAIServer(llm, args.served_model_name or args.model, args.host, args.port,
                           tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                           chat_template=args.chat_template,
