@@ -109,10 +109,8 @@ class LLM(ChatMixin, RequestsMixin, OnlineRequestsMixin, EngineStepsMixin, Engin
             engine that owns its weights (``owns_weights``) also shares the pages earlier calls
             left, until `update_weights`, `sleep` or `wake_up` (a multi-turn conversation's next
             turn prefills only its new tokens); over a trainer's weights, which may change in
-            place, each call starts afresh. For
-            models with gated-DeltaNet layers only the n samples of a prompt share it, prefilled
-            once and its state copied (`runtime.scheduler_siblings`), and later requests share the
-            prompts whose states ``prefix_states`` keeps.
+            place, each call starts afresh. Gated-DeltaNet models share a prompt among its n
+            samples (`runtime.scheduler_siblings`) and the prompts ``prefix_states`` keeps.
         aligned: False runs the non-aligned fast path (cuBLAS GEMMs, torch norms; CUDA only):
             faster, but its logprobs no longer equal the training forward's. For measuring
             what alignment costs. True (the default) runs the backend the user chose
@@ -146,15 +144,12 @@ class LLM(ChatMixin, RequestsMixin, OnlineRequestsMixin, EngineStepsMixin, Engin
             `llm_args.MAX_LOGPROBS_LIMIT`, 2,048: `kernels.top_tokens` keeps at most a
             2,048-column chunk's candidates from each chunk). A request asking for more is a
             ValueError before anything runs.
-        prefix_states: for models with gated-DeltaNet layers (Qwen3.5, Qwen3-Next): keep the
-            states of up to this many prompts at their last whole page, so that a later request
-            beginning with one (a conversation's next turn, a prompt sent again) takes its pages
-            and a copy of its state instead of prefilling it again; results are bitwise the same
-            either way (`runtime.scheduler_prefix_states`). Kept states outlive a call as shared
-            pages do (``enable_prefix_sharing``), give their pages back before any preemption,
-            and each takes one sequence's state of the KV budget
-            (``LinearStateSpec.bytes_per_slot``: 62 MiB at Qwen3.5-35B-A3B's shape). Default 0:
-            none. A ValueError for a model without such layers.
+        prefix_states: models with gated-DeltaNet layers (Qwen3.5, Qwen3-Next): keep the states
+            of up to this many prompts at their last whole page, so that a later request beginning
+            with one (a conversation's next turn) takes its pages and state instead of prefilling
+            it again, bitwise the same (`runtime.scheduler_prefix_states`; kept as shared pages
+            are, given back before any preemption; each costs a sequence's state of the KV
+            budget, 61 MiB at Qwen3.5-35B-A3B's shape). Default 0: none.
 
     Threads: one call runs at a time (`runtime.engine_lock`). A ``generate``, ``update_weights``,
     ``sleep`` or ``wake_up`` called while another thread's call is running waits for it to
