@@ -64,6 +64,8 @@ class PrefixStatesMixin:
         if prefix_states and self.block_manager.enable_prefix_sharing:
             raise ValueError("Scheduler prefix_states > 0 needs a BlockManager with enable_prefix_sharing=False (the "
                              "states go with pages shared without content keys)")
+        if prefix_states and getattr(self.block_manager, "window_group", None) is not None:
+            raise ValueError("Scheduler prefix_states > 0 needs a BlockManager without a window page group")
         self.prefix_states = prefix_states
         self._kept: OrderedDict[bytes, _Kept] = OrderedDict()  # least recently used first
         self._free_state_slots = [snapshot_slot(self.max_num_seqs, i) for i in reversed(range(prefix_states))]
@@ -119,8 +121,8 @@ class PrefixStatesMixin:
     def _kept_for(self, seq: Sequence) -> _Kept | None:
         """The deepest ready kept state whose tokens begin waiting `seq`'s prompt, up to its share
         point, when it has nothing computed; None otherwise."""
-        if not self._kept or seq.num_computed_tokens or not self.share_point(seq):
-            return None
+        if not self._kept or seq.num_computed_tokens or seq.prompt_unscored or not self.share_point(seq):
+            return None  # (a prompt still to score computes every position: runtime.top_logprobs)
         for key in reversed(self._keys(seq)):
             kept = self._kept.get(key)
             if kept is not None and kept.ready and tuple(seq.token_ids[:len(kept.tokens)]) == kept.tokens:

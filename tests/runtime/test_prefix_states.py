@@ -15,6 +15,7 @@ from vexact_models.runtime import LLM, SamplingParams
 from vexact_models.runtime.block_manager import BlockManager
 from vexact_models.runtime.linear_state_cache import LinearStateCache, snapshot_slot
 from vexact_models.runtime.llm_setup import cache_budget_bytes
+from vexact_models.runtime.page_groups import PageGroups
 from vexact_models.runtime.scheduler import Scheduler
 
 from .test_linear_state_cache import spec
@@ -136,6 +137,19 @@ def test_vexact_serve_passes_prefix_states_to_the_engine(tmp_path):
     assert done.returncode == 2 and "argument --prefix-states: must be >= 0, got -1" in done.stderr
 
 
+def test_a_prompt_to_score_takes_no_kept_state(hybrid):
+    """``prompt_logprobs`` scores every prompt position, so such a request computes them all."""
+    prompt = list(range(3, 22))
+    llm = _engine(hybrid, prefix_states=2)
+    llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)
+    counts = count_prompt_tokens(llm)
+    params = SamplingParams(max_tokens=2, prompt_logprobs=1, seed=5)
+    got = llm.generate([prompt + [5, 6]], params, use_tqdm=False)[0]
+    want = _engine(hybrid, enable_prefix_sharing=False).generate([prompt + [5, 6]], params, use_tqdm=False)[0]
+    assert counts["prompt"] == 21 and got.prompt_logprobs == want.prompt_logprobs
+    assert completions([got]) == completions([want])
+
+
 def test_kept_states_go_with_the_weights_and_the_cache(hybrid):
     llm = _engine(hybrid, prefix_states=2)
     llm.generate([list(range(3, 22))], SamplingParams(max_tokens=2), use_tqdm=False)
@@ -160,6 +174,8 @@ def test_prefix_states_errors_name_the_argument(hybrid):
         _engine(dense, prefix_states=2)
     with pytest.raises(ValueError, match="needs a BlockManager with enable_prefix_sharing=False"):
         Scheduler(BlockManager(8, BLOCK), 2, 16, 64, None, prefix_states=1)
+    with pytest.raises(ValueError, match="without a window page group"):
+        Scheduler(PageGroups(8, BLOCK, 8, 16, enable_prefix_sharing=False), 2, 16, 64, None, prefix_states=1)
 
 
 def test_state_copies_address_the_kept_slots_after_the_padding_state():
