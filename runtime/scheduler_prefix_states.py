@@ -173,3 +173,4 @@ class PrefixStatesMixin:
         """`PostprocessMixin._finish_waiting`, and forget the sequence's prompt keys."""
         super()._finish_waiting(seq, reason)  # type: ignore[misc]
         self._prompt_keys.pop(seq.seq_id, None)
+        self._taken.pop(seq.seq_id, None)

@@ -9,7 +9,8 @@ given (tiny configs):
   sampled, top-k, top-p, min_tokens with a stop token, n = 3 sharing prompt pages) and every
   rank returns the same outputs, bitwise those of a single-process ``LLM`` over the whole model
   (computed on rank 0) and equal to its ``token_logprobs`` recompute; once with a roomy cache,
-  once with a cache so small that sequences are preempted and a chunked-prefill budget of 8.
+  once with a cache so small that sequences are preempted and a chunked-prefill budget of 8;
+  for the hybrids, a prompt beginning with an earlier one takes its kept state (``prefix_states``).
 - stream (``--checks stream``): an FSDP2 trainer over the same ranks takes an optimizer step,
   its weights are streamed into the pipelined engine (`stream_full_weights`, every rank the
   whole stream, each stage keeping its own layers), and the next rollout equals the sharded
@@ -147,6 +148,29 @@ def run_rollouts(res, arch, folder, base, rank, world) -> None:
             res.record(f"rollout/{arch.name}/{name}/equals_single_process", flat(got) == want,
                        f"{len(want)} completions")
             res.record(f"rollout/{arch.name}/{name}/equals_recompute", *recompute_matches(base, got, params))
+    if linear_state_spec(base) is not None:
+        run_kept_states(res, arch, folder, base, rank, world)
+
+
+def run_kept_states(res, arch, folder, base, rank, world) -> None:
+    """A gated-DeltaNet hybrid's kept prompt state on stages (``prefix_states``): one sequence at a
+    time, the second prompt begins with the first, whose state at its share point (12) every
+    stage copied into a kept slot; the second takes it, and both equal a single process's."""
+    first = [(5 * j) % (base.config.vocab_size - 2) + 2 for j in range(13)]
+    prompts = [first, first + [5, 6, 7, 8]]
+    params = [SamplingParams(temperature=1.0, max_tokens=4, seed=21 + i, ignore_eos=True) for i in range(2)]
+    llm = LLM(str(folder), pipeline_parallel_size=world, device="cpu", block_size=BLOCK, max_num_seqs=1,
+              kv_cache_bytes=stage_budget(base, rank, world, 64), prefix_states=2)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    res.record(f"rollout/{arch.name}/kept/outputs", True, repr(flat(got)))  # compared across ranks
+    if rank == 0:
+        taken = llm.scheduler.num_prefix_state_tokens
+        res.record(f"rollout/{arch.name}/kept/taken", taken == 12, f"{taken} prompt tokens taken from a kept state")
+        single = LLM(str(folder), device="cpu", block_size=BLOCK, max_num_seqs=1,
+                     kv_cache_bytes=stage_budget(base, 0, 1, 64))
+        res.record(f"rollout/{arch.name}/kept/equals_single_process",
+                   flat(got) == flat(single.generate(prompts, params, use_tqdm=False)), "2 completions")
+        res.record(f"rollout/{arch.name}/kept/equals_recompute", *recompute_matches(base, got, params))
 
 
 def run_stream(res, arch, folder, base, rank, world) -> None:

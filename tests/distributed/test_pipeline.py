@@ -22,6 +22,7 @@ from vexact_models.registry import architectures
 from .fsdp_support import failures, torchrun
 
 RUNS = {2: ("all", 0), 3: ("qwen3,deepseek_v3", 3)}  # world size -> (architectures, decoder layers; 0: tiny default)
+HYBRIDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next")  # (their kept prompt states, ``prefix_states``)
 
 
 @pytest.fixture(scope="module", params=sorted(RUNS), ids=lambda w: f"stages{w}")
@@ -71,13 +72,16 @@ def test_pipelined_rollout_equals_single_process_and_recompute_bitwise(run):
                 assert results[0][f"rollout/{name}/{setting}/{check}"]["ok"]
         assert results[0][f"rollout/{name}/tight/preempted"]["ok"]
         assert results[0][f"rollout/{name}/roomy/shared_prefix_pages"]["ok"]
+        if name in HYBRIDS:  # a prompt state kept on every stage, taken by a later prompt
+            for check in ("taken", "equals_single_process", "equals_recompute"):
+                assert results[0][f"rollout/{name}/kept/{check}"]["ok"]
         assert all(results[r][f"rollout/{name}/roomy/alternatives_refused"]["ok"] for r in range(world))
 
 
 def test_every_rank_returns_the_same_outputs(run):
     world, names, results = run
     for name in names:
-        for setting in ("roomy", "tight"):
+        for setting in ("roomy", "tight", "kept") if name in HYBRIDS else ("roomy", "tight"):
             key = f"rollout/{name}/{setting}/outputs"
             outputs = {results[r][key]["detail"] for r in range(world)}
             assert len(outputs) == 1, f"{key}: ranks differ"
