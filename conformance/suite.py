@@ -3,7 +3,8 @@
 For one architecture, backend and model: roll out a fixed pool of requests (greedy, sampled,
 top-k, top-p, min_tokens, stop tokens; each with its own seed) under adversarial engine
 settings (batch sizes 1, 7, 64; chunked-prefill budgets 16 and 128 and no chunking; a KV cache
-so small that sequences are preempted; n = 4; CUDA graphs off; one step at a time instead of
+so small that sequences are preempted; n = 4; each conversation's next turn in a second call over
+the pages (and gated-DeltaNet prompt states) the first kept; CUDA graphs off; one step at a time instead of
 async scheduling; pages of 4 positions, and on CUDA the engine's default page size), then recompute every sampled token's logprob
 with the training variant, packed in shuffled order and padded (left and right), and packed
 once more with autograd on, as a training step runs it, and require ``torch.equal``. A request
@@ -23,6 +24,7 @@ import torch
 
 from vexact_models.registry import Architecture
 from vexact_models.runtime import LLM, SamplingParams
+from vexact_models.runtime.linear_state_cache import linear_state_spec
 
 from .models import hf_twin
 from .recompute import RECOMPUTE_TOKENS, recompute_and_compare
@@ -102,6 +104,10 @@ def request_pool(vocab: int, n: int, max_tokens: int, prompt_len: int, seed: int
     return pool
 
 
+#: the tokens a conversation's next turn appends after the sample (scenario "next turn")
+NEXT_TURN = [5, 6, 7, 8, 9]
+
+
 def _scenarios(pool_size: int) -> list[dict]:
     small = min(7, pool_size)
     return [
@@ -114,6 +120,10 @@ def _scenarios(pool_size: int) -> list[dict]:
         dict(name=f"batch {pool_size}, preemption", requests=pool_size, batch=pool_size,
              engine=dict(max_num_batched_tokens=64, preempt=True)),
         dict(name="batch 7, n=4", requests=small, batch=small, engine=dict(max_num_batched_tokens=32), n=4),
+        # each conversation's next turn in a second call, over pages (and, for the gated-DeltaNet
+        # hybrids, prompt states) the first call kept: an engine that owns its weights
+        dict(name="batch 7, next turn", requests=small, batch=small, turns=2,
+             engine=dict(max_num_batched_tokens=32, owns_weights=True)),
         dict(name=f"batch {pool_size}, CUDA graphs off", requests=pool_size, batch=pool_size,
              engine=dict(max_num_batched_tokens=256, enforce_eager=True), cuda_only=True),
         dict(name=f"batch {pool_size}, one step at a time", requests=pool_size, batch=pool_size,
@@ -164,7 +174,7 @@ def run_conformance(arch: Architecture, model, *, device: torch.device, pool_siz
     vocab = model.config.vocab_size
     pool = request_pool(vocab, pool_size, max_tokens, prompt_len, seed, stop_ids=(vocab - 1, vocab - 2))
     rng = random.Random(seed)
-    seen: dict[tuple[int, int, int], tuple[list[int], list[float]]] = {}
+    seen: dict[tuple[int, int, int], tuple[list[int], list[int], list[float]]] = {}
     max_model_len = min(int(model.config.max_position_embeddings), prompt_len + max_tokens + 1)
     for sc in (select_scenarios(pool_size, only) if scenarios else []):
         if sc.get("cuda_only") and device.type != "cuda":
@@ -173,11 +183,7 @@ def run_conformance(arch: Architecture, model, *, device: torch.device, pool_siz
         block_size, engine = _engine_options(sc, model, pool, dtype, max_model_len, gpu_memory_utilization,
                                              max(64, pool_size))
         llm = LLM(model, device=device, block_size=block_size, max_num_seqs=max(64, pool_size), **engine)
-        requests = _scenario_requests(pool, sc)
-        outputs = []
-        for start in range(0, len(requests), sc["batch"]):
-            chunk = requests[start:start + sc["batch"]]
-            outputs += llm.generate([p for p, _ in chunk], [sp for _, sp in chunk], use_tqdm=progress)
+        requests, outputs = _roll_out(llm, _scenario_requests(pool, sc), sc, progress)
         if progress:
             log(f"  {sc['name']}: rolled out {sum(len(c.token_ids) for o in outputs for c in o.outputs)} tokens "
                 f"({time.time() - t0:.1f}s); recomputing")
@@ -235,12 +241,33 @@ def _engine_options(sc: dict, model, pool: list, dtype: torch.dtype, max_model_l
         need = [-(-(len(p) + sp.max_tokens) // block_size) for p, sp in pool]
         engine["kv_cache_bytes"] = _cache_bytes(model, block_size, dtype, max(2 * max(need), sum(need) // 6),
                                               max_num_seqs)
+    if sc.get("turns", 1) > 1:  # the next turns' prompts hold the turns before
+        turns = sc["turns"]
+        longest = max(len(p) for p, _ in pool) + turns * (max(sp.max_tokens for _, sp in pool) + len(NEXT_TURN))
+        engine["max_model_len"] = min(int(model.config.max_position_embeddings), longest + 1)
+        if linear_state_spec(model) is not None:  # the hybrids keep their prompts' states
+            engine["prefix_states"] = max_num_seqs
     engine.setdefault("max_model_len", max_model_len)
     if "kv_cache_bytes" not in engine:
         engine["gpu_memory_utilization"] = gpu_memory_utilization
     if engine.get("enable_chunked_prefill") is False:
         engine["max_num_batched_tokens"] = max(engine["max_num_batched_tokens"], max_model_len)
     return block_size, engine
+
+
+def _roll_out(llm: LLM, requests: list, sc: dict, progress: bool) -> tuple[list, list]:
+    """(requests, outputs) of scenario `sc` on `llm`: its requests in calls of ``sc["batch"]``;
+    with ``sc["turns"]`` = 2, then each conversation's next turn (the prompt, the sample and
+    `NEXT_TURN` tokens) in calls of the same size."""
+    outputs = []
+    for turn in range(sc.get("turns", 1)):
+        if turn:
+            requests = requests + [(p + out.outputs[0].token_ids + NEXT_TURN, sp)
+                                   for (p, sp), out in zip(requests[-len(outputs):], outputs[-len(outputs):])]
+        for start in range(len(outputs), len(requests), sc["batch"]):
+            chunk = requests[start:start + sc["batch"]]
+            outputs += llm.generate([p for p, _ in chunk], [sp for _, sp in chunk], use_tqdm=progress)
+    return requests, outputs
 
 
 def _scenario_requests(pool: list, sc: dict) -> list:
@@ -266,13 +293,13 @@ def _collect_samples(requests: list, outputs: list, sc: dict, seen: dict, report
             reported.append(torch.tensor(comp.logprobs, dtype=torch.float32))
             temps.append(sp.temperature if sp.temperature > 0 else 1.0)
             key = (id(prompt), n, comp.index)
-            if key in seen:
+            if key in seen and seen[key][0] is prompt:  # (the same request: a next turn's prompt is new)
                 report.reproducibility_checked += 1
-                if seen[key] != (comp.token_ids, comp.logprobs):
+                if seen[key][1:] != (comp.token_ids, comp.logprobs):
                     report.reproducibility_mismatches += 1
                     log(f"  reproducibility: request {out.request_id} sample {comp.index} differs in {sc['name']}")
             else:
-                seen[key] = (comp.token_ids, comp.logprobs)
+                seen[key] = (prompt, comp.token_ids, comp.logprobs)
     return samples, reported, temps
 
 
