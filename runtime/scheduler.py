@@ -29,7 +29,7 @@ from .block_manager import BlockManager
 from .scheduled import ScheduledSeq, SchedulerOutput
 from .scheduler_ahead import LookaheadMixin
 from .scheduler_postprocess import PostprocessMixin
-from .scheduler_prefix_states import PrefixStatesMixin
+from .scheduler_prefix_states import KeptState, PrefixStatesMixin
 from .scheduler_siblings import PromptStateMixin
 from .sequence import Sequence, SequenceStatus
 
@@ -366,7 +366,7 @@ class Scheduler(LookaheadMixin, PrefixStatesMixin, PromptStateMixin, Postprocess
             self._publish(item)
             budget -= item.num_new_tokens
 
-    def _admit(self, seq: Sequence, budget: int, kept) -> ScheduledSeq | None:
+    def _admit(self, seq: Sequence, budget: int, kept: KeptState | None) -> ScheduledSeq | None:
         """Allocate waiting `seq`'s pages for its first chunk within `budget`: from a kept prompt
         state (`kept`), a sibling's prompt state or nothing; None when it does not fit now (kept
         prompt states give their pages back first)."""

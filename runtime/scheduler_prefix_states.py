@@ -39,11 +39,11 @@ from .prefix_cache import ROOT_KEY, chain_key
 from .scheduled import ScheduledSeq
 from .sequence import Sequence
 
-__all__ = ["PrefixStatesMixin"]
+__all__ = ["KeptState", "PrefixStatesMixin"]
 
 
 @dataclass
-class _Kept:
+class KeptState:
     """One kept prompt state: its slot, the pages it holds, the tokens they hold."""
 
     slot: int
@@ -67,7 +67,7 @@ class PrefixStatesMixin:
         if prefix_states and getattr(self.block_manager, "window_group", None) is not None:
             raise ValueError("Scheduler prefix_states > 0 needs a BlockManager without a window page group")
         self.prefix_states = prefix_states
-        self._kept: OrderedDict[bytes, _Kept] = OrderedDict()  # least recently used first
+        self._kept: OrderedDict[bytes, KeptState] = OrderedDict()  # least recently used first
         self._free_state_slots = [snapshot_slot(self.max_num_seqs, i) for i in reversed(range(prefix_states))]
         self._prompt_keys: dict[int, list[bytes]] = {}  # seq_id -> its prompt's page keys up to the share point
         self._taken: dict[int, bytes] = {}  # seq_id -> the key of the kept state it took
@@ -115,10 +115,10 @@ class PrefixStatesMixin:
             self._kept.move_to_end(taken, last=False)
         pages = seq.block_table[:point // self.block_manager.block_size]
         self.block_manager.hold(pages)
-        self._kept[key] = _Kept(self._free_state_slots.pop(), list(pages), tuple(seq.token_ids[:point]))
+        self._kept[key] = KeptState(self._free_state_slots.pop(), list(pages), tuple(seq.token_ids[:point]))
         item.state_to = self._kept[key].slot
 
-    def _kept_for(self, seq: Sequence) -> _Kept | None:
+    def _kept_for(self, seq: Sequence) -> KeptState | None:
         """The deepest ready kept state whose tokens begin waiting `seq`'s prompt, up to its share
         point, when it has nothing computed; None otherwise."""
         if not self._kept or seq.num_computed_tokens or seq.prompt_unscored or not self.share_point(seq):
@@ -131,7 +131,7 @@ class PrefixStatesMixin:
                 return kept
         return None
 
-    def _admit_kept(self, seq: Sequence, kept: _Kept, num_new: int) -> ScheduledSeq:
+    def _admit_kept(self, seq: Sequence, kept: KeptState, num_new: int) -> ScheduledSeq:
         """Give `seq` the kept state's pages, allocate the rest of this step's chunk; the item carries
         the state's copy."""
         shared = len(kept.tokens)
@@ -145,7 +145,7 @@ class PrefixStatesMixin:
         for kept in self._kept.values():
             kept.ready = True
 
-    def _drop_kept(self, spare: _Kept | None = None) -> bool:
+    def _drop_kept(self, spare: KeptState | None = None) -> bool:
         """Give back the least recently used ready kept state's pages and slot (never `spare`'s);
         False when none."""
         for key, kept in self._kept.items():

@@ -221,3 +221,28 @@ def test_gpu_turns_take_their_kept_states_under_cuda_graphs(name):
                 want = model.token_logprobs(tokens)[0, len(prompt):].cpu()
                 assert torch.equal(torch.tensor(out.outputs[0].logprobs), want), (name, turn, len(prompt))
     assert runs[0] == runs[1]
+
+
+def test_pages_held_by_reference_go_back_when_the_last_holder_lets_go():
+    """`BlockManager.hold` / `release` / `share_pages` (a kept state's pages, a later sequence's)."""
+    from vexact_models.runtime.sequence import Sequence
+
+    bm = BlockManager(6, BLOCK, enable_prefix_sharing=False)
+    owner, taker = (Sequence(i, 0, list(range(10 + 2 * i)), SamplingParams(), 0) for i in range(2))
+    bm.allocate(owner, 8)
+    pages = owner.block_table[:2]
+    bm.hold(pages)
+    bm.free(owner)
+    assert bm.num_free_blocks == 4 and [bm.ref_count(p) for p in pages] == [1, 1]
+    bm.share_pages(taker, pages)
+    assert taker.num_computed_tokens == 8 and bm.tables.table(taker.seq_id) == pages
+    bm.release(pages)
+    assert bm.num_free_blocks == 4 and [bm.ref_count(p) for p in pages] == [1, 1]
+    bm.free(taker)
+    assert bm.num_free_blocks == 6
+    with pytest.raises(ValueError, match="must all be held"):
+        bm.hold(pages)
+    with pytest.raises(RuntimeError, match="are not all held"):
+        bm.release(pages)
+    with pytest.raises(ValueError, match="non-empty list of held pages"):
+        bm.share_pages(Sequence(2, 0, list(range(12)), SamplingParams(), 0), pages)
