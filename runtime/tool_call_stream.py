@@ -107,14 +107,26 @@ class JsonCall:
 
 
 class _Tokens:
-    """A block read as one JSON value whose tokens go to a `JsonCall`."""
+    """A block read as one JSON value whose tokens go to a `JsonCall` (`used`: how many characters
+    of the last text fed the value took)."""
 
     def __init__(self, call: JsonCall) -> None:
-        self.tokens, self.call = JsonTokens(), call
+        self.tokens, self.call, self.used = JsonTokens(), call, 0
 
     def feed(self, text: str, last: bool) -> list[tuple[str | None, str]]:
-        tokens, _ = self.tokens.feed(text, last)
+        tokens, self.used = self.tokens.feed(text, last)
         return [piece for token in tokens for piece in self.call.read(token)]
+
+
+class _Numbered:
+    """A reply's calls numbered in order: a piece that carries a name opens the next one."""
+
+    calls = 0  #: the calls opened so far
+
+    def _number(self, block_pieces: list[tuple[str | None, str]], pieces: list[CallPiece]) -> None:
+        for name, arguments in block_pieces:
+            self.calls += name is not None
+            pieces.append(CallPiece(self.calls - 1, name, arguments))
 
 
 def hermes_call() -> _Tokens:
@@ -210,13 +222,13 @@ class DeepSeekCall:
         return pieces
 
 
-class TaggedCalls:
+class TaggedCalls(_Numbered):
     """Calls each written between `start` and `end` tags, each block read by a new `block()`
     (which takes the block's text a piece at a time and whether it ended)."""
 
     def __init__(self, start: str, end: str, block) -> None:
         self.start, self.end, self.block = start, end, block
-        self.text, self.calls, self._current = "", 0, None
+        self.text, self._current = "", None
 
     def feed(self, text: str, finished: bool) -> list[CallPiece]:
         """The pieces `text`, the reply's next text, completes (`finished`: the reply ended)."""
@@ -232,25 +244,20 @@ class TaggedCalls:
             at = self.text.find(self.end)
             last = at >= 0 or finished
             cut = at if at >= 0 else len(self.text) if finished else len(self.text) - tag_prefix(self.text, self.end)
-            self._read(self._current.feed(self.text[:cut], last), pieces)
+            self._number(self._current.feed(self.text[:cut], last), pieces)
             self.text = self.text[cut + (len(self.end) if at >= 0 else 0):]
             if not last:
                 return pieces
             self._current = None
 
-    def _read(self, block_pieces: list, pieces: list[CallPiece]) -> None:
-        for name, arguments in block_pieces:
-            self.calls += name is not None
-            pieces.append(CallPiece(self.calls - 1, name, arguments))
 
-
-class SeparatedCalls:
+class SeparatedCalls(_Numbered):
     """llama3_json's calls: JSON objects (``{"name": ..., "parameters": {...}}``) separated by
     ``;``, after an optional `opens` (``<|python_tag|>``); anything else between them ends the
     reading (the whole reply then has no calls)."""
 
     def __init__(self, opens: str) -> None:
-        self.opens, self.text, self.calls, self.stopped = opens, "", 0, False
+        self.opens, self.text, self.stopped = opens, "", False
         self._current: _Tokens | None = None
         self._expect = "tag"  # what comes next between the objects: the tag, ";" or "{"
 
@@ -259,12 +266,8 @@ class SeparatedCalls:
         self.text += text
         pieces: list[CallPiece] = []
         while not self.stopped and (self._current is not None or self._between()):
-            tokens, used = self._current.tokens.feed(self.text, finished)
-            for token in tokens:
-                for name, arguments in self._current.call.read(token):
-                    self.calls += name is not None
-                    pieces.append(CallPiece(self.calls - 1, name, arguments))
-            self.text = self.text[used:]
+            self._number(self._current.feed(self.text, finished), pieces)
+            self.text = self.text[self._current.used:]
             if not self._current.tokens.done:
                 self.stopped = self._current.tokens.failed
                 break
@@ -289,11 +292,11 @@ class SeparatedCalls:
                 return True
 
 
-class ArrayCalls:
+class ArrayCalls(_Numbered):
     """A ``"required"`` reply: a JSON array of ``{"name": ..., "parameters": {...}}`` objects."""
 
     def __init__(self) -> None:
-        self.tokens, self.calls, self._current = JsonTokens(), 0, None
+        self.tokens, self._current = JsonTokens(), None
 
     def feed(self, text: str, finished: bool) -> list[CallPiece]:
         tokens, _ = self.tokens.feed(text, finished)
@@ -303,9 +306,7 @@ class ArrayCalls:
                 if token.kind == "{" and token.depth == 1:
                     self._current = JsonCall(2, ("parameters",), raw_strings=False)
                 continue
-            for name, arguments in self._current.read(token):
-                self.calls += name is not None
-                pieces.append(CallPiece(self.calls - 1, name, arguments))
+            self._number(self._current.read(token), pieces)
             if self._current.closed:
                 self._current = None
         return pieces
