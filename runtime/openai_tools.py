@@ -109,9 +109,13 @@ class ToolStream:
     def __init__(self, reply: ToolReply) -> None:
         self.reply, self.text, self.sent = reply, "", 0  # the reply so far, and how much went out as content
         self.call_id = new_call_id()  #: a named function's call id
-        self.calls = 0  #: the calls sent so far
         self._reader = ArrayCalls() if reply.mode == "required" else None
-        self._ids: list[str] = []
+        self._ids: list[str] = []  # the ids of the calls sent so far
+
+    @property
+    def calls(self) -> int:
+        """The calls sent so far."""
+        return len(self._ids)
 
     @property
     def called(self) -> bool:
@@ -123,9 +127,9 @@ class ToolStream:
         self.text += text
         if self.reply.mode == "named":
             item = {"index": 0, "function": {"arguments": text}}
-            if not self.calls:
+            if not self._ids:
                 item.update(id=self.call_id, type="function", function={"name": self.reply.name, "arguments": text})
-                self.calls = 1
+                self._ids.append(self.call_id)
             return {"tool_calls": [item]}
         delta = {}
         if self._reader is None:  # ("auto": content until the calls begin)
@@ -151,7 +155,6 @@ class ToolStream:
                                       "function": {"name": piece.name, "arguments": ""}}
             item = items.setdefault(piece.index, {"index": piece.index, "function": {"arguments": ""}})
             item["function"]["arguments"] += piece.arguments
-        self.calls = len(self._ids)
         return {"tool_calls": list(items.values())} if items else {}
 
     def _content(self, end: int) -> dict:
@@ -186,7 +189,8 @@ class ChatStream:
             return {**delta, **self.tools.delta(answer, finished)}
         if answer:
             delta["content"] = answer
-        calls = [] if self.harmony is None else self.harmony.harmony_calls(self.split)[self._harmony_sent:]
+        ended = self.harmony is not None and len(self.split.calls) > self._harmony_sent  # (a call's message ended)
+        calls = self.harmony.harmony_calls(self.split)[self._harmony_sent:] if ended else []
         if calls:
             delta["tool_calls"] = [{"index": self._harmony_sent + i, **call.message_item()} for i, call in enumerate(calls)]
             self._harmony_sent += len(calls)
