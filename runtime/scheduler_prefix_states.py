@@ -71,6 +71,7 @@ class PrefixStatesMixin:
         self._free_state_slots = [snapshot_slot(self.max_num_seqs, i) for i in reversed(range(prefix_states))]
         self._prompt_keys: dict[int, list[bytes]] = {}  # seq_id -> its prompt's page keys up to the share point
         self._taken: dict[int, bytes] = {}  # seq_id -> the key of the kept state it took
+        self._fresh: list[KeptState] = []  # kept in the step being scheduled (not ready yet)
         #: prompt tokens taken from kept states instead of being computed (a running total)
         self.num_prefix_state_tokens = 0
 
@@ -115,8 +116,9 @@ class PrefixStatesMixin:
             self._kept.move_to_end(taken, last=False)
         pages = seq.block_table[:point // self.block_manager.block_size]
         self.block_manager.hold(pages)
-        self._kept[key] = KeptState(self._free_state_slots.pop(), list(pages), tuple(seq.token_ids[:point]))
-        item.state_to = self._kept[key].slot
+        kept = self._kept[key] = KeptState(self._free_state_slots.pop(), list(pages), tuple(seq.token_ids[:point]))
+        self._fresh.append(kept)
+        item.state_to = kept.slot
 
     def _kept_for(self, seq: Sequence) -> KeptState | None:
         """The deepest ready kept state whose tokens begin waiting `seq`'s prompt, up to its share
@@ -142,8 +144,9 @@ class PrefixStatesMixin:
 
     def _ready_kept(self) -> None:
         """A new step: the states kept by the steps before it are copied before it runs."""
-        for kept in self._kept.values():
+        for kept in self._fresh:
             kept.ready = True
+        self._fresh.clear()
 
     def _drop_kept(self, spare: KeptState | None = None) -> bool:
         """Give back the least recently used ready kept state's pages and slot (never `spare`'s);
@@ -162,6 +165,7 @@ class PrefixStatesMixin:
             self.block_manager.release(kept.pages)
             self._free_state_slots.append(kept.slot)
         self._kept.clear()
+        self._fresh.clear()
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         """`PostprocessMixin._finish`, and forget the sequence's prompt keys."""
