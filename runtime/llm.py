@@ -208,10 +208,6 @@ class LLM(ChatMixin, RequestsMixin, OnlineRequestsMixin, EngineStepsMixin, Engin
         self._init_weight_state(from_folder if owns_weights is None else owns_weights)
         self.model = arch.inference_class(training)
         linear = linear_state_spec(self.model)  # gated-DeltaNet layers: their state cache (runtime.linear_state_cache)
-        if prefix_states and linear is None:
-            raise ValueError(f"LLM: prefix_states={prefix_states} keeps gated-DeltaNet states, and this "
-                             f"{type(training).__name__} has no such layers (its prompts share pages by content: "
-                             "enable_prefix_sharing)")
         self.config = training.config
         self.dtype = next(training.parameters()).dtype
         self.pipeline = None if stage is None else Pipeline(stage, PipelineComm(

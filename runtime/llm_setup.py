@@ -226,7 +226,12 @@ def engine_config(model, dtype: torch.dtype, device: torch.device, pipeline: Pip
     its samples of one request share their prompt with a copy of its state instead
     (`runtime.scheduler_siblings`), since a shared page would skip tokens a state must see, and
     later requests the `prefix_states` prompt states kept for them
-    (`runtime.scheduler_prefix_states`; their slots counted in the budget)."""
+    (`runtime.scheduler_prefix_states`; their slots counted in the budget; a ValueError for a model
+    without such layers)."""
+    if prefix_states and not linear_states:
+        raise ValueError(f"LLM: prefix_states={prefix_states} keeps gated-DeltaNet states, and this "
+                         f"{type(model.causal_lm).__name__} has no such layers (its prompts share pages by content: "
+                         "enable_prefix_sharing)")
     if block_size is None:
         block_size = default_block_size(model.kv_cache_spec())
     windowed = window_layers(model)  # (a pipeline stage's too: the plan carries both groups' tables)
