@@ -59,25 +59,36 @@ class JsonTokens:
         """(the tokens completed by `text`, how many of its characters the value took: all of
         them unless it ended inside `text`). `finished`: no text follows (a scalar ends)."""
         tokens: list[Token] = []
-        used = len(text)
-        for i, ch in enumerate(text):
-            if self.done or self.failed:
-                used = i
-                break
-            self._read(ch, tokens)
+        i = 0
+        while i < len(text) and not (self.done or self.failed):
+            if self._string is not None:
+                i = self._read_string(text, i, tokens)
+            else:
+                self._read(text[i], tokens)
+                i += 1
         if self._string is not None and not self.failed:
             self._decode(tokens, closing=False)
         if finished and self._scalar and not self.failed:
             self._end_scalar(tokens)
-        return tokens, used
+        return tokens, i
+
+    def _read_string(self, text: str, i: int, tokens: list[Token]) -> int:
+        """Take a string's characters from ``text[i]`` on, through its closing quote (its
+        ``close`` token) or to the end of `text`; where they end. A run without a quote is taken
+        at once (the characters of a long argument cost no Python step each)."""
+        while True:
+            quote = text.find('"', i)
+            if quote < 0:
+                self._string += text[i:]
+                return len(text)
+            self._string += text[i:quote]
+            i = quote + 1
+            if not _escaping(self._string):
+                self._decode(tokens, closing=True)
+                return i
+            self._string += '"'
 
     def _read(self, ch: str, tokens: list[Token]) -> None:
-        if self._string is not None:
-            if ch == '"' and not _escaping(self._string):
-                self._decode(tokens, closing=True)
-            else:
-                self._string += ch
-            return
         if ch in _SCALAR_CHARS:
             self._scalar += ch
             return
@@ -137,8 +148,10 @@ class JsonTokens:
 def _escaping(raw: str) -> bool:
     """Whether a string's raw characters end inside a backslash escape's first character (an odd
     run of backslashes)."""
-    run = len(raw) - len(raw.rstrip("\\"))
-    return run % 2 == 1
+    end = len(raw)
+    while end and raw[end - 1] == "\\":
+        end -= 1
+    return (len(raw) - end) % 2 == 1
 
 
 def _complete(raw: str) -> int:
