@@ -259,13 +259,14 @@ def _roll_out(llm: LLM, requests: list, sc: dict, progress: bool) -> tuple[list,
     """(requests, outputs) of scenario `sc` on `llm`: its requests in calls of ``sc["batch"]``;
     with ``sc["turns"]`` = 2, then each conversation's next turn (the prompt, the sample and
     `NEXT_TURN` tokens) in calls of the same size."""
-    outputs = []
+    outputs, turn_requests = [], requests
     for turn in range(sc.get("turns", 1)):
-        if turn:
-            requests = requests + [(p + out.outputs[0].token_ids + NEXT_TURN, sp)
-                                   for (p, sp), out in zip(requests[-len(outputs):], outputs[-len(outputs):])]
-        for start in range(len(outputs), len(requests), sc["batch"]):
-            chunk = requests[start:start + sc["batch"]]
+        if turn:  # (the turn before's requests and outputs: the last len(turn_requests) of each)
+            turn_requests = [(p + out.outputs[0].token_ids + NEXT_TURN, sp)
+                             for (p, sp), out in zip(turn_requests, outputs[-len(turn_requests):])]
+            requests = requests + turn_requests
+        for start in range(0, len(turn_requests), sc["batch"]):
+            chunk = turn_requests[start:start + sc["batch"]]
             outputs += llm.generate([p for p, _ in chunk], [sp for _, sp in chunk], use_tqdm=progress)
     return requests, outputs
 
