@@ -4,12 +4,15 @@ in the same run, the same engine over weights it does not own (as over a trainer
 prefills every turn's whole conversation again. For the gated-DeltaNet hybrids (Qwen3.5,
 Qwen3-Next), whose prompts share no pages by content, the engines keep ``--prefix-states`` prompt
 states (`runtime.scheduler_prefix_states`; default: one a conversation), so that a next turn
-takes its last turn's pages and state up to that prompt's last whole page.
+takes its last turn's pages and state up to that prompt's last whole page. A ``--system-len``
+system prompt is shared within each call by both engines (the hybrids: at the page end where it
+ends, `scheduler_prefix_states`' branch points).
 
-Workload: ``--conversations`` conversations; the first prompt of each ``--prompt-len`` random
-token ids; each turn ``--max-tokens`` sampled tokens (``ignore_eos``, a seed per conversation and
-turn), then ``--user-len`` new random tokens appended for the next turn; ``--turns`` turns, each
-one ``generate`` call. Model: random weights at a bundled published config (default Qwen3-8B),
+Workload: ``--conversations`` conversations; the first prompt of each ``--system-len`` token ids
+common to all (a system prompt; default none) and ``--prompt-len`` random ones; each turn
+``--max-tokens`` sampled tokens (``ignore_eos``, a seed per conversation and turn), then
+``--user-len`` new random tokens appended for the next turn; ``--turns`` turns, each one
+``generate`` call. Model: random weights at a bundled published config (default Qwen3-8B),
 bf16, CUDA. The two engines run one after the other (one freed before the next is built), each
 after an untimed warm-up call of the same shape.
 
@@ -22,6 +25,7 @@ of about ``--recompute-tokens`` tokens).
 Usage (one H100 or H200):
     cd benchmarks && python3 multi_turn.py --config qwen3-8b --turns 4
     cd benchmarks && python3 multi_turn.py --config qwen3.5-35b-a3b --layers 8 --turns 4
+    cd benchmarks && python3 multi_turn.py --config qwen3.5-35b-a3b --layers 8 --turns 4 --system-len 2048
     cd benchmarks && python3 multi_turn.py --tiny            # CPU smoke run (tests)
 """
 
@@ -47,6 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--conversations", type=positive_int, default=64, help="conversations (default 64)")
     p.add_argument("--turns", type=positive_int, default=4, help="turns, one generate call each (default 4)")
     p.add_argument("--prompt-len", type=positive_int, default=1024, help="first prompt's tokens (default 1024)")
+    p.add_argument("--system-len", type=int, default=0,
+                   help="tokens of a system prompt that begins every conversation (default 0: none)")
     p.add_argument("--max-tokens", type=positive_int, default=256, help="sampled tokens a turn (default 256)")
     p.add_argument("--user-len", type=positive_int, default=128, help="tokens appended after each turn (default 128)")
     p.add_argument("--gpu-memory-utilization", type=gpu_share, default=0.85, help="each engine's share of the GPU (0.85)")
@@ -57,6 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiny", action="store_true", help="CPU, float32, the architecture's tiny config (tests)")
     args = p.parse_args(argv)
+    if args.system_len < 0:
+        p.error(f"argument --system-len: must be >= 0, got {args.system_len}")
     if args.tiny:
         args.conversations, args.turns, args.prompt_len, args.max_tokens, args.user_len = 3, 3, 24, 6, 5
     tiny_or_cuda(args, "benchmarks/multi_turn.py")
@@ -66,7 +74,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def build(args):
     """(architecture, model): the published config (``--layers``; ``--tiny``: the tiny config),
     its positions raised to the conversations' length."""
-    length = args.prompt_len + args.turns * (args.max_tokens + args.user_len)
+    length = args.system_len + args.prompt_len + args.turns * (args.max_tokens + args.user_len)
     arch, _, model = build_published(args, length + 64)
     return arch, model
 
@@ -77,7 +85,8 @@ def run_turns(llm, args, vocab: int) -> tuple[list[tuple], list[dict]]:
     from vexact_models.runtime import SamplingParams
 
     rng = random.Random(args.seed)
-    conversations = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.conversations)]
+    system = [rng.randrange(3, vocab) for _ in range(args.system_len)]
+    conversations = [system + [rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.conversations)]
     samples, measures = [], []
     for turn in range(args.turns):
         params = [SamplingParams(temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True,
@@ -103,7 +112,7 @@ def warm_up(llm, args, vocab: int) -> None:
     from vexact_models.runtime import SamplingParams
 
     rng = random.Random(args.seed + 1)
-    prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.conversations)]
+    prompts = [[rng.randrange(3, vocab) for _ in range(args.system_len + args.prompt_len)] for _ in range(args.conversations)]
     llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, seed=1), use_tqdm=False)
 
 
@@ -116,7 +125,8 @@ def main(argv=None) -> int:
     vocab = model.config.vocab_size
     shape = "its tiny config" if args.tiny else args.config + (f", {args.layers} layers" if args.layers else "")
     print(f"{arch.name} ({shape}) on {args.device}, "
-          f"{args.conversations} conversations x {args.turns} turns: {args.prompt_len} prompt tokens, "
+          f"{args.conversations} conversations x {args.turns} turns: {args.system_len} system and "
+          f"{args.prompt_len} prompt tokens, "
           f"{args.max_tokens} sampled and {args.user_len} appended a turn")
     engine = dict(device=args.device) if args.tiny else dict(gpu_memory_utilization=args.gpu_memory_utilization)
     if linear_state_spec(model) is not None:  # (the hybrids: prompts shared through kept states)

@@ -141,6 +141,7 @@ class Scheduler(LookaheadMixin, PrefixStatesMixin, PromptStateMixin, Postprocess
             return
         self._waiting.append(seq)
         self._join_siblings(seq)
+        self._note_waiting(seq)
 
     def _never_fits(self, seq: Sequence) -> str | None:
         """Why ``seq`` can never complete, or None. Checked once: its needs never grow."""
@@ -337,17 +338,19 @@ class Scheduler(LookaheadMixin, PrefixStatesMixin, PromptStateMixin, Postprocess
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self._waiting.appendleft(seq)
+        self._note_waiting(seq)
 
     def _schedule_waiting(self, budget: int, scheduled: list[ScheduledSeq]) -> None:
         """Admit waiting sequences strictly in FIFO order: stop at the first one that does not
         fit (budget, ``max_num_seqs`` or pages) instead of skipping ahead. Only a sample waiting
-        for its leader's prompt state is passed over (`scheduler_siblings`), keeping its place in
-        ``max_num_seqs``."""
+        for its leader's prompt state (`scheduler_siblings`) and a prompt waiting for the state of
+        the prefix it shares with a running one (`scheduler_prefix_states`) are passed over,
+        keeping their places in ``max_num_seqs``."""
         held = index = 0
         while index < len(self._waiting) and budget > 0 and len(self._running) + held < self.max_num_seqs:
             seq = self._waiting[index]
             kept = self._kept_for(seq)
-            if kept is None and self._held(seq):
+            if (kept is None and self._held(seq)) or self._waits_for_state(seq, kept):
                 held, index = held + 1, index + 1
                 continue
             item = self._admit(seq, budget, kept)
@@ -355,6 +358,7 @@ class Scheduler(LookaheadMixin, PrefixStatesMixin, PromptStateMixin, Postprocess
                 break
             del self._waiting[index]
             seq.status = SequenceStatus.RUNNING
+            self._started(seq)
             # Keep running sorted by arrival. (Running is always the earliest-arrived unfinished
             # sequences, so this is an append in practice; bisect keeps it true by construction.)
             if self._running and self._running[-1].arrival > seq.arrival:

@@ -22,6 +22,12 @@ turn, whose prompt is the conversation so far, would prefill all of it again. Wi
   (before any preemption) or a slot is needed, and all of them at `reset_prefix_states` (the
   engine's `reset_prefix_cache`: the weights or the cache may have changed).
 
+Prompts that begin alike (a system prompt; one prompt sent as several requests, as TRL's GRPO
+does) share their common prefix the same way, within one call: a prompt prefilling from below a
+page end where the prefix it shares with a waiting prompt ends (a branch point: `_branch_point`)
+stops its chunk there and keeps the state there as above, and the waiting prompts wait for it
+(`_waits_for_state`; counted against ``max_num_seqs``, as a held sibling is) and then take it.
+
 The copies are the data a prefill of the same tokens writes (a sequence's GDN step depends only on
 its own tokens, rules 1-3; its pages hold the K/V it would write), so the tokens and logprobs are
 bitwise those of prefilling everything, and a conversation's next turn prefills only what it adds
@@ -31,24 +37,25 @@ past the last share point. Each kept state costs one sequence's state
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 from .linear_state_cache import snapshot_slot
 from .prefix_cache import ROOT_KEY, chain_key
 from .scheduled import ScheduledSeq
-from .sequence import Sequence
+from .sequence import Sequence, SequenceStatus
 
 __all__ = ["KeptState", "PrefixStatesMixin"]
 
 
 @dataclass
 class KeptState:
-    """One kept prompt state: its slot, the pages it holds, the tokens they hold."""
+    """One kept prompt state: its slot, the pages it holds, the tokens they hold, its last page's key."""
 
     slot: int
     pages: list[int]
     tokens: tuple[int, ...]
+    key: bytes
     ready: bool = False  #: the copy into it ran in a step scheduled before this one
 
 
@@ -72,6 +79,9 @@ class PrefixStatesMixin:
         self._prompt_keys: dict[int, list[bytes]] = {}  # seq_id -> its prompt's page keys up to the share point
         self._taken: dict[int, bytes] = {}  # seq_id -> the key of the kept state it took
         self._fresh: list[KeptState] = []  # kept in the step being scheduled (not ready yet)
+        self._interest: Counter[bytes] = Counter()  # page key -> waiting prompts (nothing computed) holding it
+        self._noted: set[int] = set()  # seq_ids counted in _interest
+        self._computing: dict[bytes, Sequence] = {}  # page key -> the running prompt that computes it
         #: prompt tokens taken from kept states instead of being computed (a running total)
         self.num_prefix_state_tokens = 0
 
@@ -92,31 +102,57 @@ class PrefixStatesMixin:
         return keys
 
     def _state_cap(self, seq: Sequence, computed: int) -> int | None:
-        """Where `seq`'s chunk from `computed` stops so that its state there can be kept: its share
-        point, while below it and not kept; None: no stop."""
+        """Where `seq`'s chunk from `computed` stops so that its state there can be kept: the first
+        branch point past `computed`, else its share point, while below it and not kept; None: no stop."""
         if not self.prefix_states:
             return None
         point = self.share_point(seq)
-        if computed >= point or not point or self._keys(seq)[-1] in self._kept:
+        if computed >= point or not point:
             return None
-        return point
+        branch = self._branch_point(seq, computed)
+        if branch is not None:
+            return branch
+        return None if self._keys(seq)[-1] in self._kept else point
+
+    def _branch_point(self, seq: Sequence, computed: int) -> int | None:
+        """The first page end past `computed`, before `seq`'s share point, where the prefix that
+        `seq` shares with a waiting prompt ends and whose state is not kept; None when none.
+
+        With ``c_j`` the waiting prompts (`seq` not counted) whose keys hold `seq`'s page key ``j``
+        (``c_j`` falls as ``j`` grows: the keys are chained), a prefix shared with one of them ends
+        at page ``j`` where ``c_j > c_{j+1}``."""
+        if not self._interest:
+            return None
+        keys, bs = self._keys(seq), self.block_manager.block_size
+        own = seq.seq_id in self._noted
+        for j in range(computed // bs, len(keys) - 1):
+            count = self._interest.get(keys[j], 0) - own
+            if count <= 0:
+                return None
+            if count > self._interest.get(keys[j + 1], 0) - own and keys[j] not in self._kept:
+                return (j + 1) * bs
+        return None
 
     def _keep_state(self, item: ScheduledSeq) -> None:
-        """Copy `item`'s state into a kept slot before its step when it stands at its share point
-        and the state there is not kept (a slot free, or a ready one given back)."""
+        """Copy `item`'s state into a kept slot before its step when it stands at its share point,
+        or at a page end before it that a waiting prompt shares, and the state there is not kept (a
+        slot free, or a ready one given back)."""
         seq = item.seq
+        computed, bs = seq.num_computed_tokens, self.block_manager.block_size
         point = self.share_point(seq)
-        if not self.prefix_states or not point or seq.num_computed_tokens != point:
+        if not self.prefix_states or not computed or computed > point or computed % bs:
             return
-        key = self._keys(seq)[-1]
-        if key in self._kept or not (self._free_state_slots or self._drop_kept()):
-            return
+        key = self._keys(seq)[computed // bs - 1]
+        if computed != point and not self._interest.get(key):
+            return  # (a chunk that ended on a page end no waiting prompt shares)
+        if key in self._kept or not (self._free_state_slots or self._drop_kept(wanted=bool(self._interest.get(key)))):
+            return  # (a state no waiting prompt shares never takes the slot of one that some do)
         taken = self._taken.pop(seq.seq_id, None)
-        if taken in self._kept:  # (the state it took served its conversation: given back first now)
-            self._kept.move_to_end(taken, last=False)
-        pages = seq.block_table[:point // self.block_manager.block_size]
+        if taken in self._kept and not self._interest.get(taken):
+            self._kept.move_to_end(taken, last=False)  # (it served its conversation, and no waiting prompt needs it)
+        pages = seq.block_table[:computed // bs]
         self.block_manager.hold(pages)
-        kept = self._kept[key] = KeptState(self._free_state_slots.pop(), list(pages), tuple(seq.token_ids[:point]))
+        kept = self._kept[key] = KeptState(self._free_state_slots.pop(), list(pages), tuple(seq.token_ids[:computed]), key)
         self._fresh.append(kept)
         item.state_to = kept.slot
 
@@ -125,18 +161,60 @@ class PrefixStatesMixin:
         point, when it has nothing computed; None otherwise."""
         if not self._kept or seq.num_computed_tokens or seq.prompt_unscored or not self.share_point(seq):
             return None  # (a prompt still to score computes every position: runtime.top_logprobs)
-        for key in reversed(self._keys(seq)):
+        leader = self._leader(seq)  # (a sample whose leader is live takes the whole shared prompt, or waits for it)
+        keys = self._keys(seq)[-1:] if leader is not None and leader.status is not SequenceStatus.FINISHED else self._keys(seq)
+        for key in reversed(keys):
             kept = self._kept.get(key)
             if kept is not None and kept.ready and tuple(seq.token_ids[:len(kept.tokens)]) == kept.tokens:
-                self._kept.move_to_end(key)
-                self._taken[seq.seq_id] = key
                 return kept
         return None
+
+    def _note_waiting(self, seq: Sequence) -> None:
+        """Count queued `seq`'s prompt page keys as wanted (`Scheduler.add`, a preemption): a
+        prompt computing them stops where their shared prefix ends (`_branch_point`)."""
+        if (self.prefix_states and seq.seq_id not in self._noted and not seq.num_computed_tokens
+                and not seq.prompt_unscored and self.share_point(seq)):
+            self._noted.add(seq.seq_id)
+            self._interest.update(self._keys(seq))
+
+    def _unnote(self, seq: Sequence) -> None:
+        if seq.seq_id in self._noted:
+            self._noted.discard(seq.seq_id)
+            for key in self._keys(seq):
+                self._interest[key] -= 1
+                if not self._interest[key]:
+                    del self._interest[key]
+
+    def _started(self, seq: Sequence) -> None:
+        """Admitted `seq` is no longer waiting; the page keys it computes (past those it took) are
+        its own to keep for the prompts that wait for them (`_waits_for_state`)."""
+        if not self.prefix_states:
+            return
+        self._unnote(seq)
+        for key in self._keys(seq)[seq.num_computed_tokens // self.block_manager.block_size:]:
+            self._computing[key] = seq
+
+    def _waits_for_state(self, seq: Sequence, kept: KeptState | None) -> bool:
+        """Whether waiting `seq` waits for another request's running prompt to keep the state where
+        their shared prefix ends, deeper than `kept` (the state it could take now): that prompt
+        computes there now, or kept it in this step (the copy runs first)."""
+        if not self._computing or seq.seq_id not in self._noted:
+            return False
+        keys, bs = self._keys(seq), self.block_manager.block_size
+        for j in range(len(keys) - 1, -1 if kept is None else len(kept.tokens) // bs - 1, -1):
+            other = self._computing.get(keys[j])
+            if other is None or other.status is not SequenceStatus.RUNNING or other.request_id == seq.request_id:
+                continue  # (a sample's own request: its leader shares with it, `scheduler_siblings`)
+            kept = self._kept.get(keys[j])
+            return other.num_computed_tokens < (j + 1) * bs or (kept is not None and not kept.ready)
+        return False
 
     def _admit_kept(self, seq: Sequence, kept: KeptState, num_new: int) -> ScheduledSeq:
         """Give `seq` the kept state's pages, allocate the rest of this step's chunk; the item carries
         the state's copy."""
         shared = len(kept.tokens)
+        self._kept.move_to_end(kept.key)
+        self._taken[seq.seq_id] = kept.key
         self.block_manager.share_pages(seq, kept.pages)
         self.block_manager.allocate(seq, shared + num_new)
         self.num_prefix_state_tokens += shared
@@ -148,16 +226,18 @@ class PrefixStatesMixin:
             kept.ready = True
         self._fresh.clear()
 
-    def _drop_kept(self, spare: KeptState | None = None) -> bool:
-        """Give back the least recently used ready kept state's pages and slot (never `spare`'s);
-        False when none."""
-        for key, kept in self._kept.items():
-            if kept.ready and kept is not spare:
-                del self._kept[key]
-                self.block_manager.release(kept.pages)
-                self._free_state_slots.append(kept.slot)
-                return True
-        return False
+    def _drop_kept(self, spare: KeptState | None = None, wanted: bool = True) -> bool:
+        """Give back the least recently used ready kept state's pages and slot (never `spare`'s),
+        one no waiting prompt shares first (`wanted` False: only such a one); False when none."""
+        ready = [kept for kept in self._kept.values() if kept.ready and kept is not spare]
+        unwanted = [kept for kept in ready if not self._interest.get(kept.key)]
+        if not (unwanted or (wanted and ready)):
+            return False
+        kept = (unwanted or ready)[0]
+        del self._kept[kept.key]
+        self.block_manager.release(kept.pages)
+        self._free_state_slots.append(kept.slot)
+        return True
 
     def reset_prefix_states(self) -> None:
         """Give back every kept state (the weights or the cache may have changed)."""
@@ -170,11 +250,16 @@ class PrefixStatesMixin:
     def _finish(self, seq: Sequence, reason: str) -> None:
         """`PostprocessMixin._finish`, and forget the sequence's prompt keys."""
         super()._finish(seq, reason)  # type: ignore[misc]
-        self._prompt_keys.pop(seq.seq_id, None)
-        self._taken.pop(seq.seq_id, None)
+        self._forget(seq)
 
     def _finish_waiting(self, seq: Sequence, reason: str) -> None:
         """`PostprocessMixin._finish_waiting`, and forget the sequence's prompt keys."""
         super()._finish_waiting(seq, reason)  # type: ignore[misc]
-        self._prompt_keys.pop(seq.seq_id, None)
+        self._forget(seq)
+
+    def _forget(self, seq: Sequence) -> None:
+        self._unnote(seq)
+        for key in self._prompt_keys.pop(seq.seq_id, ()):
+            if self._computing.get(key) is seq:
+                del self._computing[key]
         self._taken.pop(seq.seq_id, None)

@@ -64,7 +64,8 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--prefix-states", type=non_negative_int, default=0, metavar="N",
                    help="gated-DeltaNet models (Qwen3.5, Qwen3-Next): keep the states of up to N prompts, so that a "
-                        "conversation's next turn prefills only what it adds (each takes one sequence's state of the "
+                        "conversation's next turn prefills only what it adds, and requests waiting together that begin "
+                        "alike (a system prompt) compute their common prefix once (each takes one sequence's state of the "
                         "KV budget; default 0: every turn prefills its whole prompt)")
     p.add_argument("--tool-call-parser", choices=sorted(PARSERS),
                    help="read tool calls out of chat replies in this format: hermes (Qwen2.5, Qwen3, Qwen3-Next, "

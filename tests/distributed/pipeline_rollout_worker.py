@@ -153,23 +153,25 @@ def run_rollouts(res, arch, folder, base, rank, world) -> None:
 
 
 def run_kept_states(res, arch, folder, base, rank, world) -> None:
-    """A gated-DeltaNet hybrid's kept prompt state on stages (``prefix_states``): one sequence at a
+    """A gated-DeltaNet hybrid's kept prompt states on stages (``prefix_states``): one sequence at a
     time, the second prompt begins with the first, whose state at its share point (12) every
-    stage copied into a kept slot; the second takes it, and both equal a single process's."""
+    stage copied into a kept slot, and the third with the first's first 8 tokens, where the first
+    stopped and kept its state too (a branch point); the second takes 12, the third 8, and all
+    equal a single process's."""
     first = [(5 * j) % (base.config.vocab_size - 2) + 2 for j in range(13)]
-    prompts = [first, first + [5, 6, 7, 8]]
-    params = [SamplingParams(temperature=1.0, max_tokens=4, seed=21 + i, ignore_eos=True) for i in range(2)]
+    prompts = [first, first + [5, 6, 7, 8], first[:8] + [9, 9, 9, 9, 9]]
+    params = [SamplingParams(temperature=1.0, max_tokens=4, seed=21 + i, ignore_eos=True) for i in range(3)]
     llm = LLM(str(folder), pipeline_parallel_size=world, device="cpu", block_size=BLOCK, max_num_seqs=1,
               kv_cache_bytes=stage_budget(base, rank, world, 64), prefix_states=2)
     got = llm.generate(prompts, params, use_tqdm=False)
     res.record(f"rollout/{arch.name}/kept/outputs", True, repr(flat(got)))  # compared across ranks
     if rank == 0:
         taken = llm.scheduler.num_prefix_state_tokens
-        res.record(f"rollout/{arch.name}/kept/taken", taken == 12, f"{taken} prompt tokens taken from a kept state")
+        res.record(f"rollout/{arch.name}/kept/taken", taken == 12 + 8, f"{taken} prompt tokens taken from kept states")
         single = LLM(str(folder), device="cpu", block_size=BLOCK, max_num_seqs=1,
                      kv_cache_bytes=stage_budget(base, 0, 1, 64))
         res.record(f"rollout/{arch.name}/kept/equals_single_process",
-                   flat(got) == flat(single.generate(prompts, params, use_tqdm=False)), "2 completions")
+                   flat(got) == flat(single.generate(prompts, params, use_tqdm=False)), "3 completions")
         res.record(f"rollout/{arch.name}/kept/equals_recompute", *recompute_matches(base, got, params))
 
 
