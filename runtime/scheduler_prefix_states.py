@@ -10,10 +10,10 @@ turn, whose prompt is the conversation so far, would prefill all of it again. Wi
 - a sequence prefilling its prompt from below ``s`` stops its chunk at ``s`` unless the state of
   its first ``s`` tokens is kept already; in its next step (none in flight: the ordinary path,
   since the chunk before was not final, so its slot holds exactly the state at ``s``) the step
-  copies its slot into a free kept-state slot (the least recently used kept state gives its slot
-  back when none is free), before the forward (``ScheduledSeq.state_to``), and the kept state
-  holds a reference to the sequence's first ``s / block_size`` pages; the kept state the
-  sequence took (below) becomes the first to be given back, its conversation having moved past it;
+  copies its slot into a free kept-state slot (when none is free, the kept state the sequence
+  took (below) gives its slot back first, its conversation having moved past it, else the least
+  recently used one), before the forward (``ScheduledSeq.state_to``), and the kept state holds a
+  reference to the sequence's first ``s / block_size`` pages;
 - a sequence admitted with nothing computed takes the deepest kept state whose tokens begin its
   prompt, up to its own share point: those pages (a reference more each) and a copy of the
   state, before its first step (``ScheduledSeq.state_from``); it computes from there. A state kept
@@ -23,10 +23,12 @@ turn, whose prompt is the conversation so far, would prefill all of it again. Wi
   engine's `reset_prefix_cache`: the weights or the cache may have changed).
 
 Prompts that begin alike (a system prompt; one prompt sent as several requests, as TRL's GRPO
-does) share their common prefix the same way, within one call: a prompt prefilling from below a
-page end where the prefix it shares with a waiting prompt ends (a branch point: `_branch_point`)
-stops its chunk there and keeps the state there as above, and the waiting prompts wait for it
-(`_waits_for_state`; counted against ``max_num_seqs``, as a held sibling is) and then take it.
+does) share their common prefix the same way: a prompt prefilling from below a page end where
+the prefix it shares with a waiting prompt or a kept state ends (a branch point:
+`_branch_point`) stops its chunk there and keeps the state there as above; the waiting prompts
+wait for it (`_waits_for_state`; counted against ``max_num_seqs``, as a held sibling is) and then
+take it, and so do later ones (the second conversation behind a system prompt keeps the state
+where it ends, the first having kept a deeper one; the third on take it).
 
 The copies are the data a prefill of the same tokens writes (a sequence's GDN step depends only on
 its own tokens, rules 1-3; its pages hold the K/V it would write), so the tokens and logprobs are
@@ -50,13 +52,19 @@ __all__ = ["KeptState", "PrefixStatesMixin"]
 
 @dataclass
 class KeptState:
-    """One kept prompt state: its slot, the pages it holds, the tokens they hold, its last page's key."""
+    """One kept prompt state: its slot, the pages it holds, the tokens and the chain keys of those pages."""
 
     slot: int
     pages: list[int]
     tokens: tuple[int, ...]
-    key: bytes
+    keys: list[bytes]
+    branch: bool = False  #: kept where prompts' common prefix ends (not at its prompt's share point)
     ready: bool = False  #: the copy into it ran in a step scheduled before this one
+
+    @property
+    def key(self) -> bytes:
+        """Its last page's key (the one it is found by)."""
+        return self.keys[-1]
 
 
 class PrefixStatesMixin:
@@ -80,6 +88,7 @@ class PrefixStatesMixin:
         self._taken: dict[int, bytes] = {}  # seq_id -> the key of the kept state it took
         self._fresh: list[KeptState] = []  # kept in the step being scheduled (not ready yet)
         self._interest: Counter[bytes] = Counter()  # page key -> waiting prompts (nothing computed) holding it
+        self._seen: Counter[bytes] = Counter()  # page key -> kept states holding it
         self._noted: set[int] = set()  # seq_ids counted in _interest
         self._computing: dict[bytes, Sequence] = {}  # page key -> the running prompt that computes it
         #: prompt tokens taken from kept states instead of being computed (a running total)
@@ -116,20 +125,25 @@ class PrefixStatesMixin:
 
     def _branch_point(self, seq: Sequence, computed: int) -> int | None:
         """The first page end past `computed`, before `seq`'s share point, where the prefix that
-        `seq` shares with a waiting prompt ends and whose state is not kept; None when none.
+        `seq` shares with a waiting prompt or a kept state ends and whose state is not kept; None
+        when none.
 
-        With ``c_j`` the waiting prompts (`seq` not counted) whose keys hold `seq`'s page key ``j``
-        (``c_j`` falls as ``j`` grows: the keys are chained), a prefix shared with one of them ends
-        at page ``j`` where ``c_j > c_{j+1}``."""
-        if not self._interest:
+        With ``c_j`` the waiting prompts (`seq` not counted) and kept states whose keys hold
+        `seq`'s page key ``j`` (``c_j`` falls as ``j`` grows: the keys are chained), a prefix
+        shared with one of them ends at page ``j`` where ``c_j > c_{j+1}``."""
+        if not (self._interest or self._seen):
             return None
         keys, bs = self._keys(seq), self.block_manager.block_size
         own = seq.seq_id in self._noted
+
+        def count(key: bytes) -> int:
+            return self._interest.get(key, 0) - own + self._seen.get(key, 0)
+
         for j in range(computed // bs, len(keys) - 1):
-            count = self._interest.get(keys[j], 0) - own
-            if count <= 0:
+            here = count(keys[j])
+            if here <= 0:
                 return None
-            if count > self._interest.get(keys[j + 1], 0) - own and keys[j] not in self._kept:
+            if here > count(keys[j + 1]) and keys[j] not in self._kept:
                 return (j + 1) * bs
         return None
 
@@ -143,16 +157,22 @@ class PrefixStatesMixin:
         if not self.prefix_states or not computed or computed > point or computed % bs:
             return
         key = self._keys(seq)[computed // bs - 1]
-        if computed != point and not self._interest.get(key):
-            return  # (a chunk that ended on a page end no waiting prompt shares)
-        if key in self._kept or not (self._free_state_slots or self._drop_kept(wanted=bool(self._interest.get(key)))):
+        if computed != point and self._branch_point(seq, computed - 1) != computed:
+            return  # (a chunk that ended on a page end that is no branch point)
+        if key in self._kept:
+            return
+        taken = self._kept.get(self._taken.get(seq.seq_id, b""))
+        if taken is not None and not taken.branch and not self._interest.get(taken.key):
+            self._kept.move_to_end(taken.key, last=False)  # (its conversation moved past it: given back first)
+        if not (self._free_state_slots or self._drop_kept(wanted=bool(self._interest.get(key)))):
             return  # (a state no waiting prompt shares never takes the slot of one that some do)
-        taken = self._taken.pop(seq.seq_id, None)
-        if taken in self._kept and not self._interest.get(taken):
-            self._kept.move_to_end(taken, last=False)  # (it served its conversation, and no waiting prompt needs it)
+        self._taken.pop(seq.seq_id, None)
         pages = seq.block_table[:computed // bs]
         self.block_manager.hold(pages)
-        kept = self._kept[key] = KeptState(self._free_state_slots.pop(), list(pages), tuple(seq.token_ids[:computed]), key)
+        keys = self._keys(seq)[:computed // bs]
+        kept = self._kept[key] = KeptState(self._free_state_slots.pop(), list(pages), tuple(seq.token_ids[:computed]),
+                                           keys, branch=computed != point)
+        self._seen.update(keys)
         self._fresh.append(kept)
         item.state_to = kept.slot
 
@@ -235,15 +255,22 @@ class PrefixStatesMixin:
             return False
         kept = (unwanted or ready)[0]
         del self._kept[kept.key]
+        self._give_back(kept)
+        return True
+
+    def _give_back(self, kept: KeptState) -> None:
+        """A kept state's pages and slot go back, and its keys stop counting."""
         self.block_manager.release(kept.pages)
         self._free_state_slots.append(kept.slot)
-        return True
+        self._seen.subtract(kept.keys)
+        for key in kept.keys:
+            if not self._seen[key]:
+                del self._seen[key]
 
     def reset_prefix_states(self) -> None:
         """Give back every kept state (the weights or the cache may have changed)."""
         for kept in self._kept.values():
-            self.block_manager.release(kept.pages)
-            self._free_state_slots.append(kept.slot)
+            self._give_back(kept)
         self._kept.clear()
         self._fresh.clear()
 

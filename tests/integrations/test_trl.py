@@ -93,6 +93,20 @@ def test_trainer_logprobs_equal_rollout_logprobs_bitwise(example, arch_name, ove
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())  # it did train
 
 
+def test_the_repeats_trl_makes_of_a_prompt_take_its_state_on_a_hybrid(example, tmp_path):
+    """The default engine of a gated-DeltaNet hybrid keeps a state for each distinct prompt of the
+    generation batch (8 completions, 4 generations a prompt: 2), so TRL's repeats of a prompt take
+    its first one's state instead of prefilling it again; a dense model's keeps none."""
+    trainer = grpo_trainer(example, "qwen3_5", tmp_path)
+    llm = trainer.vllm_generation.llm
+    assert llm.scheduler.prefix_states == 2
+    block = llm.block_manager.block_size
+    prompts = [[(7 * j) % 13 + 2 for j in range(2 * block + 3)]] * 4 + [[(5 * j) % 11 + 2 for j in range(block + 1)]] * 4
+    trainer.vllm_generation.generate(prompts, num_generations=4)
+    assert llm.scheduler.num_prefix_state_tokens == 3 * 2 * block + 3 * block
+    assert grpo_trainer(example, "qwen3", tmp_path / "dense").vllm_generation.llm.scheduler.prefix_states == 0
+
+
 @pytest.mark.parametrize("arch_name", ["qwen3_5_moe", "gemma3"])
 def test_a_published_multimodal_checkpoint_trains_its_text_model(example, arch_name, tmp_path):
     """Given the path of a published-style multimodal checkpoint (Qwen3.5, Gemma 3 4B+), the trainer

@@ -113,6 +113,35 @@ def test_a_prompt_arriving_while_its_prefix_is_computed_waits_for_it(hybrid):
     assert counts["prompt"] == len(a) + len(b) - 24
 
 
+@pytest.mark.parametrize("kept", [2, 4])
+def test_later_conversations_behind_a_system_prompt_take_its_state(hybrid, kept):
+    """Conversations that come one call at a time (an engine that owns its weights): X keeps its
+    share point's state, Y stops where the system prompt (20 tokens) it shares with that kept
+    state ends and keeps the state there too, Z takes it, Z's next turn takes Z's state, and W
+    takes the system prompt's again: with two slots too, as the state a conversation took goes
+    back first when it keeps a deeper one, unless it is where prompts' common prefix ends. Each
+    equals prefilling everything."""
+    r = _tokens(8)
+    system = r(20)
+    x, y, z, w = (system + r(n) for n in (9, 6, 11, 5))
+    params = SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True, seed=2)
+    plain = _engine(hybrid, enable_prefix_sharing=False, prefix_states=0)
+    llm = _engine(hybrid, owns_weights=True, prefix_states=kept)
+    counts = count_prompt_tokens(llm)
+
+    def turn(prompt: list[int]) -> list[int]:
+        [got] = llm.generate([prompt], params, use_tqdm=False)
+        assert completions([got]) == completions(plain.generate([prompt], params, use_tqdm=False))
+        return got.outputs[0].token_ids
+
+    turn(x), turn(y)
+    turn(z + turn(z) + [7, 8, 9])  # (Z's next turn)
+    turn(w)
+    taken = 20 + (len(z) - 1) // BLOCK * BLOCK + 20
+    assert counts["prompt"] == len(x) + len(y) + len(z) + len(z) + 5 + 3 + len(w) - taken
+    assert llm.scheduler.num_kept_states == kept
+
+
 def test_the_waiting_prompts_go_on_when_the_first_is_aborted_or_preempted(hybrid):
     prompts = _system_prompt_batch()
     params = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, seed=9)

@@ -63,6 +63,7 @@ from trl import DistillationConfig, DistillationTrainer, GRPOConfig, GRPOTrainer
 from vexact_models.multimodal import text_config_of
 from vexact_models.registry import for_model_type
 from vexact_models.runtime import LLM
+from vexact_models.runtime.linear_state_cache import linear_state_spec
 
 from .trl_backend import VexactGeneration, causal_lm_of, install_exact_logprobs, policy_architecture
 
@@ -169,6 +170,8 @@ class ExactRolloutsMixin:
             steps = getattr(self.args, "steps_per_generation", None) or self.args.gradient_accumulation_steps
             kw = {"max_num_seqs": self.args.per_device_train_batch_size * steps,
                   "seed": self.args.seed + self.accelerator.process_index}
+            if linear_state_spec(policy) is not None:  # TRL repeats each prompt: its repeats take its state
+                kw["prefix_states"] = max(1, kw["max_num_seqs"] // getattr(self.args, "num_generations", 1))
             if self.accelerator.device.type == "cuda":
                 kw["gpu_memory_utilization"] = self.args.vllm_gpu_memory_utilization
             tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)  # a processor's own
@@ -209,7 +212,9 @@ class VexactGRPOTrainer(ExactRolloutsMixin, GRPOTrainer):
             policy's weights).
         llm_kwargs: `LLM` keyword arguments for the default engine (default: ``max_num_seqs`` =
             the per-process generation batch, ``seed`` = ``args.seed`` + process index, on CUDA
-            ``gpu_memory_utilization`` = ``args.vllm_gpu_memory_utilization``).
+            ``gpu_memory_utilization`` = ``args.vllm_gpu_memory_utilization``; for a
+            gated-DeltaNet hybrid ``prefix_states`` = that batch's distinct prompts, so that the
+            ``num_generations`` repeats TRL makes of a prompt compute it once).
         exact_logprobs: True (default) computes training logprobs with ``token_logprobs``; False
             keeps TRL's fused LM head (for comparison: then the two differ).
     """
