@@ -148,9 +148,9 @@ class PrefixStatesMixin:
         return None
 
     def _keep_state(self, item: ScheduledSeq) -> None:
-        """Copy `item`'s state into a kept slot before its step when it stands at its share point,
-        or at a page end before it that a waiting prompt shares, and the state there is not kept (a
-        slot free, or a ready one given back)."""
+        """Copy `item`'s state into a kept slot before its step when it stands at its share point
+        or at a branch point before it (`_branch_point`), and the state there is not kept (a slot
+        free, or a ready one given back)."""
         seq = item.seq
         computed, bs = seq.num_computed_tokens, self.block_manager.block_size
         point = self.share_point(seq)
@@ -225,8 +225,8 @@ class PrefixStatesMixin:
             other = self._computing.get(keys[j])
             if other is None or other.status is not SequenceStatus.RUNNING or other.request_id == seq.request_id:
                 continue  # (a sample's own request: its leader shares with it, `scheduler_siblings`)
-            kept = self._kept.get(keys[j])
-            return other.num_computed_tokens < (j + 1) * bs or (kept is not None and not kept.ready)
+            state = self._kept.get(keys[j])
+            return other.num_computed_tokens < (j + 1) * bs or (state is not None and not state.ready)
         return False
 
     def _admit_kept(self, seq: Sequence, kept: KeptState, num_new: int) -> ScheduledSeq:

@@ -8,9 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from vexact_models.conformance.models import build_model
 from vexact_models.kernels.gated_delta_step import dry_run, plan_sizes, plan_step
-from vexact_models.registry import get
 from vexact_models.runtime import LLM, SamplingParams
 from vexact_models.runtime.linear_state_cache import LinearStateCache, LinearStep, LinearStepBuffers
 
@@ -99,12 +97,6 @@ def test_graph_shaped_steps_equal_training_bitwise():
             done[s] += m
     assert done == lengths
     assert torch.equal(got_conv, want_conv) and torch.equal(got, want)
-
-
-@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe", "qwen3_next"])
-def hybrid(request):
-    arch = get(request.param)
-    return build_model(arch, arch.tiny_config(), CPU, torch.float32)
 
 
 def test_engine_graph_shaped_steps_equal_training(hybrid):

@@ -13,20 +13,13 @@ from vexact_models.registry import get
 from vexact_models.runtime import LLM, SamplingParams
 from vexact_models.runtime.llm_setup import cache_budget_bytes
 
+from .test_prefix_states import BLOCK
+from .test_prefix_states import _engine as _kept_engine
 from .test_prompt_state_sharing import HYBRIDS, assert_recompute, completions, count_prompt_tokens
-
-BLOCK = 4
-
-
-@pytest.fixture(scope="module", params=HYBRIDS)
-def hybrid(request):
-    arch = get(request.param)
-    return build_model(arch, arch.tiny_config(), torch.device("cpu"), torch.float32)
 
 
 def _engine(model, **kwargs) -> LLM:
-    kwargs = {"max_num_batched_tokens": 128, "kv_cache_bytes": 1 << 22, "prefix_states": 4, **kwargs}
-    return LLM(model, device="cpu", block_size=BLOCK, max_num_seqs=8, **kwargs)
+    return _kept_engine(model, **{"prefix_states": 4, **kwargs})
 
 
 def _plain(model, prompts, params):
@@ -126,7 +119,7 @@ def test_later_conversations_behind_a_system_prompt_take_its_state(hybrid, kept)
     x, y, z, w = (system + r(n) for n in (9, 6, 11, 5))
     params = SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True, seed=2)
     plain = _engine(hybrid, enable_prefix_sharing=False, prefix_states=0)
-    llm = _engine(hybrid, owns_weights=True, prefix_states=kept)
+    llm = _engine(hybrid, prefix_states=kept)
     counts = count_prompt_tokens(llm)
 
     def turn(prompt: list[int]) -> list[int]:

@@ -24,12 +24,6 @@ from .test_prompt_state_sharing import HYBRIDS, assert_recompute, completions, c
 BLOCK = 4
 
 
-@pytest.fixture(scope="module", params=HYBRIDS)
-def hybrid(request):
-    arch = get(request.param)
-    return build_model(arch, arch.tiny_config(), torch.device("cpu"), torch.float32)
-
-
 def _engine(model, **kwargs) -> LLM:
     kwargs = {"max_num_batched_tokens": 128, "kv_cache_bytes": 1 << 22, **kwargs}
     return LLM(model, device="cpu", block_size=BLOCK, max_num_seqs=8, owns_weights=True, **kwargs)

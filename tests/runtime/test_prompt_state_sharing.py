@@ -24,12 +24,6 @@ BLOCK, N = 4, 4
 LENGTHS = (19, 6)  # share points 16 and 4 (the pages of 4 before the last token)
 
 
-@pytest.fixture(scope="module", params=HYBRIDS)
-def hybrid(request):
-    arch = get(request.param)
-    return build_model(arch, arch.tiny_config(), torch.device("cpu"), torch.float32)
-
-
 def count_prompt_tokens(llm) -> dict:
     """Wrap the scheduler's two entry points to count the prompt tokens each step runs and the
     state copies it carries."""
