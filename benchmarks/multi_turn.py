@@ -3,7 +3,7 @@
 in the same run, the same engine over weights it does not own (as over a trainer's), which
 prefills every turn's whole conversation again. For the gated-DeltaNet hybrids (Qwen3.5,
 Qwen3-Next), whose prompts share no pages by content, the engines keep ``--prefix-states`` prompt
-states (`runtime.scheduler_prefix_states`; default: one a conversation), so that a next turn
+states (`runtime.scheduler_prefix_states`; default: one a conversation, and one for a system prompt), so that a next turn
 takes its last turn's pages and state up to that prompt's last whole page. A ``--system-len``
 system prompt is shared within each call by both engines (the hybrids: at the page end where it
 ends, `scheduler_prefix_states`' branch points).
@@ -59,7 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--recompute-tokens", type=positive_int, default=16384,
                    help="tokens a recompute micro-batch holds (default 16384)")
     p.add_argument("--prefix-states", type=positive_int,
-                   help="prompt states the engines keep, for the gated-DeltaNet hybrids (default: --conversations)")
+                   help="prompt states the engines keep, for the gated-DeltaNet hybrids (default: --conversations, "
+                        "one more with --system-len)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiny", action="store_true", help="CPU, float32, the architecture's tiny config (tests)")
     args = p.parse_args(argv)
@@ -130,7 +131,7 @@ def main(argv=None) -> int:
           f"{args.max_tokens} sampled and {args.user_len} appended a turn")
     engine = dict(device=args.device) if args.tiny else dict(gpu_memory_utilization=args.gpu_memory_utilization)
     if linear_state_spec(model) is not None:  # (the hybrids: prompts shared through kept states)
-        engine["prefix_states"] = args.prefix_states or args.conversations
+        engine["prefix_states"] = args.prefix_states or args.conversations + bool(args.system_len)  # (+ the system prompt's)
         print(f"kept prompt states: {engine['prefix_states']}")
     results = {}
     for name, owns in (("pages kept across calls", True), ("each call afresh", False)):
