@@ -87,8 +87,10 @@ class ScriptRunner:
         env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
         proc = subprocess.Popen([sys.executable, "-c", _WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 text=True, env=env)
+        # each worker's reader puts into its own queue: the end of a worker killed for a hang, read
+        # after this one starts, stays in the old queue
         self._replies = queue.Queue()
-        threading.Thread(target=self._read, args=(proc,), daemon=True).start()
+        threading.Thread(target=self._read, args=(proc, self._replies), daemon=True).start()
         try:  # the imports, under a limit of their own: a hang guard, not a speed check
             ready = self._replies.get(timeout=600)
         except queue.Empty:
@@ -98,10 +100,11 @@ class ScriptRunner:
             raise RuntimeError(f"the script runner's worker did not start (exit status {proc.wait()})")
         return proc
 
-    def _read(self, proc: subprocess.Popen) -> None:
+    @staticmethod
+    def _read(proc: subprocess.Popen, replies: queue.Queue) -> None:
         for line in proc.stdout:
-            self._replies.put(line)
-        self._replies.put(None)  # the worker ended
+            replies.put(line)
+        replies.put(None)  # the worker ended
 
     def run(self, cwd: Path | str, script: str, *args: str) -> ScriptRun:
         """``python script *args`` in `cwd`, in the worker: its exit status, stdout and stderr."""
