@@ -69,6 +69,9 @@ class LookaheadMixin:
         for seq in entering:
             bm.append_block(seq)
         items = [ScheduledSeq(seq, 1, True, in_flight=True) for seq in ahead]
+        if self.prefix_states:  # (a reply's state moves along it: its slot holds its first len(token_ids) tokens' then)
+            for item in items:
+                self._keep_reply(item, len(item.seq.token_ids))
         if self._waiting:  # slots free now (the ones freed by the step in flight count next step)
             self._schedule_waiting(self.max_num_batched_tokens - len(items), items)
         self._in_flight.append((items, True))

@@ -47,7 +47,10 @@ from .prefix_cache import ROOT_KEY, chain_key
 from .scheduled import ScheduledSeq
 from .sequence import Sequence, SequenceStatus
 
-__all__ = ["KeptState", "PrefixStatesMixin"]
+__all__ = ["REPLY_STRIDE", "KeptState", "PrefixStatesMixin"]
+
+#: a reply's kept state moves along it every this many tokens (rounded up to whole pages)
+REPLY_STRIDE = 64
 
 
 @dataclass
@@ -60,6 +63,7 @@ class KeptState:
     keys: list[bytes]
     branch: bool = False  #: kept where prompts' common prefix ends (not at its prompt's share point)
     ready: bool = False  #: the copy into it ran in a step scheduled before this one
+    takers: int = 0  #: sequences that took it
 
     @property
     def key(self) -> bytes:
@@ -91,6 +95,8 @@ class PrefixStatesMixin:
         self._seen: Counter[bytes] = Counter()  # page key -> kept states holding it
         self._noted: set[int] = set()  # seq_ids counted in _interest
         self._computing: dict[bytes, Sequence] = {}  # page key -> the running prompt that computes it
+        self._owned: dict[int, bytes] = {}  # seq_id -> the key of the state it kept last (moved along its reply)
+        self._reply_keys: dict[int, list[bytes]] = {}  # seq_id -> its page keys past the share point, as far as kept
         #: prompt tokens taken from kept states instead of being computed (a running total)
         self.num_prefix_state_tokens = 0
 
@@ -154,8 +160,10 @@ class PrefixStatesMixin:
         seq = item.seq
         computed, bs = seq.num_computed_tokens, self.block_manager.block_size
         point = self.share_point(seq)
-        if not self.prefix_states or not computed or computed > point or computed % bs:
+        if not self.prefix_states or not computed or computed % bs:
             return
+        if computed > point:
+            return self._keep_reply(item, computed)
         key = self._keys(seq)[computed // bs - 1]
         if computed != point and self._branch_point(seq, computed - 1) != computed:
             return  # (a chunk that ended on a page end that is no branch point)
@@ -172,9 +180,51 @@ class PrefixStatesMixin:
         keys = self._keys(seq)[:computed // bs]
         kept = self._kept[key] = KeptState(self._free_state_slots.pop(), list(pages), tuple(seq.token_ids[:computed]),
                                            keys, branch=computed != point)
-        self._seen.update(keys)
+        self._count_seen(keys, 1)
         self._fresh.append(kept)
         item.state_to = kept.slot
+        if not kept.branch:
+            self._owned[seq.seq_id] = key
+
+    def _keep_reply(self, item: ScheduledSeq, position: int) -> None:
+        """Before `item`'s step, whose slot then holds the state of its sequence's first `position`
+        tokens, past its share point: at every `reply_stride` tokens move the state the sequence
+        kept last there (its own: no one took it, no waiting prompt wants it), else keep a new one
+        (a slot free, or one no waiting prompt wants given back), so that a conversation's next turn
+        takes its reply too. An item scheduled ahead passes its position (``len(token_ids)``)."""
+        seq, bs = item.seq, self.block_manager.block_size
+        if not self.prefix_states or position % self.reply_stride:
+            return
+        keys = self._reply_keys.setdefault(seq.seq_id, list(self._keys(seq)))
+        for index in range(len(keys), position // bs):
+            keys.append(chain_key(keys[-1] if keys else ROOT_KEY, tuple(seq.token_ids[index * bs:(index + 1) * bs])))
+        if keys[position // bs - 1] in self._kept:
+            return
+        own = self._kept.get(self._owned.get(seq.seq_id, b""))
+        if (own is not None and not own.branch and not own.takers and not self._interest.get(own.key)
+                and own.pages == seq.block_table[:len(own.pages)]):  # (not after a preemption gave it new pages)
+            del self._kept[own.key]
+            self._count_seen(own.keys, -1)
+            self.block_manager.hold(seq.block_table[len(own.pages):position // bs])
+            own.pages = list(seq.block_table[:position // bs])
+        elif self._free_state_slots or self._drop_kept(wanted=False):
+            self.block_manager.hold(seq.block_table[:position // bs])
+            own = KeptState(self._free_state_slots.pop(), list(seq.block_table[:position // bs]), (), [])
+        else:
+            return
+        own.tokens, own.keys, own.ready = tuple(seq.token_ids[:position]), keys[:position // bs], False
+        self._kept[own.key] = own
+        self._count_seen(own.keys, 1)
+        self._fresh.append(own)
+        self._owned[seq.seq_id] = own.key
+        item.state_to = own.slot
+
+    @property
+    def reply_stride(self) -> int:
+        """Tokens between the states a sequence's reply keeps (`_keep_reply`): the smallest
+        whole number of pages of at least `REPLY_STRIDE` tokens (each move is a copy of its slot)."""
+        bs = self.block_manager.block_size
+        return -(-REPLY_STRIDE // bs) * bs
 
     def _kept_for(self, seq: Sequence) -> KeptState | None:
         """The deepest ready kept state whose tokens begin waiting `seq`'s prompt, up to its share
@@ -233,6 +283,7 @@ class PrefixStatesMixin:
         """Give `seq` the kept state's pages, allocate the rest of this step's chunk; the item carries
         the state's copy."""
         shared = len(kept.tokens)
+        kept.takers += 1
         self._kept.move_to_end(kept.key)
         self._taken[seq.seq_id] = kept.key
         self.block_manager.share_pages(seq, kept.pages)
@@ -262,8 +313,12 @@ class PrefixStatesMixin:
         """A kept state's pages and slot go back, and its keys stop counting."""
         self.block_manager.release(kept.pages)
         self._free_state_slots.append(kept.slot)
-        self._seen.subtract(kept.keys)
-        for key in kept.keys:
+        self._count_seen(kept.keys, -1)
+
+    def _count_seen(self, keys: list[bytes], step: int) -> None:
+        """Add `step` to each key's count of kept states holding it (a count of 0 leaves)."""
+        for key in keys:
+            self._seen[key] += step
             if not self._seen[key]:
                 del self._seen[key]
 
@@ -290,3 +345,5 @@ class PrefixStatesMixin:
             if self._computing.get(key) is seq:
                 del self._computing[key]
         self._taken.pop(seq.seq_id, None)
+        self._owned.pop(seq.seq_id, None)
+        self._reply_keys.pop(seq.seq_id, None)

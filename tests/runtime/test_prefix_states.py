@@ -17,6 +17,7 @@ from vexact_models.runtime.linear_state_cache import LinearStateCache, snapshot_
 from vexact_models.runtime.llm_setup import cache_budget_bytes
 from vexact_models.runtime.page_groups import PageGroups
 from vexact_models.runtime.scheduler import Scheduler
+from vexact_models.runtime.scheduler_prefix_states import REPLY_STRIDE
 
 from .test_linear_state_cache import spec
 from .test_prompt_state_sharing import HYBRIDS, assert_recompute, completions, count_prompt_tokens
@@ -46,23 +47,39 @@ def _turns(llm, first: list[list[int]], params, turns: int = 3) -> tuple[list, l
     return outs, prompts, computed
 
 
-@pytest.mark.parametrize("engine", [dict(), dict(async_scheduling=False), dict(max_num_batched_tokens=12)])
-def test_a_conversations_next_turn_prefills_only_what_it_adds_and_equals_prefilling_all(hybrid, engine):
+def kept_depth(prompt: int, max_tokens: int, block: int = BLOCK) -> int:
+    """Tokens of a conversation's last turn (`prompt` tokens, `max_tokens` sampled, ``ignore_eos``)
+    that its next turn takes: its reply's last state (each ``reply_stride`` tokens past the share
+    point, up to its last computed position), else its prompt's share point."""
+    stride = -(-REPLY_STRIDE // block) * block
+    share = (prompt - 1) // block * block
+    return max(share, (prompt + max_tokens - 2) // stride * stride)
+
+
+@pytest.mark.parametrize("engine, lengths, max_tokens", [
+    (dict(), (19, 23, 6), 6), (dict(async_scheduling=False), (19, 23, 6), 6), (dict(max_num_batched_tokens=12), (19, 23, 6), 6),
+    (dict(), (58, 61, 50), 14), (dict(async_scheduling=False), (58, 61, 50), 14)])
+def test_a_conversations_next_turn_prefills_only_what_it_adds_and_equals_prefilling_all(hybrid, engine, lengths, max_tokens):
+    """Three turns of three conversations; a turn takes its last turn's prompt state, or where the
+    reply reached 64 tokens (a stride), the state the reply kept there (from steps scheduled ahead,
+    and one at a time)."""
     gen = torch.Generator().manual_seed(7)
-    first = [torch.randint(2, 500, (n,), generator=gen).tolist() for n in (19, 23, 6)]
-    params = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, seed=3)
-    want, prompts, alone = _turns(_engine(hybrid, enable_prefix_sharing=False), first, params)
+    first = [torch.randint(2, 500, (n,), generator=gen).tolist() for n in lengths]
+    params = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=3)
+    turns = 3
+    want, prompts, alone = _turns(_engine(hybrid, enable_prefix_sharing=False), first, params, turns)
     llm = _engine(hybrid, prefix_states=4, **engine)
-    got, _, computed = _turns(llm, first, params)
-    for turn in range(3):
+    got, _, computed = _turns(llm, first, params, turns)
+    for turn in range(turns):
         assert completions(got[turn]) == completions(want[turn])
         assert_recompute(hybrid, prompts[turn], got[turn])
     assert computed[0] == alone[0] == sum(len(p) for p in prompts[0])
-    for turn in (1, 2):  # each prompt begins with the last turn's, kept at its share point
-        kept = [(len(p) - 1) // BLOCK * BLOCK for p in prompts[turn - 1]]
+    for turn in range(1, turns):  # each prompt begins with the last turn's
+        kept = [kept_depth(len(p), max_tokens) for p in prompts[turn - 1]]
         assert computed[turn] == sum(len(p) - k for p, k in zip(prompts[turn], kept)) < alone[turn]
     assert llm.scheduler.num_kept_states == 4  # (every slot: the oldest given back)
-    assert llm.scheduler.num_prefix_state_tokens == sum((len(p) - 1) // BLOCK * BLOCK for t in (0, 1) for p in prompts[t])
+    taken = sum(kept_depth(len(p), max_tokens) for t in range(turns - 1) for p in prompts[t])
+    assert llm.scheduler.num_prefix_state_tokens == taken
 
 
 def test_kept_states_give_their_slots_and_pages_back_and_the_results_stay(hybrid):
@@ -192,8 +209,8 @@ def test_state_copies_address_the_kept_slots_after_the_padding_state():
 def test_gpu_turns_take_their_kept_states_under_cuda_graphs(name):
     """On the GPU (Triton kernels, bf16, pages of 16), with decode and mixed-step CUDA graphs and
     async steps: three turns of four conversations of 100-300 tokens; each turn past the first
-    prefills only what follows its last turn's share point, and every logprob equals the rollout
-    with prefix sharing off and the training recompute, bitwise."""
+    prefills only what follows its last turn's share point or its reply's kept state, and every
+    logprob equals the rollout with prefix sharing off and the training recompute, bitwise."""
     arch = get(name)
     model = build_model(arch, arch.tiny_config(linear_chunk_size=None, head_dim=64), torch.device("cuda"), torch.bfloat16)
     gen = torch.Generator().manual_seed(5)
@@ -207,7 +224,7 @@ def test_gpu_turns_take_their_kept_states_under_cuda_graphs(name):
         runs.append([completions(o) for o in outs])
         if states:
             for turn in (1, 2):
-                kept = [(len(p) - 1) // 16 * 16 for p in prompts[turn - 1]]
+                kept = [kept_depth(len(p), 40, 16) for p in prompts[turn - 1]]
                 assert computed[turn] == sum(len(p) - k for p, k in zip(prompts[turn], kept)), computed
         for turn in range(3):
             for prompt, out in zip(prompts[turn], outs[turn]):
