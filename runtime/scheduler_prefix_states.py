@@ -30,6 +30,14 @@ wait for it (`_waits_for_state`; counted against ``max_num_seqs``, as a held sib
 take it, and so do later ones (the second conversation behind a system prompt keeps the state
 where it ends, the first having kept a deeper one; the third on take it).
 
+A reply moves its conversation's state along (`_keep_reply`): every ``reply_stride`` tokens
+(`REPLY_STRIDE`, rounded up to whole pages) past its prompt's share point, a decoding sequence's
+step copies its slot, then holding the state of exactly its first ``p`` tokens, into the state
+it kept last when that one is its own (no one took it, no waiting prompt wants it: it moves,
+taking the new pages), else into a new one; a step scheduled ahead does it at its position
+``len(token_ids)``, whose state the step in flight leaves in the slot. So a conversation's next
+turn takes its last turn's reply too, up to the last stride, at one slot copy a stride.
+
 The copies are the data a prefill of the same tokens writes (a sequence's GDN step depends only on
 its own tokens, rules 1-3; its pages hold the K/V it would write), so the tokens and logprobs are
 bitwise those of prefilling everything, and a conversation's next turn prefills only what it adds
