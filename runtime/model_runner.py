@@ -222,10 +222,14 @@ class ModelRunner:
 
     def _copy_states(self, inputs: StepInputs) -> None:
         """Before the step: the gated-DeltaNet slot copies it carries (a sample taking its prompt's
-        state from a sibling, `runtime.scheduler_siblings`), on this runner's GDN layers."""
+        state from a sibling, `runtime.scheduler_siblings`; kept prompt states, into them and out
+        of them, `runtime.scheduler_prefix_states`), on this runner's GDN layers. The indices travel
+        in one pinned asynchronous copy (`staging.to_device`): a copy from pageable memory would
+        wait for the stream, and a step scheduled ahead (a reply's state moving along it) must not."""
         if self.linear_states is None or not len(inputs.state_copies):
             return
-        src, dst = (torch.as_tensor(inputs.state_copies[:, i]).to(self.device) for i in (0, 1))
+        copies = np.asarray(inputs.state_copies, np.int64)
+        src, dst = to_device([copies[:, 0], copies[:, 1]], self.device)
         self.linear_states.copy_slots(src, dst)
 
     def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
