@@ -209,8 +209,7 @@ class PrefixStatesMixin:
         if keys[position // bs - 1] in self._kept:
             return
         own = self._kept.get(self._owned.get(seq.seq_id, b""))
-        if (own is not None and not own.branch and not own.takers and not self._interest.get(own.key)
-                and own.pages == seq.block_table[:len(own.pages)]):  # (not after a preemption gave it new pages)
+        if own is not None and not own.branch and not own.takers and not self._interest.get(own.key):
             del self._kept[own.key]
             self._count_seen(own.keys, -1)
             self.block_manager.hold(seq.block_table[len(own.pages):position // bs])
@@ -250,6 +249,7 @@ class PrefixStatesMixin:
     def _note_waiting(self, seq: Sequence) -> None:
         """Count queued `seq`'s prompt page keys as wanted (`Scheduler.add`, a preemption): a
         prompt computing them stops where their shared prefix ends (`_branch_point`)."""
+        self._owned.pop(seq.seq_id, None)  # (after a preemption its pages are new: what it kept stays as it is)
         if (self.prefix_states and seq.seq_id not in self._noted and not seq.num_computed_tokens
                 and not seq.prompt_unscored and self.share_point(seq)):
             self._noted.add(seq.seq_id)

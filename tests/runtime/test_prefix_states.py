@@ -98,6 +98,22 @@ def test_kept_states_give_their_slots_and_pages_back_and_the_results_stay(hybrid
     assert llm.num_preemptions > 0  # (the small cache: kept states gave their pages back first)
 
 
+def test_replies_kept_under_preemption_give_every_page_back(hybrid):
+    """Replies that keep states (64 tokens a stride) in a cache so small that sequences are
+    preempted and re-prefill: the same tokens as prefilling everything, and once the kept states
+    go (`reset_prefix_cache`) every page is free again (no reference lost or left)."""
+    gen = torch.Generator().manual_seed(4)
+    first = [torch.randint(2, 500, (n,), generator=gen).tolist() for n in (58, 61, 50)]
+    params = SamplingParams(temperature=1.0, max_tokens=14, ignore_eos=True, seed=6)
+    want, _, _ = _turns(_engine(hybrid, enable_prefix_sharing=False), first, params, 2)
+    tight = cache_budget_bytes(hybrid, torch.float32, BLOCK, 48, 8, state_snapshots=3)
+    llm = _engine(hybrid, prefix_states=3, kv_cache_bytes=tight)
+    got, _, _ = _turns(llm, first, params, 2)
+    assert [completions(o) for o in got] == [completions(o) for o in want] and llm.num_preemptions > 0
+    llm.reset_prefix_cache()
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+
+
 def test_the_n_samples_of_a_turn_share_its_kept_state(hybrid):
     gen = torch.Generator().manual_seed(9)
     first = [torch.randint(2, 500, (17,), generator=gen).tolist()]
