@@ -144,13 +144,12 @@ class LLM(ChatMixin, RequestsMixin, OnlineRequestsMixin, EngineStepsMixin, Engin
             `llm_args.MAX_LOGPROBS_LIMIT`, 2,048: `kernels.top_tokens` keeps at most a
             2,048-column chunk's candidates from each chunk). A request asking for more is a
             ValueError before anything runs.
-        prefix_states: models with gated-DeltaNet layers (Qwen3.5, Qwen3-Next): keep the states
-            of up to this many prompts at their last whole page, so that a later request beginning
-            with one (a conversation's next turn) takes its pages and state instead of prefilling
-            it again, and where prompts waiting together begin alike (a system prompt), at the
-            page end where their common prefix ends, computed once; bitwise the same
-            (`runtime.scheduler_prefix_states`; kept as shared pages
-            are, given back before any preemption; each costs a sequence's state of the KV
+        prefix_states: models with gated-DeltaNet layers (Qwen3.5, Qwen3-Next): keep up to this
+            many states of prompts (at their last whole page), of replies (every 64 tokens) and
+            where prompts that begin alike part (a system prompt), so that a later request
+            beginning with one (a conversation's next turn) takes its pages and state instead of
+            prefilling it again, bitwise the same (`runtime.scheduler_prefix_states`; kept as shared
+            pages are, given back before any preemption; each costs a sequence's state of the KV
             budget, 61 MiB at Qwen3.5-35B-A3B's shape). Default 0: none.
 
     Threads: one call runs at a time (`runtime.engine_lock`). A ``generate``, ``update_weights``,

@@ -63,10 +63,10 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="base seed of requests that give none (default 0)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--prefix-states", type=non_negative_int, default=0, metavar="N",
-                   help="gated-DeltaNet models (Qwen3.5, Qwen3-Next): keep the states of up to N prompts, so that a "
-                        "conversation's next turn prefills only what it adds, and requests waiting together that begin "
-                        "alike (a system prompt) compute their common prefix once (each takes one sequence's state of the "
-                        "KV budget; default 0: every turn prefills its whole prompt)")
+                   help="gated-DeltaNet models (Qwen3.5, Qwen3-Next): keep up to N prompt and reply states, so that a "
+                        "conversation's next turn prefills only what it adds (its last reply too, up to a multiple of 64 "
+                        "tokens), and requests that begin alike (a system prompt) compute their common prefix once (each "
+                        "takes one sequence's state of the KV budget; default 0: every turn prefills its whole prompt)")
     p.add_argument("--tool-call-parser", choices=sorted(PARSERS),
                    help="read tool calls out of chat replies in this format: hermes (Qwen2.5, Qwen3, Qwen3-Next, "
                         "QwQ), qwen3_coder (Qwen3-Coder, Qwen3.5), deepseek_v3 / deepseek_v31 (DeepSeek-V3, V3.1), "
