@@ -31,9 +31,11 @@ def test_generate_batch_runs_tiny_on_cpu():
 def test_multi_turn_runs_tiny_on_cpu(config):
     """benchmarks/multi_turn.py --tiny: the engine keeping its pages across calls shares the earlier
     turns' pages (none in turn 1, more each turn after; a gated-DeltaNet hybrid through its kept
-    prompt states), the engine starting afresh shares none but a system prompt (its 40 tokens
-    hold 2 pages of 16, taken by 2 of the 3 conversations each turn), their outputs are bitwise equal and
-    equal the recompute; a bad option is a usage error."""
+    states: with the system prompt, turn 1's replies reach 64 tokens and keep their states there,
+    which turn 2's prompts take and turn 3's too, their share point being 64 as well), the engine
+    starting afresh shares none but a system prompt (its 40 tokens hold 2 pages of 16, taken by 2
+    of the 3 conversations each turn), their outputs are bitwise equal and equal the recompute; a
+    bad option is a usage error."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     run = subprocess.run([sys.executable, "multi_turn.py", "--tiny", *config], cwd=BENCHMARKS, capture_output=True,
                          text=True, timeout=600, env=env)
@@ -41,8 +43,10 @@ def test_multi_turn_runs_tiny_on_cpu(config):
     rows = [line.split() for line in run.stdout.splitlines() if line.split()[:1] in (["1"], ["2"], ["3"])]
     assert [r[0] for r in rows] == ["1", "2", "3"] and all(r[-1].endswith("x") for r in rows), run.stdout
     kept, afresh = [int(r[2]) for r in rows], [int(r[3]) for r in rows]
-    system = 2 * 32 if "--system-len" in config else 0
-    assert kept[0] == system and system < kept[1] < kept[2] and afresh == [system] * 3, run.stdout
+    if "--system-len" in config:
+        assert kept == [2 * 32, 3 * 64, 3 * 64] and afresh == [2 * 32] * 3, run.stdout
+    else:
+        assert kept[0] == 0 and 0 < kept[1] < kept[2] and afresh == [0, 0, 0], run.stdout
     assert "bitwise equal" in run.stdout and ", 0 mismatches" in run.stdout and run.stdout.rstrip().endswith("OK")
     refused = _usage("multi_turn.py", "--tiny", "--turns", "0")
     assert refused.returncode == 2 and "--turns" in refused.stderr
