@@ -238,6 +238,8 @@ class PrefixStatesMixin:
         point, when it has nothing computed; None otherwise."""
         if not self._kept or seq.num_computed_tokens or seq.prompt_unscored or not self.share_point(seq):
             return None  # (a prompt still to score computes every position: runtime.top_logprobs)
+        if self._keys(seq)[0] not in self._seen:
+            return None  # (no kept state holds its first page, so none begins it: each waiting prompt's early out)
         leader = self._leader(seq)  # (a sample whose leader is live takes the whole shared prompt, or waits for it)
         keys = self._keys(seq)[-1:] if leader is not None and leader.status is not SequenceStatus.FINISHED else self._keys(seq)
         for key in reversed(keys):
