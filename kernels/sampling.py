@@ -32,6 +32,8 @@ _BLOCK_V = 512  # the blocks the filter decides on (`_sample_kernel`): 1.5x the 
 #: that reaches it do not depend on the split, so neither does the token. One program per row left
 #: a decode step's sampler at ~2 programs per SM (0.18-0.26 ms at batch 128-256 on the H200).
 _CHUNK_BLOCKS = 32
+Word = int | torch.Tensor  #: a Philox word: an int, or int64 tensors broadcast against the counters
+_SAMPLE_ELEMENTS = 1 << 20  #: logits `sample_tokens_reference` scores at once (memory)
 U_MAX = 1.0 - 2.0 ** -24  #: the largest uniform the sampler draws: the largest fp32 below 1 (`_philox_uniform`)
 _U_MAX = tl.constexpr(U_MAX)
 _PHILOX_ROUND_A = 0xD2511F53
@@ -181,47 +183,54 @@ def _mulhi_lo(a: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
     return high & _MASK32, low
 
 
-def philox4x32_reference(counters: torch.Tensor, counter_words: tuple[int, int, int],
-                         key: tuple[int, int]) -> torch.Tensor:
-    """``[4, n]`` output words (int64 holding uint32) of Philox4x32-10, in plain torch, for the
-    counters ``(counters[i], *counter_words)`` under the two key words `key`."""
+def philox4x32_reference(counters: torch.Tensor, counter_words: tuple[Word, Word, Word],
+                         key: tuple[Word, Word]) -> torch.Tensor:
+    """``[4, *shape]`` output words (int64 holding uint32) of Philox4x32-10, in plain torch, for the
+    counters ``(counters[i], *counter_words)`` under the two key words `key`. A word may be an int
+    or an int64 tensor broadcast against `counters` (one per row, say); ``shape`` is theirs."""
     c0 = counters.to(torch.int64) & _MASK32
-    c1, c2, c3 = (torch.full_like(c0, w & _MASK32) for w in counter_words)
+    c1, c2, c3 = (w & _MASK32 for w in counter_words)
     k0, k1 = key[0] & _MASK32, key[1] & _MASK32
     for _ in range(10):
         hi_b, lo_b = _mulhi_lo(c2, _PHILOX_ROUND_B)
         hi_a, lo_a = _mulhi_lo(c0, _PHILOX_ROUND_A)
         c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
         k0, k1 = (k0 + _PHILOX_KEY_A) & _MASK32, (k1 + _PHILOX_KEY_B) & _MASK32
-    return torch.stack([c0, c1, c2, c3])
+    words = [w if isinstance(w, torch.Tensor) else torch.tensor(w, dtype=torch.int64) for w in (c0, c1, c2, c3)]
+    return torch.stack(torch.broadcast_tensors(counters, *words)[1:])
 
 
-def philox_uniform_reference(cols: torch.Tensor, step: int, seed: int) -> torch.Tensor:
+def philox_uniform_reference(cols: torch.Tensor, step: Word, seed: Word) -> torch.Tensor:
     """The kernel's uniforms in plain torch, float32: column j is word ``j % 4`` of counter
     ``(j // 4, step low word, step high word, 0)`` under the key ``(seed low, seed high)``; its
     top 24 bits k give ``(k + 1/2) / 2^24``, rounded to fp32, at most 1 - 2^-24 (k = 2^24 - 1
     would round to 1.0, whose noise ``-log(-log(1))`` is +inf: that column would win whatever its
-    logit, in about 1% of the steps over a 152k vocabulary)."""
+    logit, in about 1% of the steps over a 152k vocabulary). `step` and `seed` may be int64
+    tensors broadcast against `cols` (``[rows, 1]``: a row each, ``[rows, n]`` out)."""
     cols = cols.to(torch.int64)
     words = philox4x32_reference(cols // 4, (step, step >> 32, 0), (seed, seed >> 32))
-    words = words.gather(0, (cols % 4)[None, :])[0]
+    words = words.gather(0, (cols % 4).expand(words.shape[1:])[None])[0]
     u = (words >> 8).to(torch.float32) * (1.0 / 16777216.0) + (0.5 / 16777216.0)
     return torch.clamp(u, max=U_MAX)
 
 
 def sample_tokens_reference(logits, temperatures, seeds, steps, thresholds) -> torch.Tensor:
-    out = torch.empty(logits.shape[0], dtype=torch.int64)
-    cols = torch.arange(logits.shape[1])
-    for i in range(logits.shape[0]):
-        x = logits[i].float()
-        t = float(temperatures[i])
-        if t == 0.0:
-            score = x.clone()
-        else:
-            u = philox_uniform_reference(cols, int(steps[i]), int(seeds[i]))
-            score = x / t - exact_math.log(-exact_math.log(u))
-        score[x < thresholds[i]] = float("-inf")
-        out[i] = int(torch.argmax(score))  # first index of the maximum
+    """`sample_tokens` in plain torch on the CPU: per row the first column of the highest
+    ``x / T + gumbel(u)`` (``x`` for a greedy row, T = 0) among logits at or above its threshold,
+    with the kernel's uniforms and `exact_math`'s logarithms (element-wise: a row's token does
+    not depend on the others), rows taken `_SAMPLE_ELEMENTS` logits at a time."""
+    n_rows, vocab = logits.shape
+    out = torch.empty(n_rows, dtype=torch.int64)
+    cols = torch.arange(vocab)
+    step_rows = max(1, _SAMPLE_ELEMENTS // max(vocab, 1))
+    for r0 in range(0, n_rows, step_rows):
+        rows = slice(r0, r0 + step_rows)
+        x = logits[rows].float()
+        t = temperatures[rows].float()[:, None]
+        u = philox_uniform_reference(cols, steps[rows].to(torch.int64)[:, None], seeds[rows].to(torch.int64)[:, None])
+        score = torch.where(t == 0.0, x, x / t - exact_math.log(-exact_math.log(u)))
+        score = score.masked_fill(x < thresholds[rows].float()[:, None], float("-inf"))
+        out[rows] = torch.argmax(score, dim=1)  # first index of each row's maximum
     return out
 
 

@@ -117,6 +117,22 @@ def test_packed_chunked_and_decode_bitwise_with_window_and_sinks(dtype, window, 
         assert torch.equal(_run_paged(q, k, v, lens, chunk, window=window, sinks=sinks), packed), chunk
 
 
+@pytest.mark.parametrize("window,with_sinks", [(None, False), (5, True), (21, False)])
+def test_reference_key_block_groups_do_not_change_a_bit(monkeypatch, window, with_sinks):
+    """The reference takes a sequence's key blocks several at a time (`_GROUP_ELEMENTS` bounds the
+    products one group holds): one block at a time, three, or all at once give the same bits."""
+    from vexact_models.kernels import attention_reference as module
+
+    q, k, v, cu = _packed([1, 9, 40, 70], 4, 2, 16, dtype=torch.float32)
+    sinks = torch.randn(4) if with_sinks else None
+    outs = []
+    for elements in (1, 3 * 9 * 4 * 16 * 16, 1 << 22):  # 1 block a group; 3 for the 9-query sequence; all
+        monkeypatch.setattr(module, "_GROUP_ELEMENTS", elements)
+        outs.append(attention_reference(q, k, v, packed_layout(cu, 70), 0.3, True, window, sinks))
+    for out, lse in outs[1:]:
+        assert torch.equal(out, outs[0][0]) and torch.equal(lse, outs[0][1])
+
+
 def test_contexts_pass_window_and_sinks_through():
     """`PackedContext.attend` and `PagedContext.attend` (then `attend_cache`) with a layer's window
     and sinks give the same bits, and differ from the call without them."""

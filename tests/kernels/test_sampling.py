@@ -26,6 +26,38 @@ def test_each_column_takes_one_word_of_a_counter_shared_by_four():
     assert torch.equal(philox_uniform_reference(cols[5:9], 5, 99), u[5:9])  # a column's value is its own
 
 
+def test_per_row_words_give_each_row_its_own_uniforms():
+    """`step` and `seed` as ``[rows, 1]`` tensors (64-bit, negative seeds too): each row's uniforms
+    are those of its ints."""
+    cols, steps, seeds = torch.arange(37), [0, 5, 2 ** 40 + 3], [99, -12345, 2 ** 62 + 7]
+    rows = philox_uniform_reference(cols, torch.tensor(steps)[:, None], torch.tensor(seeds)[:, None])
+    assert rows.shape == (3, 37)
+    for row, step, seed in zip(rows, steps, seeds):
+        assert torch.equal(row, philox_uniform_reference(cols, step, seed))
+
+
+def test_reference_sampler_rows_are_independent_of_how_many_are_scored_at_once(monkeypatch):
+    """`sample_tokens_reference` scores rows `_SAMPLE_ELEMENTS` logits at a time; one row at a
+    time, two, or all give the same tokens, and a row's token is the one it gets alone (greedy,
+    sampled and threshold-filtered rows mixed)."""
+    from vexact_models.kernels import sampling
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(7, 301, generator=gen) * 3
+    temps = torch.tensor([0.0, 0.7, 1.0, 1.3, 0.0, 0.5, 2.0])
+    seeds, steps = torch.arange(7) * 7919 - 3, torch.arange(7) * 3
+    thresholds = torch.tensor([float("-inf"), 0.5, float("-inf"), 1.0, 0.0, float("-inf"), 2.0])
+    outs = []
+    for elements in (1, 2 * 301, 1 << 20):
+        monkeypatch.setattr(sampling, "_SAMPLE_ELEMENTS", elements)
+        outs.append(sampling.sample_tokens_reference(logits, temps, seeds, steps, thresholds))
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])
+    alone = [int(sampling.sample_tokens_reference(logits[i:i + 1], temps[i:i + 1], seeds[i:i + 1], steps[i:i + 1],
+                                                  thresholds[i:i + 1])) for i in range(7)]
+    assert outs[0].tolist() == alone
+    assert outs[0][0] == logits[0].argmax() and all(logits[i, outs[0][i]] >= thresholds[i] for i in range(7))
+
+
 def test_uniforms_are_in_open_interval_and_uniform():
     u = philox_uniform_reference(torch.arange(200_000), 3, 12345)
     assert float(u.min()) > 0 and float(u.max()) < 1
