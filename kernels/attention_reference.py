@@ -4,8 +4,8 @@ Per query, the keys in absolute-aligned blocks of `REFERENCE_BLOCK_N`, an fp32 (
 inputs) online softmax with `exact_math`'s exp and per-output reductions: batch-invariant on the
 CPU as the kernel is on the GPU (docs/design.md rule 2), equal to it in value, not bitwise.
 A sequence's blocks go through torch several at a time (`_key_blocks`: one call per op for the
-group, the recurrences block by block), which changes no bit and spares the interpreter-bound
-CPU suite most of its per-block calls.
+group, the recurrences block by block), which changes no bit and spares the CPU suite most of
+its per-block calls (their cost was dispatch, not arithmetic).
 Sliding windows and sinks as `attention_window.py` says.
 """
 
