@@ -23,6 +23,12 @@ comparison's scalar result by its operands (``n > 0`` of an int32 ``n`` is an in
 holding a bool), and its ``create_splat`` takes that type, so ``(n > 0) & (cols < N)`` became an
 int32 mask that its loads refuse ("mask has unsupported dtype"). Below the splat takes the type
 the block was declared with, as the compiler does.
+
+And one speed-up that changes no result: the interpreter patches `triton.language` again at every
+call of a ``@triton.jit`` helper from inside a kernel (``inspect.getmembers`` over three modules,
+about a fifth of these checks' time), while the launch around it has patched the same modules
+already. Below, a helper's call skips that when the running launch's patch covers the language
+modules the helper's globals hold (the launch restores them at its end as before).
 """
 
 import os
@@ -111,7 +117,50 @@ def _patch_interpreter_splat() -> None:
     builder.create_splat = create_splat
 
 
+def _patch_interpreter_helper_calls() -> None:
+    import functools
+    import inspect
+
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    patch_lang, scope_type = getattr(interpreter, "_patch_lang", None), getattr(interpreter, "_LangPatchScope", None)
+    executor = getattr(interpreter, "GridExecutor", None)
+    if None in (patch_lang, scope_type, executor) or getattr(patch_lang, "_once_per_launch", False):
+        return  # (another Triton release: its own patching, unchanged)
+    launch = {"patched": None, "starting": False}  # the language modules the running launch patched
+
+    @functools.lru_cache(maxsize=None)
+    def languages(fn) -> frozenset:
+        return frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
+
+    def once_per_launch(fn):
+        if launch["patched"] is not None and languages(fn) <= launch["patched"]:
+            return scope_type()  # (a helper inside a launch that patched its modules: nothing to add)
+        scope = patch_lang(fn)
+        if launch["starting"]:  # (the launch's own patch, restored at its end)
+            launch["patched"], launch["starting"] = languages(fn), False
+        elif launch["patched"] is not None:  # (a helper's patch is never restored: it holds to the launch's end)
+            launch["patched"] = launch["patched"] | languages(fn)
+        return scope
+
+    run = executor.__call__
+
+    @functools.wraps(run)
+    def launch_once(self, *args, **kwargs):
+        launch["patched"], launch["starting"] = None, True
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            launch["patched"], launch["starting"] = None, False
+
+    once_per_launch._once_per_launch = True
+    interpreter._patch_lang = once_per_launch
+    executor.__call__ = launch_once
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_interpreter_helper_calls()
     _patch_interpreter_dot()
     _patch_interpreter_bf16_rounding()
     _patch_interpreter_splat()
