@@ -118,19 +118,32 @@ def test_packed_chunked_and_decode_bitwise_with_window_and_sinks(dtype, window, 
 
 
 @pytest.mark.parametrize("window,with_sinks", [(None, False), (5, True), (21, False)])
-def test_reference_key_block_groups_do_not_change_a_bit(monkeypatch, window, with_sinks):
-    """The reference takes a sequence's key blocks several at a time (`_GROUP_ELEMENTS` bounds the
-    products one group holds): one block at a time, three, or all at once give the same bits."""
+def test_reference_groups_of_blocks_and_sequences_do_not_change_a_bit(monkeypatch, window, with_sinks):
+    """The reference takes key blocks several at a time and the sequences with as many queries
+    (decode rows) together, `_GROUP_ELEMENTS` bounding the products one group holds: one sequence
+    and one block at a time, a few, or all at once give the same bits, and a sequence's rows are
+    those it gets alone in the batch."""
     from vexact_models.kernels import attention_reference as module
 
-    q, k, v, cu = _packed([1, 9, 40, 70], 4, 2, 16, dtype=torch.float32)
-    sinks = torch.randn(4) if with_sinks else None
+    gen = torch.Generator().manual_seed(3)
+    lens, queries = [1, 9, 40, 70, 33, 64, 17, 5], [1, 9, 1, 1, 4, 1, 4, 1]
+    q = torch.randn(sum(queries), 4, 16, generator=gen)
+    k, v = torch.randn(40, 8, 2, 16, generator=gen), torch.randn(40, 8, 2, 16, generator=gen)
+    table = torch.randperm(40, generator=gen)[:32].reshape(8, 4).int()  # 4 shuffled pages of 8 a sequence
+    cu = torch.tensor([0, *torch.tensor(queries).cumsum(0).tolist()], dtype=torch.int32)
+    layout = PagedLayout(cu, torch.tensor(lens, dtype=torch.int32), table, 8, max(queries))
+    sinks = torch.randn(4, generator=gen) if with_sinks else None
     outs = []
-    for elements in (1, 3 * 9 * 4 * 16 * 16, 1 << 22):  # 1 block a group; 3 for the 9-query sequence; all
+    for elements in (1, 2 * 4 * 16 * 16, 1 << 22):  # one at a time; two decode rows a group; all
         monkeypatch.setattr(module, "_GROUP_ELEMENTS", elements)
-        outs.append(attention_reference(q, k, v, packed_layout(cu, 70), 0.3, True, window, sinks))
+        outs.append(attention_reference(q, k, v, layout, 0.3, True, window, sinks))
     for out, lse in outs[1:]:
         assert torch.equal(out, outs[0][0]) and torch.equal(lse, outs[0][1])
+    for s in range(len(lens)):
+        alone = PagedLayout(torch.tensor([0, queries[s]], dtype=torch.int32), layout.seq_lens[s:s + 1],
+                            table[s:s + 1], 8, queries[s])
+        rows = slice(int(cu[s]), int(cu[s + 1]))
+        assert torch.equal(attention_reference(q[rows], k, v, alone, 0.3, False, window, sinks), outs[-1][0][rows])
 
 
 def test_contexts_pass_window_and_sinks_through():
