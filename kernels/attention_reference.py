@@ -78,8 +78,9 @@ def _sequences(q_rows, k_flat, v_flat, layout: PagedLayout, seqs: list[int], seq
     acc = torch.zeros((n_seqs, n_q, n_kv_heads, group, head_dim_v), dtype=q_rows.dtype)
     blocks = SequenceBlocks(torch.tensor(seqs), lens, lens[:, None] - n_q + torch.arange(n_q), first, n_blocks)
     step = max(1, _GROUP_ELEMENTS // (n_seqs * n_q * n_heads * bn * max(head_dim, head_dim_v)))
-    for b0 in range(int(first.min()), int(n_blocks.max()), step):
-        b1 = min(b0 + step, int(n_blocks.max()))
+    end = int(n_blocks.max())
+    for b0 in range(int(first.min()), end, step):
+        b1 = min(b0 + step, end)
         m, l, acc = _key_blocks(q_s, k_flat, v_flat, layout, blocks, window, scale, b0, b1, m, l, acc)
     out = (acc / l[..., None]).reshape(n_seqs, n_q, n_heads, head_dim_v)
     return out, ((m + exact_math.log(l)) * math.log2(math.e)).reshape(n_seqs, n_q, n_heads).float()

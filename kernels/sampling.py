@@ -196,8 +196,7 @@ def philox4x32_reference(counters: torch.Tensor, counter_words: tuple[Word, Word
         hi_a, lo_a = _mulhi_lo(c0, _PHILOX_ROUND_A)
         c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
         k0, k1 = (k0 + _PHILOX_KEY_A) & _MASK32, (k1 + _PHILOX_KEY_B) & _MASK32
-    words = [w if isinstance(w, torch.Tensor) else torch.tensor(w, dtype=torch.int64) for w in (c0, c1, c2, c3)]
-    return torch.stack(torch.broadcast_tensors(counters, *words)[1:])
+    return torch.stack(torch.broadcast_tensors(c0, c1, c2, c3))  # (tensors all from the second round on)
 
 
 def philox_uniform_reference(cols: torch.Tensor, step: Word, seed: Word) -> torch.Tensor:
