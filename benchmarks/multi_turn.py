@@ -38,6 +38,7 @@ import time
 import torch
 
 from bench_models import build_published, recompute_mismatches
+from compile_clock import CompileClock
 from bench_utils import gpu_share, positive_int, synchronize, table, tiny_or_cuda
 
 CONFIGS = ("qwen3-0.6b", "qwen3-8b", "llama-3.1-8b", "qwen2.5-7b", "qwen3-30b-a3b", "moonlight-16b-a3b",
@@ -93,15 +94,21 @@ def run_turns(llm, args, vocab: int) -> tuple[list[tuple], list[dict]]:
         params = [SamplingParams(temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True,
                                  seed=1000 * turn + i) for i in range(args.conversations)]
         hits = llm.block_manager.num_shared_hits
+        graphs = llm.runner.graphs
+        captured = (graphs.num_mixed, graphs.mixed_capture_seconds) if graphs is not None else (0, 0.0)
         synchronize(args.device)
         start = time.perf_counter()
-        outs = llm.generate(conversations, params, use_tqdm=False)
+        with CompileClock() as compiles:
+            outs = llm.generate(conversations, params, use_tqdm=False)
         synchronize(args.device)
         seconds = time.perf_counter() - start
+        if graphs is not None:
+            captured = (graphs.num_mixed - captured[0], graphs.mixed_capture_seconds - captured[1])
         shared = (llm.block_manager.num_shared_hits - hits) * llm.block_manager.block_size
         samples += [(c, o.outputs[0].token_ids, o.outputs[0].logprobs) for c, o in zip(conversations, outs)]
         measures.append(dict(prompt=sum(map(len, conversations)), shared=shared, seconds=seconds,
-                             tokens=sum(len(o.outputs[0].token_ids) for o in outs)))
+                             tokens=sum(len(o.outputs[0].token_ids) for o in outs), compiles=compiles.summary(),
+                             captures=f"{captured[0]} ({captured[1]:.2f} s)"))
         conversations = [c + o.outputs[0].token_ids + [rng.randrange(3, vocab) for _ in range(args.user_len)]
                          for c, o in zip(conversations, outs)]
     return samples, measures
@@ -150,6 +157,10 @@ def main(argv=None) -> int:
     table("turns (kept: an engine that owns its weights; afresh: over weights it does not own)",
           ["turn", "prompt tokens", "shared: kept", "shared: afresh", "s: kept", "s: afresh", "tok/s: kept",
            "tok/s: afresh", "speed-up"], rows)
+    table("first-use costs inside each turn (Triton compiles, a cache load included; mixed-step CUDA graphs captured)",
+          ["turn", "compiles: kept", "compiles: afresh", "captures: kept", "captures: afresh"],
+          [[turn, k["compiles"], f["compiles"], k["captures"], f["captures"]]
+           for turn, (k, f) in enumerate(zip(kept_m, fresh_m), start=1)])
     equal = kept == fresh
     print(f"\nthe two engines' tokens and logprobs over all turns: {'bitwise equal' if equal else 'DIFFERENT'}")
     n, mismatches, worst = recompute_mismatches(model, kept, args.recompute_tokens, args.device)

@@ -34,14 +34,17 @@ def test_multi_turn_runs_tiny_on_cpu(config):
     states: with the system prompt, turn 1's replies reach 64 tokens and keep their states there,
     which turn 2's prompts take and turn 3's too, their share point being 64 as well), the engine
     starting afresh shares none but a system prompt (its 40 tokens hold 2 pages of 16, taken by 2
-    of the 3 conversations each turn), their outputs are bitwise equal and equal the recompute; a
-    bad option is a usage error."""
+    of the 3 conversations each turn), their outputs are bitwise equal and equal the recompute; the
+    first-use table counts no compile or capture on the CPU; a bad option is a usage error."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     run = subprocess.run([sys.executable, "multi_turn.py", "--tiny", *config], cwd=BENCHMARKS, capture_output=True,
                          text=True, timeout=600, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     rows = [line.split() for line in run.stdout.splitlines() if line.split()[:1] in (["1"], ["2"], ["3"])]
+    rows, first_use = rows[:3], rows[3:]
     assert [r[0] for r in rows] == ["1", "2", "3"] and all(r[-1].endswith("x") for r in rows), run.stdout
+    # the CPU's reference kernels compile nothing, and no CUDA graph is captured off CUDA
+    assert first_use == [[t, "0", "0", "0", "(0.00", "s)", "0", "(0.00", "s)"] for t in "123"], run.stdout
     kept, afresh = [int(r[2]) for r in rows], [int(r[3]) for r in rows]
     if "--system-len" in config:
         assert kept == [2 * 32, 3 * 64, 3 * 64] and afresh == [2 * 32] * 3, run.stdout
