@@ -22,3 +22,39 @@ venv_script_main() {  # the command line of a script that defines prepare VENV a
         *) echo "usage: $0 [prepare VENV | test VENV${EXTRA_USAGE:-}], got '$1'" >&2; return 2 ;;
     esac
 }
+
+# Installs. `.ci/run` sets up uv (`ci_uv_setup`) and every venv's installs go through it: the same
+# releases as pip picks (pip's find-links and constraint passed on; compared package by package on
+# 2026-12-07), each wheel unpacked once into uv's cache and linked into each venv. On the CI's 2
+# cores the main venv took 13 s against pip's 90 s, and six venvs are made. Without CI_UV (a
+# script run on its own, or uv not installable), pip.
+ci_uv_setup() {  # $1: a new folder: uv's own venv, and its cache beside it. Exports CI_UV, or warns and leaves pip
+    local links constraint
+    if ! { python3 -m venv "$1/venv" && "$1/venv/bin/python" -m pip install -q uv; }; then
+        echo "uv could not be installed: pip installs every venv" >&2
+        return 0
+    fi
+    export CI_UV="$1/venv/bin/uv" UV_CACHE_DIR="$1/cache"
+    links=${PIP_FIND_LINKS:-$(python3 -m pip config get global.find-links 2>/dev/null || true)}
+    constraint=${PIP_CONSTRAINT:-$(python3 -m pip config get global.constraint 2>/dev/null || true)}
+    if [ -n "$links" ]; then export UV_FIND_LINKS="${links//[[:space:]]/,}"; fi  # pip: whitespace; uv: commas
+    if [ -n "$constraint" ]; then export UV_CONSTRAINT="$constraint"; fi
+}
+
+ci_venv() {  # $1: a new venv's folder: made and activated (and its pip upgraded, where pip installs)
+    python3 -m venv "$1" || return 1
+    . "$1/bin/activate"
+    if [ -z "${CI_UV:-}" ]; then python -m pip install -q --upgrade pip || return 1; fi
+}
+
+ci_install() {  # `pip install`'s arguments, into the active venv (uv has no --no-warn-conflicts: dropped)
+    if [ -n "${CI_UV:-}" ]; then
+        local args=() arg
+        for arg in "$@"; do
+            if [ "$arg" != "--no-warn-conflicts" ]; then args+=("$arg"); fi
+        done
+        "$CI_UV" pip install --python "$(command -v python)" "${args[@]}"
+    else
+        python -m pip install "$@"
+    fi
+}
