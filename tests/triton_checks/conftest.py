@@ -28,7 +28,12 @@ And one speed-up that changes no result: the interpreter patches `triton.languag
 call of a ``@triton.jit`` helper from inside a kernel (``inspect.getmembers`` over three modules,
 about a fifth of these checks' time), while the launch around it has patched the same modules
 already. Below, a helper's call skips that when the running launch's patch covers the language
-modules the helper's globals hold (the launch restores them at its end as before).
+modules the helper's globals hold (the launch restores them at its end as before). And another:
+the interpreter reduces with a combine function of its own one element at a time in Python, as
+``tl.xor_sum`` and ``tl.reduce_or`` do (``tl.topk`` and ``tl.sort`` are made of ``xor_sum``: a
+2048-slot ``tl.topk`` took 30 s of `kernels.top_tokens`' check); those two run as numpy's
+``bitwise_xor`` / ``bitwise_or`` reductions, exact in any order
+(check_triton_kernels.py's ``test_interpreter_bitwise_reductions_are_exact``).
 """
 
 import os
@@ -159,8 +164,33 @@ def _patch_interpreter_helper_calls() -> None:
     executor.__call__ = launch_once
 
 
+def _patch_interpreter_bitwise_reductions() -> None:
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    ops = getattr(interpreter, "ReduceOps", None)
+    ufuncs = {getattr(tl.standard, name, None): ufunc
+              for name, ufunc in (("_xor_combine", np.bitwise_xor), ("_or_combine", np.bitwise_or))}
+    ufuncs.pop(None, None)
+    if ops is None or not ufuncs or getattr(ops.apply_impl, "_bitwise", False):
+        return  # (another Triton release: its own reductions, unchanged)
+    generic = ops.apply_impl
+
+    def apply_impl(self, input):
+        ufunc = ufuncs.get(self.combine_fn)
+        if ufunc is None or len(input) != 1:
+            return generic(self, input)
+        out = ufunc.reduce(input[0].handle.data, axis=self.axis, keepdims=self.keep_dims)
+        return self.to_tensor(out, input[0].dtype)
+
+    apply_impl._bitwise = True
+    ops.apply_impl = apply_impl
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_interpreter_helper_calls()
+    _patch_interpreter_bitwise_reductions()
     _patch_interpreter_dot()
     _patch_interpreter_bf16_rounding()
     _patch_interpreter_splat()
