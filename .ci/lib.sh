@@ -24,8 +24,8 @@ venv_script_main() {  # the command line of a script that defines prepare VENV a
 }
 
 # Installs. `.ci/run` sets up uv (`ci_uv_setup`) and every venv's installs go through it: the same
-# releases as pip picks (pip's find-links and constraint passed on; compared package by package on
-# 2026-12-07), each wheel unpacked once into uv's cache and linked into each venv, and compiled to
+# releases as pip picks (pip's find-links and constraint passed on, from its env or its files;
+# compared package by package on 2026-12-07), each wheel unpacked once into uv's cache and linked into each venv, and compiled to
 # bytecode as pip does (these machines set PYTHONDONTWRITEBYTECODE, so without it every process
 # compiles torch and transformers again: their import took 11.6 s against 4.7). On the CI's 2
 # cores the main venv took 31 s against pip's 90 s, and six venvs are made. Without CI_UV (a
@@ -37,10 +37,15 @@ ci_uv_setup() {  # $1: a new folder: uv's own venv, and its cache beside it. Exp
         return 0
     fi
     export CI_UV="$1/venv/bin/uv" UV_CACHE_DIR="$1/cache" UV_COMPILE_BYTECODE=1
-    links=${PIP_FIND_LINKS:-$(python3 -m pip config get global.find-links 2>/dev/null || true)}
-    constraint=${PIP_CONSTRAINT:-$(python3 -m pip config get global.constraint 2>/dev/null || true)}
+    links=${PIP_FIND_LINKS:-$(pip_file_setting find-links)}
+    constraint=${PIP_CONSTRAINT:-$(pip_file_setting constraint)}
     if [ -n "$links" ]; then export UV_FIND_LINKS="${links//[[:space:]]/,}"; fi  # pip: whitespace; uv: commas
     if [ -n "$constraint" ]; then export UV_CONSTRAINT="$constraint"; fi
+}
+
+pip_file_setting() {  # $1: a pip option: its value in pip's configuration files (the last file's), or nothing
+    # (`pip config get` reads one file only; `pip config list` prints every file's, and the env's as `:env:.`)
+    python3 -m pip config list 2>/dev/null | sed -n "/^:env:/d; s/^[^.]*\.$1='\(.*\)'\$/\1/p" | tail -n 1
 }
 
 ci_venv() {  # $1: a new venv's folder: made and activated (and its pip upgraded, where pip installs)
