@@ -22,7 +22,6 @@ class CompileClock:
     their host `seconds`, and `kernels` (kernel name -> compiles)."""
 
     def __init__(self) -> None:
-        self.count = 0
         self.seconds = 0.0
         self.kernels: Counter[str] = Counter()
         self._started: list[float] = []
@@ -42,12 +41,16 @@ class CompileClock:
         def finished(**kwargs):
             if self._started:
                 self.seconds += time.perf_counter() - self._started.pop()
-            self.count += 1
             self.kernels[kwargs["fn"].name] += 1
             return after(**kwargs) if after is not None else None
 
         runtime.jit_cache_hook, runtime.jit_post_compile_hook = started, finished
         return self
+
+    @property
+    def count(self) -> int:
+        """Compiles in the block so far."""
+        return sum(self.kernels.values())
 
     def __exit__(self, *exc) -> None:
         from triton import knobs

@@ -96,17 +96,14 @@ def run_turns(llm, args, vocab: int) -> tuple[list[tuple], list[dict]]:
     for turn in range(args.turns):
         params = [SamplingParams(temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True,
                                  seed=1000 * turn + i) for i in range(args.conversations)]
-        hits = llm.block_manager.num_shared_hits
-        graphs = llm.runner.graphs
-        captured = (graphs.num_mixed, graphs.mixed_capture_seconds) if graphs is not None else (0, 0.0)
+        hits, captured = llm.block_manager.num_shared_hits, _captures(llm)
         synchronize(args.device)
         start = time.perf_counter()
         with CompileClock() as compiles:
             outs = llm.generate(conversations, params, use_tqdm=False)
         synchronize(args.device)
         seconds = time.perf_counter() - start
-        if graphs is not None:
-            captured = (graphs.num_mixed - captured[0], graphs.mixed_capture_seconds - captured[1])
+        captured = [now - before for now, before in zip(_captures(llm), captured)]
         shared = (llm.block_manager.num_shared_hits - hits) * llm.block_manager.block_size
         samples += [(c, o.outputs[0].token_ids, o.outputs[0].logprobs) for c, o in zip(conversations, outs)]
         measures.append(dict(prompt=sum(map(len, conversations)), shared=shared, seconds=seconds,
@@ -115,6 +112,12 @@ def run_turns(llm, args, vocab: int) -> tuple[list[tuple], list[dict]]:
         conversations = [c + o.outputs[0].token_ids + [rng.randrange(3, vocab) for _ in range(args.user_len)]
                          for c, o in zip(conversations, outs)]
     return samples, measures
+
+
+def _captures(llm) -> tuple[int, float]:
+    """The mixed-step CUDA graphs `llm` captured so far and their host seconds (none off CUDA)."""
+    graphs = llm.runner.graphs
+    return (graphs.num_mixed, graphs.mixed_capture_seconds) if graphs is not None else (0, 0.0)
 
 
 def warm_up(llm, args, vocab: int) -> None:

@@ -50,8 +50,7 @@ def attention_reference(q, k_cache, v_cache, layout: PagedLayout, scale: float, 
         if cu[s + 1] > cu[s]:
             by_queries.setdefault(cu[s + 1] - cu[s], []).append(s)
     for n_q, seqs in by_queries.items():
-        per_block = n_q * n_heads * REFERENCE_BLOCK_N * max(k_cache.shape[-1], v_cache.shape[-1])
-        together = max(1, _GROUP_ELEMENTS // per_block)
+        together = max(1, _GROUP_ELEMENTS // _block_elements(n_q, n_heads, k_cache.shape[-1], v_cache.shape[-1]))
         for start in range(0, len(seqs), together):
             part = seqs[start:start + together]
             rows = torch.tensor([cu[s] for s in part])[:, None] + torch.arange(n_q)  # [S, n_q] token indices
@@ -77,13 +76,18 @@ def _sequences(q_rows, k_flat, v_flat, layout: PagedLayout, seqs: list[int], seq
     m, l = m.reshape(n_seqs, n_q, n_kv_heads, group), l.reshape(n_seqs, n_q, n_kv_heads, group)
     acc = torch.zeros((n_seqs, n_q, n_kv_heads, group, head_dim_v), dtype=q_rows.dtype)
     blocks = SequenceBlocks(torch.tensor(seqs), lens, lens[:, None] - n_q + torch.arange(n_q), first, n_blocks)
-    step = max(1, _GROUP_ELEMENTS // (n_seqs * n_q * n_heads * bn * max(head_dim, head_dim_v)))
+    step = max(1, _GROUP_ELEMENTS // (n_seqs * _block_elements(n_q, n_heads, head_dim, head_dim_v)))
     end = int(n_blocks.max())
     for b0 in range(int(first.min()), end, step):
         b1 = min(b0 + step, end)
         m, l, acc = _key_blocks(q_s, k_flat, v_flat, layout, blocks, window, scale, b0, b1, m, l, acc)
     out = (acc / l[..., None]).reshape(n_seqs, n_q, n_heads, head_dim_v)
     return out, ((m + exact_math.log(l)) * math.log2(math.e)).reshape(n_seqs, n_q, n_heads).float()
+
+
+def _block_elements(n_q: int, n_heads: int, head_dim: int, head_dim_v: int) -> int:
+    """The products one key block of one sequence holds (the larger of its scores' and P.V's)."""
+    return n_q * n_heads * REFERENCE_BLOCK_N * max(head_dim, head_dim_v)
 
 
 class SequenceBlocks(NamedTuple):

@@ -33,7 +33,7 @@ the interpreter reduces with a combine function of its own one element at a time
 ``tl.xor_sum`` and ``tl.reduce_or`` do (``tl.topk`` and ``tl.sort`` are made of ``xor_sum``: a
 2048-slot ``tl.topk`` took 30 s of `kernels.top_tokens`' check); those two run as numpy's
 ``bitwise_xor`` / ``bitwise_or`` reductions, exact in any order
-(check_triton_kernels.py's ``test_interpreter_bitwise_reductions_are_exact``).
+(check_interpreter.py's ``test_interpreter_bitwise_reductions_are_exact``).
 """
 
 import os
