@@ -39,9 +39,10 @@ def test_an_architecture_newer_than_the_installed_transformers_is_left_out(clean
         registry.get("floor_future")
 
 
-#: the built-in architectures with a floor: matched against stock on transformers 5.24 only (GPT-OSS
-#: and Gemma 3; the releases before it are not checked yet)
-FLOORED = {"gpt_oss": "5.24", "gemma3": "5.24"}
+#: the built-in architectures with a floor: GPT-OSS and Gemma 3 matched against stock on transformers
+#: 5.24 only (the releases before it are not checked yet); OLMo 3 from 5.13, the first release whose
+#: stock model takes RoPE per layer type (before it one table served every layer)
+FLOORED = {"gpt_oss": "5.24", "gemma3": "5.24", "olmo3": "5.13"}
 
 
 def test_every_builtin_architecture_is_registered_on_every_supported_release():

@@ -207,9 +207,10 @@ def run_stream(res, arch, folder, base, rank, world) -> None:
 
 
 def run_nonfinite(res, arch, llm, weights, outputs, prompts, params, rank) -> None:
-    """A NaN in stage 0's first norm weight reaches every logit on the last stage: every rank's
-    generate raises, no NaN K/V is left, and the good weight gives `outputs` again."""
-    name = "model.layers.0.input_layernorm.weight"
+    """A NaN in a norm weight of stage 0's first layer (the input norm of a pre-norm layer, OLMo 3's
+    post-attention norm) reaches every logit on the last stage: every rank's generate raises, no
+    NaN K/V is left, and the good weight gives `outputs` again."""
+    name = next(n for n in weights if n.startswith("model.layers.0.") and n.endswith("layernorm.weight"))
     bad = weights[name].clone()
     bad[0] = float("nan")
     llm.update_weights({name: bad})

@@ -1,8 +1,9 @@
-"""What is specific to GPT-OSS and Gemma 3 beyond the shared architecture tests: HF parity in fp32
-with windows shorter than the prompts (and GPT-OSS's sinks and clamped, biased experts on), each
-sequence's logprobs bitwise the same alone, packed and padded; GPT-OSS's MoE block against stock's
-(forward and gradients; its MXFP4 checkpoints: test_gpt_oss_mxfp4.py); Gemma 3's per-layer-type
-RoPE, embedding scale, final logit soft cap and refused options."""
+"""What is specific to the sliding-window models (GPT-OSS, Gemma 3, OLMo 3) beyond the shared
+architecture tests: HF parity in fp32 with windows shorter than the prompts (and GPT-OSS's sinks
+and clamped, biased experts on), each sequence's logprobs bitwise the same alone, packed and
+padded; GPT-OSS's MoE block against stock's (forward and gradients; its MXFP4 checkpoints:
+test_gpt_oss_mxfp4.py); Gemma 3's per-layer-type RoPE, embedding scale, final logit soft cap and
+refused options (OLMo 3's own checks: test_olmo3.py)."""
 
 import pytest
 import torch
@@ -12,9 +13,9 @@ from vexact_models.registry import architectures
 
 from .model_support import check_window_parity_and_batch_invariance, rel, stock_model
 
-ARCHS = {arch.name: arch for arch in architectures() if arch.name in ("gpt_oss", "gemma3")}
+ARCHS = {arch.name: arch for arch in architectures() if arch.name in ("gpt_oss", "gemma3", "olmo3")}
 if not ARCHS:  # Architecture.min_transformers keeps them out on older releases
-    pytest.skip(f"GPT-OSS and Gemma 3 need a newer transformers than {transformers.__version__}",
+    pytest.skip(f"GPT-OSS, Gemma 3 and OLMo 3 need a newer transformers than {transformers.__version__}",
                 allow_module_level=True)
 
 
@@ -238,19 +239,21 @@ def test_conformance_cli_takes_the_model_type_as_arch(capsys):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the Triton kernels at a published layer shape)")
 @pytest.mark.parametrize("config_name, softcap", [("gpt-oss-20b", None), ("gemma3-text-default", None),
-                                                  ("gemma3-text-default", 30.0)])
+                                                  ("gemma3-text-default", 30.0), ("olmo3-default", None)])
 def test_published_layer_shapes_conform_on_gpu(config_name, softcap):
     """The published configs at 2 layers (one sliding, one full: GPT-OSS's window of 128 with
     sinks, head dim 64; Gemma 3's window of 4096 shrunk to 64 so that prompts pass it, head dim
-    256; and Gemma 3 with ``final_logit_softcapping=30.0``: the Triton cap on both sides), random
+    256; Gemma 3 with ``final_logit_softcapping=30.0``: the Triton cap on both sides; OLMo 3 at
+    transformers' default config, its window shrunk to 64 too, head dim 128), random
     bf16 weights, prompts of 200 and up to 64 new tokens: rollout logprobs equal the training
     recompute bitwise in every scenario, pages freed behind the windows included."""
     from vexact_models.conformance.models import build_model, make_config, published_shape
     from vexact_models.conformance.suite import run_conformance
 
     arch, _ = published_shape(config_name)
-    overrides = ({"sliding_window": 64, "layer_types": ["sliding_attention", "full_attention"],
-                  "final_logit_softcapping": softcap} if config_name.startswith("gemma3") else {})
+    shrunk = {"sliding_window": 64, "layer_types": ["sliding_attention", "full_attention"]}
+    overrides = ({**shrunk, "final_logit_softcapping": softcap} if config_name.startswith("gemma3")
+                 else shrunk if config_name.startswith("olmo3") else {})
     config = make_config(arch, config_name, layers=2, max_positions=4096, overrides=overrides)
     model = build_model(arch, config, torch.device("cuda"), torch.bfloat16)
     report = run_conformance(arch, model, device=torch.device("cuda"), pool_size=64, max_tokens=64, prompt_len=200,

@@ -1,5 +1,5 @@
-"""The engine over tiny Gemma 3 and GPT-OSS checkpoints (stock transformers' ``save_pretrained``;
-2 windowed layers of 8 keys and 1 full layer, prompts of 30-90 tokens) with the window page group
+"""The engine over tiny Gemma 3, GPT-OSS and OLMo 3 checkpoints (stock transformers'
+``save_pretrained``; windowed layers of 8 keys beside a full one, prompts of 30-90 tokens) with the window page group
 (docs/design.md section 6, `runtime.page_groups`): tokens and logprobs bitwise those of the same
 engine with one page group (every page kept) and of the training recompute, in chunked prefill,
 no chunking, preemption, n=2 with prefix sharing (on and off), one step at a time and ahead, and
@@ -18,9 +18,9 @@ from vexact_models.runtime.page_groups import PageGroups, window_pages_bound
 from ..models.model_support import stock_model
 from .llm_support import CalledGraphs, cache_bytes
 
-ARCHS = {a.name: a for a in architectures() if a.name in ("gemma3", "gpt_oss")}
+ARCHS = {a.name: a for a in architectures() if a.name in ("gemma3", "gpt_oss", "olmo3")}
 if not ARCHS:  # Architecture.min_transformers keeps them out on older releases
-    pytest.skip("GPT-OSS and Gemma 3 need a newer transformers", allow_module_level=True)
+    pytest.skip("GPT-OSS, Gemma 3 and OLMo 3 need a newer transformers", allow_module_level=True)
 
 BS = 4
 PROMPTS = [list(range(3, 80)), list(range(100, 190)), list(range(200, 230))]

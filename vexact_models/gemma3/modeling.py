@@ -23,16 +23,14 @@ multimodal checkpoints (Gemma 3 4B, 12B, 27B: ``Gemma3ForConditionalGeneration``
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch import nn
 from transformers import Gemma3TextConfig, GenerationMixin, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from vexact_models.adapters import apply_linear
-from vexact_models.layers import (GatedMLP, RopeTables, ZeroCentredRMSNorm, add_and_norm, grouped_linear, head_dim_of,
-                                  layer_window)
+from vexact_models.layer_type_rope import LayerTypeRope
+from vexact_models.layers import GatedMLP, ZeroCentredRMSNorm, add_and_norm, grouped_linear, head_dim_of, layer_window
 
 from ..causal_lm import CausalLMMixin, DecoderModelMixin, InitHookMixin, final_logit_softcap
 from ..inference_model import InferenceModel
@@ -54,33 +52,6 @@ class Gemma3TextScaledWordEmbedding(nn.Embedding):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         scale = torch.tensor(self.scalar_embed_scale).to(self.weight.dtype).item()
         return super().forward(input_ids) * scale
-
-
-class LayerTypeRope:
-    """One `RopeTables` per layer type (``config.rope_parameters[layer_type]``); `get` gives
-    ``{layer_type: (cos, sin)}`` and each attention layer takes its own."""
-
-    def __init__(self, config: Gemma3TextConfig, head_dim: int) -> None:
-        self.tables = {}
-        for kind in sorted(set(config.layer_types)):
-            params = (config.rope_parameters or {}).get(kind)
-            if params is None:
-                raise ValueError(f"{type(config).__name__}: rope_parameters has no entry for layer type {kind!r}")
-            view = copy.copy(config)
-            view.rope_parameters = dict(params)
-            self.tables[kind] = RopeTables(view, head_dim)
-
-    @property
-    def max_positions(self) -> int:
-        """The positions every table covers now (they grow together, `ensure`)."""
-        return min(table.max_positions for table in self.tables.values())
-
-    def ensure(self, positions: int) -> None:
-        for table in self.tables.values():
-            table.ensure(positions)
-
-    def get(self, device: torch.device) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        return {kind: table.get(device) for kind, table in self.tables.items()}
 
 
 class Gemma3Attention(nn.Module):
