@@ -45,3 +45,12 @@ def randomize_norms_and_biases(model: nn.Module, seed: int = 0) -> int:
             bias.copy_(torch.randn(bias.shape, generator=gen) * scale)
             changed += 1
     return changed
+
+
+def randomize_router_bias(model: nn.Module, seed: int = 0, std: float = 0.05) -> None:
+    """Give every router's ``e_score_correction_bias`` random values (random init leaves it at
+    zero, which would not exercise the bias-corrected selection). Works on stock models too."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, bias in model.named_buffers():  # by name: works on stock transformers models too
+        if name.endswith("e_score_correction_bias"):
+            bias.copy_(torch.randn(bias.shape, generator=gen) * std)

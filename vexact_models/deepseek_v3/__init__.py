@@ -5,9 +5,9 @@ Two shapes: ``deepseek_v3`` (q-LoRA, YaRN RoPE, grouped routing) and ``moonlight
 expert group, 64 experts top-6, 2 shared experts).
 """
 
-import torch
 from transformers import DeepseekV3Config
 
+from ..random_init import randomize_router_bias
 from ..registry import Architecture, Shape, register
 from .modeling import (DeepseekV3ForCausalLM, DeepseekV3ForCausalLMInference, DeepseekV3ForSequenceClassification,
                        DeepseekV3ForTokenClassification, DeepseekV3Model, DeepseekV3PreTrainedModel,
@@ -44,15 +44,6 @@ def moonlight_tiny_config(**overrides) -> DeepseekV3Config:
                   rms_norm_eps=1e-5, tie_word_embeddings=False, eos_token_id=1, bos_token_id=0)
     fields.update(overrides)
     return DeepseekV3Config(**fields)
-
-
-def randomize_router_bias(model: torch.nn.Module, seed: int = 0, std: float = 0.05) -> None:
-    """Give every router's ``e_score_correction_bias`` random values (random init leaves it at
-    zero, which would not exercise the bias-corrected selection). Works on stock models too."""
-    gen = torch.Generator().manual_seed(seed)
-    for name, bias in model.named_buffers():  # by name: works on stock transformers models too
-        if name.endswith("e_score_correction_bias"):
-            bias.copy_(torch.randn(bias.shape, generator=gen) * std)
 
 
 ARCHITECTURE = register(Architecture(

@@ -167,15 +167,17 @@ KEEP_IN_FP32 = list(getattr(stock.DeepseekV3PreTrainedModel, "_keep_in_fp32_modu
 class DeepseekV3TopkRouter(nn.Module):
     """Router: fp32 logits (as HF), sigmoid scores, bias-corrected group-limited top-k."""
 
+    #: the weight made fp32 here where stock keeps it fp32, so that `from_config` keeps it too
+    fp32_weight = "gate.weight" in KEEP_IN_FP32
+
     def __init__(self, config: DeepseekV3Config) -> None:
         super().__init__()
         self.top_k = config.num_experts_per_tok
         self.n_group, self.topk_group = config.n_group, config.topk_group
         self.norm_topk_prob = config.norm_topk_prob
         self.routed_scaling_factor = config.routed_scaling_factor
-        fp32 = "gate.weight" in KEEP_IN_FP32  # made fp32 here, as stock's are, so `from_config` keeps them too
         self.weight = nn.Parameter(torch.zeros(config.n_routed_experts, config.hidden_size,
-                                               dtype=torch.float32 if fp32 else None))
+                                               dtype=torch.float32 if self.fp32_weight else None))
         self.register_buffer("e_score_correction_bias", torch.zeros(config.n_routed_experts, dtype=torch.float32))
 
     def init_random(self, std: float) -> None:
@@ -200,11 +202,12 @@ class DeepseekV3MoE(nn.Module):
     """Routed experts plus the always-on shared experts (one MLP of ``n_shared_experts`` width)."""
 
     routes = True  # takes the router-logits list (see PreNormDecoderLayer)
+    router_class = DeepseekV3TopkRouter  # (GLM-4.5's keeps its weight in fp32 by its own stock's rule)
 
     def __init__(self, config: DeepseekV3Config) -> None:
         super().__init__()
         self.experts = DeepseekV3Experts(config)
-        self.gate = DeepseekV3TopkRouter(config)
+        self.gate = self.router_class(config)
         self.shared_experts = DeepseekV3MLP(config, config.moe_intermediate_size * config.n_shared_experts)
 
     def forward(self, hidden: torch.Tensor, router_logits: list | None = None) -> torch.Tensor:
