@@ -79,4 +79,4 @@ def test_each_layer_type_has_its_own_rope_and_the_norms_see_whole_projections():
     assert not torch.equal(tables["full_attention"][0][1:100], tables["sliding_attention"][0][1:100])
     attention = model.model.layers[0].self_attn
     assert attention.q_norm.weight.shape == (4 * 16,) and attention.k_norm.weight.shape == (2 * 16,)
-    assert [layer.self_attn.sliding_window for layer in model.model.layers] == [8, 8, 8, None]
+    assert [layer.self_attn.sliding_window for layer in model.model.layers] == [8, 8, None]
