@@ -34,7 +34,7 @@ class OpenAIServer:
     starts the front end's process and returns once it listens (`url` says where);
     `serve_forever` also waits until it stops; `close` stops it and the engine thread.
     `tool_call_parser`: the format chat replies' tool calls are read in (`runtime.tool_calls.PARSERS`:
-    ``"hermes"``, ``"qwen3_coder"``, ``"deepseek_v3"``, ``"llama3_json"``, ``"openai"``), as ``vllm serve
+    ``"hermes"``, ``"qwen3_coder"``, ``"glm45"``, ``"deepseek_v3"``, ``"llama3_json"``, ``"openai"``), as ``vllm serve
     --tool-call-parser``; None: tool_choice ``"auto"`` is refused (`runtime.openai_tools`).
     `reasoning_parser`: how chat replies' reasoning is split off into ``reasoning``
     (`runtime.reasoning.PARSERS`: ``"qwen3"``, ``"deepseek_r1"``, ``"openai_gptoss"``), as ``vllm serve

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from .json_stream import JsonTokens, Token, canonical
 from .text_deltas import tag_prefix
 
-__all__ = ["ArrayCalls", "CallPiece", "CoderCall", "DeepSeekCall", "JsonCall", "SeparatedCalls", "TaggedCalls"]
+__all__ = ["ArrayCalls", "CallPiece", "CoderCall", "DeepSeekCall", "GlmCall", "JsonCall", "SeparatedCalls", "TaggedCalls",
+           "glm_name"]
 
 
 @dataclass
@@ -190,6 +191,67 @@ class CoderCall:
             self._step(pieces, True)
         pieces.append((None, "{}" if self.count == 0 else "}"))
         self.ended = True
+
+
+def glm_name(name: str) -> bool:
+    """Whether the text before a glm45 block's first argument is a tool's name: one line, no tag."""
+    return bool(name) and "\n" not in name and "<" not in name
+
+
+class GlmCall:
+    """A glm45 block: ``NAME``, then per argument ``<arg_key>KEY</arg_key>`` and
+    ``<arg_value>VALUE</arg_value>``, each value typed by `typed` (``(function name, key, text) ->
+    value``) and sent as ``"KEY": VALUE`` once it ends (at ``</arg_value>`` or the block's end)."""
+
+    def __init__(self, typed) -> None:
+        self.typed, self.text, self.name, self.count, self.ended = typed, "", None, 0, False
+        self._key: str | None = None
+
+    def feed(self, text: str, last: bool) -> list[tuple[str | None, str]]:
+        self.text += text
+        pieces: list[tuple[str | None, str]] = []
+        if self.ended:  # (a block whose name is no name: nothing read, as the whole reply reads it)
+            return pieces
+        if self.name is None:
+            at = self.text.find("<arg_key>")
+            if at < 0 and not last:
+                return pieces
+            self.name = (self.text if at < 0 else self.text[:at]).strip()
+            self.text = "" if at < 0 else self.text[at:]
+            if not glm_name(self.name):
+                self.ended = True
+                return pieces
+            pieces.append((self.name, ""))
+        while self._step(pieces, last):
+            pass
+        if last:
+            if self._key is not None:  # (the block ended inside a value: it is the rest)
+                self._pair(pieces, self.text)
+            pieces.append((None, "{}" if self.count == 0 else "}"))
+            self.ended = True
+        return pieces
+
+    def _step(self, pieces: list, last: bool) -> bool:
+        """Read one argument's key, or its value's end; False when the text says no more yet."""
+        if self._key is None:
+            start, end = self.text.find("<arg_key>"), self.text.find("</arg_key>")
+            value = self.text.find("<arg_value>", max(end, 0))
+            if start < 0 or end < 0 or value < 0:
+                return False
+            self._key, self.text = self.text[start + len("<arg_key>"):end].strip(), self.text[value + len("<arg_value>"):]
+            return True
+        end = self.text.find("</arg_value>")
+        if end < 0:
+            return False
+        self._pair(pieces, self.text[:end])
+        self.text = self.text[end + len("</arg_value>"):]
+        return True
+
+    def _pair(self, pieces: list, value: str) -> None:
+        typed = self.typed(self.name, self._key, value)
+        pair = f"{json.dumps(self._key, ensure_ascii=False)}: {json.dumps(typed, ensure_ascii=False)}"
+        pieces.append((None, ("{" if self.count == 0 else ", ") + pair))
+        self.count, self._key = self.count + 1, None
 
 
 class DeepSeekCall:

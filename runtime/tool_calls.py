@@ -13,6 +13,10 @@ A model asked to call tools writes each call in its own format:
   each call between ``<｜tool▁call▁begin｜>`` and ``<｜tool▁call▁end｜>``, its name and its JSON
   arguments around ``<｜tool▁sep｜>`` (V3: ``function<｜tool▁sep｜>NAME`` and the arguments in a
   JSON code fence);
+- ``glm45`` (GLM-4.5, GLM-4.6): between ``<tool_call>`` and ``</tool_call>``, the name, then per
+  argument ``<arg_key>KEY</arg_key>`` and ``<arg_value>VALUE</arg_value>``; a value whose schema type
+  is string is its text, any other read as JSON (else as a Python literal, else kept as text), as
+  vLLM's parser reads them;
 - ``llama3_json`` (Llama 3.1, 3.2): the reply itself is the calls, JSON objects
   ``{"name": ..., "parameters": {...}}`` separated by ``;``;
 - ``openai`` (GPT-OSS): harmony messages to ``functions.NAME`` (`runtime.harmony`), read with the
@@ -36,7 +40,7 @@ from dataclasses import dataclass
 
 from .harmony import read_harmony
 from .text_deltas import tag_prefix
-from .tool_call_stream import CoderCall, DeepSeekCall, SeparatedCalls, TaggedCalls, hermes_call
+from .tool_call_stream import CoderCall, DeepSeekCall, GlmCall, SeparatedCalls, TaggedCalls, glm_name, hermes_call
 
 __all__ = ["PARSERS", "ToolCall", "ToolParser", "new_call_id"]
 
@@ -150,6 +154,28 @@ class Qwen3CoderParser(ToolParser):
         return TaggedCalls(self.start, self.end, lambda: CoderCall(typed))
 
 
+class Glm45Parser(ToolParser):
+    """``<tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...</tool_call>``."""
+
+    name = "glm45"
+    _ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)(?:</arg_value>|$)", re.DOTALL)
+
+    def read_block(self, block: str, tools: list[dict]) -> ToolCall:
+        at = block.find("<arg_key>")
+        name = (block if at < 0 else block[:at]).strip()
+        if not glm_name(name):
+            raise ValueError(f"a glm45 tool call begins with the tool's name, got {block!r}")
+        schema = _parameters(tools, name)
+        arguments = {key.strip(): _glm_value(value, schema.get(key.strip()))
+                     for key, value in self._ARGUMENT.findall(block[max(at, 0):])}
+        return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
+
+    def stream_reader(self, tools: list[dict]) -> TaggedCalls:
+        def typed(name: str, key: str, value: str) -> object:
+            return _glm_value(value, _parameters(tools, name).get(key))
+        return TaggedCalls(self.start, self.end, lambda: GlmCall(typed))
+
+
 class DeepSeekParser(ToolParser):
     """DeepSeek-V3's calls: ``<｜tool▁calls▁begin｜>``, then per call ``<｜tool▁call▁begin｜>``
     ``function<｜tool▁sep｜>NAME`` and its arguments in a JSON code fence (V3), or
@@ -257,7 +283,22 @@ def _typed_value(value: str, schema) -> object:
     return value
 
 
+def _glm_value(value: str, schema) -> object:
+    """A glm45 argument's text: itself where its `schema` says string, else read as JSON, else as a
+    Python literal, else the text (vLLM's reading)."""
+    if isinstance(schema, dict) and str(schema.get("type", "")).lower() == "string":
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        pass
+    try:
+        return ast.literal_eval(value)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return value
+
+
 #: the parsers by the names of vLLM's ``--tool-call-parser``
-PARSERS: dict[str, type[ToolParser]] = {parser.name: parser for parser in (HermesParser, Qwen3CoderParser, DeepSeekParser,
-                                                                            Llama3JsonParser, HarmonyParser)}
+PARSERS: dict[str, type[ToolParser]] = {parser.name: parser for parser in (HermesParser, Qwen3CoderParser, Glm45Parser,
+                                                                            DeepSeekParser, Llama3JsonParser, HarmonyParser)}
 PARSERS["deepseek_v31"] = DeepSeekParser  # (vLLM's name for V3.1's form, which the same parser reads)

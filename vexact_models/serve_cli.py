@@ -69,7 +69,8 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                         "takes one sequence's state of the KV budget; default 0: every turn prefills its whole prompt)")
     p.add_argument("--tool-call-parser", choices=sorted(PARSERS),
                    help="read tool calls out of chat replies in this format: hermes (Qwen2.5, Qwen3, Qwen3-Next, "
-                        "QwQ), qwen3_coder (Qwen3-Coder, Qwen3.5), deepseek_v3 / deepseek_v31 (DeepSeek-V3, V3.1), "
+                        "QwQ), qwen3_coder (Qwen3-Coder, Qwen3.5), glm45 (GLM-4.5, GLM-4.6), deepseek_v3 / deepseek_v31 "
+                        "(DeepSeek-V3, V3.1), "
                         "llama3_json (Llama 3.1), openai (GPT-OSS's harmony messages; brings --reasoning-parser "
                         "openai_gptoss); default: none, tool_choice 'auto' refused"),
     p.add_argument("--chat-template", type=chat_template_arg, metavar="FILE_OR_TEMPLATE",

@@ -44,6 +44,17 @@ REPLIES = {
         "<tool_call><function=get_time><parameter=zone>utc</function> ignored</tool_call>",
         "<tool_call>no function</tool_call>",
     ],
+    "glm45": [
+        'Sure.<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>S\u00e3o "Paulo"</arg_value>\n'
+        '<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n<arg_key>where</arg_key>\n<arg_value>{"lat": -1.5}'
+        '</arg_value>\n<arg_key>note</arg_key>\n<arg_value>[1, \'a\']</arg_value>\n</tool_call>\n'
+        "<tool_call>get_time\n</tool_call>",
+        "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>42</arg_value>\n<arg_key>rain</arg_key>\n"
+        "<arg_value>2.5",
+        "<tool_call>get_time<arg_key>zone</arg_key><arg_value>utc</arg_value><arg_key>x</arg_key></tool_call> after",
+        "<tool_call>two\nlines</tool_call>",
+        "<tool_call></tool_call>",
+    ],
     "deepseek_v3": [
         f'Checking.{DS_BEGIN}{DS_CALL}function{DS_SEP}get_weather\n```json\n{{"city": "Paris"}}\n```{DS_END}{DS_CALL}'
         f'function{DS_SEP}get_time\n```\n{{}}\n```{DS_END}<｜tool▁calls▁end｜>',

@@ -179,3 +179,22 @@ def test_chat_rendering_takes_openai_tool_call_messages():
     assert messages[1]["tool_calls"][0]["function"]["arguments"] == '{"zone": "utc"}'
     with pytest.raises(ValueError, match="'content' \\(or 'tool_calls'\\)"):
         render_text(Template(), [{"role": "assistant"}], None, True, False, None, {}, "LLM.chat", "conversation 0")
+
+
+def test_glm45_reads_names_and_each_argument_by_its_schema_as_vllm_does():
+    """A string-typed argument keeps its text ("42" stays a string); any other is read as JSON, else
+    as a Python literal, else kept as text; a key without a value is dropped; the reply may end
+    inside a value; a block with no name, or a name over two lines, leaves the reply text."""
+    parser = PARSERS["glm45"]()
+    text = ("Checking.<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>42</arg_value>\n"
+            "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n<arg_key>note</arg_key>\n<arg_value>[1, 'a']</arg_value>\n"
+            "<arg_key>free</arg_key>\n<arg_value>plain words</arg_value>\n<arg_key>where</arg_key><arg_value>"
+            '{"lat": 1}</arg_value><arg_key>lost</arg_key></tool_call><tool_call>get_time\n</tool_call>')
+    content, calls = parser.extract(text, TOOLS)
+    assert content == "Checking."
+    assert _calls(calls) == [("get_weather", {"city": "42", "days": 3, "note": [1, "a"], "free": "plain words",
+                                              "where": {"lat": 1}}), ("get_time", {})]
+    _, calls = parser.extract("<tool_call>get_weather<arg_key>rain</arg_key><arg_value>2.5", TOOLS)
+    assert _calls(calls) == [("get_weather", {"rain": 2.5})]
+    for bad in ("<tool_call></tool_call>", "<tool_call>get\ntime</tool_call>"):
+        assert parser.extract(bad, TOOLS) == (bad, [])
