@@ -42,3 +42,16 @@ def test_without_the_registration_veomni_builds_its_own_classes():
     done = run_example("--no-register")
     assert done.returncode != 0
     assert "has no attribute 'token_logprobs'" in done.stderr + done.stdout
+
+
+def test_every_fused_expert_architecture_reads_per_expert_checkpoints_through_a_converter():
+    """transformers before 5.11 saves fused experts as per-expert tensors, which VeOmni's reader
+    fuses only through a converter on the class: each of our MoE architectures needs one (without
+    it the experts keep their initial values and the logprobs differ, as GLM-4.5's did)."""
+    from vexact_models.integrations.veomni import _VEOMNI_CONVERTERS
+
+    for arch in architectures():
+        config = arch.tiny_config()
+        if getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", None) \
+                or getattr(config, "num_local_experts", None):
+            assert set(arch.model_types) & set(_VEOMNI_CONVERTERS), arch.name

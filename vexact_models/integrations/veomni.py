@@ -39,12 +39,14 @@ def shim_transformers() -> list[str]:
 # VeOmni reads checkpoints itself (into the FSDP shards) and fuses the hub's per-expert tensors
 # into [E, 2I, H] / [E, H, I] through a converter its own MoE classes carry: exactly our layout.
 # Qwen3-Next's and Qwen3.5-MoE's per-expert keys (as transformers before 5.11 saves them) are
-# Qwen3-MoE's, and VeOmni carries no converter of their own: its Qwen3-MoE converter fuses them.
+# Qwen3-MoE's, and VeOmni carries no converter of their own: its Qwen3-MoE converter fuses them;
+# GLM-4.5's are DeepSeek-V3's (its dense first layers included): DeepSeek-V3's converter fuses them.
 _VEOMNI_CONVERTERS = {
     "qwen3_moe": ("veomni.models.transformers.qwen3_moe.checkpoint_tensor_converter", "qwen3_moe"),
     "qwen3_next": ("veomni.models.transformers.qwen3_moe.checkpoint_tensor_converter", "qwen3_moe"),
     "qwen3_5_moe_text": ("veomni.models.transformers.qwen3_moe.checkpoint_tensor_converter", "qwen3_moe"),
     "deepseek_v3": ("veomni.models.transformers.deepseek_v3.checkpoint_tensor_converter", "deepseek_v3"),
+    "glm4_moe": ("veomni.models.transformers.deepseek_v3.checkpoint_tensor_converter", "deepseek_v3"),
 }
 
 
