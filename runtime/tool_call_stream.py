@@ -135,6 +135,12 @@ def hermes_call() -> _Tokens:
     return _Tokens(JsonCall(1, ("arguments",), raw_strings=True))
 
 
+def argument_piece(count: int, key: str, value: object) -> str:
+    """The arguments' next piece in ``json.dumps``'s form: ``"KEY": VALUE`` after ``{`` (the first,
+    `count` 0) or ``, ``."""
+    return ("{" if count == 0 else ", ") + f"{json.dumps(key, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}"
+
+
 class CoderCall:
     """A qwen3_coder block: ``<function=NAME>``, then each ``<parameter=KEY>`` value, typed by the
     tool's schema (`typed`: ``(function name, key, text) -> value``) and sent as ``"KEY": VALUE`` once it ends
@@ -180,9 +186,7 @@ class CoderCall:
         at = min(ends) if ends else len(body)
         value = self.text[:at].removeprefix("\n").removesuffix("\n")
         self.text = self.text[at + (len("</parameter>") if self.text.startswith("</parameter>", at) else 0):]
-        typed = self.typed(self.name, self._key, value)
-        pair = f"{json.dumps(self._key, ensure_ascii=False)}: {json.dumps(typed, ensure_ascii=False)}"
-        pieces.append((None, ("{" if self.count == 0 else ", ") + pair))
+        pieces.append((None, argument_piece(self.count, self._key, self.typed(self.name, self._key, value))))
         self.count, self._key = self.count + 1, None
         return True
 
@@ -248,9 +252,7 @@ class GlmCall:
         return True
 
     def _pair(self, pieces: list, value: str) -> None:
-        typed = self.typed(self.name, self._key, value)
-        pair = f"{json.dumps(self._key, ensure_ascii=False)}: {json.dumps(typed, ensure_ascii=False)}"
-        pieces.append((None, ("{" if self.count == 0 else ", ") + pair))
+        pieces.append((None, argument_piece(self.count, self._key, self.typed(self.name, self._key, value))))
         self.count, self._key = self.count + 1, None
 
 

@@ -160,8 +160,13 @@ class DeepseekV3Experts(FusedExperts):
 
 #: what stays fp32 whatever dtype the model is built or loaded in, as the installed transformers
 #: keeps it (the correction bias; the router's weight too in releases after 5.17, e.g. 5.24)
-KEEP_IN_FP32 = list(getattr(stock.DeepseekV3PreTrainedModel, "_keep_in_fp32_modules_strict", None)
-                    or ["e_score_correction_bias"])
+def stock_keep_in_fp32(stock_class: type) -> list[str]:
+    """What `stock_class` (a transformers ``PreTrainedModel``) keeps in fp32 whatever the dtype,
+    the correction bias at least (releases without the attribute keep it so too)."""
+    return list(getattr(stock_class, "_keep_in_fp32_modules_strict", None) or ["e_score_correction_bias"])
+
+
+KEEP_IN_FP32 = stock_keep_in_fp32(stock.DeepseekV3PreTrainedModel)
 
 
 class DeepseekV3TopkRouter(nn.Module):

@@ -21,20 +21,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers import Glm4MoeConfig, GenerationMixin, PreTrainedModel
-from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 from transformers.models.glm4_moe import modeling_glm4_moe as stock
 
 from vexact_models.adapters import apply_linear
 from vexact_models.causal_lm import CausalLMMixin, DecoderModelMixin, InitHookMixin
-from vexact_models.deepseek_v3.modeling import DeepseekV3MLP, DeepseekV3MoE, DeepseekV3TopkRouter
+from vexact_models.deepseek_v3.modeling import (DeepseekV3ForCausalLM, DeepseekV3MLP, DeepseekV3MoE,
+                                                 DeepseekV3TopkRouter, stock_keep_in_fp32)
 from vexact_models.heads import SequenceClassificationMixin, TokenClassificationMixin
 from vexact_models.inference_model import InferenceModel
 from vexact_models.layers import PreNormDecoderLayer, RMSNorm, grouped_linear, head_dim_of
 
 #: what stays fp32 whatever dtype the model is built or loaded in, as the installed transformers
 #: keeps it for GLM (the correction bias; the router's weight too in its newer releases)
-KEEP_IN_FP32 = list(getattr(stock.Glm4MoePreTrainedModel, "_keep_in_fp32_modules_strict", None)
-                    or ["e_score_correction_bias"])
+KEEP_IN_FP32 = stock_keep_in_fp32(stock.Glm4MoePreTrainedModel)
 
 
 class Glm4MoeRMSNorm(RMSNorm):
@@ -136,15 +135,7 @@ class Glm4MoeForCausalLM(CausalLMMixin, Glm4MoePreTrainedModel, GenerationMixin)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, cu_seqlens=None,
-                logits_to_keep: int | torch.Tensor = 0, output_router_logits: bool | None = None,
-                inputs_embeds: torch.Tensor | None = None, **kwargs) -> MoeCausalLMOutputWithPast:
-        router = self._router_logits_list(output_router_logits)
-        out = self._causal_lm_output(MoeCausalLMOutputWithPast, input_ids, attention_mask, position_ids, labels,
-                                     cu_seqlens, logits_to_keep, router_logits=router, inputs_embeds=inputs_embeds,
-                                     **kwargs)
-        out.router_logits = None if router is None else tuple(router)
-        return self._as_requested(out, kwargs.get("return_dict"))
+    forward = DeepseekV3ForCausalLM.forward  # DeepSeek-V3's: the router logits when asked, no aux_loss
 
 
 class Glm4MoeForCausalLMInference(InferenceModel):
