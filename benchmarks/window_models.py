@@ -1,8 +1,8 @@
-"""GPT-OSS and Gemma 3 (sliding-window layers beside global ones, GPT-OSS's sinks) beside stock HF
-in one run: rollout, training, KV cache.
+"""GPT-OSS, Gemma 3 and OLMo 3 (sliding-window layers beside global ones, GPT-OSS's sinks) beside
+stock HF in one run: rollout, training, KV cache.
 
 One model at a published shape (random weights, bf16, CUDA; default gpt-oss-20b, whole at 24
-layers, ``--layers`` to trim; ``--config gemma3-text-default``), three tables (``--parts``):
+layers, ``--layers`` to trim; ``--config gemma3-text-default`` or ``olmo3-default``), three tables (``--parts``):
 
 1. rollout: output tok/s of the engine (`LLM.generate`, CUDA graphs) beside stock HF
    ``generate`` on the same weights (``throughput_engines.run_hf``, every request in one left-padded batch
@@ -13,7 +13,7 @@ layers, ``--layers`` to trim; ``--config gemma3-text-default``), three tables (`
 2. training: forward + backward of `token_logprobs` + a loss (training.py's) at ``--train-shape``
    (default 1 x 8192 tokens) beside stock HF's logits + log-softmax, activation checkpointing by
    training.py's rule on both sides. Stock's attention is `bench_utils.stock_attention`'s: sdpa
-   for Gemma 3; eager for GPT-OSS, whose sinks transformers runs only in eager, flex attention
+   for Gemma 3 and OLMo 3; eager for GPT-OSS, whose sinks transformers runs only in eager, flex attention
    (``torch.compile``) or the kernels hub's FlashAttention-3 (a download), not sdpa.
    While stock's side runs, our model waits in host memory (two 21B models and one set of
    gradients would not fit an H200 together).
@@ -47,7 +47,7 @@ from training import hf_loss, use_checkpointing, vexact_loss
 from vexact_models.runtime import llm_setup
 
 PARTS = ("rollout", "training", "kv")
-CONFIGS = ("gpt-oss-20b", "gpt-oss-120b", "gemma3-text-default")
+CONFIGS = ("gpt-oss-20b", "gpt-oss-120b", "gemma3-text-default", "olmo3-default")
 
 
 def parse_args(argv=None) -> argparse.Namespace:

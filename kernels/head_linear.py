@@ -94,15 +94,7 @@ def head_linear_triton(x: torch.Tensor, weight: torch.Tensor,
 def head_linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Each output element is its own reduction over K (row-invariant on CPU)."""
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
-    xc, w = x.to(compute), weight.to(compute)
-    m, heads, k = xc.shape
-    n = w.shape[1]
-    out = torch.empty((m, heads, n), dtype=compute)
-    rows_per_chunk = max(1, (1 << 23) // max(1, heads * n * k))  # bound the [rows, H, N, K] product
-    for start in range(0, m, rows_per_chunk):
-        chunk = xc[start:start + rows_per_chunk]
-        out[start:start + chunk.shape[0]] = exact_math.dot(chunk[:, :, None, :], w[None])
-    return out.to(x.dtype)
+    return exact_math.dot_rows(x.to(compute), weight.to(compute)).to(x.dtype)
 
 
 def _forward(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

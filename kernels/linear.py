@@ -226,15 +226,7 @@ def linear_reference(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
                      out_dtype: torch.dtype) -> torch.Tensor:
     """Each output element is its own reduction over K (row-invariant on CPU)."""
     compute = torch.float64 if x2d.dtype == torch.float64 else torch.float32
-    xw = x2d.to(compute)
-    w = weight.to(compute)
-    m, k = xw.shape
-    n = w.shape[0]
-    out = torch.empty((m, n), dtype=compute)
-    rows_per_chunk = max(1, (1 << 23) // max(1, n * k))  # bound the [rows, N, K] product
-    for start in range(0, m, rows_per_chunk):
-        chunk = xw[start:start + rows_per_chunk]
-        out[start:start + chunk.shape[0]] = exact_math.dot(chunk[:, None, :], w[None, :, :])
+    out = exact_math.dot_rows(x2d.to(compute), weight.to(compute))
     if bias is not None:
         out += bias.to(compute)
     return out.to(out_dtype)

@@ -37,7 +37,7 @@ def lora_shrink_reference(x2d: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     xw, aw = x2d.to(compute), shrink_operand(a, x2d.dtype).to(compute)
     u = None
     for start in range(0, max(1, x2d.shape[1]), CHUNK_K):
-        part = exact_math.dot(xw[:, None, start:start + CHUNK_K], aw[None, :, start:start + CHUNK_K])
+        part = exact_math.dot_rows(xw[:, start:start + CHUNK_K], aw[:, start:start + CHUNK_K])
         u = part if u is None else u + part
     return u
 

@@ -79,10 +79,11 @@ def test_lora_runs_tiny_on_cpu(scripts):
         assert refused.returncode == 2 and words in refused.stderr, refused.stderr
 
 
-@pytest.mark.parametrize("config, stock", [("gpt-oss-20b", "eager"), ("gemma3-text-default", "sdpa")])
+@pytest.mark.parametrize("config, stock", [("gpt-oss-20b", "eager"), ("gemma3-text-default", "sdpa"),
+                                           ("olmo3-default", "sdpa")])
 def test_window_models_runs_tiny_on_cpu(scripts, config, stock):
     """benchmarks/window_models.py --tiny: the rollout beside HF generate (0 mismatches against the
-    recompute), training beside stock HF (eager for GPT-OSS's sinks, sdpa for Gemma 3) and the KV
+    recompute), training beside stock HF (eager for GPT-OSS's sinks, sdpa for Gemma 3 and OLMo 3) and the KV
     table (one window of 8 beside full layers: 3 layers, 2 windowed, pages of 16 at 256 tokens:
     48 pages kept, 24 with the windows' freed: a windowed layer keeps the pages from its last
     query's window start rounded down to 64 positions, 4 pages, by the engine's own count); bad

@@ -44,3 +44,21 @@ def test_softmax_and_logsumexp_match_float64():
     x = torch.randn(7, 300) * 4
     assert torch.allclose(exact_math.softmax(x), torch.softmax(x.double(), -1).float(), rtol=1e-6, atol=1e-7)
     assert torch.allclose(exact_math.logsumexp(x), torch.logsumexp(x.double(), -1).float(), rtol=1e-6)
+
+
+def test_dot_rows_is_the_whole_product_however_the_rows_are_grouped(monkeypatch):
+    """`dot_rows` (the linear, per-head linear and LoRA references' GEMM) gives the values of one
+    `dot` over every row at once, for any `PRODUCT_ELEMENTS`: a group of one row, of a few, of
+    all; with a lead dimension (per head) too; and a K over `REDUCE_BLOCK` sums in blocks."""
+    torch.manual_seed(0)
+    cases = [(torch.randn(37, 96), torch.randn(40, 96)),  # [M, K] . [N, K]^T
+             (torch.randn(11, 3, 64), torch.randn(3, 24, 64)),  # [M, H, K] . [H, N, K]^T
+             (torch.randn(5, 4100), torch.randn(6, 4100))]  # K past REDUCE_BLOCK
+    for x, w in cases:
+        whole = exact_math.dot(x.unsqueeze(-2), w.unsqueeze(0))
+        assert whole.shape == (x.shape[0], *w.shape[:-1])
+        for elements in (1, w.numel() * 4, 1 << 30):
+            monkeypatch.setattr(exact_math, "PRODUCT_ELEMENTS", elements)
+            assert torch.equal(exact_math.dot_rows(x, w), whole), (x.shape, elements)
+    ref = exact_math.dot_rows(cases[0][0].double(), cases[0][1].double())
+    assert torch.allclose(ref.float(), cases[0][0] @ cases[0][1].T, rtol=1e-5, atol=1e-5)
