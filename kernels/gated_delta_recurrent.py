@@ -280,17 +280,20 @@ def recurrent_reference(q, k, v, g, beta, states, out, plan: RecurrentPlan, scal
     dev = k.device
     state = torch.stack([states[src].transpose(-1, -2).to(compute) if src >= 0 else
                          torch.zeros(hv, dv, dk, dtype=compute, device=dev) for _, _, src, _ in segs])
+    # every row's element-wise and per-row terms at once (the same values row by row: rule 1)
+    k_all = unit_reference(k.to(compute), l2norm).repeat_interleave(group, dim=1)[:, :, None, :]
+    q_all = (unit_reference(q.to(compute), l2norm) * scale).repeat_interleave(group, dim=1)[:, :, None, :]
+    decay_all = exact_math.exp(g.to(compute))[:, :, None, None]
+    v_all, beta_all = v.to(compute), beta.to(compute)[..., None]
     for i in range(max(s[1] for s in segs)):
         live = [j for j, s in enumerate(segs) if s[1] > i]
         rows = torch.tensor([segs[j][0] + i for j in live], device=dev)
-        kk = unit_reference(k[rows].to(compute), l2norm).repeat_interleave(group, dim=1)[:, :, None, :]
-        qq = (unit_reference(q[rows].to(compute), l2norm) * scale).repeat_interleave(group, dim=1)[:, :, None, :]
-        decay = exact_math.exp(g[rows].to(compute))[:, :, None, None]
+        kk = k_all[rows]
         index = torch.tensor(live, device=dev)
-        s = state[index] * decay
-        u = (v[rows].to(compute) - _dk_sum(s * kk)) * beta[rows].to(compute)[..., None]
+        s = state[index] * decay_all[rows]
+        u = (v_all[rows] - _dk_sum(s * kk)) * beta_all[rows]
         s = s + u[..., None] * kk
-        out[rows] = _dk_sum(s * qq).to(out.dtype)
+        out[rows] = _dk_sum(s * q_all[rows]).to(out.dtype)
         state = state.index_copy(0, index, s)
     for j, (_, _, _, dst) in enumerate(segs):
         if dst >= 0:

@@ -32,6 +32,25 @@ def test_a_cpu_cache_is_not_padded(model):
     assert k.untyped_storage().nbytes() == k.numel() * k.element_size()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("value_in_key", [False, True])
+def test_cpu_kv_pairs_are_zeros_of_their_own(dtype, value_in_key):
+    """On the CPU the caches are numpy's calloc'd zeros viewed as `dtype` (`_cache_zeros`): zeros of
+    the shape and dtype, contiguous, each layer's K and V their own memory (V a view of K's first
+    dims only with `value_in_key`), a write landing where it is indexed."""
+    shape = (5, 4, 2)
+    pairs = [model_runner.kv_pair(shape, 8, 6, value_in_key, torch.device("cpu"), dtype) for _ in range(2)]
+    for k, v in pairs:
+        assert k.shape == (*shape, 8) and v.shape == (*shape, 6) and k.dtype == v.dtype == dtype
+        assert k.is_contiguous() and not k.any() and not v.any()
+        assert k.untyped_storage().nbytes() == k.numel() * k.element_size()
+    (k0, v0), (k1, v1) = pairs
+    k0[3, 1, 0, 2] = 2.5
+    v0[4, 0, 1, 5] = -1.0
+    assert k0.sum().item() == (2.5 - 1.0 if value_in_key else 2.5) and not k1.any() and not v1.any()
+    assert (v0.data_ptr() == k0.data_ptr()) == value_in_key
+
+
 def _cache_segments_kept(model, blocks: int) -> int:
     """Segments of a freed engine's KV cache still held after ``empty_cache``, where tensors of
     1.25 MiB made while the engine was awake still live."""
