@@ -8,8 +8,9 @@ they need (``safe_open`` maps the files; the headers say where each tensor is). 
 parameter stays on the meta device. The values and dtypes are those ``from_pretrained`` gives:
 the checkpoint's tensors cast to the load dtype, except what the class keeps in fp32
 (``_keep_in_fp32_modules_strict``, e.g. DeepSeek-V3's expert-selection bias), and MoE
-experts stored one tensor per expert (the hub layout) are fused into HF's 3-D tensors as
-transformers' own conversion does (``gate_up_proj[e] = cat(gate_proj, up_proj)``, gate first);
+experts stored one tensor per expert (the hub layout, Qwen's and DeepSeek's names or Mixtral's,
+``block_sparse_moe.experts.{e}.w1/w3/w2``, which MiniMax-M2 keeps) are fused into HF's 3-D tensors
+as transformers' own conversion does (``gate_up_proj[e] = cat(gate_proj, up_proj)``, gate first);
 an MXFP4 weight (``<name>_blocks`` and ``<name>_scales``, published GPT-OSS) is dequantized as
 ``Mxfp4Config(dequantize=True)`` does (`vexact_models.mxfp4.dequantize_mxfp4`: the same bits).
 Of a published multimodal checkpoint (Qwen3.5, Gemma 3) the text model's tensors are read under
@@ -34,6 +35,10 @@ from .pipeline import PipelineStage
 __all__ = ["empty_stage_model", "load_stage_model"]
 
 _FUSED_EXPERTS = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
+# one tensor per expert as the hub stores them: (gate, up, down) projections' names, Qwen's and
+# DeepSeek's, then Mixtral's (w1, w3, w2), which MiniMax-M2 keeps along with the MoE block's name
+_PER_EXPERT = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+_MIXTRAL_BLOCK = (".mlp.", ".block_sparse_moe.")
 _LIST_AT_MOST = 8
 
 
@@ -130,11 +135,12 @@ def _fill(owned: dict[str, torch.Tensor], reader: _Reader, folder: str) -> None:
 
 def _sources(name: str, target: torch.Tensor, reader: _Reader) -> list[tuple[tuple, str]] | None:
     """``[(index into target, checkpoint tensor name)]`` that fill `target`, or None when the
-    checkpoint lacks them: the tensor itself, the tied head's embedding, or one tensor per
-    expert (gate and up rows of ``gate_up_proj``, ``down_proj``)."""
+    checkpoint lacks them: the tensor itself (or under Mixtral's MoE block name), the tied head's
+    embedding, or one tensor per expert (gate and up rows of ``gate_up_proj``, ``down_proj``)."""
     whole = (slice(None),)
-    if name in reader:
-        return [(whole, name)]
+    for stored in (name, name.replace(*_MIXTRAL_BLOCK)):
+        if stored in reader:
+            return [(whole, stored)]
     if name == "lm_head.weight" and "model.embed_tokens.weight" in reader:
         return [(whole, "model.embed_tokens.weight")]
     if name == "model.embed_tokens.weight" and "lm_head.weight" in reader:
@@ -142,14 +148,17 @@ def _sources(name: str, target: torch.Tensor, reader: _Reader) -> list[tuple[tup
     match = _FUSED_EXPERTS.match(name)
     if match is None:
         return None
-    prefix, experts = match["prefix"], target.shape[0]
-    if match["kind"] == "down_proj":
-        parts = [((e,), f"{prefix}.{e}.down_proj.weight") for e in range(experts)]
-    else:
-        inter = target.shape[1] // 2
-        parts = [part for e in range(experts) for part in (((e, slice(0, inter)), f"{prefix}.{e}.gate_proj.weight"),
-                                                           ((e, slice(inter, None)), f"{prefix}.{e}.up_proj.weight"))]
-    return parts if all(source in reader for _, source in parts) else None
+    experts, inter = target.shape[0], target.shape[1] // 2
+    for prefix in (match["prefix"], match["prefix"].replace(*_MIXTRAL_BLOCK)):
+        for gate, up, down in _PER_EXPERT:
+            if match["kind"] == "down_proj":
+                parts = [((e,), f"{prefix}.{e}.{down}.weight") for e in range(experts)]
+            else:
+                parts = [part for e in range(experts) for part in (((e, slice(0, inter)), f"{prefix}.{e}.{gate}.weight"),
+                                                                   ((e, slice(inter, None)), f"{prefix}.{e}.{up}.weight"))]
+            if all(source in reader for _, source in parts):
+                return parts
+    return None
 
 
 def empty_stage_model(arch, config, dtype: torch.dtype, stage: PipelineStage | None, device: torch.device):

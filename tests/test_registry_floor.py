@@ -42,7 +42,7 @@ def test_an_architecture_newer_than_the_installed_transformers_is_left_out(clean
 #: the built-in architectures with a floor: GPT-OSS and Gemma 3 matched against stock on transformers
 #: 5.24 only (the releases before it are not checked yet); OLMo 3 from 5.13, the first release whose
 #: stock model takes RoPE per layer type (before it one table served every layer)
-FLOORED = {"gpt_oss": "5.24", "gemma3": "5.24", "olmo3": "5.13"}
+FLOORED = {"gpt_oss": "5.24", "gemma3": "5.24", "olmo3": "5.13", "minimax_m2": "5.18"}
 
 
 def test_every_builtin_architecture_is_registered_on_every_supported_release():
