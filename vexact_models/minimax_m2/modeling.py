@@ -23,7 +23,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers import GenerationMixin, MiniMaxM2Config, PreTrainedModel
-from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
 from vexact_models.adapters import apply_linear
 from vexact_models.experts import FusedExperts, call_experts
@@ -33,6 +32,7 @@ from vexact_models.layers import PreNormDecoderLayer, RMSNorm, grouped_linear, h
 from ..causal_lm import CausalLMMixin, DecoderModelMixin, InitHookMixin
 from ..heads import SequenceClassificationMixin, TokenClassificationMixin
 from ..inference_model import InferenceModel
+from ..qwen3_moe.modeling import Qwen3MoeForCausalLM
 
 
 class MiniMaxM2RMSNorm(RMSNorm):
@@ -92,8 +92,8 @@ class MiniMaxM2TopKRouter(nn.Module):
 
     def forward(self, hidden: torch.Tensor, e_score_correction_bias: torch.Tensor):
         logits = linear(hidden.to(self.weight.dtype), self.weight)
-        # one group (all experts), scale 1: the plain biased top-k (the fp32 cast is exact)
-        weights, ids = sigmoid_grouped_topk(logits.float(), e_score_correction_bias, self.top_k, 1, 1, True, 1.0)
+        # one group (all experts), scale 1: the plain biased top-k (which widens the logits to fp32 as it reads them)
+        weights, ids = sigmoid_grouped_topk(logits, e_score_correction_bias, self.top_k, 1, 1, True, 1.0)
         return logits, weights, ids
 
 
@@ -165,12 +165,7 @@ class MiniMaxM2ForCausalLM(CausalLMMixin, MiniMaxM2PreTrainedModel, GenerationMi
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, cu_seqlens=None,
-                logits_to_keep: int | torch.Tensor = 0, output_router_logits: bool | None = None,
-                inputs_embeds: torch.Tensor | None = None, **kwargs) -> MoeCausalLMOutputWithPast:
-        """HF's forward (`CausalLMMixin._moe_forward`: router logits and aux loss when asked)."""
-        return self._moe_forward(input_ids, attention_mask, position_ids, labels, cu_seqlens, logits_to_keep,
-                                 output_router_logits, inputs_embeds=inputs_embeds, **kwargs)
+    forward = Qwen3MoeForCausalLM.forward  # Qwen3-MoE's: router logits and aux loss when asked, as stock's
 
 
 class MiniMaxM2ForCausalLMInference(InferenceModel):
