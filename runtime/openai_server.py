@@ -34,11 +34,11 @@ class OpenAIServer:
     starts the front end's process and returns once it listens (`url` says where);
     `serve_forever` also waits until it stops; `close` stops it and the engine thread.
     `tool_call_parser`: the format chat replies' tool calls are read in (`runtime.tool_calls.PARSERS`:
-    ``"hermes"``, ``"qwen3_coder"``, ``"glm45"``, ``"deepseek_v3"``, ``"llama3_json"``, ``"openai"``), as ``vllm serve
-    --tool-call-parser``; None: tool_choice ``"auto"`` is refused (`runtime.openai_tools`).
+    ``"hermes"``, ``"qwen3_coder"``, ``"glm45"``, ``"minimax_m2"``, ``"deepseek_v3"``, ``"llama3_json"``,
+    ``"openai"``), as ``vllm serve --tool-call-parser``; None: tool_choice ``"auto"`` is refused (`runtime.openai_tools`).
     `reasoning_parser`: how chat replies' reasoning is split off into ``reasoning``
-    (`runtime.reasoning.PARSERS`: ``"qwen3"``, ``"deepseek_r1"``, ``"openai_gptoss"``), as ``vllm serve
-    --reasoning-parser``; None: the reply is all content. GPT-OSS's ``"openai"`` tool parser brings
+    (`runtime.reasoning.PARSERS`: ``"qwen3"``, ``"deepseek_r1"``, ``"minimax_m2"``, ``"openai_gptoss"``,
+    ...), as ``vllm serve --reasoning-parser``; None: the reply is all content. GPT-OSS's ``"openai"`` tool parser brings
     the ``"openai_gptoss"`` reasoning parser (`runtime.harmony`), and goes with no other. `chat_template`: a Jinja chat template
     that chats render with instead of the tokenizer's (``vllm serve --chat-template``).
     `structured_outputs_config`: the structured outputs' defaults, a dict of vLLM's fields

@@ -7,7 +7,11 @@ Both parsers read a ``<think>`` ... ``</think>`` block:
   ``<think>`` reasons until ``</think>``; a reply that does not (``enable_thinking: false``: the
   template wrote an empty block into the prompt) is all answer.
 - ``deepseek_r1`` (DeepSeek-R1, Qwen3's thinking-only models, Qwen3.5: their templates open the
-  block in the prompt): the reply reasons until ``</think>`` (a ``<think>`` it begins with dropped).
+  block in the prompt): the reply reasons until ``</think>`` (a ``<think>`` it begins with dropped);
+  ``minimax_m2`` (MiniMax-M2, whose template opens it too) reads replies the same way.
+- ``minimax_m2_append_think`` (MiniMax-M2, for clients that keep the think block in the
+  conversation, as MiniMax asks of multi-turn tool use): no reasoning; the answer is the whole reply
+  after the ``<think>`` its prompt opened.
 
 A reply cut short before ``</think>`` is all reasoning. `ReasoningSplit` reads a reply as it
 streams, holding back only what may still begin a tag; a whole reply is read the same way, so a
@@ -23,15 +27,17 @@ from __future__ import annotations
 from .harmony import CHANNEL, MESSAGE, START as HARMONY_START, HarmonyReader
 from .text_deltas import tag_prefix
 
-__all__ = ["HARMONY", "PARSERS", "ReasoningSplit", "reasoning_block", "reasoning_split", "split_reasoning"]
+__all__ = ["APPEND_THINK", "HARMONY", "PARSERS", "AppendThink", "ReasoningSplit", "reasoning_block", "reasoning_split",
+           "split_reasoning"]
 
 START, END = "<think>", "</think>"
 
 #: the ``<think>`` parsers: whether a reply that does not begin with ``<think>`` reasons
-IMPLICIT: dict[str, bool] = {"qwen3": False, "deepseek_r1": True}
+IMPLICIT: dict[str, bool] = {"qwen3": False, "deepseek_r1": True, "minimax_m2": True}
 HARMONY = "openai_gptoss"
+APPEND_THINK = "minimax_m2_append_think"
 #: vLLM's ``--reasoning-parser`` names
-PARSERS: tuple[str, ...] = (*IMPLICIT, HARMONY)
+PARSERS: tuple[str, ...] = (*IMPLICIT, HARMONY, APPEND_THINK)
 
 
 class ReasoningSplit:
@@ -66,10 +72,25 @@ class ReasoningSplit:
         return reasoning, answer
 
 
-def reasoning_split(parser: str) -> ReasoningSplit | HarmonyReader:
-    """The split of one reply by `parser` (one of `PARSERS`): both have ``feed(text, finished) ->
+class AppendThink:
+    """``minimax_m2_append_think``'s split: no reasoning, and the answer is ``<think>`` (which the
+    prompt opened) then the whole reply, as vLLM's parser of that name answers."""
+
+    def __init__(self) -> None:
+        self.opened = False
+
+    def feed(self, text: str, finished: bool) -> tuple[str, str]:
+        """(reasoning, answer) pieces of the reply's next `text`: ``<think>`` goes before the first."""
+        answer, self.opened = (text if self.opened else START + text), True
+        return "", answer
+
+
+def reasoning_split(parser: str) -> ReasoningSplit | HarmonyReader | AppendThink:
+    """The split of one reply by `parser` (one of `PARSERS`): each has ``feed(text, finished) ->
     (reasoning, answer)``."""
-    return HarmonyReader() if parser == HARMONY else ReasoningSplit(parser)
+    if parser == HARMONY:
+        return HarmonyReader()
+    return AppendThink() if parser == APPEND_THINK else ReasoningSplit(parser)
 
 
 def reasoning_block(parser: str) -> tuple[str, str]:

@@ -5,28 +5,28 @@ A reader takes the reply's text from where its calls begin (`ToolParser.begins`)
 time, and returns `CallPiece` s: a call's first piece carries its name, the others more of its
 arguments. The arguments are written as the whole reply's parse writes them
 (`runtime.tool_calls`): JSON arguments as ``json.dumps`` gives them (`runtime.json_stream`
-writes each token so; a string ``arguments`` member as its characters), qwen3_coder's parameters
-one at a time as each closes (its value's type needs the whole value). So a stream's pieces join
+writes each token so; a string ``arguments`` member as its characters), the arguments written as
+tags (qwen3_coder, glm45, minimax_m2: `runtime.tool_call_tags`) one at a time as each closes (its
+value's type needs the whole value). So a stream's pieces join
 to the whole reply's calls. Where the whole reply cannot read a call (it then answers with text,
 as vLLM does) a stream has already sent what came before; vLLM's streams do the same.
 
 - `TaggedCalls`: calls between a start and an end tag, one block reader each (hermes: a JSON
-  object, `JsonCall`; qwen3_coder: `CoderCall`; deepseek_v3 / v31: `DeepSeekCall`);
+  object, `JsonCall`; deepseek_v3 / v31: `DeepSeekCall`; the tag-written blocks of
+  `runtime.tool_call_tags`);
 - `SeparatedCalls`: llama3_json's JSON objects separated by ``;``;
 - `ArrayCalls`: the JSON array a ``"required"`` reply is held to.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 
 from .json_stream import JsonTokens, Token, canonical
 from .text_deltas import tag_prefix
 
-__all__ = ["ArrayCalls", "CallPiece", "CoderCall", "DeepSeekCall", "GlmCall", "JsonCall", "SeparatedCalls", "TaggedCalls",
-           "glm_name"]
+__all__ = ["ArrayCalls", "CallPiece", "DeepSeekCall", "JsonCall", "SeparatedCalls", "TaggedCalls"]
 
 
 @dataclass
@@ -133,127 +133,6 @@ class _Numbered:
 def hermes_call() -> _Tokens:
     """A hermes block: ``{"name": ..., "arguments": {...}}``."""
     return _Tokens(JsonCall(1, ("arguments",), raw_strings=True))
-
-
-def argument_piece(count: int, key: str, value: object) -> str:
-    """The arguments' next piece in ``json.dumps``'s form: ``"KEY": VALUE`` after ``{`` (the first,
-    `count` 0) or ``, ``."""
-    return ("{" if count == 0 else ", ") + f"{json.dumps(key, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}"
-
-
-class CoderCall:
-    """A qwen3_coder block: ``<function=NAME>``, then each ``<parameter=KEY>`` value, typed by the
-    tool's schema (`typed`: ``(function name, key, text) -> value``) and sent as ``"KEY": VALUE`` once it ends
-    (at ``</parameter>``, the next ``<parameter=``, ``</function>`` or the block's end)."""
-
-    _FUNCTION = re.compile(r"<function=([^>\n]+)>")
-    _PARAMETER = re.compile(r"<parameter=([^>\n]+)>")
-
-    def __init__(self, typed) -> None:
-        self.typed, self.text, self.name, self.count, self.ended = typed, "", None, 0, False
-        self._key: str | None = None
-
-    def feed(self, text: str, last: bool) -> list[tuple[str | None, str]]:
-        self.text += text
-        pieces: list[tuple[str | None, str]] = []
-        if self.name is None:
-            found = self._FUNCTION.search(self.text)
-            if found is None:
-                return pieces
-            self.name, self.text = found.group(1).strip(), self.text[found.end():]
-            pieces.append((self.name, ""))
-        while not self.ended and self._step(pieces, last):
-            pass
-        if last and not self.ended:
-            self._end(pieces)
-        return pieces
-
-    def _step(self, pieces: list, last: bool) -> bool:
-        """Read one parameter's start or end, or the function's end; False when the text says no more yet."""
-        function_end = self.text.find("</function>")
-        body = self.text if function_end < 0 else self.text[:function_end]
-        if self._key is None:
-            found = self._PARAMETER.search(body)
-            if found is None:
-                if function_end >= 0:
-                    self._end(pieces)
-                return False
-            self._key, self.text = found.group(1).strip(), self.text[found.end():]
-            return True
-        ends = [at for at in (body.find("</parameter>"), body.find("<parameter=")) if at >= 0]
-        if not ends and function_end < 0 and not last:
-            return False
-        at = min(ends) if ends else len(body)
-        value = self.text[:at].removeprefix("\n").removesuffix("\n")
-        self.text = self.text[at + (len("</parameter>") if self.text.startswith("</parameter>", at) else 0):]
-        pieces.append((None, argument_piece(self.count, self._key, self.typed(self.name, self._key, value))))
-        self.count, self._key = self.count + 1, None
-        return True
-
-    def _end(self, pieces: list) -> None:
-        if self._key is not None:  # (the block ended inside a value: it is the rest)
-            self._step(pieces, True)
-        pieces.append((None, "{}" if self.count == 0 else "}"))
-        self.ended = True
-
-
-def glm_name(name: str) -> bool:
-    """Whether the text before a glm45 block's first argument is a tool's name: one line, no tag."""
-    return bool(name) and "\n" not in name and "<" not in name
-
-
-class GlmCall:
-    """A glm45 block: ``NAME``, then per argument ``<arg_key>KEY</arg_key>`` and
-    ``<arg_value>VALUE</arg_value>``, each value typed by `typed` (``(function name, key, text) ->
-    value``) and sent as ``"KEY": VALUE`` once it ends (at ``</arg_value>`` or the block's end)."""
-
-    def __init__(self, typed) -> None:
-        self.typed, self.text, self.name, self.count, self.ended = typed, "", None, 0, False
-        self._key: str | None = None
-
-    def feed(self, text: str, last: bool) -> list[tuple[str | None, str]]:
-        self.text += text
-        pieces: list[tuple[str | None, str]] = []
-        if self.ended:  # (a block whose name is no name: nothing read, as the whole reply reads it)
-            return pieces
-        if self.name is None:
-            at = self.text.find("<arg_key>")
-            if at < 0 and not last:
-                return pieces
-            self.name = (self.text if at < 0 else self.text[:at]).strip()
-            self.text = "" if at < 0 else self.text[at:]
-            if not glm_name(self.name):
-                self.ended = True
-                return pieces
-            pieces.append((self.name, ""))
-        while self._step(pieces, last):
-            pass
-        if last:
-            if self._key is not None:  # (the block ended inside a value: it is the rest)
-                self._pair(pieces, self.text)
-            pieces.append((None, "{}" if self.count == 0 else "}"))
-            self.ended = True
-        return pieces
-
-    def _step(self, pieces: list, last: bool) -> bool:
-        """Read one argument's key, or its value's end; False when the text says no more yet."""
-        if self._key is None:
-            start, end = self.text.find("<arg_key>"), self.text.find("</arg_key>")
-            value = self.text.find("<arg_value>", max(end, 0))
-            if start < 0 or end < 0 or value < 0:
-                return False
-            self._key, self.text = self.text[start + len("<arg_key>"):end].strip(), self.text[value + len("<arg_value>"):]
-            return True
-        end = self.text.find("</arg_value>")
-        if end < 0:
-            return False
-        self._pair(pieces, self.text[:end])
-        self.text = self.text[end + len("</arg_value>"):]
-        return True
-
-    def _pair(self, pieces: list, value: str) -> None:
-        pieces.append((None, argument_piece(self.count, self._key, self.typed(self.name, self._key, value))))
-        self.count, self._key = self.count + 1, None
 
 
 class DeepSeekCall:

@@ -17,6 +17,11 @@ A model asked to call tools writes each call in its own format:
   argument ``<arg_key>KEY</arg_key>`` and ``<arg_value>VALUE</arg_value>``; a value whose schema type
   is string is its text, any other read as JSON (else as a Python literal, else kept as text), as
   vLLM's parser reads them;
+- ``minimax_m2`` (MiniMax-M2, M2.1, M2.5): after ``<minimax:tool_call>``, each call between
+  ``<invoke name="NAME">`` and ``</invoke>``, one ``<parameter name="KEY">VALUE</parameter>`` per
+  argument; each value is typed by the types its schema allows (its ``type``, ``enum`` values and
+  ``anyOf`` / ``oneOf`` / ``allOf`` choices), integer first, then number, boolean, object or array,
+  then text, as vLLM's parser types it;
 - ``llama3_json`` (Llama 3.1, 3.2): the reply itself is the calls, JSON objects
   ``{"name": ..., "parameters": {...}}`` separated by ``;``;
 - ``openai`` (GPT-OSS): harmony messages to ``functions.NAME`` (`runtime.harmony`), read with the
@@ -32,15 +37,16 @@ special; Llama's ``<|python_tag|>`` is, and the parser reads its calls without i
 
 from __future__ import annotations
 
-import ast
 import json
 import re
 import uuid
 from dataclasses import dataclass
 
 from .harmony import read_harmony
+from .tool_arguments import coder_value, glm_value, minimax_value, tool_parameters
 from .text_deltas import tag_prefix
-from .tool_call_stream import CoderCall, DeepSeekCall, GlmCall, SeparatedCalls, TaggedCalls, glm_name, hermes_call
+from .tool_call_stream import DeepSeekCall, SeparatedCalls, TaggedCalls, hermes_call
+from .tool_call_tags import CoderCall, GlmCall, MiniMaxCall, glm_name, minimax_name
 
 __all__ = ["PARSERS", "ToolCall", "ToolParser", "new_call_id"]
 
@@ -141,16 +147,16 @@ class Qwen3CoderParser(ToolParser):
         if function is None:
             raise ValueError(f"a qwen3_coder tool call has a <function=...> element, got {block!r}")
         name = function.group(1).strip()
-        schema = _parameters(tools, name)
+        schema = tool_parameters(tools, name)
         arguments = {}
         for key, value in self._PARAMETER.findall(function.group(2)):
             value = value.removeprefix("\n").removesuffix("\n")
-            arguments[key.strip()] = _typed_value(value, schema.get(key.strip()))
+            arguments[key.strip()] = coder_value(value, schema.get(key.strip()))
         return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
 
     def stream_reader(self, tools: list[dict]) -> TaggedCalls:
         def typed(name: str, key: str, value: str) -> object:
-            return _typed_value(value, _parameters(tools, name).get(key))
+            return coder_value(value, tool_parameters(tools, name).get(key))
         return TaggedCalls(self.start, self.end, lambda: CoderCall(typed))
 
 
@@ -165,15 +171,40 @@ class Glm45Parser(ToolParser):
         name = (block if at < 0 else block[:at]).strip()
         if not glm_name(name):
             raise ValueError(f"a glm45 tool call begins with the tool's name, got {block!r}")
-        schema = _parameters(tools, name)
-        arguments = {key.strip(): _glm_value(value, schema.get(key.strip()))
+        schema = tool_parameters(tools, name)
+        arguments = {key.strip(): glm_value(value, schema.get(key.strip()))
                      for key, value in self._ARGUMENT.findall(block[max(at, 0):])}
         return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
 
     def stream_reader(self, tools: list[dict]) -> TaggedCalls:
         def typed(name: str, key: str, value: str) -> object:
-            return _glm_value(value, _parameters(tools, name).get(key))
+            return glm_value(value, tool_parameters(tools, name).get(key))
         return TaggedCalls(self.start, self.end, lambda: GlmCall(typed))
+
+
+class MiniMaxM2Parser(ToolParser):
+    """``<minimax:tool_call><invoke name="NAME"><parameter name="KEY">VALUE</parameter>...</invoke>``
+    (several invokes in one block, or blocks one after another)."""
+
+    name = "minimax_m2"
+    start, end, opens = "<invoke name=", "</invoke>", "<minimax:tool_call>"
+    _PARAMETER = re.compile(r"<parameter name=([^>]*)>(.*?)(?:</parameter>|$)", re.DOTALL)
+
+    def read_block(self, block: str, tools: list[dict]) -> ToolCall:
+        at = block.find(">")
+        name = minimax_name(block if at < 0 else block[:at])
+        if not name:
+            raise ValueError(f"a minimax_m2 tool call names its tool in <invoke name=...>, got {block!r}")
+        schema = tool_parameters(tools, name)
+        arguments = {}
+        for key, value in self._PARAMETER.findall(block[at + 1:] if at >= 0 else ""):
+            arguments[minimax_name(key)] = minimax_value(value, schema.get(minimax_name(key)))
+        return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
+
+    def stream_reader(self, tools: list[dict]) -> TaggedCalls:
+        def typed(name: str, key: str, value: str) -> object:
+            return minimax_value(value, tool_parameters(tools, name).get(key))
+        return TaggedCalls(self.start, self.end, lambda: MiniMaxCall(typed))
 
 
 class DeepSeekParser(ToolParser):
@@ -250,55 +281,7 @@ class HarmonyParser(ToolParser):
 _LEADING_SPACE = re.compile(r"\s*")
 
 
-def _parameters(tools: list[dict], name: str) -> dict:
-    """The JSON schema properties of tool `name`'s parameters ({} when unknown)."""
-    for tool in tools:
-        function = tool.get("function") or {}
-        if function.get("name") == name:
-            parameters = function.get("parameters") or {}
-            return parameters.get("properties") or {}
-    return {}
-
-
-def _typed_value(value: str, schema) -> object:
-    """A qwen3_coder parameter's text as the type its `schema` gives (the text when it does not read)."""
-    if value.lower() == "null":
-        return None
-    kind = str(schema.get("type", "string")).lower() if isinstance(schema, dict) else "string"
-    try:
-        if kind in ("integer", "int"):
-            return int(value)
-        if kind in ("number", "float"):
-            number = float(value)
-            return int(number) if number.is_integer() and "." not in value and "e" not in value.lower() else number
-        if kind in ("boolean", "bool"):
-            return value.strip().lower() == "true"
-        if kind in ("object", "array", "dict", "list"):
-            try:
-                return json.loads(value)
-            except ValueError:
-                return ast.literal_eval(value)
-    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):  # (what literal_eval raises)
-        return value
-    return value
-
-
-def _glm_value(value: str, schema) -> object:
-    """A glm45 argument's text: itself where its `schema` says string, else read as JSON, else as a
-    Python literal, else the text (vLLM's reading)."""
-    if isinstance(schema, dict) and str(schema.get("type", "")).lower() == "string":
-        return value
-    try:
-        return json.loads(value)
-    except ValueError:
-        pass
-    try:
-        return ast.literal_eval(value)
-    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-        return value
-
-
 #: the parsers by the names of vLLM's ``--tool-call-parser``
-PARSERS: dict[str, type[ToolParser]] = {parser.name: parser for parser in (HermesParser, Qwen3CoderParser, Glm45Parser,
-                                                                            DeepSeekParser, Llama3JsonParser, HarmonyParser)}
+PARSERS: dict[str, type[ToolParser]] = {parser.name: parser for parser in (
+    HermesParser, Qwen3CoderParser, Glm45Parser, MiniMaxM2Parser, DeepSeekParser, Llama3JsonParser, HarmonyParser)}
 PARSERS["deepseek_v31"] = DeepSeekParser  # (vLLM's name for V3.1's form, which the same parser reads)

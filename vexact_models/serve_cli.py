@@ -69,7 +69,8 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                         "takes one sequence's state of the KV budget; default 0: every turn prefills its whole prompt)")
     p.add_argument("--tool-call-parser", choices=sorted(PARSERS),
                    help="read tool calls out of chat replies in this format: hermes (Qwen2.5, Qwen3, Qwen3-Next, "
-                        "QwQ), qwen3_coder (Qwen3-Coder, Qwen3.5), glm45 (GLM-4.5, GLM-4.6), deepseek_v3 / deepseek_v31 "
+                        "QwQ), qwen3_coder (Qwen3-Coder, Qwen3.5), glm45 (GLM-4.5, GLM-4.6), minimax_m2 (MiniMax-M2: "
+                        "<minimax:tool_call> invokes), deepseek_v3 / deepseek_v31 "
                         "(DeepSeek-V3, V3.1), "
                         "llama3_json (Llama 3.1), openai (GPT-OSS's harmony messages; brings --reasoning-parser "
                         "openai_gptoss); default: none, tool_choice 'auto' refused"),
@@ -79,8 +80,10 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS),
                    help="split chat replies' <think> block off into 'reasoning': qwen3 (replies that open it "
                         "themselves: Qwen3's hybrid models), deepseek_r1 (templates that open it in the prompt: "
-                        "DeepSeek-R1, Qwen3 thinking-only, Qwen3.5), openai_gptoss (GPT-OSS: the harmony reply's "
-                        "analysis channel, its final channel the content); default: none, the reply is all content")
+                        "DeepSeek-R1, Qwen3 thinking-only, Qwen3.5; minimax_m2 reads MiniMax-M2 so), "
+                        "minimax_m2_append_think (MiniMax-M2 with its think block kept in the content), "
+                        "openai_gptoss (GPT-OSS: the harmony reply's analysis channel, its final channel the content); "
+                        "default: none, the reply is all content")
     p.add_argument("--structured-outputs-config", type=structured_outputs_config_arg, metavar="JSON",
                    help="the structured outputs' defaults, vLLM's JSON object: disable_any_whitespace (JSON schemas, "
                         "tools' included, allow no whitespace beyond single separators), enable_in_reasoning (the "

@@ -1,11 +1,11 @@
-"""A chat reply's reasoning split from its answer (`runtime.reasoning`: vLLM's ``qwen3`` and
-``deepseek_r1`` parsers), whole and streamed, and with the reply's tool calls read from the answer
+"""A chat reply's reasoning split from its answer (`runtime.reasoning`: vLLM's ``qwen3``,
+``deepseek_r1`` and ``minimax_m2`` parsers), whole and streamed, and with the reply's tool calls read from the answer
 alone (`runtime.openai_tools.ChatStream`, `chat_message`)."""
 
 import pytest
 
 from vexact_models.runtime.openai_tools import ChatStream, ToolReply, chat_message
-from vexact_models.runtime.reasoning import ReasoningSplit, split_reasoning
+from vexact_models.runtime.reasoning import reasoning_split, split_reasoning
 from vexact_models.runtime.tool_calls import PARSERS
 
 from .stream_support import join_deltas
@@ -23,14 +23,15 @@ TEXTS = ["<think>a plan</think>\n\nthe answer", "the answer alone", "<think>cut 
 ])
 def test_whole_replies_split_by_parser(text, qwen3, deepseek_r1):
     assert split_reasoning("qwen3", text) == qwen3
-    assert split_reasoning("deepseek_r1", text) == deepseek_r1
+    assert split_reasoning("deepseek_r1", text) == split_reasoning("minimax_m2", text) == deepseek_r1
+    assert split_reasoning("minimax_m2_append_think", text) == (None, "<think>" + text)  # (vLLM's answer)
 
 
-@pytest.mark.parametrize("parser", ["qwen3", "deepseek_r1"])
+@pytest.mark.parametrize("parser", ["qwen3", "deepseek_r1", "minimax_m2", "minimax_m2_append_think"])
 @pytest.mark.parametrize("text", TEXTS)
 def test_streamed_pieces_add_up_to_the_whole_split(parser, text):
     """Fed a character at a time (tags split over deltas), the pieces join to the whole split."""
-    split = ReasoningSplit(parser)
+    split = reasoning_split(parser)
     pieces = [split.feed(ch, i == len(text) - 1) for i, ch in enumerate(text)]
     reasoning, answer = split_reasoning(parser, text)
     assert "".join(p[0] for p in pieces) == (reasoning or "") and "".join(p[1] for p in pieces) == (answer or "")
@@ -48,6 +49,23 @@ def test_reasoning_then_tool_calls_whole_and_streamed():
     assert "".join(d.get("content", "") for d in deltas) == "ok "
     assert [c["function"] for c in join_deltas(deltas)["tool_calls"]] == [message["tool_calls"][0]["function"]]
     assert stream.called
+
+
+def test_minimax_m2_reasoning_then_invokes():
+    """MiniMax-M2's template opens the think block in the prompt: the reply reasons until
+    ``</think>``, then its answer holds the calls; with ``minimax_m2_append_think`` the think block
+    stays in the content, before the calls."""
+    text = 'plan it</think>\n\nok<minimax:tool_call><invoke name="f"><parameter name="x">1</parameter></invoke>'
+    tools = ToolReply("auto", [{"type": "function", "function": {"name": "f"}}], PARSERS["minimax_m2"]())
+    message, called = chat_message(text, tools, "minimax_m2")
+    assert called and message["reasoning"] == "plan it" and message["content"] == "\n\nok"
+    assert message["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"x": "1"}'}
+    kept, called = chat_message(text, tools, "minimax_m2_append_think")
+    assert called and "reasoning" not in kept and kept["content"] == "<think>plan it</think>\n\nok"
+    stream = ChatStream(tools, "minimax_m2_append_think")
+    deltas = [stream.delta(ch, i == len(text) - 1) for i, ch in enumerate(text)]
+    assert "".join(d.get("content", "") for d in deltas) == kept["content"]
+    assert [c["function"] for c in join_deltas(deltas)["tool_calls"]] == [kept["tool_calls"][0]["function"]]
 
 
 def test_include_reasoning_false_drops_it():

@@ -55,6 +55,15 @@ REPLIES = {
         "<tool_call>two\nlines</tool_call>",
         "<tool_call></tool_call>",
     ],
+    "minimax_m2": [
+        'Sure.\n<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">S\u00e3o "Paulo"</parameter>\n'
+        '<parameter name=\'days\'>\n3\n</parameter>\n<parameter name="where">{"lat": -1.5}</parameter>\n<parameter '
+        'name="rain">none</parameter>\n</invoke>\n<invoke name="get_time">\n</invoke>\n</minimax:tool_call>',
+        '<minimax:tool_call><invoke name="get_weather"><parameter name="days">three</parameter><parameter name="rain">2.5',
+        '<minimax:tool_call><invoke name="get_time"><parameter name="zone">utc</invoke> after</minimax:tool_call>',
+        '<minimax:tool_call><invoke name="">x</invoke></minimax:tool_call>',
+        "a <minimax:tool but no call",
+    ],
     "deepseek_v3": [
         f'Checking.{DS_BEGIN}{DS_CALL}function{DS_SEP}get_weather\n```json\n{{"city": "Paris"}}\n```{DS_END}{DS_CALL}'
         f'function{DS_SEP}get_time\n```\n{{}}\n```{DS_END}<｜tool▁calls▁end｜>',
@@ -135,6 +144,16 @@ def test_qwen3_coder_sends_each_parameter_as_it_closes():
         "tool_calls": [{"index": 0, "function": {"arguments": '{"days": 3'}}]}
     assert stream.delta("me\n</parameter>\n</function>", False) == {
         "tool_calls": [{"index": 0, "function": {"arguments": ', "city": "Rome"}'}}]}
+
+
+def test_minimax_m2_sends_each_invoke_as_its_name_is_written_and_each_parameter_as_it_closes():
+    stream = ToolReply("auto", TOOLS, PARSERS["minimax_m2"]()).stream()
+    assert stream.delta('ok\n<minimax:tool_call>\n<invoke name="get_wea', False) == {"content": "ok\n"}
+    assert stream.delta('ther">\n<parameter name="days">3', False)["tool_calls"] == [
+        {"index": 0, "id": stream._ids[0], "type": "function", "function": {"name": "get_weather", "arguments": ""}}]
+    assert stream.delta('</parameter>\n</invoke>\n<invoke name="get_time">', False) == {"tool_calls": [
+        {"index": 0, "function": {"arguments": '{"days": 3}'}},
+        {"index": 1, "id": stream._ids[1], "type": "function", "function": {"name": "get_time", "arguments": ""}}]}
 
 
 def test_a_required_reply_sends_its_first_call_before_the_array_closes():

@@ -1,6 +1,7 @@
-"""Tool calls read out of chat replies (`runtime.tool_calls`: vLLM's ``hermes`` and ``qwen3_coder``
-formats) and a chat request's tools (`runtime.openai_tools`: ``tools``, ``tool_choice``,
-``parallel_tool_calls``; the replies' messages, whole and streamed)."""
+"""Tool calls read out of chat replies (`runtime.tool_calls`: vLLM's ``hermes``, ``qwen3_coder``,
+``glm45``, ``deepseek_v3``, ``llama3_json`` and ``minimax_m2`` formats) and a chat request's tools
+(`runtime.openai_tools`: ``tools``, ``tool_choice``, ``parallel_tool_calls``; the replies' messages,
+whole and streamed)."""
 
 import json
 
@@ -198,3 +199,41 @@ def test_glm45_reads_names_and_each_argument_by_its_schema_as_vllm_does():
     assert _calls(calls) == [("get_weather", {"rain": 2.5})]
     for bad in ("<tool_call></tool_call>", "<tool_call>get\ntime</tool_call>"):
         assert parser.extract(bad, TOOLS) == (bad, [])
+
+
+def test_minimax_m2_reads_each_invoke_and_types_its_parameters_as_vllm_does():
+    """Several invokes in one block and blocks one after another; names quoted either way; values
+    stripped and typed (integer, number, boolean words, JSON objects; null words; text where the
+    schema says string or nothing); the reply may end inside a value; an invoke with no name leaves
+    the reply text."""
+    parser = PARSERS["minimax_m2"]()
+    text = ('Let me check.\n<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">\nRome\n</parameter>\n'
+            '<parameter name="days">3</parameter>\n<parameter name=\'rain\'>2.0</parameter>\n<parameter name="metric">'
+            'yes</parameter>\n<parameter name="where">{"lat": 1}</parameter>\n<parameter name="hours">nil</parameter>\n'
+            '<parameter name="note">[1, 2]</parameter>\n</invoke>\n<invoke name=\'get_time\'>\n</invoke>\n'
+            '</minimax:tool_call>\n<minimax:tool_call><invoke name="get_time"><parameter name="zone">utc</parameter>'
+            '</invoke></minimax:tool_call>')
+    content, calls = parser.extract(text, TOOLS)
+    assert content == "Let me check.\n"
+    assert _calls(calls) == [("get_weather", {"city": "Rome", "days": 3, "rain": 2, "metric": True, "where": {"lat": 1},
+                                              "hours": None, "note": "[1, 2]"}), ("get_time", {}),
+                             ("get_time", {"zone": "utc"})]
+    _, calls = parser.extract('<minimax:tool_call><invoke name="get_weather"><parameter name="days">three</parameter>'
+                              '<parameter name="rain">1.5', TOOLS)
+    assert _calls(calls) == [("get_weather", {"days": "three", "rain": 1.5})]
+    for bad in ('<minimax:tool_call><invoke name="">x</invoke>', "no <minimax:tool_call> calls"):
+        assert parser.extract(bad, TOOLS) == (bad, [])
+
+
+def test_minimax_values_follow_the_types_a_schema_allows():
+    from vexact_models.runtime.tool_arguments import minimax_value, schema_types
+
+    assert schema_types(None) == schema_types({"description": "x"}) == {"string"}
+    assert schema_types({"type": ["Integer", "null"], "enum": [True, 1.5, "a", None, [1], {}],
+                         "anyOf": [{"type": "object"}, {"oneOf": [{"$ref": "#/x"}]}]}) == {
+        "integer", "null", "boolean", "number", "string", "array", "object"}
+    number_or_text = {"anyOf": [{"type": "number"}, {"type": "string"}]}
+    assert [minimax_value(v, number_or_text) for v in (" 4.0 ", "1e400", "abc", "None")] == [4, "1e400", "abc", None]
+    assert [minimax_value(v, {"type": "boolean"}) for v in ("ON", "0", "maybe")] == [True, False, "maybe"]
+    assert [minimax_value(v, {"type": "integer"}) for v in ("7", "7.5", "[1]")] == [7, 7.5, [1]]  # (else: JSON, else text)
+    assert minimax_value('{"a": 1}', {"enum": [[1], [2]]}) == {"a": 1} and minimax_value("{x", {"type": "array"}) == "{x"
