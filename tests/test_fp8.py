@@ -15,12 +15,11 @@ from safetensors.torch import load_file, save_file
 
 from vexact_models import fp8
 from vexact_models.cli import main
-from vexact_models.registry import get
 
-from .models.model_support import rel
+from .models.model_support import registered_or_skip, rel
 
 #: 2-D weights the published FP8 checkpoints keep unquantized
-UNQUANTIZED = ("embed_tokens", "lm_head", "norm", "mlp.gate.weight")
+UNQUANTIZED = ("embed_tokens", "lm_head", "norm", "mlp.gate.weight", "block_sparse_moe.gate.weight")
 
 
 def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,7 +37,7 @@ def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor
 def fp8_checkpoint(arch_name: str, folder, block: tuple[int, int]):
     """Stock transformers' tiny `arch_name` model saved by ``save_pretrained`` (per-expert hub
     layout for MoE models) into `folder`, its linear weights then stored as block FP8."""
-    arch = get(arch_name)
+    arch = registered_or_skip(arch_name)
     torch.manual_seed(0)
     model = arch.hf_class()(arch.tiny_config()).eval()
     model.save_pretrained(folder)
@@ -75,9 +74,11 @@ def test_dequantize_fp8_is_the_blockwise_product_rounded_once():
 
 
 @pytest.mark.compat
-@pytest.mark.parametrize("arch_name", ["deepseek_v3", "qwen3"])
+@pytest.mark.parametrize("arch_name", ["deepseek_v3", "qwen3", "minimax_m2"])
 def test_the_dequantized_checkpoint_loads_in_stock_and_ours(arch_name, tmp_path):
-    """Blocks of 16: DeepSeek-V3's tiny dims leave partial blocks, as its published 576-row kv_a_proj does."""
+    """Blocks of 16: DeepSeek-V3's tiny dims leave partial blocks, as its published 576-row kv_a_proj does.
+    MiniMax-M2's experts are stored per expert (``block_sparse_moe.experts.N.w1`` ...), each quantized,
+    as its published FP8 checkpoint holds them; its router stays unquantized."""
     arch, model, tensors = fp8_checkpoint(arch_name, tmp_path / "fp8", (16, 16))
     target = fp8.dequantize_fp8_checkpoint(tmp_path / "fp8", tmp_path / "bf16", progress=False)
     config = json.loads((target / "config.json").read_text())
