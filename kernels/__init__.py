@@ -38,6 +38,7 @@ else:
     from .logit_softcap import logit_softcap
     from .gelu_tanh_and_mul import gelu_tanh_and_mul
     from .lora import lora_add, lora_partials
+    from .moe_backward import use_moe_backward
     from .moe import fused_moe
     from .moe_activation import SwigluClamp
     from .expert_lora import ExpertLora
@@ -69,5 +70,5 @@ else:
         "sample_tokens", "top_tokens", "set_attention_backward", "set_attention_forward", "set_backend", "set_dependent_launch",
         "set_linear_backend", "sigmoid_gate", "sigmoid_grouped_topk", "silu_and_mul", "softmax_topk", "token_logprobs",
         "use_attention_backward", "use_attention_forward", "use_backend", "use_dependent_launch",
-        "use_gated_delta_backward", "use_linear_backend",
+        "use_gated_delta_backward", "use_linear_backend", "use_moe_backward",
     ]

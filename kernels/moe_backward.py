@@ -6,7 +6,10 @@ backward gives ``d_gate_up``; ``dx_p = d_gate_up_p @ gate_up[e]`` summed over th
 The input gradients reuse the grouped GEMM with transposed weight strides; the weight
 gradients ``d_down[e] = sum_p dy_p^T act_p`` and ``d_gate_up[e] = sum_p d_gate_up_p^T x_t`` come
 from `_moe_weight_grad_kernel`, one program per (expert, N tile, K tile) reducing over that
-expert's rows. The reference is autograd through `moe_math`, the plain-torch MoE (also the
+expert's rows. For bf16 on Hopper all four expert GEMMs run torch's grouped GEMM instead (CUTLASS,
+`expert_gemms`, ``VEXACT_MOE_BACKWARD``): with many experts and few rows each, the weight
+gradients' reductions are short and our 64-wide tiles were the slower side. The adapters' parts
+stay on ours. The reference is autograd through `moe_math`, the plain-torch MoE (also the
 tests' oracle of the forward).
 """
 
@@ -18,10 +21,37 @@ from ._triton import tl, triton
 from .moe_activation import PLAIN, ExpertForm, expert_activation_backward, expert_activation_math
 from .moe_align import MoeLayout
 from .moe_grouped_gemm import combine, grouped_gemm, input_precision
+from .kernel_switch import KernelSwitch
 from .moe_lora import ExpertLora, expert_lora_math
 
 WG_BLOCK_N = 64
 WG_BLOCK_K = 64
+ENV_VAR = "VEXACT_MOE_BACKWARD"
+_switch = KernelSwitch(ENV_VAR, ("auto", "triton", "grouped_mm"), "auto", "MoE backward expert GEMMs")
+
+
+def expert_gemms(*operands: torch.Tensor) -> str:
+    """Which kernels the backward's expert GEMMs run on these operands (x, the expert weights):
+    ``"grouped_mm"``, torch's grouped GEMM (CUTLASS on Hopper, as stock transformers' experts run),
+    for bf16 operands on CUDA; ``"triton"``, our grouped GEMM and `_moe_weight_grad_kernel`. The
+    switch ``VEXACT_MOE_BACKWARD`` (``auto``: grouped_mm where it applies, on a GPU of compute
+    capability 9 or newer) decides, read at every backward; a forced grouped_mm that cannot run
+    raises."""
+    mode = _switch.mode()
+    fits = all(t.dtype == torch.bfloat16 for t in operands) and hasattr(torch, "_grouped_mm")
+    if mode == "grouped_mm" and not fits:
+        raise ValueError(f"{ENV_VAR}=grouped_mm needs bf16 operands and torch._grouped_mm; got "
+                         f"{sorted({str(t.dtype) for t in operands})} on torch {torch.__version__}")
+    if mode == "auto":
+        device = operands[0].device
+        fits = fits and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return "grouped_mm" if mode == "grouped_mm" or mode == "auto" and fits else "triton"
+
+
+def use_moe_backward(mode: str | None):
+    """Within the block, the MoE backward's expert GEMMs are `mode` (``"auto"``, ``"triton"`` or
+    ``"grouped_mm"``); None hands the choice back to the environment."""
+    return _switch.use(mode)
 
 
 @triton.jit
@@ -62,6 +92,24 @@ def _weight_grad(g: torch.Tensor, a: torch.Tensor, layout: MoeLayout, experts: i
                                   TOP_K=top_k, BLOCK_M=layout.config.block_m, BLOCK_N=WG_BLOCK_N, BLOCK_K=WG_BLOCK_K,
                                   INPUT_PRECISION=input_precision(g.dtype), num_warps=4, num_stages=2, enable_fp_fusion=True)
     return out
+
+
+def _cutlass_rows(g: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``g_p w[e]`` for every row p of expert e's padded segment (`offsets`: the segments' ends), by
+    torch's grouped GEMM, in fp32 (the rows past the last segment are left unset: no pair reads them)."""
+    return torch._grouped_mm(g, w, offs=offsets).float()
+
+
+def _cutlass_weight_grad(g: torch.Tensor, a: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``sum_p g_p^T a_p`` over each expert's padded segment, by torch's grouped GEMM: ``[E, N, K]``
+    in g's dtype (padding rows add nothing: their g is zero)."""
+    return torch._grouped_mm(g.t(), a, offs=offsets)
+
+
+def _token_rows(x: torch.Tensor, layout: MoeLayout, top_k: int) -> torch.Tensor:
+    """x's row of each padded position's token, zero at padding."""
+    pairs = layout.sorted_pairs
+    return torch.where((pairs < layout.num_pairs)[:, None], x[(pairs // top_k).clamp(max=x.shape[0] - 1)], 0)
 
 
 def _lora_backward(g: torch.Tensor, inp: torch.Tensor, d_inp: torch.Tensor, lora: ExpertLora, u: torch.Tensor,
@@ -105,23 +153,33 @@ def fused_moe_backward_triton(grad_out, layout: MoeLayout, x, gate_up, down, wei
     dy[layout.pair_pos] = (weights.float()[:, :, None] * grad_out.float()[:, None, :]).reshape(-1, hidden).to(x.dtype)
     # d_act[p, i] = sum_h dy[p, h] down[e, h, i]: W element (n=i, k=h)
     cfg = layout.config
-    d_act = grouped_gemm(dy, down, layout, inter, hidden, down.stride(2), down.stride(1), torch.float32, cfg)
+    cutlass = expert_gemms(x, gate_up, down) == "grouped_mm"
+    offsets = layout.expert_offsets[1:].to(torch.int32) if cutlass else None
+    if cutlass:
+        d_act = _cutlass_rows(dy, down, offsets)
+    else:
+        d_act = grouped_gemm(dy, down, layout, inter, hidden, down.stride(2), down.stride(1), torch.float32, cfg)
     adapter_grads = [(None, None), (None, None)]
     if form.down_lora is not None:
         d_act, adapter_grads[1] = _lora_backward(dy, act, d_act, form.down_lora, u[1], layout, experts, top_k, False)
     d_gate, d_up = expert_activation_backward(preact[:, :inter], preact[:, inter:], d_act, form.clamp)
     d_gate_up = form.join(d_gate, d_up).to(x.dtype)  # in the weight rows' order
     # dx_p[h] = sum_j d_gate_up[p, j] gate_up[e, j, h]: W element (n=h, k=j)
-    dx_pairs = grouped_gemm(d_gate_up, gate_up, layout, hidden, 2 * inter, gate_up.stride(2), gate_up.stride(1),
-                            torch.float32, cfg)
+    if cutlass:
+        dx_pairs = _cutlass_rows(d_gate_up, gate_up, offsets)
+        grad_down = _cutlass_weight_grad(dy, act, offsets)
+        grad_gate_up = _cutlass_weight_grad(d_gate_up, _token_rows(x, layout, top_k), offsets)
+    else:
+        dx_pairs = grouped_gemm(d_gate_up, gate_up, layout, hidden, 2 * inter, gate_up.stride(2), gate_up.stride(1),
+                                torch.float32, cfg)
+        grad_down = _weight_grad(dy, act, layout, experts, False, top_k, torch.empty(down.shape, device=x.device,
+                                                                                     dtype=down.dtype))
+        grad_gate_up = _weight_grad(d_gate_up, x, layout, experts, True, top_k,
+                                    torch.empty(gate_up.shape, device=x.device, dtype=gate_up.dtype))
     if form.gate_up_lora is not None:
         dx_pairs, adapter_grads[0] = _lora_backward(d_gate_up, x, dx_pairs, form.gate_up_lora, u[0], layout, experts,
                                                     top_k, True)
     grad_x = combine(dx_pairs, torch.ones_like(weights, dtype=torch.float32), layout, tokens, x.dtype)
-    grad_down = _weight_grad(dy, act, layout, experts, False, top_k, torch.empty(down.shape, device=x.device,
-                                                                                 dtype=down.dtype))
-    grad_gate_up = _weight_grad(d_gate_up, x, layout, experts, True, top_k,
-                                torch.empty(gate_up.shape, device=x.device, dtype=gate_up.dtype))
     expert_of_pair = ids.reshape(-1)
     bias_grads = tuple(
         torch.zeros(experts, g.shape[1], device=x.device, dtype=torch.float32).index_add_(

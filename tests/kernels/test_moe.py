@@ -239,3 +239,18 @@ def test_launch_warps_takes_the_default_or_a_warp_count_triton_launches():
     assert launch_warps("op", None, 4) == 4 and launch_warps("op", 1, 4) == 1
     with pytest.raises(ValueError, match="op: num_warps=3 must be 1, 2, 4 or 8"):
         launch_warps("op", 3, 4)
+
+
+def test_the_backward_picks_its_expert_gemms_by_the_switch_and_the_operands():
+    """``auto`` takes torch's grouped GEMM only for bf16 on a Hopper-class GPU (ours on CPU); a forced
+    grouped_mm refuses fp32 operands naming the switch; triton is always ours."""
+    from vexact_models.kernels.moe_backward import expert_gemms, use_moe_backward
+
+    bf16, fp32 = torch.zeros(2, 2, dtype=torch.bfloat16), torch.zeros(2, 2)
+    assert expert_gemms(bf16, bf16) == "triton"  # (auto, on the CPU)
+    with use_moe_backward("grouped_mm"):
+        assert expert_gemms(bf16, bf16) == "grouped_mm"
+        with pytest.raises(ValueError, match=r"VEXACT_MOE_BACKWARD=grouped_mm needs bf16 operands .*torch.float32"):
+            expert_gemms(bf16, fp32)
+    with use_moe_backward("triton"):
+        assert expert_gemms(bf16, bf16) == "triton"

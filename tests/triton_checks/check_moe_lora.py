@@ -120,6 +120,35 @@ def test_adapted_experts_backward_matches_autograd(gpt_oss):
         close(a, b, 1e-5)
 
 
+@pytest.mark.parametrize("gpt_oss", [False, True])
+def test_adapted_bf16_experts_backward_with_torchs_grouped_gemms(gpt_oss):
+    """bf16 experts whose four expert GEMMs run torch's grouped GEMM (``VEXACT_MOE_BACKWARD=grouped_mm``,
+    its CPU fallback here; GPT-OSS's transposed views and biases too), the adapters' parts ours, one
+    expert chosen by no token: every gradient against float64 autograd."""
+    from vexact_models.kernels.moe_backward import use_moe_backward
+
+    experts, hidden, inter, rank, tokens = 5, 64, 32, 3, 40
+    gate_up, down, biases, gu_lora, dn_lora = experts_and_adapters(experts, hidden, inter, rank, torch.bfloat16,
+                                                                   gpt_oss=gpt_oss)
+    w, ids = routing(tokens, experts - 1, 2)
+    x = torch.randn(tokens, hidden, device=DEVICE).bfloat16()
+    leaves = [t.detach().clone().requires_grad_() for t in (x, gate_up, down, w, gu_lora.a, gu_lora.b, dn_lora.a,
+                                                              dn_lora.b)]
+    g = torch.randn(tokens, hidden, device=DEVICE).bfloat16()
+    with use_moe_backward("grouped_mm"):
+        out = fused_moe(*leaves[:4], ids, gate_up_lora=ExpertLora(leaves[4], leaves[5], gu_lora.scaling),
+                        down_lora=ExpertLora(leaves[6], leaves[7], dn_lora.scaling), **biases)
+        got = torch.autograd.grad(out, leaves, g)
+    dl = [t.detach().double().requires_grad_() for t in leaves]
+    want_out = oracle(dl[0], dl[1], dl[2], dl[3], ids, biases, ExpertLora(dl[4], dl[5], gu_lora.scaling),
+                      ExpertLora(dl[6], dl[7], dn_lora.scaling))
+    want = torch.autograd.grad(want_out, dl, g.double())
+    for name, a, b in zip(("x", "gate_up", "down", "weights", "gate_up A", "gate_up B", "down A", "down B"), got, want):
+        assert a.shape == b.shape, name
+        close(a, b, 3e-2)
+    assert not got[1][-1].any() and not got[2][-1].any()
+
+
 def test_a_token_alone_equals_the_token_in_a_batch():
     """Rule 4 with adapters: a token's output is bitwise the same alone and among 40 others
     (other tile configs, other expert loads), fp32 adapters under bf16 activations."""
