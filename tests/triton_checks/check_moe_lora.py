@@ -98,18 +98,19 @@ def test_adapted_experts_match_the_reference_and_the_oracle(gpt_oss, dtype, adap
     assert (plain.double() - got.double()).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("gpt_oss", [False, True])
-def test_adapted_experts_backward_matches_autograd(gpt_oss):
-    experts, hidden, inter, rank, tokens = 4, 64, 32, 3, 40
-    gate_up, down, biases, gu_lora, dn_lora = experts_and_adapters(experts, hidden, inter, rank, torch.float32,
-                                                                   gpt_oss=gpt_oss)
-    w, ids = routing(tokens, experts, 2)
-    x = torch.randn(tokens, hidden, device=DEVICE)
+def adapted_backward(gpt_oss: bool, dtype: torch.dtype, experts: int, routed: int, tol: float) -> tuple:
+    """Every gradient of adapted experts (x, the expert tensors, the routing weights, both adapters'
+    A and B) against float64 autograd through the oracle, the tokens routed among the first
+    `routed` experts; returns them."""
+    hidden, inter, rank, tokens = 64, 32, 3, 40
+    gate_up, down, biases, gu_lora, dn_lora = experts_and_adapters(experts, hidden, inter, rank, dtype, gpt_oss=gpt_oss)
+    w, ids = routing(tokens, routed, 2)
+    x = torch.randn(tokens, hidden, device=DEVICE).to(dtype)
     leaves = [t.detach().clone().requires_grad_() for t in (x, gate_up, down, w, gu_lora.a, gu_lora.b, dn_lora.a,
                                                               dn_lora.b)]
     out = fused_moe(*leaves[:4], ids, gate_up_lora=ExpertLora(leaves[4], leaves[5], gu_lora.scaling),
                     down_lora=ExpertLora(leaves[6], leaves[7], dn_lora.scaling), **biases)
-    g = torch.randn(tokens, hidden, device=DEVICE)
+    g = torch.randn(tokens, hidden, device=DEVICE).to(dtype)
     got = torch.autograd.grad(out, leaves, g)
     dl = [t.detach().double().requires_grad_() for t in leaves]
     want_out = oracle(dl[0], dl[1], dl[2], dl[3], ids, biases, ExpertLora(dl[4], dl[5], gu_lora.scaling),
@@ -117,35 +118,24 @@ def test_adapted_experts_backward_matches_autograd(gpt_oss):
     want = torch.autograd.grad(want_out, dl, g.double())
     for name, a, b in zip(("x", "gate_up", "down", "weights", "gate_up A", "gate_up B", "down A", "down B"), got, want):
         assert a.shape == b.shape, name
-        close(a, b, 1e-5)
+        close(a, b, tol)
+    return got
+
+
+@pytest.mark.parametrize("gpt_oss", [False, True])
+def test_adapted_experts_backward_matches_autograd(gpt_oss):
+    adapted_backward(gpt_oss, torch.float32, 4, 4, 1e-5)
 
 
 @pytest.mark.parametrize("gpt_oss", [False, True])
 def test_adapted_bf16_experts_backward_with_torchs_grouped_gemms(gpt_oss):
     """bf16 experts whose four expert GEMMs run torch's grouped GEMM (``VEXACT_MOE_BACKWARD=grouped_mm``,
     its CPU fallback here; GPT-OSS's transposed views and biases too), the adapters' parts ours, one
-    expert chosen by no token: every gradient against float64 autograd."""
+    expert chosen by no token (its gradients zero)."""
     from vexact_models.kernels.moe_backward import use_moe_backward
 
-    experts, hidden, inter, rank, tokens = 5, 64, 32, 3, 40
-    gate_up, down, biases, gu_lora, dn_lora = experts_and_adapters(experts, hidden, inter, rank, torch.bfloat16,
-                                                                   gpt_oss=gpt_oss)
-    w, ids = routing(tokens, experts - 1, 2)
-    x = torch.randn(tokens, hidden, device=DEVICE).bfloat16()
-    leaves = [t.detach().clone().requires_grad_() for t in (x, gate_up, down, w, gu_lora.a, gu_lora.b, dn_lora.a,
-                                                              dn_lora.b)]
-    g = torch.randn(tokens, hidden, device=DEVICE).bfloat16()
     with use_moe_backward("grouped_mm"):
-        out = fused_moe(*leaves[:4], ids, gate_up_lora=ExpertLora(leaves[4], leaves[5], gu_lora.scaling),
-                        down_lora=ExpertLora(leaves[6], leaves[7], dn_lora.scaling), **biases)
-        got = torch.autograd.grad(out, leaves, g)
-    dl = [t.detach().double().requires_grad_() for t in leaves]
-    want_out = oracle(dl[0], dl[1], dl[2], dl[3], ids, biases, ExpertLora(dl[4], dl[5], gu_lora.scaling),
-                      ExpertLora(dl[6], dl[7], dn_lora.scaling))
-    want = torch.autograd.grad(want_out, dl, g.double())
-    for name, a, b in zip(("x", "gate_up", "down", "weights", "gate_up A", "gate_up B", "down A", "down B"), got, want):
-        assert a.shape == b.shape, name
-        close(a, b, 3e-2)
+        got = adapted_backward(gpt_oss, torch.bfloat16, 5, 4, 3e-2)
     assert not got[1][-1].any() and not got[2][-1].any()
 
 
