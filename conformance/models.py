@@ -234,10 +234,14 @@ def add_random_lora(model, rank: int, seed: int = 0):
 
 def lora_targets(peft_model) -> str:
     """What `add_random_lora` adapted, for the CLI's log: the number of adapted linear layers and,
-    on MoE models, of fused expert tensors (PEFT's ``ParamWrapper``)."""
+    on MoE models, of fused expert tensors and of other parameters PEFT adapted in place (its
+    ``ParamWrapper``; the routers' weights, which PEFT adds to ``all-linear`` on MoE models)."""
     from peft.tuners.lora import LoraLayer, ParamWrapper
 
     layers = [m for m in peft_model.modules() if isinstance(m, LoraLayer)]
-    experts = sum(isinstance(m, ParamWrapper) for m in layers)
-    linear = f"{len(layers) - experts} linear layers"
-    return f"{linear} and {experts} fused expert tensors" if experts else linear
+    wrapped = [m for m in layers if isinstance(m, ParamWrapper)]
+    experts = sum(m.parameter_name in ("gate_up_proj", "down_proj") for m in wrapped)
+    parts = [f"{len(layers) - len(wrapped)} linear layers"]
+    parts += [f"{experts} fused expert tensors"] if experts else []
+    parts += [f"{len(wrapped) - experts} router weights"] if len(wrapped) > experts else []
+    return " and ".join(parts) if len(parts) < 3 else f"{parts[0]}, {parts[1]} and {parts[2]}"

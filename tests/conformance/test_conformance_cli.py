@@ -85,11 +85,18 @@ def test_cli_names_the_transformers_an_architecture_needs(gemma3_too_old, capsys
     assert "--arch gemma3: architecture 'gemma3' needs transformers >= 5.24" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name, adapted", [("qwen3", "14 linear layers"),  # 2 layers x 7 projections
-                                           ("qwen3_moe", "12 linear layers and 6 fused expert tensors")])
-def test_cli_checks_rollouts_with_lora_adapters(name, adapted, capsys):
-    """The log says what `--lora` adapted (the tiny Qwen3-MoE: 3 layers' attention projections,
-    both fused expert tensors of each)."""
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
+def test_cli_checks_rollouts_with_lora_adapters(name, capsys):
+    """The log says what `--lora` adapted. The tiny Qwen3: 2 layers x 7 projections. The tiny
+    Qwen3-MoE (layers 0 and 2 sparse, 1 dense): 3 layers' attention projections, both fused expert
+    tensors and the router weight of each sparse layer, which PEFT's ``all-linear`` adds on MoE models;
+    from PEFT 0.22, which reads ``all-linear`` by leaf names there, the dense layer's 3 projections too."""
+    import peft
+    from packaging.version import Version
+
+    dense_mlp = 3 if Version(peft.__version__) >= Version("0.22") else 0
+    adapted = {"qwen3": "14 linear layers",
+               "qwen3_moe": f"{12 + dense_mlp} linear layers, 4 fused expert tensors and 2 router weights"}[name]
     assert main(["--arch", name, "--lora", "4", "--pool", "8", "--max-tokens", "6", "--prompt-len", "8"]) == 0
     out = capsys.readouterr().out
     assert f"  PEFT LoRA r 4 (random adapters) on {adapted}\n" in out

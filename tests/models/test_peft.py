@@ -154,16 +154,16 @@ def test_unsupported_peft_features_are_errors(config, message):
 
 @pytest.mark.parametrize("name", ["qwen3", "qwen3_5_moe"])
 def test_peft_prefix_tuning_is_refused_and_prompt_tuning_runs_as_stock(name):
-    """PEFT's prefix tuning passes its virtual tokens as a ``past_key_values`` prefix, which the
-    training forward (no KV cache) would not read: it gave the base model's logits, silently,
-    and is now a ValueError naming the argument. Prompt tuning passes them as ``inputs_embeds``
-    and runs: the same logits as stock PEFT, within parity."""
+    """PEFT's prefix tuning passes its virtual tokens as a KV-cache prefix (``past_key_values``;
+    ``cache`` from PEFT 0.22 on transformers 5.25), which the training forward (no KV cache) would
+    not read: it gave the base model's logits, silently, and is now a ValueError naming the argument.
+    Prompt tuning passes them as ``inputs_embeds`` and runs: the same logits as stock PEFT, within parity."""
     from peft import PrefixTuningConfig, PromptTuningConfig
 
     ours, stock = ours_and_stock(ARCHS[name])
     ids = torch.tensor([[5, 9, 33, 2], [44, 3, 8, 1]])
     prefix = get_peft_model(ours, PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
-    with pytest.raises(ValueError, match="past_key_values holds 4 cached tokens, a prefix the training forward does not"):
+    with pytest.raises(ValueError, match="(past_key_values|cache) holds 4 cached tokens, a prefix the training forward"):
         prefix(input_ids=ids)
     ours, stock = ours_and_stock(ARCHS[name])
     logits = []
