@@ -282,7 +282,8 @@ class _FusedMoeFunction(torch.autograd.Function):
             form = ExpertForm(None, None, ctx.clamp, ctx.interleaved, _lora(gu_a, gu_b, ctx.scalings[0]),
                               _lora(down_a, down_b, ctx.scalings[1]))
             grads = fused_moe_backward_triton(grad_out.contiguous(), ctx.layout, *saved, form=form,
-                                              biases=ctx.biases, u=(u_gu, u_down))
+                                              biases=ctx.biases, u=(u_gu, u_down),
+                                              weight_grads=tuple(ctx.needs_input_grad[1:3]))
         # x, gate_up, down, weights, ids, backend, the biases, clamp, interleaved, then each
         # adapter's A, B and scaling
         return (*grads[:4], None, None, *grads[4:6], None, None, grads[6], grads[7], None, grads[8], grads[9], None)

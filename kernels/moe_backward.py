@@ -138,11 +138,13 @@ def _lora_backward(g: torch.Tensor, inp: torch.Tensor, d_inp: torch.Tensor, lora
 
 def fused_moe_backward_triton(grad_out, layout: MoeLayout, x, gate_up, down, weights, ids, act, preact, y, *,
                               form: ExpertForm = PLAIN, biases: tuple[bool, bool] = (False, False),
-                              u: tuple = (None, None)):
+                              u: tuple = (None, None), weight_grads: tuple[bool, bool] = (True, True)):
     """Gradients of `fused_moe` (x, gate_up, down, weights, then the gate/up and down biases when
     `biases` says the forward had them, else None, then A and B of `form`'s gate/up and down
     adapters, None where absent) from the forward's saved rows (`u`: each adapter's shrink);
-    `form` gives the activation and the gate/up rows' order (its bias tensors are not read)."""
+    `form` gives the activation and the gate/up rows' order (its bias tensors are not read).
+    `weight_grads` says whether gate_up's and down's gradients are wanted: a frozen expert tensor
+    (LoRA on the experts) gets None, and its weight-gradient GEMM is skipped."""
     tokens, hidden = x.shape
     top_k = ids.shape[1]
     experts, inter = down.shape[0], down.shape[2]
@@ -165,17 +167,22 @@ def fused_moe_backward_triton(grad_out, layout: MoeLayout, x, gate_up, down, wei
     d_gate, d_up = expert_activation_backward(preact[:, :inter], preact[:, inter:], d_act, form.clamp)
     d_gate_up = form.join(d_gate, d_up).to(x.dtype)  # in the weight rows' order
     # dx_p[h] = sum_j d_gate_up[p, j] gate_up[e, j, h]: W element (n=h, k=j)
+    grad_gate_up = grad_down = None
     if cutlass:
         dx_pairs = _cutlass_rows(d_gate_up, gate_up, offsets)
-        grad_down = _cutlass_weight_grad(dy, act, offsets)
-        grad_gate_up = _cutlass_weight_grad(d_gate_up, _token_rows(x, layout, top_k), offsets)
+        if weight_grads[1]:
+            grad_down = _cutlass_weight_grad(dy, act, offsets)
+        if weight_grads[0]:
+            grad_gate_up = _cutlass_weight_grad(d_gate_up, _token_rows(x, layout, top_k), offsets)
     else:
         dx_pairs = grouped_gemm(d_gate_up, gate_up, layout, hidden, 2 * inter, gate_up.stride(2), gate_up.stride(1),
                                 torch.float32, cfg)
-        grad_down = _weight_grad(dy, act, layout, experts, False, top_k, torch.empty(down.shape, device=x.device,
-                                                                                     dtype=down.dtype))
-        grad_gate_up = _weight_grad(d_gate_up, x, layout, experts, True, top_k,
-                                    torch.empty(gate_up.shape, device=x.device, dtype=gate_up.dtype))
+        if weight_grads[1]:
+            grad_down = _weight_grad(dy, act, layout, experts, False, top_k,
+                                     torch.empty(down.shape, device=x.device, dtype=down.dtype))
+        if weight_grads[0]:
+            grad_gate_up = _weight_grad(d_gate_up, x, layout, experts, True, top_k,
+                                        torch.empty(gate_up.shape, device=x.device, dtype=gate_up.dtype))
     if form.gate_up_lora is not None:
         dx_pairs, adapter_grads[0] = _lora_backward(d_gate_up, x, dx_pairs, form.gate_up_lora, u[0], layout, experts,
                                                     top_k, True)

@@ -318,6 +318,33 @@ def test_fused_moe_backward(gemms):
     assert not got[1][-1].any() and not got[2][-1].any()
 
 
+@pytest.mark.parametrize("gemms", ["triton", "grouped_mm"])
+def test_fused_moe_backward_skips_the_weight_gradients_of_frozen_expert_tensors(gemms, monkeypatch):
+    """Frozen expert tensors (LoRA on the experts keeps them so): their weight-gradient GEMMs do not
+    run, and x's and the routing weights' gradients are bitwise those of the full backward."""
+    from vexact_models.kernels import moe_backward
+    from vexact_models.kernels.moe import fused_moe
+
+    experts, hidden, inter, tokens = 4, 64, 64, 30
+    x = rand(tokens, hidden).bfloat16().requires_grad_()
+    gate_up = (rand(experts, 2 * inter, hidden) / 8).bfloat16()
+    down = (rand(experts, hidden, inter) / 8).bfloat16()
+    w = rand(tokens, 2, kind="u").requires_grad_()
+    ids = torch.randint(0, experts, (tokens, 2), device=DEVICE)
+    g = rand(tokens, hidden).bfloat16()
+    calls = []
+    for name in ("_weight_grad", "_cutlass_weight_grad"):
+        original = getattr(moe_backward, name)
+        monkeypatch.setattr(moe_backward, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
+    with moe_backward.use_moe_backward(gemms):
+        frozen = torch.autograd.grad(fused_moe(x, gate_up, down, w, ids), (x, w), g)
+        assert calls == []
+        leaves = (gate_up.clone().requires_grad_(), down.clone().requires_grad_())
+        full = torch.autograd.grad(fused_moe(x, *leaves, w, ids), (x, w, *leaves), g)
+        assert len(calls) == 2
+    assert torch.equal(frozen[0], full[0]) and torch.equal(frozen[1], full[1])
+
+
 def test_logprob_grad():
     from vexact_models.kernels.logprob_grad import logprob_grad
 
