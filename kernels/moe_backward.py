@@ -15,13 +15,15 @@ tests' oracle of the forward).
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
+
 import torch
 
 from ._triton import tl, triton
+from .kernel_switch import KernelSwitch
 from .moe_activation import PLAIN, ExpertForm, expert_activation_backward, expert_activation_math
 from .moe_align import MoeLayout
 from .moe_grouped_gemm import combine, grouped_gemm, input_precision
-from .kernel_switch import KernelSwitch
 from .moe_lora import ExpertLora, expert_lora_math
 
 WG_BLOCK_N = 64
@@ -48,7 +50,7 @@ def expert_gemms(*operands: torch.Tensor) -> str:
     return "grouped_mm" if mode == "grouped_mm" or mode == "auto" and fits else "triton"
 
 
-def use_moe_backward(mode: str | None):
+def use_moe_backward(mode: str | None) -> AbstractContextManager[None]:
     """Within the block, the MoE backward's expert GEMMs are `mode` (``"auto"``, ``"triton"`` or
     ``"grouped_mm"``); None hands the choice back to the environment."""
     return _switch.use(mode)
