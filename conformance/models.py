@@ -244,4 +244,4 @@ def lora_targets(peft_model) -> str:
     parts = [f"{len(layers) - len(wrapped)} linear layers"]
     parts += [f"{experts} fused expert tensors"] if experts else []
     parts += [f"{len(wrapped) - experts} router weights"] if len(wrapped) > experts else []
-    return " and ".join(parts) if len(parts) < 3 else f"{parts[0]}, {parts[1]} and {parts[2]}"
+    return " and ".join([", ".join(parts[:-1]), parts[-1]]) if len(parts) > 1 else parts[0]

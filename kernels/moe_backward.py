@@ -98,8 +98,9 @@ def _weight_grad(g: torch.Tensor, a: torch.Tensor, layout: MoeLayout, experts: i
 
 def _cutlass_rows(g: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """``g_p w[e]`` for every row p of expert e's padded segment (`offsets`: the segments' ends), by
-    torch's grouped GEMM, in fp32 (the rows past the last segment are left unset: no pair reads them)."""
-    return torch._grouped_mm(g, w, offs=offsets).float()
+    torch's grouped GEMM, in g's dtype: its readers widen it as they read (the rows past the last
+    segment are left unset: no pair reads them)."""
+    return torch._grouped_mm(g, w, offs=offsets)
 
 
 def _cutlass_weight_grad(g: torch.Tensor, a: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -165,7 +166,8 @@ def fused_moe_backward_triton(grad_out, layout: MoeLayout, x, gate_up, down, wei
         d_act = grouped_gemm(dy, down, layout, inter, hidden, down.stride(2), down.stride(1), torch.float32, cfg)
     adapter_grads = [(None, None), (None, None)]
     if form.down_lora is not None:
-        d_act, adapter_grads[1] = _lora_backward(dy, act, d_act, form.down_lora, u[1], layout, experts, top_k, False)
+        d_act, adapter_grads[1] = _lora_backward(dy, act, d_act.float(), form.down_lora, u[1], layout, experts, top_k,
+                                                 False)  # (its part is added into fp32 rows)
     d_gate, d_up = expert_activation_backward(preact[:, :inter], preact[:, inter:], d_act, form.clamp)
     d_gate_up = form.join(d_gate, d_up).to(x.dtype)  # in the weight rows' order
     # dx_p[h] = sum_j d_gate_up[p, j] gate_up[e, j, h]: W element (n=h, k=j)
@@ -186,8 +188,8 @@ def fused_moe_backward_triton(grad_out, layout: MoeLayout, x, gate_up, down, wei
             grad_gate_up = _weight_grad(d_gate_up, x, layout, experts, True, top_k,
                                         torch.empty(gate_up.shape, device=x.device, dtype=gate_up.dtype))
     if form.gate_up_lora is not None:
-        dx_pairs, adapter_grads[0] = _lora_backward(d_gate_up, x, dx_pairs, form.gate_up_lora, u[0], layout, experts,
-                                                    top_k, True)
+        dx_pairs, adapter_grads[0] = _lora_backward(d_gate_up, x, dx_pairs.float(), form.gate_up_lora, u[0], layout,
+                                                    experts, top_k, True)
     grad_x = combine(dx_pairs, torch.ones_like(weights, dtype=torch.float32), layout, tokens, x.dtype)
     expert_of_pair = ids.reshape(-1)
     bias_grads = tuple(
