@@ -41,7 +41,7 @@ else:
     from .moe_backward import use_moe_backward
     from .moe import fused_moe
     from .moe_activation import SwigluClamp
-    from .expert_lora import ExpertLora
+    from .expert_lora import EXPERT_B, ExpertLora, KeptExpertB, reading_kept_b
     from .moe_routing import softmax_topk
     from .penalties import apply_penalties
     from .rms_norm import add_rms_norm, rms_norm
@@ -59,7 +59,7 @@ else:
         "BACKENDS", "GATED_DELTA_CHUNK", "GatedDeltaRollout", "LORA_SHRINK", "begin_beside", "forks_here", "side_stream",
         "KernelSwitch", "PagedLayout", "UnsupportedError", "add_rms_norm", "apply_rotary", "attention",
         "attention_forward_mode", "attention_packed", "causal_conv1d", "checkpoint_saving_context", "conv_state_update",
-        "current_backend", "deinterleave", "ExpertLora",
+        "current_backend", "deinterleave", "EXPERT_B", "ExpertLora", "KeptExpertB", "reading_kept_b",
         "SwigluClamp", "apply_penalties", "fused_moe", "gelu_tanh_and_mul", "gated_delta_gates",
         "gated_delta_rule",
         "gated_rms_norm", "gather_logprobs", "head_linear", "kv_cache_write", "latent_cache_write", "linear",

@@ -11,16 +11,32 @@ program moves a ``[BLOCK_N, r, BLOCK_E]`` block: read as PEFT lays it out (runs 
 experts side by side), written as ``[BLOCK_E, BLOCK_N, r]`` (runs of ``BLOCK_N * r`` values), both
 in whole sectors; torch's copy ran at about a quarter of the HBM's bandwidth
 (`benchmarks/moe_lora_launches.py`, "B copy by expert").
+
+Made at every forward, the copy is B as it is now, but a rollout step pays one launch per adapted
+tensor, CUDA graphs included. The rollout engine keeps a copy of every adapted tensor's B by
+expert instead (`KeptExpertB`), refreshed in place once per engine call (an optimizer step or a
+weight update changes B in place between calls, never during one), and its forwards read it
+(`reading_kept_b`): the expand then reads B copied by expert at every batch size, for no launch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
 
 from ._triton import require_triton, tl, triton
+from .backend import interpreting
 from .dependent_launch import dependent_launch_kwargs, wait_for_inputs
+from .kernel_switch import KernelSwitch
+
+#: ``VEXACT_EXPERT_B``: ``kept`` (the default: the rollout engine keeps every adapted expert
+#: tensor's B copied by expert, `KeptExpertB`) or ``call`` (B copied at each forward from
+#: `REGROUP_PAIRS_PER_EXPERT`, read in place below it; no memory held between calls)
+EXPERT_B = KernelSwitch("VEXACT_EXPERT_B", ("kept", "call"), "kept", "adapted experts' B operand in rollouts")
 
 # B copied by expert (`b_by_expert_triton`) from this many pairs an expert on average: a
 # tile of PEFT's layout reads 8 times its bytes in sectors (an expert's ranks lie E values apart),
@@ -99,16 +115,22 @@ def _b_by_expert_kernel(b_ptr, out_ptr, N, R, E, stride_bn, BLOCK_N: tl.constexp
     tl.store(out, tl.permute(values, (2, 0, 1)), mask=tl.permute(mask, (2, 0, 1)))
 
 
-def b_by_expert_triton(b: torch.Tensor, experts: int) -> torch.Tensor:
-    """PEFT's expert-tensor B ``[N, r * E]`` as a new ``[E, N, r]`` tensor (one launch), the values
-    `ExpertLora.b_by_expert` gives; B's columns must be contiguous (a parameter's are)."""
+def b_by_expert_triton(b: torch.Tensor, experts: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """PEFT's expert-tensor B ``[N, r * E]`` as an ``[E, N, r]`` tensor (one launch), the values
+    `ExpertLora.b_by_expert` gives; B's columns must be contiguous (a parameter's are). Written into
+    `out` (contiguous, B's shape by expert, dtype and device) when given, else into a new tensor."""
     require_triton("fused_moe")
     n, columns = b.shape
     if columns % experts or b.stride(1) != 1:
         raise ValueError(f"b_by_expert_triton: b {tuple(b.shape)} with strides {b.stride()} is not PEFT's [N, r * E] "
                          f"layout over experts={experts} with contiguous columns")
     rank = columns // experts
-    out = torch.empty(experts, n, rank, device=b.device, dtype=b.dtype)
+    if out is None:
+        out = torch.empty(experts, n, rank, device=b.device, dtype=b.dtype)
+    elif tuple(out.shape) != (experts, n, rank) or out.dtype != b.dtype or out.device != b.device \
+            or not out.is_contiguous():
+        raise ValueError(f"b_by_expert_triton: out {tuple(out.shape)} {out.dtype} on {out.device} is not a contiguous "
+                         f"[E={experts}, N={n}, r={rank}] {b.dtype} tensor on {b.device}, like b")
     if out.numel():
         block_r = triton.next_power_of_2(rank)
         block_n = max(1, 128 // block_r)  # 128 values an expert: 32 per thread at any rank
@@ -116,6 +138,73 @@ def b_by_expert_triton(b: torch.Tensor, experts: int) -> torch.Tensor:
             b, out, n, rank, experts, b.stride(0), BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_E=BLOCK_E, num_warps=4,
             **dependent_launch_kwargs(b.device), enable_fp_fusion=True)
     return out
+
+
+def _copy_by_expert(b: torch.Tensor, experts: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """B ``[N, r * E]`` copied to ``[E, N, r]`` (into `out` when given): `b_by_expert_triton` where
+    Triton runs (CUDA, the interpreter), else torch's copy of the permuted view (the same values)."""
+    if b.is_cuda or interpreting():
+        return b_by_expert_triton(b if b.stride(1) == 1 else b.contiguous(), experts, out)
+    view = b.unflatten(1, (b.shape[1] // experts, experts)).permute(2, 0, 1)
+    return view.contiguous() if out is None else out.copy_(view)
+
+
+class KeptExpertB:
+    """B of adapted expert tensors copied by expert and kept between forwards (the module docstring):
+    the rollout engine's table (runtime/model_runner.py), made beside its KV cache and CUDA graphs,
+    which read the copies' addresses, and dropped with them.
+
+    A copy is found by its B's storage, shape, strides, dtype and device and the expert count; each
+    copy keeps its address from creation until the table is dropped, so a graph captured reading it
+    stays valid. `refresh` copies B into it again, in place.
+    """
+
+    def __init__(self, sources: Iterable[tuple[torch.Tensor, int]] = ()) -> None:
+        self._copies: dict[tuple, torch.Tensor] = {}
+        self._sources: dict[tuple, tuple[torch.Tensor, int]] = {}
+        self.refresh(sources)
+
+    @staticmethod
+    def _key(b: torch.Tensor, experts: int) -> tuple:
+        return b.data_ptr(), tuple(b.shape), b.stride(), b.dtype, b.device, experts
+
+    def refresh(self, sources: Iterable[tuple[torch.Tensor, int]] = ()) -> None:
+        """Copy every kept B by expert again, in place, then add the (B, experts) of `sources` not
+        kept yet (a new copy each). Copies are never dropped here: a CUDA graph may read one whose
+        adapter is no longer active."""
+        for key, (b, experts) in self._sources.items():
+            _copy_by_expert(b, experts, self._copies[key])
+        for b, experts in sources:
+            key = self._key(b, experts)
+            if key not in self._copies:
+                self._copies[key] = _copy_by_expert(b.detach(), experts)
+                self._sources[key] = (b.detach(), experts)
+
+    def copy_of(self, b: torch.Tensor, experts: int) -> torch.Tensor | None:
+        """The kept copy of `b` ``[N, r * E]`` by expert ``[E, N, r]``, or None when it is not kept."""
+        return self._copies.get(self._key(b, experts))
+
+    def __len__(self) -> int:
+        return len(self._copies)
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes the copies hold."""
+        return sum(c.numel() * c.element_size() for c in self._copies.values())
+
+
+_READING: ContextVar[KeptExpertB | None] = ContextVar("vexact_kept_expert_b", default=None)
+
+
+@contextmanager
+def reading_kept_b(kept: KeptExpertB | None) -> Iterator[None]:
+    """Within the block (this thread), `expert_b_operand` reads B's copy from `kept` where it holds
+    one; None reads none. The rollout engine's forwards run in it; training forwards never do."""
+    token = _READING.set(kept)
+    try:
+        yield
+    finally:
+        _READING.reset(token)
 
 
 def copies_b(experts: int, pairs: int) -> bool:
@@ -128,8 +217,13 @@ def expert_b_operand(lora: ExpertLora, experts: int, pairs: int,
                      regroup: bool | None = None) -> tuple[torch.Tensor, tuple[int, ...]]:
     """B as the expand reads it and its strides (expert, row, rank): copied by expert (`regroup`, by
     default `copies_b`; `b_by_expert_triton`), else PEFT's tensor in place through
-    `ExpertLora.b_view`'s strides. Both hold the same values."""
+    `ExpertLora.b_view`'s strides. By default, within `reading_kept_b`, the kept copy where there is
+    one, whatever `pairs`. All hold the same values."""
     if regroup is None:
+        kept = _READING.get()
+        copy = None if kept is None else kept.copy_of(lora.b, experts)
+        if copy is not None:
+            return copy, copy.stride()
         regroup = copies_b(experts, pairs)
     if regroup:
         b = b_by_expert_triton(lora.b if lora.b.stride(1) == 1 else lora.b.contiguous(), experts)

@@ -30,7 +30,7 @@ import torch
 
 from vexact_models.adapters import adapter_state
 from vexact_models.hub_config import checkpoint_folder
-from vexact_models.kernels import attention_forward_mode, current_backend, use_backend
+from vexact_models.kernels import EXPERT_B, attention_forward_mode, current_backend, use_backend
 from vexact_models.projections import fuse_projections
 
 from .block_manager import BlockManager
@@ -62,14 +62,13 @@ class LLM(ChatMixin, RequestsMixin, OnlineRequestsMixin, EngineStepsMixin, Engin
 
     Args:
         model: checkpoint folder or hub model id (``Qwen/Qwen3-8B``: its configs, safetensors and
-            tokenizer fetched into the hub cache first, `hub_config.checkpoint_folder`; of a
-            published multimodal checkpoint its text model, `vexact_models.multimodal`), or a
-            training-variant model instance (the engine then shares
-            its parameter storage: no copy, updates are seen by the next step). The engine puts
-            each q/k/v and gate/up weight group in one buffer (`layers.fuse_projections`): the
-            parameters stay the same objects and values, now views, and rollouts run one GEMM
-            per group; an in-place optimizer step reaches it. Replacing a parameter's ``.data``
-            afterwards (e.g. ``model.to``) just falls back to separate GEMMs.
+            tokenizer fetched into the hub cache first, `hub_config.checkpoint_folder`; of a published
+            multimodal checkpoint its text model, `vexact_models.multimodal`), or a training-variant
+            model instance (the engine then shares its parameter storage: no copy, updates are seen by
+            the next step). The engine puts each q/k/v and gate/up weight group in one buffer
+            (`layers.fuse_projections`): the parameters stay the same objects and values, now views, and
+            rollouts run one GEMM per group; an in-place optimizer step reaches it. Replacing a
+            parameter's ``.data`` afterwards (e.g. ``model.to``) just falls back to separate GEMMs.
         dtype: parameter/activation dtype when loading a folder ("auto": the checkpoint's).
         device: defaults to CUDA when available, else CPU.
         block_size: positions per KV page (default `llm_args.default_block_size`: 64 where the
@@ -279,20 +278,22 @@ class LLM(ChatMixin, RequestsMixin, OnlineRequestsMixin, EngineStepsMixin, Engin
 
     def _computed_under(self, backend: str) -> tuple:
         """What the engine's kernels compute with, which CUDA graphs replay and KV pages hold the
-        results of: the backend, the attention forward and the PEFT adapters' state
-        (`adapters.adapter_state`: enabled, merged, active, their weights' storage)."""
-        return backend, attention_forward_mode(), adapter_state(self.model)
+        results of: the backend, the attention forward, the PEFT adapters' state
+        (`adapters.adapter_state`: enabled, merged, active, their weights' storage) and whether the
+        adapted experts read B's kept copies (``VEXACT_EXPERT_B``, `ModelRunner.kept_b`)."""
+        return backend, attention_forward_mode(), adapter_state(self.model), EXPERT_B.mode()
 
     def _graphs_follow(self, backend: str) -> None:
-        """CUDA graphs replay the kernels they captured: when the backend, the attention forward
-        or the adapters' state (or the graphs, e.g. recaptured by `wake_up`) changed since they
-        were noted, capture them again under `backend`, after fusing the projection groups and
-        their adapters again (an adapter added or a weight replaced since). The KV cache is
-        reallocated with them, and nothing published before is shared again."""
+        """CUDA graphs replay the kernels they captured: when what they computed with
+        (`_computed_under`) or the graphs (e.g. recaptured by `wake_up`) changed since they were
+        noted, capture them again under `backend`, after fusing the projection groups and their
+        adapters again (an adapter added or a weight replaced since). The KV cache is reallocated
+        with them, and nothing published before is shared again. Else what the forwards read
+        derived from the weights is refreshed (`ModelRunner.refresh_derived`)."""
         graphs = self.runner.graphs
         ref, captured = self._graphs_key
         if graphs is None or (ref is not None and ref() is graphs and captured == self._computed_under(backend)):
-            return
+            return self.runner.refresh_derived()
         fuse_projections(self.model)
         self.runner.free_cache()
         with use_backend(backend):

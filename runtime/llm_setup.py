@@ -12,6 +12,8 @@ import os
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
+from vexact_models.adapters import expert_lora_b
+from vexact_models.kernels import EXPERT_B
 from vexact_models.kernels.attention_window import window_block_start
 from vexact_models.layers import cache_window, window_layers
 from vexact_models.loading import from_pretrained_complete
@@ -146,8 +148,10 @@ def kv_cache_pages(model, dtype: torch.dtype, device: torch.device, pipeline: Pi
     stage's budget holds its layers' pages; every stage takes the smallest count, since the first
     stage's page ids address them all). The budget holds the gated-DeltaNet state cache of
     `state_slots` sequences (``max_num_seqs``) and `state_snapshots` kept prompt states first,
-    when the model (stage) has such layers; a
-    stage without attention layers holds no pages and takes the others' count.
+    when the model (stage) has such layers; a budget measured on the device (no
+    `kv_cache_bytes`) also holds the adapted expert tensors' B copied by expert, which the runner
+    keeps (`ModelRunner.kept_b`, ``VEXACT_EXPERT_B=kept``). A stage without attention layers holds no pages and takes the
+    others' count.
 
     `window_group`: ``(its layers, its cap)`` for a model whose windowed layers keep their pages
     apart (`runtime.page_groups`): each group's page costs its own layers' bytes, the window group
@@ -164,7 +168,8 @@ def kv_cache_pages(model, dtype: torch.dtype, device: torch.device, pipeline: Pi
         if device.type == "cuda":
             torch.cuda.empty_cache()  # memory the allocator holds unused is the budget's too
             free, total = torch.cuda.mem_get_info(device)
-            kv_cache_bytes = int(free - (1 - utilization) * total)
+            kept = sum(b.numel() * b.element_size() for b, _ in expert_lora_b(model)) if EXPERT_B.mode() == "kept" else 0
+            kv_cache_bytes = int(free - (1 - utilization) * total) - kept
         else:
             kv_cache_bytes = 256 << 20
     states = linear_state_bytes(model, dtype, state_slots, pipeline, state_snapshots)

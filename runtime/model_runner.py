@@ -10,6 +10,10 @@ A step is always ONE forward over all its scheduled sequences (eager, or one gra
 Prefix sharing relies on this: a sequence may read pages that another sequence of the same step
 writes (see ``Scheduler._publish``). Splitting a step into several forwards would need the
 scheduler to publish pages only after their step (in ``postprocess``).
+
+Beside the cache the runner keeps what its forwards read that is derived from the weights: B of
+each adapted expert tensor copied by expert (`kernels.KeptExpertB`), made with the cache and the
+graphs that read it, refreshed once per engine call (`refresh_derived`) and dropped with them.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ import math
 import numpy as np
 import torch
 
-from vexact_models.kernels import PagedLayout
+from vexact_models.adapters import expert_lora_b
+from vexact_models.kernels import EXPERT_B, KeptExpertB, PagedLayout, current_backend, reading_kept_b
 from vexact_models.layers import PagedContext
 
 from .block_tables import BlockTables
@@ -146,6 +151,8 @@ class ModelRunner:
         self.block_tables: BlockTables | None = None
         #: the window group's mirror (`runtime.page_groups`; the LLM sets it where there is one)
         self.window_tables: BlockTables | None = None
+        #: the adapted expert tensors' B copied by expert, which the forwards read (None: none kept)
+        self.kept_b: KeptExpertB | None = None
         self.allocate_cache()
 
     def allocate_cache(self) -> None:
@@ -163,20 +170,40 @@ class ModelRunner:
         window_shape = (0 if group is None else group.num_blocks, *shape[1:])
         self.kv_caches = [kv_pair(window_shape if i in windowed else shape, head_dim_k, head_dim_v, value_in_key,
                                    self.device, self.dtype) if i in held else None for i in range(layers)]
+        self.kept_b = None
+        self.refresh_derived()
         if self.cuda_graph_batch:
-            self.graphs = StepGraphs(self.model, self.kv_caches, self.block_size, self.max_blocks_per_seq,
-                                     self.cuda_graph_batch, self.device, carry=(self.carry_width, self.dtype),
-                                     max_tokens=self.cuda_graph_tokens, linear_states=self.linear_states,
-                                     window_group=group, buckets=self.cuda_graph_sizes)
+            with reading_kept_b(self.kept_b):
+                self.graphs = StepGraphs(self.model, self.kv_caches, self.block_size, self.max_blocks_per_seq,
+                                         self.cuda_graph_batch, self.device, carry=(self.carry_width, self.dtype),
+                                         max_tokens=self.cuda_graph_tokens, linear_states=self.linear_states,
+                                         window_group=group, buckets=self.cuda_graph_sizes)
+
+    def refresh_derived(self) -> None:
+        """Copy the adapted expert tensors' B into the kept copies again, in place, and keep copies
+        of any B adapted since: at the start of every engine call, since an optimizer step or a
+        weight update changes B in place between calls (never during one). Only where the Triton
+        experts run (the reference backend reads B itself), while the cache is allocated and
+        ``VEXACT_EXPERT_B`` is ``kept`` (a change of either captures the graphs again first: the
+        engine's `LLM._computed_under`); else the copies are dropped."""
+        if not self.kv_caches or current_backend(self.device) == "reference" or EXPERT_B.mode() != "kept":
+            self.kept_b = None
+            return
+        sources = expert_lora_b(self.model)
+        if self.kept_b is None and sources:
+            self.kept_b = KeptExpertB()
+        if self.kept_b is not None:
+            self.kept_b.refresh(sources)
 
     def free_cache(self) -> None:
-        """Release the KV cache and the step graphs (which hold its and the weights'
-        addresses, and a memory pool); `allocate_cache` captures them again."""
+        """Release the KV cache, the step graphs (which hold its and the weights' addresses, and a
+        memory pool) and the kept B copies; `allocate_cache` makes them again."""
         if self.graphs is not None:
             self.graphs.release()
         self.graphs = None
         self.kv_caches = []
         self.linear_states = None
+        self.kept_b = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -265,6 +292,11 @@ class ModelRunner:
         if not self.kv_caches:
             raise RuntimeError("ModelRunner: the KV cache is released (call wake_up())")
         self._copy_states(inputs)
+        with reading_kept_b(self.kept_b):  # a graph's first use captures it
+            return self._forward(inputs, carry, in_flight, hidden_rows)
+
+    def _forward(self, inputs: StepInputs, carry: tuple[torch.Tensor, torch.Tensor] | None,
+                 in_flight: torch.Tensor | None, hidden_rows: np.ndarray | None):
         bucket = None if self.graphs is None or hidden_rows is not None else self.graphs.step_bucket(inputs)
         if bucket is not None:
             return self.graphs.run(inputs, bucket, carry, in_flight)

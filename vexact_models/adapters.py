@@ -281,6 +281,27 @@ def expert_adapters(module: nn.Module, where: str = "experts") -> tuple[nn.Modul
     return module, adapters
 
 
+def expert_lora_b(model: nn.Module) -> list[tuple[torch.Tensor, int]]:
+    """``(B, experts)`` of every LoRA adapter a forward of `model` adds to a fused expert tensor
+    (`expert_adapters`' active, unmerged, enabled ones on 3-D tensors, not a router's): PEFT's
+    ``lora_B`` weight ``[N, r * E]`` and the tensor's expert count, found without changing anything.
+    What the rollout engine keeps copied by expert (`kernels.KeptExpertB`). Meta tensors (other
+    pipeline stages' layers) are left out."""
+    found = []
+    for module in model.modules():
+        if not is_adapter_layer(module) or module.disable_adapters or module.merged:
+            continue
+        from peft.tuners.lora import ParamWrapper
+
+        tensor = getattr(base_layer(module), module.parameter_name, None) if isinstance(module, ParamWrapper) else None
+        if tensor is None or tensor.dim() != 3:  # not an expert tensor (e.g. a router's weight)
+            continue
+        for name in module.active_adapters:
+            if name in module.lora_A and module.lora_variant.get(name) is None and not module.lora_B[name].weight.is_meta:
+                found.append((module.lora_B[name].weight, tensor.shape[0]))
+    return found
+
+
 def forbid_adapters(module: nn.Module, where: str, advice: str = "") -> None:
     """Raise a ValueError naming `where` when `module` carries active adapters that the aligned
     forward would not apply (the module's weights are read directly there)."""

@@ -233,6 +233,58 @@ def test_adapter_b_by_expert_is_each_experts_b_in_peft_layout():
     assert torch.equal(lora.b_by_expert(experts), grouped + 1.0)
 
 
+def test_kept_b_copies_are_refreshed_in_place_and_found_by_storage():
+    """`KeptExpertB` copies each B by expert (`ExpertLora.b_by_expert`'s values) and finds it by B's
+    storage, shape, strides, dtype and the expert count; `refresh` copies B again into the same
+    address (CUDA graphs read it) and adds new sources, and drops nothing."""
+    from vexact_models.kernels import ExpertLora, KeptExpertB
+
+    experts, rank, n = 6, 4, 5
+    lora = ExpertLora(torch.zeros(experts * rank, 8), torch.randn(n, rank * experts), 1.0)
+    kept = KeptExpertB([(lora.b, experts)])
+    copy = kept.copy_of(lora.b, experts)
+    assert torch.equal(copy, lora.b_by_expert(experts)) and copy.is_contiguous()
+    assert len(kept) == 1 and kept.nbytes == lora.b.numel() * 4
+    lora.b.add_(1.0)
+    assert not torch.equal(copy, lora.b_by_expert(experts))  # a copy: stale until refreshed
+    kept.refresh()
+    assert kept.copy_of(lora.b, experts) is copy and torch.equal(copy, lora.b_by_expert(experts))
+    assert kept.copy_of(lora.b, 3) is None and kept.copy_of(lora.b.clone(), experts) is None
+    assert kept.copy_of(lora.b.t().contiguous().t(), experts) is None  # other strides
+    other = torch.randn(n, rank * experts, dtype=torch.bfloat16)
+    kept.refresh([(other, experts), (lora.b, experts)])
+    assert len(kept) == 2 and kept.copy_of(lora.b, experts) is copy
+    assert torch.equal(kept.copy_of(other, experts), ExpertLora(lora.a, other, 1.0).b_by_expert(experts))
+
+
+def test_expert_b_operand_reads_the_kept_copy_only_within_reading_kept_b():
+    """Within `reading_kept_b` the expand's B is the kept copy at any pair count (the copy costs no
+    launch there); outside it, in another thread, with ``None`` or an explicit `regroup`, the
+    per-call choice (`copies_b`: PEFT's B in place for few pairs)."""
+    import threading
+
+    from vexact_models.kernels import ExpertLora, KeptExpertB, reading_kept_b
+    from vexact_models.kernels.expert_lora import expert_b_operand
+
+    experts, rank, n = 6, 4, 5
+    lora = ExpertLora(torch.zeros(experts * rank, 8), torch.randn(n, rank * experts), 1.0)
+    kept = KeptExpertB([(lora.b, experts)])
+    assert expert_b_operand(lora, experts, 1)[0] is lora.b
+    with reading_kept_b(kept):
+        b, strides = expert_b_operand(lora, experts, 1)
+        assert b is kept.copy_of(lora.b, experts) and strides == b.stride()
+        assert expert_b_operand(lora, experts, 1, regroup=False)[0] is lora.b
+        assert expert_b_operand(ExpertLora(lora.a, lora.b.clone(), 1.0), experts, 1)[0] is not b  # not kept
+        seen = []
+        thread = threading.Thread(target=lambda: seen.append(expert_b_operand(lora, experts, 1)[0]))
+        thread.start()
+        thread.join()
+        assert seen[0] is lora.b  # the block is this thread's: a trainer's thread reads B itself
+        with reading_kept_b(None):
+            assert expert_b_operand(lora, experts, 1)[0] is lora.b
+    assert expert_b_operand(lora, experts, 1)[0] is lora.b
+
+
 def test_launch_warps_takes_the_default_or_a_warp_count_triton_launches():
     from vexact_models.kernels._triton import launch_warps
 

@@ -11,7 +11,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from vexact_models.adapters import adapter_state, stacked_lora
-from vexact_models.adapters import expert_target_parameters
+from vexact_models.adapters import expert_lora_b, expert_target_parameters
 from vexact_models.runtime import LLM, SamplingParams, model_runner
 
 from ..models.model_support import SHAPES, adapts_experts, shape_id, skip_without_rollout, stock_model
@@ -117,6 +117,53 @@ def test_adapter_state_follows_peft():
     assert adapter_state(model.get_base_model().model.embed_tokens) == ()
 
 
+def by_expert(b, experts):
+    """B ``[N, r * E]`` in PEFT's layout as ``[E, N, r]`` (`ExpertLora.b_by_expert`'s values)."""
+    return b.detach().unflatten(1, (b.shape[1] // experts, experts)).permute(2, 0, 1)
+
+
+def test_engine_keeps_expert_b_by_expert_refreshed_at_every_call(monkeypatch):
+    """Where the Triton experts run, the runner keeps every adapted expert tensor's B copied by
+    expert (`ModelRunner.kept_b`, which the expands read: `kernels.KeptExpertB`): made with its
+    cache, copied again in place at every `generate` (B changed in place between calls, as an
+    optimizer step changes it), dropped at `sleep`, made again at `wake_up`; with
+    ``VEXACT_EXPERT_B=call`` none, the graphs captured again. `expert_lora_b` lists what a forward
+    adds: nothing while the adapters are disabled or merged. The runner is told the Triton backend
+    runs (its kernels stay the CPU reference's, which read B itself); the CUDA test below runs the
+    kernels that read the copies."""
+    monkeypatch.setattr(model_runner, "current_backend", lambda device: "triton")
+    arch = next(a for a, _ in SHAPES if a.name == "qwen3_moe")
+    model = lora_model(arch)
+    sources = expert_lora_b(model)
+    moe_layers = sum(1 for m in model.modules() if type(m).__name__.endswith("SparseMoeBlock"))
+    assert moe_layers and len(sources) == 2 * moe_layers  # gate_up_proj and down_proj, not the routers PEFT adapts
+    assert all(experts == model.config.num_experts and b.shape[1] % experts == 0 for b, experts in sources)
+    llm = graph_shaped_llm(model, monkeypatch)
+    kept = llm.runner.kept_b
+    copies = [kept.copy_of(b, experts) for b, experts in sources]
+    assert len(kept) == len(sources) and all(torch.equal(c, by_expert(b, e)) for c, (b, e) in zip(copies, sources))
+    with torch.no_grad():
+        for b, _ in sources:
+            b.add_(0.25)
+    check_against_training(model, llm, prompts_for(3, seed=2))
+    assert llm.runner.kept_b is kept and len(kept) == len(sources)
+    assert all(kept.copy_of(b, e) is c and torch.equal(c, by_expert(b, e)) for c, (b, e) in zip(copies, sources))
+    llm.sleep()
+    assert llm.runner.kept_b is None
+    llm.wake_up()
+    assert llm.runner.kept_b is not kept and len(llm.runner.kept_b) == len(sources)
+    graphs = llm.runner.graphs
+    monkeypatch.setenv("VEXACT_EXPERT_B", "call")
+    check_against_training(model, llm, prompts_for(2, seed=5))
+    assert llm.runner.kept_b is None and llm.runner.graphs is not graphs
+    with model.disable_adapter():
+        assert expert_lora_b(model) == []
+    model.merge_adapter()
+    assert expert_lora_b(model) == []
+    model.unmerge_adapter()
+    assert len(expert_lora_b(model)) == len(sources)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)")
 @pytest.mark.parametrize("shrink", ["side", "inline"])
@@ -155,3 +202,48 @@ def test_cuda_graph_rollouts_with_adapters_toggled_equal_token_logprobs(name, sh
     rollout()
     model.unmerge_adapter()
     rollout()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)")
+def test_cuda_graph_rollouts_read_the_kept_expert_b_refreshed_after_an_optimizer_step(monkeypatch):
+    """Qwen3-MoE with both fused expert tensors adapted, on the engine's CUDA graphs: the experts'
+    expands read B's kept copies (`ModelRunner.kept_b`): no copy of B is made by a step, eager,
+    captured or replayed. After an optimizer step changes every adapter in place, the next rollout
+    replays the same graphs over the same copies, refreshed, and equals ``token_logprobs`` with
+    the new adapters, bitwise."""
+    from vexact_models.kernels import expert_lora
+
+    arch = next(a for a, _ in SHAPES if a.name == "qwen3_moe")
+    torch.manual_seed(0)
+    dims = dict(initializer_range=0.5, hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+    ours = arch.causal_lm_class(arch.shapes[0].tiny_config(**dims)).to("cuda", torch.bfloat16).eval()
+    model = get_peft_model(ours, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0,
+                                            init_lora_weights=False, target_parameters=expert_target_parameters(ours)))
+    llm = LLM(model, block_size=16, max_num_seqs=8, max_num_batched_tokens=48, kv_cache_bytes=1 << 24)
+    graphs, kept = llm.runner.graphs, llm.runner.kept_b
+    assert graphs is not None and kept is not None and len(kept) == len(expert_lora_b(model)) > 0
+    new_copies = []
+    copy = expert_lora.b_by_expert_triton
+    monkeypatch.setattr(expert_lora, "b_by_expert_triton",
+                        lambda b, experts, out=None: (new_copies.append(out is None), copy(b, experts, out))[1])
+    prompts = prompts_for(6, seed=11, lo=3, hi=30) + prompts_for(1, seed=12, lo=60, hi=70)
+
+    def rollout():
+        new_copies.clear()
+        outs = gen(llm, prompts, PARAMS)
+        assert new_copies == [False] * len(kept)  # the refresh at the call's start, in place; no step copies B
+        for prompt, out in zip(prompts, outs):
+            assert torch.equal(training_logprobs(model, prompt, out.outputs[0].token_ids, 1.0).cpu(),
+                               torch.tensor(out.outputs[0].logprobs))
+        return [o.outputs[0].logprobs for o in outs]
+
+    first = rollout()
+    adapters = [p for name, p in model.named_parameters() if "lora_" in name]
+    optimizer = torch.optim.AdamW(adapters, lr=1e-2)
+    for p in adapters:
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    second = rollout()
+    assert second != first and llm.runner.graphs is graphs and llm.runner.kept_b is kept
+    assert graphs.mixed_replays > 0

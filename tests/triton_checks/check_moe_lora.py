@@ -240,16 +240,22 @@ def test_expand_is_the_reference_per_expert_and_the_rollout_skips_padding_tiles(
 def test_b_by_expert_copy_is_torchs_copy_of_the_permuted_view(experts, rank, n, dtype):
     """`b_by_expert_triton` gives `ExpertLora.b_by_expert`'s ``[E, N, r]`` bitwise, -0.0 and NaN
     included, at ranks and expert counts that are and are not powers of two (blocks of 32 experts
-    and 128 values an expert, masked at the edges); a wrong layout is refused by name."""
+    and 128 values an expert, masked at the edges), new or into `out` in place (the kept copies'
+    refresh); a wrong layout or `out` is refused by name."""
     b = torch.randn(n, rank * experts, device=DEVICE).to(dtype)
     b[0, :3] = torch.tensor([-0.0, float("nan"), float("inf")])
     lora = ExpertLora(torch.zeros(experts * rank, 8, device=DEVICE), b, 1.0)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
     got = b_by_expert_triton(b, experts)
     assert got.shape == (experts, n, rank) and got.is_contiguous()
-    assert torch.equal(got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
-                       lora.b_by_expert(experts).view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+    assert torch.equal(got.view(bits), lora.b_by_expert(experts).view(bits))
+    b.mul_(-2.0)
+    assert b_by_expert_triton(b, experts, out=got) is got and torch.equal(got.view(bits), lora.b_by_expert(experts).view(bits))
     with pytest.raises(ValueError, match=r"b_by_expert_triton: b \(\d+, \d+\) with strides .* experts=7"):
         b_by_expert_triton(torch.zeros(n, 6 * 8, device=DEVICE), 7)
+    with pytest.raises(ValueError, match=rf"b_by_expert_triton: out \({experts}, {rank}, {n}\) .* is not a contiguous "
+                                         rf"\[E={experts}, N={n}, r={rank}\]"):
+        b_by_expert_triton(b, experts, out=torch.empty(experts, rank, n, device=DEVICE, dtype=dtype))
 
 
 def test_expand_reads_b_in_place_for_few_pairs_and_copied_by_expert_for_many():
