@@ -12,7 +12,7 @@ from peft import LoraConfig, get_peft_model
 
 from vexact_models.adapters import adapter_state, stacked_lora
 from vexact_models.adapters import expert_lora_b, expert_target_parameters
-from vexact_models.runtime import LLM, SamplingParams, model_runner
+from vexact_models.runtime import LLM, SamplingParams, llm_setup, model_runner
 
 from ..models.model_support import SHAPES, adapts_experts, shape_id, skip_without_rollout, stock_model
 from .llm_support import CalledGraphs, gen, make_llm, prompts_for, training_logprobs
@@ -247,3 +247,10 @@ def test_cuda_graph_rollouts_read_the_kept_expert_b_refreshed_after_an_optimizer
     second = rollout()
     assert second != first and llm.runner.graphs is graphs and llm.runner.kept_b is kept
     assert graphs.mixed_replays > 0
+    # the KV budget measured on the device holds the copies (`llm_setup.kv_cache_pages`)
+    per_page = llm_setup.cache_bytes_per_block(llm.model, torch.bfloat16, 16)
+    pages = {}
+    for mode in ("kept", "call"):
+        monkeypatch.setenv("VEXACT_EXPERT_B", mode)
+        pages[mode] = llm_setup.kv_cache_pages(llm.model, torch.bfloat16, llm.device, None, 16, 0.9, None)[0]
+    assert pages["call"] - pages["kept"] in (kept.nbytes // per_page, kept.nbytes // per_page + 1)
