@@ -45,6 +45,11 @@ EXPERT_B = KernelSwitch("VEXACT_EXPERT_B", ("kept", "call"), "kept", "adapted ex
 REGROUP_PAIRS_PER_EXPERT = 1
 
 
+def view_by_expert(b: torch.Tensor, experts: int) -> torch.Tensor:
+    """PEFT's expert-tensor B ``[N, r * E]`` indexed ``[E, N, r]`` (expert, row, rank), a view."""
+    return b.unflatten(1, (b.shape[1] // experts, experts)).permute(2, 0, 1)
+
+
 @dataclass(frozen=True)
 class ExpertLora:
     """One adapter of a fused expert tensor, in PEFT's ``ParamWrapper`` layout.
@@ -75,7 +80,7 @@ class ExpertLora:
     def b_view(self, experts: int) -> torch.Tensor:
         """B indexed ``[E, N, r]`` (expert, row, rank): a view of PEFT's tensor, whose experts' values
         of a rank lie side by side."""
-        return self.b.unflatten(1, (self.rank(experts), experts)).permute(2, 0, 1)
+        return view_by_expert(self.b, experts)
 
     def b_by_expert(self, experts: int) -> torch.Tensor:
         """`b_view` copied contiguous by torch: expert e's B in one block, each row's r ranks side by
@@ -145,8 +150,7 @@ def _copy_by_expert(b: torch.Tensor, experts: int, out: torch.Tensor | None = No
     Triton runs (CUDA, the interpreter), else torch's copy of the permuted view (the same values)."""
     if b.is_cuda or interpreting():
         return b_by_expert_triton(b if b.stride(1) == 1 else b.contiguous(), experts, out)
-    view = b.unflatten(1, (b.shape[1] // experts, experts)).permute(2, 0, 1)
-    return view.contiguous() if out is None else out.copy_(view)
+    return view_by_expert(b, experts).contiguous() if out is None else out.copy_(view_by_expert(b, experts))
 
 
 class KeptExpertB:
@@ -160,8 +164,7 @@ class KeptExpertB:
     """
 
     def __init__(self, sources: Iterable[tuple[torch.Tensor, int]] = ()) -> None:
-        self._copies: dict[tuple, torch.Tensor] = {}
-        self._sources: dict[tuple, tuple[torch.Tensor, int]] = {}
+        self._kept: dict[tuple, tuple[torch.Tensor, int, torch.Tensor]] = {}  # key -> (B, experts, copy)
         self.refresh(sources)
 
     @staticmethod
@@ -172,25 +175,25 @@ class KeptExpertB:
         """Copy every kept B by expert again, in place, then add the (B, experts) of `sources` not
         kept yet (a new copy each). Copies are never dropped here: a CUDA graph may read one whose
         adapter is no longer active."""
-        for key, (b, experts) in self._sources.items():
-            _copy_by_expert(b, experts, self._copies[key])
+        for b, experts, copy in self._kept.values():
+            _copy_by_expert(b, experts, copy)
         for b, experts in sources:
             key = self._key(b, experts)
-            if key not in self._copies:
-                self._copies[key] = _copy_by_expert(b.detach(), experts)
-                self._sources[key] = (b.detach(), experts)
+            if key not in self._kept:
+                self._kept[key] = (b.detach(), experts, _copy_by_expert(b.detach(), experts))
 
     def copy_of(self, b: torch.Tensor, experts: int) -> torch.Tensor | None:
         """The kept copy of `b` ``[N, r * E]`` by expert ``[E, N, r]``, or None when it is not kept."""
-        return self._copies.get(self._key(b, experts))
+        kept = self._kept.get(self._key(b, experts))
+        return None if kept is None else kept[2]
 
     def __len__(self) -> int:
-        return len(self._copies)
+        return len(self._kept)
 
     @property
     def nbytes(self) -> int:
         """Device bytes the copies hold."""
-        return sum(c.numel() * c.element_size() for c in self._copies.values())
+        return sum(copy.numel() * copy.element_size() for _, _, copy in self._kept.values())
 
 
 _READING: ContextVar[KeptExpertB | None] = ContextVar("vexact_kept_expert_b", default=None)
@@ -226,7 +229,7 @@ def expert_b_operand(lora: ExpertLora, experts: int, pairs: int,
             return copy, copy.stride()
         regroup = copies_b(experts, pairs)
     if regroup:
-        b = b_by_expert_triton(lora.b if lora.b.stride(1) == 1 else lora.b.contiguous(), experts)
+        b = _copy_by_expert(lora.b, experts)
         return b, b.stride()
     return lora.b, lora.b_view(experts).stride()
 

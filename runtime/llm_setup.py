@@ -150,8 +150,8 @@ def kv_cache_pages(model, dtype: torch.dtype, device: torch.device, pipeline: Pi
     `state_slots` sequences (``max_num_seqs``) and `state_snapshots` kept prompt states first,
     when the model (stage) has such layers; a budget measured on the device (no
     `kv_cache_bytes`) also holds the adapted expert tensors' B copied by expert, which the runner
-    keeps (`ModelRunner.kept_b`, ``VEXACT_EXPERT_B=kept``). A stage without attention layers holds no pages and takes the
-    others' count.
+    keeps (`ModelRunner.kept_b`, ``VEXACT_EXPERT_B=kept``). A stage without attention layers
+    holds no pages and takes the others' count.
 
     `window_group`: ``(its layers, its cap)`` for a model whose windowed layers keep their pages
     apart (`runtime.page_groups`): each group's page costs its own layers' bytes, the window group

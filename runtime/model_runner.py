@@ -170,7 +170,6 @@ class ModelRunner:
         window_shape = (0 if group is None else group.num_blocks, *shape[1:])
         self.kv_caches = [kv_pair(window_shape if i in windowed else shape, head_dim_k, head_dim_v, value_in_key,
                                    self.device, self.dtype) if i in held else None for i in range(layers)]
-        self.kept_b = None
         self.refresh_derived()
         if self.cuda_graph_batch:
             with reading_kept_b(self.kept_b):
