@@ -159,7 +159,8 @@ class KeptExpertB:
     which read the copies' addresses, and dropped with them.
 
     A copy is found by its B's storage, shape, strides, dtype and device and the expert count; each
-    copy keeps its address from creation until the table is dropped, so a graph captured reading it
+    copy keeps its address from creation until the table is dropped (or, where no graph reads the
+    table, until its B is no longer adapted: `refresh`'s `only`), so a graph captured reading it
     stays valid. `refresh` copies B into it again, in place.
     """
 
@@ -171,16 +172,27 @@ class KeptExpertB:
     def _key(b: torch.Tensor, experts: int) -> tuple:
         return b.data_ptr(), tuple(b.shape), b.stride(), b.dtype, b.device, experts
 
-    def refresh(self, sources: Iterable[tuple[torch.Tensor, int]] = ()) -> None:
+    def refresh(self, sources: Iterable[tuple[torch.Tensor, int]] = (), *, only: bool = False,
+                limit: int | None = None) -> None:
         """Copy every kept B by expert again, in place, then add the (B, experts) of `sources` not
-        kept yet (a new copy each). Copies are never dropped here: a CUDA graph may read one whose
-        adapter is no longer active."""
+        kept yet (a new copy each), in their order, while the copies' bytes stay within `limit`
+        (None: no limit); a B left out is copied by each forward instead (`expert_b_operand`).
+
+        With `only`, the copies of a B not in `sources` (replaced, no longer adapted) are dropped
+        first, with their hold on its storage: only where no CUDA graph reads the table, since a
+        captured graph keeps reading the copies it was captured with."""
+        sources = [(b.detach(), experts) for b, experts in sources]
+        if only:
+            wanted = {self._key(b, experts) for b, experts in sources}
+            self._kept = {key: kept for key, kept in self._kept.items() if key in wanted}
         for b, experts, copy in self._kept.values():
             _copy_by_expert(b, experts, copy)
+        held = self.nbytes
         for b, experts in sources:
-            key = self._key(b, experts)
-            if key not in self._kept:
-                self._kept[key] = (b.detach(), experts, _copy_by_expert(b.detach(), experts))
+            key, size = self._key(b, experts), b.numel() * b.element_size()
+            if key not in self._kept and (limit is None or held + size <= limit):
+                self._kept[key] = (b, experts, _copy_by_expert(b, experts))
+                held += size
 
     def copy_of(self, b: torch.Tensor, experts: int) -> torch.Tensor | None:
         """The kept copy of `b` ``[N, r * E]`` by expert ``[E, N, r]``, or None when it is not kept."""

@@ -55,6 +55,8 @@ class EngineConfig:
             attention layers (`runtime.page_groups`: those layers' K/V in pages of their own, freed
             behind the window; the same on every pipeline stage, each holding its own windowed
             layers' pages there).
+        kept_b_limit: the bytes the budget set aside for the adapted experts' B copied by expert
+            (`llm_setup.kept_b_budget`; None: no limit), which the runner's copies stay within.
     """
 
     num_blocks: int
@@ -72,6 +74,7 @@ class EngineConfig:
     cuda_graph_sizes: tuple[int, ...] = DEFAULT_BUCKETS
     kv_window: int | None = None
     window_group: WindowGroup | None = None
+    kept_b_limit: int | None = None
 
     def make_scheduler(self) -> Scheduler:
         """A fresh `BlockManager` (`PageGroups` with a window group; every page free, no shared
@@ -99,7 +102,7 @@ class EngineConfig:
                              carry_width=carry_width, cuda_graph_tokens=self.cuda_graph_tokens,
                              state_slots=self.max_num_seqs, state_snapshots=self.prefix_states,
                              window_group=self.window_group,
-                             cuda_graph_sizes=self.cuda_graph_sizes)
+                             cuda_graph_sizes=self.cuda_graph_sizes, kept_b_limit=self.kept_b_limit)
         if scheduler is not None:
             self.connect(runner, scheduler)
         return runner

@@ -32,8 +32,8 @@ from .pipeline_load import load_stage_model
 
 
 __all__ = ["cache_budget_bytes", "cache_bytes_per_block", "engine_config", "eos_token_ids", "folder_config",
-           "kv_bytes_per_sequence", "kv_cache_blocks", "kv_cache_pages", "linear_state_bytes", "load_folder", "pick_device",
-           "runner_model"]
+           "kept_b_budget", "kv_bytes_per_sequence", "kv_cache_blocks", "kv_cache_pages", "linear_state_bytes",
+           "load_folder", "pick_device", "runner_model"]
 
 
 #: a stage without attention layers: any page count fits (the other stages' decides)
@@ -140,6 +140,17 @@ def kv_cache_blocks(model, dtype: torch.dtype, device: torch.device, pipeline: P
     return kv_cache_pages(model, dtype, device, pipeline, block_size, utilization, kv_cache_bytes, state_slots)[0]
 
 
+def kept_b_budget(model, device: torch.device, kv_cache_bytes: int | None) -> int | None:
+    """The bytes an engine over `model` sets aside for its adapted expert tensors' B copied by
+    expert (`ModelRunner.kept_b`): where its budget is measured on a CUDA device (no
+    `kv_cache_bytes`), every such B the model holds now under ``VEXACT_EXPERT_B=kept`` (0 under
+    ``call``), which `kv_cache_pages` leaves out of the KV cache and the runner's copies stay
+    within; None (no limit) where the cache's size is given or the device is not CUDA."""
+    if kv_cache_bytes is not None or device.type != "cuda":
+        return None
+    return sum(b.numel() * b.element_size() for b, _ in expert_lora_b(model)) if EXPERT_B.mode() == "kept" else 0
+
+
 def kv_cache_pages(model, dtype: torch.dtype, device: torch.device, pipeline: Pipeline | None, block_size: int,
                    utilization: float, kv_cache_bytes: int | None, state_slots: int = 0,
                    window_group: tuple[tuple[int, ...], int] | None = None, state_snapshots: int = 0
@@ -150,7 +161,7 @@ def kv_cache_pages(model, dtype: torch.dtype, device: torch.device, pipeline: Pi
     `state_slots` sequences (``max_num_seqs``) and `state_snapshots` kept prompt states first,
     when the model (stage) has such layers; a budget measured on the device (no
     `kv_cache_bytes`) also holds the adapted expert tensors' B copied by expert, which the runner
-    keeps (`ModelRunner.kept_b`, ``VEXACT_EXPERT_B=kept``). A stage without attention layers
+    keeps (`kept_b_budget`). A stage without attention layers
     holds no pages and takes the others' count.
 
     `window_group`: ``(its layers, its cap)`` for a model whose windowed layers keep their pages
@@ -168,8 +179,7 @@ def kv_cache_pages(model, dtype: torch.dtype, device: torch.device, pipeline: Pi
         if device.type == "cuda":
             torch.cuda.empty_cache()  # memory the allocator holds unused is the budget's too
             free, total = torch.cuda.mem_get_info(device)
-            kept = sum(b.numel() * b.element_size() for b, _ in expert_lora_b(model)) if EXPERT_B.mode() == "kept" else 0
-            kv_cache_bytes = int(free - (1 - utilization) * total) - kept
+            kv_cache_bytes = int(free - (1 - utilization) * total) - kept_b_budget(model, device, None)
         else:
             kv_cache_bytes = 256 << 20
     states = linear_state_bytes(model, dtype, state_slots, pipeline, state_snapshots)
@@ -255,7 +265,8 @@ def engine_config(model, dtype: torch.dtype, device: torch.device, pipeline: Pip
         cuda_graph_batch=0 if enforce_eager else max_num_seqs,
         cuda_graph_tokens=(min(max_num_batched_tokens, DEFAULT_MAX_TOKENS) if cuda_graph_max_tokens is None
                            else cuda_graph_max_tokens),
-        cuda_graph_sizes=DEFAULT_BUCKETS if cuda_graph_sizes is None else tuple(cuda_graph_sizes))
+        cuda_graph_sizes=DEFAULT_BUCKETS if cuda_graph_sizes is None else tuple(cuda_graph_sizes),
+        kept_b_limit=kept_b_budget(model, device, kv_cache_bytes))
 
 
 def eos_token_ids(model, config) -> list[int]:

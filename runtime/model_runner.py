@@ -106,7 +106,8 @@ class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
                  cuda_graph_batch: int = 0, max_model_len: int = 0, layers: range | None = None,
                  carry_width: int = 0, cuda_graph_tokens: int = 0, state_slots: int = 0, state_snapshots: int = 0,
-                 window_group: WindowGroup | None = None, cuda_graph_sizes: tuple[int, ...] = DEFAULT_BUCKETS) -> None:
+                 window_group: WindowGroup | None = None, cuda_graph_sizes: tuple[int, ...] = DEFAULT_BUCKETS,
+                 kept_b_limit: int | None = None) -> None:
         """`cuda_graph_batch` > 0 captures decode steps of up to that many sequences (CUDA only),
         one graph per batch size of `cuda_graph_sizes` below it and one at it, a step padded to the
         smallest that holds it; and with `cuda_graph_tokens` > 0 steps with prompt chunks of up
@@ -127,7 +128,10 @@ class ModelRunner:
         A model mixing windowed and full attention layers with a `window_group` keeps those layers'
         K/V in caches of ``window_group.num_blocks`` pages, addressed by the window group's block
         tables (``window_tables``, `runtime.page_groups`; a pipeline stage: its own windowed
-        layers', the step's window slots and table taken from the first stage's plan)."""
+        layers', the step's window slots and table taken from the first stage's plan).
+
+        `kept_b_limit`: the bytes the KV budget set aside for the adapted experts' B copied by expert
+        (``kept_b``, `refresh_derived`; None: no limit, the cache's size was given)."""
         self.model = model
         self.window_group = window_group
         self.linear_spec = linear_state_spec(model.model if isinstance(model, StageModel) else model, layers)
@@ -153,6 +157,7 @@ class ModelRunner:
         self.window_tables: BlockTables | None = None
         #: the adapted expert tensors' B copied by expert, which the forwards read (None: none kept)
         self.kept_b: KeptExpertB | None = None
+        self.kept_b_limit = kept_b_limit
         self.allocate_cache()
 
     def allocate_cache(self) -> None:
@@ -184,7 +189,9 @@ class ModelRunner:
         weight update changes B in place between calls (never during one). Only where the Triton
         experts run (the reference backend reads B itself), while the cache is allocated and
         ``VEXACT_EXPERT_B`` is ``kept`` (a change of either captures the graphs again first: the
-        engine's `LLM._computed_under`); else the copies are dropped."""
+        engine's `LLM._computed_under`); else the copies are dropped. The copies hold at most
+        ``kept_b_limit`` bytes (adapters added after the engine budgeted its memory are copied by
+        each forward instead); without CUDA graphs a B no longer adapted loses its copy."""
         if not self.kv_caches or current_backend(self.device) == "reference" or EXPERT_B.mode() != "kept":
             self.kept_b = None
             return
@@ -192,7 +199,7 @@ class ModelRunner:
         if self.kept_b is None and sources:
             self.kept_b = KeptExpertB()
         if self.kept_b is not None:
-            self.kept_b.refresh(sources)
+            self.kept_b.refresh(sources, only=self.graphs is None, limit=self.kept_b_limit)
 
     def free_cache(self) -> None:
         """Release the KV cache, the step graphs (which hold its and the weights' addresses, and a

@@ -257,6 +257,38 @@ def test_kept_b_copies_are_refreshed_in_place_and_found_by_storage():
     assert torch.equal(kept.copy_of(other, experts), ExpertLora(lora.a, other, 1.0).b_by_expert(experts))
 
 
+def test_kept_b_refresh_drops_b_no_longer_adapted_and_stays_within_its_limit():
+    """`refresh(only=True)` drops the copies of a B not among the sources (a replaced storage, an
+    adapter gone) and lets go of that B; `limit` keeps the copies' bytes within it: a B past it is
+    not kept (its forwards copy B per call), whatever came first, and 0 keeps none."""
+    from vexact_models.kernels import KeptExpertB
+    from vexact_models.kernels.expert_lora import view_by_expert
+
+    experts, rank, n = 6, 4, 5
+    first, second = torch.randn(n, rank * experts), torch.randn(n, rank * experts)
+    size = first.numel() * first.element_size()
+    kept = KeptExpertB([(first, experts), (second, experts)])
+    held = kept.copy_of(second, experts)
+    replaced = first.clone()
+    kept.refresh([(replaced, experts), (second, experts)])  # no `only`: the old copy stays (a graph may read it)
+    assert len(kept) == 3 and kept.copy_of(first, experts) is not None
+    kept.refresh([(replaced, experts), (second, experts)], only=True)
+    assert len(kept) == 2 and kept.nbytes == 2 * size and kept.copy_of(second, experts) is held
+    assert kept.copy_of(first, experts) is None  # its entry, which held the replaced storage, is gone
+    assert torch.equal(kept.copy_of(replaced, experts), view_by_expert(replaced, experts))
+    kept.refresh([], only=True)
+    assert len(kept) == 0
+    third = torch.randn(n, rank * experts)
+    kept.refresh([(replaced, experts), (second, experts), (third, experts)], limit=2 * size - 1)
+    assert len(kept) == 1 and kept.copy_of(replaced, experts) is not None and kept.nbytes == size
+    kept.refresh([(second, experts), (third, experts)], limit=2 * size)
+    assert len(kept) == 2 and kept.copy_of(second, experts) is not None and kept.copy_of(third, experts) is None
+    assert len(KeptExpertB()) == 0
+    none = KeptExpertB()
+    none.refresh([(second, experts)], limit=0)
+    assert len(none) == 0 and none.nbytes == 0
+
+
 def test_expert_b_operand_reads_the_kept_copy_only_within_reading_kept_b():
     """Within `reading_kept_b` the expand's B is the kept copy at any pair count (the copy costs no
     launch there); outside it, in another thread, with ``None`` or an explicit `regroup`, the

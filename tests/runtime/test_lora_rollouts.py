@@ -164,6 +164,45 @@ def test_engine_keeps_expert_b_by_expert_refreshed_at_every_call(monkeypatch):
     assert len(expert_lora_b(model)) == len(sources)
 
 
+def test_engine_without_graphs_keeps_copies_of_the_adapted_b_alone_and_within_its_budget(monkeypatch):
+    """Without CUDA graphs (``enforce_eager``) no copy is read past its call: a B replaced (a new
+    storage, as ``load_state_dict(assign=True)`` makes) loses its copy at the next call, so the
+    table holds the adapted B alone however often they change. And the copies stay within the
+    bytes the engine's budget set aside (`llm_setup.kept_b_budget`, through `EngineConfig`): a
+    budget measured before adapters came (verl's rollout adds them at its first weight sync)
+    keeps none of theirs; forwards copy B per call instead. As above, the runner is told the
+    Triton backend runs."""
+    import dataclasses
+
+    monkeypatch.setattr(model_runner, "current_backend", lambda device: "triton")
+    arch = next(a for a, _ in SHAPES if a.name == "qwen3_moe")
+    model = lora_model(arch)
+    llm = make_llm(model, max_num_seqs=8, max_num_batched_tokens=32)
+    kept, count = llm.runner.kept_b, len(expert_lora_b(model))
+    assert llm.runner.graphs is None and llm.runner.kept_b_limit is None and len(kept) == count
+    for seed in (2, 3):
+        with torch.no_grad():
+            for b, _ in expert_lora_b(model):
+                b.data = b.data.clone() + 0.125  # a new storage, new values
+        check_against_training(model, llm, prompts_for(2, seed=seed))
+        assert llm.runner.kept_b is kept and len(kept) == count
+        assert all(torch.equal(kept.copy_of(b, e), by_expert(b, e)) for b, e in expert_lora_b(model))
+    sizes = [b.numel() * b.element_size() for b, _ in expert_lora_b(model)]
+    cuda = torch.device("cuda")  # kept_b_budget asks nothing of the device itself
+    assert llm_setup.kept_b_budget(llm.model, cuda, None) == sum(sizes)
+    assert llm_setup.kept_b_budget(llm.model, cuda, 1 << 20) is None
+    assert llm_setup.kept_b_budget(llm.model, torch.device("cpu"), None) is None
+    with model.disable_adapter():  # as before adapters come
+        assert llm_setup.kept_b_budget(llm.model, cuda, None) == 0
+    for limit, held in ((0, 0), (sizes[0], 1), (sum(sizes) - 1, count - 1), (sum(sizes), count)):
+        config = dataclasses.replace(llm.engine_config, kept_b_limit=limit)
+        runner = config.make_runner(llm.model, llm.device, llm.dtype)
+        assert runner.kept_b_limit == limit and len(runner.kept_b) == held and runner.kept_b.nbytes == sum(sizes[:held])
+        runner.free_cache()
+    monkeypatch.setenv("VEXACT_EXPERT_B", "call")
+    assert llm_setup.kept_b_budget(llm.model, cuda, None) == 0
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)")
 @pytest.mark.parametrize("shrink", ["side", "inline"])
