@@ -6,16 +6,22 @@ vLLM's ``POST /tokenize`` and ``POST /detokenize``.
 It runs in the front end's process (`runtime.openai_front_end`): each handler reads its body
 (`runtime.openai_protocol`), tokenizes or renders the prompt, hands the requests to the engine
 (`FrontEnd.engine`: an object with `EngineThread`'s ``submit_all`` and ``abort``, here the link
-to the engine's process) and writes the answer; a client that goes away while its request streams
-has the request aborted.
+to the engine's process) and writes the answer; a client that goes away before its answer is
+written (streamed or not) has its requests aborted. Every request gets an answer: a body the
+handlers cannot read is a 400 naming the field, a failure of ours a 500, never a dropped
+connection (the OpenAI client would send the request again).
 """
 
 from __future__ import annotations
 
 import json
 import queue
+import select
+import socket
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from jinja2 import TemplateError
 
 from .llm_chat import chat_ids, render_text
 from .openai_protocol import (EngineRequest, ProtocolError, chat_choice, chat_stream, completion_choice, prompt_logprobs,
@@ -54,7 +60,7 @@ class FrontEnd:
         try:
             text = render_text(self.tokenizer, messages, self.chat_template, add_generation_prompt, continue_final_message,
                                tools, chat_template_kwargs, "chat completion", "'messages'")
-        except ValueError as err:
+        except (ValueError, TypeError, TemplateError) as err:  # (a template's raise_exception: a TemplateError)
             raise ProtocolError(str(err), "messages") from None
         return chat_ids(self.tokenizer, text)
 
@@ -66,9 +72,12 @@ class FrontEnd:
             messages = body["messages"]
             if not isinstance(messages, list) or not messages:
                 raise ProtocolError("'messages' must be a non-empty list of messages", "messages")
+            kwargs = body.get("chat_template_kwargs") or {}
+            if not isinstance(kwargs, dict):
+                raise ProtocolError(f"'chat_template_kwargs' must be an object, got {kwargs!r}", "chat_template_kwargs")
             ids = self.render(messages, add_generation_prompt=body.get("add_generation_prompt", True) is True,
                               continue_final_message=body.get("continue_final_message") is True, tools=body.get("tools"),
-                              chat_template_kwargs=body.get("chat_template_kwargs") or {})
+                              chat_template_kwargs=kwargs)
         elif isinstance(body.get("prompt"), str):
             ids = self.tokenizer(body["prompt"], add_special_tokens=body.get("add_special_tokens", True) is True)["input_ids"]
         else:
@@ -89,8 +98,10 @@ class FrontEnd:
         """Each token's text alone (as the engine's ``decoded_token``)."""
         return self.tokenizer.batch_decode([[t] for t in ids])
 
-    def submit(self, request: EngineRequest) -> tuple[queue.SimpleQueue, list[str]]:
-        """Queue every prompt of `request`, their outputs into one queue (all or none are queued)."""
+    def submit(self, request: EngineRequest, chat: bool = False) -> tuple[queue.SimpleQueue, list[str]]:
+        """Queue every prompt of `request`, their outputs into one queue (all or none are queued);
+        the engine's refusal is a `ProtocolError` naming the API's field (`chat`: a chat request's
+        names)."""
         request.token_texts = self.token_texts
         if request.echo:  # (prompts given as token ids are echoed as their text)
             request.prompt_texts = [self.tokenizer.decode(ids) if text is None else text
@@ -101,7 +112,8 @@ class FrontEnd:
             self.engine.submit_all([({"prompt_token_ids": p}, params) for p, params in zip(request.prompts, request.params)],
                                    ids, sink)
         except ValueError as err:
-            raise ProtocolError(str(err).removeprefix("LLM.add_request: ").removeprefix("LLM.generate: ")) from None
+            message = str(err).removeprefix("LLM.add_request: ").removeprefix("LLM.generate: ")
+            raise ProtocolError(message, _api_field(message, chat)) from None
         except RuntimeError as err:  # the engine is closed or its thread stopped
             raise ProtocolError(str(err), status=500, kind="internal_error") from None
         return sink, ids
@@ -141,9 +153,10 @@ class _Handler(BaseHTTPRequestHandler):
         kind = {"/v1/completions": "text_completion", "/v1/chat/completions": "chat.completion",
                 "/tokenize": "tokenize", "/detokenize": "detokenize"}.get(self.path)
         try:
+            raw = self._raw_body()  # read first, whatever the answer: the connection's next request follows it
             if kind is None:
                 raise ProtocolError(f"no route POST {self.path}", status=404, kind="not_found_error")
-            body = self._body()
+            body = _json_object(raw)
             state = self.server_state
             model = body.get("model")
             if model is not None and model != state.model_name:
@@ -153,13 +166,17 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send(HTTPStatus.OK, getattr(state, f"{kind}_answer")(body))
                 return
             if kind == "text_completion":
-                request = read_completion(body, state.tokenize, state.structured_config)
+                request = read_completion(body, state.tokenize, state.structured_config, state.max_model_len)
             else:
                 request = read_chat(body, state.render, state.max_model_len, state.tool_parser, state.reasoning_parser,
                                     state.structured_config)
-            sink, ids = state.submit(request)
+            sink, ids = state.submit(request, chat=kind != "text_completion")
         except ProtocolError as err:
             self._error(err)
+            return
+        except Exception as err:  # a failure of ours reading the request: answered, not a dropped connection
+            self._error(ProtocolError(f"the server failed to read the request: {type(err).__name__}: {err}",
+                                      status=500, kind="internal_error"))
             return
         if request.stream:
             self._stream(kind, request, sink, ids)
@@ -169,9 +186,14 @@ class _Handler(BaseHTTPRequestHandler):
     # -- answers -----------------------------------------------------------------------------
     def _answer(self, kind: str, request: EngineRequest, sink: queue.SimpleQueue, ids: list[str]) -> None:
         try:
-            outputs = _collect(sink, ids)
+            outputs = _collect(sink, ids, self._client_gone)
         except Exception as err:  # the engine failed a step
             self._error(ProtocolError(str(err), status=500, kind="internal_error"))
+            return
+        if outputs is None:  # the client went away: stop its requests
+            for request_id in ids:
+                self.server_state.engine.abort(request_id)
+            self.close_connection = True
             return
         errors = [c.error for o in outputs for c in o.outputs if c.finish_reason == "error" and not c.token_ids]
         if errors:
@@ -225,19 +247,25 @@ class _Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):  # the client went away: stop its requests
             for request_id in ids:
                 self.server_state.engine.abort(request_id)
-        except Exception as err:  # the engine failed a step: say so in the stream
+        except Exception as err:  # the engine failed a step: say so in the stream, which ends as every stream does
             self._event(ProtocolError(str(err), status=500, kind="internal_error").body())
+            self._write(b"data: [DONE]\n\n")
 
     # -- writing -----------------------------------------------------------------------------
-    def _body(self) -> dict:
-        length = int(self.headers.get("Content-Length") or 0)
+    def _raw_body(self) -> bytes:
+        length = self.headers.get("Content-Length") or "0"
+        if not length.isdigit():  # (the body's end is unknown: the connection cannot carry another request)
+            self.close_connection = True
+            raise ProtocolError(f"the 'Content-Length' header must be a byte count, got {length!r}")
+        return self.rfile.read(int(length))
+
+    def _client_gone(self) -> bool:
+        """Whether the client closed its end of the connection (readable, with nothing to read)."""
         try:
-            body = json.loads(self.rfile.read(length) or b"null")
-        except ValueError as err:
-            raise ProtocolError(f"the body is not JSON: {err}") from None
-        if not isinstance(body, dict):
-            raise ProtocolError("the body must be a JSON object")
-        return body
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except OSError:  # (reset by the peer)
+            return True
 
     def _send(self, status: int, body: dict) -> None:
         data = json.dumps(body).encode()
@@ -258,13 +286,42 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
 
-def _outputs(sink: queue.SimpleQueue, ids: list[str]):
-    """(prompt position, output) as the engine returns them, until every request finished; an
-    engine failure raises."""
+def _json_object(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw or b"null")
+    except ValueError as err:
+        raise ProtocolError(f"the body is not JSON: {err}") from None
+    if not isinstance(body, dict):
+        raise ProtocolError("the body must be a JSON object")
+    return body
+
+
+def _api_field(message: str, chat: bool) -> str | None:
+    """The API field an engine refusal names (``SamplingParams.NAME=...``): a chat's ``top_logprobs``
+    for its ``logprobs``; None where it names none."""
+    if not message.startswith("SamplingParams."):
+        return None
+    name = message.removeprefix("SamplingParams.").split("=")[0].split("[")[0]
+    return "top_logprobs" if chat and name == "logprobs" else name
+
+
+#: how often a non-streamed answer's wait looks whether its client went away (seconds)
+_GONE_POLL_S = 0.25
+
+
+def _outputs(sink: queue.SimpleQueue, ids: list[str], gone=None):
+    """(prompt position, output) as the engine returns them, until every request finished (or,
+    with `gone`, until it says the client went away: then None); an engine failure raises."""
     position = {request_id: i for i, request_id in enumerate(ids)}
     left = set(ids)
     while left:
-        item = sink.get()
+        try:
+            item = sink.get(timeout=_GONE_POLL_S) if gone is not None else sink.get()
+        except queue.Empty:
+            if gone():
+                yield None
+                return
+            continue
         if isinstance(item, BaseException):
             raise item
         if item.finished:
@@ -272,9 +329,13 @@ def _outputs(sink: queue.SimpleQueue, ids: list[str]):
         yield position[item.request_id], item
 
 
-def _collect(sink: queue.SimpleQueue, ids: list[str]) -> list[RequestOutput]:
-    """The finished output of each request, in prompt order."""
+def _collect(sink: queue.SimpleQueue, ids: list[str], gone=None) -> list[RequestOutput] | None:
+    """The finished output of each request, in prompt order; None when `gone` says the client went
+    away first."""
     outputs: list[RequestOutput | None] = [None] * len(ids)
-    for position, output in _outputs(sink, ids):
+    for item in _outputs(sink, ids, gone):
+        if item is None:
+            return None
+        position, output = item
         outputs[position] = output
     return outputs

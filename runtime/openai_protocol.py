@@ -102,7 +102,8 @@ def _structured(body: dict) -> StructuredOutputsParams | None:
                             "response_format")
     if fmt["type"] == "json_object":
         return StructuredOutputsParams(json_object=True)
-    schema = (fmt.get("json_schema") or {}).get("schema")
+    spec = fmt.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
     if not isinstance(schema, dict):
         raise ProtocolError("'response_format.json_schema.schema' must be a JSON schema object", "response_format")
     return StructuredOutputsParams(json=schema)
@@ -140,8 +141,19 @@ def _sampling(body: dict, max_tokens: int | None, logprobs: int | None, stream: 
         return SamplingParams(**fields, max_tokens=max_tokens, logprobs=logprobs or None, prompt_logprobs=prompt_logprobs,
                               structured_outputs=structured,
                               output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
+    except ProtocolError:  # (a ValueError that names its field already)
+        raise
     except ValueError as err:
         raise ProtocolError(str(err), str(err).split("=")[0].removeprefix("SamplingParams.").split("[")[0]) from None
+
+
+def _check_context(prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    """A `ProtocolError` where the prompt and `max_tokens` cannot fit the engine's `max_model_len`
+    together (vLLM's check and message: the reply is not cut short silently)."""
+    if prompt_tokens + max_tokens > max_model_len:
+        raise ProtocolError(f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum "
+                            f"context length is {max_model_len} tokens and your request has {prompt_tokens} input "
+                            f"tokens ({max_tokens} > {max_model_len} - {prompt_tokens})", "max_tokens")
 
 
 def _refuse(body: dict) -> None:
@@ -154,15 +166,20 @@ def _refuse(body: dict) -> None:
 
 def _options(body: dict) -> dict:
     stream = bool(_typed(body, "stream", bool, False))
-    options = _typed(body, "stream_options", dict) or {}
+    options = _typed(body, "stream_options", dict)
+    if options is not None and not stream:
+        raise ProtocolError("'stream_options' can only be given with 'stream': true", "stream_options")
+    options = options or {}
     return dict(stream=stream, include_usage=bool(stream and options.get("include_usage")),
                 return_token_ids=bool(_typed(body, "return_token_ids", bool, False)),
                 id=uuid.uuid4().hex, created=int(time.time()))
 
 
-def read_completion(body: dict, tokenize, config: StructuredOutputsConfig = StructuredOutputsConfig()) -> EngineRequest:
+def read_completion(body: dict, tokenize, config: StructuredOutputsConfig = StructuredOutputsConfig(),
+                    max_model_len: int | None = None) -> EngineRequest:
     """A ``/v1/completions`` body: ``prompt`` a string, token ids, or a list of either; `config`:
-    the server's structured-outputs defaults."""
+    the server's structured-outputs defaults; `max_model_len`: the engine's, which each prompt and
+    ``max_tokens`` (default 16) must fit together (None: not checked here)."""
     _refuse(body)
     prompt = body.get("prompt")
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
@@ -183,6 +200,8 @@ def read_completion(body: dict, tokenize, config: StructuredOutputsConfig = Stru
     asked = _typed(body, "prompt_logprobs", int)
     scored = asked if not (echo and logprobs is not None) else max(asked or 0, logprobs)  # echo shows the prompt's
     prompt_only = echo and max_tokens == 0  # (one token is sampled, as vLLM does, and not returned)
+    if max_model_len is not None and not prompt_only:
+        _check_context(max(map(len, prompts)), max_tokens, max_model_len)
     options = _options(body)
     params = _sampling(body, 1 if prompt_only else max_tokens, logprobs, options["stream"], prompt_logprobs=scored,
                        config=config)
@@ -216,6 +235,8 @@ def read_chat(body: dict, render, max_model_len: int, tool_parser: str | None = 
     max_tokens = _typed(body, "max_completion_tokens", int) or _typed(body, "max_tokens", int)
     if max_tokens is None:
         max_tokens = max(1, max_model_len - len(ids))  # vLLM's default: up to the context length
+    else:
+        _check_context(len(ids), max_tokens, max_model_len)
     options = _options(body)
     asked = _typed(body, "prompt_logprobs", int)
     if asked is not None and options["stream"]:

@@ -14,9 +14,11 @@ The tools always go to the chat template. Then, by ``tool_choice``:
   ``"auto"`` asked of a server without a parser is refused, naming the option.
 - ``"required"``: the reply is held to a JSON array of one or more ``{"name", "parameters"}``
   objects, one of the tools' names and its parameters' schema each (structured outputs); each item
-  is a call (streamed as "auto"'s are). The message's content is empty.
+  is a call (streamed as "auto"'s are), and ``finish_reason`` is ``"tool_calls"``. The message's
+  content is empty.
 - a named function, ``{"type": "function", "function": {"name": N}}``: the reply is held to N's
-  parameters' schema and is that call's arguments (streamed as they come).
+  parameters' schema and is that call's arguments (streamed as they come); ``finish_reason`` is
+  ``"stop"``, as OpenAI and vLLM answer a named call.
 
 ``parallel_tool_calls: false`` keeps the first call (``"required"``: the array holds one). The calls' tokens and logprobs are the
 reply's, as without tools: a training forward recomputes them from ``token_ids``. With a reasoning
@@ -87,7 +89,7 @@ class ToolReply:
         message = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = [call.message_item() for call in calls]
-        return message, bool(calls) and self.mode == "auto"
+        return message, bool(calls) and self.mode != "named"
 
     def harmony_calls(self, reader: HarmonyReader) -> list[ToolCall]:
         """The calls a harmony reply's `reader` read ("auto": a grammar holds the others' final message)."""
@@ -104,7 +106,10 @@ class ToolStream:
     content until the calls begin, then each call's id and name once its name is written and its
     arguments as they come (`runtime.tool_call_stream`), as vLLM streams them. The pieces join to
     the whole reply's message; where the whole reply cannot read its calls and answers with text,
-    a stream that sent none sends that text."""
+    a stream that sent none sends that text. A stream cannot take back a call it sent: where the
+    reply breaks after one (``max_tokens`` cuts "required"'s array, an "auto" call's JSON is not
+    valid), the stream has that call and its arguments so far, and the whole reply is text, as in
+    vLLM."""
 
     def __init__(self, reply: ToolReply) -> None:
         self.reply, self.text, self.sent = reply, "", 0  # the reply so far, and how much went out as content
@@ -119,8 +124,8 @@ class ToolStream:
 
     @property
     def called(self) -> bool:
-        """Whether "auto" calls went out (``finish_reason`` ``"tool_calls"``)."""
-        return self.calls > 0 and self.reply.mode == "auto"
+        """Whether "auto" or "required" calls went out (``finish_reason`` ``"tool_calls"``)."""
+        return self.calls > 0 and self.reply.mode != "named"
 
     def delta(self, text: str, finished: bool) -> dict:
         """The delta message for the next `text` of the reply (`finished`: its last)."""
@@ -179,7 +184,7 @@ class ChatStream:
 
     @property
     def called(self) -> bool:
-        """Whether "auto" tool calls went out (``finish_reason`` "tool_calls")."""
+        """Whether "auto" or "required" tool calls went out (``finish_reason`` "tool_calls")."""
         return self._harmony_sent > 0 or self.tools is not None and self.tools.called
 
     def delta(self, text: str, finished: bool) -> dict:
@@ -251,9 +256,10 @@ def read_tools(body: dict, parser: str | None) -> ToolReply | None:
     if tools is not None:
         if not isinstance(tools, list) or not all(
                 isinstance(t, dict) and t.get("type", "function") == "function" and isinstance(t.get("function"), dict)
-                and isinstance(t["function"].get("name"), str) for t in tools):
+                and isinstance(t["function"].get("name"), str)
+                and isinstance(t["function"].get("parameters", {}) or {}, dict) for t in tools):
             raise ProtocolError("'tools' must be a list of {\"type\": \"function\", \"function\": {\"name\": ..., "
-                                "\"parameters\": {...}}}", "tools")
+                                "\"parameters\": {...}}} (parameters: a JSON schema object)", "tools")
     parallel = body.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
         raise ProtocolError(f"'parallel_tool_calls' must be a boolean, got {parallel!r}", "parallel_tool_calls")
@@ -274,7 +280,8 @@ def read_tools(body: dict, parser: str | None) -> ToolReply | None:
                             "'response_format' or 'structured_outputs'", "tool_choice")
     if choice == "required":
         return ToolReply("required", tools, parallel=parallel)
-    name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str):
         raise ProtocolError("'tool_choice' must be 'none', 'auto', 'required' or {\"type\": \"function\", "
                             f"\"function\": {{\"name\": ...}}}}, got {choice!r}", "tool_choice")

@@ -187,7 +187,7 @@ def test_the_servers_required_calls_follow_the_reasoning(folder):
                                  structured_outputs=structured), chat_template=template, use_tqdm=False)[0].outputs[0]
     assert choice.model_extra["token_ids"] == want.token_ids
     thought, _, calls = want.text.partition(THINK[1])
-    assert thought and choice.message.model_extra["reasoning"] == thought and choice.finish_reason == "stop"
+    assert thought and choice.message.model_extra["reasoning"] == thought and choice.finish_reason == "tool_calls"
     [call] = choice.message.tool_calls
     assert call.function.name == "pick" and json.loads(call.function.arguments) == json.loads(calls)[0]["parameters"]
 

@@ -152,7 +152,7 @@ def test_required_holds_the_final_message_to_json_calls(client, server):
     choice = reply.choices[0]
     assert server.llm.tokenizer.decode(choice.model_extra["prompt_token_ids"]).endswith(
         "<|start|>assistant<|channel|>final<|message|>")
-    assert choice.finish_reason == "stop" and choice.message.content == "" and choice.message.tool_calls, choice
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "" and choice.message.tool_calls, choice
     for call in choice.message.tool_calls:
         assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments)["city"], str)
 

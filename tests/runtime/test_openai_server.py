@@ -162,10 +162,10 @@ def test_response_format_is_read_as_structured_outputs():
     ({"prompt": "w5", "temperature": "hot"}, "temperature", 400),
     ({"prompt": "w5", "top_k": 0}, "top_k", 400),
     ({"prompt": "w5", "echo": "yes"}, "echo", 400),
-    ({"prompt": "w5", "prompt_logprobs": 50}, None, 400),  # above the engine's max_logprobs
+    ({"prompt": "w5", "prompt_logprobs": 50}, "prompt_logprobs", 400),  # above the engine's max_logprobs
     ({"prompt": "w5", "best_of": 3}, "best_of", 400),
     ({"prompt": "w5", "logit_bias": {"x": 1}}, "logit_bias", 400),
-    ({"prompt": "w5", "logprobs": 50}, None, 400),  # above the engine's max_logprobs
+    ({"prompt": "w5", "logprobs": 50}, "logprobs", 400),  # above the engine's max_logprobs
     ({"prompt": []}, "prompt", 400),
     ({"prompt": "w5", "model": "other"}, "model", 404),
 ])

@@ -130,7 +130,7 @@ def test_a_server_without_whitespace_closes_its_required_calls_at_once(tmp_path)
                                                    parallel_tool_calls=False, max_tokens=80, seed=seed,
                                                    extra_body={"return_token_ids": True})
             choice = reply.choices[0]
-            assert choice.finish_reason == "stop", choice.message.content
+            assert choice.finish_reason == "tool_calls", choice.message.content  # (cut short: "length", text)
             assert [c.function.name for c in choice.message.tool_calls] == ["f"]
             text = llm.tokenizer.decode(choice.model_extra["token_ids"], skip_special_tokens=True)
             assert not any(space in text for space in "\n\t\r"), text

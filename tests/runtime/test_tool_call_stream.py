@@ -160,7 +160,7 @@ def test_a_required_reply_sends_its_first_call_before_the_array_closes():
     stream = ToolReply("required", TOOLS).stream()
     delta = stream.delta('[{"name": "get_time", "parameters": {"zone": "u', False)
     assert delta["tool_calls"][0]["function"] == {"name": "get_time", "arguments": '{"zone": "u'}
-    assert not stream.called  # ("required": the finish reason stays the engine's)
+    assert stream.called  # ("required": finish_reason "tool_calls", as vLLM and OpenAI answer)
 
 
 def test_a_call_cut_short_streams_what_was_written_while_the_whole_reply_is_text():

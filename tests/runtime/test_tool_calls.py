@@ -96,7 +96,7 @@ def test_replies_whole_messages_by_tool_choice():
     assert auto.message("plain text") == ({"role": "assistant", "content": "plain text"}, False)
     required = ToolReply("required", TOOLS)
     message, called = required.message('[{"name": "get_time", "parameters": {"zone": "cet"}}]')
-    assert not called and message["content"] == "" and message["tool_calls"][0]["function"]["arguments"] == '{"zone": "cet"}'
+    assert called and message["content"] == "" and message["tool_calls"][0]["function"]["arguments"] == '{"zone": "cet"}'
     assert required.message('[{"name": "get_ti') == ({"role": "assistant", "content": '[{"name": "get_ti'}, False)
     named = ToolReply("named", TOOLS, name="get_weather")
     message, called = named.message('{"city": "Rome"}')
@@ -126,7 +126,7 @@ def test_streamed_named_and_required_replies():
     first = required.delta('time", "parameters": {', False)
     assert [c["function"] for c in first["tool_calls"]] == [{"name": "get_time", "arguments": "{"}]
     assert required.delta("}}]", True) == {"tool_calls": [{"index": 0, "function": {"arguments": "}"}}]}
-    assert not required.called
+    assert required.called
 
 
 def test_read_tools_by_tool_choice_and_its_errors():
