@@ -120,6 +120,14 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """The checks between options argparse cannot make alone (a usage error naming them)."""
     if not 0 < args.gpu_memory_utilization <= 1:
         parser.error(f"--gpu-memory-utilization={args.gpu_memory_utilization} must be in (0, 1]")
+    if args.parity_only:  # (it runs no scenario; these would leave nothing to check and a PASS)
+        if args.no_hf_parity:
+            parser.error("--parity-only and --no-hf-parity contradict each other: together they check nothing")
+        if args.lora:
+            parser.error(f"--parity-only and --lora {args.lora} contradict each other: --lora skips HF parity, "
+                         "--parity-only runs only it")
+        if args.scenario:
+            parser.error("--parity-only and --scenario contradict each other: --parity-only runs no scenario")
     if args.scenario:
         try:
             select_scenarios(args.pool, args.scenario)

@@ -1,3 +1,7 @@
+import os
+import stat
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -111,3 +115,47 @@ def test_new_architecture_dry_run_and_errors(tmp_path, capsys):
     assert exit_.value.code == 0
     help_text = capsys.readouterr().out
     assert "--config-class" in help_text and "entry point" in help_text and "never overwritten" in help_text
+
+
+def test_demo_refuses_a_backend_it_does_not_take_before_writing_anything(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("VEXACT_BACKEND", "bogus")
+    with pytest.raises(SystemExit) as info:
+        main(["demo", "--device", "cpu", "--checkpoint", str(tmp_path / "ckpt")])
+    assert info.value.code == 2
+    assert "vexact demo: error: VEXACT_BACKEND='bogus' is not a backend; choose one of" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
+def test_new_architecture_refuses_a_dest_it_cannot_write(tmp_path, capsys, monkeypatch):
+    """--dest whose tests/ is a file, or a folder it may not write in: a usage error naming --dest and
+    the path, before anything is written (tracebacks before)."""
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "tests").write_text("x")
+    (tmp_path / "locked").mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path).name != "locked" and real_access(path, mode))
+    for dest, words in (("d", f"--dest '{tmp_path / 'd'}': cannot write {tmp_path / 'd' / 'tests' / 'test_mistral.py'}: "
+                              f"'{tmp_path / 'd' / 'tests'}' is not a folder"),
+                        ("locked", f"no permission to write in '{tmp_path / 'locked'}'")):
+        for extra in ([], ["--dry-run"]):
+            assert main(["new-architecture", "mistral", "--from", "llama", "--dest", str(tmp_path / dest), *extra]) == 2
+            assert words in capsys.readouterr().err
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == ["d", "d/tests", "locked"]
+
+
+def test_new_architecture_leaves_nothing_when_writing_fails_and_writes_plain_modes(tmp_path, capsys, monkeypatch):
+    """A failure while writing (the final rename here) leaves no test, staging folder or --dest
+    folders it made; a written package folder has a plain mkdir's mode (0o700 from mkdtemp before)."""
+    def fail(self, target):
+        raise OSError(18, "Invalid cross-device link")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Path, "rename", fail)
+        assert main(["new-architecture", "mistral", "--from", "llama", "--dest", str(tmp_path / "new" / "pkg")]) == 2
+    assert "Invalid cross-device link" in capsys.readouterr().err and not any(tmp_path.iterdir())
+    previous = os.umask(0o022)
+    try:
+        assert main(["new-architecture", "mistral", "--from", "llama", "--dest", str(tmp_path / "pkg")]) == 0
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE((tmp_path / "pkg" / "mistral").stat().st_mode) == 0o755

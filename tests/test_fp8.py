@@ -6,7 +6,13 @@ once (transformers' own dequantization's bits, where transformers takes the shap
 and the engine refuse the FP8 checkpoint itself, naming the command."""
 
 import json
+import os
 import shutil
+import signal
+import stat
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -143,3 +149,94 @@ def test_the_command(tmp_path, capsys):
     shutil.copytree(tmp_path / "out", tmp_path / "plain")
     assert main(["dequantize-fp8", str(tmp_path / "plain"), str(tmp_path / "again")]) == 2
     assert "is not an FP8 checkpoint" in capsys.readouterr().err and not (tmp_path / "again").exists()
+
+
+@pytest.fixture(scope="module")
+def fp8_folder(tmp_path_factory):
+    """A tiny block-FP8 Qwen3 checkpoint (for the command's checks of its target)."""
+    folder = tmp_path_factory.mktemp("fp8") / "fp8"
+    fp8_checkpoint("qwen3", folder, (16, 16))
+    return folder
+
+
+def test_max_shard_size_in_plain_bytes(fp8_folder, tmp_path, capsys):
+    """``--max-shard-size 20000`` is bytes, as --help says (transformers takes digits only as an int)."""
+    from vexact_models.checkpoint_writer import shard_bytes
+
+    assert shard_bytes("20000", "w") == shard_bytes("20KB", "w") == shard_bytes(20000, "w") == 20000
+    assert main(["dequantize-fp8", str(fp8_folder), str(tmp_path / "out"), "--max-shard-size", "20000",
+                 "--no-progress"]) == 0
+    assert (tmp_path / "out" / "model-00001-of-00011.safetensors").is_file()
+    assert main(["dequantize-fp8", str(fp8_folder), str(tmp_path / "no"), "--max-shard-size", "0"]) == 2
+    assert "max_shard_size='0' must be a positive number of bytes" in capsys.readouterr().err
+
+
+def test_targets_that_cannot_be_renamed_into_place_are_refused_up_front(fp8_folder, tmp_path, capsys, monkeypatch):
+    """A symbolic link (to an empty folder), the current folder, a target under a file or in a folder
+    it may not write in: refused naming TARGET and why, before anything is made (the rename at the
+    end failed with a traceback after all the work before)."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "link").symlink_to("empty")
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "locked").mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path).name != "locked" and real_access(path, mode))
+    monkeypatch.chdir(tmp_path / "empty")
+    for target, words in (("../link", "'../link' is a symbolic link"), (".", "'.' is the current folder"),
+                          (str(tmp_path / "file" / "a" / "b"), "/file' is not a folder"),
+                          (str(tmp_path / "locked" / "a" / "b"), "no permission to write in '" + str(tmp_path / "locked"))):
+        assert main(["dequantize-fp8", str(fp8_folder), target, "--no-progress"]) == 2, target
+        err = capsys.readouterr().err
+        assert f"vexact dequantize-fp8: error: dequantize_fp8_checkpoint: target '{target}'" in err and words in err
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == ["empty", "file", "link", "locked"]
+
+
+def test_a_failed_write_removes_the_folders_it_made(fp8_folder, tmp_path, monkeypatch):
+    from vexact_models import checkpoint_writer
+
+    def fail(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(checkpoint_writer, "save_file", fail)
+    with pytest.raises(OSError, match="disk full"):
+        fp8.dequantize_fp8_checkpoint(fp8_folder, tmp_path / "t" / "deep" / "er", progress=False)
+    assert not any(tmp_path.iterdir())
+
+
+def test_the_folder_has_the_mode_a_plain_mkdir_gives(fp8_folder, tmp_path):
+    """0o777 less the umask, as save_pretrained's folder (tempfile.mkdtemp's 0o700 stayed before)."""
+    for umask in (0o022, 0o027):
+        previous = os.umask(umask)
+        try:
+            target = fp8.dequantize_fp8_checkpoint(fp8_folder, tmp_path / f"out{umask:o}", progress=False)
+        finally:
+            os.umask(previous)
+        assert stat.S_IMODE(target.stat().st_mode) == 0o777 & ~umask
+
+
+def test_sigterm_during_the_write_leaves_nothing(tmp_path):
+    """SIGTERM (a scheduler stopping the job) while the folder is staged: exit 143 with the staging
+    folder and the parents made for it removed, as an exception does; the handler comes back after."""
+    code = ("import os, signal, sys, time\nfrom pathlib import Path\n"
+            "from vexact_models.checkpoint_writer import staged_folder\n"
+            "with staged_folder(Path(sys.argv[1]), 'w') as staging:\n"
+            "    (staging / 'part').write_text('x')\n"
+            "    assert signal.getsignal(signal.SIGTERM) != signal.SIG_DFL\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    time.sleep(60)\n")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "a" / "b" / "out")], timeout=120)
+    assert done.returncode == 143 and not any(tmp_path.iterdir())
+    from vexact_models.checkpoint_writer import staged_folder
+
+    previous = signal.getsignal(signal.SIGTERM)
+    with staged_folder(tmp_path / "out", "w") as staging:
+        (staging / "f").write_text("x")
+    assert signal.getsignal(signal.SIGTERM) == previous and (tmp_path / "out" / "f").is_file()
+
+
+def test_a_config_that_is_no_json_is_named(tmp_path, capsys):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "config.json").write_text("{bad")
+    assert main(["dequantize-fp8", str(tmp_path / "src"), str(tmp_path / "out")]) == 2
+    assert f"'{tmp_path / 'src' / 'config.json'}' is not valid JSON: Expecting" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

@@ -99,8 +99,9 @@ def test_a_failed_export_leaves_nothing(multimodal, tmp_path, monkeypatch):
 
 def test_the_command(multimodal, tmp_path, capsys):
     _, _, folder = multimodal
-    assert main(["export-text", str(folder), str(tmp_path / "out"), "--no-progress"]) == 0
+    assert main(["export-text", str(folder), str(tmp_path / "out"), "--no-progress", "--max-shard-size", "20000"]) == 0
     assert f"wrote the text model to {tmp_path / 'out'}: config.json" in capsys.readouterr().out
+    assert (tmp_path / "out" / "model.safetensors.index.json").is_file()  # 20000 bytes a shard, as --help says
     assert main(["export-text", str(folder), str(tmp_path / "out")]) == 2
     assert "vexact export-text: error: export_text_model: target" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:
@@ -128,3 +129,35 @@ def test_a_hub_model_id_is_exported_from_the_hub_cache(multimodal, tmp_path, mon
     from_folder = text_export.export_text_model(folder, tmp_path / "from_folder", progress=False)
     a, b = load_file(from_hub / "model.safetensors"), load_file(from_folder / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("name", sorted(MULTIMODAL_FAMILIES))
+def test_the_head_is_tied_as_the_multimodal_model_ties_it(name, tmp_path):
+    """transformers ties a multimodal model's head by the multimodal config's tie_word_embeddings
+    (the model's own config), not text_config's: with the two flags apart, the export takes the
+    first, so stock's text class ties (or not) as the multimodal model did, with its logits."""
+    arch = registered_or_skip(name)
+    config_class, model_class, fields = MULTIMODAL_FAMILIES[name]
+    ids = torch.randint(3, 512, (1, 12))
+    for tie in (True, False):
+        text = arch.tiny_config(tie_word_embeddings=not tie)
+        config = getattr(transformers, config_class)(text_config=text.to_dict(), tie_word_embeddings=tie, **fields)
+        torch.manual_seed(0)
+        model = getattr(transformers, model_class)(config).eval()
+        assert (model.lm_head.weight is model.model.language_model.embed_tokens.weight) == tie
+        model.save_pretrained(tmp_path / f"mm{tie}")
+        target = text_export.export_text_model(tmp_path / f"mm{tie}", tmp_path / f"text{tie}", progress=False)
+        assert json.loads((target / "config.json").read_text())["tie_word_embeddings"] == tie
+        stock, info = arch.hf_class().from_pretrained(target, output_loading_info=True, dtype=torch.float32)
+        assert not info["missing_keys"] and not info["unexpected_keys"]
+        with torch.no_grad():
+            assert rel(stock.eval()(ids).logits, model(input_ids=ids).logits) <= 1e-6
+
+
+def test_a_config_that_is_no_json_is_named(tmp_path, capsys):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "config.json").write_text("{bad")
+    assert main(["export-text", str(tmp_path / "src"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"vexact export-text: error: export_text_model: cannot read '{tmp_path / 'src' / 'config.json'}'" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

@@ -32,6 +32,7 @@ import torch
 
 from vexact_models.cli_args import architecture_arg, device_arg, dotted_json_args, positive_int
 from vexact_models.conformance.models import MIN_GPU_HEAD_DIM
+from vexact_models.kernels.backend import current_backend
 from vexact_models.layers import head_dim_of
 from vexact_models.registry import architectures, get, unavailable
 from vexact_models.serve_cli import add_serve_parser, serve
@@ -314,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         return dequantize_fp8(args)
     args.device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
+        current_backend(args.device)  # (a VEXACT_BACKEND it does not take, before the checkpoint is written)
         args.arch, args.config = demo_config(args.arch.name, args.device)
     except ValueError as error:
         p_demo.error(str(error))  # a usage error (exit 2), before anything is written

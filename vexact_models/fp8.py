@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .checkpoint_writer import DEFAULT_SHARD_SIZE, ShardWriter, copy_side_files, shard_bytes, staged_folder
+from .checkpoint_writer import (DEFAULT_SHARD_SIZE, ShardWriter, check_target, copy_side_files, shard_bytes,
+                                staged_folder)
 from .hub_config import TensorReader, checkpoint_folder, quant_method, stored_tensors
 
 __all__ = ["FP8_ADVICE", "dequantize_fp8", "dequantize_fp8_checkpoint", "fp8_quantized"]
@@ -71,12 +72,13 @@ def dequantize_fp8_checkpoint(source: str | os.PathLike, target: str | os.PathLi
     """Write the FP8 checkpoint `source` (a folder, or a hub model id fetched into the hub cache
     first) dequantized to bf16 into the new folder `target` (module docstring); returns `target`.
     A ValueError, before anything is written, for a `source` that is not a block-FP8 checkpoint or
-    a `target` that exists and is not an empty folder."""
+    a `target` that `checkpoint_writer.check_target` refuses (existing and not an empty folder, ...)."""
     target = Path(target)
+    limit = shard_bytes(max_shard_size, WHO)
+    check_target(target, WHO)  # (before a hub id is fetched)
     source = Path(checkpoint_folder(source, f"{WHO}: source"))
     config, block = _checked_config(source)
     stored = stored_tensors(source, WHO)
-    limit = shard_bytes(max_shard_size, WHO)
     with staged_folder(target, WHO) as staging:
         _write_tensors(stored, staging, block, limit, progress)
         config.pop("quantization_config")
@@ -91,7 +93,10 @@ def _checked_config(source: Path) -> tuple[dict, tuple[int, int]]:
     path = source / "config.json"
     if not path.is_file():
         raise ValueError(f"{WHO}: source {str(source)!r} is not a checkpoint folder (no config.json)")
-    config = json.loads(path.read_text())
+    try:
+        config = json.loads(path.read_text())
+    except ValueError as error:  # (JSONDecodeError, UnicodeDecodeError)
+        raise ValueError(f"{WHO}: {str(path)!r} is not valid JSON: {error}") from None
     if not fp8_quantized(config):
         raise ValueError(f"{WHO}: source {str(source)!r} is not an FP8 checkpoint (its quantization_config has no "
                          "quant_method 'fp8')")

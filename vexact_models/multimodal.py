@@ -16,6 +16,8 @@ text input the text model's logits are the multimodal model's: there is no image
 
 from __future__ import annotations
 
+import copy
+
 import logging
 import re
 
@@ -48,13 +50,18 @@ def is_multimodal(config: dict | PretrainedConfig) -> bool:
 
 def text_config_of(config: dict | PretrainedConfig) -> PretrainedConfig | dict:
     """A multimodal config's text config, built as transformers builds it for the multimodal
-    model (a config dict: through the multimodal config class); any other config unchanged."""
+    model (a config dict: through the multimodal config class), a copy whose
+    ``tie_word_embeddings`` is the multimodal config's: the multimodal model ties its head by its
+    own config's flag (transformers' ``get_expanded_tied_weights_keys``), whatever ``text_config``
+    says. Any other config unchanged."""
     if not is_multimodal(config):
         return config
     if isinstance(config, dict):
         fields = {k: v for k, v in config.items() if k != "model_type"}
         config = CONFIG_MAPPING[config["model_type"]].from_dict(fields)
-    return config.get_text_config()
+    text = copy.deepcopy(config.get_text_config())
+    text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+    return text
 
 
 def text_tensor_name(name: str) -> str | None:
@@ -119,4 +126,6 @@ def load_text_model_of(cls: type, source, kwargs: dict) -> None:
     tell_text_part(f"{cls.__name__}.from_pretrained", source, stored["model_type"])
     if kwargs.get("config") is None and not _finds_text_config(cls.config_class, stored):
         kwargs["config"] = text
+    elif kwargs.get("config") is None:  # transformers reads text_config: the head tied as the multimodal model's
+        kwargs.setdefault("tie_word_embeddings", text.tie_word_embeddings)
     kwargs.setdefault("key_mapping", dict(TEXT_KEY_MAPPING))

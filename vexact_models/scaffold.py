@@ -26,12 +26,12 @@ import os
 import re
 import shutil
 import sys
-import tempfile
 import tokenize
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import registry, scaffold_fields
+from .checkpoint_writer import make_parents, new_folder, remove_empty, unwritable
 from .scaffold_fields import line_offsets
 from .scaffold_template import render_test_module
 
@@ -160,6 +160,7 @@ def plan(name: str, template: str = "qwen3", *, class_prefix: str | None = None,
     folder = _PACKAGE_DIR / name if in_tree else Path(dest).resolve() / name
     test_path = _REPO_TESTS / f"test_{name}.py" if in_tree else Path(dest).resolve() / "tests" / f"test_{name}.py"
     _check_free(new, folder, test_path, package)
+    _check_writable(folder, test_path, dest)
     scaffold = Scaffold(old, new, package, folder, test_path, in_tree)
     template_dir = Path(sys.modules[source.causal_lm_class.__module__].__file__).parent
     sources = {path.name: path.read_text() for path in sorted(template_dir.glob("*.py"))}
@@ -279,26 +280,44 @@ def _rewrite_registration(text: str, old: Names, new: Names) -> str:
     return text
 
 
+def _check_writable(folder: Path, test_path: Path, dest: str | os.PathLike | None) -> None:
+    """Refuse a package folder or test that cannot be made (a file on the way, no permission to
+    write), before anything is written."""
+    for path in (folder, test_path):
+        problem = unwritable(path.parent)
+        if problem:
+            where = f"--dest {str(dest)!r}" if dest is not None else "the source checkout"
+            raise ValueError(f"{where}: cannot write {path}: {problem}")
+
+
 def write(scaffold: Scaffold) -> None:
     """Write the rendered files: the test first, then the package folder in one rename (so an
-    interrupted run never leaves a half-written architecture the registry would discover)."""
+    interrupted run never leaves a half-written architecture the registry would discover). A
+    ValueError naming the path where writing fails, nothing written left behind (the folders
+    made for it included)."""
     _check_free(scaffold.new, scaffold.folder, scaffold.test_path, scaffold.package)
-    scaffold.folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{scaffold.new.name}-", dir=scaffold.folder.parent))
+    made: list[Path] = []
+    staging, done = None, False
     try:
+        made = make_parents(scaffold.folder.parent)
+        staging = new_folder(scaffold.folder.parent, f".{scaffold.new.name}-")  # (a plain mkdir's mode)
         for path, text in scaffold.files.items():
             if path.parent == scaffold.folder:
                 (staging / path.name).write_text(text)
-        scaffold.test_path.parent.mkdir(parents=True, exist_ok=True)
+        made = make_parents(scaffold.test_path.parent) + made  # (deepest first)
         scaffold.test_path.write_text(scaffold.files[scaffold.test_path])
-        try:
-            staging.rename(scaffold.folder)
-        except OSError:
-            scaffold.test_path.unlink()
-            raise
+        staging.rename(scaffold.folder)
+        done = True
+    except OSError as error:
+        where = str(scaffold.folder.parent) if scaffold.in_tree else f"--dest {str(scaffold.folder.parent)!r}"
+        raise ValueError(f"{where}: cannot write {scaffold.new.name}/ and its test {scaffold.test_path}: {error}; "
+                         "nothing is left behind") from None
     finally:
-        if staging.exists():
-            shutil.rmtree(staging)
+        if not done:
+            if staging is not None:
+                scaffold.test_path.unlink(missing_ok=True)  # (ours: _check_free saw none)
+                shutil.rmtree(staging, ignore_errors=True)
+            remove_empty(made)
     importlib.invalidate_caches()
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 from vexact_models.cli_args import (chat_template_arg, checkpoint_arg, device_arg, non_negative_int, positive_float,
                                     positive_int, structured_outputs_config_arg)
@@ -13,7 +14,12 @@ from vexact_models.runtime.openai_tools import server_parsers
 from vexact_models.runtime.reasoning import PARSERS as REASONING_PARSERS
 from vexact_models.runtime.tool_calls import PARSERS
 
-__all__ = ["SERVE_HELP", "add_serve_parser", "serve"]
+if TYPE_CHECKING:
+    from vexact_models.runtime.openai_server import OpenAIServer
+
+__all__ = ["SERVE_HELP", "add_serve_parser", "port_arg", "serve"]
+
+MAX_PORT = 65535
 
 SERVE_HELP = """\
 Serve a checkpoint through the OpenAI API, as `vllm serve` does, on the exact-logprob engine:
@@ -45,7 +51,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                        description=SERVE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", type=checkpoint_arg, help="checkpoint folder or hub model id (with its tokenizer)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: every one)")
-    p.add_argument("--port", type=non_negative_int, default=8000, help="port (default 8000; 0: a free one, printed)")
+    p.add_argument("--port", type=port_arg, default=8000, help="port, 0 to 65535 (default 8000; 0: a free one, printed)")
     p.add_argument("--served-model-name", metavar="NAME", help="the API's model name (default: MODEL as given)")
     p.add_argument("--tokenizer", help="tokenizer folder or hub id (default: the checkpoint's)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
@@ -96,29 +102,28 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-def serve(args: argparse.Namespace) -> int:
-    """Build the engine from `args` (``add_serve_parser``'s), then serve until interrupted."""
-    from vexact_models.runtime import LLM
-    from vexact_models.runtime.openai_server import OpenAIServer
+def port_arg(text: str) -> int:
+    """``--port``: a TCP port, 0 (a free one) to 65535."""
+    value = non_negative_int(text)
+    if value > MAX_PORT:
+        raise argparse.ArgumentTypeError(f"must be <= {MAX_PORT} (0: a free one), got {value}")
+    return value
 
-    if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        print(f"vexact serve: --enable-auto-tool-choice needs --tool-call-parser ({' or '.join(sorted(PARSERS))})",
-              file=sys.stderr)
+
+def serve(args: argparse.Namespace) -> int:
+    """Build the engine from `args` (``add_serve_parser``'s), then serve until interrupted; 2 for a
+    user error (`_server`'s ValueError: a checkpoint or setting the engine refuses), 1 where the
+    front end cannot listen."""
+    try:
+        server = _server(args)
+    except ValueError as err:  # (before anything is served)
+        print(f"vexact serve: error: {err}", file=sys.stderr)
         return 2
-    try:  # (before the model loads)
-        server_parsers(args.tool_call_parser, args.reasoning_parser)
-    except ValueError as err:
-        print(f"vexact serve: {err}", file=sys.stderr)
-        return 2
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, tokenizer=args.tokenizer,
-              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
-              kv_cache_bytes=args.kv_cache_bytes, max_logprobs=args.max_logprobs, seed=args.seed,
-              enforce_eager=args.enforce_eager, prefix_states=args.prefix_states)
-    server = OpenAIServer(llm, args.served_model_name or args.model, args.host, args.port,
-                          tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                          chat_template=args.chat_template,
-                          structured_outputs_config=args.structured_outputs_config).start()
+    try:
+        server.start()
+    except RuntimeError as err:  # (the front end's reason: the address in use, ...)
+        print(f"vexact serve: error: {err}", file=sys.stderr)
+        return 1
     print(f"vexact serve: {server.model_name} at {server.url}", flush=True)
     for stop in (signal.SIGINT, signal.SIGTERM):  # (a parent may have left SIGINT ignored, as pytest-xdist does)
         signal.signal(stop, _interrupt)
@@ -127,6 +132,26 @@ def serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("vexact serve: stopped", file=sys.stderr)
     return 0
+
+
+def _server(args: argparse.Namespace) -> OpenAIServer:
+    """The `OpenAIServer` (not started) over the engine `args` describe; a ValueError naming what is
+    wrong (the parser options' pairing before the model loads; a hub id not found, an FP8 checkpoint,
+    --max-model-len past the model's, a KV budget under one block, no tokenizer, from the engine)."""
+    from vexact_models.runtime import LLM
+    from vexact_models.runtime.openai_server import OpenAIServer
+
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser ({' or '.join(sorted(PARSERS))})")
+    server_parsers(args.tool_call_parser, args.reasoning_parser)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, tokenizer=args.tokenizer,
+              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
+              kv_cache_bytes=args.kv_cache_bytes, max_logprobs=args.max_logprobs, seed=args.seed,
+              enforce_eager=args.enforce_eager, prefix_states=args.prefix_states)
+    return OpenAIServer(llm, args.served_model_name or args.model, args.host, args.port,
+                        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                        chat_template=args.chat_template, structured_outputs_config=args.structured_outputs_config)
 
 
 def _interrupt(signum: int, frame) -> None:

@@ -6,7 +6,8 @@ Our loading routes read the text part of a published Qwen3.5 or Gemma 3 4B+ chec
 ``AutoModelForCausalLM`` of a Gemma 3 4B+ checkpoint is the multimodal model, as are verl's actor
 (``AutoModelForImageTextToText`` for a multimodal config), its critic and TRL's loading of a path.
 For them, export the text model once and point them at the export: its config is the text
-config (``architectures`` naming stock's text causal LM), its tensors are the text model's under
+config (``architectures`` naming stock's text causal LM, ``tie_word_embeddings`` the multimodal
+config's, by which the multimodal model ties its head), its tensors are the text model's under
 the text class's names, in the dtype and layout stored (per-expert MoE tensors stay per expert:
 transformers converts them on load), sharded as transformers shards, with the tokenizer and
 generation files copied. stock transformers and, after ``patch()``, our classes load it with
@@ -24,7 +25,8 @@ from pathlib import Path
 from tqdm.auto import tqdm
 from transformers import AutoConfig
 
-from .checkpoint_writer import DEFAULT_SHARD_SIZE, ShardWriter, copy_side_files, shard_bytes, staged_folder
+from .checkpoint_writer import (DEFAULT_SHARD_SIZE, ShardWriter, check_target, copy_side_files, shard_bytes,
+                                staged_folder)
 from .hub_config import TensorReader, checkpoint_folder, stored_tensors
 from .multimodal import MULTIMODAL_MODEL_TYPES, is_multimodal, text_config_of, text_tensor_name
 from .registry import for_model_type
@@ -39,14 +41,15 @@ def export_text_model(source: str | os.PathLike, target: str | os.PathLike, *, m
     """Write the text model of the multimodal checkpoint `source` (a published Qwen3.5 or Gemma 3
     4B+ checkpoint: a folder, or a hub model id fetched into the hub cache first) to the new
     folder `target` (module docstring); returns `target`. A ValueError, before anything is
-    written, for a `source` that is not such a checkpoint or a `target` that exists and is not an
-    empty folder; `max_shard_size` (bytes, or "5GB") bounds each safetensors file as in
-    ``save_pretrained``."""
+    written, for a `source` that is not such a checkpoint or a `target` that
+    `checkpoint_writer.check_target` refuses (existing and not an empty folder, ...);
+    `max_shard_size` (bytes, or "5GB") bounds each safetensors file as in ``save_pretrained``."""
     target = Path(target)
+    limit = shard_bytes(max_shard_size, WHO)
+    check_target(target, WHO)  # (before a hub id is fetched)
     source = Path(checkpoint_folder(source, f"{WHO}: source"))
     config = _checked_config(source)
     stored = stored_tensors(source, WHO)
-    limit = shard_bytes(max_shard_size, WHO)
     with staged_folder(target, WHO) as staging:
         text = text_config_of(config)
         text.architectures = [for_model_type(text.model_type).hf_class().__name__]
@@ -62,7 +65,10 @@ def _checked_config(source: Path):
     """The multimodal config of `source`; a ValueError naming what is wrong."""
     if not (source / "config.json").is_file():
         raise ValueError(f"{WHO}: source {str(source)!r} is not a checkpoint folder (no config.json)")
-    config = AutoConfig.from_pretrained(source)
+    try:
+        config = AutoConfig.from_pretrained(source)
+    except (OSError, ValueError) as error:  # (transformers' OSError for a config.json that is no JSON)
+        raise ValueError(f"{WHO}: cannot read {str(source / 'config.json')!r}: {error}") from None
     if not is_multimodal(config):
         raise ValueError(f"{WHO}: source {str(source)!r} has model_type {config.model_type!r}, not one of the "
                          f"multimodal model types whose text model vexact-models serves {sorted(MULTIMODAL_MODEL_TYPES)}")

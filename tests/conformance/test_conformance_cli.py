@@ -67,6 +67,10 @@ def test_cli_config_path_picks_the_architecture_from_its_model_type(capsys, tmp_
                                                         else "--backend reference runs on CPU only"]),
     (["--attention-forward", "fa4"], ["--attention-forward fa4 needs --device cuda (got --device cpu)"]),
     (["--attention-forward", "flash"], ["invalid choice: 'flash'"]),
+    # contradictory: each ran nothing and printed RESULT: PASS
+    (["--parity-only", "--no-hf-parity"], ["--parity-only and --no-hf-parity contradict each other"]),
+    (["--parity-only", "--lora", "4"], ["--parity-only and --lora 4 contradict each other: --lora skips HF parity"]),
+    (["--parity-only", "--scenario", "batch 1"], ["--parity-only and --scenario contradict each other"]),
 ])
 def test_cli_rejects_bad_arguments_before_building_anything(argv, words, capsys, monkeypatch):
     monkeypatch.setattr("vexact_models.conformance.cli.build_model", None)  # building anything would raise

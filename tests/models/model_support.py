@@ -169,12 +169,13 @@ MULTIMODAL_FAMILIES = {
 }
 
 
-def save_multimodal(arch: Architecture, text_config, folder, seed: int = 0) -> torch.nn.Module:
+def save_multimodal(arch: Architecture, text_config, folder, seed: int = 0, **top) -> torch.nn.Module:
     """A published-style multimodal checkpoint in `folder`: transformers' own multimodal class of
-    `arch` (`MULTIMODAL_FAMILIES`) over `text_config` and a tiny vision tower, random weights and
-    norms, written with ``save_pretrained``; returns the model (eval mode)."""
+    `arch` (`MULTIMODAL_FAMILIES`) over `text_config` and a tiny vision tower (`top`: more fields of
+    the multimodal config), random weights and norms, written with ``save_pretrained``; returns the
+    model (eval mode)."""
     config_class, model_class, fields = MULTIMODAL_FAMILIES[arch.name]
-    config = getattr(transformers, config_class)(text_config=text_config.to_dict(), **fields)
+    config = getattr(transformers, config_class)(text_config=text_config.to_dict(), **fields, **top)
     torch.manual_seed(seed)
     model = getattr(transformers, model_class)(config).eval()
     with torch.no_grad():

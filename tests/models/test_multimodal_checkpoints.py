@@ -82,6 +82,22 @@ def test_our_text_class_loads_the_text_model(multimodal, caplog, tmp_path_factor
         assert torch.equal(from_hub.eval()(ids).logits, want)
 
 
+@pytest.mark.parametrize("tie", [True, False])
+def test_the_head_is_tied_by_the_multimodal_configs_flag(multimodal, tie):
+    """transformers ties a multimodal model's head by its own config's ``tie_word_embeddings``, not
+    ``text_config``'s: with the two apart, our text class ties (or not) as the multimodal model
+    did, with its logits."""
+    arch, _, folder = multimodal
+    model = save_multimodal(arch, arch.tiny_config(tie_word_embeddings=not tie), folder / "apart",
+                            tie_word_embeddings=tie)
+    assert (model.lm_head.weight is model.get_input_embeddings().weight) == tie
+    ours = arch.causal_lm_class.from_pretrained(folder / "apart", dtype=torch.float32).eval()
+    assert ours.config.tie_word_embeddings == tie and (ours.lm_head.weight is ours.get_input_embeddings().weight) == tie
+    ids = torch.randint(3, 512, (1, 12))
+    with torch.no_grad():
+        assert rel(ours(ids).logits, model(input_ids=ids).logits) <= arch.fp32_parity
+
+
 def test_critic_and_reward_heads_load_the_text_model(multimodal):
     """verl's critic and TRL's reward model from the multimodal checkpoint: our heads over the text
     decoder (the same tensors as the causal LM's), a new ``score``."""
