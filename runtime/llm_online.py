@@ -32,6 +32,7 @@ from .progress import progress_bar
 from .sampling_params import RequestOutputKind, SamplingParams
 from .scheduled import ScheduledSeq
 from .sequence import Sequence
+from .stop_strings import stop_holdback
 from .text_deltas import TextDeltas
 
 __all__ = ["OnlineRequestsMixin"]
@@ -182,8 +183,7 @@ class OnlineRequestsMixin:
     def _text_deltas(self, params: SamplingParams) -> list[TextDeltas] | None:
         if params.output_kind is not RequestOutputKind.DELTA or self.tokenizer is None or not params.detokenize:
             return None
-        holdback = max((len(s) for s in params.stop), default=1) - 1
-        return [TextDeltas(self.tokenizer, params.skip_special_tokens, holdback) for _ in range(params.n)]
+        return [TextDeltas(self.tokenizer, params.skip_special_tokens, stop_holdback(params)) for _ in range(params.n)]
 
     def _step_outputs(self, scheduled: list[ScheduledSeq]) -> list[RequestOutput]:
         """The outputs of the requests that got tokens in the completed step (or errored when

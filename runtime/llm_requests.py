@@ -16,7 +16,7 @@ from .logit_bias import check_token_lists
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
 from .sequence import Sequence
-from .stop_strings import StopStrings, truncate_at_stop
+from .stop_strings import StopStrings, stop_holdback, truncate_at_stop
 from .structured_outputs import Grammars
 from .top_logprobs import completion_logprobs, prompt_logprobs_of
 
@@ -137,13 +137,21 @@ class RequestsMixin:
 
     def _completion(self, seq: Sequence, start: int = 0, whole: bool = True) -> CompletionOutput:
         """One sample's `CompletionOutput`: its tokens and logprobs from output `start` on; its text
-        (a stop string cut) and cumulative logprob, of the whole sample, unless not `whole` (None)."""
+        and cumulative logprob, of the whole sample, unless not `whole` (None). As vLLM's, the text
+        leaves out the stop string or stop token that finished the sample (unless
+        ``include_stop_str_in_output``), and while it runs the characters a stop string may
+        still be forming in (`stop_holdback`), so that it only grows."""
         text, p = None, seq.params
-        if whole and seq.stop_reason is not None:
+        if whole and isinstance(seq.stop_reason, str):
             text = truncate_at_stop(self.tokenizer, seq.output_token_ids, seq.stop_reason,
                                     p.include_stop_str_in_output, p.skip_special_tokens)
         elif whole and self.tokenizer is not None and p.detokenize:
-            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=p.skip_special_tokens)
+            ids = seq.output_token_ids
+            if seq.finish_reason == "stop" and not p.include_stop_str_in_output:  # ended by a stop token
+                ids = ids[:-1]
+            text = self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens)
+            if seq.finish_reason is None:
+                text = text[:len(text) - stop_holdback(p)]
         logprobs = (seq.output_logprobs[start:] if p.logprobs is None
                     else completion_logprobs(seq, self.tokenizer if p.detokenize else None, start))
         return CompletionOutput(seq.sample_index, seq.output_token_ids[start:], logprobs, seq.finish_reason, text,

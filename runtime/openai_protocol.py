@@ -333,12 +333,23 @@ def chat_stream(request: EngineRequest) -> ChatStream | bool:
     return ChatStream(request.tools, request.reasoning, request.include_reasoning)
 
 
+def _reply_text(request: EngineRequest, completion: CompletionOutput) -> str:
+    """A chat reply's text as the server reads it: a harmony reply's with the token that ended it
+    (``<|return|>``, ``<|call|>``), which the engine's text leaves out, as vLLM's, and harmony's
+    reader reads (`runtime.harmony`)."""
+    text = completion.text or ""
+    if (request.reasoning == HARMONY and completion.finish_reason == "stop" and completion.token_ids
+            and not isinstance(completion.stop_reason, str) and not request.params[0].include_stop_str_in_output):
+        text += request.token_texts(completion.token_ids[-1:])[0]
+    return text
+
+
 def chat_choice(request: EngineRequest, index: int, output: RequestOutput, completion: CompletionOutput,
                 stream: ChatStream | bool = False) -> dict:
     """One ``/v1/chat/completions`` choice: a whole message, or (`stream`: the choice's
     `chat_stream`) a stream chunk's delta."""
     logprobs = None if request.top_logprobs is None else _chat_logprobs(request, completion)
-    text, finish = completion.text or "", completion.finish_reason
+    text, finish = _reply_text(request, completion), completion.finish_reason
     if isinstance(stream, ChatStream):
         message = stream.delta(text, finish is not None)
         finish = "tool_calls" if finish is not None and stream.called else finish

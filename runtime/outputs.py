@@ -26,7 +26,7 @@ class CompletionOutput:
     finish_reason: str | None  # "stop", "length" or "error"; None while it runs (`LLM.step`)
     text: str | None = None
     error: str | None = None
-    stop_reason: str | None = None  # the stop string that finished it (`SamplingParams.stop`), as vLLM's
+    stop_reason: str | int | None = None  # the stop string or stop token id that finished it, as vLLM's (EOS: None)
     cumulative_logprob: float | None = None  # the sum of ``logprobs`` (exactly rounded), as vLLM's
 
 

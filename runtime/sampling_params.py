@@ -8,13 +8,14 @@ the limit, instead of surfacing later as a shape error or a silent clamp inside 
 from __future__ import annotations
 
 import enum
+import sys
 import functools
 import math
 from dataclasses import dataclass, field
 
 from .structured_outputs import StructuredOutputsParams
 
-__all__ = ["SamplingParams", "RequestOutputKind", "MAX_SEED", "MAX_LOGPROBS"]
+__all__ = ["SamplingParams", "RequestOutputKind", "MAX_SEED", "MAX_LOGPROBS", "UNBOUNDED_TOKENS"]
 
 #: Seeds live in [0, MAX_SEED): they must fit a signed 64-bit integer so they can be handed to
 #: a counter-based RNG (Philox) as a tensor without wrapping.
@@ -23,6 +24,9 @@ MAX_SEED = 2**63
 #: The most alternatives ``SamplingParams.logprobs`` / ``prompt_logprobs`` may ask for a position by
 #: default: an engine's ``LLM(max_logprobs=...)`` (vLLM's default ``max_logprobs``).
 MAX_LOGPROBS = 20
+
+#: ``max_tokens`` of ``SamplingParams(max_tokens=None)``: the engine's ``max_model_len`` bounds the sample
+UNBOUNDED_TOKENS = sys.maxsize
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -102,15 +106,19 @@ class SamplingParams:
             ``min_tokens`` outputs precede it. Where these bans, ``allowed_token_ids`` and
             ``structured_outputs`` together exclude every token, the token drawn (token 0) ends
             the sequence with finish_reason "error" and ``CompletionOutput.error`` saying why.
-        max_tokens: >= 1, upper bound on generated tokens (the stop token included).
-        stop_token_ids: extra token ids that finish a sequence (each >= 0).
+        max_tokens: >= 1, upper bound on generated tokens (the stop token included); None: up to
+            the engine's ``max_model_len``, as vLLM's (stored as `UNBOUNDED_TOKENS`).
+        stop_token_ids: extra token ids that finish a sequence (each >= 0; None: none), reported
+            as the sample's ``stop_reason``, as vLLM's.
         ignore_eos: when True the model's EOS token does not finish a sequence.
         seed: None lets the engine derive one; else an int in [0, 2**63). The sampled token
             depends only on (logits row, seed, token index), which is what makes rollouts
             reproducible under any batching.
         stop: strings that finish a sequence at the token whose text completes one (a str is
-            one string), as in vLLM (`runtime.stop_strings`; needs the engine's tokenizer).
-        include_stop_str_in_output: keep the stop string at the end of the returned text.
+            one string; None: none), as in vLLM (`runtime.stop_strings`; needs the engine's tokenizer).
+        include_stop_str_in_output: keep the stop string, or the text of the stop token (EOS or
+            one of ``stop_token_ids``) that finished the sample, at the end of the returned text;
+            by default it is left out, as vLLM's.
         logprobs: None (the default) returns each sampled token's logprob as a float
             (``CompletionOutput.logprobs``). An int k in [0, the engine's ``max_logprobs``, default
             MAX_LOGPROBS = 20] returns vLLM's shape
@@ -154,7 +162,7 @@ class SamplingParams:
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1
+    top_k: int = -1  # (0: -1, as vLLM's)
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
@@ -162,11 +170,11 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
-    max_tokens: int = 16
-    stop_token_ids: list[int] = field(default_factory=list)
+    max_tokens: int | None = 16
+    stop_token_ids: list[int] | None = field(default_factory=list)
     ignore_eos: bool = False
     seed: int | None = None
-    stop: list[str] = field(default_factory=list)
+    stop: str | list[str] | None = field(default_factory=list)
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
@@ -182,6 +190,11 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.output_kind={self.output_kind!r} must be a RequestOutputKind "
                              f"({', '.join(f'{k.name} = {k.value}' for k in RequestOutputKind)})")
         self.output_kind = RequestOutputKind(self.output_kind)
+        # vLLM's spellings of "none" and "all": normalised before the checks
+        self.stop = [] if self.stop is None else self.stop
+        self.stop_token_ids = [] if self.stop_token_ids is None else self.stop_token_ids
+        self.max_tokens = UNBOUNDED_TOKENS if self.max_tokens is None else self.max_tokens
+        self.top_k = -1 if _is_int(self.top_k) and self.top_k == 0 else self.top_k
         self._validate_sampling()
         self._validate_lengths()
         self._validate_stops()
@@ -209,7 +222,7 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.top_p={self.top_p} is outside (0, 1]")
         top_k = _require_int("top_k", self.top_k)
         if top_k != -1 and top_k < 1:
-            raise ValueError(f"SamplingParams.top_k={top_k} must be -1 (off) or >= 1")
+            raise ValueError(f"SamplingParams.top_k={top_k} must be -1 or 0 (off) or >= 1")
         self.min_p = _require_float("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"SamplingParams.min_p={self.min_p} is outside [0, 1] (0: off)")

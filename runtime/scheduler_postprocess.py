@@ -105,9 +105,10 @@ class PostprocessMixin:
         # Stop tokens/EOS count only once min_tokens outputs precede them: the sampler bans
         # them while num_output_tokens < min_tokens (counted before the new token).
         if not short:
-            if token in params.stop_token_ids:
+            if token == self.eos_token_id and not params.ignore_eos:  # the model's own EOS: no stop_reason
                 return "stop"
-            if token == self.eos_token_id and not params.ignore_eos:
+            if token in params.stop_token_ids:  # reported as the stop_reason, as vLLM's
+                seq.stop_reason = token
                 return "stop"
             if seq.stop_strings is not None:
                 seq.stop_reason = seq.stop_strings.matched(seq.token_ids, seq.num_prompt_tokens)

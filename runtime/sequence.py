@@ -84,7 +84,7 @@ class Sequence:
         # the request's stop strings (`runtime.stop_strings.StopStrings`, set by the engine), and
         # the one that finished it
         self.stop_strings = None
-        self.stop_reason: str | None = None
+        self.stop_reason: str | int | None = None
         # where params.structured_outputs constrains it: its place in the grammar
         # (`runtime.grammar_masks.GrammarState`, set by the engine, fed by Scheduler.postprocess)
         self.grammar = None

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["StopStrings", "truncate_at_stop"]
+__all__ = ["StopStrings", "truncate_at_stop", "stop_holdback"]
 
 #: tokens of context decoded before the characters a stop string can span
 _CONTEXT_TOKENS = 8
@@ -54,6 +54,13 @@ def _ending_in_last(before: str, text: str, stop: str) -> int:
     if kept == len(text):
         return -1  # the last token added no text (a special token, a partial character)
     return text.find(stop, max(0, kept - len(stop) + 1))
+
+
+def stop_holdback(params) -> int:
+    """The characters at the end of a running sample's text that a stop string of `params` (a
+    `SamplingParams`) may still be forming in: the longest one's length less one (0: none), which
+    a sample's text holds back until more tokens come, as vLLM's."""
+    return max((len(s) for s in params.stop), default=1) - 1
 
 
 def truncate_at_stop(tokenizer, output_ids: list[int], stop: str, include: bool, skip_special_tokens: bool = True

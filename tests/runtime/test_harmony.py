@@ -166,12 +166,12 @@ def test_a_harmony_reply_without_tools_drops_its_calls_and_may_drop_its_reasonin
 
 def test_a_harmony_reply_held_to_required_calls_reads_them_from_its_final_message():
     """"required": the grammar held the final message to the calls' JSON (after the analysis);
-    the calls are read from it, whole and streamed, and the finish reason stays the engine's."""
+    the calls are read from it, whole and streamed, and the finish reason is "tool_calls"."""
     calls = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}]'
     text = THINK + f"<|start|>assistant<|channel|>final<|message|>{calls}<|return|>"
     tools = ToolReply("required", TOOLS)
     message, called = chat_message(text, tools, "openai_gptoss")
-    assert not called and message["reasoning"] == "Need the weather." and message["content"] == ""
+    assert called and message["reasoning"] == "Need the weather." and message["content"] == ""
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == \
         [("get_weather", '{"city": "Oslo"}')]
     joined = _streamed(ChatStream(tools, "openai_gptoss"), text)

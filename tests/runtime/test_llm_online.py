@@ -158,6 +158,9 @@ def test_delta_text_adds_up_to_the_text_with_stop_strings():
         assert len(outputs) > 2 and want.finish_reason == "stop"
         assert "".join(o.outputs[0].text for o in outputs) == want.text
         assert outputs[-1].outputs[0].stop_reason == stop
+        cumulative = drive(llm, {0: [("c", prompt, replace(params, output_kind=RequestOutputKind.CUMULATIVE))]})["c"]
+        texts = [o.outputs[0].text for o in cumulative]  # as vLLM's: it only grows (a forming stop held back)
+        assert texts[-1] == want.text and all(later.startswith(text) for text, later in zip(texts, texts[1:]))
 
 
 def test_a_request_that_never_fits_finishes_with_its_error():

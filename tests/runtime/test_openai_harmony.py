@@ -95,9 +95,10 @@ def _want(reference, regex: str, seed: int):
 
 
 def _body(text: str) -> str:
-    """A last message's body: its text before the EOS token that ended it."""
-    assert text.endswith(("<|return|>", "<|call|>")), text
-    return text.removesuffix("<|return|>").removesuffix("<|call|>")
+    """A last message's body: the reply's text ends before the EOS token that ended it (left out of
+    the text, as vLLM leaves it)."""
+    assert not text.endswith(("<|return|>", "<|call|>")), text
+    return text
 
 
 def _streamed(client, regex: str, seed: int, **kwargs) -> tuple[str, str, list[dict], str]:

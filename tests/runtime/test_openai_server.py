@@ -160,7 +160,7 @@ def test_response_format_is_read_as_structured_outputs():
 @pytest.mark.parametrize("body, param, status", [
     ({"prompt": "w5", "max_tokens": 0}, "max_tokens", 400),
     ({"prompt": "w5", "temperature": "hot"}, "temperature", 400),
-    ({"prompt": "w5", "top_k": 0}, "top_k", 400),
+    ({"prompt": "w5", "top_k": -2}, "top_k", 400),  # (0 is -1, all tokens, as vLLM reads it)
     ({"prompt": "w5", "echo": "yes"}, "echo", 400),
     ({"prompt": "w5", "prompt_logprobs": 50}, "prompt_logprobs", 400),  # above the engine's max_logprobs
     ({"prompt": "w5", "best_of": 3}, "best_of", 400),

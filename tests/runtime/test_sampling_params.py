@@ -20,8 +20,7 @@ from vexact_models.runtime.sampling_params import SamplingParams
         ({"top_p": 1.5}, "SamplingParams.top_p=1.5 is outside (0, 1]"),
         ({"top_p": 0.0}, "SamplingParams.top_p=0.0 is outside (0, 1]"),
         ({"top_p": float("inf")}, "SamplingParams.top_p=inf must be a finite number"),
-        ({"top_k": 0}, "SamplingParams.top_k=0 must be -1 (off) or >= 1"),
-        ({"top_k": -2}, "SamplingParams.top_k=-2 must be -1 (off) or >= 1"),
+        ({"top_k": -2}, "SamplingParams.top_k=-2 must be -1 or 0 (off) or >= 1"),
         ({"top_k": 1.0}, "SamplingParams.top_k=1.0 must be an int, got float"),
         ({"min_p": -0.1}, "SamplingParams.min_p=-0.1 is outside [0, 1] (0: off)"),
         ({"min_p": 1.5}, "SamplingParams.min_p=1.5 is outside [0, 1] (0: off)"),
@@ -67,3 +66,15 @@ def test_replace_copies_and_revalidates():
     assert base.stop_token_ids == [7]
     with pytest.raises(ValueError, match="top_p=2"):
         dataclasses.replace(base, top_p=2.0)
+
+
+def test_vllms_spellings_of_none_and_all_are_taken_as_vllm_reads_them():
+    """``stop=None`` and ``stop_token_ids=None`` are none, ``top_k=0`` all tokens, ``max_tokens=None``
+    up to the engine's ``max_model_len`` (`UNBOUNDED_TOKENS`), as vLLM's; a copy reads the same."""
+    from vexact_models.runtime.sampling_params import UNBOUNDED_TOKENS
+
+    params = SamplingParams(stop=None, stop_token_ids=None, top_k=0, max_tokens=None)
+    assert (params.stop, params.stop_token_ids, params.top_k, params.max_tokens) == ([], [], -1, UNBOUNDED_TOKENS)
+    assert dataclasses.replace(params, n=2).max_tokens == UNBOUNDED_TOKENS
+    with pytest.raises(ValueError, match="min_tokens=5 exceeds max_tokens=3"):
+        SamplingParams(max_tokens=3, min_tokens=5)

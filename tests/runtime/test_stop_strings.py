@@ -65,6 +65,30 @@ def test_min_tokens_holds_a_stop_string_back(checkpoint):
     assert len(now.outputs[0].token_ids) == 1 and now.outputs[0].text == ""
 
 
+def test_a_stop_token_ends_the_sample_out_of_its_text_and_is_its_stop_reason(checkpoint):
+    """As vLLM's: a sample ended by one of ``stop_token_ids`` reports that id as its ``stop_reason``
+    (the model's own EOS: None) and its text leaves the token out, unless
+    ``include_stop_str_in_output``; its tokens and logprobs keep it. Without CUDA graphs or
+    tokens in flight, ``max_tokens=None`` runs to ``max_model_len``."""
+    llm = LLM(str(checkpoint), **ENGINE, max_model_len=24)
+    [full] = gen(llm, ["w1 w2 w3"], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    ids, words = full.outputs[0].token_ids, full.outputs[0].text.split(" ")
+    stop = ids[2]
+    for include in (False, True):
+        [out] = gen(llm, ["w1 w2 w3"], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
+                                                      stop_token_ids=[stop], include_stop_str_in_output=include))
+        c = out.outputs[0]
+        upto = ids.index(stop) + 1
+        assert (c.token_ids, c.finish_reason, c.stop_reason) == (ids[:upto], "stop", stop)
+        assert c.text == " ".join(words[:upto if include else upto - 1])
+    llm.scheduler.eos_token_id = stop  # the model's own EOS: the same text, no stop_reason
+    [out] = gen(llm, ["w1 w2 w3"], SamplingParams(temperature=0.0, max_tokens=8))
+    assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", None)
+    assert out.outputs[0].text == " ".join(words[:ids.index(stop)])
+    [out] = gen(llm, ["w1 w2 w3"], SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True))
+    assert len(out.outputs[0].token_ids) == 24 - 3 and out.outputs[0].finish_reason == "length"
+
+
 def test_stop_strings_need_a_tokenizer_which_a_model_instance_can_be_given(checkpoint):
     model = qwen3.Qwen3ForCausalLM.from_pretrained(str(checkpoint)).eval()
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, stop=["w"])
