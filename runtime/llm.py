@@ -213,7 +213,7 @@ class LLM(ChatMixin, RequestsMixin, OnlineRequestsMixin, EngineStepsMixin, Engin
         self.pipeline = None if stage is None else Pipeline(stage, PipelineComm(
             stage.index, stage.size, self.device, self.dtype, self.config.hidden_size))
         self.max_model_len = check_max_model_len(max_model_len, self.config)
-        self.eos_token_ids = eos_token_ids(self.model, self.config)
+        self.eos_token_ids = eos_token_ids(self.model, self.config, self.tokenizer)
         self.engine_config = engine_config(
             self.model, self.dtype, self.device, self.pipeline, block_size=block_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,

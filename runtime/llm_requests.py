@@ -140,7 +140,8 @@ class RequestsMixin:
         and cumulative logprob, of the whole sample, unless not `whole` (None). As vLLM's, the text
         leaves out the stop string or stop token that finished the sample (unless
         ``include_stop_str_in_output``), and while it runs the characters a stop string may
-        still be forming in (`stop_holdback`), so that it only grows."""
+        still be forming in (`stop_holdback`), so that no stop string's start is taken back (a
+        last character still being decoded, U+FFFD, is replaced by the next token's)."""
         text, p = None, seq.params
         if whole and isinstance(seq.stop_reason, str):
             text = truncate_at_stop(self.tokenizer, seq.output_token_ids, seq.stop_reason,

@@ -269,15 +269,19 @@ def engine_config(model, dtype: torch.dtype, device: torch.device, pipeline: Pip
         kept_b_limit=kept_b_budget(model, device, kv_cache_bytes))
 
 
-def eos_token_ids(model, config) -> list[int]:
+def eos_token_ids(model, config, tokenizer=None) -> list[int]:
     """The checkpoint's EOS ids: its generation_config.json (which from_pretrained loads into
     the inference `model`'s causal LM, e.g. Qwen3's <|im_end|> and <|endoftext|>), else
-    ``config.eos_token_id``."""
+    ``config.eos_token_id``; the `tokenizer`'s EOS first where it is one of them: the model's own
+    EOS, as vLLM takes it (no ``stop_reason``; the others are stop tokens, reported)."""
     gen = getattr(model.causal_lm, "generation_config", None)
     eos = getattr(gen, "eos_token_id", None) if gen is not None else None
     if eos is None:
         eos = getattr(config, "eos_token_id", None)
     ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    own = getattr(tokenizer, "eos_token_id", None)
+    if own in ids:
+        ids = [own] + [i for i in ids if i != own]
     vocab = int(config.vocab_size)
     bad = [i for i in ids if not 0 <= int(i) < vocab]
     if bad:  # the sampler would index its stop-token mask out of range, mid-step

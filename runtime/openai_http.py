@@ -14,6 +14,7 @@ connection (the OpenAI client would send the request again).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import select
@@ -199,6 +200,15 @@ class _Handler(BaseHTTPRequestHandler):
         if errors:
             self._error(ProtocolError(errors[0]))
             return
+        try:
+            body = self._whole(kind, request, outputs)
+        except Exception as err:  # a failure of ours writing the answer: answered, not a dropped connection
+            self._error(ProtocolError(f"the server failed to write the answer: {type(err).__name__}: {err}",
+                                      status=500, kind="internal_error"))
+            return
+        self._send(HTTPStatus.OK, body)
+
+    def _whole(self, kind: str, request: EngineRequest, outputs: list[RequestOutput]) -> dict:
         choose = completion_choice if kind == "text_completion" else chat_choice
         n = request.params[0].n
         choices = [choose(request, i * n + c.index, o, c) for i, o in enumerate(outputs) for c in o.outputs]
@@ -206,7 +216,7 @@ class _Handler(BaseHTTPRequestHandler):
         body = response(request, kind, self.server_state.model_name, choices, usage(sum(map(len, request.prompts)), tokens))
         if kind != "text_completion" and request.prompt_logprobs is not None:
             body["prompt_logprobs"] = prompt_logprobs(outputs[0])
-        self._send(HTTPStatus.OK, body)
+        return body
 
     def _stream(self, kind: str, request: EngineRequest, sink: queue.SimpleQueue, ids: list[str]) -> None:
         self.send_response(HTTPStatus.OK)
@@ -247,9 +257,12 @@ class _Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):  # the client went away: stop its requests
             for request_id in ids:
                 self.server_state.engine.abort(request_id)
-        except Exception as err:  # the engine failed a step: say so in the stream, which ends as every stream does
-            self._event(ProtocolError(str(err), status=500, kind="internal_error").body())
-            self._write(b"data: [DONE]\n\n")
+        except Exception as err:  # the engine failed a step, or we a chunk: say so; the stream ends as every one does
+            for request_id in ids:  # (what still runs is read by nobody now)
+                self.server_state.engine.abort(request_id)
+            with contextlib.suppress(OSError):  # (the client may have gone too)
+                self._event(ProtocolError(str(err), status=500, kind="internal_error").body())
+                self._write(b"data: [DONE]\n\n")
 
     # -- writing -----------------------------------------------------------------------------
     def _raw_body(self) -> bytes:
@@ -260,10 +273,17 @@ class _Handler(BaseHTTPRequestHandler):
         return self.rfile.read(int(length))
 
     def _client_gone(self) -> bool:
-        """Whether the client closed its end of the connection (readable, with nothing to read)."""
+        """Whether the client closed its end of the connection (readable, with nothing to read).
+        (``poll``, not ``select``, which refuses descriptors past 1023: a server with a thousand
+        connections has them.)"""
+        poller = select.poll()
+        poller.register(self.connection, select.POLLIN)
         try:
-            readable, _, _ = select.select([self.connection], [], [], 0)
-            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+            if not poller.poll(0):
+                return False
+            return self.connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:  # (readable a moment ago, nothing now: still there)
+            return False
         except OSError:  # (reset by the peer)
             return True
 

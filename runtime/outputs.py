@@ -26,7 +26,8 @@ class CompletionOutput:
     finish_reason: str | None  # "stop", "length" or "error"; None while it runs (`LLM.step`)
     text: str | None = None
     error: str | None = None
-    stop_reason: str | int | None = None  # the stop string or stop token id that finished it, as vLLM's (EOS: None)
+    stop_reason: str | int | None = None  # the stop string or stop token id that finished it, as vLLM's
+    # (None for the model's own EOS: the tokenizer's, `llm_setup.eos_token_ids`)
     cumulative_logprob: float | None = None  # the sum of ``logprobs`` (exactly rounded), as vLLM's
 
 

@@ -101,6 +101,8 @@ class PostprocessMixin:
                 seq.error = f"output {num_output - 1} of request {seq.request_id}: {error}"
                 return "error"
             if seq.grammar is not None and seq.grammar.terminated:  # a stop token after a complete output
+                if token != self.eos_token_id:  # another EOS id of the checkpoint: a stop token, reported
+                    seq.stop_reason = token
                 return "stop"
         # Stop tokens/EOS count only once min_tokens outputs precede them: the sampler bans
         # them while num_output_tokens < min_tokens (counted before the new token).

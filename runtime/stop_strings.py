@@ -58,8 +58,11 @@ def _ending_in_last(before: str, text: str, stop: str) -> int:
 
 def stop_holdback(params) -> int:
     """The characters at the end of a running sample's text that a stop string of `params` (a
-    `SamplingParams`) may still be forming in: the longest one's length less one (0: none), which
-    a sample's text holds back until more tokens come, as vLLM's."""
+    `SamplingParams`) may still be forming in: the longest one's length less one (0: none, and
+    with ``include_stop_str_in_output``, whose text keeps what it matched), which a sample's text
+    holds back until more tokens come, as vLLM's."""
+    if params.include_stop_str_in_output:
+        return 0
     return max((len(s) for s in params.stop), default=1) - 1
 
 

@@ -247,8 +247,18 @@ def test_checkpoint_generation_config_eos_list_is_used(checkpoint, tmp_path):
     assert llm.eos_token_ids == [1, tokens[k]]
     [out] = gen(llm, ["w7 w8 w9 w10"], SamplingParams(temperature=0.0, max_tokens=8))
     assert out.outputs[0].token_ids == tokens[:k + 1] and out.outputs[0].finish_reason == "stop"
+    assert out.outputs[0].stop_reason == tokens[k]  # (not the model's own EOS: a stop token, reported as vLLM's)
     [out] = gen(llm, ["w7 w8 w9 w10"], sp)
     assert out.outputs[0].token_ids == tokens
+    # the tokenizer's EOS is the model's own, as vLLM takes it: first, and no stop_reason
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.eos_token = f"w{tokens[k]}"
+    llm = LLM(str(folder), device="cpu", block_size=BS, kv_cache_bytes=1 << 20, tokenizer=tokenizer)
+    assert llm.eos_token_ids == [tokens[k], 1]
+    [out] = gen(llm, ["w7 w8 w9 w10"], SamplingParams(temperature=0.0, max_tokens=8))
+    assert out.outputs[0].token_ids == tokens[:k + 1] and out.outputs[0].stop_reason is None
 
 
 @pytest.mark.parametrize("text, words", [

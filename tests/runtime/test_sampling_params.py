@@ -78,3 +78,10 @@ def test_vllms_spellings_of_none_and_all_are_taken_as_vllm_reads_them():
     assert dataclasses.replace(params, n=2).max_tokens == UNBOUNDED_TOKENS
     with pytest.raises(ValueError, match="min_tokens=5 exceeds max_tokens=3"):
         SamplingParams(max_tokens=3, min_tokens=5)
+
+
+def test_a_stop_string_holds_back_what_it_could_still_be_forming_unless_the_text_keeps_it():
+    from vexact_models.runtime.stop_strings import stop_holdback
+
+    assert stop_holdback(SamplingParams()) == 0 and stop_holdback(SamplingParams(stop=["ab", "wxyz"])) == 3
+    assert stop_holdback(SamplingParams(stop=["wxyz"], include_stop_str_in_output=True)) == 0

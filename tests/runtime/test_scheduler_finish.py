@@ -66,6 +66,39 @@ def test_a_token_no_setting_allowed_ends_the_sequence_with_an_error_naming_why()
     assert "token 6 is not in allowed_token_ids" in run_scripted([6], allowed_token_ids=[5, 7]).error
 
 
+def test_a_stop_token_is_the_stop_reason_and_the_models_eos_is_none():
+    assert run_scripted([5, 7], stop_token_ids=[7]).stop_reason == 7
+    assert run_scripted([5, EOS], stop_token_ids=[EOS]).stop_reason is None  # the model's own EOS first, as vLLM's
+    assert run_scripted([5, EOS], stop_token_ids=[EOS], ignore_eos=True).stop_reason == EOS
+
+
+class _EndsAt:
+    """A grammar (`GrammarState`'s two members the scheduler reads) that accepts every token and is
+    complete once it accepted `end`."""
+
+    def __init__(self, end: int) -> None:
+        self.end, self.terminated = end, False
+
+    def accept(self, token: int) -> bool:
+        self.terminated = token == self.end
+        return True
+
+
+@pytest.mark.parametrize("end, reason", [(EOS, None), (7, 7)])
+def test_a_grammar_ended_by_another_eos_id_reports_it_as_vllm_does(monkeypatch, end, reason):
+    """A structured output's grammar ends at one of the checkpoint's EOS ids: the model's own EOS
+    gives no stop_reason, another (a stop token of the request) is the stop_reason."""
+    made = Sequence.__init__
+
+    def with_grammar(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        self.grammar = _EndsAt(end)
+
+    monkeypatch.setattr(Sequence, "__init__", with_grammar)
+    seq = run_scripted([5, end, 6], stop_token_ids=[7])
+    assert seq.output_token_ids == [5, end] and (seq.finish_reason, seq.stop_reason) == ("stop", reason)
+
+
 def test_no_eos_token_means_only_stop_ids_and_lengths_finish():
     seq = run_scripted([EOS, EOS, EOS], eos=None, max_tokens=3)
     assert seq.output_token_ids == [EOS] * 3 and seq.finish_reason == "length"
