@@ -88,8 +88,9 @@ def flatten_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
     """Turn padded or packed HF input into sequences packed back to back.
 
     - ``attention_mask`` (``[B, L]``, 1 = token): each row's tokens form one sequence (left or
-      right padding); positions count from the row's first token unless ``position_ids`` say
-      otherwise.
+      right padding); positions count from the row's first token, masked-out tokens between
+      included (stock's positions less a per-row offset), unless ``position_ids`` say otherwise
+      (``[1, L]`` ones stand for every row, as stock broadcasts them).
     - ``cu_seqlens``: ``input_ids`` (``[T]`` or ``[1, T]``) already packed.
     - ``position_ids`` without a mask: a new sequence starts at every row and wherever the
       positions restart at 0 (HF's packed-sequence convention).
@@ -101,6 +102,8 @@ def flatten_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
     if input_ids.dim() not in (1, 2):
         raise ValueError(f"input_ids must be [batch, seq] or [tokens], got shape {tuple(shape)}")
     rows, length = (1, ids.shape[0]) if input_ids.dim() == 1 else shape
+    if position_ids is not None and position_ids.dim() == 2 and position_ids.shape == (1, length) and rows > 1:
+        position_ids = position_ids.expand(rows, length)  # one row for every row, as stock broadcasts it
     if attention_mask is not None:
         if cu_seqlens is not None:
             raise ValueError("pass either attention_mask (padded input) or cu_seqlens (packed input), not both")
@@ -110,8 +113,11 @@ def flatten_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
         index = mask.reshape(-1).nonzero().squeeze(1)
         lens = mask.sum(1)
         keep = lens > 0
+        # (a row's positions count from its first token, gaps included: stock's positions, 0..L-1, less an
+        # offset per row, which RoPE does not see; a left- or right-padded row's are 0..n-1)
+        first_token = mask.int().argmax(1, keepdim=True)
         positions = (position_ids.reshape(-1)[index] if position_ids is not None
-                     else (mask.cumsum(1) - 1).reshape(-1)[index])
+                     else (torch.arange(length, device=device) - first_token).reshape(-1)[index])
         lens = lens[keep]
     else:
         index = torch.arange(ids.shape[0], device=device)

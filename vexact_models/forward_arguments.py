@@ -83,7 +83,11 @@ def take_cache_arguments(kwargs: dict, output_attentions: bool | None, model) ->
     arguments out of `kwargs` and return them, for `unfilled_cache` after the forward."""
     refuse_output_attentions(output_attentions, model)
     refuse_kv_prefix(kwargs, model)
-    return {name: kwargs.pop(name, None) for name in ("use_cache", *CACHE_ARGUMENTS)}
+    taken = {name: kwargs.pop(name, None) for name in ("use_cache", *CACHE_ARGUMENTS)}
+    # ``use_cache`` from the config as stock reads it (on by default), so that a manual decode loop gets the
+    # marked cache back and fails at its second step, and a tuple output has stock's layout
+    taken["use_cache"] = hf_flag(taken["use_cache"], model.config, "use_cache", True)
+    return taken
 
 
 def mark_left_empty(cache, given_to: str) -> None:
@@ -96,10 +100,10 @@ def mark_left_empty(cache, given_to: str) -> None:
 
 def unfilled_cache(cache_arguments: dict, tokens: int):
     """The cache a forward of `tokens` tokens returns (its output's `cache_field`), from its
-    cache arguments (``use_cache`` and `CACHE_ARGUMENTS`): the ``Cache`` it was given, or, for an
-    explicit ``use_cache=True`` without one, a new ``DynamicCache``; either empty and marked
-    (`mark_left_empty`), so that a cached decode loop fails at its second step with a ValueError
-    rather than computing without its prompt. None otherwise (``use_cache`` from the config)."""
+    cache arguments (``use_cache``, as `take_cache_arguments` resolves it, and `CACHE_ARGUMENTS`):
+    the ``Cache`` it was given, or, for ``use_cache`` without one, a new ``DynamicCache``; either
+    empty and marked (`mark_left_empty`), so that a cached decode loop fails at its second step
+    with a ValueError rather than computing without its prompt. None otherwise."""
     given = [cache_arguments.get(name) for name in CACHE_ARGUMENTS]
     cache = next((c for c in given if hasattr(c, "get_seq_length")), None)
     if cache is None and cache_arguments.get("use_cache") is True:

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import transformers
 
 import vexact_models.qwen3 as qwen3
 from vexact_models.flat_batch import flatten_inputs
@@ -99,7 +100,8 @@ def test_a_cache_a_forward_left_empty_is_refused_when_it_comes_back(monkeypatch)
     explicit ``use_cache=True``; given again (a cached decode loop's next step, fed only the new
     tokens), either is a ValueError naming the argument and the earlier forward, in the causal
     LM and the base model, instead of logits computed without the prompt. ``use_cache`` from the
-    config returns none, and the tuple output then matches stock's layout. The cache goes in the
+    config (on by default, as stock reads it) returns one too, so that a manual loop that leaves it
+    to the config fails the same way, and the tuple output matches stock's layout. The cache goes in the
     output field of the installed release's name (``cache`` from 5.25 on), so transformers logs
     no deprecation warning."""
     from transformers import DynamicCache
@@ -123,6 +125,14 @@ def test_a_cache_a_forward_left_empty_is_refused_when_it_comes_back(monkeypatch)
                                                          "left empty"):
                         forward(ids[:, 7:], **{name: cache})
             assert torch.equal(model(ids[:, :7], **{name: DynamicCache()}).logits, prompt)
-        assert len(model(ids)) == 1 and len(model.model(ids)) == 1  # no cache field set
-        assert len(model(ids, return_dict=False)) == 1 and len(model(ids, use_cache=True, return_dict=False)) == 2
+        stock = transformers.Qwen3ForCausalLM(model.config).eval()
+        for kwargs in ({}, {"use_cache": False}, {"return_dict": False}, {"use_cache": False, "return_dict": False},
+                       {"output_hidden_states": True, "return_dict": False}):
+            ours, theirs = model(ids, **kwargs), stock(ids, **kwargs)
+            assert len(ours) == len(theirs) and [type(v) for v in ours.values()] == [type(v) for v in theirs.values()] \
+                if isinstance(ours, dict) else [type(v) for v in ours] == [type(v) for v in theirs], kwargs
+        assert len(model.model(ids)) == len(stock.model(ids)) == 2
+        loop = model(ids[:, :7])[-1]  # a manual loop that leaves use_cache to the config
+        with pytest.raises(ValueError, match="left empty"):
+            model(ids[:, 7:], cache=loop)
     assert not [message for message in said if "deprecated" in message], said
