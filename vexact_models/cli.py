@@ -32,7 +32,7 @@ import torch
 
 from vexact_models.cli_args import architecture_arg, device_arg, dotted_json_args, positive_int
 from vexact_models.conformance.models import MIN_GPU_HEAD_DIM
-from vexact_models.kernels.backend import current_backend
+from vexact_models.kernels import current_backend
 from vexact_models.layers import head_dim_of
 from vexact_models.registry import architectures, get, unavailable
 from vexact_models.serve_cli import add_serve_parser, serve
