@@ -88,9 +88,9 @@ def flatten_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
     """Turn padded or packed HF input into sequences packed back to back.
 
     - ``attention_mask`` (``[B, L]``, 1 = token): each row's tokens form one sequence (left or
-      right padding); positions count from the row's first token, masked-out tokens between
-      included (stock's positions less a per-row offset), unless ``position_ids`` say otherwise
-      (``[1, L]`` ones stand for every row, as stock broadcasts them).
+      right padding); positions count the row's tokens from 0 (as HF's ``generate`` numbers
+      them) unless ``position_ids`` say otherwise (``[1, L]`` ones stand for every row, as stock
+      broadcasts them).
     - ``cu_seqlens``: ``input_ids`` (``[T]`` or ``[1, T]``) already packed.
     - ``position_ids`` without a mask: a new sequence starts at every row and wherever the
       positions restart at 0 (HF's packed-sequence convention).
@@ -113,11 +113,8 @@ def flatten_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
         index = mask.reshape(-1).nonzero().squeeze(1)
         lens = mask.sum(1)
         keep = lens > 0
-        # (a row's positions count from its first token, gaps included: stock's positions, 0..L-1, less an
-        # offset per row, which RoPE does not see; a left- or right-padded row's are 0..n-1)
-        first_token = mask.int().argmax(1, keepdim=True)
         positions = (position_ids.reshape(-1)[index] if position_ids is not None
-                     else (torch.arange(length, device=device) - first_token).reshape(-1)[index])
+                     else (mask.cumsum(1) - 1).reshape(-1)[index])
         lens = lens[keep]
     else:
         index = torch.arange(ids.shape[0], device=device)

@@ -30,14 +30,12 @@ def test_kept_selects_the_tokens_at_the_kept_positions_of_each_row():
     assert tokens.tolist() == [3, 4] and kept.shape == (2,)
 
 
-def test_positions_count_from_each_rows_first_token_as_stocks_do_less_an_offset():
-    """Without ``position_ids`` a row's positions count from its first token, masked-out tokens
-    between included (stock's 0..L-1 less the row's offset, which RoPE does not see): a left- or
-    right-padded row's are 0..n-1. ``position_ids`` of one row stand for every row, as stock
-    broadcasts them."""
+def test_positions_of_one_row_stand_for_every_row_as_stock_broadcasts_them():
+    """Without ``position_ids`` a row's positions count its tokens from 0 (HF ``generate``'s
+    numbering); ``position_ids`` of one row stand for every row, as stock broadcasts them."""
     mask = torch.tensor([[0, 1, 1, 1], [1, 1, 0, 1], [1, 1, 1, 0]])
     flat = flatten_inputs(torch.ones(3, 4, dtype=torch.long), attention_mask=mask)
-    assert flat.positions.tolist() == [0, 1, 2, 0, 1, 3, 0, 1, 2]
+    assert flat.positions.tolist() == [0, 1, 2, 0, 1, 2, 0, 1, 2]
     one_row = torch.tensor([[0, 1, 2, 3]])
     flat = flatten_inputs(torch.ones(3, 4, dtype=torch.long), attention_mask=mask, position_ids=one_row)
     assert flat.positions.tolist() == [1, 2, 3, 0, 1, 3, 0, 1, 2]
