@@ -26,7 +26,7 @@ from jinja2 import TemplateError
 
 from .llm_chat import chat_ids, render_text
 from .openai_protocol import (EngineRequest, ProtocolError, chat_choice, chat_stream, completion_choice, prompt_logprobs,
-                              read_chat, read_completion, response, usage)
+                              read_chat, read_completion, response, sampling_field, usage)
 from .outputs import RequestOutput
 from .structured_outputs import StructuredOutputsConfig
 
@@ -321,7 +321,7 @@ def _api_field(message: str, chat: bool) -> str | None:
     for its ``logprobs``; None where it names none."""
     if not message.startswith("SamplingParams."):
         return None
-    name = message.removeprefix("SamplingParams.").split("=")[0].split("[")[0]
+    name = sampling_field(message)
     return "top_logprobs" if chat and name == "logprobs" else name
 
 

@@ -40,7 +40,7 @@ from .structured_outputs import StructuredOutputsConfig, StructuredOutputsParams
 from .top_logprobs import Logprob
 
 __all__ = ["ProtocolError", "EngineRequest", "read_completion", "read_chat", "completion_choice", "chat_choice",
-           "chat_stream", "prompt_logprobs", "response", "usage"]
+           "chat_stream", "prompt_logprobs", "response", "sampling_field", "usage"]
 
 #: vLLM's sampling fields read as they are, with the types they must have
 _EXTRA_FIELDS = {"top_k": int, "min_p": (int, float), "repetition_penalty": (int, float), "min_tokens": int,
@@ -144,7 +144,12 @@ def _sampling(body: dict, max_tokens: int | None, logprobs: int | None, stream: 
     except ProtocolError:  # (a ValueError that names its field already)
         raise
     except ValueError as err:
-        raise ProtocolError(str(err), str(err).split("=")[0].removeprefix("SamplingParams.").split("[")[0]) from None
+        raise ProtocolError(str(err), sampling_field(str(err))) from None
+
+
+def sampling_field(message: str) -> str:
+    """The field a `SamplingParams` ValueError names (``SamplingParams.NAME=...``, ``NAME[i]=...``)."""
+    return message.split("=")[0].removeprefix("SamplingParams.").split("[")[0]
 
 
 def _check_context(prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:

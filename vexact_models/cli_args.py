@@ -16,7 +16,7 @@ from vexact_models.registry import Architecture, for_model_type, get
 from vexact_models.runtime.structured_outputs import StructuredOutputsConfig
 
 __all__ = ["architecture_arg", "checkpoint_arg", "config_arg", "device_arg", "dotted_json_args", "non_negative_float",
-           "non_negative_int", "positive_float", "positive_int", "structured_outputs_config_arg"]
+           "non_negative_int", "port_arg", "positive_float", "positive_int", "structured_outputs_config_arg"]
 
 
 def positive_int(text: str) -> int:
@@ -32,6 +32,18 @@ def non_negative_int(text: str) -> int:
     value = _number(text, int)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+#: the largest TCP port
+MAX_PORT = 65535
+
+
+def port_arg(text: str) -> int:
+    """A TCP port, 0 (a free one) to 65535 (``vexact serve --port``)."""
+    value = non_negative_int(text)
+    if value > MAX_PORT:
+        raise argparse.ArgumentTypeError(f"must be <= {MAX_PORT} (0: a free one), got {value}")
     return value
 
 

@@ -8,7 +8,7 @@ import signal
 import sys
 from typing import TYPE_CHECKING
 
-from vexact_models.cli_args import (chat_template_arg, checkpoint_arg, device_arg, non_negative_int, positive_float,
+from vexact_models.cli_args import (chat_template_arg, checkpoint_arg, device_arg, non_negative_int, port_arg, positive_float,
                                     positive_int, structured_outputs_config_arg)
 from vexact_models.runtime.openai_tools import server_parsers
 from vexact_models.runtime.reasoning import PARSERS as REASONING_PARSERS
@@ -17,9 +17,7 @@ from vexact_models.runtime.tool_calls import PARSERS
 if TYPE_CHECKING:
     from vexact_models.runtime.openai_server import OpenAIServer
 
-__all__ = ["SERVE_HELP", "add_serve_parser", "port_arg", "serve"]
-
-MAX_PORT = 65535
+__all__ = ["SERVE_HELP", "add_serve_parser", "serve"]
 
 SERVE_HELP = """\
 Serve a checkpoint through the OpenAI API, as `vllm serve` does, on the exact-logprob engine:
@@ -100,14 +98,6 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                    help="vLLM's switch for tool_choice 'auto', accepted for its command lines: needs "
                         "--tool-call-parser, which turns 'auto' on by itself here")
     return p
-
-
-def port_arg(text: str) -> int:
-    """``--port``: a TCP port, 0 (a free one) to 65535."""
-    value = non_negative_int(text)
-    if value > MAX_PORT:
-        raise argparse.ArgumentTypeError(f"must be <= {MAX_PORT} (0: a free one), got {value}")
-    return value
 
 
 def serve(args: argparse.Namespace) -> int:
