@@ -172,6 +172,32 @@ def test_release_resume_update_weights(ckpt):
         assert torch.equal(torch.tensor(out.log_probs), recompute(trained, prompt, out.token_ids))
 
 
+def test_without_free_cache_engine_the_server_keeps_the_engine_awake(ckpt):
+    """rollout.free_cache_engine=False: verl's trainer still calls the server's sleep after every
+    generate (its checkpoint manager's sleep_replicas) and then syncs without waking anything, so
+    sleep, release_kv_cache and resume_kv_cache must leave the engine as it is (verl's vLLM server)."""
+    rollout, server = make_rollout(ckpt, free_cache_engine=False)
+    trained = get("qwen3").causal_lm_class.from_pretrained(ckpt).eval()
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+
+    async def two_steps():  # verl's naive sync, then generate, then sleep_replicas; twice
+        outs = None
+        for _ in range(2):
+            await server.release_kv_cache()
+            await rollout.update_weights(iter(trained.state_dict().items()))
+            await server.resume_kv_cache()
+            outs = await generate_all(server)
+            await server.sleep()
+        return outs
+
+    outs = asyncio.run(two_steps())
+    assert rollout.llm.runner.kv_caches, "the KV cache was released"
+    for prompt, out in zip(PROMPTS, outs):
+        assert torch.equal(torch.tensor(out.log_probs), recompute(trained, prompt, out.token_ids))
+
+
 async def _async_stream(pairs):  # a checkpoint engine's receiver yields asynchronously
     for pair in pairs:
         await asyncio.sleep(0)

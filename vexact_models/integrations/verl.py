@@ -257,13 +257,20 @@ class VexactServer:
         await self._call("wake_up", tags)
 
     async def sleep(self) -> None:
-        await self._call("sleep")
+        """Free the engine's memory (`VexactRollout.sleep`); nothing without ``free_cache_engine``,
+        as verl's vLLM server: verl's weight sync then wakes nothing either."""
+        if self.config.free_cache_engine:
+            await self._call("sleep")
 
     async def release_kv_cache(self) -> None:
-        await self._call("sleep", 0)
+        """Free the KV cache for a weight sync (only with ``free_cache_engine``, as verl's vLLM server)."""
+        if self.config.free_cache_engine:
+            await self._call("sleep", 0)
 
     async def resume_kv_cache(self) -> None:
-        await self._call("wake_up", ["kv_cache"])
+        """Restore what `release_kv_cache` freed (only with ``free_cache_engine``)."""
+        if self.config.free_cache_engine:
+            await self._call("wake_up", ["kv_cache"])
 
     async def clear_kv_cache(self) -> None:
         """Nothing to do: an engine over verl's weights shares no prefix pages once its requests
