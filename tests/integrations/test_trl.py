@@ -234,6 +234,9 @@ def test_bad_settings_are_refused_before_building(example, tmp_path):
     with pytest.raises(ValueError, match=r"generation_kwargs \['truncate_prompt_tokens'\] \(only \['stop'"):
         VexactGRPOTrainer(ours, args=GRPOConfig(**base, generation_kwargs={"stop": ["x"], "truncate_prompt_tokens": 8}),
                           **common)
+    with pytest.raises(ValueError, match="loss_type='vespo' with vllm_importance_sampling_mode='sequence_mask'"):
+        VexactGRPOTrainer(ours, args=GRPOConfig(**base, loss_type="vespo", vllm_importance_sampling_mode="sequence_mask"),
+                          **common)
     with pytest.raises(ValueError, match="transformers.models.qwen3.modeling_qwen3.Qwen3ForCausalLM"):
         VexactGRPOTrainer(Qwen3ForCausalLM(config), args=GRPOConfig(**base), **common)
     multimodal = transformers.Qwen3_5Config(text_config=get("qwen3_5").tiny_config(vocab_size=16).to_dict())

@@ -3,6 +3,7 @@ logit edits, and stop strings in ``generation_kwargs`` reach the engine as TRL p
 and TRL's mismatch metrics stay exactly 0 / 1."""
 
 import pytest
+import torch
 
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
@@ -62,6 +63,19 @@ def test_penalties_reach_the_engine_and_the_metrics_stay_exact(example, tmp_path
     assert len(logs) == 2 and all(h[DIFF_MAX] == 0.0 and h[IS_MIN] == h[IS_MAX] == 1.0 for h in logs), logs
     with pytest.raises(ValueError, match=r"generation_kwargs \['temperature'\]"):
         grpo_trainer(example, "qwen3", tmp_path, grpo={"generation_kwargs": {"temperature": 0.5}})
+
+
+def test_ignore_eos_from_generation_kwargs_runs_every_completion_to_its_length(example, tmp_path):
+    """``generation_kwargs={"ignore_eos": True}``, as vLLM reads it (TRL passes no stop ids, and vLLM
+    leaves the model's EOS ids out of them then): no completion ends at EOS."""
+    trainer = grpo_trainer(example, "qwen3", tmp_path, grpo={"generation_kwargs": {"ignore_eos": True}})
+    gen = trainer.vllm_generation
+    assert gen.sampling["stop_token_ids"] == [] and gen.sampling["ignore_eos"] is True
+    torch.manual_seed(1)
+    _, completion_ids, _, _ = gen.generate([[3, 4, 5], [9, 2, 2, 7, 11], [6]] * 8)
+    eos = trainer.processing_class.eos_token_id
+    assert any(eos in ids[:-1] for ids in completion_ids)  # EOS was drawn, and the completion went on
+    assert all(len(ids) == 5 for ids in completion_ids)
 
 
 def test_stop_strings_from_generation_kwargs_cut_the_completions(example, tmp_path):

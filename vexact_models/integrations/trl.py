@@ -97,6 +97,10 @@ def _check_config(trainer: str, args, exact_logprobs: bool) -> None:
         bad.append(f"temperature={args.temperature} (the trainer samples: it must be > 0)")
     if getattr(args, "fsdp", None) or getattr(args, "deepspeed", None):
         bad.append("FSDP/DeepSpeed (the rollout engine needs the full weights in this process)")
+    if (getattr(args, "loss_type", None) == "vespo" and getattr(args, "vllm_importance_sampling_correction", False)
+            and args.vllm_importance_sampling_mode not in ("token_truncate", "token_mask")):  # TRL's check under vLLM
+        bad.append(f"loss_type='vespo' with vllm_importance_sampling_mode={args.vllm_importance_sampling_mode!r} "
+                   "(VESPO needs 'token_truncate' or 'token_mask')")
     if exact_logprobs and getattr(args, "cast_lm_head_to_fp32", False):
         bad.append("cast_lm_head_to_fp32=True (token_logprobs already computes fp32 logits)")
     if bad:
@@ -179,7 +183,9 @@ class ExactRolloutsMixin:
         extra = {k: v for k, v in (self.args.generation_kwargs or {}).items() if k not in TEXT_ONLY_KWARGS}
         sampling = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
                     "min_p": self.min_p or 0.0, "repetition_penalty": self.args.repetition_penalty,
-                    "max_tokens": self.max_completion_length, "stop_token_ids": list(self.eos_token_ids), **extra}
+                    "max_tokens": self.max_completion_length, **extra}
+        # the model's EOS ids stop a completion unless ignore_eos (vLLM leaves them out of stop_token_ids then)
+        sampling["stop_token_ids"] = [] if extra.get("ignore_eos") else list(self.eos_token_ids)
         sampling["top_k"] = sampling["top_k"] if sampling["top_k"] not in (None, 0) else -1  # TRL's and vLLM's "off"
         regex = getattr(self.args, "vllm_structured_outputs_regex", None)
         if regex is not None:  # TRL's own option, which wins over generation_kwargs' (as in TRL)

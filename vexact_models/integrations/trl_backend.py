@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from accelerate.utils import is_peft_model
 
+from vexact_models.adapter_weights import adapter_tensors
 from vexact_models.causal_lm import final_logit_softcap, num_routed_experts
 from vexact_models.kernels import token_logprobs
 from vexact_models.multimodal import refuse_multimodal_model
@@ -41,6 +42,10 @@ class VexactGeneration:
         self.sampling = dict(sampling)
         SamplingParams(**self.sampling)  # validate once, before any rollout
         self.last_rollout: tuple[list, list, list] | None = None  # (prompt ids, completion ids, logprobs)
+        if is_peft_model(policy) and not self.shares_weights and not adapter_tensors(llm.model.causal_lm):
+            raise ValueError("VexactGeneration: the policy is a PEFT model and the engine (llm=) holds no adapters, so "
+                             "it cannot sample what the policy trains; build it over the PEFT model (LLM(peft_model, "
+                             "...)) or leave llm= unset to share the policy's weights")
 
     @property
     def shares_weights(self) -> bool:
@@ -49,9 +54,20 @@ class VexactGeneration:
         return self.llm.model.causal_lm is causal_lm_of(self.policy)
 
     def sync_weights(self) -> None:
-        """Make the engine sample from the policy's current weights (a no-op when shared)."""
-        if not self.shares_weights:
+        """Make the engine sample from the policy's current weights (a no-op when shared). Under
+        PEFT the frozen base stays: the adapters (into the engine's own, written exactly:
+        `LLM.update_weights`) and any other trainable parameter (PEFT's ``bias``) are sent;
+        otherwise the whole state dict."""
+        if self.shares_weights:
+            return
+        if not is_peft_model(self.policy):
             self.llm.update_weights(self.policy.state_dict())
+            return
+        model = causal_lm_of(self.policy)
+        adapters = adapter_tensors(model)
+        sent = {id(t.param) for t in adapters}
+        trained = [(n, p.detach()) for n, p in model.named_parameters() if p.requires_grad and id(p) not in sent]
+        self.llm.update_weights([(t.name, t.param.detach()) for t in adapters] + trained)
 
     def generate(self, prompts: list[list[int]], images=None, num_generations: int = 1, profiler=None):
         """One completion per prompt (TRL repeats each prompt ``num_generations`` times already).
@@ -63,6 +79,10 @@ class VexactGeneration:
         params = SamplingParams(n=1, **self.sampling)
         with profiler or nullcontext():
             outputs = self.llm.generate([list(p) for p in prompts], params, use_tqdm=False)
+        for out in outputs:  # a row the settings left no token (allowed_token_ids, min_tokens, a grammar): not data
+            for c in out.outputs:
+                if c.finish_reason == "error":
+                    raise RuntimeError(f"VexactGeneration.generate: request {out.request_id}: {c.error}")
         prompt_ids = [out.prompt_token_ids for out in outputs]
         completion_ids = [out.outputs[0].token_ids for out in outputs]
         logprobs = [out.outputs[0].logprobs for out in outputs]
