@@ -14,7 +14,7 @@ from .grammar_masks import GrammarState, grammar_trigger
 from .llm_args import prompt_of
 from .logit_bias import check_token_lists
 from .outputs import CompletionOutput, RequestOutput
-from .sampling_params import SamplingParams
+from .sampling_params import MAX_SEED, SamplingParams
 from .sequence import Sequence
 from .stop_strings import StopStrings, stop_holdback, truncate_at_stop
 from .structured_outputs import Grammars
@@ -113,7 +113,7 @@ class RequestsMixin:
         extra_eos = self.eos_token_ids[1:]
         if extra_eos and not params.ignore_eos:
             params = replace(params, stop_token_ids=list(params.stop_token_ids) + extra_eos)
-        base = params.seed if params.seed is not None else _derive_seed(self.seed, request_id)
+        base = params.seed % MAX_SEED if params.seed is not None else _derive_seed(self.seed, request_id)
         seqs = [Sequence(request_id, i, ids, params, base if params.n == 1 else _derive_seed(base, i))
                 for i in range(params.n)]
         if params.stop:

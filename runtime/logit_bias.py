@@ -6,7 +6,7 @@ never change.
 adds its value to each listed token's logit; both come before the penalties and the min-p/top-k/
 top-p filters, in vLLM's order. Each edits its own row from its own request's parameters, so a
 request samples the same tokens in any batch (rule 7); the reported logprob stays the unedited one
-that training recomputes, as for the filters (vLLM's default ``logprobs_mode``).
+that training recomputes, as for the filters (`SamplingParams`' ``logprobs``: where vLLM's differ).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ The sampler applies them with `kernels.apply_penalties` before min-p/top-k/top-p
 (vLLM's order). They change which token is sampled, deterministically from the sequence's own
 tokens: no other row's state enters, so a request samples the same tokens in any batch, under
 preemption (its outputs are kept) and with any step sizes (rules 1 and 7). The reported logprob
-stays the unpenalised one that training recomputes (rule 7; vLLM's default ``logprobs_mode``).
+stays the unpenalised one that training recomputes (rule 7; `SamplingParams`' ``logprobs``: where vLLM's differ).
 
 Memory: 5 bytes per vocabulary entry per slot (0.76 MB at Qwen3's 151,936), not budgeted with the
 KV cache: 195 MB for 256 sequences. A slot is freed when its sequence finishes; a call that uses no

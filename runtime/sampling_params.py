@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from .structured_outputs import StructuredOutputsParams
 
-__all__ = ["SamplingParams", "RequestOutputKind", "MAX_SEED", "MAX_LOGPROBS", "UNBOUNDED_TOKENS"]
+__all__ = ["SamplingParams", "RequestOutputKind", "MAX_SEED", "MAX_LOGPROBS", "UNBOUNDED_TOKENS", "GREEDY_BELOW"]
 
 #: Seeds live in [0, MAX_SEED): they must fit a signed 64-bit integer so they can be handed to
 #: a counter-based RNG (Philox) as a tensor without wrapping.
@@ -24,6 +24,9 @@ MAX_SEED = 2**63
 #: The most alternatives ``SamplingParams.logprobs`` / ``prompt_logprobs`` may ask for a position by
 #: default: an engine's ``LLM(max_logprobs=...)`` (vLLM's default ``max_logprobs``).
 MAX_LOGPROBS = 20
+
+#: Temperatures below this are greedy, as vLLM's (its ``_SAMPLING_EPS``): stored as 0.
+GREEDY_BELOW = 1e-5
 
 #: ``max_tokens`` of ``SamplingParams(max_tokens=None)``: the engine's ``max_model_len`` bounds the sample
 UNBOUNDED_TOKENS = sys.maxsize
@@ -79,7 +82,8 @@ class SamplingParams:
 
     Attributes:
         n: samples per prompt, >= 1. Each sample is its own sequence with its own seed.
-        temperature: >= 0; 0 means greedy (argmax).
+        temperature: >= 0; 0 means greedy (argmax), as does anything below `GREEDY_BELOW` (1e-5, as
+            vLLM's; stored as 0).
         top_p: nucleus mass in (0, 1]; 1 disables it.
         top_k: -1 disables it, else the number of candidates kept, >= 1.
         min_p: in [0, 1]; 0 disables it. Keeps the tokens whose probability under
@@ -93,7 +97,7 @@ class SamplingParams:
         presence_penalty: in [-2, 2]; 0 disables it. Subtracted from the logit of every token the
             sequence generated at least once.
             The three penalties steer sampling only, as top-k/top-p do: the reported logprobs
-            stay the unpenalised ones training recomputes (vLLM's default ``logprobs_mode``).
+            stay the unpenalised ones training recomputes (``logprobs`` below).
             Not available on pipeline stages.
         allowed_token_ids: None, or the only token ids that may be sampled (a non-empty list).
         logit_bias: None, or ``{token_id: bias}``: each bias (a finite float) is added to that
@@ -111,7 +115,8 @@ class SamplingParams:
         stop_token_ids: extra token ids that finish a sequence (each >= 0; None: none), reported
             as the sample's ``stop_reason``, as vLLM's.
         ignore_eos: when True the model's EOS token does not finish a sequence.
-        seed: None lets the engine derive one; else an int in [0, 2**63). The sampled token
+        seed: None lets the engine derive one; else a signed 64-bit int, [-2**63, 2**63), as vLLM's
+            (a negative one counts modulo 2**63). The sampled token
             depends only on (logits row, seed, token index), which is what makes rollouts
             reproducible under any batching.
         stop: strings that finish a sequence at the token whose text completes one (a str is
@@ -125,6 +130,11 @@ class SamplingParams:
             instead: per sampled position a dict ``{token_id: Logprob}`` holding the sampled token
             and the k most probable tokens, at the same temperature and by the same kernel
             (`runtime.top_logprobs`), so the sampled token's entry is the float's bits.
+            Every reported logprob is the model's at the request's temperature (1 for greedy),
+            before a structured output's mask, the logit edits, the penalties and the filters:
+            what training's ``token_logprobs(temperature=...)`` recomputes. vLLM's default
+            (``logprobs_mode="raw_logprobs"``) is also before the edits, penalties and filters,
+            but differs twice: before the temperature, and after a structured output's mask.
         prompt_logprobs: None (the default), or an int k in [0, the engine's ``max_logprobs``]: vLLM's
             ``RequestOutput.prompt_logprobs``, per prompt token after the first a dict of that token
             and the k most probable ones at its position, at the request's temperature (1 for
@@ -207,8 +217,8 @@ class SamplingParams:
                 _require_at_least(name, getattr(self, name), 0)  # the engine checks its max_logprobs
         if self.seed is not None:
             seed = _require_int("seed", self.seed)
-            if not 0 <= seed < MAX_SEED:
-                raise ValueError(f"SamplingParams.seed={seed} is outside [0, 2**63)")
+            if not -MAX_SEED <= seed < MAX_SEED:
+                raise ValueError(f"SamplingParams.seed={seed} is outside [-2**63, 2**63) (a signed 64-bit integer)")
 
     def _validate_sampling(self) -> None:
         self.temperature = _require_float("temperature", self.temperature)
@@ -217,6 +227,8 @@ class SamplingParams:
                 f"SamplingParams.temperature={self.temperature} is below the minimum 0 "
                 "(0 = greedy)"
             )
+        if self.temperature < GREEDY_BELOW:  # logits divided by it would overflow fp32
+            self.temperature = 0.0
         self.top_p = _require_float("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"SamplingParams.top_p={self.top_p} is outside (0, 1]")

@@ -167,6 +167,8 @@ def test_same_prompt_and_seed_give_the_same_result_under_any_batching(model):
     llm = make_llm(model)
     p, sp = targets[1]
     assert result(gen(llm, [p], replace(sp, seed=sp.seed + 1))[0]) != reference[1]
+    # a negative seed (vLLM's int64 range) counts modulo 2**63
+    assert result(gen(llm, [p], replace(sp, seed=sp.seed - 2**63))[0]) == reference[1]
 
 
 # -- 5./6./7. logprobs == training logprobs, greedy == argmax, n ----------------------------------

@@ -33,8 +33,8 @@ from vexact_models.runtime.sampling_params import SamplingParams
         ({"stop_token_ids": [1, False]}, "SamplingParams.stop_token_ids[1]=False must be an int"),
         ({"stop_token_ids": 5}, "SamplingParams.stop_token_ids=5 must be a list of ints"),
         ({"ignore_eos": 1}, "SamplingParams.ignore_eos=1 must be a bool, got int"),
-        ({"seed": -1}, "SamplingParams.seed=-1 is outside [0, 2**63)"),
-        ({"seed": 2**63}, f"SamplingParams.seed={2**63} is outside [0, 2**63)"),
+        ({"seed": -2**63 - 1}, f"SamplingParams.seed={-2**63 - 1} is outside [-2**63, 2**63) (a signed 64-bit integer)"),
+        ({"seed": 2**63}, f"SamplingParams.seed={2**63} is outside [-2**63, 2**63)"),
         ({"seed": True}, "SamplingParams.seed=True must be an int, got bool"),
     ],
 )
@@ -54,8 +54,19 @@ def test_defaults_and_boundary_values_are_accepted():
         temperature=0, top_p=1e-9, top_k=1, min_tokens=4, max_tokens=4,
         stop_token_ids=(0, 3), seed=2**63 - 1,
     )
+    assert SamplingParams(seed=-2**63).seed == -2**63  # kept as given (vLLM's int64 range)
     assert edge.temperature == 0.0 and isinstance(edge.temperature, float)
     assert edge.stop_token_ids == [0, 3] and isinstance(edge.stop_token_ids, list)
+
+
+def test_temperatures_below_vllms_epsilon_are_greedy():
+    """vLLM samples greedily below 1e-5 (logits divided by such a temperature overflow fp32)."""
+    from vexact_models.runtime.sampling_params import GREEDY_BELOW
+
+    assert GREEDY_BELOW == 1e-5
+    assert SamplingParams(temperature=1e-40).temperature == 0.0
+    assert SamplingParams(temperature=9.9e-6).temperature == 0.0
+    assert SamplingParams(temperature=1e-5).temperature == 1e-5
 
 
 def test_replace_copies_and_revalidates():
