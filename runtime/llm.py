@@ -344,7 +344,7 @@ class LLM(ChatMixin, RequestsMixin, OnlineRequestsMixin, EngineStepsMixin, Engin
         if len(params) != len(prompts):
             raise ValueError(f"LLM.generate: {len(params)} sampling_params for {len(prompts)} prompts")
         self._check_no_online("LLM.generate")
-        token_ids = [self._token_ids(p) for p in prompts]  # validate everything before scheduling
+        token_ids = [self._token_ids(p, sp) for p, sp in zip(prompts, params)]  # validate all before scheduling
         self._check_params(params)
         grammars, bad_words = self._compile_grammars(params), self._bad_words(params)
         self._check_awake("LLM.generate")

@@ -82,7 +82,7 @@ class OnlineRequestsMixin:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"LLM.add_request: params must be a SamplingParams, got {type(params).__name__}")
         self._check_awake("LLM.add_request")
-        ids = self._token_ids(prompt)
+        ids = self._token_ids(prompt, params)
         self._check_params([params])
         grammar, bad_words = self._compile_grammars([params])[0], self._bad_words([params])[0]
         if not self._online:
@@ -183,7 +183,7 @@ class OnlineRequestsMixin:
     def _text_deltas(self, params: SamplingParams) -> list[TextDeltas] | None:
         if params.output_kind is not RequestOutputKind.DELTA or self.tokenizer is None or not params.detokenize:
             return None
-        return [TextDeltas(self.tokenizer, params.skip_special_tokens, stop_holdback(params)) for _ in range(params.n)]
+        return [TextDeltas(self.tokenizer, params.decode_options, stop_holdback(params)) for _ in range(params.n)]
 
     def _step_outputs(self, scheduled: list[ScheduledSeq]) -> list[RequestOutput]:
         """The outputs of the requests that got tokens in the completed step (or errored when

@@ -80,8 +80,9 @@ class RequestsMixin:
         return [None if p.structured_outputs is None else self._grammars.compile(p.structured_outputs)
                 for p in params]
 
-    def _token_ids(self, prompt) -> list[int]:
-        """The checked token ids of one prompt (a ValueError naming what is wrong)."""
+    def _token_ids(self, prompt, params: SamplingParams | None = None) -> list[int]:
+        """The checked token ids of one prompt (a ValueError naming what is wrong), the last
+        ``params.truncate_prompt_tokens`` of them where it is set."""
         prompt = prompt_of(prompt)
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -101,6 +102,13 @@ class RequestsMixin:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"LLM.generate: prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        keep = None if params is None else params.truncate_prompt_tokens
+        if keep is not None:
+            keep = self.max_model_len - 1 if keep == -1 else keep  # -1: the longest prompt the engine takes
+            if keep > self.max_model_len:
+                raise ValueError(f"LLM.generate: SamplingParams.truncate_prompt_tokens={keep} is above max_model_len="
+                                 f"{self.max_model_len}; select a smaller truncation size")
+            ids = ids[-keep:]
         if len(ids) >= self.max_model_len:
             raise ValueError(f"LLM.generate: prompt length {len(ids)} must be below max_model_len={self.max_model_len}")
         return ids
@@ -117,7 +125,7 @@ class RequestsMixin:
         seqs = [Sequence(request_id, i, ids, params, base if params.n == 1 else _derive_seed(base, i))
                 for i in range(params.n)]
         if params.stop:
-            stop = StopStrings(self.tokenizer, params.stop, params.skip_special_tokens)
+            stop = StopStrings(self.tokenizer, params.stop, params.decode_options)
             for seq in seqs:
                 seq.stop_strings = stop
         for seq in seqs:
@@ -145,12 +153,12 @@ class RequestsMixin:
         text, p = None, seq.params
         if whole and isinstance(seq.stop_reason, str):
             text = truncate_at_stop(self.tokenizer, seq.output_token_ids, seq.stop_reason,
-                                    p.include_stop_str_in_output, p.skip_special_tokens)
+                                    p.include_stop_str_in_output, p.decode_options)
         elif whole and self.tokenizer is not None and p.detokenize:
             ids = seq.output_token_ids
             if seq.finish_reason == "stop" and not p.include_stop_str_in_output:  # ended by a stop token
                 ids = ids[:-1]
-            text = self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens)
+            text = self.tokenizer.decode(ids, **p.decode_options)
             if seq.finish_reason is None:
                 text = text[:len(text) - stop_holdback(p)]
         logprobs = (seq.output_logprobs[start:] if p.logprobs is None

@@ -144,6 +144,12 @@ class SamplingParams:
             vocabulary of 151,936, whatever the step's size.
         skip_special_tokens: leave special tokens out of the returned text (and of the text stop
             strings are matched on), as vLLM's default; False keeps them.
+        spaces_between_special_tokens: vLLM's, passed to the tokenizer's ``decode`` where False
+            (transformers 5's tokenizers accept and ignore it, as vLLM's fast detokenizer does; a
+            tokenizer of your own may honour it).
+        truncate_prompt_tokens: None, or keep only the prompt's last k tokens (k >= 1; -1: as many
+            as the engine takes, ``max_model_len`` - 1), as vLLM's; the request's ``prompt_token_ids``
+            are the kept ones. A k above ``max_model_len`` is refused.
         detokenize: False returns no text (``CompletionOutput.text`` None, no ``decoded_token``)
             and needs no stop strings, as vLLM's.
         structured_outputs: None, or a `StructuredOutputsParams` (vLLM's, or a dict of its
@@ -189,6 +195,8 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
     detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     bad_words: list[str] = field(default_factory=list)
@@ -212,6 +220,10 @@ class SamplingParams:
         self._validate_token_edits()
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
+        k = self.truncate_prompt_tokens
+        if k is not None and (not _is_int(k) or not (k == -1 or k >= 1)):
+            raise ValueError(f"SamplingParams.truncate_prompt_tokens={k!r} must be None, -1 (all the engine takes) "
+                             "or an int >= 1")
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _require_at_least(name, getattr(self, name), 0)  # the engine checks its max_logprobs
@@ -248,6 +260,15 @@ class SamplingParams:
             setattr(self, name, value)
 
     @property
+    def decode_options(self) -> dict:
+        """The tokenizer ``decode`` options of this request's text (``spaces_between_special_tokens``
+        only where it is not the default, so that a tokenizer without it still decodes)."""
+        options = {"skip_special_tokens": self.skip_special_tokens}
+        if not self.spaces_between_special_tokens:
+            options["spaces_between_special_tokens"] = False
+        return options
+
+    @property
     def uses_penalties(self) -> bool:
         """Whether a repetition, frequency or presence penalty is set."""
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
@@ -269,7 +290,7 @@ class SamplingParams:
             if not isinstance(text, str) or not text:
                 raise ValueError(f"SamplingParams.stop[{i}]={text!r} must be a non-empty string")
         self.stop = list(stop)
-        for name in ("include_stop_str_in_output", "skip_special_tokens", "detokenize"):
+        for name in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r} must be a bool")
         if self.stop and not self.detokenize:

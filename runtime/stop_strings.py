@@ -27,16 +27,16 @@ _CONTEXT_TOKENS = 8
 class StopStrings:
     """The stop strings of one request, over `tokenizer` (a transformers tokenizer)."""
 
-    def __init__(self, tokenizer, stop: list[str], skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer, stop: list[str], decode: dict | None = None) -> None:
         self.tokenizer = tokenizer
         self.stop = list(stop)
-        self.skip_special_tokens = skip_special_tokens
+        self.decode = {"skip_special_tokens": True} if decode is None else dict(decode)  # `SamplingParams.decode_options`
         # a token decodes to at least one character, or joins bytes into one: a string of c
         # characters spans at most c tokens after the ones that complete a character
         self.window = max(len(s) for s in self.stop) + _CONTEXT_TOKENS
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self.tokenizer.decode(ids, **self.decode)
 
     def matched(self, token_ids: list[int], num_prompt_tokens: int) -> str | None:
         """The first stop string (in the request's order) that ends inside the text of the last
@@ -66,12 +66,13 @@ def stop_holdback(params) -> int:
     return max((len(s) for s in params.stop), default=1) - 1
 
 
-def truncate_at_stop(tokenizer, output_ids: list[int], stop: str, include: bool, skip_special_tokens: bool = True
-                     ) -> str:
+def truncate_at_stop(tokenizer, output_ids: list[int], stop: str, include: bool, decode: dict | None = None) -> str:
     """The text of `output_ids`, whose last token completed `stop`, cut before `stop` (after it
-    when `include`): at its occurrence ending inside the last token's text."""
-    text = tokenizer.decode(output_ids, skip_special_tokens=skip_special_tokens)
-    start = _ending_in_last(tokenizer.decode(output_ids[:-1], skip_special_tokens=skip_special_tokens), text, stop)
+    when `include`): at its occurrence ending inside the last token's text (`decode`: the
+    tokenizer's ``decode`` options, `SamplingParams.decode_options`; default: special tokens skipped)."""
+    decode = {"skip_special_tokens": True} if decode is None else decode
+    text = tokenizer.decode(output_ids, **decode)
+    start = _ending_in_last(tokenizer.decode(output_ids[:-1], **decode), text, stop)
     if start < 0:  # decoded differently in full than in the window: keep the whole text
         return text
     return text[:start + len(stop)] if include else text[:start]

@@ -32,14 +32,15 @@ def tag_prefix(text: str, tag: str) -> int:
 class TextDeltas:
     """The text of one sample, returned a delta at a time."""
 
-    def __init__(self, tokenizer, skip_special_tokens: bool = True, holdback: int = 0) -> None:
-        self.tokenizer, self.skip_special_tokens, self.holdback = tokenizer, skip_special_tokens, holdback
+    def __init__(self, tokenizer, decode: dict | None = None, holdback: int = 0) -> None:
+        self.tokenizer, self.holdback = tokenizer, holdback
+        self.decode = {"skip_special_tokens": True} if decode is None else dict(decode)  # `SamplingParams.decode_options`
         self.text = ""  # decoded so far
         self.emitted = 0  # characters of it returned so far
         self._prefix_offset = self._read_offset = 0
 
     def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+        return self.tokenizer.decode(token_ids, **self.decode)
 
     def feed(self, token_ids: list[int]) -> str:
         """The text new since the last call, from the sample's output tokens so far (all of them)."""

@@ -83,6 +83,18 @@ def test_single_prompt_forms(small_llm, baseline):
     assert gen(small_llm, [], GREEDY) == []
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens_as_vllm(small_llm, baseline):
+    """k keeps the last k prompt tokens (the request's ``prompt_token_ids``), as if only they were
+    given; -1 as many as the engine takes; a k above ``max_model_len`` is refused before anything runs."""
+    [out] = gen(small_llm, [1, 2] + VALID[1], replace(GREEDY, truncate_prompt_tokens=4))
+    assert out.prompt_token_ids == VALID[1] and result(out) == baseline[1]
+    [whole] = gen(small_llm, list(range(2, 40)), replace(GREEDY, truncate_prompt_tokens=-1))
+    assert whole.prompt_token_ids == list(range(25, 40))  # max_model_len 16: 15 prompt tokens
+    with pytest.raises(ValueError, match=r"SamplingParams.truncate_prompt_tokens=17 is above max_model_len=16"):
+        gen(small_llm, [VALID[0], VALID[1]], [GREEDY, replace(GREEDY, truncate_prompt_tokens=17)])
+    assert not small_llm.scheduler.has_unfinished()
+
+
 # -- 2. a request that can never fit ----------------------------------------------------------------
 
 def test_request_that_never_fits_errors_while_others_finish(model):

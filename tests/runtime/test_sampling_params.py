@@ -36,6 +36,11 @@ from vexact_models.runtime.sampling_params import SamplingParams
         ({"seed": -2**63 - 1}, f"SamplingParams.seed={-2**63 - 1} is outside [-2**63, 2**63) (a signed 64-bit integer)"),
         ({"seed": 2**63}, f"SamplingParams.seed={2**63} is outside [-2**63, 2**63)"),
         ({"seed": True}, "SamplingParams.seed=True must be an int, got bool"),
+        ({"truncate_prompt_tokens": 0},
+         "SamplingParams.truncate_prompt_tokens=0 must be None, -1 (all the engine takes) or an int >= 1"),
+        ({"truncate_prompt_tokens": -2}, "SamplingParams.truncate_prompt_tokens=-2 must be None, -1"),
+        ({"truncate_prompt_tokens": True}, "SamplingParams.truncate_prompt_tokens=True must be None"),
+        ({"spaces_between_special_tokens": 0}, "SamplingParams.spaces_between_special_tokens=0 must be a bool"),
     ],
 )
 def test_invalid_values_name_field_value_and_limit(kwargs, message):

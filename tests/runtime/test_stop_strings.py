@@ -139,6 +139,35 @@ def test_skip_special_tokens_and_detokenize_shape_the_text_as_vllms(checkpoint):
             SamplingParams(**{name: 1})
 
 
+class JoinedSpecialTokenizer(transformers.PreTrainedTokenizerFast):
+    """A tokenizer of one's own that honours ``spaces_between_special_tokens`` (transformers 5's
+    accept and ignore it): False joins the words without spaces."""
+
+    def _decode(self, token_ids, skip_special_tokens=False, spaces_between_special_tokens=True, **kwargs):
+        text = super()._decode(token_ids, skip_special_tokens=skip_special_tokens, **kwargs)
+        return text if spaces_between_special_tokens else text.replace(" ", "")
+
+
+def test_spaces_between_special_tokens_reaches_the_tokenizer_for_text_and_stop_strings(checkpoint):
+    """vLLM's field goes to the tokenizer's ``decode``: the text and the text stop strings are
+    matched on are the tokenizer's with it; the tokens stay the same."""
+    from tokenizers import Tokenizer as RawTokenizer
+
+    raw = RawTokenizer.from_file(str(checkpoint / "tokenizer.json"))
+    llm = LLM(str(checkpoint), tokenizer=JoinedSpecialTokenizer(tokenizer_object=raw, unk_token="w0"), **ENGINE)
+    base = dict(temperature=0.0, max_tokens=6, ignore_eos=True)
+    [spaced] = gen(llm, ["w1 w2 w3"], SamplingParams(**base))
+    [joined] = gen(llm, ["w1 w2 w3"], SamplingParams(**base, spaces_between_special_tokens=False))
+    words = spaced.outputs[0].text.split(" ")
+    assert len(words) == 6 and joined.outputs[0].text == "".join(words)
+    assert joined.outputs[0].token_ids == spaced.outputs[0].token_ids
+    pair = "".join(words[2:4])  # only the joined text holds two words without a space
+    [stopped] = gen(llm, ["w1 w2 w3"], SamplingParams(**base, spaces_between_special_tokens=False, stop=[pair]))
+    assert stopped.outputs[0].stop_reason == pair and len(stopped.outputs[0].token_ids) == 4
+    [not_stopped] = gen(llm, ["w1 w2 w3"], SamplingParams(**base, stop=[pair]))
+    assert not_stopped.outputs[0].finish_reason == "length"
+
+
 @pytest.mark.parametrize("stop, words", [(3, "a string or a list"), ([""], r"stop\[0\]='' must be a non-empty"),
                                          (["a", 4], r"stop\[1\]=4 must be")])
 def test_bad_stop_strings_are_refused_naming_them(stop, words):
