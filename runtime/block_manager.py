@@ -33,7 +33,9 @@ below it, docs/design.md rule 2). The entries stay in ``block_table`` (so positi
 page index) but count as released (``seq.released_blocks``): never freed again, never a parent
 looked up through (``seq.released_key`` keeps the last one's content key for the chain). A
 released page goes to the back of the free list with its key, like a freed one, so prefix
-sharing and preemption see exactly what they would without the window.
+sharing and preemption see exactly what they would without the window. A prefix-cache hit takes
+only the pages the sequence's next query reads: the entries below its window enter released, with
+no page (`_window_hits`), so a cached prefix longer than the cache still fits while its window does.
 
 When a page may be published is the caller's contract; the Scheduler's rule is in
 ``Scheduler._publish``. The K/V cache contents must stay valid for as long as keys live:
@@ -188,8 +190,28 @@ class BlockManager(SharedPagesMixin):
         return walk
 
     def _hits(self, seq: Sequence, num_tokens: int) -> list[int]:
-        """The pages of `_walk`: what ``allocate(seq, num_tokens)`` shares."""
+        """The pages of `_walk`: what ``allocate(seq, num_tokens)`` covers by sharing (under a
+        window, the ones below it enter released: `_window_hits`)."""
         return [block for block, _, _ in self._walk(seq, num_tokens)]
+
+    def first_kept(self, num_pages: int) -> int:
+        """The first entry a sequence whose table holds `num_pages` pages, all computed, may still
+        read (0 without a window): its next position's `window_block_start` in pages, the table's
+        last page kept, as `release_behind_window` keeps it."""
+        if self.window is None or num_pages <= 1:
+            return 0
+        return min(window_block_start(num_pages * self.block_size, self.window) // self.block_size, num_pages - 1)
+
+    def _window_hits(self, seq: Sequence, num_tokens: int) -> tuple[list[int], int, bytes | None]:
+        """(pages ``allocate(seq, num_tokens)`` takes, entries before them released on arrival, the
+        content key the last of those stands for): `_walk`'s pages, less, under a window, those
+        below `first_kept` of the table they complete. No query of the sequence reads those, so they
+        are neither revived nor counted (as `runtime.page_groups`' window group takes hits): a
+        sequence alone in the cache fits however long its cached prefix."""
+        walk = self._walk(seq, num_tokens)
+        start = len(seq.block_table)
+        skipped = max(start, self.first_kept(start + len(walk))) - start if walk else 0
+        return [block for block, _, _ in walk[skipped:]], skipped, walk[skipped - 1][1] if skipped else None
 
     def num_cached_tokens(self, seq: Sequence) -> int:
         """Tokens of ``seq`` past ``seq.num_computed_tokens`` that the next ``allocate`` call
@@ -198,41 +220,42 @@ class BlockManager(SharedPagesMixin):
         return len(self._hits(seq, seq.num_tokens)) * self.block_size
 
     # -- allocation ------------------------------------------------------------------------
-    def _needs(self, seq: Sequence, num_tokens: int) -> tuple[list[int], int, int]:
-        """(hits, fresh pages, free-list pages consumed) for covering [0, num_tokens)."""
-        hits = self._hits(seq, num_tokens)
-        fresh = max(0, self.blocks_for(num_tokens) - len(seq.block_table) - len(hits))
+    def _needs(self, seq: Sequence, num_tokens: int) -> tuple[list[int], int, bytes | None, int, int]:
+        """(`_window_hits`' three, fresh pages, free-list pages consumed) for covering [0, num_tokens)."""
+        hits, skipped, key = self._window_hits(seq, num_tokens)
+        fresh = max(0, self.blocks_for(num_tokens) - len(seq.block_table) - skipped - len(hits))
         revived = sum(1 for block in hits if self._ref[block] == 0)
-        return hits, fresh, fresh + revived
+        return hits, skipped, key, fresh, fresh + revived
 
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether the free pages suffice to cover positions [0, num_tokens) of ``seq``,
         counting the pages it already owns and the shared pages it would take."""
-        return self._needs(seq, num_tokens)[2] <= len(self._free)
+        return self._needs(seq, num_tokens)[4] <= len(self._free)
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Grow ``seq.block_table`` until it covers positions [0, num_tokens).
 
         With prefix sharing on, the leading full pages that are already published are shared
         (a reference more each) instead of fresh, and ``seq.num_computed_tokens`` advances past
-        them (see ``num_cached_tokens``). Raises RuntimeError, leaving everything unchanged,
-        when there are not enough free pages: a half-grown table would leak pages on the
-        caller's error path.
+        them (see ``num_cached_tokens``); under a window the ones below the window of its next
+        position enter released, with no page (`_window_hits`). Raises RuntimeError, leaving
+        everything unchanged, when there are not enough free pages: a half-grown table would leak
+        pages on the caller's error path.
         """
-        hits, fresh, needed = self._needs(seq, num_tokens)
+        hits, skipped, key, fresh, needed = self._needs(seq, num_tokens)
         if needed > len(self._free):
             raise RuntimeError(
                 f"BlockManager: sequence {seq.seq_id} needs {needed} more blocks to cover "
                 f"{num_tokens} tokens but only {len(self._free)} of {self.num_blocks} are free"
             )
-        self._place(seq, hits, fresh)
-        seq.num_computed_tokens += len(hits) * self.block_size
+        self._place(seq, hits, fresh, skipped, key)
+        seq.num_computed_tokens += (skipped + len(hits)) * self.block_size
 
     def _place(self, seq: Sequence, hits: list[int], fresh: int, skipped: int = 0,
                skipped_key: bytes | None = None) -> None:
-        """Append to ``seq.block_table``: `skipped` entries released on arrival (a window group's
-        pages below the window of the sequence's next position, `runtime.page_groups`: no page, no
-        reference; `skipped_key` the content key the last of them stands for), the shared pages
+        """Append to ``seq.block_table``: `skipped` entries released on arrival (shared pages below
+        the window of the sequence's next position, `_window_hits` and `runtime.page_groups`: no
+        page, no reference; `skipped_key` the content key the last of them stands for), the shared pages
         `hits` (a reference more each, revived from the free list where unowned), then `fresh`
         pages. The caller has checked that the free list holds them."""
         table = seq.block_table
@@ -274,7 +297,8 @@ class BlockManager(SharedPagesMixin):
         The caller promises that their K/V are in the cache before any sequence that could
         take them reads them (see ``Scheduler._publish`` for the scheduler's rule). Pages
         published before are skipped; a page whose key is already served by another page is
-        keyed (so the chain continues) but the first page keeps serving it.
+        keyed (so the chain continues) and serves it once the pages before it lose it
+        (`PrefixCache.forget`).
         """
         if not self.enable_prefix_sharing:
             return

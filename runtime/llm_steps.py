@@ -89,7 +89,8 @@ class EngineStepsMixin:
     _launched: LaunchedStep | None = None
 
     def _loop(self, bar) -> None:
-        """Run steps until every scheduled sequence has finished (`generate`'s requests)."""
+        """Run steps until every scheduled sequence has finished (`generate`'s requests). A stalled
+        scheduler raises RuntimeError rather than returning empty steps forever (`scheduler_progress`)."""
         self._last_completion = time.perf_counter()
         try:
             while self._launched is not None or self.scheduler.has_unfinished():

@@ -34,7 +34,6 @@ from dataclasses import dataclass, replace
 import torch
 
 from vexact_models.kernels import PagedLayout
-from vexact_models.kernels.attention_window import window_block_start
 from vexact_models.layers import WindowPages
 
 from .block_manager import BlockManager, window_pages_bound
@@ -120,11 +119,8 @@ class PageGroups(BlockManager):
         return seq.window_pages
 
     def first_kept(self, num_pages: int) -> int:
-        """The first entry a sequence whose table holds `num_pages` pages, all computed, may still
-        read: its next position's `window_block_start` in pages (the table's last page is kept,
-        as `release_behind_window` keeps it)."""
-        start = window_block_start(num_pages * self.block_size, self.window_group.window) // self.block_size
-        return min(start, num_pages - 1)
+        """The window group's `BlockManager.first_kept` (the global group keeps every page)."""
+        return self.window_group.first_kept(num_pages)
 
     def can_append(self, count: int = 1) -> bool:
         return super().can_append(count) and self.window_group.can_append(count)

@@ -17,6 +17,11 @@ row-invariant kernels), and attention reads them in the same absolute-position-a
 A page keeps its key while it sits on the free list (a later identical prefix can revive it)
 and loses it when it is handed out fresh (`PrefixCache.forget`) or when every key is dropped
 (`PrefixCache.reset`: the K/V may be stale after new weights).
+
+Several pages may hold the same key (two sequences computed the same prefix at once, a prompt
+scoring its positions recomputed it): one serves the key, the first published under it; the
+others wait in publishing order, and when the serving page is forgotten the next of them serves
+(as vLLM's block-hash map keeps several blocks per hash), so a live copy stays reachable.
 """
 
 from __future__ import annotations
@@ -42,12 +47,15 @@ def chain_key(parent: bytes, tokens: tuple[int, ...]) -> bytes:
 
 class PrefixCache:
     """The published pages of one `BlockManager`'s `num_blocks` pages: each page's key and
-    `Content`, and for each key the page that serves it (the first published under it)."""
+    `Content`, for each key the page that serves it (the first published under it) and the other
+    pages published under it, which serve it in turn when it is forgotten."""
 
     def __init__(self, num_blocks: int) -> None:
         self._key: list[bytes | None] = [None] * num_blocks
         self._content: list[Content | None] = [None] * num_blocks
         self._serving: dict[bytes, int] = {}
+        #: key -> the other pages published under it, in publishing order (an ordered set)
+        self._spare: dict[bytes, dict[int, None]] = {}
 
     def __len__(self) -> int:
         """Keys served right now (pages that can be shared, in use or free)."""
@@ -65,23 +73,35 @@ class PrefixCache:
 
     def publish(self, block: int, key: bytes, content: Content) -> None:
         """Key `block` (so a chain continues through it); it serves `key` unless another page
-        already does."""
+        already does, and then serves it after that one (`forget`)."""
         self._key[block] = key
         self._content[block] = content
-        self._serving.setdefault(key, block)
+        if self._serving.setdefault(key, block) != block:
+            self._spare.setdefault(key, {})[block] = None
 
     def forget(self, block: int) -> None:
-        """Unpublish `block` (its K/V are about to be overwritten); nothing if unpublished."""
+        """Unpublish `block` (its K/V are about to be overwritten); nothing if unpublished. When
+        it served its key, the next page published under that key serves it now."""
         key = self._key[block]
         if key is None:
             return
-        if self._serving.get(key) == block:
-            del self._serving[key]
         self._key[block] = None
         self._content[block] = None
+        if self._serving[key] == block:
+            spare = self._spare.get(key)
+            if spare is None:
+                del self._serving[key]
+                return
+            block = self._serving[key] = next(iter(spare))  # the next one published serves it
+        else:
+            spare = self._spare[key]
+        del spare[block]
+        if not spare:
+            del self._spare[key]
 
     def reset(self) -> None:
         """Unpublish every page."""
         self._key = [None] * len(self._key)
         self._content = [None] * len(self._content)
         self._serving.clear()
+        self._spare.clear()

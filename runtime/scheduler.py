@@ -30,6 +30,7 @@ from .scheduled import ScheduledSeq, SchedulerOutput
 from .scheduler_ahead import LookaheadMixin
 from .scheduler_postprocess import PostprocessMixin
 from .scheduler_prefix_states import KeptState, PrefixStatesMixin
+from .scheduler_progress import ProgressMixin
 from .scheduler_siblings import PromptStateMixin
 from .sequence import Sequence, SequenceStatus
 
@@ -44,7 +45,7 @@ def _check_int(name: str, value: object, minimum: int) -> int:
     return value
 
 
-class Scheduler(LookaheadMixin, PrefixStatesMixin, PromptStateMixin, PostprocessMixin):
+class Scheduler(LookaheadMixin, PrefixStatesMixin, PromptStateMixin, PostprocessMixin, ProgressMixin):
     """Decides, step by step, which tokens of which sequences run through the model.
 
     Args:
@@ -143,22 +144,6 @@ class Scheduler(LookaheadMixin, PrefixStatesMixin, PromptStateMixin, Postprocess
         self._join_siblings(seq)
         self._note_waiting(seq)
 
-    def _never_fits(self, seq: Sequence) -> str | None:
-        """Why ``seq`` can never complete, or None. Checked once: its needs never grow."""
-        who = f"request {seq.request_id} (sample {seq.sample_index})"
-        if seq.num_prompt_tokens >= self.max_model_len:
-            return (
-                f"{who}: prompt of {seq.num_prompt_tokens} tokens leaves no room for output "
-                f"within max_model_len={self.max_model_len}"
-            )
-        # Upper bound on the positions it will ever hold; a sequence alone in the cache can
-        # always make progress, which is what guarantees that preemption terminates.
-        positions = min(seq.num_prompt_tokens + seq.params.max_tokens, self.max_model_len)
-        short = self.block_manager.shortfall(positions, self.max_num_batched_tokens)
-        if short is not None:
-            return f"{who} {short}"
-        return None
-
     def abort(self, seqs: Iterable[Sequence]) -> None:
         """Finish `seqs` now with finish_reason "abort" (`LLM.abort_request`): a waiting one leaves
         the queue, a running one frees its pages; finished ones are left as they are. Between
@@ -181,7 +166,8 @@ class Scheduler(LookaheadMixin, PrefixStatesMixin, PromptStateMixin, Postprocess
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's work: running sequences first (arrival order), then waiting ones
-        (FIFO) while the token budget and ``max_num_seqs`` allow."""
+        (FIFO) while the token budget and ``max_num_seqs`` allow. RuntimeError rather than a step
+        that would leave the scheduler stalled for good (`scheduler_progress`)."""
         if self._in_flight:
             raise RuntimeError("Scheduler.schedule() called before postprocess() of the last step")
         errored, self._errored = self._errored, []
@@ -195,6 +181,8 @@ class Scheduler(LookaheadMixin, PrefixStatesMixin, PromptStateMixin, Postprocess
             self._schedule_waiting(budget, scheduled)
         if scheduled:
             self._in_flight.append((scheduled, False))
+        else:
+            self._check_progress(preempted, errored)
         return SchedulerOutput(scheduled=scheduled, preempted=preempted, errored=errored)
 
     def _chunk(self, seq: Sequence, budget: int, shared: int | None = None) -> tuple[int, int]:
@@ -281,13 +269,18 @@ class Scheduler(LookaheadMixin, PrefixStatesMixin, PromptStateMixin, Postprocess
         first other sequence or the first that would need a page when none is free; returns
         how many. Exactly what the general path decides for them, at a fraction of the cost: a
         decode chunk shares nothing (the page holding a sequence's last token never is shared),
-        so it costs one token of budget and needs at most one fresh page."""
+        so it costs one token of budget and needs at most one fresh page. A leader whose siblings
+        take its prompt state this step (its prompt's last token left at its share point) is left
+        to the general path, which keeps their tokens from the budget (`_sibling_tokens`)."""
         bm = self.block_manager
         bs = bm.block_size
+        siblings = self._siblings  # (empty unless share_prompt_state)
         count = 0
         for seq in seqs:
             computed = seq.num_computed_tokens
             if len(seq.token_ids) != computed + 1:
+                break
+            if siblings and seq.num_prompt_tokens == computed + 1 and self._sibling_tokens(seq):
                 break
             covered = len(seq.block_table) * bs
             if covered == computed and bm.can_append():

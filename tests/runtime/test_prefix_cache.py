@@ -29,3 +29,25 @@ def test_prefix_cache_serves_the_first_page_published_under_a_key_and_guards_its
     cache.publish(0, key, (ROOT_KEY, (5, 6)))
     cache.reset()
     assert len(cache) == 0 and cache.key(0) is None and cache.lookup(key, (ROOT_KEY, (5, 6))) is None
+
+
+def test_a_forgotten_serving_page_hands_its_key_to_the_next_page_published_under_it():
+    """Pages holding the same prefix (computed at once by two sequences) all stay reachable: when
+    the serving one is forgotten, the next one published under its key serves it."""
+    cache = PrefixCache(6)
+    key, content = chain_key(ROOT_KEY, (5, 6)), (ROOT_KEY, (5, 6))
+    for block in (4, 1, 3):
+        cache.publish(block, key, content)
+    cache.publish(1, key, content)  # published again: still one copy
+    cache.forget(4)
+    assert len(cache) == 1 and cache.lookup(key, content) == 1
+    cache.forget(3)  # not serving: the serving page stays
+    assert cache.key(3) is None and cache.lookup(key, content) == 1
+    cache.forget(1)
+    assert len(cache) == 0 and cache.lookup(key, content) is None and cache.key(1) is None
+    cache.publish(2, key, content)
+    cache.publish(0, key, content)
+    cache.reset()  # forgets the waiting copies too
+    cache.publish(5, key, content)
+    cache.forget(5)
+    assert len(cache) == 0 and cache.lookup(key, content) is None

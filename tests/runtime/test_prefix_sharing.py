@@ -300,3 +300,35 @@ def test_preempted_sequence_shares_back_its_own_pages():
         for _ in range(12):
             probe.append_token(fake_token(probe), 0.0)
         assert seq.output_token_ids == probe.output_token_ids
+
+
+def test_a_live_copy_of_a_prefix_serves_it_once_the_first_copy_is_reused():
+    """A request scoring its prompt (prompt_logprobs) recomputes and publishes the pages another
+    request computes in the same step; once the first copies are freed and reused, a third request
+    shares the live copy instead of recomputing it."""
+    bm = BlockManager(8, BS)
+    sched = Scheduler(bm, 8, 64, 64, None)
+    prompt = list(range(10, 19))  # 2 full pages before the last token
+
+    def step():
+        out = sched.schedule()
+        tokens = [fake_token(i.seq) if i.samples else None for i in out.scheduled]
+        tables = [list(i.seq.block_table) for i in out.scheduled]
+        sched.postprocess(out.scheduled, tokens, [0.0 if t is not None else None for t in tokens])
+        return tables
+
+    first = Sequence(0, 0, prompt, SamplingParams(max_tokens=1), 0)
+    scoring = Sequence(1, 0, prompt, SamplingParams(max_tokens=20, prompt_logprobs=1), 0)
+    sched.add(first)
+    sched.add(scoring)
+    first_pages = step()[0][:2]
+    assert first.is_finished and bm.num_shared_hits == 0 and first_pages != scoring.block_table[:2]
+    keys = [bm.prefix.key(b) for b in scoring.block_table[:2]]
+    assert [bm.prefix.key(b) for b in first_pages] == keys and None not in keys
+    sched.add(Sequence(2, 0, list(range(100, 117)), SamplingParams(max_tokens=1), 0))  # takes every free page
+    step()
+    assert all(bm.prefix.key(b) not in keys for b in first_pages)  # reused by another prefix
+    third = seq_of(prompt + [5], request_id=3)
+    assert bm.num_cached_tokens(third) == 8
+    bm.allocate(third, 10)
+    assert third.block_table[:2] == scoring.block_table[:2] and third.num_computed_tokens == 8

@@ -231,6 +231,26 @@ def test_never_fitting_request_errors_and_others_finish():
     assert too_big.num_output_tokens == 0
 
 
+def test_a_step_that_could_never_progress_raises_naming_the_waiting_request():
+    """Nothing running, nothing preempted, a sequence waiting and nothing scheduled: every later
+    step would be the same, so schedule() raises instead of returning empty steps forever. Here a
+    sequence outside the scheduler holds every page (a leak no scheduler path makes)."""
+    sched = make_scheduler(num_blocks=4, block_size=4, budget=16)
+    squatter = Sequence(9, 0, [1] * 16, SamplingParams(), 0)
+    sched.block_manager.allocate(squatter, 16)
+    too_big = Sequence(7, 0, [1] * 10, SamplingParams(max_tokens=10), 1)  # errored at add
+    waiting = Sequence(3, 0, [1] * 6, SamplingParams(max_tokens=4), 2)
+    sched.add(too_big)
+    sched.add(waiting)
+    with pytest.raises(RuntimeError, match=r"request 3 \(sample 0\) waits first in the queue and cannot be scheduled "
+                       r"although no sequence runs \(0 of its 6 tokens computed, 0 more in the prefix cache; 0 of 4 KV "
+                       r"cache blocks free, max_num_batched_tokens=16\)"):
+        sched.schedule()
+    sched.block_manager.free(squatter)
+    out = sched.schedule()
+    assert out.errored == [too_big] and [item.seq for item in out.scheduled] == [waiting]
+
+
 def test_max_model_len_bounds_the_block_need_and_long_prompts_error():
     sched = make_scheduler(num_blocks=4, block_size=4, max_model_len=16)
     fits = Sequence(0, 0, [1] * 10, SamplingParams(max_tokens=10), 0)  # min(20, 16) = 4 blocks

@@ -6,7 +6,10 @@ from itertools import zip_longest
 
 import pytest
 
+from vexact_models.runtime.block_manager import BlockManager
 from vexact_models.runtime.sampling_params import SamplingParams
+from vexact_models.runtime.scheduler import Scheduler
+from vexact_models.runtime.sequence import Sequence
 
 from .workload_support import make_scheduler, random_workload, run_steps
 
@@ -53,3 +56,28 @@ def test_decode_short_cut_is_taken_and_stops_at_a_prefill():
     assert ([0, 1], 1) in calls  # A short-cut, then the loop stops at B's prefill chunk
     assert ([1], 0) in calls  # B's chunk: the general path
     assert a.num_output_tokens == 10 and b.num_output_tokens == 3
+
+
+def test_decode_short_cut_keeps_the_budget_of_siblings_that_take_the_leaders_prompt_state():
+    """share_prompt_state, a prompt of 5 in pages of 4: at its share point (4) the leader has one
+    prompt token left, a decode; in that step its waiting sibling copies its state and computes
+    its own last token, and the running request after the leader leaves it that token of the
+    budget of 8, on the short-cut as on the general path."""
+
+    def make():
+        sched = Scheduler(BlockManager(64, 4, enable_prefix_sharing=False), max_num_seqs=8, max_num_batched_tokens=8,
+                          max_model_len=64, eos_token_id=None, share_prompt_state=True)
+        params = SamplingParams(n=2, max_tokens=3)
+        for seq in (Sequence(0, 0, [5] * 5, params, seed=0), Sequence(0, 1, [5] * 5, params, seed=1),
+                    Sequence(1, 0, [6] * 20, SamplingParams(max_tokens=3), seed=9)):
+            sched.add(seq)
+        return sched
+
+    fast, slow = make(), make()
+    slow._schedule_decodes = lambda seqs, scheduled: 0
+    copies = []
+    for out_fast, out_slow in zip_longest(run_steps(fast), run_steps(slow)):
+        assert out_fast is not None and out_slow is not None, "one finished before the other"
+        assert snapshot(fast, out_fast) == snapshot(slow, out_slow)
+        copies += [(i.seq.sample_index, i.num_new_tokens) for i in out_fast.scheduled if i.state_from is not None]
+    assert copies == [(1, 1)]  # the sibling computes only its last prompt token
