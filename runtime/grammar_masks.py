@@ -14,7 +14,9 @@ postprocessed (`runtime.llm_steps`); the masks are filled beside that forward.
 A grammar that starts after the reasoning (``StructuredOutputsParams.after_reasoning``) waits
 until the sequence's outputs end with the reasoning end's tokens (`grammar_trigger`): until then
 its row allows every token and its matcher is fed nothing; the tokens after the trigger are the
-grammar's.
+grammar's. Harmony's end, ``<|channel|>final<|message|>``, is matched as vLLM's GPT-OSS parser
+matches it: ``<|message|>`` may begin up to 20 tokens after ``<|channel|>final`` (a header's
+content type between, ``<|channel|>final <|constrain|>json<|message|>``).
 """
 
 from __future__ import annotations
@@ -22,41 +24,78 @@ from __future__ import annotations
 import sys
 from collections import deque
 from dataclasses import dataclass
+from itertools import takewhile
 
 import numpy as np
 import torch
 
+from .harmony import CHANNEL, MESSAGE
 from .sequence import Sequence
 from .staging import to_device
 from .structured_outputs import xgrammar_module
 
-__all__ = ["GrammarMasks", "GrammarRows", "GrammarState", "allowed_tokens", "grammar_trigger"]
+__all__ = ["GrammarMasks", "GrammarRows", "GrammarState", "Trigger", "allowed_tokens", "grammar_trigger"]
+
+#: harmony's reasoning end, in its two parts, and the most tokens that may come between them (vLLM's)
+HARMONY_FINAL, HARMONY_GAP = (f"{CHANNEL}final", MESSAGE), 20
 
 assert sys.byteorder == "little", "GrammarMasks.apply reads xgrammar's int32 words as bytes, lowest first"
 
 
+@dataclass(frozen=True)
+class Trigger:
+    """The token ids after which a grammar holds a sequence's outputs: `end`, or with `then`,
+    `end` and then `then` beginning within `gap` tokens after it; `pending`: the prompt's tokens
+    after its last `end`, when `then` may still follow them (None: none)."""
+
+    end: tuple[int, ...]
+    then: tuple[int, ...] = ()
+    gap: int = 0
+    pending: tuple[int, ...] | None = None
+
+
 class GrammarState:
     """One sequence's place in its grammar: xgrammar's ``GrammarMatcher``, how many of the
-    sequence's outputs it has seen, and the `trigger` it waits for (the token ids after which the
-    grammar holds the outputs; empty: from the first)."""
+    sequence's outputs it has seen, and the `trigger` it waits for (a `Trigger`, or its `end`
+    ids alone; None or empty: the grammar holds the outputs from the first)."""
 
-    def __init__(self, matcher, trigger: tuple[int, ...] = ()) -> None:
+    def __init__(self, matcher, trigger: Trigger | tuple[int, ...] | None = None) -> None:
         self.matcher = matcher
         self.accepted = 0  #: output tokens fed so far (those before the trigger too)
-        self.trigger = tuple(trigger)
-        self.active = not self.trigger  #: whether the grammar holds the next output
-        self._tail: deque[int] = deque(maxlen=len(self.trigger))  # the last outputs while waiting
+        self.trigger = Trigger(tuple(trigger)) if isinstance(trigger, (tuple, list)) and trigger else trigger or None
+        self.active = self.trigger is None  #: whether the grammar holds the next output
+        if self.trigger is not None:  # the last outputs while waiting: for `end`, and since it for `then`
+            self._tail: deque[int] = deque(maxlen=len(self.trigger.end))
+            self._then: deque[int] = deque(self.trigger.pending or (), maxlen=len(self.trigger.then))
+            self._since = None if self.trigger.pending is None else len(self.trigger.pending)
 
     def accept(self, token: int) -> bool:
         """Feed the sequence's next output token; False when the grammar does not allow it (a row
         whose other settings left it no token the grammar allows: `Scheduler.postprocess`)."""
         if not self.active:
-            self._tail.append(token)
-            self.active = tuple(self._tail) == self.trigger
+            self.active = self._wait(token)
         elif not self.matcher.accept_token(token):
             return False
         self.accepted += 1
         return True
+
+    def _wait(self, token: int) -> bool:
+        """Whether `token` completes the trigger (a few tuple compares a token: no search)."""
+        trigger = self.trigger
+        self._tail.append(token)
+        if not trigger.then:
+            return tuple(self._tail) == trigger.end
+        if self._since is not None:  # (after an `end`: `then` may begin within `gap` tokens of it)
+            self._since += 1
+            self._then.append(token)
+            if tuple(self._then) == trigger.then:
+                return True
+            if self._since - len(trigger.then) + 1 >= trigger.gap:
+                self._since = None
+        if tuple(self._tail) == trigger.end:
+            self._since = 0
+            self._then.clear()
+        return False
 
     @property
     def terminated(self) -> bool:
@@ -64,28 +103,53 @@ class GrammarState:
         return self.active and self.matcher.is_terminated()
 
 
-def grammar_trigger(tokenizer, after_reasoning: tuple[str, str] | None, prompt: list[int]) -> tuple[int, ...]:
-    """The token ids a sequence's grammar waits for (`GrammarState`): the reasoning end's, unless
-    the `prompt` already closed its last reasoning block (its last start's tokens followed by the
-    end's) or no ``after_reasoning`` is set (then none: the grammar holds every output)."""
+def grammar_trigger(tokenizer, after_reasoning: tuple[str, str] | None, prompt: list[int]) -> Trigger | None:
+    """The `Trigger` a sequence's grammar waits for: the reasoning end's tokens (harmony's in its
+    two parts, `HARMONY_FINAL`), unless the `prompt` already closed its last reasoning block (its
+    last start's tokens followed by the end's) or no ``after_reasoning`` is set (then None: the
+    grammar holds every output)."""
     if after_reasoning is None:
-        return ()
-    start, end = (tuple(tokenizer.encode(text, add_special_tokens=False)) for text in after_reasoning)
-    return () if _last(prompt, end) > _last(prompt, start) >= 0 else end
+        return None
+    ids = lambda text: tuple(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
+    start_text, end_text = after_reasoning
+    if end_text == "".join(HARMONY_FINAL):
+        trigger = Trigger(ids(HARMONY_FINAL[0]), ids(HARMONY_FINAL[1]), HARMONY_GAP)
+    else:
+        trigger = Trigger(ids(end_text))
+    opened = _last(ids(start_text), prompt)
+    if opened < 0:
+        return trigger
+    if not trigger.then:
+        return None if _last(trigger.end, prompt) > opened else trigger
+    ends = list(takewhile(lambda at: at > opened, _places(trigger.end, prompt)))  # (the block's, from the last)
+    reach = trigger.gap + len(trigger.then) - 1  # (the tokens after an end in which `then` may lie)
+    for at in ends:
+        after = prompt[at + len(trigger.end):at + len(trigger.end) + reach]
+        if any(tuple(after[i:i + len(trigger.then)]) == trigger.then for i in range(trigger.gap)):
+            return None
+    last = prompt[ends[0] + len(trigger.end):] if ends else None
+    if last is not None and len(last) < reach:  # (the prompt ends in a header: `then` may still follow)
+        return Trigger(trigger.end, trigger.then, trigger.gap, tuple(last))
+    return trigger
 
 
-def _last(ids: list[int], part: tuple[int, ...]) -> int:
-    """Where `part` last begins in `ids` (-1: nowhere): its first token's places, found from the end
-    by the list's own search (a long prompt without the part costs no Python loop over its tokens)."""
+def _last(part: tuple[int, ...], ids: list[int]) -> int:
+    """Where `part` last begins in `ids` (-1: nowhere)."""
+    return next(_places(part, ids), -1)
+
+
+def _places(part: tuple[int, ...], ids: list[int]):
+    """Where `part` begins in `ids`, from the last: its first token's places, found from the end by
+    the list's own search (a long prompt without the part costs no Python loop over its tokens)."""
     backwards, n, at = ids[::-1], len(part), 0
     while True:
         try:
             at = backwards.index(part[0], at)
         except ValueError:
-            return -1
+            return
         start = len(ids) - 1 - at
         if tuple(ids[start:start + n]) == part:
-            return start
+            yield start
         at += 1
 
 

@@ -170,7 +170,7 @@ class _Handler(BaseHTTPRequestHandler):
                 request = read_completion(body, state.tokenize, state.structured_config, state.max_model_len)
             else:
                 request = read_chat(body, state.render, state.max_model_len, state.tool_parser, state.reasoning_parser,
-                                    state.structured_config)
+                                    state.structured_config, state.tokenizer)
             sink, ids = state.submit(request, chat=kind != "text_completion")
         except ProtocolError as err:
             self._error(err)

@@ -5,13 +5,17 @@ Read as vLLM's server reads them: OpenAI's fields (``max_tokens``, ``temperature
 ``n``, ``stop``, ``seed``, the two penalties, ``logit_bias``, ``logprobs``, ``response_format``,
 ``stream`` with ``stream_options.include_usage``) and vLLM's extra sampling fields (``top_k``,
 ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
-``skip_special_tokens``, ``include_stop_str_in_output``, ``allowed_token_ids``, ``bad_words``,
-``structured_outputs``, ``return_token_ids``, and for chat ``chat_template_kwargs``,
+``skip_special_tokens``, ``spaces_between_special_tokens``, ``include_stop_str_in_output``,
+``allowed_token_ids``, ``bad_words``, ``structured_outputs`` and its older ``guided_*`` fields
+(`runtime.openai_structured`), ``return_token_ids``, and for chat ``chat_template_kwargs``,
 ``add_generation_prompt``, ``continue_final_message``, and the tools: ``tools``, ``tool_choice``,
-``parallel_tool_calls``, `runtime.openai_tools`). A field of the wrong type or value is a
-`ProtocolError` (HTTP 400) naming it; fields the engine has no counterpart for (``suffix``,
-``best_of`` above ``n``, a chat's ``echo``) are refused the same way rather than ignored. Other
-unknown fields are ignored, as OpenAI's clients send some.
+``parallel_tool_calls``, `runtime.openai_tools`). ``logit_bias`` values are clamped to OpenAI's
+[-100, 100], as vLLM clamps them. A field of the wrong type or value is a `ProtocolError` (HTTP
+400) naming it; fields the engine has no counterpart for (``suffix``, ``best_of`` above ``n``, a
+chat's ``echo``, and vLLM's ``use_beam_search``, ``logits_processors``,
+``return_tokens_as_token_ids``, ``add_special_tokens``, a chat's ``chat_template``, away from
+their defaults) are refused the same way rather than ignored. Other unknown fields are ignored,
+as OpenAI's clients send some (``user``, ``metadata``, vLLM's ``guided_decoding_backend``).
 
 The prompt's own logprobs (`SamplingParams.prompt_logprobs`, the training forward's floats too):
 a completion's ``echo`` returns the prompt before the reply, its tokens' logprobs first (None for
@@ -26,15 +30,18 @@ client reads the bits the training forward recomputes.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .grammar_masks import grammar_trigger
 from .openai_errors import ProtocolError
+from .openai_structured import structured_outputs
 from .openai_tools import ChatStream, ToolReply, chat_message, read_tools
 from .outputs import CompletionOutput, RequestOutput
-from .reasoning import HARMONY, reasoning_block
+from .reasoning import HARMONY, reasoning_block, reply_parser
 from .sampling_params import RequestOutputKind, SamplingParams
 from .structured_outputs import StructuredOutputsConfig, StructuredOutputsParams
 from .top_logprobs import Logprob
@@ -45,7 +52,10 @@ __all__ = ["ProtocolError", "EngineRequest", "read_completion", "read_chat", "co
 #: vLLM's sampling fields read as they are, with the types they must have
 _EXTRA_FIELDS = {"top_k": int, "min_p": (int, float), "repetition_penalty": (int, float), "min_tokens": int,
                  "ignore_eos": bool, "stop_token_ids": list, "skip_special_tokens": bool,
-                 "include_stop_str_in_output": bool, "allowed_token_ids": list, "bad_words": list}
+                 "include_stop_str_in_output": bool, "allowed_token_ids": list, "bad_words": list,
+                 "spaces_between_special_tokens": bool}
+#: vLLM's fields that the engine has no counterpart for, at the values it answers as vLLM does
+_FIXED_FIELDS = {"use_beam_search": False, "logits_processors": None, "return_tokens_as_token_ids": False}
 _OPENAI_FIELDS = {"temperature": (int, float), "top_p": (int, float), "n": int, "seed": int,
                   "presence_penalty": (int, float), "frequency_penalty": (int, float)}
 
@@ -64,7 +74,8 @@ class EngineRequest:
     #: each token id's text (the server's tokenizer), for the logprobs of requests asking k = 0
     token_texts: Callable[[list[int]], list[str]] | None = None
     tools: ToolReply | None = None  #: a chat request's tool calls to read from its reply (None: text)
-    reasoning: str | None = None  #: the reasoning parser that splits a chat reply (`runtime.reasoning`)
+    #: the reasoning parser that splits a chat reply (`runtime.reasoning.reply_parser`; None: all answer)
+    reasoning: str | None = None
     include_reasoning: bool = True  #: vLLM's field: False drops the reasoning from the reply
     echo: bool = False  #: a completion's prompt returned before its reply
     prompt_only: bool = False  #: ``echo`` with ``max_tokens: 0``: the one token sampled is not returned
@@ -87,28 +98,6 @@ def _typed(body: dict, name: str, kinds, default=None):
     return value
 
 
-def _structured(body: dict) -> StructuredOutputsParams | None:
-    """``structured_outputs`` (vLLM's dict), or OpenAI's ``response_format``."""
-    fmt, given = body.get("response_format"), body.get("structured_outputs")
-    if given is not None:
-        try:
-            return StructuredOutputsParams.of(given)
-        except (TypeError, ValueError) as err:
-            raise ProtocolError(str(err), "structured_outputs") from None
-    if fmt is None or (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        return None
-    if not isinstance(fmt, dict) or fmt.get("type") not in ("json_object", "json_schema"):
-        raise ProtocolError(f"'response_format' must have type 'text', 'json_object' or 'json_schema', got {fmt!r}",
-                            "response_format")
-    if fmt["type"] == "json_object":
-        return StructuredOutputsParams(json_object=True)
-    spec = fmt.get("json_schema")
-    schema = spec.get("schema") if isinstance(spec, dict) else None
-    if not isinstance(schema, dict):
-        raise ProtocolError("'response_format.json_schema.schema' must be a JSON schema object", "response_format")
-    return StructuredOutputsParams(json=schema)
-
-
 def _sampling(body: dict, max_tokens: int | None, logprobs: int | None, stream: bool,
               structured: StructuredOutputsParams | None = None, prompt_logprobs: int | None = None,
               keep_special_tokens: bool = False, after_reasoning: tuple[str, str] | None = None,
@@ -127,15 +116,12 @@ def _sampling(body: dict, max_tokens: int | None, logprobs: int | None, stream: 
         fields["stop"] = [stop] if isinstance(stop, str) else stop
     bias = _typed(body, "logit_bias", dict)
     if bias:
-        try:
-            fields["logit_bias"] = {int(token): bias[token] for token in bias}
-        except ValueError:
-            raise ProtocolError(f"'logit_bias' keys must be token ids, got {sorted(bias)!r}", "logit_bias") from None
+        fields["logit_bias"] = _logit_bias(bias)
     try:
         # k = 0 asks for the sampled tokens' logprobs alone: the engine's floats, no alternatives to rank
         # (a request's own structured_outputs keeps the fields it names: after_reasoning null holds the whole reply)
         given = None if structured is not None else body.get("structured_outputs")
-        structured = structured or _structured(body)
+        structured = structured or structured_outputs(body)
         if structured is not None:
             structured = config.apply(structured, after_reasoning, given)
         return SamplingParams(**fields, max_tokens=max_tokens, logprobs=logprobs or None, prompt_logprobs=prompt_logprobs,
@@ -145,6 +131,19 @@ def _sampling(body: dict, max_tokens: int | None, logprobs: int | None, stream: 
         raise
     except ValueError as err:
         raise ProtocolError(str(err), sampling_field(str(err))) from None
+
+
+def _logit_bias(bias: dict) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` as the engine's: token ids, each bias clamped to OpenAI's range
+    [-100, 100] (vLLM's ``SamplingParams.from_optional``)."""
+    try:
+        tokens = [int(token) for token in bias]
+    except ValueError:
+        raise ProtocolError(f"'logit_bias' keys must be token ids, got {sorted(bias)!r}", "logit_bias") from None
+    for token, value in bias.items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ProtocolError(f"'logit_bias' values must be numbers, got {value!r} for token {token}", "logit_bias")
+    return {token: min(100.0, max(-100.0, float(value))) for token, value in zip(tokens, bias.values())}
 
 
 def sampling_field(message: str) -> str:
@@ -161,7 +160,13 @@ def _check_context(prompt_tokens: int, max_tokens: int, max_model_len: int) -> N
                             f"tokens ({max_tokens} > {max_model_len} - {prompt_tokens})", "max_tokens")
 
 
-def _refuse(body: dict) -> None:
+def _refuse(body: dict, chat: bool = False) -> None:
+    """A `ProtocolError` for a field the engine has no counterpart for, at a value that would
+    change the output (vLLM's fields at their defaults are taken: clients send some)."""
+    fixed = {**_FIXED_FIELDS, "add_special_tokens": not chat, **({"chat_template": None} if chat else {})}
+    for name, default in fixed.items():
+        if body.get(name, default) != default:
+            raise ProtocolError(f"'{name}'={body[name]!r} is not supported (only {json.dumps(default)})", name)
     if body.get("suffix"):
         raise ProtocolError("'suffix' is not supported", "suffix")
     best_of = body.get("best_of")
@@ -216,11 +221,14 @@ def read_completion(body: dict, tokenize, config: StructuredOutputsConfig = Stru
 
 
 def read_chat(body: dict, render, max_model_len: int, tool_parser: str | None = None,
-              reasoning_parser: str | None = None, config: StructuredOutputsConfig = StructuredOutputsConfig()) -> EngineRequest:
+              reasoning_parser: str | None = None, config: StructuredOutputsConfig = StructuredOutputsConfig(),
+              tokenizer=None) -> EngineRequest:
     """A ``/v1/chat/completions`` body; `render` turns (messages, template options) into token ids;
     `tool_parser` and `reasoning_parser`: the server's (`runtime.tool_calls.PARSERS`,
-    `runtime.reasoning.PARSERS`, checked by `OpenAIServer`), None for none."""
-    _refuse(body)
+    `runtime.reasoning.PARSERS`, checked by `OpenAIServer`), None for none; `tokenizer`: the
+    server's, which reads whether the prompt closed its reasoning block (thinking off: a ``qwen3``
+    reply is then all answer, as its grammar holds it from the first token; None: not read)."""
+    _refuse(body, chat=True)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ProtocolError("'messages' must be a non-empty list of messages", "messages")
@@ -248,12 +256,13 @@ def read_chat(body: dict, render, max_model_len: int, tool_parser: str | None = 
         raise ProtocolError("'prompt_logprobs' is returned by chat completions that are not streamed", "prompt_logprobs")
     # a grammar (the calls', the request's own) starts after the reasoning; a harmony reply's messages
     # are read from their special tokens (`runtime.harmony`)
+    block = None if reasoning_parser is None else reasoning_block(reasoning_parser)
     params = _sampling(body, max_tokens, k, options["stream"], tools.structured() if tools else None, asked,
-                       keep_special_tokens=reasoning_parser == HARMONY,
-                       after_reasoning=None if reasoning_parser is None else reasoning_block(reasoning_parser), config=config)
+                       keep_special_tokens=reasoning_parser == HARMONY, after_reasoning=block, config=config)
     include = bool(_typed(body, "include_reasoning", bool, True))
-    return EngineRequest([ids], [params], top_logprobs=k, tools=tools, prompt_logprobs=asked, reasoning=reasoning_parser,
-                         include_reasoning=include, **options)
+    closed = tokenizer is not None and block is not None and grammar_trigger(tokenizer, block, ids) is None
+    return EngineRequest([ids], [params], top_logprobs=k, tools=tools, prompt_logprobs=asked,
+                         reasoning=reply_parser(reasoning_parser, closed), include_reasoning=include, **options)
 
 
 # -- responses ---------------------------------------------------------------------------------

@@ -27,6 +27,8 @@ KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 _UNSUPPORTED = {"whitespace_pattern": None, "disable_additional_properties": False}
 #: vLLM's fields with nothing to do here: one backend, hence no fallback to disable
 _IGNORED = ("disable_fallback", "_backend", "_backend_was_auto")
+#: the schema of ``json_object``: any JSON object
+JSON_OBJECT = '{"type": "object"}'
 
 
 @dataclass
@@ -39,16 +41,16 @@ class StructuredOutputsParams:
             look-around or back-references).
         choice: the output is exactly one of these strings.
         grammar: an EBNF grammar (xgrammar's GBNF dialect, start rule ``root``).
-        json_object: True: the output is any JSON object.
+        json_object: True: the output is any JSON object (vLLM's: xgrammar's grammar of the schema
+            ``{"type": "object"}``, so not an array or a scalar).
         structural_tag: an xgrammar structural tag (a dict, or its JSON text, as vLLM takes it):
             ``{"type": "structural_tag", "format": {...}}`` (xgrammar's formats: tags with JSON
             schema, regex or grammar content, sequences, tags triggered inside free text, ...),
             or vLLM's older ``{"structures": [{"begin", "schema", "end"}, ...], "triggers":
             [...]}``: free text in which each trigger starts one of the structures, whose
             content follows its JSON schema (tool calls).
-        disable_any_whitespace: with ``json``, allow no whitespace between JSON tokens beyond
-            single separators (vLLM's option; ``json_object`` takes xgrammar's built-in JSON
-            grammar as it is).
+        disable_any_whitespace: with ``json`` or ``json_object``, allow no whitespace between
+            JSON tokens beyond single separators (vLLM's option).
         after_reasoning: ``(start, end)``, the texts around a reasoning block (``("<think>",
             "</think>")``): the output is free until the model writes `end`'s tokens, and held to
             the constraint after them (a prompt whose last `start` is already followed by `end`,
@@ -151,8 +153,8 @@ class StructuredOutputsConfig:
 
     Attributes:
         disable_any_whitespace: JSON schemas (a request's, the tools' of ``tool_choice``
-            "required" or a named function) allow no whitespace beyond single separators, unless
-            the request's ``structured_outputs`` says otherwise.
+            "required" or a named function) and ``json_object`` allow no whitespace beyond
+            single separators, unless the request's ``structured_outputs`` says otherwise.
         enable_in_reasoning: the grammar holds the reasoning too (vLLM's option); by default a
             server with a reasoning parser starts it after the reasoning
             (``StructuredOutputsParams.after_reasoning``).
@@ -190,12 +192,13 @@ class StructuredOutputsConfig:
 
     def apply(self, spec: StructuredOutputsParams, after_reasoning: tuple[str, str] | None,
               given: Mapping | None = None) -> StructuredOutputsParams:
-        """`spec` under these defaults: without whitespace in a JSON schema's output, and starting
+        """`spec` under these defaults: without whitespace in a JSON schema's or object's output, and starting
         after the reasoning block `after_reasoning` (the server's parser's; None: none), each
         unless `given` (the request's own ``structured_outputs`` dict) names the field."""
         given = given if isinstance(given, Mapping) else {}
         changes = {}
-        if self.disable_any_whitespace and spec.json is not None and "disable_any_whitespace" not in given:
+        if (self.disable_any_whitespace and (spec.json is not None or spec.json_object)
+                and "disable_any_whitespace" not in given):
             changes["disable_any_whitespace"] = True
         if after_reasoning is not None and not self.enable_in_reasoning and "after_reasoning" not in given:
             changes["after_reasoning"] = after_reasoning
@@ -225,8 +228,8 @@ class Grammars:
             if kind == "json":
                 schema = value if isinstance(value, str) else json.dumps(value)
                 return self.compiler.compile_json_schema(schema, any_whitespace=not spec.disable_any_whitespace)
-            if kind == "json_object":
-                return self.compiler.compile_builtin_json_grammar()
+            if kind == "json_object":  # (vLLM's: an object, not xgrammar's built-in grammar of any JSON value)
+                return self.compiler.compile_json_schema(JSON_OBJECT, any_whitespace=not spec.disable_any_whitespace)
             if kind == "regex":
                 return self.compiler.compile_regex(value)
             if kind == "choice":
@@ -283,9 +286,11 @@ def _check_structural_tag(value: object) -> None:
 
 
 def choice_grammar(choices: list[str]) -> str:
-    """The EBNF grammar whose only sentences are `choices`: each a string literal (JSON's escapes,
-    which xgrammar's literals read)."""
-    return "root ::= " + " | ".join(json.dumps(text) for text in choices)
+    """The EBNF grammar whose only sentences are `choices`: each a string literal, its characters as
+    they are but for JSON's escapes of quotes, backslashes and control characters (which xgrammar's
+    literals read; ASCII escapes would write a character outside the BMP as two surrogates, which
+    xgrammar reads as two characters that no text holds)."""
+    return "root ::= " + " | ".join(json.dumps(text, ensure_ascii=False) for text in choices)
 
 
 def xgrammar_module():

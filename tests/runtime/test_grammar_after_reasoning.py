@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from vexact_models.runtime import LLM, SamplingParams, StructuredOutputsParams
-from vexact_models.runtime.grammar_masks import GrammarState, grammar_trigger
+from vexact_models.runtime.grammar_masks import GrammarState, Trigger, grammar_trigger
 
 from .llm_support import (gen, sampled_by_definition, save_bpe_checkpoint, tokens_four_ways, training_logits,
                           training_logprobs)
@@ -56,7 +56,8 @@ def _definition_tokens(llm: LLM, prompt: list[int], tokens: list[int], p: Sampli
     matcher fed the outputs after the reasoning's end once it was written (unmasked before), the
     bias added, then the sampler's definition."""
     x = training_logits(llm.model.causal_lm, prompt, tokens)
-    trigger = grammar_trigger(llm.tokenizer, THINK, prompt)
+    found = grammar_trigger(llm.tokenizer, THINK, prompt)
+    trigger = () if found is None else found.end
     matcher = llm._grammars.matcher(llm._grammars.compile(p.structured_outputs))
     bits = xgr.allocate_token_bitmask(1, x.shape[1])
     held = not trigger
@@ -134,10 +135,62 @@ def test_grammar_trigger_reads_the_prompts_last_reasoning_block(llm):
     def trigger(text: str) -> tuple[int, ...]:
         return grammar_trigger(tok, THINK, tok.encode(text, add_special_tokens=False))
 
-    assert trigger("yes") == end and trigger("yes <think>") == end and trigger("<think>a</think><think>b") == end
-    assert trigger("<think>a</think>") == () and trigger("<think></think> yes") == ()
-    assert trigger("a</think>") == end  # (an end without its start closes nothing)
-    assert grammar_trigger(tok, None, [1, 2]) == ()
+    assert trigger("yes") == Trigger(end) and trigger("yes <think>") == Trigger(end)
+    assert trigger("<think>a</think><think>b") == Trigger(end)
+    assert trigger("<think>a</think>") is None and trigger("<think></think> yes") is None
+    assert trigger("a</think>") == Trigger(end)  # (an end without its start closes nothing)
+    assert grammar_trigger(tok, None, [1, 2]) is None
+
+
+HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|return|>")
+HARMONY_BLOCK = ("<|start|>", "<|channel|>final<|message|>")
+
+
+@pytest.fixture(scope="module")
+def harmony_folder(tmp_path_factory):
+    """A tiny checkpoint whose tokenizer has harmony's markers as special tokens, as GPT-OSS's."""
+    return save_bpe_checkpoint(tmp_path_factory.mktemp("harmony"), eos=EOS, special_tokens=HARMONY_TOKENS)
+
+
+def test_harmonys_final_header_starts_the_grammar_with_a_content_type_before_its_message(harmony_folder):
+    """As vLLM's GPT-OSS parser: the grammar starts after ``<|message|>`` when it begins within 20
+    tokens of ``<|channel|>final`` (``<|channel|>final <|constrain|>json<|message|>``), not after
+    an analysis header or a ``<|message|>`` too far from it; a prompt that wrote such a header
+    holds the reply from its first token, and one that ends inside it waits for its ``<|message|>``."""
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(harmony_folder)
+    ids = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    prompt = ids("<|start|>user<|message|>hi<|end|><|start|>assistant")
+
+    def starts(reply: str, prompt: list[int] = prompt) -> int | None:
+        """How many of the reply's tokens come before the grammar holds it (None: never)."""
+        state = GrammarState(None, grammar_trigger(tok, HARMONY_BLOCK, prompt))
+        for token in ids(reply):
+            if state.active:
+                break
+            state.accept(token)
+        return state.accepted if state.active else None
+
+    analysis = "<|channel|>analysis<|message|>think<|end|><|start|>assistant"
+    assert starts(analysis + "<|channel|>final<|message|>") == len(ids(analysis)) + 7
+    assert starts(analysis + "<|channel|>final <|constrain|>json<|message|>{") == len(ids(analysis + "<|channel|>final "
+                                                                                          "<|constrain|>json<|message|>"))
+    assert starts(analysis) is None and starts("<|channel|>final" + " ok" * 20 + "<|message|>") is None
+    assert starts("<|channel|>final <|constrain|>json" + "<|message|>") == len(ids("<|channel|>final <|constrain|>json")) + 1
+    written = prompt + ids("<|channel|>final <|constrain|>json<|message|>")
+    assert grammar_trigger(tok, HARMONY_BLOCK, written) is None
+    assert starts("<|message|>{", prompt + ids("<|channel|>final <|constrain|>json")) == 1
+    assert grammar_trigger(tok, HARMONY_BLOCK, written + ids("{}<|end|><|start|>assistant")) is not None
+
+
+def test_a_harmony_prompt_that_opened_a_typed_final_message_is_held_from_the_first_token(harmony_folder):
+    llm = _engine(harmony_folder)
+    p = SamplingParams(temperature=1.0, seed=3, max_tokens=24,
+                       structured_outputs=StructuredOutputsParams(regex=REGEX, after_reasoning=HARMONY_BLOCK))
+    [out] = gen(llm, ["<|start|>assistant<|channel|>final <|constrain|>json<|message|>"], p)
+    c = out.outputs[0]
+    assert re.fullmatch(REGEX, c.text) and c.token_ids[-1] == EOS, c.text
 
 
 @pytest.mark.parametrize("pair", [("<think>",), ["", "</think>"], "</think>", ("<think>", 3)])

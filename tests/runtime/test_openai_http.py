@@ -69,6 +69,8 @@ def _post(connection: http.client.HTTPConnection, path: str, body) -> tuple[int,
     ("/v1/completions", {"prompt": "w5", "logprobs": 21}, "logprobs"),
     ("/v1/chat/completions", {"messages": USER, "stream_options": {"include_usage": True}}, "stream_options"),
     ("/tokenize", {"messages": USER, "chat_template_kwargs": ["x"]}, "chat_template_kwargs"),
+    ("/v1/completions", {"prompt": "w5", "guided_json": {}, "structured_outputs": {"regex": "a"}}, "guided_json"),
+    ("/v1/chat/completions", {"messages": USER, "use_beam_search": True}, "use_beam_search"),
 ])
 def test_bad_bodies_get_a_400_naming_the_field_on_a_connection_that_serves_on(served, path, body, param):
     _, server = served

@@ -14,17 +14,47 @@ TEXTS = ["<think>a plan</think>\n\nthe answer", "the answer alone", "<think>cut 
          "<thin", "<think></think>", "a </thinking> b </think> c", "</think>"]
 
 
-@pytest.mark.parametrize("text, qwen3, deepseek_r1", [
-    ("<think>a plan</think>\n\nthe answer", ("a plan", "\n\nthe answer"), ("a plan", "\n\nthe answer")),
-    ("the answer alone", (None, "the answer alone"), ("the answer alone", None)),
-    ("<think>cut short", ("cut short", None), ("cut short", None)),
-    ("a plan</think>answer", (None, "a plan</think>answer"), ("a plan", "answer")),
-    ("<thin", (None, "<thin"), ("<thin", None)),
+@pytest.mark.parametrize("text, split", [
+    ("<think>a plan</think>\n\nthe answer", ("a plan", "\n\nthe answer")),
+    ("the answer alone", ("the answer alone", None)),  # (cut short before </think>: all reasoning)
+    ("<think>cut short", ("cut short", None)),
+    ("a plan</think>answer", ("a plan", "answer")),  # (the prompt opened the block, as Qwen3.5's template does)
+    ("<thin", ("<thin", None)),
 ])
-def test_whole_replies_split_by_parser(text, qwen3, deepseek_r1):
-    assert split_reasoning("qwen3", text) == qwen3
-    assert split_reasoning("deepseek_r1", text) == split_reasoning("minimax_m2", text) == deepseek_r1
+def test_whole_replies_split_by_parser(text, split):
+    """The ``<think>`` parsers split a reply alike: reasoning until ``</think>`` (vLLM's current
+    ``qwen3`` parser reads a block the prompt opened, as ``deepseek_r1`` does)."""
+    assert split_reasoning("qwen3", text) == split_reasoning("deepseek_r1", text) == split
+    assert split_reasoning("minimax_m2", text) == split
     assert split_reasoning("minimax_m2_append_think", text) == (None, "<think>" + text)  # (vLLM's answer)
+
+
+def test_qwen3_splits_at_the_end_its_grammar_waits_for_and_a_closed_prompt_makes_all_answer(tmp_path):
+    """``--reasoning-parser qwen3``: the answer begins where the grammar after the reasoning begins
+    (after ``</think>``, whether or not the reply opened the block), and after a prompt that
+    closed its block (thinking off) the reply is all answer, the grammar holding it from its first
+    token: the server's split and its grammar read the prompt alike."""
+    import transformers
+
+    from vexact_models.runtime.grammar_masks import GrammarState, grammar_trigger
+    from vexact_models.runtime.openai_protocol import read_chat
+
+    from .llm_support import save_bpe_checkpoint
+
+    tok = transformers.AutoTokenizer.from_pretrained(save_bpe_checkpoint(tmp_path, added_tokens=("<think>", "</think>")))
+    block, body = ("<think>", "</think>"), {"messages": [{"role": "user", "content": "x"}]}
+    for prompt, reply, want in (("user: x <think>", 'a plan</think>{"a": 1}', ("a plan", '{"a": 1}')),
+                                ("user: x ", '<think>a plan</think>{"a": 1}', ("a plan", '{"a": 1}')),
+                                ("user: x <think>\n\n</think>\n\n", '{"a": 1}', (None, '{"a": 1}'))):
+        ids = tok.encode(prompt, add_special_tokens=False)
+        request = read_chat(body, lambda messages, **kw: ids, 64, None, "qwen3", tokenizer=tok)  # noqa: B023
+        message, _ = chat_message(reply, None, request.reasoning)
+        assert (message.get("reasoning"), message["content"]) == want, prompt
+        state, tokens = GrammarState(None, grammar_trigger(tok, block, ids)), tok.encode(reply, add_special_tokens=False)
+        while not state.active:  # (the tokens before the trigger: no matcher fed)
+            state.accept(tokens[state.accepted])
+        assert tok.decode(tokens[state.accepted:]) == want[1], prompt  # (the grammar holds the answer, all of it)
+    assert split_reasoning("qwen3", "abc</think>xyz") == ("abc", "xyz")
 
 
 @pytest.mark.parametrize("parser", ["qwen3", "deepseek_r1", "minimax_m2", "minimax_m2_append_think"])

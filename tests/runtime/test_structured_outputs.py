@@ -251,6 +251,43 @@ def test_grammars_that_do_not_compile_or_lack_a_tokenizer_are_refused_before_any
 
 def test_choice_grammar_quotes_each_choice():
     assert choice_grammar(CHOICES) == 'root ::= "yes" | "no way" | "say \\"hi\\"\\\\"'
+    assert choice_grammar(["😀 é", "a\tb\x01"]) == 'root ::= "😀 é" | "a\\tb\\u0001"'  # (characters kept, controls escaped)
+
+
+def _accepts(llm: LLM, spec: StructuredOutputsParams, text: str) -> bool:
+    """Whether a fresh matcher of `spec` takes `text`'s tokens, then the EOS (the whole output)."""
+    [compiled] = llm._compile_grammars([SamplingParams(structured_outputs=spec)])
+    matcher = llm._grammars.matcher(compiled)
+    return all(matcher.accept_token(t) for t in llm.tokenizer.encode(text, add_special_tokens=False)) and \
+        matcher.accept_token(EOS) and matcher.is_terminated()
+
+
+def test_choices_outside_the_bmp_with_quotes_or_control_characters_are_themselves(folder):
+    """Each choice is its own text in the grammar: a character outside the BMP (one character,
+    not the two surrogates of an ASCII escape), quotes, backslashes and control characters; a
+    greedy reply held to an emoji choice writes the emoji."""
+    llm = _engine(folder)
+    choices = ["😀", "naïve 日本", 'say "hi"\\', "tab\there\nx\x01"]
+    for choice in choices:
+        assert _accepts(llm, StructuredOutputsParams(choice=[choice, "no"]), choice), choice
+        assert not _accepts(llm, StructuredOutputsParams(choice=[choice, "no"]), choice[:-1] or "x"), choice
+    [out] = gen(llm, ["x"], SamplingParams(temperature=0.0, max_tokens=12, structured_outputs={"choice": ["😀"]}))
+    assert out.outputs[0].text == "😀" and out.outputs[0].finish_reason == "stop"
+
+
+def test_json_object_is_an_object_with_or_without_whitespace(folder):
+    """``json_object`` (``response_format: {"type": "json_object"}``) is vLLM's: an object, never an
+    array or a scalar, even when the model leans to ``[``; ``disable_any_whitespace`` holds it too."""
+    llm = _engine(folder)
+    spec = StructuredOutputsParams(json_object=True)
+    tight = StructuredOutputsParams(json_object=True, disable_any_whitespace=True)
+    assert _accepts(llm, spec, '{"a": [1, {"b": null}]}') and _accepts(llm, spec, '{ "a" :  1 }')
+    assert not _accepts(llm, spec, "[1]") and not _accepts(llm, spec, '"s"') and not _accepts(llm, spec, "1")
+    assert _accepts(llm, tight, '{"a": 1}') and not _accepts(llm, tight, '{ "a" :  1 }')
+    bracket = llm.tokenizer.convert_tokens_to_ids("[")
+    [out] = gen(llm, ["x"], SamplingParams(temperature=0.0, max_tokens=40, logit_bias={bracket: 30.0},
+                                           structured_outputs=spec))
+    assert out.outputs[0].text.startswith("{"), out.outputs[0].text
 
 
 def test_allowed_tokens_reads_xgrammars_bitmask():

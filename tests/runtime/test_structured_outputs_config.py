@@ -48,6 +48,17 @@ def test_the_defaults_reach_the_tools_and_the_requests_json_schemas():
     assert completion.params[0].structured_outputs.disable_any_whitespace is True
 
 
+def test_disable_any_whitespace_reaches_json_object_too():
+    """vLLM compiles ``json_object`` as the schema ``{"type": "object"}`` under the server's
+    whitespace setting: ``response_format: {"type": "json_object"}`` takes the default, unless the
+    request's own ``structured_outputs`` names it."""
+    fmt = {"messages": MESSAGES, "response_format": {"type": "json_object"}}
+    assert _spec(fmt, {"disable_any_whitespace": True}).disable_any_whitespace is True
+    assert _spec(fmt, None).disable_any_whitespace is False
+    own = {"messages": MESSAGES, "structured_outputs": {"json_object": True, "disable_any_whitespace": False}}
+    assert _spec(own, {"disable_any_whitespace": True}).disable_any_whitespace is False
+
+
 def test_enable_in_reasoning_holds_the_reasoning_too():
     required = {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required"}
     assert _spec(required, None, "qwen3").after_reasoning == ("<think>", "</think>")
