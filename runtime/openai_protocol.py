@@ -7,7 +7,8 @@ Read as vLLM's server reads them: OpenAI's fields (``max_tokens``, ``temperature
 ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
 ``skip_special_tokens``, ``spaces_between_special_tokens``, ``include_stop_str_in_output``,
 ``allowed_token_ids``, ``bad_words``, ``structured_outputs`` and its older ``guided_*`` fields
-(`runtime.openai_structured`), ``return_token_ids``, and for chat ``chat_template_kwargs``,
+(`runtime.openai_structured`), ``truncate_prompt_tokens`` (`runtime.openai_context`),
+``return_token_ids``, and for chat ``chat_template_kwargs``,
 ``add_generation_prompt``, ``continue_final_message``, and the tools: ``tools``, ``tool_choice``,
 ``parallel_tool_calls``, `runtime.openai_tools`). ``logit_bias`` values are clamped to OpenAI's
 [-100, 100], as vLLM clamps them. A field of the wrong type or value is a `ProtocolError` (HTTP
@@ -37,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .grammar_masks import grammar_trigger
+from .openai_context import check_context, truncate_prompts
 from .openai_errors import ProtocolError
 from .openai_structured import structured_outputs
 from .openai_tools import ChatStream, ToolReply, chat_message, read_tools
@@ -151,13 +153,6 @@ def sampling_field(message: str) -> str:
     return message.split("=")[0].removeprefix("SamplingParams.").split("[")[0]
 
 
-def _check_context(prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
-    """A `ProtocolError` where the prompt and `max_tokens` cannot fit the engine's `max_model_len`
-    together (vLLM's check and message: the reply is not cut short silently)."""
-    if prompt_tokens + max_tokens > max_model_len:
-        raise ProtocolError(f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum "
-                            f"context length is {max_model_len} tokens and your request has {prompt_tokens} input "
-                            f"tokens ({max_tokens} > {max_model_len} - {prompt_tokens})", "max_tokens")
 
 
 def _refuse(body: dict, chat: bool = False) -> None:
@@ -204,6 +199,7 @@ def read_completion(body: dict, tokenize, config: StructuredOutputsConfig = Stru
             prompts.append(list(item))
         else:
             raise ProtocolError(f"'prompt' items must be strings or lists of token ids, got {item!r}", "prompt")
+    prompts = truncate_prompts(body, prompts, max_model_len)
     logprobs = _typed(body, "logprobs", int)
     max_tokens = _typed(body, "max_tokens", int, 16)
     echo = bool(_typed(body, "echo", bool, False))
@@ -211,7 +207,7 @@ def read_completion(body: dict, tokenize, config: StructuredOutputsConfig = Stru
     scored = asked if not (echo and logprobs is not None) else max(asked or 0, logprobs)  # echo shows the prompt's
     prompt_only = echo and max_tokens == 0  # (one token is sampled, as vLLM does, and not returned)
     if max_model_len is not None and not prompt_only:
-        _check_context(max(map(len, prompts)), max_tokens, max_model_len)
+        check_context(max(map(len, prompts)), max_tokens, max_model_len)
     options = _options(body)
     params = _sampling(body, 1 if prompt_only else max_tokens, logprobs, options["stream"], prompt_logprobs=scored,
                        config=config)
@@ -240,6 +236,7 @@ def read_chat(body: dict, render, max_model_len: int, tool_parser: str | None = 
     ids = render(messages, add_generation_prompt=_typed(body, "add_generation_prompt", bool, True),
                        continue_final_message=_typed(body, "continue_final_message", bool, False),
                        tools=body.get("tools"), chat_template_kwargs=kwargs)
+    [ids] = truncate_prompts(body, [ids], max_model_len)
     wanted = _typed(body, "logprobs", bool, False)
     top = _typed(body, "top_logprobs", int)
     if top is not None and not wanted:
@@ -249,7 +246,7 @@ def read_chat(body: dict, render, max_model_len: int, tool_parser: str | None = 
     if max_tokens is None:
         max_tokens = max(1, max_model_len - len(ids))  # vLLM's default: up to the context length
     else:
-        _check_context(len(ids), max_tokens, max_model_len)
+        check_context(len(ids), max_tokens, max_model_len)
     options = _options(body)
     asked = _typed(body, "prompt_logprobs", int)
     if asked is not None and options["stream"]:

@@ -113,6 +113,29 @@ def test_max_tokens_past_the_context_is_refused_as_vllm_does(served):
     assert code == 200 and answer["usage"]["total_tokens"] == llm.max_model_len  # no max_tokens: up to the context
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens_before_the_context_check(served):
+    """vLLM's field: the prompt's last k tokens (-1: as many as the engine takes) are the request's,
+    in its usage and in the context check; a k above max_model_len or not -1 / >= 1 is a 400."""
+    llm, server = served
+    connection = _connection(server)
+    long = [5 + i % 40 for i in range(100)]  # token ids past the context (64)
+    code, answer = _post(connection, "/v1/completions", {"prompt": long, "max_tokens": 4, "truncate_prompt_tokens": 10,
+                                                         "return_token_ids": True, "temperature": 0})
+    assert code == 200 and answer["usage"]["prompt_tokens"] == 10
+    assert answer["choices"][0]["prompt_token_ids"] == long[-10:]
+    code, cut = _post(connection, "/v1/completions", {"prompt": long[-10:], "max_tokens": 4, "return_token_ids": True,
+                                                      "temperature": 0})
+    assert answer["choices"][0]["token_ids"] == cut["choices"][0]["token_ids"]  # as if only those were sent
+    code, answer = _post(connection, "/v1/chat/completions", {"messages": USER, "max_tokens": 2, "ignore_eos": True,
+                                                              "truncate_prompt_tokens": 3})
+    assert code == 200 and answer["usage"]["prompt_tokens"] == 3
+    code, answer = _post(connection, "/v1/completions", {"prompt": long, "max_tokens": 1, "truncate_prompt_tokens": -1})
+    assert code == 200 and answer["usage"]["prompt_tokens"] == llm.max_model_len - 1
+    for k, words in [(65, "greater than max_model_len (64)"), (0, "must be -1 or an integer >= 1"), (True, "got True")]:
+        code, answer = _post(connection, "/v1/completions", {"prompt": long, "truncate_prompt_tokens": k})
+        assert code == 400 and answer["error"]["param"] == "truncate_prompt_tokens" and words in answer["error"]["message"]
+
+
 def test_a_client_that_goes_away_before_a_whole_answer_has_its_request_aborted(served, monkeypatch):
     """Not streamed: the handler, waiting for the whole answer, sees the connection closed and
     aborts its requests, as vLLM does (each step slowed here, so that the request alone would run
