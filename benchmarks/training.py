@@ -263,8 +263,9 @@ def print_pair_table(title: str, rows: list[list], full_recompute: bool) -> None
     for _, _, length, seqs, ckpt, _, rate, peak, note in (r for r in rows if r[0] == "vexact"):
         base = hf[length]
         mode = ("on" if full_recompute else "keep attn") if ckpt else "off"
-        out.append([length, seqs, mode, base[8] or f"{base[6]:,.0f}", note or f"{rate:,.0f}",
-                    f"{rate / base[6]:.2f}x", gib(base[7]), gib(peak)])
+        ratio = "-" if note or base[8] else f"{rate / base[6]:.2f}x"  # (a side out of memory: no ratio)
+        out.append([length, seqs, mode, base[8] or f"{base[6]:,.0f}", note or f"{rate:,.0f}", ratio, gib(base[7]),
+                    gib(peak)])
     table(title, ["tokens/seq", "seqs", "ckpt", "HF tok/s", "vexact tok/s", "vexact/HF", "HF GiB", "vexact GiB"], out)
 
 

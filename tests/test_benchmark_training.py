@@ -35,6 +35,20 @@ def test_training_profile_groups_kernels(monkeypatch, capsys):
     assert "top 1 kernels" in out and "_linear_kernel" in out and "_attention_fwd_kernel" not in out.split("vexact: top")[1]
 
 
+def test_a_side_out_of_memory_leaves_its_row_without_a_ratio(monkeypatch, capsys):
+    """`print_pair_table`: where stock ran out of memory (its rate NaN) the row says OOM and gives
+    no ratio (it printed ``nanx``); a row both sides ran keeps it."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import training
+
+    nan = float("nan")
+    rows = [["hf", None, 4096, 8, True, nan, nan, nan, "OOM"], ["vexact", None, 4096, 8, True, 1.0, 34303.0, 2**30, None],
+            ["hf", None, 32768, 1, True, 2.0, 16326.0, 2**31, None], ["vexact", None, 32768, 1, True, 1.8, 17722.0, 2**30, None]]
+    training.print_pair_table("t", rows, full_recompute=False)
+    lines = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip()[:1].isdigit()]
+    assert lines[0][4:7] == ["OOM", "34,303", "-"] and lines[1][4:7] == ["16,326", "17,722", "1.09x"]  # ("keep attn")
+
+
 def test_training_hybrid_tiny_times_the_torch_path_and_reports_fla_absent(monkeypatch, capsys):
     """benchmarks/training.py --tiny on Qwen3.5-MoE with the fla import made unavailable: stock's
     torch delta rule is timed (with our rate over it), fla's rows say it is not installed, and ours
