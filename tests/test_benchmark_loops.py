@@ -35,7 +35,7 @@ def test_multi_turn_runs_tiny_on_cpu(config):
     which turn 2's prompts take and turn 3's too, their share point being 64 as well), the engine
     starting afresh shares none but a system prompt (its 40 tokens hold 2 pages of 16, taken by 2
     of the 3 conversations each turn), their outputs are bitwise equal and equal the recompute; the
-    first-use table counts no compile or capture on the CPU; a bad option is a usage error."""
+    first-use table counts no compile or capture on the CPU."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     run = subprocess.run([sys.executable, "multi_turn.py", "--tiny", *config], cwd=BENCHMARKS, capture_output=True,
                          text=True, timeout=600, env=env)
@@ -51,6 +51,9 @@ def test_multi_turn_runs_tiny_on_cpu(config):
     else:
         assert kept[0] == 0 and 0 < kept[1] < kept[2] and afresh == [0, 0, 0], run.stdout
     assert "bitwise equal" in run.stdout and ", 0 mismatches" in run.stdout and run.stdout.rstrip().endswith("OK")
+
+
+def test_multi_turn_refuses_bad_options_as_usage_errors():
     refused = _usage("multi_turn.py", "--tiny", "--turns", "0")
     assert refused.returncode == 2 and "--turns" in refused.stderr
     refused = _usage("multi_turn.py", "--tiny", "--system-len", "-1")
