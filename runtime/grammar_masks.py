@@ -56,13 +56,13 @@ class Trigger:
 
 class GrammarState:
     """One sequence's place in its grammar: xgrammar's ``GrammarMatcher``, how many of the
-    sequence's outputs it has seen, and the `trigger` it waits for (a `Trigger`, or its `end`
-    ids alone; None or empty: the grammar holds the outputs from the first)."""
+    sequence's outputs it has seen, and the `trigger` it waits for (`grammar_trigger`'s; None: the
+    grammar holds the outputs from the first)."""
 
-    def __init__(self, matcher, trigger: Trigger | tuple[int, ...] | None = None) -> None:
+    def __init__(self, matcher, trigger: Trigger | None = None) -> None:
         self.matcher = matcher
         self.accepted = 0  #: output tokens fed so far (those before the trigger too)
-        self.trigger = Trigger(tuple(trigger)) if isinstance(trigger, (tuple, list)) and trigger else trigger or None
+        self.trigger = trigger
         self.active = self.trigger is None  #: whether the grammar holds the next output
         if self.trigger is not None:  # the last outputs while waiting: for `end`, and since it for `then`
             self._tail: deque[int] = deque(maxlen=len(self.trigger.end))

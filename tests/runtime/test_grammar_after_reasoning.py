@@ -120,7 +120,7 @@ def test_grammar_state_waits_for_its_trigger():
         def is_terminated(self):
             return True
 
-    state = GrammarState(Matcher(), (7, 8))
+    state = GrammarState(Matcher(), Trigger((7, 8)))
     assert not state.active and not state.terminated
     assert all(state.accept(t) for t in (99, 7, 5, 8, 7))  # (anything goes while it waits)
     assert not state.active and state.matcher.fed == []
@@ -253,7 +253,7 @@ def test_a_row_waiting_for_its_reasoning_allows_every_token(llm):
 
     compiled = llm._compile_grammars([SamplingParams(structured_outputs={"regex": r"[0-9]+"})])[0]
     seqs = [Sequence(i, 0, [1, 2], SamplingParams(), 1) for i in range(2)]
-    for seq, trigger in zip(seqs, [(), (7, 8)]):
+    for seq, trigger in zip(seqs, [None, Trigger((7, 8))]):
         seq.grammar = GrammarState(llm._grammars.matcher(compiled), trigger)
     bits = GrammarRows.of(seqs).launch(llm.config.vocab_size, torch.device("cpu")).bits
     assert (bits[1] == -1).all() and not (bits[0] == -1).all()
